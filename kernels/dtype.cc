@@ -1,0 +1,108 @@
+#include "kernels/dtype.h"
+
+#include <cstring>
+#include <vector>
+
+namespace kvtier {
+
+const char* DTypeName(DType t) {
+  switch (t) {
+    case DType::kF32: return "f32";
+    case DType::kF16: return "f16";
+    case DType::kBF16: return "bf16";
+  }
+  return "?";
+}
+
+bool ParseDType(const char* name, DType* out) {
+  auto eq = [&](const char* s) { return std::strcmp(name, s) == 0; };
+  if (eq("f32") || eq("fp32") || eq("float32")) { *out = DType::kF32; return true; }
+  if (eq("f16") || eq("fp16") || eq("float16") || eq("half")) { *out = DType::kF16; return true; }
+  if (eq("bf16") || eq("bfloat16")) { *out = DType::kBF16; return true; }
+  return false;
+}
+
+uint16_t FloatToF16(float f) {
+  const uint32_t u = FloatBits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return sign | 0x7e00u;               // NaN -> quiet NaN
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;              // >= 65520 rounds to inf
+  if (abs < 0x38800000u) {                                    // below 2^-14: subnormal or zero
+    // Value = abs_float; fp16 subnormal unit is 2^-24. Round to nearest even.
+    const float a = BitsToFloat(abs);
+    // a * 2^24 in float is exact for the integer part we need; use rint-like logic.
+    const float scaled = a * 16777216.0f;  // 2^24
+    uint32_t q = static_cast<uint32_t>(scaled);
+    const float rem = scaled - static_cast<float>(q);
+    if (rem > 0.5f || (rem == 0.5f && (q & 1u))) ++q;
+    return sign | static_cast<uint16_t>(q);
+  }
+  // Normal range: rebias exponent 127 -> 15, round mantissa 23 -> 10 bits.
+  uint32_t m = abs + 0xfffu + ((abs >> 13) & 1u);
+  m -= (112u << 23);
+  return sign | static_cast<uint16_t>(m >> 13);
+}
+
+namespace {
+float F16ToFloatSlow(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  if (exp == 0) {
+    // Zero or subnormal: man * 2^-24, exact in fp32.
+    float v = static_cast<float>(man) * (1.0f / 16777216.0f);
+    return sign ? -v : v;
+  }
+  if (exp == 31) return BitsToFloat(sign | 0x7f800000u | (man << 13));
+  return BitsToFloat(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+const float* BuildF16Table() {
+  static std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    for (uint32_t i = 0; i < 65536; ++i) t[i] = F16ToFloatSlow(static_cast<uint16_t>(i));
+    return t;
+  }();
+  return table.data();
+}
+}  // namespace
+
+namespace detail {
+const float* const kF16Table = BuildF16Table();
+}  // namespace detail
+
+void ToFloat(DType t, const void* src, float* dst, size_t n) {
+  switch (t) {
+    case DType::kF32: std::memcpy(dst, src, n * 4); return;
+    case DType::kF16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      const float* table = detail::kF16Table;
+      for (size_t i = 0; i < n; ++i) dst[i] = table[s[i]];
+      return;
+    }
+    case DType::kBF16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(s[i]);
+      return;
+    }
+  }
+}
+
+void FromFloat(DType t, const float* src, void* dst, size_t n) {
+  switch (t) {
+    case DType::kF32: std::memcpy(dst, src, n * 4); return;
+    case DType::kF16: {
+      auto* d = static_cast<uint16_t*>(dst);
+      for (size_t i = 0; i < n; ++i) d[i] = FloatToF16(src[i]);
+      return;
+    }
+    case DType::kBF16: {
+      auto* d = static_cast<uint16_t*>(dst);
+      for (size_t i = 0; i < n; ++i) d[i] = FloatToBf16(src[i]);
+      return;
+    }
+  }
+}
+
+}  // namespace kvtier
