@@ -1,0 +1,60 @@
+// `kvtier run`: the main job. A long-sequence run on the synthetic ∞-Bench-
+// shaped workload (integration/workload.h): the context streams through a
+// TieredStore in prefill windows, a question window and decode steps then
+// attend over sinks | retrieved chunks | local window, and the same queries
+// run full attention over the whole context on the same data in the same
+// process, so quality and speed are reported as comparisons.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "integration/workload.h"
+#include "offload/tiered_store.h"
+
+namespace kvtier {
+
+struct RunOptions {
+  StoreOptions store;          ///< store layout and capacities (data_dir holds the cold tier)
+  WorkloadOptions workload;    ///< the synthetic data
+  int budget = 2048;           ///< retrieved tokens per step and layer (budget / chunk_size chunks)
+  int window = 256;            ///< prefill window: tokens appended per layer at a time
+  int stat_stride = 8;         ///< every stat_stride-th query of a prefill window feeds representative-key statistics
+  bool baseline = true;        ///< also run full attention on the same data (quality + speed comparison)
+  bool progress = true;        ///< progress lines on stderr
+  Status Validate() const;
+};
+
+struct RunReport {
+  RunOptions options;
+  // quality (decode steps and question window, all layers)
+  double needle_hit_rate = 0;        ///< (step, layer) pairs whose sought needle was fully attended
+  double attention_recall = 0;       ///< mean share of full attention's mass on the attended set
+  double output_rel_error = 0;       ///< median over decode steps of ||o - o_full|| / ||o_full||
+  double question_needle_hit_rate = 0;
+  double question_attention_recall = 0;
+  double question_output_rel_error = 0;
+  // time
+  double prefill_s = 0;              ///< wall time of the prefill (append + statistics), generation excluded
+  double step_ms = 0;                ///< median decode step over all layers: append + retrieve + fetch + attention
+  double retrieve_ms = 0, fetch_ms = 0, attention_ms = 0, append_ms = 0;  ///< medians of the step's parts
+  double full_attention_step_ms = 0; ///< median full attention over the whole context, all layers, same step
+  // memory
+  uint64_t peak_rss_bytes = 0;       ///< peak RSS during the kvtier phases (before the baseline)
+  uint64_t rss_bound_bytes = 0;      ///< warm + hot + regions + index + stated overhead
+  uint64_t index_bytes = 0;          ///< chunk metadata and retriever index
+  uint64_t context_kv_bytes = 0;     ///< K+V bytes of the whole context, all layers
+  StoreCounters counters;
+  std::vector<double> step_ms_all, full_step_ms_all, step_error_all;
+
+  std::string ToJson() const;
+  std::string ToTable() const;
+};
+
+/// Stated fixed overhead in the RSS bound: program and libraries, RocksDB
+/// memtables and block cache, the per-window generation buffers.
+constexpr uint64_t kRunRssOverheadBytes = 256ull << 20;
+
+Result<RunReport> RunJob(const RunOptions& options);
+
+}  // namespace kvtier

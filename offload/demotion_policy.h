@@ -1,0 +1,53 @@
+// Demotion policies: which resident chunk leaves a tier when the tier is full.
+//
+// A tier tells its policy when a chunk enters, is used, or leaves; when space
+// is needed it asks for the best victim among the chunks the tier says may
+// leave (not pinned, lower tier acknowledged or able to acknowledge). Policies
+// are built from factory strings ("lru"); the scoring-policy work adds
+// attention-driven ones behind the same interface.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <memory>
+#include <string>
+#include <unordered_map>
+
+#include "store/status.h"
+
+namespace kvtier {
+
+class DemotionPolicy {
+ public:
+  virtual ~DemotionPolicy() = default;
+  virtual void OnInsert(uint64_t id) = 0;
+  virtual void OnAccess(uint64_t id) = 0;
+  virtual void OnRemove(uint64_t id) = 0;
+  /// The best victim for which `can_leave(id)` is true, or false if none.
+  /// Ties break deterministically (insertion order).
+  virtual bool PickVictim(const std::function<bool(uint64_t)>& can_leave, uint64_t* victim) = 0;
+  virtual size_t size() const = 0;
+  /// Factory string that rebuilds this policy.
+  virtual std::string ToString() const = 0;
+};
+
+/// Least recently used: the chunk touched longest ago leaves first.
+class LruPolicy final : public DemotionPolicy {
+ public:
+  void OnInsert(uint64_t id) override;
+  void OnAccess(uint64_t id) override;
+  void OnRemove(uint64_t id) override;
+  bool PickVictim(const std::function<bool(uint64_t)>& can_leave, uint64_t* victim) override;
+  size_t size() const override { return where_.size(); }
+  std::string ToString() const override { return "lru"; }
+
+ private:
+  std::list<uint64_t> order_;  // front = most recent
+  std::unordered_map<uint64_t, std::list<uint64_t>::iterator> where_;
+};
+
+/// Builds a policy from its factory string; unknown names are InvalidArgument.
+Result<std::unique_ptr<DemotionPolicy>> MakeDemotionPolicy(const std::string& spec);
+
+}  // namespace kvtier

@@ -1,0 +1,63 @@
+// The hot tier: where attention reads KV from. It holds each (sequence,
+// layer)'s sinks and local ring, plus a pool of slots for retrieved chunks.
+//
+// This issue ships the host implementation; the GPU tier implements the same
+// interface with device memory (pointers it returns are then device pointers,
+// and Upload becomes an asynchronous H2D copy).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "offload/host_memory.h"
+#include "store/status.h"
+
+namespace kvtier {
+
+class HotTier {
+ public:
+  virtual ~HotTier() = default;
+  /// "cpu" or "cuda".
+  virtual const char* device() const = 0;
+
+  // ---- slot pool for retrieved chunks (fixed slot size = one chunk) ----
+  virtual int32_t slot_capacity() const = 0;
+  virtual int32_t slots_used() const = 0;
+  /// A free slot, or -1 when every slot is taken.
+  virtual int32_t AcquireSlot() = 0;
+  virtual void ReleaseSlot(int32_t slot) = 0;
+  virtual uint8_t* slot_data(int32_t slot) = 0;
+
+  // ---- per-(sequence, layer) regions: sinks and the local ring ----
+  /// Memory that attention can read directly; freed with FreeRegion.
+  virtual Result<uint8_t*> AllocateRegion(size_t bytes) = 0;
+  virtual void FreeRegion(uint8_t* region, size_t bytes) = 0;
+
+  /// Copies host bytes into hot memory (a slot or a region).
+  virtual Status Upload(uint8_t* dst, const void* src, size_t bytes) = 0;
+  /// Copies hot bytes out to host memory.
+  virtual Status Download(void* dst, const uint8_t* src, size_t bytes) = 0;
+};
+
+/// Host-memory hot tier: slots come from an aligned SlotPool, regions from the heap.
+class HostHotTier final : public HotTier {
+ public:
+  static Result<std::unique_ptr<HostHotTier>> Create(size_t slot_pool_bytes, size_t slot_bytes);
+  const char* device() const override { return "cpu"; }
+  int32_t slot_capacity() const override { return pool_->capacity(); }
+  int32_t slots_used() const override { return pool_->used(); }
+  int32_t AcquireSlot() override { return pool_->Acquire(); }
+  void ReleaseSlot(int32_t slot) override { pool_->Release(slot); }
+  uint8_t* slot_data(int32_t slot) override { return pool_->slot_data(slot); }
+  Result<uint8_t*> AllocateRegion(size_t bytes) override;
+  void FreeRegion(uint8_t* region, size_t bytes) override;
+  Status Upload(uint8_t* dst, const void* src, size_t bytes) override;
+  Status Download(void* dst, const uint8_t* src, size_t bytes) override;
+
+ private:
+  std::unique_ptr<SlotPool> pool_;
+};
+
+}  // namespace kvtier

@@ -1,0 +1,234 @@
+// TieredStore: kvtier's KV memory. Sequences append K/V per layer; the first
+// n_sink tokens stay hot as attention sinks, the most recent tokens stay hot
+// in a local ring, and everything in between is cut into chunks of
+// chunk_size tokens that live in the warm tier (host slabs, pinned when a CUDA
+// device is present) and the cold tier (RocksDB). Attention asks for chunks
+// with FetchChunks, which promotes them into hot slots asynchronously.
+//
+// Invariants:
+//  * A sealed chunk is always in the warm tier or acknowledged by the cold
+//    tier (or both); the hot slot is a cache of it. A chunk leaves warm only
+//    after the cold tier acknowledged it.
+//  * A chunk pinned by a FetchHandle is never demoted until the handle is
+//    released or its lease (StoreOptions::pin_timeout_ms) runs out.
+//  * One sequence is driven by one thread at a time; different sequences
+//    may be driven from different threads concurrently.
+//  * With write_through (default), a chunk is acknowledged (durable across
+//    SIGKILL) once the asynchronous cold write has finished; WaitForDurable()
+//    waits for all of them. Sinks and the local window are persisted by
+//    CloseSequence.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "offload/cold_tier.h"
+#include "offload/demotion_policy.h"
+#include "offload/hot_tier.h"
+#include "store/chunk.h"
+#include "store/geometry.h"
+#include "store/status.h"
+
+#include <oneapi/tbb/task_arena.h>
+
+namespace kvtier {
+
+struct StoreOptions {
+  Geometry geometry;                   ///< model KV shape and storage dtype
+  int n_sink = 64;                     ///< attention-sink tokens kept hot per (sequence, layer)
+  int n_local = 512;                   ///< most recent tokens kept hot (the local window)
+  int chunk_size = 32;                 ///< tokens per chunk
+  int repr_topk = 4;                   ///< representative keys per head per chunk
+  uint64_t hot_bytes = 64ull << 20;    ///< hot slot pool for retrieved chunks (sinks/local are extra)
+  uint64_t warm_bytes = 256ull << 20;  ///< warm tier capacity
+  std::string data_dir;                ///< cold tier (RocksDB) directory; empty = no cold tier
+  Compression compression = Compression::kLZ4;  ///< cold tier compression: none|lz4|zstd
+  bool sync_writes = false;            ///< fsync cold writes (power-loss durability)
+  bool write_through = true;           ///< write each chunk to cold when sealed (crash-safe, free demotion)
+  int pin_timeout_ms = 30000;          ///< lease of a pinned chunk; an expired pin no longer protects it
+  std::string hot_policy = "lru";      ///< demotion policy of the hot slot pool
+  std::string warm_policy = "lru";     ///< demotion policy of the warm tier
+  int transfer_threads = 2;            ///< concurrency of the asynchronous transfer arena
+
+  Status Validate() const;
+  /// Bytes of K+V of one chunk of one layer.
+  size_t chunk_bytes() const { return static_cast<size_t>(chunk_size) * geometry.token_kv_bytes(); }
+};
+
+/// Counters a user can read at any time (a consistent snapshot).
+struct StoreCounters {
+  uint64_t hot_chunks = 0, hot_bytes = 0;    ///< chunk slots in use (+ sinks/local bytes in hot_bytes)
+  uint64_t warm_chunks = 0, warm_bytes = 0;  ///< chunks resident in the warm tier
+  uint64_t cold_chunks = 0, cold_bytes = 0;  ///< chunks acknowledged by the cold tier
+  uint64_t promotions = 0;       ///< chunk copies to a higher tier (cold->warm, warm->hot)
+  uint64_t demotions = 0;        ///< chunks that left a tier for a lower one (warm->cold, hot slot freed)
+  uint64_t hits = 0;             ///< fetched chunks already hot
+  uint64_t misses = 0;           ///< fetched chunks that had to be promoted
+  uint64_t bytes_moved = 0;      ///< bytes copied between tiers (either direction)
+  uint64_t cold_writes = 0, cold_reads = 0;
+  uint64_t lease_expired = 0;    ///< pins that ran past pin_timeout_ms and stopped protecting
+  uint64_t chunks_sealed = 0;    ///< chunks formed from the local window
+};
+
+/// Per-chunk metadata visible to retrieval and policies.
+struct ChunkInfo {
+  ChunkKey key;
+  int64_t first_token = 0;       ///< absolute position of the chunk's first token
+  int n_tokens = 0;              ///< chunk_size
+  uint8_t tiers = kTierNone;     ///< TierBits where the chunk is resident
+  float score = 0.0f;            ///< policy score (higher = keep)
+};
+
+/// What attention reads for one (sequence, layer) besides retrieved chunks:
+/// the sinks and the local window (the ring gives up to two spans). Pointers
+/// stay valid until the next Append to that (sequence, layer).
+struct HotView {
+  kernels::KvSpan sinks;         ///< n_tokens may be < n_sink early on
+  kernels::KvSpan local[2];      ///< oldest part first
+  int n_local_spans = 0;
+  int64_t n_tokens = 0;          ///< tokens appended to this layer so far
+};
+
+/// Completion handle of an asynchronous fetch. Wait() returns the transfer's
+/// status; a wait that times out does not cancel the transfer. Until Release()
+/// (or destruction, or the lease running out) the chunks stay pinned in hot
+/// slots and spans() point at them.
+class FetchHandle {
+ public:
+  FetchHandle() = default;
+  ~FetchHandle();
+  FetchHandle(FetchHandle&&) noexcept;
+  FetchHandle& operator=(FetchHandle&&) noexcept;
+  FetchHandle(const FetchHandle&) = delete;
+  FetchHandle& operator=(const FetchHandle&) = delete;
+
+  bool Ready() const;
+  Status Wait(std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
+  /// One span per requested chunk, in request order (valid after Wait() returned OK).
+  const std::vector<kernels::KvSpan>& spans() const;
+  /// Unpins the chunks; the handle becomes empty.
+  void Release();
+  bool empty() const { return state_ == nullptr; }
+
+ private:
+  friend class TieredStore;
+ public:
+  struct State;  // internal
+ private:
+  std::shared_ptr<State> state_;
+};
+
+class TieredStore {
+ public:
+  /// Opens (and, with a data_dir holding an earlier store, recovers) a store.
+  static Result<std::unique_ptr<TieredStore>> Open(const StoreOptions& options);
+  ~TieredStore();
+  TieredStore(const TieredStore&) = delete;
+  TieredStore& operator=(const TieredStore&) = delete;
+
+  const StoreOptions& options() const { return options_; }
+
+  // ---- sequences ----
+  Result<SequenceId> CreateSequence();
+  /// Appends n tokens of K and V ([n, kv_heads, head_dim] each, dtype must
+  /// equal the store's) to one layer. Blocks while the warm tier makes room.
+  Status Append(SequenceId seq, int layer, const void* k, const void* v, int n, DType dtype);
+  /// Attention statistics for representative keys, from queries: computes the
+  /// attention of q ([m, q_heads, head_dim] fp32, at the given absolute
+  /// positions) over the sinks and local window and accumulates the mass each
+  /// local key received.
+  Status ObserveQueries(SequenceId seq, int layer, const float* q, const int64_t* positions, int m);
+  /// Attention statistics from an engine that computed them itself: mass
+  /// ([kv_heads, n] fp32) received by tokens [first_position, first_position+n),
+  /// which must lie in the local window.
+  Status AddLocalAttention(SequenceId seq, int layer, int64_t first_position, int n, const float* mass);
+  /// Persists sinks and local window; the sequence becomes read-only.
+  Status CloseSequence(SequenceId seq);
+  /// Removes the sequence from every tier.
+  Status DropSequence(SequenceId seq);
+  std::vector<SequenceId> ListSequences() const;
+  /// Tokens appended to `layer` of `seq`.
+  Result<int64_t> SequenceLength(SequenceId seq, int layer) const;
+
+  // ---- reading ----
+  /// Copies tokens [begin, end) of one layer into k_out/v_out
+  /// ([end-begin, kv_heads, head_dim], storage dtype), from whichever tier
+  /// holds them, without promoting anything.
+  Status ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t end, void* k_out, void* v_out);
+  /// Sinks and local window of one layer.
+  Result<HotView> GetHotView(SequenceId seq, int layer);
+  /// Metadata of the sealed chunks of one layer, in token order.
+  Result<std::vector<ChunkInfo>> ListChunks(SequenceId seq, int layer) const;
+  /// Number of chunk indices sealed in one layer (chunk i covers tokens
+  /// [n_sink + i*chunk_size, n_sink + (i+1)*chunk_size)).
+  Result<uint64_t> ChunkCount(SequenceId seq, int layer) const;
+  /// Representative keys of one chunk: [repr_topk, kv_heads, head_dim] fp32.
+  Status GetRepresentatives(const ChunkKey& key, float* out) const;
+  /// Starts promoting the chunks into hot slots and pins them (async).
+  Result<FetchHandle> FetchChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices);
+
+  // ---- durability and accounting ----
+  /// Waits until every write-through cold write issued so far is acknowledged.
+  Status WaitForDurable();
+  /// Registers a callback run (on a transfer thread) each time a chunk is
+  /// acknowledged by the cold tier. Used by the crash test.
+  void SetColdAckListener(std::function<void(const ChunkKey&)> listener);
+  StoreCounters counters() const;
+  /// Bytes of host memory held for indexes and chunk metadata (representatives).
+  uint64_t metadata_bytes() const;
+
+ private:
+  friend class FetchHandle;
+  struct Chunk;
+  struct LayerState;
+  struct Sequence;
+  explicit TieredStore(const StoreOptions& options);
+  Status Init();
+  Status Recover();
+  Status CheckLayerLocked(SequenceId seq, int layer, bool for_write, Sequence** out) const;
+  Status SealOldestChunk(Sequence* s, int layer);
+  Status MakeWarmRoom(std::unique_lock<std::mutex>& lock);
+  Status WriteCold(Chunk* c, const uint8_t* payload);
+  int32_t AcquireHotSlotLocked();
+  void SubmitColdWrite(Chunk* c);
+  void RunFetch(const std::shared_ptr<FetchHandle::State>& st);
+  void ReleasePins(FetchHandle::State* st);
+  bool PinnedLocked(const Chunk* c) const;
+  bool FetchCompleteLocked(const FetchHandle::State* st) const;
+  std::string EncodeMeta(const Chunk& c) const;
+  void ChooseRepresentatives(const LayerState& ls, int64_t first_token, float* repr) const;
+  void Enqueue(std::function<void()> fn);
+  void FreeChunkLocked(Chunk* c);
+
+  StoreOptions options_;
+  size_t chunk_bytes_ = 0;
+  size_t token_bytes_ = 0;  // K (or V) bytes of one token
+  std::unique_ptr<HotTier> hot_;
+  std::unique_ptr<SlotPool> warm_;
+  std::unique_ptr<ColdTier> cold_;
+  std::unique_ptr<DemotionPolicy> hot_policy_, warm_policy_;
+  std::unique_ptr<tbb::task_arena> arena_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;  // signalled when a transfer finishes or a pin drops
+  std::unordered_map<SequenceId, std::unique_ptr<Sequence>> sequences_;
+  std::unordered_map<uint64_t, Chunk*> chunk_by_id_;
+  uint64_t next_chunk_id_ = 1;
+  SequenceId next_seq_id_ = 1;
+  int64_t inflight_ = 0;  // asynchronous tasks not yet finished
+  StoreCounters counters_;
+  uint64_t region_bytes_ = 0;
+  std::function<void(const ChunkKey&)> ack_listener_;
+  Status background_error_;  // first failed asynchronous cold write
+};
+
+}  // namespace kvtier

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs the Debian packages kvtier builds against, only those missing.
+# Works as root; uses sudo otherwise. Fast (one dpkg-query) when nothing is missing.
+set -euo pipefail
+PKGS=(cmake ninja-build g++ make pkg-config
+      libfaiss-dev libopenblas-dev librocksdb-dev liblz4-dev libzstd-dev libsnappy-dev
+      libtbb-dev libgtest-dev libgmock-dev libbenchmark-dev)
+missing=()
+for p in "${PKGS[@]}"; do
+  status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+  [[ "$status" == "install ok installed" ]] || missing+=("$p")
+done
+if [[ ${#missing[@]} -eq 0 ]]; then
+  echo "deps: all ${#PKGS[@]} packages present"
+  exit 0
+fi
+echo "deps: installing ${missing[*]}"
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then
+  command -v sudo >/dev/null || { echo "deps: not root and no sudo; install: ${missing[*]}" >&2; exit 1; }
+  SUDO="sudo"
+fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

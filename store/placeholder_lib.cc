@@ -1,1 +1,0 @@
-#include "store/status.h"
