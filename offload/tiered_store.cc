@@ -608,14 +608,22 @@ void TieredStore::ChooseRepresentatives(const LayerState& ls, int64_t first_toke
     if (total > 0) {
       for (int t = 0; t < cs; ++t) score[t] = mass[t];
     } else {
-      std::vector<float> mean(D, 0.0f);
-      for (int t = 0; t < cs; ++t)
-        for (int d = 0; d < D; ++d) mean[d] += keys[(static_cast<size_t>(t) * H + h) * D + d];
+      // Sum of cosines to every key of the chunk = cosine to the mean of the
+      // unit keys (times a constant): a medoid-like choice that one outlier
+      // cannot drag towards itself.
+      std::vector<float> mean(D, 0.0f), inv_norm(cs, 0.0f);
       for (int t = 0; t < cs; ++t) {
         const float* kt = &keys[(static_cast<size_t>(t) * H + h) * D];
-        double dot = 0, nk = 0;
-        for (int d = 0; d < D; ++d) { dot += kt[d] * mean[d]; nk += kt[d] * kt[d]; }
-        score[t] = static_cast<float>(nk > 0 ? dot / std::sqrt(nk) : 0.0);
+        double nk = 0;
+        for (int d = 0; d < D; ++d) nk += kt[d] * kt[d];
+        inv_norm[t] = nk > 0 ? static_cast<float>(1.0 / std::sqrt(nk)) : 0.0f;
+        for (int d = 0; d < D; ++d) mean[d] += kt[d] * inv_norm[t];
+      }
+      for (int t = 0; t < cs; ++t) {
+        const float* kt = &keys[(static_cast<size_t>(t) * H + h) * D];
+        double dot = 0;
+        for (int d = 0; d < D; ++d) dot += kt[d] * mean[d];
+        score[t] = static_cast<float>(dot * inv_norm[t]);
       }
     }
     std::iota(order.begin(), order.end(), 0);
@@ -974,8 +982,19 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
         return InvalidArgument("fetch: chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
                                " does not exist (layer has " + std::to_string(ls.chunks.size()) + " chunks)");
     const auto deadline = Clock::now() + std::chrono::milliseconds(options_.pin_timeout_ms);
+    // On failure, give back what this call took: pins, and slots it assigned
+    // but never filled (they would otherwise look "loading" forever).
     const auto undo = [&] {
-      for (uint64_t id : st->chunk_ids) chunk_by_id_.at(id)->hot_pins--;
+      for (size_t i = 0; i < st->chunk_ids.size(); ++i) {
+        Chunk* c = chunk_by_id_.at(st->chunk_ids[i]);
+        c->hot_pins--;
+        if (st->needs_load[i]) {
+          hot_->ReleaseSlot(c->hot_slot);
+          hot_policy_->OnRemove(c->id);
+          c->hot_slot = -1;
+          c->hot_loading = false;
+        }
+      }
     };
     for (uint64_t idx : chunk_indices) {
       Chunk* c = ls.chunks[idx];

@@ -1,0 +1,419 @@
+#include "offload/tiered_store.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "integration/pattern.h"
+#include "kernels/cpu/attention.h"
+#include "test_util.h"
+
+namespace kvtier {
+namespace {
+
+constexpr uint64_t kSalt = 42;
+
+StoreOptions SmallOptions(const std::string& dir) {
+  StoreOptions o;
+  o.geometry = Geometry{2, 4, 2, 16, DType::kF16};
+  o.n_sink = 8;
+  o.n_local = 32;
+  o.chunk_size = 8;
+  o.repr_topk = 2;
+  o.hot_bytes = 16 * o.chunk_bytes();
+  o.warm_bytes = 8 * o.chunk_bytes();
+  o.data_dir = dir;
+  return o;
+}
+
+size_t TokenBytes(const StoreOptions& o) { return o.geometry.token_elems() * DTypeSize(o.geometry.dtype); }
+
+// Appends tokens [from, to) of the pattern in blocks of `block`.
+void AppendPattern(TieredStore* s, SequenceId seq, int layer, uint64_t pid, int64_t from, int64_t to, int block) {
+  const size_t tb = TokenBytes(s->options());
+  std::vector<uint8_t> k, v;
+  for (int64_t p = from; p < to; p += block) {
+    const int n = static_cast<int>(std::min<int64_t>(block, to - p));
+    k.resize(n * tb); v.resize(n * tb);
+    FillPattern(kSalt, pid, layer, 0, p, n, tb, k.data());
+    FillPattern(kSalt, pid, layer, 1, p, n, tb, v.data());
+    ASSERT_TRUE(s->Append(seq, layer, k.data(), v.data(), n, s->options().geometry.dtype).ok());
+  }
+}
+
+void ExpectPattern(TieredStore* s, SequenceId seq, int layer, uint64_t pid, int64_t from, int64_t to) {
+  const size_t tb = TokenBytes(s->options());
+  const size_t n = static_cast<size_t>(to - from);
+  std::vector<uint8_t> k(n * tb), v(n * tb), ek(n * tb), ev(n * tb);
+  Status st = s->ReadTokens(seq, layer, from, to, k.data(), v.data());
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  FillPattern(kSalt, pid, layer, 0, from, to - from, tb, ek.data());
+  FillPattern(kSalt, pid, layer, 1, from, to - from, tb, ev.data());
+  EXPECT_EQ(0, std::memcmp(k.data(), ek.data(), k.size())) << "K of [" << from << "," << to << ") differs";
+  EXPECT_EQ(0, std::memcmp(v.data(), ev.data(), v.size())) << "V of [" << from << "," << to << ") differs";
+}
+
+TEST(StoreOptions, ValidateNamesTheField) {
+  StoreOptions o = SmallOptions("");
+  EXPECT_TRUE(o.Validate().ok());
+  auto bad = [&](auto mutate, const char* field) {
+    StoreOptions b = o;
+    mutate(b);
+    Status st = b.Validate();
+    EXPECT_FALSE(st.ok()) << field;
+    EXPECT_NE(st.message().find(field), std::string::npos) << st.ToString();
+  };
+  bad([](StoreOptions& b) { b.chunk_size = 0; }, "chunk_size");
+  bad([](StoreOptions& b) { b.chunk_size = -4; }, "chunk_size");
+  bad([](StoreOptions& b) { b.n_local = 0; }, "n_local");
+  bad([](StoreOptions& b) { b.n_local = 33; }, "n_local");
+  bad([](StoreOptions& b) { b.n_sink = -1; }, "n_sink");
+  bad([](StoreOptions& b) { b.repr_topk = 9; }, "repr_topk");
+  bad([](StoreOptions& b) { b.warm_bytes = 100; }, "warm_bytes");
+  bad([](StoreOptions& b) { b.hot_bytes = 0; }, "hot_bytes");
+  bad([](StoreOptions& b) { b.geometry.kv_heads = 3; }, "q_heads");
+  bad([](StoreOptions& b) { b.geometry.head_dim = 0; }, "head_dim");
+  bad([](StoreOptions& b) { b.warm_policy = "fifo"; }, "warm_policy");
+  bad([](StoreOptions& b) { b.pin_timeout_ms = 0; }, "pin_timeout_ms");
+}
+
+TEST(TieredStore, DataDirThatIsAFileIsRejected) {
+  TempDir dir;
+  const std::string file = dir.path() + "/plain-file";
+  std::ofstream(file) << "not a directory";
+  auto s = TieredStore::Open(SmallOptions(file));
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("is a file"), std::string::npos) << s.status().ToString();
+}
+
+TEST(TieredStore, AppendReadBackAcrossSinksChunksAndLocal) {
+  TempDir dir;
+  auto s = TieredStore::Open(SmallOptions(dir.path()));
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  TieredStore* st = s->get();
+  auto seq = st->CreateSequence();
+  ASSERT_TRUE(seq.ok());
+  // Odd block sizes cross every boundary: sinks, chunk edges, ring wrap.
+  for (int l = 0; l < 2; ++l) AppendPattern(st, *seq, l, 7, 0, 301, l == 0 ? 5 : 13);
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(*st->SequenceLength(*seq, l), 301);
+    ExpectPattern(st, *seq, l, 7, 0, 301);
+    ExpectPattern(st, *seq, l, 7, 3, 12);      // sinks into the first chunk
+    ExpectPattern(st, *seq, l, 7, 250, 301);   // chunks into the local window
+  }
+  // Sealing: chunks form only once n_local + chunk_size tokens wait past the sinks.
+  auto chunks = st->ListChunks(*seq, 0);
+  ASSERT_TRUE(chunks.ok());
+  const int64_t expect_chunks = (301 - 8 - 32) / 8;  // 32
+  EXPECT_EQ(static_cast<int64_t>(chunks->size()), expect_chunks);
+  for (size_t i = 0; i < chunks->size(); ++i) {
+    EXPECT_EQ((*chunks)[i].key.index, i);
+    EXPECT_EQ((*chunks)[i].first_token, 8 + static_cast<int64_t>(i) * 8);
+  }
+  auto view = st->GetHotView(*seq, 0);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->sinks.n_tokens, 8);
+  int local = 0;
+  for (int i = 0; i < view->n_local_spans; ++i) local += view->local[i].n_tokens;
+  EXPECT_GE(local, 32);
+  EXPECT_LT(local, 40);
+  EXPECT_EQ(view->local[0].first_position, 8 + expect_chunks * 8);
+  // Tiny warm tier: most chunks went cold, and the store says so.
+  StoreCounters c = st->counters();
+  EXPECT_LE(c.warm_chunks, 8u);
+  EXPECT_EQ(c.chunks_sealed, 64u);
+  EXPECT_TRUE(st->WaitForDurable().ok());
+  EXPECT_EQ(st->counters().cold_chunks, 64u);
+}
+
+TEST(TieredStore, SequencesAreIsolated) {
+  TempDir dir;
+  auto s = TieredStore::Open(SmallOptions(dir.path()));
+  ASSERT_TRUE(s.ok());
+  TieredStore* st = s->get();
+  auto a = st->CreateSequence(), b = st->CreateSequence();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE(*a, *b);
+  AppendPattern(st, *a, 0, 1, 0, 200, 17);
+  AppendPattern(st, *b, 0, 2, 0, 120, 9);
+  ExpectPattern(st, *a, 0, 1, 0, 200);
+  ExpectPattern(st, *b, 0, 2, 0, 120);
+  ASSERT_TRUE(st->DropSequence(*a).ok());
+  ExpectPattern(st, *b, 0, 2, 0, 120);
+  // Dropped: every operation says so.
+  std::vector<uint8_t> k(TokenBytes(st->options())), v(k.size());
+  Status app = st->Append(*a, 0, k.data(), v.data(), 1, DType::kF16);
+  EXPECT_EQ(app.code(), StatusCode::kNotFound);
+  EXPECT_NE(app.message().find("does not exist"), std::string::npos);
+  EXPECT_EQ(st->ReadTokens(*a, 0, 0, 1, k.data(), v.data()).code(), StatusCode::kNotFound);
+  EXPECT_EQ(st->DropSequence(*a).code(), StatusCode::kNotFound);
+}
+
+TEST(TieredStore, BadInputGetsClearErrorsAndLosesNothing) {
+  TempDir dir;
+  auto s = TieredStore::Open(SmallOptions(dir.path()));
+  ASSERT_TRUE(s.ok());
+  TieredStore* st = s->get();
+  auto seq = st->CreateSequence();
+  AppendPattern(st, *seq, 0, 3, 0, 100, 10);
+  std::vector<uint8_t> k(64 * TokenBytes(st->options())), v(k.size());
+  auto expect = [](Status got, StatusCode code, const char* needle) {
+    EXPECT_EQ(got.code(), code) << got.ToString();
+    EXPECT_NE(got.message().find(needle), std::string::npos) << got.ToString();
+  };
+  expect(st->Append(*seq, 0, k.data(), v.data(), 4, DType::kBF16), StatusCode::kInvalidArgument, "dtype");
+  expect(st->Append(*seq, 0, k.data(), v.data(), 0, DType::kF16), StatusCode::kInvalidArgument, "token count");
+  expect(st->Append(*seq, 0, k.data(), v.data(), -3, DType::kF16), StatusCode::kInvalidArgument, "token count");
+  expect(st->Append(*seq, 0, nullptr, v.data(), 4, DType::kF16), StatusCode::kInvalidArgument, "null");
+  expect(st->Append(*seq, 2, k.data(), v.data(), 4, DType::kF16), StatusCode::kInvalidArgument, "layer 2");
+  expect(st->Append(*seq, -1, k.data(), v.data(), 4, DType::kF16), StatusCode::kInvalidArgument, "layer -1");
+  expect(st->Append(999, 0, k.data(), v.data(), 4, DType::kF16), StatusCode::kNotFound, "sequence 999");
+  expect(st->ReadTokens(*seq, 0, 50, 101, k.data(), v.data()), StatusCode::kInvalidArgument, "outside");
+  expect(st->ReadTokens(*seq, 0, 10, 5, k.data(), v.data()), StatusCode::kInvalidArgument, "outside");
+  auto f = st->FetchChunks(*seq, 0, {999});
+  ASSERT_FALSE(f.ok());
+  expect(f.status(), StatusCode::kInvalidArgument, "does not exist");
+  std::vector<float> mass(2 * 4, 1.0f);
+  expect(st->AddLocalAttention(*seq, 0, 0, 4, mass.data()), StatusCode::kInvalidArgument, "local window");
+  // Nothing already stored was disturbed.
+  ExpectPattern(st, *seq, 0, 3, 0, 100);
+  // Closed sequences are read-only.
+  ASSERT_TRUE(st->CloseSequence(*seq).ok());
+  expect(st->Append(*seq, 0, k.data(), v.data(), 4, DType::kF16), StatusCode::kFailedPrecondition, "closed");
+  ExpectPattern(st, *seq, 0, 3, 0, 100);
+}
+
+TEST(TieredStore, WarmFullWithoutColdTierIsResourceExhausted) {
+  StoreOptions o = SmallOptions("");
+  o.warm_bytes = 2 * o.chunk_bytes();
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok());
+  auto seq = (*s)->CreateSequence();
+  const size_t tb = TokenBytes(o);
+  std::vector<uint8_t> k(tb), v(tb);
+  Status last;
+  int appended = 0;
+  for (int p = 0; p < 200 && last.ok(); ++p) {
+    FillPattern(kSalt, 5, 0, 0, p, 1, tb, k.data());
+    FillPattern(kSalt, 5, 0, 1, p, 1, tb, v.data());
+    last = (*s)->Append(*seq, 0, k.data(), v.data(), 1, DType::kF16);
+    if (last.ok()) ++appended;
+  }
+  EXPECT_EQ(last.code(), StatusCode::kResourceExhausted) << last.ToString();
+  EXPECT_NE(last.message().find("no cold tier"), std::string::npos);
+  // Everything acknowledged before the error is intact.
+  ExpectPattern(s->get(), *seq, 0, 5, 0, appended);
+}
+
+TEST(TieredStore, FetchPromotesPinsAndCountsHits) {
+  TempDir dir;
+  StoreOptions o = SmallOptions(dir.path());
+  o.hot_bytes = 4 * o.chunk_bytes();
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok());
+  TieredStore* st = s->get();
+  auto seq = st->CreateSequence();
+  AppendPattern(st, *seq, 0, 9, 0, 8 + 40 + 8 * 30, 31);  // 30 chunks, warm holds 8
+  ASSERT_TRUE(st->WaitForDurable().ok());
+  const size_t tb = TokenBytes(o);
+  auto check_spans = [&](const FetchHandle& h, const std::vector<uint64_t>& idx) {
+    ASSERT_EQ(h.spans().size(), idx.size());
+    std::vector<uint8_t> e(8 * tb);
+    for (size_t i = 0; i < idx.size(); ++i) {
+      const auto& sp = h.spans()[i];
+      EXPECT_EQ(sp.first_position, 8 + static_cast<int64_t>(idx[i]) * 8);
+      FillPattern(kSalt, 9, 0, 0, sp.first_position, 8, tb, e.data());
+      EXPECT_EQ(0, std::memcmp(e.data(), sp.k, e.size())) << "chunk " << idx[i];
+      FillPattern(kSalt, 9, 0, 1, sp.first_position, 8, tb, e.data());
+      EXPECT_EQ(0, std::memcmp(e.data(), sp.v, e.size())) << "chunk " << idx[i];
+    }
+  };
+  const StoreCounters c0 = st->counters();
+  std::vector<uint64_t> idx{0, 29, 5};  // 0 and 5 are cold by now, 29 warm
+  ASSERT_EQ(*st->ChunkCount(*seq, 0), 30u);
+  auto h = st->FetchChunks(*seq, 0, idx);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  ASSERT_TRUE(h->Wait().ok());
+  check_spans(*h, idx);
+  const StoreCounters c1 = st->counters();
+  EXPECT_EQ(c1.misses - c0.misses, 3u);
+  EXPECT_GE(c1.cold_reads - c0.cold_reads, 2u);
+  // All four hot slots: three pinned by h, so a fetch of two more must fail cleanly.
+  auto h2 = st->FetchChunks(*seq, 0, {10, 11});
+  ASSERT_FALSE(h2.ok());
+  EXPECT_EQ(h2.status().code(), StatusCode::kResourceExhausted);
+  // Same chunks again: hits, nothing moves.
+  auto h3 = st->FetchChunks(*seq, 0, idx);
+  ASSERT_TRUE(h3.ok() && h3->Wait().ok());
+  EXPECT_EQ(st->counters().hits - c1.hits, 3u);
+  EXPECT_EQ(st->counters().bytes_moved, c1.bytes_moved);
+  h->Release();
+  h3->Release();
+  // Released: the slots can be reused, and evicted chunks come back intact.
+  for (uint64_t a = 0; a < 30; a += 2) {
+    auto hh = st->FetchChunks(*seq, 0, {a, a + 1});
+    ASSERT_TRUE(hh.ok()) << hh.status().ToString();
+    Status w = hh->Wait();
+    ASSERT_TRUE(w.ok()) << w.ToString();
+    check_spans(*hh, {a, a + 1});
+  }
+}
+
+TEST(TieredStore, ExpiredPinStopsProtecting) {
+  TempDir dir;
+  StoreOptions o = SmallOptions(dir.path());
+  o.hot_bytes = 2 * o.chunk_bytes();
+  o.pin_timeout_ms = 50;
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok());
+  TieredStore* st = s->get();
+  auto seq = st->CreateSequence();
+  AppendPattern(st, *seq, 0, 4, 0, 8 + 32 + 8 * 6, 8);
+  auto h = st->FetchChunks(*seq, 0, {0, 1});
+  ASSERT_TRUE(h.ok() && h->Wait().ok());
+  // Pinned and within the lease: no slot for another chunk.
+  EXPECT_EQ(st->FetchChunks(*seq, 0, {2}).status().code(), StatusCode::kResourceExhausted);
+  std::this_thread::sleep_for(std::chrono::milliseconds(80));
+  // Lease over: the forgotten pin no longer blocks the tier.
+  auto h2 = st->FetchChunks(*seq, 0, {2});
+  ASSERT_TRUE(h2.ok()) << h2.status().ToString();
+  ASSERT_TRUE(h2->Wait().ok());
+  EXPECT_GE(st->counters().lease_expired, 1u);
+}
+
+TEST(TieredStore, RepresentativesFollowAttentionMassOrFallBackToTypicalKeys) {
+  StoreOptions o = SmallOptions("");
+  o.geometry = Geometry{1, 2, 1, 4, DType::kF32};
+  o.n_sink = 0;
+  o.n_local = 4;
+  o.chunk_size = 4;
+  o.repr_topk = 1;
+  o.warm_bytes = 64 * o.chunk_bytes();
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok());
+  TieredStore* st = s->get();
+  auto seq = st->CreateSequence();
+  // Tokens 0..3: keys e0, e1, e2, e3 scaled; token 2 gets the most attention.
+  std::vector<float> k(4 * 4, 0.0f), v(4 * 4, 1.0f);
+  for (int t = 0; t < 4; ++t) k[t * 4 + t] = 1.0f + t;
+  ASSERT_TRUE(st->Append(*seq, 0, k.data(), v.data(), 4, DType::kF32).ok());
+  std::vector<float> mass{0.1f, 0.2f, 0.9f, 0.3f};
+  ASSERT_TRUE(st->AddLocalAttention(*seq, 0, 0, 4, mass.data()).ok());
+  // Tokens 4..7: no statistics; keys 3x the same direction and one outlier.
+  std::vector<float> k2(16, 0.0f);
+  for (int t = 0; t < 3; ++t) k2[t * 4 + 0] = 1.0f + 0.1f * t;
+  k2[3 * 4 + 1] = 5.0f;
+  ASSERT_TRUE(st->Append(*seq, 0, k2.data(), v.data(), 4, DType::kF32).ok());
+  // Push both chunks out of the local window.
+  std::vector<float> k3(8 * 4, 0.5f), v3(8 * 4, 0.5f);
+  ASSERT_TRUE(st->Append(*seq, 0, k3.data(), v3.data(), 8, DType::kF32).ok());
+  std::vector<float> repr(4);
+  ASSERT_TRUE(st->GetRepresentatives(ChunkKey{*seq, 0, 0}, repr.data()).ok());
+  EXPECT_EQ(repr, (std::vector<float>{0, 0, 3, 0}));  // the most attended token
+  ASSERT_TRUE(st->GetRepresentatives(ChunkKey{*seq, 0, 1}, repr.data()).ok());
+  EXPECT_EQ(repr[1], 0.0f) << "fallback must pick a typical key, not the outlier";
+  EXPECT_GT(repr[0], 0.9f);
+}
+
+TEST(TieredStore, ObserveQueriesAccumulatesLocalAttention) {
+  StoreOptions o = SmallOptions("");
+  o.geometry = Geometry{1, 2, 1, 4, DType::kF32};
+  o.n_sink = 0;
+  o.n_local = 4;
+  o.chunk_size = 4;
+  o.repr_topk = 1;
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok());
+  TieredStore* st = s->get();
+  auto seq = st->CreateSequence();
+  std::vector<float> k(16, 0.0f), v(16, 1.0f);
+  for (int t = 0; t < 4; ++t) k[t * 4 + t] = 1.0f;
+  ASSERT_TRUE(st->Append(*seq, 0, k.data(), v.data(), 4, DType::kF32).ok());
+  // A query pointing at token 1's key, at position 3 (sees tokens 0..3).
+  std::vector<float> q{0, 8, 0, 0, 0, 8, 0, 0};  // two q heads, one kv head
+  int64_t pos = 3;
+  ASSERT_TRUE(st->ObserveQueries(*seq, 0, q.data(), &pos, 1).ok());
+  std::vector<float> k3(8 * 4, 0.0f), v3(8 * 4, 0.0f);
+  ASSERT_TRUE(st->Append(*seq, 0, k3.data(), v3.data(), 8, DType::kF32).ok());
+  std::vector<float> repr(4);
+  ASSERT_TRUE(st->GetRepresentatives(ChunkKey{*seq, 0, 0}, repr.data()).ok());
+  EXPECT_EQ(repr, (std::vector<float>{0, 1, 0, 0}));
+}
+
+TEST(TieredStore, ReopenRecoversClosedSequencesBitForBit) {
+  TempDir dir;
+  StoreOptions o = SmallOptions(dir.path());
+  o.write_through = false;  // chunks reach cold by demotion or at close
+  SequenceId a = 0, b = 0;
+  {
+    auto s = TieredStore::Open(o);
+    ASSERT_TRUE(s.ok());
+    a = *(*s)->CreateSequence();
+    b = *(*s)->CreateSequence();
+    for (int l = 0; l < 2; ++l) {
+      AppendPattern(s->get(), a, l, 11, 0, 333, 7);
+      AppendPattern(s->get(), b, l, 12, 0, 20, 7);  // still inside sinks + local
+    }
+    ASSERT_TRUE((*s)->CloseSequence(a).ok());
+    ASSERT_TRUE((*s)->CloseSequence(b).ok());
+  }
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ((*s)->ListSequences(), (std::vector<SequenceId>{a, b}));
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(*(*s)->SequenceLength(a, l), 333);
+    ExpectPattern(s->get(), a, l, 11, 0, 333);
+    ExpectPattern(s->get(), b, l, 12, 0, 20);
+  }
+  // Representatives came back too, and attention can run on the recovered view.
+  auto view = (*s)->GetHotView(a, 0);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->n_tokens, 333);
+  auto h = (*s)->FetchChunks(a, 0, {0, 3});
+  ASSERT_TRUE(h.ok() && h->Wait().ok());
+  // A new sequence gets a fresh id.
+  auto c = (*s)->CreateSequence();
+  ASSERT_TRUE(c.ok());
+  EXPECT_GT(*c, b);
+}
+
+TEST(TieredStore, ReopenWithAnotherGeometryIsRejected) {
+  TempDir dir;
+  StoreOptions o = SmallOptions(dir.path());
+  { auto s = TieredStore::Open(o); ASSERT_TRUE(s.ok()); }
+  o.geometry.head_dim = 32;
+  auto s = TieredStore::Open(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("geometry"), std::string::npos) << s.status().ToString();
+}
+
+TEST(TieredStore, ConcurrentSequencesWithTinyTiers) {
+  TempDir dir;
+  StoreOptions o = SmallOptions(dir.path());
+  o.warm_bytes = 4 * o.chunk_bytes();
+  o.hot_bytes = 8 * o.chunk_bytes();
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok());
+  TieredStore* st = s->get();
+  std::vector<SequenceId> ids;
+  for (int i = 0; i < 4; ++i) ids.push_back(*st->CreateSequence());
+  std::vector<std::thread> th;
+  for (int i = 0; i < 4; ++i)
+    th.emplace_back([&, i] {
+      for (int l = 0; l < 2; ++l) AppendPattern(st, ids[i], l, 100 + i, 0, 500, 3 + i * 5);
+      auto h = st->FetchChunks(ids[i], 0, {1});
+      if (h.ok()) (void)h->Wait();
+    });
+  for (auto& t : th) t.join();
+  for (int i = 0; i < 4; ++i)
+    for (int l = 0; l < 2; ++l) ExpectPattern(st, ids[i], l, 100 + i, 0, 500);
+}
+
+}  // namespace
+}  // namespace kvtier
