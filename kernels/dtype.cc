@@ -1,7 +1,8 @@
 #include "kernels/dtype.h"
 
+#include <array>
+#include <bit>
 #include <cstring>
-#include <vector>
 
 namespace kvtier {
 
@@ -15,6 +16,7 @@ const char* DTypeName(DType t) {
 }
 
 bool ParseDType(const char* name, DType* out) {
+  if (name == nullptr || out == nullptr) return false;
   auto eq = [&](const char* s) { return std::strcmp(name, s) == 0; };
   if (eq("f32") || eq("fp32") || eq("float32")) { *out = DType::kF32; return true; }
   if (eq("f16") || eq("fp16") || eq("float16") || eq("half")) { *out = DType::kF16; return true; }
@@ -45,31 +47,37 @@ uint16_t FloatToF16(float f) {
 }
 
 namespace {
-float F16ToFloatSlow(uint16_t h) {
+// constexpr so that the table is constant-initialised (it lives in .rodata):
+// a table built by a dynamic initialiser could be read as nullptr by another
+// translation unit's static initialiser (initialisation order across TUs is
+// unspecified).
+constexpr float F16ToFloatSlow(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   const uint32_t man = h & 0x3ffu;
   if (exp == 0) {
     // Zero or subnormal: man * 2^-24, exact in fp32.
-    float v = static_cast<float>(man) * (1.0f / 16777216.0f);
+    const float v = static_cast<float>(man) * (1.0f / 16777216.0f);
     return sign ? -v : v;
   }
-  if (exp == 31) return BitsToFloat(sign | 0x7f800000u | (man << 13));
-  return BitsToFloat(sign | ((exp + 112u) << 23) | (man << 13));
+  if (exp == 31) {
+    // Inf, or NaN: keep the payload, set the quiet bit (a NaN stays a NaN, quiet).
+    return std::bit_cast<float>(sign | 0x7f800000u | (man << 13) | (man ? 0x00400000u : 0u));
+  }
+  return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (man << 13));
 }
 
-const float* BuildF16Table() {
-  static std::vector<float> table = [] {
-    std::vector<float> t(65536);
-    for (uint32_t i = 0; i < 65536; ++i) t[i] = F16ToFloatSlow(static_cast<uint16_t>(i));
-    return t;
-  }();
-  return table.data();
+constexpr std::array<float, 65536> BuildF16Table() {
+  std::array<float, 65536> t{};
+  for (uint32_t i = 0; i < 65536; ++i) t[i] = F16ToFloatSlow(static_cast<uint16_t>(i));
+  return t;
 }
+
+constexpr std::array<float, 65536> kF16TableData = BuildF16Table();
 }  // namespace
 
 namespace detail {
-const float* const kF16Table = BuildF16Table();
+constinit const float* const kF16Table = kF16TableData.data();
 }  // namespace detail
 
 void ToFloat(DType t, const void* src, float* dst, size_t n) {

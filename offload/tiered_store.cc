@@ -588,49 +588,64 @@ std::string TieredStore::EncodeMeta(const Chunk& c) const {
   return std::move(w.str());
 }
 
-void TieredStore::ChooseRepresentatives(const LayerState& ls, int64_t first_token, float* repr) const {
+namespace {
+// Eight partial sums so the compiler vectorises the reduction without -ffast-math.
+float Dot(const float* a, const float* b, int n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = 0.0f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (float x : acc) s += x;
+  return s;
+}
+}  // namespace
+
+void TieredStore::ChooseRepresentatives(const LayerState& ls, int64_t first_token, uint8_t* repr) const {
   // InfLLM: per kv head, the chunk's tokens that received the most attention
   // while they were in the local window. Fallback when no statistics reached
-  // this chunk for a head (all mass zero): the tokens whose keys have the
-  // highest cosine to the chunk's mean key, i.e. the most typical keys.
+  // this chunk for a head (all mass zero): the most typical keys, those with
+  // the highest summed cosine to every key of the chunk (= cosine to the mean
+  // of the unit keys), a medoid-like choice one outlier cannot drag towards
+  // itself. The chosen keys are copied in the storage dtype, bit for bit.
   const Geometry& g = options_.geometry;
   const int cs = options_.chunk_size, D = g.head_dim, H = g.kv_heads, R = options_.repr_topk;
   const int64_t ring = options_.n_local + options_.chunk_size;
   const int64_t slot0 = (first_token - options_.n_sink) % ring;
-  std::vector<float> keys(static_cast<size_t>(cs) * H * D);
-  ToFloat(g.dtype, ls.ring_k + slot0 * token_bytes_, keys.data(), keys.size());
+  const uint8_t* chunk_keys = ls.ring_k + slot0 * token_bytes_;
+  const size_t head_bytes = static_cast<size_t>(D) * DTypeSize(g.dtype);
+  std::vector<float> keys;  // converted lazily: only the fallback needs fp32 keys
   std::vector<int> order(cs);
-  std::vector<float> score(cs);
+  std::vector<float> score(cs), mean(D), inv_norm(cs);
   for (int h = 0; h < H; ++h) {
     const float* mass = ls.ring_mass.data() + h * ring + slot0;
-    double total = 0;
+    float total = 0.0f;
     for (int t = 0; t < cs; ++t) total += mass[t];
-    if (total > 0) {
+    if (total > 0.0f) {
       for (int t = 0; t < cs; ++t) score[t] = mass[t];
     } else {
-      // Sum of cosines to every key of the chunk = cosine to the mean of the
-      // unit keys (times a constant): a medoid-like choice that one outlier
-      // cannot drag towards itself.
-      std::vector<float> mean(D, 0.0f), inv_norm(cs, 0.0f);
+      if (keys.empty()) {
+        keys.resize(static_cast<size_t>(cs) * H * D);
+        ToFloat(g.dtype, chunk_keys, keys.data(), keys.size());
+      }
+      std::fill(mean.begin(), mean.end(), 0.0f);
       for (int t = 0; t < cs; ++t) {
         const float* kt = &keys[(static_cast<size_t>(t) * H + h) * D];
-        double nk = 0;
-        for (int d = 0; d < D; ++d) nk += kt[d] * kt[d];
-        inv_norm[t] = nk > 0 ? static_cast<float>(1.0 / std::sqrt(nk)) : 0.0f;
+        const float nk = Dot(kt, kt, D);
+        inv_norm[t] = nk > 0.0f ? 1.0f / std::sqrt(nk) : 0.0f;
         for (int d = 0; d < D; ++d) mean[d] += kt[d] * inv_norm[t];
       }
-      for (int t = 0; t < cs; ++t) {
-        const float* kt = &keys[(static_cast<size_t>(t) * H + h) * D];
-        double dot = 0;
-        for (int d = 0; d < D; ++d) dot += kt[d] * mean[d];
-        score[t] = static_cast<float>(dot * inv_norm[t]);
-      }
+      for (int t = 0; t < cs; ++t)
+        score[t] = Dot(&keys[(static_cast<size_t>(t) * H + h) * D], mean.data(), D) * inv_norm[t];
     }
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return score[a] > score[b]; });
+    // Highest score first; ties go to the earlier token (deterministic).
+    std::partial_sort(order.begin(), order.begin() + R, order.end(),
+                      [&](int a, int b) { return score[a] != score[b] ? score[a] > score[b] : a < b; });
     for (int r = 0; r < R; ++r)
-      std::memcpy(repr + (static_cast<size_t>(r) * H + h) * D, &keys[(static_cast<size_t>(order[r]) * H + h) * D],
-                  D * sizeof(float));
+      std::memcpy(repr + (static_cast<size_t>(r) * H + h) * head_bytes,
+                  chunk_keys + (static_cast<size_t>(order[r]) * H + h) * head_bytes, head_bytes);
   }
 }
 
@@ -659,10 +674,8 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
   const size_t half = static_cast<size_t>(options_.chunk_size) * token_bytes_;
   Status st = hot_->Download(dst, ls.ring_k + slot0 * token_bytes_, half);
   if (st.ok()) st = hot_->Download(dst + half, ls.ring_v + slot0 * token_bytes_, half);
-  std::vector<float> repr(static_cast<size_t>(options_.repr_topk) * options_.geometry.token_elems());
-  ChooseRepresentatives(ls, first, repr.data());
-  c->repr.resize(repr.size() * DTypeSize(options_.geometry.dtype));
-  FromFloat(options_.geometry.dtype, repr.data(), c->repr.data(), repr.size());
+  c->repr.resize(static_cast<size_t>(options_.repr_topk) * token_bytes_);
+  ChooseRepresentatives(ls, first, c->repr.data());
   // Reset the statistics of the ring positions the chunk leaves behind.
   for (int h = 0; h < options_.geometry.kv_heads; ++h)
     std::fill_n(ls.ring_mass.data() + h * ring + slot0, options_.chunk_size, 0.0f);

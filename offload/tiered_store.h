@@ -205,7 +205,7 @@ class TieredStore {
   bool PinnedLocked(const Chunk* c) const;
   bool FetchCompleteLocked(const FetchHandle::State* st) const;
   std::string EncodeMeta(const Chunk& c) const;
-  void ChooseRepresentatives(const LayerState& ls, int64_t first_token, float* repr) const;
+  void ChooseRepresentatives(const LayerState& ls, int64_t first_token, uint8_t* repr) const;
   void Enqueue(std::function<void()> fn);
   void FreeChunkLocked(Chunk* c);
 

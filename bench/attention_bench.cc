@@ -1,0 +1,182 @@
+// Benchmarks of the CPU attention kernel (kernels/cpu/attention.h).
+//
+// Decode (m = 1) over N = 4K / 32K / 128K tokens, geometry q_heads = 8,
+// kv_heads = 2, head_dim = 64, fp16 storage:
+//   BM_AttentionDecode/<N>/0   the N tokens as one span
+//   BM_AttentionDecode/<N>/1   the same N tokens as a ragged list of 32-token
+//                              chunks (separate KvSpans over the same buffers)
+//   BM_AttentionDecodeMass/<N> one span, with the mass output requested
+// Baselines moving the same number of bytes:
+//   BM_Memcpy/<N>              one memcpy of the KV bytes (1 thread)
+//   BM_MemcpyParallel/<N>      the same memcpy split across the TBB threads
+//
+// Counters: bytes_per_second / "GB/s" = KV bytes READ (K + V of every token,
+// all kv heads) per second of wall time, for the kernel and the baselines
+// alike, so the kernel's figure can be read directly against memcpy bandwidth
+// (memcpy additionally writes the same number of bytes).
+#include <benchmark/benchmark.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/dtype.h"
+
+namespace {
+
+using kvtier::DType;
+using kvtier::kernels::AttentionParams;
+using kvtier::kernels::KernelError;
+using kvtier::kernels::KvSpan;
+
+constexpr int kQHeads = 8;
+constexpr int kKvHeads = 2;
+constexpr int kHeadDim = 64;
+constexpr DType kDType = DType::kF16;
+constexpr int kChunk = 32;
+
+size_t KvBytes(int64_t n) { return static_cast<size_t>(n) * kKvHeads * kHeadDim * kvtier::DTypeSize(kDType) * 2; }
+
+// KV for N tokens, built once per N and shared by the benchmarks.
+struct Kv {
+  std::vector<uint16_t> k, v;  // [N, kv_heads, head_dim] fp16
+};
+
+const Kv& GetKv(int64_t n) {
+  static std::map<int64_t, std::unique_ptr<Kv>> cache;
+  auto& slot = cache[n];
+  if (!slot) {
+    slot = std::make_unique<Kv>();
+    const size_t elems = static_cast<size_t>(n) * kKvHeads * kHeadDim;
+    std::mt19937 rng(static_cast<uint32_t>(n));
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<float> tmp(elems);
+    for (auto& x : tmp) x = u(rng);
+    slot->k.resize(elems);
+    kvtier::FromFloat(kDType, tmp.data(), slot->k.data(), elems);
+    for (auto& x : tmp) x = u(rng);
+    slot->v.resize(elems);
+    kvtier::FromFloat(kDType, tmp.data(), slot->v.data(), elems);
+  }
+  return *slot;
+}
+
+std::vector<KvSpan> MakeSpans(const Kv& kv, int64_t n, bool chunked, std::vector<float>* mass) {
+  std::vector<KvSpan> spans;
+  const size_t row = static_cast<size_t>(kKvHeads) * kHeadDim;
+  const int64_t step = chunked ? kChunk : n;
+  for (int64_t t = 0; t < n; t += step) {
+    KvSpan s;
+    s.k = kv.k.data() + t * row;
+    s.v = kv.v.data() + t * row;
+    s.n_tokens = static_cast<int>(std::min<int64_t>(step, n - t));
+    s.first_position = t;
+    spans.push_back(s);
+  }
+  if (mass) {
+    mass->assign(static_cast<size_t>(n) * kKvHeads, 0.0f);  // one span: [kv_heads, n]
+    spans[0].mass = mass->data();
+  }
+  return spans;
+}
+
+void RunDecode(benchmark::State& state, bool chunked, bool with_mass) {
+  const int64_t n = state.range(0);
+  const Kv& kv = GetKv(n);
+  std::vector<float> mass;
+  const std::vector<KvSpan> spans = MakeSpans(kv, n, chunked, with_mass ? &mass : nullptr);
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> q(kQHeads * kHeadDim), out(kQHeads * kHeadDim), lse(kQHeads);
+  for (auto& x : q) x = u(rng);
+  const int64_t qpos = n;
+  AttentionParams p;
+  p.q_heads = kQHeads;
+  p.kv_heads = kKvHeads;
+  p.head_dim = kHeadDim;
+  p.dtype = kDType;
+  p.scale = 0.125f;
+  p.n_queries = 1;
+  p.q = q.data();
+  p.q_positions = &qpos;
+  p.parts = spans.data();
+  p.n_parts = static_cast<int>(spans.size());
+  p.out = out.data();
+  p.lse = lse.data();
+  for (auto _ : state) {
+    const KernelError e = kvtier::kernels::Attention(p);
+    if (e != KernelError::kOk) {
+      state.SkipWithError(kvtier::kernels::KernelErrorString(e));
+      break;
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  const double bytes = static_cast<double>(KvBytes(n));
+  state.SetBytesProcessed(static_cast<int64_t>(bytes) * state.iterations());
+  state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+  state.counters["parts"] = static_cast<double>(spans.size());
+  state.counters["threads"] = tbb::this_task_arena::max_concurrency();
+}
+
+void BM_AttentionDecode(benchmark::State& state) { RunDecode(state, state.range(1) != 0, false); }
+void BM_AttentionDecodeMass(benchmark::State& state) { RunDecode(state, false, true); }
+
+void RunMemcpy(benchmark::State& state, bool parallel) {
+  const int64_t n = state.range(0);
+  const Kv& kv = GetKv(n);
+  // Copy K then V (the bytes the kernel reads) into one destination.
+  const size_t half = KvBytes(n) / 2;
+  std::vector<uint8_t> dst(2 * half);
+  std::memset(dst.data(), 1, dst.size());  // fault the pages in before timing
+  const auto* ks = reinterpret_cast<const uint8_t*>(kv.k.data());
+  const auto* vs = reinterpret_cast<const uint8_t*>(kv.v.data());
+  const int parts = parallel ? tbb::this_task_arena::max_concurrency() : 1;
+  for (auto _ : state) {
+    if (!parallel) {
+      std::memcpy(dst.data(), ks, half);
+      std::memcpy(dst.data() + half, vs, half);
+    } else {
+      tbb::parallel_for(
+          tbb::blocked_range<int>(0, 2 * parts, 1),
+          [&](const tbb::blocked_range<int>& r) {
+            for (int i = r.begin(); i < r.end(); ++i) {
+              const uint8_t* src = i < parts ? ks : vs;
+              const int j = i % parts;
+              const size_t a = half * j / parts, b = half * (j + 1) / parts;
+              std::memcpy(dst.data() + (i < parts ? 0 : half) + a, src + a, b - a);
+            }
+          },
+          tbb::simple_partitioner());
+    }
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  const double bytes = static_cast<double>(KvBytes(n));
+  state.SetBytesProcessed(static_cast<int64_t>(bytes) * state.iterations());
+  state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+  state.counters["threads"] = parts;
+}
+
+void BM_Memcpy(benchmark::State& state) { RunMemcpy(state, false); }
+void BM_MemcpyParallel(benchmark::State& state) { RunMemcpy(state, true); }
+
+constexpr int64_t k4K = 4096, k32K = 32768, k128K = 131072;
+
+BENCHMARK(BM_AttentionDecode)
+    ->ArgNames({"N", "chunked"})
+    ->ArgsProduct({{k4K, k32K, k128K}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_AttentionDecodeMass)->ArgName("N")->Arg(k4K)->Arg(k32K)->Arg(k128K)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Memcpy)->ArgName("N")->Arg(k4K)->Arg(k32K)->Arg(k128K)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_MemcpyParallel)->ArgName("N")->Arg(k4K)->Arg(k32K)->Arg(k128K)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+}  // namespace

@@ -1,0 +1,648 @@
+#include "offload/cold_tier.h"
+
+#include <rocksdb/cache.h>
+#include <rocksdb/convenience.h>
+#include <rocksdb/db.h>
+#include <rocksdb/filter_policy.h>
+#include <rocksdb/options.h>
+#include <rocksdb/slice.h>
+#include <rocksdb/table.h>
+#include <rocksdb/write_batch.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cctype>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <mutex>
+#include <shared_mutex>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "store/checksum.h"
+
+namespace kvtier {
+
+// ---- names and options ------------------------------------------------------------
+
+const char* CompressionName(Compression c) {
+  switch (c) {
+    case Compression::kNone: return "none";
+    case Compression::kLZ4: return "lz4";
+    case Compression::kZSTD: return "zstd";
+  }
+  return "unknown";
+}
+
+bool ParseCompression(const std::string& name, Compression* out) {
+  std::string s(name);
+  std::transform(s.begin(), s.end(), s.begin(),
+                 [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+  if (s == "none") { *out = Compression::kNone; return true; }
+  if (s == "lz4") { *out = Compression::kLZ4; return true; }
+  if (s == "zstd") { *out = Compression::kZSTD; return true; }
+  return false;
+}
+
+namespace {
+constexpr size_t kMinWriteBuffer = 64u << 10;
+constexpr size_t kMaxWriteBuffer = size_t{4} << 30;
+constexpr size_t kMaxBlobName = 1024;
+const char* const kFormatMarkerKey = "F";
+const char* const kFormatMarkerValue = "kvtier.cold_tier.v1";
+}  // namespace
+
+Status ColdTierOptions::Validate() const {
+  if (path.empty()) return InvalidArgument("cold tier: path must not be empty");
+  switch (compression) {
+    case Compression::kNone:
+    case Compression::kLZ4:
+    case Compression::kZSTD: break;
+    default:
+      return InvalidArgument("cold tier: compression must be none|lz4|zstd (got " +
+                             std::to_string(static_cast<int>(compression)) + ")");
+  }
+  if (write_buffer_bytes < kMinWriteBuffer || write_buffer_bytes > kMaxWriteBuffer)
+    return InvalidArgument("cold tier: write_buffer_bytes must be in [64 KiB, 4 GiB] (got " +
+                           std::to_string(write_buffer_bytes) + ")");
+  return Status::Ok();
+}
+
+// ---- key and value encoding ----------------------------------------------------------
+
+namespace {
+
+enum class ValueKind : uint8_t { kSequence = 1, kMeta = 2, kPayload = 3, kBlob = 4 };
+
+void PutBe64(char* p, uint64_t v) {
+  for (int i = 7; i >= 0; --i) { p[i] = static_cast<char>(v & 0xff); v >>= 8; }
+}
+void PutBe32(char* p, uint32_t v) {
+  for (int i = 3; i >= 0; --i) { p[i] = static_cast<char>(v & 0xff); v >>= 8; }
+}
+uint64_t GetBe64(const char* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);
+  return v;
+}
+uint32_t GetBe32(const char* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);
+  return v;
+}
+void PutLe(char* p, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) { p[i] = static_cast<char>(v & 0xff); v >>= 8; }
+}
+uint64_t GetLe(const char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | static_cast<uint8_t>(p[i]);
+  return v;
+}
+
+std::string SeqPrefix(SequenceId seq) {
+  std::string k(8, '\0');
+  PutBe64(k.data(), seq);
+  return k;
+}
+
+std::string Hex(std::string_view s) {
+  static const char* d = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : s) { out += d[c >> 4]; out += d[c & 15]; }
+  return out;
+}
+
+std::string Hex32(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%08" PRIx32, v);
+  return buf;
+}
+
+using Header = std::array<char, cold_tier_format::kValueHeaderBytes>;
+
+Header MakeHeader(ValueKind kind, const void* body, size_t n, uint64_t aux) {
+  Header h{};
+  PutLe(h.data(), cold_tier_format::kMagic, 4);
+  h[4] = static_cast<char>(cold_tier_format::kFormatVersion);
+  h[5] = static_cast<char>(kind);
+  PutLe(h.data() + 8, n, 8);
+  PutLe(h.data() + 16, aux, 8);
+  uint32_t crc = Crc32c(h.data(), 24);
+  crc = Crc32c(body, n, crc);
+  PutLe(h.data() + 24, crc, 4);
+  return h;
+}
+
+struct Decoded {
+  uint64_t aux = 0;
+  std::string_view body;
+};
+
+const char* KindName(uint8_t k) {
+  switch (k) {
+    case 1: return "sequence record";
+    case 2: return "chunk meta";
+    case 3: return "chunk payload";
+    case 4: return "blob";
+  }
+  return "unknown";
+}
+
+// `what` names the key, e.g. "chunk seq=3/layer=1/chunk=17 payload".
+Status DecodeValue(rocksdb::Slice v, ValueKind want, const std::string& what, Decoded* out) {
+  constexpr size_t H = cold_tier_format::kValueHeaderBytes;
+  if (v.size() < H)
+    return Corruption("cold tier: " + what + " value too short (" + std::to_string(v.size()) +
+                      " bytes, the header alone is " + std::to_string(H) + ")");
+  const char* p = v.data();
+  uint32_t magic = static_cast<uint32_t>(GetLe(p, 4));
+  if (magic != cold_tier_format::kMagic)
+    return Corruption("cold tier: " + what + " bad magic " + Hex32(magic) + " (expected " +
+                      Hex32(cold_tier_format::kMagic) + ")");
+  uint8_t version = static_cast<uint8_t>(p[4]);
+  if (version != cold_tier_format::kFormatVersion)
+    return Corruption("cold tier: " + what + " has format version " + std::to_string(version) +
+                      ", this build reads " + std::to_string(cold_tier_format::kFormatVersion));
+  uint8_t kind = static_cast<uint8_t>(p[5]);
+  if (kind != static_cast<uint8_t>(want))
+    return Corruption("cold tier: " + what + " holds a " + KindName(kind) + " value (kind " +
+                      std::to_string(kind) + "), expected a " + KindName(static_cast<uint8_t>(want)));
+  uint64_t len = GetLe(p + 8, 8);
+  if (len != v.size() - H)
+    return Corruption("cold tier: " + what + " length mismatch (header says " + std::to_string(len) +
+                      " bytes, value holds " + std::to_string(v.size() - H) + ")");
+  uint32_t stored = static_cast<uint32_t>(GetLe(p + 24, 4));
+  uint32_t crc = Crc32c(p, 24);
+  crc = Crc32c(p + H, len, crc);
+  if (crc != stored)
+    return Corruption("cold tier: " + what + " checksum mismatch (stored " + Hex32(stored) +
+                      ", computed " + Hex32(crc) + ")");
+  out->aux = GetLe(p + 16, 8);
+  out->body = std::string_view(p + H, len);
+  return Status::Ok();
+}
+
+Status FromRocks(const rocksdb::Status& s, const std::string& what) {
+  std::string m = "cold tier: " + what + ": " + s.ToString();
+  if (s.IsCorruption()) return Corruption(std::move(m));
+  return IOError(std::move(m));
+}
+
+std::string ChunkWhat(const ChunkKey& k, const char* part) {
+  return "chunk " + k.ToString() + " " + part;
+}
+std::string BlobWhat(SequenceId seq, uint32_t layer, std::string_view name) {
+  return "blob seq=" + std::to_string(seq) + "/layer=" + std::to_string(layer) + "/name=" +
+         std::string(name);
+}
+std::string SeqWhat(SequenceId seq) { return "sequence " + std::to_string(seq) + " record"; }
+
+rocksdb::CompressionType ToRocks(Compression c) {
+  switch (c) {
+    case Compression::kNone: return rocksdb::kNoCompression;
+    case Compression::kLZ4: return rocksdb::kLZ4Compression;
+    case Compression::kZSTD: return rocksdb::kZSTD;
+  }
+  return rocksdb::kNoCompression;
+}
+
+}  // namespace
+
+namespace cold_tier_format {
+std::string SequenceKey(SequenceId seq) {
+  std::string k(9, '\0');
+  k[0] = 'S';
+  PutBe64(k.data() + 1, seq);
+  return k;
+}
+std::string ChunkKeyBytes(const ChunkKey& key) {
+  std::string k(20, '\0');
+  PutBe64(k.data(), key.seq);
+  PutBe32(k.data() + 8, key.layer);
+  PutBe64(k.data() + 12, key.index);
+  return k;
+}
+std::string BlobKey(SequenceId seq, uint32_t layer, std::string_view name) {
+  std::string k(12, '\0');
+  PutBe64(k.data(), seq);
+  PutBe32(k.data() + 8, layer);
+  k.append(name.data(), name.size());
+  return k;
+}
+}  // namespace cold_tier_format
+
+// ---- the tier ---------------------------------------------------------------------------
+
+struct ColdTier::Impl {
+  ColdTierOptions options;
+  rocksdb::DB* db = nullptr;
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::ColumnFamilyHandle* seq_cf = nullptr;
+  rocksdb::ColumnFamilyHandle* meta_cf = nullptr;
+  rocksdb::ColumnFamilyHandle* payload_cf = nullptr;
+  rocksdb::ColumnFamilyHandle* blob_cf = nullptr;
+  rocksdb::WriteOptions write_options;
+
+  std::atomic<uint64_t> payload_bytes{0};
+  std::atomic<uint64_t> chunks{0};
+
+  // Keeps the byte/chunk counters exact under concurrency: Put/DeleteChunk take
+  // `seq_mu` shared plus the key's stripe (read old meta, write, adjust);
+  // DeleteSequence takes `seq_mu` exclusively while it sums and deletes.
+  std::shared_mutex seq_mu;
+  std::array<std::mutex, 64> stripes;
+
+  std::mutex& StripeFor(const ChunkKey& k) { return stripes[ChunkKeyHash()(k) % stripes.size()]; }
+
+  ~Impl() {
+    if (db == nullptr) return;
+    for (auto* h : handles) db->DestroyColumnFamilyHandle(h).PermitUncheckedError();
+    db->Close().PermitUncheckedError();
+    delete db;
+  }
+
+  // Size of the chunk currently stored under `key` (from its meta header).
+  // *found is false when there is no (verifiable) meta record.
+  Status StoredSize(const std::string& key, const ChunkKey& k, bool* found, uint64_t* bytes) {
+    *found = false;
+    *bytes = 0;
+    rocksdb::PinnableSlice v;
+    rocksdb::Status s = db->Get(rocksdb::ReadOptions(), meta_cf, key, &v);
+    if (s.IsNotFound()) return Status::Ok();
+    if (!s.ok()) return FromRocks(s, "reading " + ChunkWhat(k, "meta"));
+    Decoded d;
+    // A corrupt old meta was not counted on open either: treat it as absent.
+    if (!DecodeValue(v, ValueKind::kMeta, ChunkWhat(k, "meta"), &d).ok()) return Status::Ok();
+    *found = true;
+    *bytes = d.aux;
+    return Status::Ok();
+  }
+
+  void Subtract(uint64_t bytes, uint64_t n) {
+    // Counters are exact under the locks; clamp anyway so a bug cannot wrap.
+    uint64_t cur = payload_bytes.load();
+    while (!payload_bytes.compare_exchange_weak(cur, cur >= bytes ? cur - bytes : 0)) {}
+    cur = chunks.load();
+    while (!chunks.compare_exchange_weak(cur, cur >= n ? cur - n : 0)) {}
+  }
+
+  // Adds deletes of every key starting with `prefix` in `cf` to the batch.
+  Status DeletePrefix(rocksdb::WriteBatch* b, rocksdb::ColumnFamilyHandle* cf, SequenceId seq,
+                      const std::string& what) {
+    std::string lo = SeqPrefix(seq);
+    if (seq != std::numeric_limits<SequenceId>::max()) {
+      rocksdb::Status s = b->DeleteRange(cf, lo, SeqPrefix(seq + 1));
+      return s.ok() ? Status::Ok() : FromRocks(s, what);
+    }
+    // No 8-byte successor of 0xff..ff: delete the keys one by one.
+    rocksdb::ReadOptions ro;
+    ro.fill_cache = false;
+    std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(ro, cf));
+    for (it->Seek(lo); it->Valid() && it->key().starts_with(lo); it->Next()) {
+      rocksdb::Status s = b->Delete(cf, it->key());
+      if (!s.ok()) return FromRocks(s, what);
+    }
+    if (!it->status().ok()) return FromRocks(it->status(), what);
+    return Status::Ok();
+  }
+};
+
+ColdTier::ColdTier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ColdTier::~ColdTier() = default;
+
+Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options) {
+  KVTIER_RETURN_IF_ERROR(options.Validate());
+  namespace fs = std::filesystem;
+  const std::string& path = options.path;
+  std::error_code ec;
+  fs::file_status st = fs::status(path, ec);
+  if (fs::exists(st)) {
+    if (fs::is_regular_file(st))
+      return InvalidArgument("cold tier: data dir '" + path + "' is a file, not a directory");
+    if (!fs::is_directory(st))
+      return InvalidArgument("cold tier: data dir '" + path + "' exists and is not a directory");
+  } else {
+    fs::create_directories(path, ec);
+    if (ec) return IOError("cold tier: cannot create data dir '" + path + "': " + ec.message());
+  }
+
+  const rocksdb::CompressionType ctype = ToRocks(options.compression);
+  if (ctype != rocksdb::kNoCompression) {
+    auto supported = rocksdb::GetSupportedCompressions();
+    if (std::find(supported.begin(), supported.end(), ctype) == supported.end())
+      return Unavailable(std::string("cold tier: this RocksDB was built without ") +
+                         CompressionName(options.compression) + " compression");
+  }
+
+  rocksdb::DBOptions dbo;
+  dbo.create_if_missing = true;
+  dbo.create_missing_column_families = true;
+  dbo.paranoid_checks = true;
+  unsigned hw = std::max(2u, std::thread::hardware_concurrency());
+  dbo.max_background_jobs = static_cast<int>(std::clamp(hw / 2, 2u, 8u));
+  dbo.bytes_per_sync = 1 << 20;
+  dbo.wal_bytes_per_sync = 0;  // sync_writes decides; no partial WAL syncs otherwise
+  // Metas are small, so their memtable rarely fills; cap the WAL so old WAL
+  // files (which pin every family's unflushed data) force flushes.
+  dbo.max_total_wal_size = std::max<uint64_t>(64ull << 20, 4ull * options.write_buffer_bytes);
+  dbo.keep_log_file_num = 3;
+  dbo.max_log_file_size = 4 << 20;
+
+  std::shared_ptr<rocksdb::Cache> cache;
+  if (options.block_cache_bytes > 0) cache = rocksdb::NewLRUCache(options.block_cache_bytes);
+  std::shared_ptr<const rocksdb::FilterPolicy> bloom(rocksdb::NewBloomFilterPolicy(10));
+
+  auto make_cf = [&](size_t write_buffer) {
+    rocksdb::ColumnFamilyOptions c;
+    c.write_buffer_size = write_buffer;
+    c.max_write_buffer_number = 3;
+    c.compression = ctype;
+    c.level_compaction_dynamic_level_bytes = true;
+    c.target_file_size_base = 64ull << 20;
+    rocksdb::BlockBasedTableOptions t;
+    t.block_cache = cache;
+    t.no_block_cache = !cache;
+    t.filter_policy = bloom;
+    t.checksum = rocksdb::kXXH3;
+    t.format_version = 5;
+    // 4 KiB target: every payload (>= a few KiB) is a block of its own, so a
+    // read decompresses exactly one value.
+    t.block_size = 4 << 10;
+    c.table_factory.reset(rocksdb::NewBlockBasedTableFactory(t));
+    return c;
+  };
+  const size_t wb = options.write_buffer_bytes;
+  const size_t small_wb = std::min<size_t>(wb, 8u << 20);
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
+      {cold_tier_format::kSequenceColumn, make_cf(small_wb)},
+      {cold_tier_format::kMetaColumn, make_cf(small_wb)},
+      {cold_tier_format::kPayloadColumn, make_cf(wb)},
+      {cold_tier_format::kBlobColumn, make_cf(wb)},
+  };
+
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->write_options.sync = options.sync_writes;
+  impl->write_options.disableWAL = false;
+  rocksdb::Status s = rocksdb::DB::Open(dbo, path, cfs, &impl->handles, &impl->db);
+  if (!s.ok()) return FromRocks(s, "open '" + path + "'");
+  impl->seq_cf = impl->handles[0];
+  impl->meta_cf = impl->handles[1];
+  impl->payload_cf = impl->handles[2];
+  impl->blob_cf = impl->handles[3];
+
+  // Format marker: written on first open, checked afterwards.
+  {
+    std::string marker;
+    s = impl->db->Get(rocksdb::ReadOptions(), impl->seq_cf, kFormatMarkerKey, &marker);
+    if (s.IsNotFound()) {
+      rocksdb::WriteOptions wo;
+      wo.sync = true;
+      s = impl->db->Put(wo, impl->seq_cf, kFormatMarkerKey, kFormatMarkerValue);
+      if (!s.ok()) return FromRocks(s, "writing the format marker in '" + path + "'");
+    } else if (!s.ok()) {
+      return FromRocks(s, "reading the format marker in '" + path + "'");
+    } else if (marker != kFormatMarkerValue) {
+      return FailedPrecondition("cold tier: '" + path + "' holds format '" + marker +
+                                "', this build reads '" + kFormatMarkerValue + "'");
+    }
+  }
+
+  // Rebuild the counters from the meta records (small; payloads untouched).
+  {
+    rocksdb::ReadOptions ro;
+    ro.fill_cache = false;
+    std::unique_ptr<rocksdb::Iterator> it(impl->db->NewIterator(ro, impl->meta_cf));
+    uint64_t bytes = 0, n = 0;
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      Decoded d;
+      if (DecodeValue(it->value(), ValueKind::kMeta, "meta", &d).ok()) {
+        bytes += d.aux;
+        ++n;
+      }
+    }
+    if (!it->status().ok()) return FromRocks(it->status(), "scanning chunk metas in '" + path + "'");
+    impl->payload_bytes = bytes;
+    impl->chunks = n;
+  }
+  return std::unique_ptr<ColdTier>(new ColdTier(std::move(impl)));
+}
+
+Status ColdTier::PutChunk(const ChunkKey& k, std::string_view meta, const void* payload,
+                          size_t payload_bytes) {
+  if (payload_bytes == 0) return InvalidArgument("cold tier: chunk " + k.ToString() + " payload_bytes must be > 0");
+  if (payload == nullptr) return InvalidArgument("cold tier: chunk " + k.ToString() + " payload is null");
+  constexpr size_t kMaxValue = std::numeric_limits<uint32_t>::max() - cold_tier_format::kValueHeaderBytes;
+  if (payload_bytes > kMaxValue || meta.size() > kMaxValue)
+    return InvalidArgument("cold tier: chunk " + k.ToString() + " payload or meta exceeds 4 GiB");
+  Impl& m = *impl_;
+  const std::string key = cold_tier_format::ChunkKeyBytes(k);
+  const Header meta_h = MakeHeader(ValueKind::kMeta, meta.data(), meta.size(), payload_bytes);
+  const Header pay_h = MakeHeader(ValueKind::kPayload, payload, payload_bytes, 0);
+
+  rocksdb::WriteBatch batch(payload_bytes + meta.size() + 2 * sizeof(Header) + 128);
+  rocksdb::Slice key_slice(key);
+  rocksdb::Slice meta_parts[2] = {rocksdb::Slice(meta_h.data(), meta_h.size()),
+                                  rocksdb::Slice(meta.data(), meta.size())};
+  rocksdb::Slice pay_parts[2] = {rocksdb::Slice(pay_h.data(), pay_h.size()),
+                                 rocksdb::Slice(static_cast<const char*>(payload), payload_bytes)};
+  rocksdb::Status s = batch.Put(m.meta_cf, rocksdb::SliceParts(&key_slice, 1), rocksdb::SliceParts(meta_parts, 2));
+  if (s.ok()) s = batch.Put(m.payload_cf, rocksdb::SliceParts(&key_slice, 1), rocksdb::SliceParts(pay_parts, 2));
+  if (!s.ok()) return FromRocks(s, "writing " + ChunkWhat(k, "batch"));
+
+  std::shared_lock seq_lock(m.seq_mu);
+  std::lock_guard stripe_lock(m.StripeFor(k));
+  bool had = false;
+  uint64_t old_bytes = 0;
+  KVTIER_RETURN_IF_ERROR(m.StoredSize(key, k, &had, &old_bytes));
+  s = m.db->Write(m.write_options, &batch);
+  if (!s.ok()) return FromRocks(s, "writing chunk " + k.ToString());
+  if (had) m.Subtract(old_bytes, 1);
+  m.payload_bytes += payload_bytes;
+  m.chunks += 1;
+  return Status::Ok();
+}
+
+Status ColdTier::GetChunk(const ChunkKey& k, void* dst, size_t payload_bytes) {
+  if (dst == nullptr && payload_bytes > 0)
+    return InvalidArgument("cold tier: chunk " + k.ToString() + " destination is null");
+  Impl& m = *impl_;
+  const std::string key = cold_tier_format::ChunkKeyBytes(k);
+  rocksdb::ReadOptions ro;
+  ro.verify_checksums = true;
+  ro.fill_cache = false;  // the warm tier is the payload cache
+  rocksdb::PinnableSlice v;
+  rocksdb::Status s = m.db->Get(ro, m.payload_cf, key, &v);
+  const std::string what = ChunkWhat(k, "payload");
+  if (s.IsNotFound()) return NotFound("cold tier: " + what + " not found");
+  if (!s.ok()) return FromRocks(s, "reading " + what);
+  Decoded d;
+  KVTIER_RETURN_IF_ERROR(DecodeValue(v, ValueKind::kPayload, what, &d));
+  if (d.body.size() != payload_bytes)
+    return InvalidArgument("cold tier: " + what + " holds " + std::to_string(d.body.size()) +
+                           " bytes, caller asked for " + std::to_string(payload_bytes));
+  std::memcpy(dst, d.body.data(), payload_bytes);
+  return Status::Ok();
+}
+
+Status ColdTier::DeleteChunk(const ChunkKey& k) {
+  Impl& m = *impl_;
+  const std::string key = cold_tier_format::ChunkKeyBytes(k);
+  rocksdb::WriteBatch batch;
+  rocksdb::Status s = batch.Delete(m.meta_cf, key);
+  if (s.ok()) s = batch.Delete(m.payload_cf, key);
+  if (!s.ok()) return FromRocks(s, "deleting chunk " + k.ToString());
+
+  std::shared_lock seq_lock(m.seq_mu);
+  std::lock_guard stripe_lock(m.StripeFor(k));
+  bool had = false;
+  uint64_t old_bytes = 0;
+  KVTIER_RETURN_IF_ERROR(m.StoredSize(key, k, &had, &old_bytes));
+  s = m.db->Write(m.write_options, &batch);
+  if (!s.ok()) return FromRocks(s, "deleting chunk " + k.ToString());
+  if (had) m.Subtract(old_bytes, 1);
+  return Status::Ok();
+}
+
+Status ColdTier::PutSequence(SequenceId seq, std::string_view record) {
+  if (record.size() > std::numeric_limits<uint32_t>::max() - cold_tier_format::kValueHeaderBytes)
+    return InvalidArgument("cold tier: " + SeqWhat(seq) + " exceeds 4 GiB");
+  Impl& m = *impl_;
+  const Header h = MakeHeader(ValueKind::kSequence, record.data(), record.size(), 0);
+  std::string value;
+  value.reserve(h.size() + record.size());
+  value.append(h.data(), h.size());
+  value.append(record.data(), record.size());
+  rocksdb::Status s = m.db->Put(m.write_options, m.seq_cf, cold_tier_format::SequenceKey(seq), value);
+  if (!s.ok()) return FromRocks(s, "writing " + SeqWhat(seq));
+  return Status::Ok();
+}
+
+Status ColdTier::DeleteSequence(SequenceId seq) {
+  Impl& m = *impl_;
+  const std::string what = "deleting sequence " + std::to_string(seq);
+  std::unique_lock seq_lock(m.seq_mu);  // no chunk put/delete runs meanwhile
+
+  // Sum what the counters hold for this sequence.
+  uint64_t bytes = 0, n = 0;
+  {
+    const std::string lo = SeqPrefix(seq);
+    rocksdb::ReadOptions ro;
+    ro.fill_cache = false;
+    std::unique_ptr<rocksdb::Iterator> it(m.db->NewIterator(ro, m.meta_cf));
+    for (it->Seek(lo); it->Valid() && it->key().starts_with(lo); it->Next()) {
+      Decoded d;
+      if (DecodeValue(it->value(), ValueKind::kMeta, "meta", &d).ok()) {
+        bytes += d.aux;
+        ++n;
+      }
+    }
+    if (!it->status().ok()) return FromRocks(it->status(), what);
+  }
+
+  rocksdb::WriteBatch batch;
+  rocksdb::Status s = batch.Delete(m.seq_cf, cold_tier_format::SequenceKey(seq));
+  if (!s.ok()) return FromRocks(s, what);
+  KVTIER_RETURN_IF_ERROR(m.DeletePrefix(&batch, m.meta_cf, seq, what));
+  KVTIER_RETURN_IF_ERROR(m.DeletePrefix(&batch, m.payload_cf, seq, what));
+  KVTIER_RETURN_IF_ERROR(m.DeletePrefix(&batch, m.blob_cf, seq, what));
+  s = m.db->Write(m.write_options, &batch);
+  if (!s.ok()) return FromRocks(s, what);
+  m.Subtract(bytes, n);
+  return Status::Ok();
+}
+
+Status ColdTier::ForEachSequence(const std::function<Status(SequenceId, std::string_view)>& fn) {
+  Impl& m = *impl_;
+  rocksdb::ReadOptions ro;
+  const std::string upper_key = "T";  // 'S' + 1: every sequence key is below it
+  rocksdb::Slice upper(upper_key);
+  ro.iterate_upper_bound = &upper;
+  std::unique_ptr<rocksdb::Iterator> it(m.db->NewIterator(ro, m.seq_cf));
+  for (it->Seek("S"); it->Valid(); it->Next()) {
+    rocksdb::Slice key = it->key();
+    if (key.size() != 9 || key[0] != 'S')
+      return Corruption("cold tier: malformed sequence key 0x" + Hex(std::string_view(key.data(), key.size())));
+    SequenceId seq = GetBe64(key.data() + 1);
+    Decoded d;
+    KVTIER_RETURN_IF_ERROR(DecodeValue(it->value(), ValueKind::kSequence, SeqWhat(seq), &d));
+    KVTIER_RETURN_IF_ERROR(fn(seq, d.body));
+  }
+  if (!it->status().ok()) return FromRocks(it->status(), "iterating sequence records");
+  return Status::Ok();
+}
+
+Status ColdTier::ForEachChunkMeta(SequenceId seq,
+                                  const std::function<Status(const ChunkKey&, std::string_view)>& fn) {
+  Impl& m = *impl_;
+  const std::string lo = SeqPrefix(seq);
+  std::string hi;
+  rocksdb::Slice upper;
+  rocksdb::ReadOptions ro;
+  if (seq != std::numeric_limits<SequenceId>::max()) {
+    hi = SeqPrefix(seq + 1);
+    upper = rocksdb::Slice(hi);
+    ro.iterate_upper_bound = &upper;
+  }
+  std::unique_ptr<rocksdb::Iterator> it(m.db->NewIterator(ro, m.meta_cf));
+  for (it->Seek(lo); it->Valid() && it->key().starts_with(lo); it->Next()) {
+    rocksdb::Slice key = it->key();
+    if (key.size() != 20)
+      return Corruption("cold tier: malformed chunk meta key 0x" + Hex(std::string_view(key.data(), key.size())));
+    ChunkKey ck{GetBe64(key.data()), GetBe32(key.data() + 8), GetBe64(key.data() + 12)};
+    Decoded d;
+    KVTIER_RETURN_IF_ERROR(DecodeValue(it->value(), ValueKind::kMeta, ChunkWhat(ck, "meta"), &d));
+    KVTIER_RETURN_IF_ERROR(fn(ck, d.body));
+  }
+  if (!it->status().ok())
+    return FromRocks(it->status(), "iterating chunk metas of sequence " + std::to_string(seq));
+  return Status::Ok();
+}
+
+Status ColdTier::PutBlob(SequenceId seq, uint32_t layer, std::string_view name, const void* data,
+                         size_t bytes) {
+  if (name.empty() || name.size() > kMaxBlobName)
+    return InvalidArgument("cold tier: blob name must be 1.." + std::to_string(kMaxBlobName) +
+                           " bytes (got " + std::to_string(name.size()) + ")");
+  if (data == nullptr && bytes > 0) return InvalidArgument("cold tier: " + BlobWhat(seq, layer, name) + " data is null");
+  if (bytes > std::numeric_limits<uint32_t>::max() - cold_tier_format::kValueHeaderBytes)
+    return InvalidArgument("cold tier: " + BlobWhat(seq, layer, name) + " exceeds 4 GiB");
+  Impl& m = *impl_;
+  static const char kEmpty = 0;
+  if (data == nullptr) data = &kEmpty;
+  const Header h = MakeHeader(ValueKind::kBlob, data, bytes, 0);
+  const std::string key = cold_tier_format::BlobKey(seq, layer, name);
+  rocksdb::Slice key_slice(key);
+  rocksdb::Slice parts[2] = {rocksdb::Slice(h.data(), h.size()),
+                             rocksdb::Slice(static_cast<const char*>(data), bytes)};
+  rocksdb::WriteBatch batch(bytes + key.size() + h.size() + 64);
+  rocksdb::Status s = batch.Put(m.blob_cf, rocksdb::SliceParts(&key_slice, 1), rocksdb::SliceParts(parts, 2));
+  if (s.ok()) s = m.db->Write(m.write_options, &batch);
+  if (!s.ok()) return FromRocks(s, "writing " + BlobWhat(seq, layer, name));
+  return Status::Ok();
+}
+
+Result<std::string> ColdTier::GetBlob(SequenceId seq, uint32_t layer, std::string_view name) {
+  Impl& m = *impl_;
+  const std::string what = BlobWhat(seq, layer, name);
+  rocksdb::ReadOptions ro;
+  ro.fill_cache = false;
+  rocksdb::PinnableSlice v;
+  rocksdb::Status s = m.db->Get(ro, m.blob_cf, cold_tier_format::BlobKey(seq, layer, name), &v);
+  if (s.IsNotFound()) return NotFound("cold tier: " + what + " not found");
+  if (!s.ok()) return FromRocks(s, "reading " + what);
+  Decoded d;
+  KVTIER_RETURN_IF_ERROR(DecodeValue(v, ValueKind::kBlob, what, &d));
+  return std::string(d.body);
+}
+
+uint64_t ColdTier::stored_payload_bytes() const { return impl_->payload_bytes.load(); }
+uint64_t ColdTier::stored_chunks() const { return impl_->chunks.load(); }
+std::string ColdTier::path() const { return impl_->options.path; }
+
+}  // namespace kvtier

@@ -1,0 +1,118 @@
+// The `kvtier` binary end to end: the main job, the stress test, and the
+// errors a user gets for bad flags.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+struct Ran {
+  int code = -1;
+  std::string out;  // stdout and stderr
+};
+
+Ran Kvtier(const std::string& args) {
+  const std::string cmd = std::string(KVTIER_BINARY_DIR) + "/kvtier " + args + " 2>&1";
+  Ran r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
+  const int st = pclose(p);
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Finds "key": <number> in the report and returns the number.
+double JsonNumber(const std::string& json, const std::string& key) {
+  const size_t at = json.find("\"" + key + "\":");
+  if (at == std::string::npos) return -1e300;
+  return std::stod(json.substr(at + key.size() + 3));
+}
+
+TEST(Cli, RunSpillsToColdAndReportsEverything) {
+  TempDir dir;
+  const std::string json = dir.path() + "/report.json";
+  // KV = 16384 tokens x 2 KiB = 32 MiB: 4x the 8 MiB warm tier.
+  Ran r = Kvtier("run --quiet --context 16384 --geometry 4,8,2,64 --warm-bytes 8M --hot-bytes 4M --budget 1024"
+                 " --decode-steps 4 --data-dir " + dir.path() + "/data --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("needle hit rate"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("full attention"), std::string::npos) << r.out;
+  const std::string rep = ReadAll(json);
+  for (const char* key : {"needle_hit_rate", "attention_recall", "output_rel_error", "step_ms",
+                          "full_attention_step_ms", "peak_rss_bytes", "bytes_moved"})
+    EXPECT_GT(JsonNumber(rep, key), -1.0) << key << " missing in\n" << rep;
+  EXPECT_NE(rep.find("\"tier_bytes\""), std::string::npos);
+  EXPECT_NE(rep.find("\"config\""), std::string::npos);
+  EXPECT_GT(JsonNumber(rep, "cold"), 0) << "the run must spill to the cold tier";
+  EXPECT_NE(rep.find("\"within_rss_bound\": true"), std::string::npos)
+      << "peak RSS " << JsonNumber(rep, "peak_rss_bytes") << " over bound " << JsonNumber(rep, "rss_bound_bytes");
+  EXPECT_GE(JsonNumber(rep, "attention_recall"), 0.0);
+  EXPECT_LE(JsonNumber(rep, "attention_recall"), 1.0 + 1e-9);
+}
+
+TEST(Cli, RunWithFullBudgetEqualsFullAttention) {
+  TempDir dir;
+  const std::string json = dir.path() + "/report.json";
+  Ran r = Kvtier("run --quiet --context 4096 --geometry 2,8,2,32 --dtype f32 --budget 4096 --hot-bytes 64M"
+                 " --decode-steps 3 --data-dir " + dir.path() + "/data --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string rep = ReadAll(json);
+  EXPECT_NEAR(JsonNumber(rep, "attention_recall"), 1.0, 1e-6);
+  EXPECT_NEAR(JsonNumber(rep, "needle_hit_rate"), 1.0, 1e-12);
+  EXPECT_LT(JsonNumber(rep, "output_rel_error"), 1e-5);
+}
+
+TEST(Cli, StressVerifiesEverything) {
+  TempDir dir;
+  Ran r = Kvtier("stress --sequences 6 --threads 3 --tokens 1500 --data-dir " + dir.path() + "/data");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("errors: 0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("after reopen: 18000 tokens"), std::string::npos) << r.out;  // 6 x 1500 x 2 layers
+}
+
+TEST(Cli, BadFlagsGetClearErrors) {
+  TempDir dir;
+  struct Case { std::string args; std::string expect; };
+  const std::string file = dir.path() + "/a-file";
+  std::ofstream(file) << "x";
+  const Case cases[] = {
+      {"run --frobnicate 3", "unknown flag --frobnicate"},
+      {"run --context", "needs a value"},
+      {"run --context abc", "not an integer"},
+      {"run --context -5", "outside"},
+      {"run --chunk 0", "outside"},
+      {"run --geometry 4,8,3,64", "multiple of"},
+      {"run --geometry 4,8", "four integers"},
+      {"run --dtype fp8", "unknown dtype"},
+      {"run --warm-bytes 10 --data-dir " + dir.path() + "/d", "warm_bytes"},
+      {"run --compression brotli", "unknown compression"},
+      {"run --data-dir " + file, "is a file"},
+      {"stress --threads 0", "outside"},
+      {"frobnicate", "unknown command"},
+  };
+  for (const Case& c : cases) {
+    Ran r = Kvtier(c.args);
+    EXPECT_NE(r.code, 0) << c.args;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << " printed:\n" << r.out;
+    EXPECT_EQ(r.out.find("Segmentation"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace kvtier
