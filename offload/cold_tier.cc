@@ -291,7 +291,7 @@ struct ColdTier::Impl {
     while (!chunks.compare_exchange_weak(cur, cur >= n ? cur - n : 0)) {}
   }
 
-  // Adds deletes of every key starting with `prefix` in `cf` to the batch.
+  // Adds deletes of every key of sequence `seq` (8-byte prefix) in `cf` to the batch.
   Status DeletePrefix(rocksdb::WriteBatch* b, rocksdb::ColumnFamilyHandle* cf, SequenceId seq,
                       const std::string& what) {
     std::string lo = SeqPrefix(seq);
@@ -436,6 +436,7 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
 Status ColdTier::PutChunk(const ChunkKey& k, std::string_view meta, const void* payload,
                           size_t payload_bytes) {
   if (payload_bytes == 0) return InvalidArgument("cold tier: chunk " + k.ToString() + " payload_bytes must be > 0");
+  if (impl_->options.fault_injector) KVTIER_RETURN_IF_ERROR(impl_->options.fault_injector("put", k));
   if (payload == nullptr) return InvalidArgument("cold tier: chunk " + k.ToString() + " payload is null");
   constexpr size_t kMaxValue = std::numeric_limits<uint32_t>::max() - cold_tier_format::kValueHeaderBytes;
   if (payload_bytes > kMaxValue || meta.size() > kMaxValue)
@@ -471,6 +472,7 @@ Status ColdTier::PutChunk(const ChunkKey& k, std::string_view meta, const void* 
 Status ColdTier::GetChunk(const ChunkKey& k, void* dst, size_t payload_bytes) {
   if (dst == nullptr && payload_bytes > 0)
     return InvalidArgument("cold tier: chunk " + k.ToString() + " destination is null");
+  if (impl_->options.fault_injector) KVTIER_RETURN_IF_ERROR(impl_->options.fault_injector("get", k));
   Impl& m = *impl_;
   const std::string key = cold_tier_format::ChunkKeyBytes(k);
   rocksdb::ReadOptions ro;

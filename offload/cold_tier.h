@@ -71,6 +71,10 @@ struct ColdTierOptions {
   bool sync_writes = false;                     ///< fsync the WAL on each write: survives power loss, not just process death
   size_t block_cache_bytes = 32 << 20;          ///< RocksDB block cache (default 32 MiB; 0 = no block cache)
   size_t write_buffer_bytes = 32 << 20;         ///< memtable size (default 32 MiB; 64 KiB .. 4 GiB)
+  /// Fault injection for tests (RocksDB's FaultInjectionEnv in miniature): when
+  /// set, PutChunk and GetChunk call it first ("put" / "get") and fail with its
+  /// status, touching nothing, when it is not OK. Unset (the default) in production.
+  std::function<Status(std::string_view op, const ChunkKey& key)> fault_injector;
   Status Validate() const;                      ///< names the bad field
 };
 

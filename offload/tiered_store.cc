@@ -243,6 +243,7 @@ Status TieredStore::Init() {
     co.path = options_.data_dir;
     co.compression = options_.compression;
     co.sync_writes = options_.sync_writes;
+    co.fault_injector = options_.cold_fault_injector;
     KVTIER_ASSIGN_OR_RETURN(cold_, ColdTier::Open(co));
     KVTIER_RETURN_IF_ERROR(Recover());
   }
@@ -353,8 +354,16 @@ Status TieredStore::Recover() {
       // A crash can leave holes (chunk k+1 acknowledged before chunk k); chunks
       // are addressed by index, so a hole reads back as NotFound, never as
       // someone else's tokens.
-      ls.sealed_end = options_.n_sink + static_cast<int64_t>(ls.chunks.size()) * options_.chunk_size;
-      ls.n_tokens = s->state == SeqState::kClosed ? n_tokens[l] : ls.sealed_end;
+      // As at run time: sealed_end trails n_tokens while the sinks fill, then
+      // sits at the end of the last chunk.
+      if (s->state == SeqState::kClosed) {
+        ls.n_tokens = n_tokens[l];
+        ls.sealed_end = ls.chunks.empty() ? std::min<int64_t>(ls.n_tokens, options_.n_sink)
+                                          : options_.n_sink + static_cast<int64_t>(ls.chunks.size()) * options_.chunk_size;
+      } else {
+        ls.sealed_end = ls.chunks.empty() ? 0 : options_.n_sink + static_cast<int64_t>(ls.chunks.size()) * options_.chunk_size;
+        ls.n_tokens = ls.sealed_end;
+      }
       ls.sinks_restored = false;
       if (s->state == SeqState::kClosed) {
         auto sinks = cold_->GetBlob(id, l, kSinksBlob);
@@ -549,7 +558,6 @@ Status TieredStore::MakeWarmRoom(std::unique_lock<std::mutex>& lock) {
                                " chunks) and there is no cold tier to demote to (data_dir is empty)");
     // Every warm chunk is busy (being copied or written): wait for one to finish.
     cv_.wait_for(lock, std::chrono::milliseconds(100));
-    if (!background_error_.ok()) return background_error_;
   }
   return Status::Ok();
 }
@@ -730,7 +738,11 @@ void TieredStore::SubmitColdWrite(Chunk* c) {
 Status TieredStore::WaitForDurable() {
   std::unique_lock<std::mutex> l(mu_);
   cv_.wait(l, [&] { return inflight_ == 0; });
-  return background_error_;
+  // A failed write-through leaves its chunk unacknowledged in warm, where the
+  // next demotion or CloseSequence writes it again; report the failure once.
+  Status st = background_error_;
+  background_error_ = Status::Ok();
+  return st;
 }
 
 void TieredStore::SetColdAckListener(std::function<void(const ChunkKey&)> listener) {

@@ -58,6 +58,8 @@ struct StoreOptions {
   std::string hot_policy = "lru";      ///< demotion policy of the hot slot pool
   std::string warm_policy = "lru";     ///< demotion policy of the warm tier
   int transfer_threads = 2;            ///< concurrency of the asynchronous transfer arena
+  /// Passed to the cold tier (ColdTierOptions::fault_injector); tests only.
+  std::function<Status(std::string_view op, const ChunkKey& key)> cold_fault_injector;
 
   Status Validate() const;
   /// Bytes of K+V of one chunk of one layer.

@@ -1,5 +1,8 @@
 #include "retrieval/exact_retriever.h"
 
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+
 #include <algorithm>
 #include <limits>
 #include <numeric>
@@ -55,20 +58,20 @@ Result<std::vector<uint64_t>> ExactRetriever::TopK(SequenceId seq, int layer, co
   const int H = o.geometry.kv_heads, D = o.geometry.head_dim, R = o.repr_topk;
   const size_t n = idx.chunk_index.size();
   std::vector<float> score(n);
-  for (size_t c = 0; c < n; ++c) {
-    const float* rows = idx.repr.data() + c * R * H * D;
-    float total = 0.0f;
-    for (int h = 0; h < H; ++h) {
-      float best = -std::numeric_limits<float>::infinity();
-      for (int r = 0; r < R; ++r) {
-        const float* key = rows + (static_cast<size_t>(r) * H + h) * D;
-        const float* p = probe + static_cast<size_t>(h) * D;
-        best = std::max(best, Dot(key, p, D));
+  // Chunks score independently: split them over the cores.
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 256), [&](const tbb::blocked_range<size_t>& range) {
+    for (size_t c = range.begin(); c < range.end(); ++c) {
+      const float* rows = idx.repr.data() + c * R * H * D;
+      float total = 0.0f;
+      for (int h = 0; h < H; ++h) {
+        float best = -std::numeric_limits<float>::infinity();
+        for (int r = 0; r < R; ++r)
+          best = std::max(best, Dot(rows + (static_cast<size_t>(r) * H + h) * D, probe + static_cast<size_t>(h) * D, D));
+        total += best;
       }
-      total += best;
+      score[c] = total;
     }
-    score[c] = total;
-  }
+  });
   std::vector<size_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   const size_t take = std::min<size_t>(n, static_cast<size_t>(k));

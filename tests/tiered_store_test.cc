@@ -13,6 +13,11 @@
 #include "kernels/cpu/attention.h"
 #include "test_util.h"
 
+#include <rocksdb/db.h>
+#include <atomic>
+
+#include "offload/cold_tier.h"
+
 namespace kvtier {
 namespace {
 
@@ -209,6 +214,96 @@ TEST(TieredStore, WarmFullWithoutColdTierIsResourceExhausted) {
   EXPECT_NE(last.message().find("no cold tier"), std::string::npos);
   // Everything acknowledged before the error is intact.
   ExpectPattern(s->get(), *seq, 0, 5, 0, appended);
+}
+
+// "A chunk leaves a tier only after the lower tier acknowledged it": with the
+// disk failing, a full warm tier refuses new chunks instead of dropping old
+// ones, everything appended so far stays readable, and once the disk is back
+// appends continue where they stopped.
+class ColdFailure : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ColdFailure, FullWarmTierKeepsEveryChunkWhileTheDiskFails) {
+  TempDir dir;
+  StoreOptions o = SmallOptions(dir.path());
+  o.write_through = GetParam();
+  o.warm_bytes = 4 * o.chunk_bytes();
+  auto failing = std::make_shared<std::atomic<bool>>(false);
+  o.cold_fault_injector = [failing](std::string_view op, const ChunkKey& k) {
+    return failing->load() && op == "put" ? IOError("injected: disk full writing " + k.ToString()) : Status::Ok();
+  };
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok());
+  TieredStore* st = s->get();
+  auto seq = st->CreateSequence();
+  AppendPattern(st, *seq, 0, 21, 0, 120, 8);  // some chunks safely in cold
+  ASSERT_TRUE(st->WaitForDurable().ok());
+  failing->store(true);
+  const size_t tb = TokenBytes(o);
+  std::vector<uint8_t> k(tb), v(tb);
+  int64_t n = 120;
+  Status last;
+  for (; n < 2000; ++n) {
+    FillPattern(kSalt, 21, 0, 0, n, 1, tb, k.data());
+    FillPattern(kSalt, 21, 0, 1, n, 1, tb, v.data());
+    last = st->Append(*seq, 0, k.data(), v.data(), 1, DType::kF16);
+    if (!last.ok()) break;
+  }
+  ASSERT_FALSE(last.ok()) << "a full warm tier over a failing disk must refuse, not drop";
+  EXPECT_EQ(last.code(), StatusCode::kIOError) << last.ToString();
+  EXPECT_NE(last.message().find("injected"), std::string::npos) << last.ToString();
+  ExpectPattern(st, *seq, 0, 21, 0, n);  // nothing acknowledged was lost
+  (void)st->WaitForDurable();            // reports (and clears) the failed write-through
+  // The disk recovers: the refused token can be appended again and the rest follows.
+  failing->store(false);
+  AppendPattern(st, *seq, 0, 21, n, n + 300, 7);
+  ASSERT_TRUE(st->CloseSequence(*seq).ok());
+  ExpectPattern(st, *seq, 0, 21, 0, n + 300);
+}
+INSTANTIATE_TEST_SUITE_P(WriteThrough, ColdFailure, ::testing::Bool());
+
+TEST(TieredStore, CorruptColdChunkIsReportedNotServed) {
+  TempDir dir;
+  StoreOptions o = SmallOptions(dir.path());
+  o.warm_bytes = 2 * o.chunk_bytes();
+  SequenceId seq = 0;
+  {
+    auto s = TieredStore::Open(o);
+    ASSERT_TRUE(s.ok());
+    seq = *(*s)->CreateSequence();
+    AppendPattern(s->get(), seq, 0, 31, 0, 200, 9);
+    ASSERT_TRUE((*s)->CloseSequence(seq).ok());
+  }
+  // Flip one byte of chunk 2's stored payload behind the store's back.
+  {
+    rocksdb::DB* db = nullptr;
+    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+    for (const char* name : {cold_tier_format::kSequenceColumn, cold_tier_format::kMetaColumn,
+                             cold_tier_format::kPayloadColumn, cold_tier_format::kBlobColumn})
+      cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    rocksdb::Status os = rocksdb::DB::Open(rocksdb::DBOptions(), dir.path(), cfs, &handles, &db);
+    ASSERT_TRUE(os.ok()) << os.ToString();
+    const std::string key = cold_tier_format::ChunkKeyBytes(ChunkKey{seq, 0, 2});
+    std::string value;
+    ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), handles[2], key, &value).ok());
+    value[value.size() / 2] ^= 0x5a;
+    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), handles[2], key, value).ok());
+    for (auto* h : handles) db->DestroyColumnFamilyHandle(h);
+    delete db;
+  }
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  const size_t tb = TokenBytes(o);
+  std::vector<uint8_t> k(8 * tb), v(8 * tb);
+  Status bad = (*s)->ReadTokens(seq, 0, 8 + 2 * 8, 8 + 3 * 8, k.data(), v.data());
+  EXPECT_EQ(bad.code(), StatusCode::kCorruption) << bad.ToString();
+  EXPECT_NE(bad.message().find("chunk=2"), std::string::npos) << bad.ToString();
+  auto h = (*s)->FetchChunks(seq, 0, {2});
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ(h->Wait().code(), StatusCode::kCorruption);
+  // Its neighbours are fine.
+  ExpectPattern(s->get(), seq, 0, 31, 0, 8 + 2 * 8);
+  ExpectPattern(s->get(), seq, 0, 31, 8 + 3 * 8, 200);
 }
 
 TEST(TieredStore, FetchPromotesPinsAndCountsHits) {

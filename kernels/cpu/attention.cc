@@ -102,6 +102,16 @@ inline VF VPow2i(VF n) {  // 2^n for integer-valued n in [-126, 127]
 inline VF VZeroBelow(VF x, VF lo, VF r) {  // r where x >= lo, else 0 (also for x = -inf)
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), r);
 }
+// Packed-row helpers (see RowGroup): 128-bit lane l of a vector holds 4
+// consecutive values of row l.
+inline VF VBcast4(const float* p) { return _mm512_maskz_broadcast_f32x4(kAll, _mm_loadu_ps(p)); }
+template <int kImm>
+inline VF VShuf(VF a, VF b) { return _mm512_maskz_shuffle_ps(kAll, a, b, kImm); }
+template <int kImm>
+inline VF VPerm(VF a) { return _mm512_maskz_permute_ps(kAll, a, kImm); }
+inline VF VZeroIfNegInf(VF x) {  // x, with -inf replaced by 0
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, VSet1(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ), x);
+}
 inline void CvtF16(const uint16_t* s, float* d) {
   _mm512_storeu_ps(d, _mm512_maskz_cvtph_ps(kAll, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))));
 }
@@ -140,6 +150,14 @@ inline VF VPow2i(VF n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
 }
 inline VF VZeroBelow(VF x, VF lo, VF r) { return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GE_OQ), r); }
+inline VF VBcast4(const float* p) { return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p)); }
+template <int kImm>
+inline VF VShuf(VF a, VF b) { return _mm256_shuffle_ps(a, b, kImm); }
+template <int kImm>
+inline VF VPerm(VF a) { return _mm256_permute_ps(a, kImm); }
+inline VF VZeroIfNegInf(VF x) {
+  return _mm256_and_ps(_mm256_cmp_ps(x, VSet1(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ), x);
+}
 inline void CvtF16(const uint16_t* s, float* d) {
   _mm256_storeu_ps(d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))));
 }
@@ -221,7 +239,8 @@ struct Plan {
   size_t kv_stride = 0;  // elements between consecutive tokens of a span: kv_heads * head_dim
   int rows_total = 0;    // n_queries * q_heads
 
-  // Main pass.
+  // Main pass: items = (kv-head block, query block, key split).
+  int HB = 1, n_hblocks = 0;  // kv heads per item (HB divides kv_heads)
   int QB = 0, n_qblocks = 0, S = 1;
   int64_t N = 0, split_len = 0;
   const int64_t* offs = nullptr;  // [n_parts + 1] prefix sums of n_tokens, or null when S == 1
@@ -233,7 +252,7 @@ struct Plan {
   // Mass pass (over the parts with mass only).
   const int* mparts = nullptr;     // [n_mparts] indices into p->parts
   const int64_t* moffs = nullptr;  // [n_mparts + 1] prefix sums
-  int n_mparts = 0, S2 = 1;
+  int n_mparts = 0, S2 = 1;  // items = key splits, each over all kv heads
   int64_t NM = 0, split2_len = 0;
 };
 
@@ -302,23 +321,32 @@ class TileCursor {
   int64_t t_ = 0, tb_ = 0;
 };
 
-// Prefetches the rows of kv head g of tokens [t0, t0 + nk) of a span (K or V)
-// into L1, so that the next tile's loads overlap the current tile's compute.
-// (always_inline: out of line, GCC deems the function pure -- prefetches have
-// no visible effect -- and deletes the calls.)
-[[gnu::always_inline]] inline void PrefetchRows(const Plan& pl, const void* base, int64_t t0, int nk, int g) {
+// Prefetches kv heads [g0, g0 + hb) of tokens [t0, t0 + nk) of a span (K or
+// V) into L1, so that the next tile's loads overlap the current tile's
+// compute. (always_inline: out of line, GCC deems the function pure --
+// prefetches have no visible effect -- and deletes the calls.)
+[[gnu::always_inline]] inline void PrefetchRows(const Plan& pl, const void* base, int64_t t0, int nk, int g0,
+                                                int hb) {
   const size_t esize = DTypeSize(pl.p->dtype);
-  const size_t row_bytes = static_cast<size_t>(pl.D) * esize;
-  const char* p = static_cast<const char*>(base) + ((static_cast<size_t>(t0) * pl.p->kv_heads + g) * pl.D) * esize;
+  const size_t run = static_cast<size_t>(hb) * pl.D * esize;  // contiguous bytes per token
   const size_t stride = pl.kv_stride * esize;
-  for (int j = 0; j < nk; ++j, p += stride)
-    for (size_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+  const char* p = static_cast<const char*>(base) + (static_cast<size_t>(t0) * pl.p->kv_heads + g0) * pl.D * esize;
+  if (run == stride) {  // all heads: one contiguous block
+    const size_t bytes = run * nk;
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+    __builtin_prefetch(p + bytes - 1, 0, 3);
+    return;
+  }
+  for (int j = 0; j < nk; ++j, p += stride) {
+    for (size_t off = 0; off < run; off += 64) __builtin_prefetch(p + off, 0, 3);
+    __builtin_prefetch(p + run - 1, 0, 3);
+  }
 }
 
 // Converts rows [t0, t0 + nk) of kv head g of a span to fp32 into dst (row
 // stride Dp, zero padded) -- or, for fp32 storage without padding, returns the
 // rows in place. Returns the row pointer; *stride receives the row stride.
-template <DType DT>
+template <DType DT, int NCT>
 inline const float* Tile(const Plan& pl, const void* base, int64_t t0, int nk, int g, float* dst,
                          size_t* stride) {
   const int D = pl.D, Dp = pl.Dp;
@@ -330,6 +358,18 @@ inline const float* Tile(const Plan& pl, const void* base, int64_t t0, int nk, i
     }
   }
   *stride = Dp;
+  if constexpr (DT != DType::kF32 && NCT > 0) {
+    if (D == NCT * kW) {  // the common case: whole vectors, trip count known at compile time
+      const uint16_t* s = static_cast<const uint16_t*>(base) + first;
+      for (int j = 0; j < nk; ++j, s += pl.kv_stride, dst += Dp) {
+        for (int c = 0; c < NCT; ++c) {
+          if constexpr (DT == DType::kF16) CvtF16(s + c * kW, dst + c * kW);
+          else CvtBf16(s + c * kW, dst + c * kW);
+        }
+      }
+      return dst - static_cast<size_t>(nk) * Dp;
+    }
+  }
   for (int j = 0; j < nk; ++j) {
     float* d = dst + static_cast<size_t>(j) * Dp;
     int c = 0;
@@ -423,6 +463,122 @@ inline void Row(const float* q, float* acc, float* m, float* l, const float* k, 
   }
 }
 
+#if !defined(KVTIER_ATTENTION_SCALAR)
+// ---------------------------------------------------------------------------
+// Packed row-group kernel (SIMD tiers). A row group is kQ = kW / 4 rows of the
+// same kv head (4 with AVX-512, 2 with AVX2). The group's queries are packed
+// "4 dims x kQ rows" per vector: qp[c] lane l = q_l[4c .. 4c + 3]. A key's 4
+// dims are broadcast to every 128-bit lane, so one FMA advances kQ dot
+// products, and four keys' partial sums are reduced together by an in-lane
+// transpose (6 shuffles + 3 adds for 4 x kQ scores) instead of one horizontal
+// reduction per (row, key). Scores, softmax state and exps stay packed:
+// sq[jb] lane l = row l's scores of keys 4jb .. 4jb + 3.
+// ---------------------------------------------------------------------------
+constexpr int kQ = kW / 4;
+constexpr bool kGrouped = true;
+
+// z lane l = [sum(x0 lane l), sum(x1 lane l), sum(x2 lane l), sum(x3 lane l)].
+inline VF TransposeReduce4(VF x0, VF x1, VF x2, VF x3) {
+  const VF y01 = VAdd(VShuf<0x44>(x0, x1), VShuf<0xEE>(x0, x1));
+  const VF y23 = VAdd(VShuf<0x44>(x2, x3), VShuf<0xEE>(x2, x3));
+  return VAdd(VShuf<0x88>(y01, y23), VShuf<0xDD>(y01, y23));
+}
+inline VF LaneMax4(VF v) {  // every entry of lane l = max of lane l
+  v = VMax(v, VPerm<0x4E>(v));
+  return VMax(v, VPerm<0xB1>(v));
+}
+inline VF LaneSum4(VF v) {
+  v = VAdd(v, VPerm<0x4E>(v));
+  return VAdd(v, VPerm<0xB1>(v));
+}
+
+// Online-softmax update of one row group with the keys of a tile. visr[l]:
+// visible keys of row l (0 for padding rows); nvis = max visr >= 1. acc: kQ
+// rows of stride Dp. mq / lq: packed running max / sum (entry 4l of row l).
+// zero_row: Dp zeros, read instead of keys past nvis in the last key quad.
+template <int NCT>
+inline void RowGroup(const float* qp, float* acc, size_t Dp, float* mq, float* lq, const int* visr, int nvis,
+                     const float* k, size_t ks, const float* v, size_t vs, const float* zero_row, int nc_rt,
+                     float* sq) {
+  const int nc = NCT > 0 ? NCT : nc_rt;  // vectors per row
+  const int nc4 = nc * kW / 4;           // 4-dim chunks per row
+  const int nb = (nvis + 3) / 4;
+  for (int jb = 0; jb < nb; ++jb) {
+    const int j = 4 * jb;
+    const float* k0 = k + j * ks;
+    const float* k1 = j + 1 < nvis ? k0 + ks : zero_row;
+    const float* k2 = j + 2 < nvis ? k0 + 2 * ks : zero_row;
+    const float* k3 = j + 3 < nvis ? k0 + 3 * ks : zero_row;
+    VF x0 = VZero(), x1 = VZero(), x2 = VZero(), x3 = VZero();
+    for (int c = 0; c < nc4; ++c) {
+      const VF q = VLoad(qp + c * kW);
+      x0 = VFma(q, VBcast4(k0 + 4 * c), x0);
+      x1 = VFma(q, VBcast4(k1 + 4 * c), x1);
+      x2 = VFma(q, VBcast4(k2 + 4 * c), x2);
+      x3 = VFma(q, VBcast4(k3 + 4 * c), x3);
+    }
+    VStore(sq + jb * kW, TransposeReduce4(x0, x1, x2, x3));
+  }
+  for (int l = 0; l < kQ; ++l)  // causal mask / padding: scores past a row's visible count
+    for (int j = visr[l]; j < 4 * nb; ++j) sq[(j / 4) * kW + 4 * l + j % 4] = kNegInf;
+
+  VF mx = VSet1(kNegInf);
+  for (int jb = 0; jb < nb; ++jb) mx = VMax(mx, VLoad(sq + jb * kW));
+  const VF mold = VLoad(mq);
+  const VF mnew = VMax(mold, LaneMax4(mx));
+  const VF msafe = VZeroIfNegInf(mnew);  // a row with no key so far: exps of -inf give 0
+  const VF alpha = VExp(VSub(mold, msafe));
+  VF sum = VZero();
+  for (int jb = 0; jb < nb; ++jb) {
+    const VF e = VExp(VSub(VLoad(sq + jb * kW), msafe));
+    VStore(sq + jb * kW, e);
+    sum = VAdd(sum, e);
+  }
+  VStore(lq, VFma(VLoad(lq), alpha, LaneSum4(sum)));
+  VStore(mq, mnew);
+
+  alignas(64) float al[kW];
+  VStore(al, alpha);
+  constexpr int kCB = 4;  // vectors per row per pass: kQ * kCB accumulators in registers
+  for (int c0 = 0; c0 < nc; c0 += kCB) {
+    const int cb_n = std::min(kCB, nc - c0);
+    if (cb_n == kCB) {
+      VF a[kQ][kCB];
+      for (int l = 0; l < kQ; ++l) {
+        const VF al_l = VSet1(al[4 * l]);
+        for (int cb = 0; cb < kCB; ++cb) a[l][cb] = VMul(VLoad(acc + l * Dp + (c0 + cb) * kW), al_l);
+      }
+      for (int j = 0; j < nvis; ++j) {
+        const float* vj = v + j * vs + c0 * kW;
+        const float* pj = sq + (j / 4) * kW + j % 4;
+        VF vv[kCB];
+        for (int cb = 0; cb < kCB; ++cb) vv[cb] = VLoad(vj + cb * kW);
+        for (int l = 0; l < kQ; ++l) {
+          const VF p = VSet1(pj[4 * l]);
+          for (int cb = 0; cb < kCB; ++cb) a[l][cb] = VFma(p, vv[cb], a[l][cb]);
+        }
+      }
+      for (int l = 0; l < kQ; ++l)
+        for (int cb = 0; cb < kCB; ++cb) VStore(acc + l * Dp + (c0 + cb) * kW, a[l][cb]);
+    } else {
+      for (int l = 0; l < kQ; ++l) {
+        const VF al_l = VSet1(al[4 * l]);
+        for (int cb = 0; cb < cb_n; ++cb) {
+          float* ap = acc + l * Dp + (c0 + cb) * kW;
+          VF a = VMul(VLoad(ap), al_l);
+          for (int j = 0; j < nvis; ++j)
+            a = VFma(VSet1(sq[(j / 4) * kW + 4 * l + j % 4]), VLoad(v + j * vs + (c0 + cb) * kW), a);
+          VStore(ap, a);
+        }
+      }
+    }
+  }
+}
+#else
+constexpr int kQ = 1;
+constexpr bool kGrouped = false;
+#endif
+
 // Copies one query row (head_dim floats) scaled and zero padded to Dp.
 inline void LoadQ(const Plan& pl, int query, int head, float* dst) {
   const float* src = pl.p->q + (static_cast<size_t>(query) * pl.p->q_heads + head) * pl.D;
@@ -431,36 +587,61 @@ inline void LoadQ(const Plan& pl, int query, int head, float* dst) {
   for (; d < pl.Dp; ++d) dst[d] = 0.0f;
 }
 
-// Main pass work item: (kv head g, query block qb, key split s).
+// Main pass work item: (kv-head block hblk, query block qb, key split s).
+// Item rows: r = gh * Rhp + i * G + hg for kv head g0 + gh, query q0 + i and
+// q head (g0 + gh) * G + hg; Rhp = nq * G rounded up to a whole row group
+// (padding rows see no key and are never written out).
 template <DType DT, int NCT>
 void MainItem(const Plan& pl, int item) {
   const AttentionParams& P = *pl.p;
-  const int KH = P.kv_heads, G = pl.G, D = pl.D, Dp = pl.Dp, T = pl.T;
-  const int g = item % KH;
-  const int rest = item / KH;
+  const int G = pl.G, D = pl.D, Dp = pl.Dp, T = pl.T, HB = pl.HB;
+  const int hblk = item % pl.n_hblocks;
+  const int rest = item / pl.n_hblocks;
   const int qb = rest % pl.n_qblocks;
   const int s = rest / pl.n_qblocks;
+  const int g0 = hblk * HB;
   const int q0 = qb * pl.QB;
   const int nq = std::min(pl.QB, P.n_queries - q0);
-  const int R = nq * G;
+  const int Rh = nq * G;
+  const int Rhp = static_cast<int>(RoundUp(Rh, kQ));
+  const int R = HB * Rhp;
+  const int st = kGrouped ? 4 : 1;  // floats of softmax state per row
 
   const size_t rdp = RoundUp(static_cast<size_t>(R) * Dp, 16);
   const size_t tdp = RoundUp(static_cast<size_t>(T) * Dp, 16);
-  const size_t r16 = RoundUp(R, 16);
-  float* base = tls_scratch.Floats(2 * rdp + 2 * tdp + 2 * r16 + T + 2 * kW);
+  const size_t rst = RoundUp(static_cast<size_t>(R) * st, 16);
+  const size_t sqn = RoundUp(static_cast<size_t>(T) * kQ + kW, 16);
+  float* base = tls_scratch.Floats(2 * rdp + 2 * tdp + 2 * rst + sqn + RoundUp(Dp, 16));
   float* qs = base;
   float* acc = qs + rdp;
   float* kt = acc + rdp;
   float* vt = kt + tdp;
-  float* mrow = vt + tdp;
-  float* lrow = mrow + r16;
-  float* sbuf = lrow + r16;
-  int* vis = tls_scratch.Ints(nq);
+  float* mst = vt + tdp;
+  float* lst = mst + rst;
+  float* sq = lst + rst;
+  float* zero_row = sq + sqn;
+  int* ibuf = tls_scratch.Ints(static_cast<size_t>(nq) + R);
+  int* vis = ibuf;
+  int* visr = ibuf + nq;
 
-  for (int r = 0; r < R; ++r) LoadQ(pl, q0 + r / G, g * G + r % G, qs + static_cast<size_t>(r) * Dp);
+  std::fill(qs, qs + static_cast<size_t>(R) * Dp, 0.0f);
   std::fill(acc, acc + static_cast<size_t>(R) * Dp, 0.0f);
-  std::fill(mrow, mrow + R, kNegInf);
-  std::fill(lrow, lrow + R, 0.0f);
+  std::fill(mst, mst + static_cast<size_t>(R) * st, kNegInf);
+  std::fill(lst, lst + static_cast<size_t>(R) * st, 0.0f);
+  std::fill(zero_row, zero_row + Dp, 0.0f);
+  for (int gh = 0; gh < HB; ++gh) {
+    for (int rh = 0; rh < Rh; ++rh) {
+      const int r = gh * Rhp + rh;
+      const float* src = P.q + (static_cast<size_t>(q0 + rh / G) * P.q_heads + (g0 + gh) * G + rh % G) * D;
+      if constexpr (kGrouped) {
+        // Packed: group r / kQ, lane r % kQ, chunk c = d / 4 at [(group * Dp/4 + c) * kW + lane * 4 + d % 4].
+        float* dst = qs + static_cast<size_t>(r / kQ) * kQ * Dp + (r % kQ) * 4;
+        for (int d = 0; d < D; ++d) dst[(d / 4) * kW + d % 4] = src[d] * pl.scale;
+      } else {
+        for (int d = 0; d < D; ++d) qs[static_cast<size_t>(r) * Dp + d] = src[d] * pl.scale;
+      }
+    }
+  }
 
   int64_t qmax = std::numeric_limits<int64_t>::max();
   if (P.causal) {
@@ -478,8 +659,8 @@ void MainItem(const Plan& pl, int item) {
     const KvSpan& part = P.parts[t.pi];
     const int64_t p0 = part.first_position + t.t0;
     if (have_next && P.parts[next.pi].first_position + next.t0 <= qmax) {
-      PrefetchRows(pl, P.parts[next.pi].k, next.t0, next.nk, g);
-      PrefetchRows(pl, P.parts[next.pi].v, next.t0, next.nk, g);
+      PrefetchRows(pl, P.parts[next.pi].k, next.t0, next.nk, g0, HB);
+      PrefetchRows(pl, P.parts[next.pi].v, next.t0, next.nk, g0, HB);
     }
     int maxvis = 0;
     if (p0 <= qmax) {  // else: every key of the tile is in the future of every query
@@ -489,15 +670,25 @@ void MainItem(const Plan& pl, int item) {
       }
     }
     if (maxvis > 0) {
-      size_t ks = 0, vs = 0;
-      const float* kp = Tile<DT>(pl, part.k, t.t0, maxvis, g, kt, &ks);
-      const float* vp = Tile<DT>(pl, part.v, t.t0, maxvis, g, vt, &vs);
-      for (int i = 0; i < nq; ++i) {
-        if (vis[i] == 0) continue;
-        for (int hg = 0; hg < G; ++hg) {
-          const int r = i * G + hg;
-          const size_t ro = static_cast<size_t>(r) * Dp;
-          Row<NCT>(qs + ro, acc + ro, mrow + r, lrow + r, kp, ks, vp, vs, vis[i], pl.nc, sbuf);
+      for (int gh = 0; gh < HB; ++gh) {
+        size_t ks = 0, vs = 0;
+        const float* kp = Tile<DT, NCT>(pl, part.k, t.t0, maxvis, g0 + gh, kt, &ks);
+        const float* vp = Tile<DT, NCT>(pl, part.v, t.t0, maxvis, g0 + gh, vt, &vs);
+        for (int r0 = gh * Rhp; r0 < (gh + 1) * Rhp; r0 += kQ) {
+          int nvis = 0;
+          for (int l = 0; l < kQ; ++l) {
+            const int rh = r0 + l - gh * Rhp;
+            visr[l] = rh < Rh ? vis[rh / G] : 0;
+            nvis = std::max(nvis, visr[l]);
+          }
+          if (nvis == 0) continue;
+          const size_t ro = static_cast<size_t>(r0) * Dp;
+          if constexpr (kGrouped) {
+            RowGroup<NCT>(qs + ro, acc + ro, Dp, mst + r0 * st, lst + r0 * st, visr, nvis, kp, ks, vp, vs,
+                          zero_row, pl.nc, sq);
+          } else {
+            Row<NCT>(qs + ro, acc + ro, mst + r0, lst + r0, kp, ks, vp, vs, nvis, pl.nc, sq);
+          }
         }
       }
     }
@@ -505,24 +696,28 @@ void MainItem(const Plan& pl, int item) {
     have = have_next;
   }
 
-  for (int r = 0; r < R; ++r) {
-    const int row = (q0 + r / G) * P.q_heads + g * G + r % G;
-    const float* a = acc + static_cast<size_t>(r) * Dp;
-    if (pl.S > 1) {
-      const size_t pr = static_cast<size_t>(s) * pl.rows_total + row;
-      pl.pm[pr] = mrow[r];
-      pl.pl[pr] = lrow[r];
-      std::memcpy(pl.pacc + pr * D, a, sizeof(float) * D);
-      continue;
-    }
-    float* o = P.out + static_cast<size_t>(row) * D;
-    if (lrow[r] > 0.0f) {
-      const float inv = 1.0f / lrow[r];
-      for (int d = 0; d < D; ++d) o[d] = a[d] * inv;
-      if (pl.lse) pl.lse[row] = mrow[r] + std::log(lrow[r]);
-    } else {
-      std::fill(o, o + D, 0.0f);
-      if (pl.lse) pl.lse[row] = kNegInf;
+  for (int gh = 0; gh < HB; ++gh) {
+    for (int rh = 0; rh < Rh; ++rh) {
+      const int r = gh * Rhp + rh;
+      const int row = (q0 + rh / G) * P.q_heads + (g0 + gh) * G + rh % G;
+      const float* a = acc + static_cast<size_t>(r) * Dp;
+      const float mr = mst[static_cast<size_t>(r) * st], lr = lst[static_cast<size_t>(r) * st];
+      if (pl.S > 1) {
+        const size_t pr = static_cast<size_t>(s) * pl.rows_total + row;
+        pl.pm[pr] = mr;
+        pl.pl[pr] = lr;
+        std::memcpy(pl.pacc + pr * D, a, sizeof(float) * D);
+        continue;
+      }
+      float* o = P.out + static_cast<size_t>(row) * D;
+      if (lr > 0.0f) {
+        const float inv = 1.0f / lr;
+        for (int d = 0; d < D; ++d) o[d] = a[d] * inv;
+        if (pl.lse) pl.lse[row] = mr + std::log(lr);
+      } else {
+        std::fill(o, o + D, 0.0f);
+        if (pl.lse) pl.lse[row] = kNegInf;
+      }
     }
   }
 }
@@ -557,13 +752,13 @@ void MergeRows(const Plan& pl, int r0, int r1) {
   }
 }
 
-// Mass pass work item: (kv head g, range s2 of the keys of the mass parts).
+// Mass pass work item: key range s2 of the keys of the mass parts, all kv
+// heads (each mass element has exactly one writer).
 template <DType DT, int NCT>
 void MassItem(const Plan& pl, int item) {
   const AttentionParams& P = *pl.p;
   const int KH = P.kv_heads, G = pl.G, Dp = pl.Dp, T = pl.T, m = P.n_queries;
-  const int g = item % KH;
-  const int s2 = item / KH;
+  const int s2 = item;
   const size_t tdp = RoundUp(static_cast<size_t>(T) * Dp, 16);
   const size_t t16 = RoundUp(T + kW, 16);
   float* base = tls_scratch.Floats(tdp + RoundUp(Dp, 16) + 2 * t16);
@@ -588,7 +783,7 @@ void MassItem(const Plan& pl, int item) {
     const KvSpan& part = P.parts[t.pi];
     const int64_t p0 = part.first_position + t.t0;
     if (have_next && P.parts[next.pi].first_position + next.t0 <= qmax)
-      PrefetchRows(pl, P.parts[next.pi].k, next.t0, next.nk, g);
+      PrefetchRows(pl, P.parts[next.pi].k, next.t0, next.nk, 0, KH);
     int maxvis = 0;
     if (p0 <= qmax) {
       for (int i = 0; i < m; ++i) {
@@ -596,9 +791,9 @@ void MassItem(const Plan& pl, int item) {
         maxvis = std::max(maxvis, vis[i]);
       }
     }
-    if (maxvis > 0) {
+    for (int g = 0; g < KH && maxvis > 0; ++g) {
       size_t ks = 0;
-      const float* kp = Tile<DT>(pl, part.k, t.t0, maxvis, g, kt, &ks);
+      const float* kp = Tile<DT, NCT>(pl, part.k, t.t0, maxvis, g, kt, &ks);
       std::fill(macc, macc + t16, 0.0f);
       for (int i = 0; i < m; ++i) {
         const int n = vis[i];
@@ -640,14 +835,13 @@ void ParallelFor(int n, const F& f) {
 
 template <DType DT, int NCT>
 void RunMain(const Plan& pl) {
-  const int n = pl.p->kv_heads * pl.n_qblocks * pl.S;
+  const int n = pl.n_hblocks * pl.n_qblocks * pl.S;
   ParallelFor(n, [&](int i) { MainItem<DT, NCT>(pl, i); });
 }
 
 template <DType DT, int NCT>
 void RunMass(const Plan& pl) {
-  const int n = pl.p->kv_heads * pl.S2;
-  ParallelFor(n, [&](int i) { MassItem<DT, NCT>(pl, i); });
+  ParallelFor(pl.S2, [&](int i) { MassItem<DT, NCT>(pl, i); });
 }
 
 template <DType DT>
@@ -718,10 +912,24 @@ KernelError AttentionImpl(const AttentionParams& P) {
   pl.rows_total = P.n_queries * P.q_heads;
   // Tile: ~4096 floats per converted K (and V) tile, 16..128 tokens, multiple of kW.
   pl.T = static_cast<int>(std::clamp<int64_t>(RoundUp(std::max(1, 4096 / pl.Dp), kW), std::max(16, kW), 128));
-  // Query block: up to ~128 rows (fewer for large head dims), at least one query.
+  // Rows per item: up to ~128 (fewer for large head dims). A query block has
+  // at least one query; the kv-head block takes as many heads as fit so that,
+  // for decode, an item reads whole contiguous token rows (all heads) -- the
+  // threads then split the key range (split-K) instead of the heads, which
+  // keeps each thread's memory stream contiguous.
   const int row_target = std::clamp(16384 / pl.Dp, 16, 128);
   pl.QB = std::max(1, row_target / pl.G);
   pl.n_qblocks = (P.n_queries + pl.QB - 1) / pl.QB;
+  {
+    const int max_hb = std::max(1, row_target / (std::min(pl.QB, P.n_queries) * pl.G));
+    pl.HB = 1;
+    for (int hb = std::min(max_hb, P.kv_heads); hb >= 1; --hb)
+      if (P.kv_heads % hb == 0) {
+        pl.HB = hb;
+        break;
+      }
+    pl.n_hblocks = P.kv_heads / pl.HB;
+  }
 
   int64_t N = 0;
   bool want_mass = false;
@@ -733,8 +941,14 @@ KernelError AttentionImpl(const AttentionParams& P) {
 
   const int threads = std::max(1, tbb::this_task_arena::max_concurrency());
   const int64_t target_items = threads == 1 ? 1 : 4 * static_cast<int64_t>(threads);
-  constexpr int64_t kMinSplitKeys = 1024;
-  const int64_t base_items = static_cast<int64_t>(P.kv_heads) * pl.n_qblocks;
+  constexpr int64_t kMinSplitKeys = 512;
+  int64_t base_items = static_cast<int64_t>(pl.n_hblocks) * pl.n_qblocks;
+  if (base_items < target_items && N < 2 * kMinSplitKeys && pl.HB > 1) {
+    // Too short to split the keys: parallelise over the heads instead.
+    pl.HB = 1;
+    pl.n_hblocks = P.kv_heads;
+    base_items = static_cast<int64_t>(pl.n_hblocks) * pl.n_qblocks;
+  }
   int64_t S = 1;
   if (base_items < target_items && N >= 2 * kMinSplitKeys) {
     S = std::min((target_items + base_items - 1) / base_items, N / kMinSplitKeys);
@@ -789,8 +1003,7 @@ KernelError AttentionImpl(const AttentionParams& P) {
     pl.moffs = moffs.data();
     pl.NM = moffs.back();
     int64_t S2 = 1;
-    if (P.kv_heads < target_items && pl.NM >= 2 * kMinSplitKeys)
-      S2 = std::min((target_items + P.kv_heads - 1) / P.kv_heads, pl.NM / kMinSplitKeys);
+    if (pl.NM >= 2 * kMinSplitKeys) S2 = std::min(target_items, pl.NM / kMinSplitKeys);
     pl.split2_len = std::max<int64_t>(1, RoundUp((pl.NM + S2 - 1) / S2, pl.T));
     pl.S2 = static_cast<int>(std::max<int64_t>(1, (pl.NM + pl.split2_len - 1) / pl.split2_len));
     Run(pl, /*mass=*/true);
