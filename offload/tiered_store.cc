@@ -1,5 +1,7 @@
 #include "offload/tiered_store.h"
 
+#include "kernels/cpu/dot.h"
+
 #include <oneapi/tbb/info.h>
 #include <oneapi/tbb/parallel_for.h>
 
@@ -596,19 +598,7 @@ std::string TieredStore::EncodeMeta(const Chunk& c) const {
   return std::move(w.str());
 }
 
-namespace {
-// Eight partial sums so the compiler vectorises the reduction without -ffast-math.
-float Dot(const float* a, const float* b, int n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = 0.0f;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (float x : acc) s += x;
-  return s;
-}
-}  // namespace
+using kernels::Dot;
 
 void TieredStore::ChooseRepresentatives(const LayerState& ls, int64_t first_token, uint8_t* repr) const {
   // InfLLM: per kv head, the chunk's tokens that received the most attention

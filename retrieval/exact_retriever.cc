@@ -1,5 +1,7 @@
 #include "retrieval/exact_retriever.h"
 
+#include "kernels/cpu/dot.h"
+
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 
@@ -8,20 +10,7 @@
 #include <numeric>
 
 namespace kvtier {
-namespace {
-// Eight independent partial sums: lets the compiler vectorise without
-// -ffast-math reassociating the reduction.
-float Dot(const float* a, const float* b, int n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = 0.0f;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (float x : acc) s += x;
-  return s;
-}
-}  // namespace
+using kernels::Dot;
 
 ExactRetriever::LayerIndex& ExactRetriever::Layer(SequenceId seq, int layer) {
   for (auto& [key, idx] : layers_)

@@ -321,6 +321,41 @@ class TileCursor {
   int64_t t_ = 0, tb_ = 0;
 };
 
+// TileCursor with lookahead: Next() returns the next tile to process and, in
+// *ahead, the tile kPrefetchTiles further on (or nullptr), which the caller
+// prefetches; the first call also reports the tiles in between through
+// *ahead_first (so every tile is prefetched exactly once).
+constexpr int kPrefetchTiles = 2;
+class TileStream {
+ public:
+  explicit TileStream(TileCursor cur) : cur_(cur) {
+    while (n_ < kPrefetchTiles && cur_.Next(&ring_[n_])) ++n_;
+    primed_ = n_;
+  }
+  // Tiles already queued at construction (to prefetch before the loop).
+  int Primed() const { return primed_; }
+  const TileRef& PrimedTile(int i) const { return ring_[i]; }
+  bool Next(TileRef* t, const TileRef** ahead) {
+    *ahead = nullptr;
+    if (n_ == 0) return false;
+    *t = ring_[head_];
+    head_ = (head_ + 1) % kRing;
+    --n_;
+    TileRef& slot = ring_[(head_ + n_) % kRing];
+    if (cur_.Next(&slot)) {
+      ++n_;
+      *ahead = &slot;
+    }
+    return true;
+  }
+
+ private:
+  static constexpr int kRing = kPrefetchTiles + 1;
+  TileCursor cur_;
+  TileRef ring_[kRing];
+  int head_ = 0, n_ = 0, primed_ = 0;
+};
+
 // Prefetches kv heads [g0, g0 + hb) of tokens [t0, t0 + nk) of a span (K or
 // V) into L1, so that the next tile's loads overlap the current tile's
 // compute. (always_inline: out of line, GCC deems the function pure --
@@ -651,17 +686,19 @@ void MainItem(const Plan& pl, int item) {
   const int64_t ka = s * pl.split_len;
   const int64_t kb = std::min(pl.N, ka + pl.split_len);
 
-  TileCursor cur(P.parts, nullptr, P.n_parts, pl.offs, ka, kb, T);
-  TileRef t, next;
-  bool have = cur.Next(&t);
-  while (have) {
-    const bool have_next = cur.Next(&next);
+  TileStream tiles(TileCursor(P.parts, nullptr, P.n_parts, pl.offs, ka, kb, T));
+  auto prefetch = [&](const TileRef& a) {
+    if (P.parts[a.pi].first_position + a.t0 > qmax) return;  // will be skipped
+    PrefetchRows(pl, P.parts[a.pi].k, a.t0, a.nk, g0, HB);
+    PrefetchRows(pl, P.parts[a.pi].v, a.t0, a.nk, g0, HB);
+  };
+  for (int i = 0; i < tiles.Primed(); ++i) prefetch(tiles.PrimedTile(i));
+  TileRef t;
+  const TileRef* ahead = nullptr;
+  while (tiles.Next(&t, &ahead)) {
+    if (ahead) prefetch(*ahead);
     const KvSpan& part = P.parts[t.pi];
     const int64_t p0 = part.first_position + t.t0;
-    if (have_next && P.parts[next.pi].first_position + next.t0 <= qmax) {
-      PrefetchRows(pl, P.parts[next.pi].k, next.t0, next.nk, g0, HB);
-      PrefetchRows(pl, P.parts[next.pi].v, next.t0, next.nk, g0, HB);
-    }
     int maxvis = 0;
     if (p0 <= qmax) {  // else: every key of the tile is in the future of every query
       for (int i = 0; i < nq; ++i) {
@@ -692,8 +729,6 @@ void MainItem(const Plan& pl, int item) {
         }
       }
     }
-    t = next;
-    have = have_next;
   }
 
   for (int gh = 0; gh < HB; ++gh) {
@@ -775,15 +810,17 @@ void MassItem(const Plan& pl, int item) {
   }
   const int64_t ka = s2 * pl.split2_len;
   const int64_t kb = std::min(pl.NM, ka + pl.split2_len);
-  TileCursor cur(P.parts, pl.mparts, pl.n_mparts, pl.moffs, ka, kb, T);
-  TileRef t, next;
-  bool have = cur.Next(&t);
-  while (have) {
-    const bool have_next = cur.Next(&next);
+  TileStream tiles(TileCursor(P.parts, pl.mparts, pl.n_mparts, pl.moffs, ka, kb, T));
+  auto prefetch = [&](const TileRef& a) {
+    if (P.parts[a.pi].first_position + a.t0 <= qmax) PrefetchRows(pl, P.parts[a.pi].k, a.t0, a.nk, 0, KH);
+  };
+  for (int i = 0; i < tiles.Primed(); ++i) prefetch(tiles.PrimedTile(i));
+  TileRef t;
+  const TileRef* ahead = nullptr;
+  while (tiles.Next(&t, &ahead)) {
+    if (ahead) prefetch(*ahead);
     const KvSpan& part = P.parts[t.pi];
     const int64_t p0 = part.first_position + t.t0;
-    if (have_next && P.parts[next.pi].first_position + next.t0 <= qmax)
-      PrefetchRows(pl, P.parts[next.pi].k, next.t0, next.nk, 0, KH);
     int maxvis = 0;
     if (p0 <= qmax) {
       for (int i = 0; i < m; ++i) {
@@ -813,8 +850,6 @@ void MassItem(const Plan& pl, int item) {
       float* mass = part.mass + static_cast<size_t>(g) * part.n_tokens + t.t0;
       for (int j = 0; j < maxvis; ++j) mass[j] += macc[j];
     }
-    t = next;
-    have = have_next;
   }
 }
 
@@ -910,8 +945,8 @@ KernelError AttentionImpl(const AttentionParams& P) {
   pl.scale = P.scale != 0.0f ? P.scale : 1.0f / std::sqrt(static_cast<float>(P.head_dim));
   pl.kv_stride = static_cast<size_t>(P.kv_heads) * P.head_dim;
   pl.rows_total = P.n_queries * P.q_heads;
-  // Tile: ~4096 floats per converted K (and V) tile, 16..128 tokens, multiple of kW.
-  pl.T = static_cast<int>(std::clamp<int64_t>(RoundUp(std::max(1, 4096 / pl.Dp), kW), std::max(16, kW), 128));
+  // Tile: ~2048 floats per converted K (and V) tile, 16..128 tokens, multiple of kW.
+  pl.T = static_cast<int>(std::clamp<int64_t>(RoundUp(std::max(1, 2048 / pl.Dp), kW), std::max(16, kW), 128));
   // Rows per item: up to ~128 (fewer for large head dims). A query block has
   // at least one query; the kv-head block takes as many heads as fit so that,
   // for decode, an item reads whole contiguous token rows (all heads) -- the
