@@ -81,6 +81,7 @@ constinit const float* const kF16Table = kF16TableData.data();
 }  // namespace detail
 
 void ToFloat(DType t, const void* src, float* dst, size_t n) {
+  if (n == 0) return;  // memcpy with a null pointer is undefined even for 0 bytes
   switch (t) {
     case DType::kF32: std::memcpy(dst, src, n * 4); return;
     case DType::kF16: {
@@ -98,6 +99,7 @@ void ToFloat(DType t, const void* src, float* dst, size_t n) {
 }
 
 void FromFloat(DType t, const float* src, void* dst, size_t n) {
+  if (n == 0) return;
   switch (t) {
     case DType::kF32: std::memcpy(dst, src, n * 4); return;
     case DType::kF16: {

@@ -7,7 +7,7 @@ build=${1:-build}
 out=$build/bench-run
 mkdir -p "$out"
 printf '%-9s %12s %14s %9s %10s %12s %14s\n' context step_ms full_step_ms speedup needle_hit peak_rss_MiB rss_bound_MiB
-for ctx in 32768 131072 524288; do
+for ctx in ${KVTIER_BENCH_CONTEXTS:-32768 131072 524288}; do
   rm -rf "$out/data-$ctx"
   # Warm tier a quarter of the context's KV (8 layers x 2 kv heads x 64 x f16 x K,V = 4 KiB/token).
   warm=$(( ctx * 4096 / 4 ))

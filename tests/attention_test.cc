@@ -4,6 +4,7 @@
 #include "kernels/cpu/attention.h"
 
 #include <gtest/gtest.h>
+#include <tbb/global_control.h>
 #include <tbb/task_arena.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/dtype.h"
@@ -378,6 +380,11 @@ TEST_P(AttentionLong, MatchesNaive) {
   pb.MakeQueries(qp, rng);
   const Ref ref = Naive(pb);
   Result got;
+  // Allow arenas wider than the machine (the kernel plans its split-K by the
+  // arena's concurrency; this exercises more splits than the cores would).
+  tbb::global_control allow(tbb::global_control::max_allowed_parallelism,
+                            std::max<size_t>(c.threads, tbb::global_control::active_value(
+                                                            tbb::global_control::max_allowed_parallelism)));
   tbb::task_arena arena(c.threads);
   arena.execute([&] { got = RunKernel(pb, Shuffled(pb.parts.size(), 5)); });
   ExpectMatches(pb, got, ref);
@@ -547,6 +554,42 @@ TEST(AttentionMisc, LseOptionalAndDefaultScale) {
   for (PartData& p : pb.parts) std::fill(p.mass.begin(), p.mass.end(), 0.0f);
   const Result got2 = RunKernel(pb, Identity(1));
   ExpectMatches(pb, got2, ref);
+}
+
+TEST(AttentionMisc, MassOnlyForSomeParts) {
+  std::mt19937 rng(21);
+  Problem pb;
+  pb.q_heads = 8;
+  pb.kv_heads = 2;
+  pb.head_dim = 64;
+  pb.dt = DType::kF16;
+  pb.AddPart(4, 0, true, rng);
+  for (int i = 0; i < 40; ++i) pb.AddPart(1 + (i * 7) % 33, 100 + 40 * i, i % 3 == 0, rng);
+  pb.AddPart(50, 3000, false, rng);
+  pb.MakeQueries({3040, 3049}, rng);
+  const Ref ref = Naive(pb);
+  const Result got = RunKernel(pb, Shuffled(pb.parts.size(), 3));
+  ExpectMatches(pb, got, ref);
+  ExpectMass(pb, ref, 0.0f);
+}
+
+TEST(AttentionMisc, ConcurrentCallersGetIndependentResults) {
+  // Scratch is per thread; callers on different threads must not interfere.
+  std::mt19937 rng(22);
+  Problem pb;
+  pb.AddPart(3000, 0, false, rng);
+  pb.AddPart(700, 5000, false, rng);
+  pb.MakeQueries({5699}, rng);
+  const Ref ref = Naive(pb);
+  std::vector<Result> results(4);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      Problem local = pb;  // own copy (RunKernel writes mass through it)
+      for (int rep = 0; rep < 20; ++rep) results[t] = RunKernel(local, Shuffled(local.parts.size(), t * 100 + rep));
+    });
+  for (auto& th : threads) th.join();
+  for (const Result& r : results) ExpectMatches(pb, r, ref);
 }
 
 TEST(AttentionMisc, ZeroQueriesIsANoOp) {

@@ -191,9 +191,11 @@ TEST(Dtype, ArrayConversions) {
   ToFloat(DType::kF32, f.data(), f2.data(), n);
   for (size_t i = 0; i < n; ++i) EXPECT_EQ(FloatBits(f2[i]), FloatBits(src[i])) << i;
 
-  // Zero-length conversions are no-ops (and must not touch the pointers).
-  ToFloat(DType::kF16, h.data(), back.data(), 0);
-  FromFloat(DType::kBF16, src.data(), b.data(), 0);
+  // Zero-length conversions are no-ops and accept null pointers.
+  for (DType d : {DType::kF32, DType::kF16, DType::kBF16}) {
+    ToFloat(d, nullptr, nullptr, 0);
+    FromFloat(d, nullptr, nullptr, 0);
+  }
 }
 
 TEST(Dtype, ArrayRoundTripAllF16) {

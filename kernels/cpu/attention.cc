@@ -1,26 +1,32 @@
 // CPU reference attention kernel. See attention.h for the contract.
 //
 // Work decomposition
-//   * rows: a (query, q head) pair. A work item owns one kv head g, a block of
-//     up to QB queries and therefore QB * G rows (G = q_heads / kv_heads), and
-//     one contiguous range of the concatenated key index space (all parts, in
-//     the order given; the order does not matter to softmax).
-//   * keys are processed in tiles of T tokens (T * padded head_dim ~ 4096
-//     floats so the converted K and V tiles stay in L1). A tile never crosses
-//     a span, so inside it positions are consecutive and the causal mask of a
-//     query is a prefix of the tile (its "visible count").
-//   * each key row of the tile is converted to fp32 once (or read in place for
-//     fp32 storage) and reused by all rows of the item.
-//   * per row: scores (q . k, q pre-scaled) -> online softmax update (running
-//     max m, running sum l, accumulator acc = sum exp(s - m) v).
-//   * when kv_heads * query blocks gives too few items to keep the threads
-//     busy (decode with few kv heads), the key range is split (split-K); each
-//     split writes (m, l, acc) partials and a merge step combines them:
+//   * rows: a (query, q head) pair. A work item owns a block of HB kv heads, a
+//     block of up to QB queries -- HB * QB * G rows (G = q_heads / kv_heads),
+//     at most ~128 -- and one contiguous range of the concatenated key index
+//     space (all parts, in the order given; softmax does not care).
+//   * parallelism (oneTBB parallel_for over items): over kv-head blocks and
+//     query blocks; when that gives fewer than 4 items per thread (decode),
+//     also over key ranges (split-K). For decode, HB = all kv heads, so each
+//     thread streams whole contiguous token rows of its key range.
+//   * keys go in tiles of T tokens (T * padded head_dim ~ 2048 floats, so the
+//     converted K and V tiles and their sources stay in L1). A
+//     tile never crosses a span, so inside it positions are consecutive and a
+//     query's causal mask is a prefix of the tile (its "visible count").
+//   * each key row of a tile is converted to fp32 once (read in place for
+//     fp32 storage) and reused by every row of the item (all q heads of the
+//     GQA group, all queries of the block).
+//   * per row group (RowGroup, 4 rows per AVX-512 vector): scores of 4 keys x
+//     4 rows per transposed reduction -> online softmax (running max m,
+//     running sum l, acc = sum exp(s - m) v) with a polynomial vector exp.
+//     The scalar build (no AVX2) uses the per-row Row() instead.
+//   * split-K partials (m, l, acc) are merged with log-sum-exp merging:
 //       M = max m_s, L = sum l_s e^(m_s - M), out = sum acc_s e^(m_s - M) / L,
 //       lse = M + log L.
 //   * mass (optional) is a second pass over K of the spans that want it,
-//     parallel over (kv head, key range) so that each mass element has exactly
-//     one writer: p = exp(s - lse) summed over the group's rows.
+//     parallel over key ranges (all kv heads per item) so that each mass
+//     element has exactly one writer: p = exp(s - lse) summed over the rows of
+//     the key's GQA group.
 #include "kernels/cpu/attention.h"
 
 #include <tbb/blocked_range.h>
@@ -34,7 +40,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <new>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -321,63 +326,6 @@ class TileCursor {
   int64_t t_ = 0, tb_ = 0;
 };
 
-// TileCursor with lookahead: Next() returns the next tile to process and, in
-// *ahead, the tile kPrefetchTiles further on (or nullptr), which the caller
-// prefetches; the first call also reports the tiles in between through
-// *ahead_first (so every tile is prefetched exactly once).
-constexpr int kPrefetchTiles = 2;
-class TileStream {
- public:
-  explicit TileStream(TileCursor cur) : cur_(cur) {
-    while (n_ < kPrefetchTiles && cur_.Next(&ring_[n_])) ++n_;
-    primed_ = n_;
-  }
-  // Tiles already queued at construction (to prefetch before the loop).
-  int Primed() const { return primed_; }
-  const TileRef& PrimedTile(int i) const { return ring_[i]; }
-  bool Next(TileRef* t, const TileRef** ahead) {
-    *ahead = nullptr;
-    if (n_ == 0) return false;
-    *t = ring_[head_];
-    head_ = (head_ + 1) % kRing;
-    --n_;
-    TileRef& slot = ring_[(head_ + n_) % kRing];
-    if (cur_.Next(&slot)) {
-      ++n_;
-      *ahead = &slot;
-    }
-    return true;
-  }
-
- private:
-  static constexpr int kRing = kPrefetchTiles + 1;
-  TileCursor cur_;
-  TileRef ring_[kRing];
-  int head_ = 0, n_ = 0, primed_ = 0;
-};
-
-// Prefetches kv heads [g0, g0 + hb) of tokens [t0, t0 + nk) of a span (K or
-// V) into L1, so that the next tile's loads overlap the current tile's
-// compute. (always_inline: out of line, GCC deems the function pure --
-// prefetches have no visible effect -- and deletes the calls.)
-[[gnu::always_inline]] inline void PrefetchRows(const Plan& pl, const void* base, int64_t t0, int nk, int g0,
-                                                int hb) {
-  const size_t esize = DTypeSize(pl.p->dtype);
-  const size_t run = static_cast<size_t>(hb) * pl.D * esize;  // contiguous bytes per token
-  const size_t stride = pl.kv_stride * esize;
-  const char* p = static_cast<const char*>(base) + (static_cast<size_t>(t0) * pl.p->kv_heads + g0) * pl.D * esize;
-  if (run == stride) {  // all heads: one contiguous block
-    const size_t bytes = run * nk;
-    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
-    __builtin_prefetch(p + bytes - 1, 0, 3);
-    return;
-  }
-  for (int j = 0; j < nk; ++j, p += stride) {
-    for (size_t off = 0; off < run; off += 64) __builtin_prefetch(p + off, 0, 3);
-    __builtin_prefetch(p + run - 1, 0, 3);
-  }
-}
-
 // Converts rows [t0, t0 + nk) of kv head g of a span to fp32 into dst (row
 // stride Dp, zero padded) -- or, for fp32 storage without padding, returns the
 // rows in place. Returns the row pointer; *stride receives the row stride.
@@ -531,12 +479,12 @@ inline VF LaneSum4(VF v) {
 // visible keys of row l (0 for padding rows); nvis = max visr >= 1. acc: kQ
 // rows of stride Dp. mq / lq: packed running max / sum (entry 4l of row l).
 // zero_row: Dp zeros, read instead of keys past nvis in the last key quad.
+// Packed scores of a row group for keys [0, 4 * nb) (nb = ceil(nvis / 4)),
+// then -inf past each row's visible count (causal mask, padding rows).
 template <int NCT>
-inline void RowGroup(const float* qp, float* acc, size_t Dp, float* mq, float* lq, const int* visr, int nvis,
-                     const float* k, size_t ks, const float* v, size_t vs, const float* zero_row, int nc_rt,
-                     float* sq) {
-  const int nc = NCT > 0 ? NCT : nc_rt;  // vectors per row
-  const int nc4 = nc * kW / 4;           // 4-dim chunks per row
+inline int GroupScores(const float* qp, const int* visr, int nvis, const float* k, size_t ks,
+                       const float* zero_row, int nc_rt, float* sq) {
+  const int nc4 = (NCT > 0 ? NCT : nc_rt) * kW / 4;  // 4-dim chunks per row
   const int nb = (nvis + 3) / 4;
   for (int jb = 0; jb < nb; ++jb) {
     const int j = 4 * jb;
@@ -554,8 +502,17 @@ inline void RowGroup(const float* qp, float* acc, size_t Dp, float* mq, float* l
     }
     VStore(sq + jb * kW, TransposeReduce4(x0, x1, x2, x3));
   }
-  for (int l = 0; l < kQ; ++l)  // causal mask / padding: scores past a row's visible count
+  for (int l = 0; l < kQ; ++l)
     for (int j = visr[l]; j < 4 * nb; ++j) sq[(j / 4) * kW + 4 * l + j % 4] = kNegInf;
+  return nb;
+}
+
+template <int NCT>
+inline void RowGroup(const float* qp, float* acc, size_t Dp, float* mq, float* lq, const int* visr, int nvis,
+                     const float* k, size_t ks, const float* v, size_t vs, const float* zero_row, int nc_rt,
+                     float* sq) {
+  const int nc = NCT > 0 ? NCT : nc_rt;  // vectors per row
+  const int nb = GroupScores<NCT>(qp, visr, nvis, k, ks, zero_row, nc_rt, sq);
 
   VF mx = VSet1(kNegInf);
   for (int jb = 0; jb < nb; ++jb) mx = VMax(mx, VLoad(sq + jb * kW));
@@ -622,6 +579,20 @@ inline void LoadQ(const Plan& pl, int query, int head, float* dst) {
   for (; d < pl.Dp; ++d) dst[d] = 0.0f;
 }
 
+// Stores query row `src` (head_dim floats), scaled, as item row r of qs:
+// packed (group r / kQ, lane r % kQ: chunk c = d / 4 at
+// [(group * Dp / 4 + c) * kW + lane * 4 + d % 4]) or, scalar build, row-major.
+// qs must be zeroed first (padding).
+inline void StoreQ(const Plan& pl, const float* src, int r, float* qs) {
+  const int D = pl.D, Dp = pl.Dp;
+  if constexpr (kGrouped) {
+    float* dst = qs + static_cast<size_t>(r / kQ) * kQ * Dp + (r % kQ) * 4;
+    for (int d = 0; d < D; ++d) dst[(d / 4) * kW + d % 4] = src[d] * pl.scale;
+  } else {
+    for (int d = 0; d < D; ++d) qs[static_cast<size_t>(r) * Dp + d] = src[d] * pl.scale;
+  }
+}
+
 // Main pass work item: (kv-head block hblk, query block qb, key split s).
 // Item rows: r = gh * Rhp + i * G + hg for kv head g0 + gh, query q0 + i and
 // q head (g0 + gh) * G + hg; Rhp = nq * G rounded up to a whole row group
@@ -668,13 +639,7 @@ void MainItem(const Plan& pl, int item) {
     for (int rh = 0; rh < Rh; ++rh) {
       const int r = gh * Rhp + rh;
       const float* src = P.q + (static_cast<size_t>(q0 + rh / G) * P.q_heads + (g0 + gh) * G + rh % G) * D;
-      if constexpr (kGrouped) {
-        // Packed: group r / kQ, lane r % kQ, chunk c = d / 4 at [(group * Dp/4 + c) * kW + lane * 4 + d % 4].
-        float* dst = qs + static_cast<size_t>(r / kQ) * kQ * Dp + (r % kQ) * 4;
-        for (int d = 0; d < D; ++d) dst[(d / 4) * kW + d % 4] = src[d] * pl.scale;
-      } else {
-        for (int d = 0; d < D; ++d) qs[static_cast<size_t>(r) * Dp + d] = src[d] * pl.scale;
-      }
+      StoreQ(pl, src, r, qs);
     }
   }
 
@@ -686,17 +651,12 @@ void MainItem(const Plan& pl, int item) {
   const int64_t ka = s * pl.split_len;
   const int64_t kb = std::min(pl.N, ka + pl.split_len);
 
-  TileStream tiles(TileCursor(P.parts, nullptr, P.n_parts, pl.offs, ka, kb, T));
-  auto prefetch = [&](const TileRef& a) {
-    if (P.parts[a.pi].first_position + a.t0 > qmax) return;  // will be skipped
-    PrefetchRows(pl, P.parts[a.pi].k, a.t0, a.nk, g0, HB);
-    PrefetchRows(pl, P.parts[a.pi].v, a.t0, a.nk, g0, HB);
-  };
-  for (int i = 0; i < tiles.Primed(); ++i) prefetch(tiles.PrimedTile(i));
+  // No software prefetch: every item streams contiguous runs (a span's tokens,
+  // all kv heads of a token for decode), which the hardware prefetchers
+  // follow; measured, explicit prefetching of the next tiles was slower.
+  TileCursor tiles(P.parts, nullptr, P.n_parts, pl.offs, ka, kb, T);
   TileRef t;
-  const TileRef* ahead = nullptr;
-  while (tiles.Next(&t, &ahead)) {
-    if (ahead) prefetch(*ahead);
+  while (tiles.Next(&t)) {
     const KvSpan& part = P.parts[t.pi];
     const int64_t p0 = part.first_position + t.t0;
     int maxvis = 0;
@@ -788,20 +748,40 @@ void MergeRows(const Plan& pl, int r0, int r1) {
 }
 
 // Mass pass work item: key range s2 of the keys of the mass parts, all kv
-// heads (each mass element has exactly one writer).
+// heads (each mass element has exactly one writer). When the packed queries
+// of all rows fit in kMassPackFloats, rows go through GroupScores (rows
+// r = g * Rhp + i * G + hg, as in MainItem); otherwise row by row.
+constexpr size_t kMassPackFloats = size_t{1} << 16;
+
 template <DType DT, int NCT>
 void MassItem(const Plan& pl, int item) {
   const AttentionParams& P = *pl.p;
   const int KH = P.kv_heads, G = pl.G, Dp = pl.Dp, T = pl.T, m = P.n_queries;
   const int s2 = item;
+  const int Rh = m * G;
+  const int Rhp = static_cast<int>(RoundUp(Rh, kQ));
+  const size_t qfloats = static_cast<size_t>(KH) * Rhp * Dp;
+  const bool packed = kGrouped && qfloats <= kMassPackFloats;
   const size_t tdp = RoundUp(static_cast<size_t>(T) * Dp, 16);
-  const size_t t16 = RoundUp(T + kW, 16);
-  float* base = tls_scratch.Floats(tdp + RoundUp(Dp, 16) + 2 * t16);
+  const size_t sqn = RoundUp(static_cast<size_t>(T) * kQ + kW, 16);
+  const size_t qn = RoundUp(packed ? qfloats : static_cast<size_t>(Dp), 16);
+  float* base = tls_scratch.Floats(tdp + qn + 2 * sqn + 2 * RoundUp(Dp, 16) + RoundUp(T + kW, 16));
   float* kt = base;
-  float* qrow = kt + tdp;
-  float* sbuf = qrow + RoundUp(Dp, 16);
-  float* macc = sbuf + t16;
-  int* vis = tls_scratch.Ints(m);
+  float* qs = kt + tdp;
+  float* sq = qs + qn;
+  float* maccq = sq + sqn;  // packed per-lane partial sums (packed path)
+  float* zero_row = maccq + sqn;
+  float* lsev = zero_row + RoundUp(Dp, 16);  // kW floats: packed lse of a row group
+  float* macc = lsev + RoundUp(Dp, 16);      // [T] mass of the tile's keys
+  int* vis = tls_scratch.Ints(static_cast<size_t>(m) + kQ);
+  int* visr = vis + m;
+  std::fill(zero_row, zero_row + Dp, 0.0f);
+  if (packed) {
+    std::fill(qs, qs + qfloats, 0.0f);
+    for (int g = 0; g < KH; ++g)
+      for (int rh = 0; rh < Rh; ++rh)
+        StoreQ(pl, P.q + (static_cast<size_t>(rh / G) * P.q_heads + g * G + rh % G) * pl.D, g * Rhp + rh, qs);
+  }
 
   int64_t qmax = std::numeric_limits<int64_t>::max();
   if (P.causal) {
@@ -810,15 +790,9 @@ void MassItem(const Plan& pl, int item) {
   }
   const int64_t ka = s2 * pl.split2_len;
   const int64_t kb = std::min(pl.NM, ka + pl.split2_len);
-  TileStream tiles(TileCursor(P.parts, pl.mparts, pl.n_mparts, pl.moffs, ka, kb, T));
-  auto prefetch = [&](const TileRef& a) {
-    if (P.parts[a.pi].first_position + a.t0 <= qmax) PrefetchRows(pl, P.parts[a.pi].k, a.t0, a.nk, 0, KH);
-  };
-  for (int i = 0; i < tiles.Primed(); ++i) prefetch(tiles.PrimedTile(i));
+  TileCursor tiles(P.parts, pl.mparts, pl.n_mparts, pl.moffs, ka, kb, T);
   TileRef t;
-  const TileRef* ahead = nullptr;
-  while (tiles.Next(&t, &ahead)) {
-    if (ahead) prefetch(*ahead);
+  while (tiles.Next(&t)) {
     const KvSpan& part = P.parts[t.pi];
     const int64_t p0 = part.first_position + t.t0;
     int maxvis = 0;
@@ -831,20 +805,51 @@ void MassItem(const Plan& pl, int item) {
     for (int g = 0; g < KH && maxvis > 0; ++g) {
       size_t ks = 0;
       const float* kp = Tile<DT, NCT>(pl, part.k, t.t0, maxvis, g, kt, &ks);
-      std::fill(macc, macc + t16, 0.0f);
-      for (int i = 0; i < m; ++i) {
-        const int n = vis[i];
-        if (n == 0) continue;
-        const int np = static_cast<int>(RoundUp(n, kW));
-        for (int hg = 0; hg < G; ++hg) {
-          const int row = i * P.q_heads + g * G + hg;
-          const float lse = pl.lse[row];
-          if (!(lse > kNegInf)) continue;
-          LoadQ(pl, i, g * G + hg, qrow);
-          Scores<NCT>(qrow, kp, ks, n, pl.nc, sbuf);
-          const VF lv = VSet1(lse);
-          for (int j = 0; j < np; j += kW)
-            VStore(macc + j, VAdd(VLoad(macc + j), VExp(VSub(VLoad(sbuf + j), lv))));
+      std::fill(macc, macc + T, 0.0f);
+      if constexpr (kGrouped) {
+        if (packed) {
+          const int nbmax = (maxvis + 3) / 4;
+          std::fill(maccq, maccq + static_cast<size_t>(nbmax) * kW, 0.0f);
+          for (int r0 = 0; r0 < Rhp; r0 += kQ) {
+            int nvis = 0;
+            for (int l = 0; l < kQ; ++l) {
+              const int rh = r0 + l;
+              visr[l] = rh < Rh ? vis[rh / G] : 0;
+              float lse = 0.0f;
+              if (visr[l] > 0) {
+                lse = pl.lse[(rh / G) * P.q_heads + g * G + rh % G];
+                if (!(lse > kNegInf)) visr[l] = 0, lse = 0.0f;  // cannot happen: a visible key gives l >= 1
+              }
+              for (int x = 0; x < 4; ++x) lsev[4 * l + x] = lse;
+              nvis = std::max(nvis, visr[l]);
+            }
+            if (nvis == 0) continue;
+            const int nb = GroupScores<NCT>(qs + static_cast<size_t>(g * Rhp + r0) * Dp, visr, nvis, kp, ks,
+                                            zero_row, pl.nc, sq);
+            const VF lv = VLoad(lsev);
+            for (int jb = 0; jb < nb; ++jb)
+              VStore(maccq + jb * kW, VAdd(VLoad(maccq + jb * kW), VExp(VSub(VLoad(sq + jb * kW), lv))));
+          }
+          for (int jb = 0; jb < nbmax; ++jb)
+            for (int l = 0; l < kQ; ++l)
+              for (int x = 0; x < 4 && 4 * jb + x < T; ++x) macc[4 * jb + x] += maccq[jb * kW + 4 * l + x];
+        }
+      }
+      if (!packed) {
+        for (int i = 0; i < m; ++i) {
+          const int n = vis[i];
+          if (n == 0) continue;
+          const int np = static_cast<int>(RoundUp(n, kW));
+          for (int hg = 0; hg < G; ++hg) {
+            const int row = i * P.q_heads + g * G + hg;
+            const float lse = pl.lse[row];
+            if (!(lse > kNegInf)) continue;
+            LoadQ(pl, i, g * G + hg, qs);
+            Scores<NCT>(qs, kp, ks, n, pl.nc, sq);
+            const VF lv = VSet1(lse);
+            for (int j = 0; j < np; j += kW)
+              VStore(macc + j, VAdd(VLoad(macc + j), VExp(VSub(VLoad(sq + j), lv))));
+          }
         }
       }
       float* mass = part.mass + static_cast<size_t>(g) * part.n_tokens + t.t0;

@@ -1,0 +1,199 @@
+#include "retrieval/budget.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "retrieval/probe.h"  // factory-string helpers
+
+namespace kvtier {
+
+// ---- Eq. 10 and Eq. 11 ------------------------------------------------------------------
+
+double SoftmaxEntropy(const float* s, int n) {
+  // Eq. 11: Theta = -sum_i p_i log p_i with p = softmax(s). With M = max_i s_i,
+  // e_i = exp(s_i - M), Z = sum_i e_i: log p_i = (s_i - M) - log Z, so
+  // Theta = log Z - sum_i e_i (s_i - M) / Z. Every e_i <= 1 and Z >= 1: no overflow.
+  if (s == nullptr || n <= 0) return 0.0;
+  double mx = s[0];
+  for (int i = 1; i < n; ++i) mx = std::max(mx, static_cast<double>(s[i]));
+  double z = 0.0, ez = 0.0;
+  for (int i = 0; i < n; ++i) {
+    const double x = static_cast<double>(s[i]) - mx;
+    const double e = std::exp(x);
+    z += e;
+    ez += e * x;
+  }
+  const double h = std::log(z) - ez / z;
+  return h > 0.0 ? h : 0.0;  // exact 0 for n == 1; never a tiny negative from rounding
+}
+
+float Cosine(const float* a, const float* b, int d) {
+  // Eq. 10: s = a . b / (|a| |b|).
+  double dot = 0.0, na = 0.0, nb = 0.0;
+  for (int i = 0; i < d; ++i) {
+    dot += static_cast<double>(a[i]) * b[i];
+    na += static_cast<double>(a[i]) * a[i];
+    nb += static_cast<double>(b[i]) * b[i];
+  }
+  if (na == 0.0 || nb == 0.0) return 0.0f;
+  return static_cast<float>(dot / (std::sqrt(na) * std::sqrt(nb)));
+}
+
+// ---- shared step protocol ------------------------------------------------------------------
+
+BudgetAllocator::~BudgetAllocator() = default;
+
+void BudgetAllocator::BeginStepCommon(int layers, int k) {
+  begun_ = true;
+  layers_ = layers;
+  k_ = k;
+  next_layer_ = 0;
+  step_error_ = Status::Ok();
+  if (layers < 1)
+    step_error_ = InvalidArgument("BudgetAllocator::BeginStep: layers must be >= 1 (got " + std::to_string(layers) + ")");
+  else if (k < 1)
+    step_error_ = InvalidArgument("BudgetAllocator::BeginStep: k must be >= 1 (got " + std::to_string(k) + ")");
+}
+
+Status BudgetAllocator::CheckAllocate(int layer, const LayerScores& s, bool need_scores) const {
+  if (!begun_) return FailedPrecondition("BudgetAllocator::Allocate called before BeginStep");
+  KVTIER_RETURN_IF_ERROR(step_error_);
+  if (next_layer_ >= layers_)
+    return FailedPrecondition("BudgetAllocator::Allocate: all " + std::to_string(layers_) +
+                              " layers of this step are served; call BeginStep (got layer " +
+                              std::to_string(layer) + ")");
+  if (layer != next_layer_)
+    return FailedPrecondition("BudgetAllocator::Allocate: layers are served in order 0..L-1; expected layer " +
+                              std::to_string(next_layer_) + ", got " + std::to_string(layer));
+  if (s.n < 0) return InvalidArgument("BudgetAllocator::Allocate: n must be >= 0 (got " + std::to_string(s.n) + ")");
+  if (need_scores && s.n > 0) {
+    if (s.scores == nullptr) return InvalidArgument("BudgetAllocator::Allocate: scores must not be null when n > 0");
+    for (int i = 0; i < s.n; ++i)
+      if (!std::isfinite(s.scores[i]))
+        return InvalidArgument("BudgetAllocator::Allocate: score " + std::to_string(i) + " of layer " +
+                               std::to_string(layer) + " is not finite");
+  }
+  return Status::Ok();
+}
+
+// ---- topk --------------------------------------------------------------------------------
+
+void TopKBudget::BeginStep(int layers, int k) { BeginStepCommon(layers, k); }
+
+Result<int> TopKBudget::Allocate(int layer, const LayerScores& s) {
+  KVTIER_RETURN_IF_ERROR(CheckAllocate(layer, s, /*need_scores=*/false));
+  ++next_layer_;
+  return std::min(k_, s.n);
+}
+
+// ---- entropy -------------------------------------------------------------------------------
+
+Status EntropyBudgetOptions::Validate() const {
+  if (min_chunks < 1)
+    return InvalidArgument("EntropyBudgetOptions.min_chunks ('min') must be >= 1 (got " +
+                           std::to_string(min_chunks) + ")");
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<EntropyBudget>> EntropyBudget::Make(const EntropyBudgetOptions& o) {
+  KVTIER_RETURN_IF_ERROR(o.Validate());
+  return std::unique_ptr<EntropyBudget>(new EntropyBudget(o));
+}
+
+std::string EntropyBudget::ToString() const { return "entropy:min=" + std::to_string(opt_.min_chunks); }
+
+void EntropyBudget::Reset() {
+  theta_sum_.clear();
+  theta_count_.clear();
+}
+
+std::optional<double> EntropyBudget::MeanEntropy(int layer) const {
+  if (layer < 0 || static_cast<size_t>(layer) >= theta_count_.size() || theta_count_[layer] == 0)
+    return std::nullopt;
+  return theta_sum_[layer] / static_cast<double>(theta_count_[layer]);
+}
+
+void EntropyBudget::BeginStep(int layers, int k) {
+  BeginStepCommon(layers, k);
+  if (step_error_.ok() && k < opt_.min_chunks)
+    step_error_ = InvalidArgument("EntropyBudget::BeginStep: k (" + std::to_string(k) +
+                                  ") must be >= min (" + std::to_string(opt_.min_chunks) +
+                                  ") so that every layer can get its minimum");
+  if (!step_error_.ok()) return;
+  if (theta_count_.size() != static_cast<size_t>(layers)) {  // a different model: start over
+    theta_sum_.assign(layers, 0.0);
+    theta_count_.assign(layers, 0);
+  }
+  remaining_ = static_cast<int64_t>(layers) * k;  // B_kv = L x k
+  step_theta_sum_ = 0.0;
+  step_theta_count_ = 0;
+}
+
+Result<int> EntropyBudget::Allocate(int layer, const LayerScores& s) {
+  KVTIER_RETURN_IF_ERROR(CheckAllocate(layer, s, /*need_scores=*/true));
+  ++next_layer_;
+  if (s.n == 0) return 0;  // nothing to take; no entropy recorded
+
+  const int L = layers_, M = opt_.min_chunks;
+  // Eq. 11: information density of this layer's similarity distribution.
+  const double theta = SoftmaxEntropy(s.scores, s.n);
+  step_theta_sum_ += theta;
+  ++step_theta_count_;
+  const double step_mean = step_theta_sum_ / step_theta_count_;  // stand-in for unseen layers
+
+  // Eq. 12 denominator: Theta^l + sum_{j>l} Theta-bar^j.
+  double deeper = 0.0;
+  for (int j = layer + 1; j < L; ++j)
+    deeper += theta_count_[j] > 0 ? theta_sum_[j] / static_cast<double>(theta_count_[j]) : step_mean;
+  const double budget = static_cast<double>(remaining_);
+  double share;  // B^l before rounding
+  if (layer == L - 1) {
+    share = budget;  // Eq. 12 with an empty sum: everything that is left
+  } else if (theta + deeper > 0.0) {
+    share = theta / (theta + deeper) * budget;  // Eq. 12
+  } else {
+    share = budget / static_cast<double>(L - layer);  // 0/0: even split of what is left
+  }
+  // Floor (leftover fraction stays in B_kv for the deeper layers), with a 1e-9 relative tolerance.
+  const int64_t rounded = static_cast<int64_t>(std::floor(share * (1.0 + 1e-9)));
+  // Clamp to [min(M, n), min(n, B_kv - M * (deeper layers))]: reserve the deeper layers' minimum.
+  const int64_t reserve = static_cast<int64_t>(M) * (L - 1 - layer);
+  const int64_t hi = std::min<int64_t>(s.n, remaining_ - reserve);
+  const int64_t lo = std::min<int64_t>(M, s.n);
+  if (hi < lo) return Internal("EntropyBudget: budget bookkeeping broke (B_kv " + std::to_string(remaining_) + ")");
+  const int64_t take = std::clamp(rounded, lo, hi);
+  remaining_ -= take;  // Algorithm 1: B_kv <- B_kv - B^l (what the layer actually took)
+
+  // The running mean of layer l is updated only after the layer is processed.
+  theta_sum_[layer] += theta;
+  ++theta_count_[layer];
+  return static_cast<int>(take);
+}
+
+// ---- factory ---------------------------------------------------------------------------------
+
+Result<std::unique_ptr<BudgetAllocator>> MakeBudgetAllocator(const std::string& spec) {
+  KVTIER_ASSIGN_OR_RETURN(FactorySpec fs, ParseFactorySpec(spec, "budget allocator"));
+  auto unknown_key = [&](const std::string& key, const char* known) {
+    return InvalidArgument("unknown key '" + key + "' for budget allocator '" + fs.name + "' in spec '" + spec +
+                           "' (known: " + known + ")");
+  };
+  if (fs.name == "topk") {
+    if (!fs.params.empty()) return unknown_key(fs.params[0].first, "none");
+    return std::unique_ptr<BudgetAllocator>(new TopKBudget());
+  }
+  if (fs.name == "entropy") {
+    EntropyBudgetOptions o;
+    for (const auto& [key, value] : fs.params) {
+      if (key != "min") return unknown_key(key, "min");
+      KVTIER_ASSIGN_OR_RETURN(o.min_chunks, ParseSpecInt(spec, key, value));
+    }
+    if (Status st = o.Validate(); !st.ok())
+      return InvalidArgument("bad value for key 'min' in budget allocator spec '" + spec + "': " + st.message());
+    KVTIER_ASSIGN_OR_RETURN(auto b, EntropyBudget::Make(o));
+    return std::unique_ptr<BudgetAllocator>(std::move(b));
+  }
+  return InvalidArgument("unknown budget allocator '" + fs.name + "' in spec '" + spec + "' (known: topk, entropy)");
+}
+
+}  // namespace kvtier

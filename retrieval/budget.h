@@ -1,0 +1,135 @@
+// Budget allocators: how many chunks each layer may retrieve in one step.
+//
+// Per step the caller calls BeginStep(L, k) once, then Allocate(layer, scores) for layers
+// 0, 1, ..., L-1 in that order (shallow -> deep, the order of transformer computation), each with
+// the cosine scores (Eq. 10) of the layer's n available chunks. Allocate returns how many of
+// them (the best by score) the layer may take. Allocators are pluggable by factory string:
+//
+//   topk               fixed k per layer, clamped to n.
+//   entropy[:min=M]    ActQKV's dynamic KV cut-off (Sec. 4.2, Eq. 11-12, Algorithm 1);
+//                      M (default 1) is the minimum per layer that has chunks.
+//
+// ToString() gives the canonical string with every parameter ("entropy:min=1"); it rebuilds
+// an identical allocator (minus running state).
+//
+// Protocol errors (returned by Allocate, never thrown): Allocate before any BeginStep, for a
+// layer other than the next one, or after the last layer -> FailedPrecondition; BeginStep with
+// layers < 1 or k < 1 (or k < min for entropy) -> every Allocate of that step returns
+// InvalidArgument naming the argument; n < 0, or scores null with n > 0 (entropy), or a
+// non-finite score (entropy) -> InvalidArgument. Not thread-safe: one allocator per sequence.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "store/status.h"
+
+namespace kvtier {
+
+struct LayerScores { const float* scores; int n; };   // cosine scores s_i^l (Eq. 10) of the n available chunks of layer l
+
+class BudgetAllocator {
+ public:
+  virtual ~BudgetAllocator();
+  /// Called once per step before layer 0, with k = chunks per layer, L = layers.
+  virtual void BeginStep(int layers, int k) = 0;
+  /// Layers are served shallow -> deep (0..L-1). Returns how many chunks layer `layer` may take,
+  /// in [min(1, n), n]; the sum over layers never exceeds L*k.
+  virtual Result<int> Allocate(int layer, const LayerScores& s) = 0;
+  virtual std::string ToString() const = 0;
+
+ protected:
+  BudgetAllocator() = default;
+  /// Shared step protocol: BeginStepCommon records (layers, k) and checks them;
+  /// CheckAllocate enforces the order and the basic argument checks.
+  void BeginStepCommon(int layers, int k);
+  Status CheckAllocate(int layer, const LayerScores& s, bool need_scores) const;
+
+  bool begun_ = false;
+  Status step_error_;   // non-OK when BeginStep got bad arguments
+  int layers_ = 0;
+  int k_ = 0;
+  int next_layer_ = 0;  // the layer Allocate expects next
+};
+
+/// "topk": every layer takes min(k, n). Scores are not read (may be null).
+class TopKBudget final : public BudgetAllocator {
+ public:
+  void BeginStep(int layers, int k) override;
+  Result<int> Allocate(int layer, const LayerScores& s) override;
+  std::string ToString() const override { return "topk"; }
+};
+
+struct EntropyBudgetOptions {
+  /// Minimum chunks for a layer that has chunks ("min", default 1; >= 1). A layer with n < min
+  /// gets n; BeginStep's k must be >= min.
+  int min_chunks = 1;
+  Status Validate() const;
+};
+
+/// "entropy": ActQKV's dynamic KV cut-off (Eq. 11-12, Algorithm 1), served shallow -> deep.
+///
+/// BeginStep: B_kv = L * k (int64).
+/// Allocate(l, s), with n chunks:
+///   - n == 0: returns 0; no entropy is recorded (neither for this step nor the running mean).
+///   - Theta^l = SoftmaxEntropy(s) (Eq. 11, nats).
+///   - Theta-bar^j for every deeper layer j > l: the running mean of Theta^j over previous steps
+///     (cumulative mean over every step in which layer j had chunks). A layer j never seen yet
+///     uses the mean of the Theta values of this step so far (layers 0..l that had chunks,
+///     Theta^l included); for the very first layer of the first step that is Theta^l itself.
+///   - Eq. 12: B^l = Theta^l / (Theta^l + sum_{j>l} Theta-bar^j) * B_kv. If that denominator is
+///     0 (every entropy 0, e.g. all layers have one chunk), the remaining budget is split evenly
+///     over the remaining layers: B^l = B_kv / (L - l). The last layer gets B^l = B_kv.
+///   - Rounding: floor, with a relative tolerance of 1e-9 (floor(B^l * (1 + 1e-9))) so that a
+///     product that is an integer in exact arithmetic is not lost to rounding. The fraction left
+///     over stays in B_kv and so is handed to the deeper layers.
+///   - Clamp: to [min(M, n), min(n, B_kv - M * (L - 1 - l))], M = min_chunks. The upper bound
+///     reserves M for every deeper layer (we cannot know which deeper layers will have chunks, so
+///     all are reserved); by induction B_kv >= M * (L - l) at layer l, hence the bounds never
+///     cross, every layer with chunks gets >= min(M, n), and the last layer gets at most what is
+///     left.
+///   - B_kv -= what the layer actually took (Algorithm 1's update): budget a layer could not use
+///     (too few chunks) goes to the deeper layers. Sum over the step <= L * k.
+///   - After the layer is processed, Theta^l enters layer l's running mean.
+/// BeginStep with a different L than the previous step forgets the running means.
+class EntropyBudget final : public BudgetAllocator {
+ public:
+  static Result<std::unique_ptr<EntropyBudget>> Make(const EntropyBudgetOptions& o = {});
+  void BeginStep(int layers, int k) override;
+  Result<int> Allocate(int layer, const LayerScores& s) override;
+  std::string ToString() const override;
+
+  /// Theta-bar^layer: the running mean of Eq. 11 over the steps so far; nullopt before the layer
+  /// was ever allocated with chunks (or out of range).
+  std::optional<double> MeanEntropy(int layer) const;
+  /// B_kv: budget left in the current step.
+  int64_t remaining() const { return remaining_; }
+  /// Forgets the running means (new sequence).
+  void Reset();
+  const EntropyBudgetOptions& options() const { return opt_; }
+
+ private:
+  explicit EntropyBudget(const EntropyBudgetOptions& o) : opt_(o) {}
+  EntropyBudgetOptions opt_;
+  int64_t remaining_ = 0;            // B_kv
+  double step_theta_sum_ = 0.0;      // Theta of this step's layers with chunks so far
+  int step_theta_count_ = 0;
+  std::vector<double> theta_sum_;    // [L] over previous steps
+  std::vector<int64_t> theta_count_; // [L]
+};
+
+/// Builds an allocator from its factory string; unknown names, unknown or duplicate keys,
+/// malformed items and bad values are InvalidArgument naming them.
+Result<std::unique_ptr<BudgetAllocator>> MakeBudgetAllocator(const std::string& spec);
+
+/// Eq. 11: entropy of softmax(s) in nats, computed stably (subtract the max), in fp64:
+/// Theta = log Z - sum_i p_i (s_i - max), Z = sum_i exp(s_i - max). 0 when n <= 0 (or s null).
+/// Scores must be finite (the entropy allocator checks).
+double SoftmaxEntropy(const float* s, int n);
+/// Eq. 10 helper: cosine similarity of a probe and a key (0 when either norm is 0), in fp64.
+float Cosine(const float* a, const float* b, int d);
+
+}  // namespace kvtier
