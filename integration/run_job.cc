@@ -11,7 +11,6 @@
 #include "integration/json.h"
 #include "integration/sysinfo.h"
 #include "kernels/cpu/attention.h"
-#include "retrieval/exact_retriever.h"
 
 namespace kvtier {
 namespace {
@@ -44,10 +43,12 @@ struct Attended {
 struct StepRecord {
   int64_t first_position = 0;
   int m = 0;
-  std::vector<std::vector<float>> q;       // [layer][m, q_heads, D]
+  std::vector<std::vector<float>> q_layer_cache;  // [layer][m, q_heads, D] (decode steps of methods[0])
   std::vector<std::vector<float>> out;     // [layer][m, q_heads, D] sparse output
   std::vector<Attended> attended;          // [layer]
-  double ms = 0, retrieve_ms = 0, fetch_ms = 0, attention_ms = 0, append_ms = 0;
+  double ms = 0, probe_ms = 0, retrieve_ms = 0, alloc_ms = 0, fetch_ms = 0, attention_ms = 0, append_ms = 0;
+  double chunks = 0;
+  uint64_t bytes_moved = 0;
 };
 
 class Progress {
@@ -102,6 +103,12 @@ Status RunOptions::Validate() const {
   if (workload.context <= store.n_sink + store.n_local)
     return InvalidArgument("context (" + std::to_string(workload.context) + ") must exceed n_sink + n_local (" +
                            std::to_string(store.n_sink + store.n_local) + ") for anything to be retrieved");
+  {
+    RetrieverOptions r = retrieval;
+    r.budget_tokens = budget;
+    KVTIER_RETURN_IF_ERROR(r.Validate());
+  }
+  if (spearman_windows < 0) return InvalidArgument("spearman_windows must be >= 0");
   const uint64_t budget_chunks = static_cast<uint64_t>(budget / store.chunk_size);
   if (budget_chunks * store.chunk_bytes() > store.hot_bytes)
     return InvalidArgument("budget (" + std::to_string(budget) + " tokens = " + std::to_string(budget_chunks) +
@@ -109,13 +116,74 @@ Status RunOptions::Validate() const {
   return Status::Ok();
 }
 
+namespace {
+
+// One retrieval method under evaluation: its own retriever (probe state and
+// indexes), and what it did at each evaluated step.
+struct Method {
+  std::string name;
+  std::unique_ptr<Retriever> retriever;
+  std::vector<StepRecord> steps;  // [0] question window, then decode steps
+  uint64_t bytes_moved = 0;
+  double chunks = 0;
+};
+
+// Spearman rho with average ranks for ties.
+double Spearman(const std::vector<double>& a, const std::vector<double>& b) {
+  auto ranks = [](const std::vector<double>& v) {
+    std::vector<size_t> o(v.size());
+    std::iota(o.begin(), o.end(), 0);
+    std::sort(o.begin(), o.end(), [&](size_t x, size_t y) { return v[x] < v[y]; });
+    std::vector<double> r(v.size());
+    for (size_t i = 0; i < o.size();) {
+      size_t j = i;
+      while (j + 1 < o.size() && v[o[j + 1]] == v[o[i]]) ++j;
+      for (size_t t = i; t <= j; ++t) r[o[t]] = 0.5 * static_cast<double>(i + j);
+      i = j + 1;
+    }
+    return r;
+  };
+  const std::vector<double> ra = ranks(a), rb = ranks(b);
+  const double n = static_cast<double>(a.size());
+  if (n < 2) return 0.0;
+  const double ma = std::accumulate(ra.begin(), ra.end(), 0.0) / n, mb = std::accumulate(rb.begin(), rb.end(), 0.0) / n;
+  double sab = 0, saa = 0, sbb = 0;
+  for (size_t i = 0; i < ra.size(); ++i) {
+    sab += (ra[i] - ma) * (rb[i] - mb);
+    saa += (ra[i] - ma) * (ra[i] - ma);
+    sbb += (rb[i] - mb) * (rb[i] - mb);
+  }
+  return saa > 0 && sbb > 0 ? sab / std::sqrt(saa * sbb) : 0.0;
+}
+
+SpearmanSummary Summarize(std::vector<double> v) {
+  SpearmanSummary s;
+  s.samples = static_cast<int>(v.size());
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  auto q = [&](double f) { return v[static_cast<size_t>(f * (v.size() - 1) + 0.5)]; };
+  s.median = Median(v);
+  s.q1 = q(0.25);
+  s.q3 = q(0.75);
+  return s;
+}
+
+// A prefill window sampled for probe-to-oracle agreement: the probes' scores
+// of every chunk that existed then, per layer.
+struct SampledWindow {
+  int64_t begin = 0, end = 0;
+  std::vector<std::vector<uint64_t>> ids;                       // [layer]
+  std::vector<std::vector<float>> act_scores, mean_scores;      // [layer]
+};
+
+}  // namespace
+
 Result<RunReport> RunJob(const RunOptions& opt) {
   KVTIER_RETURN_IF_ERROR(opt.Validate());
   const Geometry& g = opt.store.geometry;
   KVTIER_ASSIGN_OR_RETURN(Workload work, Workload::Create(g, opt.workload));
   KVTIER_ASSIGN_OR_RETURN(auto store, TieredStore::Open(opt.store));
   KVTIER_ASSIGN_OR_RETURN(SequenceId seq, store->CreateSequence());
-  ExactRetriever retriever(store.get());
   ResetPeakRss();
 
   RunReport rep;
@@ -127,10 +195,50 @@ Result<RunReport> RunJob(const RunOptions& opt) {
   const int64_t context = opt.workload.context;
   const int64_t qbegin = work.question_begin();
   const int n_sink = opt.store.n_sink, cs = opt.store.chunk_size;
-  const int k_chunks = opt.budget / cs;
   rep.context_kv_bytes = static_cast<uint64_t>(context) * L * g.token_kv_bytes();
 
-  // ---- prefill: append the context in windows, observe a strided subset of queries ----
+  // ---- the methods: the configured one, or the comparison set ----
+  std::vector<Method> methods;
+  auto add_method = [&](const std::string& name, const std::string& probe, const std::string& alloc, int budget) -> Status {
+    RetrieverOptions ro = opt.retrieval;
+    ro.probe = probe;
+    ro.alloc = alloc;
+    ro.budget_tokens = budget;
+    Method m;
+    m.name = name;
+    KVTIER_ASSIGN_OR_RETURN(m.retriever, Retriever::Create(store.get(), ro));
+    methods.push_back(std::move(m));
+    return Status::Ok();
+  };
+  if (opt.compare) {
+    KVTIER_RETURN_IF_ERROR(add_method("StreamingLLM", "mean", "topk", 0));
+    KVTIER_RETURN_IF_ERROR(add_method("InfLLM", "mean", "topk", opt.budget));
+    KVTIER_RETURN_IF_ERROR(add_method("ActQKV w/o cut-off", "act", "topk", opt.budget));
+    KVTIER_RETURN_IF_ERROR(add_method("ActQKV", "act", "entropy", opt.budget));
+  } else {
+    KVTIER_RETURN_IF_ERROR(add_method("configured", opt.retrieval.probe, opt.retrieval.alloc, opt.budget));
+  }
+  // Probe-to-oracle agreement uses its own act and mean probes (same chunks).
+  std::unique_ptr<Retriever> act_probe, mean_probe;
+  if (opt.spearman_windows > 0) {
+    RetrieverOptions ro = opt.retrieval;
+    ro.alloc = "topk";
+    ro.budget_tokens = opt.budget;
+    ro.probe = "act";
+    KVTIER_ASSIGN_OR_RETURN(act_probe, Retriever::Create(store.get(), ro));
+    ro.probe = "mean";
+    KVTIER_ASSIGN_OR_RETURN(mean_probe, Retriever::Create(store.get(), ro));
+  }
+  // Windows sampled for agreement: evenly spread over the second half of the
+  // prefill (earlier windows have few chunks to rank).
+  std::vector<SampledWindow> sampled;
+  std::vector<int64_t> sample_at;
+  for (int i = 0; i < opt.spearman_windows; ++i) {
+    const int64_t pos = context / 2 + (qbegin - context / 2) * (i + 1) / (opt.spearman_windows + 1);
+    sample_at.push_back(pos / opt.window * opt.window);
+  }
+
+  // ---- prefill: append the context in windows, observe statistics ----
   std::vector<float> qf, kf, vf;
   std::vector<uint8_t> kb, vb;
   auto generate = [&](int layer, int64_t b, int64_t e) {
@@ -147,6 +255,15 @@ Result<RunReport> RunJob(const RunOptions& opt) {
   std::vector<int64_t> spos;
   for (int64_t b = 0; b < context; b += opt.window) {
     const int64_t e = std::min(context, b + opt.window);
+    const bool sample = std::find(sample_at.begin(), sample_at.end(), b) != sample_at.end() && b < qbegin;
+    if (sample) {
+      sampled.emplace_back();
+      sampled.back().begin = b;
+      sampled.back().end = e;
+      sampled.back().ids.resize(L);
+      sampled.back().act_scores.resize(L);
+      sampled.back().mean_scores.resize(L);
+    }
     for (int l = 0; l < L; ++l) {
       generate(l, b, e);
       const double t0 = NowSeconds();
@@ -158,90 +275,118 @@ Result<RunReport> RunJob(const RunOptions& opt) {
       }
       if (!spos.empty())
         KVTIER_RETURN_IF_ERROR(store->ObserveQueries(seq, l, sq.data(), spos.data(), static_cast<int>(spos.size())));
+      // Every window feeds the probes' running statistics (ActQKV Eq. 8 runs over all windows so far).
+      const int m = static_cast<int>(e - b);
+      for (Method& mt : methods) KVTIER_RETURN_IF_ERROR(mt.retriever->Observe(l, qf.data(), m));
       prefill_s += NowSeconds() - t0;
+      if (act_probe) {
+        if (sample) {
+          std::vector<uint64_t> ids2;
+          KVTIER_RETURN_IF_ERROR(act_probe->ObserveAndScore(seq, l, qf.data(), m, &sampled.back().ids[l],
+                                                            &sampled.back().act_scores[l]));
+          KVTIER_RETURN_IF_ERROR(mean_probe->ObserveAndScore(seq, l, qf.data(), m, &ids2, &sampled.back().mean_scores[l]));
+          if (ids2 != sampled.back().ids[l]) return Internal("act and mean probes scored different chunk sets");
+        } else {
+          KVTIER_RETURN_IF_ERROR(act_probe->Observe(l, qf.data(), m));
+        }
+      }
     }
     prog.Update(e);
   }
   rep.prefill_s = prefill_s;
 
   // ---- evaluated steps: the question window, then decode steps ----
-  auto sparse_step = [&](int64_t first, int m, bool append) -> Result<StepRecord> {
+  // Every method attends over the same store; in a comparison the hot slot
+  // cache is emptied before each method's step, so no method is served by
+  // chunks another method fetched.
+  auto sparse_step = [&](Method& mt, int64_t first, int m, bool decode,
+                         const std::vector<std::vector<float>>& qs) -> Result<StepRecord> {
     StepRecord rec;
     rec.first_position = first;
     rec.m = m;
-    rec.q.resize(L); rec.out.resize(L); rec.attended.resize(L);
+    rec.out.resize(L);
+    rec.attended.resize(L);
     std::vector<int64_t> pos(m);
     std::iota(pos.begin(), pos.end(), first);
-    std::vector<float> probe(kv_elems);
+    if (methods.size() > 1) store->EvictHot();
+    const uint64_t moved0 = store->counters().bytes_moved;
+    mt.retriever->BeginStep();
     for (int l = 0; l < L; ++l) {
-      generate(l, first, first + m);
-      rec.q[l].assign(qf.begin(), qf.end());
       rec.out[l].assign(static_cast<size_t>(m) * q_elems, 0.0f);
-      double t0 = NowSeconds();
-      if (append) KVTIER_RETURN_IF_ERROR(store->Append(seq, l, kb.data(), vb.data(), m, g.dtype));
-      double t1 = NowSeconds();
-      ExactRetriever::MeanProbe(g, rec.q[l].data(), m, probe.data());
-      KVTIER_ASSIGN_OR_RETURN(std::vector<uint64_t> chunks, retriever.TopK(seq, l, probe.data(), k_chunks));
-      double t2 = NowSeconds();
-      KVTIER_ASSIGN_OR_RETURN(FetchHandle h, store->FetchChunks(seq, l, chunks));
+      KVTIER_ASSIGN_OR_RETURN(LayerSelection sel, mt.retriever->Select(seq, l, qs[l].data(), m, decode));
+      const double t2 = NowSeconds();
+      KVTIER_ASSIGN_OR_RETURN(FetchHandle h, store->FetchChunks(seq, l, sel.chunks));
       KVTIER_RETURN_IF_ERROR(h.Wait());
-      double t3 = NowSeconds();
+      const double t3 = NowSeconds();
       KVTIER_ASSIGN_OR_RETURN(HotView view, store->GetHotView(seq, l));
       std::vector<kernels::KvSpan> parts;
       parts.push_back(view.sinks);
-      for (const auto& s : h.spans()) parts.push_back(s);
+      for (const auto& sp : h.spans()) parts.push_back(sp);
       for (int i = 0; i < view.n_local_spans; ++i) parts.push_back(view.local[i]);
-      KVTIER_RETURN_IF_ERROR(RunKernel(MakeParams(g, rec.q[l].data(), pos.data(), m, parts, rec.out[l].data())));
-      double t4 = NowSeconds();
+      KVTIER_RETURN_IF_ERROR(RunKernel(MakeParams(g, qs[l].data(), pos.data(), m, parts, rec.out[l].data())));
+      const double t4 = NowSeconds();
       h.Release();
-      rec.append_ms += 1e3 * (t1 - t0);
-      rec.retrieve_ms += 1e3 * (t2 - t1);
+      rec.probe_ms += sel.probe_ms;
+      rec.retrieve_ms += sel.search_ms;
+      rec.alloc_ms += sel.alloc_ms;
       rec.fetch_ms += 1e3 * (t3 - t2);
       rec.attention_ms += 1e3 * (t4 - t3);
-      std::sort(chunks.begin(), chunks.end());
-      rec.attended[l].chunks = std::move(chunks);
+      rec.chunks += sel.chunks.size();
+      std::sort(sel.chunks.begin(), sel.chunks.end());
+      rec.attended[l].chunks = std::move(sel.chunks);
       rec.attended[l].local_begin = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
     }
-    rec.ms = rec.append_ms + rec.retrieve_ms + rec.fetch_ms + rec.attention_ms;
+    rec.bytes_moved = store->counters().bytes_moved - moved0;
     return rec;
   };
 
-  std::vector<StepRecord> steps;
-  {
-    // The question window was appended with the context; its queries attend now.
-    KVTIER_ASSIGN_OR_RETURN(StepRecord question, sparse_step(qbegin, opt.workload.question_len, false));
-    steps.push_back(std::move(question));
+  std::vector<std::vector<float>> step_q(L);  // [layer] queries of the current step
+  std::vector<std::vector<float>> question_q(L);
+  for (int l = 0; l < L; ++l) {
+    question_q[l].resize(static_cast<size_t>(opt.workload.question_len) * q_elems);
+    work.Generate(l, qbegin, context, question_q[l].data(), nullptr, nullptr);
+    for (Method& mt : methods) {
+      Status st = mt.retriever->SetQuestion(l, question_q[l].data(), opt.workload.question_len);
+      if (!st.ok() && st.code() != StatusCode::kFailedPrecondition) return st;  // probes without a question term
+    }
+  }
+  // The question window was appended with the context; its queries attend now.
+  for (Method& mt : methods) {
+    KVTIER_ASSIGN_OR_RETURN(StepRecord question, sparse_step(mt, qbegin, opt.workload.question_len, false, question_q));
+    mt.steps.push_back(std::move(question));
   }
   Progress dprog(opt.progress, "decode", opt.workload.decode_steps);
   for (int s = 0; s < opt.workload.decode_steps; ++s) {
-    KVTIER_ASSIGN_OR_RETURN(StepRecord rec, sparse_step(context + s, 1, true));
-    steps.push_back(std::move(rec));
+    const int64_t p = context + s;
+    double append_ms = 0;
+    for (int l = 0; l < L; ++l) {
+      generate(l, p, p + 1);
+      step_q[l].assign(qf.begin(), qf.end());
+      const double t0 = NowSeconds();
+      KVTIER_RETURN_IF_ERROR(store->Append(seq, l, kb.data(), vb.data(), 1, g.dtype));
+      append_ms += 1e3 * (NowSeconds() - t0);
+    }
+    for (Method& mt : methods) {
+      KVTIER_ASSIGN_OR_RETURN(StepRecord rec, sparse_step(mt, p, 1, true, step_q));
+      rec.append_ms = append_ms;
+      if (&mt == &methods[0]) rec.q_layer_cache = step_q;  // the baseline replays these queries
+      mt.steps.push_back(std::move(rec));
+    }
     dprog.Update(s + 1);
   }
   KVTIER_RETURN_IF_ERROR(store->WaitForDurable());
   rep.peak_rss_bytes = PeakRssBytes();
   rep.counters = store->counters();
-  rep.index_bytes = store->metadata_bytes() + retriever.memory_bytes();
-  rep.rss_bound_bytes = opt.store.warm_bytes + opt.store.hot_bytes + (rep.counters.hot_bytes -
-                        rep.counters.hot_chunks * opt.store.chunk_bytes()) + rep.index_bytes + kRunRssOverheadBytes;
+  uint64_t retriever_bytes = 0;
+  for (Method& mt : methods) retriever_bytes += mt.retriever->memory_bytes();
+  if (act_probe) retriever_bytes += act_probe->memory_bytes() + mean_probe->memory_bytes();
+  rep.index_bytes = store->metadata_bytes() + retriever_bytes;
+  rep.rss_bound_bytes = opt.store.warm_bytes + opt.store.hot_bytes +
+                        (rep.counters.hot_bytes - rep.counters.hot_chunks * opt.store.chunk_bytes()) + rep.index_bytes +
+                        kRunRssOverheadBytes;
 
-  for (size_t i = 1; i < steps.size(); ++i) {
-    rep.step_ms_all.push_back(steps[i].ms);
-  }
-  auto part_median = [&](double StepRecord::*field) {
-    std::vector<double> v;
-    for (size_t i = 1; i < steps.size(); ++i) v.push_back(steps[i].*field);
-    return Median(v);
-  };
-  rep.step_ms = Median(rep.step_ms_all);
-  rep.retrieve_ms = part_median(&StepRecord::retrieve_ms);
-  rep.fetch_ms = part_median(&StepRecord::fetch_ms);
-  rep.attention_ms = part_median(&StepRecord::attention_ms);
-  rep.append_ms = part_median(&StepRecord::append_ms);
-
-  // ---- needle hits need no baseline ----
+  // ---- per-method timing and needle hits (no baseline needed) ----
   auto needle_hit = [&](const StepRecord& rec, int l) {
-    // Every needle sought by a query of this step must be fully attended.
     std::vector<int> sought;
     for (int i = 0; i < rec.m; ++i) {
       const int n = work.SoughtNeedle(rec.first_position + i);
@@ -252,26 +397,50 @@ Result<RunReport> RunJob(const RunOptions& opt) {
         if (!rec.attended[l].Contains(work.needle_starts()[n] + t, n_sink, cs)) return false;
     return true;
   };
-  {
+  for (Method& mt : methods) {
+    MethodReport mr;
+    mr.name = mt.name;
+    mr.spec = mt.retriever->Describe();
+    std::vector<double> probe, search, alloc, fetch, attn, app, share;
     int hits = 0, total = 0, qhits = 0;
-    for (size_t i = 0; i < steps.size(); ++i)
+    double chunks = 0;
+    for (size_t i = 0; i < mt.steps.size(); ++i) {
+      StepRecord& r = mt.steps[i];
+      r.ms = r.append_ms + r.probe_ms + r.retrieve_ms + r.alloc_ms + r.fetch_ms + r.attention_ms;
       for (int l = 0; l < L; ++l) {
-        const bool hit = needle_hit(steps[i], l);
+        const bool hit = needle_hit(r, l);
         if (i == 0) qhits += hit; else { hits += hit; total++; }
       }
-    rep.needle_hit_rate = total ? static_cast<double>(hits) / total : 0.0;
-    rep.question_needle_hit_rate = static_cast<double>(qhits) / L;
+      if (i == 0) continue;
+      mr.step_ms_all.push_back(r.ms);
+      probe.push_back(r.probe_ms); search.push_back(r.retrieve_ms); alloc.push_back(r.alloc_ms);
+      fetch.push_back(r.fetch_ms); attn.push_back(r.attention_ms); app.push_back(r.append_ms);
+      share.push_back(r.ms > 0 ? (r.probe_ms + r.retrieve_ms + r.alloc_ms) / r.ms : 0.0);
+      chunks += r.chunks;
+      mr.bytes_moved += r.bytes_moved;
+    }
+    mr.step_ms = Median(mr.step_ms_all);
+    mr.probe_ms = Median(probe); mr.search_ms = Median(search); mr.alloc_ms = Median(alloc);
+    mr.fetch_ms = Median(fetch); mr.attention_ms = Median(attn); mr.append_ms = Median(app);
+    mr.retrieval_share = Median(share);
+    mr.chunks_per_step = mt.steps.size() > 1 ? chunks / static_cast<double>(mt.steps.size() - 1) : 0.0;
+    mr.needle_hit_rate = total ? static_cast<double>(hits) / total : 0.0;
+    mr.question_needle_hit_rate = static_cast<double>(qhits) / L;
+    rep.methods.push_back(std::move(mr));
   }
 
   // ---- baseline: full attention over the whole context, one layer at a time ----
   if (opt.baseline) {
     const int64_t total = work.total_tokens();
+    const size_t n_steps = methods[0].steps.size();
     std::vector<uint8_t> all_k(static_cast<size_t>(total) * kv_elems * elem), all_v(all_k.size());
-    std::vector<double> full_ms(steps.size(), 0.0);
-    std::vector<double> err_num(steps.size(), 0.0), err_den(steps.size(), 0.0);
-    std::vector<double> recall_sum(steps.size(), 0.0);
+    std::vector<double> full_ms(n_steps, 0.0);
+    // [method][step] accumulators over layers
+    std::vector<std::vector<double>> err_num(methods.size(), std::vector<double>(n_steps, 0.0)),
+        err_den = err_num, recall_sum = err_num;
     std::vector<float> mass(static_cast<size_t>(g.kv_heads) * total);
     std::vector<float> out;
+    std::vector<double> rho_act, rho_mean;
     Progress bprog(opt.progress, "full-attention baseline", L);
     for (int l = 0; l < L; ++l) {
       for (int64_t b = 0; b < total; b += 4096) {
@@ -281,57 +450,112 @@ Result<RunReport> RunJob(const RunOptions& opt) {
         FromFloat(g.dtype, kf.data(), all_k.data() + b * kv_elems * elem, kf.size());
         FromFloat(g.dtype, vf.data(), all_v.data() + b * kv_elems * elem, vf.size());
       }
-      for (size_t i = 0; i < steps.size(); ++i) {
-        const StepRecord& rec = steps[i];
-        const int64_t visible = rec.first_position + rec.m;  // causal: keys up to the last query
+      for (size_t i = 0; i < n_steps; ++i) {
+        const int64_t first = methods[0].steps[i].first_position;
+        const int m = methods[0].steps[i].m;
+        const std::vector<float>& q = i == 0 ? question_q[l] : methods[0].steps[i].q_layer_cache[l];
+        const int64_t visible = first + m;  // causal: keys up to the last query
         std::fill(mass.begin(), mass.end(), 0.0f);
         std::vector<kernels::KvSpan> parts{kernels::KvSpan{all_k.data(), all_v.data(), static_cast<int>(visible), 0,
                                                            mass.data()}};
-        // The kernel's mass layout is [kv_heads, n_tokens] with n_tokens = visible.
-        std::vector<int64_t> pos(rec.m);
-        std::iota(pos.begin(), pos.end(), rec.first_position);
-        out.assign(static_cast<size_t>(rec.m) * q_elems, 0.0f);
+        std::vector<int64_t> pos(m);
+        std::iota(pos.begin(), pos.end(), first);
+        out.assign(static_cast<size_t>(m) * q_elems, 0.0f);
         // Time the plain kernel (no mass output) as the baseline step, then
         // run again with mass for recall.
         std::vector<kernels::KvSpan> timed_parts = parts;
         timed_parts[0].mass = nullptr;
         const double t0 = NowSeconds();
-        KVTIER_RETURN_IF_ERROR(RunKernel(MakeParams(g, rec.q[l].data(), pos.data(), rec.m, timed_parts, out.data())));
+        KVTIER_RETURN_IF_ERROR(RunKernel(MakeParams(g, q.data(), pos.data(), m, timed_parts, out.data())));
         full_ms[i] += 1e3 * (NowSeconds() - t0);
-        KVTIER_RETURN_IF_ERROR(RunKernel(MakeParams(g, rec.q[l].data(), pos.data(), rec.m, parts, out.data())));
-        for (size_t j = 0; j < out.size(); ++j) {
-          const double d = static_cast<double>(rec.out[l][j]) - out[j];
-          err_num[i] += d * d;
-          err_den[i] += static_cast<double>(out[j]) * out[j];
-        }
-        double on = 0, all = 0;
-        for (int h = 0; h < g.kv_heads; ++h) {
-          const float* mh = mass.data() + static_cast<size_t>(h) * visible;
-          for (int64_t t = 0; t < visible; ++t) {
-            all += mh[t];
-            if (rec.attended[l].Contains(t, n_sink, cs)) on += mh[t];
+        KVTIER_RETURN_IF_ERROR(RunKernel(MakeParams(g, q.data(), pos.data(), m, parts, out.data())));
+        for (size_t mi = 0; mi < methods.size(); ++mi) {
+          const StepRecord& rec = methods[mi].steps[i];
+          for (size_t j = 0; j < out.size(); ++j) {
+            const double d = static_cast<double>(rec.out[l][j]) - out[j];
+            err_num[mi][i] += d * d;
+            err_den[mi][i] += static_cast<double>(out[j]) * out[j];
           }
+          double on = 0, all = 0;
+          for (int h = 0; h < g.kv_heads; ++h) {
+            const float* mh = mass.data() + static_cast<size_t>(h) * visible;
+            for (int64_t t = 0; t < visible; ++t) {
+              all += mh[t];
+              if (rec.attended[l].Contains(t, n_sink, cs)) on += mh[t];
+            }
+          }
+          recall_sum[mi][i] += all > 0 ? on / all : 0.0;
         }
-        recall_sum[i] += all > 0 ? on / all : 0.0;
+      }
+      // Oracle chunk relevance of each sampled window: the mass its real
+      // queries (a strided subset) give each chunk under full attention.
+      for (SampledWindow& w : sampled) {
+        const std::vector<uint64_t>& ids = w.ids[l];
+        if (ids.size() < 2) continue;
+        qf.resize(static_cast<size_t>(w.end - w.begin) * q_elems);
+        work.Generate(l, w.begin, w.end, qf.data(), nullptr, nullptr);
+        sq.clear(); spos.clear();
+        for (int64_t p = w.end - 1; p >= w.begin; p -= opt.stat_stride) {
+          spos.push_back(p);
+          sq.insert(sq.end(), qf.begin() + (p - w.begin) * q_elems, qf.begin() + (p - w.begin + 1) * q_elems);
+        }
+        const int64_t visible = w.end;
+        std::fill(mass.begin(), mass.begin() + static_cast<size_t>(g.kv_heads) * visible, 0.0f);
+        std::vector<kernels::KvSpan> parts{kernels::KvSpan{all_k.data(), all_v.data(), static_cast<int>(visible), 0,
+                                                           mass.data()}};
+        out.assign(spos.size() * q_elems, 0.0f);
+        KVTIER_RETURN_IF_ERROR(RunKernel(MakeParams(g, sq.data(), spos.data(), static_cast<int>(spos.size()), parts,
+                                                    out.data())));
+        std::vector<double> oracle(ids.size(), 0.0), act(ids.size()), mean(ids.size());
+        for (size_t c = 0; c < ids.size(); ++c) {
+          const int64_t t0 = n_sink + static_cast<int64_t>(ids[c]) * cs;
+          for (int h = 0; h < g.kv_heads; ++h)
+            for (int t = 0; t < cs; ++t) oracle[c] += mass[static_cast<size_t>(h) * visible + t0 + t];
+          act[c] = w.act_scores[l][c];
+          mean[c] = w.mean_scores[l][c];
+        }
+        rho_act.push_back(Spearman(act, oracle));
+        rho_mean.push_back(Spearman(mean, oracle));
       }
       bprog.Update(l + 1);
     }
-    std::vector<double> recalls;
-    for (size_t i = 0; i < steps.size(); ++i) {
-      const double err = err_den[i] > 0 ? std::sqrt(err_num[i] / err_den[i]) : 0.0;
-      if (i == 0) {
-        rep.question_output_rel_error = err;
-        rep.question_attention_recall = recall_sum[i] / L;
-      } else {
-        rep.step_error_all.push_back(err);
-        rep.full_step_ms_all.push_back(full_ms[i]);
-        recalls.push_back(recall_sum[i] / L);
-      }
-    }
-    rep.output_rel_error = Median(rep.step_error_all);
-    rep.attention_recall = Mean(recalls);
+    rep.spearman_act = Summarize(rho_act);
+    rep.spearman_mean = Summarize(rho_mean);
+    for (size_t i = 1; i < n_steps; ++i) rep.full_step_ms_all.push_back(full_ms[i]);
     rep.full_attention_step_ms = Median(rep.full_step_ms_all);
+    for (size_t mi = 0; mi < methods.size(); ++mi) {
+      MethodReport& mr = rep.methods[mi];
+      std::vector<double> recalls;
+      for (size_t i = 0; i < n_steps; ++i) {
+        const double err = err_den[mi][i] > 0 ? std::sqrt(err_num[mi][i] / err_den[mi][i]) : 0.0;
+        if (i == 0) {
+          mr.question_output_rel_error = err;
+          mr.question_attention_recall = recall_sum[mi][i] / L;
+        } else {
+          mr.step_error_all.push_back(err);
+          recalls.push_back(recall_sum[mi][i] / L);
+        }
+      }
+      mr.output_rel_error = Median(mr.step_error_all);
+      mr.attention_recall = Mean(recalls);
+    }
   }
+  // The headline numbers: the configured method, or ActQKV in a comparison.
+  rep.headline = opt.compare ? static_cast<int>(rep.methods.size()) - 1 : 0;
+  const MethodReport& m0 = rep.methods[rep.headline];
+  rep.needle_hit_rate = m0.needle_hit_rate;
+  rep.attention_recall = m0.attention_recall;
+  rep.output_rel_error = m0.output_rel_error;
+  rep.question_needle_hit_rate = m0.question_needle_hit_rate;
+  rep.question_attention_recall = m0.question_attention_recall;
+  rep.question_output_rel_error = m0.question_output_rel_error;
+  rep.step_ms = m0.step_ms;
+  rep.step_ms_all = m0.step_ms_all;
+  rep.step_error_all = m0.step_error_all;
+  rep.retrieve_ms = m0.probe_ms + m0.search_ms + m0.alloc_ms;
+  rep.fetch_ms = m0.fetch_ms;
+  rep.attention_ms = m0.attention_ms;
+  rep.append_ms = m0.append_ms;
   return rep;
 }
 
@@ -346,7 +570,37 @@ std::string RunReport::ToJson() const {
   w.Key("question_needle_hit_rate").Double(question_needle_hit_rate);
   w.Key("question_attention_recall").Double(question_attention_recall);
   w.Key("question_output_rel_error").Double(question_output_rel_error);
+  w.Key("probe_spearman").BeginObject();
+  for (const auto& [name, sp] : {std::pair<const char*, const SpearmanSummary*>{"act", &spearman_act},
+                                 std::pair<const char*, const SpearmanSummary*>{"mean", &spearman_mean}}) {
+    w.Key(name).BeginObject();
+    w.Key("median").Double(sp->median).Key("q1").Double(sp->q1).Key("q3").Double(sp->q3);
+    w.Key("iqr").Double(sp->q3 - sp->q1).Key("samples").Int(sp->samples);
+    w.EndObject();
+  }
   w.EndObject();
+  w.EndObject();
+  w.Key("methods").BeginArray();
+  for (const MethodReport& m : methods) {
+    w.BeginObject();
+    w.Key("name").String(m.name).Key("spec").String(m.spec);
+    w.Key("needle_hit_rate").Double(m.needle_hit_rate).Key("attention_recall").Double(m.attention_recall);
+    w.Key("output_rel_error").Double(m.output_rel_error);
+    w.Key("question_needle_hit_rate").Double(m.question_needle_hit_rate);
+    w.Key("question_attention_recall").Double(m.question_attention_recall);
+    w.Key("question_output_rel_error").Double(m.question_output_rel_error);
+    w.Key("step_ms").Double(m.step_ms);
+    w.Key("speedup_vs_full").Double(m.step_ms > 0 ? full_attention_step_ms / m.step_ms : 0.0);
+    w.Key("split_ms").BeginObject();
+    w.Key("append").Double(m.append_ms).Key("probe").Double(m.probe_ms).Key("search").Double(m.search_ms);
+    w.Key("alloc").Double(m.alloc_ms).Key("fetch").Double(m.fetch_ms).Key("attention").Double(m.attention_ms);
+    w.EndObject();
+    w.Key("retrieval_share").Double(m.retrieval_share);
+    w.Key("chunks_per_step").Double(m.chunks_per_step);
+    w.Key("bytes_moved").Uint(m.bytes_moved);
+    w.EndObject();
+  }
+  w.EndArray();
   w.Key("time").BeginObject();
   w.Key("step_ms").Double(step_ms);
   w.Key("full_attention_step_ms").Double(full_attention_step_ms);
@@ -354,7 +608,12 @@ std::string RunReport::ToJson() const {
   w.Key("split_ms").BeginObject();
   w.Key("append").Double(append_ms).Key("retrieve").Double(retrieve_ms).Key("fetch").Double(fetch_ms)
       .Key("attention").Double(attention_ms);
+  if (!methods.empty()) {
+    w.Key("probe").Double(methods[headline].probe_ms).Key("search").Double(methods[headline].search_ms)
+        .Key("alloc").Double(methods[headline].alloc_ms);
+  }
   w.EndObject();
+  w.Key("retrieval_share").Double(methods.empty() ? 0.0 : methods[headline].retrieval_share);
   w.Key("prefill_s").Double(prefill_s);
   w.Key("prefill_tokens_per_s").Double(prefill_s > 0 ? o.workload.context / prefill_s : 0.0);
   w.Key("step_ms_all").BeginArray();
@@ -394,7 +653,9 @@ std::string RunReport::ToJson() const {
   w.Key("hot_bytes").Uint(o.store.hot_bytes).Key("warm_bytes").Uint(o.store.warm_bytes);
   w.Key("data_dir").String(o.store.data_dir);
   w.Key("compression").String(CompressionName(o.store.compression));
-  w.Key("retrieval").String("exact top-k dot product vs representatives, mean probe");
+  w.Key("probe").String(o.retrieval.probe).Key("alloc").String(o.retrieval.alloc);
+  w.Key("index").String(o.retrieval.index.factory);
+  w.Key("compare").Bool(o.compare).Key("spearman_windows").Int(o.spearman_windows);
   w.Key("decode_steps").Int(o.workload.decode_steps).Key("question_len").Int(o.workload.question_len);
   w.Key("needle_count").Int(o.workload.needle_count).Key("needle_len").Int(o.workload.needle_len);
   w.Key("needle_depth").Double(o.workload.needle_depth);
@@ -403,6 +664,25 @@ std::string RunReport::ToJson() const {
   w.EndObject();
   w.EndObject();
   return w.str();
+}
+
+std::string RunReport::CompareTable() const {
+  std::string t;
+  char line[512];
+  std::snprintf(line, sizeof(line), "%-20s %8s %8s %9s %10s %9s %10s %11s\n", "method", "needle", "recall",
+                "out.err", "step ms", "vs full", "chunks", "MiB moved");
+  t += line;
+  std::snprintf(line, sizeof(line), "%-20s %8.3f %8.3f %9.4f %10.2f %8.1fx %10s %11s\n", "full attention", 1.0, 1.0,
+                0.0, full_attention_step_ms, 1.0, "all", "-");
+  t += line;
+  for (const MethodReport& m : methods) {
+    std::snprintf(line, sizeof(line), "%-20s %8.3f %8.3f %9.4f %10.2f %8.1fx %10.1f %11.1f\n", m.name.c_str(),
+                  m.needle_hit_rate, m.attention_recall, m.output_rel_error, m.step_ms,
+                  m.step_ms > 0 ? full_attention_step_ms / m.step_ms : 0.0, m.chunks_per_step,
+                  m.bytes_moved / 1048576.0);
+    t += line;
+  }
+  return t;
 }
 
 std::string RunReport::ToTable() const {
@@ -418,7 +698,7 @@ std::string RunReport::ToTable() const {
                 "  output rel. error          %8.4f        %8.4f\n"
                 "\n"
                 "time per decode step (median over %zu steps, all %d layers)\n"
-                "  kvtier                     %8.2f ms  (append %.2f, retrieve %.2f, fetch %.2f, attention %.2f)\n"
+                "  kvtier                     %8.2f ms  (append %.2f, probe+search+alloc %.2f, fetch %.2f, attention %.2f)\n"
                 "  full attention             %8.2f ms  -> kvtier is %.1fx faster\n"
                 "  prefill                    %8.2f s   (%.0f tokens/s, generation excluded)\n"
                 "\n"
@@ -440,7 +720,17 @@ std::string RunReport::ToTable() const {
                 static_cast<unsigned long long>(counters.promotions), static_cast<unsigned long long>(counters.demotions),
                 static_cast<unsigned long long>(counters.hits), static_cast<unsigned long long>(counters.misses),
                 static_cast<unsigned long long>(counters.cold_reads), static_cast<unsigned long long>(counters.cold_writes));
-  return buf;
+  std::string text = buf;
+  if (!methods.empty()) text += "retrieval (" + methods[headline].name + "): " + methods[headline].spec + "\n";
+  if (spearman_act.samples > 0) {
+    char line[256];
+    std::snprintf(line, sizeof(line), "probe-to-oracle Spearman rho (median, IQR over %d samples): act %.3f [%.3f, %.3f], mean %.3f [%.3f, %.3f]\n",
+                  spearman_act.samples, spearman_act.median, spearman_act.q1, spearman_act.q3, spearman_mean.median,
+                  spearman_mean.q1, spearman_mean.q3);
+    text += line;
+  }
+  if (options.compare) text += "\ncomparison on the same data (decode steps):\n" + CompareTable();
+  return text;
 }
 
 }  // namespace kvtier

@@ -11,13 +11,17 @@
 
 #include "integration/workload.h"
 #include "offload/tiered_store.h"
+#include "retrieval/retriever.h"
 
 namespace kvtier {
 
 struct RunOptions {
   StoreOptions store;          ///< store layout and capacities (data_dir holds the cold tier)
   WorkloadOptions workload;    ///< the synthetic data
+  RetrieverOptions retrieval;  ///< probe (act), allocator (entropy), index (Flat); budget_tokens is set from `budget`
   int budget = 2048;           ///< retrieved tokens per step and layer (budget / chunk_size chunks)
+  bool compare = false;        ///< run StreamingLLM, InfLLM, ActQKV w/o cut-off and ActQKV on the same data
+  int spearman_windows = 8;    ///< prefill windows sampled for probe-to-oracle agreement (0 = skip)
   int window = 256;            ///< prefill window: tokens appended per layer at a time
   int stat_stride = 8;         ///< every stat_stride-th query of a prefill window feeds representative-key statistics
   bool baseline = true;        ///< also run full attention on the same data (quality + speed comparison)
@@ -25,8 +29,31 @@ struct RunOptions {
   Status Validate() const;
 };
 
+/// Quality and speed of one retrieval method on the run's steps.
+struct MethodReport {
+  std::string name;                  ///< "ActQKV", "InfLLM", ... or "configured"
+  std::string spec;                  ///< probe / alloc / index / k
+  double needle_hit_rate = 0, attention_recall = 0, output_rel_error = 0;
+  double question_needle_hit_rate = 0, question_attention_recall = 0, question_output_rel_error = 0;
+  double step_ms = 0;                ///< median decode step, all layers (append + probe + search + fetch + attention)
+  double probe_ms = 0, search_ms = 0, alloc_ms = 0, fetch_ms = 0, attention_ms = 0, append_ms = 0;
+  double retrieval_share = 0;        ///< (probe + search + alloc) / step, medians
+  double chunks_per_step = 0;        ///< mean retrieved chunks per decode step over all layers
+  uint64_t bytes_moved = 0;          ///< bytes moved by this method's fetches
+  std::vector<double> step_ms_all, step_error_all;
+};
+
+/// Spearman rho between a probe's chunk scores and the oracle chunk relevance.
+struct SpearmanSummary {
+  double median = 0, q1 = 0, q3 = 0;
+  int samples = 0;                   ///< (window, layer) pairs
+};
+
 struct RunReport {
   RunOptions options;
+  std::vector<MethodReport> methods;    ///< the configured method, or the compared ones in table order
+  int headline = 0;                     ///< method whose numbers fill the top-level fields (ActQKV in a comparison)
+  SpearmanSummary spearman_act, spearman_mean;
   // quality (decode steps and question window, all layers)
   double needle_hit_rate = 0;        ///< (step, layer) pairs whose sought needle was fully attended
   double attention_recall = 0;       ///< mean share of full attention's mass on the attended set
@@ -49,6 +76,7 @@ struct RunReport {
 
   std::string ToJson() const;
   std::string ToTable() const;
+  std::string CompareTable() const;     ///< one row per method (+ full attention)
 };
 
 /// Stated fixed overhead in the RSS bound: program and libraries, RocksDB

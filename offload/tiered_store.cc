@@ -1127,6 +1127,24 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
   cv_.notify_all();
 }
 
+void TieredStore::EvictHot() {
+  std::lock_guard<std::mutex> l(mu_);
+  uint64_t victim = 0;
+  while (hot_policy_->PickVictim(
+      [&](uint64_t id) {
+        const Chunk* c = chunk_by_id_.at(id);
+        return !c->hot_loading && !PinnedLocked(c);
+      },
+      &victim)) {
+    Chunk* c = chunk_by_id_.at(victim);
+    hot_->ReleaseSlot(c->hot_slot);
+    c->hot_slot = -1;
+    c->tiers &= ~kTierHot;
+    c->hot_pins = 0;
+    hot_policy_->OnRemove(victim);
+  }
+}
+
 void TieredStore::ReleasePins(FetchHandle::State* st) {
   std::lock_guard<std::mutex> l(mu_);
   if (st->released) return;

@@ -178,6 +178,10 @@ class TieredStore {
   /// Starts promoting the chunks into hot slots and pins them (async).
   Result<FetchHandle> FetchChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices);
 
+  /// Frees every hot slot that is not pinned or loading (the chunks stay in
+  /// warm/cold). For fair comparisons of methods over one store.
+  void EvictHot();
+
   // ---- durability and accounting ----
   /// Waits until every write-through cold write issued so far is acknowledged.
   Status WaitForDurable();

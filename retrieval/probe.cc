@@ -100,7 +100,6 @@ Status ProbeBuilder::SetQuestion(int layer, const float* q, int m) {
 void ProbeBuilder::Reset() {}
 
 void MeanPoolProbe(const Geometry& g, const float* q, int m, float* probe) {
-  // Kept identical to ExactRetriever::MeanProbe (same order of float operations).
   const int G = g.group_size(), D = g.head_dim;
   std::fill_n(probe, static_cast<size_t>(g.kv_heads) * D, 0.0f);
   const float w = 1.0f / static_cast<float>(m * G);

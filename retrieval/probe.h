@@ -72,8 +72,8 @@ class ProbeBuilder {
 };
 
 /// InfLLM mean pooling: probe[h] = mean over the m queries and the q heads of kv head h's GQA
-/// group ([m, q_heads, head_dim] -> [kv_heads, head_dim]). Same arithmetic as
-/// ExactRetriever::MeanProbe (bit for bit). No argument checks.
+/// group ([m, q_heads, head_dim] -> [kv_heads, head_dim]).
+/// No argument checks.
 void MeanPoolProbe(const Geometry& g, const float* q, int m, float* probe);
 
 /// "mean": InfLLM's probe (MeanPoolProbe). Stateless.

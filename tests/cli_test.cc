@@ -116,3 +116,27 @@ TEST(Cli, BadFlagsGetClearErrors) {
 
 }  // namespace
 }  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
+  TempDir dir;
+  const std::string json = dir.path() + "/report.json";
+  Ran r = Kvtier("run --quiet --compare --context 8192 --geometry 2,8,2,32 --decode-steps 3 --spearman-windows 2"
+                 " --data-dir " + dir.path() + "/data --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* row : {"full attention", "StreamingLLM", "InfLLM", "ActQKV w/o cut-off", "ActQKV "})
+    EXPECT_NE(r.out.find(row), std::string::npos) << row << " missing in\n" << r.out;
+  const std::string rep = ReadAll(json);
+  EXPECT_NE(rep.find("\"probe_spearman\""), std::string::npos);
+  EXPECT_NE(rep.find("\"methods\""), std::string::npos);
+  EXPECT_GT(JsonNumber(rep, "samples"), 0) << rep;
+  // StreamingLLM retrieves nothing and moves no chunk.
+  const size_t at = rep.find("\"name\": \"StreamingLLM\"");
+  ASSERT_NE(at, std::string::npos);
+  EXPECT_EQ(JsonNumber(rep.substr(at), "chunks_per_step"), 0.0);
+}
+
+}  // namespace
+}  // namespace kvtier

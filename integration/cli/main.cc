@@ -189,6 +189,18 @@ int CmdRun(int argc, char** argv) {
   f.Add("anchor", "needle/question shared-direction strength (default 3.2)", DoubleFlag(&o.workload.anchor_strength));
   f.Add("noise", "noise scale on q and k (default 1.0)", DoubleFlag(&o.workload.noise));
   f.Add("seed", "random seed (default 1)", IntFlag(&o.workload.seed, 0, INT64_MAX));
+  f.Add("probe", "probe builder: act | mean | question[:base=act,weight=0.5] (default act)",
+        [&o](const std::string& s) { o.retrieval.probe = s; return Status::Ok(); });
+  f.Add("alloc", "budget allocator: entropy | topk (default entropy)",
+        [&o](const std::string& s) { o.retrieval.alloc = s; return Status::Ok(); });
+  f.Add("index", "FAISS index factory: Flat | HNSW32 | IVF<n>,Flat (default Flat)",
+        [&o](const std::string& s) { o.retrieval.index.factory = s; return Status::Ok(); });
+  f.Add("compare", "compare StreamingLLM, InfLLM, ActQKV w/o cut-off and ActQKV on the same data",
+        [&o](const std::string& s) { o.compare = s != "0"; return Status::Ok(); }, true);
+  f.Add("spearman-windows", "prefill windows sampled for probe-to-oracle Spearman rho (default 8, 0 = off)",
+        IntFlag(&o.spearman_windows, 0, 1 << 16));
+  f.Add("needle-echo", "filler tokens after a needle that look back at it (default 16)",
+        IntFlag(&o.workload.needle_echo, 0, 1 << 20));
   f.Add("no-baseline", "skip the full-attention comparison",
         [&o](const std::string& s) { o.baseline = s == "0"; return Status::Ok(); }, true);
   f.Add("quiet", "no progress on stderr", [&o](const std::string& s) { o.progress = s == "0"; return Status::Ok(); }, true);

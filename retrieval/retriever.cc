@@ -1,0 +1,259 @@
+#include "retrieval/retriever.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <numeric>
+
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+
+#include <limits>
+
+#include "kernels/cpu/dot.h"
+
+namespace kvtier {
+namespace {
+
+double MsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+bool NeedsAllScores(const std::string& alloc_spec) { return alloc_spec.rfind("topk", 0) != 0; }
+
+}  // namespace
+
+Status RetrieverOptions::Validate() const {
+  if (budget_tokens < 0) return InvalidArgument("budget_tokens must be >= 0 (got " + std::to_string(budget_tokens) + ")");
+  if (index.factory != "Exact") KVTIER_RETURN_IF_ERROR(index.Validate());
+  auto a = MakeBudgetAllocator(alloc);
+  if (!a.ok()) return InvalidArgument("alloc: " + a.status().message());
+  // The probe needs a geometry to be built; any valid one checks the spec.
+  auto p = MakeProbeBuilder(probe, Geometry{1, 1, 1, 2, DType::kF32});
+  if (!p.ok()) return InvalidArgument("probe: " + p.status().message());
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<Retriever>> Retriever::Create(TieredStore* store, const RetrieverOptions& options) {
+  if (store == nullptr) return InvalidArgument("Retriever needs a store");
+  KVTIER_RETURN_IF_ERROR(options.Validate());
+  auto r = std::unique_ptr<Retriever>(new Retriever(store, options));
+  const StoreOptions& so = store->options();
+  KVTIER_ASSIGN_OR_RETURN(r->probe_, MakeProbeBuilder(options.probe, so.geometry));
+  KVTIER_ASSIGN_OR_RETURN(r->alloc_, MakeBudgetAllocator(options.alloc));
+  if (!r->exact()) KVTIER_RETURN_IF_ERROR(options.index.Validate(static_cast<int>(so.geometry.token_elems())));
+  r->k_ = options.budget_tokens / so.chunk_size;
+  r->probe_buf_.resize(so.geometry.token_elems());
+  r->probe_vec_.resize(so.geometry.token_elems());
+  return r;
+}
+
+void Retriever::BeginStep() { alloc_->BeginStep(store_->options().geometry.layers, std::max(1, k_)); }
+
+Result<Retriever::LayerIndex*> Retriever::Index(SequenceId seq, int layer) {
+  const uint64_t key = seq * 65536 + static_cast<uint64_t>(layer);
+  auto it = indexes_.find(key);
+  if (it == indexes_.end()) {
+    LayerIndex li;
+    if (!exact()) {
+      KVTIER_ASSIGN_OR_RETURN(li.index, ChunkIndex::Create(static_cast<int>(store_->options().geometry.token_elems()),
+                                                           options_.index));
+    }
+    it = indexes_.emplace(key, std::move(li)).first;
+  }
+  return &it->second;
+}
+
+Status Retriever::Sync(SequenceId seq, int layer) {
+  KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
+  KVTIER_ASSIGN_OR_RETURN(uint64_t count, store_->ChunkCount(seq, layer));
+  if (count <= li->next_chunk) return Status::Ok();
+  const StoreOptions& so = store_->options();
+  const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
+  repr_.resize(static_cast<size_t>(R) * H * D);
+  std::vector<uint64_t> ids;
+  std::vector<float> vecs;
+  for (uint64_t i = li->next_chunk; i < count; ++i) {
+    Status st = store_->GetRepresentatives(ChunkKey{seq, static_cast<uint32_t>(layer), i}, repr_.data());
+    if (st.code() == StatusCode::kNotFound) continue;  // a hole left by a crash: nothing to index
+    KVTIER_RETURN_IF_ERROR(st);
+    if (exact()) {
+      li->exact_ids.push_back(i);
+      li->exact_repr.insert(li->exact_repr.end(), repr_.begin(), repr_.end());
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < H; ++h) {
+          const float* key = repr_.data() + (static_cast<size_t>(r) * H + h) * D;
+          const float n2 = kernels::Dot(key, key, D);
+          li->exact_inv_norm.push_back(n2 > 0.0f ? 1.0f / std::sqrt(n2) : 0.0f);
+        }
+      continue;
+    }
+    ids.push_back(i);
+    vecs.resize(ids.size() * H * D);
+    // InfLLM scores a chunk by the sum of q.k over its representatives, i.e.
+    // the dot product with their mean: the index holds the raw mean (no
+    // normalisation), so top-k keeps key norms, as attention does.
+    float* v = vecs.data() + (ids.size() - 1) * H * D;
+    std::fill(v, v + H * D, 0.0f);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < H * D; ++j) v[j] += repr_[static_cast<size_t>(r) * H * D + j] / static_cast<float>(R);
+    if (li->norm.size() <= i) li->norm.resize(i + 1, 0.0f);
+    li->norm[i] = std::sqrt(kernels::Dot(v, v, H * D));
+  }
+  if (!ids.empty()) KVTIER_RETURN_IF_ERROR(li->index->AddBatch(ids.size(), ids.data(), vecs.data()));
+  li->next_chunk = count;
+  return Status::Ok();
+}
+
+Status Retriever::Observe(int layer, const float* q, int m) { return probe_->Build(layer, q, m, probe_buf_.data()); }
+
+Status Retriever::SetQuestion(int layer, const float* q, int m) { return probe_->SetQuestion(layer, q, m); }
+
+Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float* q, int m, bool decode) {
+  LayerSelection sel;
+  const StoreOptions& so = store_->options();
+  const int H = so.geometry.kv_heads, D = so.geometry.head_dim;
+  auto t0 = std::chrono::steady_clock::now();
+  KVTIER_RETURN_IF_ERROR(decode ? probe_->BuildDecode(layer, q, probe_buf_.data())
+                                : probe_->Build(layer, q, m, probe_buf_.data()));
+  std::copy(probe_buf_.begin(), probe_buf_.end(), probe_vec_.begin());
+  const float probe_norm = std::sqrt(kernels::Dot(probe_vec_.data(), probe_vec_.data(), H * D));
+  sel.probe_ms = MsSince(t0);
+
+  t0 = std::chrono::steady_clock::now();
+  KVTIER_RETURN_IF_ERROR(Sync(seq, layer));
+  KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
+  const int n = static_cast<int>(exact() ? li->exact_ids.size() : li->index->size());
+  if (k_ == 0 || n == 0) {
+    // StreamingLLM-style budget 0, or nothing sealed yet: only sinks + local.
+    LayerScores none{nullptr, 0};
+    KVTIER_ASSIGN_OR_RETURN(int unused, alloc_->Allocate(layer, none));
+    (void)unused;
+    sel.search_ms = MsSince(t0);
+    return sel;
+  }
+  if (exact()) {
+    std::vector<float> raw;
+    ExactScores(*li, probe_vec_.data(), &raw, &scores_);
+    ids_ = li->exact_ids;
+    sel.search_ms = MsSince(t0);
+    t0 = std::chrono::steady_clock::now();
+    const bool by_cosine = NeedsAllScores(options_.alloc);
+    KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{scores_.data(), n}));
+    if (by_cosine) sel.entropy = SoftmaxEntropy(scores_.data(), n);
+    const std::vector<float>& rank = by_cosine ? scores_ : raw;
+    const size_t hot_slots = so.hot_bytes / so.chunk_bytes();
+    const size_t t = std::min<size_t>({static_cast<size_t>(n), static_cast<size_t>(std::max(0, take)), hot_slots});
+    std::vector<size_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + t, order.end(),
+                      [&](size_t a, size_t b) { return rank[a] != rank[b] ? rank[a] > rank[b] : a < b; });
+    sel.chunks.resize(t);
+    for (size_t i = 0; i < t; ++i) sel.chunks[i] = ids_[order[i]];
+    sel.alloc_ms = MsSince(t0);
+    return sel;
+  }
+  if (!NeedsAllScores(options_.alloc)) {
+    // Fixed k: the index serves the top k (approximate kinds stay sub-linear).
+    KVTIER_RETURN_IF_ERROR(li->index->Search(probe_vec_.data(), k_, &sel.chunks, nullptr));
+    sel.search_ms = MsSince(t0);
+    t0 = std::chrono::steady_clock::now();
+    KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{nullptr, n}));
+    sel.chunks.resize(std::min<size_t>(sel.chunks.size(), static_cast<size_t>(take)));
+    sel.alloc_ms = MsSince(t0);
+    return sel;
+  }
+  // The entropy cut-off needs every chunk's score (Eq. 10-11 over the whole
+  // cache). Eq. 10 is the cosine of the layer's probe and the chunk's key
+  // vector (kv heads concatenated): the raw inner product over both norms.
+  KVTIER_RETURN_IF_ERROR(li->index->ScoreAll(probe_vec_.data(), &ids_, &scores_));
+  for (size_t i = 0; i < scores_.size(); ++i) {
+    const float den = probe_norm * li->norm[ids_[i]];
+    scores_[i] = den > 0.0f ? scores_[i] / den : 0.0f;
+  }
+  sel.search_ms = MsSince(t0);
+  t0 = std::chrono::steady_clock::now();
+  KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{scores_.data(), static_cast<int>(scores_.size())}));
+  sel.entropy = SoftmaxEntropy(scores_.data(), static_cast<int>(scores_.size()));
+  std::vector<size_t> order(scores_.size());
+  std::iota(order.begin(), order.end(), 0);
+  // A layer never takes more than the hot slot pool holds (the entropy cut-off
+  // can hand one layer most of the step's budget).
+  const size_t hot_slots = so.hot_bytes / so.chunk_bytes();
+  const size_t t = std::min<size_t>({order.size(), static_cast<size_t>(std::max(0, take)), hot_slots});
+  std::partial_sort(order.begin(), order.begin() + t, order.end(), [&](size_t a, size_t b) {
+    return scores_[a] != scores_[b] ? scores_[a] > scores_[b] : ids_[a] < ids_[b];
+  });
+  sel.chunks.resize(t);
+  for (size_t i = 0; i < t; ++i) sel.chunks[i] = ids_[order[i]];
+  sel.alloc_ms = MsSince(t0);
+  return sel;
+}
+
+Status Retriever::ObserveAndScore(SequenceId seq, int layer, const float* q, int m, std::vector<uint64_t>* ids,
+                                  std::vector<float>* scores) {
+  const StoreOptions& so = store_->options();
+  const int H = so.geometry.kv_heads, D = so.geometry.head_dim;
+  KVTIER_RETURN_IF_ERROR(probe_->Build(layer, q, m, probe_buf_.data()));
+  (void)H; (void)D;
+  std::copy(probe_buf_.begin(), probe_buf_.end(), probe_vec_.begin());
+  KVTIER_RETURN_IF_ERROR(Sync(seq, layer));
+  KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
+  if (exact()) {
+    std::vector<float> cos;
+    ExactScores(*li, probe_vec_.data(), scores, &cos);
+    *ids = li->exact_ids;
+    return Status::Ok();
+  }
+  return li->index->ScoreAll(probe_vec_.data(), ids, scores);
+}
+
+void Retriever::ExactScores(const LayerIndex& li, const float* probe, std::vector<float>* raw,
+                            std::vector<float>* cos) const {
+  const StoreOptions& so = store_->options();
+  const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
+  const size_t n = li.exact_ids.size();
+  raw->resize(n);
+  cos->resize(n);
+  std::vector<float> inv_probe(H);
+  for (int h = 0; h < H; ++h) {
+    const float n2 = kernels::Dot(probe + static_cast<size_t>(h) * D, probe + static_cast<size_t>(h) * D, D);
+    inv_probe[h] = n2 > 0.0f ? 1.0f / std::sqrt(n2) : 0.0f;
+  }
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 256), [&](const tbb::blocked_range<size_t>& range) {
+    for (size_t c = range.begin(); c < range.end(); ++c) {
+      const float* rows = li.exact_repr.data() + c * R * H * D;
+      const float* inv = li.exact_inv_norm.data() + c * R * H;
+      float total = 0.0f, total_cos = 0.0f;
+      for (int h = 0; h < H; ++h) {
+        float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
+        for (int r = 0; r < R; ++r) {
+          const float dot = kernels::Dot(rows + (static_cast<size_t>(r) * H + h) * D, probe + static_cast<size_t>(h) * D, D);
+          best = std::max(best, dot);
+          best_cos = std::max(best_cos, dot * inv[r * H + h] * inv_probe[h]);
+        }
+        total += best;
+        total_cos += best_cos;
+      }
+      (*raw)[c] = total;
+      (*cos)[c] = total_cos / static_cast<float>(H);
+    }
+  });
+}
+
+uint64_t Retriever::memory_bytes() const {
+  uint64_t b = 0;
+  for (const auto& [key, li] : indexes_) {
+    if (li.index) b += li.index->memory_bytes();
+    b += (li.exact_repr.capacity() + li.exact_inv_norm.capacity() + li.norm.capacity()) * sizeof(float) +
+         li.exact_ids.capacity() * sizeof(uint64_t);
+  }
+  return b;
+}
+
+std::string Retriever::Describe() const {
+  return "probe=" + probe_->ToString() + " alloc=" + alloc_->ToString() + " index=" + options_.index.factory +
+         " k=" + std::to_string(k_);
+}
+
+}  // namespace kvtier

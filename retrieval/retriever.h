@@ -1,0 +1,112 @@
+// Retriever: for each prefill window and each decode step, builds the probe of
+// every layer (ProbeBuilder: mean | act | question), scores the layer's chunks
+// through its FAISS ChunkIndex, asks the BudgetAllocator (topk | entropy) how
+// many chunks the layer may take, and returns the chosen chunk indices. Sinks
+// and the local window are always attended on top of them; the caller
+// fetches the chunks from the TieredStore (already-hot chunks are hits and
+// move nothing) and runs attention.
+//
+// Layers must be served shallow -> deep within a step (BeginStep, then
+// Select for layer 0, 1, ...): the entropy allocator (ActQKV Eq. 12) hands
+// what a shallow layer did not use to the deeper ones.
+//
+// Two index kinds. "Exact" (default) keeps every representative key and
+// scores a chunk by its best representative per kv head, summed over heads:
+// on the needle workload this finds the needle where a mean over the
+// representatives dilutes it (at 32K: needle hit 1.0 vs 0.49). The FAISS
+// kinds index one vector per chunk: the mean of its representative keys, kv
+// heads concatenated, not normalised, so top-k by inner product is InfLLM's
+// score (the sum of q.k over the representatives) and approximate indexes
+// (HNSW, IVF) stay sub-linear at millions of tokens.
+// With the entropy allocator, scores are ActQKV's Eq. 10 cosines and, as
+// Algorithm 1 says, a layer takes its chunks in cosine order; with topk the
+// raw inner products rank them.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "offload/tiered_store.h"
+#include "retrieval/budget.h"
+#include "retrieval/chunk_index.h"
+#include "retrieval/probe.h"
+
+namespace kvtier {
+
+struct RetrieverOptions {
+  std::string probe = "act";       ///< probe builder factory string: mean | act | question[:base=..,weight=..]
+  std::string alloc = "entropy";   ///< budget allocator factory string: topk | entropy
+  /// Chunk index per (sequence, layer): "Exact" (default: every representative
+  /// key kept, chunk score = sum over kv heads of the best representative) or
+  /// a FAISS factory over one mean vector per chunk ("Flat", "HNSW32", "IVF<n>,Flat").
+  ChunkIndexOptions index{.factory = "Exact"};
+  int budget_tokens = 2048;        ///< retrieved tokens per layer and step (k = budget_tokens / chunk_size chunks)
+  Status Validate() const;
+};
+
+/// What Select chose for one layer.
+struct LayerSelection {
+  std::vector<uint64_t> chunks;    ///< chunk indices to attend, best first
+  double probe_ms = 0, search_ms = 0, alloc_ms = 0;
+  double entropy = 0;              ///< Θ^ℓ when the allocator computed it (entropy), else 0
+};
+
+class Retriever {
+ public:
+  static Result<std::unique_ptr<Retriever>> Create(TieredStore* store, const RetrieverOptions& options);
+
+  /// Starts a step (a prefill window or a decode token) over all layers.
+  void BeginStep();
+  /// Chooses the chunks of one layer. q: [m, q_heads, head_dim] fp32, the
+  /// window's queries (m >= 1), or the current token's query when `decode`.
+  Result<LayerSelection> Select(SequenceId seq, int layer, const float* q, int m, bool decode);
+  /// Feeds a prefill window to the probe builder without retrieving (keeps
+  /// ActQKV's running statistics of Eq. 8 over every window).
+  Status Observe(int layer, const float* q, int m);
+  /// Observe() plus the scores (summed cosines) of every indexed chunk of
+  /// (seq, layer) for this window's probe, in chunk order. For analysis:
+  /// probe-to-oracle agreement.
+  Status ObserveAndScore(SequenceId seq, int layer, const float* q, int m, std::vector<uint64_t>* ids,
+                         std::vector<float>* scores);
+  /// Sets the task question for a question-aware probe (Q-LLM).
+  Status SetQuestion(int layer, const float* q, int m);
+  /// Indexes chunks sealed since the last call (also rebuilds after a reopen).
+  Status Sync(SequenceId seq, int layer);
+
+  ProbeBuilder& probe() { return *probe_; }
+  const RetrieverOptions& options() const { return options_; }
+  uint64_t memory_bytes() const;
+  std::string Describe() const;  ///< "probe=act alloc=entropy index=Flat k=64"
+
+ private:
+  Retriever(TieredStore* store, const RetrieverOptions& options) : store_(store), options_(options) {}
+  struct LayerIndex {
+    std::unique_ptr<ChunkIndex> index;
+    uint64_t next_chunk = 0;  // chunks below this index are indexed (or holes)
+    std::vector<float> norm;  // [chunk index] L2 norm of the chunk's vector (for Eq. 10 cosines)
+    // "Exact": every representative key, and its inverse norm per head.
+    std::vector<uint64_t> exact_ids;   // [n] chunk index of each row
+    std::vector<float> exact_repr;     // [n, R, H, D]
+    std::vector<float> exact_inv_norm; // [n, R, H]
+  };
+  Result<LayerIndex*> Index(SequenceId seq, int layer);
+  bool exact() const { return options_.index.factory == "Exact"; }
+  // "Exact" scores of every chunk: raw = sum_h max_r <p_h, r_h> (InfLLM's
+  // q.k, best representative per head); cos = mean_h max_r cos(p_h, r_h)
+  // (ActQKV Eq. 10 per head, in [-1, 1]).
+  void ExactScores(const LayerIndex& li, const float* probe, std::vector<float>* raw, std::vector<float>* cos) const;
+
+  TieredStore* store_;
+  RetrieverOptions options_;
+  std::unique_ptr<ProbeBuilder> probe_;
+  std::unique_ptr<BudgetAllocator> alloc_;
+  std::unordered_map<uint64_t, LayerIndex> indexes_;  // key: seq * 65536 + layer
+  std::vector<float> repr_, probe_buf_, probe_vec_;
+  std::vector<uint64_t> ids_;
+  std::vector<float> scores_;
+  int k_ = 0;
+};
+
+}  // namespace kvtier

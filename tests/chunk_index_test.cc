@@ -1,0 +1,528 @@
+// Tests of retrieval/chunk_index.h: chunk/probe vectors, exact top-k against a
+// brute-force reference, ties, removal for every index kind, IVF training,
+// HNSW recall, option validation and edge cases.
+#include "retrieval/chunk_index.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <iostream>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <set>
+#include <thread>
+#include <vector>
+
+namespace kvtier {
+namespace {
+
+// Random chunk vectors ([n, H*D], per-head unit norm) drawn around `clusters`
+// random centres, the shape real keys have (and the hard case for recall is
+// easier to reason about than uniform noise).
+std::vector<float> ClusteredVectors(size_t n, int H, int D, int clusters, float noise, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  const size_t dim = static_cast<size_t>(H) * D;
+  std::vector<float> centres(static_cast<size_t>(clusters) * dim);
+  for (float& c : centres) c = g(rng);
+  std::vector<float> out(n * dim);
+  std::uniform_int_distribution<int> pick(0, clusters - 1);
+  for (size_t i = 0; i < n; ++i) {
+    const float* c = centres.data() + static_cast<size_t>(pick(rng)) * dim;
+    float* v = out.data() + i * dim;
+    for (size_t j = 0; j < dim; ++j) v[j] = c[j] + noise * g(rng);
+    ChunkIndex::ProbeVector(v, H, D, v);
+  }
+  return out;
+}
+
+// Brute-force reference in double: top k by inner product, ties -> smaller id.
+std::vector<uint64_t> ReferenceTopK(const std::vector<uint64_t>& ids, const std::vector<float>& vecs, int dim,
+                                    const float* probe, size_t k) {
+  std::vector<std::pair<double, uint64_t>> all;
+  for (size_t r = 0; r < ids.size(); ++r) {
+    double s = 0.0;
+    for (int j = 0; j < dim; ++j) s += static_cast<double>(vecs[r * dim + j]) * probe[j];
+    all.emplace_back(s, ids[r]);
+  }
+  std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
+  std::vector<uint64_t> out;
+  for (size_t i = 0; i < std::min(k, all.size()); ++i) out.push_back(all[i].second);
+  return out;
+}
+
+std::unique_ptr<ChunkIndex> MakeIndex(int dim, const std::string& factory, int train_min = 0,
+                                      int nprobe = 16) {
+  ChunkIndexOptions o;
+  o.factory = factory;
+  o.train_min = train_min;
+  o.ivf_nprobe = nprobe;
+  auto r = ChunkIndex::Create(dim, o);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  return r.ok() ? std::move(r).value() : nullptr;
+}
+
+bool Contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// ---- vectors ----------------------------------------------------------------------
+
+TEST(ChunkVectorTest, MeanOfRepresentativesNormalisedPerHead) {
+  // R = 2 representatives, H = 2 heads, D = 2.
+  const float repr[] = {
+      10, 0, /* r0 h0 */ 3, 4, /* r0 h1 */
+      0,  1, /* r1 h0 */ 3, 4, /* r1 h1 */
+  };
+  float out[4];
+  ChunkIndex::ChunkVector(repr, 2, 2, 2, out);
+  // Head 0: mean (5, 0.5), normalised; NOT the mean of the normalised keys.
+  const double n0 = std::sqrt(25.0 + 0.25);
+  EXPECT_NEAR(out[0], 5.0 / n0, 1e-6);
+  EXPECT_NEAR(out[1], 0.5 / n0, 1e-6);
+  EXPECT_NEAR(out[2], 0.6, 1e-6);
+  EXPECT_NEAR(out[3], 0.8, 1e-6);
+}
+
+TEST(ChunkVectorTest, ZeroHeadsStayZero) {
+  // Head 1's representatives cancel: a zero mean maps to a zero vector.
+  const float repr[] = {1, 2, 1, -1, /* r0 */ 1, 2, -1, 1 /* r1 */};
+  float out[4] = {9, 9, 9, 9};
+  ChunkIndex::ChunkVector(repr, 2, 2, 2, out);
+  EXPECT_NEAR(out[0], 1 / std::sqrt(5.0), 1e-6);
+  EXPECT_NEAR(out[1], 2 / std::sqrt(5.0), 1e-6);
+  EXPECT_EQ(out[2], 0.0f);
+  EXPECT_EQ(out[3], 0.0f);
+  // No representatives at all: everything zero.
+  ChunkIndex::ChunkVector(repr, 0, 2, 2, out);
+  for (float v : out) EXPECT_EQ(v, 0.0f);
+}
+
+TEST(ProbeVectorTest, PerHeadNormalisationInPlaceAndZeroHeads) {
+  float p[] = {3, 4, 0, 0, 0, -2};  // H = 3, D = 2
+  ChunkIndex::ProbeVector(p, 3, 2, p);
+  EXPECT_NEAR(p[0], 0.6, 1e-6);
+  EXPECT_NEAR(p[1], 0.8, 1e-6);
+  EXPECT_EQ(p[2], 0.0f);
+  EXPECT_EQ(p[3], 0.0f);
+  EXPECT_NEAR(p[4], 0.0, 1e-6);
+  EXPECT_NEAR(p[5], -1.0, 1e-6);
+}
+
+TEST(ProbeVectorTest, InnerProductIsSumOfPerHeadCosines) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> g;
+  const int R = 4, H = 3, D = 16;
+  std::vector<float> repr(R * H * D), probe(H * D), cv(H * D), pv(H * D);
+  for (float& x : repr) x = g(rng);
+  for (float& x : probe) x = 5.0f * g(rng);  // scale must not matter
+  ChunkIndex::ChunkVector(repr.data(), R, H, D, cv.data());
+  ChunkIndex::ProbeVector(probe.data(), H, D, pv.data());
+  double expect = 0.0;
+  for (int h = 0; h < H; ++h) {
+    std::vector<double> mean(D, 0.0);
+    for (int r = 0; r < R; ++r)
+      for (int d = 0; d < D; ++d) mean[d] += repr[(r * H + h) * D + d] / R;
+    double dot = 0, nm = 0, np = 0;
+    for (int d = 0; d < D; ++d) {
+      dot += mean[d] * probe[h * D + d];
+      nm += mean[d] * mean[d];
+      np += static_cast<double>(probe[h * D + d]) * probe[h * D + d];
+    }
+    expect += dot / std::sqrt(nm * np);  // ActQKV Eq. 10 for head h
+  }
+  double got = 0.0;
+  for (int i = 0; i < H * D; ++i) got += static_cast<double>(cv[i]) * pv[i];
+  EXPECT_NEAR(got, expect, 1e-5);
+}
+
+// ---- exact search -----------------------------------------------------------------
+
+TEST(ChunkIndexTest, FlatTopKMatchesBruteForce) {
+  const int H = 2, D = 16, dim = H * D;
+  const size_t n = 3000;
+  auto vecs = ClusteredVectors(n, H, D, 50, 0.5f, 1);
+  // Chunk ids with gaps, added in shuffled order (exercises the sorted merge).
+  std::vector<uint64_t> ids(n);
+  for (size_t i = 0; i < n; ++i) ids[i] = 3 * i + 1;
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), std::mt19937(2));
+  auto index = MakeIndex(dim, "Flat");
+  for (size_t i : order) ASSERT_TRUE(index->Add(ids[i], vecs.data() + i * dim).ok());
+  ASSERT_EQ(index->size(), n);
+  EXPECT_TRUE(index->trained());
+
+  auto probes = ClusteredVectors(20, H, D, 50, 0.8f, 3);
+  std::vector<uint64_t> all_ids;
+  std::vector<float> all_scores;
+  for (int q = 0; q < 20; ++q) {
+    const float* p = probes.data() + q * dim;
+    ASSERT_TRUE(index->ScoreAll(p, &all_ids, &all_scores).ok());
+    ASSERT_TRUE(std::is_sorted(all_ids.begin(), all_ids.end()));
+    for (int k : {1, 10, 64, 500}) {
+      std::vector<uint64_t> got;
+      std::vector<float> scores;
+      ASSERT_TRUE(index->Search(p, k, &got, &scores).ok());
+      EXPECT_EQ(got, ReferenceTopK(ids, vecs, dim, p, k)) << "q=" << q << " k=" << k;
+      ASSERT_EQ(scores.size(), got.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        const size_t row = std::lower_bound(all_ids.begin(), all_ids.end(), got[i]) - all_ids.begin();
+        EXPECT_EQ(scores[i], all_scores[row]);  // same exact inner product as ScoreAll
+        if (i > 0) {
+          EXPECT_GE(scores[i - 1], scores[i]);
+        }
+      }
+    }
+  }
+}
+
+TEST(ChunkIndexTest, FlatTiesGoToTheSmallerChunkIndex) {
+  const int dim = 8;
+  // 10 distinct unit vectors; chunk i gets vector i % 10, so every score is
+  // shared by 12 chunks and the k-th place always sits inside a tie.
+  auto base = ClusteredVectors(10, 1, dim, 10, 0.3f, 4);
+  auto index = MakeIndex(dim, "Flat");
+  std::vector<uint64_t> ids;
+  std::vector<float> vecs;
+  std::vector<uint64_t> order(120);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), std::mt19937(5));
+  for (uint64_t id : order) {
+    ASSERT_TRUE(index->Add(id, base.data() + (id % 10) * dim).ok());
+    ids.push_back(id);
+    vecs.insert(vecs.end(), base.begin() + (id % 10) * dim, base.begin() + (id % 10 + 1) * dim);
+  }
+  for (int q = 0; q < 10; ++q) {
+    for (int k : {1, 5, 12, 13, 30, 119}) {
+      std::vector<uint64_t> got;
+      ASSERT_TRUE(index->Search(base.data() + q * dim, k, &got, nullptr).ok());
+      EXPECT_EQ(got, ReferenceTopK(ids, vecs, dim, base.data() + q * dim, k)) << "q=" << q << " k=" << k;
+    }
+  }
+  // All-zero chunk vectors score 0 for any probe: the smallest indices win.
+  auto zeros = MakeIndex(dim, "Flat");
+  std::vector<float> z(dim, 0.0f);
+  for (uint64_t id : {7, 3, 9, 1, 5}) ASSERT_TRUE(zeros->Add(id, z.data()).ok());
+  std::vector<uint64_t> got;
+  ASSERT_TRUE(zeros->Search(base.data(), 2, &got, nullptr).ok());
+  EXPECT_EQ(got, (std::vector<uint64_t>{1, 3}));
+}
+
+// ---- removal, every kind ----------------------------------------------------------
+
+class ChunkIndexRemoveTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ChunkIndexRemoveTest, RemovedChunksLeaveTheIndex) {
+  const int H = 2, D = 8, dim = H * D;
+  const size_t n = 1200;  // above IVF16's 39 x 16 = 624 training vectors
+  auto vecs = ClusteredVectors(n, H, D, 16, 0.4f, 6);
+  auto index = MakeIndex(dim, GetParam());
+  std::vector<uint64_t> ids(n);
+  std::iota(ids.begin(), ids.end(), 0);
+  ASSERT_TRUE(index->AddBatch(n, ids.data(), vecs.data()).ok());
+  ASSERT_TRUE(index->trained());
+  EXPECT_EQ(index->factory(), GetParam());
+
+  // A few removals (HNSW: tombstones, no rebuild yet).
+  std::set<uint64_t> removed;
+  for (uint64_t id = 0; id < n; id += 23) {
+    ASSERT_TRUE(index->Remove(id).ok());
+    removed.insert(id);
+  }
+  if (GetParam().rfind("HNSW", 0) == 0) {
+    EXPECT_EQ(index->tombstones(), removed.size());
+  } else {
+    EXPECT_EQ(index->tombstones(), 0u);
+  }
+  EXPECT_EQ(index->size(), n - removed.size());
+  EXPECT_EQ(index->Remove(0).code(), StatusCode::kNotFound);
+  EXPECT_EQ(index->Remove(n + 5).code(), StatusCode::kNotFound);
+
+  auto check = [&]() {
+    std::vector<uint64_t> got;
+    std::vector<float> scores;
+    for (uint64_t q = 0; q < n; q += 37) {
+      // Self-search of a removed chunk's vector must not return it.
+      ASSERT_TRUE(index->Search(vecs.data() + q * dim, 20, &got, &scores).ok());
+      ASSERT_EQ(got.size(), 20u);
+      for (uint64_t id : got) EXPECT_EQ(removed.count(id), 0u) << "removed chunk " << id << " returned";
+      if (!removed.count(q)) {
+        EXPECT_EQ(got[0], q);  // a live chunk finds itself first
+      }
+    }
+    ASSERT_TRUE(index->Search(vecs.data(), static_cast<int>(n), &got, nullptr).ok());
+    EXPECT_EQ(got.size(), n - removed.size());
+    for (uint64_t id : got) EXPECT_EQ(removed.count(id), 0u);
+    std::vector<float> all;
+    ASSERT_TRUE(index->ScoreAll(vecs.data(), &got, &all).ok());
+    EXPECT_EQ(got.size(), n - removed.size());
+  };
+  check();
+
+  // Many removals: HNSW crosses the tombstone fraction and rebuilds.
+  for (uint64_t id = 1; id < n; id += 3) {
+    if (removed.count(id)) continue;
+    ASSERT_TRUE(index->Remove(id).ok());
+    removed.insert(id);
+  }
+  EXPECT_LE(static_cast<double>(index->tombstones()),
+            ChunkIndex::kTombstoneRebuildFraction * static_cast<double>(n));
+  check();
+
+  // A removed chunk can come back (HNSW: rebuild first, then add).
+  ASSERT_TRUE(index->Add(0, vecs.data()).ok());
+  removed.erase(0);
+  std::vector<uint64_t> got;
+  ASSERT_TRUE(index->Search(vecs.data(), 1, &got, nullptr).ok());
+  EXPECT_EQ(got, std::vector<uint64_t>{0});
+  check();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Kinds, ChunkIndexRemoveTest, ::testing::Values("Flat", "HNSW32", "IVF16,Flat"), [](const auto& info) {
+      std::string s = info.param;
+      s.erase(std::remove_if(s.begin(), s.end(), [](char c) { return !std::isalnum(c); }), s.end());
+      return s;
+    });
+
+// ---- IVF training -----------------------------------------------------------------
+
+TEST(ChunkIndexTest, IvfSearchesExactlyUntilTrainedThenViaFaiss) {
+  const int H = 2, D = 8, dim = H * D;
+  const size_t n = 2000;
+  auto vecs = ClusteredVectors(n, H, D, 32, 0.4f, 8);
+  std::vector<uint64_t> ids(n);
+  std::iota(ids.begin(), ids.end(), 0);
+  auto ivf = MakeIndex(dim, "IVF16,Flat");  // default train_min = 39 x 16 = 624
+  auto probes = ClusteredVectors(10, H, D, 32, 0.6f, 9);
+
+  for (size_t i = 0; i < 623; ++i) ASSERT_TRUE(ivf->Add(ids[i], vecs.data() + i * dim).ok());
+  EXPECT_FALSE(ivf->trained());
+  const std::vector<uint64_t> some(ids.begin(), ids.begin() + 623);
+  const std::vector<float> some_vecs(vecs.begin(), vecs.begin() + 623 * dim);
+  std::vector<uint64_t> got;
+  for (int q = 0; q < 10; ++q) {  // untrained: exact scan of the flat copy
+    ASSERT_TRUE(ivf->Search(probes.data() + q * dim, 25, &got, nullptr).ok());
+    EXPECT_EQ(got, ReferenceTopK(some, some_vecs, dim, probes.data() + q * dim, 25));
+  }
+  ASSERT_TRUE(ivf->Remove(5).ok());  // removal while collecting
+  ASSERT_TRUE(ivf->Add(5, vecs.data() + 5 * dim).ok());
+  EXPECT_FALSE(ivf->trained());
+  const uint64_t before = ivf->memory_bytes();
+  ASSERT_TRUE(ivf->Add(623, vecs.data() + 623 * dim).ok());  // the 624th vector trains
+  EXPECT_TRUE(ivf->trained());
+  EXPECT_GT(ivf->memory_bytes(), before);  // FAISS now holds a copy too
+  ASSERT_TRUE(ivf->AddBatch(n - 624, ids.data() + 624, vecs.data() + 624 * dim).ok());
+  // nprobe 16 >= nlist 16: every list is scanned, so results are exact.
+  for (int q = 0; q < 10; ++q) {
+    ASSERT_TRUE(ivf->Search(probes.data() + q * dim, 25, &got, nullptr).ok());
+    EXPECT_EQ(got, ReferenceTopK(ids, vecs, dim, probes.data() + q * dim, 25));
+  }
+
+  // Explicit train_min, and nprobe 1 with k larger than the probed list:
+  // FAISS finds fewer than k, so the search falls back to the exact scan.
+  auto narrow = MakeIndex(dim, "IVF16,Flat", /*train_min=*/700, /*nprobe=*/1);
+  ASSERT_TRUE(narrow->AddBatch(699, ids.data(), vecs.data()).ok());
+  EXPECT_FALSE(narrow->trained());
+  ASSERT_TRUE(narrow->AddBatch(n - 699, ids.data() + 699, vecs.data() + 699 * dim).ok());
+  EXPECT_TRUE(narrow->trained());
+  for (int q = 0; q < 10; ++q) {  // 2000 vectors in 16 lists: one list holds far fewer than 600
+    ASSERT_TRUE(narrow->Search(probes.data() + q * dim, 600, &got, nullptr).ok());
+    EXPECT_EQ(got, ReferenceTopK(ids, vecs, dim, probes.data() + q * dim, 600));
+    // A small k is served by one list: approximate, but every result is a real chunk.
+    ASSERT_TRUE(narrow->Search(probes.data() + q * dim, 5, &got, nullptr).ok());
+    EXPECT_EQ(got.size(), 5u);
+  }
+}
+
+// ---- HNSW recall ------------------------------------------------------------------
+
+TEST(ChunkIndexTest, Hnsw32RecallAgainstFlat) {
+  const int H = 2, D = 64, dim = H * D;  // 128
+  const size_t n = 20000;
+  const int k = 64, queries = 200;
+  // Noise 1.3 x the centres' scale: about 37% of a vector's variance is its
+  // cluster (0.6 -> recall ~1.0, 1.5 -> ~0.93, 3.0 (near uniform) -> ~0.72
+  // on the development machine).
+  auto vecs = ClusteredVectors(n, H, D, 200, 1.3f, 10);
+  auto probes = ClusteredVectors(queries, H, D, 200, 1.3f, 10);  // same centres (same seed), new draws
+  std::vector<uint64_t> ids(n);
+  std::iota(ids.begin(), ids.end(), 0);
+  auto flat = MakeIndex(dim, "Flat");
+  auto hnsw = MakeIndex(dim, "HNSW32");
+  ASSERT_TRUE(flat->AddBatch(n, ids.data(), vecs.data()).ok());
+  ASSERT_TRUE(hnsw->AddBatch(n, ids.data(), vecs.data()).ok());
+  size_t hit = 0, total = 0;
+  std::vector<uint64_t> want, got;
+  for (int q = 0; q < queries; ++q) {
+    const float* p = probes.data() + q * dim;
+    ASSERT_TRUE(flat->Search(p, k, &want, nullptr).ok());
+    ASSERT_TRUE(hnsw->Search(p, k, &got, nullptr).ok());
+    ASSERT_EQ(got.size(), static_cast<size_t>(k));
+    std::set<uint64_t> truth(want.begin(), want.end());
+    for (uint64_t id : got) hit += truth.count(id);
+    total += want.size();
+  }
+  const double recall = static_cast<double>(hit) / static_cast<double>(total);
+  std::cout << "[ HNSW32 ] recall@" << k << " vs Flat on " << n << " clustered vectors of dim " << dim
+            << " (ef_search " << hnsw->options().hnsw_ef_search << "): " << recall << "\n";
+  RecordProperty("hnsw32_recall_at_64", std::to_string(recall));
+  EXPECT_GE(recall, 0.9);
+  EXPECT_GT(hnsw->memory_bytes(), flat->memory_bytes());  // graph on top of the vectors
+}
+
+// ---- options ----------------------------------------------------------------------
+
+TEST(ChunkIndexOptionsTest, BadFactoryStringsAreRejected) {
+  struct Case {
+    std::string factory, mentions;
+  } cases[] = {
+      {"Bogus", "could not parse"},
+      {"IVF0,Flat", "nlist = 0"},
+      {"", "must not be empty"},
+      {"HNSW0", "M >= 2"},
+  };
+  for (const auto& c : cases) {
+    ChunkIndexOptions o;
+    o.factory = c.factory;
+    Status st = o.Validate();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.factory;
+    EXPECT_TRUE(Contains(st.message(), "ChunkIndexOptions.factory")) << st.message();
+    EXPECT_TRUE(Contains(st.message(), c.mentions)) << st.message();
+    EXPECT_FALSE(Contains(st.message(), ".cpp:")) << "FAISS source location leaked: " << st.message();
+    auto r = ChunkIndex::Create(128, o);
+    EXPECT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  }
+  // Dimension-dependent: PQ3 needs 3 | dim.
+  ChunkIndexOptions pq;
+  pq.factory = "PQ3";
+  EXPECT_FALSE(pq.Validate(128).ok());
+  EXPECT_TRUE(pq.Validate(129).ok());
+  EXPECT_FALSE(ChunkIndex::Create(128, pq).ok());
+}
+
+TEST(ChunkIndexOptionsTest, ValidateNamesTheField) {
+  ChunkIndexOptions ok;
+  EXPECT_TRUE(ok.Validate().ok());
+  for (const char* f : {"Flat", "HNSW32", "IVF1024,Flat", "IVF256,PQ16", "IDMap2,Flat"}) {
+    ChunkIndexOptions o;
+    o.factory = f;
+    EXPECT_TRUE(o.Validate().ok()) << f << ": " << o.Validate().ToString();
+  }
+  auto expect_field = [](ChunkIndexOptions o, const std::string& field) {
+    Status st = o.Validate();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << field;
+    EXPECT_TRUE(Contains(st.message(), "ChunkIndexOptions." + field)) << st.message();
+  };
+  ChunkIndexOptions o;
+  o.ivf_nprobe = 0;
+  expect_field(o, "ivf_nprobe");
+  o = {};
+  o.hnsw_ef_search = -3;
+  expect_field(o, "hnsw_ef_search");
+  o = {};
+  o.train_min = -1;
+  expect_field(o, "train_min");
+  o = {};
+  o.factory = "IVF1024,Flat";
+  o.train_min = 100;  // fewer than one vector per list
+  expect_field(o, "train_min");
+  EXPECT_TRUE(Contains(o.Validate().message(), "nlist (1024)")) << o.Validate().message();
+  o.train_min = 1024;
+  EXPECT_TRUE(o.Validate().ok());
+
+  auto r = ChunkIndex::Create(0, ChunkIndexOptions{});
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(Contains(r.status().message(), "dim")) << r.status().message();
+}
+
+// ---- edge cases -------------------------------------------------------------------
+
+TEST(ChunkIndexTest, EdgeCases) {
+  const int dim = 4;
+  auto index = MakeIndex(dim, "Flat");
+  const float v[] = {1, 0, 0, 0}, w[] = {0, 1, 0, 0};
+  std::vector<uint64_t> ids{99};
+  std::vector<float> scores{1.0f};
+
+  // Empty index.
+  EXPECT_TRUE(index->Search(v, 5, &ids, &scores).ok());
+  EXPECT_TRUE(ids.empty());
+  EXPECT_TRUE(scores.empty());
+  EXPECT_TRUE(index->ScoreAll(v, &ids, &scores).ok());
+  EXPECT_TRUE(ids.empty());
+  EXPECT_EQ(index->Remove(1).code(), StatusCode::kNotFound);
+
+  ASSERT_TRUE(index->Add(2, v).ok());
+  ASSERT_TRUE(index->Add(1, w).ok());
+  // k = 0, k > size, k < 0.
+  EXPECT_TRUE(index->Search(v, 0, &ids, &scores).ok());
+  EXPECT_TRUE(ids.empty());
+  EXPECT_TRUE(index->Search(v, 10, &ids, &scores).ok());
+  EXPECT_EQ(ids, (std::vector<uint64_t>{2, 1}));
+  EXPECT_EQ(scores, (std::vector<float>{1.0f, 0.0f}));
+  EXPECT_EQ(index->Search(v, -1, &ids, &scores).code(), StatusCode::kInvalidArgument);
+  // Null pointers: probe and ids are required, scores is optional.
+  EXPECT_EQ(index->Search(nullptr, 1, &ids, &scores).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(index->Search(v, 1, nullptr, &scores).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(index->Search(v, 1, &ids, nullptr).ok());
+  EXPECT_EQ(ids, std::vector<uint64_t>{2});
+  EXPECT_EQ(index->ScoreAll(nullptr, &ids, &scores).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(index->ScoreAll(v, nullptr, &scores).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(index->ScoreAll(v, &ids, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(index->Add(3, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(index->AddBatch(1, nullptr, v).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(index->AddBatch(0, nullptr, nullptr).ok());
+  // Duplicates, non-finite values, ids FAISS cannot hold.
+  EXPECT_EQ(index->Add(2, w).code(), StatusCode::kAlreadyExists);
+  const float nan[] = {1, std::numeric_limits<float>::quiet_NaN(), 0, 0};
+  EXPECT_EQ(index->Add(3, nan).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(index->Search(nan, 1, &ids, &scores).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(index->Add(uint64_t{1} << 63, v).code(), StatusCode::kInvalidArgument);
+  // A batch is all or nothing.
+  const uint64_t batch[] = {5, 6, 5};
+  const float bv[] = {1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0};
+  EXPECT_EQ(index->AddBatch(3, batch, bv).code(), StatusCode::kInvalidArgument);
+  const uint64_t batch2[] = {5, 6, 2};
+  EXPECT_EQ(index->AddBatch(3, batch2, bv).code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(index->size(), 2u);
+  EXPECT_EQ(index->dim(), dim);
+  EXPECT_GT(index->memory_bytes(), 0u);
+}
+
+TEST(ChunkIndexTest, ConcurrentSearchesAgreeWithSequential) {
+  const int H = 2, D = 16, dim = H * D;
+  const size_t n = 5000;
+  auto vecs = ClusteredVectors(n, H, D, 40, 0.5f, 11);
+  auto probes = ClusteredVectors(64, H, D, 40, 0.7f, 12);
+  std::vector<uint64_t> ids(n);
+  std::iota(ids.begin(), ids.end(), 0);
+  for (const char* f : {"Flat", "HNSW32"}) {
+    auto index = MakeIndex(dim, f);
+    ASSERT_TRUE(index->AddBatch(n, ids.data(), vecs.data()).ok());
+    std::vector<std::vector<uint64_t>> expect(64);
+    for (int q = 0; q < 64; ++q)
+      ASSERT_TRUE(index->Search(probes.data() + q * dim, 16, &expect[q], nullptr).ok());
+    std::vector<int> mismatches(4, 0);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t)
+      threads.emplace_back([&, t]() {
+        std::vector<uint64_t> got;
+        for (int rep = 0; rep < 4; ++rep)
+          for (int q = t; q < 64; q += 2) {
+            if (!index->Search(probes.data() + q * dim, 16, &got, nullptr).ok() || got != expect[q])
+              ++mismatches[t];
+          }
+      });
+    for (auto& th : threads) th.join();
+    for (int m : mismatches) EXPECT_EQ(m, 0) << f;
+  }
+}
+
+}  // namespace
+}  // namespace kvtier

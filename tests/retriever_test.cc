@@ -1,0 +1,244 @@
+#include "retrieval/retriever.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "integration/workload.h"
+#include "kernels/cpu/attention.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+StoreOptions Options(const std::string& dir) {
+  StoreOptions o;
+  o.geometry = Geometry{3, 4, 2, 16, DType::kF32};
+  o.n_sink = 4;
+  o.n_local = 16;
+  o.chunk_size = 4;
+  o.repr_topk = 2;
+  o.hot_bytes = 512 * o.chunk_bytes();
+  o.warm_bytes = 16 * o.chunk_bytes();
+  o.data_dir = dir;
+  return o;
+}
+
+// Fills a store with `n` tokens of random K/V per layer and returns the K/V.
+std::vector<std::vector<float>> Fill(TieredStore* s, SequenceId seq, int n, uint64_t seed, std::vector<std::vector<float>>* vs) {
+  const Geometry& g = s->options().geometry;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<std::vector<float>> ks(g.layers);
+  vs->assign(g.layers, {});
+  for (int l = 0; l < g.layers; ++l) {
+    ks[l].resize(static_cast<size_t>(n) * g.token_elems());
+    (*vs)[l].resize(ks[l].size());
+    for (auto& x : ks[l]) x = nd(rng);
+    for (auto& x : (*vs)[l]) x = nd(rng);
+    EXPECT_TRUE(s->Append(seq, l, ks[l].data(), (*vs)[l].data(), n, DType::kF32).ok());
+  }
+  return ks;
+}
+
+TEST(Retriever, BudgetCoveringEveryChunkEqualsFullAttention) {
+  for (const char* alloc : {"topk", "entropy"})
+    for (const char* probe : {"act", "mean"})
+      for (const char* index : {"Exact", "Flat"}) {
+        TempDir dir;
+        auto store = TieredStore::Open(Options(dir.path()));
+        ASSERT_TRUE(store.ok());
+        TieredStore* s = store->get();
+        const Geometry& g = s->options().geometry;
+        SequenceId seq = *s->CreateSequence();
+        const int n = 4 + 16 + 4 * 30 + 3;  // 30 chunks
+        std::vector<std::vector<float>> vs;
+        auto ks = Fill(s, seq, n, 7, &vs);
+        RetrieverOptions ro;
+        ro.probe = probe;
+        ro.alloc = alloc;
+        ro.index.factory = index;
+        // k = 4x the chunks: topk takes them all, and entropy's share of
+        // L x k for every layer exceeds what the layer has.
+        ro.budget_tokens = 4 * 30 * 4;
+        auto r = Retriever::Create(s, ro);
+        ASSERT_TRUE(r.ok()) << r.status().ToString();
+        std::mt19937 rng(3);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        std::vector<float> q(static_cast<size_t>(g.q_heads) * g.head_dim);
+        for (auto& x : q) x = nd(rng);
+        const int64_t pos = n - 1;
+        (*r)->BeginStep();
+        for (int l = 0; l < g.layers; ++l) {
+          auto sel = (*r)->Select(seq, l, q.data(), 1, true);
+          ASSERT_TRUE(sel.ok()) << sel.status().ToString();
+          ASSERT_EQ(sel->chunks.size(), 30u) << alloc << " " << probe << " " << index << " layer " << l;
+          auto h = s->FetchChunks(seq, l, sel->chunks);
+          ASSERT_TRUE(h.ok() && h->Wait().ok());
+          auto view = s->GetHotView(seq, l);
+          std::vector<kernels::KvSpan> parts{view->sinks};
+          for (auto& sp : h->spans()) parts.push_back(sp);
+          for (int i = 0; i < view->n_local_spans; ++i) parts.push_back(view->local[i]);
+          std::vector<float> out(q.size()), full(q.size());
+          kernels::AttentionParams p;
+          p.q_heads = g.q_heads; p.kv_heads = g.kv_heads; p.head_dim = g.head_dim; p.dtype = DType::kF32;
+          p.n_queries = 1; p.q = q.data(); p.q_positions = &pos;
+          p.parts = parts.data(); p.n_parts = static_cast<int>(parts.size()); p.out = out.data();
+          ASSERT_EQ(kernels::Attention(p), kernels::KernelError::kOk);
+          kernels::KvSpan all{ks[l].data(), vs[l].data(), n, 0, nullptr};
+          p.parts = &all; p.n_parts = 1; p.out = full.data();
+          ASSERT_EQ(kernels::Attention(p), kernels::KernelError::kOk);
+          double num = 0, den = 0;
+          for (size_t i = 0; i < out.size(); ++i) { num += (out[i] - full[i]) * (out[i] - full[i]); den += full[i] * full[i]; }
+          EXPECT_LT(std::sqrt(num / den), 1e-5) << alloc << " " << probe << " " << index;
+        }
+      }
+}
+
+// Exact scoring: a chunk scores the best representative per kv head, summed
+// over heads; a mean over representatives would rank these two chunks the
+// other way round.
+TEST(Retriever, ExactScoresTheBestRepresentativePerHead) {
+  StoreOptions o = Options("");
+  o.geometry = Geometry{1, 1, 1, 2, DType::kF32};
+  o.n_sink = 0; o.n_local = 2; o.chunk_size = 2; o.repr_topk = 2;
+  auto store = TieredStore::Open(o);
+  ASSERT_TRUE(store.ok());
+  TieredStore* s = store->get();
+  SequenceId seq = *s->CreateSequence();
+  // chunk 0: keys (3,0) and (-3,0): one strong match, mean 0.
+  // chunk 1: keys (1,0) and (1,0): mean (1,0), best 1.
+  std::vector<float> k{3, 0, -3, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0}, v(16, 0.0f);
+  ASSERT_TRUE(s->Append(seq, 0, k.data(), v.data(), 8, DType::kF32).ok());
+  ASSERT_EQ(*s->ChunkCount(seq, 0), 2u);
+  RetrieverOptions ro;
+  ro.probe = "mean";
+  ro.alloc = "topk";
+  ro.budget_tokens = 2;  // k = 1
+  auto r = Retriever::Create(s, ro);
+  ASSERT_TRUE(r.ok());
+  std::vector<float> q{1, 0};
+  (*r)->BeginStep();
+  auto sel = (*r)->Select(seq, 0, q.data(), 1, true);
+  ASSERT_TRUE(sel.ok());
+  EXPECT_EQ(sel->chunks, (std::vector<uint64_t>{0}));
+  ro.index.factory = "Flat";  // InfLLM's mean: chunk 1 wins
+  auto f = Retriever::Create(s, ro);
+  ASSERT_TRUE(f.ok());
+  (*f)->BeginStep();
+  sel = (*f)->Select(seq, 0, q.data(), 1, true);
+  ASSERT_TRUE(sel.ok());
+  EXPECT_EQ(sel->chunks, (std::vector<uint64_t>{1}));
+}
+
+TEST(Retriever, EntropyBudgetNeverExceedsTheStepBudget) {
+  TempDir dir;
+  auto store = TieredStore::Open(Options(dir.path()));
+  ASSERT_TRUE(store.ok());
+  TieredStore* s = store->get();
+  SequenceId seq = *s->CreateSequence();
+  std::vector<std::vector<float>> vs;
+  Fill(s, seq, 4 + 16 + 4 * 40, 11, &vs);
+  RetrieverOptions ro;
+  ro.alloc = "entropy";
+  ro.budget_tokens = 5 * 4;  // k = 5 per layer, 15 per step
+  auto r = Retriever::Create(s, ro);
+  ASSERT_TRUE(r.ok());
+  const Geometry& g = s->options().geometry;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> q(static_cast<size_t>(8) * g.q_heads * g.head_dim);
+  for (int step = 0; step < 20; ++step) {
+    for (auto& x : q) x = nd(rng) * (1 + step % 3);
+    (*r)->BeginStep();
+    size_t total = 0;
+    for (int l = 0; l < g.layers; ++l) {
+      auto sel = (*r)->Select(seq, l, q.data(), 8, false);
+      ASSERT_TRUE(sel.ok()) << sel.status().ToString();
+      EXPECT_GE(sel->chunks.size(), 1u);
+      EXPECT_GT(sel->entropy, 0.0);
+      total += sel->chunks.size();
+    }
+    EXPECT_LE(total, 15u);
+  }
+}
+
+// Layers are served in order within a step; returns layer 1's choice.
+std::vector<uint64_t> SelectLayer1(Retriever* r, SequenceId seq, const std::vector<float>& q) {
+  r->BeginStep();
+  std::vector<uint64_t> out;
+  for (int l = 0; l < 3; ++l) {
+    auto sel = r->Select(seq, l, q.data(), 1, true);
+    EXPECT_TRUE(sel.ok()) << sel.status().ToString();
+    if (sel.ok() && l == 1) out = sel->chunks;
+  }
+  return out;
+}
+
+TEST(Retriever, LayersOutOfOrderAreRejected) {
+  TempDir dir;
+  auto store = TieredStore::Open(Options(dir.path()));
+  ASSERT_TRUE(store.ok());
+  SequenceId seq = *(*store)->CreateSequence();
+  std::vector<std::vector<float>> vs;
+  Fill(store->get(), seq, 4 + 16 + 4 * 10, 17, &vs);
+  auto r = Retriever::Create(store->get(), RetrieverOptions());
+  ASSERT_TRUE(r.ok());
+  std::vector<float> q(static_cast<size_t>(4) * 16, 0.5f);
+  (*r)->BeginStep();
+  auto sel = (*r)->Select(seq, 1, q.data(), 1, true);
+  EXPECT_EQ(sel.status().code(), StatusCode::kFailedPrecondition) << sel.status().ToString();
+}
+
+TEST(Retriever, IndexIsRebuiltAfterReopen) {
+  TempDir dir;
+  const StoreOptions o = Options(dir.path());
+  std::vector<float> q(static_cast<size_t>(o.geometry.q_heads) * o.geometry.head_dim, 0.3f);
+  q[5] = 2.0f;
+  std::vector<uint64_t> before;
+  SequenceId seq = 0;
+  RetrieverOptions ro;
+  ro.alloc = "topk";
+  ro.budget_tokens = 6 * 4;
+  for (const char* index : {"Exact", "Flat"}) {
+    ro.index.factory = index;
+    {
+      auto store = TieredStore::Open(o);
+      ASSERT_TRUE(store.ok());
+      seq = *(*store)->CreateSequence();
+      std::vector<std::vector<float>> vs;
+      Fill(store->get(), seq, 4 + 16 + 4 * 25, 13, &vs);
+      auto r = Retriever::Create(store->get(), ro);
+      ASSERT_TRUE(r.ok());
+      before = SelectLayer1(r->get(), seq, q);
+      ASSERT_EQ(before.size(), 6u);
+      ASSERT_TRUE((*store)->CloseSequence(seq).ok());
+    }
+    auto store = TieredStore::Open(o);
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    auto r = Retriever::Create(store->get(), ro);
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(SelectLayer1(r->get(), seq, q), before) << index;
+    ASSERT_TRUE((*store)->DropSequence(seq).ok());
+  }
+}
+
+TEST(Retriever, BadOptionsAreRejected) {
+  RetrieverOptions ro;
+  ro.probe = "bogus";
+  EXPECT_NE(ro.Validate().message().find("probe"), std::string::npos);
+  ro = RetrieverOptions();
+  ro.alloc = "entropy:min=x";
+  EXPECT_NE(ro.Validate().message().find("alloc"), std::string::npos);
+  ro = RetrieverOptions();
+  ro.index.factory = "Bogus";
+  EXPECT_FALSE(ro.Validate().ok());
+  ro = RetrieverOptions();
+  ro.budget_tokens = -1;
+  EXPECT_NE(ro.Validate().message().find("budget_tokens"), std::string::npos);
+  EXPECT_FALSE(Retriever::Create(nullptr, RetrieverOptions()).ok());
+}
+
+}  // namespace
+}  // namespace kvtier
