@@ -79,12 +79,14 @@ Status Retriever::Sync(SequenceId seq, int layer) {
     KVTIER_RETURN_IF_ERROR(st);
     if (exact()) {
       li->exact_ids.push_back(i);
-      li->exact_repr.insert(li->exact_repr.end(), repr_.begin(), repr_.end());
+      li->exact_repr.resize(H);
+      li->exact_inv_norm.resize(H);
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < H; ++h) {
           const float* key = repr_.data() + (static_cast<size_t>(r) * H + h) * D;
+          li->exact_repr[h].insert(li->exact_repr[h].end(), key, key + D);
           const float n2 = kernels::Dot(key, key, D);
-          li->exact_inv_norm.push_back(n2 > 0.0f ? 1.0f / std::sqrt(n2) : 0.0f);
+          li->exact_inv_norm[h].push_back(n2 > 0.0f ? 1.0f / std::sqrt(n2) : 0.0f);
         }
       continue;
     }
@@ -213,40 +215,43 @@ void Retriever::ExactScores(const LayerIndex& li, const float* probe, std::vecto
   const StoreOptions& so = store_->options();
   const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
   const size_t n = li.exact_ids.size();
-  raw->resize(n);
-  cos->resize(n);
-  std::vector<float> inv_probe(H);
+  raw->assign(n, 0.0f);
+  cos->assign(n, 0.0f);
+  if (n == 0) return;
+  std::vector<float> ip(n * R);
   for (int h = 0; h < H; ++h) {
-    const float n2 = kernels::Dot(probe + static_cast<size_t>(h) * D, probe + static_cast<size_t>(h) * D, D);
-    inv_probe[h] = n2 > 0.0f ? 1.0f / std::sqrt(n2) : 0.0f;
-  }
-  tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 256), [&](const tbb::blocked_range<size_t>& range) {
-    for (size_t c = range.begin(); c < range.end(); ++c) {
-      const float* rows = li.exact_repr.data() + c * R * H * D;
-      const float* inv = li.exact_inv_norm.data() + c * R * H;
-      float total = 0.0f, total_cos = 0.0f;
-      for (int h = 0; h < H; ++h) {
+    const float* p = probe + static_cast<size_t>(h) * D;
+    const float pn2 = kernels::Dot(p, p, D);
+    const float inv_p = pn2 > 0.0f ? 1.0f / std::sqrt(pn2) : 0.0f;
+    // One pass over this head's n*R contiguous keys, split over the cores.
+    // (Debian's FAISS is built without SIMD: its fvec kernels are the scalar
+    // reference, so the vectorisable Dot is used instead.)
+    const float* keys = li.exact_repr[h].data();
+    tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 1024), [&](const tbb::blocked_range<size_t>& range) {
+      const size_t c0 = range.begin();
+      for (size_t j = c0 * R; j < range.end() * R; ++j) ip[j] = kernels::Dot(keys + j * D, p, D);
+      const float* inv = li.exact_inv_norm[h].data();
+      for (size_t c = c0; c < range.end(); ++c) {
         float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
         for (int r = 0; r < R; ++r) {
-          const float dot = kernels::Dot(rows + (static_cast<size_t>(r) * H + h) * D, probe + static_cast<size_t>(h) * D, D);
+          const float dot = ip[c * R + r];
           best = std::max(best, dot);
-          best_cos = std::max(best_cos, dot * inv[r * H + h] * inv_probe[h]);
+          best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p);
         }
-        total += best;
-        total_cos += best_cos;
+        (*raw)[c] += best;
+        (*cos)[c] += best_cos / static_cast<float>(H);
       }
-      (*raw)[c] = total;
-      (*cos)[c] = total_cos / static_cast<float>(H);
-    }
-  });
+    });
+  }
 }
 
 uint64_t Retriever::memory_bytes() const {
   uint64_t b = 0;
   for (const auto& [key, li] : indexes_) {
     if (li.index) b += li.index->memory_bytes();
-    b += (li.exact_repr.capacity() + li.exact_inv_norm.capacity() + li.norm.capacity()) * sizeof(float) +
-         li.exact_ids.capacity() * sizeof(uint64_t);
+    for (const auto& v : li.exact_repr) b += v.capacity() * sizeof(float);
+    for (const auto& v : li.exact_inv_norm) b += v.capacity() * sizeof(float);
+    b += li.norm.capacity() * sizeof(float) + li.exact_ids.capacity() * sizeof(uint64_t);
   }
   return b;
 }

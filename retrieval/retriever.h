@@ -87,9 +87,9 @@ class Retriever {
     uint64_t next_chunk = 0;  // chunks below this index are indexed (or holes)
     std::vector<float> norm;  // [chunk index] L2 norm of the chunk's vector (for Eq. 10 cosines)
     // "Exact": every representative key, and its inverse norm per head.
-    std::vector<uint64_t> exact_ids;   // [n] chunk index of each row
-    std::vector<float> exact_repr;     // [n, R, H, D]
-    std::vector<float> exact_inv_norm; // [n, R, H]
+    std::vector<uint64_t> exact_ids;                // [n] chunk index of each row
+    std::vector<std::vector<float>> exact_repr;     // [H][n, R, D]: per head, so one head's keys are contiguous
+    std::vector<std::vector<float>> exact_inv_norm; // [H][n, R]
   };
   Result<LayerIndex*> Index(SequenceId seq, int layer);
   bool exact() const { return options_.index.factory == "Exact"; }
