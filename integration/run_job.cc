@@ -659,6 +659,7 @@ std::string RunReport::ToJson() const {
   w.Key("decode_steps").Int(o.workload.decode_steps).Key("question_len").Int(o.workload.question_len);
   w.Key("needle_count").Int(o.workload.needle_count).Key("needle_len").Int(o.workload.needle_len);
   w.Key("needle_depth").Double(o.workload.needle_depth);
+  w.Key("question_anchor_every").Int(o.workload.question_anchor_every).Key("needle_echo").Int(o.workload.needle_echo);
   w.Key("anchor_strength").Double(o.workload.anchor_strength).Key("noise").Double(o.workload.noise);
   w.Key("seed").Uint(o.workload.seed);
   w.EndObject();
@@ -669,17 +670,17 @@ std::string RunReport::ToJson() const {
 std::string RunReport::CompareTable() const {
   std::string t;
   char line[512];
-  std::snprintf(line, sizeof(line), "%-20s %8s %8s %9s %10s %9s %10s %11s\n", "method", "needle", "recall",
-                "out.err", "step ms", "vs full", "chunks", "MiB moved");
+  std::snprintf(line, sizeof(line), "%-20s %8s %8s %9s %10s %9s %10s %11s | %8s %8s\n", "method", "needle", "recall",
+                "out.err", "step ms", "vs full", "chunks", "MiB moved", "q.needle", "q.recall");
   t += line;
-  std::snprintf(line, sizeof(line), "%-20s %8.3f %8.3f %9.4f %10.2f %8.1fx %10s %11s\n", "full attention", 1.0, 1.0,
-                0.0, full_attention_step_ms, 1.0, "all", "-");
+  std::snprintf(line, sizeof(line), "%-20s %8.3f %8.3f %9.4f %10.2f %8.1fx %10s %11s | %8.3f %8.3f\n", "full attention",
+                1.0, 1.0, 0.0, full_attention_step_ms, 1.0, "all", "-", 1.0, 1.0);
   t += line;
   for (const MethodReport& m : methods) {
-    std::snprintf(line, sizeof(line), "%-20s %8.3f %8.3f %9.4f %10.2f %8.1fx %10.1f %11.1f\n", m.name.c_str(),
-                  m.needle_hit_rate, m.attention_recall, m.output_rel_error, m.step_ms,
+    std::snprintf(line, sizeof(line), "%-20s %8.3f %8.3f %9.4f %10.2f %8.1fx %10.1f %11.1f | %8.3f %8.3f\n",
+                  m.name.c_str(), m.needle_hit_rate, m.attention_recall, m.output_rel_error, m.step_ms,
                   m.step_ms > 0 ? full_attention_step_ms / m.step_ms : 0.0, m.chunks_per_step,
-                  m.bytes_moved / 1048576.0);
+                  m.bytes_moved / 1048576.0, m.question_needle_hit_rate, m.question_attention_recall);
     t += line;
   }
   return t;
@@ -729,7 +730,8 @@ std::string RunReport::ToTable() const {
                   spearman_mean.q1, spearman_mean.q3);
     text += line;
   }
-  if (options.compare) text += "\ncomparison on the same data (decode steps):\n" + CompareTable();
+  if (options.compare)
+    text += "\ncomparison on the same data (decode steps | question window):\n" + CompareTable();
   return text;
 }
 

@@ -135,6 +135,8 @@ Status WorkloadOptions::Validate() const {
   };
   KVTIER_RETURN_IF_ERROR(nonneg("anchor_strength", anchor_strength));
   KVTIER_RETURN_IF_ERROR(nonneg("echo_weight", echo_weight));
+  if (question_anchor_every < 1)
+    return InvalidArgument("question_anchor_every must be >= 1 (got " + std::to_string(question_anchor_every) + ")");
   if (needle_echo < 0) return InvalidArgument("needle_echo must be >= 0 (got " + std::to_string(needle_echo) + ")");
   KVTIER_RETURN_IF_ERROR(nonneg("noise", noise));
   KVTIER_RETURN_IF_ERROR(nonneg("sink_strength", sink_strength));
@@ -252,6 +254,11 @@ Result<Workload> Workload::Create(const Geometry& geometry, const WorkloadOption
 int Workload::SoughtNeedle(int64_t position) const {
   const int64_t qb = question_begin();
   if (position < qb) return -1;
+  const int64_t every = options_.question_anchor_every;
+  if (position < options_.context && every > 1) {
+    if ((position - qb) % every != 0) return -1;
+    return static_cast<int>(((position - qb) / every) % options_.needle_count);
+  }
   return static_cast<int>((position - qb) % options_.needle_count);
 }
 

@@ -43,7 +43,10 @@
 // Queries (every q head of a group shares the directions and gets its own noise):
 //     seeker (t >= question_begin)    q = anchor_strength * u_i + sink_query * s + noise
 //             with i = (t - question_begin) % needle_count (round-robin over
-//             the needles, the same needle for all q heads of the position)
+//             the needles, the same needle for all q heads of the position);
+//             with question_anchor_every = N > 1 only every N-th question-window
+//             query seeks (i = ((t - question_begin) / N) % needle_count), the
+//             others are filler queries; decode steps always seek
 //     filler (t < question_begin)     q = topic_strength * topic(t) + sink_query * s + noise
 //             and, for the `needle_echo` tokens right after needle i, also
 //             + echo_weight * anchor_strength * u_i: text that follows a
@@ -116,6 +119,7 @@ struct WorkloadOptions {
   int sink_tokens = 4;          ///< tokens that act as attention sinks
   float topic_strength = 2.0f;  ///< strength of the topic direction in filler keys and filler queries (same-topic score = topic_strength^2)
   int topic_len = 256;          ///< tokens over which the filler's topic direction drifts (gives chunks coherent content and makes filler queries attend locally)
+  int question_anchor_every = 1;///< in the question window only every N-th query seeks a needle; the others read like filler (anchor tokens among plain ones, ActQKV's premise)
   int needle_echo = 16;         ///< filler tokens right after a needle whose queries also look back at it (0 = none)
   float echo_weight = 0.5f;     ///< strength of that look-back, as a fraction of anchor_strength
   float needle_value = 1.0f;    ///< needle values add needle_value * sqrt(D) along a per-needle direction

@@ -574,3 +574,29 @@ TEST(SysInfo, RssAndClock) {
 
 }  // namespace
 }  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+TEST(Workload, QuestionAnchorEveryKeepsOnlySomeSeekers) {
+  const Geometry g{1, 2, 1, 16, DType::kF32};
+  WorkloadOptions o;
+  o.context = 4096;
+  o.question_len = 16;
+  o.decode_steps = 4;
+  o.needle_count = 2;
+  o.question_anchor_every = 4;
+  auto w = Workload::Create(g, o);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  const int64_t qb = w->question_begin();
+  std::vector<int> sought;
+  for (int64_t p = qb; p < o.context; ++p) sought.push_back(w->SoughtNeedle(p));
+  EXPECT_EQ(sought, (std::vector<int>{0, -1, -1, -1, 1, -1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1}));
+  // Decode steps always seek.
+  for (int64_t p = o.context; p < w->total_tokens(); ++p) EXPECT_GE(w->SoughtNeedle(p), 0);
+  o.question_anchor_every = 0;
+  EXPECT_FALSE(Workload::Create(g, o).ok());
+}
+
+}  // namespace
+}  // namespace kvtier

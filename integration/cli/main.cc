@@ -199,6 +199,8 @@ int CmdRun(int argc, char** argv) {
         [&o](const std::string& s) { o.compare = s != "0"; return Status::Ok(); }, true);
   f.Add("spearman-windows", "prefill windows sampled for probe-to-oracle Spearman rho (default 8, 0 = off)",
         IntFlag(&o.spearman_windows, 0, 1 << 16));
+  f.Add("question-anchors", "only every N-th question-window query seeks the needle (default 1 = all)",
+        IntFlag(&o.workload.question_anchor_every, 1, 1 << 20));
   f.Add("needle-echo", "filler tokens after a needle that look back at it (default 16)",
         IntFlag(&o.workload.needle_echo, 0, 1 << 20));
   f.Add("no-baseline", "skip the full-attention comparison",
