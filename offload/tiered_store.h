@@ -103,7 +103,9 @@ struct HotView {
 /// Completion handle of an asynchronous fetch. Wait() returns the transfer's
 /// status; a wait that times out does not cancel the transfer. Until Release()
 /// (or destruction, or the lease running out) the chunks stay pinned in hot
-/// slots and spans() point at them.
+/// slots and spans() point at them. After the lease runs out, or after the
+/// sequence is dropped, the spans may point at reused slots. Release or
+/// destroy every handle before the store that issued it.
 class FetchHandle {
  public:
   FetchHandle() = default;
