@@ -253,6 +253,15 @@ Result<RunReport> RunJob(const RunOptions& opt) {
   double prefill_s = 0;
   std::vector<float> sq;
   std::vector<int64_t> spos;
+  // Every stat_stride-th query of the window [b, e) held in qf, from the last
+  // one back, skipping positions below min_pos: the observed queries (sq, spos).
+  auto gather_strided = [&](int64_t b, int64_t e, int64_t min_pos) {
+    sq.clear(); spos.clear();
+    for (int64_t p = e - 1; p >= b && p >= min_pos; p -= opt.stat_stride) {
+      spos.push_back(p);
+      sq.insert(sq.end(), qf.begin() + (p - b) * q_elems, qf.begin() + (p - b + 1) * q_elems);
+    }
+  };
   for (int64_t b = 0; b < context; b += opt.window) {
     const int64_t e = std::min(context, b + opt.window);
     const bool sample = std::find(sample_at.begin(), sample_at.end(), b) != sample_at.end() && b < qbegin;
@@ -268,11 +277,7 @@ Result<RunReport> RunJob(const RunOptions& opt) {
       generate(l, b, e);
       const double t0 = NowSeconds();
       KVTIER_RETURN_IF_ERROR(store->Append(seq, l, kb.data(), vb.data(), static_cast<int>(e - b), g.dtype));
-      sq.clear(); spos.clear();
-      for (int64_t p = e - 1; p >= b && p >= n_sink; p -= opt.stat_stride) {
-        spos.push_back(p);
-        sq.insert(sq.end(), qf.begin() + (p - b) * q_elems, qf.begin() + (p - b + 1) * q_elems);
-      }
+      gather_strided(b, e, n_sink);
       if (!spos.empty())
         KVTIER_RETURN_IF_ERROR(store->ObserveQueries(seq, l, sq.data(), spos.data(), static_cast<int>(spos.size())));
       // Every window feeds the probes' running statistics (ActQKV Eq. 8 runs over all windows so far).
@@ -494,11 +499,7 @@ Result<RunReport> RunJob(const RunOptions& opt) {
         if (ids.size() < 2) continue;
         qf.resize(static_cast<size_t>(w.end - w.begin) * q_elems);
         work.Generate(l, w.begin, w.end, qf.data(), nullptr, nullptr);
-        sq.clear(); spos.clear();
-        for (int64_t p = w.end - 1; p >= w.begin; p -= opt.stat_stride) {
-          spos.push_back(p);
-          sq.insert(sq.end(), qf.begin() + (p - w.begin) * q_elems, qf.begin() + (p - w.begin + 1) * q_elems);
-        }
+        gather_strided(w.begin, w.end, 0);
         const int64_t visible = w.end;
         std::fill(mass.begin(), mass.begin() + static_cast<size_t>(g.kv_heads) * visible, 0.0f);
         std::vector<kernels::KvSpan> parts{kernels::KvSpan{all_k.data(), all_v.data(), static_cast<int>(visible), 0,

@@ -542,17 +542,7 @@ Status TieredStore::MakeWarmRoom(std::unique_lock<std::mutex>& lock) {
     }
     if (cold_ && warm_policy_->PickVictim(movable, &victim_id)) {
       // Not yet in cold: write it, and only then let it leave warm.
-      Chunk* c = chunk_by_id_.at(victim_id);
-      c->cold_writing = true;
-      c->warm_pins++;
-      const uint8_t* payload = warm_->slot_data(c->warm_slot);
-      lock.unlock();
-      Status st = WriteCold(c, payload);
-      lock.lock();
-      c->cold_writing = false;
-      c->warm_pins--;
-      cv_.notify_all();
-      if (!st.ok()) return st;
+      KVTIER_RETURN_IF_ERROR(WriteWarmChunkToColdLocked(lock, chunk_by_id_.at(victim_id)));
       continue;
     }
     if (!cold_)
@@ -562,6 +552,20 @@ Status TieredStore::MakeWarmRoom(std::unique_lock<std::mutex>& lock) {
     cv_.wait_for(lock, std::chrono::milliseconds(100));
   }
   return Status::Ok();
+}
+
+Status TieredStore::WriteWarmChunkToColdLocked(std::unique_lock<std::mutex>& lock, Chunk* c) {
+  // Pinned and marked while the lock is dropped: nobody frees or reuses the slot.
+  c->cold_writing = true;
+  c->warm_pins++;
+  const uint8_t* payload = warm_->slot_data(c->warm_slot);
+  lock.unlock();
+  Status st = WriteCold(c, payload);
+  lock.lock();
+  c->cold_writing = false;
+  c->warm_pins--;
+  cv_.notify_all();
+  return st;
 }
 
 Status TieredStore::WriteCold(Chunk* c, const uint8_t* payload) {
@@ -1175,14 +1179,7 @@ Status TieredStore::CloseSequence(SequenceId seq) {
         std::unique_lock<std::mutex> l(mu_);
         cv_.wait(l, [&] { return !c->cold_writing; });
         if (c->cold_acked) continue;
-        c->cold_writing = true;
-        c->warm_pins++;
-        const uint8_t* payload = warm_->slot_data(c->warm_slot);
-        l.unlock();
-        st = WriteCold(c, payload);
-        l.lock();
-        c->cold_writing = false;
-        c->warm_pins--;
+        st = WriteWarmChunkToColdLocked(l, c);
         if (!st.ok()) break;
       }
       if (!st.ok()) break;

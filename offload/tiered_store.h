@@ -206,6 +206,9 @@ class TieredStore {
   Status SealOldestChunk(Sequence* s, int layer);
   Status MakeWarmRoom(std::unique_lock<std::mutex>& lock);
   Status WriteCold(Chunk* c, const uint8_t* payload);
+  /// Writes a warm chunk the cold tier has not acknowledged; drops the lock
+  /// during the write and holds it again on return.
+  Status WriteWarmChunkToColdLocked(std::unique_lock<std::mutex>& lock, Chunk* c);
   int32_t AcquireHotSlotLocked();
   void SubmitColdWrite(Chunk* c);
   void RunFetch(const std::shared_ptr<FetchHandle::State>& st);

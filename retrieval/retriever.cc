@@ -21,6 +21,20 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
 
 bool NeedsAllScores(const std::string& alloc_spec) { return alloc_spec.rfind("topk", 0) != 0; }
 
+// The `take` best chunks by `rank` (ties -> smaller chunk index; ids are
+// ascending), never more than `cap`: the hot slot pool, since the entropy
+// cut-off can hand one layer most of the step's budget.
+std::vector<uint64_t> TakeBest(const std::vector<float>& rank, const std::vector<uint64_t>& ids, int take, size_t cap) {
+  const size_t t = std::min<size_t>({rank.size(), static_cast<size_t>(std::max(0, take)), cap});
+  std::vector<size_t> order(rank.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + t, order.end(),
+                    [&](size_t a, size_t b) { return rank[a] != rank[b] ? rank[a] > rank[b] : a < b; });
+  std::vector<uint64_t> out(t);
+  for (size_t i = 0; i < t; ++i) out[i] = ids[order[i]];
+  return out;
+}
+
 }  // namespace
 
 Status RetrieverOptions::Validate() const {
@@ -143,15 +157,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
     const bool by_cosine = NeedsAllScores(options_.alloc);
     KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{scores_.data(), n}));
     if (by_cosine) sel.entropy = SoftmaxEntropy(scores_.data(), n);
-    const std::vector<float>& rank = by_cosine ? scores_ : raw;
-    const size_t hot_slots = so.hot_bytes / so.chunk_bytes();
-    const size_t t = std::min<size_t>({static_cast<size_t>(n), static_cast<size_t>(std::max(0, take)), hot_slots});
-    std::vector<size_t> order(n);
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + t, order.end(),
-                      [&](size_t a, size_t b) { return rank[a] != rank[b] ? rank[a] > rank[b] : a < b; });
-    sel.chunks.resize(t);
-    for (size_t i = 0; i < t; ++i) sel.chunks[i] = ids_[order[i]];
+    sel.chunks = TakeBest(by_cosine ? scores_ : raw, ids_, take, so.hot_bytes / so.chunk_bytes());
     sel.alloc_ms = MsSince(t0);
     return sel;
   }
@@ -177,27 +183,14 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
   t0 = std::chrono::steady_clock::now();
   KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{scores_.data(), static_cast<int>(scores_.size())}));
   sel.entropy = SoftmaxEntropy(scores_.data(), static_cast<int>(scores_.size()));
-  std::vector<size_t> order(scores_.size());
-  std::iota(order.begin(), order.end(), 0);
-  // A layer never takes more than the hot slot pool holds (the entropy cut-off
-  // can hand one layer most of the step's budget).
-  const size_t hot_slots = so.hot_bytes / so.chunk_bytes();
-  const size_t t = std::min<size_t>({order.size(), static_cast<size_t>(std::max(0, take)), hot_slots});
-  std::partial_sort(order.begin(), order.begin() + t, order.end(), [&](size_t a, size_t b) {
-    return scores_[a] != scores_[b] ? scores_[a] > scores_[b] : ids_[a] < ids_[b];
-  });
-  sel.chunks.resize(t);
-  for (size_t i = 0; i < t; ++i) sel.chunks[i] = ids_[order[i]];
+  sel.chunks = TakeBest(scores_, ids_, take, so.hot_bytes / so.chunk_bytes());
   sel.alloc_ms = MsSince(t0);
   return sel;
 }
 
 Status Retriever::ObserveAndScore(SequenceId seq, int layer, const float* q, int m, std::vector<uint64_t>* ids,
                                   std::vector<float>* scores) {
-  const StoreOptions& so = store_->options();
-  const int H = so.geometry.kv_heads, D = so.geometry.head_dim;
   KVTIER_RETURN_IF_ERROR(probe_->Build(layer, q, m, probe_buf_.data()));
-  (void)H; (void)D;
   std::copy(probe_buf_.begin(), probe_buf_.end(), probe_vec_.begin());
   KVTIER_RETURN_IF_ERROR(Sync(seq, layer));
   KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
