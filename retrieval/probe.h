@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "store/factory_spec.h"
 #include "store/geometry.h"
 #include "store/status.h"
 
@@ -184,22 +185,5 @@ class QuestionProbeBuilder final : public ProbeBuilder {
 /// unknown or duplicate keys, malformed "key=value" items and bad values are InvalidArgument
 /// naming them; a bad geometry is InvalidArgument from Geometry::Validate.
 Result<std::unique_ptr<ProbeBuilder>> MakeProbeBuilder(const std::string& spec, const Geometry& g);
-
-// ---- factory-string helpers, shared by the retrieval factories (probe, budget) ----
-
-/// "name" or "name:key=value,key=value", split. Keys keep their order; a duplicate key,
-/// an empty name, key or value, or an item without '=' is InvalidArgument naming it.
-/// `what` ("probe", "budget allocator") prefixes the messages.
-struct FactorySpec {
-  std::string name;
-  std::vector<std::pair<std::string, std::string>> params;
-};
-Result<FactorySpec> ParseFactorySpec(const std::string& spec, const char* what);
-/// Strict parses of a parameter value (the whole text, finite for doubles); InvalidArgument
-/// naming `key` and the spec otherwise.
-Result<double> ParseSpecDouble(const std::string& spec, const std::string& key, const std::string& value);
-Result<int> ParseSpecInt(const std::string& spec, const std::string& key, const std::string& value);
-/// Shortest text that parses back to the same double ("1e-06", "0.5").
-std::string FormatSpecDouble(double v);
 
 }  // namespace kvtier
