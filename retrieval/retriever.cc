@@ -40,6 +40,9 @@ std::vector<uint64_t> TakeBest(const std::vector<float>& rank, const std::vector
 Status RetrieverOptions::Validate() const {
   if (budget_tokens < 0) return InvalidArgument("budget_tokens must be >= 0 (got " + std::to_string(budget_tokens) + ")");
   if (index.factory != "Exact") KVTIER_RETURN_IF_ERROR(index.Validate());
+  if (rerank_factor < 0 || rerank_min < 0)
+    return InvalidArgument("rerank_factor and rerank_min must be >= 0 (got " + std::to_string(rerank_factor) + ", " +
+                           std::to_string(rerank_min) + ")");
   auto a = MakeBudgetAllocator(alloc);
   if (!a.ok()) return InvalidArgument("alloc: " + a.status().message());
   // The probe needs a geometry to be built; any valid one checks the spec.
@@ -95,12 +98,17 @@ Status Retriever::Sync(SequenceId seq, int layer) {
       li->exact_ids.push_back(i);
       li->exact_repr.resize(H);
       li->exact_inv_norm.resize(H);
+      li->exact_q8.resize(H);
+      li->exact_q8_scale.resize(H);
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < H; ++h) {
           const float* key = repr_.data() + (static_cast<size_t>(r) * H + h) * D;
           li->exact_repr[h].insert(li->exact_repr[h].end(), key, key + D);
           const float n2 = kernels::Dot(key, key, D);
           li->exact_inv_norm[h].push_back(n2 > 0.0f ? 1.0f / std::sqrt(n2) : 0.0f);
+          const size_t at = li->exact_q8[h].size();
+          li->exact_q8[h].resize(at + D);
+          li->exact_q8_scale[h].push_back(kernels::QuantizeI8(key, D, li->exact_q8[h].data() + at));
         }
       continue;
     }
@@ -149,16 +157,50 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
     return sel;
   }
   if (exact()) {
-    std::vector<float> raw;
-    ExactScores(*li, probe_vec_.data(), &raw, &scores_);
-    ids_ = li->exact_ids;
+    const bool by_cosine = NeedsAllScores(options_.alloc);
+    const size_t cap = so.hot_bytes / so.chunk_bytes();
+    if (options_.rerank_factor == 0) {
+      std::vector<float> raw;
+      ExactScores(*li, probe_vec_.data(), &raw, &scores_);
+      ids_ = li->exact_ids;
+      sel.search_ms = MsSince(t0);
+      t0 = std::chrono::steady_clock::now();
+      KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{scores_.data(), n}));
+      if (by_cosine) sel.entropy = SoftmaxEntropy(scores_.data(), n);
+      sel.chunks = TakeBest(by_cosine ? scores_ : raw, ids_, take, cap);
+      sel.alloc_ms = MsSince(t0);
+      return sel;
+    }
+    // Two stages. The first scores every chunk from int8 codes (a quarter of the
+    // bytes of the fp32 pass, which is memory-bound); the allocator (Eq. 10-12
+    // for entropy) sees these cosines. The second rescores the best candidates
+    // from the fp32 keys, so quantisation error cannot reorder the chosen set.
+    std::vector<float> raw1;
+    QuantizedScores(*li, probe_vec_.data(), &raw1, &scores_);
     sel.search_ms = MsSince(t0);
     t0 = std::chrono::steady_clock::now();
-    const bool by_cosine = NeedsAllScores(options_.alloc);
     KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{scores_.data(), n}));
     if (by_cosine) sel.entropy = SoftmaxEntropy(scores_.data(), n);
-    sel.chunks = TakeBest(by_cosine ? scores_ : raw, ids_, take, so.hot_bytes / so.chunk_bytes());
+    take = static_cast<int>(std::min<size_t>(static_cast<size_t>(std::max(0, take)), cap));
     sel.alloc_ms = MsSince(t0);
+    t0 = std::chrono::steady_clock::now();
+    const int64_t n_cand = std::max<int64_t>(static_cast<int64_t>(options_.rerank_factor) * take, options_.rerank_min);
+    rows_.resize(n);
+    std::iota(rows_.begin(), rows_.end(), 0);
+    const std::vector<float>& rank1 = by_cosine ? scores_ : raw1;
+    if (n_cand < n) {
+      std::nth_element(rows_.begin(), rows_.begin() + n_cand, rows_.end(), [&](int64_t a, int64_t b) {
+        return rank1[a] != rank1[b] ? rank1[a] > rank1[b] : a < b;
+      });
+      rows_.resize(n_cand);
+      std::sort(rows_.begin(), rows_.end());  // ascending chunk order: TakeBest's ties keep the smaller chunk
+    }
+    std::vector<float> raw, cos;
+    ExactScoresOf(*li, probe_vec_.data(), rows_, &raw, &cos);
+    std::vector<uint64_t> cand_ids(rows_.size());
+    for (size_t i = 0; i < rows_.size(); ++i) cand_ids[i] = li->exact_ids[rows_[i]];
+    sel.chunks = TakeBest(by_cosine ? cos : raw, cand_ids, take, cap);
+    sel.search_ms += MsSince(t0);
     return sel;
   }
   if (!NeedsAllScores(options_.alloc)) {
@@ -238,12 +280,70 @@ void Retriever::ExactScores(const LayerIndex& li, const float* probe, std::vecto
   }
 }
 
+void Retriever::QuantizedScores(const LayerIndex& li, const float* probe, std::vector<float>* raw,
+                                std::vector<float>* cos) const {
+  const StoreOptions& so = store_->options();
+  const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
+  const size_t n = li.exact_ids.size();
+  raw->assign(n, 0.0f);
+  cos->assign(n, 0.0f);
+  for (int h = 0; h < H; ++h) {
+    const float* p = probe + static_cast<size_t>(h) * D;
+    const float pn2 = kernels::Dot(p, p, D);
+    const float inv_p = pn2 > 0.0f ? 1.0f / std::sqrt(pn2) : 0.0f;
+    const int8_t* codes = li.exact_q8[h].data();
+    const float* scale = li.exact_q8_scale[h].data();
+    const float* inv = li.exact_inv_norm[h].data();
+    tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 1024), [&](const tbb::blocked_range<size_t>& range) {
+      for (size_t c = range.begin(); c < range.end(); ++c) {
+        float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
+        for (int r = 0; r < R; ++r) {
+          const size_t j = c * R + r;
+          const float dot = kernels::DotI8(codes + j * D, p, D) * scale[j];
+          best = std::max(best, dot);
+          best_cos = std::max(best_cos, dot * inv[j] * inv_p);
+        }
+        (*raw)[c] += best;
+        (*cos)[c] += best_cos / static_cast<float>(H);
+      }
+    });
+  }
+}
+
+void Retriever::ExactScoresOf(const LayerIndex& li, const float* probe, const std::vector<int64_t>& rows,
+                              std::vector<float>* raw, std::vector<float>* cos) const {
+  const StoreOptions& so = store_->options();
+  const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
+  raw->assign(rows.size(), 0.0f);
+  cos->assign(rows.size(), 0.0f);
+  for (int h = 0; h < H; ++h) {
+    const float* p = probe + static_cast<size_t>(h) * D;
+    const float pn2 = kernels::Dot(p, p, D);
+    const float inv_p = pn2 > 0.0f ? 1.0f / std::sqrt(pn2) : 0.0f;
+    const float* keys = li.exact_repr[h].data();
+    const float* inv = li.exact_inv_norm[h].data();
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const size_t c = static_cast<size_t>(rows[i]);
+      float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
+      for (int r = 0; r < R; ++r) {
+        const float dot = kernels::Dot(keys + (c * R + r) * D, p, D);
+        best = std::max(best, dot);
+        best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p);
+      }
+      (*raw)[i] += best;
+      (*cos)[i] += best_cos / static_cast<float>(H);
+    }
+  }
+}
+
 uint64_t Retriever::memory_bytes() const {
   uint64_t b = 0;
   for (const auto& [key, li] : indexes_) {
     if (li.index) b += li.index->memory_bytes();
     for (const auto& v : li.exact_repr) b += v.capacity() * sizeof(float);
     for (const auto& v : li.exact_inv_norm) b += v.capacity() * sizeof(float);
+    for (const auto& v : li.exact_q8) b += v.capacity();
+    for (const auto& v : li.exact_q8_scale) b += v.capacity() * sizeof(float);
     b += li.norm.capacity() * sizeof(float) + li.exact_ids.capacity() * sizeof(uint64_t);
   }
   return b;

@@ -43,6 +43,12 @@ struct RetrieverOptions {
   /// a FAISS factory over one mean vector per chunk ("Flat", "HNSW32", "IVF<n>,Flat").
   ChunkIndexOptions index{.factory = "Exact"};
   int budget_tokens = 2048;        ///< retrieved tokens per layer and step (k = budget_tokens / chunk_size chunks)
+  /// "Exact" only: two-stage search. Every chunk is first scored from int8 copies of its
+  /// representative keys (a quarter of the bytes; what the allocator sees); the best
+  /// max(rerank_factor * take, rerank_min) chunks are then rescored from the fp32 keys,
+  /// and the layer takes its chunks in that order. 0 = one fp32 pass over every chunk.
+  int rerank_factor = 4;
+  int rerank_min = 256;
   Status Validate() const;
 };
 
@@ -90,6 +96,8 @@ class Retriever {
     std::vector<uint64_t> exact_ids;                // [n] chunk index of each row
     std::vector<std::vector<float>> exact_repr;     // [H][n, R, D]: per head, so one head's keys are contiguous
     std::vector<std::vector<float>> exact_inv_norm; // [H][n, R]
+    std::vector<std::vector<int8_t>> exact_q8;      // [H][n, R, D]: int8 codes of exact_repr
+    std::vector<std::vector<float>> exact_q8_scale; // [H][n, R]
   };
   Result<LayerIndex*> Index(SequenceId seq, int layer);
   bool exact() const { return options_.index.factory == "Exact"; }
@@ -97,6 +105,11 @@ class Retriever {
   // q.k, best representative per head); cos = mean_h max_r cos(p_h, r_h)
   // (ActQKV Eq. 10 per head, in [-1, 1]).
   void ExactScores(const LayerIndex& li, const float* probe, std::vector<float>* raw, std::vector<float>* cos) const;
+  // The same two scores for the chunks at rows `rows` only (the rerank stage).
+  void ExactScoresOf(const LayerIndex& li, const float* probe, const std::vector<int64_t>& rows,
+                     std::vector<float>* raw, std::vector<float>* cos) const;
+  // First stage: ExactScores from the int8 codes.
+  void QuantizedScores(const LayerIndex& li, const float* probe, std::vector<float>* raw, std::vector<float>* cos) const;
 
   TieredStore* store_;
   RetrieverOptions options_;
@@ -105,6 +118,7 @@ class Retriever {
   std::unordered_map<uint64_t, LayerIndex> indexes_;  // key: seq * 65536 + layer
   std::vector<float> repr_, probe_buf_, probe_vec_;
   std::vector<uint64_t> ids_;
+  std::vector<int64_t> rows_;
   std::vector<float> scores_;
   int k_ = 0;
 };

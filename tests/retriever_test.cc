@@ -7,6 +7,7 @@
 
 #include "integration/workload.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/dot.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -132,6 +133,76 @@ TEST(Retriever, ExactScoresTheBestRepresentativePerHead) {
   EXPECT_EQ(sel->chunks, (std::vector<uint64_t>{1}));
 }
 
+// The two-stage search (int8 first pass over every chunk, fp32 rescoring of the
+// best candidates) must choose what the single fp32 pass chooses when the
+// candidates are generous, and a planted chunk must survive a tight candidate
+// set of its own size.
+TEST(Retriever, TwoStageSearchMatchesTheFullPass) {
+  for (const char* alloc : {"topk", "entropy"}) {
+    TempDir dir;
+    StoreOptions o = Options(dir.path());
+    auto store = TieredStore::Open(o);
+    ASSERT_TRUE(store.ok());
+    TieredStore* s = store->get();
+    const Geometry& g = s->options().geometry;
+    SequenceId seq = *s->CreateSequence();
+    const int n = 4 + 16 + 4 * 200 + 3;  // 200 chunks
+    std::vector<std::vector<float>> vs;
+    auto ks = Fill(s, seq, n, 11, &vs);
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> q(static_cast<size_t>(g.q_heads) * g.head_dim);
+    for (auto& x : q) x = nd(rng);
+    auto select = [&](int rerank_factor, int rerank_min) {
+      RetrieverOptions ro;
+      ro.probe = "mean";
+      ro.alloc = alloc;
+      ro.budget_tokens = 8 * 4;  // k = 8 chunks
+      ro.rerank_factor = rerank_factor;
+      ro.rerank_min = rerank_min;
+      auto r = Retriever::Create(s, ro);
+      EXPECT_TRUE(r.ok());
+      std::vector<std::vector<uint64_t>> out;
+      (*r)->BeginStep();
+      for (int l = 0; l < g.layers; ++l) {
+        auto sel = (*r)->Select(seq, l, q.data(), 1, true);
+        EXPECT_TRUE(sel.ok()) << sel.status().ToString();
+        out.push_back(sel->chunks);
+      }
+      return out;
+    };
+    const auto full = select(0, 0);
+    EXPECT_EQ(select(4, 0), full) << alloc;     // 4x the take: the same chunks, same order
+    EXPECT_EQ(select(1, 1000), full) << alloc;  // every chunk rescored
+    for (const auto& layer : full) EXPECT_FALSE(layer.empty());
+  }
+}
+
+TEST(Retriever, QuantizedDotMatchesFloatDot) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int d : {1, 15, 16, 64, 129}) {
+    std::vector<float> x(d), p(d);
+    for (auto& v : x) v = nd(rng);
+    for (auto& v : p) v = nd(rng);
+    std::vector<int8_t> codes(d);
+    const float scale = kernels::QuantizeI8(x.data(), d, codes.data());
+    float max_abs = 0.0f, p_l1 = 0.0f;
+    for (int i = 0; i < d; ++i) {
+      max_abs = std::max(max_abs, std::fabs(x[i]));
+      p_l1 += std::fabs(p[i]);
+      EXPECT_LE(std::fabs(codes[i] * scale - x[i]), 0.5f * scale + 1e-6f);  // round to nearest
+    }
+    EXPECT_FLOAT_EQ(scale, max_abs / 127.0f);
+    const float exact = kernels::Dot(x.data(), p.data(), d);
+    EXPECT_NEAR(kernels::DotI8(codes.data(), p.data(), d) * scale, exact, 0.5f * scale * p_l1 + 1e-4f) << d;
+  }
+  std::vector<float> zero(8, 0.0f);
+  std::vector<int8_t> codes(8, 5);
+  EXPECT_EQ(kernels::QuantizeI8(zero.data(), 8, codes.data()), 0.0f);
+  for (int8_t c : codes) EXPECT_EQ(c, 0);
+}
+
 TEST(Retriever, EntropyBudgetNeverExceedsTheStepBudget) {
   TempDir dir;
   auto store = TieredStore::Open(Options(dir.path()));
@@ -234,6 +305,9 @@ TEST(Retriever, BadOptionsAreRejected) {
   ro = RetrieverOptions();
   ro.index.factory = "Bogus";
   EXPECT_FALSE(ro.Validate().ok());
+  ro = RetrieverOptions();
+  ro.rerank_factor = -1;
+  EXPECT_NE(ro.Validate().message().find("rerank"), std::string::npos);
   ro = RetrieverOptions();
   ro.budget_tokens = -1;
   EXPECT_NE(ro.Validate().message().find("budget_tokens"), std::string::npos);

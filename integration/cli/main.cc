@@ -193,8 +193,13 @@ int CmdRun(int argc, char** argv) {
         [&o](const std::string& s) { o.retrieval.probe = s; return Status::Ok(); });
   f.Add("alloc", "budget allocator: entropy | topk (default entropy)",
         [&o](const std::string& s) { o.retrieval.alloc = s; return Status::Ok(); });
-  f.Add("index", "FAISS index factory: Flat | HNSW32 | IVF<n>,Flat (default Flat)",
+  f.Add("index", "chunk index: Exact (best representative per head) or a FAISS factory Flat | HNSW32 | "
+        "IVF<n>,Flat over one mean vector per chunk (default Exact)",
         [&o](const std::string& s) { o.retrieval.index.factory = s; return Status::Ok(); });
+  f.Add("rerank", "Exact index: rescore the best F x take chunks by their best representative, 0 = one "
+        "full pass over every representative (default 4)", IntFlag(&o.retrieval.rerank_factor, 0, 1 << 20));
+  f.Add("rerank-min", "Exact index: at least this many chunks reach the rescoring stage (default 256)",
+        IntFlag(&o.retrieval.rerank_min, 0, 1 << 30));
   f.Add("compare", "compare StreamingLLM, InfLLM, ActQKV w/o cut-off and ActQKV on the same data",
         [&o](const std::string& s) { o.compare = s != "0"; return Status::Ok(); }, true);
   f.Add("spearman-windows", "prefill windows sampled for probe-to-oracle Spearman rho (default 8, 0 = off)",
