@@ -360,8 +360,16 @@ Status TieredStore::Recover() {
       // sits at the end of the last chunk.
       if (s->state == SeqState::kClosed) {
         ls.n_tokens = n_tokens[l];
-        ls.sealed_end = ls.chunks.empty() ? std::min<int64_t>(ls.n_tokens, options_.n_sink)
-                                          : options_.n_sink + static_cast<int64_t>(ls.chunks.size()) * options_.chunk_size;
+        // The sealed chunk count follows from n_tokens (Append seals the oldest chunk
+        // when the ring is full and a token arrives), not from the chunks found:
+        // trailing chunks may have been dropped by compression (DropChunks).
+        const int64_t beyond = ls.n_tokens - options_.n_sink - (options_.n_local + options_.chunk_size);
+        const int64_t sealed = beyond > 0 ? (beyond + options_.chunk_size - 1) / options_.chunk_size : 0;
+        if (static_cast<int64_t>(ls.chunks.size()) > sealed)
+          return Corruption("cold tier: sequence " + std::to_string(id) + " layer " + std::to_string(l) + " has " +
+                            std::to_string(ls.chunks.size()) + " chunks but its " + std::to_string(ls.n_tokens) +
+                            " tokens seal only " + std::to_string(sealed));
+        ls.sealed_end = std::min<int64_t>(ls.n_tokens, options_.n_sink) + sealed * options_.chunk_size;
       } else {
         ls.sealed_end = ls.chunks.empty() ? 0 : options_.n_sink + static_cast<int64_t>(ls.chunks.size()) * options_.chunk_size;
         ls.n_tokens = ls.sealed_end;
@@ -903,7 +911,7 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
         c = idx < ls.chunks.size() ? ls.chunks[idx] : nullptr;
         if (c == nullptr) {
           st = NotFound("chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
-                        " is missing (lost before it was acknowledged)");
+                        " is missing (dropped by compression, or lost before it was acknowledged)");
           break;
         }
         if (c->warm_slot >= 0) { c->warm_pins++; src = warm_->slot_data(c->warm_slot); }
@@ -1177,6 +1185,7 @@ Status TieredStore::CloseSequence(SequenceId seq) {
     for (auto& ls : s->layers) {
       for (Chunk* c : ls.chunks) {
         std::unique_lock<std::mutex> l(mu_);
+        if (c == nullptr) continue;  // dropped, or a hole left by a crash
         cv_.wait(l, [&] { return !c->cold_writing; });
         if (c->cold_acked) continue;
         st = WriteWarmChunkToColdLocked(l, c);
@@ -1252,6 +1261,50 @@ Status TieredStore::DropSequence(SequenceId seq) {
     l.unlock();
     KVTIER_RETURN_IF_ERROR(cold_->DeleteSequence(seq));
   }
+  return Status::Ok();
+}
+
+Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices) {
+  std::vector<ChunkKey> cold_keys;
+  {
+    std::unique_lock<std::mutex> l(mu_);
+    Sequence* s = nullptr;
+    KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+    LayerState& ls = s->layers[layer];
+    for (uint64_t idx : chunk_indices)
+      if (idx >= ls.chunks.size())
+        return InvalidArgument("DropChunks: chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
+                               " does not exist (layer has " + std::to_string(ls.chunks.size()) + " chunks)");
+    const auto now = Clock::now();
+    for (uint64_t idx : chunk_indices) {
+      const Chunk* c = ls.chunks[idx];
+      if (c && c->hot_pins > 0 && c->pin_deadline > now)
+        return FailedPrecondition("DropChunks: chunk " + c->key.ToString() +
+                                  " is pinned by a live fetch handle; release it first");
+    }
+    // Transfers in flight finish first: a warm read, a cold write, a hot load.
+    cv_.wait(l, [&] {
+      for (uint64_t idx : chunk_indices) {
+        const Chunk* c = ls.chunks[idx];
+        if (c && (c->warm_pins > 0 || c->cold_writing || c->hot_loading)) return false;
+      }
+      return true;
+    });
+    for (uint64_t idx : chunk_indices) {
+      Chunk* c = ls.chunks[idx];
+      if (c == nullptr) continue;
+      if (c->cold_acked || c->cold_writing) cold_keys.push_back(c->key);
+      FreeChunkLocked(c);
+      ls.chunks[idx] = nullptr;
+      counters_.dropped_chunks++;
+    }
+    counters_.warm_chunks = warm_->used();
+    counters_.hot_chunks = hot_->slots_used();
+  }
+  // The chunk is gone from memory; removing its cold copy is what makes the drop
+  // survive a reopen.
+  if (cold_)
+    for (const ChunkKey& k : cold_keys) KVTIER_RETURN_IF_ERROR(cold_->DeleteChunk(k));
   return Status::Ok();
 }
 

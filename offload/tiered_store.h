@@ -79,6 +79,7 @@ struct StoreCounters {
   uint64_t cold_writes = 0, cold_reads = 0;
   uint64_t lease_expired = 0;    ///< pins that ran past pin_timeout_ms and stopped protecting
   uint64_t chunks_sealed = 0;    ///< chunks formed from the local window
+  uint64_t dropped_chunks = 0;   ///< chunks removed for good by DropChunks (compression)
 };
 
 /// Per-chunk metadata visible to retrieval and policies.
@@ -159,6 +160,12 @@ class TieredStore {
   Status CloseSequence(SequenceId seq);
   /// Removes the sequence from every tier.
   Status DropSequence(SequenceId seq);
+  /// Compression: removes sealed chunks of one layer from every tier for good (their
+  /// indices become holes: FetchChunks refuses them, ReadTokens says they are missing,
+  /// a reopened store does not bring them back). Waits for transfers touching them;
+  /// a chunk pinned by a live fetch handle is FailedPrecondition and nothing is dropped.
+  /// Already-dropped indices are ignored; indices past the layer's chunks are InvalidArgument.
+  Status DropChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices);
   std::vector<SequenceId> ListSequences() const;
   /// Tokens appended to `layer` of `seq`.
   Result<int64_t> SequenceLength(SequenceId seq, int layer) const;

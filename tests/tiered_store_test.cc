@@ -478,6 +478,58 @@ TEST(TieredStore, ReopenRecoversClosedSequencesBitForBit) {
   EXPECT_GT(*c, b);
 }
 
+TEST(TieredStore, DropChunksRemovesThemFromEveryTierForGood) {
+  TempDir dir;
+  StoreOptions o = SmallOptions(dir.path());
+  SequenceId seq = 0;
+  {
+    auto s = TieredStore::Open(o);
+    ASSERT_TRUE(s.ok());
+    TieredStore* st = s->get();
+    seq = *st->CreateSequence();
+    AppendPattern(st, seq, 0, 5, 0, 8 + 32 + 8 * 20, 13);  // 19 chunks sealed: warm holds 8, the rest cold
+    AppendPattern(st, seq, 1, 6, 0, 8 + 32 + 8 * 20, 13);
+    ASSERT_TRUE(st->WaitForDurable().ok());
+    // A live pin refuses the drop, and nothing is dropped.
+    auto h = st->FetchChunks(seq, 0, {3});
+    ASSERT_TRUE(h.ok() && h->Wait().ok());
+    Status pinned = st->DropChunks(seq, 0, {2, 3});
+    EXPECT_EQ(pinned.code(), StatusCode::kFailedPrecondition) << pinned.ToString();
+    EXPECT_NE(pinned.message().find("pinned"), std::string::npos);
+    ExpectPattern(st, seq, 0, 5, 8 + 2 * 8, 8 + 4 * 8);
+    h->Release();
+    EXPECT_EQ(st->DropChunks(seq, 0, {19}).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(st->DropChunks(seq, 2, {0}).code(), StatusCode::kInvalidArgument);
+    const StoreCounters c0 = st->counters();
+    Status dropped = st->DropChunks(seq, 0, {2, 3, 18});  // 2, 3 cold; 18 warm
+    ASSERT_TRUE(dropped.ok()) << dropped.ToString();
+    ASSERT_TRUE(st->DropChunks(seq, 0, {3}).ok());         // again: ignored
+    EXPECT_EQ(st->counters().dropped_chunks - c0.dropped_chunks, 3u);
+    EXPECT_EQ(st->counters().cold_chunks, c0.cold_chunks - 3);  // write-through: all three were on disk
+    EXPECT_EQ(*st->ChunkCount(seq, 0), 19u);  // indices stay: the dropped ones are holes
+    auto refused = st->FetchChunks(seq, 0, {1, 2});
+    EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+    std::vector<uint8_t> k(8 * TokenBytes(o)), v(k.size());
+    Status gone = st->ReadTokens(seq, 0, 8 + 2 * 8, 8 + 3 * 8, k.data(), v.data());
+    EXPECT_EQ(gone.code(), StatusCode::kNotFound);
+    EXPECT_NE(gone.message().find("dropped"), std::string::npos);
+    // Neighbours and the other layer are untouched.
+    ExpectPattern(st, seq, 0, 5, 0, 8 + 2 * 8);
+    ExpectPattern(st, seq, 0, 5, 8 + 4 * 8, 8 + 18 * 8);
+    ExpectPattern(st, seq, 0, 5, 8 + 19 * 8, 8 + 32 + 8 * 20);
+    ExpectPattern(st, seq, 1, 6, 0, 8 + 32 + 8 * 20);
+    ASSERT_TRUE(st->CloseSequence(seq).ok());
+  }
+  // Reopened: the dropped chunks stay dropped; the rest is intact.
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  std::vector<uint8_t> k(8 * TokenBytes(o)), v(k.size());
+  EXPECT_EQ((*s)->ReadTokens(seq, 0, 8 + 3 * 8, 8 + 4 * 8, k.data(), v.data()).code(), StatusCode::kNotFound);
+  EXPECT_EQ((*s)->ReadTokens(seq, 0, 8 + 18 * 8, 8 + 19 * 8, k.data(), v.data()).code(), StatusCode::kNotFound);
+  ExpectPattern(s->get(), seq, 0, 5, 8 + 4 * 8, 8 + 18 * 8);
+  ExpectPattern(s->get(), seq, 1, 6, 0, 8 + 32 + 8 * 20);
+}
+
 TEST(TieredStore, ReopenWithAnotherGeometryIsRejected) {
   TempDir dir;
   StoreOptions o = SmallOptions(dir.path());

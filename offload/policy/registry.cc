@@ -20,7 +20,14 @@ struct Entry {
 };
 // Stable order: the classic baselines first, then the papers.
 const std::vector<Entry> kPolicies = {
-    // {"lru", &MakeLru, &LruInfo},
+    {"lru", &MakeLru, &LruInfo},
+    {"streaming", &MakeStreaming, &StreamingInfo},
+    {"h2o", &MakeH2o, &H2oInfo},
+    {"snapkv", &MakeSnapKv, &SnapKvInfo},
+    {"hitkv", &MakeHitKv, &HitKvInfo},
+    {"gkv", &MakeGkv, &GkvInfo},
+    {"structkv", &MakeStructKv, &StructKvInfo},
+    {"compilerkv", &MakeCompilerKv, &CompilerKvInfo},
 };
 }  // namespace
 }  // namespace policies
