@@ -129,6 +129,44 @@ Status Retriever::Sync(SequenceId seq, int layer) {
   return Status::Ok();
 }
 
+Status Retriever::Forget(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices) {
+  KVTIER_RETURN_IF_ERROR(Sync(seq, layer));  // index everything first, so nothing dropped is added later
+  KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
+  if (!exact()) {
+    for (uint64_t idx : chunk_indices) {
+      Status st = li->index->Remove(idx);
+      if (!st.ok() && st.code() != StatusCode::kNotFound) return st;
+    }
+    return Status::Ok();
+  }
+  std::vector<uint64_t> gone = chunk_indices;
+  std::sort(gone.begin(), gone.end());
+  const StoreOptions& so = store_->options();
+  const size_t H = static_cast<size_t>(so.geometry.kv_heads), D = so.geometry.head_dim, R = so.repr_topk;
+  size_t keep = 0;
+  for (size_t row = 0; row < li->exact_ids.size(); ++row) {
+    if (std::binary_search(gone.begin(), gone.end(), li->exact_ids[row])) continue;
+    if (keep != row) {  // compact in place: rows keep their ascending chunk order
+      li->exact_ids[keep] = li->exact_ids[row];
+      for (size_t h = 0; h < H; ++h) {
+        std::copy_n(li->exact_repr[h].begin() + row * R * D, R * D, li->exact_repr[h].begin() + keep * R * D);
+        std::copy_n(li->exact_q8[h].begin() + row * R * D, R * D, li->exact_q8[h].begin() + keep * R * D);
+        std::copy_n(li->exact_inv_norm[h].begin() + row * R, R, li->exact_inv_norm[h].begin() + keep * R);
+        std::copy_n(li->exact_q8_scale[h].begin() + row * R, R, li->exact_q8_scale[h].begin() + keep * R);
+      }
+    }
+    ++keep;
+  }
+  li->exact_ids.resize(keep);
+  for (size_t h = 0; h < li->exact_repr.size(); ++h) {
+    li->exact_repr[h].resize(keep * R * D);
+    li->exact_q8[h].resize(keep * R * D);
+    li->exact_inv_norm[h].resize(keep * R);
+    li->exact_q8_scale[h].resize(keep * R);
+  }
+  return Status::Ok();
+}
+
 Status Retriever::Observe(int layer, const float* q, int m) { return probe_->Build(layer, q, m, probe_buf_.data()); }
 
 Status Retriever::SetQuestion(int layer, const float* q, int m) { return probe_->SetQuestion(layer, q, m); }

@@ -80,6 +80,9 @@ class Retriever {
   Status SetQuestion(int layer, const float* q, int m);
   /// Indexes chunks sealed since the last call (also rebuilds after a reopen).
   Status Sync(SequenceId seq, int layer);
+  /// Removes chunks from (seq, layer)'s index: call after TieredStore::DropChunks so
+  /// dropped chunks are never selected again. Unknown indices are ignored.
+  Status Forget(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices);
 
   ProbeBuilder& probe() { return *probe_; }
   const RetrieverOptions& options() const { return options_; }

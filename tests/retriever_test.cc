@@ -178,6 +178,42 @@ TEST(Retriever, TwoStageSearchMatchesTheFullPass) {
   }
 }
 
+TEST(Retriever, DroppedChunksAreNeverSelectedAgain) {
+  for (const char* index : {"Exact", "Flat"}) {
+    TempDir dir;
+    auto store = TieredStore::Open(Options(dir.path()));
+    ASSERT_TRUE(store.ok());
+    TieredStore* s = store->get();
+    const Geometry& g = s->options().geometry;
+    SequenceId seq = *s->CreateSequence();
+    std::vector<std::vector<float>> vs;
+    Fill(s, seq, 4 + 16 + 4 * 30 + 3, 7, &vs);
+    RetrieverOptions ro;
+    ro.alloc = "topk";
+    ro.index.factory = index;
+    ro.budget_tokens = 4 * 30 * 4;  // every chunk
+    auto r = Retriever::Create(s, ro);
+    ASSERT_TRUE(r.ok());
+    std::vector<float> q(static_cast<size_t>(g.q_heads) * g.head_dim, 0.5f);
+    (*r)->BeginStep();
+    ASSERT_EQ((*r)->Select(seq, 0, q.data(), 1, true)->chunks.size(), 30u);
+    const std::vector<uint64_t> gone{0, 7, 8, 29};
+    ASSERT_TRUE(s->DropChunks(seq, 0, gone).ok());
+    ASSERT_TRUE((*r)->Forget(seq, 0, gone).ok());
+    (*r)->BeginStep();
+    for (int l = 0; l < g.layers; ++l) {
+      auto sel = (*r)->Select(seq, l, q.data(), 1, true);
+      ASSERT_TRUE(sel.ok());
+      EXPECT_EQ(sel->chunks.size(), l == 0 ? 26u : 30u) << index;
+      for (uint64_t c : gone)
+        if (l == 0) EXPECT_EQ(std::count(sel->chunks.begin(), sel->chunks.end(), c), 0) << index << " chunk " << c;
+      auto h = s->FetchChunks(seq, l, sel->chunks);  // every chosen chunk still exists
+      ASSERT_TRUE(h.ok()) << h.status().ToString();
+      ASSERT_TRUE(h->Wait().ok());
+    }
+  }
+}
+
 TEST(Retriever, QuantizedDotMatchesFloatDot) {
   std::mt19937 rng(9);
   std::normal_distribution<float> nd(0.0f, 1.0f);
