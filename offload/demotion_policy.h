@@ -3,13 +3,16 @@
 // A tier tells its policy when a chunk enters, is used, or leaves; when space
 // is needed it asks for the best victim among the chunks the tier says may
 // leave (not pinned, lower tier acknowledged or able to acknowledge). Policies
-// are built from factory strings ("lru"); the scoring-policy work adds
-// attention-driven ones behind the same interface.
+// are built from factory strings: "lru", or any scoring policy's string
+// ("h2o", "gkv:form=max"), which demotes the chunk with the lowest score first;
+// the caller feeds chunk scores (block aggregation of the scoring policy's
+// token scores) through TieredStore::SetChunkScores.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <list>
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -27,6 +30,8 @@ class DemotionPolicy {
   /// The best victim for which `can_leave(id)` is true, or false if none.
   /// Ties break deterministically (insertion order).
   virtual bool PickVictim(const std::function<bool(uint64_t)>& can_leave, uint64_t* victim) = 0;
+  /// A new score for a chunk (higher = keep). Recency-based policies ignore it.
+  virtual void OnScore(uint64_t id, float score) { (void)id; (void)score; }
   virtual size_t size() const = 0;
   /// Factory string that rebuilds this policy.
   virtual std::string ToString() const = 0;
@@ -47,7 +52,29 @@ class LruPolicy final : public DemotionPolicy {
   std::unordered_map<uint64_t, std::list<uint64_t>::iterator> where_;
 };
 
-/// Builds a policy from its factory string; unknown names are InvalidArgument.
+/// Score-driven demotion: the chunk with the lowest score leaves first; chunks never
+/// scored count as score 0; ties go to the chunk inserted first (deterministic).
+class ScoredDemotionPolicy final : public DemotionPolicy {
+ public:
+  explicit ScoredDemotionPolicy(std::string spec) : spec_(std::move(spec)) {}
+  void OnInsert(uint64_t id) override;
+  void OnAccess(uint64_t id) override {}
+  void OnRemove(uint64_t id) override;
+  void OnScore(uint64_t id, float score) override;
+  bool PickVictim(const std::function<bool(uint64_t)>& can_leave, uint64_t* victim) override;
+  size_t size() const override { return where_.size(); }
+  std::string ToString() const override { return spec_; }
+
+ private:
+  using Key = std::pair<float, uint64_t>;  // (score, insertion sequence number)
+  std::string spec_;
+  uint64_t next_seq_ = 0;
+  std::map<Key, uint64_t> order_;                   // ascending: the first victim first
+  std::unordered_map<uint64_t, Key> where_;         // id -> its key in order_
+};
+
+/// Builds a policy from its factory string: "lru", or a scoring policy's string (checked
+/// by MakeScoringPolicy) for score-driven demotion; anything else is InvalidArgument.
 Result<std::unique_ptr<DemotionPolicy>> MakeDemotionPolicy(const std::string& spec);
 
 }  // namespace kvtier

@@ -1264,6 +1264,28 @@ Status TieredStore::DropSequence(SequenceId seq) {
   return Status::Ok();
 }
 
+Status TieredStore::SetChunkScores(SequenceId seq, int layer, const std::vector<std::pair<uint64_t, float>>& scores) {
+  std::lock_guard<std::mutex> l(mu_);
+  Sequence* s = nullptr;
+  KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+  LayerState& ls = s->layers[layer];
+  for (const auto& [idx, score] : scores) {
+    if (idx >= ls.chunks.size())
+      return InvalidArgument("SetChunkScores: chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
+                             " does not exist (layer has " + std::to_string(ls.chunks.size()) + " chunks)");
+    if (!std::isfinite(score))
+      return InvalidArgument("SetChunkScores: score of chunk " + std::to_string(idx) + " is not finite");
+  }
+  for (const auto& [idx, score] : scores) {
+    Chunk* c = ls.chunks[idx];
+    if (c == nullptr) continue;
+    c->score = score;
+    hot_policy_->OnScore(c->id, score);
+    warm_policy_->OnScore(c->id, score);
+  }
+  return Status::Ok();
+}
+
 Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices) {
   std::vector<ChunkKey> cold_keys;
   {

@@ -160,6 +160,10 @@ class TieredStore {
   Status CloseSequence(SequenceId seq);
   /// Removes the sequence from every tier.
   Status DropSequence(SequenceId seq);
+  /// Policy scores of sealed chunks of one layer ((chunk index, score), higher = keep):
+  /// kept with the chunk (persisted at its next cold write) and handed to score-driven
+  /// demotion policies. Indices of dropped chunks are ignored; past the end is InvalidArgument.
+  Status SetChunkScores(SequenceId seq, int layer, const std::vector<std::pair<uint64_t, float>>& scores);
   /// Compression: removes sealed chunks of one layer from every tier for good (their
   /// indices become holes: FetchChunks refuses them, ReadTokens says they are missing,
   /// a reopened store does not bring them back). Waits for transfers touching them;

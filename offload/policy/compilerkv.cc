@@ -59,7 +59,7 @@ class Reader {
   // Verifies the trailing "crc32c <8 hex>" line against the bytes before it.
   static Result<Reader> Open(const std::string& content, const std::string& where) {
     if (content.empty()) return Corruption(where + ": file is empty");
-    if (content.back() != '\n') return Corruption(where + ": truncated (no final newline)");
+    if (content.back() != '\n') return Corruption(where + ": truncated (no final newline and checksum line)");
     const size_t last_start = content.rfind('\n', content.size() - 2);
     const size_t start = last_start == std::string::npos ? 0 : last_start + 1;
     const std::string last = content.substr(start, content.size() - 1 - start);
@@ -378,7 +378,8 @@ Result<CompilerKvSelection> SelectCompilerKv(const PolicyGeometry& g, const std:
     return InvalidArgument("compilerkv: " + Str(uhat.size()) + " scores for " + Str(positions.size()) + " positions");
   if (budget < 0) return InvalidArgument("compilerkv: budget must be >= 0, got " + Str(budget));
   const int64_t n = static_cast<int64_t>(positions.size());
-  // τ is in units of ᾱ (header comment): compare s_t = û_t / ᾱ with τ.
+  // τ is in units of ᾱ (header comment): Eq. 15 compares s_t = û_t / ᾱ with τ; ranking (Top-B)
+  // uses û itself (s is a monotone image of it).
   std::vector<float> s(n);
   for (int64_t i = 0; i < n; ++i)
     s[i] = alpha_mean > 0 ? static_cast<float>(uhat[i] / alpha_mean) : uhat[i];
@@ -403,7 +404,7 @@ Result<CompilerKvSelection> SelectCompilerKv(const PolicyGeometry& g, const std:
     if (bfree <= 0 || rest.empty()) {
       sel.tau = std::numeric_limits<double>::infinity();
     } else {
-      const std::vector<int64_t> top = TopIndexes(s, rest, bfree);
+      const std::vector<int64_t> top = TopIndexes(uhat, rest, bfree);
       sel.tau = s[top.back()];
     }
   } else {
@@ -419,7 +420,7 @@ Result<CompilerKvSelection> SelectCompilerKv(const PolicyGeometry& g, const std:
     chosen = rest;  // nothing to drop
   } else {
     // Eq. 16: all candidates if they fit, else the Top-B' of them by û.
-    chosen = sel.candidates <= bfree ? cand : TopIndexes(s, cand, bfree);
+    chosen = sel.candidates <= bfree ? cand : TopIndexes(uhat, cand, bfree);
     if (fill && static_cast<int64_t>(chosen.size()) < bfree) {
       // fill=1: pad with the highest-û non-chosen keys so exactly min(B, n) are kept.
       std::vector<char> in(n, 0);
@@ -427,7 +428,7 @@ Result<CompilerKvSelection> SelectCompilerKv(const PolicyGeometry& g, const std:
       std::vector<int64_t> others;
       for (int64_t i : rest)
         if (!in[i]) others.push_back(i);
-      const std::vector<int64_t> pad = TopIndexes(s, others, bfree - static_cast<int64_t>(chosen.size()));
+      const std::vector<int64_t> pad = TopIndexes(uhat, others, bfree - static_cast<int64_t>(chosen.size()));
       chosen.insert(chosen.end(), pad.begin(), pad.end());
     }
   }

@@ -123,7 +123,7 @@ std::vector<float> Redundancy(const float* keys, int kv_heads, int head_dim, int
   }
   double mx = -std::numeric_limits<double>::infinity();
   for (int64_t j = 0; j < n; ++j) {
-    col[j] /= static_cast<double>(n);  // the average C̄'
+    // the average C̄'
     mx = std::max(mx, col[j]);
   }
   double z = 0.0;
