@@ -8,6 +8,8 @@
 #include <memory>
 #include <numeric>
 
+#include <oneapi/tbb/parallel_for.h>
+
 #include "kernels/cpu/dot.h"
 #include "offload/policy/scoring_policy.h"
 
@@ -61,6 +63,29 @@ struct PolicyRun {
 };
 
 }  // namespace
+
+void ExactAttentionRows(const Geometry& g, const float* q, const int64_t* qpos, int m, const float* k, int64_t n_keys,
+                        float* out) {
+  const int Hq = g.q_heads, D = g.head_dim, G = g.group_size();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const size_t tok = static_cast<size_t>(g.kv_heads) * D;
+  tbb::parallel_for(0, Hq * m, [&](int hi) {
+    const int h = hi / m, i = hi % m;
+    const float* qv = q + (static_cast<size_t>(i) * Hq + h) * D;
+    float* row = out + (static_cast<size_t>(h) * m + i) * n_keys;
+    const int64_t visible = std::min<int64_t>(n_keys, qpos[i] + 1);
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < visible; ++t) {
+      row[t] = kernels::Dot(qv, k + static_cast<size_t>(t) * tok + static_cast<size_t>(h / G) * D, D) * scale;
+      mx = std::max(mx, row[t]);
+    }
+    double sum = 0.0;
+    for (int64_t t = 0; t < visible; ++t) sum += (row[t] = std::exp(row[t] - mx));
+    const float inv = static_cast<float>(1.0 / sum);
+    for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
+    std::fill(row + std::max<int64_t>(visible, 0), row + n_keys, 0.0f);
+  });
+}
 
 Status PolicyEvalOptions::Validate() const {
   KVTIER_RETURN_IF_ERROR(geometry.Validate());
@@ -118,13 +143,7 @@ Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& o) 
   for (int l = 0; l < L; ++l) {
     work.Generate(l, ctx - m, ctx, q.data(), nullptr, nullptr);
     const double t0 = NowMs();
-    for (int h = 0; h < Hq; ++h)
-      for (int i = 0; i < m; ++i) {
-        float* row = attn.data() + (static_cast<size_t>(h) * m + i) * ctx;
-        const size_t visible = static_cast<size_t>(qpos[i]) + 1;
-        SoftmaxRow(q.data() + (static_cast<size_t>(i) * Hq + h) * D, K[l], Hkv, D, h / G, all_pos.data(), visible, row);
-        std::fill(row + visible, row + ctx, 0.0f);
-      }
+    ExactAttentionRows(g, q.data(), qpos.data(), m, K[l].data(), ctx, attn.data());
     const double attention_ms = NowMs() - t0;
     AttentionObservation obs;
     obs.layer = l; obs.n_queries = m; obs.n_keys = ctx;

@@ -9,8 +9,10 @@
 #include <unistd.h>
 
 #include "integration/json.h"
+#include "integration/policy_eval.h"
 #include "integration/sysinfo.h"
 #include "kernels/cpu/attention.h"
+#include "offload/policy/scoring_policy.h"
 
 namespace kvtier {
 namespace {
@@ -109,6 +111,15 @@ Status RunOptions::Validate() const {
     KVTIER_RETURN_IF_ERROR(r.Validate());
   }
   if (spearman_windows < 0) return InvalidArgument("spearman_windows must be >= 0");
+  if (!compress.empty()) {
+    auto p = MakeScoringPolicy(compress);
+    if (!p.ok()) return InvalidArgument("compress: " + p.status().message());
+    if (kv_budget < store.n_sink + store.n_local)
+      return InvalidArgument("kv_budget (" + std::to_string(kv_budget) + ") must cover the sinks and local window (" +
+                             std::to_string(store.n_sink + store.n_local) + " tokens)");
+  }
+  if (observe < 1 || observe > workload.context)
+    return InvalidArgument("observe must be in [1, context] (got " + std::to_string(observe) + ")");
   const uint64_t budget_chunks = static_cast<uint64_t>(budget / store.chunk_size);
   if (budget_chunks * store.chunk_bytes() > store.hot_bytes)
     return InvalidArgument("budget (" + std::to_string(budget) + " tokens = " + std::to_string(budget_chunks) +
@@ -300,6 +311,96 @@ Result<RunReport> RunJob(const RunOptions& opt) {
   }
   rep.prefill_s = prefill_s;
 
+  // ---- the scoring policy at prefill end: demotion scores and/or compression ----
+  // The last `observe` prompt queries attend exactly over every key of the layer (read
+  // back from whichever tier holds it); the policy observes that, layer by layer.
+  // Chunk scores are the block aggregation of its token scores (StructKV's S_block);
+  // in compression mode the chunks holding the most keep-set tokens stay (ties by
+  // score), up to kv_budget tokens, and the rest leave the store and every index.
+  const std::string demotion_spec = opt.store.warm_policy != "lru" ? opt.store.warm_policy : opt.store.hot_policy;
+  const std::string policy_spec = !opt.compress.empty() ? opt.compress : (demotion_spec != "lru" ? demotion_spec : "");
+  if (!policy_spec.empty()) {
+    KVTIER_ASSIGN_OR_RETURN(auto policy, MakeScoringPolicy(policy_spec));
+    PolicyGeometry pg;
+    pg.layers = L; pg.q_heads = Hq; pg.kv_heads = g.kv_heads; pg.head_dim = D;
+    pg.sink_tokens = n_sink; pg.local_tokens = opt.store.n_local;
+    KVTIER_RETURN_IF_ERROR(policy->Begin(pg));
+    rep.policy.spec = policy->ToString();
+    const int m = opt.observe;
+    std::vector<int64_t> keypos(context), qpos(m);
+    std::iota(keypos.begin(), keypos.end(), 0);
+    std::iota(qpos.begin(), qpos.end(), context - m);
+    std::vector<float> K(static_cast<size_t>(context) * kv_elems), V(K.size()), attn(static_cast<size_t>(Hq) * m * context);
+    std::vector<uint8_t> raw(static_cast<size_t>(context) * kv_elems * elem), raw_v(raw.size());
+    rep.policy.scratch_bytes = (2 * K.size() + attn.size()) * sizeof(float) + 2 * raw.size();
+    for (int l = 0; l < L; ++l) {
+      KVTIER_RETURN_IF_ERROR(store->ReadTokens(seq, l, 0, context, raw.data(), raw_v.data()));
+      ToFloat(g.dtype, raw.data(), K.data(), K.size());
+      ToFloat(g.dtype, raw_v.data(), V.data(), V.size());
+      qf.resize(static_cast<size_t>(m) * q_elems);
+      work.Generate(l, context - m, context, qf.data(), nullptr, nullptr);
+      double t0 = NowSeconds();
+      ExactAttentionRows(g, qf.data(), qpos.data(), m, K.data(), context, attn.data());
+      rep.policy.attention_ms += 1e3 * (NowSeconds() - t0);
+      AttentionObservation obs;
+      obs.layer = l; obs.n_queries = m; obs.n_keys = context;
+      obs.key_positions = keypos.data(); obs.query_positions = qpos.data();
+      obs.attention = attn.data(); obs.keys = K.data(); obs.values = V.data();
+      t0 = NowSeconds();
+      KVTIER_RETURN_IF_ERROR(policy->Observe(obs));
+      rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
+    }
+    KVTIER_ASSIGN_OR_RETURN(uint64_t n_chunks, store->ChunkCount(seq, 0));
+    for (int l = 0; l < L; ++l) {
+      double t0 = NowSeconds();
+      KVTIER_ASSIGN_OR_RETURN(TokenScores ts, policy->Scores(l));
+      // Chunk i holds positions [n_sink + i*cs, n_sink + (i+1)*cs).
+      std::vector<std::pair<uint64_t, float>> chunk_scores(n_chunks);
+      for (uint64_t i = 0; i < n_chunks; ++i) chunk_scores[i] = {i, 0.0f};
+      for (size_t j = 0; j < ts.positions.size(); ++j) {
+        const int64_t pos = ts.positions[j];
+        if (pos < n_sink) continue;
+        const uint64_t c = static_cast<uint64_t>((pos - n_sink) / cs);
+        if (c >= n_chunks) continue;  // still in the local window
+        for (const auto& head : ts.per_head) chunk_scores[c].second += head[j];
+      }
+      if (opt.compress.empty()) {
+        rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
+        KVTIER_RETURN_IF_ERROR(store->SetChunkScores(seq, l, chunk_scores));
+        continue;
+      }
+      KVTIER_ASSIGN_OR_RETURN(KeepSet keep, policy->Keep(l, opt.kv_budget));
+      std::vector<int> kept_in(n_chunks, 0);
+      for (int64_t pos : keep.Union())
+        if (pos >= n_sink && static_cast<uint64_t>((pos - n_sink) / cs) < n_chunks) kept_in[(pos - n_sink) / cs]++;
+      const int64_t chunk_budget = std::max<int64_t>(0, (opt.kv_budget - n_sink - opt.store.n_local) / cs);
+      std::vector<uint64_t> order(n_chunks);
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) {
+        if (kept_in[a] != kept_in[b]) return kept_in[a] > kept_in[b];
+        if (chunk_scores[a].second != chunk_scores[b].second) return chunk_scores[a].second > chunk_scores[b].second;
+        return a < b;
+      });
+      std::vector<uint64_t> drop;
+      for (size_t i = 0; i < order.size(); ++i)
+        if (static_cast<int64_t>(i) >= chunk_budget || kept_in[order[i]] == 0) drop.push_back(order[i]);
+      std::sort(drop.begin(), drop.end());
+      rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
+      KVTIER_RETURN_IF_ERROR(store->DropChunks(seq, l, drop));
+      for (Method& mt : methods) KVTIER_RETURN_IF_ERROR(mt.retriever->Forget(seq, l, drop));
+      if (act_probe) {
+        KVTIER_RETURN_IF_ERROR(act_probe->Forget(seq, l, drop));
+        KVTIER_RETURN_IF_ERROR(mean_probe->Forget(seq, l, drop));
+      }
+      rep.policy.dropped_chunks += drop.size();
+      rep.policy.kept_tokens += static_cast<uint64_t>(context - static_cast<int64_t>(drop.size()) * cs);
+    }
+    if (!opt.compress.empty()) {
+      rep.policy.compressed = true;
+      rep.policy.kept_tokens /= static_cast<uint64_t>(L);
+    }
+  }
+
   // ---- evaluated steps: the question window, then decode steps ----
   // Every method attends over the same store; in a comparison the hot slot
   // cache is emptied before each method's step, so no method is served by
@@ -388,7 +489,7 @@ Result<RunReport> RunJob(const RunOptions& opt) {
   rep.index_bytes = store->metadata_bytes() + retriever_bytes;
   rep.rss_bound_bytes = opt.store.warm_bytes + opt.store.hot_bytes +
                         (rep.counters.hot_bytes - rep.counters.hot_chunks * opt.store.chunk_bytes()) + rep.index_bytes +
-                        kRunRssOverheadBytes;
+                        rep.policy.scratch_bytes + kRunRssOverheadBytes;
 
   // ---- per-method timing and needle hits (no baseline needed) ----
   auto needle_hit = [&](const StepRecord& rec, int l) {
@@ -624,6 +725,12 @@ std::string RunReport::ToJson() const {
   for (double v : full_step_ms_all) w.Double(v);
   w.EndArray();
   w.EndObject();
+  w.Key("policy").BeginObject();
+  w.Key("spec").String(policy.spec).Key("compressed").Bool(policy.compressed);
+  w.Key("scoring_ms").Double(policy.scoring_ms).Key("attention_ms").Double(policy.attention_ms);
+  w.Key("dropped_chunks").Uint(policy.dropped_chunks).Key("kept_tokens_per_layer").Uint(policy.kept_tokens);
+  w.Key("kv_budget").Int(o.kv_budget);
+  w.EndObject();
   w.Key("memory").BeginObject();
   w.Key("peak_rss_bytes").Uint(peak_rss_bytes);
   w.Key("rss_bound_bytes").Uint(rss_bound_bytes);
@@ -724,6 +831,20 @@ std::string RunReport::ToTable() const {
                 static_cast<unsigned long long>(counters.cold_reads), static_cast<unsigned long long>(counters.cold_writes));
   std::string text = buf;
   if (!methods.empty()) text += "retrieval (" + methods[headline].name + "): " + methods[headline].spec + "\n";
+  if (!policy.spec.empty()) {
+    char line[512];
+    std::snprintf(line, sizeof(line), "scoring policy %s at prefill end: %.1f ms for %d layers (%.2fx the %.1f ms of the "
+                  "observation window's attention)%s\n", policy.spec.c_str(), policy.scoring_ms,
+                  options.store.geometry.layers, policy.attention_ms > 0 ? policy.scoring_ms / policy.attention_ms : 0.0,
+                  policy.attention_ms, policy.compressed ? "" : "; its chunk scores drive demotion");
+    text += line;
+    if (policy.compressed) {
+      std::snprintf(line, sizeof(line), "compression: kept %llu of %lld tokens per layer (budget %lld), dropped %llu chunks\n",
+                    static_cast<unsigned long long>(policy.kept_tokens), static_cast<long long>(options.workload.context),
+                    static_cast<long long>(options.kv_budget), static_cast<unsigned long long>(policy.dropped_chunks));
+      text += line;
+    }
+  }
   if (spearman_act.samples > 0) {
     char line[256];
     std::snprintf(line, sizeof(line), "probe-to-oracle Spearman rho (median, IQR over %d samples): act %.3f [%.3f, %.3f], mean %.3f [%.3f, %.3f]\n",

@@ -26,7 +26,24 @@ struct RunOptions {
   int stat_stride = 8;         ///< every stat_stride-th query of a prefill window feeds representative-key statistics
   bool baseline = true;        ///< also run full attention on the same data (quality + speed comparison)
   bool progress = true;        ///< progress lines on stderr
+  /// Compression mode: this scoring policy drops chunks at prefill end, keeping the
+  /// chunks that hold its keep set's tokens up to `kv_budget` tokens per layer (sinks
+  /// and local window included). Empty = off.
+  std::string compress;
+  int64_t kv_budget = 16384;   ///< tokens kept per layer in compression mode
+  int observe = 32;            ///< prompt queries whose attention over every key the scoring policy sees
   Status Validate() const;
+};
+
+/// What the scoring policy did at prefill end (demotion scores and/or compression).
+struct PolicyStageReport {
+  std::string spec;              ///< the scoring policy's factory string ("" = none ran)
+  bool compressed = false;       ///< compression mode dropped chunks
+  double scoring_ms = 0;         ///< Observe + Scores/Keep over all layers
+  double attention_ms = 0;       ///< the observation window's exact attention over every key, all layers
+  uint64_t dropped_chunks = 0;   ///< over all layers
+  uint64_t kept_tokens = 0;      ///< per layer (mean), sinks and local included
+  uint64_t scratch_bytes = 0;    ///< one layer's K, V and attention rows in fp32 (counted in the RSS bound)
 };
 
 /// Quality and speed of one retrieval method on the run's steps.
@@ -54,6 +71,7 @@ struct RunReport {
   std::vector<MethodReport> methods;    ///< the configured method, or the compared ones in table order
   int headline = 0;                     ///< method whose numbers fill the top-level fields (ActQKV in a comparison)
   SpearmanSummary spearman_act, spearman_mean;
+  PolicyStageReport policy;
   // quality (decode steps and question window, all layers)
   double needle_hit_rate = 0;        ///< (step, layer) pairs whose sought needle was fully attended
   double attention_recall = 0;       ///< mean share of full attention's mass on the attended set

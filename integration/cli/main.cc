@@ -12,7 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "integration/json.h"
+#include "integration/policy_eval.h"
 #include "integration/run_job.h"
+#include "offload/demotion_policy.h"
+#include "offload/policy/scoring_policy.h"
 #include "integration/stress_job.h"
 
 namespace kvtier {
@@ -146,6 +150,13 @@ void AddStoreFlags(FlagSet* f, StoreOptions* o) {
     if (!ParseCompression(s, &o->compression)) return InvalidArgument("unknown compression '" + s + "' (none|lz4|zstd)");
     return Status::Ok();
   });
+  f->Add("policy", "demotion policy of the hot and warm tiers: lru, or a scoring policy's factory string, "
+         "e.g. h2o or gkv:form=max (see 'kvtier policies'; default lru)", [o](const std::string& s) {
+    auto p = MakeDemotionPolicy(s);
+    if (!p.ok()) return p.status();
+    o->hot_policy = o->warm_policy = s;
+    return Status::Ok();
+  });
   f->Add("sync", "fsync every cold write (power-loss durability)",
          [o](const std::string& s) { o->sync_writes = s != "0"; return Status::Ok(); }, true);
 }
@@ -162,6 +173,84 @@ int Fail(const Status& st) {
   return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
 }
 
+Status ParseIntList(const std::string& s, std::vector<int64_t>* out) {
+  out->clear();
+  size_t pos = 0;
+  while (true) {
+    const size_t comma = s.find(',', pos);
+    int64_t v = 0;
+    KVTIER_RETURN_IF_ERROR(ParseInt(s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos), 1,
+                                    int64_t{1} << 40, &v));
+    out->push_back(v);
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
+  return Status::Ok();
+}
+
+// `kvtier run --compare-policies`: every scoring policy on the same data (see
+// integration/policy_eval.h), at one budget or a sweep of budgets.
+int ComparePolicies(const RunOptions& run, int64_t budget, const std::vector<int64_t>& sweep,
+                    const std::vector<std::string>& policies, const std::string& json) {
+  PolicyEvalOptions o;
+  o.geometry = run.store.geometry;
+  o.geometry.dtype = DType::kF32;
+  o.workload = run.workload;
+  o.observe = run.observe;
+  o.sink_tokens = run.store.n_sink;
+  o.local_tokens = std::min<int64_t>(run.store.n_local, 256);
+  o.policies = policies;
+  std::vector<PolicyEvalRow> rows;
+  const std::vector<int64_t> budgets = sweep.empty() ? std::vector<int64_t>{budget} : sweep;
+  for (int64_t b : budgets) {
+    o.budget = b;
+    if (run.progress) std::fprintf(stderr, "compare-policies: budget %lld ...\n", static_cast<long long>(b));
+    auto r = EvaluatePolicies(o);
+    if (!r.ok()) return Fail(r.status());
+    rows.insert(rows.end(), r->begin(), r->end());
+  }
+  std::printf("kvtier run --compare-policies — context %lld tokens, geometry %s, %d decode steps, observation "
+              "window %d queries, sinks %lld, local %lld (per kv head)\n\n%s",
+              static_cast<long long>(o.workload.context), o.geometry.ToString().c_str(), o.workload.decode_steps,
+              o.observe, static_cast<long long>(o.sink_tokens), static_cast<long long>(o.local_tokens),
+              PolicyEvalTable(rows).c_str());
+  std::printf("\nneedle kept: share of the sought needle's tokens in the cache during decoding; recall: full "
+              "attention's mass on the kept keys;\nout.err: |o - o_full| / |o_full|; pf.score, dec.score: policy time "
+              "/ attention time of the same step (prefill end, decode); comp: compressions per layer.\n");
+  if (!json.empty()) {
+    JsonWriter w;
+    w.BeginObject().Key("context").Int(o.workload.context).Key("decode_steps").Int(o.workload.decode_steps);
+    w.Key("rows").BeginArray();
+    for (const PolicyEvalRow& r : rows) {
+      w.BeginObject().Key("policy").String(r.spec).Key("budget").Int(r.budget);
+      w.Key("needle_retention").Double(r.needle_retention).Key("attention_recall").Double(r.attention_recall);
+      w.Key("output_error").Double(r.output_error).Key("prefill_scoring_ms").Double(r.prefill_scoring_ms);
+      w.Key("prefill_attention_ms").Double(r.prefill_attention_ms).Key("decode_scoring_ms").Double(r.decode_scoring_ms);
+      w.Key("decode_attention_ms").Double(r.decode_attention_ms).Key("compressions").Int(r.compressions);
+      w.Key("mean_cache_tokens").Double(r.mean_cache_tokens).Key("peak_state_bytes").Uint(r.peak_state_bytes);
+      w.EndObject();
+    }
+    w.EndArray().EndObject();
+    if (!WriteFile(json, w.str())) return Fail(IOError("could not write --json file '" + json + "'"));
+  }
+  return 0;
+}
+
+int CmdPolicies(int argc, char** argv) {
+  (void)argv;
+  if (argc > 0 && std::string(argv[0]) != "--help" && std::string(argv[0]) != "-h")
+    return Fail(InvalidArgument("'kvtier policies' takes no arguments"));
+  std::printf("scoring policies (factory string: name or name:key=value,...; e.g. --policy gkv:form=max,alpha=0.8)\n");
+  for (const PolicyInfo& p : ListScoringPolicies()) {
+    std::printf("\n%s — %s\n  source: %s\n", p.name.c_str(), p.summary.c_str(), p.source.c_str());
+    for (const PolicyParam& k : p.params)
+      std::printf("  %-14s default %-10s %s\n", k.key.c_str(), k.default_value.c_str(), k.meaning.c_str());
+    auto made = MakeScoringPolicy(p.name);
+    if (made.ok()) std::printf("  defaults: %s\n", (*made)->ToString().c_str());
+  }
+  return 0;
+}
+
 int CmdRun(int argc, char** argv) {
   RunOptions o;
   // Defaults of the main job: a small model shape so 128K tokens stream
@@ -173,6 +262,9 @@ int CmdRun(int argc, char** argv) {
   o.store.data_dir = "kvtier-data";
   o.workload.context = 131072;
   std::string json;
+  bool compare_policies = false, kv_budget_set = false;
+  std::vector<int64_t> sweep;
+  std::vector<std::string> policy_list;
   FlagSet f;
   f.Add("context", "tokens of context (default 131072)", IntFlag(&o.workload.context, 1, int64_t{1} << 32));
   AddStoreFlags(&f, &o.store);
@@ -208,6 +300,36 @@ int CmdRun(int argc, char** argv) {
         IntFlag(&o.workload.question_anchor_every, 1, 1 << 20));
   f.Add("needle-echo", "filler tokens after a needle that look back at it (default 16)",
         IntFlag(&o.workload.needle_echo, 0, 1 << 20));
+  f.Add("compress", "compression mode: this scoring policy drops chunks at prefill end (see 'kvtier policies')",
+        [&o](const std::string& s) { o.compress = s; return Status::Ok(); });
+  f.Add("kv-budget", "tokens kept per layer (compression) or per kv head and layer (--compare-policies) "
+        "(default 16384; 1024 for --compare-policies)", [&o, &kv_budget_set](const std::string& s) {
+          kv_budget_set = true;
+          return IntFlag(&o.kv_budget, 1, int64_t{1} << 40)(s);
+        });
+  f.Add("observe", "prompt queries whose attention over every key the scoring policy observes (default 32)",
+        IntFlag(&o.observe, 1, 1 << 16));
+  f.Add("compare-policies", "run every scoring policy on the same data at the same budget (token-level, exact; "
+        "use --context 8192..32768) and print one table", [&compare_policies](const std::string& s) {
+          compare_policies = s != "0";
+          return Status::Ok();
+        }, true);
+  f.Add("sweep", "with --compare-policies: comma-separated budgets, e.g. 256,512,1024,2048",
+        [&sweep](const std::string& s) { return ParseIntList(s, &sweep); });
+  f.Add("policies", "with --compare-policies: comma-separated factory strings separated by ';' "
+        "(default: every policy with its defaults)", [&policy_list](const std::string& s) {
+          policy_list.clear();
+          size_t pos = 0;
+          while (pos <= s.size()) {
+            const size_t semi = s.find(';', pos);
+            const std::string item = s.substr(pos, semi == std::string::npos ? std::string::npos : semi - pos);
+            if (item.empty()) return InvalidArgument("empty policy in list '" + s + "'");
+            policy_list.push_back(item);
+            if (semi == std::string::npos) break;
+            pos = semi + 1;
+          }
+          return Status::Ok();
+        });
   f.Add("no-baseline", "skip the full-attention comparison",
         [&o](const std::string& s) { o.baseline = s == "0"; return Status::Ok(); }, true);
   f.Add("quiet", "no progress on stderr", [&o](const std::string& s) { o.progress = s == "0"; return Status::Ok(); }, true);
@@ -219,6 +341,7 @@ int CmdRun(int argc, char** argv) {
                 "window at the end) through the tiered store, decodes with retrieval, and\ncompares with full attention on the same data.");
     return 0;
   }
+  if (compare_policies) return ComparePolicies(o, kv_budget_set ? o.kv_budget : 1024, sweep, policy_list, json);
   auto rep = RunJob(o);
   if (!rep.ok()) return Fail(rep.status());
   std::printf("%s", rep->ToTable().c_str());
@@ -268,6 +391,7 @@ void Usage() {
       "commands:\n"
       "  run       long-sequence run on a synthetic ∞-Bench-style workload, compared with full attention\n"
       "  stress    offload stress test: concurrent appends, tiny tiers, bit-for-bit verification\n"
+      "  policies  the scoring policies (demotion and compression) with their parameters and defaults\n"
       "  help      this text\n\n"
       "'kvtier <command> --help' lists a command's flags.\n");
 }
@@ -281,7 +405,8 @@ int main(int argc, char** argv) {
   const std::string cmd = argv[1];
   if (cmd == "run") return CmdRun(argc - 2, argv + 2);
   if (cmd == "stress") return CmdStress(argc - 2, argv + 2);
+  if (cmd == "policies") return CmdPolicies(argc - 2, argv + 2);
   if (cmd == "help" || cmd == "--help" || cmd == "-h") { Usage(); return 0; }
-  std::fprintf(stderr, "kvtier: error: unknown command '%s' (run | stress | help)\n", cmd.c_str());
+  std::fprintf(stderr, "kvtier: error: unknown command '%s' (run | stress | policies | help)\n", cmd.c_str());
   return 2;
 }
