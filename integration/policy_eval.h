@@ -6,8 +6,10 @@
 // question window, where a real prompt puts its question) attend over every key, each
 // policy observes that attention layer by layer and keeps `budget` tokens per kv head and
 // layer. Then `decode_steps` tokens are generated; each step's query attends over what
-// its kv head kept (plus the tokens generated since), the policy observes that attention,
-// and policies that compress while decoding (G-KV's s) compress again every s steps.
+// its kv head kept (plus the tokens generated since). Policies that compress once observe
+// every step's attention; policies that compress while decoding (G-KV's s) observe, every
+// s steps, the attention of the last min(observe, s) generated queries over the cache as
+// it is then (their observation window) and compress again.
 // Each step is compared with full attention over every token:
 //   needle retention   share of the sought needle's tokens still in the cache, per head
 //   attention recall   full-attention mass on the kept keys
@@ -43,8 +45,8 @@ struct PolicyEvalRow {
   double output_error = 0;       ///< mean over decode steps and layers
   double prefill_scoring_ms = 0; ///< Observe + Keep over all layers at prefill end
   double prefill_attention_ms = 0;  ///< the observation window's attention over every key, all layers
-  double decode_scoring_ms = 0;  ///< per decode step, all layers (median)
-  double decode_attention_ms = 0;   ///< attention over the kept cache per decode step, all layers (median)
+  double decode_scoring_ms = 0;  ///< per decode step, all layers (mean: compressions every s steps amortised)
+  double decode_attention_ms = 0;   ///< attention over the kept cache per decode step, all layers (mean)
   int compressions = 0;          ///< Keep calls per layer (1 at prefill end + decode-time ones)
   double mean_cache_tokens = 0;  ///< kept tokens per kv head and layer, mean over decode steps
   size_t peak_state_bytes = 0;   ///< policy state at its largest

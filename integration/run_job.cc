@@ -370,20 +370,35 @@ Result<RunReport> RunJob(const RunOptions& opt) {
         continue;
       }
       KVTIER_ASSIGN_OR_RETURN(KeepSet keep, policy->Keep(l, opt.kv_budget));
-      std::vector<int> kept_in(n_chunks, 0);
-      for (int64_t pos : keep.Union())
-        if (pos >= n_sink && static_cast<uint64_t>((pos - n_sink) / cs) < n_chunks) kept_in[(pos - n_sink) / cs]++;
+      // A chunk's worth is the block aggregation over the tokens the policy kept (so a
+      // policy's keep decision, not only its ranking, counts); chunks it kept nothing of
+      // leave first, and at most kv_budget tokens of chunks stay.
+      std::vector<double> worth(n_chunks, 0.0);
+      std::vector<char> kept_any(n_chunks, 0);
+      {
+        const std::vector<int64_t> kept = keep.Union();
+        size_t j = 0;
+        for (size_t i = 0; i < ts.positions.size(); ++i) {
+          const int64_t pos = ts.positions[i];
+          while (j < kept.size() && kept[j] < pos) ++j;
+          if (j == kept.size() || kept[j] != pos || pos < n_sink) continue;
+          const uint64_t c = static_cast<uint64_t>((pos - n_sink) / cs);
+          if (c >= n_chunks) continue;
+          kept_any[c] = 1;
+          for (const auto& head : ts.per_head) worth[c] += head[i];
+        }
+      }
       const int64_t chunk_budget = std::max<int64_t>(0, (opt.kv_budget - n_sink - opt.store.n_local) / cs);
       std::vector<uint64_t> order(n_chunks);
       std::iota(order.begin(), order.end(), 0);
       std::sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) {
-        if (kept_in[a] != kept_in[b]) return kept_in[a] > kept_in[b];
-        if (chunk_scores[a].second != chunk_scores[b].second) return chunk_scores[a].second > chunk_scores[b].second;
+        if (kept_any[a] != kept_any[b]) return kept_any[a] > kept_any[b];
+        if (worth[a] != worth[b]) return worth[a] > worth[b];
         return a < b;
       });
       std::vector<uint64_t> drop;
       for (size_t i = 0; i < order.size(); ++i)
-        if (static_cast<int64_t>(i) >= chunk_budget || kept_in[order[i]] == 0) drop.push_back(order[i]);
+        if (static_cast<int64_t>(i) >= chunk_budget || !kept_any[order[i]]) drop.push_back(order[i]);
       std::sort(drop.begin(), drop.end());
       rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
       KVTIER_RETURN_IF_ERROR(store->DropChunks(seq, l, drop));

@@ -113,6 +113,15 @@ Result<StressReport> RunStress(const StressOptions& opt) {
               if (std::uniform_real_distribution<double>(0, 1)(rng) >= opt.fetch_probability) continue;
               auto chunks = store->ListChunks(seq, l);
               if (!chunks.ok() || chunks->empty()) continue;
+              if (o.warm_policy != "lru" || o.hot_policy != "lru") {
+                // A score-driven policy: random chunk scores, so victims are picked
+                // against pins and in-flight transfers in every order.
+                std::vector<std::pair<uint64_t, float>> scores;
+                for (const ChunkInfo& c : *chunks)
+                  scores.emplace_back(c.key.index, std::uniform_real_distribution<float>(0, 1)(rng));
+                st = store->SetChunkScores(seq, l, scores);
+                if (!st.ok()) { sh.Fail("set chunk scores: " + st.ToString()); return; }
+              }
               std::vector<uint64_t> pick;
               for (int c = 0; c < opt.fetch_chunks; ++c) pick.push_back((*chunks)[rng() % chunks->size()].key.index);
               auto h = store->FetchChunks(seq, l, pick);

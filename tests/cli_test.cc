@@ -140,3 +140,65 @@ TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
 
 }  // namespace
 }  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+TEST(Cli, PoliciesListsEveryPolicyWithDefaults) {
+  Ran r = Kvtier("policies");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* name : {"lru", "streaming", "h2o", "snapkv", "hitkv", "gkv", "structkv", "compilerkv"})
+    EXPECT_NE(r.out.find(std::string("\n") + name + " — "), std::string::npos) << name << " missing in\n" << r.out;
+  EXPECT_NE(r.out.find("defaults: gkv:"), std::string::npos) << r.out;
+}
+
+TEST(Cli, CompressionDropsChunksAndRetrievalNeverAsksForThem) {
+  TempDir dir;
+  const std::string json = dir.path() + "/report.json";
+  // 8192 tokens, 64 sinks + 512 local + 32-token chunks: 236 chunks per layer; keep 2048 tokens.
+  Ran r = Kvtier("run --quiet --context 8192 --geometry 2,8,2,32 --decode-steps 3 --spearman-windows 0"
+                 " --compress h2o --kv-budget 2048 --data-dir " + dir.path() + "/data --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("compression: kept"), std::string::npos) << r.out;
+  const std::string rep = ReadAll(json);
+  const double kept = JsonNumber(rep, "kept_tokens_per_layer");
+  EXPECT_LE(kept, 2048 + 32) << rep;  // the budget, up to the partially filled local ring
+  EXPECT_GT(kept, 2048 - 64) << rep;
+  EXPECT_GT(JsonNumber(rep, "dropped_chunks"), 2 * 150) << rep;
+  // The needle sits in the middle of the context: h2o keeps it (the question attends to it).
+  EXPECT_GT(JsonNumber(rep, "needle_hit_rate"), 0.5) << rep;
+}
+
+TEST(Cli, ScoreDrivenDemotionRunsAndStressVerifies) {
+  TempDir dir;
+  Ran r = Kvtier("run --quiet --context 8192 --geometry 2,8,2,32 --decode-steps 2 --spearman-windows 0 --warm-bytes 1M"
+                 " --policy snapkv --data-dir " + dir.path() + "/run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("chunk scores drive demotion"), std::string::npos) << r.out;
+  r = Kvtier("stress --sequences 4 --threads 2 --tokens 1000 --policy gkv --data-dir " + dir.path() + "/stress");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("errors: 0"), std::string::npos) << r.out;
+  r = Kvtier("run --policy bogus");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("bogus"), std::string::npos) << r.out;
+  r = Kvtier("run --compress h2o --kv-budget 10 --context 8192");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("kv_budget"), std::string::npos) << r.out;
+}
+
+TEST(Cli, ComparePoliciesPrintsOneRowPerPolicyAndBudget) {
+  TempDir dir;
+  const std::string json = dir.path() + "/policies.json";
+  Ran r = Kvtier("run --quiet --compare-policies --context 2048 --geometry 2,4,2,32 --decode-steps 4 --sink 16"
+                 " --local 64 --sweep 256,512 --policies 'h2o;snapkv:kernel=5;streaming' --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* row : {"h2o:recent=0", "snapkv:kernel=5", "streaming:sinks=auto"})
+    EXPECT_NE(r.out.find(row), std::string::npos) << row << " missing in\n" << r.out;
+  const std::string rep = ReadAll(json);
+  size_t rows = 0;
+  for (size_t at = rep.find("\"policy\""); at != std::string::npos; at = rep.find("\"policy\"", at + 1)) ++rows;
+  EXPECT_EQ(rows, 6u) << rep;  // 3 policies x 2 budgets
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "integration/cli/compile_tables.h"
 #include "integration/json.h"
 #include "integration/policy_eval.h"
 #include "integration/run_job.h"
@@ -392,6 +393,7 @@ void Usage() {
       "  run       long-sequence run on a synthetic ∞-Bench-style workload, compared with full attention\n"
       "  stress    offload stress test: concurrent appends, tiny tiers, bit-for-bit verification\n"
       "  policies  the scoring policies (demotion and compression) with their parameters and defaults\n"
+      "  compile-tables  CompilerKV's offline compiler: record traces, fit the tables (conservative Q-learning)\n"
       "  help      this text\n\n"
       "'kvtier <command> --help' lists a command's flags.\n");
 }
@@ -406,7 +408,8 @@ int main(int argc, char** argv) {
   if (cmd == "run") return CmdRun(argc - 2, argv + 2);
   if (cmd == "stress") return CmdStress(argc - 2, argv + 2);
   if (cmd == "policies") return CmdPolicies(argc - 2, argv + 2);
+  if (cmd == "compile-tables") return RunCompileTables(argc - 2, argv + 2);
   if (cmd == "help" || cmd == "--help" || cmd == "-h") { Usage(); return 0; }
-  std::fprintf(stderr, "kvtier: error: unknown command '%s' (run | stress | policies | help)\n", cmd.c_str());
+  std::fprintf(stderr, "kvtier: error: unknown command '%s' (run | stress | policies | compile-tables | help)\n", cmd.c_str());
   return 2;
 }

@@ -151,30 +151,36 @@ class ClassicPolicy : public ScoringPolicy {
 
 // ---- lru -------------------------------------------------------------------------------------
 
-// Least recently used. The layer's clock t counts its observations (1, 2, ...). A key is "used" in
-// observation t by kv head g when some query head h of g's group and some query i give it
-// attention a[h][i][k] >= 1 / v_i, where v_i is the number of keys visible to query i (the key gets
-// at least the uniform share). Score of (g, key) = the last t in which g used it; a key never used
-// scores its insertion observation (the t in which it first appeared), so a key counts as used when
-// it is loaded, as in a cache. Keep: protected keys, then the highest scores (most recently used),
-// ties toward the later position. Scores are observation indexes (exact in float up to 2^24).
+// Least recently used, on the token clock: time is the token position. A key is "used" by kv head g
+// at time p when the query at position p, through some query head of g's group, gives it attention
+// a[h][i][k] >= 1 / v_i, where v_i is the number of keys visible to that query (at least the
+// uniform share). Score of (g, key) = the position of the latest query that used it; a key never
+// used scores its own position (the moment it entered the cache, as a cache counts a load as a
+// use). So within one observation window a key used by the last question query outranks one used
+// by an earlier query, and any used key outranks the keys written before that use. Keep: protected
+// keys, then the highest scores (most recently used), ties toward the later position. Scores are
+// positions (exact in float up to 2^24).
 class LruPolicy final : public ClassicPolicy {
  public:
   std::string name() const override { return "lru"; }
   std::string ToString() const override { return "lru"; }
 
  protected:
-  double NewKeyValue(const LayerState& s) const override { return static_cast<double>(s.observations + 1); }
+  // New keys get a marker, replaced by their own position in Update.
+  double NewKeyValue(const LayerState&) const override { return -1.0; }
   void Update(const AttentionObservation& obs, LayerState& s) override {
-    const double t = static_cast<double>(s.observations);
     const int G = g_.group_size();
+    for (auto& head : s.per_head)
+      for (size_t k = 0; k < head.size(); ++k)
+        if (head[k] < 0.0) head[k] = static_cast<double>(s.positions[k]);
     for (int i = 0; i < obs.n_queries; ++i) {
       const int64_t v = VisibleCount(s.positions, obs.query_positions[i]);
       if (v == 0) continue;  // the query sees no cached key
       const double uniform = 1.0 / static_cast<double>(v);
+      const double t = static_cast<double>(obs.query_positions[i]);
       for (int h = 0; h < g_.q_heads; ++h)
         for (int64_t k = 0; k < v; ++k)
-          if (static_cast<double>(obs.at(h, i, k)) >= uniform) s.per_head[h / G][k] = t;
+          if (static_cast<double>(obs.at(h, i, k)) >= uniform) s.per_head[h / G][k] = std::max(s.per_head[h / G][k], t);
     }
   }
 };

@@ -128,6 +128,11 @@ class Reader {
       return Corruption(Here() + what + " " + s + " is outside [" + Str(lo) + ", " + Str(hi) + "]");
     return v;
   }
+  // An index field that must equal `want` (lines come in a fixed order).
+  Status ExpectIndex(const std::string& s, int64_t want, const char* what) const {
+    auto v = Int(s, want, want, what);
+    return v.ok() ? Status::Ok() : v.status();
+  }
   Result<double> Double(const std::string& s, const char* what) const {
     double v = 0;
     const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
@@ -337,8 +342,7 @@ Result<CompilerKvTables> LoadCompilerKvTables(const std::string& path) {
   t.tau.resize(nt);
   for (int l = 0; l < t.layers; ++l) {
     KVTIER_ASSIGN_OR_RETURN(auto f, r.Next("w", t.heads + 1));
-    KVTIER_ASSIGN_OR_RETURN(int64_t li, r.Int(f[0], l, l, "layer"));
-    (void)li;
+    KVTIER_RETURN_IF_ERROR(r.ExpectIndex(f[0], l, "layer"));
     for (int h = 0; h < t.heads; ++h) {
       KVTIER_ASSIGN_OR_RETURN(t.w_head[static_cast<size_t>(l) * t.heads + h], r.Float(f[h + 1], "head weight"));
     }
@@ -347,18 +351,9 @@ Result<CompilerKvTables> LoadCompilerKvTables(const std::string& path) {
     for (int be = 0; be < t.bins.ent_bins; ++be)
       for (int bp = 0; bp <= t.bins.ppl_bins; ++bp) {
         KVTIER_ASSIGN_OR_RETURN(auto f, r.Next("tau", t.bins.budget_bins + 3));
-        {
-          KVTIER_ASSIGN_OR_RETURN(int64_t v, r.Int(f[0], l, l, "layer"));
-          (void)v;
-        }
-        {
-          KVTIER_ASSIGN_OR_RETURN(int64_t v, r.Int(f[1], be, be, "entropy bin"));
-          (void)v;
-        }
-        {
-          KVTIER_ASSIGN_OR_RETURN(int64_t v, r.Int(f[2], bp, bp, "perplexity bin"));
-          (void)v;
-        }
+        KVTIER_RETURN_IF_ERROR(r.ExpectIndex(f[0], l, "layer"));
+        KVTIER_RETURN_IF_ERROR(r.ExpectIndex(f[1], be, "entropy bin"));
+        KVTIER_RETURN_IF_ERROR(r.ExpectIndex(f[2], bp, "perplexity bin"));
         for (int bb = 0; bb < t.bins.budget_bins; ++bb) {
           KVTIER_ASSIGN_OR_RETURN(t.tau[t.tau_index(l, be, bp, bb)], r.Float(f[bb + 3], "threshold"));
         }
@@ -554,7 +549,7 @@ Result<CompilerKvAnalysis> CompilerKvPolicy::Analyze(int layer, const std::vecto
     const LayerState& o = layers_[l];
     if (!o.seen) continue;
     ++a.layers_seen;
-    if (l == layer) {
+    if (l == layer || o.positions == st.positions) {  // same keys (the common case): no remap
       for (int64_t t = 0; t < n; ++t) alpha[t] += o.attn_sum[t];
     } else {
       const std::vector<float> m = RemapByPosition(o.positions, o.attn_sum, st.positions, 0.0f);
@@ -643,15 +638,24 @@ Result<KeepSet> CompilerKvPolicy::Keep(int layer, int64_t budget) {
   st.positions = kept_pos;
   st.attn_sum = std::move(attn);
   st.norms = std::move(norms);
+  // The decision without its per-key vectors (their memory is released, not just cleared).
   last_.layer = layer;
   last_.budget_bin = bb;
-  last_.analysis = std::move(a);
-  last_.analysis.positions.clear();
-  last_.analysis.alpha.clear();
-  last_.analysis.rho.clear();
-  last_.analysis.uhat.clear();
-  last_.selection = std::move(sel);
-  last_.selection.kept.clear();
+  last_.analysis = CompilerKvAnalysis{};
+  last_.analysis.layer = a.layer;
+  last_.analysis.alpha_mean = a.alpha_mean;
+  last_.analysis.r_struct = a.r_struct;
+  last_.analysis.has_sem = a.has_sem;
+  last_.analysis.r_sem = a.r_sem;
+  last_.analysis.ent_bin = a.ent_bin;
+  last_.analysis.ppl_bin = a.ppl_bin;
+  last_.analysis.layers_seen = a.layers_seen;
+  last_.selection = CompilerKvSelection{};
+  last_.selection.tau = sel.tau;
+  last_.selection.tau_from_budget = sel.tau_from_budget;
+  last_.selection.candidates = sel.candidates;
+  last_.selection.protected_count = sel.protected_count;
+  last_.selection.free_budget = sel.free_budget;
   return ks;
 }
 

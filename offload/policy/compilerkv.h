@@ -38,8 +38,8 @@
 //    `ent_bins` equal bins (paper: 20). b_ppl: the mean NLL ln R_sem cut into bins of
 //    `nll_step` nats, the last bin open (paper: 4 bins); with no token_logprobs the state uses
 //    the extra neutral bucket b_ppl = ppl_bins. B_l: log2 buckets of the keep fraction,
-//    b_B = min(budget_bins − 1, floor(log2(T / B))) (0 when B ≥ T), so tables transfer across
-//    context lengths. R_sem uses every distinct query position observed with log-probs since
+//    b_B = min(budget_bins − 1, floor(log2(T / B))) (0 when B ≥ T, the last when B = 0), so
+//    tables transfer across context lengths. R_sem uses every distinct query position observed with log-probs since
 //    Begin() (a query fed for several layers counts once).
 //  - Exact budget (`fill`). The interface asks Keep() for exactly min(B, T) keys; Eq. 16 keeps
 //    fewer when |I_cand| < B. fill=1 (default) pads S with the highest-û non-candidates, so the
@@ -68,7 +68,9 @@
 //
 // ---- Offline compiler (Sec. 3.2, 4.3, 4.4) -----------------------------------------------------
 // A contextual bandit per table. Gate table: state (l, b_ent, b_ppl, b_B), action τ from
-// `tau_actions`, reward Eq. 2 with λ = β/T and Ψ = |I_cand| − B' (Eq. 14). Head table: state
+// `tau_actions`, reward Eq. 2 with λ = β/T (T = the layer's cached keys) and Ψ = |I_cand| − B'
+// (Eq. 14, signed as written: fewer candidates than B' earn a bonus that the fidelity term must
+// outweigh; protected keys are outside both). Head table: state
 // (l, h, b_B), action W from `weight_actions`, reward Eq. 2 with λ = 0, measured as the
 // marginal effect of setting head h's weight while the others stay 1 (Sec. 4.3).
 // Loss proxy: no model supplies NLL here, so L_comp − L_full of Eq. 2 is replaced by the
@@ -181,8 +183,8 @@ Result<CompilerKvSelection> SelectCompilerKv(const PolicyGeometry& g, const std:
 struct CompilerKvDecision {
   int layer = -1;
   int budget_bin = 0;
-  CompilerKvAnalysis analysis;     ///< without the vectors (cleared)
-  CompilerKvSelection selection;   ///< without `kept` (cleared)
+  CompilerKvAnalysis analysis;     ///< scalars only (no per-key vectors)
+  CompilerKvSelection selection;   ///< scalars only (no `kept`)
 };
 
 struct CompilerKvOptions {

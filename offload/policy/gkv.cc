@@ -2,7 +2,8 @@
 // score that folds each compression step's local attention score into a decayed history, minus
 // the R-KV redundancy score (Appendix D).
 //
-// Per layer and kv head, at each observation (the window of the last w queries):
+// Per layer and kv head, at each observation (the window: its last w queries, or all of them when it
+// has fewer; the means below then divide by that count):
 //   S[j]   local score, Eq. 1–2: softmax attention (Eq. 1, supplied by the caller), max over the
 //          query heads of the kv group (A'), then mean over the window's queries.
 //   Ŝ[j]   S[j] / max_i S[i], the max normalisation of Eq. 3–5; i runs over the candidate keys,
@@ -31,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/dot.h"
 #include "offload/policy/policies.h"
 
 namespace kvtier {
@@ -94,7 +96,8 @@ constexpr float kNoRecord = std::numeric_limits<float>::quiet_NaN();
 //         The sum would make the softmax below one-hot for any realistic l (l·0.5 ≫ 1).
 //   R_j  = exp(C̄'_j) / Σ_k exp(C̄'_k)          softmax over the l cached keys
 //   R'_j = R_j / max_i R_i                      i over the candidates, like Ŝ
-// Cost: O(l²·d) per head and observation (every key pair), O(l·d) memory (rows are not stored).
+// Cost: O(l²·d) per head and observation (every key pair), O(l·d) memory (rows are not stored);
+// about 50M multiply-adds per head at the paper's l = b + s = 640, d = 128.
 // Appendix D computes it over the whole cache too (R-KV keeps b + s keys at a compression).
 std::vector<float> Redundancy(const float* keys, int kv_heads, int head_dim, int head, int64_t n, int64_t cand_end,
                               double tau) {
@@ -112,8 +115,7 @@ std::vector<float> Redundancy(const float* keys, int kv_heads, int head_dim, int
     int64_t last = -1;
     for (int64_t j = 0; j < n; ++j) {
       const float* b = &kn[static_cast<size_t>(j) * head_dim];
-      double c = 0.0;
-      for (int d = 0; d < head_dim; ++d) c += static_cast<double>(a[d]) * b[d];
+      double c = kernels::Dot(a, b, head_dim);
       if (j == k || c < tau) c = 0.0;  // diagonal and below-threshold entries
       else last = j;                    // the most recent similar key so far
       row[j] = c;
@@ -123,7 +125,7 @@ std::vector<float> Redundancy(const float* keys, int kv_heads, int head_dim, int
   }
   double mx = -std::numeric_limits<double>::infinity();
   for (int64_t j = 0; j < n; ++j) {
-    // the average C̄'
+    col[j] /= static_cast<double>(n);  // the average C̄'
     mx = std::max(mx, col[j]);
   }
   double z = 0.0;

@@ -37,10 +37,12 @@
 //     gives 0 to keys appended after it, which is right since they are in its future, and a new
 //     observation replaces stored rows at or after its first query position.
 //   - Scores(layer) with k=0 needs a K without a budget: it uses the budget of the layer's latest
-//     Keep, and before any Keep sink_tokens + local_tokens (the smallest budget every sequence
-//     accepts), at least 1. The score orders keys the way Keep ranks them (up to float rounding):
+//     Keep, and before any Keep sink_tokens + local_tokens (the smallest budget Keep accepts for
+//     any sequence), at least 1. The score orders keys the way Keep ranks them (up to float rounding):
 //     2 + T_hr + cum/(o(o+1)) for a key with T_hr >= θ, cum/o otherwise, with o = G |L_w| observers
 //     (cum/o is in [0, 1], and cum/(o(o+1)) < 1/o, the gap between two T_hr values).
+//   - State: since K = budget is known only at Keep, the policy stores the window's attention rows,
+//     q_heads * |L_w| floats per cached key and layer; Keep drops the columns of the keys it evicts.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -110,7 +112,8 @@ struct HitStats {
   double rate(int g, int64_t i) const { return static_cast<double>(hits[g][i]) / static_cast<double>(observers); }
 };
 
-std::vector<float> RemapRow(const std::vector<int64_t>& old_pos, const float* old_vals, const std::vector<int64_t>& new_pos) {
+std::vector<float> RemapRow(const std::vector<int64_t>& old_pos, const float* old_vals,
+                            const std::vector<int64_t>& new_pos) {
   std::vector<float> out(new_pos.size(), 0.0f);
   size_t j = 0;
   for (size_t i = 0; i < new_pos.size(); ++i) {

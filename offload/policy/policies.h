@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "offload/policy/scoring_policy.h"
 
@@ -24,6 +25,8 @@ PolicyInfo SnapKvInfo();
 // hitkv.cc: hitkv (and its per-layer-budget variant, hitkv:pyramid=...)
 Result<std::unique_ptr<ScoringPolicy>> MakeHitKv(const FactorySpec& fs, const std::string& spec);
 PolicyInfo HitKvInfo();
+/// P-HitKV's per-layer budgets (PyramidKV's linear schedule); Σ_l = layers * budget. See hitkv.cc.
+Result<std::vector<int64_t>> PyramidLayerBudgets(int layers, int64_t budget, double beta, int64_t floor_per_layer);
 
 // gkv.cc
 Result<std::unique_ptr<ScoringPolicy>> MakeGkv(const FactorySpec& fs, const std::string& spec);

@@ -43,7 +43,8 @@ Status StructKvOptions::Validate() const {
   if (w < 1) return InvalidArgument("structkv: w must be >= 1, got " + std::to_string(w));
   if (!(lambda > 0.0 && lambda <= 1.0))
     return InvalidArgument("structkv: lambda must be in (0, 1], got " + FormatSpecDouble(lambda));
-  if (!rate(r_struct)) return InvalidArgument("structkv: r_struct must be in [0, 1], got " + FormatSpecDouble(r_struct));
+  if (!rate(r_struct))
+    return InvalidArgument("structkv: r_struct must be in [0, 1], got " + FormatSpecDouble(r_struct));
   if (!rate(r_kv)) return InvalidArgument("structkv: r_kv must be in [0, 1], got " + FormatSpecDouble(r_kv));
   if (w1 < 0.0 || w2 < 0.0 || w3 < 0.0)
     return InvalidArgument("structkv: w1, w2, w3 must be >= 0, got " + FormatSpecDouble(w1) + ", " +

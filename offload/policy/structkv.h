@@ -1,7 +1,8 @@
 // StructKV (shared/papers/structkv-global-centrality-pivot.txt): global in-degree centrality
 // accumulated over layers, dynamic pivot-layer detection, and decoupled structural / storage sets.
 //
-// Per observed layer l (the observation window of the last w queries):
+// Per observed layer l (the observation window: its last w queries, or all of them when it has
+// fewer; the 1/w of Eq. 2 and 4 is then 1/that count):
 //   S^(l)_j  local saliency, Eq. 2: Σ_g (1/w) Σ_t Σ_{h∈H_g} a^(l,h)_{t,j}. Kept per kv group g
 //            (S_g); the paper's S^(l) is their sum over groups.
 //   C        global centrality, Eq. 3, realised online as Algorithm 1 line 6, C ← λ·C + S^(l) layer

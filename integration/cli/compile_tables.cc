@@ -1,0 +1,336 @@
+// `kvtier compile-tables` (see compile_tables.h).
+#include "integration/cli/compile_tables.h"
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "integration/workload.h"
+#include "offload/policy/compilerkv.h"
+
+namespace kvtier {
+namespace {
+
+struct CompileFlags {
+  std::string traces, out, out_traces;
+  int64_t record_synthetic = 0;
+  CompilerKvFitOptions fit;
+  CompilerKvRecordOptions record;
+  int layers = 4, q_heads = 8, kv_heads = 2, head_dim = 64;
+  int64_t context = 2048;
+  int64_t window = 32;
+  std::vector<int64_t> budgets = {256};
+  int64_t sink = 4, local = 32;
+  int64_t seed = 1;
+  bool quiet = false;
+};
+
+Status ParseI64(const std::string& s, int64_t lo, int64_t hi, int64_t* out) {
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(s.c_str(), &end, 10);
+  if (s.empty() || *end != '\0' || errno != 0) return InvalidArgument("'" + s + "' is not an integer");
+  if (v < lo || v > hi)
+    return InvalidArgument(std::to_string(v) + " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  *out = v;
+  return Status::Ok();
+}
+
+Status ParseF64(const std::string& s, double* out) {
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  if (s.empty() || *end != '\0' || !std::isfinite(v)) return InvalidArgument("'" + s + "' is not a number");
+  *out = v;
+  return Status::Ok();
+}
+
+std::vector<std::string> SplitComma(const std::string& s) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (true) {
+    const size_t c = s.find(',', pos);
+    out.push_back(s.substr(pos, c == std::string::npos ? std::string::npos : c - pos));
+    if (c == std::string::npos) break;
+    pos = c + 1;
+  }
+  return out;
+}
+
+Status ParseDoubleList(const std::string& s, std::vector<double>* out) {
+  out->clear();
+  for (const std::string& item : SplitComma(s)) {
+    double v = 0;
+    KVTIER_RETURN_IF_ERROR(ParseF64(item, &v));
+    out->push_back(v);
+  }
+  return Status::Ok();
+}
+
+const char* kUsage =
+    "usage: kvtier compile-tables --traces FILE --out TABLES [--alpha-cql X --steps N --lr X]\n"
+    "       kvtier compile-tables --record-synthetic N --out-traces FILE [--out TABLES] [flags]\n\n"
+    "Compiles CompilerKV's head reliability table W_head and risk threshold table T_gate by\n"
+    "conservative Q-learning (Eq. 4) over (state, action, reward) traces, or records such traces\n"
+    "from the synthetic workload (exact attention of the last --window queries, every layer;\n"
+    "reward = -attention-output error - beta/T * (|I_cand| - B), the Eq. 2 proxy). Use the tables\n"
+    "with the policy spec compilerkv:tables=TABLES.";
+
+struct FlagDef {
+  std::string help;
+  bool is_switch;
+  std::function<Status(const std::string&)> set;
+};
+
+Status ParseFlags(int argc, char** argv, CompileFlags* f, bool* help) {
+  std::map<std::string, FlagDef> defs;
+  std::vector<std::string> order;
+  auto add = [&](const std::string& name, const std::string& h, std::function<Status(const std::string&)> set,
+                 bool sw = false) {
+    defs[name] = FlagDef{h, sw, std::move(set)};
+    order.push_back(name);
+  };
+  auto int_flag = [](auto* dst, int64_t lo, int64_t hi) {
+    return [dst, lo, hi](const std::string& s) {
+      int64_t v = 0;
+      KVTIER_RETURN_IF_ERROR(ParseI64(s, lo, hi, &v));
+      *dst = static_cast<std::remove_pointer_t<decltype(dst)>>(v);
+      return Status::Ok();
+    };
+  };
+  auto dbl_flag = [](double* dst) { return [dst](const std::string& s) { return ParseF64(s, dst); }; };
+  auto str_flag = [](std::string* dst) {
+    return [dst](const std::string& s) {
+      if (s.empty()) return InvalidArgument("empty path");
+      *dst = s;
+      return Status::Ok();
+    };
+  };
+  add("traces", "traces file to compile tables from", str_flag(&f->traces));
+  add("out", "write the compiled tables to this file", str_flag(&f->out));
+  add("alpha-cql", "conservatism alpha of Eq. 4 (default 1)", dbl_flag(&f->fit.alpha_cql));
+  add("steps", "gradient steps (default 500)", int_flag(&f->fit.steps, 0, 1 << 24));
+  add("lr", "gradient step size (default 0.5)", dbl_flag(&f->fit.lr));
+  add("record-synthetic", "record traces from N synthetic sequences", int_flag(&f->record_synthetic, 1, 1 << 20));
+  add("out-traces", "write recorded traces to this file", str_flag(&f->out_traces));
+  add("geometry", "L,Hq,Hkv,D model shape for recording (default 4,8,2,64)", [f](const std::string& s) {
+    const std::vector<std::string> p = SplitComma(s);
+    if (p.size() != 4) return InvalidArgument("expected L,Hq,Hkv,D, got '" + s + "'");
+    int64_t v[4];
+    for (int i = 0; i < 4; ++i) KVTIER_RETURN_IF_ERROR(ParseI64(p[i], 1, 1 << 16, &v[i]));
+    f->layers = static_cast<int>(v[0]);
+    f->q_heads = static_cast<int>(v[1]);
+    f->kv_heads = static_cast<int>(v[2]);
+    f->head_dim = static_cast<int>(v[3]);
+    return Status::Ok();
+  });
+  add("context", "tokens per synthetic sequence (default 2048)", int_flag(&f->context, 2, int64_t{1} << 24));
+  add("window", "observation window: the last W queries (default 32)", int_flag(&f->window, 1, 1 << 16));
+  add("budget", "budget(s) B per layer, comma-separated (default 256)", [f](const std::string& s) {
+    f->budgets.clear();
+    for (const std::string& item : SplitComma(s)) {
+      int64_t v = 0;
+      KVTIER_RETURN_IF_ERROR(ParseI64(item, 0, int64_t{1} << 40, &v));
+      f->budgets.push_back(v);
+    }
+    return Status::Ok();
+  });
+  add("sink", "attention-sink tokens protected (default 4)", int_flag(&f->sink, 0, 1 << 20));
+  add("local", "local-window tokens protected (default 32)", int_flag(&f->local, 0, 1 << 20));
+  add("seed", "seed of the first sequence; sequence i uses seed + i (default 1)", int_flag(&f->seed, 0, INT64_MAX));
+  add("beta", "beta of lambda = beta / T in the gate reward, Eq. 14 (default 1)", dbl_flag(&f->record.beta));
+  add("tau-actions", "comma-separated tau actions in units of mean alpha (default 0.8,0.85,0.9,0.95,1)",
+      [f](const std::string& s) { return ParseDoubleList(s, &f->record.tau_actions); });
+  add("weight-actions", "comma-separated head weight actions (default 0.25,0.5,1,1.5,2)",
+      [f](const std::string& s) { return ParseDoubleList(s, &f->record.weight_actions); });
+  add("ent-bins", "entropy bins (default 20)", int_flag(&f->record.bins.ent_bins, 1, 1000));
+  add("ppl-bins", "perplexity bins (default 4)", int_flag(&f->record.bins.ppl_bins, 1, 100));
+  add("budget-bins", "log2 budget buckets (default 6)", int_flag(&f->record.bins.budget_bins, 1, 64));
+  add("nll-step", "perplexity bin width in nats (default 1)", dbl_flag(&f->record.bins.nll_step));
+  add("quiet", "no progress on stderr", [f](const std::string& s) { f->quiet = s != "0"; return Status::Ok(); }, true);
+
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "-h" || arg == "--help") {
+      *help = true;
+      continue;
+    }
+    if (arg.rfind("--", 0) != 0)
+      return InvalidArgument("unexpected argument '" + arg + "' for 'kvtier compile-tables' (flags start with --)");
+    std::string name = arg.substr(2), value;
+    bool has_value = false;
+    const size_t eq = name.find('=');
+    if (eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    auto it = defs.find(name);
+    if (it == defs.end()) {
+      return InvalidArgument(
+          std::string("unknown flag --").append(name).append(" for 'kvtier compile-tables' (see --help)"));
+    }
+    if (!has_value) {
+      if (it->second.is_switch) value.assign(1, '1');
+      else if (i + 1 < argc) value = argv[++i];
+      else return InvalidArgument(std::string("flag --").append(name).append(" needs a value"));
+    }
+    Status st = it->second.set(value);
+    if (!st.ok()) return InvalidArgument("--" + name + ": " + st.message());
+  }
+  if (*help) {
+    std::printf("%s\n\nflags:\n", kUsage);
+    for (const auto& n : order) std::printf("  --%-18s %s\n", n.c_str(), defs.at(n).help.c_str());
+  }
+  return Status::Ok();
+}
+
+// Exact causal softmax attention of the last `window` queries over all `context` keys of every
+// layer, recorded for each budget.
+Status RecordSynthetic(const CompileFlags& f, CompilerKvTraces* traces) {
+  PolicyGeometry pg;
+  pg.layers = f.layers;
+  pg.q_heads = f.q_heads;
+  pg.kv_heads = f.kv_heads;
+  pg.head_dim = f.head_dim;
+  pg.sink_tokens = f.sink;
+  pg.local_tokens = f.local;
+  KVTIER_RETURN_IF_ERROR(pg.Validate());
+  if (f.window >= f.context)
+    return InvalidArgument("--window " + std::to_string(f.window) + " must be smaller than --context " +
+                           std::to_string(f.context));
+  Geometry geo{f.layers, f.q_heads, f.kv_heads, f.head_dim, DType::kF32};
+  const int64_t T = f.context, W = f.window;
+  const int D = f.head_dim, Hq = f.q_heads, Hkv = f.kv_heads, grp = pg.group_size();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  std::vector<int64_t> key_pos(T), query_pos(W);
+  for (int64_t t = 0; t < T; ++t) key_pos[t] = t;
+  for (int64_t i = 0; i < W; ++i) query_pos[i] = T - W + i;
+  std::vector<float> q(static_cast<size_t>(W) * Hq * D), k(static_cast<size_t>(T) * Hkv * D);
+  std::vector<std::vector<float>> attn(f.layers), vals(f.layers);
+  std::vector<double> logits(T);
+  for (int64_t s = 0; s < f.record_synthetic; ++s) {
+    // Vary the prompts so the risk state (entropy bin) varies: needle count, depth, anchor
+    // strength and how many window queries seek a needle.
+    WorkloadOptions wo;
+    wo.context = T;
+    wo.question_len = static_cast<int>(W);
+    wo.decode_steps = 0;
+    wo.needle_count = 1 + static_cast<int>(s % 3);
+    wo.needle_depth = std::fmod(0.1 + 0.37 * static_cast<double>(s), 0.8);
+    wo.anchor_strength = static_cast<float>(std::array<double, 3>{2.0, 3.3, 4.5}[(s / 3) % 3]);
+    wo.question_anchor_every = std::array<int, 3>{1, 2, 4}[(s / 9) % 3];
+    wo.seed = static_cast<uint64_t>(f.seed + s);
+    KVTIER_ASSIGN_OR_RETURN(Workload w, Workload::Create(geo, wo));
+    std::vector<AttentionObservation> obs(f.layers);
+    for (int l = 0; l < f.layers; ++l) {
+      attn[l].assign(static_cast<size_t>(Hq) * W * T, 0.0f);
+      vals[l].resize(static_cast<size_t>(T) * Hkv * D);
+      w.Generate(l, T - W, T, q.data(), nullptr, nullptr);
+      w.Generate(l, 0, T, nullptr, k.data(), vals[l].data());
+      for (int h = 0; h < Hq; ++h)
+        for (int64_t i = 0; i < W; ++i) {
+          const int64_t qp = T - W + i;
+          const float* qv = q.data() + (static_cast<size_t>(i) * Hq + h) * D;
+          double mx = -1e300;
+          for (int64_t t = 0; t <= qp; ++t) {
+            const float* kv = k.data() + (static_cast<size_t>(t) * Hkv + h / grp) * D;
+            double dot = 0.0;
+            for (int c = 0; c < D; ++c) dot += static_cast<double>(qv[c]) * kv[c];
+            logits[t] = dot * scale;
+            mx = std::max(mx, logits[t]);
+          }
+          double z = 0.0;
+          for (int64_t t = 0; t <= qp; ++t) z += (logits[t] = std::exp(logits[t] - mx));
+          float* row = attn[l].data() + (static_cast<size_t>(h) * W + i) * T;
+          for (int64_t t = 0; t <= qp; ++t) row[t] = static_cast<float>(logits[t] / z);
+        }
+      AttentionObservation& ob = obs[l];
+      ob.layer = l;
+      ob.n_queries = static_cast<int>(W);
+      ob.n_keys = T;
+      ob.key_positions = key_pos.data();
+      ob.query_positions = query_pos.data();
+      ob.attention = attn[l].data();
+      ob.values = vals[l].data();
+    }
+    for (int64_t b : f.budgets) KVTIER_RETURN_IF_ERROR(RecordCompilerKvTraces(pg, obs, b, f.record, traces));
+    if (!f.quiet)
+      std::fprintf(stderr, "\rcompile-tables: recorded %lld / %lld sequences (%zu records)",
+                   static_cast<long long>(s + 1), static_cast<long long>(f.record_synthetic), traces->records.size());
+  }
+  if (!f.quiet) std::fprintf(stderr, "\n");
+  return Status::Ok();
+}
+
+void PrintFit(const CompilerKvFitResult& r, const CompilerKvTraces& t, const std::string& out) {
+  std::printf("compiled %s from %zu records: %lld gate states and %lld head states fitted, Eq. 4 objective %.6g\n",
+              out.c_str(), t.records.size(), static_cast<long long>(r.gate_states_fitted),
+              static_cast<long long>(r.head_states_fitted), r.objective);
+  std::printf("W_head (layers x kv heads):\n");
+  for (int l = 0; l < r.tables.layers; ++l) {
+    std::printf("  layer %3d:", l);
+    for (int h = 0; h < r.tables.heads; ++h) std::printf(" %6g", r.tables.weight(l, h));
+    std::printf("\n");
+  }
+  std::map<float, int64_t> hist;
+  for (size_t s = 0; s < r.tables.tau.size(); ++s)
+    if (r.n_gate[s] > 0) ++hist[r.tables.tau[s]];
+  std::printf("tau over fitted risk states:");
+  for (const auto& [tau, n] : hist) std::printf(" %g x%lld", tau, static_cast<long long>(n));
+  std::printf("\n");
+}
+
+int Fail(const Status& st) {
+  std::fprintf(stderr, "kvtier: error: %s\n", st.ToString().c_str());
+  return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+}  // namespace
+
+int RunCompileTables(int argc, char** argv) {
+  CompileFlags f;
+  bool help = false;
+  Status st = ParseFlags(argc, argv, &f, &help);
+  if (!st.ok()) return Fail(st);
+  if (help) return 0;
+  CompilerKvTraces traces;
+  if (f.record_synthetic > 0) {
+    if (!f.traces.empty()) return Fail(InvalidArgument("--traces and --record-synthetic exclude each other"));
+    if (f.out_traces.empty()) return Fail(InvalidArgument("--record-synthetic needs --out-traces FILE"));
+    st = f.record.Validate();
+    if (!st.ok()) return Fail(InvalidArgument("recording options: " + st.message()));
+    st = RecordSynthetic(f, &traces);
+    if (!st.ok()) return Fail(st);
+    if (traces.records.empty())
+      return Fail(InvalidArgument("no records: every --budget is at least --context, so nothing was dropped"));
+    st = SaveCompilerKvTraces(traces, f.out_traces);
+    if (!st.ok()) return Fail(st);
+    std::printf("wrote %zu records from %lld sequences to %s\n", traces.records.size(),
+                static_cast<long long>(f.record_synthetic), f.out_traces.c_str());
+    if (f.out.empty()) return 0;
+  } else {
+    if (f.traces.empty() || f.out.empty())
+      return Fail(InvalidArgument("need --traces FILE --out TABLES, or --record-synthetic N --out-traces FILE "
+                                  "(see 'kvtier compile-tables --help')"));
+    if (!f.out_traces.empty()) return Fail(InvalidArgument("--out-traces only goes with --record-synthetic"));
+    auto loaded = LoadCompilerKvTraces(f.traces);
+    if (!loaded.ok()) return Fail(loaded.status());
+    traces = std::move(loaded).value();
+  }
+  auto fit = FitCompilerKvTables(traces, f.fit);
+  if (!fit.ok()) return Fail(fit.status());
+  st = SaveCompilerKvTables(fit->tables, f.out);
+  if (!st.ok()) return Fail(st);
+  PrintFit(*fit, traces, f.out);
+  return 0;
+}
+
+}  // namespace kvtier
