@@ -62,8 +62,8 @@ struct PolicyRun {
 
 }  // namespace
 
-void ExactAttentionRows(const Geometry& g, const float* q, const int64_t* qpos, int m, const float* k, int64_t n_keys,
-                        float* out) {
+void ExactAttentionRows(const Geometry& g, const float* q, const int64_t* qpos, int m, const float* k,
+                        const int64_t* key_pos, int64_t n_keys, float* out) {
   const int Hq = g.q_heads, D = g.head_dim, G = g.group_size();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const size_t tok = static_cast<size_t>(g.kv_heads) * D;
@@ -71,7 +71,8 @@ void ExactAttentionRows(const Geometry& g, const float* q, const int64_t* qpos, 
     const int h = hi / m, i = hi % m;
     const float* qv = q + (static_cast<size_t>(i) * Hq + h) * D;
     float* row = out + (static_cast<size_t>(h) * m + i) * n_keys;
-    const int64_t visible = std::min<int64_t>(n_keys, qpos[i] + 1);
+    const int64_t visible = key_pos ? std::upper_bound(key_pos, key_pos + n_keys, qpos[i]) - key_pos
+                                    : std::min<int64_t>(n_keys, qpos[i] + 1);
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < visible; ++t) {
       row[t] = kernels::Dot(qv, k + static_cast<size_t>(t) * tok + static_cast<size_t>(h / G) * D, D) * scale;
@@ -141,7 +142,7 @@ Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& o) 
   for (int l = 0; l < L; ++l) {
     work.Generate(l, ctx - m, ctx, q.data(), nullptr, nullptr);
     const double t0 = NowMs();
-    ExactAttentionRows(g, q.data(), qpos.data(), m, K[l].data(), ctx, attn.data());
+    ExactAttentionRows(g, q.data(), qpos.data(), m, K[l].data(), nullptr, ctx, attn.data());
     const double attention_ms = NowMs() - t0;
     AttentionObservation obs;
     obs.layer = l; obs.n_queries = m; obs.n_keys = ctx;

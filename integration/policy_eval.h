@@ -53,11 +53,12 @@ struct PolicyEvalRow {
 };
 
 /// Exact causal softmax attention of `m` queries (q: [m][q_heads][head_dim], at increasing
-/// positions qpos) over the keys at positions [0, n_keys) (k: [n_keys][kv_heads][head_dim]),
-/// scaled by 1/sqrt(head_dim); out: [q_heads][m][n_keys], 0 for keys after a query. Rows are
-/// split over the cores. What a policy observes at prefill end.
-void ExactAttentionRows(const Geometry& g, const float* q, const int64_t* qpos, int m, const float* k, int64_t n_keys,
-                        float* out);
+/// positions qpos) over `n_keys` keys (k: [n_keys][kv_heads][head_dim]) at the increasing
+/// positions key_pos (nullptr = positions 0..n_keys-1), scaled by 1/sqrt(head_dim); out:
+/// [q_heads][m][n_keys], 0 for keys after a query. Rows are split over the cores. What a
+/// policy observes.
+void ExactAttentionRows(const Geometry& g, const float* q, const int64_t* qpos, int m, const float* k,
+                        const int64_t* key_pos, int64_t n_keys, float* out);
 
 /// Runs every policy on the same data. Errors name the policy that failed.
 Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& options);

@@ -319,100 +319,138 @@ Result<RunReport> RunJob(const RunOptions& opt) {
   // score), up to kv_budget tokens, and the rest leave the store and every index.
   const std::string demotion_spec = opt.store.warm_policy != "lru" ? opt.store.warm_policy : opt.store.hot_policy;
   const std::string policy_spec = !opt.compress.empty() ? opt.compress : (demotion_spec != "lru" ? demotion_spec : "");
+  std::unique_ptr<ScoringPolicy> policy;
+  // Observes one layer: the queries at positions [q_first, q_last] attend exactly over every
+  // key the store still holds for the layer (sinks, live chunks, local window).
+  auto observe_layer = [&](int l, int64_t q_first, int64_t q_last) -> Status {
+    KVTIER_ASSIGN_OR_RETURN(int64_t n_tokens, store->SequenceLength(seq, l));
+    KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store->ListChunks(seq, l));
+    KVTIER_ASSIGN_OR_RETURN(uint64_t count, store->ChunkCount(seq, l));
+    std::vector<std::pair<int64_t, int64_t>> ranges;  // [begin, end) of live keys
+    ranges.emplace_back(0, std::min<int64_t>(n_sink, n_tokens));
+    for (const ChunkInfo& c : chunks) ranges.emplace_back(c.first_token, c.first_token + cs);
+    ranges.emplace_back(std::min<int64_t>(n_tokens, n_sink + static_cast<int64_t>(count) * cs), n_tokens);
+    std::vector<int64_t> keypos;
+    for (const auto& [b, e] : ranges)
+      for (int64_t p = b; p < e; ++p) keypos.push_back(p);
+    const size_t n = keypos.size(), tok_bytes = kv_elems * elem;
+    std::vector<uint8_t> raw(n * tok_bytes), raw_v(raw.size());
+    size_t at = 0;
+    for (const auto& [b, e] : ranges) {
+      if (e <= b) continue;
+      KVTIER_RETURN_IF_ERROR(store->ReadTokens(seq, l, b, e, raw.data() + at * tok_bytes, raw_v.data() + at * tok_bytes));
+      at += static_cast<size_t>(e - b);
+    }
+    std::vector<float> K(n * kv_elems), V(K.size());
+    ToFloat(g.dtype, raw.data(), K.data(), K.size());
+    ToFloat(g.dtype, raw_v.data(), V.data(), V.size());
+    const int m = static_cast<int>(q_last - q_first + 1);
+    std::vector<int64_t> qpos(m);
+    std::iota(qpos.begin(), qpos.end(), q_first);
+    std::vector<float> q(static_cast<size_t>(m) * q_elems), attn(static_cast<size_t>(Hq) * m * n);
+    work.Generate(l, q_first, q_last + 1, q.data(), nullptr, nullptr);
+    rep.policy.scratch_bytes = std::max<uint64_t>(rep.policy.scratch_bytes, (2 * K.size() + attn.size()) * sizeof(float) +
+                                                                               2 * raw.size());
+    double t0 = NowSeconds();
+    ExactAttentionRows(g, q.data(), qpos.data(), m, K.data(), keypos.data(), static_cast<int64_t>(n), attn.data());
+    rep.policy.attention_ms += 1e3 * (NowSeconds() - t0);
+    AttentionObservation obs;
+    obs.layer = l; obs.n_queries = m; obs.n_keys = static_cast<int64_t>(n);
+    obs.key_positions = keypos.data(); obs.query_positions = qpos.data();
+    obs.attention = attn.data(); obs.keys = K.data(); obs.values = V.data();
+    t0 = NowSeconds();
+    KVTIER_RETURN_IF_ERROR(policy->Observe(obs));
+    rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
+    return Status::Ok();
+  };
+  // Demotion scores, or compression, for one observed layer. Chunk i holds positions
+  // [n_sink + i*cs, n_sink + (i+1)*cs); its score is the block aggregation of the
+  // policy's token scores over kv heads. In compression mode a chunk's worth is that
+  // aggregation over the tokens the policy kept (so its keep decision counts, not only its
+  // ranking): chunks it kept nothing of leave, and at most kv_budget tokens stay.
+  auto apply_layer = [&](int l) -> Status {
+    const double t0 = NowSeconds();
+    KVTIER_ASSIGN_OR_RETURN(uint64_t n_chunks, store->ChunkCount(seq, l));
+    KVTIER_ASSIGN_OR_RETURN(TokenScores ts, policy->Scores(l));
+    std::vector<std::pair<uint64_t, float>> chunk_scores(n_chunks);
+    for (uint64_t i = 0; i < n_chunks; ++i) chunk_scores[i] = {i, 0.0f};
+    auto chunk_of = [&](int64_t pos) -> int64_t {
+      if (pos < n_sink) return -1;
+      const uint64_t c = static_cast<uint64_t>((pos - n_sink) / cs);
+      return c < n_chunks ? static_cast<int64_t>(c) : -1;  // -1: a sink or the local window
+    };
+    for (size_t j = 0; j < ts.positions.size(); ++j) {
+      const int64_t c = chunk_of(ts.positions[j]);
+      if (c >= 0)
+        for (const auto& head : ts.per_head) chunk_scores[c].second += head[j];
+    }
+    if (opt.compress.empty()) {
+      rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
+      return store->SetChunkScores(seq, l, chunk_scores);
+    }
+    KVTIER_ASSIGN_OR_RETURN(KeepSet keep, policy->Keep(l, opt.kv_budget));
+    std::vector<double> worth(n_chunks, 0.0);
+    std::vector<char> kept_any(n_chunks, 0);
+    const std::vector<int64_t> kept = keep.Union();
+    size_t k = 0;
+    for (size_t i = 0; i < ts.positions.size(); ++i) {
+      const int64_t pos = ts.positions[i];
+      while (k < kept.size() && kept[k] < pos) ++k;
+      const int64_t c = chunk_of(pos);
+      if (k == kept.size() || kept[k] != pos || c < 0) continue;
+      kept_any[c] = 1;
+      for (const auto& head : ts.per_head) worth[c] += head[i];
+    }
+    const int64_t chunk_budget = std::max<int64_t>(0, (opt.kv_budget - n_sink - opt.store.n_local) / cs);
+    std::vector<uint64_t> order(n_chunks);
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) {
+      if (kept_any[a] != kept_any[b]) return kept_any[a] > kept_any[b];
+      if (worth[a] != worth[b]) return worth[a] > worth[b];
+      return a < b;
+    });
+    std::vector<uint64_t> drop;
+    for (size_t i = 0; i < order.size(); ++i)
+      if (static_cast<int64_t>(i) >= chunk_budget || !kept_any[order[i]]) drop.push_back(order[i]);
+    std::sort(drop.begin(), drop.end());
+    rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
+    const uint64_t dropped_before = store->counters().dropped_chunks;
+    KVTIER_RETURN_IF_ERROR(store->DropChunks(seq, l, drop));
+    for (Method& mt : methods) KVTIER_RETURN_IF_ERROR(mt.retriever->Forget(seq, l, drop));
+    if (act_probe) {
+      KVTIER_RETURN_IF_ERROR(act_probe->Forget(seq, l, drop));
+      KVTIER_RETURN_IF_ERROR(mean_probe->Forget(seq, l, drop));
+    }
+    rep.policy.dropped_chunks += store->counters().dropped_chunks - dropped_before;
+    return Status::Ok();
+  };
+  // Kept tokens per layer (mean): what the store still holds.
+  auto kept_tokens = [&]() -> Result<uint64_t> {
+    uint64_t total = 0;
+    for (int l = 0; l < L; ++l) {
+      KVTIER_ASSIGN_OR_RETURN(int64_t n_tokens, store->SequenceLength(seq, l));
+      KVTIER_ASSIGN_OR_RETURN(uint64_t count, store->ChunkCount(seq, l));
+      KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> live, store->ListChunks(seq, l));
+      total += static_cast<uint64_t>(n_tokens) - (count - live.size()) * static_cast<uint64_t>(cs);
+    }
+    return total / static_cast<uint64_t>(L);
+  };
   if (!policy_spec.empty()) {
-    KVTIER_ASSIGN_OR_RETURN(auto policy, MakeScoringPolicy(policy_spec));
+    // ---- the scoring policy at prefill end: demotion scores and/or compression ----
+    // The last `observe` prompt queries attend exactly over every key of the layer (read
+    // back from whichever tier holds it); the policy observes that, layer by layer.
+    KVTIER_ASSIGN_OR_RETURN(policy, MakeScoringPolicy(policy_spec));
     PolicyGeometry pg;
     pg.layers = L; pg.q_heads = Hq; pg.kv_heads = g.kv_heads; pg.head_dim = D;
     pg.sink_tokens = n_sink; pg.local_tokens = opt.store.n_local;
     KVTIER_RETURN_IF_ERROR(policy->Begin(pg));
     rep.policy.spec = policy->ToString();
-    const int m = opt.observe;
-    std::vector<int64_t> keypos(context), qpos(m);
-    std::iota(keypos.begin(), keypos.end(), 0);
-    std::iota(qpos.begin(), qpos.end(), context - m);
-    std::vector<float> K(static_cast<size_t>(context) * kv_elems), V(K.size()), attn(static_cast<size_t>(Hq) * m * context);
-    std::vector<uint8_t> raw(static_cast<size_t>(context) * kv_elems * elem), raw_v(raw.size());
-    rep.policy.scratch_bytes = (2 * K.size() + attn.size()) * sizeof(float) + 2 * raw.size();
-    for (int l = 0; l < L; ++l) {
-      KVTIER_RETURN_IF_ERROR(store->ReadTokens(seq, l, 0, context, raw.data(), raw_v.data()));
-      ToFloat(g.dtype, raw.data(), K.data(), K.size());
-      ToFloat(g.dtype, raw_v.data(), V.data(), V.size());
-      qf.resize(static_cast<size_t>(m) * q_elems);
-      work.Generate(l, context - m, context, qf.data(), nullptr, nullptr);
-      double t0 = NowSeconds();
-      ExactAttentionRows(g, qf.data(), qpos.data(), m, K.data(), context, attn.data());
-      rep.policy.attention_ms += 1e3 * (NowSeconds() - t0);
-      AttentionObservation obs;
-      obs.layer = l; obs.n_queries = m; obs.n_keys = context;
-      obs.key_positions = keypos.data(); obs.query_positions = qpos.data();
-      obs.attention = attn.data(); obs.keys = K.data(); obs.values = V.data();
-      t0 = NowSeconds();
-      KVTIER_RETURN_IF_ERROR(policy->Observe(obs));
-      rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
-    }
-    KVTIER_ASSIGN_OR_RETURN(uint64_t n_chunks, store->ChunkCount(seq, 0));
-    for (int l = 0; l < L; ++l) {
-      double t0 = NowSeconds();
-      KVTIER_ASSIGN_OR_RETURN(TokenScores ts, policy->Scores(l));
-      // Chunk i holds positions [n_sink + i*cs, n_sink + (i+1)*cs).
-      std::vector<std::pair<uint64_t, float>> chunk_scores(n_chunks);
-      for (uint64_t i = 0; i < n_chunks; ++i) chunk_scores[i] = {i, 0.0f};
-      for (size_t j = 0; j < ts.positions.size(); ++j) {
-        const int64_t pos = ts.positions[j];
-        if (pos < n_sink) continue;
-        const uint64_t c = static_cast<uint64_t>((pos - n_sink) / cs);
-        if (c >= n_chunks) continue;  // still in the local window
-        for (const auto& head : ts.per_head) chunk_scores[c].second += head[j];
-      }
-      if (opt.compress.empty()) {
-        rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
-        KVTIER_RETURN_IF_ERROR(store->SetChunkScores(seq, l, chunk_scores));
-        continue;
-      }
-      KVTIER_ASSIGN_OR_RETURN(KeepSet keep, policy->Keep(l, opt.kv_budget));
-      // A chunk's worth is the block aggregation over the tokens the policy kept (so a
-      // policy's keep decision, not only its ranking, counts); chunks it kept nothing of
-      // leave first, and at most kv_budget tokens of chunks stay.
-      std::vector<double> worth(n_chunks, 0.0);
-      std::vector<char> kept_any(n_chunks, 0);
-      {
-        const std::vector<int64_t> kept = keep.Union();
-        size_t j = 0;
-        for (size_t i = 0; i < ts.positions.size(); ++i) {
-          const int64_t pos = ts.positions[i];
-          while (j < kept.size() && kept[j] < pos) ++j;
-          if (j == kept.size() || kept[j] != pos || pos < n_sink) continue;
-          const uint64_t c = static_cast<uint64_t>((pos - n_sink) / cs);
-          if (c >= n_chunks) continue;
-          kept_any[c] = 1;
-          for (const auto& head : ts.per_head) worth[c] += head[i];
-        }
-      }
-      const int64_t chunk_budget = std::max<int64_t>(0, (opt.kv_budget - n_sink - opt.store.n_local) / cs);
-      std::vector<uint64_t> order(n_chunks);
-      std::iota(order.begin(), order.end(), 0);
-      std::sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) {
-        if (kept_any[a] != kept_any[b]) return kept_any[a] > kept_any[b];
-        if (worth[a] != worth[b]) return worth[a] > worth[b];
-        return a < b;
-      });
-      std::vector<uint64_t> drop;
-      for (size_t i = 0; i < order.size(); ++i)
-        if (static_cast<int64_t>(i) >= chunk_budget || !kept_any[order[i]]) drop.push_back(order[i]);
-      std::sort(drop.begin(), drop.end());
-      rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
-      KVTIER_RETURN_IF_ERROR(store->DropChunks(seq, l, drop));
-      for (Method& mt : methods) KVTIER_RETURN_IF_ERROR(mt.retriever->Forget(seq, l, drop));
-      if (act_probe) {
-        KVTIER_RETURN_IF_ERROR(act_probe->Forget(seq, l, drop));
-        KVTIER_RETURN_IF_ERROR(mean_probe->Forget(seq, l, drop));
-      }
-      rep.policy.dropped_chunks += drop.size();
-      rep.policy.kept_tokens += static_cast<uint64_t>(context - static_cast<int64_t>(drop.size()) * cs);
-    }
+    for (int l = 0; l < L; ++l) KVTIER_RETURN_IF_ERROR(observe_layer(l, context - opt.observe, context - 1));
+    for (int l = 0; l < L; ++l) KVTIER_RETURN_IF_ERROR(apply_layer(l));
     if (!opt.compress.empty()) {
       rep.policy.compressed = true;
-      rep.policy.kept_tokens /= static_cast<uint64_t>(L);
+      rep.policy.compressions = 1;
+      KVTIER_ASSIGN_OR_RETURN(rep.policy.kept_tokens, kept_tokens());
     }
   }
 
@@ -492,6 +530,15 @@ Result<RunReport> RunJob(const RunOptions& opt) {
       rec.append_ms = append_ms;
       if (&mt == &methods[0]) rec.q_layer_cache = step_q;  // the baseline replays these queries
       mt.steps.push_back(std::move(rec));
+    }
+    // Policies that compress while decoding (G-KV's s): every s generated tokens the last
+    // min(observe, s) of them are observed over what the store holds, and it compresses again.
+    if (policy && !opt.compress.empty() && policy->compress_every() > 0 && (s + 1) % policy->compress_every() == 0) {
+      const int64_t w = std::min<int64_t>(opt.observe, policy->compress_every());
+      for (int l = 0; l < L; ++l) KVTIER_RETURN_IF_ERROR(observe_layer(l, p - w + 1, p));
+      for (int l = 0; l < L; ++l) KVTIER_RETURN_IF_ERROR(apply_layer(l));
+      rep.policy.compressions++;
+      KVTIER_ASSIGN_OR_RETURN(rep.policy.kept_tokens, kept_tokens());
     }
     dprog.Update(s + 1);
   }
@@ -744,7 +791,7 @@ std::string RunReport::ToJson() const {
   w.Key("spec").String(policy.spec).Key("compressed").Bool(policy.compressed);
   w.Key("scoring_ms").Double(policy.scoring_ms).Key("attention_ms").Double(policy.attention_ms);
   w.Key("dropped_chunks").Uint(policy.dropped_chunks).Key("kept_tokens_per_layer").Uint(policy.kept_tokens);
-  w.Key("kv_budget").Int(o.kv_budget);
+  w.Key("kv_budget").Int(o.kv_budget).Key("compressions").Int(policy.compressions);
   w.EndObject();
   w.Key("memory").BeginObject();
   w.Key("peak_rss_bytes").Uint(peak_rss_bytes);
@@ -848,15 +895,17 @@ std::string RunReport::ToTable() const {
   if (!methods.empty()) text += "retrieval (" + methods[headline].name + "): " + methods[headline].spec + "\n";
   if (!policy.spec.empty()) {
     char line[512];
-    std::snprintf(line, sizeof(line), "scoring policy %s at prefill end: %.1f ms for %d layers (%.2fx the %.1f ms of the "
-                  "observation window's attention)%s\n", policy.spec.c_str(), policy.scoring_ms,
+    std::snprintf(line, sizeof(line), "scoring policy %s: %.1f ms over %d layers (%.2fx the %.1f ms of the "
+                  "observation windows' exact attention)%s\n", policy.spec.c_str(), policy.scoring_ms,
                   options.store.geometry.layers, policy.attention_ms > 0 ? policy.scoring_ms / policy.attention_ms : 0.0,
-                  policy.attention_ms, policy.compressed ? "" : "; its chunk scores drive demotion");
+                  policy.attention_ms, policy.compressed ? "" : "; scored at prefill end, its chunk scores drive demotion");
     text += line;
     if (policy.compressed) {
-      std::snprintf(line, sizeof(line), "compression: kept %llu of %lld tokens per layer (budget %lld), dropped %llu chunks\n",
-                    static_cast<unsigned long long>(policy.kept_tokens), static_cast<long long>(options.workload.context),
-                    static_cast<long long>(options.kv_budget), static_cast<unsigned long long>(policy.dropped_chunks));
+      std::snprintf(line, sizeof(line), "compression: %d time(s); the store holds %llu tokens per layer (budget %lld) of "
+                    "%lld, %llu chunks dropped\n", policy.compressions, static_cast<unsigned long long>(policy.kept_tokens),
+                    static_cast<long long>(options.kv_budget),
+                    static_cast<long long>(options.workload.context + options.workload.decode_steps),
+                    static_cast<unsigned long long>(policy.dropped_chunks));
       text += line;
     }
   }

@@ -26,9 +26,10 @@ struct RunOptions {
   int stat_stride = 8;         ///< every stat_stride-th query of a prefill window feeds representative-key statistics
   bool baseline = true;        ///< also run full attention on the same data (quality + speed comparison)
   bool progress = true;        ///< progress lines on stderr
-  /// Compression mode: this scoring policy drops chunks at prefill end, keeping the
-  /// chunks that hold its keep set's tokens up to `kv_budget` tokens per layer (sinks
-  /// and local window included). Empty = off.
+  /// Compression mode: this scoring policy drops chunks at prefill end (and every s
+  /// decode steps for decode-time policies such as G-KV), keeping the chunks that hold its
+  /// keep set's tokens up to `kv_budget` tokens per layer (sinks and local window
+  /// included). Empty = off.
   std::string compress;
   int64_t kv_budget = 16384;   ///< tokens kept per layer in compression mode
   int observe = 32;            ///< prompt queries whose attention over every key the scoring policy sees
@@ -39,11 +40,12 @@ struct RunOptions {
 struct PolicyStageReport {
   std::string spec;              ///< the scoring policy's factory string ("" = none ran)
   bool compressed = false;       ///< compression mode dropped chunks
+  int compressions = 0;          ///< at prefill end, plus every s decode steps for decode-time policies (G-KV)
   double scoring_ms = 0;         ///< Observe + Scores/Keep over all layers
   double attention_ms = 0;       ///< the observation window's exact attention over every key, all layers
   uint64_t dropped_chunks = 0;   ///< over all layers
-  uint64_t kept_tokens = 0;      ///< per layer (mean), sinks and local included
-  uint64_t scratch_bytes = 0;    ///< one layer's K, V and attention rows in fp32 (counted in the RSS bound)
+  uint64_t kept_tokens = 0;      ///< tokens the store holds per layer (mean) after the last compression
+  uint64_t scratch_bytes = 0;    ///< one observation's K, V and attention rows (counted in the RSS bound)
 };
 
 /// Quality and speed of one retrieval method on the run's steps.

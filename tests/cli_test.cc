@@ -159,13 +159,25 @@ TEST(Cli, CompressionDropsChunksAndRetrievalNeverAsksForThem) {
   Ran r = Kvtier("run --quiet --context 8192 --geometry 2,8,2,32 --decode-steps 3 --spearman-windows 0"
                  " --compress h2o --kv-budget 2048 --data-dir " + dir.path() + "/data --json " + json);
   ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("compression: kept"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("compression: 1 time(s)"), std::string::npos) << r.out;
   const std::string rep = ReadAll(json);
   const double kept = JsonNumber(rep, "kept_tokens_per_layer");
   EXPECT_LE(kept, 2048 + 32) << rep;  // the budget, up to the partially filled local ring
   EXPECT_GT(kept, 2048 - 64) << rep;
   EXPECT_GT(JsonNumber(rep, "dropped_chunks"), 2 * 150) << rep;
   // The needle sits in the middle of the context: h2o keeps it (the question attends to it).
+  EXPECT_GT(JsonNumber(rep, "needle_hit_rate"), 0.5) << rep;
+}
+
+TEST(Cli, DecodeTimePolicyCompressesAgainEverySSteps) {
+  TempDir dir;
+  const std::string json = dir.path() + "/report.json";
+  Ran r = Kvtier("run --quiet --context 8192 --geometry 2,8,2,32 --decode-steps 16 --spearman-windows 0"
+                 " --compress gkv:s=8 --kv-budget 2048 --data-dir " + dir.path() + "/data --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string rep = ReadAll(json);
+  EXPECT_EQ(JsonNumber(rep, "compressions"), 3) << rep;  // prefill end, then after decode steps 8 and 16
+  EXPECT_LE(JsonNumber(rep, "kept_tokens_per_layer"), 2048 + 32) << rep;
   EXPECT_GT(JsonNumber(rep, "needle_hit_rate"), 0.5) << rep;
 }
 
