@@ -6,7 +6,7 @@ CMAKE_ARGS ?=
 # The main job: a long-sequence run on the default embedded setup (see README).
 RUN_ARGS   ?= --context 131072 --data-dir $(BUILD)/run-data --json $(BUILD)/run-report.json
 
-.PHONY: all deps configure build run test bench clean
+.PHONY: all deps configure build run test bench bench-retrieval clean
 
 all: build
 
@@ -31,6 +31,11 @@ test: build
 bench: build
 	./$(BUILD)/kvtier_bench --benchmark_min_time=0.2
 	bash scripts/bench_run.sh $(BUILD)
+	bash scripts/bench_policies.sh $(BUILD)
+
+# Retrieval overhead by context (32K, 128K, 1M) and index kind; the 1M runs take minutes.
+bench-retrieval: build
+	bash scripts/bench_retrieval.sh $(BUILD)
 
 clean:
 	rm -rf $(BUILD)
