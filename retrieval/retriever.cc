@@ -106,9 +106,7 @@ Status Retriever::Sync(SequenceId seq, int layer) {
           li->exact_repr[h].insert(li->exact_repr[h].end(), key, key + D);
           const float n2 = kernels::Dot(key, key, D);
           li->exact_inv_norm[h].push_back(n2 > 0.0f ? 1.0f / std::sqrt(n2) : 0.0f);
-          const size_t at = li->exact_q8[h].size();
-          li->exact_q8[h].resize(at + D);
-          li->exact_q8_scale[h].push_back(kernels::QuantizeI8(key, D, li->exact_q8[h].data() + at));
+          PutQuantizedRow(li, h, li->exact_inv_norm[h].size() - 1, key, D);
         }
       continue;
     }
@@ -150,9 +148,7 @@ Status Retriever::Forget(SequenceId seq, int layer, const std::vector<uint64_t>&
       li->exact_ids[keep] = li->exact_ids[row];
       for (size_t h = 0; h < H; ++h) {
         std::copy_n(li->exact_repr[h].begin() + row * R * D, R * D, li->exact_repr[h].begin() + keep * R * D);
-        std::copy_n(li->exact_q8[h].begin() + row * R * D, R * D, li->exact_q8[h].begin() + keep * R * D);
         std::copy_n(li->exact_inv_norm[h].begin() + row * R, R, li->exact_inv_norm[h].begin() + keep * R);
-        std::copy_n(li->exact_q8_scale[h].begin() + row * R, R, li->exact_q8_scale[h].begin() + keep * R);
       }
     }
     ++keep;
@@ -160,9 +156,12 @@ Status Retriever::Forget(SequenceId seq, int layer, const std::vector<uint64_t>&
   li->exact_ids.resize(keep);
   for (size_t h = 0; h < li->exact_repr.size(); ++h) {
     li->exact_repr[h].resize(keep * R * D);
-    li->exact_q8[h].resize(keep * R * D);
     li->exact_inv_norm[h].resize(keep * R);
-    li->exact_q8_scale[h].resize(keep * R);
+    // The int8 blocks interleave rows: requantise the kept rows in their new places.
+    li->exact_q8[h].clear();
+    li->exact_q8_scale[h].clear();
+    for (size_t row = 0; row < keep * R; ++row)
+      PutQuantizedRow(li, static_cast<int>(h), row, li->exact_repr[h].data() + row * D, static_cast<int>(D));
   }
   return Status::Ok();
 }
@@ -318,6 +317,18 @@ void Retriever::ExactScores(const LayerIndex& li, const float* probe, std::vecto
   }
 }
 
+void Retriever::PutQuantizedRow(LayerIndex* li, int h, size_t row, const float* key, int D) {
+  constexpr size_t B = kernels::kI8Block;
+  std::vector<int8_t>& codes = li->exact_q8[h];
+  std::vector<float>& scale = li->exact_q8_scale[h];
+  const size_t block = row / B, lane = row % B;
+  if (codes.size() < (block + 1) * B * D) codes.resize((block + 1) * B * D, 0);
+  if (scale.size() <= row) scale.resize(row + 1, 0.0f);
+  int8_t tmp[4096];  // head_dim <= 4096 (Geometry::Validate)
+  scale[row] = kernels::QuantizeI8(key, D, tmp);
+  for (int d = 0; d < D; ++d) codes[(block * D + d) * B + lane] = tmp[d];
+}
+
 void Retriever::QuantizedScores(const LayerIndex& li, const float* probe, std::vector<float>* raw,
                                 std::vector<float>* cos) const {
   const StoreOptions& so = store_->options();
@@ -332,12 +343,20 @@ void Retriever::QuantizedScores(const LayerIndex& li, const float* probe, std::v
     const int8_t* codes = li.exact_q8[h].data();
     const float* scale = li.exact_q8_scale[h].data();
     const float* inv = li.exact_inv_norm[h].data();
+    // Chunk c owns rows [c*R, c*R+R); a range scores the blocks its rows fall in.
+    constexpr size_t B = kernels::kI8Block;
     tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 1024), [&](const tbb::blocked_range<size_t>& range) {
+      const size_t row0 = range.begin() * R, row1 = range.end() * R;
+      const size_t first_block = row0 / B, last_block = (row1 + B - 1) / B;
+      std::vector<float> dots((last_block - first_block) * B);
+      for (size_t b = first_block; b < last_block; ++b)
+        kernels::DotI8Block(codes + b * B * D, p, D, dots.data() + (b - first_block) * B);
+      const size_t base = first_block * B;
       for (size_t c = range.begin(); c < range.end(); ++c) {
         float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
         for (int r = 0; r < R; ++r) {
           const size_t j = c * R + r;
-          const float dot = kernels::DotI8(codes + j * D, p, D) * scale[j];
+          const float dot = dots[j - base] * scale[j];
           best = std::max(best, dot);
           best_cos = std::max(best_cos, dot * inv[j] * inv_p);
         }

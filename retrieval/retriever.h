@@ -99,7 +99,8 @@ class Retriever {
     std::vector<uint64_t> exact_ids;                // [n] chunk index of each row
     std::vector<std::vector<float>> exact_repr;     // [H][n, R, D]: per head, so one head's keys are contiguous
     std::vector<std::vector<float>> exact_inv_norm; // [H][n, R]
-    std::vector<std::vector<int8_t>> exact_q8;      // [H][n, R, D]: int8 codes of exact_repr
+    std::vector<std::vector<int8_t>> exact_q8;      // [H]: int8 codes of exact_repr's rows, transposed in
+                                                    // blocks of kernels::kI8Block rows (see DotI8Block)
     std::vector<std::vector<float>> exact_q8_scale; // [H][n, R]
   };
   Result<LayerIndex*> Index(SequenceId seq, int layer);
@@ -111,6 +112,8 @@ class Retriever {
   // The same two scores for the chunks at rows `rows` only (the rerank stage).
   void ExactScoresOf(const LayerIndex& li, const float* probe, const std::vector<int64_t>& rows,
                      std::vector<float>* raw, std::vector<float>* cos) const;
+  // Appends (or rewrites) row `row` of head h's int8 block store from an fp32 key.
+  static void PutQuantizedRow(LayerIndex* li, int h, size_t row, const float* key, int D);
   // First stage: ExactScores from the int8 codes.
   void QuantizedScores(const LayerIndex& li, const float* probe, std::vector<float>* raw, std::vector<float>* cos) const;
 

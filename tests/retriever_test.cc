@@ -205,33 +205,67 @@ TEST(Retriever, DroppedChunksAreNeverSelectedAgain) {
       auto sel = (*r)->Select(seq, l, q.data(), 1, true);
       ASSERT_TRUE(sel.ok());
       EXPECT_EQ(sel->chunks.size(), l == 0 ? 26u : 30u) << index;
-      for (uint64_t c : gone)
-        if (l == 0) EXPECT_EQ(std::count(sel->chunks.begin(), sel->chunks.end(), c), 0) << index << " chunk " << c;
+      if (l == 0) {
+        for (uint64_t c : gone) EXPECT_EQ(std::count(sel->chunks.begin(), sel->chunks.end(), c), 0) << index << " chunk " << c;
+      }
       auto h = s->FetchChunks(seq, l, sel->chunks);  // every chosen chunk still exists
       ASSERT_TRUE(h.ok()) << h.status().ToString();
       ASSERT_TRUE(h->Wait().ok());
     }
+    // The compacted index scores as one built afresh from the store: with no slack in the
+    // candidate set, the int8 first stage alone decides, so its rows must be intact.
+    ro.budget_tokens = 5 * 4;
+    ro.rerank_factor = 1;
+    ro.rerank_min = 0;
+    auto compacted = Retriever::Create(s, ro);
+    ASSERT_TRUE(compacted.ok());
+    (*compacted)->BeginStep();
+    ASSERT_TRUE((*compacted)->Select(seq, 0, q.data(), 1, true).ok());  // indexes all 30 chunks
+    ASSERT_TRUE(s->DropChunks(seq, 1, gone).ok());
+    ASSERT_TRUE((*compacted)->Forget(seq, 0, gone).ok());
+    ASSERT_TRUE((*compacted)->Forget(seq, 1, gone).ok());
+    auto fresh = Retriever::Create(s, ro);
+    ASSERT_TRUE(fresh.ok());
+    (*compacted)->BeginStep();
+    (*fresh)->BeginStep();
+    for (int l = 0; l < g.layers; ++l) {
+      auto a = (*compacted)->Select(seq, l, q.data(), 1, true);
+      auto b = (*fresh)->Select(seq, l, q.data(), 1, true);
+      ASSERT_TRUE(a.ok() && b.ok());
+      EXPECT_EQ(a->chunks, b->chunks) << index << " layer " << l;
+    }
   }
 }
 
-TEST(Retriever, QuantizedDotMatchesFloatDot) {
+TEST(Retriever, QuantizedBlockDotMatchesFloatDot) {
   std::mt19937 rng(9);
   std::normal_distribution<float> nd(0.0f, 1.0f);
+  constexpr int B = kernels::kI8Block;
   for (int d : {1, 15, 16, 64, 129}) {
-    std::vector<float> x(d), p(d);
+    std::vector<float> x(static_cast<size_t>(B) * d), p(d);
     for (auto& v : x) v = nd(rng);
     for (auto& v : p) v = nd(rng);
-    std::vector<int8_t> codes(d);
-    const float scale = kernels::QuantizeI8(x.data(), d, codes.data());
-    float max_abs = 0.0f, p_l1 = 0.0f;
-    for (int i = 0; i < d; ++i) {
-      max_abs = std::max(max_abs, std::fabs(x[i]));
-      p_l1 += std::fabs(p[i]);
-      EXPECT_LE(std::fabs(codes[i] * scale - x[i]), 0.5f * scale + 1e-6f);  // round to nearest
+    // Eight rows quantised, then stored transposed: lane j, element e at block[e * B + j].
+    std::vector<int8_t> block(static_cast<size_t>(B) * d), codes(d);
+    std::vector<float> scale(B);
+    float p_l1 = 0.0f;
+    for (float v : p) p_l1 += std::fabs(v);
+    for (int j = 0; j < B; ++j) {
+      scale[j] = kernels::QuantizeI8(x.data() + static_cast<size_t>(j) * d, d, codes.data());
+      float max_abs = 0.0f;
+      for (int e = 0; e < d; ++e) {
+        block[static_cast<size_t>(e) * B + j] = codes[e];
+        max_abs = std::max(max_abs, std::fabs(x[static_cast<size_t>(j) * d + e]));
+        EXPECT_LE(std::fabs(codes[e] * scale[j] - x[static_cast<size_t>(j) * d + e]), 0.5f * scale[j] + 1e-6f);
+      }
+      EXPECT_FLOAT_EQ(scale[j], max_abs / 127.0f);
     }
-    EXPECT_FLOAT_EQ(scale, max_abs / 127.0f);
-    const float exact = kernels::Dot(x.data(), p.data(), d);
-    EXPECT_NEAR(kernels::DotI8(codes.data(), p.data(), d) * scale, exact, 0.5f * scale * p_l1 + 1e-4f) << d;
+    float out[B];
+    kernels::DotI8Block(block.data(), p.data(), d, out);
+    for (int j = 0; j < B; ++j) {
+      const float exact = kernels::Dot(x.data() + static_cast<size_t>(j) * d, p.data(), d);
+      EXPECT_NEAR(out[j] * scale[j], exact, 0.5f * scale[j] * p_l1 + 1e-4f) << "d " << d << " lane " << j;
+    }
   }
   std::vector<float> zero(8, 0.0f);
   std::vector<int8_t> codes(8, 5);

@@ -5,6 +5,10 @@
 #include <cmath>
 #include <cstdint>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace kvtier::kernels {
 
 /// fp32 dot product with eight independent partial sums, so the compiler
@@ -20,17 +24,34 @@ inline float Dot(const float* a, const float* b, int n) {
   return s;
 }
 
-/// Dot product of int8 codes with an fp32 vector (the caller multiplies by the codes'
-/// scale). Sixteen partial sums, so the int8 -> fp32 widening vectorises.
-inline float DotI8(const int8_t* a, const float* b, int n) {
-  float acc[16] = {};
-  int i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += static_cast<float>(a[i + j]) * b[i + j];
-  float s = 0.0f;
-  for (; i < n; ++i) s += static_cast<float>(a[i]) * b[i];
-  for (float x : acc) s += x;
-  return s;
+/// Rows are stored in blocks of kI8Block, transposed: block b holds rows [b*8, b*8+8),
+/// element d of lane j at codes[(b*D + d)*8 + j]. One probe element then meets eight rows
+/// in one multiply-add, with no per-row horizontal sum (what makes a row-wise int8 dot
+/// compute-bound at small D).
+inline constexpr int kI8Block = 8;
+
+/// The eight dot products of one transposed int8 block with an fp32 probe of length D.
+inline void DotI8Block(const int8_t* block, const float* p, int D, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int d = 0;
+  for (; d + 2 <= D; d += 2) {
+    const __m128i c0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + d * kI8Block));
+    const __m128i c1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + (d + 1) * kI8Block));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c0)), _mm256_set1_ps(p[d]), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c1)), _mm256_set1_ps(p[d + 1]), acc1);
+  }
+  if (d < D) {
+    const __m128i c0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + d * kI8Block));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c0)), _mm256_set1_ps(p[d]), acc0);
+  }
+  _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
+#else
+  float acc[kI8Block] = {};
+  for (int d = 0; d < D; ++d)
+    for (int j = 0; j < kI8Block; ++j) acc[j] += static_cast<float>(block[d * kI8Block + j]) * p[d];
+  for (int j = 0; j < kI8Block; ++j) out[j] = acc[j];
+#endif
 }
 
 /// Symmetric int8 quantisation of one vector: codes = round(x / scale), scale =
