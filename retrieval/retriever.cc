@@ -336,35 +336,39 @@ void Retriever::QuantizedScores(const LayerIndex& li, const float* probe, std::v
   const size_t n = li.exact_ids.size();
   raw->assign(n, 0.0f);
   cos->assign(n, 0.0f);
+  std::vector<float> inv_p(H);
   for (int h = 0; h < H; ++h) {
     const float* p = probe + static_cast<size_t>(h) * D;
     const float pn2 = kernels::Dot(p, p, D);
-    const float inv_p = pn2 > 0.0f ? 1.0f / std::sqrt(pn2) : 0.0f;
-    const int8_t* codes = li.exact_q8[h].data();
-    const float* scale = li.exact_q8_scale[h].data();
-    const float* inv = li.exact_inv_norm[h].data();
-    // Chunk c owns rows [c*R, c*R+R); a range scores the blocks its rows fall in.
-    constexpr size_t B = kernels::kI8Block;
-    tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 1024), [&](const tbb::blocked_range<size_t>& range) {
-      const size_t row0 = range.begin() * R, row1 = range.end() * R;
-      const size_t first_block = row0 / B, last_block = (row1 + B - 1) / B;
-      std::vector<float> dots((last_block - first_block) * B);
+    inv_p[h] = pn2 > 0.0f ? 1.0f / std::sqrt(pn2) : 0.0f;
+  }
+  // One pass over the chunks for every head (one fork-join per layer, not per head).
+  // Chunk c owns rows [c*R, c*R+R); a range scores the blocks its rows fall in.
+  constexpr size_t B = kernels::kI8Block;
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 512), [&](const tbb::blocked_range<size_t>& range) {
+    const size_t row0 = range.begin() * R, row1 = range.end() * R;
+    const size_t first_block = row0 / B, last_block = (row1 + B - 1) / B, base = first_block * B;
+    std::vector<float> dots((last_block - first_block) * B);
+    for (int h = 0; h < H; ++h) {
+      const float* p = probe + static_cast<size_t>(h) * D;
+      const int8_t* codes = li.exact_q8[h].data();
+      const float* scale = li.exact_q8_scale[h].data();
+      const float* inv = li.exact_inv_norm[h].data();
       for (size_t b = first_block; b < last_block; ++b)
         kernels::DotI8Block(codes + b * B * D, p, D, dots.data() + (b - first_block) * B);
-      const size_t base = first_block * B;
       for (size_t c = range.begin(); c < range.end(); ++c) {
         float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
         for (int r = 0; r < R; ++r) {
           const size_t j = c * R + r;
           const float dot = dots[j - base] * scale[j];
           best = std::max(best, dot);
-          best_cos = std::max(best_cos, dot * inv[j] * inv_p);
+          best_cos = std::max(best_cos, dot * inv[j] * inv_p[h]);
         }
         (*raw)[c] += best;
         (*cos)[c] += best_cos / static_cast<float>(H);
       }
-    });
-  }
+    }
+  });
 }
 
 void Retriever::ExactScoresOf(const LayerIndex& li, const float* probe, const std::vector<int64_t>& rows,
@@ -373,24 +377,30 @@ void Retriever::ExactScoresOf(const LayerIndex& li, const float* probe, const st
   const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
   raw->assign(rows.size(), 0.0f);
   cos->assign(rows.size(), 0.0f);
+  std::vector<float> inv_p(H);
   for (int h = 0; h < H; ++h) {
     const float* p = probe + static_cast<size_t>(h) * D;
     const float pn2 = kernels::Dot(p, p, D);
-    const float inv_p = pn2 > 0.0f ? 1.0f / std::sqrt(pn2) : 0.0f;
-    const float* keys = li.exact_repr[h].data();
-    const float* inv = li.exact_inv_norm[h].data();
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const size_t c = static_cast<size_t>(rows[i]);
-      float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
-      for (int r = 0; r < R; ++r) {
-        const float dot = kernels::Dot(keys + (c * R + r) * D, p, D);
-        best = std::max(best, dot);
-        best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p);
-      }
-      (*raw)[i] += best;
-      (*cos)[i] += best_cos / static_cast<float>(H);
-    }
+    inv_p[h] = pn2 > 0.0f ? 1.0f / std::sqrt(pn2) : 0.0f;
   }
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, rows.size(), 64), [&](const tbb::blocked_range<size_t>& range) {
+    for (size_t i = range.begin(); i < range.end(); ++i) {
+      const size_t c = static_cast<size_t>(rows[i]);
+      for (int h = 0; h < H; ++h) {
+        const float* p = probe + static_cast<size_t>(h) * D;
+        const float* keys = li.exact_repr[h].data();
+        const float* inv = li.exact_inv_norm[h].data();
+        float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
+        for (int r = 0; r < R; ++r) {
+          const float dot = kernels::Dot(keys + (c * R + r) * D, p, D);
+          best = std::max(best, dot);
+          best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p[h]);
+        }
+        (*raw)[i] += best;
+        (*cos)[i] += best_cos / static_cast<float>(H);
+      }
+    }
+  });
 }
 
 uint64_t Retriever::memory_bytes() const {
