@@ -137,6 +137,7 @@ Result<int> EntropyBudget::Allocate(int layer, const LayerScores& s) {
   const int L = layers_, M = opt_.min_chunks;
   // Eq. 11: information density of this layer's similarity distribution.
   const double theta = SoftmaxEntropy(s.scores, s.n);
+  last_theta_ = theta;
   step_theta_sum_ += theta;
   ++step_theta_count_;
   const double step_mean = step_theta_sum_ / step_theta_count_;  // stand-in for unseen layers

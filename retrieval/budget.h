@@ -40,6 +40,8 @@ class BudgetAllocator {
   /// in [min(1, n), n]; the sum over layers never exceeds L*k.
   virtual Result<int> Allocate(int layer, const LayerScores& s) = 0;
   virtual std::string ToString() const = 0;
+  /// Θ (Eq. 11) the last Allocate computed, or 0 for allocators that do not compute it.
+  virtual double last_entropy() const { return 0.0; }
 
  protected:
   BudgetAllocator() = default;
@@ -107,6 +109,7 @@ class EntropyBudget final : public BudgetAllocator {
   std::optional<double> MeanEntropy(int layer) const;
   /// B_kv: budget left in the current step.
   int64_t remaining() const { return remaining_; }
+  double last_entropy() const override { return last_theta_; }
   /// Forgets the running means (new sequence).
   void Reset();
   const EntropyBudgetOptions& options() const { return opt_; }
@@ -115,6 +118,7 @@ class EntropyBudget final : public BudgetAllocator {
   explicit EntropyBudget(const EntropyBudgetOptions& o) : opt_(o) {}
   EntropyBudgetOptions opt_;
   int64_t remaining_ = 0;            // B_kv
+  double last_theta_ = 0.0;          // Theta of the last Allocate with chunks
   double step_theta_sum_ = 0.0;      // Theta of this step's layers with chunks so far
   int step_theta_count_ = 0;
   std::vector<double> theta_sum_;    // [L] over previous steps

@@ -203,7 +203,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
       sel.search_ms = MsSince(t0);
       t0 = std::chrono::steady_clock::now();
       KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{scores_.data(), n}));
-      if (by_cosine) sel.entropy = SoftmaxEntropy(scores_.data(), n);
+      if (by_cosine) sel.entropy = alloc_->last_entropy();  // Θ^ℓ, computed once by the allocator
       sel.chunks = TakeBest(by_cosine ? scores_ : raw, ids_, take, cap);
       sel.alloc_ms = MsSince(t0);
       return sel;
@@ -217,7 +217,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
     sel.search_ms = MsSince(t0);
     t0 = std::chrono::steady_clock::now();
     KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{scores_.data(), n}));
-    if (by_cosine) sel.entropy = SoftmaxEntropy(scores_.data(), n);
+    if (by_cosine) sel.entropy = alloc_->last_entropy();  // Θ^ℓ, computed once by the allocator
     take = static_cast<int>(std::min<size_t>(static_cast<size_t>(std::max(0, take)), cap));
     sel.alloc_ms = MsSince(t0);
     t0 = std::chrono::steady_clock::now();
@@ -261,7 +261,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
   sel.search_ms = MsSince(t0);
   t0 = std::chrono::steady_clock::now();
   KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{scores_.data(), static_cast<int>(scores_.size())}));
-  sel.entropy = SoftmaxEntropy(scores_.data(), static_cast<int>(scores_.size()));
+  sel.entropy = alloc_->last_entropy();
   sel.chunks = TakeBest(scores_, ids_, take, so.hot_bytes / so.chunk_bytes());
   sel.alloc_ms = MsSince(t0);
   return sel;

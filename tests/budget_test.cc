@@ -313,3 +313,23 @@ TEST(Budget, FactoryRejectsBadSpecsNamingThem) {
 
 }  // namespace
 }  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+TEST(EntropyBudget, LastEntropyIsTheEq11EntropyOfTheLastLayer) {
+  auto a = MakeBudgetAllocator("entropy");
+  ASSERT_TRUE(a.ok());
+  (*a)->BeginStep(2, 2);
+  const float s0[] = {0.9f, 0.1f, -0.3f}, s1[] = {0.2f, 0.2f};
+  ASSERT_TRUE((*a)->Allocate(0, LayerScores{s0, 3}).ok());
+  EXPECT_DOUBLE_EQ((*a)->last_entropy(), SoftmaxEntropy(s0, 3));
+  ASSERT_TRUE((*a)->Allocate(1, LayerScores{s1, 2}).ok());
+  EXPECT_NEAR((*a)->last_entropy(), std::log(2.0), 1e-12);  // two equal scores: ln 2
+  auto t = MakeBudgetAllocator("topk");
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ((*t)->last_entropy(), 0.0);
+}
+
+}  // namespace
+}  // namespace kvtier

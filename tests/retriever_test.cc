@@ -260,9 +260,11 @@ TEST(Retriever, QuantizedBlockDotMatchesFloatDot) {
       }
       EXPECT_FLOAT_EQ(scale[j], max_abs / 127.0f);
     }
-    float out[B];
+    float out[B], ref[B];
     kernels::DotI8Block(block.data(), p.data(), d, out);
+    kernels::DotI8BlockScalar(block.data(), p.data(), d, ref);
     for (int j = 0; j < B; ++j) {
+      EXPECT_NEAR(out[j], ref[j], 1e-4f * (1.0f + std::fabs(ref[j]))) << "vector path vs scalar twin, lane " << j;
       const float exact = kernels::Dot(x.data() + static_cast<size_t>(j) * d, p.data(), d);
       EXPECT_NEAR(out[j] * scale[j], exact, 0.5f * scale[j] * p_l1 + 1e-4f) << "d " << d << " lane " << j;
     }

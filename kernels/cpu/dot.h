@@ -24,13 +24,22 @@ inline float Dot(const float* a, const float* b, int n) {
   return s;
 }
 
-/// Rows are stored in blocks of kI8Block, transposed: block b holds rows [b*8, b*8+8),
-/// element d of lane j at codes[(b*D + d)*8 + j]. One probe element then meets eight rows
-/// in one multiply-add, with no per-row horizontal sum (what makes a row-wise int8 dot
-/// compute-bound at small D).
+/// Rows are stored in blocks of kI8Block, transposed: block b holds rows [b*B, b*B+B),
+/// element d of lane j at codes[(b*D + d)*B + j]. One probe element then meets B rows in
+/// one multiply-add, with no per-row horizontal sum (what makes a row-wise int8 dot
+/// compute-bound at small D). B = 8, one AVX2 register of fp32 lanes.
 inline constexpr int kI8Block = 8;
 
-/// The eight dot products of one transposed int8 block with an fp32 probe of length D.
+/// Scalar reference of DotI8Block (tests check the vector paths against it).
+inline void DotI8BlockScalar(const int8_t* block, const float* p, int D, float* out) {
+  float acc[kI8Block] = {};
+  for (int d = 0; d < D; ++d)
+    for (int j = 0; j < kI8Block; ++j) acc[j] += static_cast<float>(block[d * kI8Block + j]) * p[d];
+  for (int j = 0; j < kI8Block; ++j) out[j] = acc[j];
+}
+
+/// The kI8Block dot products of one transposed int8 block with an fp32 probe of length D.
+/// The scalar loop is the reference; the vector paths compute the same sums.
 inline void DotI8Block(const int8_t* block, const float* p, int D, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -47,10 +56,7 @@ inline void DotI8Block(const int8_t* block, const float* p, int D, float* out) {
   }
   _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
 #else
-  float acc[kI8Block] = {};
-  for (int d = 0; d < D; ++d)
-    for (int j = 0; j < kI8Block; ++j) acc[j] += static_cast<float>(block[d * kI8Block + j]) * p[d];
-  for (int j = 0; j < kI8Block; ++j) out[j] = acc[j];
+  DotI8BlockScalar(block, p, D, out);
 #endif
 }
 
