@@ -1,0 +1,364 @@
+#include "integration/model/llama.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <numeric>
+
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+
+#include "kernels/cpu/attention.h"
+
+namespace kvtier::model {
+namespace {
+
+constexpr const char* kModelName = "kvtier-llama";
+
+Status ParseIntKey(const std::map<std::string, std::string>& meta, const std::string& path, const char* key,
+                   int* out) {
+  auto it = meta.find(key);
+  if (it == meta.end()) return InvalidArgument(path + ": __metadata__ lacks '" + key + "'");
+  const char* s = it->second.c_str();
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(s, &end, 10);
+  if (errno != 0 || end == s || *end != '\0' || v < INT32_MIN || v > INT32_MAX)
+    return InvalidArgument(path + ": __metadata__ '" + key + "' is not an integer (got '" + it->second + "')");
+  *out = static_cast<int>(v);
+  return Status::Ok();
+}
+
+Status ParseFloatKey(const std::map<std::string, std::string>& meta, const std::string& path, const char* key,
+                     double* out) {
+  auto it = meta.find(key);
+  if (it == meta.end()) return InvalidArgument(path + ": __metadata__ lacks '" + key + "'");
+  const char* s = it->second.c_str();
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(s, &end);
+  if (errno != 0 || end == s || *end != '\0' || !std::isfinite(v))
+    return InvalidArgument(path + ": __metadata__ '" + key + "' is not a finite number (got '" + it->second + "')");
+  *out = v;
+  return Status::Ok();
+}
+
+// Dot product with 8 independent fp32 accumulators: the compiler may not
+// reorder a single float sum, and the split lets it use vector registers.
+inline float Dot(const float* a, const float* b, int n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y[m, out] (= or +=) x[m, in] . W^T with W row-major [out, in] (y = W x per token).
+// Output rows of W are split across threads once the product is big enough to pay for it.
+void MatMul(const float* x, int m, int in, const float* w, int out, float* y, bool accumulate) {
+  auto rows = [&](int o0, int o1) {
+    for (int o = o0; o < o1; ++o) {
+      const float* wr = w + static_cast<size_t>(o) * in;
+      for (int t = 0; t < m; ++t) {
+        const float d = Dot(x + static_cast<size_t>(t) * in, wr, in);
+        float& dst = y[static_cast<size_t>(t) * out + o];
+        dst = accumulate ? dst + d : d;
+      }
+    }
+  };
+  if (static_cast<int64_t>(m) * in * out < (1 << 18)) {
+    rows(0, out);
+    return;
+  }
+  tbb::parallel_for(tbb::blocked_range<int>(0, out, 16),
+                    [&](const tbb::blocked_range<int>& r) { rows(r.begin(), r.end()); });
+}
+
+// out[m, d] = x * rsqrt(mean(x^2) + eps) * w; the mean is summed in double.
+void RmsNorm(const float* x, int m, int d, const float* w, double eps, float* out) {
+  for (int t = 0; t < m; ++t) {
+    const float* xr = x + static_cast<size_t>(t) * d;
+    double ss = 0;
+    for (int i = 0; i < d; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float r = static_cast<float>(1.0 / std::sqrt(ss / d + eps));
+    float* o = out + static_cast<size_t>(t) * d;
+    for (int i = 0; i < d; ++i) o[i] = xr[i] * r * w[i];
+  }
+}
+
+// Rotate-half RoPE (Hugging Face Llama): for i < D/2, with a = pos * inv_freq[i],
+// x'[i] = x[i] cos a - x[i + D/2] sin a,  x'[i + D/2] = x[i + D/2] cos a + x[i] sin a.
+// Angles in double, cos/sin rounded to fp32 once, like models/model.py.
+void Rope(float* x, int m, int heads, int head_dim, const int64_t* positions, const std::vector<double>& inv_freq) {
+  const int half = head_dim / 2;
+  std::vector<float> c(half), s(half);
+  for (int t = 0; t < m; ++t) {
+    for (int i = 0; i < half; ++i) {
+      const double a = static_cast<double>(positions[t]) * inv_freq[i];
+      c[i] = static_cast<float>(std::cos(a));
+      s[i] = static_cast<float>(std::sin(a));
+    }
+    for (int h = 0; h < heads; ++h) {
+      float* v = x + (static_cast<size_t>(t) * heads + h) * head_dim;
+      for (int i = 0; i < half; ++i) {
+        const float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c[i] + (-x2) * s[i];
+        v[i + half] = x2 * c[i] + x1 * s[i];
+      }
+    }
+  }
+}
+
+// Copies a tensor out of the file after checking its exact shape.
+Status Take(const SafeTensors& st, const std::string& name, std::vector<int64_t> shape, std::vector<float>* out) {
+  auto t = st.Find(name);
+  if (!t.ok()) return InvalidArgument(t.status().message());
+  if ((*t)->shape != shape)
+    return InvalidArgument(st.path + ": tensor '" + name + "' has shape " + (*t)->ShapeString() + ", expected " +
+                           ShapeToString(shape));
+  KVTIER_ASSIGN_OR_RETURN(*out, st.ToFloat32(name));
+  return Status::Ok();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// LlamaConfig
+
+Status LlamaConfig::Validate() const {
+  auto positive = [](const char* name, int v) -> Status {
+    if (v <= 0)
+      return InvalidArgument(std::string("llama config: ") + name + " must be > 0 (got " + std::to_string(v) + ")");
+    return Status::Ok();
+  };
+  KVTIER_RETURN_IF_ERROR(positive("vocab", vocab));
+  KVTIER_RETURN_IF_ERROR(positive("d_model", d_model));
+  KVTIER_RETURN_IF_ERROR(positive("n_layers", n_layers));
+  KVTIER_RETURN_IF_ERROR(positive("q_heads", q_heads));
+  KVTIER_RETURN_IF_ERROR(positive("kv_heads", kv_heads));
+  KVTIER_RETURN_IF_ERROR(positive("ffn_hidden", ffn_hidden));
+  if (d_model % q_heads != 0)
+    return InvalidArgument("llama config: d_model (" + std::to_string(d_model) + ") must be a multiple of q_heads (" +
+                           std::to_string(q_heads) + ")");
+  if (q_heads % kv_heads != 0)
+    return InvalidArgument("llama config: q_heads (" + std::to_string(q_heads) + ") must be a multiple of kv_heads (" +
+                           std::to_string(kv_heads) + ")");
+  if (head_dim() % 2 != 0 || head_dim() > kernels::kMaxHeadDim)
+    return InvalidArgument("llama config: head_dim (" + std::to_string(head_dim()) + ") must be even and <= " +
+                           std::to_string(kernels::kMaxHeadDim));
+  if (!(rope_theta > 0) || !std::isfinite(rope_theta))
+    return InvalidArgument("llama config: rope_theta must be > 0 (got " + std::to_string(rope_theta) + ")");
+  if (!(norm_eps > 0) || !std::isfinite(norm_eps))
+    return InvalidArgument("llama config: norm_eps must be > 0 (got " + std::to_string(norm_eps) + ")");
+  return Status::Ok();
+}
+
+Result<LlamaConfig> LlamaConfig::FromMetadata(const std::map<std::string, std::string>& meta, const std::string& path) {
+  auto it = meta.find("model");
+  if (it == meta.end() || it->second != kModelName)
+    return InvalidArgument(path + ": __metadata__ 'model' is '" +
+                           (it == meta.end() ? std::string("(absent)") : it->second) + "', expected '" + kModelName +
+                           "'");
+  LlamaConfig c;
+  KVTIER_RETURN_IF_ERROR(ParseIntKey(meta, path, "vocab", &c.vocab));
+  KVTIER_RETURN_IF_ERROR(ParseIntKey(meta, path, "d_model", &c.d_model));
+  KVTIER_RETURN_IF_ERROR(ParseIntKey(meta, path, "n_layers", &c.n_layers));
+  KVTIER_RETURN_IF_ERROR(ParseIntKey(meta, path, "q_heads", &c.q_heads));
+  KVTIER_RETURN_IF_ERROR(ParseIntKey(meta, path, "kv_heads", &c.kv_heads));
+  KVTIER_RETURN_IF_ERROR(ParseIntKey(meta, path, "ffn_hidden", &c.ffn_hidden));
+  KVTIER_RETURN_IF_ERROR(ParseFloatKey(meta, path, "rope_theta", &c.rope_theta));
+  KVTIER_RETURN_IF_ERROR(ParseFloatKey(meta, path, "norm_eps", &c.norm_eps));
+  Status st = c.Validate();
+  if (!st.ok()) return InvalidArgument(path + ": " + st.message());
+  return c;
+}
+
+Geometry LlamaConfig::KvGeometry(DType dtype) const {
+  Geometry g;
+  g.layers = n_layers;
+  g.q_heads = q_heads;
+  g.kv_heads = kv_heads;
+  g.head_dim = head_dim();
+  g.dtype = dtype;
+  return g;
+}
+
+// ---------------------------------------------------------------------------
+// LlamaModel
+
+Result<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& path) {
+  KVTIER_ASSIGN_OR_RETURN(SafeTensors st, LoadSafeTensors(path));
+  return FromSafeTensors(st);
+}
+
+Result<std::unique_ptr<LlamaModel>> LlamaModel::FromSafeTensors(const SafeTensors& st) {
+  KVTIER_ASSIGN_OR_RETURN(LlamaConfig c, LlamaConfig::FromMetadata(st.metadata, st.path));
+  auto m = std::unique_ptr<LlamaModel>(new LlamaModel());
+  m->config_ = c;
+  const int64_t d = c.d_model, hd = c.head_dim(), qd = c.q_heads * hd, kvd = c.kv_heads * hd, f = c.ffn_hidden;
+  KVTIER_RETURN_IF_ERROR(Take(st, "embed", {c.vocab, d}, &m->embed_));
+  KVTIER_RETURN_IF_ERROR(Take(st, "final_norm", {d}, &m->final_norm_));
+  KVTIER_RETURN_IF_ERROR(Take(st, "lm_head", {c.vocab, d}, &m->lm_head_));
+  m->layers_.resize(c.n_layers);
+  for (int i = 0; i < c.n_layers; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    LlamaLayer& L = m->layers_[i];
+    KVTIER_RETURN_IF_ERROR(Take(st, p + "attn_norm", {d}, &L.attn_norm));
+    KVTIER_RETURN_IF_ERROR(Take(st, p + "wq", {qd, d}, &L.wq));
+    KVTIER_RETURN_IF_ERROR(Take(st, p + "wk", {kvd, d}, &L.wk));
+    KVTIER_RETURN_IF_ERROR(Take(st, p + "wv", {kvd, d}, &L.wv));
+    KVTIER_RETURN_IF_ERROR(Take(st, p + "wo", {d, qd}, &L.wo));
+    KVTIER_RETURN_IF_ERROR(Take(st, p + "mlp_norm", {d}, &L.mlp_norm));
+    KVTIER_RETURN_IF_ERROR(Take(st, p + "w_gate", {f, d}, &L.w_gate));
+    KVTIER_RETURN_IF_ERROR(Take(st, p + "w_up", {f, d}, &L.w_up));
+    KVTIER_RETURN_IF_ERROR(Take(st, p + "w_down", {d, f}, &L.w_down));
+  }
+  return m;
+}
+
+// ---------------------------------------------------------------------------
+// LlamaSession
+
+Result<std::vector<uint64_t>> SelectAllChunks(int, const float*, const int64_t*, int,
+                                              const std::vector<ChunkInfo>& chunks) {
+  std::vector<uint64_t> out;
+  out.reserve(chunks.size());
+  for (const ChunkInfo& c : chunks) out.push_back(c.key.index);
+  return out;
+}
+
+LlamaSession::LlamaSession(const LlamaModel* model, std::unique_ptr<TieredStore> store, SequenceId seq)
+    : model_(model), store_(std::move(store)), seq_(seq) {
+  const int hd = model->config().head_dim();
+  inv_freq_.resize(hd / 2);
+  for (int i = 0; i < hd / 2; ++i)
+    inv_freq_[i] = 1.0 / std::pow(model->config().rope_theta, static_cast<double>(2 * i) / hd);
+}
+
+LlamaSession::~LlamaSession() {
+  if (store_) store_->DropSequence(seq_).IgnoreError();  // best effort: the store goes away with us
+}
+
+Result<std::unique_ptr<LlamaSession>> LlamaSession::Create(const LlamaModel* model, StoreOptions options) {
+  if (model == nullptr) return InvalidArgument("LlamaSession: model is null");
+  options.geometry = model->config().KvGeometry(options.geometry.dtype);
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<TieredStore> store, TieredStore::Open(options));
+  KVTIER_ASSIGN_OR_RETURN(SequenceId seq, store->CreateSequence());
+  return std::unique_ptr<LlamaSession>(new LlamaSession(model, std::move(store), seq));
+}
+
+int32_t LlamaSession::Argmax(const std::vector<float>& logits) {
+  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+Result<std::vector<float>> LlamaSession::Prefill(const std::vector<int32_t>& tokens, int window) {
+  const int n_local = store_->options().n_local;
+  if (window <= 0 || window > n_local)
+    return InvalidArgument("Prefill: window must be in [1, n_local = " + std::to_string(n_local) + "] (got " +
+                           std::to_string(window) + "): a window's own keys must still be in the local window");
+  const int vocab = model_->config().vocab;
+  std::vector<float> logits(tokens.size() * static_cast<size_t>(vocab));
+  for (size_t i = 0; i < tokens.size(); i += static_cast<size_t>(window)) {
+    const int m = static_cast<int>(std::min<size_t>(window, tokens.size() - i));
+    KVTIER_RETURN_IF_ERROR(Run(tokens.data() + i, m, logits.data() + i * vocab));
+  }
+  return logits;
+}
+
+Result<std::vector<float>> LlamaSession::Decode(int32_t token) {
+  std::vector<float> logits(static_cast<size_t>(model_->config().vocab));
+  KVTIER_RETURN_IF_ERROR(Run(&token, 1, logits.data()));
+  return logits;
+}
+
+Status LlamaSession::Run(const int32_t* tokens, int m, float* logits) {
+  if (!broken_.ok())
+    return FailedPrecondition("LlamaSession: an earlier forward pass failed part-way (" + broken_.ToString() +
+                              "); start a new session");
+  const int vocab = model_->config().vocab;
+  for (int t = 0; t < m; ++t)
+    if (tokens[t] < 0 || tokens[t] >= vocab)  // checked before anything is appended: the session stays usable
+      return InvalidArgument("token " + std::to_string(tokens[t]) + " at position " + std::to_string(position_ + t) +
+                             " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+  Status st = Forward(tokens, m, logits);
+  if (!st.ok()) broken_ = st;
+  return st;
+}
+
+Status LlamaSession::Forward(const int32_t* tokens, int m, float* logits) {
+  const LlamaConfig& c = model_->config();
+  const int d = c.d_model, hd = c.head_dim(), qd = c.q_heads * hd, kvd = c.kv_heads * hd, f = c.ffn_hidden;
+  const Geometry& g = store_->options().geometry;
+  const size_t md = static_cast<size_t>(m);
+  std::vector<int64_t> pos(md);
+  std::iota(pos.begin(), pos.end(), position_);
+
+  std::vector<float> x(md * d), h(md * d), q(md * qd), k(md * kvd), v(md * kvd), att(md * qd);
+  std::vector<float> gate(md * f), up(md * f);
+  std::vector<uint8_t> kb(md * kvd * DTypeSize(g.dtype)), vb(kb.size());
+  for (int t = 0; t < m; ++t)
+    std::copy_n(model_->embed().data() + static_cast<size_t>(tokens[t]) * d, d, x.data() + static_cast<size_t>(t) * d);
+
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LlamaLayer& L = model_->layers()[l];
+    RmsNorm(x.data(), m, d, L.attn_norm.data(), c.norm_eps, h.data());
+    MatMul(h.data(), m, d, L.wq.data(), qd, q.data(), false);
+    MatMul(h.data(), m, d, L.wk.data(), kvd, k.data(), false);
+    MatMul(h.data(), m, d, L.wv.data(), kvd, v.data(), false);
+    Rope(q.data(), m, c.q_heads, hd, pos.data(), inv_freq_);
+    Rope(k.data(), m, c.kv_heads, hd, pos.data(), inv_freq_);
+
+    // The window's K/V go into the store first, so its queries find them in the local window.
+    FromFloat(g.dtype, k.data(), kb.data(), k.size());
+    FromFloat(g.dtype, v.data(), vb.data(), v.size());
+    KVTIER_RETURN_IF_ERROR(store_->Append(seq_, l, kb.data(), vb.data(), m, g.dtype));
+
+    KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store_->ListChunks(seq_, l));
+    KVTIER_ASSIGN_OR_RETURN(std::vector<uint64_t> picked, selector_(l, q.data(), pos.data(), m, chunks));
+    FetchHandle fetch;
+    if (!picked.empty()) {
+      KVTIER_ASSIGN_OR_RETURN(fetch, store_->FetchChunks(seq_, l, picked));
+      KVTIER_RETURN_IF_ERROR(fetch.Wait());
+    }
+    KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, l));
+    std::vector<kernels::KvSpan> parts;
+    parts.push_back(view.sinks);
+    if (!fetch.empty())
+      for (const auto& sp : fetch.spans()) parts.push_back(sp);
+    for (int i = 0; i < view.n_local_spans; ++i) parts.push_back(view.local[i]);
+
+    kernels::AttentionParams p;
+    p.q_heads = c.q_heads;
+    p.kv_heads = c.kv_heads;
+    p.head_dim = hd;
+    p.dtype = g.dtype;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    p.n_queries = m;
+    p.q = q.data();
+    p.q_positions = pos.data();
+    p.parts = parts.data();
+    p.n_parts = static_cast<int>(parts.size());
+    p.out = att.data();
+    p.causal = true;
+    const kernels::KernelError e = kernels::Attention(p);
+    if (e != kernels::KernelError::kOk)
+      return Internal("layer " + std::to_string(l) + ": attention kernel: " + kernels::KernelErrorString(e));
+    fetch.Release();
+
+    MatMul(att.data(), m, qd, L.wo.data(), d, x.data(), true);
+    RmsNorm(x.data(), m, d, L.mlp_norm.data(), c.norm_eps, h.data());
+    MatMul(h.data(), m, d, L.w_gate.data(), f, gate.data(), false);
+    MatMul(h.data(), m, d, L.w_up.data(), f, up.data(), false);
+    for (size_t i = 0; i < gate.size(); ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];  // SiLU(g) * u
+    MatMul(gate.data(), m, f, L.w_down.data(), d, x.data(), true);
+  }
+  RmsNorm(x.data(), m, d, model_->final_norm().data(), c.norm_eps, h.data());
+  MatMul(h.data(), m, d, model_->lm_head().data(), c.vocab, logits, false);
+  position_ += m;
+  return Status::Ok();
+}
+
+}  // namespace kvtier::model

@@ -1,0 +1,130 @@
+// A small Llama-style decoder ("kvtier-llama") run on CPU in fp32, whose KV
+// memory is a kvtier TieredStore. models/README.md fixes the architecture and
+// the weight format; models/model.py is the reference implementation the
+// forward pass here must reproduce.
+//
+//   KVTIER_ASSIGN_OR_RETURN(auto model, LlamaModel::Load("tiny.safetensors"));
+//   KVTIER_ASSIGN_OR_RETURN(auto session, LlamaSession::Create(model.get(), store_options));
+//   KVTIER_ASSIGN_OR_RETURN(std::vector<float> logits, session->Prefill(tokens, /*window=*/64));
+//   KVTIER_ASSIGN_OR_RETURN(std::vector<float> next, session->Decode(token));
+//
+// Each window of tokens goes through the layers one by one: its keys (after
+// RoPE) and values are appended to the store first, then its queries attend
+// over the store's sinks, the sealed chunks a ChunkSelector picks (fetched
+// with FetchChunks) and the local window, which holds the window's own keys
+// (the kernel's causal mask uses positions). With the default selector every
+// live sealed chunk is fetched: full attention through the store.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "integration/model/safetensors.h"
+#include "offload/tiered_store.h"
+#include "store/status.h"
+
+namespace kvtier::model {
+
+struct LlamaConfig {
+  int vocab = 256;
+  int d_model = 0;
+  int n_layers = 0;
+  int q_heads = 0;
+  int kv_heads = 0;
+  int ffn_hidden = 0;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+
+  int head_dim() const { return q_heads > 0 ? d_model / q_heads : 0; }
+  /// Sizes positive, d_model % q_heads == 0, q_heads % kv_heads == 0, head_dim even, theta/eps > 0.
+  Status Validate() const;
+  /// From safetensors __metadata__ (model=kvtier-llama and the keys above, as strings); validates.
+  static Result<LlamaConfig> FromMetadata(const std::map<std::string, std::string>& meta, const std::string& path);
+  /// The KV geometry of this model with the given storage dtype.
+  Geometry KvGeometry(DType dtype) const;
+};
+
+/// fp32 weights of one block, row-major [out, in].
+struct LlamaLayer {
+  std::vector<float> attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down;
+};
+
+class LlamaModel {
+ public:
+  /// Reads a kvtier-llama safetensors file (F32, F16 or BF16 tensors; converted
+  /// to fp32). Every expected tensor must be present with its exact shape.
+  static Result<std::unique_ptr<LlamaModel>> Load(const std::string& path);
+  /// Same, from an already parsed file.
+  static Result<std::unique_ptr<LlamaModel>> FromSafeTensors(const SafeTensors& st);
+
+  const LlamaConfig& config() const { return config_; }
+  const std::vector<float>& embed() const { return embed_; }
+  const std::vector<LlamaLayer>& layers() const { return layers_; }
+  const std::vector<float>& final_norm() const { return final_norm_; }
+  const std::vector<float>& lm_head() const { return lm_head_; }
+
+ private:
+  LlamaConfig config_;
+  std::vector<float> embed_, final_norm_, lm_head_;
+  std::vector<LlamaLayer> layers_;
+};
+
+/// Picks the sealed chunks one layer's queries attend to (besides sinks and the
+/// local window). `q` is [m, q_heads, head_dim] fp32 after RoPE at `positions`;
+/// `chunks` lists the layer's live sealed chunks in token order. Returns chunk
+/// indices (ChunkKey::index) to fetch. Retrieval plugs in here.
+using ChunkSelector = std::function<Result<std::vector<uint64_t>>(
+    int layer, const float* q, const int64_t* positions, int m, const std::vector<ChunkInfo>& chunks)>;
+
+/// Every live sealed chunk: full attention through the store.
+Result<std::vector<uint64_t>> SelectAllChunks(int layer, const float* q, const int64_t* positions, int m,
+                                              const std::vector<ChunkInfo>& chunks);
+
+/// One sequence decoded by a model over its own TieredStore.
+class LlamaSession {
+ public:
+  /// Opens a store with `options`, its geometry replaced by the model's (keeping
+  /// options.geometry.dtype: f32, f16 or bf16), and creates the sequence. Prefill
+  /// windows must not exceed options.n_local, so a window's keys are still hot
+  /// when its queries attend. The model must outlive the session.
+  static Result<std::unique_ptr<LlamaSession>> Create(const LlamaModel* model, StoreOptions options);
+  ~LlamaSession();
+
+  void SetChunkSelector(ChunkSelector selector) { selector_ = std::move(selector); }
+
+  /// Runs the tokens (bytes 0..vocab-1) at positions position()..position()+n-1
+  /// through the model, `window` tokens at a time (1..n_local), and returns the
+  /// logits of every token, [n, vocab] fp32.
+  Result<std::vector<float>> Prefill(const std::vector<int32_t>& tokens, int window);
+  /// One token; returns its logits [vocab] (the distribution of the next token).
+  /// After a failed Prefill/Decode the session refuses further calls (FailedPrecondition).
+  Result<std::vector<float>> Decode(int32_t token);
+  /// Greedy: argmax of logits (lowest index on ties).
+  static int32_t Argmax(const std::vector<float>& logits);
+
+  /// Tokens run so far (the position of the next one).
+  int64_t position() const { return position_; }
+  TieredStore* store() { return store_.get(); }
+  SequenceId sequence() const { return seq_; }
+
+ private:
+  LlamaSession(const LlamaModel* model, std::unique_ptr<TieredStore> store, SequenceId seq);
+  /// Tokens [position_, position_+m) through every layer; writes logits [m, vocab].
+  Status Forward(const int32_t* tokens, int m, float* logits);
+  /// Forward, and marks the session broken when it fails after touching the store.
+  Status Run(const int32_t* tokens, int m, float* logits);
+
+  const LlamaModel* model_;
+  std::unique_ptr<TieredStore> store_;
+  SequenceId seq_;
+  int64_t position_ = 0;
+  Status broken_;  // set when a forward pass failed part-way: layers may hold different token counts
+  ChunkSelector selector_ = SelectAllChunks;
+  std::vector<double> inv_freq_;  // [head_dim / 2] RoPE frequencies, double like the reference
+};
+
+}  // namespace kvtier::model
