@@ -214,3 +214,92 @@ TEST(Cli, ComparePoliciesPrintsOneRowPerPolicyAndBudget) {
 
 }  // namespace
 }  // namespace kvtier
+
+#include <filesystem>
+
+namespace kvtier {
+namespace {
+
+std::string Fixture(const std::string& name) {
+#ifdef KVTIER_SOURCE_DIR
+  return std::string(KVTIER_SOURCE_DIR) + "/tests/fixtures/" + name;
+#else
+  return (std::filesystem::path(__FILE__).parent_path() / "fixtures" / name).string();
+#endif
+}
+
+// `kvtier infinite` end to end on the random-weight fixture (accuracy ~0 is expected: the
+// model is untrained); what is checked is that every method runs and reports.
+TEST(Cli, InfiniteRunsTheModelWithRetrieval) {
+  TempDir dir;
+  const std::string json = dir.path() + "/infinite.json";
+  Ran r = Kvtier("infinite --quiet --weights " + Fixture("tiny_llama.safetensors") +
+                 " --task passkey --context 512 --samples 2 --sink 16 --local 128 --chunk 16 --budget 64 --json " +
+                 json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* field : {"accuracy", "s/sample", "tokens/s", "memory per tier", "hot ", "warm ", "cold ",
+                            "positions infllm", "probe=act alloc=entropy"})
+    EXPECT_NE(r.out.find(field), std::string::npos) << field << " missing in\n" << r.out;
+  const std::string rep = ReadAll(json);
+  EXPECT_EQ(JsonNumber(rep, "samples"), 2) << rep;
+  const double acc = JsonNumber(rep, "accuracy");
+  EXPECT_GE(acc, 0.0) << rep;
+  EXPECT_LE(acc, 1.0) << rep;
+  EXPECT_GT(JsonNumber(rep, "tokens_per_s"), 0) << rep;
+  EXPECT_GT(JsonNumber(rep, "warm"), 0) << rep;
+  EXPECT_GT(JsonNumber(rep, "chunks_per_layer_step"), 0) << "512 tokens over 16 + 128 must retrieve\n" << rep;
+}
+
+TEST(Cli, InfiniteCompareTableByContext) {
+  TempDir dir;
+  const std::string json = dir.path() + "/compare.json";
+  Ran r = Kvtier("infinite --quiet --compare --weights " + Fixture("tiny_llama.safetensors") +
+                 " --task kv_retrieval --contexts 512,1024 --samples 2 --sink 16 --local 128 --chunk 16 --budget 64"
+                 " --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* col : {"full attention", "StreamingLLM", "InfLLM", "ActQKV", "accuracy", "s/sample"})
+    EXPECT_NE(r.out.find(col), std::string::npos) << col << " missing in\n" << r.out;
+  EXPECT_NE(r.out.find("\n512 "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\n1024 "), std::string::npos) << r.out;
+  const std::string rep = ReadAll(json);
+  size_t rows = 0;
+  for (size_t at = rep.find("\"method\""); at != std::string::npos; at = rep.find("\"method\"", at + 1)) ++rows;
+  EXPECT_EQ(rows, 8u) << rep;  // 4 methods x 2 contexts
+  // StreamingLLM attends no chunk.
+  const size_t at = rep.find("\"method\": \"StreamingLLM\"");
+  ASSERT_NE(at, std::string::npos) << rep;
+  EXPECT_EQ(JsonNumber(rep.substr(at), "chunks_per_layer_step"), 0.0);
+}
+
+TEST(Cli, InfiniteBadInputsGetClearErrors) {
+  TempDir dir;
+  const std::string corrupt = dir.path() + "/corrupt.safetensors";
+  {
+    std::ifstream in(Fixture("tiny_llama.safetensors"), std::ios::binary);
+    std::string head(200, '\0');
+    in.read(head.data(), static_cast<std::streamsize>(head.size()));
+    std::ofstream(corrupt, std::ios::binary) << head;  // truncated: the header runs past the end
+  }
+  const std::string w = " --weights " + Fixture("tiny_llama.safetensors");
+  struct Case { std::string args; std::string expect; };
+  const Case cases[] = {
+      {"infinite --task passkey --context 512", "--weights FILE is required"},
+      {"infinite --task sudoku" + w, "unknown task 'sudoku'"},
+      {"infinite --weights " + corrupt + " --context 512 --samples 1", "cannot load --weights"},
+      {"infinite --weights " + dir.path() + "/missing.safetensors", "missing.safetensors"},
+      {"infinite --context 100 --samples 1" + w, "too short for task passkey"},
+      {"infinite --positions relative" + w, "unknown position mode"},
+      {"infinite --probe bogus" + w, "probe"},
+      {"infinite --window 600 --local 512" + w, "--window"},
+      {"infinite --frobnicate 1" + w, "unknown flag --frobnicate"},
+  };
+  for (const Case& c : cases) {
+    Ran r = Kvtier(c.args);
+    EXPECT_NE(r.code, 0) << c.args;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << " printed:\n" << r.out;
+    EXPECT_EQ(r.out.find("Segmentation"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -348,3 +348,187 @@ TEST(SafeTensorsTest, ModelChecksTensorsAndConfig) {
 
 }  // namespace
 }  // namespace kvtier::model
+
+// ---------------------------------------------------------------------------
+// Retrieval inside the model and InfLLM positions.
+
+namespace kvtier::model {
+namespace {
+
+// Every chunk the retriever could pick fits: k = budget / chunk_size chunks per layer.
+RetrieverOptions AllChunks(const std::string& probe = "mean", const std::string& alloc = "topk") {
+  RetrieverOptions r;
+  r.probe = probe;
+  r.alloc = alloc;
+  r.budget_tokens = 1 << 16;
+  return r;
+}
+
+// The reference prompt repeated to `n` tokens: long enough that most keys live in chunks.
+std::vector<int32_t> Repeat(const std::vector<int32_t>& tokens, size_t n) {
+  std::vector<int32_t> out;
+  while (out.size() < n) out.push_back(tokens[out.size() % tokens.size()]);
+  return out;
+}
+
+// (6) kInfLLM on a sequence shorter than sinks + local window: nothing is in memory (no
+// chunk is sealed), every key keeps its true position, so the logits are kAbsolute's --
+// through prefill windows and decode, with retrieval on and a budget covering every chunk.
+TEST_F(LlamaModelTest, InfLLMEqualsAbsoluteWhileNothingIsInMemory) {
+  const StoreOptions o = Options(DType::kF32, 16, 64, 8);
+  ASSERT_LT(n(), o.n_sink + o.n_local);
+  auto abs = Session(model_.get(), o);
+  auto inf = LlamaSession::Create(model_.get(), o, PositionMode::kInfLLM);
+  ASSERT_TRUE(abs && inf.ok()) << inf.status().ToString();
+  ASSERT_TRUE((*inf)->EnableRetrieval(AllChunks("act", "entropy")).ok());
+  EXPECT_EQ((*inf)->position_mode(), PositionMode::kInfLLM);
+  const int prefix = 40;
+  const std::vector<int32_t> head(ref_.tokens.begin(), ref_.tokens.begin() + prefix);
+  auto a = abs->Prefill(head, 8);
+  auto b = (*inf)->Prefill(head, 8);
+  ASSERT_TRUE(a.ok() && b.ok()) << b.status().ToString();
+  double worst = RowRelError(b->data(), a->data(), prefix);
+  for (int t = prefix; t < n(); ++t) {
+    auto la = abs->Decode(ref_.tokens[t]);
+    auto lb = (*inf)->Decode(ref_.tokens[t]);
+    ASSERT_TRUE(la.ok() && lb.ok()) << lb.status().ToString();
+    worst = std::max(worst, RowRelError(lb->data(), la->data(), 1));
+  }
+  RecordProperty("rel_error", Sci(worst));
+  EXPECT_LE(worst, 1e-6) << "worst row relative error " << worst;
+  for (int l = 0; l < 2; ++l) {
+    auto count = (*inf)->store()->ChunkCount((*inf)->sequence(), l);
+    ASSERT_TRUE(count.ok());
+    EXPECT_EQ(*count, 0u) << "layer " << l << ": the test needs nothing in memory";
+  }
+  EXPECT_EQ((*inf)->total_chunks(), 0u);
+}
+
+// (7) kAbsolute with the retriever picking every chunk (topk, k >= chunks) is still the
+// reference model: the Python logits within 1e-4, with most keys in sealed chunks.
+TEST_F(LlamaModelTest, RetrievalOfAllChunksMatchesPython) {
+  auto s = Session(model_.get(), Options(DType::kF32, 4, 8, 4));
+  ASSERT_NE(s, nullptr);
+  ASSERT_TRUE(s->EnableRetrieval(AllChunks()).ok());
+  const int prefix = 30;
+  auto pre = s->Prefill(std::vector<int32_t>(ref_.tokens.begin(), ref_.tokens.begin() + prefix), 8);
+  ASSERT_TRUE(pre.ok()) << pre.status().ToString();
+  double worst = RowRelError(pre->data(), ref_.logits.data(), prefix);
+  for (int t = prefix; t < n(); ++t) {
+    auto l = s->Decode(ref_.tokens[t]);
+    ASSERT_TRUE(l.ok()) << l.status().ToString();
+    worst = std::max(worst, RowRelError(l->data(), ref_.logits.data() + static_cast<size_t>(t) * 256, 1));
+    for (int layer = 0; layer < 2; ++layer) {
+      auto count = s->store()->ChunkCount(s->sequence(), layer);
+      ASSERT_TRUE(count.ok());
+      EXPECT_EQ(s->last_chunks()[layer].size(), *count) << "token " << t << " layer " << layer;
+    }
+  }
+  RecordProperty("rel_error", Sci(worst));
+  EXPECT_LE(worst, 1e-4) << "worst row relative error " << worst;
+  EXPECT_GT(s->total_chunks(), 0u);
+}
+
+// (8) A small budget: topk takes at most k = budget / chunk_size chunks per layer and step,
+// the entropy allocator at most L * k per step; with kInfLLM positions the logits stay finite.
+TEST_F(LlamaModelTest, SmallBudgetPicksAtMostTheBudget) {
+  StoreOptions o = Options(DType::kF32, 4, 16, 4);
+  o.warm_bytes = 512 * o.chunk_bytes();
+  const std::vector<int32_t> tokens = Repeat(ref_.tokens, 320);
+  for (const char* alloc : {"topk", "entropy"}) {
+    SCOPED_TRACE(alloc);
+    auto s = LlamaSession::Create(model_.get(), o, PositionMode::kInfLLM);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    RetrieverOptions r = AllChunks(std::string(alloc) == "topk" ? "mean" : "act", alloc);
+    r.budget_tokens = 8;  // k = 2 chunks per layer
+    ASSERT_TRUE((*s)->EnableRetrieval(r).ok());
+    size_t most_per_step = 0;
+    for (size_t b = 0; b < tokens.size(); b += 8) {
+      auto l = (*s)->Prefill(std::vector<int32_t>(tokens.begin() + b, tokens.begin() + b + 8), 8);
+      ASSERT_TRUE(l.ok()) << l.status().ToString();
+      for (float v : *l) ASSERT_TRUE(std::isfinite(v));
+      size_t step = 0;
+      for (const auto& c : (*s)->last_chunks()) {
+        step += c.size();
+        if (std::string(alloc) == "topk") EXPECT_LE(c.size(), 2u);
+      }
+      EXPECT_LE(step, 4u) << "at token " << b;
+      most_per_step = std::max(most_per_step, step);
+    }
+    auto d = (*s)->Decode(65);
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    size_t step = 0;
+    for (const auto& c : (*s)->last_chunks()) step += c.size();
+    EXPECT_LE(step, 4u);
+    EXPECT_GT(most_per_step, 0u) << "retrieval never picked a chunk";
+    auto count = (*s)->store()->ChunkCount((*s)->sequence(), 0);
+    ASSERT_TRUE(count.ok());
+    EXPECT_GT(*count, 50u);  // most of the sequence is in memory
+  }
+}
+
+// (8b) The InfLLM positions take effect exactly when memory appears: with every chunk
+// attended, kInfLLM equals kAbsolute while the sequence fits in sinks + local window
+// (true positions for all keys), and differs once chunks exist (memory sits at the
+// local window's start instead of its true positions).
+TEST_F(LlamaModelTest, InfLLMPositionsApplyOnlyToMemory) {
+  StoreOptions o = Options(DType::kF32, 4, 16, 4);
+  o.warm_bytes = 256 * o.chunk_bytes();
+  const std::vector<int32_t> tokens = Repeat(ref_.tokens, 120);
+  auto abs = Session(model_.get(), o);
+  auto inf = LlamaSession::Create(model_.get(), o, PositionMode::kInfLLM);
+  ASSERT_TRUE(abs && inf.ok());
+  auto a = abs->Prefill(tokens, 4);
+  auto b = (*inf)->Prefill(tokens, 4);  // the default selector: every chunk
+  ASSERT_TRUE(a.ok() && b.ok()) << b.status().ToString();
+  const int fits = o.n_sink + o.n_local;
+  const double before = RowRelError(b->data(), a->data(), fits);
+  const size_t skip = static_cast<size_t>(fits) * 256;
+  const double after = RowRelError(b->data() + skip, a->data() + skip, static_cast<int>(tokens.size()) - fits);
+  RecordProperty("rel_error_before_memory", Sci(before));
+  RecordProperty("rel_error_with_memory", Sci(after));
+  EXPECT_LE(before, 1e-6);
+  EXPECT_GT(after, 1e-4) << "memory keys must be rotated at the local window's start, not their true positions";
+  for (float v : *b) ASSERT_TRUE(std::isfinite(v));
+}
+
+// (9) Bad options get errors that name them.
+TEST_F(LlamaModelTest, BadRetrievalOptionsAreRejected) {
+  struct Case { RetrieverOptions r; std::string expect; };
+  std::vector<Case> cases(4);
+  cases[0].r.probe = "bogus";
+  cases[0].expect = "probe";
+  cases[1].r.alloc = "nope";
+  cases[1].expect = "alloc";
+  cases[2].r.budget_tokens = -1;
+  cases[2].expect = "budget_tokens";
+  cases[3].r.index.factory = "Bogus";
+  cases[3].expect = "Bogus";
+  for (const Case& c : cases) {
+    auto s = Session(model_.get(), Options(DType::kF32, 4, 8, 4));
+    ASSERT_NE(s, nullptr);
+    Status st = s->EnableRetrieval(c.r);
+    ASSERT_FALSE(st.ok()) << c.expect;
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+    EXPECT_NE(st.message().find(c.expect), std::string::npos) << st.message();
+    EXPECT_EQ(s->retriever(), nullptr);
+  }
+  auto s = Session(model_.get(), Options(DType::kF32, 4, 8, 4));
+  ASSERT_NE(s, nullptr);
+  ASSERT_TRUE(s->Decode(65).ok());
+  Status late = s->EnableRetrieval(RetrieverOptions{});
+  EXPECT_EQ(late.code(), StatusCode::kFailedPrecondition) << late.ToString();
+  EXPECT_NE(late.message().find("before the first"), std::string::npos) << late.message();
+
+  auto mode = ParsePositionMode("relative");
+  ASSERT_FALSE(mode.ok());
+  EXPECT_NE(mode.status().message().find("absolute | infllm"), std::string::npos) << mode.status().message();
+  EXPECT_EQ(*ParsePositionMode("infllm"), PositionMode::kInfLLM);
+  EXPECT_EQ(*ParsePositionMode("absolute"), PositionMode::kAbsolute);
+  auto bad = LlamaSession::Create(model_.get(), Options(DType::kF32, 4, 8, 4), static_cast<PositionMode>(7));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("position mode"), std::string::npos) << bad.status().message();
+}
+
+}  // namespace
+}  // namespace kvtier::model

@@ -1,5 +1,6 @@
 // The `kvtier` command line: `kvtier run` (the main job), `kvtier stress`
-// (offload stress test), `kvtier help`.
+// (offload stress test), `kvtier infinite` (retrieval tasks through the
+// kvtier-llama model, integration/cli/infinite.h), `kvtier help`.
 #include <cerrno>
 #include <cctype>
 #include <cmath>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "integration/cli/compile_tables.h"
+#include "integration/cli/infinite.h"
 #include "integration/json.h"
 #include "integration/policy_eval.h"
 #include "integration/run_job.h"
@@ -394,6 +396,8 @@ void Usage() {
       "  stress    offload stress test: concurrent appends, tiny tiers, bit-for-bit verification\n"
       "  policies  the scoring policies (demotion and compression) with their parameters and defaults\n"
       "  compile-tables  CompilerKV's offline compiler: record traces, fit the tables (conservative Q-learning)\n"
+      "  infinite  passkey / number_string / kv_retrieval through the kvtier-llama model with retrieval inside\n"
+      "            it (--compare: full attention, StreamingLLM, InfLLM, ActQKV by context length)\n"
       "  help      this text\n\n"
       "'kvtier <command> --help' lists a command's flags.\n");
 }
@@ -409,7 +413,8 @@ int main(int argc, char** argv) {
   if (cmd == "stress") return CmdStress(argc - 2, argv + 2);
   if (cmd == "policies") return CmdPolicies(argc - 2, argv + 2);
   if (cmd == "compile-tables") return RunCompileTables(argc - 2, argv + 2);
+  if (cmd == "infinite") return RunInfinite(argc - 2, argv + 2);
   if (cmd == "help" || cmd == "--help" || cmd == "-h") { Usage(); return 0; }
-  std::fprintf(stderr, "kvtier: error: unknown command '%s' (run | stress | policies | compile-tables | help)\n", cmd.c_str());
+  std::fprintf(stderr, "kvtier: error: unknown command '%s' (run | stress | policies | compile-tables | infinite | help)\n", cmd.c_str());
   return 2;
 }

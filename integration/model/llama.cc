@@ -222,6 +222,20 @@ Result<std::unique_ptr<LlamaModel>> LlamaModel::FromSafeTensors(const SafeTensor
 // ---------------------------------------------------------------------------
 // LlamaSession
 
+Result<PositionMode> ParsePositionMode(const std::string& s) {
+  if (s == "absolute") return PositionMode::kAbsolute;
+  if (s == "infllm") return PositionMode::kInfLLM;
+  return InvalidArgument("unknown position mode '" + s + "' (absolute | infllm)");
+}
+
+const char* PositionModeName(PositionMode mode) {
+  switch (mode) {
+    case PositionMode::kAbsolute: return "absolute";
+    case PositionMode::kInfLLM: return "infllm";
+  }
+  return "?";
+}
+
 Result<std::vector<uint64_t>> SelectAllChunks(int, const float*, const int64_t*, int,
                                               const std::vector<ChunkInfo>& chunks) {
   std::vector<uint64_t> out;
@@ -230,24 +244,39 @@ Result<std::vector<uint64_t>> SelectAllChunks(int, const float*, const int64_t*,
   return out;
 }
 
-LlamaSession::LlamaSession(const LlamaModel* model, std::unique_ptr<TieredStore> store, SequenceId seq)
-    : model_(model), store_(std::move(store)), seq_(seq) {
+LlamaSession::LlamaSession(const LlamaModel* model, std::unique_ptr<TieredStore> store, SequenceId seq,
+                           PositionMode positions)
+    : model_(model), store_(std::move(store)), seq_(seq), positions_(positions) {
   const int hd = model->config().head_dim();
   inv_freq_.resize(hd / 2);
   for (int i = 0; i < hd / 2; ++i)
     inv_freq_[i] = 1.0 / std::pow(model->config().rope_theta, static_cast<double>(2 * i) / hd);
+  last_chunks_.resize(model->config().n_layers);
 }
 
 LlamaSession::~LlamaSession() {
   if (store_) store_->DropSequence(seq_).IgnoreError();  // best effort: the store goes away with us
 }
 
-Result<std::unique_ptr<LlamaSession>> LlamaSession::Create(const LlamaModel* model, StoreOptions options) {
+Result<std::unique_ptr<LlamaSession>> LlamaSession::Create(const LlamaModel* model, StoreOptions options,
+                                                           PositionMode positions) {
   if (model == nullptr) return InvalidArgument("LlamaSession: model is null");
+  if (positions != PositionMode::kAbsolute && positions != PositionMode::kInfLLM)
+    return InvalidArgument("LlamaSession: unknown position mode " + std::to_string(static_cast<int>(positions)));
   options.geometry = model->config().KvGeometry(options.geometry.dtype);
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<TieredStore> store, TieredStore::Open(options));
   KVTIER_ASSIGN_OR_RETURN(SequenceId seq, store->CreateSequence());
-  return std::unique_ptr<LlamaSession>(new LlamaSession(model, std::move(store), seq));
+  return std::unique_ptr<LlamaSession>(new LlamaSession(model, std::move(store), seq, positions));
+}
+
+Status LlamaSession::EnableRetrieval(const RetrieverOptions& options) {
+  if (position_ != 0)
+    return FailedPrecondition("EnableRetrieval: the session has already run " + std::to_string(position_) +
+                              " tokens; enable retrieval before the first one (the probe sees every window)");
+  auto r = Retriever::Create(store_.get(), options);
+  if (!r.ok()) return InvalidArgument("EnableRetrieval: " + r.status().message());
+  retriever_ = std::move(*r);
+  return Status::Ok();
 }
 
 int32_t LlamaSession::Argmax(const std::vector<float>& logits) {
@@ -263,18 +292,18 @@ Result<std::vector<float>> LlamaSession::Prefill(const std::vector<int32_t>& tok
   std::vector<float> logits(tokens.size() * static_cast<size_t>(vocab));
   for (size_t i = 0; i < tokens.size(); i += static_cast<size_t>(window)) {
     const int m = static_cast<int>(std::min<size_t>(window, tokens.size() - i));
-    KVTIER_RETURN_IF_ERROR(Run(tokens.data() + i, m, logits.data() + i * vocab));
+    KVTIER_RETURN_IF_ERROR(Run(tokens.data() + i, m, logits.data() + i * vocab, /*decode=*/false));
   }
   return logits;
 }
 
 Result<std::vector<float>> LlamaSession::Decode(int32_t token) {
   std::vector<float> logits(static_cast<size_t>(model_->config().vocab));
-  KVTIER_RETURN_IF_ERROR(Run(&token, 1, logits.data()));
+  KVTIER_RETURN_IF_ERROR(Run(&token, 1, logits.data(), /*decode=*/true));
   return logits;
 }
 
-Status LlamaSession::Run(const int32_t* tokens, int m, float* logits) {
+Status LlamaSession::Run(const int32_t* tokens, int m, float* logits, bool decode) {
   if (!broken_.ok())
     return FailedPrecondition("LlamaSession: an earlier forward pass failed part-way (" + broken_.ToString() +
                               "); start a new session");
@@ -283,24 +312,48 @@ Status LlamaSession::Run(const int32_t* tokens, int m, float* logits) {
     if (tokens[t] < 0 || tokens[t] >= vocab)  // checked before anything is appended: the session stays usable
       return InvalidArgument("token " + std::to_string(tokens[t]) + " at position " + std::to_string(position_ + t) +
                              " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
-  Status st = Forward(tokens, m, logits);
+  Status st = Forward(tokens, m, logits, decode);
   if (!st.ok()) broken_ = st;
   return st;
 }
 
-Status LlamaSession::Forward(const int32_t* tokens, int m, float* logits) {
+namespace {
+
+// kInfLLM: one attended part copied to fp32 with its keys rotated. `rope_pos` is the
+// position every key of the part is rotated at, or -1 for the keys' true positions.
+void RotatedCopy(const kernels::KvSpan& src, DType dtype, int kv_heads, int head_dim, int64_t rope_pos,
+                 const std::vector<double>& inv_freq, std::vector<float>* k, std::vector<float>* v) {
+  const size_t n = static_cast<size_t>(src.n_tokens) * kv_heads * head_dim;
+  k->resize(n);
+  v->resize(n);
+  if (n == 0) return;
+  ToFloat(dtype, src.k, k->data(), n);
+  ToFloat(dtype, src.v, v->data(), n);
+  std::vector<int64_t> pos(src.n_tokens);
+  for (int t = 0; t < src.n_tokens; ++t) pos[t] = rope_pos >= 0 ? rope_pos : src.first_position + t;
+  Rope(k->data(), src.n_tokens, kv_heads, head_dim, pos.data(), inv_freq);
+}
+
+}  // namespace
+
+Status LlamaSession::Forward(const int32_t* tokens, int m, float* logits, bool decode) {
   const LlamaConfig& c = model_->config();
   const int d = c.d_model, hd = c.head_dim(), qd = c.q_heads * hd, kvd = c.kv_heads * hd, f = c.ffn_hidden;
   const Geometry& g = store_->options().geometry;
+  const bool infllm = positions_ == PositionMode::kInfLLM;
   const size_t md = static_cast<size_t>(m);
-  std::vector<int64_t> pos(md);
+  std::vector<int64_t> pos(md), rel(md);
   std::iota(pos.begin(), pos.end(), position_);
 
   std::vector<float> x(md * d), h(md * d), q(md * qd), k(md * kvd), v(md * kvd), att(md * qd);
+  std::vector<float> q_mem;  // kInfLLM: the pre-RoPE queries rotated by position - L0 (memory's view)
   std::vector<float> gate(md * f), up(md * f);
   std::vector<uint8_t> kb(md * kvd * DTypeSize(g.dtype)), vb(kb.size());
+  // kInfLLM scratch: per attended part, fp32 K rotated for this step and fp32 V.
+  std::vector<std::vector<float>> scratch_k, scratch_v;
   for (int t = 0; t < m; ++t)
     std::copy_n(model_->embed().data() + static_cast<size_t>(tokens[t]) * d, d, x.data() + static_cast<size_t>(t) * d);
+  if (retriever_) retriever_->BeginStep();
 
   for (int l = 0; l < c.n_layers; ++l) {
     const LlamaLayer& L = model_->layers()[l];
@@ -308,33 +361,73 @@ Status LlamaSession::Forward(const int32_t* tokens, int m, float* logits) {
     MatMul(h.data(), m, d, L.wq.data(), qd, q.data(), false);
     MatMul(h.data(), m, d, L.wk.data(), kvd, k.data(), false);
     MatMul(h.data(), m, d, L.wv.data(), kvd, v.data(), false);
+    if (infllm) q_mem = q;
     Rope(q.data(), m, c.q_heads, hd, pos.data(), inv_freq_);
-    Rope(k.data(), m, c.kv_heads, hd, pos.data(), inv_freq_);
+    if (!infllm) Rope(k.data(), m, c.kv_heads, hd, pos.data(), inv_freq_);  // kInfLLM stores keys before RoPE
 
     // The window's K/V go into the store first, so its queries find them in the local window.
     FromFloat(g.dtype, k.data(), kb.data(), k.size());
     FromFloat(g.dtype, v.data(), vb.data(), v.size());
     KVTIER_RETURN_IF_ERROR(store_->Append(seq_, l, kb.data(), vb.data(), m, g.dtype));
+    KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, l));
+    // L0: where the local window starts; memory (chunks, separated sinks) sits there in kInfLLM.
+    const int64_t local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
+    const float* q_sel = q.data();
+    if (infllm) {
+      for (int t = 0; t < m; ++t) rel[t] = pos[t] - local_start;
+      Rope(q_mem.data(), m, c.q_heads, hd, rel.data(), inv_freq_);
+      q_sel = q_mem.data();
+    }
 
-    KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store_->ListChunks(seq_, l));
-    KVTIER_ASSIGN_OR_RETURN(std::vector<uint64_t> picked, selector_(l, q.data(), pos.data(), m, chunks));
+    std::vector<uint64_t> picked;
+    if (retriever_) {
+      if (!decode)  // representative keys follow the attention the window's queries pay to the local window
+        KVTIER_RETURN_IF_ERROR(store_->ObserveQueries(seq_, l, q_sel, pos.data(), m));
+      // Select builds the probe from this window (for a prefill window that is also
+      // the probe's Observe: ActQKV's running statistics see every window once).
+      KVTIER_ASSIGN_OR_RETURN(LayerSelection sel, retriever_->Select(seq_, l, q_sel, m, decode));
+      picked = std::move(sel.chunks);
+    } else {
+      KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store_->ListChunks(seq_, l));
+      KVTIER_ASSIGN_OR_RETURN(picked, selector_(l, q_sel, pos.data(), m, chunks));
+    }
+    max_layer_chunks_ = std::max(max_layer_chunks_, picked.size());
+    total_chunks_ += picked.size();
+    last_chunks_[l] = picked;
     FetchHandle fetch;
     if (!picked.empty()) {
       KVTIER_ASSIGN_OR_RETURN(fetch, store_->FetchChunks(seq_, l, picked));
       KVTIER_RETURN_IF_ERROR(fetch.Wait());
     }
-    KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, l));
     std::vector<kernels::KvSpan> parts;
     parts.push_back(view.sinks);
     if (!fetch.empty())
       for (const auto& sp : fetch.spans()) parts.push_back(sp);
     for (int i = 0; i < view.n_local_spans; ++i) parts.push_back(view.local[i]);
 
+    DType attn_dtype = g.dtype;
+    if (infllm) {
+      // Rotate copies: sinks at L0 once chunks separate them from the local window
+      // (true positions while contiguous), chunks at L0, the local window at true positions.
+      const bool sinks_are_memory = view.sinks.first_position + view.sinks.n_tokens < local_start;
+      scratch_k.resize(parts.size());
+      scratch_v.resize(parts.size());
+      const size_t n_chunks = fetch.empty() ? 0 : fetch.spans().size();
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const bool is_chunk = i >= 1 && i <= n_chunks;
+        const int64_t rope_pos = is_chunk || (i == 0 && sinks_are_memory) ? local_start : -1;
+        RotatedCopy(parts[i], g.dtype, c.kv_heads, hd, rope_pos, inv_freq_, &scratch_k[i], &scratch_v[i]);
+        parts[i].k = scratch_k[i].data();
+        parts[i].v = scratch_v[i].data();
+      }
+      attn_dtype = DType::kF32;
+    }
+
     kernels::AttentionParams p;
     p.q_heads = c.q_heads;
     p.kv_heads = c.kv_heads;
     p.head_dim = hd;
-    p.dtype = g.dtype;
+    p.dtype = attn_dtype;
     p.scale = 1.0f / std::sqrt(static_cast<float>(hd));
     p.n_queries = m;
     p.q = q.data();

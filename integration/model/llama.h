@@ -9,11 +9,35 @@
 //   KVTIER_ASSIGN_OR_RETURN(std::vector<float> next, session->Decode(token));
 //
 // Each window of tokens goes through the layers one by one: its keys (after
-// RoPE) and values are appended to the store first, then its queries attend
+// RoPE, in the default kAbsolute mode) and values are appended to the store first, then its queries attend
 // over the store's sinks, the sealed chunks a ChunkSelector picks (fetched
 // with FetchChunks) and the local window, which holds the window's own keys
 // (the kernel's causal mask uses positions). With the default selector every
 // live sealed chunk is fetched: full attention through the store.
+//
+// Retrieval: EnableRetrieval puts a kvtier Retriever in place of the selector
+// (per layer and step, the window's or decode token's queries build the probe
+// and Select picks chunks under the budget; prefill windows also feed the
+// store's representative-key statistics through ObserveQueries).
+//
+// Positions (PositionMode):
+//  * kAbsolute (default): keys are stored after RoPE at their absolute
+//    positions; with every chunk attended this is exactly the reference model.
+//  * kInfLLM: the store holds keys BEFORE RoPE, and positions are applied at
+//    attention time on copies (InfLLM, Xiao et al. 2024). With L0 = the first
+//    position of the local window (the store's local ring after this step's
+//    append) the attended keys are rotated at:
+//      - local-window keys (positions >= L0): their true positions;
+//      - retrieved chunks: all at L0 (memory units share one position, the
+//        local window's start, i.e. a query at p sees memory at distance p - L0);
+//      - sinks: at L0 as well once chunks separate them from the local window
+//        (a gap: sinks.end < L0); while sinks and local window are contiguous
+//        (nothing sealed yet: the whole sequence is sinks + local) they keep
+//        their true positions, so short sequences equal kAbsolute exactly.
+//    Queries always keep their true positions. The causal mask uses true
+//    positions in both modes (memory is always in the past). Retrieval scores,
+//    the probe and the representative statistics see the queries rotated by
+//    (p - L0), so q.k_stored is the score a key gets as a memory unit.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +49,7 @@
 
 #include "integration/model/safetensors.h"
 #include "offload/tiered_store.h"
+#include "retrieval/retriever.h"
 #include "store/status.h"
 
 namespace kvtier::model {
@@ -73,8 +98,16 @@ class LlamaModel {
   std::vector<LlamaLayer> layers_;
 };
 
+/// How keys get their positions; see the top of this file.
+enum class PositionMode { kAbsolute, kInfLLM };
+/// "absolute" | "infllm".
+Result<PositionMode> ParsePositionMode(const std::string& s);
+const char* PositionModeName(PositionMode mode);
+
 /// Picks the sealed chunks one layer's queries attend to (besides sinks and the
-/// local window). `q` is [m, q_heads, head_dim] fp32 after RoPE at `positions`;
+/// local window). `q` is [m, q_heads, head_dim] fp32 as memory sees them: after
+/// RoPE at `positions` (kAbsolute), or rotated by position - L0 (kInfLLM, see the
+/// top of this file) so that q.k with the stored keys scores a chunk;
 /// `chunks` lists the layer's live sealed chunks in token order. Returns chunk
 /// indices (ChunkKey::index) to fetch. Retrieval plugs in here.
 using ChunkSelector = std::function<Result<std::vector<uint64_t>>(
@@ -91,10 +124,27 @@ class LlamaSession {
   /// options.geometry.dtype: f32, f16 or bf16), and creates the sequence. Prefill
   /// windows must not exceed options.n_local, so a window's keys are still hot
   /// when its queries attend. The model must outlive the session.
-  static Result<std::unique_ptr<LlamaSession>> Create(const LlamaModel* model, StoreOptions options);
+  static Result<std::unique_ptr<LlamaSession>> Create(const LlamaModel* model, StoreOptions options,
+                                                      PositionMode positions = PositionMode::kAbsolute);
   ~LlamaSession();
 
-  void SetChunkSelector(ChunkSelector selector) { selector_ = std::move(selector); }
+  /// Replaces the chunk selector (and turns retrieval off).
+  void SetChunkSelector(ChunkSelector selector) {
+    selector_ = std::move(selector);
+    retriever_.reset();
+  }
+  /// Selects chunks with a Retriever over this session's store from now on. Must
+  /// come before the first token (the probe statistics run over every window);
+  /// bad options are InvalidArgument naming them.
+  Status EnableRetrieval(const RetrieverOptions& options);
+  Retriever* retriever() { return retriever_.get(); }
+  PositionMode position_mode() const { return positions_; }
+
+  /// Chunk indices each layer attended in the last step (prefill window or decode), [layer].
+  const std::vector<std::vector<uint64_t>>& last_chunks() const { return last_chunks_; }
+  /// Most chunks one layer attended in one step, and chunks attended summed over steps and layers.
+  size_t max_layer_chunks() const { return max_layer_chunks_; }
+  uint64_t total_chunks() const { return total_chunks_; }
 
   /// Runs the tokens (bytes 0..vocab-1) at positions position()..position()+n-1
   /// through the model, `window` tokens at a time (1..n_local), and returns the
@@ -112,11 +162,12 @@ class LlamaSession {
   SequenceId sequence() const { return seq_; }
 
  private:
-  LlamaSession(const LlamaModel* model, std::unique_ptr<TieredStore> store, SequenceId seq);
-  /// Tokens [position_, position_+m) through every layer; writes logits [m, vocab].
-  Status Forward(const int32_t* tokens, int m, float* logits);
+  LlamaSession(const LlamaModel* model, std::unique_ptr<TieredStore> store, SequenceId seq, PositionMode positions);
+  /// Tokens [position_, position_+m) through every layer; writes logits [m, vocab]. `decode`: one
+  /// generated token (the retriever's probe uses its query alone).
+  Status Forward(const int32_t* tokens, int m, float* logits, bool decode);
   /// Forward, and marks the session broken when it fails after touching the store.
-  Status Run(const int32_t* tokens, int m, float* logits);
+  Status Run(const int32_t* tokens, int m, float* logits, bool decode);
 
   const LlamaModel* model_;
   std::unique_ptr<TieredStore> store_;
@@ -124,6 +175,11 @@ class LlamaSession {
   int64_t position_ = 0;
   Status broken_;  // set when a forward pass failed part-way: layers may hold different token counts
   ChunkSelector selector_ = SelectAllChunks;
+  PositionMode positions_ = PositionMode::kAbsolute;
+  std::unique_ptr<Retriever> retriever_;
+  std::vector<std::vector<uint64_t>> last_chunks_;
+  size_t max_layer_chunks_ = 0;
+  uint64_t total_chunks_ = 0;
   std::vector<double> inv_freq_;  // [head_dim / 2] RoPE frequencies, double like the reference
 };
 
