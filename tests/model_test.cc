@@ -450,7 +450,9 @@ TEST_F(LlamaModelTest, SmallBudgetPicksAtMostTheBudget) {
       size_t step = 0;
       for (const auto& c : (*s)->last_chunks()) {
         step += c.size();
-        if (std::string(alloc) == "topk") EXPECT_LE(c.size(), 2u);
+        if (std::string(alloc) == "topk") {
+          EXPECT_LE(c.size(), 2u);
+        }
       }
       EXPECT_LE(step, 4u) << "at token " << b;
       most_per_step = std::max(most_per_step, step);
