@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "integration/cli/flags.h"
 #include "integration/workload.h"
 #include "offload/policy/compilerkv.h"
 
@@ -33,46 +34,15 @@ struct CompileFlags {
   bool quiet = false;
 };
 
-Status ParseI64(const std::string& s, int64_t lo, int64_t hi, int64_t* out) {
-  errno = 0;
-  char* end = nullptr;
-  const long long v = std::strtoll(s.c_str(), &end, 10);
-  if (s.empty() || *end != '\0' || errno != 0) return InvalidArgument("'" + s + "' is not an integer");
-  if (v < lo || v > hi)
-    return InvalidArgument(std::to_string(v) + " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
-  *out = v;
-  return Status::Ok();
-}
-
-Status ParseF64(const std::string& s, double* out) {
-  char* end = nullptr;
-  const double v = std::strtod(s.c_str(), &end);
-  if (s.empty() || *end != '\0' || !std::isfinite(v)) return InvalidArgument("'" + s + "' is not a number");
-  *out = v;
-  return Status::Ok();
-}
-
-std::vector<std::string> SplitComma(const std::string& s) {
-  std::vector<std::string> out;
-  size_t pos = 0;
-  while (true) {
-    const size_t c = s.find(',', pos);
-    out.push_back(s.substr(pos, c == std::string::npos ? std::string::npos : c - pos));
-    if (c == std::string::npos) break;
-    pos = c + 1;
-  }
-  return out;
-}
-
-Status ParseDoubleList(const std::string& s, std::vector<double>* out) {
-  out->clear();
-  for (const std::string& item : SplitComma(s)) {
-    double v = 0;
-    KVTIER_RETURN_IF_ERROR(ParseF64(item, &v));
-    out->push_back(v);
-  }
-  return Status::Ok();
-}
+using cli::DoubleFlag;
+using cli::Fail;
+using cli::FlagSet;
+using cli::IntFlag;
+using cli::ParseDoubleList;
+using cli::ParseInt;
+using cli::ParseIntList;
+using cli::PathFlag;
+using cli::SplitComma;
 
 const char* kUsage =
     "usage: kvtier compile-tables --traces FILE --out TABLES [--alpha-cql X --steps N --lr X]\n"
@@ -83,112 +53,50 @@ const char* kUsage =
     "reward = -attention-output error - beta/T * (|I_cand| - B), the Eq. 2 proxy). Use the tables\n"
     "with the policy spec compilerkv:tables=TABLES.";
 
-struct FlagDef {
-  std::string help;
-  bool is_switch;
-  std::function<Status(const std::string&)> set;
-};
-
 Status ParseFlags(int argc, char** argv, CompileFlags* f, bool* help) {
-  std::map<std::string, FlagDef> defs;
-  std::vector<std::string> order;
-  auto add = [&](const std::string& name, const std::string& h, std::function<Status(const std::string&)> set,
-                 bool sw = false) {
-    defs[name] = FlagDef{h, sw, std::move(set)};
-    order.push_back(name);
-  };
-  auto int_flag = [](auto* dst, int64_t lo, int64_t hi) {
-    return [dst, lo, hi](const std::string& s) {
-      int64_t v = 0;
-      KVTIER_RETURN_IF_ERROR(ParseI64(s, lo, hi, &v));
-      *dst = static_cast<std::remove_pointer_t<decltype(dst)>>(v);
-      return Status::Ok();
-    };
-  };
-  auto dbl_flag = [](double* dst) { return [dst](const std::string& s) { return ParseF64(s, dst); }; };
-  auto str_flag = [](std::string* dst) {
-    return [dst](const std::string& s) {
-      if (s.empty()) return InvalidArgument("empty path");
-      *dst = s;
-      return Status::Ok();
-    };
-  };
-  add("traces", "traces file to compile tables from", str_flag(&f->traces));
-  add("out", "write the compiled tables to this file", str_flag(&f->out));
-  add("alpha-cql", "conservatism alpha of Eq. 4 (default 1)", dbl_flag(&f->fit.alpha_cql));
-  add("steps", "gradient steps (default 500)", int_flag(&f->fit.steps, 0, 1 << 24));
-  add("lr", "gradient step size (default 0.5)", dbl_flag(&f->fit.lr));
-  add("record-synthetic", "record traces from N synthetic sequences", int_flag(&f->record_synthetic, 1, 1 << 20));
-  add("out-traces", "write recorded traces to this file", str_flag(&f->out_traces));
-  add("geometry", "L,Hq,Hkv,D model shape for recording (default 4,8,2,64)", [f](const std::string& s) {
+  FlagSet flags;
+  flags.Add("traces", "traces file to compile tables from", PathFlag(&f->traces));
+  flags.Add("out", "write the compiled tables to this file", PathFlag(&f->out));
+  flags.Add("alpha-cql", "conservatism alpha of Eq. 4 (default 1)", DoubleFlag(&f->fit.alpha_cql));
+  flags.Add("steps", "gradient steps (default 500)", IntFlag(&f->fit.steps, 0, 1 << 24));
+  flags.Add("lr", "gradient step size (default 0.5)", DoubleFlag(&f->fit.lr));
+  flags.Add("record-synthetic", "record traces from N synthetic sequences",
+            IntFlag(&f->record_synthetic, 1, 1 << 20));
+  flags.Add("out-traces", "write recorded traces to this file", PathFlag(&f->out_traces));
+  flags.Add("geometry", "L,Hq,Hkv,D model shape for recording (default 4,8,2,64)", [f](const std::string& s) {
     const std::vector<std::string> p = SplitComma(s);
     if (p.size() != 4) return InvalidArgument("expected L,Hq,Hkv,D, got '" + s + "'");
     int64_t v[4];
-    for (int i = 0; i < 4; ++i) KVTIER_RETURN_IF_ERROR(ParseI64(p[i], 1, 1 << 16, &v[i]));
+    for (int i = 0; i < 4; ++i) KVTIER_RETURN_IF_ERROR(ParseInt(p[i], 1, 1 << 16, &v[i]));
     f->layers = static_cast<int>(v[0]);
     f->q_heads = static_cast<int>(v[1]);
     f->kv_heads = static_cast<int>(v[2]);
     f->head_dim = static_cast<int>(v[3]);
     return Status::Ok();
   });
-  add("context", "tokens per synthetic sequence (default 2048)", int_flag(&f->context, 2, int64_t{1} << 24));
-  add("window", "observation window: the last W queries (default 32)", int_flag(&f->window, 1, 1 << 16));
-  add("budget", "budget(s) B per layer, comma-separated (default 256)", [f](const std::string& s) {
-    f->budgets.clear();
-    for (const std::string& item : SplitComma(s)) {
-      int64_t v = 0;
-      KVTIER_RETURN_IF_ERROR(ParseI64(item, 0, int64_t{1} << 40, &v));
-      f->budgets.push_back(v);
-    }
-    return Status::Ok();
-  });
-  add("sink", "attention-sink tokens protected (default 4)", int_flag(&f->sink, 0, 1 << 20));
-  add("local", "local-window tokens protected (default 32)", int_flag(&f->local, 0, 1 << 20));
-  add("seed", "seed of the first sequence; sequence i uses seed + i (default 1)", int_flag(&f->seed, 0, INT64_MAX));
-  add("beta", "beta of lambda = beta / T in the gate reward, Eq. 14 (default 1)", dbl_flag(&f->record.beta));
-  add("tau-actions", "comma-separated tau actions in units of mean alpha (default 0.8,0.85,0.9,0.95,1)",
-      [f](const std::string& s) { return ParseDoubleList(s, &f->record.tau_actions); });
-  add("weight-actions", "comma-separated head weight actions (default 0.25,0.5,1,1.5,2)",
-      [f](const std::string& s) { return ParseDoubleList(s, &f->record.weight_actions); });
-  add("ent-bins", "entropy bins (default 20)", int_flag(&f->record.bins.ent_bins, 1, 1000));
-  add("ppl-bins", "perplexity bins (default 4)", int_flag(&f->record.bins.ppl_bins, 1, 100));
-  add("budget-bins", "log2 budget buckets (default 6)", int_flag(&f->record.bins.budget_bins, 1, 64));
-  add("nll-step", "perplexity bin width in nats (default 1)", dbl_flag(&f->record.bins.nll_step));
-  add("quiet", "no progress on stderr", [f](const std::string& s) { f->quiet = s != "0"; return Status::Ok(); }, true);
+  flags.Add("context", "tokens per synthetic sequence (default 2048)", IntFlag(&f->context, 2, int64_t{1} << 24));
+  flags.Add("window", "observation window: the last W queries (default 32)", IntFlag(&f->window, 1, 1 << 16));
+  flags.Add("budget", "budget(s) B per layer, comma-separated (default 256)",
+            [f](const std::string& s) { return ParseIntList(s, 0, int64_t{1} << 40, &f->budgets); });
+  flags.Add("sink", "attention-sink tokens protected (default 4)", IntFlag(&f->sink, 0, 1 << 20));
+  flags.Add("local", "local-window tokens protected (default 32)", IntFlag(&f->local, 0, 1 << 20));
+  flags.Add("seed", "seed of the first sequence; sequence i uses seed + i (default 1)",
+            IntFlag(&f->seed, 0, INT64_MAX));
+  flags.Add("beta", "beta of lambda = beta / T in the gate reward, Eq. 14 (default 1)", DoubleFlag(&f->record.beta));
+  flags.Add("tau-actions", "comma-separated tau actions in units of mean alpha (default 0.8,0.85,0.9,0.95,1)",
+            [f](const std::string& s) { return ParseDoubleList(s, &f->record.tau_actions); });
+  flags.Add("weight-actions", "comma-separated head weight actions (default 0.25,0.5,1,1.5,2)",
+            [f](const std::string& s) { return ParseDoubleList(s, &f->record.weight_actions); });
+  flags.Add("ent-bins", "entropy bins (default 20)", IntFlag(&f->record.bins.ent_bins, 1, 1000));
+  flags.Add("ppl-bins", "perplexity bins (default 4)", IntFlag(&f->record.bins.ppl_bins, 1, 100));
+  flags.Add("budget-bins", "log2 budget buckets (default 6)", IntFlag(&f->record.bins.budget_bins, 1, 64));
+  flags.Add("nll-step", "perplexity bin width in nats (default 1)", DoubleFlag(&f->record.bins.nll_step));
+  flags.Add("quiet", "no progress on stderr",
+            [f](const std::string& s) { f->quiet = s != "0"; return Status::Ok(); }, true);
 
-  for (int i = 0; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "-h" || arg == "--help") {
-      *help = true;
-      continue;
-    }
-    if (arg.rfind("--", 0) != 0)
-      return InvalidArgument("unexpected argument '" + arg + "' for 'kvtier compile-tables' (flags start with --)");
-    std::string name = arg.substr(2), value;
-    bool has_value = false;
-    const size_t eq = name.find('=');
-    if (eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-      has_value = true;
-    }
-    auto it = defs.find(name);
-    if (it == defs.end()) {
-      return InvalidArgument(
-          std::string("unknown flag --").append(name).append(" for 'kvtier compile-tables' (see --help)"));
-    }
-    if (!has_value) {
-      if (it->second.is_switch) value.assign(1, '1');
-      else if (i + 1 < argc) value = argv[++i];
-      else return InvalidArgument(std::string("flag --").append(name).append(" needs a value"));
-    }
-    Status st = it->second.set(value);
-    if (!st.ok()) return InvalidArgument("--" + name + ": " + st.message());
-  }
-  if (*help) {
-    std::printf("%s\n\nflags:\n", kUsage);
-    for (const auto& n : order) std::printf("  --%-18s %s\n", n.c_str(), defs.at(n).help.c_str());
-  }
+  KVTIER_RETURN_IF_ERROR(flags.Parse("compile-tables", argc, argv));
+  *help = flags.help();
+  if (*help) flags.PrintHelp(kUsage);
   return Status::Ok();
 }
 
@@ -288,10 +196,6 @@ void PrintFit(const CompilerKvFitResult& r, const CompilerKvTraces& t, const std
   std::printf("\n");
 }
 
-int Fail(const Status& st) {
-  std::fprintf(stderr, "kvtier: error: %s\n", st.ToString().c_str());
-  return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
-}
 
 }  // namespace
 

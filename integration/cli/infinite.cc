@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "integration/cli/flags.h"
 #include "integration/json.h"
 #include "integration/model/llama.h"
 #include "offload/demotion_policy.h"
@@ -112,118 +113,13 @@ Result<Sample> MakeSample(const std::string& task, int64_t length, std::mt19937_
   return InvalidArgument("unknown task '" + task + "' (passkey | number_string | kv_retrieval)");
 }
 
-// ---------------------------------------------------------------------------
-// Flags (the same conventions as the other subcommands: --name value or --name=value).
-
-class Flags {
- public:
-  using Setter = std::function<Status(const std::string&)>;
-  void Add(const std::string& name, const std::string& help, Setter set, bool is_switch = false) {
-    flags_[name] = Flag{help, std::move(set), is_switch};
-    order_.push_back(name);
-  }
-  Status Parse(int argc, char** argv) {
-    for (int i = 0; i < argc; ++i) {
-      std::string arg = argv[i];
-      if (arg == "-h" || arg == "--help") {
-        help_ = true;
-        continue;
-      }
-      if (arg.rfind("--", 0) != 0)
-        return InvalidArgument("unexpected argument '" + arg + "' for 'kvtier infinite' (flags start with --)");
-      std::string name = arg.substr(2), value;
-      bool has_value = false;
-      const size_t eq = name.find('=');
-      if (eq != std::string::npos) {
-        value = name.substr(eq + 1);
-        name = name.substr(0, eq);
-        has_value = true;
-      }
-      auto it = flags_.find(name);
-      if (it == flags_.end())
-        return InvalidArgument("unknown flag --" + name + " for 'kvtier infinite' (see 'kvtier infinite --help')");
-      if (!has_value) {
-        if (it->second.is_switch) value = "1";
-        else if (i + 1 < argc) value = argv[++i];
-        else return InvalidArgument("flag --" + name + " needs a value");
-      }
-      Status st = it->second.set(value);
-      if (!st.ok()) return InvalidArgument("--" + name + ": " + st.message());
-    }
-    return Status::Ok();
-  }
-  bool help() const { return help_; }
-  void PrintHelp(const char* usage) const {
-    std::printf("%s\n\nflags:\n", usage);
-    for (const auto& n : order_) std::printf("  --%-18s %s\n", n.c_str(), flags_.at(n).help.c_str());
-  }
-
- private:
-  struct Flag {
-    std::string help;
-    Setter set;
-    bool is_switch;
-  };
-  std::map<std::string, Flag> flags_;
-  std::vector<std::string> order_;
-  bool help_ = false;
-};
-
-Status ParseInt(const std::string& s, int64_t lo, int64_t hi, int64_t* out) {
-  errno = 0;
-  char* end = nullptr;
-  const long long v = std::strtoll(s.c_str(), &end, 10);
-  if (s.empty() || *end != '\0' || errno != 0) return InvalidArgument("'" + s + "' is not an integer");
-  if (v < lo || v > hi)
-    return InvalidArgument(std::to_string(v) + " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
-  *out = v;
-  return Status::Ok();
-}
-
-template <typename T>
-Flags::Setter IntFlag(T* dst, int64_t lo, int64_t hi) {
-  return [=](const std::string& s) {
-    int64_t v = 0;
-    KVTIER_RETURN_IF_ERROR(ParseInt(s, lo, hi, &v));
-    *dst = static_cast<T>(v);
-    return Status::Ok();
-  };
-}
-
-Status ParseBytes(const std::string& s, uint64_t* out) {
-  if (s.empty()) return InvalidArgument("empty size");
-  uint64_t mult = 1;
-  std::string num = s;
-  const char last = s.back();
-  if (last == 'K' || last == 'M' || last == 'G' || last == 'k' || last == 'm' || last == 'g') {
-    mult = (last == 'K' || last == 'k') ? 1ull << 10 : (last == 'M' || last == 'm') ? 1ull << 20 : 1ull << 30;
-    num = s.substr(0, s.size() - 1);
-  }
-  int64_t v = 0;
-  KVTIER_RETURN_IF_ERROR(ParseInt(num, 1, int64_t{1} << 50, &v));
-  *out = static_cast<uint64_t>(v) * mult;
-  return Status::Ok();
-}
-
-Status ParseIntList(const std::string& s, std::vector<int64_t>* out) {
-  out->clear();
-  size_t pos = 0;
-  while (true) {
-    const size_t comma = s.find(',', pos);
-    int64_t v = 0;
-    KVTIER_RETURN_IF_ERROR(
-        ParseInt(s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos), 1, int64_t{1} << 32, &v));
-    out->push_back(v);
-    if (comma == std::string::npos) break;
-    pos = comma + 1;
-  }
-  return Status::Ok();
-}
-
-int Fail(const Status& st) {
-  std::fprintf(stderr, "kvtier: error: %s\n", st.ToString().c_str());
-  return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
-}
+using cli::Fail;
+using cli::FlagSet;
+using cli::IntFlag;
+using cli::ParseBytes;
+using cli::ParseInt;
+using cli::ParseIntList;
+using cli::PathFlag;
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -435,13 +331,9 @@ int RunInfinite(int argc, char** argv) {
   o.store.transfer_threads = 2;
   o.retrieval.budget_tokens = 2048;
   bool context_set = false;
-  Flags f;
+  FlagSet f;
   f.Add("weights", "kvtier-llama safetensors file (required), e.g. models/kvtier-tiny.safetensors",
-        [&o](const std::string& s) {
-          if (s.empty()) return InvalidArgument("empty path");
-          o.weights = s;
-          return Status::Ok();
-        });
+        PathFlag(&o.weights));
   f.Add("task", "passkey | number_string | kv_retrieval (default passkey)", [&o](const std::string& s) {
     if (s != "passkey" && s != "number_string" && s != "kv_retrieval")
       return InvalidArgument("unknown task '" + s + "' (passkey | number_string | kv_retrieval)");
@@ -459,7 +351,7 @@ int RunInfinite(int argc, char** argv) {
   f.Add("contexts", "comma-separated context lengths, e.g. 4096,16384 (one table row each)",
         [&](const std::string& s) {
           context_set = true;
-          return ParseIntList(s, &o.contexts);
+          return ParseIntList(s, 1, int64_t{1} << 32, &o.contexts);
         });
   f.Add("samples", "samples per context length (default 10)", IntFlag(&o.samples, 1, 1 << 20));
   f.Add("probe", "retrieval probe: act | mean (default act)", [&o](const std::string& s) {
@@ -503,11 +395,7 @@ int RunInfinite(int argc, char** argv) {
     o.warm_set = true;
     return ParseBytes(s, &o.store.warm_bytes);
   });
-  f.Add("data-dir", "cold tier (RocksDB) directory (default none)", [&o](const std::string& s) {
-    if (s.empty()) return InvalidArgument("empty path");
-    o.store.data_dir = s;
-    return Status::Ok();
-  });
+  f.Add("data-dir", "cold tier (RocksDB) directory (default none)", PathFlag(&o.store.data_dir));
   f.Add("full-max-bytes", "--compare: full attention runs where one layer's chunks fit in this (default 1G)",
         [&o](const std::string& s) { return ParseBytes(s, &o.full_max_bytes); });
   f.Add("seed", "random seed of the samples (default 1)", IntFlag(&o.seed, 0, INT64_MAX));
@@ -516,16 +404,12 @@ int RunInfinite(int argc, char** argv) {
           o.compare = s != "0";
           return Status::Ok();
         }, true);
-  f.Add("json", "write the report as JSON to this file", [&o](const std::string& s) {
-    if (s.empty()) return InvalidArgument("empty path");
-    o.json = s;
-    return Status::Ok();
-  });
+  f.Add("json", "write the report as JSON to this file", PathFlag(&o.json));
   f.Add("quiet", "no progress on stderr", [&o](const std::string& s) {
     o.quiet = s != "0";
     return Status::Ok();
   }, true);
-  Status st = f.Parse(argc, argv);
+  Status st = f.Parse("infinite", argc, argv);
   if (!st.ok()) return Fail(st);
   if (f.help()) {
     f.PrintHelp(

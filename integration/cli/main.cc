@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "integration/cli/compile_tables.h"
+#include "integration/cli/flags.h"
 #include "integration/cli/infinite.h"
 #include "integration/json.h"
 #include "integration/policy_eval.h"
@@ -25,109 +26,12 @@
 namespace kvtier {
 namespace {
 
-// A flag table: each flag has a help line and a setter that validates its text.
-class FlagSet {
- public:
-  using Setter = std::function<Status(const std::string&)>;
-  void Add(const std::string& name, const std::string& help, Setter set, bool is_switch = false) {
-    flags_[name] = Flag{help, std::move(set), is_switch};
-    order_.push_back(name);
-  }
-  Status Parse(const std::string& command, int argc, char** argv) {
-    for (int i = 0; i < argc; ++i) {
-      std::string arg = argv[i];
-      if (arg == "-h" || arg == "--help") { help_ = true; continue; }
-      if (arg.rfind("--", 0) != 0)
-        return InvalidArgument("unexpected argument '" + arg + "' for 'kvtier " + command + "' (flags start with --)");
-      std::string name = arg.substr(2), value;
-      const size_t eq = name.find('=');
-      bool has_value = false;
-      if (eq != std::string::npos) { value = name.substr(eq + 1); name = name.substr(0, eq); has_value = true; }
-      auto it = flags_.find(name);
-      if (it == flags_.end())
-        return InvalidArgument("unknown flag --" + name + " for 'kvtier " + command + "' (see 'kvtier " + command +
-                               " --help')");
-      if (!has_value) {
-        if (it->second.is_switch) value = "1";
-        else if (i + 1 < argc) value = argv[++i];
-        else return InvalidArgument("flag --" + name + " needs a value");
-      }
-      Status st = it->second.set(value);
-      if (!st.ok()) return InvalidArgument("--" + name + ": " + st.message());
-    }
-    return Status::Ok();
-  }
-  bool help() const { return help_; }
-  void PrintHelp(const char* usage) const {
-    std::printf("%s\n\nflags:\n", usage);
-    for (const auto& n : order_) std::printf("  --%-18s %s\n", n.c_str(), flags_.at(n).help.c_str());
-  }
-
- private:
-  struct Flag { std::string help; Setter set; bool is_switch; };
-  std::map<std::string, Flag> flags_;
-  std::vector<std::string> order_;
-  bool help_ = false;
-};
-
-Status ParseInt(const std::string& s, int64_t lo, int64_t hi, int64_t* out) {
-  errno = 0;
-  char* end = nullptr;
-  const long long v = std::strtoll(s.c_str(), &end, 10);
-  if (s.empty() || *end != '\0' || errno != 0) return InvalidArgument("'" + s + "' is not an integer");
-  if (v < lo || v > hi)
-    return InvalidArgument(std::to_string(v) + " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
-  *out = v;
-  return Status::Ok();
-}
-
-// Sizes accept K/M/G suffixes (powers of 1024): "64M".
-Status ParseBytes(const std::string& s, uint64_t* out) {
-  if (s.empty()) return InvalidArgument("empty size");
-  uint64_t mult = 1;
-  std::string num = s;
-  const char last = static_cast<char>(std::toupper(static_cast<unsigned char>(s.back())));
-  if (last == 'K' || last == 'M' || last == 'G') {
-    mult = last == 'K' ? 1ull << 10 : last == 'M' ? 1ull << 20 : 1ull << 30;
-    num = s.substr(0, s.size() - 1);
-  }
-  int64_t v = 0;
-  KVTIER_RETURN_IF_ERROR(ParseInt(num, 1, int64_t{1} << 50, &v));
-  *out = static_cast<uint64_t>(v) * mult;
-  return Status::Ok();
-}
-
-Status ParseDouble(const std::string& s, double* out) {
-  char* end = nullptr;
-  const double v = std::strtod(s.c_str(), &end);
-  if (s.empty() || *end != '\0' || !std::isfinite(v)) return InvalidArgument("'" + s + "' is not a number");
-  *out = v;
-  return Status::Ok();
-}
-
-template <typename T>
-FlagSet::Setter IntFlag(T* dst, int64_t lo, int64_t hi) {
-  return [=](const std::string& s) {
-    int64_t v = 0;
-    KVTIER_RETURN_IF_ERROR(ParseInt(s, lo, hi, &v));
-    *dst = static_cast<T>(v);
-    return Status::Ok();
-  };
-}
-
-FlagSet::Setter BytesFlag(uint64_t* dst) {
-  return [=](const std::string& s) { return ParseBytes(s, dst); };
-}
-
-template <typename T>
-FlagSet::Setter DoubleFlag(T* dst) {
-  return [=](const std::string& s) {
-    double v = 0;
-    KVTIER_RETURN_IF_ERROR(ParseDouble(s, &v));
-    *dst = static_cast<T>(v);
-    return Status::Ok();
-  };
-}
+using cli::BytesFlag;
+using cli::DoubleFlag;
+using cli::Fail;
+using cli::FlagSet;
+using cli::IntFlag;
+using cli::ParseIntList;
 
 void AddStoreFlags(FlagSet* f, StoreOptions* o) {
   f->Add("geometry", "L,Hq,Hkv,D model KV shape (default " + std::to_string(o->geometry.layers) + "," +
@@ -171,25 +75,7 @@ bool WriteFile(const std::string& path, const std::string& text) {
   return static_cast<bool>(f);
 }
 
-int Fail(const Status& st) {
-  std::fprintf(stderr, "kvtier: error: %s\n", st.ToString().c_str());
-  return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
-}
 
-Status ParseIntList(const std::string& s, std::vector<int64_t>* out) {
-  out->clear();
-  size_t pos = 0;
-  while (true) {
-    const size_t comma = s.find(',', pos);
-    int64_t v = 0;
-    KVTIER_RETURN_IF_ERROR(ParseInt(s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos), 1,
-                                    int64_t{1} << 40, &v));
-    out->push_back(v);
-    if (comma == std::string::npos) break;
-    pos = comma + 1;
-  }
-  return Status::Ok();
-}
 
 // `kvtier run --compare-policies`: every scoring policy on the same data (see
 // integration/policy_eval.h), at one budget or a sweep of budgets.
@@ -318,7 +204,7 @@ int CmdRun(int argc, char** argv) {
           return Status::Ok();
         }, true);
   f.Add("sweep", "with --compare-policies: comma-separated budgets, e.g. 256,512,1024,2048",
-        [&sweep](const std::string& s) { return ParseIntList(s, &sweep); });
+        [&sweep](const std::string& s) { return ParseIntList(s, 1, int64_t{1} << 40, &sweep); });
   f.Add("policies", "with --compare-policies: comma-separated factory strings separated by ';' "
         "(default: every policy with its defaults)", [&policy_list](const std::string& s) {
           policy_list.clear();

@@ -1,0 +1,126 @@
+#include "integration/cli/flags.h"
+
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+namespace kvtier::cli {
+
+void FlagSet::Add(const std::string& name, const std::string& help, Setter set, bool is_switch) {
+  flags_[name] = Flag{help, std::move(set), is_switch};
+  order_.push_back(name);
+}
+
+Status FlagSet::Parse(const std::string& command, int argc, char** argv) {
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "-h" || arg == "--help") {
+      help_ = true;
+      continue;
+    }
+    if (arg.rfind("--", 0) != 0)
+      return InvalidArgument("unexpected argument '" + arg + "' for 'kvtier " + command + "' (flags start with --)");
+    std::string name = arg.substr(2), value;
+    const size_t eq = name.find('=');
+    bool has_value = false;
+    if (eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    auto it = flags_.find(name);
+    if (it == flags_.end()) {
+      std::string msg = "unknown flag --";
+      msg.append(name).append(" for 'kvtier ").append(command).append("' (see 'kvtier ").append(command).append(" --help')");
+      return InvalidArgument(msg);
+    }
+    if (!has_value) {
+      if (it->second.is_switch) value.assign(1, '1');  // not = "1": GCC 12 reports a spurious -Wrestrict
+      else if (i + 1 < argc) value = argv[++i];
+      else return InvalidArgument("flag --" + name + " needs a value");
+    }
+    Status st = it->second.set(value);
+    if (!st.ok()) return InvalidArgument("--" + name + ": " + st.message());
+  }
+  return Status::Ok();
+}
+
+void FlagSet::PrintHelp(const char* usage) const {
+  std::printf("%s\n\nflags:\n", usage);
+  for (const auto& n : order_) std::printf("  --%-18s %s\n", n.c_str(), flags_.at(n).help.c_str());
+}
+
+Status ParseInt(const std::string& s, int64_t lo, int64_t hi, int64_t* out) {
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(s.c_str(), &end, 10);
+  if (s.empty() || *end != '\0' || errno != 0) return InvalidArgument("'" + s + "' is not an integer");
+  if (v < lo || v > hi)
+    return InvalidArgument(std::to_string(v) + " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  *out = v;
+  return Status::Ok();
+}
+
+Status ParseDouble(const std::string& s, double* out) {
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  if (s.empty() || *end != '\0' || !std::isfinite(v)) return InvalidArgument("'" + s + "' is not a number");
+  *out = v;
+  return Status::Ok();
+}
+
+Status ParseBytes(const std::string& s, uint64_t* out) {
+  if (s.empty()) return InvalidArgument("empty size");
+  uint64_t mult = 1;
+  std::string num = s;
+  const char last = static_cast<char>(std::toupper(static_cast<unsigned char>(s.back())));
+  if (last == 'K' || last == 'M' || last == 'G') {
+    mult = last == 'K' ? 1ull << 10 : last == 'M' ? 1ull << 20 : 1ull << 30;
+    num = s.substr(0, s.size() - 1);
+  }
+  int64_t v = 0;
+  KVTIER_RETURN_IF_ERROR(ParseInt(num, 1, int64_t{1} << 50, &v));
+  *out = static_cast<uint64_t>(v) * mult;
+  return Status::Ok();
+}
+
+std::vector<std::string> SplitComma(const std::string& s) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (true) {
+    const size_t c = s.find(',', pos);
+    out.push_back(s.substr(pos, c == std::string::npos ? std::string::npos : c - pos));
+    if (c == std::string::npos) break;
+    pos = c + 1;
+  }
+  return out;
+}
+
+Status ParseIntList(const std::string& s, int64_t lo, int64_t hi, std::vector<int64_t>* out) {
+  out->clear();
+  for (const std::string& item : SplitComma(s)) {
+    int64_t v = 0;
+    KVTIER_RETURN_IF_ERROR(ParseInt(item, lo, hi, &v));
+    out->push_back(v);
+  }
+  return Status::Ok();
+}
+
+Status ParseDoubleList(const std::string& s, std::vector<double>* out) {
+  out->clear();
+  for (const std::string& item : SplitComma(s)) {
+    double v = 0;
+    KVTIER_RETURN_IF_ERROR(ParseDouble(item, &v));
+    out->push_back(v);
+  }
+  return Status::Ok();
+}
+
+int Fail(const Status& st) {
+  std::fprintf(stderr, "kvtier: error: %s\n", st.ToString().c_str());
+  return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+}  // namespace kvtier::cli
