@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "integration/cli/flags.h"
+#include "integration/policy_eval.h"
 #include "integration/workload.h"
 #include "offload/policy/compilerkv.h"
 
@@ -116,14 +117,12 @@ Status RecordSynthetic(const CompileFlags& f, CompilerKvTraces* traces) {
                            std::to_string(f.context));
   Geometry geo{f.layers, f.q_heads, f.kv_heads, f.head_dim, DType::kF32};
   const int64_t T = f.context, W = f.window;
-  const int D = f.head_dim, Hq = f.q_heads, Hkv = f.kv_heads, grp = pg.group_size();
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const int D = f.head_dim, Hq = f.q_heads, Hkv = f.kv_heads;
   std::vector<int64_t> key_pos(T), query_pos(W);
   for (int64_t t = 0; t < T; ++t) key_pos[t] = t;
   for (int64_t i = 0; i < W; ++i) query_pos[i] = T - W + i;
   std::vector<float> q(static_cast<size_t>(W) * Hq * D), k(static_cast<size_t>(T) * Hkv * D);
   std::vector<std::vector<float>> attn(f.layers), vals(f.layers);
-  std::vector<double> logits(T);
   for (int64_t s = 0; s < f.record_synthetic; ++s) {
     // Vary the prompts so the risk state (entropy bin) varies: needle count, depth, anchor
     // strength and how many window queries seek a needle.
@@ -139,27 +138,12 @@ Status RecordSynthetic(const CompileFlags& f, CompilerKvTraces* traces) {
     KVTIER_ASSIGN_OR_RETURN(Workload w, Workload::Create(geo, wo));
     std::vector<AttentionObservation> obs(f.layers);
     for (int l = 0; l < f.layers; ++l) {
-      attn[l].assign(static_cast<size_t>(Hq) * W * T, 0.0f);
+      attn[l].resize(static_cast<size_t>(Hq) * W * T);
       vals[l].resize(static_cast<size_t>(T) * Hkv * D);
       w.Generate(l, T - W, T, q.data(), nullptr, nullptr);
       w.Generate(l, 0, T, nullptr, k.data(), vals[l].data());
-      for (int h = 0; h < Hq; ++h)
-        for (int64_t i = 0; i < W; ++i) {
-          const int64_t qp = T - W + i;
-          const float* qv = q.data() + (static_cast<size_t>(i) * Hq + h) * D;
-          double mx = -1e300;
-          for (int64_t t = 0; t <= qp; ++t) {
-            const float* kv = k.data() + (static_cast<size_t>(t) * Hkv + h / grp) * D;
-            double dot = 0.0;
-            for (int c = 0; c < D; ++c) dot += static_cast<double>(qv[c]) * kv[c];
-            logits[t] = dot * scale;
-            mx = std::max(mx, logits[t]);
-          }
-          double z = 0.0;
-          for (int64_t t = 0; t <= qp; ++t) z += (logits[t] = std::exp(logits[t] - mx));
-          float* row = attn[l].data() + (static_cast<size_t>(h) * W + i) * T;
-          for (int64_t t = 0; t <= qp; ++t) row[t] = static_cast<float>(logits[t] / z);
-        }
+      ExactAttentionRows(geo, q.data(), query_pos.data(), static_cast<int>(W), k.data(), nullptr, T,
+                         attn[l].data());
       AttentionObservation& ob = obs[l];
       ob.layer = l;
       ob.n_queries = static_cast<int>(W);
