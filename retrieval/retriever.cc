@@ -35,11 +35,25 @@ std::vector<uint64_t> TakeBest(const std::vector<float>& rank, const std::vector
   return out;
 }
 
+// Folds head h's best score into a chunk's total: a sum over kv heads, or their max
+// (RetrieverOptions::head_merge). Under "max" totals start at -inf (MergeStart).
+inline void MergeHead(bool head_max, float head_score, float* total) {
+  *total = head_max ? std::max(*total, head_score) : *total + head_score;
+}
+inline float MergeStart(bool head_max) { return head_max ? -std::numeric_limits<float>::infinity() : 0.0f; }
+
 }  // namespace
 
 Status RetrieverOptions::Validate() const {
   if (budget_tokens < 0) return InvalidArgument("budget_tokens must be >= 0 (got " + std::to_string(budget_tokens) + ")");
   if (index.factory != "Exact") KVTIER_RETURN_IF_ERROR(index.Validate());
+  if (rank_by != "cosine" && rank_by != "logit")
+    return InvalidArgument("rank_by must be cosine or logit (got '" + rank_by + "')");
+  if (head_merge != "sum" && head_merge != "max")
+    return InvalidArgument("head_merge must be sum or max (got '" + head_merge + "')");
+  if (head_merge != "sum" && index.factory != "Exact")
+    return InvalidArgument("head_merge=" + head_merge + " needs the Exact index (a FAISS vector concatenates the kv "
+                           "heads, so its inner product is the sum over heads)");
   if (rerank_factor < 0 || rerank_min < 0)
     return InvalidArgument("rerank_factor and rerank_min must be >= 0 (got " + std::to_string(rerank_factor) + ", " +
                            std::to_string(rerank_min) + ")");
@@ -194,7 +208,8 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
     return sel;
   }
   if (exact()) {
-    const bool by_cosine = NeedsAllScores(options_.alloc);
+    const bool by_cosine = NeedsAllScores(options_.alloc);               // Eq. 10-12 see cosines
+    const bool rank_cos = by_cosine && options_.rank_by == "cosine";    // Algorithm 1's order
     const size_t cap = so.hot_bytes / so.chunk_bytes();
     if (options_.rerank_factor == 0) {
       std::vector<float> raw;
@@ -204,7 +219,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
       t0 = std::chrono::steady_clock::now();
       KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{scores_.data(), n}));
       if (by_cosine) sel.entropy = alloc_->last_entropy();  // Θ^ℓ, computed once by the allocator
-      sel.chunks = TakeBest(by_cosine ? scores_ : raw, ids_, take, cap);
+      sel.chunks = TakeBest(rank_cos ? scores_ : raw, ids_, take, cap);
       sel.alloc_ms = MsSince(t0);
       return sel;
     }
@@ -224,7 +239,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
     const int64_t n_cand = std::max<int64_t>(static_cast<int64_t>(options_.rerank_factor) * take, options_.rerank_min);
     rows_.resize(n);
     std::iota(rows_.begin(), rows_.end(), 0);
-    const std::vector<float>& rank1 = by_cosine ? scores_ : raw1;
+    const std::vector<float>& rank1 = rank_cos ? scores_ : raw1;
     if (n_cand < n) {
       std::nth_element(rows_.begin(), rows_.begin() + n_cand, rows_.end(), [&](int64_t a, int64_t b) {
         return rank1[a] != rank1[b] ? rank1[a] > rank1[b] : a < b;
@@ -236,7 +251,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
     ExactScoresOf(*li, probe_vec_.data(), rows_, &raw, &cos);
     std::vector<uint64_t> cand_ids(rows_.size());
     for (size_t i = 0; i < rows_.size(); ++i) cand_ids[i] = li->exact_ids[rows_[i]];
-    sel.chunks = TakeBest(by_cosine ? cos : raw, cand_ids, take, cap);
+    sel.chunks = TakeBest(rank_cos ? cos : raw, cand_ids, take, cap);
     sel.search_ms += MsSince(t0);
     return sel;
   }
@@ -254,6 +269,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
   // cache). Eq. 10 is the cosine of the layer's probe and the chunk's key
   // vector (kv heads concatenated): the raw inner product over both norms.
   KVTIER_RETURN_IF_ERROR(li->index->ScoreAll(probe_vec_.data(), &ids_, &scores_));
+  const std::vector<float> raw = options_.rank_by == "logit" ? scores_ : std::vector<float>();
   for (size_t i = 0; i < scores_.size(); ++i) {
     const float den = probe_norm * li->norm[ids_[i]];
     scores_[i] = den > 0.0f ? scores_[i] / den : 0.0f;
@@ -262,7 +278,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
   t0 = std::chrono::steady_clock::now();
   KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{scores_.data(), static_cast<int>(scores_.size())}));
   sel.entropy = alloc_->last_entropy();
-  sel.chunks = TakeBest(scores_, ids_, take, so.hot_bytes / so.chunk_bytes());
+  sel.chunks = TakeBest(options_.rank_by == "logit" ? raw : scores_, ids_, take, so.hot_bytes / so.chunk_bytes());
   sel.alloc_ms = MsSince(t0);
   return sel;
 }
@@ -287,8 +303,10 @@ void Retriever::ExactScores(const LayerIndex& li, const float* probe, std::vecto
   const StoreOptions& so = store_->options();
   const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
   const size_t n = li.exact_ids.size();
-  raw->assign(n, 0.0f);
-  cos->assign(n, 0.0f);
+  const bool head_max = options_.head_merge == "max";
+  const float h_share = head_max ? 1.0f : 1.0f / static_cast<float>(H);  // sum: cos averaged over heads
+  raw->assign(n, MergeStart(head_max));
+  cos->assign(n, MergeStart(head_max));
   if (n == 0) return;
   std::vector<float> ip(n * R);
   for (int h = 0; h < H; ++h) {
@@ -310,8 +328,8 @@ void Retriever::ExactScores(const LayerIndex& li, const float* probe, std::vecto
           best = std::max(best, dot);
           best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p);
         }
-        (*raw)[c] += best;
-        (*cos)[c] += best_cos / static_cast<float>(H);
+        MergeHead(head_max, best, &(*raw)[c]);
+        MergeHead(head_max, best_cos * h_share, &(*cos)[c]);
       }
     });
   }
@@ -334,8 +352,10 @@ void Retriever::QuantizedScores(const LayerIndex& li, const float* probe, std::v
   const StoreOptions& so = store_->options();
   const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
   const size_t n = li.exact_ids.size();
-  raw->assign(n, 0.0f);
-  cos->assign(n, 0.0f);
+  const bool head_max = options_.head_merge == "max";
+  const float h_share = head_max ? 1.0f : 1.0f / static_cast<float>(H);
+  raw->assign(n, MergeStart(head_max));
+  cos->assign(n, MergeStart(head_max));
   std::vector<float> inv_p(H);
   for (int h = 0; h < H; ++h) {
     const float* p = probe + static_cast<size_t>(h) * D;
@@ -364,8 +384,8 @@ void Retriever::QuantizedScores(const LayerIndex& li, const float* probe, std::v
           best = std::max(best, dot);
           best_cos = std::max(best_cos, dot * inv[j] * inv_p[h]);
         }
-        (*raw)[c] += best;
-        (*cos)[c] += best_cos / static_cast<float>(H);
+        MergeHead(head_max, best, &(*raw)[c]);
+        MergeHead(head_max, best_cos * h_share, &(*cos)[c]);
       }
     }
   });
@@ -375,8 +395,10 @@ void Retriever::ExactScoresOf(const LayerIndex& li, const float* probe, const st
                               std::vector<float>* raw, std::vector<float>* cos) const {
   const StoreOptions& so = store_->options();
   const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
-  raw->assign(rows.size(), 0.0f);
-  cos->assign(rows.size(), 0.0f);
+  const bool head_max = options_.head_merge == "max";
+  const float h_share = head_max ? 1.0f : 1.0f / static_cast<float>(H);
+  raw->assign(rows.size(), MergeStart(head_max));
+  cos->assign(rows.size(), MergeStart(head_max));
   std::vector<float> inv_p(H);
   for (int h = 0; h < H; ++h) {
     const float* p = probe + static_cast<size_t>(h) * D;
@@ -396,8 +418,8 @@ void Retriever::ExactScoresOf(const LayerIndex& li, const float* probe, const st
           best = std::max(best, dot);
           best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p[h]);
         }
-        (*raw)[i] += best;
-        (*cos)[i] += best_cos / static_cast<float>(H);
+        MergeHead(head_max, best, &(*raw)[i]);
+        MergeHead(head_max, best_cos * h_share, &(*cos)[i]);
       }
     }
   });
@@ -418,7 +440,8 @@ uint64_t Retriever::memory_bytes() const {
 
 std::string Retriever::Describe() const {
   return "probe=" + probe_->ToString() + " alloc=" + alloc_->ToString() + " index=" + options_.index.factory +
-         " k=" + std::to_string(k_);
+         (exact() ? " heads=" + options_.head_merge : std::string()) +
+         (NeedsAllScores(options_.alloc) ? " rank=" + options_.rank_by : std::string()) + " k=" + std::to_string(k_);
 }
 
 }  // namespace kvtier

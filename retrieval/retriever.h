@@ -19,8 +19,10 @@
 // score (the sum of q.k over the representatives) and approximate indexes
 // (HNSW, IVF) stay sub-linear at millions of tokens.
 // With the entropy allocator, scores are ActQKV's Eq. 10 cosines and, as
-// Algorithm 1 says, a layer takes its chunks in cosine order; with topk the
-// raw inner products rank them.
+// Algorithm 1 says, a layer takes its chunks in cosine order (rank_by =
+// "logit" takes them by raw inner product instead); with topk the raw inner
+// products rank them. head_merge = "max" lets a chunk's most interested kv
+// head score it instead of the sum over heads (Exact only).
 #pragma once
 
 #include <memory>
@@ -49,6 +51,20 @@ struct RetrieverOptions {
   /// and the layer takes its chunks in that order. 0 = one fp32 pass over every chunk.
   int rerank_factor = 4;
   int rerank_min = 256;
+  /// "Exact" only: how the per-kv-head scores of a chunk (each head's best representative)
+  /// combine. "sum" (default): summed over heads, ActQKV Eq. 10 evaluated per head and
+  /// added up, as for the FAISS kinds' concatenated vectors. "max": the most interested
+  /// head decides. Attention is per head: a chunk one head needs badly (an induction head
+  /// copying the needle) matters even when the other heads ignore it, and under "sum" their
+  /// indifference drowns it (kvtier-llama passkey at 2K, 4x past its training length:
+  /// docs/retrieval.md).
+  std::string head_merge = "sum";
+  /// Allocators that score every chunk (entropy): the order a layer takes its B^ℓ chunks in.
+  /// "cosine" (default): ActQKV Algorithm 1, by the Eq. 10 cosines the budget came from.
+  /// "logit": by the raw probe.key inner product, the attention logit, which keeps key
+  /// norms: a chunk whose key is long gets more attention than its cosine says. The budget
+  /// B^ℓ (Eq. 10-12) is computed from cosines either way. (topk always ranks by the logit.)
+  std::string rank_by = "cosine";
   Status Validate() const;
 };
 

@@ -367,6 +367,76 @@ TEST(Retriever, IndexIsRebuiltAfterReopen) {
   }
 }
 
+// head_merge: chunk 0's keys match head 0 strongly and oppose head 1; chunk 1 matches
+// both heads mildly. Summed over heads chunk 1 wins (10 - 5 < 3 + 3); when the most
+// interested head decides, chunk 0 wins (10 > 3).
+TEST(Retriever, HeadMergeMaxLetsTheMostInterestedHeadDecide) {
+  StoreOptions o = Options("");
+  o.geometry = Geometry{1, 2, 2, 2, DType::kF32};
+  o.n_sink = 0; o.n_local = 2; o.chunk_size = 2; o.repr_topk = 2;
+  auto store = TieredStore::Open(o);
+  ASSERT_TRUE(store.ok());
+  TieredStore* s = store->get();
+  SequenceId seq = *s->CreateSequence();
+  // token = [head0 (x, y), head1 (x, y)]
+  std::vector<float> k{10, 0, -5, 0,  10, 0, -5, 0,   // chunk 0
+                       3, 0, 3, 0,    3, 0, 3, 0,     // chunk 1
+                       0, 0, 0, 0,    0, 0, 0, 0,  0, 0, 0, 0,  0, 0, 0, 0};
+  std::vector<float> v(k.size(), 0.0f);
+  ASSERT_TRUE(s->Append(seq, 0, k.data(), v.data(), 8, DType::kF32).ok());
+  ASSERT_EQ(*s->ChunkCount(seq, 0), 2u);
+  std::vector<float> q{1, 0, 1, 0};  // one token, two q heads (one per kv head)
+  for (int rerank : {0, 4}) {
+    for (const char* merge : {"sum", "max"}) {
+      RetrieverOptions ro;
+      ro.probe = "mean";
+      ro.alloc = "topk";
+      ro.budget_tokens = 2;  // k = 1
+      ro.rerank_factor = rerank;
+      ro.head_merge = merge;
+      auto r = Retriever::Create(s, ro);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      (*r)->BeginStep();
+      auto sel = (*r)->Select(seq, 0, q.data(), 1, true);
+      ASSERT_TRUE(sel.ok());
+      EXPECT_EQ(sel->chunks, (std::vector<uint64_t>{std::string(merge) == "max" ? 0u : 1u}))
+          << merge << " rerank " << rerank;
+    }
+  }
+}
+
+// rank_by under the entropy allocator: chunk 0's key is long but 60 degrees off the probe
+// (cosine 0.5, logit 5), chunk 1's is short and close (cosine 0.9, logit 0.9). With room
+// for one chunk, Algorithm 1's cosine order takes chunk 1, the logit order chunk 0.
+TEST(Retriever, RankByLogitKeepsKeyNorms) {
+  StoreOptions o = Options("");
+  o.geometry = Geometry{1, 1, 1, 2, DType::kF32};
+  o.n_sink = 0; o.n_local = 2; o.chunk_size = 2; o.repr_topk = 2;
+  auto store = TieredStore::Open(o);
+  ASSERT_TRUE(store.ok());
+  TieredStore* s = store->get();
+  SequenceId seq = *s->CreateSequence();
+  const float c = 0.9f, sn = std::sqrt(1.0f - 0.81f);
+  std::vector<float> k{5, 8.6602540f, 5, 8.6602540f, c, sn, c, sn, 0, 0, 0, 0, 0, 0, 0, 0};
+  std::vector<float> v(k.size(), 0.0f);
+  ASSERT_TRUE(s->Append(seq, 0, k.data(), v.data(), 8, DType::kF32).ok());
+  ASSERT_EQ(*s->ChunkCount(seq, 0), 2u);
+  std::vector<float> q{1, 0};
+  for (const char* rank : {"cosine", "logit"}) {
+    RetrieverOptions ro;
+    ro.probe = "mean";
+    ro.alloc = "entropy";
+    ro.budget_tokens = 2;  // L x k = 1 chunk for the only layer
+    ro.rank_by = rank;
+    auto r = Retriever::Create(s, ro);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    (*r)->BeginStep();
+    auto sel = (*r)->Select(seq, 0, q.data(), 1, true);
+    ASSERT_TRUE(sel.ok());
+    EXPECT_EQ(sel->chunks, (std::vector<uint64_t>{std::string(rank) == "logit" ? 0u : 1u})) << rank;
+  }
+}
+
 TEST(Retriever, BadOptionsAreRejected) {
   RetrieverOptions ro;
   ro.probe = "bogus";
@@ -380,6 +450,16 @@ TEST(Retriever, BadOptionsAreRejected) {
   ro = RetrieverOptions();
   ro.rerank_factor = -1;
   EXPECT_NE(ro.Validate().message().find("rerank"), std::string::npos);
+  ro = RetrieverOptions();
+  ro.head_merge = "avg";
+  EXPECT_NE(ro.Validate().message().find("head_merge"), std::string::npos);
+  ro = RetrieverOptions();
+  ro.head_merge = "max";
+  ro.index.factory = "Flat";  // one concatenated vector per chunk: the sum over heads is built in
+  EXPECT_NE(ro.Validate().message().find("Exact"), std::string::npos);
+  ro = RetrieverOptions();
+  ro.rank_by = "norm";
+  EXPECT_NE(ro.Validate().message().find("rank_by"), std::string::npos);
   ro = RetrieverOptions();
   ro.budget_tokens = -1;
   EXPECT_NE(ro.Validate().message().find("budget_tokens"), std::string::npos);

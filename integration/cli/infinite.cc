@@ -18,6 +18,7 @@
 #include "integration/cli/flags.h"
 #include "integration/json.h"
 #include "integration/model/llama.h"
+#include "integration/model/tasks.h"
 #include "offload/demotion_policy.h"
 #include "retrieval/retriever.h"
 
@@ -27,91 +28,8 @@ namespace {
 using model::LlamaModel;
 using model::LlamaSession;
 using model::PositionMode;
-
-// ---------------------------------------------------------------------------
-// Tasks. The byte formats are the Python trainer's (models/tasks.py, documented
-// in models/README.md "Task formats"), byte for byte, so a model trained there is
-// evaluated on the prompts it learnt. The random draws here come from
-// std::mt19937_64, so the samples themselves are not the Python ones.
-
-const std::string kIntro =
-    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-    "I will quiz you about the important information there.\n";
-const std::string kFiller =
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n";
-const std::string kKvIntro = "Below is a list of keys and values. Find the value of the key I will ask about.\n";
-
-struct Sample {
-  std::string prompt, answer;
-};
-
-std::string RandomChars(std::mt19937_64& rng, const char* alphabet, int n) {
-  const int size = static_cast<int>(std::char_traits<char>::length(alphabet));
-  std::uniform_int_distribution<int> pick(0, size - 1);
-  std::string s;
-  for (int i = 0; i < n; ++i) s.push_back(alphabet[pick(rng)]);
-  return s;
-}
-
-// kIntro + k filler lines + needle + (n - k) filler lines + question, where n is the largest
-// number of whole filler lines keeping prompt + answer within `length`, k uniform in 0..n.
-Result<Sample> Haystack(const std::string& task, const std::string& needle, const std::string& question,
-                        const std::string& answer, int64_t length, std::mt19937_64& rng) {
-  const int64_t fixed = static_cast<int64_t>(kIntro.size() + needle.size() + question.size() + answer.size());
-  if (fixed > length)
-    return InvalidArgument("context " + std::to_string(length) + " is too short for task " + task + " (needs >= " +
-                           std::to_string(fixed) + " bytes)");
-  const int64_t n = (length - fixed) / static_cast<int64_t>(kFiller.size());
-  const int64_t k = std::uniform_int_distribution<int64_t>(0, n)(rng);
-  Sample s;
-  s.prompt.reserve(static_cast<size_t>(length));
-  s.prompt = kIntro;
-  for (int64_t i = 0; i < k; ++i) s.prompt += kFiller;
-  s.prompt += needle;
-  for (int64_t i = k; i < n; ++i) s.prompt += kFiller;
-  s.prompt += question;
-  s.answer = answer;
-  return s;
-}
-
-Result<Sample> MakeSample(const std::string& task, int64_t length, std::mt19937_64& rng) {
-  if (task == "passkey") {
-    const std::string key = RandomChars(rng, "0123456789", 5);
-    return Haystack(task, "The pass key is " + key + ". Remember it. " + key + " is the pass key.\n",
-                    "What is the pass key? The pass key is ", key, length, rng);
-  }
-  if (task == "number_string") {
-    const std::string seq = RandomChars(rng, "0123456789", 10);
-    return Haystack(task, "The sequence of digits is " + seq + ". Remember it. " + seq + " is the sequence.\n",
-                    "What is the sequence of digits? The sequence of digits is ", seq, length, rng);
-  }
-  if (task == "kv_retrieval") {
-    // kKvIntro + N lines "KEY: VALUE\n" (distinct 8-char lowercase hex keys, 8-char hex values; N as
-    // large as fits, at least 1) + the question about one uniformly chosen key.
-    const int64_t line_len = 8 + 2 + 8 + 1;
-    const int64_t q_len = static_cast<int64_t>(std::string("What is the value of key ").size() + 8 +
-                                               std::string("? The value is ").size() + 8);
-    const int64_t n = (length - static_cast<int64_t>(kKvIntro.size()) - q_len) / line_len;
-    if (n < 1)
-      return InvalidArgument("context " + std::to_string(length) + " is too short for task kv_retrieval (needs >= " +
-                             std::to_string(kKvIntro.size() + q_len + line_len) + " bytes)");
-    std::vector<std::string> keys, values;
-    std::set<std::string> seen;
-    while (static_cast<int64_t>(keys.size()) < n) {
-      std::string k = RandomChars(rng, "0123456789abcdef", 8);
-      if (seen.insert(k).second) keys.push_back(std::move(k));
-    }
-    for (int64_t i = 0; i < n; ++i) values.push_back(RandomChars(rng, "0123456789abcdef", 8));
-    const size_t asked = static_cast<size_t>(std::uniform_int_distribution<int64_t>(0, n - 1)(rng));
-    Sample s;
-    s.prompt = kKvIntro;
-    for (int64_t i = 0; i < n; ++i) s.prompt += keys[i] + ": " + values[i] + "\n";
-    s.prompt += "What is the value of key " + keys[asked] + "? The value is ";
-    s.answer = values[asked];
-    return s;
-  }
-  return InvalidArgument("unknown task '" + task + "' (passkey | number_string | kv_retrieval)");
-}
+using model::MakeSample;
+using model::Sample;
 
 using cli::Fail;
 using cli::FlagSet;
@@ -145,9 +63,12 @@ struct Options {
 // One way of attending: which chunks, which positions.
 struct Method {
   std::string name;
-  enum Kind { kFull, kStreaming, kRetrieval } kind = kRetrieval;
+  // kNeedleOracle attends exactly the sealed chunks over the sample's needle (no retrieval): the
+  // accuracy retrieval would reach if it always found the needle and nothing else.
+  enum Kind { kFull, kStreaming, kRetrieval, kNeedleOracle } kind = kRetrieval;
   RetrieverOptions retrieval;
   PositionMode positions = PositionMode::kInfLLM;
+  int repr_topk = 0;  // representative keys per chunk and head; 0 = --repr-topk
 };
 
 struct Result1 {  // one method at one context length
@@ -159,6 +80,13 @@ struct Result1 {  // one method at one context length
   double seconds = 0;
   uint64_t tokens = 0;          // prompt + decoded tokens run through the model
   uint64_t chunks = 0, steps = 0;
+  // Needle recall: over the answer steps (every decode step, the first one runs the prompt's
+  // last token) and layers, the share that attended every sealed chunk holding the answer's
+  // bytes inside the needle. Steps where those are still in the sinks or local window do not
+  // count. A model may need them in only some layers (kvtier-tiny: layer 1, its copy head),
+  // so accuracy can be high at a modest recall.
+  uint64_t needle_steps = 0, needle_hits = 0;
+  double needle_recall() const { return needle_steps ? static_cast<double>(needle_hits) / needle_steps : -1; }
   StoreCounters peak;           // largest per-tier bytes over the samples (at each sample's end)
   std::vector<std::string> outputs;
   double accuracy() const { return samples ? static_cast<double>(correct) / samples : 0; }
@@ -171,6 +99,7 @@ struct Result1 {  // one method at one context length
 Result<StoreOptions> StoreFor(const Options& o, const Method& m, const LlamaModel& model, int64_t context) {
   StoreOptions s = o.store;
   s.geometry = model.config().KvGeometry(DType::kF32);
+  if (m.repr_topk > 0) s.repr_topk = std::min(m.repr_topk, s.chunk_size);
   const uint64_t cb = s.chunk_bytes();
   const uint64_t chunks = static_cast<uint64_t>(context / s.chunk_size + 2);
   const uint64_t layers = static_cast<uint64_t>(model.config().n_layers);
@@ -194,31 +123,62 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
   } else if (m.kind == Method::kStreaming) {
     session->SetChunkSelector([](int, const float*, const int64_t*, int, const std::vector<ChunkInfo>&)
                                   -> Result<std::vector<uint64_t>> { return std::vector<uint64_t>{}; });
+  } else if (m.kind == Method::kNeedleOracle) {
+    session->SetChunkSelector([&sample](int, const float*, const int64_t*, int, const std::vector<ChunkInfo>& chunks)
+                                  -> Result<std::vector<uint64_t>> {
+      std::vector<uint64_t> picked;
+      for (const ChunkInfo& c : chunks)
+        if (c.first_token < sample.needle_end && c.first_token + c.n_tokens > sample.needle_begin)
+          picked.push_back(c.key.index);
+      return picked;
+    });
   }
+  // Needle recall of the step just run: per layer, were all sealed needle chunks attended?
+  auto score_needle = [&]() -> Status {
+    for (int layer = 0; layer < model.config().n_layers; ++layer) {
+      KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> live, session->store()->ListChunks(session->sequence(), layer));
+      std::set<uint64_t> needed;
+      for (const ChunkInfo& c : live)
+        if (c.first_token < sample.answer_end && c.first_token + c.n_tokens > sample.answer_begin)
+          needed.insert(c.key.index);
+      if (needed.empty()) continue;
+      const std::vector<uint64_t>& got = session->last_chunks()[static_cast<size_t>(layer)];
+      size_t found = 0;
+      for (uint64_t idx : got) found += needed.count(idx);
+      r->needle_steps += 1;
+      r->needle_hits += found == needed.size() ? 1 : 0;
+    }
+    return Status::Ok();
+  };
   const int window = std::min(o.window, so.n_local);
   const int vocab = model.config().vocab;
   std::vector<int32_t> tokens(sample.prompt.size());
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<unsigned char>(sample.prompt[i]);
   const double t0 = Now();
-  std::vector<float> last;
-  // Window by window, keeping only the last logits row (all of them would be context x vocab floats).
-  for (size_t b = 0; b < tokens.size(); b += static_cast<size_t>(window)) {
-    const size_t e = std::min(tokens.size(), b + static_cast<size_t>(window));
-    KVTIER_ASSIGN_OR_RETURN(std::vector<float> logits,
-                            session->Prefill(std::vector<int32_t>(tokens.begin() + b, tokens.begin() + e), window));
-    last.assign(logits.end() - vocab, logits.end());
+  // The prompt's last token runs as the first decode step, not in the last prefill window:
+  // the answer's first byte is then retrieved for by that token's own query (ActQKV Sec. 4.2),
+  // as every later byte is, instead of by a probe pooled over a whole window of question and
+  // filler. Under full attention the logits are the same either way.
+  const size_t n_prefill = tokens.size() - 1;
+  for (size_t b = 0; b < n_prefill; b += static_cast<size_t>(window)) {
+    const size_t e = std::min(n_prefill, b + static_cast<size_t>(window));
+    KVTIER_RETURN_IF_ERROR(
+        session->Prefill(std::vector<int32_t>(tokens.begin() + b, tokens.begin() + e), window).status());
   }
+  KVTIER_ASSIGN_OR_RETURN(std::vector<float> last, session->Decode(tokens.back()));
+  KVTIER_RETURN_IF_ERROR(score_needle());
   std::string out;
   int32_t next = LlamaSession::Argmax(last);
   out.push_back(static_cast<char>(next));
   while (out.size() < sample.answer.size()) {
     KVTIER_ASSIGN_OR_RETURN(last, session->Decode(next));
+    KVTIER_RETURN_IF_ERROR(score_needle());
     next = LlamaSession::Argmax(last);
     out.push_back(static_cast<char>(next));
   }
   r->seconds += Now() - t0;
   r->tokens += tokens.size() + out.size() - 1;
-  r->steps += static_cast<uint64_t>((tokens.size() + window - 1) / window + out.size() - 1) * model.config().n_layers;
+  r->steps += static_cast<uint64_t>((n_prefill + window - 1) / window + out.size()) * model.config().n_layers;
   r->chunks += session->total_chunks();
   r->samples += 1;
   r->correct += out == sample.answer ? 1 : 0;
@@ -262,8 +222,14 @@ std::string Describe(const Method& m, int chunk) {
     case Method::kFull: return "every chunk, absolute positions";
     case Method::kStreaming: return "sinks + local window only, positions " +
                                     std::string(model::PositionModeName(m.positions));
+    case Method::kNeedleOracle:
+      return "sinks + local window + exactly the chunks over the needle (upper bound of retrieval), positions " +
+             std::string(model::PositionModeName(m.positions));
     case Method::kRetrieval:
       return "probe=" + m.retrieval.probe + " alloc=" + m.retrieval.alloc + " index=" + m.retrieval.index.factory +
+             (m.retrieval.index.factory == "Exact" ? " heads=" + m.retrieval.head_merge : std::string()) +
+             (m.retrieval.alloc.rfind("topk", 0) != 0 ? " rank=" + m.retrieval.rank_by : std::string()) +
+             " reprs=" + std::to_string(m.repr_topk) + "/chunk" +
              " budget=" + std::to_string(m.retrieval.budget_tokens) + " tokens (" +
              std::to_string(m.retrieval.budget_tokens / chunk) + " chunks/layer), positions " +
              model::PositionModeName(m.positions);
@@ -289,6 +255,8 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
       w.Key("accuracy").Double(r.accuracy()).Key("correct").Int(r.correct).Key("samples").Int(r.samples);
       w.Key("s_per_sample").Double(r.s_per_sample()).Key("tokens_per_s").Double(r.tokens_per_s());
       w.Key("chunks_per_layer_step").Double(r.steps ? static_cast<double>(r.chunks) / r.steps : 0);
+      if (r.needle_steps) w.Key("needle_recall").Double(r.needle_recall());
+      else w.Key("needle_recall").Null();
       w.Key("tier_bytes").BeginObject();
       w.Key("hot").Uint(r.peak.hot_bytes).Key("warm").Uint(r.peak.warm_bytes).Key("cold").Uint(r.peak.cold_bytes);
       w.EndObject();
@@ -327,15 +295,19 @@ int RunInfinite(int argc, char** argv) {
   o.store.n_sink = 64;
   o.store.n_local = 512;
   o.store.chunk_size = 32;
-  o.store.repr_topk = 4;
+  o.store.repr_topk = 0;  // every key of a chunk, once --chunk is known
   o.store.transfer_threads = 2;
   o.retrieval.budget_tokens = 2048;
+  // kvtier's own defaults for a trained model (docs/retrieval.md): a chunk is scored by the
+  // best logit any kv head gives any of its keys, and taken in logit order.
+  o.retrieval.head_merge = "max";
+  o.retrieval.rank_by = "logit";
   bool context_set = false;
   FlagSet f;
   f.Add("weights", "kvtier-llama safetensors file (required), e.g. models/kvtier-tiny.safetensors",
         PathFlag(&o.weights));
   f.Add("task", "passkey | number_string | kv_retrieval (default passkey)", [&o](const std::string& s) {
-    if (s != "passkey" && s != "number_string" && s != "kv_retrieval")
+    if (!model::IsTask(s))
       return InvalidArgument("unknown task '" + s + "' (passkey | number_string | kv_retrieval)");
     o.task = s;
     return Status::Ok();
@@ -366,6 +338,16 @@ int RunInfinite(int argc, char** argv) {
     o.retrieval.index.factory = s;
     return Status::Ok();
   });
+  f.Add("head-merge", "Exact index: a chunk's per-kv-head scores are summed (sum) or the best head decides (max) "
+        "(default max)", [&o](const std::string& s) {
+          o.retrieval.head_merge = s;
+          return Status::Ok();
+        });
+  f.Add("rank-by", "entropy allocator: a layer takes its chunks by Eq. 10 cosine (cosine, Algorithm 1) or by "
+        "logit (default logit)", [&o](const std::string& s) {
+          o.retrieval.rank_by = s;
+          return Status::Ok();
+        });
   f.Add("budget", "retrieved tokens per layer and step (default 2048)",
         IntFlag(&o.retrieval.budget_tokens, 0, 1 << 24));
   f.Add("policy", "demotion policy of the hot and warm tiers: lru or a scoring policy (default lru)",
@@ -378,7 +360,8 @@ int RunInfinite(int argc, char** argv) {
   f.Add("sink", "attention-sink tokens (default 64)", IntFlag(&o.store.n_sink, 0, 1 << 20));
   f.Add("local", "local-window tokens (default 512)", IntFlag(&o.store.n_local, 1, 1 << 24));
   f.Add("chunk", "tokens per chunk (default 32)", IntFlag(&o.store.chunk_size, 1, 1 << 16));
-  f.Add("repr-topk", "representative keys per head per chunk (default 4)", IntFlag(&o.store.repr_topk, 1, 1 << 16));
+  f.Add("repr-topk", "representative keys per head per chunk (default: every key, = --chunk; the paper "
+        "baselines of --compare keep 4)", IntFlag(&o.store.repr_topk, 1, 1 << 16));
   f.Add("window", "prefill window in tokens, at most --local (default 128)", IntFlag(&o.window, 1, 1 << 24));
   f.Add("positions", "infllm (memory at the local window's start, keys stored before RoPE) | absolute "
         "(default infllm)", [&o](const std::string& s) {
@@ -420,6 +403,7 @@ int RunInfinite(int argc, char** argv) {
         "full attention, StreamingLLM, InfLLM and ActQKV on the same samples (--contexts 4096,16384,...).");
     return 0;
   }
+  if (o.store.repr_topk == 0 || o.store.repr_topk > o.store.chunk_size) o.store.repr_topk = o.store.chunk_size;
   if (o.weights.empty()) return Fail(InvalidArgument("--weights FILE is required (a kvtier-llama safetensors file)"));
   if (o.window > o.store.n_local)
     return Fail(InvalidArgument("--window (" + std::to_string(o.window) + ") must be <= --local (" +
@@ -437,18 +421,27 @@ int RunInfinite(int argc, char** argv) {
 
   std::vector<Method> methods;
   if (o.compare) {
-    Method full{"full attention", Method::kFull, o.retrieval, PositionMode::kAbsolute};
-    Method streaming{"StreamingLLM", Method::kStreaming, o.retrieval, PositionMode::kInfLLM};
+    // The paper methods as written: 4 representative keys per chunk and head (mean pooled
+    // by the FAISS kinds, best-of by Exact), chunk scores summed over kv heads, ActQKV taking
+    // chunks in Eq. 10 cosine order (Algorithm 1). "kvtier" is the flags' configuration.
+    RetrieverOptions paper = o.retrieval;
+    paper.head_merge = "sum";
+    paper.rank_by = "cosine";
+    const int paper_reprs = std::min(4, o.store.chunk_size);
+    Method full{"full attention", Method::kFull, o.retrieval, PositionMode::kAbsolute, o.store.repr_topk};
+    Method streaming{"StreamingLLM", Method::kStreaming, o.retrieval, PositionMode::kInfLLM, o.store.repr_topk};
     streaming.retrieval.budget_tokens = 0;
-    Method infllm{"InfLLM", Method::kRetrieval, o.retrieval, PositionMode::kInfLLM};
+    Method infllm{"InfLLM", Method::kRetrieval, paper, PositionMode::kInfLLM, paper_reprs};
     infllm.retrieval.probe = "mean";
     infllm.retrieval.alloc = "topk";
-    Method actqkv{"ActQKV", Method::kRetrieval, o.retrieval, PositionMode::kInfLLM};
+    Method actqkv{"ActQKV", Method::kRetrieval, paper, PositionMode::kInfLLM, paper_reprs};
     actqkv.retrieval.probe = "act";
     actqkv.retrieval.alloc = "entropy";
-    methods = {full, streaming, infllm, actqkv};
+    Method ours{"kvtier", Method::kRetrieval, o.retrieval, o.positions, o.store.repr_topk};
+    Method oracle{"needle oracle", Method::kNeedleOracle, o.retrieval, PositionMode::kInfLLM, o.store.repr_topk};
+    methods = {full, streaming, infllm, actqkv, ours, oracle};
   } else {
-    methods = {Method{"kvtier", Method::kRetrieval, o.retrieval, o.positions}};
+    methods = {Method{"kvtier", Method::kRetrieval, o.retrieval, o.positions, o.store.repr_topk}};
   }
 
   // The same samples for every method: one generator per context length.
@@ -483,23 +476,34 @@ int RunInfinite(int argc, char** argv) {
       std::printf("  memory per tier (store counters, largest at a sample's end): hot %s, warm %s, cold %s; "
                   "moved %s\n", MiB(r.peak.hot_bytes).c_str(), MiB(r.peak.warm_bytes).c_str(),
                   MiB(r.peak.cold_bytes).c_str(), MiB(r.peak.bytes_moved).c_str());
+      if (r.needle_steps)
+        std::printf("  needle recall %.3f: share of (answer step, layer) that attended every sealed chunk holding "
+                    "the answer in the needle\n",
+                    r.needle_recall());
       if (!r.outputs.empty()) std::printf("  first answer decoded: \"%s\"\n", Printable(r.outputs[0]).c_str());
     }
   } else {
     std::printf("%-9s", "context");
     for (const Method& m : methods) std::printf(" | %-22s", m.name.c_str());
     std::printf("\n%-9s", "");
-    for (size_t i = 0; i < methods.size(); ++i) std::printf(" | %-8s %-13s", "accuracy", "s/sample");
+    for (size_t i = 0; i < methods.size(); ++i) std::printf(" | %-5s %-6s %-9s", "acc", "recall", "s/sample");
     std::printf("\n");
     for (size_t row = 0; row < o.contexts.size(); ++row) {
       std::printf("%-9lld", static_cast<long long>(o.contexts[row]));
       for (size_t i = 0; i < methods.size(); ++i) {
         const Result1& r = results[row * methods.size() + i];
-        if (r.skipped) std::printf(" | %-22s", "does not fit");
-        else std::printf(" | %-8.3f %-13.3f", r.accuracy(), r.s_per_sample());
+        if (r.skipped) {
+          std::printf(" | %-22s", "does not fit");
+        } else {
+          char recall[16] = "-";
+          if (r.needle_steps) std::snprintf(recall, sizeof(recall), "%.3f", r.needle_recall());
+          std::printf(" | %-5.3f %-6s %-9.3f", r.accuracy(), recall, r.s_per_sample());
+        }
       }
       std::printf("\n");
     }
+    std::printf("acc: exact match; recall: needle recall (share of answer steps and layers that attended every\n"
+                "sealed chunk holding the answer in the needle; '-' where it never left the sinks or local window)\n");
     for (const Result1& r : results)
       if (r.skipped)
         std::printf("\n%s at context %lld skipped: %s (raise --full-max-bytes)", r.method.c_str(),

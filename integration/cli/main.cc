@@ -181,6 +181,10 @@ int CmdRun(int argc, char** argv) {
         "full pass over every representative (default 4)", IntFlag(&o.retrieval.rerank_factor, 0, 1 << 20));
   f.Add("rerank-min", "Exact index: at least this many chunks reach the rescoring stage (default 256)",
         IntFlag(&o.retrieval.rerank_min, 0, 1 << 30));
+  f.Add("head-merge", "Exact index: per-kv-head chunk scores summed (sum) or the best head decides (max) "
+        "(default sum)", [&o](const std::string& s) { o.retrieval.head_merge = s; return Status::Ok(); });
+  f.Add("rank-by", "entropy allocator: take chunks by Eq. 10 cosine (cosine, Algorithm 1) or by logit "
+        "(default cosine)", [&o](const std::string& s) { o.retrieval.rank_by = s; return Status::Ok(); });
   f.Add("compare", "compare StreamingLLM, InfLLM, ActQKV w/o cut-off and ActQKV on the same data",
         [&o](const std::string& s) { o.compare = s != "0"; return Status::Ok(); }, true);
   f.Add("spearman-windows", "prefill windows sampled for probe-to-oracle Spearman rho (default 8, 0 = off)",

@@ -1,0 +1,29 @@
+// ∞-Bench-style retrieval prompts for the kvtier-llama model: passkey,
+// number_string and kv_retrieval, in the byte formats the Python trainer uses
+// (models/tasks.py; models/README.md "Task formats").
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+
+#include "store/status.h"
+
+namespace kvtier::model {
+
+struct Sample {
+  std::string prompt, answer;
+  // Byte (= token) range of the prompt that holds the answer: the needle line, or the asked
+  // key/value line. The needle oracle attends exactly the chunks over it. answer_begin/end:
+  // the answer's first copy inside it, whose chunks needle recall asks about.
+  int64_t needle_begin = 0, needle_end = 0, answer_begin = 0, answer_end = 0;
+};
+
+/// "passkey" | "number_string" | "kv_retrieval".
+bool IsTask(const std::string& task);
+
+/// One prompt of `length` bytes (prompt + answer) for `task`, drawn from `rng`. InvalidArgument
+/// for an unknown task or a length too short for it (the message says the minimum).
+Result<Sample> MakeSample(const std::string& task, int64_t length, std::mt19937_64& rng);
+
+}  // namespace kvtier::model
