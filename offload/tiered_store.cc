@@ -6,6 +6,7 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -107,6 +108,10 @@ struct FetchHandle::State {
   std::vector<uint8_t> needs_load;
   std::vector<kernels::KvSpan> spans;
   std::vector<std::pair<uint64_t, int32_t>> awaited;  // (chunk id, slot) loading under another fetch
+  // Whoever claims the loads first runs them: the transfer task, or the caller's Wait() when the
+  // transfer workers are still busy with earlier work (a backlog of cold writes after a long
+  // prefill must not stall a decode step's fetch behind it).
+  std::atomic<bool> claimed{false};
   bool done = false;
   bool released = false;
   Status status;
@@ -169,6 +174,7 @@ bool FetchHandle::Ready() const {
 Status FetchHandle::Wait(std::chrono::milliseconds timeout) {
   if (!state_) return FailedPrecondition("fetch handle is empty (released or never started)");
   TieredStore* store = state_->store;
+  if (!state_->claimed.exchange(true)) store->RunFetch(state_);  // not started yet: load on this thread
   std::unique_lock<std::mutex> l(store->mu_);
   if (!store->cv_.wait_for(l, timeout, [&] { return store->FetchCompleteLocked(state_.get()); }))
     return TimedOut("fetch of " + std::to_string(state_->chunk_ids.size()) + " chunks not done after " +
@@ -530,24 +536,43 @@ Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void*
   return status;
 }
 
+bool TieredStore::DropWarmCopyLocked() {
+  uint64_t victim_id = 0;
+  if (!warm_policy_->PickVictim(
+          [&](uint64_t id) {
+            const Chunk* c = chunk_by_id_.at(id);
+            return c->warm_pins == 0 && !c->cold_writing && c->cold_acked;
+          },
+          &victim_id))
+    return false;
+  // The cold tier already acknowledged it: the warm copy may leave now.
+  Chunk* c = chunk_by_id_.at(victim_id);
+  warm_->Release(c->warm_slot);
+  c->warm_slot = -1;
+  c->tiers &= ~kTierWarm;
+  warm_policy_->OnRemove(victim_id);
+  counters_.demotions++;
+  return true;
+}
+
+int32_t TieredStore::AcquireWarmSlotForReadLocked() {
+  // A chunk read back from cold was just retrieved, and retrieval tends to come back to
+  // the same chunks over the next steps: keep a warm copy, making room by dropping the
+  // policy's victim among warm chunks the cold tier already holds. Never waits and never
+  // writes: a transfer task must not block on others.
+  const int32_t ws = warm_->Acquire();
+  if (ws >= 0 || !DropWarmCopyLocked()) return ws;
+  return warm_->Acquire();
+}
+
 Status TieredStore::MakeWarmRoom(std::unique_lock<std::mutex>& lock) {
   while (warm_->full()) {
     auto movable = [&](uint64_t id) {
       const Chunk* c = chunk_by_id_.at(id);
       return c->warm_pins == 0 && !c->cold_writing;
     };
+    if (DropWarmCopyLocked()) continue;
     uint64_t victim_id = 0;
-    if (warm_policy_->PickVictim([&](uint64_t id) { return movable(id) && chunk_by_id_.at(id)->cold_acked; },
-                                 &victim_id)) {
-      // The cold tier already acknowledged it: the warm copy may leave now.
-      Chunk* c = chunk_by_id_.at(victim_id);
-      warm_->Release(c->warm_slot);
-      c->warm_slot = -1;
-      c->tiers &= ~kTierWarm;
-      warm_policy_->OnRemove(victim_id);
-      counters_.demotions++;
-      continue;
-    }
     if (cold_ && warm_policy_->PickVictim(movable, &victim_id)) {
       // Not yet in cold: write it, and only then let it leave warm.
       KVTIER_RETURN_IF_ERROR(WriteWarmChunkToColdLocked(lock, chunk_by_id_.at(victim_id)));
@@ -1054,7 +1079,10 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
     counters_.hot_chunks = hot_->slots_used();
     if (!any_load) st->done = true;
   }
-  if (any_load) Enqueue([this, st] { RunFetch(st); });
+  if (any_load) Enqueue([this, st] {
+    if (!st->claimed.exchange(true)) RunFetch(st);
+  });
+  else st->claimed = true;
   FetchHandle h;
   h.state_ = st;
   return h;
@@ -1100,7 +1128,7 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
         counters_.promotions++;
         counters_.bytes_moved += chunk_bytes_;
         if (c->warm_slot < 0) {
-          const int32_t ws = warm_->Acquire();
+          const int32_t ws = AcquireWarmSlotForReadLocked();
           if (ws >= 0) {
             std::memcpy(warm_->slot_data(ws), staging.data(), chunk_bytes_);
             c->warm_slot = ws;

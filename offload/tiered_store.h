@@ -221,6 +221,12 @@ class TieredStore {
   /// during the write and holds it again on return.
   Status WriteWarmChunkToColdLocked(std::unique_lock<std::mutex>& lock, Chunk* c);
   int32_t AcquireHotSlotLocked();
+  /// Drops the warm copy of the warm policy's victim among unpinned chunks the cold tier
+  /// has acknowledged; false when there is none.
+  bool DropWarmCopyLocked();
+  /// A warm slot for a chunk just read from cold: a free one, or one freed by
+  /// DropWarmCopyLocked; -1 when neither (never waits).
+  int32_t AcquireWarmSlotForReadLocked();
   void SubmitColdWrite(Chunk* c);
   void RunFetch(const std::shared_ptr<FetchHandle::State>& st);
   void ReleasePins(FetchHandle::State* st);

@@ -306,6 +306,45 @@ TEST(TieredStore, CorruptColdChunkIsReportedNotServed) {
   ExpectPattern(s->get(), seq, 0, 31, 8 + 3 * 8, 200);
 }
 
+// A chunk read back from cold keeps a warm copy even when the warm tier is full: the warm
+// policy's victim among chunks the cold tier already holds gives up its warm slot (free: cold
+// has it). The next fetch of the same chunk, after the hot copy is gone, costs no cold read.
+TEST(TieredStore, ColdReadsKeepAWarmCopyWhenWarmIsFull) {
+  TempDir dir;
+  StoreOptions o = SmallOptions(dir.path());
+  o.hot_bytes = 4 * o.chunk_bytes();
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok());
+  TieredStore* st = s->get();
+  auto seq = st->CreateSequence();
+  AppendPattern(st, *seq, 0, 9, 0, 8 + 40 + 8 * 30, 31);  // 30 chunks, warm holds 8
+  ASSERT_TRUE(st->WaitForDurable().ok());
+  auto tiers_of = [&](uint64_t idx) {
+    auto list = st->ListChunks(*seq, 0);
+    EXPECT_TRUE(list.ok());
+    for (const ChunkInfo& c : *list)
+      if (c.key.index == idx) return c.tiers;
+    return uint8_t{0};
+  };
+  ASSERT_EQ(tiers_of(0) & kTierWarm, 0) << "chunk 0 starts cold only";
+  const uint64_t warm_before = st->counters().warm_chunks;
+  {
+    auto h = st->FetchChunks(*seq, 0, {0});
+    ASSERT_TRUE(h.ok() && h->Wait().ok());
+  }
+  EXPECT_NE(tiers_of(0) & kTierWarm, 0) << "the cold read left a warm copy";
+  EXPECT_EQ(st->counters().warm_chunks, warm_before) << "by dropping another warm copy, not by growing";
+  st->EvictHot();
+  const StoreCounters c1 = st->counters();
+  {
+    auto h = st->FetchChunks(*seq, 0, {0});
+    ASSERT_TRUE(h.ok() && h->Wait().ok());
+  }
+  EXPECT_EQ(st->counters().cold_reads, c1.cold_reads) << "served from warm";
+  // Every chunk is still readable, the ones that lost their warm copy from cold.
+  ExpectPattern(st, *seq, 0, 9, 0, 8 + 40 + 8 * 30);
+}
+
 TEST(TieredStore, FetchPromotesPinsAndCountsHits) {
   TempDir dir;
   StoreOptions o = SmallOptions(dir.path());
