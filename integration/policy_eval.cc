@@ -10,6 +10,7 @@
 
 #include <oneapi/tbb/parallel_for.h>
 
+#include "integration/kv_source.h"
 #include "kernels/cpu/dot.h"
 #include "offload/policy/scoring_policy.h"
 
@@ -98,10 +99,13 @@ Status PolicyEvalOptions::Validate() const {
   return Status::Ok();
 }
 
-Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& o) {
+Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& options) {
+  PolicyEvalOptions o = options;
+  if (o.trace) AdoptTrace(*o.trace, &o.geometry, &o.workload);
   KVTIER_RETURN_IF_ERROR(o.Validate());
   const Geometry g = o.geometry;
-  KVTIER_ASSIGN_OR_RETURN(Workload work, Workload::Create(g, o.workload));
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<KvSource> source, MakeKvSource(g, o.workload, o.trace));
+  const KvSource& work = *source;
   const int L = g.layers, Hq = g.q_heads, Hkv = g.kv_heads, D = g.head_dim, G = g.group_size();
   const int64_t ctx = o.workload.context, total = work.total_tokens();
   const int steps = o.workload.decode_steps, m = o.observe;
@@ -176,7 +180,7 @@ Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& o) 
     const int64_t p = ctx + s;
     std::vector<int64_t> seen(p + 1);
     std::iota(seen.begin(), seen.end(), 0);
-    const int needle = work.SoughtNeedle(p);
+    const std::vector<TokenRange> sought = work.SoughtNeedles(p);
     for (PolicyRun& r : runs) r.decode_scoring.push_back(0.0), r.decode_attention.push_back(0.0);
     for (int l = 0; l < L; ++l) {
       work.Generate(l, p, p + 1, qd.data(), nullptr, nullptr);
@@ -223,11 +227,11 @@ Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& o) 
         r.decode_attention.back() += NowMs() - t0;
         for (const auto& head : r.cache[l]) {
           r.cache_tokens += static_cast<double>(head.size()); r.cache_n++;
-          if (needle >= 0) {
-            int in = 0;
-            for (int t = 0; t < o.workload.needle_len; ++t)
-              in += std::binary_search(head.begin(), head.end(), work.needle_starts()[needle] + t);
-            r.retention += static_cast<double>(in) / o.workload.needle_len; r.retention_n++;
+          if (!sought.empty()) {
+            int64_t in = 0, len = 0;
+            for (const TokenRange& nr : sought)
+              for (int64_t t = nr.begin; t < nr.end; ++t, ++len) in += std::binary_search(head.begin(), head.end(), t);
+            r.retention += static_cast<double>(in) / static_cast<double>(len); r.retention_n++;
           }
         }
         std::vector<float> uk(uni.size() * tok), uv(uni.size() * tok);

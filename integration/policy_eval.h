@@ -1,5 +1,6 @@
-// Policy evaluation: every scoring policy compresses the same synthetic context to the
-// same token budget, and decoding then shows what each kept.
+// Policy evaluation: every scoring policy compresses the same context (synthetic, or a
+// recorded trace of a real model: `trace`) to the same token budget, and decoding then
+// shows what each kept.
 //
 // Token-level and exact, as the policies' papers evaluate them: the context's K/V are
 // generated in memory (fp32), the last `observe` queries of the prompt (the end of the
@@ -17,9 +18,11 @@
 //   scoring share      policy time (Observe + Keep) / attention time of the same steps
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "integration/kv_trace.h"
 #include "integration/workload.h"
 #include "store/geometry.h"
 #include "store/status.h"
@@ -29,6 +32,9 @@ namespace kvtier {
 struct PolicyEvalOptions {
   Geometry geometry{8, 8, 2, 64, DType::kF32};  ///< model shape (dtype unused: fp32 throughout)
   WorkloadOptions workload;                      ///< context, needles, decode_steps, ...
+  /// Replay this recorded trace instead of the synthetic workload (geometry shape and
+  /// workload lengths are taken from it, as RunOptions::trace).
+  std::shared_ptr<const KvTrace> trace;
   std::vector<std::string> policies;             ///< factory strings; empty = every policy's defaults
   int64_t budget = 1024;                         ///< kept tokens per kv head and layer
   int observe = 32;                              ///< prompt queries observed at prefill end

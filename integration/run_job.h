@@ -1,14 +1,17 @@
 // `kvtier run`: the main job. A long-sequence run on the synthetic ∞-Bench-
-// shaped workload (integration/workload.h): the context streams through a
+// shaped workload (integration/workload.h), or on a model's recorded attention
+// (RunOptions::trace, integration/kv_trace.h): the context streams through a
 // TieredStore in prefill windows, a question window and decode steps then
 // attend over sinks | retrieved chunks | local window, and the same queries
 // run full attention over the whole context on the same data in the same
 // process, so quality and speed are reported as comparisons.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "integration/kv_trace.h"
 #include "integration/workload.h"
 #include "offload/tiered_store.h"
 #include "retrieval/retriever.h"
@@ -18,6 +21,10 @@ namespace kvtier {
 struct RunOptions {
   StoreOptions store;          ///< store layout and capacities (data_dir holds the cold tier)
   WorkloadOptions workload;    ///< the synthetic data
+  /// Replay this recorded trace (integration/kv_trace.h) instead of the synthetic workload:
+  /// RunJob takes the geometry's shape (keeping store.geometry.dtype) and workload.context,
+  /// question_len and decode_steps from it (AdoptTrace); the other workload knobs do not apply.
+  std::shared_ptr<const KvTrace> trace;
   RetrieverOptions retrieval;  ///< probe (act), allocator (entropy), index (Flat); budget_tokens is set from `budget`
   int budget = 2048;           ///< retrieved tokens per step and layer (budget / chunk_size chunks)
   bool compare = false;        ///< run StreamingLLM, InfLLM, ActQKV w/o cut-off and ActQKV on the same data
@@ -83,12 +90,13 @@ struct RunReport {
   double question_output_rel_error = 0;
   // time
   double prefill_s = 0;              ///< wall time of the prefill (append + statistics), generation excluded
+  double prefill_drain_s = 0;        ///< then, until the cold tier acknowledged every chunk (WaitForDurable)
   double step_ms = 0;                ///< median decode step over all layers: append + retrieve + fetch + attention
   double retrieve_ms = 0, fetch_ms = 0, attention_ms = 0, append_ms = 0;  ///< medians of the step's parts
   double full_attention_step_ms = 0; ///< median full attention over the whole context, all layers, same step
   // memory
   uint64_t peak_rss_bytes = 0;       ///< peak RSS during the kvtier phases (before the baseline)
-  uint64_t rss_bound_bytes = 0;      ///< warm + hot + regions + index + stated overhead
+  uint64_t rss_bound_bytes = 0;      ///< warm + hot + regions + index + a trace's q/k/v + stated overhead
   uint64_t index_bytes = 0;          ///< chunk metadata and retriever index
   uint64_t context_kv_bytes = 0;     ///< K+V bytes of the whole context, all layers
   StoreCounters counters;

@@ -359,5 +359,93 @@ TEST(Cli, RetrievalCarriesTheModelPastItsTrainingLength) {
   EXPECT_NE(r.out.find("does not fit"), std::string::npos) << "full attention is skipped by --full-max-bytes";
 }
 
+// ---- kvtier trace / kvtier run --trace ----
+
+std::string TraceTestWeights() {
+#ifdef KVTIER_SOURCE_DIR
+  return std::string(KVTIER_SOURCE_DIR) + "/models/kvtier-tiny.safetensors";
+#else
+  return (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors").string();
+#endif
+}
+
+// The trained model's real attention on a 1K passkey prompt, replayed: with every chunk in
+// the budget it is full attention; with a small one every report (needle hit, --compare,
+// --compare-policies) runs on the trace.
+TEST(Cli, TraceThenRunReplaysRealAttention) {
+  TempDir dir;
+  const std::string trace = dir.path() + "/passkey.kvtrace";
+  Ran t = Kvtier("trace --weights " + TraceTestWeights() + " --task passkey --context 1024 --seed 2 --out " + trace);
+  ASSERT_EQ(t.code, 0) << t.out;
+  EXPECT_NE(t.out.find("question window"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("4,8,2,16"), std::string::npos) << t.out;
+
+  const std::string full = dir.path() + "/full.json";
+  Ran r = Kvtier("run --quiet --trace " + trace + " --sink 16 --local 128 --chunk 32 --budget 1024 --dtype f32"
+                 " --hot-bytes 64M --data-dir " + dir.path() + "/d1 --json " + full);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("trace: kvtier-llama"), std::string::npos) << r.out;
+  std::string rep = ReadAll(full);
+  EXPECT_NEAR(JsonNumber(rep, "attention_recall"), 1.0, 1e-6) << rep;
+  EXPECT_DOUBLE_EQ(JsonNumber(rep, "needle_hit_rate"), 1.0);
+  EXPECT_LT(JsonNumber(rep, "output_rel_error"), 1e-5);
+  EXPECT_NE(rep.find("\"source\": \"trace\""), std::string::npos);
+  EXPECT_NE(rep.find("\"geometry\": \"4,8,2,16:f32\""), std::string::npos);
+
+  const std::string small = dir.path() + "/small.json";
+  r = Kvtier("run --quiet --trace " + trace + " --sink 16 --local 128 --chunk 32 --budget 64 --compare"
+             " --data-dir " + dir.path() + "/d2 --json " + small);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("StreamingLLM"), std::string::npos) << r.out;
+  rep = ReadAll(small);
+  const double hit = JsonNumber(rep, "needle_hit_rate"), recall = JsonNumber(rep, "attention_recall");
+  EXPECT_GE(hit, 0.0);
+  EXPECT_LE(hit, 1.0);
+  EXPECT_GT(recall, 0.0);
+  EXPECT_LT(recall, 1.0) << "64 tokens cannot hold full attention's mass";
+
+  r = Kvtier("run --quiet --trace " + trace + " --sink 16 --local 64 --compare-policies --kv-budget 256"
+             " --policies 'h2o;streaming'");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("h2o"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("streaming"), std::string::npos) << r.out;
+}
+
+TEST(Cli, RunTraceBadInputsGetClearErrors) {
+  TempDir dir;
+  const std::string trace = dir.path() + "/t.kvtrace";
+  ASSERT_EQ(Kvtier("trace --weights " + TraceTestWeights() + " --context 512 --out " + trace).code, 0);
+  const std::string bytes = ReadAll(trace);
+  auto write = [&](const std::string& name, const std::string& content) {
+    std::ofstream(dir.path() + "/" + name, std::ios::binary) << content;
+    return dir.path() + "/" + name;
+  };
+  std::string flipped = bytes;
+  flipped[bytes.size() / 2] ^= 0x20;
+  std::string bad_magic = bytes;
+  bad_magic[1] = 'X';
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"run --trace " + write("flip.kvtrace", flipped), "CRC mismatch"},
+      {"run --trace " + write("short.kvtrace", bytes.substr(0, bytes.size() / 3)), "truncated"},
+      {"run --trace " + write("magic.kvtrace", bad_magic), "bad magic"},
+      {"run --trace " + dir.path() + "/missing.kvtrace", "cannot open trace file"},
+      {"run --trace " + trace + " --geometry 8,8,2,64", "conflicts with the trace's geometry 4,8,2,16"},
+      {"run --trace " + trace + " --context 4096", "--context 4096 conflicts with the trace's"},
+      {"run --trace " + trace + " --needles 2", "--needles shapes the synthetic workload"},
+      {"trace --context 512 --out " + dir.path() + "/x", "--weights FILE is required"},
+      {"trace --weights " + TraceTestWeights(), "--out FILE is required"},
+      {"trace --weights " + TraceTestWeights() + " --task nope --out x", "unknown task 'nope'"},
+      {"trace --weights " + TraceTestWeights() + " --positions sideways --out x", "unknown position mode"},
+  };
+  for (const auto& [args, want] : cases) {
+    Ran r = Kvtier(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(want), std::string::npos) << args << "\n" << r.out;
+  }
+  EXPECT_NE(Kvtier("help").out.find("trace"), std::string::npos);
+  EXPECT_NE(Kvtier("trace --help").out.find("--decode-steps"), std::string::npos);
+  EXPECT_NE(Kvtier("run --help").out.find("--trace"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -43,6 +43,7 @@ Status FlagSet::Parse(const std::string& command, int argc, char** argv) {
     }
     Status st = it->second.set(value);
     if (!st.ok()) return InvalidArgument("--" + name + ": " + st.message());
+    given_.insert(name);
   }
   return Status::Ok();
 }

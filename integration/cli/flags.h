@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,8 @@ class FlagSet {
   /// Parses argv; `command` ("run", "infinite") names the subcommand in messages.
   Status Parse(const std::string& command, int argc, char** argv);
   bool help() const { return help_; }
+  /// Whether --name appeared on the command line (to tell a user's value from a default).
+  bool given(const std::string& name) const { return given_.count(name) > 0; }
   void PrintHelp(const char* usage) const;
 
  private:
@@ -31,6 +34,7 @@ class FlagSet {
   };
   std::map<std::string, Flag> flags_;
   std::vector<std::string> order_;
+  std::set<std::string> given_;
   bool help_ = false;
 };
 

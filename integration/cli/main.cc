@@ -16,6 +16,7 @@
 #include "integration/cli/compile_tables.h"
 #include "integration/cli/flags.h"
 #include "integration/cli/infinite.h"
+#include "integration/cli/trace.h"
 #include "integration/json.h"
 #include "integration/policy_eval.h"
 #include "integration/run_job.h"
@@ -85,6 +86,7 @@ int ComparePolicies(const RunOptions& run, int64_t budget, const std::vector<int
   o.geometry = run.store.geometry;
   o.geometry.dtype = DType::kF32;
   o.workload = run.workload;
+  o.trace = run.trace;
   o.observe = run.observe;
   o.sink_tokens = run.store.n_sink;
   o.local_tokens = std::min<int64_t>(run.store.n_local, 256);
@@ -227,12 +229,20 @@ int CmdRun(int argc, char** argv) {
         [&o](const std::string& s) { o.baseline = s == "0"; return Status::Ok(); }, true);
   f.Add("quiet", "no progress on stderr", [&o](const std::string& s) { o.progress = s == "0"; return Status::Ok(); }, true);
   f.Add("json", "write the full report as JSON to this file", [&json](const std::string& s) { json = s; return Status::Ok(); });
+  std::string trace;
+  f.Add("trace", "replay this trace ('kvtier trace') instead of the synthetic workload: a real model's Q/K/V; "
+        "geometry, context and decode steps come from it", cli::PathFlag(&trace));
   Status st = f.Parse("run", argc, argv);
   if (!st.ok()) return Fail(st);
   if (f.help()) {
     f.PrintHelp("usage: kvtier run [flags]\n\nStreams a synthetic long context (a needle at a chosen depth, a question\n"
-                "window at the end) through the tiered store, decodes with retrieval, and\ncompares with full attention on the same data.");
+                "window at the end) through the tiered store, decodes with retrieval, and\ncompares with full attention on the same data."
+                " --trace FILE replays a model's recorded\nattention ('kvtier trace') instead.");
     return 0;
+  }
+  if (!trace.empty()) {
+    st = UseTraceForRun(trace, f, &o);
+    if (!st.ok()) return Fail(st);
   }
   if (compare_policies) return ComparePolicies(o, kv_budget_set ? o.kv_budget : 1024, sweep, policy_list, json);
   auto rep = RunJob(o);
@@ -288,6 +298,7 @@ void Usage() {
       "  compile-tables  CompilerKV's offline compiler: record traces, fit the tables (conservative Q-learning)\n"
       "  infinite  passkey / number_string / kv_retrieval through the kvtier-llama model with retrieval inside\n"
       "            it (--compare: full attention, StreamingLLM, InfLLM, ActQKV by context length)\n"
+      "  trace     record the kvtier-llama model's real Q/K/V on one prompt, for 'kvtier run --trace FILE'\n"
       "  help      this text\n\n"
       "'kvtier <command> --help' lists a command's flags.\n");
 }
@@ -304,7 +315,8 @@ int main(int argc, char** argv) {
   if (cmd == "policies") return CmdPolicies(argc - 2, argv + 2);
   if (cmd == "compile-tables") return RunCompileTables(argc - 2, argv + 2);
   if (cmd == "infinite") return RunInfinite(argc - 2, argv + 2);
+  if (cmd == "trace") return RunTrace(argc - 2, argv + 2);
   if (cmd == "help" || cmd == "--help" || cmd == "-h") { Usage(); return 0; }
-  std::fprintf(stderr, "kvtier: error: unknown command '%s' (run | stress | policies | compile-tables | infinite | help)\n", cmd.c_str());
+  std::fprintf(stderr, "kvtier: error: unknown command '%s' (run | stress | policies | compile-tables | infinite | trace | help)\n", cmd.c_str());
   return 2;
 }

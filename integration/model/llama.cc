@@ -347,6 +347,7 @@ Status LlamaSession::Forward(const int32_t* tokens, int m, float* logits, bool d
 
   std::vector<float> x(md * d), h(md * d), q(md * qd), k(md * kvd), v(md * kvd), att(md * qd);
   std::vector<float> q_mem;  // kInfLLM: the pre-RoPE queries rotated by position - L0 (memory's view)
+  std::vector<float> k_rot;  // kInfLLM with a capture: the keys rotated at their true positions
   std::vector<float> gate(md * f), up(md * f);
   std::vector<uint8_t> kb(md * kvd * DTypeSize(g.dtype)), vb(kb.size());
   // kInfLLM scratch: per attended part, fp32 K rotated for this step and fp32 V.
@@ -364,6 +365,13 @@ Status LlamaSession::Forward(const int32_t* tokens, int m, float* logits, bool d
     if (infllm) q_mem = q;
     Rope(q.data(), m, c.q_heads, hd, pos.data(), inv_freq_);
     if (!infllm) Rope(k.data(), m, c.kv_heads, hd, pos.data(), inv_freq_);  // kInfLLM stores keys before RoPE
+    if (capture_) {
+      if (infllm) {  // the capture sees keys at their true positions in both modes
+        k_rot = k;
+        Rope(k_rot.data(), m, c.kv_heads, hd, pos.data(), inv_freq_);
+      }
+      capture_(l, position_, m, q.data(), infllm ? k_rot.data() : k.data(), v.data());
+    }
 
     // The window's K/V go into the store first, so its queries find them in the local window.
     FromFloat(g.dtype, k.data(), kb.data(), k.size());

@@ -140,6 +140,16 @@ class LlamaSession {
   Retriever* retriever() { return retriever_.get(); }
   PositionMode position_mode() const { return positions_; }
 
+  /// Sees every layer's q, k and v of each step, right after they are computed and before
+  /// anything is stored: q [m, q_heads, head_dim] and k [m, kv_heads, head_dim] after RoPE
+  /// at the tokens' true positions first_position.. (in kInfLLM mode k is a rotated copy;
+  /// the store still gets keys before RoPE), v [m, kv_heads, head_dim]; fp32, valid during
+  /// the call. For recording real attention (`kvtier trace`); unset, it costs nothing, and
+  /// set or not the forward pass computes the same bits.
+  using QkvCapture = std::function<void(int layer, int64_t first_position, int m, const float* q, const float* k,
+                                        const float* v)>;
+  void SetQkvCapture(QkvCapture capture) { capture_ = std::move(capture); }
+
   /// Chunk indices each layer attended in the last step (prefill window or decode), [layer].
   const std::vector<std::vector<uint64_t>>& last_chunks() const { return last_chunks_; }
   /// Most chunks one layer attended in one step, and chunks attended summed over steps and layers.
@@ -177,6 +187,7 @@ class LlamaSession {
   ChunkSelector selector_ = SelectAllChunks;
   PositionMode positions_ = PositionMode::kAbsolute;
   std::unique_ptr<Retriever> retriever_;
+  QkvCapture capture_;
   std::vector<std::vector<uint64_t>> last_chunks_;
   size_t max_layer_chunks_ = 0;
   uint64_t total_chunks_ = 0;
