@@ -339,12 +339,13 @@ void Retriever::PutQuantizedRow(LayerIndex* li, int h, size_t row, const float* 
   constexpr size_t B = kernels::kI8Block;
   std::vector<int8_t>& codes = li->exact_q8[h];
   std::vector<float>& scale = li->exact_q8_scale[h];
-  const size_t block = row / B, lane = row % B;
-  if (codes.size() < (block + 1) * B * D) codes.resize((block + 1) * B * D, 0);
+  const size_t block = row / B, lane = row % B, block_bytes = kernels::I8BlockBytes(D);
+  if (codes.size() < (block + 1) * block_bytes) codes.resize((block + 1) * block_bytes, 0);
   if (scale.size() <= row) scale.resize(row + 1, 0.0f);
   int8_t tmp[4096];  // head_dim <= 4096 (Geometry::Validate)
   scale[row] = kernels::QuantizeI8(key, D, tmp);
-  for (int d = 0; d < D; ++d) codes[(block * D + d) * B + lane] = tmp[d];
+  int8_t* dst = codes.data() + block * block_bytes;
+  for (int d = 0; d < D; ++d) dst[kernels::I8Offset(d, static_cast<int>(lane))] = tmp[d];
 }
 
 void Retriever::QuantizedScores(const LayerIndex& li, const float* probe, std::vector<float>* raw,
@@ -356,11 +357,14 @@ void Retriever::QuantizedScores(const LayerIndex& li, const float* probe, std::v
   const float h_share = head_max ? 1.0f : 1.0f / static_cast<float>(H);
   raw->assign(n, MergeStart(head_max));
   cos->assign(n, MergeStart(head_max));
-  std::vector<float> inv_p(H);
+  std::vector<float> inv_p(H), p_scale(H);
+  const size_t de = static_cast<size_t>(D + 1) / 2 * 2;
+  std::vector<int16_t> p16(H * de);  // the probe in int16 for the integer block dots
   for (int h = 0; h < H; ++h) {
     const float* p = probe + static_cast<size_t>(h) * D;
     const float pn2 = kernels::Dot(p, p, D);
     inv_p[h] = pn2 > 0.0f ? 1.0f / std::sqrt(pn2) : 0.0f;
+    p_scale[h] = kernels::QuantizeProbeI16(p, D, p16.data() + h * de);
   }
   // One pass over the chunks for every head (one fork-join per layer, not per head).
   // Chunk c owns rows [c*R, c*R+R); a range scores the blocks its rows fall in.
@@ -368,19 +372,21 @@ void Retriever::QuantizedScores(const LayerIndex& li, const float* probe, std::v
   tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 512), [&](const tbb::blocked_range<size_t>& range) {
     const size_t row0 = range.begin() * R, row1 = range.end() * R;
     const size_t first_block = row0 / B, last_block = (row1 + B - 1) / B, base = first_block * B;
-    std::vector<float> dots((last_block - first_block) * B);
+    std::vector<int32_t> dots((last_block - first_block) * B);
+    const size_t block_bytes = kernels::I8BlockBytes(D);
     for (int h = 0; h < H; ++h) {
-      const float* p = probe + static_cast<size_t>(h) * D;
+      const int16_t* p = p16.data() + h * de;
+      const float ps = p_scale[h];
       const int8_t* codes = li.exact_q8[h].data();
       const float* scale = li.exact_q8_scale[h].data();
       const float* inv = li.exact_inv_norm[h].data();
       for (size_t b = first_block; b < last_block; ++b)
-        kernels::DotI8Block(codes + b * B * D, p, D, dots.data() + (b - first_block) * B);
+        kernels::DotI8Block(codes + b * block_bytes, p, D, dots.data() + (b - first_block) * B);
       for (size_t c = range.begin(); c < range.end(); ++c) {
         float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
         for (int r = 0; r < R; ++r) {
           const size_t j = c * R + r;
-          const float dot = dots[j - base] * scale[j];
+          const float dot = static_cast<float>(dots[j - base]) * ps * scale[j];
           best = std::max(best, dot);
           best_cos = std::max(best_cos, dot * inv[j] * inv_p[h]);
         }

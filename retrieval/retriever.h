@@ -116,7 +116,7 @@ class Retriever {
     std::vector<std::vector<float>> exact_repr;     // [H][n, R, D]: per head, so one head's keys are contiguous
     std::vector<std::vector<float>> exact_inv_norm; // [H][n, R]
     std::vector<std::vector<int8_t>> exact_q8;      // [H]: int8 codes of exact_repr's rows, transposed in
-                                                    // blocks of kernels::kI8Block rows (see DotI8Block)
+                                                    // pairs, blocks of kernels::kI8Block rows (see DotI8Block)
     std::vector<std::vector<float>> exact_q8_scale; // [H][n, R]
   };
   Result<LayerIndex*> Index(SequenceId seq, int layer);

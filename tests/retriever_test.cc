@@ -241,38 +241,63 @@ TEST(Retriever, QuantizedBlockDotMatchesFloatDot) {
   std::mt19937 rng(9);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   constexpr int B = kernels::kI8Block;
-  for (int d : {1, 15, 16, 64, 129}) {
+  for (int d : {1, 2, 15, 16, 64, 129, 4096}) {
     std::vector<float> x(static_cast<size_t>(B) * d), p(d);
     for (auto& v : x) v = nd(rng);
     for (auto& v : p) v = nd(rng);
-    // Eight rows quantised, then stored transposed: lane j, element e at block[e * B + j].
-    std::vector<int8_t> block(static_cast<size_t>(B) * d), codes(d);
-    std::vector<float> scale(B);
+    // Eight rows quantised, then stored in the paired transposed layout.
+    std::vector<int8_t> block(kernels::I8BlockBytes(d), 0), codes(d);
+    std::vector<float> scale(B), x_l1(B, 0.0f);
     float p_l1 = 0.0f;
     for (float v : p) p_l1 += std::fabs(v);
     for (int j = 0; j < B; ++j) {
       scale[j] = kernels::QuantizeI8(x.data() + static_cast<size_t>(j) * d, d, codes.data());
       float max_abs = 0.0f;
       for (int e = 0; e < d; ++e) {
-        block[static_cast<size_t>(e) * B + j] = codes[e];
-        max_abs = std::max(max_abs, std::fabs(x[static_cast<size_t>(j) * d + e]));
-        EXPECT_LE(std::fabs(codes[e] * scale[j] - x[static_cast<size_t>(j) * d + e]), 0.5f * scale[j] + 1e-6f);
+        block[kernels::I8Offset(e, j)] = codes[e];
+        const float xe = x[static_cast<size_t>(j) * d + e];
+        max_abs = std::max(max_abs, std::fabs(xe));
+        x_l1[j] += std::fabs(xe);
+        EXPECT_LE(std::fabs(codes[e] * scale[j] - xe), 0.5f * scale[j] + 1e-6f);
       }
       EXPECT_FLOAT_EQ(scale[j], max_abs / 127.0f);
     }
-    float out[B], ref[B];
-    kernels::DotI8Block(block.data(), p.data(), d, out);
-    kernels::DotI8BlockScalar(block.data(), p.data(), d, ref);
+    std::vector<int16_t> p16((d + 1) / 2 * 2, 7);
+    const float ps = kernels::QuantizeProbeI16(p.data(), d, p16.data());
+    if (d % 2) EXPECT_EQ(p16.back(), 0) << "the pad must be 0";
+    int32_t out[B], ref[B];
+    kernels::DotI8Block(block.data(), p16.data(), d, out);
+    kernels::DotI8BlockScalar(block.data(), p16.data(), d, ref);
     for (int j = 0; j < B; ++j) {
-      EXPECT_NEAR(out[j], ref[j], 1e-4f * (1.0f + std::fabs(ref[j]))) << "vector path vs scalar twin, lane " << j;
+      EXPECT_EQ(out[j], ref[j]) << "vector path vs scalar twin, d " << d << " lane " << j;
       const float exact = kernels::Dot(x.data() + static_cast<size_t>(j) * d, p.data(), d);
-      EXPECT_NEAR(out[j] * scale[j], exact, 0.5f * scale[j] * p_l1 + 1e-4f) << "d " << d << " lane " << j;
+      // Errors: codes within half a row step of x, probe codes within half a probe step of p.
+      const float bound = 0.5f * scale[j] * p_l1 + 0.5f * ps * (x_l1[j] + 0.5f * scale[j] * d) + 1e-3f;
+      EXPECT_NEAR(static_cast<float>(out[j]) * ps * scale[j], exact, bound) << "d " << d << " lane " << j;
+    }
+  }
+  // Extreme codes and probe at the largest head_dim cannot overflow the int32 sums.
+  {
+    const int d = 4096;
+    std::vector<int8_t> block(kernels::I8BlockBytes(d), 127);
+    std::vector<float> p(d, -1.0f);
+    std::vector<int16_t> p16(d);
+    kernels::QuantizeProbeI16(p.data(), d, p16.data());
+    int32_t out[B], ref[B];
+    kernels::DotI8Block(block.data(), p16.data(), d, out);
+    kernels::DotI8BlockScalar(block.data(), p16.data(), d, ref);
+    for (int j = 0; j < B; ++j) {
+      EXPECT_EQ(out[j], ref[j]);
+      EXPECT_EQ(out[j], static_cast<int64_t>(127) * p16[0] * d) << "no overflow";
     }
   }
   std::vector<float> zero(8, 0.0f);
   std::vector<int8_t> codes(8, 5);
   EXPECT_EQ(kernels::QuantizeI8(zero.data(), 8, codes.data()), 0.0f);
   for (int8_t c : codes) EXPECT_EQ(c, 0);
+  std::vector<int16_t> pz(8, 5);
+  EXPECT_EQ(kernels::QuantizeProbeI16(zero.data(), 8, pz.data()), 0.0f);
+  for (int16_t c : pz) EXPECT_EQ(c, 0);
 }
 
 TEST(Retriever, EntropyBudgetNeverExceedsTheStepBudget) {
