@@ -8,6 +8,7 @@
 
 #include <unistd.h>
 
+#include "integration/compress.h"
 #include "integration/json.h"
 #include "integration/kv_source.h"
 #include "integration/policy_eval.h"
@@ -338,34 +339,18 @@ Result<RunReport> RunJob(const RunOptions& options) {
   // Observes one layer: the queries at positions [q_first, q_last] attend exactly over every
   // key the store still holds for the layer (sinks, live chunks, local window).
   auto observe_layer = [&](int l, int64_t q_first, int64_t q_last) -> Status {
-    KVTIER_ASSIGN_OR_RETURN(int64_t n_tokens, store->SequenceLength(seq, l));
-    KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store->ListChunks(seq, l));
-    KVTIER_ASSIGN_OR_RETURN(uint64_t count, store->ChunkCount(seq, l));
-    std::vector<std::pair<int64_t, int64_t>> ranges;  // [begin, end) of live keys
-    ranges.emplace_back(0, std::min<int64_t>(n_sink, n_tokens));
-    for (const ChunkInfo& c : chunks) ranges.emplace_back(c.first_token, c.first_token + cs);
-    ranges.emplace_back(std::min<int64_t>(n_tokens, n_sink + static_cast<int64_t>(count) * cs), n_tokens);
-    std::vector<int64_t> keypos;
-    for (const auto& [b, e] : ranges)
-      for (int64_t p = b; p < e; ++p) keypos.push_back(p);
-    const size_t n = keypos.size(), tok_bytes = kv_elems * elem;
-    std::vector<uint8_t> raw(n * tok_bytes), raw_v(raw.size());
-    size_t at = 0;
-    for (const auto& [b, e] : ranges) {
-      if (e <= b) continue;
-      KVTIER_RETURN_IF_ERROR(store->ReadTokens(seq, l, b, e, raw.data() + at * tok_bytes, raw_v.data() + at * tok_bytes));
-      at += static_cast<size_t>(e - b);
-    }
-    std::vector<float> K(n * kv_elems), V(K.size());
-    ToFloat(g.dtype, raw.data(), K.data(), K.size());
-    ToFloat(g.dtype, raw_v.data(), V.data(), V.size());
+    KVTIER_ASSIGN_OR_RETURN(LayerKeys lk, ReadLayerKeys(store.get(), seq, l));
+    const std::vector<int64_t>& keypos = lk.positions;
+    const std::vector<float>& K = lk.keys;
+    const std::vector<float>& V = lk.values;
+    const size_t n = keypos.size();
     const int m = static_cast<int>(q_last - q_first + 1);
     std::vector<int64_t> qpos(m);
     std::iota(qpos.begin(), qpos.end(), q_first);
     std::vector<float> q(static_cast<size_t>(m) * q_elems), attn(static_cast<size_t>(Hq) * m * n);
     work.Generate(l, q_first, q_last + 1, q.data(), nullptr, nullptr);
     rep.policy.scratch_bytes = std::max<uint64_t>(rep.policy.scratch_bytes, (2 * K.size() + attn.size()) * sizeof(float) +
-                                                                               2 * raw.size());
+                                                                               2 * lk.raw_bytes);
     double t0 = NowSeconds();
     ExactAttentionRows(g, q.data(), qpos.data(), m, K.data(), keypos.data(), static_cast<int64_t>(n), attn.data());
     rep.policy.attention_ms += 1e3 * (NowSeconds() - t0);
@@ -404,30 +389,8 @@ Result<RunReport> RunJob(const RunOptions& options) {
       return store->SetChunkScores(seq, l, chunk_scores);
     }
     KVTIER_ASSIGN_OR_RETURN(KeepSet keep, policy->Keep(l, opt.kv_budget));
-    std::vector<double> worth(n_chunks, 0.0);
-    std::vector<char> kept_any(n_chunks, 0);
-    const std::vector<int64_t> kept = keep.Union();
-    size_t k = 0;
-    for (size_t i = 0; i < ts.positions.size(); ++i) {
-      const int64_t pos = ts.positions[i];
-      while (k < kept.size() && kept[k] < pos) ++k;
-      const int64_t c = chunk_of(pos);
-      if (k == kept.size() || kept[k] != pos || c < 0) continue;
-      kept_any[c] = 1;
-      for (const auto& head : ts.per_head) worth[c] += head[i];
-    }
     const int64_t chunk_budget = std::max<int64_t>(0, (opt.kv_budget - n_sink - opt.store.n_local) / cs);
-    std::vector<uint64_t> order(n_chunks);
-    std::iota(order.begin(), order.end(), 0);
-    std::sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) {
-      if (kept_any[a] != kept_any[b]) return kept_any[a] > kept_any[b];
-      if (worth[a] != worth[b]) return worth[a] > worth[b];
-      return a < b;
-    });
-    std::vector<uint64_t> drop;
-    for (size_t i = 0; i < order.size(); ++i)
-      if (static_cast<int64_t>(i) >= chunk_budget || !kept_any[order[i]]) drop.push_back(order[i]);
-    std::sort(drop.begin(), drop.end());
+    const std::vector<uint64_t> drop = ChunksToDrop(ts, keep, n_sink, cs, n_chunks, chunk_budget);
     rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
     const uint64_t dropped_before = store->counters().dropped_chunks;
     KVTIER_RETURN_IF_ERROR(store->DropChunks(seq, l, drop));
@@ -440,16 +403,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
     return Status::Ok();
   };
   // Kept tokens per layer (mean): what the store still holds.
-  auto kept_tokens = [&]() -> Result<uint64_t> {
-    uint64_t total = 0;
-    for (int l = 0; l < L; ++l) {
-      KVTIER_ASSIGN_OR_RETURN(int64_t n_tokens, store->SequenceLength(seq, l));
-      KVTIER_ASSIGN_OR_RETURN(uint64_t count, store->ChunkCount(seq, l));
-      KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> live, store->ListChunks(seq, l));
-      total += static_cast<uint64_t>(n_tokens) - (count - live.size()) * static_cast<uint64_t>(cs);
-    }
-    return total / static_cast<uint64_t>(L);
-  };
+  auto kept_tokens = [&]() -> Result<uint64_t> { return KeptTokensPerLayer(*store, seq, L); };
   if (!policy_spec.empty()) {
     // ---- the scoring policy at prefill end: demotion scores and/or compression ----
     // The last `observe` prompt queries attend exactly over every key of the layer (read

@@ -447,5 +447,61 @@ TEST(Cli, RunTraceBadInputsGetClearErrors) {
   EXPECT_NE(Kvtier("run --help").out.find("--trace"), std::string::npos);
 }
 
+// ---- kvtier infinite --compress ----
+
+std::string CompressArgs(const std::string& json) {
+  return "infinite --quiet --weights " + TraceTestWeights() + " --task passkey --context 2048 --samples 8 --seed 3"
+         " --sink 16 --local 128 --window 64 --budget 256 --json " + json;
+}
+
+// H2O compresses the real model's store at prefill end to 384 tokens per layer (16 sinks,
+// 7 chunks, the local window): most chunks leave, yet the question's attention keeps the
+// needle's chunk often enough (measured 6/8; 8/8 uncompressed).
+TEST(Cli, InfiniteCompressKeepsTheNeedleWithH2O) {
+  TempDir dir;
+  const std::string json = dir.path() + "/h2o.json";
+  Ran r = Kvtier(CompressArgs(json) + " --compress h2o --kv-budget 384");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("compression h2o"), std::string::npos) << r.out;
+  const std::string rep = ReadAll(json);
+  EXPECT_NE(rep.find("\"compress\": \"h2o"), std::string::npos) << rep;
+  EXPECT_GT(JsonNumber(rep, "dropped_chunks_per_sample"), 0.0) << rep;
+  EXPECT_GT(JsonNumber(rep, "kept_tokens_per_layer"), 0.0) << rep;
+  EXPECT_LE(JsonNumber(rep, "kept_tokens_per_layer"), 384.0) << rep;
+  EXPECT_LE(JsonNumber(rep, "kept_tokens_max_layer"), 384.0) << rep;
+  EXPECT_GE(JsonNumber(rep, "accuracy"), 0.5) << r.out;
+}
+
+// StreamingLLM's keep set at 160 tokens is the sinks and the local window: every chunk goes,
+// the needle with them, and the model cannot answer; proof that compression really drops.
+TEST(Cli, InfiniteCompressStreamingLosesTheNeedle) {
+  TempDir dir;
+  const std::string json = dir.path() + "/streaming.json";
+  Ran r = Kvtier(CompressArgs(json) + " --compress streaming --kv-budget 160");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string rep = ReadAll(json);
+  EXPECT_GT(JsonNumber(rep, "dropped_chunks_per_sample"), 0.0) << rep;
+  EXPECT_LE(JsonNumber(rep, "accuracy"), 0.25) << r.out;
+  EXPECT_DOUBLE_EQ(JsonNumber(rep, "needle_recall"), 0.0) << r.out;
+}
+
+TEST(Cli, InfiniteCompressRejectsBadFlags) {
+  const std::string base = "infinite --quiet --weights " + TraceTestWeights() + " --context 2048 --samples 1"
+                           " --sink 16 --local 128 --window 64";
+  Ran bogus = Kvtier(base + " --compress bogus --kv-budget 384");
+  EXPECT_EQ(bogus.code, 2) << bogus.out;
+  EXPECT_NE(bogus.out.find("--compress"), std::string::npos) << bogus.out;
+  EXPECT_NE(bogus.out.find("bogus"), std::string::npos) << bogus.out;
+  Ran no_budget = Kvtier(base + " --compress h2o");
+  EXPECT_EQ(no_budget.code, 2) << no_budget.out;
+  EXPECT_NE(no_budget.out.find("--kv-budget"), std::string::npos) << no_budget.out;
+  Ran small = Kvtier(base + " --compress h2o --kv-budget 100");
+  EXPECT_EQ(small.code, 2) << small.out;
+  EXPECT_NE(small.out.find("must cover the sinks and the local window"), std::string::npos) << small.out;
+  Ran orphan = Kvtier(base + " --kv-budget 384");
+  EXPECT_EQ(orphan.code, 2) << orphan.out;
+  EXPECT_NE(Kvtier("infinite --help").out.find("--compress"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -16,10 +17,13 @@
 #include <vector>
 
 #include "integration/cli/flags.h"
+#include "integration/compress.h"
 #include "integration/json.h"
 #include "integration/model/llama.h"
 #include "integration/model/tasks.h"
+#include "integration/policy_eval.h"
 #include "offload/demotion_policy.h"
+#include "offload/policy/scoring_policy.h"
 #include "retrieval/retriever.h"
 
 namespace kvtier {
@@ -58,6 +62,12 @@ struct Options {
   StoreOptions store;
   bool hot_set = false, warm_set = false;
   uint64_t full_max_bytes = 1ull << 30;  // full attention runs only where one layer's chunks fit in this
+  // --compress: this scoring policy drops chunks at prefill end (and every compress_every()
+  // decode steps for policies that compress while decoding), keeping kv_budget tokens per
+  // layer; the last `observe` queries are what it observes.
+  std::string compress;
+  int64_t kv_budget = 0;
+  int observe = 32;
 };
 
 // One way of attending: which chunks, which positions.
@@ -69,6 +79,7 @@ struct Method {
   RetrieverOptions retrieval;
   PositionMode positions = PositionMode::kInfLLM;
   int repr_topk = 0;  // representative keys per chunk and head; 0 = --repr-topk
+  bool compress = false;  // --compress applies (every method that attends chunks; StreamingLLM has none)
 };
 
 struct Result1 {  // one method at one context length
@@ -87,6 +98,12 @@ struct Result1 {  // one method at one context length
   // so accuracy can be high at a modest recall.
   uint64_t needle_steps = 0, needle_hits = 0;
   double needle_recall() const { return needle_steps ? static_cast<double>(needle_hits) / needle_steps : -1; }
+  // --compress: tokens the store held per layer right after the prefill-end compression
+  // (summed over samples: mean over layers, and the largest layer), chunks dropped (all
+  // layers, every compression) and compressions, summed over samples.
+  uint64_t kept_tokens = 0, kept_tokens_max = 0, dropped_chunks = 0, compressions = 0;
+  double kept_per_layer() const { return samples ? static_cast<double>(kept_tokens) / samples : 0; }
+  double dropped_per_sample() const { return samples ? static_cast<double>(dropped_chunks) / samples : 0; }
   StoreCounters peak;           // largest per-tier bytes over the samples (at each sample's end)
   std::vector<std::string> outputs;
   double accuracy() const { return samples ? static_cast<double>(correct) / samples : 0; }
@@ -136,11 +153,14 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
   // Needle recall of the step just run: per layer, were all sealed needle chunks attended?
   auto score_needle = [&]() -> Status {
     for (int layer = 0; layer < model.config().n_layers; ++layer) {
-      KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> live, session->store()->ListChunks(session->sequence(), layer));
+      // Every sealed chunk over the answer, dropped by --compress or not: a compressed-away
+      // needle is a miss, not a step that does not count.
+      KVTIER_ASSIGN_OR_RETURN(uint64_t sealed, session->store()->ChunkCount(session->sequence(), layer));
       std::set<uint64_t> needed;
-      for (const ChunkInfo& c : live)
-        if (c.first_token < sample.answer_end && c.first_token + c.n_tokens > sample.answer_begin)
-          needed.insert(c.key.index);
+      for (uint64_t i = 0; i < sealed; ++i) {
+        const int64_t first = so.n_sink + static_cast<int64_t>(i) * so.chunk_size;
+        if (first < sample.answer_end && first + so.chunk_size > sample.answer_begin) needed.insert(i);
+      }
       if (needed.empty()) continue;
       const std::vector<uint64_t>& got = session->last_chunks()[static_cast<size_t>(layer)];
       size_t found = 0;
@@ -151,28 +171,152 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
     return Status::Ok();
   };
   const int window = std::min(o.window, so.n_local);
-  const int vocab = model.config().vocab;
   std::vector<int32_t> tokens(sample.prompt.size());
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<unsigned char>(sample.prompt[i]);
+  // The prompt's last token runs as the first decode step (see below).
+  const size_t n_prefill = tokens.size() - 1;
+
+  // ---- --compress: the scoring policy over this session's store ----
+  // The capture keeps each layer's `observe` most recent queries (after RoPE at their true
+  // positions); compress() has them attend exactly over every key the layer still holds,
+  // the policy observes that layer by layer, and each layer keeps the chunks holding the
+  // most of the policy's keep set (ChunksToDrop), the rest leaving the store and the index.
+  const model::LlamaConfig& cfg = model.config();
+  const Geometry g = cfg.KvGeometry(DType::kF32);
+  const size_t q_elems = static_cast<size_t>(cfg.q_heads) * cfg.head_dim();
+  std::unique_ptr<ScoringPolicy> policy;
+  struct Query { int64_t position; std::vector<float> q; };
+  std::vector<std::deque<Query>> recent(static_cast<size_t>(cfg.n_layers));  // [layer], oldest first
+  const int observe = static_cast<int>(std::min<int64_t>(o.observe, static_cast<int64_t>(n_prefill)));
+  auto compress = [&](int n_queries) -> Status {
+    TieredStore* store = session->store();
+    const SequenceId seq = session->sequence();
+    for (int l = 0; l < cfg.n_layers; ++l) {
+      KVTIER_ASSIGN_OR_RETURN(LayerKeys lk, ReadLayerKeys(store, seq, l));
+      const int64_t n = static_cast<int64_t>(lk.positions.size());
+      // kInfLLM stores keys before RoPE: rotate them where the model attends them (llama.h),
+      // so the policy sees the attention the model would give every held key: local-window
+      // keys at their true positions, memory (sealed chunks, and the sinks once chunks
+      // separate them from the local window) at L0, the local window's first position.
+      // Queries keep their true positions, as the capture gives them.
+      if (m.positions == PositionMode::kInfLLM) {
+        KVTIER_ASSIGN_OR_RETURN(uint64_t sealed, store->ChunkCount(seq, l));
+        const int64_t l0 = so.n_sink + static_cast<int64_t>(sealed) * so.chunk_size;
+        std::vector<int64_t> rope_pos(lk.positions);
+        if (sealed > 0)
+          for (int64_t& p : rope_pos) p = std::max(p, l0);
+        session->ApplyRope(lk.keys.data(), static_cast<int>(n), cfg.kv_heads, rope_pos.data());
+      }
+      const std::deque<Query>& ring = recent[static_cast<size_t>(l)];
+      const int mq = std::min<int>(n_queries, static_cast<int>(ring.size()));
+      if (mq < 1) return Internal("--compress: no queries captured for layer " + std::to_string(l));
+      std::vector<float> q(static_cast<size_t>(mq) * q_elems);
+      std::vector<int64_t> qpos(static_cast<size_t>(mq));
+      for (int i = 0; i < mq; ++i) {
+        const Query& src = ring[ring.size() - static_cast<size_t>(mq) + static_cast<size_t>(i)];
+        qpos[static_cast<size_t>(i)] = src.position;
+        std::copy(src.q.begin(), src.q.end(), q.begin() + static_cast<ptrdiff_t>(i * q_elems));
+      }
+      std::vector<float> attn(static_cast<size_t>(cfg.q_heads) * mq * static_cast<size_t>(n));
+      ExactAttentionRows(g, q.data(), qpos.data(), mq, lk.keys.data(), lk.positions.data(), n, attn.data());
+      AttentionObservation obs;
+      obs.layer = l;
+      obs.n_queries = mq;
+      obs.n_keys = n;
+      obs.key_positions = lk.positions.data();
+      obs.query_positions = qpos.data();
+      obs.attention = attn.data();
+      obs.keys = lk.keys.data();
+      obs.values = lk.values.data();
+      KVTIER_RETURN_IF_ERROR(policy->Observe(obs));
+    }
+    for (int l = 0; l < cfg.n_layers; ++l) {
+      KVTIER_ASSIGN_OR_RETURN(uint64_t n_chunks, store->ChunkCount(seq, l));
+      KVTIER_ASSIGN_OR_RETURN(int64_t n_tokens, store->SequenceLength(seq, l));
+      KVTIER_ASSIGN_OR_RETURN(TokenScores ts, policy->Scores(l));
+      KVTIER_ASSIGN_OR_RETURN(KeepSet keep, policy->Keep(l, o.kv_budget));
+      // The chunks' share of the budget is what the sinks and the local window as the store
+      // holds it now leave (the local ring holds n_local to n_local + chunk - 1 tokens), so the
+      // layer never holds more than --kv-budget tokens.
+      const int64_t sinks = std::min<int64_t>(so.n_sink, n_tokens);
+      const int64_t local = n_tokens - std::min<int64_t>(n_tokens, so.n_sink + static_cast<int64_t>(n_chunks) * so.chunk_size);
+      const int64_t chunk_budget = std::max<int64_t>(0, (o.kv_budget - sinks - local) / so.chunk_size);
+      const std::vector<uint64_t> drop = ChunksToDrop(ts, keep, so.n_sink, so.chunk_size, n_chunks, chunk_budget);
+      const uint64_t before = store->counters().dropped_chunks;
+      KVTIER_RETURN_IF_ERROR(store->DropChunks(seq, l, drop));
+      if (session->retriever()) KVTIER_RETURN_IF_ERROR(session->retriever()->Forget(seq, l, drop));
+      r->dropped_chunks += store->counters().dropped_chunks - before;
+    }
+    r->compressions += 1;
+    return Status::Ok();
+  };
+  if (m.compress && !o.compress.empty()) {
+    KVTIER_ASSIGN_OR_RETURN(policy, MakeScoringPolicy(o.compress));
+    PolicyGeometry pg;
+    pg.layers = cfg.n_layers;
+    pg.q_heads = cfg.q_heads;
+    pg.kv_heads = cfg.kv_heads;
+    pg.head_dim = cfg.head_dim();
+    pg.sink_tokens = so.n_sink;
+    pg.local_tokens = so.n_local;
+    KVTIER_RETURN_IF_ERROR(policy->Begin(pg));
+    // Only the last `observe` prefilled queries and, for policies that compress while
+    // decoding, the decoded ones are copied.
+    const int64_t keep_from = static_cast<int64_t>(n_prefill) - observe;
+    session->SetQkvCapture([&recent, keep_from, q_elems, observe](int layer, int64_t first, int mq, const float* q,
+                                                                   const float*, const float*) {
+      std::deque<Query>& ring = recent[static_cast<size_t>(layer)];
+      for (int i = 0; i < mq; ++i) {
+        if (first + i < keep_from) continue;
+        const float* row = q + static_cast<size_t>(i) * q_elems;
+        ring.push_back(Query{first + i, std::vector<float>(row, row + q_elems)});
+        if (ring.size() > static_cast<size_t>(observe)) ring.pop_front();
+      }
+    });
+  }
+  const int64_t compress_every = policy ? policy->compress_every() : 0;
   const double t0 = Now();
   // The prompt's last token runs as the first decode step, not in the last prefill window:
   // the answer's first byte is then retrieved for by that token's own query (ActQKV Sec. 4.2),
   // as every later byte is, instead of by a probe pooled over a whole window of question and
   // filler. Under full attention the logits are the same either way.
-  const size_t n_prefill = tokens.size() - 1;
   for (size_t b = 0; b < n_prefill; b += static_cast<size_t>(window)) {
     const size_t e = std::min(n_prefill, b + static_cast<size_t>(window));
     KVTIER_RETURN_IF_ERROR(
         session->Prefill(std::vector<int32_t>(tokens.begin() + b, tokens.begin() + e), window).status());
   }
+  int64_t decoded = 0;  // decode steps run (the prompt's last token is the first)
+  // After a decode step: G-KV-style policies compress again every compress_every() steps,
+  // observing the last min(observe, s) decoded queries (as `kvtier run` does).
+  auto after_decode = [&]() -> Status {
+    decoded += 1;
+    if (compress_every > 0 && decoded % compress_every == 0)
+      KVTIER_RETURN_IF_ERROR(compress(static_cast<int>(std::min<int64_t>(o.observe, compress_every))));
+    return Status::Ok();
+  };
+  if (policy) {
+    KVTIER_RETURN_IF_ERROR(compress(observe));
+    KVTIER_ASSIGN_OR_RETURN(uint64_t kept, KeptTokensPerLayer(*session->store(), session->sequence(), cfg.n_layers));
+    r->kept_tokens += kept;
+    for (int l = 0; l < cfg.n_layers; ++l) {
+      KVTIER_ASSIGN_OR_RETURN(int64_t n_tokens, session->store()->SequenceLength(session->sequence(), l));
+      KVTIER_ASSIGN_OR_RETURN(uint64_t count, session->store()->ChunkCount(session->sequence(), l));
+      KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> live, session->store()->ListChunks(session->sequence(), l));
+      r->kept_tokens_max = std::max<uint64_t>(
+          r->kept_tokens_max, static_cast<uint64_t>(n_tokens) - (count - live.size()) * static_cast<uint64_t>(so.chunk_size));
+    }
+    if (compress_every == 0) session->SetQkvCapture(nullptr);  // compressing once: nothing more to see
+  }
   KVTIER_ASSIGN_OR_RETURN(std::vector<float> last, session->Decode(tokens.back()));
   KVTIER_RETURN_IF_ERROR(score_needle());
+  KVTIER_RETURN_IF_ERROR(after_decode());
   std::string out;
   int32_t next = LlamaSession::Argmax(last);
   out.push_back(static_cast<char>(next));
   while (out.size() < sample.answer.size()) {
     KVTIER_ASSIGN_OR_RETURN(last, session->Decode(next));
     KVTIER_RETURN_IF_ERROR(score_needle());
+    KVTIER_RETURN_IF_ERROR(after_decode());
     next = LlamaSession::Argmax(last);
     out.push_back(static_cast<char>(next));
   }
@@ -217,7 +361,7 @@ std::string MiB(uint64_t bytes) {
   return buf;
 }
 
-std::string Describe(const Method& m, int chunk) {
+std::string DescribeAttention(const Method& m, int chunk) {
   switch (m.kind) {
     case Method::kFull: return "every chunk, absolute positions";
     case Method::kStreaming: return "sinks + local window only, positions " +
@@ -237,6 +381,14 @@ std::string Describe(const Method& m, int chunk) {
   return "";
 }
 
+std::string Describe(const Options& o, const Method& m) {
+  std::string d = DescribeAttention(m, o.store.chunk_size);
+  if (m.compress)
+    d += "; compressed by " + o.compress + " to " + std::to_string(o.kv_budget) + " tokens/layer (observe " +
+         std::to_string(o.observe) + ")";
+  return d;
+}
+
 std::string ToJson(const Options& o, const std::vector<Method>& methods, const std::vector<Result1>& results) {
   JsonWriter w(/*pretty=*/true);
   w.BeginObject();
@@ -244,9 +396,13 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
   w.Key("seed").Int(o.seed).Key("budget").Int(o.retrieval.budget_tokens);
   w.Key("sink").Int(o.store.n_sink).Key("local").Int(o.store.n_local).Key("chunk").Int(o.store.chunk_size);
   w.Key("window").Int(std::min(o.window, o.store.n_local));
+  if (o.compress.empty()) w.Key("compress").Null();
+  else w.Key("compress").String(o.compress);
+  w.Key("kv_budget").Int(o.kv_budget).Key("observe").Int(o.observe);
   w.Key("methods").BeginArray();
   for (const Method& m : methods)
-    w.BeginObject().Key("name").String(m.name).Key("config").String(Describe(m, o.store.chunk_size)).EndObject();
+    w.BeginObject().Key("name").String(m.name).Key("config").String(Describe(o, m)).Key("compressed").Bool(m.compress)
+        .EndObject();
   w.EndArray();
   w.Key("results").BeginArray();
   for (const Result1& r : results) {
@@ -257,6 +413,11 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
       w.Key("chunks_per_layer_step").Double(r.steps ? static_cast<double>(r.chunks) / r.steps : 0);
       if (r.needle_steps) w.Key("needle_recall").Double(r.needle_recall());
       else w.Key("needle_recall").Null();
+      if (r.compressions) {
+        w.Key("kept_tokens_per_layer").Double(r.kept_per_layer()).Key("kept_tokens_max_layer").Uint(r.kept_tokens_max);
+        w.Key("dropped_chunks_per_sample").Double(r.dropped_per_sample());
+        w.Key("compressions_per_sample").Double(static_cast<double>(r.compressions) / r.samples);
+      }
       w.Key("tier_bytes").BeginObject();
       w.Key("hot").Uint(r.peak.hot_bytes).Key("warm").Uint(r.peak.warm_bytes).Key("cold").Uint(r.peak.cold_bytes);
       w.EndObject();
@@ -387,6 +548,21 @@ int RunInfinite(int argc, char** argv) {
           o.compare = s != "0";
           return Status::Ok();
         }, true);
+  f.Add("compress", "compression: this scoring policy (any 'kvtier policies' spec, e.g. h2o, snapkv, "
+        "gkv:s=16) drops whole chunks at prefill end, keeping --kv-budget tokens per layer; policies that "
+        "compress while decoding (gkv) compress again every s decode steps. With --compare it applies to "
+        "every method that attends chunks (not StreamingLLM)", [&o](const std::string& s) {
+          auto p = MakeScoringPolicy(s);
+          if (!p.ok()) return InvalidArgument("--compress: " + p.status().message());
+          o.compress = (*p)->ToString();
+          return Status::Ok();
+        });
+  f.Add("kv-budget", "--compress: tokens kept per layer, sinks and local window included (required with "
+        "--compress, at least --sink + --local; the store's local window holds up to --chunk - 1 tokens more "
+        "than --local and is never dropped, so a budget below --sink + --local + --chunk may be exceeded by that)",
+        IntFlag(&o.kv_budget, 1, int64_t{1} << 40));
+  f.Add("observe", "--compress: the last prompt tokens whose queries' exact attention over every held key "
+        "the policy observes (default 32)", IntFlag(&o.observe, 1, 1 << 16));
   f.Add("json", "write the report as JSON to this file", PathFlag(&o.json));
   f.Add("quiet", "no progress on stderr", [&o](const std::string& s) {
     o.quiet = s != "0";
@@ -400,7 +576,12 @@ int RunInfinite(int argc, char** argv) {
         "[flags]\n\n"
         "∞-Bench-style retrieval through the kvtier-llama model: each prompt is prefilled in windows with\n"
         "retrieval inside the model, the answer decoded greedily; exact match = correct. --compare runs\n"
-        "full attention, StreamingLLM, InfLLM and ActQKV on the same samples (--contexts 4096,16384,...).");
+        "full attention, StreamingLLM, InfLLM and ActQKV on the same samples (--contexts 4096,16384,...).\n\n"
+        "--compress SPEC --kv-budget N: at prefill end the last --observe prompt queries attend exactly over\n"
+        "every key each layer holds (keys at their true positions), the scoring policy keeps N tokens per\n"
+        "layer, and the chunks holding the fewest of its kept tokens leave the store and the retrieval index\n"
+        "for good; gkv compresses again every s decode steps. With --compare every method but StreamingLLM\n"
+        "works on the compressed store (full attention = every chunk compression left).");
     return 0;
   }
   if (o.store.repr_topk == 0 || o.store.repr_topk > o.store.chunk_size) o.store.repr_topk = o.store.chunk_size;
@@ -410,6 +591,14 @@ int RunInfinite(int argc, char** argv) {
                                 std::to_string(o.store.n_local) + "): a window's keys must stay in the local window"));
   if (o.warm_set && o.store.data_dir.empty())
     return Fail(InvalidArgument("--warm-bytes needs --data-dir: without a cold tier the warm tier holds every chunk"));
+  if (!o.compress.empty() && o.kv_budget == 0)
+    return Fail(InvalidArgument("--compress needs --kv-budget N (tokens kept per layer)"));
+  if (o.compress.empty() && o.kv_budget != 0)
+    return Fail(InvalidArgument("--kv-budget needs --compress SPEC (the scoring policy that decides what stays)"));
+  if (!o.compress.empty() && o.kv_budget < static_cast<int64_t>(o.store.n_sink) + o.store.n_local)
+    return Fail(InvalidArgument("--kv-budget (" + std::to_string(o.kv_budget) + ") must cover the sinks and the " +
+                                "local window (--sink " + std::to_string(o.store.n_sink) + " + --local " +
+                                std::to_string(o.store.n_local) + ")"));
   {
     Status v = o.retrieval.Validate();
     if (!v.ok()) return Fail(InvalidArgument("retrieval options: " + v.message()));
@@ -443,6 +632,9 @@ int RunInfinite(int argc, char** argv) {
   } else {
     methods = {Method{"kvtier", Method::kRetrieval, o.retrieval, o.positions, o.store.repr_topk}};
   }
+  // --compress: every method that attends chunks works on what compression left (full
+  // attention: every chunk left); StreamingLLM attends none, so compression cannot change it.
+  for (Method& m : methods) m.compress = !o.compress.empty() && m.kind != Method::kStreaming;
 
   // The same samples for every method: one generator per context length.
   std::vector<Result1> results;
@@ -466,7 +658,7 @@ int RunInfinite(int argc, char** argv) {
               o.task.c_str(), o.samples, o.weights.c_str(), c.d_model, c.n_layers, c.q_heads, c.kv_heads);
   std::printf("store: sinks %d, local %d, chunk %d, prefill window %d, policy %s\n", o.store.n_sink, o.store.n_local,
               o.store.chunk_size, std::min(o.window, o.store.n_local), o.store.warm_policy.c_str());
-  for (const Method& m : methods) std::printf("  %-15s %s\n", m.name.c_str(), Describe(m, o.store.chunk_size).c_str());
+  for (const Method& m : methods) std::printf("  %-15s %s\n", m.name.c_str(), Describe(o, m).c_str());
   std::printf("\n");
   if (!o.compare) {
     for (const Result1& r : results) {
@@ -480,6 +672,12 @@ int RunInfinite(int argc, char** argv) {
         std::printf("  needle recall %.3f: share of (answer step, layer) that attended every sealed chunk holding "
                     "the answer in the needle\n",
                     r.needle_recall());
+      if (r.compressions)
+        std::printf("  compression %s: %.1f tokens kept per layer (largest layer %llu, budget %lld), %.1f chunks "
+                    "dropped per sample (all layers), %.1f compressions per sample\n",
+                    o.compress.c_str(), r.kept_per_layer(), static_cast<unsigned long long>(r.kept_tokens_max),
+                    static_cast<long long>(o.kv_budget), r.dropped_per_sample(),
+                    static_cast<double>(r.compressions) / r.samples);
       if (!r.outputs.empty()) std::printf("  first answer decoded: \"%s\"\n", Printable(r.outputs[0]).c_str());
     }
   } else {
@@ -515,6 +713,15 @@ int RunInfinite(int argc, char** argv) {
       std::printf("  %-15s hot %s, warm %s, cold %s; %.0f tokens/s\n", r.method.c_str(),
                   MiB(r.peak.hot_bytes).c_str(), MiB(r.peak.warm_bytes).c_str(), MiB(r.peak.cold_bytes).c_str(),
                   r.tokens_per_s());
+    }
+    if (!o.compress.empty()) {
+      std::printf("\ncompression %s to %lld tokens/layer at the largest context (kept tokens per layer, "
+                  "chunks dropped per sample):\n", o.compress.c_str(), static_cast<long long>(o.kv_budget));
+      for (size_t i = 0; i < methods.size(); ++i) {
+        const Result1& r = results[(o.contexts.size() - 1) * methods.size() + i];
+        if (r.skipped || !r.compressions) continue;
+        std::printf("  %-15s %.1f kept, %.1f dropped\n", r.method.c_str(), r.kept_per_layer(), r.dropped_per_sample());
+      }
     }
   }
   if (!o.json.empty()) {

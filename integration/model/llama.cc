@@ -254,6 +254,10 @@ LlamaSession::LlamaSession(const LlamaModel* model, std::unique_ptr<TieredStore>
   last_chunks_.resize(model->config().n_layers);
 }
 
+void LlamaSession::ApplyRope(float* x, int m, int heads, const int64_t* positions) const {
+  Rope(x, m, heads, model_->config().head_dim(), positions, inv_freq_);
+}
+
 LlamaSession::~LlamaSession() {
   if (store_) store_->DropSequence(seq_).IgnoreError();  // best effort: the store goes away with us
 }

@@ -149,6 +149,10 @@ class LlamaSession {
   using QkvCapture = std::function<void(int layer, int64_t first_position, int m, const float* q, const float* k,
                                         const float* v)>;
   void SetQkvCapture(QkvCapture capture) { capture_ = std::move(capture); }
+  /// Rotates x [m, heads, head_dim] fp32 in place with this model's RoPE at `positions`, exactly
+  /// as the forward pass rotates queries and keys: turns keys read back from a kInfLLM store
+  /// (stored before RoPE) into the keys the capture shows, for scoring at true positions.
+  void ApplyRope(float* x, int m, int heads, const int64_t* positions) const;
 
   /// Chunk indices each layer attended in the last step (prefill window or decode), [layer].
   const std::vector<std::vector<uint64_t>>& last_chunks() const { return last_chunks_; }
