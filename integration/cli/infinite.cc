@@ -543,8 +543,8 @@ int RunInfinite(int argc, char** argv) {
   f.Add("full-max-bytes", "--compare: full attention runs where one layer's chunks fit in this (default 1G)",
         [&o](const std::string& s) { return ParseBytes(s, &o.full_max_bytes); });
   f.Add("seed", "random seed of the samples (default 1)", IntFlag(&o.seed, 0, INT64_MAX));
-  f.Add("compare", "full attention, StreamingLLM, InfLLM (mean+topk) and ActQKV (act+entropy) on the same "
-        "samples at the same budget; one table by context length", [&o](const std::string& s) {
+  f.Add("compare", "full attention, StreamingLLM, InfLLM (mean+topk), ActQKV (act+entropy), kvtier (these flags) "
+        "and a needle oracle on the same samples at the same budget; one table by context length", [&o](const std::string& s) {
           o.compare = s != "0";
           return Status::Ok();
         }, true);
@@ -576,9 +576,12 @@ int RunInfinite(int argc, char** argv) {
         "[flags]\n\n"
         "∞-Bench-style retrieval through the kvtier-llama model: each prompt is prefilled in windows with\n"
         "retrieval inside the model, the answer decoded greedily; exact match = correct. --compare runs\n"
-        "full attention, StreamingLLM, InfLLM and ActQKV on the same samples (--contexts 4096,16384,...).\n\n"
+        "full attention, StreamingLLM, InfLLM and ActQKV (as the papers write them), kvtier (these flags) and a\n"
+        "needle oracle on the same samples (--contexts 4096,16384,...). docs/retrieval.md explains kvtier's\n"
+        "defaults (--head-merge max --rank-by logit, every key a representative).\n\n"
         "--compress SPEC --kv-budget N: at prefill end the last --observe prompt queries attend exactly over\n"
-        "every key each layer holds (keys at their true positions), the scoring policy keeps N tokens per\n"
+        "every key each layer holds (keys where the model attends them: with --positions infllm, memory at the\n"
+        "local window's start), the scoring policy keeps N tokens per\n"
         "layer, and the chunks holding the fewest of its kept tokens leave the store and the retrieval index\n"
         "for good; gkv compresses again every s decode steps. With --compare every method but StreamingLLM\n"
         "works on the compressed store (full attention = every chunk compression left).");
