@@ -321,7 +321,7 @@ TEST(Cli, TrainedModelFindsThePasskeyAtTrainingLength) {
   const std::string json = dir.path() + "/passkey.json";
   // 512 bytes fit in sinks + local window: nothing is retrieved, this is full attention.
   Ran r = Kvtier("infinite --quiet --weights " + weights + " --task passkey --context 512 --samples 40 --seed 7"
-                 " --positions absolute --json " + json);
+                 " --positions absolute --sink 64 --local 512 --window 128 --json " + json);
   ASSERT_EQ(r.code, 0) << r.out;
   const double acc = JsonNumber(ReadAll(json), "accuracy");
   EXPECT_GE(acc, 0.95) << r.out;
