@@ -1,6 +1,7 @@
 #include "retrieval/retriever.h"
 
 #include <algorithm>
+#include <functional>
 #include <chrono>
 #include <cmath>
 #include <numeric>
@@ -237,15 +238,32 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
     sel.alloc_ms = MsSince(t0);
     t0 = std::chrono::steady_clock::now();
     const int64_t n_cand = std::max<int64_t>(static_cast<int64_t>(options_.rerank_factor) * take, options_.rerank_min);
-    rows_.resize(n);
-    std::iota(rows_.begin(), rows_.end(), 0);
     const std::vector<float>& rank1 = rank_cos ? scores_ : raw1;
+    rows_.clear();
     if (n_cand < n) {
-      std::nth_element(rows_.begin(), rows_.begin() + n_cand, rows_.end(), [&](int64_t a, int64_t b) {
-        return rank1[a] != rank1[b] ? rank1[a] > rank1[b] : a < b;
-      });
-      rows_.resize(n_cand);
-      std::sort(rows_.begin(), rows_.end());  // ascending chunk order: TakeBest's ties keep the smaller chunk
+      // The n_cand best rows (higher score first, ties to the smaller row), in ascending row
+      // order for TakeBest's ties: find the n_cand-th score on a plain copy (no indirection
+      // through row indices, which cost as much as the first stage itself), then keep every
+      // row above it and the first rows equal to it.
+      threshold_buf_.assign(rank1.begin(), rank1.end());
+      std::nth_element(threshold_buf_.begin(), threshold_buf_.begin() + (n_cand - 1), threshold_buf_.end(),
+                       std::greater<float>());
+      const float t = threshold_buf_[n_cand - 1];
+      int64_t above = 0;
+      for (int64_t i = 0; i < n; ++i) above += rank1[i] > t ? 1 : 0;
+      int64_t ties_left = n_cand - above;
+      rows_.reserve(n_cand);
+      for (int64_t i = 0; i < n; ++i) {
+        if (rank1[i] > t) {
+          rows_.push_back(i);
+        } else if (rank1[i] == t && ties_left > 0) {
+          rows_.push_back(i);
+          --ties_left;
+        }
+      }
+    } else {
+      rows_.resize(n);
+      std::iota(rows_.begin(), rows_.end(), 0);
     }
     std::vector<float> raw, cos;
     ExactScoresOf(*li, probe_vec_.data(), rows_, &raw, &cos);

@@ -141,6 +141,7 @@ class Retriever {
   std::vector<float> repr_, probe_buf_, probe_vec_;
   std::vector<uint64_t> ids_;
   std::vector<int64_t> rows_;
+  std::vector<float> threshold_buf_;  // Select: scratch copy of the first-stage scores
   std::vector<float> scores_;
   int k_ = 0;
 };
