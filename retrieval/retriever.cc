@@ -36,12 +36,19 @@ std::vector<uint64_t> TakeBest(const std::vector<float>& rank, const std::vector
   return out;
 }
 
-// Folds head h's best score into a chunk's total: a sum over kv heads, or their max
-// (RetrieverOptions::head_merge). Under "max" totals start at -inf (MergeStart).
-inline void MergeHead(bool head_max, float head_score, float* total) {
-  *total = head_max ? std::max(*total, head_score) : *total + head_score;
-}
-inline float MergeStart(bool head_max) { return head_max ? -std::numeric_limits<float>::infinity() : 0.0f; }
+// How the kv heads' best scores make a chunk's totals (RetrieverOptions::head_merge): summed
+// (cosines averaged, so they stay in [-1, 1]) or the best head's. Totals start at Start().
+struct HeadFold {
+  bool max = false;
+  float cos_share = 1.0f;
+  HeadFold(const std::string& head_merge, int heads)
+      : max(head_merge == "max"), cos_share(max ? 1.0f : 1.0f / static_cast<float>(heads)) {}
+  float Start() const { return max ? -std::numeric_limits<float>::infinity() : 0.0f; }
+  void Add(float best, float best_cos, float* raw, float* cos) const {
+    *raw = max ? std::max(*raw, best) : *raw + best;
+    *cos = max ? std::max(*cos, best_cos) : *cos + best_cos * cos_share;
+  }
+};
 
 }  // namespace
 
@@ -321,10 +328,9 @@ void Retriever::ExactScores(const LayerIndex& li, const float* probe, std::vecto
   const StoreOptions& so = store_->options();
   const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
   const size_t n = li.exact_ids.size();
-  const bool head_max = options_.head_merge == "max";
-  const float h_share = head_max ? 1.0f : 1.0f / static_cast<float>(H);  // sum: cos averaged over heads
-  raw->assign(n, MergeStart(head_max));
-  cos->assign(n, MergeStart(head_max));
+  const HeadFold fold(options_.head_merge, H);
+  raw->assign(n, fold.Start());
+  cos->assign(n, fold.Start());
   if (n == 0) return;
   std::vector<float> ip(n * R);
   for (int h = 0; h < H; ++h) {
@@ -346,8 +352,7 @@ void Retriever::ExactScores(const LayerIndex& li, const float* probe, std::vecto
           best = std::max(best, dot);
           best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p);
         }
-        MergeHead(head_max, best, &(*raw)[c]);
-        MergeHead(head_max, best_cos * h_share, &(*cos)[c]);
+        fold.Add(best, best_cos, &(*raw)[c], &(*cos)[c]);
       }
     });
   }
@@ -371,10 +376,9 @@ void Retriever::QuantizedScores(const LayerIndex& li, const float* probe, std::v
   const StoreOptions& so = store_->options();
   const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
   const size_t n = li.exact_ids.size();
-  const bool head_max = options_.head_merge == "max";
-  const float h_share = head_max ? 1.0f : 1.0f / static_cast<float>(H);
-  raw->assign(n, MergeStart(head_max));
-  cos->assign(n, MergeStart(head_max));
+  const HeadFold fold(options_.head_merge, H);
+  raw->assign(n, fold.Start());
+  cos->assign(n, fold.Start());
   std::vector<float> inv_p(H), p_scale(H);
   const size_t de = static_cast<size_t>(D + 1) / 2 * 2;
   std::vector<int16_t> p16(H * de);  // the probe in int16 for the integer block dots
@@ -408,8 +412,7 @@ void Retriever::QuantizedScores(const LayerIndex& li, const float* probe, std::v
           best = std::max(best, dot);
           best_cos = std::max(best_cos, dot * inv[j] * inv_p[h]);
         }
-        MergeHead(head_max, best, &(*raw)[c]);
-        MergeHead(head_max, best_cos * h_share, &(*cos)[c]);
+        fold.Add(best, best_cos, &(*raw)[c], &(*cos)[c]);
       }
     }
   });
@@ -419,10 +422,9 @@ void Retriever::ExactScoresOf(const LayerIndex& li, const float* probe, const st
                               std::vector<float>* raw, std::vector<float>* cos) const {
   const StoreOptions& so = store_->options();
   const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
-  const bool head_max = options_.head_merge == "max";
-  const float h_share = head_max ? 1.0f : 1.0f / static_cast<float>(H);
-  raw->assign(rows.size(), MergeStart(head_max));
-  cos->assign(rows.size(), MergeStart(head_max));
+  const HeadFold fold(options_.head_merge, H);
+  raw->assign(rows.size(), fold.Start());
+  cos->assign(rows.size(), fold.Start());
   std::vector<float> inv_p(H);
   for (int h = 0; h < H; ++h) {
     const float* p = probe + static_cast<size_t>(h) * D;
@@ -442,8 +444,7 @@ void Retriever::ExactScoresOf(const LayerIndex& li, const float* probe, const st
           best = std::max(best, dot);
           best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p[h]);
         }
-        MergeHead(head_max, best, &(*raw)[i]);
-        MergeHead(head_max, best_cos * h_share, &(*cos)[i]);
+        fold.Add(best, best_cos, &(*raw)[i], &(*cos)[i]);
       }
     }
   });

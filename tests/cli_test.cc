@@ -86,12 +86,24 @@ TEST(Cli, StressVerifiesEverything) {
   EXPECT_NE(r.out.find("after reopen: 18000 tokens"), std::string::npos) << r.out;  // 6 x 1500 x 2 layers
 }
 
+struct FailCase { std::string args; std::string expect; };
+
+// Each command exits non-zero, says what `expect` names, and does not crash.
+template <size_t N>
+void ExpectEachFails(const FailCase (&cases)[N]) {
+  for (const FailCase& c : cases) {
+    Ran r = Kvtier(c.args);
+    EXPECT_NE(r.code, 0) << c.args;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << " printed:\n" << r.out;
+    EXPECT_EQ(r.out.find("Segmentation"), std::string::npos);
+  }
+}
+
 TEST(Cli, BadFlagsGetClearErrors) {
   TempDir dir;
-  struct Case { std::string args; std::string expect; };
   const std::string file = dir.path() + "/a-file";
   std::ofstream(file) << "x";
-  const Case cases[] = {
+  const FailCase cases[] = {
       {"run --frobnicate 3", "unknown flag --frobnicate"},
       {"run --context", "needs a value"},
       {"run --context abc", "not an integer"},
@@ -106,12 +118,7 @@ TEST(Cli, BadFlagsGetClearErrors) {
       {"stress --threads 0", "outside"},
       {"frobnicate", "unknown command"},
   };
-  for (const Case& c : cases) {
-    Ran r = Kvtier(c.args);
-    EXPECT_NE(r.code, 0) << c.args;
-    EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << " printed:\n" << r.out;
-    EXPECT_EQ(r.out.find("Segmentation"), std::string::npos);
-  }
+  ExpectEachFails(cases);
 }
 
 }  // namespace
@@ -228,6 +235,15 @@ std::string Fixture(const std::string& name) {
 #endif
 }
 
+// The trained weights shipped in models/ (models/train.py regenerates them).
+std::string ShippedWeights() {
+#ifdef KVTIER_SOURCE_DIR
+  return std::string(KVTIER_SOURCE_DIR) + "/models/kvtier-tiny.safetensors";
+#else
+  return (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors").string();
+#endif
+}
+
 // `kvtier infinite` end to end on the random-weight fixture (accuracy ~0 is expected: the
 // model is untrained); what is checked is that every method runs and reports.
 TEST(Cli, InfiniteRunsTheModelWithRetrieval) {
@@ -282,8 +298,7 @@ TEST(Cli, InfiniteBadInputsGetClearErrors) {
     std::ofstream(corrupt, std::ios::binary) << head;  // truncated: the header runs past the end
   }
   const std::string w = " --weights " + Fixture("tiny_llama.safetensors");
-  struct Case { std::string args; std::string expect; };
-  const Case cases[] = {
+  const FailCase cases[] = {
       {"infinite --task passkey --context 512", "--weights FILE is required"},
       {"infinite --task sudoku" + w, "unknown task 'sudoku'"},
       {"infinite --weights " + corrupt + " --context 512 --samples 1", "cannot load --weights"},
@@ -294,12 +309,7 @@ TEST(Cli, InfiniteBadInputsGetClearErrors) {
       {"infinite --window 600 --local 512" + w, "--window"},
       {"infinite --frobnicate 1" + w, "unknown flag --frobnicate"},
   };
-  for (const Case& c : cases) {
-    Ran r = Kvtier(c.args);
-    EXPECT_NE(r.code, 0) << c.args;
-    EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << " printed:\n" << r.out;
-    EXPECT_EQ(r.out.find("Segmentation"), std::string::npos);
-  }
+  ExpectEachFails(cases);
 }
 
 }  // namespace
@@ -311,12 +321,7 @@ namespace {
 // The trained weights shipped in models/ (models/train.py regenerates them): the passkey
 // task at training length (512 bytes) with full attention, as the issue asks CI to check.
 TEST(Cli, TrainedModelFindsThePasskeyAtTrainingLength) {
-#ifdef KVTIER_SOURCE_DIR
-  const std::string weights = std::string(KVTIER_SOURCE_DIR) + "/models/kvtier-tiny.safetensors";
-#else
-  const std::string weights =
-      (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors").string();
-#endif
+  const std::string weights = ShippedWeights();
   TempDir dir;
   const std::string json = dir.path() + "/passkey.json";
   // 512 bytes fit in sinks + local window: nothing is retrieved, this is full attention.
@@ -339,12 +344,7 @@ double MethodNumber(const std::string& json, const std::string& method, const st
 // kvtier's retrieval (act + entropy, per-head max, logit order, every key a representative)
 // must find it as well as an oracle handing the model the needle's chunks.
 TEST(Cli, RetrievalCarriesTheModelPastItsTrainingLength) {
-#ifdef KVTIER_SOURCE_DIR
-  const std::string weights = std::string(KVTIER_SOURCE_DIR) + "/models/kvtier-tiny.safetensors";
-#else
-  const std::string weights =
-      (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors").string();
-#endif
+  const std::string weights = ShippedWeights();
   TempDir dir;
   const std::string json = dir.path() + "/compare.json";
   Ran r = Kvtier("infinite --quiet --weights " + weights + " --task passkey --compare --contexts 2048 --samples 8"
@@ -361,21 +361,13 @@ TEST(Cli, RetrievalCarriesTheModelPastItsTrainingLength) {
 
 // ---- kvtier trace / kvtier run --trace ----
 
-std::string TraceTestWeights() {
-#ifdef KVTIER_SOURCE_DIR
-  return std::string(KVTIER_SOURCE_DIR) + "/models/kvtier-tiny.safetensors";
-#else
-  return (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors").string();
-#endif
-}
-
 // The trained model's real attention on a 1K passkey prompt, replayed: with every chunk in
 // the budget it is full attention; with a small one every report (needle hit, --compare,
 // --compare-policies) runs on the trace.
 TEST(Cli, TraceThenRunReplaysRealAttention) {
   TempDir dir;
   const std::string trace = dir.path() + "/passkey.kvtrace";
-  Ran t = Kvtier("trace --weights " + TraceTestWeights() + " --task passkey --context 1024 --seed 2 --out " + trace);
+  Ran t = Kvtier("trace --weights " + ShippedWeights() + " --task passkey --context 1024 --seed 2 --out " + trace);
   ASSERT_EQ(t.code, 0) << t.out;
   EXPECT_NE(t.out.find("question window"), std::string::npos) << t.out;
   EXPECT_NE(t.out.find("4,8,2,16"), std::string::npos) << t.out;
@@ -414,7 +406,7 @@ TEST(Cli, TraceThenRunReplaysRealAttention) {
 TEST(Cli, RunTraceBadInputsGetClearErrors) {
   TempDir dir;
   const std::string trace = dir.path() + "/t.kvtrace";
-  ASSERT_EQ(Kvtier("trace --weights " + TraceTestWeights() + " --context 512 --out " + trace).code, 0);
+  ASSERT_EQ(Kvtier("trace --weights " + ShippedWeights() + " --context 512 --out " + trace).code, 0);
   const std::string bytes = ReadAll(trace);
   auto write = [&](const std::string& name, const std::string& content) {
     std::ofstream(dir.path() + "/" + name, std::ios::binary) << content;
@@ -433,9 +425,9 @@ TEST(Cli, RunTraceBadInputsGetClearErrors) {
       {"run --trace " + trace + " --context 4096", "--context 4096 conflicts with the trace's"},
       {"run --trace " + trace + " --needles 2", "--needles shapes the synthetic workload"},
       {"trace --context 512 --out " + dir.path() + "/x", "--weights FILE is required"},
-      {"trace --weights " + TraceTestWeights(), "--out FILE is required"},
-      {"trace --weights " + TraceTestWeights() + " --task nope --out x", "unknown task 'nope'"},
-      {"trace --weights " + TraceTestWeights() + " --positions sideways --out x", "unknown position mode"},
+      {"trace --weights " + ShippedWeights(), "--out FILE is required"},
+      {"trace --weights " + ShippedWeights() + " --task nope --out x", "unknown task 'nope'"},
+      {"trace --weights " + ShippedWeights() + " --positions sideways --out x", "unknown position mode"},
   };
   for (const auto& [args, want] : cases) {
     Ran r = Kvtier(args);
@@ -450,7 +442,7 @@ TEST(Cli, RunTraceBadInputsGetClearErrors) {
 // ---- kvtier infinite --compress ----
 
 std::string CompressArgs(const std::string& json) {
-  return "infinite --quiet --weights " + TraceTestWeights() + " --task passkey --context 2048 --samples 8 --seed 3"
+  return "infinite --quiet --weights " + ShippedWeights() + " --task passkey --context 2048 --samples 8 --seed 3"
          " --sink 16 --local 128 --window 64 --budget 256 --json " + json;
 }
 
@@ -486,7 +478,7 @@ TEST(Cli, InfiniteCompressStreamingLosesTheNeedle) {
 }
 
 TEST(Cli, InfiniteCompressRejectsBadFlags) {
-  const std::string base = "infinite --quiet --weights " + TraceTestWeights() + " --context 2048 --samples 1"
+  const std::string base = "infinite --quiet --weights " + ShippedWeights() + " --context 2048 --samples 1"
                            " --sink 16 --local 128 --window 64";
   Ran bogus = Kvtier(base + " --compress bogus --kv-budget 384");
   EXPECT_EQ(bogus.code, 2) << bogus.out;

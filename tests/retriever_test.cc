@@ -100,37 +100,49 @@ TEST(Retriever, BudgetCoveringEveryChunkEqualsFullAttention) {
 // Exact scoring: a chunk scores the best representative per kv head, summed
 // over heads; a mean over representatives would rank these two chunks the
 // other way round.
-TEST(Retriever, ExactScoresTheBestRepresentativePerHead) {
+// One layer of two 2-token chunks holding keys `k` ([4 tokens, kv_heads, head_dim]; values
+// zero), then 4 zero tokens that stay in the local window: hand-computed scoring examples.
+std::unique_ptr<TieredStore> TwoChunkStore(const Geometry& g, std::vector<float> k, SequenceId* seq) {
   StoreOptions o = Options("");
-  o.geometry = Geometry{1, 1, 1, 2, DType::kF32};
+  o.geometry = g;
   o.n_sink = 0; o.n_local = 2; o.chunk_size = 2; o.repr_topk = 2;
   auto store = TieredStore::Open(o);
-  ASSERT_TRUE(store.ok());
-  TieredStore* s = store->get();
-  SequenceId seq = *s->CreateSequence();
+  EXPECT_TRUE(store.ok()) << store.status().ToString();
+  if (!store.ok()) return nullptr;
+  *seq = *(*store)->CreateSequence();
+  k.resize(static_cast<size_t>(8) * g.token_elems(), 0.0f);
+  std::vector<float> v(k.size(), 0.0f);
+  EXPECT_TRUE((*store)->Append(*seq, 0, k.data(), v.data(), 8, DType::kF32).ok());
+  EXPECT_EQ(*(*store)->ChunkCount(*seq, 0), 2u);
+  return std::move(*store);
+}
+
+// The chunks one decode step with query q picks on layer 0 under `ro`.
+std::vector<uint64_t> DecodeSelect(TieredStore* s, SequenceId seq, const RetrieverOptions& ro,
+                                   const std::vector<float>& q) {
+  auto r = Retriever::Create(s, ro);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  if (!r.ok()) return {};
+  (*r)->BeginStep();
+  auto sel = (*r)->Select(seq, 0, q.data(), 1, true);
+  EXPECT_TRUE(sel.ok()) << sel.status().ToString();
+  return sel.ok() ? sel->chunks : std::vector<uint64_t>{};
+}
+
+TEST(Retriever, ExactScoresTheBestRepresentativePerHead) {
   // chunk 0: keys (3,0) and (-3,0): one strong match, mean 0.
   // chunk 1: keys (1,0) and (1,0): mean (1,0), best 1.
-  std::vector<float> k{3, 0, -3, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0}, v(16, 0.0f);
-  ASSERT_TRUE(s->Append(seq, 0, k.data(), v.data(), 8, DType::kF32).ok());
-  ASSERT_EQ(*s->ChunkCount(seq, 0), 2u);
+  SequenceId seq = 0;
+  auto store = TwoChunkStore(Geometry{1, 1, 1, 2, DType::kF32}, {3, 0, -3, 0, 1, 0, 1, 0}, &seq);
+  ASSERT_NE(store, nullptr);
   RetrieverOptions ro;
   ro.probe = "mean";
   ro.alloc = "topk";
   ro.budget_tokens = 2;  // k = 1
-  auto r = Retriever::Create(s, ro);
-  ASSERT_TRUE(r.ok());
-  std::vector<float> q{1, 0};
-  (*r)->BeginStep();
-  auto sel = (*r)->Select(seq, 0, q.data(), 1, true);
-  ASSERT_TRUE(sel.ok());
-  EXPECT_EQ(sel->chunks, (std::vector<uint64_t>{0}));
+  const std::vector<float> q{1, 0};
+  EXPECT_EQ(DecodeSelect(store.get(), seq, ro, q), (std::vector<uint64_t>{0}));
   ro.index.factory = "Flat";  // InfLLM's mean: chunk 1 wins
-  auto f = Retriever::Create(s, ro);
-  ASSERT_TRUE(f.ok());
-  (*f)->BeginStep();
-  sel = (*f)->Select(seq, 0, q.data(), 1, true);
-  ASSERT_TRUE(sel.ok());
-  EXPECT_EQ(sel->chunks, (std::vector<uint64_t>{1}));
+  EXPECT_EQ(DecodeSelect(store.get(), seq, ro, q), (std::vector<uint64_t>{1}));
 }
 
 // The two-stage search (int8 first pass over every chunk, fp32 rescoring of the
@@ -396,21 +408,14 @@ TEST(Retriever, IndexIsRebuiltAfterReopen) {
 // both heads mildly. Summed over heads chunk 1 wins (10 - 5 < 3 + 3); when the most
 // interested head decides, chunk 0 wins (10 > 3).
 TEST(Retriever, HeadMergeMaxLetsTheMostInterestedHeadDecide) {
-  StoreOptions o = Options("");
-  o.geometry = Geometry{1, 2, 2, 2, DType::kF32};
-  o.n_sink = 0; o.n_local = 2; o.chunk_size = 2; o.repr_topk = 2;
-  auto store = TieredStore::Open(o);
-  ASSERT_TRUE(store.ok());
-  TieredStore* s = store->get();
-  SequenceId seq = *s->CreateSequence();
   // token = [head0 (x, y), head1 (x, y)]
-  std::vector<float> k{10, 0, -5, 0,  10, 0, -5, 0,   // chunk 0
-                       3, 0, 3, 0,    3, 0, 3, 0,     // chunk 1
-                       0, 0, 0, 0,    0, 0, 0, 0,  0, 0, 0, 0,  0, 0, 0, 0};
-  std::vector<float> v(k.size(), 0.0f);
-  ASSERT_TRUE(s->Append(seq, 0, k.data(), v.data(), 8, DType::kF32).ok());
-  ASSERT_EQ(*s->ChunkCount(seq, 0), 2u);
-  std::vector<float> q{1, 0, 1, 0};  // one token, two q heads (one per kv head)
+  SequenceId seq = 0;
+  auto store = TwoChunkStore(Geometry{1, 2, 2, 2, DType::kF32},
+                             {10, 0, -5, 0,  10, 0, -5, 0,   // chunk 0
+                              3, 0, 3, 0,    3, 0, 3, 0},    // chunk 1
+                             &seq);
+  ASSERT_NE(store, nullptr);
+  const std::vector<float> q{1, 0, 1, 0};  // one token, two q heads (one per kv head)
   for (int rerank : {0, 4}) {
     for (const char* merge : {"sum", "max"}) {
       RetrieverOptions ro;
@@ -419,12 +424,8 @@ TEST(Retriever, HeadMergeMaxLetsTheMostInterestedHeadDecide) {
       ro.budget_tokens = 2;  // k = 1
       ro.rerank_factor = rerank;
       ro.head_merge = merge;
-      auto r = Retriever::Create(s, ro);
-      ASSERT_TRUE(r.ok()) << r.status().ToString();
-      (*r)->BeginStep();
-      auto sel = (*r)->Select(seq, 0, q.data(), 1, true);
-      ASSERT_TRUE(sel.ok());
-      EXPECT_EQ(sel->chunks, (std::vector<uint64_t>{std::string(merge) == "max" ? 0u : 1u}))
+      EXPECT_EQ(DecodeSelect(store.get(), seq, ro, q),
+                (std::vector<uint64_t>{std::string(merge) == "max" ? 0u : 1u}))
           << merge << " rerank " << rerank;
     }
   }
@@ -434,31 +435,19 @@ TEST(Retriever, HeadMergeMaxLetsTheMostInterestedHeadDecide) {
 // (cosine 0.5, logit 5), chunk 1's is short and close (cosine 0.9, logit 0.9). With room
 // for one chunk, Algorithm 1's cosine order takes chunk 1, the logit order chunk 0.
 TEST(Retriever, RankByLogitKeepsKeyNorms) {
-  StoreOptions o = Options("");
-  o.geometry = Geometry{1, 1, 1, 2, DType::kF32};
-  o.n_sink = 0; o.n_local = 2; o.chunk_size = 2; o.repr_topk = 2;
-  auto store = TieredStore::Open(o);
-  ASSERT_TRUE(store.ok());
-  TieredStore* s = store->get();
-  SequenceId seq = *s->CreateSequence();
   const float c = 0.9f, sn = std::sqrt(1.0f - 0.81f);
-  std::vector<float> k{5, 8.6602540f, 5, 8.6602540f, c, sn, c, sn, 0, 0, 0, 0, 0, 0, 0, 0};
-  std::vector<float> v(k.size(), 0.0f);
-  ASSERT_TRUE(s->Append(seq, 0, k.data(), v.data(), 8, DType::kF32).ok());
-  ASSERT_EQ(*s->ChunkCount(seq, 0), 2u);
-  std::vector<float> q{1, 0};
+  SequenceId seq = 0;
+  auto store = TwoChunkStore(Geometry{1, 1, 1, 2, DType::kF32}, {5, 8.6602540f, 5, 8.6602540f, c, sn, c, sn}, &seq);
+  ASSERT_NE(store, nullptr);
   for (const char* rank : {"cosine", "logit"}) {
     RetrieverOptions ro;
     ro.probe = "mean";
     ro.alloc = "entropy";
     ro.budget_tokens = 2;  // L x k = 1 chunk for the only layer
     ro.rank_by = rank;
-    auto r = Retriever::Create(s, ro);
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
-    (*r)->BeginStep();
-    auto sel = (*r)->Select(seq, 0, q.data(), 1, true);
-    ASSERT_TRUE(sel.ok());
-    EXPECT_EQ(sel->chunks, (std::vector<uint64_t>{std::string(rank) == "logit" ? 0u : 1u})) << rank;
+    EXPECT_EQ(DecodeSelect(store.get(), seq, ro, {1, 0}),
+              (std::vector<uint64_t>{std::string(rank) == "logit" ? 0u : 1u}))
+        << rank;
   }
 }
 

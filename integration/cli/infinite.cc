@@ -12,7 +12,6 @@
 #include <map>
 #include <memory>
 #include <random>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -155,18 +154,18 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
     for (int layer = 0; layer < model.config().n_layers; ++layer) {
       // Every sealed chunk over the answer, dropped by --compress or not: a compressed-away
       // needle is a miss, not a step that does not count.
+      // Chunk i covers [n_sink + i*C, n_sink + (i+1)*C): the answer's chunks are [lo, hi).
       KVTIER_ASSIGN_OR_RETURN(uint64_t sealed, session->store()->ChunkCount(session->sequence(), layer));
-      std::set<uint64_t> needed;
-      for (uint64_t i = 0; i < sealed; ++i) {
-        const int64_t first = so.n_sink + static_cast<int64_t>(i) * so.chunk_size;
-        if (first < sample.answer_end && first + so.chunk_size > sample.answer_begin) needed.insert(i);
-      }
-      if (needed.empty()) continue;
+      const int64_t C = so.chunk_size;
+      const int64_t lo = std::max<int64_t>(0, sample.answer_begin - so.n_sink) / C;
+      const int64_t hi = std::min<int64_t>(static_cast<int64_t>(sealed), (sample.answer_end - so.n_sink + C - 1) / C);
+      if (lo >= hi) continue;
       const std::vector<uint64_t>& got = session->last_chunks()[static_cast<size_t>(layer)];
-      size_t found = 0;
-      for (uint64_t idx : got) found += needed.count(idx);
+      const auto found = std::count_if(got.begin(), got.end(), [&](uint64_t idx) {
+        return static_cast<int64_t>(idx) >= lo && static_cast<int64_t>(idx) < hi;
+      });
       r->needle_steps += 1;
-      r->needle_hits += found == needed.size() ? 1 : 0;
+      r->needle_hits += found == hi - lo ? 1 : 0;
     }
     return Status::Ok();
   };
@@ -434,21 +433,6 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
   return w.str();
 }
 
-// Printable form of a decoded answer (the untrained model emits any byte).
-std::string Printable(const std::string& s) {
-  std::string out;
-  for (unsigned char ch : s) {
-    if (ch >= 32 && ch < 127) {
-      out.push_back(static_cast<char>(ch));
-    } else {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\x%02x", ch);
-      out += buf;
-    }
-  }
-  return out;
-}
-
 }  // namespace
 
 int RunInfinite(int argc, char** argv) {
@@ -472,8 +456,7 @@ int RunInfinite(int argc, char** argv) {
   f.Add("weights", "kvtier-llama safetensors file (required), e.g. models/kvtier-tiny.safetensors",
         PathFlag(&o.weights));
   f.Add("task", "passkey | number_string | kv_retrieval (default passkey)", [&o](const std::string& s) {
-    if (!model::IsTask(s))
-      return InvalidArgument("unknown task '" + s + "' (passkey | number_string | kv_retrieval)");
+    KVTIER_RETURN_IF_ERROR(model::CheckTask(s));
     o.task = s;
     return Status::Ok();
   });
@@ -646,7 +629,7 @@ int RunInfinite(int argc, char** argv) {
   // The same samples for every method: one generator per context length.
   std::vector<Result1> results;
   for (int64_t context : o.contexts) {
-    std::mt19937_64 rng(static_cast<uint64_t>(o.seed) * 1000003ull + static_cast<uint64_t>(context));
+    std::mt19937_64 rng = model::SampleRng(o.seed, context);
     std::vector<Sample> samples;
     for (int i = 0; i < o.samples; ++i) {
       auto s = MakeSample(o.task, context, rng);
@@ -685,7 +668,7 @@ int RunInfinite(int argc, char** argv) {
                     o.compress.c_str(), r.kept_per_layer(), static_cast<unsigned long long>(r.kept_tokens_max),
                     static_cast<long long>(o.kv_budget), r.dropped_per_sample(),
                     static_cast<double>(r.compressions) / r.samples);
-      if (!r.outputs.empty()) std::printf("  first answer decoded: \"%s\"\n", Printable(r.outputs[0]).c_str());
+      if (!r.outputs.empty()) std::printf("  first answer decoded: \"%s\"\n", model::Printable(r.outputs[0]).c_str());
     }
   } else {
     std::printf("%-9s", "context");

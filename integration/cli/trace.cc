@@ -24,8 +24,7 @@ int RunTrace(int argc, char** argv) {
   f.Add("weights", "kvtier-llama safetensors file (required), e.g. models/kvtier-tiny.safetensors",
         PathFlag(&o.weights));
   f.Add("task", "passkey | number_string | kv_retrieval (default passkey)", [&o](const std::string& s) {
-    if (!model::IsTask(s))
-      return InvalidArgument("unknown task '" + s + "' (passkey | number_string | kv_retrieval)");
+    KVTIER_RETURN_IF_ERROR(model::CheckTask(s));
     o.task = s;
     return Status::Ok();
   });

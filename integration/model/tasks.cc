@@ -1,5 +1,6 @@
 #include "integration/model/tasks.h"
 
+#include <cstdio>
 #include <set>
 #include <vector>
 
@@ -59,8 +60,27 @@ Result<Sample> Haystack(const std::string& task, const std::string& needle, cons
 
 }  // namespace
 
-bool IsTask(const std::string& task) {
-  return task == "passkey" || task == "number_string" || task == "kv_retrieval";
+Status CheckTask(const std::string& task) {
+  if (task == "passkey" || task == "number_string" || task == "kv_retrieval") return Status::Ok();
+  return InvalidArgument("unknown task '" + task + "' (passkey | number_string | kv_retrieval)");
+}
+
+std::mt19937_64 SampleRng(int64_t seed, int64_t context) {
+  return std::mt19937_64(static_cast<uint64_t>(seed) * 1000003ull + static_cast<uint64_t>(context));
+}
+
+std::string Printable(const std::string& s) {
+  std::string out;
+  for (unsigned char ch : s) {
+    if (ch >= 32 && ch < 127 && ch != '"' && ch != '\\') {
+      out.push_back(static_cast<char>(ch));
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x%02x", ch);
+      out += buf;
+    }
+  }
+  return out;
 }
 
 Result<Sample> MakeSample(const std::string& task, int64_t length, std::mt19937_64& rng) {
@@ -104,7 +124,7 @@ Result<Sample> MakeSample(const std::string& task, int64_t length, std::mt19937_
     FindAnswer(&s);
     return s;
   }
-  return InvalidArgument("unknown task '" + task + "' (passkey | number_string | kv_retrieval)");
+  return CheckTask(task);
 }
 
 }  // namespace kvtier::model

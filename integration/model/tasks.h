@@ -19,8 +19,16 @@ struct Sample {
   int64_t needle_begin = 0, needle_end = 0, answer_begin = 0, answer_end = 0;
 };
 
-/// "passkey" | "number_string" | "kv_retrieval".
-bool IsTask(const std::string& task);
+/// OK for "passkey" | "number_string" | "kv_retrieval", else InvalidArgument naming them.
+Status CheckTask(const std::string& task);
+
+/// The generator of the samples at one (seed, context): `kvtier infinite` draws its samples
+/// from it in order, and `kvtier trace` records the first of them.
+std::mt19937_64 SampleRng(int64_t seed, int64_t context);
+
+/// Model output for printing: printable ASCII as is, other bytes (and '"', '\\') as \xNN
+/// (an untrained model emits any byte).
+std::string Printable(const std::string& s);
 
 /// One prompt of `length` bytes (prompt + answer) for `task`, drawn from `rng`. InvalidArgument
 /// for an unknown task or a length too short for it (the message says the minimum).

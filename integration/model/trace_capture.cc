@@ -7,28 +7,8 @@
 #include "integration/model/tasks.h"
 
 namespace kvtier::model {
-namespace {
-
-// Printable form of model output (an untrained model emits any byte).
-std::string Printable(const std::string& s) {
-  std::string out;
-  for (unsigned char ch : s) {
-    if (ch >= 32 && ch < 127 && ch != '"' && ch != '\\') {
-      out.push_back(static_cast<char>(ch));
-    } else {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\x%02x", ch);
-      out += buf;
-    }
-  }
-  return out;
-}
-
-}  // namespace
-
 Status TraceCaptureOptions::Validate() const {
-  if (!IsTask(task))
-    return InvalidArgument("unknown task '" + task + "' (passkey | number_string | kv_retrieval)");
+  KVTIER_RETURN_IF_ERROR(CheckTask(task));
   if (context < 1) return InvalidArgument("context must be >= 1 (got " + std::to_string(context) + ")");
   if (decode_steps < 0 || decode_steps > (1 << 20))
     return InvalidArgument("decode_steps must be in [0, 1048576] (got " + std::to_string(decode_steps) + ")");
@@ -41,7 +21,7 @@ Status TraceCaptureOptions::Validate() const {
 Result<KvTrace> CaptureKvTrace(const LlamaModel& model, const TraceCaptureOptions& o) {
   KVTIER_RETURN_IF_ERROR(o.Validate());
   // The same draw as `kvtier infinite` (its first sample at this context and seed).
-  std::mt19937_64 rng(o.seed * 1000003ull + static_cast<uint64_t>(o.context));
+  std::mt19937_64 rng = SampleRng(o.seed, o.context);
   KVTIER_ASSIGN_OR_RETURN(Sample sample, MakeSample(o.task, o.context, rng));
   const int64_t prompt = static_cast<int64_t>(sample.prompt.size());
   const size_t last_line = sample.prompt.rfind('\n');
