@@ -4,6 +4,7 @@
 #include <functional>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 #include <oneapi/tbb/blocked_range.h>
@@ -22,17 +23,60 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
 
 bool NeedsAllScores(const std::string& alloc_spec) { return alloc_spec.rfind("topk", 0) != 0; }
 
-// The `take` best chunks by `rank` (ties -> smaller chunk index; ids are
-// ascending), never more than `cap`: the hot slot pool, since the entropy
-// cut-off can hand one layer most of the step's budget.
+// Order-preserving map of a float to uint32: a < b exactly when OrderKey(a) < OrderKey(b); -0 and +0
+// map alike (they compare equal as floats).
+inline uint32_t OrderKey(float x) {
+  uint32_t u;
+  const float canonical = x + 0.0f;  // -0 -> +0
+  std::memcpy(&u, &canonical, sizeof u);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The k best rows of `score` (higher first, ties to the smaller row), in ascending row order
+// (TakeBest's tie order): the k-th best order key is found on a copy (plain integers, no
+// indirection through row indices, which cost as much as the first stage itself), then one
+// pass keeps every row above it and the first rows equal to it.
+void TopRowsAscending(const float* score, int64_t n, int64_t k, std::vector<int64_t>* rows,
+                      std::vector<uint32_t>* scratch) {
+  rows->clear();
+  if (k <= 0 || n <= 0) return;
+  if (k >= n) {
+    rows->resize(n);
+    std::iota(rows->begin(), rows->end(), 0);
+    return;
+  }
+  scratch->resize(2 * static_cast<size_t>(n));
+  uint32_t* key = scratch->data();
+  uint32_t* sel = key + n;
+  for (int64_t i = 0; i < n; ++i) key[i] = sel[i] = OrderKey(score[i]);
+  std::nth_element(sel, sel + (k - 1), sel + n, std::greater<uint32_t>());
+  const uint32_t t = sel[k - 1];
+  int64_t greater = 0;
+  for (int64_t i = 0; i < n; ++i) greater += key[i] > t ? 1 : 0;
+  int64_t ties_left = k - greater;
+  rows->reserve(k);
+  for (int64_t i = 0; i < n; ++i) {
+    if (key[i] > t) {
+      rows->push_back(i);
+    } else if (key[i] == t && ties_left > 0) {
+      rows->push_back(i);
+      --ties_left;
+    }
+  }
+}
+
+// The `take` best chunks by `rank`, best first (ties -> smaller chunk index; ids are
+// ascending), never more than `cap`: the hot slot pool, since the entropy cut-off can hand
+// one layer most of the step's budget.
 std::vector<uint64_t> TakeBest(const std::vector<float>& rank, const std::vector<uint64_t>& ids, int take, size_t cap) {
   const size_t t = std::min<size_t>({rank.size(), static_cast<size_t>(std::max(0, take)), cap});
-  std::vector<size_t> order(rank.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::partial_sort(order.begin(), order.begin() + t, order.end(),
-                    [&](size_t a, size_t b) { return rank[a] != rank[b] ? rank[a] > rank[b] : a < b; });
-  std::vector<uint64_t> out(t);
-  for (size_t i = 0; i < t; ++i) out[i] = ids[order[i]];
+  std::vector<int64_t> rows;
+  std::vector<uint32_t> keys;
+  TopRowsAscending(rank.data(), static_cast<int64_t>(rank.size()), static_cast<int64_t>(t), &rows, &keys);
+  // Ascending rows in, so a stable sort by score keeps ties in chunk order.
+  std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t b) { return rank[a] > rank[b]; });
+  std::vector<uint64_t> out(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) out[i] = ids[rows[i]];
   return out;
 }
 
@@ -110,6 +154,9 @@ Status Retriever::Sync(SequenceId seq, int layer) {
   const StoreOptions& so = store_->options();
   const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
   repr_.resize(static_cast<size_t>(R) * H * D);
+  const DType dt = so.geometry.dtype;
+  const size_t key_bytes = static_cast<size_t>(D) * DTypeSize(dt);
+  std::vector<uint8_t> stored(key_bytes);
   std::vector<uint64_t> ids;
   std::vector<float> vecs;
   for (uint64_t i = li->next_chunk; i < count; ++i) {
@@ -125,7 +172,8 @@ Status Retriever::Sync(SequenceId seq, int layer) {
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < H; ++h) {
           const float* key = repr_.data() + (static_cast<size_t>(r) * H + h) * D;
-          li->exact_repr[h].insert(li->exact_repr[h].end(), key, key + D);
+          FromFloat(dt, key, stored.data(), D);  // exact: the key came from this dtype
+          li->exact_repr[h].insert(li->exact_repr[h].end(), stored.begin(), stored.end());
           const float n2 = kernels::Dot(key, key, D);
           li->exact_inv_norm[h].push_back(n2 > 0.0f ? 1.0f / std::sqrt(n2) : 0.0f);
           PutQuantizedRow(li, h, li->exact_inv_norm[h].size() - 1, key, D);
@@ -163,13 +211,15 @@ Status Retriever::Forget(SequenceId seq, int layer, const std::vector<uint64_t>&
   std::sort(gone.begin(), gone.end());
   const StoreOptions& so = store_->options();
   const size_t H = static_cast<size_t>(so.geometry.kv_heads), D = so.geometry.head_dim, R = so.repr_topk;
+  const DType dt = so.geometry.dtype;
+  const size_t es = DTypeSize(dt);
   size_t keep = 0;
   for (size_t row = 0; row < li->exact_ids.size(); ++row) {
     if (std::binary_search(gone.begin(), gone.end(), li->exact_ids[row])) continue;
     if (keep != row) {  // compact in place: rows keep their ascending chunk order
       li->exact_ids[keep] = li->exact_ids[row];
       for (size_t h = 0; h < H; ++h) {
-        std::copy_n(li->exact_repr[h].begin() + row * R * D, R * D, li->exact_repr[h].begin() + keep * R * D);
+        std::copy_n(li->exact_repr[h].begin() + row * R * D * es, R * D * es, li->exact_repr[h].begin() + keep * R * D * es);
         std::copy_n(li->exact_inv_norm[h].begin() + row * R, R, li->exact_inv_norm[h].begin() + keep * R);
       }
     }
@@ -177,13 +227,16 @@ Status Retriever::Forget(SequenceId seq, int layer, const std::vector<uint64_t>&
   }
   li->exact_ids.resize(keep);
   for (size_t h = 0; h < li->exact_repr.size(); ++h) {
-    li->exact_repr[h].resize(keep * R * D);
+    li->exact_repr[h].resize(keep * R * D * es);
     li->exact_inv_norm[h].resize(keep * R);
     // The int8 blocks interleave rows: requantise the kept rows in their new places.
     li->exact_q8[h].clear();
     li->exact_q8_scale[h].clear();
-    for (size_t row = 0; row < keep * R; ++row)
-      PutQuantizedRow(li, static_cast<int>(h), row, li->exact_repr[h].data() + row * D, static_cast<int>(D));
+    std::vector<float> key(D);
+    for (size_t row = 0; row < keep * R; ++row) {
+      ToFloat(dt, li->exact_repr[h].data() + row * D * es, key.data(), D);
+      PutQuantizedRow(li, static_cast<int>(h), row, key.data(), static_cast<int>(D));
+    }
   }
   return Status::Ok();
 }
@@ -246,32 +299,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
     t0 = std::chrono::steady_clock::now();
     const int64_t n_cand = std::max<int64_t>(static_cast<int64_t>(options_.rerank_factor) * take, options_.rerank_min);
     const std::vector<float>& rank1 = rank_cos ? scores_ : raw1;
-    rows_.clear();
-    if (n_cand < n) {
-      // The n_cand best rows (higher score first, ties to the smaller row), in ascending row
-      // order for TakeBest's ties: find the n_cand-th score on a plain copy (no indirection
-      // through row indices, which cost as much as the first stage itself), then keep every
-      // row above it and the first rows equal to it.
-      threshold_buf_.assign(rank1.begin(), rank1.end());
-      std::nth_element(threshold_buf_.begin(), threshold_buf_.begin() + (n_cand - 1), threshold_buf_.end(),
-                       std::greater<float>());
-      const float t = threshold_buf_[n_cand - 1];
-      int64_t above = 0;
-      for (int64_t i = 0; i < n; ++i) above += rank1[i] > t ? 1 : 0;
-      int64_t ties_left = n_cand - above;
-      rows_.reserve(n_cand);
-      for (int64_t i = 0; i < n; ++i) {
-        if (rank1[i] > t) {
-          rows_.push_back(i);
-        } else if (rank1[i] == t && ties_left > 0) {
-          rows_.push_back(i);
-          --ties_left;
-        }
-      }
-    } else {
-      rows_.resize(n);
-      std::iota(rows_.begin(), rows_.end(), 0);
-    }
+    TopRowsAscending(rank1.data(), n, n_cand, &rows_, &rank_keys_);
     std::vector<float> raw, cos;
     ExactScoresOf(*li, probe_vec_.data(), rows_, &raw, &cos);
     std::vector<uint64_t> cand_ids(rows_.size());
@@ -328,6 +356,8 @@ void Retriever::ExactScores(const LayerIndex& li, const float* probe, std::vecto
   const StoreOptions& so = store_->options();
   const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
   const size_t n = li.exact_ids.size();
+  const DType dt = so.geometry.dtype;
+  const size_t key_bytes = static_cast<size_t>(D) * DTypeSize(dt);
   const HeadFold fold(options_.head_merge, H);
   raw->assign(n, fold.Start());
   cos->assign(n, fold.Start());
@@ -340,10 +370,10 @@ void Retriever::ExactScores(const LayerIndex& li, const float* probe, std::vecto
     // One pass over this head's n*R contiguous keys, split over the cores.
     // (Debian's FAISS is built without SIMD: its fvec kernels are the scalar
     // reference, so the vectorisable Dot is used instead.)
-    const float* keys = li.exact_repr[h].data();
+    const uint8_t* keys = li.exact_repr[h].data();
     tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 1024), [&](const tbb::blocked_range<size_t>& range) {
       const size_t c0 = range.begin();
-      for (size_t j = c0 * R; j < range.end() * R; ++j) ip[j] = kernels::Dot(keys + j * D, p, D);
+      for (size_t j = c0 * R; j < range.end() * R; ++j) ip[j] = kernels::DotKey(dt, keys + j * key_bytes, p, D);
       const float* inv = li.exact_inv_norm[h].data();
       for (size_t c = c0; c < range.end(); ++c) {
         float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
@@ -394,25 +424,31 @@ void Retriever::QuantizedScores(const LayerIndex& li, const float* probe, std::v
   tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 512), [&](const tbb::blocked_range<size_t>& range) {
     const size_t row0 = range.begin() * R, row1 = range.end() * R;
     const size_t first_block = row0 / B, last_block = (row1 + B - 1) / B, base = first_block * B;
-    std::vector<int32_t> dots((last_block - first_block) * B);
+    const size_t rows = (last_block - first_block) * B;
+    std::vector<int32_t> dots(rows);
+    std::vector<float> dot_f(rows), cos_f(rows);
     const size_t block_bytes = kernels::I8BlockBytes(D);
     for (int h = 0; h < H; ++h) {
-      const int16_t* p = p16.data() + h * de;
-      const float ps = p_scale[h];
-      const int8_t* codes = li.exact_q8[h].data();
-      const float* scale = li.exact_q8_scale[h].data();
-      const float* inv = li.exact_inv_norm[h].data();
-      for (size_t b = first_block; b < last_block; ++b)
-        kernels::DotI8Block(codes + b * block_bytes, p, D, dots.data() + (b - first_block) * B);
+      kernels::DotI8Blocks(li.exact_q8[h].data() + first_block * block_bytes, last_block - first_block,
+                           p16.data() + h * de, D, dots.data());
+      // Row-wise scaling in straight vectorisable loops; the probe's scales are >= 0, so
+      // they commute with the max over a chunk's rows and are applied once per chunk.
+      const float* scale = li.exact_q8_scale[h].data() + base;
+      const float* inv = li.exact_inv_norm[h].data() + base;
+      const size_t live = std::min(rows, n * R - base);  // scale/inv end at the last real row
+      for (size_t j = 0; j < live; ++j) {
+        dot_f[j] = static_cast<float>(dots[j]) * scale[j];
+        cos_f[j] = dot_f[j] * inv[j];
+      }
+      const float ps = p_scale[h], cs = p_scale[h] * inv_p[h];
       for (size_t c = range.begin(); c < range.end(); ++c) {
-        float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
-        for (int r = 0; r < R; ++r) {
-          const size_t j = c * R + r;
-          const float dot = static_cast<float>(dots[j - base]) * ps * scale[j];
-          best = std::max(best, dot);
-          best_cos = std::max(best_cos, dot * inv[j] * inv_p[h]);
+        const size_t j0 = c * R - base;
+        float best = dot_f[j0], best_cos = cos_f[j0];
+        for (int r = 1; r < R; ++r) {
+          best = std::max(best, dot_f[j0 + r]);
+          best_cos = std::max(best_cos, cos_f[j0 + r]);
         }
-        fold.Add(best, best_cos, &(*raw)[c], &(*cos)[c]);
+        fold.Add(best * ps, std::max(-1.0f, best_cos * cs), &(*raw)[c], &(*cos)[c]);
       }
     }
   });
@@ -422,6 +458,8 @@ void Retriever::ExactScoresOf(const LayerIndex& li, const float* probe, const st
                               std::vector<float>* raw, std::vector<float>* cos) const {
   const StoreOptions& so = store_->options();
   const int H = so.geometry.kv_heads, D = so.geometry.head_dim, R = so.repr_topk;
+  const DType dt = so.geometry.dtype;
+  const size_t key_bytes = static_cast<size_t>(D) * DTypeSize(dt);
   const HeadFold fold(options_.head_merge, H);
   raw->assign(rows.size(), fold.Start());
   cos->assign(rows.size(), fold.Start());
@@ -436,11 +474,11 @@ void Retriever::ExactScoresOf(const LayerIndex& li, const float* probe, const st
       const size_t c = static_cast<size_t>(rows[i]);
       for (int h = 0; h < H; ++h) {
         const float* p = probe + static_cast<size_t>(h) * D;
-        const float* keys = li.exact_repr[h].data();
+        const uint8_t* keys = li.exact_repr[h].data();
         const float* inv = li.exact_inv_norm[h].data();
         float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
         for (int r = 0; r < R; ++r) {
-          const float dot = kernels::Dot(keys + (c * R + r) * D, p, D);
+          const float dot = kernels::DotKey(dt, keys + (c * R + r) * key_bytes, p, D);
           best = std::max(best, dot);
           best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p[h]);
         }
@@ -454,7 +492,7 @@ uint64_t Retriever::memory_bytes() const {
   uint64_t b = 0;
   for (const auto& [key, li] : indexes_) {
     if (li.index) b += li.index->memory_bytes();
-    for (const auto& v : li.exact_repr) b += v.capacity() * sizeof(float);
+    for (const auto& v : li.exact_repr) b += v.capacity();
     for (const auto& v : li.exact_inv_norm) b += v.capacity() * sizeof(float);
     for (const auto& v : li.exact_q8) b += v.capacity();
     for (const auto& v : li.exact_q8_scale) b += v.capacity() * sizeof(float);

@@ -113,7 +113,8 @@ class Retriever {
     std::vector<float> norm;  // [chunk index] L2 norm of the chunk's vector (for Eq. 10 cosines)
     // "Exact": every representative key, and its inverse norm per head.
     std::vector<uint64_t> exact_ids;                // [n] chunk index of each row
-    std::vector<std::vector<float>> exact_repr;     // [H][n, R, D]: per head, so one head's keys are contiguous
+    std::vector<std::vector<uint8_t>> exact_repr;   // [H][n, R, D] in the store's dtype (the chunk's own values,
+                                                    // nothing lost): per head, so one head's keys are contiguous
     std::vector<std::vector<float>> exact_inv_norm; // [H][n, R]
     std::vector<std::vector<int8_t>> exact_q8;      // [H]: int8 codes of exact_repr's rows, transposed in
                                                     // pairs, blocks of kernels::kI8Block rows (see DotI8Block)
@@ -141,7 +142,7 @@ class Retriever {
   std::vector<float> repr_, probe_buf_, probe_vec_;
   std::vector<uint64_t> ids_;
   std::vector<int64_t> rows_;
-  std::vector<float> threshold_buf_;  // Select: scratch copy of the first-stage scores
+  std::vector<uint32_t> rank_keys_;  // Select: scratch, the first-stage scores' order keys
   std::vector<float> scores_;
   int k_ = 0;
 };

@@ -145,6 +145,30 @@ TEST(Retriever, ExactScoresTheBestRepresentativePerHead) {
   EXPECT_EQ(DecodeSelect(store.get(), seq, ro, q), (std::vector<uint64_t>{1}));
 }
 
+TEST(Retriever, TiedChunksGoToTheSmallerIndexFirst) {
+  // Both chunks hold (1,0) twice: every score ties, in both search stages and in a single
+  // pass, and the smaller chunk index must win and come first. With q = (0,1) every dot is
+  // +0 or -0, which compare equal and must tie too.
+  SequenceId seq = 0;
+  auto store = TwoChunkStore(Geometry{1, 1, 1, 2, DType::kF32}, {1, 0, 1, 0, 1, 0, 1, 0}, &seq);
+  ASSERT_NE(store, nullptr);
+  for (const char* alloc : {"topk", "entropy"})
+    for (int rerank : {0, 1, 4})
+      for (const std::vector<float>& q : {std::vector<float>{1, 0}, std::vector<float>{0, 1}, std::vector<float>{0, -1}}) {
+        RetrieverOptions ro;
+        ro.probe = "mean";
+        ro.alloc = alloc;
+        ro.rerank_factor = rerank;
+        ro.rerank_min = 0;
+        ro.budget_tokens = 2;  // k = 1
+        const std::string what = std::string(alloc) + " rerank " + std::to_string(rerank) + " q (" +
+                                  std::to_string(q[0]) + "," + std::to_string(q[1]) + ")";
+        if (std::string(alloc) == "topk") EXPECT_EQ(DecodeSelect(store.get(), seq, ro, q), (std::vector<uint64_t>{0})) << what;
+        ro.budget_tokens = 4;  // k = 2
+        EXPECT_EQ(DecodeSelect(store.get(), seq, ro, q), (std::vector<uint64_t>{0, 1})) << what;
+      }
+}
+
 // The two-stage search (int8 first pass over every chunk, fp32 rescoring of the
 // best candidates) must choose what the single fp32 pass chooses when the
 // candidates are generous, and a planted chunk must survive a tight candidate
@@ -249,6 +273,29 @@ TEST(Retriever, DroppedChunksAreNeverSelectedAgain) {
   }
 }
 
+TEST(Retriever, DotKeyOfAStoredKeyEqualsDotOfItsFloats) {
+  // The rescoring stage reads representatives in the store's dtype; its scores must be the
+  // ones an fp32 copy would give, bit for bit, at every length (lanes and tail).
+  std::mt19937 rng(21);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (DType t : {DType::kF16, DType::kBF16, DType::kF32})
+    for (int n : {1, 7, 8, 9, 63, 64, 65, 128, 200}) {
+      for (int rep = 0; rep < 50; ++rep) {
+        std::vector<float> k(n), p(n), back(n);
+        for (auto& x : k) x = nd(rng);
+        for (auto& x : p) x = nd(rng);
+        std::vector<uint8_t> stored(n * DTypeSize(t));
+        FromFloat(t, k.data(), stored.data(), n);
+        ToFloat(t, stored.data(), back.data(), n);
+        ASSERT_EQ(kernels::DotKey(t, stored.data(), p.data(), n), kernels::Dot(back.data(), p.data(), n))
+            << DTypeName(t) << " n " << n;
+        double ref = 0.0;
+        for (int i = 0; i < n; ++i) ref += static_cast<double>(back[i]) * p[i];
+        EXPECT_NEAR(kernels::Dot(back.data(), p.data(), n), ref, 1e-4 * (1.0 + std::sqrt(static_cast<double>(n))));
+      }
+    }
+}
+
 TEST(Retriever, QuantizedBlockDotMatchesFloatDot) {
   std::mt19937 rng(9);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -278,8 +325,8 @@ TEST(Retriever, QuantizedBlockDotMatchesFloatDot) {
     const float ps = kernels::QuantizeProbeI16(p.data(), d, p16.data());
     if (d % 2) EXPECT_EQ(p16.back(), 0) << "the pad must be 0";
     int32_t out[B], ref[B];
-    kernels::DotI8Block(block.data(), p16.data(), d, out);
-    kernels::DotI8BlockScalar(block.data(), p16.data(), d, ref);
+    kernels::DotI8Blocks(block.data(), 1, p16.data(), d, out);
+    kernels::DotI8BlocksScalar(block.data(), 1, p16.data(), d, ref);
     for (int j = 0; j < B; ++j) {
       EXPECT_EQ(out[j], ref[j]) << "vector path vs scalar twin, d " << d << " lane " << j;
       const float exact = kernels::Dot(x.data() + static_cast<size_t>(j) * d, p.data(), d);
@@ -296,12 +343,27 @@ TEST(Retriever, QuantizedBlockDotMatchesFloatDot) {
     std::vector<int16_t> p16(d);
     kernels::QuantizeProbeI16(p.data(), d, p16.data());
     int32_t out[B], ref[B];
-    kernels::DotI8Block(block.data(), p16.data(), d, out);
-    kernels::DotI8BlockScalar(block.data(), p16.data(), d, ref);
+    kernels::DotI8Blocks(block.data(), 1, p16.data(), d, out);
+    kernels::DotI8BlocksScalar(block.data(), 1, p16.data(), d, ref);
     for (int j = 0; j < B; ++j) {
       EXPECT_EQ(out[j], ref[j]);
       EXPECT_EQ(out[j], static_cast<int64_t>(127) * p16[0] * d) << "no overflow";
     }
+  }
+  // Many blocks in one call, at every head width the vector paths treat differently
+  // (odd pair counts, the AVX-512 probe table's limit of 512 and beyond), bit for bit.
+  for (int d : {2, 6, 62, 64, 66, 128, 510, 512, 514, 1000}) {
+    const size_t n_blocks = 37;
+    std::vector<int8_t> blocks(n_blocks * kernels::I8BlockBytes(d));
+    for (auto& c : blocks) c = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+    std::vector<float> p(d);
+    for (auto& v : p) v = nd(rng);
+    std::vector<int16_t> p16((d + 1) / 2 * 2);
+    kernels::QuantizeProbeI16(p.data(), d, p16.data());
+    std::vector<int32_t> out(n_blocks * B), ref(n_blocks * B);
+    kernels::DotI8Blocks(blocks.data(), n_blocks, p16.data(), d, out.data());
+    kernels::DotI8BlocksScalar(blocks.data(), n_blocks, p16.data(), d, ref.data());
+    EXPECT_EQ(out, ref) << "vector path vs scalar twin over " << n_blocks << " blocks, d " << d;
   }
   std::vector<float> zero(8, 0.0f);
   std::vector<int8_t> codes(8, 5);
