@@ -1089,76 +1089,102 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
 }
 
 void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
-  std::vector<size_t> todo;
-  for (size_t i = 0; i < st->chunk_ids.size(); ++i)
-    if (st->needs_load[i]) todo.push_back(i);
-  std::mutex err_mu;
-  Status first_error;
-  tbb::parallel_for(size_t{0}, todo.size(), [&](size_t j) {
-    const size_t i = todo[j];
+  // Three phases, so the store lock is taken twice per fetch, not twice per chunk:
+  // (1) under the lock, find each load's source and pin its warm copy; (2) without it,
+  // copy warm chunks and read cold ones; (3) under the lock, unpin, keep warm copies of
+  // what came from cold, and mark the loads done.
+  struct Load {
+    size_t i = 0;                    // index into st->chunk_ids
     Chunk* c = nullptr;
-    const uint8_t* src = nullptr;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      c = chunk_by_id_.at(st->chunk_ids[i]);
-      if (c->warm_slot >= 0) {
-        c->warm_pins++;
-        src = warm_->slot_data(c->warm_slot);
-        warm_policy_->OnAccess(c->id);
+    const uint8_t* warm = nullptr;   // pinned warm copy, or null: read it from cold
+    std::vector<uint8_t> staging;    // a cold read's bytes when the hot tier is not host memory
+    Status status;
+  };
+  std::vector<Load> loads;
+  size_t cold_loads = 0;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (size_t i = 0; i < st->chunk_ids.size(); ++i) {
+      if (!st->needs_load[i]) continue;
+      Load ld;
+      ld.i = i;
+      ld.c = chunk_by_id_.at(st->chunk_ids[i]);
+      if (ld.c->warm_slot >= 0) {
+        ld.c->warm_pins++;
+        ld.warm = warm_->slot_data(ld.c->warm_slot);
+        warm_policy_->OnAccess(ld.c->id);
+      } else {
+        ++cold_loads;
       }
+      loads.push_back(std::move(ld));
     }
-    Status s;
-    uint8_t* dst = hot_->slot_data(c->hot_slot);
-    if (src != nullptr) {
-      s = hot_->Upload(dst, src, chunk_bytes_);
-      std::lock_guard<std::mutex> l(mu_);
-      c->warm_pins--;
-      counters_.promotions++;
-      counters_.bytes_moved += chunk_bytes_;
+  }
+  const bool host_hot = std::strcmp(hot_->device(), "cpu") == 0;
+  auto run = [&](Load& ld) {
+    uint8_t* dst = hot_->slot_data(ld.c->hot_slot);
+    if (ld.warm != nullptr) {
+      ld.status = hot_->Upload(dst, ld.warm, chunk_bytes_);
+      return;
+    }
+    if (!cold_) {
+      ld.status = Internal("chunk " + ld.c->key.ToString() + " is in no tier");
+      return;
+    }
+    // A host hot slot takes the verified bytes directly; device memory needs a host copy first.
+    if (host_hot) {
+      ld.status = cold_->GetChunk(ld.c->key, dst, chunk_bytes_);
     } else {
-      // Cold only: read it, verify it, and keep a warm copy when a slot is
-      // free without waiting (a transfer task must never block on others).
-      std::vector<uint8_t> staging(chunk_bytes_);
-      s = cold_ ? cold_->GetChunk(c->key, staging.data(), chunk_bytes_)
-                : Internal("chunk " + c->key.ToString() + " is in no tier");
-      if (s.ok()) s = hot_->Upload(dst, staging.data(), chunk_bytes_);
-      std::lock_guard<std::mutex> l(mu_);
+      ld.staging.resize(chunk_bytes_);
+      ld.status = cold_->GetChunk(ld.c->key, ld.staging.data(), chunk_bytes_);
+      if (ld.status.ok()) ld.status = hot_->Upload(dst, ld.staging.data(), chunk_bytes_);
+    }
+  };
+  // A warm copy is one 16 KiB memcpy, cheaper than a fork-join; cold reads are worth spreading.
+  if (cold_loads >= 2) {
+    tbb::parallel_for(size_t{0}, loads.size(), [&](size_t j) { run(loads[j]); });
+  } else {
+    for (Load& ld : loads) run(ld);
+  }
+
+  std::lock_guard<std::mutex> l(mu_);
+  Status first_error;
+  for (Load& ld : loads) {
+    Chunk* c = ld.c;
+    if (ld.warm != nullptr) {
+      c->warm_pins--;
+    } else {
       counters_.cold_reads++;
-      if (s.ok()) {
-        counters_.promotions++;
-        counters_.bytes_moved += chunk_bytes_;
-        if (c->warm_slot < 0) {
-          const int32_t ws = AcquireWarmSlotForReadLocked();
-          if (ws >= 0) {
-            std::memcpy(warm_->slot_data(ws), staging.data(), chunk_bytes_);
-            c->warm_slot = ws;
-            c->tiers |= kTierWarm;
-            warm_policy_->OnInsert(c->id);
-            counters_.promotions++;
-            counters_.bytes_moved += chunk_bytes_;
-          }
+      // A chunk read back from cold keeps a warm copy when a slot is free without waiting.
+      if (ld.status.ok() && c->warm_slot < 0) {
+        const int32_t ws = AcquireWarmSlotForReadLocked();
+        if (ws >= 0) {
+          std::memcpy(warm_->slot_data(ws), host_hot ? hot_->slot_data(c->hot_slot) : ld.staging.data(), chunk_bytes_);
+          c->warm_slot = ws;
+          c->tiers |= kTierWarm;
+          warm_policy_->OnInsert(c->id);
+          counters_.promotions++;
+          counters_.bytes_moved += chunk_bytes_;
         }
       }
     }
-    if (!s.ok()) {
-      std::lock_guard<std::mutex> l(err_mu);
-      if (first_error.ok()) first_error = s;
+    if (ld.status.ok()) {
+      counters_.promotions++;
+      counters_.bytes_moved += chunk_bytes_;
+    } else if (first_error.ok()) {
+      first_error = ld.status;
     }
-  });
-  std::lock_guard<std::mutex> l(mu_);
-  for (size_t i : todo) {
-    Chunk* c = chunk_by_id_.at(st->chunk_ids[i]);
-    c->hot_loading = false;
-    if (first_error.ok()) c->tiers |= kTierHot;
+  }
+  for (const Load& ld : loads) {
+    ld.c->hot_loading = false;
+    if (first_error.ok()) ld.c->tiers |= kTierHot;
   }
   if (!first_error.ok()) {
     // Failed loads must not stay in hot slots holding garbage.
-    for (size_t i : todo) {
-      Chunk* c = chunk_by_id_.at(st->chunk_ids[i]);
-      hot_->ReleaseSlot(c->hot_slot);
-      hot_policy_->OnRemove(c->id);
-      c->hot_slot = -1;
-      c->tiers &= ~kTierHot;
+    for (const Load& ld : loads) {
+      hot_->ReleaseSlot(ld.c->hot_slot);
+      hot_policy_->OnRemove(ld.c->id);
+      ld.c->hot_slot = -1;
+      ld.c->tiers &= ~kTierHot;
     }
   }
   counters_.warm_chunks = warm_->used();
