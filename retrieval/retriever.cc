@@ -169,14 +169,16 @@ Status Retriever::Sync(SequenceId seq, int layer) {
       li->exact_inv_norm.resize(H);
       li->exact_q8.resize(H);
       li->exact_q8_scale.resize(H);
+      li->exact_q8_cos_scale.resize(H);
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < H; ++h) {
           const float* key = repr_.data() + (static_cast<size_t>(r) * H + h) * D;
           FromFloat(dt, key, stored.data(), D);  // exact: the key came from this dtype
           li->exact_repr[h].insert(li->exact_repr[h].end(), stored.begin(), stored.end());
           const float n2 = kernels::Dot(key, key, D);
-          li->exact_inv_norm[h].push_back(n2 > 0.0f ? 1.0f / std::sqrt(n2) : 0.0f);
-          PutQuantizedRow(li, h, li->exact_inv_norm[h].size() - 1, key, D);
+          const float inv_norm = n2 > 0.0f ? 1.0f / std::sqrt(n2) : 0.0f;
+          li->exact_inv_norm[h].push_back(inv_norm);
+          PutQuantizedRow(li, h, li->exact_ids.size() - 1, r, R, key, D, inv_norm);
         }
       continue;
     }
@@ -229,14 +231,18 @@ Status Retriever::Forget(SequenceId seq, int layer, const std::vector<uint64_t>&
   for (size_t h = 0; h < li->exact_repr.size(); ++h) {
     li->exact_repr[h].resize(keep * R * D * es);
     li->exact_inv_norm[h].resize(keep * R);
-    // The int8 blocks interleave rows: requantise the kept rows in their new places.
+    // The int8 blocks interleave chunks: requantise the kept rows in their new places.
     li->exact_q8[h].clear();
     li->exact_q8_scale[h].clear();
+    li->exact_q8_cos_scale[h].clear();
     std::vector<float> key(D);
-    for (size_t row = 0; row < keep * R; ++row) {
-      ToFloat(dt, li->exact_repr[h].data() + row * D * es, key.data(), D);
-      PutQuantizedRow(li, static_cast<int>(h), row, key.data(), static_cast<int>(D));
-    }
+    for (size_t row = 0; row < keep; ++row)
+      for (size_t r = 0; r < R; ++r) {
+        const size_t j = row * R + r;
+        ToFloat(dt, li->exact_repr[h].data() + j * D * es, key.data(), D);
+        PutQuantizedRow(li, static_cast<int>(h), row, static_cast<int>(r), static_cast<int>(R), key.data(),
+                        static_cast<int>(D), li->exact_inv_norm[h][j]);
+      }
   }
   return Status::Ok();
 }
@@ -388,15 +394,23 @@ void Retriever::ExactScores(const LayerIndex& li, const float* probe, std::vecto
   }
 }
 
-void Retriever::PutQuantizedRow(LayerIndex* li, int h, size_t row, const float* key, int D) {
+void Retriever::PutQuantizedRow(LayerIndex* li, int h, size_t row, int r, int R, const float* key, int D,
+                                float inv_norm) {
   constexpr size_t B = kernels::kI8Block;
   std::vector<int8_t>& codes = li->exact_q8[h];
   std::vector<float>& scale = li->exact_q8_scale[h];
-  const size_t block = row / B, lane = row % B, block_bytes = kernels::I8BlockBytes(D);
-  if (codes.size() < (block + 1) * block_bytes) codes.resize((block + 1) * block_bytes, 0);
-  if (scale.size() <= row) scale.resize(row + 1, 0.0f);
+  std::vector<float>& cos_scale = li->exact_q8_cos_scale[h];
+  const size_t group = row / B, lane = row % B, block = group * R + r, block_bytes = kernels::I8BlockBytes(D);
+  const size_t group_end = (group + 1) * R;  // blocks of the whole group exist (zero padding lanes)
+  if (codes.size() < group_end * block_bytes) codes.resize(group_end * block_bytes, 0);
+  if (scale.size() < group_end * B) {
+    scale.resize(group_end * B, 0.0f);
+    cos_scale.resize(group_end * B, 0.0f);
+  }
   int8_t tmp[4096];  // head_dim <= 4096 (Geometry::Validate)
-  scale[row] = kernels::QuantizeI8(key, D, tmp);
+  const size_t slot = block * B + lane;
+  scale[slot] = kernels::QuantizeI8(key, D, tmp);
+  cos_scale[slot] = scale[slot] * inv_norm;
   int8_t* dst = codes.data() + block * block_bytes;
   for (int d = 0; d < D; ++d) dst[kernels::I8Offset(d, static_cast<int>(lane))] = tmp[d];
 }
@@ -418,37 +432,36 @@ void Retriever::QuantizedScores(const LayerIndex& li, const float* probe, std::v
     inv_p[h] = pn2 > 0.0f ? 1.0f / std::sqrt(pn2) : 0.0f;
     p_scale[h] = kernels::QuantizeProbeI16(p, D, p16.data() + h * de);
   }
-  // One pass over the chunks for every head (one fork-join per layer, not per head).
-  // Chunk c owns rows [c*R, c*R+R); a range scores the blocks its rows fall in.
-  constexpr size_t B = kernels::kI8Block;
-  tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 512), [&](const tbb::blocked_range<size_t>& range) {
-    const size_t row0 = range.begin() * R, row1 = range.end() * R;
-    const size_t first_block = row0 / B, last_block = (row1 + B - 1) / B, base = first_block * B;
-    const size_t rows = (last_block - first_block) * B;
-    std::vector<int32_t> dots(rows);
-    std::vector<float> dot_f(rows), cos_f(rows);
-    const size_t block_bytes = kernels::I8BlockBytes(D);
+  // One pass over the chunk groups for every head (one fork-join per layer, not per head).
+  constexpr int B = kernels::kI8Block;
+  const size_t groups = (n + B - 1) / B, block_bytes = kernels::I8BlockBytes(D);
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, groups, 64), [&](const tbb::blocked_range<size_t>& range) {
+    const size_t g0 = range.begin(), g1 = range.end();
+    std::vector<int32_t> dots((g1 - g0) * R * B);
     for (int h = 0; h < H; ++h) {
-      kernels::DotI8Blocks(li.exact_q8[h].data() + first_block * block_bytes, last_block - first_block,
-                           p16.data() + h * de, D, dots.data());
-      // Row-wise scaling in straight vectorisable loops; the probe's scales are >= 0, so
-      // they commute with the max over a chunk's rows and are applied once per chunk.
-      const float* scale = li.exact_q8_scale[h].data() + base;
-      const float* inv = li.exact_inv_norm[h].data() + base;
-      const size_t live = std::min(rows, n * R - base);  // scale/inv end at the last real row
-      for (size_t j = 0; j < live; ++j) {
-        dot_f[j] = static_cast<float>(dots[j]) * scale[j];
-        cos_f[j] = dot_f[j] * inv[j];
-      }
+      kernels::DotI8Blocks(li.exact_q8[h].data() + g0 * R * block_bytes, (g1 - g0) * R, p16.data() + h * de, D,
+                           dots.data());
+      const float* scale = li.exact_q8_scale[h].data() + g0 * R * B;
+      const float* cos_scale = li.exact_q8_cos_scale[h].data() + g0 * R * B;
+      // The probe's scales are >= 0, so they commute with the max over a chunk's
+      // representatives and are applied once per chunk.
       const float ps = p_scale[h], cs = p_scale[h] * inv_p[h];
-      for (size_t c = range.begin(); c < range.end(); ++c) {
-        const size_t j0 = c * R - base;
-        float best = dot_f[j0], best_cos = cos_f[j0];
-        for (int r = 1; r < R; ++r) {
-          best = std::max(best, dot_f[j0 + r]);
-          best_cos = std::max(best_cos, cos_f[j0 + r]);
+      for (size_t g = g0; g < g1; ++g) {
+        const size_t base = (g - g0) * R * B;
+        float best[B], best_cos[B];
+        for (int lane = 0; lane < B; ++lane) {
+          best[lane] = static_cast<float>(dots[base + lane]) * scale[base + lane];
+          best_cos[lane] = static_cast<float>(dots[base + lane]) * cos_scale[base + lane];
         }
-        fold.Add(best * ps, std::max(-1.0f, best_cos * cs), &(*raw)[c], &(*cos)[c]);
+        for (int r = 1; r < R; ++r)
+          for (int lane = 0; lane < B; ++lane) {
+            const size_t j = base + static_cast<size_t>(r) * B + lane;
+            best[lane] = std::max(best[lane], static_cast<float>(dots[j]) * scale[j]);
+            best_cos[lane] = std::max(best_cos[lane], static_cast<float>(dots[j]) * cos_scale[j]);
+          }
+        const size_t c_end = std::min(n, (g + 1) * B);
+        for (size_t c = g * B; c < c_end; ++c)
+          fold.Add(best[c - g * B] * ps, std::max(-1.0f, best_cos[c - g * B] * cs), &(*raw)[c], &(*cos)[c]);
       }
     }
   });
@@ -496,6 +509,7 @@ uint64_t Retriever::memory_bytes() const {
     for (const auto& v : li.exact_inv_norm) b += v.capacity() * sizeof(float);
     for (const auto& v : li.exact_q8) b += v.capacity();
     for (const auto& v : li.exact_q8_scale) b += v.capacity() * sizeof(float);
+    for (const auto& v : li.exact_q8_cos_scale) b += v.capacity() * sizeof(float);
     b += li.norm.capacity() * sizeof(float) + li.exact_ids.capacity() * sizeof(uint64_t);
   }
   return b;

@@ -116,9 +116,12 @@ class Retriever {
     std::vector<std::vector<uint8_t>> exact_repr;   // [H][n, R, D] in the store's dtype (the chunk's own values,
                                                     // nothing lost): per head, so one head's keys are contiguous
     std::vector<std::vector<float>> exact_inv_norm; // [H][n, R]
-    std::vector<std::vector<int8_t>> exact_q8;      // [H]: int8 codes of exact_repr's rows, transposed in
-                                                    // pairs, blocks of kernels::kI8Block rows (see DotI8Block)
-    std::vector<std::vector<float>> exact_q8_scale; // [H][n, R]
+    // The first search stage's int8 codes of the same rows, per head, in blocks of kernels::kI8Block
+    // lanes (see DotI8Blocks): block g*R + r holds representative r of chunks [8g, 8g+8), one chunk
+    // per lane, so a chunk's best representative is an element-wise max over R consecutive blocks.
+    std::vector<std::vector<int8_t>> exact_q8;           // [H]
+    std::vector<std::vector<float>> exact_q8_scale;      // [H][block * 8 + lane]: the row's code scale (0 in padding)
+    std::vector<std::vector<float>> exact_q8_cos_scale;  // [H][block * 8 + lane]: code scale times inverse norm
   };
   Result<LayerIndex*> Index(SequenceId seq, int layer);
   bool exact() const { return options_.index.factory == "Exact"; }
@@ -129,8 +132,8 @@ class Retriever {
   // The same two scores for the chunks at rows `rows` only (the rerank stage).
   void ExactScoresOf(const LayerIndex& li, const float* probe, const std::vector<int64_t>& rows,
                      std::vector<float>* raw, std::vector<float>* cos) const;
-  // Appends (or rewrites) row `row` of head h's int8 block store from an fp32 key.
-  static void PutQuantizedRow(LayerIndex* li, int h, size_t row, const float* key, int D);
+  // Writes representative r of the chunk at row `row` into head h's int8 blocks, from its fp32 key.
+  static void PutQuantizedRow(LayerIndex* li, int h, size_t row, int r, int R, const float* key, int D, float inv_norm);
   // First stage: ExactScores from the int8 codes.
   void QuantizedScores(const LayerIndex& li, const float* probe, std::vector<float>* raw, std::vector<float>* cos) const;
 
