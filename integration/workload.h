@@ -108,7 +108,7 @@ namespace kvtier {
 struct WorkloadOptions {
   int64_t context = 131072;     ///< tokens of context (filler + needles + question window)
   int question_len = 64;        ///< last tokens of the context whose queries seek the needle(s)
-  int decode_steps = 16;        ///< generated tokens after the context (queries seek the needle too)
+  int decode_steps = 64;        ///< generated tokens after the context (queries seek the needle too)
   int needle_count = 1;         ///< needles planted
   int needle_len = 8;           ///< tokens per needle
   double needle_depth = 0.5;    ///< depth of the first needle as a fraction of the haystack [sink_tokens, question_begin); further needles spread evenly to its end

@@ -163,7 +163,7 @@ int CmdRun(int argc, char** argv) {
   f.Add("window", "prefill window in tokens (default 256)", IntFlag(&o.window, 1, 1 << 20));
   f.Add("stat-stride", "every N-th prefill query feeds representative-key statistics (default 8)",
         IntFlag(&o.stat_stride, 1, 1 << 20));
-  f.Add("decode-steps", "decode steps after the context (default 16)", IntFlag(&o.workload.decode_steps, 1, 1 << 20));
+  f.Add("decode-steps", "decode steps after the context (default 64)", IntFlag(&o.workload.decode_steps, 1, 1 << 20));
   f.Add("question-len", "question-window tokens at the end of the context (default 64)",
         IntFlag(&o.workload.question_len, 1, 1 << 20));
   f.Add("needles", "needles planted (default 1)", IntFlag(&o.workload.needle_count, 1, 1 << 16));
