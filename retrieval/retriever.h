@@ -46,9 +46,10 @@ struct RetrieverOptions {
   ChunkIndexOptions index{.factory = "Exact"};
   int budget_tokens = 2048;        ///< retrieved tokens per layer and step (k = budget_tokens / chunk_size chunks)
   /// "Exact" only: two-stage search. Every chunk is first scored from int8 copies of its
-  /// representative keys (a quarter of the bytes; what the allocator sees); the best
-  /// max(rerank_factor * take, rerank_min) chunks are then rescored from the fp32 keys,
-  /// and the layer takes its chunks in that order. 0 = one fp32 pass over every chunk.
+  /// representative keys (half the bytes of fp16 keys; what the allocator sees); the best
+  /// max(rerank_factor * take, rerank_min) chunks are then rescored from the keys as stored
+  /// (fp32 arithmetic), and the layer takes its chunks in that order. 0 = one such pass over
+  /// every chunk.
   int rerank_factor = 4;
   int rerank_min = 256;
   /// "Exact" only: how the per-kv-head scores of a chunk (each head's best representative)

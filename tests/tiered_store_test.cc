@@ -399,6 +399,49 @@ TEST(TieredStore, FetchPromotesPinsAndCountsHits) {
   }
 }
 
+// The caller may keep fetches of several layers in flight and attend one layer while the
+// next layer's chunks load (the pipelining a model's forward pass allows): issued before
+// any Wait, each handle delivers its own chunks intact, cold ones included, and a hit on
+// a chunk another fetch is still loading waits for that load.
+TEST(TieredStore, FetchesOfTwoLayersInFlightAtOnce) {
+  TempDir dir;
+  StoreOptions o = SmallOptions(dir.path());
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok());
+  TieredStore* st = s->get();
+  auto seq = st->CreateSequence();
+  for (int layer = 0; layer < 2; ++layer) AppendPattern(st, *seq, layer, 9, 0, 8 + 40 + 8 * 20, 31);
+  ASSERT_TRUE(st->WaitForDurable().ok());
+  const size_t tb = TokenBytes(o);
+  const std::vector<uint64_t> idx{0, 3, 19, 7};  // mostly cold: warm holds 8 chunks of 40
+  const StoreCounters c0 = st->counters();
+  auto h0 = st->FetchChunks(*seq, 0, idx);
+  auto h1 = st->FetchChunks(*seq, 1, idx);
+  auto h1_again = st->FetchChunks(*seq, 1, {3, 7});  // hits on chunks h1 may still be loading
+  ASSERT_TRUE(h0.ok() && h1.ok() && h1_again.ok());
+  std::vector<uint8_t> e(8 * tb);
+  auto check = [&](const FetchHandle& h, int layer, const std::vector<uint64_t>& want) {
+    ASSERT_EQ(h.spans().size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      const auto& sp = h.spans()[i];
+      ASSERT_EQ(sp.first_position, 8 + static_cast<int64_t>(want[i]) * 8);
+      FillPattern(kSalt, 9, layer, 0, sp.first_position, 8, tb, e.data());
+      EXPECT_EQ(0, std::memcmp(e.data(), sp.k, e.size())) << "layer " << layer << " chunk " << want[i];
+      FillPattern(kSalt, 9, layer, 1, sp.first_position, 8, tb, e.data());
+      EXPECT_EQ(0, std::memcmp(e.data(), sp.v, e.size())) << "layer " << layer << " chunk " << want[i];
+    }
+  };
+  ASSERT_TRUE(h0->Wait().ok());
+  check(*h0, 0, idx);  // layer 0 is read while layer 1's loads may still run
+  ASSERT_TRUE(h1_again->Wait().ok());
+  check(*h1_again, 1, {3, 7});
+  ASSERT_TRUE(h1->Wait().ok());
+  check(*h1, 1, idx);
+  EXPECT_EQ(st->counters().misses - c0.misses, 8u);
+  EXPECT_EQ(st->counters().hits - c0.hits, 2u);
+  EXPECT_GE(st->counters().cold_reads - c0.cold_reads, 4u);
+}
+
 TEST(TieredStore, ExpiredPinStopsProtecting) {
   TempDir dir;
   StoreOptions o = SmallOptions(dir.path());
