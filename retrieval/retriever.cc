@@ -482,8 +482,19 @@ void Retriever::ExactScoresOf(const LayerIndex& li, const float* probe, const st
     const float pn2 = kernels::Dot(p, p, D);
     inv_p[h] = pn2 > 0.0f ? 1.0f / std::sqrt(pn2) : 0.0f;
   }
+  // The candidates sit at scattered rows, which no hardware prefetcher predicts: ask for the
+  // representatives of the candidate a few places ahead while this one is scored.
+  constexpr size_t kAhead = 4;
+  const size_t chunk_repr_bytes = static_cast<size_t>(R) * key_bytes;
   tbb::parallel_for(tbb::blocked_range<size_t>(0, rows.size(), 64), [&](const tbb::blocked_range<size_t>& range) {
     for (size_t i = range.begin(); i < range.end(); ++i) {
+      if (i + kAhead < range.end()) {
+        const size_t ahead = static_cast<size_t>(rows[i + kAhead]);
+        for (int h = 0; h < H; ++h) {
+          const char* a = reinterpret_cast<const char*>(li.exact_repr[h].data() + ahead * chunk_repr_bytes);
+          for (size_t off = 0; off < chunk_repr_bytes; off += 64) __builtin_prefetch(a + off);
+        }
+      }
       const size_t c = static_cast<size_t>(rows[i]);
       for (int h = 0; h < H; ++h) {
         const float* p = probe + static_cast<size_t>(h) * D;
