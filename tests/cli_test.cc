@@ -359,6 +359,18 @@ TEST(Cli, RetrievalCarriesTheModelPastItsTrainingLength) {
   EXPECT_NE(r.out.find("does not fit"), std::string::npos) << "full attention is skipped by --full-max-bytes";
 }
 
+// number_string copies ten digits, so the first answer step must already find the needle. With
+// `kvtier infinite`'s defaults (local window 256, half the training length) it does at 4x the
+// training length; with a local window of 128 the prompt's last query found it in 3 of these 8.
+TEST(Cli, DefaultsCopyATenDigitNeedlePastTheTrainingLength) {
+  TempDir dir;
+  const std::string json = dir.path() + "/number_string.json";
+  Ran r = Kvtier("infinite --quiet --weights " + ShippedWeights() +
+                 " --task number_string --context 2048 --samples 8 --seed 3 --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_GE(MethodNumber(ReadAll(json), "kvtier", "accuracy"), 0.85) << r.out;
+}
+
 // ---- kvtier trace / kvtier run --trace ----
 
 // The trained model's real attention on a 1K passkey prompt, replayed: with every chunk in
