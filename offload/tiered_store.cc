@@ -1090,14 +1090,15 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
 
 void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
   // Three phases, so the store lock is taken twice per fetch, not twice per chunk:
-  // (1) under the lock, find each load's source and pin its warm copy; (2) without it,
-  // copy warm chunks and read cold ones; (3) under the lock, unpin, keep warm copies of
-  // what came from cold, and mark the loads done.
+  // (1) under the lock, pin each load's warm copy, or reserve the warm slot a chunk coming
+  // back from cold will keep its copy in (retrieval tends to come back to the same chunks);
+  // (2) without it, read cold chunks into those slots and upload to the hot slots; (3) under
+  // the lock, unpin, attach the warm copies that arrived, and mark the loads done.
   struct Load {
-    size_t i = 0;                    // index into st->chunk_ids
     Chunk* c = nullptr;
-    const uint8_t* warm = nullptr;   // pinned warm copy, or null: read it from cold
-    std::vector<uint8_t> staging;    // a cold read's bytes when the hot tier is not host memory
+    const uint8_t* warm = nullptr;  // pinned warm copy, or null: read it from cold
+    int32_t read_slot = -1;         // warm slot reserved for the cold read (-1: none was free)
+    std::vector<uint8_t> staging;   // the cold read's bytes when no warm slot was free
     Status status;
   };
   std::vector<Load> loads;
@@ -1107,37 +1108,35 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
     for (size_t i = 0; i < st->chunk_ids.size(); ++i) {
       if (!st->needs_load[i]) continue;
       Load ld;
-      ld.i = i;
       ld.c = chunk_by_id_.at(st->chunk_ids[i]);
       if (ld.c->warm_slot >= 0) {
         ld.c->warm_pins++;
         ld.warm = warm_->slot_data(ld.c->warm_slot);
         warm_policy_->OnAccess(ld.c->id);
       } else {
+        ld.read_slot = AcquireWarmSlotForReadLocked();
         ++cold_loads;
       }
       loads.push_back(std::move(ld));
     }
   }
-  const bool host_hot = std::strcmp(hot_->device(), "cpu") == 0;
   auto run = [&](Load& ld) {
-    uint8_t* dst = hot_->slot_data(ld.c->hot_slot);
-    if (ld.warm != nullptr) {
-      ld.status = hot_->Upload(dst, ld.warm, chunk_bytes_);
-      return;
+    const uint8_t* src = ld.warm;
+    if (src == nullptr) {
+      if (!cold_) {
+        ld.status = Internal("chunk " + ld.c->key.ToString() + " is in no tier");
+        return;
+      }
+      uint8_t* buf = ld.read_slot >= 0 ? warm_->slot_data(ld.read_slot) : nullptr;
+      if (buf == nullptr) {
+        ld.staging.resize(chunk_bytes_);
+        buf = ld.staging.data();
+      }
+      ld.status = cold_->GetChunk(ld.c->key, buf, chunk_bytes_);
+      if (!ld.status.ok()) return;
+      src = buf;
     }
-    if (!cold_) {
-      ld.status = Internal("chunk " + ld.c->key.ToString() + " is in no tier");
-      return;
-    }
-    // A host hot slot takes the verified bytes directly; device memory needs a host copy first.
-    if (host_hot) {
-      ld.status = cold_->GetChunk(ld.c->key, dst, chunk_bytes_);
-    } else {
-      ld.staging.resize(chunk_bytes_);
-      ld.status = cold_->GetChunk(ld.c->key, ld.staging.data(), chunk_bytes_);
-      if (ld.status.ok()) ld.status = hot_->Upload(dst, ld.staging.data(), chunk_bytes_);
-    }
+    ld.status = hot_->Upload(hot_->slot_data(ld.c->hot_slot), src, chunk_bytes_);
   };
   // A warm copy is one 16 KiB memcpy, cheaper than a fork-join; cold reads are worth spreading.
   if (cold_loads >= 2) {
@@ -1154,16 +1153,15 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
       c->warm_pins--;
     } else {
       counters_.cold_reads++;
-      // A chunk read back from cold keeps a warm copy when a slot is free without waiting.
-      if (ld.status.ok() && c->warm_slot < 0) {
-        const int32_t ws = AcquireWarmSlotForReadLocked();
-        if (ws >= 0) {
-          std::memcpy(warm_->slot_data(ws), host_hot ? hot_->slot_data(c->hot_slot) : ld.staging.data(), chunk_bytes_);
-          c->warm_slot = ws;
+      if (ld.read_slot >= 0) {
+        if (ld.status.ok() && c->warm_slot < 0) {
+          c->warm_slot = ld.read_slot;
           c->tiers |= kTierWarm;
           warm_policy_->OnInsert(c->id);
           counters_.promotions++;
           counters_.bytes_moved += chunk_bytes_;
+        } else {
+          warm_->Release(ld.read_slot);
         }
       }
     }

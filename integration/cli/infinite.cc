@@ -435,6 +435,16 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
 
 }  // namespace
 
+void AddModelTaskFlags(cli::FlagSet* flags, std::string* weights, std::string* task) {
+  flags->Add("weights", "kvtier-llama safetensors file (required), e.g. models/kvtier-tiny.safetensors",
+             cli::PathFlag(weights));
+  flags->Add("task", "passkey | number_string | kv_retrieval (default passkey)", [task](const std::string& s) {
+    KVTIER_RETURN_IF_ERROR(model::CheckTask(s));
+    *task = s;
+    return Status::Ok();
+  });
+}
+
 int RunInfinite(int argc, char** argv) {
   Options o;
   // Defaults sized for kvtier-tiny, trained on 512-byte sequences: with InfLLM positions a
@@ -456,13 +466,7 @@ int RunInfinite(int argc, char** argv) {
   o.retrieval.rank_by = "logit";
   bool context_set = false;
   FlagSet f;
-  f.Add("weights", "kvtier-llama safetensors file (required), e.g. models/kvtier-tiny.safetensors",
-        PathFlag(&o.weights));
-  f.Add("task", "passkey | number_string | kv_retrieval (default passkey)", [&o](const std::string& s) {
-    KVTIER_RETURN_IF_ERROR(model::CheckTask(s));
-    o.task = s;
-    return Status::Ok();
-  });
+  AddModelTaskFlags(&f, &o.weights, &o.task);
   f.Add("context", "prompt + answer bytes (= tokens) per sample (default 4096)", [&](const std::string& s) {
     int64_t v = 0;
     KVTIER_RETURN_IF_ERROR(ParseInt(s, 1, int64_t{1} << 32, &v));

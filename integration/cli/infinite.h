@@ -13,7 +13,15 @@
 // decoded greedily; an exact match is correct.
 #pragma once
 
+#include <string>
+
+#include "integration/cli/flags.h"
+
 namespace kvtier {
+
+/// --weights (a kvtier-llama safetensors file) and --task (passkey | number_string |
+/// kv_retrieval, checked), as `kvtier infinite` and `kvtier trace` both take them.
+void AddModelTaskFlags(cli::FlagSet* flags, std::string* weights, std::string* task);
 
 /// The subcommand; argv holds the flags after "infinite". Returns the exit code (0 ok,
 /// 2 bad flags or inputs, 1 other errors).

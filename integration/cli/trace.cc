@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <memory>
 
+#include "integration/cli/infinite.h"
 #include "integration/kv_source.h"
 #include "integration/model/llama.h"
 #include "integration/model/tasks.h"
@@ -21,13 +22,7 @@ int RunTrace(int argc, char** argv) {
   model::TraceCaptureOptions o;
   std::string out;
   FlagSet f;
-  f.Add("weights", "kvtier-llama safetensors file (required), e.g. models/kvtier-tiny.safetensors",
-        PathFlag(&o.weights));
-  f.Add("task", "passkey | number_string | kv_retrieval (default passkey)", [&o](const std::string& s) {
-    KVTIER_RETURN_IF_ERROR(model::CheckTask(s));
-    o.task = s;
-    return Status::Ok();
-  });
+  AddModelTaskFlags(&f, &o.weights, &o.task);
   f.Add("context", "prompt + answer bytes (= tokens), as 'kvtier infinite --context' (default 4096)",
         IntFlag(&o.context, 1, int64_t{1} << 30));
   f.Add("seed", "the sample's seed: the prompt is 'kvtier infinite's first sample for it (default 1)",
