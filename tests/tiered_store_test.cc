@@ -306,21 +306,35 @@ TEST(TieredStore, CorruptColdChunkIsReportedNotServed) {
   ExpectPattern(s->get(), seq, 0, 31, 8 + 3 * 8, 200);
 }
 
+// Four hot slots over 30 sealed chunks of layer 0 (pattern 9), with the warm tier holding 8:
+// most chunks are in the cold tier only. Null (after a failed expectation) when setup fails.
+std::unique_ptr<TieredStore> FourHotSlotsOverThirtyChunks(const std::string& dir, StoreOptions* o, SequenceId* seq) {
+  *o = SmallOptions(dir);
+  o->hot_bytes = 4 * o->chunk_bytes();
+  auto s = TieredStore::Open(*o);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  if (!s.ok()) return nullptr;
+  auto created = (*s)->CreateSequence();
+  EXPECT_TRUE(created.ok());
+  if (!created.ok()) return nullptr;
+  *seq = *created;
+  AppendPattern(s->get(), *seq, 0, 9, 0, 8 + 40 + 8 * 30, 31);
+  EXPECT_TRUE((*s)->WaitForDurable().ok());
+  return std::move(*s);
+}
+
 // A chunk read back from cold keeps a warm copy even when the warm tier is full: the warm
 // policy's victim among chunks the cold tier already holds gives up its warm slot (free: cold
 // has it). The next fetch of the same chunk, after the hot copy is gone, costs no cold read.
 TEST(TieredStore, ColdReadsKeepAWarmCopyWhenWarmIsFull) {
   TempDir dir;
-  StoreOptions o = SmallOptions(dir.path());
-  o.hot_bytes = 4 * o.chunk_bytes();
-  auto s = TieredStore::Open(o);
-  ASSERT_TRUE(s.ok());
-  TieredStore* st = s->get();
-  auto seq = st->CreateSequence();
-  AppendPattern(st, *seq, 0, 9, 0, 8 + 40 + 8 * 30, 31);  // 30 chunks, warm holds 8
-  ASSERT_TRUE(st->WaitForDurable().ok());
+  StoreOptions o;
+  SequenceId seq = 0;
+  auto store = FourHotSlotsOverThirtyChunks(dir.path(), &o, &seq);
+  ASSERT_NE(store, nullptr);
+  TieredStore* st = store.get();
   auto tiers_of = [&](uint64_t idx) {
-    auto list = st->ListChunks(*seq, 0);
+    auto list = st->ListChunks(seq, 0);
     EXPECT_TRUE(list.ok());
     for (const ChunkInfo& c : *list)
       if (c.key.index == idx) return c.tiers;
@@ -329,7 +343,7 @@ TEST(TieredStore, ColdReadsKeepAWarmCopyWhenWarmIsFull) {
   ASSERT_EQ(tiers_of(0) & kTierWarm, 0) << "chunk 0 starts cold only";
   const uint64_t warm_before = st->counters().warm_chunks;
   {
-    auto h = st->FetchChunks(*seq, 0, {0});
+    auto h = st->FetchChunks(seq, 0, {0});
     ASSERT_TRUE(h.ok() && h->Wait().ok());
   }
   EXPECT_NE(tiers_of(0) & kTierWarm, 0) << "the cold read left a warm copy";
@@ -337,24 +351,21 @@ TEST(TieredStore, ColdReadsKeepAWarmCopyWhenWarmIsFull) {
   st->EvictHot();
   const StoreCounters c1 = st->counters();
   {
-    auto h = st->FetchChunks(*seq, 0, {0});
+    auto h = st->FetchChunks(seq, 0, {0});
     ASSERT_TRUE(h.ok() && h->Wait().ok());
   }
   EXPECT_EQ(st->counters().cold_reads, c1.cold_reads) << "served from warm";
   // Every chunk is still readable, the ones that lost their warm copy from cold.
-  ExpectPattern(st, *seq, 0, 9, 0, 8 + 40 + 8 * 30);
+  ExpectPattern(st, seq, 0, 9, 0, 8 + 40 + 8 * 30);
 }
 
 TEST(TieredStore, FetchPromotesPinsAndCountsHits) {
   TempDir dir;
-  StoreOptions o = SmallOptions(dir.path());
-  o.hot_bytes = 4 * o.chunk_bytes();
-  auto s = TieredStore::Open(o);
-  ASSERT_TRUE(s.ok());
-  TieredStore* st = s->get();
-  auto seq = st->CreateSequence();
-  AppendPattern(st, *seq, 0, 9, 0, 8 + 40 + 8 * 30, 31);  // 30 chunks, warm holds 8
-  ASSERT_TRUE(st->WaitForDurable().ok());
+  StoreOptions o;
+  SequenceId seq = 0;
+  auto store = FourHotSlotsOverThirtyChunks(dir.path(), &o, &seq);
+  ASSERT_NE(store, nullptr);
+  TieredStore* st = store.get();
   const size_t tb = TokenBytes(o);
   auto check_spans = [&](const FetchHandle& h, const std::vector<uint64_t>& idx) {
     ASSERT_EQ(h.spans().size(), idx.size());
@@ -370,8 +381,8 @@ TEST(TieredStore, FetchPromotesPinsAndCountsHits) {
   };
   const StoreCounters c0 = st->counters();
   std::vector<uint64_t> idx{0, 29, 5};  // 0 and 5 are cold by now, 29 warm
-  ASSERT_EQ(*st->ChunkCount(*seq, 0), 30u);
-  auto h = st->FetchChunks(*seq, 0, idx);
+  ASSERT_EQ(*st->ChunkCount(seq, 0), 30u);
+  auto h = st->FetchChunks(seq, 0, idx);
   ASSERT_TRUE(h.ok()) << h.status().ToString();
   ASSERT_TRUE(h->Wait().ok());
   check_spans(*h, idx);
@@ -379,11 +390,11 @@ TEST(TieredStore, FetchPromotesPinsAndCountsHits) {
   EXPECT_EQ(c1.misses - c0.misses, 3u);
   EXPECT_GE(c1.cold_reads - c0.cold_reads, 2u);
   // All four hot slots: three pinned by h, so a fetch of two more must fail cleanly.
-  auto h2 = st->FetchChunks(*seq, 0, {10, 11});
+  auto h2 = st->FetchChunks(seq, 0, {10, 11});
   ASSERT_FALSE(h2.ok());
   EXPECT_EQ(h2.status().code(), StatusCode::kResourceExhausted);
   // Same chunks again: hits, nothing moves.
-  auto h3 = st->FetchChunks(*seq, 0, idx);
+  auto h3 = st->FetchChunks(seq, 0, idx);
   ASSERT_TRUE(h3.ok() && h3->Wait().ok());
   EXPECT_EQ(st->counters().hits - c1.hits, 3u);
   EXPECT_EQ(st->counters().bytes_moved, c1.bytes_moved);
@@ -391,7 +402,7 @@ TEST(TieredStore, FetchPromotesPinsAndCountsHits) {
   h3->Release();
   // Released: the slots can be reused, and evicted chunks come back intact.
   for (uint64_t a = 0; a < 30; a += 2) {
-    auto hh = st->FetchChunks(*seq, 0, {a, a + 1});
+    auto hh = st->FetchChunks(seq, 0, {a, a + 1});
     ASSERT_TRUE(hh.ok()) << hh.status().ToString();
     Status w = hh->Wait();
     ASSERT_TRUE(w.ok()) << w.ToString();
