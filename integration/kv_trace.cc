@@ -6,6 +6,7 @@
 #include <iterator>
 
 #include "store/checksum.h"
+#include "store/coding.h"
 
 namespace kvtier {
 namespace {
@@ -14,45 +15,6 @@ constexpr char kMagic[8] = {'K', 'V', 'T', 'T', 'R', 'A', 'C', 'E'};
 // magic, version, reserved, file_bytes, 4 x u32 shape, 3 x i64, n_needles.
 constexpr size_t kFixedHeader = 8 + 4 + 4 + 8 + 16 + 24 + 4;
 constexpr size_t kFileBytesAt = 16;
-
-template <typename T>
-void Put(std::string* out, T v) {
-  out->append(reinterpret_cast<const char*>(&v), sizeof(T));
-}
-
-void PutString(std::string* out, const std::string& s) {
-  Put<uint32_t>(out, static_cast<uint32_t>(s.size()));
-  out->append(s);
-}
-
-// Bounds-checked cursor over the file's bytes (before the CRC).
-struct Cursor {
-  const char* p;
-  size_t left;
-  template <typename T>
-  bool Get(T* v) {
-    if (left < sizeof(T)) return false;
-    std::memcpy(v, p, sizeof(T));
-    p += sizeof(T);
-    left -= sizeof(T);
-    return true;
-  }
-  bool GetBytes(void* dst, size_t n) {
-    if (left < n) return false;
-    std::memcpy(dst, p, n);
-    p += n;
-    left -= n;
-    return true;
-  }
-  bool GetString(std::string* s) {
-    uint32_t n = 0;
-    if (!Get(&n) || left < n) return false;
-    s->assign(p, n);
-    p += n;
-    left -= n;
-    return true;
-  }
-};
 
 // Elements of one layer's q, k or v for n tokens of `heads` heads.
 size_t Elems(int64_t n, int heads, int head_dim) {
@@ -91,33 +53,34 @@ Status KvTrace::Validate() const {
   return Status::Ok();
 }
 
+// Every field goes through store/coding.h: little-endian as the format says, on any host.
 Result<std::string> EncodeKvTrace(const KvTrace& t) {
   KVTIER_RETURN_IF_ERROR(t.Validate());
+  for (const std::string* s : {&t.source, &t.answer})
+    if (s->size() > UINT32_MAX) return InvalidArgument("trace: source/answer text exceeds 4 GiB");
   std::string out;
   out.reserve(kFixedHeader + t.needles.size() * 16 + t.tokens.size() * 4 + t.source.size() + t.answer.size() +
               12 + t.qkv_bytes());
   out.append(kMagic, sizeof(kMagic));
-  Put<uint32_t>(&out, KvTrace::kVersion);
-  Put<uint32_t>(&out, 0);
-  Put<uint64_t>(&out, 0);  // file_bytes, patched below
-  for (int d : {t.layers, t.q_heads, t.kv_heads, t.head_dim}) Put<uint32_t>(&out, static_cast<uint32_t>(d));
-  Put<int64_t>(&out, t.n_tokens());
-  Put<int64_t>(&out, t.context);
-  Put<int64_t>(&out, t.question_begin);
-  Put<uint32_t>(&out, static_cast<uint32_t>(t.needles.size()));
+  PutFixed32(&out, KvTrace::kVersion);
+  PutFixed32(&out, 0);
+  PutFixed64(&out, 0);  // file_bytes, patched below
+  for (int d : {t.layers, t.q_heads, t.kv_heads, t.head_dim}) PutFixed32(&out, static_cast<uint32_t>(d));
+  PutInt64(&out, t.n_tokens());
+  PutInt64(&out, t.context);
+  PutInt64(&out, t.question_begin);
+  PutFixed32(&out, static_cast<uint32_t>(t.needles.size()));
   for (const TokenRange& r : t.needles) {
-    Put<int64_t>(&out, r.begin);
-    Put<int64_t>(&out, r.end);
+    PutInt64(&out, r.begin);
+    PutInt64(&out, r.end);
   }
-  out.append(reinterpret_cast<const char*>(t.tokens.data()), t.tokens.size() * sizeof(int32_t));
-  PutString(&out, t.source);
-  PutString(&out, t.answer);
+  PutInt32Array(&out, t.tokens.data(), t.tokens.size());
+  PutLengthPrefixed(&out, t.source);
+  PutLengthPrefixed(&out, t.answer);
   for (int l = 0; l < t.layers; ++l)
-    for (const std::vector<float>* a : {&t.q[l], &t.k[l], &t.v[l]})
-      out.append(reinterpret_cast<const char*>(a->data()), a->size() * sizeof(float));
-  const uint64_t total = out.size() + sizeof(uint32_t);
-  std::memcpy(out.data() + kFileBytesAt, &total, sizeof(total));
-  Put<uint32_t>(&out, Crc32c(out.data(), out.size()));
+    for (const std::vector<float>* a : {&t.q[l], &t.k[l], &t.v[l]}) PutFloat32Array(&out, a->data(), a->size());
+  EncodeFixed64(out.data() + kFileBytesAt, out.size() + sizeof(uint32_t));
+  PutFixed32(&out, Crc32c(out.data(), out.size()));
   return out;
 }
 
@@ -129,12 +92,14 @@ Result<KvTrace> DecodeKvTrace(const std::string& bytes, const std::string& name)
   if (size < kFixedHeader + sizeof(uint32_t))
     return Corruption(what + "truncated: " + std::to_string(size) + " bytes, shorter than the " +
                       std::to_string(kFixedHeader + sizeof(uint32_t)) + "-byte header");
-  Cursor c{bytes.data() + sizeof(kMagic), size - sizeof(kMagic) - sizeof(uint32_t)};
+  // Everything between the magic and the CRC; the reader names a field that runs past its end.
+  RecordReader r(std::string_view(bytes).substr(sizeof(kMagic), size - sizeof(kMagic) - sizeof(uint32_t)),
+                 what + "header runs past the end of the file");
   uint32_t version = 0, reserved = 0;
   uint64_t file_bytes = 0;
-  c.Get(&version);
-  c.Get(&reserved);
-  c.Get(&file_bytes);
+  KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&version, "version"));
+  KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&reserved, "reserved"));
+  KVTIER_RETURN_IF_ERROR(r.ReadFixed64(&file_bytes, "file_bytes"));
   if (version != KvTrace::kVersion)
     return Corruption(what + "unsupported version " + std::to_string(version) +
                       " (this build reads version " + std::to_string(KvTrace::kVersion) + ")");
@@ -144,8 +109,7 @@ Result<KvTrace> DecodeKvTrace(const std::string& bytes, const std::string& name)
   if (size > file_bytes)
     return Corruption(what + "trailing bytes: " + std::to_string(size) + " bytes, the header says " +
                       std::to_string(file_bytes));
-  uint32_t stored_crc = 0;
-  std::memcpy(&stored_crc, bytes.data() + size - sizeof(uint32_t), sizeof(uint32_t));
+  const uint32_t stored_crc = DecodeFixed32(bytes.data() + size - sizeof(uint32_t));
   const uint32_t crc = Crc32c(bytes.data(), size - sizeof(uint32_t));
   if (crc != stored_crc) {
     char buf[96];
@@ -159,38 +123,39 @@ Result<KvTrace> DecodeKvTrace(const std::string& bytes, const std::string& name)
   uint32_t shape[4];
   int64_t n = 0;
   uint32_t n_needles = 0;
-  for (uint32_t& d : shape) c.Get(&d);
-  c.Get(&n);
-  c.Get(&t.context);
-  c.Get(&t.question_begin);
-  c.Get(&n_needles);
+  for (uint32_t& d : shape) KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&d, "shape"));
+  KVTIER_RETURN_IF_ERROR(r.ReadInt64(&n, "n_tokens"));
+  KVTIER_RETURN_IF_ERROR(r.ReadInt64(&t.context, "context"));
+  KVTIER_RETURN_IF_ERROR(r.ReadInt64(&t.question_begin, "question_begin"));
+  KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&n_needles, "n_needles"));
   for (uint32_t d : shape)
     if (d == 0 || d > 4096) return Corruption(what + "geometry mismatch: implausible shape in the header");
   t.layers = static_cast<int>(shape[0]);
   t.q_heads = static_cast<int>(shape[1]);
   t.kv_heads = static_cast<int>(shape[2]);
   t.head_dim = static_cast<int>(shape[3]);
-  if (n < 0 || static_cast<uint64_t>(n) > c.left / sizeof(int32_t))
+  // Sizes are checked against the bytes left before anything is allocated for them.
+  if (n < 0 || static_cast<uint64_t>(n) > r.remaining() / sizeof(int32_t))
     return Corruption(what + "n_tokens " + std::to_string(n) + " does not fit the file");
-  if (n_needles > c.left / 16)
+  if (n_needles > r.remaining() / 16)
     return Corruption(what + "needle count " + std::to_string(n_needles) + " does not fit the file");
   t.needles.resize(n_needles);
-  for (TokenRange& r : t.needles) {
-    c.Get(&r.begin);
-    c.Get(&r.end);
+  for (TokenRange& rg : t.needles) {
+    KVTIER_RETURN_IF_ERROR(r.ReadInt64(&rg.begin, "needle begin"));
+    KVTIER_RETURN_IF_ERROR(r.ReadInt64(&rg.end, "needle end"));
   }
   t.tokens.resize(static_cast<size_t>(n));
-  if (!c.GetBytes(t.tokens.data(), t.tokens.size() * sizeof(int32_t)) || !c.GetString(&t.source) ||
-      !c.GetString(&t.answer))
-    return Corruption(what + "header runs past the end of the file");
+  KVTIER_RETURN_IF_ERROR(r.ReadInt32Array(t.tokens.data(), t.tokens.size(), "tokens"));
+  KVTIER_RETURN_IF_ERROR(r.ReadLengthPrefixed(&t.source, "source"));
+  KVTIER_RETURN_IF_ERROR(r.ReadLengthPrefixed(&t.answer, "answer"));
   // 128-bit product: a crafted header must not overflow into a plausible size.
   const unsigned __int128 want = static_cast<unsigned __int128>(t.layers) * static_cast<uint64_t>(n) *
                                  static_cast<uint64_t>(t.q_heads + 2 * t.kv_heads) *
                                  static_cast<uint64_t>(t.head_dim) * sizeof(float);
-  if (want != c.left)
+  if (want != r.remaining())
     return Corruption(what + "geometry mismatch: " + t.geometry().ToString() + " x " + std::to_string(n) +
                       " tokens needs " + std::to_string(static_cast<uint64_t>(want)) +
-                      " bytes of q/k/v, the file holds " + std::to_string(c.left));
+                      " bytes of q/k/v, the file holds " + std::to_string(r.remaining()));
   t.q.resize(t.layers);
   t.k.resize(t.layers);
   t.v.resize(t.layers);
@@ -199,7 +164,7 @@ Result<KvTrace> DecodeKvTrace(const std::string& bytes, const std::string& name)
     t.k[l].resize(Elems(n, t.kv_heads, t.head_dim));
     t.v[l].resize(t.k[l].size());
     for (std::vector<float>* a : {&t.q[l], &t.k[l], &t.v[l]})
-      c.GetBytes(a->data(), a->size() * sizeof(float));
+      KVTIER_RETURN_IF_ERROR(r.ReadFloat32Array(a->data(), a->size(), "q/k/v"));
   }
   Status st = t.Validate();
   if (!st.ok()) return Corruption(what + st.message());

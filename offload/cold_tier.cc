@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "store/checksum.h"
+#include "store/coding.h"
 
 namespace kvtier {
 
@@ -79,34 +80,11 @@ namespace {
 
 enum class ValueKind : uint8_t { kSequence = 1, kMeta = 2, kPayload = 3, kBlob = 4 };
 
-void PutBe64(char* p, uint64_t v) {
-  for (int i = 7; i >= 0; --i) { p[i] = static_cast<char>(v & 0xff); v >>= 8; }
-}
-void PutBe32(char* p, uint32_t v) {
-  for (int i = 3; i >= 0; --i) { p[i] = static_cast<char>(v & 0xff); v >>= 8; }
-}
-uint64_t GetBe64(const char* p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);
-  return v;
-}
-uint32_t GetBe32(const char* p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);
-  return v;
-}
-void PutLe(char* p, uint64_t v, int bytes) {
-  for (int i = 0; i < bytes; ++i) { p[i] = static_cast<char>(v & 0xff); v >>= 8; }
-}
-uint64_t GetLe(const char* p, int bytes) {
-  uint64_t v = 0;
-  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | static_cast<uint8_t>(p[i]);
-  return v;
-}
-
+// Keys are big-endian (bytewise order = numeric order); the value header is
+// little-endian. Both come from store/coding.h, so the format is the same on any host.
 std::string SeqPrefix(SequenceId seq) {
   std::string k(8, '\0');
-  PutBe64(k.data(), seq);
+  EncodeBigEndian64(k.data(), seq);
   return k;
 }
 
@@ -127,14 +105,14 @@ using Header = std::array<char, cold_tier_format::kValueHeaderBytes>;
 
 Header MakeHeader(ValueKind kind, const void* body, size_t n, uint64_t aux) {
   Header h{};
-  PutLe(h.data(), cold_tier_format::kMagic, 4);
+  EncodeFixed32(h.data(), cold_tier_format::kMagic);
   h[4] = static_cast<char>(cold_tier_format::kFormatVersion);
   h[5] = static_cast<char>(kind);
-  PutLe(h.data() + 8, n, 8);
-  PutLe(h.data() + 16, aux, 8);
+  EncodeFixed64(h.data() + 8, n);
+  EncodeFixed64(h.data() + 16, aux);
   uint32_t crc = Crc32c(h.data(), 24);
   crc = Crc32c(body, n, crc);
-  PutLe(h.data() + 24, crc, 4);
+  EncodeFixed32(h.data() + 24, crc);
   return h;
 }
 
@@ -160,7 +138,7 @@ Status DecodeValue(rocksdb::Slice v, ValueKind want, const std::string& what, De
     return Corruption("cold tier: " + what + " value too short (" + std::to_string(v.size()) +
                       " bytes, the header alone is " + std::to_string(H) + ")");
   const char* p = v.data();
-  uint32_t magic = static_cast<uint32_t>(GetLe(p, 4));
+  uint32_t magic = DecodeFixed32(p);
   if (magic != cold_tier_format::kMagic)
     return Corruption("cold tier: " + what + " bad magic " + Hex32(magic) + " (expected " +
                       Hex32(cold_tier_format::kMagic) + ")");
@@ -172,17 +150,17 @@ Status DecodeValue(rocksdb::Slice v, ValueKind want, const std::string& what, De
   if (kind != static_cast<uint8_t>(want))
     return Corruption("cold tier: " + what + " holds a " + KindName(kind) + " value (kind " +
                       std::to_string(kind) + "), expected a " + KindName(static_cast<uint8_t>(want)));
-  uint64_t len = GetLe(p + 8, 8);
+  uint64_t len = DecodeFixed64(p + 8);
   if (len != v.size() - H)
     return Corruption("cold tier: " + what + " length mismatch (header says " + std::to_string(len) +
                       " bytes, value holds " + std::to_string(v.size() - H) + ")");
-  uint32_t stored = static_cast<uint32_t>(GetLe(p + 24, 4));
+  uint32_t stored = DecodeFixed32(p + 24);
   uint32_t crc = Crc32c(p, 24);
   crc = Crc32c(p + H, len, crc);
   if (crc != stored)
     return Corruption("cold tier: " + what + " checksum mismatch (stored " + Hex32(stored) +
                       ", computed " + Hex32(crc) + ")");
-  out->aux = GetLe(p + 16, 8);
+  out->aux = DecodeFixed64(p + 16);
   out->body = std::string_view(p + H, len);
   return Status::Ok();
 }
@@ -217,20 +195,20 @@ namespace cold_tier_format {
 std::string SequenceKey(SequenceId seq) {
   std::string k(9, '\0');
   k[0] = 'S';
-  PutBe64(k.data() + 1, seq);
+  EncodeBigEndian64(k.data() + 1, seq);
   return k;
 }
 std::string ChunkKeyBytes(const ChunkKey& key) {
   std::string k(20, '\0');
-  PutBe64(k.data(), key.seq);
-  PutBe32(k.data() + 8, key.layer);
-  PutBe64(k.data() + 12, key.index);
+  EncodeBigEndian64(k.data(), key.seq);
+  EncodeBigEndian32(k.data() + 8, key.layer);
+  EncodeBigEndian64(k.data() + 12, key.index);
   return k;
 }
 std::string BlobKey(SequenceId seq, uint32_t layer, std::string_view name) {
   std::string k(12, '\0');
-  PutBe64(k.data(), seq);
-  PutBe32(k.data() + 8, layer);
+  EncodeBigEndian64(k.data(), seq);
+  EncodeBigEndian32(k.data() + 8, layer);
   k.append(name.data(), name.size());
   return k;
 }
@@ -570,7 +548,7 @@ Status ColdTier::ForEachSequence(const std::function<Status(SequenceId, std::str
     rocksdb::Slice key = it->key();
     if (key.size() != 9 || key[0] != 'S')
       return Corruption("cold tier: malformed sequence key 0x" + Hex(std::string_view(key.data(), key.size())));
-    SequenceId seq = GetBe64(key.data() + 1);
+    SequenceId seq = DecodeBigEndian64(key.data() + 1);
     Decoded d;
     KVTIER_RETURN_IF_ERROR(DecodeValue(it->value(), ValueKind::kSequence, SeqWhat(seq), &d));
     KVTIER_RETURN_IF_ERROR(fn(seq, d.body));
@@ -596,7 +574,7 @@ Status ColdTier::ForEachChunkMeta(SequenceId seq,
     rocksdb::Slice key = it->key();
     if (key.size() != 20)
       return Corruption("cold tier: malformed chunk meta key 0x" + Hex(std::string_view(key.data(), key.size())));
-    ChunkKey ck{GetBe64(key.data()), GetBe32(key.data() + 8), GetBe64(key.data() + 12)};
+    ChunkKey ck{DecodeBigEndian64(key.data()), DecodeBigEndian32(key.data() + 8), DecodeBigEndian64(key.data() + 12)};
     Decoded d;
     KVTIER_RETURN_IF_ERROR(DecodeValue(it->value(), ValueKind::kMeta, ChunkWhat(ck, "meta"), &d));
     KVTIER_RETURN_IF_ERROR(fn(ck, d.body));

@@ -1,7 +1,10 @@
 #include "offload/hot_tier.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 namespace kvtier {
 
@@ -28,6 +31,88 @@ Status HostHotTier::Upload(uint8_t* dst, const void* src, size_t bytes) {
 Status HostHotTier::Download(void* dst, const uint8_t* src, size_t bytes) {
   std::memcpy(dst, src, bytes);
   return Status::Ok();
+}
+
+}  // namespace kvtier
+
+// ---- the registry --------------------------------------------------------------------
+
+namespace kvtier {
+namespace {
+
+constexpr const char* kHostName = "host";
+constexpr const char* kCudaName = "cuda";
+
+struct Registry {
+  std::mutex mu;
+  std::map<std::string, HotTierFactory> factories;  // registered ones; "host" is built in
+};
+Registry& GetRegistry() {
+  static Registry* r = new Registry();  // never destroyed: stores may be closed during static destruction
+  return *r;
+}
+
+std::string KnownNames() {
+  std::string s;
+  for (const std::string& n : HotTierNames()) s += (s.empty() ? "" : "|") + n;
+  return s;
+}
+
+// The factory for a parsed spec, or the status explaining why there is none.
+Result<HotTierFactory> FindFactory(const FactorySpec& spec) {
+  if (spec.name == kHostName) {
+    if (!spec.params.empty())
+      return InvalidArgument("hot tier \"host\" takes no parameters (got \"" + spec.params[0].first + "\")");
+    return HotTierFactory([](const FactorySpec&, size_t pool_bytes, size_t slot_bytes)
+                              -> Result<std::unique_ptr<HotTier>> {
+      KVTIER_ASSIGN_OR_RETURN(auto tier, HostHotTier::Create(pool_bytes, slot_bytes));
+      return std::unique_ptr<HotTier>(std::move(tier));
+    });
+  }
+  {
+    Registry& r = GetRegistry();
+    std::lock_guard<std::mutex> l(r.mu);
+    auto it = r.factories.find(spec.name);
+    if (it != r.factories.end()) return it->second;
+  }
+  if (spec.name == kCudaName)
+    return Unavailable("hot tier \"cuda\": the GPU hot tier is not part of this build yet; use \"host\"");
+  return InvalidArgument("unknown hot tier \"" + spec.name + "\" (known: " + KnownNames() + ")");
+}
+
+}  // namespace
+
+Status RegisterHotTier(const std::string& name, HotTierFactory factory) {
+  if (name.empty()) return InvalidArgument("RegisterHotTier: name must not be empty");
+  if (!factory) return InvalidArgument("RegisterHotTier: factory for \"" + name + "\" is empty");
+  if (name == kHostName) return AlreadyExists("hot tier \"host\" is built in");
+  Registry& r = GetRegistry();
+  std::lock_guard<std::mutex> l(r.mu);
+  if (!r.factories.emplace(name, std::move(factory)).second)
+    return AlreadyExists("hot tier \"" + name + "\" is already registered");
+  return Status::Ok();
+}
+
+std::vector<std::string> HotTierNames() {
+  std::vector<std::string> names{kHostName};
+  Registry& r = GetRegistry();
+  std::lock_guard<std::mutex> l(r.mu);
+  for (const auto& [name, f] : r.factories) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+Status CheckHotTierSpec(const std::string& spec) {
+  KVTIER_ASSIGN_OR_RETURN(FactorySpec parsed, ParseFactorySpec(spec, "hot tier"));
+  return FindFactory(parsed).status();
+}
+
+Result<std::unique_ptr<HotTier>> MakeHotTier(const std::string& spec, size_t slot_pool_bytes, size_t slot_bytes) {
+  KVTIER_ASSIGN_OR_RETURN(FactorySpec parsed, ParseFactorySpec(spec, "hot tier"));
+  KVTIER_ASSIGN_OR_RETURN(HotTierFactory factory, FindFactory(parsed));
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<HotTier> tier, factory(parsed, slot_pool_bytes, slot_bytes));
+  if (tier == nullptr) return Internal("hot tier \"" + parsed.name + "\": its factory returned no tier");
+  return tier;
 }
 
 }  // namespace kvtier

@@ -4,14 +4,22 @@
 // This issue ships the host implementation; the GPU tier implements the same
 // interface with device memory (pointers it returns are then device pointers,
 // and Upload becomes an asynchronous H2D copy).
+//
+// TieredStore does not name an implementation: it builds its hot tier from
+// StoreOptions::hot_tier (a factory string looked up in the registry below) or
+// from StoreOptions::hot_tier_factory (an engine's own tier). "host" is built
+// in; the GPU tier registers "cuda" when it exists.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "offload/host_memory.h"
+#include "store/factory_spec.h"
 #include "store/status.h"
 
 namespace kvtier {
@@ -25,6 +33,8 @@ class HotTier {
   // ---- slot pool for retrieved chunks (fixed slot size = one chunk) ----
   virtual int32_t slot_capacity() const = 0;
   virtual int32_t slots_used() const = 0;
+  /// Bytes of one slot; TieredStore refuses a tier whose slots are not one chunk.
+  virtual size_t slot_bytes() const = 0;
   /// A free slot, or -1 when every slot is taken.
   virtual int32_t AcquireSlot() = 0;
   virtual void ReleaseSlot(int32_t slot) = 0;
@@ -48,6 +58,7 @@ class HostHotTier final : public HotTier {
   const char* device() const override { return "cpu"; }
   int32_t slot_capacity() const override { return pool_->capacity(); }
   int32_t slots_used() const override { return pool_->used(); }
+  size_t slot_bytes() const override { return pool_->slot_bytes(); }
   int32_t AcquireSlot() override { return pool_->Acquire(); }
   void ReleaseSlot(int32_t slot) override { pool_->Release(slot); }
   uint8_t* slot_data(int32_t slot) override { return pool_->slot_data(slot); }
@@ -59,5 +70,24 @@ class HostHotTier final : public HotTier {
  private:
   std::unique_ptr<SlotPool> pool_;
 };
+
+// ---- the registry --------------------------------------------------------------------
+
+/// Builds a hot tier with a slot pool of `slot_pool_bytes` (at least one slot of
+/// `slot_bytes`); `spec` carries the factory string's parameters.
+using HotTierFactory = std::function<Result<std::unique_ptr<HotTier>>(const FactorySpec& spec, size_t slot_pool_bytes,
+                                                                      size_t slot_bytes)>;
+
+/// Adds a named implementation ("cuda" when the GPU tier exists). AlreadyExists when
+/// the name is taken, InvalidArgument for an empty name or factory. Thread-safe.
+Status RegisterHotTier(const std::string& name, HotTierFactory factory);
+/// Names that MakeHotTier can build now, sorted ("host", plus registered ones).
+std::vector<std::string> HotTierNames();
+/// Checks `spec` without building anything: the same status MakeHotTier would give
+/// for a spec problem. InvalidArgument for a malformed spec or an unknown name;
+/// Unavailable for "cuda" while no GPU tier is registered.
+Status CheckHotTierSpec(const std::string& spec);
+/// Builds the hot tier `spec` names ("host"; "host" takes no parameters).
+Result<std::unique_ptr<HotTier>> MakeHotTier(const std::string& spec, size_t slot_pool_bytes, size_t slot_bytes);
 
 }  // namespace kvtier

@@ -1,106 +1,24 @@
 #include "offload/tiered_store.h"
 
-#include "kernels/cpu/dot.h"
-
-#include <oneapi/tbb/info.h>
-#include <oneapi/tbb/parallel_for.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <numeric>
+
+#include "offload/representatives.h"
+#include "offload/store_records.h"
+#include "offload/store_recovery.h"
+#include "offload/store_state.h"
+#include "offload/transfer_engine.h"
 
 namespace kvtier {
-namespace {
 
-using Clock = std::chrono::steady_clock;
-
-// Records in the cold tier. Integers are little-endian fixed width; every
-// record starts with a magic and a version so a foreign or stale value is
-// rejected with Corruption instead of being misread.
-constexpr uint32_t kStoreMagic = 0x5354564b;  // "KVTS"
-constexpr uint32_t kSeqMagic = 0x5153564b;    // "KVSQ"
-constexpr uint32_t kMetaMagic = 0x4d43564b;   // "KVCM"
-constexpr uint32_t kRecordVersion = 1;
-constexpr SequenceId kStoreRecordSeq = 0;     // sequence ids start at 1
-constexpr const char* kStoreBlob = "store";
-constexpr const char* kSinksBlob = "sinks";
-constexpr const char* kLocalBlob = "local";
-
-enum class SeqState : uint8_t { kOpen = 0, kClosed = 1, kRecovered = 2 };
-
-class Writer {
- public:
-  template <typename T> void Put(T v) { buf_.append(reinterpret_cast<const char*>(&v), sizeof(T)); }
-  void Bytes(const void* p, size_t n) { buf_.append(static_cast<const char*>(p), n); }
-  std::string& str() { return buf_; }
- private:
-  std::string buf_;
-};
-
-class Reader {
- public:
-  explicit Reader(std::string_view s) : s_(s) {}
-  template <typename T> bool Get(T* v) {
-    if (s_.size() - pos_ < sizeof(T)) return false;
-    std::memcpy(v, s_.data() + pos_, sizeof(T));
-    pos_ += sizeof(T);
-    return true;
-  }
-  bool Bytes(void* dst, size_t n) {
-    if (s_.size() - pos_ < n) return false;
-    std::memcpy(dst, s_.data() + pos_, n);
-    pos_ += n;
-    return true;
-  }
-  bool done() const { return pos_ == s_.size(); }
- private:
-  std::string_view s_;
-  size_t pos_ = 0;
-};
-
-}  // namespace
+using store_records::EncodeChunkMeta;
+using store_records::EncodeSequenceRecord;
+using store_records::SeqState;
 
 // ---------------------------------------------------------------------------
-// Internal state
-
-struct TieredStore::Chunk {
-  uint64_t id = 0;
-  ChunkKey key;
-  int64_t first_token = 0;
-  std::vector<uint8_t> repr;  // [repr_topk, kv_heads, head_dim] in storage dtype
-  uint8_t tiers = kTierNone;
-  int32_t warm_slot = -1;
-  int32_t hot_slot = -1;
-  int warm_pins = 0;          // internal copies reading/writing the warm slot
-  int hot_pins = 0;           // FetchHandles holding the hot slot
-  Clock::time_point pin_deadline{};
-  bool hot_loading = false;   // hot slot assigned, bytes not there yet
-  bool cold_acked = false;
-  bool cold_writing = false;
-  float score = 0.0f;
-};
-
-struct TieredStore::LayerState {
-  uint8_t* sink_k = nullptr;  // [n_sink, kv_heads, head_dim]
-  uint8_t* sink_v = nullptr;
-  uint8_t* ring_k = nullptr;  // [ring, kv_heads, head_dim], token p at (p - n_sink) % ring
-  uint8_t* ring_v = nullptr;
-  std::vector<float> ring_mass;  // [kv_heads, ring] attention mass while in the local window
-  int64_t n_tokens = 0;
-  int64_t sealed_end = 0;     // first position not yet in a chunk (>= n_sink once sinks are full)
-  bool sinks_restored = true; // false for a recovered sequence without a sinks record
-  std::vector<Chunk*> chunks; // by chunk index
-};
-
-struct TieredStore::Sequence {
-  SequenceId id = 0;
-  SeqState state = SeqState::kOpen;
-  std::vector<LayerState> layers;
-  int busy = 0;  // operations in progress that must finish before a drop
-};
+// Internal state (chunks, layers, sequences: offload/store_state.h)
 
 struct FetchHandle::State {
   TieredStore* store = nullptr;
@@ -152,6 +70,12 @@ Status StoreOptions::Validate() const {
     auto w = MakeDemotionPolicy(warm_policy);
     if (!w.ok()) return InvalidArgument("warm_policy: " + w.status().message());
   }
+  if (!hot_tier_factory) {
+    // Keeps the registry's code: Unavailable for "cuda" (not built yet), InvalidArgument otherwise.
+    Status h = CheckHotTierSpec(hot_tier);
+    if (!h.ok()) return Status(h.code(), "hot_tier: " + h.message());
+  }
+  if (clock == nullptr) return InvalidArgument("clock must not be null (the default is the steady clock)");
   return Status::Ok();
 }
 
@@ -212,10 +136,8 @@ void FetchHandle::Release() {
 TieredStore::TieredStore(const StoreOptions& options) : options_(options) {}
 
 TieredStore::~TieredStore() {
-  {
-    std::unique_lock<std::mutex> l(mu_);
-    cv_.wait(l, [&] { return inflight_ == 0; });
-  }
+  // Transfer tasks call back into the store: let them finish first.
+  if (engine_) engine_->WaitIdle();
   for (auto& [id, seq] : sequences_) {
     for (auto& ls : seq->layers) {
       if (ls.sink_k) hot_->FreeRegion(ls.sink_k, 0);
@@ -237,15 +159,21 @@ Result<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& optio
 Status TieredStore::Init() {
   token_bytes_ = options_.geometry.token_elems() * DTypeSize(options_.geometry.dtype);
   chunk_bytes_ = options_.chunk_bytes();
-  KVTIER_ASSIGN_OR_RETURN(auto hot, HostHotTier::Create(options_.hot_bytes, chunk_bytes_));
-  hot_ = std::move(hot);
+  if (options_.hot_tier_factory) {
+    KVTIER_ASSIGN_OR_RETURN(hot_, options_.hot_tier_factory(options_.hot_bytes, chunk_bytes_));
+    if (hot_ == nullptr) return InvalidArgument("hot_tier_factory returned no hot tier");
+  } else {
+    KVTIER_ASSIGN_OR_RETURN(hot_, MakeHotTier(options_.hot_tier, options_.hot_bytes, chunk_bytes_));
+  }
+  // Every slot holds one chunk ([K][V]); spans and copies assume exactly that size.
+  if (hot_->slot_bytes() != chunk_bytes_ || hot_->slot_capacity() < 1)
+    return InvalidArgument("hot tier (" + std::string(hot_->device()) + ") has " +
+                           std::to_string(hot_->slot_capacity()) + " slots of " + std::to_string(hot_->slot_bytes()) +
+                           " bytes; the store needs at least one slot of one chunk (" + std::to_string(chunk_bytes_) +
+                           " bytes)");
   KVTIER_ASSIGN_OR_RETURN(warm_, SlotPool::Create("warm_bytes", options_.warm_bytes, chunk_bytes_, true));
   KVTIER_ASSIGN_OR_RETURN(hot_policy_, MakeDemotionPolicy(options_.hot_policy));
   KVTIER_ASSIGN_OR_RETURN(warm_policy_, MakeDemotionPolicy(options_.warm_policy));
-  // Ask for no more workers than the process has (oneTBB warns otherwise); on
-  // two cores that is one transfer worker, and callers' waits never block it.
-  const int workers = std::max(1, std::min(options_.transfer_threads, tbb::info::default_concurrency() - 1));
-  arena_ = std::make_unique<tbb::task_arena>(workers, 0);
   if (!options_.data_dir.empty()) {
     ColdTierOptions co;
     co.path = options_.data_dir;
@@ -253,182 +181,31 @@ Status TieredStore::Init() {
     co.sync_writes = options_.sync_writes;
     co.fault_injector = options_.cold_fault_injector;
     KVTIER_ASSIGN_OR_RETURN(cold_, ColdTier::Open(co));
-    KVTIER_RETURN_IF_ERROR(Recover());
   }
-  return Status::Ok();
-}
-
-namespace {
-std::string EncodeStoreRecord(const StoreOptions& o) {
-  Writer w;
-  w.Put(kStoreMagic); w.Put(kRecordVersion);
-  const Geometry& g = o.geometry;
-  w.Put<int32_t>(g.layers); w.Put<int32_t>(g.q_heads); w.Put<int32_t>(g.kv_heads); w.Put<int32_t>(g.head_dim);
-  w.Put<uint8_t>(static_cast<uint8_t>(g.dtype));
-  w.Put<int32_t>(o.n_sink); w.Put<int32_t>(o.n_local); w.Put<int32_t>(o.chunk_size); w.Put<int32_t>(o.repr_topk);
-  return std::move(w.str());
-}
-
-std::string DescribeLayout(const StoreOptions& o) {
-  return "geometry " + o.geometry.ToString() + ", n_sink " + std::to_string(o.n_sink) + ", n_local " +
-         std::to_string(o.n_local) + ", chunk_size " + std::to_string(o.chunk_size) + ", repr_topk " +
-         std::to_string(o.repr_topk);
-}
-}  // namespace
-
-Status TieredStore::Recover() {
-  // The store record pins the layout: reopening with another geometry would misread every chunk.
-  auto existing = cold_->GetBlob(kStoreRecordSeq, 0, kStoreBlob);
-  const std::string mine = EncodeStoreRecord(options_);
-  if (existing.ok()) {
-    if (*existing != mine) {
-      Reader r(*existing);
-      uint32_t magic = 0, version = 0;
-      StoreOptions theirs;
-      int32_t v[8];
-      uint8_t dt = 0;
-      if (!r.Get(&magic) || magic != kStoreMagic || !r.Get(&version) || !r.Get(&v[0]) || !r.Get(&v[1]) ||
-          !r.Get(&v[2]) || !r.Get(&v[3]) || !r.Get(&dt) || !r.Get(&v[4]) || !r.Get(&v[5]) || !r.Get(&v[6]) ||
-          !r.Get(&v[7]))
-        return Corruption("data_dir '" + options_.data_dir + "': store record is malformed");
-      theirs.geometry = Geometry{v[0], v[1], v[2], v[3], static_cast<DType>(dt)};
-      theirs.n_sink = v[4]; theirs.n_local = v[5]; theirs.chunk_size = v[6]; theirs.repr_topk = v[7];
-      return InvalidArgument("data_dir '" + options_.data_dir + "' holds a store with " + DescribeLayout(theirs) +
-                             ", but the options say " + DescribeLayout(options_));
-    }
-  } else if (existing.status().code() == StatusCode::kNotFound) {
-    KVTIER_RETURN_IF_ERROR(cold_->PutBlob(kStoreRecordSeq, 0, kStoreBlob, mine.data(), mine.size()));
-  } else {
-    return existing.status();
-  }
-
-  const int L = options_.geometry.layers;
-  std::vector<std::pair<SequenceId, std::string>> records;
-  KVTIER_RETURN_IF_ERROR(cold_->ForEachSequence([&](SequenceId id, std::string_view rec) {
-    records.emplace_back(id, std::string(rec));
-    return Status::Ok();
-  }));
-  const size_t repr_bytes =
-      static_cast<size_t>(options_.repr_topk) * options_.geometry.token_elems() * DTypeSize(options_.geometry.dtype);
-  for (auto& [id, rec] : records) {
-    if (id == kStoreRecordSeq) continue;
-    Reader r(rec);
-    uint32_t magic = 0, version = 0, layers = 0;
-    uint8_t state = 0;
-    if (!r.Get(&magic) || magic != kSeqMagic || !r.Get(&version) || !r.Get(&state) || !r.Get(&layers) ||
-        layers != static_cast<uint32_t>(L))
-      return Corruption("cold tier: sequence " + std::to_string(id) + " record is malformed");
-    std::vector<int64_t> n_tokens(L);
-    for (int l = 0; l < L; ++l)
-      if (!r.Get(&n_tokens[l])) return Corruption("cold tier: sequence " + std::to_string(id) + " record is short");
-    auto seq = std::make_unique<Sequence>();
-    seq->id = id;
-    seq->state = state == static_cast<uint8_t>(SeqState::kClosed) ? SeqState::kClosed : SeqState::kRecovered;
-    seq->layers.resize(L);
-    next_seq_id_ = std::max(next_seq_id_, id + 1);
-    Status meta_status = cold_->ForEachChunkMeta(id, [&](const ChunkKey& key, std::string_view meta) -> Status {
-      if (key.layer >= static_cast<uint32_t>(L))
-        return Corruption("cold tier: chunk " + key.ToString() + " names a layer beyond the geometry");
-      Reader mr(meta);
-      uint32_t mm = 0, mv = 0;
-      int64_t first = 0;
-      uint32_t rb = 0;
-      auto c = std::make_unique<Chunk>();
-      if (!mr.Get(&mm) || mm != kMetaMagic || !mr.Get(&mv) || !mr.Get(&first) || !mr.Get(&rb) || rb != repr_bytes)
-        return Corruption("cold tier: chunk " + key.ToString() + " meta record is malformed");
-      c->repr.resize(rb);
-      if (!mr.Bytes(c->repr.data(), rb) || !mr.Get(&c->score) || !mr.done())
-        return Corruption("cold tier: chunk " + key.ToString() + " meta record is malformed");
-      c->id = next_chunk_id_++;
-      c->key = key;
-      c->first_token = first;
-      c->tiers = kTierCold;
-      c->cold_acked = true;
-      auto& chunks = seq->layers[key.layer].chunks;
-      if (chunks.size() <= key.index) chunks.resize(key.index + 1, nullptr);
-      chunk_by_id_[c->id] = c.get();
-      chunks[key.index] = c.release();
-      counters_.cold_chunks++;
-      counters_.cold_bytes += chunk_bytes_;
-      return Status::Ok();
-    });
-    // Register the sequence before checking the status, so its chunks are freed either way.
-    Sequence* s = seq.get();
-    sequences_[id] = std::move(seq);
-    KVTIER_RETURN_IF_ERROR(meta_status);
-    for (int l = 0; l < L; ++l) {
-      LayerState& ls = s->layers[l];
-      // A crash can leave a hole (chunk k+1 acknowledged before chunk k): keep the contiguous prefix.
-      // A crash can leave holes (chunk k+1 acknowledged before chunk k); chunks
-      // are addressed by index, so a hole reads back as NotFound, never as
-      // someone else's tokens.
-      // As at run time: sealed_end trails n_tokens while the sinks fill, then
-      // sits at the end of the last chunk.
-      if (s->state == SeqState::kClosed) {
-        ls.n_tokens = n_tokens[l];
-        // The sealed chunk count follows from n_tokens (Append seals the oldest chunk
-        // when the ring is full and a token arrives), not from the chunks found:
-        // trailing chunks may have been dropped by compression (DropChunks).
-        const int64_t beyond = ls.n_tokens - options_.n_sink - (options_.n_local + options_.chunk_size);
-        const int64_t sealed = beyond > 0 ? (beyond + options_.chunk_size - 1) / options_.chunk_size : 0;
-        if (static_cast<int64_t>(ls.chunks.size()) > sealed)
-          return Corruption("cold tier: sequence " + std::to_string(id) + " layer " + std::to_string(l) + " has " +
-                            std::to_string(ls.chunks.size()) + " chunks but its " + std::to_string(ls.n_tokens) +
-                            " tokens seal only " + std::to_string(sealed));
-        ls.sealed_end = std::min<int64_t>(ls.n_tokens, options_.n_sink) + sealed * options_.chunk_size;
-      } else {
-        ls.sealed_end = ls.chunks.empty() ? 0 : options_.n_sink + static_cast<int64_t>(ls.chunks.size()) * options_.chunk_size;
-        ls.n_tokens = ls.sealed_end;
-      }
-      ls.sinks_restored = false;
-      if (s->state == SeqState::kClosed) {
-        auto sinks = cold_->GetBlob(id, l, kSinksBlob);
-        auto local = cold_->GetBlob(id, l, kLocalBlob);
-        if (!sinks.ok()) return sinks.status();
-        if (!local.ok()) return local.status();
-        const int64_t n_sink_tokens = std::min<int64_t>(ls.n_tokens, options_.n_sink);
-        const int64_t n_local_tokens = ls.n_tokens - std::max<int64_t>(ls.sealed_end, n_sink_tokens);
-        if (sinks->size() != 2 * n_sink_tokens * token_bytes_ || n_local_tokens < 0 ||
-            local->size() != 2 * static_cast<size_t>(n_local_tokens) * token_bytes_)
-          return Corruption("cold tier: sequence " + std::to_string(id) + " layer " + std::to_string(l) +
-                            " sinks/local records do not match its token count");
-        // Rebuild the hot regions exactly as they were at close.
-        const size_t ring = static_cast<size_t>(options_.n_local + options_.chunk_size);
-        KVTIER_ASSIGN_OR_RETURN(ls.sink_k, hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
-        KVTIER_ASSIGN_OR_RETURN(ls.sink_v, hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
-        KVTIER_ASSIGN_OR_RETURN(ls.ring_k, hot_->AllocateRegion(ring * token_bytes_));
-        KVTIER_ASSIGN_OR_RETURN(ls.ring_v, hot_->AllocateRegion(ring * token_bytes_));
-        region_bytes_ += 2 * (options_.n_sink + ring) * token_bytes_;
-        const size_t sb = n_sink_tokens * token_bytes_;
-        KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.sink_k, sinks->data(), sb));
-        KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.sink_v, sinks->data() + sb, sb));
-        for (int64_t t = 0; t < n_local_tokens; ++t) {
-          const int64_t p = ls.sealed_end + t;
-          const size_t slot = static_cast<size_t>((p - options_.n_sink) % static_cast<int64_t>(ring));
-          KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.ring_k + slot * token_bytes_, local->data() + t * token_bytes_, token_bytes_));
-          KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.ring_v + slot * token_bytes_,
-                                              local->data() + (n_local_tokens + t) * token_bytes_, token_bytes_));
-        }
-        ls.sinks_restored = true;
-      }
-    }
+  TransferEngine::Options eo;
+  eo.threads = options_.transfer_threads;
+  eo.chunk_bytes = chunk_bytes_;
+  eo.hot = hot_.get();
+  eo.cold = cold_.get();
+  KVTIER_ASSIGN_OR_RETURN(engine_, TransferEngine::Create(eo));
+  if (cold_) {
+    RecoveredStore rec;
+    Status st = RecoverStore(options_, cold_.get(), hot_.get(), &rec);
+    // Adopt whatever was rebuilt even on failure: the destructor frees it.
+    sequences_ = std::move(rec.sequences);
+    chunk_by_id_ = std::move(rec.chunk_by_id);
+    next_chunk_id_ = rec.next_chunk_id;
+    next_seq_id_ = rec.next_seq_id;
+    counters_.cold_chunks += rec.cold_chunks;
+    counters_.cold_bytes += rec.cold_bytes;
+    region_bytes_ += rec.region_bytes;
+    KVTIER_RETURN_IF_ERROR(st);
   }
   return Status::Ok();
 }
 
 // ---------------------------------------------------------------------------
 // Sequences
-
-namespace {
-std::string EncodeSequenceRecord(SeqState state, const std::vector<int64_t>& n_tokens) {
-  Writer w;
-  w.Put(kSeqMagic); w.Put(kRecordVersion);
-  w.Put(static_cast<uint8_t>(state));
-  w.Put(static_cast<uint32_t>(n_tokens.size()));
-  for (int64_t n : n_tokens) w.Put(n);
-  return std::move(w.str());
-}
-}  // namespace
 
 Result<SequenceId> TieredStore::CreateSequence() {
   auto seq = std::make_unique<Sequence>();
@@ -592,8 +369,9 @@ Status TieredStore::WriteWarmChunkToColdLocked(std::unique_lock<std::mutex>& loc
   c->cold_writing = true;
   c->warm_pins++;
   const uint8_t* payload = warm_->slot_data(c->warm_slot);
+  const float score = c->score;  // snapshot under the lock (see Chunk::score)
   lock.unlock();
-  Status st = WriteCold(c, payload);
+  Status st = WriteCold(c, payload, score);
   lock.lock();
   c->cold_writing = false;
   c->warm_pins--;
@@ -601,87 +379,31 @@ Status TieredStore::WriteWarmChunkToColdLocked(std::unique_lock<std::mutex>& loc
   return st;
 }
 
-Status TieredStore::WriteCold(Chunk* c, const uint8_t* payload) {
-  const std::string meta = EncodeMeta(*c);
-  Status st = cold_->PutChunk(c->key, meta, payload, chunk_bytes_);
+Status TieredStore::WriteCold(Chunk* c, const uint8_t* payload, float score) {
+  // first_token and repr never change once the chunk is sealed, so encoding them here,
+  // without the lock, is safe; the score is the caller's snapshot.
+  const std::string meta = EncodeChunkMeta(c->first_token, c->repr.data(), c->repr.size(), score);
+  KVTIER_RETURN_IF_ERROR(engine_->WriteChunk(c->key, meta, payload));
   std::function<void(const ChunkKey&)> listener;
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (!st.ok()) {
-      st = Status(st.code(), "writing chunk " + c->key.ToString() + " to the cold tier: " + st.message());
-      return st;
-    }
-    if (!c->cold_acked) {
-      c->cold_acked = true;
-      c->tiers |= kTierCold;
-      counters_.cold_chunks++;
-      counters_.cold_bytes += chunk_bytes_;
-      counters_.cold_writes++;
-      counters_.bytes_moved += chunk_bytes_;
-    }
-    listener = ack_listener_;
+    listener = AckColdWriteLocked(c);
   }
+  // The chunk is still pinned (cold_writing) by the caller: its key stays valid.
   if (listener) listener(c->key);
   return Status::Ok();
 }
 
-std::string TieredStore::EncodeMeta(const Chunk& c) const {
-  Writer w;
-  w.Put(kMetaMagic); w.Put(kRecordVersion);
-  w.Put(c.first_token);
-  w.Put(static_cast<uint32_t>(c.repr.size()));
-  w.Bytes(c.repr.data(), c.repr.size());
-  w.Put(c.score);
-  return std::move(w.str());
-}
-
-using kernels::Dot;
-
-void TieredStore::ChooseRepresentatives(const LayerState& ls, int64_t first_token, uint8_t* repr) const {
-  // InfLLM: per kv head, the chunk's tokens that received the most attention
-  // while they were in the local window. Fallback when no statistics reached
-  // this chunk for a head (all mass zero): the most typical keys, those with
-  // the highest summed cosine to every key of the chunk (= cosine to the mean
-  // of the unit keys), a medoid-like choice one outlier cannot drag towards
-  // itself. The chosen keys are copied in the storage dtype, bit for bit.
-  const Geometry& g = options_.geometry;
-  const int cs = options_.chunk_size, D = g.head_dim, H = g.kv_heads, R = options_.repr_topk;
-  const int64_t ring = options_.n_local + options_.chunk_size;
-  const int64_t slot0 = (first_token - options_.n_sink) % ring;
-  const uint8_t* chunk_keys = ls.ring_k + slot0 * token_bytes_;
-  const size_t head_bytes = static_cast<size_t>(D) * DTypeSize(g.dtype);
-  std::vector<float> keys;  // converted lazily: only the fallback needs fp32 keys
-  std::vector<int> order(cs);
-  std::vector<float> score(cs), mean(D), inv_norm(cs);
-  for (int h = 0; h < H; ++h) {
-    const float* mass = ls.ring_mass.data() + h * ring + slot0;
-    float total = 0.0f;
-    for (int t = 0; t < cs; ++t) total += mass[t];
-    if (total > 0.0f) {
-      for (int t = 0; t < cs; ++t) score[t] = mass[t];
-    } else {
-      if (keys.empty()) {
-        keys.resize(static_cast<size_t>(cs) * H * D);
-        ToFloat(g.dtype, chunk_keys, keys.data(), keys.size());
-      }
-      std::fill(mean.begin(), mean.end(), 0.0f);
-      for (int t = 0; t < cs; ++t) {
-        const float* kt = &keys[(static_cast<size_t>(t) * H + h) * D];
-        const float nk = Dot(kt, kt, D);
-        inv_norm[t] = nk > 0.0f ? 1.0f / std::sqrt(nk) : 0.0f;
-        for (int d = 0; d < D; ++d) mean[d] += kt[d] * inv_norm[t];
-      }
-      for (int t = 0; t < cs; ++t)
-        score[t] = Dot(&keys[(static_cast<size_t>(t) * H + h) * D], mean.data(), D) * inv_norm[t];
-    }
-    std::iota(order.begin(), order.end(), 0);
-    // Highest score first; ties go to the earlier token (deterministic).
-    std::partial_sort(order.begin(), order.begin() + R, order.end(),
-                      [&](int a, int b) { return score[a] != score[b] ? score[a] > score[b] : a < b; });
-    for (int r = 0; r < R; ++r)
-      std::memcpy(repr + (static_cast<size_t>(r) * H + h) * head_bytes,
-                  chunk_keys + (static_cast<size_t>(order[r]) * H + h) * head_bytes, head_bytes);
+std::function<void(const ChunkKey&)> TieredStore::AckColdWriteLocked(Chunk* c) {
+  if (!c->cold_acked) {
+    c->cold_acked = true;
+    c->tiers |= kTierCold;
+    counters_.cold_chunks++;
+    counters_.cold_bytes += chunk_bytes_;
+    counters_.cold_writes++;
+    counters_.bytes_moved += chunk_bytes_;
   }
+  return ack_listener_;
 }
 
 Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
@@ -710,7 +432,16 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
   Status st = hot_->Download(dst, ls.ring_k + slot0 * token_bytes_, half);
   if (st.ok()) st = hot_->Download(dst + half, ls.ring_v + slot0 * token_bytes_, half);
   c->repr.resize(static_cast<size_t>(options_.repr_topk) * token_bytes_);
-  ChooseRepresentatives(ls, first, c->repr.data());
+  if (st.ok()) {
+    RepresentativeInput ri;
+    ri.geometry = options_.geometry;
+    ri.chunk_size = options_.chunk_size;
+    ri.repr_topk = options_.repr_topk;
+    ri.keys = ls.ring_k + slot0 * token_bytes_;
+    ri.mass = ls.ring_mass.data() + slot0;  // head h at h * ring
+    ri.mass_stride = static_cast<size_t>(ring);
+    st = ChooseRepresentatives(ri, c->repr.data());
+  }
   // Reset the statistics of the ring positions the chunk leaves behind.
   for (int h = 0; h < options_.geometry.kv_heads; ++h)
     std::fill_n(ls.ring_mass.data() + h * ring + slot0, options_.chunk_size, 0.0f);
@@ -731,40 +462,43 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
   ls.sealed_end += options_.chunk_size;
   if (options_.write_through && cold_) {
     c->cold_writing = true;  // keeps the warm pin until the write is done
+    const uint8_t* payload = warm_->slot_data(c->warm_slot);
+    const float score = c->score;  // snapshot under the lock (see Chunk::score)
     lock.unlock();
-    SubmitColdWrite(c);
+    SubmitColdWrite(c, payload, score);
   } else {
     c->warm_pins = 0;
   }
   return Status::Ok();
 }
 
-void TieredStore::Enqueue(std::function<void()> fn) {
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    inflight_++;
-  }
-  arena_->enqueue([this, fn = std::move(fn)] {
-    fn();
-    std::lock_guard<std::mutex> l(mu_);
-    inflight_--;
-    cv_.notify_all();
-  });
-}
-
-void TieredStore::SubmitColdWrite(Chunk* c) {
-  Enqueue([this, c] {
-    Status st = WriteCold(c, warm_->slot_data(c->warm_slot));
+void TieredStore::SubmitColdWrite(Chunk* c, const uint8_t* payload, float score) {
+  // Encoded here, on the appending thread: the transfer thread then reads no chunk field
+  // the store mutex guards (SetChunkScores may change the score meanwhile; that change is
+  // persisted by the chunk's next cold write, as SetChunkScores documents).
+  TransferEngine::ColdWrite w;
+  w.key = c->key;
+  w.meta = EncodeChunkMeta(c->first_token, c->repr.data(), c->repr.size(), score);
+  w.payload = payload;
+  engine_->SubmitColdWrite(std::move(w), [this, c](Status st) {
+    std::function<void(const ChunkKey&)> listener;
+    if (st.ok()) {
+      std::lock_guard<std::mutex> l(mu_);
+      listener = AckColdWriteLocked(c);
+    }
+    // Still pinned (cold_writing): nobody frees the chunk while the listener runs.
+    if (listener) listener(c->key);
     std::lock_guard<std::mutex> l(mu_);
     c->cold_writing = false;
     c->warm_pins--;
     if (!st.ok() && background_error_.ok()) background_error_ = st;
+    cv_.notify_all();  // CloseSequence, DropChunks and MakeWarmRoom wait for cold_writing to clear
   });
 }
 
 Status TieredStore::WaitForDurable() {
-  std::unique_lock<std::mutex> l(mu_);
-  cv_.wait(l, [&] { return inflight_ == 0; });
+  engine_->WaitIdle();
+  std::lock_guard<std::mutex> l(mu_);
   // A failed write-through leaves its chunk unacknowledged in warm, where the
   // next demotion or CloseSequence writes it again; report the failure once.
   Status st = background_error_;
@@ -989,18 +723,18 @@ bool TieredStore::FetchCompleteLocked(const FetchHandle::State* st) const {
   return true;
 }
 
-bool TieredStore::PinnedLocked(const Chunk* c) const {
+bool TieredStore::PinnedLocked(const Chunk* c, Clock::time_point now) const {
   if (c->hot_pins == 0) return false;
-  return Clock::now() < c->pin_deadline;
+  return now < c->pin_deadline;
 }
 
-int32_t TieredStore::AcquireHotSlotLocked() {
+int32_t TieredStore::AcquireHotSlotLocked(Clock::time_point now) {
   int32_t slot = hot_->AcquireSlot();
   if (slot >= 0) return slot;
   uint64_t victim = 0;
   auto can_leave = [&](uint64_t id) {
     const Chunk* c = chunk_by_id_.at(id);
-    return !c->hot_loading && !PinnedLocked(c);
+    return !c->hot_loading && !PinnedLocked(c, now);
   };
   if (!hot_policy_->PickVictim(can_leave, &victim)) return -1;
   Chunk* c = chunk_by_id_.at(victim);
@@ -1033,7 +767,9 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
       if (idx >= ls.chunks.size() || ls.chunks[idx] == nullptr)
         return InvalidArgument("fetch: chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
                                " does not exist (layer has " + std::to_string(ls.chunks.size()) + " chunks)");
-    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.pin_timeout_ms);
+    // One clock reading for the whole call: the leases it grants and the ones it finds expired.
+    const Clock::time_point now = options_.clock->Now();
+    const auto deadline = now + std::chrono::milliseconds(options_.pin_timeout_ms);
     // On failure, give back what this call took: pins, and slots it assigned
     // but never filled (they would otherwise look "loading" forever).
     const auto undo = [&] {
@@ -1056,7 +792,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
         counters_.hits++;
         hot_policy_->OnAccess(c->id);
       } else {
-        const int32_t slot = AcquireHotSlotLocked();
+        const int32_t slot = AcquireHotSlotLocked(now);
         if (slot < 0) {
           undo();
           return ResourceExhausted("hot tier: all " + std::to_string(hot_->slot_capacity()) +
@@ -1079,7 +815,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
     counters_.hot_chunks = hot_->slots_used();
     if (!any_load) st->done = true;
   }
-  if (any_load) Enqueue([this, st] {
+  if (any_load) engine_->Enqueue([this, st] {
     if (!st->claimed.exchange(true)) RunFetch(st);
   });
   else st->claimed = true;
@@ -1092,76 +828,54 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
   // Three phases, so the store lock is taken twice per fetch, not twice per chunk:
   // (1) under the lock, pin each load's warm copy, or reserve the warm slot a chunk coming
   // back from cold will keep its copy in (retrieval tends to come back to the same chunks);
-  // (2) without it, read cold chunks into those slots and upload to the hot slots; (3) under
-  // the lock, unpin, attach the warm copies that arrived, and mark the loads done.
-  struct Load {
-    Chunk* c = nullptr;
-    const uint8_t* warm = nullptr;  // pinned warm copy, or null: read it from cold
-    int32_t read_slot = -1;         // warm slot reserved for the cold read (-1: none was free)
-    std::vector<uint8_t> staging;   // the cold read's bytes when no warm slot was free
-    Status status;
-  };
-  std::vector<Load> loads;
-  size_t cold_loads = 0;
+  // (2) without it, the transfer engine reads cold chunks into those slots and uploads to
+  // the hot slots; (3) under the lock, unpin, attach the warm copies that arrived, and mark
+  // the loads done.
+  std::vector<TransferEngine::Load> loads;
+  std::vector<Chunk*> chunks;        // parallel to loads
+  std::vector<int32_t> read_slots;   // warm slot reserved for a cold read (-1: none was free)
   {
     std::lock_guard<std::mutex> l(mu_);
     for (size_t i = 0; i < st->chunk_ids.size(); ++i) {
       if (!st->needs_load[i]) continue;
-      Load ld;
-      ld.c = chunk_by_id_.at(st->chunk_ids[i]);
-      if (ld.c->warm_slot >= 0) {
-        ld.c->warm_pins++;
-        ld.warm = warm_->slot_data(ld.c->warm_slot);
-        warm_policy_->OnAccess(ld.c->id);
+      Chunk* c = chunk_by_id_.at(st->chunk_ids[i]);
+      TransferEngine::Load ld;
+      ld.key = c->key;
+      ld.hot_dst = hot_->slot_data(c->hot_slot);
+      int32_t read_slot = -1;
+      if (c->warm_slot >= 0) {
+        c->warm_pins++;
+        ld.warm_src = warm_->slot_data(c->warm_slot);
+        warm_policy_->OnAccess(c->id);
       } else {
-        ld.read_slot = AcquireWarmSlotForReadLocked();
-        ++cold_loads;
+        read_slot = AcquireWarmSlotForReadLocked();
+        if (read_slot >= 0) ld.read_buf = warm_->slot_data(read_slot);
       }
       loads.push_back(std::move(ld));
+      chunks.push_back(c);
+      read_slots.push_back(read_slot);
     }
   }
-  auto run = [&](Load& ld) {
-    const uint8_t* src = ld.warm;
-    if (src == nullptr) {
-      if (!cold_) {
-        ld.status = Internal("chunk " + ld.c->key.ToString() + " is in no tier");
-        return;
-      }
-      uint8_t* buf = ld.read_slot >= 0 ? warm_->slot_data(ld.read_slot) : nullptr;
-      if (buf == nullptr) {
-        ld.staging.resize(chunk_bytes_);
-        buf = ld.staging.data();
-      }
-      ld.status = cold_->GetChunk(ld.c->key, buf, chunk_bytes_);
-      if (!ld.status.ok()) return;
-      src = buf;
-    }
-    ld.status = hot_->Upload(hot_->slot_data(ld.c->hot_slot), src, chunk_bytes_);
-  };
-  // A warm copy is one 16 KiB memcpy, cheaper than a fork-join; cold reads are worth spreading.
-  if (cold_loads >= 2) {
-    tbb::parallel_for(size_t{0}, loads.size(), [&](size_t j) { run(loads[j]); });
-  } else {
-    for (Load& ld : loads) run(ld);
-  }
+  engine_->CopyLoads(&loads);
 
   std::lock_guard<std::mutex> l(mu_);
   Status first_error;
-  for (Load& ld : loads) {
-    Chunk* c = ld.c;
-    if (ld.warm != nullptr) {
+  for (size_t j = 0; j < loads.size(); ++j) {
+    const TransferEngine::Load& ld = loads[j];
+    Chunk* c = chunks[j];
+    if (ld.warm_src != nullptr) {
       c->warm_pins--;
     } else {
       counters_.cold_reads++;
-      if (ld.read_slot >= 0) {
+      if (read_slots[j] >= 0) {
         if (ld.status.ok() && c->warm_slot < 0) {
-          c->warm_slot = ld.read_slot;
+          c->warm_slot = read_slots[j];
           c->tiers |= kTierWarm;
           warm_policy_->OnInsert(c->id);
           counters_.promotions++;
           counters_.bytes_moved += chunk_bytes_;
         } else {
-          warm_->Release(ld.read_slot);
+          warm_->Release(read_slots[j]);
         }
       }
     }
@@ -1172,17 +886,17 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
       first_error = ld.status;
     }
   }
-  for (const Load& ld : loads) {
-    ld.c->hot_loading = false;
-    if (first_error.ok()) ld.c->tiers |= kTierHot;
+  for (Chunk* c : chunks) {
+    c->hot_loading = false;
+    if (first_error.ok()) c->tiers |= kTierHot;
   }
   if (!first_error.ok()) {
     // Failed loads must not stay in hot slots holding garbage.
-    for (const Load& ld : loads) {
-      hot_->ReleaseSlot(ld.c->hot_slot);
-      hot_policy_->OnRemove(ld.c->id);
-      ld.c->hot_slot = -1;
-      ld.c->tiers &= ~kTierHot;
+    for (Chunk* c : chunks) {
+      hot_->ReleaseSlot(c->hot_slot);
+      hot_policy_->OnRemove(c->id);
+      c->hot_slot = -1;
+      c->tiers &= ~kTierHot;
     }
   }
   counters_.warm_chunks = warm_->used();
@@ -1193,11 +907,12 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
 
 void TieredStore::EvictHot() {
   std::lock_guard<std::mutex> l(mu_);
+  const Clock::time_point now = options_.clock->Now();
   uint64_t victim = 0;
   while (hot_policy_->PickVictim(
       [&](uint64_t id) {
         const Chunk* c = chunk_by_id_.at(id);
-        return !c->hot_loading && !PinnedLocked(c);
+        return !c->hot_loading && !PinnedLocked(c, now);
       },
       &victim)) {
     Chunk* c = chunk_by_id_.at(victim);
@@ -1261,8 +976,8 @@ Status TieredStore::CloseSequence(SequenceId seq) {
         std::memcpy(local.data(), k.data(), k.size());
         std::memcpy(local.data() + k.size(), v.data(), v.size());
       }
-      if (st.ok()) st = cold_->PutBlob(seq, l, kSinksBlob, sinks.data(), sinks.size());
-      if (st.ok()) st = cold_->PutBlob(seq, l, kLocalBlob, local.data(), local.size());
+      if (st.ok()) st = cold_->PutBlob(seq, l, store_records::kSinksBlob, sinks.data(), sinks.size());
+      if (st.ok()) st = cold_->PutBlob(seq, l, store_records::kLocalBlob, local.data(), local.size());
     }
     if (st.ok()) {
       const std::string rec = EncodeSequenceRecord(SeqState::kClosed, n_tokens);
@@ -1349,10 +1064,10 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
       if (idx >= ls.chunks.size())
         return InvalidArgument("DropChunks: chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
                                " does not exist (layer has " + std::to_string(ls.chunks.size()) + " chunks)");
-    const auto now = Clock::now();
+    const Clock::time_point now = options_.clock->Now();
     for (uint64_t idx : chunk_indices) {
       const Chunk* c = ls.chunks[idx];
-      if (c && c->hot_pins > 0 && c->pin_deadline > now)
+      if (c && PinnedLocked(c, now))
         return FailedPrecondition("DropChunks: chunk " + c->key.ToString() +
                                   " is pinned by a live fetch handle; release it first");
     }

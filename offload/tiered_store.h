@@ -10,13 +10,21 @@
 //    tier (or both); the hot slot is a cache of it. A chunk leaves warm only
 //    after the cold tier acknowledged it.
 //  * A chunk pinned by a FetchHandle is never demoted until the handle is
-//    released or its lease (StoreOptions::pin_timeout_ms) runs out.
+//    released or its lease (StoreOptions::pin_timeout_ms, measured on
+//    StoreOptions::clock) runs out.
 //  * One sequence is driven by one thread at a time; different sequences
 //    may be driven from different threads concurrently.
 //  * With write_through (default), a chunk is acknowledged (durable across
 //    SIGKILL) once the asynchronous cold write has finished; WaitForDurable()
 //    waits for all of them. Sinks and the local window are persisted by
 //    CloseSequence.
+//
+// The store is the coordinator: it decides what moves where under one mutex.
+// Around it: offload/transfer_engine.h moves the bytes on worker threads,
+// offload/store_recovery.h rebuilds the state of a reopened store,
+// offload/store_records.h is the format of what it keeps in the cold tier,
+// offload/representatives.h chooses each chunk's representative keys, and
+// offload/hot_tier.h builds the hot tier named by the options.
 #pragma once
 
 #include <atomic>
@@ -31,6 +39,7 @@
 #include <vector>
 
 #include "kernels/cpu/attention.h"
+#include "offload/clock.h"
 #include "offload/cold_tier.h"
 #include "offload/demotion_policy.h"
 #include "offload/hot_tier.h"
@@ -38,9 +47,14 @@
 #include "store/geometry.h"
 #include "store/status.h"
 
-#include <oneapi/tbb/task_arena.h>
-
 namespace kvtier {
+
+class TransferEngine;
+namespace store_internal {
+struct Chunk;
+struct LayerState;
+struct Sequence;
+}  // namespace store_internal
 
 struct StoreOptions {
   Geometry geometry;                   ///< model KV shape and storage dtype
@@ -58,6 +72,15 @@ struct StoreOptions {
   std::string hot_policy = "lru";      ///< demotion policy of the hot slot pool
   std::string warm_policy = "lru";     ///< demotion policy of the warm tier
   int transfer_threads = 2;            ///< concurrency of the asynchronous transfer arena
+  /// The hot tier, by factory string (offload/hot_tier.h's registry): "host" (host
+  /// memory). "cuda" is reserved for the GPU tier and is Unavailable until it is built.
+  std::string hot_tier = "host";
+  /// An engine's own hot tier: when set, the store calls it (with hot_bytes and the
+  /// chunk size) instead of looking up hot_tier, which is then ignored. The tier must
+  /// have at least one slot, each of exactly chunk_bytes().
+  std::function<Result<std::unique_ptr<HotTier>>(size_t slot_pool_bytes, size_t slot_bytes)> hot_tier_factory;
+  /// Time source of the pin leases (pin_timeout_ms); tests pass a ManualClock.
+  std::shared_ptr<const Clock> clock = SteadyClock();
   /// Passed to the cold tier (ColdTierOptions::fault_injector); tests only.
   std::function<Status(std::string_view op, const ChunkKey& key)> cold_fault_injector;
 
@@ -161,8 +184,9 @@ class TieredStore {
   /// Removes the sequence from every tier.
   Status DropSequence(SequenceId seq);
   /// Policy scores of sealed chunks of one layer ((chunk index, score), higher = keep):
-  /// kept with the chunk (persisted at its next cold write) and handed to score-driven
-  /// demotion policies. Indices of dropped chunks are ignored; past the end is InvalidArgument.
+  /// kept with the chunk (persisted by its next cold write issued after this call; a
+  /// write already in flight carries the score it was issued with) and handed to
+  /// score-driven demotion policies. Indices of dropped chunks are ignored; past the end is InvalidArgument.
   Status SetChunkScores(SequenceId seq, int layer, const std::vector<std::pair<uint64_t, float>>& scores);
   /// Compression: removes sealed chunks of one layer from every tier for good (their
   /// indices become holes: FetchChunks refuses them, ReadTokens says they are missing,
@@ -207,34 +231,38 @@ class TieredStore {
 
  private:
   friend class FetchHandle;
-  struct Chunk;
-  struct LayerState;
-  struct Sequence;
+  using Chunk = store_internal::Chunk;
+  using LayerState = store_internal::LayerState;
+  using Sequence = store_internal::Sequence;
   explicit TieredStore(const StoreOptions& options);
   Status Init();
-  Status Recover();
   Status CheckLayerLocked(SequenceId seq, int layer, bool for_write, Sequence** out) const;
   Status SealOldestChunk(Sequence* s, int layer);
   Status MakeWarmRoom(std::unique_lock<std::mutex>& lock);
-  Status WriteCold(Chunk* c, const uint8_t* payload);
+  /// Writes the chunk to cold synchronously and acknowledges it. `score` is the chunk's
+  /// score snapshotted under the lock by the caller (see Chunk::score).
+  Status WriteCold(Chunk* c, const uint8_t* payload, float score);
   /// Writes a warm chunk the cold tier has not acknowledged; drops the lock
   /// during the write and holds it again on return.
   Status WriteWarmChunkToColdLocked(std::unique_lock<std::mutex>& lock, Chunk* c);
-  int32_t AcquireHotSlotLocked();
+  /// Marks a chunk the cold tier just acknowledged; returns the listener to call (outside the lock).
+  std::function<void(const ChunkKey&)> AckColdWriteLocked(Chunk* c);
+  /// A free hot slot, or the hot policy's victim among slots neither loading nor pinned at `now`; -1 when none.
+  int32_t AcquireHotSlotLocked(Clock::time_point now);
   /// Drops the warm copy of the warm policy's victim among unpinned chunks the cold tier
   /// has acknowledged; false when there is none.
   bool DropWarmCopyLocked();
   /// A warm slot for a chunk just read from cold: a free one, or one freed by
   /// DropWarmCopyLocked; -1 when neither (never waits).
   int32_t AcquireWarmSlotForReadLocked();
-  void SubmitColdWrite(Chunk* c);
+  /// Hands the chunk's write-through to the transfer engine; the chunk stays pinned
+  /// (warm_pins, cold_writing) until the write is done. `score` as for WriteCold.
+  void SubmitColdWrite(Chunk* c, const uint8_t* payload, float score);
   void RunFetch(const std::shared_ptr<FetchHandle::State>& st);
   void ReleasePins(FetchHandle::State* st);
-  bool PinnedLocked(const Chunk* c) const;
+  /// A pin protects its chunk until the lease (pin_deadline, from options_.clock) runs out.
+  bool PinnedLocked(const Chunk* c, Clock::time_point now) const;
   bool FetchCompleteLocked(const FetchHandle::State* st) const;
-  std::string EncodeMeta(const Chunk& c) const;
-  void ChooseRepresentatives(const LayerState& ls, int64_t first_token, uint8_t* repr) const;
-  void Enqueue(std::function<void()> fn);
   void FreeChunkLocked(Chunk* c);
 
   StoreOptions options_;
@@ -244,7 +272,8 @@ class TieredStore {
   std::unique_ptr<SlotPool> warm_;
   std::unique_ptr<ColdTier> cold_;
   std::unique_ptr<DemotionPolicy> hot_policy_, warm_policy_;
-  std::unique_ptr<tbb::task_arena> arena_;
+  // After the tiers it copies between, so that it is destroyed (idle) before them.
+  std::unique_ptr<TransferEngine> engine_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;  // signalled when a transfer finishes or a pin drops
@@ -252,7 +281,6 @@ class TieredStore {
   std::unordered_map<uint64_t, Chunk*> chunk_by_id_;
   uint64_t next_chunk_id_ = 1;
   SequenceId next_seq_id_ = 1;
-  int64_t inflight_ = 0;  // asynchronous tasks not yet finished
   StoreCounters counters_;
   uint64_t region_bytes_ = 0;
   std::function<void(const ChunkKey&)> ack_listener_;

@@ -16,7 +16,10 @@
 #include <rocksdb/db.h>
 #include <atomic>
 
+#include "offload/clock.h"
 #include "offload/cold_tier.h"
+#include "offload/hot_tier.h"
+#include "offload/representatives.h"
 
 namespace kvtier {
 namespace {
@@ -85,6 +88,10 @@ TEST(StoreOptions, ValidateNamesTheField) {
   bad([](StoreOptions& b) { b.geometry.head_dim = 0; }, "head_dim");
   bad([](StoreOptions& b) { b.warm_policy = "fifo"; }, "warm_policy");
   bad([](StoreOptions& b) { b.pin_timeout_ms = 0; }, "pin_timeout_ms");
+  bad([](StoreOptions& b) { b.hot_tier = "gpu"; }, "hot_tier");
+  bad([](StoreOptions& b) { b.hot_tier = "host:slots=3"; }, "hot_tier");
+  bad([](StoreOptions& b) { b.hot_tier = ""; }, "hot_tier");
+  bad([](StoreOptions& b) { b.clock = nullptr; }, "clock");
 }
 
 TEST(TieredStore, DataDirThatIsAFileIsRejected) {
@@ -453,26 +460,94 @@ TEST(TieredStore, FetchesOfTwoLayersInFlightAtOnce) {
   EXPECT_GE(st->counters().cold_reads - c0.cold_reads, 4u);
 }
 
-TEST(TieredStore, ExpiredPinStopsProtecting) {
-  TempDir dir;
-  StoreOptions o = SmallOptions(dir.path());
+// Leases run on StoreOptions::clock: a ManualClock moves time by exactly what the test
+// says, so nothing sleeps and a busy machine cannot make the lease run out early or late.
+// Two slots, pins of 50 ms, 6 chunks of layer 0 sealed.
+std::unique_ptr<TieredStore> TwoHotSlotsWithManualLeases(const std::string& dir, std::shared_ptr<ManualClock> clock,
+                                                         SequenceId* seq) {
+  StoreOptions o = SmallOptions(dir);
   o.hot_bytes = 2 * o.chunk_bytes();
   o.pin_timeout_ms = 50;
+  o.clock = clock;
   auto s = TieredStore::Open(o);
-  ASSERT_TRUE(s.ok());
-  TieredStore* st = s->get();
-  auto seq = st->CreateSequence();
-  AppendPattern(st, *seq, 0, 4, 0, 8 + 32 + 8 * 6, 8);
-  auto h = st->FetchChunks(*seq, 0, {0, 1});
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  if (!s.ok()) return nullptr;
+  auto created = (*s)->CreateSequence();
+  EXPECT_TRUE(created.ok());
+  if (!created.ok()) return nullptr;
+  *seq = *created;
+  AppendPattern(s->get(), *seq, 0, 4, 0, 8 + 32 + 8 * 6, 8);
+  return std::move(*s);
+}
+
+TEST(TieredStore, ExpiredPinStopsProtecting) {
+  TempDir dir;
+  auto clock = std::make_shared<ManualClock>();
+  SequenceId seq = 0;
+  auto store = TwoHotSlotsWithManualLeases(dir.path(), clock, &seq);
+  ASSERT_NE(store, nullptr);
+  TieredStore* st = store.get();
+  auto h = st->FetchChunks(seq, 0, {0, 1});
   ASSERT_TRUE(h.ok() && h->Wait().ok());
-  // Pinned and within the lease: no slot for another chunk.
-  EXPECT_EQ(st->FetchChunks(*seq, 0, {2}).status().code(), StatusCode::kResourceExhausted);
-  std::this_thread::sleep_for(std::chrono::milliseconds(80));
+  // Pinned and within the lease: no slot for another chunk, up to its last nanosecond.
+  EXPECT_EQ(st->FetchChunks(seq, 0, {2}).status().code(), StatusCode::kResourceExhausted);
+  clock->Advance(std::chrono::milliseconds(50) - std::chrono::nanoseconds(1));
+  EXPECT_EQ(st->FetchChunks(seq, 0, {2}).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(st->counters().lease_expired, 0u);
   // Lease over: the forgotten pin no longer blocks the tier.
-  auto h2 = st->FetchChunks(*seq, 0, {2});
+  clock->Advance(std::chrono::nanoseconds(1));
+  auto h2 = st->FetchChunks(seq, 0, {2});
   ASSERT_TRUE(h2.ok()) << h2.status().ToString();
   ASSERT_TRUE(h2->Wait().ok());
-  EXPECT_GE(st->counters().lease_expired, 1u);
+  EXPECT_EQ(st->counters().lease_expired, 1u);
+}
+
+// A second fetch of a pinned chunk extends its lease (the later deadline wins); the
+// other chunk of the first fetch keeps the old one.
+TEST(TieredStore, RefetchExtendsTheLease) {
+  TempDir dir;
+  auto clock = std::make_shared<ManualClock>();
+  SequenceId seq = 0;
+  auto store = TwoHotSlotsWithManualLeases(dir.path(), clock, &seq);
+  ASSERT_NE(store, nullptr);
+  TieredStore* st = store.get();
+  auto h = st->FetchChunks(seq, 0, {0, 1});
+  ASSERT_TRUE(h.ok() && h->Wait().ok());
+  clock->Advance(std::chrono::milliseconds(40));
+  auto again = st->FetchChunks(seq, 0, {0});  // a hit: chunk 0 now pinned until t=90
+  ASSERT_TRUE(again.ok() && again->Wait().ok());
+  clock->Advance(std::chrono::milliseconds(20));  // t=60: chunk 1's lease is over, chunk 0's is not
+  auto h2 = st->FetchChunks(seq, 0, {2});
+  ASSERT_TRUE(h2.ok()) << h2.status().ToString();
+  ASSERT_TRUE(h2->Wait().ok());
+  auto chunks = st->ListChunks(seq, 0);
+  ASSERT_TRUE(chunks.ok());
+  EXPECT_NE((*chunks)[0].tiers & kTierHot, 0) << "chunk 0's extended lease protected it";
+  EXPECT_EQ((*chunks)[1].tiers & kTierHot, 0) << "chunk 1's slot went to chunk 2";
+  // Both slots pinned (0 until t=90, 2 until t=110): nothing more fits.
+  EXPECT_EQ(st->FetchChunks(seq, 0, {3}).status().code(), StatusCode::kResourceExhausted);
+  clock->Advance(std::chrono::milliseconds(30));  // t=90: chunk 0's extended lease is over
+  auto h3 = st->FetchChunks(seq, 0, {3});
+  ASSERT_TRUE(h3.ok()) << h3.status().ToString();
+  ASSERT_TRUE(h3->Wait().ok());
+}
+
+// DropChunks refuses a chunk a live handle pins, and only while the lease lasts.
+TEST(TieredStore, DropChunksRespectsTheLeaseOnly) {
+  TempDir dir;
+  auto clock = std::make_shared<ManualClock>();
+  SequenceId seq = 0;
+  auto store = TwoHotSlotsWithManualLeases(dir.path(), clock, &seq);
+  ASSERT_NE(store, nullptr);
+  TieredStore* st = store.get();
+  auto h = st->FetchChunks(seq, 0, {1});
+  ASSERT_TRUE(h.ok() && h->Wait().ok());
+  clock->Advance(std::chrono::milliseconds(49));
+  EXPECT_EQ(st->DropChunks(seq, 0, {1}).code(), StatusCode::kFailedPrecondition);
+  clock->Advance(std::chrono::milliseconds(1));
+  Status dropped = st->DropChunks(seq, 0, {1});
+  EXPECT_TRUE(dropped.ok()) << dropped.ToString();
+  h->Release();  // the handle outlived its chunk: releasing it is still fine
 }
 
 TEST(TieredStore, RepresentativesFollowAttentionMassOrFallBackToTypicalKeys) {
@@ -507,6 +582,223 @@ TEST(TieredStore, RepresentativesFollowAttentionMassOrFallBackToTypicalKeys) {
   ASSERT_TRUE(st->GetRepresentatives(ChunkKey{*seq, 0, 1}, repr.data()).ok());
   EXPECT_EQ(repr[1], 0.0f) << "fallback must pick a typical key, not the outlier";
   EXPECT_GT(repr[0], 0.9f);
+}
+
+// ChooseRepresentatives on its own: per kv head the most attended tokens, highest first.
+TEST(TieredStoreRepresentatives, MostAttendedTokensPerHead) {
+  RepresentativeInput in;
+  in.geometry = Geometry{1, 2, 2, 2, DType::kF32};
+  in.chunk_size = 4;
+  in.repr_topk = 2;
+  // keys[t][h] = (10 t + h, -t): every key distinct and recognisable.
+  std::vector<float> keys(4 * 2 * 2);
+  for (int t = 0; t < 4; ++t)
+    for (int h = 0; h < 2; ++h) {
+      keys[(t * 2 + h) * 2 + 0] = 10.0f * t + h;
+      keys[(t * 2 + h) * 2 + 1] = -1.0f * t;
+    }
+  in.keys = reinterpret_cast<const uint8_t*>(keys.data());
+  // Head 0 attends tokens 2 then 0; head 1 tokens 1 then 3. Stride 6: rows longer than the chunk.
+  std::vector<float> mass{0.3f, 0.1f, 0.5f, 0.0f, 9.f, 9.f,  //
+                          0.0f, 0.7f, 0.1f, 0.2f, 9.f, 9.f};
+  in.mass = mass.data();
+  in.mass_stride = 6;
+  std::vector<float> out(2 * 2 * 2, -1.0f);
+  ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out.data())).ok());
+  // out[r][h] = keys[chosen token][h].
+  EXPECT_EQ(out, (std::vector<float>{20, -2, 11, -1,     // r=0: head 0 token 2, head 1 token 1
+                                     0, 0, 31, -3}));    // r=1: head 0 token 0, head 1 token 3
+  // Ties go to the earlier token.
+  std::fill(mass.begin(), mass.end(), 1.0f);
+  ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out.data())).ok());
+  EXPECT_EQ(out, (std::vector<float>{0, 0, 1, 0, 10, -1, 11, -1}));
+}
+
+// Without statistics: the typical keys, not the outlier; the choice copies the stored
+// bits (bf16 here) untouched.
+TEST(TieredStoreRepresentatives, FallbackPicksTypicalKeysBitForBit) {
+  RepresentativeInput in;
+  in.geometry = Geometry{1, 1, 1, 4, DType::kBF16};
+  in.chunk_size = 4;
+  in.repr_topk = 1;
+  // Three keys around e0 (token 0 on it, tokens 1 and 2 tilted either way), one large
+  // outlier along e2: the mean of the unit keys lies closest to token 0.
+  const std::vector<float> f{1.0f, 0, 0, 0, 1.0f, 0.25f, 0, 0, 1.0f, -0.25f, 0, 0, 0, 0, 8.0f, 0};
+  std::vector<uint16_t> keys(f.size());
+  for (size_t i = 0; i < f.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &f[i], 4);
+    keys[i] = static_cast<uint16_t>(u >> 16);
+  }
+  in.keys = reinterpret_cast<const uint8_t*>(keys.data());
+  std::vector<uint16_t> out(4, 0xffff);
+  ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out.data())).ok());
+  EXPECT_EQ(out, (std::vector<uint16_t>(keys.begin(), keys.begin() + 4))) << "token 0 lies on the mean direction";
+  // All-zero mass is "no statistics" as well.
+  std::vector<float> zero(4, 0.0f);
+  in.mass = zero.data();
+  in.mass_stride = 4;
+  std::vector<uint16_t> out2(4, 0xffff);
+  ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out2.data())).ok());
+  EXPECT_EQ(out2, out);
+}
+
+TEST(TieredStoreRepresentatives, BadInputIsNamed) {
+  std::vector<float> keys(16, 1.0f), out(16);
+  RepresentativeInput in;
+  in.geometry = Geometry{1, 1, 1, 4, DType::kF32};
+  in.chunk_size = 4;
+  in.repr_topk = 5;
+  in.keys = reinterpret_cast<const uint8_t*>(keys.data());
+  auto* o = reinterpret_cast<uint8_t*>(out.data());
+  Status st = ChooseRepresentatives(in, o);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("repr_topk"), std::string::npos) << st.ToString();
+  in.repr_topk = 1;
+  in.keys = nullptr;
+  EXPECT_NE(ChooseRepresentatives(in, o).message().find("null"), std::string::npos);
+  in.keys = reinterpret_cast<const uint8_t*>(keys.data());
+  in.mass = keys.data();
+  in.mass_stride = 2;
+  EXPECT_NE(ChooseRepresentatives(in, o).message().find("mass_stride"), std::string::npos);
+}
+
+// A hot tier that counts what the store asks of it (forwarding to the host tier).
+class CountingHotTier final : public HotTier {
+ public:
+  explicit CountingHotTier(std::unique_ptr<HotTier> inner) : inner_(std::move(inner)) {}
+  const char* device() const override { return "counting"; }
+  int32_t slot_capacity() const override { return inner_->slot_capacity(); }
+  int32_t slots_used() const override { return inner_->slots_used(); }
+  size_t slot_bytes() const override { return inner_->slot_bytes(); }
+  int32_t AcquireSlot() override { acquired++; return inner_->AcquireSlot(); }
+  void ReleaseSlot(int32_t slot) override { inner_->ReleaseSlot(slot); }
+  uint8_t* slot_data(int32_t slot) override { return inner_->slot_data(slot); }
+  Result<uint8_t*> AllocateRegion(size_t bytes) override { regions++; return inner_->AllocateRegion(bytes); }
+  void FreeRegion(uint8_t* region, size_t bytes) override { inner_->FreeRegion(region, bytes); }
+  Status Upload(uint8_t* dst, const void* src, size_t bytes) override {
+    uploads++;
+    upload_bytes += bytes;
+    return inner_->Upload(dst, src, bytes);
+  }
+  Status Download(void* dst, const uint8_t* src, size_t bytes) override { return inner_->Download(dst, src, bytes); }
+
+  // Atomic: uploads of fetches run on transfer threads.
+  std::atomic<int64_t> uploads{0}, upload_bytes{0}, acquired{0}, regions{0};
+
+ private:
+  std::unique_ptr<HotTier> inner_;
+};
+
+TEST(TieredStoreHotTier, AnEngineCanInjectItsOwnHotTier) {
+  TempDir dir;
+  StoreOptions o = SmallOptions(dir.path());
+  o.hot_tier = "not-looked-up";  // the factory wins
+  CountingHotTier* tier = nullptr;
+  o.hot_tier_factory = [&tier](size_t pool_bytes, size_t slot_bytes) -> Result<std::unique_ptr<HotTier>> {
+    KVTIER_ASSIGN_OR_RETURN(auto host, MakeHotTier("host", pool_bytes, slot_bytes));
+    auto counting = std::make_unique<CountingHotTier>(std::move(host));
+    tier = counting.get();
+    return std::unique_ptr<HotTier>(std::move(counting));
+  };
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ASSERT_NE(tier, nullptr);
+  TieredStore* st = s->get();
+  auto seq = st->CreateSequence();
+  ASSERT_TRUE(seq.ok());
+  EXPECT_EQ(tier->regions.load(), 2 * 4) << "sinks and ring, K and V, of both layers";
+  AppendPattern(st, *seq, 0, 9, 0, 8 + 40 + 8 * 10, 16);
+  const int64_t after_append = tier->uploads.load();
+  EXPECT_GT(after_append, 0) << "appends write sinks and ring through the tier";
+  ASSERT_TRUE(st->WaitForDurable().ok());
+  auto h = st->FetchChunks(*seq, 0, {0, 4, 9});
+  ASSERT_TRUE(h.ok() && h->Wait().ok());
+  EXPECT_EQ(tier->uploads.load() - after_append, 3) << "one upload per chunk loaded";
+  EXPECT_EQ(tier->acquired.load(), 3);
+  // The spans point into the injected tier's slots and hold the right bytes.
+  const size_t tb = TokenBytes(o);
+  std::vector<uint8_t> e(8 * tb);
+  FillPattern(kSalt, 9, 0, 0, 8 + 4 * 8, 8, tb, e.data());
+  EXPECT_EQ(0, std::memcmp(e.data(), h->spans()[1].k, e.size()));
+  h->Release();
+  ExpectPattern(st, *seq, 0, 9, 0, 8 + 40 + 8 * 10);
+}
+
+TEST(TieredStoreHotTier, FactoryStringsAndTheirErrors) {
+  const size_t slot = 4096;
+  auto host = MakeHotTier("host", 4 * slot, slot);
+  ASSERT_TRUE(host.ok()) << host.status().ToString();
+  EXPECT_STREQ((*host)->device(), "cpu");
+  EXPECT_EQ((*host)->slot_capacity(), 4);
+  EXPECT_EQ((*host)->slot_bytes(), slot);
+  // The GPU tier is not built yet: a clear Unavailable, from the registry and from Open.
+  auto cuda = MakeHotTier("cuda", 4 * slot, slot);
+  ASSERT_FALSE(cuda.ok());
+  EXPECT_EQ(cuda.status().code(), StatusCode::kUnavailable) << cuda.status().ToString();
+  StoreOptions o = SmallOptions("");
+  o.hot_tier = "cuda";
+  auto s = TieredStore::Open(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(s.status().message().find("hot_tier"), std::string::npos) << s.status().ToString();
+  EXPECT_EQ(MakeHotTier("gpu", 4 * slot, slot).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(MakeHotTier("host:x=1", 4 * slot, slot).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(MakeHotTier("host", slot / 2, slot).status().code(), StatusCode::kInvalidArgument);
+  // A registered implementation is found by name; names are taken once.
+  ASSERT_TRUE(RegisterHotTier("counting-test", [](const FactorySpec&, size_t pool, size_t sb)
+                                                   -> Result<std::unique_ptr<HotTier>> {
+                KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier("host", pool, sb));
+                return std::unique_ptr<HotTier>(std::make_unique<CountingHotTier>(std::move(inner)));
+              }).ok());
+  EXPECT_EQ(RegisterHotTier("counting-test", [](const FactorySpec&, size_t, size_t)
+                                                 -> Result<std::unique_ptr<HotTier>> { return Internal("unused"); })
+                .code(),
+            StatusCode::kAlreadyExists);
+  EXPECT_EQ(RegisterHotTier("host", nullptr).code(), StatusCode::kInvalidArgument);
+  auto counted = MakeHotTier("counting-test", 4 * slot, slot);
+  ASSERT_TRUE(counted.ok()) << counted.status().ToString();
+  EXPECT_STREQ((*counted)->device(), "counting");
+  o.hot_tier = "counting-test";
+  EXPECT_TRUE(TieredStore::Open(o).ok());
+}
+
+TEST(TieredStoreHotTier, AnInjectedTierWithTheWrongSlotsIsRefused) {
+  StoreOptions o = SmallOptions("");
+  o.hot_tier_factory = [](size_t pool_bytes, size_t slot_bytes) { return MakeHotTier("host", pool_bytes, slot_bytes / 2); };
+  auto s = TieredStore::Open(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("slot"), std::string::npos) << s.status().ToString();
+  o.hot_tier_factory = [](size_t, size_t) -> Result<std::unique_ptr<HotTier>> { return Unavailable("no device"); };
+  EXPECT_EQ(TieredStore::Open(o).status().code(), StatusCode::kUnavailable);
+}
+
+// Scores set while chunks sit in warm reach the cold tier with the chunks (written at
+// close, without write-through) and come back on reopen.
+TEST(TieredStore, ScoresSurviveReopen) {
+  TempDir dir;
+  StoreOptions o = SmallOptions(dir.path());
+  o.write_through = false;
+  o.warm_bytes = 64 * o.chunk_bytes();
+  SequenceId seq = 0;
+  {
+    auto s = TieredStore::Open(o);
+    ASSERT_TRUE(s.ok());
+    seq = *(*s)->CreateSequence();
+    AppendPattern(s->get(), seq, 0, 3, 0, 8 + 40 + 8 * 5, 8);
+    ASSERT_EQ(*(*s)->ChunkCount(seq, 0), 5u);
+    ASSERT_TRUE((*s)->SetChunkScores(seq, 0, {{0, 0.5f}, {3, -2.25f}}).ok());
+    ASSERT_TRUE((*s)->CloseSequence(seq).ok());
+  }
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  auto chunks = (*s)->ListChunks(seq, 0);
+  ASSERT_TRUE(chunks.ok());
+  ASSERT_EQ(chunks->size(), 5u);
+  EXPECT_EQ((*chunks)[0].score, 0.5f);
+  EXPECT_EQ((*chunks)[1].score, 0.0f);
+  EXPECT_EQ((*chunks)[3].score, -2.25f);
 }
 
 TEST(TieredStore, ObserveQueriesAccumulatesLocalAttention) {

@@ -1,0 +1,68 @@
+#include "offload/representatives.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/dot.h"
+
+namespace kvtier {
+
+Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
+  const Geometry& g = in.geometry;
+  const int cs = in.chunk_size, D = g.head_dim, H = g.kv_heads, R = in.repr_topk;
+  // The store validated all of this once at Open; a direct caller gets a named error.
+  if (cs <= 0) return InvalidArgument("ChooseRepresentatives: chunk_size must be > 0 (got " + std::to_string(cs) + ")");
+  if (R <= 0 || R > cs)
+    return InvalidArgument("ChooseRepresentatives: repr_topk must be in [1, chunk_size=" + std::to_string(cs) +
+                           "] (got " + std::to_string(R) + ")");
+  if (H <= 0 || D <= 0)
+    return InvalidArgument("ChooseRepresentatives: geometry kv_heads and head_dim must be > 0 (got " +
+                           std::to_string(H) + ", " + std::to_string(D) + ")");
+  if (in.keys == nullptr || repr == nullptr)
+    return InvalidArgument("ChooseRepresentatives: keys and out must not be null");
+  if (in.mass != nullptr && in.mass_stride < static_cast<size_t>(cs))
+    return InvalidArgument("ChooseRepresentatives: mass_stride (" + std::to_string(in.mass_stride) +
+                           ") must be >= chunk_size (" + std::to_string(cs) + ")");
+
+  const size_t head_bytes = static_cast<size_t>(D) * DTypeSize(g.dtype);
+  std::vector<float> keys;  // converted lazily: only the fallback needs fp32 keys
+  std::vector<int> order(cs);
+  std::vector<float> score(cs), mean(D), inv_norm(cs);
+  for (int h = 0; h < H; ++h) {
+    const float* mass = in.mass != nullptr ? in.mass + static_cast<size_t>(h) * in.mass_stride : nullptr;
+    float total = 0.0f;
+    if (mass != nullptr)
+      for (int t = 0; t < cs; ++t) total += mass[t];
+    if (total > 0.0f) {
+      for (int t = 0; t < cs; ++t) score[t] = mass[t];
+    } else {
+      if (keys.empty()) {
+        keys.resize(static_cast<size_t>(cs) * H * D);
+        ToFloat(g.dtype, in.keys, keys.data(), keys.size());
+      }
+      std::fill(mean.begin(), mean.end(), 0.0f);
+      for (int t = 0; t < cs; ++t) {
+        const float* kt = &keys[(static_cast<size_t>(t) * H + h) * D];
+        const float nk = kernels::Dot(kt, kt, D);
+        inv_norm[t] = nk > 0.0f ? 1.0f / std::sqrt(nk) : 0.0f;
+        for (int d = 0; d < D; ++d) mean[d] += kt[d] * inv_norm[t];
+      }
+      for (int t = 0; t < cs; ++t)
+        score[t] = kernels::Dot(&keys[(static_cast<size_t>(t) * H + h) * D], mean.data(), D) * inv_norm[t];
+    }
+    std::iota(order.begin(), order.end(), 0);
+    // Highest score first; ties go to the earlier token (deterministic).
+    std::partial_sort(order.begin(), order.begin() + R, order.end(),
+                      [&](int a, int b) { return score[a] != score[b] ? score[a] > score[b] : a < b; });
+    for (int r = 0; r < R; ++r)
+      std::memcpy(repr + (static_cast<size_t>(r) * H + h) * head_bytes,
+                  in.keys + (static_cast<size_t>(order[r]) * H + h) * head_bytes, head_bytes);
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvtier

@@ -1,0 +1,66 @@
+// TieredStore's in-memory state: sequences, their layers and their chunks.
+// Internal to offload/ (tiered_store.cc and store_recovery.cc build it); not
+// part of the public API.
+//
+// Locking: every mutable field is guarded by TieredStore's mutex, except where
+// a field says otherwise. A chunk's id, key, first_token and (once sealed) repr
+// never change, so transfer threads may read them without the lock while the
+// chunk is pinned.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "offload/clock.h"
+#include "offload/store_records.h"
+#include "store/chunk.h"
+
+namespace kvtier {
+namespace store_internal {
+
+using store_records::SeqState;
+
+struct Chunk {
+  uint64_t id = 0;
+  ChunkKey key;
+  int64_t first_token = 0;
+  std::vector<uint8_t> repr;  // [repr_topk, kv_heads, head_dim] in storage dtype
+  uint8_t tiers = kTierNone;
+  int32_t warm_slot = -1;
+  int32_t hot_slot = -1;
+  int warm_pins = 0;          // internal copies reading/writing the warm slot
+  int hot_pins = 0;           // FetchHandles holding the hot slot
+  Clock::time_point pin_deadline{};  // from StoreOptions::clock
+  bool hot_loading = false;   // hot slot assigned, bytes not there yet
+  bool cold_acked = false;
+  bool cold_writing = false;
+  // Written by SetChunkScores under the store mutex. A cold write encodes the
+  // score it snapshotted under the mutex when it was issued, never this field
+  // from a transfer thread.
+  float score = 0.0f;
+};
+
+struct LayerState {
+  // Sinks and local ring are owned by the sequence's driving thread (one at a
+  // time), not by the store mutex.
+  uint8_t* sink_k = nullptr;  // [n_sink, kv_heads, head_dim]
+  uint8_t* sink_v = nullptr;
+  uint8_t* ring_k = nullptr;  // [ring, kv_heads, head_dim], token p at (p - n_sink) % ring
+  uint8_t* ring_v = nullptr;
+  std::vector<float> ring_mass;  // [kv_heads, ring] attention mass while in the local window
+  int64_t n_tokens = 0;
+  int64_t sealed_end = 0;     // first position not yet in a chunk (>= n_sink once sinks are full)
+  bool sinks_restored = true; // false for a recovered sequence without a sinks record
+  std::vector<Chunk*> chunks; // by chunk index; null for a dropped chunk or a hole left by a crash
+};
+
+struct Sequence {
+  SequenceId id = 0;
+  SeqState state = SeqState::kOpen;
+  std::vector<LayerState> layers;
+  int busy = 0;  // operations in progress that must finish before a drop
+};
+
+}  // namespace store_internal
+}  // namespace kvtier

@@ -1,0 +1,82 @@
+#include "offload/transfer_engine.h"
+
+#include <oneapi/tbb/info.h>
+#include <oneapi/tbb/parallel_for.h>
+
+#include <algorithm>
+
+namespace kvtier {
+
+Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const Options& options) {
+  if (options.threads < 1)
+    return InvalidArgument("transfer engine: threads must be > 0 (got " + std::to_string(options.threads) + ")");
+  if (options.chunk_bytes == 0) return InvalidArgument("transfer engine: chunk_bytes must be > 0");
+  if (options.hot == nullptr) return InvalidArgument("transfer engine: hot tier must not be null");
+  auto engine = std::unique_ptr<TransferEngine>(new TransferEngine(options));
+  // Ask for no more workers than the process has (oneTBB warns otherwise); on
+  // two cores that is one transfer worker, and callers' waits never block it.
+  engine->workers_ = std::max(1, std::min(options.threads, tbb::info::default_concurrency() - 1));
+  engine->arena_ = std::make_unique<tbb::task_arena>(engine->workers_, 0);
+  return engine;
+}
+
+TransferEngine::~TransferEngine() { WaitIdle(); }
+
+void TransferEngine::Enqueue(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    inflight_++;
+  }
+  arena_->enqueue([this, fn = std::move(fn)] {
+    fn();
+    // Notify under the lock: once a waiter sees 0 it may destroy the engine.
+    std::lock_guard<std::mutex> l(mu_);
+    if (--inflight_ == 0) idle_.notify_all();
+  });
+}
+
+void TransferEngine::WaitIdle() {
+  std::unique_lock<std::mutex> l(mu_);
+  idle_.wait(l, [&] { return inflight_ == 0; });
+}
+
+Status TransferEngine::CopyOne(Load* ld) const {
+  const size_t n = options_.chunk_bytes;
+  const uint8_t* src = ld->warm_src;
+  if (src == nullptr) {
+    if (options_.cold == nullptr) return Internal("chunk " + ld->key.ToString() + " is in no tier");
+    uint8_t* buf = ld->read_buf;
+    if (buf == nullptr) {
+      ld->staging.resize(n);
+      buf = ld->staging.data();
+    }
+    KVTIER_RETURN_IF_ERROR(options_.cold->GetChunk(ld->key, buf, n));
+    src = buf;
+  }
+  return options_.hot->Upload(ld->hot_dst, src, n);
+}
+
+void TransferEngine::CopyLoads(std::vector<Load>* loads) const {
+  size_t cold_loads = 0;
+  for (const Load& ld : *loads) cold_loads += ld.warm_src == nullptr ? 1 : 0;
+  // A warm copy is one chunk-sized memcpy, cheaper than a fork-join; cold reads are worth spreading.
+  if (cold_loads >= 2) {
+    tbb::parallel_for(size_t{0}, loads->size(), [&](size_t j) { (*loads)[j].status = CopyOne(&(*loads)[j]); });
+  } else {
+    for (Load& ld : *loads) ld.status = CopyOne(&ld);
+  }
+}
+
+Status TransferEngine::WriteChunk(const ChunkKey& key, std::string_view meta, const uint8_t* payload) const {
+  if (options_.cold == nullptr)
+    return FailedPrecondition("writing chunk " + key.ToString() + ": the store has no cold tier");
+  Status st = options_.cold->PutChunk(key, meta, payload, options_.chunk_bytes);
+  if (!st.ok()) return Status(st.code(), "writing chunk " + key.ToString() + " to the cold tier: " + st.message());
+  return Status::Ok();
+}
+
+void TransferEngine::SubmitColdWrite(ColdWrite write, std::function<void(Status)> done) {
+  Enqueue([this, w = std::move(write), done = std::move(done)] { done(WriteChunk(w.key, w.meta, w.payload)); });
+}
+
+}  // namespace kvtier
