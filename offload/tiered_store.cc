@@ -834,6 +834,10 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
   std::vector<TransferEngine::Load> loads;
   std::vector<Chunk*> chunks;        // parallel to loads
   std::vector<int32_t> read_slots;   // warm slot reserved for a cold read (-1: none was free)
+  // Sized once (an upper bound: hits need no load), outside the lock: no regrowth per chunk.
+  loads.reserve(st->chunk_ids.size());
+  chunks.reserve(st->chunk_ids.size());
+  read_slots.reserve(st->chunk_ids.size());
   {
     std::lock_guard<std::mutex> l(mu_);
     for (size_t i = 0; i < st->chunk_ids.size(); ++i) {
