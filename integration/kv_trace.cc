@@ -85,6 +85,10 @@ Result<std::string> EncodeKvTrace(const KvTrace& t) {
 }
 
 Result<KvTrace> DecodeKvTrace(const std::string& bytes, const std::string& name) {
+  // Everything allocated here is sized from the file: failing to is ResourceExhausted.
+  return ReturnOnBadAlloc(
+      [&] { return "trace '" + name + "': its q/k/v (" + std::to_string(bytes.size()) + "-byte file)"; },
+      [&]() -> Result<KvTrace> {
   const std::string what = "trace '" + name + "': ";
   const size_t size = bytes.size();
   if (size >= sizeof(kMagic) && std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0)
@@ -169,6 +173,7 @@ Result<KvTrace> DecodeKvTrace(const std::string& bytes, const std::string& name)
   Status st = t.Validate();
   if (!st.ok()) return Corruption(what + st.message());
   return t;
+  });
 }
 
 Status WriteKvTrace(const std::string& path, const KvTrace& trace) {
@@ -188,11 +193,16 @@ Status WriteKvTrace(const std::string& path, const KvTrace& trace) {
 }
 
 Result<KvTrace> ReadKvTrace(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
+  return ReturnOnBadAlloc([&] { return "trace file '" + path + "': its bytes"; }, [&]() -> Result<KvTrace> {
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) return NotFound("cannot open trace file '" + path + "'");
-  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  if (f.bad()) return IOError("read of trace file '" + path + "' failed");
+  const std::streamoff size = f.tellg();
+  if (size < 0) return IOError("cannot determine the size of trace file '" + path + "'");
+  std::string bytes(static_cast<size_t>(size), '\0');  // sized from the file: one allocation
+  f.seekg(0);
+  if (size > 0 && !f.read(bytes.data(), size)) return IOError("read of trace file '" + path + "' failed");
   return DecodeKvTrace(bytes, path);
+  });
 }
 
 }  // namespace kvtier

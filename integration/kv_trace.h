@@ -82,6 +82,8 @@ Result<std::string> EncodeKvTrace(const KvTrace& trace);
 Result<KvTrace> DecodeKvTrace(const std::string& bytes, const std::string& name);
 /// Writes atomically (a temporary file renamed over `path`).
 Status WriteKvTrace(const std::string& path, const KvTrace& trace);
+/// Reads and decodes a trace file. A file (or its q/k/v) too large to allocate is
+/// ResourceExhausted naming the file.
 Result<KvTrace> ReadKvTrace(const std::string& path);
 
 }  // namespace kvtier

@@ -208,6 +208,7 @@ Status TieredStore::Init() {
 // Sequences
 
 Result<SequenceId> TieredStore::CreateSequence() {
+  return ReturnOnBadAlloc("CreateSequence: the sinks and local window of every layer", [&]() -> Result<SequenceId> {
   auto seq = std::make_unique<Sequence>();
   const int L = options_.geometry.layers;
   seq->layers.resize(L);
@@ -230,6 +231,7 @@ Result<SequenceId> TieredStore::CreateSequence() {
   const SequenceId id = seq->id;
   sequences_[id] = std::move(seq);
   return id;
+  });
 }
 
 std::vector<SequenceId> TieredStore::ListSequences() const {
@@ -294,7 +296,7 @@ Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void*
       continue;
     }
     if (ls.n_tokens - ls.sealed_end == ring) {
-      status = SealOldestChunk(s, layer);
+      status = ReturnOnBadAlloc("Append: sealing a chunk", [&] { return SealOldestChunk(s, layer); });
       if (!status.ok()) break;
     }
     // Copy up to the ring's free space, split at the wrap point.
@@ -659,7 +661,8 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
       if (st.ok()) st = hot_->Download(vo + off, ls.sink_v + p * token_bytes_, take * token_bytes_);
       p += take;
     } else if (p < ls.sealed_end) {
-      const uint64_t idx = static_cast<uint64_t>((p - options_.n_sink) / options_.chunk_size);
+      const uint64_t idx =
+          static_cast<uint64_t>(ChunkOfPosition(p, options_.n_sink, options_.chunk_size, kAnyChunkCount));
       const int64_t in_chunk = (p - options_.n_sink) % options_.chunk_size;
       const int64_t take = std::min<int64_t>(end - p, options_.chunk_size - in_chunk);
       Chunk* c = nullptr;
@@ -677,8 +680,9 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
         else if (c->hot_slot >= 0 && !c->hot_loading) { c->hot_pins++; from_hot = true; src = hot_->slot_data(c->hot_slot); }
       }
       if (src == nullptr) {
-        staging.resize(chunk_bytes_);
-        st = cold_ ? cold_->GetChunk(c->key, staging.data(), chunk_bytes_)
+        st = ReturnOnBadAlloc("ReadTokens: a cold chunk's staging buffer",
+                              [&] { staging.resize(chunk_bytes_); return Status::Ok(); });
+        if (st.ok()) st = cold_ ? cold_->GetChunk(c->key, staging.data(), chunk_bytes_)
                    : Internal("chunk " + c->key.ToString() + " is in no tier");
         src = staging.data();
         if (st.ok()) { std::lock_guard<std::mutex> l(mu_); counters_.cold_reads++; }
@@ -752,6 +756,7 @@ int32_t TieredStore::AcquireHotSlotLocked(Clock::time_point now) {
 }
 
 Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices) {
+  return ReturnOnBadAlloc("FetchChunks: the fetch's chunk lists", [&]() -> Result<FetchHandle> {
   auto st = std::make_shared<FetchHandle::State>();
   st->store = this;
   bool any_load = false;
@@ -770,6 +775,10 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
     // One clock reading for the whole call: the leases it grants and the ones it finds expired.
     const Clock::time_point now = options_.clock->Now();
     const auto deadline = now + std::chrono::milliseconds(options_.pin_timeout_ms);
+    // Allocated before any chunk is pinned, so an allocation failure leaves nothing to undo.
+    st->chunk_ids.reserve(chunk_indices.size());
+    st->needs_load.reserve(chunk_indices.size());
+    st->spans.reserve(chunk_indices.size());
     // On failure, give back what this call took: pins, and slots it assigned
     // but never filled (they would otherwise look "loading" forever).
     const auto undo = [&] {
@@ -822,6 +831,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
   FetchHandle h;
   h.state_ = st;
   return h;
+  });
 }
 
 void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {

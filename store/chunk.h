@@ -37,6 +37,31 @@ struct ChunkKeyHash {
   }
 };
 
+// ---- where chunks sit in a layer's token positions ----------------------------------
+// The store cuts a layer as [sinks: 0, n_sink) [chunk 0] [chunk 1] ... [local window]:
+// chunk i covers [n_sink + i*chunk_size, n_sink + (i+1)*chunk_size), and the local window
+// starts where the last sealed chunk ends. Sinks and the local window are never chunks.
+// Every piece of code that maps a position to a chunk or back uses these two functions.
+
+/// Bound for ChunkOfPosition when every position past the sinks lies in some chunk (a
+/// caller that has already checked the position is below the sealed end).
+inline constexpr uint64_t kAnyChunkCount = ~uint64_t{0};
+
+/// Index of the chunk holding token position `pos`, given `n_chunks` sealed chunks; -1 for a
+/// sink (pos < n_sink) or a position in the local window (at or past the sealed chunks' end).
+/// chunk_size must be > 0.
+constexpr int64_t ChunkOfPosition(int64_t pos, int64_t n_sink, int64_t chunk_size, uint64_t n_chunks) {
+  if (pos < n_sink) return -1;
+  const uint64_t c = static_cast<uint64_t>((pos - n_sink) / chunk_size);
+  return c < n_chunks ? static_cast<int64_t>(c) : -1;
+}
+
+/// First token position of chunk `index`: n_sink + index * chunk_size. With index = the
+/// number of sealed chunks it is where the local window begins (the sealed end).
+constexpr int64_t ChunkFirstToken(uint64_t index, int64_t n_sink, int64_t chunk_size) {
+  return n_sink + static_cast<int64_t>(index) * chunk_size;
+}
+
 /// Tier bit flags: a chunk may be resident in several tiers at once
 /// (the hot slot is a cache of the warm copy; a written-through chunk is
 /// warm and cold).

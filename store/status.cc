@@ -1,5 +1,8 @@
 #include "store/status.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 namespace kvtier {
 
 const char* StatusCodeName(StatusCode code) {
@@ -17,6 +20,12 @@ const char* StatusCodeName(StatusCode code) {
     case StatusCode::kInternal: return "Internal";
   }
   return "Unknown";
+}
+
+void DieOnErrorValue(const Status& status) {
+  std::fprintf(stderr, "kvtier: Result::value() called on an error: %s\n", status.ToString().c_str());
+  std::fflush(stderr);
+  std::abort();
 }
 
 std::string Status::ToString() const {

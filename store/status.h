@@ -7,8 +7,10 @@
 #pragma once
 
 #include <cassert>
+#include <new>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <variant>
 
@@ -63,6 +65,11 @@ inline Status TimedOut(std::string m) { return {StatusCode::kTimedOut, std::move
 inline Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
 inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
 
+/// Prints "kvtier: Result::value() called on an error: <status>" on stderr and aborts, in
+/// every build type: reading the value of an error Result is a caller bug that must not turn
+/// into a read of an empty optional in Release.
+[[noreturn]] void DieOnErrorValue(const Status& status);
+
 /// Either a T or a non-OK Status.
 template <typename T>
 class [[nodiscard]] Result {
@@ -75,9 +82,10 @@ class [[nodiscard]] Result {
 
   bool ok() const { return value_.has_value(); }
   const Status& status() const { return status_; }
-  T& value() & { assert(ok()); return *value_; }
-  const T& value() const& { assert(ok()); return *value_; }
-  T&& value() && { assert(ok()); return std::move(*value_); }
+  /// The value; on an error Result prints the status and aborts (DieOnErrorValue).
+  T& value() & { CheckValue(); return *value_; }
+  const T& value() const& { CheckValue(); return *value_; }
+  T&& value() && { CheckValue(); return std::move(*value_); }
   T* operator->() { return &value(); }
   const T* operator->() const { return &value(); }
   T& operator*() & { return value(); }
@@ -85,9 +93,29 @@ class [[nodiscard]] Result {
   T&& operator*() && { return std::move(*this).value(); }
 
  private:
+  void CheckValue() const {
+    if (!value_.has_value()) [[unlikely]] DieOnErrorValue(status_);
+  }
   std::optional<T> value_;
   Status status_;
 };
+
+/// Runs `body` (returning a Status or a Result<T>) and turns a std::bad_alloc escaping it into
+/// ResourceExhausted("<what>: out of memory"). For public entry points whose allocations grow
+/// with the caller's input (sizes, counts, file contents), so that no exception crosses the
+/// API. `what` names what was being allocated: a string, or a callable returning one (built
+/// only on failure, so it may format sizes). Only bad_alloc is caught.
+template <typename W, typename F>
+auto ReturnOnBadAlloc(W&& what, F&& body) -> decltype(body()) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    std::string w;
+    if constexpr (std::is_invocable_v<W&>) w = what();
+    else w = what;
+    return ResourceExhausted(w + ": out of memory");
+  }
+}
 
 }  // namespace kvtier
 

@@ -101,7 +101,7 @@ TEST(ScoringPolicyHelpers, AggregateToChunksSumsHeadsAndTokensPerChunk) {
   s.per_head = {{1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f}, {0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f}};
   // chunk_tokens 4: chunk 0 = {0, 3}: 1 + 2 + 0.5 + 0.5 = 4; chunk 1 = {4}: 3.5;
   // chunk 2 = {9, 10, 11}: 4 + 5 + 6 + 1.5 = 16.5.
-  auto c = AggregateToChunks(s, 4);
+  auto c = AggregateToChunks(s, 0, 4, kAnyChunkCount);
   ASSERT_EQ(c.size(), 3u);
   EXPECT_EQ(c[0].first, 0);
   EXPECT_FLOAT_EQ(c[0].second, 4.0f);
@@ -111,19 +111,47 @@ TEST(ScoringPolicyHelpers, AggregateToChunksSumsHeadsAndTokensPerChunk) {
   EXPECT_FLOAT_EQ(c[2].second, 16.5f);
   // chunk_tokens 5: chunk 0 = {0, 3, 4}: 1 + 2 + 3 + 1.5 = 7.5; chunk 1 = {9}: 4.5;
   // chunk 2 = {10, 11}: 5.5 + 6.5 = 12.
-  c = AggregateToChunks(s, 5);
+  c = AggregateToChunks(s, 0, 5, kAnyChunkCount);
   ASSERT_EQ(c.size(), 3u);
   EXPECT_FLOAT_EQ(c[0].second, 7.5f);
   EXPECT_FLOAT_EQ(c[1].second, 4.5f);
   EXPECT_FLOAT_EQ(c[2].second, 12.0f);
   // A chunk without any scored key is absent: with chunk_tokens 2, positions 0 -> 0, 3 -> 1, 4 -> 2,
   // 9 -> 4, 10 and 11 -> 5, so chunk 3 (positions 6, 7) is not listed.
-  c = AggregateToChunks(s, 2);
+  c = AggregateToChunks(s, 0, 2, kAnyChunkCount);
   std::vector<int64_t> ids;
   for (const auto& [id, v] : c) ids.push_back(id);
   EXPECT_EQ(ids, (std::vector<int64_t>{0, 1, 2, 4, 5}));
-  EXPECT_TRUE(AggregateToChunks(s, 0).empty());
-  EXPECT_TRUE(AggregateToChunks(TokenScores{}, 4).empty());
+  EXPECT_TRUE(AggregateToChunks(s, 0, 0, kAnyChunkCount).empty());
+  EXPECT_TRUE(AggregateToChunks(TokenScores{}, 0, 4, kAnyChunkCount).empty());
+}
+
+// The store's chunks start after the sinks (chunk i = [n_sink + i*chunk, ...)) and end where the
+// local window begins; sinks and the local window are never chunks.
+TEST(ScoringPolicyHelpers, AggregateToChunksCutsChunksAfterTheSinksAsTheStoreDoes) {
+  TokenScores s;
+  // n_sink 3, chunk 4, 2 sealed chunks: sinks 0..2, chunk 0 = 3..6, chunk 1 = 7..10, local 11...
+  s.positions = {0, 1, 2, 3, 6, 7, 10, 11, 12};
+  s.per_head = {{100, 100, 100, 1, 2, 3, 4, 50, 50}, {0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f}};
+  auto c = AggregateToChunks(s, 3, 4, 2);
+  ASSERT_EQ(c.size(), 2u);
+  EXPECT_EQ(c[0].first, 0);
+  EXPECT_FLOAT_EQ(c[0].second, 1 + 2 + 1.0f);  // positions 3 and 6
+  EXPECT_EQ(c[1].first, 1);
+  EXPECT_FLOAT_EQ(c[1].second, 3 + 4 + 1.0f);  // positions 7 and 10
+  // Without the sink offset position 3 would have landed in chunk 0 with the sinks, and
+  // positions 4..7 in chunk 1: the chunk boundaries must be the store's.
+  for (const auto& [id, v] : c) EXPECT_LT(v, 100.0f) << "a sink's score leaked into chunk " << id;
+  // Only sinks and local window scored: no chunk at all.
+  TokenScores edges;
+  edges.positions = {0, 1, 2, 11, 12};
+  edges.per_head = {{1, 1, 1, 1, 1}};
+  EXPECT_TRUE(AggregateToChunks(edges, 3, 4, 2).empty());
+  // With every position past the sinks in a chunk, position 11 is chunk 2.
+  c = AggregateToChunks(edges, 3, 4, kAnyChunkCount);
+  ASSERT_EQ(c.size(), 1u);
+  EXPECT_EQ(c[0].first, 2);
+  EXPECT_FLOAT_EQ(c[0].second, 2.0f);
 }
 
 TEST(ScoringPolicyHelpers, RemapByPositionCarriesFillsAndDrops) {

@@ -117,7 +117,7 @@ TEST(StructKv, LocalSaliencyEq2AndBlockAggregation) {
   auto c = p->Scores(0);
   ASSERT_TRUE(c.ok());
   ExpectNear(c->per_head[0], {.5, .5, .75, .25}, "C_g0");
-  const auto blocks = AggregateToChunks(*c, 2);
+  const auto blocks = AggregateToChunks(*c, /*n_sink=*/0, 2, /*n_chunks=*/2);
   ASSERT_EQ(blocks.size(), 2u);
   EXPECT_EQ(blocks[0].first, 0);
   EXPECT_NEAR(blocks[0].second, 1.65, 1e-5);

@@ -44,6 +44,7 @@ using cli::ParseInt;
 using cli::ParseIntList;
 using cli::PathFlag;
 using cli::SplitComma;
+using cli::WithDefault;
 
 const char* kUsage =
     "usage: kvtier compile-tables --traces FILE --out TABLES [--alpha-cql X --steps N --lr X]\n"
@@ -54,17 +55,28 @@ const char* kUsage =
     "reward = -attention-output error - beta/T * (|I_cand| - B), the Eq. 2 proxy). Use the tables\n"
     "with the policy spec compilerkv:tables=TABLES.";
 
+// "0.8,0.85,1": a list default as --help shows it.
+template <typename T>
+std::string JoinNumbers(const std::vector<T>& v) {
+  std::string out;
+  for (const T& x : v) out += (out.empty() ? "" : ",") + cli::FormatNumber(static_cast<double>(x));
+  return out;
+}
+
 Status ParseFlags(int argc, char** argv, CompileFlags* f, bool* help) {
   FlagSet flags;
   flags.Add("traces", "traces file to compile tables from", PathFlag(&f->traces));
   flags.Add("out", "write the compiled tables to this file", PathFlag(&f->out));
-  flags.Add("alpha-cql", "conservatism alpha of Eq. 4 (default 1)", DoubleFlag(&f->fit.alpha_cql));
-  flags.Add("steps", "gradient steps (default 500)", IntFlag(&f->fit.steps, 0, 1 << 24));
-  flags.Add("lr", "gradient step size (default 0.5)", DoubleFlag(&f->fit.lr));
+  flags.Add("alpha-cql", "conservatism alpha of Eq. 4", DoubleFlag(&f->fit.alpha_cql));
+  flags.Add("steps", "gradient steps", IntFlag(&f->fit.steps, 0, 1 << 24));
+  flags.Add("lr", "gradient step size", DoubleFlag(&f->fit.lr));
   flags.Add("record-synthetic", "record traces from N synthetic sequences",
             IntFlag(&f->record_synthetic, 1, 1 << 20));
   flags.Add("out-traces", "write recorded traces to this file", PathFlag(&f->out_traces));
-  flags.Add("geometry", "L,Hq,Hkv,D model shape for recording (default 4,8,2,64)", [f](const std::string& s) {
+  flags.Add("geometry", "L,Hq,Hkv,D model shape for recording",
+            WithDefault(std::to_string(f->layers) + "," + std::to_string(f->q_heads) + "," +
+                            std::to_string(f->kv_heads) + "," + std::to_string(f->head_dim),
+                        [f](const std::string& s) {
     const std::vector<std::string> p = SplitComma(s);
     if (p.size() != 4) return InvalidArgument("expected L,Hq,Hkv,D, got '" + s + "'");
     int64_t v[4];
@@ -74,24 +86,27 @@ Status ParseFlags(int argc, char** argv, CompileFlags* f, bool* help) {
     f->kv_heads = static_cast<int>(v[2]);
     f->head_dim = static_cast<int>(v[3]);
     return Status::Ok();
-  });
-  flags.Add("context", "tokens per synthetic sequence (default 2048)", IntFlag(&f->context, 2, int64_t{1} << 24));
-  flags.Add("window", "observation window: the last W queries (default 32)", IntFlag(&f->window, 1, 1 << 16));
-  flags.Add("budget", "budget(s) B per layer, comma-separated (default 256)",
-            [f](const std::string& s) { return ParseIntList(s, 0, int64_t{1} << 40, &f->budgets); });
-  flags.Add("sink", "attention-sink tokens protected (default 4)", IntFlag(&f->sink, 0, 1 << 20));
-  flags.Add("local", "local-window tokens protected (default 32)", IntFlag(&f->local, 0, 1 << 20));
-  flags.Add("seed", "seed of the first sequence; sequence i uses seed + i (default 1)",
+  }));
+  flags.Add("context", "tokens per synthetic sequence", IntFlag(&f->context, 2, int64_t{1} << 24));
+  flags.Add("window", "observation window: the last W queries", IntFlag(&f->window, 1, 1 << 16));
+  flags.Add("budget", "budget(s) B per layer, comma-separated",
+            WithDefault(JoinNumbers(f->budgets),
+                        [f](const std::string& s) { return ParseIntList(s, 0, int64_t{1} << 40, &f->budgets); }));
+  flags.Add("sink", "attention-sink tokens protected", IntFlag(&f->sink, 0, 1 << 20));
+  flags.Add("local", "local-window tokens protected", IntFlag(&f->local, 0, 1 << 20));
+  flags.Add("seed", "seed of the first sequence; sequence i uses seed + i",
             IntFlag(&f->seed, 0, INT64_MAX));
-  flags.Add("beta", "beta of lambda = beta / T in the gate reward, Eq. 14 (default 1)", DoubleFlag(&f->record.beta));
-  flags.Add("tau-actions", "comma-separated tau actions in units of mean alpha (default 0.8,0.85,0.9,0.95,1)",
-            [f](const std::string& s) { return ParseDoubleList(s, &f->record.tau_actions); });
-  flags.Add("weight-actions", "comma-separated head weight actions (default 0.25,0.5,1,1.5,2)",
-            [f](const std::string& s) { return ParseDoubleList(s, &f->record.weight_actions); });
-  flags.Add("ent-bins", "entropy bins (default 20)", IntFlag(&f->record.bins.ent_bins, 1, 1000));
-  flags.Add("ppl-bins", "perplexity bins (default 4)", IntFlag(&f->record.bins.ppl_bins, 1, 100));
-  flags.Add("budget-bins", "log2 budget buckets (default 6)", IntFlag(&f->record.bins.budget_bins, 1, 64));
-  flags.Add("nll-step", "perplexity bin width in nats (default 1)", DoubleFlag(&f->record.bins.nll_step));
+  flags.Add("beta", "beta of lambda = beta / T in the gate reward, Eq. 14", DoubleFlag(&f->record.beta));
+  flags.Add("tau-actions", "comma-separated tau actions in units of mean alpha",
+            WithDefault(JoinNumbers(f->record.tau_actions),
+                        [f](const std::string& s) { return ParseDoubleList(s, &f->record.tau_actions); }));
+  flags.Add("weight-actions", "comma-separated head weight actions",
+            WithDefault(JoinNumbers(f->record.weight_actions),
+                        [f](const std::string& s) { return ParseDoubleList(s, &f->record.weight_actions); }));
+  flags.Add("ent-bins", "entropy bins", IntFlag(&f->record.bins.ent_bins, 1, 1000));
+  flags.Add("ppl-bins", "perplexity bins", IntFlag(&f->record.bins.ppl_bins, 1, 100));
+  flags.Add("budget-bins", "log2 budget buckets", IntFlag(&f->record.bins.budget_bins, 1, 64));
+  flags.Add("nll-step", "perplexity bin width in nats", DoubleFlag(&f->record.bins.nll_step));
   flags.Add("quiet", "no progress on stderr",
             [f](const std::string& s) { f->quiet = s != "0"; return Status::Ok(); }, true);
 

@@ -8,9 +8,14 @@
 
 namespace kvtier::cli {
 
-void FlagSet::Add(const std::string& name, const std::string& help, Setter set, bool is_switch) {
-  flags_[name] = Flag{help, std::move(set), is_switch};
+void FlagSet::Add(const std::string& name, const std::string& help, Binding bind, bool is_switch) {
+  flags_[name] = Flag{help, std::move(bind.set), is_switch, std::move(bind.default_text)};
   order_.push_back(name);
+}
+
+std::string FlagSet::default_text(const std::string& name) const {
+  auto it = flags_.find(name);
+  return it == flags_.end() ? std::string() : it->second.default_text;
 }
 
 Status FlagSet::Parse(const std::string& command, int argc, char** argv) {
@@ -50,7 +55,31 @@ Status FlagSet::Parse(const std::string& command, int argc, char** argv) {
 
 void FlagSet::PrintHelp(const char* usage) const {
   std::printf("%s\n\nflags:\n", usage);
-  for (const auto& n : order_) std::printf("  --%-18s %s\n", n.c_str(), flags_.at(n).help.c_str());
+  for (const auto& n : order_) {
+    const Flag& f = flags_.at(n);
+    if (f.default_text.empty()) std::printf("  --%-18s %s\n", n.c_str(), f.help.c_str());
+    else std::printf("  --%-18s %s (default %s)\n", n.c_str(), f.help.c_str(), f.default_text.c_str());
+  }
+}
+
+std::string FormatNumber(double v, bool as_float) {
+  char buf[32];
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, v);
+    const double back = std::strtod(buf, nullptr);
+    if (as_float ? static_cast<float>(back) == static_cast<float>(v) : back == v) break;
+  }
+  return buf;
+}
+
+std::string FormatBytes(uint64_t v) {
+  const char* suffix = "KMG";
+  int i = -1;
+  while (i < 2 && v >= 1024 && v % 1024 == 0) {
+    v /= 1024;
+    ++i;
+  }
+  return std::to_string(v) + (i >= 0 ? std::string(1, suffix[i]) : std::string());
 }
 
 Status ParseInt(const std::string& s, int64_t lo, int64_t hi, int64_t* out) {

@@ -23,23 +23,23 @@ int RunTrace(int argc, char** argv) {
   std::string out;
   FlagSet f;
   AddModelTaskFlags(&f, &o.weights, &o.task);
-  f.Add("context", "prompt + answer bytes (= tokens), as 'kvtier infinite --context' (default 4096)",
+  f.Add("context", "prompt + answer bytes (= tokens), as 'kvtier infinite --context'",
         IntFlag(&o.context, 1, int64_t{1} << 30));
-  f.Add("seed", "the sample's seed: the prompt is 'kvtier infinite's first sample for it (default 1)",
+  f.Add("seed", "the sample's seed: the prompt is 'kvtier infinite's first sample for it",
         IntFlag(&o.seed, 0, INT64_MAX));
   f.Add("decode-steps",
-        "tokens decoded greedily after the prompt, each recorded (default: the answer's length)",
-        IntFlag(&o.decode_steps, 1, 1 << 20));
+        "tokens decoded greedily after the prompt, each recorded",
+        cli::WithDefault("the answer's length", IntFlag(&o.decode_steps, 1, 1 << 20)));
   f.Add("positions",
         "absolute (the reference model) | infllm (the model runs with InfLLM's memory positions; "
-        "keys are still recorded at their true positions) (default absolute)",
-        [&o](const std::string& s) {
+        "keys are still recorded at their true positions)",
+        cli::WithDefault(model::PositionModeName(o.positions), [&o](const std::string& s) {
           auto m = model::ParsePositionMode(s);
           if (!m.ok()) return m.status();
           o.positions = *m;
           return Status::Ok();
-        });
-  f.Add("window", "prefill window in tokens, 1..512 (default 128)", IntFlag(&o.window, 1, 512));
+        }));
+  f.Add("window", "prefill window in tokens, 1..512", IntFlag(&o.window, 1, 512));
   f.Add("out", "the trace file to write (required)", PathFlag(&out));
   Status st = f.Parse("trace", argc, argv);
   if (!st.ok()) return Fail(st);

@@ -225,6 +225,10 @@ Result<std::vector<float>> SafeTensors::ToFloat32(const std::string& name) const
 }
 
 Result<SafeTensors> ParseSafeTensors(const std::string& path, std::vector<uint8_t> bytes) {
+  // What the header describes is bounded by the file; failing to allocate it is ResourceExhausted.
+  return ReturnOnBadAlloc(
+      [&] { return path + ": the header and tensor table (" + std::to_string(bytes.size()) + "-byte file)"; },
+      [&]() -> Result<SafeTensors> {
   auto bad = [&](const std::string& what) { return InvalidArgument(path + ": " + what); };
   if (bytes.size() < 8)
     return bad("file too short (" + std::to_string(bytes.size()) + " bytes) to hold the 8-byte header length");
@@ -308,9 +312,11 @@ Result<SafeTensors> ParseSafeTensors(const std::string& path, std::vector<uint8_
   bytes.erase(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(data_begin));
   out.data = std::move(bytes);
   return out;
+  });
 }
 
 Result<SafeTensors> LoadSafeTensors(const std::string& path) {
+  return ReturnOnBadAlloc([&] { return path + ": the file's bytes"; }, [&]() -> Result<SafeTensors> {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) return NotFound(path + ": cannot open the file");
   const std::streamoff size = in.tellg();
@@ -320,6 +326,7 @@ Result<SafeTensors> LoadSafeTensors(const std::string& path) {
   if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size))
     return IOError(path + ": read failed");
   return ParseSafeTensors(path, std::move(bytes));
+  });
 }
 
 }  // namespace kvtier::model

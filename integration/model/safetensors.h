@@ -44,7 +44,8 @@ struct SafeTensors {
 
 /// Parses a safetensors image held in memory; `path` only names it in errors.
 Result<SafeTensors> ParseSafeTensors(const std::string& path, std::vector<uint8_t> bytes);
-/// Reads and parses a safetensors file.
+/// Reads and parses a safetensors file. Both hold the whole file in memory: one that cannot be
+/// allocated is ResourceExhausted naming the file.
 Result<SafeTensors> LoadSafeTensors(const std::string& path);
 
 /// "[2, 3]" for error messages.

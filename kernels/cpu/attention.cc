@@ -914,7 +914,7 @@ void Run(const Plan& pl, bool mass) {
 
 KernelError Validate(const AttentionParams& p) {
   if (p.q_heads <= 0 || p.kv_heads <= 0 || p.q_heads % p.kv_heads != 0) return KernelError::kBadShape;
-  if (p.head_dim <= 0 || p.head_dim > kMaxHeadDim) return KernelError::kBadShape;
+  if (!HeadDimSupported(p.head_dim)) return KernelError::kBadShape;
   if (p.n_queries < 0 || p.n_parts < 0) return KernelError::kBadShape;
   if (!std::isfinite(p.scale)) return KernelError::kBadShape;
   if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16)

@@ -57,6 +57,11 @@ const char* KernelErrorString(KernelError e);
 /// Largest head_dim the kernel accepts (kBadShape above it).
 inline constexpr int kMaxHeadDim = 1024;
 
+/// The head_dim values the kernel accepts (kBadShape otherwise): 1 .. kMaxHeadDim.
+/// Geometry::Validate (store/) uses this same predicate, so every geometry the store accepts
+/// is one the kernel runs.
+constexpr bool HeadDimSupported(int64_t head_dim) { return head_dim >= 1 && head_dim <= kMaxHeadDim; }
+
 /// A run of tokens whose K and V are contiguous in memory.
 /// Token t (0 <= t < n_tokens) has absolute position first_position + t.
 struct KvSpan {

@@ -59,6 +59,9 @@ class ClassicPolicy : public ScoringPolicy {
   }
 
   Status Observe(const AttentionObservation& obs) override {
+    // An allocation failure (state grows with the observed keys) is ResourceExhausted.
+    return ReturnOnBadAlloc(
+        [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; }, [&]() -> Status {
     if (!began_) return FailedPrecondition(name() + ": Observe before Begin");
     if (Status st = obs.Validate(g_); !st.ok()) return InvalidArgument(name() + ": " + st.message());
     LayerState& s = layers_[obs.layer];
@@ -73,6 +76,7 @@ class ClassicPolicy : public ScoringPolicy {
     Update(obs, s);
     s.observed = true;
     return Status::Ok();
+    });
   }
 
   Result<TokenScores> Scores(int layer) const override {

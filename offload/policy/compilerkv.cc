@@ -483,6 +483,9 @@ Status CompilerKvPolicy::Begin(const PolicyGeometry& g) {
 }
 
 Status CompilerKvPolicy::Observe(const AttentionObservation& obs) {
+  // An allocation failure (state grows with the observed keys) is ResourceExhausted.
+  return ReturnOnBadAlloc(
+      [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; }, [&]() -> Status {
   if (!begun_) return FailedPrecondition("compilerkv: Observe before Begin");
   KVTIER_RETURN_IF_ERROR(obs.Validate(g_));
   if (obs.values == nullptr)
@@ -528,6 +531,7 @@ Status CompilerKvPolicy::Observe(const AttentionObservation& obs) {
         last_logprob_query_ = obs.query_positions[i];
       }
   return Status::Ok();
+  });
 }
 
 Result<CompilerKvAnalysis> CompilerKvPolicy::Analyze(int layer, const std::vector<float>* head_weights) const {

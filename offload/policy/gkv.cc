@@ -159,6 +159,9 @@ class GkvPolicy final : public ScoringPolicy {
   }
 
   Status Observe(const AttentionObservation& obs) override {
+    // An allocation failure (state grows with the observed keys) is ResourceExhausted.
+    return ReturnOnBadAlloc(
+        [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; }, [&]() -> Status {
     if (!begun_) return FailedPrecondition("gkv: Observe before Begin");
     KVTIER_RETURN_IF_ERROR(obs.Validate(g_));
     if (o_.lambda < 1.0 && obs.keys == nullptr)
@@ -223,6 +226,7 @@ class GkvPolicy final : public ScoringPolicy {
     L.global = std::move(global);
     L.score = std::move(score);
     return Status::Ok();
+    });
   }
 
   Result<TokenScores> Scores(int layer) const override {

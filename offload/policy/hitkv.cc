@@ -143,6 +143,9 @@ class HitKvPolicy final : public ScoringPolicy {
   }
 
   Status Observe(const AttentionObservation& obs) override {
+    // An allocation failure (state grows with the observed keys) is ResourceExhausted.
+    return ReturnOnBadAlloc(
+        [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; }, [&]() -> Status {
     if (!began_) return FailedPrecondition("hitkv: Observe before Begin");
     if (Status st = obs.Validate(g_); !st.ok()) return InvalidArgument("hitkv: " + st.message());
     HitLayer& s = layers_[obs.layer];
@@ -172,6 +175,7 @@ class HitKvPolicy final : public ScoringPolicy {
     s.rows = std::move(rows);
     s.observed = true;
     return Status::Ok();
+    });
   }
 
   Result<TokenScores> Scores(int layer) const override {

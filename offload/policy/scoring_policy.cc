@@ -114,11 +114,13 @@ Result<std::vector<int64_t>> KeepTopWithProtected(const PolicyGeometry& g, const
   return out;
 }
 
-std::vector<std::pair<int64_t, float>> AggregateToChunks(const TokenScores& s, int64_t chunk_tokens) {
+std::vector<std::pair<int64_t, float>> AggregateToChunks(const TokenScores& s, int64_t n_sink, int64_t chunk_tokens,
+                                                         uint64_t n_chunks) {
   std::vector<std::pair<int64_t, float>> out;
   if (chunk_tokens < 1) return out;
   for (size_t i = 0; i < s.positions.size(); ++i) {
-    const int64_t chunk = s.positions[i] / chunk_tokens;
+    const int64_t chunk = ChunkOfPosition(s.positions[i], n_sink, chunk_tokens, n_chunks);
+    if (chunk < 0) continue;  // a sink or the local window
     float v = 0.0f;
     for (const auto& head : s.per_head) v += head[i];
     if (out.empty() || out.back().first != chunk) out.emplace_back(chunk, 0.0f);

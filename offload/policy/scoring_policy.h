@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "store/chunk.h"
 #include "store/factory_spec.h"
 #include "store/status.h"
 
@@ -115,7 +116,8 @@ class ScoringPolicy {
   /// Starts (or restarts) scoring a sequence of this shape; drops all state.
   virtual Status Begin(const PolicyGeometry& g) = 0;
   /// Feeds one layer's observation. Keys the policy has state for but which are absent
-  /// from `obs` were dropped by the caller; their state is forgotten.
+  /// from `obs` were dropped by the caller; their state is forgotten. An allocation failure
+  /// (state grows with obs.n_keys) is ResourceExhausted naming it; Begin() starts over.
   virtual Status Observe(const AttentionObservation& obs) = 0;
   /// Scores of the keys of the layer's latest observation. FailedPrecondition before any.
   virtual Result<TokenScores> Scores(int layer) const = 0;
@@ -155,10 +157,14 @@ Result<std::vector<int64_t>> KeepTopWithProtected(const PolicyGeometry& g, const
 std::vector<int64_t> TopIndexes(const std::vector<float>& scores, const std::vector<int64_t>& candidates, int64_t k);
 
 /// Chunk scores by block aggregation (StructKV Sec. 3.5: S_block = Σ_{t∈block} C[t]),
-/// summed over kv heads. Chunk c covers positions [c*chunk_tokens, (c+1)*chunk_tokens);
-/// returns one (chunk index, score) per chunk that holds at least one scored key,
-/// increasing by chunk index.
-std::vector<std::pair<int64_t, float>> AggregateToChunks(const TokenScores& s, int64_t chunk_tokens);
+/// summed over kv heads, with the chunks the store cuts (store/chunk.h): chunk c covers
+/// positions [n_sink + c*chunk_tokens, n_sink + (c+1)*chunk_tokens), c < n_chunks (the sealed
+/// chunks). The sinks (positions < n_sink) and the local window (positions from the end of
+/// chunk n_chunks - 1 on) are never chunks: their scores are left out. Returns one (chunk
+/// index, score) per chunk that holds at least one scored key, increasing by chunk index;
+/// empty when chunk_tokens < 1.
+std::vector<std::pair<int64_t, float>> AggregateToChunks(const TokenScores& s, int64_t n_sink, int64_t chunk_tokens,
+                                                         uint64_t n_chunks);
 
 /// Carries per-position state from `old_positions` to `new_positions` (both increasing):
 /// new[i] = old value at the same position, or `fill` for a position not seen before.

@@ -100,6 +100,9 @@ Status StructKvPolicy::CheckLayer(int layer, const char* what) const {
 }
 
 Status StructKvPolicy::Observe(const AttentionObservation& obs) {
+  // An allocation failure (state grows with the observed keys) is ResourceExhausted.
+  return ReturnOnBadAlloc(
+      [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; }, [&]() -> Status {
   if (!begun_) return FailedPrecondition("structkv: Observe before Begin");
   KVTIER_RETURN_IF_ERROR(obs.Validate(g_));
   const int l = obs.layer;
@@ -184,6 +187,7 @@ Status StructKvPolicy::Observe(const AttentionObservation& obs) {
   }
   next_layer_ = l + 1;
   return Status::Ok();
+  });
 }
 
 void StructKvPolicy::DetectPivot(int limit) {
