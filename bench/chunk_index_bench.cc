@@ -25,7 +25,7 @@
 //   BM_ChunkIndexScoreAll/<dim>/<n>: ScoreAll (every chunk's exact score, for
 //   the entropy cut-off) on the same data; x_flat against Flat's Search.
 //   build_s    seconds to add the n vectors (IVF: including k-means training)
-//   index_MiB  ChunkIndex::memory_bytes() (flat copy + FAISS structure)
+//   index_MiB  FaissVectorIndex::memory_bytes() (flat copy + FAISS structure)
 #include <benchmark/benchmark.h>
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
@@ -42,12 +42,12 @@
 #include <string>
 #include <vector>
 
-#include "retrieval/chunk_index.h"
+#include "retrieval/faiss_index.h"
 
 namespace {
 
-using kvtier::ChunkIndex;
-using kvtier::ChunkIndexOptions;
+using kvtier::FaissVectorIndex;
+using kvtier::FaissIndexOptions;
 using Clock = std::chrono::steady_clock;
 
 constexpr int kK = 64;
@@ -75,7 +75,7 @@ std::vector<float> Draw(const std::vector<float>& centres, size_t n, int dim, ui
         const float* c = centres.data() + pick(rng) * dim;
         float* v = out.data() + i * dim;
         for (int j = 0; j < dim; ++j) v[j] = c[j] + kNoise * g(rng);
-        ChunkIndex::ProbeVector(v, H, D, v);
+        FaissVectorIndex::ProbeVector(v, H, D, v);
       }
     }
   });
@@ -83,7 +83,7 @@ std::vector<float> Draw(const std::vector<float>& centres, size_t n, int dim, ui
 }
 
 struct Built {
-  std::unique_ptr<ChunkIndex> index;
+  std::unique_ptr<FaissVectorIndex> index;
   double build_s = 0, recall = 0;
 };
 
@@ -110,13 +110,13 @@ std::string Factory(int kind, size_t n) {
 Built& Get(DataSet& ds, int kind) {
   auto it = ds.kinds.find(kind);
   if (it != ds.kinds.end()) return it->second;
-  ChunkIndexOptions o;
+  FaissIndexOptions o;
   o.factory = Factory(kind, ds.n);
   o.ivf_nprobe = 16;
   o.hnsw_ef_search = 64;
-  auto created = ChunkIndex::Create(ds.dim, o);
+  auto created = FaissVectorIndex::Create(ds.dim, o);
   if (!created.ok()) {
-    std::fprintf(stderr, "ChunkIndex::Create: %s\n", created.status().ToString().c_str());
+    std::fprintf(stderr, "FaissVectorIndex::Create: %s\n", created.status().ToString().c_str());
     std::abort();
   }
   Built b;

@@ -220,7 +220,9 @@ Result<RunReport> RunJob(const RunOptions& options) {
   auto add_method = [&](const std::string& name, const std::string& probe, const std::string& alloc, int budget) -> Status {
     RetrieverOptions ro = opt.retrieval;
     ro.probe = probe;
-    ro.alloc = alloc;
+    // A configured rank (--rank-by) reaches the compared methods whose allocator takes it.
+    const std::string rank = SpecKey(opt.retrieval.alloc, "rank");
+    ro.alloc = alloc == "entropy" && !rank.empty() ? alloc + ":rank=" + rank : alloc;
     ro.budget_tokens = budget;
     Method m;
     m.name = name;
@@ -793,7 +795,7 @@ std::string RunReport::ToJson() const {
   w.Key("data_dir").String(o.store.data_dir);
   w.Key("compression").String(CompressionName(o.store.compression));
   w.Key("probe").String(o.retrieval.probe).Key("alloc").String(o.retrieval.alloc);
-  w.Key("index").String(o.retrieval.index.factory);
+  w.Key("index").String(o.retrieval.index);
   w.Key("compare").Bool(o.compare).Key("spearman_windows").Int(o.spearman_windows);
   w.Key("decode_steps").Int(o.workload.decode_steps).Key("question_len").Int(o.workload.question_len);
   w.Key("needle_count").Int(o.workload.needle_count).Key("needle_len").Int(o.workload.needle_len);

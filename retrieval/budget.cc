@@ -154,7 +154,9 @@ Result<std::unique_ptr<EntropyBudget>> EntropyBudget::Make(const EntropyBudgetOp
   return std::unique_ptr<EntropyBudget>(new EntropyBudget(o));
 }
 
-std::string EntropyBudget::ToString() const { return "entropy:min=" + std::to_string(opt_.min_chunks); }
+std::string EntropyBudget::ToString() const {
+  return "entropy:min=" + std::to_string(opt_.min_chunks) + ",rank=" + ChunkRankName(opt_.rank);
+}
 
 void EntropyBudget::Reset() {
   theta_sum_.clear();
@@ -227,21 +229,41 @@ Result<int> EntropyBudget::Allocate(int layer, const LayerScores& s) {
 
 // ---- factory ---------------------------------------------------------------------------------
 
+const char* ChunkRankName(ChunkRank r) { return r == ChunkRank::kLogit ? "logit" : "cosine"; }
+
 Result<std::unique_ptr<BudgetAllocator>> MakeBudgetAllocator(const std::string& spec) {
   KVTIER_ASSIGN_OR_RETURN(FactorySpec fs, ParseFactorySpec(spec, "budget allocator"));
   auto unknown_key = [&](const std::string& key, const char* known) {
     return InvalidArgument("unknown key '" + key + "' for budget allocator '" + fs.name + "' in spec '" + spec +
                            "' (known: " + known + ")");
   };
+  auto parse_rank = [&](const std::string& value) -> Result<ChunkRank> {
+    if (value == "cosine") return ChunkRank::kCosine;
+    if (value == "logit") return ChunkRank::kLogit;
+    return InvalidArgument("bad value '" + value + "' for key 'rank' in budget allocator spec '" + spec +
+                           "' (expected cosine or logit)");
+  };
   if (fs.name == "topk") {
-    if (!fs.params.empty()) return unknown_key(fs.params[0].first, "none");
+    for (const auto& [key, value] : fs.params) {
+      if (key != "rank") return unknown_key(key, "rank");
+      KVTIER_ASSIGN_OR_RETURN(ChunkRank r, parse_rank(value));
+      if (r != ChunkRank::kLogit)
+        return InvalidArgument("rank=" + value + " in budget allocator spec '" + spec +
+                               "': topk takes the index's top k by logit; ranking by cosine needs an allocator "
+                               "that scores every chunk (entropy)");
+    }
     return std::unique_ptr<BudgetAllocator>(new TopKBudget());
   }
   if (fs.name == "entropy") {
     EntropyBudgetOptions o;
     for (const auto& [key, value] : fs.params) {
-      if (key != "min") return unknown_key(key, "min");
-      KVTIER_ASSIGN_OR_RETURN(o.min_chunks, ParseSpecInt(spec, key, value));
+      if (key == "min") {
+        KVTIER_ASSIGN_OR_RETURN(o.min_chunks, ParseSpecInt(spec, key, value));
+      } else if (key == "rank") {
+        KVTIER_ASSIGN_OR_RETURN(o.rank, parse_rank(value));
+      } else {
+        return unknown_key(key, "min, rank");
+      }
     }
     if (Status st = o.Validate(); !st.ok())
       return InvalidArgument("bad value for key 'min' in budget allocator spec '" + spec + "': " + st.message());

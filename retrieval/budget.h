@@ -3,14 +3,24 @@
 // Per step the caller calls BeginStep(L, k) once, then Allocate(layer, scores) for layers
 // 0, 1, ..., L-1 in that order (shallow -> deep, the order of transformer computation), each with
 // the cosine scores (Eq. 10) of the layer's n available chunks. Allocate returns how many of
-// them (the best by score) the layer may take. Allocators are pluggable by factory string:
+// them (the best by score) the layer may take, and rank() says which score "best" means: the
+// order the layer takes them in. Allocators are pluggable by factory string:
 //
-//   topk               fixed k per layer, clamped to n.
-//   entropy[:min=M]    ActQKV's dynamic KV cut-off (Sec. 4.2, Eq. 11-12, Algorithm 1);
-//                      M (default 1) is the minimum per layer that has chunks.
+//   topk                          fixed k per layer, clamped to n; the index's top k by logit.
+//   entropy[:min=M,rank=cosine|logit]
+//                                 ActQKV's dynamic KV cut-off (Sec. 4.2, Eq. 11-12, Algorithm 1);
+//                                 M (default 1) is the minimum per layer that has chunks; rank
+//                                 (default cosine) is the order a layer takes its B^l chunks in.
 //
-// ToString() gives the canonical string with every parameter ("entropy:min=1"); it rebuilds
-// an identical allocator (minus running state).
+// rank lives here, not in the index spec, because it is part of the allocation: Algorithm 1
+// takes "the top B^l chunks by s_i" (Eq. 10 cosines, rank=cosine); rank=logit takes them by the
+// raw probe.key inner product instead, which keeps key norms (docs/retrieval.md). Either way the
+// budget B^l comes from the cosines. It applies to every index kind alike, and only where the
+// allocator scores every chunk: topk has no choice (it asks the index for its top k by logit),
+// so topk accepts rank=logit and refuses rank=cosine.
+//
+// ToString() gives the canonical string with every parameter ("entropy:min=1,rank=cosine"); it
+// rebuilds an identical allocator (minus running state).
 //
 // Protocol errors (returned by Allocate, never thrown): Allocate before any BeginStep, for a
 // layer other than the next one, or after the last layer -> FailedPrecondition; BeginStep with
@@ -31,6 +41,11 @@ namespace kvtier {
 
 struct LayerScores { const float* scores; int n; };   // cosine scores s_i^l (Eq. 10) of the n available chunks of layer l
 
+/// The order a layer takes its chunks in: by the Eq. 10 cosine (ActQKV Algorithm 1) or by the
+/// raw probe.key inner product, the attention logit (InfLLM's score).
+enum class ChunkRank { kCosine, kLogit };
+const char* ChunkRankName(ChunkRank r);  ///< "cosine" | "logit"
+
 class BudgetAllocator {
  public:
   virtual ~BudgetAllocator();
@@ -42,6 +57,11 @@ class BudgetAllocator {
   virtual std::string ToString() const = 0;
   /// Θ (Eq. 11) the last Allocate computed, or 0 for allocators that do not compute it.
   virtual double last_entropy() const { return 0.0; }
+  /// Whether Allocate reads every chunk's score (entropy: Eq. 10-12 over the whole cache). When
+  /// false (topk) the caller may let the index serve its top k without scoring every chunk.
+  virtual bool reads_scores() const = 0;
+  /// The order the layer takes the chunks Allocate grants it in (the "rank" key).
+  virtual ChunkRank rank() const = 0;
 
  protected:
   BudgetAllocator() = default;
@@ -63,12 +83,16 @@ class TopKBudget final : public BudgetAllocator {
   void BeginStep(int layers, int k) override;
   Result<int> Allocate(int layer, const LayerScores& s) override;
   std::string ToString() const override { return "topk"; }
+  bool reads_scores() const override { return false; }
+  ChunkRank rank() const override { return ChunkRank::kLogit; }
 };
 
 struct EntropyBudgetOptions {
   /// Minimum chunks for a layer that has chunks ("min", default 1; >= 1). A layer with n < min
   /// gets n; BeginStep's k must be >= min.
   int min_chunks = 1;
+  /// The order a layer takes its B^l chunks in ("rank", default cosine: Algorithm 1).
+  ChunkRank rank = ChunkRank::kCosine;
   Status Validate() const;
 };
 
@@ -110,6 +134,8 @@ class EntropyBudget final : public BudgetAllocator {
   /// B_kv: budget left in the current step.
   int64_t remaining() const { return remaining_; }
   double last_entropy() const override { return last_theta_; }
+  bool reads_scores() const override { return true; }
+  ChunkRank rank() const override { return opt_.rank; }
   /// Forgets the running means (new sequence).
   void Reset();
   const EntropyBudgetOptions& options() const { return opt_; }

@@ -1,188 +1,156 @@
-// ChunkIndex: one FAISS index per (sequence, layer) over chunk vectors, the
-// search structure behind retrieval.
+// ChunkIndex: the search structure behind retrieval, one per (sequence, layer): the interface
+// every index kind implements, and the factory that picks the kind from a spec string.
 //
-// A chunk's vector is built from its repr_topk representative keys: for each
-// kv head h, the mean of the chunk's representatives of that head (InfLLM
-// averages them), L2-normalised per head; the kv heads are then concatenated
-// (dimension kv_heads x head_dim). A probe ([kv_heads, head_dim]) is
-// normalised per head the same way, so the inner product the index ranks by is
-//   score(c) = sum_h cos(probe_h, chunk_h)                     in [-H, H]
-// i.e. ActQKV Eq. 10 (s_i = Q_probe . K[i] / (|Q_probe| |K[i]|)) evaluated per
-// kv head and summed over the heads. ScoreAll gives these scores for every
-// chunk, which the entropy cut-off (ActQKV Eq. 11-12) softmaxes per layer.
+// A chunk enters an index as its R representative keys, [R, kv_heads, head_dim] fp32, the
+// layout TieredStore::GetRepresentatives gives; each kind builds its own representation from
+// them. For a probe ([kv_heads, head_dim] fp32, one layer's) an index gives:
+//   - Score: every chunk's scores, exactly: the logit (InfLLM's q.k, as the kind defines a
+//     chunk's key) and the ActQKV Eq. 10 cosine s_i = Q_probe . K[i] / (|Q_probe| |K[i]|);
+//   - Screen: every chunk's scores as the allocator should see them (Eq. 10-12 take the
+//     cosines): Score itself, or a cheaper approximation that Best then refines;
+//   - Best: the `take` best chunks by the allocator's rank (cosine or logit, budget.h), best
+//     first, ties to the smaller chunk index;
+//   - Search: the top k by logit, for allocators that do not score every chunk (topk), so
+//     approximate kinds stay sub-linear.
+// Chunks leave with Remove (after TieredStore::DropChunks) and are never returned again.
 //
-// The index kind is a FAISS index_factory description ("Flat" exact, default;
-// "HNSW32"; "IVF<n>,Flat"; ...), always with the inner-product metric. FAISS
-// ids are chunk indices: IVF indexes take them natively (with a hash-table
-// direct map, so Remove is O(1) per chunk); every other kind is wrapped in
-// faiss::IndexIDMap2.
+// Kinds, chosen by the spec string (the factory-string syntax of store/factory_spec.h; the
+// name may hold commas, as FAISS descriptions do: "IVF1024,Flat:nprobe=32"):
 //
-// Besides FAISS, the index keeps a flat copy of the live vectors, sorted by
-// chunk index. It is the source of truth: ScoreAll scans it, search scores
-// are recomputed from it (exact inner products even for lossy codes such as
-// PQ), and whenever FAISS cannot serve a search the copy is scanned exactly
-// instead (see Search). Memory is therefore the flat copy plus FAISS's own
-// structure (memory_bytes() counts both).
+//   Exact[:heads=sum|max,rerank=F,rerank_min=N]                         (exact_index.h)
+//       Every representative key is kept, in the store's dtype, plus int8 codes of it. A
+//       chunk's score is its best representative per kv head, the heads summed (heads=sum;
+//       cosines averaged, so they stay in [-1, 1]) or the most interested head's (heads=max).
+//       Screen reads the int8 codes; Best rescores the best max(F x take, N) candidates from
+//       the stored keys (fp32 arithmetic). rerank=0: Screen is the exact pass and Best sorts
+//       it. Defaults: heads=sum,rerank=4,rerank_min=256.
+//   <FAISS index_factory description>[:nprobe=N,ef=N,train_min=N]        (faiss_index.h)
+//       "Flat", "HNSW32", "IVF<n>,Flat", ...: one vector per chunk, the mean of its
+//       representatives with the kv heads concatenated, not normalised, so the inner product
+//       is InfLLM's score (the sum of q.k over the representatives, over R). nprobe: IVF
+//       lists searched [16]; ef: HNSW search breadth [64]; train_min: vectors collected
+//       before training [0 = FAISS's rule of thumb]; each key only where it applies.
+//       heads=sum is accepted (the concatenated inner product is the sum over heads);
+//       heads=max is refused.
 //
-// Training: indexes that need training (IVF, PQ, SQ...) are not trained until
-// train_min vectors were added; until then searches scan the flat copy
-// exactly. When the Add that reaches train_min arrives, FAISS is trained on
-// every collected vector and they are all added (that one Add pays for the
-// k-means). The index is never retrained later.
+// ToString() gives the canonical spec, every key of the kind spelled out, and the spec
+// rebuilds an equal index (empty). Bad specs are InvalidArgument naming the key or value.
 //
-// Removal: Flat-family (faiss::IndexFlatCodes) and IVF indexes remove
-// natively. Indexes that cannot remove (HNSW, NSG, ...) keep the removed
-// chunk's vector in FAISS and remember its id in a tombstone set; searches
-// ask FAISS for enough extra candidates to cover the expected number of
-// tombstones among them and filter them out. When tombstones exceed
-// kTombstoneRebuildFraction of the vectors FAISS holds, FAISS is rebuilt
-// from the flat copy (for HNSW: O(n log n), paid by that one Remove).
-// Re-adding a tombstoned chunk index also rebuilds first.
-//
-// Cost: a Flat search reads every vector (n x dim floats): on the 2-core
-// development machine 2 ms at 32K x 128, 24 ms at 256K x 128 and 0.2 s at
-// 256K x 1024 per layer and step, against ~0.5 ms for HNSW32 at 256K
-// (bench/chunk_index_bench.cc). Search allocates only k-sized buffers.
-//
-// Persistence: rebuilt, not persisted. The store persists each chunk's
-// representatives in the cold tier's meta records; after a reopen the owner
-// rebuilds the index from TieredStore::GetRepresentatives (ListChunks /
-// ChunkCount tell which chunks exist) with ChunkVector + AddBatch.
-//
-// Thread-safety: one writer at a time (Add, AddBatch, Remove). Const methods
-// (Search, ScoreAll, size, ...) may run concurrently with each other but not
-// with a writer; the owner serialises them (e.g. a std::shared_mutex per
-// index). Search runs its FAISS calls on the calling thread (an OpenMP team
-// of one, set for that thread only): one query gains nothing from FAISS's
-// OpenMP regions, and on a loaded machine their wake-up and barrier cost
-// 15-40 ms per search. Parallelism comes from searching layers concurrently.
-// AddBatch and rebuilds use FAISS's OpenMP threads.
-//
-// Errors: every method returns a Status; FAISS exceptions are caught here and
-// reported with what failed. No exception leaves this class.
+// Thread-safety: one writer at a time (Add, Remove); const methods may run concurrently with
+// each other but not with a writer. The Retriever serialises them per sequence.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
-#include <unordered_set>
 #include <vector>
 
+#include "kernels/dtype.h"
+#include "retrieval/budget.h"  // ChunkRank
 #include "store/status.h"
-
-namespace faiss {
-struct Index;
-}
 
 namespace kvtier {
 
-struct ChunkIndexOptions {
-  /// FAISS index_factory description: "Flat" (exact, default), "HNSW32",
-  /// "IVF<n>,Flat" (trained once enough vectors exist), ...
-  std::string factory = "Flat";
-  int ivf_nprobe = 16;      ///< IVF lists searched (default 16; capped at nlist)
-  int hnsw_ef_search = 64;  ///< HNSW search breadth (default 64; FAISS uses max(ef, k))
-  /// Vectors to collect before training (default 0 = 39 x nlist for IVF,
-  /// FAISS's rule of thumb; 39 x 256 for other trainable kinds such as PQ).
-  /// IVF needs train_min >= nlist.
-  int train_min = 0;
-
-  /// Parses the factory string (builds a throwaway index at dimension
-  /// kValidateDim) and checks the numeric fields; the message names the bad
-  /// field. Dimension-dependent constraints (e.g. PQ<m> needs m | dim) are
-  /// checked again by ChunkIndex::Create with the real dimension.
-  Status Validate() const;
-  /// Same checks with a given vector dimension.
-  Status Validate(int dim) const;
-
-  static constexpr int kValidateDim = 1024;  ///< dimension Validate() builds its throwaway index at
+/// What one chunk's representatives look like: `repr` keys per kv head, given as
+/// [repr, kv_heads, head_dim] fp32 (TieredStore::GetRepresentatives), read from a store that
+/// holds keys in `dtype`.
+struct ChunkShape {
+  int kv_heads = 0;
+  int head_dim = 0;
+  int repr = 0;               ///< R: representatives per chunk and kv head (StoreOptions::repr_topk)
+  DType dtype = DType::kF32;  ///< the store's key dtype
+  Status Validate() const;    ///< every count > 0, head_dim <= 4096; names the bad field
+  size_t repr_floats() const { return static_cast<size_t>(repr) * kv_heads * head_dim; }
+  int dim() const { return kv_heads * head_dim; }  ///< a probe's length
 };
+
+class ChunkIndex;
+
+/// Scores of an index's chunks for one probe, rows in ascending chunk index. Reusing one
+/// object across calls keeps its buffers (and, for the same index, its ids) allocated.
+struct ChunkScores {
+  std::vector<uint64_t> ids;  ///< chunk indices
+  std::vector<float> logit;   ///< the raw inner product (attention logit; InfLLM's score)
+  std::vector<float> cosine;  ///< ActQKV Eq. 10, in [-1, 1]
+  const std::vector<float>& by(ChunkRank r) const { return r == ChunkRank::kLogit ? logit : cosine; }
+  /// Set by Score/Screen: which index, in which of its states (changed by every Add or
+  /// Remove), the scores are of. Best refuses scores of another index or state.
+  const ChunkIndex* index = nullptr;
+  uint64_t generation = 0;
+};
+
+/// Fills `repr` ([R, kv_heads, head_dim] fp32) with the representative keys of `chunk`.
+/// NotFound means the chunk is a hole (nothing to index); any other error stops Add.
+using ReprReader = std::function<Status(uint64_t chunk, float* repr)>;
 
 class ChunkIndex {
  public:
-  /// Tombstones (removed chunks still inside a FAISS index that cannot
-  /// remove) above this fraction of FAISS's vectors trigger a rebuild.
-  static constexpr double kTombstoneRebuildFraction = 0.25;
-
-  /// out[h*D + d] = mean_r repr[(r*H + h)*D + d], then each head scaled to
-  /// unit L2 norm. A head whose mean is zero (or R <= 0) stays a zero vector,
-  /// so it contributes cos = 0 to every score. repr: [R, H, D] (the layout of
-  /// TieredStore::GetRepresentatives); out: [H*D], must not alias repr.
-  static void ChunkVector(const float* repr, int R, int H, int D, float* out);
-  /// out = probe ([H, D]) with each head scaled to unit L2 norm; zero-norm
-  /// heads stay zero. out may equal probe (in place).
-  static void ProbeVector(const float* probe, int H, int D, float* out);
-
-  /// An empty index for vectors of `dim` floats. Fails with InvalidArgument
-  /// (naming the field) when dim <= 0 or the options do not validate.
-  static Result<std::unique_ptr<ChunkIndex>> Create(int dim, const ChunkIndexOptions& options);
-  ~ChunkIndex();
+  virtual ~ChunkIndex();
   ChunkIndex(const ChunkIndex&) = delete;
   ChunkIndex& operator=(const ChunkIndex&) = delete;
 
-  /// Indexes one chunk vector ([dim], normally from ChunkVector). Ids are
-  /// chunk indices (< 2^63). AlreadyExists if the chunk is indexed;
-  /// InvalidArgument for a null or non-finite vector. On failure the index is
-  /// unchanged.
-  Status Add(uint64_t chunk_index, const float* vec);
-  /// Indexes n chunks at once ([n, dim] vectors): one FAISS call, so HNSW
-  /// inserts in parallel. Use it to rebuild after a reopen. All or nothing:
-  /// duplicate or already-indexed ids reject the whole batch.
-  Status AddBatch(size_t n, const uint64_t* chunk_indices, const float* vecs);
-  /// Drops a chunk from the index (NotFound if it is not indexed). See the
-  /// header comment for indexes that cannot remove (tombstones).
-  Status Remove(uint64_t chunk_index);
+  /// Indexes `chunks` (ascending, each above every chunk indexed so far), reading each one's
+  /// representatives through `read`. One call is one batch (the FAISS kinds insert it with
+  /// one FAISS call). All or nothing: on an error nothing of the batch stays indexed.
+  virtual Status Add(const std::vector<uint64_t>& chunks, const ReprReader& read) = 0;
+  /// Indexes one chunk whose representatives ([R, kv_heads, head_dim] fp32) are at hand.
+  Status Add(uint64_t chunk, const float* repr);
+  /// Takes chunks out of the index; chunk indices it does not hold are ignored.
+  virtual Status Remove(const std::vector<uint64_t>& chunks) = 0;
 
-  /// Top k by inner product, best first; ties -> smaller chunk index. Also the
-  /// full score list of the returned chunks (scores may be null; ids may
-  /// not). k larger than size returns all; k = 0 or an empty index returns
-  /// nothing. probe_vec: [dim], normally from ProbeVector.
-  ///
-  /// FAISS serves the search with k (+1, + tombstone over-fetch) results;
-  /// the returned scores are exact inner products recomputed from the flat
-  /// copy (the same values ScoreAll gives). The flat copy is scanned exactly
-  /// instead when: the index is not trained yet; k >= size (everything is
-  /// returned anyway); FAISS found fewer than k live chunks (e.g. IVF lists
-  /// too short for k); or, for the exact kind "Flat", a tie straddles the
-  /// k-th place (so the smaller chunk index wins, as documented). For
-  /// approximate kinds, ties are broken among the candidates FAISS returned.
-  Status Search(const float* probe_vec, int k, std::vector<uint64_t>* ids, std::vector<float>* scores) const;
+  /// Every chunk's logit and cosine, computed exactly. probe: [kv_heads, head_dim] fp32.
+  virtual Status Score(const float* probe, ChunkScores* out) const = 0;
+  /// Every chunk's scores as the allocator sees them; Best refines them. Default: Score.
+  virtual Status Screen(const float* probe, ChunkScores* out) const { return Score(probe, out); }
+  /// The `take` best chunks by `rank`, best first, ties to the smaller chunk index; `screened`
+  /// is Screen's answer for the same probe. take larger than size() returns every chunk.
+  virtual Status Best(const float* probe, const ChunkScores& screened, ChunkRank rank, size_t take,
+                      std::vector<uint64_t>* out) const = 0;
+  /// The top k by logit, best first, ties to the smaller chunk index (approximate kinds: among
+  /// their candidates). Default: Screen, then Best by logit.
+  virtual Status Search(const float* probe, size_t k, std::vector<uint64_t>* out) const;
 
-  /// Scores of EVERY indexed chunk (exact inner products, for the entropy
-  /// cut-off and for analysis), in ascending chunk index, computed from the
-  /// flat copy, not from FAISS, so it works for any index kind. O(n * dim).
-  Status ScoreAll(const float* probe_vec, std::vector<uint64_t>* ids, std::vector<float>* scores) const;
+  virtual size_t size() const = 0;            ///< chunks indexed (not removed)
+  virtual uint64_t memory_bytes() const = 0;  ///< everything the index holds (from container sizes)
+  virtual std::string ToString() const = 0;   ///< the canonical spec: rebuilds an equal (empty) index
+  const ChunkShape& shape() const { return shape_; }
 
-  size_t size() const;            ///< live (indexed, not removed) chunks
-  int dim() const;                ///< vector dimension (kv_heads * head_dim)
-  uint64_t memory_bytes() const;  ///< flat copy + FAISS structure (estimate from container sizes)
-  std::string factory() const;    ///< the factory string the index was created with
-  bool trained() const;           ///< FAISS serves searches (false: not trained yet, exact scan)
-  size_t tombstones() const;      ///< removed chunks still inside FAISS (indexes that cannot remove)
-  const ChunkIndexOptions& options() const { return options_; }
+ protected:
+  explicit ChunkIndex(const ChunkShape& shape) : shape_(shape) {}
+  /// Writers call Changed() whenever the indexed set changes.
+  void Changed() { ++generation_; }
+  /// Whether `s` holds this index's scores of its current state (ids included).
+  bool Current(const ChunkScores& s) const { return s.index == this && s.generation == generation_; }
+  /// Marks `s` as this index's scores of its current state.
+  void Stamp(ChunkScores* s) const {
+    s->index = this;
+    s->generation = generation_;
+  }
+  /// InvalidArgument unless `screened` is Current, naming `who`.
+  Status CheckCurrent(const ChunkScores& screened, const char* who) const;
+
+  const ChunkShape shape_;
 
  private:
-  ChunkIndex(int dim, const ChunkIndexOptions& options, size_t train_min, bool can_remove, bool exact);
-
-  size_t RowOf(uint64_t id) const;  // row in the flat copy, or size() when absent
-  Status Rebuild();                 // new FAISS index from the flat copy (trains if due)
-  void ExactTopK(const float* probe, size_t take, std::vector<uint64_t>* ids,
-                 std::vector<float>* scores) const;
-
-  const int dim_;
-  const ChunkIndexOptions options_;
-  const size_t train_min_;  // 0 = FAISS needs no training
-  const bool can_remove_;   // FAISS removes natively (else tombstones)
-  const bool exact_;        // FAISS index is exhaustive (tie straddling k-th place -> exact scan)
-
-  // Flat copy of the live vectors, rows sorted by chunk index.
-  std::vector<uint64_t> ids_;  // [n]
-  std::vector<float> vecs_;    // [n, dim]
-
-  std::unique_ptr<faiss::Index> faiss_;  // null only after a failed Rebuild
-  bool live_ = false;                    // faiss_ is trained and holds every live vector (+ tombstones)
-  std::unordered_set<uint64_t> tombstones_;
+  uint64_t generation_ = 0;
 };
+
+/// An empty index of the kind `spec` names (see the header comment) for chunks of `shape`.
+/// InvalidArgument names the bad key, value or field.
+Result<std::unique_ptr<ChunkIndex>> MakeChunkIndex(const std::string& spec, const ChunkShape& shape);
+/// Parses and checks `spec` without a shape (FAISS descriptions are built once at dimension
+/// FaissIndexOptions::kValidateDim) and returns its canonical form.
+Result<std::string> CanonicalChunkIndexSpec(const std::string& spec);
+
+// ---- ranking helpers shared by the kinds ----
+
+/// The `take` best rows of `rank` (higher first, ties to the smaller row), best first, as
+/// their ids. Rows ascend in chunk index, so ties go to the smaller chunk index.
+std::vector<uint64_t> TakeBest(const std::vector<float>& rank, const std::vector<uint64_t>& ids, size_t take);
+/// The k best rows of score[0..n) (higher first, ties to the smaller row), in ascending row
+/// order. +0 and -0 tie.
+void TopRowsAscending(const float* score, int64_t n, int64_t k, std::vector<int64_t>* rows);
 
 }  // namespace kvtier

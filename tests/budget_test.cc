@@ -269,9 +269,12 @@ TEST(Budget, ResetAndNewLayerCountForgetRunningMeans) {
 TEST(Budget, FactoryRoundTrips) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"topk", "topk"},
-      {"entropy", "entropy:min=1"},
-      {"entropy:min=1", "entropy:min=1"},
-      {"entropy:min=4", "entropy:min=4"},
+      {"topk:rank=logit", "topk"},  // topk's only order, spelled out or not
+      {"entropy", "entropy:min=1,rank=cosine"},
+      {"entropy:min=1", "entropy:min=1,rank=cosine"},
+      {"entropy:min=4", "entropy:min=4,rank=cosine"},
+      {"entropy:rank=logit", "entropy:min=1,rank=logit"},
+      {"entropy:rank=cosine,min=2", "entropy:min=2,rank=cosine"},
   };
   for (const auto& [spec, canonical] : cases) {
     auto a = Make(spec);
@@ -282,6 +285,22 @@ TEST(Budget, FactoryRoundTrips) {
     ASSERT_NE(b, nullptr) << s1;
     EXPECT_EQ(b->ToString(), s1);
   }
+}
+
+TEST(Budget, RankAndScoreNeedsComeFromTheSpec) {
+  auto topk = Make("topk");
+  ASSERT_NE(topk, nullptr);
+  EXPECT_FALSE(topk->reads_scores());
+  EXPECT_EQ(topk->rank(), ChunkRank::kLogit);
+  auto entropy = Make("entropy");
+  ASSERT_NE(entropy, nullptr);
+  EXPECT_TRUE(entropy->reads_scores());
+  EXPECT_EQ(entropy->rank(), ChunkRank::kCosine);  // Algorithm 1
+  auto logit = Make("entropy:rank=logit");
+  ASSERT_NE(logit, nullptr);
+  EXPECT_EQ(logit->rank(), ChunkRank::kLogit);
+  EXPECT_STREQ(ChunkRankName(ChunkRank::kCosine), "cosine");
+  EXPECT_STREQ(ChunkRankName(ChunkRank::kLogit), "logit");
 }
 
 TEST(Budget, FactoryRejectsBadSpecsNamingThem) {
@@ -298,6 +317,10 @@ TEST(Budget, FactoryRejectsBadSpecsNamingThem) {
       {"entropy:min", "'min'"},
       {"entropy:", "key=value"},
       {"entropy:min=1,min=2", "duplicate key 'min'"},
+      {"entropy:rank=norm", "'rank'"},
+      {"entropy:rank=", "key=value"},
+      {"topk:rank=cosine", "topk takes the index's top k by logit"},
+      {"topk:rank=norm", "'rank'"},
   };
   for (const auto& [spec, needle] : cases) {
     auto r = MakeBudgetAllocator(spec);

@@ -1,11 +1,15 @@
-// Tests of retrieval/chunk_index.h: chunk/probe vectors, exact top-k against a
-// brute-force reference, ties, removal for every index kind, IVF training,
-// HNSW recall, option validation and edge cases.
+// Tests of retrieval/chunk_index.h (the interface every kind implements, its spec strings)
+// and retrieval/faiss_index.h: chunk/probe vectors, exact top-k against a brute-force
+// reference, ties, removal for every FAISS kind, IVF training, HNSW recall, option
+// validation and edge cases. The Exact kind's own tests are in exact_index_test.cc.
 #include "retrieval/chunk_index.h"
+#include "retrieval/exact_index.h"
+#include "retrieval/faiss_index.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <iostream>
@@ -34,7 +38,7 @@ std::vector<float> ClusteredVectors(size_t n, int H, int D, int clusters, float 
     const float* c = centres.data() + static_cast<size_t>(pick(rng)) * dim;
     float* v = out.data() + i * dim;
     for (size_t j = 0; j < dim; ++j) v[j] = c[j] + noise * g(rng);
-    ChunkIndex::ProbeVector(v, H, D, v);
+    FaissVectorIndex::ProbeVector(v, H, D, v);
   }
   return out;
 }
@@ -56,13 +60,13 @@ std::vector<uint64_t> ReferenceTopK(const std::vector<uint64_t>& ids, const std:
   return out;
 }
 
-std::unique_ptr<ChunkIndex> MakeIndex(int dim, const std::string& factory, int train_min = 0,
+std::unique_ptr<FaissVectorIndex> MakeIndex(int dim, const std::string& factory, int train_min = 0,
                                       int nprobe = 16) {
-  ChunkIndexOptions o;
+  FaissIndexOptions o;
   o.factory = factory;
   o.train_min = train_min;
   o.ivf_nprobe = nprobe;
-  auto r = ChunkIndex::Create(dim, o);
+  auto r = FaissVectorIndex::Create(dim, o);
   EXPECT_TRUE(r.ok()) << r.status().ToString();
   return r.ok() ? std::move(r).value() : nullptr;
 }
@@ -78,7 +82,7 @@ TEST(ChunkVectorTest, MeanOfRepresentativesNormalisedPerHead) {
       0,  1, /* r1 h0 */ 3, 4, /* r1 h1 */
   };
   float out[4];
-  ChunkIndex::ChunkVector(repr, 2, 2, 2, out);
+  FaissVectorIndex::ChunkVector(repr, 2, 2, 2, out);
   // Head 0: mean (5, 0.5), normalised; NOT the mean of the normalised keys.
   const double n0 = std::sqrt(25.0 + 0.25);
   EXPECT_NEAR(out[0], 5.0 / n0, 1e-6);
@@ -91,19 +95,19 @@ TEST(ChunkVectorTest, ZeroHeadsStayZero) {
   // Head 1's representatives cancel: a zero mean maps to a zero vector.
   const float repr[] = {1, 2, 1, -1, /* r0 */ 1, 2, -1, 1 /* r1 */};
   float out[4] = {9, 9, 9, 9};
-  ChunkIndex::ChunkVector(repr, 2, 2, 2, out);
+  FaissVectorIndex::ChunkVector(repr, 2, 2, 2, out);
   EXPECT_NEAR(out[0], 1 / std::sqrt(5.0), 1e-6);
   EXPECT_NEAR(out[1], 2 / std::sqrt(5.0), 1e-6);
   EXPECT_EQ(out[2], 0.0f);
   EXPECT_EQ(out[3], 0.0f);
   // No representatives at all: everything zero.
-  ChunkIndex::ChunkVector(repr, 0, 2, 2, out);
+  FaissVectorIndex::ChunkVector(repr, 0, 2, 2, out);
   for (float v : out) EXPECT_EQ(v, 0.0f);
 }
 
 TEST(ProbeVectorTest, PerHeadNormalisationInPlaceAndZeroHeads) {
   float p[] = {3, 4, 0, 0, 0, -2};  // H = 3, D = 2
-  ChunkIndex::ProbeVector(p, 3, 2, p);
+  FaissVectorIndex::ProbeVector(p, 3, 2, p);
   EXPECT_NEAR(p[0], 0.6, 1e-6);
   EXPECT_NEAR(p[1], 0.8, 1e-6);
   EXPECT_EQ(p[2], 0.0f);
@@ -119,8 +123,8 @@ TEST(ProbeVectorTest, InnerProductIsSumOfPerHeadCosines) {
   std::vector<float> repr(R * H * D), probe(H * D), cv(H * D), pv(H * D);
   for (float& x : repr) x = g(rng);
   for (float& x : probe) x = 5.0f * g(rng);  // scale must not matter
-  ChunkIndex::ChunkVector(repr.data(), R, H, D, cv.data());
-  ChunkIndex::ProbeVector(probe.data(), H, D, pv.data());
+  FaissVectorIndex::ChunkVector(repr.data(), R, H, D, cv.data());
+  FaissVectorIndex::ProbeVector(probe.data(), H, D, pv.data());
   double expect = 0.0;
   for (int h = 0; h < H; ++h) {
     std::vector<double> mean(D, 0.0);
@@ -270,7 +274,7 @@ TEST_P(ChunkIndexRemoveTest, RemovedChunksLeaveTheIndex) {
     removed.insert(id);
   }
   EXPECT_LE(static_cast<double>(index->tombstones()),
-            ChunkIndex::kTombstoneRebuildFraction * static_cast<double>(n));
+            FaissVectorIndex::kTombstoneRebuildFraction * static_cast<double>(n));
   check();
 
   // A removed chunk can come back (HNSW: rebuild first, then add).
@@ -387,39 +391,39 @@ TEST(ChunkIndexOptionsTest, BadFactoryStringsAreRejected) {
       {"HNSW0", "M >= 2"},
   };
   for (const auto& c : cases) {
-    ChunkIndexOptions o;
+    FaissIndexOptions o;
     o.factory = c.factory;
     Status st = o.Validate();
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.factory;
-    EXPECT_TRUE(Contains(st.message(), "ChunkIndexOptions.factory")) << st.message();
+    EXPECT_TRUE(Contains(st.message(), "FaissIndexOptions.factory")) << st.message();
     EXPECT_TRUE(Contains(st.message(), c.mentions)) << st.message();
     EXPECT_FALSE(Contains(st.message(), ".cpp:")) << "FAISS source location leaked: " << st.message();
-    auto r = ChunkIndex::Create(128, o);
+    auto r = FaissVectorIndex::Create(128, o);
     EXPECT_FALSE(r.ok());
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   }
   // Dimension-dependent: PQ3 needs 3 | dim.
-  ChunkIndexOptions pq;
+  FaissIndexOptions pq;
   pq.factory = "PQ3";
   EXPECT_FALSE(pq.Validate(128).ok());
   EXPECT_TRUE(pq.Validate(129).ok());
-  EXPECT_FALSE(ChunkIndex::Create(128, pq).ok());
+  EXPECT_FALSE(FaissVectorIndex::Create(128, pq).ok());
 }
 
 TEST(ChunkIndexOptionsTest, ValidateNamesTheField) {
-  ChunkIndexOptions ok;
+  FaissIndexOptions ok;
   EXPECT_TRUE(ok.Validate().ok());
   for (const char* f : {"Flat", "HNSW32", "IVF1024,Flat", "IVF256,PQ16", "IDMap2,Flat"}) {
-    ChunkIndexOptions o;
+    FaissIndexOptions o;
     o.factory = f;
     EXPECT_TRUE(o.Validate().ok()) << f << ": " << o.Validate().ToString();
   }
-  auto expect_field = [](ChunkIndexOptions o, const std::string& field) {
+  auto expect_field = [](FaissIndexOptions o, const std::string& field) {
     Status st = o.Validate();
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << field;
-    EXPECT_TRUE(Contains(st.message(), "ChunkIndexOptions." + field)) << st.message();
+    EXPECT_TRUE(Contains(st.message(), "FaissIndexOptions." + field)) << st.message();
   };
-  ChunkIndexOptions o;
+  FaissIndexOptions o;
   o.ivf_nprobe = 0;
   expect_field(o, "ivf_nprobe");
   o = {};
@@ -436,7 +440,7 @@ TEST(ChunkIndexOptionsTest, ValidateNamesTheField) {
   o.train_min = 1024;
   EXPECT_TRUE(o.Validate().ok());
 
-  auto r = ChunkIndex::Create(0, ChunkIndexOptions{});
+  auto r = FaissVectorIndex::Create(0, FaissIndexOptions{});
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(Contains(r.status().message(), "dim")) << r.status().message();
 }
@@ -522,6 +526,209 @@ TEST(ChunkIndexTest, ConcurrentSearchesAgreeWithSequential) {
     for (auto& th : threads) th.join();
     for (int m : mismatches) EXPECT_EQ(m, 0) << f;
   }
+}
+
+
+// ---- the ChunkIndex interface: specs and every kind ---------------------------------------
+
+TEST(ChunkIndexSpec, RoundTripsForEveryKind) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"Exact", "Exact:heads=sum,rerank=4,rerank_min=256"},
+      {"Exact:heads=max", "Exact:heads=max,rerank=4,rerank_min=256"},
+      {"Exact:rerank_min=0,rerank=0,heads=max", "Exact:heads=max,rerank=0,rerank_min=0"},
+      {"Flat", "Flat"},
+      {"Flat:heads=sum", "Flat"},  // what a FAISS vector does anyway
+      {"HNSW32", "HNSW32:ef=64"},
+      {"HNSW16:ef=128", "HNSW16:ef=128"},
+      {"IVF1024,Flat", "IVF1024,Flat:nprobe=16,train_min=0"},
+      {"IVF256,PQ16:train_min=512,nprobe=4", "IVF256,PQ16:nprobe=4,train_min=512"},
+      {"PQ16", "PQ16:train_min=0"},
+      {"IDMap2,Flat", "IDMap2,Flat"},
+  };
+  const ChunkShape shape{2, 64, 4, DType::kF16};
+  for (const auto& [spec, canonical] : cases) {
+    auto c = CanonicalChunkIndexSpec(spec);
+    ASSERT_TRUE(c.ok()) << spec << ": " << c.status().ToString();
+    EXPECT_EQ(*c, canonical) << spec;
+    auto again = CanonicalChunkIndexSpec(canonical);
+    ASSERT_TRUE(again.ok()) << canonical;
+    EXPECT_EQ(*again, canonical);
+    auto index = MakeChunkIndex(spec, shape);
+    ASSERT_TRUE(index.ok()) << spec << ": " << index.status().ToString();
+    EXPECT_EQ((*index)->ToString(), canonical) << spec;
+    EXPECT_EQ((*index)->size(), 0u);
+  }
+  auto e = ExactIndexOptions::Parse("Exact:heads=max,rerank=2,rerank_min=9");
+  ASSERT_TRUE(e.ok());
+  EXPECT_EQ(e->heads, ExactIndexOptions::HeadMerge::kMax);
+  EXPECT_EQ(e->rerank_factor, 2);
+  EXPECT_EQ(e->rerank_min, 9);
+  auto f = FaissIndexOptions::Parse("IVF64,Flat:nprobe=3,train_min=70");
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(f->factory, "IVF64,Flat");
+  EXPECT_EQ(f->ivf_nprobe, 3);
+  EXPECT_EQ(f->train_min, 70);
+}
+
+TEST(ChunkIndexSpec, BadSpecsAreRejectedNamingTheKeyOrValue) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"", "empty"},
+      {"Exact:", "key=value"},
+      {"Exact:heads", "'heads'"},
+      {"Exact:heads=avg", "bad value 'avg' for key 'heads'"},
+      {"Exact:rerank=-1", "bad value '-1' for key 'rerank'"},
+      {"Exact:rerank=x", "'rerank'"},
+      {"Exact:rerank_min=1.5", "'rerank_min'"},
+      {"Exact:bogus=1", "unknown key 'bogus'"},
+      {"Exact:nprobe=4", "unknown key 'nprobe'"},
+      {"Exact:heads=max,heads=sum", "duplicate key 'heads'"},
+      {"Flat:heads=max", "heads=max in index spec 'Flat:heads=max' needs the Exact index"},
+      {"Flat:heads=avg", "bad value 'avg' for key 'heads'"},
+      {"Flat:rerank=4", "'rerank' in index spec 'Flat:rerank=4' applies to the Exact index only"},
+      {"Flat:ef=32", "'ef' in index spec 'Flat:ef=32' applies to HNSW indexes only"},
+      {"HNSW32:nprobe=4", "applies to IVF indexes only"},
+      {"Flat:train_min=5", "applies to indexes that train"},
+      {"HNSW32:ef=0", "bad value '0' for key 'ef'"},
+      {"IVF64,Flat:nprobe=0", "bad value '0' for key 'nprobe'"},
+      {"IVF1024,Flat:train_min=100", "nlist (1024)"},
+      {"Flat:bogus=2", "unknown key 'bogus'"},
+      {"Bogus", "'Bogus'"},
+      {"HNSW0", "M >= 2"},
+  };
+  for (const auto& [spec, needle] : cases) {
+    auto c = CanonicalChunkIndexSpec(spec);
+    ASSERT_FALSE(c.ok()) << spec;
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << spec;
+    EXPECT_TRUE(Contains(c.status().message(), needle)) << spec << " -> " << c.status().message() << " (wanted "
+                                                          << needle << ")";
+    auto m = MakeChunkIndex(spec, ChunkShape{2, 64, 4, DType::kF32});
+    ASSERT_FALSE(m.ok()) << spec;
+    EXPECT_EQ(m.status().message(), c.status().message()) << spec;
+  }
+  // Shapes are checked too.
+  for (const auto& [shape, field] : std::vector<std::pair<ChunkShape, std::string>>{
+           {ChunkShape{0, 64, 4, DType::kF32}, "kv_heads"},
+           {ChunkShape{2, 0, 4, DType::kF32}, "head_dim"},
+           {ChunkShape{2, 8192, 4, DType::kF32}, "head_dim"},
+           {ChunkShape{2, 64, 0, DType::kF32}, "repr"}})
+    for (const char* spec : {"Exact", "Flat"}) {
+      auto m = MakeChunkIndex(spec, shape);
+      ASSERT_FALSE(m.ok());
+      EXPECT_TRUE(Contains(m.status().message(), "ChunkShape." + field)) << m.status().message();
+    }
+}
+
+// What every kind promises through the interface, on the same chunks.
+class ChunkIndexKindTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ChunkIndexKindTest, KeepsTheInterfaceContract) {
+  const ChunkShape shape{2, 8, 3, DType::kF32};
+  auto made = MakeChunkIndex(GetParam(), shape);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  ChunkIndex& index = **made;
+  std::mt19937 rng(31);
+  std::normal_distribution<float> g;
+  const size_t n = 60;
+  std::vector<float> reprs(n * shape.repr_floats());
+  for (float& x : reprs) x = g(rng);
+  std::vector<uint64_t> chunks(n + 2);
+  std::iota(chunks.begin(), chunks.end(), 0);
+  ASSERT_TRUE(index
+                  .Add(chunks,
+                       [&](uint64_t c, float* repr) {
+                         if (c == 13 || c >= n) return NotFound("hole");  // skipped
+                         std::copy_n(reprs.data() + c * shape.repr_floats(), shape.repr_floats(), repr);
+                         return Status::Ok();
+                       })
+                  .ok());
+  EXPECT_EQ(index.size(), n - 1);
+  std::vector<float> p(shape.dim());
+  for (float& x : p) x = g(rng);
+  ChunkScores s, screened;
+  ASSERT_TRUE(index.Score(p.data(), &s).ok());
+  ASSERT_EQ(s.ids.size(), n - 1);
+  ASSERT_EQ(s.logit.size(), n - 1);
+  ASSERT_EQ(s.cosine.size(), n - 1);
+  EXPECT_TRUE(std::is_sorted(s.ids.begin(), s.ids.end()));
+  EXPECT_EQ(std::count(s.ids.begin(), s.ids.end(), 13u), 0);
+  for (float c : s.cosine) {
+    EXPECT_GE(c, -1.0f - 1e-5f);
+    EXPECT_LE(c, 1.0f + 1e-5f);
+  }
+  ASSERT_TRUE(index.Screen(p.data(), &screened).ok());
+  EXPECT_EQ(screened.ids, s.ids);
+  // Best with room for everything: every chunk, in rank order (ties to the smaller index).
+  for (ChunkRank rank : {ChunkRank::kCosine, ChunkRank::kLogit}) {
+    std::vector<uint64_t> all;
+    ASSERT_TRUE(index.Best(p.data(), screened, rank, n + 10, &all).ok());
+    ASSERT_EQ(all.size(), n - 1);
+    const std::vector<float>& by = s.by(rank);
+    for (size_t i = 1; i < all.size(); ++i) {
+      const size_t a = std::lower_bound(s.ids.begin(), s.ids.end(), all[i - 1]) - s.ids.begin();
+      const size_t b = std::lower_bound(s.ids.begin(), s.ids.end(), all[i]) - s.ids.begin();
+      EXPECT_TRUE(by[a] > by[b] || (by[a] == by[b] && all[i - 1] < all[i])) << GetParam() << " place " << i;
+    }
+    std::vector<uint64_t> few;
+    ASSERT_TRUE(index.Best(p.data(), screened, rank, 5, &few).ok());
+    EXPECT_EQ(few, std::vector<uint64_t>(all.begin(), all.begin() + 5)) << GetParam();
+  }
+  std::vector<uint64_t> top;
+  ASSERT_TRUE(index.Search(p.data(), 7, &top).ok());
+  EXPECT_EQ(top.size(), 7u);
+  // Removal: gone for good; unknown chunks ignored.
+  const std::vector<uint64_t> gone{0, 13, 20, 21, 59, 500};
+  ASSERT_TRUE(index.Remove(gone).ok());
+  EXPECT_EQ(index.size(), n - 5);
+  ASSERT_TRUE(index.Score(p.data(), &s).ok());
+  ASSERT_TRUE(index.Screen(p.data(), &screened).ok());
+  std::vector<uint64_t> all;
+  ASSERT_TRUE(index.Best(p.data(), screened, ChunkRank::kLogit, n, &all).ok());
+  ASSERT_TRUE(index.Search(p.data(), static_cast<size_t>(n), &top).ok());
+  for (uint64_t c : gone) {
+    EXPECT_EQ(std::count(s.ids.begin(), s.ids.end(), c), 0) << c;
+    EXPECT_EQ(std::count(all.begin(), all.end(), c), 0) << c;
+    EXPECT_EQ(std::count(top.begin(), top.end(), c), 0) << c;
+  }
+  EXPECT_GT(index.memory_bytes(), 0u);
+  EXPECT_EQ(index.shape().kv_heads, 2);
+  // Scores of another index, or of this one before a change, are refused, not misread.
+  auto other = MakeChunkIndex(GetParam(), shape);
+  ASSERT_TRUE(other.ok());
+  ChunkScores foreign;
+  ASSERT_TRUE((*other)->Screen(p.data(), &foreign).ok());
+  EXPECT_EQ(index.Best(p.data(), foreign, ChunkRank::kLogit, 3, &all).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(index.Remove({1}).ok());
+  EXPECT_EQ(index.Best(p.data(), screened, ChunkRank::kLogit, 3, &all).code(), StatusCode::kInvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, ChunkIndexKindTest,
+                         ::testing::Values("Exact", "Exact:rerank=0", "Exact:heads=max,rerank=1,rerank_min=0", "Flat",
+                                           "HNSW32", "IVF4,Flat:train_min=16"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string name;
+                           for (char c : info.param) name += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+                           return name;
+                         });
+
+TEST(FaissChunkIndex, ScoresTheMeanOfTheRepresentatives) {
+  // InfLLM: the unnormalised mean of the representatives, kv heads concatenated.
+  const ChunkShape shape{2, 2, 2, DType::kF32};
+  auto made = MakeChunkIndex("Flat", shape);
+  ASSERT_TRUE(made.ok());
+  const float c0[] = {3, 0, 0, 0, /* r1 */ -3, 0, 0, 0};  // mean 0: one strong key diluted
+  const float c1[] = {1, 0, 0, 2, /* r1 */ 1, 0, 0, 0};   // mean (1, 0, 0, 1)
+  ASSERT_TRUE((*made)->Add(0, c0).ok());
+  ASSERT_TRUE((*made)->Add(1, c1).ok());
+  const std::vector<float> p{2, 0, 0, 1};
+  ChunkScores s;
+  ASSERT_TRUE((*made)->Score(p.data(), &s).ok());
+  EXPECT_EQ(s.ids, (std::vector<uint64_t>{0, 1}));
+  EXPECT_EQ(s.logit, (std::vector<float>{0, 3}));
+  EXPECT_EQ(s.cosine[0], 0.0f);  // a zero vector: cosine 0
+  EXPECT_NEAR(s.cosine[1], 3.0 / (std::sqrt(5.0) * std::sqrt(2.0)), 1e-6);  // Eq. 10 on the concatenation
+  std::vector<uint64_t> top;
+  ASSERT_TRUE((*made)->Search(p.data(), 1, &top).ok());
+  EXPECT_EQ(top, (std::vector<uint64_t>{1}));
 }
 
 }  // namespace

@@ -504,7 +504,7 @@ TEST_F(LlamaModelTest, BadRetrievalOptionsAreRejected) {
   cases[1].expect = "alloc";
   cases[2].r.budget_tokens = -1;
   cases[2].expect = "budget_tokens";
-  cases[3].r.index.factory = "Bogus";
+  cases[3].r.index = "Bogus";
   cases[3].expect = "Bogus";
   for (const Case& c : cases) {
     auto s = Session(model_.get(), Options(DType::kF32, 4, 8, 4));

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <random>
 
 #include "integration/workload.h"
@@ -59,7 +60,7 @@ TEST(Retriever, BudgetCoveringEveryChunkEqualsFullAttention) {
         RetrieverOptions ro;
         ro.probe = probe;
         ro.alloc = alloc;
-        ro.index.factory = index;
+        ro.index = index;
         // k = 4x the chunks: topk takes them all, and entropy's share of
         // L x k for every layer exceeds what the layer has.
         ro.budget_tokens = 4 * 30 * 4;
@@ -141,7 +142,7 @@ TEST(Retriever, ExactScoresTheBestRepresentativePerHead) {
   ro.budget_tokens = 2;  // k = 1
   const std::vector<float> q{1, 0};
   EXPECT_EQ(DecodeSelect(store.get(), seq, ro, q), (std::vector<uint64_t>{0}));
-  ro.index.factory = "Flat";  // InfLLM's mean: chunk 1 wins
+  ro.index = "Flat";  // InfLLM's mean: chunk 1 wins
   EXPECT_EQ(DecodeSelect(store.get(), seq, ro, q), (std::vector<uint64_t>{1}));
 }
 
@@ -158,12 +159,13 @@ TEST(Retriever, TiedChunksGoToTheSmallerIndexFirst) {
         RetrieverOptions ro;
         ro.probe = "mean";
         ro.alloc = alloc;
-        ro.rerank_factor = rerank;
-        ro.rerank_min = 0;
+        ro.index = "Exact:rerank=" + std::to_string(rerank) + ",rerank_min=0";
         ro.budget_tokens = 2;  // k = 1
         const std::string what = std::string(alloc) + " rerank " + std::to_string(rerank) + " q (" +
                                   std::to_string(q[0]) + "," + std::to_string(q[1]) + ")";
-        if (std::string(alloc) == "topk") EXPECT_EQ(DecodeSelect(store.get(), seq, ro, q), (std::vector<uint64_t>{0})) << what;
+        if (std::string(alloc) == "topk") {
+          EXPECT_EQ(DecodeSelect(store.get(), seq, ro, q), (std::vector<uint64_t>{0})) << what;
+        }
         ro.budget_tokens = 4;  // k = 2
         EXPECT_EQ(DecodeSelect(store.get(), seq, ro, q), (std::vector<uint64_t>{0, 1})) << what;
       }
@@ -194,8 +196,7 @@ TEST(Retriever, TwoStageSearchMatchesTheFullPass) {
       ro.probe = "mean";
       ro.alloc = alloc;
       ro.budget_tokens = 8 * 4;  // k = 8 chunks
-      ro.rerank_factor = rerank_factor;
-      ro.rerank_min = rerank_min;
+      ro.index = "Exact:rerank=" + std::to_string(rerank_factor) + ",rerank_min=" + std::to_string(rerank_min);
       auto r = Retriever::Create(s, ro);
       EXPECT_TRUE(r.ok());
       std::vector<std::vector<uint64_t>> out;
@@ -226,7 +227,7 @@ TEST(Retriever, DroppedChunksAreNeverSelectedAgain) {
     Fill(s, seq, 4 + 16 + 4 * 30 + 3, 7, &vs);
     RetrieverOptions ro;
     ro.alloc = "topk";
-    ro.index.factory = index;
+    ro.index = index;
     ro.budget_tokens = 4 * 30 * 4;  // every chunk
     auto r = Retriever::Create(s, ro);
     ASSERT_TRUE(r.ok());
@@ -248,11 +249,10 @@ TEST(Retriever, DroppedChunksAreNeverSelectedAgain) {
       ASSERT_TRUE(h.ok()) << h.status().ToString();
       ASSERT_TRUE(h->Wait().ok());
     }
-    // The compacted index scores as one built afresh from the store: with no slack in the
-    // candidate set, the int8 first stage alone decides, so its rows must be intact.
+    // The compacted index scores as one built afresh from the store (the int8 stage alone
+    // deciding: exact_index_test checks the rows bit for bit).
     ro.budget_tokens = 5 * 4;
-    ro.rerank_factor = 1;
-    ro.rerank_min = 0;
+    ro.index = std::string(index) == "Exact" ? "Exact:rerank=1,rerank_min=0" : index;
     auto compacted = Retriever::Create(s, ro);
     ASSERT_TRUE(compacted.ok());
     (*compacted)->BeginStep();
@@ -271,107 +271,6 @@ TEST(Retriever, DroppedChunksAreNeverSelectedAgain) {
       EXPECT_EQ(a->chunks, b->chunks) << index << " layer " << l;
     }
   }
-}
-
-TEST(Retriever, DotKeyOfAStoredKeyEqualsDotOfItsFloats) {
-  // The rescoring stage reads representatives in the store's dtype; its scores must be the
-  // ones an fp32 copy would give, bit for bit, at every length (lanes and tail).
-  std::mt19937 rng(21);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (DType t : {DType::kF16, DType::kBF16, DType::kF32})
-    for (int n : {1, 7, 8, 9, 63, 64, 65, 128, 200}) {
-      for (int rep = 0; rep < 50; ++rep) {
-        std::vector<float> k(n), p(n), back(n);
-        for (auto& x : k) x = nd(rng);
-        for (auto& x : p) x = nd(rng);
-        std::vector<uint8_t> stored(n * DTypeSize(t));
-        FromFloat(t, k.data(), stored.data(), n);
-        ToFloat(t, stored.data(), back.data(), n);
-        ASSERT_EQ(kernels::DotKey(t, stored.data(), p.data(), n), kernels::Dot(back.data(), p.data(), n))
-            << DTypeName(t) << " n " << n;
-        double ref = 0.0;
-        for (int i = 0; i < n; ++i) ref += static_cast<double>(back[i]) * p[i];
-        EXPECT_NEAR(kernels::Dot(back.data(), p.data(), n), ref, 1e-4 * (1.0 + std::sqrt(static_cast<double>(n))));
-      }
-    }
-}
-
-TEST(Retriever, QuantizedBlockDotMatchesFloatDot) {
-  std::mt19937 rng(9);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  constexpr int B = kernels::kI8Block;
-  for (int d : {1, 2, 15, 16, 64, 129, 4096}) {
-    std::vector<float> x(static_cast<size_t>(B) * d), p(d);
-    for (auto& v : x) v = nd(rng);
-    for (auto& v : p) v = nd(rng);
-    // Eight rows quantised, then stored in the paired transposed layout.
-    std::vector<int8_t> block(kernels::I8BlockBytes(d), 0), codes(d);
-    std::vector<float> scale(B), x_l1(B, 0.0f);
-    float p_l1 = 0.0f;
-    for (float v : p) p_l1 += std::fabs(v);
-    for (int j = 0; j < B; ++j) {
-      scale[j] = kernels::QuantizeI8(x.data() + static_cast<size_t>(j) * d, d, codes.data());
-      float max_abs = 0.0f;
-      for (int e = 0; e < d; ++e) {
-        block[kernels::I8Offset(e, j)] = codes[e];
-        const float xe = x[static_cast<size_t>(j) * d + e];
-        max_abs = std::max(max_abs, std::fabs(xe));
-        x_l1[j] += std::fabs(xe);
-        EXPECT_LE(std::fabs(codes[e] * scale[j] - xe), 0.5f * scale[j] + 1e-6f);
-      }
-      EXPECT_FLOAT_EQ(scale[j], max_abs / 127.0f);
-    }
-    std::vector<int16_t> p16((d + 1) / 2 * 2, 7);
-    const float ps = kernels::QuantizeProbeI16(p.data(), d, p16.data());
-    if (d % 2) EXPECT_EQ(p16.back(), 0) << "the pad must be 0";
-    int32_t out[B], ref[B];
-    kernels::DotI8Blocks(block.data(), 1, p16.data(), d, out);
-    kernels::DotI8BlocksScalar(block.data(), 1, p16.data(), d, ref);
-    for (int j = 0; j < B; ++j) {
-      EXPECT_EQ(out[j], ref[j]) << "vector path vs scalar twin, d " << d << " lane " << j;
-      const float exact = kernels::Dot(x.data() + static_cast<size_t>(j) * d, p.data(), d);
-      // Errors: codes within half a row step of x, probe codes within half a probe step of p.
-      const float bound = 0.5f * scale[j] * p_l1 + 0.5f * ps * (x_l1[j] + 0.5f * scale[j] * d) + 1e-3f;
-      EXPECT_NEAR(static_cast<float>(out[j]) * ps * scale[j], exact, bound) << "d " << d << " lane " << j;
-    }
-  }
-  // Extreme codes and probe at the largest head_dim cannot overflow the int32 sums.
-  {
-    const int d = 4096;
-    std::vector<int8_t> block(kernels::I8BlockBytes(d), 127);
-    std::vector<float> p(d, -1.0f);
-    std::vector<int16_t> p16(d);
-    kernels::QuantizeProbeI16(p.data(), d, p16.data());
-    int32_t out[B], ref[B];
-    kernels::DotI8Blocks(block.data(), 1, p16.data(), d, out);
-    kernels::DotI8BlocksScalar(block.data(), 1, p16.data(), d, ref);
-    for (int j = 0; j < B; ++j) {
-      EXPECT_EQ(out[j], ref[j]);
-      EXPECT_EQ(out[j], static_cast<int64_t>(127) * p16[0] * d) << "no overflow";
-    }
-  }
-  // Many blocks in one call, at every head width the vector paths treat differently
-  // (odd pair counts, the AVX-512 probe table's limit of 512 and beyond), bit for bit.
-  for (int d : {2, 6, 62, 64, 66, 128, 510, 512, 514, 1000}) {
-    const size_t n_blocks = 37;
-    std::vector<int8_t> blocks(n_blocks * kernels::I8BlockBytes(d));
-    for (auto& c : blocks) c = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
-    std::vector<float> p(d);
-    for (auto& v : p) v = nd(rng);
-    std::vector<int16_t> p16((d + 1) / 2 * 2);
-    kernels::QuantizeProbeI16(p.data(), d, p16.data());
-    std::vector<int32_t> out(n_blocks * B), ref(n_blocks * B);
-    kernels::DotI8Blocks(blocks.data(), n_blocks, p16.data(), d, out.data());
-    kernels::DotI8BlocksScalar(blocks.data(), n_blocks, p16.data(), d, ref.data());
-    EXPECT_EQ(out, ref) << "vector path vs scalar twin over " << n_blocks << " blocks, d " << d;
-  }
-  std::vector<float> zero(8, 0.0f);
-  std::vector<int8_t> codes(8, 5);
-  EXPECT_EQ(kernels::QuantizeI8(zero.data(), 8, codes.data()), 0.0f);
-  for (int8_t c : codes) EXPECT_EQ(c, 0);
-  std::vector<int16_t> pz(8, 5);
-  EXPECT_EQ(kernels::QuantizeProbeI16(zero.data(), 8, pz.data()), 0.0f);
-  for (int16_t c : pz) EXPECT_EQ(c, 0);
 }
 
 TEST(Retriever, EntropyBudgetNeverExceedsTheStepBudget) {
@@ -444,7 +343,7 @@ TEST(Retriever, IndexIsRebuiltAfterReopen) {
   ro.alloc = "topk";
   ro.budget_tokens = 6 * 4;
   for (const char* index : {"Exact", "Flat"}) {
-    ro.index.factory = index;
+    ro.index = index;
     {
       auto store = TieredStore::Open(o);
       ASSERT_TRUE(store.ok());
@@ -484,8 +383,7 @@ TEST(Retriever, HeadMergeMaxLetsTheMostInterestedHeadDecide) {
       ro.probe = "mean";
       ro.alloc = "topk";
       ro.budget_tokens = 2;  // k = 1
-      ro.rerank_factor = rerank;
-      ro.head_merge = merge;
+      ro.index = std::string("Exact:heads=") + merge + ",rerank=" + std::to_string(rerank);
       EXPECT_EQ(DecodeSelect(store.get(), seq, ro, q),
                 (std::vector<uint64_t>{std::string(merge) == "max" ? 0u : 1u}))
           << merge << " rerank " << rerank;
@@ -497,49 +395,187 @@ TEST(Retriever, HeadMergeMaxLetsTheMostInterestedHeadDecide) {
 // (cosine 0.5, logit 5), chunk 1's is short and close (cosine 0.9, logit 0.9). With room
 // for one chunk, Algorithm 1's cosine order takes chunk 1, the logit order chunk 0.
 TEST(Retriever, RankByLogitKeepsKeyNorms) {
+  // For both index kinds: rank is the allocator's, whatever the index.
   const float c = 0.9f, sn = std::sqrt(1.0f - 0.81f);
   SequenceId seq = 0;
   auto store = TwoChunkStore(Geometry{1, 1, 1, 2, DType::kF32}, {5, 8.6602540f, 5, 8.6602540f, c, sn, c, sn}, &seq);
   ASSERT_NE(store, nullptr);
-  for (const char* rank : {"cosine", "logit"}) {
-    RetrieverOptions ro;
-    ro.probe = "mean";
-    ro.alloc = "entropy";
-    ro.budget_tokens = 2;  // L x k = 1 chunk for the only layer
-    ro.rank_by = rank;
-    EXPECT_EQ(DecodeSelect(store.get(), seq, ro, {1, 0}),
-              (std::vector<uint64_t>{std::string(rank) == "logit" ? 0u : 1u}))
-        << rank;
-  }
+  for (const char* index : {"Exact", "Exact:rerank=0", "Flat"})
+    for (const char* rank : {"cosine", "logit"}) {
+      RetrieverOptions ro;
+      ro.probe = "mean";
+      ro.alloc = std::string("entropy:rank=") + rank;
+      ro.index = index;
+      ro.budget_tokens = 2;  // L x k = 1 chunk for the only layer
+      EXPECT_EQ(DecodeSelect(store.get(), seq, ro, {1, 0}),
+                (std::vector<uint64_t>{std::string(rank) == "logit" ? 0u : 1u}))
+          << index << " " << rank;
+    }
 }
 
 TEST(Retriever, BadOptionsAreRejected) {
-  RetrieverOptions ro;
-  ro.probe = "bogus";
-  EXPECT_NE(ro.Validate().message().find("probe"), std::string::npos);
-  ro = RetrieverOptions();
-  ro.alloc = "entropy:min=x";
-  EXPECT_NE(ro.Validate().message().find("alloc"), std::string::npos);
-  ro = RetrieverOptions();
-  ro.index.factory = "Bogus";
-  EXPECT_FALSE(ro.Validate().ok());
-  ro = RetrieverOptions();
-  ro.rerank_factor = -1;
-  EXPECT_NE(ro.Validate().message().find("rerank"), std::string::npos);
-  ro = RetrieverOptions();
-  ro.head_merge = "avg";
-  EXPECT_NE(ro.Validate().message().find("head_merge"), std::string::npos);
-  ro = RetrieverOptions();
-  ro.head_merge = "max";
-  ro.index.factory = "Flat";  // one concatenated vector per chunk: the sum over heads is built in
-  EXPECT_NE(ro.Validate().message().find("Exact"), std::string::npos);
-  ro = RetrieverOptions();
-  ro.rank_by = "norm";
-  EXPECT_NE(ro.Validate().message().find("rank_by"), std::string::npos);
-  ro = RetrieverOptions();
-  ro.budget_tokens = -1;
-  EXPECT_NE(ro.Validate().message().find("budget_tokens"), std::string::npos);
+  struct Case {
+    std::function<void(RetrieverOptions*)> set;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {[](RetrieverOptions* o) { o->probe = "bogus"; }, "probe"},
+      {[](RetrieverOptions* o) { o->alloc = "entropy:min=x"; }, "alloc"},
+      {[](RetrieverOptions* o) { o->alloc = "entropy:rank=norm"; }, "'rank'"},
+      {[](RetrieverOptions* o) { o->alloc = "topk:rank=cosine"; }, "topk takes the index's top k by logit"},
+      {[](RetrieverOptions* o) { o->index = "Bogus"; }, "Bogus"},
+      {[](RetrieverOptions* o) { o->index = "Exact:rerank=-1"; }, "'rerank'"},
+      {[](RetrieverOptions* o) { o->index = "Exact:heads=avg"; }, "'heads'"},
+      // One concatenated vector per chunk: the sum over heads is built in.
+      {[](RetrieverOptions* o) { o->index = "Flat:heads=max"; }, "needs the Exact index"},
+      {[](RetrieverOptions* o) { o->index = "Flat:rerank=4"; }, "Exact index only"},
+      {[](RetrieverOptions* o) { o->budget_tokens = -1; }, "budget_tokens"},
+  };
+  for (const Case& c : cases) {
+    RetrieverOptions ro;
+    c.set(&ro);
+    const Status st = ro.Validate();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.expect;
+    EXPECT_NE(st.message().find(c.expect), std::string::npos) << st.message() << " (wanted " << c.expect << ")";
+  }
   EXPECT_FALSE(Retriever::Create(nullptr, RetrieverOptions()).ok());
+  // Checked again against the store's real shape: PQ64 splits the 1024 dimensions Validate
+  // builds at, not kv_heads x head_dim = 32.
+  TempDir dir;
+  auto store = TieredStore::Open(Options(dir.path()));
+  ASSERT_TRUE(store.ok());
+  RetrieverOptions ro;
+  ro.index = "PQ64";
+  EXPECT_TRUE(ro.Validate().ok()) << ro.Validate().ToString();
+  auto r = Retriever::Create(store->get(), ro);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("index: "), std::string::npos) << r.status().message();
+  ro.index = "PQ4";
+  EXPECT_TRUE(Retriever::Create(store->get(), ro).ok());
+}
+
+// ---- spec strings ---------------------------------------------------------------------------
+
+TEST(RetrieverOptions, ToStringSpellsEveryPartOutAndParsesBack) {
+  EXPECT_EQ(RetrieverOptions().ToString(),
+            "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,rerank_min=256 "
+            "budget=2048");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"", "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,rerank_min=256 "
+           "budget=2048"},
+      {"index=Flat alloc=topk", "probe=act:eps=1e-06 alloc=topk index=Flat budget=2048"},
+      {"  budget=512   probe=mean index=HNSW32:ef=32 ",
+       "probe=mean alloc=entropy:min=1,rank=cosine index=HNSW32:ef=32 budget=512"},
+      {"index=IVF64,Flat:nprobe=4 alloc=entropy:rank=logit",
+       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=logit index=IVF64,Flat:nprobe=4,train_min=0 budget=2048"},
+      {"index=Exact:rerank=0,heads=max alloc=entropy:rank=logit,min=2 probe=question:base=mean,weight=0.25",
+       "probe=question:base=mean,weight=0.25 alloc=entropy:min=2,rank=logit "
+       "index=Exact:heads=max,rerank=0,rerank_min=256 budget=2048"},
+  };
+  for (const auto& [spec, canonical] : cases) {
+    auto o = RetrieverOptions::Parse(spec);
+    ASSERT_TRUE(o.ok()) << spec << ": " << o.status().ToString();
+    EXPECT_EQ(o->ToString(), canonical) << spec;
+    auto again = RetrieverOptions::Parse(o->ToString());
+    ASSERT_TRUE(again.ok()) << o->ToString() << ": " << again.status().ToString();
+    EXPECT_EQ(again->ToString(), canonical);
+  }
+  // The fields as set, not canonicalised, until ToString.
+  auto o = RetrieverOptions::Parse("index=IVF64,Flat budget=64");
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->index, "IVF64,Flat");
+  EXPECT_EQ(o->budget_tokens, 64);
+  EXPECT_EQ(o->probe, "act");
+}
+
+TEST(RetrieverOptions, BadSpecsAreRejectedNamingThem) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"bogus=1", "unknown key 'bogus'"},
+      {"probe", "malformed item 'probe'"},
+      {"probe=", "malformed item 'probe='"},
+      {"=act", "malformed item '=act'"},
+      {"probe=act probe=mean", "duplicate key 'probe'"},
+      {"budget=x", "'budget'"},
+      {"budget=-1", "budget_tokens"},
+      {"index=Flat:heads=max", "needs the Exact index"},
+      {"index=Exact:rerank_min=-3", "'rerank_min'"},
+      {"alloc=entropy:rank=up", "'rank'"},
+      {"probe=act:eps=x", "probe"},
+  };
+  for (const auto& [spec, needle] : cases) {
+    auto o = RetrieverOptions::Parse(spec);
+    ASSERT_FALSE(o.ok()) << spec;
+    EXPECT_EQ(o.status().code(), StatusCode::kInvalidArgument) << spec;
+    EXPECT_NE(o.status().message().find(needle), std::string::npos)
+        << spec << " -> " << o.status().message() << " (wanted " << needle << ")";
+  }
+}
+
+TEST(Retriever, DescribeIsTheCanonicalSpecAndParsesBack) {
+  TempDir dir;
+  auto store = TieredStore::Open(Options(dir.path()));
+  ASSERT_TRUE(store.ok());
+  for (const char* spec : {"", "index=Flat alloc=topk probe=mean budget=64", "index=Exact:heads=max,rerank=0 alloc=entropy:rank=logit",
+                           "index=HNSW32 budget=128"}) {
+    auto o = RetrieverOptions::Parse(spec);
+    ASSERT_TRUE(o.ok()) << spec;
+    auto r = Retriever::Create(store->get(), *o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ((*r)->Describe(), o->ToString()) << spec;
+    auto back = RetrieverOptions::Parse((*r)->Describe());
+    ASSERT_TRUE(back.ok()) << (*r)->Describe();
+    EXPECT_EQ(back->ToString(), (*r)->Describe());
+  }
+}
+
+TEST(RetrieverSpecFlags, ShorthandsEditTheSpecsInAnyOrder) {
+  RetrieverOptions o;
+  RetrieverSpecFlags rf(&o);
+  ASSERT_TRUE(rf.SetIndexKey("heads", "max").ok());
+  EXPECT_EQ(o.index, "Exact:heads=max");
+  ASSERT_TRUE(rf.SetIndex("Exact:rerank=0").ok());  // a later --index keeps the shorthand
+  EXPECT_EQ(o.index, "Exact:rerank=0,heads=max");
+  ASSERT_TRUE(rf.SetIndexKey("rerank", "2").ok());  // the shorthand wins over the spec's own key
+  EXPECT_EQ(o.index, "Exact:rerank=2,heads=max");
+  ASSERT_TRUE(rf.SetAllocKey("rank", "logit").ok());
+  ASSERT_TRUE(rf.SetAlloc("entropy:min=2").ok());
+  EXPECT_EQ(o.alloc, "entropy:min=2,rank=logit");
+  EXPECT_TRUE(o.Validate().ok()) << o.Validate().ToString();
+  // A shorthand the kind refuses is Validate's error, naming it.
+  ASSERT_TRUE(rf.SetIndex("Flat").ok());
+  EXPECT_EQ(o.index, "Flat:heads=max,rerank=2");
+  EXPECT_NE(o.Validate().message().find("Exact"), std::string::npos) << o.Validate().message();
+  // A malformed spec is refused at once.
+  EXPECT_FALSE(rf.SetIndex("Exact:").ok());
+}
+
+TEST(RetrieverSpecFlags, ToolDefaultsFillOnlyUnsetKeysTheKindHas) {
+  RetrieverOptions o;
+  RetrieverSpecFlags rf(&o);
+  ASSERT_TRUE(rf.DefaultIndexKey("heads", "max").ok());
+  ASSERT_TRUE(rf.DefaultAllocKey("rank", "logit").ok());
+  EXPECT_EQ(o.index, "Exact:heads=max");
+  EXPECT_EQ(o.alloc, "entropy:rank=logit");
+  ASSERT_TRUE(rf.SetIndex("Exact").ok());  // --index Exact keeps the tool's heads=max
+  EXPECT_EQ(o.index, "Exact:heads=max");
+  ASSERT_TRUE(rf.SetIndex("Exact:heads=sum").ok());  // the spec's own key wins
+  EXPECT_EQ(o.index, "Exact:heads=sum");
+  ASSERT_TRUE(rf.SetIndex("Flat").ok());  // FAISS has no heads=max: the default does not apply
+  EXPECT_EQ(o.index, "Flat");
+  ASSERT_TRUE(rf.SetAlloc("topk").ok());  // topk ranks by logit anyway
+  EXPECT_TRUE(o.Validate().ok()) << o.Validate().ToString();
+  ASSERT_TRUE(rf.SetIndexKey("heads", "sum").ok());  // an explicit shorthand wins over the default
+  ASSERT_TRUE(rf.SetIndex("Exact").ok());
+  EXPECT_EQ(o.index, "Exact:heads=sum");
+}
+
+TEST(RetrieverSpecFlags, SetSpecKeyAndSpecKey) {
+  EXPECT_EQ(*SetSpecKey("IVF1024,Flat", "nprobe", "4"), "IVF1024,Flat:nprobe=4");
+  EXPECT_EQ(*SetSpecKey("Exact:heads=max,rerank=2", "heads", "sum"), "Exact:heads=sum,rerank=2");
+  EXPECT_FALSE(SetSpecKey("", "heads", "sum").ok());
+  EXPECT_EQ(SpecKey("Exact:heads=max,rerank=2", "rerank"), "2");
+  EXPECT_EQ(SpecKey("Exact", "rerank"), "");
+  EXPECT_EQ(SpecKey("Exact:", "rerank"), "");
 }
 
 }  // namespace

@@ -369,9 +369,7 @@ std::string DescribeAttention(const Method& m, int chunk) {
       return "sinks + local window + exactly the chunks over the needle (upper bound of retrieval), positions " +
              std::string(model::PositionModeName(m.positions));
     case Method::kRetrieval:
-      return "probe=" + m.retrieval.probe + " alloc=" + m.retrieval.alloc + " index=" + m.retrieval.index.factory +
-             (m.retrieval.index.factory == "Exact" ? " heads=" + m.retrieval.head_merge : std::string()) +
-             (m.retrieval.alloc.rfind("topk", 0) != 0 ? " rank=" + m.retrieval.rank_by : std::string()) +
+      return "probe=" + m.retrieval.probe + " alloc=" + m.retrieval.alloc + " index=" + m.retrieval.index +
              " reprs=" + std::to_string(m.repr_topk) + "/chunk" +
              " budget=" + std::to_string(m.retrieval.budget_tokens) + " tokens (" +
              std::to_string(m.retrieval.budget_tokens / chunk) + " chunks/layer), positions " +
@@ -461,9 +459,11 @@ int RunInfinite(int argc, char** argv) {
   o.store.transfer_threads = 2;
   o.retrieval.budget_tokens = 256;
   // kvtier's own defaults for a trained model (docs/retrieval.md): a chunk is scored by the
-  // best logit any kv head gives any of its keys, and taken in logit order.
-  o.retrieval.head_merge = "max";
-  o.retrieval.rank_by = "logit";
+  // best logit any kv head gives any of its keys (index key heads=max, where the index kind
+  // has it), and taken in logit order (allocator key rank=logit, where the allocator has it).
+  RetrieverSpecFlags rf(&o.retrieval);
+  rf.DefaultIndexKey("heads", "max").IgnoreError();  // well-formed defaults: cannot fail
+  rf.DefaultAllocKey("rank", "logit").IgnoreError();
   bool context_set = false;
   FlagSet f;
   AddModelTaskFlags(&f, &o.weights, &o.task);
@@ -485,24 +485,14 @@ int RunInfinite(int argc, char** argv) {
     o.retrieval.probe = s;
     return Status::Ok();
   });
-  f.Add("alloc", "budget allocator: entropy | topk (default entropy)", [&o](const std::string& s) {
-    o.retrieval.alloc = s;
-    return Status::Ok();
-  });
-  f.Add("index", "chunk index: Exact | Flat | HNSW32 (default Exact)", [&o](const std::string& s) {
-    o.retrieval.index.factory = s;
-    return Status::Ok();
-  });
+  f.Add("alloc", "budget allocator: entropy[:min=M,rank=cosine|logit] | topk (default entropy:rank=logit)",
+        [&rf](const std::string& s) { return rf.SetAlloc(s); });
+  f.Add("index", "chunk index: Exact[:heads=sum|max,rerank=F,rerank_min=N] | Flat | HNSW32 (default Exact:heads=max)",
+        [&rf](const std::string& s) { return rf.SetIndex(s); });
   f.Add("head-merge", "Exact index: a chunk's per-kv-head scores are summed (sum) or the best head decides (max) "
-        "(default max)", [&o](const std::string& s) {
-          o.retrieval.head_merge = s;
-          return Status::Ok();
-        });
+        "(index key heads=, default max)", [&rf](const std::string& s) { return rf.SetIndexKey("heads", s); });
   f.Add("rank-by", "entropy allocator: a layer takes its chunks by Eq. 10 cosine (cosine, Algorithm 1) or by "
-        "logit (default logit)", [&o](const std::string& s) {
-          o.retrieval.rank_by = s;
-          return Status::Ok();
-        });
+        "logit (allocator key rank=, default logit)", [&rf](const std::string& s) { return rf.SetAllocKey("rank", s); });
   f.Add("budget", "retrieved tokens per layer and step (default 256)",
         IntFlag(&o.retrieval.budget_tokens, 0, 1 << 24));
   f.Add("policy", "demotion policy of the hot and warm tiers: lru or a scoring policy (default lru)",
@@ -611,8 +601,7 @@ int RunInfinite(int argc, char** argv) {
     // by the FAISS kinds, best-of by Exact), chunk scores summed over kv heads, ActQKV taking
     // chunks in Eq. 10 cosine order (Algorithm 1). "kvtier" is the flags' configuration.
     RetrieverOptions paper = o.retrieval;
-    paper.head_merge = "sum";
-    paper.rank_by = "cosine";
+    if (auto sum = SetSpecKey(paper.index, "heads", "sum"); sum.ok()) paper.index = *sum;  // FAISS kinds take sum too
     const int paper_reprs = std::min(4, o.store.chunk_size);
     Method full{"full attention", Method::kFull, o.retrieval, PositionMode::kAbsolute, o.store.repr_topk};
     Method streaming{"StreamingLLM", Method::kStreaming, o.retrieval, PositionMode::kInfLLM, o.store.repr_topk};

@@ -172,21 +172,25 @@ int CmdRun(int argc, char** argv) {
   f.Add("anchor", "needle/question shared-direction strength (default 3.2)", DoubleFlag(&o.workload.anchor_strength));
   f.Add("noise", "noise scale on q and k (default 1.0)", DoubleFlag(&o.workload.noise));
   f.Add("seed", "random seed (default 1)", IntFlag(&o.workload.seed, 0, INT64_MAX));
+  // --index/--alloc set the specs; --rerank, --rerank-min, --head-merge and --rank-by are
+  // shorthands for one key of them, in any order (RetrieverSpecFlags).
+  RetrieverSpecFlags rf(&o.retrieval);
   f.Add("probe", "probe builder: act | mean | question[:base=act,weight=0.5] (default act)",
         [&o](const std::string& s) { o.retrieval.probe = s; return Status::Ok(); });
-  f.Add("alloc", "budget allocator: entropy | topk (default entropy)",
-        [&o](const std::string& s) { o.retrieval.alloc = s; return Status::Ok(); });
-  f.Add("index", "chunk index: Exact (best representative per head) or a FAISS factory Flat | HNSW32 | "
-        "IVF<n>,Flat over one mean vector per chunk (default Exact)",
-        [&o](const std::string& s) { o.retrieval.index.factory = s; return Status::Ok(); });
+  f.Add("alloc", "budget allocator: entropy[:min=M,rank=cosine|logit] | topk (default entropy)",
+        [&rf](const std::string& s) { return rf.SetAlloc(s); });
+  f.Add("index", "chunk index: Exact[:heads=sum|max,rerank=F,rerank_min=N] (best representative per head) or "
+        "a FAISS factory Flat | HNSW32 | IVF<n>,Flat over one mean vector per chunk (default Exact)",
+        [&rf](const std::string& s) { return rf.SetIndex(s); });
   f.Add("rerank", "Exact index: rescore the best F x take chunks by their best representative, 0 = one "
-        "full pass over every representative (default 4)", IntFlag(&o.retrieval.rerank_factor, 0, 1 << 20));
-  f.Add("rerank-min", "Exact index: at least this many chunks reach the rescoring stage (default 256)",
-        IntFlag(&o.retrieval.rerank_min, 0, 1 << 30));
+        "full pass over every representative (index key rerank=F, default 4)",
+        [&rf](const std::string& s) { return rf.SetIndexKey("rerank", s); });
+  f.Add("rerank-min", "Exact index: at least this many chunks reach the rescoring stage (index key rerank_min=N, "
+        "default 256)", [&rf](const std::string& s) { return rf.SetIndexKey("rerank_min", s); });
   f.Add("head-merge", "Exact index: per-kv-head chunk scores summed (sum) or the best head decides (max) "
-        "(default sum)", [&o](const std::string& s) { o.retrieval.head_merge = s; return Status::Ok(); });
+        "(index key heads=, default sum)", [&rf](const std::string& s) { return rf.SetIndexKey("heads", s); });
   f.Add("rank-by", "entropy allocator: take chunks by Eq. 10 cosine (cosine, Algorithm 1) or by logit "
-        "(default cosine)", [&o](const std::string& s) { o.retrieval.rank_by = s; return Status::Ok(); });
+        "(allocator key rank=, default cosine)", [&rf](const std::string& s) { return rf.SetAllocKey("rank", s); });
   f.Add("compare", "compare StreamingLLM, InfLLM, ActQKV w/o cut-off and ActQKV on the same data",
         [&o](const std::string& s) { o.compare = s != "0"; return Status::Ok(); }, true);
   f.Add("spearman-windows", "prefill windows sampled for probe-to-oracle Spearman rho (default 8, 0 = off)",

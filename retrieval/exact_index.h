@@ -1,0 +1,100 @@
+// ExactChunkIndex: the "Exact" index kind. Every representative key is kept, and a chunk is
+// scored by its best representative per kv head, combined over the heads:
+//   logit(c)  = fold_h max_r <p_h, k_{c,r,h}>                  (InfLLM's q.k, best key per head)
+//   cosine(c) = fold_h max_r cos(p_h, k_{c,r,h})               (ActQKV Eq. 10 per head)
+// with fold = sum (heads=sum; the cosines averaged, so they stay in [-1, 1]) or max
+// (heads=max: the most interested head decides). On the needle workload the best key finds
+// the needle where a mean over the representatives dilutes it (at 32K: needle hit 1.0 vs
+// 0.49 with Flat). heads=max: attention is per head, and a chunk one head needs badly (an
+// induction head copying the needle) matters even when the other heads ignore it; under the
+// sum their indifference drowns it (kvtier-llama passkey, docs/retrieval.md).
+//
+// Storage, per kv head so that one head's keys are contiguous:
+//   - the keys in the store's dtype (the chunk's own values, nothing lost) and the inverse
+//     norm of each;
+//   - int8 codes of the same keys, in blocks of kernels::kI8Block lanes (see DotI8Blocks):
+//     block g*R + r holds representative r of chunks [8g, 8g+8), one chunk per lane, so a
+//     chunk's best representative is an element-wise max over R consecutive blocks, with a
+//     code scale per key (and that scale times the inverse norm, for cosines).
+//
+// Search in two stages (rerank=F > 0, the default F=4, rerank_min=N=256):
+//   Screen: every chunk scored from the int8 codes (half the bytes of fp16 keys; the search
+//     is memory-bound), with AVX-512 VNNI / AVX2 integer dots; the allocator sees these.
+//   Best:   the best max(F x take, N) chunks by the allocator's rank are rescored from the
+//     stored keys (converted exactly, fp32 arithmetic), and the take best of them returned,
+//     so quantisation error cannot reorder the chosen set.
+// rerank=0: Screen is that fp32 pass over every chunk, and Best sorts it. Score is always
+// the fp32 pass. On the 128K run the two-stage search chooses exactly what the single pass
+// chooses (a test checks them equal when the candidates are generous).
+//
+// Remove compacts the rows in place (they keep their ascending chunk order, hence the tie
+// order) and requantises the kept rows into their new lanes; the result scores exactly as
+// an index built afresh from the kept chunks.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "retrieval/chunk_index.h"
+
+namespace kvtier {
+
+struct ExactIndexOptions {
+  enum class HeadMerge { kSum, kMax };
+  HeadMerge heads = HeadMerge::kSum;  ///< "heads": how the kv heads' best scores combine
+  /// "rerank": the best max(rerank_factor x take, rerank_min) chunks of the int8 pass are
+  /// rescored from the stored keys; 0 = one fp32 pass over every chunk.
+  int rerank_factor = 4;
+  int rerank_min = 256;  ///< "rerank_min"
+
+  /// From an index spec "Exact[:heads=sum|max,rerank=F,rerank_min=N]" (F, N >= 0).
+  static Result<ExactIndexOptions> Parse(const std::string& spec);
+  /// "Exact:heads=sum,rerank=4,rerank_min=256": every key spelled out.
+  std::string ToString() const;
+};
+
+class ExactChunkIndex final : public ChunkIndex {
+ public:
+  static Result<std::unique_ptr<ExactChunkIndex>> Create(const ChunkShape& shape, const ExactIndexOptions& options);
+
+  using ChunkIndex::Add;
+  Status Add(const std::vector<uint64_t>& chunks, const ReprReader& read) override;
+  Status Remove(const std::vector<uint64_t>& chunks) override;
+  /// The fp32 pass over every chunk.
+  Status Score(const float* probe, ChunkScores* out) const override;
+  /// The int8 pass (rerank > 0), else Score.
+  Status Screen(const float* probe, ChunkScores* out) const override;
+  /// rerank > 0: rescores the best max(rerank x take, rerank_min) of `screened` by `rank`
+  /// from the stored keys and returns the take best of them; rerank = 0: the take best of
+  /// `screened`.
+  Status Best(const float* probe, const ChunkScores& screened, ChunkRank rank, size_t take,
+              std::vector<uint64_t>* out) const override;
+  size_t size() const override { return ids_.size(); }
+  uint64_t memory_bytes() const override;
+  std::string ToString() const override { return options_.ToString(); }
+  const ExactIndexOptions& options() const { return options_; }
+
+ private:
+  ExactChunkIndex(const ChunkShape& shape, const ExactIndexOptions& options);
+  // Writes representative r of the chunk at `row` into head h's int8 blocks, from its fp32 key.
+  void PutQuantizedRow(int h, size_t row, int r, const float* key, float inv_norm);
+  // Requantises every row from the stored keys (after a compaction or a failed Add).
+  void RequantiseAll();
+  // The fp32 scores of the chunks at rows `rows` only (the rescoring stage).
+  void ScoresOf(const float* probe, const std::vector<int64_t>& rows, std::vector<float>* logit,
+                std::vector<float>* cosine) const;
+  void QuantizedScores(const float* probe, std::vector<float>* logit, std::vector<float>* cosine) const;
+  void FullScores(const float* probe, std::vector<float>* logit, std::vector<float>* cosine) const;
+
+  const ExactIndexOptions options_;
+  std::vector<uint64_t> ids_;                  // [n] chunk index of each row, ascending
+  std::vector<std::vector<uint8_t>> repr_;     // [H][n, R, D] in the store's dtype
+  std::vector<std::vector<float>> inv_norm_;   // [H][n, R]
+  std::vector<std::vector<int8_t>> q8_;        // [H] int8 blocks
+  std::vector<std::vector<float>> q8_scale_;   // [H][block * 8 + lane]: the row's code scale (0 in padding)
+  std::vector<std::vector<float>> q8_cos_scale_;  // [H][block * 8 + lane]: code scale times inverse norm
+};
+
+}  // namespace kvtier

@@ -1,0 +1,424 @@
+// Tests of retrieval/exact_index.h: the Exact index kind through the ChunkIndex interface
+// (hand-computed scores, heads=sum|max, the two-stage search against the single fp32 pass,
+// tie order, removal against a fresh index, all-or-nothing Add), and the kernels it rests on.
+#include "retrieval/exact_index.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/dot.h"
+
+namespace kvtier {
+namespace {
+
+std::unique_ptr<ChunkIndex> Make(const std::string& spec, const ChunkShape& shape) {
+  auto r = MakeChunkIndex(spec, shape);
+  EXPECT_TRUE(r.ok()) << spec << ": " << r.status().ToString();
+  return r.ok() ? std::move(r).value() : nullptr;
+}
+
+// n random chunks ([n, R, H, D] fp32), representable exactly in `dt` (as the store's keys are).
+std::vector<float> RandomReprs(size_t n, const ChunkShape& s, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> out(n * s.repr_floats());
+  for (float& x : out) x = nd(rng);
+  std::vector<uint8_t> tmp(out.size() * DTypeSize(s.dtype));
+  FromFloat(s.dtype, out.data(), tmp.data(), out.size());
+  ToFloat(s.dtype, tmp.data(), out.data(), out.size());
+  return out;
+}
+
+// Adds chunks `ids` (ascending) with reprs[i] for ids[i].
+void AddAll(ChunkIndex* index, const std::vector<uint64_t>& ids, const std::vector<float>& reprs) {
+  const size_t per = index->shape().repr_floats();
+  std::vector<uint64_t> sorted = ids;
+  ASSERT_TRUE(index
+                  ->Add(sorted,
+                        [&](uint64_t chunk, float* repr) {
+                          const size_t i = std::find(ids.begin(), ids.end(), chunk) - ids.begin();
+                          std::copy_n(reprs.data() + i * per, per, repr);
+                          return Status::Ok();
+                        })
+                  .ok());
+}
+
+std::vector<uint64_t> BestOf(const ChunkIndex& index, const std::vector<float>& probe, ChunkRank rank, size_t take) {
+  ChunkScores s;
+  EXPECT_TRUE(index.Screen(probe.data(), &s).ok());
+  std::vector<uint64_t> out;
+  EXPECT_TRUE(index.Best(probe.data(), s, rank, take, &out).ok());
+  return out;
+}
+
+// ---- scoring, hand-computed -----------------------------------------------------------------
+
+TEST(ExactChunkIndex, ScoresTheBestRepresentativePerHead) {
+  // H = 1, D = 2, R = 2. chunk 0: keys (3,0) and (-3,0) (mean 0); chunk 1: (1,0) twice.
+  const ChunkShape shape{1, 2, 2, DType::kF32};
+  for (const char* spec : {"Exact", "Exact:rerank=0"}) {
+    auto index = Make(spec, shape);
+    ASSERT_NE(index, nullptr);
+    const float c0[] = {3, 0, -3, 0}, c1[] = {1, 0, 1, 0};
+    ASSERT_TRUE(index->Add(0, c0).ok());
+    ASSERT_TRUE(index->Add(1, c1).ok());
+    const std::vector<float> p{2, 0};
+    ChunkScores s;
+    ASSERT_TRUE(index->Score(p.data(), &s).ok());
+    EXPECT_EQ(s.ids, (std::vector<uint64_t>{0, 1}));
+    EXPECT_EQ(s.logit, (std::vector<float>{6, 2}));   // best q.k: 2*3, 2*1
+    EXPECT_EQ(s.cosine, (std::vector<float>{1, 1}));  // Eq. 10 of the best key
+    EXPECT_EQ(BestOf(*index, p, ChunkRank::kLogit, 1), (std::vector<uint64_t>{0})) << spec;
+    std::vector<uint64_t> top;
+    ASSERT_TRUE(index->Search(p.data(), 1, &top).ok());
+    EXPECT_EQ(top, (std::vector<uint64_t>{0})) << spec;
+  }
+}
+
+// heads: chunk 0's keys match head 0 strongly and oppose head 1; chunk 1 matches both heads
+// mildly. Summed over heads chunk 1 wins (10 - 5 < 3 + 3); when the most interested head
+// decides, chunk 0 wins (10 > 3).
+TEST(ExactChunkIndex, HeadsMaxLetsTheMostInterestedHeadDecide) {
+  const ChunkShape shape{2, 2, 1, DType::kF32};  // H = 2, D = 2, R = 1: [head0 (x, y), head1 (x, y)]
+  const float c0[] = {10, 0, -5, 0}, c1[] = {3, 0, 3, 0};
+  const std::vector<float> p{1, 0, 1, 0};
+  for (const char* rerank : {"0", "4"}) {
+    for (const char* heads : {"sum", "max"}) {
+      const std::string spec = std::string("Exact:heads=") + heads + ",rerank=" + rerank;
+      auto index = Make(spec, shape);
+      ASSERT_NE(index, nullptr);
+      ASSERT_TRUE(index->Add(0, c0).ok());
+      ASSERT_TRUE(index->Add(1, c1).ok());
+      ChunkScores s;
+      ASSERT_TRUE(index->Score(p.data(), &s).ok());
+      const bool max = std::string(heads) == "max";
+      EXPECT_EQ(s.logit, max ? (std::vector<float>{10, 3}) : (std::vector<float>{5, 6})) << spec;
+      // sum: the heads' cosines averaged ((1 - 1) / 2, (1 + 1) / 2); max: the best head's.
+      EXPECT_EQ(s.cosine, max ? (std::vector<float>{1, 1}) : (std::vector<float>{0, 1})) << spec;
+      for (ChunkRank rank : {ChunkRank::kLogit, ChunkRank::kCosine}) {
+        const auto best = BestOf(*index, p, rank, 1);
+        // max by cosine: a tie (1 and 1), which goes to the smaller index.
+        EXPECT_EQ(best, (std::vector<uint64_t>{max ? 0u : 1u})) << spec << " " << ChunkRankName(rank);
+      }
+    }
+  }
+}
+
+// ---- the two-stage search -------------------------------------------------------------------
+
+// The int8 screen plus the fp32 rescoring of the best candidates must choose what the single
+// fp32 pass chooses when the candidates are generous, and exactly it when every chunk is
+// rescored; Score is the fp32 pass whatever the rerank setting.
+TEST(ExactChunkIndex, TwoStageSearchEqualsTheSinglePass) {
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16})
+    for (const char* heads : {"sum", "max"}) {
+      const ChunkShape shape{2, 16, 2, dt};
+      const size_t n = 200;
+      const auto reprs = RandomReprs(n, shape, 11);
+      std::vector<uint64_t> ids(n);
+      std::iota(ids.begin(), ids.end(), 0);
+      const std::string h = std::string("Exact:heads=") + heads;
+      auto single = Make(h + ",rerank=0", shape);
+      auto two = Make(h + ",rerank=4,rerank_min=0", shape);
+      auto all = Make(h + ",rerank=1,rerank_min=1000", shape);
+      ASSERT_TRUE(single && two && all);
+      AddAll(single.get(), ids, reprs);
+      AddAll(two.get(), ids, reprs);
+      AddAll(all.get(), ids, reprs);
+      std::mt19937 rng(5);
+      std::normal_distribution<float> nd(0.0f, 1.0f);
+      for (int q = 0; q < 20; ++q) {
+        std::vector<float> p(shape.dim());
+        for (float& x : p) x = nd(rng);
+        const std::string what = std::string(DTypeName(dt)) + " " + heads + " probe " + std::to_string(q);
+        ChunkScores a, b, screened;
+        ASSERT_TRUE(single->Score(p.data(), &a).ok());
+        ASSERT_TRUE(two->Score(p.data(), &b).ok());
+        EXPECT_EQ(a.logit, b.logit) << what;
+        EXPECT_EQ(a.cosine, b.cosine) << what;
+        // The screen approximates the fp32 scores (int8 codes of keys and probe).
+        ASSERT_TRUE(two->Screen(p.data(), &screened).ok());
+        ASSERT_EQ(screened.ids, a.ids);
+        for (size_t i = 0; i < n; ++i) EXPECT_NEAR(screened.cosine[i], a.cosine[i], 0.05) << what << " chunk " << i;
+        for (ChunkRank rank : {ChunkRank::kCosine, ChunkRank::kLogit})
+          for (size_t take : {size_t{1}, size_t{8}, size_t{30}, n + 5}) {
+            const auto expect = BestOf(*single, p, rank, take);
+            ASSERT_EQ(expect.size(), std::min(take, n));
+            EXPECT_EQ(BestOf(*two, p, rank, take), expect) << what << " take " << take;
+            EXPECT_EQ(BestOf(*all, p, rank, take), expect) << what << " take " << take;
+          }
+        std::vector<uint64_t> s1, s2;
+        ASSERT_TRUE(single->Search(p.data(), 8, &s1).ok());
+        ASSERT_TRUE(two->Search(p.data(), 8, &s2).ok());
+        EXPECT_EQ(s1, s2) << what;
+        EXPECT_EQ(s1, BestOf(*single, p, ChunkRank::kLogit, 8)) << what;
+      }
+    }
+}
+
+TEST(ExactChunkIndex, TiedChunksGoToTheSmallerIndexFirst) {
+  // Every chunk holds (1,0) twice: every score ties, in both stages and in a single pass, and
+  // the smaller chunk index must win and come first. With p = (0,1) every dot is +0 or -0,
+  // which compare equal and must tie too.
+  const ChunkShape shape{1, 2, 2, DType::kF32};
+  const float c[] = {1, 0, 1, 0};
+  for (int rerank : {0, 1, 4})
+    for (const std::vector<float>& p : {std::vector<float>{1, 0}, std::vector<float>{0, 1}, std::vector<float>{0, -1}}) {
+      auto index = Make("Exact:rerank=" + std::to_string(rerank) + ",rerank_min=0", shape);
+      ASSERT_NE(index, nullptr);
+      for (uint64_t id : {3, 5, 9, 10}) ASSERT_TRUE(index->Add(id, c).ok());
+      const std::string what = "rerank " + std::to_string(rerank) + " p (" + std::to_string(p[0]) + "," +
+                               std::to_string(p[1]) + ")";
+      for (ChunkRank rank : {ChunkRank::kCosine, ChunkRank::kLogit}) {
+        EXPECT_EQ(BestOf(*index, p, rank, 1), (std::vector<uint64_t>{3})) << what;
+        EXPECT_EQ(BestOf(*index, p, rank, 3), (std::vector<uint64_t>{3, 5, 9})) << what;
+      }
+      std::vector<uint64_t> top;
+      ASSERT_TRUE(index->Search(p.data(), 2, &top).ok());
+      EXPECT_EQ(top, (std::vector<uint64_t>{3, 5})) << what;
+    }
+}
+
+// ---- removal --------------------------------------------------------------------------------
+
+// Removing chunks compacts the rows and requantises them into new lanes; the result must be
+// bit for bit the index built afresh from the kept chunks: the int8 screen (which the lanes
+// feed), the fp32 scores and the choices.
+TEST(ExactChunkIndex, RemovalEqualsAFreshIndex) {
+  for (DType dt : {DType::kF32, DType::kF16}) {
+    const ChunkShape shape{2, 16, 3, dt};
+    const size_t n = 50;
+    const auto reprs = RandomReprs(n, shape, 17);
+    std::vector<uint64_t> ids(n);
+    for (size_t i = 0; i < n; ++i) ids[i] = 2 * i + 1;  // gaps
+    auto compacted = Make("Exact:rerank=1,rerank_min=0", shape);
+    ASSERT_NE(compacted, nullptr);
+    AddAll(compacted.get(), ids, reprs);
+    // Chunks from several int8 groups, the first and the last, and indices the index never held.
+    const std::vector<uint64_t> gone{1, 7, 9, 33, 35, 37, 4, 99, 1000};
+    ASSERT_TRUE(compacted->Remove(gone).ok());
+    std::vector<uint64_t> kept_ids;
+    std::vector<float> kept_reprs;
+    for (size_t i = 0; i < n; ++i) {
+      if (std::count(gone.begin(), gone.end(), ids[i])) continue;
+      kept_ids.push_back(ids[i]);
+      kept_reprs.insert(kept_reprs.end(), reprs.begin() + i * shape.repr_floats(),
+                        reprs.begin() + (i + 1) * shape.repr_floats());
+    }
+    ASSERT_EQ(compacted->size(), kept_ids.size());
+    ASSERT_EQ(kept_ids.size(), n - 7);
+    auto fresh = Make("Exact:rerank=1,rerank_min=0", shape);
+    ASSERT_NE(fresh, nullptr);
+    AddAll(fresh.get(), kept_ids, kept_reprs);
+    std::mt19937 rng(3);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (int q = 0; q < 10; ++q) {
+      std::vector<float> p(shape.dim());
+      for (float& x : p) x = nd(rng);
+      ChunkScores a, b;
+      ASSERT_TRUE(compacted->Screen(p.data(), &a).ok());
+      ASSERT_TRUE(fresh->Screen(p.data(), &b).ok());
+      EXPECT_EQ(a.ids, kept_ids);
+      EXPECT_EQ(a.ids, b.ids);
+      EXPECT_EQ(a.logit, b.logit) << DTypeName(dt) << " probe " << q;
+      EXPECT_EQ(a.cosine, b.cosine) << DTypeName(dt) << " probe " << q;
+      ASSERT_TRUE(compacted->Score(p.data(), &a).ok());
+      ASSERT_TRUE(fresh->Score(p.data(), &b).ok());
+      EXPECT_EQ(a.logit, b.logit);
+      EXPECT_EQ(a.cosine, b.cosine);
+      for (size_t take : {size_t{1}, size_t{5}, size_t{20}})
+        EXPECT_EQ(BestOf(*compacted, p, ChunkRank::kCosine, take), BestOf(*fresh, p, ChunkRank::kCosine, take));
+    }
+    // A chunk index above every kept one can come back; everything can go.
+    ASSERT_TRUE(compacted->Add(500, reprs.data()).ok());
+    EXPECT_EQ(compacted->size(), kept_ids.size() + 1);
+    ASSERT_TRUE(compacted->Remove(std::vector<uint64_t>(kept_ids.begin(), kept_ids.end())).ok());
+    ASSERT_TRUE(compacted->Remove({500}).ok());
+    EXPECT_EQ(compacted->size(), 0u);
+    ChunkScores empty;
+    std::vector<float> p(shape.dim(), 1.0f);
+    ASSERT_TRUE(compacted->Screen(p.data(), &empty).ok());
+    EXPECT_TRUE(empty.ids.empty());
+    std::vector<uint64_t> none{7};
+    ASSERT_TRUE(compacted->Best(p.data(), empty, ChunkRank::kLogit, 4, &none).ok());
+    EXPECT_TRUE(none.empty());
+  }
+}
+
+// ---- Add -----------------------------------------------------------------------------------
+
+TEST(ExactChunkIndex, AddIsAllOrNothingSkipsHolesAndKeepsChunkOrder) {
+  const ChunkShape shape{2, 8, 2, DType::kF16};
+  const auto reprs = RandomReprs(12, shape, 23);
+  const size_t per = shape.repr_floats();
+  auto reader = [&](uint64_t chunk, float* repr) -> Status {
+    if (chunk == 4) return NotFound("chunk 4 is a hole");
+    if (chunk == 9) return IOError("chunk 9 cannot be read");
+    std::copy_n(reprs.data() + chunk * per, per, repr);
+    return Status::Ok();
+  };
+  auto index = Make("Exact:rerank=1,rerank_min=0", shape);
+  ASSERT_NE(index, nullptr);
+  ASSERT_TRUE(index->Add({0, 1, 2, 3, 4, 5}, reader).ok());
+  EXPECT_EQ(index->size(), 5u);  // chunk 4 skipped
+  std::vector<float> p(shape.dim(), 0.5f);
+  p[3] = -2.0f;
+  ChunkScores before, after;
+  ASSERT_TRUE(index->Screen(p.data(), &before).ok());
+  EXPECT_EQ(before.ids, (std::vector<uint64_t>{0, 1, 2, 3, 5}));
+  // A failing read undoes the batch (6, 7, 8 were read before 9 failed).
+  const Status st = index->Add({6, 7, 8, 9, 10}, reader);
+  EXPECT_EQ(st.code(), StatusCode::kIOError) << st.ToString();
+  EXPECT_EQ(index->size(), 5u);
+  ASSERT_TRUE(index->Screen(p.data(), &after).ok());
+  EXPECT_EQ(after.ids, before.ids);
+  EXPECT_EQ(after.logit, before.logit);
+  EXPECT_EQ(after.cosine, before.cosine);
+  // Chunks come in ascending order, above every one indexed.
+  EXPECT_EQ(index->Add({5}, reader).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(index->Add({7, 6}, reader).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(index->Add(3, reprs.data()).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(index->size(), 5u);
+  ASSERT_TRUE(index->Add({6, 7, 8, 10, 11}, reader).ok());
+  EXPECT_EQ(index->size(), 10u);
+  EXPECT_GT(index->memory_bytes(), 10u * 2 * 2 * 8 * 2);  // at least the fp16 keys
+  // Scores of another state are refused, not misread.
+  ChunkScores stale = before;
+  std::vector<uint64_t> out;
+  EXPECT_EQ(index->Best(p.data(), stale, ChunkRank::kLogit, 2, &out).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(index->Score(nullptr, &after).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(ExactChunkIndex, StoredKeysScoreAsTheirFloats) {
+  // The keys are kept in the store's dtype: Score equals an fp32 pass over the converted keys.
+  const ChunkShape shape{1, 24, 2, DType::kBF16};
+  const auto reprs = RandomReprs(3, shape, 29);
+  auto index = Make("Exact:rerank=0", shape);
+  ASSERT_NE(index, nullptr);
+  AddAll(index.get(), {0, 1, 2}, reprs);
+  std::vector<float> p(shape.dim());
+  std::mt19937 rng(2);
+  std::normal_distribution<float> nd;
+  for (float& x : p) x = nd(rng);
+  ChunkScores s;
+  ASSERT_TRUE(index->Score(p.data(), &s).ok());
+  for (int c = 0; c < 3; ++c) {
+    float best = -1e30f;
+    for (int r = 0; r < 2; ++r) best = std::max(best, kernels::Dot(reprs.data() + (c * 2 + r) * 24, p.data(), 24));
+    EXPECT_EQ(s.logit[c], best) << "chunk " << c;
+  }
+}
+
+// ---- kernels the index rests on -------------------------------------------------------------
+
+TEST(ExactChunkIndexKernels, DotKeyOfAStoredKeyEqualsDotOfItsFloats) {
+  // The rescoring stage reads representatives in the store's dtype; its scores must be the
+  // ones an fp32 copy would give, bit for bit, at every length (lanes and tail).
+  std::mt19937 rng(21);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (DType t : {DType::kF16, DType::kBF16, DType::kF32})
+    for (int n : {1, 7, 8, 9, 63, 64, 65, 128, 200}) {
+      for (int rep = 0; rep < 50; ++rep) {
+        std::vector<float> k(n), p(n), back(n);
+        for (auto& x : k) x = nd(rng);
+        for (auto& x : p) x = nd(rng);
+        std::vector<uint8_t> stored(n * DTypeSize(t));
+        FromFloat(t, k.data(), stored.data(), n);
+        ToFloat(t, stored.data(), back.data(), n);
+        ASSERT_EQ(kernels::DotKey(t, stored.data(), p.data(), n), kernels::Dot(back.data(), p.data(), n))
+            << DTypeName(t) << " n " << n;
+        double ref = 0.0;
+        for (int i = 0; i < n; ++i) ref += static_cast<double>(back[i]) * p[i];
+        EXPECT_NEAR(kernels::Dot(back.data(), p.data(), n), ref, 1e-4 * (1.0 + std::sqrt(static_cast<double>(n))));
+      }
+    }
+}
+
+TEST(ExactChunkIndexKernels, QuantizedBlockDotMatchesFloatDot) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  constexpr int B = kernels::kI8Block;
+  for (int d : {1, 2, 15, 16, 64, 129, 4096}) {
+    std::vector<float> x(static_cast<size_t>(B) * d), p(d);
+    for (auto& v : x) v = nd(rng);
+    for (auto& v : p) v = nd(rng);
+    // Eight rows quantised, then stored in the paired transposed layout.
+    std::vector<int8_t> block(kernels::I8BlockBytes(d), 0), codes(d);
+    std::vector<float> scale(B), x_l1(B, 0.0f);
+    float p_l1 = 0.0f;
+    for (float v : p) p_l1 += std::fabs(v);
+    for (int j = 0; j < B; ++j) {
+      scale[j] = kernels::QuantizeI8(x.data() + static_cast<size_t>(j) * d, d, codes.data());
+      float max_abs = 0.0f;
+      for (int e = 0; e < d; ++e) {
+        block[kernels::I8Offset(e, j)] = codes[e];
+        const float xe = x[static_cast<size_t>(j) * d + e];
+        max_abs = std::max(max_abs, std::fabs(xe));
+        x_l1[j] += std::fabs(xe);
+        EXPECT_LE(std::fabs(codes[e] * scale[j] - xe), 0.5f * scale[j] + 1e-6f);
+      }
+      EXPECT_FLOAT_EQ(scale[j], max_abs / 127.0f);
+    }
+    std::vector<int16_t> p16((d + 1) / 2 * 2, 7);
+    const float ps = kernels::QuantizeProbeI16(p.data(), d, p16.data());
+    if (d % 2) {
+      EXPECT_EQ(p16.back(), 0) << "the pad must be 0";
+    }
+    int32_t out[B], ref[B];
+    kernels::DotI8Blocks(block.data(), 1, p16.data(), d, out);
+    kernels::DotI8BlocksScalar(block.data(), 1, p16.data(), d, ref);
+    for (int j = 0; j < B; ++j) {
+      EXPECT_EQ(out[j], ref[j]) << "vector path vs scalar twin, d " << d << " lane " << j;
+      const float exact = kernels::Dot(x.data() + static_cast<size_t>(j) * d, p.data(), d);
+      // Errors: codes within half a row step of x, probe codes within half a probe step of p.
+      const float bound = 0.5f * scale[j] * p_l1 + 0.5f * ps * (x_l1[j] + 0.5f * scale[j] * d) + 1e-3f;
+      EXPECT_NEAR(static_cast<float>(out[j]) * ps * scale[j], exact, bound) << "d " << d << " lane " << j;
+    }
+  }
+  // Extreme codes and probe at the largest head_dim cannot overflow the int32 sums.
+  {
+    const int d = 4096;
+    std::vector<int8_t> block(kernels::I8BlockBytes(d), 127);
+    std::vector<float> p(d, -1.0f);
+    std::vector<int16_t> p16(d);
+    kernels::QuantizeProbeI16(p.data(), d, p16.data());
+    int32_t out[B], ref[B];
+    kernels::DotI8Blocks(block.data(), 1, p16.data(), d, out);
+    kernels::DotI8BlocksScalar(block.data(), 1, p16.data(), d, ref);
+    for (int j = 0; j < B; ++j) {
+      EXPECT_EQ(out[j], ref[j]);
+      EXPECT_EQ(out[j], static_cast<int64_t>(127) * p16[0] * d) << "no overflow";
+    }
+  }
+  // Many blocks in one call, at every head width the vector paths treat differently
+  // (odd pair counts, the AVX-512 probe table's limit of 512 and beyond), bit for bit.
+  for (int d : {2, 6, 62, 64, 66, 128, 510, 512, 514, 1000}) {
+    const size_t n_blocks = 37;
+    std::vector<int8_t> blocks(n_blocks * kernels::I8BlockBytes(d));
+    for (auto& c : blocks) c = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+    std::vector<float> p(d);
+    for (auto& v : p) v = nd(rng);
+    std::vector<int16_t> p16((d + 1) / 2 * 2);
+    kernels::QuantizeProbeI16(p.data(), d, p16.data());
+    std::vector<int32_t> out(n_blocks * B), ref(n_blocks * B);
+    kernels::DotI8Blocks(blocks.data(), n_blocks, p16.data(), d, out.data());
+    kernels::DotI8BlocksScalar(blocks.data(), n_blocks, p16.data(), d, ref.data());
+    EXPECT_EQ(out, ref) << "vector path vs scalar twin over " << n_blocks << " blocks, d " << d;
+  }
+  std::vector<float> zero(8, 0.0f);
+  std::vector<int8_t> codes(8, 5);
+  EXPECT_EQ(kernels::QuantizeI8(zero.data(), 8, codes.data()), 0.0f);
+  for (int8_t c : codes) EXPECT_EQ(c, 0);
+  std::vector<int16_t> pz(8, 5);
+  EXPECT_EQ(kernels::QuantizeProbeI16(zero.data(), 8, pz.data()), 0.0f);
+  for (int16_t c : pz) EXPECT_EQ(c, 0);
+}
+
+}  // namespace
+}  // namespace kvtier
