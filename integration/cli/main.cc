@@ -22,6 +22,7 @@
 #include "integration/run_job.h"
 #include "offload/demotion_policy.h"
 #include "offload/policy/scoring_policy.h"
+#include "retrieval/exact_index.h"
 #include "integration/stress_job.h"
 
 namespace kvtier {
@@ -33,38 +34,42 @@ using cli::Fail;
 using cli::FlagSet;
 using cli::IntFlag;
 using cli::ParseIntList;
+using cli::WithDefault;
 
+// --kv-budget of `kvtier run --compare-policies` when the flag is not given (per kv head).
+constexpr int64_t kComparePoliciesKvBudget = 1024;
+
+// Each command sets its own defaults in `o` before calling this: --help shows those.
 void AddStoreFlags(FlagSet* f, StoreOptions* o) {
-  f->Add("geometry", "L,Hq,Hkv,D model KV shape (default " + std::to_string(o->geometry.layers) + "," +
-                         std::to_string(o->geometry.q_heads) + "," + std::to_string(o->geometry.kv_heads) + "," +
-                         std::to_string(o->geometry.head_dim) + ")",
-         [o](const std::string& s) { return o->geometry.ParseShape(s); });
-  f->Add("dtype", "storage dtype f16|bf16|f32 (default f16)", [o](const std::string& s) {
+  const Geometry& g = o->geometry;
+  f->Add("geometry", "L,Hq,Hkv,D model KV shape",
+         WithDefault(std::to_string(g.layers) + "," + std::to_string(g.q_heads) + "," + std::to_string(g.kv_heads) +
+                         "," + std::to_string(g.head_dim),
+                     [o](const std::string& s) { return o->geometry.ParseShape(s); }));
+  f->Add("dtype", "storage dtype f16|bf16|f32", WithDefault(DTypeName(g.dtype), [o](const std::string& s) {
     if (!ParseDType(s.c_str(), &o->geometry.dtype)) return InvalidArgument("unknown dtype '" + s + "' (f16|bf16|f32)");
     return Status::Ok();
-  });
-  f->Add("chunk", "tokens per chunk (default 32)", IntFlag(&o->chunk_size, 1, 1 << 16));
-  f->Add("sink", "attention-sink tokens kept hot (default 64)", IntFlag(&o->n_sink, 0, 1 << 20));
-  f->Add("local", "local-window tokens kept hot (default 512)", IntFlag(&o->n_local, 1, 1 << 24));
-  f->Add("repr-topk", "representative keys per head per chunk (default 4)", IntFlag(&o->repr_topk, 1, 1 << 16));
-  f->Add("hot-bytes", "hot slot pool for retrieved chunks, e.g. 16M", BytesFlag(&o->hot_bytes));
-  f->Add("warm-bytes", "warm tier capacity, e.g. 128M", BytesFlag(&o->warm_bytes));
-  f->Add("data-dir", "cold tier (RocksDB) directory", [o](const std::string& s) {
-    if (s.empty()) return InvalidArgument("empty path");
-    o->data_dir = s;
-    return Status::Ok();
-  });
-  f->Add("compression", "cold tier compression none|lz4|zstd (default lz4)", [o](const std::string& s) {
-    if (!ParseCompression(s, &o->compression)) return InvalidArgument("unknown compression '" + s + "' (none|lz4|zstd)");
-    return Status::Ok();
-  });
+  }));
+  f->Add("chunk", "tokens per chunk", IntFlag(&o->chunk_size, 1, 1 << 16));
+  f->Add("sink", "attention-sink tokens kept hot", IntFlag(&o->n_sink, 0, 1 << 20));
+  f->Add("local", "local-window tokens kept hot", IntFlag(&o->n_local, 1, 1 << 24));
+  f->Add("repr-topk", "representative keys per head per chunk", IntFlag(&o->repr_topk, 1, 1 << 16));
+  f->Add("hot-bytes", "hot slot pool for retrieved chunks (K/M/G suffixes)", BytesFlag(&o->hot_bytes));
+  f->Add("warm-bytes", "warm tier capacity (K/M/G suffixes)", BytesFlag(&o->warm_bytes));
+  f->Add("data-dir", "cold tier (RocksDB) directory", cli::PathFlag(&o->data_dir));
+  f->Add("compression", "cold tier compression none|lz4|zstd",
+         WithDefault(CompressionName(o->compression), [o](const std::string& s) {
+           if (!ParseCompression(s, &o->compression))
+             return InvalidArgument("unknown compression '" + s + "' (none|lz4|zstd)");
+           return Status::Ok();
+         }));
   f->Add("policy", "demotion policy of the hot and warm tiers: lru, or a scoring policy's factory string, "
-         "e.g. h2o or gkv:form=max (see 'kvtier policies'; default lru)", [o](const std::string& s) {
+         "e.g. h2o or gkv:form=max (see 'kvtier policies')", WithDefault(o->warm_policy, [o](const std::string& s) {
     auto p = MakeDemotionPolicy(s);
     if (!p.ok()) return p.status();
     o->hot_policy = o->warm_policy = s;
     return Status::Ok();
-  });
+  }));
   f->Add("sync", "fsync every cold write (power-loss durability)",
          [o](const std::string& s) { o->sync_writes = s != "0"; return Status::Ok(); }, true);
 }
@@ -157,56 +162,64 @@ int CmdRun(int argc, char** argv) {
   std::vector<int64_t> sweep;
   std::vector<std::string> policy_list;
   FlagSet f;
-  f.Add("context", "tokens of context (default 131072)", IntFlag(&o.workload.context, 1, int64_t{1} << 32));
+  f.Add("context", "tokens of context", IntFlag(&o.workload.context, 1, int64_t{1} << 32));
   AddStoreFlags(&f, &o.store);
-  f.Add("budget", "retrieved tokens per step and layer (default 2048)", IntFlag(&o.budget, 0, 1 << 24));
-  f.Add("window", "prefill window in tokens (default 256)", IntFlag(&o.window, 1, 1 << 20));
-  f.Add("stat-stride", "every N-th prefill query feeds representative-key statistics (default 8)",
+  f.Add("budget", "retrieved tokens per step and layer", IntFlag(&o.budget, 0, 1 << 24));
+  f.Add("window", "prefill window in tokens", IntFlag(&o.window, 1, 1 << 20));
+  f.Add("stat-stride", "every N-th prefill query feeds representative-key statistics",
         IntFlag(&o.stat_stride, 1, 1 << 20));
-  f.Add("decode-steps", "decode steps after the context (default 64)", IntFlag(&o.workload.decode_steps, 1, 1 << 20));
-  f.Add("question-len", "question-window tokens at the end of the context (default 64)",
+  f.Add("decode-steps", "decode steps after the context", IntFlag(&o.workload.decode_steps, 1, 1 << 20));
+  f.Add("question-len", "question-window tokens at the end of the context",
         IntFlag(&o.workload.question_len, 1, 1 << 20));
-  f.Add("needles", "needles planted (default 1)", IntFlag(&o.workload.needle_count, 1, 1 << 16));
-  f.Add("needle-len", "tokens per needle (default 8)", IntFlag(&o.workload.needle_len, 1, 1 << 16));
-  f.Add("depth", "depth of the first needle in [0,1) (default 0.5)", DoubleFlag(&o.workload.needle_depth));
-  f.Add("anchor", "needle/question shared-direction strength (default 3.2)", DoubleFlag(&o.workload.anchor_strength));
-  f.Add("noise", "noise scale on q and k (default 1.0)", DoubleFlag(&o.workload.noise));
-  f.Add("seed", "random seed (default 1)", IntFlag(&o.workload.seed, 0, INT64_MAX));
+  f.Add("needles", "needles planted", IntFlag(&o.workload.needle_count, 1, 1 << 16));
+  f.Add("needle-len", "tokens per needle", IntFlag(&o.workload.needle_len, 1, 1 << 16));
+  f.Add("depth", "depth of the first needle in [0,1)", DoubleFlag(&o.workload.needle_depth));
+  f.Add("anchor", "needle/question shared-direction strength", DoubleFlag(&o.workload.anchor_strength));
+  f.Add("noise", "noise scale on q and k", DoubleFlag(&o.workload.noise));
+  f.Add("seed", "random seed", IntFlag(&o.workload.seed, 0, INT64_MAX));
   // --index/--alloc set the specs; --rerank, --rerank-min, --head-merge and --rank-by are
   // shorthands for one key of them, in any order (RetrieverSpecFlags).
   RetrieverSpecFlags rf(&o.retrieval);
-  f.Add("probe", "probe builder: act | mean | question[:base=act,weight=0.5] (default act)",
-        [&o](const std::string& s) { o.retrieval.probe = s; return Status::Ok(); });
-  f.Add("alloc", "budget allocator: entropy[:min=M,rank=cosine|logit] | topk (default entropy)",
-        [&rf](const std::string& s) { return rf.SetAlloc(s); });
+  const ExactIndexOptions exact;
+  f.Add("probe", "probe builder: act | mean | question[:base=act,weight=0.5]",
+        WithDefault(o.retrieval.probe, [&o](const std::string& s) { o.retrieval.probe = s; return Status::Ok(); }));
+  f.Add("alloc", "budget allocator: entropy[:min=M,rank=cosine|logit] | topk",
+        WithDefault(o.retrieval.alloc, [&rf](const std::string& s) { return rf.SetAlloc(s); }));
   f.Add("index", "chunk index: Exact[:heads=sum|max,rerank=F,rerank_min=N] (best representative per head) or "
-        "a FAISS factory Flat | HNSW32 | IVF<n>,Flat over one mean vector per chunk (default Exact)",
-        [&rf](const std::string& s) { return rf.SetIndex(s); });
+        "a FAISS factory Flat | HNSW32 | IVF<n>,Flat over one mean vector per chunk",
+        WithDefault(o.retrieval.index, [&rf](const std::string& s) { return rf.SetIndex(s); }));
   f.Add("rerank", "Exact index: rescore the best F x take chunks by their best representative, 0 = one "
-        "full pass over every representative (index key rerank=F, default 4)",
-        [&rf](const std::string& s) { return rf.SetIndexKey("rerank", s); });
-  f.Add("rerank-min", "Exact index: at least this many chunks reach the rescoring stage (index key rerank_min=N, "
-        "default 256)", [&rf](const std::string& s) { return rf.SetIndexKey("rerank_min", s); });
+        "full pass over every representative (index key rerank=F)",
+        WithDefault(std::to_string(exact.rerank_factor),
+                    [&rf](const std::string& s) { return rf.SetIndexKey("rerank", s); }));
+  f.Add("rerank-min", "Exact index: at least this many chunks reach the rescoring stage (index key rerank_min=N)",
+        WithDefault(std::to_string(exact.rerank_min),
+                    [&rf](const std::string& s) { return rf.SetIndexKey("rerank_min", s); }));
   f.Add("head-merge", "Exact index: per-kv-head chunk scores summed (sum) or the best head decides (max) "
-        "(index key heads=, default sum)", [&rf](const std::string& s) { return rf.SetIndexKey("heads", s); });
+        "(index key heads=)",
+        WithDefault(SpecKey(exact.ToString(), "heads"),
+                    [&rf](const std::string& s) { return rf.SetIndexKey("heads", s); }));
   f.Add("rank-by", "entropy allocator: take chunks by Eq. 10 cosine (cosine, Algorithm 1) or by logit "
-        "(allocator key rank=, default cosine)", [&rf](const std::string& s) { return rf.SetAllocKey("rank", s); });
+        "(allocator key rank=)",
+        WithDefault(ChunkRankName(EntropyBudgetOptions{}.rank),
+                    [&rf](const std::string& s) { return rf.SetAllocKey("rank", s); }));
   f.Add("compare", "compare StreamingLLM, InfLLM, ActQKV w/o cut-off and ActQKV on the same data",
         [&o](const std::string& s) { o.compare = s != "0"; return Status::Ok(); }, true);
-  f.Add("spearman-windows", "prefill windows sampled for probe-to-oracle Spearman rho (default 8, 0 = off)",
+  f.Add("spearman-windows", "prefill windows sampled for probe-to-oracle Spearman rho (0 = off)",
         IntFlag(&o.spearman_windows, 0, 1 << 16));
-  f.Add("question-anchors", "only every N-th question-window query seeks the needle (default 1 = all)",
+  f.Add("question-anchors", "only every N-th question-window query seeks the needle (1 = all)",
         IntFlag(&o.workload.question_anchor_every, 1, 1 << 20));
-  f.Add("needle-echo", "filler tokens after a needle that look back at it (default 16)",
+  f.Add("needle-echo", "filler tokens after a needle that look back at it",
         IntFlag(&o.workload.needle_echo, 0, 1 << 20));
   f.Add("compress", "compression mode: this scoring policy drops chunks at prefill end (see 'kvtier policies')",
         [&o](const std::string& s) { o.compress = s; return Status::Ok(); });
-  f.Add("kv-budget", "tokens kept per layer (compression) or per kv head and layer (--compare-policies) "
-        "(default 16384; 1024 for --compare-policies)", [&o, &kv_budget_set](const std::string& s) {
+  f.Add("kv-budget", "tokens kept per layer (compression), or per kv head and layer with --compare-policies, "
+        "where it defaults to " + std::to_string(kComparePoliciesKvBudget) + " instead",
+        WithDefault(std::to_string(o.kv_budget), [&o, &kv_budget_set](const std::string& s) {
           kv_budget_set = true;
           return IntFlag(&o.kv_budget, 1, int64_t{1} << 40)(s);
-        });
-  f.Add("observe", "prompt queries whose attention over every key the scoring policy observes (default 32)",
+        }));
+  f.Add("observe", "prompt queries whose attention over every key the scoring policy observes",
         IntFlag(&o.observe, 1, 1 << 16));
   f.Add("compare-policies", "run every scoring policy on the same data at the same budget (token-level, exact; "
         "use --context 8192..32768) and print one table", [&compare_policies](const std::string& s) {
@@ -215,8 +228,8 @@ int CmdRun(int argc, char** argv) {
         }, true);
   f.Add("sweep", "with --compare-policies: comma-separated budgets, e.g. 256,512,1024,2048",
         [&sweep](const std::string& s) { return ParseIntList(s, 1, int64_t{1} << 40, &sweep); });
-  f.Add("policies", "with --compare-policies: comma-separated factory strings separated by ';' "
-        "(default: every policy with its defaults)", [&policy_list](const std::string& s) {
+  f.Add("policies", "with --compare-policies: factory strings separated by ';'",
+        WithDefault("every policy with its defaults", [&policy_list](const std::string& s) {
           policy_list.clear();
           size_t pos = 0;
           while (pos <= s.size()) {
@@ -228,7 +241,7 @@ int CmdRun(int argc, char** argv) {
             pos = semi + 1;
           }
           return Status::Ok();
-        });
+        }));
   f.Add("no-baseline", "skip the full-attention comparison",
         [&o](const std::string& s) { o.baseline = s == "0"; return Status::Ok(); }, true);
   f.Add("quiet", "no progress on stderr", [&o](const std::string& s) { o.progress = s == "0"; return Status::Ok(); }, true);
@@ -248,7 +261,8 @@ int CmdRun(int argc, char** argv) {
     st = UseTraceForRun(trace, f, &o);
     if (!st.ok()) return Fail(st);
   }
-  if (compare_policies) return ComparePolicies(o, kv_budget_set ? o.kv_budget : 1024, sweep, policy_list, json);
+  if (compare_policies)
+    return ComparePolicies(o, kv_budget_set ? o.kv_budget : kComparePoliciesKvBudget, sweep, policy_list, json);
   auto rep = RunJob(o);
   if (!rep.ok()) return Fail(rep.status());
   std::printf("%s", rep->ToTable().c_str());
@@ -272,11 +286,11 @@ int CmdStress(int argc, char** argv) {
   std::string json;
   FlagSet f;
   AddStoreFlags(&f, &o.store);
-  f.Add("sequences", "sequences in total (default 8)", IntFlag(&o.sequences, 1, 1 << 20));
-  f.Add("threads", "driver threads (default 4)", IntFlag(&o.threads, 1, 1024));
-  f.Add("tokens", "tokens per sequence and layer (default 4096)", IntFlag(&o.tokens, 1, int64_t{1} << 32));
-  f.Add("fetch-prob", "chance of a random fetch after each append (default 0.3)", DoubleFlag(&o.fetch_probability));
-  f.Add("seed", "random seed (default 1)", IntFlag(&o.seed, 0, INT64_MAX));
+  f.Add("sequences", "sequences in total", IntFlag(&o.sequences, 1, 1 << 20));
+  f.Add("threads", "driver threads", IntFlag(&o.threads, 1, 1024));
+  f.Add("tokens", "tokens per sequence and layer", IntFlag(&o.tokens, 1, int64_t{1} << 32));
+  f.Add("fetch-prob", "chance of a random fetch after each append", DoubleFlag(&o.fetch_probability));
+  f.Add("seed", "random seed", IntFlag(&o.seed, 0, INT64_MAX));
   f.Add("json", "write the report as JSON to this file", [&json](const std::string& s) { json = s; return Status::Ok(); });
   Status st = f.Parse("stress", argc, argv);
   if (!st.ok()) return Fail(st);
