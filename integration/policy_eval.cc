@@ -63,29 +63,6 @@ struct PolicyRun {
 
 }  // namespace
 
-void ExactAttentionRows(const Geometry& g, const float* q, const int64_t* qpos, int m, const float* k,
-                        const int64_t* key_pos, int64_t n_keys, float* out) {
-  const int Hq = g.q_heads, D = g.head_dim, G = g.group_size();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const size_t tok = static_cast<size_t>(g.kv_heads) * D;
-  tbb::parallel_for(0, Hq * m, [&](int hi) {
-    const int h = hi / m, i = hi % m;
-    const float* qv = q + (static_cast<size_t>(i) * Hq + h) * D;
-    float* row = out + (static_cast<size_t>(h) * m + i) * n_keys;
-    const int64_t visible = key_pos ? std::upper_bound(key_pos, key_pos + n_keys, qpos[i]) - key_pos
-                                    : std::min<int64_t>(n_keys, qpos[i] + 1);
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < visible; ++t) {
-      row[t] = kernels::Dot(qv, k + static_cast<size_t>(t) * tok + static_cast<size_t>(h / G) * D, D) * scale;
-      mx = std::max(mx, row[t]);
-    }
-    double sum = 0.0;
-    for (int64_t t = 0; t < visible; ++t) sum += (row[t] = std::exp(row[t] - mx));
-    const float inv = static_cast<float>(1.0 / sum);
-    for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
-    std::fill(row + std::max<int64_t>(visible, 0), row + n_keys, 0.0f);
-  });
-}
 
 Status PolicyEvalOptions::Validate() const {
   KVTIER_RETURN_IF_ERROR(geometry.Validate());

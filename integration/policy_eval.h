@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "integration/compress.h"
 #include "integration/kv_trace.h"
 #include "integration/workload.h"
 #include "store/geometry.h"
@@ -58,13 +59,7 @@ struct PolicyEvalRow {
   size_t peak_state_bytes = 0;   ///< policy state at its largest
 };
 
-/// Exact causal softmax attention of `m` queries (q: [m][q_heads][head_dim], at increasing
-/// positions qpos) over `n_keys` keys (k: [n_keys][kv_heads][head_dim]) at the increasing
-/// positions key_pos (nullptr = positions 0..n_keys-1), scaled by 1/sqrt(head_dim); out:
-/// [q_heads][m][n_keys], 0 for keys after a query. Rows are split over the cores. What a
-/// policy observes.
-void ExactAttentionRows(const Geometry& g, const float* q, const int64_t* qpos, int m, const float* k,
-                        const int64_t* key_pos, int64_t n_keys, float* out);
+// ExactAttentionRows (what a policy observes) lives in integration/compress.h.
 
 /// Runs every policy on the same data. Errors name the policy that failed.
 Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& options);

@@ -14,6 +14,7 @@
 #include "integration/policy_eval.h"
 #include "integration/sysinfo.h"
 #include "kernels/cpu/attention.h"
+#include "kvtier/session.h"
 #include "offload/policy/scoring_policy.h"
 
 namespace kvtier {
@@ -38,7 +39,7 @@ struct Attended {
   int64_t local_begin = 0;
   bool Contains(int64_t t, int n_sink, int chunk_size) const {
     if (t < n_sink || t >= local_begin) return true;
-    const uint64_t idx = static_cast<uint64_t>((t - n_sink) / chunk_size);
+    const uint64_t idx = static_cast<uint64_t>(ChunkOfPosition(t, n_sink, chunk_size, kAnyChunkCount));
     return std::binary_search(chunks.begin(), chunks.end(), idx);
   }
 };
@@ -136,7 +137,7 @@ namespace {
 // indexes), and what it did at each evaluated step.
 struct Method {
   std::string name;
-  std::unique_ptr<Retriever> retriever;
+  std::unique_ptr<Session> session;  // its own retrieval state over the shared sequence
   std::vector<StepRecord> steps;  // [0] question window, then decode steps
   uint64_t bytes_moved = 0;
   double chunks = 0;
@@ -226,7 +227,12 @@ Result<RunReport> RunJob(const RunOptions& options) {
     ro.budget_tokens = budget;
     Method m;
     m.name = name;
-    KVTIER_ASSIGN_OR_RETURN(m.retriever, Retriever::Create(store.get(), ro));
+    // Representative-key statistics come from the prefill below (every stat_stride-th query),
+    // once for the sequence, not from each method's evaluated steps.
+    SessionOptions so;
+    so.retrieval = ro;
+    so.observe_prefill = false;
+    KVTIER_ASSIGN_OR_RETURN(m.session, Session::Attach(store.get(), seq, so));
     methods.push_back(std::move(m));
     return Status::Ok();
   };
@@ -272,7 +278,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
   Progress prog(opt.progress, "prefill", context);
   double prefill_s = 0;
   std::vector<float> sq;
-  std::vector<int64_t> spos;
+  std::vector<int64_t> spos, window_pos;
   // Every stat_stride-th query of the window [b, e) held in qf, from the last
   // one back, skipping positions below min_pos: the observed queries (sq, spos).
   auto gather_strided = [&](int64_t b, int64_t e, int64_t min_pos) {
@@ -296,13 +302,15 @@ Result<RunReport> RunJob(const RunOptions& options) {
     for (int l = 0; l < L; ++l) {
       generate(l, b, e);
       const double t0 = NowSeconds();
-      KVTIER_RETURN_IF_ERROR(store->Append(seq, l, kb.data(), vb.data(), static_cast<int>(e - b), g.dtype));
+      KVTIER_RETURN_IF_ERROR(methods[0].session->Append(l, kb.data(), vb.data(), static_cast<int>(e - b), g.dtype));
       gather_strided(b, e, n_sink);
       if (!spos.empty())
         KVTIER_RETURN_IF_ERROR(store->ObserveQueries(seq, l, sq.data(), spos.data(), static_cast<int>(spos.size())));
       // Every window feeds the probes' running statistics (ActQKV Eq. 8 runs over all windows so far).
       const int m = static_cast<int>(e - b);
-      for (Method& mt : methods) KVTIER_RETURN_IF_ERROR(mt.retriever->Observe(l, qf.data(), m));
+      window_pos.resize(static_cast<size_t>(m));
+      std::iota(window_pos.begin(), window_pos.end(), b);
+      for (Method& mt : methods) KVTIER_RETURN_IF_ERROR(mt.session->Observe(l, qf.data(), window_pos.data(), m));
       prefill_s += NowSeconds() - t0;
       if (act_probe) {
         if (sample) {
@@ -376,27 +384,18 @@ Result<RunReport> RunJob(const RunOptions& options) {
     KVTIER_ASSIGN_OR_RETURN(TokenScores ts, policy->Scores(l));
     std::vector<std::pair<uint64_t, float>> chunk_scores(n_chunks);
     for (uint64_t i = 0; i < n_chunks; ++i) chunk_scores[i] = {i, 0.0f};
-    auto chunk_of = [&](int64_t pos) -> int64_t {
-      if (pos < n_sink) return -1;
-      const uint64_t c = static_cast<uint64_t>((pos - n_sink) / cs);
-      return c < n_chunks ? static_cast<int64_t>(c) : -1;  // -1: a sink or the local window
-    };
-    for (size_t j = 0; j < ts.positions.size(); ++j) {
-      const int64_t c = chunk_of(ts.positions[j]);
-      if (c >= 0)
-        for (const auto& head : ts.per_head) chunk_scores[c].second += head[j];
-    }
+    for (const auto& [c, score] : AggregateToChunks(ts, n_sink, cs, n_chunks)) chunk_scores[c].second = score;
     if (opt.compress.empty()) {
       rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
       return store->SetChunkScores(seq, l, chunk_scores);
     }
     KVTIER_ASSIGN_OR_RETURN(KeepSet keep, policy->Keep(l, opt.kv_budget));
-    const int64_t chunk_budget = std::max<int64_t>(0, (opt.kv_budget - n_sink - opt.store.n_local) / cs);
+    KVTIER_ASSIGN_OR_RETURN(int64_t chunk_budget, ChunkBudget(*store, seq, l, opt.kv_budget));
     const std::vector<uint64_t> drop = ChunksToDrop(ts, keep, n_sink, cs, n_chunks, chunk_budget);
     rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
     const uint64_t dropped_before = store->counters().dropped_chunks;
     KVTIER_RETURN_IF_ERROR(store->DropChunks(seq, l, drop));
-    for (Method& mt : methods) KVTIER_RETURN_IF_ERROR(mt.retriever->Forget(seq, l, drop));
+    for (Method& mt : methods) KVTIER_RETURN_IF_ERROR(mt.session->retriever()->Forget(seq, l, drop));
     if (act_probe) {
       KVTIER_RETURN_IF_ERROR(act_probe->Forget(seq, l, drop));
       KVTIER_RETURN_IF_ERROR(mean_probe->Forget(seq, l, drop));
@@ -440,30 +439,21 @@ Result<RunReport> RunJob(const RunOptions& options) {
     std::iota(pos.begin(), pos.end(), first);
     if (methods.size() > 1) store->EvictHot();
     const uint64_t moved0 = store->counters().bytes_moved;
-    mt.retriever->BeginStep();
+    KVTIER_RETURN_IF_ERROR(mt.session->BeginStep(decode ? StepKind::kDecode : StepKind::kPrefill));
     for (int l = 0; l < L; ++l) {
       rec.out[l].assign(static_cast<size_t>(m) * q_elems, 0.0f);
-      KVTIER_ASSIGN_OR_RETURN(LayerSelection sel, mt.retriever->Select(seq, l, qs[l].data(), m, decode));
-      const double t2 = NowSeconds();
-      KVTIER_ASSIGN_OR_RETURN(FetchHandle h, store->FetchChunks(seq, l, sel.chunks));
-      KVTIER_RETURN_IF_ERROR(h.Wait());
-      const double t3 = NowSeconds();
+      AttendStats st;
+      KVTIER_RETURN_IF_ERROR(mt.session->Attend(l, qs[l].data(), pos.data(), m, rec.out[l].data(), &st));
+      rec.probe_ms += st.probe_ms;
+      rec.retrieve_ms += st.search_ms;
+      rec.alloc_ms += st.alloc_ms;
+      rec.fetch_ms += st.fetch_ms;
+      rec.attention_ms += st.attention_ms;
+      rec.chunks += st.chunks;
+      std::vector<uint64_t> chunks = mt.session->last_chunks()[static_cast<size_t>(l)];
+      std::sort(chunks.begin(), chunks.end());
+      rec.attended[l].chunks = std::move(chunks);
       KVTIER_ASSIGN_OR_RETURN(HotView view, store->GetHotView(seq, l));
-      std::vector<kernels::KvSpan> parts;
-      parts.push_back(view.sinks);
-      for (const auto& sp : h.spans()) parts.push_back(sp);
-      for (int i = 0; i < view.n_local_spans; ++i) parts.push_back(view.local[i]);
-      KVTIER_RETURN_IF_ERROR(RunKernel(MakeParams(g, qs[l].data(), pos.data(), m, parts, rec.out[l].data())));
-      const double t4 = NowSeconds();
-      h.Release();
-      rec.probe_ms += sel.probe_ms;
-      rec.retrieve_ms += sel.search_ms;
-      rec.alloc_ms += sel.alloc_ms;
-      rec.fetch_ms += 1e3 * (t3 - t2);
-      rec.attention_ms += 1e3 * (t4 - t3);
-      rec.chunks += sel.chunks.size();
-      std::sort(sel.chunks.begin(), sel.chunks.end());
-      rec.attended[l].chunks = std::move(sel.chunks);
       rec.attended[l].local_begin = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
     }
     rec.bytes_moved = store->counters().bytes_moved - moved0;
@@ -476,7 +466,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
     question_q[l].resize(static_cast<size_t>(opt.workload.question_len) * q_elems);
     work.Generate(l, qbegin, context, question_q[l].data(), nullptr, nullptr);
     for (Method& mt : methods) {
-      Status st = mt.retriever->SetQuestion(l, question_q[l].data(), opt.workload.question_len);
+      Status st = mt.session->SetQuestion(l, question_q[l].data(), opt.workload.question_len);
       if (!st.ok() && st.code() != StatusCode::kFailedPrecondition) return st;  // probes without a question term
     }
   }
@@ -493,7 +483,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
       generate(l, p, p + 1);
       step_q[l].assign(qf.begin(), qf.end());
       const double t0 = NowSeconds();
-      KVTIER_RETURN_IF_ERROR(store->Append(seq, l, kb.data(), vb.data(), 1, g.dtype));
+      KVTIER_RETURN_IF_ERROR(methods[0].session->Append(l, kb.data(), vb.data(), 1, g.dtype));
       append_ms += 1e3 * (NowSeconds() - t0);
     }
     for (Method& mt : methods) {
@@ -517,7 +507,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
   rep.peak_rss_bytes = PeakRssBytes();
   rep.counters = store->counters();
   uint64_t retriever_bytes = 0;
-  for (Method& mt : methods) retriever_bytes += mt.retriever->memory_bytes();
+  for (Method& mt : methods) retriever_bytes += mt.session->retriever()->memory_bytes();
   if (act_probe) retriever_bytes += act_probe->memory_bytes() + mean_probe->memory_bytes();
   rep.index_bytes = store->metadata_bytes() + retriever_bytes;
   rep.rss_bound_bytes = opt.store.warm_bytes + opt.store.hot_bytes +
@@ -538,7 +528,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
   for (Method& mt : methods) {
     MethodReport mr;
     mr.name = mt.name;
-    mr.spec = mt.retriever->Describe();
+    mr.spec = mt.session->retriever()->Describe();
     std::vector<double> probe, search, alloc, fetch, attn, app, share;
     int hits = 0, total = 0, qhits = 0;
     double chunks = 0;
@@ -642,7 +632,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
                                                     out.data())));
         std::vector<double> oracle(ids.size(), 0.0), act(ids.size()), mean(ids.size());
         for (size_t c = 0; c < ids.size(); ++c) {
-          const int64_t t0 = n_sink + static_cast<int64_t>(ids[c]) * cs;
+          const int64_t t0 = ChunkFirstToken(ids[c], n_sink, cs);
           for (int h = 0; h < g.kv_heads; ++h)
             for (int t = 0; t < cs; ++t) oracle[c] += mass[static_cast<size_t>(h) * visible + t0 + t];
           act[c] = w.act_scores[l][c];

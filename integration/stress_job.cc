@@ -10,6 +10,7 @@
 #include "integration/json.h"
 #include "integration/pattern.h"
 #include "integration/sysinfo.h"
+#include "kvtier/session.h"
 
 namespace kvtier {
 namespace {
@@ -93,6 +94,21 @@ Result<StressReport> RunStress(const StressOptions& opt) {
         for (size_t si = t; si < ids.size(); si += opt.threads) {
           const SequenceId seq = ids[si];
           const uint64_t pid = made[si].second;
+          // Each sequence through the engine API: a session whose chunk selector picks random
+          // chunks, so Gather fetches and pins them as Attend would.
+          SessionOptions so;
+          so.retrieve = false;
+          auto session = Session::Attach(store.get(), seq, so);
+          if (!session.ok()) { sh.Fail("session: " + session.status().ToString()); return; }
+          std::vector<uint64_t> pick;
+          (*session)->SetChunkSelector([&](int, const float*, const int64_t*, int, const std::vector<ChunkInfo>& chunks)
+                                           -> Result<std::vector<uint64_t>> {
+            pick.clear();
+            for (int c = 0; c < opt.fetch_chunks && !chunks.empty(); ++c)
+              pick.push_back(chunks[rng() % chunks.size()].key.index);
+            return pick;
+          });
+          const std::vector<float> q(static_cast<size_t>(o.geometry.q_heads) * o.geometry.head_dim, 0.0f);
           std::vector<int64_t> len(o.geometry.layers, 0);
           bool done = false;
           while (!done) {
@@ -105,45 +121,46 @@ Result<StressReport> RunStress(const StressOptions& opt) {
               k.resize(n * tb); v.resize(n * tb);
               FillPattern(kStressSalt, pid, l, 0, len[l], n, tb, k.data());
               FillPattern(kStressSalt, pid, l, 1, len[l], n, tb, v.data());
-              Status st = store->Append(seq, l, k.data(), v.data(), n, o.geometry.dtype);
+              Status st = (*session)->Append(l, k.data(), v.data(), n, o.geometry.dtype);
               if (!st.ok()) { sh.Fail("append: " + st.ToString()); return; }
               len[l] += n;
               sh.appends++;
               sh.bytes += 2 * n * tb;
               if (std::uniform_real_distribution<double>(0, 1)(rng) >= opt.fetch_probability) continue;
-              auto chunks = store->ListChunks(seq, l);
-              if (!chunks.ok() || chunks->empty()) continue;
               if (o.warm_policy != "lru" || o.hot_policy != "lru") {
                 // A score-driven policy: random chunk scores, so victims are picked
                 // against pins and in-flight transfers in every order.
+                auto chunks = store->ListChunks(seq, l);
+                if (!chunks.ok()) { sh.Fail("list chunks: " + chunks.status().ToString()); return; }
                 std::vector<std::pair<uint64_t, float>> scores;
                 for (const ChunkInfo& c : *chunks)
                   scores.emplace_back(c.key.index, std::uniform_real_distribution<float>(0, 1)(rng));
                 st = store->SetChunkScores(seq, l, scores);
                 if (!st.ok()) { sh.Fail("set chunk scores: " + st.ToString()); return; }
               }
-              std::vector<uint64_t> pick;
-              for (int c = 0; c < opt.fetch_chunks; ++c) pick.push_back((*chunks)[rng() % chunks->size()].key.index);
-              auto h = store->FetchChunks(seq, l, pick);
-              if (!h.ok()) { sh.Fail("fetch: " + h.status().ToString()); continue; }
-              st = h->Wait();
-              if (!st.ok()) { sh.Fail("fetch wait: " + st.ToString()); continue; }
+              st = (*session)->BeginStep(StepKind::kDecode);
+              if (!st.ok()) { sh.Fail("begin step: " + st.ToString()); return; }
+              const int64_t at = len[l] - 1;
+              auto parts = (*session)->Gather(l, q.data(), &at, 1);
+              if (!parts.ok()) { sh.Fail("fetch: " + parts.status().ToString()); continue; }
+              if (parts->n_chunks == 0) continue;
               sh.fetches++;
               // Check each promoted chunk bit for bit against the pattern.
-              for (size_t c = 0; c < pick.size(); ++c) {
-                const auto& span = h->spans()[c];
+              for (size_t c = 0; c < parts->n_chunks; ++c) {
+                const auto& span = parts->parts[1 + c];
                 const size_t bytes = static_cast<size_t>(span.n_tokens) * tb;
                 got.resize(bytes);
                 FillPattern(kStressSalt, pid, l, 0, span.first_position, span.n_tokens, tb, got.data());
                 bool same = std::memcmp(got.data(), span.k, bytes) == 0;
                 FillPattern(kStressSalt, pid, l, 1, span.first_position, span.n_tokens, tb, got.data());
                 same = same && std::memcmp(got.data(), span.v, bytes) == 0;
-                if (!same) sh.Fail("fetched chunk " + std::to_string(pick[c]) + " of seq " + std::to_string(seq) + " differs");
+                if (!same)
+                  sh.Fail("fetched chunk " + std::to_string(parts->chunks[c]) + " of seq " + std::to_string(seq) + " differs");
                 sh.fetched_chunks++;
               }
             }
           }
-          Status st = store->CloseSequence(seq);
+          Status st = (*session)->Close();
           if (!st.ok()) sh.Fail("close: " + st.ToString());
         }
       });
@@ -182,7 +199,9 @@ std::string StressReport::ToJson(const StressOptions& o) const {
   w.Key("config").BeginObject();
   w.Key("geometry").String(o.store.geometry.ToString()).Key("sequences").Int(o.sequences).Key("threads").Int(o.threads);
   w.Key("tokens").Int(o.tokens).Key("warm_bytes").Uint(o.store.warm_bytes).Key("hot_bytes").Uint(o.store.hot_bytes);
-  w.Key("seed").Uint(o.seed);
+  w.Key("seed").Uint(o.seed).Key("fetch_probability").Double(o.fetch_probability);
+  w.Key("chunk_size").Int(o.store.chunk_size).Key("n_sink").Int(o.store.n_sink).Key("n_local").Int(o.store.n_local);
+  w.Key("repr_topk").Int(o.store.repr_topk).Key("compression").String(CompressionName(o.store.compression));
   w.EndObject();
   w.EndObject();
   return w.str();

@@ -4,9 +4,12 @@
 
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 
+#include "integration/model/trace_capture.h"
+#include "offload/policy/compilerkv.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -505,6 +508,148 @@ TEST(Cli, InfiniteCompressRejectsBadFlags) {
   Ran orphan = Kvtier(base + " --kv-budget 384");
   EXPECT_EQ(orphan.code, 2) << orphan.out;
   EXPECT_NE(Kvtier("infinite --help").out.find("--compress"), std::string::npos);
+}
+
+// ---- --help shows the defaults the commands really use ----
+
+// "--name ... (default X)" lines of a command's --help: name -> X.
+std::map<std::string, std::string> HelpDefaults(const std::string& help) {
+  std::map<std::string, std::string> out;
+  std::istringstream in(help);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("  --", 0) != 0) continue;
+    const std::string name = line.substr(4, line.find(' ', 4) - 4);
+    const size_t at = line.rfind(" (default ");
+    if (at == std::string::npos || line.back() != ')') continue;
+    out[name] = line.substr(at + 10, line.size() - at - 11);
+  }
+  return out;
+}
+
+// The value of "key" in the report's "config" object (or the whole report), as text.
+std::string JsonText(const std::string& json, const std::string& key, const std::string& section = "\"config\"") {
+  const size_t from = json.find(section);
+  const size_t at = json.find("\"" + key + "\":", from == std::string::npos ? 0 : from);
+  if (at == std::string::npos) return "<missing " + key + ">";
+  size_t b = json.find_first_not_of(' ', at + key.size() + 3);
+  if (json[b] == '"') return json.substr(b + 1, json.find('"', b + 1) - b - 1);
+  const size_t e = json.find_first_of(",}\n", b);
+  return json.substr(b, e - b);
+}
+
+uint64_t Bytes(const std::string& text) {
+  const char last = text.empty() ? '0' : text.back();
+  const uint64_t mult = last == 'K' ? 1ull << 10 : last == 'M' ? 1ull << 20 : last == 'G' ? 1ull << 30 : 1;
+  return std::stoull(mult == 1 ? text : text.substr(0, text.size() - 1)) * mult;
+}
+
+// Checks every (flag, config key) pair: the help's default equals what the run used.
+void ExpectDefaultsUsed(const std::string& command, const std::map<std::string, std::string>& help,
+                        const std::string& json, const std::vector<std::pair<std::string, std::string>>& numbers,
+                        const std::vector<std::pair<std::string, std::string>>& texts,
+                        const std::vector<std::pair<std::string, std::string>>& bytes = {}) {
+  for (const auto& [flag, key] : numbers) {
+    ASSERT_TRUE(help.count(flag)) << command << " --help shows no default for --" << flag;
+    EXPECT_NEAR(std::stod(help.at(flag)), std::stod(JsonText(json, key)), 1e-6)
+        << command << " --" << flag << ": help says " << help.at(flag) << ", the run used " << JsonText(json, key);
+  }
+  for (const auto& [flag, key] : texts) {
+    ASSERT_TRUE(help.count(flag)) << command << " --help shows no default for --" << flag;
+    EXPECT_EQ(help.at(flag), JsonText(json, key)) << command << " --" << flag;
+  }
+  for (const auto& [flag, key] : bytes) {
+    ASSERT_TRUE(help.count(flag)) << command << " --help shows no default for --" << flag;
+    EXPECT_EQ(Bytes(help.at(flag)), std::stoull(JsonText(json, key))) << command << " --" << flag;
+  }
+}
+
+// Each command's --help prints, for every flag, the default its options really have (taken
+// from the bound variable when the flag is registered): run and infinite differ in --sink,
+// --local and --budget, and stress in its tiny store; a hand-written "(default N)" had drifted
+// (stress --chunk 32/--sink 64/--local 512, run --anchor 3.2).
+TEST(Cli, HelpShowsTheDefaultsEachCommandUses) {
+  TempDir dir;
+  // kvtier run: everything at its default but the size of the job.
+  const auto run_help = HelpDefaults(Kvtier("run --help").out);
+  const std::string run_json = dir.path() + "/run.json";
+  Ran run = Kvtier("run --quiet --context 2048 --geometry 2,4,2,32 --decode-steps 4 --no-baseline --data-dir " +
+                   dir.path() + "/run-data --json " + run_json);
+  ASSERT_EQ(run.code, 0) << run.out;
+  const std::string rep = ReadAll(run_json);
+  ExpectDefaultsUsed("run", run_help, rep,
+                     {{"sink", "n_sink"}, {"local", "n_local"}, {"chunk", "chunk_size"}, {"repr-topk", "repr_topk"},
+                      {"budget", "budget"}, {"window", "window"}, {"stat-stride", "stat_stride"},
+                      {"question-len", "question_len"}, {"needles", "needle_count"}, {"needle-len", "needle_len"},
+                      {"depth", "needle_depth"}, {"anchor", "anchor_strength"}, {"noise", "noise"}, {"seed", "seed"},
+                      {"spearman-windows", "spearman_windows"}, {"question-anchors", "question_anchor_every"},
+                      {"needle-echo", "needle_echo"}},
+                     {{"probe", "probe"}, {"alloc", "alloc"}, {"index", "index"}, {"compression", "compression"}},
+                     {{"hot-bytes", "hot_bytes"}, {"warm-bytes", "warm_bytes"}});
+  EXPECT_EQ(run_help.at("dtype"), JsonText(rep, "geometry").substr(JsonText(rep, "geometry").find(':') + 1));
+  EXPECT_EQ(run_help.at("data-dir"), "kvtier-data");
+  EXPECT_EQ(run_help.at("kv-budget"), "16384");
+
+  // kvtier infinite: the random-weight fixture, everything at its default but the size.
+  const auto inf_help = HelpDefaults(Kvtier("infinite --help").out);
+  const std::string inf_json = dir.path() + "/infinite.json";
+  Ran inf = Kvtier("infinite --quiet --weights " + Fixture("tiny_llama.safetensors") +
+                   " --context 600 --samples 1 --json " + inf_json);
+  ASSERT_EQ(inf.code, 0) << inf.out;
+  const std::string irep = ReadAll(inf_json);
+  ExpectDefaultsUsed("infinite", inf_help, irep.substr(0, irep.find("\"methods\"")),
+                     {{"sink", "sink"}, {"local", "local"}, {"chunk", "chunk"}, {"budget", "budget"},
+                      {"window", "window"}, {"observe", "observe"}, {"seed", "seed"}},
+                     {{"task", "task"}});
+  const std::string described = JsonText(irep, "config", "\"methods\"");
+  for (const char* flag : {"probe", "alloc", "index"})
+    EXPECT_NE(described.find(std::string(flag) + "=" + inf_help.at(flag)), std::string::npos) << flag << ": " << described;
+  EXPECT_NE(described.find("heads=" + inf_help.at("head-merge")), std::string::npos) << described;
+  EXPECT_NE(described.find("rank=" + inf_help.at("rank-by")), std::string::npos) << described;
+  EXPECT_NE(described.find("positions " + inf_help.at("positions")), std::string::npos) << described;
+  EXPECT_EQ(inf_help.count("kv-budget"), 0u) << "required with --compress: no default to show";
+  // The two commands' defaults differ, and each help says so.
+  for (const char* flag : {"sink", "local", "budget"})
+    EXPECT_NE(run_help.at(flag), inf_help.at(flag)) << flag;
+
+  // kvtier stress: its own tiny store.
+  const auto stress_help = HelpDefaults(Kvtier("stress --help").out);
+  const std::string stress_json = dir.path() + "/stress.json";
+  Ran stress = Kvtier("stress --sequences 2 --tokens 300 --data-dir " + dir.path() + "/stress-data --json " +
+                      stress_json);
+  ASSERT_EQ(stress.code, 0) << stress.out;
+  const std::string srep = ReadAll(stress_json);
+  ExpectDefaultsUsed("stress", stress_help, srep,
+                     {{"sink", "n_sink"}, {"local", "n_local"}, {"chunk", "chunk_size"}, {"repr-topk", "repr_topk"},
+                      {"threads", "threads"}, {"fetch-prob", "fetch_probability"}, {"seed", "seed"}},
+                     {{"compression", "compression"}}, {{"hot-bytes", "hot_bytes"}, {"warm-bytes", "warm_bytes"}});
+  EXPECT_EQ(stress_help.at("geometry") + ":" + stress_help.at("dtype"), JsonText(srep, "geometry"));
+
+  // kvtier trace and compile-tables: the library's option structs.
+  const auto trace_help = HelpDefaults(Kvtier("trace --help").out);
+  const model::TraceCaptureOptions trace_defaults;
+  EXPECT_EQ(trace_help.at("context"), std::to_string(trace_defaults.context));
+  EXPECT_EQ(trace_help.at("window"), std::to_string(trace_defaults.window));
+  EXPECT_EQ(trace_help.at("seed"), std::to_string(trace_defaults.seed));
+  EXPECT_EQ(trace_help.at("task"), trace_defaults.task);
+  const auto ct_help = HelpDefaults(Kvtier("compile-tables --help").out);
+  const CompilerKvFitOptions fit;
+  const CompilerKvRecordOptions record;
+  EXPECT_EQ(ct_help.at("steps"), std::to_string(fit.steps));
+  EXPECT_DOUBLE_EQ(std::stod(ct_help.at("lr")), fit.lr);
+  EXPECT_DOUBLE_EQ(std::stod(ct_help.at("alpha-cql")), fit.alpha_cql);
+  EXPECT_EQ(ct_help.at("ent-bins"), std::to_string(record.bins.ent_bins));
+  EXPECT_EQ(ct_help.at("tau-actions"), "0.8,0.85,0.9,0.95,1");
+
+  // No help line spells out a default of its own next to the generated one.
+  for (const char* cmd : {"run", "stress", "infinite", "trace", "compile-tables"}) {
+    std::istringstream in(Kvtier(std::string(cmd) + " --help").out);
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind("  --", 0) != 0) continue;
+      size_t n = 0;
+      for (size_t at = line.find("(default"); at != std::string::npos; at = line.find("(default", at + 1)) ++n;
+      EXPECT_LE(n, 1u) << cmd << ": " << line;
+    }
+  }
 }
 
 }  // namespace

@@ -204,8 +204,10 @@ TEST_F(LlamaModelTest, SealedChunksStillMatchPython) {
   // Without the chunks (sinks + local window only) the logits must differ: the chunks mattered.
   auto sparse = Session(model_.get(), Options(DType::kF32, 4, 8, 4));
   ASSERT_NE(sparse, nullptr);
-  sparse->SetChunkSelector([](int, const float*, const int64_t*, int, const std::vector<ChunkInfo>&)
-                               -> Result<std::vector<uint64_t>> { return std::vector<uint64_t>{}; });
+  ASSERT_TRUE(sparse
+                  ->SetChunkSelector([](int, const float*, const int64_t*, int, const std::vector<ChunkInfo>&)
+                                         -> Result<std::vector<uint64_t>> { return std::vector<uint64_t>{}; })
+                  .ok());
   auto sl = sparse->Prefill(ref_.tokens, 8);
   ASSERT_TRUE(sl.ok()) << sl.status().ToString();
   const double sparse_err = RowRelError(sl->data(), ref_.logits.data(), n());

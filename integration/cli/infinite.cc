@@ -41,6 +41,7 @@ using cli::ParseBytes;
 using cli::ParseInt;
 using cli::ParseIntList;
 using cli::PathFlag;
+using cli::WithDefault;
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -137,28 +138,33 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
   if (m.kind == Method::kRetrieval) {
     KVTIER_RETURN_IF_ERROR(session->EnableRetrieval(m.retrieval));
   } else if (m.kind == Method::kStreaming) {
-    session->SetChunkSelector([](int, const float*, const int64_t*, int, const std::vector<ChunkInfo>&)
-                                  -> Result<std::vector<uint64_t>> { return std::vector<uint64_t>{}; });
+    KVTIER_RETURN_IF_ERROR(session->SetChunkSelector(
+        [](int, const float*, const int64_t*, int, const std::vector<ChunkInfo>&) -> Result<std::vector<uint64_t>> {
+          return std::vector<uint64_t>{};
+        }));
   } else if (m.kind == Method::kNeedleOracle) {
-    session->SetChunkSelector([&sample](int, const float*, const int64_t*, int, const std::vector<ChunkInfo>& chunks)
-                                  -> Result<std::vector<uint64_t>> {
-      std::vector<uint64_t> picked;
-      for (const ChunkInfo& c : chunks)
-        if (c.first_token < sample.needle_end && c.first_token + c.n_tokens > sample.needle_begin)
-          picked.push_back(c.key.index);
-      return picked;
-    });
+    KVTIER_RETURN_IF_ERROR(session->SetChunkSelector(
+        [&sample](int, const float*, const int64_t*, int, const std::vector<ChunkInfo>& chunks)
+            -> Result<std::vector<uint64_t>> {
+          std::vector<uint64_t> picked;
+          for (const ChunkInfo& c : chunks)
+            if (c.first_token < sample.needle_end && c.first_token + c.n_tokens > sample.needle_begin)
+              picked.push_back(c.key.index);
+          return picked;
+        }));
   }
   // Needle recall of the step just run: per layer, were all sealed needle chunks attended?
   auto score_needle = [&]() -> Status {
     for (int layer = 0; layer < model.config().n_layers; ++layer) {
       // Every sealed chunk over the answer, dropped by --compress or not: a compressed-away
       // needle is a miss, not a step that does not count.
-      // Chunk i covers [n_sink + i*C, n_sink + (i+1)*C): the answer's chunks are [lo, hi).
+      // The chunks over the answer's positions [answer_begin, answer_end) are [lo, hi) (store/chunk.h).
       KVTIER_ASSIGN_OR_RETURN(uint64_t sealed, session->store()->ChunkCount(session->sequence(), layer));
       const int64_t C = so.chunk_size;
-      const int64_t lo = std::max<int64_t>(0, sample.answer_begin - so.n_sink) / C;
-      const int64_t hi = std::min<int64_t>(static_cast<int64_t>(sealed), (sample.answer_end - so.n_sink + C - 1) / C);
+      const int64_t lo =
+          ChunkOfPosition(std::max<int64_t>(sample.answer_begin, so.n_sink), so.n_sink, C, kAnyChunkCount);
+      const int64_t hi = std::min<int64_t>(static_cast<int64_t>(sealed),
+                                           ChunkOfPosition(sample.answer_end - 1, so.n_sink, C, kAnyChunkCount) + 1);
       if (lo >= hi) continue;
       const std::vector<uint64_t>& got = session->last_chunks()[static_cast<size_t>(layer)];
       const auto found = std::count_if(got.begin(), got.end(), [&](uint64_t idx) {
@@ -176,104 +182,22 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
   const size_t n_prefill = tokens.size() - 1;
 
   // ---- --compress: the scoring policy over this session's store ----
-  // The capture keeps each layer's `observe` most recent queries (after RoPE at their true
-  // positions); compress() has them attend exactly over every key the layer still holds,
-  // the policy observes that layer by layer, and each layer keeps the chunks holding the
-  // most of the policy's keep set (ChunksToDrop), the rest leaving the store and the index.
+  // The session keeps each layer's `observe` most recent queries; Session::Compress has them
+  // attend exactly over every key the layer still holds (InfLLM positions: where the model
+  // attends them), the policy observes that layer by layer, and each layer keeps the chunks
+  // holding the most of the policy's keep set, the rest leaving the store and the index.
   const model::LlamaConfig& cfg = model.config();
-  const Geometry g = cfg.KvGeometry(DType::kF32);
-  const size_t q_elems = static_cast<size_t>(cfg.q_heads) * cfg.head_dim();
-  std::unique_ptr<ScoringPolicy> policy;
-  struct Query { int64_t position; std::vector<float> q; };
-  std::vector<std::deque<Query>> recent(static_cast<size_t>(cfg.n_layers));  // [layer], oldest first
+  const bool compressing = m.compress && !o.compress.empty();
   const int observe = static_cast<int>(std::min<int64_t>(o.observe, static_cast<int64_t>(n_prefill)));
+  if (compressing) KVTIER_RETURN_IF_ERROR(session->KeepQueries(observe));
+  int64_t compress_every = 0;  // the policy's decode-time period, known after the first compression
   auto compress = [&](int n_queries) -> Status {
-    TieredStore* store = session->store();
-    const SequenceId seq = session->sequence();
-    for (int l = 0; l < cfg.n_layers; ++l) {
-      KVTIER_ASSIGN_OR_RETURN(LayerKeys lk, ReadLayerKeys(store, seq, l));
-      const int64_t n = static_cast<int64_t>(lk.positions.size());
-      // kInfLLM stores keys before RoPE: rotate them where the model attends them (llama.h),
-      // so the policy sees the attention the model would give every held key: local-window
-      // keys at their true positions, memory (sealed chunks, and the sinks once chunks
-      // separate them from the local window) at L0, the local window's first position.
-      // Queries keep their true positions, as the capture gives them.
-      if (m.positions == PositionMode::kInfLLM) {
-        KVTIER_ASSIGN_OR_RETURN(uint64_t sealed, store->ChunkCount(seq, l));
-        const int64_t l0 = so.n_sink + static_cast<int64_t>(sealed) * so.chunk_size;
-        std::vector<int64_t> rope_pos(lk.positions);
-        if (sealed > 0)
-          for (int64_t& p : rope_pos) p = std::max(p, l0);
-        session->ApplyRope(lk.keys.data(), static_cast<int>(n), cfg.kv_heads, rope_pos.data());
-      }
-      const std::deque<Query>& ring = recent[static_cast<size_t>(l)];
-      const int mq = std::min<int>(n_queries, static_cast<int>(ring.size()));
-      if (mq < 1) return Internal("--compress: no queries captured for layer " + std::to_string(l));
-      std::vector<float> q(static_cast<size_t>(mq) * q_elems);
-      std::vector<int64_t> qpos(static_cast<size_t>(mq));
-      for (int i = 0; i < mq; ++i) {
-        const Query& src = ring[ring.size() - static_cast<size_t>(mq) + static_cast<size_t>(i)];
-        qpos[static_cast<size_t>(i)] = src.position;
-        std::copy(src.q.begin(), src.q.end(), q.begin() + static_cast<ptrdiff_t>(i * q_elems));
-      }
-      std::vector<float> attn(static_cast<size_t>(cfg.q_heads) * mq * static_cast<size_t>(n));
-      ExactAttentionRows(g, q.data(), qpos.data(), mq, lk.keys.data(), lk.positions.data(), n, attn.data());
-      AttentionObservation obs;
-      obs.layer = l;
-      obs.n_queries = mq;
-      obs.n_keys = n;
-      obs.key_positions = lk.positions.data();
-      obs.query_positions = qpos.data();
-      obs.attention = attn.data();
-      obs.keys = lk.keys.data();
-      obs.values = lk.values.data();
-      KVTIER_RETURN_IF_ERROR(policy->Observe(obs));
-    }
-    for (int l = 0; l < cfg.n_layers; ++l) {
-      KVTIER_ASSIGN_OR_RETURN(uint64_t n_chunks, store->ChunkCount(seq, l));
-      KVTIER_ASSIGN_OR_RETURN(int64_t n_tokens, store->SequenceLength(seq, l));
-      KVTIER_ASSIGN_OR_RETURN(TokenScores ts, policy->Scores(l));
-      KVTIER_ASSIGN_OR_RETURN(KeepSet keep, policy->Keep(l, o.kv_budget));
-      // The chunks' share of the budget is what the sinks and the local window as the store
-      // holds it now leave (the local ring holds n_local to n_local + chunk - 1 tokens), so the
-      // layer never holds more than --kv-budget tokens.
-      const int64_t sinks = std::min<int64_t>(so.n_sink, n_tokens);
-      const int64_t local = n_tokens - std::min<int64_t>(n_tokens, so.n_sink + static_cast<int64_t>(n_chunks) * so.chunk_size);
-      const int64_t chunk_budget = std::max<int64_t>(0, (o.kv_budget - sinks - local) / so.chunk_size);
-      const std::vector<uint64_t> drop = ChunksToDrop(ts, keep, so.n_sink, so.chunk_size, n_chunks, chunk_budget);
-      const uint64_t before = store->counters().dropped_chunks;
-      KVTIER_RETURN_IF_ERROR(store->DropChunks(seq, l, drop));
-      if (session->retriever()) KVTIER_RETURN_IF_ERROR(session->retriever()->Forget(seq, l, drop));
-      r->dropped_chunks += store->counters().dropped_chunks - before;
-    }
+    KVTIER_ASSIGN_OR_RETURN(CompressReport rep, session->session()->Compress(o.compress, o.kv_budget, n_queries));
+    r->dropped_chunks += rep.dropped_chunks;
     r->compressions += 1;
+    compress_every = rep.compress_every;
     return Status::Ok();
   };
-  if (m.compress && !o.compress.empty()) {
-    KVTIER_ASSIGN_OR_RETURN(policy, MakeScoringPolicy(o.compress));
-    PolicyGeometry pg;
-    pg.layers = cfg.n_layers;
-    pg.q_heads = cfg.q_heads;
-    pg.kv_heads = cfg.kv_heads;
-    pg.head_dim = cfg.head_dim();
-    pg.sink_tokens = so.n_sink;
-    pg.local_tokens = so.n_local;
-    KVTIER_RETURN_IF_ERROR(policy->Begin(pg));
-    // Only the last `observe` prefilled queries and, for policies that compress while
-    // decoding, the decoded ones are copied.
-    const int64_t keep_from = static_cast<int64_t>(n_prefill) - observe;
-    session->SetQkvCapture([&recent, keep_from, q_elems, observe](int layer, int64_t first, int mq, const float* q,
-                                                                   const float*, const float*) {
-      std::deque<Query>& ring = recent[static_cast<size_t>(layer)];
-      for (int i = 0; i < mq; ++i) {
-        if (first + i < keep_from) continue;
-        const float* row = q + static_cast<size_t>(i) * q_elems;
-        ring.push_back(Query{first + i, std::vector<float>(row, row + q_elems)});
-        if (ring.size() > static_cast<size_t>(observe)) ring.pop_front();
-      }
-    });
-  }
-  const int64_t compress_every = policy ? policy->compress_every() : 0;
   const double t0 = Now();
   // The prompt's last token runs as the first decode step, not in the last prefill window:
   // the answer's first byte is then retrieved for by that token's own query (ActQKV Sec. 4.2),
@@ -293,7 +217,7 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
       KVTIER_RETURN_IF_ERROR(compress(static_cast<int>(std::min<int64_t>(o.observe, compress_every))));
     return Status::Ok();
   };
-  if (policy) {
+  if (compressing) {
     KVTIER_RETURN_IF_ERROR(compress(observe));
     KVTIER_ASSIGN_OR_RETURN(uint64_t kept, KeptTokensPerLayer(*session->store(), session->sequence(), cfg.n_layers));
     r->kept_tokens += kept;
@@ -304,7 +228,6 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
       r->kept_tokens_max = std::max<uint64_t>(
           r->kept_tokens_max, static_cast<uint64_t>(n_tokens) - (count - live.size()) * static_cast<uint64_t>(so.chunk_size));
     }
-    if (compress_every == 0) session->SetQkvCapture(nullptr);  // compressing once: nothing more to see
   }
   KVTIER_ASSIGN_OR_RETURN(std::vector<float> last, session->Decode(tokens.back()));
   KVTIER_RETURN_IF_ERROR(score_needle());
@@ -436,11 +359,11 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
 void AddModelTaskFlags(cli::FlagSet* flags, std::string* weights, std::string* task) {
   flags->Add("weights", "kvtier-llama safetensors file (required), e.g. models/kvtier-tiny.safetensors",
              cli::PathFlag(weights));
-  flags->Add("task", "passkey | number_string | kv_retrieval (default passkey)", [task](const std::string& s) {
+  flags->Add("task", "passkey | number_string | kv_retrieval", cli::WithDefault(*task, [task](const std::string& s) {
     KVTIER_RETURN_IF_ERROR(model::CheckTask(s));
     *task = s;
     return Status::Ok();
-  });
+  }));
 }
 
 int RunInfinite(int argc, char** argv) {
@@ -467,66 +390,71 @@ int RunInfinite(int argc, char** argv) {
   bool context_set = false;
   FlagSet f;
   AddModelTaskFlags(&f, &o.weights, &o.task);
-  f.Add("context", "prompt + answer bytes (= tokens) per sample (default 4096)", [&](const std::string& s) {
-    int64_t v = 0;
-    KVTIER_RETURN_IF_ERROR(ParseInt(s, 1, int64_t{1} << 32, &v));
-    if (!context_set) o.contexts.clear();
-    context_set = true;
-    o.contexts = {v};
-    return Status::Ok();
-  });
+  f.Add("context", "prompt + answer bytes (= tokens) per sample",
+        WithDefault(std::to_string(o.contexts.front()), [&](const std::string& s) {
+          int64_t v = 0;
+          KVTIER_RETURN_IF_ERROR(ParseInt(s, 1, int64_t{1} << 32, &v));
+          if (!context_set) o.contexts.clear();
+          context_set = true;
+          o.contexts = {v};
+          return Status::Ok();
+        }));
   f.Add("contexts", "comma-separated context lengths, e.g. 4096,16384 (one table row each)",
         [&](const std::string& s) {
           context_set = true;
           return ParseIntList(s, 1, int64_t{1} << 32, &o.contexts);
         });
-  f.Add("samples", "samples per context length (default 10)", IntFlag(&o.samples, 1, 1 << 20));
-  f.Add("probe", "retrieval probe: act | mean (default act)", [&o](const std::string& s) {
+  f.Add("samples", "samples per context length", IntFlag(&o.samples, 1, 1 << 20));
+  f.Add("probe", "retrieval probe: act | mean", WithDefault(o.retrieval.probe, [&o](const std::string& s) {
     o.retrieval.probe = s;
     return Status::Ok();
-  });
-  f.Add("alloc", "budget allocator: entropy[:min=M,rank=cosine|logit] | topk (default entropy:rank=logit)",
-        [&rf](const std::string& s) { return rf.SetAlloc(s); });
-  f.Add("index", "chunk index: Exact[:heads=sum|max,rerank=F,rerank_min=N] | Flat | HNSW32 (default Exact:heads=max)",
-        [&rf](const std::string& s) { return rf.SetIndex(s); });
+  }));
+  f.Add("alloc", "budget allocator: entropy[:min=M,rank=cosine|logit] | topk",
+        WithDefault(o.retrieval.alloc, [&rf](const std::string& s) { return rf.SetAlloc(s); }));
+  f.Add("index", "chunk index: Exact[:heads=sum|max,rerank=F,rerank_min=N] | Flat | HNSW32",
+        WithDefault(o.retrieval.index, [&rf](const std::string& s) { return rf.SetIndex(s); }));
   f.Add("head-merge", "Exact index: a chunk's per-kv-head scores are summed (sum) or the best head decides (max) "
-        "(index key heads=, default max)", [&rf](const std::string& s) { return rf.SetIndexKey("heads", s); });
+        "(index key heads=)",
+        WithDefault(SpecKey(o.retrieval.index, "heads"),
+                    [&rf](const std::string& s) { return rf.SetIndexKey("heads", s); }));
   f.Add("rank-by", "entropy allocator: a layer takes its chunks by Eq. 10 cosine (cosine, Algorithm 1) or by "
-        "logit (allocator key rank=, default logit)", [&rf](const std::string& s) { return rf.SetAllocKey("rank", s); });
-  f.Add("budget", "retrieved tokens per layer and step (default 256)",
-        IntFlag(&o.retrieval.budget_tokens, 0, 1 << 24));
-  f.Add("policy", "demotion policy of the hot and warm tiers: lru or a scoring policy (default lru)",
-        [&o](const std::string& s) {
+        "logit (allocator key rank=)",
+        WithDefault(SpecKey(o.retrieval.alloc, "rank"),
+                    [&rf](const std::string& s) { return rf.SetAllocKey("rank", s); }));
+  f.Add("budget", "retrieved tokens per layer and step", IntFlag(&o.retrieval.budget_tokens, 0, 1 << 24));
+  f.Add("policy", "demotion policy of the hot and warm tiers: lru or a scoring policy",
+        WithDefault(o.store.warm_policy, [&o](const std::string& s) {
           auto p = MakeDemotionPolicy(s);
           if (!p.ok()) return p.status();
           o.store.hot_policy = o.store.warm_policy = s;
           return Status::Ok();
-        });
-  f.Add("sink", "attention-sink tokens (default 16)", IntFlag(&o.store.n_sink, 0, 1 << 20));
-  f.Add("local", "local-window tokens (default 256)", IntFlag(&o.store.n_local, 1, 1 << 24));
-  f.Add("chunk", "tokens per chunk (default 32)", IntFlag(&o.store.chunk_size, 1, 1 << 16));
-  f.Add("repr-topk", "representative keys per head per chunk (default: every key, = --chunk; the paper "
-        "baselines of --compare keep 4)", IntFlag(&o.store.repr_topk, 1, 1 << 16));
-  f.Add("window", "prefill window in tokens, at most --local (default 64)", IntFlag(&o.window, 1, 1 << 24));
-  f.Add("positions", "infllm (memory at the local window's start, keys stored before RoPE) | absolute "
-        "(default infllm)", [&o](const std::string& s) {
+        }));
+  f.Add("sink", "attention-sink tokens", IntFlag(&o.store.n_sink, 0, 1 << 20));
+  f.Add("local", "local-window tokens", IntFlag(&o.store.n_local, 1, 1 << 24));
+  f.Add("chunk", "tokens per chunk", IntFlag(&o.store.chunk_size, 1, 1 << 16));
+  f.Add("repr-topk", "representative keys per head per chunk (the paper baselines of --compare keep 4)",
+        WithDefault("every key, = --chunk", IntFlag(&o.store.repr_topk, 1, 1 << 16)));
+  f.Add("window", "prefill window in tokens, at most --local", IntFlag(&o.window, 1, 1 << 24));
+  f.Add("positions", "infllm (memory at the local window's start, keys stored before RoPE) | absolute",
+        WithDefault(model::PositionModeName(o.positions), [&o](const std::string& s) {
           auto p = model::ParsePositionMode(s);
           if (!p.ok()) return p.status();
           o.positions = *p;
           return Status::Ok();
-        });
-  f.Add("hot-bytes", "hot slot pool (default: what one layer attends)", [&o](const std::string& s) {
+        }));
+  f.Add("hot-bytes", "hot slot pool", WithDefault("what one layer attends", [&o](const std::string& s) {
     o.hot_set = true;
     return ParseBytes(s, &o.store.hot_bytes);
-  });
-  f.Add("warm-bytes", "warm tier (default: every chunk; less needs --data-dir)", [&o](const std::string& s) {
-    o.warm_set = true;
-    return ParseBytes(s, &o.store.warm_bytes);
-  });
-  f.Add("data-dir", "cold tier (RocksDB) directory (default none)", PathFlag(&o.store.data_dir));
-  f.Add("full-max-bytes", "--compare: full attention runs where one layer's chunks fit in this (default 1G)",
-        [&o](const std::string& s) { return ParseBytes(s, &o.full_max_bytes); });
-  f.Add("seed", "random seed of the samples (default 1)", IntFlag(&o.seed, 0, INT64_MAX));
+  }));
+  f.Add("warm-bytes", "warm tier; less than every chunk needs --data-dir",
+        WithDefault("every chunk", [&o](const std::string& s) {
+          o.warm_set = true;
+          return ParseBytes(s, &o.store.warm_bytes);
+        }));
+  f.Add("data-dir", "cold tier (RocksDB) directory", WithDefault("none", PathFlag(&o.store.data_dir)));
+  f.Add("full-max-bytes", "--compare: full attention runs where one layer's chunks fit in this",
+        cli::BytesFlag(&o.full_max_bytes));
+  f.Add("seed", "random seed of the samples", IntFlag(&o.seed, 0, INT64_MAX));
   f.Add("compare", "full attention, StreamingLLM, InfLLM (mean+topk), ActQKV (act+entropy), kvtier (these flags) "
         "and a needle oracle on the same samples at the same budget; one table by context length", [&o](const std::string& s) {
           o.compare = s != "0";
@@ -542,11 +470,11 @@ int RunInfinite(int argc, char** argv) {
           return Status::Ok();
         });
   f.Add("kv-budget", "--compress: tokens kept per layer, sinks and local window included (required with "
-        "--compress, at least --sink + --local; the store's local window holds up to --chunk - 1 tokens more "
+        "--compress, at least --sink + --local; the store's local window holds up to --chunk tokens more "
         "than --local and is never dropped, so a budget below --sink + --local + --chunk may be exceeded by that)",
-        IntFlag(&o.kv_budget, 1, int64_t{1} << 40));
+        WithDefault("", IntFlag(&o.kv_budget, 1, int64_t{1} << 40)));
   f.Add("observe", "--compress: the last prompt tokens whose queries' exact attention over every held key "
-        "the policy observes (default 32)", IntFlag(&o.observe, 1, 1 << 16));
+        "the policy observes", IntFlag(&o.observe, 1, 1 << 16));
   f.Add("json", "write the report as JSON to this file", PathFlag(&o.json));
   f.Add("quiet", "no progress on stderr", [&o](const std::string& s) {
     o.quiet = s != "0";

@@ -1,5 +1,7 @@
 #include "integration/model/llama.h"
 
+#include "kernels/cpu/rope.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -86,29 +88,6 @@ void RmsNorm(const float* x, int m, int d, const float* w, double eps, float* ou
     const float r = static_cast<float>(1.0 / std::sqrt(ss / d + eps));
     float* o = out + static_cast<size_t>(t) * d;
     for (int i = 0; i < d; ++i) o[i] = xr[i] * r * w[i];
-  }
-}
-
-// Rotate-half RoPE (Hugging Face Llama): for i < D/2, with a = pos * inv_freq[i],
-// x'[i] = x[i] cos a - x[i + D/2] sin a,  x'[i + D/2] = x[i + D/2] cos a + x[i] sin a.
-// Angles in double, cos/sin rounded to fp32 once, like models/model.py.
-void Rope(float* x, int m, int heads, int head_dim, const int64_t* positions, const std::vector<double>& inv_freq) {
-  const int half = head_dim / 2;
-  std::vector<float> c(half), s(half);
-  for (int t = 0; t < m; ++t) {
-    for (int i = 0; i < half; ++i) {
-      const double a = static_cast<double>(positions[t]) * inv_freq[i];
-      c[i] = static_cast<float>(std::cos(a));
-      s[i] = static_cast<float>(std::sin(a));
-    }
-    for (int h = 0; h < heads; ++h) {
-      float* v = x + (static_cast<size_t>(t) * heads + h) * head_dim;
-      for (int i = 0; i < half; ++i) {
-        const float x1 = v[i], x2 = v[i + half];
-        v[i] = x1 * c[i] + (-x2) * s[i];
-        v[i + half] = x2 * c[i] + x1 * s[i];
-      }
-    }
   }
 }
 
@@ -222,44 +201,17 @@ Result<std::unique_ptr<LlamaModel>> LlamaModel::FromSafeTensors(const SafeTensor
 // ---------------------------------------------------------------------------
 // LlamaSession
 
-Result<PositionMode> ParsePositionMode(const std::string& s) {
-  if (s == "absolute") return PositionMode::kAbsolute;
-  if (s == "infllm") return PositionMode::kInfLLM;
-  return InvalidArgument("unknown position mode '" + s + "' (absolute | infllm)");
-}
-
-const char* PositionModeName(PositionMode mode) {
-  switch (mode) {
-    case PositionMode::kAbsolute: return "absolute";
-    case PositionMode::kInfLLM: return "infllm";
-  }
-  return "?";
-}
-
-Result<std::vector<uint64_t>> SelectAllChunks(int, const float*, const int64_t*, int,
-                                              const std::vector<ChunkInfo>& chunks) {
-  std::vector<uint64_t> out;
-  out.reserve(chunks.size());
-  for (const ChunkInfo& c : chunks) out.push_back(c.key.index);
-  return out;
-}
-
-LlamaSession::LlamaSession(const LlamaModel* model, std::unique_ptr<TieredStore> store, SequenceId seq,
-                           PositionMode positions)
-    : model_(model), store_(std::move(store)), seq_(seq), positions_(positions) {
-  const int hd = model->config().head_dim();
-  inv_freq_.resize(hd / 2);
-  for (int i = 0; i < hd / 2; ++i)
-    inv_freq_[i] = 1.0 / std::pow(model->config().rope_theta, static_cast<double>(2 * i) / hd);
-  last_chunks_.resize(model->config().n_layers);
+LlamaSession::LlamaSession(const LlamaModel* model, std::unique_ptr<TieredStore> store, std::unique_ptr<Session> session)
+    : model_(model), store_(std::move(store)), session_(std::move(session)) {
+  inv_freq_ = kernels::RopeInvFreq(model->config().head_dim(), model->config().rope_theta);
 }
 
 void LlamaSession::ApplyRope(float* x, int m, int heads, const int64_t* positions) const {
-  Rope(x, m, heads, model_->config().head_dim(), positions, inv_freq_);
+  kernels::Rope(x, m, heads, model_->config().head_dim(), positions, inv_freq_.data());
 }
 
 LlamaSession::~LlamaSession() {
-  if (store_) store_->DropSequence(seq_).IgnoreError();  // best effort: the store goes away with us
+  if (session_) session_->Drop().IgnoreError();  // best effort: the store goes away with us
 }
 
 Result<std::unique_ptr<LlamaSession>> LlamaSession::Create(const LlamaModel* model, StoreOptions options,
@@ -269,17 +221,46 @@ Result<std::unique_ptr<LlamaSession>> LlamaSession::Create(const LlamaModel* mod
     return InvalidArgument("LlamaSession: unknown position mode " + std::to_string(static_cast<int>(positions)));
   options.geometry = model->config().KvGeometry(options.geometry.dtype);
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<TieredStore> store, TieredStore::Open(options));
-  KVTIER_ASSIGN_OR_RETURN(SequenceId seq, store->CreateSequence());
-  return std::unique_ptr<LlamaSession>(new LlamaSession(model, std::move(store), seq, positions));
+  SessionOptions so;
+  so.retrieve = false;  // every live chunk until EnableRetrieval or SetChunkSelector
+  so.positions = positions;
+  so.rope_theta = model->config().rope_theta;
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, Session::Open(store.get(), so));
+  return std::unique_ptr<LlamaSession>(new LlamaSession(model, std::move(store), std::move(session)));
+}
+
+Status LlamaSession::ReplaceSession(SessionOptions options, ChunkSelector selector) {
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, Session::Attach(store_.get(), session_->sequence(), options));
+  s->SetChunkSelector(std::move(selector));
+  session_ = std::move(s);
+  return Status::Ok();
+}
+
+Status LlamaSession::KeepQueries(int n) {
+  if (position_ != 0)
+    return FailedPrecondition("KeepQueries: the session has already run " + std::to_string(position_) + " tokens");
+  SessionOptions o = session_->options();
+  o.keep_queries = n;
+  return ReplaceSession(o, nullptr);
+}
+
+Status LlamaSession::SetChunkSelector(ChunkSelector selector) {
+  if (position_ != 0)
+    return FailedPrecondition("SetChunkSelector: the session has already run " + std::to_string(position_) + " tokens");
+  SessionOptions o = session_->options();
+  o.retrieve = false;
+  return ReplaceSession(o, std::move(selector));
 }
 
 Status LlamaSession::EnableRetrieval(const RetrieverOptions& options) {
   if (position_ != 0)
     return FailedPrecondition("EnableRetrieval: the session has already run " + std::to_string(position_) +
                               " tokens; enable retrieval before the first one (the probe sees every window)");
-  auto r = Retriever::Create(store_.get(), options);
-  if (!r.ok()) return InvalidArgument("EnableRetrieval: " + r.status().message());
-  retriever_ = std::move(*r);
+  SessionOptions o = session_->options();
+  o.retrieve = true;
+  o.retrieval = options;
+  Status st = ReplaceSession(o, nullptr);
+  if (!st.ok()) return InvalidArgument("EnableRetrieval: " + st.message());
   return Status::Ok();
 }
 
@@ -323,42 +304,24 @@ Status LlamaSession::Run(const int32_t* tokens, int m, float* logits, bool decod
 
 namespace {
 
-// kInfLLM: one attended part copied to fp32 with its keys rotated. `rope_pos` is the
-// position every key of the part is rotated at, or -1 for the keys' true positions.
-void RotatedCopy(const kernels::KvSpan& src, DType dtype, int kv_heads, int head_dim, int64_t rope_pos,
-                 const std::vector<double>& inv_freq, std::vector<float>* k, std::vector<float>* v) {
-  const size_t n = static_cast<size_t>(src.n_tokens) * kv_heads * head_dim;
-  k->resize(n);
-  v->resize(n);
-  if (n == 0) return;
-  ToFloat(dtype, src.k, k->data(), n);
-  ToFloat(dtype, src.v, v->data(), n);
-  std::vector<int64_t> pos(src.n_tokens);
-  for (int t = 0; t < src.n_tokens; ++t) pos[t] = rope_pos >= 0 ? rope_pos : src.first_position + t;
-  Rope(k->data(), src.n_tokens, kv_heads, head_dim, pos.data(), inv_freq);
-}
-
 }  // namespace
 
 Status LlamaSession::Forward(const int32_t* tokens, int m, float* logits, bool decode) {
   const LlamaConfig& c = model_->config();
   const int d = c.d_model, hd = c.head_dim(), qd = c.q_heads * hd, kvd = c.kv_heads * hd, f = c.ffn_hidden;
   const Geometry& g = store_->options().geometry;
-  const bool infllm = positions_ == PositionMode::kInfLLM;
+  const bool infllm = session_->options().positions == PositionMode::kInfLLM;
   const size_t md = static_cast<size_t>(m);
-  std::vector<int64_t> pos(md), rel(md);
+  std::vector<int64_t> pos(md);
   std::iota(pos.begin(), pos.end(), position_);
 
   std::vector<float> x(md * d), h(md * d), q(md * qd), k(md * kvd), v(md * kvd), att(md * qd);
-  std::vector<float> q_mem;  // kInfLLM: the pre-RoPE queries rotated by position - L0 (memory's view)
-  std::vector<float> k_rot;  // kInfLLM with a capture: the keys rotated at their true positions
+  std::vector<float> q_rot, k_rot;  // kInfLLM with a capture: rotated copies at the true positions
   std::vector<float> gate(md * f), up(md * f);
   std::vector<uint8_t> kb(md * kvd * DTypeSize(g.dtype)), vb(kb.size());
-  // kInfLLM scratch: per attended part, fp32 K rotated for this step and fp32 V.
-  std::vector<std::vector<float>> scratch_k, scratch_v;
   for (int t = 0; t < m; ++t)
     std::copy_n(model_->embed().data() + static_cast<size_t>(tokens[t]) * d, d, x.data() + static_cast<size_t>(t) * d);
-  if (retriever_) retriever_->BeginStep();
+  KVTIER_RETURN_IF_ERROR(session_->BeginStep(decode ? StepKind::kDecode : StepKind::kPrefill));
 
   for (int l = 0; l < c.n_layers; ++l) {
     const LlamaLayer& L = model_->layers()[l];
@@ -366,92 +329,29 @@ Status LlamaSession::Forward(const int32_t* tokens, int m, float* logits, bool d
     MatMul(h.data(), m, d, L.wq.data(), qd, q.data(), false);
     MatMul(h.data(), m, d, L.wk.data(), kvd, k.data(), false);
     MatMul(h.data(), m, d, L.wv.data(), kvd, v.data(), false);
-    if (infllm) q_mem = q;
-    Rope(q.data(), m, c.q_heads, hd, pos.data(), inv_freq_);
-    if (!infllm) Rope(k.data(), m, c.kv_heads, hd, pos.data(), inv_freq_);  // kInfLLM stores keys before RoPE
-    if (capture_) {
-      if (infllm) {  // the capture sees keys at their true positions in both modes
-        k_rot = k;
-        Rope(k_rot.data(), m, c.kv_heads, hd, pos.data(), inv_freq_);
-      }
-      capture_(l, position_, m, q.data(), infllm ? k_rot.data() : k.data(), v.data());
+    // kAbsolute: the engine (this model) applies RoPE; kInfLLM: the session does, at attention
+    // time, and the store keeps keys before RoPE.
+    if (!infllm) {
+      ApplyRope(q.data(), m, c.q_heads, pos.data());
+      ApplyRope(k.data(), m, c.kv_heads, pos.data());
     }
-
+    if (capture_) {
+      if (infllm) {  // the capture sees queries and keys at their true positions in both modes
+        q_rot = q;
+        k_rot = k;
+        ApplyRope(q_rot.data(), m, c.q_heads, pos.data());
+        ApplyRope(k_rot.data(), m, c.kv_heads, pos.data());
+        capture_(l, position_, m, q_rot.data(), k_rot.data(), v.data());
+      } else {
+        capture_(l, position_, m, q.data(), k.data(), v.data());
+      }
+    }
     // The window's K/V go into the store first, so its queries find them in the local window.
     FromFloat(g.dtype, k.data(), kb.data(), k.size());
     FromFloat(g.dtype, v.data(), vb.data(), v.size());
-    KVTIER_RETURN_IF_ERROR(store_->Append(seq_, l, kb.data(), vb.data(), m, g.dtype));
-    KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, l));
-    // L0: where the local window starts; memory (chunks, separated sinks) sits there in kInfLLM.
-    const int64_t local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
-    const float* q_sel = q.data();
-    if (infllm) {
-      for (int t = 0; t < m; ++t) rel[t] = pos[t] - local_start;
-      Rope(q_mem.data(), m, c.q_heads, hd, rel.data(), inv_freq_);
-      q_sel = q_mem.data();
-    }
-
-    std::vector<uint64_t> picked;
-    if (retriever_) {
-      if (!decode)  // representative keys follow the attention the window's queries pay to the local window
-        KVTIER_RETURN_IF_ERROR(store_->ObserveQueries(seq_, l, q_sel, pos.data(), m));
-      // Select builds the probe from this window (for a prefill window that is also
-      // the probe's Observe: ActQKV's running statistics see every window once).
-      KVTIER_ASSIGN_OR_RETURN(LayerSelection sel, retriever_->Select(seq_, l, q_sel, m, decode));
-      picked = std::move(sel.chunks);
-    } else {
-      KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store_->ListChunks(seq_, l));
-      KVTIER_ASSIGN_OR_RETURN(picked, selector_(l, q_sel, pos.data(), m, chunks));
-    }
-    max_layer_chunks_ = std::max(max_layer_chunks_, picked.size());
-    total_chunks_ += picked.size();
-    last_chunks_[l] = picked;
-    FetchHandle fetch;
-    if (!picked.empty()) {
-      KVTIER_ASSIGN_OR_RETURN(fetch, store_->FetchChunks(seq_, l, picked));
-      KVTIER_RETURN_IF_ERROR(fetch.Wait());
-    }
-    std::vector<kernels::KvSpan> parts;
-    parts.push_back(view.sinks);
-    if (!fetch.empty())
-      for (const auto& sp : fetch.spans()) parts.push_back(sp);
-    for (int i = 0; i < view.n_local_spans; ++i) parts.push_back(view.local[i]);
-
-    DType attn_dtype = g.dtype;
-    if (infllm) {
-      // Rotate copies: sinks at L0 once chunks separate them from the local window
-      // (true positions while contiguous), chunks at L0, the local window at true positions.
-      const bool sinks_are_memory = view.sinks.first_position + view.sinks.n_tokens < local_start;
-      scratch_k.resize(parts.size());
-      scratch_v.resize(parts.size());
-      const size_t n_chunks = fetch.empty() ? 0 : fetch.spans().size();
-      for (size_t i = 0; i < parts.size(); ++i) {
-        const bool is_chunk = i >= 1 && i <= n_chunks;
-        const int64_t rope_pos = is_chunk || (i == 0 && sinks_are_memory) ? local_start : -1;
-        RotatedCopy(parts[i], g.dtype, c.kv_heads, hd, rope_pos, inv_freq_, &scratch_k[i], &scratch_v[i]);
-        parts[i].k = scratch_k[i].data();
-        parts[i].v = scratch_v[i].data();
-      }
-      attn_dtype = DType::kF32;
-    }
-
-    kernels::AttentionParams p;
-    p.q_heads = c.q_heads;
-    p.kv_heads = c.kv_heads;
-    p.head_dim = hd;
-    p.dtype = attn_dtype;
-    p.scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    p.n_queries = m;
-    p.q = q.data();
-    p.q_positions = pos.data();
-    p.parts = parts.data();
-    p.n_parts = static_cast<int>(parts.size());
-    p.out = att.data();
-    p.causal = true;
-    const kernels::KernelError e = kernels::Attention(p);
-    if (e != kernels::KernelError::kOk)
-      return Internal("layer " + std::to_string(l) + ": attention kernel: " + kernels::KernelErrorString(e));
-    fetch.Release();
+    KVTIER_RETURN_IF_ERROR(session_->Append(l, kb.data(), vb.data(), m, g.dtype));
+    Status st = session_->Attend(l, q.data(), pos.data(), m, att.data());
+    if (!st.ok()) return Status(st.code(), "layer " + std::to_string(l) + ": " + st.message());
 
     MatMul(att.data(), m, qd, L.wo.data(), d, x.data(), true);
     RmsNorm(x.data(), m, d, L.mlp_norm.data(), c.norm_eps, h.data());

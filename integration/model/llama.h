@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "integration/model/safetensors.h"
+#include "kvtier/session.h"
 #include "offload/tiered_store.h"
 #include "retrieval/retriever.h"
 #include "store/status.h"
@@ -98,24 +99,13 @@ class LlamaModel {
   std::vector<LlamaLayer> layers_;
 };
 
-/// How keys get their positions; see the top of this file.
-enum class PositionMode { kAbsolute, kInfLLM };
-/// "absolute" | "infllm".
-Result<PositionMode> ParsePositionMode(const std::string& s);
-const char* PositionModeName(PositionMode mode);
-
-/// Picks the sealed chunks one layer's queries attend to (besides sinks and the
-/// local window). `q` is [m, q_heads, head_dim] fp32 as memory sees them: after
-/// RoPE at `positions` (kAbsolute), or rotated by position - L0 (kInfLLM, see the
-/// top of this file) so that q.k with the stored keys scores a chunk;
-/// `chunks` lists the layer's live sealed chunks in token order. Returns chunk
-/// indices (ChunkKey::index) to fetch. Retrieval plugs in here.
-using ChunkSelector = std::function<Result<std::vector<uint64_t>>(
-    int layer, const float* q, const int64_t* positions, int m, const std::vector<ChunkInfo>& chunks)>;
-
-/// Every live sealed chunk: full attention through the store.
-Result<std::vector<uint64_t>> SelectAllChunks(int layer, const float* q, const int64_t* positions, int m,
-                                              const std::vector<ChunkInfo>& chunks);
+// Positions and chunk selection are the engine API's (include/kvtier/session.h): the
+// forward pass is a kvtier::Session client like any engine.
+using kvtier::ChunkSelector;
+using kvtier::ParsePositionMode;
+using kvtier::PositionMode;
+using kvtier::PositionModeName;
+using kvtier::SelectAllChunks;
 
 /// One sequence decoded by a model over its own TieredStore.
 class LlamaSession {
@@ -129,16 +119,17 @@ class LlamaSession {
   ~LlamaSession();
 
   /// Replaces the chunk selector (and turns retrieval off).
-  void SetChunkSelector(ChunkSelector selector) {
-    selector_ = std::move(selector);
-    retriever_.reset();
-  }
+  Status SetChunkSelector(ChunkSelector selector);
   /// Selects chunks with a Retriever over this session's store from now on. Must
   /// come before the first token (the probe statistics run over every window);
   /// bad options are InvalidArgument naming them.
   Status EnableRetrieval(const RetrieverOptions& options);
-  Retriever* retriever() { return retriever_.get(); }
-  PositionMode position_mode() const { return positions_; }
+  /// Keeps each layer's n most recent queries for session()->Compress (before the first token).
+  Status KeepQueries(int n);
+  Retriever* retriever() { return session_->retriever(); }
+  PositionMode position_mode() const { return session_->options().positions; }
+  /// The engine-API session the forward pass drives (counters, Compress, Gather).
+  Session* session() { return session_.get(); }
 
   /// Sees every layer's q, k and v of each step, right after they are computed and before
   /// anything is stored: q [m, q_heads, head_dim] and k [m, kv_heads, head_dim] after RoPE
@@ -155,10 +146,10 @@ class LlamaSession {
   void ApplyRope(float* x, int m, int heads, const int64_t* positions) const;
 
   /// Chunk indices each layer attended in the last step (prefill window or decode), [layer].
-  const std::vector<std::vector<uint64_t>>& last_chunks() const { return last_chunks_; }
+  const std::vector<std::vector<uint64_t>>& last_chunks() const { return session_->last_chunks(); }
   /// Most chunks one layer attended in one step, and chunks attended summed over steps and layers.
-  size_t max_layer_chunks() const { return max_layer_chunks_; }
-  uint64_t total_chunks() const { return total_chunks_; }
+  size_t max_layer_chunks() const { return session_->counters().max_layer_chunks; }
+  uint64_t total_chunks() const { return session_->counters().chunks_attended; }
 
   /// Runs the tokens (bytes 0..vocab-1) at positions position()..position()+n-1
   /// through the model, `window` tokens at a time (1..n_local), and returns the
@@ -173,10 +164,12 @@ class LlamaSession {
   /// Tokens run so far (the position of the next one).
   int64_t position() const { return position_; }
   TieredStore* store() { return store_.get(); }
-  SequenceId sequence() const { return seq_; }
+  SequenceId sequence() const { return session_->sequence(); }
 
  private:
-  LlamaSession(const LlamaModel* model, std::unique_ptr<TieredStore> store, SequenceId seq, PositionMode positions);
+  LlamaSession(const LlamaModel* model, std::unique_ptr<TieredStore> store, std::unique_ptr<Session> session);
+  /// A new Session over the same sequence with these options (before the first token only).
+  Status ReplaceSession(SessionOptions options, ChunkSelector selector);
   /// Tokens [position_, position_+m) through every layer; writes logits [m, vocab]. `decode`: one
   /// generated token (the retriever's probe uses its query alone).
   Status Forward(const int32_t* tokens, int m, float* logits, bool decode);
@@ -185,16 +178,10 @@ class LlamaSession {
 
   const LlamaModel* model_;
   std::unique_ptr<TieredStore> store_;
-  SequenceId seq_;
+  std::unique_ptr<Session> session_;  // declared after store_: destroyed before it
   int64_t position_ = 0;
   Status broken_;  // set when a forward pass failed part-way: layers may hold different token counts
-  ChunkSelector selector_ = SelectAllChunks;
-  PositionMode positions_ = PositionMode::kAbsolute;
-  std::unique_ptr<Retriever> retriever_;
   QkvCapture capture_;
-  std::vector<std::vector<uint64_t>> last_chunks_;
-  size_t max_layer_chunks_ = 0;
-  uint64_t total_chunks_ = 0;
   std::vector<double> inv_freq_;  // [head_dim / 2] RoPE frequencies, double like the reference
 };
 

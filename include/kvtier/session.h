@@ -1,0 +1,237 @@
+// kvtier::Session: one sequence's view of a TieredStore, the object an inference
+// engine talks to. It owns the sequence's retrieval state (probe statistics of
+// ActQKV Eq. 8, the entropy allocator's per-step budget of Eq. 12, the chunk
+// indexes), so two sequences never mix their statistics, and it runs a layer's
+// whole memory step in one call:
+//
+//   Attend(layer, q, positions, m, out)
+//     = probe (Eq. 7-9) -> chunk search (Eq. 10) -> budget (Eq. 11-12)
+//       -> fetch the chosen chunks into hot slots -> attention over
+//          sinks | chunks | local window (log-sum-exp merged) -> unpin
+//
+// with the time of each part returned as AttendStats and summed in counters().
+// Engines that run their own attention call Gather() instead: it returns the
+// spans to attend, pinned until the returned LayerParts is released or destroyed.
+//
+// A step is BeginStep(kind), then Attend (or Gather) for layer 0, 1, ..., L-1 in
+// that order: the entropy allocator hands what a shallow layer leaves to deeper
+// ones. Append puts a layer's new K/V in the store first, so a window's queries
+// find its own keys in the local window (causal by positions).
+//
+// Positions (SessionOptions::positions):
+//  * kAbsolute: the engine applies RoPE; keys are appended and queries passed
+//    after RoPE at their absolute positions. With every chunk attended this is
+//    exactly full attention.
+//  * kInfLLM: keys are appended and queries passed BEFORE RoPE; the session
+//    rotates (rotate-half RoPE with rope_theta) at attention time, InfLLM-style:
+//    with L0 = the local window's first position, local keys sit at their true
+//    positions, retrieved chunks all at L0, and the sinks at L0 once chunks
+//    separate them from the local window (true positions while contiguous).
+//    Queries keep their true positions; retrieval sees them rotated by p - L0,
+//    so q.k_stored is the score a key gets as a memory unit.
+//
+// Threading: a Session is driven by one thread at a time. Different Sessions
+// may run concurrently on different threads over one TieredStore (the store
+// serialises what it shares; attention and search use oneTBB inside). Several
+// Sessions may attach to one sequence (e.g. to compare retrieval settings on the
+// same data); only one of them may Append, and they must not run at once.
+// Results do not depend on the thread a session runs on or on what other
+// sessions do (tests/session_test.cc checks 8 sessions on 4 threads bit for bit
+// against their single-threaded runs).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "offload/policy/scoring_policy.h"
+#include "offload/tiered_store.h"
+#include "retrieval/retriever.h"
+#include "store/status.h"
+
+namespace kvtier {
+
+/// How keys get their positions; see the top of this file.
+enum class PositionMode { kAbsolute, kInfLLM };
+/// "absolute" | "infllm".
+Result<PositionMode> ParsePositionMode(const std::string& s);
+const char* PositionModeName(PositionMode mode);
+
+/// Picks the sealed chunks one layer's queries attend to, in place of retrieval.
+/// `q` is [m, q_heads, head_dim] fp32 as memory sees it (kInfLLM: rotated by
+/// position - L0); `chunks` lists the layer's live sealed chunks in token order.
+/// Returns chunk indices (ChunkKey::index) to fetch.
+using ChunkSelector = std::function<Result<std::vector<uint64_t>>(
+    int layer, const float* q, const int64_t* positions, int m, const std::vector<ChunkInfo>& chunks)>;
+
+/// Every live sealed chunk: full attention through the store.
+Result<std::vector<uint64_t>> SelectAllChunks(int layer, const float* q, const int64_t* positions, int m,
+                                              const std::vector<ChunkInfo>& chunks);
+
+/// Retrieval settings under one name (`--preset`). "kvtier" is the default.
+///  * "infllm": InfLLM as written: mean probe, fixed top-k, 4 representatives per chunk,
+///    scores summed over kv heads.
+///  * "actqkv": ActQKV as written: activation-bias probe (Eq. 7-9), entropy cut-off
+///    (Eq. 10-12), chunks taken in cosine order, scores summed over kv heads.
+///  * "kvtier": ActQKV's probe and budget, with a chunk scored by its most interested kv
+///    head (heads=max) and taken in logit order (rank=logit); see docs/retrieval.md for
+///    the measurements behind it.
+struct RetrievalPreset {
+  RetrieverOptions retrieval;  ///< probe, allocator, index (budget_tokens left as the caller sets it)
+  int repr_topk = 4;           ///< representatives per chunk (StoreOptions::repr_topk), 0 = every key of the chunk
+};
+Result<RetrievalPreset> MakeRetrievalPreset(const std::string& name);
+/// Every preset name, default first.
+std::vector<std::string> RetrievalPresetNames();
+
+struct SessionOptions {
+  RetrieverOptions retrieval;                        ///< probe, allocator, index and budget (defaults: see RetrieverOptions)
+  bool retrieve = true;                              ///< false: attend every live chunk (full attention through the store)
+  PositionMode positions = PositionMode::kAbsolute;  ///< keys after RoPE (absolute) or before it (infllm)
+  double rope_theta = 10000.0;                       ///< kInfLLM: RoPE base (rotate-half, Hugging Face Llama)
+  bool observe_prefill = true;                       ///< prefill Attend feeds representative-key statistics
+  int keep_queries = 0;                              ///< most recent queries kept per layer for Compress (0 = none)
+  Status Validate() const;
+};
+
+enum class StepKind {
+  kPrefill,  ///< a window of m >= 1 prompt tokens: the probe pools the window and updates Eq. 8's statistics
+  kDecode,   ///< one generated token: the probe is that token's own query (ActQKV Sec. 4.2)
+};
+
+/// One Attend (or Gather) call.
+struct AttendStats {
+  double probe_ms = 0, search_ms = 0, alloc_ms = 0;  ///< retrieval: Eq. 7-9, Eq. 10 search, Eq. 11-12
+  double fetch_ms = 0;                               ///< chunk promotion into hot slots, waited for
+  double attention_ms = 0;                           ///< the attention kernel (and kInfLLM rotation)
+  double entropy = 0;                                ///< Θ^ℓ of Eq. 11 when the allocator computed it
+  size_t chunks = 0;                                 ///< chunks attended
+};
+
+/// Totals over the session's life.
+struct SessionCounters {
+  uint64_t steps = 0;             ///< BeginStep calls
+  uint64_t attends = 0;           ///< Attend/Gather calls (layer steps)
+  uint64_t tokens_appended = 0;   ///< summed over layers
+  uint64_t chunks_attended = 0;   ///< summed over layer steps
+  uint64_t max_layer_chunks = 0;  ///< most chunks one layer attended in one step
+  uint64_t compressions = 0;      ///< Compress calls that ran
+  uint64_t dropped_chunks = 0;    ///< chunks Compress removed
+  double probe_ms = 0, search_ms = 0, alloc_ms = 0, fetch_ms = 0, attention_ms = 0;
+};
+
+/// The spans one layer attends, for engines that run their own attention. The chunks
+/// stay pinned in hot slots until Release() or destruction. kInfLLM: spans hold the
+/// keys as stored (before RoPE); `rope_positions` says where each part's keys belong.
+struct LayerParts {
+  std::vector<kernels::KvSpan> parts;    ///< sinks, retrieved chunks (best first), local window (oldest first)
+  std::vector<int64_t> rope_positions;   ///< [parts] kInfLLM: every key of part i at this position, -1 = true positions
+  size_t n_chunks = 0;                   ///< parts[1 .. n_chunks] are chunks
+  std::vector<uint64_t> chunks;          ///< chunk indices attended, as parts[1..n_chunks]
+  int64_t local_start = 0;               ///< L0: first position of the local window
+  AttendStats stats;
+  FetchHandle fetch;                     ///< the pins
+  void Release() { fetch.Release(); }
+};
+
+/// What one Compress did.
+struct CompressReport {
+  std::string policy;              ///< the policy's ToString()
+  uint64_t dropped_chunks = 0;     ///< over every layer
+  uint64_t kept_tokens = 0;        ///< per layer, mean over layers, after the compression
+  int64_t compress_every = 0;      ///< the policy's decode-time recompression period (0 = once)
+};
+
+class Session {
+ public:
+  /// Creates a new sequence in `store` and a session over it. The store must outlive the session.
+  static Result<std::unique_ptr<Session>> Open(TieredStore* store, const SessionOptions& options);
+  /// A session over an existing sequence (e.g. one recovered by reopening the store, or one
+  /// another session appends to).
+  static Result<std::unique_ptr<Session>> Attach(TieredStore* store, SequenceId seq, const SessionOptions& options);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  SequenceId sequence() const { return seq_; }
+  TieredStore* store() const { return store_; }
+  const SessionOptions& options() const { return options_; }
+  const Geometry& geometry() const { return store_->options().geometry; }
+
+  /// Appends n tokens of K and V ([n, kv_heads, head_dim] in `dtype`, which must be the
+  /// store's) to one layer. kInfLLM: keys before RoPE.
+  Status Append(int layer, const void* k, const void* v, int n, DType dtype);
+  /// Starts a step over all layers.
+  Status BeginStep(StepKind kind);
+  /// One layer's memory step: q [m, q_heads, head_dim] fp32 at `positions` (increasing,
+  /// the tokens just appended), out [m, q_heads, head_dim] fp32. kDecode steps take m = 1.
+  Status Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
+                AttendStats* stats = nullptr);
+  /// Attend without the attention: chooses and fetches the chunks and returns what to attend.
+  Result<LayerParts> Gather(int layer, const float* q, const int64_t* positions, int m);
+  /// Feeds prefill queries to the statistics (probe Eq. 8, representative keys, the query
+  /// ring for Compress) without attending: for engines that attend elsewhere.
+  Status Observe(int layer, const float* q, const int64_t* positions, int m);
+  /// The task's question for a question-aware probe (Q-LLM); FailedPrecondition for other probes.
+  Status SetQuestion(int layer, const float* q, int m);
+  /// Replaces retrieval by a selector (an oracle, StreamingLLM's "nothing", ...); null restores retrieval.
+  void SetChunkSelector(ChunkSelector selector) { selector_ = std::move(selector); }
+
+  /// Compression: the last n_queries kept queries (0 = every kept one; needs keep_queries > 0)
+  /// attend exactly over every key each layer holds, `policy` (a scoring-policy factory string)
+  /// observes that and keeps kv_budget tokens per layer, sinks and local window included; the
+  /// other chunks leave the store and the index for good. The policy object persists across
+  /// calls with the same spec (its state is kept by token position, as G-KV's decode-time
+  /// recompression needs); a different spec starts a new one.
+  Result<CompressReport> Compress(const std::string& policy, int64_t kv_budget, int n_queries = 0);
+
+  /// Persists sinks and local window; the sequence becomes read-only.
+  Status Close();
+  /// Removes the sequence from every tier; the session is unusable afterwards.
+  Status Drop();
+
+  SessionCounters counters() const { return counters_; }
+  /// Chunk indices each layer attended in the last step, [layer].
+  const std::vector<std::vector<uint64_t>>& last_chunks() const { return last_chunks_; }
+  /// The retriever (null when retrieve = false), e.g. for Describe().
+  Retriever* retriever() { return retriever_.get(); }
+  /// Rotates x [m, heads, head_dim] fp32 in place with this session's RoPE at `positions`.
+  void ApplyRope(float* x, int m, int heads, const int64_t* positions) const;
+
+ private:
+  Session(TieredStore* store, SequenceId seq, const SessionOptions& options);
+  Status CheckLayerCall(const char* what, int layer, const float* q, const int64_t* positions, int m,
+                        bool in_step) const;
+  void KeepQueries(int layer, const float* q, const int64_t* positions, int m);
+  Status ObserveLocked(int layer, const float* q_mem, const int64_t* positions, int m);
+
+  TieredStore* store_;
+  SequenceId seq_;
+  SessionOptions options_;
+  std::unique_ptr<Retriever> retriever_;
+  ChunkSelector selector_;
+  StepKind step_ = StepKind::kPrefill;
+  bool in_step_ = false;
+  int next_layer_ = 0;
+  bool dropped_ = false;
+  std::vector<double> inv_freq_;  // [head_dim / 2] kInfLLM RoPE frequencies
+  SessionCounters counters_;
+  std::vector<std::vector<uint64_t>> last_chunks_;
+  struct KeptQuery {
+    int64_t position;
+    std::vector<float> q;  // after RoPE at `position`
+  };
+  std::vector<std::deque<KeptQuery>> kept_;  // [layer], oldest first
+  std::unique_ptr<ScoringPolicy> policy_;
+  std::string policy_spec_;
+  // Scratch reused across calls (a session is driven by one thread at a time).
+  std::vector<float> q_rot_, q_mem_;
+  std::vector<int64_t> rel_;
+  std::vector<std::vector<float>> rot_k_, rot_v_;
+};
+
+}  // namespace kvtier

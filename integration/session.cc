@@ -1,0 +1,461 @@
+#include "kvtier/session.h"
+
+#include "kvtier/kvtier.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <new>
+
+#include "integration/compress.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/dtype.h"
+
+namespace kvtier {
+namespace {
+
+double MsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+Result<PositionMode> ParsePositionMode(const std::string& s) {
+  if (s == "absolute") return PositionMode::kAbsolute;
+  if (s == "infllm") return PositionMode::kInfLLM;
+  return InvalidArgument("unknown position mode '" + s + "' (absolute | infllm)");
+}
+
+const char* PositionModeName(PositionMode mode) {
+  return mode == PositionMode::kInfLLM ? "infllm" : "absolute";
+}
+
+Result<std::vector<uint64_t>> SelectAllChunks(int, const float*, const int64_t*, int,
+                                              const std::vector<ChunkInfo>& chunks) {
+  std::vector<uint64_t> out;
+  out.reserve(chunks.size());
+  for (const ChunkInfo& c : chunks) out.push_back(c.key.index);
+  return out;
+}
+
+std::vector<std::string> RetrievalPresetNames() { return {"kvtier", "actqkv", "infllm"}; }
+
+Result<RetrievalPreset> MakeRetrievalPreset(const std::string& name) {
+  RetrievalPreset p;
+  if (name == "infllm") {  // InfLLM: the mean of the window's queries, a fixed top-k
+    p.retrieval.probe = "mean";
+    p.retrieval.alloc = "topk";
+    p.retrieval.index = "Exact:heads=sum";
+  } else if (name == "actqkv") {  // ActQKV Algorithm 1: Eq. 7-9 probe, Eq. 10-12 cut-off, cosine order
+    p.retrieval.probe = "act";
+    p.retrieval.alloc = "entropy:rank=cosine";
+    p.retrieval.index = "Exact:heads=sum";
+  } else if (name == "kvtier") {  // ActQKV's probe and budget; the most interested head decides, logit order
+    p.retrieval.probe = "act";
+    p.retrieval.alloc = "entropy:rank=logit";
+    p.retrieval.index = "Exact:heads=max";
+  } else {
+    return InvalidArgument("unknown preset '" + name + "' (known: kvtier, actqkv, infllm)");
+  }
+  p.repr_topk = 4;
+  return p;
+}
+
+Status SessionOptions::Validate() const {
+  if (retrieve) KVTIER_RETURN_IF_ERROR(retrieval.Validate());
+  if (positions != PositionMode::kAbsolute && positions != PositionMode::kInfLLM)
+    return InvalidArgument("SessionOptions.positions: unknown position mode " +
+                           std::to_string(static_cast<int>(positions)));
+  if (!(rope_theta > 0.0) || !std::isfinite(rope_theta))
+    return InvalidArgument("SessionOptions.rope_theta must be finite and > 0 (got " + std::to_string(rope_theta) + ")");
+  if (keep_queries < 0)
+    return InvalidArgument("SessionOptions.keep_queries must be >= 0 (got " + std::to_string(keep_queries) + ")");
+  return Status::Ok();
+}
+
+Session::Session(TieredStore* store, SequenceId seq, const SessionOptions& options)
+    : store_(store), seq_(seq), options_(options) {
+  const Geometry& g = store->options().geometry;
+  if (options.positions == PositionMode::kInfLLM) inv_freq_ = kernels::RopeInvFreq(g.head_dim, options.rope_theta);
+  last_chunks_.resize(static_cast<size_t>(g.layers));
+  kept_.resize(static_cast<size_t>(g.layers));
+}
+
+Session::~Session() = default;
+
+Result<std::unique_ptr<Session>> Session::Open(TieredStore* store, const SessionOptions& options) {
+  if (store == nullptr) return InvalidArgument("Session::Open: store is null");
+  KVTIER_RETURN_IF_ERROR(options.Validate());
+  KVTIER_ASSIGN_OR_RETURN(SequenceId seq, store->CreateSequence());
+  auto s = Attach(store, seq, options);
+  if (!s.ok()) store->DropSequence(seq).IgnoreError();  // nothing was appended: leave no empty sequence behind
+  return s;
+}
+
+Result<std::unique_ptr<Session>> Session::Attach(TieredStore* store, SequenceId seq, const SessionOptions& options) {
+  if (store == nullptr) return InvalidArgument("Session::Attach: store is null");
+  KVTIER_RETURN_IF_ERROR(options.Validate());
+  const Geometry& g = store->options().geometry;
+  if (options.positions == PositionMode::kInfLLM && g.head_dim % 2 != 0)
+    return InvalidArgument("Session: infllm positions need an even head_dim for RoPE (got " +
+                           std::to_string(g.head_dim) + ")");
+  KVTIER_RETURN_IF_ERROR(store->SequenceLength(seq, 0).status());  // NotFound names the sequence
+  try {
+    std::unique_ptr<Session> s(new Session(store, seq, options));
+    if (options.retrieve) {
+      KVTIER_ASSIGN_OR_RETURN(s->retriever_, Retriever::Create(store, options.retrieval));
+    }
+    return s;
+  } catch (const std::bad_alloc&) {
+    return ResourceExhausted("Session: out of memory creating the session's state");
+  }
+}
+
+void Session::ApplyRope(float* x, int m, int heads, const int64_t* positions) const {
+  if (inv_freq_.empty()) return;  // kAbsolute: the engine applied RoPE
+  kernels::Rope(x, m, heads, geometry().head_dim, positions, inv_freq_.data());
+}
+
+Status Session::Append(int layer, const void* k, const void* v, int n, DType dtype) {
+  if (dropped_) return FailedPrecondition("Session::Append: the session's sequence was dropped");
+  KVTIER_RETURN_IF_ERROR(store_->Append(seq_, layer, k, v, n, dtype));
+  counters_.tokens_appended += static_cast<uint64_t>(n);
+  return Status::Ok();
+}
+
+Status Session::BeginStep(StepKind kind) {
+  if (dropped_) return FailedPrecondition("Session::BeginStep: the session's sequence was dropped");
+  if (kind != StepKind::kPrefill && kind != StepKind::kDecode)
+    return InvalidArgument("Session::BeginStep: unknown step kind " + std::to_string(static_cast<int>(kind)));
+  step_ = kind;
+  in_step_ = true;
+  next_layer_ = 0;
+  if (retriever_) retriever_->BeginStep();
+  counters_.steps += 1;
+  return Status::Ok();
+}
+
+Status Session::CheckLayerCall(const char* what, int layer, const float* q, const int64_t* positions, int m,
+                               bool in_step) const {
+  const Geometry& g = geometry();
+  if (dropped_) return FailedPrecondition(std::string("Session::") + what + ": the session's sequence was dropped");
+  if (in_step && !in_step_) return FailedPrecondition(std::string("Session::") + what + ": call BeginStep first");
+  if (layer < 0 || layer >= g.layers)
+    return InvalidArgument(std::string("Session::") + what + ": layer " + std::to_string(layer) + " outside [0, " +
+                           std::to_string(g.layers) + ")");
+  // Retrieval serves layers 0, 1, ..., L-1 in that order, none skipped (the entropy budget
+  // of Eq. 12 flows from shallow to deep layers); without it, layers only go forward.
+  const bool every_layer = retriever_ != nullptr && !selector_;
+  if (in_step && (every_layer ? layer != next_layer_ : layer < next_layer_))
+    return FailedPrecondition(std::string("Session::") + what + ": layer " + std::to_string(layer) + " where layer " +
+                              std::to_string(next_layer_) + (every_layer ? "" : " or a deeper one") +
+                              " comes next in this step; layers go shallow to deep, each once per step");
+  if (m <= 0) return InvalidArgument(std::string("Session::") + what + ": m must be > 0 (got " + std::to_string(m) + ")");
+  if (in_step && step_ == StepKind::kDecode && m != 1)
+    return InvalidArgument(std::string("Session::") + what + ": a decode step takes one query (got m = " +
+                           std::to_string(m) + ")");
+  if (q == nullptr || positions == nullptr)
+    return InvalidArgument(std::string("Session::") + what + ": q and positions must not be null");
+  for (int t = 1; t < m; ++t)
+    if (positions[t] <= positions[t - 1])
+      return InvalidArgument(std::string("Session::") + what + ": positions must increase (positions[" +
+                             std::to_string(t) + "] = " + std::to_string(positions[t]) + ")");
+  return Status::Ok();
+}
+
+void Session::KeepQueries(int layer, const float* q, const int64_t* positions, int m) {
+  if (options_.keep_queries <= 0) return;
+  const size_t q_elems = static_cast<size_t>(geometry().q_heads) * geometry().head_dim;
+  std::deque<KeptQuery>& ring = kept_[static_cast<size_t>(layer)];
+  for (int i = std::max(0, m - options_.keep_queries); i < m; ++i) {
+    const float* row = q + static_cast<size_t>(i) * q_elems;
+    ring.push_back(KeptQuery{positions[i], std::vector<float>(row, row + q_elems)});
+    if (ring.size() > static_cast<size_t>(options_.keep_queries)) ring.pop_front();
+  }
+}
+
+Status Session::Observe(int layer, const float* q, const int64_t* positions, int m) {
+  KVTIER_RETURN_IF_ERROR(CheckLayerCall("Observe", layer, q, positions, m, /*in_step=*/false));
+  const Geometry& g = geometry();
+  const size_t q_elems = static_cast<size_t>(g.q_heads) * g.head_dim;
+  const float* q_mem = q;
+  if (!inv_freq_.empty()) {
+    // Memory's view: rotated by p - L0; the kept queries: rotated at their true positions.
+    KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, layer));
+    const int64_t local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
+    q_mem_.assign(q, q + static_cast<size_t>(m) * q_elems);
+    rel_.resize(static_cast<size_t>(m));
+    for (int t = 0; t < m; ++t) rel_[static_cast<size_t>(t)] = positions[t] - local_start;
+    kernels::Rope(q_mem_.data(), m, g.q_heads, g.head_dim, rel_.data(), inv_freq_.data());
+    q_mem = q_mem_.data();
+    if (options_.keep_queries > 0) {
+      q_rot_.assign(q, q + static_cast<size_t>(m) * q_elems);
+      kernels::Rope(q_rot_.data(), m, g.q_heads, g.head_dim, positions, inv_freq_.data());
+      KeepQueries(layer, q_rot_.data(), positions, m);
+    }
+  } else {
+    KeepQueries(layer, q, positions, m);
+  }
+  return ObserveLocked(layer, q_mem, positions, m);
+}
+
+Status Session::ObserveLocked(int layer, const float* q_mem, const int64_t* positions, int m) {
+  if (options_.observe_prefill) KVTIER_RETURN_IF_ERROR(store_->ObserveQueries(seq_, layer, q_mem, positions, m));
+  if (retriever_) KVTIER_RETURN_IF_ERROR(retriever_->Observe(layer, q_mem, m));
+  return Status::Ok();
+}
+
+Status Session::SetQuestion(int layer, const float* q, int m) {
+  if (!retriever_) return FailedPrecondition("Session::SetQuestion: retrieval is off (retrieve = false)");
+  return retriever_->SetQuestion(layer, q, m);
+}
+
+Result<LayerParts> Session::Gather(int layer, const float* q, const int64_t* positions, int m) {
+  KVTIER_RETURN_IF_ERROR(CheckLayerCall("Gather", layer, q, positions, m, /*in_step=*/true));
+  try {
+    const Geometry& g = geometry();
+    const size_t q_elems = static_cast<size_t>(g.q_heads) * g.head_dim;
+    const bool decode = step_ == StepKind::kDecode;
+    LayerParts lp;
+    KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, layer));
+    lp.local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
+    const float* q_sel = q;
+    if (!inv_freq_.empty()) {
+      q_mem_.assign(q, q + static_cast<size_t>(m) * q_elems);
+      rel_.resize(static_cast<size_t>(m));
+      for (int t = 0; t < m; ++t) rel_[static_cast<size_t>(t)] = positions[t] - lp.local_start;
+      kernels::Rope(q_mem_.data(), m, g.q_heads, g.head_dim, rel_.data(), inv_freq_.data());
+      q_sel = q_mem_.data();
+    }
+    if (selector_ || !retriever_) {
+      KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store_->ListChunks(seq_, layer));
+      const auto t0 = std::chrono::steady_clock::now();
+      KVTIER_ASSIGN_OR_RETURN(lp.chunks, selector_ ? selector_(layer, q_sel, positions, m, chunks)
+                                                   : SelectAllChunks(layer, q_sel, positions, m, chunks));
+      lp.stats.search_ms = MsSince(t0);
+    } else {
+      // A prefill window's queries also feed the representative-key statistics (the attention
+      // they pay to the local window); Select builds the probe from the window, which is the
+      // probe's Observe too (ActQKV's running statistics see every window once).
+      if (!decode && options_.observe_prefill)
+        KVTIER_RETURN_IF_ERROR(store_->ObserveQueries(seq_, layer, q_sel, positions, m));
+      KVTIER_ASSIGN_OR_RETURN(LayerSelection sel, retriever_->Select(seq_, layer, q_sel, m, decode));
+      lp.chunks = std::move(sel.chunks);
+      lp.stats.probe_ms = sel.probe_ms;
+      lp.stats.search_ms = sel.search_ms;
+      lp.stats.alloc_ms = sel.alloc_ms;
+      lp.stats.entropy = sel.entropy;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!lp.chunks.empty()) {
+      KVTIER_ASSIGN_OR_RETURN(lp.fetch, store_->FetchChunks(seq_, layer, lp.chunks));
+      KVTIER_RETURN_IF_ERROR(lp.fetch.Wait());
+    }
+    lp.stats.fetch_ms = MsSince(t0);
+    lp.n_chunks = lp.chunks.size();
+    lp.stats.chunks = lp.n_chunks;
+    lp.parts.reserve(lp.n_chunks + 3);
+    lp.parts.push_back(view.sinks);
+    if (!lp.fetch.empty())
+      for (const kernels::KvSpan& sp : lp.fetch.spans()) lp.parts.push_back(sp);
+    for (int i = 0; i < view.n_local_spans; ++i) lp.parts.push_back(view.local[i]);
+    // InfLLM positions (see the top of session.h): chunks at L0; the sinks at L0 once chunks
+    // separate them from the local window; the local window at its true positions.
+    lp.rope_positions.assign(lp.parts.size(), -1);
+    const bool sinks_are_memory = view.sinks.first_position + view.sinks.n_tokens < lp.local_start;
+    if (sinks_are_memory) lp.rope_positions[0] = lp.local_start;
+    for (size_t i = 1; i <= lp.n_chunks; ++i) lp.rope_positions[i] = lp.local_start;
+
+    if (options_.keep_queries > 0) {
+      if (!inv_freq_.empty()) {  // kept for Compress as attention sees them: rotated at their true positions
+        std::vector<float> q_true(q, q + static_cast<size_t>(m) * q_elems);
+        kernels::Rope(q_true.data(), m, g.q_heads, g.head_dim, positions, inv_freq_.data());
+        KeepQueries(layer, q_true.data(), positions, m);
+      } else {
+        KeepQueries(layer, q, positions, m);
+      }
+    }
+    next_layer_ = layer + 1;
+    last_chunks_[static_cast<size_t>(layer)] = lp.chunks;
+    counters_.attends += 1;
+    counters_.chunks_attended += lp.n_chunks;
+    counters_.max_layer_chunks = std::max<uint64_t>(counters_.max_layer_chunks, lp.n_chunks);
+    counters_.probe_ms += lp.stats.probe_ms;
+    counters_.search_ms += lp.stats.search_ms;
+    counters_.alloc_ms += lp.stats.alloc_ms;
+    counters_.fetch_ms += lp.stats.fetch_ms;
+    return lp;
+  } catch (const std::bad_alloc&) {
+    return ResourceExhausted("Session::Gather: out of memory (layer " + std::to_string(layer) + ", m = " +
+                             std::to_string(m) + ")");
+  }
+}
+
+Status Session::Attend(int layer, const float* q, const int64_t* positions, int m, float* out, AttendStats* stats) {
+  if (out == nullptr) return InvalidArgument("Session::Attend: out must not be null");
+  const Geometry& g = geometry();
+  const size_t q_elems = static_cast<size_t>(g.q_heads) * g.head_dim;
+  KVTIER_ASSIGN_OR_RETURN(LayerParts lp, Gather(layer, q, positions, m));
+  try {
+    const auto t0 = std::chrono::steady_clock::now();
+    kernels::AttentionParams p;
+    p.q_heads = g.q_heads;
+    p.kv_heads = g.kv_heads;
+    p.head_dim = g.head_dim;
+    p.dtype = g.dtype;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
+    p.n_queries = m;
+    p.q = q;
+    p.q_positions = positions;
+    p.causal = true;
+    p.out = out;
+    if (!inv_freq_.empty()) {
+      // Queries at their true positions; each part's keys rotated where memory puts them, on
+      // fp32 copies (the store keeps keys before RoPE).
+      q_rot_.assign(q, q + static_cast<size_t>(m) * q_elems);
+      kernels::Rope(q_rot_.data(), m, g.q_heads, g.head_dim, positions, inv_freq_.data());
+      p.q = q_rot_.data();
+      rot_k_.resize(lp.parts.size());
+      rot_v_.resize(lp.parts.size());
+      const size_t tok = g.token_elems();
+      std::vector<int64_t> pos;
+      for (size_t i = 0; i < lp.parts.size(); ++i) {
+        kernels::KvSpan& sp = lp.parts[i];
+        const size_t n = static_cast<size_t>(sp.n_tokens) * tok;
+        rot_k_[i].resize(n);
+        rot_v_[i].resize(n);
+        if (n > 0) {
+          ToFloat(g.dtype, sp.k, rot_k_[i].data(), n);
+          ToFloat(g.dtype, sp.v, rot_v_[i].data(), n);
+          pos.resize(static_cast<size_t>(sp.n_tokens));
+          for (int t = 0; t < sp.n_tokens; ++t)
+            pos[static_cast<size_t>(t)] = lp.rope_positions[i] >= 0 ? lp.rope_positions[i] : sp.first_position + t;
+          kernels::Rope(rot_k_[i].data(), sp.n_tokens, g.kv_heads, g.head_dim, pos.data(), inv_freq_.data());
+        }
+        sp.k = rot_k_[i].data();
+        sp.v = rot_v_[i].data();
+      }
+      p.dtype = DType::kF32;
+    }
+    p.parts = lp.parts.data();
+    p.n_parts = static_cast<int>(lp.parts.size());
+    const kernels::KernelError e = kernels::Attention(p);
+    if (e != kernels::KernelError::kOk)
+      return Internal("Session::Attend: layer " + std::to_string(layer) + ": attention kernel: " +
+                      kernels::KernelErrorString(e));
+    lp.Release();
+    lp.stats.attention_ms = MsSince(t0);
+    counters_.attention_ms += lp.stats.attention_ms;
+    if (stats) *stats = lp.stats;
+    return Status::Ok();
+  } catch (const std::bad_alloc&) {
+    return ResourceExhausted("Session::Attend: out of memory (layer " + std::to_string(layer) + ")");
+  }
+}
+
+Result<CompressReport> Session::Compress(const std::string& policy_spec, int64_t kv_budget, int n_queries) {
+  if (dropped_) return FailedPrecondition("Session::Compress: the session's sequence was dropped");
+  if (options_.keep_queries <= 0)
+    return FailedPrecondition("Session::Compress: no queries kept (set SessionOptions.keep_queries > 0): the policy "
+                              "observes the attention of the most recent queries");
+  if (n_queries < 0) return InvalidArgument("Session::Compress: n_queries must be >= 0 (got " + std::to_string(n_queries) + ")");
+  const StoreOptions& so = store_->options();
+  if (kv_budget < static_cast<int64_t>(so.n_sink) + so.n_local)
+    return InvalidArgument("Session::Compress: kv_budget (" + std::to_string(kv_budget) +
+                           ") must cover the sinks and the local window (" + std::to_string(so.n_sink + so.n_local) + ")");
+  const Geometry& g = so.geometry;
+  const size_t q_elems = static_cast<size_t>(g.q_heads) * g.head_dim;
+  try {
+    if (!policy_ || policy_spec != policy_spec_) {
+      KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<ScoringPolicy> p, MakeScoringPolicy(policy_spec));
+      PolicyGeometry pg;
+      pg.layers = g.layers;
+      pg.q_heads = g.q_heads;
+      pg.kv_heads = g.kv_heads;
+      pg.head_dim = g.head_dim;
+      pg.sink_tokens = so.n_sink;
+      pg.local_tokens = so.n_local;
+      KVTIER_RETURN_IF_ERROR(p->Begin(pg));
+      policy_ = std::move(p);
+      policy_spec_ = policy_spec;
+    }
+    for (int l = 0; l < g.layers; ++l) {
+      KVTIER_ASSIGN_OR_RETURN(LayerKeys lk, ReadLayerKeys(store_, seq_, l));
+      const int64_t n = static_cast<int64_t>(lk.positions.size());
+      // kInfLLM stores keys before RoPE: rotate them where attention sees them (memory at L0,
+      // the local window at its true positions), so the policy scores the attention the model
+      // really gives every held key. Queries were kept rotated at their true positions.
+      if (!inv_freq_.empty()) {
+        KVTIER_ASSIGN_OR_RETURN(uint64_t sealed, store_->ChunkCount(seq_, l));
+        const int64_t l0 = ChunkFirstToken(sealed, so.n_sink, so.chunk_size);
+        std::vector<int64_t> rope_pos(lk.positions);
+        if (sealed > 0)
+          for (int64_t& p : rope_pos) p = std::max(p, l0);
+        kernels::Rope(lk.keys.data(), static_cast<int>(n), g.kv_heads, g.head_dim, rope_pos.data(), inv_freq_.data());
+      }
+      const std::deque<KeptQuery>& ring = kept_[static_cast<size_t>(l)];
+      const int want = n_queries > 0 ? n_queries : static_cast<int>(ring.size());
+      const int mq = std::min<int>(want, static_cast<int>(ring.size()));
+      if (mq < 1) return FailedPrecondition("Session::Compress: no queries kept for layer " + std::to_string(l));
+      std::vector<float> q(static_cast<size_t>(mq) * q_elems);
+      std::vector<int64_t> qpos(static_cast<size_t>(mq));
+      for (int i = 0; i < mq; ++i) {
+        const KeptQuery& src = ring[ring.size() - static_cast<size_t>(mq) + static_cast<size_t>(i)];
+        qpos[static_cast<size_t>(i)] = src.position;
+        std::copy(src.q.begin(), src.q.end(), q.begin() + static_cast<ptrdiff_t>(static_cast<size_t>(i) * q_elems));
+      }
+      std::vector<float> attn(static_cast<size_t>(g.q_heads) * mq * static_cast<size_t>(n));
+      ExactAttentionRows(g, q.data(), qpos.data(), mq, lk.keys.data(), lk.positions.data(), n, attn.data());
+      AttentionObservation obs;
+      obs.layer = l;
+      obs.n_queries = mq;
+      obs.n_keys = n;
+      obs.key_positions = lk.positions.data();
+      obs.query_positions = qpos.data();
+      obs.attention = attn.data();
+      obs.keys = lk.keys.data();
+      obs.values = lk.values.data();
+      KVTIER_RETURN_IF_ERROR(policy_->Observe(obs));
+    }
+    CompressReport rep;
+    rep.policy = policy_->ToString();
+    rep.compress_every = policy_->compress_every();
+    for (int l = 0; l < g.layers; ++l) {
+      KVTIER_ASSIGN_OR_RETURN(uint64_t n_chunks, store_->ChunkCount(seq_, l));
+      KVTIER_ASSIGN_OR_RETURN(TokenScores ts, policy_->Scores(l));
+      KVTIER_ASSIGN_OR_RETURN(KeepSet keep, policy_->Keep(l, kv_budget));
+      KVTIER_ASSIGN_OR_RETURN(int64_t chunk_budget, ChunkBudget(*store_, seq_, l, kv_budget));
+      const std::vector<uint64_t> drop = ChunksToDrop(ts, keep, so.n_sink, so.chunk_size, n_chunks, chunk_budget);
+      const uint64_t before = store_->counters().dropped_chunks;
+      KVTIER_RETURN_IF_ERROR(store_->DropChunks(seq_, l, drop));
+      if (retriever_) KVTIER_RETURN_IF_ERROR(retriever_->Forget(seq_, l, drop));
+      rep.dropped_chunks += store_->counters().dropped_chunks - before;
+    }
+    KVTIER_ASSIGN_OR_RETURN(rep.kept_tokens, KeptTokensPerLayer(*store_, seq_, g.layers));
+    counters_.compressions += 1;
+    counters_.dropped_chunks += rep.dropped_chunks;
+    return rep;
+  } catch (const std::bad_alloc&) {
+    return ResourceExhausted("Session::Compress: out of memory reading the keys back");
+  }
+}
+
+Status Session::Close() {
+  if (dropped_) return FailedPrecondition("Session::Close: the session's sequence was dropped");
+  in_step_ = false;
+  return store_->CloseSequence(seq_);
+}
+
+Status Session::Drop() {
+  if (dropped_) return Status::Ok();
+  KVTIER_RETURN_IF_ERROR(store_->DropSequence(seq_));
+  dropped_ = true;
+  in_step_ = false;
+  return Status::Ok();
+}
+
+}  // namespace kvtier
+
+namespace kvtier {
+const char* Version() { return KVTIER_VERSION; }
+}  // namespace kvtier

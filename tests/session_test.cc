@@ -1,0 +1,422 @@
+// The engine API (include/kvtier/session.h): Session's Attend equals the hand-written
+// sequence it replaces, sessions keep their own retrieval state, many sessions on many
+// threads over one store give each one's single-threaded results bit for bit, bad calls
+// get named errors, and Compress keeps the budget.
+#include "kvtier/kvtier.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "kernels/cpu/rope.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+constexpr int kLayers = 3, kQHeads = 4, kKvHeads = 2, kDim = 32;
+
+StoreOptions SmallStore(const std::string& data_dir = "") {
+  StoreOptions so;
+  so.geometry = Geometry{kLayers, kQHeads, kKvHeads, kDim, DType::kF16};
+  so.n_sink = 8;
+  so.n_local = 32;
+  so.chunk_size = 8;
+  so.repr_topk = 2;
+  so.hot_bytes = 256 * so.chunk_bytes();
+  so.warm_bytes = 2048 * so.chunk_bytes();
+  so.data_dir = data_dir;
+  return so;
+}
+
+// Deterministic K/V/Q for (sequence seed, layer, position): a topic direction per
+// sequence plus noise, and a needle the late queries look for, so retrieval has
+// something to find.
+struct Token {
+  std::vector<uint16_t> k, v;  // f16
+  std::vector<float> q;
+};
+Token MakeToken(uint32_t seed, int layer, int64_t pos) {
+  std::mt19937 rng(seed * 1000003u + static_cast<uint32_t>(layer) * 7919u + static_cast<uint32_t>(pos));
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> k(kKvHeads * kDim), v(k.size());
+  Token t;
+  t.q.resize(kQHeads * kDim);
+  const bool needle = pos >= 100 && pos < 108;
+  for (int i = 0; i < kKvHeads * kDim; ++i) {
+    k[i] = n(rng) + (needle ? 3.0f * std::sin(0.3f * static_cast<float>(i + seed)) : 0.0f);
+    v[i] = n(rng);
+  }
+  const bool seeking = pos >= 200;
+  for (int i = 0; i < kQHeads * kDim; ++i)
+    t.q[i] = n(rng) + (seeking ? 3.0f * std::sin(0.3f * static_cast<float>(i % (kKvHeads * kDim) + seed)) : 0.0f);
+  t.k.resize(k.size());
+  t.v.resize(v.size());
+  FromFloat(DType::kF16, k.data(), t.k.data(), k.size());
+  FromFloat(DType::kF16, v.data(), t.v.data(), v.size());
+  return t;
+}
+
+// Prefill windows of 16 tokens up to `prefill`, then decode steps to `total`; returns every
+// Attend output, concatenated.
+Status DriveSession(Session* s, uint32_t seed, int64_t prefill, int64_t total, std::vector<float>* outs,
+                    int64_t* step_pos = nullptr) {
+  const size_t q_elems = static_cast<size_t>(kQHeads) * kDim;
+  for (int64_t b = 0; b < total;) {
+    const bool decode = b >= prefill;
+    const int m = decode ? 1 : static_cast<int>(std::min<int64_t>(16, prefill - b));
+    KVTIER_RETURN_IF_ERROR(s->BeginStep(decode ? StepKind::kDecode : StepKind::kPrefill));
+    std::vector<int64_t> pos(m);
+    for (int t = 0; t < m; ++t) pos[t] = b + t;
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<uint16_t> k, v;
+      std::vector<float> q;
+      for (int t = 0; t < m; ++t) {
+        Token tok = MakeToken(seed, l, b + t);
+        k.insert(k.end(), tok.k.begin(), tok.k.end());
+        v.insert(v.end(), tok.v.begin(), tok.v.end());
+        q.insert(q.end(), tok.q.begin(), tok.q.end());
+      }
+      KVTIER_RETURN_IF_ERROR(s->Append(l, k.data(), v.data(), m, DType::kF16));
+      std::vector<float> out(static_cast<size_t>(m) * q_elems);
+      KVTIER_RETURN_IF_ERROR(s->Attend(l, q.data(), pos.data(), m, out.data()));
+      outs->insert(outs->end(), out.begin(), out.end());
+    }
+    b += m;
+    if (step_pos) *step_pos = b;
+  }
+  return Status::Ok();
+}
+
+SessionOptions Retrieval(int budget_tokens) {
+  SessionOptions o;
+  o.retrieval.budget_tokens = budget_tokens;
+  return o;
+}
+
+TEST(Session, AttendEqualsTheHandWrittenSequence) {
+  // The sequence engines wrote by hand (Select, FetchChunks, Wait, GetHotView, spans,
+  // Attention, Release) over a second sequence with the same data, next to Session::Attend.
+  auto store = TieredStore::Open(SmallStore());
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto s = Session::Open(store->get(), Retrieval(32));
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  auto seq2 = (*store)->CreateSequence();
+  ASSERT_TRUE(seq2.ok());
+  auto r = Retriever::Create(store->get(), Retrieval(32).retrieval);
+  ASSERT_TRUE(r.ok());
+  const Geometry g = SmallStore().geometry;
+  const size_t q_elems = static_cast<size_t>(kQHeads) * kDim;
+  int compared = 0, with_chunks = 0;
+  for (int64_t p = 0; p < 260; ++p) {
+    ASSERT_TRUE((*s)->BeginStep(StepKind::kDecode).ok());
+    (*r)->BeginStep();
+    for (int l = 0; l < kLayers; ++l) {
+      Token t = MakeToken(5, l, p);
+      ASSERT_TRUE((*s)->Append(l, t.k.data(), t.v.data(), 1, DType::kF16).ok());
+      ASSERT_TRUE((*store)->Append(*seq2, l, t.k.data(), t.v.data(), 1, DType::kF16).ok());
+      std::vector<float> a(q_elems), b(q_elems);
+      AttendStats st;
+      ASSERT_TRUE((*s)->Attend(l, t.q.data(), &p, 1, a.data(), &st).ok());
+      auto sel = (*r)->Select(*seq2, l, t.q.data(), 1, /*decode=*/true);
+      ASSERT_TRUE(sel.ok());
+      auto h = (*store)->FetchChunks(*seq2, l, sel->chunks);
+      ASSERT_TRUE(h.ok() && h->Wait().ok());
+      auto view = (*store)->GetHotView(*seq2, l);
+      ASSERT_TRUE(view.ok());
+      std::vector<kernels::KvSpan> parts{view->sinks};
+      for (const auto& sp : h->spans()) parts.push_back(sp);
+      for (int i = 0; i < view->n_local_spans; ++i) parts.push_back(view->local[i]);
+      kernels::AttentionParams ap;
+      ap.q_heads = g.q_heads; ap.kv_heads = g.kv_heads; ap.head_dim = g.head_dim; ap.dtype = g.dtype;
+      ap.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
+      ap.n_queries = 1; ap.q = t.q.data(); ap.q_positions = &p;
+      ap.parts = parts.data(); ap.n_parts = static_cast<int>(parts.size()); ap.out = b.data();
+      ASSERT_EQ(kernels::Attention(ap), kernels::KernelError::kOk);
+      h->Release();
+      ASSERT_EQ(st.chunks, sel->chunks.size());
+      EXPECT_EQ((*s)->last_chunks()[l], sel->chunks) << "position " << p << " layer " << l;
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "position " << p << " layer " << l;
+      ++compared;
+      with_chunks += st.chunks > 0 ? 1 : 0;
+    }
+  }
+  EXPECT_EQ(compared, 260 * kLayers);
+  EXPECT_GT(with_chunks, 100);  // retrieval really ran
+  const SessionCounters c = (*s)->counters();
+  EXPECT_EQ(c.steps, 260u);
+  EXPECT_EQ(c.attends, 260u * kLayers);
+  EXPECT_EQ(c.tokens_appended, 260u * kLayers);
+  EXPECT_GT(c.chunks_attended, 0u);
+}
+
+TEST(Session, FullBudgetEqualsAttentionOverEveryChunk) {
+  // retrieve = false attends every live chunk; a retrieval budget covering every chunk must
+  // give the same outputs (the same keys, merged by log-sum-exp in another order: close).
+  auto store = TieredStore::Open(SmallStore());
+  ASSERT_TRUE(store.ok());
+  SessionOptions full;
+  full.retrieve = false;
+  auto a = Session::Open(store->get(), full);
+  auto b = Session::Open(store->get(), Retrieval(1 << 16));
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::vector<float> oa, ob;
+  ASSERT_TRUE(DriveSession(a->get(), 3, 128, 240, &oa).ok());
+  ASSERT_TRUE(DriveSession(b->get(), 3, 128, 240, &ob).ok());
+  ASSERT_EQ(oa.size(), ob.size());
+  double err = 0, ref = 0;
+  for (size_t i = 0; i < oa.size(); ++i) {
+    err += (oa[i] - ob[i]) * (oa[i] - ob[i]);
+    ref += oa[i] * oa[i];
+  }
+  EXPECT_LT(std::sqrt(err / ref), 1e-5);
+  EXPECT_EQ((*a)->counters().chunks_attended, (*b)->counters().chunks_attended);
+}
+
+TEST(Session, SessionsKeepTheirOwnRetrievalState) {
+  // Two sequences interleaved step by step through one store: each gives what it gives
+  // alone. A retriever shared by both would mix their probe statistics (Eq. 8).
+  std::vector<float> alone_a, alone_b, mixed_a, mixed_b;
+  {
+    auto store = TieredStore::Open(SmallStore());
+    auto a = Session::Open(store->get(), Retrieval(32));
+    ASSERT_TRUE(a.ok());
+    ASSERT_TRUE(DriveSession(a->get(), 11, 160, 260, &alone_a).ok());
+    auto b = Session::Open(store->get(), Retrieval(32));
+    ASSERT_TRUE(DriveSession(b->get(), 12, 160, 260, &alone_b).ok());
+  }
+  auto store = TieredStore::Open(SmallStore());
+  auto a = Session::Open(store->get(), Retrieval(32));
+  auto b = Session::Open(store->get(), Retrieval(32));
+  ASSERT_TRUE(a.ok() && b.ok());
+  // Step-level interleaving.
+  struct Driver {
+    Session* s;
+    uint32_t seed;
+    int64_t b = 0;
+    std::vector<float> outs;
+    Status Step() {
+      const bool decode = b >= 160;
+      const int m = decode ? 1 : 16;
+      KVTIER_RETURN_IF_ERROR(s->BeginStep(decode ? StepKind::kDecode : StepKind::kPrefill));
+      std::vector<int64_t> pos(m);
+      for (int t = 0; t < m; ++t) pos[t] = b + t;
+      for (int l = 0; l < kLayers; ++l) {
+        std::vector<uint16_t> k, v;
+        std::vector<float> q;
+        for (int t = 0; t < m; ++t) {
+          Token tok = MakeToken(seed, l, b + t);
+          k.insert(k.end(), tok.k.begin(), tok.k.end());
+          v.insert(v.end(), tok.v.begin(), tok.v.end());
+          q.insert(q.end(), tok.q.begin(), tok.q.end());
+        }
+        KVTIER_RETURN_IF_ERROR(s->Append(l, k.data(), v.data(), m, DType::kF16));
+        std::vector<float> out(static_cast<size_t>(m) * kQHeads * kDim);
+        KVTIER_RETURN_IF_ERROR(s->Attend(l, q.data(), pos.data(), m, out.data()));
+        outs.insert(outs.end(), out.begin(), out.end());
+      }
+      b += m;
+      return Status::Ok();
+    }
+  };
+  Driver da{a->get(), 11}, db{b->get(), 12};
+  while (da.b < 260 || db.b < 260) {
+    if (da.b < 260) ASSERT_TRUE(da.Step().ok());
+    if (db.b < 260) ASSERT_TRUE(db.Step().ok());
+  }
+  ASSERT_EQ(da.outs.size(), alone_a.size());
+  ASSERT_EQ(db.outs.size(), alone_b.size());
+  EXPECT_EQ(std::memcmp(da.outs.data(), alone_a.data(), alone_a.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(db.outs.data(), alone_b.data(), alone_b.size() * sizeof(float)), 0);
+}
+
+TEST(Session, EightSessionsOnFourThreadsMatchTheirSingleThreadedRuns) {
+  // One store with a disk tier and a warm tier too small for everything, so chunks move
+  // between tiers while the sessions run. Each session's outputs must equal, bit for bit,
+  // what it gives when it runs alone on a fresh store.
+  constexpr int kSessions = 8, kThreads = 4;
+  constexpr int64_t kPrefill = 320, kTotal = 400;
+  TempDir dir;
+  std::vector<std::vector<float>> alone(kSessions);
+  for (int i = 0; i < kSessions; ++i) {
+    auto so = SmallStore(dir.path() + "/alone" + std::to_string(i));
+    auto store = TieredStore::Open(so);
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    auto s = Session::Open(store->get(), Retrieval(32));
+    ASSERT_TRUE(s.ok());
+    ASSERT_TRUE(DriveSession(s->get(), 100 + i, kPrefill, kTotal, &alone[i]).ok());
+  }
+  StoreOptions so = SmallStore(dir.path() + "/shared");
+  so.warm_bytes = 96 * so.chunk_bytes();  // 8 sessions x 3 layers x ~45 chunks do not fit
+  auto store = TieredStore::Open(so);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  std::vector<std::unique_ptr<Session>> sessions;
+  for (int i = 0; i < kSessions; ++i) {
+    auto s = Session::Open(store->get(), Retrieval(32));
+    ASSERT_TRUE(s.ok());
+    sessions.push_back(std::move(*s));
+  }
+  std::vector<std::vector<float>> shared(kSessions);
+  std::vector<Status> status(kSessions);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      for (int i = t; i < kSessions; i += kThreads)
+        status[i] = DriveSession(sessions[i].get(), 100 + i, kPrefill, kTotal, &shared[i]);
+    });
+  for (auto& th : threads) th.join();
+  const StoreCounters c = (*store)->counters();
+  EXPECT_GT(c.cold_reads, 0u) << "the warm tier should have been too small";
+  for (int i = 0; i < kSessions; ++i) {
+    ASSERT_TRUE(status[i].ok()) << "session " << i << ": " << status[i].ToString();
+    ASSERT_EQ(shared[i].size(), alone[i].size());
+    EXPECT_EQ(std::memcmp(shared[i].data(), alone[i].data(), alone[i].size() * sizeof(float)), 0)
+        << "session " << i << " differs from its single-threaded run";
+    EXPECT_GT(sessions[i]->counters().chunks_attended, 0u);
+  }
+}
+
+TEST(Session, InfLLMPositionsRotateAtAttentionTime) {
+  // With every chunk attended, kInfLLM over keys stored before RoPE equals attention over
+  // keys rotated by hand where InfLLM puts them (chunks and separated sinks at L0).
+  auto store = TieredStore::Open(SmallStore());
+  SessionOptions o;
+  o.retrieve = false;
+  o.positions = PositionMode::kInfLLM;
+  auto s = Session::Open(store->get(), o);
+  ASSERT_TRUE(s.ok());
+  const Geometry g = SmallStore().geometry;
+  const std::vector<double> inv = kernels::RopeInvFreq(kDim, 10000.0);
+  std::vector<float> all_k, all_v;
+  for (int64_t p = 0; p < 120; ++p) {
+    ASSERT_TRUE((*s)->BeginStep(StepKind::kDecode).ok());
+    Token t = MakeToken(9, 0, p);
+    std::vector<float> kf(t.k.size()), vf(t.v.size());
+    ToFloat(DType::kF16, t.k.data(), kf.data(), kf.size());
+    ToFloat(DType::kF16, t.v.data(), vf.data(), vf.size());
+    all_k.insert(all_k.end(), kf.begin(), kf.end());
+    all_v.insert(all_v.end(), vf.begin(), vf.end());
+    for (int l = 0; l < kLayers; ++l) ASSERT_TRUE((*s)->Append(l, t.k.data(), t.v.data(), 1, DType::kF16).ok());
+    std::vector<float> out(static_cast<size_t>(kQHeads) * kDim);
+    ASSERT_TRUE((*s)->Attend(0, t.q.data(), &p, 1, out.data()).ok());
+    if (p != 119) continue;
+    // Reference: L0 = first position of the local window.
+    auto view = (*store)->GetHotView((*s)->sequence(), 0);
+    ASSERT_TRUE(view.ok());
+    const int64_t l0 = view->local[0].first_position;
+    ASSERT_GT(l0, 8) << "chunks must separate the sinks from the local window";
+    std::vector<float> k = all_k;
+    std::vector<int64_t> rp(120);
+    for (int64_t i = 0; i < 120; ++i) rp[i] = i >= l0 ? i : l0;
+    kernels::Rope(k.data(), 120, kKvHeads, kDim, rp.data(), inv.data());
+    std::vector<float> q = t.q;
+    kernels::Rope(q.data(), 1, kQHeads, kDim, &p, inv.data());
+    kernels::KvSpan all{k.data(), all_v.data(), 120, 0, nullptr};
+    kernels::AttentionParams ap;
+    ap.q_heads = g.q_heads; ap.kv_heads = g.kv_heads; ap.head_dim = g.head_dim; ap.dtype = DType::kF32;
+    ap.n_queries = 1; ap.q = q.data(); ap.q_positions = &p; ap.parts = &all; ap.n_parts = 1;
+    std::vector<float> ref(out.size());
+    ap.out = ref.data();
+    ASSERT_EQ(kernels::Attention(ap), kernels::KernelError::kOk);
+    double err = 0, den = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      err += (out[i] - ref[i]) * (out[i] - ref[i]);
+      den += ref[i] * ref[i];
+    }
+    EXPECT_LT(std::sqrt(err / den), 1e-5);
+  }
+}
+
+TEST(Session, BadCallsGetNamedErrors) {
+  auto store = TieredStore::Open(SmallStore());
+  auto s = Session::Open(store->get(), Retrieval(32));
+  ASSERT_TRUE(s.ok());
+  std::vector<float> q(kQHeads * kDim), out(q.size());
+  int64_t pos = 0;
+  auto expect = [](const Status& st, StatusCode code, const std::string& needle) {
+    EXPECT_EQ(st.code(), code) << st.ToString();
+    EXPECT_NE(st.message().find(needle), std::string::npos) << st.ToString();
+  };
+  expect((*s)->Attend(0, q.data(), &pos, 1, out.data()), StatusCode::kFailedPrecondition, "BeginStep");
+  ASSERT_TRUE((*s)->BeginStep(StepKind::kDecode).ok());
+  expect((*s)->Attend(kLayers, q.data(), &pos, 1, out.data()), StatusCode::kInvalidArgument, "layer 3");
+  expect((*s)->Attend(0, nullptr, &pos, 1, out.data()), StatusCode::kInvalidArgument, "null");
+  expect((*s)->Attend(0, q.data(), &pos, 1, nullptr), StatusCode::kInvalidArgument, "out");
+  expect((*s)->Attend(0, q.data(), &pos, 2, out.data()), StatusCode::kInvalidArgument, "one query");
+  Token t = MakeToken(1, 0, 0);
+  ASSERT_TRUE((*s)->Append(0, t.k.data(), t.v.data(), 1, DType::kF16).ok());
+  ASSERT_TRUE((*s)->Append(1, t.k.data(), t.v.data(), 1, DType::kF16).ok());
+  expect((*s)->Attend(1, t.q.data(), &pos, 1, out.data()), StatusCode::kFailedPrecondition, "shallow to deep");
+  {
+    Status st = (*s)->Attend(0, t.q.data(), &pos, 1, out.data());
+    ASSERT_TRUE(st.ok()) << st.ToString();
+  }
+  expect((*s)->Attend(0, t.q.data(), &pos, 1, out.data()), StatusCode::kFailedPrecondition, "layer 1");
+  expect((*s)->Append(0, t.k.data(), t.v.data(), 1, DType::kF32), StatusCode::kInvalidArgument, "");
+  expect((*s)->Compress("h2o", 1000).status(), StatusCode::kFailedPrecondition, "keep_queries");
+  SessionOptions bad = Retrieval(32);
+  bad.retrieval.alloc = "nope";
+  expect(Session::Open(store->get(), bad).status(), StatusCode::kInvalidArgument, "alloc");
+  bad = Retrieval(32);
+  bad.keep_queries = -1;
+  expect(Session::Open(store->get(), bad).status(), StatusCode::kInvalidArgument, "keep_queries");
+  expect(Session::Attach(store->get(), 999, Retrieval(32)).status(), StatusCode::kNotFound, "");
+  expect(Session::Open(nullptr, Retrieval(32)).status(), StatusCode::kInvalidArgument, "store");
+  ASSERT_TRUE((*s)->Drop().ok());
+  expect((*s)->BeginStep(StepKind::kDecode), StatusCode::kFailedPrecondition, "dropped");
+  EXPECT_TRUE(MakeRetrievalPreset("nope").status().message().find("kvtier") != std::string::npos);
+}
+
+TEST(Session, CompressKeepsTheBudgetAndForgetsDroppedChunks) {
+  auto store = TieredStore::Open(SmallStore());
+  SessionOptions o = Retrieval(32);
+  o.keep_queries = 16;
+  auto s = Session::Open(store->get(), o);
+  ASSERT_TRUE(s.ok());
+  std::vector<float> outs;
+  ASSERT_TRUE(DriveSession(s->get(), 21, 320, 321, &outs).ok());
+  auto before = (*store)->ChunkCount((*s)->sequence(), 0);
+  ASSERT_TRUE(before.ok());
+  const int64_t budget = 8 + 32 + 8 * 8;  // sinks + local + 8 chunks
+  auto rep = (*s)->Compress("h2o", budget);
+  ASSERT_TRUE(rep.ok()) << rep.status().ToString();
+  EXPECT_GT(rep->dropped_chunks, 0u);
+  EXPECT_LE(rep->kept_tokens, static_cast<uint64_t>(budget));
+  for (int l = 0; l < kLayers; ++l) {
+    auto live = (*store)->ListChunks((*s)->sequence(), l);
+    ASSERT_TRUE(live.ok());
+    EXPECT_LE(live->size(), 8u);
+  }
+  // Decoding goes on over what is left and never asks for a dropped chunk.
+  for (int64_t p = 321; p < 340; ++p) {
+    ASSERT_TRUE((*s)->BeginStep(StepKind::kDecode).ok());
+    for (int l = 0; l < kLayers; ++l) {
+      Token t = MakeToken(21, l, p);
+      ASSERT_TRUE((*s)->Append(l, t.k.data(), t.v.data(), 1, DType::kF16).ok());
+      std::vector<float> out(static_cast<size_t>(kQHeads) * kDim);
+      Status st = (*s)->Attend(l, t.q.data(), &p, 1, out.data());
+      ASSERT_TRUE(st.ok()) << st.ToString();
+    }
+  }
+  EXPECT_EQ((*s)->counters().compressions, 1u);
+}
+
+TEST(Session, PresetsAreValidAndDistinct) {
+  std::vector<std::string> names = RetrievalPresetNames();
+  ASSERT_EQ(names.front(), "kvtier");
+  for (const std::string& n : names) {
+    auto p = MakeRetrievalPreset(n);
+    ASSERT_TRUE(p.ok()) << n;
+    EXPECT_TRUE(p->retrieval.Validate().ok()) << n;
+  }
+  EXPECT_EQ(MakeRetrievalPreset("infllm")->retrieval.probe, "mean");
+  EXPECT_EQ(MakeRetrievalPreset("actqkv")->retrieval.alloc, "entropy:rank=cosine");
+  EXPECT_EQ(MakeRetrievalPreset("kvtier")->retrieval.index, "Exact:heads=max");
+}
+
+}  // namespace
+}  // namespace kvtier
