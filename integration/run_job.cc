@@ -218,13 +218,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
 
   // ---- the methods: the configured one, or the comparison set ----
   std::vector<Method> methods;
-  auto add_method = [&](const std::string& name, const std::string& probe, const std::string& alloc, int budget) -> Status {
-    RetrieverOptions ro = opt.retrieval;
-    ro.probe = probe;
-    // A configured rank (--rank-by) reaches the compared methods whose allocator takes it.
-    const std::string rank = SpecKey(opt.retrieval.alloc, "rank");
-    ro.alloc = alloc == "entropy" && !rank.empty() ? alloc + ":rank=" + rank : alloc;
-    ro.budget_tokens = budget;
+  auto add_method = [&](const std::string& name, const RetrieverOptions& ro) -> Status {
     Method m;
     m.name = name;
     // Representative-key statistics come from the prefill below (every stat_stride-th query),
@@ -236,13 +230,34 @@ Result<RunReport> RunJob(const RunOptions& options) {
     methods.push_back(std::move(m));
     return Status::Ok();
   };
+  // A paper method as its preset writes it, over the configured index kind (an Exact index
+  // scores with heads=sum there, as the papers do) at the configured budget.
+  auto paper = [&](const std::string& preset, const std::string& probe, const std::string& alloc,
+                   int budget) -> Result<RetrieverOptions> {
+    KVTIER_ASSIGN_OR_RETURN(RetrievalPreset p, MakeRetrievalPreset(preset));
+    RetrieverOptions ro = p.retrieval;
+    ro.probe = probe;
+    ro.alloc = alloc;
+    ro.index = opt.retrieval.index;
+    auto summed = SetSpecKey(ro.index, "heads", "sum");
+    if (summed.ok() && CanonicalChunkIndexSpec(*summed).ok()) ro.index = *summed;  // kinds without the key keep theirs
+    ro.budget_tokens = budget;
+    return ro;
+  };
+  RetrieverOptions configured = opt.retrieval;
+  configured.budget_tokens = opt.budget;
   if (opt.compare) {
-    KVTIER_RETURN_IF_ERROR(add_method("StreamingLLM", "mean", "topk", 0));
-    KVTIER_RETURN_IF_ERROR(add_method("InfLLM", "mean", "topk", opt.budget));
-    KVTIER_RETURN_IF_ERROR(add_method("ActQKV w/o cut-off", "act", "topk", opt.budget));
-    KVTIER_RETURN_IF_ERROR(add_method("ActQKV", "act", "entropy", opt.budget));
+    KVTIER_ASSIGN_OR_RETURN(RetrieverOptions streaming, paper("infllm", "mean", "topk", 0));
+    KVTIER_ASSIGN_OR_RETURN(RetrieverOptions infllm, paper("infllm", "mean", "topk", opt.budget));
+    KVTIER_ASSIGN_OR_RETURN(RetrieverOptions act_topk, paper("actqkv", "act", "topk", opt.budget));
+    KVTIER_ASSIGN_OR_RETURN(RetrieverOptions actqkv, paper("actqkv", "act", "entropy:rank=cosine", opt.budget));
+    KVTIER_RETURN_IF_ERROR(add_method("StreamingLLM", streaming));
+    KVTIER_RETURN_IF_ERROR(add_method("InfLLM", infllm));
+    KVTIER_RETURN_IF_ERROR(add_method("ActQKV w/o cut-off", act_topk));
+    KVTIER_RETURN_IF_ERROR(add_method("ActQKV", actqkv));
+    KVTIER_RETURN_IF_ERROR(add_method("kvtier", configured));
   } else {
-    KVTIER_RETURN_IF_ERROR(add_method("configured", opt.retrieval.probe, opt.retrieval.alloc, opt.budget));
+    KVTIER_RETURN_IF_ERROR(add_method("configured", configured));
   }
   // Probe-to-oracle agreement uses its own act and mean probes (same chunks).
   std::unique_ptr<Retriever> act_probe, mean_probe;

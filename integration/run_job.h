@@ -14,6 +14,7 @@
 #include "integration/kv_trace.h"
 #include "integration/workload.h"
 #include "offload/tiered_store.h"
+#include "kvtier/session.h"
 #include "retrieval/retriever.h"
 
 namespace kvtier {
@@ -25,7 +26,7 @@ struct RunOptions {
   /// RunJob takes the geometry's shape (keeping store.geometry.dtype) and workload.context,
   /// question_len and decode_steps from it (AdoptTrace); the other workload knobs do not apply.
   std::shared_ptr<const KvTrace> trace;
-  RetrieverOptions retrieval;  ///< probe (act), allocator (entropy), index (Flat); budget_tokens is set from `budget`
+  RetrieverOptions retrieval = RecommendedRetrieval();  ///< the "kvtier" preset; budget_tokens is set from `budget`
   int budget = 2048;           ///< retrieved tokens per step and layer (budget / chunk_size chunks)
   bool compare = false;        ///< run StreamingLLM, InfLLM, ActQKV w/o cut-off and ActQKV on the same data
   int spearman_windows = 8;    ///< prefill windows sampled for probe-to-oracle agreement (0 = skip)

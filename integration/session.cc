@@ -51,14 +51,20 @@ Result<RetrievalPreset> MakeRetrievalPreset(const std::string& name) {
     p.retrieval.alloc = "entropy:rank=cosine";
     p.retrieval.index = "Exact:heads=sum";
   } else if (name == "kvtier") {  // ActQKV's probe and budget; the most interested head decides, logit order
-    p.retrieval.probe = "act";
-    p.retrieval.alloc = "entropy:rank=logit";
-    p.retrieval.index = "Exact:heads=max";
+    p.retrieval = RecommendedRetrieval();
   } else {
     return InvalidArgument("unknown preset '" + name + "' (known: kvtier, actqkv, infllm)");
   }
-  p.repr_topk = 4;
+  if (name != "kvtier") p.repr_topk = 4;  // InfLLM's and ActQKV's r_k; kvtier leaves it to the store
   return p;
+}
+
+RetrieverOptions RecommendedRetrieval() {
+  RetrieverOptions o;
+  o.probe = "act";
+  o.alloc = "entropy:rank=logit";
+  o.index = "Exact:heads=max";
+  return o;
 }
 
 Status SessionOptions::Validate() const {

@@ -136,7 +136,7 @@ TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
   Ran r = Kvtier("run --quiet --compare --context 8192 --geometry 2,8,2,32 --decode-steps 3 --spearman-windows 2"
                  " --data-dir " + dir.path() + "/data --json " + json);
   ASSERT_EQ(r.code, 0) << r.out;
-  for (const char* row : {"full attention", "StreamingLLM", "InfLLM", "ActQKV w/o cut-off", "ActQKV "})
+  for (const char* row : {"full attention", "StreamingLLM", "InfLLM", "ActQKV w/o cut-off", "ActQKV ", "kvtier "})
     EXPECT_NE(r.out.find(row), std::string::npos) << row << " missing in\n" << r.out;
   const std::string rep = ReadAll(json);
   EXPECT_NE(rep.find("\"probe_spearman\""), std::string::npos);
@@ -146,6 +146,50 @@ TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
   const size_t at = rep.find("\"name\": \"StreamingLLM\"");
   ASSERT_NE(at, std::string::npos);
   EXPECT_EQ(JsonNumber(rep.substr(at), "chunks_per_step"), 0.0);
+  // The paper methods run as their presets write them (heads summed, ActQKV in cosine order);
+  // kvtier, the configured default, comes last and is the headline.
+  auto spec_of = [&](const std::string& name) {
+    const size_t a = rep.find("\"name\": \"" + name + "\"");
+    if (a == std::string::npos) return std::string();
+    const size_t b = rep.find("\"spec\": \"", a) + 9;
+    return rep.substr(b, rep.find('"', b) - b);
+  };
+  EXPECT_NE(spec_of("ActQKV").find("alloc=entropy:min=1,rank=cosine index=Exact:heads=sum"), std::string::npos)
+      << spec_of("ActQKV");
+  EXPECT_NE(spec_of("InfLLM").find("probe=mean"), std::string::npos) << spec_of("InfLLM");
+  EXPECT_NE(spec_of("kvtier").find("rank=logit index=Exact:heads=max"), std::string::npos) << spec_of("kvtier");
+  EXPECT_NE(r.out.find("kvtier "), std::string::npos) << r.out;
+}
+
+TEST(Cli, PresetsSetRetrievalAndFlagsRefineThemInAnyOrder) {
+  TempDir dir;
+  auto spec = [&](const std::string& args) {
+    const std::string json = dir.path() + "/r.json";
+    Ran r = Kvtier("run --quiet --no-baseline --context 4096 --geometry 1,4,2,32 --decode-steps 2 --spearman-windows 0 "
+                   "--data-dir " + dir.path() + "/d" + std::to_string(std::rand()) + " --json " + json + " " + args);
+    EXPECT_EQ(r.code, 0) << args << "\n" << r.out;
+    const std::string rep = ReadAll(json);
+    const size_t b = rep.find("\"spec\": \"") + 9;
+    return rep.substr(b, rep.find('"', b) - b);
+  };
+  const std::string def = spec("");
+  EXPECT_EQ(def, spec("--preset kvtier"));
+  EXPECT_NE(def.find("probe=act"), std::string::npos) << def;
+  EXPECT_NE(def.find("rank=logit"), std::string::npos) << def;
+  EXPECT_NE(def.find("heads=max"), std::string::npos) << def;
+  const std::string paper = spec("--preset actqkv");
+  EXPECT_NE(paper.find("rank=cosine"), std::string::npos) << paper;
+  EXPECT_NE(paper.find("heads=sum"), std::string::npos) << paper;
+  EXPECT_NE(spec("--preset infllm").find("probe=mean"), std::string::npos);
+  // A flag refines the preset whether it comes before or after it.
+  EXPECT_EQ(spec("--head-merge max --preset actqkv"), spec("--preset actqkv --head-merge max"));
+  EXPECT_NE(spec("--head-merge max --preset actqkv").find("heads=max"), std::string::npos);
+  Ran bad = Kvtier("run --preset nope");
+  EXPECT_EQ(bad.code, 2) << bad.out;
+  EXPECT_NE(bad.out.find("kvtier, actqkv, infllm"), std::string::npos) << bad.out;
+  Ran bad_inf = Kvtier("infinite --preset paper --weights x");
+  EXPECT_EQ(bad_inf.code, 2) << bad_inf.out;
+  EXPECT_NE(bad_inf.out.find("--preset"), std::string::npos) << bad_inf.out;
 }
 
 }  // namespace

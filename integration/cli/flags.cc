@@ -153,4 +153,33 @@ int Fail(const Status& st) {
   return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
 }
 
+Status AddPresetFlag(FlagSet* flags, int argc, char** argv, RetrieverOptions* retrieval, int* repr_topk) {
+  std::string names;
+  for (const std::string& n : RetrievalPresetNames()) names += (names.empty() ? "" : " | ") + n;
+  flags->Add("preset",
+             names + ": retrieval settings under one name (kvtier = kvtier's recommended configuration; "
+                     "actqkv, infllm = the papers as written); flags that follow refine it",
+             WithDefault(RetrievalPresetNames().front(), [](const std::string& s) {
+               return MakeRetrievalPreset(s).status();
+             }));
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    std::string name;
+    if (a == "--preset" && i + 1 < argc) {
+      name = argv[i + 1];
+    } else if (a.rfind("--preset=", 0) == 0) {
+      name = a.substr(9);
+    } else {
+      continue;
+    }
+    auto p = MakeRetrievalPreset(name);
+    if (!p.ok()) return InvalidArgument("--preset: " + p.status().message());
+    const int budget = retrieval->budget_tokens;
+    *retrieval = p->retrieval;
+    retrieval->budget_tokens = budget;
+    if (p->repr_topk > 0) *repr_topk = p->repr_topk;
+  }
+  return Status::Ok();
+}
+
 }  // namespace kvtier::cli

@@ -380,15 +380,18 @@ int RunInfinite(int argc, char** argv) {
   o.store.chunk_size = 32;
   o.store.repr_topk = 0;  // every key of a chunk, once --chunk is known
   o.store.transfer_threads = 2;
+  // kvtier's recommended retrieval (the "kvtier" preset, docs/retrieval.md): a chunk is scored
+  // by the best logit any kv head gives any of its keys (index key heads=max) and taken in
+  // logit order (allocator key rank=logit); --preset actqkv|infllm give the papers as written.
+  o.retrieval = RecommendedRetrieval();
   o.retrieval.budget_tokens = 256;
-  // kvtier's own defaults for a trained model (docs/retrieval.md): a chunk is scored by the
-  // best logit any kv head gives any of its keys (index key heads=max, where the index kind
-  // has it), and taken in logit order (allocator key rank=logit, where the allocator has it).
-  RetrieverSpecFlags rf(&o.retrieval);
-  rf.DefaultIndexKey("heads", "max").IgnoreError();  // well-formed defaults: cannot fail
-  rf.DefaultAllocKey("rank", "logit").IgnoreError();
-  bool context_set = false;
   FlagSet f;
+  {
+    Status st = cli::AddPresetFlag(&f, argc, argv, &o.retrieval, &o.store.repr_topk);
+    if (!st.ok()) return Fail(st);
+  }
+  RetrieverSpecFlags rf(&o.retrieval);
+  bool context_set = false;
   AddModelTaskFlags(&f, &o.weights, &o.task);
   f.Add("context", "prompt + answer bytes (= tokens) per sample",
         WithDefault(std::to_string(o.contexts.front()), [&](const std::string& s) {
@@ -528,18 +531,24 @@ int RunInfinite(int argc, char** argv) {
     // The paper methods as written: 4 representative keys per chunk and head (mean pooled
     // by the FAISS kinds, best-of by Exact), chunk scores summed over kv heads, ActQKV taking
     // chunks in Eq. 10 cosine order (Algorithm 1). "kvtier" is the flags' configuration.
-    RetrieverOptions paper = o.retrieval;
-    if (auto sum = SetSpecKey(paper.index, "heads", "sum"); sum.ok()) paper.index = *sum;  // FAISS kinds take sum too
-    const int paper_reprs = std::min(4, o.store.chunk_size);
+    // The presets (include/kvtier/session.h) over the configured index kind and budget.
+    auto paper = [&](const std::string& name) -> Result<std::pair<RetrieverOptions, int>> {
+      KVTIER_ASSIGN_OR_RETURN(RetrievalPreset p, MakeRetrievalPreset(name));
+      RetrieverOptions r = p.retrieval;
+      r.budget_tokens = o.retrieval.budget_tokens;
+      r.index = o.retrieval.index;
+      if (auto sum = SetSpecKey(r.index, "heads", "sum"); sum.ok()) r.index = *sum;  // FAISS kinds take sum too
+      return std::make_pair(r, std::min(p.repr_topk, o.store.chunk_size));
+    };
+    auto infllm_preset = paper("infllm");
+    auto actqkv_preset = paper("actqkv");
+    if (!infllm_preset.ok()) return Fail(infllm_preset.status());
+    if (!actqkv_preset.ok()) return Fail(actqkv_preset.status());
     Method full{"full attention", Method::kFull, o.retrieval, PositionMode::kAbsolute, o.store.repr_topk};
     Method streaming{"StreamingLLM", Method::kStreaming, o.retrieval, PositionMode::kInfLLM, o.store.repr_topk};
     streaming.retrieval.budget_tokens = 0;
-    Method infllm{"InfLLM", Method::kRetrieval, paper, PositionMode::kInfLLM, paper_reprs};
-    infllm.retrieval.probe = "mean";
-    infllm.retrieval.alloc = "topk";
-    Method actqkv{"ActQKV", Method::kRetrieval, paper, PositionMode::kInfLLM, paper_reprs};
-    actqkv.retrieval.probe = "act";
-    actqkv.retrieval.alloc = "entropy";
+    Method infllm{"InfLLM", Method::kRetrieval, infllm_preset->first, PositionMode::kInfLLM, infllm_preset->second};
+    Method actqkv{"ActQKV", Method::kRetrieval, actqkv_preset->first, PositionMode::kInfLLM, actqkv_preset->second};
     Method ours{"kvtier", Method::kRetrieval, o.retrieval, o.positions, o.store.repr_topk};
     Method oracle{"needle oracle", Method::kNeedleOracle, o.retrieval, PositionMode::kInfLLM, o.store.repr_topk};
     methods = {full, streaming, infllm, actqkv, ours, oracle};

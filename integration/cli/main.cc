@@ -179,6 +179,10 @@ int CmdRun(int argc, char** argv) {
   f.Add("seed", "random seed", IntFlag(&o.workload.seed, 0, INT64_MAX));
   // --index/--alloc set the specs; --rerank, --rerank-min, --head-merge and --rank-by are
   // shorthands for one key of them, in any order (RetrieverSpecFlags).
+  {
+    Status st = cli::AddPresetFlag(&f, argc, argv, &o.retrieval, &o.store.repr_topk);
+    if (!st.ok()) return Fail(st);
+  }
   RetrieverSpecFlags rf(&o.retrieval);
   const ExactIndexOptions exact;
   f.Add("probe", "probe builder: act | mean | question[:base=act,weight=0.5]",
