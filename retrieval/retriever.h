@@ -25,7 +25,16 @@
 // out in full and Parse() reads back:
 //   probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine
 //   index=Exact:heads=sum,rerank=4,rerank_min=256 budget=2048
-// (rank belongs to the allocator: budget.h says why.)
+// (rank belongs to the allocator: budget.h says why.) These defaults are
+// ActQKV's Algorithm 1; kvtier's recommended configuration is the "kvtier"
+// preset (include/kvtier/session.h, RecommendedRetrieval()).
+//
+// State and threading: the probe's running statistics (ActQKV Eq. 8) and the
+// allocator's per-step budget are per layer, not per sequence, and Select
+// reuses scratch buffers. So a Retriever serves ONE sequence, driven by one
+// thread at a time: one Retriever per sequence (kvtier::Session owns one),
+// never shared between sequences or called concurrently. Several Retrievers
+// over one TieredStore may run on different threads.
 #pragma once
 
 #include <memory>

@@ -61,33 +61,37 @@ Token MakeToken(uint32_t seed, int layer, int64_t pos) {
   return t;
 }
 
+// One step at position b: a prefill window of up to 16 tokens while b < prefill, else one
+// decode token; appends every layer's Attend output to outs. Returns the tokens it ran.
+Result<int> StepOnce(Session* s, uint32_t seed, int64_t b, int64_t prefill, std::vector<float>* outs) {
+  const bool decode = b >= prefill;
+  const int m = decode ? 1 : static_cast<int>(std::min<int64_t>(16, prefill - b));
+  KVTIER_RETURN_IF_ERROR(s->BeginStep(decode ? StepKind::kDecode : StepKind::kPrefill));
+  std::vector<int64_t> pos(m);
+  for (int t = 0; t < m; ++t) pos[t] = b + t;
+  for (int l = 0; l < kLayers; ++l) {
+    std::vector<uint16_t> k, v;
+    std::vector<float> q;
+    for (int t = 0; t < m; ++t) {
+      Token tok = MakeToken(seed, l, b + t);
+      k.insert(k.end(), tok.k.begin(), tok.k.end());
+      v.insert(v.end(), tok.v.begin(), tok.v.end());
+      q.insert(q.end(), tok.q.begin(), tok.q.end());
+    }
+    KVTIER_RETURN_IF_ERROR(s->Append(l, k.data(), v.data(), m, DType::kF16));
+    std::vector<float> out(static_cast<size_t>(m) * kQHeads * kDim);
+    KVTIER_RETURN_IF_ERROR(s->Attend(l, q.data(), pos.data(), m, out.data()));
+    outs->insert(outs->end(), out.begin(), out.end());
+  }
+  return m;
+}
+
 // Prefill windows of 16 tokens up to `prefill`, then decode steps to `total`; returns every
 // Attend output, concatenated.
-Status DriveSession(Session* s, uint32_t seed, int64_t prefill, int64_t total, std::vector<float>* outs,
-                    int64_t* step_pos = nullptr) {
-  const size_t q_elems = static_cast<size_t>(kQHeads) * kDim;
+Status DriveSession(Session* s, uint32_t seed, int64_t prefill, int64_t total, std::vector<float>* outs) {
   for (int64_t b = 0; b < total;) {
-    const bool decode = b >= prefill;
-    const int m = decode ? 1 : static_cast<int>(std::min<int64_t>(16, prefill - b));
-    KVTIER_RETURN_IF_ERROR(s->BeginStep(decode ? StepKind::kDecode : StepKind::kPrefill));
-    std::vector<int64_t> pos(m);
-    for (int t = 0; t < m; ++t) pos[t] = b + t;
-    for (int l = 0; l < kLayers; ++l) {
-      std::vector<uint16_t> k, v;
-      std::vector<float> q;
-      for (int t = 0; t < m; ++t) {
-        Token tok = MakeToken(seed, l, b + t);
-        k.insert(k.end(), tok.k.begin(), tok.k.end());
-        v.insert(v.end(), tok.v.begin(), tok.v.end());
-        q.insert(q.end(), tok.q.begin(), tok.q.end());
-      }
-      KVTIER_RETURN_IF_ERROR(s->Append(l, k.data(), v.data(), m, DType::kF16));
-      std::vector<float> out(static_cast<size_t>(m) * q_elems);
-      KVTIER_RETURN_IF_ERROR(s->Attend(l, q.data(), pos.data(), m, out.data()));
-      outs->insert(outs->end(), out.begin(), out.end());
-    }
+    KVTIER_ASSIGN_OR_RETURN(int m, StepOnce(s, seed, b, prefill, outs));
     b += m;
-    if (step_pos) *step_pos = b;
   }
   return Status::Ok();
 }
@@ -200,25 +204,7 @@ TEST(Session, SessionsKeepTheirOwnRetrievalState) {
     int64_t b = 0;
     std::vector<float> outs;
     Status Step() {
-      const bool decode = b >= 160;
-      const int m = decode ? 1 : 16;
-      KVTIER_RETURN_IF_ERROR(s->BeginStep(decode ? StepKind::kDecode : StepKind::kPrefill));
-      std::vector<int64_t> pos(m);
-      for (int t = 0; t < m; ++t) pos[t] = b + t;
-      for (int l = 0; l < kLayers; ++l) {
-        std::vector<uint16_t> k, v;
-        std::vector<float> q;
-        for (int t = 0; t < m; ++t) {
-          Token tok = MakeToken(seed, l, b + t);
-          k.insert(k.end(), tok.k.begin(), tok.k.end());
-          v.insert(v.end(), tok.v.begin(), tok.v.end());
-          q.insert(q.end(), tok.q.begin(), tok.q.end());
-        }
-        KVTIER_RETURN_IF_ERROR(s->Append(l, k.data(), v.data(), m, DType::kF16));
-        std::vector<float> out(static_cast<size_t>(m) * kQHeads * kDim);
-        KVTIER_RETURN_IF_ERROR(s->Attend(l, q.data(), pos.data(), m, out.data()));
-        outs.insert(outs.end(), out.begin(), out.end());
-      }
+      KVTIER_ASSIGN_OR_RETURN(int m, StepOnce(s, seed, b, 160, &outs));
       b += m;
       return Status::Ok();
     }
