@@ -349,8 +349,8 @@ Status Session::Attend(int layer, const float* q, const int64_t* positions, int 
     if (e != kernels::KernelError::kOk)
       return Internal("Session::Attend: layer " + std::to_string(layer) + ": attention kernel: " +
                       kernels::KernelErrorString(e));
-    lp.Release();
     lp.stats.attention_ms = MsSince(t0);
+    lp.Release();  // unpinning is bookkeeping under the store lock, not attention: timed by neither
     counters_.attention_ms += lp.stats.attention_ms;
     if (stats) *stats = lp.stats;
     return Status::Ok();
