@@ -10,7 +10,8 @@
 //                 or their own loop (Session::Gather gives the spans to attend)
 //
 // Errors are Status / Result<T> (store/status.h); nothing throws across this API.
-// The README's "Embedding kvtier" section shows a complete decode loop.
+// The README's "Embedding kvtier" section shows a complete decode loop. kvtier/kvtier_c.h
+// is the same API for C (opaque handles, error codes with messages).
 #pragma once
 
 #include "kernels/cpu/attention.h"

@@ -1,0 +1,236 @@
+/* kvtier's C API: the engine API of kvtier/kvtier.h (TieredStore + Session) for C
+ * and for any language with a C FFI. C99; compiles as C and as C++. No C++ type
+ * crosses it: handles are opaque, options and results are plain C structs.
+ *
+ *   kvtier_store_options so = kvtier_store_options_default();
+ *   so.layers = 2; so.q_heads = 8; so.kv_heads = 2; so.head_dim = 64; so.dtype = KVTIER_F32;
+ *   kvtier_error err;
+ *   kvtier_store* store;
+ *   if (kvtier_store_open(&so, &store, &err) != KVTIER_OK) { puts(err.message); ... }
+ *   kvtier_session_options o = kvtier_session_options_default();
+ *   kvtier_session* s;
+ *   kvtier_session_open(store, &o, &s, &err);
+ *   per step: kvtier_session_begin_step(s, KVTIER_STEP_DECODE, &err);
+ *             per layer: kvtier_session_append(s, layer, k, v, 1, KVTIER_F32, &err);
+ *                        kvtier_session_attend(s, layer, q, &pos, 1, out, NULL, &err);
+ *   kvtier_session_destroy(s);
+ *   kvtier_store_close(store, &err);
+ *
+ * Errors. Every fallible function returns a kvtier_code (KVTIER_OK = 0; the other
+ * values equal kvtier::StatusCode's) and, when its last argument `err` is not NULL,
+ * fills *err with the same code and the message of the underlying kvtier::Status
+ * ("Session::Attend: layer 5 outside [0, 2)"), truncated to fit and always
+ * NUL-terminated; on success err->code = KVTIER_OK and err->message is "". The error
+ * lives in caller memory, so there is no hidden per-thread or per-handle state.
+ * Every pointer, handle, size, shape, enum value and layer index the API can check is
+ * checked: a bad one is KVTIER_INVALID_ARGUMENT with a message, never a crash. What
+ * the API cannot check is the length of a buffer behind a pointer (each function
+ * says how many elements it reads or writes) or a handle that was already freed. No
+ * C++ exception leaves the API: running out of memory is KVTIER_RESOURCE_EXHAUSTED,
+ * anything else unexpected KVTIER_INTERNAL.
+ *
+ * Threading: as kvtier::Session (kvtier/session.h). A session handle is driven by one
+ * thread at a time; different sessions may run concurrently on different threads over
+ * one store. The store functions (kvtier_store_get_counters, kvtier_session_open,
+ * kvtier_store_wait_durable) may be called from any thread at any time, except
+ * kvtier_store_close, which must not run concurrently with any other call on the
+ * store or its sessions.
+ *
+ * Lifetimes: a session handle lives from kvtier_session_open to
+ * kvtier_session_destroy; kvtier_session_close and kvtier_session_drop change the
+ * sequence, not the handle (its counters stay readable). kvtier_store_close refuses
+ * (KVTIER_FAILED_PRECONDITION, the store stays open) while any session handle of the
+ * store is not destroyed.
+ */
+#ifndef KVTIER_KVTIER_C_H_
+#define KVTIER_KVTIER_C_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- errors ------------------------------------------------------------------ */
+
+/* Equal to kvtier::StatusCode (store/status.h), value for value. */
+typedef enum kvtier_code {
+  KVTIER_OK = 0,
+  KVTIER_INVALID_ARGUMENT = 1,    /* caller passed something malformed (shape, size, NULL, enum) */
+  KVTIER_NOT_FOUND = 2,           /* sequence / chunk / file does not exist */
+  KVTIER_ALREADY_EXISTS = 3,
+  KVTIER_FAILED_PRECONDITION = 4, /* wrong state (dropped, closed, step not begun, sessions open) */
+  KVTIER_RESOURCE_EXHAUSTED = 5,  /* a tier is full, or out of memory */
+  KVTIER_CORRUPTION = 6,          /* stored bytes failed a checksum or format check */
+  KVTIER_IO_ERROR = 7,            /* the disk tier or file system failed */
+  KVTIER_TIMED_OUT = 8,
+  KVTIER_UNAVAILABLE = 9,         /* a backend (e.g. CUDA) is not present */
+  KVTIER_INTERNAL = 10            /* a kvtier bug */
+} kvtier_code;
+
+#define KVTIER_ERROR_MESSAGE_SIZE 1024
+
+/* Written by every fallible call whose `err` argument is not NULL. */
+typedef struct kvtier_error {
+  kvtier_code code;
+  char message[KVTIER_ERROR_MESSAGE_SIZE]; /* NUL-terminated; "" on success */
+} kvtier_error;
+
+/* "OK", "InvalidArgument", ..., as kvtier::StatusCodeName; "Unknown" for other values. */
+const char* kvtier_code_name(kvtier_code code);
+/* The library's version, "major.minor.patch". */
+const char* kvtier_version(void);
+
+/* ---- enums ------------------------------------------------------------------- */
+
+typedef enum kvtier_dtype { KVTIER_F32 = 0, KVTIER_F16 = 1, KVTIER_BF16 = 2 } kvtier_dtype;
+typedef enum kvtier_compression {
+  KVTIER_COMPRESSION_NONE = 0,
+  KVTIER_COMPRESSION_LZ4 = 1,
+  KVTIER_COMPRESSION_ZSTD = 2
+} kvtier_compression;
+/* See kvtier/session.h: keys and queries after RoPE (absolute) or before it (infllm). */
+typedef enum kvtier_positions { KVTIER_POSITIONS_ABSOLUTE = 0, KVTIER_POSITIONS_INFLLM = 1 } kvtier_positions;
+typedef enum kvtier_step_kind {
+  KVTIER_STEP_PREFILL = 0, /* a window of m >= 1 prompt tokens */
+  KVTIER_STEP_DECODE = 1   /* one generated token: attend takes m = 1 */
+} kvtier_step_kind;
+
+/* ---- store ------------------------------------------------------------------- */
+
+typedef struct kvtier_store kvtier_store;
+
+typedef struct kvtier_store_options {
+  /* geometry of the model's KV cache */
+  int layers, q_heads, kv_heads, head_dim; /* q_heads a multiple of kv_heads */
+  kvtier_dtype dtype;                      /* storage dtype of K and V */
+  /* tiers */
+  int n_sink;          /* attention-sink tokens kept hot per (sequence, layer) */
+  int n_local;         /* most recent tokens kept hot (the local window) */
+  int chunk_size;      /* tokens per chunk */
+  int repr_topk;       /* representative keys per kv head per chunk (presets "actqkv" and
+                          "infllm" are written with 4; a session cannot change it) */
+  uint64_t hot_bytes;  /* hot slot pool for retrieved chunks */
+  uint64_t warm_bytes; /* warm tier (host memory) capacity */
+  const char* data_dir;           /* cold tier (RocksDB) directory, copied at open; NULL or "" = none */
+  kvtier_compression compression; /* cold tier compression */
+} kvtier_store_options;
+
+/* kvtier::StoreOptions' defaults (geometry 32,32,8,128:f16, sinks 64, local 512, chunks of
+ * 32, 4 representatives, hot 64 MiB, warm 256 MiB, no cold tier, lz4). */
+kvtier_store_options kvtier_store_options_default(void);
+
+/* Opens (and, with a data_dir holding an earlier store, recovers) a store. On success
+ * *out is the handle; on failure *out is NULL. */
+kvtier_code kvtier_store_open(const kvtier_store_options* options, kvtier_store** out, kvtier_error* err);
+/* Frees the store (pending cold writes finish first). KVTIER_FAILED_PRECONDITION, and
+ * nothing happens, while session handles of this store are not destroyed;
+ * KVTIER_INVALID_ARGUMENT for NULL. */
+kvtier_code kvtier_store_close(kvtier_store* store, kvtier_error* err);
+/* Waits until every write-through cold write issued so far is acknowledged. */
+kvtier_code kvtier_store_wait_durable(kvtier_store* store, kvtier_error* err);
+
+/* kvtier::StoreCounters: a consistent snapshot. */
+typedef struct kvtier_store_counters {
+  uint64_t hot_chunks, hot_bytes;   /* chunk slots in use (+ sinks/local bytes in hot_bytes) */
+  uint64_t warm_chunks, warm_bytes; /* chunks resident in the warm tier */
+  uint64_t cold_chunks, cold_bytes; /* chunks acknowledged by the cold tier */
+  uint64_t promotions;              /* chunk copies to a higher tier */
+  uint64_t demotions;               /* chunks that left a tier for a lower one */
+  uint64_t hits;                    /* fetched chunks already hot */
+  uint64_t misses;                  /* fetched chunks that had to be promoted */
+  uint64_t bytes_moved;             /* bytes copied between tiers */
+  uint64_t cold_writes, cold_reads;
+  uint64_t lease_expired;  /* pins that ran past their lease */
+  uint64_t chunks_sealed;  /* chunks formed from the local window */
+  uint64_t dropped_chunks; /* chunks removed for good by compression */
+} kvtier_store_counters;
+
+kvtier_code kvtier_store_get_counters(const kvtier_store* store, kvtier_store_counters* out, kvtier_error* err);
+
+/* ---- session: one sequence --------------------------------------------------- */
+
+typedef struct kvtier_session kvtier_session;
+
+typedef struct kvtier_session_options {
+  const char* preset;         /* retrieval preset: "kvtier" | "actqkv" | "infllm"; NULL = "kvtier" */
+  int budget_tokens;          /* retrieved tokens per layer and step (> 0) */
+  kvtier_positions positions; /* see kvtier/session.h */
+  double rope_theta;          /* KVTIER_POSITIONS_INFLLM: RoPE base */
+  int keep_queries;           /* most recent queries kept per layer for compress (0 = none) */
+} kvtier_session_options;
+
+/* kvtier::SessionOptions' defaults: preset "kvtier", 2048 tokens, absolute positions,
+ * rope_theta 10000, keep_queries 0. */
+kvtier_session_options kvtier_session_options_default(void);
+
+/* Creates a new sequence in `store` and a session over it. On failure *out is NULL. */
+kvtier_code kvtier_session_open(kvtier_store* store, const kvtier_session_options* options, kvtier_session** out,
+                                kvtier_error* err);
+/* Persists the sinks and local window; the sequence becomes read-only. */
+kvtier_code kvtier_session_close(kvtier_session* session, kvtier_error* err);
+/* Removes the sequence from every tier; later calls on the session fail (FAILED_PRECONDITION). */
+kvtier_code kvtier_session_drop(kvtier_session* session, kvtier_error* err);
+/* Frees the handle (the sequence stays in the store unless dropped). NULL is a no-op. */
+void kvtier_session_destroy(kvtier_session* session);
+
+/* Appends n > 0 tokens to one layer: k and v each [n, kv_heads, head_dim] elements of
+ * `dtype`, which must be the store's. KVTIER_POSITIONS_INFLLM: keys before RoPE. */
+kvtier_code kvtier_session_append(kvtier_session* session, int layer, const void* k, const void* v, int n,
+                                  kvtier_dtype dtype, kvtier_error* err);
+/* Starts a step over all layers; then attend layer 0, 1, ..., layers-1 in that order. */
+kvtier_code kvtier_session_begin_step(kvtier_session* session, kvtier_step_kind kind, kvtier_error* err);
+
+/* One attend call's times and chunk count. */
+typedef struct kvtier_attend_stats {
+  double probe_ms, search_ms, alloc_ms, fetch_ms, attention_ms;
+  double entropy;  /* the entropy allocator's layer entropy, when it computed one */
+  uint64_t chunks; /* chunks attended */
+} kvtier_attend_stats;
+
+/* One layer's memory step: probe, chunk search, budget, fetch, attention over sinks |
+ * chunks | local window. q [m, q_heads, head_dim] fp32 at `positions` [m] (increasing;
+ * the tokens just appended), out [m, q_heads, head_dim] fp32. A decode step takes m = 1.
+ * `stats` may be NULL. */
+kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const float* q, const int64_t* positions,
+                                  int m, float* out, kvtier_attend_stats* stats, kvtier_error* err);
+
+/* What one compress did. */
+typedef struct kvtier_compress_report {
+  char policy[256];        /* the policy, canonically spelled (truncated to fit, NUL-terminated) */
+  uint64_t dropped_chunks; /* over every layer */
+  uint64_t kept_tokens;    /* per layer, mean over layers, after the compression */
+  int64_t compress_every;  /* the policy's decode-time recompression period (0 = once) */
+} kvtier_compress_report;
+
+/* Compression (kvtier::Session::Compress): the last n_queries kept queries (0 = all;
+ * needs keep_queries > 0) attend exactly over every held key, the scoring policy
+ * `policy_spec` ("h2o", "snapkv", "streaming", ...) keeps kv_budget tokens per layer
+ * (sinks and local window included), and the other chunks leave the store for good.
+ * `report` may be NULL. */
+kvtier_code kvtier_session_compress(kvtier_session* session, const char* policy_spec, int64_t kv_budget,
+                                    int n_queries, kvtier_compress_report* report, kvtier_error* err);
+
+/* kvtier::SessionCounters: totals over the session's life. */
+typedef struct kvtier_session_counters {
+  uint64_t steps;            /* begin_step calls */
+  uint64_t attends;          /* attend calls (layer steps) */
+  uint64_t tokens_appended;  /* summed over layers */
+  uint64_t chunks_attended;  /* summed over layer steps */
+  uint64_t max_layer_chunks; /* most chunks one layer attended in one step */
+  uint64_t compressions;     /* compress calls that ran */
+  uint64_t dropped_chunks;   /* chunks compress removed */
+  double probe_ms, search_ms, alloc_ms, fetch_ms, attention_ms;
+} kvtier_session_counters;
+
+kvtier_code kvtier_session_get_counters(const kvtier_session* session, kvtier_session_counters* out,
+                                        kvtier_error* err);
+/* The session's sequence id in its store (0 for NULL). */
+uint64_t kvtier_session_sequence(const kvtier_session* session);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* KVTIER_KVTIER_C_H_ */
