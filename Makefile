@@ -6,12 +6,45 @@ CMAKE_ARGS ?=
 # The main job: a long-sequence run on the default embedded setup (see README).
 RUN_ARGS   ?= --context 131072 --data-dir $(BUILD)/run-data --json $(BUILD)/run-report.json
 
-.PHONY: all deps configure build run test bench bench-retrieval clean
+.PHONY: all deps deps-checks configure build run test test-release test-asan test-tsan fuzz soak \
+        bench bench-retrieval clean
+
+# ---- checks beyond the Release suite (all part of `make test`, hence of CI) ------------------
+# Each has its own build directory, built with clang from Debian (scripts/deps.sh checks).
+ASAN_BUILD   ?= build-asan
+TSAN_BUILD   ?= build-tsan
+CLANG_CC     ?= clang-14
+CLANG_CXX    ?= clang++-14
+# Seconds each libFuzzer target runs in `make fuzz` (five targets, two at a time).
+FUZZ_SECONDS ?= 120
+# Kill/reopen cycles of `make soak` (every suite runs 20 of them: Soak.* in tests/soak_test.cc).
+SOAK_CYCLES  ?= 1000
+# Debian's FAISS is linked against GCC's OpenMP runtime (libgomp): the clang builds link that
+# one too instead of LLVM's libomp, so that no process holds two OpenMP runtimes.
+GOMP_LIB     := $(shell gcc -print-file-name=libgomp.so 2>/dev/null)
+# Optimised (the suites are long), with line tables only: enough for file:line in reports,
+# and much faster to compile and link than full debug info.
+CLANG_CMAKE   = -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_CUDA=off \
+                "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O2 -gline-tables-only -DNDEBUG" \
+                "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -gline-tables-only -DNDEBUG" \
+                -DCMAKE_C_COMPILER=$(CLANG_CC) -DCMAKE_CXX_COMPILER=$(CLANG_CXX) \
+                -DOpenMP_C_FLAGS=-fopenmp=libgomp -DOpenMP_CXX_FLAGS=-fopenmp=libgomp \
+                -DOpenMP_C_LIB_NAMES=gomp -DOpenMP_CXX_LIB_NAMES=gomp -DOpenMP_gomp_LIBRARY=$(GOMP_LIB)
+# The concurrency tests, the ones ThreadSanitizer builds and runs.
+TSAN_TESTS    = tests/tiered_store_test.cc;tests/session_test.cc;tests/stress_test.cc;tests/crash_test.cc;tests/soak_test.cc;tests/cold_tier_test.cc;tests/ack_manifest_test.cc
+# A UBSan report aborts the test (compiled without recovery); leaks fail it too.
+export ASAN_OPTIONS  ?= detect_leaks=1:strict_string_checks=1:check_initialization_order=1
+export UBSAN_OPTIONS ?= print_stacktrace=1
+TSAN_ENV      = TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp second_deadlock_stack=1 history_size=4"
+TIMED         = bash scripts/timed.sh
 
 all: build
 
 deps:
 	@bash scripts/deps.sh
+
+deps-checks:
+	@bash scripts/deps.sh checks
 
 $(BUILD)/build.ninja: CMakeLists.txt | deps
 	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVTIER_CUDA=$(KVTIER_CUDA) $(CMAKE_ARGS)
@@ -25,8 +58,46 @@ run: build
 	rm -rf $(BUILD)/run-data
 	./$(BUILD)/kvtier run $(RUN_ARGS)
 
-test: build
+# The Release suite, then AddressSanitizer+UBSan, ThreadSanitizer and the fuzzers, one
+# after the other (each stage prints how long it took).
+test:
+	@$(TIMED) "Release build" $(MAKE) --no-print-directory build
+	@$(TIMED) "Release suite" $(MAKE) --no-print-directory test-release
+	@$(TIMED) "ASan+UBSan build and suite" $(MAKE) --no-print-directory test-asan
+	@$(TIMED) "TSan build and concurrency tests" $(MAKE) --no-print-directory test-tsan
+	@$(TIMED) "fuzzers" $(MAKE) --no-print-directory fuzz
+
+test-release: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
+
+# The whole suite under AddressSanitizer and UBSan (clang). Tests that measure memory or
+# allocate up to a limit skip themselves here, saying why (tests/test_util.h). The same
+# build holds the fuzz targets (KVTIER_FUZZ: libFuzzer's coverage instrumentation).
+$(ASAN_BUILD)/build.ninja: CMakeLists.txt | deps-checks
+	cmake -S . -B $(ASAN_BUILD) $(CLANG_CMAKE) -DKVTIER_SANITIZE=address,undefined -DKVTIER_FUZZ=ON
+
+test-asan: deps-checks $(ASAN_BUILD)/build.ninja
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target all fuzzers
+	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
+
+# The concurrency tests (store, sessions, stress job, SIGKILL crash and soak, cold tier)
+# under ThreadSanitizer; tests/tsan.supp lists the only suppressions and why. The install
+# and C API programs are not concurrency tests: they run in the other two suites.
+$(TSAN_BUILD)/build.ninja: CMakeLists.txt | deps-checks
+	cmake -S . -B $(TSAN_BUILD) $(CLANG_CMAKE) -DKVTIER_SANITIZE=thread "-DKVTIER_TEST_GLOB=$(TSAN_TESTS)"
+
+test-tsan: deps-checks $(TSAN_BUILD)/build.ninja
+	cmake --build $(TSAN_BUILD) -j $(JOBS) --target kvtier_tests
+	cd $(TSAN_BUILD) && $(TSAN_ENV) ctest --output-on-failure -j $(JOBS) --timeout 900 -E '^(Install|CApi)[.]'
+
+# Each libFuzzer target for FUZZ_SECONDS from its committed seed corpus (tests/fuzz/corpus).
+fuzz: deps-checks $(ASAN_BUILD)/build.ninja
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target fuzzers
+	bash scripts/fuzz.sh $(ASAN_BUILD) $(FUZZ_SECONDS)
+
+# SIGKILL soak: SOAK_CYCLES kill/reopen cycles on one store, every acknowledged chunk checked.
+soak: build
+	cd $(BUILD) && KVTIER_SOAK_CYCLES=$(SOAK_CYCLES) ./kvtier_tests --gtest_filter='Soak.*'
 
 bench: build
 	./$(BUILD)/kvtier_bench --benchmark_min_time=0.2
@@ -38,4 +109,4 @@ bench-retrieval: build
 	bash scripts/bench_retrieval.sh $(BUILD)
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)

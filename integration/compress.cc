@@ -9,6 +9,7 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include "kernels/cpu/dot.h"
+#include "kernels/tbb_tsan.h"
 #include "kernels/dtype.h"
 
 namespace kvtier {
@@ -92,7 +93,8 @@ void ExactAttentionRows(const Geometry& g, const float* q, const int64_t* qpos, 
   const int Hq = g.q_heads, D = g.head_dim, G = g.group_size();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const size_t tok = static_cast<size_t>(g.kv_heads) * D;
-  tbb::parallel_for(0, Hq * m, [&](int hi) {
+  TsanForkJoin fj;  // kernels/tbb_tsan.h
+  tbb::parallel_for(0, Hq * m, fj.Body([&](int hi) {
     const int h = hi / m, i = hi % m;
     const float* qv = q + (static_cast<size_t>(i) * Hq + h) * D;
     float* row = out + (static_cast<size_t>(h) * m + i) * n_keys;
@@ -108,7 +110,8 @@ void ExactAttentionRows(const Geometry& g, const float* q, const int64_t* qpos, 
     const float inv = static_cast<float>(1.0 / sum);
     for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
     std::fill(row + std::max<int64_t>(visible, 0), row + n_keys, 0.0f);
-  });
+  }));
+  fj.Join();
 }
 
 Result<uint64_t> KeptTokensPerLayer(const TieredStore& store, SequenceId seq, int layers) {

@@ -18,12 +18,15 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <map>
+#include <set>
 #include <mutex>
 #include <shared_mutex>
 #include <system_error>
 #include <thread>
 #include <vector>
 
+#include "kernels/tbb_tsan.h"  // KVTIER_TSAN
 #include "store/checksum.h"
 #include "store/coding.h"
 
@@ -78,7 +81,7 @@ Status ColdTierOptions::Validate() const {
 
 namespace {
 
-enum class ValueKind : uint8_t { kSequence = 1, kMeta = 2, kPayload = 3, kBlob = 4 };
+using cold_tier_format::ValueKind;
 
 // Keys are big-endian (bytewise order = numeric order); the value header is
 // little-endian. Both come from store/coding.h, so the format is the same on any host.
@@ -131,8 +134,11 @@ const char* KindName(uint8_t k) {
   return "unknown";
 }
 
+}  // namespace
+
 // `what` names the key, e.g. "chunk seq=3/layer=1/chunk=17 payload".
-Status DecodeValue(rocksdb::Slice v, ValueKind want, const std::string& what, Decoded* out) {
+Status cold_tier_format::DecodeValue(std::string_view v, ValueKind want, const std::string& what,
+                                     std::string_view* body, uint64_t* aux) {
   constexpr size_t H = cold_tier_format::kValueHeaderBytes;
   if (v.size() < H)
     return Corruption("cold tier: " + what + " value too short (" + std::to_string(v.size()) +
@@ -160,9 +166,22 @@ Status DecodeValue(rocksdb::Slice v, ValueKind want, const std::string& what, De
   if (crc != stored)
     return Corruption("cold tier: " + what + " checksum mismatch (stored " + Hex32(stored) +
                       ", computed " + Hex32(crc) + ")");
-  out->aux = DecodeFixed64(p + 16);
-  out->body = std::string_view(p + H, len);
+  if (aux != nullptr) *aux = DecodeFixed64(p + 16);
+  *body = std::string_view(p + H, len);
   return Status::Ok();
+}
+
+std::string cold_tier_format::EncodeValue(ValueKind kind, std::string_view body, uint64_t aux) {
+  const Header h = MakeHeader(kind, body.data(), body.size(), aux);
+  std::string v(h.data(), h.size());
+  v.append(body.data(), body.size());
+  return v;
+}
+
+namespace {
+
+Status DecodeValue(rocksdb::Slice v, ValueKind want, const std::string& what, Decoded* out) {
+  return cold_tier_format::DecodeValue(std::string_view(v.data(), v.size()), want, what, &out->body, &out->aux);
 }
 
 Status FromRocks(const rocksdb::Status& s, const std::string& what) {
@@ -229,6 +248,12 @@ struct ColdTier::Impl {
   std::atomic<uint64_t> payload_bytes{0};
   std::atomic<uint64_t> chunks{0};
 
+  // What was acknowledged (offload/ack_manifest.h). Appends to it happen under the same
+  // locks as the RocksDB write they describe, so its order is the database's order.
+  std::unique_ptr<AckManifest> manifest;
+  std::vector<ChunkRange> lost;            // accepted at this open (accept_lost_chunks)
+  std::vector<SequenceId> lost_sequences;  // same, for sequence records
+
   // Keeps the byte/chunk counters exact under concurrency: Put/DeleteChunk take
   // `seq_mu` shared plus the key's stripe (read old meta, write, adjust);
   // DeleteSequence takes `seq_mu` exclusively while it sums and deletes.
@@ -260,6 +285,31 @@ struct ColdTier::Impl {
     *bytes = d.aux;
     return Status::Ok();
   }
+
+  Status CheckAcknowledged(const ChunkRangeSet& present);
+
+  // Every write goes through these two. In a ThreadSanitizer build they let one thread
+  // into RocksDB's write path at a time: RocksDB groups concurrent writes, and its leader
+  // then copies the other writers' batches and reuses its merge buffer across leaders,
+  // handing them over through atomics TSan cannot see in the uninstrumented library
+  // (tests/tsan.supp). Everything kvtier does around the write stays concurrent. In every
+  // other build they are the plain calls.
+  rocksdb::Status Write(const rocksdb::WriteOptions& wo, rocksdb::WriteBatch* batch) {
+#ifdef KVTIER_TSAN
+    std::lock_guard l(tsan_write_mu);
+#endif
+    return db->Write(wo, batch);
+  }
+  rocksdb::Status Put(const rocksdb::WriteOptions& wo, rocksdb::ColumnFamilyHandle* cf, const rocksdb::Slice& key,
+                      const rocksdb::Slice& value) {
+#ifdef KVTIER_TSAN
+    std::lock_guard l(tsan_write_mu);
+#endif
+    return db->Put(wo, cf, key, value);
+  }
+#ifdef KVTIER_TSAN
+  std::mutex tsan_write_mu;
+#endif
 
   void Subtract(uint64_t bytes, uint64_t n) {
     // Counters are exact under the locks; clamp anyway so a bug cannot wrap.
@@ -330,6 +380,10 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
   dbo.max_total_wal_size = std::max<uint64_t>(64ull << 20, 4ull * options.write_buffer_bytes);
   dbo.keep_log_file_num = 3;
   dbo.max_log_file_size = 4 << 20;
+  // Replay the WAL up to the first damaged record and keep that consistent prefix; the
+  // manifest check below names whatever acknowledged data the prefix lacks. Why not the
+  // other modes: see "What was acknowledged" in cold_tier.h.
+  dbo.wal_recovery_mode = rocksdb::WALRecoveryMode::kPointInTimeRecovery;
 
   std::shared_ptr<rocksdb::Cache> cache;
   if (options.block_cache_bytes > 0) cache = rocksdb::NewLRUCache(options.block_cache_bytes);
@@ -381,7 +435,7 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
     if (s.IsNotFound()) {
       rocksdb::WriteOptions wo;
       wo.sync = true;
-      s = impl->db->Put(wo, impl->seq_cf, kFormatMarkerKey, kFormatMarkerValue);
+      s = impl->Put(wo, impl->seq_cf, kFormatMarkerKey, kFormatMarkerValue);
       if (!s.ok()) return FromRocks(s, "writing the format marker in '" + path + "'");
     } else if (!s.ok()) {
       return FromRocks(s, "reading the format marker in '" + path + "'");
@@ -391,13 +445,20 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
     }
   }
 
-  // Rebuild the counters from the meta records (small; payloads untouched).
+  // Rebuild the counters from the meta records (small; payloads untouched), and note
+  // which chunks are there for the manifest check (a meta and its payload are one batch,
+  // so the meta's key stands for both).
+  ChunkRangeSet present;
   {
     rocksdb::ReadOptions ro;
     ro.fill_cache = false;
     std::unique_ptr<rocksdb::Iterator> it(impl->db->NewIterator(ro, impl->meta_cf));
     uint64_t bytes = 0, n = 0;
     for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      const rocksdb::Slice key = it->key();
+      if (key.size() == 20)
+        present.Insert(ChunkKey{DecodeBigEndian64(key.data()), DecodeBigEndian32(key.data() + 8),
+                                DecodeBigEndian64(key.data() + 12)});
       Decoded d;
       if (DecodeValue(it->value(), ValueKind::kMeta, "meta", &d).ok()) {
         bytes += d.aux;
@@ -408,7 +469,104 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
     impl->payload_bytes = bytes;
     impl->chunks = n;
   }
+  KVTIER_RETURN_IF_ERROR(impl->CheckAcknowledged(present));
   return std::unique_ptr<ColdTier>(new ColdTier(std::move(impl)));
+}
+
+// The manifest check of Open (see "What was acknowledged" in cold_tier.h).
+Status ColdTier::Impl::CheckAcknowledged(const ChunkRangeSet& present) {
+  const std::string& path = options.path;
+  const bool accept = options.accept_lost_chunks;
+  // CRC of every sequence record present, to compare with the acknowledged ones. A record
+  // that is there but fails its checksum is not reported here: reading it says Corruption.
+  std::map<SequenceId, uint32_t> present_seqs;
+  std::set<SequenceId> damaged_seqs;
+  {
+    rocksdb::ReadOptions ro;
+    ro.fill_cache = false;
+    std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(ro, seq_cf));
+    for (it->Seek("S"); it->Valid() && it->key().starts_with("S"); it->Next()) {
+      const rocksdb::Slice key = it->key();
+      if (key.size() != 9) continue;  // ForEachSequence reports malformed keys
+      Decoded d;
+      const SequenceId seq = DecodeBigEndian64(key.data() + 1);
+      if (DecodeValue(it->value(), ValueKind::kSequence, "sequence record", &d).ok())
+        present_seqs[seq] = Crc32c(d.body.data(), d.body.size());
+      else
+        damaged_seqs.insert(seq);
+    }
+    if (!it->status().ok()) return FromRocks(it->status(), "scanning sequence records in '" + path + "'");
+  }
+  std::string marker;
+  rocksdb::Status s = db->Get(rocksdb::ReadOptions(), seq_cf, cold_tier_format::kManifestMarkerKey, &marker);
+  if (!s.ok() && !s.IsNotFound()) return FromRocks(s, "reading the manifest marker in '" + path + "'");
+  const bool had_manifest = s.ok();
+
+  auto opened = AckManifest::Open(path, options.sync_writes);
+  if (opened.ok()) {
+    manifest = std::move(*opened);
+  } else if (opened.status().code() == StatusCode::kNotFound && !had_manifest) {
+    // A new directory, or a store from before manifests: what it holds is what was acknowledged.
+    KVTIER_ASSIGN_OR_RETURN(manifest, AckManifest::Create(path, options.sync_writes, present, present_seqs));
+  } else if (!accept) {
+    const std::string why = opened.status().code() == StatusCode::kNotFound
+                                ? "the ack manifest '" + path + "/" + AckManifest::kFileName +
+                                      "' is missing, but this store was created with one"
+                                : opened.status().message();
+    return Corruption("cold tier: " + why +
+                      "; which acknowledged chunks are still there cannot be checked. Open with "
+                      "accept_lost_chunks (kvtier check --accept-lost) to rebuild it from the chunks present.");
+  } else {
+    // Accepted: nothing is known to be lost, so the manifest restarts from what is here.
+    KVTIER_ASSIGN_OR_RETURN(manifest, AckManifest::Create(path, options.sync_writes, present, present_seqs));
+  }
+  if (!had_manifest) {
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    s = Put(wo, seq_cf, cold_tier_format::kManifestMarkerKey, AckManifest::kFileName);
+    if (!s.ok()) return FromRocks(s, "writing the manifest marker in '" + path + "'");
+  }
+
+  const ChunkRangeSet acked = manifest->chunks();
+  std::vector<ChunkRange> missing = acked.Minus(present);
+  std::vector<SequenceId> missing_seqs;
+  const std::map<SequenceId, uint32_t> acked_seqs = manifest->sequences();
+  for (const auto& [seq, crc] : acked_seqs) {
+    if (damaged_seqs.count(seq)) continue;
+    auto it = present_seqs.find(seq);
+    if (it == present_seqs.end() || it->second != crc) missing_seqs.push_back(seq);
+  }
+  if (!missing.empty() || !missing_seqs.empty()) {
+    std::string what;
+    if (!missing.empty())
+      what = std::to_string(CountChunks(missing)) + " acknowledged chunks are missing (" + DescribeRanges(missing) + ")";
+    if (!missing_seqs.empty()) {
+      if (!what.empty()) what += " and ";
+      what += std::to_string(missing_seqs.size()) + " acknowledged sequence records are missing or older (sequence";
+      for (size_t i = 0; i < missing_seqs.size() && i < 50; ++i) what += " " + std::to_string(missing_seqs[i]);
+      if (missing_seqs.size() > 50) what += " ...";
+      what += ")";
+    }
+    if (!accept)
+      return Corruption("cold tier: " + what + " in '" + path +
+                        "': RocksDB recovered its write-ahead log only up to damage or a truncation. Open with "
+                        "accept_lost_chunks (kvtier check --accept-lost) to accept the loss and go on without them.");
+    KVTIER_RETURN_IF_ERROR(manifest->Forget(missing, missing_seqs));
+    lost = std::move(missing);
+    lost_sequences = std::move(missing_seqs);
+  }
+  // Present but never acknowledged (a write in flight when the process died that landed
+  // anyway, or a delete recorded before its database write was lost): the store brings it
+  // back, so from now on it counts as acknowledged.
+  std::vector<ChunkRange> extra = present.Minus(manifest->chunks());
+  std::vector<std::pair<SequenceId, uint32_t>> extra_seqs;
+  const std::map<SequenceId, uint32_t> now_seqs = manifest->sequences();
+  for (const auto& [seq, crc] : present_seqs) {
+    auto it = now_seqs.find(seq);
+    if (it == now_seqs.end() || it->second != crc) extra_seqs.emplace_back(seq, crc);
+  }
+  KVTIER_RETURN_IF_ERROR(manifest->Adopt(extra, extra_seqs));
+  return Status::Ok();
 }
 
 Status ColdTier::PutChunk(const ChunkKey& k, std::string_view meta, const void* payload,
@@ -439,11 +597,16 @@ Status ColdTier::PutChunk(const ChunkKey& k, std::string_view meta, const void* 
   bool had = false;
   uint64_t old_bytes = 0;
   KVTIER_RETURN_IF_ERROR(m.StoredSize(key, k, &had, &old_bytes));
-  s = m.db->Write(m.write_options, &batch);
+  s = m.Write(m.write_options, &batch);
   if (!s.ok()) return FromRocks(s, "writing chunk " + k.ToString());
   if (had) m.Subtract(old_bytes, 1);
   m.payload_bytes += payload_bytes;
   m.chunks += 1;
+  // Acknowledged only once the manifest lists it: a reopen then checks it came back.
+  Status ack = m.manifest->AckChunk(k);
+  if (!ack.ok())
+    return Status(ack.code(), "cold tier: chunk " + k.ToString() +
+                                  " is written but its acknowledgement could not be recorded: " + ack.message());
   return Status::Ok();
 }
 
@@ -483,7 +646,10 @@ Status ColdTier::DeleteChunk(const ChunkKey& k) {
   bool had = false;
   uint64_t old_bytes = 0;
   KVTIER_RETURN_IF_ERROR(m.StoredSize(key, k, &had, &old_bytes));
-  s = m.db->Write(m.write_options, &batch);
+  // Off the manifest before the delete is written: a crash in between leaves a chunk
+  // nobody vouches for, never a vouched-for chunk that is gone.
+  KVTIER_RETURN_IF_ERROR(m.manifest->DeleteChunk(k));
+  s = m.Write(m.write_options, &batch);
   if (!s.ok()) return FromRocks(s, "deleting chunk " + k.ToString());
   if (had) m.Subtract(old_bytes, 1);
   return Status::Ok();
@@ -498,8 +664,13 @@ Status ColdTier::PutSequence(SequenceId seq, std::string_view record) {
   value.reserve(h.size() + record.size());
   value.append(h.data(), h.size());
   value.append(record.data(), record.size());
-  rocksdb::Status s = m.db->Put(m.write_options, m.seq_cf, cold_tier_format::SequenceKey(seq), value);
+  std::shared_lock seq_lock(m.seq_mu);  // ordered with DeleteSequence, as in the manifest
+  rocksdb::Status s = m.Put(m.write_options, m.seq_cf, cold_tier_format::SequenceKey(seq), value);
   if (!s.ok()) return FromRocks(s, "writing " + SeqWhat(seq));
+  Status ack = m.manifest->AckSequenceRecord(seq, Crc32c(record.data(), record.size()));
+  if (!ack.ok())
+    return Status(ack.code(), "cold tier: " + SeqWhat(seq) +
+                                  " is written but its acknowledgement could not be recorded: " + ack.message());
   return Status::Ok();
 }
 
@@ -531,7 +702,8 @@ Status ColdTier::DeleteSequence(SequenceId seq) {
   KVTIER_RETURN_IF_ERROR(m.DeletePrefix(&batch, m.meta_cf, seq, what));
   KVTIER_RETURN_IF_ERROR(m.DeletePrefix(&batch, m.payload_cf, seq, what));
   KVTIER_RETURN_IF_ERROR(m.DeletePrefix(&batch, m.blob_cf, seq, what));
-  s = m.db->Write(m.write_options, &batch);
+  KVTIER_RETURN_IF_ERROR(m.manifest->DropSequence(seq));  // before the write, as DeleteChunk
+  s = m.Write(m.write_options, &batch);
   if (!s.ok()) return FromRocks(s, what);
   m.Subtract(bytes, n);
   return Status::Ok();
@@ -602,7 +774,7 @@ Status ColdTier::PutBlob(SequenceId seq, uint32_t layer, std::string_view name, 
                              rocksdb::Slice(static_cast<const char*>(data), bytes)};
   rocksdb::WriteBatch batch(bytes + key.size() + h.size() + 64);
   rocksdb::Status s = batch.Put(m.blob_cf, rocksdb::SliceParts(&key_slice, 1), rocksdb::SliceParts(parts, 2));
-  if (s.ok()) s = m.db->Write(m.write_options, &batch);
+  if (s.ok()) s = m.Write(m.write_options, &batch);
   if (!s.ok()) return FromRocks(s, "writing " + BlobWhat(seq, layer, name));
   return Status::Ok();
 }
@@ -620,6 +792,10 @@ Result<std::string> ColdTier::GetBlob(SequenceId seq, uint32_t layer, std::strin
   KVTIER_RETURN_IF_ERROR(DecodeValue(v, ValueKind::kBlob, what, &d));
   return std::string(d.body);
 }
+
+std::vector<ChunkRange> ColdTier::AcknowledgedChunks() const { return impl_->manifest->chunks().Ranges(); }
+const std::vector<ChunkRange>& ColdTier::lost_chunks() const { return impl_->lost; }
+const std::vector<SequenceId>& ColdTier::lost_sequence_records() const { return impl_->lost_sequences; }
 
 uint64_t ColdTier::stored_payload_bytes() const { return impl_->payload_bytes.load(); }
 uint64_t ColdTier::stored_chunks() const { return impl_->chunks.load(); }

@@ -8,6 +8,7 @@
 //
 //   column family   key                                          value
 //   "default"       "F"                                          format marker "kvtier.cold_tier.v1" (raw)
+//   "default"       "A"                                          manifest marker (raw; see "What was acknowledged")
 //   "default"       'S' seq:u64be                      (9 B)     header + caller's sequence record
 //   "chunk_meta"    seq:u64be layer:u32be index:u64be  (20 B)    header (aux = payload bytes) + caller's meta
 //   "chunk_payload" seq:u64be layer:u32be index:u64be  (20 B)    header + payload bytes
@@ -37,6 +38,34 @@
 // the chunk survives SIGKILL of the process (the WAL record is in the OS page
 // cache); with sync_writes it also survives power loss (the WAL is fsynced).
 //
+// ---- What was acknowledged, and the check at open ------------------------------------
+// The chunks PutChunk acknowledged and the sequence records PutSequence wrote are
+// listed in an append-only manifest next to the database, outside RocksDB
+// (offload/ack_manifest.h, file "kvtier-acked"). Open compares it with what the
+// database holds after RocksDB replayed its WAL, and an acknowledged chunk or
+// sequence record that did not come back is Corruption naming each (sequence,
+// layer, index) range, e.g. "cold tier: 1833 acknowledged chunks are missing
+// (seq=1/layer=0/chunk=40..999, seq=1/layer=1/chunk=38..999, ...) in '/data': RocksDB
+// recovered its write-ahead log only up to damage or a truncation. ...". Until the loss is accepted
+// (ColdTierOptions::accept_lost_chunks) every open fails the same way: a later run
+// does not quietly build on a store with holes.
+//
+// WAL recovery mode: kPointInTimeRecovery. RocksDB replays the WAL up to the first
+// damaged record and keeps that consistent prefix (or refuses to open when a flushed
+// table already holds data from past the damage); the manifest then names what the
+// prefix lacks. The alternatives do worse here:
+//  * kAbsoluteConsistency refuses any incomplete record, including the torn last
+//    record of a write the process was SIGKILLed in, which was never acknowledged:
+//    every crash at the wrong moment would make the store unopenable;
+//  * kTolerateCorruptedTailRecords drops a truncated tail silently (only the manifest
+//    could tell) and fails on damage in the middle with RocksDB's message, before
+//    anything can say which chunks are gone;
+//  * kSkipAnyCorruptedRecords replays records after the damage too, so a later write
+//    can come back without an earlier one (a "closed" sequence record without the
+//    sinks written before it): the prefix property recovery relies on is lost.
+// A damaged record is found by RocksDB's per-record CRC; a zeroed block or a
+// truncation leaves no damaged record at all, which is why the manifest is needed.
+//
 // ---- Caching -------------------------------------------------------------------------
 // Payload and blob reads do not fill the block cache: the warm tier above is the
 // cache for payloads, so the block cache keeps meta blocks, index and filter
@@ -51,7 +80,9 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
+#include "offload/ack_manifest.h"
 #include "store/chunk.h"
 #include "store/status.h"
 
@@ -75,12 +106,18 @@ struct ColdTierOptions {
   /// set, PutChunk and GetChunk call it first ("put" / "get") and fail with its
   /// status, touching nothing, when it is not OK. Unset (the default) in production.
   std::function<Status(std::string_view op, const ChunkKey& key)> fault_injector;
+  /// When acknowledged chunks or sequence records are missing at open (see "What was
+  /// acknowledged" above), or the manifest itself is missing or damaged: false (the
+  /// default) fails Open with Corruption naming them; true opens anyway, accepts the
+  /// loss for good (the manifest is rebuilt without them) and lists it in lost_chunks().
+  bool accept_lost_chunks = false;
   Status Validate() const;                      ///< names the bad field
 };
 
 class ColdTier {
  public:
-  /// Opens (creating if missing) the database at options.path.
+  /// Opens (creating if missing) the database at options.path, then checks every
+  /// acknowledged chunk and sequence record came back (see "What was acknowledged").
   /// A path that is an existing regular file -> InvalidArgument
   /// "cold tier: data dir '...' is a file, not a directory"; a compression this
   /// RocksDB was built without -> Unavailable; RocksDB errors -> IOError or
@@ -132,6 +169,17 @@ class ColdTier {
   /// Missing -> NotFound naming (seq, layer, name); verification failure -> Corruption.
   Result<std::string> GetBlob(SequenceId seq, uint32_t layer, std::string_view name);
 
+  /// Every chunk acknowledged and not deleted since, as index ranges in (sequence,
+  /// layer, index) order: what a reopen must bring back (from the manifest, not from
+  /// the database).
+  std::vector<ChunkRange> AcknowledgedChunks() const;
+  /// The acknowledged chunks found missing at this open and accepted as lost
+  /// (accept_lost_chunks); empty otherwise.
+  const std::vector<ChunkRange>& lost_chunks() const;
+  /// Sequences whose acknowledged record was missing or older at this open and was
+  /// accepted as lost (accept_lost_chunks).
+  const std::vector<SequenceId>& lost_sequence_records() const;
+
   /// Approximate bytes of chunk payloads currently stored (uncompressed),
   /// maintained by Put/Delete and rebuilt on Open from the meta records.
   uint64_t stored_payload_bytes() const;
@@ -153,6 +201,9 @@ inline constexpr const char* kSequenceColumn = "default";
 inline constexpr const char* kMetaColumn = "chunk_meta";
 inline constexpr const char* kPayloadColumn = "chunk_payload";
 inline constexpr const char* kBlobColumn = "blob";
+/// Key in "default" written (synced) when the manifest is created: with it present, a
+/// missing manifest file is Corruption rather than a store from before manifests.
+inline constexpr const char* kManifestMarkerKey = "A";
 inline constexpr size_t kValueHeaderBytes = 28;
 inline constexpr uint32_t kMagic = 0x5443564Bu;
 inline constexpr uint8_t kFormatVersion = 1;
@@ -162,6 +213,16 @@ std::string SequenceKey(SequenceId seq);
 std::string ChunkKeyBytes(const ChunkKey& key);
 /// seq:u64be layer:u32be name.
 std::string BlobKey(SequenceId seq, uint32_t layer, std::string_view name);
+/// The value header's kind byte.
+enum class ValueKind : uint8_t { kSequence = 1, kMeta = 2, kPayload = 3, kBlob = 4 };
+/// Checks a stored value as every read does (length, magic, version, kind, length field,
+/// CRC) and points *body at its body (inside `value`); *aux gets the header's aux field
+/// (may be null). Corruption naming `what` (e.g. "chunk seq=3/layer=1/chunk=17 payload")
+/// and what failed otherwise. Any bytes are safe to pass (a fuzz target does).
+Status DecodeValue(std::string_view value, ValueKind kind, const std::string& what, std::string_view* body,
+                   uint64_t* aux);
+/// The stored value of `body`: header (with `aux`) then body.
+std::string EncodeValue(ValueKind kind, std::string_view body, uint64_t aux);
 }  // namespace cold_tier_format
 
 }  // namespace kvtier

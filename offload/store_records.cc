@@ -34,16 +34,22 @@ Result<StoreLayout> DecodeStoreRecord(std::string_view bytes, const std::string&
   KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&magic, "magic"));
   if (magic != kStoreMagic) return Corruption(r.what() + ": bad magic");
   KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&version, "version"));
+  if (version != kRecordVersion)
+    return Corruption(r.what() + ": version " + std::to_string(version) + ", this build reads " +
+                      std::to_string(kRecordVersion));
   StoreLayout l;
   int32_t shape[4];
   for (int32_t& d : shape) KVTIER_RETURN_IF_ERROR(r.ReadInt32(&d, "geometry"));
   uint8_t dt = 0;
   KVTIER_RETURN_IF_ERROR(r.ReadFixed8(&dt, "dtype"));
+  if (dt > static_cast<uint8_t>(DType::kBF16))
+    return Corruption(r.what() + ": dtype " + std::to_string(dt) + " is not a storage dtype");
   l.geometry = Geometry{shape[0], shape[1], shape[2], shape[3], static_cast<DType>(dt)};
   KVTIER_RETURN_IF_ERROR(r.ReadInt32(&l.n_sink, "n_sink"));
   KVTIER_RETURN_IF_ERROR(r.ReadInt32(&l.n_local, "n_local"));
   KVTIER_RETURN_IF_ERROR(r.ReadInt32(&l.chunk_size, "chunk_size"));
   KVTIER_RETURN_IF_ERROR(r.ReadInt32(&l.repr_topk, "repr_topk"));
+  KVTIER_RETURN_IF_ERROR(r.ExpectEnd());
   return l;
 }
 
@@ -64,16 +70,26 @@ Result<SequenceRecord> DecodeSequenceRecord(std::string_view bytes, SequenceId s
   KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&magic, "magic"));
   if (magic != kSeqMagic) return Corruption(r.what() + ": bad magic");
   KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&version, "version"));
+  if (version != kRecordVersion)
+    return Corruption(r.what() + ": version " + std::to_string(version) + ", this build reads " +
+                      std::to_string(kRecordVersion));
   KVTIER_RETURN_IF_ERROR(r.ReadFixed8(&state, "state"));
+  if (state != static_cast<uint8_t>(SeqState::kOpen) && state != static_cast<uint8_t>(SeqState::kClosed))
+    return Corruption(r.what() + ": state " + std::to_string(state) + " is neither open (0) nor closed (1)");
   KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&n_layers, "layers"));
   if (n_layers != static_cast<uint32_t>(layers))
     return Corruption(r.what() + ": it holds " + std::to_string(n_layers) + " layers, the geometry has " +
                       std::to_string(layers));
   SequenceRecord rec;
-  // Anything but "closed" on disk is a sequence that was open when the store stopped.
+  // An "open" sequence on disk is one that was open when the store stopped.
   rec.state = state == static_cast<uint8_t>(SeqState::kClosed) ? SeqState::kClosed : SeqState::kRecovered;
   rec.n_tokens.resize(layers);
-  for (int64_t& n : rec.n_tokens) KVTIER_RETURN_IF_ERROR(r.ReadInt64(&n, "n_tokens"));
+  for (int64_t& n : rec.n_tokens) {
+    KVTIER_RETURN_IF_ERROR(r.ReadInt64(&n, "n_tokens"));
+    // Recovery sizes the sinks, window and chunk list from it (found by fuzz_cold_value).
+    if (n < 0) return Corruption(r.what() + ": n_tokens " + std::to_string(n) + " is negative");
+  }
+  KVTIER_RETURN_IF_ERROR(r.ExpectEnd());
   return rec;
 }
 
@@ -96,6 +112,9 @@ Result<ChunkMeta> DecodeChunkMeta(std::string_view bytes, const ChunkKey& key, s
   KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&magic, "magic"));
   if (magic != kMetaMagic) return Corruption(r.what() + ": bad magic");
   KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&version, "version"));
+  if (version != kRecordVersion)
+    return Corruption(r.what() + ": version " + std::to_string(version) + ", this build reads " +
+                      std::to_string(kRecordVersion));
   KVTIER_RETURN_IF_ERROR(r.ReadInt64(&m.first_token, "first_token"));
   KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&rb, "repr_bytes"));
   if (rb != repr_bytes)

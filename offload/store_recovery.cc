@@ -37,8 +37,13 @@ Status RestoreSinksAndLocal(const StoreOptions& o, size_t token_bytes, SequenceI
                             HotTier* hot, LayerState* ls, uint64_t* region_bytes) {
   auto sinks = cold->GetBlob(id, l, store_records::kSinksBlob);
   auto local = cold->GetBlob(id, l, store_records::kLocalBlob);
-  if (!sinks.ok()) return sinks.status();
-  if (!local.ok()) return local.status();
+  // The record says closed, and CloseSequence wrote both before it: missing means damage.
+  for (const Result<std::string>* r : {&sinks, &local})
+    if (!r->ok())
+      return r->status().code() == StatusCode::kNotFound
+                 ? Corruption("cold tier: sequence " + std::to_string(id) + " is closed but layer " +
+                              std::to_string(l) + " lost what close wrote before it: " + r->status().message())
+                 : r->status();
   const int64_t n_sink_tokens = std::min<int64_t>(ls->n_tokens, o.n_sink);
   const int64_t n_local_tokens = ls->n_tokens - std::max<int64_t>(ls->sealed_end, n_sink_tokens);
   if (sinks->size() != 2 * n_sink_tokens * token_bytes || n_local_tokens < 0 ||

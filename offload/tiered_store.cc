@@ -180,6 +180,7 @@ Status TieredStore::Init() {
     co.compression = options_.compression;
     co.sync_writes = options_.sync_writes;
     co.fault_injector = options_.cold_fault_injector;
+    co.accept_lost_chunks = options_.accept_lost_chunks;
     KVTIER_ASSIGN_OR_RETURN(cold_, ColdTier::Open(co));
   }
   TransferEngine::Options eo;
@@ -513,6 +514,14 @@ void TieredStore::SetColdAckListener(std::function<void(const ChunkKey&)> listen
   ack_listener_ = std::move(listener);
 }
 
+std::vector<ChunkRange> TieredStore::AcknowledgedChunks() const {
+  return cold_ ? cold_->AcknowledgedChunks() : std::vector<ChunkRange>{};
+}
+
+std::vector<ChunkRange> TieredStore::LostChunks() const {
+  return cold_ ? cold_->lost_chunks() : std::vector<ChunkRange>{};
+}
+
 // ---------------------------------------------------------------------------
 // Statistics for representative keys
 
@@ -673,7 +682,8 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
         c = idx < ls.chunks.size() ? ls.chunks[idx] : nullptr;
         if (c == nullptr) {
           st = NotFound("chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
-                        " is missing (dropped by compression, or lost before it was acknowledged)");
+                        " is missing (dropped by compression, lost before it was acknowledged, or lost "
+                        "from a damaged cold tier and accepted at open)");
           break;
         }
         if (c->warm_slot >= 0) { c->warm_pins++; src = warm_->slot_data(c->warm_slot); }

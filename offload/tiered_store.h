@@ -83,6 +83,11 @@ struct StoreOptions {
   std::shared_ptr<const Clock> clock = SteadyClock();
   /// Passed to the cold tier (ColdTierOptions::fault_injector); tests only.
   std::function<Status(std::string_view op, const ChunkKey& key)> cold_fault_injector;
+  /// Open checks that every chunk the cold tier acknowledged came back (a damaged or
+  /// truncated RocksDB WAL can lose them): false (default) fails Open with Corruption
+  /// naming the missing (sequence, layer, index) ranges; true opens anyway, the lost
+  /// chunks become holes for good, and LostChunks() lists them.
+  bool accept_lost_chunks = false;
 
   Status Validate() const;
   /// Bytes of K+V of one chunk of one layer.
@@ -225,6 +230,16 @@ class TieredStore {
   /// Registers a callback run (on a transfer thread) each time a chunk is
   /// acknowledged by the cold tier. Used by the crash test.
   void SetColdAckListener(std::function<void(const ChunkKey&)> listener);
+  /// Every chunk the cold tier acknowledged and that was not dropped since, as index
+  /// ranges per (sequence, layer) in order: what a reopen, even after SIGKILL, must
+  /// bring back (Open checks it did). A chunk is in it once the listener above was or
+  /// is about to be called for it, and from the moment CloseSequence returns for all of
+  /// its sequence's chunks. Read from the cold tier's manifest, not from memory; empty
+  /// without a cold tier, where nothing is durable.
+  std::vector<ChunkRange> AcknowledgedChunks() const;
+  /// The acknowledged chunks found missing when this store was opened and accepted as
+  /// lost (accept_lost_chunks); empty otherwise.
+  std::vector<ChunkRange> LostChunks() const;
   StoreCounters counters() const;
   /// Bytes of host memory held for indexes and chunk metadata (representatives).
   uint64_t metadata_bytes() const;

@@ -1,4 +1,5 @@
 #include "offload/transfer_engine.h"
+#include "kernels/tbb_tsan.h"
 
 #include <oneapi/tbb/info.h>
 #include <oneapi/tbb/parallel_for.h>
@@ -27,7 +28,11 @@ void TransferEngine::Enqueue(std::function<void()> fn) {
     std::lock_guard<std::mutex> l(mu_);
     inflight_++;
   }
+  // The fork oneTBB's uninstrumented library hides from TSan (kernels/tbb_tsan.h): what
+  // the submitter wrote before this call happens before the task runs.
+  TsanRelease(&fork_);
   arena_->enqueue([this, fn = std::move(fn)] {
+    TsanAcquire(&fork_);
     fn();
     // Notify under the lock: once a waiter sees 0 it may destroy the engine.
     std::lock_guard<std::mutex> l(mu_);
@@ -61,7 +66,9 @@ void TransferEngine::CopyLoads(std::vector<Load>* loads) const {
   for (const Load& ld : *loads) cold_loads += ld.warm_src == nullptr ? 1 : 0;
   // A warm copy is one chunk-sized memcpy, cheaper than a fork-join; cold reads are worth spreading.
   if (cold_loads >= 2) {
-    tbb::parallel_for(size_t{0}, loads->size(), [&](size_t j) { (*loads)[j].status = CopyOne(&(*loads)[j]); });
+    TsanForkJoin fj;  // kernels/tbb_tsan.h
+    tbb::parallel_for(size_t{0}, loads->size(), fj.Body([&](size_t j) { (*loads)[j].status = CopyOne(&(*loads)[j]); }));
+    fj.Join();
   } else {
     for (Load& ld : *loads) ld.status = CopyOne(&ld);
   }

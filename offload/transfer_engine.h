@@ -94,6 +94,7 @@ class TransferEngine {
   Options options_;
   int workers_ = 1;
   std::unique_ptr<tbb::task_arena> arena_;
+  char fork_ = 0;  // the sync address of Enqueue's TSan fork annotation (kernels/tbb_tsan.h)
   std::mutex mu_;                 // guards inflight_
   std::condition_variable idle_;  // signalled when inflight_ drops to 0
   int64_t inflight_ = 0;

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "kernels/cpu/dot.h"
+#include "kernels/tbb_tsan.h"
 #include "store/factory_spec.h"
 
 namespace kvtier {
@@ -263,7 +264,8 @@ void ExactChunkIndex::FullScores(const float* probe, std::vector<float>* raw, st
     // (Debian's FAISS is built without SIMD: its fvec kernels are the scalar
     // reference, so the vectorisable Dot is used instead.)
     const uint8_t* keys = repr_[h].data();
-    tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 1024), [&](const tbb::blocked_range<size_t>& range) {
+    TsanForkJoin fj;  // kernels/tbb_tsan.h
+    tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 1024), fj.Body([&](const tbb::blocked_range<size_t>& range) {
       const size_t c0 = range.begin();
       for (size_t j = c0 * R; j < range.end() * R; ++j) ip[j] = kernels::DotKey(dt, keys + j * key_bytes, p, D);
       const float* inv = inv_norm_[h].data();
@@ -276,7 +278,8 @@ void ExactChunkIndex::FullScores(const float* probe, std::vector<float>* raw, st
         }
         fold.Add(best, best_cos, &(*raw)[c], &(*cos)[c]);
       }
-    });
+    }));
+    fj.Join();
   }
 }
 
@@ -297,7 +300,8 @@ void ExactChunkIndex::QuantizedScores(const float* probe, std::vector<float>* ra
   // One pass over the chunk groups for every head (one fork-join per layer, not per head).
   constexpr int B = kernels::kI8Block;
   const size_t groups = (n + B - 1) / B, block_bytes = kernels::I8BlockBytes(D);
-  tbb::parallel_for(tbb::blocked_range<size_t>(0, groups, 64), [&](const tbb::blocked_range<size_t>& range) {
+  TsanForkJoin fj;  // kernels/tbb_tsan.h
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, groups, 64), fj.Body([&](const tbb::blocked_range<size_t>& range) {
     const size_t g0 = range.begin(), g1 = range.end();
     std::vector<int32_t> dots((g1 - g0) * R * B);
     for (int h = 0; h < H; ++h) {
@@ -326,7 +330,8 @@ void ExactChunkIndex::QuantizedScores(const float* probe, std::vector<float>* ra
           fold.Add(best[c - g * B] * ps, std::max(-1.0f, best_cos[c - g * B] * cs), &(*raw)[c], &(*cos)[c]);
       }
     }
-  });
+  }));
+  fj.Join();
 }
 
 void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& rows, std::vector<float>* raw,
@@ -343,7 +348,8 @@ void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& r
   // representatives of the candidate a few places ahead while this one is scored.
   constexpr size_t kAhead = 4;
   const size_t chunk_repr_bytes = static_cast<size_t>(R) * key_bytes;
-  tbb::parallel_for(tbb::blocked_range<size_t>(0, rows.size(), 64), [&](const tbb::blocked_range<size_t>& range) {
+  TsanForkJoin fj;  // kernels/tbb_tsan.h
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, rows.size(), 64), fj.Body([&](const tbb::blocked_range<size_t>& range) {
     for (size_t i = range.begin(); i < range.end(); ++i) {
       if (i + kAhead < range.end()) {
         const size_t ahead = static_cast<size_t>(rows[i + kAhead]);
@@ -366,7 +372,8 @@ void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& r
         fold.Add(best, best_cos, &(*raw)[i], &(*cos)[i]);
       }
     }
-  });
+  }));
+  fj.Join();
 }
 
 uint64_t ExactChunkIndex::memory_bytes() const {

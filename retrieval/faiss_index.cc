@@ -25,6 +25,7 @@
 #include <utility>
 
 #include "kernels/cpu/dot.h"
+#include "kernels/tbb_tsan.h"
 #include "store/factory_spec.h"
 
 namespace kvtier {
@@ -638,9 +639,11 @@ Status FaissVectorIndex::ScoreAll(const float* probe_vec, std::vector<uint64_t>*
   *ids = ids_;
   scores->resize(n);
   float* out = scores->data();
-  tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 512), [&](const tbb::blocked_range<size_t>& range) {
+  TsanForkJoin fj;  // kernels/tbb_tsan.h
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 512), fj.Body([&](const tbb::blocked_range<size_t>& range) {
     for (size_t r = range.begin(); r < range.end(); ++r) out[r] = Dot(vecs_.data() + r * d, probe_vec, dim_);
-  });
+  }));
+  fj.Join();
   return Status::Ok();
 }
 

@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
 # Installs the Debian packages kvtier builds against, only those missing.
 # Works as root; uses sudo otherwise. Fast (one dpkg-query) when nothing is missing.
+#   scripts/deps.sh          what `make build` / `make run` need
+#   scripts/deps.sh checks   that, plus clang for the sanitizer and fuzz jobs of `make test`
+#                            (clang-14 with its compiler-rt: ASan, UBSan, TSan, libFuzzer;
+#                            llvm-14 for llvm-symbolizer, so reports show file:line)
 set -euo pipefail
 PKGS=(cmake ninja-build g++ make pkg-config
       libfaiss-dev libopenblas-dev librocksdb-dev liblz4-dev libzstd-dev libsnappy-dev
       libtbb-dev libgtest-dev libgmock-dev libbenchmark-dev)
+case "${1:-}" in
+  "") ;;
+  checks) PKGS+=(clang-14 libclang-rt-14-dev llvm-14) ;;
+  *) echo "deps: unknown group '$1' (none, or 'checks')" >&2; exit 2 ;;
+esac
 missing=()
 for p in "${PKGS[@]}"; do
   status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)

@@ -196,11 +196,27 @@ TEST(StoreCoding, ChunkMetaRecordFormat) {
 
 TEST(StoreCoding, SequenceAndStoreRecords) {
   using namespace store_records;
-  const std::string rec = EncodeSequenceRecord(SeqState::kClosed, {5, -1, 1ll << 40});
+  const std::string rec = EncodeSequenceRecord(SeqState::kClosed, {5, 0, 1ll << 40});
   auto back = DecodeSequenceRecord(rec, 4, 3);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(back->state, SeqState::kClosed);
-  EXPECT_EQ(back->n_tokens, (std::vector<int64_t>{5, -1, 1ll << 40}));
+  EXPECT_EQ(back->n_tokens, (std::vector<int64_t>{5, 0, 1ll << 40}));
+  // What fuzz_cold_value found the decoder accepting: a negative token count (recovery sizes
+  // the layer from it), bytes after the record, an unknown state or version.
+  auto expect_bad = [](const std::string& bytes, const std::string& what) {
+    auto r = DecodeSequenceRecord(bytes, 4, 3);
+    ASSERT_FALSE(r.ok()) << what;
+    EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
+    EXPECT_NE(r.status().message().find(what), std::string::npos) << r.status().ToString();
+  };
+  expect_bad(EncodeSequenceRecord(SeqState::kClosed, {5, -1, 7}), "n_tokens -1 is negative");
+  expect_bad(rec + "x", "1 bytes past the end of the record");
+  std::string odd = rec;
+  odd[8] = 7;  // state
+  expect_bad(odd, "state 7 is neither open (0) nor closed (1)");
+  odd = rec;
+  odd[4] = 9;  // version
+  expect_bad(odd, "version 9");
   // An open sequence comes back as recovered (read-only).
   EXPECT_EQ(DecodeSequenceRecord(EncodeSequenceRecord(SeqState::kOpen, {0}), 4, 1)->state, SeqState::kRecovered);
   auto wrong_layers = DecodeSequenceRecord(rec, 4, 2);
@@ -218,6 +234,11 @@ TEST(StoreCoding, SequenceAndStoreRecords) {
   auto bad = DecodeStoreRecord(sr.substr(0, 20), "data_dir 'x'");
   EXPECT_EQ(bad.status().code(), StatusCode::kCorruption);
   EXPECT_NE(bad.status().message().find("data_dir 'x'"), std::string::npos);
+  EXPECT_EQ(DecodeStoreRecord(sr + "x", "data_dir 'x'").status().code(), StatusCode::kCorruption);
+  std::string odd_dtype = sr;
+  odd_dtype[24] = 9;  // after magic, version and four i32 of geometry
+  auto dt = DecodeStoreRecord(odd_dtype, "data_dir 'x'");
+  EXPECT_NE(dt.status().message().find("dtype 9 is not a storage dtype"), std::string::npos) << dt.status().ToString();
 }
 
 }  // namespace

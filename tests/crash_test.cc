@@ -87,7 +87,14 @@ TEST(CrashTest, SigkillLosesNoAcknowledgedChunk) {
     const size_t tb = o.geometry.token_elems() * DTypeSize(o.geometry.dtype);
     const size_t half = static_cast<size_t>(o.chunk_size) * tb;
     std::vector<uint8_t> k(half), v(half), ek(half), ev(half);
+    // The library's own account of what is durable holds every chunk the listener saw.
+    std::set<std::tuple<uint64_t, uint32_t, uint64_t>> durable;
+    for (const ChunkRange& r : (*store)->AcknowledgedChunks())
+      for (uint64_t i = r.first; i <= r.last; ++i) durable.emplace(r.seq, r.layer, i);
     for (const Ack& a : acks) {
+      ASSERT_TRUE(durable.count({a.seq, a.layer, a.index}))
+          << "round " << round << ": acknowledged chunk seq=" << a.seq << " layer=" << a.layer << " index=" << a.index
+          << " is not in AcknowledgedChunks()";
       const int64_t first = o.n_sink + static_cast<int64_t>(a.index) * o.chunk_size;
       Status st = (*store)->ReadTokens(a.seq, a.layer, first, first + o.chunk_size, k.data(), v.data());
       ASSERT_TRUE(st.ok()) << "round " << round << ": acknowledged chunk seq=" << a.seq << " layer=" << a.layer

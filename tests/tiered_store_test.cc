@@ -936,11 +936,25 @@ TEST(TieredStore, ConcurrentSequencesWithTinyTiers) {
   std::vector<SequenceId> ids;
   for (int i = 0; i < 4; ++i) ids.push_back(*st->CreateSequence());
   std::vector<std::thread> th;
+  const size_t tb = TokenBytes(o);
+  const size_t half = static_cast<size_t>(o.chunk_size) * tb;
   for (int i = 0; i < 4; ++i)
     th.emplace_back([&, i] {
       for (int l = 0; l < 2; ++l) AppendPattern(st, ids[i], l, 100 + i, 0, 500, 3 + i * 5);
+      // Four fetches of one chunk each fit the eight hot slots: every one must succeed and
+      // bring its own sequence's bytes, whatever the others are doing.
       auto h = st->FetchChunks(ids[i], 0, {1});
-      if (h.ok()) (void)h->Wait();
+      ASSERT_TRUE(h.ok()) << "sequence " << i << ": " << h.status().ToString();
+      Status w = h->Wait();
+      ASSERT_TRUE(w.ok()) << "sequence " << i << ": " << w.ToString();
+      ASSERT_EQ(h->spans().size(), 1u);
+      const kernels::KvSpan& span = h->spans()[0];
+      EXPECT_EQ(span.first_position, o.n_sink + o.chunk_size);
+      std::vector<uint8_t> ek(half), ev(half);
+      FillPattern(kSalt, 100 + i, 0, 0, span.first_position, o.chunk_size, tb, ek.data());
+      FillPattern(kSalt, 100 + i, 0, 1, span.first_position, o.chunk_size, tb, ev.data());
+      EXPECT_EQ(0, std::memcmp(span.k, ek.data(), half)) << "K of the chunk fetched for sequence " << i;
+      EXPECT_EQ(0, std::memcmp(span.v, ev.data(), half)) << "V of the chunk fetched for sequence " << i;
     });
   for (auto& t : th) t.join();
   for (int i = 0; i < 4; ++i)

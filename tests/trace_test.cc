@@ -128,6 +128,34 @@ TEST(KvTraceFile, EveryCorruptionIsNamed) {
   EXPECT_NE(bad.Validate().message().find("layer 1"), std::string::npos);
 }
 
+// A well-formed file of zero tokens (and zero needles, empty texts): every array the reader
+// fills is empty, so its data() is null. Reading it must not hand that null to memcpy
+// (undefined behaviour even for 0 bytes; the UBSan suite fails on it), and the trace is
+// then refused for what it is: no prompt, no question, no decode step.
+TEST(KvTraceFile, ZeroTokensIsRefusedWithoutUndefinedBehaviour) {
+  std::string s = "KVTTRACE";
+  auto u32 = [&s](uint32_t v) { s.append(reinterpret_cast<const char*>(&v), 4); };
+  auto u64 = [&s](uint64_t v) { s.append(reinterpret_cast<const char*>(&v), 8); };
+  u32(KvTrace::kVersion);
+  u32(0);
+  u64(0);  // file_bytes, patched below
+  for (uint32_t d : {1u, 1u, 1u, 4u}) u32(d);
+  u64(0);  // n_tokens
+  u64(0);  // context
+  u64(0);  // question_begin
+  u32(0);  // n_needles
+  u32(0);  // source: 0 bytes
+  u32(0);  // answer: 0 bytes
+  const uint64_t total = s.size() + 4;
+  std::memcpy(s.data() + 16, &total, 8);
+  const uint32_t crc = Crc32c(s.data(), s.size());
+  s.append(reinterpret_cast<const char*>(&crc), 4);
+  auto r = DecodeKvTrace(s, "empty");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kCorruption) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("n_tokens (0)"), std::string::npos) << r.status().ToString();
+}
+
 TEST(KvSource, TraceServesItsSlicesAndSyntheticEqualsWorkload) {
   auto t = std::make_shared<const KvTrace>(RandomTrace());
   Geometry g{8, 8, 2, 64, DType::kF16};

@@ -15,6 +15,7 @@
 #include "integration/json.h"
 #include "integration/sysinfo.h"
 #include "integration/workload.h"
+#include "tests/test_util.h"
 
 namespace kvtier {
 namespace {
@@ -546,7 +547,9 @@ TEST(JsonWriter, MisuseIsFlagged) {
 
 // ---- sysinfo -----------------------------------------------------------------------
 
-TEST(SysInfo, RssAndClock) {
+TEST(SysInfo, PeakRssFollowsMappedMemory) {
+  KVTIER_SKIP_UNDER_SANITIZER("RSS includes the sanitizer's shadow memory and allocator quarantine, which "
+                              "grow on their own between two readings");
   const uint64_t cur = CurrentRssBytes(), peak = PeakRssBytes();
   EXPECT_GT(cur, 0u);
   EXPECT_GE(peak, cur);
@@ -567,9 +570,6 @@ TEST(SysInfo, RssAndClock) {
     std::printf("ResetPeakRss not permitted here; skipped that check\n");
   }
   EXPECT_GE(PeakRssBytes(), CurrentRssBytes());
-  const double t0 = NowSeconds(), t1 = NowSeconds();
-  EXPECT_GE(t1, t0);
-  EXPECT_GT(t0, 0.0);
 }
 
 }  // namespace

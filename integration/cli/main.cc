@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "integration/cli/check.h"
 #include "integration/cli/compile_tables.h"
 #include "integration/cli/flags.h"
 #include "integration/cli/infinite.h"
@@ -321,6 +322,7 @@ void Usage() {
       "  infinite  passkey / number_string / kv_retrieval through the kvtier-llama model with retrieval inside\n"
       "            it (--compare: full attention, StreamingLLM, InfLLM, ActQKV by context length)\n"
       "  trace     record the kvtier-llama model's real Q/K/V on one prompt, for 'kvtier run --trace FILE'\n"
+      "  check     is a store's data directory whole: every acknowledged chunk present (names the lost ones)\n"
       "  help      this text\n\n"
       "'kvtier <command> --help' lists a command's flags.\n");
 }
@@ -338,7 +340,8 @@ int main(int argc, char** argv) {
   if (cmd == "compile-tables") return RunCompileTables(argc - 2, argv + 2);
   if (cmd == "infinite") return RunInfinite(argc - 2, argv + 2);
   if (cmd == "trace") return RunTrace(argc - 2, argv + 2);
+  if (cmd == "check") return RunCheck(argc - 2, argv + 2);
   if (cmd == "help" || cmd == "--help" || cmd == "-h") { Usage(); return 0; }
-  std::fprintf(stderr, "kvtier: error: unknown command '%s' (run | stress | policies | compile-tables | infinite | trace | help)\n", cmd.c_str());
+  std::fprintf(stderr, "kvtier: error: unknown command '%s' (run | stress | policies | compile-tables | infinite | trace | check | help)\n", cmd.c_str());
   return 2;
 }

@@ -12,6 +12,7 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include "kernels/cpu/attention.h"
+#include "kernels/tbb_tsan.h"
 
 namespace kvtier::model {
 namespace {
@@ -75,8 +76,10 @@ void MatMul(const float* x, int m, int in, const float* w, int out, float* y, bo
     rows(0, out);
     return;
   }
+  TsanForkJoin fj;  // kernels/tbb_tsan.h
   tbb::parallel_for(tbb::blocked_range<int>(0, out, 16),
-                    [&](const tbb::blocked_range<int>& r) { rows(r.begin(), r.end()); });
+                    fj.Body([&](const tbb::blocked_range<int>& r) { rows(r.begin(), r.end()); }));
+  fj.Join();
 }
 
 // out[m, d] = x * rsqrt(mean(x^2) + eps) * w; the mean is summed in double.

@@ -14,12 +14,21 @@ namespace {
 // (with escapes, \u included), arrays, non-negative integers. Anything else
 // (floats, true/false/null) is an error: the format never holds them in the
 // places we read, and refusing keeps the reader small.
+// An object member is a struct declared after Json rather than std::pair<std::string, Json>:
+// a pair of an incomplete type may not be named inside Json itself (libstdc++'s
+// pair checks completeness, which clang enforces), while std::vector of an incomplete
+// type is allowed since C++17.
+struct JsonMember;
 struct Json {
   enum Kind { kObject, kArray, kString, kInt } kind = kInt;
-  std::vector<std::pair<std::string, Json>> members;  // object, in file order
-  std::vector<Json> items;                            // array
+  std::vector<JsonMember> members;  // object, in file order
+  std::vector<Json> items;          // array
   std::string str;
   uint64_t num = 0;
+};
+struct JsonMember {
+  std::string name;
+  Json value;
 };
 
 class JsonReader {
@@ -70,7 +79,7 @@ class JsonReader {
       if (!Eat(':')) return Error("expected ':' after \"" + key + "\"");
       Json v;
       KVTIER_RETURN_IF_ERROR(Value(&v, depth + 1));
-      out->members.emplace_back(std::move(key), std::move(v));
+      out->members.push_back(JsonMember{std::move(key), std::move(v)});
     } while (Eat(','));
     if (!Eat('}')) return Error("expected ',' or '}'");
     return Status::Ok();

@@ -28,6 +28,7 @@
 //     element has exactly one writer: p = exp(s - lse) summed over the rows of
 //     the key's GQA group.
 #include "kernels/cpu/attention.h"
+#include "kernels/tbb_tsan.h"
 
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -865,12 +866,14 @@ void ParallelFor(int n, const F& f) {
     f(0);
     return;
   }
+  TsanForkJoin fj;  // the edges oneTBB's uninstrumented library hides from TSan (kernels/tbb_tsan.h)
   tbb::parallel_for(
       tbb::blocked_range<int>(0, n, 1),
-      [&](const tbb::blocked_range<int>& r) {
+      fj.Body([&](const tbb::blocked_range<int>& r) {
         for (int i = r.begin(); i < r.end(); ++i) f(i);
-      },
+      }),
       tbb::simple_partitioner());
+  fj.Join();
 }
 
 template <DType DT, int NCT>

@@ -330,15 +330,26 @@ Status SaveCompilerKvTables(const CompilerKvTables& t, const std::string& path) 
 }
 
 Result<CompilerKvTables> LoadCompilerKvTables(const std::string& path) {
-  const std::string where = "compilerkv tables '" + path + "'";
   KVTIER_ASSIGN_OR_RETURN(std::string content, ReadWholeFile(path, "compilerkv tables"));
+  return ParseCompilerKvTables(content, path);
+}
+
+Result<CompilerKvTables> ParseCompilerKvTables(const std::string& content, const std::string& name) {
+  const std::string where = "compilerkv tables '" + name + "'";
   KVTIER_ASSIGN_OR_RETURN(Reader r, Reader::Open(content, where));
   KVTIER_RETURN_IF_ERROR(r.ExpectLine(kTablesMagic));
   CompilerKvTables t;
   KVTIER_RETURN_IF_ERROR(ReadHeader(&r, &t.layers, &t.heads, &t.bins));
   const size_t nt = static_cast<size_t>(t.layers) * t.bins.ent_bins * (t.bins.ppl_bins + 1) * t.bins.budget_bins;
   if (nt > (size_t{1} << 26)) return Corruption(where + ": table of " + Str(nt) + " thresholds is implausibly large");
-  t.w_head.resize(static_cast<size_t>(t.layers) * t.heads);
+  // Every number takes at least two bytes of text (a digit and a separator): a header that
+  // promises more than the file can hold is refused before anything is allocated for it.
+  const size_t nw = static_cast<size_t>(t.layers) * t.heads;
+  if (nw + nt > content.size() / 2)
+    return Corruption(where + ": header says " + Str(t.layers) + " layers x " + Str(t.heads) + " heads and " +
+                      Str(static_cast<int64_t>(nt)) + " thresholds, more numbers than the " +
+                      Str(static_cast<int64_t>(content.size())) + "-byte file holds");
+  t.w_head.resize(nw);
   t.tau.resize(nt);
   for (int l = 0; l < t.layers; ++l) {
     KVTIER_ASSIGN_OR_RETURN(auto f, r.Next("w", t.heads + 1));

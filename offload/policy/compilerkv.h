@@ -146,6 +146,9 @@ struct CompilerKvTables {
 Status SaveCompilerKvTables(const CompilerKvTables& tables, const std::string& path);
 /// NotFound / IOError if unreadable, Corruption (naming file and line) if malformed.
 Result<CompilerKvTables> LoadCompilerKvTables(const std::string& path);
+/// The same from a file's content; `name` stands for the file in messages. Any bytes are
+/// safe to pass (a fuzz target does).
+Result<CompilerKvTables> ParseCompilerKvTables(const std::string& content, const std::string& name);
 
 /// Stages 1-2 and the risk coordinates of one layer's latest observation.
 struct CompilerKvAnalysis {
