@@ -16,7 +16,7 @@ TSAN_BUILD   ?= build-tsan
 CLANG_CC     ?= clang-14
 CLANG_CXX    ?= clang++-14
 # Seconds each libFuzzer target runs in `make fuzz` (five targets, two at a time).
-FUZZ_SECONDS ?= 120
+FUZZ_SECONDS ?= 240
 # Kill/reopen cycles of `make soak` (every suite runs 20 of them: Soak.* in tests/soak_test.cc).
 SOAK_CYCLES  ?= 1000
 # Debian's FAISS is linked against GCC's OpenMP runtime (libgomp): the clang builds link that
@@ -35,7 +35,10 @@ TSAN_TESTS    = tests/tiered_store_test.cc;tests/session_test.cc;tests/stress_te
 # A UBSan report aborts the test (compiled without recovery); leaks fail it too.
 export ASAN_OPTIONS  ?= detect_leaks=1:strict_string_checks=1:check_initialization_order=1
 export UBSAN_OPTIONS ?= print_stacktrace=1
-TSAN_ENV      = TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp second_deadlock_stack=1 history_size=4"
+# Reports go to files (log_path), so that those of the child processes the SIGKILL tests
+# start (and kill, so their exit status says nothing) fail the job too.
+TSAN_REPORTS  = $(CURDIR)/$(TSAN_BUILD)/tsan-reports
+TSAN_ENV      = TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp second_deadlock_stack=1 history_size=4 log_path=$(TSAN_REPORTS)/report"
 TIMED         = bash scripts/timed.sh
 
 all: build
@@ -88,7 +91,10 @@ $(TSAN_BUILD)/build.ninja: CMakeLists.txt | deps-checks
 
 test-tsan: deps-checks $(TSAN_BUILD)/build.ninja
 	cmake --build $(TSAN_BUILD) -j $(JOBS) --target kvtier_tests
+	rm -rf $(TSAN_REPORTS) && mkdir -p $(TSAN_REPORTS)
 	cd $(TSAN_BUILD) && $(TSAN_ENV) ctest --output-on-failure -j $(JOBS) --timeout 900 -E '^(Install|CApi)[.]'
+	@if ls $(TSAN_REPORTS)/report.* >/dev/null 2>&1; then cat $(TSAN_REPORTS)/report.*; \
+	  echo "ThreadSanitizer reported the races above (child processes included)"; exit 1; fi
 
 # Each libFuzzer target for FUZZ_SECONDS from its committed seed corpus (tests/fuzz/corpus).
 fuzz: deps-checks $(ASAN_BUILD)/build.ninja
