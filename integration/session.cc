@@ -169,8 +169,28 @@ Status Session::CheckLayerCall(const char* what, int layer, const float* q, cons
   return Status::Ok();
 }
 
+const float* Session::MemoryQueries(const float* q, const int64_t* positions, int m, int64_t local_start) {
+  if (inv_freq_.empty()) return q;  // kAbsolute: the engine's queries are memory's view already
+  const Geometry& g = geometry();
+  q_mem_.assign(q, q + static_cast<size_t>(m) * g.q_heads * g.head_dim);
+  rel_.resize(static_cast<size_t>(m));
+  for (int t = 0; t < m; ++t) rel_[static_cast<size_t>(t)] = positions[t] - local_start;
+  kernels::Rope(q_mem_.data(), m, g.q_heads, g.head_dim, rel_.data(), inv_freq_.data());
+  return q_mem_.data();
+}
+
+const float* Session::TrueQueries(const float* q, const int64_t* positions, int m) {
+  if (inv_freq_.empty()) return q;  // kAbsolute: already rotated at their true positions
+  const Geometry& g = geometry();
+  q_rot_.assign(q, q + static_cast<size_t>(m) * g.q_heads * g.head_dim);
+  kernels::Rope(q_rot_.data(), m, g.q_heads, g.head_dim, positions, inv_freq_.data());
+  return q_rot_.data();
+}
+
 void Session::KeepQueries(int layer, const float* q, const int64_t* positions, int m) {
   if (options_.keep_queries <= 0) return;
+  // Kept for Compress as attention sees them: rotated at their true positions.
+  q = TrueQueries(q, positions, m);
   const size_t q_elems = static_cast<size_t>(geometry().q_heads) * geometry().head_dim;
   std::deque<KeptQuery>& ring = kept_[static_cast<size_t>(layer)];
   for (int i = std::max(0, m - options_.keep_queries); i < m; ++i) {
@@ -182,25 +202,11 @@ void Session::KeepQueries(int layer, const float* q, const int64_t* positions, i
 
 Status Session::Observe(int layer, const float* q, const int64_t* positions, int m) {
   KVTIER_RETURN_IF_ERROR(CheckLayerCall("Observe", layer, q, positions, m, /*in_step=*/false));
-  const Geometry& g = geometry();
-  const size_t q_elems = static_cast<size_t>(g.q_heads) * g.head_dim;
+  KeepQueries(layer, q, positions, m);
   const float* q_mem = q;
-  if (!inv_freq_.empty()) {
-    // Memory's view: rotated by p - L0; the kept queries: rotated at their true positions.
+  if (!inv_freq_.empty()) {  // memory's view needs L0, where the local window starts
     KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, layer));
-    const int64_t local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
-    q_mem_.assign(q, q + static_cast<size_t>(m) * q_elems);
-    rel_.resize(static_cast<size_t>(m));
-    for (int t = 0; t < m; ++t) rel_[static_cast<size_t>(t)] = positions[t] - local_start;
-    kernels::Rope(q_mem_.data(), m, g.q_heads, g.head_dim, rel_.data(), inv_freq_.data());
-    q_mem = q_mem_.data();
-    if (options_.keep_queries > 0) {
-      q_rot_.assign(q, q + static_cast<size_t>(m) * q_elems);
-      kernels::Rope(q_rot_.data(), m, g.q_heads, g.head_dim, positions, inv_freq_.data());
-      KeepQueries(layer, q_rot_.data(), positions, m);
-    }
-  } else {
-    KeepQueries(layer, q, positions, m);
+    q_mem = MemoryQueries(q, positions, m, view.n_local_spans ? view.local[0].first_position : view.n_tokens);
   }
   return ObserveLocked(layer, q_mem, positions, m);
 }
@@ -219,20 +225,11 @@ Status Session::SetQuestion(int layer, const float* q, int m) {
 Result<LayerParts> Session::Gather(int layer, const float* q, const int64_t* positions, int m) {
   KVTIER_RETURN_IF_ERROR(CheckLayerCall("Gather", layer, q, positions, m, /*in_step=*/true));
   try {
-    const Geometry& g = geometry();
-    const size_t q_elems = static_cast<size_t>(g.q_heads) * g.head_dim;
     const bool decode = step_ == StepKind::kDecode;
     LayerParts lp;
     KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, layer));
     lp.local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
-    const float* q_sel = q;
-    if (!inv_freq_.empty()) {
-      q_mem_.assign(q, q + static_cast<size_t>(m) * q_elems);
-      rel_.resize(static_cast<size_t>(m));
-      for (int t = 0; t < m; ++t) rel_[static_cast<size_t>(t)] = positions[t] - lp.local_start;
-      kernels::Rope(q_mem_.data(), m, g.q_heads, g.head_dim, rel_.data(), inv_freq_.data());
-      q_sel = q_mem_.data();
-    }
+    const float* q_sel = MemoryQueries(q, positions, m, lp.local_start);
     if (selector_ || !retriever_) {
       KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store_->ListChunks(seq_, layer));
       const auto t0 = std::chrono::steady_clock::now();
@@ -272,15 +269,7 @@ Result<LayerParts> Session::Gather(int layer, const float* q, const int64_t* pos
     if (sinks_are_memory) lp.rope_positions[0] = lp.local_start;
     for (size_t i = 1; i <= lp.n_chunks; ++i) lp.rope_positions[i] = lp.local_start;
 
-    if (options_.keep_queries > 0) {
-      if (!inv_freq_.empty()) {  // kept for Compress as attention sees them: rotated at their true positions
-        std::vector<float> q_true(q, q + static_cast<size_t>(m) * q_elems);
-        kernels::Rope(q_true.data(), m, g.q_heads, g.head_dim, positions, inv_freq_.data());
-        KeepQueries(layer, q_true.data(), positions, m);
-      } else {
-        KeepQueries(layer, q, positions, m);
-      }
-    }
+    KeepQueries(layer, q, positions, m);
     next_layer_ = layer + 1;
     last_chunks_[static_cast<size_t>(layer)] = lp.chunks;
     counters_.attends += 1;
@@ -300,7 +289,6 @@ Result<LayerParts> Session::Gather(int layer, const float* q, const int64_t* pos
 Status Session::Attend(int layer, const float* q, const int64_t* positions, int m, float* out, AttendStats* stats) {
   if (out == nullptr) return InvalidArgument("Session::Attend: out must not be null");
   const Geometry& g = geometry();
-  const size_t q_elems = static_cast<size_t>(g.q_heads) * g.head_dim;
   KVTIER_ASSIGN_OR_RETURN(LayerParts lp, Gather(layer, q, positions, m));
   try {
     const auto t0 = std::chrono::steady_clock::now();
@@ -318,9 +306,7 @@ Status Session::Attend(int layer, const float* q, const int64_t* positions, int 
     if (!inv_freq_.empty()) {
       // Queries at their true positions; each part's keys rotated where memory puts them, on
       // fp32 copies (the store keeps keys before RoPE).
-      q_rot_.assign(q, q + static_cast<size_t>(m) * q_elems);
-      kernels::Rope(q_rot_.data(), m, g.q_heads, g.head_dim, positions, inv_freq_.data());
-      p.q = q_rot_.data();
+      p.q = TrueQueries(q, positions, m);
       rot_k_.resize(lp.parts.size());
       rot_v_.resize(lp.parts.size());
       const size_t tok = g.token_elems();

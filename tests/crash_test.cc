@@ -18,6 +18,7 @@
 
 #include "integration/pattern.h"
 #include "tests/crash_layout.h"
+#include "tests/kill_child.h"
 #include "tests/test_util.h"
 
 extern char** environ;
@@ -31,44 +32,17 @@ struct Ack { uint64_t seq; uint32_t layer; uint64_t index; };
 // more: the kill races with further writes, which is the point), kills it
 // with SIGKILL, and returns every complete ACK line it printed.
 std::vector<Ack> RunAndKill(const std::string& dir, uint64_t seed, size_t kill_after) {
-  int fds[2];
-  EXPECT_EQ(pipe(fds), 0);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
-  posix_spawn_file_actions_addclose(&fa, fds[0]);
-  const std::string exe = std::string(KVTIER_BINARY_DIR) + "/kvtier_child_crash_writer";
-  const std::string seed_s = std::to_string(seed);
-  char* argv[] = {const_cast<char*>(exe.c_str()), const_cast<char*>(dir.c_str()), const_cast<char*>(seed_s.c_str()),
-                  nullptr};
-  pid_t pid = 0;
-  EXPECT_EQ(posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv, environ), 0) << exe;
-  posix_spawn_file_actions_destroy(&fa);
-  close(fds[1]);
-  std::string buf;
-  std::vector<Ack> acks;
-  char tmp[4096];
-  bool killed = false;
-  for (;;) {
-    const ssize_t n = read(fds[0], tmp, sizeof(tmp));
-    if (n <= 0) break;
-    buf.append(tmp, n);
-    size_t nl;
-    while ((nl = buf.find('\n')) != std::string::npos) {
-      std::istringstream line(buf.substr(0, nl));
-      buf.erase(0, nl + 1);
-      std::string tag;
-      Ack a{};
-      if (line >> tag >> a.seq >> a.layer >> a.index && tag == "ACK") acks.push_back(a);
-    }
-    if (!killed && acks.size() >= kill_after) {
-      kill(pid, SIGKILL);  // mid-run: appends and cold writes are in flight
-      killed = true;
-    }
-  }
   int status = 0;
-  waitpid(pid, &status, 0);
-  close(fds[0]);
+  bool killed = false;
+  const std::vector<std::string> lines =
+      RunChildUntilAcks("kvtier_child_crash_writer", dir, seed, kill_after, &status, &killed);
+  std::vector<Ack> acks;
+  for (const std::string& l : lines) {
+    std::istringstream line(l);
+    std::string tag;
+    Ack a{};
+    if (line >> tag >> a.seq >> a.layer >> a.index && tag == "ACK") acks.push_back(a);
+  }
   EXPECT_TRUE(killed) << "child exited before it was killed";
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "child status " << status;
   return acks;  // a partial last line (no newline) is not counted

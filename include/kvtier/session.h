@@ -211,6 +211,10 @@ class Session {
   Session(TieredStore* store, SequenceId seq, const SessionOptions& options);
   Status CheckLayerCall(const char* what, int layer, const float* q, const int64_t* positions, int m,
                         bool in_step) const;
+  // kInfLLM rotations of q [m, q_heads, head_dim] into scratch (q itself in kAbsolute):
+  // memory's view (by position - L0) and attention's (at the true positions).
+  const float* MemoryQueries(const float* q, const int64_t* positions, int m, int64_t local_start);
+  const float* TrueQueries(const float* q, const int64_t* positions, int m);
   void KeepQueries(int layer, const float* q, const int64_t* positions, int m);
   Status ObserveLocked(int layer, const float* q_mem, const int64_t* positions, int m);
 
