@@ -1,0 +1,42 @@
+"""kvtier: a CPU-GPU tiered KV-cache store with retrieval, for long-context LLM inference.
+
+The engine API of include/kvtier/session.h, from Python:
+
+    store = kvtier.Store(layers=..., q_heads=..., kv_heads=..., head_dim=..., dtype="f16")
+    session = kvtier.Session.open(store, positions="absolute")
+    session.append(layer, k, v)             # [n, kv_heads, head_dim], read in place
+    session.begin_step("prefill")
+    stats = session.attend(layer, q, positions, out)   # writes out in place
+
+Arrays are numpy arrays or CPU torch tensors (buffer protocol or DLPack), never copied.
+A Status that is not OK raises kvtier.Error's subclass named by its code (kvtier.InvalidArgument,
+kvtier.NotFound, ...), with .code and .message. kvtier.hf plugs the store into Hugging Face
+transformers; kvtier.export_hf writes the shipped model as a transformers checkpoint.
+"""
+from ._kvtier import (  # noqa: F401
+    AlreadyExists,
+    Corruption,
+    Error,
+    FailedPrecondition,
+    IOError,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Session,
+    Store,
+    TimedOut,
+    Unavailable,
+    preset,
+    make_samples,
+    preset_names,
+    version,
+)
+
+__version__ = version()
+
+__all__ = [
+    "Store", "Session", "Error", "InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition",
+    "ResourceExhausted", "Corruption", "IOError", "TimedOut", "Unavailable", "Internal",
+    "make_samples", "preset", "preset_names", "version",
+]

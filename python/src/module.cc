@@ -1,0 +1,785 @@
+// kvtier._kvtier: the engine API (include/kvtier/kvtier.h) for Python, with pybind11.
+//
+// Arrays cross without copies: an argument is read through the buffer protocol (numpy) or,
+// failing that, DLPack (torch tensors, on the CPU), and the pointer handed to the store or
+// the attention kernel is the caller's memory. Every shape, dtype, contiguity and device is
+// checked here first, so bad input raises instead of reaching C++ with a wrong extent.
+//
+// Errors: a non-OK Status raises kvtier.<Code> (a kvtier.Error subclass; InvalidArgument is
+// also a ValueError) carrying .code (StatusCodeName) and .message; the binding's own checks
+// raise the same classes, InvalidArgument for malformed input and FailedPrecondition for a
+// session used after drop(). The GIL is released around every call into the engine; a
+// session's calls are serialised by its own mutex (a Session is driven by one thread at a
+// time), and a Session keeps its Store alive (the store must outlive its sessions).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "integration/model/tasks.h"
+#include "kvtier/kvtier.h"
+
+namespace py = pybind11;
+
+namespace kvtier::python {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Errors
+
+struct StatusError {
+  Status status;
+};
+
+constexpr std::array<StatusCode, 10> kErrorCodes = {
+    StatusCode::kInvalidArgument,   StatusCode::kNotFound,  StatusCode::kAlreadyExists,
+    StatusCode::kFailedPrecondition, StatusCode::kResourceExhausted, StatusCode::kCorruption,
+    StatusCode::kIOError,           StatusCode::kTimedOut,  StatusCode::kUnavailable,
+    StatusCode::kInternal};
+
+// The exception classes, by StatusCode (index 0 = the base kvtier.Error). Module-lifetime
+// references, created once at import.
+std::array<PyObject*, 11> g_error_classes{};
+
+[[noreturn]] void Throw(Status st) { throw StatusError{std::move(st)}; }
+void Check(Status st) {
+  if (!st.ok()) Throw(std::move(st));
+}
+template <typename T>
+T Take(Result<T> r) {
+  if (!r.ok()) Throw(r.status());
+  return std::move(r).value();
+}
+[[noreturn]] void Bad(const std::string& message) { Throw(InvalidArgument(message)); }
+
+void RaiseStatus(const Status& st) {
+  const int idx = static_cast<int>(st.code());
+  PyObject* cls = (idx > 0 && idx < static_cast<int>(g_error_classes.size())) ? g_error_classes[idx]
+                                                                               : g_error_classes[0];
+  py::object exc = py::reinterpret_borrow<py::object>(cls)(py::str(st.ToString()));
+  exc.attr("code") = py::str(StatusCodeName(st.code()));
+  exc.attr("message") = py::str(st.message());
+  PyErr_SetObject(cls, exc.ptr());
+}
+
+// ---------------------------------------------------------------------------
+// Arrays: buffer protocol or DLPack, read in place
+
+// DLPack's C ABI (dlpack.h v0.x, the layout torch 1.13 and numpy >= 1.22 export).
+struct DLDevice {
+  int32_t device_type;  // 1 = CPU
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // 2 = float, 4 = bfloat, 0 = int
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;  // in elements; null = compact row-major
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+
+enum class Elem { kF32, kF16, kBF16, kI64, kOther };
+
+const char* ElemName(Elem e) {
+  switch (e) {
+    case Elem::kF32: return "float32";
+    case Elem::kF16: return "float16";
+    case Elem::kBF16: return "bfloat16";
+    case Elem::kI64: return "int64";
+    case Elem::kOther: break;
+  }
+  return "an unsupported dtype";
+}
+
+Elem ElemOf(DType d) {
+  switch (d) {
+    case DType::kF32: return Elem::kF32;
+    case DType::kF16: return Elem::kF16;
+    case DType::kBF16: return Elem::kBF16;
+  }
+  return Elem::kOther;
+}
+
+// A view of a caller's array: data pointer, element type, shape. Holds whatever keeps the
+// memory alive (the buffer, or the DLPack capsule's managed tensor) until destroyed.
+class ArrayView {
+ public:
+  ArrayView(py::handle obj, const char* name, bool writable) : name_(name) {
+    try {
+      if (PyObject_CheckBuffer(obj.ptr())) {
+        FromBuffer(obj, writable);
+      } else if (py::hasattr(obj, "__dlpack__")) {
+        FromDlpack(obj);
+      } else {
+        Bad(std::string(name) + ": expected a numpy array or a torch tensor (buffer protocol or DLPack), got " +
+            std::string(py::str(py::type::of(obj).attr("__name__"))));
+      }
+    } catch (...) {
+      Free();  // a throwing constructor runs no destructor
+      throw;
+    }
+  }
+  ~ArrayView() { Free(); }
+  ArrayView(const ArrayView&) = delete;
+  ArrayView& operator=(const ArrayView&) = delete;
+
+  void* data() const { return data_; }
+  Elem elem() const { return elem_; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  int64_t dim(size_t i) const { return shape_[i]; }
+
+  // Rank and dtype checks with messages naming the argument.
+  void Expect(Elem elem, size_t rank) const {
+    if (elem_ != elem)
+      Bad(name_ + ": dtype must be " + ElemName(elem) + " (got " + ElemName(elem_) + ")");
+    if (shape_.size() != rank)
+      Bad(name_ + ": expected " + std::to_string(rank) + " dimensions, got " + std::to_string(shape_.size()) +
+          " (shape " + ShapeString() + ")");
+  }
+  void ExpectDim(size_t i, int64_t want, const char* what) const {
+    if (shape_[i] != want)
+      Bad(name_ + ": dimension " + std::to_string(i) + " (" + what + ") must be " + std::to_string(want) +
+          " (shape " + ShapeString() + ")");
+  }
+  std::string ShapeString() const {
+    std::string s = "[";
+    for (size_t i = 0; i < shape_.size(); ++i) s += (i ? ", " : "") + std::to_string(shape_[i]);
+    return s + "]";
+  }
+
+ private:
+  void FromBuffer(py::handle obj, bool writable) {
+    const int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj.ptr(), &buffer_, flags) != 0) {
+      PyErr_Clear();
+      // Ask again without the requirements, to say which one failed.
+      Py_buffer probe;
+      if (PyObject_GetBuffer(obj.ptr(), &probe, PyBUF_STRIDES | PyBUF_FORMAT) == 0) {
+        const bool ro = probe.readonly;
+        PyBuffer_Release(&probe);
+        if (writable && ro) Bad(name_ + ": the array is read-only; the output must be writable");
+      } else {
+        PyErr_Clear();
+      }
+      Bad(name_ + ": cannot read the buffer");
+    }
+    has_buffer_ = true;
+    data_ = buffer_.buf;
+    shape_.assign(buffer_.shape, buffer_.shape + buffer_.ndim);
+    elem_ = FormatElem(buffer_.format, buffer_.itemsize);
+    if (!PyBuffer_IsContiguous(&buffer_, 'C')) Bad(name_ + ": the array must be C-contiguous (row-major)");
+  }
+
+  static Elem FormatElem(const char* format, Py_ssize_t itemsize) {
+    std::string f = format ? format : "B";
+    if (!f.empty() && (f[0] == '<' || f[0] == '=' || f[0] == '@')) f = f.substr(1);
+    if (f == "f" && itemsize == 4) return Elem::kF32;
+    if (f == "e" && itemsize == 2) return Elem::kF16;
+    if ((f == "q" || f == "l") && itemsize == 8) return Elem::kI64;
+    return Elem::kOther;
+  }
+
+  void FromDlpack(py::handle obj) {
+    py::object capsule = obj.attr("__dlpack__")();
+    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+    if (managed == nullptr) {
+      PyErr_Clear();
+      Bad(name_ + ": __dlpack__ did not return a DLPack capsule");
+    }
+    // The consumer owns the tensor from here: rename the capsule so its destructor does not
+    // free it too, and call the deleter when this view goes away.
+    PyCapsule_SetName(capsule.ptr(), "used_dltensor");
+    managed_ = managed;
+    const DLTensor& t = managed->dl_tensor;
+    if (t.device.device_type != 1)
+      Bad(name_ + ": the tensor must be on the CPU (DLPack device type " + std::to_string(t.device.device_type) +
+          "); kvtier's store and kernels read host memory");
+    shape_.assign(t.shape, t.shape + t.ndim);
+    if (t.dtype.lanes != 1) elem_ = Elem::kOther;
+    else if (t.dtype.code == 2 && t.dtype.bits == 32) elem_ = Elem::kF32;
+    else if (t.dtype.code == 2 && t.dtype.bits == 16) elem_ = Elem::kF16;
+    else if (t.dtype.code == 4 && t.dtype.bits == 16) elem_ = Elem::kBF16;
+    else if (t.dtype.code == 0 && t.dtype.bits == 64) elem_ = Elem::kI64;
+    else elem_ = Elem::kOther;
+    data_ = static_cast<char*>(t.data) + t.byte_offset;
+    if (t.strides != nullptr) {
+      int64_t expect = 1;
+      for (int i = t.ndim - 1; i >= 0; --i) {
+        if (t.shape[i] != 1 && t.strides[i] != expect)
+          Bad(name_ + ": the tensor must be contiguous (row-major); call .contiguous() first");
+        expect *= t.shape[i];
+      }
+    }
+  }
+
+  void Free() {
+    if (managed_ != nullptr && managed_->deleter != nullptr) managed_->deleter(managed_);
+    managed_ = nullptr;
+    if (has_buffer_) PyBuffer_Release(&buffer_);
+    has_buffer_ = false;
+  }
+
+  std::string name_;
+  void* data_ = nullptr;
+  Elem elem_ = Elem::kOther;
+  std::vector<int64_t> shape_;
+  Py_buffer buffer_{};
+  bool has_buffer_ = false;
+  DLManagedTensor* managed_ = nullptr;
+};
+
+int CheckedInt(int64_t v, const char* what) {
+  if (v < 0 || v > INT32_MAX) Bad(std::string(what) + " out of range (got " + std::to_string(v) + ")");
+  return static_cast<int>(v);
+}
+
+// ---------------------------------------------------------------------------
+// Options from keyword arguments
+
+template <typename T>
+T Get(const py::handle& v, const std::string& key) {
+  try {
+    return v.cast<T>();
+  } catch (const py::cast_error&) {
+    Bad("option '" + key + "': wrong type (" + std::string(py::str(py::type::of(v).attr("__name__"))) + ")");
+  }
+}
+// Python's bool is an int: refuse True for a count and 1 for a flag, so that a swapped
+// argument does not pass silently.
+int64_t GetInt(const py::handle& v, const std::string& key) {
+  if (!PyLong_Check(v.ptr()) || PyBool_Check(v.ptr())) Bad("option '" + key + "': expected an int");
+  return Get<int64_t>(v, key);
+}
+int GetInt32(const py::handle& v, const std::string& key) {
+  const int64_t x = GetInt(v, key);
+  if (x < INT32_MIN || x > INT32_MAX) Bad("option '" + key + "': out of range (got " + std::to_string(x) + ")");
+  return static_cast<int>(x);
+}
+bool GetBool(const py::handle& v, const std::string& key) {
+  if (!PyBool_Check(v.ptr())) Bad("option '" + key + "': expected a bool");
+  return v.cast<bool>();
+}
+
+StoreOptions StoreOptionsFrom(const py::kwargs& kw) {
+  StoreOptions o;
+  for (auto item : kw) {
+    const std::string key = py::str(item.first);
+    py::handle v = item.second;
+    if (key == "layers") o.geometry.layers = GetInt32(v, key);
+    else if (key == "q_heads") o.geometry.q_heads = GetInt32(v, key);
+    else if (key == "kv_heads") o.geometry.kv_heads = GetInt32(v, key);
+    else if (key == "head_dim") o.geometry.head_dim = GetInt32(v, key);
+    else if (key == "dtype") {
+      const std::string s = Get<std::string>(v, key);
+      if (!ParseDType(s.c_str(), &o.geometry.dtype)) Bad("option 'dtype': expected f32, f16 or bf16 (got '" + s + "')");
+    } else if (key == "n_sink") o.n_sink = GetInt32(v, key);
+    else if (key == "n_local") o.n_local = GetInt32(v, key);
+    else if (key == "chunk_size") o.chunk_size = GetInt32(v, key);
+    else if (key == "repr_topk") o.repr_topk = GetInt32(v, key);
+    else if (key == "hot_bytes") {
+      const int64_t x = GetInt(v, key);
+      if (x < 0) Bad("option 'hot_bytes': must be >= 0");
+      o.hot_bytes = static_cast<uint64_t>(x);
+    } else if (key == "warm_bytes") {
+      const int64_t x = GetInt(v, key);
+      if (x < 0) Bad("option 'warm_bytes': must be >= 0");
+      o.warm_bytes = static_cast<uint64_t>(x);
+    } else if (key == "data_dir") o.data_dir = Get<std::string>(v, key);
+    else if (key == "compression") {
+      const std::string s = Get<std::string>(v, key);
+      if (!ParseCompression(s, &o.compression))
+        Bad("option 'compression': expected none, lz4 or zstd (got '" + s + "')");
+    } else if (key == "sync_writes") o.sync_writes = GetBool(v, key);
+    else if (key == "write_through") o.write_through = GetBool(v, key);
+    else if (key == "pin_timeout_ms") o.pin_timeout_ms = GetInt32(v, key);
+    else if (key == "hot_policy") o.hot_policy = Get<std::string>(v, key);
+    else if (key == "warm_policy") o.warm_policy = Get<std::string>(v, key);
+    else if (key == "transfer_threads") o.transfer_threads = GetInt32(v, key);
+    else if (key == "hot_tier") o.hot_tier = Get<std::string>(v, key);
+    else if (key == "accept_lost_chunks") o.accept_lost_chunks = GetBool(v, key);
+    else Bad("Store: unknown option '" + key + "'");
+  }
+  return o;
+}
+
+SessionOptions SessionOptionsFrom(const py::kwargs& kw) {
+  SessionOptions o;
+  // The preset first, so that probe/alloc/index/budget_tokens given with it override its parts.
+  if (kw.contains("preset")) {
+    const RetrievalPreset p = Take(MakeRetrievalPreset(Get<std::string>(kw["preset"], "preset")));
+    o.retrieval = p.retrieval;
+  }
+  for (auto item : kw) {
+    const std::string key = py::str(item.first);
+    py::handle v = item.second;
+    if (key == "preset") continue;
+    if (key == "retrieve") o.retrieve = GetBool(v, key);
+    else if (key == "positions") o.positions = Take(ParsePositionMode(Get<std::string>(v, key)));
+    else if (key == "rope_theta") o.rope_theta = Get<double>(v, key);
+    else if (key == "observe_prefill") o.observe_prefill = GetBool(v, key);
+    else if (key == "keep_queries") o.keep_queries = GetInt32(v, key);
+    else if (key == "probe") o.retrieval.probe = Get<std::string>(v, key);
+    else if (key == "alloc") o.retrieval.alloc = Get<std::string>(v, key);
+    else if (key == "index") o.retrieval.index = Get<std::string>(v, key);
+    else if (key == "budget_tokens") o.retrieval.budget_tokens = GetInt32(v, key);
+    else if (key == "retrieval") o.retrieval = Take(RetrieverOptions::Parse(Get<std::string>(v, key)));
+    else Bad("Session: unknown option '" + key + "'");
+  }
+  Check(o.Validate());
+  return o;
+}
+
+py::dict StoreOptionsDict(const StoreOptions& o) {
+  py::dict d;
+  d["layers"] = o.geometry.layers;
+  d["q_heads"] = o.geometry.q_heads;
+  d["kv_heads"] = o.geometry.kv_heads;
+  d["head_dim"] = o.geometry.head_dim;
+  d["dtype"] = DTypeName(o.geometry.dtype);
+  d["n_sink"] = o.n_sink;
+  d["n_local"] = o.n_local;
+  d["chunk_size"] = o.chunk_size;
+  d["repr_topk"] = o.repr_topk;
+  d["hot_bytes"] = o.hot_bytes;
+  d["warm_bytes"] = o.warm_bytes;
+  d["data_dir"] = o.data_dir;
+  d["compression"] = CompressionName(o.compression);
+  d["sync_writes"] = o.sync_writes;
+  d["write_through"] = o.write_through;
+  d["pin_timeout_ms"] = o.pin_timeout_ms;
+  d["hot_policy"] = o.hot_policy;
+  d["warm_policy"] = o.warm_policy;
+  d["transfer_threads"] = o.transfer_threads;
+  d["hot_tier"] = o.hot_tier;
+  d["accept_lost_chunks"] = o.accept_lost_chunks;
+  return d;
+}
+
+py::dict StatsDict(const AttendStats& s) {
+  py::dict d;
+  d["probe_ms"] = s.probe_ms;
+  d["search_ms"] = s.search_ms;
+  d["alloc_ms"] = s.alloc_ms;
+  d["fetch_ms"] = s.fetch_ms;
+  d["attention_ms"] = s.attention_ms;
+  d["entropy"] = s.entropy;
+  d["chunks"] = s.chunks;
+  return d;
+}
+
+// ---------------------------------------------------------------------------
+// Store and Session
+
+class PyStore {
+ public:
+  explicit PyStore(const py::kwargs& kw) {
+    StoreOptions o = StoreOptionsFrom(kw);
+    py::gil_scoped_release nogil;
+    store_ = Take(TieredStore::Open(o));
+  }
+  TieredStore* get() const { return store_.get(); }
+
+  py::dict Counters() const {
+    const StoreCounters c = store_->counters();
+    py::dict d;
+    d["hot_chunks"] = c.hot_chunks;
+    d["hot_bytes"] = c.hot_bytes;
+    d["warm_chunks"] = c.warm_chunks;
+    d["warm_bytes"] = c.warm_bytes;
+    d["cold_chunks"] = c.cold_chunks;
+    d["cold_bytes"] = c.cold_bytes;
+    d["promotions"] = c.promotions;
+    d["demotions"] = c.demotions;
+    d["hits"] = c.hits;
+    d["misses"] = c.misses;
+    d["bytes_moved"] = c.bytes_moved;
+    d["cold_writes"] = c.cold_writes;
+    d["cold_reads"] = c.cold_reads;
+    d["lease_expired"] = c.lease_expired;
+    d["chunks_sealed"] = c.chunks_sealed;
+    d["dropped_chunks"] = c.dropped_chunks;
+    return d;
+  }
+  std::vector<SequenceId> Sequences() const { return store_->ListSequences(); }
+  int64_t Length(SequenceId seq, int layer) const { return Take(store_->SequenceLength(seq, layer)); }
+  void WaitForDurable() {
+    py::gil_scoped_release nogil;
+    Check(store_->WaitForDurable());
+  }
+
+ private:
+  std::unique_ptr<TieredStore> store_;
+};
+
+StepKind ParseStep(const std::string& s) {
+  if (s == "prefill") return StepKind::kPrefill;
+  if (s == "decode") return StepKind::kDecode;
+  Bad("begin_step: kind must be 'prefill' or 'decode' (got '" + s + "')");
+}
+
+class PySession {
+ public:
+  PySession(py::object store, std::unique_ptr<Session> s) : store_(std::move(store)), session_(std::move(s)) {}
+
+  static std::unique_ptr<PySession> Open(py::object store, const py::kwargs& kw) {
+    PyStore& ps = store.cast<PyStore&>();
+    SessionOptions o = SessionOptionsFrom(kw);
+    std::unique_ptr<Session> s;
+    {
+      py::gil_scoped_release nogil;
+      s = Take(Session::Open(ps.get(), o));
+    }
+    return std::make_unique<PySession>(std::move(store), std::move(s));
+  }
+  static std::unique_ptr<PySession> Attach(py::object store, SequenceId seq, const py::kwargs& kw) {
+    PyStore& ps = store.cast<PyStore&>();
+    SessionOptions o = SessionOptionsFrom(kw);
+    std::unique_ptr<Session> s;
+    {
+      py::gil_scoped_release nogil;
+      s = Take(Session::Attach(ps.get(), seq, o));
+    }
+    return std::make_unique<PySession>(std::move(store), std::move(s));
+  }
+
+  Session& s() const {
+    if (!session_) Throw(FailedPrecondition("the session was dropped"));
+    return *session_;
+  }
+  const Geometry& g() const { return s().geometry(); }
+
+  void CheckLayer(int64_t layer) const {
+    if (layer < 0 || layer >= g().layers)
+      Bad("layer " + std::to_string(layer) + " out of range [0, " + std::to_string(g().layers) + ")");
+  }
+
+  void Append(int64_t layer, py::handle k, py::handle v) {
+    CheckLayer(layer);
+    const Geometry& geo = g();
+    ArrayView kv(k, "k", false), vv(v, "v", false);
+    for (const ArrayView* a : {&kv, &vv}) {
+      a->Expect(ElemOf(geo.dtype), 3);
+      a->ExpectDim(1, geo.kv_heads, "kv_heads");
+      a->ExpectDim(2, geo.head_dim, "head_dim");
+    }
+    if (kv.dim(0) != vv.dim(0))
+      Bad("k and v must hold the same number of tokens (" + kv.ShapeString() + " vs " + vv.ShapeString() + ")");
+    const int n = CheckedInt(kv.dim(0), "tokens");
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    Check(s().Append(static_cast<int>(layer), kv.data(), vv.data(), n, geo.dtype));
+  }
+
+  void BeginStep(const std::string& kind) {
+    const StepKind k = ParseStep(kind);
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    Check(s().BeginStep(k));
+  }
+
+  // q [m, q_heads, head_dim] f32 and positions [m] int64 (or the first position as an int).
+  struct Queries {
+    std::unique_ptr<ArrayView> q, pos;
+    std::vector<int64_t> own_pos;
+    const int64_t* positions = nullptr;
+    int m = 0;
+  };
+  Queries ReadQueries(py::handle q, py::handle positions) const {
+    Queries r;
+    r.q = std::make_unique<ArrayView>(q, "q", false);
+    r.q->Expect(Elem::kF32, 3);
+    r.q->ExpectDim(1, g().q_heads, "q_heads");
+    r.q->ExpectDim(2, g().head_dim, "head_dim");
+    r.m = CheckedInt(r.q->dim(0), "queries");
+    if (PyLong_Check(positions.ptr()) && !PyBool_Check(positions.ptr())) {
+      const int64_t first = positions.cast<int64_t>();
+      if (first < 0) Bad("positions: the first position must be >= 0 (got " + std::to_string(first) + ")");
+      r.own_pos.resize(static_cast<size_t>(r.m));
+      for (int i = 0; i < r.m; ++i) r.own_pos[static_cast<size_t>(i)] = first + i;
+      r.positions = r.own_pos.data();
+    } else {
+      r.pos = std::make_unique<ArrayView>(positions, "positions", false);
+      r.pos->Expect(Elem::kI64, 1);
+      r.pos->ExpectDim(0, r.m, "one per query");
+      r.positions = static_cast<const int64_t*>(r.pos->data());
+    }
+    return r;
+  }
+
+  py::dict Attend(int64_t layer, py::handle q, py::handle positions, py::handle out) {
+    CheckLayer(layer);
+    Queries qs = ReadQueries(q, positions);
+    ArrayView ov(out, "out", true);
+    ov.Expect(Elem::kF32, 3);
+    ov.ExpectDim(0, qs.m, "queries");
+    ov.ExpectDim(1, g().q_heads, "q_heads");
+    ov.ExpectDim(2, g().head_dim, "head_dim");
+    const auto* qp = static_cast<const char*>(qs.q->data());
+    const auto* op = static_cast<const char*>(ov.data());
+    const size_t bytes = static_cast<size_t>(qs.m) * g().q_heads * g().head_dim * sizeof(float);
+    if (qp < op + bytes && op < qp + bytes) Bad("out must not overlap q");
+    AttendStats stats;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mu_);
+      Check(s().Attend(static_cast<int>(layer), static_cast<const float*>(qs.q->data()), qs.positions, qs.m,
+                       static_cast<float*>(ov.data()), &stats));
+    }
+    return StatsDict(stats);
+  }
+
+  void Observe(int64_t layer, py::handle q, py::handle positions) {
+    CheckLayer(layer);
+    Queries qs = ReadQueries(q, positions);
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    Check(s().Observe(static_cast<int>(layer), static_cast<const float*>(qs.q->data()), qs.positions, qs.m));
+  }
+
+  void SetQuestion(int64_t layer, py::handle q) {
+    CheckLayer(layer);
+    ArrayView qv(q, "q", false);
+    qv.Expect(Elem::kF32, 3);
+    qv.ExpectDim(1, g().q_heads, "q_heads");
+    qv.ExpectDim(2, g().head_dim, "head_dim");
+    const int m = CheckedInt(qv.dim(0), "queries");
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    Check(s().SetQuestion(static_cast<int>(layer), static_cast<const float*>(qv.data()), m));
+  }
+
+  // Gather: which spans a layer attends. The spans stay valid only while pinned and until the
+  // next Append, which Python cannot enforce on a view, so their K/V are copied out (as
+  // numpy arrays of the storage dtype; bf16 as uint16 bit patterns) and the pins released.
+  py::dict Gather(int64_t layer, py::handle q, py::handle positions) {
+    CheckLayer(layer);
+    Queries qs = ReadQueries(q, positions);
+    const Geometry geo = g();
+    std::optional<LayerParts> parts;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mu_);
+      parts = Take(s().Gather(static_cast<int>(layer), static_cast<const float*>(qs.q->data()), qs.positions, qs.m));
+    }
+    py::module_ np = py::module_::import("numpy");
+    py::object dt = np.attr(geo.dtype == DType::kF32 ? "float32" : geo.dtype == DType::kF16 ? "float16" : "uint16");
+    const size_t tok_bytes = geo.token_elems() * DTypeSize(geo.dtype);
+    py::list list;
+    for (size_t i = 0; i < parts->parts.size(); ++i) {
+      const kernels::KvSpan& sp = parts->parts[i];
+      py::dict d;
+      auto copy = [&](const void* src) {
+        py::array a(py::dtype::from_args(dt), std::vector<py::ssize_t>{sp.n_tokens, geo.kv_heads, geo.head_dim});
+        if (sp.n_tokens > 0) std::memcpy(a.mutable_data(), src, static_cast<size_t>(sp.n_tokens) * tok_bytes);
+        return a;
+      };
+      d["k"] = copy(sp.k);
+      d["v"] = copy(sp.v);
+      d["first_position"] = sp.first_position;
+      d["rope_position"] = i < parts->rope_positions.size() ? parts->rope_positions[i] : -1;
+      d["kind"] = i == 0 ? "sinks" : (i <= parts->n_chunks ? "chunk" : "local");
+      list.append(d);
+    }
+    parts->Release();
+    py::dict r;
+    r["parts"] = list;
+    r["chunks"] = parts->chunks;
+    r["local_start"] = parts->local_start;
+    r["stats"] = StatsDict(parts->stats);
+    return r;
+  }
+
+  py::dict Compress(const std::string& policy, int64_t kv_budget, int64_t n_queries) {
+    if (n_queries < 0 || n_queries > INT32_MAX) Bad("n_queries out of range");
+    CompressReport rep;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mu_);
+      rep = Take(s().Compress(policy, kv_budget, static_cast<int>(n_queries)));
+    }
+    py::dict d;
+    d["policy"] = rep.policy;
+    d["dropped_chunks"] = rep.dropped_chunks;
+    d["kept_tokens"] = rep.kept_tokens;
+    d["compress_every"] = rep.compress_every;
+    return d;
+  }
+
+  void Close() {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    Check(s().Close());
+  }
+  void Drop() {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    Check(s().Drop());
+    session_.reset();
+  }
+
+  py::dict Counters() const {
+    const SessionCounters c = s().counters();
+    py::dict d;
+    d["steps"] = c.steps;
+    d["attends"] = c.attends;
+    d["tokens_appended"] = c.tokens_appended;
+    d["chunks_attended"] = c.chunks_attended;
+    d["max_layer_chunks"] = c.max_layer_chunks;
+    d["compressions"] = c.compressions;
+    d["dropped_chunks"] = c.dropped_chunks;
+    d["probe_ms"] = c.probe_ms;
+    d["search_ms"] = c.search_ms;
+    d["alloc_ms"] = c.alloc_ms;
+    d["fetch_ms"] = c.fetch_ms;
+    d["attention_ms"] = c.attention_ms;
+    return d;
+  }
+
+  py::dict Options() const {
+    const SessionOptions& o = s().options();
+    py::dict d;
+    d["retrieve"] = o.retrieve;
+    d["positions"] = PositionModeName(o.positions);
+    d["rope_theta"] = o.rope_theta;
+    d["observe_prefill"] = o.observe_prefill;
+    d["keep_queries"] = o.keep_queries;
+    d["retrieval"] = o.retrieval.ToString();
+    d["budget_tokens"] = o.retrieval.budget_tokens;
+    return d;
+  }
+
+  SequenceId Sequence() const { return s().sequence(); }
+  std::vector<std::vector<uint64_t>> LastChunks() const { return s().last_chunks(); }
+  const py::object& store() const { return store_; }
+
+ private:
+  py::object store_;  // keeps the PyStore alive for as long as this session
+  std::unique_ptr<Session> session_;
+  std::mutex mu_;
+};
+
+}  // namespace
+}  // namespace kvtier::python
+
+PYBIND11_MODULE(_kvtier, m) {
+  using namespace kvtier;
+  using namespace kvtier::python;
+  m.doc() = "kvtier engine API (see include/kvtier/session.h); use the kvtier package";
+
+  // kvtier.Error and one subclass per StatusCode.
+  PyObject* base = PyErr_NewExceptionWithDoc("kvtier.Error", "A kvtier Status that is not OK: .code, .message.",
+                                             PyExc_Exception, nullptr);
+  g_error_classes[0] = base;
+  m.attr("Error") = py::handle(base);
+  for (StatusCode code : kErrorCodes) {
+    const std::string name = StatusCodeName(code);
+    py::tuple bases = code == StatusCode::kInvalidArgument
+                          ? py::tuple(py::make_tuple(py::handle(base), py::handle(PyExc_ValueError)))
+                          : py::tuple(py::make_tuple(py::handle(base)));
+    PyObject* cls = PyErr_NewException(("kvtier." + name).c_str(), bases.ptr(), nullptr);
+    g_error_classes[static_cast<size_t>(code)] = cls;
+    m.attr(name.c_str()) = py::handle(cls);
+  }
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      RaiseStatus(e.status);
+    } catch (const std::bad_alloc&) {
+      RaiseStatus(ResourceExhausted("out of memory"));
+    }
+  });
+
+  m.def("version", &Version, "The C++ library's version.");
+  // The prompts of `kvtier infinite` (integration/model/tasks.h), drawn in the same order from
+  // the same generator, so that a Python runner evaluates exactly the same samples.
+  m.def("make_samples", [](const std::string& task, int64_t context, int64_t samples, int64_t seed) {
+    Check(model::CheckTask(task));
+    if (samples < 0) Bad("samples must be >= 0 (got " + std::to_string(samples) + ")");
+    if (seed < 0) Bad("seed must be >= 0 (got " + std::to_string(seed) + ")");
+    std::mt19937_64 rng = model::SampleRng(seed, context);
+    py::list out;
+    for (int64_t i = 0; i < samples; ++i) {
+      model::Sample s = Take(model::MakeSample(task, context, rng));
+      py::dict d;
+      d["prompt"] = py::bytes(s.prompt);
+      d["answer"] = py::bytes(s.answer);
+      d["needle_begin"] = s.needle_begin;
+      d["needle_end"] = s.needle_end;
+      d["answer_begin"] = s.answer_begin;
+      d["answer_end"] = s.answer_end;
+      out.append(d);
+    }
+    return out;
+  }, py::arg("task"), py::arg("context"), py::arg("samples"), py::arg("seed") = 1,
+     "kvtier infinite's samples: [{prompt, answer (bytes), needle_begin, needle_end, answer_begin, answer_end}].");
+  m.def("preset_names", &RetrievalPresetNames, "Retrieval preset names, the default first.");
+  m.def("preset", [](const std::string& name) {
+    const RetrievalPreset p = Take(MakeRetrievalPreset(name));
+    py::dict d;
+    d["retrieval"] = p.retrieval.ToString();
+    d["probe"] = p.retrieval.probe;
+    d["alloc"] = p.retrieval.alloc;
+    d["index"] = p.retrieval.index;
+    d["budget_tokens"] = p.retrieval.budget_tokens;
+    d["repr_topk"] = p.repr_topk;
+    return d;
+  }, py::arg("name"), "A retrieval preset's options as a dict.");
+
+  py::class_<PyStore>(m, "Store", "The tiers shared by every sequence: TieredStore::Open(StoreOptions).")
+      .def(py::init<const py::kwargs&>(),
+           "Store(**options): StoreOptions fields as keyword arguments (layers, q_heads, kv_heads, head_dim, "
+           "dtype='f16', n_sink, n_local, chunk_size, repr_topk, hot_bytes, warm_bytes, data_dir, compression, "
+           "...); unknown or invalid options raise kvtier.InvalidArgument")
+      .def_property_readonly("options", [](const PyStore& s) { return StoreOptionsDict(s.get()->options()); })
+      .def("counters", &PyStore::Counters, "StoreCounters as a dict (a consistent snapshot).")
+      .def("sequences", &PyStore::Sequences)
+      .def("sequence_length", &PyStore::Length, py::arg("sequence"), py::arg("layer"))
+      .def("wait_for_durable", &PyStore::WaitForDurable);
+
+  py::class_<PySession>(m, "Session", "One sequence over a Store (include/kvtier/session.h).")
+      .def_static("open", &PySession::Open, py::arg("store"),
+                  "Session.open(store, **options): a new sequence. Options: preset, retrieve, positions "
+                  "('absolute'|'infllm'), rope_theta, observe_prefill, keep_queries, probe, alloc, index, "
+                  "budget_tokens, retrieval (a RetrieverOptions spec string).")
+      .def_static("attach", &PySession::Attach, py::arg("store"), py::arg("sequence"),
+                  "Session.attach(store, sequence, **options): a session over an existing sequence.")
+      .def_property_readonly("sequence", &PySession::Sequence)
+      .def_property_readonly("store", &PySession::store)
+      .def_property_readonly("options", &PySession::Options)
+      .def_property_readonly("last_chunks", &PySession::LastChunks)
+      .def("append", &PySession::Append, py::arg("layer"), py::arg("k"), py::arg("v"),
+           "K and V [n, kv_heads, head_dim] in the store's dtype, C-contiguous, on the CPU (read in place).")
+      .def("begin_step", &PySession::BeginStep, py::arg("kind"), "'prefill' or 'decode'.")
+      .def("attend", &PySession::Attend, py::arg("layer"), py::arg("q"), py::arg("positions"), py::arg("out"),
+           "q [m, q_heads, head_dim] float32, positions [m] int64 (or the first position as an int); writes "
+           "out [m, q_heads, head_dim] float32 in place; returns the AttendStats as a dict.")
+      .def("gather", &PySession::Gather, py::arg("layer"), py::arg("q"), py::arg("positions"))
+      .def("observe", &PySession::Observe, py::arg("layer"), py::arg("q"), py::arg("positions"))
+      .def("set_question", &PySession::SetQuestion, py::arg("layer"), py::arg("q"))
+      .def("compress", &PySession::Compress, py::arg("policy"), py::arg("kv_budget"), py::arg("n_queries") = 0)
+      .def("counters", &PySession::Counters, "SessionCounters as a dict.")
+      .def("close", &PySession::Close, "Persists sinks and local window; the sequence becomes read-only.")
+      .def("drop", &PySession::Drop, "Removes the sequence; every later call raises FailedPrecondition.");
+}

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project-local Python environment of the Python package and its tests
+# (.venv, git-ignored), installs the package into it (`pip install .`), and with `test` runs
+# tests/python with pytest. Called by ctest (Python.Package) and usable by hand:
+#   scripts/python_env.sh          environment + package
+#   scripts/python_env.sh test     that, then pytest tests/python (extra args go to pytest)
+# torch comes from Debian (python3-torch 1.13.1, CPU): PyPI's Linux wheels pull gigabytes of
+# CUDA libraries. The venv sees Debian's site-packages (--system-site-packages) and adds the
+# pinned PyPI packages of python/requirements-test.txt. Each step is skipped when done already,
+# so a second run costs the package rebuild only (incremental, in build-py/).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${KVTIER_VENV:-$ROOT/.venv}"
+PKGS=(python3-venv python3-dev python3-numpy python3-torch)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+  [[ "$status" == "install ok installed" ]] || missing+=("$p")
+done
+if [[ ${#missing[@]} -gt 0 ]]; then
+  echo "python_env: installing ${missing[*]}"
+  SUDO=""
+  if [[ $(id -u) -ne 0 ]]; then
+    command -v sudo >/dev/null || { echo "python_env: not root and no sudo; install: ${missing[*]}" >&2; exit 1; }
+    SUDO="sudo"
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# Debian's interpreter: the one python3-torch and python3-numpy are built for.
+if [[ ! -x "$VENV/bin/python" ]]; then
+  /usr/bin/python3 -m venv --system-site-packages "$VENV"
+fi
+PY="$VENV/bin/python"
+REQ="$ROOT/python/requirements-test.txt"
+STAMP="$VENV/.kvtier-requirements"
+if ! cmp -s "$REQ" "$STAMP"; then
+  "$PY" -m pip install -q --disable-pip-version-check -r "$REQ"
+  cp "$REQ" "$STAMP"
+fi
+# No build isolation: the build requirements are in the venv already (pinned above), so a
+# rebuild downloads nothing; build-py/ keeps CMake's objects between runs.
+"$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps "$ROOT"
+
+if [[ "${1:-}" == "test" ]]; then
+  shift
+  cd "$ROOT"
+  exec "$PY" -m pytest -q tests/python "$@"
+fi

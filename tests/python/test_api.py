@@ -1,0 +1,230 @@
+"""The engine API from Python: values against a numpy reference, arrays read and written in
+place, every Status code raised as its kvtier.Error subclass, and bad input raising."""
+import numpy as np
+import pytest
+import torch
+
+import kvtier
+
+GEOM = dict(layers=2, q_heads=4, kv_heads=2, head_dim=16)
+
+
+def small_store(dtype="f32", **kw):
+    opts = dict(GEOM, dtype=dtype, n_sink=4, n_local=32, chunk_size=8)
+    opts.update(kw)
+    return kvtier.Store(**opts)
+
+
+def reference_attention(q, k, v, q_pos):
+    """Causal full attention in float64: q [m, Hq, D] at positions q_pos; k, v [n, Hkv, D] at 0..n-1."""
+    m, hq, d = q.shape
+    group = hq // k.shape[1]
+    out = np.zeros((m, hq, d))
+    for i in range(m):
+        for h in range(hq):
+            kk = k[: q_pos[i] + 1, h // group].astype(np.float64)
+            vv = v[: q_pos[i] + 1, h // group].astype(np.float64)
+            s = kk @ q[i, h].astype(np.float64) / np.sqrt(d)
+            p = np.exp(s - s.max())
+            out[i, h] = (p / p.sum()) @ vv
+    return out
+
+
+def test_roundtrip_matches_reference_attention():
+    rng = np.random.default_rng(0)
+    store = small_store()
+    # retrieve=False: every sealed chunk (full attention through the store), keys after RoPE.
+    s = kvtier.Session.open(store, retrieve=False)
+    n = 100  # sinks, 11 sealed chunks, a local window
+    ks = [rng.standard_normal((n, 2, 16), dtype=np.float32) for _ in range(2)]
+    vs = [rng.standard_normal((n, 2, 16), dtype=np.float32) for _ in range(2)]
+    for layer in range(2):
+        s.append(layer, ks[layer], vs[layer])
+    q = rng.standard_normal((3, 4, 16), dtype=np.float32)
+    pos = np.array([97, 98, 99], dtype=np.int64)
+    s.begin_step("prefill")
+    for layer in range(2):
+        out = np.full_like(q, np.nan)
+        stats = s.attend(layer, q, pos, out)
+        np.testing.assert_allclose(out, reference_attention(q, ks[layer], vs[layer], pos), rtol=1e-5, atol=1e-5)
+        # Every chunk sealed in this layer (the local ring keeps the newest tokens unsealed).
+        assert stats["chunks"] == store.counters()["chunks_sealed"] // 2 > 0
+        assert set(stats) == {"probe_ms", "search_ms", "alloc_ms", "fetch_ms", "attention_ms", "entropy", "chunks"}
+    c = s.counters()
+    assert c["steps"] == 1 and c["attends"] == 2 and c["tokens_appended"] == 2 * n
+    sc = store.counters()
+    assert sc["chunks_sealed"] == 2 * stats["chunks"] and sc["warm_chunks"] == sc["chunks_sealed"]
+    assert store.sequence_length(s.sequence, 0) == n
+    # Attach: a second session over the same sequence sees the same tokens.
+    other = kvtier.Session.attach(store, s.sequence, retrieve=False)
+    other.begin_step("decode")
+    out2 = np.zeros((1, 4, 16), np.float32)
+    other.attend(0, q[2:3], 99, out2)  # an int is the first position
+    np.testing.assert_allclose(out2[0], reference_attention(q[2:3], ks[0], vs[0], [99])[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tdtype", [("f32", torch.float32), ("f16", torch.float16), ("bf16", torch.bfloat16)])
+def test_torch_tensors_every_dtype(dtype, tdtype):
+    torch.manual_seed(0)
+    store = small_store(dtype)
+    s = kvtier.Session.open(store, retrieve=False)
+    k = torch.randn(40, 2, 16).to(tdtype)
+    v = torch.randn(40, 2, 16).to(tdtype)
+    for layer in range(2):
+        s.append(layer, k, v)
+    s.begin_step("prefill")
+    q = torch.randn(2, 4, 16)
+    out = torch.zeros(2, 4, 16)
+    ptr = out.data_ptr()
+    s.attend(0, q, torch.tensor([38, 39]), out)
+    assert out.data_ptr() == ptr  # written in place
+    ref = reference_attention(q.numpy(), k.float().numpy(), v.float().numpy(), [38, 39])
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_arrays_are_read_and_written_in_place():
+    rng = np.random.default_rng(1)
+    store = small_store()
+    s = kvtier.Session.open(store, retrieve=False)
+    k = rng.standard_normal((20, 2, 16), dtype=np.float32)
+    for layer in range(2):
+        s.append(layer, k, k)
+    s.begin_step("prefill")
+    # q is a view into a bigger buffer at an offset (numpy) and a storage offset (torch): the
+    # kernel reads that memory, not a copy taken somewhere else.
+    big = rng.standard_normal((5, 4, 16), dtype=np.float32)
+    out = np.zeros((1, 4, 16), np.float32)
+    s.attend(0, big[3:4], 19, out)
+    np.testing.assert_allclose(out, reference_attention(big[3:4], k, k, [19]), rtol=1e-5, atol=1e-5)
+    # The output is the caller's buffer: a view into a bigger array gets the rows, the rest stays.
+    target = np.full((3, 4, 16), 7.0, np.float32)
+    s.attend(1, big[3:4], 19, target[1:2])
+    np.testing.assert_array_equal(target[1:2], out)
+    assert (target[0] == 7).all() and (target[2] == 7).all()
+    tbig = torch.from_numpy(big.copy())
+    tout = torch.zeros(3, 4, 16)
+    s.begin_step("prefill")
+    s.attend(0, big[3:4], 19, out)
+    s.attend(1, tbig[3:4], torch.tensor([19]), tout[2:3])
+    np.testing.assert_array_equal(tout[2:3].numpy(), out)
+    # No silent copy path exists: a non-contiguous array is refused, a read-only output too.
+    with pytest.raises(kvtier.InvalidArgument, match="contiguous"):
+        s.attend(0, big[::2][:1].transpose(0, 2, 1).copy().transpose(0, 2, 1), 19, out)
+    with pytest.raises(kvtier.InvalidArgument, match="contiguous"):
+        s.attend(0, torch.randn(16, 4, 1).permute(2, 1, 0), torch.tensor([19]), torch.zeros(1, 4, 16))
+    ro = np.zeros((1, 4, 16), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(kvtier.InvalidArgument, match="read-only"):
+        s.attend(0, big[3:4], 19, ro)
+
+
+def test_status_codes_raise_their_classes():
+    store = small_store()
+    s = kvtier.Session.open(store)
+    q = np.ones((1, 4, 16), np.float32)
+    out = np.zeros_like(q)
+    with pytest.raises(kvtier.FailedPrecondition) as e:  # no BeginStep
+        s.attend(0, q, 0, out)
+    assert e.value.code == "FailedPrecondition" and "BeginStep" in e.value.message
+    assert isinstance(e.value, kvtier.Error)
+    with pytest.raises(kvtier.NotFound) as e:
+        kvtier.Session.attach(store, 12345)
+    assert e.value.code == "NotFound" and "12345" in e.value.message
+    with pytest.raises(kvtier.InvalidArgument) as e:
+        kvtier.Session.open(store, preset="nope")
+    assert isinstance(e.value, ValueError) and "nope" in e.value.message
+    k = np.ones((4, 2, 16), np.float32)
+    s.append(0, k, k)
+    s.append(1, k, k)
+    s.close()
+    with pytest.raises(kvtier.FailedPrecondition, match="read-only"):
+        s.append(0, k, k)
+    s.drop()
+    with pytest.raises(kvtier.FailedPrecondition, match="dropped"):
+        s.counters()
+    # Every code has its class, each an Error, and the names are StatusCodeName's.
+    names = ["InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition", "ResourceExhausted",
+             "Corruption", "IOError", "TimedOut", "Unavailable", "Internal"]
+    for n in names:
+        assert issubclass(getattr(kvtier, n), kvtier.Error)
+    # Unavailable: the CUDA hot tier is not built.
+    with pytest.raises(kvtier.Unavailable):
+        small_store(hot_tier="cuda")
+
+
+@pytest.mark.parametrize("opts,match", [
+    (dict(layerz=2), "unknown option 'layerz'"),
+    (dict(chunk_size=0), "chunk_size"),
+    (dict(dtype="f64"), "dtype"),
+    (dict(compression="gzip"), "compression"),
+    (dict(n_sink=True), "expected an int"),
+    (dict(write_through=1), "expected a bool"),
+    (dict(hot_bytes=-1), "hot_bytes"),
+    (dict(layers="2"), "expected an int"),
+    (dict(q_heads=5), "kv_heads"),
+])
+def test_bad_store_options_raise(opts, match):
+    with pytest.raises(kvtier.InvalidArgument, match=match):
+        small_store(**opts)
+
+
+def test_bad_input_raises_never_crashes():
+    store = small_store("f16")
+    s = kvtier.Session.open(store)
+    k = np.zeros((8, 2, 16), np.float16)
+    bad_kv = [
+        (np.zeros((8, 2, 16), np.float32), "dtype must be float16"),
+        (np.zeros((8, 3, 16), np.float16), "kv_heads"),
+        (np.zeros((8, 2, 8), np.float16), "head_dim"),
+        (np.zeros((8, 32), np.float16), "3 dimensions"),
+        (np.zeros((2, 8, 16), np.float16).transpose(1, 0, 2), "contiguous"),
+        ([[0.0]], "expected a numpy array or a torch tensor"),
+        (None, "expected a numpy array or a torch tensor"),
+        (torch.zeros(8, 2, 16, dtype=torch.bfloat16), "dtype must be float16"),
+    ]
+    for arr, match in bad_kv:
+        with pytest.raises(kvtier.InvalidArgument, match=match):
+            s.append(0, arr, k)
+    with pytest.raises(kvtier.InvalidArgument, match="same number of tokens"):
+        s.append(0, k, k[:4])
+    with pytest.raises(kvtier.InvalidArgument, match="layer 2 out of range"):
+        s.append(2, k, k)
+    with pytest.raises(kvtier.InvalidArgument, match="layer -1 out of range"):
+        s.append(-1, k, k)
+    s.append(0, k, k)
+    s.append(1, k, k)
+    s.begin_step("prefill")
+    q = np.zeros((1, 4, 16), np.float32)
+    out = np.zeros_like(q)
+    bad_attend = [
+        ((q.astype(np.float16), 7, out), "q: dtype must be float32"),
+        ((q, np.array([7], np.int32), out), "positions: dtype must be int64"),
+        ((q, np.array([6, 7], np.int64), out), "one per query"),
+        ((q, 7, np.zeros((2, 4, 16), np.float32)), "out: dimension 0"),
+        ((q, 7, q), "overlap"),
+        ((q, -1, out), "first position"),
+        ((q, 7, out.astype(np.float64)), "out: dtype must be float32"),
+    ]
+    for args, match in bad_attend:
+        with pytest.raises(kvtier.InvalidArgument, match=match):
+            s.attend(0, *args)
+    with pytest.raises(kvtier.InvalidArgument):
+        kvtier.Session.open(store, positions="relative")
+    with pytest.raises(kvtier.InvalidArgument, match="unknown option"):
+        kvtier.Session.open(store, budget=5)
+    with pytest.raises(kvtier.InvalidArgument):
+        kvtier.make_samples("passkey", 10, 1)  # too short for the task
+    # The session is still usable after all of that.
+    s.attend(0, q, 7, out)
+
+
+def test_presets_and_options():
+    assert kvtier.preset_names()[0] == "kvtier"
+    p = kvtier.preset("infllm")
+    assert p["probe"] == "mean" and p["repr_topk"] == 4
+    store = small_store()
+    s = kvtier.Session.open(store, preset="infllm", budget_tokens=64, positions="infllm", rope_theta=1e6)
+    o = s.options
+    assert o["positions"] == "infllm" and o["budget_tokens"] == 64 and o["rope_theta"] == 1e6
+    assert "probe=mean" in o["retrieval"]
+    assert store.options["chunk_size"] == 8 and store.options["dtype"] == "f32"
