@@ -1,0 +1,301 @@
+"""kvtier as the KV memory of Hugging Face transformers models (Llama, Qwen2, Mistral and the
+other decoder models whose attention goes through transformers' attention-function registry).
+
+    import kvtier.hf
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="kvtier")
+    cache = kvtier.hf.KvtierCache(model.config, max_context=32768)   # retrieval options as kwargs
+    new_tokens = kvtier.hf.generate(model, input_ids, cache, max_new_tokens=8)
+
+Two pieces, meant to be used together:
+
+* KvtierCache, a transformers `Cache`: each layer's new keys and values go into a kvtier
+  Session (one sequence) instead of growing tensors; get_seq_length() drives generate's
+  positions as usual.
+* the attention function registered as "kvtier" (ALL_ATTENTION_FUNCTIONS in transformers
+  4.48/4.49, AttentionInterface from 4.50): the layer's queries go to Session.attend, which
+  attends over the sinks, the chunks retrieval picks under the budget, and the local window,
+  and returns the output the model projects. The key/value tensors transformers hands it are
+  not read (the session holds them), nor is the dense mask (kvtier's kernel masks causally by
+  position).
+
+The cache hands each layer's step to the attention function through a thread-local slot: in
+these models Cache.update and the attention call are consecutive in one layer's forward, and
+the function checks it got the very key tensor update returned, so a mismatch (attention
+without the cache, another cache) raises instead of attending the wrong memory.
+
+Positions (positions=): "infllm" (the default, as `kvtier infinite`): memory units sit at the
+local window's start. transformers applies RoPE before the cache sees keys, so the cache
+undoes it with the layer's own cos/sin (which update receives) and the session rotates again
+at attention time with plain rotate-half RoPE of base config.rope_theta; models with
+rope_scaling are refused in this mode. "absolute": keys and queries as transformers rotated
+them; with retrieve=False (or a budget covering every chunk) this is the model's own full
+attention, computed by kvtier.
+
+Prefill: kvtier attends a window of queries after appending that window's keys, and the keys
+must still be in the local window (n_local tokens), so long prompts go through `prefill()` in
+windows of prefill_window tokens, every window through every layer (as `kvtier infinite`
+does); a single forward longer than n_local raises. `generate()` prefills all but the prompt's
+last token and lets model.generate run that token as its first decode step.
+Batch size 1 (a Session is one sequence).
+"""
+import threading
+
+import torch
+import transformers
+from transformers.cache_utils import Cache, DynamicCache
+
+import kvtier
+
+ATTENTION_NAME = "kvtier"
+_TESTED_TRANSFORMERS = ("4.48", "4.49")
+
+
+def _disable_broken_fsdp_probe():
+    """Debian's torch 1.13 cannot import torch.distributed.fsdp under Python 3.11 (one of its
+    dataclasses has a default Python 3.11 refuses), and generate() in transformers 4.4x imports
+    it to ask whether the model is FSDP-managed. Where that import fails, no model can be, so
+    the probe is replaced by its answer. Nothing changes where the import works."""
+    try:
+        import torch.distributed.fsdp  # noqa: F401
+    except ValueError:
+        import transformers.generation.utils as gu
+
+        if hasattr(gu, "is_fsdp_managed_module"):
+            gu.is_fsdp_managed_module = lambda module: False
+
+
+_disable_broken_fsdp_probe()
+
+_local = threading.local()
+
+
+class _Pending:
+    """One layer's step, from Cache.update to the attention function."""
+
+    __slots__ = ("cache", "layer", "key", "positions", "cos", "sin")
+
+    def __init__(self, cache, layer, key, positions, cos, sin):
+        self.cache, self.layer, self.key, self.positions, self.cos, self.sin = cache, layer, key, positions, cos, sin
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _unrope(x, cos, sin):
+    """Undoes transformers' apply_rotary_pos_emb: x [b, heads, m, d], cos/sin [b, m, d]; fp32."""
+    cos = cos.to(torch.float32).unsqueeze(1)
+    sin = sin.to(torch.float32).unsqueeze(1)
+    x = x.to(torch.float32)
+    return x * cos - _rotate_half(x) * sin
+
+
+_STORE_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+class KvtierCache(Cache):
+    """A transformers Cache whose memory is a kvtier Store and Session (one sequence).
+
+    Retrieval and policy options are keyword arguments, defaulting to the "kvtier" preset:
+      preset        "kvtier" | "actqkv" | "infllm" (kvtier.preset_names())
+      retrieve      False: attend every chunk (full attention through the store)
+      budget_tokens retrieved tokens per layer and step (default: the library's, 2048)
+      probe, alloc, index   override the preset's parts (spec strings, see README)
+      positions     "infllm" (default) | "absolute"
+    Store options: n_sink (64), n_local (512), chunk_size (32), repr_topk (the preset's; every
+    key of a chunk for "kvtier"), hot_bytes and warm_bytes (default: sized for max_context
+    tokens: the warm tier holds every chunk, the hot pool what one layer may attend), dtype
+    (the model's), data_dir (a cold tier), and any other kvtier.Store option.
+    prefill_window: tokens per prefill forward in prefill() (<= n_local).
+    """
+
+    is_compileable = False
+
+    def __init__(self, config, *, max_context=32768, preset="kvtier", positions="infllm", retrieve=True,
+                 budget_tokens=None, probe=None, alloc=None, index=None, n_sink=64, n_local=512, chunk_size=32,
+                 repr_topk=None, hot_bytes=None, warm_bytes=None, dtype=None, prefill_window=64, **store_options):
+        super().__init__()
+        text = getattr(config, "text_config", None) or config
+        self.layers = int(text.num_hidden_layers)
+        self.q_heads = int(text.num_attention_heads)
+        self.kv_heads = int(getattr(text, "num_key_value_heads", None) or self.q_heads)
+        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.q_heads)
+        if positions == "infllm" and getattr(text, "rope_scaling", None):
+            raise kvtier.InvalidArgument(
+                "positions='infllm' rotates keys with plain RoPE (rope_theta) at attention time; this model has "
+                f"rope_scaling={text.rope_scaling!r}: use positions='absolute'")
+        if dtype is None:
+            dtype = _STORE_DTYPES.get(getattr(text, "torch_dtype", None) or torch.float32, "f32")
+        if not isinstance(prefill_window, int) or not 1 <= prefill_window <= n_local:
+            raise kvtier.InvalidArgument(f"prefill_window must be in [1, n_local = {n_local}] (got {prefill_window!r})")
+        p = kvtier.preset(preset)  # raises InvalidArgument for an unknown name
+        if repr_topk is None:
+            repr_topk = p["repr_topk"] or chunk_size
+        budget = p["budget_tokens"] if budget_tokens is None else budget_tokens
+        session_opts = dict(preset=preset, positions=positions, retrieve=retrieve,
+                            rope_theta=float(getattr(text, "rope_theta", 10000.0)))
+        if budget_tokens is not None:
+            session_opts["budget_tokens"] = budget_tokens
+        for key, val in (("probe", probe), ("alloc", alloc), ("index", index)):
+            if val is not None:
+                session_opts[key] = val
+        # Sizing as `kvtier infinite` does (StoreFor): every chunk of max_context fits in warm;
+        # the hot pool holds what one layer may attend (the entropy allocator can hand one
+        # layer up to layers * k chunks), every chunk when not retrieving.
+        elem = {"f32": 4, "f16": 2, "bf16": 2}.get(dtype, 4)
+        chunk_bytes = chunk_size * self.kv_heads * self.head_dim * 2 * elem
+        chunks = max_context // chunk_size + 2
+        if warm_bytes is None:
+            warm_bytes = max(self.layers * chunks * chunk_bytes, 4 * chunk_bytes)
+        if hot_bytes is None:
+            k = max(0, budget // chunk_size)
+            need = chunks if not retrieve else min(chunks, self.layers * k + 1)
+            hot_bytes = max(need, 1) * chunk_bytes
+        self.store = kvtier.Store(layers=self.layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
+                                  head_dim=self.head_dim, dtype=dtype, n_sink=n_sink, n_local=n_local,
+                                  chunk_size=chunk_size, repr_topk=min(repr_topk, chunk_size), hot_bytes=hot_bytes,
+                                  warm_bytes=warm_bytes, **store_options)
+        self.session = kvtier.Session.open(self.store, **session_opts)
+        self.positions_mode = positions
+        self.store_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+        self.n_local = n_local
+        self.prefill_window = prefill_window
+        self.step_kind = None  # "prefill" while prefill() runs; otherwise by the number of tokens
+        self.on_step = None    # called as on_step(cache, kind) after each step's last layer
+        self._seen = 0
+
+    # ---- transformers' Cache interface ----
+    def get_seq_length(self, layer_idx=0):
+        return self._seen
+
+    def get_max_cache_shape(self):
+        return None  # no fixed size
+
+    def get_max_length(self):  # transformers < 4.45
+        return None
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("KvtierCache holds one sequence: beam search is not supported")
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        b, hkv, m, d = key_states.shape
+        if b != 1:
+            raise kvtier.InvalidArgument(f"KvtierCache holds one sequence: batch size must be 1 (got {b})")
+        if m > self.n_local:
+            raise kvtier.InvalidArgument(
+                f"a forward of {m} tokens exceeds the local window (n_local = {self.n_local}): kvtier attends a "
+                "window after appending it, so prefill long prompts with kvtier.hf.prefill() (windows of "
+                "prefill_window tokens)")
+        cache_kwargs = cache_kwargs or {}
+        first = self._seen
+        cp = cache_kwargs.get("cache_position")
+        if cp is not None and (cp.numel() != m or int(cp[0]) != first):
+            raise kvtier.FailedPrecondition(
+                f"cache_position starts at {int(cp[0]) if cp.numel() else None}, but the cache holds {first} tokens")
+        if layer_idx == 0:
+            kind = self.step_kind or ("decode" if m == 1 else "prefill")
+            self.session.begin_step(kind)
+            self._kind = kind
+        cos = sin = None
+        k = key_states
+        if self.positions_mode == "infllm":
+            cos, sin = cache_kwargs.get("cos"), cache_kwargs.get("sin")
+            if cos is None or sin is None or cos.shape[-1] != d:
+                raise kvtier.InvalidArgument("positions='infllm' needs the layer's RoPE cos/sin over the whole head "
+                                             "(cache_kwargs of a RoPE model); use positions='absolute'")
+            k = _unrope(key_states, cos, sin)
+        k = k[0].transpose(0, 1).to(self.store_dtype).contiguous()
+        v = value_states[0].transpose(0, 1).to(self.store_dtype).contiguous()
+        self.session.append(layer_idx, k, v)
+        if layer_idx == self.layers - 1:
+            self._seen += m
+        positions = torch.arange(first, first + m, dtype=torch.int64)
+        _local.pending = _Pending(self, layer_idx, key_states, positions, cos, sin)
+        return key_states, value_states
+
+    # ---- the attention step (called by kvtier_attention) ----
+    def _attend(self, pending, query, scaling):
+        b, hq, m, d = query.shape
+        if scaling is not None and abs(scaling - d ** -0.5) > 1e-6 * d ** -0.5:
+            raise kvtier.InvalidArgument(f"kvtier attends with scale 1/sqrt(head_dim) = {d ** -0.5}; this model "
+                                         f"uses {scaling}")
+        q = _unrope(query, pending.cos, pending.sin) if self.positions_mode == "infllm" else query
+        q = q[0].transpose(0, 1).to(torch.float32).contiguous()
+        out = torch.empty((m, hq, d), dtype=torch.float32)
+        self.session.attend(pending.layer, q, pending.positions, out)
+        if pending.layer == self.layers - 1 and self.on_step is not None:
+            self.on_step(self, self._kind)
+        return out.to(query.dtype).unsqueeze(0)
+
+
+def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function "kvtier": query [1, q_heads, m, head_dim] -> ([1, m, q_heads,
+    head_dim], None), attended by the KvtierCache whose update() ran just before in this layer."""
+    pending = getattr(_local, "pending", None)
+    _local.pending = None
+    layer = getattr(module, "layer_idx", None)
+    if pending is None or pending.key is not key or pending.layer != layer:
+        raise kvtier.FailedPrecondition(
+            "attn_implementation='kvtier' attends through a kvtier.hf.KvtierCache: pass one as past_key_values "
+            "(use_cache=True)")
+    if query.shape[0] != 1:
+        raise kvtier.InvalidArgument(f"batch size must be 1 (got {query.shape[0]})")
+    return pending.cache._attend(pending, query, scaling), None
+
+
+def register():
+    """Registers kvtier_attention as attn_implementation="kvtier" (done on import)."""
+    if hasattr(transformers, "AttentionInterface"):  # transformers >= 4.50
+        transformers.AttentionInterface.register(ATTENTION_NAME, kvtier_attention)
+    else:  # 4.48, 4.49: the registry is a dict
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = kvtier_attention
+
+
+register()
+
+
+def use_kvtier(model, enable=True):
+    """Switches a loaded model's attention to "kvtier" (enable=False: back to "eager")."""
+    model.config._attn_implementation = ATTENTION_NAME if enable else "eager"
+    return model
+
+
+@torch.no_grad()
+def prefill(model, input_ids, cache, window=None):
+    """Runs input_ids [1, n] into `cache` in windows of `window` tokens (default: the cache's
+    prefill_window; 64 for a DynamicCache), each window through every layer. Returns the logits
+    of the last token, [1, vocab]."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise kvtier.InvalidArgument(f"input_ids must be [1, n] (got {tuple(input_ids.shape)})")
+    window = window or getattr(cache, "prefill_window", 64)
+    logits = None
+    is_kvtier = isinstance(cache, KvtierCache)
+    if is_kvtier:
+        cache.step_kind = "prefill"
+    try:
+        for b in range(0, input_ids.shape[1], window):
+            out = model(input_ids=input_ids[:, b:b + window], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1]
+    finally:
+        if is_kvtier:
+            cache.step_kind = None
+    return logits
+
+
+@torch.no_grad()
+def generate(model, input_ids, cache=None, max_new_tokens=16, window=None, **generate_kwargs):
+    """Greedy generation as `kvtier infinite` runs it: prefill all but the last prompt token in
+    windows, then model.generate from the full prompt (its first step runs the last token as a
+    decode step). cache: a KvtierCache, or None for transformers' DynamicCache (the model's own
+    attention). Returns the new tokens, [1, max_new_tokens]."""
+    if cache is None:
+        cache = DynamicCache()
+    n = input_ids.shape[1]
+    if n > 1:
+        prefill(model, input_ids[:, :-1], cache, window)
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=max_new_tokens,
+                         do_sample=False, attention_mask=torch.ones_like(input_ids), **generate_kwargs)
+    return out[:, n:]
