@@ -5,80 +5,16 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/cpu/entropy.h"
 #include "retrieval/probe.h"  // factory-string helpers
 
 namespace kvtier {
 
 // ---- Eq. 10 and Eq. 11 ------------------------------------------------------------------
 
-namespace {
-
-// exp(x) for x <= 0 in straight-line double arithmetic that the compiler vectorises (std::exp
-// is a scalar libm call: it was most of a layer's allocation time over 4K chunks at 128K).
-// x = k ln2 + r with |r| <= ln2/2 (k by the round-to-nearest 1.5*2^52 trick, ln2 split in a
-// high part exact in double and a low part), e^r by its Taylor series to r^13/13! (truncation
-// < 1e-17 relative), 2^k from the exponent bits. About 1 ulp against std::exp; exactly 0 below
-// -708 (where 2^k would leave the normal range) and exactly 1 at 0.
-inline double ExpNonPositive(double x) {
-  constexpr double kLog2e = 1.4426950408889634, kLn2Hi = 0.693147180369123816490, kLn2Lo = 1.90821492927058770002e-10;
-  constexpr double kRound = 6755399441055744.0;  // 1.5 * 2^52
-  const double xc = std::max(x, -708.0);
-  const double kr = xc * kLog2e + kRound;
-  const double k = kr - kRound;
-  const double r = (xc - k * kLn2Hi) - k * kLn2Lo;
-  double p = 1.0 / 6227020800.0;  // 1/13!
-  p = p * r + 1.0 / 479001600.0;
-  p = p * r + 1.0 / 39916800.0;
-  p = p * r + 1.0 / 3628800.0;
-  p = p * r + 1.0 / 362880.0;
-  p = p * r + 1.0 / 40320.0;
-  p = p * r + 1.0 / 5040.0;
-  p = p * r + 1.0 / 720.0;
-  p = p * r + 1.0 / 120.0;
-  p = p * r + 1.0 / 24.0;
-  p = p * r + 1.0 / 6.0;
-  p = p * r + 0.5;
-  p = p * r + 1.0;
-  p = p * r + 1.0;
-  const int64_t bits = (static_cast<int64_t>(k) + 1023) << 52;  // 2^k, k in [-1022, 0]
-  double two_k;
-  std::memcpy(&two_k, &bits, sizeof two_k);
-  return x < -708.0 ? 0.0 : p * two_k;
-}
-
-}  // namespace
-
 double SoftmaxEntropy(const float* s, int n) {
-  // Eq. 11: Theta = -sum_i p_i log p_i with p = softmax(s). With M = max_i s_i,
-  // e_i = exp(s_i - M), Z = sum_i e_i: log p_i = (s_i - M) - log Z, so
-  // Theta = log Z - sum_i e_i (s_i - M) / Z. Every e_i <= 1 and Z >= 1: no overflow.
-  if (s == nullptr || n <= 0) return 0.0;
-  double mx = s[0];
-  for (int i = 1; i < n; ++i) mx = std::max(mx, static_cast<double>(s[i]));
-  // Eight independent partial sums, so the loop vectorises without reassociation.
-  constexpr int kLanes = 8;
-  double z_acc[kLanes] = {}, ez_acc[kLanes] = {};
-  int i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) {
-      const double x = static_cast<double>(s[i + j]) - mx;
-      const double e = ExpNonPositive(x);
-      z_acc[j] += e;
-      ez_acc[j] += e * x;
-    }
-  double z = 0.0, ez = 0.0;
-  for (; i < n; ++i) {
-    const double x = static_cast<double>(s[i]) - mx;
-    const double e = ExpNonPositive(x);
-    z += e;
-    ez += e * x;
-  }
-  for (int j = 0; j < kLanes; ++j) {
-    z += z_acc[j];
-    ez += ez_acc[j];
-  }
-  const double h = std::log(z) - ez / z;
-  return h > 0.0 ? h : 0.0;  // exact 0 for n == 1; never a tiny negative from rounding
+  // Eq. 11 lives in kernels/cpu/entropy (the CPU twin of the device kernel).
+  return kernels::SoftmaxEntropy(s, n);
 }
 
 float Cosine(const float* a, const float* b, int d) {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels/cpu/chunk_score.h"
 #include "kernels/cpu/dot.h"
 #include "kernels/tbb_tsan.h"
 #include "store/factory_spec.h"
@@ -14,23 +15,14 @@
 namespace kvtier {
 namespace {
 
-// How the kv heads' best scores make a chunk's totals (ExactIndexOptions::heads): summed
-// (cosines averaged, so they stay in [-1, 1]) or the best head's. Totals start at Start().
-struct HeadFold {
-  bool max = false;
-  float cos_share = 1.0f;
-  HeadFold(ExactIndexOptions::HeadMerge heads, int n_heads)
-      : max(heads == ExactIndexOptions::HeadMerge::kMax), cos_share(max ? 1.0f : 1.0f / static_cast<float>(n_heads)) {}
-  float Start() const { return max ? -std::numeric_limits<float>::infinity() : 0.0f; }
-  void Add(float best, float best_cos, float* raw, float* cos) const {
-    *raw = max ? std::max(*raw, best) : *raw + best;
-    *cos = max ? std::max(*cos, best_cos) : *cos + best_cos * cos_share;
-  }
-};
+// HeadFold, InverseNorm and the fp32 scoring pass are kernels/cpu/chunk_score, the twin of
+// the CUDA scoring kernel.
+using kernels::InverseNorm;
 
-float InverseNorm(const float* p, int D) {
-  const float pn2 = kernels::Dot(p, p, D);
-  return pn2 > 0.0f ? 1.0f / std::sqrt(pn2) : 0.0f;
+kernels::HeadFold FoldOf(ExactIndexOptions::HeadMerge heads, int n_heads) {
+  return kernels::HeadFold(heads == ExactIndexOptions::HeadMerge::kMax ? kernels::HeadFold::Kind::kMax
+                                                                       : kernels::HeadFold::Kind::kSum,
+                           n_heads);
 }
 
 }  // namespace
@@ -251,8 +243,7 @@ void ExactChunkIndex::FullScores(const float* probe, std::vector<float>* raw, st
   const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
   const size_t n = ids_.size();
   const DType dt = shape_.dtype;
-  const size_t key_bytes = static_cast<size_t>(D) * DTypeSize(dt);
-  const HeadFold fold(options_.heads, H);
+  const kernels::HeadFold fold = FoldOf(options_.heads, H);
   raw->assign(n, fold.Start());
   cos->assign(n, fold.Start());
   if (n == 0) return;
@@ -267,17 +258,8 @@ void ExactChunkIndex::FullScores(const float* probe, std::vector<float>* raw, st
     TsanForkJoin fj;  // kernels/tbb_tsan.h
     tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 1024), fj.Body([&](const tbb::blocked_range<size_t>& range) {
       const size_t c0 = range.begin();
-      for (size_t j = c0 * R; j < range.end() * R; ++j) ip[j] = kernels::DotKey(dt, keys + j * key_bytes, p, D);
-      const float* inv = inv_norm_[h].data();
-      for (size_t c = c0; c < range.end(); ++c) {
-        float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
-        for (int r = 0; r < R; ++r) {
-          const float dot = ip[c * R + r];
-          best = std::max(best, dot);
-          best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p);
-        }
-        fold.Add(best, best_cos, &(*raw)[c], &(*cos)[c]);
-      }
+      kernels::ScoreChunksOneHead(dt, keys, inv_norm_[h].data(), p, inv_p, D, R, c0, range.end(), fold,
+                                  ip.data() + c0 * R, raw->data(), cos->data());
     }));
     fj.Join();
   }
@@ -286,7 +268,7 @@ void ExactChunkIndex::FullScores(const float* probe, std::vector<float>* raw, st
 void ExactChunkIndex::QuantizedScores(const float* probe, std::vector<float>* raw, std::vector<float>* cos) const {
   const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
   const size_t n = ids_.size();
-  const HeadFold fold(options_.heads, H);
+  const kernels::HeadFold fold = FoldOf(options_.heads, H);
   raw->assign(n, fold.Start());
   cos->assign(n, fold.Start());
   std::vector<float> inv_p(H), p_scale(H);
@@ -339,7 +321,7 @@ void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& r
   const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
   const DType dt = shape_.dtype;
   const size_t key_bytes = static_cast<size_t>(D) * DTypeSize(dt);
-  const HeadFold fold(options_.heads, H);
+  const kernels::HeadFold fold = FoldOf(options_.heads, H);
   raw->assign(rows.size(), fold.Start());
   cos->assign(rows.size(), fold.Start());
   std::vector<float> inv_p(H);

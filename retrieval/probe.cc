@@ -5,7 +5,18 @@
 #include <cmath>
 #include <system_error>
 
+#include "kernels/cpu/probe.h"
+
 namespace kvtier {
+namespace {
+kernels::ProbeShape ProbeShapeOf(const Geometry& g) {
+  kernels::ProbeShape s;
+  s.q_heads = g.q_heads;
+  s.kv_heads = g.kv_heads;
+  s.head_dim = g.head_dim;
+  return s;
+}
+}  // namespace
 
 // ---- ProbeBuilder ---------------------------------------------------------------------
 
@@ -43,15 +54,7 @@ Status ProbeBuilder::SetQuestion(int layer, const float* q, int m) {
 void ProbeBuilder::Reset() {}
 
 void MeanPoolProbe(const Geometry& g, const float* q, int m, float* probe) {
-  const int G = g.group_size(), D = g.head_dim;
-  std::fill_n(probe, static_cast<size_t>(g.kv_heads) * D, 0.0f);
-  const float w = 1.0f / static_cast<float>(m * G);
-  for (int i = 0; i < m; ++i)
-    for (int h = 0; h < g.q_heads; ++h) {
-      const float* src = q + (static_cast<size_t>(i) * g.q_heads + h) * D;
-      float* dst = probe + static_cast<size_t>(h / G) * D;
-      for (int d = 0; d < D; ++d) dst[d] += w * src[d];
-    }
+  kernels::MeanPoolProbe(ProbeShapeOf(g), q, m, probe);
 }
 
 // ---- mean -----------------------------------------------------------------------------
@@ -68,12 +71,6 @@ Status MeanProbeBuilder::Build(int layer, const float* q, int m, float* probe) {
 }
 
 // ---- act ------------------------------------------------------------------------------
-
-namespace {
-// Eq. 8: sigma^2 = sum_{i=1..t} sum_j (q_j^i - z-bar^t)^2 / (mt - 1), from the running sum of
-// squared deviations m2 and the count mt (>= 2). The one place the denominator lives.
-double Eq8Variance(double m2, int64_t count) { return m2 / static_cast<double>(count - 1); }
-}  // namespace
 
 Status ActProbeOptions::Validate() const {
   if (!std::isfinite(eps) || eps < 0.0)
@@ -109,92 +106,27 @@ Result<ActStats> ActProbeBuilder::Stats(int layer, int q_head) const {
   s.mean.assign(ls.mean.begin() + off, ls.mean.begin() + off + D);
   if (ls.count >= 2) {
     s.variance.resize(D);
-    for (size_t d = 0; d < D; ++d) s.variance[d] = Eq8Variance(ls.m2[off + d], ls.count);
+    for (size_t d = 0; d < D; ++d) s.variance[d] = kernels::ActVariance(ls.m2[off + d], ls.count);
   }
   return s;
 }
 
 Status ActProbeBuilder::Build(int layer, const float* q, int m, float* probe) {
   KVTIER_RETURN_IF_ERROR(CheckQueries("Build", layer, q, m, probe));
-  const int Hq = g_.q_heads, Hkv = g_.kv_heads, D = g_.head_dim, G = g_.group_size();
-  const size_t row = static_cast<size_t>(Hq) * D;  // stride between consecutive queries of one head
+  const size_t row = static_cast<size_t>(g_.q_heads) * g_.head_dim;
   LayerState& ls = layers_[layer];
   if (ls.mean.empty()) {
     ls.mean.assign(row, 0.0);
     ls.m2.assign(row, 0.0);
   }
-
-  // Step 1, Eq. 8 (running form): merge this window into the statistics of every q head, so that
-  // mean = z-bar^t = sum_{i=1..t} sum_j q_j^i / (mt) and m2 = sum_{i=1..t} sum_j (q_j^i - z-bar^t)^2.
-  // Chan et al.: with the window's own mean mu_w and sum of squares M2_w (two-pass, fp64),
-  //   delta = mu_w - mean, N = n + m, mean += delta * m / N, M2 += M2_w + delta^2 * n * m / N.
-  const int64_t n_old = ls.count;
-  const int64_t n_all = n_old + m;
-  std::vector<double> wmean(D), wm2(D);
-  for (int h = 0; h < Hq; ++h) {
-    const float* qh = q + static_cast<size_t>(h) * D;
-    std::fill(wmean.begin(), wmean.end(), 0.0);
-    std::fill(wm2.begin(), wm2.end(), 0.0);
-    for (int j = 0; j < m; ++j)
-      for (int d = 0; d < D; ++d) wmean[d] += qh[j * row + d];
-    for (int d = 0; d < D; ++d) wmean[d] /= m;
-    for (int j = 0; j < m; ++j)
-      for (int d = 0; d < D; ++d) {
-        const double dev = qh[j * row + d] - wmean[d];
-        wm2[d] += dev * dev;
-      }
-    double* mean = ls.mean.data() + static_cast<size_t>(h) * D;
-    double* m2 = ls.m2.data() + static_cast<size_t>(h) * D;
-    const double fb = static_cast<double>(m) / static_cast<double>(n_all);
-    const double fab = static_cast<double>(n_old) * static_cast<double>(m) / static_cast<double>(n_all);
-    for (int d = 0; d < D; ++d) {
-      const double delta = wmean[d] - mean[d];
-      mean[d] += delta * fb;
-      m2[d] += wm2[d] + delta * delta * fab;
-    }
-  }
-  ls.count = n_all;
-
-  // Edge case: first window with m == 1. Eq. 8's denominator mt - 1 is 0 and sigma^2 is
-  // undefined, so the probe falls back to mean pooling (which for m == 1 is the query itself).
-  if (n_all < 2) {
-    MeanPoolProbe(g_, q, m, probe);
-    return Status::Ok();
-  }
-
-  std::vector<double> var(D), l1(m), acc(static_cast<size_t>(Hkv) * D, 0.0);
-  for (int h = 0; h < Hq; ++h) {
-    const float* qh = q + static_cast<size_t>(h) * D;
-    const double* mean = ls.mean.data() + static_cast<size_t>(h) * D;
-    const double* m2 = ls.m2.data() + static_cast<size_t>(h) * D;
-    // Eq. 8: sigma^2 per dimension (a vector, like z-bar). Edge case: a dimension with
-    // sigma^2 <= eps (in particular sigma^2 == 0) contributes 0 to phi instead of inf/NaN.
-    for (int d = 0; d < D; ++d) var[d] = Eq8Variance(m2[d], n_all);
-    // Eq. 7: phi_j = (q_j - z-bar)^2 / sigma^2 elementwise; ||phi_j||_1 = sum_d phi_jd (phi >= 0).
-    double total = 0.0;  // ||Phi||_1 = sum_j ||phi_j||_1
-    for (int j = 0; j < m; ++j) {
-      double s = 0.0;
-      for (int d = 0; d < D; ++d) {
-        if (!(var[d] > opt_.eps)) continue;  // sigma^2 <= eps: phi_jd = 0
-        const double dev = qh[j * row + d] - mean[d];
-        s += dev * dev / var[d];
-      }
-      l1[j] = s;
-      total += s;
-    }
-    // Eq. 9: weight_j = ||phi_j||_1 / ||Phi||_1. Edge case: ||Phi||_1 == 0 (every query equals
-    // z-bar in every dimension with sigma^2 > eps) -> uniform weights 1/m (mean pooling).
-    const bool uniform = !(total > 0.0);
-    // Eq. 9: Q_probe = sum_j weight_j q_j for this q head; then GQA: the kv-head probe is the
-    // mean of the probes of the G q heads in its group (the mapping mean pooling uses too).
-    double* dst = acc.data() + static_cast<size_t>(h / G) * D;
-    for (int j = 0; j < m; ++j) {
-      const double w = (uniform ? 1.0 / m : l1[j] / total) / G;
-      if (w == 0.0) continue;
-      for (int d = 0; d < D; ++d) dst[d] += w * qh[j * row + d];
-    }
-  }
-  for (size_t i = 0; i < acc.size(); ++i) probe[i] = static_cast<float>(acc[i]);
+  // Step 1, Eq. 8 (running form): merge this window into the statistics of every q head FIRST,
+  // so that mean = z-bar^t and m2 = sum_{i=1..t} sum_j (q_j^i - z-bar^t)^2 include window t.
+  // Steps 2-3, Eq. 7 and Eq. 9 (mean pooling while count < 2). The arithmetic is
+  // kernels/cpu/probe, the twin of the CUDA probe kernels.
+  const kernels::ProbeShape shape = ProbeShapeOf(g_);
+  kernels::ActMergeWindow(shape, q, m, ls.count, ls.mean.data(), ls.m2.data());
+  ls.count += m;
+  kernels::ActWeightedProbe(shape, q, m, ls.mean.data(), ls.m2.data(), ls.count, opt_.eps, probe);
   return Status::Ok();
 }
 

@@ -56,6 +56,8 @@ const char* KernelErrorString(KernelError e) {
     case KernelError::kNullPointer: return "null pointer";
     case KernelError::kBadDType: return "bad dtype";
     case KernelError::kOutOfMemory: return "out of memory";
+    case KernelError::kDeviceError: return "CUDA error";
+    case KernelError::kWorkspace: return "workspace too small";
   }
   return "unknown kernel error";
 }

@@ -49,6 +49,8 @@ enum class KernelError {
   kNullPointer,   ///< a required pointer is null
   kBadDType,      ///< dtype is not one of kF32, kF16, kBF16
   kOutOfMemory,   ///< per-thread scratch or split-K buffers could not be allocated
+  kDeviceError,   ///< a CUDA call failed (kernels/cuda: LastCudaError says which)
+  kWorkspace,     ///< the caller's workspace is null or smaller than its ...WorkspaceBytes query
 };
 
 /// Static string naming the error ("ok", "bad shape", ...); never null.

@@ -114,10 +114,10 @@ inline void DotI8BlocksScalar(const int8_t* blocks, size_t n_blocks, const int16
 /// with an int16 probe (QuantizeProbeI16) of length D: out[j] for row j; the real dot of
 /// row j is out[j] * row_scale[j] * probe_scale.
 inline void DotI8Blocks(const int8_t* blocks, size_t n_blocks, const int16_t* p, int D, int32_t* out) {
-  const int pairs = (D + 1) / 2;
-  const size_t block_bytes = I8BlockBytes(D);
+  [[maybe_unused]] const int pairs = (D + 1) / 2;
+  [[maybe_unused]] const size_t block_bytes = I8BlockBytes(D);
   // p has D rounded up to even elements (the pad is 0): pair k is one 32-bit word.
-  auto word = [&](int k) {
+  [[maybe_unused]] auto word = [&](int k) {
     return static_cast<int32_t>(static_cast<uint16_t>(p[2 * k])) |
            (static_cast<int32_t>(static_cast<uint16_t>(p[2 * k + 1])) << 16);
   };

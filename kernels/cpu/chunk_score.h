@@ -1,0 +1,102 @@
+// Chunk scoring and per-layer top-k: the CPU twins that define what the CUDA scoring and
+// top-k kernels compute, and the arithmetic retrieval's Exact index runs on the CPU.
+//
+// A chunk is scored by its best representative per kv head, folded over the heads
+// (retrieval/exact_index.h, the meaning of its two-stage search):
+//   logit(c)  = fold_h max_r <p_h, k_{c,r,h}>                (InfLLM's q.k, best key per head)
+//   cosine(c) = fold_h max_r cos(p_h, k_{c,r,h})             (ActQKV Eq. 10 per head)
+// fold = sum (cosines averaged, so they stay in [-1, 1]) or max. Dots use Dot/DotKey's
+// summation order (kernels/cpu/dot.h); cosines multiply by stored inverse norms.
+//
+// Top-k: per segment (one per layer), the indices of its k best scores, best first, ties
+// broken by the lower index; -0.0 and +0.0 are equal scores.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "kernels/cpu/attention.h"  // KernelError
+#include "kernels/cpu/dot.h"
+#include "kernels/dtype.h"
+
+namespace kvtier::kernels {
+
+/// How the kv heads' best scores make a chunk's totals; totals start at Start().
+struct HeadFold {
+  enum class Kind : uint8_t { kSum = 0, kMax = 1 };
+  bool max = false;
+  float cos_share = 1.0f;
+  HeadFold(Kind kind, int n_heads)
+      : max(kind == Kind::kMax), cos_share(max ? 1.0f : 1.0f / static_cast<float>(n_heads)) {}
+  float Start() const { return max ? -std::numeric_limits<float>::infinity() : 0.0f; }
+  void Add(float best, float best_cos, float* raw, float* cos) const {
+    *raw = max ? std::max(*raw, best) : *raw + best;
+    *cos = max ? std::max(*cos, best_cos) : *cos + best_cos * cos_share;
+  }
+};
+
+/// 1 / |p| (Dot's order), 0 for a zero vector.
+inline float InverseNorm(const float* p, int D) {
+  const float pn2 = Dot(p, p, D);
+  return pn2 > 0.0f ? 1.0f / std::sqrt(pn2) : 0.0f;
+}
+
+/// One kv head's contribution to chunks [c0, c1): keys [n, R, D] in dtype dt (this head's),
+/// inv_norm [n, R], probe p [D] with inverse norm inv_p; raw and cos indexed by chunk.
+/// ip is scratch of (c1 - c0) * R floats.
+inline void ScoreChunksOneHead(DType dt, const void* keys, const float* inv_norm, const float* p, float inv_p, int D,
+                               int R, size_t c0, size_t c1, const HeadFold& fold, float* ip, float* raw, float* cos) {
+  const size_t key_bytes = static_cast<size_t>(D) * DTypeSize(dt);
+  const uint8_t* k = static_cast<const uint8_t*>(keys);
+  for (size_t j = c0 * R; j < c1 * R; ++j) ip[j - c0 * R] = DotKey(dt, k + j * key_bytes, p, D);
+  for (size_t c = c0; c < c1; ++c) {
+    float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
+    for (int r = 0; r < R; ++r) {
+      const float dot = ip[(c - c0) * R + r];
+      best = std::max(best, dot);
+      best_cos = std::max(best_cos, dot * inv_norm[c * R + r] * inv_p);
+    }
+    fold.Add(best, best_cos, &raw[c], &cos[c]);
+  }
+}
+
+struct ChunkScoreParams {
+  int kv_heads = 0;                           ///< > 0
+  int head_dim = 0;                           ///< > 0
+  int repr = 0;                               ///< representatives per chunk, > 0
+  DType dtype = DType::kF16;                  ///< storage dtype of keys
+  HeadFold::Kind fold = HeadFold::Kind::kSum; ///< how heads combine
+  int64_t n_chunks = 0;                       ///< >= 0
+  const void* keys = nullptr;                 ///< [kv_heads, n_chunks, repr, head_dim] dtype (one head contiguous)
+  const float* inv_norm = nullptr;            ///< [kv_heads, n_chunks, repr] 1/|key| (0 for a zero key)
+  const float* probe = nullptr;               ///< [kv_heads, head_dim] fp32
+  float* logit = nullptr;                     ///< [n_chunks] out
+  float* cosine = nullptr;                    ///< [n_chunks] out
+};
+
+/// Validates shapes and pointers (kOk, kBadShape, kNullPointer, kBadDType); shared by the
+/// CPU twin and the CUDA launcher, which cannot look at device memory.
+KernelError CheckChunkScoreParams(const ChunkScoreParams& p);
+/// CPU twin: every chunk, every head.
+KernelError ScoreChunks(const ChunkScoreParams& p);
+
+struct SegmentedTopKParams {
+  int n_segments = 0;                ///< >= 0 (one per layer)
+  const int32_t* offsets = nullptr;  ///< [n_segments + 1] non-decreasing, offsets[0] == 0
+  const float* scores = nullptr;     ///< [offsets[n_segments]] fp32, no NaN
+  const int32_t* k = nullptr;        ///< [n_segments] how many each segment takes (>= 0; clamped to its size)
+  int k_max = 0;                     ///< >= every k[i]; the row stride of the outputs
+  int32_t* out_index = nullptr;      ///< [n_segments, k_max] index within the segment, best first; -1 after the take
+  float* out_score = nullptr;        ///< optional [n_segments, k_max] the scores; -inf after the take
+};
+
+/// Host-side checks of the shape fields (kBadShape for k_max < 0, kNullPointer); the CPU twin
+/// also checks the arrays' contents.
+KernelError CheckSegmentedTopKParams(const SegmentedTopKParams& p);
+/// CPU twin (std::partial_sort on (score desc, index asc)).
+KernelError SegmentedTopK(const SegmentedTopKParams& p);
+
+}  // namespace kvtier::kernels

@@ -1,0 +1,93 @@
+// CUDA kernels of kvtier: launchers over the same POD params as their CPU twins
+// (kernels/cpu/slot_attention.h, chunk_score.h, entropy.h, probe.h), which define what each
+// computes. FlashInfer style: a launcher takes params holding DEVICE pointers, a stream and
+// caller-owned workspace (size from the matching ...WorkspaceBytes query), allocates
+// nothing, checks what it can on the host (shapes, null pointers), enqueues, and returns a
+// KernelError; kDeviceError carries the CUDA error in LastCudaError(). Nothing waits on the
+// stream. Host planning (which chunks, which slots) stays outside, so a run step can be
+// captured in a CUDA graph.
+//
+// This header includes no CUDA header: streams are passed as `void*` (a cudaStream_t;
+// nullptr = the legacy default stream), so any C++ translation unit can include it. The
+// functions exist only in builds with KVTIER_HAVE_CUDA (the .cu files compile then).
+//
+// STATUS: compiled with nvcc 13 for sm_90; NONE OF THESE KERNELS HAS EVER RUN ON A GPU.
+// tests/kernel_backends_test.cc compares each with its CPU twin when a device is present.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/chunk_score.h"
+#include "kernels/cpu/entropy.h"
+#include "kernels/cpu/probe.h"
+#include "kernels/cpu/slot_attention.h"
+
+namespace kvtier::kernels::cuda {
+
+using Stream = void*;  ///< a cudaStream_t
+
+/// Number of visible CUDA devices (0 when the driver finds none; never an error).
+int DeviceCount();
+/// The last CUDA error a launcher of this thread saw (a cudaError_t value; 0 = none).
+int LastCudaError();
+/// Its name and description ("cudaErrorNoDevice: no CUDA-capable device is detected").
+const char* LastCudaErrorString();
+
+// ---- attention over (dense parts | slot list) -----------------------------------------
+/// One block per (query head, query): streams K/V of every dense part, then of every selected
+/// slot through slot_index (no gather copy), with an online softmax in fp32 and the warps'
+/// partial states merged by LSE. head_dim 64 or 128 (kBadShape otherwise), f32/f16/bf16.
+/// A slot_index entry outside [0, pool_slots) is skipped (the host cannot see device
+/// memory; the CPU twin rejects it). Mass: a second pass adds exp(score - lse) with atomics.
+size_t SlotAttentionWorkspaceBytes(const SlotAttentionParams& p);  ///< 0: the merge is in-block
+KernelError LaunchSlotAttention(const SlotAttentionParams& p, void* workspace, size_t workspace_bytes, Stream s);
+
+/// MergeAttentionStates on the device (out/lse may alias out_a/lse_a).
+KernelError LaunchMergeAttentionStates(int rows, int head_dim, const float* out_a, const float* lse_a,
+                                       const float* out_b, const float* lse_b, float* out, float* lse, Stream s);
+
+// ---- retrieval ---------------------------------------------------------------------------
+/// ScoreChunks: one warp per chunk, heads folded in order 0..H-1 as the twin does.
+KernelError LaunchScoreChunks(const ChunkScoreParams& p, Stream s);
+
+/// SegmentedTopK with CUB's stable segmented radix sort (descending; -0.0 made +0.0 first,
+/// so ties keep the lower index as the twin does). Needs p.offsets[n_segments] (the total)
+/// on the host: pass it as `total`. The query asks CUB for its temporary bytes, which needs
+/// a device (kDeviceError without one).
+KernelError SegmentedTopKWorkspaceBytes(const SegmentedTopKParams& p, int32_t total, size_t* bytes);
+KernelError LaunchSegmentedTopK(const SegmentedTopKParams& p, int32_t total, void* workspace, size_t workspace_bytes,
+                                Stream s);
+
+/// SegmentEntropy (Eq. 11): one block per segment, fp64 sums.
+KernelError LaunchSegmentEntropy(const EntropyParams& p, Stream s);
+
+/// MeanPoolProbe, ActMergeWindow (Eq. 8) and ActWeightedProbe (Eq. 7, 9) on device arrays;
+/// n_old and count are host values (the host keeps the count).
+KernelError LaunchMeanPoolProbe(const ProbeShape& shape, const float* q, int m, float* probe, Stream s);
+KernelError LaunchActMergeWindow(const ProbeShape& shape, const float* q, int m, int64_t n_old, double* mean,
+                                 double* m2, Stream s);
+size_t ActWeightedProbeWorkspaceBytes(const ProbeShape& shape, int m);
+KernelError LaunchActWeightedProbe(const ProbeShape& shape, const float* q, int m, const double* mean,
+                                   const double* m2, int64_t count, double eps, float* probe, void* workspace,
+                                   size_t workspace_bytes, Stream s);
+
+// ---- transfers -----------------------------------------------------------------------------
+struct GatherParams {
+  int n_copies = 0;                  ///< >= 0
+  size_t bytes = 0;                  ///< bytes of every copy (one chunk's K or V)
+  const uint64_t* src = nullptr;     ///< [n_copies] device-visible addresses (mapped pinned host memory)
+  const uint64_t* dst = nullptr;     ///< [n_copies] device addresses
+  // src and dst are device-readable arrays (device or mapped pinned memory): the plan is
+  // written by the host, the run step only reads it.
+};
+/// One block per copy; 16-byte loads when `bytes` is a multiple of 16, and then every src and
+/// dst address must be 16-byte aligned (slot and pinned-slab addresses are 256- and 4096-aligned).
+KernelError LaunchGatherCopies(const GatherParams& p, Stream s);
+
+/// cudaMemcpyBatchAsync (CUDA >= 12.8) of `count` host-to-device copies, one attribute for
+/// all (source accessed in stream order). dsts/srcs/sizes are host arrays.
+KernelError MemcpyBatchAsync(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count, Stream s);
+
+}  // namespace kvtier::kernels::cuda

@@ -1,0 +1,830 @@
+// One harness for every kernel on every backend present (ggml's test-backend-ops idea).
+//
+// Backend "cpu" is always present: there each CPU twin is checked against an independent
+// reference written here (a plain double-precision formula over gathered inputs), so the twins
+// that define the kernels' meaning are themselves tested. Backend "cuda" runs the launchers of
+// kernels/cuda on a device and compares each with its CPU twin; it skips with "no CUDA device:
+// ..." in builds without CUDA or when cudaGetDeviceCount finds none. Nothing under "cuda" has
+// ever run: no session of this project has had a GPU when it was written (docs/gpu.md).
+//
+// Every test draws fresh random inputs (the seed is printed on failure), poisons every output
+// with NaN before the run, and fails on any NaN left. Tolerances, as the largest absolute error
+// over the largest reference magnitude of an output: fp32 1e-5, f16 2e-3, bf16 1e-2.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/chunk_score.h"
+#include "kernels/cpu/entropy.h"
+#include "kernels/cpu/probe.h"
+#include "kernels/cpu/slot_attention.h"
+#include "kernels/dtype.h"
+#include "retrieval/probe.h"
+#include "store/geometry.h"
+
+#if KVTIER_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/kernels.h"
+#endif
+
+namespace kvtier::kernels {
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+enum class Backend { kCpu, kCuda };
+
+double Tolerance(DType t) { return t == DType::kF32 ? 1e-5 : (t == DType::kF16 ? 2e-3 : 1e-2); }
+
+uint32_t FreshSeed() { return std::random_device{}(); }
+
+// Largest |got - want| over the largest |want| (1 when want is all zeros); NaN in got fails.
+template <class T>
+::testing::AssertionResult Close(const std::vector<T>& got, const std::vector<double>& want, double tol,
+                                 const char* what) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << what << ": size mismatch";
+  double err = 0.0, mag = 0.0;
+  size_t worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(got[i])) return ::testing::AssertionFailure() << what << ": NaN at " << i;
+    if (std::isinf(want[i]) || std::isinf(got[i])) {
+      if (got[i] != want[i]) return ::testing::AssertionFailure() << what << ": " << got[i] << " vs " << want[i] << " at " << i;
+      continue;
+    }
+    mag = std::max(mag, std::fabs(want[i]));
+    const double e = std::fabs(got[i] - want[i]);
+    if (e > err) err = e, worst = i;
+  }
+  const double rel = err / (mag > 0.0 ? mag : 1.0);
+  if (rel <= tol) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": relative error " << rel << " > " << tol << " at " << worst << " ("
+                                       << got[worst] << " vs " << want[worst] << ")";
+}
+
+std::vector<double> ToDouble(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+
+#if KVTIER_HAVE_CUDA
+// Device copies of the harness's host arrays; freed with the arena.
+class DeviceArena {
+ public:
+  ~DeviceArena() {
+    for (void* p : ptrs_) cudaFree(p);
+  }
+  template <class T>
+  T* Put(const T* host, size_t n) {
+    T* d = Alloc<T>(n);
+    if (d && n) {
+      EXPECT_EQ(cudaMemcpy(d, host, n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    }
+    return d;
+  }
+  template <class T>
+  T* Put(const std::vector<T>& v) { return Put(v.data(), v.size()); }
+  template <class T>
+  T* Alloc(size_t n) {
+    void* p = nullptr;
+    if (cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) {
+      ADD_FAILURE() << "cudaMalloc of " << n * sizeof(T) << " bytes failed";
+      return nullptr;
+    }
+    ptrs_.push_back(p);
+    return static_cast<T*>(p);
+  }
+  template <class T>
+  void Get(std::vector<T>* host, const T* d) {
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "kernel failed";
+    EXPECT_EQ(cudaMemcpy(host->data(), d, host->size() * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+
+ private:
+  std::vector<void*> ptrs_;
+};
+#endif
+
+class KernelBackends : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override {
+    if (GetParam() != Backend::kCuda) return;
+#if !KVTIER_HAVE_CUDA
+    GTEST_SKIP() << "no CUDA device: this build has no CUDA (KVTIER_CUDA=off or nvcc not found)";
+#else
+    if (cuda::DeviceCount() == 0)
+      GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount found none (" << cuda::LastCudaErrorString() << ")";
+#endif
+  }
+  bool cuda() const { return GetParam() == Backend::kCuda; }
+  const uint32_t seed_ = FreshSeed();  // declared before rng_: initialised first
+  std::mt19937 rng_{seed_};
+};
+
+// ---- attention over (dense | slot list) ----------------------------------------------------
+
+struct AttnShape {
+  int q_heads, kv_heads, head_dim;
+  DType dt;
+  int m;            // queries
+  int n_slots;      // selected chunks
+  bool ragged;      // slots partly filled
+  bool causal;
+  bool mass;
+};
+
+std::string Name(const AttnShape& s) {
+  return std::to_string(s.q_heads) + "q/" + std::to_string(s.kv_heads) + "kv d" + std::to_string(s.head_dim) + " " +
+         DTypeName(s.dt) + " m" + std::to_string(s.m) + " slots" + std::to_string(s.n_slots) +
+         (s.ragged ? " ragged" : "") + (s.causal ? " causal" : "") + (s.mass ? " mass" : "");
+}
+
+// The inputs of one attention problem in host memory, and its plain reference.
+struct AttnProblem {
+  AttnShape s;
+  int slot_tokens = 16, pool_slots = 0;
+  std::vector<float> q;
+  std::vector<int64_t> qpos;
+  struct Run { std::vector<uint8_t> k, v; int n; int64_t pos0; };
+  std::vector<Run> dense;               // sinks, local (two runs: a wrapped ring)
+  std::vector<uint8_t> pool_k, pool_v;  // [pool_slots, slot_tokens, kv_heads, head_dim]
+  std::vector<int32_t> slot_index, slot_n;
+  std::vector<int64_t> slot_pos;
+
+  size_t Row() const { return static_cast<size_t>(s.kv_heads) * s.head_dim; }
+
+  void Fill(std::vector<uint8_t>* bytes, size_t elems, std::mt19937& rng) const {
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> f(elems);
+    for (float& x : f) x = nd(rng);
+    bytes->resize(elems * DTypeSize(s.dt));
+    FromFloat(s.dt, f.data(), bytes->data(), elems);
+  }
+
+  void Make(const AttnShape& shape, std::mt19937& rng) {
+    s = shape;
+    const int n_sink = 4, n_local_a = 9, n_local_b = 7;
+    pool_slots = s.n_slots + 5;  // more slots than selected: unselected ones must not be read
+    Run sinks{{}, {}, n_sink, 0};
+    Fill(&sinks.k, n_sink * Row(), rng);
+    Fill(&sinks.v, n_sink * Row(), rng);
+    dense.push_back(std::move(sinks));
+    Fill(&pool_k, static_cast<size_t>(pool_slots) * slot_tokens * Row(), rng);
+    Fill(&pool_v, static_cast<size_t>(pool_slots) * slot_tokens * Row(), rng);
+    // Slots in a shuffled order, chunks at increasing positions after the sinks.
+    std::vector<int32_t> perm(pool_slots);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    int64_t pos = 64;
+    for (int i = 0; i < s.n_slots; ++i) {
+      slot_index.push_back(perm[i]);
+      slot_pos.push_back(pos);
+      slot_n.push_back(s.ragged ? static_cast<int32_t>(1 + rng() % slot_tokens) : slot_tokens);
+      pos += slot_tokens;
+    }
+    // The local window as a wrapped ring: its later half first in memory.
+    pos += 100;
+    Run la{{}, {}, n_local_a, pos + n_local_b};
+    Run lb{{}, {}, n_local_b, pos};
+    Fill(&la.k, n_local_a * Row(), rng);
+    Fill(&la.v, n_local_a * Row(), rng);
+    Fill(&lb.k, n_local_b * Row(), rng);
+    Fill(&lb.v, n_local_b * Row(), rng);
+    const int64_t last = pos + n_local_a + n_local_b - 1;
+    dense.push_back(std::move(la));
+    dense.push_back(std::move(lb));
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    q.resize(static_cast<size_t>(s.m) * s.q_heads * s.head_dim);
+    for (float& x : q) x = nd(rng);
+    // A window of m queries ending at the last local token: causal masking cuts the local part.
+    for (int i = 0; i < s.m; ++i) qpos.push_back(last - (s.m - 1 - i));
+  }
+
+  // Params over host arrays (the CPU twin), the selected slots [s0, s1).
+  SlotAttentionParams Params(int s0, int s1, std::vector<float>* out, std::vector<float>* lse,
+                             std::vector<std::vector<float>>* dense_mass, std::vector<float>* slot_mass,
+                             bool with_dense = true) const {
+    SlotAttentionParams p;
+    p.q_heads = s.q_heads;
+    p.kv_heads = s.kv_heads;
+    p.head_dim = s.head_dim;
+    p.dtype = s.dt;
+    p.causal = s.causal;
+    p.n_queries = s.m;
+    p.q = q.data();
+    p.q_positions = qpos.data();
+    p.n_dense = with_dense ? static_cast<int>(dense.size()) : 0;
+    for (int i = 0; i < p.n_dense; ++i) {
+      p.dense[i].k = dense[i].k.data();
+      p.dense[i].v = dense[i].v.data();
+      p.dense[i].n_tokens = dense[i].n;
+      p.dense[i].first_position = dense[i].pos0;
+      p.dense[i].mass = dense_mass ? (*dense_mass)[i].data() : nullptr;
+    }
+    p.pool_k = pool_k.data();
+    p.pool_v = pool_v.data();
+    p.pool_slots = pool_slots;
+    p.slot_tokens = slot_tokens;
+    p.n_slots = s1 - s0;
+    p.slot_index = slot_index.data() + s0;
+    p.slot_first_position = slot_pos.data() + s0;
+    p.slot_n_tokens = slot_n.data() + s0;
+    p.slot_mass = slot_mass ? slot_mass->data() : nullptr;
+    p.out = out->data();
+    p.lse = lse->data();
+    return p;
+  }
+};
+
+// Plain attention over the gathered keys, in double: the meaning the twin must have.
+void ReferenceAttention(const AttnProblem& P, std::vector<double>* out, std::vector<double>* lse,
+                        std::vector<double>* mass /* dense runs then slots, in the twin's mass layouts */) {
+  const AttnShape& s = P.s;
+  const int D = s.head_dim, G = s.q_heads / s.kv_heads;
+  struct Key { std::vector<float> k, v; int64_t pos; size_t mass_at; };  // one kv head's row per key
+  std::vector<std::vector<Key>> keys(s.kv_heads);
+  size_t mass_base = 0;
+  auto add = [&](const uint8_t* kb, const uint8_t* vb, int n, int64_t pos0, int stride_tokens) {
+    for (int t = 0; t < n; ++t)
+      for (int h = 0; h < s.kv_heads; ++h) {
+        Key key;
+        key.k.resize(D);
+        key.v.resize(D);
+        const size_t off = (static_cast<size_t>(t) * s.kv_heads + h) * D * DTypeSize(s.dt);
+        ToFloat(s.dt, kb + off, key.k.data(), D);
+        ToFloat(s.dt, vb + off, key.v.data(), D);
+        key.pos = pos0 + t;
+        key.mass_at = mass_base + static_cast<size_t>(h) * stride_tokens + t;
+        keys[h].push_back(std::move(key));
+      }
+    mass_base += static_cast<size_t>(s.kv_heads) * stride_tokens;
+  };
+  for (const auto& r : P.dense) add(r.k.data(), r.v.data(), r.n, r.pos0, r.n);
+  const size_t slot_bytes = static_cast<size_t>(P.slot_tokens) * P.Row() * DTypeSize(s.dt);
+  for (size_t i = 0; i < P.slot_index.size(); ++i)
+    add(P.pool_k.data() + P.slot_index[i] * slot_bytes, P.pool_v.data() + P.slot_index[i] * slot_bytes, P.slot_n[i],
+        P.slot_pos[i], P.slot_tokens);
+  out->assign(static_cast<size_t>(s.m) * s.q_heads * D, 0.0);
+  lse->assign(static_cast<size_t>(s.m) * s.q_heads, 0.0);
+  mass->assign(mass_base, 0.0);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  for (int i = 0; i < s.m; ++i)
+    for (int h = 0; h < s.q_heads; ++h) {
+      const float* qv = P.q.data() + (static_cast<size_t>(i) * s.q_heads + h) * D;
+      const auto& ks = keys[h / G];
+      std::vector<double> sc(ks.size(), -std::numeric_limits<double>::infinity());
+      double mx = -std::numeric_limits<double>::infinity();
+      for (size_t j = 0; j < ks.size(); ++j) {
+        if (s.causal && ks[j].pos > P.qpos[i]) continue;
+        double d = 0.0;
+        for (int e = 0; e < D; ++e) d += static_cast<double>(qv[e]) * ks[j].k[e];
+        sc[j] = d * scale;
+        mx = std::max(mx, sc[j]);
+      }
+      double z = 0.0;
+      for (double x : sc) z += std::exp(x - mx);
+      const double l = mx + std::log(z);
+      (*lse)[static_cast<size_t>(i) * s.q_heads + h] = l;
+      double* o = out->data() + (static_cast<size_t>(i) * s.q_heads + h) * D;
+      for (size_t j = 0; j < ks.size(); ++j) {
+        const double p = std::exp(sc[j] - l);
+        for (int e = 0; e < D; ++e) o[e] += p * ks[j].v[e];
+        (*mass)[ks[j].mass_at] += p;
+      }
+    }
+}
+
+const AttnShape kAttnShapes[] = {
+    {32, 8, 128, DType::kBF16, 1, 12, true, true, false},   // Llama-3-8B decode, ragged slots
+    {8, 8, 64, DType::kF16, 1, 5, false, true, true},       // MHA, mass
+    {4, 2, 64, DType::kF32, 5, 7, true, true, true},        // window of 5, causal in the local part
+    {8, 2, 128, DType::kF16, 3, 0, false, false, false},    // no slots, not causal
+    {6, 3, 128, DType::kF32, 1, 9, true, true, true},       // GQA 2, mass
+};
+
+TEST_P(KernelBackends, SlotAttentionMatchesReference) {
+  for (const AttnShape& shape : kAttnShapes) {
+    SCOPED_TRACE(Name(shape) + " seed " + std::to_string(seed_));
+    AttnProblem P;
+    P.Make(shape, rng_);
+    const size_t n_out = static_cast<size_t>(shape.m) * shape.q_heads * shape.head_dim;
+    const size_t n_lse = static_cast<size_t>(shape.m) * shape.q_heads;
+    std::vector<float> out(n_out, kNaN), lse(n_lse, kNaN);
+    std::vector<std::vector<float>> dmass;
+    for (const auto& r : P.dense) dmass.emplace_back(static_cast<size_t>(shape.kv_heads) * r.n, shape.mass ? 0.0f : kNaN);
+    std::vector<float> smass(static_cast<size_t>(shape.n_slots) * shape.kv_heads * P.slot_tokens, 0.0f);
+    SlotAttentionParams p =
+        P.Params(0, shape.n_slots, &out, &lse, shape.mass ? &dmass : nullptr, shape.mass ? &smass : nullptr);
+    // Mass is added to (+=): it starts at zero, and slots' unused tail stays zero.
+    ASSERT_EQ(SlotAttention(p), KernelError::kOk);
+    std::vector<double> ref_out, ref_lse, ref_mass;
+    ReferenceAttention(P, &ref_out, &ref_lse, &ref_mass);
+    const double tol = Tolerance(shape.dt);
+    if (!cuda()) {
+      EXPECT_TRUE(Close(out, ref_out, tol, "out"));
+      EXPECT_TRUE(Close(lse, ref_lse, tol, "lse"));
+      if (shape.mass) {
+        std::vector<float> all;
+        for (const auto& dm : dmass) all.insert(all.end(), dm.begin(), dm.end());
+        all.insert(all.end(), smass.begin(), smass.end());
+        EXPECT_TRUE(Close(all, ref_mass, tol, "mass"));
+      }
+      continue;
+    }
+#if KVTIER_HAVE_CUDA
+    DeviceArena dev;
+    SlotAttentionParams d = p;
+    d.q = dev.Put(P.q);
+    d.q_positions = dev.Put(P.qpos);
+    std::vector<float*> d_dmass;
+    for (int i = 0; i < d.n_dense; ++i) {
+      d.dense[i].k = dev.Put(P.dense[i].k);
+      d.dense[i].v = dev.Put(P.dense[i].v);
+      d.dense[i].mass = shape.mass ? dev.Put(std::vector<float>(dmass[i].size(), 0.0f)) : nullptr;
+      d_dmass.push_back(d.dense[i].mass);
+    }
+    d.pool_k = dev.Put(P.pool_k);
+    d.pool_v = dev.Put(P.pool_v);
+    d.slot_index = dev.Put(P.slot_index);
+    d.slot_first_position = dev.Put(P.slot_pos);
+    d.slot_n_tokens = dev.Put(P.slot_n);
+    d.slot_mass = shape.mass ? dev.Put(std::vector<float>(smass.size(), 0.0f)) : nullptr;
+    d.out = dev.Put(std::vector<float>(n_out, kNaN));
+    d.lse = dev.Put(std::vector<float>(n_lse, kNaN));
+    ASSERT_EQ(cuda::LaunchSlotAttention(d, nullptr, cuda::SlotAttentionWorkspaceBytes(d), nullptr), KernelError::kOk)
+        << cuda::LastCudaErrorString();
+    std::vector<float> g_out(n_out), g_lse(n_lse);
+    dev.Get(&g_out, d.out);
+    dev.Get(&g_lse, d.lse);
+    EXPECT_TRUE(Close(g_out, ToDouble(out), tol, "cuda out vs twin"));
+    EXPECT_TRUE(Close(g_lse, ToDouble(lse), tol, "cuda lse vs twin"));
+    if (shape.mass) {
+      for (int i = 0; i < d.n_dense; ++i) {
+        std::vector<float> g(dmass[i].size());
+        dev.Get(&g, d_dmass[i]);
+        EXPECT_TRUE(Close(g, ToDouble(dmass[i]), tol, "cuda dense mass vs twin"));
+      }
+      std::vector<float> g(smass.size());
+      dev.Get(&g, d.slot_mass);
+      EXPECT_TRUE(Close(g, ToDouble(smass), tol, "cuda slot mass vs twin"));
+    }
+#endif
+  }
+}
+
+// Split the keys in two (dense + the first slots | the other slots), merge by LSE: one pass.
+TEST_P(KernelBackends, LseMergeOfSplitRangesEqualsOnePass) {
+  for (const AttnShape& shape : kAttnShapes) {
+    if (shape.n_slots < 2) continue;
+    SCOPED_TRACE(Name(shape) + " seed " + std::to_string(seed_));
+    AttnProblem P;
+    P.Make(shape, rng_);
+    const size_t n_out = static_cast<size_t>(shape.m) * shape.q_heads * shape.head_dim;
+    const size_t n_lse = static_cast<size_t>(shape.m) * shape.q_heads;
+    const int cut = shape.n_slots / 2;
+    std::vector<float> all(n_out, kNaN), all_lse(n_lse, kNaN), a(n_out, kNaN), a_lse(n_lse, kNaN), b(n_out, kNaN),
+        b_lse(n_lse, kNaN), merged(n_out, kNaN), merged_lse(n_lse, kNaN);
+    ASSERT_EQ(SlotAttention(P.Params(0, shape.n_slots, &all, &all_lse, nullptr, nullptr)), KernelError::kOk);
+    ASSERT_EQ(SlotAttention(P.Params(0, cut, &a, &a_lse, nullptr, nullptr)), KernelError::kOk);
+    ASSERT_EQ(SlotAttention(P.Params(cut, shape.n_slots, &b, &b_lse, nullptr, nullptr, /*with_dense=*/false)),
+              KernelError::kOk);
+    const double tol = Tolerance(DType::kF32);  // the split changes only fp32 rounding, not storage
+    if (!cuda()) {
+      MergeAttentionStates(static_cast<int>(n_lse), shape.head_dim, a.data(), a_lse.data(), b.data(), b_lse.data(),
+                           merged.data(), merged_lse.data());
+      EXPECT_TRUE(Close(merged, ToDouble(all), tol, "merged out"));
+      EXPECT_TRUE(Close(merged_lse, ToDouble(all_lse), tol, "merged lse"));
+      continue;
+    }
+#if KVTIER_HAVE_CUDA
+    DeviceArena dev;
+    float* d_a = dev.Put(a);
+    float* d_al = dev.Put(a_lse);
+    float* d_m = dev.Put(merged);
+    float* d_ml = dev.Put(merged_lse);
+    ASSERT_EQ(cuda::LaunchMergeAttentionStates(static_cast<int>(n_lse), shape.head_dim, d_a, d_al, dev.Put(b),
+                                               dev.Put(b_lse), d_m, d_ml, nullptr),
+              KernelError::kOk);
+    dev.Get(&merged, d_m);
+    dev.Get(&merged_lse, d_ml);
+    EXPECT_TRUE(Close(merged, ToDouble(all), tol, "cuda merged out"));
+    EXPECT_TRUE(Close(merged_lse, ToDouble(all_lse), tol, "cuda merged lse"));
+#endif
+  }
+}
+
+TEST(KernelBackendsCpu, MergeWithAnEmptySideKeepsTheOther) {
+  const std::vector<float> a = {1.0f, 2.0f}, a_lse = {0.5f}, none = {0.0f, 0.0f}, none_lse = {kNegInf};
+  std::vector<float> out(2, kNaN), lse(1, kNaN);
+  MergeAttentionStates(1, 2, none.data(), none_lse.data(), a.data(), a_lse.data(), out.data(), lse.data());
+  EXPECT_EQ(out, a);
+  EXPECT_EQ(lse[0], 0.5f);
+  MergeAttentionStates(1, 2, none.data(), none_lse.data(), none.data(), none_lse.data(), out.data(), lse.data());
+  EXPECT_EQ(out, none);
+  EXPECT_EQ(lse[0], kNegInf);
+}
+
+TEST(KernelBackendsCpu, SlotAttentionRejectsASlotOutsideThePool) {
+  std::mt19937 rng(FreshSeed());
+  AttnProblem P;
+  P.Make({4, 2, 64, DType::kF16, 1, 3, false, true, false}, rng);
+  P.slot_index[1] = P.pool_slots;  // one past the pool
+  std::vector<float> out(4 * 64, kNaN), lse(4, kNaN);
+  EXPECT_EQ(SlotAttention(P.Params(0, 3, &out, &lse, nullptr, nullptr)), KernelError::kBadShape);
+  P.slot_index[1] = 0;
+  P.slot_n[2] = P.slot_tokens + 1;  // more tokens than a slot holds
+  EXPECT_EQ(SlotAttention(P.Params(0, 3, &out, &lse, nullptr, nullptr)), KernelError::kBadShape);
+}
+
+// ---- chunk scoring and per-layer top-k ---------------------------------------------------------
+
+struct ScoreShape { int kv_heads, head_dim, repr; int64_t n; DType dt; HeadFold::Kind fold; };
+
+TEST_P(KernelBackends, ChunkScoresMatchReference) {
+  const ScoreShape shapes[] = {{8, 128, 4, 300, DType::kBF16, HeadFold::Kind::kSum},
+                               {2, 64, 1, 77, DType::kF32, HeadFold::Kind::kMax},
+                               {4, 64, 3, 129, DType::kF16, HeadFold::Kind::kSum},
+                               {1, 128, 2, 1, DType::kF16, HeadFold::Kind::kMax}};
+  for (const ScoreShape& s : shapes) {
+    SCOPED_TRACE(std::to_string(s.kv_heads) + "kv d" + std::to_string(s.head_dim) + " R" + std::to_string(s.repr) +
+                 " n" + std::to_string(s.n) + " " + DTypeName(s.dt) + " seed " + std::to_string(seed_));
+    const size_t n_keys = static_cast<size_t>(s.kv_heads) * s.n * s.repr;
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> kf(n_keys * s.head_dim), probe(static_cast<size_t>(s.kv_heads) * s.head_dim);
+    for (float& x : kf) x = nd(rng_);
+    for (float& x : probe) x = nd(rng_);
+    std::vector<uint8_t> keys(kf.size() * DTypeSize(s.dt));
+    FromFloat(s.dt, kf.data(), keys.data(), kf.size());
+    ToFloat(s.dt, keys.data(), kf.data(), kf.size());  // the values the kernel sees
+    std::vector<float> inv(n_keys);
+    for (size_t j = 0; j < n_keys; ++j) inv[j] = InverseNorm(kf.data() + j * s.head_dim, s.head_dim);
+    std::vector<float> logit(s.n, kNaN), cosine(s.n, kNaN);
+    ChunkScoreParams p;
+    p.kv_heads = s.kv_heads;
+    p.head_dim = s.head_dim;
+    p.repr = s.repr;
+    p.dtype = s.dt;
+    p.fold = s.fold;
+    p.n_chunks = s.n;
+    p.keys = keys.data();
+    p.inv_norm = inv.data();
+    p.probe = probe.data();
+    p.logit = logit.data();
+    p.cosine = cosine.data();
+    ASSERT_EQ(ScoreChunks(p), KernelError::kOk);
+    if (!cuda()) {
+      // Direct formula in double: fold over heads of the best representative's dot / cosine.
+      const bool mx = s.fold == HeadFold::Kind::kMax;
+      std::vector<double> want_l(s.n, mx ? -INFINITY : 0.0), want_c(s.n, mx ? -INFINITY : 0.0);
+      for (int h = 0; h < s.kv_heads; ++h) {
+        const float* pr = probe.data() + static_cast<size_t>(h) * s.head_dim;
+        double pn = 0.0;
+        for (int d = 0; d < s.head_dim; ++d) pn += static_cast<double>(pr[d]) * pr[d];
+        for (int64_t c = 0; c < s.n; ++c) {
+          double best = -INFINITY, best_cos = -1.0;
+          for (int r = 0; r < s.repr; ++r) {
+            const float* k = kf.data() + ((static_cast<size_t>(h) * s.n + c) * s.repr + r) * s.head_dim;
+            double dot = 0.0, kn = 0.0;
+            for (int d = 0; d < s.head_dim; ++d) dot += static_cast<double>(k[d]) * pr[d], kn += static_cast<double>(k[d]) * k[d];
+            best = std::max(best, dot);
+            best_cos = std::max(best_cos, dot / std::sqrt(kn * pn));
+          }
+          want_l[c] = mx ? std::max(want_l[c], best) : want_l[c] + best;
+          want_c[c] = mx ? std::max(want_c[c], best_cos) : want_c[c] + best_cos / s.kv_heads;
+        }
+      }
+      // Dots of 64..128 fp32 products against double: relative to the output's scale.
+      EXPECT_TRUE(Close(logit, want_l, 1e-5, "logit"));
+      EXPECT_TRUE(Close(cosine, want_c, 1e-5, "cosine"));
+      continue;
+    }
+#if KVTIER_HAVE_CUDA
+    DeviceArena dev;
+    ChunkScoreParams d = p;
+    d.keys = dev.Put(keys);
+    d.inv_norm = dev.Put(inv);
+    d.probe = dev.Put(probe);
+    d.logit = dev.Put(std::vector<float>(s.n, kNaN));
+    d.cosine = dev.Put(std::vector<float>(s.n, kNaN));
+    ASSERT_EQ(cuda::LaunchScoreChunks(d, nullptr), KernelError::kOk) << cuda::LastCudaErrorString();
+    std::vector<float> gl(s.n), gc(s.n);
+    dev.Get(&gl, d.logit);
+    dev.Get(&gc, d.cosine);
+    EXPECT_TRUE(Close(gl, ToDouble(logit), 1e-5, "cuda logit vs twin"));
+    EXPECT_TRUE(Close(gc, ToDouble(cosine), 1e-5, "cuda cosine vs twin"));
+#endif
+  }
+}
+
+TEST_P(KernelBackends, SegmentedTopKMatchesStableSort) {
+  // Ragged layers (one empty, one shorter than its k), scores with ties and signed zeros.
+  const std::vector<int32_t> sizes = {50, 0, 3, 1000, 17};
+  const std::vector<int32_t> ks = {8, 4, 5, 64, 17};
+  const int k_max = 64;
+  std::vector<int32_t> offsets = {0};
+  for (int32_t n : sizes) offsets.push_back(offsets.back() + n);
+  std::vector<float> scores(offsets.back());
+  std::uniform_int_distribution<int> coarse(-20, 20);
+  for (float& x : scores) x = static_cast<float>(coarse(rng_)) * 0.25f;  // many ties
+  for (size_t i = 0; i < scores.size(); i += 7) scores[i] = (i / 7) % 2 ? -0.0f : 0.0f;
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  std::vector<int32_t> idx(sizes.size() * k_max, 12345);
+  std::vector<float> top(sizes.size() * k_max, kNaN);
+  SegmentedTopKParams p;
+  p.n_segments = static_cast<int>(sizes.size());
+  p.offsets = offsets.data();
+  p.scores = scores.data();
+  p.k = ks.data();
+  p.k_max = k_max;
+  p.out_index = idx.data();
+  p.out_score = top.data();
+  ASSERT_EQ(SegmentedTopK(p), KernelError::kOk);
+  if (!cuda()) {
+    for (size_t s = 0; s < sizes.size(); ++s) {
+      std::vector<int32_t> order(sizes[s]);
+      std::iota(order.begin(), order.end(), 0);
+      const float* sc = scores.data() + offsets[s];
+      std::stable_sort(order.begin(), order.end(), [sc](int32_t a, int32_t b) { return sc[a] > sc[b]; });
+      const int take = std::min(sizes[s], ks[s]);
+      for (int j = 0; j < k_max; ++j) {
+        EXPECT_EQ(idx[s * k_max + j], j < take ? order[j] : -1) << "segment " << s << " rank " << j;
+        if (j < take) EXPECT_EQ(top[s * k_max + j], sc[order[j]]);
+        else EXPECT_EQ(top[s * k_max + j], kNegInf);
+      }
+    }
+    return;
+  }
+#if KVTIER_HAVE_CUDA
+  DeviceArena dev;
+  SegmentedTopKParams d = p;
+  d.offsets = dev.Put(offsets);
+  d.scores = dev.Put(scores);
+  d.k = dev.Put(ks);
+  d.out_index = dev.Put(std::vector<int32_t>(idx.size(), 12345));
+  d.out_score = dev.Put(std::vector<float>(top.size(), kNaN));
+  size_t ws_bytes = 0;
+  ASSERT_EQ(cuda::SegmentedTopKWorkspaceBytes(d, offsets.back(), &ws_bytes), KernelError::kOk)
+      << cuda::LastCudaErrorString();
+  void* ws = dev.Alloc<char>(ws_bytes);
+  EXPECT_EQ(cuda::LaunchSegmentedTopK(d, offsets.back(), ws, ws_bytes - 1, nullptr), KernelError::kWorkspace);
+  ASSERT_EQ(cuda::LaunchSegmentedTopK(d, offsets.back(), ws, ws_bytes, nullptr), KernelError::kOk)
+      << cuda::LastCudaErrorString();
+  std::vector<int32_t> g_idx(idx.size());
+  std::vector<float> g_top(top.size());
+  dev.Get(&g_idx, d.out_index);
+  dev.Get(&g_top, d.out_score);
+  EXPECT_EQ(g_idx, idx);
+  for (size_t i = 0; i < top.size(); ++i) EXPECT_EQ(g_top[i], top[i]) << i;
+#endif
+}
+
+// ---- Eq. 11 entropy ----------------------------------------------------------------------------
+
+TEST_P(KernelBackends, SegmentEntropyMatchesDirectFormula) {
+  const std::vector<int32_t> sizes = {1, 0, 4096, 33, 2, 700};
+  std::vector<int32_t> offsets = {0};
+  for (int32_t n : sizes) offsets.push_back(offsets.back() + n);
+  std::vector<float> scores(offsets.back());
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  for (float& x : scores) x = nd(rng_);
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  std::vector<double> ent(sizes.size(), std::nan(""));
+  EntropyParams p;
+  p.n_segments = static_cast<int>(sizes.size());
+  p.offsets = offsets.data();
+  p.scores = scores.data();
+  p.entropy = ent.data();
+  ASSERT_EQ(SegmentEntropy(p), KernelError::kOk);
+  if (!cuda()) {
+    // Eq. 11 directly: -sum p log p with p = softmax(s), long double.
+    std::vector<double> want;
+    for (size_t s = 0; s < sizes.size(); ++s) {
+      long double z = 0.0L, h = 0.0L;
+      for (int32_t i = offsets[s]; i < offsets[s + 1]; ++i) z += std::exp(static_cast<long double>(scores[i]));
+      for (int32_t i = offsets[s]; i < offsets[s + 1]; ++i) {
+        const long double pr = std::exp(static_cast<long double>(scores[i])) / z;
+        if (pr > 0.0L) h -= pr * std::log(pr);
+      }
+      want.push_back(static_cast<double>(h));
+    }
+    EXPECT_TRUE(Close(ent, want, 1e-9, "entropy"));  // fp64 arithmetic: far below fp32's bound
+    EXPECT_EQ(ent[0], 0.0);  // one chunk: exactly 0
+    EXPECT_EQ(ent[1], 0.0);  // empty segment
+    return;
+  }
+#if KVTIER_HAVE_CUDA
+  DeviceArena dev;
+  EntropyParams d = p;
+  d.offsets = dev.Put(offsets);
+  d.scores = dev.Put(scores);
+  d.entropy = dev.Put(std::vector<double>(sizes.size(), std::nan("")));
+  ASSERT_EQ(cuda::LaunchSegmentEntropy(d, nullptr), KernelError::kOk) << cuda::LastCudaErrorString();
+  std::vector<double> g(sizes.size());
+  dev.Get(&g, d.entropy);
+  EXPECT_TRUE(Close(g, ent, 1e-5, "cuda entropy vs twin"));
+#endif
+}
+
+// ---- ActQKV probe (Eq. 7-9) ------------------------------------------------------------------------
+
+// Eq. 8 over every query seen so far (direct two-pass sums, not the running form), then Eq. 7
+// and Eq. 9 over the current window, in long double.
+std::vector<double> DirectActProbe(const ProbeShape& s, const std::vector<std::vector<float>>& windows, double eps) {
+  const int D = s.head_dim, G = s.q_heads / s.kv_heads;
+  const std::vector<float>& cur = windows.back();
+  const int m = static_cast<int>(cur.size() / (static_cast<size_t>(s.q_heads) * D));
+  std::vector<double> probe(static_cast<size_t>(s.kv_heads) * D, 0.0);
+  for (int h = 0; h < s.q_heads; ++h) {
+    std::vector<long double> mean(D, 0.0L), var(D, 0.0L);
+    int64_t count = 0;
+    for (const auto& w : windows) {
+      const int mw = static_cast<int>(w.size() / (static_cast<size_t>(s.q_heads) * D));
+      for (int j = 0; j < mw; ++j, ++count)
+        for (int d = 0; d < D; ++d) mean[d] += w[(static_cast<size_t>(j) * s.q_heads + h) * D + d];
+    }
+    for (int d = 0; d < D; ++d) mean[d] /= count;
+    for (const auto& w : windows) {
+      const int mw = static_cast<int>(w.size() / (static_cast<size_t>(s.q_heads) * D));
+      for (int j = 0; j < mw; ++j)
+        for (int d = 0; d < D; ++d) {
+          const long double dev = w[(static_cast<size_t>(j) * s.q_heads + h) * D + d] - mean[d];
+          var[d] += dev * dev;
+        }
+    }
+    for (int d = 0; d < D; ++d) var[d] /= (count - 1);
+    std::vector<long double> l1(m, 0.0L);
+    long double total = 0.0L;
+    for (int j = 0; j < m; ++j) {
+      for (int d = 0; d < D; ++d) {
+        if (!(var[d] > eps)) continue;
+        const long double dev = cur[(static_cast<size_t>(j) * s.q_heads + h) * D + d] - mean[d];
+        l1[j] += dev * dev / var[d];
+      }
+      total += l1[j];
+    }
+    for (int j = 0; j < m; ++j)
+      for (int d = 0; d < D; ++d)
+        probe[static_cast<size_t>(h / G) * D + d] +=
+            static_cast<double>(l1[j] / total / G * cur[(static_cast<size_t>(j) * s.q_heads + h) * D + d]);
+  }
+  return probe;
+}
+
+TEST_P(KernelBackends, ActProbeMatchesDirectEquationsAndTheRetriever) {
+  const ProbeShape shapes[] = {{8, 2, 64}, {32, 8, 128}, {4, 4, 64}};
+  const int window_sizes[] = {6, 3, 9, 1};
+  for (const ProbeShape& s : shapes) {
+    SCOPED_TRACE(std::to_string(s.q_heads) + "q/" + std::to_string(s.kv_heads) + "kv d" + std::to_string(s.head_dim) +
+                 " seed " + std::to_string(seed_));
+    Geometry g;
+    g.layers = 1;
+    g.q_heads = s.q_heads;
+    g.kv_heads = s.kv_heads;
+    g.head_dim = s.head_dim;
+    auto builder = ActProbeBuilder::Make(g);
+    ASSERT_TRUE(builder.ok()) << builder.status().ToString();
+    const size_t stats = static_cast<size_t>(s.q_heads) * s.head_dim;
+    std::vector<double> mean(stats, 0.0), m2(stats, 0.0);
+    int64_t count = 0;
+    std::vector<std::vector<float>> windows;
+#if KVTIER_HAVE_CUDA
+    std::unique_ptr<DeviceArena> dev;
+    double *d_mean = nullptr, *d_m2 = nullptr;
+    if (cuda()) {
+      dev = std::make_unique<DeviceArena>();
+      d_mean = dev->Put(mean);
+      d_m2 = dev->Put(m2);
+    }
+#endif
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (int m : window_sizes) {
+      std::vector<float> q(static_cast<size_t>(m) * s.q_heads * s.head_dim);
+      for (float& x : q) x = nd(rng_) * (1.0f + 0.1f * static_cast<float>(rng_() % 5));
+      windows.push_back(q);
+      ActMergeWindow(s, q.data(), m, count, mean.data(), m2.data());
+      const int64_t n_old = count;
+      count += m;
+      std::vector<float> twin(static_cast<size_t>(s.kv_heads) * s.head_dim, kNaN), retr(twin.size(), kNaN);
+      ActWeightedProbe(s, q.data(), m, mean.data(), m2.data(), count, 1e-6, twin.data());
+      if (!cuda()) {
+        ASSERT_TRUE((*builder)->Build(0, q.data(), m, retr.data()).ok());
+        EXPECT_EQ(retr, twin) << "retriever and twin differ";  // the retriever runs the twin
+        if (count >= 2) {
+          EXPECT_TRUE(Close(twin, DirectActProbe(s, windows, 1e-6), 1e-5, "probe vs Eq. 7-9"));
+        }
+        continue;
+      }
+#if KVTIER_HAVE_CUDA
+      const float* d_q = dev->Put(q);
+      ASSERT_EQ(cuda::LaunchActMergeWindow(s, d_q, m, n_old, d_mean, d_m2, nullptr), KernelError::kOk);
+      const size_t ws = cuda::ActWeightedProbeWorkspaceBytes(s, m);
+      float* d_probe = dev->Put(std::vector<float>(twin.size(), kNaN));
+      ASSERT_EQ(cuda::LaunchActWeightedProbe(s, d_q, m, d_mean, d_m2, count, 1e-6, d_probe, dev->Alloc<char>(ws), ws,
+                                             nullptr),
+                KernelError::kOk)
+          << cuda::LastCudaErrorString();
+      std::vector<float> got(twin.size());
+      dev->Get(&got, d_probe);
+      EXPECT_TRUE(Close(got, ToDouble(twin), 1e-5, "cuda probe vs twin"));
+#else
+      (void)n_old;
+#endif
+    }
+  }
+}
+
+TEST_P(KernelBackends, MeanPoolProbeMatchesDirectMean) {
+  const ProbeShape s{8, 2, 128};
+  const int m = 5;
+  std::vector<float> q(static_cast<size_t>(m) * s.q_heads * s.head_dim);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (float& x : q) x = nd(rng_);
+  std::vector<float> probe(static_cast<size_t>(s.kv_heads) * s.head_dim, kNaN);
+  MeanPoolProbe(s, q.data(), m, probe.data());
+  if (!cuda()) {
+    std::vector<double> want(probe.size(), 0.0);
+    const int G = s.q_heads / s.kv_heads;
+    for (int j = 0; j < m; ++j)
+      for (int h = 0; h < s.q_heads; ++h)
+        for (int d = 0; d < s.head_dim; ++d)
+          want[static_cast<size_t>(h / G) * s.head_dim + d] +=
+              q[(static_cast<size_t>(j) * s.q_heads + h) * s.head_dim + d] / static_cast<double>(m * G);
+    EXPECT_TRUE(Close(probe, want, 1e-5, "mean pool"));
+    return;
+  }
+#if KVTIER_HAVE_CUDA
+  DeviceArena dev;
+  float* d_probe = dev.Put(std::vector<float>(probe.size(), kNaN));
+  ASSERT_EQ(cuda::LaunchMeanPoolProbe(s, dev.Put(q), m, d_probe, nullptr), KernelError::kOk);
+  std::vector<float> got(probe.size());
+  dev.Get(&got, d_probe);
+  EXPECT_TRUE(Close(got, ToDouble(probe), 1e-5, "cuda mean pool vs twin"));
+#endif
+}
+
+// ---- transfers (device only: the twin is memcpy) -----------------------------------------------
+
+TEST_P(KernelBackends, GatherAndBatchCopiesMoveChunksFromPinnedMemory) {
+  if (!cuda()) GTEST_SKIP() << "the transfer kernels' CPU twin is memcpy; this test runs on the cuda backend";
+#if KVTIER_HAVE_CUDA
+  const int n = 9;
+  for (size_t bytes : {size_t{16384}, size_t{65536 + 8}}) {  // 16-byte path and the byte path
+    SCOPED_TRACE("bytes " + std::to_string(bytes) + " seed " + std::to_string(seed_));
+    void* host = nullptr;
+    ASSERT_EQ(cudaHostAlloc(&host, n * bytes, cudaHostAllocMapped), cudaSuccess);
+    std::vector<uint8_t> want(n * bytes);
+    for (auto& b : want) b = static_cast<uint8_t>(rng_());
+    std::memcpy(host, want.data(), want.size());
+    DeviceArena dev;
+    uint8_t* pool = dev.Alloc<uint8_t>((n + 3) * bytes);
+    ASSERT_EQ(cudaMemset(pool, 0xff, (n + 3) * bytes), cudaSuccess);
+    std::vector<uint64_t> src(n), dst(n);
+    std::vector<void*> dsts(n);
+    std::vector<const void*> srcs(n);
+    std::vector<size_t> sizes(n, bytes);
+    for (int i = 0; i < n; ++i) {
+      void* mapped = nullptr;
+      ASSERT_EQ(cudaHostGetDevicePointer(&mapped, static_cast<uint8_t*>(host) + i * bytes, 0), cudaSuccess);
+      src[i] = reinterpret_cast<uint64_t>(mapped);
+      dst[i] = reinterpret_cast<uint64_t>(pool + static_cast<size_t>((i * 5) % (n + 3)) * bytes);
+      dsts[i] = pool + static_cast<size_t>((i * 5) % (n + 3)) * bytes;
+      srcs[i] = static_cast<uint8_t*>(host) + i * bytes;
+    }
+    cuda::GatherParams gp;
+    gp.n_copies = n;
+    gp.bytes = bytes;
+    gp.src = dev.Put(src);
+    gp.dst = dev.Put(dst);
+    ASSERT_EQ(cuda::LaunchGatherCopies(gp, nullptr), KernelError::kOk) << cuda::LastCudaErrorString();
+    std::vector<uint8_t> got(bytes);
+    for (int i = 0; i < n; ++i) {
+      ASSERT_EQ(cudaMemcpy(got.data(), dsts[i], bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(0, std::memcmp(got.data(), want.data() + i * bytes, bytes)) << "gather copy " << i;
+    }
+    ASSERT_EQ(cudaMemset(pool, 0, (n + 3) * bytes), cudaSuccess);
+    ASSERT_EQ(cuda::MemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, nullptr), KernelError::kOk)
+        << cuda::LastCudaErrorString();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (int i = 0; i < n; ++i) {
+      ASSERT_EQ(cudaMemcpy(got.data(), dsts[i], bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(0, std::memcmp(got.data(), want.data() + i * bytes, bytes)) << "batch copy " << i;
+    }
+    cudaFreeHost(host);
+  }
+#endif
+}
+
+INSTANTIATE_TEST_SUITE_P(All, KernelBackends, ::testing::Values(Backend::kCpu, Backend::kCuda),
+                         [](const ::testing::TestParamInfo<Backend>& i) {
+                           return std::string(i.param == Backend::kCpu ? "cpu" : "cuda");
+                         });
+
+}  // namespace
+}  // namespace kvtier::kernels
