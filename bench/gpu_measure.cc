@@ -1,0 +1,280 @@
+// kvtier_gpu_bench: the GPU measurements of issue 13, each a ratio against a baseline measured
+// in the same run on the same device (scripts/gpu_check.sh runs it; docs/gpu.md records it).
+//
+//   h2d_<size>     chunk fetch of scattered chunks from pinned host memory into device slots,
+//                  by the gather kernel (mapped pinned memory), cudaMemcpyBatchAsync and one
+//                  cudaMemcpyAsync per chunk, each against ONE large pinned cudaMemcpyAsync of
+//                  the same bytes (target >= 0.8)
+//   attention      decode attention over a 2K-token budget (64 sinks + 512 local + 46 slots of
+//                  32) at Llama-3-8B geometry (32 layers, 32 q / 8 kv heads, d 128, bf16): the
+//                  bytes of K and V it reads per second against device-to-device copy
+//                  bandwidth (read + write bytes per second) (target >= 0.5)
+//   peak_memory    device memory in use at the end (cudaMemGetInfo), for the record
+//
+// Usage: kvtier_gpu_bench OUT_DIR [--reps N]. Prints a table; writes OUT_DIR/gpu_bench.tsv.
+// Exit 2 when no CUDA device is visible. NEVER RUN YET: written and compiled without a GPU.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/kernels.h"
+
+namespace {
+
+using kvtier::kernels::KernelError;
+namespace kc = kvtier::kernels::cuda;
+
+#define CHECK_CUDA(x)                                                                    \
+  do {                                                                                   \
+    const cudaError_t e_ = (x);                                                          \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+#define CHECK_KERNEL(x)                                                                               \
+  do {                                                                                                \
+    const KernelError e_ = (x);                                                                       \
+    if (e_ != KernelError::kOk) {                                                                     \
+      std::fprintf(stderr, "%s:%d: %s: %s (%s)\n", __FILE__, __LINE__, #x,                           \
+                   kvtier::kernels::KernelErrorString(e_), kc::LastCudaErrorString());                \
+      std::exit(1);                                                                                   \
+    }                                                                                                 \
+  } while (0)
+
+struct Row {
+  std::string name, method;
+  double value, baseline, ratio, target;
+  std::string unit;
+};
+
+// Median of `reps` timings (ms) of fn() enqueued on stream s, timed with events.
+template <class F>
+double MedianMs(cudaStream_t s, int reps, F&& fn) {
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  fn();  // warm-up
+  CHECK_CUDA(cudaStreamSynchronize(s));
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    CHECK_CUDA(cudaEventRecord(a, s));
+    fn();
+    CHECK_CUDA(cudaEventRecord(b, s));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float ms = 0.0f;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  CHECK_CUDA(cudaEventDestroy(a));
+  CHECK_CUDA(cudaEventDestroy(b));
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+void MeasureH2D(cudaStream_t s, int reps, std::vector<Row>* rows) {
+  const size_t kHostBytes = size_t{512} << 20, kFetchBytes = size_t{64} << 20;
+  uint8_t* host = nullptr;
+  CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host), kHostBytes, cudaHostAllocMapped));
+  std::memset(host, 0x5a, kHostBytes);
+  uint8_t* dev = nullptr;
+  CHECK_CUDA(cudaMalloc(&dev, kFetchBytes));
+  // Baseline: one large pinned copy of the fetched bytes.
+  const double base_ms = MedianMs(s, reps, [&] {
+    CHECK_CUDA(cudaMemcpyAsync(dev, host, kFetchBytes, cudaMemcpyHostToDevice, s));
+  });
+  const double base_gbs = kFetchBytes / base_ms / 1e6;
+  std::mt19937 rng(1);
+  for (size_t chunk : {size_t{16} << 10, size_t{64} << 10, size_t{256} << 10, size_t{1} << 20, size_t{2} << 20}) {
+    const int n = static_cast<int>(kFetchBytes / chunk);
+    const size_t host_chunks = kHostBytes / chunk;
+    std::vector<size_t> pick(host_chunks);
+    for (size_t i = 0; i < host_chunks; ++i) pick[i] = i;
+    std::shuffle(pick.begin(), pick.end(), rng);  // scattered chunks, as retrieval asks for them
+    std::vector<uint64_t> src(n), dst(n);
+    std::vector<void*> dsts(n);
+    std::vector<const void*> srcs(n);
+    std::vector<size_t> sizes(n, chunk);
+    for (int i = 0; i < n; ++i) {
+      void* mapped = nullptr;
+      CHECK_CUDA(cudaHostGetDevicePointer(&mapped, host + pick[i] * chunk, 0));
+      src[i] = reinterpret_cast<uint64_t>(mapped);
+      dsts[i] = dev + static_cast<size_t>(i) * chunk;
+      dst[i] = reinterpret_cast<uint64_t>(dsts[i]);
+      srcs[i] = host + pick[i] * chunk;
+    }
+    uint64_t *d_src = nullptr, *d_dst = nullptr;
+    CHECK_CUDA(cudaMalloc(&d_src, n * sizeof(uint64_t)));
+    CHECK_CUDA(cudaMalloc(&d_dst, n * sizeof(uint64_t)));
+    CHECK_CUDA(cudaMemcpy(d_src, src.data(), n * sizeof(uint64_t), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(d_dst, dst.data(), n * sizeof(uint64_t), cudaMemcpyHostToDevice));
+    kc::GatherParams gp;
+    gp.n_copies = n;
+    gp.bytes = chunk;
+    gp.src = d_src;
+    gp.dst = d_dst;
+    const std::string name = "h2d_" + std::to_string(chunk >> 10) + "K";
+    const double gather_ms = MedianMs(s, reps, [&] { CHECK_KERNEL(kc::LaunchGatherCopies(gp, s)); });
+    const double batch_ms = MedianMs(s, reps, [&] {
+      CHECK_KERNEL(kc::MemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, s));
+    });
+    const double each_ms = MedianMs(s, reps, [&] {
+      for (int i = 0; i < n; ++i) CHECK_CUDA(cudaMemcpyAsync(dsts[i], srcs[i], chunk, cudaMemcpyHostToDevice, s));
+    });
+    for (auto [method, ms] : {std::pair<const char*, double>{"gather_kernel", gather_ms}, {"memcpy_batch", batch_ms},
+                              {"memcpy_each", each_ms}}) {
+      const double gbs = kFetchBytes / ms / 1e6;
+      rows->push_back({name, method, gbs, base_gbs, gbs / base_gbs, 0.8, "GB/s"});
+    }
+    CHECK_CUDA(cudaFree(d_src));
+    CHECK_CUDA(cudaFree(d_dst));
+  }
+  CHECK_CUDA(cudaFree(dev));
+  CHECK_CUDA(cudaFreeHost(host));
+}
+
+void MeasureAttention(cudaStream_t s, int reps, std::vector<Row>* rows) {
+  constexpr int kLayers = 32, kQ = 32, kKv = 8, kD = 128, kSink = 64, kLocal = 512, kChunk = 32, kSlots = 46,
+                kPool = 128;
+  const size_t token = static_cast<size_t>(kKv) * kD * 2;  // bf16 bytes of K (or V) per token
+  struct Layer {
+    void *sink_k, *sink_v, *local_k, *local_v, *pool_k, *pool_v;
+  };
+  std::vector<Layer> layers(kLayers);
+  for (Layer& l : layers) {
+    CHECK_CUDA(cudaMalloc(&l.sink_k, kSink * token));
+    CHECK_CUDA(cudaMalloc(&l.sink_v, kSink * token));
+    CHECK_CUDA(cudaMalloc(&l.local_k, kLocal * token));
+    CHECK_CUDA(cudaMalloc(&l.local_v, kLocal * token));
+    CHECK_CUDA(cudaMalloc(&l.pool_k, kPool * kChunk * token));
+    CHECK_CUDA(cudaMalloc(&l.pool_v, kPool * kChunk * token));
+    // Every bf16 element 0x3a3a (about 7e-4): finite scores; the timing does not depend on values.
+    CHECK_CUDA(cudaMemset(l.sink_k, 0x3a, kSink * token));
+    CHECK_CUDA(cudaMemset(l.sink_v, 0x3a, kSink * token));
+    CHECK_CUDA(cudaMemset(l.local_k, 0x3a, kLocal * token));
+    CHECK_CUDA(cudaMemset(l.local_v, 0x3a, kLocal * token));
+    CHECK_CUDA(cudaMemset(l.pool_k, 0x3a, kPool * kChunk * token));
+    CHECK_CUDA(cudaMemset(l.pool_v, 0x3a, kPool * kChunk * token));
+  }
+  std::vector<int32_t> slot_index(kSlots);
+  std::vector<int64_t> slot_pos(kSlots);
+  std::mt19937 rng(2);
+  std::vector<int32_t> all(kPool);
+  for (int i = 0; i < kPool; ++i) all[i] = i;
+  std::shuffle(all.begin(), all.end(), rng);
+  for (int i = 0; i < kSlots; ++i) slot_index[i] = all[i], slot_pos[i] = kSink + static_cast<int64_t>(i) * kChunk;
+  int32_t* d_index = nullptr;
+  int64_t* d_pos = nullptr;
+  int64_t* d_qpos = nullptr;
+  float *d_q = nullptr, *d_out = nullptr, *d_lse = nullptr;
+  CHECK_CUDA(cudaMalloc(&d_index, kSlots * sizeof(int32_t)));
+  CHECK_CUDA(cudaMalloc(&d_pos, kSlots * sizeof(int64_t)));
+  CHECK_CUDA(cudaMalloc(&d_qpos, sizeof(int64_t)));
+  CHECK_CUDA(cudaMalloc(&d_q, kQ * kD * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&d_out, kQ * kD * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&d_lse, kQ * sizeof(float)));
+  CHECK_CUDA(cudaMemcpy(d_index, slot_index.data(), kSlots * sizeof(int32_t), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d_pos, slot_pos.data(), kSlots * sizeof(int64_t), cudaMemcpyHostToDevice));
+  const int64_t qpos = 1 << 20;
+  CHECK_CUDA(cudaMemcpy(d_qpos, &qpos, sizeof qpos, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemset(d_q, 0, kQ * kD * sizeof(float)));
+  std::vector<kvtier::kernels::SlotAttentionParams> params(kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    auto& p = params[l];
+    p.q_heads = kQ;
+    p.kv_heads = kKv;
+    p.head_dim = kD;
+    p.dtype = kvtier::DType::kBF16;
+    p.n_queries = 1;
+    p.q = d_q;
+    p.q_positions = d_qpos;
+    p.n_dense = 2;
+    p.dense[0] = {layers[l].sink_k, layers[l].sink_v, kSink, 0, nullptr};
+    p.dense[1] = {layers[l].local_k, layers[l].local_v, kLocal, qpos - kLocal + 1, nullptr};
+    p.pool_k = layers[l].pool_k;
+    p.pool_v = layers[l].pool_v;
+    p.pool_slots = kPool;
+    p.slot_tokens = kChunk;
+    p.n_slots = kSlots;
+    p.slot_index = d_index;
+    p.slot_first_position = d_pos;
+    p.out = d_out;
+    p.lse = d_lse;
+  }
+  const double attn_ms = MedianMs(s, reps, [&] {
+    for (const auto& p : params) CHECK_KERNEL(kc::LaunchSlotAttention(p, nullptr, 0, s));
+  });
+  const double kv_bytes = 2.0 * (kSink + kLocal + kSlots * kChunk) * token * kLayers;  // K and V read
+  const double attn_gbs = kv_bytes / attn_ms / 1e6;
+  // D2D copy bandwidth: read + write bytes per second of one large copy.
+  const size_t copy_bytes = size_t{1} << 30;
+  void *a = nullptr, *b = nullptr;
+  CHECK_CUDA(cudaMalloc(&a, copy_bytes));
+  CHECK_CUDA(cudaMalloc(&b, copy_bytes));
+  const double copy_ms = MedianMs(s, reps, [&] { CHECK_CUDA(cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice, s)); });
+  const double copy_gbs = 2.0 * copy_bytes / copy_ms / 1e6;
+  rows->push_back({"attention_decode_2k_llama3_8b", "slot_attention", attn_gbs, copy_gbs, attn_gbs / copy_gbs, 0.5,
+                   "GB/s"});
+  rows->push_back({"attention_decode_2k_llama3_8b", "step_ms_32_layers", attn_ms, 0, 0, 0, "ms"});
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(b));
+  for (Layer& l : layers)
+    for (void* p : {l.sink_k, l.sink_v, l.local_k, l.local_v, l.pool_k, l.pool_v}) CHECK_CUDA(cudaFree(p));
+  for (void* p : {static_cast<void*>(d_index), static_cast<void*>(d_pos), static_cast<void*>(d_qpos),
+                  static_cast<void*>(d_q), static_cast<void*>(d_out), static_cast<void*>(d_lse)})
+    CHECK_CUDA(cudaFree(p));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: %s OUT_DIR [--reps N]\n", argv[0]);
+    return 64;
+  }
+  const std::string out_dir = argv[1];
+  int reps = 20;
+  for (int i = 2; i + 1 < argc; ++i)
+    if (std::strcmp(argv[i], "--reps") == 0) reps = std::max(1, std::atoi(argv[i + 1]));
+  if (kc::DeviceCount() == 0) {
+    std::fprintf(stderr, "no CUDA device: %s\n", kc::LastCudaErrorString());
+    return 2;
+  }
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t s;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  std::vector<Row> rows;
+  MeasureH2D(s, reps, &rows);
+  MeasureAttention(s, reps, &rows);
+  size_t free_b = 0, total_b = 0;
+  CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  rows.push_back({"peak_memory", "cudaMemGetInfo_used", (total_b - free_b) / 1048576.0, total_b / 1048576.0,
+                  static_cast<double>(total_b - free_b) / total_b, 0, "MiB"});
+  std::printf("device: %s (sm_%d%d), reps %d\n", prop.name, prop.major, prop.minor, reps);
+  std::printf("%-32s %-20s %12s %12s %8s %8s\n", "measure", "method", "value", "baseline", "ratio", "target");
+  const std::string tsv = out_dir + "/gpu_bench.tsv";
+  FILE* f = std::fopen(tsv.c_str(), "w");
+  if (f == nullptr) {
+    std::fprintf(stderr, "cannot write %s\n", tsv.c_str());
+    return 1;
+  }
+  std::fprintf(f, "measure\tmethod\tvalue\tbaseline\tratio\ttarget\tunit\tdevice\n");
+  for (const Row& r : rows) {
+    std::printf("%-32s %-20s %12.3f %12.3f %8.3f %8.2f %s\n", r.name.c_str(), r.method.c_str(), r.value, r.baseline,
+                r.ratio, r.target, r.unit.c_str());
+    std::fprintf(f, "%s\t%s\t%.6g\t%.6g\t%.6g\t%.3g\t%s\t%s\n", r.name.c_str(), r.method.c_str(), r.value, r.baseline,
+                 r.ratio, r.target, r.unit.c_str(), prop.name);
+  }
+  std::fclose(f);
+  CHECK_CUDA(cudaStreamDestroy(s));
+  return 0;
+}

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# One command on a lent GPU machine (issue 13; ../shared/gpu/README.md): builds kvtier with
+# CUDA, runs the GPU tests, then the measurements, each a ratio against a baseline measured in
+# the same run, prints a short table and writes everything to OUT_DIR. Record the result in
+# docs/gpu.md.
+#
+#   bash scripts/gpu_check.sh OUT_DIR               build + GPU tests + measurements
+#   bash scripts/gpu_check.sh OUT_DIR --build-only  stop after the build (works without a GPU)
+#
+# Dependencies: when FAISS/RocksDB/oneTBB/GoogleTest are not installed and a .deps folder of
+# carried Debian packages sits in the project root (../shared/gpu/fetch-debs.sh .deps on a
+# machine with the registry), they are unpacked into $KVTIER_DEPS_PREFIX (default
+# /opt/kvdeps), never into /. Environment: KVTIER_GPU_BUILD (build dir, default build-gpu),
+# KVTIER_CUDA_ARCH (default 90: H100/H200), JOBS, KVTIER_RUN_TIMEOUT (s per kvtier run, 540).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR [--build-only]}
+MODE=${2:-}
+BUILD=${KVTIER_GPU_BUILD:-build-gpu}
+ARCH=${KVTIER_CUDA_ARCH:-90}
+JOBS=${JOBS:-$(nproc)}
+PREFIX=${KVTIER_DEPS_PREFIX:-/opt/kvdeps}
+RUN_TIMEOUT=${KVTIER_RUN_TIMEOUT:-540}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+LOG=$OUT/gpu_check.log
+: >"$LOG"
+log() { echo "[gpu_check $(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
+die() { log "FAILED: $*"; exit 1; }
+SUMMARY=$OUT/summary.tsv
+printf 'step\tresult\tdetail\n' >"$SUMMARY"
+note() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$SUMMARY"; }
+
+# ---- 1. dependencies ----------------------------------------------------------------------
+NVCC=${CUDACXX:-/usr/local/cuda/bin/nvcc}
+[ -x "$NVCC" ] || die "no nvcc at $NVCC (set CUDACXX)"
+log "nvcc: $("$NVCC" --version | tail -1)"
+if [ ! -e /usr/include/faiss/Index.h ] && [ ! -e "$PREFIX/usr/include/faiss/Index.h" ]; then
+  [ -d .deps ] || die "FAISS not installed and no .deps folder: run ../shared/gpu/fetch-debs.sh .deps on a machine with the registry"
+  log "unpacking .deps into $PREFIX"
+  bash scripts/unpack-debs.sh .deps "$PREFIX" >>"$LOG" 2>&1 || die "unpack-debs.sh"
+fi
+if [ -e "$PREFIX/usr/include/faiss/Index.h" ]; then
+  eval "$(bash scripts/unpack-debs.sh --env "$PREFIX")"
+  log "using dependencies from $PREFIX"
+fi
+
+# ---- 2. build ---------------------------------------------------------------------------------
+log "configure $BUILD (KVTIER_CUDA=on, sm_$ARCH)"
+t0=$(date +%s)
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVTIER_CUDA=on \
+  -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES="$ARCH" >"$OUT/configure.log" 2>&1 ||
+  { tail -30 "$OUT/configure.log"; die "configure (see $OUT/configure.log)"; }
+cmake --build "$BUILD" -j "$JOBS" --target kvtier_tests kvtier_cli kvtier_gpu_bench >"$OUT/build.log" 2>&1 ||
+  { grep -E "error|FAILED" "$OUT/build.log" | head -30; die "build (see $OUT/build.log)"; }
+note build ok "$(( $(date +%s) - t0 )) s"
+log "built in $(( $(date +%s) - t0 )) s"
+if [ "$MODE" = "--build-only" ]; then
+  log "--build-only: stopping after the build"
+  exit 0
+fi
+
+# ---- 3. the device ------------------------------------------------------------------------------
+if ! nvidia-smi -L >"$OUT/nvidia-smi.txt" 2>&1; then
+  cat "$OUT/nvidia-smi.txt" | tee -a "$LOG"
+  die "no GPU visible (nvidia-smi -L failed): built only"
+fi
+nvidia-smi >>"$OUT/nvidia-smi.txt" 2>&1
+log "device: $(head -1 "$OUT/nvidia-smi.txt")"
+
+# ---- 4. GPU tests: every kernel on the cuda backend against its CPU twin -------------------------
+"$BUILD/kvtier_tests" --gtest_filter='*/cuda:*Cuda*' --gtest_output="xml:$OUT/gpu_tests.xml" \
+  >"$OUT/gpu_tests.log" 2>&1
+rc=$?
+passed=$(grep -c '^\[       OK \]' "$OUT/gpu_tests.log")
+failed=$(grep -c '^\[  FAILED  \] .*(' "$OUT/gpu_tests.log")
+skipped=$(grep -c '^\[  SKIPPED \] .*(' "$OUT/gpu_tests.log")
+note gpu_tests "$([ $rc = 0 ] && echo ok || echo FAILED)" "passed $passed, failed $failed, skipped $skipped"
+log "GPU tests: rc $rc, passed $passed, failed $failed, skipped $skipped"
+grep -q "no CUDA device" "$OUT/gpu_tests.log" && log "WARNING: tests skipped for want of a device although nvidia-smi sees one"
+
+# ---- 5. measurements: transfers, attention vs copy bandwidth, memory ----------------------------
+"$BUILD/kvtier_gpu_bench" "$OUT" >"$OUT/gpu_bench.txt" 2>&1
+rc=$?
+note gpu_bench "$([ $rc = 0 ] && echo ok || echo FAILED)" "rc $rc; table in gpu_bench.txt, gpu_bench.tsv"
+log "gpu bench: rc $rc"
+
+# ---- 6. kvtier run --device cuda at 128K and 1M tokens vs full attention ---------------------------
+# Llama-3-8B geometry. run compares retrieval with full attention over the same data itself;
+# peak GPU memory is sampled with nvidia-smi while it runs (it must stay flat 128K -> 1M).
+for ctx in 131072 1048576; do
+  sample=$OUT/gpu_mem_$ctx.txt
+  (while :; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >>"$sample" 2>/dev/null; sleep 0.5; done) &
+  sampler=$!
+  timeout "$RUN_TIMEOUT" "$BUILD/kvtier" run --device cuda --context "$ctx" --geometry 32,32,8,128 --dtype bf16 \
+    --data-dir "$OUT/run-data-$ctx" --json "$OUT/run_$ctx.json" >"$OUT/run_$ctx.txt" 2>&1
+  rc=$?
+  kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+  rm -rf "$OUT/run-data-$ctx"
+  peak=$(sort -n "$sample" 2>/dev/null | tail -1)
+  note "run_$ctx" "$([ $rc = 0 ] && echo ok || echo "rc $rc")" "peak GPU MiB ${peak:-?}; $(tail -1 "$OUT/run_$ctx.txt")"
+  log "kvtier run --device cuda --context $ctx: rc $rc, peak GPU memory ${peak:-?} MiB"
+done
+
+# ---- 7. the table -------------------------------------------------------------------------------------
+echo
+echo "== kvtier gpu_check ($(head -1 "$OUT/nvidia-smi.txt")) =="
+column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"
+echo
+[ -s "$OUT/gpu_bench.txt" ] && cat "$OUT/gpu_bench.txt"
+echo
+echo "full results: $OUT"
