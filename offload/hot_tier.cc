@@ -6,6 +6,11 @@
 #include <map>
 #include <mutex>
 
+#if KVTIER_HAVE_CUDA
+#include "kernels/cuda/kernels.h"
+#include "offload/cuda_hot_tier.h"
+#endif
+
 namespace kvtier {
 
 Result<std::unique_ptr<HostHotTier>> HostHotTier::Create(size_t slot_pool_bytes, size_t slot_bytes) {
@@ -75,8 +80,24 @@ Result<HotTierFactory> FindFactory(const FactorySpec& spec) {
     auto it = r.factories.find(spec.name);
     if (it != r.factories.end()) return it->second;
   }
-  if (spec.name == kCudaName)
-    return Unavailable("hot tier \"cuda\": the GPU hot tier is not part of this build yet; use \"host\"");
+  if (spec.name == kCudaName) {
+#if KVTIER_HAVE_CUDA
+    if (!spec.params.empty())
+      return InvalidArgument("hot tier \"cuda\" takes no parameters (got \"" + spec.params[0].first + "\")");
+    // Asked here, not only in the factory, so that StoreOptions::Validate names the missing
+    // device before anything is opened.
+    if (kernels::cuda::DeviceCount() == 0)
+      return Unavailable(std::string("hot tier \"cuda\": no CUDA device: ") + kernels::cuda::LastCudaErrorString());
+    return HotTierFactory([](const FactorySpec&, size_t pool_bytes, size_t slot_bytes)
+                              -> Result<std::unique_ptr<HotTier>> {
+      KVTIER_ASSIGN_OR_RETURN(auto tier, CudaHotTier::Create(pool_bytes, slot_bytes));
+      return std::unique_ptr<HotTier>(std::move(tier));
+    });
+#else
+    return Unavailable("hot tier \"cuda\": this build has no CUDA (configure with KVTIER_CUDA=on where nvcc "
+                       "exists); use \"host\"");
+#endif
+  }
   return InvalidArgument("unknown hot tier \"" + spec.name + "\" (known: " + KnownNames() + ")");
 }
 

@@ -1,14 +1,14 @@
 // The hot tier: where attention reads KV from. It holds each (sequence,
 // layer)'s sinks and local ring, plus a pool of slots for retrieved chunks.
 //
-// This issue ships the host implementation; the GPU tier implements the same
-// interface with device memory (pointers it returns are then device pointers,
-// and Upload becomes an asynchronous H2D copy).
+// HostHotTier keeps it in host memory; CudaHotTier (offload/cuda_hot_tier.h,
+// builds with CUDA) implements the same interface with device memory: the
+// pointers it returns are device pointers.
 //
 // TieredStore does not name an implementation: it builds its hot tier from
 // StoreOptions::hot_tier (a factory string looked up in the registry below) or
 // from StoreOptions::hot_tier_factory (an engine's own tier). "host" is built
-// in; the GPU tier registers "cuda" when it exists.
+// in, and so is "cuda" (offload/cuda_hot_tier.h) in builds with CUDA.
 #pragma once
 
 #include <cstddef>
@@ -85,7 +85,7 @@ Status RegisterHotTier(const std::string& name, HotTierFactory factory);
 std::vector<std::string> HotTierNames();
 /// Checks `spec` without building anything: the same status MakeHotTier would give
 /// for a spec problem. InvalidArgument for a malformed spec or an unknown name;
-/// Unavailable for "cuda" while no GPU tier is registered.
+/// Unavailable for "cuda" in a build without CUDA or when no CUDA device is visible.
 Status CheckHotTierSpec(const std::string& spec);
 /// Builds the hot tier `spec` names ("host"; "host" takes no parameters).
 Result<std::unique_ptr<HotTier>> MakeHotTier(const std::string& spec, size_t slot_pool_bytes, size_t slot_bytes);

@@ -171,6 +171,14 @@ Status TieredStore::Init() {
                            std::to_string(hot_->slot_capacity()) + " slots of " + std::to_string(hot_->slot_bytes()) +
                            " bytes; the store needs at least one slot of one chunk (" + std::to_string(chunk_bytes_) +
                            " bytes)");
+  // The store reads hot memory on the host (ObserveQueries' attention, the views a Session
+  // attends over, the policies' scoring); a device tier's pointers are not readable there.
+  // Until the CUDA kernels (kernels/cuda) are wired into the store and the Session, such a
+  // tier (device() "cuda", HotTier's name for device memory) is refused with a clear status
+  // instead of being dereferenced.
+  if (std::string(hot_->device()) == "cuda")
+    return Unavailable("hot_tier \"cuda\": the store and the Session read hot memory on the host (attention, scoring), and the "
+                       "CUDA kernels are not wired into them yet; use \"host\"");
   KVTIER_ASSIGN_OR_RETURN(warm_, SlotPool::Create("warm_bytes", options_.warm_bytes, chunk_bytes_, true));
   KVTIER_ASSIGN_OR_RETURN(hot_policy_, MakeDemotionPolicy(options_.hot_policy));
   KVTIER_ASSIGN_OR_RETURN(warm_policy_, MakeDemotionPolicy(options_.warm_policy));

@@ -73,7 +73,8 @@ struct StoreOptions {
   std::string warm_policy = "lru";     ///< demotion policy of the warm tier
   int transfer_threads = 2;            ///< concurrency of the asynchronous transfer arena
   /// The hot tier, by factory string (offload/hot_tier.h's registry): "host" (host
-  /// memory). "cuda" is reserved for the GPU tier and is Unavailable until it is built.
+  /// memory) or "cuda" (CudaHotTier, GPU memory), which is Unavailable for now: without a
+  /// CUDA build or device, and with one because the store reads hot memory on the host.
   std::string hot_tier = "host";
   /// An engine's own hot tier: when set, the store calls it (with hot_bytes and the
   /// chunk size) instead of looking up hot_tier, which is then ignored. The tier must

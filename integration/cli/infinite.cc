@@ -449,6 +449,8 @@ int RunInfinite(int argc, char** argv) {
     o.hot_set = true;
     return ParseBytes(s, &o.store.hot_bytes);
   }));
+  f.Add("device", "where the hot tier lives: cpu | cuda (GPU memory: needs a CUDA build and a device)",
+        cli::DeviceFlag(&o.store.hot_tier));
   f.Add("warm-bytes", "warm tier; less than every chunk needs --data-dir",
         WithDefault("every chunk", [&o](const std::string& s) {
           o.warm_set = true;

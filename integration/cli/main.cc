@@ -56,6 +56,8 @@ void AddStoreFlags(FlagSet* f, StoreOptions* o) {
   f->Add("local", "local-window tokens kept hot", IntFlag(&o->n_local, 1, 1 << 24));
   f->Add("repr-topk", "representative keys per head per chunk", IntFlag(&o->repr_topk, 1, 1 << 16));
   f->Add("hot-bytes", "hot slot pool for retrieved chunks (K/M/G suffixes)", BytesFlag(&o->hot_bytes));
+  f->Add("device", "where the hot tier lives: cpu | cuda (GPU memory: needs a CUDA build and a device)",
+         cli::DeviceFlag(&o->hot_tier));
   f->Add("warm-bytes", "warm tier capacity (K/M/G suffixes)", BytesFlag(&o->warm_bytes));
   f->Add("data-dir", "cold tier (RocksDB) directory", cli::PathFlag(&o->data_dir));
   f->Add("compression", "cold tier compression none|lz4|zstd",

@@ -1,0 +1,92 @@
+#include "offload/cuda_hot_tier.h"
+
+#if KVTIER_HAVE_CUDA
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "kernels/cuda/kernels.h"
+
+namespace kvtier {
+namespace {
+
+std::string CudaMessage(cudaError_t e) { return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e); }
+
+}  // namespace
+
+Result<std::unique_ptr<CudaHotTier>> CudaHotTier::Create(size_t slot_pool_bytes, size_t slot_bytes) {
+  if (slot_bytes == 0) return InvalidArgument("hot tier \"cuda\": slot_bytes must be > 0");
+  const size_t n = slot_pool_bytes / slot_bytes;
+  if (n < 1)
+    return InvalidArgument("hot_bytes (" + std::to_string(slot_pool_bytes) + ") holds no slot of " +
+                           std::to_string(slot_bytes) + " bytes");
+  if (n > static_cast<size_t>(INT32_MAX)) return InvalidArgument("hot tier \"cuda\": too many slots");
+  if (kernels::cuda::DeviceCount() == 0)
+    return Unavailable(std::string("hot tier \"cuda\": no CUDA device: ") + kernels::cuda::LastCudaErrorString());
+  auto tier = std::unique_ptr<CudaHotTier>(new CudaHotTier(static_cast<int32_t>(n), slot_bytes));
+  cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&tier->pool_), n * slot_bytes);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return ResourceExhausted("hot tier \"cuda\": cudaMalloc of " + std::to_string(n * slot_bytes) +
+                             " bytes for the slot pool failed (" + CudaMessage(e) + ")");
+  }
+  cudaStream_t s = nullptr;
+  if ((e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)) != cudaSuccess)
+    return Internal("hot tier \"cuda\": cudaStreamCreate: " + CudaMessage(e));
+  tier->stream_ = s;
+  cudaEvent_t ev = nullptr;
+  if ((e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) != cudaSuccess)
+    return Internal("hot tier \"cuda\": cudaEventCreate: " + CudaMessage(e));
+  tier->done_ = ev;
+  return tier;
+}
+
+CudaHotTier::~CudaHotTier() {
+  if (stream_) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  if (done_) cudaEventDestroy(static_cast<cudaEvent_t>(done_));
+  if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+  if (pool_) cudaFree(pool_);
+}
+
+void CudaHotTier::ReleaseSlot(int32_t slot) {
+  if (!book_.Release(slot).ok()) ++bad_releases_;
+}
+
+Result<uint8_t*> CudaHotTier::AllocateRegion(size_t bytes) {
+  if (bytes == 0) return InvalidArgument("hot region size must be > 0");
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return ResourceExhausted("hot tier \"cuda\": cudaMalloc of " + std::to_string(bytes) + " bytes failed (" +
+                             CudaMessage(e) + ")");
+  }
+  return static_cast<uint8_t*>(p);
+}
+
+void CudaHotTier::FreeRegion(uint8_t* region, size_t) {
+  // cudaFree synchronises the device: a region is freed only when its sequence is dropped.
+  if (region) cudaFree(region);
+}
+
+Status CudaHotTier::Copy(void* dst, const void* src, size_t bytes, bool to_device) {
+  if (bytes == 0) return Status::Ok();
+  cudaStream_t s = static_cast<cudaStream_t>(stream_);
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, s);
+  if (e == cudaSuccess) e = cudaEventRecord(static_cast<cudaEvent_t>(done_), s);
+  // HotTier's contract: the bytes are in place on return (the store reads them next).
+  if (e == cudaSuccess) e = cudaEventSynchronize(static_cast<cudaEvent_t>(done_));
+  if (e != cudaSuccess)
+    return IOError(std::string("hot tier \"cuda\": ") + (to_device ? "upload" : "download") + " of " +
+                   std::to_string(bytes) + " bytes failed (" + CudaMessage(e) + ")");
+  return Status::Ok();
+}
+
+Status CudaHotTier::Upload(uint8_t* dst, const void* src, size_t bytes) { return Copy(dst, src, bytes, true); }
+
+Status CudaHotTier::Download(void* dst, const uint8_t* src, size_t bytes) { return Copy(dst, src, bytes, false); }
+
+}  // namespace kvtier
+
+#endif  // KVTIER_HAVE_CUDA

@@ -1,0 +1,67 @@
+// CudaHotTier: the hot tier in GPU memory (issue 13). The retrieved-chunk slot pool is one
+// cudaMalloc of capacity x slot_bytes; sinks and local rings are regions of their own
+// (cudaMalloc each). Every pointer it returns is a DEVICE pointer. Upload and Download copy
+// on the tier's own transfer stream (cudaStreamNonBlocking, so they overlap the compute
+// stream) and wait for an event recorded after the copy: HotTier's contract is that the bytes
+// are in place when the call returns. Slot bookkeeping is SlotBook (host-only, tested on CPU).
+//
+// Built only with KVTIER_HAVE_CUDA; MakeHotTier("cuda") finds it then, and answers
+// Unavailable "no CUDA device: ..." when the driver sees none. TieredStore refuses a hot
+// tier whose device() is not "cpu" for now: its attention, scoring and policy code reads hot
+// memory on the host (the CUDA kernels in kernels/cuda are not wired into the store and the
+// Session yet). NEVER RUN ON A GPU: written and compiled without one.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "offload/hot_tier.h"
+#include "offload/slot_book.h"
+#include "store/status.h"
+
+namespace kvtier {
+
+#if KVTIER_HAVE_CUDA
+
+class CudaHotTier final : public HotTier {
+ public:
+  /// slot_pool_bytes / slot_bytes slots (at least one) on the current device.
+  /// Unavailable "no CUDA device: ..." without a device; ResourceExhausted when cudaMalloc fails.
+  static Result<std::unique_ptr<CudaHotTier>> Create(size_t slot_pool_bytes, size_t slot_bytes);
+  ~CudaHotTier() override;
+  CudaHotTier(const CudaHotTier&) = delete;
+  CudaHotTier& operator=(const CudaHotTier&) = delete;
+
+  const char* device() const override { return "cuda"; }
+  int32_t slot_capacity() const override { return book_.capacity(); }
+  int32_t slots_used() const override { return book_.used(); }
+  size_t slot_bytes() const override { return slot_bytes_; }
+  int32_t AcquireSlot() override { return book_.Acquire(); }
+  /// A bad release (outside the pool, or not taken) changes nothing and is counted.
+  void ReleaseSlot(int32_t slot) override;
+  uint8_t* slot_data(int32_t slot) override { return pool_ + static_cast<size_t>(slot) * slot_bytes_; }
+  Result<uint8_t*> AllocateRegion(size_t bytes) override;
+  void FreeRegion(uint8_t* region, size_t bytes) override;
+  Status Upload(uint8_t* dst, const void* src, size_t bytes) override;
+  Status Download(void* dst, const uint8_t* src, size_t bytes) override;
+
+  /// The transfer stream (a cudaStream_t) for kernels that should order after uploads.
+  void* stream() const { return stream_; }
+  uint64_t bad_releases() const { return bad_releases_; }
+
+ private:
+  CudaHotTier(int32_t capacity, size_t slot_bytes) : book_(capacity), slot_bytes_(slot_bytes) {}
+  Status Copy(void* dst, const void* src, size_t bytes, bool to_device);
+
+  SlotBook book_;
+  size_t slot_bytes_;
+  uint8_t* pool_ = nullptr;  // device memory: slot_capacity x slot_bytes
+  void* stream_ = nullptr;   // cudaStream_t
+  void* done_ = nullptr;     // cudaEvent_t recorded after each copy
+  uint64_t bad_releases_ = 0;
+};
+
+#endif  // KVTIER_HAVE_CUDA
+
+}  // namespace kvtier

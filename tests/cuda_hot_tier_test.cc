@@ -1,0 +1,181 @@
+// The CUDA hot tier's host-side parts, on any machine: SlotBook (its slot bookkeeping), the
+// "cuda" hot tier spec and --device cuda answering Unavailable with the reason instead of
+// crashing. With a device (never so far: docs/gpu.md), CudaHotTier's copies round-trip.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <utility>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "offload/cuda_hot_tier.h"
+#include "offload/hot_tier.h"
+#include "offload/slot_book.h"
+#include "offload/tiered_store.h"
+
+#if KVTIER_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/kernels.h"
+#endif
+
+namespace kvtier {
+namespace {
+
+TEST(SlotBook, HandsOutEverySlotOnceAndTakesThemBack) {
+  SlotBook book(5);
+  EXPECT_EQ(book.capacity(), 5);
+  std::set<int32_t> got;
+  for (int i = 0; i < 5; ++i) {
+    const int32_t s = book.Acquire();
+    ASSERT_GE(s, 0);
+    ASSERT_LT(s, 5);
+    EXPECT_TRUE(got.insert(s).second) << "slot " << s << " handed out twice";
+  }
+  EXPECT_EQ(book.Acquire(), -1);  // full
+  EXPECT_EQ(book.used(), 5);
+  ASSERT_TRUE(book.Release(3).ok());
+  EXPECT_EQ(book.used(), 4);
+  EXPECT_EQ(book.Acquire(), 3);  // the freed one comes back
+}
+
+TEST(SlotBook, RefusesReleasesThatWouldHandOutOneSlotTwice) {
+  SlotBook book(2);
+  const int32_t a = book.Acquire();
+  ASSERT_TRUE(book.Release(a).ok());
+  const Status again = book.Release(a);
+  EXPECT_EQ(again.code(), StatusCode::kFailedPrecondition) << again.ToString();
+  EXPECT_EQ(book.Release(2).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(book.Release(-1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(book.used(), 0);
+  // Nothing changed: both slots are handed out exactly once more.
+  const int32_t x = book.Acquire(), y = book.Acquire();
+  EXPECT_NE(x, y);
+  EXPECT_EQ(book.Acquire(), -1);
+  EXPECT_EQ(SlotBook(0).Acquire(), -1);
+}
+
+bool HaveDevice() {
+#if KVTIER_HAVE_CUDA
+  return kernels::cuda::DeviceCount() > 0;
+#else
+  return false;
+#endif
+}
+
+TEST(CudaHotTier, SpecIsUnavailableWithTheReasonWithoutADevice) {
+  if (HaveDevice()) GTEST_SKIP() << "a CUDA device is present: covered by CopiesRoundTripThroughDeviceMemory";
+  const size_t slot = 4096;
+  const Status check = CheckHotTierSpec("cuda");
+  EXPECT_EQ(check.code(), StatusCode::kUnavailable) << check.ToString();
+#if KVTIER_HAVE_CUDA
+  EXPECT_NE(check.message().find("no CUDA device"), std::string::npos) << check.ToString();
+#else
+  EXPECT_NE(check.message().find("no CUDA"), std::string::npos) << check.ToString();
+#endif
+  auto tier = MakeHotTier("cuda", 4 * slot, slot);
+  ASSERT_FALSE(tier.ok());
+  EXPECT_EQ(tier.status().code(), StatusCode::kUnavailable);
+}
+
+#if KVTIER_HAVE_CUDA
+TEST(CudaHotTier, CopiesRoundTripThroughDeviceMemory) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();
+  const size_t slot = 8192;
+  auto made = CudaHotTier::Create(3 * slot + 100, slot);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  CudaHotTier& t = **made;
+  EXPECT_STREQ(t.device(), "cuda");
+  EXPECT_EQ(t.slot_capacity(), 3);
+  std::vector<uint8_t> in(slot), out(slot, 0);
+  for (size_t i = 0; i < slot; ++i) in[i] = static_cast<uint8_t>(i * 7 + 1);
+  const int32_t s = t.AcquireSlot();
+  ASSERT_GE(s, 0);
+  ASSERT_TRUE(t.Upload(t.slot_data(s), in.data(), slot).ok());
+  ASSERT_TRUE(t.Download(out.data(), t.slot_data(s), slot).ok());
+  EXPECT_EQ(in, out);
+  auto region = t.AllocateRegion(1000);
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  std::fill(out.begin(), out.end(), 0);
+  ASSERT_TRUE(t.Upload(*region, in.data(), 1000).ok());
+  ASSERT_TRUE(t.Download(out.data(), *region, 1000).ok());
+  EXPECT_EQ(0, std::memcmp(in.data(), out.data(), 1000));
+  t.FreeRegion(*region, 1000);
+  t.ReleaseSlot(s);
+  t.ReleaseSlot(s);  // a double release is counted, not obeyed
+  EXPECT_EQ(t.bad_releases(), 1u);
+  EXPECT_EQ(t.slots_used(), 0);
+}
+#endif
+
+TEST(CudaHotTier, StoreRefusesTheCudaTierWithAClearStatus) {
+  // Whatever the machine: no CUDA build, no device, or a device whose memory the store would
+  // read on the host -- Open answers Unavailable naming hot_tier, never crashes.
+  StoreOptions o;
+  o.geometry.layers = 1;
+  o.geometry.q_heads = 2;
+  o.geometry.kv_heads = 1;
+  o.geometry.head_dim = 8;
+  o.chunk_size = 4;
+  o.n_sink = 4;
+  o.n_local = 8;
+  o.repr_topk = 1;
+  o.hot_bytes = 8 * o.chunk_bytes();
+  o.warm_bytes = 16 * o.chunk_bytes();
+  o.data_dir = "";
+  o.hot_tier = "cuda";
+  auto s = TieredStore::Open(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status().ToString();
+  EXPECT_NE(s.status().message().find("hot_tier"), std::string::npos) << s.status().ToString();
+}
+
+// Host memory that says it is device memory: the guard must go by device(), so an engine's
+// injected GPU tier is refused the same way on a machine without a GPU.
+class DeclaresCuda final : public HotTier {
+ public:
+  explicit DeclaresCuda(std::unique_ptr<HotTier> inner) : inner_(std::move(inner)) {}
+  const char* device() const override { return "cuda"; }
+  int32_t slot_capacity() const override { return inner_->slot_capacity(); }
+  int32_t slots_used() const override { return inner_->slots_used(); }
+  size_t slot_bytes() const override { return inner_->slot_bytes(); }
+  int32_t AcquireSlot() override { return inner_->AcquireSlot(); }
+  void ReleaseSlot(int32_t slot) override { inner_->ReleaseSlot(slot); }
+  uint8_t* slot_data(int32_t slot) override { return inner_->slot_data(slot); }
+  Result<uint8_t*> AllocateRegion(size_t bytes) override { return inner_->AllocateRegion(bytes); }
+  void FreeRegion(uint8_t* region, size_t bytes) override { inner_->FreeRegion(region, bytes); }
+  Status Upload(uint8_t* dst, const void* src, size_t bytes) override { return inner_->Upload(dst, src, bytes); }
+  Status Download(void* dst, const uint8_t* src, size_t bytes) override { return inner_->Download(dst, src, bytes); }
+
+ private:
+  std::unique_ptr<HotTier> inner_;
+};
+
+TEST(CudaHotTier, StoreRefusesAnInjectedDeviceTier) {
+  StoreOptions o;
+  o.geometry.layers = 1;
+  o.geometry.q_heads = 2;
+  o.geometry.kv_heads = 1;
+  o.geometry.head_dim = 8;
+  o.chunk_size = 4;
+  o.n_sink = 4;
+  o.n_local = 8;
+  o.repr_topk = 1;
+  o.hot_bytes = 8 * o.chunk_bytes();
+  o.warm_bytes = 16 * o.chunk_bytes();
+  o.data_dir = "";
+  o.hot_tier_factory = [](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
+    KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier("host", pool, slot));
+    return std::unique_ptr<HotTier>(std::make_unique<DeclaresCuda>(std::move(inner)));
+  };
+  auto s = TieredStore::Open(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status().ToString();
+  EXPECT_NE(s.status().message().find("not wired"), std::string::npos) << s.status().ToString();
+}
+
+}  // namespace
+}  // namespace kvtier
