@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "offload/clock.h"
@@ -53,14 +54,32 @@ struct LayerState {
   int64_t sealed_end = 0;     // first position not yet in a chunk (>= n_sink once sinks are full)
   bool sinks_restored = true; // false for a recovered sequence without a sinks record
   std::vector<Chunk*> chunks; // by chunk index; null for a dropped chunk or a hole left by a crash
+  // Of an attached sequence: chunks [0, shared_chunks) are the publisher's (remote only, never
+  // written or deleted here); later ones are this store's own. Fixed at attach.
+  uint64_t shared_chunks = 0;
 };
+
+struct Sequence;
+/// Whether chunk `key` of `s` is a publisher's chunk (see Sequence::attached).
+bool SharedChunk(const Sequence* s, const ChunkKey& key);
 
 struct Sequence {
   SequenceId id = 0;
   SeqState state = SeqState::kOpen;
   std::vector<LayerState> layers;
   int busy = 0;  // operations in progress that must finish before a drop
+  // Attached from another store's publication (TieredStore::AttachPublished): its shared
+  // chunks (LayerState::shared_chunks) live only in the remote tier under the publisher's
+  // namespace and sequence id; tokens appended here are this store's own.
+  // Set before the sequence becomes visible and never changed: read without the lock.
+  bool attached = false;
+  std::string remote_ns;
+  SequenceId remote_seq = 0;
 };
+
+inline bool SharedChunk(const Sequence* s, const ChunkKey& key) {
+  return s->attached && key.index < s->layers[key.layer].shared_chunks;
+}
 
 }  // namespace store_internal
 }  // namespace kvtier

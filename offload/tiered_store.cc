@@ -4,6 +4,9 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <unistd.h>
+
+#include "store/coding.h"
 
 #include "offload/representatives.h"
 #include "offload/store_records.h"
@@ -76,6 +79,17 @@ Status StoreOptions::Validate() const {
     if (!h.ok()) return Status(h.code(), "hot_tier: " + h.message());
   }
   if (clock == nullptr) return InvalidArgument("clock must not be null (the default is the steady clock)");
+  if (!remote.empty()) {
+    auto r = ParseRemoteSpec(remote);
+    if (!r.ok()) return InvalidArgument("remote: " + r.status().message());
+  }
+  if (!remote_namespace.empty()) {
+    RemoteTierOptions ro;
+    ro.endpoints.push_back(RedisEndpoint{"localhost", 6379});
+    ro.ns = remote_namespace;
+    Status st = ro.Validate();
+    if (!st.ok()) return InvalidArgument("remote_namespace: " + st.message());
+  }
   return Status::Ok();
 }
 
@@ -191,11 +205,28 @@ Status TieredStore::Init() {
     co.accept_lost_chunks = options_.accept_lost_chunks;
     KVTIER_ASSIGN_OR_RETURN(cold_, ColdTier::Open(co));
   }
+  if (!options_.remote.empty()) {
+    KVTIER_ASSIGN_OR_RETURN(RemoteTierOptions ro, ParseRemoteSpec(options_.remote));
+    if (!options_.remote_namespace.empty()) {
+      ro.ns = options_.remote_namespace;
+    } else {
+      // Sequence ids restart at 1 in every store: a namespace of its own per Open keeps
+      // two stores on one Redis from overwriting each other's chunks.
+      char host[64] = {0};
+      gethostname(host, sizeof(host) - 1);
+      std::string h;
+      for (const char* p = host; *p; ++p) h += std::isalnum(static_cast<unsigned char>(*p)) ? *p : '-';
+      ro.ns = (h.empty() ? "host" : h) + "-" + std::to_string(getpid()) + "-" +
+              std::to_string(std::chrono::system_clock::now().time_since_epoch().count());
+    }
+    KVTIER_ASSIGN_OR_RETURN(remote_, RemoteTier::Open(ro));
+  }
   TransferEngine::Options eo;
   eo.threads = options_.transfer_threads;
   eo.chunk_bytes = chunk_bytes_;
   eo.hot = hot_.get();
   eo.cold = cold_.get();
+  eo.remote = remote_.get();
   KVTIER_ASSIGN_OR_RETURN(engine_, TransferEngine::Create(eo));
   if (cold_) {
     RecoveredStore rec;
@@ -361,14 +392,14 @@ Status TieredStore::MakeWarmRoom(std::unique_lock<std::mutex>& lock) {
     };
     if (DropWarmCopyLocked()) continue;
     uint64_t victim_id = 0;
-    if (cold_ && warm_policy_->PickVictim(movable, &victim_id)) {
+    if (has_lower() && warm_policy_->PickVictim(movable, &victim_id)) {
       // Not yet in cold: write it, and only then let it leave warm.
       KVTIER_RETURN_IF_ERROR(WriteWarmChunkToColdLocked(lock, chunk_by_id_.at(victim_id)));
       continue;
     }
-    if (!cold_)
+    if (!has_lower())
       return ResourceExhausted("warm tier is full (" + std::to_string(warm_->capacity()) +
-                               " chunks) and there is no cold tier to demote to (data_dir is empty)");
+                               " chunks) and there is no cold tier (data_dir) or remote tier (remote) to demote to");
     // Every warm chunk is busy (being copied or written): wait for one to finish.
     cv_.wait_for(lock, std::chrono::milliseconds(100));
   }
@@ -408,9 +439,12 @@ Status TieredStore::WriteCold(Chunk* c, const uint8_t* payload, float score) {
 std::function<void(const ChunkKey&)> TieredStore::AckColdWriteLocked(Chunk* c) {
   if (!c->cold_acked) {
     c->cold_acked = true;
-    c->tiers |= kTierCold;
-    counters_.cold_chunks++;
-    counters_.cold_bytes += chunk_bytes_;
+    if (cold_) {
+      c->tiers |= kTierCold;
+      counters_.cold_chunks++;
+      counters_.cold_bytes += chunk_bytes_;
+    }
+    if (remote_) c->tiers |= kTierRemote;
     counters_.cold_writes++;
     counters_.bytes_moved += chunk_bytes_;
   }
@@ -471,7 +505,7 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
   counters_.chunks_sealed++;
   counters_.bytes_moved += chunk_bytes_;
   ls.sealed_end += options_.chunk_size;
-  if (options_.write_through && cold_) {
+  if (options_.write_through && has_lower()) {
     c->cold_writing = true;  // keeps the warm pin until the write is done
     const uint8_t* payload = warm_->slot_data(c->warm_slot);
     const float score = c->score;  // snapshot under the lock (see Chunk::score)
@@ -700,8 +734,7 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
       if (src == nullptr) {
         st = ReturnOnBadAlloc("ReadTokens: a cold chunk's staging buffer",
                               [&] { staging.resize(chunk_bytes_); return Status::Ok(); });
-        if (st.ok()) st = cold_ ? cold_->GetChunk(c->key, staging.data(), chunk_bytes_)
-                   : Internal("chunk " + c->key.ToString() + " is in no tier");
+        if (st.ok()) st = ReadLowerTier(s, c, staging.data());
         src = staging.data();
         if (st.ok()) { std::lock_guard<std::mutex> l(mu_); counters_.cold_reads++; }
       }
@@ -874,6 +907,13 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
       TransferEngine::Load ld;
       ld.key = c->key;
       ld.hot_dst = hot_->slot_data(c->hot_slot);
+      ld.remote_ref.key = c->key;
+      if (const Sequence* s = sequences_.at(c->key.seq).get(); store_internal::SharedChunk(s, c->key)) {
+        // Its bytes sit under the publisher's namespace and sequence id, in no local tier.
+        ld.remote_ref.ns = &s->remote_ns;
+        ld.remote_ref.key.seq = s->remote_seq;
+        ld.in_cold = false;
+      }
       int32_t read_slot = -1;
       if (c->warm_slot >= 0) {
         c->warm_pins++;
@@ -914,6 +954,9 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
     if (ld.status.ok()) {
       counters_.promotions++;
       counters_.bytes_moved += chunk_bytes_;
+      if (ld.source == 'w') counters_.warm_loads++;
+      else if (ld.source == 'c') counters_.cold_loads++;
+      else if (ld.source == 'r') counters_.remote_loads++;
     } else if (first_error.ok()) {
       first_error = ld.status;
     }
@@ -979,7 +1022,7 @@ Status TieredStore::CloseSequence(SequenceId seq) {
     s->busy++;
   }
   Status st;
-  if (cold_) {
+  if (has_lower()) {
     // Every chunk must be acknowledged before the record says "closed".
     for (auto& ls : s->layers) {
       for (Chunk* c : ls.chunks) {
@@ -992,22 +1035,13 @@ Status TieredStore::CloseSequence(SequenceId seq) {
       }
       if (!st.ok()) break;
     }
+  }
+  if (cold_ && !s->attached) {  // an attached sequence is not persisted here (its publisher holds it)
     std::vector<int64_t> n_tokens;
     for (int l = 0; l < options_.geometry.layers && st.ok(); ++l) {
-      LayerState& ls = s->layers[l];
-      n_tokens.push_back(ls.n_tokens);
-      const int64_t n_sink_tokens = std::min<int64_t>(ls.n_tokens, options_.n_sink);
-      std::string sinks(2 * n_sink_tokens * token_bytes_, '\0');
-      st = hot_->Download(sinks.data(), ls.sink_k, n_sink_tokens * token_bytes_);
-      if (st.ok()) st = hot_->Download(sinks.data() + n_sink_tokens * token_bytes_, ls.sink_v, n_sink_tokens * token_bytes_);
-      const int64_t n_local = ls.n_tokens - std::max<int64_t>(ls.sealed_end, n_sink_tokens);
-      std::string local(2 * n_local * token_bytes_, '\0');
-      if (st.ok() && n_local > 0) {
-        std::vector<uint8_t> k(n_local * token_bytes_), v(n_local * token_bytes_);
-        st = ReadTokens(seq, l, ls.n_tokens - n_local, ls.n_tokens, k.data(), v.data());
-        std::memcpy(local.data(), k.data(), k.size());
-        std::memcpy(local.data() + k.size(), v.data(), v.size());
-      }
+      n_tokens.push_back(s->layers[l].n_tokens);
+      std::string sinks, local;
+      st = CopySinksAndLocal(seq, s, l, &sinks, &local);
       if (st.ok()) st = cold_->PutBlob(seq, l, store_records::kSinksBlob, sinks.data(), sinks.size());
       if (st.ok()) st = cold_->PutBlob(seq, l, store_records::kLocalBlob, local.data(), local.size());
     }
@@ -1023,10 +1057,47 @@ Status TieredStore::CloseSequence(SequenceId seq) {
   return st;
 }
 
+Status TieredStore::CopySinksAndLocal(SequenceId seq, Sequence* s, int l, std::string* sinks, std::string* local) {
+  LayerState& ls = s->layers[l];
+  const int64_t n_sink_tokens = std::min<int64_t>(ls.n_tokens, options_.n_sink);
+  sinks->assign(2 * n_sink_tokens * token_bytes_, '\0');
+  Status st = hot_->Download(sinks->data(), ls.sink_k, n_sink_tokens * token_bytes_);
+  if (st.ok()) st = hot_->Download(sinks->data() + n_sink_tokens * token_bytes_, ls.sink_v, n_sink_tokens * token_bytes_);
+  const int64_t n_local = ls.n_tokens - std::max<int64_t>(ls.sealed_end, n_sink_tokens);
+  local->assign(2 * std::max<int64_t>(0, n_local) * token_bytes_, '\0');
+  if (st.ok() && n_local > 0) {
+    std::vector<uint8_t> k(n_local * token_bytes_), v(n_local * token_bytes_);
+    st = ReadTokens(seq, l, ls.n_tokens - n_local, ls.n_tokens, k.data(), v.data());
+    std::memcpy(local->data(), k.data(), k.size());
+    std::memcpy(local->data() + k.size(), v.data(), v.size());
+  }
+  return st;
+}
+
+Status TieredStore::ReadLowerTier(const Sequence* s, const Chunk* c, void* dst) {
+  Status cold_st;
+  const bool shared = store_internal::SharedChunk(s, c->key);
+  if (cold_ && !shared) {
+    cold_st = cold_->GetChunk(c->key, dst, chunk_bytes_);
+    if (cold_st.ok() || !remote_) return cold_st;
+  }
+  if (!remote_) return Internal("chunk " + c->key.ToString() + " is in no tier");
+  RemoteChunkRef ref;
+  ref.key = c->key;
+  if (shared) {
+    ref.ns = &s->remote_ns;
+    ref.key.seq = s->remote_seq;
+  }
+  // The remote copy serves what the local disk lost or damaged; both failures are reported.
+  Status st = remote_->GetChunk(ref, dst, chunk_bytes_);
+  if (!st.ok() && !cold_st.ok()) return Status(st.code(), cold_st.message() + "; " + st.message());
+  return st;
+}
+
 void TieredStore::FreeChunkLocked(Chunk* c) {
   if (c->warm_slot >= 0) { warm_->Release(c->warm_slot); warm_policy_->OnRemove(c->id); }
   if (c->hot_slot >= 0) { hot_->ReleaseSlot(c->hot_slot); hot_policy_->OnRemove(c->id); }
-  if (c->cold_acked && counters_.cold_chunks > 0) { counters_.cold_chunks--; counters_.cold_bytes -= chunk_bytes_; }
+  if (c->cold_acked && (c->tiers & kTierCold) && counters_.cold_chunks > 0) { counters_.cold_chunks--; counters_.cold_bytes -= chunk_bytes_; }
   chunk_by_id_.erase(c->id);
   delete c;
 }
@@ -1044,9 +1115,12 @@ Status TieredStore::DropSequence(SequenceId seq) {
         if (c && (c->warm_pins > 0 || c->cold_writing || c->hot_loading)) return false;
     return true;
   });
+  std::vector<ChunkKey> remote_keys;  // an attached sequence's chunks belong to its publisher
   for (auto& ls : s->layers) {
-    for (Chunk* c : ls.chunks)
+    for (Chunk* c : ls.chunks) {
+      if (c && remote_ && !store_internal::SharedChunk(s, c->key) && (c->tiers & kTierRemote)) remote_keys.push_back(c->key);
       if (c) FreeChunkLocked(c);
+    }
     ls.chunks.clear();
     const size_t ring = static_cast<size_t>(options_.n_local + options_.chunk_size);
     hot_->FreeRegion(ls.sink_k, 0); hot_->FreeRegion(ls.sink_v, 0);
@@ -1056,10 +1130,9 @@ Status TieredStore::DropSequence(SequenceId seq) {
   sequences_.erase(it);
   counters_.warm_chunks = warm_->used();
   counters_.hot_chunks = hot_->slots_used();
-  if (cold_) {
-    l.unlock();
-    KVTIER_RETURN_IF_ERROR(cold_->DeleteSequence(seq));
-  }
+  l.unlock();
+  if (cold_) KVTIER_RETURN_IF_ERROR(cold_->DeleteSequence(seq));
+  if (!remote_keys.empty()) KVTIER_RETURN_IF_ERROR(remote_->DeleteChunks(remote_keys));
   return Status::Ok();
 }
 
@@ -1086,7 +1159,7 @@ Status TieredStore::SetChunkScores(SequenceId seq, int layer, const std::vector<
 }
 
 Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices) {
-  std::vector<ChunkKey> cold_keys;
+  std::vector<ChunkKey> cold_keys, remote_keys;
   {
     std::unique_lock<std::mutex> l(mu_);
     Sequence* s = nullptr;
@@ -1114,7 +1187,9 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
     for (uint64_t idx : chunk_indices) {
       Chunk* c = ls.chunks[idx];
       if (c == nullptr) continue;
-      if (c->cold_acked || c->cold_writing) cold_keys.push_back(c->key);
+      if (cold_ && (c->cold_acked || c->cold_writing)) cold_keys.push_back(c->key);
+      if (remote_ && !store_internal::SharedChunk(s, c->key) && (c->cold_acked || c->cold_writing))
+        remote_keys.push_back(c->key);
       FreeChunkLocked(c);
       ls.chunks[idx] = nullptr;
       counters_.dropped_chunks++;
@@ -1126,6 +1201,7 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
   // survive a reopen.
   if (cold_)
     for (const ChunkKey& k : cold_keys) KVTIER_RETURN_IF_ERROR(cold_->DeleteChunk(k));
+  if (!remote_keys.empty()) KVTIER_RETURN_IF_ERROR(remote_->DeleteChunks(remote_keys));
   return Status::Ok();
 }
 
@@ -1136,6 +1212,16 @@ StoreCounters TieredStore::counters() const {
   c.hot_bytes = c.hot_chunks * chunk_bytes_ + region_bytes_;
   c.warm_chunks = warm_->used();
   c.warm_bytes = c.warm_chunks * chunk_bytes_;
+  if (remote_) {
+    const RemoteTierCounters r = remote_->counters();
+    c.remote_puts = r.puts;
+    c.remote_put_bytes = r.put_bytes;
+    c.remote_gets = r.gets;
+    c.remote_get_bytes = r.get_bytes;
+    c.remote_not_found = r.not_found;
+    c.remote_corrupt = r.corrupt;
+    c.remote_errors = r.errors;
+  }
   return c;
 }
 
@@ -1143,6 +1229,233 @@ uint64_t TieredStore::metadata_bytes() const {
   std::lock_guard<std::mutex> l(mu_);
   const size_t per_chunk = sizeof(Chunk) + static_cast<size_t>(options_.repr_topk) * token_bytes_ + 64;
   return chunk_by_id_.size() * per_chunk;
+}
+
+// ---------------------------------------------------------------------------
+// Sharing through the remote tier
+//
+// Publication format (bodies of the remote tier's framed values, little-endian):
+//   layer part l   u32 magic "KVPL" (0x4c50564b)  u32 version (1)
+//                  i64 n_tokens  i64 sealed_end  u64 n_chunks
+//                  per chunk: u8 present, then (if present) the length-prefixed chunk meta
+//                  length-prefixed sinks (K then V), length-prefixed local window (K then V)
+//   manifest       u32 magic "KVPM" (0x4d50564b)  u32 version (1)
+//                  length-prefixed store record (the layout), length-prefixed chunk
+//                  namespace, u64 sequence id, u32 layers
+
+namespace {
+constexpr uint32_t kPubLayerMagic = 0x4c50564b;
+constexpr uint32_t kPubManifestMagic = 0x4d50564b;
+constexpr uint32_t kPubVersion = 1;
+}  // namespace
+
+Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
+  if (!remote_) return FailedPrecondition("PublishSequence: the store has no remote tier (StoreOptions::remote)");
+  Sequence* s = nullptr;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, 0, false, &s));
+    if (s->state != SeqState::kClosed)
+      return FailedPrecondition("PublishSequence: sequence " + std::to_string(seq) +
+                                " is not closed; close it first (readers must see a complete sequence)");
+    if (s->attached)
+      return FailedPrecondition("PublishSequence: sequence " + std::to_string(seq) +
+                                " is attached from another store's publication; publish from the store that wrote it");
+    s->busy++;
+  }
+  Status st;
+  const size_t repr_bytes = static_cast<size_t>(options_.repr_topk) * token_bytes_;
+  std::vector<std::string> parts;
+  std::vector<uint8_t> buf(chunk_bytes_);
+  // Phase 1: every chunk acknowledged by the remote tier. Chunks written before the store
+  // had a remote tier (recovered from cold) are copied up now.
+  for (int l = 0; l < options_.geometry.layers && st.ok(); ++l) {
+    LayerState& ls = s->layers[l];
+    for (Chunk* c : ls.chunks) {
+      if (c == nullptr) continue;
+      float score;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (c->tiers & kTierRemote) continue;
+        score = c->score;
+      }
+      st = ReadLowerTier(s, c, buf.data());
+      if (!st.ok()) {
+        // Not in the lower tiers: the warm copy (write_through off) is the only one.
+        std::unique_lock<std::mutex> lk(mu_);
+        if (c->warm_slot < 0) break;
+        std::memcpy(buf.data(), warm_->slot_data(c->warm_slot), chunk_bytes_);
+        st = Status::Ok();
+      }
+      const std::string meta = EncodeChunkMeta(c->first_token, c->repr.data(), c->repr.size(), score);
+      st = remote_->PutChunk(c->key, meta, buf.data(), chunk_bytes_);
+      if (!st.ok()) break;
+      std::lock_guard<std::mutex> lk(mu_);
+      c->tiers |= kTierRemote;
+    }
+  }
+  // Phase 2: the layer records, then the manifest (RemoteTier::PutPublication keeps the order).
+  for (int l = 0; l < options_.geometry.layers && st.ok(); ++l) {
+    LayerState& ls = s->layers[l];
+    std::string rec;
+    PutFixed32(&rec, kPubLayerMagic);
+    PutFixed32(&rec, kPubVersion);
+    PutInt64(&rec, ls.n_tokens);
+    PutInt64(&rec, ls.sealed_end);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      PutFixed64(&rec, ls.chunks.size());
+      for (const Chunk* c : ls.chunks) {
+        PutFixed8(&rec, c ? 1 : 0);
+        if (c) PutLengthPrefixed(&rec, EncodeChunkMeta(c->first_token, c->repr.data(), repr_bytes, c->score));
+      }
+    }
+    std::string sinks, local;
+    st = CopySinksAndLocal(seq, s, l, &sinks, &local);
+    PutLengthPrefixed(&rec, sinks);
+    PutLengthPrefixed(&rec, local);
+    parts.push_back(std::move(rec));
+  }
+  if (st.ok()) {
+    std::string manifest;
+    PutFixed32(&manifest, kPubManifestMagic);
+    PutFixed32(&manifest, kPubVersion);
+    PutLengthPrefixed(&manifest, store_records::EncodeStoreRecord(store_records::StoreLayout{
+                                     options_.geometry, options_.n_sink, options_.n_local, options_.chunk_size,
+                                     options_.repr_topk}));
+    PutLengthPrefixed(&manifest, remote_->ns());
+    PutFixed64(&manifest, seq);
+    PutFixed32(&manifest, static_cast<uint32_t>(options_.geometry.layers));
+    st = remote_->PutPublication(name, parts, manifest);
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  s->busy--;
+  cv_.notify_all();
+  return st;
+}
+
+Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
+  if (!remote_) return FailedPrecondition("AttachPublished: the store has no remote tier (StoreOptions::remote)");
+  KVTIER_ASSIGN_OR_RETURN(std::string manifest, remote_->GetManifest(name));
+  const std::string what = "remote tier: publication '" + std::string(name) + "'";
+  RecordReader mr(manifest, what + " manifest");
+  uint32_t magic = 0, version = 0, layers = 0;
+  uint64_t remote_seq = 0;
+  std::string layout_rec, ns;
+  KVTIER_RETURN_IF_ERROR(mr.ReadFixed32(&magic, "magic"));
+  KVTIER_RETURN_IF_ERROR(mr.ReadFixed32(&version, "version"));
+  if (magic != kPubManifestMagic || version != kPubVersion)
+    return Corruption(what + " manifest has a bad magic or version");
+  KVTIER_RETURN_IF_ERROR(mr.ReadLengthPrefixed(&layout_rec, "layout"));
+  KVTIER_RETURN_IF_ERROR(mr.ReadLengthPrefixed(&ns, "namespace"));
+  KVTIER_RETURN_IF_ERROR(mr.ReadFixed64(&remote_seq, "sequence"));
+  KVTIER_RETURN_IF_ERROR(mr.ReadFixed32(&layers, "layers"));
+  KVTIER_RETURN_IF_ERROR(mr.ExpectEnd());
+  KVTIER_ASSIGN_OR_RETURN(store_records::StoreLayout theirs, store_records::DecodeStoreRecord(layout_rec, what));
+  const store_records::StoreLayout mine{options_.geometry, options_.n_sink, options_.n_local, options_.chunk_size,
+                                        options_.repr_topk};
+  if (theirs.ToString() != mine.ToString() || layers != static_cast<uint32_t>(options_.geometry.layers))
+    return InvalidArgument(what + " was written with " + theirs.ToString() + "; this store has " + mine.ToString());
+
+  const int L = options_.geometry.layers;
+  const size_t repr_bytes = static_cast<size_t>(options_.repr_topk) * token_bytes_;
+  const size_t ring = static_cast<size_t>(options_.n_local + options_.chunk_size);
+  auto seq = std::make_unique<Sequence>();
+  seq->state = SeqState::kOpen;  // the published prefix is read-only; tokens appended here are ours
+  seq->attached = true;
+  seq->remote_ns = ns;
+  seq->remote_seq = remote_seq;
+  seq->layers.resize(L);
+  // Frees what was built so far when a part turns out bad (chunks are not registered yet).
+  struct Cleanup {
+    TieredStore* store;
+    Sequence* s;
+    bool armed = true;
+    ~Cleanup() {
+      if (!armed) return;
+      for (auto& ls : s->layers) {
+        for (uint8_t* r : {ls.sink_k, ls.sink_v, ls.ring_k, ls.ring_v})
+          if (r) store->hot_->FreeRegion(r, 0);
+        for (Chunk* c : ls.chunks) delete c;
+      }
+    }
+  } cleanup{this, seq.get()};
+  for (int l = 0; l < L; ++l) {
+    KVTIER_ASSIGN_OR_RETURN(std::string part, remote_->GetPublicationPart(name, static_cast<uint32_t>(l)));
+    RecordReader rr(part, what + " layer " + std::to_string(l));
+    LayerState& ls = seq->layers[l];
+    uint64_t n_chunks = 0;
+    KVTIER_RETURN_IF_ERROR(rr.ReadFixed32(&magic, "magic"));
+    KVTIER_RETURN_IF_ERROR(rr.ReadFixed32(&version, "version"));
+    if (magic != kPubLayerMagic || version != kPubVersion)
+      return Corruption(what + " layer " + std::to_string(l) + " has a bad magic or version");
+    KVTIER_RETURN_IF_ERROR(rr.ReadInt64(&ls.n_tokens, "n_tokens"));
+    KVTIER_RETURN_IF_ERROR(rr.ReadInt64(&ls.sealed_end, "sealed_end"));
+    KVTIER_RETURN_IF_ERROR(rr.ReadFixed64(&n_chunks, "n_chunks"));
+    ls.shared_chunks = n_chunks;
+    const int64_t n_sink_tokens = std::min<int64_t>(ls.n_tokens, options_.n_sink);
+    const int64_t n_local = ls.n_tokens - std::max<int64_t>(ls.sealed_end, n_sink_tokens);
+    if (ls.n_tokens < 0 || n_local < 0 || n_local > options_.n_local + options_.chunk_size ||
+        n_chunks > rr.remaining() ||
+        (ls.sealed_end > options_.n_sink &&
+         static_cast<uint64_t>(ls.sealed_end - options_.n_sink) != n_chunks * options_.chunk_size))
+      return Corruption(what + " layer " + std::to_string(l) + ": token counts do not fit the layout");
+    for (uint64_t i = 0; i < n_chunks; ++i) {
+      uint8_t present = 0;
+      KVTIER_RETURN_IF_ERROR(rr.ReadFixed8(&present, "present"));
+      if (!present) {
+        ls.chunks.push_back(nullptr);
+        continue;
+      }
+      std::string meta;
+      KVTIER_RETURN_IF_ERROR(rr.ReadLengthPrefixed(&meta, "chunk meta"));
+      const ChunkKey remote_key{remote_seq, static_cast<uint32_t>(l), i};
+      KVTIER_ASSIGN_OR_RETURN(store_records::ChunkMeta m, store_records::DecodeChunkMeta(meta, remote_key, repr_bytes));
+      auto* c = new Chunk();
+      ls.chunks.push_back(c);
+      c->key = ChunkKey{0, static_cast<uint32_t>(l), i};  // seq set once the id is known
+      c->first_token = m.first_token;
+      c->repr = std::move(m.repr);
+      c->score = m.score;
+      c->tiers = kTierRemote;
+      c->cold_acked = true;  // a lower tier (the remote one) holds it: warm copies may leave
+    }
+    std::string sinks, local;
+    KVTIER_RETURN_IF_ERROR(rr.ReadLengthPrefixed(&sinks, "sinks"));
+    KVTIER_RETURN_IF_ERROR(rr.ReadLengthPrefixed(&local, "local"));
+    KVTIER_RETURN_IF_ERROR(rr.ExpectEnd());
+    if (sinks.size() != 2 * n_sink_tokens * token_bytes_ || local.size() != 2 * n_local * token_bytes_)
+      return Corruption(what + " layer " + std::to_string(l) + ": sinks/local do not match its token count");
+    KVTIER_ASSIGN_OR_RETURN(ls.sink_k, hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
+    KVTIER_ASSIGN_OR_RETURN(ls.sink_v, hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
+    KVTIER_ASSIGN_OR_RETURN(ls.ring_k, hot_->AllocateRegion(ring * token_bytes_));
+    KVTIER_ASSIGN_OR_RETURN(ls.ring_v, hot_->AllocateRegion(ring * token_bytes_));
+    ls.ring_mass.assign(static_cast<size_t>(options_.geometry.kv_heads) * ring, 0.0f);
+    const size_t sb = n_sink_tokens * token_bytes_;
+    KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.sink_k, sinks.data(), sb));
+    KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.sink_v, sinks.data() + sb, sb));
+    for (int64_t t = 0; t < n_local; ++t) {
+      const int64_t p = std::max<int64_t>(ls.sealed_end, n_sink_tokens) + t;
+      const size_t slot = static_cast<size_t>((p - options_.n_sink) % static_cast<int64_t>(ring));
+      KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.ring_k + slot * token_bytes_, local.data() + t * token_bytes_, token_bytes_));
+      KVTIER_RETURN_IF_ERROR(
+          hot_->Upload(ls.ring_v + slot * token_bytes_, local.data() + (n_local + t) * token_bytes_, token_bytes_));
+    }
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  cleanup.armed = false;
+  const SequenceId id = next_seq_id_++;
+  seq->id = id;
+  region_bytes_ += L * 2 * (options_.n_sink + ring) * token_bytes_;
+  for (auto& ls : seq->layers)
+    for (Chunk* c : ls.chunks) {
+      if (c == nullptr) continue;
+      c->id = next_chunk_id_++;
+      c->key.seq = id;
+      chunk_by_id_[c->id] = c;
+    }
+  sequences_[id] = std::move(seq);
+  return id;
 }
 
 }  // namespace kvtier

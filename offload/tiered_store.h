@@ -43,6 +43,7 @@
 #include "offload/cold_tier.h"
 #include "offload/demotion_policy.h"
 #include "offload/hot_tier.h"
+#include "offload/remote_tier.h"
 #include "store/chunk.h"
 #include "store/geometry.h"
 #include "store/status.h"
@@ -89,6 +90,15 @@ struct StoreOptions {
   /// naming the missing (sequence, layer, index) ranges; true opens anyway, the lost
   /// chunks become holes for good, and LostChunks() lists them.
   bool accept_lost_chunks = false;
+  /// Remote tier (offload/remote_tier.h): "redis://host:port[,host:port...][?wait=N&...]",
+  /// one Redis server or any nodes of a Redis Cluster; empty (default) = none. Chunks are
+  /// written through to it (and to the cold tier when data_dir is set too) and a chunk is
+  /// acknowledged once every lower tier has it; fetches read warm, then cold, then remote.
+  /// Sequences of other stores are shared through it (PublishSequence, AttachPublished).
+  std::string remote;
+  /// Key namespace of this store's chunks in the remote tier; empty (default) = a fresh
+  /// one per Open (host, pid, time), so concurrent stores never overwrite each other's.
+  std::string remote_namespace;
 
   Status Validate() const;
   /// Bytes of K+V of one chunk of one layer.
@@ -109,6 +119,16 @@ struct StoreCounters {
   uint64_t lease_expired = 0;    ///< pins that ran past pin_timeout_ms and stopped protecting
   uint64_t chunks_sealed = 0;    ///< chunks formed from the local window
   uint64_t dropped_chunks = 0;   ///< chunks removed for good by DropChunks (compression)
+  // Where fetched chunks that were not hot came from (hits + the three = fetched chunks).
+  uint64_t warm_loads = 0;       ///< fetched chunks copied from the warm tier
+  uint64_t cold_loads = 0;       ///< fetched chunks read from the cold tier (RocksDB)
+  uint64_t remote_loads = 0;     ///< fetched chunks read from the remote tier (Redis)
+  // The remote tier's own counters (offload/remote_tier.h), 0 without one.
+  uint64_t remote_puts = 0, remote_put_bytes = 0;  ///< chunks acknowledged by the remote tier, payload bytes
+  uint64_t remote_gets = 0, remote_get_bytes = 0;  ///< chunks read back and verified, payload bytes
+  uint64_t remote_not_found = 0;  ///< remote reads of a missing chunk (evicted by maxmemory)
+  uint64_t remote_corrupt = 0;    ///< remote reads that failed the CRC or format check
+  uint64_t remote_errors = 0;     ///< remote calls with no usable answer (node down or slow)
 };
 
 /// Per-chunk metadata visible to retrieval and policies.
@@ -242,6 +262,25 @@ class TieredStore {
   /// lost (accept_lost_chunks); empty otherwise.
   std::vector<ChunkRange> LostChunks() const;
   StoreCounters counters() const;
+
+  // ---- sharing through the remote tier ----
+  /// Publishes a closed sequence under `name` (1..128 of [A-Za-z0-9-_.]) for other
+  /// processes: every chunk is acknowledged by the remote tier first, then each layer's
+  /// record (chunk metas, sinks, local window), then the manifest. A reader sees the
+  /// sequence only once the manifest exists, so never half of it. Publishing a name again
+  /// replaces the manifest. FailedPrecondition without a remote tier or for an open sequence.
+  Status PublishSequence(SequenceId seq, std::string_view name);
+  /// Opens a sequence another store published: its sinks and local window are restored
+  /// here, its chunks stay in the remote tier (under the publisher's keys, never written
+  /// or deleted by this store) and fetches bring them into this store's warm and hot
+  /// tiers. Tokens appended afterwards (decode) are this store's own chunks. NotFound when
+  /// `name` is not (completely) published; InvalidArgument when the publisher's layout
+  /// (geometry, n_sink, n_local, chunk_size, repr_topk) differs from this store's. The
+  /// attached sequence is not persisted in this store's cold tier.
+  Result<SequenceId> AttachPublished(std::string_view name);
+  /// The remote tier, or null.
+  RemoteTier* remote_tier() const { return remote_.get(); }
+
   /// Bytes of host memory held for indexes and chunk metadata (representatives).
   uint64_t metadata_bytes() const;
 
@@ -280,6 +319,12 @@ class TieredStore {
   bool PinnedLocked(const Chunk* c, Clock::time_point now) const;
   bool FetchCompleteLocked(const FetchHandle::State* st) const;
   void FreeChunkLocked(Chunk* c);
+  /// A tier below warm acknowledges chunks (cold, remote or both).
+  bool has_lower() const { return cold_ != nullptr || remote_ != nullptr; }
+  /// Reads a chunk no memory tier holds: cold first, then remote (verified either way).
+  Status ReadLowerTier(const Sequence* s, const Chunk* c, void* dst);
+  /// K then V of the sinks and of the local window of one layer, as CloseSequence persists them.
+  Status CopySinksAndLocal(SequenceId seq, Sequence* s, int layer, std::string* sinks, std::string* local);
 
   StoreOptions options_;
   size_t chunk_bytes_ = 0;
@@ -287,6 +332,7 @@ class TieredStore {
   std::unique_ptr<HotTier> hot_;
   std::unique_ptr<SlotPool> warm_;
   std::unique_ptr<ColdTier> cold_;
+  std::unique_ptr<RemoteTier> remote_;
   std::unique_ptr<DemotionPolicy> hot_policy_, warm_policy_;
   // After the tiers it copies between, so that it is destroyed (idle) before them.
   std::unique_ptr<TransferEngine> engine_;

@@ -49,21 +49,29 @@ Status TransferEngine::CopyOne(Load* ld) const {
   const size_t n = options_.chunk_bytes;
   const uint8_t* src = ld->warm_src;
   if (src == nullptr) {
-    if (options_.cold == nullptr) return Internal("chunk " + ld->key.ToString() + " is in no tier");
-    uint8_t* buf = ld->read_buf;
-    if (buf == nullptr) {
-      ld->staging.resize(n);
-      buf = ld->staging.data();
+    if (options_.cold == nullptr || !ld->in_cold) {
+      if (options_.remote == nullptr) return Internal("chunk " + ld->key.ToString() + " is in no tier");
+      return Unavailable("chunk " + ld->key.ToString() + " is only in the remote tier");  // CopyLoads reads it
     }
+    uint8_t* buf = ReadBuffer(ld);
     KVTIER_RETURN_IF_ERROR(options_.cold->GetChunk(ld->key, buf, n));
     src = buf;
+    ld->source = 'c';
+  } else {
+    ld->source = 'w';
   }
   return options_.hot->Upload(ld->hot_dst, src, n);
 }
 
+uint8_t* TransferEngine::ReadBuffer(Load* ld) const {
+  if (ld->read_buf != nullptr) return ld->read_buf;
+  ld->staging.resize(options_.chunk_bytes);
+  return ld->staging.data();
+}
+
 void TransferEngine::CopyLoads(std::vector<Load>* loads) const {
   size_t cold_loads = 0;
-  for (const Load& ld : *loads) cold_loads += ld.warm_src == nullptr ? 1 : 0;
+  for (const Load& ld : *loads) cold_loads += ld.warm_src == nullptr && ld.in_cold && options_.cold ? 1 : 0;
   // A warm copy is one chunk-sized memcpy, cheaper than a fork-join; cold reads are worth spreading.
   if (cold_loads >= 2) {
     TsanForkJoin fj;  // kernels/tbb_tsan.h
@@ -72,13 +80,45 @@ void TransferEngine::CopyLoads(std::vector<Load>* loads) const {
   } else {
     for (Load& ld : *loads) ld.status = CopyOne(&ld);
   }
+  if (options_.remote == nullptr) return;
+  // What neither warm nor cold could serve (not there, lost, damaged) comes from the remote
+  // tier, one pipelined batch for the whole fetch. Its bytes are verified there: a remote
+  // failure is reported with the local one, never replaced by unverified bytes.
+  std::vector<size_t> idx;
+  std::vector<RemoteTier::Get> gets;
+  for (size_t j = 0; j < loads->size(); ++j) {
+    Load& ld = (*loads)[j];
+    if (ld.status.ok() || ld.warm_src != nullptr) continue;
+    RemoteTier::Get g;
+    g.ref = ld.remote_ref;
+    g.dst = ReadBuffer(&ld);
+    g.payload_bytes = options_.chunk_bytes;
+    gets.push_back(g);
+    idx.push_back(j);
+  }
+  if (gets.empty()) return;
+  options_.remote->GetChunks(&gets).IgnoreError();  // per-chunk statuses below
+  for (size_t g = 0; g < gets.size(); ++g) {
+    Load& ld = (*loads)[idx[g]];
+    if (!gets[g].status.ok()) {
+      ld.status = ld.in_cold && options_.cold
+                      ? Status(gets[g].status.code(), ld.status.message() + "; " + gets[g].status.message())
+                      : gets[g].status;
+      continue;
+    }
+    ld.status = options_.hot->Upload(ld.hot_dst, static_cast<const uint8_t*>(gets[g].dst), options_.chunk_bytes);
+    if (ld.status.ok()) ld.source = 'r';
+  }
 }
 
 Status TransferEngine::WriteChunk(const ChunkKey& key, std::string_view meta, const uint8_t* payload) const {
-  if (options_.cold == nullptr)
-    return FailedPrecondition("writing chunk " + key.ToString() + ": the store has no cold tier");
-  Status st = options_.cold->PutChunk(key, meta, payload, options_.chunk_bytes);
-  if (!st.ok()) return Status(st.code(), "writing chunk " + key.ToString() + " to the cold tier: " + st.message());
+  if (options_.cold == nullptr && options_.remote == nullptr)
+    return FailedPrecondition("writing chunk " + key.ToString() + ": the store has no cold or remote tier");
+  if (options_.cold != nullptr) {
+    Status st = options_.cold->PutChunk(key, meta, payload, options_.chunk_bytes);
+    if (!st.ok()) return Status(st.code(), "writing chunk " + key.ToString() + " to the cold tier: " + st.message());
+  }
+  if (options_.remote != nullptr) KVTIER_RETURN_IF_ERROR(options_.remote->PutChunk(key, meta, payload, options_.chunk_bytes));
   return Status::Ok();
 }
 

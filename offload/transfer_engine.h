@@ -25,6 +25,7 @@
 
 #include "offload/cold_tier.h"
 #include "offload/hot_tier.h"
+#include "offload/remote_tier.h"
 #include "store/chunk.h"
 #include "store/status.h"
 
@@ -39,6 +40,11 @@ class TransferEngine {
     size_t chunk_bytes = 0;   ///< bytes of one chunk (K and V): every copy moves exactly this much
     HotTier* hot = nullptr;   ///< where fetched chunks are uploaded to; not owned
     ColdTier* cold = nullptr; ///< null when the store has no cold tier; not owned
+    /// null when the store has no remote tier; not owned. With both, a chunk is written to
+    /// both (acknowledged when both acknowledged it) and read from cold first: the remote
+    /// copy serves what the local disk lost or damaged, and chunks of sequences attached
+    /// from another process, which only the remote tier holds.
+    RemoteTier* remote = nullptr;
   };
   /// InvalidArgument naming the field for threads < 1, chunk_bytes == 0 or a null hot tier.
   static Result<std::unique_ptr<TransferEngine>> Create(const Options& options);
@@ -61,16 +67,22 @@ class TransferEngine {
     /// null to read into `staging`.
     uint8_t* read_buf = nullptr;
     std::vector<uint8_t> staging;
+    RemoteChunkRef remote_ref;         ///< the chunk in the remote tier (ns null: the store's own)
+    bool in_cold = true;               ///< false: only the remote tier holds it (an attached sequence)
+    /// Where the bytes came from: 'w' warm, 'c' cold, 'r' remote (set with status OK).
+    char source = 0;
     Status status;                     ///< the outcome, per load
   };
   /// Copies every load into its hot slot on the calling thread (spreading over the
   /// workers when two or more read from cold: a warm copy is one memcpy, cheaper than
-  /// a fork-join, while cold reads are worth overlapping). Takes no lock. Each load's
+  /// a fork-join, while cold reads are worth overlapping). Loads the cold tier cannot
+  /// serve go to the remote tier in one pipelined batch. Takes no lock. Each load's
   /// status says how it went.
   void CopyLoads(std::vector<Load>* loads) const;
 
   /// Writes one chunk (its meta record and payload, one atomic batch) to the cold tier
-  /// and returns when it is acknowledged. FailedPrecondition without a cold tier.
+  /// and to the remote tier, and returns when every one of them acknowledged it.
+  /// FailedPrecondition with neither.
   Status WriteChunk(const ChunkKey& key, std::string_view meta, const uint8_t* payload) const;
 
   struct ColdWrite {
@@ -84,12 +96,15 @@ class TransferEngine {
 
   size_t chunk_bytes() const { return options_.chunk_bytes; }
   bool has_cold() const { return options_.cold != nullptr; }
+  bool has_remote() const { return options_.remote != nullptr; }
   /// Workers the arena got (after the cap).
   int workers() const { return workers_; }
 
  private:
   explicit TransferEngine(const Options& options) : options_(options) {}
   Status CopyOne(Load* ld) const;
+  /// Where a cold or remote read of the load lands: its reserved warm slot, or its staging.
+  uint8_t* ReadBuffer(Load* ld) const;
 
   Options options_;
   int workers_ = 1;

@@ -8,7 +8,8 @@
 set -euo pipefail
 PKGS=(cmake ninja-build g++ make pkg-config
       libfaiss-dev libopenblas-dev librocksdb-dev liblz4-dev libzstd-dev libsnappy-dev
-      libtbb-dev libgtest-dev libgmock-dev libbenchmark-dev)
+      libtbb-dev libgtest-dev libgmock-dev libbenchmark-dev
+      libhiredis-dev redis-server redis-tools)
 case "${1:-}" in
   "") ;;
   checks) PKGS+=(clang-14 libclang-rt-14-dev llvm-14) ;;

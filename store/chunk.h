@@ -65,6 +65,6 @@ constexpr int64_t ChunkFirstToken(uint64_t index, int64_t n_sink, int64_t chunk_
 /// Tier bit flags: a chunk may be resident in several tiers at once
 /// (the hot slot is a cache of the warm copy; a written-through chunk is
 /// warm and cold).
-enum TierBits : uint8_t { kTierNone = 0, kTierHot = 1, kTierWarm = 2, kTierCold = 4 };
+enum TierBits : uint8_t { kTierNone = 0, kTierHot = 1, kTierWarm = 2, kTierCold = 4, kTierRemote = 8 };
 
 }  // namespace kvtier

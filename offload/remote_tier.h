@@ -1,0 +1,139 @@
+// RemoteTier: chunks in Redis (one server or a Redis Cluster), below or beside the
+// RocksDB cold tier, and shared between processes on different nodes.
+//
+// ---- Keys --------------------------------------------------------------------------
+//   chunk              kvt:<ns>:<seq>:<layer>:<index>
+//   published sequence kvt:pub:{<name>}            (the manifest, written last)
+//                      kvt:pub:{<name>}:<layer>    (the layer's chunk metas, sinks, window)
+// <ns> is the writing store's namespace (StoreOptions::remote_namespace), so stores
+// that number their sequences from 1 do not collide. Chunk keys carry no hash tag on
+// purpose: one long sequence's chunks spread over every master (capacity and bandwidth
+// grow with the cluster). A publication's records share the {<name>} tag, so they sit on
+// one shard and are written, in order, on one connection: a reader that finds the
+// manifest finds the records it names.
+//
+// ---- Values ------------------------------------------------------------------------
+// Framed like the cold tier's (offload/cold_tier.h, cold_tier_format::EncodeValue):
+// magic, version, kind, body length, CRC-32C over header and body; the header's aux
+// field holds the CRC-32C of the key, so a value copied under another key is caught
+// too. A chunk's body is u32 meta length, the meta record (offload/store_records.h),
+// then the payload. A read checks all of it: a missing key (never written, or evicted
+// by Redis under maxmemory) is NotFound naming the chunk and the key; any mismatch is
+// Corruption naming them. Nothing unverified reaches the caller.
+//
+// ---- Acknowledgement -----------------------------------------------------------------
+// A put is acknowledged when the master answered OK and, with wait_replicas > 0, WAIT
+// reported that many replicas have it: a failover (a replica promoted after the master
+// died) then keeps it. Redis replication is asynchronous otherwise, so without WAIT an
+// acknowledged chunk can be lost with its master.
+//
+// Thread-safe.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "offload/redis_client.h"
+#include "store/chunk.h"
+#include "store/status.h"
+
+namespace kvtier {
+
+struct RemoteTierOptions {
+  std::vector<RedisEndpoint> endpoints;  ///< seeds: one server, or any nodes of a cluster
+  std::string ns = "kvtier";             ///< key namespace of the writing store (letters, digits, -_.)
+  int connect_timeout_ms = 1000;         ///< per connect attempt (default 1 s)
+  int command_timeout_ms = 2000;         ///< per reply (default 2 s)
+  int retry_ms = 10000;                  ///< how long a batch retries a failing node (default 10 s)
+  int pool_size = 4;                     ///< idle connections kept per node (default 4)
+  int wait_replicas = 0;                 ///< replicas WAIT must report before a put is acknowledged (default 0)
+  int wait_timeout_ms = 1000;            ///< WAIT's limit (default 1 s); below command_timeout_ms
+  Status Validate() const;               ///< names the bad field
+};
+
+/// Parses "redis://host:port[,host:port...][?key=value&...]" into options. Keys:
+/// wait (wait_replicas), wait_timeout_ms, timeout_ms (command_timeout_ms),
+/// connect_timeout_ms, retry_ms, pool, ns. InvalidArgument saying what is wrong and
+/// quoting the spec otherwise.
+Result<RemoteTierOptions> ParseRemoteSpec(std::string_view spec);
+
+/// Where a chunk lives in the remote tier: the writer's namespace and its chunk key.
+struct RemoteChunkRef {
+  const std::string* ns = nullptr;  ///< null: this tier's own namespace
+  ChunkKey key;
+};
+
+/// Counters of one RemoteTier (monotonic).
+struct RemoteTierCounters {
+  uint64_t puts = 0, put_bytes = 0;  ///< chunks acknowledged, payload bytes
+  uint64_t gets = 0, get_bytes = 0;  ///< chunks read and verified, payload bytes
+  uint64_t not_found = 0;            ///< reads of a missing chunk (evicted or never written)
+  uint64_t corrupt = 0;              ///< reads that failed verification
+  uint64_t errors = 0;               ///< calls that got no usable answer (down, slow, refused)
+};
+
+class RemoteTier {
+ public:
+  /// Connects (RedisClient::Connect) with the options.
+  static Result<std::unique_ptr<RemoteTier>> Open(const RemoteTierOptions& options);
+  ~RemoteTier();
+
+  /// One chunk of a batch put.
+  struct Put {
+    ChunkKey key;
+    std::string_view meta;            ///< the chunk's meta record
+    const void* payload = nullptr;
+    size_t payload_bytes = 0;
+    Status status;                    ///< OK once acknowledged
+  };
+  /// Writes every chunk in one pipelined batch (per node); each put's status says whether
+  /// it was acknowledged (see the header). Returns the first failure, OK when all were.
+  Status PutChunks(std::vector<Put>* puts);
+  Status PutChunk(const ChunkKey& key, std::string_view meta, const void* payload, size_t payload_bytes);
+
+  /// One chunk of a batch get.
+  struct Get {
+    RemoteChunkRef ref;
+    void* dst = nullptr;              ///< payload_bytes of room
+    size_t payload_bytes = 0;
+    Status status;                    ///< NotFound / Corruption / Unavailable / TimedOut naming the chunk
+  };
+  /// Reads every chunk in one pipelined batch and verifies it. Returns the first failure.
+  Status GetChunks(std::vector<Get>* gets);
+  Status GetChunk(const RemoteChunkRef& ref, void* dst, size_t payload_bytes);
+
+  /// Removes chunks of this namespace (missing ones are not an error).
+  Status DeleteChunks(const std::vector<ChunkKey>& keys);
+
+  /// Publication records (kvt:pub:{name}[:part]), framed and checked like chunks.
+  /// Writes the parts in order and the manifest last, on one connection.
+  Status PutPublication(std::string_view name, const std::vector<std::string>& parts, std::string_view manifest);
+  /// The manifest; NotFound when the name is not published (or not complete yet).
+  Result<std::string> GetManifest(std::string_view name);
+  /// Part `index` of a publication.
+  Result<std::string> GetPublicationPart(std::string_view name, uint32_t index);
+
+  /// The key of a chunk (for tools and tests).
+  std::string ChunkKeyString(const RemoteChunkRef& ref) const;
+  static std::string PublicationKey(std::string_view name);
+  static std::string PublicationPartKey(std::string_view name, uint32_t index);
+
+  const RemoteTierOptions& options() const { return options_; }
+  const std::string& ns() const { return options_.ns; }
+  RedisClient* client() const { return client_.get(); }
+  RemoteTierCounters counters() const;
+
+ private:
+  explicit RemoteTier(const RemoteTierOptions& options) : options_(options) {}
+  Result<std::string> GetRecord(const std::string& key, const std::string& what);
+
+  RemoteTierOptions options_;
+  std::unique_ptr<RedisClient> client_;
+  std::atomic<uint64_t> puts_{0}, put_bytes_{0}, gets_{0}, get_bytes_{0}, not_found_{0}, corrupt_{0}, errors_{0};
+};
+
+}  // namespace kvtier

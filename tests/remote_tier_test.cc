@@ -1,0 +1,482 @@
+// The remote tier on real redis-server processes (tests/redis_fixture.h): one server, a
+// 3-master/3-replica cluster, maxmemory eviction, corrupted values, a node down or slow,
+// a master SIGKILLed mid-run, and two processes sharing a sequence.
+#include "offload/remote_tier.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <thread>
+
+#include "include/kvtier/session.h"
+#include "offload/tiered_store.h"
+#include "redis_fixture.h"
+#include "remote_share.h"
+
+namespace kvtier {
+namespace {
+
+constexpr size_t kChunkBytes = 4096;
+
+std::vector<uint8_t> ChunkBytes(const ChunkKey& k, size_t n = kChunkBytes) {
+  std::vector<uint8_t> b(n);
+  FillPattern(99, k.seq, k.layer, 0, static_cast<int64_t>(k.index) * 64, 1, n, b.data());
+  return b;
+}
+
+RemoteTierOptions OptionsFor(const std::string& spec) {
+  auto o = ParseRemoteSpec(spec);
+  EXPECT_TRUE(o.ok()) << o.status().ToString();
+  return o.ok() ? *o : RemoteTierOptions{};
+}
+
+// Puts chunks (seq 1, layer 0, index 0..n-1) in batches of `batch`; returns OK or the first error.
+Status PutRange(RemoteTier* t, uint64_t from, uint64_t to, size_t batch = 32, size_t bytes = kChunkBytes) {
+  for (uint64_t i = from; i < to; i += batch) {
+    std::vector<std::vector<uint8_t>> data;
+    std::vector<RemoteTier::Put> puts;
+    for (uint64_t j = i; j < std::min<uint64_t>(to, i + batch); ++j) data.push_back(ChunkBytes({1, 0, j}, bytes));
+    for (uint64_t j = i; j < std::min<uint64_t>(to, i + batch); ++j) {
+      RemoteTier::Put p;
+      p.key = ChunkKey{1, 0, j};
+      p.meta = "meta";
+      p.payload = data[j - i].data();
+      p.payload_bytes = bytes;
+      puts.push_back(p);
+    }
+    KVTIER_RETURN_IF_ERROR(t->PutChunks(&puts));
+  }
+  return Status::Ok();
+}
+
+// ---- no server needed --------------------------------------------------------------
+
+TEST(RemoteSpec, ParsesHostsAndOptionsAndRejectsNonsense) {
+  auto o = ParseRemoteSpec("redis://127.0.0.1:7000,node-b:7001?wait=1&timeout_ms=2500&ns=run-1");
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  ASSERT_EQ(o->endpoints.size(), 2u);
+  EXPECT_EQ(o->endpoints[0].ToString(), "127.0.0.1:7000");
+  EXPECT_EQ(o->endpoints[1].ToString(), "node-b:7001");
+  EXPECT_EQ(o->wait_replicas, 1);
+  EXPECT_EQ(o->command_timeout_ms, 2500);
+  EXPECT_EQ(o->ns, "run-1");
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"http://h:1", "must start with redis://"},  {"redis://", "no host:port"},
+      {"redis://h", "is not host:port"},           {"redis://h:0", "outside 1..65535"},
+      {"redis://h:99999", "outside 1..65535"},     {"redis://h:12ab", "not a non-negative integer"},
+      {"redis://h:1,", "trailing ','"},            {"redis://h:1?wait", "not key=value"},
+      {"redis://h:1?color=red", "unknown option 'color'"}, {"redis://h:1?pool=0", "pool_size must be >= 1"},
+      {"redis://h:1?wait=1&wait_timeout_ms=3000", "must be below command_timeout_ms"},
+      {"redis://h:1?ns=a:b", "ns 'a:b'"}};
+  for (const auto& [spec, why] : bad) {
+    auto r = ParseRemoteSpec(spec);
+    ASSERT_FALSE(r.ok()) << spec;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << spec;
+    EXPECT_NE(r.status().message().find(why), std::string::npos) << spec << ": " << r.status().message();
+    EXPECT_NE(r.status().message().find(spec), std::string::npos) << "the message quotes the spec";
+  }
+  StoreOptions so = remote_share::Options("redis://h:1?retry_ms=-1");
+  EXPECT_EQ(so.Validate().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(RemoteSpec, KeySlotIsRedisCrc16WithHashTags) {
+  // Values from the Redis Cluster specification / CLUSTER KEYSLOT.
+  EXPECT_EQ(RedisKeySlot("foo"), 12182);
+  EXPECT_EQ(RedisKeySlot("123456789"), 0x31C3 % 16384);
+  EXPECT_EQ(RedisKeySlot("{user1000}.following"), RedisKeySlot("{user1000}.followers"));
+  EXPECT_EQ(RedisKeySlot("{user1000}.following"), RedisKeySlot("user1000"));
+  EXPECT_EQ(RedisKeySlot("foo{}{bar}"), RedisKeySlot("foo{}{bar}"));  // empty tag: the whole key
+  EXPECT_NE(RedisKeySlot("foo{}{bar}"), RedisKeySlot("bar"));
+}
+
+// ---- one server ---------------------------------------------------------------------
+
+TEST(RemoteTier, SingleServerRoundTripMissingAndCorruptValues) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  RedisServers redis;
+  ASSERT_GE(redis.Start(), 0);
+  auto tier = RemoteTier::Open(OptionsFor(redis.Spec(0, "ns=t1")));
+  ASSERT_TRUE(tier.ok()) << tier.status().ToString();
+  EXPECT_FALSE((*tier)->client()->cluster());
+  ASSERT_TRUE(PutRange(tier->get(), 0, 100).ok());
+
+  std::vector<std::vector<uint8_t>> out(100, std::vector<uint8_t>(kChunkBytes));
+  std::vector<RemoteTier::Get> gets(100);
+  for (uint64_t i = 0; i < 100; ++i) {
+    gets[i].ref.key = ChunkKey{1, 0, i};
+    gets[i].dst = out[i].data();
+    gets[i].payload_bytes = kChunkBytes;
+  }
+  ASSERT_TRUE((*tier)->GetChunks(&gets).ok());
+  for (uint64_t i = 0; i < 100; ++i) ASSERT_EQ(out[i], ChunkBytes({1, 0, i})) << i;
+
+  std::vector<uint8_t> buf(kChunkBytes);
+  // Never written: NotFound naming the chunk and its key.
+  Status st = (*tier)->GetChunk({nullptr, {1, 0, 500}}, buf.data(), kChunkBytes);
+  EXPECT_EQ(st.code(), StatusCode::kNotFound);
+  EXPECT_NE(st.message().find("seq=1/layer=0/chunk=500"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("kvt:t1:1:0:500"), std::string::npos) << st.message();
+
+  // Overwritten by hand with redis-cli: Corruption naming the chunk.
+  ASSERT_EQ(redis.Cli(0, "SET kvt:t1:1:0:7 garbage-bytes"), 0);
+  st = (*tier)->GetChunk({nullptr, {1, 0, 7}}, buf.data(), kChunkBytes);
+  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+  EXPECT_NE(st.message().find("seq=1/layer=0/chunk=7"), std::string::npos) << st.message();
+  // One payload byte flipped in place: the CRC catches it.
+  ASSERT_EQ(redis.Cli(0, "SETRANGE kvt:t1:1:0:8 100 Z"), 0);
+  st = (*tier)->GetChunk({nullptr, {1, 0, 8}}, buf.data(), kChunkBytes);
+  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+  EXPECT_NE(st.message().find("checksum mismatch"), std::string::npos) << st.message();
+  // A valid value of another chunk copied under this key: caught by the key tag.
+  ASSERT_EQ(redis.Cli(0, "COPY kvt:t1:1:0:10 kvt:t1:1:0:9 REPLACE"), 0);
+  st = (*tier)->GetChunk({nullptr, {1, 0, 9}}, buf.data(), kChunkBytes);
+  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+  EXPECT_NE(st.message().find("another key"), std::string::npos) << st.message();
+  // The rest still reads back exactly; wrong size is refused, not truncated.
+  ASSERT_TRUE((*tier)->GetChunk({nullptr, {1, 0, 11}}, buf.data(), kChunkBytes).ok());
+  EXPECT_EQ(buf, ChunkBytes({1, 0, 11}));
+  std::vector<uint8_t> small(kChunkBytes / 2);
+  EXPECT_EQ((*tier)->GetChunk({nullptr, {1, 0, 11}}, small.data(), small.size()).code(), StatusCode::kCorruption);
+  const RemoteTierCounters c = (*tier)->counters();
+  EXPECT_EQ(c.not_found, 1u);
+  EXPECT_EQ(c.corrupt, 4u);
+
+  ASSERT_TRUE((*tier)->DeleteChunks({{1, 0, 11}}).ok());
+  EXPECT_EQ((*tier)->GetChunk({nullptr, {1, 0, 11}}, buf.data(), kChunkBytes).code(), StatusCode::kNotFound);
+}
+
+TEST(RemoteTier, MaxmemoryEvictionIsNotFoundNeverGarbage) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  RedisServers redis;
+  ASSERT_GE(redis.Start({"--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru"}), 0);
+  auto tier = RemoteTier::Open(OptionsFor(redis.Spec(0)));
+  ASSERT_TRUE(tier.ok()) << tier.status().ToString();
+  constexpr uint64_t kN = 400;  // 400 x 16 KiB = 6.4 MB into 3 MB
+  ASSERT_TRUE(PutRange(tier->get(), 0, kN, 16, 16384).ok());
+  size_t ok = 0, missing = 0;
+  std::vector<uint8_t> buf(16384);
+  for (uint64_t i = 0; i < kN; ++i) {
+    Status st = (*tier)->GetChunk({nullptr, {1, 0, i}}, buf.data(), buf.size());
+    if (st.ok()) {
+      ++ok;
+      ASSERT_EQ(buf, ChunkBytes({1, 0, i}, 16384)) << i;
+    } else {
+      ASSERT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+      ASSERT_NE(st.message().find("evicted"), std::string::npos) << st.message();
+      ++missing;
+    }
+  }
+  EXPECT_GT(ok, 0u);
+  EXPECT_GT(missing, kN / 4) << "maxmemory 3mb must have evicted a good part of 6.4 MB";
+  EXPECT_EQ((*tier)->counters().not_found, missing);
+}
+
+TEST(RemoteTier, DownOrSlowServerIsANamedErrorAndReconnects) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  RedisServers redis;
+  ASSERT_GE(redis.Start(), 0);
+  const std::string port = std::to_string(redis.server(0).port);
+  auto tier = RemoteTier::Open(OptionsFor(redis.Spec(0, "timeout_ms=200&connect_timeout_ms=200&retry_ms=500")));
+  ASSERT_TRUE(tier.ok()) << tier.status().ToString();
+  ASSERT_TRUE(PutRange(tier->get(), 0, 4).ok());
+  std::vector<uint8_t> buf(kChunkBytes);
+
+  redis.Pause(0);  // SIGSTOP: the server accepts nothing and answers nothing
+  const auto t0 = std::chrono::steady_clock::now();
+  Status st = (*tier)->GetChunk({nullptr, {1, 0, 1}}, buf.data(), kChunkBytes);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(st.code(), StatusCode::kTimedOut) << st.ToString();
+  EXPECT_NE(st.message().find("127.0.0.1:" + port), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("seq=1/layer=0/chunk=1"), std::string::npos) << st.message();
+  EXPECT_LT(ms, 3000) << "retry_ms bounds the wait";
+  redis.Resume(0);
+  ASSERT_TRUE((*tier)->GetChunk({nullptr, {1, 0, 1}}, buf.data(), kChunkBytes).ok()) << "reconnects";
+  EXPECT_EQ(buf, ChunkBytes({1, 0, 1}));
+
+  redis.Kill(0);
+  st = (*tier)->GetChunk({nullptr, {1, 0, 2}}, buf.data(), kChunkBytes);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  EXPECT_NE(st.message().find("127.0.0.1:" + port), std::string::npos) << st.message();
+  st = PutRange(tier->get(), 10, 11);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  EXPECT_GE((*tier)->counters().errors, 2u);
+}
+
+TEST(RemoteTier, ConcurrentCallersShareThePool) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  RedisServers redis;
+  ASSERT_GE(redis.Start(), 0);
+  auto tier = RemoteTier::Open(OptionsFor(redis.Spec(0, "pool=2")));
+  ASSERT_TRUE(tier.ok()) << tier.status().ToString();
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      for (uint64_t i = 0; i < 50; ++i) {
+        const ChunkKey k{static_cast<SequenceId>(10 + t), 0, i};
+        const auto data = ChunkBytes(k);
+        std::vector<uint8_t> back(kChunkBytes);
+        if (!(*tier)->PutChunk(k, "m", data.data(), data.size()).ok() ||
+            !(*tier)->GetChunk({nullptr, k}, back.data(), back.size()).ok() || back != data)
+          failures++;
+      }
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ((*tier)->counters().puts, 200u);
+}
+
+// A store whose only lower tier is Redis: what leaves warm comes back exact, from Redis.
+TEST(RemoteTier, StoreDemotesToRedisAndFetchesBack) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  RedisServers redis;
+  ASSERT_GE(redis.Start(), 0);
+  const StoreOptions o = remote_share::Options(redis.Spec(0));
+  auto store = TieredStore::Open(o);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  TieredStore* s = store->get();
+  auto seq = s->CreateSequence();
+  ASSERT_TRUE(seq.ok());
+  ASSERT_TRUE(remote_share::Write(s, *seq).ok());
+  ASSERT_TRUE(s->WaitForDurable().ok());
+  auto n = s->ChunkCount(*seq, 0);
+  ASSERT_TRUE(n.ok());
+  ASSERT_GT(*n, 40u);
+  for (int l = 0; l < o.geometry.layers; ++l) {
+    // Fetch every chunk (most only in Redis) and compare the hot spans with what was appended.
+    for (uint64_t i = 0; i < *n; i += 32) {
+      std::vector<uint64_t> idx;
+      for (uint64_t j = i; j < std::min<uint64_t>(*n, i + 32); ++j) idx.push_back(j);
+      auto h = s->FetchChunks(*seq, l, idx);
+      ASSERT_TRUE(h.ok()) << h.status().ToString();
+      ASSERT_TRUE(h->Wait().ok());
+      for (size_t j = 0; j < idx.size(); ++j) {
+        const kernels::KvSpan& sp = h->spans()[j];
+        const auto k = remote_share::Tokens(o, l, 0, sp.first_position, sp.first_position + o.chunk_size);
+        const auto v = remote_share::Tokens(o, l, 1, sp.first_position, sp.first_position + o.chunk_size);
+        ASSERT_EQ(std::memcmp(sp.k, k.data(), k.size()), 0) << "layer " << l << " chunk " << idx[j];
+        ASSERT_EQ(std::memcmp(sp.v, v.data(), v.size()), 0) << "layer " << l << " chunk " << idx[j];
+      }
+    }
+    // ReadTokens of the whole layer, without promoting.
+    std::vector<uint8_t> k(remote_share::kTokens * remote_share::TokenBytes(o)), v(k.size());
+    ASSERT_TRUE(s->ReadTokens(*seq, l, 0, remote_share::kTokens, k.data(), v.data()).ok());
+    EXPECT_EQ(k, remote_share::Tokens(o, l, 0, 0, remote_share::kTokens));
+    EXPECT_EQ(v, remote_share::Tokens(o, l, 1, 0, remote_share::kTokens));
+  }
+  const StoreCounters c = s->counters();
+  EXPECT_EQ(c.remote_puts, 2 * *n);
+  EXPECT_GT(c.remote_loads, *n) << "most chunks left warm for Redis";
+  EXPECT_GT(c.remote_get_bytes, 0u);
+  EXPECT_EQ(c.warm_loads + c.cold_loads + c.remote_loads + c.hits, c.hits + c.misses);
+  EXPECT_NE(RedisCommandText(redis.server(0).port, {"DBSIZE"}), "0");
+  // Dropping the sequence removes its chunks from Redis too.
+  ASSERT_TRUE(s->DropSequence(*seq).ok());
+  EXPECT_EQ(RedisCommandText(redis.server(0).port, {"DBSIZE"}), "0");
+}
+
+// A chunk Redis evicted or that was damaged is a named fetch error; the local copy, when the
+// store also has a cold tier, serves it instead. Never wrong bytes.
+TEST(RemoteTier, StoreFetchOfEvictedOrCorruptChunkFailsOrFallsBack) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  RedisServers redis;
+  ASSERT_GE(redis.Start(), 0);
+  TempDir dir;
+  for (bool with_cold : {false, true}) {
+    StoreOptions o = remote_share::Options(redis.Spec(0));
+    o.remote_namespace = with_cold ? "cold" : "nocold";
+    if (with_cold) o.data_dir = dir.path();
+    auto store = TieredStore::Open(o);
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    TieredStore* s = store->get();
+    auto seq = s->CreateSequence();
+    ASSERT_TRUE(seq.ok());
+    ASSERT_TRUE(remote_share::Write(s, *seq).ok());
+    ASSERT_TRUE(s->WaitForDurable().ok());
+    const std::string key1 = "kvt:" + o.remote_namespace + ":" + std::to_string(*seq) + ":0:1";
+    const std::string key2 = "kvt:" + o.remote_namespace + ":" + std::to_string(*seq) + ":0:2";
+    ASSERT_EQ(RedisCommandText(redis.server(0).port, {"DEL", key1}), "1");
+    ASSERT_EQ(RedisCommandText(redis.server(0).port, {"SET", key2, "not a chunk"}), "OK");
+    for (uint64_t idx : {1, 2}) {
+      auto h = s->FetchChunks(*seq, 0, {idx});
+      ASSERT_TRUE(h.ok());
+      Status st = h->Wait();
+      if (with_cold) {
+        ASSERT_TRUE(st.ok()) << st.ToString();
+        const auto k = remote_share::Tokens(o, 0, 0, h->spans()[0].first_position,
+                                            h->spans()[0].first_position + o.chunk_size);
+        EXPECT_EQ(std::memcmp(h->spans()[0].k, k.data(), k.size()), 0);
+      } else {
+        EXPECT_EQ(st.code(), idx == 1 ? StatusCode::kNotFound : StatusCode::kCorruption) << st.ToString();
+        EXPECT_NE(st.message().find("chunk=" + std::to_string(idx)), std::string::npos) << st.message();
+      }
+    }
+  }
+}
+
+// ---- a cluster ------------------------------------------------------------------------
+
+// Runs the child publisher (process A) and returns its exit status.
+int RunPublisher(const std::string& spec, const std::string& name, std::string* out) {
+  const std::string exe = std::string(KVTIER_BINARY_DIR) + "/kvtier_child_remote_publisher";
+  const std::string cmd = "'" + exe + "' '" + spec + "' " + name + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return -1;
+  char buf[512];
+  while (fgets(buf, sizeof(buf), p)) *out += buf;
+  return pclose(p);
+}
+
+TEST(RemoteTier, ClusterRoutesRedirectsAndSharesASequenceBetweenProcesses) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  RedisServers redis;
+  ASSERT_TRUE(redis.StartCluster());
+  // Seeded with one node only: the rest is discovered from CLUSTER SLOTS.
+  auto tier = RemoteTier::Open(OptionsFor(redis.Spec(0, "ns=c1&wait=1")));
+  ASSERT_TRUE(tier.ok()) << tier.status().ToString();
+  ASSERT_TRUE((*tier)->client()->cluster());
+  const std::vector<RedisEndpoint> masters = (*tier)->client()->Masters();
+  ASSERT_EQ(masters.size(), 3u);
+  for (const std::string key : {"kvt:c1:1:0:0", "kvt:pub:{doc}", "x{abc}y"})
+    EXPECT_EQ(std::to_string(RedisKeySlot(key)), RedisCommandText(masters[0].port, {"CLUSTER", "KEYSLOT", key}));
+  ASSERT_TRUE(PutRange(tier->get(), 0, 300).ok());
+  for (const RedisEndpoint& m : masters)
+    EXPECT_GT(std::stoi(RedisCommandText(m.port, {"DBSIZE"})), 50) << m.ToString() << ": chunks spread over masters";
+
+  // A manual failover moves a master's slots to its replica: the client's next requests
+  // there get MOVED (or a refused connection) and follow the new slot map.
+  const std::string nodes = RedisCommandText(masters[1].port, {"CLUSTER", "NODES"});
+  const std::string myid = RedisCommandText(masters[1].port, {"CLUSTER", "MYID"});
+  int replica = -1;
+  for (size_t i = 0; i < redis.size(); ++i) {
+    const std::string info = RedisCommandText(redis.server(static_cast<int>(i)).port, {"CLUSTER", "NODES"});
+    const size_t myself = info.find("myself,slave " + myid);
+    if (myself != std::string::npos) replica = static_cast<int>(i);
+  }
+  ASSERT_GE(replica, 0) << nodes;
+  ASSERT_EQ(RedisCommandText(redis.server(replica).port, {"CLUSTER", "FAILOVER"}), "OK");
+  for (int i = 0; i < 100 && RedisCommandText(redis.server(replica).port, {"INFO", "replication"}).find("role:master") ==
+                                  std::string::npos;
+       ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::vector<uint8_t> buf(kChunkBytes);
+  for (uint64_t i = 0; i < 300; ++i) {
+    Status st = (*tier)->GetChunk({nullptr, {1, 0, i}}, buf.data(), kChunkBytes);
+    ASSERT_TRUE(st.ok()) << i << ": " << st.ToString();
+    ASSERT_EQ(buf, ChunkBytes({1, 0, i})) << i;
+  }
+  bool new_master_known = false;
+  for (const RedisEndpoint& m : (*tier)->client()->Masters())
+    new_master_known |= m.port == redis.server(replica).port;
+  EXPECT_TRUE(new_master_known) << "the slot map follows the failover";
+
+  // Two processes: A (a child) prefills and publishes; B (this process) attaches and decodes.
+  const std::string spec = redis.Spec("wait=1");
+  auto reader = TieredStore::Open(remote_share::Options(spec));
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  TieredStore* s = reader->get();
+  auto before = s->AttachPublished("doc-1");
+  ASSERT_FALSE(before.ok());
+  EXPECT_EQ(before.status().code(), StatusCode::kNotFound) << "not visible before it is complete";
+  std::string out;
+  ASSERT_EQ(RunPublisher(spec, "doc-1", &out), 0) << out;
+  ASSERT_NE(out.find("PUBLISHED doc-1"), std::string::npos) << out;
+  auto seq = s->AttachPublished("doc-1");
+  ASSERT_TRUE(seq.ok()) << seq.status().ToString();
+  const StoreOptions& o = s->options();
+  for (int l = 0; l < o.geometry.layers; ++l) {
+    std::vector<uint8_t> k(remote_share::kTokens * remote_share::TokenBytes(o)), v(k.size());
+    ASSERT_TRUE(s->ReadTokens(*seq, l, 0, remote_share::kTokens, k.data(), v.data()).ok());
+    EXPECT_EQ(k, remote_share::Tokens(o, l, 0, 0, remote_share::kTokens)) << "layer " << l;
+    EXPECT_EQ(v, remote_share::Tokens(o, l, 1, 0, remote_share::kTokens)) << "layer " << l;
+  }
+  // Decode with retrieval over the shared prefix, against the same decode over a local copy.
+  StoreOptions local_o = remote_share::Options("");
+  local_o.warm_bytes = 512 * local_o.chunk_bytes();
+  auto local = TieredStore::Open(local_o);
+  ASSERT_TRUE(local.ok());
+  auto local_seq = (*local)->CreateSequence();
+  ASSERT_TRUE(local_seq.ok());
+  ASSERT_TRUE(remote_share::Write(local->get(), *local_seq).ok());
+  SessionOptions so;
+  auto shared_session = Session::Attach(s, *seq, so);
+  auto local_session = Session::Attach(local->get(), *local_seq, so);
+  ASSERT_TRUE(shared_session.ok()) << shared_session.status().ToString();
+  ASSERT_TRUE(local_session.ok());
+  const Geometry& g = o.geometry;
+  const uint64_t remote_before = s->counters().remote_loads;
+  for (int step = 0; step < 4; ++step) {
+    const int64_t pos = remote_share::kTokens + step;
+    ASSERT_TRUE((*shared_session)->BeginStep(StepKind::kDecode).ok());
+    ASSERT_TRUE((*local_session)->BeginStep(StepKind::kDecode).ok());
+    for (int l = 0; l < g.layers; ++l) {
+      const auto k = remote_share::Tokens(o, l, 0, pos, pos + 1), v = remote_share::Tokens(o, l, 1, pos, pos + 1);
+      ASSERT_TRUE((*shared_session)->Append(l, k.data(), v.data(), 1, g.dtype).ok());
+      ASSERT_TRUE((*local_session)->Append(l, k.data(), v.data(), 1, g.dtype).ok());
+      std::vector<float> q(static_cast<size_t>(g.q_heads) * g.head_dim);
+      for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * static_cast<float>(i + 13 * step + 101 * l));
+      std::vector<float> a(q.size()), b(q.size());
+      AttendStats st;
+      Status sa = (*shared_session)->Attend(l, q.data(), &pos, 1, a.data(), &st);
+      ASSERT_TRUE(sa.ok()) << sa.ToString();
+      ASSERT_TRUE((*local_session)->Attend(l, q.data(), &pos, 1, b.data()).ok());
+      EXPECT_GT(st.chunks, 0u) << "retrieval chose chunks";
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-5) << "layer " << l << " step " << step;
+    }
+  }
+  EXPECT_GT(s->counters().remote_loads, remote_before) << "retrieved chunks came from Redis";
+}
+
+// A master SIGKILLed while chunks are being written: every put acknowledged (after WAIT 1)
+// is still readable after its replica took over. The killed master is the one with two
+// replicas (7 nodes), so the promoted replica has a replica of its own at once and WAIT 1
+// can succeed on that shard again; with a single replica, puts to the orphaned shard would
+// (rightly) fail as unacknowledged until an operator adds one.
+TEST(RemoteTier, FailoverLosesNoAcknowledgedChunk) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  RedisServers redis;
+  ASSERT_TRUE(redis.StartCluster(1000, 7));
+  auto tier = RemoteTier::Open(OptionsFor(redis.Spec("ns=f1&wait=1&retry_ms=20000&timeout_ms=1500&wait_timeout_ms=1000")));
+  ASSERT_TRUE(tier.ok()) << tier.status().ToString();
+  int victim = -1;
+  for (const RedisEndpoint& m : (*tier)->client()->Masters())
+    if (RedisCommandText(m.port, {"INFO", "replication"}).find("connected_slaves:2") != std::string::npos)
+      victim = redis.IndexOfPort(m.port);
+  ASSERT_GE(victim, 0) << "no master with two replicas";
+  std::atomic<uint64_t> acked{0};
+  std::atomic<bool> killed{false};
+  uint64_t acked_after_kill = 0;
+  Status writer_status;
+  std::thread writer([&] {
+    for (uint64_t i = 0; i < 1200; i += 8) {
+      Status st = PutRange(tier->get(), i, i + 8, 8);
+      if (!st.ok()) {
+        writer_status = st;
+        return;
+      }
+      acked = i + 8;
+      if (killed) acked_after_kill += 8;
+    }
+  });
+  while (acked < 240) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  redis.Kill(victim);  // mid-run: a batch is in flight
+  killed = true;
+  writer.join();
+  ASSERT_TRUE(writer_status.ok()) << writer_status.ToString();
+  EXPECT_GT(acked_after_kill, 0u) << "the writer rode through the failover";
+  std::vector<uint8_t> buf(kChunkBytes);
+  for (uint64_t i = 0; i < acked; ++i) {
+    Status st = (*tier)->GetChunk({nullptr, {1, 0, i}}, buf.data(), kChunkBytes);
+    ASSERT_TRUE(st.ok()) << "acknowledged chunk " << i << " lost: " << st.ToString();
+    ASSERT_EQ(buf, ChunkBytes({1, 0, i})) << i;
+  }
+  bool replaced = true;
+  for (const RedisEndpoint& m : (*tier)->client()->Masters()) replaced &= m.port != redis.server(victim).port;
+  EXPECT_TRUE(replaced) << "a replica took over the killed master's slots";
+}
+
+}  // namespace
+}  // namespace kvtier
