@@ -13,6 +13,7 @@
 #include "integration/kv_source.h"
 #include "integration/policy_eval.h"
 #include "integration/sysinfo.h"
+#include "integration/tier_report.h"
 #include "kernels/cpu/attention.h"
 #include "kvtier/session.h"
 #include "offload/policy/scoring_policy.h"
@@ -790,6 +791,8 @@ std::string RunReport::ToJson() const {
   w.Key("cold_reads").Uint(counters.cold_reads).Key("cold_writes").Uint(counters.cold_writes);
   w.Key("chunks_sealed").Uint(counters.chunks_sealed);
   w.EndObject();
+  w.Key("tiers");
+  WriteTierTrafficJson(&w, counters);
   w.Key("config").BeginObject();
   w.Key("context").Int(o.workload.context);
   w.Key("geometry").String(o.store.geometry.ToString());
@@ -798,6 +801,7 @@ std::string RunReport::ToJson() const {
   w.Key("budget").Int(o.budget).Key("window").Int(o.window).Key("stat_stride").Int(o.stat_stride);
   w.Key("hot_bytes").Uint(o.store.hot_bytes).Key("warm_bytes").Uint(o.store.warm_bytes);
   w.Key("data_dir").String(o.store.data_dir);
+  w.Key("remote").String(o.store.remote);
   w.Key("compression").String(CompressionName(o.store.compression));
   w.Key("probe").String(o.retrieval.probe).Key("alloc").String(o.retrieval.alloc);
   w.Key("index").String(o.retrieval.index);
@@ -878,6 +882,7 @@ std::string RunReport::ToTable() const {
                 static_cast<unsigned long long>(counters.hits), static_cast<unsigned long long>(counters.misses),
                 static_cast<unsigned long long>(counters.cold_reads), static_cast<unsigned long long>(counters.cold_writes));
   std::string text = buf;
+  text += TierTrafficText(counters, !options.store.remote.empty());
   if (options.trace) {
     // Right under the title: every figure above is on the trace's real attention.
     const size_t nl = text.find('\n');

@@ -10,6 +10,7 @@
 #include "integration/json.h"
 #include "integration/pattern.h"
 #include "integration/sysinfo.h"
+#include "integration/tier_report.h"
 #include "kvtier/session.h"
 
 namespace kvtier {
@@ -195,6 +196,8 @@ std::string StressReport::ToJson(const StressOptions& o) const {
   w.Key("demotions").Uint(counters.demotions).Key("hits").Uint(counters.hits).Key("misses").Uint(counters.misses);
   w.Key("cold_reads").Uint(counters.cold_reads).Key("cold_writes").Uint(counters.cold_writes);
   w.Key("lease_expired").Uint(counters.lease_expired);
+  w.Key("tiers");
+  WriteTierTrafficJson(&w, counters);
   w.EndObject();
   w.Key("config").BeginObject();
   w.Key("geometry").String(o.store.geometry.ToString()).Key("sequences").Int(o.sequences).Key("threads").Int(o.threads);
@@ -227,7 +230,7 @@ std::string StressReport::ToTable(const StressOptions& o) const {
                 static_cast<unsigned long long>(counters.cold_reads), static_cast<unsigned long long>(verified_tokens),
                 static_cast<unsigned long long>(verified_after_reopen), static_cast<unsigned long long>(errors),
                 first_error.empty() ? "" : " — first: ", first_error.c_str(), seconds);
-  return buf;
+  return buf + TierTrafficText(counters, !o.store.remote.empty(), "  ");
 }
 
 }  // namespace kvtier

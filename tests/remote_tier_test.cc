@@ -8,6 +8,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <thread>
 
@@ -476,6 +478,62 @@ TEST(RemoteTier, FailoverLosesNoAcknowledgedChunk) {
   bool replaced = true;
   for (const RedisEndpoint& m : (*tier)->client()->Masters()) replaced &= m.port != redis.server(victim).port;
   EXPECT_TRUE(replaced) << "a replica took over the killed master's slots";
+}
+
+// ---- the CLI ---------------------------------------------------------------------------
+
+// Runs the built kvtier with arguments; its exit status and output.
+int RunCli(const std::string& args, std::string* out) {
+  const std::string cmd = "'" + std::string(KVTIER_BINARY_DIR) + "/kvtier' " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return -1;
+  char buf[1024];
+  while (fgets(buf, sizeof(buf), p)) *out += buf;
+  return pclose(p);
+}
+
+// The share of fetched chunks a report line gives a tier ("... remote 17.6% (of 4608)").
+double TierShare(const std::string& out, const std::string& tier) {
+  const size_t line = out.find("fetched chunks by tier:");
+  if (line == std::string::npos) return -1;
+  const size_t at = out.find(" " + tier + " ", line);
+  return at == std::string::npos ? -1 : std::atof(out.c_str() + at + tier.size() + 2);
+}
+
+TEST(RemoteCli, RunAndStressUseTheRemoteTierAndReportIt) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  RedisServers redis;
+  ASSERT_GE(redis.Start(), 0);
+  TempDir dir;
+  std::string out;
+  // No cold tier: three quarters of the chunks leave warm for Redis and come back from it.
+  ASSERT_EQ(RunCli("run --quiet --context 8192 --warm-bytes 4M --decode-steps 4 --data-dir none --remote " +
+                       redis.Spec(0) + " --json " + dir.path() + "/run.json",
+                   &out),
+            0)
+      << out;
+  EXPECT_GT(TierShare(out, "remote"), 0.0) << out;
+  EXPECT_EQ(TierShare(out, "cold"), 0.0) << out;
+  EXPECT_NE(out.find("remote tier: "), std::string::npos) << out;
+  EXPECT_NE(out.find(" 0 not found (evicted), 0 corrupt, 0 errors"), std::string::npos) << out;
+  std::ifstream json(dir.path() + "/run.json");
+  const std::string j((std::istreambuf_iterator<char>(json)), std::istreambuf_iterator<char>());
+  EXPECT_NE(j.find("\"hit_rate\""), std::string::npos);
+  EXPECT_NE(j.find("\"remote_get\""), std::string::npos);
+  out.clear();
+  ASSERT_EQ(RunCli("stress --sequences 4 --tokens 600 --data-dir " + dir.path() + "/stress --remote " + redis.Spec(0),
+                   &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("errors: 0"), std::string::npos) << out;
+  EXPECT_NE(out.find("remote tier: "), std::string::npos) << out;
+  out.clear();
+  EXPECT_NE(RunCli("run --context 4096 --remote http://nowhere:1", &out), 0);
+  EXPECT_NE(out.find("must start with redis://"), std::string::npos) << out;
+  out.clear();
+  // A server that is not there: a named error at open, not a silent local run.
+  EXPECT_NE(RunCli("run --quiet --context 4096 --data-dir none --remote redis://127.0.0.1:1", &out), 0);
+  EXPECT_NE(out.find("127.0.0.1:1"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "integration/model/llama.h"
 #include "integration/model/tasks.h"
 #include "integration/policy_eval.h"
+#include "integration/tier_report.h"
 #include "offload/demotion_policy.h"
 #include "offload/policy/scoring_policy.h"
 #include "retrieval/retriever.h"
@@ -91,6 +92,7 @@ struct Result1 {  // one method at one context length
   double seconds = 0;
   uint64_t tokens = 0;          // prompt + decoded tokens run through the model
   uint64_t chunks = 0, steps = 0;
+  std::string traffic;          // the last sample's fetched chunks by tier (integration/tier_report.h)
   // Needle recall: over the answer steps (every decode step, the first one runs the prompt's
   // last token) and layers, the share that attended every sealed chunk holding the answer's
   // bytes inside the needle. Steps where those are still in the sinks or local window do not
@@ -250,6 +252,7 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
   r->correct += out == sample.answer ? 1 : 0;
   r->outputs.push_back(out);
   const StoreCounters c = session->store()->counters();
+  r->traffic = TierTrafficText(c, !session->store()->options().remote.empty());
   r->peak.hot_bytes = std::max(r->peak.hot_bytes, c.hot_bytes);
   r->peak.warm_bytes = std::max(r->peak.warm_bytes, c.warm_bytes);
   r->peak.cold_bytes = std::max(r->peak.cold_bytes, c.cold_bytes);
@@ -457,6 +460,13 @@ int RunInfinite(int argc, char** argv) {
           return ParseBytes(s, &o.store.warm_bytes);
         }));
   f.Add("data-dir", "cold tier (RocksDB) directory", WithDefault("none", PathFlag(&o.store.data_dir)));
+  f.Add("remote", "remote tier on Redis: redis://host:port[,host:port...][?wait=N&...]; with --warm-bytes, "
+        "chunks that leave warm are fetched back from it", WithDefault("none", [&o](const std::string& s) {
+          auto r = ParseRemoteSpec(s);
+          if (!r.ok()) return r.status();
+          o.store.remote = s;
+          return Status::Ok();
+        }));
   f.Add("full-max-bytes", "--compare: full attention runs where one layer's chunks fit in this",
         cli::BytesFlag(&o.full_max_bytes));
   f.Add("seed", "random seed of the samples", IntFlag(&o.seed, 0, INT64_MAX));
@@ -509,8 +519,9 @@ int RunInfinite(int argc, char** argv) {
   if (o.window > o.store.n_local)
     return Fail(InvalidArgument("--window (" + std::to_string(o.window) + ") must be <= --local (" +
                                 std::to_string(o.store.n_local) + "): a window's keys must stay in the local window"));
-  if (o.warm_set && o.store.data_dir.empty())
-    return Fail(InvalidArgument("--warm-bytes needs --data-dir: without a cold tier the warm tier holds every chunk"));
+  if (o.warm_set && o.store.data_dir.empty() && o.store.remote.empty())
+    return Fail(InvalidArgument("--warm-bytes needs --data-dir or --remote: without a lower tier the warm tier holds "
+                                "every chunk"));
   if (!o.compress.empty() && o.kv_budget == 0)
     return Fail(InvalidArgument("--compress needs --kv-budget N (tokens kept per layer)"));
   if (o.compress.empty() && o.kv_budget != 0)
@@ -593,6 +604,7 @@ int RunInfinite(int argc, char** argv) {
       std::printf("  memory per tier (store counters, largest at a sample's end): hot %s, warm %s, cold %s; "
                   "moved %s\n", MiB(r.peak.hot_bytes).c_str(), MiB(r.peak.warm_bytes).c_str(),
                   MiB(r.peak.cold_bytes).c_str(), MiB(r.peak.bytes_moved).c_str());
+      std::printf("  last sample's %s", r.traffic.c_str());
       if (r.needle_steps)
         std::printf("  needle recall %.3f: share of (answer step, layer) that attended every sealed chunk holding "
                     "the answer in the needle\n",

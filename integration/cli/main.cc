@@ -59,7 +59,20 @@ void AddStoreFlags(FlagSet* f, StoreOptions* o) {
   f->Add("device", "where the hot tier lives: cpu | cuda (GPU memory: needs a CUDA build and a device)",
          cli::DeviceFlag(&o->hot_tier));
   f->Add("warm-bytes", "warm tier capacity (K/M/G suffixes)", BytesFlag(&o->warm_bytes));
-  f->Add("data-dir", "cold tier (RocksDB) directory", cli::PathFlag(&o->data_dir));
+  f->Add("data-dir", "cold tier (RocksDB) directory; 'none': no cold tier (then --remote is the lower tier)",
+         WithDefault(o->data_dir, [o](const std::string& s) {
+           if (s.empty()) return InvalidArgument("empty path");
+           o->data_dir = s == "none" ? "" : s;
+           return Status::Ok();
+         }));
+  f->Add("remote", "remote tier on Redis: redis://host:port[,host:port...][?wait=N&timeout_ms=N&...] (one server "
+         "or any nodes of a cluster); chunks are written through to it as well and fetched from it when no local "
+         "tier holds them", WithDefault("none", [o](const std::string& s) {
+           auto r = ParseRemoteSpec(s);
+           if (!r.ok()) return r.status();
+           o->remote = s;
+           return Status::Ok();
+         }));
   f->Add("compression", "cold tier compression none|lz4|zstd",
          WithDefault(CompressionName(o->compression), [o](const std::string& s) {
            if (!ParseCompression(s, &o->compression))
