@@ -15,6 +15,7 @@ transformers; kvtier.export_hf writes the shipped model as a transformers checkp
 """
 from ._kvtier import (  # noqa: F401
     AlreadyExists,
+    CppLlama,
     Corruption,
     Error,
     FailedPrecondition,

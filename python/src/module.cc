@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "integration/model/llama.h"
 #include "integration/model/tasks.h"
 #include "kvtier/kvtier.h"
 
@@ -423,6 +424,7 @@ class PyStore {
   }
   std::vector<SequenceId> Sequences() const { return store_->ListSequences(); }
   int64_t Length(SequenceId seq, int layer) const { return Take(store_->SequenceLength(seq, layer)); }
+  uint64_t ChunkCount(SequenceId seq, int layer) const { return Take(store_->ChunkCount(seq, layer)); }
   void WaitForDurable() {
     py::gil_scoped_release nogil;
     Check(store_->WaitForDurable());
@@ -679,6 +681,52 @@ class PySession {
   std::mutex mu_;
 };
 
+// The shipped model's C++ forward pass (integration/model/llama.h) with the store `kvtier
+// infinite` gives it: the C++ path the Python one is timed against in the same process
+// (kvtier.decode_bench). Tokens are bytes; logits come back as a list.
+class PyLlama {
+ public:
+  PyLlama(const std::string& weights, int64_t context, const std::string& preset, int budget, int n_sink, int n_local,
+          int chunk_size) {
+    py::gil_scoped_release nogil;
+    model_ = Take(model::LlamaModel::Load(weights));
+    const RetrievalPreset p = Take(MakeRetrievalPreset(preset));
+    StoreOptions so;
+    so.geometry = model_->config().KvGeometry(DType::kF32);
+    so.n_sink = n_sink;
+    so.n_local = n_local;
+    so.chunk_size = chunk_size;
+    so.repr_topk = p.repr_topk > 0 ? std::min(p.repr_topk, chunk_size) : chunk_size;
+    so.transfer_threads = 2;
+    // kvtier infinite's sizing (StoreFor): every chunk in warm, what one layer attends in hot.
+    const uint64_t cb = so.chunk_bytes(), chunks = static_cast<uint64_t>(context / chunk_size + 2);
+    const uint64_t layers = static_cast<uint64_t>(model_->config().n_layers);
+    so.warm_bytes = std::max<uint64_t>(layers * chunks * cb, 4 * cb);
+    so.hot_bytes = std::max<uint64_t>(std::min(chunks, layers * static_cast<uint64_t>(budget / chunk_size) + 1), 1) * cb;
+    session_ = Take(model::LlamaSession::Create(model_.get(), so, PositionMode::kInfLLM));
+    RetrieverOptions r = p.retrieval;
+    r.budget_tokens = budget;
+    Check(session_->EnableRetrieval(r));
+  }
+  std::vector<float> Prefill(const py::bytes& tokens, int window) {
+    std::vector<int32_t> t;
+    for (char c : std::string(tokens)) t.push_back(static_cast<unsigned char>(c));
+    py::gil_scoped_release nogil;
+    std::vector<float> logits = Take(session_->Prefill(t, window));
+    const size_t vocab = static_cast<size_t>(model_->config().vocab);
+    return std::vector<float>(logits.end() - static_cast<std::ptrdiff_t>(vocab), logits.end());
+  }
+  std::vector<float> Decode(int token) {
+    py::gil_scoped_release nogil;
+    return Take(session_->Decode(token));
+  }
+  int64_t Position() const { return session_->position(); }
+
+ private:
+  std::unique_ptr<model::LlamaModel> model_;
+  std::unique_ptr<model::LlamaSession> session_;
+};
+
 }  // namespace
 }  // namespace kvtier::python
 
@@ -747,6 +795,16 @@ PYBIND11_MODULE(_kvtier, m) {
     return d;
   }, py::arg("name"), "A retrieval preset's options as a dict.");
 
+  py::class_<PyLlama>(m, "CppLlama", "The shipped model's C++ forward over a kvtier store (InfLLM positions, "
+                     "retrieval by preset), for same-process timing against transformers.")
+      .def(py::init<const std::string&, int64_t, const std::string&, int, int, int, int>(), py::arg("weights"),
+           py::arg("context"), py::arg("preset") = "kvtier", py::arg("budget") = 256, py::arg("n_sink") = 16,
+           py::arg("n_local") = 256, py::arg("chunk_size") = 32)
+      .def("prefill", &PyLlama::Prefill, py::arg("tokens"), py::arg("window") = 64,
+           "Runs the bytes in windows; returns the last token's logits.")
+      .def("decode", &PyLlama::Decode, py::arg("token"), "One token; returns its logits.")
+      .def_property_readonly("position", &PyLlama::Position);
+
   py::class_<PyStore>(m, "Store", "The tiers shared by every sequence: TieredStore::Open(StoreOptions).")
       .def(py::init<const py::kwargs&>(),
            "Store(**options): StoreOptions fields as keyword arguments (layers, q_heads, kv_heads, head_dim, "
@@ -756,6 +814,8 @@ PYBIND11_MODULE(_kvtier, m) {
       .def("counters", &PyStore::Counters, "StoreCounters as a dict (a consistent snapshot).")
       .def("sequences", &PyStore::Sequences)
       .def("sequence_length", &PyStore::Length, py::arg("sequence"), py::arg("layer"))
+      .def("chunk_count", &PyStore::ChunkCount, py::arg("sequence"), py::arg("layer"),
+           "Chunk indices sealed in one layer (chunk i covers tokens n_sink + i*chunk_size onwards).")
       .def("wait_for_durable", &PyStore::WaitForDurable);
 
   py::class_<PySession>(m, "Session", "One sequence over a Store (include/kvtier/session.h).")
