@@ -209,9 +209,13 @@ void MeasureAttention(cudaStream_t s, int reps, std::vector<Row>* rows) {
     p.out = d_out;
     p.lse = d_lse;
   }
+  const size_t ws_bytes = kc::SlotAttentionWorkspaceBytes(params[0]);  // the same shape every layer
+  void* ws = nullptr;
+  if (ws_bytes) CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
   const double attn_ms = MedianMs(s, reps, [&] {
-    for (const auto& p : params) CHECK_KERNEL(kc::LaunchSlotAttention(p, nullptr, 0, s));
+    for (const auto& p : params) CHECK_KERNEL(kc::LaunchSlotAttention(p, ws, ws_bytes, s));
   });
+  if (ws) CHECK_CUDA(cudaFree(ws));
   const double kv_bytes = 2.0 * (kSink + kLocal + kSlots * kChunk) * token * kLayers;  // K and V read
   const double attn_gbs = kv_bytes / attn_ms / 1e6;
   // D2D copy bandwidth: read + write bytes per second of one large copy.

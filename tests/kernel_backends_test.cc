@@ -307,6 +307,7 @@ const AttnShape kAttnShapes[] = {
     {4, 2, 64, DType::kF32, 5, 7, true, true, true},        // window of 5, causal in the local part
     {8, 2, 128, DType::kF16, 3, 0, false, false, false},    // no slots, not causal
     {6, 3, 128, DType::kF32, 1, 9, true, true, true},       // GQA 2, mass
+    {32, 8, 64, DType::kF16, 16, 3, true, true, true},      // 512 rows: one block per row on the GPU (no split-K)
 };
 
 TEST_P(KernelBackends, SlotAttentionMatchesReference) {
@@ -358,8 +359,10 @@ TEST_P(KernelBackends, SlotAttentionMatchesReference) {
     d.slot_mass = shape.mass ? dev.Put(std::vector<float>(smass.size(), 0.0f)) : nullptr;
     d.out = dev.Put(std::vector<float>(n_out, kNaN));
     d.lse = dev.Put(std::vector<float>(n_lse, kNaN));
-    ASSERT_EQ(cuda::LaunchSlotAttention(d, nullptr, cuda::SlotAttentionWorkspaceBytes(d), nullptr), KernelError::kOk)
-        << cuda::LastCudaErrorString();
+    const size_t ws_bytes = cuda::SlotAttentionWorkspaceBytes(d);
+    void* ws = ws_bytes ? dev.Alloc<char>(ws_bytes) : nullptr;
+    if (ws_bytes > 0) EXPECT_EQ(cuda::LaunchSlotAttention(d, ws, ws_bytes - 1, nullptr), KernelError::kWorkspace);
+    ASSERT_EQ(cuda::LaunchSlotAttention(d, ws, ws_bytes, nullptr), KernelError::kOk) << cuda::LastCudaErrorString();
     std::vector<float> g_out(n_out), g_lse(n_lse);
     dev.Get(&g_out, d.out);
     dev.Get(&g_lse, d.lse);

@@ -1,9 +1,18 @@
 // CUDA attention over (dense parts | slot list) and the LSE merge. See kernels/cuda/kernels.h.
 // NEVER RUN ON A GPU: compiled only. The CPU twin (kernels/cpu/slot_attention) defines it.
+//
+// Grid (q heads, queries, splits): decode has q_heads x 1 rows, 32 blocks for Llama-3-8B, far
+// fewer than an H100's 132 SMs, so the keys are split over `splits` blocks per row (split-K).
+// Split s owns the dense parts' 32-token tiles s, s + splits, ... and the selected slots
+// s, s + splits, ...; its warps stride over the tokens it owns. With one split the block
+// writes the output; with more, each writes its normalised partial (out_s, lse_s) to the
+// workspace and a merge kernel combines them by log-sum-exp. Mass (the final probabilities)
+// needs the final lse: with splits it is a third launch over the same grid.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/cuda/common.cuh"
@@ -12,17 +21,11 @@
 namespace kvtier::kernels::cuda {
 namespace {
 
-constexpr int kWarps = 4;  // warps per block: each takes every kWarps-th key of every part
+constexpr int kWarps = 4;  // warps per block
 constexpr int kThreads = kWarps * 32;
-
-// Per-warp online-softmax state over the keys it has seen: running max m, sum l of
-// exp(s - m), and acc = sum exp(s - m) v, the lane holding elements [lane*E, lane*E + E).
-template <int E>
-struct WarpState {
-  float m = -INFINITY;
-  float l = 0.0f;
-  float acc[E];
-};
+constexpr int kTile = 32;        // dense tokens per split unit
+constexpr int kMaxSplits = 16;
+constexpr int kTargetBlocks = 512;  // enough blocks to fill a large GPU several times over
 
 // Score of one key: scale * q.k, the warp's lanes each holding E consecutive elements.
 template <typename T, int E>
@@ -33,22 +36,26 @@ __device__ __forceinline__ float WarpScore(const float (&q)[E], const T* k, int 
   return WarpSum(s) * scale;
 }
 
-// Calls f(k_row, v_row, position, mass_ptr_or_null, key_index_in_mass) for every key this
-// warp owns: dense parts first, then the selected slots, each strided over the warps.
+// Calls f(k_row, v_row, position, mass_or_null) for every key this warp of this split owns.
+// Every lane of a warp sees the same keys in the same order (the shuffles need it).
 template <typename T, typename F>
-__device__ __forceinline__ void ForEachKey(const SlotAttentionParams& p, int kvh, int warp, F&& f) {
+__device__ __forceinline__ void ForEachKey(const SlotAttentionParams& p, int kvh, int warp, int split, int splits,
+                                           F&& f) {
   const size_t row = static_cast<size_t>(p.kv_heads) * p.head_dim;  // elements per token
+  const size_t head = static_cast<size_t>(kvh) * p.head_dim;
   for (int part = 0; part < p.n_dense; ++part) {
     const DenseKv& d = p.dense[part];
     const T* kb = static_cast<const T*>(d.k);
     const T* vb = static_cast<const T*>(d.v);
     float* mass = d.mass ? d.mass + static_cast<size_t>(kvh) * d.n_tokens : nullptr;
-    for (int t = warp; t < d.n_tokens; t += kWarps)
-      f(kb + t * row + static_cast<size_t>(kvh) * p.head_dim, vb + t * row + static_cast<size_t>(kvh) * p.head_dim,
-        d.first_position + t, mass ? mass + t : nullptr);
+    for (int t0 = split * kTile; t0 < d.n_tokens; t0 += splits * kTile) {
+      const int t1 = min(d.n_tokens, t0 + kTile);
+      for (int t = t0 + warp; t < t1; t += kWarps)
+        f(kb + t * row + head, vb + t * row + head, d.first_position + t, mass ? mass + t : nullptr);
+    }
   }
   const size_t slot_elems = row * p.slot_tokens;
-  for (int i = 0; i < p.n_slots; ++i) {
+  for (int i = split; i < p.n_slots; i += splits) {
     const int slot = p.slot_index[i];
     if (slot < 0 || slot >= p.pool_slots) continue;  // documented: skipped (the host cannot check)
     int n = p.slot_n_tokens ? p.slot_n_tokens[i] : p.slot_tokens;
@@ -57,48 +64,76 @@ __device__ __forceinline__ void ForEachKey(const SlotAttentionParams& p, int kvh
     const T* vb = static_cast<const T*>(p.pool_v) + slot * slot_elems;
     float* mass = p.slot_mass ? p.slot_mass + (static_cast<size_t>(i) * p.kv_heads + kvh) * p.slot_tokens : nullptr;
     const int64_t pos0 = p.slot_first_position[i];
-    for (int t = warp; t < n; t += kWarps)
-      f(kb + t * row + static_cast<size_t>(kvh) * p.head_dim, vb + t * row + static_cast<size_t>(kvh) * p.head_dim,
-        pos0 + t, mass ? mass + t : nullptr);
+    for (int t = warp; t < n; t += kWarps) f(kb + t * row + head, vb + t * row + head, pos0 + t, mass ? mass + t : nullptr);
   }
 }
 
+__host__ __device__ inline bool WantsMass(const SlotAttentionParams& p) {
+  bool want = p.slot_mass != nullptr;
+  for (int i = 0; i < p.n_dense; ++i) want = want || p.dense[i].mass != nullptr;
+  return want;
+}
+
+template <int D>
+__device__ __forceinline__ void LoadQuery(const SlotAttentionParams& p, int h, int qi, int lane, float (&q)[D / 32]) {
+  const float* qrow = p.q + (static_cast<size_t>(qi) * p.q_heads + h) * D;
+#pragma unroll
+  for (int e = 0; e < D / 32; ++e) q[e] = qrow[lane * (D / 32) + e];
+}
+
+// Adds exp(score - lse) of every owned, visible key to its mass (atomics: the q heads of a
+// group and the queries add to the same key).
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) SlotAttentionKernel(const SlotAttentionParams p, float scale) {
-  constexpr int E = D / 32;
-  const int h = blockIdx.x, qi = blockIdx.y;
+__device__ void AddMass(const SlotAttentionParams& p, float scale, int h, int qi, int split, int splits, float lse) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int kvh = h / (p.q_heads / p.kv_heads);
-  const float* qrow = p.q + (static_cast<size_t>(qi) * p.q_heads + h) * D;
+  float q[D / 32];
+  LoadQuery<D>(p, h, qi, lane, q);
+  const bool causal = p.causal;
+  const int64_t qpos = causal ? p.q_positions[qi] : 0;
+  ForEachKey<T>(p, kvh, warp, split, splits, [&](const T* k, const T*, int64_t pos, float* mass) {
+    if (mass == nullptr || (causal && pos > qpos)) return;
+    const float s = WarpScore<T, D / 32>(q, k, lane, scale);
+    if (lane == 0) atomicAdd(mass, __expf(s - lse));
+  });
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads)
+    SlotAttentionKernel(const SlotAttentionParams p, float scale, int splits, float* part_out, float* part_lse) {
+  constexpr int E = D / 32;
+  const int h = blockIdx.x, qi = blockIdx.y, split = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int kvh = h / (p.q_heads / p.kv_heads);
   float q[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) q[e] = qrow[lane * E + e];
+  LoadQuery<D>(p, h, qi, lane, q);
   const bool causal = p.causal;
   const int64_t qpos = causal ? p.q_positions[qi] : 0;
 
-  WarpState<E> st;
+  // This warp's online softmax: running max m, sum l of exp(s - m), acc = sum exp(s - m) v.
+  float m = -INFINITY, l = 0.0f, acc[E];
 #pragma unroll
-  for (int e = 0; e < E; ++e) st.acc[e] = 0.0f;
-  ForEachKey<T>(p, kvh, warp, [&](const T* k, const T* v, int64_t pos, float*) {
+  for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+  ForEachKey<T>(p, kvh, warp, split, splits, [&](const T* k, const T* v, int64_t pos, float*) {
     if (causal && pos > qpos) return;
     const float s = WarpScore<T, E>(q, k, lane, scale);
-    const float m_new = fmaxf(st.m, s);
-    const float corr = __expf(st.m - m_new);  // exp(-inf) = 0 on the first key
+    const float m_new = fmaxf(m, s);
+    const float corr = __expf(m - m_new);  // exp(-inf) = 0 on the first key
     const float w = __expf(s - m_new);
-    st.l = st.l * corr + w;
+    l = l * corr + w;
 #pragma unroll
-    for (int e = 0; e < E; ++e) st.acc[e] = fmaf(w, LoadAsFloat(v + lane * E + e), st.acc[e] * corr);
-    st.m = m_new;
+    for (int e = 0; e < E; ++e) acc[e] = fmaf(w, LoadAsFloat(v + lane * E + e), acc[e] * corr);
+    m = m_new;
   });
 
-  // LSE merge of the warps' states (the same merge as split-K on the CPU).
+  // LSE merge of the warps' states.
   __shared__ float sm[kWarps], sl[kWarps], sacc[kWarps][D], s_lse;
   if (lane == 0) {
-    sm[warp] = st.m;
-    sl[warp] = st.l;
+    sm[warp] = m;
+    sl[warp] = l;
   }
 #pragma unroll
-  for (int e = 0; e < E; ++e) sacc[warp][lane * E + e] = st.acc[e];
+  for (int e = 0; e < E; ++e) sacc[warp][lane * E + e] = acc[e];
   __syncthreads();
   float M = -INFINITY;
 #pragma unroll
@@ -106,7 +141,9 @@ __global__ void __launch_bounds__(kThreads) SlotAttentionKernel(const SlotAttent
   float L = 0.0f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) L += sl[w] > 0.0f ? sl[w] * __expf(sm[w] - M) : 0.0f;
-  float* orow = p.out + (static_cast<size_t>(qi) * p.q_heads + h) * D;
+  const size_t row = static_cast<size_t>(qi) * p.q_heads + h;
+  const size_t rows = static_cast<size_t>(p.n_queries) * p.q_heads;
+  float* orow = splits == 1 ? p.out + row * D : part_out + (static_cast<size_t>(split) * rows + row) * D;
   for (int d = threadIdx.x; d < D; d += kThreads) {
     float o = 0.0f;
     if (L > 0.0f) {
@@ -120,20 +157,51 @@ __global__ void __launch_bounds__(kThreads) SlotAttentionKernel(const SlotAttent
   const float lse = L > 0.0f ? M + logf(L) : -INFINITY;
   if (threadIdx.x == 0) {
     s_lse = lse;
-    if (p.lse) p.lse[static_cast<size_t>(qi) * p.q_heads + h] = lse;
+    if (splits > 1) part_lse[static_cast<size_t>(split) * rows + row] = lse;
+    else if (p.lse) p.lse[row] = lse;
   }
-
-  // Mass: the final probabilities exp(s - lse), a second pass over K once lse is known.
-  bool want_mass = p.slot_mass != nullptr;
-  for (int i = 0; i < p.n_dense; ++i) want_mass = want_mass || p.dense[i].mass != nullptr;
-  if (!want_mass || !(L > 0.0f)) return;
+  // One split: the final lse is known here, so the mass pass follows in this block.
+  if (splits > 1 || !WantsMass(p) || !(L > 0.0f)) return;
   __syncthreads();
-  const float final_lse = s_lse;
-  ForEachKey<T>(p, kvh, warp, [&](const T* k, const T*, int64_t pos, float* mass) {
-    if (mass == nullptr || (causal && pos > qpos)) return;
-    const float s = WarpScore<T, E>(q, k, lane, scale);
-    if (lane == 0) atomicAdd(mass, __expf(s - final_lse));
-  });
+  AddMass<T, D>(p, scale, h, qi, 0, 1, s_lse);
+}
+
+// Combines the splits' normalised partials of one row by log-sum-exp.
+__global__ void MergeSplitsKernel(int splits, int rows, int head_dim, const float* part_out, const float* part_lse,
+                                  float* out, float* lse, float* final_lse) {
+  const int r = blockIdx.x;
+  float M = -INFINITY;
+  for (int s = 0; s < splits; ++s) M = fmaxf(M, part_lse[static_cast<size_t>(s) * rows + r]);
+  float L = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float ls = part_lse[static_cast<size_t>(s) * rows + r];
+    if (ls != -INFINITY) L += expf(ls - M);
+  }
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float o = 0.0f;
+    if (L > 0.0f) {
+      for (int s = 0; s < splits; ++s) {
+        const float ls = part_lse[static_cast<size_t>(s) * rows + r];
+        if (ls != -INFINITY) o += part_out[(static_cast<size_t>(s) * rows + r) * head_dim + d] * expf(ls - M);
+      }
+      o /= L;
+    }
+    out[static_cast<size_t>(r) * head_dim + d] = o;
+  }
+  if (threadIdx.x == 0) {
+    const float v = L > 0.0f ? M + logf(L) : -INFINITY;
+    if (lse) lse[r] = v;
+    final_lse[r] = v;
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) MassKernel(const SlotAttentionParams p, float scale, int splits,
+                                                       const float* final_lse) {
+  const int h = blockIdx.x, qi = blockIdx.y, split = blockIdx.z;
+  const float lse = final_lse[static_cast<size_t>(qi) * p.q_heads + h];
+  if (lse == -INFINITY) return;  // the row saw no key
+  AddMass<T, D>(p, scale, h, qi, split, splits, lse);
 }
 
 __global__ void MergeStatesKernel(int rows, int head_dim, const float* out_a, const float* lse_a, const float* out_b,
@@ -153,31 +221,74 @@ __global__ void MergeStatesKernel(int rows, int head_dim, const float* out_a, co
   if (threadIdx.x == 0) lse[r] = none ? -INFINITY : m + logf(wa + wb);
 }
 
-template <typename T>
-KernelError LaunchTyped(const SlotAttentionParams& p, float scale, cudaStream_t s) {
-  const dim3 grid(p.q_heads, p.n_queries);
-  if (p.head_dim == 64)
-    SlotAttentionKernel<T, 64><<<grid, kThreads, 0, s>>>(p, scale);
-  else
-    SlotAttentionKernel<T, 128><<<grid, kThreads, 0, s>>>(p, scale);
+// The split count: enough blocks for a large GPU, never more splits than key units.
+int Splits(const SlotAttentionParams& p) {
+  const int64_t rows = static_cast<int64_t>(p.q_heads) * p.n_queries;
+  int units = p.n_slots;
+  for (int i = 0; i < p.n_dense; ++i) units += (p.dense[i].n_tokens + kTile - 1) / kTile;
+  const int64_t want = (kTargetBlocks + rows - 1) / rows;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, kMaxSplits, std::max(units, 1)})));
+}
+
+struct Workspace {
+  size_t part_out = 0, part_lse = 0, final_lse = 0, total = 0;
+};
+
+Workspace Layout(const SlotAttentionParams& p, int splits) {
+  Workspace w;
+  if (splits <= 1) return w;
+  const size_t rows = static_cast<size_t>(p.q_heads) * p.n_queries;
+  auto align = [](size_t x) { return (x + 255) / 256 * 256; };
+  w.part_out = 0;
+  w.part_lse = align(splits * rows * p.head_dim * sizeof(float));
+  w.final_lse = w.part_lse + align(splits * rows * sizeof(float));
+  w.total = w.final_lse + align(rows * sizeof(float));
+  return w;
+}
+
+template <typename T, int D>
+KernelError LaunchTyped(const SlotAttentionParams& p, float scale, int splits, char* ws, cudaStream_t s) {
+  const dim3 grid(p.q_heads, p.n_queries, splits);
+  const Workspace w = Layout(p, splits);
+  float* part_out = splits > 1 ? reinterpret_cast<float*>(ws + w.part_out) : nullptr;
+  float* part_lse = splits > 1 ? reinterpret_cast<float*>(ws + w.part_lse) : nullptr;
+  SlotAttentionKernel<T, D><<<grid, kThreads, 0, s>>>(p, scale, splits, part_out, part_lse);
+  if (const KernelError e = CheckLaunch(); e != KernelError::kOk || splits == 1) return e;
+  const int rows = p.q_heads * p.n_queries;
+  float* final_lse = reinterpret_cast<float*>(ws + w.final_lse);
+  MergeSplitsKernel<<<rows, 128, 0, s>>>(splits, rows, D, part_out, part_lse, p.out, p.lse, final_lse);
+  if (const KernelError e = CheckLaunch(); e != KernelError::kOk || !WantsMass(p)) return e;
+  MassKernel<T, D><<<grid, kThreads, 0, s>>>(p, scale, splits, final_lse);
   return CheckLaunch();
+}
+
+template <typename T>
+KernelError LaunchDType(const SlotAttentionParams& p, float scale, int splits, char* ws, cudaStream_t s) {
+  return p.head_dim == 64 ? LaunchTyped<T, 64>(p, scale, splits, ws, s) : LaunchTyped<T, 128>(p, scale, splits, ws, s);
 }
 
 }  // namespace
 
-size_t SlotAttentionWorkspaceBytes(const SlotAttentionParams&) { return 0; }
+size_t SlotAttentionWorkspaceBytes(const SlotAttentionParams& p) {
+  if (CheckSlotAttentionParams(p) != KernelError::kOk || p.n_queries == 0) return 0;
+  return Layout(p, Splits(p)).total;
+}
 
-KernelError LaunchSlotAttention(const SlotAttentionParams& p, void*, size_t, Stream stream) {
+KernelError LaunchSlotAttention(const SlotAttentionParams& p, void* workspace, size_t workspace_bytes, Stream stream) {
   if (const KernelError e = CheckSlotAttentionParams(p); e != KernelError::kOk) return e;
   if (p.head_dim != 64 && p.head_dim != 128) return KernelError::kBadShape;
   if (p.n_queries == 0) return KernelError::kOk;
   if (p.n_queries > 65535) return KernelError::kBadShape;  // grid.y limit
+  const int splits = Splits(p);
+  const size_t need = Layout(p, splits).total;
+  if (need > 0 && (workspace == nullptr || workspace_bytes < need)) return KernelError::kWorkspace;
   const float scale = p.scale != 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  char* ws = static_cast<char*>(workspace);
   switch (p.dtype) {
-    case DType::kF32: return LaunchTyped<float>(p, scale, s);
-    case DType::kF16: return LaunchTyped<__half>(p, scale, s);
-    case DType::kBF16: return LaunchTyped<__nv_bfloat16>(p, scale, s);
+    case DType::kF32: return LaunchDType<float>(p, scale, splits, ws, s);
+    case DType::kF16: return LaunchDType<__half>(p, scale, splits, ws, s);
+    case DType::kBF16: return LaunchDType<__nv_bfloat16>(p, scale, splits, ws, s);
   }
   return KernelError::kBadDType;
 }

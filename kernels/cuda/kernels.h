@@ -36,12 +36,15 @@ int LastCudaError();
 const char* LastCudaErrorString();
 
 // ---- attention over (dense parts | slot list) -----------------------------------------
-/// One block per (query head, query): streams K/V of every dense part, then of every selected
-/// slot through slot_index (no gather copy), with an online softmax in fp32 and the warps'
-/// partial states merged by LSE. head_dim 64 or 128 (kBadShape otherwise), f32/f16/bf16.
+/// Blocks per (query head, query) x split: each streams K/V of its share of the dense parts'
+/// 32-token tiles and of the selected slots through slot_index (no gather copy), with an online
+/// softmax in fp32; warps merge in-block by LSE, splits (split-K, so that decode's few rows
+/// fill the GPU) in a merge kernel. head_dim 64 or 128 (kBadShape otherwise), f32/f16/bf16.
 /// A slot_index entry outside [0, pool_slots) is skipped (the host cannot see device
-/// memory; the CPU twin rejects it). Mass: a second pass adds exp(score - lse) with atomics.
-size_t SlotAttentionWorkspaceBytes(const SlotAttentionParams& p);  ///< 0: the merge is in-block
+/// memory; the CPU twin rejects it). Mass: a pass after the final lse adds exp(score - lse)
+/// with atomics (their order makes mass non-deterministic in the last bits).
+/// Workspace: the splits' partials (0 bytes when one split suffices); kWorkspace when short.
+size_t SlotAttentionWorkspaceBytes(const SlotAttentionParams& p);
 KernelError LaunchSlotAttention(const SlotAttentionParams& p, void* workspace, size_t workspace_bytes, Stream s);
 
 /// MergeAttentionStates on the device (out/lse may alias out_a/lse_a).
