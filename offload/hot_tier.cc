@@ -107,6 +107,9 @@ Status RegisterHotTier(const std::string& name, HotTierFactory factory) {
   if (name.empty()) return InvalidArgument("RegisterHotTier: name must not be empty");
   if (!factory) return InvalidArgument("RegisterHotTier: factory for \"" + name + "\" is empty");
   if (name == kHostName) return AlreadyExists("hot tier \"host\" is built in");
+#if KVTIER_HAVE_CUDA
+  if (name == kCudaName) return AlreadyExists("hot tier \"cuda\" is built in (this build has CUDA)");
+#endif
   Registry& r = GetRegistry();
   std::lock_guard<std::mutex> l(r.mu);
   if (!r.factories.emplace(name, std::move(factory)).second)

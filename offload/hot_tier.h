@@ -78,8 +78,9 @@ class HostHotTier final : public HotTier {
 using HotTierFactory = std::function<Result<std::unique_ptr<HotTier>>(const FactorySpec& spec, size_t slot_pool_bytes,
                                                                       size_t slot_bytes)>;
 
-/// Adds a named implementation ("cuda" when the GPU tier exists). AlreadyExists when
-/// the name is taken, InvalidArgument for an empty name or factory. Thread-safe.
+/// Adds a named implementation (an engine's own tier). AlreadyExists when the name is
+/// taken ("host" always, "cuda" in builds with CUDA), InvalidArgument for an empty name or
+/// factory. Thread-safe.
 Status RegisterHotTier(const std::string& name, HotTierFactory factory);
 /// Names that MakeHotTier can build now, sorted ("host", plus registered ones).
 std::vector<std::string> HotTierNames();

@@ -82,6 +82,13 @@ TEST(CudaHotTier, SpecIsUnavailableWithTheReasonWithoutADevice) {
 }
 
 #if KVTIER_HAVE_CUDA
+TEST(CudaHotTier, IsBuiltInAndCannotBeReplaced) {
+  const Status st = RegisterHotTier("cuda", [](const FactorySpec&, size_t, size_t) -> Result<std::unique_ptr<HotTier>> {
+    return Internal("never built");
+  });
+  EXPECT_EQ(st.code(), StatusCode::kAlreadyExists) << st.ToString();
+}
+
 TEST(CudaHotTier, CopiesRoundTripThroughDeviceMemory) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();
   const size_t slot = 8192;
