@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <vector>
 
 #include "kernels/cuda/kernels.h"
 
@@ -80,6 +81,23 @@ Status CudaHotTier::Copy(void* dst, const void* src, size_t bytes, bool to_devic
   if (e != cudaSuccess)
     return IOError(std::string("hot tier \"cuda\": ") + (to_device ? "upload" : "download") + " of " +
                    std::to_string(bytes) + " bytes failed (" + CudaMessage(e) + ")");
+  return Status::Ok();
+}
+
+Status CudaHotTier::UploadBatch(const UploadOp* ops, size_t n) {
+  if (n == 0) return Status::Ok();
+  std::vector<void*> dsts(n);
+  std::vector<const void*> srcs(n);
+  std::vector<size_t> sizes(n);
+  for (size_t i = 0; i < n; ++i) dsts[i] = ops[i].dst, srcs[i] = ops[i].src, sizes[i] = ops[i].bytes;
+  cudaStream_t s = static_cast<cudaStream_t>(stream_);
+  if (kernels::cuda::MemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, s) != kernels::KernelError::kOk)
+    return IOError("hot tier \"cuda\": batch upload of " + std::to_string(n) + " copies failed (" +
+                   kernels::cuda::LastCudaErrorString() + ")");
+  cudaError_t e = cudaEventRecord(static_cast<cudaEvent_t>(done_), s);
+  if (e == cudaSuccess) e = cudaEventSynchronize(static_cast<cudaEvent_t>(done_));
+  if (e != cudaSuccess)
+    return IOError("hot tier \"cuda\": batch upload of " + std::to_string(n) + " copies failed (" + CudaMessage(e) + ")");
   return Status::Ok();
 }
 

@@ -45,6 +45,8 @@ class CudaHotTier final : public HotTier {
   void FreeRegion(uint8_t* region, size_t bytes) override;
   Status Upload(uint8_t* dst, const void* src, size_t bytes) override;
   Status Download(void* dst, const uint8_t* src, size_t bytes) override;
+  /// One cudaMemcpyBatchAsync on the transfer stream, one event, one wait.
+  Status UploadBatch(const UploadOp* ops, size_t n) override;
 
   /// The transfer stream (a cudaStream_t) for kernels that should order after uploads.
   void* stream() const { return stream_; }

@@ -19,6 +19,11 @@ Result<std::unique_ptr<HostHotTier>> HostHotTier::Create(size_t slot_pool_bytes,
   return tier;
 }
 
+Status HotTier::UploadBatch(const UploadOp* ops, size_t n) {
+  for (size_t i = 0; i < n; ++i) KVTIER_RETURN_IF_ERROR(Upload(ops[i].dst, ops[i].src, ops[i].bytes));
+  return Status::Ok();
+}
+
 Result<uint8_t*> HostHotTier::AllocateRegion(size_t bytes) {
   if (bytes == 0) return InvalidArgument("hot region size must be > 0");
   void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);

@@ -47,6 +47,17 @@ class HotTier {
 
   /// Copies host bytes into hot memory (a slot or a region).
   virtual Status Upload(uint8_t* dst, const void* src, size_t bytes) = 0;
+
+  /// One host -> hot copy of a batch.
+  struct UploadOp {
+    uint8_t* dst = nullptr;     ///< hot memory (a slot or a region)
+    const void* src = nullptr;  ///< host memory (the pinned warm tier for a fetch)
+    size_t bytes = 0;
+  };
+  /// Copies every op; all are in place when it returns OK. The default uploads them one by
+  /// one and stops at the first error; a device tier submits one batch and waits once (no
+  /// host synchronisation per chunk). On an error, which ops landed is unspecified.
+  virtual Status UploadBatch(const UploadOp* ops, size_t n);
   /// Copies hot bytes out to host memory.
   virtual Status Download(void* dst, const uint8_t* src, size_t bytes) = 0;
 };

@@ -70,15 +70,38 @@ uint8_t* TransferEngine::ReadBuffer(Load* ld) const {
 }
 
 void TransferEngine::CopyLoads(std::vector<Load>* loads) const {
+  // The warm copies go to the hot tier as one batch: for a device tier one batched H2D copy
+  // and one wait per fetch instead of one per chunk (HotTier::UploadBatch).
+  std::vector<HotTier::UploadOp> warm;
+  std::vector<size_t> rest;  // loads read from cold (or the remote tier)
   size_t cold_loads = 0;
-  for (const Load& ld : *loads) cold_loads += ld.warm_src == nullptr && ld.in_cold && options_.cold ? 1 : 0;
-  // A warm copy is one chunk-sized memcpy, cheaper than a fork-join; cold reads are worth spreading.
+  for (size_t j = 0; j < loads->size(); ++j) {
+    const Load& ld = (*loads)[j];
+    if (ld.warm_src != nullptr) {
+      warm.push_back({ld.hot_dst, ld.warm_src, options_.chunk_bytes});
+    } else {
+      rest.push_back(j);
+      cold_loads += ld.in_cold && options_.cold ? 1 : 0;
+    }
+  }
+  if (!warm.empty()) {
+    const Status st = options_.hot->UploadBatch(warm.data(), warm.size());
+    for (Load& ld : *loads)
+      if (ld.warm_src != nullptr) {
+        ld.status = st;
+        if (st.ok()) ld.source = 'w';
+      }
+  }
+  // Cold reads are worth spreading over the workers (a fork-join costs more than one memcpy).
   if (cold_loads >= 2) {
     TsanForkJoin fj;  // kernels/tbb_tsan.h
-    tbb::parallel_for(size_t{0}, loads->size(), fj.Body([&](size_t j) { (*loads)[j].status = CopyOne(&(*loads)[j]); }));
+    tbb::parallel_for(size_t{0}, rest.size(), fj.Body([&](size_t i) {
+      Load& ld = (*loads)[rest[i]];
+      ld.status = CopyOne(&ld);
+    }));
     fj.Join();
   } else {
-    for (Load& ld : *loads) ld.status = CopyOne(&ld);
+    for (size_t j : rest) (*loads)[j].status = CopyOne(&(*loads)[j]);
   }
   if (options_.remote == nullptr) return;
   // What neither warm nor cold could serve (not there, lost, damaged) comes from the remote

@@ -73,9 +73,10 @@ class TransferEngine {
     char source = 0;
     Status status;                     ///< the outcome, per load
   };
-  /// Copies every load into its hot slot on the calling thread (spreading over the
-  /// workers when two or more read from cold: a warm copy is one memcpy, cheaper than
-  /// a fork-join, while cold reads are worth overlapping). Loads the cold tier cannot
+  /// Copies every load into its hot slot on the calling thread: the warm ones as one
+  /// HotTier::UploadBatch (one wait per fetch on a device tier), the cold reads spread
+  /// over the workers when there are two or more (a warm copy is one memcpy, cheaper
+  /// than a fork-join, while cold reads are worth overlapping). Loads the cold tier cannot
   /// serve go to the remote tier in one pipelined batch. Takes no lock. Each load's
   /// status says how it went.
   void CopyLoads(std::vector<Load>* loads) const;

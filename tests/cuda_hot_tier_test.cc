@@ -58,6 +58,47 @@ TEST(SlotBook, RefusesReleasesThatWouldHandOutOneSlotTwice) {
   EXPECT_EQ(SlotBook(0).Acquire(), -1);
 }
 
+TEST(HotTierUploadBatch, HostTierCopiesEveryOp) {
+  auto made = MakeHotTier("host", 4 * 256, 256);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  HotTier& t = **made;
+  std::vector<uint8_t> a(256, 0x11), b(100, 0x22);
+  const int32_t s0 = t.AcquireSlot(), s1 = t.AcquireSlot();
+  const HotTier::UploadOp ops[] = {{t.slot_data(s1), a.data(), a.size()}, {t.slot_data(s0), b.data(), b.size()}};
+  ASSERT_TRUE(t.UploadBatch(ops, 2).ok());
+  EXPECT_EQ(0, std::memcmp(t.slot_data(s1), a.data(), a.size()));
+  EXPECT_EQ(0, std::memcmp(t.slot_data(s0), b.data(), b.size()));
+  EXPECT_TRUE(t.UploadBatch(nullptr, 0).ok());
+}
+
+// The default UploadBatch stops at the first failing copy and returns its status.
+class FailsSecondUpload final : public HotTier {
+ public:
+  const char* device() const override { return "cpu"; }
+  int32_t slot_capacity() const override { return 1; }
+  int32_t slots_used() const override { return 0; }
+  size_t slot_bytes() const override { return 1; }
+  int32_t AcquireSlot() override { return -1; }
+  void ReleaseSlot(int32_t) override {}
+  uint8_t* slot_data(int32_t) override { return nullptr; }
+  Result<uint8_t*> AllocateRegion(size_t) override { return Internal("unused"); }
+  void FreeRegion(uint8_t*, size_t) override {}
+  Status Upload(uint8_t*, const void*, size_t) override {
+    return ++uploads == 2 ? IOError("second upload fails") : Status::Ok();
+  }
+  Status Download(void*, const uint8_t*, size_t) override { return Internal("unused"); }
+  int uploads = 0;
+};
+
+TEST(HotTierUploadBatch, DefaultStopsAtTheFirstError) {
+  FailsSecondUpload t;
+  uint8_t byte = 0;
+  const HotTier::UploadOp ops[] = {{&byte, &byte, 1}, {&byte, &byte, 1}, {&byte, &byte, 1}};
+  const Status st = t.UploadBatch(ops, 3);
+  EXPECT_EQ(st.code(), StatusCode::kIOError) << st.ToString();
+  EXPECT_EQ(t.uploads, 2);
+}
+
 bool HaveDevice() {
 #if KVTIER_HAVE_CUDA
   return kernels::cuda::DeviceCount() > 0;
