@@ -9,7 +9,9 @@
 //                  32) at Llama-3-8B geometry (32 layers, 32 q / 8 kv heads, d 128, bf16): the
 //                  bytes of K and V it reads per second against device-to-device copy
 //                  bandwidth (read + write bytes per second) (target >= 0.5)
-//   peak_memory    device memory in use at the end (cudaMemGetInfo), for the record
+//   decode_128k    full attention over 128K tokens (same kernel, same GPU) against the 2K-budget
+//                  step, kernel only and with every retrieved chunk fetched (target >= 5)
+//   peak_memory    the most device memory in use after any measurement's allocations (cudaMemGetInfo)
 //
 // Usage: kvtier_gpu_bench OUT_DIR [--reps N]. Prints a table; writes OUT_DIR/gpu_bench.tsv.
 // Exit 2 when no CUDA device is visible. NEVER RUN YET: written and compiled without a GPU.
@@ -50,6 +52,14 @@ namespace kc = kvtier::kernels::cuda;
     }                                                                                                 \
   } while (0)
 
+// Device memory in use, sampled after each measurement has allocated everything it needs.
+size_t g_peak_used = 0;
+void NotePeak() {
+  size_t free_b = 0, total_b = 0;
+  CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  g_peak_used = std::max(g_peak_used, total_b - free_b);
+}
+
 struct Row {
   std::string name, method;
   double value, baseline, ratio, target;
@@ -87,13 +97,16 @@ void MeasureH2D(cudaStream_t s, int reps, std::vector<Row>* rows) {
   std::memset(host, 0x5a, kHostBytes);
   uint8_t* dev = nullptr;
   CHECK_CUDA(cudaMalloc(&dev, kFetchBytes));
+  NotePeak();
   // Baseline: one large pinned copy of the fetched bytes.
   const double base_ms = MedianMs(s, reps, [&] {
     CHECK_CUDA(cudaMemcpyAsync(dev, host, kFetchBytes, cudaMemcpyHostToDevice, s));
   });
   const double base_gbs = kFetchBytes / base_ms / 1e6;
   std::mt19937 rng(1);
-  for (size_t chunk : {size_t{16} << 10, size_t{64} << 10, size_t{256} << 10, size_t{1} << 20, size_t{2} << 20}) {
+  // 128K: one chunk of 32 tokens at Llama-3-8B geometry (K and V, bf16).
+  for (size_t chunk : {size_t{16} << 10, size_t{64} << 10, size_t{128} << 10, size_t{256} << 10, size_t{1} << 20,
+                       size_t{2} << 20}) {
     const int n = static_cast<int>(kFetchBytes / chunk);
     const size_t host_chunks = kHostBytes / chunk;
     std::vector<size_t> pick(host_chunks);
@@ -141,7 +154,8 @@ void MeasureH2D(cudaStream_t s, int reps, std::vector<Row>* rows) {
   CHECK_CUDA(cudaFreeHost(host));
 }
 
-void MeasureAttention(cudaStream_t s, int reps, std::vector<Row>* rows) {
+// Returns the decode step time (ms, 32 layers) over the 2K budget.
+double MeasureAttention(cudaStream_t s, int reps, std::vector<Row>* rows) {
   constexpr int kLayers = 32, kQ = 32, kKv = 8, kD = 128, kSink = 64, kLocal = 512, kChunk = 32, kSlots = 46,
                 kPool = 128;
   const size_t token = static_cast<size_t>(kKv) * kD * 2;  // bf16 bytes of K (or V) per token
@@ -212,6 +226,7 @@ void MeasureAttention(cudaStream_t s, int reps, std::vector<Row>* rows) {
   const size_t ws_bytes = kc::SlotAttentionWorkspaceBytes(params[0]);  // the same shape every layer
   void* ws = nullptr;
   if (ws_bytes) CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+  NotePeak();
   const double attn_ms = MedianMs(s, reps, [&] {
     for (const auto& p : params) CHECK_KERNEL(kc::LaunchSlotAttention(p, ws, ws_bytes, s));
   });
@@ -235,6 +250,61 @@ void MeasureAttention(cudaStream_t s, int reps, std::vector<Row>* rows) {
   for (void* p : {static_cast<void*>(d_index), static_cast<void*>(d_pos), static_cast<void*>(d_qpos),
                   static_cast<void*>(d_q), static_cast<void*>(d_out), static_cast<void*>(d_lse)})
     CHECK_CUDA(cudaFree(p));
+  return attn_ms;
+}
+
+// Full attention over a 128K context on the same GPU (the same kernel over one dense part of
+// every token) against the 2K-budget step, kernel time only and with the worst-case fetch (every
+// retrieved chunk a miss, at the best measured H2D rate for 128 KiB chunks). One layer's 128K KV
+// (512 MiB) is attended 32 times: far beyond L2, so each pass streams it from HBM as 32 layers
+// would. At 1M the KV (128 GiB) does not fit: that row says so, and the budget step is the same.
+void MeasureFullVsBudget(cudaStream_t s, int reps, double budget_ms, const std::vector<Row>& h2d,
+                         std::vector<Row>* rows) {
+  constexpr int kLayers = 32, kQ = 32, kKv = 8, kD = 128, kCtx = 131072, kChunk = 32, kSlots = 46;
+  const size_t token = static_cast<size_t>(kKv) * kD * 2;
+  void *k = nullptr, *v = nullptr;
+  CHECK_CUDA(cudaMalloc(&k, kCtx * token));
+  CHECK_CUDA(cudaMalloc(&v, kCtx * token));
+  CHECK_CUDA(cudaMemset(k, 0x3a, kCtx * token));
+  CHECK_CUDA(cudaMemset(v, 0x3a, kCtx * token));
+  int64_t* d_qpos = nullptr;
+  float *d_q = nullptr, *d_out = nullptr;
+  CHECK_CUDA(cudaMalloc(&d_qpos, sizeof(int64_t)));
+  CHECK_CUDA(cudaMalloc(&d_q, kQ * kD * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&d_out, kQ * kD * sizeof(float)));
+  const int64_t qpos = kCtx - 1;
+  CHECK_CUDA(cudaMemcpy(d_qpos, &qpos, sizeof qpos, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemset(d_q, 0, kQ * kD * sizeof(float)));
+  kvtier::kernels::SlotAttentionParams p;
+  p.q_heads = kQ;
+  p.kv_heads = kKv;
+  p.head_dim = kD;
+  p.dtype = kvtier::DType::kBF16;
+  p.n_queries = 1;
+  p.q = d_q;
+  p.q_positions = d_qpos;
+  p.n_dense = 1;
+  p.dense[0] = {k, v, kCtx, 0, nullptr};
+  p.out = d_out;
+  const size_t ws_bytes = kc::SlotAttentionWorkspaceBytes(p);
+  void* ws = nullptr;
+  if (ws_bytes) CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+  NotePeak();
+  const double full_ms = MedianMs(s, reps, [&] {
+    for (int l = 0; l < kLayers; ++l) CHECK_KERNEL(kc::LaunchSlotAttention(p, ws, ws_bytes, s));
+  });
+  double best_gbs = 0.0;
+  for (const Row& r : h2d)
+    if (r.name == "h2d_128K") best_gbs = std::max(best_gbs, r.value);
+  const double fetch_ms = best_gbs > 0.0 ? 2.0 * kSlots * kChunk * token * kLayers / best_gbs / 1e6 : 0.0;
+  rows->push_back({"decode_128k_full_vs_budget", "kernel_only", full_ms, budget_ms, full_ms / budget_ms, 5.0, "ms"});
+  rows->push_back({"decode_128k_full_vs_budget", "every_chunk_missed", full_ms, budget_ms + fetch_ms,
+                   full_ms / (budget_ms + fetch_ms), 5.0, "ms"});
+  rows->push_back({"decode_1m_full", "kv_does_not_fit", 2.0 * 1048576.0 * token * kLayers / 1073741824.0, 0, 0, 0,
+                   "GiB"});
+  if (ws) CHECK_CUDA(cudaFree(ws));
+  for (void* ptr : {k, v, static_cast<void*>(d_qpos), static_cast<void*>(d_q), static_cast<void*>(d_out)})
+    CHECK_CUDA(cudaFree(ptr));
 }
 
 }  // namespace
@@ -258,11 +328,13 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   std::vector<Row> rows;
   MeasureH2D(s, reps, &rows);
-  MeasureAttention(s, reps, &rows);
+  const std::vector<Row> h2d = rows;
+  const double budget_ms = MeasureAttention(s, reps, &rows);
+  MeasureFullVsBudget(s, reps, budget_ms, h2d, &rows);
   size_t free_b = 0, total_b = 0;
   CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
-  rows.push_back({"peak_memory", "cudaMemGetInfo_used", (total_b - free_b) / 1048576.0, total_b / 1048576.0,
-                  static_cast<double>(total_b - free_b) / total_b, 0, "MiB"});
+  rows.push_back({"peak_memory", "max_cudaMemGetInfo_used", g_peak_used / 1048576.0, total_b / 1048576.0,
+                  static_cast<double>(g_peak_used) / total_b, 0, "MiB"});
   std::printf("device: %s (sm_%d%d), reps %d\n", prop.name, prop.major, prop.minor, reps);
   std::printf("%-32s %-20s %12s %12s %8s %8s\n", "measure", "method", "value", "baseline", "ratio", "target");
   const std::string tsv = out_dir + "/gpu_bench.tsv";
