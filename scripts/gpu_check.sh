@@ -7,9 +7,9 @@
 #   bash scripts/gpu_check.sh OUT_DIR               build + GPU tests + measurements
 #   bash scripts/gpu_check.sh OUT_DIR --build-only  stop after the build (works without a GPU)
 #
-# Dependencies: when FAISS/RocksDB/oneTBB/GoogleTest are not installed and a .deps folder of
-# carried Debian packages sits in the project root (../shared/gpu/fetch-debs.sh .deps on a
-# machine with the registry), they are unpacked into $KVTIER_DEPS_PREFIX (default
+# Dependencies: when FAISS, hiredis or pkg-config are not installed and a .deps folder of
+# carried Debian packages sits in the project root (scripts/fetch-debs.sh .deps on a machine
+# with the registry), they are unpacked into $KVTIER_DEPS_PREFIX (default
 # /opt/kvdeps), never into /. Environment: KVTIER_GPU_BUILD (build dir, default build-gpu),
 # KVTIER_CUDA_ARCH (default 90: H100/H200), JOBS, KVTIER_RUN_TIMEOUT (s per kvtier run, 540).
 set -uo pipefail
@@ -34,12 +34,13 @@ note() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$SUMMARY"; }
 NVCC=${CUDACXX:-/usr/local/cuda/bin/nvcc}
 [ -x "$NVCC" ] || die "no nvcc at $NVCC (set CUDACXX)"
 log "nvcc: $("$NVCC" --version | tail -1)"
-if [ ! -e /usr/include/faiss/Index.h ] && [ ! -e "$PREFIX/usr/include/faiss/Index.h" ]; then
-  [ -d .deps ] || die "FAISS not installed and no .deps folder: run ../shared/gpu/fetch-debs.sh .deps on a machine with the registry"
+have_deps() { [ -e /usr/include/faiss/Index.h ] && [ -e /usr/include/hiredis/hiredis.h ] && command -v pkg-config >/dev/null; }
+if ! have_deps && [ ! -e "$PREFIX/usr/include/hiredis/hiredis.h" ]; then
+  [ -d .deps ] || die "FAISS/hiredis/pkg-config not installed and no .deps folder: run scripts/fetch-debs.sh .deps on a machine with the registry"
   log "unpacking .deps into $PREFIX"
   bash scripts/unpack-debs.sh .deps "$PREFIX" >>"$LOG" 2>&1 || die "unpack-debs.sh"
 fi
-if [ -e "$PREFIX/usr/include/faiss/Index.h" ]; then
+if ! have_deps && [ -e "$PREFIX/usr/include/faiss/Index.h" ]; then
   eval "$(bash scripts/unpack-debs.sh --env "$PREFIX")"
   log "using dependencies from $PREFIX"
 fi
