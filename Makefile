@@ -7,7 +7,7 @@ CMAKE_ARGS ?=
 RUN_ARGS   ?= --context 131072 --data-dir $(BUILD)/run-data --json $(BUILD)/run-report.json
 
 .PHONY: all deps deps-checks configure build run test test-release test-asan test-tsan fuzz soak \
-        bench bench-retrieval clean
+        bench bench-retrieval gpu-check clean
 
 # ---- checks beyond the Release suite (all part of `make test`, hence of CI) ------------------
 # Each has its own build directory, built with clang from Debian (scripts/deps.sh checks).
@@ -113,6 +113,12 @@ bench: build
 # Retrieval overhead by context (32K, 128K, 1M) and index kind; the 1M runs take minutes.
 bench-retrieval: build
 	bash scripts/bench_retrieval.sh $(BUILD)
+
+# One command on a lent GPU machine: CUDA build, the cuda kernel tests, the GPU measurements
+# (scripts/gpu_check.sh; its own build directory). Record what it prints in docs/gpu.md.
+GPU_OUT ?= gpu-out
+gpu-check:
+	bash scripts/gpu_check.sh $(GPU_OUT)
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)
