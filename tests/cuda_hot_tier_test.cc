@@ -2,8 +2,10 @@
 // "cuda" hot tier spec and --device cuda answering Unavailable with the reason instead of
 // crashing. With a device (never so far: docs/gpu.md), CudaHotTier's copies round-trip.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <utility>
@@ -223,6 +225,37 @@ TEST(CudaHotTier, StoreRefusesAnInjectedDeviceTier) {
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status().ToString();
   EXPECT_NE(s.status().message().find("not wired"), std::string::npos) << s.status().ToString();
+}
+
+// `--device` on the three commands that open a store: cuda is refused with the reason (here:
+// no CUDA build, or no device) and an exit code, never a crash; a bad name is a usage error.
+std::string RunKvtier(const std::string& args, int* code) {
+  const std::string cmd = std::string(KVTIER_BINARY_DIR) + "/kvtier " + args + " 2>&1";
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  const int st = pclose(p);
+  *code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return out;
+}
+
+TEST(CudaHotTier, DeviceFlagOfRunAndStressSaysWhyCudaIsUnavailable) {
+  if (HaveDevice()) GTEST_SKIP() << "a CUDA device is present: the store's refusal is checked by StoreRefuses*";
+  const std::string dir = std::string(KVTIER_BINARY_DIR) + "/cuda_hot_tier_test_data";
+  for (const std::string cmd : {"run --context 4096 --decode-steps 1", "stress --sequences 1 --tokens 64"}) {
+    int code = -1;
+    const std::string out = RunKvtier(cmd + " --device cuda --data-dir " + dir, &code);
+    EXPECT_NE(code, 0) << cmd << ": " << out;
+    EXPECT_NE(out.find("Unavailable"), std::string::npos) << cmd << ": " << out;
+    EXPECT_NE(out.find("hot tier \"cuda\""), std::string::npos) << cmd << ": " << out;
+  }
+  int code = -1;
+  const std::string out = RunKvtier("run --device gpu", &code);
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_NE(out.find("unknown device 'gpu' (cpu|cuda)"), std::string::npos) << out;
 }
 
 }  // namespace
