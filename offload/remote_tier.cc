@@ -43,6 +43,26 @@ Status Reword(Status st) {
 
 uint64_t KeyTag(std::string_view key) { return Crc32c(key.data(), key.size()); }
 
+// The framed value of a chunk (cold_tier_format::EncodeValue's layout, body = u32 meta
+// length, meta, payload) built in one buffer: the payload is copied once, not three times
+// (body, value, argv), which is most of a put's CPU next to the socket write.
+std::string FrameChunk(const std::string& key, std::string_view meta, const void* payload, size_t payload_bytes) {
+  constexpr size_t H = cold_tier_format::kValueHeaderBytes;
+  const size_t body = 4 + meta.size() + payload_bytes;
+  std::string v(H + body, '\0');
+  char* p = v.data();
+  EncodeFixed32(p, cold_tier_format::kMagic);
+  p[4] = static_cast<char>(cold_tier_format::kFormatVersion);
+  p[5] = static_cast<char>(ValueKind::kPayload);
+  EncodeFixed64(p + 8, body);
+  EncodeFixed64(p + 16, KeyTag(key));
+  EncodeFixed32(p + H, static_cast<uint32_t>(meta.size()));
+  std::memcpy(p + H + 4, meta.data(), meta.size());
+  std::memcpy(p + H + 4 + meta.size(), payload, payload_bytes);
+  EncodeFixed32(p + 24, Crc32c(p + H, body, Crc32c(p, 24)));
+  return v;
+}
+
 std::string ChunkWhat(const RemoteChunkRef& ref, const std::string& key) {
   return "chunk " + ref.key.ToString() + " (key '" + key + "')";
 }
@@ -172,13 +192,12 @@ Status RemoteTier::PutChunks(std::vector<Put>* puts) {
   std::vector<RedisCall> calls(puts->size());
   for (size_t i = 0; i < puts->size(); ++i) {
     const Put& p = (*puts)[i];
-    const std::string key = ChunkKeyString(RemoteChunkRef{nullptr, p.key});
-    std::string body;
-    body.reserve(4 + p.meta.size() + p.payload_bytes);
-    PutFixed32(&body, static_cast<uint32_t>(p.meta.size()));
-    body.append(p.meta.data(), p.meta.size());
-    body.append(static_cast<const char*>(p.payload), p.payload_bytes);
-    calls[i].argv = {"SET", key, cold_tier_format::EncodeValue(ValueKind::kPayload, body, KeyTag(key))};
+    std::string key = ChunkKeyString(RemoteChunkRef{nullptr, p.key});
+    std::string value = FrameChunk(key, p.meta, p.payload, p.payload_bytes);
+    calls[i].argv.reserve(3);
+    calls[i].argv.emplace_back("SET");
+    calls[i].argv.push_back(std::move(key));
+    calls[i].argv.push_back(std::move(value));  // moved, not copied: an initializer list would copy
     calls[i].key = calls[i].argv[1];
   }
   client_->Execute(&calls, options_.wait_replicas, options_.wait_timeout_ms);
