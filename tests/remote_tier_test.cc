@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -500,7 +501,7 @@ double TierShare(const std::string& out, const std::string& tier) {
   return at == std::string::npos ? -1 : std::atof(out.c_str() + at + tier.size() + 2);
 }
 
-TEST(RemoteCli, RunAndStressUseTheRemoteTierAndReportIt) {
+TEST(RemoteCli, RunStressAndInfiniteUseTheRemoteTierAndReportIt) {
   KVTIER_SKIP_WITHOUT_REDIS();
   RedisServers redis;
   ASSERT_GE(redis.Start(), 0);
@@ -526,6 +527,17 @@ TEST(RemoteCli, RunAndStressUseTheRemoteTierAndReportIt) {
             0)
       << out;
   EXPECT_NE(out.find("errors: 0"), std::string::npos) << out;
+  EXPECT_NE(out.find("remote tier: "), std::string::npos) << out;
+  out.clear();
+  // infinite: the shipped model with a tiny warm tier, so retrieval fetches chunks from Redis.
+  const std::string weights =
+      (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors").string();
+  ASSERT_EQ(RunCli("infinite --quiet --weights " + weights + " --task passkey --contexts 4096 --samples 1 " +
+                       "--warm-bytes 64K --remote " + redis.Spec(0),
+                   &out),
+            0)
+      << out;
+  EXPECT_GT(TierShare(out, "remote"), 0.0) << out;
   EXPECT_NE(out.find("remote tier: "), std::string::npos) << out;
   out.clear();
   EXPECT_NE(RunCli("run --context 4096 --remote http://nowhere:1", &out), 0);

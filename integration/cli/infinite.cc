@@ -252,7 +252,7 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
   r->correct += out == sample.answer ? 1 : 0;
   r->outputs.push_back(out);
   const StoreCounters c = session->store()->counters();
-  r->traffic = TierTrafficText(c, !session->store()->options().remote.empty());
+  r->traffic = TierTrafficText(c, !session->store()->options().remote.empty(), "    ");
   r->peak.hot_bytes = std::max(r->peak.hot_bytes, c.hot_bytes);
   r->peak.warm_bytes = std::max(r->peak.warm_bytes, c.warm_bytes);
   r->peak.cold_bytes = std::max(r->peak.cold_bytes, c.cold_bytes);
@@ -604,7 +604,7 @@ int RunInfinite(int argc, char** argv) {
       std::printf("  memory per tier (store counters, largest at a sample's end): hot %s, warm %s, cold %s; "
                   "moved %s\n", MiB(r.peak.hot_bytes).c_str(), MiB(r.peak.warm_bytes).c_str(),
                   MiB(r.peak.cold_bytes).c_str(), MiB(r.peak.bytes_moved).c_str());
-      std::printf("  last sample's %s", r.traffic.c_str());
+      std::printf("  the last sample's store:\n%s", r.traffic.c_str());
       if (r.needle_steps)
         std::printf("  needle recall %.3f: share of (answer step, layer) that attended every sealed chunk holding "
                     "the answer in the needle\n",
