@@ -15,6 +15,7 @@ KernelError CheckSlotAttentionParams(const SlotAttentionParams& p) {
   if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16) return KernelError::kBadDType;
   if (!std::isfinite(p.scale)) return KernelError::kBadShape;
   if (p.n_dense < 0 || p.n_dense > kMaxDenseParts || p.n_slots < 0 || p.pool_slots < 0) return KernelError::kBadShape;
+  if (p.n_leading_dense < -1 || p.n_leading_dense > p.n_dense) return KernelError::kBadShape;
   if (p.n_queries == 0) return KernelError::kOk;
   if (p.q == nullptr || p.out == nullptr || (p.causal && p.q_positions == nullptr)) return KernelError::kNullPointer;
   for (int i = 0; i < p.n_dense; ++i) {
@@ -45,16 +46,20 @@ KernelError SlotAttention(const SlotAttentionParams& p) {
   } catch (const std::bad_alloc&) {
     return KernelError::kOutOfMemory;
   }
-  for (int i = 0; i < p.n_dense; ++i) {
-    const DenseKv& d = p.dense[i];
-    KvSpan s;
-    s.k = d.k;
-    s.v = d.v;
-    s.n_tokens = d.n_tokens;
-    s.first_position = d.first_position;
-    s.mass = d.mass;
-    spans.push_back(s);
-  }
+  auto push_dense = [&](int from, int to) {
+    for (int i = from; i < to; ++i) {
+      const DenseKv& d = p.dense[i];
+      KvSpan s;
+      s.k = d.k;
+      s.v = d.v;
+      s.n_tokens = d.n_tokens;
+      s.first_position = d.first_position;
+      s.mass = d.mass;
+      spans.push_back(s);
+    }
+  };
+  const int leading = p.n_leading_dense < 0 ? p.n_dense : p.n_leading_dense;
+  push_dense(0, leading);
   std::vector<std::pair<int, std::vector<float>>> ragged;  // (selected slot, its mass scratch)
   const size_t token_bytes = static_cast<size_t>(p.kv_heads) * p.head_dim * DTypeSize(p.dtype);
   const size_t slot_bytes = token_bytes * static_cast<size_t>(p.slot_tokens);
@@ -78,6 +83,7 @@ KernelError SlotAttention(const SlotAttentionParams& p) {
     }
     spans.push_back(s);
   }
+  push_dense(leading, p.n_dense);
   AttentionParams a;
   a.q_heads = p.q_heads;
   a.kv_heads = p.kv_heads;

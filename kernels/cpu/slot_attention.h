@@ -40,6 +40,10 @@ struct SlotAttentionParams {
   const int64_t* q_positions = nullptr;   ///< [n_queries]; may be null iff !causal
   DenseKv dense[kMaxDenseParts];          ///< the first n_dense are used
   int n_dense = 0;                        ///< 0 .. kMaxDenseParts
+  int n_leading_dense = -1;               ///< the twin concatenates dense[0 .. n) | slots | the other dense
+                                          ///< parts; -1 = every dense part first. It changes rounding only
+                                          ///< (Session's order is sinks | chunks | local, kept bit for bit);
+                                          ///< the CUDA kernel ignores it (its splits have their own order)
   const void* pool_k = nullptr;           ///< [pool_slots, slot_tokens, kv_heads, head_dim] storage dtype
   const void* pool_v = nullptr;           ///< same layout as pool_k
   int pool_slots = 0;                     ///< slots in the pool (>= 0)
