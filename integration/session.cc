@@ -106,8 +106,15 @@ Result<std::unique_ptr<Session>> Session::Attach(TieredStore* store, SequenceId 
     return InvalidArgument("Session: infllm positions need an even head_dim for RoPE (got " +
                            std::to_string(g.head_dim) + ")");
   KVTIER_RETURN_IF_ERROR(store->SequenceLength(seq, 0).status());  // NotFound names the sequence
+  const bool device_tier = std::string(store->hot_tier()->device()) != "cpu";
+  if (device_tier && options.positions == PositionMode::kInfLLM)
+    return FailedPrecondition(std::string("Session: infllm positions rotate the stored keys on the host, and the hot "
+                                          "tier is on \"") + store->hot_tier()->device() +
+                              "\"; use absolute positions (the engine applies RoPE)");
   try {
     std::unique_ptr<Session> s(new Session(store, seq, options));
+    // Sized for decode (one query); a prefill window grows a device workspace once.
+    KVTIER_ASSIGN_OR_RETURN(s->backend_, MakeAttentionBackend(store->hot_tier(), g, 1));
     if (options.retrieve) {
       KVTIER_ASSIGN_OR_RETURN(s->retriever_, Retriever::Create(store, options.retrieval));
     }
@@ -292,49 +299,69 @@ Status Session::Attend(int layer, const float* q, const int64_t* positions, int 
   KVTIER_ASSIGN_OR_RETURN(LayerParts lp, Gather(layer, q, positions, m));
   try {
     const auto t0 = std::chrono::steady_clock::now();
-    kernels::AttentionParams p;
-    p.q_heads = g.q_heads;
-    p.kv_heads = g.kv_heads;
-    p.head_dim = g.head_dim;
-    p.dtype = g.dtype;
-    p.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
-    p.n_queries = m;
-    p.q = q;
-    p.q_positions = positions;
-    p.causal = true;
-    p.out = out;
+    // The plan: sinks | retrieved chunks (slots of the hot pool) | local runs, the order
+    // Gather lists them in.
+    AttentionPlanInput in;
+    in.q_heads = g.q_heads;
+    in.kv_heads = g.kv_heads;
+    in.head_dim = g.head_dim;
+    in.dtype = g.dtype;
+    in.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
+    in.n_queries = m;
+    in.q = q;
+    in.positions = positions;
+    in.pool = PoolOf(store_->hot_tier());
     if (!inv_freq_.empty()) {
       // Queries at their true positions; each part's keys rotated where memory puts them, on
-      // fp32 copies (the store keeps keys before RoPE).
-      p.q = TrueQueries(q, positions, m);
+      // fp32 copies (the store keeps keys before RoPE). The rotated chunks form a slot pool
+      // of their own ([K][V] per chunk), so the plan reads them through the same index list.
+      in.q = TrueQueries(q, positions, m);
+      const size_t tok = g.token_elems();
+      const size_t chunk_elems = lp.n_chunks ? static_cast<size_t>(lp.parts[1].n_tokens) * tok : 0;
+      rot_pool_.resize(lp.n_chunks * 2 * chunk_elems);
       rot_k_.resize(lp.parts.size());
       rot_v_.resize(lp.parts.size());
-      const size_t tok = g.token_elems();
       std::vector<int64_t> pos;
       for (size_t i = 0; i < lp.parts.size(); ++i) {
         kernels::KvSpan& sp = lp.parts[i];
         const size_t n = static_cast<size_t>(sp.n_tokens) * tok;
-        rot_k_[i].resize(n);
-        rot_v_[i].resize(n);
+        const bool chunk = i >= 1 && i <= lp.n_chunks;
+        float* kf = nullptr;
+        float* vf = nullptr;
+        if (chunk) {
+          if (n != chunk_elems) return Internal("Session::Attend: retrieved chunks of different sizes");
+          kf = rot_pool_.data() + (i - 1) * 2 * chunk_elems;
+          vf = kf + chunk_elems;
+        } else {
+          rot_k_[i].resize(n);
+          rot_v_[i].resize(n);
+          kf = rot_k_[i].data();
+          vf = rot_v_[i].data();
+        }
         if (n > 0) {
-          ToFloat(g.dtype, sp.k, rot_k_[i].data(), n);
-          ToFloat(g.dtype, sp.v, rot_v_[i].data(), n);
+          ToFloat(g.dtype, sp.k, kf, n);
+          ToFloat(g.dtype, sp.v, vf, n);
           pos.resize(static_cast<size_t>(sp.n_tokens));
           for (int t = 0; t < sp.n_tokens; ++t)
             pos[static_cast<size_t>(t)] = lp.rope_positions[i] >= 0 ? lp.rope_positions[i] : sp.first_position + t;
-          kernels::Rope(rot_k_[i].data(), sp.n_tokens, g.kv_heads, g.head_dim, pos.data(), inv_freq_.data());
+          kernels::Rope(kf, sp.n_tokens, g.kv_heads, g.head_dim, pos.data(), inv_freq_.data());
         }
-        sp.k = rot_k_[i].data();
-        sp.v = rot_v_[i].data();
+        sp.k = kf;
+        sp.v = vf;
       }
-      p.dtype = DType::kF32;
+      in.dtype = DType::kF32;
+      in.pool.base = reinterpret_cast<const uint8_t*>(rot_pool_.data());
+      in.pool.capacity = static_cast<int32_t>(lp.n_chunks);
+      in.pool.slot_bytes = 2 * chunk_elems * sizeof(float);
     }
-    p.parts = lp.parts.data();
-    p.n_parts = static_cast<int>(lp.parts.size());
-    const kernels::KernelError e = kernels::Attention(p);
-    if (e != kernels::KernelError::kOk)
-      return Internal("Session::Attend: layer " + std::to_string(layer) + ": attention kernel: " +
-                      kernels::KernelErrorString(e));
+    in.sinks = lp.parts[0];
+    in.chunks = lp.n_chunks ? lp.parts.data() + 1 : nullptr;
+    in.n_chunks = lp.n_chunks;
+    in.local = lp.parts.data() + 1 + lp.n_chunks;
+    in.n_local = static_cast<int>(lp.parts.size() - 1 - lp.n_chunks);
+    Status st = plan_.Build(in);
+    if (st.ok()) st = backend_->Run(plan_, out);
+    if (!st.ok()) return Status(st.code(), "Session::Attend: layer " + std::to_string(layer) + ": " + st.message());
     lp.stats.attention_ms = MsSince(t0);
     lp.Release();  // unpinning is bookkeeping under the store lock, not attention: timed by neither
     counters_.attention_ms += lp.stats.attention_ms;

@@ -6,10 +6,10 @@
 // are in place when the call returns. Slot bookkeeping is SlotBook (host-only, tested on CPU).
 //
 // Built only with KVTIER_HAVE_CUDA; MakeHotTier("cuda") finds it then, and answers
-// Unavailable "no CUDA device: ..." when the driver sees none. TieredStore refuses a hot
-// tier whose device() is not "cpu" for now: its attention, scoring and policy code reads hot
-// memory on the host (the CUDA kernels in kernels/cuda are not wired into the store and the
-// Session yet). NEVER RUN ON A GPU: written and compiled without one.
+// Unavailable "no CUDA device: ..." when the driver sees none. TieredStore takes it: the
+// store reads hot memory only through Upload/Download, and Session runs attention on it
+// through the cuda AttentionBackend (offload/attention_backend.h), whose kernels run on
+// stream(). NEVER RUN ON A GPU: written and compiled without one.
 #pragma once
 
 #include <cstddef>

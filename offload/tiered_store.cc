@@ -74,7 +74,7 @@ Status StoreOptions::Validate() const {
     if (!w.ok()) return InvalidArgument("warm_policy: " + w.status().message());
   }
   if (!hot_tier_factory) {
-    // Keeps the registry's code: Unavailable for "cuda" (not built yet), InvalidArgument otherwise.
+    // Keeps the registry's code: Unavailable for "cuda" without a CUDA build or a device, InvalidArgument otherwise.
     Status h = CheckHotTierSpec(hot_tier);
     if (!h.ok()) return Status(h.code(), "hot_tier: " + h.message());
   }
@@ -185,14 +185,12 @@ Status TieredStore::Init() {
                            std::to_string(hot_->slot_capacity()) + " slots of " + std::to_string(hot_->slot_bytes()) +
                            " bytes; the store needs at least one slot of one chunk (" + std::to_string(chunk_bytes_) +
                            " bytes)");
-  // The store reads hot memory on the host (ObserveQueries' attention, the views a Session
-  // attends over, the policies' scoring); a device tier's pointers are not readable there.
-  // Until the CUDA kernels (kernels/cuda) are wired into the store and the Session, such a
-  // tier (device() "cuda", HotTier's name for device memory) is refused with a clear status
-  // instead of being dereferenced.
-  if (std::string(hot_->device()) == "cuda")
-    return Unavailable("hot_tier \"cuda\": the store and the Session read hot memory on the host (attention, scoring), and the "
-                       "CUDA kernels are not wired into them yet; use \"host\"");
+  // A device tier ("cuda") is accepted: nothing in the store dereferences hot memory on the
+  // host. Attention runs on the Session's backend for the tier's device
+  // (offload/attention_backend.h); chunk scoring reads representatives, which are host data
+  // chosen at sealing from the warm copy the chunk was just downloaded into; every other
+  // read of hot memory goes through HotTier::Download (ReadTokens, CloseSequence's sinks,
+  // ObserveQueries, see there).
   KVTIER_ASSIGN_OR_RETURN(warm_, SlotPool::Create("warm_bytes", options_.warm_bytes, chunk_bytes_, true));
   KVTIER_ASSIGN_OR_RETURN(hot_policy_, MakeDemotionPolicy(options_.hot_policy));
   KVTIER_ASSIGN_OR_RETURN(warm_policy_, MakeDemotionPolicy(options_.warm_policy));
@@ -482,7 +480,9 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
     ri.geometry = options_.geometry;
     ri.chunk_size = options_.chunk_size;
     ri.repr_topk = options_.repr_topk;
-    ri.keys = ls.ring_k + slot0 * token_bytes_;
+    // The keys from the warm copy just downloaded ([K chunk] first): the same bytes as the
+    // ring's, and host memory whatever device the hot tier is on.
+    ri.keys = dst;
     ri.mass = ls.ring_mass.data() + slot0;  // head h at h * ring
     ri.mass_stride = static_cast<size_t>(ring);
     st = ChooseRepresentatives(ri, c->repr.data());
@@ -572,6 +572,28 @@ Status TieredStore::ObserveQueries(SequenceId seq, int layer, const float* q, co
   if (q == nullptr || positions == nullptr) return InvalidArgument("ObserveQueries: q and positions must not be null");
   KVTIER_ASSIGN_OR_RETURN(HotView view, GetHotView(seq, layer));
   const Geometry& g = options_.geometry;
+  // This attention (for the representative-key statistics) runs on the host. With a device
+  // tier the sinks and local window are read back into host copies first: one download of
+  // at most n_sink + n_local + chunk_size tokens per call, and only prefill windows call it
+  // (decode steps do not observe). A host mirror kept by Append would save that copy but
+  // would have to be kept in step by every path that fills the regions (Append, reopen,
+  // recovery, attach); the read-back cannot go stale.
+  std::vector<std::vector<uint8_t>> host_copy;
+  if (std::string(hot_->device()) != "cpu") {
+    std::vector<kernels::KvSpan*> spans{&view.sinks};
+    for (int i = 0; i < view.n_local_spans; ++i) spans.push_back(&view.local[i]);
+    host_copy.resize(2 * spans.size());
+    for (size_t i = 0; i < spans.size(); ++i) {
+      kernels::KvSpan& sp = *spans[i];
+      const size_t bytes = static_cast<size_t>(sp.n_tokens) * token_bytes_;
+      host_copy[2 * i].resize(std::max<size_t>(1, bytes));
+      host_copy[2 * i + 1].resize(std::max<size_t>(1, bytes));
+      KVTIER_RETURN_IF_ERROR(hot_->Download(host_copy[2 * i].data(), static_cast<const uint8_t*>(sp.k), bytes));
+      KVTIER_RETURN_IF_ERROR(hot_->Download(host_copy[2 * i + 1].data(), static_cast<const uint8_t*>(sp.v), bytes));
+      sp.k = host_copy[2 * i].data();
+      sp.v = host_copy[2 * i + 1].data();
+    }
+  }
   std::vector<float> mass_sinks(static_cast<size_t>(g.kv_heads) * std::max(1, view.sinks.n_tokens), 0.0f);
   std::vector<std::vector<float>> mass_local(view.n_local_spans);
   std::vector<kernels::KvSpan> parts;

@@ -229,8 +229,11 @@ class TieredStore {
   /// ([end-begin, kv_heads, head_dim], storage dtype), from whichever tier
   /// holds them, without promoting anything.
   Status ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t end, void* k_out, void* v_out);
-  /// Sinks and local window of one layer.
+  /// Sinks and local window of one layer, in hot memory (device pointers for a "cuda" tier).
   Result<HotView> GetHotView(SequenceId seq, int layer);
+  /// The hot tier (its device(), slot pool and, for "cuda", stream): what an attention
+  /// backend plans against. Owned by the store.
+  HotTier* hot_tier() const { return hot_.get(); }
   /// Metadata of the sealed chunks of one layer, in token order.
   Result<std::vector<ChunkInfo>> ListChunks(SequenceId seq, int layer) const;
   /// Number of chunk indices sealed in one layer (chunk i covers tokens

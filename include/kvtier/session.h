@@ -30,6 +30,14 @@
 //    Queries keep their true positions; retrieval sees them rotated by p - L0,
 //    so q.k_stored is the score a key gets as a memory unit.
 //
+// Where attention runs (offload/attention_backend.h): Attend builds an AttentionPlan (the
+// kernels' POD params: sinks, the retrieved chunks as hot-slot indices, the local runs) and
+// runs it on the backend of the store's hot tier: kernels::SlotAttention over host memory
+// for "host", the CUDA launcher over device memory for "cuda" (one device workspace per
+// session, one stream synchronisation per Attend; NEVER RUN ON A GPU). With a "cuda" hot
+// tier, Gather's spans are device pointers, and kInfLLM is refused (its key rotation runs
+// on the host).
+//
 // Threading: a Session is driven by one thread at a time. Different Sessions
 // may run concurrently on different threads over one TieredStore (the store
 // serialises what it shares; attention and search use oneTBB inside). Several
@@ -48,6 +56,7 @@
 #include <vector>
 
 #include "kernels/cpu/attention.h"
+#include "offload/attention_backend.h"
 #include "offload/policy/scoring_policy.h"
 #include "offload/tiered_store.h"
 #include "retrieval/retriever.h"
@@ -241,6 +250,9 @@ class Session {
   std::vector<float> q_rot_, q_mem_;
   std::vector<int64_t> rel_;
   std::vector<std::vector<float>> rot_k_, rot_v_;
+  std::vector<float> rot_pool_;  // kInfLLM: rotated chunks as a slot pool ([K][V] fp32 per chunk)
+  std::unique_ptr<AttentionBackend> backend_;  // runs the plan where the hot tier's memory is
+  AttentionPlan plan_;                         // rebuilt every Attend, its vectors reused
 };
 
 }  // namespace kvtier

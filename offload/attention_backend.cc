@@ -1,0 +1,283 @@
+#include "offload/attention_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <new>
+#include <string>
+
+#include "kernels/dtype.h"
+
+#if KVTIER_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/kernels.h"
+#include "offload/cuda_hot_tier.h"
+#endif
+
+namespace kvtier {
+namespace {
+
+size_t Align256(size_t x) { return (x + 255) / 256 * 256; }
+
+Status PlanError(kernels::KernelError e, const std::string& what) {
+  return InvalidArgument("attention plan: " + what + " (" + kernels::KernelErrorString(e) + ")");
+}
+
+}  // namespace
+
+HotPoolView PoolOf(HotTier* hot) {
+  HotPoolView v;
+  v.capacity = hot->slot_capacity();
+  v.slot_bytes = hot->slot_bytes();
+  v.base = v.capacity > 0 ? hot->slot_data(0) : nullptr;
+  return v;
+}
+
+Result<int32_t> SlotOfSpan(const HotPoolView& pool, const kernels::KvSpan& span, size_t index) {
+  const std::string name = "attention plan: chunk span " + std::to_string(index);
+  if (pool.base == nullptr || pool.capacity <= 0 || pool.slot_bytes == 0 || pool.slot_bytes % 2 != 0)
+    return InvalidArgument(name + ": the hot tier has no slot pool of [K][V] slots");
+  // Compared as integers: the span may point anywhere, and pointer arithmetic outside the
+  // pool would be undefined.
+  const auto base = reinterpret_cast<uintptr_t>(pool.base);
+  const auto k = reinterpret_cast<uintptr_t>(span.k);
+  const auto v = reinterpret_cast<uintptr_t>(span.v);
+  const uintptr_t end = base + static_cast<uintptr_t>(pool.capacity) * pool.slot_bytes;
+  if (k < base || k >= end || (k - base) % pool.slot_bytes != 0)
+    return InvalidArgument(name + ": K is not the start of a slot of the hot pool (a hot tier whose slots are not "
+                           "one contiguous pool cannot be planned)");
+  if (v != k + pool.slot_bytes / 2)
+    return InvalidArgument(name + ": V is not the second half of the slot K starts");
+  return static_cast<int32_t>((k - base) / pool.slot_bytes);
+}
+
+Status AttentionPlan::Build(const AttentionPlanInput& in) {
+  if (in.n_local < 0 || in.n_local > kernels::kMaxDenseParts - 1)
+    return InvalidArgument("attention plan: " + std::to_string(in.n_local) + " local runs (at most " +
+                           std::to_string(kernels::kMaxDenseParts - 1) + " next to the sinks)");
+  if (in.n_chunks > 0 && in.chunks == nullptr) return InvalidArgument("attention plan: chunk spans are null");
+  if (in.n_chunks > static_cast<size_t>(INT32_MAX / 2))
+    return InvalidArgument("attention plan: " + std::to_string(in.n_chunks) + " chunks");
+  kernels::SlotAttentionParams p;
+  p.q_heads = in.q_heads;
+  p.kv_heads = in.kv_heads;
+  p.head_dim = in.head_dim;
+  p.dtype = in.dtype;
+  p.scale = in.scale != 0.0f ? in.scale : 1.0f / std::sqrt(static_cast<float>(in.head_dim));
+  p.causal = true;
+  p.n_queries = in.n_queries;
+  p.q = in.q;
+  p.q_positions = in.positions;
+  // Sinks | slots | local: the order Session::Attend concatenated its parts in.
+  p.dense[0] = kernels::DenseKv{in.sinks.k, in.sinks.v, in.sinks.n_tokens, in.sinks.first_position, nullptr};
+  for (int i = 0; i < in.n_local; ++i)
+    p.dense[1 + i] = kernels::DenseKv{in.local[i].k, in.local[i].v, in.local[i].n_tokens, in.local[i].first_position,
+                                      nullptr};
+  p.n_dense = 1 + in.n_local;
+  p.n_leading_dense = 1;
+  slot_index_.resize(in.n_chunks);
+  slot_first_.resize(in.n_chunks);
+  const size_t half = in.pool.slot_bytes / 2;
+  for (size_t i = 0; i < in.n_chunks; ++i) {
+    KVTIER_ASSIGN_OR_RETURN(const int32_t slot, SlotOfSpan(in.pool, in.chunks[i], i));
+    if (in.head_dim > 0 && in.kv_heads > 0 &&
+        static_cast<size_t>(in.chunks[i].n_tokens) * in.kv_heads * in.head_dim * DTypeSize(in.dtype) != half)
+      return InvalidArgument("attention plan: chunk span " + std::to_string(i) + " holds " +
+                             std::to_string(in.chunks[i].n_tokens) + " tokens, not one full slot");
+    slot_index_[i] = 2 * slot;
+    slot_first_[i] = in.chunks[i].first_position;
+  }
+  p.n_slots = static_cast<int>(in.n_chunks);
+  if (in.n_chunks > 0) {
+    p.pool_k = in.pool.base;
+    p.pool_v = in.pool.base + half;
+    p.pool_slots = 2 * in.pool.capacity - 1;
+    p.slot_tokens = in.chunks[0].n_tokens;
+    p.slot_index = slot_index_.data();
+    p.slot_first_position = slot_first_.data();
+  }
+  p_ = p;
+  return Status::Ok();
+}
+
+Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda) {
+  using kernels::KernelError;
+  if (p.q_heads <= 0 || p.kv_heads <= 0 || p.q_heads % p.kv_heads != 0)
+    return InvalidArgument("attention plan: q_heads (" + std::to_string(p.q_heads) +
+                           ") must be a positive multiple of kv_heads (" + std::to_string(p.kv_heads) + ")");
+  if (!kernels::HeadDimSupported(p.head_dim))
+    return InvalidArgument("attention plan: head_dim " + std::to_string(p.head_dim) + " is not supported");
+  if (cuda && p.head_dim != 64 && p.head_dim != 128)
+    return InvalidArgument("attention plan: head_dim " + std::to_string(p.head_dim) +
+                           ": the CUDA attention kernel takes 64 or 128");
+  if (cuda && p.n_queries > 65535)
+    return InvalidArgument("attention plan: " + std::to_string(p.n_queries) +
+                           " queries: the CUDA attention kernel takes at most 65535 per call");
+  if (const KernelError e = kernels::CheckSlotAttentionParams(p); e != KernelError::kOk)
+    return PlanError(e, "parameters rejected");
+  for (int i = 0; i < p.n_slots; ++i)
+    if (p.slot_index[i] < 0 || p.slot_index[i] >= p.pool_slots)
+      return InvalidArgument("attention plan: slot index " + std::to_string(p.slot_index[i]) + " (entry " +
+                             std::to_string(i) + ") outside the pool's " + std::to_string(p.pool_slots));
+  return Status::Ok();
+}
+
+CudaAttentionWorkspace LayoutCudaAttentionWorkspace(int n_queries, int q_heads, int head_dim, int n_slots,
+                                                    size_t kernel_bytes) {
+  const size_t m = static_cast<size_t>(std::max(0, n_queries));
+  const size_t rows = m * static_cast<size_t>(std::max(0, q_heads)) * static_cast<size_t>(std::max(0, head_dim));
+  const size_t n = static_cast<size_t>(std::max(0, n_slots));
+  CudaAttentionWorkspace w;
+  w.q = 0;
+  w.positions = w.q + Align256(rows * sizeof(float));
+  w.slot_index = w.positions + Align256(m * sizeof(int64_t));
+  w.slot_first = w.slot_index + Align256(n * sizeof(int32_t));
+  w.out = w.slot_first + Align256(n * sizeof(int64_t));
+  w.kernel = w.out + Align256(rows * sizeof(float));
+  w.total = w.kernel + Align256(kernel_bytes);
+  return w;
+}
+
+size_t MaxSlotAttentionKernelBytes(int n_queries, int q_heads, int head_dim) {
+  // kernels/cuda/attention.cu: at most 16 splits; partial outputs, partial lse, final lse.
+  constexpr size_t kMaxSplits = 16;
+  const size_t rows = static_cast<size_t>(std::max(0, n_queries)) * static_cast<size_t>(std::max(0, q_heads));
+  return Align256(kMaxSplits * rows * static_cast<size_t>(std::max(0, head_dim)) * sizeof(float)) +
+         Align256(kMaxSplits * rows * sizeof(float)) + Align256(rows * sizeof(float));
+}
+
+namespace {
+
+class CpuAttentionBackend final : public AttentionBackend {
+ public:
+  const char* name() const override { return "cpu"; }
+  Status Run(const AttentionPlan& plan, float* out) override {
+    kernels::SlotAttentionParams p = plan.params();
+    p.out = out;
+    KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/false));
+    const kernels::KernelError e = kernels::SlotAttention(p);
+    if (e != kernels::KernelError::kOk)
+      return Internal(std::string("attention (cpu): ") + kernels::KernelErrorString(e));
+    return Status::Ok();
+  }
+};
+
+#if KVTIER_HAVE_CUDA
+
+std::string CudaMessage(cudaError_t e) { return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e); }
+
+// NEVER RUN ON A GPU (see the header). One device workspace for the session, sized at
+// creation for max_queries; a larger step (a longer prefill window than announced) grows it
+// once, to that step's size, and then reuses it.
+class CudaAttentionBackend final : public AttentionBackend {
+ public:
+  explicit CudaAttentionBackend(CudaHotTier* hot) : hot_(hot) {}
+  ~CudaAttentionBackend() override {
+    if (ws_) cudaFree(ws_);
+  }
+  const char* name() const override { return "cuda"; }
+
+  Status Reserve(size_t bytes) {
+    if (bytes <= ws_bytes_) return Status::Ok();
+    if (ws_) {
+      // Earlier steps' kernels may still read it: the tier's stream finishes them first.
+      cudaStreamSynchronize(static_cast<cudaStream_t>(hot_->stream()));
+      cudaFree(ws_);
+      ws_ = nullptr;
+      ws_bytes_ = 0;
+    }
+    const cudaError_t e = cudaMalloc(&ws_, bytes);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      ws_ = nullptr;
+      return ResourceExhausted("attention (cuda): cudaMalloc of a " + std::to_string(bytes) +
+                               "-byte workspace failed (" + CudaMessage(e) + ")");
+    }
+    ws_bytes_ = bytes;
+    return Status::Ok();
+  }
+
+  Status Run(const AttentionPlan& plan, float* out) override {
+    kernels::SlotAttentionParams p = plan.params();
+    p.out = out;  // checked as non-null on the host; replaced by the device output below
+    KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/true));
+    if (p.n_queries == 0) return Status::Ok();
+    const size_t kernel_bytes = kernels::cuda::SlotAttentionWorkspaceBytes(p);
+    const CudaAttentionWorkspace w =
+        LayoutCudaAttentionWorkspace(p.n_queries, p.q_heads, p.head_dim, p.n_slots, kernel_bytes);
+    KVTIER_RETURN_IF_ERROR(Reserve(w.total));
+    auto* ws = static_cast<uint8_t*>(ws_);
+    const size_t q_bytes = static_cast<size_t>(p.n_queries) * p.q_heads * p.head_dim * sizeof(float);
+    cudaStream_t s = static_cast<cudaStream_t>(hot_->stream());
+    // The plan's host arrays go into the workspace; K/V pointers are the tier's already.
+    cudaError_t e = cudaMemcpyAsync(ws + w.q, p.q, q_bytes, cudaMemcpyHostToDevice, s);
+    if (e == cudaSuccess)
+      e = cudaMemcpyAsync(ws + w.positions, p.q_positions, p.n_queries * sizeof(int64_t), cudaMemcpyHostToDevice, s);
+    if (e == cudaSuccess && p.n_slots > 0)
+      e = cudaMemcpyAsync(ws + w.slot_index, p.slot_index, p.n_slots * sizeof(int32_t), cudaMemcpyHostToDevice, s);
+    if (e == cudaSuccess && p.n_slots > 0)
+      e = cudaMemcpyAsync(ws + w.slot_first, p.slot_first_position, p.n_slots * sizeof(int64_t),
+                          cudaMemcpyHostToDevice, s);
+    if (e != cudaSuccess) return Internal("attention (cuda): copying the plan in: " + CudaMessage(e));
+    kernels::SlotAttentionParams d = p;
+    d.q = reinterpret_cast<const float*>(ws + w.q);
+    d.q_positions = reinterpret_cast<const int64_t*>(ws + w.positions);
+    if (p.n_slots > 0) {
+      d.slot_index = reinterpret_cast<const int32_t*>(ws + w.slot_index);
+      d.slot_first_position = reinterpret_cast<const int64_t*>(ws + w.slot_first);
+    }
+    d.out = reinterpret_cast<float*>(ws + w.out);
+    const kernels::KernelError ke =
+        kernels::cuda::LaunchSlotAttention(d, kernel_bytes ? ws + w.kernel : nullptr, kernel_bytes, s);
+    if (ke != kernels::KernelError::kOk)
+      return Internal(std::string("attention (cuda): ") + kernels::KernelErrorString(ke) + " (" +
+                      kernels::cuda::LastCudaErrorString() + ")");
+    e = cudaMemcpyAsync(out, ws + w.out, q_bytes, cudaMemcpyDeviceToHost, s);
+    // One synchronisation per layer step: Session::Attend returns host output.
+    if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+    if (e != cudaSuccess) return Internal("attention (cuda): " + CudaMessage(e));
+    return Status::Ok();
+  }
+
+ private:
+  CudaHotTier* hot_;
+  void* ws_ = nullptr;
+  size_t ws_bytes_ = 0;
+};
+
+#endif  // KVTIER_HAVE_CUDA
+
+}  // namespace
+
+Result<std::unique_ptr<AttentionBackend>> MakeAttentionBackend(HotTier* hot, const Geometry& geometry,
+                                                               int max_queries) {
+  if (hot == nullptr) return InvalidArgument("attention backend: no hot tier");
+  const std::string device = hot->device();
+  if (device == "cpu") return std::unique_ptr<AttentionBackend>(new CpuAttentionBackend());
+  if (device == "cuda") {
+#if KVTIER_HAVE_CUDA
+    auto* cuda = dynamic_cast<CudaHotTier*>(hot);
+    if (cuda == nullptr)
+      return Unavailable("attention backend: a \"cuda\" hot tier that is not kvtier's CudaHotTier (its stream and "
+                         "memory are unknown to the attention backend)");
+    if (geometry.head_dim != 64 && geometry.head_dim != 128)
+      return InvalidArgument("attention backend (cuda): head_dim " + std::to_string(geometry.head_dim) +
+                             ": the CUDA attention kernel takes 64 or 128");
+    auto backend = std::make_unique<CudaAttentionBackend>(cuda);
+    // Sized now for the largest step announced, with every slot of the pool attended.
+    const int m = std::max(1, max_queries);
+    const CudaAttentionWorkspace w =
+        LayoutCudaAttentionWorkspace(m, geometry.q_heads, geometry.head_dim, hot->slot_capacity(),
+                                     MaxSlotAttentionKernelBytes(m, geometry.q_heads, geometry.head_dim));
+    KVTIER_RETURN_IF_ERROR(backend->Reserve(w.total));
+    return std::unique_ptr<AttentionBackend>(std::move(backend));
+#else
+    (void)geometry;
+    (void)max_queries;
+    return Unavailable("attention backend: the hot tier is on \"cuda\" and this build has no CUDA (KVTIER_CUDA=off)");
+#endif
+  }
+  return Unavailable("attention backend: no backend for hot tier device \"" + device + "\"");
+}
+
+}  // namespace kvtier

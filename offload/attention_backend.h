@@ -1,0 +1,128 @@
+// Plan on the host, run on a backend: the attention step of a Session as data.
+//
+// After probe -> search -> budget -> fetch, Session builds an AttentionPlan: the POD
+// kernels::SlotAttentionParams that both the CPU twin (kernels/cpu/slot_attention.h) and the
+// CUDA launcher (kernels/cuda/kernels.h) take, i.e. the queries, the dense runs (sinks, the
+// local ring as one or two runs) and the retrieved chunks as an index list into the hot
+// tier's slot pool (no gather copy), plus GQA geometry, dtype, scale and output. An
+// AttentionBackend runs it where the hot tier's memory is:
+//  * "cpu": kernels::SlotAttention over host memory. The plan puts the sinks before the
+//    slots and the local runs after them (SlotAttentionParams::n_leading_dense), which is
+//    the order Session::Attend always concatenated its parts in, so the CPU path is bit for
+//    bit what it was (tests/attention_backend_test.cc and session_test check it).
+//  * "cuda" (builds with CUDA, a CudaHotTier): the plan's pointers are device pointers
+//    (the tier's regions and slot pool); the host arrays (q, positions, slot list) are
+//    copied into one caller-owned device workspace, LaunchSlotAttention runs on the tier's
+//    stream, the output comes back and the stream is synchronised once per call.
+//    NEVER RUN ON A GPU: written and compiled without one; its host-side logic (slot mapping,
+//    workspace layout, plan validation) is the part tested here.
+//
+// A hot slot holds one chunk as [K chunk][V chunk] (TieredStore's layout), while the
+// kernel reads K and V slots of one half each from two pools with the same index. So the
+// pool is seen as 2 * capacity half-slots: pool_k = base, pool_v = base + half, hot slot s
+// is index 2s in both (K at base + 2s*half, V at base + (2s+1)*half), pool_slots =
+// 2 * capacity - 1 (the last index V may use is 2*(capacity-1), which is in range).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kernels/cpu/slot_attention.h"
+#include "offload/hot_tier.h"
+#include "store/geometry.h"
+#include "store/status.h"
+
+namespace kvtier {
+
+/// A slot pool as the kernel sees it: `capacity` slots of `slot_bytes` ([K][V] halves)
+/// from `base`, contiguous (HostHotTier's SlotPool and CudaHotTier's cudaMalloc both are).
+struct HotPoolView {
+  const uint8_t* base = nullptr;
+  int32_t capacity = 0;
+  size_t slot_bytes = 0;
+};
+/// The pool of `hot` (slot_data(0), capacity, slot_bytes).
+HotPoolView PoolOf(HotTier* hot);
+
+/// The slot a chunk span (FetchHandle::spans) points at: k must be a slot start of `pool`
+/// and v its second half. InvalidArgument naming the span otherwise (a tier whose slots are
+/// not one contiguous pool cannot be planned: the kernel indexes a single base).
+Result<int32_t> SlotOfSpan(const HotPoolView& pool, const kernels::KvSpan& span, size_t index);
+
+/// What a plan is built from: the parts Session::Gather produced, in attention order.
+struct AttentionPlanInput {
+  int q_heads = 0, kv_heads = 0, head_dim = 0;
+  DType dtype = DType::kF16;
+  float scale = 0.0f;  ///< 0 = 1 / sqrt(head_dim)
+  int n_queries = 0;
+  const float* q = nullptr;             ///< [n_queries, q_heads, head_dim] fp32, host
+  const int64_t* positions = nullptr;   ///< [n_queries], host
+  kernels::KvSpan sinks;                ///< may hold 0 tokens
+  const kernels::KvSpan* chunks = nullptr;  ///< [n_chunks] spans into `pool`
+  size_t n_chunks = 0;
+  const kernels::KvSpan* local = nullptr;   ///< [n_local] runs, oldest first
+  int n_local = 0;                          ///< 0 .. kMaxDenseParts - 1
+  HotPoolView pool;                         ///< where the chunks live
+};
+
+/// One layer step's attention. The slot lists live in the plan (host memory) and params()
+/// points at them; reuse one plan across steps so that building allocates nothing once the
+/// vectors have grown to the largest step.
+class AttentionPlan {
+ public:
+  AttentionPlan() = default;
+  AttentionPlan(const AttentionPlan&) = delete;
+  AttentionPlan& operator=(const AttentionPlan&) = delete;
+
+  /// Fills the plan from `in` (out is left null: the backend sets it). InvalidArgument for
+  /// a chunk span outside the pool or too many local runs.
+  Status Build(const AttentionPlanInput& in);
+  const kernels::SlotAttentionParams& params() const { return p_; }
+  const std::vector<int32_t>& slot_index() const { return slot_index_; }
+  const std::vector<int64_t>& slot_first_position() const { return slot_first_; }
+
+ private:
+  kernels::SlotAttentionParams p_;
+  std::vector<int32_t> slot_index_;
+  std::vector<int64_t> slot_first_;
+};
+
+/// Host-side checks of a plan for a backend, as a named status: what CheckSlotAttentionParams
+/// finds, slot indices outside the pool, and for "cuda" the launcher's limits (head_dim 64 or
+/// 128, at most 65535 queries). Needs no device and reads no K/V memory.
+Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda);
+
+/// The CUDA backend's one device workspace, laid out on the host: the plan's host arrays
+/// copied in, the output, then the kernel's own workspace; every offset 256-aligned.
+struct CudaAttentionWorkspace {
+  size_t q = 0, positions = 0, slot_index = 0, slot_first = 0, out = 0, kernel = 0;
+  size_t total = 0;
+};
+/// Layout for n_queries queries of q_heads x head_dim, n_slots slots and `kernel_bytes`
+/// (SlotAttentionWorkspaceBytes of the plan).
+CudaAttentionWorkspace LayoutCudaAttentionWorkspace(int n_queries, int q_heads, int head_dim, int n_slots,
+                                                    size_t kernel_bytes);
+/// An upper bound of SlotAttentionWorkspaceBytes for n_queries (the launcher splits a row's
+/// keys 16 ways at most; each split keeps head_dim + 1 floats per row, plus the final lse),
+/// so a backend can size its workspace at creation for the largest step it expects.
+size_t MaxSlotAttentionKernelBytes(int n_queries, int q_heads, int head_dim);
+
+class AttentionBackend {
+ public:
+  virtual ~AttentionBackend() = default;
+  /// "cpu" or "cuda": the device of the hot tier it reads.
+  virtual const char* name() const = 0;
+  /// Runs `plan`, writing [n_queries, q_heads, head_dim] fp32 to host `out`; the result is
+  /// in place on return. A failed check is InvalidArgument, a failed kernel Internal.
+  virtual Status Run(const AttentionPlan& plan, float* out) = 0;
+};
+
+/// The backend for `hot`'s device: "cpu" for a host tier, "cuda" for a CudaHotTier (with
+/// its workspace allocated now for up to `max_queries` queries at `geometry`). Unavailable
+/// for a device this build cannot run.
+Result<std::unique_ptr<AttentionBackend>> MakeAttentionBackend(HotTier* hot, const Geometry& geometry,
+                                                               int max_queries);
+
+}  // namespace kvtier

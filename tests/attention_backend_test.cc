@@ -1,0 +1,506 @@
+// The attention backend seam (offload/attention_backend.h): Session::Attend builds a plan
+// and runs it on the backend of the hot tier's device. Checked here, on any machine:
+//  * the CPU backend's plan path gives Session::Attend bit for bit the attention of the
+//    hand-written sequence (Gather's parts, sinks | chunks | local, through kernels::Attention),
+//    with GQA, prefill windows and decode steps, chunks coming back from a disk tier, in both
+//    position modes;
+//  * the host-side logic the CUDA backend rests on: span -> slot mapping, the [K][V] slot as
+//    two index-sharing half pools, plan validation with named statuses, workspace layout and
+//    its bound (in CUDA builds, against the launcher's own query, which needs no device);
+//  * the CUDA backend is refused with a status, never run, for a "cuda" tier it cannot use.
+// Whether the CUDA backend computes the right numbers needs a GPU: the Session case at the
+// end skips without one, and none of it has run.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/rope.h"
+#include "kernels/cpu/slot_attention.h"
+#include "kernels/dtype.h"
+#include "kvtier/session.h"
+#include "offload/attention_backend.h"
+#include "offload/hot_tier.h"
+#include "offload/tiered_store.h"
+#if KVTIER_HAVE_CUDA
+#include "kernels/cuda/kernels.h"
+#endif
+
+namespace kvtier {
+namespace {
+
+constexpr int kLayers = 2, kQHeads = 4, kKvHeads = 2, kDim = 32;
+
+StoreOptions Store(const std::string& data_dir) {
+  StoreOptions so;
+  so.geometry = Geometry{kLayers, kQHeads, kKvHeads, kDim, DType::kF16};
+  so.n_sink = 8;
+  so.n_local = 32;
+  so.chunk_size = 8;
+  so.repr_topk = 2;
+  so.hot_bytes = 64 * so.chunk_bytes();
+  // Small warm tier: most chunks leave it for the disk tier and come back from there.
+  so.warm_bytes = 24 * so.chunk_bytes();
+  so.data_dir = data_dir;
+  return so;
+}
+
+struct Token {
+  std::vector<uint16_t> k, v;
+  std::vector<float> q;
+};
+Token MakeToken(int layer, int64_t pos) {
+  std::mt19937 rng(static_cast<uint32_t>(layer) * 7919u + static_cast<uint32_t>(pos) * 31u + 5u);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> k(kKvHeads * kDim), v(k.size());
+  const bool needle = pos >= 60 && pos < 68;
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = n(rng) + (needle ? 3.0f * std::sin(0.3f * static_cast<float>(i)) : 0.0f);
+    v[i] = n(rng);
+  }
+  Token t;
+  t.q.resize(kQHeads * kDim);
+  for (int i = 0; i < kQHeads * kDim; ++i)
+    t.q[i] = n(rng) + (pos >= 150 ? 3.0f * std::sin(0.3f * static_cast<float>(i % (kKvHeads * kDim))) : 0.0f);
+  t.k.resize(k.size());
+  t.v.resize(v.size());
+  FromFloat(DType::kF16, k.data(), t.k.data(), k.size());
+  FromFloat(DType::kF16, v.data(), t.v.data(), v.size());
+  return t;
+}
+
+// The attention Session::Attend computed before the plan existed, over Gather's parts.
+std::vector<float> HandWritten(LayerParts& lp, const float* q, const int64_t* pos, int m, bool infllm) {
+  const Geometry g{kLayers, kQHeads, kKvHeads, kDim, DType::kF16};
+  std::vector<float> out(static_cast<size_t>(m) * kQHeads * kDim);
+  kernels::AttentionParams ap;
+  ap.q_heads = kQHeads;
+  ap.kv_heads = kKvHeads;
+  ap.head_dim = kDim;
+  ap.dtype = DType::kF16;
+  ap.scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  ap.n_queries = m;
+  ap.q = q;
+  ap.q_positions = pos;
+  ap.out = out.data();
+  std::vector<kernels::KvSpan> parts = lp.parts;
+  std::vector<std::vector<float>> rk(parts.size()), rv(parts.size());
+  std::vector<float> qr;
+  if (infllm) {
+    const std::vector<double> inv = kernels::RopeInvFreq(kDim, 10000.0);
+    qr.assign(q, q + static_cast<size_t>(m) * kQHeads * kDim);
+    kernels::Rope(qr.data(), m, kQHeads, kDim, pos, inv.data());
+    ap.q = qr.data();
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const size_t n = static_cast<size_t>(parts[i].n_tokens) * g.token_elems();
+      rk[i].resize(n);
+      rv[i].resize(n);
+      if (n > 0) {
+        ToFloat(DType::kF16, parts[i].k, rk[i].data(), n);
+        ToFloat(DType::kF16, parts[i].v, rv[i].data(), n);
+        std::vector<int64_t> p(static_cast<size_t>(parts[i].n_tokens));
+        for (int t = 0; t < parts[i].n_tokens; ++t)
+          p[t] = lp.rope_positions[i] >= 0 ? lp.rope_positions[i] : parts[i].first_position + t;
+        kernels::Rope(rk[i].data(), parts[i].n_tokens, kKvHeads, kDim, p.data(), inv.data());
+      }
+      parts[i].k = rk[i].data();
+      parts[i].v = rv[i].data();
+    }
+    ap.dtype = DType::kF32;
+  }
+  ap.parts = parts.data();
+  ap.n_parts = static_cast<int>(parts.size());
+  EXPECT_EQ(kernels::Attention(ap), kernels::KernelError::kOk);
+  return out;
+}
+
+void PlanPathEqualsHandWritten(PositionMode mode) {
+  const std::string dir = std::string(KVTIER_BINARY_DIR) + "/attention_backend_test_data_" + PositionModeName(mode);
+  std::filesystem::remove_all(dir);
+  auto store = TieredStore::Open(Store(dir));
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  SessionOptions so;
+  so.retrieval.budget_tokens = 24;
+  so.positions = mode;
+  auto a = Session::Open(store->get(), so);  // Attend: the plan on the CPU backend
+  auto b = Session::Open(store->get(), so);  // Gather + the hand-written attention
+  ASSERT_TRUE(a.ok() && b.ok());
+  int compared = 0, with_chunks = 0, prefill_windows = 0;
+  const int64_t prefill = 160, total = 220;
+  for (int64_t p0 = 0; p0 < total;) {
+    const bool decode = p0 >= prefill;
+    const int m = decode ? 1 : static_cast<int>(std::min<int64_t>(12, prefill - p0));
+    ASSERT_TRUE((*a)->BeginStep(decode ? StepKind::kDecode : StepKind::kPrefill).ok());
+    ASSERT_TRUE((*b)->BeginStep(decode ? StepKind::kDecode : StepKind::kPrefill).ok());
+    std::vector<int64_t> pos(m);
+    for (int t = 0; t < m; ++t) pos[t] = p0 + t;
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<uint16_t> k, v;
+      std::vector<float> q;
+      for (int t = 0; t < m; ++t) {
+        Token tok = MakeToken(l, p0 + t);
+        k.insert(k.end(), tok.k.begin(), tok.k.end());
+        v.insert(v.end(), tok.v.begin(), tok.v.end());
+        q.insert(q.end(), tok.q.begin(), tok.q.end());
+      }
+      ASSERT_TRUE((*a)->Append(l, k.data(), v.data(), m, DType::kF16).ok());
+      ASSERT_TRUE((*b)->Append(l, k.data(), v.data(), m, DType::kF16).ok());
+      std::vector<float> out(q.size(), std::nanf(""));
+      AttendStats st;
+      Status s = (*a)->Attend(l, q.data(), pos.data(), m, out.data(), &st);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      auto lp = (*b)->Gather(l, q.data(), pos.data(), m);
+      ASSERT_TRUE(lp.ok()) << lp.status().ToString();
+      const std::vector<float> ref = HandWritten(*lp, q.data(), pos.data(), m, mode == PositionMode::kInfLLM);
+      lp->Release();
+      ASSERT_EQ((*a)->last_chunks()[l], (*b)->last_chunks()[l]) << "position " << p0 << " layer " << l;
+      ASSERT_EQ(std::memcmp(out.data(), ref.data(), out.size() * sizeof(float)), 0)
+          << PositionModeName(mode) << " position " << p0 << " layer " << l << " m " << m;
+      ++compared;
+      with_chunks += st.chunks > 0 ? 1 : 0;
+      prefill_windows += m > 1 ? 1 : 0;
+    }
+    p0 += m;
+  }
+  EXPECT_GT(with_chunks, 40);      // retrieval fetched chunks into slots
+  EXPECT_GT(prefill_windows, 10);  // windows of several queries, causal inside the local part
+  EXPECT_GT((*store)->counters().cold_writes, 0u);
+  EXPECT_GT(compared, 100);
+  ASSERT_TRUE((*a)->Drop().ok());
+  ASSERT_TRUE((*b)->Drop().ok());
+}
+
+TEST(AttentionBackend, SessionPlanOnCpuEqualsHandWrittenAttentionAbsolute) {
+  PlanPathEqualsHandWritten(PositionMode::kAbsolute);
+}
+
+TEST(AttentionBackend, SessionPlanOnCpuEqualsHandWrittenAttentionInfLLM) {
+  PlanPathEqualsHandWritten(PositionMode::kInfLLM);
+}
+
+// ---- host-side logic ------------------------------------------------------------------------
+
+TEST(AttentionBackend, SlotOfSpanMapsSlotStartsAndNamesEveryOtherSpan) {
+  std::vector<uint8_t> pool(4 * 64);
+  const HotPoolView view{pool.data(), 4, 64};
+  kernels::KvSpan sp{pool.data() + 3 * 64, pool.data() + 3 * 64 + 32, 4, 100, nullptr};
+  auto s = SlotOfSpan(view, sp, 0);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(*s, 3);
+  sp.k = pool.data() + 64 + 8;  // inside a slot, not at its start
+  sp.v = static_cast<const uint8_t*>(sp.k) + 32;
+  EXPECT_EQ(SlotOfSpan(view, sp, 5).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(SlotOfSpan(view, sp, 5).status().message().find("chunk span 5"), std::string::npos);
+  sp.k = pool.data() + 4 * 64;  // one past the pool
+  sp.v = pool.data() + 4 * 64 + 32;
+  EXPECT_EQ(SlotOfSpan(view, sp, 0).status().code(), StatusCode::kInvalidArgument);
+  sp.k = pool.data() + 64;  // V not the second half of K's slot
+  sp.v = pool.data() + 2 * 64;
+  auto bad_v = SlotOfSpan(view, sp, 1);
+  EXPECT_EQ(bad_v.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_v.status().message().find("second half"), std::string::npos) << bad_v.status().ToString();
+  EXPECT_EQ(SlotOfSpan(HotPoolView{}, sp, 0).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Random f16 K/V in a pool of [K][V] slots plus dense runs; a ragged selection that includes
+// the last slot (the largest index the V half-pool may see).
+TEST(AttentionBackend, PlanReadsKvSlotsThroughHalfPoolsBitForBitLikeTheParts) {
+  constexpr int kChunk = 8, kCap = 6;
+  const size_t tok = static_cast<size_t>(kKvHeads) * kDim;
+  const size_t half = kChunk * tok * sizeof(uint16_t);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  auto random_f16 = [&](size_t elems) {
+    std::vector<float> f(elems);
+    for (float& x : f) x = n(rng);
+    std::vector<uint16_t> h(elems);
+    FromFloat(DType::kF16, f.data(), h.data(), elems);
+    return h;
+  };
+  std::vector<uint16_t> pool = random_f16(kCap * 2 * kChunk * tok);
+  std::vector<uint16_t> sk = random_f16(4 * tok), sv = random_f16(4 * tok);
+  std::vector<uint16_t> lk = random_f16(20 * tok), lv = random_f16(20 * tok);
+  const auto* base = reinterpret_cast<const uint8_t*>(pool.data());
+  const std::vector<int> chosen{5, 0, 3};
+  std::vector<kernels::KvSpan> chunks;
+  for (size_t i = 0; i < chosen.size(); ++i)
+    chunks.push_back(kernels::KvSpan{base + chosen[i] * 2 * half, base + chosen[i] * 2 * half + half, kChunk,
+                                     4 + static_cast<int64_t>(i) * kChunk, nullptr});
+  const kernels::KvSpan sinks{sk.data(), sv.data(), 4, 0, nullptr};
+  const kernels::KvSpan local[2] = {{lk.data(), lv.data(), 12, 28, nullptr},
+                                    {lk.data() + 12 * tok, lv.data() + 12 * tok, 8, 40, nullptr}};
+  const int m = 3;
+  std::vector<float> q(static_cast<size_t>(m) * kQHeads * kDim);
+  for (float& x : q) x = n(rng);
+  const int64_t pos[m] = {45, 46, 47};
+
+  AttentionPlanInput in;
+  in.q_heads = kQHeads;
+  in.kv_heads = kKvHeads;
+  in.head_dim = kDim;
+  in.dtype = DType::kF16;
+  in.n_queries = m;
+  in.q = q.data();
+  in.positions = pos;
+  in.sinks = sinks;
+  in.chunks = chunks.data();
+  in.n_chunks = chunks.size();
+  in.local = local;
+  in.n_local = 2;
+  in.pool = HotPoolView{base, kCap, 2 * half};
+  AttentionPlan plan;
+  ASSERT_TRUE(plan.Build(in).ok());
+  const kernels::SlotAttentionParams& p = plan.params();
+  EXPECT_EQ(plan.slot_index(), (std::vector<int32_t>{10, 0, 6}));
+  EXPECT_EQ(p.pool_k, base);
+  EXPECT_EQ(p.pool_v, base + half);
+  EXPECT_EQ(p.pool_slots, 2 * kCap - 1);
+  EXPECT_EQ(p.n_dense, 3);
+  EXPECT_EQ(p.n_leading_dense, 1);
+  EXPECT_FLOAT_EQ(p.scale, 1.0f / std::sqrt(static_cast<float>(kDim)));
+  EXPECT_EQ(p.out, nullptr);  // the backend's to set
+  EXPECT_EQ(ValidateAttentionPlan(p, false).code(), StatusCode::kInvalidArgument);
+  std::vector<float> out(q.size(), std::nanf(""));
+  kernels::SlotAttentionParams with_out = p;
+  with_out.out = out.data();
+  EXPECT_TRUE(ValidateAttentionPlan(with_out, /*cuda=*/false).ok());
+
+  auto backend = MakeAttentionBackend(MakeHotTier("host", 4 * 2 * half, 2 * half)->get(),
+                                      Geometry{1, kQHeads, kKvHeads, kDim, DType::kF16}, 1);
+  ASSERT_TRUE(backend.ok()) << backend.status().ToString();
+  EXPECT_STREQ((*backend)->name(), "cpu");
+  ASSERT_TRUE((*backend)->Run(plan, out.data()).ok());
+
+  std::vector<kernels::KvSpan> parts{sinks};
+  parts.insert(parts.end(), chunks.begin(), chunks.end());
+  parts.push_back(local[0]);
+  parts.push_back(local[1]);
+  std::vector<float> ref(q.size());
+  kernels::AttentionParams ap;
+  ap.q_heads = kQHeads;
+  ap.kv_heads = kKvHeads;
+  ap.head_dim = kDim;
+  ap.dtype = DType::kF16;
+  ap.scale = p.scale;
+  ap.n_queries = m;
+  ap.q = q.data();
+  ap.q_positions = pos;
+  ap.parts = parts.data();
+  ap.n_parts = static_cast<int>(parts.size());
+  ap.out = ref.data();
+  ASSERT_EQ(kernels::Attention(ap), kernels::KernelError::kOk);
+  EXPECT_EQ(std::memcmp(out.data(), ref.data(), out.size() * sizeof(float)), 0);
+
+  // A span that is not a slot of the pool cannot be planned.
+  chunks[1].k = base + half;
+  EXPECT_EQ(plan.Build(in).code(), StatusCode::kInvalidArgument);
+  chunks[1].k = base;
+  chunks[1].n_tokens = kChunk - 1;  // not one full slot
+  EXPECT_EQ(plan.Build(in).code(), StatusCode::kInvalidArgument);
+  chunks[1].n_tokens = kChunk;
+  in.n_local = kernels::kMaxDenseParts;  // too many runs next to the sinks
+  EXPECT_EQ(plan.Build(in).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(AttentionBackend, ValidationNamesBadGeometry) {
+  kernels::SlotAttentionParams p;
+  p.q_heads = 6;
+  p.kv_heads = 4;  // not a divisor
+  p.head_dim = 64;
+  p.dtype = DType::kF16;
+  Status s = ValidateAttentionPlan(p, false);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("multiple of kv_heads"), std::string::npos) << s.ToString();
+  p.q_heads = 8;
+  EXPECT_TRUE(ValidateAttentionPlan(p, false).ok());  // no queries: nothing else to check
+  p.head_dim = 96;
+  EXPECT_TRUE(ValidateAttentionPlan(p, false).ok());
+  s = ValidateAttentionPlan(p, /*cuda=*/true);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("64 or 128"), std::string::npos) << s.ToString();
+  p.head_dim = 64;
+  p.n_queries = 70000;
+  s = ValidateAttentionPlan(p, true);
+  EXPECT_NE(s.message().find("65535"), std::string::npos) << s.ToString();
+  p.n_queries = 1;
+  std::vector<float> q(8 * 64), out(q.size());
+  int64_t pos = 0;
+  p.q = q.data();
+  p.q_positions = &pos;
+  s = ValidateAttentionPlan(p, false);  // out missing
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("null pointer"), std::string::npos) << s.ToString();
+  p.out = out.data();
+  std::vector<uint8_t> pool(1024);
+  const int32_t idx[2] = {0, 3};
+  const int64_t first[2] = {0, 8};
+  p.pool_k = pool.data();
+  p.pool_v = pool.data();
+  p.pool_slots = 3;
+  p.slot_tokens = 1;
+  p.n_slots = 2;
+  p.slot_index = idx;
+  p.slot_first_position = first;
+  s = ValidateAttentionPlan(p, true);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("slot index 3 (entry 1)"), std::string::npos) << s.ToString();
+  p.n_leading_dense = 2;  // more leading parts than dense parts
+  EXPECT_EQ(ValidateAttentionPlan(p, false).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(AttentionBackend, WorkspaceLayoutIsAlignedDisjointAndCoversItsParts) {
+  for (int m : {1, 3, 64}) {
+    for (int slots : {0, 1, 37}) {
+      const size_t kernel = m == 1 ? 0 : 5000;
+      const CudaAttentionWorkspace w = LayoutCudaAttentionWorkspace(m, 32, 128, slots, kernel);
+      const size_t rows = static_cast<size_t>(m) * 32 * 128 * sizeof(float);
+      const size_t offs[] = {w.q, w.positions, w.slot_index, w.slot_first, w.out, w.kernel, w.total};
+      const size_t need[] = {rows, m * sizeof(int64_t), slots * sizeof(int32_t), slots * sizeof(int64_t), rows, kernel};
+      for (int i = 0; i < 6; ++i) {
+        EXPECT_EQ(offs[i] % 256, 0u) << i;
+        EXPECT_GE(offs[i + 1] - offs[i], need[i]) << "part " << i << " m " << m << " slots " << slots;
+      }
+    }
+  }
+  EXPECT_EQ(MaxSlotAttentionKernelBytes(0, 32, 128), 0u);
+  EXPECT_GE(MaxSlotAttentionKernelBytes(1, 32, 128), 16u * 32 * 129 * sizeof(float));
+}
+
+#if KVTIER_HAVE_CUDA
+TEST(AttentionBackend, KernelWorkspaceBoundCoversTheLaunchersQuery) {
+  // SlotAttentionWorkspaceBytes is host code (no device needed): the bound a backend sizes
+  // its workspace with at creation must cover it for every step shape.
+  std::vector<uint8_t> pool(64);
+  std::vector<int32_t> idx(200, 0);
+  std::vector<int64_t> first(200, 0);
+  std::vector<float> q(64 * 32 * 128), out(q.size());
+  std::vector<int64_t> pos(64, 1 << 20);
+  for (int m : {1, 2, 16, 64})
+    for (int slots : {0, 1, 8, 200})
+      for (int dense_tokens : {0, 40, 5000}) {
+        kernels::SlotAttentionParams p;
+        p.q_heads = 32;
+        p.kv_heads = 8;
+        p.head_dim = 128;
+        p.dtype = DType::kBF16;
+        p.n_queries = m;
+        p.q = q.data();
+        p.q_positions = pos.data();
+        p.out = out.data();
+        p.dense[0] = kernels::DenseKv{pool.data(), pool.data(), dense_tokens, 0, nullptr};
+        p.n_dense = 1;
+        p.pool_k = pool.data();
+        p.pool_v = pool.data();
+        p.pool_slots = 1;
+        p.slot_tokens = 32;
+        p.n_slots = slots;
+        p.slot_index = idx.data();
+        p.slot_first_position = first.data();
+        EXPECT_LE(kernels::cuda::SlotAttentionWorkspaceBytes(p), MaxSlotAttentionKernelBytes(m, 32, 128))
+            << "m " << m << " slots " << slots << " dense " << dense_tokens;
+      }
+}
+#endif
+
+// Host memory that calls itself "cuda": not kvtier's CudaHotTier, so no backend can run on
+// it; Session::Open says so instead of reading it.
+class ClaimsCuda final : public HotTier {
+ public:
+  explicit ClaimsCuda(std::unique_ptr<HotTier> inner) : inner_(std::move(inner)) {}
+  const char* device() const override { return "cuda"; }
+  int32_t slot_capacity() const override { return inner_->slot_capacity(); }
+  int32_t slots_used() const override { return inner_->slots_used(); }
+  size_t slot_bytes() const override { return inner_->slot_bytes(); }
+  int32_t AcquireSlot() override { return inner_->AcquireSlot(); }
+  void ReleaseSlot(int32_t slot) override { inner_->ReleaseSlot(slot); }
+  uint8_t* slot_data(int32_t slot) override { return inner_->slot_data(slot); }
+  Result<uint8_t*> AllocateRegion(size_t bytes) override { return inner_->AllocateRegion(bytes); }
+  void FreeRegion(uint8_t* region, size_t bytes) override { inner_->FreeRegion(region, bytes); }
+  Status Upload(uint8_t* dst, const void* src, size_t bytes) override { return inner_->Upload(dst, src, bytes); }
+  Status Download(void* dst, const uint8_t* src, size_t bytes) override { return inner_->Download(dst, src, bytes); }
+
+ private:
+  std::unique_ptr<HotTier> inner_;
+};
+
+TEST(AttentionBackend, SessionOnADeviceTierWithoutABackendIsRefusedWithAStatus) {
+  StoreOptions o = Store("");
+  o.warm_bytes = 256 * o.chunk_bytes();
+  o.hot_tier_factory = [](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
+    KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier("host", pool, slot));
+    return std::unique_ptr<HotTier>(std::make_unique<ClaimsCuda>(std::move(inner)));
+  };
+  auto store = TieredStore::Open(o);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto s = Session::Open(store->get(), SessionOptions{});
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status().ToString();
+  EXPECT_NE(s.status().message().find("attention backend"), std::string::npos) << s.status().ToString();
+  SessionOptions inf;
+  inf.positions = PositionMode::kInfLLM;
+  auto s2 = Session::Open(store->get(), inf);
+  ASSERT_FALSE(s2.ok());
+  EXPECT_EQ(s2.status().code(), StatusCode::kFailedPrecondition) << s2.status().ToString();
+  EXPECT_NE(s2.status().message().find("absolute"), std::string::npos) << s2.status().ToString();
+  // Open leaves no sequence behind when the session cannot be made.
+  EXPECT_TRUE((*store)->ListSequences().empty());
+}
+
+#if KVTIER_HAVE_CUDA
+TEST(AttentionBackend, SessionOnTheCudaTierMatchesTheHostTier) {
+  if (kernels::cuda::DeviceCount() == 0)
+    GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();
+  // head_dim 64: the CUDA kernel's sizes. Same data, same retrieval: the same chunks, and
+  // outputs within f16 storage / fp32 accumulation distance (different summation order).
+  auto open = [](const std::string& tier) {
+    StoreOptions o = Store("");
+    o.geometry.head_dim = 64;
+    o.warm_bytes = 256 * o.chunk_bytes();
+    o.hot_tier = tier;
+    return TieredStore::Open(o);
+  };
+  auto host = open("host");
+  auto cuda = open("cuda");
+  ASSERT_TRUE(host.ok() && cuda.ok()) << cuda.status().ToString();
+  SessionOptions so;
+  so.retrieval.budget_tokens = 24;
+  auto a = Session::Open(host->get(), so);
+  auto b = Session::Open(cuda->get(), so);
+  ASSERT_TRUE(a.ok() && b.ok()) << b.status().ToString();
+  std::mt19937 rng(3);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  const size_t kv = 2 * 64, qe = 4 * 64;
+  double worst = 0;
+  for (int64_t p = 0; p < 200; ++p) {
+    ASSERT_TRUE((*a)->BeginStep(StepKind::kDecode).ok());
+    ASSERT_TRUE((*b)->BeginStep(StepKind::kDecode).ok());
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<float> kf(kv), vf(kv), q(qe);
+      for (float& x : kf) x = n(rng);
+      for (float& x : vf) x = n(rng);
+      for (float& x : q) x = n(rng);
+      std::vector<uint16_t> k(kv), v(kv);
+      FromFloat(DType::kF16, kf.data(), k.data(), kv);
+      FromFloat(DType::kF16, vf.data(), v.data(), kv);
+      ASSERT_TRUE((*a)->Append(l, k.data(), v.data(), 1, DType::kF16).ok());
+      ASSERT_TRUE((*b)->Append(l, k.data(), v.data(), 1, DType::kF16).ok());
+      std::vector<float> oa(qe), ob(qe, std::nanf(""));
+      ASSERT_TRUE((*a)->Attend(l, q.data(), &p, 1, oa.data()).ok());
+      Status st = (*b)->Attend(l, q.data(), &p, 1, ob.data());
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      EXPECT_EQ((*a)->last_chunks()[l], (*b)->last_chunks()[l]);
+      for (size_t i = 0; i < qe; ++i) worst = std::max(worst, static_cast<double>(std::fabs(oa[i] - ob[i])));
+    }
+  }
+  EXPECT_LE(worst, 1e-4);
+}
+#endif
+
+}  // namespace
+}  // namespace kvtier
