@@ -91,7 +91,7 @@ Result<StressReport> RunStress(const StressOptions& opt) {
     for (int t = 0; t < opt.threads; ++t) {
       threads.emplace_back([&, t] {
         std::mt19937_64 rng(opt.seed * 7919 + t);
-        std::vector<uint8_t> k, v, got;
+        std::vector<uint8_t> k, v, got, hot_k, hot_v;
         for (size_t si = t; si < ids.size(); si += opt.threads) {
           const SequenceId seq = ids[si];
           const uint64_t pid = made[si].second;
@@ -151,10 +151,16 @@ Result<StressReport> RunStress(const StressOptions& opt) {
                 const auto& span = parts->parts[1 + c];
                 const size_t bytes = static_cast<size_t>(span.n_tokens) * tb;
                 got.resize(bytes);
+                hot_k.resize(bytes);
+                hot_v.resize(bytes);
+                // Through the hot tier: with --device cuda the spans are device pointers.
+                st = store->hot_tier()->Download(hot_k.data(), static_cast<const uint8_t*>(span.k), bytes);
+                if (st.ok()) st = store->hot_tier()->Download(hot_v.data(), static_cast<const uint8_t*>(span.v), bytes);
+                if (!st.ok()) { sh.Fail("read back a fetched chunk: " + st.ToString()); continue; }
                 FillPattern(kStressSalt, pid, l, 0, span.first_position, span.n_tokens, tb, got.data());
-                bool same = std::memcmp(got.data(), span.k, bytes) == 0;
+                bool same = std::memcmp(got.data(), hot_k.data(), bytes) == 0;
                 FillPattern(kStressSalt, pid, l, 1, span.first_position, span.n_tokens, tb, got.data());
-                same = same && std::memcmp(got.data(), span.v, bytes) == 0;
+                same = same && std::memcmp(got.data(), hot_v.data(), bytes) == 0;
                 if (!same)
                   sh.Fail("fetched chunk " + std::to_string(parts->chunks[c]) + " of seq " + std::to_string(seq) + " differs");
                 sh.fetched_chunks++;
