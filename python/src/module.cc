@@ -574,16 +574,25 @@ class PySession {
   // Gather: which spans a layer attends. The spans stay valid only while pinned and until the
   // next Append, which Python cannot enforce on a view, so their K/V are copied out (as
   // numpy arrays of the storage dtype; bf16 as uint16 bit patterns) and the pins released.
+  // The spans point into the store's hot tier, which may be device memory (hot_tier "cuda")
+  // or any tier whose bytes the host cannot read in place, so the copies go through the
+  // tier's Download (for "host" the same memcpy as before); a failed copy raises its Status.
   py::dict Gather(int64_t layer, py::handle q, py::handle positions) {
     CheckLayer(layer);
     Queries qs = ReadQueries(q, positions);
     const Geometry geo = g();
+    HotTier* tier = store_.cast<PyStore&>().get()->hot_tier();
     std::optional<LayerParts> parts;
     {
       py::gil_scoped_release nogil;
       std::lock_guard<std::mutex> lock(mu_);
       parts = Take(s().Gather(static_cast<int>(layer), static_cast<const float*>(qs.q->data()), qs.positions, qs.m));
     }
+    // The pins go back however this returns (a failed Download or allocation throws).
+    struct Unpin {
+      std::optional<LayerParts>& p;
+      ~Unpin() { p->Release(); }
+    } unpin{parts};
     py::module_ np = py::module_::import("numpy");
     py::object dt = np.attr(geo.dtype == DType::kF32 ? "float32" : geo.dtype == DType::kF16 ? "float16" : "uint16");
     const size_t tok_bytes = geo.token_elems() * DTypeSize(geo.dtype);
@@ -593,7 +602,15 @@ class PySession {
       py::dict d;
       auto copy = [&](const void* src) {
         py::array a(py::dtype::from_args(dt), std::vector<py::ssize_t>{sp.n_tokens, geo.kv_heads, geo.head_dim});
-        if (sp.n_tokens > 0) std::memcpy(a.mutable_data(), src, static_cast<size_t>(sp.n_tokens) * tok_bytes);
+        if (sp.n_tokens > 0) {
+          void* dst = a.mutable_data();
+          Status st;
+          {
+            py::gil_scoped_release nogil;
+            st = tier->Download(dst, static_cast<const uint8_t*>(src), static_cast<size_t>(sp.n_tokens) * tok_bytes);
+          }
+          Check(std::move(st));
+        }
         return a;
       };
       d["k"] = copy(sp.k);
@@ -603,7 +620,6 @@ class PySession {
       d["kind"] = i == 0 ? "sinks" : (i <= parts->n_chunks ? "chunk" : "local");
       list.append(d);
     }
-    parts->Release();
     py::dict r;
     r["parts"] = list;
     r["chunks"] = parts->chunks;
@@ -727,6 +743,38 @@ class PyLlama {
   std::unique_ptr<model::LlamaSession> session_;
 };
 
+// A hot tier whose bytes at rest are not the caller's bytes (XOR 0x5A), like device memory
+// the host cannot read in place; only its Upload/Download translate. It reports device "cpu"
+// so sessions open with the CPU attention backend in any build. For tests only (registered
+// by _register_scrambled_hot_tier): Gather must hand back the appended bytes through it,
+// which a host memcpy of the spans would not (tests/python/test_api.py).
+class ScrambledHostTier final : public HotTier {
+ public:
+  explicit ScrambledHostTier(std::unique_ptr<HotTier> inner) : inner_(std::move(inner)) {}
+  const char* device() const override { return "cpu"; }
+  int32_t slot_capacity() const override { return inner_->slot_capacity(); }
+  int32_t slots_used() const override { return inner_->slots_used(); }
+  size_t slot_bytes() const override { return inner_->slot_bytes(); }
+  int32_t AcquireSlot() override { return inner_->AcquireSlot(); }
+  void ReleaseSlot(int32_t slot) override { inner_->ReleaseSlot(slot); }
+  uint8_t* slot_data(int32_t slot) override { return inner_->slot_data(slot); }
+  Result<uint8_t*> AllocateRegion(size_t bytes) override { return inner_->AllocateRegion(bytes); }
+  void FreeRegion(uint8_t* region, size_t bytes) override { inner_->FreeRegion(region, bytes); }
+  Status Upload(uint8_t* dst, const void* src, size_t bytes) override {
+    const auto* s = static_cast<const uint8_t*>(src);
+    for (size_t i = 0; i < bytes; ++i) dst[i] = s[i] ^ 0x5A;
+    return Status::Ok();
+  }
+  Status Download(void* dst, const uint8_t* src, size_t bytes) override {
+    auto* d = static_cast<uint8_t*>(dst);
+    for (size_t i = 0; i < bytes; ++i) d[i] = src[i] ^ 0x5A;
+    return Status::Ok();
+  }
+
+ private:
+  std::unique_ptr<HotTier> inner_;
+};
+
 }  // namespace
 }  // namespace kvtier::python
 
@@ -760,6 +808,14 @@ PYBIND11_MODULE(_kvtier, m) {
   });
 
   m.def("version", &Version, "The C++ library's version.");
+  m.def("hot_tier_names", &HotTierNames, "Hot tier names a Store's hot_tier option takes now.");
+  m.def("_register_scrambled_hot_tier", [](const std::string& name) {
+    Check(RegisterHotTier(name, [](const FactorySpec&, size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
+      KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier("host", pool, slot));
+      return std::unique_ptr<HotTier>(new ScrambledHostTier(std::move(inner)));
+    }));
+  }, py::arg("name"), "Tests only: registers a hot tier whose stored bytes are XOR-scrambled (read through its "
+     "Download), to check that nothing reads hot memory in place.");
   // The prompts of `kvtier infinite` (integration/model/tasks.h), drawn in the same order from
   // the same generator, so that a Python runner evaluates exactly the same samples.
   m.def("make_samples", [](const std::string& task, int64_t context, int64_t samples, int64_t seed) {

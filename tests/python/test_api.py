@@ -63,6 +63,38 @@ def test_roundtrip_matches_reference_attention():
     np.testing.assert_allclose(out2[0], reference_attention(q[2:3], ks[0], vs[0], [99])[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("hot_tier", ["host", "scrambled-test"])
+def test_gather_copies_the_appended_bytes(hot_tier):
+    # gather copies each pinned span out of the hot tier. "scrambled-test" keeps its bytes
+    # XOR-scrambled at rest (module.cc, ScrambledHostTier), as device memory is unreadable in
+    # place: only a copy through the tier's Download gives back the appended K/V, so a host
+    # memcpy of the spans (what a "cuda" tier's device pointers cannot take) fails here.
+    if hot_tier != "host" and hot_tier not in kvtier._kvtier.hot_tier_names():
+        kvtier._kvtier._register_scrambled_hot_tier(hot_tier)  # once per process: the registry is global
+    rng = np.random.default_rng(3)
+    store = small_store("f16", hot_tier=hot_tier)
+    s = kvtier.Session.open(store, retrieve=False)
+    n = 100
+    ks = [rng.standard_normal((n, 2, 16)).astype(np.float16) for _ in range(2)]
+    vs = [rng.standard_normal((n, 2, 16)).astype(np.float16) for _ in range(2)]
+    for layer in range(2):
+        s.append(layer, ks[layer], vs[layer])
+    s.begin_step("decode")
+    q = rng.standard_normal((1, 4, 16), dtype=np.float32)
+    for layer in range(2):
+        g = s.gather(layer, q, n - 1)
+        kinds = [p["kind"] for p in g["parts"]]
+        assert kinds[0] == "sinks" and "chunk" in kinds and kinds[-1] == "local"
+        covered = 0
+        for p in g["parts"]:
+            a, b = p["first_position"], p["first_position"] + p["k"].shape[0]
+            assert p["k"].dtype == np.float16 and p["k"].shape[1:] == (2, 16)
+            np.testing.assert_array_equal(p["k"], ks[layer][a:b])
+            np.testing.assert_array_equal(p["v"], vs[layer][a:b])
+            covered += b - a
+        assert covered == n  # retrieve=False: sinks + every sealed chunk + the local window
+
+
 @pytest.mark.parametrize("dtype,tdtype", [("f32", torch.float32), ("f16", torch.float16), ("bf16", torch.bfloat16)])
 def test_torch_tensors_every_dtype(dtype, tdtype):
     torch.manual_seed(0)
