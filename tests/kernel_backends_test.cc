@@ -25,7 +25,9 @@
 
 #include "kernels/cpu/chunk_score.h"
 #include "kernels/cpu/entropy.h"
+#include "kernels/cpu/forward.h"
 #include "kernels/cpu/probe.h"
+#include "kernels/cpu/rope.h"
 #include "kernels/cpu/slot_attention.h"
 #include "kernels/dtype.h"
 #include "retrieval/probe.h"
@@ -770,6 +772,276 @@ TEST_P(KernelBackends, MeanPoolProbeMatchesDirectMean) {
   dev.Get(&got, d_probe);
   EXPECT_TRUE(Close(got, ToDouble(probe), 1e-5, "cuda mean pool vs twin"));
 #endif
+}
+
+// ---- the model's forward outside attention (kernels/cpu/forward.h, rope.h) ---------------------
+
+std::vector<float> Normal(std::mt19937& rng, size_t n, float sd = 1.0f) {
+  std::normal_distribution<float> nd(0.0f, sd);
+  std::vector<float> v(n);
+  for (float& x : v) x = nd(rng);
+  return v;
+}
+
+TEST_P(KernelBackends, EmbeddingCopiesTheTokensRows) {
+  const int vocab = 300, d = 96, m = 7;
+  const std::vector<float> table = Normal(rng_, static_cast<size_t>(vocab) * d);
+  const std::vector<int32_t> tokens = {0, 299, 5, 5, 128, 1, 298};
+  std::vector<float> out(static_cast<size_t>(m) * d, kNaN);
+  EmbeddingParams p;
+  p.m = m;
+  p.d = d;
+  p.vocab = vocab;
+  p.tokens = tokens.data();
+  p.table = table.data();
+  p.out = out.data();
+  ASSERT_EQ(Embedding(p), KernelError::kOk);
+  if (!cuda()) {
+    std::vector<double> want(out.size());
+    for (int t = 0; t < m; ++t)
+      for (int i = 0; i < d; ++i)
+        want[static_cast<size_t>(t) * d + i] = table[static_cast<size_t>(tokens[static_cast<size_t>(t)]) * d + i];
+    EXPECT_TRUE(Close(out, want, 0.0, "embedding"));  // a copy: exact
+    return;
+  }
+#if KVTIER_HAVE_CUDA
+  DeviceArena dev;
+  EmbeddingParams dp = p;
+  dp.tokens = dev.Put(tokens);
+  dp.table = dev.Put(table);
+  dp.out = dev.Put(std::vector<float>(out.size(), kNaN));
+  ASSERT_EQ(cuda::LaunchEmbedding(dp, nullptr), KernelError::kOk) << cuda::LastCudaErrorString();
+  std::vector<float> got(out.size());
+  dev.Get(&got, dp.out);
+  EXPECT_TRUE(Close(got, ToDouble(out), 0.0, "cuda embedding vs twin"));
+#endif
+}
+
+TEST(KernelBackendsCpu, EmbeddingRejectsATokenOutsideTheVocabularyAndWritesNothing) {
+  const std::vector<float> table(4 * 3, 1.0f);
+  const std::vector<int32_t> tokens = {1, 4};
+  std::vector<float> out(2 * 3, -7.0f);
+  EmbeddingParams p;
+  p.m = 2;
+  p.d = 3;
+  p.vocab = 4;
+  p.tokens = tokens.data();
+  p.table = table.data();
+  p.out = out.data();
+  EXPECT_EQ(Embedding(p), KernelError::kBadShape);
+  for (float v : out) EXPECT_EQ(v, -7.0f);  // the valid first token's row is not written either
+  p.tokens = nullptr;
+  EXPECT_EQ(Embedding(p), KernelError::kNullPointer);
+}
+
+TEST_P(KernelBackends, RmsNormMatchesReference) {
+  for (int d : {128, 200, 1000}) {
+    SCOPED_TRACE("d " + std::to_string(d) + " seed " + std::to_string(seed_));
+    const int m = 9;
+    const double eps = 1e-5;
+    std::vector<float> x = Normal(rng_, static_cast<size_t>(m) * d, 3.0f);
+    for (int i = 0; i < d; ++i) x[static_cast<size_t>(4) * d + i] *= 1e-4f;  // a row where eps matters
+    const std::vector<float> w = Normal(rng_, static_cast<size_t>(d));
+    std::vector<float> out(x.size(), kNaN);
+    RmsNormParams p;
+    p.m = m;
+    p.d = d;
+    p.eps = eps;
+    p.x = x.data();
+    p.w = w.data();
+    p.out = out.data();
+    ASSERT_EQ(RmsNorm(p), KernelError::kOk);
+    if (!cuda()) {
+      std::vector<double> want(out.size());
+      for (int t = 0; t < m; ++t) {
+        double ss = 0;
+        for (int i = 0; i < d; ++i) ss += std::pow(static_cast<double>(x[static_cast<size_t>(t) * d + i]), 2);
+        const double r = 1.0 / std::sqrt(ss / d + eps);
+        for (int i = 0; i < d; ++i)
+          want[static_cast<size_t>(t) * d + i] = x[static_cast<size_t>(t) * d + i] * r * w[static_cast<size_t>(i)];
+      }
+      EXPECT_TRUE(Close(out, want, 1e-5, "rmsnorm"));
+      continue;
+    }
+#if KVTIER_HAVE_CUDA
+    DeviceArena dev;
+    RmsNormParams dp = p;
+    dp.x = dev.Put(x);
+    dp.w = dev.Put(w);
+    dp.out = dev.Put(std::vector<float>(out.size(), kNaN));
+    ASSERT_EQ(cuda::LaunchRmsNorm(dp, nullptr), KernelError::kOk) << cuda::LastCudaErrorString();
+    std::vector<float> got(out.size());
+    dev.Get(&got, dp.out);
+    EXPECT_TRUE(Close(got, ToDouble(out), 1e-5, "cuda rmsnorm vs twin"));
+#endif
+  }
+}
+
+TEST(KernelBackendsCpu, RmsNormRejectsABadEpsilon) {
+  const std::vector<float> x(8, 1.0f), w(8, 1.0f);
+  std::vector<float> out(8);
+  RmsNormParams p;
+  p.m = 1;
+  p.d = 8;
+  p.x = x.data();
+  p.w = w.data();
+  p.out = out.data();
+  for (double eps : {0.0, -1e-5, std::numeric_limits<double>::infinity()}) {
+    p.eps = eps;
+    EXPECT_EQ(RmsNorm(p), KernelError::kBadShape) << eps;
+  }
+}
+
+TEST_P(KernelBackends, RopeMatchesRotationReference) {
+  const int m = 6, heads = 3, head_dim = 128;
+  const double theta = 10000.0;
+  const std::vector<int64_t> pos = {0, 1, 17, 4095, 100000, 1 << 20};
+  const std::vector<double> inv_freq = RopeInvFreq(head_dim, theta);
+  const std::vector<float> x0 = Normal(rng_, static_cast<size_t>(m) * heads * head_dim);
+  std::vector<float> x = x0;
+  Rope(x.data(), m, heads, head_dim, pos.data(), inv_freq.data());
+  if (!cuda()) {
+    std::vector<double> want(x.size());
+    const int half = head_dim / 2;
+    for (int t = 0; t < m; ++t)
+      for (int h = 0; h < heads; ++h)
+        for (int i = 0; i < half; ++i) {
+          // the angle from theta directly (not the twin's inv_freq table)
+          const double a = static_cast<double>(pos[static_cast<size_t>(t)]) * std::pow(theta, -2.0 * i / head_dim);
+          const size_t b = (static_cast<size_t>(t) * heads + h) * head_dim;
+          const double x1 = x0[b + i], x2 = x0[b + i + half];
+          want[b + i] = x1 * std::cos(a) - x2 * std::sin(a);
+          want[b + i + half] = x2 * std::cos(a) + x1 * std::sin(a);
+        }
+    EXPECT_TRUE(Close(x, want, 1e-5, "rope"));
+    return;
+  }
+#if KVTIER_HAVE_CUDA
+  DeviceArena dev;
+  cuda::RopeParams dp;
+  dp.m = m;
+  dp.heads = heads;
+  dp.head_dim = head_dim;
+  dp.x = dev.Put(x0);
+  dp.positions = dev.Put(pos);
+  dp.inv_freq = dev.Put(inv_freq);
+  ASSERT_EQ(cuda::LaunchRope(dp, nullptr), KernelError::kOk) << cuda::LastCudaErrorString();
+  std::vector<float> got(x.size());
+  dev.Get(&got, dp.x);
+  EXPECT_TRUE(Close(got, ToDouble(x), 1e-5, "cuda rope vs twin"));
+#endif
+}
+
+TEST_P(KernelBackends, SwiGluMatchesReference) {
+  const size_t n = 3 * 352 + 5;
+  std::vector<float> gate = Normal(rng_, n, 4.0f);
+  gate[0] = -90.0f;  // exp(90) overflows fp32: silu must still be -0, not NaN
+  gate[1] = 90.0f;
+  const std::vector<float> g0 = gate, up = Normal(rng_, n);
+  SwiGluParams p;
+  p.n = n;
+  p.gate = gate.data();
+  p.up = up.data();
+  ASSERT_EQ(SwiGlu(p), KernelError::kOk);
+  if (!cuda()) {
+    std::vector<double> want(n);
+    for (size_t i = 0; i < n; ++i) want[i] = g0[i] / (1.0 + std::exp(-static_cast<double>(g0[i]))) * up[i];
+    EXPECT_TRUE(Close(gate, want, 1e-5, "swiglu"));
+    return;
+  }
+#if KVTIER_HAVE_CUDA
+  DeviceArena dev;
+  SwiGluParams dp;
+  dp.n = n;
+  dp.gate = dev.Put(g0);
+  dp.up = dev.Put(up);
+  ASSERT_EQ(cuda::LaunchSwiGlu(dp, nullptr), KernelError::kOk) << cuda::LastCudaErrorString();
+  std::vector<float> got(n);
+  dev.Get(&got, dp.gate);
+  EXPECT_TRUE(Close(got, ToDouble(gate), 1e-5, "cuda swiglu vs twin"));
+#endif
+}
+
+struct GemmShape {
+  int m, k, n_out;
+  bool accumulate;
+};
+
+TEST_P(KernelBackends, GemmMatchesReference) {
+  // decode (m 1), k not a multiple of 8 (the twin's tail), and shapes past the twin's threading
+  // threshold (m k n >= 2^18), with and without the residual accumulate.
+  for (const GemmShape s : {GemmShape{1, 128, 384, false}, GemmShape{5, 131, 77, true}, GemmShape{64, 128, 256, false},
+                            GemmShape{64, 352, 128, true}, GemmShape{3, 128, 256, true}}) {
+    SCOPED_TRACE("m " + std::to_string(s.m) + " k " + std::to_string(s.k) + " n " + std::to_string(s.n_out) +
+                 (s.accumulate ? " +=" : " =") + " seed " + std::to_string(seed_));
+    const std::vector<float> x = Normal(rng_, static_cast<size_t>(s.m) * s.k);
+    const std::vector<float> w = Normal(rng_, static_cast<size_t>(s.n_out) * s.k, 0.1f);
+    const std::vector<float> y0 = s.accumulate ? Normal(rng_, static_cast<size_t>(s.m) * s.n_out)
+                                               : std::vector<float>(static_cast<size_t>(s.m) * s.n_out, kNaN);
+    std::vector<float> y = y0;
+    GemmParams p;
+    p.m = s.m;
+    p.k = s.k;
+    p.n_out = s.n_out;
+    p.x = x.data();
+    p.w = w.data();
+    p.y = y.data();
+    p.accumulate = s.accumulate;
+    ASSERT_EQ(Gemm(p), KernelError::kOk);
+    if (!cuda()) {
+      std::vector<double> want(y.size());
+      for (int t = 0; t < s.m; ++t)
+        for (int o = 0; o < s.n_out; ++o) {
+          double acc = s.accumulate ? y0[static_cast<size_t>(t) * s.n_out + o] : 0.0;
+          for (int i = 0; i < s.k; ++i)
+            acc += static_cast<double>(x[static_cast<size_t>(t) * s.k + i]) * w[static_cast<size_t>(o) * s.k + i];
+          want[static_cast<size_t>(t) * s.n_out + o] = acc;
+        }
+      EXPECT_TRUE(Close(y, want, 1e-5, "gemm"));
+      continue;
+    }
+#if KVTIER_HAVE_CUDA
+    DeviceArena dev;
+    cuda::BlasHandle blas = nullptr;
+    ASSERT_EQ(cuda::CreateBlasHandle(&blas), KernelError::kOk) << cuda::LastBlasStatusString();
+    std::unique_ptr<void, void (*)(void*)> hold(blas, cuda::DestroyBlasHandle);
+    const size_t ws_bytes = cuda::GemmWorkspaceBytes();
+    void* ws = dev.Alloc<uint8_t>(ws_bytes);
+    GemmParams dp = p;
+    dp.x = dev.Put(x);
+    dp.w = dev.Put(w);
+    dp.y = dev.Put(y0);
+    EXPECT_EQ(cuda::LaunchGemm(dp, blas, ws, ws_bytes - 1, nullptr), KernelError::kWorkspace);
+    ASSERT_EQ(cuda::LaunchGemm(dp, blas, ws, ws_bytes, nullptr), KernelError::kOk) << cuda::LastBlasStatusString();
+    std::vector<float> got(y.size());
+    dev.Get(&got, dp.y);
+    EXPECT_TRUE(Close(got, ToDouble(y), 1e-5, "cuda gemm vs twin"));
+#endif
+  }
+}
+
+TEST(KernelBackendsCpu, GemmRejectsBadShapesAndNullPointers) {
+  const std::vector<float> x(8, 1.0f), w(8, 1.0f);
+  std::vector<float> y(1, -3.0f);
+  GemmParams p;
+  p.m = 1;
+  p.k = 8;
+  p.n_out = 1;
+  p.x = x.data();
+  p.w = w.data();
+  p.y = y.data();
+  p.k = 0;
+  EXPECT_EQ(Gemm(p), KernelError::kBadShape);
+  p.k = 8;
+  p.m = -1;
+  EXPECT_EQ(Gemm(p), KernelError::kBadShape);
+  p.m = 1;
+  p.w = nullptr;
+  EXPECT_EQ(Gemm(p), KernelError::kNullPointer);
+  EXPECT_EQ(y[0], -3.0f);
+  p.w = w.data();
+  ASSERT_EQ(Gemm(p), KernelError::kOk);
+  EXPECT_EQ(y[0], 8.0f);
 }
 
 // ---- transfers (device only: the twin is memcpy) -----------------------------------------------

@@ -8,11 +8,8 @@
 #include <cstdlib>
 #include <numeric>
 
-#include <oneapi/tbb/blocked_range.h>
-#include <oneapi/tbb/parallel_for.h>
-
 #include "kernels/cpu/attention.h"
-#include "kernels/tbb_tsan.h"
+#include "kernels/cpu/forward.h"
 
 namespace kvtier::model {
 namespace {
@@ -47,51 +44,35 @@ Status ParseFloatKey(const std::map<std::string, std::string>& meta, const std::
   return Status::Ok();
 }
 
-// Dot product with 8 independent fp32 accumulators: the compiler may not
-// reorder a single float sum, and the split lets it use vector registers.
-inline float Dot(const float* a, const float* b, int n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+// The forward's kernels are the CPU twins of kernels/cpu/forward.h (and rope.h), which also
+// define what the CUDA launchers compute. Shapes are validated when the model loads, so a
+// KernelError here is a bug: reported as Internal, naming the kernel.
+Status Check(kernels::KernelError e, const char* kernel) {
+  if (e == kernels::KernelError::kOk) return Status::Ok();
+  return Internal(std::string("forward: ") + kernel + ": " + kernels::KernelErrorString(e));
 }
 
-// y[m, out] (= or +=) x[m, in] . W^T with W row-major [out, in] (y = W x per token).
-// Output rows of W are split across threads once the product is big enough to pay for it.
-void MatMul(const float* x, int m, int in, const float* w, int out, float* y, bool accumulate) {
-  auto rows = [&](int o0, int o1) {
-    for (int o = o0; o < o1; ++o) {
-      const float* wr = w + static_cast<size_t>(o) * in;
-      for (int t = 0; t < m; ++t) {
-        const float d = Dot(x + static_cast<size_t>(t) * in, wr, in);
-        float& dst = y[static_cast<size_t>(t) * out + o];
-        dst = accumulate ? dst + d : d;
-      }
-    }
-  };
-  if (static_cast<int64_t>(m) * in * out < (1 << 18)) {
-    rows(0, out);
-    return;
-  }
-  TsanForkJoin fj;  // kernels/tbb_tsan.h
-  tbb::parallel_for(tbb::blocked_range<int>(0, out, 16),
-                    fj.Body([&](const tbb::blocked_range<int>& r) { rows(r.begin(), r.end()); }));
-  fj.Join();
+Status MatMul(const float* x, int m, int in, const float* w, int out, float* y, bool accumulate) {
+  kernels::GemmParams p;
+  p.m = m;
+  p.k = in;
+  p.n_out = out;
+  p.x = x;
+  p.w = w;
+  p.y = y;
+  p.accumulate = accumulate;
+  return Check(kernels::Gemm(p), "Gemm");
 }
 
-// out[m, d] = x * rsqrt(mean(x^2) + eps) * w; the mean is summed in double.
-void RmsNorm(const float* x, int m, int d, const float* w, double eps, float* out) {
-  for (int t = 0; t < m; ++t) {
-    const float* xr = x + static_cast<size_t>(t) * d;
-    double ss = 0;
-    for (int i = 0; i < d; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float r = static_cast<float>(1.0 / std::sqrt(ss / d + eps));
-    float* o = out + static_cast<size_t>(t) * d;
-    for (int i = 0; i < d; ++i) o[i] = xr[i] * r * w[i];
-  }
+Status RmsNorm(const float* x, int m, int d, const float* w, double eps, float* out) {
+  kernels::RmsNormParams p;
+  p.m = m;
+  p.d = d;
+  p.eps = eps;
+  p.x = x;
+  p.w = w;
+  p.out = out;
+  return Check(kernels::RmsNorm(p), "RmsNorm");
 }
 
 // Copies a tensor out of the file after checking its exact shape.
@@ -322,16 +303,24 @@ Status LlamaSession::Forward(const int32_t* tokens, int m, float* logits, bool d
   std::vector<float> q_rot, k_rot;  // kInfLLM with a capture: rotated copies at the true positions
   std::vector<float> gate(md * f), up(md * f);
   std::vector<uint8_t> kb(md * kvd * DTypeSize(g.dtype)), vb(kb.size());
-  for (int t = 0; t < m; ++t)
-    std::copy_n(model_->embed().data() + static_cast<size_t>(tokens[t]) * d, d, x.data() + static_cast<size_t>(t) * d);
+  {
+    kernels::EmbeddingParams p;
+    p.m = m;
+    p.d = d;
+    p.vocab = c.vocab;
+    p.tokens = tokens;
+    p.table = model_->embed().data();
+    p.out = x.data();
+    KVTIER_RETURN_IF_ERROR(Check(kernels::Embedding(p), "Embedding"));
+  }
   KVTIER_RETURN_IF_ERROR(session_->BeginStep(decode ? StepKind::kDecode : StepKind::kPrefill));
 
   for (int l = 0; l < c.n_layers; ++l) {
     const LlamaLayer& L = model_->layers()[l];
-    RmsNorm(x.data(), m, d, L.attn_norm.data(), c.norm_eps, h.data());
-    MatMul(h.data(), m, d, L.wq.data(), qd, q.data(), false);
-    MatMul(h.data(), m, d, L.wk.data(), kvd, k.data(), false);
-    MatMul(h.data(), m, d, L.wv.data(), kvd, v.data(), false);
+    KVTIER_RETURN_IF_ERROR(RmsNorm(x.data(), m, d, L.attn_norm.data(), c.norm_eps, h.data()));
+    KVTIER_RETURN_IF_ERROR(MatMul(h.data(), m, d, L.wq.data(), qd, q.data(), false));
+    KVTIER_RETURN_IF_ERROR(MatMul(h.data(), m, d, L.wk.data(), kvd, k.data(), false));
+    KVTIER_RETURN_IF_ERROR(MatMul(h.data(), m, d, L.wv.data(), kvd, v.data(), false));
     // kAbsolute: the engine (this model) applies RoPE; kInfLLM: the session does, at attention
     // time, and the store keeps keys before RoPE.
     if (!infllm) {
@@ -356,15 +345,19 @@ Status LlamaSession::Forward(const int32_t* tokens, int m, float* logits, bool d
     Status st = session_->Attend(l, q.data(), pos.data(), m, att.data());
     if (!st.ok()) return Status(st.code(), "layer " + std::to_string(l) + ": " + st.message());
 
-    MatMul(att.data(), m, qd, L.wo.data(), d, x.data(), true);
-    RmsNorm(x.data(), m, d, L.mlp_norm.data(), c.norm_eps, h.data());
-    MatMul(h.data(), m, d, L.w_gate.data(), f, gate.data(), false);
-    MatMul(h.data(), m, d, L.w_up.data(), f, up.data(), false);
-    for (size_t i = 0; i < gate.size(); ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];  // SiLU(g) * u
-    MatMul(gate.data(), m, f, L.w_down.data(), d, x.data(), true);
+    KVTIER_RETURN_IF_ERROR(MatMul(att.data(), m, qd, L.wo.data(), d, x.data(), true));
+    KVTIER_RETURN_IF_ERROR(RmsNorm(x.data(), m, d, L.mlp_norm.data(), c.norm_eps, h.data()));
+    KVTIER_RETURN_IF_ERROR(MatMul(h.data(), m, d, L.w_gate.data(), f, gate.data(), false));
+    KVTIER_RETURN_IF_ERROR(MatMul(h.data(), m, d, L.w_up.data(), f, up.data(), false));
+    kernels::SwiGluParams sg;  // gate = SiLU(gate) * up
+    sg.n = gate.size();
+    sg.gate = gate.data();
+    sg.up = up.data();
+    KVTIER_RETURN_IF_ERROR(Check(kernels::SwiGlu(sg), "SwiGlu"));
+    KVTIER_RETURN_IF_ERROR(MatMul(gate.data(), m, f, L.w_down.data(), d, x.data(), true));
   }
-  RmsNorm(x.data(), m, d, model_->final_norm().data(), c.norm_eps, h.data());
-  MatMul(h.data(), m, d, model_->lm_head().data(), c.vocab, logits, false);
+  KVTIER_RETURN_IF_ERROR(RmsNorm(x.data(), m, d, model_->final_norm().data(), c.norm_eps, h.data()));
+  KVTIER_RETURN_IF_ERROR(MatMul(h.data(), m, d, model_->lm_head().data(), c.vocab, logits, false));
   position_ += m;
   return Status::Ok();
 }

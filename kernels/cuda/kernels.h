@@ -1,5 +1,5 @@
 // CUDA kernels of kvtier: launchers over the same POD params as their CPU twins
-// (kernels/cpu/slot_attention.h, chunk_score.h, entropy.h, probe.h), which define what each
+// (kernels/cpu/slot_attention.h, chunk_score.h, entropy.h, probe.h, forward.h, rope.h), which define what each
 // computes. FlashInfer style: a launcher takes params holding DEVICE pointers, a stream and
 // caller-owned workspace (size from the matching ...WorkspaceBytes query), allocates
 // nothing, checks what it can on the host (shapes, null pointers), enqueues, and returns a
@@ -21,6 +21,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/chunk_score.h"
 #include "kernels/cpu/entropy.h"
+#include "kernels/cpu/forward.h"
 #include "kernels/cpu/probe.h"
 #include "kernels/cpu/slot_attention.h"
 
@@ -75,6 +76,47 @@ size_t ActWeightedProbeWorkspaceBytes(const ProbeShape& shape, int m);
 KernelError LaunchActWeightedProbe(const ProbeShape& shape, const float* q, int m, const double* mean,
                                    const double* m2, int64_t count, double eps, float* probe, void* workspace,
                                    size_t workspace_bytes, Stream s);
+
+// ---- the model's forward outside attention (twins: kernels/cpu/forward.h, rope.h) ---------
+/// An opaque cublasHandle_t. The GEMM launcher needs one; creating it allocates, so the caller
+/// does that once (per thread or stream) and passes it to every launch.
+using BlasHandle = void*;
+/// cublasCreate with CUBLAS_PEDANTIC_MATH (no TF32: fp32 GEMMs stay fp32). kDeviceError on
+/// failure, with the cuBLAS status in LastBlasStatus().
+KernelError CreateBlasHandle(BlasHandle* handle);
+void DestroyBlasHandle(BlasHandle handle);  ///< null is a no-op
+/// The last cuBLAS status a launcher of this thread saw (a cublasStatus_t; 0 = success), and
+/// its name and description.
+int LastBlasStatus();
+const char* LastBlasStatusString();
+
+/// Embedding: one block per token. tokens is a device array the host cannot check: a token
+/// outside [0, vocab) fills its row with NaN (the twin returns kBadShape and writes nothing).
+KernelError LaunchEmbedding(const EmbeddingParams& p, Stream s);
+/// RmsNorm: one block per row, the sum of squares in double as the twin.
+KernelError LaunchRmsNorm(const RmsNormParams& p, Stream s);
+
+/// kernels::Rope (kernels/cpu/rope.h) over device arrays: x [m, heads, head_dim] in place,
+/// token t at positions[t], inv_freq [head_dim / 2] (RopeInvFreq, uploaded once).
+struct RopeParams {
+  int m = 0;                          ///< tokens, >= 0
+  int heads = 0;                      ///< > 0
+  int head_dim = 0;                   ///< > 0, even
+  float* x = nullptr;                 ///< [m, heads, head_dim], device
+  const int64_t* positions = nullptr; ///< [m], device
+  const double* inv_freq = nullptr;   ///< [head_dim / 2], device
+};
+/// One block per token; angles in double, cos/sin rounded to fp32 once, as the twin.
+KernelError LaunchRope(const RopeParams& p, Stream s);
+/// SwiGlu in place, grid-stride.
+KernelError LaunchSwiGlu(const SwiGluParams& p, Stream s);
+
+/// Gemm (y = or += x . W^T, row-major) with cublasGemmEx, fp32 in and out,
+/// CUBLAS_COMPUTE_32F_PEDANTIC. The launcher sets the handle's stream and points cuBLAS at the
+/// caller's workspace (at least GemmWorkspaceBytes(), 32 MiB as NVIDIA recommends for sm_90;
+/// kWorkspace when short), so cuBLAS allocates nothing in the call.
+size_t GemmWorkspaceBytes();
+KernelError LaunchGemm(const GemmParams& p, BlasHandle handle, void* workspace, size_t workspace_bytes, Stream s);
 
 // ---- transfers -----------------------------------------------------------------------------
 struct GatherParams {
