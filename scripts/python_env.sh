@@ -4,12 +4,36 @@
 # tests/python with pytest. Called by ctest (Python.Package) and usable by hand:
 #   scripts/python_env.sh          environment + package
 #   scripts/python_env.sh test     that, then pytest tests/python (extra args go to pytest)
+#   scripts/python_env.sh test-current
+#                                  the same suite against the current PyPI torch + transformers
+#                                  (python/requirements-current.txt) in .venv-current, built in
+#                                  build-py-current/; opt-in, not in ctest (a ~5.6 GB venv)
 # torch comes from Debian (python3-torch 1.13.1, CPU): PyPI's Linux wheels pull gigabytes of
 # CUDA libraries. The venv sees Debian's site-packages (--system-site-packages) and adds the
 # pinned PyPI packages of python/requirements-test.txt. Each step is skipped when done already,
 # so a second run costs the package rebuild only (incremental, in build-py/).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MODE="${1:-}"
+if [[ "$MODE" == "test-current" ]]; then
+  # Everything from PyPI (no --system-site-packages: Debian's torch 1.13 and numpy 1.24 would
+  # shadow nothing, but the venv must not see them either), and its own CMake build folder:
+  # build-py/'s cache names Debian's venv interpreter.
+  VENV="${KVTIER_VENV_CURRENT:-$ROOT/.venv-current}"
+  REQ="$ROOT/python/requirements-current.txt"
+  [[ -x "$VENV/bin/python" ]] || /usr/bin/python3 -m venv "$VENV"
+  PY="$VENV/bin/python"
+  if ! cmp -s "$REQ" "$VENV/.kvtier-requirements"; then
+    "$PY" -m pip install -q --disable-pip-version-check -r "$REQ"
+    cp "$REQ" "$VENV/.kvtier-requirements"
+  fi
+  "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+    -C build-dir=build-py-current "$ROOT"
+  shift
+  cd "$ROOT"
+  "$PY" -c 'import torch, transformers; print(f"python_env: torch {torch.__version__}, transformers {transformers.__version__}")'
+  exec "$PY" -m pytest -q tests/python "$@"
+fi
 VENV="${KVTIER_VENV:-$ROOT/.venv}"
 PKGS=(python3-venv python3-dev python3-numpy python3-torch)
 

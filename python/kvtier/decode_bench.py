@@ -50,7 +50,7 @@ def main(argv=None):
     with torch.no_grad():
         for _ in range(a.tokens):
             s = time.perf_counter()
-            logits = model(input_ids=torch.tensor([[hf_tok[-1]]]), past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=torch.tensor([[hf_tok[-1]]]), use_cache=True, **kh.cache_arg(model, cache)).logits
             hf_tok.append(int(logits[0, -1].argmax()))
             e = time.perf_counter()
             hf_ms.append(1e3 * (e - s))

@@ -25,9 +25,10 @@ without the cache, another cache) raises instead of attending the wrong memory.
 
 Positions (positions=): "infllm" (the default, as `kvtier infinite`): memory units sit at the
 local window's start. transformers applies RoPE before the cache sees keys, so the cache
-undoes it with the layer's own cos/sin (which update receives) and the session rotates again
-at attention time with plain rotate-half RoPE of base config.rope_theta; models with
-rope_scaling are refused in this mode. "absolute": keys and queries as transformers rotated
+undoes it with plain rotate-half RoPE of the config's rope theta (computed here: transformers
+5 no longer hands update the layer's cos/sin) and the session rotates again at attention time
+with the same RoPE; models with another rope type (rope_scaling / rope_parameters) or a
+partial rotary factor are refused in this mode. "absolute": keys and queries as transformers rotated
 them; with retrieve=False (or a budget covering every chunk) this is the model's own full
 attention, computed by kvtier.
 
@@ -37,7 +38,16 @@ windows of prefill_window tokens, every window through every layer (as `kvtier i
 does); a single forward longer than n_local raises. `generate()` prefills all but the prompt's
 last token and lets model.generate run that token as its first decode step.
 Batch size 1 (a Session is one sequence).
+
+transformers versions: the Cache contract changed in 4.54 (a Cache is a list of per-layer
+CacheLayerMixin objects that the masks and generate ask for get_seq_length / get_mask_sizes)
+and again in 5.x (update no longer receives cos/sin or cache_position, the config's
+rope_theta moved into rope_parameters, torch_dtype became dtype). KvtierCache answers both:
+where CacheLayerMixin exists it hands Cache one _KvtierLayer per model layer (each a view of
+the one session), and update takes the old cache_kwargs and the new keyword arguments alike.
+Tested on 4.49 and on the current release (README, "Python").
 """
+import inspect
 import threading
 
 import torch
@@ -47,7 +57,12 @@ from transformers.cache_utils import Cache, DynamicCache
 import kvtier
 
 ATTENTION_NAME = "kvtier"
-_TESTED_TRANSFORMERS = ("4.48", "4.49")
+_TESTED_TRANSFORMERS = ("4.49", "5.24")
+
+try:  # transformers >= 4.54: a Cache is a list of layers
+    from transformers.cache_utils import CacheLayerMixin
+except ImportError:  # 4.49: a Cache is one object
+    CacheLayerMixin = None
 
 
 def _disable_broken_fsdp_probe():
@@ -91,7 +106,67 @@ def _unrope(x, cos, sin):
     return x * cos - _rotate_half(x) * sin
 
 
+def _rope_cos_sin(positions, head_dim, theta):
+    """Plain rotate-half RoPE (what transformers' default rope type computes, in fp32) for
+    int64 positions [m]: cos, sin [1, m, head_dim]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().unsqueeze(0), emb.sin().unsqueeze(0)
+
+
+def _rope_of(text):
+    """(rope type, theta, partial rotary factor) of a config: rope_scaling and rope_theta in
+    transformers 4.x, rope_parameters in 5.x."""
+    params = getattr(text, "rope_parameters", None) or {}
+    scaling = getattr(text, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    theta = params.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0
+    partial = params.get("partial_rotary_factor") or getattr(text, "partial_rotary_factor", None) or 1.0
+    return rope_type, float(theta), float(partial)
+
+
 _STORE_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+if CacheLayerMixin is not None:
+
+    class _KvtierLayer(CacheLayerMixin):
+        """One model layer of a KvtierCache for transformers >= 4.54, whose Cache delegates
+        update, get_seq_length and get_mask_sizes to its layers. The tokens are in the
+        cache's session; this object answers for them (no keys/values tensors)."""
+
+        is_sliding = False
+        supports_early_init = False
+
+        def __init__(self, cache, layer_idx):
+            super().__init__()
+            self.cache, self.layer_idx = cache, layer_idx
+
+        def lazy_initialization(self, key_states, value_states):
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            return self.cache.update(key_states, value_states, self.layer_idx, *args, **kwargs)
+
+        def get_seq_length(self):
+            return self.cache._seen
+
+        def get_mask_sizes(self, query_length, *args):
+            # Asked before this forward's update: the mask spans the tokens held plus the new ones.
+            return self.cache._seen + query_length, 0
+
+        def get_max_length(self):
+            return -1
+
+        def get_max_cache_shape(self):
+            return -1
+
+        def reset(self):
+            raise NotImplementedError("KvtierCache cannot be reset: open a new cache")
+
+        def reorder_cache(self, beam_idx):
+            raise NotImplementedError("KvtierCache holds one sequence: beam search is not supported")
 
 
 class KvtierCache(Cache):
@@ -115,18 +190,26 @@ class KvtierCache(Cache):
     def __init__(self, config, *, max_context=32768, preset="kvtier", positions="infllm", retrieve=True,
                  budget_tokens=None, probe=None, alloc=None, index=None, n_sink=64, n_local=512, chunk_size=32,
                  repr_topk=None, hot_bytes=None, warm_bytes=None, dtype=None, prefill_window=64, **store_options):
-        super().__init__()
         text = getattr(config, "text_config", None) or config
-        self.layers = int(text.num_hidden_layers)
+        n_layers = int(text.num_hidden_layers)
+        if CacheLayerMixin is not None:
+            super().__init__(layers=[_KvtierLayer(self, i) for i in range(n_layers)])
+        else:
+            super().__init__()
+        self.n_layers = n_layers
         self.q_heads = int(text.num_attention_heads)
         self.kv_heads = int(getattr(text, "num_key_value_heads", None) or self.q_heads)
         self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.q_heads)
-        if positions == "infllm" and getattr(text, "rope_scaling", None):
+        rope_type, rope_theta, partial = _rope_of(text)
+        if positions == "infllm" and (rope_type != "default" or partial != 1.0):
             raise kvtier.InvalidArgument(
                 "positions='infllm' rotates keys with plain RoPE (rope_theta) at attention time; this model has "
-                f"rope_scaling={text.rope_scaling!r}: use positions='absolute'")
+                f"rope type {rope_type!r}, partial rotary factor {partial}: use positions='absolute'")
+        self.rope_theta = rope_theta
         if dtype is None:
-            dtype = _STORE_DTYPES.get(getattr(text, "torch_dtype", None) or torch.float32, "f32")
+            model_dtype = getattr(text, "dtype", None) if isinstance(getattr(text, "dtype", None), torch.dtype) else None
+            model_dtype = model_dtype or getattr(text, "torch_dtype", None) or torch.float32
+            dtype = _STORE_DTYPES.get(model_dtype, "f32")
         if not isinstance(prefill_window, int) or not 1 <= prefill_window <= n_local:
             raise kvtier.InvalidArgument(f"prefill_window must be in [1, n_local = {n_local}] (got {prefill_window!r})")
         p = kvtier.preset(preset)  # raises InvalidArgument for an unknown name
@@ -134,7 +217,7 @@ class KvtierCache(Cache):
             repr_topk = p["repr_topk"] or chunk_size
         budget = p["budget_tokens"] if budget_tokens is None else budget_tokens
         session_opts = dict(preset=preset, positions=positions, retrieve=retrieve,
-                            rope_theta=float(getattr(text, "rope_theta", 10000.0)))
+                            rope_theta=rope_theta)
         if budget_tokens is not None:
             session_opts["budget_tokens"] = budget_tokens
         for key, val in (("probe", probe), ("alloc", alloc), ("index", index)):
@@ -147,12 +230,12 @@ class KvtierCache(Cache):
         chunk_bytes = chunk_size * self.kv_heads * self.head_dim * 2 * elem
         chunks = max_context // chunk_size + 2
         if warm_bytes is None:
-            warm_bytes = max(self.layers * chunks * chunk_bytes, 4 * chunk_bytes)
+            warm_bytes = max(self.n_layers * chunks * chunk_bytes, 4 * chunk_bytes)
         if hot_bytes is None:
             k = max(0, budget // chunk_size)
-            need = chunks if not retrieve else min(chunks, self.layers * k + 1)
+            need = chunks if not retrieve else min(chunks, self.n_layers * k + 1)
             hot_bytes = max(need, 1) * chunk_bytes
-        self.store = kvtier.Store(layers=self.layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
+        self.store = kvtier.Store(layers=self.n_layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
                                   head_dim=self.head_dim, dtype=dtype, n_sink=n_sink, n_local=n_local,
                                   chunk_size=chunk_size, repr_topk=min(repr_topk, chunk_size), hot_bytes=hot_bytes,
                                   warm_bytes=warm_bytes, **store_options)
@@ -178,7 +261,9 @@ class KvtierCache(Cache):
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("KvtierCache holds one sequence: beam search is not supported")
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
+        # cache_kwargs: transformers 4.x (cos, sin, cache_position); 5.x passes kwargs= (the
+        # forward's keyword arguments, which may carry cache_position) or nothing.
         b, hkv, m, d = key_states.shape
         if b != 1:
             raise kvtier.InvalidArgument(f"KvtierCache holds one sequence: batch size must be 1 (got {b})")
@@ -187,7 +272,7 @@ class KvtierCache(Cache):
                 f"a forward of {m} tokens exceeds the local window (n_local = {self.n_local}): kvtier attends a "
                 "window after appending it, so prefill long prompts with kvtier.hf.prefill() (windows of "
                 "prefill_window tokens)")
-        cache_kwargs = cache_kwargs or {}
+        cache_kwargs = dict(cache_kwargs or kwargs.get("kwargs") or {})
         first = self._seen
         cp = cache_kwargs.get("cache_position")
         if cp is not None and (cp.numel() != m or int(cp[0]) != first):
@@ -197,20 +282,17 @@ class KvtierCache(Cache):
             kind = self.step_kind or ("decode" if m == 1 else "prefill")
             self.session.begin_step(kind)
             self._kind = kind
+        positions = torch.arange(first, first + m, dtype=torch.int64)
         cos = sin = None
         k = key_states
         if self.positions_mode == "infllm":
-            cos, sin = cache_kwargs.get("cos"), cache_kwargs.get("sin")
-            if cos is None or sin is None or cos.shape[-1] != d:
-                raise kvtier.InvalidArgument("positions='infllm' needs the layer's RoPE cos/sin over the whole head "
-                                             "(cache_kwargs of a RoPE model); use positions='absolute'")
+            cos, sin = _rope_cos_sin(positions, d, self.rope_theta)
             k = _unrope(key_states, cos, sin)
         k = k[0].transpose(0, 1).to(self.store_dtype).contiguous()
         v = value_states[0].transpose(0, 1).to(self.store_dtype).contiguous()
         self.session.append(layer_idx, k, v)
-        if layer_idx == self.layers - 1:
+        if layer_idx == self.n_layers - 1:
             self._seen += m
-        positions = torch.arange(first, first + m, dtype=torch.int64)
         _local.pending = _Pending(self, layer_idx, key_states, positions, cos, sin)
         return key_states, value_states
 
@@ -224,7 +306,7 @@ class KvtierCache(Cache):
         q = q[0].transpose(0, 1).to(torch.float32).contiguous()
         out = torch.empty((m, hq, d), dtype=torch.float32)
         self.session.attend(pending.layer, q, pending.positions, out)
-        if pending.layer == self.layers - 1 and self.on_step is not None:
+        if pending.layer == self.n_layers - 1 and self.on_step is not None:
             self.on_step(self, self._kind)
         return out.to(query.dtype).unsqueeze(0)
 
@@ -237,8 +319,8 @@ def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dr
     layer = getattr(module, "layer_idx", None)
     if pending is None or pending.key is not key or pending.layer != layer:
         raise kvtier.FailedPrecondition(
-            "attn_implementation='kvtier' attends through a kvtier.hf.KvtierCache: pass one as past_key_values "
-            "(use_cache=True)")
+            "attn_implementation='kvtier' attends through a kvtier.hf.KvtierCache: pass one as the model's cache "
+            "(kvtier.hf.cache_arg: cache=, or past_key_values= before transformers 5; use_cache=True)")
     if query.shape[0] != 1:
         raise kvtier.InvalidArgument(f"batch size must be 1 (got {query.shape[0]})")
     return pending.cache._attend(pending, query, scaling), None
@@ -255,6 +337,13 @@ def register():
 
 
 register()
+
+
+def cache_arg(model, cache):
+    """{name: cache} for model(...) and model.generate(...): transformers 5.x renamed the
+    argument past_key_values to cache (the old name warns, and goes in 5.40 / 6.0)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
 
 
 def use_kvtier(model, enable=True):
@@ -277,7 +366,7 @@ def prefill(model, input_ids, cache, window=None):
         cache.step_kind = "prefill"
     try:
         for b in range(0, input_ids.shape[1], window):
-            out = model(input_ids=input_ids[:, b:b + window], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=input_ids[:, b:b + window], use_cache=True, logits_to_keep=1, **cache_arg(model, cache))
             logits = out.logits[:, -1]
     finally:
         if is_kvtier:
@@ -296,6 +385,6 @@ def generate(model, input_ids, cache=None, max_new_tokens=16, window=None, **gen
     n = input_ids.shape[1]
     if n > 1:
         prefill(model, input_ids[:, :-1], cache, window)
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=max_new_tokens,
+    out = model.generate(input_ids, **cache_arg(model, cache), max_new_tokens=max_new_tokens,
                          do_sample=False, attention_mask=torch.ones_like(input_ids), **generate_kwargs)
     return out[:, n:]

@@ -139,7 +139,7 @@ class Runner:
             if kind != "decode":
                 return
             last = c.session.last_chunks
-            for layer in range(c.layers):
+            for layer in range(c.n_layers):
                 sealed = store.chunk_count(seq, layer)
                 lo = (max(sample["answer_begin"], a.sink) - a.sink) // a.chunk
                 hi = min(sealed, (sample["answer_end"] - 1 - a.sink) // a.chunk + 1)
@@ -164,7 +164,7 @@ class Runner:
             if ids.shape[1] > 1:
                 kh.prefill(self.model, ids[:, :-1], prefill_cache, self.a.window)
             t1 = time.perf_counter()
-            out = self.model.generate(ids, past_key_values=prefill_cache, max_new_tokens=n_answer, do_sample=False,
+            out = self.model.generate(ids, **kh.cache_arg(self.model, prefill_cache), max_new_tokens=n_answer, do_sample=False,
                                       attention_mask=torch.ones_like(ids))
         t2 = time.perf_counter()
         new = out[0, ids.shape[1]:].tolist()
@@ -177,7 +177,7 @@ class Runner:
         r.correct += 1 if (got == sample["answer"] if self.byte_vocab else got.startswith(sample["answer"])) else 0
         r.outputs.append(got)
         if kvt:
-            layers = cache.layers
+            layers = cache.n_layers
             r.steps += ((ids.shape[1] - 1 + self.a.window - 1) // self.a.window + len(new)) * layers
             r.chunks += cache.session.counters()["chunks_attended"]
             c = cache.store.counters()

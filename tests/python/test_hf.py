@@ -20,7 +20,7 @@ def kvtier_windows(model, ids, cache, window=64):
     out = []
     with torch.no_grad():
         for b in range(0, ids.shape[1], window):
-            out.append(model(input_ids=ids[:, b:b + window], past_key_values=cache, use_cache=True).logits)
+            out.append(model(input_ids=ids[:, b:b + window], use_cache=True, **kh.cache_arg(model, cache)).logits)
     return torch.cat(out, 1)
 
 
@@ -60,7 +60,7 @@ def test_full_budget_generation_logits_equal_eager(hf_model):
         cache = full_cache(hf_model) if name == "kvtier" else DynamicCache()
         with torch.no_grad():
             kh.prefill(hf_model, ids[:, :-1], cache, 64)
-            out = hf_model.generate(ids, past_key_values=cache, max_new_tokens=steps, do_sample=False,
+            out = hf_model.generate(ids, **kh.cache_arg(hf_model, cache), max_new_tokens=steps, do_sample=False,
                                     attention_mask=torch.ones_like(ids), output_logits=True,
                                     return_dict_in_generate=True)
         results[name] = (out.sequences, torch.stack(out.logits))
@@ -109,10 +109,10 @@ def test_hf_misuse_raises(hf_model):
         cache = full_cache(hf_model)
         with pytest.raises(kvtier.InvalidArgument, match="local window"):
             with torch.no_grad():
-                hf_model(ids, past_key_values=cache, use_cache=True)  # 600 tokens > n_local 256
+                hf_model(ids, use_cache=True, **kh.cache_arg(hf_model, cache))  # 600 tokens > n_local 256
         with pytest.raises(kvtier.InvalidArgument, match="batch size"):
             with torch.no_grad():
-                hf_model(ids[:, :8].repeat(2, 1), past_key_values=full_cache(hf_model), use_cache=True)
+                hf_model(ids[:, :8].repeat(2, 1), use_cache=True, **kh.cache_arg(hf_model, full_cache(hf_model)))
         with pytest.raises(kvtier.InvalidArgument, match="prefill_window"):
             full_cache(hf_model, prefill_window=1000)
         with pytest.raises(kvtier.InvalidArgument, match="unknown preset"):
