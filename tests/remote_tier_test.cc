@@ -361,10 +361,18 @@ TEST(RemoteTier, ClusterRoutesRedirectsAndSharesASequenceBetweenProcesses) {
   }
   ASSERT_GE(replica, 0) << nodes;
   ASSERT_EQ(RedisCommandText(redis.server(replica).port, {"CLUSTER", "FAILOVER"}), "OK");
-  for (int i = 0; i < 100 && RedisCommandText(redis.server(replica).port, {"INFO", "replication"}).find("role:master") ==
-                                  std::string::npos;
+  // Wait until both sides have switched: the replica reports role:master only a moment
+  // before the old master hears of the new configuration and demotes itself, and until it
+  // does it still answers reads for its slots without MOVED, so the client would have no
+  // reason to learn the new map (a race this test lost once on a loaded machine).
+  auto role_is = [&](int port, const std::string& role) {
+    return RedisCommandText(port, {"INFO", "replication"}).find("role:" + role) != std::string::npos;
+  };
+  for (int i = 0; i < 200 && !(role_is(redis.server(replica).port, "master") && role_is(masters[1].port, "slave"));
        ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_TRUE(role_is(redis.server(replica).port, "master")) << "the replica took over within 20 s";
+  ASSERT_TRUE(role_is(masters[1].port, "slave")) << "the old master demoted itself within 20 s";
   std::vector<uint8_t> buf(kChunkBytes);
   for (uint64_t i = 0; i < 300; ++i) {
     Status st = (*tier)->GetChunk({nullptr, {1, 0, i}}, buf.data(), kChunkBytes);
