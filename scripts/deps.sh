@@ -5,16 +5,22 @@
 #   scripts/deps.sh checks   that, plus clang for the sanitizer and fuzz jobs of `make test`
 #                            (clang-14 with its compiler-rt: ASan, UBSan, TSan, libFuzzer;
 #                            llvm-14 for llvm-symbolizer, so reports show file:line)
+#   scripts/deps.sh python   that, plus what the Python package and its tests need
+#                            (scripts/python_env.sh): Debian's interpreter headers, venv,
+#                            numpy and torch 1.13 (CPU)
+# Groups combine: scripts/deps.sh checks python.
 set -euo pipefail
 PKGS=(cmake ninja-build g++ make pkg-config
       libfaiss-dev libopenblas-dev librocksdb-dev liblz4-dev libzstd-dev libsnappy-dev
       libtbb-dev libgtest-dev libgmock-dev libbenchmark-dev
       libhiredis-dev redis-server redis-tools)
-case "${1:-}" in
-  "") ;;
-  checks) PKGS+=(clang-14 libclang-rt-14-dev llvm-14) ;;
-  *) echo "deps: unknown group '$1' (none, or 'checks')" >&2; exit 2 ;;
-esac
+for group in "$@"; do
+  case "$group" in
+    checks) PKGS+=(clang-14 libclang-rt-14-dev llvm-14) ;;
+    python) PKGS+=(python3-venv python3-dev python3-numpy python3-torch) ;;
+    *) echo "deps: unknown group '$group' (none, 'checks' or 'python')" >&2; exit 2 ;;
+  esac
+done
 missing=()
 for p in "${PKGS[@]}"; do
   status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)

@@ -35,24 +35,9 @@ if [[ "$MODE" == "test-current" ]]; then
   exec "$PY" -m pytest -q tests/python "$@"
 fi
 VENV="${KVTIER_VENV:-$ROOT/.venv}"
-PKGS=(python3-venv python3-dev python3-numpy python3-torch)
-
-missing=()
-for p in "${PKGS[@]}"; do
-  status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
-  [[ "$status" == "install ok installed" ]] || missing+=("$p")
-done
-if [[ ${#missing[@]} -gt 0 ]]; then
-  echo "python_env: installing ${missing[*]}"
-  SUDO=""
-  if [[ $(id -u) -ne 0 ]]; then
-    command -v sudo >/dev/null || { echo "python_env: not root and no sudo; install: ${missing[*]}" >&2; exit 1; }
-    SUDO="sudo"
-  fi
-  export DEBIAN_FRONTEND=noninteractive
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+# The build's Debian packages plus the interpreter's (headers, venv, numpy, torch): the same
+# missing-only install as `make` uses.
+bash "$ROOT/scripts/deps.sh" python
 
 # Debian's interpreter: the one python3-torch and python3-numpy are built for.
 if [[ ! -x "$VENV/bin/python" ]]; then
