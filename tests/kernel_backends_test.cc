@@ -29,6 +29,7 @@
 #include "kernels/cpu/probe.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/slot_attention.h"
+#include "kernels/cuda/store_convert.h"
 #include "kernels/dtype.h"
 #include "retrieval/probe.h"
 #include "store/geometry.h"
@@ -1042,6 +1043,161 @@ TEST(KernelBackendsCpu, GemmRejectsBadShapesAndNullPointers) {
   p.w = w.data();
   ASSERT_EQ(Gemm(p), KernelError::kOk);
   EXPECT_EQ(y[0], 8.0f);
+}
+
+// ---- K/V conversion to the store dtype (ConvertToStore) ----------------------------------------
+
+// Inputs that exercise every rounding path: zeros, infinities, NaNs (quiet, signalling, with
+// payloads), the f16 overflow edge (65504, 65519.99, 65520), f16 subnormal ties and the
+// smallest values that round up, bf16 ties in both parities, fp32 subnormals, and random
+// values over many binades.
+std::vector<float> ConversionInputs(std::mt19937& rng) {
+  std::vector<uint32_t> bits = {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u,
+                                0x7f800001u, 0x7fa5a5a5u, 0x477fe000u, 0x477fefffu, 0x477ff000u, 0xc77ff000u,
+                                0x38800000u, 0x387fffffu, 0x33000000u, 0x33000001u, 0x33800000u, 0x33c00000u,
+                                0x34400000u, 0x00000001u, 0x807fffffu, 0x3f808000u, 0x3f818000u, 0x3f817fffu,
+                                0x3f808001u, 0x3f801000u, 0x3f803000u, 0x3f802fffu, 0x7f7fffffu, 0x7f7f8000u};
+  std::uniform_int_distribution<uint32_t> any;
+  for (int i = 0; i < 4000; ++i) bits.push_back(any(rng));
+  std::vector<float> v;
+  for (uint32_t b : bits) v.push_back(BitsToFloat(b));
+  std::uniform_real_distribution<float> ex(-30.0f, 18.0f);
+  for (int i = 0; i < 4000; ++i) v.push_back((i & 1 ? -1.0f : 1.0f) * std::exp2(ex(rng)));
+  return v;
+}
+
+// An independent f16 reference: the nearest f16 found by distance in double over the two
+// candidates around |x| (no bit tricks), ties to the even significand; NaN is checked apart.
+uint16_t F16ByDistance(float x) {
+  const double a = std::fabs(static_cast<double>(x));
+  const uint16_t sign = std::signbit(x) ? 0x8000u : 0u;
+  if (std::isinf(x) || a >= 65520.0) return sign | 0x7c00u;  // half-way above 65504 rounds to inf
+  auto value = [](uint16_t h) {  // magnitude of an f16 pattern without sign
+    const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    return e == 0 ? std::ldexp(static_cast<double>(m), -24) : std::ldexp(1.0 + m / 1024.0, e - 15);
+  };
+  uint16_t lo = 0;  // the largest pattern <= a (patterns are ordered like their values)
+  for (int step = 1 << 14; step > 0; step >>= 1)
+    if (lo + step <= 0x7bff && value(static_cast<uint16_t>(lo + step)) <= a) lo = static_cast<uint16_t>(lo + step);
+  if (value(lo) == a || lo == 0x7bff) return sign | lo;
+  const double dl = a - value(lo), dh = value(static_cast<uint16_t>(lo + 1)) - a;
+  const uint16_t pick = dl < dh ? lo : (dh < dl ? static_cast<uint16_t>(lo + 1) : ((lo & 1) ? lo + 1 : lo));
+  return sign | pick;
+}
+
+// The same for bf16: the candidates are the truncated pattern and the next one up.
+uint16_t Bf16ByDistance(float x) {
+  const uint32_t u = FloatBits(x);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  if (std::isinf(x)) return static_cast<uint16_t>(u >> 16);
+  const uint16_t lo = static_cast<uint16_t>((u & 0x7fffffffu) >> 16);
+  const double a = std::fabs(static_cast<double>(x));
+  const double vl = std::fabs(static_cast<double>(BitsToFloat(static_cast<uint32_t>(lo) << 16)));
+  if (vl == a) return sign | lo;
+  // The next pattern up may be infinity (0x7f80): its "value" for rounding is 2^128.
+  const uint16_t hi = static_cast<uint16_t>(lo + 1);
+  const double vh = hi == 0x7f80u ? std::ldexp(1.0, 128) : static_cast<double>(BitsToFloat(static_cast<uint32_t>(hi) << 16));
+  const double dl = a - vl, dh = vh - a;
+  const uint16_t pick = dl < dh ? lo : (dh < dl ? hi : ((lo & 1) ? hi : lo));
+  return sign | pick;
+}
+
+bool IsQuietNaN(DType t, uint16_t h) {
+  return t == DType::kF16 ? ((h & 0x7c00u) == 0x7c00u && (h & 0x0200u)) : ((h & 0x7f80u) == 0x7f80u && (h & 0x0040u));
+}
+
+TEST_P(KernelBackends, ConvertToStoreRoundsToNearestEven) {
+  const std::vector<float> src = ConversionInputs(rng_);
+  const size_t n = src.size();
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(t));
+    std::vector<uint8_t> twin(n * DTypeSize(t), 0xa5);
+    ConvertToStoreParams p;
+    p.n = n;
+    p.dtype = t;
+    p.src = src.data();
+    p.dst = twin.data();
+    ASSERT_EQ(ConvertToStore(p), KernelError::kOk);
+    if (!cuda()) {  // the twin against the distance reference
+      for (size_t i = 0; i < n; ++i) {
+        if (t == DType::kF32) {
+          uint32_t got;
+          std::memcpy(&got, twin.data() + 4 * i, 4);
+          ASSERT_EQ(got, FloatBits(src[i])) << "at " << i << " (seed " << seed_ << ")";
+          continue;
+        }
+        uint16_t got;
+        std::memcpy(&got, twin.data() + 2 * i, 2);
+        if (std::isnan(src[i])) {
+          ASSERT_TRUE(IsQuietNaN(t, got)) << std::hex << FloatBits(src[i]) << " -> " << got;
+          continue;
+        }
+        const uint16_t want = t == DType::kF16 ? F16ByDistance(src[i]) : Bf16ByDistance(src[i]);
+        ASSERT_EQ(got, want) << std::hex << "input bits " << FloatBits(src[i]) << " (seed " << std::dec << seed_ << ")";
+      }
+      continue;
+    }
+#if KVTIER_HAVE_CUDA
+    DeviceArena dev;
+    ConvertToStoreParams dp = p;
+    dp.src = dev.Put(src);
+    dp.dst = dev.Alloc<uint8_t>(twin.size());
+    ASSERT_EQ(cuda::LaunchConvertToStore(dp, nullptr), KernelError::kOk) << cuda::LastCudaErrorString();
+    std::vector<uint8_t> got(twin.size());
+    dev.Get(&got, static_cast<const uint8_t*>(dp.dst));
+    EXPECT_EQ(std::memcmp(got.data(), twin.data(), twin.size()), 0) << "cuda conversion differs from the twin";
+#endif
+  }
+}
+
+// The bit functions the device kernel runs, compiled here for the host, against the host
+// conversion: every f32 exponent and sign with the low bits at each rounding edge (f16: bit 13;
+// bf16: bit 16), which covers every tie, overflow and subnormal case.
+TEST(KernelBackendsCpu, StoreConversionBitsEqualTheHostConversion) {
+  // Bits 13..31 take every value; bits 0..12 the patterns around the f16 normal range's tie
+  // (0x1000). Subnormal results drop 14..24 bits: their ties lie in the enumerated bits.
+  const uint32_t f16_low[] = {0x0000u, 0x0001u, 0x0fffu, 0x1000u, 0x1001u, 0x1fffu};
+  const uint32_t bf16_low[] = {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu};
+  uint64_t checked = 0;
+  for (uint32_t high = 0; high < (1u << 19); ++high)  // bits 13..31
+    for (uint32_t low : f16_low) {
+      const uint32_t u = (high << 13) | low;
+      ASSERT_EQ(F16BitsFromF32Bits(u), FloatToF16(BitsToFloat(u))) << std::hex << u;
+      ++checked;
+    }
+  for (uint32_t high = 0; high < (1u << 16); ++high)
+    for (uint32_t low : bf16_low) {
+      const uint32_t u = (high << 16) | low;
+      ASSERT_EQ(Bf16BitsFromF32Bits(u), FloatToBf16(BitsToFloat(u))) << std::hex << u;
+      ++checked;
+    }
+  std::mt19937 rng(FreshSeed());
+  std::uniform_int_distribution<uint32_t> any;
+  for (int i = 0; i < 1000000; ++i, ++checked) {
+    const uint32_t u = any(rng);
+    ASSERT_EQ(F16BitsFromF32Bits(u), FloatToF16(BitsToFloat(u))) << std::hex << u;
+    ASSERT_EQ(Bf16BitsFromF32Bits(u), FloatToBf16(BitsToFloat(u))) << std::hex << u;
+  }
+  EXPECT_EQ(checked, (uint64_t{1} << 19) * 6 + (uint64_t{1} << 16) * 6 + 1000000);
+}
+
+TEST(KernelBackendsCpu, ConvertToStoreRejectsABadDTypeAndNullPointers) {
+  const float src[2] = {1.0f, 2.0f};
+  uint16_t dst[2] = {7, 7};
+  ConvertToStoreParams p;
+  p.n = 2;
+  p.src = src;
+  p.dst = dst;
+  p.dtype = static_cast<DType>(9);
+  EXPECT_EQ(ConvertToStore(p), KernelError::kBadDType);
+  p.dtype = DType::kF16;
+  p.src = nullptr;
+  EXPECT_EQ(ConvertToStore(p), KernelError::kNullPointer);
+  EXPECT_EQ(dst[0], 7);
+  p.src = src;
+  ASSERT_EQ(ConvertToStore(p), KernelError::kOk);
+  EXPECT_EQ(dst[0], 0x3c00u);  // 1.0 in f16
+  EXPECT_EQ(dst[1], 0x4000u);  // 2.0
 }
 
 // ---- transfers (device only: the twin is memcpy) -----------------------------------------------

@@ -89,4 +89,12 @@ KernelError SwiGlu(const SwiGluParams& p) {
   return KernelError::kOk;
 }
 
+KernelError ConvertToStore(const ConvertToStoreParams& p) {
+  if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16) return KernelError::kBadDType;
+  if (p.n == 0) return KernelError::kOk;
+  if (p.src == nullptr || p.dst == nullptr) return KernelError::kNullPointer;
+  FromFloat(p.dtype, p.src, p.dst, p.n);
+  return KernelError::kOk;
+}
+
 }  // namespace kvtier::kernels

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/attention.h"  // KernelError
+#include "kernels/dtype.h"
 
 namespace kvtier::kernels {
 
@@ -61,5 +62,18 @@ struct SwiGluParams {
   const float* up = nullptr;  ///< [n]
 };
 KernelError SwiGlu(const SwiGluParams& p);
+
+/// dst[i] = src[i] converted from fp32 to the store's dtype: exactly kvtier::FromFloat
+/// (kernels/dtype.h): f32 copied, f16 and bf16 rounded to nearest even, overflow to inf
+/// (f16), subnormals exact, a NaN stays a quiet NaN (f16: sign | 0x7e00; bf16: the upper
+/// half with the quiet bit set). This twin defines the bits of the device conversion the
+/// model's device forward runs before it appends K/V (kernels/cuda: LaunchConvertToStore).
+struct ConvertToStoreParams {
+  size_t n = 0;                ///< elements
+  DType dtype = DType::kF32;   ///< kF32, kF16 or kBF16 (kBadDType otherwise)
+  const float* src = nullptr;  ///< [n] fp32
+  void* dst = nullptr;         ///< [n] elements of dtype; must not overlap src
+};
+KernelError ConvertToStore(const ConvertToStoreParams& p);
 
 }  // namespace kvtier::kernels

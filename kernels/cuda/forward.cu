@@ -10,6 +10,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/store_convert.h"
 
 namespace kvtier::kernels::cuda {
 namespace {
@@ -87,6 +88,15 @@ __global__ void SwiGluKernel(const SwiGluParams p) {
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     const float g = p.gate[i];
     p.gate[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), p.up[i]);
+  }
+}
+
+// fp32 -> f16 or bf16 through the bit conversions the host test checks against FromFloat.
+__global__ void ConvertToStoreKernel(size_t n, bool to_f16, const float* src, uint16_t* dst) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const uint32_t u = __float_as_uint(src[i]);
+    dst[i] = to_f16 ? F16BitsFromF32Bits(u) : Bf16BitsFromF32Bits(u);
   }
 }
 
@@ -171,6 +181,21 @@ KernelError LaunchGemm(const GemmParams& p, BlasHandle handle, void* workspace, 
   return CheckBlas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, p.n_out, p.m, p.k, &alpha, p.w, CUDA_R_32F, p.k, p.x,
                                 CUDA_R_32F, p.k, &beta, p.y, CUDA_R_32F, p.n_out, CUBLAS_COMPUTE_32F_PEDANTIC,
                                 CUBLAS_GEMM_DEFAULT));
+}
+
+KernelError LaunchConvertToStore(const ConvertToStoreParams& p, Stream s) {
+  if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16) return KernelError::kBadDType;
+  if (p.n == 0) return KernelError::kOk;
+  if (p.src == nullptr || p.dst == nullptr) return KernelError::kNullPointer;
+  if (p.dtype == DType::kF32)
+    return CheckCall(cudaMemcpyAsync(p.dst, p.src, p.n * sizeof(float), cudaMemcpyDeviceToDevice,
+                                     static_cast<cudaStream_t>(s)));
+  constexpr int kThreads = 256;
+  const size_t want = (p.n + kThreads - 1) / kThreads;
+  const unsigned blocks = static_cast<unsigned>(want < 65535 ? want : 65535);  // grid-stride past that
+  ConvertToStoreKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(s)>>>(
+      p.n, p.dtype == DType::kF16, p.src, static_cast<uint16_t*>(p.dst));
+  return CheckLaunch();
 }
 
 }  // namespace kvtier::kernels::cuda

@@ -117,6 +117,11 @@ KernelError LaunchSwiGlu(const SwiGluParams& p, Stream s);
 /// kWorkspace when short), so cuBLAS allocates nothing in the call.
 size_t GemmWorkspaceBytes();
 KernelError LaunchGemm(const GemmParams& p, BlasHandle handle, void* workspace, size_t workspace_bytes, Stream s);
+/// ConvertToStore (kernels/cpu/forward.h) on device arrays: the model's K/V, fp32, to the store's
+/// dtype before a device-side Append. Grid-stride; the element conversion is
+/// kernels/cuda/store_convert.h, which equals the twin (kvtier::FromFloat) in every bit,
+/// NaN payloads included. f32 is a device-to-device cudaMemcpyAsync.
+KernelError LaunchConvertToStore(const ConvertToStoreParams& p, Stream s);
 
 // ---- transfers -----------------------------------------------------------------------------
 struct GatherParams {
