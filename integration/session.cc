@@ -129,9 +129,9 @@ void Session::ApplyRope(float* x, int m, int heads, const int64_t* positions) co
   kernels::Rope(x, m, heads, geometry().head_dim, positions, inv_freq_.data());
 }
 
-Status Session::Append(int layer, const void* k, const void* v, int n, DType dtype) {
+Status Session::Append(int layer, const void* k, const void* v, int n, DType dtype, MemorySpace space) {
   if (dropped_) return FailedPrecondition("Session::Append: the session's sequence was dropped");
-  KVTIER_RETURN_IF_ERROR(store_->Append(seq_, layer, k, v, n, dtype));
+  KVTIER_RETURN_IF_ERROR(store_->Append(seq_, layer, k, v, n, dtype, space));
   counters_.tokens_appended += static_cast<uint64_t>(n);
   return Status::Ok();
 }

@@ -71,16 +71,21 @@ void CudaHotTier::FreeRegion(uint8_t* region, size_t) {
   if (region) cudaFree(region);
 }
 
-Status CudaHotTier::Copy(void* dst, const void* src, size_t bytes, bool to_device) {
+Status CudaHotTier::Copy(void* dst, const void* src, size_t bytes, CopyKind kind) {
   if (bytes == 0) return Status::Ok();
   cudaStream_t s = static_cast<cudaStream_t>(stream_);
-  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, s);
+  const cudaMemcpyKind dir = kind == CopyKind::kUpload     ? cudaMemcpyHostToDevice
+                             : kind == CopyKind::kDownload ? cudaMemcpyDeviceToHost
+                                                           : cudaMemcpyDeviceToDevice;
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, dir, s);
   if (e == cudaSuccess) e = cudaEventRecord(static_cast<cudaEvent_t>(done_), s);
   // HotTier's contract: the bytes are in place on return (the store reads them next).
   if (e == cudaSuccess) e = cudaEventSynchronize(static_cast<cudaEvent_t>(done_));
-  if (e != cudaSuccess)
-    return IOError(std::string("hot tier \"cuda\": ") + (to_device ? "upload" : "download") + " of " +
-                   std::to_string(bytes) + " bytes failed (" + CudaMessage(e) + ")");
+  if (e != cudaSuccess) {
+    const char* what = kind == CopyKind::kUpload ? "upload" : kind == CopyKind::kDownload ? "download" : "device copy";
+    return IOError(std::string("hot tier \"cuda\": ") + what + " of " + std::to_string(bytes) + " bytes failed (" +
+                   CudaMessage(e) + ")");
+  }
   return Status::Ok();
 }
 
@@ -101,9 +106,15 @@ Status CudaHotTier::UploadBatch(const UploadOp* ops, size_t n) {
   return Status::Ok();
 }
 
-Status CudaHotTier::Upload(uint8_t* dst, const void* src, size_t bytes) { return Copy(dst, src, bytes, true); }
+Status CudaHotTier::Upload(uint8_t* dst, const void* src, size_t bytes) { return Copy(dst, src, bytes, CopyKind::kUpload); }
 
-Status CudaHotTier::Download(void* dst, const uint8_t* src, size_t bytes) { return Copy(dst, src, bytes, false); }
+Status CudaHotTier::Download(void* dst, const uint8_t* src, size_t bytes) {
+  return Copy(dst, src, bytes, CopyKind::kDownload);
+}
+
+Status CudaHotTier::CopyWithin(uint8_t* dst, const void* src, size_t bytes) {
+  return Copy(dst, src, bytes, CopyKind::kWithin);
+}
 
 }  // namespace kvtier
 

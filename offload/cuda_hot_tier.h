@@ -47,6 +47,11 @@ class CudaHotTier final : public HotTier {
   Status Download(void* dst, const uint8_t* src, size_t bytes) override;
   /// One cudaMemcpyBatchAsync on the transfer stream, one event, one wait.
   Status UploadBatch(const UploadOp* ops, size_t n) override;
+  /// Device -> device cudaMemcpyAsync on the transfer stream (ordered with Upload/Download and
+  /// the downloads in flight), then the same event wait as Upload. `src` must be device memory
+  /// whose writes are complete: the transfer stream does not wait for the engine's stream
+  /// (synchronise it, or produce K/V on stream()).
+  Status CopyWithin(uint8_t* dst, const void* src, size_t bytes) override;
 
   /// The transfer stream (a cudaStream_t) for kernels that should order after uploads.
   void* stream() const { return stream_; }
@@ -54,7 +59,8 @@ class CudaHotTier final : public HotTier {
 
  private:
   CudaHotTier(int32_t capacity, size_t slot_bytes) : book_(capacity), slot_bytes_(slot_bytes) {}
-  Status Copy(void* dst, const void* src, size_t bytes, bool to_device);
+  enum class CopyKind { kUpload, kDownload, kWithin };
+  Status Copy(void* dst, const void* src, size_t bytes, CopyKind kind);
 
   SlotBook book_;
   size_t slot_bytes_;

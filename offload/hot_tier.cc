@@ -19,9 +19,41 @@ Result<std::unique_ptr<HostHotTier>> HostHotTier::Create(size_t slot_pool_bytes,
   return tier;
 }
 
+const char* MemorySpaceName(MemorySpace space) {
+  switch (space) {
+    case MemorySpace::kHost: return "host";
+    case MemorySpace::kDevice: return "device";
+  }
+  return "unknown";
+}
+
 Status HotTier::UploadBatch(const UploadOp* ops, size_t n) {
   for (size_t i = 0; i < n; ++i) KVTIER_RETURN_IF_ERROR(Upload(ops[i].dst, ops[i].src, ops[i].bytes));
   return Status::Ok();
+}
+
+Status HotTier::CopyWithin(uint8_t*, const void*, size_t) {
+  return Unavailable(std::string("hot tier (") + device() +
+                     "): this tier does not copy within its own memory space; hand Append host K/V "
+                     "(MemorySpace::kHost)");
+}
+
+Result<TransferTicket> HotTier::DownloadBatchAsync(const DownloadOp* ops, size_t n) {
+  for (size_t i = 0; i < n; ++i) KVTIER_RETURN_IF_ERROR(Download(ops[i].dst, ops[i].src, ops[i].bytes));
+  return kCompletedTransfer;
+}
+
+Status HotTier::WaitTransfer(TransferTicket ticket) {
+  if (ticket != kCompletedTransfer)
+    return InvalidArgument("hot tier: unknown transfer ticket " + std::to_string(ticket) + " (never issued or already waited)");
+  return Status::Ok();
+}
+
+Result<bool> HotTier::TransferDone(TransferTicket ticket) {
+  // Not through WaitTransfer: a polled ticket must stay waitable in a tier that overrides it.
+  if (ticket != kCompletedTransfer)
+    return InvalidArgument("hot tier: unknown transfer ticket " + std::to_string(ticket) + " (never issued or already waited)");
+  return true;
 }
 
 Result<uint8_t*> HostHotTier::AllocateRegion(size_t bytes) {
@@ -39,6 +71,11 @@ Status HostHotTier::Upload(uint8_t* dst, const void* src, size_t bytes) {
 }
 
 Status HostHotTier::Download(void* dst, const uint8_t* src, size_t bytes) {
+  std::memcpy(dst, src, bytes);
+  return Status::Ok();
+}
+
+Status HostHotTier::CopyWithin(uint8_t* dst, const void* src, size_t bytes) {
   std::memcpy(dst, src, bytes);
   return Status::Ok();
 }

@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "offload/host_memory.h"
@@ -23,6 +24,17 @@
 #include "store/status.h"
 
 namespace kvtier {
+
+/// Where the K/V handed to Append live. kDevice: the hot tier's own memory space (device
+/// pointers for "cuda"; for "host" that is host memory, so kDevice == kHost there).
+enum class MemorySpace { kHost, kDevice };
+/// "host" or "device"; "unknown" for a value outside the enum (named in errors).
+const char* MemorySpaceName(MemorySpace space);
+
+/// Names one asynchronous download (HotTier::DownloadBatchAsync). kCompletedTransfer names a
+/// download that was complete when it was submitted (a host tier's memcpy).
+using TransferTicket = uint64_t;
+inline constexpr TransferTicket kCompletedTransfer = 0;
 
 class HotTier {
  public:
@@ -60,6 +72,34 @@ class HotTier {
   virtual Status UploadBatch(const UploadOp* ops, size_t n);
   /// Copies hot bytes out to host memory.
   virtual Status Download(void* dst, const uint8_t* src, size_t bytes) = 0;
+
+  /// Copies bytes that already live in this tier's memory space (MemorySpace::kDevice: device
+  /// memory for "cuda", host memory for "host") into hot memory, so that a GPU engine's K/V
+  /// never round-trip through the host. Same completion guarantee as Upload (in place on
+  /// return), and ordered with the tier's other copies the same way. The default refuses
+  /// (Unavailable naming the tier): a tier must say how to copy within its own memory.
+  virtual Status CopyWithin(uint8_t* dst, const void* src, size_t bytes);
+
+  /// One hot -> host copy of an asynchronous batch.
+  struct DownloadOp {
+    void* dst = nullptr;           ///< host memory (a pinned warm slot: what lets a device copy run async)
+    const uint8_t* src = nullptr;  ///< hot memory (a slot or a region)
+    size_t bytes = 0;
+  };
+  /// Submits the copies and returns at once with a ticket; the bytes are in `dst` only once
+  /// WaitTransfer(ticket) returned OK (or TransferDone said true). Until then the caller must
+  /// not read `dst`, and `src` may be overwritten only by this tier's copies submitted later
+  /// (a device tier runs its copies in submission order on one stream, so a later Upload or
+  /// CopyWithin into `src` lands after the download read it). Every ticket must be waited
+  /// once (that frees it). The default downloads synchronously and returns
+  /// kCompletedTransfer; a tier overriding it overrides WaitTransfer and TransferDone too.
+  virtual Result<TransferTicket> DownloadBatchAsync(const DownloadOp* ops, size_t n);
+  /// Blocks until the ticket's copies are complete; their status. kCompletedTransfer is OK at
+  /// once; a ticket that is unknown (or already waited) is InvalidArgument.
+  virtual Status WaitTransfer(TransferTicket ticket);
+  /// Non-blocking: true once WaitTransfer(ticket) would return without waiting. An error is
+  /// the copy's failure (WaitTransfer reports it too) or an unknown ticket.
+  virtual Result<bool> TransferDone(TransferTicket ticket);
 };
 
 /// Host-memory hot tier: slots come from an aligned SlotPool, regions from the heap.
@@ -77,9 +117,48 @@ class HostHotTier final : public HotTier {
   void FreeRegion(uint8_t* region, size_t bytes) override;
   Status Upload(uint8_t* dst, const void* src, size_t bytes) override;
   Status Download(void* dst, const uint8_t* src, size_t bytes) override;
+  /// Host memory is this tier's memory space: a memcpy, like Upload.
+  Status CopyWithin(uint8_t* dst, const void* src, size_t bytes) override;
 
  private:
   std::unique_ptr<SlotPool> pool_;
+};
+
+/// A tier that forwards every call to an inner tier it owns: the base of wrappers (a test's
+/// scrambled "device", a binding's instrumented tier) that override only what they change.
+/// Every virtual forwards, the batched and asynchronous copies too, straight to the inner
+/// tier: a subclass that changes how bytes are copied must override each copy it changes
+/// (Upload, UploadBatch, Download, DownloadBatchAsync with WaitTransfer/TransferDone,
+/// CopyWithin), since a forwarded batch never passes through its own Upload or Download.
+class ForwardingHotTier : public HotTier {
+ public:
+  explicit ForwardingHotTier(std::unique_ptr<HotTier> inner) : inner_(std::move(inner)) {}
+  const char* device() const override { return inner_->device(); }
+  int32_t slot_capacity() const override { return inner_->slot_capacity(); }
+  int32_t slots_used() const override { return inner_->slots_used(); }
+  size_t slot_bytes() const override { return inner_->slot_bytes(); }
+  int32_t AcquireSlot() override { return inner_->AcquireSlot(); }
+  void ReleaseSlot(int32_t slot) override { inner_->ReleaseSlot(slot); }
+  uint8_t* slot_data(int32_t slot) override { return inner_->slot_data(slot); }
+  Result<uint8_t*> AllocateRegion(size_t bytes) override { return inner_->AllocateRegion(bytes); }
+  void FreeRegion(uint8_t* region, size_t bytes) override { inner_->FreeRegion(region, bytes); }
+  Status Upload(uint8_t* dst, const void* src, size_t bytes) override { return inner_->Upload(dst, src, bytes); }
+  Status UploadBatch(const UploadOp* ops, size_t n) override { return inner_->UploadBatch(ops, n); }
+  Status Download(void* dst, const uint8_t* src, size_t bytes) override { return inner_->Download(dst, src, bytes); }
+  Status CopyWithin(uint8_t* dst, const void* src, size_t bytes) override {
+    return inner_->CopyWithin(dst, src, bytes);
+  }
+  Result<TransferTicket> DownloadBatchAsync(const DownloadOp* ops, size_t n) override {
+    return inner_->DownloadBatchAsync(ops, n);
+  }
+  Status WaitTransfer(TransferTicket ticket) override { return inner_->WaitTransfer(ticket); }
+  Result<bool> TransferDone(TransferTicket ticket) override { return inner_->TransferDone(ticket); }
+
+ protected:
+  HotTier& inner() const { return *inner_; }
+
+ private:
+  std::unique_ptr<HotTier> inner_;
 };
 
 // ---- the registry --------------------------------------------------------------------

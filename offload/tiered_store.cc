@@ -303,7 +303,8 @@ Result<int64_t> TieredStore::SequenceLength(SequenceId seq, int layer) const {
   return s->layers[layer].n_tokens;
 }
 
-Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void* v, int n, DType dtype) {
+Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void* v, int n, DType dtype,
+                           MemorySpace space) {
   Sequence* s = nullptr;
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -313,8 +314,15 @@ Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void*
     if (dtype != options_.geometry.dtype)
       return InvalidArgument(std::string("Append: dtype ") + DTypeName(dtype) + " does not match the store's " +
                              DTypeName(options_.geometry.dtype));
+    if (space != MemorySpace::kHost && space != MemorySpace::kDevice)
+      return InvalidArgument("Append: unknown memory space " + std::to_string(static_cast<int>(space)) +
+                             " (kHost or kDevice)");
     s->busy++;
   }
+  // kDevice K/V are already in the tier's memory space: copied within it, never through the host.
+  const auto copy_in = [this, space](uint8_t* dst, const uint8_t* src, size_t bytes) {
+    return space == MemorySpace::kDevice ? hot_->CopyWithin(dst, src, bytes) : hot_->Upload(dst, src, bytes);
+  };
   LayerState& ls = s->layers[layer];
   const auto* kb = static_cast<const uint8_t*>(k);
   const auto* vb = static_cast<const uint8_t*>(v);
@@ -324,9 +332,9 @@ Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void*
   while (done < n) {
     if (ls.n_tokens < options_.n_sink) {
       const int take = static_cast<int>(std::min<int64_t>(n - done, options_.n_sink - ls.n_tokens));
-      status = hot_->Upload(ls.sink_k + ls.n_tokens * token_bytes_, kb + done * token_bytes_, take * token_bytes_);
+      status = copy_in(ls.sink_k + ls.n_tokens * token_bytes_, kb + done * token_bytes_, take * token_bytes_);
       if (status.ok())
-        status = hot_->Upload(ls.sink_v + ls.n_tokens * token_bytes_, vb + done * token_bytes_, take * token_bytes_);
+        status = copy_in(ls.sink_v + ls.n_tokens * token_bytes_, vb + done * token_bytes_, take * token_bytes_);
       if (!status.ok()) break;
       ls.n_tokens += take;
       ls.sealed_end = ls.n_tokens;
@@ -341,8 +349,8 @@ Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void*
     const int64_t free_tokens = ring - (ls.n_tokens - ls.sealed_end);
     const int64_t slot = (ls.n_tokens - options_.n_sink) % ring;
     const int take = static_cast<int>(std::min<int64_t>({n - done, free_tokens, ring - slot}));
-    status = hot_->Upload(ls.ring_k + slot * token_bytes_, kb + done * token_bytes_, take * token_bytes_);
-    if (status.ok()) status = hot_->Upload(ls.ring_v + slot * token_bytes_, vb + done * token_bytes_, take * token_bytes_);
+    status = copy_in(ls.ring_k + slot * token_bytes_, kb + done * token_bytes_, take * token_bytes_);
+    if (status.ok()) status = copy_in(ls.ring_v + slot * token_bytes_, vb + done * token_bytes_, take * token_bytes_);
     if (!status.ok()) break;
     ls.n_tokens += take;
     done += take;

@@ -195,7 +195,12 @@ class TieredStore {
   Result<SequenceId> CreateSequence();
   /// Appends n tokens of K and V ([n, kv_heads, head_dim] each, dtype must
   /// equal the store's) to one layer. Blocks while the warm tier makes room.
-  Status Append(SequenceId seq, int layer, const void* k, const void* v, int n, DType dtype);
+  /// `space` says where k and v live: kHost (host memory, copied in with HotTier::Upload) or
+  /// kDevice (the hot tier's own memory space, copied with HotTier::CopyWithin: device to
+  /// device for "cuda", so a GPU engine's K/V never round-trip through the host; for "host"
+  /// it is host memory, the same bytes as kHost). Any other value is InvalidArgument.
+  Status Append(SequenceId seq, int layer, const void* k, const void* v, int n, DType dtype,
+                MemorySpace space = MemorySpace::kHost);
   /// Attention statistics for representative keys, from queries: computes the
   /// attention of q ([m, q_heads, head_dim] fp32, at the given absolute
   /// positions) over the sinks and local window and accumulates the mass each

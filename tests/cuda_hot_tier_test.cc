@@ -103,6 +103,23 @@ TEST(HotTierUploadBatch, DefaultStopsAtTheFirstError) {
   EXPECT_EQ(t.uploads, 2);
 }
 
+TEST(HotTierCopyWithin, DefaultRefusesNamingTheTierAndHostTierCopies) {
+  // A tier that does not say how to copy within its memory refuses device K/V by name.
+  FailsSecondUpload t;
+  uint8_t a = 1, b = 2;
+  const Status st = t.CopyWithin(&a, &b, 1);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  EXPECT_NE(st.message().find("MemorySpace::kHost"), std::string::npos) << st.ToString();
+  EXPECT_EQ(a, 1);
+  auto made = MakeHotTier("host", 2 * 64, 64);
+  ASSERT_TRUE(made.ok());
+  HotTier& host = **made;
+  std::vector<uint8_t> src(64, 0x3C);
+  const int32_t slot = host.AcquireSlot();
+  ASSERT_TRUE(host.CopyWithin(host.slot_data(slot), src.data(), src.size()).ok());
+  EXPECT_EQ(0, std::memcmp(host.slot_data(slot), src.data(), src.size()));
+}
+
 bool HaveDevice() {
 #if KVTIER_HAVE_CUDA
   return kernels::cuda::DeviceCount() > 0;
@@ -155,6 +172,14 @@ TEST(CudaHotTier, CopiesRoundTripThroughDeviceMemory) {
   ASSERT_TRUE(t.Upload(*region, in.data(), 1000).ok());
   ASSERT_TRUE(t.Download(out.data(), *region, 1000).ok());
   EXPECT_EQ(0, std::memcmp(in.data(), out.data(), 1000));
+  // Device K/V (Append's MemorySpace::kDevice): region -> slot on the device, then back.
+  const int32_t s2 = t.AcquireSlot();
+  ASSERT_GE(s2, 0);
+  ASSERT_TRUE(t.CopyWithin(t.slot_data(s2), *region, 1000).ok());
+  std::fill(out.begin(), out.end(), 0);
+  ASSERT_TRUE(t.Download(out.data(), t.slot_data(s2), 1000).ok());
+  EXPECT_EQ(0, std::memcmp(in.data(), out.data(), 1000));
+  t.ReleaseSlot(s2);
   t.FreeRegion(*region, 1000);
   t.ReleaseSlot(s);
   t.ReleaseSlot(s);  // a double release is counted, not obeyed

@@ -177,8 +177,12 @@ class Session {
   const Geometry& geometry() const { return store_->options().geometry; }
 
   /// Appends n tokens of K and V ([n, kv_heads, head_dim] in `dtype`, which must be the
-  /// store's) to one layer. kInfLLM: keys before RoPE.
-  Status Append(int layer, const void* k, const void* v, int n, DType dtype);
+  /// store's) to one layer. kInfLLM: keys before RoPE. `space` says where k and v live
+  /// (TieredStore::Append): kDevice hands a GPU engine's K/V straight to a "cuda" hot tier,
+  /// device to device, with no host round trip; their writes must be complete (the tier's
+  /// transfer stream does not wait for the engine's stream).
+  Status Append(int layer, const void* k, const void* v, int n, DType dtype,
+                MemorySpace space = MemorySpace::kHost);
   /// Starts a step over all layers.
   Status BeginStep(StepKind kind);
   /// One layer's memory step: q [m, q_heads, head_dim] fp32 at `positions` (increasing,
