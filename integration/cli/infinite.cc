@@ -23,6 +23,7 @@
 #include "integration/policy_eval.h"
 #include "integration/tier_report.h"
 #include "offload/demotion_policy.h"
+#include "offload/hot_tier.h"
 #include "offload/policy/scoring_policy.h"
 #include "retrieval/retriever.h"
 
@@ -452,7 +453,8 @@ int RunInfinite(int argc, char** argv) {
     o.hot_set = true;
     return ParseBytes(s, &o.store.hot_bytes);
   }));
-  f.Add("device", "where the hot tier lives: cpu | cuda (GPU memory: needs a CUDA build and a device)",
+  f.Add("device", "where the hot tier and the model forward run: cpu | cuda (GPU memory and the forward on the GPU: "
+        "needs --positions absolute, a CUDA build and a device)",
         cli::DeviceFlag(&o.store.hot_tier));
   f.Add("warm-bytes", "warm tier; less than every chunk needs --data-dir",
         WithDefault("every chunk", [&o](const std::string& s) {
@@ -534,6 +536,20 @@ int RunInfinite(int argc, char** argv) {
     Status v = o.retrieval.Validate();
     if (!v.ok()) return Fail(InvalidArgument("retrieval options: " + v.message()));
   }
+  if (o.store.hot_tier == "cuda") {
+    // --device cuda: the store's hot tier and the model's forward both run on the GPU
+    // (integration/model/llama_device.h). First whether there is a device at all (Unavailable
+    // "no CUDA device: ..." otherwise), then what the device forward does not take.
+    if (Status dev = CheckHotTierSpec(o.store.hot_tier); !dev.ok()) return Fail(dev);
+    if (o.compare)
+      return Fail(InvalidArgument("--device cuda does not take --compare: StreamingLLM, InfLLM, ActQKV and the "
+                                  "needle oracle run with infllm positions, which the device forward does not "
+                                  "implement (run one method with --positions absolute)"));
+    if (o.positions != PositionMode::kAbsolute)
+      return Fail(InvalidArgument("--device cuda needs --positions absolute: with infllm positions the keys are "
+                                  "stored before RoPE and rotated on the host at attention time, which the device "
+                                  "forward does not implement"));
+  }
   auto loaded = LlamaModel::Load(o.weights);
   if (!loaded.ok())
     return Fail(InvalidArgument("cannot load --weights '" + o.weights + "': " + loaded.status().message()));
@@ -594,6 +610,9 @@ int RunInfinite(int argc, char** argv) {
               o.task.c_str(), o.samples, o.weights.c_str(), c.d_model, c.n_layers, c.q_heads, c.kv_heads);
   std::printf("store: sinks %d, local %d, chunk %d, prefill window %d, policy %s\n", o.store.n_sink, o.store.n_local,
               o.store.chunk_size, std::min(o.window, o.store.n_local), o.store.warm_policy.c_str());
+  if (o.store.hot_tier == "cuda")
+    std::printf("device: cuda (hot tier in GPU memory; embedding, norms, projections, RoPE, K/V conversion and "
+                "attention on the GPU; q and the attention output cross to the host per layer)\n");
   for (const Method& m : methods) std::printf("  %-15s %s\n", m.name.c_str(), Describe(o, m).c_str());
   std::printf("\n");
   if (!o.compare) {

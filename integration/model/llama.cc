@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <numeric>
 
+#include "integration/model/llama_device.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/forward.h"
 
@@ -210,7 +211,15 @@ Result<std::unique_ptr<LlamaSession>> LlamaSession::Create(const LlamaModel* mod
   so.positions = positions;
   so.rope_theta = model->config().rope_theta;
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, Session::Open(store.get(), so));
-  return std::unique_ptr<LlamaSession>(new LlamaSession(model, std::move(store), std::move(session)));
+  HotTier* hot = store->hot_tier();
+  auto s = std::unique_ptr<LlamaSession>(new LlamaSession(model, std::move(store), std::move(session)));
+  if (std::string(hot->device()) == "cuda") {
+    // The forward follows the KV memory onto the device: a prefill window is at most n_local tokens.
+    KVTIER_ASSIGN_OR_RETURN(s->device_, LlamaDeviceForward::Create(model, hot, s->store_->options().n_local,
+                                                                   s->store_->options().geometry.dtype, positions,
+                                                                   s->inv_freq_));
+  }
+  return s;
 }
 
 Status LlamaSession::ReplaceSession(SessionOptions options, ChunkSelector selector) {
@@ -291,6 +300,13 @@ namespace {
 }  // namespace
 
 Status LlamaSession::Forward(const int32_t* tokens, int m, float* logits, bool decode) {
+  if (device_) {  // the hot tier is on the GPU: so is the forward (llama_device.h)
+    std::vector<int64_t> pos(static_cast<size_t>(m));
+    std::iota(pos.begin(), pos.end(), position_);
+    KVTIER_RETURN_IF_ERROR(device_->Forward(session_.get(), tokens, pos.data(), m, decode, logits, capture_));
+    position_ += m;
+    return Status::Ok();
+  }
   const LlamaConfig& c = model_->config();
   const int d = c.d_model, hd = c.head_dim(), qd = c.q_heads * hd, kvd = c.kv_heads * hd, f = c.ffn_hidden;
   const Geometry& g = store_->options().geometry;

@@ -107,6 +107,8 @@ using kvtier::PositionMode;
 using kvtier::PositionModeName;
 using kvtier::SelectAllChunks;
 
+class LlamaDeviceForward;  // integration/model/llama_device.h
+
 /// One sequence decoded by a model over its own TieredStore.
 class LlamaSession {
  public:
@@ -114,6 +116,9 @@ class LlamaSession {
   /// options.geometry.dtype: f32, f16 or bf16), and creates the sequence. Prefill
   /// windows must not exceed options.n_local, so a window's keys are still hot
   /// when its queries attend. The model must outlive the session.
+  /// With options.hot_tier "cuda" the forward runs on the GPU (llama_device.h: weights
+  /// uploaded here, once per session; NEVER RUN ON A GPU), which needs kAbsolute positions;
+  /// without a device, opening the store already answers Unavailable "no CUDA device".
   static Result<std::unique_ptr<LlamaSession>> Create(const LlamaModel* model, StoreOptions options,
                                                       PositionMode positions = PositionMode::kAbsolute);
   ~LlamaSession();
@@ -130,6 +135,8 @@ class LlamaSession {
   PositionMode position_mode() const { return session_->options().positions; }
   /// The engine-API session the forward pass drives (counters, Compress, Gather).
   Session* session() { return session_.get(); }
+  /// Whether the forward runs on the GPU (the store's hot tier is "cuda").
+  bool on_device() const { return device_ != nullptr; }
 
   /// Sees every layer's q, k and v of each step, right after they are computed and before
   /// anything is stored: q [m, q_heads, head_dim] and k [m, kv_heads, head_dim] after RoPE
@@ -183,6 +190,7 @@ class LlamaSession {
   Status broken_;  // set when a forward pass failed part-way: layers may hold different token counts
   QkvCapture capture_;
   std::vector<double> inv_freq_;  // [head_dim / 2] RoPE frequencies, double like the reference
+  std::unique_ptr<LlamaDeviceForward> device_;  // set when the hot tier is "cuda"
 };
 
 }  // namespace kvtier::model
