@@ -66,6 +66,13 @@ Status BudgetAllocator::CheckAllocate(int layer, const LayerScores& s, bool need
   return Status::Ok();
 }
 
+Result<int> BudgetAllocator::AllocateWithEntropy(int layer, int n, double theta) {
+  (void)n;
+  (void)theta;
+  return FailedPrecondition("budget allocator '" + ToString() + "' takes no Eq. 11 entropy (layer " +
+                            std::to_string(layer) + ")");
+}
+
 // ---- topk --------------------------------------------------------------------------------
 
 void TopKBudget::BeginStep(int layers, int k) { BeginStepCommon(layers, k); }
@@ -74,6 +81,12 @@ Result<int> TopKBudget::Allocate(int layer, const LayerScores& s) {
   KVTIER_RETURN_IF_ERROR(CheckAllocate(layer, s, /*need_scores=*/false));
   ++next_layer_;
   return std::min(k_, s.n);
+}
+
+int TopKBudget::MaxTake(int layer, int n) const {
+  (void)layer;
+  if (!begun_ || !step_error_.ok()) return std::max(0, n);
+  return std::max(0, std::min(k_, n));
 }
 
 // ---- entropy -------------------------------------------------------------------------------
@@ -125,10 +138,28 @@ Result<int> EntropyBudget::Allocate(int layer, const LayerScores& s) {
   KVTIER_RETURN_IF_ERROR(CheckAllocate(layer, s, /*need_scores=*/true));
   ++next_layer_;
   if (s.n == 0) return 0;  // nothing to take; no entropy recorded
-
-  const int L = layers_, M = opt_.min_chunks;
   // Eq. 11: information density of this layer's similarity distribution.
-  const double theta = SoftmaxEntropy(s.scores, s.n);
+  return Grant(layer, s.n, SoftmaxEntropy(s.scores, s.n));
+}
+
+Result<int> EntropyBudget::AllocateWithEntropy(int layer, int n, double theta) {
+  KVTIER_RETURN_IF_ERROR(CheckAllocate(layer, LayerScores{nullptr, n}, /*need_scores=*/false));
+  if (n > 0 && !(std::isfinite(theta) && theta >= 0.0))
+    return InvalidArgument("EntropyBudget::AllocateWithEntropy: the entropy of layer " + std::to_string(layer) +
+                           " must be finite and >= 0 (got " + std::to_string(theta) + ")");
+  ++next_layer_;
+  if (n == 0) return 0;  // nothing to take; no entropy recorded
+  return Grant(layer, n, theta);
+}
+
+int EntropyBudget::MaxTake(int layer, int n) const {
+  if (!begun_ || !step_error_.ok() || layer < 0 || layer >= layers_) return std::max(0, n);
+  const int64_t reserve = static_cast<int64_t>(opt_.min_chunks) * (layers_ - 1 - layer);
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(n, remaining_ - reserve)));
+}
+
+Result<int> EntropyBudget::Grant(int layer, int n, double theta) {
+  const int L = layers_, M = opt_.min_chunks;
   last_theta_ = theta;
   step_theta_sum_ += theta;
   ++step_theta_count_;
@@ -151,8 +182,8 @@ Result<int> EntropyBudget::Allocate(int layer, const LayerScores& s) {
   const int64_t rounded = static_cast<int64_t>(std::floor(share * (1.0 + 1e-9)));
   // Clamp to [min(M, n), min(n, B_kv - M * (deeper layers))]: reserve the deeper layers' minimum.
   const int64_t reserve = static_cast<int64_t>(M) * (L - 1 - layer);
-  const int64_t hi = std::min<int64_t>(s.n, remaining_ - reserve);
-  const int64_t lo = std::min<int64_t>(M, s.n);
+  const int64_t hi = std::min<int64_t>(n, remaining_ - reserve);
+  const int64_t lo = std::min<int64_t>(M, n);
   if (hi < lo) return Internal("EntropyBudget: budget bookkeeping broke (B_kv " + std::to_string(remaining_) + ")");
   const int64_t take = std::clamp(rounded, lo, hi);
   remaining_ -= take;  // Algorithm 1: B_kv <- B_kv - B^l (what the layer actually took)

@@ -62,6 +62,17 @@ class BudgetAllocator {
   virtual bool reads_scores() const = 0;
   /// The order the layer takes the chunks Allocate grants it in (the "rank" key).
   virtual ChunkRank rank() const = 0;
+  /// The most that Allocate(layer, n chunks) can grant in the current state (n itself when
+  /// the step protocol is off: Allocate then reports the error). A backend that must start
+  /// its top-k before the budget is known (the device selection of retrieval/device_scorer.h
+  /// fetches the best MaxTake rows in the same synchronisation as Theta) sizes it with this.
+  virtual int MaxTake(int layer, int n) const = 0;
+  /// Allocate for a layer whose Eq. 11 entropy `theta` of its n cosines was computed
+  /// elsewhere (on the scores' device, by kernels::SegmentEntropy, the twin of what Allocate
+  /// computes): the same grant and bookkeeping as Allocate with those scores. InvalidArgument
+  /// for a theta that is not finite or is negative; FailedPrecondition from allocators that
+  /// read no scores (topk).
+  virtual Result<int> AllocateWithEntropy(int layer, int n, double theta);
 
  protected:
   BudgetAllocator() = default;
@@ -85,6 +96,7 @@ class TopKBudget final : public BudgetAllocator {
   std::string ToString() const override { return "topk"; }
   bool reads_scores() const override { return false; }
   ChunkRank rank() const override { return ChunkRank::kLogit; }
+  int MaxTake(int layer, int n) const override;
 };
 
 struct EntropyBudgetOptions {
@@ -136,12 +148,17 @@ class EntropyBudget final : public BudgetAllocator {
   double last_entropy() const override { return last_theta_; }
   bool reads_scores() const override { return true; }
   ChunkRank rank() const override { return opt_.rank; }
+  /// min(n, B_kv - M * (deeper layers)): the clamp's upper bound below.
+  int MaxTake(int layer, int n) const override;
+  Result<int> AllocateWithEntropy(int layer, int n, double theta) override;
   /// Forgets the running means (new sequence).
   void Reset();
   const EntropyBudgetOptions& options() const { return opt_; }
 
  private:
   explicit EntropyBudget(const EntropyBudgetOptions& o) : opt_(o) {}
+  // Eq. 12 and the bookkeeping for a layer with n > 0 chunks of entropy theta (Eq. 11).
+  Result<int> Grant(int layer, int n, double theta);
   EntropyBudgetOptions opt_;
   int64_t remaining_ = 0;            // B_kv
   double last_theta_ = 0.0;          // Theta of the last Allocate with chunks

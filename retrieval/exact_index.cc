@@ -19,6 +19,10 @@ namespace {
 // the CUDA scoring kernel.
 using kernels::InverseNorm;
 
+kernels::HeadFold::Kind FoldKind(ExactIndexOptions::HeadMerge heads) {
+  return heads == ExactIndexOptions::HeadMerge::kMax ? kernels::HeadFold::Kind::kMax : kernels::HeadFold::Kind::kSum;
+}
+
 kernels::HeadFold FoldOf(ExactIndexOptions::HeadMerge heads, int n_heads) {
   return kernels::HeadFold(heads == ExactIndexOptions::HeadMerge::kMax ? kernels::HeadFold::Kind::kMax
                                                                        : kernels::HeadFold::Kind::kSum,
@@ -106,6 +110,7 @@ Status ExactChunkIndex::Add(const std::vector<uint64_t>& chunks, const ReprReade
         inv_norm_[h].resize(old_n * R);
       }
       RequantiseAll();
+      MarkMirrorStale(old_n);
       Changed();
       return st;
     }
@@ -120,6 +125,7 @@ Status ExactChunkIndex::Add(const std::vector<uint64_t>& chunks, const ReprReade
         PutQuantizedRow(h, ids_.size() - 1, r, key, inv_norm);
       }
   }
+  MarkMirrorStale(old_n);
   Changed();
   return Status::Ok();
 }
@@ -129,10 +135,11 @@ Status ExactChunkIndex::Remove(const std::vector<uint64_t>& chunks) {
   std::sort(gone.begin(), gone.end());
   const size_t H = static_cast<size_t>(shape_.kv_heads), D = shape_.head_dim, R = shape_.repr;
   const size_t es = DTypeSize(shape_.dtype);
-  size_t keep = 0;
+  size_t keep = 0, first_moved = ids_.size();
   for (size_t row = 0; row < ids_.size(); ++row) {
     if (std::binary_search(gone.begin(), gone.end(), ids_[row])) continue;
     if (keep != row) {  // compact in place: rows keep their ascending chunk order
+      first_moved = std::min(first_moved, keep);
       ids_[keep] = ids_[row];
       for (size_t h = 0; h < H; ++h) {
         std::copy_n(repr_[h].begin() + row * R * D * es, R * D * es, repr_[h].begin() + keep * R * D * es);
@@ -149,6 +156,7 @@ Status ExactChunkIndex::Remove(const std::vector<uint64_t>& chunks) {
   }
   // The int8 blocks interleave chunks: requantise the kept rows in their new places.
   RequantiseAll();
+  MarkMirrorStale(std::min(first_moved, keep));
   Changed();
   return Status::Ok();
 }
@@ -358,6 +366,48 @@ void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& r
   fj.Join();
 }
 
+// ---- the backend mirror ----------------------------------------------------------------
+
+void ExactChunkIndex::MarkMirrorStale(size_t row) { mirror_stale_from_ = std::min(mirror_stale_from_, row); }
+
+Status ExactChunkIndex::AttachBackend(RetrievalBackend* backend) {
+  if (mirror_ != nullptr) return InvalidArgument("ExactChunkIndex::AttachBackend: a backend mirror is attached already");
+  KVTIER_ASSIGN_OR_RETURN(mirror_, ReprMirror::Create(backend, shape_));
+  mirror_stale_from_ = 0;
+  return SyncMirror();
+}
+
+Status ExactChunkIndex::SyncMirror() {
+  if (mirror_ == nullptr) return Status::Ok();
+  if (mirror_stale_from_ >= ids_.size() && mirror_->rows() == ids_.size()) return Status::Ok();
+  KVTIER_RETURN_IF_ERROR(mirror_->Update(mirror_stale_from_, ids_.size(), repr_, inv_norm_));
+  mirror_stale_from_ = std::numeric_limits<size_t>::max();
+  return Status::Ok();
+}
+
+Status ExactChunkIndex::SelectOnBackend(const float* probe, ChunkRank rank, bool entropy, int k_max,
+                                        std::vector<uint64_t>* chunks, double* theta, int32_t* non_finite) {
+  if (mirror_ == nullptr)
+    return FailedPrecondition("ExactChunkIndex::SelectOnBackend: no backend mirror (AttachBackend first)");
+  if (probe == nullptr || chunks == nullptr || theta == nullptr || non_finite == nullptr)
+    return InvalidArgument("ExactChunkIndex::SelectOnBackend: probe and outputs must not be null");
+  if (k_max < 0) return InvalidArgument("ExactChunkIndex::SelectOnBackend: k_max must be >= 0 (got " +
+                                        std::to_string(k_max) + ")");
+  KVTIER_RETURN_IF_ERROR(SyncMirror());
+  LayerSelectPlan plan;
+  plan.score = mirror_->Params(FoldKind(options_.heads));
+  plan.probe = probe;
+  plan.rank = rank;
+  plan.entropy = entropy;
+  plan.k_max = static_cast<int>(std::min<int64_t>(k_max, plan.score.n_chunks));
+  KVTIER_RETURN_IF_ERROR(mirror_->backend()->RunLayer(plan, &backend_result_));
+  chunks->resize(backend_result_.rows.size());
+  for (size_t i = 0; i < backend_result_.rows.size(); ++i) (*chunks)[i] = ids_[backend_result_.rows[i]];
+  *theta = backend_result_.entropy;
+  *non_finite = backend_result_.non_finite;
+  return Status::Ok();
+}
+
 uint64_t ExactChunkIndex::memory_bytes() const {
   uint64_t b = ids_.capacity() * sizeof(uint64_t);
   for (const auto& v : repr_) b += v.capacity();
@@ -365,6 +415,7 @@ uint64_t ExactChunkIndex::memory_bytes() const {
   for (const auto& v : q8_) b += v.capacity();
   for (const auto& v : q8_scale_) b += v.capacity() * sizeof(float);
   for (const auto& v : q8_cos_scale_) b += v.capacity() * sizeof(float);
+  if (mirror_ != nullptr) b += mirror_->bytes();  // backend memory: device memory on "cuda"
   return b;
 }
 

@@ -30,6 +30,15 @@
 // Remove compacts the rows in place (they keep their ascending chunk order, hence the tie
 // order) and requantises the kept rows into their new lanes; the result scores exactly as
 // an index built afresh from the kept chunks.
+//
+// A backend mirror (AttachBackend, retrieval/device_scorer.h): the representatives and inverse
+// norms also kept on a retrieval backend in kernels::ChunkScoreParams' layout, so that a layer's
+// selection (SelectOnBackend) runs there: scoring, Eq. 11 and the top-k, one synchronisation.
+// The Retriever attaches one when the store's hot tier is on "cuda"; host tiers keep the two-stage
+// search above (faster on a CPU than one fp32 pass, and without a second copy of every key).
+// The mirror path is always one exact pass: it chooses what rerank=0 chooses, whatever rerank
+// says. Add and Remove keep the host rows as before and mark the first row they changed; the
+// mirror takes the rows from there before the next selection (SyncMirror).
 #pragma once
 
 #include <cstdint>
@@ -38,6 +47,7 @@
 #include <vector>
 
 #include "retrieval/chunk_index.h"
+#include "retrieval/device_scorer.h"
 
 namespace kvtier {
 
@@ -76,12 +86,28 @@ class ExactChunkIndex final : public ChunkIndex {
   std::string ToString() const override { return options_.ToString(); }
   const ExactIndexOptions& options() const { return options_; }
 
+  // ---- the backend mirror ----
+  /// Keeps a mirror on `backend` from now on (it must outlive the index), uploading the rows
+  /// indexed so far. InvalidArgument when one is attached already or the dtype cannot be scored there.
+  Status AttachBackend(RetrievalBackend* backend);
+  const ReprMirror* mirror() const { return mirror_.get(); }
+  /// Brings the mirror in step with the rows (a no-op without a mirror or changes).
+  Status SyncMirror();
+  /// One layer's selection on the backend: the min(k_max, size()) best chunks by `rank`, best
+  /// first, ties to the smaller chunk index, and, when `entropy`, Eq. 11 of every chunk's
+  /// cosine with the count of cosines that are not finite (both 0 otherwise).
+  /// FailedPrecondition without a mirror; InvalidArgument for a null probe or out, k_max < 0.
+  Status SelectOnBackend(const float* probe, ChunkRank rank, bool entropy, int k_max, std::vector<uint64_t>* chunks,
+                         double* theta, int32_t* non_finite);
+
  private:
   ExactChunkIndex(const ChunkShape& shape, const ExactIndexOptions& options);
   // Writes representative r of the chunk at `row` into head h's int8 blocks, from its fp32 key.
   void PutQuantizedRow(int h, size_t row, int r, const float* key, float inv_norm);
   // Requantises every row from the stored keys (after a compaction or a failed Add).
   void RequantiseAll();
+  // Rows from `row` on changed: the mirror takes them before the next selection.
+  void MarkMirrorStale(size_t row);
   // The fp32 scores of the chunks at rows `rows` only (the rescoring stage).
   void ScoresOf(const float* probe, const std::vector<int64_t>& rows, std::vector<float>* logit,
                 std::vector<float>* cosine) const;
@@ -95,6 +121,9 @@ class ExactChunkIndex final : public ChunkIndex {
   std::vector<std::vector<int8_t>> q8_;        // [H] int8 blocks
   std::vector<std::vector<float>> q8_scale_;   // [H][block * 8 + lane]: the row's code scale (0 in padding)
   std::vector<std::vector<float>> q8_cos_scale_;  // [H][block * 8 + lane]: code scale times inverse norm
+  std::unique_ptr<ReprMirror> mirror_;          // null: no backend attached
+  size_t mirror_stale_from_ = 0;                // rows from here may differ in the mirror (SIZE_MAX: none)
+  LayerSelectResult backend_result_;            // SelectOnBackend's scratch (reused)
 };
 
 }  // namespace kvtier

@@ -173,6 +173,19 @@ Status RetrieverSpecFlags::Update() {
 
 Result<std::unique_ptr<Retriever>> Retriever::Create(TieredStore* store, const RetrieverOptions& options) {
   if (store == nullptr) return InvalidArgument("Retriever needs a store");
+  std::unique_ptr<RetrievalBackend> backend;
+  HotTier* hot = store->hot_tier();
+  auto canonical = CanonicalChunkIndexSpec(options.index);
+  const bool exact = canonical.ok() && canonical->rfind("Exact", 0) == 0;  // FAISS kinds stay on the host
+  if (hot != nullptr && std::string(hot->device()) == "cuda" && exact) {
+    KVTIER_ASSIGN_OR_RETURN(backend, MakeRetrievalBackend("cuda"));
+  }
+  return Create(store, options, std::move(backend));
+}
+
+Result<std::unique_ptr<Retriever>> Retriever::Create(TieredStore* store, const RetrieverOptions& options,
+                                                     std::unique_ptr<RetrievalBackend> backend) {
+  if (store == nullptr) return InvalidArgument("Retriever needs a store");
   KVTIER_RETURN_IF_ERROR(options.Validate());
   auto r = std::unique_ptr<Retriever>(new Retriever(store, options));
   const StoreOptions& so = store->options();
@@ -186,6 +199,7 @@ Result<std::unique_ptr<Retriever>> Retriever::Create(TieredStore* store, const R
     r->spec_ = "probe=" + r->probe_->ToString() + " alloc=" + r->alloc_->ToString() + " index=" +
                (*index)->ToString() + " budget=" + std::to_string(options.budget_tokens);
   }
+  r->backend_ = std::move(backend);
   r->k_ = options.budget_tokens / so.chunk_size;
   r->probe_buf_.resize(so.geometry.token_elems());
   r->probe_vec_.resize(so.geometry.token_elems());
@@ -200,6 +214,11 @@ Result<Retriever::LayerIndex*> Retriever::Index(SequenceId seq, int layer) {
   if (it == indexes_.end()) {
     LayerIndex li;
     KVTIER_ASSIGN_OR_RETURN(li.index, MakeChunkIndex(options_.index, shape_));
+    if (backend_ != nullptr)
+      if (auto* exact = dynamic_cast<ExactChunkIndex*>(li.index.get()); exact != nullptr) {
+        KVTIER_RETURN_IF_ERROR(exact->AttachBackend(backend_.get()));
+        li.mirrored = exact;
+      }  // FAISS kinds: the host, on any tier
     it = indexes_.emplace(key, std::move(li)).first;
   }
   return &it->second;
@@ -257,6 +276,11 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
   // Never more than the hot slot pool holds: the entropy cut-off can hand one layer most of
   // the step's budget.
   const size_t cap = so.hot_bytes / so.chunk_bytes();
+  if (li->mirrored != nullptr) {
+    sel.search_ms = MsSince(t0);
+    KVTIER_RETURN_IF_ERROR(SelectOnBackend(li, layer, n, cap, &sel));
+    return sel;
+  }
   if (!alloc_->reads_scores()) {
     // Fixed k: the index serves its top k (approximate kinds stay sub-linear).
     KVTIER_RETURN_IF_ERROR(index.Search(probe_vec_.data(), std::min(static_cast<size_t>(k_), cap), &sel.chunks));
@@ -282,6 +306,37 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
   sel.search_ms += MsSince(t0);
   return sel;
   });
+}
+
+Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel) {
+  // The same choice as the host path with rerank=0: topk takes the top min(k, cap) by logit
+  // and the allocator cuts it to min(k, n); entropy takes the top min(B^l, cap) by its rank.
+  // The device's top-k starts before Eq. 12 has run, so it brings back the most the allocator
+  // can grant (MaxTake) and the host keeps the first B^l (device_scorer.h says why).
+  const bool entropy = alloc_->reads_scores();
+  const int k_max = static_cast<int>(std::min<size_t>(static_cast<size_t>(alloc_->MaxTake(layer, n)), cap));
+  auto t0 = std::chrono::steady_clock::now();
+  double theta = 0.0;
+  int32_t non_finite = 0;
+  KVTIER_RETURN_IF_ERROR(li->mirrored->SelectOnBackend(probe_vec_.data(), entropy ? alloc_->rank() : ChunkRank::kLogit,
+                                                       entropy, k_max, &sel->chunks, &theta, &non_finite));
+  sel->search_ms += MsSince(t0);
+  t0 = std::chrono::steady_clock::now();
+  if (!entropy) {
+    KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{nullptr, n}));
+    sel->chunks.resize(std::min<size_t>(sel->chunks.size(), static_cast<size_t>(std::max(0, take))));
+    sel->alloc_ms = MsSince(t0);
+    return Status::Ok();
+  }
+  // Eq. 11 holds for finite scores only (the host path's allocator refuses others, and so here).
+  if (non_finite > 0)
+    return InvalidArgument("BudgetAllocator::Allocate: " + std::to_string(non_finite) + " cosine score(s) of layer " +
+                           std::to_string(layer) + " are not finite");
+  KVTIER_ASSIGN_OR_RETURN(int take, alloc_->AllocateWithEntropy(layer, n, theta));
+  sel->entropy = alloc_->last_entropy();
+  sel->chunks.resize(std::min({sel->chunks.size(), static_cast<size_t>(std::max(0, take)), cap}));
+  sel->alloc_ms = MsSince(t0);
+  return Status::Ok();
 }
 
 Status Retriever::ObserveAndScore(SequenceId seq, int layer, const float* q, int m, std::vector<uint64_t>* ids,

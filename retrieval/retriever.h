@@ -21,6 +21,23 @@
 // fp32 rerank, heads=sum|max; the FAISS kinds' InfLLM mean vectors), is the
 // index's business (chunk_index.h, exact_index.h, faiss_index.h).
 //
+// Where the selection runs (issue 13): when the store's hot tier is on
+// "cuda" (store->hot_tier()->device()), Create gives the Retriever a "cuda"
+// RetrievalBackend (retrieval/device_scorer.h) and every Exact index keeps a
+// device mirror of its representatives; a layer's Select then runs probe (host
+// twin) -> scoring -> Eq. 11 entropy -> top-k on the device with one
+// synchronisation, and Eq. 12 on the host (BudgetAllocator::
+// AllocateWithEntropy). That path is one exact fp32 pass (what rerank=0
+// chooses). A kvtier::Session over such a store gets it without asking, since
+// it builds its Retriever with Create(store, ...). FAISS index kinds keep
+// running on the host on any tier (their search is FAISS's CPU code). Host
+// tiers keep the host path (the int8 screen + fp32 rerank): on a CPU it is
+// faster than one fp32 pass and holds no second copy of the keys, so no spec
+// key opts a host tier into the mirror; the Create overload with an explicit
+// backend does (tests compare the "cpu" backend, the twins over a host mirror,
+// with the host path that way). Creating the "cuda" backend without a device
+// is Unavailable "no CUDA device: ...". NEVER RUN ON A GPU.
+//
 // Configuration is four parts, each a factory string that ToString() spells
 // out in full and Parse() reads back:
 //   probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine
@@ -46,6 +63,8 @@
 #include "offload/tiered_store.h"
 #include "retrieval/budget.h"
 #include "retrieval/chunk_index.h"
+#include "retrieval/device_scorer.h"
+#include "retrieval/exact_index.h"
 #include "retrieval/probe.h"
 
 namespace kvtier {
@@ -117,7 +136,13 @@ struct LayerSelection {
 
 class Retriever {
  public:
+  /// The backend follows the store's hot tier: "cuda" -> a cuda RetrievalBackend, anything
+  /// else -> the host path (see the header comment).
   static Result<std::unique_ptr<Retriever>> Create(TieredStore* store, const RetrieverOptions& options);
+  /// With an explicit backend for the Exact index kind (null: the host path), whatever the
+  /// tier: tests run the "cpu" backend this way.
+  static Result<std::unique_ptr<Retriever>> Create(TieredStore* store, const RetrieverOptions& options,
+                                                   std::unique_ptr<RetrievalBackend> backend);
 
   /// Starts a step (a prefill window or a decode token) over all layers.
   void BeginStep();
@@ -141,6 +166,8 @@ class Retriever {
   Status Forget(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices);
 
   ProbeBuilder& probe() { return *probe_; }
+  /// The backend Exact indexes select on, or null for the host path.
+  const RetrievalBackend* backend() const { return backend_.get(); }
   const RetrieverOptions& options() const { return options_; }
   uint64_t memory_bytes() const;
   /// The configuration, canonical: RetrieverOptions::ToString() of the parts as built
@@ -152,8 +179,11 @@ class Retriever {
   Retriever(TieredStore* store, const RetrieverOptions& options) : store_(store), options_(options) {}
   struct LayerIndex {
     std::unique_ptr<ChunkIndex> index;
+    ExactChunkIndex* mirrored = nullptr;  // the index, when it keeps a backend mirror
     uint64_t next_chunk = 0;  // chunks below this index are indexed (or holes)
   };
+  // Select's path through the backend (the index keeps a mirror).
+  Status SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
   Result<LayerIndex*> Index(SequenceId seq, int layer);
 
   TieredStore* store_;
@@ -162,6 +192,7 @@ class Retriever {
   std::string spec_;  // Describe()
   std::unique_ptr<ProbeBuilder> probe_;
   std::unique_ptr<BudgetAllocator> alloc_;
+  std::unique_ptr<RetrievalBackend> backend_;  // null: the host path
   std::unordered_map<uint64_t, LayerIndex> indexes_;  // key: seq * 65536 + layer
   std::vector<float> probe_buf_, probe_vec_;
   ChunkScores scores_;  // Select: the layer's screened scores (reused)

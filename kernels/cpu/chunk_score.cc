@@ -7,6 +7,7 @@ namespace kvtier::kernels {
 
 KernelError CheckChunkScoreParams(const ChunkScoreParams& p) {
   if (p.kv_heads <= 0 || p.head_dim <= 0 || p.repr <= 0 || p.n_chunks < 0) return KernelError::kBadShape;
+  if (p.chunk_stride < 0 || (p.chunk_stride > 0 && p.chunk_stride < p.n_chunks)) return KernelError::kBadShape;
   if (p.fold != HeadFold::Kind::kSum && p.fold != HeadFold::Kind::kMax) return KernelError::kBadShape;
   if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16) return KernelError::kBadDType;
   if (p.n_chunks == 0) return KernelError::kOk;
@@ -30,10 +31,11 @@ KernelError ScoreChunks(const ChunkScoreParams& p) {
   } catch (const std::bad_alloc&) {
     return KernelError::kOutOfMemory;
   }
-  const size_t head_keys = n * R * D * DTypeSize(p.dtype);
+  const size_t stride = static_cast<size_t>(ChunkStride(p));
+  const size_t head_keys = stride * R * D * DTypeSize(p.dtype);
   for (int h = 0; h < H; ++h) {
     const float* probe = p.probe + static_cast<size_t>(h) * D;
-    ScoreChunksOneHead(p.dtype, static_cast<const uint8_t*>(p.keys) + h * head_keys, p.inv_norm + h * n * R, probe,
+    ScoreChunksOneHead(p.dtype, static_cast<const uint8_t*>(p.keys) + h * head_keys, p.inv_norm + h * stride * R, probe,
                        InverseNorm(probe, D), D, R, 0, n, fold, ip.data(), p.logit, p.cosine);
   }
   return KernelError::kOk;

@@ -70,6 +70,11 @@ struct ChunkScoreParams {
   DType dtype = DType::kF16;                  ///< storage dtype of keys
   HeadFold::Kind fold = HeadFold::Kind::kSum; ///< how heads combine
   int64_t n_chunks = 0;                       ///< >= 0
+  /// Chunks between one head's keys and the next's: 0 = n_chunks (packed). A buffer that
+  /// grows by doubling (retrieval's device mirror) holds `capacity` rows per head and scores
+  /// the first n_chunks of them; then keys are [kv_heads, chunk_stride, repr, head_dim] and
+  /// inv_norm [kv_heads, chunk_stride, repr]. Must be 0 or >= n_chunks.
+  int64_t chunk_stride = 0;
   const void* keys = nullptr;                 ///< [kv_heads, n_chunks, repr, head_dim] dtype (one head contiguous)
   const float* inv_norm = nullptr;            ///< [kv_heads, n_chunks, repr] 1/|key| (0 for a zero key)
   const float* probe = nullptr;               ///< [kv_heads, head_dim] fp32
@@ -80,6 +85,8 @@ struct ChunkScoreParams {
 /// Validates shapes and pointers (kOk, kBadShape, kNullPointer, kBadDType); shared by the
 /// CPU twin and the CUDA launcher, which cannot look at device memory.
 KernelError CheckChunkScoreParams(const ChunkScoreParams& p);
+/// The head stride in chunks: chunk_stride, or n_chunks when it is 0.
+inline int64_t ChunkStride(const ChunkScoreParams& p) { return p.chunk_stride > 0 ? p.chunk_stride : p.n_chunks; }
 /// CPU twin: every chunk, every head.
 KernelError ScoreChunks(const ChunkScoreParams& p);
 

@@ -83,9 +83,16 @@ KernelError SegmentEntropy(const EntropyParams& p) {
   for (int i = 0; i < p.n_segments; ++i)
     if (p.offsets[i + 1] < p.offsets[i]) return KernelError::kBadShape;
   if (p.scores == nullptr && p.offsets[p.n_segments] > p.offsets[0]) return KernelError::kNullPointer;
-  for (int i = 0; i < p.n_segments; ++i)
-    p.entropy[i] = SoftmaxEntropy(p.scores == nullptr ? nullptr : p.scores + p.offsets[i],
-                                  p.offsets[i + 1] - p.offsets[i]);
+  for (int i = 0; i < p.n_segments; ++i) {
+    const float* s = p.scores == nullptr ? nullptr : p.scores + p.offsets[i];
+    const int n = p.offsets[i + 1] - p.offsets[i];
+    p.entropy[i] = SoftmaxEntropy(s, n);
+    if (p.non_finite != nullptr) {
+      int32_t bad = 0;
+      for (int j = 0; j < n; ++j) bad += std::isfinite(s[j]) ? 0 : 1;
+      p.non_finite[i] = bad;
+    }
+  }
   return KernelError::kOk;
 }
 

@@ -21,9 +21,14 @@ struct EntropyParams {
   const int32_t* offsets = nullptr;  ///< [n_segments + 1] non-decreasing, offsets[0] >= 0
   const float* scores = nullptr;     ///< [offsets[n_segments]] fp32, finite
   double* entropy = nullptr;         ///< [n_segments] out: Eq. 11 of each segment (0 when empty)
+  /// Optional [n_segments] out: how many scores of each segment are not finite. Eq. 11 is
+  /// defined for finite scores only, and a NaN does not show in the entropy (the clamp to
+  /// >= 0 turns it into 0), so a caller that cannot read the scores (they are on a device)
+  /// learns here that they were unfit. Null: not counted.
+  int32_t* non_finite = nullptr;
 };
 
-/// CPU twin: entropy[i] = SoftmaxEntropy(segment i). kBadShape for decreasing offsets,
+/// CPU twin: entropy[i] = SoftmaxEntropy(segment i) (and non_finite[i] when asked). kBadShape for decreasing offsets,
 /// kNullPointer for a missing array (scores may be null when every segment is empty).
 KernelError SegmentEntropy(const EntropyParams& p);
 

@@ -53,7 +53,8 @@ KernelError LaunchMergeAttentionStates(int rows, int head_dim, const float* out_
                                        const float* out_b, const float* lse_b, float* out, float* lse, Stream s);
 
 // ---- retrieval ---------------------------------------------------------------------------
-/// ScoreChunks: one warp per chunk, heads folded in order 0..H-1 as the twin does.
+/// ScoreChunks: one warp per chunk, heads folded in order 0..H-1 as the twin does; keys and
+/// inv_norm step heads by ChunkStride(p) (a mirror grown by doubling: retrieval/device_scorer.h).
 KernelError LaunchScoreChunks(const ChunkScoreParams& p, Stream s);
 
 /// SegmentedTopK with CUB's stable segmented radix sort (descending; -0.0 made +0.0 first,
@@ -64,7 +65,8 @@ KernelError SegmentedTopKWorkspaceBytes(const SegmentedTopKParams& p, int32_t to
 KernelError LaunchSegmentedTopK(const SegmentedTopKParams& p, int32_t total, void* workspace, size_t workspace_bytes,
                                 Stream s);
 
-/// SegmentEntropy (Eq. 11): one block per segment, fp64 sums.
+/// SegmentEntropy (Eq. 11): one block per segment, fp64 sums; non_finite (when set) counted
+/// with a block reduction.
 KernelError LaunchSegmentEntropy(const EntropyParams& p, Stream s);
 
 /// MeanPoolProbe, ActMergeWindow (Eq. 8) and ActWeightedProbe (Eq. 7, 9) on device arrays;

@@ -26,6 +26,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) ScoreChunksKernel(const Chun
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kScoreWarps + warp;
   if (c >= p.n_chunks) return;
   const int D = p.head_dim, R = p.repr, H = p.kv_heads;
+  const size_t stride = static_cast<size_t>(p.chunk_stride > 0 ? p.chunk_stride : p.n_chunks);  // ChunkStride
   const bool fmax_fold = p.fold == HeadFold::Kind::kMax;
   const float cos_share = fmax_fold ? 1.0f : 1.0f / static_cast<float>(H);
   float raw = fmax_fold ? -INFINITY : 0.0f, cosv = raw;
@@ -38,12 +39,12 @@ __global__ void __launch_bounds__(kScoreWarps * 32) ScoreChunksKernel(const Chun
     const float inv_p = pn2 > 0.0f ? rsqrtf(pn2) : 0.0f;
     float best = -INFINITY, best_cos = -1.0f;
     for (int r = 0; r < R; ++r) {
-      const T* k = keys + ((static_cast<size_t>(h) * p.n_chunks + c) * R + r) * D;
+      const T* k = keys + ((static_cast<size_t>(h) * stride + c) * R + r) * D;
       float dot = 0.0f;
       for (int d = lane; d < D; d += 32) dot = fmaf(LoadAsFloat(k + d), probe[d], dot);
       dot = WarpSum(dot);
       best = fmaxf(best, dot);
-      best_cos = fmaxf(best_cos, dot * p.inv_norm[(static_cast<size_t>(h) * p.n_chunks + c) * R + r] * inv_p);
+      best_cos = fmaxf(best_cos, dot * p.inv_norm[(static_cast<size_t>(h) * stride + c) * R + r] * inv_p);
     }
     raw = fmax_fold ? fmaxf(raw, best) : raw + best;
     cosv = fmax_fold ? fmaxf(cosv, best_cos) : cosv + best_cos * cos_share;
@@ -121,7 +122,10 @@ __global__ void __launch_bounds__(kEntropyThreads) EntropyKernel(const EntropyPa
   const int seg = blockIdx.x;
   const int32_t begin = p.offsets[seg], n = p.offsets[seg + 1] - begin;
   if (n <= 0) {
-    if (threadIdx.x == 0) p.entropy[seg] = 0.0;
+    if (threadIdx.x == 0) {
+      p.entropy[seg] = 0.0;
+      if (p.non_finite) p.non_finite[seg] = 0;
+    }
     return;
   }
   const float* s = p.scores + begin;
@@ -130,6 +134,14 @@ __global__ void __launch_bounds__(kEntropyThreads) EntropyKernel(const EntropyPa
   mx = ReduceF(tmp.f).Reduce(mx, MaxOp());
   if (threadIdx.x == 0) s_max = mx;
   __syncthreads();
+  if (p.non_finite) {  // the twin's count of scores Eq. 11 is not defined for
+    using ReduceI = cub::BlockReduce<int, kEntropyThreads>;
+    __shared__ typename ReduceI::TempStorage tmp_i;
+    int bad = 0;
+    for (int32_t i = threadIdx.x; i < n; i += kEntropyThreads) bad += isfinite(s[i]) ? 0 : 1;
+    bad = ReduceI(tmp_i).Sum(bad);
+    if (threadIdx.x == 0) p.non_finite[seg] = bad;
+  }
   const double m = s_max;
   double z = 0.0, ez = 0.0;
   for (int32_t i = threadIdx.x; i < n; i += kEntropyThreads) {

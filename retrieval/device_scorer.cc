@@ -1,0 +1,490 @@
+#include "retrieval/device_scorer.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "kernels/dtype.h"
+
+#if KVTIER_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/kernels.h"
+#endif
+
+namespace kvtier {
+namespace {
+
+size_t Align256(size_t x) { return (x + 255) / 256 * 256; }
+
+Status KernelFailure(const char* backend, const char* what, kernels::KernelError e, const std::string& detail = "") {
+  return Internal(std::string("retrieval (") + backend + "): " + what + ": " + kernels::KernelErrorString(e) +
+                  (detail.empty() ? "" : " (" + detail + ")"));
+}
+
+}  // namespace
+
+// ---- plan, layout, parameters -----------------------------------------------------------
+
+Status ValidateLayerSelectPlan(const LayerSelectPlan& plan) {
+  kernels::ChunkScoreParams p = plan.score;
+  // The backend supplies the probe and the outputs; check the rest as the launcher will.
+  static float dummy;
+  p.probe = &dummy;
+  p.logit = &dummy;
+  p.cosine = &dummy;
+  switch (kernels::CheckChunkScoreParams(p)) {
+    case kernels::KernelError::kOk: break;
+    case kernels::KernelError::kBadDType:
+      return InvalidArgument("retrieval plan: key dtype " + std::string(DTypeName(p.dtype)) +
+                             " cannot be scored (f32, f16 or bf16)");
+    case kernels::KernelError::kNullPointer:
+      return InvalidArgument("retrieval plan: the mirror's keys or inverse norms are null");
+    default:
+      return InvalidArgument("retrieval plan: bad shape (kv_heads " + std::to_string(p.kv_heads) + ", head_dim " +
+                             std::to_string(p.head_dim) + ", repr " + std::to_string(p.repr) + ", n_chunks " +
+                             std::to_string(p.n_chunks) + ", chunk_stride " + std::to_string(p.chunk_stride) + ")");
+  }
+  if (p.n_chunks > INT32_MAX)
+    return InvalidArgument("retrieval plan: " + std::to_string(p.n_chunks) +
+                           " chunks in one layer (the top-k's segment offsets are int32)");
+  if (plan.probe == nullptr) return InvalidArgument("retrieval plan: the probe is null");
+  if (plan.k_max < 0 || plan.k_max > p.n_chunks)
+    return InvalidArgument("retrieval plan: k_max " + std::to_string(plan.k_max) + " outside [0, " +
+                           std::to_string(p.n_chunks) + "] (the layer's chunks)");
+  return Status::Ok();
+}
+
+RetrievalWorkspaceLayout LayoutRetrievalWorkspace(int probe_floats, int64_t n_chunks, size_t topk_bytes) {
+  const size_t n = static_cast<size_t>(std::max<int64_t>(0, n_chunks));
+  const size_t pf = static_cast<size_t>(std::max(0, probe_floats));
+  RetrievalWorkspaceLayout l;
+  l.n_chunks = static_cast<int64_t>(n);
+  l.in = 0;
+  l.probe = l.in;
+  l.offsets = l.probe + pf * sizeof(float);  // int32 after fp32: 4-byte aligned
+  l.k = l.offsets + 2 * sizeof(int32_t);
+  l.in_bytes = l.k + sizeof(int32_t) - l.in;
+  l.logit = l.in + Align256(l.in_bytes);
+  l.cosine = l.logit + Align256(n * sizeof(float));
+  l.out = l.cosine + Align256(n * sizeof(float));
+  l.entropy = l.out;                          // 256-aligned, so the double is aligned
+  l.non_finite = l.entropy + sizeof(double);
+  l.rows = l.non_finite + 2 * sizeof(int32_t);  // the pad keeps rows 16-byte aligned
+  l.out_bytes = l.rows + n * sizeof(int32_t) - l.out;
+  l.topk = l.out + Align256(l.out_bytes);
+  l.topk_bytes = topk_bytes;
+  l.total = l.topk + Align256(topk_bytes);
+  return l;
+}
+
+LayerKernelParams LayerParamsIn(uint8_t* base, const RetrievalWorkspaceLayout& l, const LayerSelectPlan& plan) {
+  LayerKernelParams k;
+  k.score = plan.score;
+  k.score.probe = reinterpret_cast<const float*>(base + l.probe);
+  k.score.logit = reinterpret_cast<float*>(base + l.logit);
+  k.score.cosine = reinterpret_cast<float*>(base + l.cosine);
+  const auto* offsets = reinterpret_cast<const int32_t*>(base + l.offsets);
+  // Eq. 11 takes the cosines (Eq. 10) whatever the rank: the budget comes from them.
+  k.entropy.n_segments = plan.entropy ? 1 : 0;
+  k.entropy.offsets = offsets;
+  k.entropy.scores = k.score.cosine;
+  k.entropy.entropy = reinterpret_cast<double*>(base + l.entropy);
+  k.entropy.non_finite = reinterpret_cast<int32_t*>(base + l.non_finite);
+  k.topk.n_segments = 1;
+  k.topk.offsets = offsets;
+  k.topk.scores = plan.rank == ChunkRank::kLogit ? k.score.logit : k.score.cosine;
+  k.topk.k = reinterpret_cast<const int32_t*>(base + l.k);
+  k.topk.k_max = plan.k_max;
+  k.topk.out_index = reinterpret_cast<int32_t*>(base + l.rows);
+  k.topk.out_score = nullptr;
+  return k;
+}
+
+// ---- the shared RunLayer sequence --------------------------------------------------------
+
+RetrievalBackend::~RetrievalBackend() = default;
+
+Status RetrievalBackend::Reserve(int probe_floats, int64_t n_chunks) {
+  if (probe_floats <= probe_floats_ && n_chunks <= layout_.n_chunks && layout_.total > 0) return Status::Ok();
+  int64_t cap = std::max<int64_t>(1024, layout_.n_chunks);
+  while (cap < n_chunks) cap *= 2;
+  cap = std::min<int64_t>(cap, INT32_MAX);
+  const int pf = std::max(probe_floats, probe_floats_);
+  KVTIER_ASSIGN_OR_RETURN(const size_t topk_bytes, TopKWorkspaceBytes(cap));
+  const RetrievalWorkspaceLayout l = LayoutRetrievalWorkspace(pf, cap, topk_bytes);
+  KVTIER_RETURN_IF_ERROR(AllocateWorkspace(l));
+  layout_ = l;
+  probe_floats_ = pf;
+  return Status::Ok();
+}
+
+Status RetrievalBackend::RunLayer(const LayerSelectPlan& plan, LayerSelectResult* out) {
+  if (out == nullptr) return InvalidArgument("RetrievalBackend::RunLayer: out must not be null");
+  KVTIER_RETURN_IF_ERROR(ValidateLayerSelectPlan(plan));
+  out->rows.clear();
+  out->entropy = 0.0;
+  out->non_finite = 0;
+  const int64_t n = plan.score.n_chunks;
+  if (n == 0) return Status::Ok();
+  const int probe_floats = plan.score.kv_heads * plan.score.head_dim;
+  KVTIER_RETURN_IF_ERROR(Reserve(probe_floats, n));
+  const RetrievalWorkspaceLayout& l = layout_;
+  // The in-block, written into host staging and uploaded as one copy.
+  uint8_t* in = staging();
+  std::memcpy(in + (l.probe - l.in), plan.probe, static_cast<size_t>(probe_floats) * sizeof(float));
+  const int32_t offsets[2] = {0, static_cast<int32_t>(n)};
+  std::memcpy(in + (l.offsets - l.in), offsets, sizeof offsets);
+  const int32_t k = plan.k_max;
+  std::memcpy(in + (l.k - l.in), &k, sizeof k);
+  KVTIER_RETURN_IF_ERROR(CopyIn(l.in_bytes));
+  const LayerKernelParams params = LayerParamsIn(workspace(), l, plan);
+  KVTIER_RETURN_IF_ERROR(Launch(params, plan));
+  // Only the scalars and the k_max rows come back.
+  const size_t out_bytes = (l.rows - l.out) + static_cast<size_t>(plan.k_max) * sizeof(int32_t);
+  KVTIER_RETURN_IF_ERROR(CopyOutAndWait(out_bytes));
+  const uint8_t* ob = staging() + l.in_bytes;
+  if (plan.entropy) {
+    std::memcpy(&out->entropy, ob + (l.entropy - l.out), sizeof(double));
+    std::memcpy(&out->non_finite, ob + (l.non_finite - l.out), sizeof(int32_t));
+  }
+  out->rows.resize(static_cast<size_t>(plan.k_max));
+  std::memcpy(out->rows.data(), ob + (l.rows - l.out), out->rows.size() * sizeof(int32_t));
+  // k_max <= n, so every row is filled; -1 would mean a short segment.
+  for (int32_t r : out->rows)
+    if (r < 0 || r >= n)
+      return Internal(std::string("retrieval (") + name() + "): the top-k returned row " + std::to_string(r) +
+                      " of " + std::to_string(n));
+  return Status::Ok();
+}
+
+// ---- cpu ----------------------------------------------------------------------------------
+
+namespace {
+
+class CpuRetrievalBackend final : public RetrievalBackend {
+ public:
+  const char* name() const override { return "cpu"; }
+
+  Result<uint8_t*> Allocate(size_t bytes) override {
+    if (bytes == 0) return InvalidArgument("retrieval (cpu): Allocate of 0 bytes");
+    auto* p = static_cast<uint8_t*>(::operator new(bytes, std::align_val_t(64), std::nothrow));
+    if (p == nullptr) return ResourceExhausted("retrieval (cpu): " + std::to_string(bytes) + " bytes for a mirror");
+    return p;
+  }
+  void Free(uint8_t* p) override {
+    if (p) ::operator delete(p, std::align_val_t(64));
+  }
+  Status Upload(const BackendCopy* copies, size_t n) override {
+    if (n > 0 && copies == nullptr) return InvalidArgument("retrieval (cpu): Upload: copies are null");
+    for (size_t i = 0; i < n; ++i)
+      if (copies[i].bytes > 0) std::memcpy(copies[i].dst, copies[i].src, copies[i].bytes);
+    return Status::Ok();
+  }
+  Status Download(void* dst, const uint8_t* src, size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+    return Status::Ok();
+  }
+  Result<size_t> TopKWorkspaceBytes(int64_t n_chunks) override {
+    (void)n_chunks;
+    return size_t{0};  // the twin sorts an index array of its own
+  }
+
+ protected:
+  Status AllocateWorkspace(const RetrievalWorkspaceLayout& l) override {
+    try {
+      ws_.assign(l.total / sizeof(uint64_t) + 1, 0);  // uint64_t: the double in the out-block is aligned
+      staging_.assign(l.in_bytes + l.out_bytes, 0);
+    } catch (const std::bad_alloc&) {
+      return ResourceExhausted("retrieval (cpu): a " + std::to_string(l.total) + "-byte workspace");
+    }
+    return Status::Ok();
+  }
+  uint8_t* workspace() override { return reinterpret_cast<uint8_t*>(ws_.data()); }
+  uint8_t* staging() override { return staging_.data(); }
+  Status CopyIn(size_t bytes) override {
+    std::memcpy(workspace() + layout_.in, staging_.data(), bytes);
+    return Status::Ok();
+  }
+  Status Launch(const LayerKernelParams& k, const LayerSelectPlan& plan) override {
+    using kernels::KernelError;
+    if (const KernelError e = kernels::ScoreChunks(k.score); e != KernelError::kOk)
+      return KernelFailure("cpu", "ScoreChunks", e);
+    if (plan.entropy)
+      if (const KernelError e = kernels::SegmentEntropy(k.entropy); e != KernelError::kOk)
+        return KernelFailure("cpu", "SegmentEntropy", e);
+    // The twin sorts (score desc, index asc); a NaN score would break its order, and with
+    // the entropy asked for the host refuses NaN cosines anyway (non_finite).
+    if (const KernelError e = kernels::SegmentedTopK(k.topk); e != KernelError::kOk)
+      return KernelFailure("cpu", "SegmentedTopK", e);
+    return Status::Ok();
+  }
+  Status CopyOutAndWait(size_t bytes) override {
+    std::memcpy(staging_.data() + layout_.in_bytes, workspace() + layout_.out, bytes);
+    return Status::Ok();
+  }
+
+ private:
+  std::vector<uint64_t> ws_;
+  std::vector<uint8_t> staging_;
+};
+
+#if KVTIER_HAVE_CUDA
+
+std::string CudaMessage(cudaError_t e) { return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e); }
+
+// NEVER RUN ON A GPU (see the header). Its own non-blocking stream: mirror uploads, the
+// in-block, the kernels and the out-block are ordered on it, and RunLayer waits once.
+class CudaRetrievalBackend final : public RetrievalBackend {
+ public:
+  static Result<std::unique_ptr<CudaRetrievalBackend>> Create() {
+    if (kernels::cuda::DeviceCount() == 0)
+      return Unavailable(std::string("retrieval backend \"cuda\": no CUDA device: ") +
+                         kernels::cuda::LastCudaErrorString());
+    auto b = std::unique_ptr<CudaRetrievalBackend>(new CudaRetrievalBackend());
+    cudaStream_t s = nullptr;
+    const cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    if (e != cudaSuccess) return Unavailable("retrieval backend \"cuda\": cudaStreamCreate: " + CudaMessage(e));
+    b->stream_ = s;
+    return b;
+  }
+  ~CudaRetrievalBackend() override {
+    if (stream_) cudaStreamSynchronize(stream_);
+    if (ws_) cudaFree(ws_);
+    if (staging_) cudaFreeHost(staging_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  const char* name() const override { return "cuda"; }
+
+  Result<uint8_t*> Allocate(size_t bytes) override {
+    if (bytes == 0) return InvalidArgument("retrieval (cuda): Allocate of 0 bytes");
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, bytes);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return ResourceExhausted("retrieval (cuda): cudaMalloc of " + std::to_string(bytes) + " bytes for a mirror (" +
+                               CudaMessage(e) + ")");
+    }
+    return static_cast<uint8_t*>(p);
+  }
+  void Free(uint8_t* p) override {
+    if (p == nullptr) return;
+    cudaStreamSynchronize(stream_);  // a kernel of the last run may still read it
+    cudaFree(p);
+  }
+  Status Upload(const BackendCopy* copies, size_t n) override {
+    if (n > 0 && copies == nullptr) return InvalidArgument("retrieval (cuda): Upload: copies are null");
+    cudaError_t e = cudaSuccess;
+    for (size_t i = 0; i < n && e == cudaSuccess; ++i)
+      if (copies[i].bytes > 0)
+        e = cudaMemcpyAsync(copies[i].dst, copies[i].src, copies[i].bytes, cudaMemcpyHostToDevice, stream_);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);  // the host rows may change after return
+    if (e != cudaSuccess) return Internal("retrieval (cuda): mirror upload: " + CudaMessage(e));
+    return Status::Ok();
+  }
+  Status Download(void* dst, const uint8_t* src, size_t bytes) override {
+    cudaError_t e = bytes > 0 ? cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_) : cudaSuccess;
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    if (e != cudaSuccess) return Internal("retrieval (cuda): download: " + CudaMessage(e));
+    return Status::Ok();
+  }
+  Result<size_t> TopKWorkspaceBytes(int64_t n_chunks) override {
+    // The size query reads only the shape: stand-in arrays for the checks.
+    const int32_t offsets[2] = {0, static_cast<int32_t>(n_chunks)}, k = 0;
+    kernels::SegmentedTopKParams p;
+    p.n_segments = 1;
+    p.offsets = offsets;
+    p.k = &k;
+    size_t bytes = 0;
+    const kernels::KernelError e =
+        kernels::cuda::SegmentedTopKWorkspaceBytes(p, static_cast<int32_t>(n_chunks), &bytes);
+    if (e != kernels::KernelError::kOk)
+      return KernelFailure("cuda", "SegmentedTopKWorkspaceBytes", e, kernels::cuda::LastCudaErrorString());
+    return bytes;
+  }
+
+ protected:
+  Status AllocateWorkspace(const RetrievalWorkspaceLayout& l) override {
+    cudaStreamSynchronize(stream_);
+    if (ws_) cudaFree(ws_);
+    if (staging_) cudaFreeHost(staging_);
+    ws_ = nullptr;
+    staging_ = nullptr;
+    cudaError_t e = cudaMalloc(&ws_, l.total);
+    if (e == cudaSuccess) e = cudaMallocHost(&staging_, l.in_bytes + l.out_bytes);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      if (ws_) cudaFree(ws_);
+      ws_ = nullptr;
+      staging_ = nullptr;
+      layout_ = RetrievalWorkspaceLayout{};
+      probe_floats_ = 0;
+      return ResourceExhausted("retrieval (cuda): a " + std::to_string(l.total) + "-byte workspace (" +
+                               CudaMessage(e) + ")");
+    }
+    return Status::Ok();
+  }
+  uint8_t* workspace() override { return static_cast<uint8_t*>(ws_); }
+  uint8_t* staging() override { return static_cast<uint8_t*>(staging_); }
+  Status CopyIn(size_t bytes) override {
+    const cudaError_t e =
+        cudaMemcpyAsync(workspace() + layout_.in, staging_, bytes, cudaMemcpyHostToDevice, stream_);
+    if (e != cudaSuccess) return Internal("retrieval (cuda): in-block upload: " + CudaMessage(e));
+    return Status::Ok();
+  }
+  Status Launch(const LayerKernelParams& k, const LayerSelectPlan& plan) override {
+    using kernels::KernelError;
+    namespace kc = kernels::cuda;
+    if (const KernelError e = kc::LaunchScoreChunks(k.score, stream_); e != KernelError::kOk)
+      return KernelFailure("cuda", "LaunchScoreChunks", e, kc::LastCudaErrorString());
+    if (plan.entropy)
+      if (const KernelError e = kc::LaunchSegmentEntropy(k.entropy, stream_); e != KernelError::kOk)
+        return KernelFailure("cuda", "LaunchSegmentEntropy", e, kc::LastCudaErrorString());
+    const int32_t total = static_cast<int32_t>(k.score.n_chunks);
+    if (const KernelError e = kc::LaunchSegmentedTopK(k.topk, total, workspace() + layout_.topk,
+                                                      layout_.total - layout_.topk, stream_);
+        e != KernelError::kOk)
+      return KernelFailure("cuda", "LaunchSegmentedTopK", e, kc::LastCudaErrorString());
+    return Status::Ok();
+  }
+  Status CopyOutAndWait(size_t bytes) override {
+    cudaError_t e = cudaMemcpyAsync(static_cast<uint8_t*>(staging_) + layout_.in_bytes, workspace() + layout_.out,
+                                    bytes, cudaMemcpyDeviceToHost, stream_);
+    // The one synchronisation of the layer.
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    if (e != cudaSuccess) return Internal("retrieval (cuda): " + CudaMessage(e));
+    return Status::Ok();
+  }
+
+ private:
+  CudaRetrievalBackend() = default;
+  cudaStream_t stream_ = nullptr;
+  void* ws_ = nullptr;
+  void* staging_ = nullptr;  // pinned
+};
+
+#endif  // KVTIER_HAVE_CUDA
+
+}  // namespace
+
+Result<std::unique_ptr<RetrievalBackend>> MakeRetrievalBackend(const std::string& device) {
+  if (device == "cpu") return std::unique_ptr<RetrievalBackend>(new CpuRetrievalBackend());
+  if (device == "cuda") {
+#if KVTIER_HAVE_CUDA
+    KVTIER_ASSIGN_OR_RETURN(auto b, CudaRetrievalBackend::Create());
+    return std::unique_ptr<RetrievalBackend>(std::move(b));
+#else
+    return Unavailable("retrieval backend \"cuda\": this build has no CUDA (KVTIER_CUDA=off)");
+#endif
+  }
+  return InvalidArgument("retrieval backend: unknown device \"" + device + "\" (known: cpu, cuda)");
+}
+
+// ---- mirror -------------------------------------------------------------------------------
+
+ReprMirror::ReprMirror(RetrievalBackend* backend, const ChunkShape& shape) : backend_(backend), shape_(shape) {
+  row_key_bytes_ = static_cast<size_t>(shape.repr) * shape.head_dim * DTypeSize(shape.dtype);
+  row_inv_bytes_ = static_cast<size_t>(shape.repr) * sizeof(float);
+}
+
+Result<std::unique_ptr<ReprMirror>> ReprMirror::Create(RetrievalBackend* backend, const ChunkShape& shape) {
+  if (backend == nullptr) return InvalidArgument("ReprMirror: no backend");
+  KVTIER_RETURN_IF_ERROR(shape.Validate());
+  if (shape.dtype != DType::kF32 && shape.dtype != DType::kF16 && shape.dtype != DType::kBF16)
+    return InvalidArgument("ReprMirror: key dtype " + std::string(DTypeName(shape.dtype)) +
+                           " cannot be scored on a backend (f32, f16 or bf16)");
+  return std::unique_ptr<ReprMirror>(new ReprMirror(backend, shape));
+}
+
+ReprMirror::~ReprMirror() {
+  backend_->Free(keys_);
+  backend_->Free(inv_norm_);
+}
+
+Status ReprMirror::Update(size_t first, size_t n, const std::vector<std::vector<uint8_t>>& keys,
+                          const std::vector<std::vector<float>>& inv_norm) {
+  const size_t H = static_cast<size_t>(shape_.kv_heads), R = static_cast<size_t>(shape_.repr);
+  if (keys.size() != H || inv_norm.size() != H)
+    return InvalidArgument("ReprMirror::Update: " + std::to_string(keys.size()) + " key and " +
+                           std::to_string(inv_norm.size()) + " inverse-norm heads for " + std::to_string(H));
+  for (size_t h = 0; h < H; ++h)
+    if (keys[h].size() < n * row_key_bytes_ || inv_norm[h].size() < n * R)
+      return InvalidArgument("ReprMirror::Update: head " + std::to_string(h) + " holds fewer than " +
+                             std::to_string(n) + " rows");
+  first = std::min({first, rows_, n});  // rows past what the mirror holds go up too
+  uint8_t* new_keys = keys_;
+  uint8_t* new_inv = inv_norm_;
+  size_t cap = capacity_;
+  if (n > capacity_) {  // amortised doubling; the head stride changes, so every row goes up
+    cap = std::max<size_t>({n, 2 * capacity_, 16});
+    KVTIER_ASSIGN_OR_RETURN(new_keys, backend_->Allocate(H * cap * row_key_bytes_));
+    auto inv = backend_->Allocate(H * cap * row_inv_bytes_);
+    if (!inv.ok()) {
+      backend_->Free(new_keys);
+      return inv.status();
+    }
+    new_inv = *inv;
+    first = 0;
+  }
+  std::vector<BackendCopy> copies;
+  copies.reserve(2 * H);
+  for (size_t h = 0; h < H; ++h) {
+    if (first == n) break;
+    copies.push_back(BackendCopy{new_keys + (h * cap + first) * row_key_bytes_, keys[h].data() + first * row_key_bytes_,
+                                 (n - first) * row_key_bytes_});
+    copies.push_back(BackendCopy{new_inv + (h * cap + first) * row_inv_bytes_, inv_norm[h].data() + first * R,
+                                 (n - first) * row_inv_bytes_});
+  }
+  const Status st = backend_->Upload(copies.data(), copies.size());
+  if (!st.ok()) {
+    if (new_keys != keys_) {
+      backend_->Free(new_keys);
+      backend_->Free(new_inv);
+    }
+    rows_ = std::min(rows_, first);  // rows from `first` may be half written
+    return st;
+  }
+  if (new_keys != keys_) {
+    backend_->Free(keys_);
+    backend_->Free(inv_norm_);
+    keys_ = new_keys;
+    inv_norm_ = new_inv;
+    capacity_ = cap;
+  }
+  rows_ = n;
+  return Status::Ok();
+}
+
+kernels::ChunkScoreParams ReprMirror::Params(kernels::HeadFold::Kind fold) const {
+  kernels::ChunkScoreParams p;
+  p.kv_heads = shape_.kv_heads;
+  p.head_dim = shape_.head_dim;
+  p.repr = shape_.repr;
+  p.dtype = shape_.dtype;
+  p.fold = fold;
+  p.n_chunks = static_cast<int64_t>(rows_);
+  p.chunk_stride = static_cast<int64_t>(capacity_);
+  p.keys = keys_;
+  p.inv_norm = reinterpret_cast<const float*>(inv_norm_);
+  return p;
+}
+
+Status ReprMirror::Download(std::vector<uint8_t>* keys, std::vector<float>* inv_norm) const {
+  if (keys == nullptr || inv_norm == nullptr) return InvalidArgument("ReprMirror::Download: null output");
+  const size_t H = static_cast<size_t>(shape_.kv_heads);
+  keys->assign(H * rows_ * row_key_bytes_, 0);
+  inv_norm->assign(H * rows_ * shape_.repr, 0.0f);
+  if (rows_ == 0) return Status::Ok();
+  for (size_t h = 0; h < H; ++h) {
+    KVTIER_RETURN_IF_ERROR(
+        backend_->Download(keys->data() + h * rows_ * row_key_bytes_, keys_ + h * capacity_ * row_key_bytes_,
+                           rows_ * row_key_bytes_));
+    KVTIER_RETURN_IF_ERROR(backend_->Download(inv_norm->data() + h * rows_ * shape_.repr,
+                                              inv_norm_ + h * capacity_ * row_inv_bytes_, rows_ * row_inv_bytes_));
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvtier

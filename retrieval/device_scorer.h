@@ -1,0 +1,200 @@
+// Retrieval backends (issue 13): the Exact index's selection of one layer as a plan that runs
+// where the hot tier's memory is, in the pattern of offload/attention_backend.h (plan on the
+// host, run on a backend "cpu" or "cuda", one workspace owned by the backend).
+//
+// The Exact index (exact_index.h) may keep a MIRROR of its representatives on a backend
+// (ReprMirror): keys [kv_heads, capacity, repr, head_dim] in the store's dtype and inverse norms
+// [kv_heads, capacity, repr], kernels::ChunkScoreParams' layout with chunk_stride = capacity.
+// Capacity grows by doubling (every row is uploaded again then, so uploads stay amortised O(1)
+// per row); Add and Remove mark the first row they changed, and the rows from there are
+// uploaded before the next selection (one copy per head and array for a whole batch).
+//
+// One layer's selection (RetrievalBackend::RunLayer), with k_max known beforehand:
+//   in-block upload (probe, top-k offsets and k) -> ScoreChunks (logit and Eq. 10 cosine per
+//   chunk) -> [entropy allocator] SegmentEntropy (Eq. 11 of the cosines, and how many of them
+//   are not finite) -> SegmentedTopK of the allocator's rank (cosine or logit), k_max best
+//   rows -> out-block download (Theta, the count, the k_max rows) -> ONE synchronisation.
+// Eq. 12 (the budget B^l) is a scalar flow across layers and stays on the host
+// (BudgetAllocator::AllocateWithEntropy). It needs Theta, which only the device has, so the
+// top-k is started before the budget is known with k_max = BudgetAllocator::MaxTake (the
+// clamp's upper bound, min(n, B_kv - M x deeper layers), capped by the hot slot pool): the
+// segmented sort orders the whole layer whatever k is, so a larger k costs the device
+// nothing, the download is at most k_max int32s, and the host keeps the first B^l. Doing Eq. 12
+// between the entropy and the top-k would cost a second synchronisation per layer.
+//
+// Backends:
+//  * "cpu": the CPU twins (kernels/cpu/chunk_score.h, entropy.h) over a host mirror and a host
+//    workspace in exactly the cuda layout, through the same RunLayer sequence. What it chooses
+//    is what the Exact index chooses with rerank=0 (one exact fp32 pass): the same per-chunk
+//    arithmetic (ScoreChunksOneHead), the same Eq. 11 (SoftmaxEntropy) and the same order
+//    (score descending, ties to the lower row, -0 == +0); tests/device_retrieval_test.cc checks it.
+//  * "cuda" (builds with CUDA): the mirror and the workspace are cudaMalloc'd, copies and
+//    launches (kernels/cuda/kernels.h) go on the backend's own non-blocking stream, the in- and
+//    out-blocks through pinned host staging. NEVER RUN ON A GPU: written and compiled without
+//    one; without a device MakeRetrievalBackend answers Unavailable "no CUDA device: ...". Its
+//    scores are the CUDA kernel's (fmaf, warp-order sums, rsqrtf): equal selections to the cpu
+//    backend are what tests assert when a device exists, not bit-equal scores.
+//
+// The probe (ActQKV Eq. 7-9) stays on the host twin (retrieval/probe.h): the queries reach the
+// Session on the host, the probe is O(m x H x D) per layer, and its result is one [H, D] vector
+// that travels in the in-block upload the selection makes anyway; a device probe would need the
+// queries uploaded first (more bytes than the probe) for no fewer synchronisations.
+//
+// Thread-safety: a backend serves one Retriever (one sequence, one thread at a time).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/chunk_score.h"
+#include "kernels/cpu/entropy.h"
+#include "retrieval/budget.h"  // ChunkRank
+#include "retrieval/chunk_index.h"
+#include "store/status.h"
+
+namespace kvtier {
+
+/// One host -> backend copy.
+struct BackendCopy {
+  uint8_t* dst = nullptr;     ///< backend memory
+  const void* src = nullptr;  ///< host memory
+  size_t bytes = 0;
+};
+
+/// What one layer's selection runs.
+struct LayerSelectPlan {
+  /// The mirror's view (ReprMirror::Params): shape, fold, n_chunks, chunk_stride, keys and
+  /// inv_norm in backend memory. probe, logit and cosine are ignored (the backend sets them).
+  kernels::ChunkScoreParams score;
+  const float* probe = nullptr;        ///< host [kv_heads, head_dim] fp32
+  ChunkRank rank = ChunkRank::kLogit;  ///< the score the top-k orders by
+  bool entropy = false;                ///< compute Eq. 11 of the cosines (and count non-finite ones)
+  int k_max = 0;                       ///< rows to bring back, best first; in [0, n_chunks]
+};
+
+struct LayerSelectResult {
+  std::vector<int32_t> rows;  ///< the min(k_max, n) best rows by plan.rank, best first
+  double entropy = 0.0;       ///< Eq. 11 of the cosines (plan.entropy; else 0)
+  int32_t non_finite = 0;     ///< cosines that are not finite (plan.entropy; else 0)
+};
+
+/// Host-side checks of a plan (shapes, pointers, k_max, the int32 segment limit), as
+/// InvalidArgument naming what was wrong. Reads no backend memory.
+Status ValidateLayerSelectPlan(const LayerSelectPlan& plan);
+
+/// A backend's one workspace for layers of up to n_chunks chunks, laid out on the host as byte
+/// offsets from its base, each part 256-aligned:
+///   in-block  = probe [probe_floats] fp32 | top-k offsets [2] int32 | top-k k [1] int32  (one upload)
+///   logit [n], cosine [n] fp32
+///   out-block = entropy double | non_finite int32 | pad | rows [k_max] int32               (one download)
+///   top-k     = the top-k launcher's own workspace (topk_bytes)
+struct RetrievalWorkspaceLayout {
+  size_t in = 0, in_bytes = 0, probe = 0, offsets = 0, k = 0;
+  size_t logit = 0, cosine = 0;
+  size_t out = 0, out_bytes = 0, entropy = 0, non_finite = 0, rows = 0;
+  size_t topk = 0, topk_bytes = 0;
+  size_t total = 0;
+  int64_t n_chunks = 0;  ///< the most chunks (and rows) it holds
+};
+RetrievalWorkspaceLayout LayoutRetrievalWorkspace(int probe_floats, int64_t n_chunks, size_t topk_bytes);
+
+/// The kernels' parameters for `plan` in a workspace at `base` (backend memory) laid out by
+/// `layout`: scoring into logit/cosine, Eq. 11 over the cosines, the top-k of plan.rank.
+struct LayerKernelParams {
+  kernels::ChunkScoreParams score;
+  kernels::EntropyParams entropy;
+  kernels::SegmentedTopKParams topk;
+};
+LayerKernelParams LayerParamsIn(uint8_t* base, const RetrievalWorkspaceLayout& layout, const LayerSelectPlan& plan);
+
+class RetrievalBackend {
+ public:
+  virtual ~RetrievalBackend();
+  RetrievalBackend(const RetrievalBackend&) = delete;
+  RetrievalBackend& operator=(const RetrievalBackend&) = delete;
+
+  virtual const char* name() const = 0;  ///< "cpu" | "cuda"
+
+  // ---- backend memory, for mirrors ----
+  /// `bytes` (> 0) of backend memory, uninitialised; ResourceExhausted when it cannot.
+  virtual Result<uint8_t*> Allocate(size_t bytes) = 0;
+  virtual void Free(uint8_t* p) = 0;  ///< null is a no-op
+  /// Every copy is in place when it returns OK.
+  virtual Status Upload(const BackendCopy* copies, size_t n) = 0;
+  virtual Status Download(void* dst, const uint8_t* src, size_t bytes) = 0;
+
+  /// The top-k launcher's workspace for one segment of n chunks (cpu: 0, its twin allocates;
+  /// cuda: SegmentedTopKWorkspaceBytes, which asks CUB and so needs a device).
+  virtual Result<size_t> TopKWorkspaceBytes(int64_t n_chunks) = 0;
+
+  /// Runs one layer's selection: validate, reserve, upload the in-block, launch, download the
+  /// out-block, synchronise once. InvalidArgument for a bad plan, Internal for a failed kernel.
+  Status RunLayer(const LayerSelectPlan& plan, LayerSelectResult* out);
+
+  /// Makes the workspace hold layers of n_chunks (and probes of probe_floats): grows it, when
+  /// needed, to the next power of two of chunks (at least 1024), so a growing cache resizes it
+  /// O(log n) times. RunLayer calls it.
+  Status Reserve(int probe_floats, int64_t n_chunks);
+  const RetrievalWorkspaceLayout& layout() const { return layout_; }
+  size_t workspace_bytes() const { return layout_.total; }
+
+ protected:
+  RetrievalBackend() = default;
+  // The workspace and host staging of `layout` (the old ones may be freed: the last run
+  // has finished when RunLayer returns).
+  virtual Status AllocateWorkspace(const RetrievalWorkspaceLayout& layout) = 0;
+  virtual uint8_t* workspace() = 0;  // backend memory, layout_.total bytes
+  virtual uint8_t* staging() = 0;    // host memory, layout_.in_bytes + layout_.out_bytes bytes
+  // Enqueue: staging[0, in_bytes) -> workspace + layout_.in; the kernels; workspace +
+  // layout_.out -> staging + in_bytes (out_bytes of it); then wait for all of it.
+  virtual Status CopyIn(size_t bytes) = 0;
+  virtual Status Launch(const LayerKernelParams& k, const LayerSelectPlan& plan) = 0;
+  virtual Status CopyOutAndWait(size_t bytes) = 0;
+
+  RetrievalWorkspaceLayout layout_;
+  int probe_floats_ = 0;
+};
+
+/// "cpu" (the twins on host memory) or "cuda" (builds with CUDA and a device). Unavailable
+/// "no CUDA device: ..." without a device, or naming a build without CUDA; InvalidArgument for
+/// another name.
+Result<std::unique_ptr<RetrievalBackend>> MakeRetrievalBackend(const std::string& device);
+
+/// The Exact index's representatives on a backend (see the header comment).
+class ReprMirror {
+ public:
+  /// `backend` must outlive the mirror.
+  static Result<std::unique_ptr<ReprMirror>> Create(RetrievalBackend* backend, const ChunkShape& shape);
+  ~ReprMirror();
+  ReprMirror(const ReprMirror&) = delete;
+  ReprMirror& operator=(const ReprMirror&) = delete;
+
+  /// Makes the mirror hold rows [0, n), uploading rows [first, n) from the host: keys[h] is
+  /// head h's [n, R, D] in the shape's dtype, inv_norm[h] its [n, R]. Rows below `first` must
+  /// be unchanged since the last Update. Past the capacity it grows to max(n, 2 x capacity)
+  /// and uploads every row. On an error the mirror holds its old rows (Update again from 0).
+  Status Update(size_t first, size_t n, const std::vector<std::vector<uint8_t>>& keys,
+                const std::vector<std::vector<float>>& inv_norm);
+  /// The scoring view: shape, fold, n_chunks = rows(), chunk_stride = capacity(), keys, inv_norm.
+  kernels::ChunkScoreParams Params(kernels::HeadFold::Kind fold) const;
+  /// The rows, packed as [kv_heads, rows, repr, head_dim] (dtype bytes) and [kv_heads, rows, repr].
+  Status Download(std::vector<uint8_t>* keys, std::vector<float>* inv_norm) const;
+  size_t rows() const { return rows_; }
+  size_t capacity() const { return capacity_; }
+  uint64_t bytes() const { return capacity_ * (row_key_bytes_ + row_inv_bytes_) * shape_.kv_heads; }
+  RetrievalBackend* backend() const { return backend_; }
+
+ private:
+  ReprMirror(RetrievalBackend* backend, const ChunkShape& shape);
+  RetrievalBackend* backend_;
+  const ChunkShape shape_;
+  size_t row_key_bytes_ = 0, row_inv_bytes_ = 0;  // one chunk of one head: R keys, R floats
+  size_t rows_ = 0, capacity_ = 0;
+  uint8_t* keys_ = nullptr;      // [H, capacity, R, D] dtype
+  uint8_t* inv_norm_ = nullptr;  // [H, capacity, R] fp32
+};
+
+}  // namespace kvtier
