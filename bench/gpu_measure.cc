@@ -11,6 +11,15 @@
 //                  bandwidth (read + write bytes per second) (target >= 0.5)
 //   decode_128k    full attention over 128K tokens (same kernel, same GPU) against the 2K-budget
 //                  step, kernel only and with every retrieved chunk fetched (target >= 5)
+//   forward_decode the model forward outside attention (integration/model/llama_device.h's launcher
+//                  chain: embedding, RMSNorm, Q/K/V/O and MLP GEMMs through cuBLAS fp32, RoPE, K/V
+//                  to bf16, SwiGLU, lm_head) for one decode token at Llama-3.2-1B geometry (16
+//                  layers, d 2048, 32 q / 8 kv heads of 64, ffn 8192, vocab 128256; fp32 weights,
+//                  4.9 GB): weight bytes read per second against device-to-device copy bandwidth
+//                  (read + write bytes per second); one token's GEMMs are matrix-vector products,
+//                  bound by reading the weights (target >= 0.5)
+//   forward_prefill the same chain over a 256-token window: tokens per second against the decode
+//                  rate (what batching the window buys; no target)
 //   peak_memory    the most device memory in use after any measurement's allocations (cudaMemGetInfo)
 //
 // Usage: kvtier_gpu_bench OUT_DIR [--reps N]. Prints a table; writes OUT_DIR/gpu_bench.tsv.
@@ -307,6 +316,156 @@ void MeasureFullVsBudget(cudaStream_t s, int reps, double budget_ms, const std::
     CHECK_CUDA(cudaFree(ptr));
 }
 
+// The device forward's launcher chain outside attention (LlamaDeviceForward::Forward without
+// the Session calls: Append and Attend are measured by the rows above), on zeroed weights (the
+// timing does not depend on values; zero activations stay finite).
+void MeasureForward(cudaStream_t s, int reps, std::vector<Row>* rows) {
+  constexpr int kLayers = 16, kD = 2048, kQ = 32, kKv = 8, kHd = 64, kF = 8192, kVocab = 128256, kWindow = 256;
+  constexpr size_t qd = size_t{kQ} * kHd, kvd = size_t{kKv} * kHd;
+  const size_t per_layer = 2 * kD + qd * kD * 2 + kvd * kD * 2 + size_t{3} * kF * kD;  // floats
+  const size_t weight_floats = size_t{2} * kVocab * kD + kD + kLayers * per_layer;
+  float* w = nullptr;
+  CHECK_CUDA(cudaMalloc(&w, weight_floats * sizeof(float)));
+  CHECK_CUDA(cudaMemset(w, 0, weight_floats * sizeof(float)));
+  const float* embed = w;
+  const float* lm_head = embed + size_t{kVocab} * kD;
+  const float* final_norm = lm_head + size_t{kVocab} * kD;
+  const float* layer0 = final_norm + kD;
+  // Activations for the largest window.
+  const size_t m = kWindow;
+  float *x, *h, *q, *k, *v, *att, *gate, *up, *logits;
+  uint16_t *k16, *v16;
+  int32_t* tokens;
+  int64_t* positions;
+  double* inv_freq;
+  CHECK_CUDA(cudaMalloc(&x, m * kD * 4));
+  CHECK_CUDA(cudaMalloc(&h, m * kD * 4));
+  CHECK_CUDA(cudaMalloc(&q, m * qd * 4));
+  CHECK_CUDA(cudaMalloc(&k, m * kvd * 4));
+  CHECK_CUDA(cudaMalloc(&v, m * kvd * 4));
+  CHECK_CUDA(cudaMalloc(&att, m * qd * 4));
+  CHECK_CUDA(cudaMalloc(&gate, m * kF * 4));
+  CHECK_CUDA(cudaMalloc(&up, m * kF * 4));
+  CHECK_CUDA(cudaMalloc(&logits, m * kVocab * 4));
+  CHECK_CUDA(cudaMalloc(&k16, m * kvd * 2));
+  CHECK_CUDA(cudaMalloc(&v16, m * kvd * 2));
+  CHECK_CUDA(cudaMalloc(&tokens, m * 4));
+  CHECK_CUDA(cudaMalloc(&positions, m * 8));
+  CHECK_CUDA(cudaMalloc(&inv_freq, kHd / 2 * 8));
+  CHECK_CUDA(cudaMemset(att, 0, m * qd * 4));  // attention is not run: its output stays zero
+  CHECK_CUDA(cudaMemset(tokens, 0, m * 4));
+  CHECK_CUDA(cudaMemset(positions, 0, m * 8));
+  CHECK_CUDA(cudaMemset(inv_freq, 0, kHd / 2 * 8));
+  kc::BlasHandle blas = nullptr;
+  CHECK_KERNEL(kc::CreateBlasHandle(&blas));
+  void* blas_ws = nullptr;
+  CHECK_CUDA(cudaMalloc(&blas_ws, kc::GemmWorkspaceBytes()));
+  NotePeak();
+
+  auto forward = [&](int n) {
+    auto gemm = [&](const float* in, int kin, const float* wt, int out, float* y, bool acc) {
+      kvtier::kernels::GemmParams p;
+      p.m = n;
+      p.k = kin;
+      p.n_out = out;
+      p.x = in;
+      p.w = wt;
+      p.y = y;
+      p.accumulate = acc;
+      CHECK_KERNEL(kc::LaunchGemm(p, blas, blas_ws, kc::GemmWorkspaceBytes(), s));
+    };
+    auto rms = [&](const float* in, const float* wt, float* out) {
+      kvtier::kernels::RmsNormParams p;
+      p.m = n;
+      p.d = kD;
+      p.eps = 1e-5;
+      p.x = in;
+      p.w = wt;
+      p.out = out;
+      CHECK_KERNEL(kc::LaunchRmsNorm(p, s));
+    };
+    auto rope = [&](float* io, int heads) {
+      kc::RopeParams p;
+      p.m = n;
+      p.heads = heads;
+      p.head_dim = kHd;
+      p.x = io;
+      p.positions = positions;
+      p.inv_freq = inv_freq;
+      CHECK_KERNEL(kc::LaunchRope(p, s));
+    };
+    auto convert = [&](const float* src, uint16_t* dst) {
+      kvtier::kernels::ConvertToStoreParams p;
+      p.n = static_cast<size_t>(n) * kvd;
+      p.dtype = kvtier::DType::kBF16;
+      p.src = src;
+      p.dst = dst;
+      CHECK_KERNEL(kc::LaunchConvertToStore(p, s));
+    };
+    kvtier::kernels::EmbeddingParams e;
+    e.m = n;
+    e.d = kD;
+    e.vocab = kVocab;
+    e.tokens = tokens;
+    e.table = embed;
+    e.out = x;
+    CHECK_KERNEL(kc::LaunchEmbedding(e, s));
+    for (int l = 0; l < kLayers; ++l) {
+      const float* L = layer0 + l * per_layer;
+      const float *attn_norm = L, *wq = attn_norm + kD, *wk = wq + qd * kD, *wv = wk + kvd * kD, *wo = wv + kvd * kD,
+                  *mlp_norm = wo + kD * qd, *w_gate = mlp_norm + kD, *w_up = w_gate + size_t{kF} * kD,
+                  *w_down = w_up + size_t{kF} * kD;
+      rms(x, attn_norm, h);
+      gemm(h, kD, wq, qd, q, false);
+      gemm(h, kD, wk, kvd, k, false);
+      gemm(h, kD, wv, kvd, v, false);
+      rope(q, kQ);
+      rope(k, kKv);
+      convert(k, k16);
+      convert(v, v16);
+      gemm(att, qd, wo, kD, x, true);
+      rms(x, mlp_norm, h);
+      gemm(h, kD, w_gate, kF, gate, false);
+      gemm(h, kD, w_up, kF, up, false);
+      kvtier::kernels::SwiGluParams sg;
+      sg.n = static_cast<size_t>(n) * kF;
+      sg.gate = gate;
+      sg.up = up;
+      CHECK_KERNEL(kc::LaunchSwiGlu(sg, s));
+      gemm(gate, kF, w_down, kD, x, true);
+    }
+    rms(x, final_norm, h);
+    gemm(h, kD, lm_head, kVocab, logits, false);
+  };
+  const double decode_ms = MedianMs(s, reps, [&] { forward(1); });
+  const double prefill_ms = MedianMs(s, reps, [&] { forward(kWindow); });
+  // Weight bytes a token reads: everything but the embedding table (one row of it).
+  const double weight_bytes = static_cast<double>(weight_floats - size_t{kVocab} * kD) * 4;
+  const double forward_gbs = weight_bytes / decode_ms / 1e6;
+  const size_t copy_bytes = size_t{1} << 30;
+  void *a = nullptr, *b = nullptr;
+  CHECK_CUDA(cudaMalloc(&a, copy_bytes));
+  CHECK_CUDA(cudaMalloc(&b, copy_bytes));
+  const double copy_ms = MedianMs(s, reps, [&] { CHECK_CUDA(cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice, s)); });
+  const double copy_gbs = 2.0 * copy_bytes / copy_ms / 1e6;
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(b));
+  rows->push_back({"forward_decode_llama32_1b", "weights_read", forward_gbs, copy_gbs, forward_gbs / copy_gbs, 0.5,
+                   "GB/s"});
+  rows->push_back({"forward_decode_llama32_1b", "token_ms_16_layers", decode_ms, 0, 0, 0, "ms"});
+  const double decode_tps = 1e3 / decode_ms, prefill_tps = kWindow * 1e3 / prefill_ms;
+  rows->push_back({"forward_prefill_llama32_1b", "window_256_tokens_s", prefill_tps, decode_tps,
+                   prefill_tps / decode_tps, 0, "tokens/s"});
+  kc::DestroyBlasHandle(blas);
+  CHECK_CUDA(cudaFree(blas_ws));
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(h), static_cast<void*>(q), static_cast<void*>(k),
+                  static_cast<void*>(v), static_cast<void*>(att), static_cast<void*>(gate), static_cast<void*>(up),
+                  static_cast<void*>(logits), static_cast<void*>(k16), static_cast<void*>(v16),
+                  static_cast<void*>(tokens), static_cast<void*>(positions), static_cast<void*>(inv_freq),
+                  static_cast<void*>(w)})
+    CHECK_CUDA(cudaFree(p));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -331,6 +490,7 @@ int main(int argc, char** argv) {
   const std::vector<Row> h2d = rows;
   const double budget_ms = MeasureAttention(s, reps, &rows);
   MeasureFullVsBudget(s, reps, budget_ms, h2d, &rows);
+  MeasureForward(s, reps, &rows);
   size_t free_b = 0, total_b = 0;
   CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
   rows.push_back({"peak_memory", "max_cudaMemGetInfo_used", g_peak_used / 1048576.0, total_b / 1048576.0,
