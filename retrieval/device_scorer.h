@@ -7,7 +7,10 @@
 // [kv_heads, capacity, repr], kernels::ChunkScoreParams' layout with chunk_stride = capacity.
 // Capacity grows by doubling (every row is uploaded again then, so uploads stay amortised O(1)
 // per row); Add and Remove mark the first row they changed, and the rows from there are
-// uploaded before the next selection (one copy per head and array for a whole batch).
+// uploaded before the next selection (one copy per head and array for a whole batch, and one
+// wait: cudaMemcpyAsync from pageable memory does not promise the source may change on return,
+// and the index's host vectors do change with the next Add). So a layer whose index took new
+// chunks since its last selection synchronises twice; every other layer once.
 //
 // One layer's selection (RetrievalBackend::RunLayer), with k_max known beforehand:
 //   in-block upload (probe, top-k offsets and k) -> ScoreChunks (logit and Eq. 10 cosine per
