@@ -538,9 +538,9 @@ int RunInfinite(int argc, char** argv) {
   }
   if (o.store.hot_tier == "cuda") {
     // --device cuda: the store's hot tier and the model's forward both run on the GPU
-    // (integration/model/llama_device.h). First whether there is a device at all (Unavailable
-    // "no CUDA device: ..." otherwise), then what the device forward does not take.
-    if (Status dev = CheckHotTierSpec(o.store.hot_tier); !dev.ok()) return Fail(dev);
+    // (integration/model/llama_device.h). First what the device forward does not take (usage
+    // errors, whatever the machine), then whether there is a device at all (Unavailable
+    // "no CUDA device: ..." otherwise).
     if (o.compare)
       return Fail(InvalidArgument("--device cuda does not take --compare: StreamingLLM, InfLLM, ActQKV and the "
                                   "needle oracle run with infllm positions, which the device forward does not "
@@ -549,6 +549,7 @@ int RunInfinite(int argc, char** argv) {
       return Fail(InvalidArgument("--device cuda needs --positions absolute: with infllm positions the keys are "
                                   "stored before RoPE and rotated on the host at attention time, which the device "
                                   "forward does not implement"));
+    if (Status dev = CheckHotTierSpec(o.store.hot_tier); !dev.ok()) return Fail(dev);
   }
   auto loaded = LlamaModel::Load(o.weights);
   if (!loaded.ok())

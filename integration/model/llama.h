@@ -1,5 +1,6 @@
-// A small Llama-style decoder ("kvtier-llama") run on CPU in fp32, whose KV
-// memory is a kvtier TieredStore. models/README.md fixes the architecture and
+// A small Llama-style decoder ("kvtier-llama") run in fp32 on the CPU, or on the GPU when
+// its store's hot tier is "cuda" (llama_device.h; never run on a GPU), whose KV memory is a
+// kvtier TieredStore. models/README.md fixes the architecture and
 // the weight format; models/model.py is the reference implementation the
 // forward pass here must reproduce.
 //
