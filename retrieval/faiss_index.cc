@@ -17,6 +17,7 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <new>
@@ -63,12 +64,67 @@ struct Built {
   bool hnsw = false;            // an HNSW graph (efSearch applies)
 };
 
+// Checks, before index_factory sees a description, what FAISS itself gets wrong (measured on
+// Debian's FAISS with the fuzz target tests/fuzz/fuzz_factory_strings.cc):
+//  * "PQ0" anywhere ("PQ0", "IVF64,PQ0", "Refine(PQ0)", "PQ0x4fs") divides by zero inside
+//    FAISS: SIGFPE, the process dies. A product quantizer needs M >= 1 sub-quantizers.
+//  * index_factory allocates at construction what the numbers name, before any vector is
+//    added: "IVF50000000,Flat" took 2.5 GB for its inverted lists, "PQ4x20" asked for 4 GiB of
+//    centroids. Every number is capped at kMaxFactoryNumber (a 2M-token layer has 65536
+//    chunks of 32, so more IVF lists, HNSW neighbours or PCA dimensions than that never
+//    serve a chunk index) and code widths at 16 bits (2^16 centroids per sub-quantizer).
+//  * When an IVF's second part throws (PQ<M> with M not dividing the dimension, or more than
+//    8 bits per code, which FAISS's IVF-PQ refuses), index_factory leaks the coarse quantizer
+//    it already built: those are refused here with the reason instead.
+constexpr int64_t kMaxFactoryNumber = 65536;
+constexpr int kMaxCodeBits = 16;
+
+Status CheckFactoryDescription(const std::string& factory, int dim) {
+  const std::string quoted = "'" + factory + "'";
+  // Every run of digits, and whether an 'x' (a code width: PQ8x10, RQ1x8) precedes it.
+  for (size_t i = 0; i < factory.size();) {
+    if (!std::isdigit(static_cast<unsigned char>(factory[i]))) { ++i; continue; }
+    size_t j = i;
+    while (j < factory.size() && std::isdigit(static_cast<unsigned char>(factory[j]))) ++j;
+    const std::string digits = factory.substr(i, j - i);
+    const bool bits = i > 0 && factory[i - 1] == 'x';
+    const int64_t cap = bits ? kMaxCodeBits : kMaxFactoryNumber;
+    if (digits.size() > 6 || std::stoll(digits) > cap)
+      return InvalidArgument("FaissIndexOptions.factory " + quoted + ": " + (bits ? "code width " : "number ") +
+                             digits + " exceeds " + std::to_string(cap) +
+                             (bits ? " bits (2^bits centroids per sub-quantizer are allocated up front)"
+                                   : " (index_factory allocates what the numbers name before any vector is "
+                                     "added; a chunk index never needs more)"));
+    i = j;
+  }
+  // A product quantizer as a part of its own: at the start, or after ',' or '(' (not OPQ's
+  // rotation, "OPQ16_64", whose M divides its output dimension).
+  static const std::regex kPq(R"((^|[,(])PQ([0-9]+)(x([0-9]+))?)");
+  const bool ivf = factory.rfind("IVF", 0) == 0 || factory.find(",IVF") != std::string::npos ||
+                   factory.find("(IVF") != std::string::npos;
+  for (auto it = std::sregex_iterator(factory.begin(), factory.end(), kPq); it != std::sregex_iterator(); ++it) {
+    const std::string part = (*it)[0].str().substr((*it)[1].length());
+    const int64_t m = std::stoll((*it)[2]);
+    if (m < 1)
+      return InvalidArgument("FaissIndexOptions.factory " + quoted + ": " + part +
+                             " has no sub-quantizer (PQ<M> needs M >= 1)");
+    if (dim % m != 0)
+      return InvalidArgument("FaissIndexOptions.factory " + quoted + ": " + part + " needs M = " +
+                             std::to_string(m) + " to divide the vector dimension " + std::to_string(dim));
+    if (ivf && (*it)[4].matched && std::stoll((*it)[4]) > 8)
+      return InvalidArgument("FaissIndexOptions.factory " + quoted + ": " + part +
+                             " inside an IVF: FAISS's IVF-PQ takes at most 8 bits per code");
+  }
+  return Status::Ok();
+}
+
 Result<Built> BuildFaiss(int dim, const FaissIndexOptions& o) {
   const std::string quoted = "'" + o.factory + "'";
   if (o.factory.empty())
     return InvalidArgument(
         "FaissIndexOptions.factory must not be empty (a FAISS index_factory description such as \"Flat\", "
         "\"HNSW32\" or \"IVF1024,Flat\")");
+  KVTIER_RETURN_IF_ERROR(CheckFactoryDescription(o.factory, dim));
   if (o.ivf_nprobe < 1)
     return InvalidArgument("FaissIndexOptions.ivf_nprobe must be >= 1 (got " + std::to_string(o.ivf_nprobe) +
                            ")");

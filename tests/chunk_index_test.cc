@@ -389,6 +389,15 @@ TEST(ChunkIndexOptionsTest, BadFactoryStringsAreRejected) {
       {"IVF0,Flat", "nlist = 0"},
       {"", "must not be empty"},
       {"HNSW0", "M >= 2"},
+      // What FAISS would crash on (SIGFPE) or allocate gigabytes for; see CheckFactoryDescription.
+      {"PQ0", "PQ0 has no sub-quantizer"},
+      {"IVF64,PQ0", "PQ0 has no sub-quantizer"},
+      {"HNSW1,PQ0x4fs", "PQ0x4 has no sub-quantizer"},
+      {"Flat,Refine(PQ0)", "PQ0 has no sub-quantizer"},
+      {"IVF50000000,Flat", "number 50000000 exceeds 65536"},
+      {"IVF99999999999999999999,Flat", "exceeds 65536"},
+      {"PQ4x20", "code width 20 exceeds 16 bits"},
+      {"IVF64,PQ8x9", "at most 8 bits per code"},
   };
   for (const auto& c : cases) {
     FaissIndexOptions o;
@@ -605,6 +614,19 @@ TEST(ChunkIndexSpec, BadSpecsAreRejectedNamingTheKeyOrValue) {
     ASSERT_FALSE(m.ok()) << spec;
     EXPECT_EQ(m.status().message(), c.status().message()) << spec;
   }
+  // A product quantizer's M must divide the dimension: FAISS's IVF-PQ throws otherwise and
+  // leaks the coarse quantizer it built (LeakSanitizer in the fuzz target), so it never gets there.
+  auto pq7 = CanonicalChunkIndexSpec("IVF64,PQ7");
+  ASSERT_FALSE(pq7.ok());
+  EXPECT_TRUE(Contains(pq7.status().message(), "PQ7 needs M = 7 to divide the vector dimension 1024"))
+      << pq7.status().message();
+  auto pq8 = MakeChunkIndex("PQ8", ChunkShape{1, 12, 4, DType::kF32});  // 12 floats per chunk vector
+  ASSERT_FALSE(pq8.ok());
+  EXPECT_TRUE(Contains(pq8.status().message(), "PQ8 needs M = 8 to divide the vector dimension 12"))
+      << pq8.status().message();
+  // Within the caps, what a chunk index can use still builds.
+  for (const char* spec : {"IVF65536,Flat", "PQ16x8", "IVF64,PQ16x8", "OPQ16_64,PQ16"})
+    EXPECT_TRUE(CanonicalChunkIndexSpec(spec).ok()) << spec << ": " << CanonicalChunkIndexSpec(spec).status().ToString();
   // Shapes are checked too.
   for (const auto& [shape, field] : std::vector<std::pair<ChunkShape, std::string>>{
            {ChunkShape{0, 64, 4, DType::kF32}, "kv_heads"},
