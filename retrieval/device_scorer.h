@@ -34,9 +34,12 @@
 //  * "cuda" (builds with CUDA): the mirror and the workspace are cudaMalloc'd, copies and
 //    launches (kernels/cuda/kernels.h) go on the backend's own non-blocking stream, the in- and
 //    out-blocks through pinned host staging. NEVER RUN ON A GPU: written and compiled without
-//    one; without a device MakeRetrievalBackend answers Unavailable "no CUDA device: ...". Its
-//    scores are the CUDA kernel's (fmaf, warp-order sums, rsqrtf): equal selections to the cpu
-//    backend are what tests assert when a device exists, not bit-equal scores.
+//    one; without a device MakeRetrievalBackend answers Unavailable "no CUDA device: ...". The
+//    scoring kernel repeats the twin's arithmetic in the twin's order (kernels/cuda/kernels.h),
+//    so its scores, and with CUB's stable sort its order, are the cpu backend's: the tests
+//    assert equal selections when a device exists. Eq. 11 on the device (exp and block sums in
+//    double) may differ from the twin in Theta's last bits, which changes Eq. 12's floor only
+//    for a share within ~1e-16 of an integer.
 //
 // The probe (ActQKV Eq. 7-9) stays on the host twin (retrieval/probe.h): the queries reach the
 // Session on the host, the probe is O(m x H x D) per layer, and its result is one [H, D] vector

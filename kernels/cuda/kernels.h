@@ -53,8 +53,12 @@ KernelError LaunchMergeAttentionStates(int rows, int head_dim, const float* out_
                                        const float* out_b, const float* lse_b, float* out, float* lse, Stream s);
 
 // ---- retrieval ---------------------------------------------------------------------------
-/// ScoreChunks: one warp per chunk, heads folded in order 0..H-1 as the twin does; keys and
-/// inv_norm step heads by ChunkStride(p) (a mirror grown by doubling: retrieval/device_scorer.h).
+/// ScoreChunks: one warp per chunk, four representatives at a time on 8-lane groups, each dot
+/// in Dot's order (8 fmaf partials, the tail, the partials in order), IEEE sqrt/divide for the
+/// inverse norms, std::max's tie rule, heads in order 0..H-1: the twin's scores bit for bit
+/// where the host compiler contracts the twin's cosine sum fold into an FMA (GCC -O3
+/// -march=native does). keys and inv_norm step heads by ChunkStride(p) (a mirror grown by
+/// doubling: retrieval/device_scorer.h).
 KernelError LaunchScoreChunks(const ChunkScoreParams& p, Stream s);
 
 /// SegmentedTopK with CUB's stable segmented radix sort (descending; -0.0 made +0.0 first,

@@ -17,37 +17,66 @@ namespace {
 // ---- chunk scoring ------------------------------------------------------------------------
 
 constexpr int kScoreWarps = 8;
+constexpr int kDotLanes = 8;                          // Dot's eight partial sums (kernels/cpu/dot.h)
+constexpr int kDotGroups = 32 / kDotLanes;            // representatives a warp dots at once
 
-// One warp per chunk; heads folded in order 0..H-1 as HeadFold does (sum: cosines scaled by
-// 1/H each; max: the best head). The dot of one representative is a warp reduction.
+// Dot (kernels/cpu/dot.h) in its exact order on the 8 lanes of a group: lane j sums elements
+// j, j+8, ... below n8 = n - n % 8 with fmaf into its own partial (Dot's lane j); every lane
+// of the group then sums the tail with fmaf from 0 and adds the 8 partials in lane order, as
+// Dot does, so each lane of the group holds Dot's bits. Every lane of the warp must call it
+// (the shuffles span the warp).
+template <typename T>
+__device__ __forceinline__ float GroupDot(const T* k, const float* p, int n, int j) {
+  const int n8 = n - n % kDotLanes;
+  float acc = 0.0f;
+  for (int i = j; i < n8; i += kDotLanes) acc = __fmaf_rn(LoadAsFloat(k + i), p[i], acc);
+  float s = 0.0f;
+  for (int i = n8; i < n; ++i) s = __fmaf_rn(LoadAsFloat(k + i), p[i], s);
+#pragma unroll
+  for (int l = 0; l < kDotLanes; ++l) s = __fadd_rn(s, __shfl_sync(0xffffffffu, acc, l, kDotLanes));
+  return s;
+}
+
+// std::max's choice, (a < b) ? b : a: the first argument on ties (-0 vs +0) and against NaN.
+__device__ __forceinline__ float StdMax(float a, float b) { return a < b ? b : a; }
+
+// One warp per chunk, four representatives at a time (one per 8-lane group), and the same
+// arithmetic as the twin (ScoreChunksOneHead, HeadFold) in the same order, so the scores are
+// the twin's bit for bit: Dot's order for every dot and the probe norm, IEEE sqrt and divide
+// for InverseNorm (not rsqrtf), the representatives folded in order 0..R-1 with std::max's tie
+// rule, (dot * inv_norm) * inv_p, heads in order 0..H-1. The cosine sum fold is an FMA because
+// that is what the twin's `cos + best_cos * share` compiles to (GCC -O3 -march=native contracts
+// it: vfmadd213ss in ScoreChunks); a build that does not contract it differs in the last bit.
 template <typename T>
 __global__ void __launch_bounds__(kScoreWarps * 32) ScoreChunksKernel(const ChunkScoreParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = lane / kDotLanes, j = lane % kDotLanes;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kScoreWarps + warp;
-  if (c >= p.n_chunks) return;
+  if (c >= p.n_chunks) return;  // the whole warp: the shuffles below stay converged
   const int D = p.head_dim, R = p.repr, H = p.kv_heads;
   const size_t stride = static_cast<size_t>(p.chunk_stride > 0 ? p.chunk_stride : p.n_chunks);  // ChunkStride
-  const bool fmax_fold = p.fold == HeadFold::Kind::kMax;
-  const float cos_share = fmax_fold ? 1.0f : 1.0f / static_cast<float>(H);
-  float raw = fmax_fold ? -INFINITY : 0.0f, cosv = raw;
+  const bool max_fold = p.fold == HeadFold::Kind::kMax;
+  const float cos_share = max_fold ? 1.0f : __fdiv_rn(1.0f, static_cast<float>(H));
+  float raw = max_fold ? -INFINITY : 0.0f, cosv = raw;
   const T* keys = static_cast<const T*>(p.keys);
   for (int h = 0; h < H; ++h) {
     const float* probe = p.probe + static_cast<size_t>(h) * D;
-    float pn2 = 0.0f;
-    for (int d = lane; d < D; d += 32) pn2 = fmaf(probe[d], probe[d], pn2);
-    pn2 = WarpSum(pn2);
-    const float inv_p = pn2 > 0.0f ? rsqrtf(pn2) : 0.0f;
+    const float pn2 = GroupDot(probe, probe, D, j);  // every group the same bits
+    const float inv_p = pn2 > 0.0f ? __fdiv_rn(1.0f, __fsqrt_rn(pn2)) : 0.0f;
+    const size_t row = (static_cast<size_t>(h) * stride + c) * R;  // representative 0 of (h, c)
     float best = -INFINITY, best_cos = -1.0f;
-    for (int r = 0; r < R; ++r) {
-      const T* k = keys + ((static_cast<size_t>(h) * stride + c) * R + r) * D;
-      float dot = 0.0f;
-      for (int d = lane; d < D; d += 32) dot = fmaf(LoadAsFloat(k + d), probe[d], dot);
-      dot = WarpSum(dot);
-      best = fmaxf(best, dot);
-      best_cos = fmaxf(best_cos, dot * p.inv_norm[(static_cast<size_t>(h) * stride + c) * R + r] * inv_p);
+    for (int r0 = 0; r0 < R; r0 += kDotGroups) {
+      // Group g dots representative r0 + g (the last one again past R, to stay converged).
+      const int r = min(r0 + group, R - 1);
+      const float dot = GroupDot(keys + (row + r) * D, probe, D, j);
+      for (int g = 0; g < kDotGroups && r0 + g < R; ++g) {  // in order, as the twin
+        const float d = __shfl_sync(0xffffffffu, dot, g * kDotLanes);
+        best = StdMax(best, d);
+        best_cos = StdMax(best_cos, __fmul_rn(__fmul_rn(d, p.inv_norm[row + r0 + g]), inv_p));
+      }
     }
-    raw = fmax_fold ? fmaxf(raw, best) : raw + best;
-    cosv = fmax_fold ? fmaxf(cosv, best_cos) : cosv + best_cos * cos_share;
+    raw = max_fold ? StdMax(raw, best) : __fadd_rn(raw, best);
+    cosv = max_fold ? StdMax(cosv, best_cos) : __fmaf_rn(best_cos, cos_share, cosv);
   }
   if (lane == 0) {
     p.logit[c] = raw;
