@@ -47,6 +47,9 @@ __device__ __forceinline__ float StdMax(float a, float b) { return a < b ? b : a
 // rule, (dot * inv_norm) * inv_p, heads in order 0..H-1. The cosine sum fold is an FMA because
 // that is what the twin's `cos + best_cos * share` compiles to (GCC -O3 -march=native contracts
 // it: vfmadd213ss in ScoreChunks); a build that does not contract it differs in the last bit.
+// What bit equality costs: each of Dot's 8 partial sums is one sequential fmaf chain, so one
+// thread owns it, and a group reads 8 consecutive elements per step (16 bytes of f16 keys,
+// half a 32-byte sector; full sectors for f32). The scan stays memory-bound either way.
 template <typename T>
 __global__ void __launch_bounds__(kScoreWarps * 32) ScoreChunksKernel(const ChunkScoreParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
