@@ -5,12 +5,12 @@
 #include <new>
 #include <string>
 
+#include "kernels/cuda/kernels.h"  // no CUDA header: its head_dim list holds in every build
 #include "kernels/dtype.h"
 
 #if KVTIER_HAVE_CUDA
 #include <cuda_runtime.h>
 
-#include "kernels/cuda/kernels.h"
 #include "offload/cuda_hot_tier.h"
 #endif
 
@@ -18,6 +18,12 @@ namespace kvtier {
 namespace {
 
 size_t Align256(size_t x) { return (x + 255) / 256 * 256; }
+
+// The launcher's head_dim refusal as a status, for the plan and for backend creation.
+Status CudaHeadDimError(const std::string& who, int head_dim) {
+  return InvalidArgument(who + ": head_dim " + std::to_string(head_dim) +
+                         ": the CUDA attention kernel takes 16, 32, 64, 128 or 256");
+}
 
 Status PlanError(kernels::KernelError e, const std::string& what) {
   return InvalidArgument("attention plan: " + what + " (" + kernels::KernelErrorString(e) + ")");
@@ -107,9 +113,8 @@ Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda) {
                            ") must be a positive multiple of kv_heads (" + std::to_string(p.kv_heads) + ")");
   if (!kernels::HeadDimSupported(p.head_dim))
     return InvalidArgument("attention plan: head_dim " + std::to_string(p.head_dim) + " is not supported");
-  if (cuda && p.head_dim != 64 && p.head_dim != 128)
-    return InvalidArgument("attention plan: head_dim " + std::to_string(p.head_dim) +
-                           ": the CUDA attention kernel takes 64 or 128");
+  if (cuda && !kernels::cuda::SlotAttentionHeadDimSupported(p.head_dim))
+    return CudaHeadDimError("attention plan", p.head_dim);
   if (cuda && p.n_queries > 65535)
     return InvalidArgument("attention plan: " + std::to_string(p.n_queries) +
                            " queries: the CUDA attention kernel takes at most 65535 per call");
@@ -260,9 +265,8 @@ Result<std::unique_ptr<AttentionBackend>> MakeAttentionBackend(HotTier* hot, con
     if (cuda == nullptr)
       return Unavailable("attention backend: a \"cuda\" hot tier that is not kvtier's CudaHotTier (its stream and "
                          "memory are unknown to the attention backend)");
-    if (geometry.head_dim != 64 && geometry.head_dim != 128)
-      return InvalidArgument("attention backend (cuda): head_dim " + std::to_string(geometry.head_dim) +
-                             ": the CUDA attention kernel takes 64 or 128");
+    if (!kernels::cuda::SlotAttentionHeadDimSupported(geometry.head_dim))
+      return CudaHeadDimError("attention backend (cuda)", geometry.head_dim);
     auto backend = std::make_unique<CudaAttentionBackend>(cuda);
     // Sized now for the largest step announced, with every slot of the pool attended.
     const int m = std::max(1, max_queries);

@@ -90,8 +90,8 @@ class AttentionPlan {
 };
 
 /// Host-side checks of a plan for a backend, as a named status: what CheckSlotAttentionParams
-/// finds, slot indices outside the pool, and for "cuda" the launcher's limits (head_dim 64 or
-/// 128, at most 65535 queries). Needs no device and reads no K/V memory.
+/// finds, slot indices outside the pool, and for "cuda" the launcher's limits (head_dim 16, 32,
+/// 64, 128 or 256, at most 65535 queries). Needs no device and reads no K/V memory.
 Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda);
 
 /// The CUDA backend's one device workspace, laid out on the host: the plan's host arrays

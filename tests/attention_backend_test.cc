@@ -319,11 +319,20 @@ TEST(AttentionBackend, ValidationNamesBadGeometry) {
   EXPECT_NE(s.message().find("multiple of kv_heads"), std::string::npos) << s.ToString();
   p.q_heads = 8;
   EXPECT_TRUE(ValidateAttentionPlan(p, false).ok());  // no queries: nothing else to check
-  p.head_dim = 96;
-  EXPECT_TRUE(ValidateAttentionPlan(p, false).ok());
-  s = ValidateAttentionPlan(p, /*cuda=*/true);
-  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("64 or 128"), std::string::npos) << s.ToString();
+  // The CUDA kernel has an instance per head_dim in {16, 32, 64, 128, 256} (16: kvtier-tiny);
+  // the CPU twin takes any. A refusal names the head_dim and the ones the kernel takes.
+  for (int d : {16, 32, 64, 128, 256}) {
+    p.head_dim = d;
+    EXPECT_TRUE(ValidateAttentionPlan(p, /*cuda=*/true).ok()) << d;
+  }
+  for (int d : {8, 48, 96, 512}) {
+    p.head_dim = d;
+    EXPECT_TRUE(ValidateAttentionPlan(p, false).ok()) << d;
+    s = ValidateAttentionPlan(p, /*cuda=*/true);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << d;
+    EXPECT_NE(s.message().find("head_dim " + std::to_string(d) + ":"), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find("16, 32, 64, 128 or 256"), std::string::npos) << s.ToString();
+  }
   p.head_dim = 64;
   p.n_queries = 70000;
   s = ValidateAttentionPlan(p, true);
@@ -456,49 +465,53 @@ TEST(AttentionBackend, SessionOnADeviceTierWithoutABackendIsRefusedWithAStatus) 
 TEST(AttentionBackend, SessionOnTheCudaTierMatchesTheHostTier) {
   if (kernels::cuda::DeviceCount() == 0)
     GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();
-  // head_dim 64: the CUDA kernel's sizes. Same data, same retrieval: the same chunks, and
-  // outputs within f16 storage / fp32 accumulation distance (different summation order).
-  auto open = [](const std::string& tier) {
-    StoreOptions o = Store("");
-    o.geometry.head_dim = 64;
-    o.warm_bytes = 256 * o.chunk_bytes();
-    o.hot_tier = tier;
-    return TieredStore::Open(o);
-  };
-  auto host = open("host");
-  auto cuda = open("cuda");
-  ASSERT_TRUE(host.ok() && cuda.ok()) << cuda.status().ToString();
-  SessionOptions so;
-  so.retrieval.budget_tokens = 24;
-  auto a = Session::Open(host->get(), so);
-  auto b = Session::Open(cuda->get(), so);
-  ASSERT_TRUE(a.ok() && b.ok()) << b.status().ToString();
-  std::mt19937 rng(3);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  const size_t kv = 2 * 64, qe = 4 * 64;
-  double worst = 0;
-  for (int64_t p = 0; p < 200; ++p) {
-    ASSERT_TRUE((*a)->BeginStep(StepKind::kDecode).ok());
-    ASSERT_TRUE((*b)->BeginStep(StepKind::kDecode).ok());
-    for (int l = 0; l < kLayers; ++l) {
-      std::vector<float> kf(kv), vf(kv), q(qe);
-      for (float& x : kf) x = n(rng);
-      for (float& x : vf) x = n(rng);
-      for (float& x : q) x = n(rng);
-      std::vector<uint16_t> k(kv), v(kv);
-      FromFloat(DType::kF16, kf.data(), k.data(), kv);
-      FromFloat(DType::kF16, vf.data(), v.data(), kv);
-      ASSERT_TRUE((*a)->Append(l, k.data(), v.data(), 1, DType::kF16).ok());
-      ASSERT_TRUE((*b)->Append(l, k.data(), v.data(), 1, DType::kF16).ok());
-      std::vector<float> oa(qe), ob(qe, std::nanf(""));
-      ASSERT_TRUE((*a)->Attend(l, q.data(), &p, 1, oa.data()).ok());
-      Status st = (*b)->Attend(l, q.data(), &p, 1, ob.data());
-      ASSERT_TRUE(st.ok()) << st.ToString();
-      EXPECT_EQ((*a)->last_chunks()[l], (*b)->last_chunks()[l]);
-      for (size_t i = 0; i < qe; ++i) worst = std::max(worst, static_cast<double>(std::fabs(oa[i] - ob[i])));
+  // head_dim 16 (kvtier-tiny's: half the lanes idle) and 64. Same data, same retrieval: the
+  // same chunks, and outputs within f16 storage / fp32 accumulation distance (different
+  // summation order).
+  for (const int dim : {16, 64}) {
+    SCOPED_TRACE("head_dim " + std::to_string(dim));
+    auto open = [dim](const std::string& tier) {
+      StoreOptions o = Store("");
+      o.geometry.head_dim = dim;
+      o.warm_bytes = 256 * o.chunk_bytes();
+      o.hot_tier = tier;
+      return TieredStore::Open(o);
+    };
+    auto host = open("host");
+    auto cuda = open("cuda");
+    ASSERT_TRUE(host.ok() && cuda.ok()) << cuda.status().ToString();
+    SessionOptions so;
+    so.retrieval.budget_tokens = 24;
+    auto a = Session::Open(host->get(), so);
+    auto b = Session::Open(cuda->get(), so);
+    ASSERT_TRUE(a.ok() && b.ok()) << b.status().ToString();
+    std::mt19937 rng(3);
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    const size_t kv = static_cast<size_t>(kKvHeads) * dim, qe = static_cast<size_t>(kQHeads) * dim;
+    double worst = 0;
+    for (int64_t p = 0; p < 200; ++p) {
+      ASSERT_TRUE((*a)->BeginStep(StepKind::kDecode).ok());
+      ASSERT_TRUE((*b)->BeginStep(StepKind::kDecode).ok());
+      for (int l = 0; l < kLayers; ++l) {
+        std::vector<float> kf(kv), vf(kv), q(qe);
+        for (float& x : kf) x = n(rng);
+        for (float& x : vf) x = n(rng);
+        for (float& x : q) x = n(rng);
+        std::vector<uint16_t> k(kv), v(kv);
+        FromFloat(DType::kF16, kf.data(), k.data(), kv);
+        FromFloat(DType::kF16, vf.data(), v.data(), kv);
+        ASSERT_TRUE((*a)->Append(l, k.data(), v.data(), 1, DType::kF16).ok());
+        ASSERT_TRUE((*b)->Append(l, k.data(), v.data(), 1, DType::kF16).ok());
+        std::vector<float> oa(qe), ob(qe, std::nanf(""));
+        ASSERT_TRUE((*a)->Attend(l, q.data(), &p, 1, oa.data()).ok());
+        Status st = (*b)->Attend(l, q.data(), &p, 1, ob.data());
+        ASSERT_TRUE(st.ok()) << st.ToString();
+        EXPECT_EQ((*a)->last_chunks()[l], (*b)->last_chunks()[l]);
+        for (size_t i = 0; i < qe; ++i) worst = std::max(worst, static_cast<double>(std::fabs(oa[i] - ob[i])));
+      }
     }
+    EXPECT_LE(worst, 1e-4);
   }
-  EXPECT_LE(worst, 1e-4);
 }
 #endif
 

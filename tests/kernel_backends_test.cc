@@ -311,6 +311,13 @@ const AttnShape kAttnShapes[] = {
     {8, 2, 128, DType::kF16, 3, 0, false, false, false},    // no slots, not causal
     {6, 3, 128, DType::kF32, 1, 9, true, true, true},       // GQA 2, mass
     {32, 8, 64, DType::kF16, 16, 3, true, true, true},      // 512 rows: one block per row on the GPU (no split-K)
+    // head_dim below a warp: lanes 16..31 hold no element (kernels/cuda/attention.cu, LaneSplit).
+    {8, 2, 16, DType::kF32, 1, 6, true, true, true},        // kvtier-tiny's geometry, decode, mass
+    {8, 2, 16, DType::kBF16, 4, 5, false, true, false},     // kvtier-tiny, a prefill window
+    {4, 4, 16, DType::kF16, 2, 0, false, false, true},      // no slots, not causal, mass
+    {8, 2, 32, DType::kF16, 1, 9, true, true, true},        // one element per lane
+    {4, 1, 32, DType::kBF16, 3, 4, false, true, false},     // MQA
+    {4, 2, 256, DType::kF16, 1, 4, true, true, true},       // eight elements per lane
 };
 
 TEST_P(KernelBackends, SlotAttentionMatchesReference) {
@@ -448,6 +455,25 @@ TEST(KernelBackendsCpu, SlotAttentionRejectsASlotOutsideThePool) {
   P.slot_n[2] = P.slot_tokens + 1;  // more tokens than a slot holds
   EXPECT_EQ(SlotAttention(P.Params(0, 3, &out, &lse, nullptr, nullptr)), KernelError::kBadShape);
 }
+
+#if KVTIER_HAVE_CUDA
+// Host-side, no device needed: the launcher refuses a head_dim it has no kernel instance for
+// before anything is enqueued (the twin takes them all), and states the same list as the
+// plan validation (offload/attention_backend.cc) through SlotAttentionHeadDimSupported.
+TEST(KernelBackendsCpu, CudaSlotAttentionRefusesHeadDimsWithoutAKernel) {
+  for (int d : {16, 32, 64, 128, 256}) EXPECT_TRUE(cuda::SlotAttentionHeadDimSupported(d)) << d;
+  std::mt19937 rng(FreshSeed());
+  for (int d : {1, 8, 24, 48, 96, 100, 192, 512}) {
+    EXPECT_FALSE(cuda::SlotAttentionHeadDimSupported(d)) << d;
+    AttnProblem P;
+    P.Make({4, 2, d, DType::kF16, 1, 2, false, true, false}, rng);
+    std::vector<float> out(static_cast<size_t>(4) * d, kNaN), lse(4, kNaN);
+    const SlotAttentionParams p = P.Params(0, 2, &out, &lse, nullptr, nullptr);
+    EXPECT_EQ(SlotAttention(p), KernelError::kOk) << d;  // the twin takes any 1 .. kMaxHeadDim
+    EXPECT_EQ(cuda::LaunchSlotAttention(p, nullptr, 0, nullptr), KernelError::kBadShape) << d;
+  }
+}
+#endif
 
 // ---- chunk scoring and per-layer top-k ---------------------------------------------------------
 

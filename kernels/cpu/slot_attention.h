@@ -31,7 +31,7 @@ struct DenseKv {
 struct SlotAttentionParams {
   int q_heads = 0;                        ///< > 0, multiple of kv_heads
   int kv_heads = 0;                       ///< > 0
-  int head_dim = 0;                       ///< 1 .. kMaxHeadDim (CUDA: 64 or 128)
+  int head_dim = 0;                       ///< 1 .. kMaxHeadDim (CUDA: 16, 32, 64, 128, 256)
   DType dtype = DType::kF16;              ///< storage dtype of every K and V
   float scale = 0.0f;                     ///< softmax scale; 0 means 1/sqrt(head_dim)
   bool causal = true;                     ///< mask keys whose position > the query's

@@ -8,6 +8,10 @@
 // writes the output; with more, each writes its normalised partial (out_s, lse_s) to the
 // workspace and a merge kernel combines them by log-sum-exp. Mass (the final probabilities)
 // needs the final lse: with splits it is a third launch over the same grid.
+//
+// head_dim is a template parameter D in {16, 32, 64, 128, 256} (LaneSplit below): a warp
+// holds one q/K/V row, D / 32 elements per lane, or one element on lanes 0..D-1 when D < 32.
+// sacc[kWarps][D] is 4 KiB of shared memory at D = 256 and q/acc 8 registers each per lane.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -27,12 +31,27 @@ constexpr int kTile = 32;        // dense tokens per split unit
 constexpr int kMaxSplits = 16;
 constexpr int kTargetBlocks = 512;  // enough blocks to fill a large GPU several times over
 
+// A row of D elements over the 32 lanes of a warp: lane l holds the E = max(1, D / 32)
+// consecutive elements l*E .. l*E + E - 1. For D < 32 (the shipped kvtier-tiny has head_dim
+// 16) lanes D..31 hold nothing: their q is 0, they load no K or V and store no accumulator,
+// but they still take part in the warp shuffles (WarpSum needs all 32 lanes).
+template <int D>
+struct LaneSplit {
+  static_assert(D == 16 || D == 32 || D == 64 || D == 128 || D == 256, "a head_dim the launcher dispatches");
+  static constexpr int E = D < 32 ? 1 : D / 32;
+  // Whether `lane` holds element lane*E + e. A constant true when D % 32 == 0, so the 64 and
+  // 128 paths compile to the same instructions as before the guard existed.
+  __device__ static __forceinline__ bool Holds(int lane, int e) { return D % 32 == 0 || lane * E + e < D; }
+};
+
 // Score of one key: scale * q.k, the warp's lanes each holding E consecutive elements.
-template <typename T, int E>
-__device__ __forceinline__ float WarpScore(const float (&q)[E], const T* k, int lane, float scale) {
+template <typename T, int D>
+__device__ __forceinline__ float WarpScore(const float (&q)[LaneSplit<D>::E], const T* k, int lane, float scale) {
+  constexpr int E = LaneSplit<D>::E;
   float s = 0.0f;
 #pragma unroll
-  for (int e = 0; e < E; ++e) s = fmaf(q[e], LoadAsFloat(k + lane * E + e), s);
+  for (int e = 0; e < E; ++e)
+    if (LaneSplit<D>::Holds(lane, e)) s = fmaf(q[e], LoadAsFloat(k + lane * E + e), s);
   return WarpSum(s) * scale;
 }
 
@@ -75,10 +94,12 @@ __host__ __device__ inline bool WantsMass(const SlotAttentionParams& p) {
 }
 
 template <int D>
-__device__ __forceinline__ void LoadQuery(const SlotAttentionParams& p, int h, int qi, int lane, float (&q)[D / 32]) {
+__device__ __forceinline__ void LoadQuery(const SlotAttentionParams& p, int h, int qi, int lane,
+                                          float (&q)[LaneSplit<D>::E]) {
+  constexpr int E = LaneSplit<D>::E;
   const float* qrow = p.q + (static_cast<size_t>(qi) * p.q_heads + h) * D;
 #pragma unroll
-  for (int e = 0; e < D / 32; ++e) q[e] = qrow[lane * (D / 32) + e];
+  for (int e = 0; e < E; ++e) q[e] = LaneSplit<D>::Holds(lane, e) ? qrow[lane * E + e] : 0.0f;
 }
 
 // Adds exp(score - lse) of every owned, visible key to its mass (atomics: the q heads of a
@@ -87,13 +108,13 @@ template <typename T, int D>
 __device__ void AddMass(const SlotAttentionParams& p, float scale, int h, int qi, int split, int splits, float lse) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int kvh = h / (p.q_heads / p.kv_heads);
-  float q[D / 32];
+  float q[LaneSplit<D>::E];
   LoadQuery<D>(p, h, qi, lane, q);
   const bool causal = p.causal;
   const int64_t qpos = causal ? p.q_positions[qi] : 0;
   ForEachKey<T>(p, kvh, warp, split, splits, [&](const T* k, const T*, int64_t pos, float* mass) {
     if (mass == nullptr || (causal && pos > qpos)) return;
-    const float s = WarpScore<T, D / 32>(q, k, lane, scale);
+    const float s = WarpScore<T, D>(q, k, lane, scale);
     if (lane == 0) atomicAdd(mass, __expf(s - lse));
   });
 }
@@ -101,7 +122,7 @@ __device__ void AddMass(const SlotAttentionParams& p, float scale, int h, int qi
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads)
     SlotAttentionKernel(const SlotAttentionParams p, float scale, int splits, float* part_out, float* part_lse) {
-  constexpr int E = D / 32;
+  constexpr int E = LaneSplit<D>::E;
   const int h = blockIdx.x, qi = blockIdx.y, split = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int kvh = h / (p.q_heads / p.kv_heads);
@@ -116,13 +137,14 @@ __global__ void __launch_bounds__(kThreads)
   for (int e = 0; e < E; ++e) acc[e] = 0.0f;
   ForEachKey<T>(p, kvh, warp, split, splits, [&](const T* k, const T* v, int64_t pos, float*) {
     if (causal && pos > qpos) return;
-    const float s = WarpScore<T, E>(q, k, lane, scale);
+    const float s = WarpScore<T, D>(q, k, lane, scale);
     const float m_new = fmaxf(m, s);
     const float corr = __expf(m - m_new);  // exp(-inf) = 0 on the first key
     const float w = __expf(s - m_new);
     l = l * corr + w;
 #pragma unroll
-    for (int e = 0; e < E; ++e) acc[e] = fmaf(w, LoadAsFloat(v + lane * E + e), acc[e] * corr);
+    for (int e = 0; e < E; ++e)
+      if (LaneSplit<D>::Holds(lane, e)) acc[e] = fmaf(w, LoadAsFloat(v + lane * E + e), acc[e] * corr);
     m = m_new;
   });
 
@@ -133,7 +155,8 @@ __global__ void __launch_bounds__(kThreads)
     sl[warp] = l;
   }
 #pragma unroll
-  for (int e = 0; e < E; ++e) sacc[warp][lane * E + e] = acc[e];
+  for (int e = 0; e < E; ++e)
+    if (LaneSplit<D>::Holds(lane, e)) sacc[warp][lane * E + e] = acc[e];
   __syncthreads();
   float M = -INFINITY;
 #pragma unroll
@@ -264,7 +287,14 @@ KernelError LaunchTyped(const SlotAttentionParams& p, float scale, int splits, c
 
 template <typename T>
 KernelError LaunchDType(const SlotAttentionParams& p, float scale, int splits, char* ws, cudaStream_t s) {
-  return p.head_dim == 64 ? LaunchTyped<T, 64>(p, scale, splits, ws, s) : LaunchTyped<T, 128>(p, scale, splits, ws, s);
+  switch (p.head_dim) {
+    case 16: return LaunchTyped<T, 16>(p, scale, splits, ws, s);
+    case 32: return LaunchTyped<T, 32>(p, scale, splits, ws, s);
+    case 64: return LaunchTyped<T, 64>(p, scale, splits, ws, s);
+    case 128: return LaunchTyped<T, 128>(p, scale, splits, ws, s);
+    case 256: return LaunchTyped<T, 256>(p, scale, splits, ws, s);
+  }
+  return KernelError::kBadShape;  // LaunchSlotAttention refused it already
 }
 
 }  // namespace
@@ -276,7 +306,7 @@ size_t SlotAttentionWorkspaceBytes(const SlotAttentionParams& p) {
 
 KernelError LaunchSlotAttention(const SlotAttentionParams& p, void* workspace, size_t workspace_bytes, Stream stream) {
   if (const KernelError e = CheckSlotAttentionParams(p); e != KernelError::kOk) return e;
-  if (p.head_dim != 64 && p.head_dim != 128) return KernelError::kBadShape;
+  if (!SlotAttentionHeadDimSupported(p.head_dim)) return KernelError::kBadShape;
   if (p.n_queries == 0) return KernelError::kOk;
   if (p.n_queries > 65535) return KernelError::kBadShape;  // grid.y limit
   const int splits = Splits(p);

@@ -9,7 +9,8 @@
 //
 // This header includes no CUDA header: streams are passed as `void*` (a cudaStream_t;
 // nullptr = the legacy default stream), so any C++ translation unit can include it. The
-// functions exist only in builds with KVTIER_HAVE_CUDA (the .cu files compile then).
+// functions exist only in builds with KVTIER_HAVE_CUDA (the .cu files compile then); its
+// constexpr predicates exist in every build.
 //
 // STATUS: compiled with nvcc 13 for sm_90; NONE OF THESE KERNELS HAS EVER RUN ON A GPU.
 // tests/kernel_backends_test.cc compares each with its CPU twin when a device is present.
@@ -40,11 +41,18 @@ const char* LastCudaErrorString();
 /// Blocks per (query head, query) x split: each streams K/V of its share of the dense parts'
 /// 32-token tiles and of the selected slots through slot_index (no gather copy), with an online
 /// softmax in fp32; warps merge in-block by LSE, splits (split-K, so that decode's few rows
-/// fill the GPU) in a merge kernel. head_dim 64 or 128 (kBadShape otherwise), f32/f16/bf16.
+/// fill the GPU) in a merge kernel. head_dim 16, 32, 64, 128 or 256 (SlotAttentionHeadDimSupported;
+/// kBadShape otherwise), f32/f16/bf16. A warp holds one row, E = max(1, head_dim / 32) elements
+/// per lane; below 32 (kvtier-tiny's 16) the upper lanes hold none and only join the shuffles.
 /// A slot_index entry outside [0, pool_slots) is skipped (the host cannot see device
 /// memory; the CPU twin rejects it). Mass: a pass after the final lse adds exp(score - lse)
 /// with atomics (their order makes mass non-deterministic in the last bits).
 /// Workspace: the splits' partials (0 bytes when one split suffices); kWorkspace when short.
+/// The head_dims LaunchSlotAttention has a kernel for (one template instance each). Inline, so
+/// host code of any build (ValidateAttentionPlan) states the same list without CUDA.
+constexpr bool SlotAttentionHeadDimSupported(int head_dim) {
+  return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
 size_t SlotAttentionWorkspaceBytes(const SlotAttentionParams& p);
 KernelError LaunchSlotAttention(const SlotAttentionParams& p, void* workspace, size_t workspace_bytes, Stream s);
 
