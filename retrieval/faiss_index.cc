@@ -73,6 +73,11 @@ struct Built {
 //    centroids. Every number is capped at kMaxFactoryNumber (a 2M-token layer has 65536
 //    chunks of 32, so more IVF lists, HNSW neighbours or PCA dimensions than that never
 //    serve a chunk index) and code widths at 16 bits (2^16 centroids per sub-quantizer).
+//  * "HNSW0" and "HNSW1" (also "HNSW00", "IVF64_HNSW1,Flat") build a graph whose level
+//    table FAISS leaves short (set_default_probas with 1 / log(M) infinite or negative), so
+//    asking it how many neighbours a level has reads past the table: garbage, different from
+//    one parse to the next (the fuzz target's round trip trapped on it). HNSW needs M >= 2,
+//    checked here on the description, before any graph exists.
 //  * When an IVF's second part throws (PQ<M> with M not dividing the dimension, or more than
 //    8 bits per code, which FAISS's IVF-PQ refuses), index_factory leaks the coarse quantizer
 //    it already built: those are refused here with the reason instead.
@@ -97,6 +102,12 @@ Status CheckFactoryDescription(const std::string& factory, int dim) {
                                      "added; a chunk index never needs more)"));
     i = j;
   }
+  static const std::regex kHnsw(R"(HNSW([0-9]+))");
+  for (auto it = std::sregex_iterator(factory.begin(), factory.end(), kHnsw); it != std::sregex_iterator(); ++it)
+    if (std::stoll((*it)[1]) < 2)
+      return InvalidArgument("FaissIndexOptions.factory " + quoted + ": " + (*it)[0].str() +
+                             ": HNSW needs M >= 2 neighbours per node (got " + std::to_string(std::stoll((*it)[1])) +
+                             ")");
   // A product quantizer as a part of its own: at the start, or after ',' or '(' (not OPQ's
   // rotation, "OPQ16_64", whose M divides its output dimension).
   static const std::regex kPq(R"((^|[,(])PQ([0-9]+)(x([0-9]+))?)");
@@ -170,6 +181,7 @@ Result<Built> BuildFaiss(int dim, const FaissIndexOptions& o) {
     ivf->nprobe = std::min<size_t>(static_cast<size_t>(o.ivf_nprobe), ivf->nlist);
   }
   if (hnsw) {
+    // Level 1 exists: CheckFactoryDescription refused M < 2, whose level table FAISS leaves short.
     const int m = hnsw->hnsw.nb_neighbors(1);
     if (m < 2)
       return InvalidArgument("FaissIndexOptions.factory " + quoted +

@@ -389,6 +389,10 @@ TEST(ChunkIndexOptionsTest, BadFactoryStringsAreRejected) {
       {"IVF0,Flat", "nlist = 0"},
       {"", "must not be empty"},
       {"HNSW0", "M >= 2"},
+      // FAISS reads past its level table for M < 2: refused before a graph exists.
+      {"HNSW1", "HNSW1: HNSW needs M >= 2 neighbours per node (got 1)"},
+      {"HNSW00:ef=64", "HNSW00: HNSW needs M >= 2"},
+      {"IVF64_HNSW1,Flat", "HNSW1: HNSW needs M >= 2"},
       // What FAISS would crash on (SIGFPE) or allocate gigabytes for; see CheckFactoryDescription.
       {"PQ0", "PQ0 has no sub-quantizer"},
       {"IVF64,PQ0", "PQ0 has no sub-quantizer"},

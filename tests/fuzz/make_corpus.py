@@ -124,7 +124,8 @@ specs = {
     3: ["topk", "topk:rank=logit", "entropy", "entropy:min=1,rank=cosine"],
     4: ["Exact", "Exact:heads=max,rerank=4,rerank_min=256", "Flat", "HNSW32:ef=64", "IVF16,Flat:nprobe=4,train_min=0",
         # FAISS crashed (SIGFPE), leaked or allocated gigabytes on these before CheckFactoryDescription
-        "HNSW1,PQ0x4fs", "IVF64,PQ7", "IVF64,PQ8x9", "IVF50000000,Flat"],
+        "HNSW1,PQ0x4fs", "IVF64,PQ7", "IVF64,PQ8x9", "IVF50000000,Flat",
+        "HNSW00:ef=64"],
     5: ["host", "cuda"],
     6: ["probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,rerank_min=256 budget=2048",
         "probe=mean alloc=topk index=Flat budget=512"],
