@@ -45,6 +45,8 @@ Result<std::unique_ptr<CudaHotTier>> CudaHotTier::Create(size_t slot_pool_bytes,
 
 CudaHotTier::~CudaHotTier() {
   if (stream_) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  for (auto& [ticket, ev] : in_flight_) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
+  for (void* ev : spare_events_) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
   if (done_) cudaEventDestroy(static_cast<cudaEvent_t>(done_));
   if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
   if (pool_) cudaFree(pool_);
@@ -114,6 +116,78 @@ Status CudaHotTier::Download(void* dst, const uint8_t* src, size_t bytes) {
 
 Status CudaHotTier::CopyWithin(uint8_t* dst, const void* src, size_t bytes) {
   return Copy(dst, src, bytes, CopyKind::kWithin);
+}
+
+
+Result<TransferTicket> CudaHotTier::DownloadBatchAsync(const DownloadOp* ops, size_t n) {
+  cudaEvent_t ev = nullptr;
+  {
+    std::lock_guard<std::mutex> l(tickets_mu_);
+    if (!spare_events_.empty()) {
+      ev = static_cast<cudaEvent_t>(spare_events_.back());
+      spare_events_.pop_back();
+    }
+  }
+  cudaError_t e = cudaSuccess;
+  if (ev == nullptr) e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  cudaStream_t s = static_cast<cudaStream_t>(stream_);
+  // On the transfer stream, after every copy submitted so far and before every later one:
+  // what lets the store refill the ring positions being read before the download is waited.
+  for (size_t i = 0; i < n && e == cudaSuccess; ++i)
+    if (ops[i].bytes > 0) e = cudaMemcpyAsync(ops[i].dst, ops[i].src, ops[i].bytes, cudaMemcpyDeviceToHost, s);
+  if (e == cudaSuccess) e = cudaEventRecord(ev, s);
+  std::lock_guard<std::mutex> l(tickets_mu_);
+  if (e != cudaSuccess) {
+    if (ev != nullptr) spare_events_.push_back(ev);
+    return IOError("hot tier \"cuda\": asynchronous download of " + std::to_string(n) + " copies failed (" +
+                   CudaMessage(e) + ")");
+  }
+  const TransferTicket ticket = next_ticket_++;
+  in_flight_[ticket] = ev;
+  return ticket;
+}
+
+Status CudaHotTier::WaitTransfer(TransferTicket ticket) {
+  if (ticket == kCompletedTransfer) return Status::Ok();
+  cudaEvent_t ev = nullptr;
+  {
+    std::lock_guard<std::mutex> l(tickets_mu_);
+    auto it = in_flight_.find(ticket);
+    if (it == in_flight_.end())
+      return InvalidArgument("hot tier \"cuda\": unknown transfer ticket " + std::to_string(ticket) +
+                             " (never issued or already waited)");
+    ev = static_cast<cudaEvent_t>(it->second);
+    in_flight_.erase(it);
+  }
+  const cudaError_t e = cudaEventSynchronize(ev);
+  std::lock_guard<std::mutex> l(tickets_mu_);
+  spare_events_.push_back(ev);
+  if (e != cudaSuccess)
+    return IOError("hot tier \"cuda\": asynchronous download (ticket " + std::to_string(ticket) + ") failed (" +
+                   CudaMessage(e) + ")");
+  return Status::Ok();
+}
+
+Result<bool> CudaHotTier::TransferDone(TransferTicket ticket) {
+  if (ticket == kCompletedTransfer) return true;
+  cudaEvent_t ev = nullptr;
+  {
+    std::lock_guard<std::mutex> l(tickets_mu_);
+    auto it = in_flight_.find(ticket);
+    if (it == in_flight_.end())
+      return InvalidArgument("hot tier \"cuda\": unknown transfer ticket " + std::to_string(ticket) +
+                             " (never issued or already waited)");
+    ev = static_cast<cudaEvent_t>(it->second);
+  }
+  // The event stays in in_flight_ until WaitTransfer, which only this ticket's owner calls.
+  const cudaError_t e = cudaEventQuery(ev);
+  if (e == cudaSuccess) return true;
+  if (e == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return IOError("hot tier \"cuda\": asynchronous download (ticket " + std::to_string(ticket) + ") failed (" +
+                 CudaMessage(e) + ")");
 }
 
 }  // namespace kvtier

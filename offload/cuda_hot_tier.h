@@ -3,7 +3,11 @@
 // (cudaMalloc each). Every pointer it returns is a DEVICE pointer. Upload and Download copy
 // on the tier's own transfer stream (cudaStreamNonBlocking, so they overlap the compute
 // stream) and wait for an event recorded after the copy: HotTier's contract is that the bytes
-// are in place when the call returns. Slot bookkeeping is SlotBook (host-only, tested on CPU).
+// are in place when the call returns. CopyWithin (Append's device K/V) is a device-to-device
+// copy on the same stream with the same wait. DownloadBatchAsync (a sealed chunk leaving the
+// local window for its pinned warm slot) records an event per ticket and returns: the store
+// waits for it when the chunk lands, and the ring positions it read are refilled only by
+// copies submitted later on the same stream. Slot bookkeeping is SlotBook (host-only, tested on CPU).
 //
 // Built only with KVTIER_HAVE_CUDA; MakeHotTier("cuda") finds it then, and answers
 // Unavailable "no CUDA device: ..." when the driver sees none. TieredStore takes it: the
@@ -15,6 +19,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
 
 #include "offload/hot_tier.h"
 #include "offload/slot_book.h"
@@ -52,6 +59,15 @@ class CudaHotTier final : public HotTier {
   /// whose writes are complete: the transfer stream does not wait for the engine's stream
   /// (synchronise it, or produce K/V on stream()).
   Status CopyWithin(uint8_t* dst, const void* src, size_t bytes) override;
+  /// Device -> host cudaMemcpyAsync of every op on the transfer stream, then an event of the
+  /// ticket's own recorded after them; returns without waiting. The copies are asynchronous
+  /// only into pinned host memory (the store's warm slots are pinned when a device is
+  /// present); copies into pageable memory complete before the call returns.
+  Result<TransferTicket> DownloadBatchAsync(const DownloadOp* ops, size_t n) override;
+  /// cudaEventSynchronize on the ticket's event, which then goes back to the spare list.
+  Status WaitTransfer(TransferTicket ticket) override;
+  /// cudaEventQuery on the ticket's event.
+  Result<bool> TransferDone(TransferTicket ticket) override;
 
   /// The transfer stream (a cudaStream_t) for kernels that should order after uploads.
   void* stream() const { return stream_; }
@@ -67,6 +83,12 @@ class CudaHotTier final : public HotTier {
   uint8_t* pool_ = nullptr;  // device memory: slot_capacity x slot_bytes
   void* stream_ = nullptr;   // cudaStream_t
   void* done_ = nullptr;     // cudaEvent_t recorded after each copy
+  // Asynchronous downloads in flight: one event (cudaEvent_t) per ticket. Guarded by
+  // tickets_mu_: the store lands chunks from whichever thread reads them.
+  std::mutex tickets_mu_;
+  std::unordered_map<TransferTicket, void*> in_flight_;
+  std::vector<void*> spare_events_;
+  TransferTicket next_ticket_ = kCompletedTransfer + 1;
   uint64_t bad_releases_ = 0;
 };
 

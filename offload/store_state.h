@@ -9,11 +9,13 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "offload/clock.h"
+#include "offload/hot_tier.h"
 #include "offload/store_records.h"
 #include "store/chunk.h"
 
@@ -42,6 +44,19 @@ struct Chunk {
   float score = 0.0f;
 };
 
+/// A sealed chunk whose ring -> warm download was submitted (HotTier::DownloadBatchAsync)
+/// and has not landed yet. Until the store lands it (TieredStore::LandLayerLocked) the chunk
+/// sits in LayerState::chunks at its index, holding its warm slot with warm_pins = 1, but is
+/// not held by warm (not in the warm policy), not fetchable, not indexed, not written to a
+/// lower tier and not demotable: every reader of the layer's chunks lands it first.
+struct LandingChunk {
+  Chunk* chunk = nullptr;
+  TransferTicket ticket = kCompletedTransfer;
+  // [kv_heads, chunk_size]: the attention mass its tokens received in the local window,
+  // snapshotted at seal time (the ring positions are reset and reused right after).
+  std::vector<float> mass;
+};
+
 struct LayerState {
   // Sinks and local ring are owned by the sequence's driving thread (one at a
   // time), not by the store mutex.
@@ -57,6 +72,12 @@ struct LayerState {
   // Of an attached sequence: chunks [0, shared_chunks) are the publisher's (remote only, never
   // written or deleted here); later ones are this store's own. Fixed at attach.
   uint64_t shared_chunks = 0;
+  // Guarded by the store mutex: chunks sealed from this layer whose download has not landed,
+  // oldest first; how many landings threads have claimed and run without the lock; and the
+  // first landing failure no call has reported yet (TieredStore::TakeLandingErrorLocked).
+  std::deque<LandingChunk> landing;
+  int landers = 0;
+  Status landing_error;
 };
 
 struct Sequence;

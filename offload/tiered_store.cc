@@ -19,6 +19,7 @@ namespace kvtier {
 using store_records::EncodeChunkMeta;
 using store_records::EncodeSequenceRecord;
 using store_records::SeqState;
+using store_internal::LandingChunk;
 
 // ---------------------------------------------------------------------------
 // Internal state (chunks, layers, sequences: offload/store_state.h)
@@ -53,6 +54,7 @@ Status StoreOptions::Validate() const {
   KVTIER_RETURN_IF_ERROR(positive("repr_topk", repr_topk));
   KVTIER_RETURN_IF_ERROR(positive("pin_timeout_ms", pin_timeout_ms));
   KVTIER_RETURN_IF_ERROR(positive("transfer_threads", transfer_threads));
+  KVTIER_RETURN_IF_ERROR(positive("max_landing_chunks", max_landing_chunks));
   if (n_local % chunk_size != 0)
     return InvalidArgument("n_local (" + std::to_string(n_local) + ") must be a multiple of chunk_size (" +
                            std::to_string(chunk_size) + ")");
@@ -150,6 +152,11 @@ void FetchHandle::Release() {
 TieredStore::TieredStore(const StoreOptions& options) : options_(options) {}
 
 TieredStore::~TieredStore() {
+  if (engine_) {
+    // Downloads in flight write into warm slots: land them (which issues their write-through).
+    std::unique_lock<std::mutex> l(mu_);
+    LandEverythingLocked(l);
+  }
   // Transfer tasks call back into the store: let them finish first.
   if (engine_) engine_->WaitIdle();
   for (auto& [id, seq] : sequences_) {
@@ -188,7 +195,7 @@ Status TieredStore::Init() {
   // A device tier ("cuda") is accepted: nothing in the store dereferences hot memory on the
   // host. Attention runs on the Session's backend for the tier's device
   // (offload/attention_backend.h); chunk scoring reads representatives, which are host data
-  // chosen at sealing from the warm copy the chunk was just downloaded into; every other
+  // chosen when a sealed chunk lands, from the warm copy it was downloaded into; every other
   // read of hot memory goes through HotTier::Download (ReadTokens, CloseSequence's sinks,
   // ObserveQueries, see there).
   KVTIER_ASSIGN_OR_RETURN(warm_, SlotPool::Create("warm_bytes", options_.warm_bytes, chunk_bytes_, true));
@@ -307,7 +314,7 @@ Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void*
                            MemorySpace space) {
   Sequence* s = nullptr;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    std::unique_lock<std::mutex> l(mu_);
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, true, &s));
     if (n <= 0) return InvalidArgument("Append: token count must be > 0 (got " + std::to_string(n) + ")");
     if (k == nullptr || v == nullptr) return InvalidArgument("Append: k and v must not be null");
@@ -317,6 +324,10 @@ Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void*
     if (space != MemorySpace::kHost && space != MemorySpace::kDevice)
       return InvalidArgument("Append: unknown memory space " + std::to_string(static_cast<int>(space)) +
                              " (kHost or kDevice)");
+    // Chunks sealed by earlier Appends whose downloads are complete land now (never waiting);
+    // a failed one is reported here, before anything is appended.
+    LandLayerLocked(l, s, layer, 0, true);
+    KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
     s->busy++;
   }
   // kDevice K/V are already in the tier's memory space: copied within it, never through the host.
@@ -403,6 +414,10 @@ Status TieredStore::MakeWarmRoom(std::unique_lock<std::mutex>& lock) {
       KVTIER_RETURN_IF_ERROR(WriteWarmChunkToColdLocked(lock, chunk_by_id_.at(victim_id)));
       continue;
     }
+    // Slots held by chunks still landing become warm chunks (movable once acknowledged).
+    // (A chunk another thread is between sealing and submitting is not landable yet: the
+    // wait below lets that thread go on.)
+    if (landing_chunks_ > 0 && LandEverythingLocked(lock)) continue;
     if (!has_lower())
       return ResourceExhausted("warm tier is full (" + std::to_string(warm_->capacity()) +
                                " chunks) and there is no cold tier (data_dir) or remote tier (remote) to demote to");
@@ -462,7 +477,18 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
   const int64_t ring = options_.n_local + options_.chunk_size;
   const int64_t first = ls.sealed_end;
   const int64_t slot0 = (first - options_.n_sink) % ring;  // multiple of chunk_size: chunks never wrap
+  const int kv_heads = options_.geometry.kv_heads;
+  // The statistics of the positions the chunk leaves, taken now: they are reset below and
+  // the positions refilled before the chunk lands.
+  LandingChunk landing;
+  landing.mass.resize(static_cast<size_t>(kv_heads) * options_.chunk_size);
+  for (int h = 0; h < kv_heads; ++h)
+    std::copy_n(ls.ring_mass.data() + h * ring + slot0, options_.chunk_size,
+                landing.mass.data() + static_cast<size_t>(h) * options_.chunk_size);
   Chunk* c = nullptr;
+  uint8_t* dst = nullptr;
+  // Allocated before anything changes, so that running out of memory here loses nothing.
+  std::vector<uint8_t> repr(static_cast<size_t>(options_.repr_topk) * token_bytes_);
   {
     std::unique_lock<std::mutex> lock(mu_);
     KVTIER_RETURN_IF_ERROR(MakeWarmRoom(lock));
@@ -472,57 +498,149 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
     c->id = next_chunk_id_++;
     c->key = ChunkKey{s->id, static_cast<uint32_t>(layer), ls.chunks.size()};
     c->first_token = first;
+    c->repr = std::move(repr);  // chosen when the chunk lands
     c->warm_slot = slot;
     c->warm_pins = 1;  // being filled
     chunk_by_id_[c->id] = c;
     ls.chunks.push_back(c);
+    landing_chunks_++;  // from here on its warm slot is not counted as a warm chunk
+    dst = warm_->slot_data(c->warm_slot);
   }
-  // Fill the warm slot outside the lock: [K chunk][V chunk].
-  uint8_t* dst = warm_->slot_data(c->warm_slot);
+  // Submit the download into the (pinned) warm slot, [K chunk][V chunk], and return without
+  // waiting: on a device tier the copy overlaps what the engine does next. The ring
+  // positions it reads are refilled by this sequence's next Append before the chunk lands;
+  // that is safe because every copy into hot memory (Upload, CopyWithin) goes through the
+  // same tier, which runs its copies in submission order (CudaHotTier: one transfer
+  // stream), so the refill is ordered after the download read the old bytes.
   const size_t half = static_cast<size_t>(options_.chunk_size) * token_bytes_;
-  Status st = hot_->Download(dst, ls.ring_k + slot0 * token_bytes_, half);
-  if (st.ok()) st = hot_->Download(dst + half, ls.ring_v + slot0 * token_bytes_, half);
-  c->repr.resize(static_cast<size_t>(options_.repr_topk) * token_bytes_);
-  if (st.ok()) {
-    RepresentativeInput ri;
-    ri.geometry = options_.geometry;
-    ri.chunk_size = options_.chunk_size;
-    ri.repr_topk = options_.repr_topk;
-    // The keys from the warm copy just downloaded ([K chunk] first): the same bytes as the
-    // ring's, and host memory whatever device the hot tier is on.
-    ri.keys = dst;
-    ri.mass = ls.ring_mass.data() + slot0;  // head h at h * ring
-    ri.mass_stride = static_cast<size_t>(ring);
-    st = ChooseRepresentatives(ri, c->repr.data());
-  }
-  // Reset the statistics of the ring positions the chunk leaves behind.
-  for (int h = 0; h < options_.geometry.kv_heads; ++h)
-    std::fill_n(ls.ring_mass.data() + h * ring + slot0, options_.chunk_size, 0.0f);
-
+  const HotTier::DownloadOp ops[] = {{dst, ls.ring_k + slot0 * token_bytes_, half},
+                                     {dst + half, ls.ring_v + slot0 * token_bytes_, half}};
+  Result<TransferTicket> ticket = hot_->DownloadBatchAsync(ops, 2);
   std::unique_lock<std::mutex> lock(mu_);
-  if (!st.ok()) {
+  if (!ticket.ok()) {
+    // Nothing was submitted: the chunk stays in the ring, and the next Append seals it again.
     ls.chunks.pop_back();
     chunk_by_id_.erase(c->id);
     warm_->Release(c->warm_slot);
+    landing_chunks_--;
     delete c;
-    return st;
+    return ticket.status();
   }
-  c->tiers = kTierWarm;
-  warm_policy_->OnInsert(c->id);
-  counters_.warm_chunks = warm_->used();
-  counters_.chunks_sealed++;
-  counters_.bytes_moved += chunk_bytes_;
+  for (int h = 0; h < kv_heads; ++h) std::fill_n(ls.ring_mass.data() + h * ring + slot0, options_.chunk_size, 0.0f);
   ls.sealed_end += options_.chunk_size;
-  if (options_.write_through && has_lower()) {
-    c->cold_writing = true;  // keeps the warm pin until the write is done
-    const uint8_t* payload = warm_->slot_data(c->warm_slot);
-    const float score = c->score;  // snapshot under the lock (see Chunk::score)
-    lock.unlock();
-    SubmitColdWrite(c, payload, score);
-  } else {
-    c->warm_pins = 0;
-  }
+  landing.chunk = c;
+  landing.ticket = *ticket;
+  ls.landing.push_back(std::move(landing));
+  // A host tier's download is complete already: the chunk lands here, as if sealing were
+  // synchronous. A device tier's lands at the next reader, or when too many are in flight.
+  LandLayerLocked(lock, s, layer, static_cast<size_t>(options_.max_landing_chunks), false);
+  LandLayerLocked(lock, s, layer, 0, true);
   return Status::Ok();
+}
+
+void TieredStore::LandLayerLocked(std::unique_lock<std::mutex>& lock, Sequence* s, int layer, size_t keep,
+                                  bool only_complete) {
+  LayerState& ls = s->layers[layer];
+  for (;;) {
+    while (ls.landing.size() > keep) {
+      if (only_complete) {
+        const Result<bool> done = hot_->TransferDone(ls.landing.front().ticket);
+        if (done.ok() && !*done) break;  // an error: WaitTransfer below reports it
+      }
+      // Claimed: this thread lands it without the lock; others that need the layer landed
+      // wait for `landers` to drop.
+      LandingChunk p = std::move(ls.landing.front());
+      ls.landing.pop_front();
+      ls.landers++;
+      Chunk* c = p.chunk;
+      const uint8_t* warm_copy = warm_->slot_data(c->warm_slot);
+      lock.unlock();
+      Status st = hot_->WaitTransfer(p.ticket);
+      if (st.ok()) {
+        // The keys from the warm copy just landed ([K chunk] first): the same bytes as the
+        // ring's were, and host memory whatever device the hot tier is on. Nobody reads
+        // c->repr before the chunk is published below, under the lock.
+        st = ReturnOnBadAlloc("landing a chunk: its representatives", [&] {
+          RepresentativeInput ri;
+          ri.geometry = options_.geometry;
+          ri.chunk_size = options_.chunk_size;
+          ri.repr_topk = options_.repr_topk;
+          ri.keys = warm_copy;
+          ri.mass = p.mass.data();  // head h at h * chunk_size
+          ri.mass_stride = static_cast<size_t>(options_.chunk_size);
+          return ChooseRepresentatives(ri, c->repr.data());
+        });
+      }
+      lock.lock();
+      landing_chunks_--;
+      if (!st.ok()) {
+        landing_failures_++;
+        // Lost before any lower tier acknowledged it: its index becomes a hole (as a chunk
+        // dropped by compression), and the failure goes to the next call that lands the layer.
+        if (ls.landing_error.ok())
+          ls.landing_error = Status(st.code(), "sealing chunk " + c->key.ToString() +
+                                                   " failed and its tokens are lost: " + st.message());
+        ls.chunks[c->key.index] = nullptr;
+        chunk_by_id_.erase(c->id);
+        warm_->Release(c->warm_slot);
+        delete c;
+      } else {
+        c->tiers = kTierWarm;
+        warm_policy_->OnInsert(c->id);
+        counters_.warm_chunks = warm_->used() - landing_chunks_;
+        counters_.chunks_sealed++;
+        counters_.bytes_moved += chunk_bytes_;
+        if (options_.write_through && has_lower()) {
+          c->cold_writing = true;  // keeps the warm pin until the write is done
+          const float score = c->score;  // snapshot under the lock (see Chunk::score)
+          lock.unlock();
+          SubmitColdWrite(c, warm_copy, score);
+          lock.lock();
+        } else {
+          c->warm_pins = 0;
+        }
+      }
+      ls.landers--;
+      cv_.notify_all();
+    }
+    // Landed completely only once the landings other threads claimed are published too (and
+    // whatever was sealed meanwhile is landed by this loop).
+    if (keep > 0 || only_complete || (ls.landers == 0 && ls.landing.empty())) return;
+    cv_.wait(lock);
+  }
+}
+
+void TieredStore::LandSequenceLocked(std::unique_lock<std::mutex>& lock, Sequence* s) {
+  for (int l = 0; l < static_cast<int>(s->layers.size()); ++l) LandLayerLocked(lock, s, l);
+}
+
+bool TieredStore::LandEverythingLocked(std::unique_lock<std::mutex>& lock) {
+  if (landing_chunks_ == 0) return false;
+  const uint64_t before = counters_.chunks_sealed + landing_failures_;
+  // Ids first: the map may change while a landing drops the lock (a drop waits for the
+  // landings of its sequence, so a sequence found here stays while it is landed).
+  std::vector<SequenceId> ids;
+  for (const auto& [id, seq] : sequences_) ids.push_back(id);
+  for (SequenceId id : ids) {
+    auto it = sequences_.find(id);
+    if (it != sequences_.end()) LandSequenceLocked(lock, it->second.get());
+  }
+  return counters_.chunks_sealed + landing_failures_ != before;
+}
+
+Status TieredStore::TakeLandingErrorLocked(LayerState& ls) {
+  Status st = std::move(ls.landing_error);
+  ls.landing_error = Status::Ok();
+  return st;
+}
+
+Status TieredStore::TakeLandingErrorLocked(Sequence* s) {
+  Status first;
+  for (LayerState& ls : s->layers) {
+    Status st = TakeLandingErrorLocked(ls);
+    if (first.ok()) first = std::move(st);
+  }
+  return first;
 }
 
 void TieredStore::SubmitColdWrite(Chunk* c, const uint8_t* payload, float score) {
@@ -550,8 +668,19 @@ void TieredStore::SubmitColdWrite(Chunk* c, const uint8_t* payload, float score)
 }
 
 Status TieredStore::WaitForDurable() {
+  Status landed;
+  {
+    // Chunks still landing have no write issued yet: land them, which issues it.
+    std::unique_lock<std::mutex> l(mu_);
+    LandEverythingLocked(l);
+    for (auto& [id, seq] : sequences_) {
+      Status st = TakeLandingErrorLocked(seq.get());
+      if (landed.ok()) landed = std::move(st);
+    }
+  }
   engine_->WaitIdle();
   std::lock_guard<std::mutex> l(mu_);
+  if (!landed.ok()) return landed;
   // A failed write-through leaves its chunk unacknowledged in warm, where the
   // next demotion or CloseSequence writes it again; report the failure once.
   Status st = background_error_;
@@ -681,9 +810,11 @@ Result<HotView> TieredStore::GetHotView(SequenceId seq, int layer) {
 }
 
 Result<std::vector<ChunkInfo>> TieredStore::ListChunks(SequenceId seq, int layer) const {
-  std::lock_guard<std::mutex> l(mu_);
+  std::unique_lock<std::mutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+  landing_self()->LandLayerLocked(l, s, layer);
+  KVTIER_RETURN_IF_ERROR(landing_self()->TakeLandingErrorLocked(s->layers[layer]));
   std::vector<ChunkInfo> out;
   for (const Chunk* c : s->layers[layer].chunks) {
     if (c == nullptr) continue;
@@ -693,16 +824,20 @@ Result<std::vector<ChunkInfo>> TieredStore::ListChunks(SequenceId seq, int layer
 }
 
 Result<uint64_t> TieredStore::ChunkCount(SequenceId seq, int layer) const {
-  std::lock_guard<std::mutex> l(mu_);
+  std::unique_lock<std::mutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+  landing_self()->LandLayerLocked(l, s, layer);
+  KVTIER_RETURN_IF_ERROR(landing_self()->TakeLandingErrorLocked(s->layers[layer]));
   return static_cast<uint64_t>(s->layers[layer].chunks.size());
 }
 
 Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) const {
-  std::lock_guard<std::mutex> l(mu_);
+  std::unique_lock<std::mutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(key.seq, static_cast<int>(key.layer), false, &s));
+  landing_self()->LandLayerLocked(l, s, static_cast<int>(key.layer));
+  KVTIER_RETURN_IF_ERROR(landing_self()->TakeLandingErrorLocked(s->layers[key.layer]));
   const auto& chunks = s->layers[key.layer].chunks;
   if (key.index >= chunks.size() || chunks[key.index] == nullptr) return NotFound("chunk " + key.ToString() + " does not exist");
   const Chunk* c = chunks[key.index];
@@ -713,8 +848,10 @@ Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) const {
 Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t end, void* k_out, void* v_out) {
   Sequence* s = nullptr;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    std::unique_lock<std::mutex> l(mu_);
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+    LandLayerLocked(l, s, layer);
+    KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
     if (begin < 0 || end < begin || end > s->layers[layer].n_tokens)
       return InvalidArgument("ReadTokens: range [" + std::to_string(begin) + ", " + std::to_string(end) +
                              ") is outside [0, " + std::to_string(s->layers[layer].n_tokens) + ")");
@@ -842,9 +979,11 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
   st->store = this;
   bool any_load = false;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    std::unique_lock<std::mutex> l(mu_);
     Sequence* s = nullptr;
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+    LandLayerLocked(l, s, layer);
+    KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
     LayerState& ls = s->layers[layer];
     if (static_cast<int64_t>(chunk_indices.size()) > hot_->slot_capacity())
       return ResourceExhausted("fetch of " + std::to_string(chunk_indices.size()) + " chunks exceeds the hot tier's " +
@@ -1047,8 +1186,10 @@ void TieredStore::ReleasePins(FetchHandle::State* st) {
 Status TieredStore::CloseSequence(SequenceId seq) {
   Sequence* s = nullptr;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    std::unique_lock<std::mutex> l(mu_);
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, 0, true, &s));
+    LandSequenceLocked(l, s);
+    KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s));
     s->busy++;
   }
   Status st;
@@ -1137,9 +1278,18 @@ Status TieredStore::DropSequence(SequenceId seq) {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return NotFound("sequence " + std::to_string(seq) + " does not exist (never created or dropped)");
   Sequence* s = it->second.get();
-  // Wait for appends, reads and transfers that touch this sequence to finish.
+  // Wait for appends, reads and transfers that touch this sequence to finish; chunks still
+  // landing land first (their downloads read the regions freed below). A landing failure
+  // changes nothing here: the sequence goes anyway.
+  for (;;) {
+    cv_.wait(l, [&] { return s->busy == 0; });
+    LandSequenceLocked(l, s);
+    if (s->busy == 0) break;
+  }
   cv_.wait(l, [&] {
     if (s->busy > 0) return false;
+    for (auto& ls : s->layers)
+      if (!ls.landing.empty() || ls.landers > 0) return false;
     for (auto& ls : s->layers)
       for (Chunk* c : ls.chunks)
         if (c && (c->warm_pins > 0 || c->cold_writing || c->hot_loading)) return false;
@@ -1167,9 +1317,11 @@ Status TieredStore::DropSequence(SequenceId seq) {
 }
 
 Status TieredStore::SetChunkScores(SequenceId seq, int layer, const std::vector<std::pair<uint64_t, float>>& scores) {
-  std::lock_guard<std::mutex> l(mu_);
+  std::unique_lock<std::mutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+  LandLayerLocked(l, s, layer);
+  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
   LayerState& ls = s->layers[layer];
   for (const auto& [idx, score] : scores) {
     if (idx >= ls.chunks.size())
@@ -1194,6 +1346,8 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
     std::unique_lock<std::mutex> l(mu_);
     Sequence* s = nullptr;
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+    LandLayerLocked(l, s, layer);
+    KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
     LayerState& ls = s->layers[layer];
     for (uint64_t idx : chunk_indices)
       if (idx >= ls.chunks.size())
@@ -1236,11 +1390,14 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
 }
 
 StoreCounters TieredStore::counters() const {
-  std::lock_guard<std::mutex> l(mu_);
+  std::unique_lock<std::mutex> l(mu_);
+  // Statistics count landed chunks: land what is in flight (a failure stays in its layer's
+  // landing_error for the next call that can return it).
+  landing_self()->LandEverythingLocked(l);
   StoreCounters c = counters_;
   c.hot_chunks = hot_->slots_used();
   c.hot_bytes = c.hot_chunks * chunk_bytes_ + region_bytes_;
-  c.warm_chunks = warm_->used();
+  c.warm_chunks = warm_->used() - landing_chunks_;  // a chunk another thread is landing is not warm yet
   c.warm_bytes = c.warm_chunks * chunk_bytes_;
   if (remote_) {
     const RemoteTierCounters r = remote_->counters();
@@ -1292,6 +1449,17 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
       return FailedPrecondition("PublishSequence: sequence " + std::to_string(seq) +
                                 " is attached from another store's publication; publish from the store that wrote it");
     s->busy++;
+  }
+  {
+    // A closed sequence has nothing landing (CloseSequence landed it); kept for the invariant.
+    std::unique_lock<std::mutex> l(mu_);
+    LandSequenceLocked(l, s);
+    Status landed = TakeLandingErrorLocked(s);
+    if (!landed.ok()) {
+      s->busy--;
+      cv_.notify_all();
+      return landed;
+    }
   }
   Status st;
   const size_t repr_bytes = static_cast<size_t>(options_.repr_topk) * token_bytes_;

@@ -14,6 +14,19 @@
 //    StoreOptions::clock) runs out.
 //  * One sequence is driven by one thread at a time; different sequences
 //    may be driven from different threads concurrently.
+//  * Landing: sealing a chunk submits its download from the local ring into a
+//    pinned warm slot (HotTier::DownloadBatchAsync: asynchronous on a device tier,
+//    done at submit on the host tier) and returns. Until the download has landed
+//    the chunk is not held by warm, not fetchable, not indexed (ListChunks,
+//    ChunkCount, representatives), not written to a lower tier and not demotable.
+//    Every reader of a layer's sealed chunks lands them first (ListChunks,
+//    ChunkCount, GetRepresentatives, FetchChunks, ReadTokens, SetChunkScores,
+//    DropChunks; per sequence CloseSequence, DropSequence, PublishSequence; every
+//    sequence for counters() and WaitForDurable()), Append lands those already
+//    complete and keeps at most max_landing_chunks in flight per layer. A failed
+//    download loses that chunk only (never acknowledged: its index becomes a hole)
+//    and is returned by the next Status-returning call that lands the layer
+//    (Append: before appending anything).
 //  * With write_through (default), a chunk is acknowledged (durable across
 //    SIGKILL) once the asynchronous cold write has finished; WaitForDurable()
 //    waits for all of them. Sinks and the local window are persisted by
@@ -73,6 +86,10 @@ struct StoreOptions {
   std::string hot_policy = "lru";      ///< demotion policy of the hot slot pool
   std::string warm_policy = "lru";     ///< demotion policy of the warm tier
   int transfer_threads = 2;            ///< concurrency of the asynchronous transfer arena
+  /// Sealed chunks per (sequence, layer) whose download from the local window may be in
+  /// flight at once (a device tier copies them asynchronously: see "Landing" below); one
+  /// more waits for the oldest. >= 1.
+  int max_landing_chunks = 8;
   /// The hot tier, by factory string (offload/hot_tier.h's registry): "host" (host
   /// memory) or "cuda" (CudaHotTier, GPU memory), which is Unavailable for now: without a
   /// CUDA build or device, and with one because the store reads hot memory on the host.
@@ -301,6 +318,24 @@ class TieredStore {
   Status Init();
   Status CheckLayerLocked(SequenceId seq, int layer, bool for_write, Sequence** out) const;
   Status SealOldestChunk(Sequence* s, int layer);
+  /// Lands the oldest landing chunks of one layer until at most `keep` are left; with
+  /// `only_complete`, stops at the first whose download is not complete yet (never waits for
+  /// a download). With keep == 0 and !only_complete, also waits for landings other threads
+  /// claimed, so that on return no chunk of the layer is landing. Failures go to the
+  /// layer's landing_error. Drops the lock while waiting for a download.
+  void LandLayerLocked(std::unique_lock<std::mutex>& lock, Sequence* s, int layer, size_t keep = 0,
+                       bool only_complete = false);
+  /// Every layer of one sequence, or of every sequence, landed completely.
+  void LandSequenceLocked(std::unique_lock<std::mutex>& lock, Sequence* s);
+  /// Whether anything landed (by this thread or another it waited for).
+  bool LandEverythingLocked(std::unique_lock<std::mutex>& lock);
+  /// The layer's (or sequence's) unreported landing failure, cleared; OK when none.
+  Status TakeLandingErrorLocked(LayerState& ls);
+  Status TakeLandingErrorLocked(Sequence* s);
+  /// Landing for a const reader: a landing completes an earlier Append, so a reader sees the
+  /// store as if it had completed. Every TieredStore is created non-const (Open), so
+  /// the const_cast is well defined.
+  TieredStore* landing_self() const { return const_cast<TieredStore*>(this); }
   Status MakeWarmRoom(std::unique_lock<std::mutex>& lock);
   /// Writes the chunk to cold synchronously and acknowledges it. `score` is the chunk's
   /// score snapshotted under the lock by the caller (see Chunk::score).
@@ -353,6 +388,8 @@ class TieredStore {
   SequenceId next_seq_id_ = 1;
   StoreCounters counters_;
   uint64_t region_bytes_ = 0;
+  uint64_t landing_chunks_ = 0;  // sealed chunks whose warm slot is still being filled (every layer)
+  uint64_t landing_failures_ = 0;  // landings that lost their chunk (with chunks_sealed: landing progress)
   std::function<void(const ChunkKey&)> ack_listener_;
   Status background_error_;  // first failed asynchronous cold write
 };
