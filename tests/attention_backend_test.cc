@@ -419,23 +419,10 @@ TEST(AttentionBackend, KernelWorkspaceBoundCoversTheLaunchersQuery) {
 
 // Host memory that calls itself "cuda": not kvtier's CudaHotTier, so no backend can run on
 // it; Session::Open says so instead of reading it.
-class ClaimsCuda final : public HotTier {
+class ClaimsCuda final : public ForwardingHotTier {
  public:
-  explicit ClaimsCuda(std::unique_ptr<HotTier> inner) : inner_(std::move(inner)) {}
+  using ForwardingHotTier::ForwardingHotTier;
   const char* device() const override { return "cuda"; }
-  int32_t slot_capacity() const override { return inner_->slot_capacity(); }
-  int32_t slots_used() const override { return inner_->slots_used(); }
-  size_t slot_bytes() const override { return inner_->slot_bytes(); }
-  int32_t AcquireSlot() override { return inner_->AcquireSlot(); }
-  void ReleaseSlot(int32_t slot) override { inner_->ReleaseSlot(slot); }
-  uint8_t* slot_data(int32_t slot) override { return inner_->slot_data(slot); }
-  Result<uint8_t*> AllocateRegion(size_t bytes) override { return inner_->AllocateRegion(bytes); }
-  void FreeRegion(uint8_t* region, size_t bytes) override { inner_->FreeRegion(region, bytes); }
-  Status Upload(uint8_t* dst, const void* src, size_t bytes) override { return inner_->Upload(dst, src, bytes); }
-  Status Download(void* dst, const uint8_t* src, size_t bytes) override { return inner_->Download(dst, src, bytes); }
-
- private:
-  std::unique_ptr<HotTier> inner_;
 };
 
 TEST(AttentionBackend, SessionOnADeviceTierWithoutABackendIsRefusedWithAStatus) {

@@ -17,6 +17,7 @@
 #include "kernels/dtype.h"
 #include "offload/cuda_hot_tier.h"
 #include "offload/hot_tier.h"
+#include "offload/scrambled_hot_tier.h"
 #include "offload/slot_book.h"
 #include "offload/tiered_store.h"
 
@@ -120,6 +121,31 @@ TEST(HotTierCopyWithin, DefaultRefusesNamingTheTierAndHostTierCopies) {
   EXPECT_EQ(0, std::memcmp(host.slot_data(slot), src.data(), src.size()));
 }
 
+TEST(XorScrambledHotTier, StoresScrambledBytesAndTranslatesEveryCopyAcrossTheHostBoundary) {
+  auto made = MakeHotTier("host", 2 * 64, 64);
+  ASSERT_TRUE(made.ok());
+  XorScrambledHotTier t(std::move(*made), "cuda", 0x0F);
+  EXPECT_STREQ(t.device(), "cuda");
+  EXPECT_EQ(t.slot_capacity(), 2);  // the rest is the inner tier's
+  std::vector<uint8_t> in(64), out(64, 0);
+  for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<uint8_t>(i);
+  const int32_t a = t.AcquireSlot(), b = t.AcquireSlot();
+  const HotTier::UploadOp up[] = {{t.slot_data(a), in.data(), in.size()}};
+  ASSERT_TRUE(t.UploadBatch(up, 1).ok());
+  for (size_t i = 0; i < in.size(); ++i) ASSERT_EQ(t.slot_data(a)[i], in[i] ^ 0x0F) << i;  // at rest: scrambled
+  // Within the tier the bytes move as they are at rest; out of it they are translated back.
+  ASSERT_TRUE(t.CopyWithin(t.slot_data(b), t.slot_data(a), in.size()).ok());
+  const HotTier::DownloadOp down[] = {{out.data(), t.slot_data(b), out.size()}};
+  auto ticket = t.DownloadBatchAsync(down, 1);
+  ASSERT_TRUE(ticket.ok());
+  EXPECT_EQ(*ticket, kCompletedTransfer);
+  ASSERT_TRUE(t.WaitTransfer(*ticket).ok());
+  EXPECT_EQ(out, in);
+  EXPECT_EQ(t.WaitTransfer(7).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.uploads(), 1u);
+  EXPECT_EQ(t.downloads(), 1u);
+}
+
 bool HaveDevice() {
 #if KVTIER_HAVE_CUDA
   return kernels::cuda::DeviceCount() > 0;
@@ -217,41 +243,11 @@ TEST(CudaHotTier, StoreTakesTheCudaTierOnlyWithADevice) {
   EXPECT_NE(s.status().message().find("no CUDA"), std::string::npos) << s.status().ToString();
 }
 
-// "Device" memory the host cannot read directly: bytes are stored scrambled and only
-// Upload/Download (the tier's copies) translate. A store reader that dereferenced hot memory
-// on the host instead of going through the tier would see garbage, so equality with a host
-// store proves the store's host readers (ObserveQueries' attention, representative choice,
-// ReadTokens, retrieval's scoring) never read device memory.
-class ScrambledDevice final : public HotTier {
- public:
-  explicit ScrambledDevice(std::unique_ptr<HotTier> inner) : inner_(std::move(inner)) {}
-  const char* device() const override { return "cuda"; }
-  int32_t slot_capacity() const override { return inner_->slot_capacity(); }
-  int32_t slots_used() const override { return inner_->slots_used(); }
-  size_t slot_bytes() const override { return inner_->slot_bytes(); }
-  int32_t AcquireSlot() override { return inner_->AcquireSlot(); }
-  void ReleaseSlot(int32_t slot) override { inner_->ReleaseSlot(slot); }
-  uint8_t* slot_data(int32_t slot) override { return inner_->slot_data(slot); }
-  Result<uint8_t*> AllocateRegion(size_t bytes) override { return inner_->AllocateRegion(bytes); }
-  void FreeRegion(uint8_t* region, size_t bytes) override { inner_->FreeRegion(region, bytes); }
-  Status Upload(uint8_t* dst, const void* src, size_t bytes) override {
-    const auto* s = static_cast<const uint8_t*>(src);
-    for (size_t i = 0; i < bytes; ++i) dst[i] = s[i] ^ 0x5A;
-    ++uploads;
-    return Status::Ok();
-  }
-  Status Download(void* dst, const uint8_t* src, size_t bytes) override {
-    auto* d = static_cast<uint8_t*>(dst);
-    for (size_t i = 0; i < bytes; ++i) d[i] = src[i] ^ 0x5A;
-    ++downloads;
-    return Status::Ok();
-  }
-  uint64_t uploads = 0, downloads = 0;
-
- private:
-  std::unique_ptr<HotTier> inner_;
-};
-
+// "Device" memory the host cannot read directly (XorScrambledHotTier, reporting "cuda"):
+// bytes are stored scrambled and only the tier's copies translate. A store reader that
+// dereferenced hot memory on the host instead of going through the tier would see garbage,
+// so equality with a host store proves the store's host readers (ObserveQueries' attention,
+// representative choice, ReadTokens, retrieval's scoring) never read device memory.
 TEST(CudaHotTier, StoreOverDeviceMemoryReadsItOnlyThroughTheTier) {
   StoreOptions o;
   o.geometry = Geometry{2, 4, 2, 16, DType::kF16};
@@ -264,10 +260,10 @@ TEST(CudaHotTier, StoreOverDeviceMemoryReadsItOnlyThroughTheTier) {
   o.data_dir = "";
   auto host = TieredStore::Open(o);
   ASSERT_TRUE(host.ok()) << host.status().ToString();
-  ScrambledDevice* dev_tier = nullptr;
+  XorScrambledHotTier* dev_tier = nullptr;
   o.hot_tier_factory = [&dev_tier](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
     KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier("host", pool, slot));
-    auto t = std::make_unique<ScrambledDevice>(std::move(inner));
+    auto t = std::make_unique<XorScrambledHotTier>(std::move(inner), "cuda");
     dev_tier = t.get();
     return std::unique_ptr<HotTier>(std::move(t));
   };
@@ -330,7 +326,7 @@ TEST(CudaHotTier, StoreOverDeviceMemoryReadsItOnlyThroughTheTier) {
     }
     fh->Release();
   }
-  EXPECT_GT(dev_tier->downloads, 0u);
+  EXPECT_GT(dev_tier->downloads(), 0u);
 }
 
 // `--device` on the three commands that open a store: cuda is refused with the reason (here:
