@@ -28,6 +28,7 @@
 #include "integration/model/llama.h"
 #include "integration/model/tasks.h"
 #include "kvtier/kvtier.h"
+#include "offload/scrambled_hot_tier.h"
 
 namespace py = pybind11;
 
@@ -743,38 +744,6 @@ class PyLlama {
   std::unique_ptr<model::LlamaSession> session_;
 };
 
-// A hot tier whose bytes at rest are not the caller's bytes (XOR 0x5A), like device memory
-// the host cannot read in place; only its Upload/Download translate. It reports device "cpu"
-// so sessions open with the CPU attention backend in any build. For tests only (registered
-// by _register_scrambled_hot_tier): Gather must hand back the appended bytes through it,
-// which a host memcpy of the spans would not (tests/python/test_api.py).
-class ScrambledHostTier final : public HotTier {
- public:
-  explicit ScrambledHostTier(std::unique_ptr<HotTier> inner) : inner_(std::move(inner)) {}
-  const char* device() const override { return "cpu"; }
-  int32_t slot_capacity() const override { return inner_->slot_capacity(); }
-  int32_t slots_used() const override { return inner_->slots_used(); }
-  size_t slot_bytes() const override { return inner_->slot_bytes(); }
-  int32_t AcquireSlot() override { return inner_->AcquireSlot(); }
-  void ReleaseSlot(int32_t slot) override { inner_->ReleaseSlot(slot); }
-  uint8_t* slot_data(int32_t slot) override { return inner_->slot_data(slot); }
-  Result<uint8_t*> AllocateRegion(size_t bytes) override { return inner_->AllocateRegion(bytes); }
-  void FreeRegion(uint8_t* region, size_t bytes) override { inner_->FreeRegion(region, bytes); }
-  Status Upload(uint8_t* dst, const void* src, size_t bytes) override {
-    const auto* s = static_cast<const uint8_t*>(src);
-    for (size_t i = 0; i < bytes; ++i) dst[i] = s[i] ^ 0x5A;
-    return Status::Ok();
-  }
-  Status Download(void* dst, const uint8_t* src, size_t bytes) override {
-    auto* d = static_cast<uint8_t*>(dst);
-    for (size_t i = 0; i < bytes; ++i) d[i] = src[i] ^ 0x5A;
-    return Status::Ok();
-  }
-
- private:
-  std::unique_ptr<HotTier> inner_;
-};
-
 }  // namespace
 }  // namespace kvtier::python
 
@@ -812,7 +781,11 @@ PYBIND11_MODULE(_kvtier, m) {
   m.def("_register_scrambled_hot_tier", [](const std::string& name) {
     Check(RegisterHotTier(name, [](const FactorySpec&, size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
       KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier("host", pool, slot));
-      return std::unique_ptr<HotTier>(new ScrambledHostTier(std::move(inner)));
+      // Bytes at rest are the caller's XOR 0x5A, like device memory the host cannot read in
+      // place; only its copies translate. It reports device "cpu" so that sessions open with
+      // the CPU attention backend in any build: Gather must hand back the appended bytes
+      // through it, which a host memcpy of the spans would not (tests/python/test_api.py).
+      return std::unique_ptr<HotTier>(new XorScrambledHotTier(std::move(inner), "cpu"));
     }));
   }, py::arg("name"), "Tests only: registers a hot tier whose stored bytes are XOR-scrambled (read through its "
      "Download), to check that nothing reads hot memory in place.");
