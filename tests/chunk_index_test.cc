@@ -396,7 +396,7 @@ TEST(ChunkIndexOptionsTest, BadFactoryStringsAreRejected) {
       // What FAISS would crash on (SIGFPE) or allocate gigabytes for; see CheckFactoryDescription.
       {"PQ0", "PQ0 has no sub-quantizer"},
       {"IVF64,PQ0", "PQ0 has no sub-quantizer"},
-      {"HNSW1,PQ0x4fs", "PQ0x4 has no sub-quantizer"},
+      {"IVF64,PQ0x4fs", "PQ0x4 has no sub-quantizer"},
       {"Flat,Refine(PQ0)", "PQ0 has no sub-quantizer"},
       {"IVF50000000,Flat", "number 50000000 exceeds 65536"},
       {"IVF99999999999999999999,Flat", "exceeds 65536"},
