@@ -541,6 +541,17 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
 void TieredStore::LandLayerLocked(std::unique_lock<std::mutex>& lock, Sequence* s, int layer, size_t keep,
                                   bool only_complete) {
   LayerState& ls = s->layers[layer];
+  // Busy while the lock is dropped below: a DropSequence on another thread (counters() and
+  // WaitForDurable land every sequence) waits for this landing instead of freeing `ls`.
+  s->busy++;
+  struct Unbusy {
+    TieredStore* store;
+    Sequence* s;
+    ~Unbusy() {  // the lock is held again on every way out
+      s->busy--;
+      store->cv_.notify_all();
+    }
+  } unbusy{this, s};
   for (;;) {
     while (ls.landing.size() > keep) {
       if (only_complete) {
@@ -1307,7 +1318,7 @@ Status TieredStore::DropSequence(SequenceId seq) {
     hot_->FreeRegion(ls.ring_k, 0); hot_->FreeRegion(ls.ring_v, 0);
     region_bytes_ -= 2 * (options_.n_sink + ring) * token_bytes_;
   }
-  sequences_.erase(it);
+  sequences_.erase(seq);  // by key: `it` may be stale after the waits above (a CreateSequence can rehash)
   counters_.warm_chunks = warm_->used();
   counters_.hot_chunks = hot_->slots_used();
   l.unlock();

@@ -11,6 +11,7 @@
 //    bounds the chunks in flight, and loses only the chunk whose download failed.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -19,6 +20,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kvtier/kvtier.h"
@@ -639,6 +641,40 @@ TEST(AsyncSeal, AFailedDownloadIsReportedByAppendBeforeItAppends) {
   auto listed = (*store)->ListChunks(*seq, 0);
   ASSERT_TRUE(listed.ok());
   EXPECT_TRUE(listed->empty());  // chunk 0 is a hole
+}
+
+TEST(AsyncSeal, StatisticsOnAnotherThreadLandChunksWhileSequencesComeAndGo) {
+  // counters() lands every sequence's chunks from its own thread, while this one appends
+  // and drops: a drop waits for a landing in progress instead of freeing what it reads.
+  DeferredDownloadTier* tier = nullptr;
+  auto store = TieredStore::Open(DeferredStore("", &tier, 1 << 30));
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> reads{0};
+  std::thread reader([&] {
+    while (!stop.load()) {
+      const StoreCounters c = (*store)->counters();
+      EXPECT_LE(c.warm_chunks, c.chunks_sealed);
+      reads.fetch_add(1);
+    }
+  });
+  constexpr int kRounds = 30;
+  for (int round = 0; round < kRounds; ++round) {
+    auto seq = (*store)->CreateSequence();
+    ASSERT_TRUE(seq.ok());
+    for (int l = 0; l < kLayers; ++l) {
+      const Window w = MakeWindow(l, 0, 40);  // 4 sinks, 6 chunks sealed, 12 in the ring
+      ASSERT_TRUE((*store)->Append(*seq, l, w.k.data(), w.v.data(), 40, DType::kF16).ok());
+    }
+    ASSERT_TRUE((*store)->DropSequence(*seq).ok());
+  }
+  stop.store(true);
+  reader.join();
+  EXPECT_GT(reads.load(), 0u);
+  EXPECT_EQ(tier->in_flight(), 0u);
+  const StoreCounters c = (*store)->counters();
+  EXPECT_EQ(c.chunks_sealed, static_cast<uint64_t>(kRounds) * kLayers * 6);
+  EXPECT_EQ(c.warm_chunks, 0u);
 }
 
 }  // namespace
