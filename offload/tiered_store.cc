@@ -541,6 +541,7 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
 void TieredStore::LandLayerLocked(std::unique_lock<std::mutex>& lock, Sequence* s, int layer, size_t keep,
                                   bool only_complete) {
   LayerState& ls = s->layers[layer];
+  if (ls.landing.size() <= keep && ls.landers == 0) return;  // the common case: nothing in flight
   // Busy while the lock is dropped below: a DropSequence on another thread (counters() and
   // WaitForDurable land every sequence) waits for this landing instead of freeing `ls`.
   s->busy++;
