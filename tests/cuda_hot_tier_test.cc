@@ -205,6 +205,23 @@ TEST(CudaHotTier, CopiesRoundTripThroughDeviceMemory) {
   std::fill(out.begin(), out.end(), 0);
   ASSERT_TRUE(t.Download(out.data(), t.slot_data(s2), 1000).ok());
   EXPECT_EQ(0, std::memcmp(in.data(), out.data(), 1000));
+  // Asynchronous download into pinned memory (how the store seals a chunk): a ticket, polled
+  // then waited; an Upload submitted after it into the same bytes does not change what it read.
+  void* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pinned, 1000), cudaSuccess);
+  std::memset(pinned, 0, 1000);
+  const HotTier::DownloadOp down[] = {{pinned, t.slot_data(s2), 600},
+                                      {static_cast<uint8_t*>(pinned) + 600, t.slot_data(s2) + 600, 400}};
+  auto ticket = t.DownloadBatchAsync(down, 2);
+  ASSERT_TRUE(ticket.ok()) << ticket.status().ToString();
+  std::vector<uint8_t> other(1000, 0xAB);
+  ASSERT_TRUE(t.Upload(t.slot_data(s2), other.data(), 1000).ok());  // ordered after the download
+  auto done = t.TransferDone(*ticket);
+  ASSERT_TRUE(done.ok()) << done.status().ToString();
+  ASSERT_TRUE(t.WaitTransfer(*ticket).ok());
+  EXPECT_EQ(0, std::memcmp(in.data(), pinned, 1000));
+  EXPECT_EQ(t.WaitTransfer(*ticket).code(), StatusCode::kInvalidArgument);  // waited once
+  cudaFreeHost(pinned);
   t.ReleaseSlot(s2);
   t.FreeRegion(*region, 1000);
   t.ReleaseSlot(s);
