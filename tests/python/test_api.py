@@ -66,7 +66,7 @@ def test_roundtrip_matches_reference_attention():
 @pytest.mark.parametrize("hot_tier", ["host", "scrambled-test"])
 def test_gather_copies_the_appended_bytes(hot_tier):
     # gather copies each pinned span out of the hot tier. "scrambled-test" keeps its bytes
-    # XOR-scrambled at rest (module.cc, ScrambledHostTier), as device memory is unreadable in
+    # XOR-scrambled at rest (offload/scrambled_hot_tier.h, XorScrambledHotTier), as device memory is unreadable in
     # place: only a copy through the tier's Download gives back the appended K/V, so a host
     # memcpy of the spans (what a "cuda" tier's device pointers cannot take) fails here.
     if hot_tier != "host" and hot_tier not in kvtier._kvtier.hot_tier_names():
