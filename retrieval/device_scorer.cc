@@ -151,7 +151,8 @@ Status RetrievalBackend::RunLayer(const LayerSelectPlan& plan, LayerSelectResult
     std::memcpy(&out->non_finite, ob + (l.non_finite - l.out), sizeof(int32_t));
   }
   out->rows.resize(static_cast<size_t>(plan.k_max));
-  std::memcpy(out->rows.data(), ob + (l.rows - l.out), out->rows.size() * sizeof(int32_t));
+  if (!out->rows.empty())  // k_max = 0 leaves data() null, which memcpy must not get even for 0 bytes
+    std::memcpy(out->rows.data(), ob + (l.rows - l.out), out->rows.size() * sizeof(int32_t));
   // k_max <= n, so every row is filled; -1 would mean a short segment.
   for (int32_t r : out->rows)
     if (r < 0 || r >= n)

@@ -12,11 +12,13 @@ namespace {
 // x = k ln2 + r with |r| <= ln2/2 (k by the round-to-nearest 1.5*2^52 trick, ln2 split in a
 // high part exact in double and a low part), e^r by its Taylor series to r^13/13! (truncation
 // < 1e-17 relative), 2^k from the exponent bits. About 1 ulp against std::exp; exactly 0 below
-// -708 (where 2^k would leave the normal range) and exactly 1 at 0.
+// -708 (where 2^k would leave the normal range), exactly 1 at 0, NaN for NaN.
 inline double ExpNonPositive(double x) {
   constexpr double kLog2e = 1.4426950408889634, kLn2Hi = 0.693147180369123816490, kLn2Lo = 1.90821492927058770002e-10;
   constexpr double kRound = 6755399441055744.0;  // 1.5 * 2^52
-  const double xc = std::max(x, -708.0);
+  // NaN clamps to -708 too, so that k below is a small integer (converting NaN to int64 is
+  // undefined behaviour); a NaN x still returns NaN at the end.
+  const double xc = x >= -708.0 ? x : -708.0;
   const double kr = xc * kLog2e + kRound;
   const double k = kr - kRound;
   const double r = (xc - k * kLn2Hi) - k * kLn2Lo;
@@ -37,7 +39,7 @@ inline double ExpNonPositive(double x) {
   const int64_t bits = (static_cast<int64_t>(k) + 1023) << 52;  // 2^k, k in [-1022, 0]
   double two_k;
   std::memcpy(&two_k, &bits, sizeof two_k);
-  return x < -708.0 ? 0.0 : p * two_k;
+  return x < -708.0 ? 0.0 : (x == x ? p * two_k : x);
 }
 
 }  // namespace
