@@ -7,7 +7,7 @@ CMAKE_ARGS ?=
 RUN_ARGS   ?= --context 131072 --data-dir $(BUILD)/run-data --json $(BUILD)/run-report.json
 
 .PHONY: all deps deps-checks configure build run test test-release test-asan test-tsan fuzz soak \
-        bench bench-retrieval gpu-check clean
+        bench bench-retrieval gpu-check test-gpu-emulated clean
 
 # ---- checks beyond the Release suite (all part of `make test`, hence of CI) ------------------
 # Each has its own build directory, built with clang from Debian (scripts/deps.sh checks).
@@ -40,6 +40,10 @@ export UBSAN_OPTIONS ?= print_stacktrace=1
 TSAN_REPORTS  = $(CURDIR)/$(TSAN_BUILD)/tsan-reports
 TSAN_ENV      = TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp second_deadlock_stack=1 history_size=4 log_path=$(TSAN_REPORTS)/report"
 TIMED         = bash scripts/timed.sh
+# The emulated GPU: the CUDA sources compiled by the host compiler against HIP-CPU (CI keeps it
+# at ../shared/third_party/hip-cpu beside the checkout; it is never copied into this tree).
+GPU_EMU_BUILD ?= build-gpu-emulated
+HIP_CPU       ?= $(abspath $(CURDIR)/../shared/third_party/hip-cpu)
 
 all: build
 
@@ -66,12 +70,33 @@ run: build
 test:
 	@$(TIMED) "Release build" $(MAKE) --no-print-directory build
 	@$(TIMED) "Release suite" $(MAKE) --no-print-directory test-release
+	@$(TIMED) "emulated GPU build and device tests" $(MAKE) --no-print-directory test-gpu-emulated
 	@$(TIMED) "ASan+UBSan build and suite" $(MAKE) --no-print-directory test-asan
 	@$(TIMED) "TSan build and concurrency tests" $(MAKE) --no-print-directory test-tsan
 	@$(TIMED) "fuzzers" $(MAKE) --no-print-directory fuzz
 
 test-release: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
+
+# The CUDA half executed on the CPU: kernels/cuda/*.cu and the CUDA-side C++ built against HIP-CPU
+# (KVTIER_GPU_EMULATION; no nvcc), then every device test of kvtier_tests on that emulated device
+# (scripts/gpu_emulated.sh prints how many ran and each skip's reason). Skipped, saying so, where
+# HIP-CPU is absent (a user's fresh clone without ../shared).
+$(GPU_EMU_BUILD)/build.ninja: CMakeLists.txt | deps
+	cmake -S . -B $(GPU_EMU_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVTIER_CUDA=off \
+	  -DKVTIER_GPU_EMULATION=$(HIP_CPU) "-DKVTIER_TEST_GLOB=$(GPU_EMU_TESTS)"
+
+# The test files holding device tests (the rest has none, so the emulated build skips them).
+GPU_EMU_TESTS = tests/kernel_backends_test.cc;tests/attention_backend_test.cc;tests/device_retrieval_test.cc;tests/model_test.cc;tests/cuda_hot_tier_test.cc;tests/device_append_test.cc;tests/device_end_to_end_test.cc;tests/tiered_store_test.cc
+
+test-gpu-emulated: deps
+	@if [ ! -f "$(HIP_CPU)/include/hip/hip_runtime.h" ]; then \
+	  echo "test-gpu-emulated: SKIPPED: no HIP-CPU at $(HIP_CPU) (set HIP_CPU=<folder> to run the CUDA sources on the CPU)"; \
+	else \
+	  $(MAKE) --no-print-directory $(GPU_EMU_BUILD)/build.ninja && \
+	  cmake --build $(GPU_EMU_BUILD) -j $(JOBS) --target kvtier_tests && \
+	  bash scripts/gpu_emulated.sh $(GPU_EMU_BUILD) $(JOBS); \
+	fi
 
 # The whole suite under AddressSanitizer and UBSan (clang). Tests that measure memory or
 # allocate up to a limit skip themselves here, saying why (tests/test_util.h). The same
@@ -121,4 +146,4 @@ gpu-check:
 	bash scripts/gpu_check.sh $(GPU_OUT)
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(GPU_EMU_BUILD)

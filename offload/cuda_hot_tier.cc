@@ -36,10 +36,6 @@ Result<std::unique_ptr<CudaHotTier>> CudaHotTier::Create(size_t slot_pool_bytes,
   if ((e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)) != cudaSuccess)
     return Internal("hot tier \"cuda\": cudaStreamCreate: " + CudaMessage(e));
   tier->stream_ = s;
-  cudaEvent_t ev = nullptr;
-  if ((e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) != cudaSuccess)
-    return Internal("hot tier \"cuda\": cudaEventCreate: " + CudaMessage(e));
-  tier->done_ = ev;
   return tier;
 }
 
@@ -47,7 +43,6 @@ CudaHotTier::~CudaHotTier() {
   if (stream_) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
   for (auto& [ticket, ev] : in_flight_) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
   for (void* ev : spare_events_) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
-  if (done_) cudaEventDestroy(static_cast<cudaEvent_t>(done_));
   if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
   if (pool_) cudaFree(pool_);
 }
@@ -73,16 +68,48 @@ void CudaHotTier::FreeRegion(uint8_t* region, size_t) {
   if (region) cudaFree(region);
 }
 
+Result<void*> CudaHotTier::TakeEvent() {
+  {
+    std::lock_guard<std::mutex> l(tickets_mu_);
+    if (!spare_events_.empty()) {
+      void* ev = spare_events_.back();
+      spare_events_.pop_back();
+      return ev;
+    }
+  }
+  cudaEvent_t ev = nullptr;
+  if (const cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming); e != cudaSuccess)
+    return Internal("hot tier \"cuda\": cudaEventCreate: " + CudaMessage(e));
+  return static_cast<void*>(ev);
+}
+
+void CudaHotTier::ReturnEvent(void* ev) {
+  std::lock_guard<std::mutex> l(tickets_mu_);
+  spare_events_.push_back(ev);
+}
+
+int CudaHotTier::WaitForStreamWork(void* event) {
+  // An event of this call's own: with one shared event, a second thread re-recording it while
+  // the first waits makes the first wait for the second's copies (CUDA) or races on the event's
+  // state (HIP-CPU's emulated device hung on exactly that under `kvtier stress --threads 2`).
+  cudaEvent_t ev = static_cast<cudaEvent_t>(event);
+  cudaError_t e = cudaEventRecord(ev, static_cast<cudaStream_t>(stream_));
+  if (e == cudaSuccess) e = cudaEventSynchronize(ev);
+  return static_cast<int>(e);
+}
+
 Status CudaHotTier::Copy(void* dst, const void* src, size_t bytes, CopyKind kind) {
   if (bytes == 0) return Status::Ok();
   cudaStream_t s = static_cast<cudaStream_t>(stream_);
   const cudaMemcpyKind dir = kind == CopyKind::kUpload     ? cudaMemcpyHostToDevice
                              : kind == CopyKind::kDownload ? cudaMemcpyDeviceToHost
                                                            : cudaMemcpyDeviceToDevice;
+  auto ev = TakeEvent();
+  if (!ev.ok()) return ev.status();
   cudaError_t e = cudaMemcpyAsync(dst, src, bytes, dir, s);
-  if (e == cudaSuccess) e = cudaEventRecord(static_cast<cudaEvent_t>(done_), s);
   // HotTier's contract: the bytes are in place on return (the store reads them next).
-  if (e == cudaSuccess) e = cudaEventSynchronize(static_cast<cudaEvent_t>(done_));
+  if (e == cudaSuccess) e = static_cast<cudaError_t>(WaitForStreamWork(*ev));
+  ReturnEvent(*ev);
   if (e != cudaSuccess) {
     const char* what = kind == CopyKind::kUpload ? "upload" : kind == CopyKind::kDownload ? "download" : "device copy";
     return IOError(std::string("hot tier \"cuda\": ") + what + " of " + std::to_string(bytes) + " bytes failed (" +
@@ -101,8 +128,10 @@ Status CudaHotTier::UploadBatch(const UploadOp* ops, size_t n) {
   if (kernels::cuda::MemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, s) != kernels::KernelError::kOk)
     return IOError("hot tier \"cuda\": batch upload of " + std::to_string(n) + " copies failed (" +
                    kernels::cuda::LastCudaErrorString() + ")");
-  cudaError_t e = cudaEventRecord(static_cast<cudaEvent_t>(done_), s);
-  if (e == cudaSuccess) e = cudaEventSynchronize(static_cast<cudaEvent_t>(done_));
+  auto ev = TakeEvent();
+  if (!ev.ok()) return ev.status();
+  const cudaError_t e = static_cast<cudaError_t>(WaitForStreamWork(*ev));
+  ReturnEvent(*ev);
   if (e != cudaSuccess)
     return IOError("hot tier \"cuda\": batch upload of " + std::to_string(n) + " copies failed (" + CudaMessage(e) + ")");
   return Status::Ok();
@@ -120,16 +149,10 @@ Status CudaHotTier::CopyWithin(uint8_t* dst, const void* src, size_t bytes) {
 
 
 Result<TransferTicket> CudaHotTier::DownloadBatchAsync(const DownloadOp* ops, size_t n) {
-  cudaEvent_t ev = nullptr;
-  {
-    std::lock_guard<std::mutex> l(tickets_mu_);
-    if (!spare_events_.empty()) {
-      ev = static_cast<cudaEvent_t>(spare_events_.back());
-      spare_events_.pop_back();
-    }
-  }
+  auto taken = TakeEvent();
+  if (!taken.ok()) return taken.status();
+  cudaEvent_t ev = static_cast<cudaEvent_t>(*taken);
   cudaError_t e = cudaSuccess;
-  if (ev == nullptr) e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
   cudaStream_t s = static_cast<cudaStream_t>(stream_);
   // On the transfer stream, after every copy submitted so far and before every later one:
   // what lets the store refill the ring positions being read before the download is waited.
@@ -138,7 +161,7 @@ Result<TransferTicket> CudaHotTier::DownloadBatchAsync(const DownloadOp* ops, si
   if (e == cudaSuccess) e = cudaEventRecord(ev, s);
   std::lock_guard<std::mutex> l(tickets_mu_);
   if (e != cudaSuccess) {
-    if (ev != nullptr) spare_events_.push_back(ev);
+    spare_events_.push_back(ev);
     return IOError("hot tier \"cuda\": asynchronous download of " + std::to_string(n) + " copies failed (" +
                    CudaMessage(e) + ")");
   }

@@ -77,14 +77,19 @@ class CudaHotTier final : public HotTier {
   CudaHotTier(int32_t capacity, size_t slot_bytes) : book_(capacity), slot_bytes_(slot_bytes) {}
   enum class CopyKind { kUpload, kDownload, kWithin };
   Status Copy(void* dst, const void* src, size_t bytes, CopyKind kind);
+  /// An event (cudaEvent_t) from the spare list, or a new one; ReturnEvent puts it back.
+  Result<void*> TakeEvent();
+  void ReturnEvent(void* event);
+  /// Records `event` on the transfer stream and waits for it: every copy submitted so far is done.
+  int WaitForStreamWork(void* event);
 
   SlotBook book_;
   size_t slot_bytes_;
   uint8_t* pool_ = nullptr;  // device memory: slot_capacity x slot_bytes
   void* stream_ = nullptr;   // cudaStream_t
-  void* done_ = nullptr;     // cudaEvent_t recorded after each copy
-  // Asynchronous downloads in flight: one event (cudaEvent_t) per ticket. Guarded by
-  // tickets_mu_: the store lands chunks from whichever thread reads them.
+  // Every wait has an event of its own (sessions copy from several threads at once): the
+  // synchronous copies take one for the call, an asynchronous download one per ticket. Guarded
+  // by tickets_mu_: the store lands chunks from whichever thread reads them.
   std::mutex tickets_mu_;
   std::unordered_map<TransferTicket, void*> in_flight_;
   std::vector<void*> spare_events_;

@@ -275,13 +275,14 @@ KernelError LaunchTyped(const SlotAttentionParams& p, float scale, int splits, c
   const Workspace w = Layout(p, splits);
   float* part_out = splits > 1 ? reinterpret_cast<float*>(ws + w.part_out) : nullptr;
   float* part_lse = splits > 1 ? reinterpret_cast<float*>(ws + w.part_lse) : nullptr;
-  SlotAttentionKernel<T, D><<<grid, kThreads, 0, s>>>(p, scale, splits, part_out, part_lse);
+  LaunchKernel(&SlotAttentionKernel<T, D>, grid, kThreads, 0, s, p, scale, splits, part_out, part_lse);
   if (const KernelError e = CheckLaunch(); e != KernelError::kOk || splits == 1) return e;
   const int rows = p.q_heads * p.n_queries;
   float* final_lse = reinterpret_cast<float*>(ws + w.final_lse);
-  MergeSplitsKernel<<<rows, 128, 0, s>>>(splits, rows, D, part_out, part_lse, p.out, p.lse, final_lse);
+  LaunchKernel(&MergeSplitsKernel, rows, 128, 0, s, splits, rows, D, part_out, part_lse, p.out, p.lse,
+               final_lse);
   if (const KernelError e = CheckLaunch(); e != KernelError::kOk || !WantsMass(p)) return e;
-  MassKernel<T, D><<<grid, kThreads, 0, s>>>(p, scale, splits, final_lse);
+  LaunchKernel(&MassKernel<T, D>, grid, kThreads, 0, s, p, scale, splits, final_lse);
   return CheckLaunch();
 }
 
@@ -329,8 +330,8 @@ KernelError LaunchMergeAttentionStates(int rows, int head_dim, const float* out_
   if (rows < 0 || head_dim <= 0) return KernelError::kBadShape;
   if (rows == 0) return KernelError::kOk;
   if (!out_a || !lse_a || !out_b || !lse_b || !out || !lse) return KernelError::kNullPointer;
-  MergeStatesKernel<<<rows, 128, 0, static_cast<cudaStream_t>(stream)>>>(rows, head_dim, out_a, lse_a, out_b, lse_b,
-                                                                          out, lse);
+  LaunchKernel(&MergeStatesKernel, rows, 128, 0, static_cast<cudaStream_t>(stream), rows, head_dim, out_a, lse_a,
+               out_b, lse_b, out, lse);
   return CheckLaunch();
 }
 

@@ -1,6 +1,8 @@
 // Helpers shared by the .cu files of kernels/cuda (not a public header).
 #pragma once
 
+#include <cstddef>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -18,6 +20,19 @@ inline KernelError CheckLaunch() {
   if (e == cudaSuccess) return KernelError::kOk;
   SetLastCudaError(e);
   return KernelError::kDeviceError;
+}
+
+/// kernel<<<grid, block, smem, stream>>>(args...). Every launch of kernels/cuda goes through here:
+/// the triple-chevron launch under nvcc, and in the emulation build (KVTIER_GPU_EMULATION) the
+/// same kernel on the HIP CPU runtime (kernels/cuda/emulation), which a host compiler can parse.
+template <typename... Params, typename... Args>
+inline void LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                         Args... args) {
+#if defined(KVTIER_GPU_EMULATION)
+  kvtier_emu::Launch(kernel, grid, block, smem, stream, args...);
+#else
+  kernel<<<grid, block, smem, stream>>>(args...);
+#endif
 }
 
 inline KernelError CheckCall(cudaError_t e) {

@@ -133,7 +133,7 @@ KernelError LaunchEmbedding(const EmbeddingParams& p, Stream s) {
   if (p.m < 0 || p.d <= 0 || p.vocab <= 0) return KernelError::kBadShape;
   if (p.m == 0) return KernelError::kOk;
   if (p.tokens == nullptr || p.table == nullptr || p.out == nullptr) return KernelError::kNullPointer;
-  EmbeddingKernel<<<p.m, kRowThreads, 0, static_cast<cudaStream_t>(s)>>>(p);
+  LaunchKernel(&EmbeddingKernel, p.m, kRowThreads, 0, static_cast<cudaStream_t>(s), p);
   return CheckLaunch();
 }
 
@@ -141,7 +141,7 @@ KernelError LaunchRmsNorm(const RmsNormParams& p, Stream s) {
   if (p.m < 0 || p.d <= 0 || !(p.eps > 0) || !std::isfinite(p.eps)) return KernelError::kBadShape;
   if (p.m == 0) return KernelError::kOk;
   if (p.x == nullptr || p.w == nullptr || p.out == nullptr) return KernelError::kNullPointer;
-  RmsNormKernel<<<p.m, kRowThreads, 0, static_cast<cudaStream_t>(s)>>>(p);
+  LaunchKernel(&RmsNormKernel, p.m, kRowThreads, 0, static_cast<cudaStream_t>(s), p);
   return CheckLaunch();
 }
 
@@ -149,7 +149,7 @@ KernelError LaunchRope(const RopeParams& p, Stream s) {
   if (p.m < 0 || p.heads <= 0 || p.head_dim <= 0 || p.head_dim % 2 != 0) return KernelError::kBadShape;
   if (p.m == 0) return KernelError::kOk;
   if (p.x == nullptr || p.positions == nullptr || p.inv_freq == nullptr) return KernelError::kNullPointer;
-  RopeKernel<<<p.m, kRowThreads, 0, static_cast<cudaStream_t>(s)>>>(p);
+  LaunchKernel(&RopeKernel, p.m, kRowThreads, 0, static_cast<cudaStream_t>(s), p);
   return CheckLaunch();
 }
 
@@ -159,7 +159,7 @@ KernelError LaunchSwiGlu(const SwiGluParams& p, Stream s) {
   constexpr int kThreads = 256;
   const size_t want = (p.n + kThreads - 1) / kThreads;
   const unsigned blocks = static_cast<unsigned>(want < 65535 ? want : 65535);  // grid-stride past that
-  SwiGluKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(s)>>>(p);
+  LaunchKernel(&SwiGluKernel, blocks, kThreads, 0, static_cast<cudaStream_t>(s), p);
   return CheckLaunch();
 }
 
@@ -193,8 +193,8 @@ KernelError LaunchConvertToStore(const ConvertToStoreParams& p, Stream s) {
   constexpr int kThreads = 256;
   const size_t want = (p.n + kThreads - 1) / kThreads;
   const unsigned blocks = static_cast<unsigned>(want < 65535 ? want : 65535);  // grid-stride past that
-  ConvertToStoreKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(s)>>>(
-      p.n, p.dtype == DType::kF16, p.src, static_cast<uint16_t*>(p.dst));
+  LaunchKernel(&ConvertToStoreKernel, blocks, kThreads, 0, static_cast<cudaStream_t>(s), p.n,
+               p.dtype == DType::kF16, p.src, static_cast<uint16_t*>(p.dst));
   return CheckLaunch();
 }
 

@@ -295,9 +295,9 @@ KernelError LaunchScoreChunks(const ChunkScoreParams& p, Stream stream) {
   const int blocks = Blocks(p.n_chunks, kScoreWarps);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (p.dtype) {
-    case DType::kF32: ScoreChunksKernel<float><<<blocks, kScoreWarps * 32, 0, s>>>(p); break;
-    case DType::kF16: ScoreChunksKernel<__half><<<blocks, kScoreWarps * 32, 0, s>>>(p); break;
-    case DType::kBF16: ScoreChunksKernel<__nv_bfloat16><<<blocks, kScoreWarps * 32, 0, s>>>(p); break;
+    case DType::kF32: LaunchKernel(&ScoreChunksKernel<float>, blocks, kScoreWarps * 32, 0, s, p); break;
+    case DType::kF16: LaunchKernel(&ScoreChunksKernel<__half>, blocks, kScoreWarps * 32, 0, s, p); break;
+    case DType::kBF16: LaunchKernel(&ScoreChunksKernel<__nv_bfloat16>, blocks, kScoreWarps * 32, 0, s, p); break;
   }
   return CheckLaunch();
 }
@@ -321,7 +321,7 @@ KernelError LaunchSegmentedTopK(const SegmentedTopKParams& p, int32_t total, voi
   if (p.n_segments == 0 || p.k_max == 0) return KernelError::kOk;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (total == 0) {  // every segment empty: only the padding
-    TopKEmitKernel<<<p.n_segments, 128, 0, s>>>(p, nullptr, nullptr);
+    LaunchKernel(&TopKEmitKernel, p.n_segments, 128, 0, s, p, nullptr, nullptr);
     return CheckLaunch();
   }
   if (p.scores == nullptr) return KernelError::kNullPointer;
@@ -333,7 +333,7 @@ KernelError LaunchSegmentedTopK(const SegmentedTopKParams& p, int32_t total, voi
   float* keys_out = reinterpret_cast<float*>(ws + l.keys_out);
   int32_t* values = reinterpret_cast<int32_t*>(ws + l.values);
   int32_t* values_out = reinterpret_cast<int32_t*>(ws + l.values_out);
-  TopKPrepareKernel<<<Blocks(total, 256), 256, 0, s>>>(p.scores, total, keys, values);
+  LaunchKernel(&TopKPrepareKernel, Blocks(total, 256), 256, 0, s, p.scores, total, keys, values);
   if (const KernelError e = CheckLaunch(); e != KernelError::kOk) return e;
   size_t cub_bytes = l.cub_bytes;
   if (const KernelError e = CheckCall(cub::DeviceSegmentedRadixSort::SortPairsDescending(
@@ -341,7 +341,7 @@ KernelError LaunchSegmentedTopK(const SegmentedTopKParams& p, int32_t total, voi
           0, static_cast<int>(sizeof(float) * 8), s));
       e != KernelError::kOk)
     return e;
-  TopKEmitKernel<<<p.n_segments, 128, 0, s>>>(p, keys_out, values_out);
+  LaunchKernel(&TopKEmitKernel, p.n_segments, 128, 0, s, p, keys_out, values_out);
   return CheckLaunch();
 }
 
@@ -349,7 +349,7 @@ KernelError LaunchSegmentEntropy(const EntropyParams& p, Stream stream) {
   if (p.n_segments < 0) return KernelError::kBadShape;
   if (p.n_segments == 0) return KernelError::kOk;
   if (p.offsets == nullptr || p.entropy == nullptr || p.scores == nullptr) return KernelError::kNullPointer;
-  EntropyKernel<<<p.n_segments, kEntropyThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  LaunchKernel(&EntropyKernel, p.n_segments, kEntropyThreads, 0, static_cast<cudaStream_t>(stream), p);
   return CheckLaunch();
 }
 
@@ -357,7 +357,8 @@ KernelError LaunchMeanPoolProbe(const ProbeShape& shape, const float* q, int m, 
   if (!ShapeOk(shape) || m < 1) return KernelError::kBadShape;
   if (q == nullptr || probe == nullptr) return KernelError::kNullPointer;
   const int n = shape.kv_heads * shape.head_dim;
-  MeanPoolKernel<<<Blocks(n, 128), 128, 0, static_cast<cudaStream_t>(stream)>>>(shape, q, m, probe);
+  LaunchKernel(&MeanPoolKernel, Blocks(n, 128), 128, 0, static_cast<cudaStream_t>(stream), shape, q, m,
+               probe);
   return CheckLaunch();
 }
 
@@ -366,7 +367,8 @@ KernelError LaunchActMergeWindow(const ProbeShape& shape, const float* q, int m,
   if (!ShapeOk(shape) || m < 1 || n_old < 0) return KernelError::kBadShape;
   if (q == nullptr || mean == nullptr || m2 == nullptr) return KernelError::kNullPointer;
   const int n = shape.q_heads * shape.head_dim;
-  ActMergeKernel<<<Blocks(n, 128), 128, 0, static_cast<cudaStream_t>(stream)>>>(shape, q, m, n_old, mean, m2);
+  LaunchKernel(&ActMergeKernel, Blocks(n, 128), 128, 0, static_cast<cudaStream_t>(stream), shape, q, m, n_old,
+               mean, m2);
   return CheckLaunch();
 }
 
@@ -387,10 +389,11 @@ KernelError LaunchActWeightedProbe(const ProbeShape& shape, const float* q, int 
   double* l1 = static_cast<double*>(workspace);
   double* total = l1 + static_cast<size_t>(shape.q_heads) * m;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  ActPhiKernel<<<shape.q_heads, kProbeThreads, 0, s>>>(shape, q, m, mean, m2, count, eps, l1, total);
+  LaunchKernel(&ActPhiKernel, shape.q_heads, kProbeThreads, 0, s, shape, q, m, mean, m2, count, eps, l1,
+               total);
   if (const KernelError e = CheckLaunch(); e != KernelError::kOk) return e;
   const int n = shape.kv_heads * shape.head_dim;
-  ActCombineKernel<<<Blocks(n, 128), 128, 0, s>>>(shape, q, m, l1, total, probe);
+  LaunchKernel(&ActCombineKernel, Blocks(n, 128), 128, 0, s, shape, q, m, l1, total, probe);
   return CheckLaunch();
 }
 

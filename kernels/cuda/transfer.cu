@@ -63,7 +63,7 @@ KernelError LaunchGatherCopies(const GatherParams& p, Stream stream) {
   // The host cannot see the addresses (device-readable arrays); alignment of the size is what
   // it can check. Callers pass slot and slab addresses, which are 256- and 4096-byte aligned.
   const bool vec16 = p.bytes % 16 == 0;
-  GatherKernel<<<p.n_copies, kGatherThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, vec16);
+  LaunchKernel(&GatherKernel, p.n_copies, kGatherThreads, 0, static_cast<cudaStream_t>(stream), p, vec16);
   return CheckLaunch();
 }
 

@@ -1,0 +1,3 @@
+// Emulation build only: the CUDA toolkit's <cuda_runtime.h> on HIP-CPU (see hip_cpu_compat.h).
+#pragma once
+#include "kernels/cuda/emulation/hip_cpu_compat.h"

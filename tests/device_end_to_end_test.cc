@@ -1,0 +1,144 @@
+// The `kvtier` binary on the CUDA device against itself on the CPU, in the same test: the main job
+// (`run`), the stress job and the real-model passkey task (`infinite`). They need a CUDA device:
+// a GPU, or the emulated one of the HIP-CPU build (make test-gpu-emulated), where these are what
+// shows that the CUDA half works end to end and not only kernel by kernel.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "tests/test_util.h"
+#if KVTIER_HAVE_CUDA
+#include "kernels/cuda/kernels.h"
+#endif
+
+namespace kvtier {
+namespace {
+
+struct Ran {
+  int code = -1;
+  std::string out;  // stdout and stderr
+};
+
+Ran Kvtier(const std::string& args) {
+  const std::string cmd = std::string(KVTIER_BINARY_DIR) + "/kvtier " + args + " 2>&1";
+  Ran r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
+  const int st = pclose(p);
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// The number after the first "key": in a report (NaN when absent).
+double JsonNumber(const std::string& json, const std::string& key) {
+  const size_t at = json.find("\"" + key + "\":");
+  if (at == std::string::npos) return std::nan("");
+  return std::stod(json.substr(at + key.size() + 3));
+}
+
+// The text of the first "key": [...] array of strings in a report ("" when absent).
+std::string JsonArray(const std::string& json, const std::string& key) {
+  const size_t at = json.find("\"" + key + "\":");
+  if (at == std::string::npos) return "";
+  const size_t open = json.find('[', at), end = json.find(']', at);
+  if (open == std::string::npos || end == std::string::npos || open > end) return "";
+  return json.substr(open, end - open + 1);
+}
+
+std::string ShippedModel() {
+  return (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors").string();
+}
+
+// Skips the test, saying why, unless a CUDA device (real or emulated) is there.
+#define REQUIRE_CUDA_DEVICE()                                                                          \
+  do {                                                                                                 \
+    std::string why;                                                                                   \
+    if (!HaveDevice(&why)) GTEST_SKIP() << "no CUDA device: " << why;                                  \
+  } while (0)
+
+bool HaveDevice(std::string* why) {
+#if KVTIER_HAVE_CUDA
+  if (kernels::cuda::DeviceCount() > 0) return true;
+  *why = kernels::cuda::LastCudaErrorString();
+  return false;
+#else
+  *why = "this build has no CUDA (KVTIER_CUDA=off)";
+  return false;
+#endif
+}
+
+// `kvtier run` at 32K: the needle hit rate equals the CPU's, and the output error against full
+// attention (same baseline, computed on the CPU in both runs) is the CPU's within what the two
+// attention kernels may differ by (fp32, other summation order: about 1e-6 of the output).
+TEST(DeviceEndToEnd, RunOnCudaMatchesTheCpuRun) {
+  REQUIRE_CUDA_DEVICE();
+  TempDir dir;
+  const std::string args = "run --quiet --context 32768 --geometry 2,4,2,64 --decode-steps 4 --warm-bytes 16M"
+                           " --hot-bytes 4M --seed 9001";
+  Ran cpu = Kvtier(args + " --device cpu --data-dir " + dir.path() + "/cpu --json " + dir.path() + "/cpu.json");
+  ASSERT_EQ(cpu.code, 0) << cpu.out;
+  Ran cuda = Kvtier(args + " --device cuda --data-dir " + dir.path() + "/cuda --json " + dir.path() + "/cuda.json");
+  ASSERT_EQ(cuda.code, 0) << cuda.out;
+  const std::string a = ReadAll(dir.path() + "/cpu.json"), b = ReadAll(dir.path() + "/cuda.json");
+  EXPECT_EQ(JsonNumber(a, "needle_hit_rate"), JsonNumber(b, "needle_hit_rate")) << a << "\n" << b;
+  const double ea = JsonNumber(a, "output_rel_error"), eb = JsonNumber(b, "output_rel_error");
+  ASSERT_TRUE(std::isfinite(ea) && std::isfinite(eb)) << a << "\n" << b;
+  EXPECT_NEAR(ea, eb, 1e-4) << "cpu " << ea << ", cuda " << eb;
+  EXPECT_NEAR(JsonNumber(a, "attention_recall"), JsonNumber(b, "attention_recall"), 1e-4);
+  EXPECT_NE(cuda.out.find("cuda"), std::string::npos) << "the report should name the device it ran on:\n" << cuda.out;
+}
+
+// `kvtier stress` through the CUDA hot tier: every token appended reads back byte for byte,
+// before and after a reopen, as many as on the CPU.
+TEST(DeviceEndToEnd, StressOnCudaReadsBackEveryByte) {
+  REQUIRE_CUDA_DEVICE();
+  TempDir dir;
+  const std::string args = "stress --sequences 4 --threads 2 --tokens 1200 --seed 7";
+  Ran cpu = Kvtier(args + " --device cpu --data-dir " + dir.path() + "/cpu --json " + dir.path() + "/cpu.json");
+  ASSERT_EQ(cpu.code, 0) << cpu.out;
+  Ran cuda = Kvtier(args + " --device cuda --data-dir " + dir.path() + "/cuda --json " + dir.path() + "/cuda.json");
+  ASSERT_EQ(cuda.code, 0) << cuda.out;
+  EXPECT_NE(cuda.out.find("errors: 0"), std::string::npos) << cuda.out;
+  const std::string a = ReadAll(dir.path() + "/cpu.json"), b = ReadAll(dir.path() + "/cuda.json");
+  EXPECT_EQ(JsonNumber(b, "errors"), 0) << b;
+  EXPECT_GT(JsonNumber(b, "verified_tokens"), 0) << b;
+  EXPECT_EQ(JsonNumber(a, "verified_tokens"), JsonNumber(b, "verified_tokens")) << a << "\n" << b;
+  EXPECT_EQ(JsonNumber(a, "verified_tokens_after_reopen"), JsonNumber(b, "verified_tokens_after_reopen"));
+}
+
+// `kvtier infinite` on passkey at 4K with the shipped model: the forward, the store's hot tier
+// and the attention on the device give the CPU's answers, sample by sample.
+TEST(DeviceEndToEnd, InfinitePasskeyOnCudaAnswersAsTheCpu) {
+  REQUIRE_CUDA_DEVICE();
+  TempDir dir;
+  const std::string args = "infinite --quiet --weights " + ShippedModel() +
+                           " --task passkey --context 4096 --samples 1 --positions absolute";
+  Ran cpu = Kvtier(args + " --device cpu --json " + dir.path() + "/cpu.json");
+  ASSERT_EQ(cpu.code, 0) << cpu.out;
+  Ran cuda = Kvtier(args + " --device cuda --json " + dir.path() + "/cuda.json");
+  ASSERT_EQ(cuda.code, 0) << cuda.out;
+  const std::string a = ReadAll(dir.path() + "/cpu.json"), b = ReadAll(dir.path() + "/cuda.json");
+  const std::string outputs_cpu = JsonArray(a, "outputs"), outputs_cuda = JsonArray(b, "outputs");
+  ASSERT_NE(outputs_cpu.find('"'), std::string::npos) << "no answers in the report:\n" << a;
+  EXPECT_EQ(outputs_cpu, outputs_cuda) << "cpu:\n" << a << "\ncuda:\n" << b;
+  EXPECT_EQ(JsonNumber(a, "accuracy"), JsonNumber(b, "accuracy"));
+  EXPECT_EQ(JsonNumber(a, "correct"), JsonNumber(b, "correct"));
+}
+
+}  // namespace
+}  // namespace kvtier
