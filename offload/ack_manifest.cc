@@ -94,6 +94,11 @@ bool ChunkRangeSet::Contains(const ChunkKey& k) const {
   return k.index <= std::prev(it)->second;
 }
 
+bool ChunkRangeSet::HasSequence(SequenceId seq) const {
+  auto it = sets_.lower_bound({seq, 0});
+  return it != sets_.end() && it->first.first == seq;
+}
+
 std::vector<ChunkRange> ChunkRangeSet::Ranges() const {
   std::vector<ChunkRange> out;
   out.reserve(ranges_);
@@ -193,11 +198,16 @@ Result<int> OpenForAppend(const std::string& path) {
 }
 
 // Writes the snapshot to <path>.tmp, fsyncs it and renames it over <path>.
+// Replaying it gives back the same state: drops first (they clear their sequence), then
+// deleted ranges, then what is acknowledged (disjoint from the deleted ranges).
 Status WriteSnapshot(const std::string& dir, const std::string& path, const ChunkRangeSet& chunks,
-                     const std::map<SequenceId, uint32_t>& sequences, uint64_t* records) {
+                     const std::map<SequenceId, uint32_t>& sequences, const std::set<SequenceId>& dropped,
+                     const ChunkRangeSet& deleted, uint64_t* records) {
   std::string bytes;
   auto add = [&](const Record& r) { bytes.append(r.data(), r.size()); };
   add(MakeRecord(kHeader, 0, 0, AckManifest::kVersion, 0));
+  for (SequenceId seq : dropped) add(MakeRecord(kDrop, seq, 0, 0, 0));
+  for (const ChunkRange& r : deleted.Ranges()) add(MakeRecord(kDel, r.seq, r.layer, r.first, r.last));
   for (const ChunkRange& r : chunks.Ranges()) add(MakeRecord(kAck, r.seq, r.layer, r.first, r.last));
   for (const auto& [seq, crc] : sequences) add(MakeRecord(kSeq, seq, 0, crc, 0));
   const std::string tmp = path + ".tmp";
@@ -273,12 +283,19 @@ Result<std::unique_ptr<AckManifest>> AckManifest::Open(const std::string& dir, b
       case kAck:
       case kDel:
         if (a > b) return bad("chunk range " + std::to_string(a) + ".." + std::to_string(b) + " is reversed");
-        if (type == kAck) m->chunks_.InsertRange(seq, layer, a, b);
-        else m->chunks_.EraseRange(seq, layer, a, b);
+        if (type == kAck) {
+          m->chunks_.InsertRange(seq, layer, a, b);
+          m->deleted_.EraseRange(seq, layer, a, b);
+        } else {
+          m->chunks_.EraseRange(seq, layer, a, b);
+          m->deleted_.InsertRange(seq, layer, a, b);
+        }
         break;
       case kDrop:
         m->chunks_.EraseSequence(seq);
         m->sequences_.erase(seq);
+        m->deleted_.EraseSequence(seq);
+        m->dropped_.insert(seq);
         break;
       case kSeq:
         if (a > UINT32_MAX) return bad("sequence record CRC out of range");
@@ -299,7 +316,8 @@ Result<std::unique_ptr<AckManifest>> AckManifest::Create(const std::string& dir,
   auto m = std::unique_ptr<AckManifest>(new AckManifest(dir, sync));
   m->chunks_ = chunks;
   m->sequences_ = sequences;
-  KVTIER_RETURN_IF_ERROR(WriteSnapshot(m->dir_, m->path_, m->chunks_, m->sequences_, &m->file_records_));
+  KVTIER_RETURN_IF_ERROR(WriteSnapshot(m->dir_, m->path_, m->chunks_, m->sequences_, m->dropped_, m->deleted_,
+                                       &m->file_records_));
   KVTIER_ASSIGN_OR_RETURN(m->fd_, OpenForAppend(m->path_));
   return m;
 }
@@ -312,7 +330,9 @@ Status AckManifest::AppendLocked(uint8_t type, SequenceId seq, uint32_t layer, u
   return Status::Ok();
 }
 
-uint64_t AckManifest::SnapshotRecordsLocked() const { return 1 + chunks_.range_count() + sequences_.size(); }
+uint64_t AckManifest::SnapshotRecordsLocked() const {
+  return 1 + chunks_.range_count() + sequences_.size() + dropped_.size() + deleted_.range_count();
+}
 
 Status AckManifest::MaybeCompactLocked() {
   // Amortised: a rewrite costs the snapshot's size and happens only after the log has grown
@@ -326,6 +346,7 @@ Status AckManifest::AckChunk(const ChunkKey& k) {
   if (chunks_.Contains(k)) return Status::Ok();
   KVTIER_RETURN_IF_ERROR(AppendLocked(kAck, k.seq, k.layer, k.index, k.index));
   chunks_.Insert(k);
+  deleted_.EraseRange(k.seq, k.layer, k.index, k.index);
   return MaybeCompactLocked();
 }
 
@@ -334,6 +355,7 @@ Status AckManifest::DeleteChunk(const ChunkKey& k) {
   if (!chunks_.Contains(k)) return Status::Ok();
   KVTIER_RETURN_IF_ERROR(AppendLocked(kDel, k.seq, k.layer, k.index, k.index));
   chunks_.EraseRange(k.seq, k.layer, k.index, k.index);
+  deleted_.Insert(k);
   return MaybeCompactLocked();
 }
 
@@ -342,6 +364,8 @@ Status AckManifest::DropSequence(SequenceId seq) {
   KVTIER_RETURN_IF_ERROR(AppendLocked(kDrop, seq, 0, 0, 0));
   chunks_.EraseSequence(seq);
   sequences_.erase(seq);
+  deleted_.EraseSequence(seq);
+  dropped_.insert(seq);
   return MaybeCompactLocked();
 }
 
@@ -364,7 +388,10 @@ Status AckManifest::Forget(const std::vector<ChunkRange>& chunks, const std::vec
 Status AckManifest::Adopt(const std::vector<ChunkRange>& chunks,
                           const std::vector<std::pair<SequenceId, uint32_t>>& sequences) {
   std::lock_guard l(mu_);
-  for (const ChunkRange& r : chunks) chunks_.InsertRange(r.seq, r.layer, r.first, r.last);
+  for (const ChunkRange& r : chunks) {
+    chunks_.InsertRange(r.seq, r.layer, r.first, r.last);
+    deleted_.EraseRange(r.seq, r.layer, r.first, r.last);
+  }
   for (const auto& [seq, crc] : sequences) sequences_[seq] = crc;
   if (chunks.empty() && sequences.empty() && file_records_ <= 2 * SnapshotRecordsLocked() + 64) return Status::Ok();
   return CompactLocked();
@@ -375,9 +402,54 @@ Status AckManifest::Compact() {
   return CompactLocked();
 }
 
+std::vector<ChunkRange> AckManifest::DroppedAmong(const std::vector<ChunkRange>& candidates) const {
+  std::lock_guard l(mu_);
+  std::vector<ChunkRange> out;
+  for (const ChunkRange& r : candidates) {
+    if (dropped_.count(r.seq)) {
+      out.push_back(r);
+      continue;
+    }
+    ChunkRangeSet one, kept;
+    one.InsertRange(r.seq, r.layer, r.first, r.last);
+    for (const ChunkRange& k : one.Minus(deleted_)) kept.InsertRange(k.seq, k.layer, k.first, k.last);
+    for (const ChunkRange& d : one.Minus(kept)) out.push_back(d);
+  }
+  return out;
+}
+
+std::vector<SequenceId> AckManifest::DroppedSequenceRecords() const {
+  std::lock_guard l(mu_);
+  std::vector<SequenceId> out;
+  for (SequenceId seq : dropped_)
+    if (!sequences_.count(seq)) out.push_back(seq);
+  return out;
+}
+
+uint64_t AckManifest::drop_records() const {
+  std::lock_guard l(mu_);
+  return dropped_.size() + deleted_.range_count();
+}
+
+Status AckManifest::PruneDrops() {
+  std::lock_guard l(mu_);
+  if (dropped_.empty() && deleted_.empty()) return Status::Ok();
+  std::set<SequenceId> dropped;
+  ChunkRangeSet deleted;
+  std::swap(dropped, dropped_);
+  std::swap(deleted, deleted_);
+  Status st = CompactLocked();
+  if (!st.ok()) {
+    // Kept: the next compaction writes them again.
+    dropped_ = std::move(dropped);
+    deleted_ = std::move(deleted);
+  }
+  return st;
+}
+
 Status AckManifest::CompactLocked() {
   uint64_t records = 0;
-  KVTIER_RETURN_IF_ERROR(WriteSnapshot(dir_, path_, chunks_, sequences_, &records));
+  KVTIER_RETURN_IF_ERROR(WriteSnapshot(dir_, path_, chunks_, sequences_, dropped_, deleted_, &records));
   // The old descriptor points at the replaced file: appends must go to the new one.
   // When it cannot be reopened, later appends fail (EBADF) instead of going to the old file.
   Result<int> fd = OpenForAppend(path_);

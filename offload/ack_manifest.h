@@ -20,9 +20,18 @@
 // A chunk written again (a rewrite with a new score) appends nothing: the
 // manifest holds sets of index ranges, and a chunk already in them is a no-op,
 // so the file grows with new chunks only (48 bytes per chunk sealed, against a
-// chunk's kilobytes). Compact() rewrites it as one `ack` per contiguous range;
-// the cold tier does that at open and whenever the log is four times the
-// snapshot (a long-lived store that creates and drops sequences stays small).
+// chunk's kilobytes). Compact() rewrites it as one `drop` per dropped sequence,
+// one `del` per contiguous deleted range, one `ack` per contiguous acknowledged
+// range and one `seq` per record; the cold tier does that at open and whenever
+// the log is four times the snapshot.
+//
+// Drops and deletes are kept (as tombstones) until PruneDrops(): the database's
+// delete of a dropped sequence or chunk sits in RocksDB's WAL until a flush, and
+// losing that WAL would bring the data back. At open the cold tier deletes again
+// whatever a tombstone covers and was not acknowledged since (DroppedAmong,
+// DroppedSequenceRecord, DroppedSequence), flushes, then prunes; at run time it
+// flushes and prunes when the tombstones pass a bound, so a long-lived store
+// that creates and drops sequences stays small.
 //
 // ---- File format: <data_dir>/kvtier-acked, 48-byte records, little-endian ----
 //   [0,4)   magic 0x4B41564B ("KVAK" in file order)
@@ -52,6 +61,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -81,6 +91,8 @@ class ChunkRangeSet {
   void EraseRange(SequenceId seq, uint32_t layer, uint64_t first, uint64_t last);
   void EraseSequence(SequenceId seq);
   bool Contains(const ChunkKey& k) const;
+  /// Whether any chunk of the sequence is in the set.
+  bool HasSequence(SequenceId seq) const;
   /// Every range, in (sequence, layer, index) order.
   std::vector<ChunkRange> Ranges() const;
   /// The ranges of `this` not covered by `other`, in order.
@@ -123,9 +135,11 @@ class AckManifest {
 
   /// Records that the cold tier acknowledged the chunk (no-op when it already is).
   Status AckChunk(const ChunkKey& key);
-  /// Records that the chunk is being deleted (no-op when it is not acknowledged).
+  /// Records that the chunk is being deleted (no-op when it is not acknowledged); it
+  /// stays deleted (a tombstone) until acknowledged again or PruneDrops().
   Status DeleteChunk(const ChunkKey& key);
-  /// Records that the sequence (its chunks and record) is being deleted.
+  /// Records that the sequence (its chunks, record and blobs) is being deleted; everything
+  /// of it not acknowledged again afterwards stays dropped until PruneDrops().
   Status DropSequence(SequenceId seq);
   /// Records the CRC-32C of the sequence record just acknowledged (no-op when unchanged).
   Status AckSequenceRecord(SequenceId seq, uint32_t record_crc);
@@ -138,6 +152,18 @@ class AckManifest {
   Status Adopt(const std::vector<ChunkRange>& chunks, const std::vector<std::pair<SequenceId, uint32_t>>& sequences);
   /// Rewrites the file as one record per range (see the top of the file).
   Status Compact();
+
+  /// The parts of `candidates` (chunks that are not acknowledged) that a drop or delete
+  /// removed, in order: chunks of a dropped sequence, or in a deleted range.
+  std::vector<ChunkRange> DroppedAmong(const std::vector<ChunkRange>& candidates) const;
+  /// Sequences dropped whose record was not acknowledged again since.
+  std::vector<SequenceId> DroppedSequenceRecords() const;
+  /// Tombstones held (dropped sequences plus deleted ranges); each is a record of a snapshot.
+  uint64_t drop_records() const;
+  /// Forgets every tombstone and compacts. Only for a caller that knows every drop and
+  /// delete recorded so far is durable in the database without its write-ahead log (the
+  /// cold tier flushes RocksDB first). On failure the tombstones stay.
+  Status PruneDrops();
 
   ChunkRangeSet chunks() const;
   std::map<SequenceId, uint32_t> sequences() const;
@@ -158,6 +184,9 @@ class AckManifest {
   int fd_ = -1;
   ChunkRangeSet chunks_;
   std::map<SequenceId, uint32_t> sequences_;
+  // Tombstones: disjoint from chunks_ (an ack takes a chunk out of deleted_).
+  ChunkRangeSet deleted_;
+  std::set<SequenceId> dropped_;
   uint64_t file_records_ = 0;
 };
 

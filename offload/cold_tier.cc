@@ -1,5 +1,6 @@
 #include "offload/cold_tier.h"
 
+#include <fcntl.h>
 #include <rocksdb/cache.h>
 #include <rocksdb/convenience.h>
 #include <rocksdb/db.h>
@@ -8,19 +9,22 @@
 #include <rocksdb/slice.h>
 #include <rocksdb/table.h>
 #include <rocksdb/write_batch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cctype>
+#include <cerrno>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 #include <map>
-#include <set>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <system_error>
 #include <thread>
@@ -208,6 +212,96 @@ rocksdb::CompressionType ToRocks(Compression c) {
   return rocksdb::kNoCompression;
 }
 
+// The files of a data directory that only an existing store has: RocksDB's CURRENT,
+// MANIFEST-*, write-ahead logs and tables, and the ack manifest. (LOCK, LOG and IDENTITY
+// can be left by an open that failed before it created anything.)
+struct StoreFiles {
+  bool current = false;
+  std::vector<std::string> manifests;  // MANIFEST-<number>, oldest first
+  std::vector<std::string> data;       // *.log, *.sst, *.blob, the ack manifest
+  bool holds_store() const { return current || !manifests.empty() || !data.empty(); }
+  std::string Describe() const {
+    std::vector<std::string> all = manifests;
+    all.insert(all.end(), data.begin(), data.end());
+    std::string s;
+    for (size_t i = 0; i < all.size() && i < 8; ++i) s += (i ? ", " : "") + all[i];
+    if (all.size() > 8) s += " and " + std::to_string(all.size() - 8) + " more";
+    return s;
+  }
+};
+
+bool EndsWith(const std::string& s, const char* suffix) {
+  const size_t n = std::strlen(suffix);
+  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
+}
+
+Status ListStoreFiles(const std::string& dir, StoreFiles* out) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name == "CURRENT")
+      out->current = true;
+    else if (name.rfind("MANIFEST-", 0) == 0)
+      out->manifests.push_back(name);
+    else if (EndsWith(name, ".log") || EndsWith(name, ".sst") || EndsWith(name, ".blob") ||
+             name == AckManifest::kFileName)
+      out->data.push_back(name);
+  }
+  if (ec) return IOError("cold tier: cannot list data dir '" + dir + "': " + ec.message());
+  auto number = [](const std::string& m) { return std::strtoull(m.c_str() + 9, nullptr, 10); };
+  std::sort(out->manifests.begin(), out->manifests.end(),
+            [&](const std::string& a, const std::string& b) { return number(a) < number(b); });
+  std::sort(out->data.begin(), out->data.end());
+  return Status::Ok();
+}
+
+Status WriteFileDurably(const std::string& dir, const std::string& name, const std::string& bytes) {
+  const std::string path = dir + "/" + name, tmp = path + ".kvtier-tmp";
+  auto fail = [&](const std::string& what) {
+    const std::string msg = "cold tier: " + what + ": " + std::strerror(errno);
+    ::unlink(tmp.c_str());
+    return IOError(msg);
+  };
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return fail("create '" + tmp + "'");
+  const bool written = ::write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size());
+  const bool synced = written && ::fsync(fd) == 0;
+  ::close(fd);
+  if (!synced) return fail("write '" + tmp + "'");
+  if (::rename(tmp.c_str(), path.c_str()) != 0) return fail("rename '" + tmp + "' to '" + path + "'");
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0 || ::fsync(dfd) != 0) {
+    const std::string msg = "cold tier: fsync of directory '" + dir + "': " + std::strerror(errno);
+    if (dfd >= 0) ::close(dfd);
+    return IOError(msg);
+  }
+  ::close(dfd);
+  return Status::Ok();
+}
+
+// A directory that holds a store but lost its CURRENT file (which names the MANIFEST that
+// describes the database): opened as it is, RocksDB would create a new, empty database
+// there and later delete the old one's files as obsolete. With exactly one MANIFEST-* the
+// answer is not in doubt, and CURRENT is written back (atomically) pointing at it; the
+// MANIFEST's name is returned. Otherwise Corruption naming the missing CURRENT.
+Result<std::string> RecoverCurrent(const std::string& dir, const StoreFiles& files) {
+  const std::string what =
+      "cold tier: '" + dir + "' holds a store (" + files.Describe() + ") but its CURRENT file is missing";
+  if (files.manifests.empty())
+    return Corruption(what +
+                      ", and no MANIFEST-* file is left to recover it from; refusing to open it as a new "
+                      "store, which would delete those files");
+  if (files.manifests.size() > 1)
+    return Corruption(what + ", and there are " + std::to_string(files.manifests.size()) +
+                      " MANIFEST-* files, so which one is current is not known; refusing to guess (write the "
+                      "right name into CURRENT, usually the newest: " +
+                      files.manifests.back() + ")");
+  KVTIER_RETURN_IF_ERROR(WriteFileDurably(dir, "CURRENT", files.manifests.back() + "\n"));
+  return files.manifests.back();
+}
+
 }  // namespace
 
 namespace cold_tier_format {
@@ -253,6 +347,9 @@ struct ColdTier::Impl {
   std::unique_ptr<AckManifest> manifest;
   std::vector<ChunkRange> lost;            // accepted at this open (accept_lost_chunks)
   std::vector<SequenceId> lost_sequences;  // same, for sequence records
+  std::vector<ChunkRange> redropped;       // dropped chunks found present at this open, deleted again
+  std::vector<SequenceId> redropped_sequences;  // same, for dropped sequences
+  std::string recovered_current;                // the MANIFEST a missing CURRENT was pointed at
 
   // Keeps the byte/chunk counters exact under concurrency: Put/DeleteChunk take
   // `seq_mu` shared plus the key's stripe (read old meta, write, adjust);
@@ -287,6 +384,52 @@ struct ColdTier::Impl {
   }
 
   Status CheckAcknowledged(const ChunkRangeSet& present);
+
+  // Rebuilds the counters from the meta records (small; payloads untouched), and notes
+  // which chunks are there for the manifest check (a meta and its payload are one batch,
+  // so the meta's key stands for both).
+  Status ScanMetas(ChunkRangeSet* present) {
+    rocksdb::ReadOptions ro;
+    ro.fill_cache = false;
+    std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(ro, meta_cf));
+    uint64_t bytes = 0, n = 0;
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      const rocksdb::Slice key = it->key();
+      if (key.size() == 20)
+        present->Insert(ChunkKey{DecodeBigEndian64(key.data()), DecodeBigEndian32(key.data() + 8),
+                                 DecodeBigEndian64(key.data() + 12)});
+      Decoded d;
+      if (DecodeValue(it->value(), ValueKind::kMeta, "meta", &d).ok()) {
+        bytes += d.aux;
+        ++n;
+      }
+    }
+    if (!it->status().ok()) return FromRocks(it->status(), "scanning chunk metas in '" + options.path + "'");
+    payload_bytes = bytes;
+    chunks = n;
+    return Status::Ok();
+  }
+
+  // Deletes again what the manifest says was dropped or deleted and is present (its delete
+  // was lost with the WAL), so that it is neither served nor adopted. *present loses it.
+  Status RedoDrops(ChunkRangeSet* present, const std::map<SequenceId, uint32_t>& present_seqs,
+                   const std::set<SequenceId>& damaged_seqs);
+
+  // Once the manifest holds this many tombstones (offload/ack_manifest.h), a drop flushes
+  // RocksDB and prunes them.
+  static constexpr uint64_t kPruneDropsAt = 4096;
+
+  // Makes every delete written so far durable without the WAL (a flush of every family),
+  // then lets the manifest forget its tombstones. The caller holds `seq_mu` exclusively,
+  // or is Open: no drop is between its manifest record and its database write.
+  Status FlushAndPruneDrops() {
+    rocksdb::FlushOptions fo;
+    fo.wait = true;
+    fo.allow_write_stall = true;
+    rocksdb::Status s = db->Flush(fo, handles);
+    if (!s.ok()) return FromRocks(s, "flushing '" + options.path + "' to make drops durable");
+    return manifest->PruneDrops();
+  }
 
   // Every write goes through these two. In a ThreadSanitizer build they let one thread
   // into RocksDB's write path at a time: RocksDB groups concurrent writes, and its leader
@@ -359,6 +502,10 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
     if (ec) return IOError("cold tier: cannot create data dir '" + path + "': " + ec.message());
   }
 
+  // A directory that holds a store is never opened as a new one (see RecoverCurrent).
+  StoreFiles files;
+  KVTIER_RETURN_IF_ERROR(ListStoreFiles(path, &files));
+
   const rocksdb::CompressionType ctype = ToRocks(options.compression);
   if (ctype != rocksdb::kNoCompression) {
     auto supported = rocksdb::GetSupportedCompressions();
@@ -368,7 +515,7 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
   }
 
   rocksdb::DBOptions dbo;
-  dbo.create_if_missing = true;
+  dbo.create_if_missing = !files.holds_store();
   dbo.create_missing_column_families = true;
   dbo.paranoid_checks = true;
   unsigned hw = std::max(2u, std::thread::hardware_concurrency());
@@ -421,7 +568,23 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
   impl->options = options;
   impl->write_options.sync = options.sync_writes;
   impl->write_options.disableWAL = false;
+  if (files.holds_store() && !files.current) {
+    KVTIER_ASSIGN_OR_RETURN(impl->recovered_current, RecoverCurrent(path, files));
+  }
   rocksdb::Status s = rocksdb::DB::Open(dbo, path, cfs, &impl->handles, &impl->db);
+  if (!s.ok() && !impl->recovered_current.empty()) {
+    // Leave the directory as it was found, unless RocksDB has moved CURRENT on meanwhile.
+    const std::string current = path + "/CURRENT";
+    std::string now;
+    if (FILE* f = std::fopen(current.c_str(), "rb")) {
+      char buf[256];
+      now.assign(buf, std::fread(buf, 1, sizeof buf, f));
+      std::fclose(f);
+    }
+    if (now == impl->recovered_current + "\n") ::unlink(current.c_str());
+    return FromRocks(s, "open '" + path + "' (its CURRENT file was missing; pointed at " +
+                            impl->recovered_current + ", the only MANIFEST, it still does not open)");
+  }
   if (!s.ok()) return FromRocks(s, "open '" + path + "'");
   impl->seq_cf = impl->handles[0];
   impl->meta_cf = impl->handles[1];
@@ -445,30 +608,8 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
     }
   }
 
-  // Rebuild the counters from the meta records (small; payloads untouched), and note
-  // which chunks are there for the manifest check (a meta and its payload are one batch,
-  // so the meta's key stands for both).
   ChunkRangeSet present;
-  {
-    rocksdb::ReadOptions ro;
-    ro.fill_cache = false;
-    std::unique_ptr<rocksdb::Iterator> it(impl->db->NewIterator(ro, impl->meta_cf));
-    uint64_t bytes = 0, n = 0;
-    for (it->SeekToFirst(); it->Valid(); it->Next()) {
-      const rocksdb::Slice key = it->key();
-      if (key.size() == 20)
-        present.Insert(ChunkKey{DecodeBigEndian64(key.data()), DecodeBigEndian32(key.data() + 8),
-                                DecodeBigEndian64(key.data() + 12)});
-      Decoded d;
-      if (DecodeValue(it->value(), ValueKind::kMeta, "meta", &d).ok()) {
-        bytes += d.aux;
-        ++n;
-      }
-    }
-    if (!it->status().ok()) return FromRocks(it->status(), "scanning chunk metas in '" + path + "'");
-    impl->payload_bytes = bytes;
-    impl->chunks = n;
-  }
+  KVTIER_RETURN_IF_ERROR(impl->ScanMetas(&present));
   KVTIER_RETURN_IF_ERROR(impl->CheckAcknowledged(present));
   return std::unique_ptr<ColdTier>(new ColdTier(std::move(impl)));
 }
@@ -555,18 +696,82 @@ Status ColdTier::Impl::CheckAcknowledged(const ChunkRangeSet& present) {
     lost = std::move(missing);
     lost_sequences = std::move(missing_seqs);
   }
-  // Present but never acknowledged (a write in flight when the process died that landed
-  // anyway, or a delete recorded before its database write was lost): the store brings it
-  // back, so from now on it counts as acknowledged.
-  std::vector<ChunkRange> extra = present.Minus(manifest->chunks());
+  // A drop or delete the manifest recorded, whose database write is gone: done again.
+  ChunkRangeSet kept = present;
+  std::map<SequenceId, uint32_t> kept_seqs = present_seqs;
+  KVTIER_RETURN_IF_ERROR(RedoDrops(&kept, present_seqs, damaged_seqs));
+  for (SequenceId seq : redropped_sequences) kept_seqs.erase(seq);
+  // Present, never acknowledged and never dropped (a write in flight when the process died
+  // that landed anyway): the store brings it back, so from now on it counts as acknowledged.
+  std::vector<ChunkRange> extra = kept.Minus(manifest->chunks());
   std::vector<std::pair<SequenceId, uint32_t>> extra_seqs;
   const std::map<SequenceId, uint32_t> now_seqs = manifest->sequences();
-  for (const auto& [seq, crc] : present_seqs) {
+  for (const auto& [seq, crc] : kept_seqs) {
     auto it = now_seqs.find(seq);
     if (it == now_seqs.end() || it->second != crc) extra_seqs.emplace_back(seq, crc);
   }
   KVTIER_RETURN_IF_ERROR(manifest->Adopt(extra, extra_seqs));
+  // Every delete is in a table after this flush, so losing a WAL can no longer undo one.
+  if (manifest->drop_records() > 0) KVTIER_RETURN_IF_ERROR(FlushAndPruneDrops());
   return Status::Ok();
+}
+
+Status ColdTier::Impl::RedoDrops(ChunkRangeSet* present, const std::map<SequenceId, uint32_t>& present_seqs,
+                                 const std::set<SequenceId>& damaged_seqs) {
+  const std::string& path = options.path;
+  const std::string what = "deleting again what was dropped in '" + path + "'";
+  const ChunkRangeSet acked = manifest->chunks();
+  rocksdb::WriteBatch batch;
+  rocksdb::Status s;
+  std::set<SequenceId> whole;  // sequences deleted as a whole (a drop nothing was acknowledged in since)
+  {
+    rocksdb::ReadOptions ro;
+    ro.fill_cache = false;
+    std::unique_ptr<rocksdb::Iterator> blobs(db->NewIterator(ro, blob_cf));
+    for (SequenceId seq : manifest->DroppedSequenceRecords()) {
+      const bool record_back = present_seqs.count(seq) > 0 || damaged_seqs.count(seq) > 0;
+      if (acked.HasSequence(seq)) {
+        // Chunks acknowledged after the drop stay; the record and any other chunk go.
+        if (record_back) {
+          s = batch.Delete(seq_cf, cold_tier_format::SequenceKey(seq));
+          if (!s.ok()) return FromRocks(s, what);
+          redropped_sequences.push_back(seq);
+        }
+        continue;
+      }
+      const std::string prefix = SeqPrefix(seq);
+      blobs->Seek(prefix);
+      const bool blobs_back = blobs->Valid() && blobs->key().starts_with(prefix);
+      if (!blobs->status().ok()) return FromRocks(blobs->status(), what);
+      if (!record_back && !blobs_back && !present->HasSequence(seq)) continue;
+      s = batch.Delete(seq_cf, cold_tier_format::SequenceKey(seq));
+      if (!s.ok()) return FromRocks(s, what);
+      for (rocksdb::ColumnFamilyHandle* cf : {meta_cf, payload_cf, blob_cf})
+        KVTIER_RETURN_IF_ERROR(DeletePrefix(&batch, cf, seq, what));
+      whole.insert(seq);
+      redropped_sequences.push_back(seq);
+    }
+  }
+  redropped = manifest->DroppedAmong(present->Minus(acked));
+  for (const ChunkRange& r : redropped) {
+    if (whole.count(r.seq)) continue;
+    for (uint64_t i = r.first;; ++i) {  // present keys: as many as the database holds
+      const std::string key = cold_tier_format::ChunkKeyBytes(ChunkKey{r.seq, r.layer, i});
+      s = batch.Delete(meta_cf, key);
+      if (s.ok()) s = batch.Delete(payload_cf, key);
+      if (!s.ok()) return FromRocks(s, what);
+      if (i == r.last) break;  // not i <= last: last may be UINT64_MAX
+    }
+  }
+  if (batch.Count() == 0) return Status::Ok();
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  s = Write(wo, &batch);
+  if (!s.ok()) return FromRocks(s, what);
+  for (const ChunkRange& r : redropped) present->EraseRange(r.seq, r.layer, r.first, r.last);
+  for (SequenceId seq : whole) present->EraseSequence(seq);
+  ChunkRangeSet recount;
+  return ScanMetas(&recount);  // the counters counted what is gone now
 }
 
 Status ColdTier::PutChunk(const ChunkKey& k, std::string_view meta, const void* payload,
@@ -641,17 +846,24 @@ Status ColdTier::DeleteChunk(const ChunkKey& k) {
   if (s.ok()) s = batch.Delete(m.payload_cf, key);
   if (!s.ok()) return FromRocks(s, "deleting chunk " + k.ToString());
 
-  std::shared_lock seq_lock(m.seq_mu);
-  std::lock_guard stripe_lock(m.StripeFor(k));
-  bool had = false;
-  uint64_t old_bytes = 0;
-  KVTIER_RETURN_IF_ERROR(m.StoredSize(key, k, &had, &old_bytes));
-  // Off the manifest before the delete is written: a crash in between leaves a chunk
-  // nobody vouches for, never a vouched-for chunk that is gone.
-  KVTIER_RETURN_IF_ERROR(m.manifest->DeleteChunk(k));
-  s = m.Write(m.write_options, &batch);
-  if (!s.ok()) return FromRocks(s, "deleting chunk " + k.ToString());
-  if (had) m.Subtract(old_bytes, 1);
+  {
+    std::shared_lock seq_lock(m.seq_mu);
+    std::lock_guard stripe_lock(m.StripeFor(k));
+    bool had = false;
+    uint64_t old_bytes = 0;
+    KVTIER_RETURN_IF_ERROR(m.StoredSize(key, k, &had, &old_bytes));
+    // Off the manifest (a tombstone) before the delete is written: a crash in between leaves
+    // a chunk nobody vouches for, which the next open deletes, never a vouched-for chunk
+    // that is gone.
+    KVTIER_RETURN_IF_ERROR(m.manifest->DeleteChunk(k));
+    s = m.Write(m.write_options, &batch);
+    if (!s.ok()) return FromRocks(s, "deleting chunk " + k.ToString());
+    if (had) m.Subtract(old_bytes, 1);
+  }
+  if (m.manifest->drop_records() >= Impl::kPruneDropsAt) {
+    std::unique_lock seq_lock(m.seq_mu);
+    if (m.manifest->drop_records() >= Impl::kPruneDropsAt) KVTIER_RETURN_IF_ERROR(m.FlushAndPruneDrops());
+  }
   return Status::Ok();
 }
 
@@ -706,6 +918,7 @@ Status ColdTier::DeleteSequence(SequenceId seq) {
   s = m.Write(m.write_options, &batch);
   if (!s.ok()) return FromRocks(s, what);
   m.Subtract(bytes, n);
+  if (m.manifest->drop_records() >= Impl::kPruneDropsAt) KVTIER_RETURN_IF_ERROR(m.FlushAndPruneDrops());
   return Status::Ok();
 }
 
@@ -796,6 +1009,9 @@ Result<std::string> ColdTier::GetBlob(SequenceId seq, uint32_t layer, std::strin
 std::vector<ChunkRange> ColdTier::AcknowledgedChunks() const { return impl_->manifest->chunks().Ranges(); }
 const std::vector<ChunkRange>& ColdTier::lost_chunks() const { return impl_->lost; }
 const std::vector<SequenceId>& ColdTier::lost_sequence_records() const { return impl_->lost_sequences; }
+const std::vector<ChunkRange>& ColdTier::redropped_chunks() const { return impl_->redropped; }
+const std::vector<SequenceId>& ColdTier::redropped_sequences() const { return impl_->redropped_sequences; }
+const std::string& ColdTier::recovered_current() const { return impl_->recovered_current; }
 
 uint64_t ColdTier::stored_payload_bytes() const { return impl_->payload_bytes.load(); }
 uint64_t ColdTier::stored_chunks() const { return impl_->chunks.load(); }

@@ -50,6 +50,26 @@
 // (ColdTierOptions::accept_lost_chunks) every open fails the same way: a later run
 // does not quietly build on a store with holes.
 //
+// ---- Drops ---------------------------------------------------------------------------------
+// A DeleteChunk or DeleteSequence that returned OK stays deleted through any recovery. The
+// manifest records each before its database write and keeps it (a tombstone) until a flush
+// has put every delete into a table. At open, a chunk, sequence record or blob that a
+// tombstone covers and that was not acknowledged again since is deleted again (its delete
+// was lost with the WAL), listed in redropped_chunks() / redropped_sequences(), and never
+// adopted as acknowledged, with or without accept_lost_chunks. Then the open flushes and
+// the manifest forgets its tombstones; at run time a drop does the same once they pass
+// 4096.
+//
+// ---- A directory that holds a store -------------------------------------------------------
+// Open creates a database only in a directory that holds none of CURRENT, MANIFEST-*, a
+// WAL (*.log), a table (*.sst, *.blob) or the ack manifest. A store's directory is opened
+// as that store or not at all: without CURRENT, RocksDB would start a new, empty database
+// there and later delete the old one's files as obsolete. A missing CURRENT is written back
+// (atomically) pointing at the MANIFEST-* when there is exactly one (recovered_current()
+// names it; when the open still fails, that CURRENT is removed again); with none or several
+// the open fails with Corruption naming the missing CURRENT and touches nothing. No open
+// deletes a file of the store it refuses.
+//
 // WAL recovery mode: kPointInTimeRecovery. RocksDB replays the WAL up to the first
 // damaged record and keeps that consistent prefix (or refuses to open when a flushed
 // table already holds data from past the damage); the manifest then names what the
@@ -97,7 +117,7 @@ const char* CompressionName(Compression c);
 bool ParseCompression(const std::string& name, Compression* out);
 
 struct ColdTierOptions {
-  std::string path;                             ///< database directory (created if missing)
+  std::string path;                             ///< database directory (created if missing; see Open)
   Compression compression = Compression::kLZ4;  ///< block compression of the chunk column
   bool sync_writes = false;                     ///< fsync the WAL on each write: survives power loss, not just process death
   size_t block_cache_bytes = 32 << 20;          ///< RocksDB block cache (default 32 MiB; 0 = no block cache)
@@ -116,8 +136,10 @@ struct ColdTierOptions {
 
 class ColdTier {
  public:
-  /// Opens (creating if missing) the database at options.path, then checks every
-  /// acknowledged chunk and sequence record came back (see "What was acknowledged").
+  /// Opens the database at options.path, creating it only where the directory holds no
+  /// store (see "A directory that holds a store"), then checks every acknowledged chunk
+  /// and sequence record came back (see "What was acknowledged") and that nothing dropped
+  /// did (see "Drops").
   /// A path that is an existing regular file -> InvalidArgument
   /// "cold tier: data dir '...' is a file, not a directory"; a compression this
   /// RocksDB was built without -> Unavailable; RocksDB errors -> IOError or
@@ -179,6 +201,15 @@ class ColdTier {
   /// Sequences whose acknowledged record was missing or older at this open and was
   /// accepted as lost (accept_lost_chunks).
   const std::vector<SequenceId>& lost_sequence_records() const;
+  /// Chunks that DeleteChunk or DeleteSequence had removed, found present at this open (the
+  /// delete was lost with the WAL) and deleted again (see "Drops" above).
+  const std::vector<ChunkRange>& redropped_chunks() const;
+  /// Sequences that DeleteSequence had removed whose record, chunks or blobs were found
+  /// present at this open and were deleted again.
+  const std::vector<SequenceId>& redropped_sequences() const;
+  /// When this open found CURRENT missing and pointed it at the only MANIFEST-* (see "A
+  /// directory that holds a store" above): that MANIFEST's name; else empty.
+  const std::string& recovered_current() const;
 
   /// Approximate bytes of chunk payloads currently stored (uncompressed),
   /// maintained by Put/Delete and rebuilt on Open from the meta records.

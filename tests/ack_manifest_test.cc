@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <set>
 #include <string>
@@ -117,6 +118,8 @@ TEST(AckManifest, ReplaysAcksDeletesAndDrops) {
   EXPECT_EQ((*m)->chunks().Ranges(), R({{1, 0, 0, 3}, {1, 0, 5, 9}}));
   EXPECT_EQ((*m)->sequences(), (std::map<SequenceId, uint32_t>{{1, 0xabcd}}));
   ASSERT_TRUE((*m)->Compact().ok());
+  EXPECT_EQ((*m)->file_records(), 1u + 1 + 1 + 2 + 1);  // the drop and the delete stay until pruned
+  ASSERT_TRUE((*m)->PruneDrops().ok());
   EXPECT_EQ((*m)->file_records(), 1u + 2 + 1);
   EXPECT_EQ(fs::file_size(ManifestPath(dir.path())), 4 * AckManifest::kRecordBytes);
 }
@@ -161,6 +164,10 @@ TEST(AckManifest, StaysSmallWhileSequencesComeAndGo) {
   for (SequenceId s = 1; s <= 200; ++s) {
     for (uint64_t i = 0; i < 64; ++i) ASSERT_TRUE((*m)->AckChunk({s, 0, i}).ok());
     if (s > 2) ASSERT_TRUE((*m)->DropSequence(s - 2).ok());
+    // The cold tier prunes tombstones once their deletes are flushed (here: every 16 drops).
+    if ((*m)->drop_records() >= 16) {
+      ASSERT_TRUE((*m)->PruneDrops().ok());
+    }
   }
   // Two live sequences: the file is compacted well below the 12,800 acks appended.
   EXPECT_LE((*m)->file_records(), 4 * 4 + 1024 + 1u);
@@ -168,6 +175,45 @@ TEST(AckManifest, StaysSmallWhileSequencesComeAndGo) {
   auto again = AckManifest::Open(dir.path(), false);
   ASSERT_TRUE(again.ok());
   EXPECT_EQ((*again)->chunks().Ranges(), (*m)->chunks().Ranges());
+}
+
+TEST(AckManifest, DropsAndDeletesOutliveCompactionUntilPruned) {
+  TempDir dir;
+  {
+    auto m = AckManifest::Create(dir.path(), false, ChunkRangeSet{}, {});
+    ASSERT_TRUE(m.ok());
+    for (uint64_t i = 0; i < 8; ++i) {
+      ASSERT_TRUE((*m)->AckChunk({1, 0, i}).ok());
+      ASSERT_TRUE((*m)->AckChunk({2, 0, i}).ok());
+    }
+    ASSERT_TRUE((*m)->AckSequenceRecord(1, 11).ok());
+    ASSERT_TRUE((*m)->AckSequenceRecord(3, 33).ok());
+    ASSERT_TRUE((*m)->DropSequence(1).ok());
+    ASSERT_TRUE((*m)->DropSequence(3).ok());
+    ASSERT_TRUE((*m)->AckSequenceRecord(3, 34).ok());  // acknowledged again after its drop
+    ASSERT_TRUE((*m)->DeleteChunk({2, 0, 3}).ok());
+    ASSERT_TRUE((*m)->DeleteChunk({2, 0, 5}).ok());
+    ASSERT_TRUE((*m)->DeleteChunk({2, 0, 6}).ok());
+    ASSERT_TRUE((*m)->AckChunk({2, 0, 6}).ok());  // written again: no longer deleted
+    ASSERT_TRUE((*m)->Compact().ok());
+    EXPECT_EQ((*m)->drop_records(), 2u + 2u);
+  }
+  for (int round = 0; round < 2; ++round) {
+    auto m = AckManifest::Open(dir.path(), false);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    EXPECT_EQ((*m)->chunks().Ranges(), R({{2, 0, 0, 2}, {2, 0, 4, 4}, {2, 0, 6, 7}}));
+    EXPECT_EQ((*m)->sequences(), (std::map<SequenceId, uint32_t>{{3, 34}}));
+    if (round == 0) {
+      EXPECT_EQ((*m)->DroppedSequenceRecords(), std::vector<SequenceId>{1});
+      EXPECT_EQ((*m)->DroppedAmong(R({{1, 4, 0, 9}, {2, 0, 3, 3}, {2, 0, 5, 5}, {2, 0, 8, 9}})),
+                R({{1, 4, 0, 9}, {2, 0, 3, 3}, {2, 0, 5, 5}}));
+      ASSERT_TRUE((*m)->PruneDrops().ok());
+    } else {
+      EXPECT_TRUE((*m)->DroppedSequenceRecords().empty());
+      EXPECT_TRUE((*m)->DroppedAmong(R({{1, 4, 0, 9}, {2, 0, 3, 3}})).empty());
+      EXPECT_EQ((*m)->drop_records(), 0u);
+    }
+  }
 }
 
 // ---- the cold tier: damage to the WAL --------------------------------------------------------
@@ -350,6 +396,127 @@ TEST(WalDamageCold, PresentChunksNobodyAcknowledgedAreAdoptedNotReported) {
   EXPECT_EQ(CountChunks((*t)->AcknowledgedChunks()), kChunks);
 }
 
+// ---- drops whose deletes are lost with the WAL -------------------------------------------------
+
+// Sequences 1 and 2 (8 chunks each, a record, and a blob for 1), reopened once so that all of
+// it is in tables; then sequence 1 dropped and chunks 3 and 5 of 2 deleted, which only the
+// newest WAL holds; `then` runs after the drops, before the close.
+void DropIntoTheWal(const std::string& dir, const std::function<void(ColdTier&)>& then = {}) {
+  {
+    auto t = ColdTier::Open(ColdOpts(dir));
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    for (SequenceId seq : {1, 2}) {
+      ASSERT_TRUE((*t)->PutSequence(seq, "record " + std::to_string(seq)).ok());
+      for (uint64_t i = 0; i < 8; ++i) {
+        const std::string p = Payload({seq, 0, i});
+        ASSERT_TRUE((*t)->PutChunk({seq, 0, i}, "meta", p.data(), p.size()).ok());
+      }
+    }
+    ASSERT_TRUE((*t)->PutBlob(1, 0, "sinks", "sss", 3).ok());
+  }
+  auto t = ColdTier::Open(ColdOpts(dir));  // the WAL goes into tables at this open
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_TRUE((*t)->DeleteSequence(1).ok());
+  ASSERT_TRUE((*t)->DeleteChunk({2, 0, 3}).ok());
+  ASSERT_TRUE((*t)->DeleteChunk({2, 0, 5}).ok());
+  if (then) then(**t);
+}
+
+std::vector<SequenceId> SequencesOf(ColdTier& t) {
+  std::vector<SequenceId> out;
+  EXPECT_TRUE(t.ForEachSequence([&](SequenceId seq, std::string_view) {
+                 out.push_back(seq);
+                 return Status::Ok();
+               }).ok());
+  return out;
+}
+
+void ExpectDropsHold(ColdTier& t) {
+  EXPECT_EQ(SequencesOf(t), std::vector<SequenceId>{2});
+  EXPECT_EQ(t.AcknowledgedChunks(), R({{2, 0, 0, 2}, {2, 0, 4, 4}, {2, 0, 6, 7}}));
+  EXPECT_EQ(t.stored_chunks(), 6u);
+  std::string got(kPayload, '\0');
+  for (const ChunkKey& k : {ChunkKey{1, 0, 0}, ChunkKey{1, 0, 7}, ChunkKey{2, 0, 3}, ChunkKey{2, 0, 5}})
+    EXPECT_EQ(t.GetChunk(k, got.data(), got.size()).code(), StatusCode::kNotFound)
+        << k.ToString() << " came back";
+  EXPECT_EQ(t.GetBlob(1, 0, "sinks").status().code(), StatusCode::kNotFound);
+  for (const ChunkRange& r : t.AcknowledgedChunks())
+    for (uint64_t i = r.first; i <= r.last; ++i) {
+      ASSERT_TRUE(t.GetChunk({r.seq, r.layer, i}, got.data(), got.size()).ok());
+      EXPECT_EQ(got, Payload({r.seq, r.layer, i}));
+    }
+}
+
+TEST(WalDamageCold, DropsStayDroppedWhenTheirWalIsLost) {
+  TempDir dir;
+  DropIntoTheWal(dir.path());
+  std::vector<fs::path> wals = WalFiles(dir.path());
+  ASSERT_FALSE(wals.empty());
+  ASSERT_TRUE(fs::remove(wals.back()));
+  {
+    auto t = ColdTier::Open(ColdOpts(dir.path()));
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ExpectDropsHold(**t);
+    EXPECT_EQ((*t)->redropped_sequences(), std::vector<SequenceId>{1});
+    EXPECT_EQ((*t)->redropped_chunks(), R({{1, 0, 0, 7}, {2, 0, 3, 3}, {2, 0, 5, 5}}));
+  }
+  // Done again and flushed at that open: losing the newest WAL once more changes nothing.
+  wals = WalFiles(dir.path());
+  if (!wals.empty()) {
+    ASSERT_TRUE(fs::remove(wals.back()));
+  }
+  auto t = ColdTier::Open(ColdOpts(dir.path()));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ExpectDropsHold(**t);
+  EXPECT_TRUE((*t)->redropped_chunks().empty());
+  EXPECT_TRUE((*t)->redropped_sequences().empty());
+}
+
+TEST(WalDamageCold, AcceptingALossNeverAdoptsDroppedData) {
+  TempDir dir;
+  DropIntoTheWal(dir.path(), [](ColdTier& t) {
+    const std::string p = Payload({2, 0, 8});
+    ASSERT_TRUE(t.PutChunk({2, 0, 8}, "meta", p.data(), p.size()).ok());  // lost with the WAL below
+  });
+  std::vector<fs::path> wals = WalFiles(dir.path());
+  ASSERT_FALSE(wals.empty());
+  ASSERT_TRUE(fs::remove(wals.back()));
+  auto t = ColdTier::Open(ColdOpts(dir.path()));
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("1 acknowledged chunks are missing (seq=2/layer=0/chunk=8)"),
+            std::string::npos)
+      << t.status().ToString();
+  for (const bool accept : {true, false}) {
+    auto opened = ColdTier::Open(ColdOpts(dir.path(), accept));
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    if (accept) {
+      EXPECT_EQ((*opened)->lost_chunks(), R({{2, 0, 8, 8}}));
+    }
+    ExpectDropsHold(**opened);
+  }
+}
+
+TEST(WalDamageCold, ManyDropsArePrunedOnceFlushedAndStayDropped) {
+  TempDir dir;
+  constexpr uint64_t kDeletes = 4100;  // past the 4096 tombstones that make a drop flush and prune
+  {
+    auto t = ColdTier::Open(ColdOpts(dir.path()));
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    const std::string p(64, 'p');
+    for (uint64_t i = 0; i < kDeletes; ++i) ASSERT_TRUE((*t)->PutChunk({1, 0, 2 * i}, "m", p.data(), p.size()).ok());
+    for (uint64_t i = 0; i < kDeletes; ++i) ASSERT_TRUE((*t)->DeleteChunk({1, 0, 2 * i}).ok());
+    EXPECT_EQ((*t)->stored_chunks(), 0u);
+  }
+  EXPECT_LT(fs::file_size(ManifestPath(dir.path())), 1024 * AckManifest::kRecordBytes);
+  std::vector<fs::path> wals = WalFiles(dir.path());
+  ASSERT_FALSE(wals.empty());
+  ASSERT_TRUE(fs::remove(wals.back()));
+  auto t = ColdTier::Open(ColdOpts(dir.path()));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ((*t)->stored_chunks(), 0u);
+  EXPECT_TRUE((*t)->AcknowledgedChunks().empty());
+}
+
 // ---- the whole store, and the CLI ------------------------------------------------------------
 
 // Appends tokens to two layers of one sequence with write-through; returns the acknowledged
@@ -421,6 +588,62 @@ int RunCli(const std::string& args, std::string* out) {
   while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out->append(buf, n);
   const int st = pclose(p);
   return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+// Issue 24, defect 2, through the whole store and `kvtier check`: a DropSequence and a
+// DropChunks that returned OK, then the WAL holding their deletes is lost.
+TEST(WalDamageStore, DropsThatReturnedOkStayDroppedWhenTheWalIsLost) {
+  TempDir dir;
+  StoreOptions o = CrashTestOptions(dir.path());
+  SequenceId a = 0, b = 0;
+  {
+    auto store = TieredStore::Open(o);
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    a = *(*store)->CreateSequence();
+    b = *(*store)->CreateSequence();
+    const size_t tb = o.geometry.token_elems() * DTypeSize(o.geometry.dtype);
+    const int64_t n = o.n_sink + o.n_local + o.chunk_size + 8 * o.chunk_size;  // seals chunks 0..7
+    std::vector<uint8_t> k(n * tb), v(n * tb);
+    for (SequenceId seq : {a, b})
+      for (int l = 0; l < o.geometry.layers; ++l) {
+        FillPattern(kCrashSalt, seq, l, 0, 0, n, tb, k.data());
+        FillPattern(kCrashSalt, seq, l, 1, 0, n, tb, v.data());
+        ASSERT_TRUE((*store)->Append(seq, l, k.data(), v.data(), static_cast<int>(n), o.geometry.dtype).ok());
+      }
+    ASSERT_TRUE((*store)->WaitForDurable().ok());
+  }
+  {
+    auto store = TieredStore::Open(o);  // the WAL goes into tables at this open
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    ASSERT_TRUE((*store)->DropSequence(a).ok());
+    ASSERT_TRUE((*store)->DropChunks(b, 0, {3, 5}).ok());
+  }
+  std::vector<fs::path> wals = WalFiles(dir.path());
+  ASSERT_FALSE(wals.empty());
+  ASSERT_TRUE(fs::remove(wals.back()));
+
+  std::string out;
+  ASSERT_EQ(RunCli("check --data-dir " + dir.path(), &out), 0) << out;
+  EXPECT_EQ(out.find("sequence " + std::to_string(a) + ":"), std::string::npos)
+      << "dropped sequence listed:\n"
+      << out;
+  EXPECT_NE(out.find("deleted again"), std::string::npos) << out;
+  EXPECT_NE(out.find("seq=" + std::to_string(b) + "/layer=0/chunk=0..2, seq=" + std::to_string(b) +
+                     "/layer=0/chunk=4, seq=" + std::to_string(b) + "/layer=0/chunk=6..7"),
+            std::string::npos)
+      << out;
+  auto store = TieredStore::Open(o);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  EXPECT_EQ((*store)->ListSequences(), std::vector<SequenceId>{b});
+  const size_t tb = o.geometry.token_elems() * DTypeSize(o.geometry.dtype);
+  std::vector<uint8_t> k(o.chunk_size * tb), v(o.chunk_size * tb);
+  for (uint64_t idx : {3, 5}) {
+    const int64_t first = o.n_sink + static_cast<int64_t>(idx) * o.chunk_size;
+    EXPECT_EQ((*store)->ReadTokens(b, 0, first, first + o.chunk_size, k.data(), v.data()).code(),
+              StatusCode::kNotFound)
+        << "dropped chunk " << idx << " came back";
+  }
+  EXPECT_TRUE((*store)->ReadTokens(b, 0, o.n_sink, o.n_sink + o.chunk_size, k.data(), v.data()).ok());
 }
 
 TEST(WalDamageStore, KvtierCheckPrintsTheLostChunks) {

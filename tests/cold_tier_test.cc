@@ -304,6 +304,91 @@ TEST(ColdTierOpen, CreatesNestedDirectoryAndLocksIt) {
   EXPECT_TRUE(Contains(r.status().message(), "cold tier")) << r.status().ToString();
 }
 
+// ---- a directory that holds a store -----------------------------------------------------------
+
+constexpr uint64_t kSafetyChunks = 120;
+constexpr size_t kSafetyBytes = 8192;
+
+// 120 chunks through a 64 KiB memtable: some in tables (*.sst), the newest only in the WAL.
+void WriteStoreWithTablesAndWal(const std::string& path) {
+  ColdTierOptions o = Opts(path, Compression::kNone);
+  o.write_buffer_bytes = 64 << 10;
+  auto t = MustOpen(o);
+  ASSERT_TRUE(t);
+  ASSERT_TRUE(t->PutSequence(1, "record").ok());
+  for (uint64_t i = 0; i < kSafetyChunks; ++i) {
+    const std::string p = RandomBytes(kSafetyBytes, i);
+    ASSERT_TRUE(t->PutChunk({1, 0, i}, "m", p.data(), p.size()).ok());
+  }
+}
+
+// Name -> size of every file of the store (not LOCK or LOG*, which any open writes).
+std::map<std::string, uint64_t> StoreFileSizes(const std::string& dir) {
+  std::map<std::string, uint64_t> out;
+  for (auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name == "LOCK" || name.rfind("LOG", 0) == 0) continue;
+    out[name] = e.file_size();
+  }
+  return out;
+}
+
+std::vector<std::string> Manifests(const std::string& dir) {
+  std::vector<std::string> out;
+  for (auto& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().rfind("MANIFEST-", 0) == 0) out.push_back(e.path().filename().string());
+  return out;
+}
+
+TEST(ColdTierOpen, AMissingCurrentIsRecoveredNotReplacedByANewStore) {
+  TempDir dir;
+  WriteStoreWithTablesAndWal(dir.path());
+  ASSERT_GT(SstBytes(dir.path()), 0u) << "the test needs tables as well as a WAL";
+  const std::vector<std::string> manifests = Manifests(dir.path());
+  ASSERT_EQ(manifests.size(), 1u);
+  ASSERT_TRUE(fs::remove(dir.Sub("CURRENT")));
+  for (int round = 0; round < 2; ++round) {
+    auto r = ColdTier::Open(Opts(dir.path(), Compression::kNone));
+    ASSERT_TRUE(r.ok()) << "round " << round << ": " << r.status().ToString();
+    ColdTier& t = **r;
+    EXPECT_EQ(t.recovered_current(), round == 0 ? manifests[0] : "");
+    EXPECT_TRUE(t.lost_chunks().empty());
+    EXPECT_EQ(t.stored_chunks(), kSafetyChunks);
+    EXPECT_EQ(CountChunks(t.AcknowledgedChunks()), kSafetyChunks);
+    for (uint64_t i = 0; i < kSafetyChunks; ++i)
+      ASSERT_EQ(GetPayload(t, {1, 0, i}, kSafetyBytes), RandomBytes(kSafetyBytes, i)) << "chunk " << i;
+  }
+}
+
+TEST(ColdTierOpen, AStoreWhoseCurrentCannotBeRecoveredIsRefusedAndKeepsEveryFile) {
+  for (const bool second_manifest : {false, true}) {
+    SCOPED_TRACE(second_manifest ? "two MANIFESTs" : "no MANIFEST");
+    TempDir dir;
+    WriteStoreWithTablesAndWal(dir.path());
+    const std::vector<std::string> manifests = Manifests(dir.path());
+    ASSERT_EQ(manifests.size(), 1u);
+    ASSERT_TRUE(fs::remove(dir.Sub("CURRENT")));
+    if (second_manifest)
+      fs::copy_file(dir.Sub(manifests[0]), dir.Sub("MANIFEST-999999"));
+    else
+      ASSERT_TRUE(fs::remove(dir.Sub(manifests[0])));
+    const std::map<std::string, uint64_t> before = StoreFileSizes(dir.path());
+    for (const bool accept : {false, true, false}) {
+      ColdTierOptions o = Opts(dir.path(), Compression::kNone);
+      o.accept_lost_chunks = accept;
+      auto r = ColdTier::Open(o);
+      ASSERT_FALSE(r.ok()) << "a store without its CURRENT was opened";
+      EXPECT_EQ(r.status().code(), StatusCode::kCorruption) << r.status().ToString();
+      EXPECT_TRUE(Contains(r.status().message(), "its CURRENT file is missing")) << r.status().ToString();
+      EXPECT_TRUE(Contains(r.status().message(), dir.path())) << r.status().ToString();
+      if (second_manifest) {
+        EXPECT_TRUE(Contains(r.status().message(), "MANIFEST-999999")) << r.status().ToString();
+      }
+      EXPECT_EQ(StoreFileSizes(dir.path()), before) << "a refused open changed the store's files";
+    }
+  }
+}
+
 // ---- round trips per compression ------------------------------------------------------------
 
 class ColdTierCompression : public ::testing::TestWithParam<Compression> {};

@@ -9,7 +9,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <set>
 #include <sstream>
@@ -86,6 +88,51 @@ TEST(CrashTest, SigkillLosesNoAcknowledgedChunk) {
     }
     EXPECT_EQ((*store)->ListSequences().size(), static_cast<size_t>(kCrashSequences));
   }
+}
+
+int RunCli(const std::string& args, std::string* out) {
+  const std::string cmd = std::string(KVTIER_BINARY_DIR) + "/kvtier " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return -1;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out->append(buf, n);
+  const int st = pclose(p);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+// Issue 24, defect 1: two SIGKILLed writers, then CURRENT deleted. Opening must not start a
+// new database over the old one's files, and no check may delete them.
+TEST(CrashTest, KvtierCheckRecoversAMissingCurrentAfterSigkills) {
+  TempDir dir;
+  std::vector<Ack> acks = RunAndKill(dir.path(), 5, 150);
+  const std::vector<Ack> more = RunAndKill(dir.path(), 6, 150);
+  acks.insert(acks.end(), more.begin(), more.end());
+  ASSERT_GE(acks.size(), 300u);
+  ASSERT_TRUE(std::filesystem::remove(dir.path() + "/CURRENT"));
+  for (int round = 0; round < 2; ++round) {
+    std::string out;
+    ASSERT_EQ(RunCli("check --data-dir " + dir.path(), &out), 0) << "round " << round << ":\n" << out;
+    EXPECT_EQ(out.find("CURRENT was missing: pointed it at MANIFEST-") != std::string::npos, round == 0)
+        << out;
+  }
+  StoreOptions o = CrashTestOptions(dir.path());
+  auto store = TieredStore::Open(o);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  const size_t tb = o.geometry.token_elems() * DTypeSize(o.geometry.dtype);
+  const size_t half = static_cast<size_t>(o.chunk_size) * tb;
+  std::vector<uint8_t> k(half), v(half), ek(half), ev(half);
+  for (const Ack& a : acks) {
+    const int64_t first = o.n_sink + static_cast<int64_t>(a.index) * o.chunk_size;
+    Status st = (*store)->ReadTokens(a.seq, a.layer, first, first + o.chunk_size, k.data(), v.data());
+    ASSERT_TRUE(st.ok()) << "acknowledged chunk seq=" << a.seq << " layer=" << a.layer << " index=" << a.index
+                         << ": " << st.ToString();
+    FillPattern(kCrashSalt, a.seq, a.layer, 0, first, o.chunk_size, tb, ek.data());
+    FillPattern(kCrashSalt, a.seq, a.layer, 1, first, o.chunk_size, tb, ev.data());
+    ASSERT_EQ(k, ek) << "K of acknowledged chunk seq=" << a.seq << " index=" << a.index << " differs";
+    ASSERT_EQ(v, ev) << "V of acknowledged chunk seq=" << a.seq << " index=" << a.index << " differs";
+  }
+  EXPECT_EQ((*store)->ListSequences().size(), 2u * kCrashSequences);
 }
 
 }  // namespace

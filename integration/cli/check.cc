@@ -35,8 +35,9 @@ const char* StateName(store_records::SeqState s) {
 struct ColdReport {
   store_records::StoreLayout layout;
   std::map<SequenceId, store_records::SequenceRecord> sequences;
-  std::vector<ChunkRange> acked, lost;
-  std::vector<SequenceId> lost_sequences;
+  std::vector<ChunkRange> acked, lost, redropped;
+  std::vector<SequenceId> lost_sequences, redropped_sequences;
+  std::string recovered_current;
   uint64_t verified = 0;
 };
 
@@ -48,6 +49,9 @@ Result<ColdReport> InspectCold(const std::string& dir, bool accept, bool verify)
   ColdReport rep;
   rep.lost = cold->lost_chunks();
   rep.lost_sequences = cold->lost_sequence_records();
+  rep.redropped = cold->redropped_chunks();
+  rep.redropped_sequences = cold->redropped_sequences();
+  rep.recovered_current = cold->recovered_current();
   auto layout_bytes = cold->GetBlob(store_records::kStoreRecordSeq, 0, store_records::kStoreBlob);
   if (!layout_bytes.ok())
     return layout_bytes.status().code() == StatusCode::kNotFound
@@ -115,6 +119,21 @@ int RunCheck(int argc, char** argv) {
   if (!store.ok()) return cli::Fail(store.status());
 
   std::printf("kvtier check: '%s': %s\n", dir.c_str(), rep->layout.ToString().c_str());
+  if (!rep->recovered_current.empty())
+    std::printf("  CURRENT was missing: pointed it at %s, the only MANIFEST\n",
+                rep->recovered_current.c_str());
+  if (!rep->redropped.empty() || !rep->redropped_sequences.empty()) {
+    std::printf(
+        "  dropped before and present again (their deletes were lost with the WAL), deleted again: "
+        "%llu chunks (%s)",
+        static_cast<unsigned long long>(CountChunks(rep->redropped)),
+        rep->redropped.empty() ? "none" : DescribeRanges(rep->redropped).c_str());
+    if (!rep->redropped_sequences.empty()) {
+      std::printf(", sequences");
+      for (SequenceId s : rep->redropped_sequences) std::printf(" %llu", static_cast<unsigned long long>(s));
+    }
+    std::printf("\n");
+  }
   std::map<SequenceId, std::vector<ChunkRange>> by_seq;
   for (const ChunkRange& r : rep->acked) by_seq[r.seq].push_back(r);
   for (const auto& [id, rec] : rep->sequences) {
