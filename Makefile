@@ -15,8 +15,9 @@ ASAN_BUILD   ?= build-asan
 TSAN_BUILD   ?= build-tsan
 CLANG_CC     ?= clang-14
 CLANG_CXX    ?= clang++-14
-# Seconds each libFuzzer target runs in `make fuzz` (five targets, two at a time).
-FUZZ_SECONDS ?= 240
+# Seconds each libFuzzer target runs in `make fuzz` (five targets, two at a time). CI's share;
+# `make fuzz FUZZ_SECONDS=1800` for a long run.
+FUZZ_SECONDS ?= 120
 # Kill/reopen cycles of `make soak` (every suite runs 20 of them: Soak.* in tests/soak_test.cc).
 SOAK_CYCLES  ?= 1000
 # Debian's FAISS is linked against GCC's OpenMP runtime (libgomp): the clang builds link that
