@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <new>
 
 #include "integration/compress.h"
@@ -129,8 +131,79 @@ void Session::ApplyRope(float* x, int m, int heads, const int64_t* positions) co
   kernels::Rope(x, m, heads, geometry().head_dim, positions, inv_freq_.data());
 }
 
+namespace {
+
+// Index of the first NaN or infinity among n elements of `src` (dtype t), or n when all are
+// finite: an element is non-finite when its exponent bits are all ones. The scan ORs the test
+// over blocks (vectorised, one read of the bytes) and looks for the element only in a block
+// that has one.
+template <typename U, U kExponent>
+size_t FirstNonFiniteOf(const void* src, size_t n) {
+  const auto* bytes = static_cast<const uint8_t*>(src);
+  constexpr size_t kBlock = 4096;
+  for (size_t b = 0; b < n; b += kBlock) {
+    const size_t e = std::min(n, b + kBlock);
+    unsigned bad = 0;
+    for (size_t i = b; i < e; ++i) {
+      U x;
+      std::memcpy(&x, bytes + i * sizeof(U), sizeof(U));
+      bad |= (x & kExponent) == kExponent;
+    }
+    if (bad == 0) continue;
+    for (size_t i = b; i < e; ++i) {
+      U x;
+      std::memcpy(&x, bytes + i * sizeof(U), sizeof(U));
+      if ((x & kExponent) == kExponent) return i;
+    }
+  }
+  return n;
+}
+
+size_t FirstNonFinite(DType t, const void* src, size_t n) {
+  switch (t) {
+    case DType::kF32: return FirstNonFiniteOf<uint32_t, 0x7f800000u>(src, n);
+    case DType::kF16: return FirstNonFiniteOf<uint16_t, 0x7c00u>(src, n);
+    case DType::kBF16: return FirstNonFiniteOf<uint16_t, 0x7f80u>(src, n);
+  }
+  return n;
+}
+
+std::string FormatFloat(float x) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(x));
+  return buf;
+}
+
+}  // namespace
+
+Status Session::CheckFiniteKv(int layer, const void* k, const void* v, int n, DType dtype) const {
+  // Malformed calls are refused by the store's Append, which names what is wrong.
+  if (k == nullptr || v == nullptr || n <= 0 || dtype != geometry().dtype) return Status::Ok();
+  const Geometry& g = geometry();
+  const size_t elems = static_cast<size_t>(n) * g.token_elems();
+  for (int which = 0; which < 2; ++which) {
+    const void* x = which == 0 ? k : v;
+    const size_t i = FirstNonFinite(dtype, x, elems);
+    if (i == elems) continue;
+    float value = 0;
+    ToFloat(dtype, static_cast<const uint8_t*>(x) + i * DTypeSize(dtype), &value, 1);
+    const size_t token = i / g.token_elems();
+    const size_t head = i % g.token_elems() / static_cast<size_t>(g.head_dim);
+    const size_t d = i % static_cast<size_t>(g.head_dim);
+    const char* name = which == 0 ? "k" : "v";
+    return InvalidArgument("Session::Append: layer " + std::to_string(layer) + ": " + name + "[" +
+                           std::to_string(token) + "][" + std::to_string(head) + "][" + std::to_string(d) +
+                           "] = " + FormatFloat(value) + " (token " + std::to_string(token) + " of the " +
+                           std::to_string(n) + " appended, kv head " + std::to_string(head) +
+                           ") is not finite; K/V must be finite (attention over a NaN or inf gives "
+                           "non-finite outputs), nothing of this call was appended");
+  }
+  return Status::Ok();
+}
+
 Status Session::Append(int layer, const void* k, const void* v, int n, DType dtype, MemorySpace space) {
   if (dropped_) return FailedPrecondition("Session::Append: the session's sequence was dropped");
+  if (space == MemorySpace::kHost) KVTIER_RETURN_IF_ERROR(CheckFiniteKv(layer, k, v, n, dtype));
   KVTIER_RETURN_IF_ERROR(store_->Append(seq_, layer, k, v, n, dtype, space));
   counters_.tokens_appended += static_cast<uint64_t>(n);
   return Status::Ok();
@@ -169,6 +242,18 @@ Status Session::CheckLayerCall(const char* what, int layer, const float* q, cons
                            std::to_string(m) + ")");
   if (q == nullptr || positions == nullptr)
     return InvalidArgument(std::string("Session::") + what + ": q and positions must not be null");
+  const size_t q_elems = static_cast<size_t>(g.q_heads) * g.head_dim;
+  const size_t bad_q = FirstNonFinite(DType::kF32, q, static_cast<size_t>(m) * q_elems);
+  if (bad_q < static_cast<size_t>(m) * q_elems)
+    return InvalidArgument(std::string("Session::") + what + ": layer " + std::to_string(layer) + ": q[" +
+                           std::to_string(bad_q / q_elems) + "][" +
+                           std::to_string(bad_q % q_elems / static_cast<size_t>(g.head_dim)) + "][" +
+                           std::to_string(bad_q % static_cast<size_t>(g.head_dim)) + "] = " +
+                           FormatFloat(q[bad_q]) + " is not finite; queries must be finite");
+  if (positions[0] < 0)
+    return InvalidArgument(std::string("Session::") + what + ": positions must be >= 0 (positions[0] = " +
+                           std::to_string(positions[0]) + "); a query's position is its token's index in the "
+                           "sequence, counted from 0");
   for (int t = 1; t < m; ++t)
     if (positions[t] <= positions[t - 1])
       return InvalidArgument(std::string("Session::") + what + ": positions must increase (positions[" +
@@ -225,6 +310,7 @@ Status Session::ObserveLocked(int layer, const float* q_mem, const int64_t* posi
 }
 
 Status Session::SetQuestion(int layer, const float* q, int m) {
+  if (dropped_) return FailedPrecondition("Session::SetQuestion: the session's sequence was dropped");
   if (!retriever_) return FailedPrecondition("Session::SetQuestion: retrieval is off (retrieve = false)");
   return retriever_->SetQuestion(layer, q, m);
 }
@@ -466,7 +552,7 @@ Status Session::Close() {
 }
 
 Status Session::Drop() {
-  if (dropped_) return Status::Ok();
+  if (dropped_) return FailedPrecondition("Session::Drop: the session's sequence was dropped already");
   KVTIER_RETURN_IF_ERROR(store_->DropSequence(seq_));
   dropped_ = true;
   in_step_ = false;

@@ -1,7 +1,8 @@
 /* The C API (kvtier/kvtier_c.h) driven from C99: a store and sessions, prefill and decode
  * steps over enough tokens that chunks are sealed, spilled and retrieved; counters; one
  * attend output of a session whose budget covers every chunk against attention computed
- * here over every key; compression; and every bad input answered by its error code and a
+ * here over every key; compression; and every bad input (NULLs, shapes, a negative
+ * position, NaN/inf in K/V or q, calls on a dropped session) answered by its error code and a
  * message. Prints each failed check and exits non-zero if there was one.
  *   kvtier_c_api_test [DATA_DIR]   (DATA_DIR: the cold tier's directory; none without it) */
 #include <kvtier/kvtier_c.h>
@@ -334,6 +335,21 @@ int main(int argc, char** argv) {
   EXPECT_ERROR(kvtier_session_append(c, 0, K[0][0], V[0][0], -3, KVTIER_F32, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_append(c, 0, K[0][0], V[0][0], 1, KVTIER_F16, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_append(c, 0, K[0][0], V[0][0], 1, (kvtier_dtype)42, &err), KVTIER_INVALID_ARGUMENT);
+  /* non-finite K/V: refused naming layer, tensor, token and head; nothing appended (counted below) */
+  {
+    static float bad[2 * KV_TOK];
+    const float poison[3] = {NAN, INFINITY, -INFINITY};
+    for (int i = 0; i < 3; ++i) {
+      memcpy(bad, K[1][0], sizeof(bad));
+      bad[KV_TOK + D + 5] = poison[i]; /* token 1, kv head 1, element 5 */
+      EXPECT_ERROR(kvtier_session_append(c, 1, bad, V[1][0], 2, KVTIER_F32, &err), KVTIER_INVALID_ARGUMENT);
+      CHECK(strstr(err.message, "layer 1") && strstr(err.message, "k[1][1][5]") &&
+                strstr(err.message, "not finite"),
+            "message \"%s\"", err.message);
+      EXPECT_ERROR(kvtier_session_append(c, 1, K[1][0], bad, 2, KVTIER_F32, &err), KVTIER_INVALID_ARGUMENT);
+      CHECK(strstr(err.message, "v[1][1][5]") != NULL, "message \"%s\"", err.message);
+    }
+  }
   for (int l = 0; l < LAYERS; ++l) OK(kvtier_session_append(c, l, K[l][0], V[l][0], 2, KVTIER_F32, &err));
   EXPECT_ERROR(kvtier_session_attend(c, 0, q2, pos2, 1, o2, NULL, &err), KVTIER_FAILED_PRECONDITION); /* no step */
   EXPECT_ERROR(kvtier_session_begin_step(c, (kvtier_step_kind)7, &err), KVTIER_INVALID_ARGUMENT);
@@ -345,6 +361,16 @@ int main(int argc, char** argv) {
   EXPECT_ERROR(kvtier_session_attend(c, LAYERS, q2, pos2, 1, o2, NULL, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_attend(c, -1, q2, pos2, 1, o2, NULL, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_attend(c, 0, q2, pos2, 0, o2, NULL, &err), KVTIER_INVALID_ARGUMENT);
+  {
+    const int64_t negative = -3;
+    EXPECT_ERROR(kvtier_session_attend(c, 0, q2, &negative, 1, o2, NULL, &err), KVTIER_INVALID_ARGUMENT);
+    CHECK(strstr(err.message, "positions[0] = -3") != NULL, "message \"%s\"", err.message);
+    static float qnan[Q_TOK];
+    memcpy(qnan, q2, sizeof(qnan));
+    qnan[Q_TOK - 1] = NAN;
+    EXPECT_ERROR(kvtier_session_attend(c, 0, qnan, pos2, 1, o2, NULL, &err), KVTIER_INVALID_ARGUMENT);
+    CHECK(strstr(err.message, "not finite") != NULL, "message \"%s\"", err.message);
+  }
   EXPECT_ERROR(kvtier_session_attend(c, 1, q2, pos2 + 1, 1, o2, NULL, &err), KVTIER_FAILED_PRECONDITION); /* order */
   OK(kvtier_session_begin_step(c, KVTIER_STEP_PREFILL, &err));
   {
@@ -362,6 +388,11 @@ int main(int argc, char** argv) {
   OK(kvtier_session_drop(c, &err));
   EXPECT_ERROR(kvtier_session_append(c, 0, K[0][0], V[0][0], 1, KVTIER_F32, &err), KVTIER_FAILED_PRECONDITION);
   EXPECT_ERROR(kvtier_session_begin_step(c, KVTIER_STEP_DECODE, &err), KVTIER_FAILED_PRECONDITION);
+  EXPECT_ERROR(kvtier_session_attend(c, 0, q2, pos2, 1, o2, NULL, &err), KVTIER_FAILED_PRECONDITION);
+  EXPECT_ERROR(kvtier_session_compress(c, "h2o", 1000, 0, NULL, &err), KVTIER_FAILED_PRECONDITION);
+  EXPECT_ERROR(kvtier_session_close(c, &err), KVTIER_FAILED_PRECONDITION);
+  EXPECT_ERROR(kvtier_session_drop(c, &err), KVTIER_FAILED_PRECONDITION); /* a second drop */
+  CHECK(strstr(err.message, "dropped") != NULL, "message \"%s\"", err.message);
   OK(kvtier_session_get_counters(c, &ca, &err));
   CHECK(ca.tokens_appended == 2 * LAYERS && ca.attends == 2, "C: %llu tokens, %llu attends",
         (unsigned long long)ca.tokens_appended, (unsigned long long)ca.attends);

@@ -22,8 +22,9 @@
  * ("Session::Attend: layer 5 outside [0, 2)"), truncated to fit and always
  * NUL-terminated; on success err->code = KVTIER_OK and err->message is "". The error
  * lives in caller memory, so there is no hidden per-thread or per-handle state.
- * Every pointer, handle, size, shape, enum value and layer index the API can check is
- * checked: a bad one is KVTIER_INVALID_ARGUMENT with a message, never a crash. What
+ * Every pointer, handle, size, shape, enum value, layer index, position and K/V/query
+ * value (NaN and infinity are refused) the API can check is checked: a bad one is
+ * KVTIER_INVALID_ARGUMENT with a message, never a crash. What
  * the API cannot check is the length of a buffer behind a pointer (each function
  * says how many elements it reads or writes) or a handle that was already freed. No
  * C++ exception leaves the API: running out of memory is KVTIER_RESOURCE_EXHAUSTED,
@@ -170,13 +171,17 @@ kvtier_code kvtier_session_open(kvtier_store* store, const kvtier_session_option
                                 kvtier_error* err);
 /* Persists the sinks and local window; the sequence becomes read-only. */
 kvtier_code kvtier_session_close(kvtier_session* session, kvtier_error* err);
-/* Removes the sequence from every tier; later calls on the session fail (FAILED_PRECONDITION). */
+/* Removes the sequence from every tier. Afterwards every kvtier_code-returning call on the
+ * session except kvtier_session_get_counters fails with KVTIER_FAILED_PRECONDITION, a second
+ * kvtier_session_drop included; kvtier_session_destroy still frees the handle. */
 kvtier_code kvtier_session_drop(kvtier_session* session, kvtier_error* err);
 /* Frees the handle (the sequence stays in the store unless dropped). NULL is a no-op. */
 void kvtier_session_destroy(kvtier_session* session);
 
 /* Appends n > 0 tokens to one layer: k and v each [n, kv_heads, head_dim] elements of
- * `dtype`, which must be the store's. KVTIER_POSITIONS_INFLLM: keys before RoPE. */
+ * `dtype`, which must be the store's. KVTIER_POSITIONS_INFLLM: keys before RoPE. Every
+ * element must be finite: a NaN or infinity in k or v is KVTIER_INVALID_ARGUMENT naming the
+ * layer, tensor, token, kv head and value, and nothing of the call is appended. */
 kvtier_code kvtier_session_append(kvtier_session* session, int layer, const void* k, const void* v, int n,
                                   kvtier_dtype dtype, kvtier_error* err);
 /* Starts a step over all layers; then attend layer 0, 1, ..., layers-1 in that order. */
@@ -190,9 +195,10 @@ typedef struct kvtier_attend_stats {
 } kvtier_attend_stats;
 
 /* One layer's memory step: probe, chunk search, budget, fetch, attention over sinks |
- * chunks | local window. q [m, q_heads, head_dim] fp32 at `positions` [m] (increasing;
- * the tokens just appended), out [m, q_heads, head_dim] fp32. A decode step takes m = 1.
- * `stats` may be NULL. */
+ * chunks | local window. q [m, q_heads, head_dim] fp32 at `positions` [m] (the tokens just
+ * appended: positions[0] >= 0, strictly increasing), out [m, q_heads, head_dim] fp32. A
+ * decode step takes m = 1. A negative or non-increasing position, or a NaN or infinity in q,
+ * is KVTIER_INVALID_ARGUMENT naming it. `stats` may be NULL. */
 kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const float* q, const int64_t* positions,
                                   int m, float* out, kvtier_attend_stats* stats, kvtier_error* err);
 

@@ -181,12 +181,18 @@ class Session {
   /// (TieredStore::Append): kDevice hands a GPU engine's K/V straight to a "cuda" hot tier,
   /// device to device, with no host round trip; their writes must be complete (the tier's
   /// transfer stream does not wait for the engine's stream).
+  /// Host K/V must be finite: the first NaN or infinity in k or v is InvalidArgument naming the
+  /// layer, the tensor, the token, the kv head and the value, and nothing of the call is
+  /// appended (one read of the bytes, before the copy). kDevice K/V are not scanned: NaN or inf
+  /// there gives non-finite attention outputs.
   Status Append(int layer, const void* k, const void* v, int n, DType dtype,
                 MemorySpace space = MemorySpace::kHost);
   /// Starts a step over all layers.
   Status BeginStep(StepKind kind);
-  /// One layer's memory step: q [m, q_heads, head_dim] fp32 at `positions` (increasing,
-  /// the tokens just appended), out [m, q_heads, head_dim] fp32. kDecode steps take m = 1.
+  /// One layer's memory step: q [m, q_heads, head_dim] fp32 at `positions` (the tokens just
+  /// appended: >= 0 and strictly increasing), out [m, q_heads, head_dim] fp32. kDecode steps take
+  /// m = 1. A negative or non-increasing position, or a NaN or infinity in q, is InvalidArgument
+  /// naming it (Gather and Observe check the same).
   Status Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
                 AttendStats* stats = nullptr);
   /// Attend without the attention: chooses and fetches the chunks and returns what to attend.
@@ -209,7 +215,8 @@ class Session {
 
   /// Persists sinks and local window; the sequence becomes read-only.
   Status Close();
-  /// Removes the sequence from every tier; the session is unusable afterwards.
+  /// Removes the sequence from every tier. Afterwards every call that returns a Status or Result
+  /// is FailedPrecondition, a second Drop included; counters() stays readable.
   Status Drop();
 
   SessionCounters counters() const { return counters_; }
@@ -222,6 +229,7 @@ class Session {
 
  private:
   Session(TieredStore* store, SequenceId seq, const SessionOptions& options);
+  Status CheckFiniteKv(int layer, const void* k, const void* v, int n, DType dtype) const;
   Status CheckLayerCall(const char* what, int layer, const float* q, const int64_t* positions, int m,
                         bool in_step) const;
   // kInfLLM rotations of q [m, q_heads, head_dim] into scratch (q itself in kAbsolute):
