@@ -19,30 +19,9 @@
 namespace kvtier {
 namespace {
 
-struct Ran {
-  int code = -1;
-  std::string out;  // stdout and stderr
-};
-
-Ran Kvtier(const std::string& args) {
-  const std::string cmd = std::string(KVTIER_BINARY_DIR) + "/kvtier " + args + " 2>&1";
-  Ran r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int st = pclose(p);
-  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using test::Kvtier;
+using test::Ran;
+using test::ReadAll;
 
 // The number after the first "key": in a report (NaN when absent).
 double JsonNumber(const std::string& json, const std::string& key) {

@@ -1,8 +1,13 @@
 // Small helpers shared by the tests.
 #pragma once
 
+#include <sys/wait.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 // Which sanitizer this build runs under (KVTIER_SANITIZE), or null. Tests that measure
@@ -58,5 +63,39 @@ class TempDir {
  private:
   std::string path_;
 };
+
+#ifdef KVTIER_BINARY_DIR
+namespace test {
+
+/// What a run of the built `kvtier` binary printed (stdout and stderr) and its exit code.
+struct Ran {
+  int code = -1;
+  std::string out;
+};
+
+/// Runs `kvtier ARGS` from the build directory (KVTIER_BINARY_DIR, set for kvtier_tests).
+inline Ran Kvtier(const std::string& args) {
+  const std::string cmd = std::string(KVTIER_BINARY_DIR) + "/kvtier " + args + " 2>&1";
+  Ran r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
+  const int st = pclose(p);
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+/// A file's whole contents ("" when it cannot be read).
+inline std::string ReadAll(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+}  // namespace test
+#endif  // KVTIER_BINARY_DIR
 
 }  // namespace kvtier
