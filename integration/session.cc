@@ -1,7 +1,5 @@
 #include "kvtier/session.h"
 
-#include "kvtier/kvtier.h"
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -12,6 +10,7 @@
 #include "integration/compress.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/dtype.h"
+#include "kvtier/kvtier.h"
 
 namespace kvtier {
 namespace {
@@ -161,9 +160,12 @@ size_t FirstNonFiniteOf(const void* src, size_t n) {
 
 size_t FirstNonFinite(DType t, const void* src, size_t n) {
   switch (t) {
-    case DType::kF32: return FirstNonFiniteOf<uint32_t, 0x7f800000u>(src, n);
-    case DType::kF16: return FirstNonFiniteOf<uint16_t, 0x7c00u>(src, n);
-    case DType::kBF16: return FirstNonFiniteOf<uint16_t, 0x7f80u>(src, n);
+    case DType::kF32:
+      return FirstNonFiniteOf<uint32_t, 0x7f800000u>(src, n);
+    case DType::kF16:
+      return FirstNonFiniteOf<uint16_t, 0x7c00u>(src, n);
+    case DType::kBF16:
+      return FirstNonFiniteOf<uint16_t, 0x7f80u>(src, n);
   }
   return n;
 }
@@ -248,11 +250,12 @@ Status Session::CheckLayerCall(const char* what, int layer, const float* q, cons
     return InvalidArgument(std::string("Session::") + what + ": layer " + std::to_string(layer) + ": q[" +
                            std::to_string(bad_q / q_elems) + "][" +
                            std::to_string(bad_q % q_elems / static_cast<size_t>(g.head_dim)) + "][" +
-                           std::to_string(bad_q % static_cast<size_t>(g.head_dim)) + "] = " +
-                           FormatFloat(q[bad_q]) + " is not finite; queries must be finite");
+                           std::to_string(bad_q % static_cast<size_t>(g.head_dim)) +
+                           "] = " + FormatFloat(q[bad_q]) + " is not finite; queries must be finite");
   if (positions[0] < 0)
-    return InvalidArgument(std::string("Session::") + what + ": positions must be >= 0 (positions[0] = " +
-                           std::to_string(positions[0]) + "); a query's position is its token's index in the "
+    return InvalidArgument(std::string("Session::") + what +
+                           ": positions must be >= 0 (positions[0] = " + std::to_string(positions[0]) +
+                           "); a query's position is its token's index in the "
                            "sequence, counted from 0");
   for (int t = 1; t < m; ++t)
     if (positions[t] <= positions[t - 1])

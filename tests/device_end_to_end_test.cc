@@ -40,14 +40,15 @@ std::string JsonArray(const std::string& json, const std::string& key) {
 }
 
 std::string ShippedModel() {
-  return (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors").string();
+  return (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors")
+      .string();
 }
 
 // Skips the test, saying why, unless a CUDA device (real or emulated) is there.
-#define REQUIRE_CUDA_DEVICE()                                                                          \
-  do {                                                                                                 \
-    std::string why;                                                                                   \
-    if (!HaveDevice(&why)) GTEST_SKIP() << "no CUDA device: " << why;                                  \
+#define REQUIRE_CUDA_DEVICE()                                         \
+  do {                                                                \
+    std::string why;                                                  \
+    if (!HaveDevice(&why)) GTEST_SKIP() << "no CUDA device: " << why; \
   } while (0)
 
 bool HaveDevice(std::string* why) {
@@ -67,11 +68,14 @@ bool HaveDevice(std::string* why) {
 TEST(DeviceEndToEnd, RunOnCudaMatchesTheCpuRun) {
   REQUIRE_CUDA_DEVICE();
   TempDir dir;
-  const std::string args = "run --quiet --context 32768 --geometry 2,4,2,64 --decode-steps 4 --warm-bytes 16M"
-                           " --hot-bytes 4M --seed 9001";
-  Ran cpu = Kvtier(args + " --device cpu --data-dir " + dir.path() + "/cpu --json " + dir.path() + "/cpu.json");
+  const std::string args =
+      "run --quiet --context 32768 --geometry 2,4,2,64 --decode-steps 4 --warm-bytes 16M"
+      " --hot-bytes 4M --seed 9001";
+  Ran cpu =
+      Kvtier(args + " --device cpu --data-dir " + dir.path() + "/cpu --json " + dir.path() + "/cpu.json");
   ASSERT_EQ(cpu.code, 0) << cpu.out;
-  Ran cuda = Kvtier(args + " --device cuda --data-dir " + dir.path() + "/cuda --json " + dir.path() + "/cuda.json");
+  Ran cuda =
+      Kvtier(args + " --device cuda --data-dir " + dir.path() + "/cuda --json " + dir.path() + "/cuda.json");
   ASSERT_EQ(cuda.code, 0) << cuda.out;
   const std::string a = ReadAll(dir.path() + "/cpu.json"), b = ReadAll(dir.path() + "/cuda.json");
   EXPECT_EQ(JsonNumber(a, "needle_hit_rate"), JsonNumber(b, "needle_hit_rate")) << a << "\n" << b;
@@ -79,7 +83,8 @@ TEST(DeviceEndToEnd, RunOnCudaMatchesTheCpuRun) {
   ASSERT_TRUE(std::isfinite(ea) && std::isfinite(eb)) << a << "\n" << b;
   EXPECT_NEAR(ea, eb, 1e-4) << "cpu " << ea << ", cuda " << eb;
   EXPECT_NEAR(JsonNumber(a, "attention_recall"), JsonNumber(b, "attention_recall"), 1e-4);
-  EXPECT_NE(cuda.out.find("cuda"), std::string::npos) << "the report should name the device it ran on:\n" << cuda.out;
+  EXPECT_NE(cuda.out.find("cuda"), std::string::npos) << "the report should name the device it ran on:\n"
+                                                      << cuda.out;
 }
 
 // `kvtier stress` through the CUDA hot tier: every token appended reads back byte for byte,
@@ -88,9 +93,11 @@ TEST(DeviceEndToEnd, StressOnCudaReadsBackEveryByte) {
   REQUIRE_CUDA_DEVICE();
   TempDir dir;
   const std::string args = "stress --sequences 4 --threads 2 --tokens 1200 --seed 7";
-  Ran cpu = Kvtier(args + " --device cpu --data-dir " + dir.path() + "/cpu --json " + dir.path() + "/cpu.json");
+  Ran cpu =
+      Kvtier(args + " --device cpu --data-dir " + dir.path() + "/cpu --json " + dir.path() + "/cpu.json");
   ASSERT_EQ(cpu.code, 0) << cpu.out;
-  Ran cuda = Kvtier(args + " --device cuda --data-dir " + dir.path() + "/cuda --json " + dir.path() + "/cuda.json");
+  Ran cuda =
+      Kvtier(args + " --device cuda --data-dir " + dir.path() + "/cuda --json " + dir.path() + "/cuda.json");
   ASSERT_EQ(cuda.code, 0) << cuda.out;
   EXPECT_NE(cuda.out.find("errors: 0"), std::string::npos) << cuda.out;
   const std::string a = ReadAll(dir.path() + "/cpu.json"), b = ReadAll(dir.path() + "/cuda.json");

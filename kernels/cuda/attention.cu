@@ -330,8 +330,8 @@ KernelError LaunchMergeAttentionStates(int rows, int head_dim, const float* out_
   if (rows < 0 || head_dim <= 0) return KernelError::kBadShape;
   if (rows == 0) return KernelError::kOk;
   if (!out_a || !lse_a || !out_b || !lse_b || !out || !lse) return KernelError::kNullPointer;
-  LaunchKernel(&MergeStatesKernel, rows, 128, 0, static_cast<cudaStream_t>(stream), rows, head_dim, out_a, lse_a,
-               out_b, lse_b, out, lse);
+  LaunchKernel(&MergeStatesKernel, rows, 128, 0, static_cast<cudaStream_t>(stream), rows, head_dim, out_a,
+               lse_a, out_b, lse_b, out, lse);
   return CheckLaunch();
 }
 
