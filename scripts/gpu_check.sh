@@ -6,6 +6,13 @@
 #
 #   bash scripts/gpu_check.sh OUT_DIR               build + GPU tests + measurements
 #   bash scripts/gpu_check.sh OUT_DIR --build-only  stop after the build (works without a GPU)
+#   bash scripts/gpu_check.sh OUT_DIR --quick       the same checks sized for a 15-minute lease:
+#                                                   the 128K run at the default geometry (no 1M
+#                                                   run, no 8B geometry), infinite at 4K only
+#
+# KVTIER_GPU_PREBUILT=TARBALL skips the build: the tarball of scripts/gpu_pack.sh (binaries
+# built with CUDA elsewhere, plus their non-system shared libraries) is unpacked into the build
+# dir, and this checkout is linked to the path the binaries were built at when that path is free.
 #
 # Dependencies: when FAISS, hiredis or pkg-config are not installed and a .deps folder of
 # carried Debian packages sits in the project root (scripts/fetch-debs.sh .deps on a machine
@@ -21,6 +28,16 @@ ARCH=${KVTIER_CUDA_ARCH:-90}
 JOBS=${JOBS:-$(nproc)}
 PREFIX=${KVTIER_DEPS_PREFIX:-/opt/kvdeps}
 RUN_TIMEOUT=${KVTIER_RUN_TIMEOUT:-540}
+TEST_TIMEOUT=${KVTIER_TEST_TIMEOUT:-600}
+INFINITE_TIMEOUT=${KVTIER_INFINITE_TIMEOUT:-$RUN_TIMEOUT}
+PREBUILT=${KVTIER_GPU_PREBUILT:-}
+# Prebuilt binaries look for their siblings in the build dir they were built in (KVTIER_BINARY_DIR).
+[ -n "$PREBUILT" ] && BUILD=${KVTIER_GPU_BUILD:-build}
+if [ "$MODE" = "--quick" ]; then
+  RUN_TIMEOUT=${KVTIER_RUN_TIMEOUT:-120}
+  TEST_TIMEOUT=${KVTIER_TEST_TIMEOUT:-200}
+  INFINITE_TIMEOUT=${KVTIER_INFINITE_TIMEOUT:-60}
+fi
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 LOG=$OUT/gpu_check.log
 : >"$LOG"
@@ -30,31 +47,50 @@ SUMMARY=$OUT/summary.tsv
 printf 'step\tresult\tdetail\n' >"$SUMMARY"
 note() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$SUMMARY"; }
 
-# ---- 1. dependencies ----------------------------------------------------------------------
-NVCC=${CUDACXX:-/usr/local/cuda/bin/nvcc}
-[ -x "$NVCC" ] || die "no nvcc at $NVCC (set CUDACXX)"
-log "nvcc: $("$NVCC" --version | tail -1)"
-have_deps() { [ -e /usr/include/faiss/Index.h ] && [ -e /usr/include/hiredis/hiredis.h ] && command -v pkg-config >/dev/null; }
-if ! have_deps && [ ! -e "$PREFIX/usr/include/hiredis/hiredis.h" ]; then
-  [ -d .deps ] || die "FAISS/hiredis/pkg-config not installed and no .deps folder: run scripts/fetch-debs.sh .deps on a machine with the registry"
-  log "unpacking .deps into $PREFIX"
-  bash scripts/unpack-debs.sh .deps "$PREFIX" >>"$LOG" 2>&1 || die "unpack-debs.sh"
-fi
-if ! have_deps && [ -e "$PREFIX/usr/include/faiss/Index.h" ]; then
-  eval "$(bash scripts/unpack-debs.sh --env "$PREFIX")"
-  log "using dependencies from $PREFIX"
-fi
+if [ -n "$PREBUILT" ]; then
+  # ---- 1+2. prebuilt binaries (scripts/gpu_pack.sh) ------------------------------------------------
+  t0=$(date +%s)
+  stage=${TMPDIR:-/tmp}/kvtier-prebuilt
+  mkdir -p "$stage" "$BUILD" && tar -C "$stage" -xzf "$PREBUILT" || die "unpack $PREBUILT"
+  cp "$stage"/bin/* "$BUILD"/
+  export LD_LIBRARY_PATH=$stage/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  built_at=$(cat "$stage/source_dir")
+  here=$(pwd)
+  if [ "$built_at" != "$here" ] && [ ! -e "$built_at" ]; then
+    mkdir -p "$(dirname "$built_at")" && ln -s "$here" "$built_at" && log "linked $built_at -> $here (paths compiled into the binaries)"
+  fi
+  [ "$BUILD" = build ] || log "WARNING: the binaries look for $built_at/build; BUILD is $BUILD"
+  missing=$(ldd "$BUILD/kvtier_tests" "$BUILD/kvtier" "$BUILD/kvtier_gpu_bench" | grep 'not found' | sort -u)
+  [ -z "$missing" ] || die "shared libraries not found: $missing"
+  note build prebuilt "commit $(cat "$stage/commit"); unpacked in $(( $(date +%s) - t0 )) s"
+  log "prebuilt binaries of commit $(cat "$stage/commit") in $BUILD"
+else
+  # ---- 1. dependencies ----------------------------------------------------------------------
+  NVCC=${CUDACXX:-/usr/local/cuda/bin/nvcc}
+  [ -x "$NVCC" ] || die "no nvcc at $NVCC (set CUDACXX)"
+  log "nvcc: $("$NVCC" --version | tail -1)"
+  have_deps() { [ -e /usr/include/faiss/Index.h ] && [ -e /usr/include/hiredis/hiredis.h ] && command -v pkg-config >/dev/null; }
+  if ! have_deps && [ ! -e "$PREFIX/usr/include/hiredis/hiredis.h" ]; then
+    [ -d .deps ] || die "FAISS/hiredis/pkg-config not installed and no .deps folder: run scripts/fetch-debs.sh .deps on a machine with the registry"
+    log "unpacking .deps into $PREFIX"
+    bash scripts/unpack-debs.sh .deps "$PREFIX" >>"$LOG" 2>&1 || die "unpack-debs.sh"
+  fi
+  if ! have_deps && [ -e "$PREFIX/usr/include/faiss/Index.h" ]; then
+    eval "$(bash scripts/unpack-debs.sh --env "$PREFIX")"
+    log "using dependencies from $PREFIX"
+  fi
 
-# ---- 2. build ---------------------------------------------------------------------------------
-log "configure $BUILD (KVTIER_CUDA=on, sm_$ARCH)"
-t0=$(date +%s)
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVTIER_CUDA=on \
-  -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES="$ARCH" >"$OUT/configure.log" 2>&1 ||
-  { tail -30 "$OUT/configure.log"; die "configure (see $OUT/configure.log)"; }
-cmake --build "$BUILD" -j "$JOBS" --target kvtier_tests kvtier_cli kvtier_gpu_bench >"$OUT/build.log" 2>&1 ||
-  { grep -E "error|FAILED" "$OUT/build.log" | head -30; die "build (see $OUT/build.log)"; }
-note build ok "$(( $(date +%s) - t0 )) s"
-log "built in $(( $(date +%s) - t0 )) s"
+  # ---- 2. build ---------------------------------------------------------------------------------
+  log "configure $BUILD (KVTIER_CUDA=on, sm_$ARCH)"
+  t0=$(date +%s)
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVTIER_CUDA=on \
+    -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES="$ARCH" >"$OUT/configure.log" 2>&1 ||
+    { tail -30 "$OUT/configure.log"; die "configure (see $OUT/configure.log)"; }
+  cmake --build "$BUILD" -j "$JOBS" --target kvtier_tests kvtier_cli kvtier_gpu_bench >"$OUT/build.log" 2>&1 ||
+    { grep -E "error|FAILED" "$OUT/build.log" | head -30; die "build (see $OUT/build.log)"; }
+  note build ok "$(( $(date +%s) - t0 )) s"
+  log "built in $(( $(date +%s) - t0 )) s"
+fi
 if [ "$MODE" = "--build-only" ]; then
   log "--build-only: stopping after the build"
   exit 0
@@ -70,8 +106,9 @@ log "device: $(head -1 "$OUT/nvidia-smi.txt")"
 
 # ---- 4. GPU tests: every kernel on the cuda backend against its CPU twin, and the device forward
 #      against the CPU forward (DeviceForward.*) -----------------------------------------------------
-"$BUILD/kvtier_tests" --gtest_filter='*/cuda:*Cuda*:DeviceForward.*' --gtest_output="xml:$OUT/gpu_tests.xml" \
-  >"$OUT/gpu_tests.log" 2>&1
+# The same filter as the emulated stage (scripts/gpu_emulated.sh): every device test.
+timeout "$TEST_TIMEOUT" "$BUILD/kvtier_tests" --gtest_filter='*cuda*:*Cuda*:*CUDA*:*Device*' \
+  --gtest_output="xml:$OUT/gpu_tests.xml" >"$OUT/gpu_tests.log" 2>&1
 rc=$?
 passed=$(grep -c '^\[       OK \]' "$OUT/gpu_tests.log")
 failed=$(grep -c '^\[  FAILED  \] .*(' "$OUT/gpu_tests.log")
@@ -81,7 +118,7 @@ log "GPU tests: rc $rc, passed $passed, failed $failed, skipped $skipped"
 grep -q "no CUDA device" "$OUT/gpu_tests.log" && log "WARNING: tests skipped for want of a device although nvidia-smi sees one"
 
 # ---- 5. measurements: transfers, attention vs copy bandwidth, memory ----------------------------
-"$BUILD/kvtier_gpu_bench" "$OUT" >"$OUT/gpu_bench.txt" 2>&1
+timeout "$RUN_TIMEOUT" "$BUILD/kvtier_gpu_bench" "$OUT" >"$OUT/gpu_bench.txt" 2>&1
 rc=$?
 note gpu_bench "$([ $rc = 0 ] && echo ok || echo FAILED)" "rc $rc; table in gpu_bench.txt, gpu_bench.tsv"
 log "gpu bench: rc $rc"
@@ -89,11 +126,18 @@ log "gpu bench: rc $rc"
 # ---- 6. kvtier run --device cuda at 128K and 1M tokens vs full attention ---------------------------
 # Llama-3-8B geometry. run compares retrieval with full attention over the same data itself;
 # peak GPU memory is sampled with nvidia-smi while it runs (it must stay flat 128K -> 1M).
-for ctx in 131072 1048576; do
+RUN_CONTEXTS="131072 1048576"
+RUN_GEOMETRY=(--geometry 32,32,8,128 --dtype bf16)
+if [ "$MODE" = "--quick" ]; then
+  # The default geometry (8,8,2,64 f16): 512 MiB of KV at 128K, which the 15-minute lease allows.
+  RUN_CONTEXTS="131072"
+  RUN_GEOMETRY=()
+fi
+for ctx in $RUN_CONTEXTS; do
   sample=$OUT/gpu_mem_$ctx.txt
   (while :; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >>"$sample" 2>/dev/null; sleep 0.5; done) &
   sampler=$!
-  timeout "$RUN_TIMEOUT" "$BUILD/kvtier" run --device cuda --context "$ctx" --geometry 32,32,8,128 --dtype bf16 \
+  timeout "$RUN_TIMEOUT" "$BUILD/kvtier" run --device cuda --context "$ctx" "${RUN_GEOMETRY[@]}" \
     --data-dir "$OUT/run-data-$ctx" --json "$OUT/run_$ctx.json" >"$OUT/run_$ctx.txt" 2>&1
   rc=$?
   kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
@@ -115,9 +159,11 @@ done
 # cpu s/sample / cuda s/sample. kvtier-tiny's head_dim is 16, which the CUDA attention kernel
 # takes (16, 32, 64, 128, 256; never run on a GPU before this script): a cuda run that stops
 # anyway keeps its status line in the row.
-for ctx in 4096 16384; do
+INFINITE_CONTEXTS="4096 16384"
+[ "$MODE" = "--quick" ] && INFINITE_CONTEXTS="4096"
+for ctx in $INFINITE_CONTEXTS; do
   for dev in cpu cuda; do
-    timeout "$RUN_TIMEOUT" "$BUILD/kvtier" infinite --weights models/kvtier-tiny.safetensors --task passkey \
+    timeout "$INFINITE_TIMEOUT" "$BUILD/kvtier" infinite --weights models/kvtier-tiny.safetensors --task passkey \
       --context "$ctx" --samples 5 --seed 11 --positions absolute --device "$dev" --quiet \
       --json "$OUT/infinite_${dev}_$ctx.json" >"$OUT/infinite_${dev}_$ctx.txt" 2>&1
     echo $? >"$OUT/infinite_${dev}_$ctx.rc"
