@@ -23,7 +23,8 @@
 //   peak_memory    the most device memory in use after any measurement's allocations (cudaMemGetInfo)
 //
 // Usage: kvtier_gpu_bench OUT_DIR [--reps N]. Prints a table; writes OUT_DIR/gpu_bench.tsv.
-// Exit 2 when no CUDA device is visible. NEVER RUN YET: written and compiled without a GPU.
+// Exit 2 when no CUDA device is visible. Inputs are random (never constants). docs/gpu.md
+// records what it printed on a GPU.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
@@ -163,6 +165,36 @@ void MeasureH2D(cudaStream_t s, int reps, std::vector<Row>* rows) {
   CHECK_CUDA(cudaFreeHost(host));
 }
 
+// Random inputs for the timed kernels (never constants: they can hide wrong indexing and time
+// differently from real data). Values uniform in [-1, 1), filled through a host buffer.
+void FillRandomBf16(void* dev, size_t n, uint32_t seed) {
+  std::vector<uint16_t> host(std::min<size_t>(n, size_t{1} << 24));
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t done = 0; done < n; done += host.size()) {
+    const size_t m = std::min(host.size(), n - done);
+    for (size_t i = 0; i < m; ++i) {
+      x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+      const float f = static_cast<float>(x) * (2.0f / 4294967296.0f) - 1.0f;
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      host[i] = static_cast<uint16_t>(bits >> 16);
+    }
+    CHECK_CUDA(cudaMemcpy(static_cast<uint16_t*>(dev) + done, host.data(), m * 2, cudaMemcpyHostToDevice));
+  }
+}
+void FillRandomF32(float* dev, size_t n, uint32_t seed, float scale = 1.0f) {
+  std::vector<float> host(std::min<size_t>(n, size_t{1} << 24));
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t done = 0; done < n; done += host.size()) {
+    const size_t m = std::min(host.size(), n - done);
+    for (size_t i = 0; i < m; ++i) {
+      x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+      host[i] = (static_cast<float>(x) * (2.0f / 4294967296.0f) - 1.0f) * scale;
+    }
+    CHECK_CUDA(cudaMemcpy(dev + done, host.data(), m * sizeof(float), cudaMemcpyHostToDevice));
+  }
+}
+
 // Returns the decode step time (ms, 32 layers) over the 2K budget.
 double MeasureAttention(cudaStream_t s, int reps, std::vector<Row>* rows) {
   constexpr int kLayers = 32, kQ = 32, kKv = 8, kD = 128, kSink = 64, kLocal = 512, kChunk = 32, kSlots = 46,
@@ -179,13 +211,13 @@ double MeasureAttention(cudaStream_t s, int reps, std::vector<Row>* rows) {
     CHECK_CUDA(cudaMalloc(&l.local_v, kLocal * token));
     CHECK_CUDA(cudaMalloc(&l.pool_k, kPool * kChunk * token));
     CHECK_CUDA(cudaMalloc(&l.pool_v, kPool * kChunk * token));
-    // Every bf16 element 0x3a3a (about 7e-4): finite scores; the timing does not depend on values.
-    CHECK_CUDA(cudaMemset(l.sink_k, 0x3a, kSink * token));
-    CHECK_CUDA(cudaMemset(l.sink_v, 0x3a, kSink * token));
-    CHECK_CUDA(cudaMemset(l.local_k, 0x3a, kLocal * token));
-    CHECK_CUDA(cudaMemset(l.local_v, 0x3a, kLocal * token));
-    CHECK_CUDA(cudaMemset(l.pool_k, 0x3a, kPool * kChunk * token));
-    CHECK_CUDA(cudaMemset(l.pool_v, 0x3a, kPool * kChunk * token));
+    uint32_t seed = static_cast<uint32_t>(&l - layers.data()) * 8 + 1;
+    FillRandomBf16(l.sink_k, kSink * token / 2, seed++);
+    FillRandomBf16(l.sink_v, kSink * token / 2, seed++);
+    FillRandomBf16(l.local_k, kLocal * token / 2, seed++);
+    FillRandomBf16(l.local_v, kLocal * token / 2, seed++);
+    FillRandomBf16(l.pool_k, kPool * kChunk * token / 2, seed++);
+    FillRandomBf16(l.pool_v, kPool * kChunk * token / 2, seed++);
   }
   std::vector<int32_t> slot_index(kSlots);
   std::vector<int64_t> slot_pos(kSlots);
@@ -208,7 +240,7 @@ double MeasureAttention(cudaStream_t s, int reps, std::vector<Row>* rows) {
   CHECK_CUDA(cudaMemcpy(d_pos, slot_pos.data(), kSlots * sizeof(int64_t), cudaMemcpyHostToDevice));
   const int64_t qpos = 1 << 20;
   CHECK_CUDA(cudaMemcpy(d_qpos, &qpos, sizeof qpos, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemset(d_q, 0, kQ * kD * sizeof(float)));
+  FillRandomF32(d_q, kQ * kD, 3);
   std::vector<kvtier::kernels::SlotAttentionParams> params(kLayers);
   for (int l = 0; l < kLayers; ++l) {
     auto& p = params[l];
@@ -274,8 +306,8 @@ void MeasureFullVsBudget(cudaStream_t s, int reps, double budget_ms, const std::
   void *k = nullptr, *v = nullptr;
   CHECK_CUDA(cudaMalloc(&k, kCtx * token));
   CHECK_CUDA(cudaMalloc(&v, kCtx * token));
-  CHECK_CUDA(cudaMemset(k, 0x3a, kCtx * token));
-  CHECK_CUDA(cudaMemset(v, 0x3a, kCtx * token));
+  FillRandomBf16(k, kCtx * token / 2, 101);
+  FillRandomBf16(v, kCtx * token / 2, 102);
   int64_t* d_qpos = nullptr;
   float *d_q = nullptr, *d_out = nullptr;
   CHECK_CUDA(cudaMalloc(&d_qpos, sizeof(int64_t)));
@@ -283,7 +315,7 @@ void MeasureFullVsBudget(cudaStream_t s, int reps, double budget_ms, const std::
   CHECK_CUDA(cudaMalloc(&d_out, kQ * kD * sizeof(float)));
   const int64_t qpos = kCtx - 1;
   CHECK_CUDA(cudaMemcpy(d_qpos, &qpos, sizeof qpos, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemset(d_q, 0, kQ * kD * sizeof(float)));
+  FillRandomF32(d_q, kQ * kD, 4);
   kvtier::kernels::SlotAttentionParams p;
   p.q_heads = kQ;
   p.kv_heads = kKv;
@@ -317,8 +349,8 @@ void MeasureFullVsBudget(cudaStream_t s, int reps, double budget_ms, const std::
 }
 
 // The device forward's launcher chain outside attention (LlamaDeviceForward::Forward without
-// the Session calls: Append and Attend are measured by the rows above), on zeroed weights (the
-// timing does not depend on values; zero activations stay finite).
+// the Session calls: Append and Attend are measured by the rows above), on random weights of
+// scale 0.02 (activations stay finite over 16 layers).
 void MeasureForward(cudaStream_t s, int reps, std::vector<Row>* rows) {
   constexpr int kLayers = 16, kD = 2048, kQ = 32, kKv = 8, kHd = 64, kF = 8192, kVocab = 128256, kWindow = 256;
   constexpr size_t qd = size_t{kQ} * kHd, kvd = size_t{kKv} * kHd;
@@ -326,7 +358,7 @@ void MeasureForward(cudaStream_t s, int reps, std::vector<Row>* rows) {
   const size_t weight_floats = size_t{2} * kVocab * kD + kD + kLayers * per_layer;
   float* w = nullptr;
   CHECK_CUDA(cudaMalloc(&w, weight_floats * sizeof(float)));
-  CHECK_CUDA(cudaMemset(w, 0, weight_floats * sizeof(float)));
+  FillRandomF32(w, weight_floats, 5, 0.02f);
   const float* embed = w;
   const float* lm_head = embed + size_t{kVocab} * kD;
   const float* final_norm = lm_head + size_t{kVocab} * kD;
@@ -477,6 +509,12 @@ int main(int argc, char** argv) {
   int reps = 20;
   for (int i = 2; i + 1 < argc; ++i)
     if (std::strcmp(argv[i], "--reps") == 0) reps = std::max(1, std::atoi(argv[i + 1]));
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  if (ec) {
+    std::fprintf(stderr, "cannot create %s: %s\n", out_dir.c_str(), ec.message().c_str());
+    return 1;
+  }
   if (kc::DeviceCount() == 0) {
     std::fprintf(stderr, "no CUDA device: %s\n", kc::LastCudaErrorString());
     return 2;

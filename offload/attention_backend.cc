@@ -144,8 +144,8 @@ CudaAttentionWorkspace LayoutCudaAttentionWorkspace(int n_queries, int q_heads, 
 }
 
 size_t MaxSlotAttentionKernelBytes(int n_queries, int q_heads, int head_dim) {
-  // kernels/cuda/attention.cu: at most 16 splits; partial outputs, partial lse, final lse.
-  constexpr size_t kMaxSplits = 16;
+  // kernels/cuda/attention.cu: at most 32 splits; partial outputs, partial lse, final lse.
+  constexpr size_t kMaxSplits = 32;
   const size_t rows = static_cast<size_t>(std::max(0, n_queries)) * static_cast<size_t>(std::max(0, q_heads));
   return Align256(kMaxSplits * rows * static_cast<size_t>(std::max(0, head_dim)) * sizeof(float)) +
          Align256(kMaxSplits * rows * sizeof(float)) + Align256(rows * sizeof(float));
@@ -171,7 +171,7 @@ class CpuAttentionBackend final : public AttentionBackend {
 
 std::string CudaMessage(cudaError_t e) { return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e); }
 
-// NEVER RUN ON A GPU (see the header). One device workspace for the session, sized at
+// One device workspace for the session, sized at
 // creation for max_queries; a larger step (a longer prefill window than announced) grows it
 // once, to that step's size, and then reuses it.
 class CudaAttentionBackend final : public AttentionBackend {

@@ -14,8 +14,8 @@
 //    (the tier's regions and slot pool); the host arrays (q, positions, slot list) are
 //    copied into one caller-owned device workspace, LaunchSlotAttention runs on the tier's
 //    stream, the output comes back and the stream is synchronised once per call.
-//    NEVER RUN ON A GPU: written and compiled without one; its host-side logic (slot mapping,
-//    workspace layout, plan validation) is the part tested here.
+//    Its host-side logic (slot mapping, workspace layout, plan validation) is tested here
+//    without a device; the numbers it computes, on a GPU or the emulated device.
 //
 // A hot slot holds one chunk as [K chunk][V chunk] (TieredStore's layout), while the
 // kernel reads K and V slots of one half each from two pools with the same index. So the

@@ -13,7 +13,7 @@
 // Unavailable "no CUDA device: ..." when the driver sees none. TieredStore takes it: the
 // store reads hot memory only through Upload/Download, and Session runs attention on it
 // through the cuda AttentionBackend (offload/attention_backend.h), whose kernels run on
-// stream(). NEVER RUN ON A GPU: written and compiled without one.
+// stream().
 #pragma once
 
 #include <cstddef>

@@ -236,7 +236,7 @@ class CpuRetrievalBackend final : public RetrievalBackend {
 
 std::string CudaMessage(cudaError_t e) { return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e); }
 
-// NEVER RUN ON A GPU (see the header). Its own non-blocking stream: mirror uploads, the
+// Its own non-blocking stream: mirror uploads, the
 // in-block, the kernels and the out-block are ordered on it, and RunLayer waits once.
 class CudaRetrievalBackend final : public RetrievalBackend {
  public:

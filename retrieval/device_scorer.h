@@ -33,11 +33,10 @@
 //    (score descending, ties to the lower row, -0 == +0); tests/device_retrieval_test.cc checks it.
 //  * "cuda" (builds with CUDA): the mirror and the workspace are cudaMalloc'd, copies and
 //    launches (kernels/cuda/kernels.h) go on the backend's own non-blocking stream, the in- and
-//    out-blocks through pinned host staging. NEVER RUN ON A GPU: written and compiled without
-//    one; without a device MakeRetrievalBackend answers Unavailable "no CUDA device: ...". The
-//    scoring kernel repeats the twin's arithmetic in the twin's order (kernels/cuda/kernels.h),
-//    so its scores, and with CUB's stable sort its order, are the cpu backend's: the tests
-//    assert equal selections when a device exists. Eq. 11 on the device (exp and block sums in
+//    out-blocks through pinned host staging. Without a device MakeRetrievalBackend answers Unavailable "no
+//    CUDA device: ...". The scoring kernel repeats the twin's arithmetic in the twin's order
+//    (kernels/cuda/kernels.h), so its scores, and with CUB's stable sort its order, are the cpu backend's:
+//    the tests assert equal selections when a device exists. Eq. 11 on the device (exp and block sums in
 //    double) may differ from the twin in Theta's last bits, which changes Eq. 12's floor only
 //    for a share within ~1e-16 of an integer.
 //

@@ -36,7 +36,7 @@
 // key opts a host tier into the mirror; the Create overload with an explicit
 // backend does (tests compare the "cpu" backend, the twins over a host mirror,
 // with the host path that way). Creating the "cuda" backend without a device
-// is Unavailable "no CUDA device: ...". NEVER RUN ON A GPU.
+// is Unavailable "no CUDA device: ...".
 //
 // Configuration is four parts, each a factory string that ToString() spells
 // out in full and Parse() reads back:

@@ -7,8 +7,9 @@
 #   bash scripts/gpu_check.sh OUT_DIR               build + GPU tests + measurements
 #   bash scripts/gpu_check.sh OUT_DIR --build-only  stop after the build (works without a GPU)
 #   bash scripts/gpu_check.sh OUT_DIR --quick       the same checks sized for a 15-minute lease:
-#                                                   the 128K run at the default geometry (no 1M
-#                                                   run, no 8B geometry), infinite at 4K only
+#                                                   the 128K and 1M runs at the default geometry
+#                                                   (not the 8B one), plus the same 128K run on
+#                                                   the CPU path; infinite at 4K only
 #
 # KVTIER_GPU_PREBUILT=TARBALL skips the build: the tarball of scripts/gpu_pack.sh (binaries
 # built with CUDA elsewhere, plus their non-system shared libraries) is unpacked into the build
@@ -34,7 +35,7 @@ PREBUILT=${KVTIER_GPU_PREBUILT:-}
 # Prebuilt binaries look for their siblings in the build dir they were built in (KVTIER_BINARY_DIR).
 [ -n "$PREBUILT" ] && BUILD=${KVTIER_GPU_BUILD:-build}
 if [ "$MODE" = "--quick" ]; then
-  RUN_TIMEOUT=${KVTIER_RUN_TIMEOUT:-120}
+  RUN_TIMEOUT=${KVTIER_RUN_TIMEOUT:-240}
   TEST_TIMEOUT=${KVTIER_TEST_TIMEOUT:-200}
   INFINITE_TIMEOUT=${KVTIER_INFINITE_TIMEOUT:-60}
 fi
@@ -129,8 +130,9 @@ log "gpu bench: rc $rc"
 RUN_CONTEXTS="131072 1048576"
 RUN_GEOMETRY=(--geometry 32,32,8,128 --dtype bf16)
 if [ "$MODE" = "--quick" ]; then
-  # The default geometry (8,8,2,64 f16): 512 MiB of KV at 128K, which the 15-minute lease allows.
-  RUN_CONTEXTS="131072"
+  # The default geometry (8,8,2,64 f16): 512 MiB of KV at 128K and 4 GiB at 1M, which a
+  # 15-minute lease allows (about 15 s and 100 s on an H200 machine's 16 cores).
+  RUN_CONTEXTS="131072 1048576"
   RUN_GEOMETRY=()
 fi
 for ctx in $RUN_CONTEXTS; do
@@ -146,10 +148,19 @@ for ctx in $RUN_CONTEXTS; do
   # The step-time line ("kvtier ... ms", "full attention ... -> kvtier is N.Nx faster"): run's
   # full-attention baseline is its CPU kernel over host copies, so the same-GPU ratio is
   # kvtier_gpu_bench's; an error run keeps its last line (the status).
-  speed=$(grep -m1 -- '-> kvtier is' "$OUT/run_$ctx.txt" || tail -1 "$OUT/run_$ctx.txt")
+  speed=$(grep -m1 -A1 -- '^  kvtier ' "$OUT/run_$ctx.txt" | tr -s ' ' | tr '\n' ';' || tail -1 "$OUT/run_$ctx.txt")
   note "run_$ctx" "$([ $rc = 0 ] && echo ok || echo "rc $rc")" "peak GPU MiB ${peak:-?}; $speed"
   log "kvtier run --device cuda --context $ctx: rc $rc, peak GPU memory ${peak:-?} MiB"
 done
+
+# The same 128K run on the CPU path (hot tier in host memory), for the per-part step times.
+if [ "$MODE" = "--quick" ]; then
+  timeout "$RUN_TIMEOUT" "$BUILD/kvtier" run --device cpu --context 131072 --data-dir "$OUT/run-data-cpu" \
+    --json "$OUT/run_cpu_131072.json" >"$OUT/run_cpu_131072.txt" 2>&1
+  rc=$?
+  rm -rf "$OUT/run-data-cpu"
+  note run_cpu_131072 "$([ $rc = 0 ] && echo ok || echo "rc $rc")" "$(grep -m1 -A1 -- '^  kvtier ' "$OUT/run_cpu_131072.txt" | tr -s ' ' | tr '\n' ';')"
+fi
 
 # ---- 6b. the model forward on the GPU: kvtier infinite --device cuda vs --device cpu ------------------
 # The same passkey samples (seed 11) through kvtier-tiny with the forward and attention on the GPU
@@ -157,8 +168,7 @@ done
 # forward takes no others). Same answers expected (the logits differ by fp32 summation order
 # only; tests/model_test.cc DeviceForwardMatchesCpuForward bounds that), and the time ratio
 # cpu s/sample / cuda s/sample. kvtier-tiny's head_dim is 16, which the CUDA attention kernel
-# takes (16, 32, 64, 128, 256; never run on a GPU before this script): a cuda run that stops
-# anyway keeps its status line in the row.
+# takes (16, 32, 64, 128, 256): a cuda run that stops anyway keeps its status line in the row.
 INFINITE_CONTEXTS="4096 16384"
 [ "$MODE" = "--quick" ] && INFINITE_CONTEXTS="4096"
 for ctx in $INFINITE_CONTEXTS; do

@@ -7,7 +7,7 @@
 //  * the host-side logic the CUDA backend rests on: span -> slot mapping, the [K][V] slot as
 //    two index-sharing half pools, plan validation with named statuses, workspace layout and
 //    its bound (in CUDA builds, against the launcher's own query, which needs no device);
-//  * the CUDA backend is refused with a status, never run, for a "cuda" tier it cannot use.
+//  * the CUDA backend is refused with a status for a "cuda" tier it cannot use.
 // Whether the CUDA backend computes the right numbers needs a GPU: the Session case at the
 // end skips without one, and none of it has run.
 #include <gtest/gtest.h>

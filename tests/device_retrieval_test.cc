@@ -7,7 +7,7 @@
 // the Retriever; the budget's AllocateWithEntropy against Allocate. The "cuda" backend is
 // compiled; its tests skip with "no CUDA device: ..." without one and, with one, compare its
 // selections with the cpu backend's, which must be equal: the scoring kernel repeats the twin's
-// arithmetic in its order (never run so far).
+// arithmetic in its order.
 #include "retrieval/device_scorer.h"
 
 #include <gtest/gtest.h>

@@ -1265,14 +1265,22 @@ TEST_P(KernelBackends, GatherAndBatchCopiesMoveChunksFromPinnedMemory) {
       ASSERT_EQ(cudaMemcpy(got.data(), dsts[i], bytes, cudaMemcpyDeviceToHost), cudaSuccess);
       EXPECT_EQ(0, std::memcmp(got.data(), want.data() + i * bytes, bytes)) << "gather copy " << i;
     }
-    ASSERT_EQ(cudaMemset(pool, 0, (n + 3) * bytes), cudaSuccess);
-    ASSERT_EQ(cuda::MemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, nullptr), KernelError::kOk)
-        << cuda::LastCudaErrorString();
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    for (int i = 0; i < n; ++i) {
-      ASSERT_EQ(cudaMemcpy(got.data(), dsts[i], bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-      EXPECT_EQ(0, std::memcmp(got.data(), want.data() + i * bytes, bytes)) << "batch copy " << i;
+    // The batch call on a stream of its own, and the per-copy path the legacy default stream
+    // takes (the driver refuses a batch there).
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    for (cudaStream_t s : {stream, cudaStream_t{nullptr}}) {
+      SCOPED_TRACE(s == nullptr ? "legacy default stream" : "own stream");
+      ASSERT_EQ(cudaMemset(pool, 0, (n + 3) * bytes), cudaSuccess);
+      ASSERT_EQ(cuda::MemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, s), KernelError::kOk)
+          << cuda::LastCudaErrorString();
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      for (int i = 0; i < n; ++i) {
+        ASSERT_EQ(cudaMemcpy(got.data(), dsts[i], bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(0, std::memcmp(got.data(), want.data() + i * bytes, bytes)) << "batch copy " << i;
+      }
     }
+    cudaStreamDestroy(stream);
     cudaFreeHost(host);
   }
 #endif

@@ -551,7 +551,8 @@ TEST_F(LlamaModelTest, BadRetrievalOptionsAreRejected) {
 // The forward on the GPU (integration/model/llama_device.h). Without a device, what runs here
 // is its host side: the weight and activation layouts, the packed upload image, argument
 // checks, and the refusals (library and CLI) naming why there is no device. The comparison with
-// the CPU forward skips without a device; it has never run (no GPU in the sessions that wrote it).
+// the CPU forward runs on a GPU or the emulated device (make test-gpu-emulated) and skips
+// without either.
 
 namespace kvtier::model {
 namespace {

@@ -34,7 +34,7 @@
 // kernels' POD params: sinks, the retrieved chunks as hot-slot indices, the local runs) and
 // runs it on the backend of the store's hot tier: kernels::SlotAttention over host memory
 // for "host", the CUDA launcher over device memory for "cuda" (one device workspace per
-// session, one stream synchronisation per Attend; NEVER RUN ON A GPU). With a "cuda" hot
+// session, one stream synchronisation per Attend). With a "cuda" hot
 // tier, Gather's spans are device pointers, and kInfLLM is refused (its key rotation runs
 // on the host).
 //

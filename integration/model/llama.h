@@ -1,5 +1,5 @@
 // A small Llama-style decoder ("kvtier-llama") run in fp32 on the CPU, or on the GPU when
-// its store's hot tier is "cuda" (llama_device.h; never run on a GPU), whose KV memory is a
+// its store's hot tier is "cuda" (llama_device.h), whose KV memory is a
 // kvtier TieredStore. models/README.md fixes the architecture and
 // the weight format; models/model.py is the reference implementation the
 // forward pass here must reproduce.
@@ -118,7 +118,7 @@ class LlamaSession {
   /// windows must not exceed options.n_local, so a window's keys are still hot
   /// when its queries attend. The model must outlive the session.
   /// With options.hot_tier "cuda" the forward runs on the GPU (llama_device.h: weights
-  /// uploaded here, once per session; NEVER RUN ON A GPU), which needs kAbsolute positions;
+  /// uploaded here, once per session), which needs kAbsolute positions;
   /// without a device, opening the store already answers Unavailable "no CUDA device".
   static Result<std::unique_ptr<LlamaSession>> Create(const LlamaModel* model, StoreOptions options,
                                                       PositionMode positions = PositionMode::kAbsolute);

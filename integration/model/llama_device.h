@@ -21,9 +21,9 @@
 // Positions: absolute only. InfLLM positions rotate the stored keys on the host at attention
 // time; Session refuses them on a device hot tier, and so does LlamaDeviceForward::Create.
 //
-// STATUS: written and compiled with nvcc 13 without a GPU; NEVER RUN ON A GPU. The host-side
-// planning (layouts, packing, argument checks) is tested on CPU in tests/model_test.cc; the
-// comparison with the CPU forward (DeviceForwardMatchesCpuForward) skips without a device.
+// The host-side planning (layouts, packing, argument checks) is tested on CPU in
+// tests/model_test.cc; the comparison with the CPU forward (DeviceForwardMatchesCpuForward)
+// runs on a GPU or the emulated device and skips without either.
 #pragma once
 
 #include <cstddef>

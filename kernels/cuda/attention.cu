@@ -1,23 +1,31 @@
 // CUDA attention over (dense parts | slot list) and the LSE merge. See kernels/cuda/kernels.h.
-// NEVER RUN ON A GPU: compiled only. The CPU twin (kernels/cpu/slot_attention) defines it.
+// The CPU twin (kernels/cpu/slot_attention) defines it; tests/kernel_backends_test.cc checks
+// this against the twin, on a GPU and on the emulated device.
 //
 // Grid (q heads, queries, splits): decode has q_heads x 1 rows, 32 blocks for Llama-3-8B, far
 // fewer than an H100's 132 SMs, so the keys are split over `splits` blocks per row (split-K).
-// Split s owns the dense parts' 32-token tiles s, s + splits, ... and the selected slots
-// s, s + splits, ...; its warps stride over the tokens it owns. With one split the block
+// Split s owns the dense parts' 32-token units s, s + splits, ... and the selected slots
+// s, s + splits, ...; within a unit, warp w takes tokens w, w + 4, ... With one split the block
 // writes the output; with more, each writes its normalised partial (out_s, lse_s) to the
 // workspace and a merge kernel combines them by log-sum-exp. Mass (the final probabilities)
 // needs the final lse: with splits it is a third launch over the same grid.
 //
+// Decode reads each key once per q head and does little arithmetic per byte, so the kernel is
+// bound by memory latency: a warp loads the K and V rows of kKeysInFlight keys before it
+// reduces any score (independent loads in flight), with 16-byte loads where the rows are
+// 16-byte aligned, and decode rows get up to kMaxSplits blocks each.
+//
 // head_dim is a template parameter D in {16, 32, 64, 128, 256} (LaneSplit below): a warp
 // holds one q/K/V row, D / 32 elements per lane, or one element on lanes 0..D-1 when D < 32.
-// sacc[kWarps][D] is 4 KiB of shared memory at D = 256 and q/acc 8 registers each per lane.
+// sacc[kWarps][D] is 4 KiB of shared memory at D = 256.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
@@ -28,8 +36,8 @@ namespace {
 constexpr int kWarps = 4;  // warps per block
 constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 32;        // dense tokens per split unit
-constexpr int kMaxSplits = 16;
-constexpr int kTargetBlocks = 512;  // enough blocks to fill a large GPU several times over
+constexpr int kMaxSplits = 32;   // offload/attention_backend.cc sizes workspaces with it
+constexpr int kTargetBlocks = 1024;  // enough blocks to fill a large GPU several times over
 
 // A row of D elements over the 32 lanes of a warp: lane l holds the E = max(1, D / 32)
 // consecutive elements l*E .. l*E + E - 1. For D < 32 (the shipped kvtier-tiny has head_dim
@@ -53,6 +61,99 @@ __device__ __forceinline__ float WarpScore(const float (&q)[LaneSplit<D>::E], co
   for (int e = 0; e < E; ++e)
     if (LaneSplit<D>::Holds(lane, e)) s = fmaf(q[e], LoadAsFloat(k + lane * E + e), s);
   return WarpSum(s) * scale;
+}
+
+// Keys a warp loads before it reduces the first score: at most 8 (a 32-token unit over 4
+// warps), fewer where K and V rows of that many keys would not fit in registers.
+template <int D>
+struct KeysInFlight {
+  static constexpr int U = LaneSplit<D>::E <= 4 ? 8 : 4;  // K and V rows in flight: at most 64 floats a lane
+};
+
+// This lane's E elements of a row, as floats. With `vec` (every row 16-byte aligned, which
+// the launcher checks) they arrive in loads of up to 16 bytes; otherwise one element at a time.
+template <typename T, int D>
+__device__ __forceinline__ void LoadLane(const T* row, int lane, bool vec, float (&x)[LaneSplit<D>::E]) {
+  constexpr int E = LaneSplit<D>::E;
+  constexpr int kBytes = E * static_cast<int>(sizeof(T));
+  const T* p = row + lane * E;
+  if constexpr (D % 32 == 0 && (kBytes % 16 == 0 || kBytes == 8 || kBytes == 4)) {
+    if (vec) {
+      // Wide loads into a raw buffer, then memcpy to T: no type punning (the emulated build's
+      // g++ would be free to reorder it); nvcc and g++ both keep it in registers.
+      T t[E];
+      if constexpr (kBytes % 16 == 0) {
+        uint4 raw[kBytes / 16];
+#pragma unroll
+        for (int i = 0; i < kBytes / 16; ++i) raw[i] = reinterpret_cast<const uint4*>(p)[i];
+        memcpy(t, raw, kBytes);
+      } else if constexpr (kBytes == 8) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(p);
+        memcpy(t, &raw, kBytes);
+      } else {
+        const unsigned raw = *reinterpret_cast<const unsigned*>(p);
+        memcpy(t, &raw, kBytes);
+      }
+#pragma unroll
+      for (int e = 0; e < E; ++e) x[e] = LoadAsFloat(t + e);
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) x[e] = LaneSplit<D>::Holds(lane, e) ? LoadAsFloat(p + e) : 0.0f;
+}
+
+// The online softmax of one warp (running max m, sum l of exp(s - m), acc = sum exp(s - m) v)
+// over the keys of one unit: n tokens from k/v (already offset to the kv head), token t at
+// position pos0 + t, this warp's tokens warp, warp + kWarps, ... The K and V rows of
+// KeysInFlight keys are loaded before any score is reduced.
+template <typename T, int D>
+__device__ __forceinline__ void AccumulateUnit(const T* k, const T* v, size_t row, int n, int64_t pos0,
+                                               bool causal, int64_t qpos, const float (&q)[LaneSplit<D>::E],
+                                               int warp, int lane, float scale, bool vec, float& m, float& l,
+                                               float (&acc)[LaneSplit<D>::E]) {
+  constexpr int E = LaneSplit<D>::E;
+  constexpr int U = KeysInFlight<D>::U;
+  for (int t0 = warp; t0 < n; t0 += U * kWarps) {
+    float kr[U][E], vr[U][E];
+    bool ok[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int t = t0 + j * kWarps;
+      ok[j] = t < n && !(causal && pos0 + t > qpos);  // the same on every lane of the warp
+      if (ok[j]) {
+        LoadLane<T, D>(k + t * row, lane, vec, kr[j]);
+        LoadLane<T, D>(v + t * row, lane, vec, vr[j]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) kr[j][e] = vr[j][e] = 0.0f;
+      }
+    }
+    float s[U];
+    float m_new = m;
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      float d = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) d = fmaf(q[e], kr[j][e], d);
+      s[j] = WarpSum(d) * scale;
+      if (ok[j]) m_new = fmaxf(m_new, s[j]);
+    }
+    if (m_new == -INFINITY) continue;      // no visible key in this step (or every score -inf)
+    const float corr = __expf(m - m_new);  // exp(-inf) = 0 on the first keys
+    l *= corr;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] *= corr;
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      if (!ok[j]) continue;
+      const float w = __expf(s[j] - m_new);
+      l += w;
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] = fmaf(w, vr[j][e], acc[e]);
+    }
+    m = m_new;
+  }
 }
 
 // Calls f(k_row, v_row, position, mass_or_null) for every key this warp of this split owns.
@@ -121,7 +222,8 @@ __device__ void AddMass(const SlotAttentionParams& p, float scale, int h, int qi
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads)
-    SlotAttentionKernel(const SlotAttentionParams p, float scale, int splits, float* part_out, float* part_lse) {
+    SlotAttentionKernel(const SlotAttentionParams p, float scale, int splits, bool vec, float* part_out,
+                        float* part_lse) {
   constexpr int E = LaneSplit<D>::E;
   const int h = blockIdx.x, qi = blockIdx.y, split = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -131,22 +233,30 @@ __global__ void __launch_bounds__(kThreads)
   const bool causal = p.causal;
   const int64_t qpos = causal ? p.q_positions[qi] : 0;
 
-  // This warp's online softmax: running max m, sum l of exp(s - m), acc = sum exp(s - m) v.
+  // This warp's online softmax over the units this split owns (ForEachKey's order).
   float m = -INFINITY, l = 0.0f, acc[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) acc[e] = 0.0f;
-  ForEachKey<T>(p, kvh, warp, split, splits, [&](const T* k, const T* v, int64_t pos, float*) {
-    if (causal && pos > qpos) return;
-    const float s = WarpScore<T, D>(q, k, lane, scale);
-    const float m_new = fmaxf(m, s);
-    const float corr = __expf(m - m_new);  // exp(-inf) = 0 on the first key
-    const float w = __expf(s - m_new);
-    l = l * corr + w;
-#pragma unroll
-    for (int e = 0; e < E; ++e)
-      if (LaneSplit<D>::Holds(lane, e)) acc[e] = fmaf(w, LoadAsFloat(v + lane * E + e), acc[e] * corr);
-    m = m_new;
-  });
+  const size_t row = static_cast<size_t>(p.kv_heads) * D;  // elements per token
+  const size_t head = static_cast<size_t>(kvh) * D;
+  for (int part = 0; part < p.n_dense; ++part) {
+    const DenseKv& d = p.dense[part];
+    const T* kb = static_cast<const T*>(d.k) + head;
+    const T* vb = static_cast<const T*>(d.v) + head;
+    for (int t0 = split * kTile; t0 < d.n_tokens; t0 += splits * kTile)
+      AccumulateUnit<T, D>(kb + t0 * row, vb + t0 * row, row, min(kTile, d.n_tokens - t0),
+                           d.first_position + t0, causal, qpos, q, warp, lane, scale, vec, m, l, acc);
+  }
+  const size_t slot_elems = row * p.slot_tokens;
+  for (int i = split; i < p.n_slots; i += splits) {
+    const int slot = p.slot_index[i];
+    if (slot < 0 || slot >= p.pool_slots) continue;  // documented: skipped (the host cannot check)
+    int n = p.slot_n_tokens ? p.slot_n_tokens[i] : p.slot_tokens;
+    n = n < 0 ? 0 : (n > p.slot_tokens ? p.slot_tokens : n);
+    AccumulateUnit<T, D>(static_cast<const T*>(p.pool_k) + slot * slot_elems + head,
+                         static_cast<const T*>(p.pool_v) + slot * slot_elems + head, row, n,
+                         p.slot_first_position[i], causal, qpos, q, warp, lane, scale, vec, m, l, acc);
+  }
 
   // LSE merge of the warps' states.
   __shared__ float sm[kWarps], sl[kWarps], sacc[kWarps][D], s_lse;
@@ -164,9 +274,10 @@ __global__ void __launch_bounds__(kThreads)
   float L = 0.0f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) L += sl[w] > 0.0f ? sl[w] * __expf(sm[w] - M) : 0.0f;
-  const size_t row = static_cast<size_t>(qi) * p.q_heads + h;
+  const size_t out_row = static_cast<size_t>(qi) * p.q_heads + h;
   const size_t rows = static_cast<size_t>(p.n_queries) * p.q_heads;
-  float* orow = splits == 1 ? p.out + row * D : part_out + (static_cast<size_t>(split) * rows + row) * D;
+  float* orow =
+      splits == 1 ? p.out + out_row * D : part_out + (static_cast<size_t>(split) * rows + out_row) * D;
   for (int d = threadIdx.x; d < D; d += kThreads) {
     float o = 0.0f;
     if (L > 0.0f) {
@@ -180,8 +291,10 @@ __global__ void __launch_bounds__(kThreads)
   const float lse = L > 0.0f ? M + logf(L) : -INFINITY;
   if (threadIdx.x == 0) {
     s_lse = lse;
-    if (splits > 1) part_lse[static_cast<size_t>(split) * rows + row] = lse;
-    else if (p.lse) p.lse[row] = lse;
+    if (splits > 1)
+      part_lse[static_cast<size_t>(split) * rows + out_row] = lse;
+    else if (p.lse)
+      p.lse[out_row] = lse;
   }
   // One split: the final lse is known here, so the mass pass follows in this block.
   if (splits > 1 || !WantsMass(p) || !(L > 0.0f)) return;
@@ -253,6 +366,17 @@ int Splits(const SlotAttentionParams& p) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, kMaxSplits, std::max(units, 1)})));
 }
 
+// Whether every K/V row starts 16-byte aligned (the vector loads of LoadLane): the bases, and
+// the row pitch kv_heads * head_dim elements.
+bool RowsAligned16(const SlotAttentionParams& p) {
+  auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  const size_t elem = p.dtype == DType::kF32 ? 4 : 2;
+  if (p.head_dim * elem % 16 != 0) return false;
+  for (int i = 0; i < p.n_dense; ++i)
+    if (!aligned(p.dense[i].k) || !aligned(p.dense[i].v)) return false;
+  return p.n_slots == 0 || (aligned(p.pool_k) && aligned(p.pool_v));
+}
+
 struct Workspace {
   size_t part_out = 0, part_lse = 0, final_lse = 0, total = 0;
 };
@@ -275,7 +399,8 @@ KernelError LaunchTyped(const SlotAttentionParams& p, float scale, int splits, c
   const Workspace w = Layout(p, splits);
   float* part_out = splits > 1 ? reinterpret_cast<float*>(ws + w.part_out) : nullptr;
   float* part_lse = splits > 1 ? reinterpret_cast<float*>(ws + w.part_lse) : nullptr;
-  LaunchKernel(&SlotAttentionKernel<T, D>, grid, kThreads, 0, s, p, scale, splits, part_out, part_lse);
+  LaunchKernel(&SlotAttentionKernel<T, D>, grid, kThreads, 0, s, p, scale, splits, RowsAligned16(p), part_out,
+               part_lse);
   if (const KernelError e = CheckLaunch(); e != KernelError::kOk || splits == 1) return e;
   const int rows = p.q_heads * p.n_queries;
   float* final_lse = reinterpret_cast<float*>(ws + w.final_lse);

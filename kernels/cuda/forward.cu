@@ -1,6 +1,6 @@
 // The model's non-attention forward on the device: embedding lookup, RMSNorm, RoPE, SwiGLU,
 // and the projections as a cuBLAS GEMM. Twins: kernels/cpu/forward.h and kernels/cpu/rope.h.
-// See kernels/cuda/kernels.h. NEVER RUN ON A GPU: compiled only.
+// See kernels/cuda/kernels.h.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 

@@ -151,7 +151,8 @@ struct GatherParams {
 KernelError LaunchGatherCopies(const GatherParams& p, Stream s);
 
 /// cudaMemcpyBatchAsync (CUDA >= 12.8) of `count` host-to-device copies, one attribute for
-/// all (source accessed in stream order). dsts/srcs/sizes are host arrays.
+/// all (source accessed in stream order). dsts/srcs/sizes are host arrays. On the legacy default
+/// stream (s == nullptr), which the batch call refuses, one cudaMemcpyAsync per copy.
 KernelError MemcpyBatchAsync(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count, Stream s);
 
 }  // namespace kvtier::kernels::cuda

@@ -1,5 +1,5 @@
 // CUDA chunk scoring, per-layer top-k (CUB), Eq. 11 entropy and the ActQKV probe (Eq. 7-9).
-// See kernels/cuda/kernels.h. NEVER RUN ON A GPU: compiled only. The CPU twins
+// See kernels/cuda/kernels.h. The CPU twins
 // (kernels/cpu/chunk_score, entropy, probe) define what each computes.
 #include <cuda_runtime.h>
 

@@ -1,6 +1,5 @@
 // Chunk transfers host -> device: a gather kernel reading mapped pinned host memory, and
 // cudaMemcpyBatchAsync. Plus the error bookkeeping of kernels/cuda. See kernels/cuda/kernels.h.
-// NEVER RUN ON A GPU: compiled only.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -71,6 +70,16 @@ KernelError MemcpyBatchAsync(void* const* dsts, const void* const* srcs, const s
                              Stream stream) {
   if (count == 0) return KernelError::kOk;
   if (dsts == nullptr || srcs == nullptr || sizes == nullptr) return KernelError::kNullPointer;
+  // The driver refuses a batch on the legacy default stream (cudaErrorInvalidValue, seen on an
+  // H200 with CUDA 13.0): there, one cudaMemcpyAsync per copy gives the same stream order.
+  if (stream == nullptr) {
+    for (size_t i = 0; i < count; ++i)
+      if (const KernelError e =
+              CheckCall(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyHostToDevice, nullptr));
+          e != KernelError::kOk)
+        return e;
+    return KernelError::kOk;
+  }
 #if CUDART_VERSION >= 12080
   cudaMemcpyAttributes attr = {};
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // the pinned slab may be written until this point

@@ -159,7 +159,8 @@ inline cudaError_t cudaEventQuery(cudaEvent_t e) {
 inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) { return hipEventElapsedTime(ms, a, b); }
 
 // cudaMemcpyBatchAsync (CUDA 13 signature) as what it promises: the copies in stream order on
-// `s`. HIP has no batch copy, so it is one asynchronous copy per entry on the same stream.
+// `s`. HIP has no batch copy, so it is one asynchronous copy per entry on the same stream. Like
+// the driver, it refuses the legacy default stream (cuMemcpyBatchAsync does).
 enum cudaMemcpySrcAccessOrder { cudaMemcpySrcAccessOrderInvalid = 0, cudaMemcpySrcAccessOrderStream = 1,
                                 cudaMemcpySrcAccessOrderDuringApiCall = 2, cudaMemcpySrcAccessOrderAny = 3 };
 enum cudaMemcpyFlags { cudaMemcpyFlagDefault = 0, cudaMemcpyFlagPreferOverlapWithCompute = 1 };
@@ -172,6 +173,7 @@ inline cudaError_t cudaMemcpyBatchAsync(const void* const* dsts, const void* con
                                         size_t n_attrs, cudaStream_t s) {
   if (count > 0 && (dsts == nullptr || srcs == nullptr || sizes == nullptr)) return cudaErrorInvalidValue;
   if (n_attrs == 0 || attrs == nullptr || attr_index == nullptr || attr_index[0] != 0) return cudaErrorInvalidValue;
+  if (s == nullptr) return cudaErrorInvalidValue;
   for (size_t i = 0; i < count; ++i)
     if (const cudaError_t e = hipMemcpyAsync(const_cast<void*>(dsts[i]), srcs[i], sizes[i], hipMemcpyDefault, s);
         e != hipSuccess)
