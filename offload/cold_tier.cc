@@ -335,8 +335,9 @@ class InfoLog : public rocksdb::Logger {
     tm t;
     const time_t secs = tv.tv_sec;
     ::localtime_r(&secs, &t);
-    int n = std::snprintf(line, sizeof line, "%04d/%02d/%02d-%02d:%02d:%02d.%06ld ", t.tm_year + 1900, t.tm_mon + 1,
-                          t.tm_mday, t.tm_hour, t.tm_min, t.tm_sec, static_cast<long>(tv.tv_usec));
+    int n =
+        std::snprintf(line, sizeof line, "%04d/%02d/%02d-%02d:%02d:%02d.%06ld ", t.tm_year + 1900,
+                      t.tm_mon + 1, t.tm_mday, t.tm_hour, t.tm_min, t.tm_sec, static_cast<long>(tv.tv_usec));
     if (n < 0) return;
     std::string text(line, static_cast<size_t>(n));
     va_list copy;
@@ -380,13 +381,20 @@ class InfoLog : public rocksdb::Logger {
 
 const char* BackgroundErrorName(rocksdb::BackgroundErrorReason r) {
   switch (r) {
-    case rocksdb::BackgroundErrorReason::kFlush: return "a flush";
-    case rocksdb::BackgroundErrorReason::kCompaction: return "a compaction";
-    case rocksdb::BackgroundErrorReason::kWriteCallback: return "a write";
-    case rocksdb::BackgroundErrorReason::kMemTable: return "a memtable insert";
-    case rocksdb::BackgroundErrorReason::kManifestWrite: return "a MANIFEST write";
-    case rocksdb::BackgroundErrorReason::kFlushNoWAL: return "a flush (no WAL)";
-    case rocksdb::BackgroundErrorReason::kManifestWriteNoWAL: return "a MANIFEST write (no WAL)";
+    case rocksdb::BackgroundErrorReason::kFlush:
+      return "a flush";
+    case rocksdb::BackgroundErrorReason::kCompaction:
+      return "a compaction";
+    case rocksdb::BackgroundErrorReason::kWriteCallback:
+      return "a write";
+    case rocksdb::BackgroundErrorReason::kMemTable:
+      return "a memtable insert";
+    case rocksdb::BackgroundErrorReason::kManifestWrite:
+      return "a MANIFEST write";
+    case rocksdb::BackgroundErrorReason::kFlushNoWAL:
+      return "a flush (no WAL)";
+    case rocksdb::BackgroundErrorReason::kManifestWriteNoWAL:
+      return "a MANIFEST write (no WAL)";
   }
   return "a background job";
 }
@@ -401,9 +409,10 @@ class ColdTierWriteLatch {
   Status Check() const {
     if (!failed_.load(std::memory_order_acquire)) return Status::Ok();
     std::lock_guard l(mu_);
-    return IOError("cold tier: '" + path_ + "' takes no more writes after its first write error (" + first_ +
-                   "); what it acknowledged before still reads back, and a reopen once the disk has room writes "
-                   "again");
+    return IOError(
+        "cold tier: '" + path_ + "' takes no more writes after its first write error (" + first_ +
+        "); what it acknowledged before still reads back, and a reopen once the disk has room writes "
+        "again");
   }
   /// Records `st` as the first write error unless one is recorded already; returns `st`.
   Status Latch(Status st) {
@@ -424,21 +433,24 @@ class ColdTierWriteLatch {
   std::string first_;  // guarded by mu_
 };
 
-// RocksDB's background errors (a flush or compaction that failed) latch like a failed write, and RocksDB is told not to resume on its own: resuming writes
-// (it flushes every memtable), and this tier writes nothing more to the database.
+// RocksDB's background errors (a flush or compaction that failed) latch like a failed write, and RocksDB is
+// told not to resume on its own: resuming writes (it flushes every memtable), and this tier writes nothing
+// more to the database.
 class BackgroundErrorListener : public rocksdb::EventListener {
  public:
   explicit BackgroundErrorListener(std::shared_ptr<ColdTierWriteLatch> latch) : latch_(std::move(latch)) {}
   const char* Name() const override { return "kvtier.ColdTier.BackgroundErrorListener"; }
   void OnBackgroundError(rocksdb::BackgroundErrorReason reason, rocksdb::Status* bg_error) override {
     // A failed write of ours latches itself, naming its key, when RocksDB returns.
-    if (reason == rocksdb::BackgroundErrorReason::kWriteCallback || reason == rocksdb::BackgroundErrorReason::kMemTable)
+    if (reason == rocksdb::BackgroundErrorReason::kWriteCallback ||
+        reason == rocksdb::BackgroundErrorReason::kMemTable)
       return;
     if (bg_error != nullptr && !bg_error->ok())
       latch_->Record(std::string("RocksDB stopped writing after ") + BackgroundErrorName(reason) +
                      " failed: " + bg_error->ToString());
   }
-  void OnErrorRecoveryBegin(rocksdb::BackgroundErrorReason, rocksdb::Status bg_error, bool* auto_recovery) override {
+  void OnErrorRecoveryBegin(rocksdb::BackgroundErrorReason, rocksdb::Status bg_error,
+                            bool* auto_recovery) override {
     bg_error.PermitUncheckedError();
     if (auto_recovery != nullptr) *auto_recovery = false;
   }
@@ -960,8 +972,9 @@ Status ColdTier::PutChunk(const ChunkKey& k, std::string_view meta, const void* 
   // Acknowledged only once the manifest lists it: a reopen then checks it came back.
   Status ack = m.manifest->AckChunk(k);
   if (!ack.ok())
-    return m.latch->Latch(Status(ack.code(), "cold tier: chunk " + k.ToString() +
-                                  " is written but its acknowledgement could not be recorded: " + ack.message()));
+    return m.latch->Latch(Status(
+        ack.code(), "cold tier: chunk " + k.ToString() +
+                        " is written but its acknowledgement could not be recorded: " + ack.message()));
   return Status::Ok();
 }
 
@@ -1033,9 +1046,9 @@ Status ColdTier::PutSequence(SequenceId seq, std::string_view record) {
   if (!s.ok()) return m.latch->Latch(FromRocks(s, "writing " + SeqWhat(seq)));
   Status ack = m.manifest->AckSequenceRecord(seq, Crc32c(record.data(), record.size()));
   if (!ack.ok())
-    return m.latch->Latch(Status(ack.code(), "cold tier: " + SeqWhat(seq) +
-                                                 " is written but its acknowledgement could not be recorded: " +
-                                                 ack.message()));
+    return m.latch->Latch(Status(
+        ack.code(), "cold tier: " + SeqWhat(seq) +
+                        " is written but its acknowledgement could not be recorded: " + ack.message()));
   return Status::Ok();
 }
 

@@ -7,12 +7,11 @@
 // seen here, not the end of the test binary. Without permission to mount (not root, or no
 // CAP_SYS_ADMIN) the test skips and says so.
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <spawn.h>
 #include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <cerrno>
 #include <chrono>
@@ -112,8 +111,8 @@ ChildRun RunChild(const std::string& test, const std::string& dir) {
 }
 
 std::string Describe(int status) {
-  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status)) + " (" +
-                                   strsignal(WTERMSIG(status)) + ")";
+  if (WIFSIGNALED(status))
+    return "killed by signal " + std::to_string(WTERMSIG(status)) + " (" + strsignal(WTERMSIG(status)) + ")";
   if (WIFEXITED(status)) return "exited with " + std::to_string(WEXITSTATUS(status));
   return "status " + std::to_string(status);
 }
@@ -192,12 +191,14 @@ TEST(FullDiskChild, FillThenWriteAgain) {
     for (int l = 0; l < layers; ++l) {
       const int64_t n = *store.SequenceLength(seq, l);
       std::vector<uint8_t> gk(n * tb), gv(n * tb), wk(n * tb), wv(n * tb);
-      ASSERT_TRUE(store.ReadTokens(seq, l, 0, n, gk.data(), gv.data()).ok()) << "seq " << seq << " layer " << l;
+      ASSERT_TRUE(store.ReadTokens(seq, l, 0, n, gk.data(), gv.data()).ok())
+          << "seq " << seq << " layer " << l;
       FillPattern(kCrashSalt, seq, l, 0, 0, n, tb, wk.data());
       FillPattern(kCrashSalt, seq, l, 1, 0, n, tb, wv.data());
       ASSERT_TRUE(gk == wk && gv == wv) << "seq " << seq << " layer " << l << ": tokens differ";
     }
-  std::printf("cold chunks acknowledged: %llu\n", static_cast<unsigned long long>(store.counters().cold_chunks));
+  std::printf("cold chunks acknowledged: %llu\n",
+              static_cast<unsigned long long>(store.counters().cold_chunks));
   // The store closes here: RocksDB used to abort in its close (or earlier) after the error.
 }
 
