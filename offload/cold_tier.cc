@@ -4,11 +4,15 @@
 #include <rocksdb/cache.h>
 #include <rocksdb/convenience.h>
 #include <rocksdb/db.h>
+#include <rocksdb/env.h>
 #include <rocksdb/filter_policy.h>
+#include <rocksdb/listener.h>
 #include <rocksdb/options.h>
 #include <rocksdb/slice.h>
 #include <rocksdb/table.h>
 #include <rocksdb/write_batch.h>
+#include <sys/stat.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,9 +21,11 @@
 #include <cctype>
 #include <cerrno>
 #include <cinttypes>
+#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -302,6 +308,157 @@ Result<std::string> RecoverCurrent(const std::string& dir, const StoreFiles& fil
   return files.manifests.back();
 }
 
+// RocksDB's info log ("LOG" in the data directory), written with plain write(2). RocksDB's own
+// logger keeps going after a line failed to write, and the next line then trips an assertion
+// in its WritableFileWriter (AssertFalseAndGetStatusForPrevError: Debian's librocksdb keeps
+// its assertions, so the process gets SIGABRT). On a full disk a LOG line is usually the first
+// thing to fail, and every open of that directory logs: writers and reopens alike aborted.
+// Here a line that cannot be written is dropped, and nothing else happens. Past 4 MiB the
+// file moves to LOG.old (one generation kept).
+class InfoLog : public rocksdb::Logger {
+ public:
+  explicit InfoLog(std::string dir)
+      : rocksdb::Logger(rocksdb::InfoLogLevel::INFO_LEVEL), path_(std::move(dir) + "/LOG") {
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    struct stat st;
+    if (fd_ >= 0 && ::fstat(fd_, &st) == 0) bytes_ = static_cast<uint64_t>(st.st_size);
+  }
+  ~InfoLog() override {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  using rocksdb::Logger::Logv;
+  void Logv(const char* format, va_list ap) override {
+    char line[2048];
+    timeval tv;
+    ::gettimeofday(&tv, nullptr);
+    tm t;
+    const time_t secs = tv.tv_sec;
+    ::localtime_r(&secs, &t);
+    int n =
+        std::snprintf(line, sizeof line, "%04d/%02d/%02d-%02d:%02d:%02d.%06ld ", t.tm_year + 1900,
+                      t.tm_mon + 1, t.tm_mday, t.tm_hour, t.tm_min, t.tm_sec, static_cast<long>(tv.tv_usec));
+    if (n < 0) return;
+    std::string text(line, static_cast<size_t>(n));
+    va_list copy;
+    va_copy(copy, ap);
+    const int body = std::vsnprintf(line, sizeof line, format, copy);
+    va_end(copy);
+    if (body < 0) return;
+    if (static_cast<size_t>(body) < sizeof line) {
+      text.append(line, static_cast<size_t>(body));
+    } else {
+      std::string big(static_cast<size_t>(body) + 1, '\0');
+      std::vsnprintf(big.data(), big.size(), format, ap);
+      text.append(big.data(), static_cast<size_t>(body));
+    }
+    if (text.empty() || text.back() != '\n') text += '\n';
+    std::lock_guard l(mu_);
+    if (fd_ < 0) return;
+    if (bytes_ > kRollBytes) Roll();
+    // One write per line; a short or failed write loses (part of) this line only.
+    const ssize_t w = ::write(fd_, text.data(), text.size());
+    if (w > 0) bytes_ += static_cast<uint64_t>(w);
+  }
+
+ private:
+  static constexpr uint64_t kRollBytes = 4u << 20;
+
+  void Roll() {
+    if (::rename(path_.c_str(), (path_ + ".old").c_str()) != 0) return;  // keep appending to the one we have
+    const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+    if (fd < 0) return;
+    ::close(fd_);
+    fd_ = fd;
+    bytes_ = 0;
+  }
+
+  const std::string path_;
+  std::mutex mu_;
+  int fd_ = -1;
+  uint64_t bytes_ = 0;
+};
+
+const char* BackgroundErrorName(rocksdb::BackgroundErrorReason r) {
+  switch (r) {
+    case rocksdb::BackgroundErrorReason::kFlush:
+      return "a flush";
+    case rocksdb::BackgroundErrorReason::kCompaction:
+      return "a compaction";
+    case rocksdb::BackgroundErrorReason::kWriteCallback:
+      return "a write";
+    case rocksdb::BackgroundErrorReason::kMemTable:
+      return "a memtable insert";
+    case rocksdb::BackgroundErrorReason::kManifestWrite:
+      return "a MANIFEST write";
+    case rocksdb::BackgroundErrorReason::kFlushNoWAL:
+      return "a flush (no WAL)";
+    case rocksdb::BackgroundErrorReason::kManifestWriteNoWAL:
+      return "a MANIFEST write (no WAL)";
+  }
+  return "a background job";
+}
+
+// The first write error of a tier (see "A full disk" in cold_tier.h). Shared by the tier and
+// the RocksDB listener below, which runs on RocksDB's threads.
+class ColdTierWriteLatch {
+ public:
+  explicit ColdTierWriteLatch(std::string path) : path_(std::move(path)) {}
+
+  /// OK while no write failed; else the IOError every later write returns.
+  Status Check() const {
+    if (!failed_.load(std::memory_order_acquire)) return Status::Ok();
+    std::lock_guard l(mu_);
+    return IOError(
+        "cold tier: '" + path_ + "' takes no more writes after its first write error (" + first_ +
+        "); what it acknowledged before still reads back, and a reopen once the disk has room writes "
+        "again");
+  }
+  /// Records `st` as the first write error unless one is recorded already; returns `st`.
+  Status Latch(Status st) {
+    if (!st.ok()) Record(st.message());
+    return st;
+  }
+  void Record(const std::string& what) {
+    std::lock_guard l(mu_);
+    if (failed_.load(std::memory_order_relaxed)) return;
+    first_ = what;
+    failed_.store(true, std::memory_order_release);
+  }
+
+ private:
+  const std::string path_;
+  mutable std::mutex mu_;
+  std::atomic<bool> failed_{false};
+  std::string first_;  // guarded by mu_
+};
+
+// RocksDB's background errors (a flush or compaction that failed) latch like a failed write, and RocksDB is
+// told not to resume on its own: resuming writes (it flushes every memtable), and this tier writes nothing
+// more to the database.
+class BackgroundErrorListener : public rocksdb::EventListener {
+ public:
+  explicit BackgroundErrorListener(std::shared_ptr<ColdTierWriteLatch> latch) : latch_(std::move(latch)) {}
+  const char* Name() const override { return "kvtier.ColdTier.BackgroundErrorListener"; }
+  void OnBackgroundError(rocksdb::BackgroundErrorReason reason, rocksdb::Status* bg_error) override {
+    // A failed write of ours latches itself, naming its key, when RocksDB returns.
+    if (reason == rocksdb::BackgroundErrorReason::kWriteCallback ||
+        reason == rocksdb::BackgroundErrorReason::kMemTable)
+      return;
+    if (bg_error != nullptr && !bg_error->ok())
+      latch_->Record(std::string("RocksDB stopped writing after ") + BackgroundErrorName(reason) +
+                     " failed: " + bg_error->ToString());
+  }
+  void OnErrorRecoveryBegin(rocksdb::BackgroundErrorReason, rocksdb::Status bg_error,
+                            bool* auto_recovery) override {
+    bg_error.PermitUncheckedError();
+    if (auto_recovery != nullptr) *auto_recovery = false;
+  }
+
+ private:
+  std::shared_ptr<ColdTierWriteLatch> latch_;
+};
+
 }  // namespace
 
 namespace cold_tier_format {
@@ -338,6 +495,8 @@ struct ColdTier::Impl {
   rocksdb::ColumnFamilyHandle* payload_cf = nullptr;
   rocksdb::ColumnFamilyHandle* blob_cf = nullptr;
   rocksdb::WriteOptions write_options;
+  // The first write error; once set, no write reaches the database or the manifest.
+  std::shared_ptr<ColdTierWriteLatch> latch;
 
   std::atomic<uint64_t> payload_bytes{0};
   std::atomic<uint64_t> chunks{0};
@@ -427,8 +586,8 @@ struct ColdTier::Impl {
     fo.wait = true;
     fo.allow_write_stall = true;
     rocksdb::Status s = db->Flush(fo, handles);
-    if (!s.ok()) return FromRocks(s, "flushing '" + options.path + "' to make drops durable");
-    return manifest->PruneDrops();
+    if (!s.ok()) return latch->Latch(FromRocks(s, "flushing '" + options.path + "' to make drops durable"));
+    return latch->Latch(manifest->PruneDrops());
   }
 
   // Every write goes through these two. In a ThreadSanitizer build they let one thread
@@ -525,8 +684,6 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
   // Metas are small, so their memtable rarely fills; cap the WAL so old WAL
   // files (which pin every family's unflushed data) force flushes.
   dbo.max_total_wal_size = std::max<uint64_t>(64ull << 20, 4ull * options.write_buffer_bytes);
-  dbo.keep_log_file_num = 3;
-  dbo.max_log_file_size = 4 << 20;
   // Replay the WAL up to the first damaged record and keep that consistent prefix; the
   // manifest check below names whatever acknowledged data the prefix lacks. Why not the
   // other modes: see "What was acknowledged" in cold_tier.h.
@@ -566,11 +723,15 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
 
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->latch = std::make_shared<ColdTierWriteLatch>(path);
+  dbo.listeners.push_back(std::make_shared<BackgroundErrorListener>(impl->latch));
   impl->write_options.sync = options.sync_writes;
   impl->write_options.disableWAL = false;
   if (files.holds_store() && !files.current) {
     KVTIER_ASSIGN_OR_RETURN(impl->recovered_current, RecoverCurrent(path, files));
   }
+  // RocksDB's info log goes through InfoLog (above), which survives a full disk.
+  dbo.info_log = std::make_shared<InfoLog>(path);
   rocksdb::Status s = rocksdb::DB::Open(dbo, path, cfs, &impl->handles, &impl->db);
   if (!s.ok() && !impl->recovered_current.empty()) {
     // Leave the directory as it was found, unless RocksDB has moved CURRENT on meanwhile.
@@ -777,6 +938,7 @@ Status ColdTier::Impl::RedoDrops(ChunkRangeSet* present, const std::map<Sequence
 Status ColdTier::PutChunk(const ChunkKey& k, std::string_view meta, const void* payload,
                           size_t payload_bytes) {
   if (payload_bytes == 0) return InvalidArgument("cold tier: chunk " + k.ToString() + " payload_bytes must be > 0");
+  KVTIER_RETURN_IF_ERROR(impl_->latch->Check());
   if (impl_->options.fault_injector) KVTIER_RETURN_IF_ERROR(impl_->options.fault_injector("put", k));
   if (payload == nullptr) return InvalidArgument("cold tier: chunk " + k.ToString() + " payload is null");
   constexpr size_t kMaxValue = std::numeric_limits<uint32_t>::max() - cold_tier_format::kValueHeaderBytes;
@@ -803,15 +965,16 @@ Status ColdTier::PutChunk(const ChunkKey& k, std::string_view meta, const void* 
   uint64_t old_bytes = 0;
   KVTIER_RETURN_IF_ERROR(m.StoredSize(key, k, &had, &old_bytes));
   s = m.Write(m.write_options, &batch);
-  if (!s.ok()) return FromRocks(s, "writing chunk " + k.ToString());
+  if (!s.ok()) return m.latch->Latch(FromRocks(s, "writing chunk " + k.ToString()));
   if (had) m.Subtract(old_bytes, 1);
   m.payload_bytes += payload_bytes;
   m.chunks += 1;
   // Acknowledged only once the manifest lists it: a reopen then checks it came back.
   Status ack = m.manifest->AckChunk(k);
   if (!ack.ok())
-    return Status(ack.code(), "cold tier: chunk " + k.ToString() +
-                                  " is written but its acknowledgement could not be recorded: " + ack.message());
+    return m.latch->Latch(Status(
+        ack.code(), "cold tier: chunk " + k.ToString() +
+                        " is written but its acknowledgement could not be recorded: " + ack.message()));
   return Status::Ok();
 }
 
@@ -840,6 +1003,7 @@ Status ColdTier::GetChunk(const ChunkKey& k, void* dst, size_t payload_bytes) {
 
 Status ColdTier::DeleteChunk(const ChunkKey& k) {
   Impl& m = *impl_;
+  KVTIER_RETURN_IF_ERROR(m.latch->Check());
   const std::string key = cold_tier_format::ChunkKeyBytes(k);
   rocksdb::WriteBatch batch;
   rocksdb::Status s = batch.Delete(m.meta_cf, key);
@@ -855,9 +1019,9 @@ Status ColdTier::DeleteChunk(const ChunkKey& k) {
     // Off the manifest (a tombstone) before the delete is written: a crash in between leaves
     // a chunk nobody vouches for, which the next open deletes, never a vouched-for chunk
     // that is gone.
-    KVTIER_RETURN_IF_ERROR(m.manifest->DeleteChunk(k));
+    KVTIER_RETURN_IF_ERROR(m.latch->Latch(m.manifest->DeleteChunk(k)));
     s = m.Write(m.write_options, &batch);
-    if (!s.ok()) return FromRocks(s, "deleting chunk " + k.ToString());
+    if (!s.ok()) return m.latch->Latch(FromRocks(s, "deleting chunk " + k.ToString()));
     if (had) m.Subtract(old_bytes, 1);
   }
   if (m.manifest->drop_records() >= Impl::kPruneDropsAt) {
@@ -871,6 +1035,7 @@ Status ColdTier::PutSequence(SequenceId seq, std::string_view record) {
   if (record.size() > std::numeric_limits<uint32_t>::max() - cold_tier_format::kValueHeaderBytes)
     return InvalidArgument("cold tier: " + SeqWhat(seq) + " exceeds 4 GiB");
   Impl& m = *impl_;
+  KVTIER_RETURN_IF_ERROR(m.latch->Check());
   const Header h = MakeHeader(ValueKind::kSequence, record.data(), record.size(), 0);
   std::string value;
   value.reserve(h.size() + record.size());
@@ -878,17 +1043,19 @@ Status ColdTier::PutSequence(SequenceId seq, std::string_view record) {
   value.append(record.data(), record.size());
   std::shared_lock seq_lock(m.seq_mu);  // ordered with DeleteSequence, as in the manifest
   rocksdb::Status s = m.Put(m.write_options, m.seq_cf, cold_tier_format::SequenceKey(seq), value);
-  if (!s.ok()) return FromRocks(s, "writing " + SeqWhat(seq));
+  if (!s.ok()) return m.latch->Latch(FromRocks(s, "writing " + SeqWhat(seq)));
   Status ack = m.manifest->AckSequenceRecord(seq, Crc32c(record.data(), record.size()));
   if (!ack.ok())
-    return Status(ack.code(), "cold tier: " + SeqWhat(seq) +
-                                  " is written but its acknowledgement could not be recorded: " + ack.message());
+    return m.latch->Latch(Status(
+        ack.code(), "cold tier: " + SeqWhat(seq) +
+                        " is written but its acknowledgement could not be recorded: " + ack.message()));
   return Status::Ok();
 }
 
 Status ColdTier::DeleteSequence(SequenceId seq) {
   Impl& m = *impl_;
   const std::string what = "deleting sequence " + std::to_string(seq);
+  KVTIER_RETURN_IF_ERROR(m.latch->Check());
   std::unique_lock seq_lock(m.seq_mu);  // no chunk put/delete runs meanwhile
 
   // Sum what the counters hold for this sequence.
@@ -914,9 +1081,9 @@ Status ColdTier::DeleteSequence(SequenceId seq) {
   KVTIER_RETURN_IF_ERROR(m.DeletePrefix(&batch, m.meta_cf, seq, what));
   KVTIER_RETURN_IF_ERROR(m.DeletePrefix(&batch, m.payload_cf, seq, what));
   KVTIER_RETURN_IF_ERROR(m.DeletePrefix(&batch, m.blob_cf, seq, what));
-  KVTIER_RETURN_IF_ERROR(m.manifest->DropSequence(seq));  // before the write, as DeleteChunk
+  KVTIER_RETURN_IF_ERROR(m.latch->Latch(m.manifest->DropSequence(seq)));  // before the write, as DeleteChunk
   s = m.Write(m.write_options, &batch);
-  if (!s.ok()) return FromRocks(s, what);
+  if (!s.ok()) return m.latch->Latch(FromRocks(s, what));
   m.Subtract(bytes, n);
   if (m.manifest->drop_records() >= Impl::kPruneDropsAt) KVTIER_RETURN_IF_ERROR(m.FlushAndPruneDrops());
   return Status::Ok();
@@ -978,6 +1145,7 @@ Status ColdTier::PutBlob(SequenceId seq, uint32_t layer, std::string_view name, 
   if (bytes > std::numeric_limits<uint32_t>::max() - cold_tier_format::kValueHeaderBytes)
     return InvalidArgument("cold tier: " + BlobWhat(seq, layer, name) + " exceeds 4 GiB");
   Impl& m = *impl_;
+  KVTIER_RETURN_IF_ERROR(m.latch->Check());
   static const char kEmpty = 0;
   if (data == nullptr) data = &kEmpty;
   const Header h = MakeHeader(ValueKind::kBlob, data, bytes, 0);
@@ -987,8 +1155,9 @@ Status ColdTier::PutBlob(SequenceId seq, uint32_t layer, std::string_view name, 
                              rocksdb::Slice(static_cast<const char*>(data), bytes)};
   rocksdb::WriteBatch batch(bytes + key.size() + h.size() + 64);
   rocksdb::Status s = batch.Put(m.blob_cf, rocksdb::SliceParts(&key_slice, 1), rocksdb::SliceParts(parts, 2));
-  if (s.ok()) s = m.Write(m.write_options, &batch);
   if (!s.ok()) return FromRocks(s, "writing " + BlobWhat(seq, layer, name));
+  s = m.Write(m.write_options, &batch);
+  if (!s.ok()) return m.latch->Latch(FromRocks(s, "writing " + BlobWhat(seq, layer, name)));
   return Status::Ok();
 }
 

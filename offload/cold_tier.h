@@ -86,6 +86,19 @@
 // A damaged record is found by RocksDB's per-record CRC; a zeroed block or a
 // truncation leaves no damaged record at all, which is why the manifest is needed.
 //
+// ---- A full disk, or any write error ---------------------------------------------------
+// The first write that fails (a chunk, sequence record, blob or delete that RocksDB or the
+// ack manifest could not write, a flush, or a RocksDB background error such as a failed
+// flush or compaction) latches: from then on this ColdTier issues no write to the database
+// or the manifest, and every write returns IOError "cold tier: '<dir>' takes no more writes
+// after its first write error (<that error>); ...". Nothing it failed to write counts as
+// acknowledged, so the tiered store keeps those chunks in the warm tier; reads of what was
+// acknowledged before keep working. RocksDB is told not to resume by itself. A reopen
+// writes again, and on a disk that is still full it fails with IOError instead of opening.
+// RocksDB's info log ("LOG") is written by kvtier so that a log line the disk refused is
+// dropped: RocksDB 7.8's own logger hits an assertion (SIGABRT) on the line after one that
+// failed, which used to abort writers and every reopen of a full directory.
+//
 // ---- Caching -------------------------------------------------------------------------
 // Payload and blob reads do not fill the block cache: the warm tier above is the
 // cache for payloads, so the block cache keeps meta blocks, index and filter
