@@ -319,7 +319,11 @@ Status Session::SetQuestion(int layer, const float* q, int m) {
 }
 
 Result<LayerParts> Session::Gather(int layer, const float* q, const int64_t* positions, int m) {
-  KVTIER_RETURN_IF_ERROR(CheckLayerCall("Gather", layer, q, positions, m, /*in_step=*/true));
+  return GatherFor("Gather", layer, q, positions, m);
+}
+
+Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* q, const int64_t* positions, int m) {
+  KVTIER_RETURN_IF_ERROR(CheckLayerCall(what, layer, q, positions, m, /*in_step=*/true));
   try {
     const bool decode = step_ == StepKind::kDecode;
     LayerParts lp;
@@ -377,15 +381,15 @@ Result<LayerParts> Session::Gather(int layer, const float* q, const int64_t* pos
     counters_.fetch_ms += lp.stats.fetch_ms;
     return lp;
   } catch (const std::bad_alloc&) {
-    return ResourceExhausted("Session::Gather: out of memory (layer " + std::to_string(layer) + ", m = " +
-                             std::to_string(m) + ")");
+    return ResourceExhausted(std::string("Session::") + what + ": out of memory (layer " + std::to_string(layer) +
+                             ", m = " + std::to_string(m) + ")");
   }
 }
 
 Status Session::Attend(int layer, const float* q, const int64_t* positions, int m, float* out, AttendStats* stats) {
   if (out == nullptr) return InvalidArgument("Session::Attend: out must not be null");
   const Geometry& g = geometry();
-  KVTIER_ASSIGN_OR_RETURN(LayerParts lp, Gather(layer, q, positions, m));
+  KVTIER_ASSIGN_OR_RETURN(LayerParts lp, GatherFor("Attend", layer, q, positions, m));
   try {
     const auto t0 = std::chrono::steady_clock::now();
     // The plan: sinks | retrieved chunks (slots of the hot pool) | local runs, the order

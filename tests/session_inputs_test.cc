@@ -120,11 +120,14 @@ TEST(SessionInputs, NegativeOrNonIncreasingPositionsAreRefused) {
   std::vector<float> q(4 * kQHeads * kDim, 0.5f), out(q.size());
   ASSERT_TRUE((*s)->BeginStep(StepKind::kDecode).ok());
   int64_t pos = -3;
-  ExpectError((*s)->Attend(0, q.data(), &pos, 1, out.data()), StatusCode::kInvalidArgument,
-              {"positions must be >= 0", "positions[0] = -3"});
+  // Each error names the call the caller made (an Attend's check is Gather's code).
+  const Status attend = (*s)->Attend(0, q.data(), &pos, 1, out.data());
+  ExpectError(attend, StatusCode::kInvalidArgument, {"Session::Attend", "positions must be >= 0", "positions[0] = -3"});
+  EXPECT_EQ(attend.message().find("Gather"), std::string::npos) << attend.ToString();
   ExpectError((*s)->Gather(0, q.data(), &pos, 1).status(), StatusCode::kInvalidArgument,
-              {"positions[0] = -3"});
-  ExpectError((*s)->Observe(0, q.data(), &pos, 1), StatusCode::kInvalidArgument, {"positions[0] = -3"});
+              {"Session::Gather", "positions[0] = -3"});
+  ExpectError((*s)->Observe(0, q.data(), &pos, 1), StatusCode::kInvalidArgument,
+              {"Session::Observe", "positions[0] = -3"});
   ASSERT_TRUE((*s)->BeginStep(StepKind::kPrefill).ok());
   const int64_t window[4] = {-1, 0, 1, 2};
   ExpectError((*s)->Attend(0, q.data(), window, 4, out.data()), StatusCode::kInvalidArgument,

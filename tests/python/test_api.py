@@ -260,3 +260,37 @@ def test_presets_and_options():
     assert o["positions"] == "infllm" and o["budget_tokens"] == 64 and o["rope_theta"] == 1e6
     assert "probe=mean" in o["retrieval"]
     assert store.options["chunk_size"] == 8 and store.options["dtype"] == "f32"
+
+
+def test_session_input_rules_hold_in_python():
+    """The Session's rules (include/kvtier/session.h) reach Python unchanged: non-finite K/V and
+    queries, negative positions and a second drop are refused, each naming the call made."""
+    store = small_store()
+    s = kvtier.Session.open(store)
+    k = np.full((4, 2, 16), 0.25, np.float32)
+    for layer in (0, 1):
+        s.append(layer, k, k)
+    bad = k.copy()
+    bad[2, 1, 5] = np.nan
+    with pytest.raises(kvtier.InvalidArgument, match=r"v\[2\]\[1\]\[5\].*not finite"):
+        s.append(0, k, bad)
+    bad[2, 1, 5] = np.inf
+    with pytest.raises(kvtier.InvalidArgument, match=r"k\[2\]\[1\]\[5\].*not finite"):
+        s.append(0, bad, k)
+    s.begin_step("decode")
+    s.append(0, k[:1], k[:1])
+    q = np.full((1, 4, 16), 0.5, np.float32)
+    out = np.zeros_like(q)
+    with pytest.raises(kvtier.InvalidArgument) as e:
+        s.attend(0, q, np.array([-3], np.int64), out)
+    assert "Session::Attend" in e.value.message and "positions[0] = -3" in e.value.message
+    assert "Gather" not in e.value.message
+    q[0, 2, 7] = np.nan
+    with pytest.raises(kvtier.InvalidArgument, match=r"q\[0\]\[2\]\[7\].*not finite"):
+        s.attend(0, q, 4, out)
+    q[0, 2, 7] = 0.5
+    s.attend(0, q, 4, out)
+    assert np.isfinite(out).all()
+    s.drop()
+    with pytest.raises(kvtier.FailedPrecondition, match="dropped"):
+        s.drop()
