@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "include/kvtier/session.h"
+#include "kernels/dtype.h"
 #include "offload/tiered_store.h"
 #include "redis_fixture.h"
 #include "remote_share.h"
@@ -229,6 +232,70 @@ TEST(RemoteOutage, WithRocksDbBelowTheRedisRefusalIsReportedAndNothingIsLost) {
   EXPECT_LT(out.durable_ms, kBoundMs);
   EXPECT_LT(out.closed_ms, kBoundMs + 500);
   EXPECT_GT(cold_only, 0u) << "chunks RocksDB acknowledged after the kill count as acknowledged, not remote";
+}
+
+// Session::Attend reports it too: another session's next Attend, with nothing of its own
+// to write, gets the named error at once instead of running on as if Redis were there.
+TEST(RemoteOutage, AnotherSessionsAttendGetsTheError) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  RedisServers redis;
+  ASSERT_GE(redis.Start(), 0);
+  Watchdog dog(90, &redis);
+  const std::string node = "127.0.0.1:" + std::to_string(redis.server(0).port);
+  auto store = TieredStore::Open(OutageOptions(redis.Spec(0, kQuery), ""));
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  TieredStore* s = store->get();
+  const Geometry g = s->options().geometry;
+  SessionOptions so;
+  so.retrieval.budget_tokens = 64;
+  auto a = Session::Open(s, so), b = Session::Open(s, so);
+  ASSERT_TRUE(a.ok() && b.ok());
+  // One prefill step of 8 tokens at `pos`: Append (and Attend) on every layer.
+  auto step = [&](Session* x, int64_t pos, bool attend) -> Status {
+    constexpr int kM = 8;
+    std::vector<float> kf(static_cast<size_t>(kM) * g.kv_heads * g.head_dim), q(kM * g.q_heads * g.head_dim, 0.1f);
+    for (size_t i = 0; i < kf.size(); ++i) kf[i] = std::sin(0.01f * static_cast<float>(pos * 131 + i));
+    std::vector<uint16_t> kv(kf.size());
+    FromFloat(g.dtype, kf.data(), kv.data(), kf.size());
+    std::vector<int64_t> positions(kM);
+    for (int t = 0; t < kM; ++t) positions[t] = pos + t;
+    std::vector<float> out(q.size());
+    KVTIER_RETURN_IF_ERROR(x->BeginStep(StepKind::kPrefill));
+    for (int l = 0; l < g.layers; ++l) {
+      KVTIER_RETURN_IF_ERROR(x->Append(l, kv.data(), kv.data(), kM, g.dtype));
+      if (attend) KVTIER_RETURN_IF_ERROR(x->Attend(l, q.data(), positions.data(), kM, out.data()));
+    }
+    return Status::Ok();
+  };
+  int64_t pa = 0;
+  ASSERT_TRUE(step(b->get(), 0, true).ok());  // sinks only: its Attend needs no lower tier
+  while (s->counters().remote_puts < 24 && pa < 20000) {
+    ASSERT_TRUE(step(a->get(), pa, true).ok());
+    pa += 8;
+  }
+  redis.Kill(0);
+  const auto t0 = Time::now();
+  Status err;
+  while (err.ok() && MsSince(t0) < 30000) {
+    err = step(a->get(), pa, false);
+    pa += 8;
+  }
+  const double error_ms = MsSince(t0);
+  ExpectNamedUnavailable(err, node);
+  EXPECT_LT(error_ms, kBoundMs);
+  ASSERT_TRUE((*b)->BeginStep(StepKind::kDecode).ok());
+  std::vector<float> q(g.q_heads * g.head_dim, 0.1f), out(q.size());
+  const int64_t p = 8;
+  const auto t1 = Time::now();
+  const Status st = (*b)->Attend(0, q.data(), &p, 1, out.data());
+  const double attend_ms = MsSince(t1);
+  ExpectNamedUnavailable(st, node);
+  EXPECT_NE(st.message().find("Session::Attend"), std::string::npos) << st.ToString();
+  EXPECT_LT(attend_ms, 500);
+  std::printf("[ outage ] session error after %.0f ms; the other session's Attend %.0f ms later: %s\n", error_ms,
+              attend_ms, st.ToString().c_str());
+  a->reset();
+  b->reset();
 }
 
 }  // namespace
