@@ -102,7 +102,7 @@ struct RedisClient::Node {
   Status first_error;  // of the open window
   bool down = false;
   Clock::time_point down_until;
-  Status down_status;  // what every command gets while down
+  Status down_status;    // what every command gets while down
   bool probing = false;  // out of its down window, not answered yet: one failure and it is down again
 };
 
@@ -172,7 +172,8 @@ void RedisClient::MarkDownLocked(int node) {
 Status RedisClient::NodeDownLocked(int node) {
   Node& n = *nodes_[node];
   const auto now = Node::Clock::now();
-  if (n.failing && now >= n.failing_since + std::chrono::milliseconds(options_.retry_ms)) MarkDownLocked(node);
+  if (n.failing && now >= n.failing_since + std::chrono::milliseconds(options_.retry_ms))
+    MarkDownLocked(node);
   if (!n.down) return Status::Ok();
   if (now < n.down_until) return n.down_status;
   // The down window is over: the next attempt may reconnect. It does not wait another retry

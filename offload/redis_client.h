@@ -60,7 +60,7 @@ struct RedisClientOptions {
   std::vector<RedisEndpoint> seeds;  ///< servers to discover the deployment from (at least one)
   int connect_timeout_ms = 1000;     ///< TCP connect limit per attempt (default 1 s)
   int command_timeout_ms = 2000;     ///< limit on one reply (default 2 s); slower is a failed attempt
-  int retry_ms = 10000;              ///< a failing node is retried this long from its first failure, then fails at once this long (default 10 s: a failover)
+  int retry_ms = 10000;              ///< a node's retry window, then its fail-at-once window (default 10 s)
   int pool_size = 4;                 ///< idle connections kept per node (default 4)
   Status Validate() const;           ///< names the bad field
 };

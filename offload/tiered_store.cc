@@ -699,7 +699,8 @@ void TieredStore::SubmitColdWrite(Chunk* c, const uint8_t* payload, float score)
 Status TieredStore::BackgroundErrorLocked() {
   // After the remote's window a new attempt may succeed: no longer in the way (WaitForDurable
   // still reports it).
-  if (background_error_.ok() || std::chrono::steady_clock::now() >= background_error_until_) return Status::Ok();
+  if (background_error_.ok() || std::chrono::steady_clock::now() >= background_error_until_)
+    return Status::Ok();
   return background_error_;
 }
 

@@ -29,14 +29,17 @@ namespace {
 
 using Time = std::chrono::steady_clock;
 
-double MsSince(Time::time_point t0) { return std::chrono::duration<double, std::milli>(Time::now() - t0).count(); }
+double MsSince(Time::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Time::now() - t0).count();
+}
 
 constexpr int kRetryMs = 1000;
 constexpr int kTimeoutMs = 500;
 constexpr int kNodeTimeoutMs = 500;  // cluster-node-timeout: how soon the cluster sees a dead master
 // One retry window and one command timeout, as promised, plus slack for a loaded two-core machine.
 constexpr double kBoundMs = kRetryMs + kTimeoutMs + 2000;
-const std::string kQuery = "retry_ms=" + std::to_string(kRetryMs) + "&timeout_ms=" + std::to_string(kTimeoutMs) +
+const std::string kQuery = "retry_ms=" + std::to_string(kRetryMs) +
+                           "&timeout_ms=" + std::to_string(kTimeoutMs) +
                            "&connect_timeout_ms=" + std::to_string(kTimeoutMs);
 
 // A hang fails the run instead of stalling it: past `seconds` the servers are killed and
@@ -90,9 +93,9 @@ Status AppendChunk(TieredStore* s, SequenceId seq, int64_t* next) {
 }
 
 struct Outage {
-  Status error;            // the first failed Append after the kill
-  double error_ms = -1;    // from the kill to it
-  Status other;            // the next Append of another sequence
+  Status error;          // the first failed Append after the kill
+  double error_ms = -1;  // from the kill to it
+  Status other;          // the next Append of another sequence
   double other_ms = -1;
   Status durable;          // WaitForDurable after the error
   double durable_ms = -1;  // from the kill to its return
@@ -132,9 +135,10 @@ Outage RunOutage(const StoreOptions& o, const std::function<void()>& kill,
   if (inspect) inspect(s, a);
   store->reset();
   out.closed_ms = MsSince(t0);
-  std::printf("[ outage ] error after %.0f ms (%s); other sequence %.0f ms later; WaitForDurable back at %.0f ms; "
-              "closed at %.0f ms\n",
-              out.error_ms, out.error.ToString().c_str(), out.other_ms, out.durable_ms, out.closed_ms);
+  std::printf(
+      "[ outage ] error after %.0f ms (%s); other sequence %.0f ms later; WaitForDurable back at %.0f ms; "
+      "closed at %.0f ms\n",
+      out.error_ms, out.error.ToString().c_str(), out.other_ms, out.durable_ms, out.closed_ms);
   return out;
 }
 
@@ -159,14 +163,16 @@ TEST(RemoteOutage, SingleServerKilledMidStreamFailsWithinOneWindow) {
   ASSERT_GE(redis.Start(), 0);
   Watchdog dog(90, &redis);
   const std::string node = "127.0.0.1:" + std::to_string(redis.server(0).port);
-  const Outage out = RunOutage(OutageOptions(redis.Spec(0, kQuery), ""), [&] { redis.Kill(0); },
-                               [](TieredStore* s, SequenceId a) { ExpectNothingLost(s, a, kTierRemote); });
+  const Outage out = RunOutage(
+      OutageOptions(redis.Spec(0, kQuery), ""), [&] { redis.Kill(0); },
+      [](TieredStore* s, SequenceId a) { ExpectNothingLost(s, a, kTierRemote); });
   ExpectNamedUnavailable(out.error, node);
   EXPECT_LT(out.error_ms, kBoundMs) << "retry_ms + one command timeout, not one window per queued chunk";
   ExpectNamedUnavailable(out.other, node);
   EXPECT_LT(out.other_ms, 500) << "another sequence gets the sticky error at once";
   ExpectNamedUnavailable(out.durable, node);
-  EXPECT_LT(out.durable_ms, kBoundMs) << "WaitForDurable: the queued writes fail at once, they do not each wait";
+  EXPECT_LT(out.durable_ms, kBoundMs)
+      << "WaitForDurable: the queued writes fail at once, they do not each wait";
   EXPECT_LT(out.closed_ms, kBoundMs + 500) << "closing the store does not wait on the dead node either";
 }
 
@@ -177,14 +183,16 @@ TEST(RemoteOutage, ClusterMasterKilledIsBoundedNotAHang) {
   RedisServers redis;
   ASSERT_TRUE(redis.StartCluster(kNodeTimeoutMs, 3, 0));
   Watchdog dog(90, &redis);
-  const Outage out = RunOutage(OutageOptions(redis.Spec(kQuery), ""), [&] { redis.Kill(1); },
-                               [](TieredStore* s, SequenceId a) { ExpectNothingLost(s, a, kTierRemote); });
+  const Outage out = RunOutage(
+      OutageOptions(redis.Spec(kQuery), ""), [&] { redis.Kill(1); },
+      [](TieredStore* s, SequenceId a) { ExpectNothingLost(s, a, kTierRemote); });
   ExpectNamedUnavailable(out.error, "redis 127.0.0.1:");
   EXPECT_LT(out.error_ms, kBoundMs);
   ExpectNamedUnavailable(out.other, "redis 127.0.0.1:");
   EXPECT_LT(out.other_ms, 500);
   EXPECT_FALSE(out.durable.ok());
-  EXPECT_LT(out.durable_ms, kBoundMs) << "WaitForDurable does not wait for the writes queued behind the error";
+  EXPECT_LT(out.durable_ms, kBoundMs)
+      << "WaitForDurable does not wait for the writes queued behind the error";
   // Closing waits for the writes still queued: the live masters start failing (CLUSTERDOWN)
   // only once the cluster noticed, so their windows open up to about a second later.
   EXPECT_LT(out.closed_ms, kBoundMs + 2 * kNodeTimeoutMs + 500);
@@ -253,7 +261,8 @@ TEST(RemoteOutage, AnotherSessionsAttendGetsTheError) {
   // One prefill step of 8 tokens at `pos`: Append (and Attend) on every layer.
   auto step = [&](Session* x, int64_t pos, bool attend) -> Status {
     constexpr int kM = 8;
-    std::vector<float> kf(static_cast<size_t>(kM) * g.kv_heads * g.head_dim), q(kM * g.q_heads * g.head_dim, 0.1f);
+    std::vector<float> kf(static_cast<size_t>(kM) * g.kv_heads * g.head_dim),
+        q(kM * g.q_heads * g.head_dim, 0.1f);
     for (size_t i = 0; i < kf.size(); ++i) kf[i] = std::sin(0.01f * static_cast<float>(pos * 131 + i));
     std::vector<uint16_t> kv(kf.size());
     FromFloat(g.dtype, kf.data(), kv.data(), kf.size());
@@ -292,8 +301,8 @@ TEST(RemoteOutage, AnotherSessionsAttendGetsTheError) {
   ExpectNamedUnavailable(st, node);
   EXPECT_NE(st.message().find("Session::Attend"), std::string::npos) << st.ToString();
   EXPECT_LT(attend_ms, 500);
-  std::printf("[ outage ] session error after %.0f ms; the other session's Attend %.0f ms later: %s\n", error_ms,
-              attend_ms, st.ToString().c_str());
+  std::printf("[ outage ] session error after %.0f ms; the other session's Attend %.0f ms later: %s\n",
+              error_ms, attend_ms, st.ToString().c_str());
   a->reset();
   b->reset();
 }
