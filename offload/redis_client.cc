@@ -346,6 +346,7 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
     std::vector<Batch> batches;
     std::vector<size_t> retry;
     std::vector<int> failed_nodes;  // nodes that failed an attempt in this round
+    Status cluster_down;            // a CLUSTERDOWN reply in this round: the whole cluster failed
     bool need_refresh = false, need_pause = false;
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -451,6 +452,7 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
             // Transient while a cluster heals or a replica takes over: retry after a pause.
             call.status = Unavailable("redis " + b.endpoint.ToString() + ": " + std::string(e));
             if (transient.ok()) transient = call.status;
+            if (StartsWith(e, "CLUSTERDOWN") && cluster_down.ok()) cluster_down = call.status;
             retry.push_back(i);
             need_refresh = need_pause = true;
             continue;
@@ -524,6 +526,14 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
           NodeFailedLocked(b.node, transient);
           failed_nodes.push_back(b.node);
         }
+        // cluster_state:fail is the whole remote failing, not one node: every node's window
+        // opens now, so a queue spread over the masters waits one window, not one per master
+        // as each is reached in turn.
+        if (!cluster_down.ok())
+          for (int n = 0; n < static_cast<int>(nodes_.size()); ++n) {
+            NodeFailedLocked(n, cluster_down);
+            failed_nodes.push_back(n);
+          }
       }
       GiveBack(b.node, b.ctx);
       b.ctx = nullptr;

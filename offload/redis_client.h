@@ -18,9 +18,10 @@
 // a cluster failover (a replica promoted after cluster-node-timeout). The retry window
 // belongs to the node, not to the batch: it opens at the node's first failure and every
 // batch sent to the node meanwhile shares it, so a queue of batches behind a dead node
-// waits one retry_ms in all, not one each. When the window ends (or a batch has retried
-// retry_ms), the node is down for the next retry_ms: every queued and later command to
-// it fails at once with Unavailable naming the node and its first error. After that the
+// waits one retry_ms in all, not one each; a CLUSTERDOWN reply (cluster_state:fail, the
+// whole remote failing) opens every node's window at once. When the window ends (or a
+// batch has retried retry_ms), the node is down for the next retry_ms: every queued and
+// later command to it fails at once with Unavailable naming the node and its first error. After that the
 // next command tries the node again (a restarted server is used again); if that attempt
 // fails the node is down again at once for another retry_ms, without a second window of
 // waiting, so an outage costs one window in all however many nodes and batches wait on
