@@ -21,14 +21,14 @@
 // waits one retry_ms in all, not one each; a CLUSTERDOWN reply (cluster_state:fail, the
 // whole remote failing) opens every node's window at once. When the window ends (or a
 // batch has retried retry_ms), the node is down for the next retry_ms: every queued and
-// later command to it fails at once with Unavailable naming the node and its first error. After that the
-// next command tries the node again (a restarted server is used again); if that attempt
-// fails the node is down again at once for another retry_ms, without a second window of
-// waiting, so an outage costs one window in all however many nodes and batches wait on
-// it. The command that ran out of retries keeps its own error: Unavailable (refused or
-// reset) or TimedOut (no reply in time), naming the node.
-// Retrying is safe because every command the remote tier sends is idempotent (SET of the
-// same value, GET, DEL, WAIT).
+// later command to it fails at once with Unavailable naming the node and its first
+// error. After that the next command tries the node again (a restarted server is used
+// again); if that attempt fails the node is down again at once for another retry_ms,
+// without a second window of waiting, so an outage costs one window in all however many
+// nodes and batches wait on it. The command that ran out of retries keeps its own
+// error: Unavailable (refused or reset) or TimedOut (no reply in time), naming the
+// node. Retrying is safe because every command the remote tier sends is idempotent (SET
+// of the same value, GET, DEL, WAIT).
 //
 // Thread-safe: any number of threads may call Execute; each takes its own connections
 // from the per-node pool.
