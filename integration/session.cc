@@ -388,6 +388,10 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
 
 Status Session::Attend(int layer, const float* q, const int64_t* positions, int m, float* out, AttendStats* stats) {
   if (out == nullptr) return InvalidArgument("Session::Attend: out must not be null");
+  // A lower tier that failed a background write of any session: reported here too, not
+  // only by the Append or WaitForDurable that may come much later.
+  if (Status bg = store_->CheckBackgroundError(); !bg.ok())
+    return Status(bg.code(), "Session::Attend: layer " + std::to_string(layer) + ": " + bg.message());
   const Geometry& g = geometry();
   KVTIER_ASSIGN_OR_RETURN(LayerParts lp, GatherFor("Attend", layer, q, positions, m));
   try {

@@ -92,8 +92,18 @@ Status RedisClientOptions::Validate() const {
 }
 
 struct RedisClient::Node {
+  using Clock = std::chrono::steady_clock;
   RedisEndpoint endpoint;
   std::vector<redisContext*> idle;  // pooled connections, guarded by RedisClient::mu_
+  // The node's retry window, guarded by RedisClient::mu_ (see the header): open from the
+  // first failed attempt until an answer or retry_ms later, then down until down_until.
+  bool failing = false;
+  Clock::time_point failing_since;
+  Status first_error;  // of the open window
+  bool down = false;
+  Clock::time_point down_until;
+  Status down_status;    // what every command gets while down
+  bool probing = false;  // out of its down window, not answered yet: one failure and it is down again
 };
 
 RedisClient::RedisClient(const RedisClientOptions& options) : options_(options) {}
@@ -126,6 +136,51 @@ int RedisClient::NodeIndexLocked(const RedisEndpoint& ep) {
   n->endpoint = ep;
   nodes_.push_back(std::move(n));
   return static_cast<int>(nodes_.size() - 1);
+}
+
+void RedisClient::NodeFailedLocked(int node, const Status& error) {
+  Node& n = *nodes_[node];
+  if (n.failing || n.down) return;
+  n.failing = true;
+  n.failing_since = Node::Clock::now();
+  n.first_error = error;
+  // A node tried again after its down window waited its one window already: down again at
+  // once, or a queue spread over several dead nodes would wait a window per node and retry.
+  if (n.probing) MarkDownLocked(node);
+}
+
+void RedisClient::NodeAnsweredLocked(int node) {
+  Node& n = *nodes_[node];
+  n.failing = false;
+  n.down = false;
+  n.probing = false;
+}
+
+void RedisClient::MarkDownLocked(int node) {
+  Node& n = *nodes_[node];
+  if (n.down || !n.failing) return;
+  const std::string r = std::to_string(options_.retry_ms);
+  n.down = true;
+  n.down_until = Node::Clock::now() + std::chrono::milliseconds(options_.retry_ms);
+  n.down_status = Unavailable("redis " + n.endpoint.ToString() + ": down, no answer for retry_ms (" + r +
+                              " ms) since its first error (" + n.first_error.message() +
+                              "); every command to it fails at once for the next " + r + " ms");
+  n.failing = false;
+  n.probing = false;
+}
+
+Status RedisClient::NodeDownLocked(int node) {
+  Node& n = *nodes_[node];
+  const auto now = Node::Clock::now();
+  if (n.failing && now >= n.failing_since + std::chrono::milliseconds(options_.retry_ms))
+    MarkDownLocked(node);
+  if (!n.down) return Status::Ok();
+  if (now < n.down_until) return n.down_status;
+  // The down window is over: the next attempt may reconnect. It does not wait another retry
+  // window if it fails: one failed attempt and the node is down again.
+  n.down = false;
+  n.probing = true;
+  return Status::Ok();
 }
 
 namespace {
@@ -290,6 +345,8 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
     };
     std::vector<Batch> batches;
     std::vector<size_t> retry;
+    std::vector<int> failed_nodes;  // nodes that failed an attempt in this round
+    Status cluster_down;            // a CLUSTERDOWN reply in this round: the whole cluster failed
     bool need_refresh = false, need_pause = false;
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -301,6 +358,11 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
           call.status = Unavailable("redis: no master serves slot " + std::to_string(RedisKeySlot(call.key)));
           retry.push_back(i);
           need_refresh = need_pause = true;
+          continue;
+        }
+        if (Status down = NodeDownLocked(node); !down.ok()) {
+          call.status = std::move(down);  // final: no retry, no I/O
+          ask_node[i] = -1;
           continue;
         }
         auto [it, fresh] = batch_of.emplace(node, batches.size());
@@ -344,13 +406,16 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
           retry.push_back(i);
         }
         need_refresh = need_pause = true;
+        std::lock_guard<std::mutex> l(mu_);
+        NodeFailedLocked(b.node, err);
+        failed_nodes.push_back(b.node);
       }
     }
     for (Batch& b : batches) {
       if (b.ctx == nullptr) continue;
       std::vector<size_t> answered;  // calls of this batch with a final reply
       size_t k = 0;
-      Status conn_err;
+      Status conn_err, transient;  // transient: a CLUSTERDOWN-like reply of this node
       for (; k < b.calls.size(); ++k) {
         const size_t i = b.calls[k];
         RedisCall& call = (*calls)[i];
@@ -386,6 +451,8 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
               StartsWith(e, "MASTERDOWN") || StartsWith(e, "READONLY")) {
             // Transient while a cluster heals or a replica takes over: retry after a pause.
             call.status = Unavailable("redis " + b.endpoint.ToString() + ": " + std::string(e));
+            if (transient.ok()) transient = call.status;
+            if (StartsWith(e, "CLUSTERDOWN") && cluster_down.ok()) cluster_down = call.status;
             retry.push_back(i);
             need_refresh = need_pause = true;
             continue;
@@ -404,6 +471,11 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
         redisFree(b.ctx);
         b.ctx = nullptr;
         need_refresh = need_pause = true;
+        {
+          std::lock_guard<std::mutex> l(mu_);
+          NodeFailedLocked(b.node, conn_err);
+          failed_nodes.push_back(b.node);
+        }
         // Replies already read stand: a write that answered OK but lacks its WAIT is retried below.
         if (wait_replicas > 0)
           for (size_t i : answered) {
@@ -425,6 +497,9 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
             retry.push_back(i);
           }
           need_refresh = need_pause = true;
+          std::lock_guard<std::mutex> l(mu_);
+          NodeFailedLocked(b.node, conn_err);
+          failed_nodes.push_back(b.node);
           continue;
         }
         RedisReplyPtr w(static_cast<redisReply*>(raw));
@@ -440,15 +515,42 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
             retry.push_back(i);
           }
           need_refresh = need_pause = true;
+          if (transient.ok()) transient = st;
         }
+      }
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        if (transient.ok()) {
+          NodeAnsweredLocked(b.node);
+        } else {
+          NodeFailedLocked(b.node, transient);
+          failed_nodes.push_back(b.node);
+        }
+        // cluster_state:fail is the whole remote failing, not one node: every node's window
+        // opens now, so a queue spread over the masters waits one window, not one per master
+        // as each is reached in turn.
+        if (!cluster_down.ok())
+          for (int n = 0; n < static_cast<int>(nodes_.size()); ++n) {
+            NodeFailedLocked(n, cluster_down);
+            failed_nodes.push_back(n);
+          }
       }
       GiveBack(b.node, b.ctx);
       b.ctx = nullptr;
     }
     if (retry.empty()) break;
-    if (Clock::now() >= deadline) break;  // the calls keep their last error
+    if (Clock::now() >= deadline) {
+      // The calls keep their last error; the nodes that made this batch wait retry_ms are
+      // down now, so the batches queued behind it fail at once instead of waiting again.
+      std::lock_guard<std::mutex> l(mu_);
+      for (int node : failed_nodes) MarkDownLocked(node);
+      break;
+    }
     if (need_pause) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
+      // Not past the batch's deadline: a node's window may end sooner, and the round that
+      // finds it ended fails its calls at once (see the routing above).
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      std::this_thread::sleep_for(std::min(std::chrono::milliseconds(backoff_ms), left));
       backoff_ms = std::min(backoff_ms * 2, 500);
     }
     if (need_refresh) RefreshSlots();

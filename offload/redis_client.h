@@ -13,12 +13,22 @@
 // and a batch costs about one round trip per node, not one per command.
 //
 // Failures: a connection that fails (refused, reset, or a reply slower than
-// command_timeout_ms) is closed and the command retried, with the slot map refreshed
-// from any reachable node, until retry_ms has passed since the batch began: that rides
-// out a cluster failover (a replica promoted after cluster-node-timeout). After that the
-// command fails with Unavailable (refused or reset) or TimedOut (no reply in time),
-// naming the node. Retrying is safe because every command the remote tier sends is
-// idempotent (SET of the same value, GET, DEL, WAIT).
+// command_timeout_ms), a CLUSTERDOWN-like reply or a short WAIT is closed and the
+// command retried, with the slot map refreshed from any reachable node: that rides out
+// a cluster failover (a replica promoted after cluster-node-timeout). The retry window
+// belongs to the node, not to the batch: it opens at the node's first failure and every
+// batch sent to the node meanwhile shares it, so a queue of batches behind a dead node
+// waits one retry_ms in all, not one each; a CLUSTERDOWN reply (cluster_state:fail, the
+// whole remote failing) opens every node's window at once. When the window ends (or a
+// batch has retried retry_ms), the node is down for the next retry_ms: every queued and
+// later command to it fails at once with Unavailable naming the node and its first
+// error. After that the next command tries the node again (a restarted server is used
+// again); if that attempt fails the node is down again at once for another retry_ms,
+// without a second window of waiting, so an outage costs one window in all however many
+// nodes and batches wait on it. The command that ran out of retries keeps its own
+// error: Unavailable (refused or reset) or TimedOut (no reply in time), naming the
+// node. Retrying is safe because every command the remote tier sends is idempotent (SET
+// of the same value, GET, DEL, WAIT).
 //
 // Thread-safe: any number of threads may call Execute; each takes its own connections
 // from the per-node pool.
@@ -51,7 +61,7 @@ struct RedisClientOptions {
   std::vector<RedisEndpoint> seeds;  ///< servers to discover the deployment from (at least one)
   int connect_timeout_ms = 1000;     ///< TCP connect limit per attempt (default 1 s)
   int command_timeout_ms = 2000;     ///< limit on one reply (default 2 s); slower is a failed attempt
-  int retry_ms = 10000;              ///< a batch keeps retrying failed nodes this long (default 10 s: a failover)
+  int retry_ms = 10000;              ///< a node's retry window, then its fail-at-once window (default 10 s)
   int pool_size = 4;                 ///< idle connections kept per node (default 4)
   Status Validate() const;           ///< names the bad field
 };
@@ -99,6 +109,14 @@ class RedisClient {
   /// Re-reads CLUSTER SLOTS from any node that answers; false when none did.
   bool RefreshSlots();
   int NodeIndexLocked(const RedisEndpoint& ep);
+  /// A failed attempt on the node: opens its retry window unless one is open.
+  void NodeFailedLocked(int node, const Status& error);
+  /// The node answered as it should: its retry window closes.
+  void NodeAnsweredLocked(int node);
+  /// Not OK while the node is down (its window ran out): the status every command gets.
+  /// Also declares it down when its window has just run out.
+  Status NodeDownLocked(int node);
+  void MarkDownLocked(int node);
   redisContext* TakeConnection(int node, Status* error);
   void GiveBack(int node, redisContext* c);
 

@@ -48,7 +48,7 @@ struct RemoteTierOptions {
   std::string ns = "kvtier";             ///< key namespace of the writing store (letters, digits, -_.)
   int connect_timeout_ms = 1000;         ///< per connect attempt (default 1 s)
   int command_timeout_ms = 2000;         ///< per reply (default 2 s)
-  int retry_ms = 10000;                  ///< how long a batch retries a failing node (default 10 s)
+  int retry_ms = 10000;                  ///< a node's retry window, then fail-at-once window (default 10 s)
   int pool_size = 4;                     ///< idle connections kept per node (default 4)
   int wait_replicas = 0;                 ///< replicas WAIT must report before a put is acknowledged (default 0)
   int wait_timeout_ms = 1000;            ///< WAIT's limit (default 1 s); below command_timeout_ms

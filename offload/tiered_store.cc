@@ -328,6 +328,9 @@ Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void*
     // a failed one is reported here, before anything is appended.
     LandLayerLocked(l, s, layer, 0, true);
     KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
+    // A lower tier that failed a background write: say so now, before appending anything,
+    // rather than after waiting for warm room behind it.
+    KVTIER_RETURN_IF_ERROR(BackgroundErrorLocked());
     s->busy++;
   }
   // kDevice K/V are already in the tier's memory space: copied within it, never through the host.
@@ -421,6 +424,8 @@ Status TieredStore::MakeWarmRoom(std::unique_lock<std::mutex>& lock) {
     if (!has_lower())
       return ResourceExhausted("warm tier is full (" + std::to_string(warm_->capacity()) +
                                " chunks) and there is no cold tier (data_dir) or remote tier (remote) to demote to");
+    // The writes this would wait for are failing: the error, not a wait behind them.
+    KVTIER_RETURN_IF_ERROR(BackgroundErrorLocked());
     // Every warm chunk is busy (being copied or written): wait for one to finish.
     cv_.wait_for(lock, std::chrono::milliseconds(100));
   }
@@ -446,18 +451,22 @@ Status TieredStore::WriteCold(Chunk* c, const uint8_t* payload, float score) {
   // first_token and repr never change once the chunk is sealed, so encoding them here,
   // without the lock, is safe; the score is the caller's snapshot.
   const std::string meta = EncodeChunkMeta(c->first_token, c->repr.data(), c->repr.size(), score);
-  KVTIER_RETURN_IF_ERROR(engine_->WriteChunk(c->key, meta, payload));
+  TransferEngine::WriteAcks acks;
+  const Status st = engine_->WriteChunk(c->key, meta, payload, &acks);
+  // Redis refused what the cold tier acknowledged: durable all the same (see WaitForDurable),
+  // and the refusal is still the caller's error.
+  if (!st.ok() && !acks.cold) return st;
   std::function<void(const ChunkKey&)> listener;
   {
     std::lock_guard<std::mutex> l(mu_);
-    listener = AckColdWriteLocked(c);
+    listener = AckColdWriteLocked(c, acks.remote);
   }
   // The chunk is still pinned (cold_writing) by the caller: its key stays valid.
   if (listener) listener(c->key);
-  return Status::Ok();
+  return st;
 }
 
-std::function<void(const ChunkKey&)> TieredStore::AckColdWriteLocked(Chunk* c) {
+std::function<void(const ChunkKey&)> TieredStore::AckColdWriteLocked(Chunk* c, bool remote_acked) {
   if (!c->cold_acked) {
     c->cold_acked = true;
     if (cold_) {
@@ -465,7 +474,7 @@ std::function<void(const ChunkKey&)> TieredStore::AckColdWriteLocked(Chunk* c) {
       counters_.cold_chunks++;
       counters_.cold_bytes += chunk_bytes_;
     }
-    if (remote_) c->tiers |= kTierRemote;
+    if (remote_ && remote_acked) c->tiers |= kTierRemote;
     counters_.cold_writes++;
     counters_.bytes_moved += chunk_bytes_;
   }
@@ -663,20 +672,41 @@ void TieredStore::SubmitColdWrite(Chunk* c, const uint8_t* payload, float score)
   w.key = c->key;
   w.meta = EncodeChunkMeta(c->first_token, c->repr.data(), c->repr.size(), score);
   w.payload = payload;
-  engine_->SubmitColdWrite(std::move(w), [this, c](Status st) {
+  engine_->SubmitColdWrite(std::move(w), [this, c](Status st, TransferEngine::WriteAcks acks) {
     std::function<void(const ChunkKey&)> listener;
-    if (st.ok()) {
+    if (st.ok() || acks.cold) {
+      // With both tiers, what the cold tier acknowledged is durable even if Redis refused it.
       std::lock_guard<std::mutex> l(mu_);
-      listener = AckColdWriteLocked(c);
+      listener = AckColdWriteLocked(c, acks.remote);
     }
     // Still pinned (cold_writing): nobody frees the chunk while the listener runs.
     if (listener) listener(c->key);
     std::lock_guard<std::mutex> l(mu_);
     c->cold_writing = false;
     c->warm_pins--;
-    if (!st.ok() && background_error_.ok()) background_error_ = st;
+    if (!st.ok() && (background_error_.ok() || std::chrono::steady_clock::now() >= background_error_until_)) {
+      background_error_ = st;
+      // Sticky for the remote's retry window (its node fails every command at once for that
+      // long), or until WaitForDurable reports it when the store has no remote tier.
+      background_error_until_ =
+          remote_ ? std::chrono::steady_clock::now() + std::chrono::milliseconds(remote_->options().retry_ms)
+                  : std::chrono::steady_clock::time_point::max();
+    }
     cv_.notify_all();  // CloseSequence, DropChunks and MakeWarmRoom wait for cold_writing to clear
   });
+}
+
+Status TieredStore::BackgroundErrorLocked() {
+  // After the remote's window a new attempt may succeed: no longer in the way (WaitForDurable
+  // still reports it).
+  if (background_error_.ok() || std::chrono::steady_clock::now() >= background_error_until_)
+    return Status::Ok();
+  return background_error_;
+}
+
+Status TieredStore::CheckBackgroundError() {
+  std::lock_guard<std::mutex> l(mu_);
+  return BackgroundErrorLocked();
 }
 
 Status TieredStore::WaitForDurable() {
@@ -690,11 +720,18 @@ Status TieredStore::WaitForDurable() {
       if (landed.ok()) landed = std::move(st);
     }
   }
-  engine_->WaitIdle();
+  // Every write issued so far has finished or, with a remote tier, one failed: then the rest
+  // is not waited for (writes queued behind a dead node are refused anyway), and the error
+  // says that not everything is durable.
+  while (!engine_->WaitIdleFor(std::chrono::milliseconds(20))) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (remote_ && !BackgroundErrorLocked().ok()) break;
+  }
   std::lock_guard<std::mutex> l(mu_);
   if (!landed.ok()) return landed;
   // A failed write-through leaves its chunk unacknowledged in warm, where the
-  // next demotion or CloseSequence writes it again; report the failure once.
+  // next demotion or CloseSequence writes it again (or, with both tiers and only Redis
+  // failing, acknowledged by the cold tier alone); report the failure once.
   Status st = background_error_;
   background_error_ = Status::Ok();
   return st;

@@ -271,8 +271,28 @@ class TieredStore {
   void EvictHot();
 
   // ---- durability and accounting ----
-  /// Waits until every write-through cold write issued so far is acknowledged.
+  /// Waits until every write-through cold write issued so far has finished, and returns
+  /// (and clears) the first that failed, naming the chunk and the tier (for Redis the
+  /// node). With a remote tier, once a write has failed it returns that error without
+  /// waiting for the writes still queued, so it never waits on a dead remote longer than
+  /// one retry window (and the remote tier fails every queued write to a node at once once
+  /// that node has failed for retry_ms, offload/redis_client.h, so the store's destructor
+  /// does not wait much longer either).
+  ///
+  /// A failed background write is sticky until then: the next Append of any sequence (and
+  /// CheckBackgroundError, which Session::Attend calls) returns it too, so nothing waits
+  /// on warm room behind a dead lower tier. With a remote tier it also expires once the
+  /// remote's retry_ms has passed since the failure, so a restarted server is used again.
+  ///
+  /// No chunk is lost on the way: a chunk leaves the warm tier only after a lower tier
+  /// acknowledged it. With both tiers, a chunk the cold tier (RocksDB) acknowledged but
+  /// Redis refused counts as acknowledged (durable on the local disk; it may leave warm
+  /// and is read back from the cold tier), lacks the remote tier in ChunkInfo::tiers, is
+  /// not written to Redis again by the store (PublishSequence copies it up), and the Redis
+  /// error is reported as above.
   Status WaitForDurable();
+  /// The sticky background write error (see WaitForDurable) without clearing it; OK when none.
+  Status CheckBackgroundError();
   /// Registers a callback run (on a transfer thread) each time a chunk is
   /// acknowledged by the cold tier. Used by the crash test.
   void SetColdAckListener(std::function<void(const ChunkKey&)> listener);
@@ -344,7 +364,8 @@ class TieredStore {
   /// during the write and holds it again on return.
   Status WriteWarmChunkToColdLocked(std::unique_lock<std::mutex>& lock, Chunk* c);
   /// Marks a chunk the cold tier just acknowledged; returns the listener to call (outside the lock).
-  std::function<void(const ChunkKey&)> AckColdWriteLocked(Chunk* c);
+  /// remote_acked: the remote tier has it too (false: only the cold tier acknowledged it).
+  std::function<void(const ChunkKey&)> AckColdWriteLocked(Chunk* c, bool remote_acked = true);
   /// A free hot slot, or the hot policy's victim among slots neither loading nor pinned at `now`; -1 when none.
   int32_t AcquireHotSlotLocked(Clock::time_point now);
   /// Drops the warm copy of the warm policy's victim among unpinned chunks the cold tier
@@ -391,7 +412,13 @@ class TieredStore {
   uint64_t landing_chunks_ = 0;  // sealed chunks whose warm slot is still being filled (every layer)
   uint64_t landing_failures_ = 0;  // landings that lost their chunk (with chunks_sealed: landing progress)
   std::function<void(const ChunkKey&)> ack_listener_;
-  Status background_error_;  // first failed asynchronous cold write
+  // The first failed asynchronous write to a lower tier, sticky (see WaitForDurable):
+  // every Append and CheckBackgroundError returns it until WaitForDurable reports it or,
+  // with a remote tier, until that tier's retry window after the failure has passed (then a
+  // later failure replaces it; WaitForDurable reports whichever is held).
+  Status background_error_;
+  std::chrono::steady_clock::time_point background_error_until_;
+  Status BackgroundErrorLocked();
 };
 
 }  // namespace kvtier

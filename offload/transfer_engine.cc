@@ -45,6 +45,11 @@ void TransferEngine::WaitIdle() {
   idle_.wait(l, [&] { return inflight_ == 0; });
 }
 
+bool TransferEngine::WaitIdleFor(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> l(mu_);
+  return idle_.wait_for(l, timeout, [&] { return inflight_ == 0; });
+}
+
 Status TransferEngine::CopyOne(Load* ld) const {
   const size_t n = options_.chunk_bytes;
   const uint8_t* src = ld->warm_src;
@@ -134,19 +139,31 @@ void TransferEngine::CopyLoads(std::vector<Load>* loads) const {
   }
 }
 
-Status TransferEngine::WriteChunk(const ChunkKey& key, std::string_view meta, const uint8_t* payload) const {
+Status TransferEngine::WriteChunk(const ChunkKey& key, std::string_view meta, const uint8_t* payload,
+                                  WriteAcks* acks) const {
+  WriteAcks local;
+  if (acks == nullptr) acks = &local;
+  *acks = WriteAcks{};
   if (options_.cold == nullptr && options_.remote == nullptr)
     return FailedPrecondition("writing chunk " + key.ToString() + ": the store has no cold or remote tier");
   if (options_.cold != nullptr) {
     Status st = options_.cold->PutChunk(key, meta, payload, options_.chunk_bytes);
     if (!st.ok()) return Status(st.code(), "writing chunk " + key.ToString() + " to the cold tier: " + st.message());
+    acks->cold = true;
   }
-  if (options_.remote != nullptr) KVTIER_RETURN_IF_ERROR(options_.remote->PutChunk(key, meta, payload, options_.chunk_bytes));
+  if (options_.remote != nullptr) {
+    KVTIER_RETURN_IF_ERROR(options_.remote->PutChunk(key, meta, payload, options_.chunk_bytes));
+    acks->remote = true;
+  }
   return Status::Ok();
 }
 
-void TransferEngine::SubmitColdWrite(ColdWrite write, std::function<void(Status)> done) {
-  Enqueue([this, w = std::move(write), done = std::move(done)] { done(WriteChunk(w.key, w.meta, w.payload)); });
+void TransferEngine::SubmitColdWrite(ColdWrite write, std::function<void(Status, WriteAcks)> done) {
+  Enqueue([this, w = std::move(write), done = std::move(done)] {
+    WriteAcks acks;
+    Status st = WriteChunk(w.key, w.meta, w.payload, &acks);
+    done(std::move(st), acks);
+  });
 }
 
 }  // namespace kvtier

@@ -14,6 +14,7 @@
 // (one on two cores) and a task waiting for another task can deadlock them.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -57,6 +58,8 @@ class TransferEngine {
   void Enqueue(std::function<void()> fn);
   /// Blocks until every task enqueued so far (and any they enqueued) has finished.
   void WaitIdle();
+  /// WaitIdle for at most `timeout`; true when idle.
+  bool WaitIdleFor(std::chrono::milliseconds timeout);
 
   /// One chunk of a fetch, copied into its hot slot.
   struct Load {
@@ -81,10 +84,17 @@ class TransferEngine {
   /// status says how it went.
   void CopyLoads(std::vector<Load>* loads) const;
 
+  /// Which lower tiers acknowledged a chunk write.
+  struct WriteAcks {
+    bool cold = false;    ///< the cold tier has it (durable on the local disk)
+    bool remote = false;  ///< the remote tier has it
+  };
   /// Writes one chunk (its meta record and payload, one atomic batch) to the cold tier
-  /// and to the remote tier, and returns when every one of them acknowledged it.
+  /// and to the remote tier, and returns when every one of them acknowledged it (or the
+  /// first failure, naming the tier; `acks` then says which tiers have it all the same).
   /// FailedPrecondition with neither.
-  Status WriteChunk(const ChunkKey& key, std::string_view meta, const uint8_t* payload) const;
+  Status WriteChunk(const ChunkKey& key, std::string_view meta, const uint8_t* payload,
+                    WriteAcks* acks = nullptr) const;
 
   struct ColdWrite {
     ChunkKey key;
@@ -92,8 +102,8 @@ class TransferEngine {
     const uint8_t* payload = nullptr;  ///< chunk_bytes, pinned by the submitter until `done` ran
   };
   /// WriteChunk on a worker; `done` then runs on that worker with the write's status
-  /// (already naming the chunk when it failed).
-  void SubmitColdWrite(ColdWrite write, std::function<void(Status)> done);
+  /// (already naming the chunk when it failed) and the tiers that acknowledged it.
+  void SubmitColdWrite(ColdWrite write, std::function<void(Status, WriteAcks)> done);
 
   size_t chunk_bytes() const { return options_.chunk_bytes; }
   bool has_cold() const { return options_.cold != nullptr; }

@@ -144,7 +144,9 @@ class RedisServers {
   /// --cluster-replicas 1`: 3 masters, each with at least one replica (a seventh node is a
   /// second replica of one master). Waits for cluster_state:ok everywhere and for every
   /// replica's link to be up. node_timeout_ms decides how fast a dead master is replaced.
-  bool StartCluster(int node_timeout_ms = 1000, int nodes = 6) {
+  /// replicas = 0 (with nodes = 3): masters only, so a dead master takes the cluster to
+  /// cluster_state:fail (every node answers CLUSTERDOWN) after node_timeout_ms.
+  bool StartCluster(int node_timeout_ms = 1000, int nodes = 6, int replicas = 1) {
     std::string hosts;
     for (int i = 0; i < nodes; ++i) {
       const int idx = Start({"--cluster-enabled", "yes", "--cluster-config-file",
@@ -154,7 +156,7 @@ class RedisServers {
       hosts += " 127.0.0.1:" + std::to_string(servers_[idx].port);
     }
     const std::string cmd = FindOnPath("redis-cli") + " --cluster create" + hosts +
-                            " --cluster-replicas 1 --cluster-yes > " + dir_.path() + "/create.log 2>&1";
+                             " --cluster-replicas " + std::to_string(replicas) + " --cluster-yes > " + dir_.path() + "/create.log 2>&1";
     if (std::system(cmd.c_str()) != 0) {
       ADD_FAILURE() << "redis-cli --cluster create failed; see " << dir_.path() << "/create.log";
       return false;

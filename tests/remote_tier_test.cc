@@ -196,6 +196,15 @@ TEST(RemoteTier, DownOrSlowServerIsANamedErrorAndReconnects) {
   EXPECT_NE(st.message().find("seq=1/layer=0/chunk=1"), std::string::npos) << st.message();
   EXPECT_LT(ms, 3000) << "retry_ms bounds the wait";
   redis.Resume(0);
+  // The node failed for a whole retry window: for the next one every command fails at once,
+  // naming the node and its first error, even though it answers again.
+  const auto t1 = std::chrono::steady_clock::now();
+  st = (*tier)->GetChunk({nullptr, {1, 0, 1}}, buf.data(), kChunkBytes);
+  const double fast_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
+  EXPECT_LT(fast_ms, 100) << "fails at once, no retrying";
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  EXPECT_NE(st.message().find("127.0.0.1:" + port + ": down"), std::string::npos) << st.message();
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // past the window: tried again
   ASSERT_TRUE((*tier)->GetChunk({nullptr, {1, 0, 1}}, buf.data(), kChunkBytes).ok()) << "reconnects";
   EXPECT_EQ(buf, ChunkBytes({1, 0, 1}));
 
