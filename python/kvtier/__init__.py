@@ -8,6 +8,10 @@ The engine API of include/kvtier/session.h, from Python:
     session.begin_step("prefill")
     stats = session.attend(layer, q, positions, out)   # writes out in place
 
+Both are context managers: `with kvtier.Store(...) as store:` closes the store at the end of
+the block (later calls raise kvtier.FailedPrecondition), `with kvtier.Session.open(store) as s:`
+closes the sequence. The package is typed (py.typed; the extension's stubs are _kvtier.pyi).
+
 Arrays are numpy arrays or CPU torch tensors (buffer protocol or DLPack), never copied.
 A Status that is not OK raises kvtier.Error's subclass named by its code (kvtier.InvalidArgument,
 kvtier.NotFound, ...), with .code and .message. kvtier.hf plugs the store into Hugging Face
@@ -34,10 +38,10 @@ from ._kvtier import (  # noqa: F401
     version,
 )
 
-__version__ = version()
+__version__: str = version()
 
 __all__ = [
-    "Store", "Session", "Error", "InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition",
+    "Store", "Session", "CppLlama", "Error", "InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition",
     "ResourceExhausted", "Corruption", "IOError", "TimedOut", "Unavailable", "Internal",
     "make_samples", "preset", "preset_names", "version",
 ]

@@ -15,6 +15,7 @@ import argparse
 import statistics
 import sys
 import time
+from typing import Optional, Sequence
 
 import torch
 
@@ -23,7 +24,7 @@ import kvtier.hf as kh
 from kvtier.export_hf import default_weights
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvtier.decode_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="the exported checkpoint (python -m kvtier.export_hf)")
     ap.add_argument("--weights", default=default_weights(), help="the kvtier-llama file it was exported from")

@@ -4,6 +4,9 @@ whose token ids are the bytes themselves, the model's vocabulary.
 
     python -m kvtier.export_hf [--weights models/kvtier-tiny.safetensors] --out DIR
 
+Without --weights it exports the shipped kvtier-tiny from any directory: the copy installed in
+the package (kvtier/models/, put there by `pip install .`), else the source tree's models/.
+
 The mapping follows integration/model/llama.cc (and models/README.md), which transformers'
 Llama computes identically: RMSNorm `x * rsqrt(mean(x^2) + norm_eps) * w`, rotate-half RoPE
 with base rope_theta over the whole head, attention scaled by 1/sqrt(head_dim), GQA, a SiLU
@@ -14,8 +17,13 @@ import argparse
 import json
 import os
 import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+import numpy.typing as npt
+
+Config = Dict[str, Any]
+Tensors = Dict[str, npt.NDArray[np.float32]]
 
 MODEL_NAME = "kvtier-llama"
 _INT_KEYS = ("vocab", "d_model", "n_layers", "q_heads", "kv_heads", "ffn_hidden")
@@ -35,7 +43,7 @@ _LAYER_NAMES = {
 }
 
 
-def read_kvtier(path):
+def read_kvtier(path: str) -> Tuple[Config, Tensors]:
     """(config dict, {kvtier name: float32 array}) of a kvtier-llama safetensors file."""
     from safetensors import safe_open
 
@@ -43,7 +51,7 @@ def read_kvtier(path):
         meta = f.metadata() or {}
         if meta.get("model") != MODEL_NAME:
             raise ValueError(f"{path}: __metadata__ 'model' is {meta.get('model')!r}, expected {MODEL_NAME!r}")
-        cfg = {}
+        cfg: Config = {}
         for k in _INT_KEYS:
             cfg[k] = int(meta[k])
         for k in _FLOAT_KEYS:
@@ -52,7 +60,7 @@ def read_kvtier(path):
     return cfg, tensors
 
 
-def hf_config(cfg):
+def hf_config(cfg: Config) -> Config:
     head_dim = cfg["d_model"] // cfg["q_heads"]
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -86,9 +94,9 @@ def hf_config(cfg):
     }
 
 
-def hf_tensors(cfg, tensors):
-    want = {"embed": (cfg["vocab"], cfg["d_model"]), "final_norm": (cfg["d_model"],),
-            "lm_head": (cfg["vocab"], cfg["d_model"])}
+def hf_tensors(cfg: Config, tensors: Tensors) -> Tensors:
+    want: Dict[str, Tuple[int, ...]] = {"embed": (cfg["vocab"], cfg["d_model"]), "final_norm": (cfg["d_model"],),
+                                        "lm_head": (cfg["vocab"], cfg["d_model"])}
     out = {
         "model.embed_tokens.weight": tensors["embed"],
         "model.norm.weight": tensors["final_norm"],
@@ -107,7 +115,7 @@ def hf_tensors(cfg, tensors):
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def _bytes_to_unicode():
+def _bytes_to_unicode() -> Dict[int, str]:
     """GPT-2's byte-level alphabet: byte b -> a printable character (the ByteLevel pre-tokenizer's)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -120,7 +128,7 @@ def _bytes_to_unicode():
     return dict(zip(bs, (chr(c) for c in cs)))
 
 
-def write_tokenizer(out_dir):
+def write_tokenizer(out_dir: str) -> None:
     """A tokenizers BPE without merges over the byte-level alphabet: token id == byte value."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -135,7 +143,7 @@ def write_tokenizer(out_dir):
                    "clean_up_tokenization_spaces": False}, f, indent=2)
 
 
-def export(weights, out_dir):
+def export(weights: str, out_dir: str) -> Config:
     """Writes the checkpoint to out_dir (created); returns the transformers config dict."""
     from safetensors.numpy import save_file
 
@@ -151,25 +159,60 @@ def export(weights, out_dir):
     return config
 
 
-def default_weights():
-    """models/kvtier-tiny.safetensors of the source tree this package was built from, if present."""
+WEIGHTS_NAME = "kvtier-tiny.safetensors"
+
+
+def weights_candidates() -> List[str]:
+    """Where the shipped weights are looked for, in order: the package's own copy (the wheel
+    carries models/kvtier-tiny.safetensors as kvtier/models/), the source tree around the
+    package (python/kvtier/../../models, when run from a checkout), the source tree pip
+    installed from (its direct_url.json), and the current directory's models/."""
     here = os.path.dirname(os.path.abspath(__file__))
-    for root in (os.getcwd(), os.path.join(here, "..", "..")):
-        p = os.path.join(root, "models", "kvtier-tiny.safetensors")
-        if os.path.exists(p):
-            return os.path.normpath(p)
+    roots = [here, os.path.join(here, "..", "..")]
+    try:
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        try:
+            text = distribution("kvtier").read_text("direct_url.json")
+        except PackageNotFoundError:
+            text = None
+        url = json.loads(text).get("url", "") if text else ""
+        if url.startswith("file://"):
+            from urllib.parse import unquote, urlparse
+
+            roots.append(unquote(urlparse(url).path))
+    except (ImportError, ValueError):
+        pass
+    roots.append(os.getcwd())
+    out: List[str] = []
+    for root in roots:
+        p = os.path.normpath(os.path.join(root, "models", WEIGHTS_NAME))
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def default_weights() -> Optional[str]:
+    """The shipped models/kvtier-tiny.safetensors (weights_candidates()), or None."""
+    for p in weights_candidates():
+        if os.path.isfile(p):
+            return p
     return None
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvtier.export_hf", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--weights", default=default_weights(), help="kvtier-llama safetensors file "
-                    "(default: models/kvtier-tiny.safetensors)")
+    ap.add_argument("--weights", help="kvtier-llama safetensors file (default: the shipped "
+                    "kvtier-tiny.safetensors, installed with the package)")
     ap.add_argument("--out", required=True, help="output directory of the transformers checkpoint")
     a = ap.parse_args(argv)
-    if not a.weights:
-        ap.error("--weights is required (models/kvtier-tiny.safetensors not found)")
-    config = export(a.weights, a.out)
+    weights = a.weights or default_weights()
+    if not weights:
+        ap.error("the shipped weights were not found (looked for " + ", ".join(weights_candidates()) +
+                 "): pass --weights FILE, or reinstall the package from a checkout (pip install .)")
+    elif not os.path.isfile(weights):
+        ap.error(f"--weights {weights}: no such file")
+    config = export(weights, a.out)
     print(f"wrote {a.out}: LlamaForCausalLM, {config['num_hidden_layers']} layers, d_model {config['hidden_size']}, "
           f"{config['num_attention_heads']}/{config['num_key_value_heads']} heads, rope_theta {config['rope_theta']}")
     return 0

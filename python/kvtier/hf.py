@@ -4,7 +4,10 @@ other decoder models whose attention goes through transformers' attention-functi
     import kvtier.hf
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="kvtier")
     cache = kvtier.hf.KvtierCache(model.config, max_context=32768)   # retrieval options as kwargs
-    new_tokens = kvtier.hf.generate(model, input_ids, cache, max_new_tokens=8)
+    new_tokens = kvtier.hf.generate(model, input_ids, cache, max_new_tokens=8)  # the new tokens only
+
+kvtier.hf needs torch and transformers (pip install 'kvtier[hf]' plus a torch of your choice);
+without them `import kvtier.hf` raises an ImportError that says so.
 
 Two pieces, meant to be used together:
 
@@ -49,10 +52,18 @@ Tested on 4.49 and on the current release (README, "Python").
 """
 import inspect
 import threading
+from typing import Any, Callable, Dict, Optional, Tuple
 
-import torch
-import transformers
-from transformers.cache_utils import Cache, DynamicCache
+try:
+    import torch
+    import transformers
+    from transformers.cache_utils import Cache, DynamicCache
+except ImportError as _e:
+    _missing = getattr(_e, "name", None) or "torch or transformers"
+    raise ImportError(
+        f"kvtier.hf needs torch and transformers, and {_missing} cannot be imported ({_e}). Install them: "
+        "pip install 'kvtier[hf]' (transformers, safetensors) and torch (pip install torch, or Debian's "
+        "python3-torch); `import kvtier` itself needs neither") from _e
 
 import kvtier
 
@@ -65,7 +76,7 @@ except ImportError:  # 4.49: a Cache is one object
     CacheLayerMixin = None
 
 
-def _disable_broken_fsdp_probe():
+def _disable_broken_fsdp_probe() -> None:
     """Debian's torch 1.13 cannot import torch.distributed.fsdp under Python 3.11 (one of its
     dataclasses has a default Python 3.11 refuses), and generate() in transformers 4.4x imports
     it to ask whether the model is FSDP-managed. Where that import fails, no model can be, so
@@ -93,12 +104,12 @@ class _Pending:
         self.cache, self.layer, self.key, self.positions, self.cos, self.sin = cache, layer, key, positions, cos, sin
 
 
-def _rotate_half(x):
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def _unrope(x, cos, sin):
+def _unrope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Undoes transformers' apply_rotary_pos_emb: x [b, heads, m, d], cos/sin [b, m, d]; fp32."""
     cos = cos.to(torch.float32).unsqueeze(1)
     sin = sin.to(torch.float32).unsqueeze(1)
@@ -106,7 +117,7 @@ def _unrope(x, cos, sin):
     return x * cos - _rotate_half(x) * sin
 
 
-def _rope_cos_sin(positions, head_dim, theta):
+def _rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """Plain rotate-half RoPE (what transformers' default rope type computes, in fp32) for
     int64 positions [m]: cos, sin [1, m, head_dim]."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -115,7 +126,7 @@ def _rope_cos_sin(positions, head_dim, theta):
     return emb.cos().unsqueeze(0), emb.sin().unsqueeze(0)
 
 
-def _rope_of(text):
+def _rope_of(text: Any) -> Tuple[str, float, float]:
     """(rope type, theta, partial rotary factor) of a config: rope_scaling and rope_theta in
     transformers 4.x, rope_parameters in 5.x."""
     params = getattr(text, "rope_parameters", None) or {}
@@ -187,9 +198,12 @@ class KvtierCache(Cache):
 
     is_compileable = False
 
-    def __init__(self, config, *, max_context=32768, preset="kvtier", positions="infllm", retrieve=True,
-                 budget_tokens=None, probe=None, alloc=None, index=None, n_sink=64, n_local=512, chunk_size=32,
-                 repr_topk=None, hot_bytes=None, warm_bytes=None, dtype=None, prefill_window=64, **store_options):
+    def __init__(self, config: Any, *, max_context: int = 32768, preset: str = "kvtier", positions: str = "infllm",
+                 retrieve: bool = True, budget_tokens: Optional[int] = None, probe: Optional[str] = None,
+                 alloc: Optional[str] = None, index: Optional[str] = None, n_sink: int = 64, n_local: int = 512,
+                 chunk_size: int = 32, repr_topk: Optional[int] = None, hot_bytes: Optional[int] = None,
+                 warm_bytes: Optional[int] = None, dtype: Optional[str] = None, prefill_window: int = 64,
+                 **store_options: Any) -> None:
         text = getattr(config, "text_config", None) or config
         n_layers = int(text.num_hidden_layers)
         if CacheLayerMixin is not None:
@@ -244,24 +258,27 @@ class KvtierCache(Cache):
         self.store_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
         self.n_local = n_local
         self.prefill_window = prefill_window
-        self.step_kind = None  # "prefill" while prefill() runs; otherwise by the number of tokens
-        self.on_step = None    # called as on_step(cache, kind) after each step's last layer
+        # "prefill" while prefill() runs; otherwise by the number of tokens
+        self.step_kind: Optional[str] = None
+        # called as on_step(cache, kind) after each step's last layer
+        self.on_step: Optional[Callable[["KvtierCache", str], None]] = None
         self._seen = 0
 
     # ---- transformers' Cache interface ----
-    def get_seq_length(self, layer_idx=0):
+    def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
         return self._seen
 
-    def get_max_cache_shape(self):
+    def get_max_cache_shape(self) -> Optional[int]:
         return None  # no fixed size
 
-    def get_max_length(self):  # transformers < 4.45
+    def get_max_length(self) -> Optional[int]:  # transformers < 4.45
         return None
 
-    def reorder_cache(self, beam_idx):
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         raise NotImplementedError("KvtierCache holds one sequence: beam search is not supported")
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               cache_kwargs: Optional[Dict[str, Any]] = None, **kwargs: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         # cache_kwargs: transformers 4.x (cos, sin, cache_position); 5.x passes kwargs= (the
         # forward's keyword arguments, which may carry cache_position) or nothing.
         b, hkv, m, d = key_states.shape
@@ -297,7 +314,7 @@ class KvtierCache(Cache):
         return key_states, value_states
 
     # ---- the attention step (called by kvtier_attention) ----
-    def _attend(self, pending, query, scaling):
+    def _attend(self, pending: _Pending, query: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
         b, hq, m, d = query.shape
         if scaling is not None and abs(scaling - d ** -0.5) > 1e-6 * d ** -0.5:
             raise kvtier.InvalidArgument(f"kvtier attends with scale 1/sqrt(head_dim) = {d ** -0.5}; this model "
@@ -311,7 +328,9 @@ class KvtierCache(Cache):
         return out.to(query.dtype).unsqueeze(0)
 
 
-def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def kvtier_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None, dropout: float = 0.0,
+                     **kwargs: Any) -> Tuple[torch.Tensor, None]:
     """transformers attention function "kvtier": query [1, q_heads, m, head_dim] -> ([1, m, q_heads,
     head_dim], None), attended by the KvtierCache whose update() ran just before in this layer."""
     pending = getattr(_local, "pending", None)
@@ -326,7 +345,7 @@ def kvtier_attention(module, query, key, value, attention_mask, scaling=None, dr
     return pending.cache._attend(pending, query, scaling), None
 
 
-def register():
+def register() -> None:
     """Registers kvtier_attention as attn_implementation="kvtier" (done on import)."""
     if hasattr(transformers, "AttentionInterface"):  # transformers >= 4.50
         transformers.AttentionInterface.register(ATTENTION_NAME, kvtier_attention)
@@ -339,34 +358,34 @@ def register():
 register()
 
 
-def cache_arg(model, cache):
+def cache_arg(model: torch.nn.Module, cache: Cache) -> Dict[str, Cache]:
     """{name: cache} for model(...) and model.generate(...): transformers 5.x renamed the
     argument past_key_values to cache (the old name warns, and goes in 5.40 / 6.0)."""
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     return {name: cache}
 
 
-def use_kvtier(model, enable=True):
+def use_kvtier(model: Any, enable: bool = True) -> Any:
     """Switches a loaded model's attention to "kvtier" (enable=False: back to "eager")."""
     model.config._attn_implementation = ATTENTION_NAME if enable else "eager"
     return model
 
 
 @torch.no_grad()
-def prefill(model, input_ids, cache, window=None):
+def prefill(model: Any, input_ids: torch.Tensor, cache: Cache, window: Optional[int] = None) -> torch.Tensor:
     """Runs input_ids [1, n] into `cache` in windows of `window` tokens (default: the cache's
     prefill_window; 64 for a DynamicCache), each window through every layer. Returns the logits
     of the last token, [1, vocab]."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise kvtier.InvalidArgument(f"input_ids must be [1, n] (got {tuple(input_ids.shape)})")
-    window = window or getattr(cache, "prefill_window", 64)
+    win: int = window or int(getattr(cache, "prefill_window", 64))
     logits = None
     is_kvtier = isinstance(cache, KvtierCache)
     if is_kvtier:
         cache.step_kind = "prefill"
     try:
-        for b in range(0, input_ids.shape[1], window):
-            out = model(input_ids=input_ids[:, b:b + window], use_cache=True, logits_to_keep=1, **cache_arg(model, cache))
+        for b in range(0, input_ids.shape[1], win):
+            out = model(input_ids=input_ids[:, b:b + win], use_cache=True, logits_to_keep=1, **cache_arg(model, cache))
             logits = out.logits[:, -1]
     finally:
         if is_kvtier:
@@ -375,11 +394,16 @@ def prefill(model, input_ids, cache, window=None):
 
 
 @torch.no_grad()
-def generate(model, input_ids, cache=None, max_new_tokens=16, window=None, **generate_kwargs):
+def generate(model: Any, input_ids: torch.Tensor, cache: Optional[Cache] = None, max_new_tokens: int = 16,
+             window: Optional[int] = None, **generate_kwargs: Any) -> torch.Tensor:
     """Greedy generation as `kvtier infinite` runs it: prefill all but the last prompt token in
     windows, then model.generate from the full prompt (its first step runs the last token as a
     decode step). cache: a KvtierCache, or None for transformers' DynamicCache (the model's own
-    attention). Returns the new tokens, [1, max_new_tokens]."""
+    attention).
+
+    Returns the new tokens only, [1, max_new_tokens] (fewer if generation stops early), unlike
+    model.generate, which returns the prompt followed by them: its output is
+    torch.cat([input_ids, generate(...)], dim=1)."""
     if cache is None:
         cache = DynamicCache()
     n = input_ids.shape[1]

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 import torch
 
@@ -26,7 +27,7 @@ import kvtier
 import kvtier.hf as kh
 
 
-def _parse_contexts(text):
+def _parse_contexts(text: str) -> List[int]:
     try:
         vals = [int(x) for x in text.split(",") if x]
     except ValueError:
@@ -36,7 +37,7 @@ def _parse_contexts(text):
     return vals
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m kvtier.infinitebench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="local transformers checkpoint directory")
     ap.add_argument("--task", default="passkey", choices=["passkey", "number_string", "kv_retrieval"])
@@ -68,7 +69,7 @@ def build_parser():
 
 
 class Result:
-    def __init__(self, method, context):
+    def __init__(self, method: str, context: int) -> None:
         self.method, self.context = method, context
         self.correct = self.samples = 0
         self.seconds = 0.0
@@ -77,22 +78,22 @@ class Result:
         self.decode_seconds = 0.0
         self.decode_tokens = 0
         self.peak = {"hot_bytes": 0, "warm_bytes": 0, "cold_bytes": 0, "bytes_moved": 0}
-        self.outputs = []
+        self.outputs: List[bytes] = []
         self.skipped = False
 
-    def accuracy(self):
+    def accuracy(self) -> float:
         return self.correct / self.samples if self.samples else 0.0
 
-    def needle_recall(self):
+    def needle_recall(self) -> float:
         return self.needle_hits / self.needle_steps if self.needle_steps else -1.0
 
-    def s_per_sample(self):
+    def s_per_sample(self) -> float:
         return self.seconds / self.samples if self.samples else 0.0
 
-    def tokens_per_s(self):
+    def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def as_dict(self):
+    def as_dict(self) -> Dict[str, Any]:
         return {"method": self.method, "context": self.context, "skipped": self.skipped, "accuracy": self.accuracy(),
                 "correct": self.correct, "samples": self.samples, "s_per_sample": self.s_per_sample(),
                 "tokens_per_s": self.tokens_per_s(),
@@ -103,22 +104,22 @@ class Result:
 
 
 class Runner:
-    def __init__(self, args, model, tokenizer=None):
+    def __init__(self, args: argparse.Namespace, model: Any, tokenizer: Any = None) -> None:
         self.a, self.model, self.tok = args, model, tokenizer
         self.byte_vocab = model.config.vocab_size == 256
 
-    def encode(self, sample):
+    def encode(self, sample: Dict[str, Any]) -> Tuple[torch.Tensor, int]:
         if self.byte_vocab:
             return torch.tensor([list(sample["prompt"])]), len(sample["answer"])
         ids = self.tok(sample["prompt"].decode("latin-1"), return_tensors="pt").input_ids
         return ids, len(self.tok(sample["answer"].decode("latin-1"), add_special_tokens=False).input_ids)
 
-    def decode(self, tokens):
+    def decode(self, tokens: List[int]) -> bytes:
         if self.byte_vocab:
             return bytes(tokens)
         return self.tok.decode(tokens, skip_special_tokens=True).strip().encode("latin-1", "replace")
 
-    def make_cache(self, context):
+    def make_cache(self, context: int) -> kh.KvtierCache:
         a = self.a
         opts = dict(max_context=context + 64, preset=a.preset, positions=a.positions, budget_tokens=a.budget,
                     n_sink=a.sink, n_local=a.local, chunk_size=a.chunk, prefill_window=a.window,
@@ -130,12 +131,13 @@ class Runner:
                 opts[key] = getattr(a, key)
         return kh.KvtierCache(self.model.config, **opts)
 
-    def needle_scorer(self, cache, sample, r):
+    def needle_scorer(self, cache: kh.KvtierCache, sample: Dict[str, Any],
+                      r: Result) -> Callable[[kh.KvtierCache, str], None]:
         """Needle recall as kvtier infinite scores it: per decode step and layer, were all sealed
         chunks over the answer's bytes in the needle attended?"""
         a, store, seq = self.a, cache.store, cache.session.sequence
 
-        def on_step(c, kind):
+        def on_step(c: kh.KvtierCache, kind: str) -> None:
             if kind != "decode":
                 return
             last = c.session.last_chunks
@@ -150,16 +152,15 @@ class Runner:
                 r.needle_hits += 1 if found == hi - lo else 0
         return on_step
 
-    def run_sample(self, method, context, sample, r):
+    def run_sample(self, method: str, context: int, sample: Dict[str, Any], r: Result) -> None:
         ids, n_answer = self.encode(sample)
         kvt = method == "kvtier"
         kh.use_kvtier(self.model, kvt)
         cache = self.make_cache(context) if kvt else None
-        if kvt and self.byte_vocab:
+        if cache is not None and self.byte_vocab:
             cache.on_step = self.needle_scorer(cache, sample, r)
-        steps = []  # decode step times
         t0 = time.perf_counter()
-        prefill_cache = cache if kvt else kh.DynamicCache()
+        prefill_cache = cache if cache is not None else kh.DynamicCache()
         with torch.no_grad():
             if ids.shape[1] > 1:
                 kh.prefill(self.model, ids[:, :-1], prefill_cache, self.a.window)
@@ -176,19 +177,19 @@ class Runner:
         r.samples += 1
         r.correct += 1 if (got == sample["answer"] if self.byte_vocab else got.startswith(sample["answer"])) else 0
         r.outputs.append(got)
-        if kvt:
+        if cache is not None:
             layers = cache.n_layers
             r.steps += ((ids.shape[1] - 1 + self.a.window - 1) // self.a.window + len(new)) * layers
-            r.chunks += cache.session.counters()["chunks_attended"]
+            r.chunks += int(cache.session.counters()["chunks_attended"])
             c = cache.store.counters()
             for k in r.peak:
                 r.peak[k] = max(r.peak[k], c[k])
         kh.use_kvtier(self.model, False)
 
-    def run(self):
+    def run(self) -> Tuple[List[str], List[Result]]:
         a = self.a
         methods = (["HF full attention"] if a.compare else []) + ["kvtier"]
-        results = []
+        results: List[Result] = []
         for context in a.contexts:
             samples = kvtier.make_samples(a.task, context, a.samples, a.seed)
             for m in methods:
@@ -205,15 +206,15 @@ class Runner:
         return methods, results
 
 
-def _printable(b):
+def _printable(b: bytes) -> str:
     return "".join(chr(c) if 32 <= c < 127 and c not in (34, 92) else f"\\x{c:02x}" for c in b)
 
 
-def _mib(n):
+def _mib(n: float) -> str:
     return f"{n / 1048576.0:.2f} MiB"
 
 
-def describe(a):
+def describe(a: argparse.Namespace) -> str:
     p = kvtier.preset(a.preset)
     probe, alloc, index = a.probe or p["probe"], a.alloc or p["alloc"], a.index or p["index"]
     reprs = a.repr_topk or p["repr_topk"] or a.chunk
@@ -221,7 +222,8 @@ def describe(a):
             f"({a.budget // a.chunk} chunks/layer), positions {a.positions}")
 
 
-def report(a, model, methods, results, out=None):
+def report(a: argparse.Namespace, model: Any, methods: List[str], results: List[Result],
+           out: Optional[TextIO] = None) -> None:
     out = out or sys.stdout  # looked up now, not at import: pytest's capsys swaps it
     c = model.config
     print(f"kvtier infinite — task {a.task}, {a.samples} samples per context, weights {a.model} (d_model "
@@ -267,7 +269,7 @@ def report(a, model, methods, results, out=None):
             print(f"full attention skipped above --full-max-context {a.full_max_context}", file=out)
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     a = build_parser().parse_args(argv)
     if a.window > a.local or a.window < 1:
         raise SystemExit(f"--window ({a.window}) must be in [1, --local ({a.local})]")

@@ -16,6 +16,8 @@
 #include <pybind11/stl.h>
 
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -23,6 +25,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "integration/model/llama.h"
@@ -153,8 +156,7 @@ class ArrayView {
 
   // Rank and dtype checks with messages naming the argument.
   void Expect(Elem elem, size_t rank) const {
-    if (elem_ != elem)
-      Bad(name_ + ": dtype must be " + ElemName(elem) + " (got " + ElemName(elem_) + ")");
+    if (elem_ != elem) Bad(name_ + ": dtype must be " + ElemName(elem) + ", got " + dtype_name_);
     if (shape_.size() != rank)
       Bad(name_ + ": expected " + std::to_string(rank) + " dimensions, got " + std::to_string(shape_.size()) +
           " (shape " + ShapeString() + ")");
@@ -190,6 +192,7 @@ class ArrayView {
     data_ = buffer_.buf;
     shape_.assign(buffer_.shape, buffer_.shape + buffer_.ndim);
     elem_ = FormatElem(buffer_.format, buffer_.itemsize);
+    dtype_name_ = FormatName(buffer_.format, buffer_.itemsize);
     if (!PyBuffer_IsContiguous(&buffer_, 'C')) Bad(name_ + ": the array must be C-contiguous (row-major)");
   }
 
@@ -202,8 +205,77 @@ class ArrayView {
     return Elem::kOther;
   }
 
+  // numpy's name of a buffer format: the kind from the struct code, the width from itemsize.
+  static std::string FormatName(const char* format, Py_ssize_t itemsize) {
+    std::string f = format ? format : "B";
+    if (!f.empty() && (f[0] == '<' || f[0] == '>' || f[0] == '=' || f[0] == '@' || f[0] == '!'))
+      f = f.substr(1);
+    const std::string bits = std::to_string(itemsize * 8);
+    if (f == "e" || f == "f" || f == "d" || f == "g") return "float" + bits;
+    if (f == "b" || f == "h" || f == "i" || f == "l" || f == "q" || f == "n") return "int" + bits;
+    if (f == "B" || f == "H" || f == "I" || f == "L" || f == "Q" || f == "N") return "uint" + bits;
+    if (f == "?") return "bool";
+    if (f == "Zf" || f == "Zd" || f == "Zg") return "complex" + bits;
+    return "buffer format '" + f + "'";
+  }
+
+  static std::string DlpackName(const DLDataType& t) {
+    const std::string bits = std::to_string(t.bits);
+    std::string s;
+    switch (t.code) {
+      case 0:
+        s = "int" + bits;
+        break;
+      case 1:
+        s = "uint" + bits;
+        break;
+      case 2:
+        s = "float" + bits;
+        break;
+      case 4:
+        s = "bfloat" + bits;
+        break;
+      case 5:
+        s = "complex" + bits;
+        break;
+      case 6:
+        s = "bool";
+        break;
+      default:
+        s = "DLPack type code " + std::to_string(t.code) + " of " + bits + " bits";
+    }
+    if (t.lanes != 1) s += " x" + std::to_string(t.lanes);
+    return s;
+  }
+
+  // What makes a torch tensor unreadable in place, asked before __dlpack__ so that the message
+  // says why instead of torch's own exception escaping: a tensor that requires grad (torch
+  // refuses to export it), one on the meta device (no data at all), one in device memory (this
+  // binding hands the store host pointers). Objects without these attributes pass.
+  void CheckTorchLike(py::handle obj) {
+    if (py::hasattr(obj, "requires_grad") && py::bool_(obj.attr("requires_grad")))
+      Bad(name_ +
+          ": the tensor requires grad; pass tensor.detach() (kvtier reads it in place and records no "
+          "gradient)");
+    if (!py::hasattr(obj, "device")) return;
+    py::object device = obj.attr("device");
+    if (!py::hasattr(device, "type")) return;
+    const std::string type = py::str(device.attr("type"));
+    if (type == "meta")
+      Bad(name_ + ": the tensor is on the meta device and has no data to read; create it on the CPU");
+    if (type != "cpu")
+      Bad(name_ + ": the tensor is on " + std::string(py::str(device)) +
+          "; kvtier's Python API reads arrays from host memory, whatever the hot tier: move it with .cpu()");
+  }
+
   void FromDlpack(py::handle obj) {
-    py::object capsule = obj.attr("__dlpack__")();
+    CheckTorchLike(obj);
+    py::object capsule;
+    try {
+      capsule = obj.attr("__dlpack__")();
+    } catch (py::error_already_set& e) {
+      Bad(name_ + ": cannot be read in place through DLPack: " + std::string(py::str(e.value())));
+    }
     auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
     if (managed == nullptr) {
       PyErr_Clear();
@@ -218,6 +290,7 @@ class ArrayView {
       Bad(name_ + ": the tensor must be on the CPU (DLPack device type " + std::to_string(t.device.device_type) +
           "); kvtier's store and kernels read host memory");
     shape_.assign(t.shape, t.shape + t.ndim);
+    dtype_name_ = DlpackName(t.dtype);
     if (t.dtype.lanes != 1) elem_ = Elem::kOther;
     else if (t.dtype.code == 2 && t.dtype.bits == 32) elem_ = Elem::kF32;
     else if (t.dtype.code == 2 && t.dtype.bits == 16) elem_ = Elem::kF16;
@@ -245,6 +318,7 @@ class ArrayView {
   std::string name_;
   void* data_ = nullptr;
   Elem elem_ = Elem::kOther;
+  std::string dtype_name_ = "an unknown dtype";  // the caller's, in numpy's words, for messages
   std::vector<int64_t> shape_;
   Py_buffer buffer_{};
   bool has_buffer_ = false;
@@ -393,6 +467,15 @@ py::dict StatsDict(const AttendStats& s) {
 // ---------------------------------------------------------------------------
 // Store and Session
 
+class PySession;
+
+// A Store, until close(): then every call raises FailedPrecondition, and so does every call of
+// its sessions (their Session objects are destroyed first, as the engine requires).
+//
+// Closing while other threads use the store: calls that run with the GIL released (Open,
+// Attach, WaitForDurable) hold a Use, and close() waits for them; calls that hold the GIL see
+// either the open store or the closed one. Sessions are ended under their own mutex, so an
+// append or attend in flight finishes first.
 class PyStore {
  public:
   explicit PyStore(const py::kwargs& kw) {
@@ -400,10 +483,38 @@ class PyStore {
     py::gil_scoped_release nogil;
     store_ = Take(TieredStore::Open(o));
   }
-  TieredStore* get() const { return store_.get(); }
+  // GIL held.
+  TieredStore* get() const {
+    if (!store_) Throw(FailedPrecondition("the store was closed"));
+    return store_.get();
+  }
+  bool closed() const { return !store_; }
+
+  // Marks a call that releases the GIL while it uses the store; made with the GIL held.
+  class Use {
+   public:
+    explicit Use(PyStore& s) : s_(s) {
+      s_.get();  // raises once closed
+      if (s_.closing_) Throw(FailedPrecondition("the store is being closed"));
+      s_.busy_.fetch_add(1);
+    }
+    ~Use() { s_.busy_.fetch_sub(1); }
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
+
+   private:
+    PyStore& s_;
+  };
+
+  void Register(const std::shared_ptr<PySession>& s) {  // GIL held
+    std::erase_if(sessions_, [](const std::weak_ptr<PySession>& w) { return w.expired(); });
+    sessions_.push_back(s);
+  }
+
+  void Close();  // below PySession
 
   py::dict Counters() const {
-    const StoreCounters c = store_->counters();
+    const StoreCounters c = get()->counters();
     py::dict d;
     d["hot_chunks"] = c.hot_chunks;
     d["hot_bytes"] = c.hot_bytes;
@@ -423,16 +534,21 @@ class PyStore {
     d["dropped_chunks"] = c.dropped_chunks;
     return d;
   }
-  std::vector<SequenceId> Sequences() const { return store_->ListSequences(); }
-  int64_t Length(SequenceId seq, int layer) const { return Take(store_->SequenceLength(seq, layer)); }
-  uint64_t ChunkCount(SequenceId seq, int layer) const { return Take(store_->ChunkCount(seq, layer)); }
+  std::vector<SequenceId> Sequences() const { return get()->ListSequences(); }
+  int64_t Length(SequenceId seq, int layer) const { return Take(get()->SequenceLength(seq, layer)); }
+  uint64_t ChunkCount(SequenceId seq, int layer) const { return Take(get()->ChunkCount(seq, layer)); }
   void WaitForDurable() {
+    Use use(*this);
+    TieredStore* st = get();
     py::gil_scoped_release nogil;
-    Check(store_->WaitForDurable());
+    Check(st->WaitForDurable());
   }
 
  private:
   std::unique_ptr<TieredStore> store_;
+  std::atomic<int> busy_{0};
+  bool closing_ = false;
+  std::vector<std::weak_ptr<PySession>> sessions_;  // GIL held to read or change
 };
 
 StepKind ParseStep(const std::string& s) {
@@ -445,30 +561,61 @@ class PySession {
  public:
   PySession(py::object store, std::unique_ptr<Session> s) : store_(std::move(store)), session_(std::move(s)) {}
 
-  static std::unique_ptr<PySession> Open(py::object store, const py::kwargs& kw) {
+  static std::shared_ptr<PySession> Open(py::object store, const py::kwargs& kw) {
     PyStore& ps = store.cast<PyStore&>();
     SessionOptions o = SessionOptionsFrom(kw);
+    PyStore::Use use(ps);
+    TieredStore* st = ps.get();
     std::unique_ptr<Session> s;
     {
       py::gil_scoped_release nogil;
-      s = Take(Session::Open(ps.get(), o));
+      s = Take(Session::Open(st, o));
     }
-    return std::make_unique<PySession>(std::move(store), std::move(s));
+    auto r = std::make_shared<PySession>(std::move(store), std::move(s));
+    ps.Register(r);
+    return r;
   }
-  static std::unique_ptr<PySession> Attach(py::object store, SequenceId seq, const py::kwargs& kw) {
+  static std::shared_ptr<PySession> Attach(py::object store, SequenceId seq, const py::kwargs& kw) {
     PyStore& ps = store.cast<PyStore&>();
     SessionOptions o = SessionOptionsFrom(kw);
+    PyStore::Use use(ps);
+    TieredStore* st = ps.get();
     std::unique_ptr<Session> s;
     {
       py::gil_scoped_release nogil;
-      s = Take(Session::Attach(ps.get(), seq, o));
+      s = Take(Session::Attach(st, seq, o));
     }
-    return std::make_unique<PySession>(std::move(store), std::move(s));
+    auto r = std::make_shared<PySession>(std::move(store), std::move(s));
+    ps.Register(r);
+    return r;
   }
 
   Session& s() const {
-    if (!session_) Throw(FailedPrecondition("the session was dropped"));
+    if (!session_) Throw(FailedPrecondition(ended_));
     return *session_;
+  }
+
+  // Store.close(): destroys the Session (the sequence stays as it is, unclosed) once no call
+  // of this session is in flight. GIL held on entry and on return; session_ changes with both
+  // the GIL and mu_ held, so a reader holding either sees it whole.
+  void EndForStoreClose() {
+    std::unique_ptr<Session> dead;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mu_);
+      {
+        py::gil_scoped_acquire gil;
+        dead = std::move(session_);
+        if (dead) ended_ = "the store was closed (Store.close(), or the end of its with block)";
+      }
+      dead.reset();
+    }
+  }
+
+  // The context manager's exit: closes the sequence unless it was closed, dropped or ended.
+  void Exit() {
+    if (!session_ || closed_) return;
+    Close();
   }
   const Geometry& g() const { return s().geometry(); }
 
@@ -582,11 +729,15 @@ class PySession {
     CheckLayer(layer);
     Queries qs = ReadQueries(q, positions);
     const Geometry geo = g();
-    HotTier* tier = store_.cast<PyStore&>().get()->hot_tier();
+    // mu_ stays held until the pins are back and the copies made: Store.close() waits for it
+    // before it destroys the session and the tier the spans point into.
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+    HotTier* tier = nullptr;
     std::optional<LayerParts> parts;
     {
       py::gil_scoped_release nogil;
-      std::lock_guard<std::mutex> lock(mu_);
+      lock.lock();
+      tier = s().store()->hot_tier();
       parts = Take(s().Gather(static_cast<int>(layer), static_cast<const float*>(qs.q->data()), qs.positions, qs.m));
     }
     // The pins go back however this returns (a failed Download or allocation throws).
@@ -646,15 +797,23 @@ class PySession {
   }
 
   void Close() {
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mu_);
-    Check(s().Close());
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mu_);
+      Check(s().Close());
+    }
+    closed_ = true;
   }
   void Drop() {
+    std::unique_ptr<Session> dead;
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu_);
     Check(s().Drop());
-    session_.reset();
+    {
+      py::gil_scoped_acquire gil;
+      dead = std::move(session_);
+      ended_ = "the session was dropped";
+    }
   }
 
   py::dict Counters() const {
@@ -695,8 +854,30 @@ class PySession {
  private:
   py::object store_;  // keeps the PyStore alive for as long as this session
   std::unique_ptr<Session> session_;
+  std::string ended_;    // why session_ is null: dropped, or the store closed
+  bool closed_ = false;  // close() succeeded (the context manager's exit does not close twice)
   std::mutex mu_;
 };
+
+void PyStore::Close() {
+  if (!store_ || closing_) return;  // a second close() is a no-op
+  closing_ = true;
+  // No new Use starts from here (get() still answers until store_ goes, so wait for the ones
+  // in flight: an Open that finishes registers its session before its Use ends).
+  {
+    py::gil_scoped_release nogil;
+    while (busy_.load() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::vector<std::shared_ptr<PySession>> live;
+  for (const auto& w : sessions_)
+    if (auto p = w.lock()) live.push_back(std::move(p));
+  sessions_.clear();
+  for (const auto& p : live) p->EndForStoreClose();
+  std::unique_ptr<TieredStore> dead = std::move(store_);
+  closing_ = false;
+  py::gil_scoped_release nogil;
+  dead.reset();
+}
 
 // The shipped model's C++ forward pass (integration/model/llama.h) with the store `kvtier
 // infinite` gives it: the C++ path the Python one is timed against in the same process
@@ -834,12 +1015,23 @@ PYBIND11_MODULE(_kvtier, m) {
       .def("decode", &PyLlama::Decode, py::arg("token"), "One token; returns its logits.")
       .def_property_readonly("position", &PyLlama::Position);
 
-  py::class_<PyStore>(m, "Store", "The tiers shared by every sequence: TieredStore::Open(StoreOptions).")
+  py::class_<PyStore>(m, "Store",
+                      "The tiers shared by every sequence: TieredStore::Open(StoreOptions). A context "
+                      "manager: `with kvtier.Store(...) as store:` closes it at the end of the block.")
       .def(py::init<const py::kwargs&>(),
            "Store(**options): StoreOptions fields as keyword arguments (layers, q_heads, kv_heads, head_dim, "
-           "dtype='f16', n_sink, n_local, chunk_size, repr_topk, hot_bytes, warm_bytes, data_dir, compression, "
+           "dtype='f16', n_sink, n_local, chunk_size, repr_topk, hot_bytes, warm_bytes, data_dir, "
+           "compression, "
            "...); unknown or invalid options raise kvtier.InvalidArgument")
       .def_property_readonly("options", [](const PyStore& s) { return StoreOptionsDict(s.get()->options()); })
+      .def_property_readonly("closed", &PyStore::closed, "True after close().")
+      .def(
+          "close", &PyStore::Close,
+          "Ends the store's sessions (their sequences are left as they are: close a session first to persist "
+          "it) and releases the tiers. Every later call on the store or its sessions raises "
+          "kvtier.FailedPrecondition; a second close() does nothing.")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PyStore& s, const py::args&) { s.Close(); })
       .def("counters", &PyStore::Counters, "StoreCounters as a dict (a consistent snapshot).")
       .def("sequences", &PyStore::Sequences)
       .def("sequence_length", &PyStore::Length, py::arg("sequence"), py::arg("layer"))
@@ -847,7 +1039,10 @@ PYBIND11_MODULE(_kvtier, m) {
            "Chunk indices sealed in one layer (chunk i covers tokens n_sink + i*chunk_size onwards).")
       .def("wait_for_durable", &PyStore::WaitForDurable);
 
-  py::class_<PySession>(m, "Session", "One sequence over a Store (include/kvtier/session.h).")
+  py::class_<PySession, std::shared_ptr<PySession>>(
+      m, "Session",
+      "One sequence over a Store (include/kvtier/session.h). A context manager: "
+      "`with kvtier.Session.open(store) as s:` closes the sequence at the end of the block.")
       .def_static("open", &PySession::Open, py::arg("store"),
                   "Session.open(store, **options): a new sequence. Options: preset, retrieve, positions "
                   "('absolute'|'infllm'), rope_theta, observe_prefill, keep_queries, probe, alloc, index, "
@@ -867,8 +1062,13 @@ PYBIND11_MODULE(_kvtier, m) {
       .def("gather", &PySession::Gather, py::arg("layer"), py::arg("q"), py::arg("positions"))
       .def("observe", &PySession::Observe, py::arg("layer"), py::arg("q"), py::arg("positions"))
       .def("set_question", &PySession::SetQuestion, py::arg("layer"), py::arg("q"))
-      .def("compress", &PySession::Compress, py::arg("policy"), py::arg("kv_budget"), py::arg("n_queries") = 0)
+      .def("compress", &PySession::Compress, py::arg("policy"), py::arg("kv_budget"),
+           py::arg("n_queries") = 0)
       .def("counters", &PySession::Counters, "SessionCounters as a dict.")
       .def("close", &PySession::Close, "Persists sinks and local window; the sequence becomes read-only.")
-      .def("drop", &PySession::Drop, "Removes the sequence; every later call raises FailedPrecondition.");
+      .def("drop", &PySession::Drop, "Removes the sequence; every later call raises FailedPrecondition.")
+      .def("__enter__", [](py::object self) { return self; })
+      .def(
+          "__exit__", [](PySession& s, const py::args&) { s.Exit(); },
+          "Closes the sequence unless close() or drop() ran already or the store was closed.");
 }

@@ -184,6 +184,112 @@ def test_status_codes_raise_their_classes():
         small_store(hot_tier="cuda")
 
 
+def test_store_and_session_are_context_managers(tmp_path):
+    k = np.ones((12, 2, 16), np.float32)
+    with small_store(data_dir=str(tmp_path / "cold")) as store:
+        assert not store.closed
+        with kvtier.Session.open(store) as s:
+            s.append(0, k, k)
+            s.append(1, k, k)
+            seq = s.sequence
+        # The block's end closed the sequence: it is read-only now.
+        with pytest.raises(kvtier.FailedPrecondition, match="read-only"):
+            s.append(0, k, k)
+        assert store.sequence_length(seq, 0) == 12
+        # A session closed by hand is not closed again by the block's end, nor is a dropped one.
+        with kvtier.Session.open(store) as closed_by_hand:
+            closed_by_hand.close()
+        with kvtier.Session.open(store) as dropped:
+            dropped.drop()
+        live = kvtier.Session.open(store)  # left open: the store's close ends it
+        live.append(0, k, k)
+    assert store.closed
+    calls = [
+        lambda: store.counters(), lambda: store.options, lambda: store.sequences(),
+        lambda: store.sequence_length(seq, 0), lambda: store.wait_for_durable(),
+        lambda: kvtier.Session.open(store), lambda: kvtier.Session.attach(store, seq),
+        lambda: live.append(0, k, k), lambda: live.begin_step("decode"), lambda: live.counters(),
+        lambda: live.close(), lambda: live.gather(0, np.ones((1, 4, 16), np.float32), 0),
+    ]
+    for call in calls:
+        with pytest.raises(kvtier.FailedPrecondition, match="store was closed"):
+            call()
+    store.close()  # a second close does nothing
+    live.__exit__(None, None, None)  # nor does a session's exit after its store closed
+    # An exception in the block still closes the store, and propagates.
+    with pytest.raises(RuntimeError, match="boom"):
+        with small_store() as store2:
+            raise RuntimeError("boom")
+    assert store2.closed
+    # The data outlives the closed store: a new one over the same directory recovers the sequence.
+    with small_store(data_dir=str(tmp_path / "cold")) as reopened:
+        assert seq in reopened.sequences()
+
+
+def test_close_waits_for_a_session_call_in_another_thread():
+    import threading
+
+    store = small_store(layers=1)
+    s = kvtier.Session.open(store, retrieve=False)
+    k = np.ones((64, 2, 16), np.float32)
+    started = threading.Event()
+    errors = []
+
+    def appender():
+        try:
+            for _ in range(100000):  # until the store closes under it
+                s.append(0, k, k)
+                started.set()
+        except kvtier.Error as e:
+            errors.append(e)
+        started.set()
+
+    t = threading.Thread(target=appender)
+    t.start()
+    started.wait()
+    store.close()  # waits for the append in flight; the next one raises
+    t.join()
+    assert store.closed
+    assert len(errors) == 1 and isinstance(errors[0], kvtier.FailedPrecondition), errors
+    assert "store was closed" in errors[0].message
+
+
+def test_unreadable_tensors_say_why():
+    store = small_store()
+    s = kvtier.Session.open(store)
+    k = torch.zeros(8, 2, 16)
+    cases = [
+        (torch.zeros(8, 2, 16, requires_grad=True), "requires grad; pass tensor.detach"),
+        (torch.zeros(8, 2, 16, device="meta"), "meta device"),
+        (np.zeros((8, 2, 16), np.float64), "dtype must be float32, got float64"),
+        (torch.zeros(8, 2, 16, dtype=torch.float64), "dtype must be float32, got float64"),
+        (np.zeros((8, 2, 16), np.int32), "got int32"),
+        (torch.zeros(8, 2, 16, dtype=torch.uint8), "got uint8"),
+        (np.zeros((8, 2, 16), np.complex64), "got complex64"),
+    ]
+    for arr, match in cases:
+        with pytest.raises(kvtier.InvalidArgument, match=match):
+            s.append(0, arr, k)
+    s.append(0, k, k)  # and the session still works
+
+    class FakeCudaTensor:  # what a CUDA tensor shows the binding, without a GPU
+        device = torch.device("cuda", 0)
+        requires_grad = False
+
+        def __dlpack__(self, stream=None):
+            raise AssertionError("the device is checked before DLPack is asked")
+
+    with pytest.raises(kvtier.InvalidArgument, match=r"on cuda:0; .*\.cpu\(\)"):
+        s.append(0, FakeCudaTensor(), k)
+
+    class BrokenDlpack:
+        def __dlpack__(self, stream=None):
+            raise TypeError("no export for you")
+
+    with pytest.raises(kvtier.InvalidArgument, match="cannot be read in place through DLPack: no export for you"):
+        s.append(0, BrokenDlpack(), k)
+
+
 @pytest.mark.parametrize("opts,match", [
     (dict(layerz=2), "unknown option 'layerz'"),
     (dict(chunk_size=0), "chunk_size"),

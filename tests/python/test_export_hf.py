@@ -4,6 +4,7 @@ import importlib.util
 import os
 import sys
 
+import pytest
 import torch
 
 import kvtier
@@ -51,3 +52,36 @@ def test_tokenizer_is_the_byte_vocabulary(hf_dir):
     text = "pass key 12345\n"
     assert tok(text).input_ids == list(text.encode())
     assert tok.decode(list(b"hello")) == "hello"
+
+
+def test_cli_finds_the_shipped_weights_from_any_directory(tmp_path):
+    import subprocess
+
+    # From a directory with no models/ in it (and without the source tree on sys.path): the
+    # package's own copy, installed with it.
+    out = tmp_path / "hf"
+    r = subprocess.run([sys.executable, "-m", "kvtier.export_hf", "--out", str(out)], cwd=str(tmp_path),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    import kvtier.export_hf as ex
+
+    # The first place looked at is the package's own copy, and it is there.
+    found = ex.default_weights()
+    assert found == os.path.join(os.path.dirname(os.path.abspath(ex.__file__)), "models", "kvtier-tiny.safetensors")
+    assert open(found, "rb").read() == open(WEIGHTS, "rb").read()
+
+
+def test_cli_says_when_the_weights_are_missing(tmp_path, monkeypatch, capsys):
+    import kvtier.export_hf as ex
+
+    monkeypatch.setattr(ex, "weights_candidates", lambda: [str(tmp_path / "nowhere.safetensors")])
+    with pytest.raises(SystemExit) as e:
+        ex.main(["--out", str(tmp_path / "hf")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "the shipped weights were not found (looked for " + str(tmp_path / "nowhere.safetensors") in err
+    assert "--weights FILE" in err
+    with pytest.raises(SystemExit):
+        ex.main(["--weights", str(tmp_path / "missing.safetensors"), "--out", str(tmp_path / "hf")])
+    assert "no such file" in capsys.readouterr().err

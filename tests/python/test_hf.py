@@ -121,3 +121,31 @@ def test_hf_misuse_raises(hf_model):
             full_cache(hf_model, bogus=1)
     finally:
         kh.use_kvtier(hf_model, False)
+
+
+def test_generate_returns_the_new_tokens_of_model_generate(hf_model):
+    # Documented: kvtier.hf.generate returns what model.generate appends to the prompt, no more.
+    ids, _ = prompt(300)
+    kh.use_kvtier(hf_model, False)
+    with torch.no_grad():
+        full = hf_model.generate(ids, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(ids))
+    new = kh.generate(hf_model, ids, None, max_new_tokens=4)  # DynamicCache: the model's own attention
+    assert new.shape == (1, 4)
+    assert torch.equal(torch.cat([ids, new], dim=1), full)
+
+
+def test_import_without_torch_says_how_to_install():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "sys.modules['torch'] = None  # as if torch were not installed\n"
+            "import kvtier  # the engine API needs no torch\n"
+            "try:\n"
+            "    import kvtier.hf\n"
+            "except ImportError as e:\n"
+            "    print('ImportError:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "ImportError: kvtier.hf needs torch and transformers" in r.stdout, r.stdout
+    assert "pip install 'kvtier[hf]'" in r.stdout and "torch" in r.stdout
