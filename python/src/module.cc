@@ -419,6 +419,10 @@ class PyStore {
     d["cold_writes"] = c.cold_writes;
     d["cold_reads"] = c.cold_reads;
     d["lease_expired"] = c.lease_expired;
+    d["pin_waits"] = c.pin_waits;
+    d["pin_wait_us"] = c.pin_wait_us;
+    d["pin_wait_timeouts"] = c.pin_wait_timeouts;
+    d["hot_reserved"] = c.hot_reserved;
     d["chunks_sealed"] = c.chunks_sealed;
     d["dropped_chunks"] = c.dropped_chunks;
     return d;
