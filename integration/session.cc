@@ -130,7 +130,8 @@ Result<std::unique_ptr<Session>> Session::Attach(TieredStore* store, SequenceId 
       if (slots > 0) {
         auto r = store->ReserveHotSlots(seq, static_cast<int32_t>(slots));
         if (!r.ok())
-          return Status(r.status().code(), "Session: budget_tokens " + std::to_string(options.retrieval.budget_tokens) +
+          return Status(r.status().code(), "Session: budget_tokens " +
+                                               std::to_string(options.retrieval.budget_tokens) +
                                                " (chunk_size " + std::to_string(store->options().chunk_size) +
                                                "): " + r.status().message());
         s->reservation_ = *r;

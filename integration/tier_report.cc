@@ -27,7 +27,8 @@ std::string TierTrafficText(const StoreCounters& c, bool remote, const std::stri
     out += indent + buf;
   }
   if (c.pin_waits > 0) {
-    std::snprintf(buf, sizeof(buf), "pin waits: %llu fetches waited for pinned hot slots (%.1f ms in all), %llu timed out\n",
+    std::snprintf(buf, sizeof(buf),
+                  "pin waits: %llu fetches waited for pinned hot slots (%.1f ms in all), %llu timed out\n",
                   static_cast<unsigned long long>(c.pin_waits), c.pin_wait_us / 1000.0,
                   static_cast<unsigned long long>(c.pin_wait_timeouts));
     out += indent + buf;
@@ -53,8 +54,8 @@ void WriteTierTrafficJson(JsonWriter* w, const StoreCounters& c) {
   w->Key("corrupt").Uint(c.remote_corrupt).Key("errors").Uint(c.remote_errors);
   w->EndObject();
   w->Key("pins").BeginObject();
-  w->Key("waits").Uint(c.pin_waits).Key("wait_us").Uint(c.pin_wait_us).Key("wait_timeouts").Uint(c.pin_wait_timeouts);
-  w->Key("reserved_slots").Uint(c.hot_reserved);
+  w->Key("waits").Uint(c.pin_waits).Key("wait_us").Uint(c.pin_wait_us);
+  w->Key("wait_timeouts").Uint(c.pin_wait_timeouts).Key("reserved_slots").Uint(c.hot_reserved);
   w->EndObject();
   w->EndObject();
 }

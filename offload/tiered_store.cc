@@ -53,7 +53,8 @@ Status StoreOptions::Validate() const {
   KVTIER_RETURN_IF_ERROR(positive("chunk_size", chunk_size));
   KVTIER_RETURN_IF_ERROR(positive("repr_topk", repr_topk));
   KVTIER_RETURN_IF_ERROR(positive("pin_timeout_ms", pin_timeout_ms));
-  if (pin_wait_ms < 0) return InvalidArgument("pin_wait_ms must be >= 0 (got " + std::to_string(pin_wait_ms) + ")");
+  if (pin_wait_ms < 0)
+    return InvalidArgument("pin_wait_ms must be >= 0 (got " + std::to_string(pin_wait_ms) + ")");
   KVTIER_RETURN_IF_ERROR(positive("transfer_threads", transfer_threads));
   KVTIER_RETURN_IF_ERROR(positive("max_landing_chunks", max_landing_chunks));
   if (n_local % chunk_size != 0)
@@ -986,8 +987,9 @@ int32_t TieredStore::AcquireHotSlotLocked(Clock::time_point now) {
   return slot;
 }
 
-TieredStore::HotRoom TieredStore::HotRoomLocked(SequenceId seq, int64_t need, const std::vector<uint64_t>& requested,
-                                                Clock::time_point now, bool full) {
+TieredStore::HotRoom TieredStore::HotRoomLocked(SequenceId seq, int64_t need,
+                                                const std::vector<uint64_t>& requested, Clock::time_point now,
+                                                bool full) {
   HotRoom room;
   room.available = hot_->slot_capacity() - hot_->slots_used();
   if (room.available >= need && !full) return room;
@@ -1027,21 +1029,24 @@ int64_t TieredStore::ReservedTotalLocked() const {
 }
 
 Result<uint64_t> TieredStore::ReserveHotSlots(SequenceId seq, int32_t slots) {
-  if (slots < 0) return InvalidArgument("ReserveHotSlots: slots must be >= 0 (got " + std::to_string(slots) + ")");
+  if (slots < 0)
+    return InvalidArgument("ReserveHotSlots: slots must be >= 0 (got " + std::to_string(slots) + ")");
   std::lock_guard<std::mutex> l(mu_);
   if (sequences_.find(seq) == sequences_.end())
-    return NotFound("ReserveHotSlots: sequence " + std::to_string(seq) + " does not exist (never created or dropped)");
+    return NotFound("ReserveHotSlots: sequence " + std::to_string(seq) +
+                    " does not exist (never created or dropped)");
   const int64_t pool = hot_->slot_capacity();
   const int64_t reserved = ReservedTotalLocked();
   const int64_t mine = ReservedForLocked(seq);
   // Sessions of one sequence count once, at their largest reservation.
   const int64_t after = reserved - mine + std::max<int64_t>(mine, slots);
   if (after > pool)
-    return ResourceExhausted("hot tier: " + std::to_string(pool) + " slots, " + std::to_string(reserved) +
-                             " reserved by the open sessions (" + std::to_string(reservations_.size()) +
-                             "), this one asks " + std::to_string(slots) +
-                             " (its budget in chunks): the pool cannot hold the budgets of the sessions open at once; "
-                             "close or drop a session, lower budget_tokens or raise hot_bytes");
+    return ResourceExhausted(
+        "hot tier: " + std::to_string(pool) + " slots, " + std::to_string(reserved) +
+        " reserved by the open sessions (" + std::to_string(reservations_.size()) + "), this one asks " +
+        std::to_string(slots) +
+        " (its budget in chunks): the pool cannot hold the budgets of the sessions open at once; "
+        "close or drop a session, lower budget_tokens or raise hot_bytes");
   const uint64_t id = next_reservation_++;
   reservations_.emplace(id, HotReservation{seq, slots});
   counters_.hot_reserved = static_cast<uint64_t>(after);
@@ -1074,7 +1079,8 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
     const auto end_wait = [&] {
       if (!waited) return;
       counters_.pin_wait_us += static_cast<uint64_t>(
-          std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - wait_start).count());
+          std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - wait_start)
+              .count());
       waited = false;
       pin_waiters_.erase(ticket);
       cv_.notify_all();  // the next waiter may be the oldest now
@@ -1082,23 +1088,31 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
     for (;;) {
       // (Re)checked after every wait: the lock was dropped.
       Status checked = CheckLayerLocked(seq, layer, false, &s);
-      if (!checked.ok()) { end_wait(); return checked; }
+      if (!checked.ok()) {
+        end_wait();
+        return checked;
+      }
       LandLayerLocked(l, s, layer);
       checked = TakeLandingErrorLocked(s->layers[layer]);
-      if (!checked.ok()) { end_wait(); return checked; }
+      if (!checked.ok()) {
+        end_wait();
+        return checked;
+      }
       lsp = &s->layers[layer];
       if (static_cast<int64_t>(chunk_indices.size()) > hot_->slot_capacity()) {
         end_wait();
-        return ResourceExhausted("fetch of " + std::to_string(chunk_indices.size()) + " chunks exceeds the hot tier's " +
-                                 std::to_string(hot_->slot_capacity()) + " slots (hot_bytes)");
+        return ResourceExhausted("fetch of " + std::to_string(chunk_indices.size()) +
+                                 " chunks exceeds the hot tier's " + std::to_string(hot_->slot_capacity()) +
+                                 " slots (hot_bytes)");
       }
       requested.clear();
       int64_t need = 0;  // chunks with no hot slot, each once
       for (uint64_t idx : chunk_indices) {
         if (idx >= lsp->chunks.size() || lsp->chunks[idx] == nullptr) {
           end_wait();
-          return InvalidArgument("fetch: chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
-                                 " does not exist (layer has " + std::to_string(lsp->chunks.size()) + " chunks)");
+          return InvalidArgument(
+              "fetch: chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
+              " does not exist (layer has " + std::to_string(lsp->chunks.size()) + " chunks)");
         }
         requested.push_back(lsp->chunks[idx]->id);
       }
@@ -1109,7 +1123,8 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
       now = options_.clock->Now();
       if (need == 0) break;
       // An older fetch waits: one that holds no pin queues behind it (see the header).
-      const bool behind = options_.pin_wait_ms > 0 && !pin_waiters_.empty() && *pin_waiters_.begin() != ticket;
+      const bool behind =
+          options_.pin_wait_ms > 0 && !pin_waiters_.empty() && *pin_waiters_.begin() != ticket;
       const HotRoom room = HotRoomLocked(seq, need, requested, now, behind);
       if (room.available >= need && (!behind || room.held_self > 0)) break;
       // Too few slots. Waiting is safe while this sequence holds no pin, or stays within its
@@ -1118,16 +1133,18 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
       // behind others: the oldest waiter may be waiting for exactly those pins.
       const int64_t reserved = ReservedForLocked(seq);
       const bool may_wait = room.held_self == 0 || room.held_self + need <= reserved;
-      const std::string numbers =
-          "the fetch needs " + std::to_string(need) + " more hot slots; of the pool's " +
-          std::to_string(hot_->slot_capacity()) + ", " + std::to_string(room.held_other) +
-          " are pinned or loading for other sequences and " + std::to_string(room.held_self) +
-          " for this one (sequence " + std::to_string(seq) + ", reservation " + std::to_string(reserved) + ")";
+      const std::string numbers = "the fetch needs " + std::to_string(need) +
+                                  " more hot slots; of the pool's " + std::to_string(hot_->slot_capacity()) +
+                                  ", " + std::to_string(room.held_other) +
+                                  " are pinned or loading for other sequences and " +
+                                  std::to_string(room.held_self) + " for this one (sequence " +
+                                  std::to_string(seq) + ", reservation " + std::to_string(reserved) + ")";
       if (!may_wait) {
         end_wait();
-        return ResourceExhausted("hot tier: " + numbers +
-                                 "; waiting could deadlock, as this sequence would hold more than its reservation: "
-                                 "release its other fetch handles (LayerParts) first, or raise hot_bytes");
+        return ResourceExhausted(
+            "hot tier: " + numbers +
+            "; waiting could deadlock, as this sequence would hold more than its reservation: "
+            "release its other fetch handles (LayerParts) first, or raise hot_bytes");
       }
       const auto real_now = std::chrono::steady_clock::now();
       if (!waited) {  // the first wait of this call
@@ -1142,8 +1159,9 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
         if (room.available >= need) break;  // queued behind a waiter for that long: go ahead
         end_wait();
         counters_.pin_wait_timeouts++;
-        return ResourceExhausted("hot tier: " + numbers + "; waited " + std::to_string(options_.pin_wait_ms) +
-                                 " ms (pin_wait_ms) for them to be unpinned; release fetch handles or raise hot_bytes");
+        return ResourceExhausted(
+            "hot tier: " + numbers + "; waited " + std::to_string(options_.pin_wait_ms) +
+            " ms (pin_wait_ms) for them to be unpinned; release fetch handles or raise hot_bytes");
       }
       // Unpins and finished loads notify; an expiring lease does not, hence the slice.
       cv_.wait_until(l, std::min(wait_deadline, real_now + std::chrono::milliseconds(20)));

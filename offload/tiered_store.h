@@ -142,7 +142,7 @@ struct StoreCounters {
   uint64_t pin_waits = 0;        ///< fetches that waited for hot slots other fetches held (FetchChunks)
   uint64_t pin_wait_us = 0;      ///< total time those fetches waited, microseconds
   uint64_t pin_wait_timeouts = 0;  ///< waits that ran past pin_wait_ms (the fetch was ResourceExhausted)
-  uint64_t hot_reserved = 0;     ///< hot slots reserved by open sessions now (ReserveHotSlots)
+  uint64_t hot_reserved = 0;       ///< hot slots reserved by open sessions now (ReserveHotSlots)
   uint64_t chunks_sealed = 0;    ///< chunks formed from the local window
   uint64_t dropped_chunks = 0;   ///< chunks removed for good by DropChunks (compression)
   // Where fetched chunks that were not hot came from (hits + the three = fetched chunks).
@@ -384,9 +384,9 @@ class TieredStore {
   /// What the hot pool offers a fetch of `seq` that needs `need` slots it has no slot for,
   /// `requested` (sorted chunk ids) being the chunks the fetch asks for.
   struct HotRoom {
-    int64_t available = 0;  // free slots + slots of unpinned, not loading chunks outside `requested`
-    int64_t held_self = 0;  // slots pinned or loading for chunks of `seq` (filled when available < need)
-    int64_t held_other = 0; // the same for other sequences' chunks (filled when available < need)
+    int64_t available = 0;   // free slots + slots of unpinned, not loading chunks outside `requested`
+    int64_t held_self = 0;   // slots pinned or loading for chunks of `seq` (filled when available < need)
+    int64_t held_other = 0;  // the same for other sequences' chunks (filled when available < need)
   };
   /// `full`: count held_self and held_other in any case (no early stop).
   HotRoom HotRoomLocked(SequenceId seq, int64_t need, const std::vector<uint64_t>& requested,

@@ -1,8 +1,6 @@
 // Sessions sharing one store's hot slot pool (issue 24, defect 6): many sessions on many
 // threads at a pool just above their summed budgets never fail mid-run for want of a slot
 // another session is about to unpin.
-#include "kvtier/kvtier.h"
-
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -12,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "kvtier/kvtier.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -53,8 +52,9 @@ Status Decode(TieredStore* store, uint32_t seed, int budget_tokens, int tokens) 
       KVTIER_RETURN_IF_ERROR(s->Append(l, k.data(), v.data(), 1, DType::kF32));
       Status st = s->Attend(l, q.data(), &pos, 1, out.data());
       if (!st.ok())
-        return Status(st.code(), "session seed " + std::to_string(seed) + ", position " + std::to_string(pos) +
-                                     ", layer " + std::to_string(l) + ": " + st.message());
+        return Status(st.code(), "session seed " + std::to_string(seed) + ", position " +
+                                     std::to_string(pos) + ", layer " + std::to_string(l) + ": " +
+                                     st.message());
     }
   }
   return s->Drop();
@@ -83,11 +83,13 @@ TEST(SessionPins, ConcurrentSessionsAtAPoolJustAboveTheirBudgetsNeverFail) {
   auto store = TieredStore::Open(PinStore(dir.path(), 68));
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   const std::vector<Status> status = RunIssueProgram(store->get(), 1000);
-  for (size_t i = 0; i < status.size(); ++i) EXPECT_TRUE(status[i].ok()) << "session " << i << ": " << status[i].ToString();
+  for (size_t i = 0; i < status.size(); ++i)
+    EXPECT_TRUE(status[i].ok()) << "session " << i << ": " << status[i].ToString();
   const StoreCounters c = (*store)->counters();
   EXPECT_EQ(c.pin_wait_timeouts, 0u);
   EXPECT_EQ(c.hot_reserved, 0u) << "every session gave its reservation back";
-  std::printf("pin waits %llu, %.1f ms in all\n", static_cast<unsigned long long>(c.pin_waits), c.pin_wait_us / 1000.0);
+  std::printf("pin waits %llu, %.1f ms in all\n", static_cast<unsigned long long>(c.pin_waits),
+              c.pin_wait_us / 1000.0);
 }
 
 TEST(SessionPins, OpenIsRefusedWhenThePoolCannotHoldTheBudgets) {
@@ -209,9 +211,10 @@ TEST(SessionPins, AFetchWaitIsBoundedAndNamed) {
   EXPECT_GE(MsSince(t0), 90.0);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
-  for (const char* part : {"needs 2 more hot slots", "pool's 8", "8 are pinned or loading for other sequences",
-                           "waited 100 ms"})
-    EXPECT_NE(refused.status().message().find(part), std::string::npos) << part << " in: " << refused.status().ToString();
+  for (const char* part :
+       {"needs 2 more hot slots", "pool's 8", "8 are pinned or loading for other sequences", "waited 100 ms"})
+    EXPECT_NE(refused.status().message().find(part), std::string::npos)
+        << part << " in: " << refused.status().ToString();
   const StoreCounters c = t.store->counters();
   EXPECT_EQ(c.pin_waits, 1u);
   EXPECT_EQ(c.pin_wait_timeouts, 1u);
@@ -231,9 +234,10 @@ TEST(SessionPins, NoWaitForPinsASequenceHoldsItselfOrBeyondItsReservation) {
   EXPECT_LT(MsSince(t0), 5000.0);
   ASSERT_FALSE(self.ok());
   EXPECT_EQ(self.status().code(), StatusCode::kResourceExhausted);
-  for (const char* part : {"waiting could deadlock", "6 for this one", "2 are pinned or loading for other sequences",
-                           "reservation 0"})
-    EXPECT_NE(self.status().message().find(part), std::string::npos) << part << " in: " << self.status().ToString();
+  for (const char* part : {"waiting could deadlock", "6 for this one",
+                           "2 are pinned or loading for other sequences", "reservation 0"})
+    EXPECT_NE(self.status().message().find(part), std::string::npos)
+        << part << " in: " << self.status().ToString();
   six->Release();
   two->Release();
   // Each sequence reserves half the pool, holds it, and asks for more on its own thread:
@@ -256,7 +260,8 @@ TEST(SessionPins, NoWaitForPinsASequenceHoldsItselfOrBeyondItsReservation) {
   for (const Result<FetchHandle>* r : {&more_a, &more_b}) {
     ASSERT_FALSE(r->ok());
     EXPECT_EQ(r->status().code(), StatusCode::kResourceExhausted);
-    EXPECT_NE(r->status().message().find("waiting could deadlock"), std::string::npos) << r->status().ToString();
+    EXPECT_NE(r->status().message().find("waiting could deadlock"), std::string::npos)
+        << r->status().ToString();
     EXPECT_NE(r->status().message().find("reservation 4"), std::string::npos) << r->status().ToString();
   }
   EXPECT_EQ(st->counters().pin_waits, 0u);

@@ -267,7 +267,7 @@ class Session {
   bool in_step_ = false;
   int next_layer_ = 0;
   bool dropped_ = false;
-  uint64_t reservation_ = 0;    // TieredStore::ReserveHotSlots' id, 0 = none
+  uint64_t reservation_ = 0;  // TieredStore::ReserveHotSlots' id, 0 = none
   int32_t reserved_slots_ = 0;
   void ReleaseReservation();
   std::vector<double> inv_freq_;  // [head_dim / 2] kInfLLM RoPE frequencies
