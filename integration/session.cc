@@ -88,7 +88,13 @@ Session::Session(TieredStore* store, SequenceId seq, const SessionOptions& optio
   kept_.resize(static_cast<size_t>(g.layers));
 }
 
-Session::~Session() = default;
+Session::~Session() { ReleaseReservation(); }
+
+void Session::ReleaseReservation() {
+  if (reservation_ != 0) store_->ReleaseHotSlots(reservation_);
+  reservation_ = 0;
+  reserved_slots_ = 0;
+}
 
 Result<std::unique_ptr<Session>> Session::Open(TieredStore* store, const SessionOptions& options) {
   if (store == nullptr) return InvalidArgument("Session::Open: store is null");
@@ -118,6 +124,19 @@ Result<std::unique_ptr<Session>> Session::Attach(TieredStore* store, SequenceId 
     KVTIER_ASSIGN_OR_RETURN(s->backend_, MakeAttentionBackend(store->hot_tier(), g, 1));
     if (options.retrieve) {
       KVTIER_ASSIGN_OR_RETURN(s->retriever_, Retriever::Create(store, options.retrieval));
+      // Admission: the budget in chunks, at most the pool (the retriever never takes more).
+      const int64_t slots = std::min<int64_t>(options.retrieval.budget_tokens / store->options().chunk_size,
+                                              store->hot_tier()->slot_capacity());
+      if (slots > 0) {
+        auto r = store->ReserveHotSlots(seq, static_cast<int32_t>(slots));
+        if (!r.ok())
+          return Status(r.status().code(), "Session: budget_tokens " +
+                                               std::to_string(options.retrieval.budget_tokens) +
+                                               " (chunk_size " + std::to_string(store->options().chunk_size) +
+                                               "): " + r.status().message());
+        s->reservation_ = *r;
+        s->reserved_slots_ = static_cast<int32_t>(slots);
+      }
     }
     return s;
   } catch (const std::bad_alloc&) {
@@ -559,12 +578,14 @@ Result<CompressReport> Session::Compress(const std::string& policy_spec, int64_t
 Status Session::Close() {
   if (dropped_) return FailedPrecondition("Session::Close: the session's sequence was dropped");
   in_step_ = false;
+  ReleaseReservation();
   return store_->CloseSequence(seq_);
 }
 
 Status Session::Drop() {
   if (dropped_) return FailedPrecondition("Session::Drop: the session's sequence was dropped already");
   KVTIER_RETURN_IF_ERROR(store_->DropSequence(seq_));
+  ReleaseReservation();
   dropped_ = true;
   in_step_ = false;
   return Status::Ok();

@@ -202,6 +202,7 @@ std::string StressReport::ToJson(const StressOptions& o) const {
   w.Key("demotions").Uint(counters.demotions).Key("hits").Uint(counters.hits).Key("misses").Uint(counters.misses);
   w.Key("cold_reads").Uint(counters.cold_reads).Key("cold_writes").Uint(counters.cold_writes);
   w.Key("lease_expired").Uint(counters.lease_expired);
+  w.Key("pin_waits").Uint(counters.pin_waits).Key("pin_wait_us").Uint(counters.pin_wait_us);
   w.Key("tiers");
   WriteTierTrafficJson(&w, counters);
   w.EndObject();

@@ -26,6 +26,13 @@ std::string TierTrafficText(const StoreCounters& c, bool remote, const std::stri
                   static_cast<unsigned long long>(c.remote_errors));
     out += indent + buf;
   }
+  if (c.pin_waits > 0) {
+    std::snprintf(buf, sizeof(buf),
+                  "pin waits: %llu fetches waited for pinned hot slots (%.1f ms in all), %llu timed out\n",
+                  static_cast<unsigned long long>(c.pin_waits), c.pin_wait_us / 1000.0,
+                  static_cast<unsigned long long>(c.pin_wait_timeouts));
+    out += indent + buf;
+  }
   return out;
 }
 
@@ -45,6 +52,10 @@ void WriteTierTrafficJson(JsonWriter* w, const StoreCounters& c) {
   w->Key("remote").BeginObject();
   w->Key("puts").Uint(c.remote_puts).Key("gets").Uint(c.remote_gets).Key("not_found").Uint(c.remote_not_found);
   w->Key("corrupt").Uint(c.remote_corrupt).Key("errors").Uint(c.remote_errors);
+  w->EndObject();
+  w->Key("pins").BeginObject();
+  w->Key("waits").Uint(c.pin_waits).Key("wait_us").Uint(c.pin_wait_us);
+  w->Key("wait_timeouts").Uint(c.pin_wait_timeouts).Key("reserved_slots").Uint(c.hot_reserved);
   w->EndObject();
   w->EndObject();
 }

@@ -53,6 +53,8 @@ Status StoreOptions::Validate() const {
   KVTIER_RETURN_IF_ERROR(positive("chunk_size", chunk_size));
   KVTIER_RETURN_IF_ERROR(positive("repr_topk", repr_topk));
   KVTIER_RETURN_IF_ERROR(positive("pin_timeout_ms", pin_timeout_ms));
+  if (pin_wait_ms < 0)
+    return InvalidArgument("pin_wait_ms must be >= 0 (got " + std::to_string(pin_wait_ms) + ")");
   KVTIER_RETURN_IF_ERROR(positive("transfer_threads", transfer_threads));
   KVTIER_RETURN_IF_ERROR(positive("max_landing_chunks", max_landing_chunks));
   if (n_local % chunk_size != 0)
@@ -1022,6 +1024,78 @@ int32_t TieredStore::AcquireHotSlotLocked(Clock::time_point now) {
   return slot;
 }
 
+TieredStore::HotRoom TieredStore::HotRoomLocked(SequenceId seq, int64_t need,
+                                                const std::vector<uint64_t>& requested, Clock::time_point now,
+                                                bool full) {
+  HotRoom room;
+  room.available = hot_->slot_capacity() - hot_->slots_used();
+  if (room.available >= need && !full) return room;
+  // Every hot chunk is in the policy: walk it (stopping once enough are evictable). A chunk
+  // the fetch asks for is not room: it is a hit, and evicting it would only move it.
+  uint64_t unused = 0;
+  hot_policy_->PickVictim(
+      [&](uint64_t id) {
+        const Chunk* c = chunk_by_id_.at(id);
+        if (c->hot_loading || PinnedLocked(c, now)) {
+          (c->key.seq == seq ? room.held_self : room.held_other)++;
+        } else if (!std::binary_search(requested.begin(), requested.end(), id)) {
+          room.available++;
+        }
+        return !full && room.available >= need;  // true stops the walk
+      },
+      &unused);
+  return room;
+}
+
+int64_t TieredStore::ReservedForLocked(SequenceId seq) const {
+  int64_t r = 0;
+  for (const auto& [id, res] : reservations_)
+    if (res.seq == seq) r = std::max<int64_t>(r, res.slots);
+  return r;
+}
+
+int64_t TieredStore::ReservedTotalLocked() const {
+  std::unordered_map<SequenceId, int64_t> by_seq;
+  for (const auto& [id, res] : reservations_) {
+    int64_t& r = by_seq[res.seq];
+    r = std::max<int64_t>(r, res.slots);
+  }
+  int64_t total = 0;
+  for (const auto& [seq, r] : by_seq) total += r;
+  return total;
+}
+
+Result<uint64_t> TieredStore::ReserveHotSlots(SequenceId seq, int32_t slots) {
+  if (slots < 0)
+    return InvalidArgument("ReserveHotSlots: slots must be >= 0 (got " + std::to_string(slots) + ")");
+  std::lock_guard<std::mutex> l(mu_);
+  if (sequences_.find(seq) == sequences_.end())
+    return NotFound("ReserveHotSlots: sequence " + std::to_string(seq) +
+                    " does not exist (never created or dropped)");
+  const int64_t pool = hot_->slot_capacity();
+  const int64_t reserved = ReservedTotalLocked();
+  const int64_t mine = ReservedForLocked(seq);
+  // Sessions of one sequence count once, at their largest reservation.
+  const int64_t after = reserved - mine + std::max<int64_t>(mine, slots);
+  if (after > pool)
+    return ResourceExhausted(
+        "hot tier: " + std::to_string(pool) + " slots, " + std::to_string(reserved) +
+        " reserved by the open sessions (" + std::to_string(reservations_.size()) + "), this one asks " +
+        std::to_string(slots) +
+        " (its budget in chunks): the pool cannot hold the budgets of the sessions open at once; "
+        "close or drop a session, lower budget_tokens or raise hot_bytes");
+  const uint64_t id = next_reservation_++;
+  reservations_.emplace(id, HotReservation{seq, slots});
+  counters_.hot_reserved = static_cast<uint64_t>(after);
+  return id;
+}
+
+void TieredStore::ReleaseHotSlots(uint64_t reservation) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (reservations_.erase(reservation) == 0) return;
+  counters_.hot_reserved = static_cast<uint64_t>(ReservedTotalLocked());
+}
+
 Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices) {
   return ReturnOnBadAlloc("FetchChunks: the fetch's chunk lists", [&]() -> Result<FetchHandle> {
   auto st = std::make_shared<FetchHandle::State>();
@@ -1030,19 +1104,107 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
   {
     std::unique_lock<std::mutex> l(mu_);
     Sequence* s = nullptr;
-    KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
-    LandLayerLocked(l, s, layer);
-    KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
-    LayerState& ls = s->layers[layer];
-    if (static_cast<int64_t>(chunk_indices.size()) > hot_->slot_capacity())
-      return ResourceExhausted("fetch of " + std::to_string(chunk_indices.size()) + " chunks exceeds the hot tier's " +
-                               std::to_string(hot_->slot_capacity()) + " slots (hot_bytes)");
-    for (uint64_t idx : chunk_indices)
-      if (idx >= ls.chunks.size() || ls.chunks[idx] == nullptr)
-        return InvalidArgument("fetch: chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
-                               " does not exist (layer has " + std::to_string(ls.chunks.size()) + " chunks)");
-    // One clock reading for the whole call: the leases it grants and the ones it finds expired.
-    const Clock::time_point now = options_.clock->Now();
+    LayerState* lsp = nullptr;
+    std::vector<uint64_t> requested;  // chunk ids, sorted, each once
+    // One clock reading per attempt: the leases it finds expired and the ones it grants.
+    Clock::time_point now{};
+    // Waiting for slots (see FetchChunks in the header): started when the first check finds
+    // too little room, so a fetch that never waits reads no clock for it.
+    std::chrono::steady_clock::time_point wait_start{}, wait_deadline{};
+    bool waited = false;
+    uint64_t ticket = 0;  // in pin_waiters_ while this call waits
+    const auto end_wait = [&] {
+      if (!waited) return;
+      counters_.pin_wait_us += static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - wait_start)
+              .count());
+      waited = false;
+      pin_waiters_.erase(ticket);
+      cv_.notify_all();  // the next waiter may be the oldest now
+    };
+    for (;;) {
+      // (Re)checked after every wait: the lock was dropped.
+      Status checked = CheckLayerLocked(seq, layer, false, &s);
+      if (!checked.ok()) {
+        end_wait();
+        return checked;
+      }
+      LandLayerLocked(l, s, layer);
+      checked = TakeLandingErrorLocked(s->layers[layer]);
+      if (!checked.ok()) {
+        end_wait();
+        return checked;
+      }
+      lsp = &s->layers[layer];
+      if (static_cast<int64_t>(chunk_indices.size()) > hot_->slot_capacity()) {
+        end_wait();
+        return ResourceExhausted("fetch of " + std::to_string(chunk_indices.size()) +
+                                 " chunks exceeds the hot tier's " + std::to_string(hot_->slot_capacity()) +
+                                 " slots (hot_bytes)");
+      }
+      requested.clear();
+      int64_t need = 0;  // chunks with no hot slot, each once
+      for (uint64_t idx : chunk_indices) {
+        if (idx >= lsp->chunks.size() || lsp->chunks[idx] == nullptr) {
+          end_wait();
+          return InvalidArgument(
+              "fetch: chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
+              " does not exist (layer has " + std::to_string(lsp->chunks.size()) + " chunks)");
+        }
+        requested.push_back(lsp->chunks[idx]->id);
+      }
+      std::sort(requested.begin(), requested.end());
+      requested.erase(std::unique(requested.begin(), requested.end()), requested.end());
+      for (uint64_t id : requested)
+        if (chunk_by_id_.at(id)->hot_slot < 0) need++;
+      now = options_.clock->Now();
+      if (need == 0) break;
+      // An older fetch waits: one that holds no pin queues behind it (see the header).
+      const bool behind =
+          options_.pin_wait_ms > 0 && !pin_waiters_.empty() && *pin_waiters_.begin() != ticket;
+      const HotRoom room = HotRoomLocked(seq, need, requested, now, behind);
+      if (room.available >= need && (!behind || room.held_self > 0)) break;
+      // Too few slots. Waiting is safe while this sequence holds no pin, or stays within its
+      // reservation with this fetch (the header says why); otherwise it could wait for
+      // itself, or for a sequence that waits for it. A sequence that holds pins never queues
+      // behind others: the oldest waiter may be waiting for exactly those pins.
+      const int64_t reserved = ReservedForLocked(seq);
+      const bool may_wait = room.held_self == 0 || room.held_self + need <= reserved;
+      const std::string numbers = "the fetch needs " + std::to_string(need) +
+                                  " more hot slots; of the pool's " + std::to_string(hot_->slot_capacity()) +
+                                  ", " + std::to_string(room.held_other) +
+                                  " are pinned or loading for other sequences and " +
+                                  std::to_string(room.held_self) + " for this one (sequence " +
+                                  std::to_string(seq) + ", reservation " + std::to_string(reserved) + ")";
+      if (!may_wait) {
+        end_wait();
+        return ResourceExhausted(
+            "hot tier: " + numbers +
+            "; waiting could deadlock, as this sequence would hold more than its reservation: "
+            "release its other fetch handles (LayerParts) first, or raise hot_bytes");
+      }
+      const auto real_now = std::chrono::steady_clock::now();
+      if (!waited) {  // the first wait of this call
+        wait_start = real_now;
+        wait_deadline = real_now + std::chrono::milliseconds(options_.pin_wait_ms);
+        counters_.pin_waits++;
+        waited = true;
+        ticket = next_pin_ticket_++;
+        pin_waiters_.insert(ticket);
+      }
+      if (real_now >= wait_deadline) {
+        if (room.available >= need) break;  // queued behind a waiter for that long: go ahead
+        end_wait();
+        counters_.pin_wait_timeouts++;
+        return ResourceExhausted(
+            "hot tier: " + numbers + "; waited " + std::to_string(options_.pin_wait_ms) +
+            " ms (pin_wait_ms) for them to be unpinned; release fetch handles or raise hot_bytes");
+      }
+      // Unpins and finished loads notify; an expiring lease does not, hence the slice.
+      cv_.wait_until(l, std::min(wait_deadline, real_now + std::chrono::milliseconds(20)));
+    }
+    end_wait();
+    LayerState& ls = *lsp;
     const auto deadline = now + std::chrono::milliseconds(options_.pin_timeout_ms);
     // Allocated before any chunk is pinned, so an allocation failure leaves nothing to undo.
     st->chunk_ids.reserve(chunk_indices.size());
@@ -1071,10 +1233,10 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
         hot_policy_->OnAccess(c->id);
       } else {
         const int32_t slot = AcquireHotSlotLocked(now);
-        if (slot < 0) {
+        if (slot < 0) {  // not expected: HotRoomLocked counted the room under this lock
           undo();
-          return ResourceExhausted("hot tier: all " + std::to_string(hot_->slot_capacity()) +
-                                   " slots are pinned; release fetch handles or raise hot_bytes");
+          return Internal("hot tier: no slot for a fetch the pool was found to have room for (" +
+                          std::to_string(hot_->slot_capacity()) + " slots)");
         }
         c->hot_slot = slot;
         c->hot_loading = true;

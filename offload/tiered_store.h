@@ -47,6 +47,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -83,6 +84,10 @@ struct StoreOptions {
   bool sync_writes = false;            ///< fsync cold writes (power-loss durability)
   bool write_through = true;           ///< write each chunk to cold when sealed (crash-safe, free demotion)
   int pin_timeout_ms = 30000;          ///< lease of a pinned chunk; an expired pin no longer protects it
+  /// Longest a fetch waits (real time) for hot slots that other fetches hold pinned or are
+  /// loading, e.g. another Session's Attend that is about to unpin; 0 = fail at once. See
+  /// FetchChunks. Default: 10000.
+  int pin_wait_ms = 10000;
   std::string hot_policy = "lru";      ///< demotion policy of the hot slot pool
   std::string warm_policy = "lru";     ///< demotion policy of the warm tier
   int transfer_threads = 2;            ///< concurrency of the asynchronous transfer arena
@@ -134,6 +139,10 @@ struct StoreCounters {
   uint64_t bytes_moved = 0;      ///< bytes copied between tiers (either direction)
   uint64_t cold_writes = 0, cold_reads = 0;
   uint64_t lease_expired = 0;    ///< pins that ran past pin_timeout_ms and stopped protecting
+  uint64_t pin_waits = 0;        ///< fetches that waited for hot slots other fetches held (FetchChunks)
+  uint64_t pin_wait_us = 0;      ///< total time those fetches waited, microseconds
+  uint64_t pin_wait_timeouts = 0;  ///< waits that ran past pin_wait_ms (the fetch was ResourceExhausted)
+  uint64_t hot_reserved = 0;       ///< hot slots reserved by open sessions now (ReserveHotSlots)
   uint64_t chunks_sealed = 0;    ///< chunks formed from the local window
   uint64_t dropped_chunks = 0;   ///< chunks removed for good by DropChunks (compression)
   // Where fetched chunks that were not hot came from (hits + the three = fetched chunks).
@@ -264,7 +273,32 @@ class TieredStore {
   /// Representative keys of one chunk: [repr_topk, kv_heads, head_dim] fp32.
   Status GetRepresentatives(const ChunkKey& key, float* out) const;
   /// Starts promoting the chunks into hot slots and pins them (async).
+  ///
+  /// A fetch takes every hot slot it needs under the store lock, or none. When the pool has
+  /// too few slots that are free or hold an unpinned chunk, it waits (at most
+  /// StoreOptions::pin_wait_ms; counted in StoreCounters::pin_waits and pin_wait_us) for other
+  /// fetches to unpin or finish loading, holding no pin of its own call while it waits. Waiters
+  /// are served oldest first: a fetch from a sequence that holds no pin waits behind them even
+  /// where there is room, so a fetch of many chunks is not starved by a stream of small ones.
+  /// It fails at once with ResourceExhausted, naming the numbers, where waiting could deadlock:
+  /// when `seq` already holds pins and would hold more than its reservation (ReserveHotSlots)
+  /// with this fetch. Why nothing deadlocks: a waiter that holds pins (set W) holds at most its
+  /// reservation R less what it asks, n; reservations sum to at most the pool P. Once the
+  /// holders outside any wait have unpinned (an Attend unpins before it returns; a lease runs
+  /// out), the room is P - sum_W H >= sum_W (R - H) >= n of any member of W, which never queues
+  /// behind others; and with W empty no pin is left, so the oldest waiter has the whole pool.
   Result<FetchHandle> FetchChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices);
+
+  /// Admission of a Session (kvtier/session.h reserves its retrieval budget in chunks, what
+  /// one Attend pins in the steady state): reserves `slots` hot slots for `seq`, so that
+  /// sessions running at once never need more than the pool in total. Reservations of one
+  /// sequence count once, at their largest (sessions attached to one sequence do not run at
+  /// once). ResourceExhausted, naming the pool's slots, the slots reserved and the slots
+  /// asked, when the reservations would exceed the pool; InvalidArgument for slots < 0;
+  /// NotFound for an unknown sequence. Returns an id for ReleaseHotSlots (never 0).
+  Result<uint64_t> ReserveHotSlots(SequenceId seq, int32_t slots);
+  /// Gives a reservation back (unknown ids and 0 are ignored).
+  void ReleaseHotSlots(uint64_t reservation);
 
   /// Frees every hot slot that is not pinned or loading (the chunks stay in
   /// warm/cold). For fair comparisons of methods over one store.
@@ -368,6 +402,19 @@ class TieredStore {
   std::function<void(const ChunkKey&)> AckColdWriteLocked(Chunk* c, bool remote_acked = true);
   /// A free hot slot, or the hot policy's victim among slots neither loading nor pinned at `now`; -1 when none.
   int32_t AcquireHotSlotLocked(Clock::time_point now);
+  /// What the hot pool offers a fetch of `seq` that needs `need` slots it has no slot for,
+  /// `requested` (sorted chunk ids) being the chunks the fetch asks for.
+  struct HotRoom {
+    int64_t available = 0;   // free slots + slots of unpinned, not loading chunks outside `requested`
+    int64_t held_self = 0;   // slots pinned or loading for chunks of `seq` (filled when available < need)
+    int64_t held_other = 0;  // the same for other sequences' chunks (filled when available < need)
+  };
+  /// `full`: count held_self and held_other in any case (no early stop).
+  HotRoom HotRoomLocked(SequenceId seq, int64_t need, const std::vector<uint64_t>& requested,
+                        Clock::time_point now, bool full);
+  /// Hot slots reserved for `seq` (its largest reservation), and for every sequence.
+  int64_t ReservedForLocked(SequenceId seq) const;
+  int64_t ReservedTotalLocked() const;
   /// Drops the warm copy of the warm policy's victim among unpinned chunks the cold tier
   /// has acknowledged; false when there is none.
   bool DropWarmCopyLocked();
@@ -408,6 +455,16 @@ class TieredStore {
   uint64_t next_chunk_id_ = 1;
   SequenceId next_seq_id_ = 1;
   StoreCounters counters_;
+  struct HotReservation {
+    SequenceId seq = 0;
+    int32_t slots = 0;
+  };
+  std::unordered_map<uint64_t, HotReservation> reservations_;  // by ReserveHotSlots' id
+  uint64_t next_reservation_ = 1;
+  // Fetches waiting for hot slots, by ticket (oldest first): a fetch that holds no pin does not
+  // take slots while an older one waits, so a large fetch is not starved by small ones.
+  std::set<uint64_t> pin_waiters_;
+  uint64_t next_pin_ticket_ = 1;
   uint64_t region_bytes_ = 0;
   uint64_t landing_chunks_ = 0;  // sealed chunks whose warm slot is still being filled (every layer)
   uint64_t landing_failures_ = 0;  // landings that lost their chunk (with chunks_sealed: landing progress)

@@ -175,7 +175,8 @@ int main(int argc, char** argv) {
   ao.keep_queries = 8;
   kvtier_session_options bo = kvtier_session_options_default();
   bo.preset = "infllm"; /* top-k: with a budget past the context it takes every chunk */
-  bo.budget_tokens = 1 << 20;
+  /* Past the context, not past the hot pool: the pool must hold both sessions' budgets. */
+  bo.budget_tokens = T;
   kvtier_session *a = NULL, *b = NULL;
   OK(kvtier_session_open(store, &ao, &a, &err));
   OK(kvtier_session_open(store, &bo, &b, &err));

@@ -166,7 +166,9 @@ typedef struct kvtier_session_options {
  * rope_theta 10000, keep_queries 0. */
 kvtier_session_options kvtier_session_options_default(void);
 
-/* Creates a new sequence in `store` and a session over it. On failure *out is NULL. */
+/* Creates a new sequence in `store` and a session over it. On failure *out is NULL.
+ * KVTIER_RESOURCE_EXHAUSTED when the hot pool cannot hold this session's budget (in chunks)
+ * beside those of the sessions open on the store (see kvtier/session.h). */
 kvtier_code kvtier_session_open(kvtier_store* store, const kvtier_session_options* options, kvtier_session** out,
                                 kvtier_error* err);
 /* Persists the sinks and local window; the sequence becomes read-only. */

@@ -46,6 +46,20 @@
 // Results do not depend on the thread a session runs on or on what other
 // sessions do (tests/session_test.cc checks 8 sessions on 4 threads bit for bit
 // against their single-threaded runs).
+//
+// Sharing the hot slot pool: Open and Attach reserve the session's retrieval budget in
+// chunks (budget_tokens / chunk_size, at most the pool: what one Attend pins in the steady
+// state) with TieredStore::ReserveHotSlots, and refuse the session with ResourceExhausted,
+// naming the pool's slots, the slots reserved and the slots asked, when the open sessions'
+// reservations would exceed the pool (sessions attached to one sequence count once, at the
+// largest). Close, Drop and destruction give the reservation back; retrieve = false reserves
+// nothing. An Attend holds no pin when it fetches, so where the entropy cut-off gives a layer
+// more than the budget's share and the pool is short, its fetch waits for other sessions'
+// Attends to unpin (StoreOptions::pin_wait_ms, StoreCounters::pin_waits) instead of failing;
+// tests/session_pins_test.cc runs many sessions on many threads at a pool just above their
+// summed budgets. An engine that keeps one layer's LayerParts while it gathers the next gets
+// ResourceExhausted at once where the two together would pass its reservation and the pool
+// is short, never a deadlock (TieredStore::FetchChunks says why).
 #pragma once
 
 #include <cstdint>
@@ -120,7 +134,7 @@ enum class StepKind {
 /// One Attend (or Gather) call.
 struct AttendStats {
   double probe_ms = 0, search_ms = 0, alloc_ms = 0;  ///< retrieval: Eq. 7-9, Eq. 10 search, Eq. 11-12
-  double fetch_ms = 0;                               ///< chunk promotion into hot slots, waited for
+  double fetch_ms = 0;                               ///< chunk promotion into hot slots, waited for (pin waits included)
   double attention_ms = 0;                           ///< the attention kernel (and kInfLLM rotation)
   double entropy = 0;                                ///< Θ^ℓ of Eq. 11 when the allocator computed it
   size_t chunks = 0;                                 ///< chunks attended
@@ -163,6 +177,8 @@ struct CompressReport {
 class Session {
  public:
   /// Creates a new sequence in `store` and a session over it. The store must outlive the session.
+  /// ResourceExhausted when the hot pool cannot hold this session's budget beside the
+  /// reservations of the sessions already open (see "Sharing the hot slot pool" above).
   static Result<std::unique_ptr<Session>> Open(TieredStore* store, const SessionOptions& options);
   /// A session over an existing sequence (e.g. one recovered by reopening the store, or one
   /// another session appends to).
@@ -213,13 +229,16 @@ class Session {
   /// recompression needs); a different spec starts a new one.
   Result<CompressReport> Compress(const std::string& policy, int64_t kv_budget, int n_queries = 0);
 
-  /// Persists sinks and local window; the sequence becomes read-only.
+  /// Persists sinks and local window; the sequence becomes read-only. Gives the session's hot
+  /// slot reservation back (a later Attend runs without one: it may wait for slots).
   Status Close();
   /// Removes the sequence from every tier. Afterwards every call that returns a Status or Result
   /// is FailedPrecondition, a second Drop included; counters() stays readable.
   Status Drop();
 
   SessionCounters counters() const { return counters_; }
+  /// Hot slots this session holds reserved (0 after Close or Drop, or with retrieve = false).
+  int32_t reserved_slots() const { return reserved_slots_; }
   /// Chunk indices each layer attended in the last step, [layer].
   const std::vector<std::vector<uint64_t>>& last_chunks() const { return last_chunks_; }
   /// The retriever (null when retrieve = false), e.g. for Describe().
@@ -250,6 +269,9 @@ class Session {
   bool in_step_ = false;
   int next_layer_ = 0;
   bool dropped_ = false;
+  uint64_t reservation_ = 0;  // TieredStore::ReserveHotSlots' id, 0 = none
+  int32_t reserved_slots_ = 0;
+  void ReleaseReservation();
   std::vector<double> inv_freq_;  // [head_dim / 2] kInfLLM RoPE frequencies
   SessionCounters counters_;
   std::vector<std::vector<uint64_t>> last_chunks_;

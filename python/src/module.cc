@@ -389,6 +389,8 @@ StoreOptions StoreOptionsFrom(const py::kwargs& kw) {
     } else if (key == "sync_writes") o.sync_writes = GetBool(v, key);
     else if (key == "write_through") o.write_through = GetBool(v, key);
     else if (key == "pin_timeout_ms") o.pin_timeout_ms = GetInt32(v, key);
+    else if (key == "pin_wait_ms")
+      o.pin_wait_ms = GetInt32(v, key);
     else if (key == "hot_policy") o.hot_policy = Get<std::string>(v, key);
     else if (key == "warm_policy") o.warm_policy = Get<std::string>(v, key);
     else if (key == "transfer_threads") o.transfer_threads = GetInt32(v, key);
@@ -444,6 +446,7 @@ py::dict StoreOptionsDict(const StoreOptions& o) {
   d["sync_writes"] = o.sync_writes;
   d["write_through"] = o.write_through;
   d["pin_timeout_ms"] = o.pin_timeout_ms;
+  d["pin_wait_ms"] = o.pin_wait_ms;
   d["hot_policy"] = o.hot_policy;
   d["warm_policy"] = o.warm_policy;
   d["transfer_threads"] = o.transfer_threads;
@@ -530,6 +533,10 @@ class PyStore {
     d["cold_writes"] = c.cold_writes;
     d["cold_reads"] = c.cold_reads;
     d["lease_expired"] = c.lease_expired;
+    d["pin_waits"] = c.pin_waits;
+    d["pin_wait_us"] = c.pin_wait_us;
+    d["pin_wait_timeouts"] = c.pin_wait_timeouts;
+    d["hot_reserved"] = c.hot_reserved;
     d["chunks_sealed"] = c.chunks_sealed;
     d["dropped_chunks"] = c.dropped_chunks;
     return d;
