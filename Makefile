@@ -57,12 +57,18 @@ deps-checks:
 $(BUILD)/build.ninja: CMakeLists.txt | deps
 	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVTIER_CUDA=$(KVTIER_CUDA) $(CMAKE_ARGS)
 
+# A KVTIER_CUDA other than the one the build directory was configured with configures it again
+# (e.g. `make run`, then `make test KVTIER_CUDA=on` in the same checkout).
 configure: deps $(BUILD)/build.ninja
+	@grep -qx 'KVTIER_CUDA:STRING=$(KVTIER_CUDA)' $(BUILD)/CMakeCache.txt || \
+	  cmake -S . -B $(BUILD) -DKVTIER_CUDA=$(KVTIER_CUDA)
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
-run: build
+# The main job first: only the CLI and the library under it (no tests, benchmarks or GPU bench).
+run: configure
+	cmake --build $(BUILD) -j $(JOBS) --target kvtier_cli
 	rm -rf $(BUILD)/run-data
 	./$(BUILD)/kvtier run $(RUN_ARGS)
 

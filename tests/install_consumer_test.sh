@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Installs the built library into a fresh prefix and builds, against that prefix
-# alone, a consumer whose sources are exactly the README's "Embedding kvtier"
-# examples (C++ and C API), plus the C API test program (tests/c_api_test.c) as C99;
-# then runs them. Fails if find_package(kvtier), an example or the C API breaks.
-#   tests/install_consumer_test.sh BUILD_DIR SOURCE_DIR
+# alone, the README's "Embedding kvtier" example exactly as the README gives it: its
+# C++ program and its CMakeLists.txt (find_package and target_link_libraries, nothing
+# else: no CMAKE_CXX_STANDARD, the package carries C++20). The same build adds the C API
+# example and the C API test program (tests/c_api_test.c) as C99; then runs them. Fails
+# if find_package(kvtier), an example or the C API breaks, if the consumer compiles
+# against the source tree or the CUDA toolkit's headers, or if it gets KVTIER_HAVE_CUDA
+# from a library built without CUDA.
+#   tests/install_consumer_test.sh BUILD_DIR SOURCE_DIR [KVTIER_WITH_CUDA: ON|OFF]
 set -euo pipefail
-build=$(cd "$1" && pwd); src=$(cd "$2" && pwd)
+build=$(cd "$1" && pwd); src=$(cd "$2" && pwd); with_cuda=${3:-OFF}
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
 mkdir -p "$work/consumer"
@@ -25,15 +29,19 @@ awk '/<!-- c-api-example -->/ {m=1; next}
 if [ ! -s "$work/consumer/main.c" ]; then
   echo "README.md has no \`\`\`c block after <!-- c-api-example -->" >&2; exit 1
 fi
+# The README's CMakeLists.txt for that program: the first ```cmake block after its marker.
+awk '/<!-- embedding-cmake -->/ {m=1; next}
+     m && !c && /^```cmake$/ {c=1; next}
+     c && /^```/ {exit}
+     c {print}' "$src/README.md" > "$work/consumer/CMakeLists.txt"
+if ! grep -q 'add_executable(app main.cc)' "$work/consumer/CMakeLists.txt"; then
+  echo "README.md has no \`\`\`cmake block building app from main.cc after <!-- embedding-cmake -->" >&2; exit 1
+fi
 cp "$src/tests/c_api_test.c" "$work/consumer/c_api_test.c"
-cat > "$work/consumer/CMakeLists.txt" <<'CM'
-cmake_minimum_required(VERSION 3.22)
-project(kvtier_consumer C CXX)
-set(CMAKE_CXX_STANDARD 20)
-find_package(kvtier 0.1 REQUIRED)
-add_executable(consumer main.cc)
-target_link_libraries(consumer PRIVATE kvtier::kvtier)
-# C consumers of kvtier/kvtier_c.h: compiled as C99, linked by the C++ linker (kvtier is C++).
+cat >> "$work/consumer/CMakeLists.txt" <<'CM'
+# Appended by the test: C consumers of kvtier/kvtier_c.h, compiled as C99 and linked by the
+# C++ linker (kvtier is C++).
+enable_language(C)
 foreach(c consumer_c:main.c c_api_test:c_api_test.c)
   string(REPLACE ":" ";" c "${c}")
   list(GET c 0 name)
@@ -47,12 +55,24 @@ endforeach()
 CM
 # Nothing of the source tree on the include path: only the install prefix.
 cmake -S "$work/consumer" -B "$work/consumer/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$work/prefix" > "$work/configure.log" || { cat "$work/configure.log"; exit 1; }
+  -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_EXPORT_COMPILE_COMMANDS=ON > "$work/configure.log" ||
+  { cat "$work/configure.log"; exit 1; }
 cmake --build "$work/consumer/build" > "$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
-if grep -q -- "-I$src" "$work/consumer/build/compile_commands.json" 2>/dev/null; then
+commands="$work/consumer/build/compile_commands.json"
+[ -s "$commands" ] || { echo "no $commands" >&2; exit 1; }
+if grep -q -- "-I$src" "$commands"; then
   echo "the consumer was compiled against the source tree" >&2; exit 1
 fi
-out=$("$work/consumer/build/consumer")
+# No public header includes a CUDA header: the toolkit's include path is never the consumer's.
+cuda_includes=$(grep -Eo -- '-(I|isystem) ?[^ "]*cuda[^ "]*/include' "$commands" | grep -Fv "$work/prefix" |
+                sort -u || true)
+if [ -n "$cuda_includes" ]; then
+  echo "the consumer was compiled with the CUDA toolkit's include path: $cuda_includes" >&2; exit 1
+fi
+if [ "$with_cuda" != ON ] && grep -q KVTIER_HAVE_CUDA "$commands"; then
+  echo "the library was built without CUDA, yet its consumer gets KVTIER_HAVE_CUDA" >&2; exit 1
+fi
+out=$("$work/consumer/build/app")
 echo "$out"
 # The example prints how many chunks retrieval brought back; it must be some.
 echo "$out" | grep -Eq 'retrieved [1-9][0-9]* chunks' || { echo "unexpected output" >&2; exit 1; }
