@@ -10,6 +10,7 @@
 
 #include "integration/model/trace_capture.h"
 #include "offload/policy/compilerkv.h"
+#include "tests/redis_fixture.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -861,6 +862,29 @@ TEST(Cli, UserErrorsNameTheInputAndTheFix) {
   EXPECT_EQ(ReadAll(dir.path() + "/old.json"), "old");
   EXPECT_EQ(Kvtier("run --json " + dir.path() + "/new.json --context -1").code, 2);
   EXPECT_FALSE(fs::exists(dir.path() + "/new.json"));
+}
+
+// With --remote the run's sequence leaves Redis at the end too, unless --keep.
+TEST(Cli, RunDropsItsSequenceFromTheRemoteTierUnlessKept) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  RedisServers redis;
+  ASSERT_GE(redis.Start(), 0);
+  const int port = std::stoi(redis.Spec(0).substr(redis.Spec(0).rfind(':') + 1));
+  std::string args = kSmallRun;
+  args += " --quiet --no-baseline --warm-bytes 256K --data-dir none --remote ";
+  args += redis.Spec(0);
+  auto keys = [&]() -> long long {
+    const std::string t = RedisCommandText(port, {"DBSIZE"});
+    return t.empty() ? -1 : std::stoll(t);
+  };
+  Ran r = Kvtier(args);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("remote tier " + redis.Spec(0) + ": dropped"), std::string::npos) << r.out;
+  EXPECT_EQ(keys(), 0);
+  r = Kvtier(args + " --keep");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("remote tier " + redis.Spec(0) + ": kept"), std::string::npos) << r.out;
+  EXPECT_GT(keys(), 0);
 }
 
 }  // namespace
