@@ -887,5 +887,23 @@ TEST(Cli, RunDropsItsSequenceFromTheRemoteTierUnlessKept) {
   EXPECT_GT(keys(), 0);
 }
 
+// Ctrl-C (SIGINT) in the middle of a run removes the temporary data directory too.
+TEST(Cli, InterruptedRunRemovesItsTemporaryDirectory) {
+  TempDir tmp;
+  // Started in the background; SIGINT once its directory exists (the handler is in place by then).
+  const std::string script =
+      "TMPDIR=" + tmp.path() + " " + KVTIER_BINARY_DIR + "/kvtier run --quiet --context 1048576 --geometry 2,4,2,32 "
+      ">/dev/null 2>&1 & pid=$!; for i in $(seq 200); do ls " + tmp.path() +
+      " | grep -q kvtier-run && break; sleep 0.05; done; kill -INT $pid; wait $pid; echo rc=$?";
+  Ran r;
+  FILE* p = popen(script.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  char buf[256];
+  while (fgets(buf, sizeof(buf), p) != nullptr) r.out += buf;
+  pclose(p);
+  EXPECT_NE(r.out.find("rc=130"), std::string::npos) << r.out;
+  EXPECT_TRUE(IsEmptyDir(tmp.path()));
+}
+
 }  // namespace
 }  // namespace kvtier
