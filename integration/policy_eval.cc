@@ -311,10 +311,16 @@ std::string PolicyEvalTable(const std::vector<PolicyEvalRow>& rows) {
   t += buf;
   for (const PolicyEvalRow& r : rows) {
     const std::string spec = r.spec.size() > 44 ? r.spec.substr(0, 41) + "..." : r.spec;
-    std::snprintf(buf, sizeof(buf), "%-44s %7lld %8.3f %8.3f %8.3f %8.2fx %8.2fx %6d %9.0f\n", spec.c_str(),
+    // A ratio without a measured denominator is "-", not 0.00x.
+    auto ratio = [](double num, double den) {
+      char s[32] = "-";
+      if (den > 0) std::snprintf(s, sizeof(s), "%.2fx", num / den);
+      return std::string(s);
+    };
+    std::snprintf(buf, sizeof(buf), "%-44s %7lld %8.3f %8.3f %8.3f %9s %9s %6d %9.0f\n", spec.c_str(),
                   static_cast<long long>(r.budget), r.needle_retention, r.attention_recall, r.output_error,
-                  r.prefill_attention_ms > 0 ? r.prefill_scoring_ms / r.prefill_attention_ms : 0.0,
-                  r.decode_attention_ms > 0 ? r.decode_scoring_ms / r.decode_attention_ms : 0.0, r.compressions,
+                  ratio(r.prefill_scoring_ms, r.prefill_attention_ms).c_str(),
+                  ratio(r.decode_scoring_ms, r.decode_attention_ms).c_str(), r.compressions,
                   r.peak_state_bytes / 1024.0);
     t += buf;
   }

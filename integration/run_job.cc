@@ -12,6 +12,7 @@
 #include "integration/json.h"
 #include "integration/kv_source.h"
 #include "integration/policy_eval.h"
+#include "integration/progress.h"
 #include "integration/sysinfo.h"
 #include "integration/tier_report.h"
 #include "kernels/cpu/attention.h"
@@ -55,30 +56,6 @@ struct StepRecord {
   double ms = 0, probe_ms = 0, retrieve_ms = 0, alloc_ms = 0, fetch_ms = 0, attention_ms = 0, append_ms = 0;
   double chunks = 0;
   uint64_t bytes_moved = 0;
-};
-
-class Progress {
- public:
-  Progress(bool on, const char* what, int64_t total)
-      : on_(on), tty_(isatty(2)), what_(what), total_(total), t0_(NowSeconds()) {}
-  // On a terminal one line is redrawn; in a log a line every 10%.
-  void Update(int64_t done) {
-    if (!on_) return;
-    const int pct = static_cast<int>(100 * done / std::max<int64_t>(1, total_));
-    if (pct < next_ && done < total_) return;
-    next_ = pct + (tty_ ? 2 : 10);
-    std::fprintf(stderr, "%s[kvtier] %s %3d%% (%lld/%lld, %.1f s)%s", tty_ ? "\r" : "", what_, pct,
-                 static_cast<long long>(done), static_cast<long long>(total_), NowSeconds() - t0_,
-                 !tty_ || done >= total_ ? "\n" : "");
-    std::fflush(stderr);
-  }
- private:
-  bool on_;
-  bool tty_;
-  const char* what_;
-  int64_t total_;
-  double t0_;
-  int next_ = 0;
 };
 
 kernels::AttentionParams MakeParams(const Geometry& g, const float* q, const int64_t* pos, int m,
@@ -204,9 +181,20 @@ Result<RunReport> RunJob(const RunOptions& options) {
   const KvSource& work = *source;
   KVTIER_ASSIGN_OR_RETURN(auto store, TieredStore::Open(opt.store));
   KVTIER_ASSIGN_OR_RETURN(SequenceId seq, store->CreateSequence());
+  // drop_at_end: on an error return the sequence leaves every tier here (after the sessions
+  // below, declared later, are gone); on success it is dropped explicitly, errors reported.
+  struct DropAtEnd {
+    TieredStore* store;
+    SequenceId seq;
+    bool armed;
+    ~DropAtEnd() {
+      if (armed) store->DropSequence(seq).IgnoreError();
+    }
+  } drop_guard{store.get(), seq, opt.drop_at_end};
   ResetPeakRss();
 
   RunReport rep;
+  rep.sequence = seq;
   rep.options = opt;
   const int L = g.layers, Hq = g.q_heads, D = g.head_dim;
   const size_t q_elems = static_cast<size_t>(Hq) * D;
@@ -291,7 +279,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
     FromFloat(g.dtype, kf.data(), kb.data(), n * kv_elems);
     FromFloat(g.dtype, vf.data(), vb.data(), n * kv_elems);
   };
-  Progress prog(opt.progress, "prefill", context);
+  Progress prog(opt.progress, "prefill", context, "tokens");
   double prefill_s = 0;
   std::vector<float> sq;
   std::vector<int64_t> spos, window_pos;
@@ -342,6 +330,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
     }
     prog.Update(e);
   }
+  prog.Done();
   rep.prefill_s = prefill_s;
   // The prefill leaves cold writes queued (every sealed chunk goes to RocksDB in the
   // background). The evaluated steps start once those are durable, so a step's time is a
@@ -491,7 +480,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
     KVTIER_ASSIGN_OR_RETURN(StepRecord question, sparse_step(mt, qbegin, opt.workload.question_len, false, question_q));
     mt.steps.push_back(std::move(question));
   }
-  Progress dprog(opt.progress, "decode", opt.workload.decode_steps);
+  Progress dprog(opt.progress, "decode", opt.workload.decode_steps, "steps");
   for (int s = 0; s < opt.workload.decode_steps; ++s) {
     const int64_t p = context + s;
     double append_ms = 0;
@@ -519,6 +508,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
     }
     dprog.Update(s + 1);
   }
+  dprog.Done();
   KVTIER_RETURN_IF_ERROR(store->WaitForDurable());
   rep.peak_rss_bytes = PeakRssBytes();
   rep.counters = store->counters();
@@ -585,7 +575,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
     std::vector<float> mass(static_cast<size_t>(g.kv_heads) * total);
     std::vector<float> out;
     std::vector<double> rho_act, rho_mean;
-    Progress bprog(opt.progress, "full-attention baseline", L);
+    Progress bprog(opt.progress, "full-attention baseline", L, "layers");
     for (int l = 0; l < L; ++l) {
       for (int64_t b = 0; b < total; b += 4096) {
         const int64_t e = std::min(total, b + 4096);
@@ -659,6 +649,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
       }
       bprog.Update(l + 1);
     }
+    bprog.Done();
     rep.spearman_act = Summarize(rho_act);
     rep.spearman_mean = Summarize(rho_mean);
     for (size_t i = 1; i < n_steps; ++i) rep.full_step_ms_all.push_back(full_ms[i]);
@@ -696,26 +687,51 @@ Result<RunReport> RunJob(const RunOptions& options) {
   rep.fetch_ms = m0.fetch_ms;
   rep.attention_ms = m0.attention_ms;
   rep.append_ms = m0.append_ms;
+  if (opt.drop_at_end) {
+    methods.clear();
+    act_probe.reset();
+    mean_probe.reset();
+    drop_guard.armed = false;
+    KVTIER_RETURN_IF_ERROR(store->DropSequence(seq));
+    KVTIER_RETURN_IF_ERROR(store->WaitForDurable());
+    rep.sequence_dropped = true;
+  }
   return rep;
 }
 
 std::string RunReport::ToJson() const {
   JsonWriter w(true);
   const RunOptions& o = options;
+  // A figure that was not measured is null, never 0: recall, output error and every
+  // comparison with full attention need the baseline (--no-baseline skips it).
+  const bool base = o.baseline;
+  auto vs_full = [&](double v) -> JsonWriter& { return base ? w.Double(v) : w.Null(); };
+  auto speedup = [&](double ms) -> JsonWriter& {
+    return base && ms > 0 ? w.Double(full_attention_step_ms / ms) : w.Null();
+  };
   w.BeginObject();
   w.Key("quality").BeginObject();
   w.Key("needle_hit_rate").Double(needle_hit_rate);
-  w.Key("attention_recall").Double(attention_recall);
-  w.Key("output_rel_error").Double(output_rel_error);
+  w.Key("attention_recall");
+  vs_full(attention_recall);
+  w.Key("output_rel_error");
+  vs_full(output_rel_error);
   w.Key("question_needle_hit_rate").Double(question_needle_hit_rate);
-  w.Key("question_attention_recall").Double(question_attention_recall);
-  w.Key("question_output_rel_error").Double(question_output_rel_error);
+  w.Key("question_attention_recall");
+  vs_full(question_attention_recall);
+  w.Key("question_output_rel_error");
+  vs_full(question_output_rel_error);
   w.Key("probe_spearman").BeginObject();
   for (const auto& [name, sp] : {std::pair<const char*, const SpearmanSummary*>{"act", &spearman_act},
                                  std::pair<const char*, const SpearmanSummary*>{"mean", &spearman_mean}}) {
     w.Key(name).BeginObject();
-    w.Key("median").Double(sp->median).Key("q1").Double(sp->q1).Key("q3").Double(sp->q3);
-    w.Key("iqr").Double(sp->q3 - sp->q1).Key("samples").Int(sp->samples);
+    if (sp->samples > 0) {
+      w.Key("median").Double(sp->median).Key("q1").Double(sp->q1).Key("q3").Double(sp->q3);
+      w.Key("iqr").Double(sp->q3 - sp->q1);
+    } else {  // --spearman-windows 0 or --no-baseline: no oracle to rank against
+      w.Key("median").Null().Key("q1").Null().Key("q3").Null().Key("iqr").Null();
+    }
+    w.Key("samples").Int(sp->samples);
     w.EndObject();
   }
   w.EndObject();
@@ -724,13 +740,18 @@ std::string RunReport::ToJson() const {
   for (const MethodReport& m : methods) {
     w.BeginObject();
     w.Key("name").String(m.name).Key("spec").String(m.spec);
-    w.Key("needle_hit_rate").Double(m.needle_hit_rate).Key("attention_recall").Double(m.attention_recall);
-    w.Key("output_rel_error").Double(m.output_rel_error);
+    w.Key("needle_hit_rate").Double(m.needle_hit_rate).Key("attention_recall");
+    vs_full(m.attention_recall);
+    w.Key("output_rel_error");
+    vs_full(m.output_rel_error);
     w.Key("question_needle_hit_rate").Double(m.question_needle_hit_rate);
-    w.Key("question_attention_recall").Double(m.question_attention_recall);
-    w.Key("question_output_rel_error").Double(m.question_output_rel_error);
+    w.Key("question_attention_recall");
+    vs_full(m.question_attention_recall);
+    w.Key("question_output_rel_error");
+    vs_full(m.question_output_rel_error);
     w.Key("step_ms").Double(m.step_ms);
-    w.Key("speedup_vs_full").Double(m.step_ms > 0 ? full_attention_step_ms / m.step_ms : 0.0);
+    w.Key("speedup_vs_full");
+    speedup(m.step_ms);
     w.Key("split_ms").BeginObject();
     w.Key("append").Double(m.append_ms).Key("probe").Double(m.probe_ms).Key("search").Double(m.search_ms);
     w.Key("alloc").Double(m.alloc_ms).Key("fetch").Double(m.fetch_ms).Key("attention").Double(m.attention_ms);
@@ -743,8 +764,10 @@ std::string RunReport::ToJson() const {
   w.EndArray();
   w.Key("time").BeginObject();
   w.Key("step_ms").Double(step_ms);
-  w.Key("full_attention_step_ms").Double(full_attention_step_ms);
-  w.Key("speedup_vs_full").Double(step_ms > 0 ? full_attention_step_ms / step_ms : 0.0);
+  w.Key("full_attention_step_ms");
+  vs_full(full_attention_step_ms);
+  w.Key("speedup_vs_full");
+  speedup(step_ms);
   w.Key("split_ms").BeginObject();
   w.Key("append").Double(append_ms).Key("retrieve").Double(retrieve_ms).Key("fetch").Double(fetch_ms)
       .Key("attention").Double(attention_ms);
@@ -753,10 +776,14 @@ std::string RunReport::ToJson() const {
         .Key("alloc").Double(methods[headline].alloc_ms);
   }
   w.EndObject();
-  w.Key("retrieval_share").Double(methods.empty() ? 0.0 : methods[headline].retrieval_share);
+  w.Key("retrieval_share");
+  if (methods.empty()) w.Null();
+  else w.Double(methods[headline].retrieval_share);
   w.Key("prefill_s").Double(prefill_s);
   w.Key("prefill_drain_s").Double(prefill_drain_s);
-  w.Key("prefill_tokens_per_s").Double(prefill_s > 0 ? o.workload.context / prefill_s : 0.0);
+  w.Key("prefill_tokens_per_s");
+  if (prefill_s > 0) w.Double(o.workload.context / prefill_s);
+  else w.Null();
   w.Key("step_ms_all").BeginArray();
   for (double v : step_ms_all) w.Double(v);
   w.EndArray();
@@ -765,9 +792,21 @@ std::string RunReport::ToJson() const {
   w.EndArray();
   w.EndObject();
   w.Key("policy").BeginObject();
-  w.Key("spec").String(policy.spec).Key("compressed").Bool(policy.compressed);
-  w.Key("scoring_ms").Double(policy.scoring_ms).Key("attention_ms").Double(policy.attention_ms);
-  w.Key("dropped_chunks").Uint(policy.dropped_chunks).Key("kept_tokens_per_layer").Uint(policy.kept_tokens);
+  // No scoring policy ran (lru, no --compress): its times are not measured; the chunks it
+  // dropped and the tokens it kept only mean something after a compression.
+  if (policy.spec.empty()) w.Key("spec").Null();
+  else w.Key("spec").String(policy.spec);
+  w.Key("compressed").Bool(policy.compressed);
+  if (policy.spec.empty()) {
+    w.Key("scoring_ms").Null().Key("attention_ms").Null();
+  } else {
+    w.Key("scoring_ms").Double(policy.scoring_ms).Key("attention_ms").Double(policy.attention_ms);
+  }
+  if (policy.compressed) {
+    w.Key("dropped_chunks").Uint(policy.dropped_chunks).Key("kept_tokens_per_layer").Uint(policy.kept_tokens);
+  } else {
+    w.Key("dropped_chunks").Null().Key("kept_tokens_per_layer").Null();
+  }
   w.Key("kv_budget").Int(o.kv_budget).Key("compressions").Int(policy.compressions);
   w.EndObject();
   w.Key("memory").BeginObject();
@@ -832,14 +871,27 @@ std::string RunReport::CompareTable() const {
   std::snprintf(line, sizeof(line), "%-20s %8s %8s %9s %10s %9s %10s %11s | %8s %8s\n", "method", "needle", "recall",
                 "out.err", "step ms", "vs full", "chunks", "MiB moved", "q.needle", "q.recall");
   t += line;
+  if (!options.baseline) {
+    // Recall, output error and the speed-up need full attention: "-" (not measured), never 0.
+    for (const MethodReport& m : methods) {
+      std::snprintf(line, sizeof(line), "%-20s %8.3f %8s %9s %10.2f %9s %10.1f %11.1f | %8.3f %8s\n",
+                    m.name.c_str(), m.needle_hit_rate, "-", "-", m.step_ms, "-", m.chunks_per_step,
+                    m.bytes_moved / 1048576.0, m.question_needle_hit_rate, "-");
+      t += line;
+    }
+    t += "recall, out.err, vs full, q.recall: not measured (--no-baseline: full attention did not run)\n";
+    return t;
+  }
   std::snprintf(line, sizeof(line), "%-20s %8.3f %8.3f %9.4f %10.2f %8.1fx %10s %11s | %8.3f %8.3f\n", "full attention",
                 1.0, 1.0, 0.0, full_attention_step_ms, 1.0, "all", "-", 1.0, 1.0);
   t += line;
   for (const MethodReport& m : methods) {
-    std::snprintf(line, sizeof(line), "%-20s %8.3f %8.3f %9.4f %10.2f %8.1fx %10.1f %11.1f | %8.3f %8.3f\n",
-                  m.name.c_str(), m.needle_hit_rate, m.attention_recall, m.output_rel_error, m.step_ms,
-                  m.step_ms > 0 ? full_attention_step_ms / m.step_ms : 0.0, m.chunks_per_step,
-                  m.bytes_moved / 1048576.0, m.question_needle_hit_rate, m.question_attention_recall);
+    char vs[32] = "-";
+    if (m.step_ms > 0) std::snprintf(vs, sizeof(vs), "%.1fx", full_attention_step_ms / m.step_ms);
+    std::snprintf(line, sizeof(line), "%-20s %8.3f %8.3f %9.4f %10.2f %9s %10.1f %11.1f | %8.3f %8.3f\n",
+                  m.name.c_str(), m.needle_hit_rate, m.attention_recall, m.output_rel_error, m.step_ms, vs,
+                  m.chunks_per_step, m.bytes_moved / 1048576.0, m.question_needle_hit_rate,
+                  m.question_attention_recall);
     t += line;
   }
   return t;
@@ -848,19 +900,43 @@ std::string RunReport::CompareTable() const {
 std::string RunReport::ToTable() const {
   auto mib = [](uint64_t b) { return static_cast<double>(b) / (1 << 20); };
   char buf[4096];
-  const double speedup = step_ms > 0 ? full_attention_step_ms / step_ms : 0.0;
+  // Figures that need the full-attention baseline say "not measured" under --no-baseline
+  // (a 0 there would read as a measurement).
+  const bool base = options.baseline;
+  auto fixed = [](double v, int decimals) {
+    char s[32];
+    std::snprintf(s, sizeof(s), "%8.*f", decimals, v);
+    return std::string(s);
+  };
+  const std::string not_measured = "not measured (--no-baseline)";
+  const std::string recall_line = base ? fixed(attention_recall, 3) + "        " + fixed(question_attention_recall, 3)
+                                       : not_measured;
+  const std::string error_line = base ? fixed(output_rel_error, 4) + "        " + fixed(question_output_rel_error, 4)
+                                      : not_measured;
+  std::string full_line = not_measured;
+  if (base) {
+    char s[128];
+    if (step_ms > 0)
+      std::snprintf(s, sizeof(s), "%8.2f ms  -> kvtier is %.1fx faster", full_attention_step_ms,
+                    full_attention_step_ms / step_ms);
+    else
+      std::snprintf(s, sizeof(s), "%8.2f ms", full_attention_step_ms);
+    full_line = s;
+  }
+  char prefill_rate[32] = "not measured";
+  if (prefill_s > 0) std::snprintf(prefill_rate, sizeof(prefill_rate), "%.0f", options.workload.context / prefill_s);
   std::snprintf(buf, sizeof(buf),
                 "kvtier run — context %lld tokens, geometry %s, budget %d tokens/layer, chunk %d, sinks %d, local %d\n"
                 "\n"
                 "quality                      decode steps    question window\n"
                 "  needle hit rate            %8.3f        %8.3f\n"
-                "  attention recall           %8.3f        %8.3f\n"
-                "  output rel. error          %8.4f        %8.4f\n"
+                "  attention recall           %s\n"
+                "  output rel. error          %s\n"
                 "\n"
                 "time per decode step (median over %zu steps, all %d layers)\n"
                 "  kvtier                     %8.2f ms  (append %.2f, probe+search+alloc %.2f, fetch %.2f, attention %.2f)\n"
-                "  full attention             %8.2f ms  -> kvtier is %.1fx faster\n"
-                "  prefill                    %8.2f s   (%.0f tokens/s, generation excluded; then %.2f s until the cold "
+                "  full attention             %s\n"
+                "  prefill                    %8.2f s   (%s tokens/s, generation excluded; then %.2f s until the cold "
                 "tier acknowledged every chunk)\n"
                 "\n"
                 "memory\n"
@@ -870,10 +946,9 @@ std::string RunReport::ToTable() const {
                 "io: %.1f MiB moved, %llu promotions, %llu demotions, %llu hits, %llu misses, %llu cold reads, %llu cold writes\n",
                 static_cast<long long>(options.workload.context), options.store.geometry.ToString().c_str(),
                 options.budget, options.store.chunk_size, options.store.n_sink, options.store.n_local,
-                needle_hit_rate, question_needle_hit_rate, attention_recall, question_attention_recall,
-                output_rel_error, question_output_rel_error, step_ms_all.size(), options.store.geometry.layers,
-                step_ms, append_ms, retrieve_ms, fetch_ms, attention_ms, full_attention_step_ms, speedup, prefill_s,
-                prefill_s > 0 ? options.workload.context / prefill_s : 0.0, prefill_drain_s, mib(context_kv_bytes),
+                needle_hit_rate, question_needle_hit_rate, recall_line.c_str(), error_line.c_str(),
+                step_ms_all.size(), options.store.geometry.layers, step_ms, append_ms, retrieve_ms, fetch_ms,
+                attention_ms, full_line.c_str(), prefill_s, prefill_rate, prefill_drain_s, mib(context_kv_bytes),
                 mib(counters.hot_bytes), mib(counters.warm_bytes), mib(counters.cold_bytes),
                 static_cast<unsigned long long>(counters.hot_chunks), static_cast<unsigned long long>(counters.warm_chunks),
                 static_cast<unsigned long long>(counters.cold_chunks), mib(peak_rss_bytes), mib(rss_bound_bytes),
@@ -895,10 +970,12 @@ std::string RunReport::ToTable() const {
   if (!methods.empty()) text += "retrieval (" + methods[headline].name + "): " + methods[headline].spec + "\n";
   if (!policy.spec.empty()) {
     char line[512];
-    std::snprintf(line, sizeof(line), "scoring policy %s: %.1f ms over %d layers (%.2fx the %.1f ms of the "
+    char ratio[32] = "-";
+    if (policy.attention_ms > 0) std::snprintf(ratio, sizeof(ratio), "%.2fx", policy.scoring_ms / policy.attention_ms);
+    std::snprintf(line, sizeof(line), "scoring policy %s: %.1f ms over %d layers (%s the %.1f ms of the "
                   "observation windows' exact attention)%s\n", policy.spec.c_str(), policy.scoring_ms,
-                  options.store.geometry.layers, policy.attention_ms > 0 ? policy.scoring_ms / policy.attention_ms : 0.0,
-                  policy.attention_ms, policy.compressed ? "" : "; scored at prefill end, its chunk scores drive demotion");
+                  options.store.geometry.layers, ratio, policy.attention_ms,
+                  policy.compressed ? "" : "; scored at prefill end, its chunk scores drive demotion");
     text += line;
     if (policy.compressed) {
       std::snprintf(line, sizeof(line), "compression: %d time(s); the store holds %llu tokens per layer (budget %lld) of "

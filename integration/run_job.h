@@ -34,6 +34,9 @@ struct RunOptions {
   int stat_stride = 8;         ///< every stat_stride-th query of a prefill window feeds representative-key statistics
   bool baseline = true;        ///< also run full attention on the same data (quality + speed comparison)
   bool progress = true;        ///< progress lines on stderr
+  /// Drop the sequence from every tier (cold and remote included) when the job ends, an error
+  /// included, so a run leaves no data behind (`kvtier run` without --keep). Default: kept.
+  bool drop_at_end = false;
   /// Compression mode: this scoring policy drops chunks at prefill end (and every s
   /// decode steps for decode-time policies such as G-KV), keeping the chunks that hold its
   /// keep set's tokens up to `kv_budget` tokens per layer (sinks and local window
@@ -82,6 +85,8 @@ struct RunReport {
   int headline = 0;                     ///< method whose numbers fill the top-level fields (ActQKV in a comparison)
   SpearmanSummary spearman_act, spearman_mean;
   PolicyStageReport policy;
+  SequenceId sequence = 0;              ///< the run's sequence in the store
+  bool sequence_dropped = false;        ///< it left every tier at the end (RunOptions::drop_at_end)
   // quality (decode steps and question window, all layers)
   double needle_hit_rate = 0;        ///< (step, layer) pairs whose sought needle was fully attended
   double attention_recall = 0;       ///< mean share of full attention's mass on the attended set

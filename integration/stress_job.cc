@@ -176,11 +176,21 @@ Result<StressReport> RunStress(const StressOptions& opt) {
     for (auto& [seq, pid] : made) rep.verified_tokens += VerifySequence(store.get(), seq, pid, opt.tokens, &sh);
     KVTIER_RETURN_IF_ERROR(store->WaitForDurable());
     rep.counters = store->counters();
+    if (!opt.reopen && opt.drop_at_end) {
+      for (auto& [seq, pid] : made) KVTIER_RETURN_IF_ERROR(store->DropSequence(seq));
+      KVTIER_RETURN_IF_ERROR(store->WaitForDurable());
+      rep.sequences_dropped = true;
+    }
   }
   if (opt.reopen) {
     // Reopen from the RocksDB directory alone: everything must come back.
     KVTIER_ASSIGN_OR_RETURN(auto store, TieredStore::Open(opt.store));
     for (auto& [seq, pid] : made) rep.verified_after_reopen += VerifySequence(store.get(), seq, pid, opt.tokens, &sh);
+    if (opt.drop_at_end) {
+      for (auto& [seq, pid] : made) KVTIER_RETURN_IF_ERROR(store->DropSequence(seq));
+      KVTIER_RETURN_IF_ERROR(store->WaitForDurable());
+      rep.sequences_dropped = true;
+    }
   }
   rep.appends = sh.appends; rep.fetches = sh.fetches; rep.fetched_chunks = sh.fetched_chunks;
   rep.bytes_appended = sh.bytes; rep.errors = sh.errors; rep.first_error = sh.first_error;
@@ -195,7 +205,10 @@ std::string StressReport::ToJson(const StressOptions& o) const {
   w.Key("errors").Uint(errors).Key("first_error").String(first_error);
   w.Key("appends").Uint(appends).Key("fetches").Uint(fetches).Key("fetched_chunks").Uint(fetched_chunks);
   w.Key("bytes_appended").Uint(bytes_appended);
-  w.Key("verified_tokens").Uint(verified_tokens).Key("verified_tokens_after_reopen").Uint(verified_after_reopen);
+  w.Key("verified_tokens").Uint(verified_tokens).Key("verified_tokens_after_reopen");
+  if (o.reopen) w.Uint(verified_after_reopen);
+  else w.Null();  // not reopened: not measured
+  w.Key("sequences_dropped").Bool(sequences_dropped);
   w.Key("seconds").Double(seconds);
   w.Key("io").BeginObject();
   w.Key("bytes_moved").Uint(counters.bytes_moved).Key("promotions").Uint(counters.promotions);
@@ -212,6 +225,7 @@ std::string StressReport::ToJson(const StressOptions& o) const {
   w.Key("seed").Uint(o.seed).Key("fetch_probability").Double(o.fetch_probability);
   w.Key("chunk_size").Int(o.store.chunk_size).Key("n_sink").Int(o.store.n_sink).Key("n_local").Int(o.store.n_local);
   w.Key("repr_topk").Int(o.store.repr_topk).Key("compression").String(CompressionName(o.store.compression));
+  w.Key("data_dir").String(o.store.data_dir);
   w.EndObject();
   w.EndObject();
   return w.str();

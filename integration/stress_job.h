@@ -23,6 +23,9 @@ struct StressOptions {
   int fetch_chunks = 4;          ///< chunks per random fetch
   bool reopen = true;            ///< close the store, reopen it from data_dir and verify again
   uint64_t seed = 1;
+  /// Drop every sequence from every tier (cold and remote included) once verified, so the
+  /// test leaves no data behind (`kvtier stress` without --keep). Default: kept.
+  bool drop_at_end = false;
   Status Validate() const;
 };
 
@@ -32,6 +35,7 @@ struct StressReport {
   uint64_t errors = 0;           ///< failed operations plus mismatching bytes
   std::string first_error;
   double seconds = 0;
+  bool sequences_dropped = false;  ///< StressOptions::drop_at_end did
   StoreCounters counters;
   std::string ToJson(const StressOptions& o) const;
   std::string ToTable(const StressOptions& o) const;

@@ -31,7 +31,8 @@ redis-cli -p "$port" flushall >/dev/null
 warm=$(( ctx * 4096 / 4 ))
 "$build/kvtier" run --quiet --context "$ctx" --warm-bytes "$warm" --data-dir "$work/local" \
   --json "$out/local.json" > "$out/local.txt"
-"$build/kvtier" run --quiet --context "$ctx" --warm-bytes "$warm" --data-dir none --remote "$spec" \
+# --keep: the run would drop its sequence from Redis at the end, and used_memory below is read after it.
+"$build/kvtier" run --quiet --context "$ctx" --warm-bytes "$warm" --data-dir none --remote "$spec" --keep \
   --json "$out/remote.json" > "$out/remote.txt"
 mem=$(redis-cli -p "$port" info memory | sed -n 's/^used_memory_human://p' | tr -d '\r')
 

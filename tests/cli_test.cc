@@ -10,6 +10,7 @@
 
 #include "integration/model/trace_capture.h"
 #include "offload/policy/compilerkv.h"
+#include "tests/redis_fixture.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -609,7 +610,7 @@ TEST(Cli, HelpShowsTheDefaultsEachCommandUses) {
                      {{"probe", "probe"}, {"alloc", "alloc"}, {"index", "index"}, {"compression", "compression"}},
                      {{"hot-bytes", "hot_bytes"}, {"warm-bytes", "warm_bytes"}});
   EXPECT_EQ(run_help.at("dtype"), JsonText(rep, "geometry").substr(JsonText(rep, "geometry").find(':') + 1));
-  EXPECT_EQ(run_help.at("data-dir"), "kvtier-data");
+  EXPECT_EQ(run_help.at("data-dir"), "a new directory under $TMPDIR, removed at exit");
   EXPECT_EQ(run_help.at("kv-budget"), "16384");
 
   // kvtier infinite: the random-weight fixture, everything at its default but the size.
@@ -673,6 +674,235 @@ TEST(Cli, HelpShowsTheDefaultsEachCommandUses) {
       EXPECT_LE(n, 1u) << cmd << ": " << line;
     }
   }
+}
+
+}  // namespace
+}  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+// Every raw value written for "key" in a JSON report, in order ("null", "0.25", ...).
+std::vector<std::string> JsonValues(const std::string& json, const std::string& key) {
+  std::vector<std::string> out;
+  const std::string k = "\"" + key + "\": ";
+  for (size_t at = json.find(k); at != std::string::npos; at = json.find(k, at + 1)) {
+    const size_t b = at + k.size();
+    const size_t e = json.find_first_of(",\n}]", b);
+    out.push_back(json.substr(b, e - b));
+  }
+  return out;
+}
+
+size_t CountLines(const std::string& text, const std::string& start) {
+  size_t n = 0;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) n += line.rfind(start, 0) == 0;
+  return n;
+}
+
+bool IsEmptyDir(const std::string& dir) {
+  return std::filesystem::is_directory(dir) && std::filesystem::is_empty(dir);
+}
+
+const char* kSmallRun = "run --context 2048 --geometry 2,4,2,32 --decode-steps 2 --spearman-windows 2";
+
+// Issue 22: a figure that was not measured is null in the JSON and "not measured" in the
+// text, never 0 ("kvtier is 0.0x faster").
+TEST(Cli, NoBaselineFiguresAreNullNotZero) {
+  TempDir dir;
+  const std::string json = dir.path() + "/r.json";
+  Ran r = Kvtier(std::string(kSmallRun) + " --quiet --no-baseline --data-dir " + dir.path() + "/d --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string rep = ReadAll(json);
+  for (const char* key : {"attention_recall", "output_rel_error", "question_attention_recall",
+                          "question_output_rel_error", "speedup_vs_full", "full_attention_step_ms", "median", "iqr"}) {
+    const std::vector<std::string> v = JsonValues(rep, key);
+    ASSERT_FALSE(v.empty()) << key << " missing in\n" << rep;
+    for (const std::string& x : v) EXPECT_EQ(x, "null") << key << " in\n" << rep;
+  }
+  // Measured without the baseline: numbers.
+  for (const char* key : {"needle_hit_rate", "step_ms", "prefill_s", "peak_rss_bytes"})
+    for (const std::string& x : JsonValues(rep, key)) EXPECT_NE(x, "null") << key;
+  EXPECT_EQ(r.out.find("0.0x"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("faster"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("attention recall           not measured"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("full attention             not measured"), std::string::npos) << r.out;
+
+  // The comparison table: "-" and a note, no 0 recall or 0.0x.
+  r = Kvtier(std::string(kSmallRun) + " --quiet --no-baseline --compare --data-dir " + dir.path() + "/d2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find("0.0x"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("not measured (--no-baseline: full attention did not run)"), std::string::npos) << r.out;
+
+  // With the baseline the same figures are numbers.
+  r = Kvtier(std::string(kSmallRun) + " --quiet --data-dir " + dir.path() + "/d3 --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* key : {"attention_recall", "output_rel_error", "speedup_vs_full", "full_attention_step_ms"})
+    for (const std::string& x : JsonValues(ReadAll(json), key)) EXPECT_NE(x, "null") << key;
+}
+
+// A default run or stress test writes its data to a temporary directory under $TMPDIR and
+// removes it: nothing is left in the working directory or in $TMPDIR, an error included.
+TEST(Cli, DefaultRunLeavesNothingBehind) {
+  TempDir cwd, tmp;
+  const std::string in = "cd " + cwd.path() + " && TMPDIR=" + tmp.path() + " ";
+  Ran r = Kvtier(std::string(kSmallRun) + " --quiet", in);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("data: temporary directory " + tmp.path() + "/kvtier-run-"), std::string::npos) << r.out;
+  EXPECT_TRUE(IsEmptyDir(cwd.path()));
+  EXPECT_TRUE(IsEmptyDir(tmp.path()));
+  r = Kvtier("stress --sequences 2 --threads 2 --tokens 300", in);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("data: temporary directory " + tmp.path() + "/kvtier-stress-"), std::string::npos) << r.out;
+  EXPECT_TRUE(IsEmptyDir(cwd.path()));
+  EXPECT_TRUE(IsEmptyDir(tmp.path()));
+  // An error after the directory was made (the store refuses a 10-byte warm tier).
+  r = Kvtier(std::string(kSmallRun) + " --quiet --warm-bytes 10", in);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(IsEmptyDir(cwd.path()));
+  EXPECT_TRUE(IsEmptyDir(tmp.path()));
+  // --keep without a place to keep the data.
+  r = Kvtier(std::string(kSmallRun) + " --quiet --keep", in);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("--keep needs --data-dir"), std::string::npos) << r.out;
+}
+
+// --data-dir D keeps the store in D; its sequences stay with --keep and are dropped without.
+TEST(Cli, KeepLeavesTheSequencesInTheDataDir) {
+  TempDir dir;
+  const std::string kept = dir.path() + "/kept", dropped = dir.path() + "/dropped";
+  Ran r = Kvtier(std::string(kSmallRun) + " --quiet --no-baseline --keep --data-dir " + kept);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("data: the run's sequence kept in " + kept), std::string::npos) << r.out;
+  Ran c = Kvtier("check --data-dir " + kept);
+  ASSERT_EQ(c.code, 0) << c.out;
+  EXPECT_EQ(CountLines(c.out, "  sequence "), 1u) << c.out;
+
+  r = Kvtier(std::string(kSmallRun) + " --quiet --no-baseline --data-dir " + dropped);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("data: the run's sequence dropped from " + dropped), std::string::npos) << r.out;
+  c = Kvtier("check --data-dir " + dropped);
+  ASSERT_EQ(c.code, 0) << c.out;
+  EXPECT_EQ(CountLines(c.out, "  sequence "), 0u) << c.out;
+
+  r = Kvtier("stress --sequences 3 --threads 2 --tokens 300 --keep --data-dir " + dir.path() + "/s-kept");
+  ASSERT_EQ(r.code, 0) << r.out;
+  c = Kvtier("check --data-dir " + dir.path() + "/s-kept");
+  EXPECT_EQ(CountLines(c.out, "  sequence "), 3u) << c.out;
+  r = Kvtier("stress --sequences 3 --threads 2 --tokens 300 --data-dir " + dir.path() + "/s-dropped");
+  ASSERT_EQ(r.code, 0) << r.out;
+  c = Kvtier("check --data-dir " + dir.path() + "/s-dropped");
+  EXPECT_EQ(CountLines(c.out, "  sequence "), 0u) << c.out;
+}
+
+// Progress goes to stderr; off a terminal (here: a pipe) one line per phase or sample, no
+// carriage returns; --quiet prints none.
+TEST(Cli, ProgressIsOneLinePerPhaseOffATerminal) {
+  TempDir dir;
+  Ran r = Kvtier(std::string(kSmallRun) + " --data-dir " + dir.path() + "/d");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find('\r'), std::string::npos) << r.out;
+  EXPECT_EQ(CountLines(r.out, "[kvtier] prefill: 2048 tokens in "), 1u) << r.out;
+  EXPECT_EQ(CountLines(r.out, "[kvtier] decode: 2 steps in "), 1u) << r.out;
+  EXPECT_EQ(CountLines(r.out, "[kvtier] full-attention baseline: 2 layers in "), 1u) << r.out;
+  EXPECT_EQ(CountLines(r.out, "[kvtier]"), 3u) << r.out;
+  r = Kvtier(std::string(kSmallRun) + " --quiet --data-dir " + dir.path() + "/d2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find("[kvtier]"), std::string::npos) << r.out;
+
+  r = Kvtier("infinite --weights " + Fixture("tiny_llama.safetensors") + " --context 600 --samples 2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find('\r'), std::string::npos) << r.out;
+  EXPECT_EQ(CountLines(r.out, "[kvtier] infinite: kvtier, context 600, sample 1/2: "), 1u) << r.out;
+  EXPECT_EQ(CountLines(r.out, "[kvtier] infinite: kvtier, context 600, sample 2/2: "), 1u) << r.out;
+  EXPECT_EQ(CountLines(r.out, "[kvtier]"), 2u) << r.out;
+  r = Kvtier("infinite --quiet --weights " + Fixture("tiny_llama.safetensors") + " --context 600 --samples 2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find("[kvtier]"), std::string::npos) << r.out;
+}
+
+// Errors a user can cause name the input and the fix, with exit code 2, before any work.
+TEST(Cli, UserErrorsNameTheInputAndTheFix) {
+  TempDir dir;
+  namespace fs = std::filesystem;
+  const std::string hf = dir.path() + "/hf", plain = dir.path() + "/plain", empty = dir.path() + "/empty";
+  fs::create_directories(hf);
+  fs::create_directories(plain);
+  fs::create_directories(empty);
+  std::ofstream(hf + "/config.json") << "{}";
+  std::ofstream(hf + "/model.safetensors") << "x";
+  fs::copy_file(Fixture("tiny_llama.safetensors"), plain + "/tiny.safetensors");
+  const std::string missing_dir = dir.path() + "/no/such/dir";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"infinite --weights " + hf, "is a directory"},
+      {"infinite --weights " + hf, "Hugging Face export"},
+      {"infinite --weights " + plain, "pass --weights " + plain + "/tiny.safetensors"},
+      {"infinite --weights " + empty, "holds no *.safetensors file"},
+      {"trace --weights " + plain + " --out " + dir.path() + "/t", "pass --weights " + plain + "/tiny.safetensors"},
+      {"run --json " + missing_dir + "/r.json", "--json: output file '" + missing_dir + "/r.json': the directory"},
+      {"run --json " + dir.path(), "is a directory"},
+      {"stress --json " + missing_dir + "/r.json", "does not exist"},
+      {"infinite --weights " + ShippedWeights() + " --json " + missing_dir + "/r.json", "does not exist"},
+      {"trace --weights " + ShippedWeights() + " --out " + missing_dir + "/t", "--out: output file"},
+      {"compile-tables --record-synthetic 1 --out-traces " + missing_dir + "/t", "--out-traces: output file"},
+      {"run --warm-bytes 12Q", "'12Q' is not a size: a whole number with an optional suffix K, M or G"},
+      {"stress --hot-bytes 1.5G", "suffix K, M or G"},
+  };
+  for (const auto& [args, want] : cases) {
+    Ran r = Kvtier(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(want), std::string::npos) << args << "\n" << r.out;
+    EXPECT_EQ(r.out.find("[kvtier]"), std::string::npos) << args << ": work started\n" << r.out;
+  }
+  EXPECT_FALSE(fs::exists(missing_dir));
+  // An existing --json file passes the check untouched; a new one is not left behind by it.
+  std::ofstream(dir.path() + "/old.json") << "old";
+  EXPECT_EQ(Kvtier("run --json " + dir.path() + "/old.json --context -1").code, 2);
+  EXPECT_EQ(ReadAll(dir.path() + "/old.json"), "old");
+  EXPECT_EQ(Kvtier("run --json " + dir.path() + "/new.json --context -1").code, 2);
+  EXPECT_FALSE(fs::exists(dir.path() + "/new.json"));
+}
+
+// With --remote the run's sequence leaves Redis at the end too, unless --keep.
+TEST(Cli, RunDropsItsSequenceFromTheRemoteTierUnlessKept) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  RedisServers redis;
+  ASSERT_GE(redis.Start(), 0);
+  const int port = std::stoi(redis.Spec(0).substr(redis.Spec(0).rfind(':') + 1));
+  std::string args = kSmallRun;
+  args += " --quiet --no-baseline --warm-bytes 256K --data-dir none --remote ";
+  args += redis.Spec(0);
+  auto keys = [&]() -> long long {
+    const std::string t = RedisCommandText(port, {"DBSIZE"});
+    return t.empty() ? -1 : std::stoll(t);
+  };
+  Ran r = Kvtier(args);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("remote tier " + redis.Spec(0) + ": dropped"), std::string::npos) << r.out;
+  EXPECT_EQ(keys(), 0);
+  r = Kvtier(args + " --keep");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("remote tier " + redis.Spec(0) + ": kept"), std::string::npos) << r.out;
+  EXPECT_GT(keys(), 0);
+}
+
+// Ctrl-C (SIGINT) in the middle of a run removes the temporary data directory too.
+TEST(Cli, InterruptedRunRemovesItsTemporaryDirectory) {
+  TempDir tmp;
+  // Started in the background; SIGINT once its directory exists (the handler is in place by then).
+  const std::string script =
+      "TMPDIR=" + tmp.path() + " " + KVTIER_BINARY_DIR + "/kvtier run --quiet --context 1048576 --geometry 2,4,2,32 "
+      ">/dev/null 2>&1 & pid=$!; for i in $(seq 200); do ls " + tmp.path() +
+      " | grep -q kvtier-run && break; sleep 0.05; done; kill -INT $pid; wait $pid; echo rc=$?";
+  Ran r;
+  FILE* p = popen(script.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  char buf[256];
+  while (fgets(buf, sizeof(buf), p) != nullptr) r.out += buf;
+  pclose(p);
+  EXPECT_NE(r.out.find("rc=130"), std::string::npos) << r.out;
+  EXPECT_TRUE(IsEmptyDir(tmp.path()));
 }
 
 }  // namespace

@@ -74,8 +74,10 @@ struct Ran {
 };
 
 /// Runs `kvtier ARGS` from the build directory (KVTIER_BINARY_DIR, set for kvtier_tests).
-inline Ran Kvtier(const std::string& args) {
-  const std::string cmd = std::string(KVTIER_BINARY_DIR) + "/kvtier " + args + " 2>&1";
+/// `prefix` goes before the command in the shell: "cd DIR && TMPDIR=T " runs it elsewhere.
+/// stderr is a pipe here, never a terminal.
+inline Ran Kvtier(const std::string& args, const std::string& prefix = "") {
+  const std::string cmd = prefix + std::string(KVTIER_BINARY_DIR) + "/kvtier " + args + " 2>&1";
   Ran r;
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "integration/cli/flags.h"
+#include "integration/cli/paths.h"
 #include "integration/policy_eval.h"
 #include "integration/workload.h"
 #include "offload/policy/compilerkv.h"
@@ -66,13 +67,13 @@ std::string JoinNumbers(const std::vector<T>& v) {
 Status ParseFlags(int argc, char** argv, CompileFlags* f, bool* help) {
   FlagSet flags;
   flags.Add("traces", "traces file to compile tables from", PathFlag(&f->traces));
-  flags.Add("out", "write the compiled tables to this file", PathFlag(&f->out));
+  flags.Add("out", "write the compiled tables to this file", cli::OutputPathFlag(&f->out));
   flags.Add("alpha-cql", "conservatism alpha of Eq. 4", DoubleFlag(&f->fit.alpha_cql));
   flags.Add("steps", "gradient steps", IntFlag(&f->fit.steps, 0, 1 << 24));
   flags.Add("lr", "gradient step size", DoubleFlag(&f->fit.lr));
   flags.Add("record-synthetic", "record traces from N synthetic sequences",
             IntFlag(&f->record_synthetic, 1, 1 << 20));
-  flags.Add("out-traces", "write recorded traces to this file", PathFlag(&f->out_traces));
+  flags.Add("out-traces", "write recorded traces to this file", cli::OutputPathFlag(&f->out_traces));
   flags.Add("geometry", "L,Hq,Hkv,D model shape for recording",
             WithDefault(std::to_string(f->layers) + "," + std::to_string(f->q_heads) + "," +
                             std::to_string(f->kv_heads) + "," + std::to_string(f->head_dim),

@@ -1,5 +1,6 @@
 #include "integration/cli/flags.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -110,6 +111,14 @@ Status ParseBytes(const std::string& s, uint64_t* out) {
     mult = last == 'K' ? 1ull << 10 : last == 'M' ? 1ull << 20 : 1ull << 30;
     num = s.substr(0, s.size() - 1);
   }
+  // Text that is no number with a known suffix names the suffixes; a number out of range
+  // keeps ParseInt's message (the range).
+  const bool digits = !num.empty() && std::all_of(num.begin(), num.end(), [](char c) {
+    return std::isdigit(static_cast<unsigned char>(c)) || c == '-' || c == '+';
+  });
+  if (!digits)
+    return InvalidArgument("'" + s + "' is not a size: a whole number with an optional suffix K, M or G (powers of "
+                           "1024, either case), e.g. 512K, 64M, 2G");
   int64_t v = 0;
   KVTIER_RETURN_IF_ERROR(ParseInt(num, 1, int64_t{1} << 50, &v));
   *out = static_cast<uint64_t>(v) * mult;

@@ -16,11 +16,13 @@
 #include <vector>
 
 #include "integration/cli/flags.h"
+#include "integration/cli/paths.h"
 #include "integration/compress.h"
 #include "integration/json.h"
 #include "integration/model/llama.h"
 #include "integration/model/tasks.h"
 #include "integration/policy_eval.h"
+#include "integration/progress.h"
 #include "integration/tier_report.h"
 #include "offload/demotion_policy.h"
 #include "offload/hot_tier.h"
@@ -135,8 +137,9 @@ Result<StoreOptions> StoreFor(const Options& o, const Method& m, const LlamaMode
   return s;
 }
 
+// prog: the sample's progress (prompt and answer tokens through the model).
 Status RunSample(const Options& o, const Method& m, const LlamaModel& model, const StoreOptions& so,
-                 const Sample& sample, Result1* r) {
+                 const Sample& sample, Result1* r, Progress* prog) {
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<LlamaSession> session, LlamaSession::Create(&model, so, m.positions));
   if (m.kind == Method::kRetrieval) {
     KVTIER_RETURN_IF_ERROR(session->EnableRetrieval(m.retrieval));
@@ -210,6 +213,7 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
     const size_t e = std::min(n_prefill, b + static_cast<size_t>(window));
     KVTIER_RETURN_IF_ERROR(
         session->Prefill(std::vector<int32_t>(tokens.begin() + b, tokens.begin() + e), window).status());
+    prog->Update(static_cast<int64_t>(e));
   }
   int64_t decoded = 0;  // decode steps run (the prompt's last token is the first)
   // After a decode step: G-KV-style policies compress again every compress_every() steps,
@@ -244,7 +248,9 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
     KVTIER_RETURN_IF_ERROR(after_decode());
     next = LlamaSession::Argmax(last);
     out.push_back(static_cast<char>(next));
+    prog->Update(static_cast<int64_t>(n_prefill + out.size()));
   }
+  prog->Update(static_cast<int64_t>(n_prefill + out.size()));
   r->seconds += Now() - t0;
   r->tokens += tokens.size() + out.size() - 1;
   r->steps += static_cast<uint64_t>((n_prefill + window - 1) / window + out.size()) * model.config().n_layers;
@@ -273,10 +279,20 @@ Result<Result1> RunMethod(const Options& o, const Method& m, const LlamaModel& m
     return r;
   }
   for (size_t i = 0; i < samples.size(); ++i) {
-    if (!o.quiet)
-      std::fprintf(stderr, "infinite: %s, context %lld, sample %zu/%zu\n", m.name.c_str(),
-                   static_cast<long long>(context), i + 1, samples.size());
-    KVTIER_RETURN_IF_ERROR(RunSample(o, m, model, so, samples[i], &r));
+    // One line per sample (redrawn with ETA on a terminal while it runs): a 32K sample takes
+    // tens of seconds.
+    char what[256];
+    std::snprintf(what, sizeof(what), "infinite: %s, context %lld, sample %zu/%zu", m.name.c_str(),
+                  static_cast<long long>(context), i + 1, samples.size());
+    Progress prog(!o.quiet, what, static_cast<int64_t>(samples[i].prompt.size() + samples[i].answer.size() - 1),
+                  "tokens");
+    const int correct_before = r.correct;
+    KVTIER_RETURN_IF_ERROR(RunSample(o, m, model, so, samples[i], &r, &prog));
+    std::string extra = r.correct > correct_before ? ", correct" : ", wrong";
+    if (i + 1 < samples.size())
+      extra += "; " + m.name + " at " + std::to_string(context) + " done in about " +
+               FormatDuration(r.s_per_sample() * static_cast<double>(samples.size() - i - 1));
+    prog.Done(extra);
   }
   return r;
 }
@@ -322,7 +338,10 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
   w.Key("window").Int(std::min(o.window, o.store.n_local));
   if (o.compress.empty()) w.Key("compress").Null();
   else w.Key("compress").String(o.compress);
-  w.Key("kv_budget").Int(o.kv_budget).Key("observe").Int(o.observe);
+  // Without --compress no budget applies: null, not 0.
+  if (o.compress.empty()) w.Key("kv_budget").Null();
+  else w.Key("kv_budget").Int(o.kv_budget);
+  w.Key("observe").Int(o.observe);
   w.Key("methods").BeginArray();
   for (const Method& m : methods)
     w.BeginObject().Key("name").String(m.name).Key("config").String(Describe(o, m)).Key("compressed").Bool(m.compress)
@@ -362,7 +381,17 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
 
 void AddModelTaskFlags(cli::FlagSet* flags, std::string* weights, std::string* task) {
   flags->Add("weights", "kvtier-llama safetensors file (required), e.g. models/kvtier-tiny.safetensors",
-             cli::PathFlag(weights));
+             FlagSet::Binding(
+                 [weights](const std::string& s) {
+                   if (s.empty()) return InvalidArgument("empty path");
+                   // A directory (an HF export, a models/ folder) says which file to pass; a
+                   // missing file is left to the loader, whose message names it.
+                   Status st = cli::CheckInputFile("--weights", s);
+                   if (!st.ok() && st.code() != StatusCode::kNotFound) return st;
+                   *weights = s;
+                   return Status::Ok();
+                 },
+                 *weights));
   flags->Add("task", "passkey | number_string | kv_retrieval", cli::WithDefault(*task, [task](const std::string& s) {
     KVTIER_RETURN_IF_ERROR(model::CheckTask(s));
     *task = s;
@@ -492,7 +521,8 @@ int RunInfinite(int argc, char** argv) {
         WithDefault("", IntFlag(&o.kv_budget, 1, int64_t{1} << 40)));
   f.Add("observe", "--compress: the last prompt tokens whose queries' exact attention over every held key "
         "the policy observes", IntFlag(&o.observe, 1, 1 << 16));
-  f.Add("json", "write the report as JSON to this file", PathFlag(&o.json));
+  f.Add("json", "write the report as JSON to this file (checked writable before the run)",
+        cli::OutputPathFlag(&o.json));
   f.Add("quiet", "no progress on stderr", [&o](const std::string& s) {
     o.quiet = s != "0";
     return Status::Ok();

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "integration/cli/compile_tables.h"
 #include "integration/cli/flags.h"
 #include "integration/cli/infinite.h"
+#include "integration/cli/paths.h"
 #include "integration/cli/trace.h"
 #include "integration/json.h"
 #include "integration/policy_eval.h"
@@ -40,8 +42,16 @@ using cli::WithDefault;
 // --kv-budget of `kvtier run --compare-policies` when the flag is not given (per kv head).
 constexpr int64_t kComparePoliciesKvBudget = 1024;
 
-// Each command sets its own defaults in `o` before calling this: --help shows those.
-void AddStoreFlags(FlagSet* f, StoreOptions* o) {
+// Where a run's or a stress test's data go: a temporary directory unless --data-dir is given
+// ('none': no cold tier), and its sequences dropped at the end unless --keep.
+struct DataPlace {
+  bool keep = false;
+  std::unique_ptr<cli::ScratchDir> scratch;  ///< the temporary --data-dir, removed at exit
+};
+
+// Each command sets its own defaults in `o` before calling this: --help shows those. An
+// empty o->data_dir means the temporary directory (PrepareDataDir).
+void AddStoreFlags(FlagSet* f, StoreOptions* o, DataPlace* place) {
   const Geometry& g = o->geometry;
   f->Add("geometry", "L,Hq,Hkv,D model KV shape",
          WithDefault(std::to_string(g.layers) + "," + std::to_string(g.q_heads) + "," + std::to_string(g.kv_heads) +
@@ -60,7 +70,8 @@ void AddStoreFlags(FlagSet* f, StoreOptions* o) {
          cli::DeviceFlag(&o->hot_tier));
   f->Add("warm-bytes", "warm tier capacity (K/M/G suffixes)", BytesFlag(&o->warm_bytes));
   f->Add("data-dir", "cold tier (RocksDB) directory; 'none': no cold tier (then --remote is the lower tier)",
-         WithDefault(o->data_dir, [o](const std::string& s) {
+         WithDefault(o->data_dir.empty() ? "a new directory under $TMPDIR, removed at exit" : o->data_dir,
+                     [o](const std::string& s) {
            if (s.empty()) return InvalidArgument("empty path");
            o->data_dir = s == "none" ? "" : s;
            return Status::Ok();
@@ -88,6 +99,36 @@ void AddStoreFlags(FlagSet* f, StoreOptions* o) {
   }));
   f->Add("sync", "fsync every cold write (power-loss durability)",
          [o](const std::string& s) { o->sync_writes = s != "0"; return Status::Ok(); }, true);
+  f->Add("keep", "keep the sequences in --data-dir (and --remote) at the end; without it they are dropped, so "
+         "nothing is left behind", [place](const std::string& s) { place->keep = s != "0"; return Status::Ok(); }, true);
+}
+
+// After parsing: without --data-dir the cold tier goes to a fresh temporary directory.
+Status PrepareDataDir(const FlagSet& f, const char* prefix, StoreOptions* o, DataPlace* place) {
+  if (f.given("data-dir")) return Status::Ok();
+  if (place->keep && o->remote.empty())
+    return InvalidArgument("--keep needs --data-dir DIR (or --remote): without it the data go to a temporary "
+                           "directory that is removed at exit");
+  place->scratch = std::make_unique<cli::ScratchDir>(prefix);
+  if (place->scratch->path().empty()) return IOError(place->scratch->error());
+  o->data_dir = place->scratch->path();
+  return Status::Ok();
+}
+
+// One line on where the data went: the temporary directory, the user's --data-dir, Redis.
+std::string DataNote(const StoreOptions& o, const DataPlace& place, bool dropped, const char* what) {
+  std::string t = "data: ";
+  if (place.scratch) {
+    t += "temporary directory " + o.data_dir + ", removed at exit (--data-dir DIR --keep keeps the data)";
+  } else if (o.data_dir.empty()) {
+    t += "no cold tier (--data-dir none)";
+  } else if (dropped) {
+    t += std::string(what) + " dropped from " + o.data_dir + " at the end (--keep keeps them)";
+  } else {
+    t += std::string(what) + " kept in " + o.data_dir + " ('kvtier check --data-dir " + o.data_dir + "' lists them)";
+  }
+  if (!o.remote.empty()) t += std::string("; remote tier ") + o.remote + (dropped ? ": dropped" : ": kept");
+  return t + "\n";
 }
 
 bool WriteFile(const std::string& path, const std::string& text) {
@@ -171,15 +212,16 @@ int CmdRun(int argc, char** argv) {
   o.store.geometry = Geometry{8, 8, 2, 64, DType::kF16};
   o.store.warm_bytes = 128ull << 20;
   o.store.hot_bytes = 16ull << 20;
-  o.store.data_dir = "kvtier-data";
+  o.store.data_dir.clear();  // a temporary directory unless --data-dir (PrepareDataDir)
   o.workload.context = 131072;
+  DataPlace place;
   std::string json;
   bool compare_policies = false, kv_budget_set = false;
   std::vector<int64_t> sweep;
   std::vector<std::string> policy_list;
   FlagSet f;
   f.Add("context", "tokens of context", IntFlag(&o.workload.context, 1, int64_t{1} << 32));
-  AddStoreFlags(&f, &o.store);
+  AddStoreFlags(&f, &o.store, &place);
   f.Add("budget", "retrieved tokens per step and layer", IntFlag(&o.budget, 0, 1 << 24));
   f.Add("window", "prefill window in tokens", IntFlag(&o.window, 1, 1 << 20));
   f.Add("stat-stride", "every N-th prefill query feeds representative-key statistics",
@@ -265,7 +307,8 @@ int CmdRun(int argc, char** argv) {
   f.Add("no-baseline", "skip the full-attention comparison",
         [&o](const std::string& s) { o.baseline = s == "0"; return Status::Ok(); }, true);
   f.Add("quiet", "no progress on stderr", [&o](const std::string& s) { o.progress = s == "0"; return Status::Ok(); }, true);
-  f.Add("json", "write the full report as JSON to this file", [&json](const std::string& s) { json = s; return Status::Ok(); });
+  f.Add("json", "write the full report as JSON to this file (checked writable before the run)",
+        cli::OutputPathFlag(&json));
   std::string trace;
   f.Add("trace", "replay this trace ('kvtier trace') instead of the synthetic workload: a real model's Q/K/V; "
         "geometry, context and decode steps come from it", cli::PathFlag(&trace));
@@ -283,9 +326,13 @@ int CmdRun(int argc, char** argv) {
   }
   if (compare_policies)
     return ComparePolicies(o, kv_budget_set ? o.kv_budget : kComparePoliciesKvBudget, sweep, policy_list, json);
+  st = PrepareDataDir(f, "kvtier-run", &o.store, &place);
+  if (!st.ok()) return Fail(st);
+  o.drop_at_end = !place.keep;
   auto rep = RunJob(o);
   if (!rep.ok()) return Fail(rep.status());
   std::printf("%s", rep->ToTable().c_str());
+  std::printf("%s", DataNote(o.store, place, rep->sequence_dropped, "the run's sequence").c_str());
   if (!json.empty()) {
     if (!WriteFile(json, rep->ToJson())) return Fail(IOError("could not write --json file '" + json + "'"));
     std::printf("report: %s\n", json.c_str());
@@ -302,16 +349,18 @@ int CmdStress(int argc, char** argv) {
   o.store.chunk_size = 16;
   o.store.warm_bytes = 64 * o.store.chunk_bytes();
   o.store.hot_bytes = 32 * o.store.chunk_bytes();
-  o.store.data_dir = "kvtier-stress-data";
+  o.store.data_dir.clear();  // a temporary directory unless --data-dir (PrepareDataDir)
+  DataPlace place;
   std::string json;
   FlagSet f;
-  AddStoreFlags(&f, &o.store);
+  AddStoreFlags(&f, &o.store, &place);
   f.Add("sequences", "sequences in total", IntFlag(&o.sequences, 1, 1 << 20));
   f.Add("threads", "driver threads", IntFlag(&o.threads, 1, 1024));
   f.Add("tokens", "tokens per sequence and layer", IntFlag(&o.tokens, 1, int64_t{1} << 32));
   f.Add("fetch-prob", "chance of a random fetch after each append", DoubleFlag(&o.fetch_probability));
   f.Add("seed", "random seed", IntFlag(&o.seed, 0, INT64_MAX));
-  f.Add("json", "write the report as JSON to this file", [&json](const std::string& s) { json = s; return Status::Ok(); });
+  f.Add("json", "write the report as JSON to this file (checked writable before the test)",
+        cli::OutputPathFlag(&json));
   Status st = f.Parse("stress", argc, argv);
   if (!st.ok()) return Fail(st);
   if (f.help()) {
@@ -319,9 +368,13 @@ int CmdStress(int argc, char** argv) {
                 "then every chunk verified bit for bit, before and after reopening the store.");
     return 0;
   }
+  st = PrepareDataDir(f, "kvtier-stress", &o.store, &place);
+  if (!st.ok()) return Fail(st);
+  o.drop_at_end = !place.keep;
   auto rep = RunStress(o);
   if (!rep.ok()) return Fail(rep.status());
   std::printf("%s", rep->ToTable(o).c_str());
+  std::printf("%s", DataNote(o.store, place, rep->sequences_dropped, "the sequences").c_str());
   if (!json.empty() && !WriteFile(json, rep->ToJson(o))) return Fail(IOError("could not write --json file '" + json + "'"));
   return rep->errors == 0 ? 0 : 1;
 }

@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "integration/cli/infinite.h"
+#include "integration/cli/paths.h"
 #include "integration/kv_source.h"
 #include "integration/model/llama.h"
 #include "integration/model/tasks.h"
@@ -40,7 +41,7 @@ int RunTrace(int argc, char** argv) {
           return Status::Ok();
         }));
   f.Add("window", "prefill window in tokens, 1..512", IntFlag(&o.window, 1, 512));
-  f.Add("out", "the trace file to write (required)", PathFlag(&out));
+  f.Add("out", "the trace file to write (required; checked writable before the model runs)", cli::OutputPathFlag(&out));
   Status st = f.Parse("trace", argc, argv);
   if (!st.ok()) return Fail(st);
   if (f.help()) {
