@@ -26,8 +26,11 @@ for b in "${bins[@]}"; do ldd "$build/$b"; done | awk '$3 ~ /^\// {print $1, $3}
       *) cp -L "$path" "$stage/lib/$name" ;;
     esac
   done
-echo "$(cd "$(dirname "$0")/.." && pwd)" >"$stage/source_dir"
-(cd "$(dirname "$0")/.." && git rev-parse --short HEAD 2>/dev/null || echo unknown) >"$stage/commit"
+# The source tree the binaries were compiled from (their __FILE__ and KVTIER_SOURCE_DIR paths).
+src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$build/CMakeCache.txt")
+[ -n "$src" ] || { echo "gpu_pack: no CMAKE_HOME_DIRECTORY in $build/CMakeCache.txt" >&2; exit 1; }
+echo "$src" >"$stage/source_dir"
+(cd "$src" && git rev-parse --short HEAD 2>/dev/null || echo unknown) >"$stage/commit"
 mkdir -p "$(dirname "$tarball")"
 tar -C "$stage" -czf "$tarball" .
 echo "gpu_pack: $tarball ($(du -h "$tarball" | cut -f1)): $(ls "$stage/bin" | tr '\n' ' ')+ $(ls "$stage/lib" | wc -l) libraries"
