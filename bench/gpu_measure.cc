@@ -166,33 +166,30 @@ void MeasureH2D(cudaStream_t s, int reps, std::vector<Row>* rows) {
 }
 
 // Random inputs for the timed kernels (never constants: they can hide wrong indexing and time
-// differently from real data). Values uniform in [-1, 1), filled through a host buffer.
-void FillRandomBf16(void* dev, size_t n, uint32_t seed) {
-  std::vector<uint16_t> host(std::min<size_t>(n, size_t{1} << 24));
+// differently from real data). Values uniform in [-1, 1) times `scale`, by xorshift32, stored as
+// T by `store` and copied up through a host buffer.
+template <typename T, typename Store>
+void FillRandom(T* dev, size_t n, uint32_t seed, float scale, Store store) {
+  std::vector<T> host(std::min<size_t>(n, size_t{1} << 24));
   uint32_t x = seed * 2654435761u + 1;
   for (size_t done = 0; done < n; done += host.size()) {
     const size_t m = std::min(host.size(), n - done);
     for (size_t i = 0; i < m; ++i) {
       x ^= x << 13, x ^= x >> 17, x ^= x << 5;
-      const float f = static_cast<float>(x) * (2.0f / 4294967296.0f) - 1.0f;
-      uint32_t bits;
-      std::memcpy(&bits, &f, 4);
-      host[i] = static_cast<uint16_t>(bits >> 16);
+      host[i] = store((static_cast<float>(x) * (2.0f / 4294967296.0f) - 1.0f) * scale);
     }
-    CHECK_CUDA(cudaMemcpy(static_cast<uint16_t*>(dev) + done, host.data(), m * 2, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dev + done, host.data(), m * sizeof(T), cudaMemcpyHostToDevice));
   }
 }
+void FillRandomBf16(void* dev, size_t n, uint32_t seed) {
+  FillRandom(static_cast<uint16_t*>(dev), n, seed, 1.0f, [](float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    return static_cast<uint16_t>(bits >> 16);  // bf16 by truncation
+  });
+}
 void FillRandomF32(float* dev, size_t n, uint32_t seed, float scale = 1.0f) {
-  std::vector<float> host(std::min<size_t>(n, size_t{1} << 24));
-  uint32_t x = seed * 2654435761u + 1;
-  for (size_t done = 0; done < n; done += host.size()) {
-    const size_t m = std::min(host.size(), n - done);
-    for (size_t i = 0; i < m; ++i) {
-      x ^= x << 13, x ^= x >> 17, x ^= x << 5;
-      host[i] = (static_cast<float>(x) * (2.0f / 4294967296.0f) - 1.0f) * scale;
-    }
-    CHECK_CUDA(cudaMemcpy(dev + done, host.data(), m * sizeof(float), cudaMemcpyHostToDevice));
-  }
+  FillRandom(dev, n, seed, scale, [](float f) { return f; });
 }
 
 // Returns the decode step time (ms, 32 layers) over the 2K budget.
