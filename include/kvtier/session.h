@@ -134,7 +134,7 @@ enum class StepKind {
 /// One Attend (or Gather) call.
 struct AttendStats {
   double probe_ms = 0, search_ms = 0, alloc_ms = 0;  ///< retrieval: Eq. 7-9, Eq. 10 search, Eq. 11-12
-  double fetch_ms = 0;                               ///< chunk promotion into hot slots, waited for (pin waits included)
+  double fetch_ms = 0;                               ///< promotion into hot slots, pin waits included
   double attention_ms = 0;                           ///< the attention kernel (and kInfLLM rotation)
   double entropy = 0;                                ///< Θ^ℓ of Eq. 11 when the allocator computed it
   size_t chunks = 0;                                 ///< chunks attended

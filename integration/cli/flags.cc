@@ -117,7 +117,8 @@ Status ParseBytes(const std::string& s, uint64_t* out) {
     return std::isdigit(static_cast<unsigned char>(c)) || c == '-' || c == '+';
   });
   if (!digits)
-    return InvalidArgument("'" + s + "' is not a size: a whole number with an optional suffix K, M or G (powers of "
+    return InvalidArgument("'" + s +
+                           "' is not a size: a whole number with an optional suffix K, M or G (powers of "
                            "1024, either case), e.g. 512K, 64M, 2G");
   int64_t v = 0;
   KVTIER_RETURN_IF_ERROR(ParseInt(num, 1, int64_t{1} << 50, &v));
