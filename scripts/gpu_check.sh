@@ -19,7 +19,8 @@
 # carried Debian packages sits in the project root (scripts/fetch-debs.sh .deps on a machine
 # with the registry), they are unpacked into $KVTIER_DEPS_PREFIX (default
 # /opt/kvdeps), never into /. Environment: KVTIER_GPU_BUILD (build dir, default build-gpu),
-# KVTIER_CUDA_ARCH (default 90: H100/H200), JOBS, KVTIER_RUN_TIMEOUT (s per kvtier run, 540).
+# KVTIER_CUDA_ARCH (default 90: H100/H200), JOBS, KVTIER_RUN_TIMEOUT (s per kvtier run, 540),
+# KVTIER_RUN_CONTEXTS (the `kvtier run --device cuda` contexts, default "131072 1048576").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR [--build-only]}
@@ -135,6 +136,7 @@ if [ "$MODE" = "--quick" ]; then
   RUN_CONTEXTS="131072 1048576"
   RUN_GEOMETRY=()
 fi
+RUN_CONTEXTS=${KVTIER_RUN_CONTEXTS:-$RUN_CONTEXTS}  # e.g. "131072" to skip the 1M run
 for ctx in $RUN_CONTEXTS; do
   sample=$OUT/gpu_mem_$ctx.txt
   (while :; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >>"$sample" 2>/dev/null; sleep 0.5; done) &
