@@ -219,22 +219,18 @@ Result<RunReport> RunJob(const RunOptions& options) {
     methods.push_back(std::move(m));
     return Status::Ok();
   };
-  // A paper method as its preset writes it, over the configured index kind (an Exact index
-  // scores with heads=sum there, as the papers do) at the configured budget.
+  // A paper method as its preset writes it (PaperRetrieval: the configured index kind where it
+  // computes the paper's chunk score, scores summed over kv heads) at the given budget.
+  RetrieverOptions configured = opt.retrieval;
+  configured.budget_tokens = opt.budget;
   auto paper = [&](const std::string& preset, const std::string& probe, const std::string& alloc,
                    int budget) -> Result<RetrieverOptions> {
-    KVTIER_ASSIGN_OR_RETURN(RetrievalPreset p, MakeRetrievalPreset(preset));
-    RetrieverOptions ro = p.retrieval;
+    KVTIER_ASSIGN_OR_RETURN(RetrieverOptions ro, PaperRetrieval(preset, configured));
     ro.probe = probe;
     ro.alloc = alloc;
-    ro.index = opt.retrieval.index;
-    auto summed = SetSpecKey(ro.index, "heads", "sum");
-    if (summed.ok() && CanonicalChunkIndexSpec(*summed).ok()) ro.index = *summed;  // kinds without the key keep theirs
     ro.budget_tokens = budget;
     return ro;
   };
-  RetrieverOptions configured = opt.retrieval;
-  configured.budget_tokens = opt.budget;
   if (opt.compare) {
     KVTIER_ASSIGN_OR_RETURN(RetrieverOptions streaming, paper("infllm", "mean", "topk", 0));
     KVTIER_ASSIGN_OR_RETURN(RetrieverOptions infllm, paper("infllm", "mean", "topk", opt.budget));

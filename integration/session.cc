@@ -11,6 +11,8 @@
 #include "kernels/cpu/rope.h"
 #include "kernels/dtype.h"
 #include "kvtier/kvtier.h"
+#include "retrieval/chunk_index.h"
+#include "retrieval/retriever.h"
 
 namespace kvtier {
 namespace {
@@ -43,10 +45,10 @@ std::vector<std::string> RetrievalPresetNames() { return {"kvtier", "actqkv", "i
 
 Result<RetrievalPreset> MakeRetrievalPreset(const std::string& name) {
   RetrievalPreset p;
-  if (name == "infllm") {  // InfLLM: the mean of the window's queries, a fixed top-k
+  if (name == "infllm") {  // InfLLM: the mean of the window's queries, a fixed top-k, mean representatives
     p.retrieval.probe = "mean";
     p.retrieval.alloc = "topk";
-    p.retrieval.index = "Exact:heads=sum";
+    p.retrieval.index = "Flat";
   } else if (name == "actqkv") {  // ActQKV Algorithm 1: Eq. 7-9 probe, Eq. 10-12 cut-off, cosine order
     p.retrieval.probe = "act";
     p.retrieval.alloc = "entropy:rank=cosine";
@@ -58,6 +60,22 @@ Result<RetrievalPreset> MakeRetrievalPreset(const std::string& name) {
   }
   if (name != "kvtier") p.repr_topk = 4;  // InfLLM's and ActQKV's r_k; kvtier leaves it to the store
   return p;
+}
+
+Result<RetrieverOptions> PaperRetrieval(const std::string& preset, const RetrieverOptions& configured) {
+  KVTIER_ASSIGN_OR_RETURN(RetrievalPreset p, MakeRetrievalPreset(preset));
+  RetrieverOptions r = p.retrieval;
+  r.budget_tokens = configured.budget_tokens;
+  KVTIER_ASSIGN_OR_RETURN(std::string kind, CanonicalChunkIndexSpec(configured.index));
+  // Exact scores a chunk by its best representative; InfLLM's score is their mean, which
+  // every FAISS kind computes (chunk_index.h).
+  const bool exact = kind.rfind("Exact", 0) == 0;
+  if (preset == "infllm" && exact) return r;
+  r.index = configured.index;
+  auto summed = SetSpecKey(r.index, "heads", "sum");
+  if (summed.ok() && CanonicalChunkIndexSpec(*summed).ok())
+    r.index = *summed;  // kinds without the key keep theirs
+  return r;
 }
 
 RetrieverOptions RecommendedRetrieval() {

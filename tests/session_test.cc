@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -13,6 +14,7 @@
 #include <thread>
 
 #include "kernels/cpu/rope.h"
+#include "retrieval/chunk_index.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -402,6 +404,73 @@ TEST(Session, PresetsAreValidAndDistinct) {
   EXPECT_EQ(MakeRetrievalPreset("infllm")->retrieval.probe, "mean");
   EXPECT_EQ(MakeRetrievalPreset("actqkv")->retrieval.alloc, "entropy:rank=cosine");
   EXPECT_EQ(MakeRetrievalPreset("kvtier")->retrieval.index, "Exact:heads=max");
+}
+
+// The comparison rows run the papers' chunk scores over the user's index kind where that kind
+// computes them: InfLLM's is the mean of the representatives, which Exact does not compute.
+TEST(Session, PaperRetrievalKeepsTheConfiguredKindOnlyWhereItComputesThePapersScore) {
+  RetrieverOptions configured = RecommendedRetrieval();  // Exact:heads=max
+  configured.budget_tokens = 777;
+  auto infllm = PaperRetrieval("infllm", configured);
+  ASSERT_TRUE(infllm.ok()) << infllm.status().ToString();
+  EXPECT_EQ(infllm->index, "Flat");
+  EXPECT_EQ(infllm->probe, "mean");
+  EXPECT_EQ(infllm->alloc, "topk");
+  EXPECT_EQ(infllm->budget_tokens, 777);
+  auto actqkv = PaperRetrieval("actqkv", configured);
+  ASSERT_TRUE(actqkv.ok());
+  EXPECT_EQ(*CanonicalChunkIndexSpec(actqkv->index), *CanonicalChunkIndexSpec("Exact:heads=sum"));
+  configured.index = "HNSW32:ef=32";  // a FAISS kind scores the mean already: kept
+  infllm = PaperRetrieval("infllm", configured);
+  ASSERT_TRUE(infllm.ok());
+  EXPECT_EQ(*CanonicalChunkIndexSpec(infllm->index), *CanonicalChunkIndexSpec("HNSW32:ef=32"));
+  EXPECT_FALSE(PaperRetrieval("nosuch", configured).ok());
+}
+
+// The InfLLM row's chunk score, by hand: score(c) = sum_h <p_h, (1/R) sum_r k_{c,r,h}>. The
+// chunks are built so that the best single representative ranks them the other way round, so
+// a row that scored best-of (what Exact computes) fails here.
+TEST(Session, InfllmRowScoresTheMeanOfTheRepresentativesSummedOverHeads) {
+  const ChunkShape shape{/*kv_heads=*/2, /*head_dim=*/4, /*repr=*/4, DType::kF32};
+  auto row = PaperRetrieval("infllm", RecommendedRetrieval());
+  ASSERT_TRUE(row.ok());
+  auto index = MakeChunkIndex(row->index, shape);
+  ASSERT_TRUE(index.ok()) << index.status().ToString();
+  const std::vector<float> probe = {1, 0.5f, -0.25f, 2, /*head 1*/ -1, 0.75f, 0.5f, 1};
+  // [R, H, D] per chunk. Chunk 0: one representative far along the probe, three against it
+  // (best-of high, mean low). Chunk 1: four moderately aligned ones (best-of lower, mean higher).
+  std::vector<std::vector<float>> chunks(2, std::vector<float>(shape.repr_floats()));
+  for (int r = 0; r < 4; ++r)
+    for (int h = 0; h < 2; ++h)
+      for (int d = 0; d < 4; ++d) {
+        const float p = probe[h * 4 + d];
+        chunks[0][(r * 2 + h) * 4 + d] = r == 0 ? 3.0f * p : -0.8f * p;
+        chunks[1][(r * 2 + h) * 4 + d] = (0.5f + 0.1f * r) * p + 0.01f * (d - h);
+      }
+  for (uint64_t c = 0; c < 2; ++c) ASSERT_TRUE((*index)->Add(c, chunks[c].data()).ok());
+  ChunkScores scores;
+  ASSERT_TRUE((*index)->Score(probe.data(), &scores).ok());
+  ASSERT_EQ(scores.ids, (std::vector<uint64_t>{0, 1}));
+  double best_of[2] = {0, 0};
+  for (int c = 0; c < 2; ++c) {
+    double hand = 0;
+    for (int h = 0; h < 2; ++h) {
+      double best = -1e30;
+      for (int r = 0; r < 4; ++r) {
+        double dot = 0;
+        for (int d = 0; d < 4; ++d) dot += probe[h * 4 + d] * chunks[c][(r * 2 + h) * 4 + d];
+        hand += dot / 4.0;
+        best = std::max(best, dot);
+      }
+      best_of[c] += best;
+    }
+    EXPECT_NEAR(scores.logit[c], hand, 1e-4 * std::max(1.0, std::abs(hand))) << "chunk " << c;
+  }
+  EXPECT_GT(best_of[0], best_of[1]);            // best-of would take chunk 0 first
+  EXPECT_GT(scores.logit[1], scores.logit[0]);  // InfLLM's mean takes chunk 1 first
+  std::vector<uint64_t> top;
+  ASSERT_TRUE((*index)->Search(probe.data(), 1, &top).ok());
+  EXPECT_EQ(top, (std::vector<uint64_t>{1}));
 }
 
 }  // namespace

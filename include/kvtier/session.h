@@ -104,13 +104,22 @@ Result<std::vector<uint64_t>> SelectAllChunks(int layer, const float* q, const i
 ///    the trained model's passkey 1.0 vs 0.0 at 4K-64K.
 ///  * "actqkv": ActQKV as written (Algorithm 1): the same probe and budget, scores summed over
 ///    kv heads, chunks taken in cosine order, 4 representative keys per chunk.
-///  * "infllm": InfLLM as written: the mean of the window's queries, a fixed top-k, scores
-///    summed over kv heads, 4 representative keys per chunk.
+///  * "infllm": InfLLM as written: the mean of the window's queries, a fixed top-k, a chunk
+///    scored by the mean of its 4 representative keys, summed over kv heads (index "Flat":
+///    score(c) = sum_h <p_h, mean_r k_{c,r,h}>, as InfLLM's code scores a block).
 struct RetrievalPreset {
   RetrieverOptions retrieval;  ///< probe, allocator, index (budget_tokens left at its default for the caller to set)
   int repr_topk = 0;           ///< representatives per chunk the preset is written with; 0 = leave the store's setting
 };
 Result<RetrievalPreset> MakeRetrievalPreset(const std::string& name);
+/// A paper preset ("infllm", "actqkv") as the comparison rows of `kvtier run --compare` and
+/// `kvtier infinite --compare` run it over the user's retrieval settings: the preset's probe and
+/// allocator at `configured`'s budget, over `configured`'s index kind with kv-head scores summed
+/// where that kind computes the preset's chunk score, else over the preset's own index. So the
+/// InfLLM row scores the mean of the representatives (a FAISS kind, "Flat" when the configured
+/// kind is Exact, whose score is the best single representative) and the ActQKV row keeps the
+/// configured kind with heads=sum.
+Result<RetrieverOptions> PaperRetrieval(const std::string& preset, const RetrieverOptions& configured);
 /// Every preset name, the default first.
 std::vector<std::string> RetrievalPresetNames();
 /// The "kvtier" preset's retrieval options: kvtier's recommended configuration.

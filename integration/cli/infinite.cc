@@ -588,16 +588,13 @@ int RunInfinite(int argc, char** argv) {
 
   std::vector<Method> methods;
   if (o.compare) {
-    // The paper methods as written: 4 representative keys per chunk and head (mean pooled
-    // by the FAISS kinds, best-of by Exact), chunk scores summed over kv heads, ActQKV taking
-    // chunks in Eq. 10 cosine order (Algorithm 1). "kvtier" is the flags' configuration.
-    // The presets (include/kvtier/session.h) over the configured index kind and budget.
+    // The paper methods as written: 4 representative keys per chunk and head, chunk scores
+    // summed over kv heads; InfLLM scores the mean of the representatives, ActQKV the best one
+    // and takes chunks in Eq. 10 cosine order (Algorithm 1). "kvtier" is the flags'
+    // configuration. PaperRetrieval (include/kvtier/session.h) picks the index kind.
     auto paper = [&](const std::string& name) -> Result<std::pair<RetrieverOptions, int>> {
       KVTIER_ASSIGN_OR_RETURN(RetrievalPreset p, MakeRetrievalPreset(name));
-      RetrieverOptions r = p.retrieval;
-      r.budget_tokens = o.retrieval.budget_tokens;
-      r.index = o.retrieval.index;
-      if (auto sum = SetSpecKey(r.index, "heads", "sum"); sum.ok()) r.index = *sum;  // FAISS kinds take sum too
+      KVTIER_ASSIGN_OR_RETURN(RetrieverOptions r, PaperRetrieval(name, o.retrieval));
       return std::make_pair(r, std::min(p.repr_topk, o.store.chunk_size));
     };
     auto infllm_preset = paper("infllm");
