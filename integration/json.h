@@ -1,4 +1,4 @@
-// JsonWriter: a tiny streaming JSON writer for reports.
+// JsonWriter: a small streaming-style builder for reports, over nlohmann::ordered_json.
 //
 //   JsonWriter w(/*pretty=*/true);
 //   w.BeginObject();
@@ -8,19 +8,20 @@
 //   w.EndObject();
 //   std::string s = w.str();
 //
-// Objects, arrays, strings (escaped: " \ and control characters; other bytes,
-// UTF-8 included, pass through), int64, uint64, double (shortest text that
-// reads back to the same double; NaN and infinities, which JSON lacks, are
-// written as null), bool, null; nested to any depth; pretty (indented, one
-// member per line) or compact. Misuse (a value where a key is due, a key
-// outside an object, an unbalanced End*) is not written: ok() turns false and
-// stays false. No reader.
+// The calls build an nlohmann::ordered_json document (members keep the order they were
+// written in) that str() serialises: pretty (indented, one member or item per line) or
+// compact. Strings are escaped by nlohmann (" \ and control characters; UTF-8 passes
+// through, an invalid byte sequence becomes U+FFFD). int64 and uint64 are written exactly; a
+// double is the shortest text that reads back to the same double, a whole number below 2^53
+// without a fraction ("1", not "1.0"); NaN and infinities, which JSON lacks, are null. Misuse
+// (a value where a key is due, a key outside an object, an unbalanced End*) is not written:
+// ok() turns false and stays false. No reader. A repeated key replaces the earlier value.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
-#include <vector>
 
 namespace kvtier {
 
@@ -28,6 +29,9 @@ class JsonWriter {
  public:
   /// pretty: newlines and `indent` spaces per level; otherwise no whitespace.
   explicit JsonWriter(bool pretty = false, int indent = 2);
+  ~JsonWriter();
+  JsonWriter(JsonWriter&&) noexcept;
+  JsonWriter& operator=(JsonWriter&&) noexcept;
 
   JsonWriter& BeginObject();
   JsonWriter& EndObject();
@@ -43,31 +47,20 @@ class JsonWriter {
   JsonWriter& Bool(bool value);
   JsonWriter& Null();
 
-  /// The text so far.
-  const std::string& str() const { return out_; }
+  /// The document as text: what was written so far, containers still open shown closed
+  /// ("" before the first value).
+  const std::string& str() const;
   /// False once the writer was misused.
-  bool ok() const { return ok_; }
+  bool ok() const;
   /// True when exactly one top-level value is written and every container is closed.
-  bool complete() const { return ok_ && stack_.empty() && top_done_; }
+  bool complete() const;
 
   /// JSON string literal of `s`, quotes included.
   static std::string Quote(std::string_view s);
 
  private:
-  struct Level {
-    bool object;
-    bool empty = true;
-    bool key_pending = false;
-  };
-  bool BeforeValue();  // separators/indent; false on misuse
-  void Newline(size_t depth);
-
-  std::string out_;
-  std::vector<Level> stack_;
-  bool pretty_;
-  int indent_;
-  bool ok_ = true;
-  bool top_done_ = false;
+  struct Impl;  // the document and the open containers (json.cc: nlohmann stays out of headers)
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace kvtier

@@ -12,7 +12,7 @@
 set -euo pipefail
 PKGS=(cmake ninja-build g++ make pkg-config
       libfaiss-dev libopenblas-dev librocksdb-dev liblz4-dev libzstd-dev libsnappy-dev
-      libtbb-dev libgtest-dev libgmock-dev libbenchmark-dev
+      libtbb-dev libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev
       libhiredis-dev redis-server redis-tools)
 for group in "$@"; do
   case "$group" in

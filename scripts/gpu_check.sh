@@ -15,7 +15,7 @@
 # built with CUDA elsewhere, plus their non-system shared libraries) is unpacked into the build
 # dir, and this checkout is linked to the path the binaries were built at when that path is free.
 #
-# Dependencies: when FAISS, hiredis or pkg-config are not installed and a .deps folder of
+# Dependencies: when FAISS, hiredis, nlohmann-json, CLI11 or pkg-config are not installed and a .deps folder of
 # carried Debian packages sits in the project root (scripts/fetch-debs.sh .deps on a machine
 # with the registry), they are unpacked into $KVTIER_DEPS_PREFIX (default
 # /opt/kvdeps), never into /. Environment: KVTIER_GPU_BUILD (build dir, default build-gpu),
@@ -71,9 +71,10 @@ else
   NVCC=${CUDACXX:-/usr/local/cuda/bin/nvcc}
   [ -x "$NVCC" ] || die "no nvcc at $NVCC (set CUDACXX)"
   log "nvcc: $("$NVCC" --version | tail -1)"
-  have_deps() { [ -e /usr/include/faiss/Index.h ] && [ -e /usr/include/hiredis/hiredis.h ] && command -v pkg-config >/dev/null; }
-  if ! have_deps && [ ! -e "$PREFIX/usr/include/hiredis/hiredis.h" ]; then
-    [ -d .deps ] || die "FAISS/hiredis/pkg-config not installed and no .deps folder: run scripts/fetch-debs.sh .deps on a machine with the registry"
+  have_deps() { [ -e /usr/include/faiss/Index.h ] && [ -e /usr/include/hiredis/hiredis.h ] &&
+                [ -e /usr/include/nlohmann/json.hpp ] && [ -e /usr/include/CLI/CLI.hpp ] && command -v pkg-config >/dev/null; }
+  if ! have_deps && { [ ! -e "$PREFIX/usr/include/hiredis/hiredis.h" ] || [ ! -e "$PREFIX/usr/include/CLI/CLI.hpp" ]; }; then
+    [ -d .deps ] || die "FAISS/hiredis/nlohmann-json/CLI11/pkg-config not installed and no .deps folder: run scripts/fetch-debs.sh .deps on a machine with the registry"
     log "unpacking .deps into $PREFIX"
     bash scripts/unpack-debs.sh .deps "$PREFIX" >>"$LOG" 2>&1 || die "unpack-debs.sh"
   fi

@@ -305,6 +305,18 @@ TEST(SafeTensorsTest, MalformedFilesNameTheProblem) {
   ExpectBad(Image("{" + ok_tensor + "," + ok_tensor + "}", 8), "duplicate entry 't'");
   ExpectBad(Image(R"({"__metadata__":{"x":1}})", 0), "not a string");
   ExpectBad(Image(R"({"t":{"shape":[2],"data_offsets":[0,8]}})", 8), "\"dtype\"");
+  // What nlohmann's grammar accepts and the format does not: a repeated key anywhere, nesting
+  // without end, numbers that are not non-negative integers where sizes go.
+  ExpectBad(Image(R"({"t":{"dtype":"F32","dtype":"F16","shape":[2],"data_offsets":[0,8]}})", 8),
+            "duplicate key 'dtype' under 't'");
+  ExpectBad(Image(R"({"__metadata__":{"k":"a","k":"b"}})", 0), "duplicate __metadata__ key 'k'");
+  ExpectBad(Image(R"({"x":[[[[[[[[[[1]]]]]]]]]]})", 0), "nested deeper than 8 levels");
+  ExpectBad(Image(R"({"t":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}})", 8),
+            "not a non-negative integer");
+  ExpectBad(Image(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[-1,8]}})", 8),
+            "not a non-negative integer");
+  ExpectBad(Image(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,1e999]}})", 8), "bad JSON");
+  ExpectBad(Image("{\"t\xff\":1}", 0), "bad JSON at byte");  // not UTF-8
 
   auto missing = LoadSafeTensors("/nonexistent/kvtier.safetensors");
   ASSERT_FALSE(missing.ok());

@@ -487,9 +487,11 @@ TEST(JsonWriter, Escaping) {
   EXPECT_EQ(JsonWriter::Quote("plain"), "\"plain\"");
   EXPECT_EQ(JsonWriter::Quote("q\"b\\s/"), "\"q\\\"b\\\\s/\"");
   EXPECT_EQ(JsonWriter::Quote("\n\r\t\b\f"), "\"\\n\\r\\t\\b\\f\"");
-  EXPECT_EQ(JsonWriter::Quote(std::string("\x01\x1f\x7f", 3)), "\"\\u0001\\u001f\\u007f\"");
+  // DEL (0x7f) needs no escape in JSON, and nlohmann writes it as it is.
+  EXPECT_EQ(JsonWriter::Quote(std::string("\x01\x1f\x7f", 3)), "\"\\u0001\\u001f\x7f\"");
   EXPECT_EQ(JsonWriter::Quote(std::string("a\0b", 3)), "\"a\\u0000b\"");
   EXPECT_EQ(JsonWriter::Quote("h\xC3\xA9llo \xE2\x88\x9E"), "\"h\xC3\xA9llo \xE2\x88\x9E\"");  // UTF-8 passes through
+  EXPECT_EQ(JsonWriter::Quote("a\xFFz"), "\"a\xEF\xBF\xBDz\"");  // invalid UTF-8: U+FFFD, not an exception
   JsonWriter w;
   w.BeginObject().Key("k\"ey").String("v\nal").EndObject();
   EXPECT_EQ(w.str(), R"({"k\"ey":"v\nal"})");

@@ -1,11 +1,14 @@
 #include "integration/cli/flags.h"
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <vector>
 
 namespace kvtier::cli {
 
@@ -20,34 +23,76 @@ std::string FlagSet::default_text(const std::string& name) const {
 }
 
 Status FlagSet::Parse(const std::string& command, int argc, char** argv) {
-  for (int i = 0; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "-h" || arg == "--help") {
-      help_ = true;
-      continue;
+  const std::string see = " for 'kvtier " + command + "' (see 'kvtier " + command + " --help')";
+  // CLI11 reads the command line: --name value, --name=value, switches, -h/--help. The
+  // values stay text (no CLI11 types or validators): each flag's setter parses its own, in
+  // command-line order, so that its message ("--context: 'abc' is not an integer") and the
+  // exit code (Fail: 2) are those of every other bad input. --help is ours (PrintHelp): the
+  // "(default X)" of each flag comes from the flag table, which tests and docs read.
+  CLI::App app;
+  app.set_help_flag();
+  app.allow_extras();  // unknown flags and stray words: reported below, with the command's name
+  std::map<const CLI::Option*, std::string> names;
+  CLI::Option* help = nullptr;
+  try {
+    for (const std::string& n : order_) {
+      const Flag& f = flags_.at(n);
+      CLI::Option* o = f.is_switch ? app.add_flag("--" + n) : app.add_option("--" + n);
+      // Every occurrence kept (parse_order() lists each): each is set in turn, the last wins.
+      o->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+      if (!f.is_switch) o->expected(1);
+      names[o] = n;
     }
+    help = app.add_flag("-h,--help");
+  } catch (const CLI::ConstructionError& e) {  // a name CLI11 refuses: a bug in the table, not the input
+    return Internal("flag table of 'kvtier " + command + "': " + e.what());
+  }
+
+  // Adapter: CLI11 reads "--name=" (an empty value) as "--name" alone and takes the next word
+  // as its value; ours hands "" to the setter (which refuses it: "empty path"). Split in two,
+  // "--name" "", CLI11 sees the empty value.
+  std::vector<std::string> args;
+  for (int i = 0; i < argc; ++i) {
+    std::string a = argv[i];
+    const auto flag = a.size() > 3 && a.rfind("--", 0) == 0 && a.back() == '='
+                          ? flags_.find(a.substr(2, a.size() - 3))
+                          : flags_.end();
+    if (flag != flags_.end() && !flag->second.is_switch) {
+      a.pop_back();
+      args.push_back(std::move(a));
+      args.emplace_back();
+    } else {
+      args.push_back(std::move(a));
+    }
+  }
+  std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11's vector form: last argument first
+  try {
+    app.parse(reversed);
+  } catch (const CLI::ArgumentMismatch&) {
+    // A flag that takes a value was the last word (CLI11 takes any next word as the value).
+    const std::string last = args.empty() ? "" : args.back();
+    return InvalidArgument("flag " + last + " needs a value");
+  } catch (const CLI::ParseError& e) {
+    return InvalidArgument(std::string(e.what()) + see);
+  }
+  help_ = help->count() > 0;
+  // The first word CLI11 did not take: an unknown flag, or a word that is no flag's value.
+  if (const std::vector<std::string> extra = app.remaining(); !extra.empty()) {
+    const std::string& arg = extra.front();
     if (arg.rfind("--", 0) != 0)
       return InvalidArgument("unexpected argument '" + arg + "' for 'kvtier " + command + "' (flags start with --)");
-    std::string name = arg.substr(2), value;
-    const size_t eq = name.find('=');
-    bool has_value = false;
-    if (eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-      has_value = true;
-    }
-    auto it = flags_.find(name);
-    if (it == flags_.end()) {
-      std::string msg = "unknown flag --";
-      msg.append(name).append(" for 'kvtier ").append(command).append("' (see 'kvtier ").append(command).append(" --help')");
-      return InvalidArgument(msg);
-    }
-    if (!has_value) {
-      if (it->second.is_switch) value.assign(1, '1');  // not = "1": GCC 12 reports a spurious -Wrestrict
-      else if (i + 1 < argc) value = argv[++i];
-      else return InvalidArgument("flag --" + name + " needs a value");
-    }
-    Status st = it->second.set(value);
+    return InvalidArgument("unknown flag --" + arg.substr(2, arg.find('=') - 2) + see);
+  }
+  std::map<const CLI::Option*, size_t> next;  // each flag's next value in results()
+  for (const CLI::Option* o : app.parse_order()) {
+    if (o == help) continue;
+    const std::string& name = names.at(o);
+    const Flag& f = flags_.at(name);
+    std::string value = o->results().at(next[o]++);
+    // A bare switch: CLI11 records "true"; ours hands "1" (--name=0 gives "0").
+    if (f.is_switch && value == "true")
+      value.assign(1, '1');  // not = "1": GCC 12 reports a spurious -Wrestrict
+    Status st = f.set(value);
     if (!st.ok()) return InvalidArgument("--" + name + ": " + st.message());
     given_.insert(name);
   }

@@ -1,6 +1,7 @@
 // The command-line conventions every `kvtier` subcommand shares: a flag table
-// (--name value or --name=value, switches, --help), strict number parsers whose
-// messages name the bad text, and the exit code of an error.
+// (--name value or --name=value, switches, --help; the command line is read by CLI11,
+// flags.cc), strict number parsers whose messages name the bad text, and the exit code
+// of an error.
 #pragma once
 
 #include <cstdint>

@@ -4,192 +4,76 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <limits>
+#include <nlohmann/json.hpp>
 #include <set>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 namespace kvtier::model {
 namespace {
 
-// A JSON reader just big enough for a safetensors header: objects, strings
-// (with escapes, \u included), arrays, non-negative integers. Anything else
-// (floats, true/false/null) is an error: the format never holds them in the
-// places we read, and refusing keeps the reader small.
-// An object member is a struct declared after Json rather than std::pair<std::string, Json>:
-// a pair of an incomplete type may not be named inside Json itself (libstdc++'s
-// pair checks completeness, which clang enforces), while std::vector of an incomplete
-// type is allowed since C++17.
-struct JsonMember;
-struct Json {
-  enum Kind { kObject, kArray, kString, kInt } kind = kInt;
-  std::vector<JsonMember> members;  // object, in file order
-  std::vector<Json> items;          // array
-  std::string str;
-  uint64_t num = 0;
-};
-struct JsonMember {
-  std::string name;
-  Json value;
+using nlohmann::ordered_json;
+
+// How deep the header may nest: the format needs 3 levels (the top object, a tensor's
+// object, its shape array); the bound keeps a hostile header from nesting without end.
+constexpr int kMaxHeaderDepth = 8;
+
+// What the parse callback refuses, which nlohmann's own grammar allows: a repeated key in
+// an object (nlohmann keeps the last one silently, and a duplicated tensor name must be an
+// error) and nesting deeper than kMaxHeaderDepth. Thrown out of the parse to stop it there.
+struct HeaderRefused {
+  std::string what;
 };
 
-class JsonReader {
- public:
-  explicit JsonReader(std::string_view text) : s_(text) {}
+// nlohmann's message without its id: "[json.exception.parse_error.101] parse error at line 1,
+// column 9: syntax error while parsing ..." -> "parse error at line 1, column 9: ...".
+std::string Reason(const ordered_json::exception& e) {
+  std::string what = e.what();
+  if (const size_t at = what.find("] "); what.rfind("[json.exception", 0) == 0 && at != std::string::npos)
+    what.erase(0, at + 2);
+  return what;
+}
 
-  Status Parse(Json* out) {
-    KVTIER_RETURN_IF_ERROR(Value(out, 0));
-    SkipSpace();
-    if (i_ != s_.size()) return Error("trailing characters after the top-level value");
-    return Status::Ok();
-  }
-
- private:
-  Status Error(const std::string& what) const {
-    return InvalidArgument("bad JSON at byte " + std::to_string(i_) + " of the header: " + what);
-  }
-  void SkipSpace() {
-    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r')) ++i_;
-  }
-  bool Eat(char c) {
-    SkipSpace();
-    if (i_ < s_.size() && s_[i_] == c) { ++i_; return true; }
-    return false;
-  }
-
-  Status Value(Json* out, int depth) {
-    if (depth > 8) return Error("nested too deep");
-    SkipSpace();
-    if (i_ >= s_.size()) return Error("unexpected end");
-    const char c = s_[i_];
-    if (c == '{') return Object(out, depth);
-    if (c == '[') return Array(out, depth);
-    if (c == '"') { out->kind = Json::kString; return String(&out->str); }
-    if (c >= '0' && c <= '9') return Int(out);
-    return Error(std::string("unexpected character '") + c + "'");
-  }
-
-  Status Object(Json* out, int depth) {
-    out->kind = Json::kObject;
-    ++i_;
-    if (Eat('}')) return Status::Ok();
-    do {
-      SkipSpace();
-      if (i_ >= s_.size() || s_[i_] != '"') return Error("expected a member name");
-      std::string key;
-      KVTIER_RETURN_IF_ERROR(String(&key));
-      if (!Eat(':')) return Error("expected ':' after \"" + key + "\"");
-      Json v;
-      KVTIER_RETURN_IF_ERROR(Value(&v, depth + 1));
-      out->members.push_back(JsonMember{std::move(key), std::move(v)});
-    } while (Eat(','));
-    if (!Eat('}')) return Error("expected ',' or '}'");
-    return Status::Ok();
-  }
-
-  Status Array(Json* out, int depth) {
-    out->kind = Json::kArray;
-    ++i_;
-    if (Eat(']')) return Status::Ok();
-    do {
-      Json v;
-      KVTIER_RETURN_IF_ERROR(Value(&v, depth + 1));
-      out->items.push_back(std::move(v));
-    } while (Eat(','));
-    if (!Eat(']')) return Error("expected ',' or ']'");
-    return Status::Ok();
-  }
-
-  Status Int(Json* out) {
-    out->kind = Json::kInt;
-    uint64_t v = 0;
-    const size_t begin = i_;
-    while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') {
-      const uint64_t d = static_cast<uint64_t>(s_[i_] - '0');
-      if (v > (std::numeric_limits<uint64_t>::max() - d) / 10) return Error("integer overflows 64 bits");
-      v = v * 10 + d;
-      ++i_;
-    }
-    if (i_ < s_.size() && (s_[i_] == '.' || s_[i_] == 'e' || s_[i_] == 'E'))
-      return Error("only non-negative integers are accepted (number at byte " + std::to_string(begin) + ")");
-    out->num = v;
-    return Status::Ok();
-  }
-
-  static void PutUtf8(uint32_t cp, std::string* out) {
-    if (cp < 0x80) {
-      out->push_back(static_cast<char>(cp));
-    } else if (cp < 0x800) {
-      out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    } else if (cp < 0x10000) {
-      out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    } else {
-      out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    }
-  }
-
-  Status Hex4(uint32_t* cp) {
-    if (i_ + 4 > s_.size()) return Error("truncated \\u escape");
-    uint32_t v = 0;
-    for (int k = 0; k < 4; ++k) {
-      const char h = s_[i_++];
-      v <<= 4;
-      if (h >= '0' && h <= '9') v |= static_cast<uint32_t>(h - '0');
-      else if (h >= 'a' && h <= 'f') v |= static_cast<uint32_t>(h - 'a' + 10);
-      else if (h >= 'A' && h <= 'F') v |= static_cast<uint32_t>(h - 'A' + 10);
-      else return Error("bad hex digit in \\u escape");
-    }
-    *cp = v;
-    return Status::Ok();
-  }
-
-  Status String(std::string* out) {
-    ++i_;  // opening quote
-    while (true) {
-      if (i_ >= s_.size()) return Error("unterminated string");
-      const char c = s_[i_++];
-      if (c == '"') return Status::Ok();
-      if (static_cast<unsigned char>(c) < 0x20) return Error("control character in a string");
-      if (c != '\\') { out->push_back(c); continue; }
-      if (i_ >= s_.size()) return Error("unterminated escape");
-      const char e = s_[i_++];
-      switch (e) {
-        case '"': out->push_back('"'); break;
-        case '\\': out->push_back('\\'); break;
-        case '/': out->push_back('/'); break;
-        case 'b': out->push_back('\b'); break;
-        case 'f': out->push_back('\f'); break;
-        case 'n': out->push_back('\n'); break;
-        case 'r': out->push_back('\r'); break;
-        case 't': out->push_back('\t'); break;
-        case 'u': {
-          uint32_t cp = 0;
-          KVTIER_RETURN_IF_ERROR(Hex4(&cp));
-          if (cp >= 0xD800 && cp < 0xDC00) {  // a surrogate pair encodes one code point above U+FFFF
-            uint32_t lo = 0;
-            if (i_ + 2 > s_.size() || s_[i_] != '\\' || s_[i_ + 1] != 'u') return Error("unpaired surrogate");
-            i_ += 2;
-            KVTIER_RETURN_IF_ERROR(Hex4(&lo));
-            if (lo < 0xDC00 || lo >= 0xE000) return Error("unpaired surrogate");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-          } else if (cp >= 0xDC00 && cp < 0xE000) {
-            return Error("unpaired surrogate");
-          }
-          PutUtf8(cp, out);
-          break;
-        }
-        default: return Error(std::string("bad escape '\\") + e + "'");
+// Parses the header JSON with nlohmann (ordered_json: members in file order, so the first
+// bad tensor reported is the first in the file). InvalidArgument naming what is wrong.
+Status ParseHeaderJson(std::string_view text, ordered_json* out) {
+  struct Open {
+    std::set<std::string> keys;  // those seen so far (objects)
+    std::string last_key;        // the member being parsed (objects)
+  };
+  std::vector<Open> open;  // the containers being parsed, outermost first
+  auto check = [&](int /*depth*/, ordered_json::parse_event_t event, ordered_json& parsed) {
+    using E = ordered_json::parse_event_t;
+    if (event == E::object_start || event == E::array_start) {
+      if (open.size() >= kMaxHeaderDepth)
+        throw HeaderRefused{"bad JSON: nested deeper than " + std::to_string(kMaxHeaderDepth) + " levels"};
+      open.emplace_back();
+    } else if (event == E::object_end || event == E::array_end) {
+      open.pop_back();
+    } else if (event == E::key) {
+      std::string key = parsed.get<std::string>();
+      if (!open.back().keys.insert(key).second) {
+        if (open.size() == 1) throw HeaderRefused{"duplicate entry '" + key + "' in the header"};
+        if (open.size() == 2 && open[0].last_key == "__metadata__")
+          throw HeaderRefused{"duplicate __metadata__ key '" + key + "'"};
+        throw HeaderRefused{"duplicate key '" + key + "' under '" + open[0].last_key + "' in the header"};
       }
+      open.back().last_key = std::move(key);
     }
+    return true;
+  };
+  try {
+    *out = ordered_json::parse(text.begin(), text.end(), check);
+  } catch (const HeaderRefused& r) {
+    return InvalidArgument(r.what);
+  } catch (const ordered_json::parse_error& e) {
+    return InvalidArgument("bad JSON at byte " + std::to_string(e.byte) + " of the header: " + Reason(e));
+  } catch (const ordered_json::exception& e) {  // e.g. out_of_range.406: a number like 1e999
+    return InvalidArgument("bad JSON in the header: " + Reason(e));
   }
-
-  std::string_view s_;
-  size_t i_ = 0;
-};
+  return Status::Ok();
+}
 
 bool ParseSafeDType(const std::string& s, DType* out) {
   if (s == "F32") { *out = DType::kF32; return true; }
@@ -247,55 +131,54 @@ Result<SafeTensors> ParseSafeTensors(const std::string& path, std::vector<uint8_
     return bad("header length " + std::to_string(header_len) + " goes past the end of the file (" +
                std::to_string(bytes.size()) + " bytes)");
   const std::string_view text(reinterpret_cast<const char*>(bytes.data()) + 8, header_len);
-  Json root;
+  ordered_json root;
   {
-    Status st = JsonReader(text).Parse(&root);
+    Status st = ParseHeaderJson(text, &root);
     if (!st.ok()) return bad(st.message());
   }
-  if (root.kind != Json::kObject) return bad("header is not a JSON object");
+  if (!root.is_object()) return bad("header is not a JSON object");
 
   SafeTensors out;
   out.path = path;
   const size_t data_begin = 8 + header_len;
   const uint64_t data_len = bytes.size() - data_begin;
-  std::set<std::string> seen;
   std::vector<std::pair<uint64_t, std::string>> spans;  // (begin, name), to find overlaps
-  for (auto& [name, value] : root.members) {
-    if (!seen.insert(name).second) return bad("duplicate entry '" + name + "' in the header");
+  // Names are unique here: ParseHeaderJson refuses a repeated key in any object.
+  for (const auto& [name, value] : root.items()) {
     if (name == "__metadata__") {
-      if (value.kind != Json::kObject) return bad("__metadata__ is not an object");
-      for (auto& [k, v] : value.members) {
-        if (v.kind != Json::kString) return bad("__metadata__ value of '" + k + "' is not a string");
-        if (!out.metadata.emplace(k, v.str).second) return bad("duplicate __metadata__ key '" + k + "'");
+      if (!value.is_object()) return bad("__metadata__ is not an object");
+      for (const auto& [k, v] : value.items()) {
+        if (!v.is_string()) return bad("__metadata__ value of '" + k + "' is not a string");
+        out.metadata.emplace(k, v.get<std::string>());
       }
       continue;
     }
     const std::string what = "tensor '" + name + "'";
-    if (value.kind != Json::kObject) return bad(what + " is not an object");
-    const Json *dtype = nullptr, *shape = nullptr, *offsets = nullptr;
-    for (auto& [k, v] : value.members) {
-      if (k == "dtype") dtype = &v;
-      else if (k == "shape") shape = &v;
-      else if (k == "data_offsets") offsets = &v;
-    }
-    if (dtype == nullptr || dtype->kind != Json::kString) return bad(what + ": missing or non-string \"dtype\"");
-    if (shape == nullptr || shape->kind != Json::kArray) return bad(what + ": missing or non-array \"shape\"");
-    if (offsets == nullptr || offsets->kind != Json::kArray || offsets->items.size() != 2)
+    if (!value.is_object()) return bad(what + " is not an object");
+    const auto dtype = value.find("dtype"), shape = value.find("shape"), offsets = value.find("data_offsets");
+    if (dtype == value.end() || !dtype->is_string()) return bad(what + ": missing or non-string \"dtype\"");
+    if (shape == value.end() || !shape->is_array()) return bad(what + ": missing or non-array \"shape\"");
+    if (offsets == value.end() || !offsets->is_array() || offsets->size() != 2)
       return bad(what + ": \"data_offsets\" must be an array of two integers");
+    const std::string dtype_name = dtype->get<std::string>();
     TensorInfo t;
-    if (!ParseSafeDType(dtype->str, &t.dtype))
-      return bad(what + ": unknown or unsupported dtype '" + dtype->str + "' (supported: F32, F16, BF16)");
+    if (!ParseSafeDType(dtype_name, &t.dtype))
+      return bad(what + ": unknown or unsupported dtype '" + dtype_name + "' (supported: F32, F16, BF16)");
+    // Sizes and offsets are non-negative integers: nlohmann's number_unsigned (a negative
+    // integer is number_integer, a fraction or exponent number_float).
     uint64_t elems = 1;
-    for (const Json& d : shape->items) {
-      if (d.kind != Json::kInt) return bad(what + ": shape holds a non-integer");
-      if (d.num > (1ull << 40) || (d.num != 0 && elems > (1ull << 40) / d.num))
-        return bad(what + ": shape is too large");
-      elems *= d.num;
-      t.shape.push_back(static_cast<int64_t>(d.num));
+    for (const ordered_json& d : *shape) {
+      if (!d.is_number_unsigned())
+        return bad(what + ": shape holds a value that is not a non-negative integer");
+      const uint64_t n = d.get<uint64_t>();
+      if (n > (1ull << 40) || (n != 0 && elems > (1ull << 40) / n)) return bad(what + ": shape is too large");
+      elems *= n;
+      t.shape.push_back(static_cast<int64_t>(n));
     }
-    for (const Json& o : offsets->items)
-      if (o.kind != Json::kInt) return bad(what + ": data_offsets holds a non-integer");
-    const uint64_t begin = offsets->items[0].num, end = offsets->items[1].num;
+    for (const ordered_json& o : *offsets)
+      if (!o.is_number_unsigned())
+        return bad(what + ": data_offsets holds a value that is not a non-negative integer");
+    const uint64_t begin = (*offsets)[0].get<uint64_t>(), end = (*offsets)[1].get<uint64_t>();
     if (begin > end)
       return bad(what + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + "] are reversed");
     if (end > data_len)
@@ -303,9 +186,9 @@ Result<SafeTensors> ParseSafeTensors(const std::string& path, std::vector<uint8_
                  "] go past the data section (" + std::to_string(data_len) + " bytes)");
     const uint64_t expect = elems * DTypeSize(t.dtype);
     if (end - begin != expect)
-      return bad(what + ": shape " + t.ShapeString() + " x " + dtype->str + " needs " + std::to_string(expect) +
-                 " bytes but data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + "] span " +
-                 std::to_string(end - begin));
+      return bad(what + ": shape " + t.ShapeString() + " x " + dtype_name + " needs " +
+                 std::to_string(expect) + " bytes but data_offsets [" + std::to_string(begin) + ", " +
+                 std::to_string(end) + "] span " + std::to_string(end - begin));
     t.offset = static_cast<size_t>(begin);
     t.size = static_cast<size_t>(expect);
     spans.emplace_back(begin, name);

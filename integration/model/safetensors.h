@@ -1,4 +1,4 @@
-// SafeTensors: a reader of the safetensors weight format (no third-party code).
+// SafeTensors: a reader of the safetensors weight format (the header parsed by nlohmann-json).
 //
 // Layout: an 8-byte little-endian header length N, N bytes of JSON, then the
 // raw little-endian tensor data. The JSON maps each tensor name to
