@@ -2,12 +2,13 @@
 // The CPU twin (kernels/cpu/slot_attention) defines it; tests/kernel_backends_test.cc checks
 // this against the twin, on a GPU and on the emulated device.
 //
-// One kernel serves decode and prefill windows: SlotAttentionKernel, grid (kv heads x head
-// groups, queries, splits), kThreads threads a block. A block takes one query row, one kv head
-// and up to kGroup of the q heads that share it (GQA; MHA is a group of 1, and a group larger
-// than kGroup takes ceil(G / kGroup) blocks), so each K/V row it reads is read and converted
-// once for all of those heads. Decode is memory bound (little arithmetic per byte), and a
-// kernel that loads K/V once per q head reads the same bytes G times and stalls on each load.
+// One kernel serves decode and prefill windows alike (there is no separate prefill path):
+// SlotAttentionKernel, grid (kv heads x head groups, queries, splits), kThreads threads a
+// block. A block takes one query row, one kv head and up to kGroup of the q heads that share
+// it (GQA; MHA is a group of 1, a group larger than kGroup takes ceil(G / kGroup) blocks), so
+// each K/V row it reads is loaded and converted once for all of those heads. Decode is memory
+// bound (little arithmetic per byte): a kernel that loads K/V once per q head reads the same
+// bytes G times and stalls on each load.
 //
 // Keys come in tiles of N = TileKeys(head_dim, element bytes) rows (at most 8 KiB of K and as
 // much of V; 32 keys at d128 bf16). A tile is read with coalesced 16-byte loads (one element at
@@ -17,28 +18,32 @@
 // those registers (software double buffering; plain loads, no cp.async, so that the emulated
 // build runs the same source). Per tile:
 //   scores  a thread owns (key, q head) pairs and dots the whole key from shared memory with
-//           the q row (shared memory, fp32): no cross-lane reduction;
+//           the q row (shared memory, fp32), four fma chains: no cross-lane reduction;
 //   softmax warp g < group keeps head g's online softmax (running max m, sum l) across tiles;
 //           the tile's probabilities replace its scores in shared memory;
 //   P.V     a thread owns 8 bytes of output columns of one q head and reads the V rows from
 //           shared memory (8-byte reads: whole banks), its fp32 accumulators in registers.
-// Causal masking is a prefix cut of a tile: key t of a tile is at position pos0 + t and the
-// block has one query, so a tile keeps its first n = min(N, qpos - pos0 + 1) keys and a tile
-// with none is not loaded.
+// The first tile's loads are issued before q is copied to shared memory (a store waits for its
+// load: q first would put two memory latencies in a row). Causal masking is a prefix cut of a
+// tile: key t of a tile is at position pos0 + t and a block has one query, so a tile keeps its
+// first n = min(N, qpos - pos0 + 1) keys, and a tile with none is not loaded.
 //
 // Split-K: decode has kv_heads x 1 rows (8 for Llama-3-8B), so the keys are split over up to
 // kMaxSplits blocks a row (Splits: about kTargetBlocks blocks in all). The work units are the
-// dense parts' N-key tiles (parts in order) and then each selected slot's N-key tiles; split s
+// dense parts' N-key tiles (parts in order), then each selected slot's N-key tiles; split s
 // takes units s, s + splits, ... With one split the block writes the output; with more, each
 // writes its normalised partial (out_s, lse_s) to the workspace and MergeSplitsKernel combines
-// them by log-sum-exp. Mass (the final probabilities) needs the final lse: with one split the
-// block makes a second pass over its tiles (K only); with more, MassKernel does that pass over
-// the same grid after the merge. Each key's exp(score - lse) summed over the block's heads is
-// added with one atomic.
+// them by log-sum-exp, each of its two phases one round of loads (not one per split). Mass
+// (the final probabilities) needs the final lse: with one split the block makes a second pass
+// over its tiles (K only); with more, MassKernel makes it over the same grid after the merge.
+// Each key's exp(score - lse), summed over the block's heads, is added with one atomic.
 //
-// head_dim is a template parameter D in {16, 32, 64, 128, 256}; with element bytes that makes
-// whole 16-byte chunks per row (32 bytes at least) and 8-byte output column chunks. Shared
+// head_dim is a template parameter D in {16, 32, 64, 128, 256}: with 2- or 4-byte elements a
+// row is whole 16-byte chunks (32 bytes at least) and whole 8-byte column chunks. Shared
 // memory per block is at most 2 x (8 KiB + N x 16) of K/V plus kGroup x D floats of q.
+// __launch_bounds__(kThreads, kBlocksPerSm) holds the kernel to 64 registers, 4 blocks (50%
+// occupancy) an SM. ptxas (sm_90) spills nothing at d32-d256 16-bit (d64/d128 bf16 included),
+// 8 bytes at d16 and f32 d32/d64, 24 at f32 d256.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -58,6 +63,7 @@ constexpr int kThreads = 256;          // threads per block: 8 warps
 constexpr int kGroup = kThreads / 32;  // q heads a block scores at most: one warp each in the softmax step
 constexpr int kMaxSplits = 64;         // offload/attention_backend.cc sizes workspaces with it
 constexpr int kTargetBlocks = 1024;    // enough blocks to fill a large GPU twice over
+constexpr int kBlocksPerSm = 4;        // 64 registers a thread at most: 50% occupancy
 constexpr int kTileBytes = 8192;       // K bytes of a tile at most (as many of V)
 
 // Keys per tile: kTileBytes of K, at most 64 (the softmax step reads two keys a lane).
@@ -329,7 +335,7 @@ __device__ void MassPass(const SlotAttentionParams& p, Smem<T, D>& sh, const Hea
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     SlotAttentionKernel(const SlotAttentionParams p, float scale, int splits, bool vec, float* part_out,
                         float* part_lse) {
   using G = Geometry<T, D>;
@@ -340,11 +346,6 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t qpos = p.causal ? p.q_positions[qi] : 0;
   const size_t row = static_cast<size_t>(p.kv_heads) * D;  // elements per token
 
-  LoadQueries<T, D>(p, sh, hg.h0, hg.group, qi);
-  if (threadIdx.x < kGroup) {
-    sh.m[threadIdx.x] = -INFINITY;
-    sh.l[threadIdx.x] = 0.0f;
-  }
   // This thread's column chunks: chunk o = threadIdx.x + r * kThreads is columns
   // (o % kCols) * W .. + W - 1 of head o / kCols.
   float acc[G::kOwn][G::W];
@@ -358,6 +359,12 @@ __global__ void __launch_bounds__(kThreads)
   bool have = cursor.Next(&cur);
   Stage<T, D, true> st;
   if (have) st.Load(cur, row, vec);
+  // After the first tile's loads are issued: storing q waits for q to arrive.
+  LoadQueries<T, D>(p, sh, hg.h0, hg.group, qi);
+  if (threadIdx.x < kGroup) {
+    sh.m[threadIdx.x] = -INFINITY;
+    sh.l[threadIdx.x] = 0.0f;
+  }
   while (have) {
     __syncthreads();  // the previous tile's readers are done (and sh.q, sh.m, sh.l are set)
     st.Store(sh);
@@ -442,32 +449,62 @@ __global__ void __launch_bounds__(kThreads)
   MassPass<T, D>(p, sh, hg, qpos, scale, 0, 1, vec);
 }
 
-// Combines the splits' normalised partials of one row by log-sum-exp.
-__global__ void MergeSplitsKernel(int splits, int rows, int head_dim, const float* part_out, const float* part_lse,
-                                  float* out, float* lse, float* final_lse) {
+// Combines the splits' normalised partials of one row by log-sum-exp. Every load of a phase is
+// issued before its results are used (a loop over the splits with a dependent add would wait
+// once per split): warp 0 reads the splits' lse (two a lane), then thread (d, q) reads the
+// partials of column d of splits q, q + groups, ... 16 at a time, and the groups add in
+// shared memory.
+constexpr int kMergeThreads = 512;
+constexpr int kMergeBatch = 16;
+__global__ void __launch_bounds__(kMergeThreads)
+    MergeSplitsKernel(int splits, int rows, int head_dim, const float* part_out, const float* part_lse,
+                      float* out, float* lse, float* final_lse) {
+  static_assert(kMaxSplits <= 64, "warp 0 reads two splits' lse a lane");
+  __shared__ float w[kMaxSplits];  // exp(lse_s - lse): the weight of split s
+  __shared__ float partial[kMergeThreads];
   const int r = blockIdx.x;
-  float M = -INFINITY;
-  for (int s = 0; s < splits; ++s) M = fmaxf(M, part_lse[static_cast<size_t>(s) * rows + r]);
-  float L = 0.0f;
-  for (int s = 0; s < splits; ++s) {
-    const float ls = part_lse[static_cast<size_t>(s) * rows + r];
-    if (ls != -INFINITY) L += expf(ls - M);
-  }
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float o = 0.0f;
-    if (L > 0.0f) {
-      for (int s = 0; s < splits; ++s) {
-        const float ls = part_lse[static_cast<size_t>(s) * rows + r];
-        if (ls != -INFINITY) o += part_out[(static_cast<size_t>(s) * rows + r) * head_dim + d] * expf(ls - M);
-      }
-      o /= L;
+  const int tid = threadIdx.x;
+  if (tid < 32) {
+    const float l0 = tid < splits ? part_lse[static_cast<size_t>(tid) * rows + r] : -INFINITY;
+    const float l1 = tid + 32 < splits ? part_lse[static_cast<size_t>(tid + 32) * rows + r] : -INFINITY;
+    const float M = WarpMax(fmaxf(l0, l1));
+    const float e0 = l0 == -INFINITY ? 0.0f : expf(l0 - M), e1 = l1 == -INFINITY ? 0.0f : expf(l1 - M);
+    const float L = WarpSum(e0 + e1);
+    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    if (tid < splits) w[tid] = e0 * inv;
+    if (tid + 32 < splits) w[tid + 32] = e1 * inv;
+    if (tid == 0) {
+      const float v = L > 0.0f ? M + logf(L) : -INFINITY;
+      if (lse) lse[r] = v;
+      final_lse[r] = v;
     }
-    out[static_cast<size_t>(r) * head_dim + d] = o;
   }
-  if (threadIdx.x == 0) {
-    const float v = L > 0.0f ? M + logf(L) : -INFINITY;
-    if (lse) lse[r] = v;
-    final_lse[r] = v;
+  __syncthreads();
+  const int groups = kMergeThreads / head_dim;  // head_dim <= 256: at least 2
+  const int d = tid % head_dim, q = tid / head_dim;
+  float o = 0.0f;
+  if (q < groups) {
+    for (int s0 = q; s0 < splits; s0 += kMergeBatch * groups) {
+      float v[kMergeBatch];
+#pragma unroll
+      for (int j = 0; j < kMergeBatch; ++j) {
+        const int s = s0 + j * groups;
+        v[j] =
+            s < splits && w[s] > 0.0f ? part_out[(static_cast<size_t>(s) * rows + r) * head_dim + d] : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < kMergeBatch; ++j) {
+        const int s = s0 + j * groups;
+        if (s < splits) o = fmaf(v[j], w[s], o);
+      }
+    }
+  }
+  partial[tid] = o;
+  __syncthreads();
+  if (tid < head_dim) {
+    float sum = 0.0f;
+    for (int g = 0; g < groups; ++g) sum += partial[g * head_dim + tid];
+    out[static_cast<size_t>(r) * head_dim + tid] = sum;
   }
 }
 
@@ -557,8 +594,8 @@ KernelError LaunchTyped(const SlotAttentionParams& p, float scale, int splits, c
   if (const KernelError e = CheckLaunch(); e != KernelError::kOk || splits == 1) return e;
   const int rows = p.q_heads * p.n_queries;
   float* final_lse = reinterpret_cast<float*>(ws + w.final_lse);
-  LaunchKernel(&MergeSplitsKernel, rows, 128, 0, s, splits, rows, D, part_out, part_lse, p.out, p.lse,
-               final_lse);
+  LaunchKernel(&MergeSplitsKernel, rows, kMergeThreads, 0, s, splits, rows, D, part_out, part_lse, p.out,
+               p.lse, final_lse);
   if (const KernelError e = CheckLaunch(); e != KernelError::kOk || !WantsMass(p)) return e;
   LaunchKernel(&MassKernel<T, D>, grid, kThreads, 0, s, p, scale, splits, vec,
                static_cast<const float*>(final_lse));
