@@ -144,8 +144,8 @@ CudaAttentionWorkspace LayoutCudaAttentionWorkspace(int n_queries, int q_heads, 
 }
 
 size_t MaxSlotAttentionKernelBytes(int n_queries, int q_heads, int head_dim) {
-  // kernels/cuda/attention.cu: at most 32 splits; partial outputs, partial lse, final lse.
-  constexpr size_t kMaxSplits = 32;
+  // kernels/cuda/attention.cu: at most 64 splits; partial outputs, partial lse, final lse.
+  constexpr size_t kMaxSplits = 64;
   const size_t rows = static_cast<size_t>(std::max(0, n_queries)) * static_cast<size_t>(std::max(0, q_heads));
   return Align256(kMaxSplits * rows * static_cast<size_t>(std::max(0, head_dim)) * sizeof(float)) +
          Align256(kMaxSplits * rows * sizeof(float)) + Align256(rows * sizeof(float));

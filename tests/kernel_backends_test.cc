@@ -141,12 +141,17 @@ struct AttnShape {
   bool ragged;      // slots partly filled
   bool causal;
   bool mass;
+  int slot_tokens = 16;   // tokens per slot
+  int n_local = 16;       // local window tokens (two runs: a wrapped ring)
+  bool misalign = false;  // the device copy of dense[0] starts one element past 16-byte alignment
 };
 
 std::string Name(const AttnShape& s) {
-  return std::to_string(s.q_heads) + "q/" + std::to_string(s.kv_heads) + "kv d" + std::to_string(s.head_dim) + " " +
-         DTypeName(s.dt) + " m" + std::to_string(s.m) + " slots" + std::to_string(s.n_slots) +
-         (s.ragged ? " ragged" : "") + (s.causal ? " causal" : "") + (s.mass ? " mass" : "");
+  return std::to_string(s.q_heads) + "q/" + std::to_string(s.kv_heads) + "kv d" + std::to_string(s.head_dim) +
+         " " + DTypeName(s.dt) + " m" + std::to_string(s.m) + " slots" + std::to_string(s.n_slots) +
+         (s.ragged ? " ragged" : "") + (s.causal ? " causal" : "") + (s.mass ? " mass" : "") +
+         " slot_tokens" + std::to_string(s.slot_tokens) + " local" + std::to_string(s.n_local) +
+         (s.misalign ? " misaligned" : "");
 }
 
 // The inputs of one attention problem in host memory, and its plain reference.
@@ -173,7 +178,8 @@ struct AttnProblem {
 
   void Make(const AttnShape& shape, std::mt19937& rng) {
     s = shape;
-    const int n_sink = 4, n_local_a = 9, n_local_b = 7;
+    slot_tokens = s.slot_tokens;
+    const int n_sink = 4, n_local_a = (s.n_local * 9 + 15) / 16, n_local_b = s.n_local - n_local_a;
     pool_slots = s.n_slots + 5;  // more slots than selected: unselected ones must not be read
     Run sinks{{}, {}, n_sink, 0};
     Fill(&sinks.k, n_sink * Row(), rng);
@@ -305,19 +311,30 @@ void ReferenceAttention(const AttnProblem& P, std::vector<double>* out, std::vec
 }
 
 const AttnShape kAttnShapes[] = {
-    {32, 8, 128, DType::kBF16, 1, 12, true, true, false},   // Llama-3-8B decode, ragged slots
-    {8, 8, 64, DType::kF16, 1, 5, false, true, true},       // MHA, mass
-    {4, 2, 64, DType::kF32, 5, 7, true, true, true},        // window of 5, causal in the local part
-    {8, 2, 128, DType::kF16, 3, 0, false, false, false},    // no slots, not causal
-    {6, 3, 128, DType::kF32, 1, 9, true, true, true},       // GQA 2, mass
-    {32, 8, 64, DType::kF16, 16, 3, true, true, true},      // 512 rows: one block per row on the GPU (no split-K)
-    // head_dim below a warp: lanes 16..31 hold no element (kernels/cuda/attention.cu, LaneSplit).
-    {8, 2, 16, DType::kF32, 1, 6, true, true, true},        // kvtier-tiny's geometry, decode, mass
-    {8, 2, 16, DType::kBF16, 4, 5, false, true, false},     // kvtier-tiny, a prefill window
-    {4, 4, 16, DType::kF16, 2, 0, false, false, true},      // no slots, not causal, mass
-    {8, 2, 32, DType::kF16, 1, 9, true, true, true},        // one element per lane
-    {4, 1, 32, DType::kBF16, 3, 4, false, true, false},     // MQA
-    {4, 2, 256, DType::kF16, 1, 4, true, true, true},       // eight elements per lane
+    {32, 8, 128, DType::kBF16, 1, 12, true, true, false},  // Llama-3-8B decode, ragged slots
+    {8, 8, 64, DType::kF16, 1, 5, false, true, true},      // MHA, mass
+    {4, 2, 64, DType::kF32, 5, 7, true, true, true},       // window of 5, causal in the local part
+    {8, 2, 128, DType::kF16, 3, 0, false, false, false},   // no slots, not causal
+    {6, 3, 128, DType::kF32, 1, 9, true, true, true},      // GQA 2, mass
+    {32, 8, 64, DType::kF16, 16, 3, true, true, true},     // a prefill window of 16 queries
+    // Small head_dims: a 16-bit row of d16 is two 16-byte chunks (kernels/cuda/attention.cu).
+    {8, 2, 16, DType::kF32, 1, 6, true, true, true},     // kvtier-tiny's geometry, decode, mass
+    {8, 2, 16, DType::kBF16, 4, 5, false, true, false},  // kvtier-tiny, a prefill window
+    {4, 4, 16, DType::kF16, 2, 0, false, false, true},   // no slots, not causal, mass
+    {8, 2, 32, DType::kF16, 1, 9, true, true, true},     // d32, mass
+    {4, 1, 32, DType::kBF16, 3, 4, false, true, false},  // MQA
+    {4, 2, 256, DType::kF16, 1, 4, true, true, true},    // d256: 16 keys a tile
+    // Edges of the CUDA kernel's tiles (kernels/cuda/attention.cu: N keys = 8 KiB of K, at most
+    // 64: 32 at d128 f16/bf16 and d64 f32, 16 at d256 f16, 64 at d16 and d32 16-bit): runs and
+    // slots that are not a multiple of N, causal cuts inside a tile, groups of 1 .. 16 q heads.
+    {8, 1, 128, DType::kBF16, 1, 80, true, true, true, 32, 100},      // GQA 8, 64 splits, mass
+    {4, 1, 256, DType::kF16, 3, 6, false, true, true, 24, 70},        // GQA 4, d256, cut in a tile
+    {4, 4, 16, DType::kBF16, 2, 10, true, true, true, 16, 150},       // GQA 1, d16, local 150
+    {16, 1, 64, DType::kF32, 2, 5, true, true, true, 40, 45},         // GQA 16: two blocks a kv head
+    {12, 2, 32, DType::kBF16, 7, 9, true, true, false, 20, 61},       // GQA 6, a window of 7
+    {8, 8, 16, DType::kF16, 128, 2, true, true, true, 16, 40},        // 1024 blocks: one split, mass
+    {8, 2, 128, DType::kF16, 1, 6, true, true, true, 16, 16, true},   // rows not 16-byte aligned
+    {4, 2, 64, DType::kF32, 4, 3, false, true, false, 16, 33, true},  // unaligned f32, a window
 };
 
 TEST_P(KernelBackends, SlotAttentionMatchesReference) {
@@ -358,6 +375,14 @@ TEST_P(KernelBackends, SlotAttentionMatchesReference) {
     for (int i = 0; i < d.n_dense; ++i) {
       d.dense[i].k = dev.Put(P.dense[i].k);
       d.dense[i].v = dev.Put(P.dense[i].v);
+      if (shape.misalign && i == 0) {  // one element in front: the kernel must not use 16-byte loads
+        const size_t elem = DTypeSize(shape.dt);
+        std::vector<uint8_t> k(elem), v(elem);
+        k.insert(k.end(), P.dense[i].k.begin(), P.dense[i].k.end());
+        v.insert(v.end(), P.dense[i].v.begin(), P.dense[i].v.end());
+        d.dense[i].k = dev.Put(k) + elem;
+        d.dense[i].v = dev.Put(v) + elem;
+      }
       d.dense[i].mass = shape.mass ? dev.Put(std::vector<float>(dmass[i].size(), 0.0f)) : nullptr;
       d_dmass.push_back(d.dense[i].mass);
     }

@@ -2,22 +2,48 @@
 // The CPU twin (kernels/cpu/slot_attention) defines it; tests/kernel_backends_test.cc checks
 // this against the twin, on a GPU and on the emulated device.
 //
-// Grid (q heads, queries, splits): decode has q_heads x 1 rows, 32 blocks for Llama-3-8B, far
-// fewer than an H100's 132 SMs, so the keys are split over `splits` blocks per row (split-K).
-// Split s owns the dense parts' 32-token units s, s + splits, ... and the selected slots
-// s, s + splits, ...; within a unit, warp w takes tokens w, w + 4, ... With one split the block
-// writes the output; with more, each writes its normalised partial (out_s, lse_s) to the
-// workspace and a merge kernel combines them by log-sum-exp. Mass (the final probabilities)
-// needs the final lse: with splits it is a third launch over the same grid.
+// One kernel serves decode and prefill windows alike (there is no separate prefill path):
+// SlotAttentionKernel, grid (kv heads x head groups, queries, splits), kThreads threads a
+// block. A block takes one query row, one kv head and up to kGroup of the q heads that share
+// it (GQA; MHA is a group of 1, a group larger than kGroup takes ceil(G / kGroup) blocks), so
+// each K/V row it reads is loaded and converted once for all of those heads. Decode is memory
+// bound (little arithmetic per byte): a kernel that loads K/V once per q head reads the same
+// bytes G times and stalls on each load.
 //
-// Decode reads each key once per q head and does little arithmetic per byte, so the kernel is
-// bound by memory latency: a warp loads the K and V rows of kKeysInFlight keys before it
-// reduces any score (independent loads in flight), with 16-byte loads where the rows are
-// 16-byte aligned, and decode rows get up to kMaxSplits blocks each.
+// Keys come in tiles of N = TileKeys(head_dim, element bytes) rows (at most 8 KiB of K and as
+// much of V; 32 keys at d128 bf16). A tile is read with coalesced 16-byte loads (one element at
+// a time when a row is not 16-byte aligned, which the launcher checks) into registers and
+// stored to shared memory, rows padded by 16 bytes so that the threads of a warp reading 32
+// rows hit different banks. While a tile is computed, the next tile's loads are in flight in
+// those registers (software double buffering; plain loads, no cp.async, so that the emulated
+// build runs the same source). Per tile:
+//   scores  a thread owns (key, q head) pairs and dots the whole key from shared memory with
+//           the q row (shared memory, fp32), four fma chains: no cross-lane reduction;
+//   softmax warp g < group keeps head g's online softmax (running max m, sum l) across tiles;
+//           the tile's probabilities replace its scores in shared memory;
+//   P.V     a thread owns 8 bytes of output columns of one q head and reads the V rows from
+//           shared memory (8-byte reads: whole banks), its fp32 accumulators in registers.
+// The first tile's loads are issued before q is copied to shared memory (a store waits for its
+// load: q first would put two memory latencies in a row). Causal masking is a prefix cut of a
+// tile: key t of a tile is at position pos0 + t and a block has one query, so a tile keeps its
+// first n = min(N, qpos - pos0 + 1) keys, and a tile with none is not loaded.
 //
-// head_dim is a template parameter D in {16, 32, 64, 128, 256} (LaneSplit below): a warp
-// holds one q/K/V row, D / 32 elements per lane, or one element on lanes 0..D-1 when D < 32.
-// sacc[kWarps][D] is 4 KiB of shared memory at D = 256.
+// Split-K: decode has kv_heads x 1 rows (8 for Llama-3-8B), so the keys are split over up to
+// kMaxSplits blocks a row (Splits: about kTargetBlocks blocks in all). The work units are the
+// dense parts' N-key tiles (parts in order), then each selected slot's N-key tiles; split s
+// takes units s, s + splits, ... With one split the block writes the output; with more, each
+// writes its normalised partial (out_s, lse_s) to the workspace and MergeSplitsKernel combines
+// them by log-sum-exp, each of its two phases one round of loads (not one per split). Mass
+// (the final probabilities) needs the final lse: with one split the block makes a second pass
+// over its tiles (K only); with more, MassKernel makes it over the same grid after the merge.
+// Each key's exp(score - lse), summed over the block's heads, is added with one atomic.
+//
+// head_dim is a template parameter D in {16, 32, 64, 128, 256}: with 2- or 4-byte elements a
+// row is whole 16-byte chunks (32 bytes at least) and whole 8-byte column chunks. Shared
+// memory per block is at most 2 x (8 KiB + N x 16) of K/V plus kGroup x D floats of q.
+// __launch_bounds__(kThreads, kBlocksPerSm) holds the kernel to 64 registers, 4 blocks (50%
+// occupancy) an SM. ptxas (sm_90) spills nothing at d32-d256 16-bit (d64/d128 bf16 included),
+// 8 bytes at d16 and f32 d32/d64, 24 at f32 d256.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -33,159 +59,228 @@
 namespace kvtier::kernels::cuda {
 namespace {
 
-constexpr int kWarps = 4;  // warps per block
-constexpr int kThreads = kWarps * 32;
-constexpr int kTile = 32;        // dense tokens per split unit
-constexpr int kMaxSplits = 32;   // offload/attention_backend.cc sizes workspaces with it
-constexpr int kTargetBlocks = 1024;  // enough blocks to fill a large GPU several times over
+constexpr int kThreads = 256;          // threads per block: 8 warps
+constexpr int kGroup = kThreads / 32;  // q heads a block scores at most: one warp each in the softmax step
+constexpr int kMaxSplits = 64;         // offload/attention_backend.cc sizes workspaces with it
+constexpr int kTargetBlocks = 1024;    // enough blocks to fill a large GPU twice over
+constexpr int kBlocksPerSm = 4;        // 64 registers a thread at most: 50% occupancy
+constexpr int kTileBytes = 8192;       // K bytes of a tile at most (as many of V)
 
-// A row of D elements over the 32 lanes of a warp: lane l holds the E = max(1, D / 32)
-// consecutive elements l*E .. l*E + E - 1. For D < 32 (the shipped kvtier-tiny has head_dim
-// 16) lanes D..31 hold nothing: their q is 0, they load no K or V and store no accumulator,
-// but they still take part in the warp shuffles (WarpSum needs all 32 lanes).
-template <int D>
-struct LaneSplit {
+// Keys per tile: kTileBytes of K, at most 64 (the softmax step reads two keys a lane).
+__host__ __device__ constexpr int TileKeys(int head_dim, int elem_bytes) {
+  return kTileBytes / (head_dim * elem_bytes) < 64 ? kTileBytes / (head_dim * elem_bytes) : 64;
+}
+
+template <typename T, int D>
+struct Geometry {
   static_assert(D == 16 || D == 32 || D == 64 || D == 128 || D == 256, "a head_dim the launcher dispatches");
-  static constexpr int E = D < 32 ? 1 : D / 32;
-  // Whether `lane` holds element lane*E + e. A constant true when D % 32 == 0, so the 64 and
-  // 128 paths compile to the same instructions as before the guard existed.
-  __device__ static __forceinline__ bool Holds(int lane, int e) { return D % 32 == 0 || lane * E + e < D; }
+  static constexpr int kElem = static_cast<int>(sizeof(T));
+  static constexpr int N = TileKeys(D, kElem);  // keys per tile: 8 .. 64
+  static constexpr int V16 = 16 / kElem;        // elements per 16-byte chunk
+  static constexpr int C = D / V16;             // chunks per row (>= 2)
+  static constexpr int CP = C + 1;              // padded row pitch in chunks (C is even: CP odd)
+  static constexpr int kLoads = (N * C + kThreads - 1) / kThreads;         // K chunks a thread loads per tile
+  static constexpr int W = 8 / kElem;                                      // elements per P.V read (8 bytes)
+  static constexpr int kCols = D / W;                                      // column chunks per head
+  static constexpr int kOwn = (kGroup * kCols + kThreads - 1) / kThreads;  // column chunks a thread owns
+  static constexpr int SP = N + 1;  // pitch of a head's scores (heads of one warp in other banks)
 };
 
-// Score of one key: scale * q.k, the warp's lanes each holding E consecutive elements.
 template <typename T, int D>
-__device__ __forceinline__ float WarpScore(const float (&q)[LaneSplit<D>::E], const T* k, int lane, float scale) {
-  constexpr int E = LaneSplit<D>::E;
-  float s = 0.0f;
-#pragma unroll
-  for (int e = 0; e < E; ++e)
-    if (LaneSplit<D>::Holds(lane, e)) s = fmaf(q[e], LoadAsFloat(k + lane * E + e), s);
-  return WarpSum(s) * scale;
-}
-
-// Keys a warp loads before it reduces the first score: at most 8 (a 32-token unit over 4
-// warps), fewer where K and V rows of that many keys would not fit in registers.
-template <int D>
-struct KeysInFlight {
-  static constexpr int U = LaneSplit<D>::E <= 4 ? 8 : 4;  // K and V rows in flight: at most 64 floats a lane
+struct Smem {
+  using G = Geometry<T, D>;
+  uint4 k[G::N * G::CP];
+  uint4 v[G::N * G::CP];
+  float q[kGroup * D];
+  float s[kGroup * G::SP];  // scores, then probabilities
+  float m[kGroup], l[kGroup], corr[kGroup];
 };
 
-// This lane's E elements of a row, as floats. With `vec` (every row 16-byte aligned, which
-// the launcher checks) they arrive in loads of up to 16 bytes; otherwise one element at a time.
-template <typename T, int D>
-__device__ __forceinline__ void LoadLane(const T* row, int lane, bool vec, float (&x)[LaneSplit<D>::E]) {
-  constexpr int E = LaneSplit<D>::E;
-  constexpr int kBytes = E * static_cast<int>(sizeof(T));
-  const T* p = row + lane * E;
-  if constexpr (D % 32 == 0 && (kBytes % 16 == 0 || kBytes == 8 || kBytes == 4)) {
-    if (vec) {
-      // Wide loads into a raw buffer, then memcpy to T: no type punning (the emulated build's
-      // g++ would be free to reorder it); nvcc and g++ both keep it in registers.
-      T t[E];
-      if constexpr (kBytes % 16 == 0) {
-        uint4 raw[kBytes / 16];
-#pragma unroll
-        for (int i = 0; i < kBytes / 16; ++i) raw[i] = reinterpret_cast<const uint4*>(p)[i];
-        memcpy(t, raw, kBytes);
-      } else if constexpr (kBytes == 8) {
-        const uint2 raw = *reinterpret_cast<const uint2*>(p);
-        memcpy(t, &raw, kBytes);
-      } else {
-        const unsigned raw = *reinterpret_cast<const unsigned*>(p);
-        memcpy(t, &raw, kBytes);
-      }
-#pragma unroll
-      for (int e = 0; e < E; ++e) x[e] = LoadAsFloat(t + e);
-      return;
-    }
+// One tile: its first row at the block's kv head, its visible rows (the causal cut made), and
+// where its mass goes (null: none).
+template <typename T>
+struct Tile {
+  const T* k;
+  const T* v;
+  float* mass;
+  int n;
+};
+
+// The tiles of one split in order (see the header comment). Every thread of a block walks the
+// same tiles: n and the pointers are block-uniform.
+template <typename T, int N>
+struct TileCursor {
+  const SlotAttentionParams* p;
+  size_t row, head;
+  int kvh;
+  bool causal;
+  int64_t qpos;
+  int u, step, dense_units, slot_tiles, total;
+
+  __device__ TileCursor(const SlotAttentionParams& params, int kv_head, int64_t q_position, int split,
+                        int splits)
+      : p(&params),
+        row(static_cast<size_t>(params.kv_heads) * params.head_dim),
+        head(static_cast<size_t>(kv_head) * params.head_dim),
+        kvh(kv_head),
+        causal(params.causal),
+        qpos(q_position),
+        u(split),
+        step(splits) {
+    dense_units = 0;
+    for (int i = 0; i < params.n_dense; ++i) dense_units += (params.dense[i].n_tokens + N - 1) / N;
+    slot_tiles = params.n_slots > 0 ? (params.slot_tokens + N - 1) / N : 0;
+    total = dense_units + params.n_slots * slot_tiles;
   }
+
+  __device__ bool Next(Tile<T>* t) {
+    while (u < total) {
+      int unit = u;
+      u += step;
+      int n, t0;
+      int64_t pos0;
+      const T *kb, *vb;
+      float* mass;
+      if (unit < dense_units) {
+        int part = 0;
+        for (; part + 1 < p->n_dense; ++part) {
+          const int tiles = (p->dense[part].n_tokens + N - 1) / N;
+          if (unit < tiles) break;
+          unit -= tiles;
+        }
+        const DenseKv& d = p->dense[part];
+        t0 = unit * N;
+        n = min(N, d.n_tokens - t0);
+        pos0 = d.first_position + t0;
+        kb = static_cast<const T*>(d.k);
+        vb = static_cast<const T*>(d.v);
+        mass = d.mass ? d.mass + static_cast<size_t>(kvh) * d.n_tokens + t0 : nullptr;
+      } else {
+        unit -= dense_units;
+        const int i = unit / slot_tiles;
+        t0 = (unit % slot_tiles) * N;
+        const int slot = p->slot_index[i];
+        if (slot < 0 || slot >= p->pool_slots) continue;  // documented: skipped (the host cannot check)
+        int ns = p->slot_n_tokens ? p->slot_n_tokens[i] : p->slot_tokens;
+        ns = ns < 0 ? 0 : (ns > p->slot_tokens ? p->slot_tokens : ns);
+        n = min(N, ns - t0);
+        pos0 = p->slot_first_position[i] + t0;
+        const size_t slot_elems = row * p->slot_tokens;
+        kb = static_cast<const T*>(p->pool_k) + slot * slot_elems;
+        vb = static_cast<const T*>(p->pool_v) + slot * slot_elems;
+        mass = p->slot_mass
+                   ? p->slot_mass + (static_cast<size_t>(i) * p->kv_heads + kvh) * p->slot_tokens + t0
+                   : nullptr;
+      }
+      if (causal && qpos - pos0 + 1 < n) n = qpos - pos0 + 1 < 0 ? 0 : static_cast<int>(qpos - pos0 + 1);
+      if (n <= 0) continue;
+      t->k = kb + t0 * row + head;
+      t->v = vb + t0 * row + head;
+      t->mass = mass;
+      t->n = n;
+      return true;
+    }
+    return false;
+  }
+};
+
+// 16 bytes of a row: one load where the rows are 16-byte aligned, else element by element
+// (copied through memcpy: no type punning).
+template <typename T>
+__device__ __forceinline__ uint4 LoadChunk(const T* src, bool vec) {
+  if (vec) return *reinterpret_cast<const uint4*>(src);
+  constexpr int V16 = 16 / static_cast<int>(sizeof(T));
+  T t[V16];
 #pragma unroll
-  for (int e = 0; e < E; ++e) x[e] = LaneSplit<D>::Holds(lane, e) ? LoadAsFloat(p + e) : 0.0f;
+  for (int e = 0; e < V16; ++e) t[e] = src[e];
+  uint4 raw;
+  memcpy(static_cast<void*>(&raw), t, 16);
+  return raw;
 }
 
-// The online softmax of one warp (running max m, sum l of exp(s - m), acc = sum exp(s - m) v)
-// over the keys of one unit: n tokens from k/v (already offset to the kv head), token t at
-// position pos0 + t, this warp's tokens warp, warp + kWarps, ... The K and V rows of
-// KeysInFlight keys are loaded before any score is reduced.
-template <typename T, int D>
-__device__ __forceinline__ void AccumulateUnit(const T* k, const T* v, size_t row, int n, int64_t pos0,
-                                               bool causal, int64_t qpos, const float (&q)[LaneSplit<D>::E],
-                                               int warp, int lane, float scale, bool vec, float& m, float& l,
-                                               float (&acc)[LaneSplit<D>::E]) {
-  constexpr int E = LaneSplit<D>::E;
-  constexpr int U = KeysInFlight<D>::U;
-  for (int t0 = warp; t0 < n; t0 += U * kWarps) {
-    float kr[U][E], vr[U][E];
-    bool ok[U];
+// A tile's K (and V) chunks this thread loads: chunk j = threadIdx.x + r * kThreads is row
+// j / C, chunk j % C, so a warp reads whole rows. Rows past t.n are zero.
+template <typename T, int D, bool kWithV>
+struct Stage {
+  using G = Geometry<T, D>;
+  uint4 k[G::kLoads];
+  uint4 v[kWithV ? G::kLoads : 1];
+
+  __device__ __forceinline__ void Load(const Tile<T>& t, size_t row, bool vec) {
 #pragma unroll
-    for (int j = 0; j < U; ++j) {
-      const int t = t0 + j * kWarps;
-      ok[j] = t < n && !(causal && pos0 + t > qpos);  // the same on every lane of the warp
-      if (ok[j]) {
-        LoadLane<T, D>(k + t * row, lane, vec, kr[j]);
-        LoadLane<T, D>(v + t * row, lane, vec, vr[j]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) kr[j][e] = vr[j][e] = 0.0f;
+    for (int r = 0; r < G::kLoads; ++r) {
+      const int j = threadIdx.x + r * kThreads;
+      const int key = j / G::C, c = j % G::C;
+      k[r] = v[kWithV ? r : 0] = make_uint4(0, 0, 0, 0);
+      if ((G::N * G::C % kThreads == 0 || j < G::N * G::C) && key < t.n) {
+        const size_t off = key * row + c * G::V16;
+        k[r] = LoadChunk(t.k + off, vec);
+        if (kWithV) v[r] = LoadChunk(t.v + off, vec);
       }
     }
-    float s[U];
-    float m_new = m;
+  }
+  __device__ __forceinline__ void Store(Smem<T, D>& sh) const {
 #pragma unroll
-    for (int j = 0; j < U; ++j) {
-      float d = 0.0f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) d = fmaf(q[e], kr[j][e], d);
-      s[j] = WarpSum(d) * scale;
-      if (ok[j]) m_new = fmaxf(m_new, s[j]);
+    for (int r = 0; r < G::kLoads; ++r) {
+      const int j = threadIdx.x + r * kThreads;
+      if (G::N * G::C % kThreads == 0 || j < G::N * G::C) {
+        const int key = j / G::C, c = j % G::C;
+        sh.k[key * G::CP + c] = k[r];
+        if (kWithV) sh.v[key * G::CP + c] = v[r];
+      }
     }
-    if (m_new == -INFINITY) continue;      // no visible key in this step (or every score -inf)
-    const float corr = __expf(m - m_new);  // exp(-inf) = 0 on the first keys
-    l *= corr;
+  }
+};
+
+// The elements of 16 (or 8) bytes of row storage, as floats.
+template <typename T, int kCount, typename Raw>
+__device__ __forceinline__ void ToFloats(const Raw& raw, float (&x)[kCount]) {
+  static_assert(sizeof(Raw) == kCount * sizeof(T), "whole elements");
+  T t[kCount];
+  memcpy(static_cast<void*>(t), &raw, sizeof(Raw));
 #pragma unroll
-    for (int e = 0; e < E; ++e) acc[e] *= corr;
+  for (int e = 0; e < kCount; ++e) x[e] = LoadAsFloat(t + e);
+}
+
+// scale * q_g . k_key for every (key, head) pair of the tile, into sh.s (keys past n: -inf).
+// Pair i = threadIdx.x + r * kThreads is key i % N of head i / N.
+template <typename T, int D>
+__device__ __forceinline__ void ScoreTile(Smem<T, D>& sh, int group, int n, float scale) {
+  using G = Geometry<T, D>;
+  for (int i = threadIdx.x; i < group * G::N; i += kThreads) {
+    const int key = i % G::N, g = i / G::N;
+    const uint4* krow = sh.k + key * G::CP;
+    const float* q = sh.q + g * D;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four chains: the fma latency is not one chain of D
+#pragma unroll 4
+    for (int c = 0; c < G::C; ++c) {
+      float x[G::V16];
+      ToFloats<T, G::V16>(krow[c], x);
 #pragma unroll
-    for (int j = 0; j < U; ++j) {
-      if (!ok[j]) continue;
-      const float w = __expf(s[j] - m_new);
-      l += w;
-#pragma unroll
-      for (int e = 0; e < E; ++e) acc[e] = fmaf(w, vr[j][e], acc[e]);
+      for (int e = 0; e < G::V16; e += 4) {
+        const float4 qv = *reinterpret_cast<const float4*>(q + c * G::V16 + e);
+        d[0] = fmaf(qv.x, x[e], d[0]);
+        d[1] = fmaf(qv.y, x[e + 1], d[1]);
+        d[2] = fmaf(qv.z, x[e + 2], d[2]);
+        d[3] = fmaf(qv.w, x[e + 3], d[3]);
+      }
     }
-    m = m_new;
+    sh.s[g * G::SP + key] = key < n ? ((d[0] + d[1]) + (d[2] + d[3])) * scale : -INFINITY;
   }
 }
 
-// Calls f(k_row, v_row, position, mass_or_null) for every key this warp of this split owns.
-// Every lane of a warp sees the same keys in the same order (the shuffles need it).
-template <typename T, typename F>
-__device__ __forceinline__ void ForEachKey(const SlotAttentionParams& p, int kvh, int warp, int split, int splits,
-                                           F&& f) {
-  const size_t row = static_cast<size_t>(p.kv_heads) * p.head_dim;  // elements per token
-  const size_t head = static_cast<size_t>(kvh) * p.head_dim;
-  for (int part = 0; part < p.n_dense; ++part) {
-    const DenseKv& d = p.dense[part];
-    const T* kb = static_cast<const T*>(d.k);
-    const T* vb = static_cast<const T*>(d.v);
-    float* mass = d.mass ? d.mass + static_cast<size_t>(kvh) * d.n_tokens : nullptr;
-    for (int t0 = split * kTile; t0 < d.n_tokens; t0 += splits * kTile) {
-      const int t1 = min(d.n_tokens, t0 + kTile);
-      for (int t = t0 + warp; t < t1; t += kWarps)
-        f(kb + t * row + head, vb + t * row + head, d.first_position + t, mass ? mass + t : nullptr);
-    }
-  }
-  const size_t slot_elems = row * p.slot_tokens;
-  for (int i = split; i < p.n_slots; i += splits) {
-    const int slot = p.slot_index[i];
-    if (slot < 0 || slot >= p.pool_slots) continue;  // documented: skipped (the host cannot check)
-    int n = p.slot_n_tokens ? p.slot_n_tokens[i] : p.slot_tokens;
-    n = n < 0 ? 0 : (n > p.slot_tokens ? p.slot_tokens : n);
-    const T* kb = static_cast<const T*>(p.pool_k) + slot * slot_elems;
-    const T* vb = static_cast<const T*>(p.pool_v) + slot * slot_elems;
-    float* mass = p.slot_mass ? p.slot_mass + (static_cast<size_t>(i) * p.kv_heads + kvh) * p.slot_tokens : nullptr;
-    const int64_t pos0 = p.slot_first_position[i];
-    for (int t = warp; t < n; t += kWarps) f(kb + t * row + head, vb + t * row + head, pos0 + t, mass ? mass + t : nullptr);
-  }
+__device__ __forceinline__ float WarpMax(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// Loads the block's q rows (heads kvh * G + g0 .. + group - 1 of query qi) into sh.q.
+template <typename T, int D>
+__device__ __forceinline__ void LoadQueries(const SlotAttentionParams& p, Smem<T, D>& sh, int h0, int group,
+                                            int qi) {
+  const float* q = p.q + (static_cast<size_t>(qi) * p.q_heads + h0) * D;  // the group's rows are consecutive
+  for (int i = threadIdx.x; i < group * D; i += kThreads) sh.q[i] = q[i];
 }
 
 __host__ __device__ inline bool WantsMass(const SlotAttentionParams& p) {
@@ -194,150 +289,238 @@ __host__ __device__ inline bool WantsMass(const SlotAttentionParams& p) {
   return want;
 }
 
-template <int D>
-__device__ __forceinline__ void LoadQuery(const SlotAttentionParams& p, int h, int qi, int lane,
-                                          float (&q)[LaneSplit<D>::E]) {
-  constexpr int E = LaneSplit<D>::E;
-  const float* qrow = p.q + (static_cast<size_t>(qi) * p.q_heads + h) * D;
-#pragma unroll
-  for (int e = 0; e < E; ++e) q[e] = LaneSplit<D>::Holds(lane, e) ? qrow[lane * E + e] : 0.0f;
+// Which (kv head, first q head, heads) blockIdx.x stands for.
+struct HeadGroup {
+  int kvh, h0, group;
+};
+__device__ __forceinline__ HeadGroup BlockHeads(const SlotAttentionParams& p) {
+  const int g = p.q_heads / p.kv_heads;
+  const int groups = (g + kGroup - 1) / kGroup;
+  HeadGroup hg;
+  hg.kvh = blockIdx.x / groups;
+  const int first = (blockIdx.x % groups) * kGroup;
+  hg.h0 = hg.kvh * g + first;
+  hg.group = min(kGroup, g - first);
+  return hg;
 }
 
-// Adds exp(score - lse) of every owned, visible key to its mass (atomics: the q heads of a
-// group and the queries add to the same key).
+// The mass pass: for each visible key of this split's tiles, adds sum over the block's heads
+// of exp(score - lse_g) (sh.l holds lse_g; -inf: the head saw no key and adds nothing).
+// Called by every thread of the block (it synchronises).
 template <typename T, int D>
-__device__ void AddMass(const SlotAttentionParams& p, float scale, int h, int qi, int split, int splits, float lse) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int kvh = h / (p.q_heads / p.kv_heads);
-  float q[LaneSplit<D>::E];
-  LoadQuery<D>(p, h, qi, lane, q);
-  const bool causal = p.causal;
-  const int64_t qpos = causal ? p.q_positions[qi] : 0;
-  ForEachKey<T>(p, kvh, warp, split, splits, [&](const T* k, const T*, int64_t pos, float* mass) {
-    if (mass == nullptr || (causal && pos > qpos)) return;
-    const float s = WarpScore<T, D>(q, k, lane, scale);
-    if (lane == 0) atomicAdd(mass, __expf(s - lse));
-  });
+__device__ void MassPass(const SlotAttentionParams& p, Smem<T, D>& sh, const HeadGroup& hg, int64_t qpos,
+                         float scale, int split, int splits, bool vec) {
+  using G = Geometry<T, D>;
+  TileCursor<T, G::N> cursor(p, hg.kvh, qpos, split, splits);
+  const size_t row = static_cast<size_t>(p.kv_heads) * D;
+  Tile<T> t;
+  while (cursor.Next(&t)) {
+    if (t.mass == nullptr) continue;  // block-uniform
+    Stage<T, D, false> st;
+    st.Load(t, row, vec);
+    __syncthreads();  // the previous tile's readers are done
+    st.Store(sh);
+    __syncthreads();
+    ScoreTile<T, D>(sh, hg.group, t.n, scale);
+    __syncthreads();
+    for (int key = threadIdx.x; key < t.n; key += kThreads) {
+      float sum = 0.0f;
+      for (int g = 0; g < hg.group; ++g) {
+        const float lse = sh.l[g];
+        if (lse != -INFINITY) sum += __expf(sh.s[g * G::SP + key] - lse);
+      }
+      atomicAdd(t.mass + key, sum);
+    }
+  }
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     SlotAttentionKernel(const SlotAttentionParams p, float scale, int splits, bool vec, float* part_out,
                         float* part_lse) {
-  constexpr int E = LaneSplit<D>::E;
-  const int h = blockIdx.x, qi = blockIdx.y, split = blockIdx.z;
+  using G = Geometry<T, D>;
+  __shared__ Smem<T, D> sh;
+  const HeadGroup hg = BlockHeads(p);
+  const int qi = blockIdx.y, split = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int kvh = h / (p.q_heads / p.kv_heads);
-  float q[E];
-  LoadQuery<D>(p, h, qi, lane, q);
-  const bool causal = p.causal;
-  const int64_t qpos = causal ? p.q_positions[qi] : 0;
-
-  // This warp's online softmax over the units this split owns (ForEachKey's order).
-  float m = -INFINITY, l = 0.0f, acc[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+  const int64_t qpos = p.causal ? p.q_positions[qi] : 0;
   const size_t row = static_cast<size_t>(p.kv_heads) * D;  // elements per token
-  const size_t head = static_cast<size_t>(kvh) * D;
-  for (int part = 0; part < p.n_dense; ++part) {
-    const DenseKv& d = p.dense[part];
-    const T* kb = static_cast<const T*>(d.k) + head;
-    const T* vb = static_cast<const T*>(d.v) + head;
-    for (int t0 = split * kTile; t0 < d.n_tokens; t0 += splits * kTile)
-      AccumulateUnit<T, D>(kb + t0 * row, vb + t0 * row, row, min(kTile, d.n_tokens - t0),
-                           d.first_position + t0, causal, qpos, q, warp, lane, scale, vec, m, l, acc);
-  }
-  const size_t slot_elems = row * p.slot_tokens;
-  for (int i = split; i < p.n_slots; i += splits) {
-    const int slot = p.slot_index[i];
-    if (slot < 0 || slot >= p.pool_slots) continue;  // documented: skipped (the host cannot check)
-    int n = p.slot_n_tokens ? p.slot_n_tokens[i] : p.slot_tokens;
-    n = n < 0 ? 0 : (n > p.slot_tokens ? p.slot_tokens : n);
-    AccumulateUnit<T, D>(static_cast<const T*>(p.pool_k) + slot * slot_elems + head,
-                         static_cast<const T*>(p.pool_v) + slot * slot_elems + head, row, n,
-                         p.slot_first_position[i], causal, qpos, q, warp, lane, scale, vec, m, l, acc);
-  }
 
-  // LSE merge of the warps' states.
-  __shared__ float sm[kWarps], sl[kWarps], sacc[kWarps][D], s_lse;
-  if (lane == 0) {
-    sm[warp] = m;
-    sl[warp] = l;
+  // This thread's column chunks: chunk o = threadIdx.x + r * kThreads is columns
+  // (o % kCols) * W .. + W - 1 of head o / kCols.
+  float acc[G::kOwn][G::W];
+#pragma unroll
+  for (int r = 0; r < G::kOwn; ++r)
+#pragma unroll
+    for (int w = 0; w < G::W; ++w) acc[r][w] = 0.0f;
+
+  TileCursor<T, G::N> cursor(p, hg.kvh, qpos, split, splits);
+  Tile<T> cur;
+  bool have = cursor.Next(&cur);
+  Stage<T, D, true> st;
+  if (have) st.Load(cur, row, vec);
+  // After the first tile's loads are issued: storing q waits for q to arrive.
+  LoadQueries<T, D>(p, sh, hg.h0, hg.group, qi);
+  if (threadIdx.x < kGroup) {
+    sh.m[threadIdx.x] = -INFINITY;
+    sh.l[threadIdx.x] = 0.0f;
   }
-#pragma unroll
-  for (int e = 0; e < E; ++e)
-    if (LaneSplit<D>::Holds(lane, e)) sacc[warp][lane * E + e] = acc[e];
-  __syncthreads();
-  float M = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm[w]);
-  float L = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) L += sl[w] > 0.0f ? sl[w] * __expf(sm[w] - M) : 0.0f;
-  const size_t out_row = static_cast<size_t>(qi) * p.q_heads + h;
-  const size_t rows = static_cast<size_t>(p.n_queries) * p.q_heads;
-  float* orow =
-      splits == 1 ? p.out + out_row * D : part_out + (static_cast<size_t>(split) * rows + out_row) * D;
-  for (int d = threadIdx.x; d < D; d += kThreads) {
-    float o = 0.0f;
-    if (L > 0.0f) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w)
-        if (sl[w] > 0.0f) o += sacc[w][d] * __expf(sm[w] - M);
-      o /= L;
+  while (have) {
+    __syncthreads();  // the previous tile's readers are done (and sh.q, sh.m, sh.l are set)
+    st.Store(sh);
+    __syncthreads();
+    Tile<T> next;
+    const bool have_next = cursor.Next(&next);
+    if (have_next) st.Load(next, row, vec);  // in flight while this tile is computed
+    ScoreTile<T, D>(sh, hg.group, cur.n, scale);
+    __syncthreads();
+    if (warp < hg.group) {  // warp-uniform: warp g updates head g's online softmax
+      float* s = sh.s + warp * G::SP;
+      const float s0 = lane < G::N ? s[lane] : -INFINITY;
+      const float s1 = lane + 32 < G::N ? s[lane + 32] : -INFINITY;
+      const float m_old = sh.m[warp];
+      const float m_new = fmaxf(m_old, WarpMax(fmaxf(s0, s1)));
+      // No visible score yet (every one -inf): probabilities 0, nothing rescaled.
+      const bool none = m_new == -INFINITY;
+      const float p0 = none ? 0.0f : __expf(s0 - m_new), p1 = none ? 0.0f : __expf(s1 - m_new);
+      if (lane < G::N) s[lane] = p0;
+      if (lane + 32 < G::N) s[lane + 32] = p1;
+      const float sum = WarpSum(p0 + p1);
+      if (lane == 0) {
+        const float corr = none ? 1.0f : __expf(m_old - m_new);  // exp(-inf) = 0 on the first keys
+        sh.corr[warp] = corr;
+        sh.l[warp] = sh.l[warp] * corr + sum;
+        sh.m[warp] = m_new;
+      }
     }
-    orow[d] = o;
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < G::kOwn; ++r) {
+      const int o = threadIdx.x + r * kThreads;
+      if (o >= hg.group * G::kCols) continue;
+      const int g = o / G::kCols, col = o % G::kCols;
+      const float corr = sh.corr[g];
+#pragma unroll
+      for (int w = 0; w < G::W; ++w) acc[r][w] *= corr;
+      const float* pr = sh.s + g * G::SP;
+      const uint2* vcol = reinterpret_cast<const uint2*>(sh.v) + col;
+#pragma unroll 4
+      for (int key = 0; key < cur.n; ++key) {
+        const float pk = pr[key];
+        float x[G::W];
+        ToFloats<T, G::W>(vcol[key * G::CP * 2], x);
+#pragma unroll
+        for (int w = 0; w < G::W; ++w) acc[r][w] = fmaf(pk, x[w], acc[r][w]);
+      }
+    }
+    cur = next;
+    have = have_next;
   }
-  const float lse = L > 0.0f ? M + logf(L) : -INFINITY;
-  if (threadIdx.x == 0) {
-    s_lse = lse;
+  __syncthreads();  // sh.l, sh.m final (also when this split had no tile)
+
+  const size_t rows = static_cast<size_t>(p.n_queries) * p.q_heads;
+  const size_t row0 = static_cast<size_t>(qi) * p.q_heads + hg.h0;  // output row of head 0 of the group
+#pragma unroll
+  for (int r = 0; r < G::kOwn; ++r) {
+    const int o = threadIdx.x + r * kThreads;
+    if (o >= hg.group * G::kCols) continue;
+    const int g = o / G::kCols, col = o % G::kCols;
+    const float l = sh.l[g];
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    float* orow =
+        splits == 1 ? p.out + (row0 + g) * D : part_out + (static_cast<size_t>(split) * rows + row0 + g) * D;
+#pragma unroll
+    for (int w = 0; w < G::W; ++w) orow[col * G::W + w] = acc[r][w] * inv;
+  }
+  __syncthreads();  // every l read before the lse replaces it
+  if (static_cast<int>(threadIdx.x) < hg.group) {
+    const int g = threadIdx.x;
+    const float l = sh.l[g];
+    const float lse = l > 0.0f ? sh.m[g] + logf(l) : -INFINITY;
+    sh.l[g] = lse;  // the mass pass reads it there
     if (splits > 1)
-      part_lse[static_cast<size_t>(split) * rows + out_row] = lse;
+      part_lse[static_cast<size_t>(split) * rows + row0 + g] = lse;
     else if (p.lse)
-      p.lse[out_row] = lse;
+      p.lse[row0 + g] = lse;
   }
   // One split: the final lse is known here, so the mass pass follows in this block.
-  if (splits > 1 || !WantsMass(p) || !(L > 0.0f)) return;
+  if (splits > 1 || !WantsMass(p)) return;  // block-uniform
   __syncthreads();
-  AddMass<T, D>(p, scale, h, qi, 0, 1, s_lse);
+  MassPass<T, D>(p, sh, hg, qpos, scale, 0, 1, vec);
 }
 
-// Combines the splits' normalised partials of one row by log-sum-exp.
-__global__ void MergeSplitsKernel(int splits, int rows, int head_dim, const float* part_out, const float* part_lse,
-                                  float* out, float* lse, float* final_lse) {
+// Combines the splits' normalised partials of one row by log-sum-exp. Every load of a phase is
+// issued before its results are used (a loop over the splits with a dependent add would wait
+// once per split): warp 0 reads the splits' lse (two a lane), then thread (d, q) reads the
+// partials of column d of splits q, q + groups, ... 16 at a time, and the groups add in
+// shared memory.
+constexpr int kMergeThreads = 512;
+constexpr int kMergeBatch = 16;
+__global__ void __launch_bounds__(kMergeThreads)
+    MergeSplitsKernel(int splits, int rows, int head_dim, const float* part_out, const float* part_lse,
+                      float* out, float* lse, float* final_lse) {
+  static_assert(kMaxSplits <= 64, "warp 0 reads two splits' lse a lane");
+  __shared__ float w[kMaxSplits];  // exp(lse_s - lse): the weight of split s
+  __shared__ float partial[kMergeThreads];
   const int r = blockIdx.x;
-  float M = -INFINITY;
-  for (int s = 0; s < splits; ++s) M = fmaxf(M, part_lse[static_cast<size_t>(s) * rows + r]);
-  float L = 0.0f;
-  for (int s = 0; s < splits; ++s) {
-    const float ls = part_lse[static_cast<size_t>(s) * rows + r];
-    if (ls != -INFINITY) L += expf(ls - M);
-  }
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float o = 0.0f;
-    if (L > 0.0f) {
-      for (int s = 0; s < splits; ++s) {
-        const float ls = part_lse[static_cast<size_t>(s) * rows + r];
-        if (ls != -INFINITY) o += part_out[(static_cast<size_t>(s) * rows + r) * head_dim + d] * expf(ls - M);
-      }
-      o /= L;
+  const int tid = threadIdx.x;
+  if (tid < 32) {
+    const float l0 = tid < splits ? part_lse[static_cast<size_t>(tid) * rows + r] : -INFINITY;
+    const float l1 = tid + 32 < splits ? part_lse[static_cast<size_t>(tid + 32) * rows + r] : -INFINITY;
+    const float M = WarpMax(fmaxf(l0, l1));
+    const float e0 = l0 == -INFINITY ? 0.0f : expf(l0 - M), e1 = l1 == -INFINITY ? 0.0f : expf(l1 - M);
+    const float L = WarpSum(e0 + e1);
+    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    if (tid < splits) w[tid] = e0 * inv;
+    if (tid + 32 < splits) w[tid + 32] = e1 * inv;
+    if (tid == 0) {
+      const float v = L > 0.0f ? M + logf(L) : -INFINITY;
+      if (lse) lse[r] = v;
+      final_lse[r] = v;
     }
-    out[static_cast<size_t>(r) * head_dim + d] = o;
   }
-  if (threadIdx.x == 0) {
-    const float v = L > 0.0f ? M + logf(L) : -INFINITY;
-    if (lse) lse[r] = v;
-    final_lse[r] = v;
+  __syncthreads();
+  const int groups = kMergeThreads / head_dim;  // head_dim <= 256: at least 2
+  const int d = tid % head_dim, q = tid / head_dim;
+  float o = 0.0f;
+  if (q < groups) {
+    for (int s0 = q; s0 < splits; s0 += kMergeBatch * groups) {
+      float v[kMergeBatch];
+#pragma unroll
+      for (int j = 0; j < kMergeBatch; ++j) {
+        const int s = s0 + j * groups;
+        v[j] =
+            s < splits && w[s] > 0.0f ? part_out[(static_cast<size_t>(s) * rows + r) * head_dim + d] : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < kMergeBatch; ++j) {
+        const int s = s0 + j * groups;
+        if (s < splits) o = fmaf(v[j], w[s], o);
+      }
+    }
+  }
+  partial[tid] = o;
+  __syncthreads();
+  if (tid < head_dim) {
+    float sum = 0.0f;
+    for (int g = 0; g < groups; ++g) sum += partial[g * head_dim + tid];
+    out[static_cast<size_t>(r) * head_dim + tid] = sum;
   }
 }
 
+// The mass pass after the merge (more than one split): the same grid, the final lse of each row.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) MassKernel(const SlotAttentionParams p, float scale, int splits,
-                                                       const float* final_lse) {
-  const int h = blockIdx.x, qi = blockIdx.y, split = blockIdx.z;
-  const float lse = final_lse[static_cast<size_t>(qi) * p.q_heads + h];
-  if (lse == -INFINITY) return;  // the row saw no key
-  AddMass<T, D>(p, scale, h, qi, split, splits, lse);
+__global__ void __launch_bounds__(kThreads)
+    MassKernel(const SlotAttentionParams p, float scale, int splits, bool vec, const float* final_lse) {
+  __shared__ Smem<T, D> sh;
+  const HeadGroup hg = BlockHeads(p);
+  const int qi = blockIdx.y, split = blockIdx.z;
+  const int64_t qpos = p.causal ? p.q_positions[qi] : 0;
+  LoadQueries<T, D>(p, sh, hg.h0, hg.group, qi);
+  const int g = threadIdx.x;
+  if (g < hg.group) sh.l[g] = final_lse[static_cast<size_t>(qi) * p.q_heads + hg.h0 + g];
+  __syncthreads();
+  MassPass<T, D>(p, sh, hg, qpos, scale, split, splits, vec);
 }
 
 __global__ void MergeStatesKernel(int rows, int head_dim, const float* out_a, const float* lse_a, const float* out_b,
@@ -357,17 +540,24 @@ __global__ void MergeStatesKernel(int rows, int head_dim, const float* out_a, co
   if (threadIdx.x == 0) lse[r] = none ? -INFINITY : m + logf(wa + wb);
 }
 
-// The split count: enough blocks for a large GPU, never more splits than key units.
+// Heads blocks of one kv head (q heads over kGroup).
+int HeadGroups(const SlotAttentionParams& p) { return (p.q_heads / p.kv_heads + kGroup - 1) / kGroup; }
+
+// The split count: about kTargetBlocks blocks, never more splits than tiles.
 int Splits(const SlotAttentionParams& p) {
-  const int64_t rows = static_cast<int64_t>(p.q_heads) * p.n_queries;
-  int units = p.n_slots;
-  for (int i = 0; i < p.n_dense; ++i) units += (p.dense[i].n_tokens + kTile - 1) / kTile;
+  const int elem = p.dtype == DType::kF32 ? 4 : 2;
+  const int64_t n = std::max(1, TileKeys(p.head_dim, elem));
+  const int64_t rows = static_cast<int64_t>(p.kv_heads) * HeadGroups(p) * p.n_queries;
+  int64_t units = 0;
+  for (int i = 0; i < p.n_dense; ++i) units += (p.dense[i].n_tokens + n - 1) / n;
+  if (p.n_slots > 0) units += static_cast<int64_t>(p.n_slots) * ((p.slot_tokens + n - 1) / n);
   const int64_t want = (kTargetBlocks + rows - 1) / rows;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, kMaxSplits, std::max(units, 1)})));
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>({want, kMaxSplits, std::max<int64_t>(units, 1)})));
 }
 
-// Whether every K/V row starts 16-byte aligned (the vector loads of LoadLane): the bases, and
-// the row pitch kv_heads * head_dim elements.
+// Whether every K/V row starts 16-byte aligned (the 16-byte loads of LoadChunk): the bases,
+// and the row pitch kv_heads * head_dim elements.
 bool RowsAligned16(const SlotAttentionParams& p) {
   auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   const size_t elem = p.dtype == DType::kF32 ? 4 : 2;
@@ -395,19 +585,20 @@ Workspace Layout(const SlotAttentionParams& p, int splits) {
 
 template <typename T, int D>
 KernelError LaunchTyped(const SlotAttentionParams& p, float scale, int splits, char* ws, cudaStream_t s) {
-  const dim3 grid(p.q_heads, p.n_queries, splits);
+  const dim3 grid(p.kv_heads * HeadGroups(p), p.n_queries, splits);
   const Workspace w = Layout(p, splits);
+  const bool vec = RowsAligned16(p);
   float* part_out = splits > 1 ? reinterpret_cast<float*>(ws + w.part_out) : nullptr;
   float* part_lse = splits > 1 ? reinterpret_cast<float*>(ws + w.part_lse) : nullptr;
-  LaunchKernel(&SlotAttentionKernel<T, D>, grid, kThreads, 0, s, p, scale, splits, RowsAligned16(p), part_out,
-               part_lse);
+  LaunchKernel(&SlotAttentionKernel<T, D>, grid, kThreads, 0, s, p, scale, splits, vec, part_out, part_lse);
   if (const KernelError e = CheckLaunch(); e != KernelError::kOk || splits == 1) return e;
   const int rows = p.q_heads * p.n_queries;
   float* final_lse = reinterpret_cast<float*>(ws + w.final_lse);
-  LaunchKernel(&MergeSplitsKernel, rows, 128, 0, s, splits, rows, D, part_out, part_lse, p.out, p.lse,
-               final_lse);
+  LaunchKernel(&MergeSplitsKernel, rows, kMergeThreads, 0, s, splits, rows, D, part_out, part_lse, p.out,
+               p.lse, final_lse);
   if (const KernelError e = CheckLaunch(); e != KernelError::kOk || !WantsMass(p)) return e;
-  LaunchKernel(&MassKernel<T, D>, grid, kThreads, 0, s, p, scale, splits, final_lse);
+  LaunchKernel(&MassKernel<T, D>, grid, kThreads, 0, s, p, scale, splits, vec,
+               static_cast<const float*>(final_lse));
   return CheckLaunch();
 }
 

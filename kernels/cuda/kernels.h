@@ -38,14 +38,14 @@ int LastCudaError();
 const char* LastCudaErrorString();
 
 // ---- attention over (dense parts | slot list) -----------------------------------------
-/// Blocks per (query head, query) x split: each streams K/V of its share of the dense parts'
-/// 32-token tiles and of the selected slots through slot_index (no gather copy), with an online
-/// softmax in fp32; warps merge in-block by LSE, splits (split-K, so that decode's few rows
-/// fill the GPU) in a merge kernel. head_dim 16, 32, 64, 128 or 256 (SlotAttentionHeadDimSupported;
-/// kBadShape otherwise), f32/f16/bf16. A warp holds one row, E = max(1, head_dim / 32) elements
-/// per lane; below 32 (kvtier-tiny's 16) the upper lanes hold none and only join the shuffles.
-/// A slot_index entry outside [0, pool_slots) is skipped (the host cannot see device
-/// memory; the CPU twin rejects it). Mass: a pass after the final lse adds exp(score - lse)
+/// Blocks per (kv head and up to 8 of its q heads, query) x split: each streams K/V of its share
+/// of the dense parts' tiles and of the selected slots' tiles through slot_index (no gather
+/// copy) into shared memory once for all the q heads of its group, with an online softmax in
+/// fp32; splits (split-K, so that decode's few rows fill the GPU) merge by LSE in a merge kernel
+/// (kernels/cuda/attention.cu says how). head_dim 16, 32, 64, 128 or 256
+/// (SlotAttentionHeadDimSupported; kBadShape otherwise), f32/f16/bf16. A slot_index entry
+/// outside [0, pool_slots) is skipped (the host cannot see device memory; the CPU twin
+/// rejects it). Mass: a pass after the final lse adds exp(score - lse)
 /// with atomics (their order makes mass non-deterministic in the last bits).
 /// Workspace: the splits' partials (0 bytes when one split suffices); kWorkspace when short.
 /// The head_dims LaunchSlotAttention has a kernel for (one template instance each). Inline, so
