@@ -516,6 +516,27 @@ Result<RunReport> RunJob(const RunOptions& options) {
                         (rep.counters.hot_bytes - rep.counters.hot_chunks * opt.store.chunk_bytes()) + rep.index_bytes +
                         rep.policy.scratch_bytes + work.memory_bytes() + kRunRssOverheadBytes;
 
+  // ---- chunk choice: the buckets of every method's chunk_counts, and the sought needles ----
+  ChunkChoice& cc = rep.chunk_choice;
+  cc.steps = opt.workload.decode_steps;
+  cc.chunk_size = cs;
+  cc.first_position = n_sink;
+  for (int l = 0; l < L; ++l) {
+    KVTIER_ASSIGN_OR_RETURN(uint64_t n, store->ChunkCount(seq, l));
+    cc.chunks = std::max(cc.chunks, n);
+  }
+  for (const Method& mt : methods)
+    for (const StepRecord& r : mt.steps)
+      for (const Attended& a : r.attended)
+        if (!a.chunks.empty()) cc.chunks = std::max(cc.chunks, a.chunks.back() + 1);  // sorted
+  cc.bucket_chunks = std::max<uint64_t>(1, (cc.chunks + kMaxChunkChoiceBuckets - 1) / kMaxChunkChoiceBuckets);
+  cc.buckets = (cc.chunks + cc.bucket_chunks - 1) / cc.bucket_chunks;
+  for (int64_t p = qbegin; p < work.total_tokens(); ++p)
+    for (const TokenRange& r : work.SoughtNeedles(p))
+      if (std::find(cc.needles.begin(), cc.needles.end(), r) == cc.needles.end()) cc.needles.push_back(r);
+  std::sort(cc.needles.begin(), cc.needles.end(),
+            [](const TokenRange& a, const TokenRange& b) { return a.begin < b.begin; });
+
   // ---- per-method timing and needle hits (no baseline needed) ----
   auto needle_hit = [&](const StepRecord& rec, int l) {
     std::vector<TokenRange> sought;
@@ -531,6 +552,10 @@ Result<RunReport> RunJob(const RunOptions& options) {
     MethodReport mr;
     mr.name = mt.name;
     mr.spec = mt.session->retriever()->Describe();
+    mr.chunk_counts.assign(static_cast<size_t>(L), std::vector<uint64_t>(cc.buckets, 0));
+    mr.chunk_max_steps = mr.chunk_counts;
+    std::vector<std::vector<uint32_t>> chunk_steps(static_cast<size_t>(L),
+                                                   std::vector<uint32_t>(cc.chunks, 0));
     std::vector<double> probe, search, alloc, fetch, attn, app, share;
     int hits = 0, total = 0, qhits = 0;
     double chunks = 0;
@@ -542,6 +567,8 @@ Result<RunReport> RunJob(const RunOptions& options) {
         if (i == 0) qhits += hit; else { hits += hit; total++; }
       }
       if (i == 0) continue;
+      for (int l = 0; l < L; ++l)
+        for (uint64_t c : r.attended[l].chunks) chunk_steps[l][c]++;
       mr.step_ms_all.push_back(r.ms);
       probe.push_back(r.probe_ms); search.push_back(r.retrieve_ms); alloc.push_back(r.alloc_ms);
       fetch.push_back(r.fetch_ms); attn.push_back(r.attention_ms); app.push_back(r.append_ms);
@@ -549,6 +576,12 @@ Result<RunReport> RunJob(const RunOptions& options) {
       chunks += r.chunks;
       mr.bytes_moved += r.bytes_moved;
     }
+    for (int l = 0; l < L; ++l)
+      for (uint64_t c = 0; c < cc.chunks; ++c) {
+        const uint64_t b = c / cc.bucket_chunks;
+        mr.chunk_counts[l][b] += chunk_steps[l][c];
+        mr.chunk_max_steps[l][b] = std::max<uint64_t>(mr.chunk_max_steps[l][b], chunk_steps[l][c]);
+      }
     mr.step_ms = Median(mr.step_ms_all);
     mr.probe_ms = Median(probe); mr.search_ms = Median(search); mr.alloc_ms = Median(alloc);
     mr.fetch_ms = Median(fetch); mr.attention_ms = Median(attn); mr.append_ms = Median(app);
@@ -758,6 +791,37 @@ std::string RunReport::ToJson() const {
     w.EndObject();
   }
   w.EndArray();
+  // Which chunks each method retrieved over the decode steps, per layer, in at most
+  // kMaxChunkChoiceBuckets buckets of consecutive chunks (the chunk-choice heat map): per
+  // bucket the retrievals summed over its chunks and steps (counts) and the steps its most
+  // often retrieved chunk was retrieved in (max_steps).
+  const ChunkChoice& cc = chunk_choice;
+  w.Key("chunk_choice").BeginObject();
+  w.Key("steps").Int(cc.steps).Key("chunk_size").Int(cc.chunk_size);
+  w.Key("first_position").Int(cc.first_position);
+  w.Key("chunks").Uint(cc.chunks).Key("bucket_chunks").Uint(cc.bucket_chunks).Key("buckets").Uint(cc.buckets);
+  w.Key("max_buckets").Uint(kMaxChunkChoiceBuckets);
+  w.Key("needles").BeginArray();
+  for (const TokenRange& r : cc.needles) w.BeginArray().Int(r.begin).Int(r.end).EndArray();
+  w.EndArray();
+  w.Key("methods").BeginArray();
+  for (const MethodReport& m : methods) {
+    w.BeginObject().Key("name").String(m.name);
+    for (const auto& [key, rows] :
+         {std::pair<const char*, const std::vector<std::vector<uint64_t>>*>{"counts", &m.chunk_counts},
+          {"max_steps", &m.chunk_max_steps}}) {
+      w.Key(key).BeginArray();
+      for (const std::vector<uint64_t>& layer : *rows) {
+        w.BeginArray();
+        for (uint64_t n : layer) w.Uint(n);
+        w.EndArray();
+      }
+      w.EndArray();
+    }
+    w.EndObject();
+  }
+  w.EndArray();
+  w.EndObject();
   w.Key("time").BeginObject();
   w.Key("step_ms").Double(step_ms);
   w.Key("full_attention_step_ms");

@@ -71,7 +71,31 @@ struct MethodReport {
   double chunks_per_step = 0;        ///< mean retrieved chunks per decode step over all layers
   uint64_t bytes_moved = 0;          ///< bytes moved by this method's fetches
   std::vector<double> step_ms_all, step_error_all;
+  /// [layer][bucket]: how many times, summed over the decode steps, this method retrieved a
+  /// chunk of the bucket (RunReport::chunk_choice says which chunks a bucket holds). The
+  /// question window is not counted. Sums to chunks_per_step x decode steps over all layers.
+  std::vector<std::vector<uint64_t>> chunk_counts;
+  /// [layer][bucket]: decode steps in which the bucket's most often retrieved chunk was
+  /// retrieved (<= steps): what stands out where a bucket holds many chunks (a needle's chunk
+  /// taken at every step among chunks taken now and then).
+  std::vector<std::vector<uint64_t>> chunk_max_steps;
 };
+
+/// Which chunks the methods retrieved, by position in the context: the buckets of
+/// MethodReport::chunk_counts (the chunk-choice heat map of `python -m kvtier.plot`). Bounded for
+/// any context: chunk indices [0, chunks) are grouped into at most kMaxChunkChoiceBuckets buckets
+/// of bucket_chunks consecutive chunks; bucket b holds tokens [first_position + b * bucket_chunks *
+/// chunk_size, first_position + (b + 1) * bucket_chunks * chunk_size).
+struct ChunkChoice {
+  int steps = 0;  ///< decode steps counted
+  int chunk_size = 0;
+  int64_t first_position = 0;       ///< first token of chunk 0 (= the sinks)
+  uint64_t chunks = 0;              ///< chunk indices: the most chunks a layer of the sequence held
+  uint64_t bucket_chunks = 1;       ///< consecutive chunks per bucket (1 while chunks <= the cap)
+  uint64_t buckets = 0;             ///< ceil(chunks / bucket_chunks) <= kMaxChunkChoiceBuckets
+  std::vector<TokenRange> needles;  ///< the needles the question window's and decode steps' queries seek
+};
+constexpr uint64_t kMaxChunkChoiceBuckets = 128;
 
 /// Spearman rho between a probe's chunk scores and the oracle chunk relevance.
 struct SpearmanSummary {
@@ -85,6 +109,7 @@ struct RunReport {
   int headline = 0;                     ///< method whose numbers fill the top-level fields (ActQKV in a comparison)
   SpearmanSummary spearman_act, spearman_mean;
   PolicyStageReport policy;
+  ChunkChoice chunk_choice;             ///< the buckets of every method's chunk_counts
   SequenceId sequence = 0;              ///< the run's sequence in the store
   bool sequence_dropped = false;        ///< it left every tier at the end (RunOptions::drop_at_end)
   // quality (decode steps and question window, all layers)

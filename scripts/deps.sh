@@ -7,7 +7,7 @@
 #                            llvm-14 for llvm-symbolizer, so reports show file:line)
 #   scripts/deps.sh python   that, plus what the Python package and its tests need
 #                            (scripts/python_env.sh): Debian's interpreter headers, venv,
-#                            numpy and torch 1.13 (CPU)
+#                            numpy, torch 1.13 (CPU) and matplotlib 3.6 (python -m kvtier.plot)
 # Groups combine: scripts/deps.sh checks python.
 set -euo pipefail
 PKGS=(cmake ninja-build g++ make pkg-config
@@ -17,7 +17,7 @@ PKGS=(cmake ninja-build g++ make pkg-config
 for group in "$@"; do
   case "$group" in
     checks) PKGS+=(clang-14 libclang-rt-14-dev llvm-14) ;;
-    python) PKGS+=(python3-venv python3-dev python3-numpy python3-torch) ;;
+    python) PKGS+=(python3-venv python3-dev python3-numpy python3-torch python3-matplotlib) ;;
     *) echo "deps: unknown group '$group' (none, 'checks' or 'python')" >&2; exit 2 ;;
   esac
 done

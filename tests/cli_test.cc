@@ -2,11 +2,13 @@
 // errors a user gets for bad flags.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "integration/model/trace_capture.h"
 #include "offload/policy/compilerkv.h"
@@ -25,6 +27,31 @@ double JsonNumber(const std::string& json, const std::string& key) {
   const size_t at = json.find("\"" + key + "\":");
   if (at == std::string::npos) return -1e300;
   return std::stod(json.substr(at + key.size() + 3));
+}
+
+// The nested array of numbers that follows "key": at or after `from` in the report
+// ([[1, 2], [3]] -> {{1, 2}, {3}}; a flat array is one row). Empty when the key is absent.
+std::vector<std::vector<double>> JsonRows(const std::string& json, const std::string& key, size_t from = 0) {
+  std::vector<std::vector<double>> rows;
+  size_t at = json.find("\"" + key + "\":", from);
+  if (at == std::string::npos) return rows;
+  at = json.find('[', at);
+  int depth = 0;
+  for (size_t i = at; i < json.size(); ++i) {
+    const char c = json[i];
+    if (c == '[') {
+      if (++depth <= 2) rows.emplace_back();
+    } else if (c == ']') {
+      if (--depth == 0) break;
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+      size_t used = 0;
+      rows.back().push_back(std::stod(json.substr(i), &used));
+      i += used - 1;
+    }
+  }
+  // An outer array of arrays opened an empty row first.
+  if (rows.size() > 1 && rows.front().empty()) rows.erase(rows.begin());
+  return rows;
 }
 
 TEST(Cli, RunSpillsToColdAndReportsEverything) {
@@ -126,6 +153,22 @@ TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
   const size_t at = rep.find("\"name\": \"StreamingLLM\"");
   ASSERT_NE(at, std::string::npos);
   EXPECT_EQ(JsonNumber(rep.substr(at), "chunks_per_step"), 0.0);
+  // chunk_choice has one entry per method; StreamingLLM's counts are all 0, InfLLM's are not.
+  const size_t cc = rep.find("\"chunk_choice\":");
+  ASSERT_NE(cc, std::string::npos);
+  auto counted = [&](const std::string& name) {
+    const size_t a = rep.find("\"name\": \"" + name + "\"", cc);
+    double sum = -1;
+    if (a == std::string::npos) return sum;
+    sum = 0;
+    for (const std::vector<double>& layer : JsonRows(rep, "counts", a))
+      for (double n : layer) sum += n;
+    return sum;
+  };
+  for (const char* name : {"StreamingLLM", "InfLLM", "ActQKV w/o cut-off", "ActQKV", "kvtier"})
+    EXPECT_GE(counted(name), 0) << name << " missing in chunk_choice";
+  EXPECT_EQ(counted("StreamingLLM"), 0);
+  EXPECT_GT(counted("InfLLM"), 0);
   // The paper methods run as their presets write them (heads summed, ActQKV in cosine order);
   // kvtier, the configured default, comes last and is the headline.
   auto spec_of = [&](const std::string& name) {
@@ -139,6 +182,79 @@ TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
   EXPECT_NE(spec_of("InfLLM").find("probe=mean"), std::string::npos) << spec_of("InfLLM");
   EXPECT_NE(spec_of("kvtier").find("rank=logit index=Exact:heads=max"), std::string::npos) << spec_of("kvtier");
   EXPECT_NE(r.out.find("kvtier "), std::string::npos) << r.out;
+}
+
+// chunk_choice: per layer, which chunks (in buckets of consecutive chunks) the method
+// retrieved over the decode steps. With the top-k allocator every (step, layer) takes exactly
+// budget / chunk chunks, so each layer's counts sum to steps x that; the total matches the
+// method's chunks_per_step; max_steps bounds the counts; and every (step, layer) that hit the
+// needle took the needle's chunk.
+TEST(Cli, RunReportsWhichChunksEachLayerRetrieved) {
+  TempDir dir;
+  const std::string json = dir.path() + "/report.json";
+  const int steps = 6, layers = 2, budget = 256, chunk = 32;
+  Ran r = Kvtier(
+      "run --quiet --context 8192 --geometry 2,8,2,32 --alloc topk --budget 256 --chunk 32 --decode-steps 6"
+      " --spearman-windows 0 --data-dir " +
+      dir.path() + "/data --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string rep = ReadAll(json);
+  const size_t at = rep.find("\"chunk_choice\":");
+  ASSERT_NE(at, std::string::npos) << rep;
+  const std::string cc = rep.substr(at);
+  EXPECT_EQ(JsonNumber(cc, "steps"), steps);
+  EXPECT_EQ(JsonNumber(cc, "chunk_size"), chunk);
+  EXPECT_EQ(JsonNumber(cc, "first_position"), 64);
+  // (8192 + 6 - 64 sinks - 512 local) / 32: 238 sealed chunks at the end, more than the
+  // 128-bucket cap, so two chunks share a bucket.
+  const double chunks = JsonNumber(cc, "chunks");
+  EXPECT_GE(chunks, (8192 - 64 - 512) / chunk);
+  EXPECT_LE(chunks, (8192 - 64) / chunk);
+  const double per_bucket = JsonNumber(cc, "bucket_chunks");
+  EXPECT_EQ(per_bucket, std::ceil(chunks / 128));
+  const double buckets = JsonNumber(cc, "buckets");
+  EXPECT_EQ(buckets, std::ceil(chunks / per_bucket));
+  EXPECT_LE(buckets, JsonNumber(cc, "max_buckets"));
+  const std::vector<std::vector<double>> needles = JsonRows(cc, "needles");
+  ASSERT_EQ(needles.size(), 1u) << cc;  // --needles 1, at depth 0.5 of the haystack
+  ASSERT_EQ(needles[0].size(), 2u);
+  EXPECT_EQ(needles[0][1] - needles[0][0], 8);  // --needle-len 8
+  EXPECT_GT(needles[0][0], 0.4 * 8192);         // --depth 0.5 of the haystack
+  EXPECT_LT(needles[0][0], 0.6 * 8192);
+  const size_t m = cc.find("\"name\": \"configured\"");
+  ASSERT_NE(m, std::string::npos) << cc;
+  const std::vector<std::vector<double>> counts = JsonRows(cc, "counts", m);
+  const std::vector<std::vector<double>> max_steps = JsonRows(cc, "max_steps", m);
+  ASSERT_EQ(counts.size(), static_cast<size_t>(layers)) << cc;
+  ASSERT_EQ(max_steps.size(), static_cast<size_t>(layers)) << cc;
+  double total = 0;
+  for (int l = 0; l < layers; ++l) {
+    ASSERT_EQ(counts[l].size(), static_cast<size_t>(buckets));
+    ASSERT_EQ(max_steps[l].size(), static_cast<size_t>(buckets));
+    double sum = 0;
+    for (size_t b = 0; b < counts[l].size(); ++b) {
+      sum += counts[l][b];
+      // A chunk is taken at most once per step; the bucket's sum is at least its top chunk's
+      // and at most bucket_chunks times it.
+      EXPECT_LE(max_steps[l][b], steps);
+      EXPECT_LE(max_steps[l][b], counts[l][b]);
+      EXPECT_LE(counts[l][b], max_steps[l][b] * per_bucket);
+    }
+    EXPECT_EQ(sum, steps * (budget / chunk)) << "top-k takes budget / chunk chunks per step and layer";
+    total += sum;
+  }
+  const double chunks_per_step = JsonNumber(rep.substr(rep.find("\"methods\":")), "chunks_per_step");
+  EXPECT_NEAR(total, chunks_per_step * steps, 1e-6);
+  // The needle's 8 tokens lie in one chunk here: every (step, layer) that hit the needle took
+  // that chunk, so its bucket's top chunk was taken in at least that many steps.
+  const int64_t first = (static_cast<int64_t>(needles[0][0]) - 64) / chunk;
+  ASSERT_EQ(first, (static_cast<int64_t>(needles[0][1]) - 1 - 64) / chunk) << "the needle spans two chunks";
+  double needle_steps = 0;
+  for (const std::vector<double>& layer : max_steps)
+    needle_steps += layer[static_cast<size_t>(first / static_cast<int64_t>(per_bucket))];
+  const double hit_rate = JsonNumber(rep, "needle_hit_rate");
+  EXPECT_GT(hit_rate, 0) << rep;
+  EXPECT_GE(needle_steps, hit_rate * steps * layers - 1e-9);
 }
 
 TEST(Cli, PresetsSetRetrievalAndFlagsRefineThemInAnyOrder) {

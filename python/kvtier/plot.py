@@ -1,0 +1,463 @@
+"""Pictures of kvtier's JSON reports: the results people would rather see than read.
+
+    python -m kvtier.plot REPORT.json [REPORT2.json ...] --out DIR [--kind KIND]
+
+Each report's kind is told by its fields, and each kind gives its pictures (PNG, matplotlib's
+Agg backend, no display needed); every path written is printed:
+
+  infinite  `kvtier infinite --json`: accuracy and needle recall against context length, one
+            line per method (several with --compare); reports of the same task are merged
+            (a context run by several reports pools their samples). infinite-TASK.png
+  run       `kvtier run --json`: the chunk-choice heat map, which chunks (by position in the
+            context) each layer retrieved over the decode steps, one panel per method (five
+            with --compare), the needles marked. chunk-choice-STEM.png
+  policies  `kvtier run --compare-policies --sweep B1,B2,... --json`: needle kept, attention
+            recall and output error against the KV budget, one line per scoring policy;
+            several reports are merged. policy-sweep.png
+
+A report of no known kind, or not of --kind, is an error (exit 2) naming the file and the kind
+expected; so is a file that is not JSON or lacks a field its kind needs. A picture whose data a
+report does not carry (a run report written before chunk_choice existed, an infinite report
+with every result skipped) is skipped, saying so. Exit status 0 when a picture was written, 1
+when none was.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+KINDS = ("infinite", "run", "policies")
+# What each kind is, for error messages.
+KIND_SOURCES = {
+    "infinite": "`kvtier infinite --json`",
+    "run": "`kvtier run --json`",
+    "policies": "`kvtier run --compare-policies --json`",
+}
+
+
+class PlotError(Exception):
+    """A report that cannot be drawn: not JSON, of no known kind, or missing a field (exit 2)."""
+
+
+@dataclass
+class Report:
+    path: str
+    kind: str
+    data: Dict[str, Any]
+
+
+def report_kind(data: Any) -> Optional[str]:
+    """The kind of a parsed report ("infinite", "run", "policies"), None when it is none of them."""
+    if not isinstance(data, dict):
+        return None
+    if isinstance(data.get("results"), list) and "task" in data:
+        return "infinite"
+    if isinstance(data.get("quality"), dict) and isinstance(data.get("methods"), list) and "config" in data:
+        return "run"
+    if isinstance(data.get("rows"), list) and "context" in data:
+        return "policies"
+    return None
+
+
+def load_report(path: str, expected: Optional[str] = None) -> Report:
+    """Reads one report; PlotError naming the file when it is unreadable, not JSON, of no known
+    kind, or not of kind `expected`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise PlotError(f"{path}: cannot read: {e.strerror or e}")
+    except ValueError as e:
+        raise PlotError(f"{path}: not JSON ({e})")
+    kind = report_kind(data)
+    want = [expected] if expected else list(KINDS)
+    if kind is None or kind not in want:
+        what = f"a {kind} report ({KIND_SOURCES[kind]})" if kind else "no kvtier report this tool knows"
+        expect = " or ".join(f"{k} ({KIND_SOURCES[k]})" for k in want)
+        raise PlotError(f"{path}: expected a report of kind {expect}, found {what}")
+    return Report(path, kind, data)
+
+
+def _field(report: Report, obj: Any, key: str, where: str) -> Any:
+    if not isinstance(obj, dict):
+        raise PlotError(f"{report.path}: {where} is {type(obj).__name__}, not an object")
+    if key not in obj:
+        raise PlotError(f"{report.path}: {report.kind} report without '{key}' in {where}")
+    return obj[key]
+
+
+def _number(report: Report, obj: Mapping[str, Any], key: str, where: str) -> float:
+    v = _field(report, obj, key, where)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise PlotError(f"{report.path}: '{key}' in {where} is {v!r}, not a number")
+    return float(v)
+
+
+def _optional_number(report: Report, obj: Mapping[str, Any], key: str, where: str) -> Optional[float]:
+    """A number, or None where the report says null (not measured) or leaves it out."""
+    if obj.get(key) is None:
+        return None
+    return _number(report, obj, key, where)
+
+
+# ---- infinite: accuracy and needle recall by context --------------------------------------------
+
+@dataclass
+class InfinitePoint:
+    """One (method, context) of one task, pooled over the reports that ran it."""
+    context: int
+    correct: int = 0
+    samples: int = 0
+    # needle recall weighted by samples (a report gives the rate, not its step count)
+    recall_sum: float = 0.0
+    recall_samples: int = 0
+    reports: List[str] = field(default_factory=list)
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.samples if self.samples else float("nan")
+
+    @property
+    def needle_recall(self) -> Optional[float]:
+        return self.recall_sum / self.recall_samples if self.recall_samples else None
+
+
+# The settings that make two reports' lines of one method different lines.
+_INFINITE_SETTINGS = ("weights", "budget", "sink", "local", "chunk", "compress", "kv_budget")
+
+
+def infinite_series(reports: Sequence[Report]) -> Dict[str, Dict[str, List[InfinitePoint]]]:
+    """task -> line label -> points by increasing context. A line is a method; where merged
+    reports differ in a setting (weights, budget, ...), the label names it. Skipped results
+    are left out; a context in several reports pools their samples."""
+    by_task: Dict[str, List[Report]] = {}
+    for r in reports:
+        by_task.setdefault(str(_field(r, r.data, "task", "the report")), []).append(r)
+    out: Dict[str, Dict[str, List[InfinitePoint]]] = {}
+    for task, rs in by_task.items():
+        differing = [k for k in _INFINITE_SETTINGS if len({json.dumps(r.data.get(k)) for r in rs}) > 1]
+        lines: Dict[str, Dict[int, InfinitePoint]] = {}
+        for r in rs:
+            suffix = ", ".join(f"{k} {os.path.basename(str(r.data.get(k)))}" for k in differing)
+            for i, res in enumerate(r.data["results"]):
+                where = f"results[{i}]"
+                if _field(r, res, "skipped", where):
+                    continue
+                method = str(_field(r, res, "method", where))
+                label = f"{method} ({suffix})" if suffix else method
+                ctx = int(_number(r, res, "context", where))
+                p = lines.setdefault(label, {}).setdefault(ctx, InfinitePoint(ctx))
+                n = int(_number(r, res, "samples", where))
+                p.correct += int(_number(r, res, "correct", where))
+                p.samples += n
+                recall = _optional_number(r, res, "needle_recall", where)
+                if recall is not None:
+                    p.recall_sum += recall * n
+                    p.recall_samples += n
+                p.reports.append(r.path)
+        out[task] = {label: [pts[c] for c in sorted(pts)] for label, pts in lines.items() if pts}
+    return out
+
+
+# ---- run: the chunk-choice heat map ---------------------------------------------------------------
+
+@dataclass
+class ChunkHeat:
+    """What one method of a run report retrieved, per layer and bucket of consecutive chunks (the
+    bucket b holds tokens [edges[b], edges[b + 1])): share[layer][b] is the share of the decode
+    steps in which the layer retrieved the bucket's most often retrieved chunk (in [0, 1]: a
+    needle's chunk taken at every step stands out even where a bucket holds many chunks), and
+    per_step[layer][b] the chunks of the bucket it retrieved per decode step (mean)."""
+    method: str
+    share: List[List[float]]
+    per_step: List[List[float]]
+    edges: List[int]
+    needles: List[Tuple[int, int]]
+    steps: int
+
+
+def chunk_choice(report: Report) -> Optional[List[ChunkHeat]]:
+    """One ChunkHeat per method of a run report, None when the report has no chunk_choice
+    (written by a kvtier run before it existed)."""
+    cc = report.data.get("chunk_choice")
+    if cc is None:
+        return None
+    where = "chunk_choice"
+    steps = int(_number(report, cc, "steps", where))
+    chunk = int(_number(report, cc, "chunk_size", where))
+    first = int(_number(report, cc, "first_position", where))
+    chunks = int(_number(report, cc, "chunks", where))
+    per_bucket = int(_number(report, cc, "bucket_chunks", where))
+    buckets = int(_number(report, cc, "buckets", where))
+    if per_bucket < 1 or buckets != math.ceil(chunks / per_bucket):
+        raise PlotError(f"{report.path}: chunk_choice has {buckets} buckets of {per_bucket} chunks for "
+                        f"{chunks} chunks")
+    # The last bucket may hold fewer chunks than the others.
+    edges = [first + min(b * per_bucket, chunks) * chunk for b in range(buckets + 1)]
+    needles = [(int(n[0]), int(n[1])) for n in _field(report, cc, "needles", where)]
+
+    def rows(m: Mapping[str, Any], key: str, where: str) -> List[List[float]]:
+        out = []
+        for layer, row in enumerate(_field(report, m, key, where)):
+            if not isinstance(row, list):
+                raise PlotError(f"{report.path}: {where}.{key}[{layer}] is not a list")
+            if len(row) != buckets:
+                raise PlotError(f"{report.path}: {where}.{key}[{layer}] has {len(row)} buckets, not {buckets}")
+            out.append([n / steps if steps else 0.0 for n in row])
+        return out
+
+    heats = []
+    for i, m in enumerate(_field(report, cc, "methods", where)):
+        mwhere = f"chunk_choice.methods[{i}]"
+        heats.append(ChunkHeat(str(_field(report, m, "name", mwhere)), rows(m, "max_steps", mwhere),
+                               rows(m, "counts", mwhere), edges, needles, steps))
+    return heats
+
+
+# ---- policies: quality against KV budget ---------------------------------------------------------
+
+POLICY_METRICS = (("needle_retention", "needle kept"), ("attention_recall", "attention recall"),
+                  ("output_error", "output rel. error"))
+
+
+@dataclass
+class PolicyPoint:
+    budget: int
+    needle_retention: float
+    attention_recall: float
+    output_error: float
+
+
+def policy_sweep(reports: Sequence[Report]) -> Dict[str, List[PolicyPoint]]:
+    """policy -> points by increasing budget (tokens per kv head and layer). Reports of other
+    contexts or decode steps than the first get their own lines (the label says which); the same
+    (policy, budget) twice with different figures is a PlotError."""
+    first = reports[0].data if reports else {}
+    lines: Dict[str, Dict[int, Tuple[PolicyPoint, str]]] = {}
+    for r in reports:
+        same = all(r.data.get(k) == first.get(k) for k in ("context", "decode_steps"))
+        suffix = "" if same else f" (context {r.data.get('context')}, {r.data.get('decode_steps')} steps)"
+        for i, row in enumerate(r.data["rows"]):
+            where = f"rows[{i}]"
+            label = str(_field(r, row, "policy", where)) + suffix
+            p = PolicyPoint(int(_number(r, row, "budget", where)),
+                            *(_number(r, row, key, where) for key, _ in POLICY_METRICS))
+            known = lines.setdefault(label, {}).get(p.budget)
+            if known is not None and known[0] != p:
+                raise PlotError(f"{r.path}: {label} at budget {p.budget} differs from {known[1]}'s")
+            lines[label][p.budget] = (p, r.path)
+    return {label: [pts[b][0] for b in sorted(pts)] for label, pts in lines.items()}
+
+
+# ---- drawing -------------------------------------------------------------------------------------
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: str) -> str:
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+    return path
+
+
+# Lines that coincide (two methods with the same accuracy) stay visible: each line has its own
+# marker and dash pattern, and the later ones are drawn smaller.
+_STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("v", ":"), ("D", "-"), ("P", "--"), ("X", "-."), ("*", ":")]
+
+
+def _style(i: int) -> Dict[str, Any]:
+    marker, ls = _STYLES[i % len(_STYLES)]
+    return {"marker": marker, "linestyle": ls, "markersize": max(3.0, 8.0 - 0.6 * i), "alpha": 0.9}
+
+
+def _tokens(n: float) -> str:
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return f"{int(n) >> 20}M"
+    if n >= 1024 and n % 1024 == 0:
+        return f"{int(n) >> 10}K"
+    return f"{n:g}"
+
+
+def draw_infinite(task: str, lines: Mapping[str, Sequence[InfinitePoint]], path: str) -> str:
+    plt = _pyplot()
+    fig, (acc, rec) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    contexts = sorted({p.context for pts in lines.values() for p in pts})
+    for i, (label, pts) in enumerate(lines.items()):
+        x = [p.context for p in pts]
+        acc.plot(x, [p.accuracy for p in pts], label=label, **_style(i))
+        recall = [(p.context, p.needle_recall) for p in pts if p.needle_recall is not None]
+        rec.plot([c for c, _ in recall], [v for _, v in recall], label=label, **_style(i))
+    samples = sorted({p.samples for pts in lines.values() for p in pts})
+    n = f"{samples[0]}" if len(samples) == 1 else f"{samples[0]}-{samples[-1]}"
+    for ax, title in ((acc, f"accuracy ({n} samples per point)"), (rec, "needle recall")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts)
+        ax.set_xticklabels([_tokens(c) for c in contexts])
+        ax.minorticks_off()
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    rec.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle(f"kvtier infinite: {task}")
+    return _save(fig, path)
+
+
+def draw_chunk_choice(title: str, heats: Sequence[ChunkHeat], path: str) -> str:
+    plt = _pyplot()
+    layers = max(len(h.share) for h in heats)
+    fig, axes = plt.subplots(len(heats), 1, figsize=(10, 1.0 + len(heats) * (0.5 + 0.22 * layers)), sharex=True,
+                             squeeze=False, constrained_layout=True)
+    image = None
+    for ax, h in zip(axes[:, 0], heats):
+        image = ax.imshow(h.share, aspect="auto", interpolation="nearest", cmap="magma", vmin=0.0, vmax=1.0,
+                          extent=(h.edges[0], h.edges[-1], len(h.share) - 0.5, -0.5))
+        for b, e in h.needles:
+            ax.axvline((b + e) / 2, color="cyan", lw=0.6, ls="--", alpha=0.6)
+            ax.plot([(b + e) / 2], [-0.5], marker="v", color="cyan", markeredgecolor="black", markersize=7,
+                    clip_on=False)
+        ax.set_ylabel(f"{h.method}\nlayer", fontsize=8)
+        ax.set_yticks(range(len(h.share)))
+        ax.tick_params(axis="y", labelsize=7)
+    per_bucket = (heats[0].edges[1] - heats[0].edges[0]) if len(heats[0].edges) > 1 else 0
+    axes[-1, 0].set_xlabel(f"position in the context (tokens; buckets of {per_bucket}; sealed chunks only)"
+                           "    ▼ needle")
+    fig.colorbar(image, ax=axes[:, 0].tolist(), shrink=0.9,
+                 label="share of decode steps in which the\nbucket's most retrieved chunk was retrieved")
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def short_policy_labels(labels: Sequence[str]) -> Dict[str, str]:
+    """A legend name per line: the policy's name without its parameters ("h2o:recent=0" ->
+    "h2o") where no other line has that name, the full label otherwise."""
+    def short(label: str) -> str:
+        spec, _, rest = label.partition(" (")
+        return spec.split(":")[0] + (f" ({rest}" if rest else "")
+
+    names = [short(label) for label in labels]
+    return {label: name if names.count(name) == 1 else label for label, name in zip(labels, names)}
+
+
+def draw_policy_sweep(lines: Mapping[str, Sequence[PolicyPoint]], path: str, title: str) -> str:
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), constrained_layout=True)
+    budgets = sorted({p.budget for pts in lines.values() for p in pts})
+    names = short_policy_labels(list(lines))
+    for i, (label, pts) in enumerate(lines.items()):
+        for ax, (key, _) in zip(axes, POLICY_METRICS):
+            ax.plot([p.budget for p in pts], [getattr(p, key) for p in pts], label=names[label], **_style(i))
+    for ax, (key, name) in zip(axes, POLICY_METRICS):
+        if len(budgets) > 1:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets)
+        ax.set_xticklabels([_tokens(b) for b in budgets])
+        ax.minorticks_off()
+        ax.set_title(name + (" (lower is better)" if key == "output_error" else ""))
+        if key == "output_error":
+            ax.set_ylim(bottom=0)
+        else:
+            ax.set_ylim(-0.03, 1.03)
+        ax.grid(alpha=0.3)
+    axes[-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.supxlabel("KV budget (tokens per kv head and layer)")
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+def _unique(path: str, taken: Dict[str, int]) -> str:
+    """path, or path with -2, -3, ... before the extension when an earlier picture took it."""
+    n = taken.get(path, 0) + 1
+    taken[path] = n
+    if n == 1:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}-{n}{ext}"
+
+
+def make_pictures(reports: Sequence[Report], out: str, say: Any = print) -> List[str]:
+    """Draws every picture the reports hold into `out` (created); returns the paths written and
+    calls say(text) for each picture skipped and why."""
+    os.makedirs(out, exist_ok=True)
+    written: List[str] = []
+    taken: Dict[str, int] = {}
+    infinite = [r for r in reports if r.kind == "infinite"]
+    if infinite:
+        series = infinite_series(infinite)
+        for task, task_lines in series.items():
+            if not task_lines:
+                say(f"skipped infinite-{task}.png: every result of task {task} was skipped")
+                continue
+            written.append(draw_infinite(task, task_lines, _unique(os.path.join(out, f"infinite-{task}.png"), taken)))
+            if not any(p.needle_recall is not None for pts in task_lines.values() for p in pts):
+                say(f"infinite-{task}.png: no needle recall in these reports (its panel is empty)")
+    for r in reports:
+        if r.kind != "run":
+            continue
+        stem = os.path.splitext(os.path.basename(r.path))[0]
+        heats = chunk_choice(r)
+        if heats is None:
+            say(f"skipped the chunk-choice heat map of {r.path}: the report has no chunk_choice (written by a "
+                "kvtier run before it existed; run it again)")
+            continue
+        if not heats or not heats[0].edges or heats[0].edges[0] == heats[0].edges[-1]:
+            say(f"skipped the chunk-choice heat map of {r.path}: no chunk to show")
+            continue
+        cfg = r.data.get("config", {})
+        title = (f"kvtier run: chunks retrieved per layer over {heats[0].steps} decode steps, context "
+                 f"{_tokens(cfg.get('context', 0))}, budget {cfg.get('budget')} tokens/layer ({stem})")
+        written.append(draw_chunk_choice(title, heats, _unique(os.path.join(out, f"chunk-choice-{stem}.png"), taken)))
+    policies = [r for r in reports if r.kind == "policies"]
+    if policies:
+        sweep = policy_sweep(policies)
+        if not sweep:
+            say("skipped policy-sweep.png: the policy reports have no rows")
+        else:
+            budgets = {q.budget for pts in sweep.values() for q in pts}
+            if len(budgets) == 1:
+                say(f"policy-sweep.png: one budget only ({budgets.pop()}); --sweep B1,B2,... gives a sweep")
+            d = policies[0].data
+            title = (f"kvtier run --compare-policies: context {_tokens(d.get('context', 0))}, "
+                     f"{d.get('decode_steps')} decode steps")
+            written.append(draw_policy_sweep(sweep, _unique(os.path.join(out, "policy-sweep.png"), taken), title))
+    return written
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m kvtier.plot", description=(__doc__ or "").split("\n\n")[0],
+                                 epilog="kinds: " + "; ".join(f"{k}: {v}" for k, v in KIND_SOURCES.items()))
+    ap.add_argument("reports", nargs="+", metavar="REPORT.json", help="JSON reports of kvtier run / infinite")
+    ap.add_argument("--out", required=True, metavar="DIR", help="directory for the PNGs (created)")
+    ap.add_argument("--kind", choices=KINDS, help="require every report to be of this kind")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        reports = [load_report(p, args.kind) for p in args.reports]
+        written = make_pictures(reports, args.out, say=lambda s: print(s, file=sys.stderr))
+    except PlotError as e:
+        print(f"kvtier.plot: {e}", file=sys.stderr)
+        return 2
+    for p in written:
+        print(p)
+    if not written:
+        print("kvtier.plot: no picture written", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

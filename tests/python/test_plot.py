@@ -1,0 +1,236 @@
+"""python -m kvtier.plot: real reports of the built CLI drawn into valid PNGs, the data extraction
+checked against hand-computed values of small handmade reports, and the errors a user gets."""
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+import kvtier.plot as kp
+
+from conftest import ROOT, WEIGHTS
+
+
+def kvtier_cli():
+    # ctest passes the binary of its build (Python.Package's KVTIER_CLI); by hand, a build of
+    # the default directory.
+    path = os.environ.get("KVTIER_CLI") or os.path.join(ROOT, "build", "kvtier")
+    if not os.access(path, os.X_OK):
+        pytest.skip(f"no kvtier CLI at {path} (set KVTIER_CLI)")
+    return path
+
+
+def plot(*args):
+    r = subprocess.run([sys.executable, "-m", "kvtier.plot", *args], capture_output=True, text=True)
+    return r.returncode, r.stdout, r.stderr
+
+
+def write(path, data):
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """Small real reports: kvtier run --compare, kvtier infinite --compare at two contexts, and a
+    policy comparison over two budgets."""
+    cli = kvtier_cli()
+    d = tmp_path_factory.mktemp("reports")
+    run = str(d / "run.json")
+    subprocess.run([cli, "run", "--quiet", "--compare", "--context", "8192", "--geometry", "2,8,2,32",
+                    "--decode-steps", "4", "--budget", "512", "--spearman-windows", "0", "--json", run],
+                   check=True, stdout=subprocess.DEVNULL)
+    inf = str(d / "infinite.json")
+    subprocess.run([cli, "infinite", "--weights", WEIGHTS, "--task", "passkey", "--contexts", "1024,2048",
+                    "--samples", "2", "--compare", "--quiet", "--json", inf], check=True, stdout=subprocess.DEVNULL)
+    pol = str(d / "policies.json")
+    subprocess.run([cli, "run", "--quiet", "--compare-policies", "--context", "4096", "--geometry", "2,8,2,32",
+                    "--decode-steps", "8", "--local", "64", "--sweep", "256,512", "--policies", "h2o;streaming",
+                    "--json", pol], check=True, stdout=subprocess.DEVNULL)
+    return {"run": run, "infinite": inf, "policies": pol}
+
+
+def png_size(path):
+    """(width, height) from a PNG's IHDR; fails unless the file is a PNG."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_real_reports_have_the_kinds_they_are(reports):
+    for kind, path in reports.items():
+        assert kp.load_report(path).kind == kind
+
+
+def test_every_picture_is_written_as_a_valid_png(reports, tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    out = tmp_path / "pictures"
+    rc, stdout, stderr = plot(reports["run"], reports["infinite"], reports["policies"], "--out", str(out))
+    assert rc == 0, stderr
+    written = stdout.split()
+    names = sorted(os.path.basename(p) for p in written)
+    assert names == ["chunk-choice-run.png", "infinite-passkey.png", "policy-sweep.png"], stdout
+    for p in written:
+        assert os.path.dirname(os.path.abspath(p)) == str(out)
+        w, h = png_size(p)
+        assert 600 <= w <= 2000 and 250 <= h <= 2000, (p, w, h)
+        assert 10_000 < os.path.getsize(p) < 500_000, p
+        pixels = matplotlib.image.imread(p)
+        assert pixels.shape[:2] == (h, w)
+        assert pixels.std() > 0.05, f"{p} looks blank"
+
+
+def test_reports_merge_into_one_picture_per_kind(reports, tmp_path):
+    pytest.importorskip("matplotlib")
+    # The same infinite report twice pools into one picture; two run reports with one stem
+    # get two heat maps.
+    rc, stdout, stderr = plot(reports["infinite"], reports["infinite"], reports["run"], reports["run"], "--out",
+                              str(tmp_path))
+    assert rc == 0, stderr
+    assert sorted(os.path.basename(p) for p in stdout.split()) == [
+        "chunk-choice-run-2.png", "chunk-choice-run.png", "infinite-passkey.png"]
+
+
+def test_unknown_and_mismatched_kinds_exit_2_naming_the_file(reports, tmp_path):
+    other = write(tmp_path / "other.json", {"ops": 10, "errors": 0})
+    rc, stdout, stderr = plot(other, "--out", str(tmp_path / "o"))
+    assert rc == 2 and stdout == ""
+    assert other in stderr and "expected a report of kind infinite" in stderr and "found no kvtier report" in stderr
+    rc, _, stderr = plot(reports["run"], "--kind", "infinite", "--out", str(tmp_path / "o"))
+    assert rc == 2
+    assert reports["run"] in stderr and "expected a report of kind infinite" in stderr
+    assert "found a run report" in stderr
+    text = tmp_path / "notjson.json"
+    text.write_text("kvtier run ...")
+    rc, _, stderr = plot(str(text), "--out", str(tmp_path / "o"))
+    assert rc == 2 and str(text) in stderr and "not JSON" in stderr
+    rc, _, stderr = plot(str(tmp_path / "missing.json"), "--out", str(tmp_path / "o"))
+    assert rc == 2 and "missing.json" in stderr and "cannot read" in stderr
+
+
+def test_a_report_without_the_data_is_skipped_saying_so(reports, tmp_path):
+    with open(reports["run"]) as f:
+        old = json.load(f)
+    del old["chunk_choice"]
+    path = write(tmp_path / "old-run.json", old)
+    rc, stdout, stderr = plot(path, "--out", str(tmp_path / "o"))
+    assert rc == 1 and stdout == ""
+    assert f"skipped the chunk-choice heat map of {path}: the report has no chunk_choice" in stderr
+    assert "no picture written" in stderr
+
+
+# ---- extraction against hand-computed values ------------------------------------------------------
+
+def infinite_report(budget, results):
+    return {"weights": "models/kvtier-tiny.safetensors", "task": "passkey", "samples": 5, "seed": 1,
+            "budget": budget, "sink": 16, "local": 256, "chunk": 32, "window": 64, "compress": None,
+            "kv_budget": None, "observe": 32, "methods": [], "results": results}
+
+
+def result(method, context, correct, samples, recall):
+    return {"method": method, "context": context, "skipped": False, "accuracy": correct / samples,
+            "correct": correct, "samples": samples, "needle_recall": recall}
+
+
+def test_infinite_series_pools_samples_by_context(tmp_path):
+    a = write(tmp_path / "a.json", infinite_report(256, [
+        result("kvtier", 4096, 3, 5, 0.6), result("full", 4096, 5, 5, None),
+        {"method": "kvtier", "context": 65536, "skipped": True, "skip_reason": "too long"}]))
+    b = write(tmp_path / "b.json", infinite_report(256, [
+        result("kvtier", 8192, 1, 4, 0.25), result("kvtier", 4096, 3, 3, 1.0)]))
+    series = kp.infinite_series([kp.load_report(a), kp.load_report(b)])
+    assert list(series) == ["passkey"]
+    lines = series["passkey"]
+    assert sorted(lines) == ["full", "kvtier"]
+    kv = lines["kvtier"]
+    assert [p.context for p in kv] == [4096, 8192]  # sorted; the skipped 64K left out
+    # Pooled, not averaged: 6 of 8 samples (the mean of 0.6 and 1.0 would be 0.8).
+    assert (kv[0].correct, kv[0].samples) == (6, 8)
+    assert kv[0].accuracy == pytest.approx(0.75)
+    assert kv[0].needle_recall == pytest.approx((0.6 * 5 + 1.0 * 3) / 8)
+    assert kv[1].accuracy == pytest.approx(0.25) and kv[1].needle_recall == pytest.approx(0.25)
+    assert lines["full"][0].accuracy == 1.0 and lines["full"][0].needle_recall is None
+
+
+def test_infinite_lines_of_different_settings_stay_apart(tmp_path):
+    a = write(tmp_path / "a.json", infinite_report(256, [result("kvtier", 4096, 3, 5, 0.6)]))
+    b = write(tmp_path / "b.json", infinite_report(512, [result("kvtier", 4096, 5, 5, 1.0)]))
+    lines = kp.infinite_series([kp.load_report(a), kp.load_report(b)])["passkey"]
+    assert sorted(lines) == ["kvtier (budget 256)", "kvtier (budget 512)"]
+    assert lines["kvtier (budget 256)"][0].accuracy == pytest.approx(0.6)
+    assert lines["kvtier (budget 512)"][0].accuracy == 1.0
+
+
+def run_report(chunk_choice):
+    return {"quality": {}, "methods": [], "config": {"context": 256, "budget": 64}, "chunk_choice": chunk_choice}
+
+
+def test_chunk_choice_shares_and_edges(tmp_path):
+    # 5 chunks of 32 tokens after 64 sinks, 2 chunks per bucket: buckets hold chunks {0,1}, {2,3},
+    # {4}, i.e. tokens [64,128), [128,192), [192,224). Over 4 steps: share = max_steps / 4,
+    # per_step = counts / 4.
+    cc = {"steps": 4, "chunk_size": 32, "first_position": 64, "chunks": 5, "bucket_chunks": 2, "buckets": 3,
+          "max_buckets": 128, "needles": [[130, 138]],
+          "methods": [{"name": "configured", "counts": [[8, 0, 1], [0, 5, 4]], "max_steps": [[4, 0, 1], [0, 3, 4]]},
+                      {"name": "other", "counts": [[2, 2, 0], [0, 0, 0]], "max_steps": [[1, 2, 0], [0, 0, 0]]}]}
+    heats = kp.chunk_choice(kp.load_report(write(tmp_path / "r.json", run_report(cc))))
+    assert [h.method for h in heats] == ["configured", "other"]
+    assert heats[0].edges == [64, 128, 192, 224]
+    assert heats[0].needles == [(130, 138)]
+    assert heats[0].share == [[1.0, 0.0, 0.25], [0.0, 0.75, 1.0]]
+    assert heats[0].per_step == [[2.0, 0.0, 0.25], [0.0, 1.25, 1.0]]
+    assert heats[1].share == [[0.25, 0.5, 0.0], [0.0, 0.0, 0.0]]
+    assert heats[0].steps == 4
+
+
+def test_chunk_choice_inconsistent_buckets_are_an_error(tmp_path):
+    cc = {"steps": 4, "chunk_size": 32, "first_position": 64, "chunks": 5, "bucket_chunks": 2, "buckets": 3,
+          "needles": [], "methods": [{"name": "configured", "counts": [[8, 0, 0]], "max_steps": [[4, 0]]}]}
+    path = write(tmp_path / "r.json", run_report(cc))
+    with pytest.raises(kp.PlotError, match="r.json: chunk_choice.methods\\[0\\].max_steps\\[0\\] has 2 buckets, not 3"):
+        kp.chunk_choice(kp.load_report(path))
+    cc["buckets"] = 4
+    with pytest.raises(kp.PlotError, match="4 buckets of 2 chunks for 5 chunks"):
+        kp.chunk_choice(kp.load_report(write(tmp_path / "r.json", run_report(cc))))
+
+
+def row(policy, budget, kept, recall, err):
+    return {"policy": policy, "budget": budget, "needle_retention": kept, "attention_recall": recall,
+            "output_error": err, "compressions": 1}
+
+
+def test_policy_sweep_by_budget(tmp_path):
+    a = write(tmp_path / "a.json", {"context": 8192, "decode_steps": 64, "rows": [
+        row("h2o", 1024, 1.0, 0.95, 0.1), row("h2o", 512, 0.5, 0.91, 0.3), row("streaming", 512, 0.0, 0.1, 1.1)]})
+    b = write(tmp_path / "b.json", {"context": 8192, "decode_steps": 64, "rows": [
+        row("streaming", 1024, 0.0, 0.2, 1.0), row("h2o", 512, 0.5, 0.91, 0.3)]})
+    lines = kp.policy_sweep([kp.load_report(a), kp.load_report(b)])
+    assert sorted(lines) == ["h2o", "streaming"]
+    assert [(p.budget, p.needle_retention, p.attention_recall, p.output_error) for p in lines["h2o"]] == [
+        (512, 0.5, 0.91, 0.3), (1024, 1.0, 0.95, 0.1)]
+    assert [(p.budget, p.attention_recall) for p in lines["streaming"]] == [(512, 0.1), (1024, 0.2)]
+    c = write(tmp_path / "c.json", {"context": 8192, "decode_steps": 64, "rows": [row("h2o", 512, 0.5, 0.8, 0.3)]})
+    with pytest.raises(kp.PlotError, match="c.json: h2o at budget 512 differs"):
+        kp.policy_sweep([kp.load_report(a), kp.load_report(c)])
+    d = write(tmp_path / "d.json", {"context": 16384, "decode_steps": 64, "rows": [row("h2o", 512, 1, 1, 0)]})
+    assert sorted(kp.policy_sweep([kp.load_report(a), kp.load_report(d)])) == [
+        "h2o", "h2o (context 16384, 64 steps)", "streaming"]
+
+
+def test_policy_legend_names_drop_parameters_unless_ambiguous():
+    assert kp.short_policy_labels(["h2o:recent=0", "snapkv:kernel=7", "gkv:form=max", "gkv:form=mean",
+                                   "h2o:recent=0 (context 16384, 64 steps)"]) == {
+        "h2o:recent=0": "h2o", "snapkv:kernel=7": "snapkv", "gkv:form=max": "gkv:form=max",
+        "gkv:form=mean": "gkv:form=mean", "h2o:recent=0 (context 16384, 64 steps)": "h2o (context 16384, 64 steps)"}
+
+
+def test_missing_field_names_the_file_and_field(tmp_path):
+    path = write(tmp_path / "p.json", {"context": 8192, "decode_steps": 64, "rows": [{"policy": "h2o"}]})
+    with pytest.raises(kp.PlotError, match="p.json: policies report without 'budget' in rows\\[0\\]"):
+        kp.policy_sweep([kp.load_report(path)])
