@@ -99,7 +99,7 @@ Result<std::vector<uint64_t>> SelectAllChunks(int layer, const float* q, const i
 ///  * "kvtier" (the default of SessionOptions and of the CLI): ActQKV's activation-bias probe
 ///    (Eq. 7-9) and entropy cut-off (Eq. 10-12), with a chunk scored by its most interested
 ///    kv head (index Exact:heads=max) and a layer taking its B^l chunks in logit order
-///    (alloc entropy:rank=logit). Measured against "actqkv" on both workloads (README,
+///    (alloc entropy:rank=logit). Measured against "actqkv" on both workloads (docs/benchmarks.md,
 ///    "Retrieval presets"): synthetic 128K needle hit 0.875 vs 0.730 for ~7% more step time;
 ///    the trained model's passkey 1.0 vs 0.0 at 4K-64K.
 ///  * "actqkv": ActQKV as written (Algorithm 1): the same probe and budget, scores summed over

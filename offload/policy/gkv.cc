@@ -55,7 +55,8 @@ struct GkvOptions {
   int w = 16;                    // Sec. 7.2: observation window w = 16
   int s = 128;                   // Sec. 7.2: compress every s = 128 generated tokens
   // Appendix D tunes λ to 0.7 (R1-Distill-Qwen-7B) and 0.9 (R1-Distill-Llama-8B). We take 0.9:
-  // kvtier's reference workload is Llama-3.1 shaped (RoPE scaling of Llama-3.1, see README), and
+  // kvtier's reference workload is Llama-3.1 shaped (RoPE scaling of Llama-3.1, see
+  // docs/benchmarks.md, "The synthetic workload"), and
   // 0.9 is the more conservative choice, closest to the pure global score the paper finds dominant.
   double lambda = 0.9;
   // R-KV's similarity threshold: G-KV Appendix D only says "a specific threshold"; 0.5 is the

@@ -187,7 +187,7 @@ class KvtierCache(Cache):
       preset        "kvtier" | "actqkv" | "infllm" (kvtier.preset_names())
       retrieve      False: attend every chunk (full attention through the store)
       budget_tokens retrieved tokens per layer and step (default: the library's, 2048)
-      probe, alloc, index   override the preset's parts (spec strings, see README)
+      probe, alloc, index   override the preset's parts (spec strings, see docs/architecture.md)
       positions     "infllm" (default) | "absolute"
     Store options: n_sink (64), n_local (512), chunk_size (32), repr_topk (the preset's; every
     key of a chunk for "kvtier"), hot_bytes and warm_bytes (default: sized for max_context
