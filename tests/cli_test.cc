@@ -407,6 +407,29 @@ TEST(Cli, InfiniteRunsTheModelWithRetrieval) {
   EXPECT_GT(JsonNumber(rep, "tokens_per_s"), 0) << rep;
   EXPECT_GT(JsonNumber(rep, "warm"), 0) << rep;
   EXPECT_GT(JsonNumber(rep, "chunks_per_layer_step"), 0) << "512 tokens over 16 + 128 must retrieve\n" << rep;
+  // Cost per token by phase: the parts add up to the wall time, and the measured CPU time lies
+  // above the arithmetic floor (a floor above it would count FLOPs the run never did).
+  EXPECT_NE(r.out.find("cost per token"), std::string::npos) << r.out;
+  const double gflops = JsonNumber(rep, "gemm_gflops_one_core");
+  EXPECT_GT(gflops, 0.01) << rep;
+  for (const char* phase : {"\"prompt\"", "\"generated\""}) {
+    const size_t at = rep.find(phase);
+    ASSERT_NE(at, std::string::npos) << phase << " missing in\n" << rep;
+    const std::string c = rep.substr(at);
+    const double tokens = JsonNumber(c, "tokens");
+    EXPECT_GE(tokens, std::string(phase) == "\"prompt\"" ? 2 * 400 : 2) << phase;
+    EXPECT_GT(JsonNumber(c, "cpu_ms"), 0) << phase;
+    EXPECT_NEAR(
+        JsonNumber(c, "forward_and_rest_ms") + JsonNumber(c, "retrieval_ms") + JsonNumber(c, "attention_ms"),
+        JsonNumber(c, "wall_ms"), 1e-6 + 1e-9 * JsonNumber(c, "wall_ms"))
+        << phase;
+    EXPECT_GT(JsonNumber(c, "retrieval_ms"), 0) << phase << ": retrieval runs in both phases";
+    EXPECT_GT(JsonNumber(c, "attention_ms"), 0) << phase;
+    const double floor_ms = JsonNumber(c, "floor_ms");
+    EXPECT_NEAR(floor_ms, JsonNumber(c, "floor_flops") / (gflops * 1e9) * 1e3, 1e-6 * floor_ms) << phase;
+    EXPECT_GT(floor_ms, 0) << phase;
+    EXPECT_GT(JsonNumber(c, "cpu_over_floor"), 1.0) << phase << "\n" << rep;
+  }
 }
 
 TEST(Cli, InfiniteCompareTableByContext) {
@@ -429,6 +452,19 @@ TEST(Cli, InfiniteCompareTableByContext) {
   const size_t at = rep.find("\"method\": \"StreamingLLM\"");
   ASSERT_NE(at, std::string::npos) << rep;
   EXPECT_EQ(JsonNumber(rep.substr(at), "chunks_per_layer_step"), 0.0);
+  // The floor counts what each method computes: StreamingLLM attends sinks + local window
+  // only and scores no chunk, so its decode floor is below kvtier's and full attention's.
+  auto decode_floor = [&](const std::string& method, int64_t context) {
+    const std::string key = "\"method\": \"" + method + "\"";
+    for (size_t row = rep.find(key); row != std::string::npos; row = rep.find(key, row + 1))
+      if (JsonNumber(rep.substr(row), "context") == static_cast<double>(context))
+        return JsonNumber(rep.substr(rep.find("\"generated\"", row)), "floor_flops");
+    ADD_FAILURE() << method << " at " << context << " missing in\n" << rep;
+    return 0.0;
+  };
+  EXPECT_LT(decode_floor("StreamingLLM", 1024), decode_floor("kvtier", 1024));
+  EXPECT_LT(decode_floor("StreamingLLM", 1024), decode_floor("full attention", 1024));
+  EXPECT_LT(decode_floor("full attention", 512), decode_floor("full attention", 1024));
 }
 
 TEST(Cli, InfiniteBadInputsGetClearErrors) {

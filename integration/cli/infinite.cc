@@ -1,11 +1,15 @@
 // `kvtier infinite` (see infinite.h).
 #include "integration/cli/infinite.h"
 
+#include <cblas.h>
+#include <oneapi/tbb/task_arena.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <deque>
 #include <fstream>
 #include <functional>
@@ -24,10 +28,15 @@
 #include "integration/policy_eval.h"
 #include "integration/progress.h"
 #include "integration/tier_report.h"
+#include "kernels/cpu/forward.h"
 #include "offload/demotion_policy.h"
 #include "offload/hot_tier.h"
 #include "offload/policy/scoring_policy.h"
 #include "retrieval/retriever.h"
+
+// OpenBLAS's thread control (declared by its cblas.h too).
+extern "C" void openblas_set_num_threads(int num_threads);
+extern "C" int openblas_get_num_threads(void);
 
 namespace kvtier {
 namespace {
@@ -49,6 +58,97 @@ using cli::WithDefault;
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// CPU time of the whole process (every thread: the forward's TBB workers, the transfer arena).
+double CpuNow() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// ---------------------------------------------------------------------------
+// Cost per token and its arithmetic floor
+//
+// The floor of a configuration is the FLOPs a token needs divided by this machine's
+// single-core GEMM rate: OpenBLAS's sgemm on one thread at the forward's own FFN shape (one
+// prefill window of rows), timed in the same run. kernels::Gemm's rate at that shape (the
+// forward's GEMM, one core) is reported beside it. FLOPs per token:
+//   forward   2 (d qh hd + 2 d kvh hd + qh hd d + 3 d ffn) per layer + 2 d vocab (lm head)
+//   attention 4 qh hd n_attended per layer (q.k and p.v over the keys the token attended)
+//   scoring   2 R kvh hd n_chunks per layer step (every indexed chunk's R representatives
+//             against the probe), shared by the tokens of the step (a prefill window)
+// Anything above the floor is overhead: a slower GEMM, memory traffic, bookkeeping, search
+// structure, conversion, locks.
+
+struct PhaseCost {
+  uint64_t tokens = 0;
+  double cpu_s = 0, wall_s = 0;
+  double retrieval_ms = 0,
+         attention_ms = 0;  // the Session's counters (wall): probe+search+alloc+fetch, attention
+  double flops = 0;         // the floor's FLOPs (above), summed over tokens
+  void Add(const PhaseCost& o) {
+    tokens += o.tokens;
+    cpu_s += o.cpu_s;
+    wall_s += o.wall_s;
+    retrieval_ms += o.retrieval_ms;
+    attention_ms += o.attention_ms;
+    flops += o.flops;
+  }
+  double per_token(double x) const { return tokens ? x / static_cast<double>(tokens) : 0; }
+};
+
+double ForwardFlopsPerToken(const model::LlamaConfig& c) {
+  const double d = c.d_model, hd = c.head_dim(), qh = c.q_heads, kvh = c.kv_heads, ffn = c.ffn_hidden;
+  return c.n_layers * 2.0 * (d * qh * hd + 2 * d * kvh * hd + qh * hd * d + 3 * d * ffn) + 2.0 * d * c.vocab;
+}
+
+struct GemmRates {
+  double openblas = 0;  // GFLOP/s, one thread: the floor's rate
+  double kvtier = 0;    // GFLOP/s of kernels::Gemm in a one-thread arena
+};
+
+// Single-core GEMM rates at [rows, d_model] x [ffn, d_model]^T, each timed for at least 0.2 s
+// on random inputs.
+GemmRates MeasureGemmRates(const model::LlamaConfig& c, int rows) {
+  const int k = c.d_model, n = c.ffn_hidden;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(rows) * k), w(static_cast<size_t>(n) * k),
+      y(static_cast<size_t>(rows) * n);
+  for (float& v : x) v = u(rng);
+  for (float& v : w) v = u(rng);
+  const double flops = 2.0 * rows * k * n;
+  auto rate = [&](auto&& gemm) {
+    gemm();  // warm the caches
+    int64_t reps = 0;
+    double seconds = 0;
+    const double t0 = Now();
+    do {
+      gemm();
+      ++reps;
+      seconds = Now() - t0;
+    } while (seconds < 0.2);
+    return flops * static_cast<double>(reps) / seconds / 1e9;
+  };
+  GemmRates r;
+  const int threads = openblas_get_num_threads();
+  openblas_set_num_threads(1);
+  r.openblas = rate([&] {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, k, 1.0f, x.data(), k, w.data(), k, 0.0f,
+                y.data(), n);
+  });
+  openblas_set_num_threads(threads);
+  kernels::GemmParams p;
+  p.m = rows;
+  p.k = k;
+  p.n_out = n;
+  p.x = x.data();
+  p.w = w.data();
+  p.y = y.data();
+  tbb::task_arena one(1);
+  one.execute([&] { r.kvtier = rate([&] { kernels::Gemm(p); }); });
+  return r;
 }
 
 // ---------------------------------------------------------------------------
@@ -109,6 +209,8 @@ struct Result1 {  // one method at one context length
   uint64_t kept_tokens = 0, kept_tokens_max = 0, dropped_chunks = 0, compressions = 0;
   double kept_per_layer() const { return samples ? static_cast<double>(kept_tokens) / samples : 0; }
   double dropped_per_sample() const { return samples ? static_cast<double>(dropped_chunks) / samples : 0; }
+  PhaseCost prompt,
+      generated;  // cost per token: prefill windows (and the prefill-end compression) | decode steps
   StoreCounters peak;           // largest per-tier bytes over the samples (at each sample's end)
   std::vector<std::string> outputs;
   double accuracy() const { return samples ? static_cast<double>(correct) / samples : 0; }
@@ -204,15 +306,53 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
     compress_every = rep.compress_every;
     return Status::Ok();
   };
-  const double t0 = Now();
+  // Cost per token (PhaseCost): CPU and wall time, the Session's retrieval and attention time,
+  // and the floor's FLOPs of every layer step, by phase.
+  const double forward_flops = ForwardFlopsPerToken(cfg);
+  const double L = cfg.n_layers, attn_flops_per_key = 4.0 * cfg.q_heads * cfg.head_dim();
+  const double score_flops_per_chunk =
+      m.kind == Method::kRetrieval ? 2.0 * so.repr_topk * cfg.kv_heads * cfg.head_dim() : 0;
+  const double hot_tokens = static_cast<double>(so.n_sink + so.n_local);
+  // FLOPs of `n` tokens ending at position `end`, each layer attending `chunks` chunks.
+  auto step_flops = [&](double n, double end, double chunks) {
+    const double attended =
+        m.kind == Method::kFull ? end - n / 2 : std::min(end, hot_tokens) + chunks * so.chunk_size;
+    const double indexed = std::max(0.0, (end - hot_tokens) / so.chunk_size);
+    return n * forward_flops + L * (n * attn_flops_per_key * attended + score_flops_per_chunk * indexed);
+  };
+  struct Mark {
+    double cpu, wall;
+    SessionCounters c;
+  };
+  auto mark = [&]() { return Mark{CpuNow(), Now(), session->session()->counters()}; };
+  auto charge = [](const Mark& a, const Mark& b, uint64_t tokens, PhaseCost* cost) {
+    cost->tokens += tokens;
+    cost->cpu_s += b.cpu - a.cpu;
+    cost->wall_s += b.wall - a.wall;
+    cost->retrieval_ms += (b.c.probe_ms + b.c.search_ms + b.c.alloc_ms + b.c.fetch_ms) -
+                          (a.c.probe_ms + a.c.search_ms + a.c.alloc_ms + a.c.fetch_ms);
+    cost->attention_ms += b.c.attention_ms - a.c.attention_ms;
+  };
+  // Chunks each layer attended per step between two marks.
+  auto chunks_per_layer_step = [](const Mark& a, const Mark& b) {
+    const uint64_t attends = b.c.attends - a.c.attends;
+    return attends
+               ? static_cast<double>(b.c.chunks_attended - a.c.chunks_attended) / static_cast<double>(attends)
+               : 0.0;
+  };
+  const Mark start = mark();
+  const double t0 = start.wall;
   // The prompt's last token runs as the first decode step, not in the last prefill window:
   // the answer's first byte is then retrieved for by that token's own query (ActQKV Sec. 4.2),
   // as every later byte is, instead of by a probe pooled over a whole window of question and
   // filler. Under full attention the logits are the same either way.
   for (size_t b = 0; b < n_prefill; b += static_cast<size_t>(window)) {
     const size_t e = std::min(n_prefill, b + static_cast<size_t>(window));
+    const Mark before = mark();
     KVTIER_RETURN_IF_ERROR(
         session->Prefill(std::vector<int32_t>(tokens.begin() + b, tokens.begin() + e), window).status());
+    r->prompt.flops +=
+        step_flops(static_cast<double>(e - b), static_cast<double>(e), chunks_per_layer_step(before, mark()));
     prog->Update(static_cast<int64_t>(e));
   }
   int64_t decoded = 0;  // decode steps run (the prompt's last token is the first)
@@ -236,14 +376,28 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
           r->kept_tokens_max, static_cast<uint64_t>(n_tokens) - (count - live.size()) * static_cast<uint64_t>(so.chunk_size));
     }
   }
-  KVTIER_ASSIGN_OR_RETURN(std::vector<float> last, session->Decode(tokens.back()));
+  const Mark prefilled = mark();
+  charge(start, prefilled, n_prefill, &r->prompt);
+  // One decode step: its cost and FLOPs (the Decode call alone: the needle scoring and a
+  // decode-time compression run outside it).
+  int64_t decode_steps = 0;
+  auto decode = [&](int32_t token) -> Result<std::vector<float>> {
+    const Mark before = mark();
+    const double end = static_cast<double>(n_prefill) + static_cast<double>(++decode_steps);
+    KVTIER_ASSIGN_OR_RETURN(std::vector<float> logits, session->Decode(token));
+    const Mark after = mark();
+    r->generated.flops += step_flops(1, end, chunks_per_layer_step(before, after));
+    charge(before, after, 1, &r->generated);
+    return logits;
+  };
+  KVTIER_ASSIGN_OR_RETURN(std::vector<float> last, decode(tokens.back()));
   KVTIER_RETURN_IF_ERROR(score_needle());
   KVTIER_RETURN_IF_ERROR(after_decode());
   std::string out;
   int32_t next = LlamaSession::Argmax(last);
   out.push_back(static_cast<char>(next));
   while (out.size() < sample.answer.size()) {
-    KVTIER_ASSIGN_OR_RETURN(last, session->Decode(next));
+    KVTIER_ASSIGN_OR_RETURN(last, decode(next));
     KVTIER_RETURN_IF_ERROR(score_needle());
     KVTIER_RETURN_IF_ERROR(after_decode());
     next = LlamaSession::Argmax(last);
@@ -329,7 +483,26 @@ std::string Describe(const Options& o, const Method& m) {
   return d;
 }
 
-std::string ToJson(const Options& o, const std::vector<Method>& methods, const std::vector<Result1>& results) {
+// Cost per token of one phase, for the JSON report (ms per token; floor and ratio as in PhaseCost).
+void CostJson(JsonWriter& w, const PhaseCost& c, double gemm_gflops) {
+  const double floor_ms = gemm_gflops > 0 ? c.per_token(c.flops) / (gemm_gflops * 1e9) * 1e3 : 0;
+  const double cpu_ms = c.per_token(c.cpu_s) * 1e3;
+  const double retrieval = c.per_token(c.retrieval_ms), attention = c.per_token(c.attention_ms);
+  w.BeginObject().Key("tokens").Uint(c.tokens);
+  w.Key("cpu_ms").Double(cpu_ms).Key("wall_ms").Double(c.per_token(c.wall_s) * 1e3);
+  w.Key("forward_and_rest_ms").Double(c.per_token(c.wall_s) * 1e3 - retrieval - attention);
+  w.Key("retrieval_ms").Double(retrieval).Key("attention_ms").Double(attention);
+  w.Key("floor_flops").Double(c.per_token(c.flops)).Key("floor_ms").Double(floor_ms);
+  if (floor_ms > 0)
+    w.Key("cpu_over_floor").Double(cpu_ms / floor_ms);
+  else
+    w.Key("cpu_over_floor").Null();
+  w.EndObject();
+}
+
+std::string ToJson(const Options& o, const std::vector<Method>& methods, const std::vector<Result1>& results,
+                   const GemmRates& rates) {
+  const double gemm_gflops = rates.openblas;
   JsonWriter w(/*pretty=*/true);
   w.BeginObject();
   w.Key("weights").String(o.weights).Key("task").String(o.task).Key("samples").Int(o.samples);
@@ -342,6 +515,10 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
   if (o.compress.empty()) w.Key("kv_budget").Null();
   else w.Key("kv_budget").Int(o.kv_budget);
   w.Key("observe").Int(o.observe);
+  w.Key("gemm_gflops_one_core")
+      .Double(rates.openblas)
+      .Key("kvtier_gemm_gflops_one_core")
+      .Double(rates.kvtier);
   w.Key("methods").BeginArray();
   for (const Method& m : methods)
     w.BeginObject().Key("name").String(m.name).Key("config").String(Describe(o, m)).Key("compressed").Bool(m.compress)
@@ -354,6 +531,12 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
       w.Key("accuracy").Double(r.accuracy()).Key("correct").Int(r.correct).Key("samples").Int(r.samples);
       w.Key("s_per_sample").Double(r.s_per_sample()).Key("tokens_per_s").Double(r.tokens_per_s());
       w.Key("chunks_per_layer_step").Double(r.steps ? static_cast<double>(r.chunks) / r.steps : 0);
+      w.Key("cost_per_token").BeginObject();
+      w.Key("prompt");
+      CostJson(w, r.prompt, gemm_gflops);
+      w.Key("generated");
+      CostJson(w, r.generated, gemm_gflops);
+      w.EndObject();
       if (r.needle_steps) w.Key("needle_recall").Double(r.needle_recall());
       else w.Key("needle_recall").Null();
       if (r.compressions) {
@@ -585,6 +768,9 @@ int RunInfinite(int argc, char** argv) {
   if (!loaded.ok())
     return Fail(InvalidArgument("cannot load --weights '" + o.weights + "': " + loaded.status().message()));
   const LlamaModel& model = **loaded;
+  // The floor's GEMM rate, on one core, at the forward's own shape (a prefill window of rows).
+  const GemmRates rates = MeasureGemmRates(model.config(), std::min(o.window, o.store.n_local));
+  const double gemm_gflops = rates.openblas;
 
   std::vector<Method> methods;
   if (o.compare) {
@@ -708,9 +894,30 @@ int RunInfinite(int argc, char** argv) {
       }
     }
   }
+  std::printf(
+      "\ncost per token (ms; cpu = process CPU time, all threads; the parts are wall time: retrieval = "
+      "probe+search+alloc+fetch, attention, forward+rest = the remainder):\n");
+  std::printf(
+      "floor = FLOPs per token / %.2f GFLOP/s (OpenBLAS sgemm, one thread, the model's FFN shape, measured "
+      "in this run; kvtier's own GEMM there: %.2f GFLOP/s)\n",
+      rates.openblas, rates.kvtier);
+  std::printf("%-15s %-9s %-9s %9s %9s %9s %9s %9s %9s\n", "method", "context", "phase", "cpu", "fwd+rest",
+              "retrieval", "attention", "floor", "cpu/floor");
+  for (const Result1& r : results) {
+    if (r.skipped) continue;
+    for (const auto& [phase, c] : {std::pair<const char*, const PhaseCost*>{"prompt", &r.prompt},
+                                   std::pair<const char*, const PhaseCost*>{"generated", &r.generated}}) {
+      const double floor_ms = c->per_token(c->flops) / (gemm_gflops * 1e9) * 1e3;
+      const double cpu = c->per_token(c->cpu_s) * 1e3, ret = c->per_token(c->retrieval_ms),
+                   att = c->per_token(c->attention_ms);
+      std::printf("%-15s %-9lld %-9s %9.4f %9.4f %9.4f %9.4f %9.4f %8.1fx\n", r.method.c_str(),
+                  static_cast<long long>(r.context), phase, cpu, c->per_token(c->wall_s) * 1e3 - ret - att,
+                  ret, att, floor_ms, floor_ms > 0 ? cpu / floor_ms : 0.0);
+    }
+  }
   if (!o.json.empty()) {
     std::ofstream out(o.json, std::ios::binary | std::ios::trunc);
-    out << ToJson(o, methods, results) << "\n";
+    out << ToJson(o, methods, results, rates) << "\n";
     if (!out) return Fail(IOError("could not write --json file '" + o.json + "'"));
     std::printf("report: %s\n", o.json.c_str());
   }
