@@ -210,7 +210,9 @@ Status TieredStore::Init() {
     co.sync_writes = options_.sync_writes;
     co.fault_injector = options_.cold_fault_injector;
     co.accept_lost_chunks = options_.accept_lost_chunks;
-    KVTIER_ASSIGN_OR_RETURN(cold_, ColdTier::Open(co));
+    KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<ColdTier> cold, ColdTier::Open(co));
+    cold_ = cold.get();
+    lower_.push_back(MakeColdLowerTier(std::move(cold)));
   }
   if (!options_.remote.empty()) {
     KVTIER_ASSIGN_OR_RETURN(RemoteTierOptions ro, ParseRemoteSpec(options_.remote));
@@ -226,18 +228,20 @@ Status TieredStore::Init() {
       ro.ns = (h.empty() ? "host" : h) + "-" + std::to_string(getpid()) + "-" +
               std::to_string(std::chrono::system_clock::now().time_since_epoch().count());
     }
-    KVTIER_ASSIGN_OR_RETURN(remote_, RemoteTier::Open(ro));
+    KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<RemoteTier> remote, RemoteTier::Open(ro));
+    remote_ = remote.get();
+    lower_.push_back(MakeRemoteLowerTier(std::move(remote)));
   }
+  for (const auto& tier : lower_) error_window_ = std::min(error_window_, tier->error_window());
   TransferEngine::Options eo;
   eo.threads = options_.transfer_threads;
   eo.chunk_bytes = chunk_bytes_;
   eo.hot = hot_.get();
-  eo.cold = cold_.get();
-  eo.remote = remote_.get();
+  for (const auto& tier : lower_) eo.lower.push_back(tier.get());
   KVTIER_ASSIGN_OR_RETURN(engine_, TransferEngine::Create(eo));
   if (cold_) {
     RecoveredStore rec;
-    Status st = RecoverStore(options_, cold_.get(), hot_.get(), &rec);
+    Status st = RecoverStore(options_, cold_, hot_.get(), &rec);
     // Adopt whatever was rebuilt even on failure: the destructor frees it.
     sequences_ = std::move(rec.sequences);
     chunk_by_id_ = std::move(rec.chunk_by_id);
@@ -453,30 +457,29 @@ Status TieredStore::WriteCold(Chunk* c, const uint8_t* payload, float score) {
   // first_token and repr never change once the chunk is sealed, so encoding them here,
   // without the lock, is safe; the score is the caller's snapshot.
   const std::string meta = EncodeChunkMeta(c->first_token, c->repr.data(), c->repr.size(), score);
-  TransferEngine::WriteAcks acks;
+  TransferEngine::WriteAcks acks = 0;
   const Status st = engine_->WriteChunk(c->key, meta, payload, &acks);
-  // Redis refused what the cold tier acknowledged: durable all the same (see WaitForDurable),
-  // and the refusal is still the caller's error.
-  if (!st.ok() && !acks.cold) return st;
+  // A later tier refused what an earlier one acknowledged (Redis after RocksDB): durable all
+  // the same (see WaitForDurable), and the refusal is still the caller's error.
+  if (!st.ok() && acks == 0) return st;
   std::function<void(const ChunkKey&)> listener;
   {
     std::lock_guard<std::mutex> l(mu_);
-    listener = AckColdWriteLocked(c, acks.remote);
+    listener = AckColdWriteLocked(c, acks);
   }
   // The chunk is still pinned (cold_writing) by the caller: its key stays valid.
   if (listener) listener(c->key);
   return st;
 }
 
-std::function<void(const ChunkKey&)> TieredStore::AckColdWriteLocked(Chunk* c, bool remote_acked) {
+std::function<void(const ChunkKey&)> TieredStore::AckColdWriteLocked(Chunk* c, uint8_t acks) {
   if (!c->cold_acked) {
     c->cold_acked = true;
-    if (cold_) {
-      c->tiers |= kTierCold;
+    c->tiers |= acks;
+    if (acks & kTierCold) {
       counters_.cold_chunks++;
       counters_.cold_bytes += chunk_bytes_;
     }
-    if (remote_ && remote_acked) c->tiers |= kTierRemote;
     counters_.cold_writes++;
     counters_.bytes_moved += chunk_bytes_;
   }
@@ -676,10 +679,10 @@ void TieredStore::SubmitColdWrite(Chunk* c, const uint8_t* payload, float score)
   w.payload = payload;
   engine_->SubmitColdWrite(std::move(w), [this, c](Status st, TransferEngine::WriteAcks acks) {
     std::function<void(const ChunkKey&)> listener;
-    if (st.ok() || acks.cold) {
-      // With both tiers, what the cold tier acknowledged is durable even if Redis refused it.
+    if (st.ok() || acks != 0) {
+      // What an earlier tier acknowledged is durable even if a later one refused it.
       std::lock_guard<std::mutex> l(mu_);
-      listener = AckColdWriteLocked(c, acks.remote);
+      listener = AckColdWriteLocked(c, acks);
     }
     // Still pinned (cold_writing): nobody frees the chunk while the listener runs.
     if (listener) listener(c->key);
@@ -688,11 +691,11 @@ void TieredStore::SubmitColdWrite(Chunk* c, const uint8_t* payload, float score)
     c->warm_pins--;
     if (!st.ok() && (background_error_.ok() || std::chrono::steady_clock::now() >= background_error_until_)) {
       background_error_ = st;
-      // Sticky for the remote's retry window (its node fails every command at once for that
-      // long), or until WaitForDurable reports it when the store has no remote tier.
-      background_error_until_ =
-          remote_ ? std::chrono::steady_clock::now() + std::chrono::milliseconds(remote_->options().retry_ms)
-                  : std::chrono::steady_clock::time_point::max();
+      // Sticky for the lower tiers' error window (the remote's retry window: its node fails
+      // every command at once for that long), or until WaitForDurable reports it.
+      background_error_until_ = error_window_ == std::chrono::milliseconds::max()
+                                    ? std::chrono::steady_clock::time_point::max()
+                                    : std::chrono::steady_clock::now() + error_window_;
     }
     cv_.notify_all();  // CloseSequence, DropChunks and MakeWarmRoom wait for cold_writing to clear
   });
@@ -722,12 +725,12 @@ Status TieredStore::WaitForDurable() {
       if (landed.ok()) landed = std::move(st);
     }
   }
-  // Every write issued so far has finished or, with a remote tier, one failed: then the rest
-  // is not waited for (writes queued behind a dead node are refused anyway), and the error
-  // says that not everything is durable.
+  // Every write issued so far has finished or, where errors expire (a remote tier), one
+  // failed: then the rest is not waited for (writes queued behind a dead node are refused
+  // anyway), and the error says that not everything is durable.
   while (!engine_->WaitIdleFor(std::chrono::milliseconds(20))) {
     std::lock_guard<std::mutex> l(mu_);
-    if (remote_ && !BackgroundErrorLocked().ok()) break;
+    if (error_window_ != std::chrono::milliseconds::max() && !BackgroundErrorLocked().ok()) break;
   }
   std::lock_guard<std::mutex> l(mu_);
   if (!landed.ok()) return landed;
@@ -1287,12 +1290,11 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
       TransferEngine::Load ld;
       ld.key = c->key;
       ld.hot_dst = hot_->slot_data(c->hot_slot);
-      ld.remote_ref.key = c->key;
+      ld.ref.key = c->key;
       if (const Sequence* s = sequences_.at(c->key.seq).get(); store_internal::SharedChunk(s, c->key)) {
         // Its bytes sit under the publisher's namespace and sequence id, in no local tier.
-        ld.remote_ref.ns = &s->remote_ns;
-        ld.remote_ref.key.seq = s->remote_seq;
-        ld.in_cold = false;
+        ld.ref.ns = &s->remote_ns;
+        ld.ref.key.seq = s->remote_seq;
       }
       int32_t read_slot = -1;
       if (c->warm_slot >= 0) {
@@ -1334,9 +1336,10 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
     if (ld.status.ok()) {
       counters_.promotions++;
       counters_.bytes_moved += chunk_bytes_;
-      if (ld.source == 'w') counters_.warm_loads++;
-      else if (ld.source == 'c') counters_.cold_loads++;
-      else if (ld.source == 'r') counters_.remote_loads++;
+      if (ld.source == nullptr)
+        counters_.warm_loads++;
+      else
+        ld.source->CountLoad(&counters_);
     } else if (first_error.ok()) {
       first_error = ld.status;
     }
@@ -1457,22 +1460,22 @@ Status TieredStore::CopySinksAndLocal(SequenceId seq, Sequence* s, int l, std::s
 }
 
 Status TieredStore::ReadLowerTier(const Sequence* s, const Chunk* c, void* dst) {
-  Status cold_st;
-  const bool shared = store_internal::SharedChunk(s, c->key);
-  if (cold_ && !shared) {
-    cold_st = cold_->GetChunk(c->key, dst, chunk_bytes_);
-    if (cold_st.ok() || !remote_) return cold_st;
-  }
-  if (!remote_) return Internal("chunk " + c->key.ToString() + " is in no tier");
-  RemoteChunkRef ref;
+  LowerChunkRef ref;
   ref.key = c->key;
-  if (shared) {
+  if (store_internal::SharedChunk(s, c->key)) {
     ref.ns = &s->remote_ns;
     ref.key.seq = s->remote_seq;
   }
-  // The remote copy serves what the local disk lost or damaged; both failures are reported.
-  Status st = remote_->GetChunk(ref, dst, chunk_bytes_);
-  if (!st.ok() && !cold_st.ok()) return Status(st.code(), cold_st.message() + "; " + st.message());
+  // Each tier serves what the ones before it lost or damaged; every failure is reported.
+  Status st = Internal("chunk " + c->key.ToString() + " is in no tier");
+  bool tried = false;
+  for (const auto& tier : lower_) {
+    if (ref.ns != nullptr && !tier->serves_published()) continue;
+    Status got = tier->GetChunk(ref, dst, chunk_bytes_);
+    if (got.ok()) return got;
+    st = tried ? Status(got.code(), st.message() + "; " + got.message()) : std::move(got);
+    tried = true;
+  }
   return st;
 }
 
@@ -1506,11 +1509,16 @@ Status TieredStore::DropSequence(SequenceId seq) {
         if (c && (c->warm_pins > 0 || c->cold_writing || c->hot_loading)) return false;
     return true;
   });
-  std::vector<ChunkKey> remote_keys;  // an attached sequence's chunks belong to its publisher
+  // Per lower tier, the chunks it holds; an attached sequence's chunks belong to its publisher.
+  std::vector<std::vector<ChunkKey>> tier_keys(lower_.size());
   for (auto& ls : s->layers) {
     for (Chunk* c : ls.chunks) {
-      if (c && remote_ && !store_internal::SharedChunk(s, c->key) && (c->tiers & kTierRemote)) remote_keys.push_back(c->key);
-      if (c) FreeChunkLocked(c);
+      if (c == nullptr) continue;
+      for (size_t t = 0; t < lower_.size(); ++t)
+        if ((c->tiers & lower_[t]->tier_bit()) &&
+            !(lower_[t]->serves_published() && store_internal::SharedChunk(s, c->key)))
+          tier_keys[t].push_back(c->key);
+      FreeChunkLocked(c);
     }
     ls.chunks.clear();
     const size_t ring = static_cast<size_t>(options_.n_local + options_.chunk_size);
@@ -1522,8 +1530,8 @@ Status TieredStore::DropSequence(SequenceId seq) {
   counters_.warm_chunks = warm_->used();
   counters_.hot_chunks = hot_->slots_used();
   l.unlock();
-  if (cold_) KVTIER_RETURN_IF_ERROR(cold_->DeleteSequence(seq));
-  if (!remote_keys.empty()) KVTIER_RETURN_IF_ERROR(remote_->DeleteChunks(remote_keys));
+  for (size_t t = 0; t < lower_.size(); ++t)
+    KVTIER_RETURN_IF_ERROR(lower_[t]->RemoveSequence(seq, tier_keys[t]));
   return Status::Ok();
 }
 
@@ -1552,7 +1560,7 @@ Status TieredStore::SetChunkScores(SequenceId seq, int layer, const std::vector<
 }
 
 Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices) {
-  std::vector<ChunkKey> cold_keys, remote_keys;
+  std::vector<std::vector<ChunkKey>> tier_keys(lower_.size());  // per lower tier, what it may hold
   {
     std::unique_lock<std::mutex> l(mu_);
     Sequence* s = nullptr;
@@ -1582,9 +1590,11 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
     for (uint64_t idx : chunk_indices) {
       Chunk* c = ls.chunks[idx];
       if (c == nullptr) continue;
-      if (cold_ && (c->cold_acked || c->cold_writing)) cold_keys.push_back(c->key);
-      if (remote_ && !store_internal::SharedChunk(s, c->key) && (c->cold_acked || c->cold_writing))
-        remote_keys.push_back(c->key);
+      // Written (or being written) to the lower tiers; a publisher's chunk is not this store's to remove.
+      if (c->cold_acked || c->cold_writing)
+        for (size_t t = 0; t < lower_.size(); ++t)
+          if (!(lower_[t]->serves_published() && store_internal::SharedChunk(s, c->key)))
+            tier_keys[t].push_back(c->key);
       FreeChunkLocked(c);
       ls.chunks[idx] = nullptr;
       counters_.dropped_chunks++;
@@ -1592,11 +1602,9 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
     counters_.warm_chunks = warm_->used();
     counters_.hot_chunks = hot_->slots_used();
   }
-  // The chunk is gone from memory; removing its cold copy is what makes the drop
+  // The chunk is gone from memory; removing its lower-tier copies is what makes the drop
   // survive a reopen.
-  if (cold_)
-    for (const ChunkKey& k : cold_keys) KVTIER_RETURN_IF_ERROR(cold_->DeleteChunk(k));
-  if (!remote_keys.empty()) KVTIER_RETURN_IF_ERROR(remote_->DeleteChunks(remote_keys));
+  for (size_t t = 0; t < lower_.size(); ++t) KVTIER_RETURN_IF_ERROR(lower_[t]->RemoveChunks(tier_keys[t]));
   return Status::Ok();
 }
 
@@ -1610,16 +1618,7 @@ StoreCounters TieredStore::counters() const {
   c.hot_bytes = c.hot_chunks * chunk_bytes_ + region_bytes_;
   c.warm_chunks = warm_->used() - landing_chunks_;  // a chunk another thread is landing is not warm yet
   c.warm_bytes = c.warm_chunks * chunk_bytes_;
-  if (remote_) {
-    const RemoteTierCounters r = remote_->counters();
-    c.remote_puts = r.puts;
-    c.remote_put_bytes = r.put_bytes;
-    c.remote_gets = r.gets;
-    c.remote_get_bytes = r.get_bytes;
-    c.remote_not_found = r.not_found;
-    c.remote_corrupt = r.corrupt;
-    c.remote_errors = r.errors;
-  }
+  for (const auto& tier : lower_) tier->AddCounters(&c);
   return c;
 }
 

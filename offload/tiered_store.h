@@ -57,7 +57,9 @@
 #include "offload/cold_tier.h"
 #include "offload/demotion_policy.h"
 #include "offload/hot_tier.h"
+#include "offload/lower_tier.h"
 #include "offload/remote_tier.h"
+#include "offload/store_counters.h"
 #include "store/chunk.h"
 #include "store/geometry.h"
 #include "store/status.h"
@@ -125,36 +127,6 @@ struct StoreOptions {
   Status Validate() const;
   /// Bytes of K+V of one chunk of one layer.
   size_t chunk_bytes() const { return static_cast<size_t>(chunk_size) * geometry.token_kv_bytes(); }
-};
-
-/// Counters a user can read at any time (a consistent snapshot).
-struct StoreCounters {
-  uint64_t hot_chunks = 0, hot_bytes = 0;    ///< chunk slots in use (+ sinks/local bytes in hot_bytes)
-  uint64_t warm_chunks = 0, warm_bytes = 0;  ///< chunks resident in the warm tier
-  uint64_t cold_chunks = 0, cold_bytes = 0;  ///< chunks acknowledged by the cold tier
-  uint64_t promotions = 0;       ///< chunk copies to a higher tier (cold->warm, warm->hot)
-  uint64_t demotions = 0;        ///< chunks that left a tier for a lower one (warm->cold, hot slot freed)
-  uint64_t hits = 0;             ///< fetched chunks already hot
-  uint64_t misses = 0;           ///< fetched chunks that had to be promoted
-  uint64_t bytes_moved = 0;      ///< bytes copied between tiers (either direction)
-  uint64_t cold_writes = 0, cold_reads = 0;
-  uint64_t lease_expired = 0;    ///< pins that ran past pin_timeout_ms and stopped protecting
-  uint64_t pin_waits = 0;        ///< fetches that waited for hot slots other fetches held (FetchChunks)
-  uint64_t pin_wait_us = 0;      ///< total time those fetches waited, microseconds
-  uint64_t pin_wait_timeouts = 0;  ///< waits that ran past pin_wait_ms (the fetch was ResourceExhausted)
-  uint64_t hot_reserved = 0;       ///< hot slots reserved by open sessions now (ReserveHotSlots)
-  uint64_t chunks_sealed = 0;    ///< chunks formed from the local window
-  uint64_t dropped_chunks = 0;   ///< chunks removed for good by DropChunks (compression)
-  // Where fetched chunks that were not hot came from (hits + the three = fetched chunks).
-  uint64_t warm_loads = 0;       ///< fetched chunks copied from the warm tier
-  uint64_t cold_loads = 0;       ///< fetched chunks read from the cold tier (RocksDB)
-  uint64_t remote_loads = 0;     ///< fetched chunks read from the remote tier (Redis)
-  // The remote tier's own counters (offload/remote_tier.h), 0 without one.
-  uint64_t remote_puts = 0, remote_put_bytes = 0;  ///< chunks acknowledged by the remote tier, payload bytes
-  uint64_t remote_gets = 0, remote_get_bytes = 0;  ///< chunks read back and verified, payload bytes
-  uint64_t remote_not_found = 0;  ///< remote reads of a missing chunk (evicted by maxmemory)
-  uint64_t remote_corrupt = 0;    ///< remote reads that failed the CRC or format check
-  uint64_t remote_errors = 0;     ///< remote calls with no usable answer (node down or slow)
 };
 
 /// Per-chunk metadata visible to retrieval and policies.
@@ -358,7 +330,7 @@ class TieredStore {
   /// attached sequence is not persisted in this store's cold tier.
   Result<SequenceId> AttachPublished(std::string_view name);
   /// The remote tier, or null.
-  RemoteTier* remote_tier() const { return remote_.get(); }
+  RemoteTier* remote_tier() const { return remote_; }
 
   /// Bytes of host memory held for indexes and chunk metadata (representatives).
   uint64_t metadata_bytes() const;
@@ -397,9 +369,9 @@ class TieredStore {
   /// Writes a warm chunk the cold tier has not acknowledged; drops the lock
   /// during the write and holds it again on return.
   Status WriteWarmChunkToColdLocked(std::unique_lock<std::mutex>& lock, Chunk* c);
-  /// Marks a chunk the cold tier just acknowledged; returns the listener to call (outside the lock).
-  /// remote_acked: the remote tier has it too (false: only the cold tier acknowledged it).
-  std::function<void(const ChunkKey&)> AckColdWriteLocked(Chunk* c, bool remote_acked = true);
+  /// Marks a chunk the lower tiers in `acks` (TierBits, at least one) just acknowledged; returns
+  /// the listener to call (outside the lock).
+  std::function<void(const ChunkKey&)> AckColdWriteLocked(Chunk* c, uint8_t acks);
   /// A free hot slot, or the hot policy's victim among slots neither loading nor pinned at `now`; -1 when none.
   int32_t AcquireHotSlotLocked(Clock::time_point now);
   /// What the hot pool offers a fetch of `seq` that needs `need` slots it has no slot for,
@@ -431,8 +403,8 @@ class TieredStore {
   bool FetchCompleteLocked(const FetchHandle::State* st) const;
   void FreeChunkLocked(Chunk* c);
   /// A tier below warm acknowledges chunks (cold, remote or both).
-  bool has_lower() const { return cold_ != nullptr || remote_ != nullptr; }
-  /// Reads a chunk no memory tier holds: cold first, then remote (verified either way).
+  bool has_lower() const { return !lower_.empty(); }
+  /// Reads a chunk no memory tier holds from the lower tiers in order (verified).
   Status ReadLowerTier(const Sequence* s, const Chunk* c, void* dst);
   /// K then V of the sinks and of the local window of one layer, as CloseSequence persists them.
   Status CopySinksAndLocal(SequenceId seq, Sequence* s, int layer, std::string* sinks, std::string* local);
@@ -442,8 +414,15 @@ class TieredStore {
   size_t token_bytes_ = 0;  // K (or V) bytes of one token
   std::unique_ptr<HotTier> hot_;
   std::unique_ptr<SlotPool> warm_;
-  std::unique_ptr<ColdTier> cold_;
-  std::unique_ptr<RemoteTier> remote_;
+  // The tiers below warm, in order (offload/lower_tier.h): write-through, fall-through reads
+  // and acknowledgement go through this list. cold_ and remote_ view the same tiers for what
+  // only they do (sequence records and recovery; publications); null when absent.
+  std::vector<std::unique_ptr<LowerTier>> lower_;
+  ColdTier* cold_ = nullptr;
+  RemoteTier* remote_ = nullptr;
+  // How long a failed background write stays in the way (the shortest window of lower_);
+  // max(): until WaitForDurable reports it.
+  std::chrono::milliseconds error_window_ = std::chrono::milliseconds::max();
   std::unique_ptr<DemotionPolicy> hot_policy_, warm_policy_;
   // After the tiers it copies between, so that it is destroyed (idle) before them.
   std::unique_ptr<TransferEngine> engine_;
@@ -470,9 +449,9 @@ class TieredStore {
   uint64_t landing_failures_ = 0;  // landings that lost their chunk (with chunks_sealed: landing progress)
   std::function<void(const ChunkKey&)> ack_listener_;
   // The first failed asynchronous write to a lower tier, sticky (see WaitForDurable):
-  // every Append and CheckBackgroundError returns it until WaitForDurable reports it or,
-  // with a remote tier, until that tier's retry window after the failure has passed (then a
-  // later failure replaces it; WaitForDurable reports whichever is held).
+  // every Append and CheckBackgroundError returns it until WaitForDurable reports it or until
+  // error_window_ after the failure has passed (then a later failure replaces it;
+  // WaitForDurable reports whichever is held).
   Status background_error_;
   std::chrono::steady_clock::time_point background_error_until_;
   Status BackgroundErrorLocked();
