@@ -358,11 +358,11 @@ Status TieredStore::DropSequence(SequenceId seq) {
   return Status::Ok();
 }
 
-StoreCounters TieredStore::counters() const {
+StoreCounters TieredStore::counters() {
   std::unique_lock<std::mutex> l(mu_);
   // Statistics count landed chunks: land what is in flight (a failure stays in its layer's
   // landing_error for the next call that can return it).
-  landing_self()->LandEverythingLocked(l);
+  LandEverythingLocked(l);
   StoreCounters c = counters_;
   c.hot_chunks = hot_->slots_used();
   c.hot_bytes = c.hot_chunks * chunk_bytes_ + region_bytes_;

@@ -32,7 +32,10 @@
 //    waits for all of them. Sinks and the local window are persisted by
 //    CloseSequence.
 //
-// The store is the coordinator: it decides what moves where under one mutex.
+// The store is the coordinator: it decides what moves where under one mutex. Its
+// implementation is split into parts (listed at the top of offload/tiered_store.cc:
+// offload/store/ring, landing, warm_tier, write_through, chunks, fetch, sharing). The tiers
+// below warm sit behind offload/lower_tier.h as an ordered list (RocksDB, then Redis).
 // Around it: offload/transfer_engine.h moves the bytes on worker threads,
 // offload/store_recovery.h rebuilds the state of a reopened store,
 // offload/store_records.h is the format of what it keeps in the cold tier,
@@ -237,13 +240,14 @@ class TieredStore {
   /// The hot tier (its device(), slot pool and, for "cuda", stream): what an attention
   /// backend plans against. Owned by the store.
   HotTier* hot_tier() const { return hot_.get(); }
-  /// Metadata of the sealed chunks of one layer, in token order.
-  Result<std::vector<ChunkInfo>> ListChunks(SequenceId seq, int layer) const;
+  /// Metadata of the sealed chunks of one layer, in token order. Lands the layer first (see
+  /// "Landing" above), hence not const, as every reader of sealed chunks.
+  Result<std::vector<ChunkInfo>> ListChunks(SequenceId seq, int layer);
   /// Number of chunk indices sealed in one layer (chunk i covers tokens
   /// [n_sink + i*chunk_size, n_sink + (i+1)*chunk_size)).
-  Result<uint64_t> ChunkCount(SequenceId seq, int layer) const;
+  Result<uint64_t> ChunkCount(SequenceId seq, int layer);
   /// Representative keys of one chunk: [repr_topk, kv_heads, head_dim] fp32.
-  Status GetRepresentatives(const ChunkKey& key, float* out) const;
+  Status GetRepresentatives(const ChunkKey& key, float* out);
   /// Starts promoting the chunks into hot slots and pins them (async).
   ///
   /// A fetch takes every hot slot it needs under the store lock, or none. When the pool has
@@ -299,20 +303,18 @@ class TieredStore {
   Status WaitForDurable();
   /// The sticky background write error (see WaitForDurable) without clearing it; OK when none.
   Status CheckBackgroundError();
-  /// Registers a callback run (on a transfer thread) each time a chunk is
-  /// acknowledged by the cold tier. Used by the crash test.
-  void SetColdAckListener(std::function<void(const ChunkKey&)> listener);
   /// Every chunk the cold tier acknowledged and that was not dropped since, as index
   /// ranges per (sequence, layer) in order: what a reopen, even after SIGKILL, must
-  /// bring back (Open checks it did). A chunk is in it once the listener above was or
-  /// is about to be called for it, and from the moment CloseSequence returns for all of
-  /// its sequence's chunks. Read from the cold tier's manifest, not from memory; empty
-  /// without a cold tier, where nothing is durable.
+  /// bring back (Open checks it did). A chunk is in it once the ack listener (a test hook,
+  /// tests/tiered_store_test_peer.h) was or is about to be called for it, and from the
+  /// moment CloseSequence returns for all of its sequence's chunks. Read from the cold
+  /// tier's manifest, not from memory; empty without a cold tier, where nothing is durable.
   std::vector<ChunkRange> AcknowledgedChunks() const;
   /// The acknowledged chunks found missing when this store was opened and accepted as
   /// lost (accept_lost_chunks); empty otherwise.
   std::vector<ChunkRange> LostChunks() const;
-  StoreCounters counters() const;
+  /// Lands every sequence first: the counters count landed chunks.
+  StoreCounters counters();
 
   // ---- sharing through the remote tier ----
   /// Publishes a closed sequence under `name` (1..128 of [A-Za-z0-9-_.]) for other
@@ -337,6 +339,10 @@ class TieredStore {
 
  private:
   friend class FetchHandle;
+  friend class TieredStoreTestPeer;  // tests/tiered_store_test_peer.h
+  /// Registers a callback run (on a transfer thread) each time a chunk is acknowledged by
+  /// the lower tiers (TieredStoreTestPeer::SetAckListener).
+  void SetColdAckListener(std::function<void(const ChunkKey&)> listener);
   using Chunk = store_internal::Chunk;
   using LayerState = store_internal::LayerState;
   using Sequence = store_internal::Sequence;
@@ -358,10 +364,6 @@ class TieredStore {
   /// The layer's (or sequence's) unreported landing failure, cleared; OK when none.
   Status TakeLandingErrorLocked(LayerState& ls);
   Status TakeLandingErrorLocked(Sequence* s);
-  /// Landing for a const reader: a landing completes an earlier Append, so a reader sees the
-  /// store as if it had completed. Every TieredStore is created non-const (Open), so
-  /// the const_cast is well defined.
-  TieredStore* landing_self() const { return const_cast<TieredStore*>(this); }
   Status MakeWarmRoom(std::unique_lock<std::mutex>& lock);
   /// Writes the chunk to cold synchronously and acknowledges it. `score` is the chunk's
   /// score snapshotted under the lock by the caller (see Chunk::score).

@@ -19,12 +19,12 @@
 
 namespace kvtier {
 
-Result<std::vector<ChunkInfo>> TieredStore::ListChunks(SequenceId seq, int layer) const {
+Result<std::vector<ChunkInfo>> TieredStore::ListChunks(SequenceId seq, int layer) {
   std::unique_lock<std::mutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
-  landing_self()->LandLayerLocked(l, s, layer);
-  KVTIER_RETURN_IF_ERROR(landing_self()->TakeLandingErrorLocked(s->layers[layer]));
+  LandLayerLocked(l, s, layer);
+  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
   std::vector<ChunkInfo> out;
   for (const Chunk* c : s->layers[layer].chunks) {
     if (c == nullptr) continue;
@@ -33,21 +33,21 @@ Result<std::vector<ChunkInfo>> TieredStore::ListChunks(SequenceId seq, int layer
   return out;
 }
 
-Result<uint64_t> TieredStore::ChunkCount(SequenceId seq, int layer) const {
+Result<uint64_t> TieredStore::ChunkCount(SequenceId seq, int layer) {
   std::unique_lock<std::mutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
-  landing_self()->LandLayerLocked(l, s, layer);
-  KVTIER_RETURN_IF_ERROR(landing_self()->TakeLandingErrorLocked(s->layers[layer]));
+  LandLayerLocked(l, s, layer);
+  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
   return static_cast<uint64_t>(s->layers[layer].chunks.size());
 }
 
-Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) const {
+Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) {
   std::unique_lock<std::mutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(key.seq, static_cast<int>(key.layer), false, &s));
-  landing_self()->LandLayerLocked(l, s, static_cast<int>(key.layer));
-  KVTIER_RETURN_IF_ERROR(landing_self()->TakeLandingErrorLocked(s->layers[key.layer]));
+  LandLayerLocked(l, s, static_cast<int>(key.layer));
+  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[key.layer]));
   const auto& chunks = s->layers[key.layer].chunks;
   if (key.index >= chunks.size() || chunks[key.index] == nullptr)
     return NotFound("chunk " + key.ToString() + " does not exist");

@@ -8,7 +8,12 @@
 // Who lands: the appending thread lands what is complete at each Append and keeps at most
 // max_landing_chunks in flight per layer (SealOldestChunk); every reader of a layer's
 // sealed chunks lands the layer first, since a landing completes an earlier Append and a
-// reader must see the store as if it had completed (const readers through landing_self()).
+// reader must see the store as if it had completed. Such readers are therefore non-const
+// members (ListChunks, ChunkCount, GetRepresentatives, counters(), ...): landing changes the
+// store, and the signature says so. A background landing step would need a transfer worker
+// to block on device copies and on other landers, which the few workers must not do
+// (offload/transfer_engine.h); landing on the writer's calls alone would let a reader see
+// fewer chunks than were appended.
 //
 // Locking: the landing queue (LayerState::landing, landers, landing_error) and the
 // counters are under mu_. A lander claims the queue's oldest entry under mu_, then drops
