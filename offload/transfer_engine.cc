@@ -61,13 +61,10 @@ void TransferEngine::CopyLoads(std::vector<Load>* loads) const {
   // The warm copies go to the hot tier as one batch: for a device tier one batched H2D copy
   // and one wait per fetch instead of one per chunk (HotTier::UploadBatch).
   std::vector<HotTier::UploadOp> warm;
-  std::vector<uint8_t> tried(loads->size(), 0);  // a lower tier failed it already
-  for (Load& ld : *loads) {
-    if (ld.warm_src != nullptr)
-      warm.push_back({ld.hot_dst, ld.warm_src, n});
-    else
-      ld.status = Internal("chunk " + ld.key.ToString() + " is in no tier");  // until a tier serves it
-  }
+  // Per load: 0 no tier tried it yet, 1 a tier failed it (its status says how), 2 served.
+  std::vector<uint8_t> state(loads->size(), 0);
+  for (const Load& ld : *loads)
+    if (ld.warm_src != nullptr) warm.push_back({ld.hot_dst, ld.warm_src, n});
   if (!warm.empty()) {
     const Status st = options_.hot->UploadBatch(warm.data(), warm.size());
     for (Load& ld : *loads)
@@ -86,7 +83,7 @@ void TransferEngine::CopyLoads(std::vector<Load>* loads) const {
     gets.clear();
     for (size_t j = 0; j < loads->size(); ++j) {
       Load& ld = (*loads)[j];
-      if (ld.status.ok() || ld.warm_src != nullptr) continue;
+      if (ld.warm_src != nullptr || state[j] == 2) continue;
       if (ld.ref.ns != nullptr && !tier->serves_published()) continue;
       idx.push_back(j);
       gets.push_back(LowerTier::Get{ld.ref, ReadBuffer(&ld), Status::Ok()});
@@ -97,12 +94,12 @@ void TransferEngine::CopyLoads(std::vector<Load>* loads) const {
       Load& ld = (*loads)[idx[g]];
       const Status& got = gets[g].status;
       if (!got.ok()) {
-        ld.status = tried[idx[g]] ? Status(got.code(), ld.status.message() + "; " + got.message()) : got;
+        ld.status = state[idx[g]] == 1 ? Status(got.code(), ld.status.message() + "; " + got.message()) : got;
       } else {
         ld.status = options_.hot->Upload(ld.hot_dst, static_cast<const uint8_t*>(gets[g].dst), n);
         if (ld.status.ok()) ld.source = tier;
       }
-      tried[idx[g]] = 1;
+      state[idx[g]] = ld.status.ok() ? 2 : 1;
     };
     if (tier->parallel_reads() && gets.size() >= 2) {
       // Independent blocking reads are worth spreading over the workers (a fork-join costs
@@ -118,6 +115,9 @@ void TransferEngine::CopyLoads(std::vector<Load>* loads) const {
       for (size_t g = 0; g < gets.size(); ++g) finish(g);
     }
   }
+  for (size_t j = 0; j < loads->size(); ++j)
+    if ((*loads)[j].warm_src == nullptr && state[j] == 0)
+      (*loads)[j].status = Internal("chunk " + (*loads)[j].key.ToString() + " is in no tier");
 }
 
 Status TransferEngine::WriteChunk(const ChunkKey& key, std::string_view meta, const uint8_t* payload,
