@@ -49,7 +49,7 @@ Result<LayerKeys> ReadLayerKeys(TieredStore* store, SequenceId seq, int layer) {
   });
 }
 
-Result<int64_t> ChunkBudget(const TieredStore& store, SequenceId seq, int layer, int64_t kv_budget) {
+Result<int64_t> ChunkBudget(TieredStore& store, SequenceId seq, int layer, int64_t kv_budget) {
   const StoreOptions& so = store.options();
   KVTIER_ASSIGN_OR_RETURN(int64_t n_tokens, store.SequenceLength(seq, layer));
   KVTIER_ASSIGN_OR_RETURN(uint64_t n_chunks, store.ChunkCount(seq, layer));
@@ -114,7 +114,7 @@ void ExactAttentionRows(const Geometry& g, const float* q, const int64_t* qpos, 
   fj.Join();
 }
 
-Result<uint64_t> KeptTokensPerLayer(const TieredStore& store, SequenceId seq, int layers) {
+Result<uint64_t> KeptTokensPerLayer(TieredStore& store, SequenceId seq, int layers) {
   const uint64_t cs = static_cast<uint64_t>(store.options().chunk_size);
   uint64_t total = 0;
   for (int l = 0; l < layers; ++l) {

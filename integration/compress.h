@@ -44,7 +44,7 @@ Result<LayerKeys> ReadLayerKeys(TieredStore* store, SequenceId seq, int layer);
 /// drops only sealed chunks, so a budget below n_sink + n_local + chunk_size may leave the
 /// sinks and local window alone over it; the chunk budget is then 0. Both `kvtier run
 /// --compress` and `kvtier infinite --compress` size their compression with this.
-Result<int64_t> ChunkBudget(const TieredStore& store, SequenceId seq, int layer, int64_t kv_budget);
+Result<int64_t> ChunkBudget(TieredStore& store, SequenceId seq, int layer, int64_t kv_budget);
 
 /// Sealed chunks of one layer to drop so that at most `chunk_budget` remain, given the policy's
 /// token scores and keep set for the layer. Chunk i covers positions [n_sink + i*chunk_size,
@@ -64,6 +64,6 @@ void ExactAttentionRows(const Geometry& g, const float* q, const int64_t* qpos, 
 
 /// Tokens the store holds for the sequence, per layer, mean over `layers` layers (integer
 /// division): appended tokens less the dropped chunks' tokens.
-Result<uint64_t> KeptTokensPerLayer(const TieredStore& store, SequenceId seq, int layers);
+Result<uint64_t> KeptTokensPerLayer(TieredStore& store, SequenceId seq, int layers);
 
 }  // namespace kvtier

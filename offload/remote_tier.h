@@ -37,6 +37,7 @@
 #include <string_view>
 #include <vector>
 
+#include "offload/lower_tier.h"
 #include "offload/redis_client.h"
 #include "store/chunk.h"
 #include "store/status.h"
@@ -61,11 +62,9 @@ struct RemoteTierOptions {
 /// quoting the spec otherwise.
 Result<RemoteTierOptions> ParseRemoteSpec(std::string_view spec);
 
-/// Where a chunk lives in the remote tier: the writer's namespace and its chunk key.
-struct RemoteChunkRef {
-  const std::string* ns = nullptr;  ///< null: this tier's own namespace
-  ChunkKey key;
-};
+/// Where a chunk lives in the remote tier: the writer's namespace (null: this tier's own)
+/// and its chunk key.
+using RemoteChunkRef = LowerChunkRef;
 
 /// Counters of one RemoteTier (monotonic).
 struct RemoteTierCounters {

@@ -1,6 +1,6 @@
 // TieredStore's in-memory state: sequences, their layers and their chunks.
-// Internal to offload/ (tiered_store.cc and store_recovery.cc build it); not
-// part of the public API.
+// Internal to offload/ (tiered_store.cc, the parts in offload/store/ and store_recovery.cc
+// build it); not part of the public API.
 //
 // Locking: every mutable field is guarded by TieredStore's mutex, except where
 // a field says otherwise. A chunk's id, key, first_token and (once sealed) repr

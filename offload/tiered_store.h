@@ -32,7 +32,10 @@
 //    waits for all of them. Sinks and the local window are persisted by
 //    CloseSequence.
 //
-// The store is the coordinator: it decides what moves where under one mutex.
+// The store is the coordinator: it decides what moves where under one mutex. Its
+// implementation is split into parts (listed at the top of offload/tiered_store.cc:
+// offload/store/ring, landing, warm_tier, write_through, chunks, fetch, sharing). The tiers
+// below warm sit behind offload/lower_tier.h as an ordered list (RocksDB, then Redis).
 // Around it: offload/transfer_engine.h moves the bytes on worker threads,
 // offload/store_recovery.h rebuilds the state of a reopened store,
 // offload/store_records.h is the format of what it keeps in the cold tier,
@@ -57,7 +60,9 @@
 #include "offload/cold_tier.h"
 #include "offload/demotion_policy.h"
 #include "offload/hot_tier.h"
+#include "offload/lower_tier.h"
 #include "offload/remote_tier.h"
+#include "offload/store_counters.h"
 #include "store/chunk.h"
 #include "store/geometry.h"
 #include "store/status.h"
@@ -125,36 +130,6 @@ struct StoreOptions {
   Status Validate() const;
   /// Bytes of K+V of one chunk of one layer.
   size_t chunk_bytes() const { return static_cast<size_t>(chunk_size) * geometry.token_kv_bytes(); }
-};
-
-/// Counters a user can read at any time (a consistent snapshot).
-struct StoreCounters {
-  uint64_t hot_chunks = 0, hot_bytes = 0;    ///< chunk slots in use (+ sinks/local bytes in hot_bytes)
-  uint64_t warm_chunks = 0, warm_bytes = 0;  ///< chunks resident in the warm tier
-  uint64_t cold_chunks = 0, cold_bytes = 0;  ///< chunks acknowledged by the cold tier
-  uint64_t promotions = 0;       ///< chunk copies to a higher tier (cold->warm, warm->hot)
-  uint64_t demotions = 0;        ///< chunks that left a tier for a lower one (warm->cold, hot slot freed)
-  uint64_t hits = 0;             ///< fetched chunks already hot
-  uint64_t misses = 0;           ///< fetched chunks that had to be promoted
-  uint64_t bytes_moved = 0;      ///< bytes copied between tiers (either direction)
-  uint64_t cold_writes = 0, cold_reads = 0;
-  uint64_t lease_expired = 0;    ///< pins that ran past pin_timeout_ms and stopped protecting
-  uint64_t pin_waits = 0;        ///< fetches that waited for hot slots other fetches held (FetchChunks)
-  uint64_t pin_wait_us = 0;      ///< total time those fetches waited, microseconds
-  uint64_t pin_wait_timeouts = 0;  ///< waits that ran past pin_wait_ms (the fetch was ResourceExhausted)
-  uint64_t hot_reserved = 0;       ///< hot slots reserved by open sessions now (ReserveHotSlots)
-  uint64_t chunks_sealed = 0;    ///< chunks formed from the local window
-  uint64_t dropped_chunks = 0;   ///< chunks removed for good by DropChunks (compression)
-  // Where fetched chunks that were not hot came from (hits + the three = fetched chunks).
-  uint64_t warm_loads = 0;       ///< fetched chunks copied from the warm tier
-  uint64_t cold_loads = 0;       ///< fetched chunks read from the cold tier (RocksDB)
-  uint64_t remote_loads = 0;     ///< fetched chunks read from the remote tier (Redis)
-  // The remote tier's own counters (offload/remote_tier.h), 0 without one.
-  uint64_t remote_puts = 0, remote_put_bytes = 0;  ///< chunks acknowledged by the remote tier, payload bytes
-  uint64_t remote_gets = 0, remote_get_bytes = 0;  ///< chunks read back and verified, payload bytes
-  uint64_t remote_not_found = 0;  ///< remote reads of a missing chunk (evicted by maxmemory)
-  uint64_t remote_corrupt = 0;    ///< remote reads that failed the CRC or format check
-  uint64_t remote_errors = 0;     ///< remote calls with no usable answer (node down or slow)
 };
 
 /// Per-chunk metadata visible to retrieval and policies.
@@ -265,13 +240,14 @@ class TieredStore {
   /// The hot tier (its device(), slot pool and, for "cuda", stream): what an attention
   /// backend plans against. Owned by the store.
   HotTier* hot_tier() const { return hot_.get(); }
-  /// Metadata of the sealed chunks of one layer, in token order.
-  Result<std::vector<ChunkInfo>> ListChunks(SequenceId seq, int layer) const;
+  /// Metadata of the sealed chunks of one layer, in token order. Lands the layer first (see
+  /// "Landing" above), hence not const, as every reader of sealed chunks.
+  Result<std::vector<ChunkInfo>> ListChunks(SequenceId seq, int layer);
   /// Number of chunk indices sealed in one layer (chunk i covers tokens
   /// [n_sink + i*chunk_size, n_sink + (i+1)*chunk_size)).
-  Result<uint64_t> ChunkCount(SequenceId seq, int layer) const;
+  Result<uint64_t> ChunkCount(SequenceId seq, int layer);
   /// Representative keys of one chunk: [repr_topk, kv_heads, head_dim] fp32.
-  Status GetRepresentatives(const ChunkKey& key, float* out) const;
+  Status GetRepresentatives(const ChunkKey& key, float* out);
   /// Starts promoting the chunks into hot slots and pins them (async).
   ///
   /// A fetch takes every hot slot it needs under the store lock, or none. When the pool has
@@ -327,20 +303,18 @@ class TieredStore {
   Status WaitForDurable();
   /// The sticky background write error (see WaitForDurable) without clearing it; OK when none.
   Status CheckBackgroundError();
-  /// Registers a callback run (on a transfer thread) each time a chunk is
-  /// acknowledged by the cold tier. Used by the crash test.
-  void SetColdAckListener(std::function<void(const ChunkKey&)> listener);
   /// Every chunk the cold tier acknowledged and that was not dropped since, as index
   /// ranges per (sequence, layer) in order: what a reopen, even after SIGKILL, must
-  /// bring back (Open checks it did). A chunk is in it once the listener above was or
-  /// is about to be called for it, and from the moment CloseSequence returns for all of
-  /// its sequence's chunks. Read from the cold tier's manifest, not from memory; empty
-  /// without a cold tier, where nothing is durable.
+  /// bring back (Open checks it did). A chunk is in it once the ack listener (a test hook,
+  /// tests/tiered_store_test_peer.h) was or is about to be called for it, and from the
+  /// moment CloseSequence returns for all of its sequence's chunks. Read from the cold
+  /// tier's manifest, not from memory; empty without a cold tier, where nothing is durable.
   std::vector<ChunkRange> AcknowledgedChunks() const;
   /// The acknowledged chunks found missing when this store was opened and accepted as
   /// lost (accept_lost_chunks); empty otherwise.
   std::vector<ChunkRange> LostChunks() const;
-  StoreCounters counters() const;
+  /// Lands every sequence first: the counters count landed chunks.
+  StoreCounters counters();
 
   // ---- sharing through the remote tier ----
   /// Publishes a closed sequence under `name` (1..128 of [A-Za-z0-9-_.]) for other
@@ -358,13 +332,17 @@ class TieredStore {
   /// attached sequence is not persisted in this store's cold tier.
   Result<SequenceId> AttachPublished(std::string_view name);
   /// The remote tier, or null.
-  RemoteTier* remote_tier() const { return remote_.get(); }
+  RemoteTier* remote_tier() const { return remote_; }
 
   /// Bytes of host memory held for indexes and chunk metadata (representatives).
   uint64_t metadata_bytes() const;
 
  private:
   friend class FetchHandle;
+  friend class TieredStoreTestPeer;  // tests/tiered_store_test_peer.h
+  /// Registers a callback run (on a transfer thread) each time a chunk is acknowledged by
+  /// the lower tiers (TieredStoreTestPeer::SetAckListener).
+  void SetColdAckListener(std::function<void(const ChunkKey&)> listener);
   using Chunk = store_internal::Chunk;
   using LayerState = store_internal::LayerState;
   using Sequence = store_internal::Sequence;
@@ -386,10 +364,6 @@ class TieredStore {
   /// The layer's (or sequence's) unreported landing failure, cleared; OK when none.
   Status TakeLandingErrorLocked(LayerState& ls);
   Status TakeLandingErrorLocked(Sequence* s);
-  /// Landing for a const reader: a landing completes an earlier Append, so a reader sees the
-  /// store as if it had completed. Every TieredStore is created non-const (Open), so
-  /// the const_cast is well defined.
-  TieredStore* landing_self() const { return const_cast<TieredStore*>(this); }
   Status MakeWarmRoom(std::unique_lock<std::mutex>& lock);
   /// Writes the chunk to cold synchronously and acknowledges it. `score` is the chunk's
   /// score snapshotted under the lock by the caller (see Chunk::score).
@@ -397,9 +371,9 @@ class TieredStore {
   /// Writes a warm chunk the cold tier has not acknowledged; drops the lock
   /// during the write and holds it again on return.
   Status WriteWarmChunkToColdLocked(std::unique_lock<std::mutex>& lock, Chunk* c);
-  /// Marks a chunk the cold tier just acknowledged; returns the listener to call (outside the lock).
-  /// remote_acked: the remote tier has it too (false: only the cold tier acknowledged it).
-  std::function<void(const ChunkKey&)> AckColdWriteLocked(Chunk* c, bool remote_acked = true);
+  /// Marks a chunk the lower tiers in `acks` (TierBits, at least one) just acknowledged; returns
+  /// the listener to call (outside the lock).
+  std::function<void(const ChunkKey&)> AckColdWriteLocked(Chunk* c, uint8_t acks);
   /// A free hot slot, or the hot policy's victim among slots neither loading nor pinned at `now`; -1 when none.
   int32_t AcquireHotSlotLocked(Clock::time_point now);
   /// What the hot pool offers a fetch of `seq` that needs `need` slots it has no slot for,
@@ -431,8 +405,8 @@ class TieredStore {
   bool FetchCompleteLocked(const FetchHandle::State* st) const;
   void FreeChunkLocked(Chunk* c);
   /// A tier below warm acknowledges chunks (cold, remote or both).
-  bool has_lower() const { return cold_ != nullptr || remote_ != nullptr; }
-  /// Reads a chunk no memory tier holds: cold first, then remote (verified either way).
+  bool has_lower() const { return !lower_.empty(); }
+  /// Reads a chunk no memory tier holds from the lower tiers in order (verified).
   Status ReadLowerTier(const Sequence* s, const Chunk* c, void* dst);
   /// K then V of the sinks and of the local window of one layer, as CloseSequence persists them.
   Status CopySinksAndLocal(SequenceId seq, Sequence* s, int layer, std::string* sinks, std::string* local);
@@ -442,8 +416,15 @@ class TieredStore {
   size_t token_bytes_ = 0;  // K (or V) bytes of one token
   std::unique_ptr<HotTier> hot_;
   std::unique_ptr<SlotPool> warm_;
-  std::unique_ptr<ColdTier> cold_;
-  std::unique_ptr<RemoteTier> remote_;
+  // The tiers below warm, in order (offload/lower_tier.h): write-through, fall-through reads
+  // and acknowledgement go through this list. cold_ and remote_ view the same tiers for what
+  // only they do (sequence records and recovery; publications); null when absent.
+  std::vector<std::unique_ptr<LowerTier>> lower_;
+  ColdTier* cold_ = nullptr;
+  RemoteTier* remote_ = nullptr;
+  // How long a failed background write stays in the way (the shortest window of lower_);
+  // max(): until WaitForDurable reports it.
+  std::chrono::milliseconds error_window_ = std::chrono::milliseconds::max();
   std::unique_ptr<DemotionPolicy> hot_policy_, warm_policy_;
   // After the tiers it copies between, so that it is destroyed (idle) before them.
   std::unique_ptr<TransferEngine> engine_;
@@ -470,9 +451,9 @@ class TieredStore {
   uint64_t landing_failures_ = 0;  // landings that lost their chunk (with chunks_sealed: landing progress)
   std::function<void(const ChunkKey&)> ack_listener_;
   // The first failed asynchronous write to a lower tier, sticky (see WaitForDurable):
-  // every Append and CheckBackgroundError returns it until WaitForDurable reports it or,
-  // with a remote tier, until that tier's retry window after the failure has passed (then a
-  // later failure replaces it; WaitForDurable reports whichever is held).
+  // every Append and CheckBackgroundError returns it until WaitForDurable reports it or until
+  // error_window_ after the failure has passed (then a later failure replaces it;
+  // WaitForDurable reports whichever is held).
   Status background_error_;
   std::chrono::steady_clock::time_point background_error_until_;
   Status BackgroundErrorLocked();

@@ -50,24 +50,6 @@ bool TransferEngine::WaitIdleFor(std::chrono::milliseconds timeout) {
   return idle_.wait_for(l, timeout, [&] { return inflight_ == 0; });
 }
 
-Status TransferEngine::CopyOne(Load* ld) const {
-  const size_t n = options_.chunk_bytes;
-  const uint8_t* src = ld->warm_src;
-  if (src == nullptr) {
-    if (options_.cold == nullptr || !ld->in_cold) {
-      if (options_.remote == nullptr) return Internal("chunk " + ld->key.ToString() + " is in no tier");
-      return Unavailable("chunk " + ld->key.ToString() + " is only in the remote tier");  // CopyLoads reads it
-    }
-    uint8_t* buf = ReadBuffer(ld);
-    KVTIER_RETURN_IF_ERROR(options_.cold->GetChunk(ld->key, buf, n));
-    src = buf;
-    ld->source = 'c';
-  } else {
-    ld->source = 'w';
-  }
-  return options_.hot->Upload(ld->hot_dst, src, n);
-}
-
 uint8_t* TransferEngine::ReadBuffer(Load* ld) const {
   if (ld->read_buf != nullptr) return ld->read_buf;
   ld->staging.resize(options_.chunk_bytes);
@@ -75,92 +57,86 @@ uint8_t* TransferEngine::ReadBuffer(Load* ld) const {
 }
 
 void TransferEngine::CopyLoads(std::vector<Load>* loads) const {
+  const size_t n = options_.chunk_bytes;
   // The warm copies go to the hot tier as one batch: for a device tier one batched H2D copy
   // and one wait per fetch instead of one per chunk (HotTier::UploadBatch).
   std::vector<HotTier::UploadOp> warm;
-  std::vector<size_t> rest;  // loads read from cold (or the remote tier)
-  size_t cold_loads = 0;
-  for (size_t j = 0; j < loads->size(); ++j) {
-    const Load& ld = (*loads)[j];
-    if (ld.warm_src != nullptr) {
-      warm.push_back({ld.hot_dst, ld.warm_src, options_.chunk_bytes});
-    } else {
-      rest.push_back(j);
-      cold_loads += ld.in_cold && options_.cold ? 1 : 0;
-    }
-  }
+  // Per load: 0 no tier tried it yet, 1 a tier failed it (its status says how), 2 served.
+  std::vector<uint8_t> state(loads->size(), 0);
+  for (const Load& ld : *loads)
+    if (ld.warm_src != nullptr) warm.push_back({ld.hot_dst, ld.warm_src, n});
   if (!warm.empty()) {
     const Status st = options_.hot->UploadBatch(warm.data(), warm.size());
     for (Load& ld : *loads)
       if (ld.warm_src != nullptr) {
         ld.status = st;
-        if (st.ok()) ld.source = 'w';
+        if (st.ok()) ld.source = nullptr;
       }
   }
-  // Cold reads are worth spreading over the workers (a fork-join costs more than one memcpy).
-  if (cold_loads >= 2) {
-    TsanForkJoin fj;  // kernels/tbb_tsan.h
-    tbb::parallel_for(size_t{0}, rest.size(), fj.Body([&](size_t i) {
-      Load& ld = (*loads)[rest[i]];
-      ld.status = CopyOne(&ld);
-    }));
-    fj.Join();
-  } else {
-    for (size_t j : rest) (*loads)[j].status = CopyOne(&(*loads)[j]);
-  }
-  if (options_.remote == nullptr) return;
-  // What neither warm nor cold could serve (not there, lost, damaged) comes from the remote
-  // tier, one pipelined batch for the whole fetch. Its bytes are verified there: a remote
-  // failure is reported with the local one, never replaced by unverified bytes.
+  // The rest falls through the lower tiers in order: each gets what the ones before it
+  // could not serve (not there, lost, damaged, or its upload failed). Bytes are verified by
+  // the tier; a failure is reported with the earlier ones, never replaced by unverified bytes.
   std::vector<size_t> idx;
-  std::vector<RemoteTier::Get> gets;
-  for (size_t j = 0; j < loads->size(); ++j) {
-    Load& ld = (*loads)[j];
-    if (ld.status.ok() || ld.warm_src != nullptr) continue;
-    RemoteTier::Get g;
-    g.ref = ld.remote_ref;
-    g.dst = ReadBuffer(&ld);
-    g.payload_bytes = options_.chunk_bytes;
-    gets.push_back(g);
-    idx.push_back(j);
-  }
-  if (gets.empty()) return;
-  options_.remote->GetChunks(&gets).IgnoreError();  // per-chunk statuses below
-  for (size_t g = 0; g < gets.size(); ++g) {
-    Load& ld = (*loads)[idx[g]];
-    if (!gets[g].status.ok()) {
-      ld.status = ld.in_cold && options_.cold
-                      ? Status(gets[g].status.code(), ld.status.message() + "; " + gets[g].status.message())
-                      : gets[g].status;
-      continue;
+  std::vector<LowerTier::Get> gets;
+  for (LowerTier* tier : options_.lower) {
+    idx.clear();
+    gets.clear();
+    for (size_t j = 0; j < loads->size(); ++j) {
+      Load& ld = (*loads)[j];
+      if (ld.warm_src != nullptr || state[j] == 2) continue;
+      if (ld.ref.ns != nullptr && !tier->serves_published()) continue;
+      idx.push_back(j);
+      gets.push_back(LowerTier::Get{ld.ref, ReadBuffer(&ld), Status::Ok()});
     }
-    ld.status = options_.hot->Upload(ld.hot_dst, static_cast<const uint8_t*>(gets[g].dst), options_.chunk_bytes);
-    if (ld.status.ok()) ld.source = 'r';
+    if (gets.empty()) continue;
+    // Uploads a load's bytes once its read is done (on the thread that read it).
+    const auto finish = [&](size_t g) {
+      Load& ld = (*loads)[idx[g]];
+      const Status& got = gets[g].status;
+      if (!got.ok()) {
+        ld.status = state[idx[g]] == 1 ? Status(got.code(), ld.status.message() + "; " + got.message()) : got;
+      } else {
+        ld.status = options_.hot->Upload(ld.hot_dst, static_cast<const uint8_t*>(gets[g].dst), n);
+        if (ld.status.ok()) ld.source = tier;
+      }
+      state[idx[g]] = ld.status.ok() ? 2 : 1;
+    };
+    if (tier->parallel_reads() && gets.size() >= 2) {
+      // Independent blocking reads are worth spreading over the workers (a fork-join costs
+      // more than one memcpy, hence not for warm copies).
+      TsanForkJoin fj;  // kernels/tbb_tsan.h
+      tbb::parallel_for(size_t{0}, gets.size(), fj.Body([&](size_t g) {
+        gets[g].status = tier->GetChunk(gets[g].ref, gets[g].dst, n);
+        finish(g);
+      }));
+      fj.Join();
+    } else {
+      tier->GetChunks(&gets, n);
+      for (size_t g = 0; g < gets.size(); ++g) finish(g);
+    }
   }
+  for (size_t j = 0; j < loads->size(); ++j)
+    if ((*loads)[j].warm_src == nullptr && state[j] == 0)
+      (*loads)[j].status = Internal("chunk " + (*loads)[j].key.ToString() + " is in no tier");
 }
 
 Status TransferEngine::WriteChunk(const ChunkKey& key, std::string_view meta, const uint8_t* payload,
                                   WriteAcks* acks) const {
-  WriteAcks local;
+  WriteAcks local = 0;
   if (acks == nullptr) acks = &local;
-  *acks = WriteAcks{};
-  if (options_.cold == nullptr && options_.remote == nullptr)
+  *acks = 0;
+  if (options_.lower.empty())
     return FailedPrecondition("writing chunk " + key.ToString() + ": the store has no cold or remote tier");
-  if (options_.cold != nullptr) {
-    Status st = options_.cold->PutChunk(key, meta, payload, options_.chunk_bytes);
-    if (!st.ok()) return Status(st.code(), "writing chunk " + key.ToString() + " to the cold tier: " + st.message());
-    acks->cold = true;
-  }
-  if (options_.remote != nullptr) {
-    KVTIER_RETURN_IF_ERROR(options_.remote->PutChunk(key, meta, payload, options_.chunk_bytes));
-    acks->remote = true;
+  for (LowerTier* tier : options_.lower) {
+    KVTIER_RETURN_IF_ERROR(tier->PutChunk(key, meta, payload, options_.chunk_bytes));
+    *acks |= tier->tier_bit();
   }
   return Status::Ok();
 }
 
 void TransferEngine::SubmitColdWrite(ColdWrite write, std::function<void(Status, WriteAcks)> done) {
   Enqueue([this, w = std::move(write), done = std::move(done)] {
-    WriteAcks acks;
+    WriteAcks acks = 0;
     Status st = WriteChunk(w.key, w.meta, w.payload, &acks);
     done(std::move(st), acks);
   });

@@ -1,7 +1,7 @@
 // TransferEngine: the part of TieredStore that moves bytes between tiers off the
 // caller's thread. It owns the oneTBB task arena the transfers run in, counts
-// the tasks in flight, does a fetch's copy work (warm copy or cold read, then
-// the upload into the hot slot) and submits chunk writes to the cold tier.
+// the tasks in flight, does a fetch's copy work (warm copy or lower-tier read, then
+// the upload into the hot slot) and submits chunk writes to the lower tiers.
 //
 // Why it is separate: the store decides *what* moves (slots, pins, policies,
 // counters, all under its one lock); the engine only moves bytes it is handed,
@@ -14,6 +14,8 @@
 // (one on two cores) and a task waiting for another task can deadlock them.
 #pragma once
 
+#include <oneapi/tbb/task_arena.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -24,13 +26,10 @@
 #include <string>
 #include <vector>
 
-#include "offload/cold_tier.h"
 #include "offload/hot_tier.h"
-#include "offload/remote_tier.h"
+#include "offload/lower_tier.h"
 #include "store/chunk.h"
 #include "store/status.h"
-
-#include <oneapi/tbb/task_arena.h>
 
 namespace kvtier {
 
@@ -40,12 +39,9 @@ class TransferEngine {
     int threads = 2;          ///< worker threads asked for (capped at the process's cores - 1, at least 1)
     size_t chunk_bytes = 0;   ///< bytes of one chunk (K and V): every copy moves exactly this much
     HotTier* hot = nullptr;   ///< where fetched chunks are uploaded to; not owned
-    ColdTier* cold = nullptr; ///< null when the store has no cold tier; not owned
-    /// null when the store has no remote tier; not owned. With both, a chunk is written to
-    /// both (acknowledged when both acknowledged it) and read from cold first: the remote
-    /// copy serves what the local disk lost or damaged, and chunks of sequences attached
-    /// from another process, which only the remote tier holds.
-    RemoteTier* remote = nullptr;
+    /// The store's lower tiers in order (offload/lower_tier.h), not owned: chunks are
+    /// written to each in order and read from the first that serves them. Empty: none.
+    std::vector<LowerTier*> lower;
   };
   /// InvalidArgument naming the field for threads < 1, chunk_bytes == 0 or a null hot tier.
   static Result<std::unique_ptr<TransferEngine>> Create(const Options& options);
@@ -63,36 +59,36 @@ class TransferEngine {
 
   /// One chunk of a fetch, copied into its hot slot.
   struct Load {
-    ChunkKey key;                      ///< names the chunk in the cold tier and in messages
+    ChunkKey key;                      ///< names the chunk in messages
     uint8_t* hot_dst = nullptr;        ///< the hot slot (HotTier::slot_data)
-    const uint8_t* warm_src = nullptr; ///< the pinned warm copy; null: read the chunk from cold
-    /// For a cold read: where to read it to (a warm slot reserved to keep the copy), or
+    const uint8_t* warm_src = nullptr;  ///< the pinned warm copy; null: read it from a lower tier
+    /// For a lower-tier read: where to read it to (a warm slot reserved to keep the copy), or
     /// null to read into `staging`.
     uint8_t* read_buf = nullptr;
     std::vector<uint8_t> staging;
-    RemoteChunkRef remote_ref;         ///< the chunk in the remote tier (ns null: the store's own)
-    bool in_cold = true;               ///< false: only the remote tier holds it (an attached sequence)
-    /// Where the bytes came from: 'w' warm, 'c' cold, 'r' remote (set with status OK).
-    char source = 0;
+    /// The chunk in the lower tiers (ns set: a publisher's chunk, read only from tiers that
+    /// serve published chunks).
+    LowerChunkRef ref;
+    /// Where the bytes came from, set with status OK: the lower tier that served them, or
+    /// null for the warm copy.
+    const LowerTier* source = nullptr;
     Status status;                     ///< the outcome, per load
   };
   /// Copies every load into its hot slot on the calling thread: the warm ones as one
-  /// HotTier::UploadBatch (one wait per fetch on a device tier), the cold reads spread
-  /// over the workers when there are two or more (a warm copy is one memcpy, cheaper
-  /// than a fork-join, while cold reads are worth overlapping). Loads the cold tier cannot
-  /// serve go to the remote tier in one pipelined batch. Takes no lock. Each load's
-  /// status says how it went.
+  /// HotTier::UploadBatch (one wait per fetch on a device tier), the others from the lower
+  /// tiers in order, each tier given what the ones before it could not serve: spread over
+  /// the workers when the tier reads in parallel and there are two or more (a warm copy is
+  /// one memcpy, cheaper than a fork-join, while disk reads are worth overlapping), else as
+  /// one batch (LowerTier::GetChunks). Takes no lock. Each load's status says how it went;
+  /// a load every tier failed names each failure in order.
   void CopyLoads(std::vector<Load>* loads) const;
 
-  /// Which lower tiers acknowledged a chunk write.
-  struct WriteAcks {
-    bool cold = false;    ///< the cold tier has it (durable on the local disk)
-    bool remote = false;  ///< the remote tier has it
-  };
-  /// Writes one chunk (its meta record and payload, one atomic batch) to the cold tier
-  /// and to the remote tier, and returns when every one of them acknowledged it (or the
-  /// first failure, naming the tier; `acks` then says which tiers have it all the same).
-  /// FailedPrecondition with neither.
+  /// Which lower tiers acknowledged a chunk write: their TierBits (LowerTier::tier_bit).
+  using WriteAcks = uint8_t;
+  /// Writes one chunk (its meta record and payload, one atomic batch) to each lower tier in
+  /// order, and returns when every one of them acknowledged it, or at the first failure,
+  /// naming the tier (`acks` then says which tiers have it all the same: those before it).
+  /// FailedPrecondition without a lower tier.
   Status WriteChunk(const ChunkKey& key, std::string_view meta, const uint8_t* payload,
                     WriteAcks* acks = nullptr) const;
 
@@ -106,15 +102,12 @@ class TransferEngine {
   void SubmitColdWrite(ColdWrite write, std::function<void(Status, WriteAcks)> done);
 
   size_t chunk_bytes() const { return options_.chunk_bytes; }
-  bool has_cold() const { return options_.cold != nullptr; }
-  bool has_remote() const { return options_.remote != nullptr; }
   /// Workers the arena got (after the cap).
   int workers() const { return workers_; }
 
  private:
   explicit TransferEngine(const Options& options) : options_(options) {}
-  Status CopyOne(Load* ld) const;
-  /// Where a cold or remote read of the load lands: its reserved warm slot, or its staging.
+  /// Where a lower-tier read of the load lands: its reserved warm slot, or its staging.
   uint8_t* ReadBuffer(Load* ld) const;
 
   Options options_;

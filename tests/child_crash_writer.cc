@@ -13,6 +13,7 @@
 #include "integration/pattern.h"
 #include "offload/tiered_store.h"
 #include "tests/crash_layout.h"
+#include "tests/tiered_store_test_peer.h"
 
 int main(int argc, char** argv) {
   using namespace kvtier;
@@ -21,7 +22,7 @@ int main(int argc, char** argv) {
   const uint64_t seed = std::strtoull(argv[2], nullptr, 10);
   auto store = TieredStore::Open(o);
   if (!store.ok()) { std::fprintf(stderr, "open: %s\n", store.status().ToString().c_str()); return 1; }
-  (*store)->SetColdAckListener([](const ChunkKey& k) {
+  TieredStoreTestPeer::SetAckListener(**store, [](const ChunkKey& k) {
     char line[96];
     const int n = std::snprintf(line, sizeof(line), "ACK %llu %u %llu\n", static_cast<unsigned long long>(k.seq),
                                 k.layer, static_cast<unsigned long long>(k.index));

@@ -23,6 +23,7 @@
 #include "integration/pattern.h"
 #include "offload/tiered_store.h"
 #include "tests/crash_layout.h"
+#include "tests/tiered_store_test_peer.h"
 
 namespace {
 
@@ -50,7 +51,7 @@ int main(int argc, char** argv) {
   auto store = TieredStore::Open(o);
   if (!store.ok()) return Die("open", store.status());
   TieredStore* st = store->get();
-  st->SetColdAckListener([](const ChunkKey& k) {
+  TieredStoreTestPeer::SetAckListener(*st, [](const ChunkKey& k) {
     Line("ACK %llu %u %llu\n", static_cast<unsigned long long>(k.seq), k.layer, static_cast<unsigned long long>(k.index));
   });
   Line("OPEN\n");

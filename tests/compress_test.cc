@@ -38,7 +38,7 @@ SequenceId Fill(TieredStore* store, int64_t n) {
 }
 
 // Tokens the layer holds: appended less the dropped chunks'.
-int64_t Held(const TieredStore& store, SequenceId seq) {
+int64_t Held(TieredStore& store, SequenceId seq) {
   auto kept = KeptTokensPerLayer(store, seq, 1);
   EXPECT_TRUE(kept.ok());
   return static_cast<int64_t>(*kept);

@@ -1,0 +1,256 @@
+// TieredStore, part "chunks": the sealed chunks of a layer as readers and compression see
+// them: their metadata (ListChunks, ChunkCount, GetRepresentatives), their tokens
+// (ReadTokens, from whichever tier holds them, promoting nothing), their scores
+// (SetChunkScores) and their removal (DropChunks, FreeChunkLocked). Each lands the layer
+// first (offload/store/landing.cc).
+//
+// Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
+// offload/store_state.h says otherwise (a layer's sinks and ring belong to the sequence's
+// driving thread). A function named ...Locked is called with mu_ held; one that takes the
+// std::unique_lock may drop it while it waits or copies bytes, and holds it again on return.
+// ReadTokens pins each chunk it copies (warm_pins or hot_pins) and copies without mu_.
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "offload/store_state.h"
+#include "offload/tiered_store.h"
+
+namespace kvtier {
+
+Result<std::vector<ChunkInfo>> TieredStore::ListChunks(SequenceId seq, int layer) {
+  std::unique_lock<std::mutex> l(mu_);
+  Sequence* s = nullptr;
+  KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+  LandLayerLocked(l, s, layer);
+  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
+  std::vector<ChunkInfo> out;
+  for (const Chunk* c : s->layers[layer].chunks) {
+    if (c == nullptr) continue;
+    out.push_back(ChunkInfo{c->key, c->first_token, options_.chunk_size, c->tiers, c->score});
+  }
+  return out;
+}
+
+Result<uint64_t> TieredStore::ChunkCount(SequenceId seq, int layer) {
+  std::unique_lock<std::mutex> l(mu_);
+  Sequence* s = nullptr;
+  KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+  LandLayerLocked(l, s, layer);
+  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
+  return static_cast<uint64_t>(s->layers[layer].chunks.size());
+}
+
+Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) {
+  std::unique_lock<std::mutex> l(mu_);
+  Sequence* s = nullptr;
+  KVTIER_RETURN_IF_ERROR(CheckLayerLocked(key.seq, static_cast<int>(key.layer), false, &s));
+  LandLayerLocked(l, s, static_cast<int>(key.layer));
+  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[key.layer]));
+  const auto& chunks = s->layers[key.layer].chunks;
+  if (key.index >= chunks.size() || chunks[key.index] == nullptr)
+    return NotFound("chunk " + key.ToString() + " does not exist");
+  const Chunk* c = chunks[key.index];
+  ToFloat(options_.geometry.dtype, c->repr.data(), out, c->repr.size() / DTypeSize(options_.geometry.dtype));
+  return Status::Ok();
+}
+
+Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t end, void* k_out,
+                               void* v_out) {
+  Sequence* s = nullptr;
+  {
+    std::unique_lock<std::mutex> l(mu_);
+    KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+    LandLayerLocked(l, s, layer);
+    KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
+    if (begin < 0 || end < begin || end > s->layers[layer].n_tokens)
+      return InvalidArgument("ReadTokens: range [" + std::to_string(begin) + ", " + std::to_string(end) +
+                             ") is outside [0, " + std::to_string(s->layers[layer].n_tokens) + ")");
+    if (k_out == nullptr || v_out == nullptr) return InvalidArgument("ReadTokens: outputs must not be null");
+    s->busy++;
+  }
+  LayerState& ls = s->layers[layer];
+  auto* ko = static_cast<uint8_t*>(k_out);
+  auto* vo = static_cast<uint8_t*>(v_out);
+  const int64_t ring = options_.n_local + options_.chunk_size;
+  const size_t half = static_cast<size_t>(options_.chunk_size) * token_bytes_;
+  std::vector<uint8_t> staging;
+  Status st;
+  int64_t p = begin;
+  while (p < end && st.ok()) {
+    const size_t off = static_cast<size_t>(p - begin) * token_bytes_;
+    if (p < options_.n_sink && !ls.sinks_restored) {
+      st =
+          FailedPrecondition("sequence " + std::to_string(seq) +
+                             " was recovered without its sinks (it was not closed before the store stopped)");
+      break;
+    }
+    if (p < std::min<int64_t>(options_.n_sink, ls.n_tokens) && p < ls.sealed_end && ls.sinks_restored) {
+      const int64_t take = std::min<int64_t>(end, options_.n_sink) - p;
+      st = hot_->Download(ko + off, ls.sink_k + p * token_bytes_, take * token_bytes_);
+      if (st.ok()) st = hot_->Download(vo + off, ls.sink_v + p * token_bytes_, take * token_bytes_);
+      p += take;
+    } else if (p < ls.sealed_end) {
+      const uint64_t idx =
+          static_cast<uint64_t>(ChunkOfPosition(p, options_.n_sink, options_.chunk_size, kAnyChunkCount));
+      const int64_t in_chunk = (p - options_.n_sink) % options_.chunk_size;
+      const int64_t take = std::min<int64_t>(end - p, options_.chunk_size - in_chunk);
+      Chunk* c = nullptr;
+      const uint8_t* src = nullptr;
+      bool from_hot = false;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        c = idx < ls.chunks.size() ? ls.chunks[idx] : nullptr;
+        if (c == nullptr) {
+          st = NotFound("chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
+                        " is missing (dropped by compression, lost before it was acknowledged, or lost "
+                        "from a damaged cold tier and accepted at open)");
+          break;
+        }
+        if (c->warm_slot >= 0) {
+          c->warm_pins++;
+          src = warm_->slot_data(c->warm_slot);
+        } else if (c->hot_slot >= 0 && !c->hot_loading) {
+          c->hot_pins++;
+          from_hot = true;
+          src = hot_->slot_data(c->hot_slot);
+        }
+      }
+      if (src == nullptr) {
+        st = ReturnOnBadAlloc("ReadTokens: a cold chunk's staging buffer", [&] {
+          staging.resize(chunk_bytes_);
+          return Status::Ok();
+        });
+        if (st.ok()) st = ReadLowerTier(s, c, staging.data());
+        src = staging.data();
+        if (st.ok()) {
+          std::lock_guard<std::mutex> l(mu_);
+          counters_.cold_reads++;
+        }
+      }
+      if (st.ok()) {
+        auto copy = [&](uint8_t* dst, const uint8_t* from, size_t n) {
+          return from_hot ? hot_->Download(dst, from, n) : (std::memcpy(dst, from, n), Status::Ok());
+        };
+        st = copy(ko + off, src + in_chunk * token_bytes_, take * token_bytes_);
+        if (st.ok()) st = copy(vo + off, src + half + in_chunk * token_bytes_, take * token_bytes_);
+      }
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        if (src != staging.data()) (from_hot ? c->hot_pins : c->warm_pins)--;
+        cv_.notify_all();
+      }
+      p += take;
+    } else {
+      if (!ls.sinks_restored) {
+        st = FailedPrecondition("sequence " + std::to_string(seq) + " lost its local window (not closed)");
+        break;
+      }
+      const int64_t slot = (p - options_.n_sink) % ring;
+      const int64_t take = std::min(end - p, ring - slot);
+      st = hot_->Download(ko + off, ls.ring_k + slot * token_bytes_, take * token_bytes_);
+      if (st.ok()) st = hot_->Download(vo + off, ls.ring_v + slot * token_bytes_, take * token_bytes_);
+      p += take;
+    }
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  s->busy--;
+  cv_.notify_all();
+  return st;
+}
+
+Status TieredStore::SetChunkScores(SequenceId seq, int layer,
+                                   const std::vector<std::pair<uint64_t, float>>& scores) {
+  std::unique_lock<std::mutex> l(mu_);
+  Sequence* s = nullptr;
+  KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+  LandLayerLocked(l, s, layer);
+  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
+  LayerState& ls = s->layers[layer];
+  for (const auto& [idx, score] : scores) {
+    if (idx >= ls.chunks.size())
+      return InvalidArgument("SetChunkScores: chunk " +
+                             ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
+                             " does not exist (layer has " + std::to_string(ls.chunks.size()) + " chunks)");
+    if (!std::isfinite(score))
+      return InvalidArgument("SetChunkScores: score of chunk " + std::to_string(idx) + " is not finite");
+  }
+  for (const auto& [idx, score] : scores) {
+    Chunk* c = ls.chunks[idx];
+    if (c == nullptr) continue;
+    c->score = score;
+    hot_policy_->OnScore(c->id, score);
+    warm_policy_->OnScore(c->id, score);
+  }
+  return Status::Ok();
+}
+
+Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices) {
+  std::vector<std::vector<ChunkKey>> tier_keys(lower_.size());  // per lower tier, what it may hold
+  {
+    std::unique_lock<std::mutex> l(mu_);
+    Sequence* s = nullptr;
+    KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+    LandLayerLocked(l, s, layer);
+    KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
+    LayerState& ls = s->layers[layer];
+    for (uint64_t idx : chunk_indices)
+      if (idx >= ls.chunks.size())
+        return InvalidArgument("DropChunks: chunk " +
+                               ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
+                               " does not exist (layer has " + std::to_string(ls.chunks.size()) + " chunks)");
+    const Clock::time_point now = options_.clock->Now();
+    for (uint64_t idx : chunk_indices) {
+      const Chunk* c = ls.chunks[idx];
+      if (c && PinnedLocked(c, now))
+        return FailedPrecondition("DropChunks: chunk " + c->key.ToString() +
+                                  " is pinned by a live fetch handle; release it first");
+    }
+    // Transfers in flight finish first: a warm read, a cold write, a hot load.
+    cv_.wait(l, [&] {
+      for (uint64_t idx : chunk_indices) {
+        const Chunk* c = ls.chunks[idx];
+        if (c && (c->warm_pins > 0 || c->cold_writing || c->hot_loading)) return false;
+      }
+      return true;
+    });
+    for (uint64_t idx : chunk_indices) {
+      Chunk* c = ls.chunks[idx];
+      if (c == nullptr) continue;
+      // Written (or being written) to the lower tiers; a publisher's chunk is not this store's to remove.
+      if (c->cold_acked || c->cold_writing)
+        for (size_t t = 0; t < lower_.size(); ++t)
+          if (!(lower_[t]->serves_published() && store_internal::SharedChunk(s, c->key)))
+            tier_keys[t].push_back(c->key);
+      FreeChunkLocked(c);
+      ls.chunks[idx] = nullptr;
+      counters_.dropped_chunks++;
+    }
+    counters_.warm_chunks = warm_->used();
+    counters_.hot_chunks = hot_->slots_used();
+  }
+  // The chunk is gone from memory; removing its lower-tier copies is what makes the drop
+  // survive a reopen.
+  for (size_t t = 0; t < lower_.size(); ++t) KVTIER_RETURN_IF_ERROR(lower_[t]->RemoveChunks(tier_keys[t]));
+  return Status::Ok();
+}
+
+void TieredStore::FreeChunkLocked(Chunk* c) {
+  if (c->warm_slot >= 0) {
+    warm_->Release(c->warm_slot);
+    warm_policy_->OnRemove(c->id);
+  }
+  if (c->hot_slot >= 0) {
+    hot_->ReleaseSlot(c->hot_slot);
+    hot_policy_->OnRemove(c->id);
+  }
+  if (c->cold_acked && (c->tiers & kTierCold) && counters_.cold_chunks > 0) {
+    counters_.cold_chunks--;
+    counters_.cold_bytes -= chunk_bytes_;
+  }
+  chunk_by_id_.erase(c->id);
+  delete c;
+}
+
+}  // namespace kvtier

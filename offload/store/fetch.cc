@@ -1,0 +1,499 @@
+// TieredStore, part "fetch": promotion into hot slots. FetchChunks takes every hot slot a
+// fetch needs or none (waiting for pins to drop, oldest waiter first, within the hot slot
+// reservations of ReserveHotSlots: see FetchChunks in offload/tiered_store.h), pins the
+// chunks under a lease, and RunFetch copies them in (warm copy, or lower-tier read through
+// the transfer engine). FetchHandle waits for and releases the pins. EvictHot frees every
+// unpinned hot slot.
+//
+// Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
+// offload/store_state.h says otherwise (a layer's sinks and ring belong to the sequence's
+// driving thread). A function named ...Locked is called with mu_ held; one that takes the
+// std::unique_lock may drop it while it waits or copies bytes, and holds it again on return.
+// RunFetch takes mu_ twice per fetch (pin and reserve, then publish), never per chunk, and
+// copies without it; a chunk loading into a hot slot is marked hot_loading until then.
+
+#include <algorithm>
+
+#include "offload/store_state.h"
+#include "offload/tiered_store.h"
+#include "offload/transfer_engine.h"
+
+namespace kvtier {
+
+struct FetchHandle::State {
+  TieredStore* store = nullptr;
+  std::vector<uint64_t> chunk_ids;  // pinned chunks, request order
+  std::vector<uint8_t> needs_load;
+  std::vector<kernels::KvSpan> spans;
+  std::vector<std::pair<uint64_t, int32_t>> awaited;  // (chunk id, slot) loading under another fetch
+  // Whoever claims the loads first runs them: the transfer task, or the caller's Wait() when the
+  // transfer workers are still busy with earlier work (a backlog of cold writes after a long
+  // prefill must not stall a decode step's fetch behind it).
+  std::atomic<bool> claimed{false};
+  bool done = false;
+  bool released = false;
+  Status status;
+};
+
+FetchHandle::~FetchHandle() { Release(); }
+
+FetchHandle::FetchHandle(FetchHandle&& o) noexcept : state_(std::move(o.state_)) {}
+
+FetchHandle& FetchHandle::operator=(FetchHandle&& o) noexcept {
+  if (this != &o) {
+    Release();
+    state_ = std::move(o.state_);
+  }
+  return *this;
+}
+
+bool FetchHandle::Ready() const {
+  if (!state_) return true;
+  std::lock_guard<std::mutex> l(state_->store->mu_);
+  return state_->store->FetchCompleteLocked(state_.get());
+}
+
+Status FetchHandle::Wait(std::chrono::milliseconds timeout) {
+  if (!state_) return FailedPrecondition("fetch handle is empty (released or never started)");
+  TieredStore* store = state_->store;
+  if (!state_->claimed.exchange(true)) store->RunFetch(state_);  // not started yet: load on this thread
+  std::unique_lock<std::mutex> l(store->mu_);
+  if (!store->cv_.wait_for(l, timeout, [&] { return store->FetchCompleteLocked(state_.get()); }))
+    return TimedOut("fetch of " + std::to_string(state_->chunk_ids.size()) + " chunks not done after " +
+                    std::to_string(timeout.count()) + " ms (the transfer continues)");
+  if (!state_->status.ok()) return state_->status;
+  // Chunks another fetch was loading: make sure that load succeeded.
+  for (auto [id, slot] : state_->awaited) {
+    auto it = store->chunk_by_id_.find(id);
+    if (it == store->chunk_by_id_.end() || it->second->hot_slot != slot)
+      return Unavailable("fetch: a chunk loaded by a concurrent fetch did not arrive (that fetch failed)");
+  }
+  return Status::Ok();
+}
+
+const std::vector<kernels::KvSpan>& FetchHandle::spans() const {
+  static const std::vector<kernels::KvSpan> kEmpty;
+  return state_ ? state_->spans : kEmpty;
+}
+
+void FetchHandle::Release() {
+  if (!state_) return;
+  TieredStore* store = state_->store;
+  {
+    // Wait for the transfer to finish first: the task still writes into the slots.
+    std::unique_lock<std::mutex> l(store->mu_);
+    store->cv_.wait(l, [&] { return state_->done; });
+  }
+  store->ReleasePins(state_.get());
+  state_.reset();
+}
+
+bool TieredStore::FetchCompleteLocked(const FetchHandle::State* st) const {
+  if (!st->done) return false;
+  for (auto [id, slot] : st->awaited) {
+    auto it = chunk_by_id_.find(id);
+    if (it != chunk_by_id_.end() && it->second->hot_loading && it->second->hot_slot == slot) return false;
+  }
+  return true;
+}
+
+bool TieredStore::PinnedLocked(const Chunk* c, Clock::time_point now) const {
+  if (c->hot_pins == 0) return false;
+  return now < c->pin_deadline;
+}
+
+int32_t TieredStore::AcquireHotSlotLocked(Clock::time_point now) {
+  int32_t slot = hot_->AcquireSlot();
+  if (slot >= 0) return slot;
+  uint64_t victim = 0;
+  auto can_leave = [&](uint64_t id) {
+    const Chunk* c = chunk_by_id_.at(id);
+    return !c->hot_loading && !PinnedLocked(c, now);
+  };
+  if (!hot_policy_->PickVictim(can_leave, &victim)) return -1;
+  Chunk* c = chunk_by_id_.at(victim);
+  if (c->hot_pins > 0) {  // an expired lease: the pin no longer protects it
+    counters_.lease_expired += c->hot_pins;
+    c->hot_pins = 0;
+  }
+  // The hot slot is a cache: warm or cold still holds the chunk.
+  slot = c->hot_slot;
+  c->hot_slot = -1;
+  c->tiers &= ~kTierHot;
+  hot_policy_->OnRemove(victim);
+  counters_.demotions++;
+  return slot;
+}
+
+TieredStore::HotRoom TieredStore::HotRoomLocked(SequenceId seq, int64_t need,
+                                                const std::vector<uint64_t>& requested, Clock::time_point now,
+                                                bool full) {
+  HotRoom room;
+  room.available = hot_->slot_capacity() - hot_->slots_used();
+  if (room.available >= need && !full) return room;
+  // Every hot chunk is in the policy: walk it (stopping once enough are evictable). A chunk
+  // the fetch asks for is not room: it is a hit, and evicting it would only move it.
+  uint64_t unused = 0;
+  hot_policy_->PickVictim(
+      [&](uint64_t id) {
+        const Chunk* c = chunk_by_id_.at(id);
+        if (c->hot_loading || PinnedLocked(c, now)) {
+          (c->key.seq == seq ? room.held_self : room.held_other)++;
+        } else if (!std::binary_search(requested.begin(), requested.end(), id)) {
+          room.available++;
+        }
+        return !full && room.available >= need;  // true stops the walk
+      },
+      &unused);
+  return room;
+}
+
+int64_t TieredStore::ReservedForLocked(SequenceId seq) const {
+  int64_t r = 0;
+  for (const auto& [id, res] : reservations_)
+    if (res.seq == seq) r = std::max<int64_t>(r, res.slots);
+  return r;
+}
+
+int64_t TieredStore::ReservedTotalLocked() const {
+  std::unordered_map<SequenceId, int64_t> by_seq;
+  for (const auto& [id, res] : reservations_) {
+    int64_t& r = by_seq[res.seq];
+    r = std::max<int64_t>(r, res.slots);
+  }
+  int64_t total = 0;
+  for (const auto& [seq, r] : by_seq) total += r;
+  return total;
+}
+
+Result<uint64_t> TieredStore::ReserveHotSlots(SequenceId seq, int32_t slots) {
+  if (slots < 0)
+    return InvalidArgument("ReserveHotSlots: slots must be >= 0 (got " + std::to_string(slots) + ")");
+  std::lock_guard<std::mutex> l(mu_);
+  if (sequences_.find(seq) == sequences_.end())
+    return NotFound("ReserveHotSlots: sequence " + std::to_string(seq) +
+                    " does not exist (never created or dropped)");
+  const int64_t pool = hot_->slot_capacity();
+  const int64_t reserved = ReservedTotalLocked();
+  const int64_t mine = ReservedForLocked(seq);
+  // Sessions of one sequence count once, at their largest reservation.
+  const int64_t after = reserved - mine + std::max<int64_t>(mine, slots);
+  if (after > pool)
+    return ResourceExhausted(
+        "hot tier: " + std::to_string(pool) + " slots, " + std::to_string(reserved) +
+        " reserved by the open sessions (" + std::to_string(reservations_.size()) + "), this one asks " +
+        std::to_string(slots) +
+        " (its budget in chunks): the pool cannot hold the budgets of the sessions open at once; "
+        "close or drop a session, lower budget_tokens or raise hot_bytes");
+  const uint64_t id = next_reservation_++;
+  reservations_.emplace(id, HotReservation{seq, slots});
+  counters_.hot_reserved = static_cast<uint64_t>(after);
+  return id;
+}
+
+void TieredStore::ReleaseHotSlots(uint64_t reservation) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (reservations_.erase(reservation) == 0) return;
+  counters_.hot_reserved = static_cast<uint64_t>(ReservedTotalLocked());
+}
+
+Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer,
+                                             const std::vector<uint64_t>& chunk_indices) {
+  return ReturnOnBadAlloc("FetchChunks: the fetch's chunk lists", [&]() -> Result<FetchHandle> {
+    auto st = std::make_shared<FetchHandle::State>();
+    st->store = this;
+    bool any_load = false;
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      Sequence* s = nullptr;
+      LayerState* lsp = nullptr;
+      std::vector<uint64_t> requested;  // chunk ids, sorted, each once
+      // One clock reading per attempt: the leases it finds expired and the ones it grants.
+      Clock::time_point now{};
+      // Waiting for slots (see FetchChunks in the header): started when the first check finds
+      // too little room, so a fetch that never waits reads no clock for it.
+      std::chrono::steady_clock::time_point wait_start{}, wait_deadline{};
+      bool waited = false;
+      uint64_t ticket = 0;  // in pin_waiters_ while this call waits
+      const auto end_wait = [&] {
+        if (!waited) return;
+        counters_.pin_wait_us += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                                           std::chrono::steady_clock::now() - wait_start)
+                                                           .count());
+        waited = false;
+        pin_waiters_.erase(ticket);
+        cv_.notify_all();  // the next waiter may be the oldest now
+      };
+      for (;;) {
+        // (Re)checked after every wait: the lock was dropped.
+        Status checked = CheckLayerLocked(seq, layer, false, &s);
+        if (!checked.ok()) {
+          end_wait();
+          return checked;
+        }
+        LandLayerLocked(l, s, layer);
+        checked = TakeLandingErrorLocked(s->layers[layer]);
+        if (!checked.ok()) {
+          end_wait();
+          return checked;
+        }
+        lsp = &s->layers[layer];
+        if (static_cast<int64_t>(chunk_indices.size()) > hot_->slot_capacity()) {
+          end_wait();
+          return ResourceExhausted("fetch of " + std::to_string(chunk_indices.size()) +
+                                   " chunks exceeds the hot tier's " + std::to_string(hot_->slot_capacity()) +
+                                   " slots (hot_bytes)");
+        }
+        requested.clear();
+        int64_t need = 0;  // chunks with no hot slot, each once
+        for (uint64_t idx : chunk_indices) {
+          if (idx >= lsp->chunks.size() || lsp->chunks[idx] == nullptr) {
+            end_wait();
+            return InvalidArgument(
+                "fetch: chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
+                " does not exist (layer has " + std::to_string(lsp->chunks.size()) + " chunks)");
+          }
+          requested.push_back(lsp->chunks[idx]->id);
+        }
+        std::sort(requested.begin(), requested.end());
+        requested.erase(std::unique(requested.begin(), requested.end()), requested.end());
+        for (uint64_t id : requested)
+          if (chunk_by_id_.at(id)->hot_slot < 0) need++;
+        now = options_.clock->Now();
+        if (need == 0) break;
+        // An older fetch waits: one that holds no pin queues behind it (see the header).
+        const bool behind =
+            options_.pin_wait_ms > 0 && !pin_waiters_.empty() && *pin_waiters_.begin() != ticket;
+        const HotRoom room = HotRoomLocked(seq, need, requested, now, behind);
+        if (room.available >= need && (!behind || room.held_self > 0)) break;
+        // Too few slots. Waiting is safe while this sequence holds no pin, or stays within its
+        // reservation with this fetch (the header says why); otherwise it could wait for
+        // itself, or for a sequence that waits for it. A sequence that holds pins never queues
+        // behind others: the oldest waiter may be waiting for exactly those pins.
+        const int64_t reserved = ReservedForLocked(seq);
+        const bool may_wait = room.held_self == 0 || room.held_self + need <= reserved;
+        const std::string numbers =
+            "the fetch needs " + std::to_string(need) + " more hot slots; of the pool's " +
+            std::to_string(hot_->slot_capacity()) + ", " + std::to_string(room.held_other) +
+            " are pinned or loading for other sequences and " + std::to_string(room.held_self) +
+            " for this one (sequence " + std::to_string(seq) + ", reservation " + std::to_string(reserved) +
+            ")";
+        if (!may_wait) {
+          end_wait();
+          return ResourceExhausted(
+              "hot tier: " + numbers +
+              "; waiting could deadlock, as this sequence would hold more than its reservation: "
+              "release its other fetch handles (LayerParts) first, or raise hot_bytes");
+        }
+        const auto real_now = std::chrono::steady_clock::now();
+        if (!waited) {  // the first wait of this call
+          wait_start = real_now;
+          wait_deadline = real_now + std::chrono::milliseconds(options_.pin_wait_ms);
+          counters_.pin_waits++;
+          waited = true;
+          ticket = next_pin_ticket_++;
+          pin_waiters_.insert(ticket);
+        }
+        if (real_now >= wait_deadline) {
+          if (room.available >= need) break;  // queued behind a waiter for that long: go ahead
+          end_wait();
+          counters_.pin_wait_timeouts++;
+          return ResourceExhausted(
+              "hot tier: " + numbers + "; waited " + std::to_string(options_.pin_wait_ms) +
+              " ms (pin_wait_ms) for them to be unpinned; release fetch handles or raise hot_bytes");
+        }
+        // Unpins and finished loads notify; an expiring lease does not, hence the slice.
+        cv_.wait_until(l, std::min(wait_deadline, real_now + std::chrono::milliseconds(20)));
+      }
+      end_wait();
+      LayerState& ls = *lsp;
+      const auto deadline = now + std::chrono::milliseconds(options_.pin_timeout_ms);
+      // Allocated before any chunk is pinned, so an allocation failure leaves nothing to undo.
+      st->chunk_ids.reserve(chunk_indices.size());
+      st->needs_load.reserve(chunk_indices.size());
+      st->spans.reserve(chunk_indices.size());
+      // On failure, give back what this call took: pins, and slots it assigned
+      // but never filled (they would otherwise look "loading" forever).
+      const auto undo = [&] {
+        for (size_t i = 0; i < st->chunk_ids.size(); ++i) {
+          Chunk* c = chunk_by_id_.at(st->chunk_ids[i]);
+          c->hot_pins--;
+          if (st->needs_load[i]) {
+            hot_->ReleaseSlot(c->hot_slot);
+            hot_policy_->OnRemove(c->id);
+            c->hot_slot = -1;
+            c->hot_loading = false;
+          }
+        }
+      };
+      for (uint64_t idx : chunk_indices) {
+        Chunk* c = ls.chunks[idx];
+        bool load = false;
+        if (c->hot_slot >= 0) {
+          if (c->hot_loading) st->awaited.emplace_back(c->id, c->hot_slot);
+          counters_.hits++;
+          hot_policy_->OnAccess(c->id);
+        } else {
+          const int32_t slot = AcquireHotSlotLocked(now);
+          if (slot < 0) {  // not expected: HotRoomLocked counted the room under this lock
+            undo();
+            return Internal("hot tier: no slot for a fetch the pool was found to have room for (" +
+                            std::to_string(hot_->slot_capacity()) + " slots)");
+          }
+          c->hot_slot = slot;
+          c->hot_loading = true;
+          hot_policy_->OnInsert(c->id);
+          counters_.misses++;
+          load = true;
+          any_load = true;
+        }
+        c->hot_pins++;
+        c->pin_deadline = std::max(c->pin_deadline, deadline);
+        st->chunk_ids.push_back(c->id);
+        st->needs_load.push_back(load ? 1 : 0);
+        const uint8_t* base = hot_->slot_data(c->hot_slot);
+        st->spans.push_back(
+            kernels::KvSpan{base, base + chunk_bytes_ / 2, options_.chunk_size, c->first_token, nullptr});
+      }
+      counters_.hot_chunks = hot_->slots_used();
+      if (!any_load) st->done = true;
+    }
+    if (any_load)
+      engine_->Enqueue([this, st] {
+        if (!st->claimed.exchange(true)) RunFetch(st);
+      });
+    else
+      st->claimed = true;
+    FetchHandle h;
+    h.state_ = st;
+    return h;
+  });
+}
+
+void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
+  // Three phases, so the store lock is taken twice per fetch, not twice per chunk:
+  // (1) under the lock, pin each load's warm copy, or reserve the warm slot a chunk coming
+  // back from cold will keep its copy in (retrieval tends to come back to the same chunks);
+  // (2) without it, the transfer engine reads cold chunks into those slots and uploads to
+  // the hot slots; (3) under the lock, unpin, attach the warm copies that arrived, and mark
+  // the loads done.
+  std::vector<TransferEngine::Load> loads;
+  std::vector<Chunk*> chunks;       // parallel to loads
+  std::vector<int32_t> read_slots;  // warm slot reserved for a cold read (-1: none was free)
+  // Sized once (an upper bound: hits need no load), outside the lock: no regrowth per chunk.
+  loads.reserve(st->chunk_ids.size());
+  chunks.reserve(st->chunk_ids.size());
+  read_slots.reserve(st->chunk_ids.size());
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (size_t i = 0; i < st->chunk_ids.size(); ++i) {
+      if (!st->needs_load[i]) continue;
+      Chunk* c = chunk_by_id_.at(st->chunk_ids[i]);
+      TransferEngine::Load ld;
+      ld.key = c->key;
+      ld.hot_dst = hot_->slot_data(c->hot_slot);
+      ld.ref.key = c->key;
+      if (const Sequence* s = sequences_.at(c->key.seq).get(); store_internal::SharedChunk(s, c->key)) {
+        // Its bytes sit under the publisher's namespace and sequence id, in no local tier.
+        ld.ref.ns = &s->remote_ns;
+        ld.ref.key.seq = s->remote_seq;
+      }
+      int32_t read_slot = -1;
+      if (c->warm_slot >= 0) {
+        c->warm_pins++;
+        ld.warm_src = warm_->slot_data(c->warm_slot);
+        warm_policy_->OnAccess(c->id);
+      } else {
+        read_slot = AcquireWarmSlotForReadLocked();
+        if (read_slot >= 0) ld.read_buf = warm_->slot_data(read_slot);
+      }
+      loads.push_back(std::move(ld));
+      chunks.push_back(c);
+      read_slots.push_back(read_slot);
+    }
+  }
+  engine_->CopyLoads(&loads);
+
+  std::lock_guard<std::mutex> l(mu_);
+  Status first_error;
+  for (size_t j = 0; j < loads.size(); ++j) {
+    const TransferEngine::Load& ld = loads[j];
+    Chunk* c = chunks[j];
+    if (ld.warm_src != nullptr) {
+      c->warm_pins--;
+    } else {
+      counters_.cold_reads++;
+      if (read_slots[j] >= 0) {
+        if (ld.status.ok() && c->warm_slot < 0) {
+          c->warm_slot = read_slots[j];
+          c->tiers |= kTierWarm;
+          warm_policy_->OnInsert(c->id);
+          counters_.promotions++;
+          counters_.bytes_moved += chunk_bytes_;
+        } else {
+          warm_->Release(read_slots[j]);
+        }
+      }
+    }
+    if (ld.status.ok()) {
+      counters_.promotions++;
+      counters_.bytes_moved += chunk_bytes_;
+      if (ld.source == nullptr)
+        counters_.warm_loads++;
+      else
+        ld.source->CountLoad(&counters_);
+    } else if (first_error.ok()) {
+      first_error = ld.status;
+    }
+  }
+  for (Chunk* c : chunks) {
+    c->hot_loading = false;
+    if (first_error.ok()) c->tiers |= kTierHot;
+  }
+  if (!first_error.ok()) {
+    // Failed loads must not stay in hot slots holding garbage.
+    for (Chunk* c : chunks) {
+      hot_->ReleaseSlot(c->hot_slot);
+      hot_policy_->OnRemove(c->id);
+      c->hot_slot = -1;
+      c->tiers &= ~kTierHot;
+    }
+  }
+  counters_.warm_chunks = warm_->used();
+  st->status = first_error;
+  st->done = true;
+  cv_.notify_all();
+}
+
+void TieredStore::EvictHot() {
+  std::lock_guard<std::mutex> l(mu_);
+  const Clock::time_point now = options_.clock->Now();
+  uint64_t victim = 0;
+  while (hot_policy_->PickVictim(
+      [&](uint64_t id) {
+        const Chunk* c = chunk_by_id_.at(id);
+        return !c->hot_loading && !PinnedLocked(c, now);
+      },
+      &victim)) {
+    Chunk* c = chunk_by_id_.at(victim);
+    hot_->ReleaseSlot(c->hot_slot);
+    c->hot_slot = -1;
+    c->tiers &= ~kTierHot;
+    c->hot_pins = 0;
+    hot_policy_->OnRemove(victim);
+  }
+}
+
+void TieredStore::ReleasePins(FetchHandle::State* st) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (st->released) return;
+  st->released = true;
+  for (uint64_t id : st->chunk_ids) {
+    auto it = chunk_by_id_.find(id);
+    if (it == chunk_by_id_.end()) continue;  // dropped meanwhile
+    if (it->second->hot_pins > 0) it->second->hot_pins--;
+  }
+  cv_.notify_all();
+}
+
+}  // namespace kvtier

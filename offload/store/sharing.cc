@@ -1,0 +1,270 @@
+// TieredStore, part "sharing": sequences shared between stores through the remote tier.
+// PublishSequence copies a closed sequence's chunks up, then writes its layer records and
+// the manifest (last, so a reader never sees half of it); AttachPublished rebuilds a
+// published sequence here, its chunks left in the remote tier under the publisher's keys.
+//
+// Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
+// offload/store_state.h says otherwise (a layer's sinks and ring belong to the sequence's
+// driving thread). A function named ...Locked is called with mu_ held; one that takes the
+// std::unique_lock may drop it while it waits or copies bytes, and holds it again on return.
+// Both hold Sequence::busy (publish) or build the sequence out of sight (attach) while they
+// talk to Redis without mu_.
+
+#include <cstring>
+
+#include "offload/store_records.h"
+#include "offload/store_state.h"
+#include "offload/tiered_store.h"
+#include "store/coding.h"
+
+namespace kvtier {
+
+using store_records::EncodeChunkMeta;
+using store_records::SeqState;
+
+//
+// Publication format (bodies of the remote tier's framed values, little-endian):
+//   layer part l   u32 magic "KVPL" (0x4c50564b)  u32 version (1)
+//                  i64 n_tokens  i64 sealed_end  u64 n_chunks
+//                  per chunk: u8 present, then (if present) the length-prefixed chunk meta
+//                  length-prefixed sinks (K then V), length-prefixed local window (K then V)
+//   manifest       u32 magic "KVPM" (0x4d50564b)  u32 version (1)
+//                  length-prefixed store record (the layout), length-prefixed chunk
+//                  namespace, u64 sequence id, u32 layers
+
+namespace {
+constexpr uint32_t kPubLayerMagic = 0x4c50564b;
+constexpr uint32_t kPubManifestMagic = 0x4d50564b;
+constexpr uint32_t kPubVersion = 1;
+}  // namespace
+
+Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
+  if (!remote_)
+    return FailedPrecondition("PublishSequence: the store has no remote tier (StoreOptions::remote)");
+  Sequence* s = nullptr;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, 0, false, &s));
+    if (s->state != SeqState::kClosed)
+      return FailedPrecondition("PublishSequence: sequence " + std::to_string(seq) +
+                                " is not closed; close it first (readers must see a complete sequence)");
+    if (s->attached)
+      return FailedPrecondition(
+          "PublishSequence: sequence " + std::to_string(seq) +
+          " is attached from another store's publication; publish from the store that wrote it");
+    s->busy++;
+  }
+  {
+    // A closed sequence has nothing landing (CloseSequence landed it); kept for the invariant.
+    std::unique_lock<std::mutex> l(mu_);
+    LandSequenceLocked(l, s);
+    Status landed = TakeLandingErrorLocked(s);
+    if (!landed.ok()) {
+      s->busy--;
+      cv_.notify_all();
+      return landed;
+    }
+  }
+  Status st;
+  const size_t repr_bytes = static_cast<size_t>(options_.repr_topk) * token_bytes_;
+  std::vector<std::string> parts;
+  std::vector<uint8_t> buf(chunk_bytes_);
+  // Phase 1: every chunk acknowledged by the remote tier. Chunks written before the store
+  // had a remote tier (recovered from cold) are copied up now.
+  for (int l = 0; l < options_.geometry.layers && st.ok(); ++l) {
+    LayerState& ls = s->layers[l];
+    for (Chunk* c : ls.chunks) {
+      if (c == nullptr) continue;
+      float score;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (c->tiers & kTierRemote) continue;
+        score = c->score;
+      }
+      st = ReadLowerTier(s, c, buf.data());
+      if (!st.ok()) {
+        // Not in the lower tiers: the warm copy (write_through off) is the only one.
+        std::unique_lock<std::mutex> lk(mu_);
+        if (c->warm_slot < 0) break;
+        std::memcpy(buf.data(), warm_->slot_data(c->warm_slot), chunk_bytes_);
+        st = Status::Ok();
+      }
+      const std::string meta = EncodeChunkMeta(c->first_token, c->repr.data(), c->repr.size(), score);
+      st = remote_->PutChunk(c->key, meta, buf.data(), chunk_bytes_);
+      if (!st.ok()) break;
+      std::lock_guard<std::mutex> lk(mu_);
+      c->tiers |= kTierRemote;
+    }
+  }
+  // Phase 2: the layer records, then the manifest (RemoteTier::PutPublication keeps the order).
+  for (int l = 0; l < options_.geometry.layers && st.ok(); ++l) {
+    LayerState& ls = s->layers[l];
+    std::string rec;
+    PutFixed32(&rec, kPubLayerMagic);
+    PutFixed32(&rec, kPubVersion);
+    PutInt64(&rec, ls.n_tokens);
+    PutInt64(&rec, ls.sealed_end);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      PutFixed64(&rec, ls.chunks.size());
+      for (const Chunk* c : ls.chunks) {
+        PutFixed8(&rec, c ? 1 : 0);
+        if (c) PutLengthPrefixed(&rec, EncodeChunkMeta(c->first_token, c->repr.data(), repr_bytes, c->score));
+      }
+    }
+    std::string sinks, local;
+    st = CopySinksAndLocal(seq, s, l, &sinks, &local);
+    PutLengthPrefixed(&rec, sinks);
+    PutLengthPrefixed(&rec, local);
+    parts.push_back(std::move(rec));
+  }
+  if (st.ok()) {
+    std::string manifest;
+    PutFixed32(&manifest, kPubManifestMagic);
+    PutFixed32(&manifest, kPubVersion);
+    PutLengthPrefixed(&manifest, store_records::EncodeStoreRecord(store_records::StoreLayout{
+                                     options_.geometry, options_.n_sink, options_.n_local,
+                                     options_.chunk_size, options_.repr_topk}));
+    PutLengthPrefixed(&manifest, remote_->ns());
+    PutFixed64(&manifest, seq);
+    PutFixed32(&manifest, static_cast<uint32_t>(options_.geometry.layers));
+    st = remote_->PutPublication(name, parts, manifest);
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  s->busy--;
+  cv_.notify_all();
+  return st;
+}
+
+Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
+  if (!remote_)
+    return FailedPrecondition("AttachPublished: the store has no remote tier (StoreOptions::remote)");
+  KVTIER_ASSIGN_OR_RETURN(std::string manifest, remote_->GetManifest(name));
+  const std::string what = "remote tier: publication '" + std::string(name) + "'";
+  RecordReader mr(manifest, what + " manifest");
+  uint32_t magic = 0, version = 0, layers = 0;
+  uint64_t remote_seq = 0;
+  std::string layout_rec, ns;
+  KVTIER_RETURN_IF_ERROR(mr.ReadFixed32(&magic, "magic"));
+  KVTIER_RETURN_IF_ERROR(mr.ReadFixed32(&version, "version"));
+  if (magic != kPubManifestMagic || version != kPubVersion)
+    return Corruption(what + " manifest has a bad magic or version");
+  KVTIER_RETURN_IF_ERROR(mr.ReadLengthPrefixed(&layout_rec, "layout"));
+  KVTIER_RETURN_IF_ERROR(mr.ReadLengthPrefixed(&ns, "namespace"));
+  KVTIER_RETURN_IF_ERROR(mr.ReadFixed64(&remote_seq, "sequence"));
+  KVTIER_RETURN_IF_ERROR(mr.ReadFixed32(&layers, "layers"));
+  KVTIER_RETURN_IF_ERROR(mr.ExpectEnd());
+  KVTIER_ASSIGN_OR_RETURN(store_records::StoreLayout theirs,
+                          store_records::DecodeStoreRecord(layout_rec, what));
+  const store_records::StoreLayout mine{options_.geometry, options_.n_sink, options_.n_local,
+                                        options_.chunk_size, options_.repr_topk};
+  if (theirs.ToString() != mine.ToString() || layers != static_cast<uint32_t>(options_.geometry.layers))
+    return InvalidArgument(what + " was written with " + theirs.ToString() + "; this store has " +
+                           mine.ToString());
+
+  const int L = options_.geometry.layers;
+  const size_t repr_bytes = static_cast<size_t>(options_.repr_topk) * token_bytes_;
+  const size_t ring = static_cast<size_t>(options_.n_local + options_.chunk_size);
+  auto seq = std::make_unique<Sequence>();
+  seq->state = SeqState::kOpen;  // the published prefix is read-only; tokens appended here are ours
+  seq->attached = true;
+  seq->remote_ns = ns;
+  seq->remote_seq = remote_seq;
+  seq->layers.resize(L);
+  // Frees what was built so far when a part turns out bad (chunks are not registered yet).
+  struct Cleanup {
+    TieredStore* store;
+    Sequence* s;
+    bool armed = true;
+    ~Cleanup() {
+      if (!armed) return;
+      for (auto& ls : s->layers) {
+        for (uint8_t* r : {ls.sink_k, ls.sink_v, ls.ring_k, ls.ring_v})
+          if (r) store->hot_->FreeRegion(r, 0);
+        for (Chunk* c : ls.chunks) delete c;
+      }
+    }
+  } cleanup{this, seq.get()};
+  for (int l = 0; l < L; ++l) {
+    KVTIER_ASSIGN_OR_RETURN(std::string part, remote_->GetPublicationPart(name, static_cast<uint32_t>(l)));
+    RecordReader rr(part, what + " layer " + std::to_string(l));
+    LayerState& ls = seq->layers[l];
+    uint64_t n_chunks = 0;
+    KVTIER_RETURN_IF_ERROR(rr.ReadFixed32(&magic, "magic"));
+    KVTIER_RETURN_IF_ERROR(rr.ReadFixed32(&version, "version"));
+    if (magic != kPubLayerMagic || version != kPubVersion)
+      return Corruption(what + " layer " + std::to_string(l) + " has a bad magic or version");
+    KVTIER_RETURN_IF_ERROR(rr.ReadInt64(&ls.n_tokens, "n_tokens"));
+    KVTIER_RETURN_IF_ERROR(rr.ReadInt64(&ls.sealed_end, "sealed_end"));
+    KVTIER_RETURN_IF_ERROR(rr.ReadFixed64(&n_chunks, "n_chunks"));
+    ls.shared_chunks = n_chunks;
+    const int64_t n_sink_tokens = std::min<int64_t>(ls.n_tokens, options_.n_sink);
+    const int64_t n_local = ls.n_tokens - std::max<int64_t>(ls.sealed_end, n_sink_tokens);
+    if (ls.n_tokens < 0 || n_local < 0 || n_local > options_.n_local + options_.chunk_size ||
+        n_chunks > rr.remaining() ||
+        (ls.sealed_end > options_.n_sink &&
+         static_cast<uint64_t>(ls.sealed_end - options_.n_sink) != n_chunks * options_.chunk_size))
+      return Corruption(what + " layer " + std::to_string(l) + ": token counts do not fit the layout");
+    for (uint64_t i = 0; i < n_chunks; ++i) {
+      uint8_t present = 0;
+      KVTIER_RETURN_IF_ERROR(rr.ReadFixed8(&present, "present"));
+      if (!present) {
+        ls.chunks.push_back(nullptr);
+        continue;
+      }
+      std::string meta;
+      KVTIER_RETURN_IF_ERROR(rr.ReadLengthPrefixed(&meta, "chunk meta"));
+      const ChunkKey remote_key{remote_seq, static_cast<uint32_t>(l), i};
+      KVTIER_ASSIGN_OR_RETURN(store_records::ChunkMeta m,
+                              store_records::DecodeChunkMeta(meta, remote_key, repr_bytes));
+      auto* c = new Chunk();
+      ls.chunks.push_back(c);
+      c->key = ChunkKey{0, static_cast<uint32_t>(l), i};  // seq set once the id is known
+      c->first_token = m.first_token;
+      c->repr = std::move(m.repr);
+      c->score = m.score;
+      c->tiers = kTierRemote;
+      c->cold_acked = true;  // a lower tier (the remote one) holds it: warm copies may leave
+    }
+    std::string sinks, local;
+    KVTIER_RETURN_IF_ERROR(rr.ReadLengthPrefixed(&sinks, "sinks"));
+    KVTIER_RETURN_IF_ERROR(rr.ReadLengthPrefixed(&local, "local"));
+    KVTIER_RETURN_IF_ERROR(rr.ExpectEnd());
+    if (sinks.size() != 2 * n_sink_tokens * token_bytes_ || local.size() != 2 * n_local * token_bytes_)
+      return Corruption(what + " layer " + std::to_string(l) + ": sinks/local do not match its token count");
+    KVTIER_ASSIGN_OR_RETURN(ls.sink_k,
+                            hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
+    KVTIER_ASSIGN_OR_RETURN(ls.sink_v,
+                            hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
+    KVTIER_ASSIGN_OR_RETURN(ls.ring_k, hot_->AllocateRegion(ring * token_bytes_));
+    KVTIER_ASSIGN_OR_RETURN(ls.ring_v, hot_->AllocateRegion(ring * token_bytes_));
+    ls.ring_mass.assign(static_cast<size_t>(options_.geometry.kv_heads) * ring, 0.0f);
+    const size_t sb = n_sink_tokens * token_bytes_;
+    KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.sink_k, sinks.data(), sb));
+    KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.sink_v, sinks.data() + sb, sb));
+    for (int64_t t = 0; t < n_local; ++t) {
+      const int64_t p = std::max<int64_t>(ls.sealed_end, n_sink_tokens) + t;
+      const size_t slot = static_cast<size_t>((p - options_.n_sink) % static_cast<int64_t>(ring));
+      KVTIER_RETURN_IF_ERROR(
+          hot_->Upload(ls.ring_k + slot * token_bytes_, local.data() + t * token_bytes_, token_bytes_));
+      KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.ring_v + slot * token_bytes_,
+                                          local.data() + (n_local + t) * token_bytes_, token_bytes_));
+    }
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  cleanup.armed = false;
+  const SequenceId id = next_seq_id_++;
+  seq->id = id;
+  region_bytes_ += L * 2 * (options_.n_sink + ring) * token_bytes_;
+  for (auto& ls : seq->layers)
+    for (Chunk* c : ls.chunks) {
+      if (c == nullptr) continue;
+      c->id = next_chunk_id_++;
+      c->key.seq = id;
+      chunk_by_id_[c->id] = c;
+    }
+  sequences_[id] = std::move(seq);
+  return id;
+}
+
+}  // namespace kvtier

@@ -1,0 +1,75 @@
+// TieredStore, part "warm tier": room in the warm slab pool. MakeWarmRoom (before a seal)
+// drops warm copies the lower tiers already acknowledged, writes an unacknowledged victim
+// down first, lands chunks still landing, and otherwise waits for a busy chunk to finish;
+// AcquireWarmSlotForReadLocked gives a chunk read back from a lower tier a warm slot
+// without ever waiting. A chunk leaves warm only once a lower tier acknowledged it.
+//
+// Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
+// offload/store_state.h says otherwise (a layer's sinks and ring belong to the sequence's
+// driving thread). A function named ...Locked is called with mu_ held; one that takes the
+// std::unique_lock may drop it while it waits or copies bytes, and holds it again on return.
+
+#include "offload/store_state.h"
+#include "offload/tiered_store.h"
+
+namespace kvtier {
+
+bool TieredStore::DropWarmCopyLocked() {
+  uint64_t victim_id = 0;
+  if (!warm_policy_->PickVictim(
+          [&](uint64_t id) {
+            const Chunk* c = chunk_by_id_.at(id);
+            return c->warm_pins == 0 && !c->cold_writing && c->cold_acked;
+          },
+          &victim_id))
+    return false;
+  // The cold tier already acknowledged it: the warm copy may leave now.
+  Chunk* c = chunk_by_id_.at(victim_id);
+  warm_->Release(c->warm_slot);
+  c->warm_slot = -1;
+  c->tiers &= ~kTierWarm;
+  warm_policy_->OnRemove(victim_id);
+  counters_.demotions++;
+  return true;
+}
+
+int32_t TieredStore::AcquireWarmSlotForReadLocked() {
+  // A chunk read back from cold was just retrieved, and retrieval tends to come back to
+  // the same chunks over the next steps: keep a warm copy, making room by dropping the
+  // policy's victim among warm chunks the cold tier already holds. Never waits and never
+  // writes: a transfer task must not block on others.
+  const int32_t ws = warm_->Acquire();
+  if (ws >= 0 || !DropWarmCopyLocked()) return ws;
+  return warm_->Acquire();
+}
+
+Status TieredStore::MakeWarmRoom(std::unique_lock<std::mutex>& lock) {
+  while (warm_->full()) {
+    auto movable = [&](uint64_t id) {
+      const Chunk* c = chunk_by_id_.at(id);
+      return c->warm_pins == 0 && !c->cold_writing;
+    };
+    if (DropWarmCopyLocked()) continue;
+    uint64_t victim_id = 0;
+    if (has_lower() && warm_policy_->PickVictim(movable, &victim_id)) {
+      // Not yet in cold: write it, and only then let it leave warm.
+      KVTIER_RETURN_IF_ERROR(WriteWarmChunkToColdLocked(lock, chunk_by_id_.at(victim_id)));
+      continue;
+    }
+    // Slots held by chunks still landing become warm chunks (movable once acknowledged).
+    // (A chunk another thread is between sealing and submitting is not landable yet: the
+    // wait below lets that thread go on.)
+    if (landing_chunks_ > 0 && LandEverythingLocked(lock)) continue;
+    if (!has_lower())
+      return ResourceExhausted(
+          "warm tier is full (" + std::to_string(warm_->capacity()) +
+          " chunks) and there is no cold tier (data_dir) or remote tier (remote) to demote to");
+    // The writes this would wait for are failing: the error, not a wait behind them.
+    KVTIER_RETURN_IF_ERROR(BackgroundErrorLocked());
+    // Every warm chunk is busy (being copied or written): wait for one to finish.
+    cv_.wait_for(lock, std::chrono::milliseconds(100));
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvtier
