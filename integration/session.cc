@@ -335,17 +335,71 @@ void Session::KeepQueries(int layer, const float* q, const int64_t* positions, i
 Status Session::Observe(int layer, const float* q, const int64_t* positions, int m) {
   KVTIER_RETURN_IF_ERROR(CheckLayerCall("Observe", layer, q, positions, m, /*in_step=*/false));
   KeepQueries(layer, q, positions, m);
-  const float* q_mem = q;
-  if (!inv_freq_.empty()) {  // memory's view needs L0, where the local window starts
-    KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, layer));
-    q_mem = MemoryQueries(q, positions, m, view.n_local_spans ? view.local[0].first_position : view.n_tokens);
-  }
-  return ObserveLocked(layer, q_mem, positions, m);
+  KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, layer));
+  const int64_t local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
+  const float* q_mem = MemoryQueries(q, positions, m, local_start);  // memory's view needs L0
+  return ObserveLocked(layer, q, q_mem, positions, m, view, local_start);
 }
 
-Status Session::ObserveLocked(int layer, const float* q_mem, const int64_t* positions, int m) {
-  if (options_.observe_prefill) KVTIER_RETURN_IF_ERROR(store_->ObserveQueries(seq_, layer, q_mem, positions, m));
+Status Session::ObserveLocked(int layer, const float* q, const float* q_mem, const int64_t* positions, int m,
+                              const HotView& view, int64_t local_start) {
+  if (options_.observe_prefill) KVTIER_RETURN_IF_ERROR(ObserveStatistics(layer, q, positions, m, view, local_start));
   if (retriever_) KVTIER_RETURN_IF_ERROR(retriever_->Observe(layer, q_mem, m));
+  return Status::Ok();
+}
+
+Status Session::ObserveStatistics(int layer, const float* q, const int64_t* positions, int m, const HotView& view,
+                                  int64_t local_start) {
+  if (inv_freq_.empty()) return store_->ObserveQueries(seq_, layer, q, positions, m);
+  // kInfLLM (host tiers only: Open refuses a device tier). The model attends the local window
+  // at its true positions and the sinks at L0 once chunks separate them (Attend's rotations),
+  // with queries at their true positions; the sinks join the softmax, only the local window's
+  // mass is kept (the store's pass does the same).
+  const Geometry& g = geometry();
+  const float* q_true = TrueQueries(q, positions, m);
+  const size_t tok = g.token_elems();
+  const int n_parts = 1 + view.n_local_spans;
+  const bool sinks_are_memory = view.sinks.first_position + view.sinks.n_tokens < local_start;
+  std::vector<std::vector<float>> k(n_parts), v(n_parts), mass(n_parts);
+  std::vector<kernels::KvSpan> parts(n_parts);
+  std::vector<int64_t> pos;
+  for (int i = 0; i < n_parts; ++i) {
+    const kernels::KvSpan& sp = i == 0 ? view.sinks : view.local[i - 1];
+    const size_t n = static_cast<size_t>(sp.n_tokens) * tok;
+    k[i].resize(std::max<size_t>(1, n));
+    v[i].resize(std::max<size_t>(1, n));
+    mass[i].assign(static_cast<size_t>(g.kv_heads) * std::max(1, sp.n_tokens), 0.0f);
+    if (n > 0) {
+      ToFloat(g.dtype, sp.k, k[i].data(), n);
+      ToFloat(g.dtype, sp.v, v[i].data(), n);
+      pos.resize(static_cast<size_t>(sp.n_tokens));
+      for (int t = 0; t < sp.n_tokens; ++t)
+        pos[static_cast<size_t>(t)] = i == 0 && sinks_are_memory ? local_start : sp.first_position + t;
+      kernels::Rope(k[i].data(), sp.n_tokens, g.kv_heads, g.head_dim, pos.data(), inv_freq_.data());
+    }
+    parts[i] = kernels::KvSpan{k[i].data(), v[i].data(), sp.n_tokens, sp.first_position, mass[i].data()};
+  }
+  std::vector<float> out(static_cast<size_t>(m) * g.q_heads * g.head_dim);
+  kernels::AttentionParams p;
+  p.q_heads = g.q_heads;
+  p.kv_heads = g.kv_heads;
+  p.head_dim = g.head_dim;
+  p.dtype = DType::kF32;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
+  p.n_queries = m;
+  p.q = q_true;
+  p.q_positions = positions;
+  p.parts = parts.data();
+  p.n_parts = n_parts;
+  p.out = out.data();
+  const kernels::KernelError err = kernels::Attention(p);
+  if (err != kernels::KernelError::kOk)
+    return InvalidArgument(std::string("Session: the representative-key statistics' attention failed: ") +
+                           kernels::KernelErrorString(err));
+  for (int i = 1; i < n_parts; ++i)
+    if (parts[i].n_tokens > 0)
+      KVTIER_RETURN_IF_ERROR(
+          store_->AddLocalAttention(seq_, layer, parts[i].first_position, parts[i].n_tokens, mass[i].data()));
   return Status::Ok();
 }
 
@@ -378,7 +432,7 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
       // they pay to the local window); Select builds the probe from the window, which is the
       // probe's Observe too (ActQKV's running statistics see every window once).
       if (!decode && options_.observe_prefill)
-        KVTIER_RETURN_IF_ERROR(store_->ObserveQueries(seq_, layer, q_sel, positions, m));
+        KVTIER_RETURN_IF_ERROR(ObserveStatistics(layer, q, positions, m, view, lp.local_start));
       KVTIER_ASSIGN_OR_RETURN(LayerSelection sel, retriever_->Select(seq_, layer, q_sel, m, decode));
       lp.chunks = std::move(sel.chunks);
       lp.stats.probe_ms = sel.probe_ms;

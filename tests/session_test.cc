@@ -319,6 +319,88 @@ TEST(Session, InfLLMPositionsRotateAtAttentionTime) {
   }
 }
 
+// With InfLLM positions the representative-key statistics are the attention the model pays
+// to its local window: queries and keys rotated at their true positions. The same keys stored
+// already rotated (absolute positions), with the queries rotated by hand, are that reference:
+// both stores must choose the same tokens as every chunk's representatives.
+TEST(Session, InfLLMStatisticsAttendWhereTheModelAttends) {
+  StoreOptions so = SmallStore();
+  so.geometry.dtype = DType::kF32;  // the same key bits in both stores, rotated or not
+  so.n_sink = 0;                    // InfLLM puts separated sinks at L0: none here, so both agree
+  auto raw_store = TieredStore::Open(so);
+  auto rot_store = TieredStore::Open(so);
+  ASSERT_TRUE(raw_store.ok() && rot_store.ok());
+  SessionOptions infllm = Retrieval(64);
+  infllm.positions = PositionMode::kInfLLM;
+  auto a = Session::Open(raw_store->get(), infllm);
+  auto b = Session::Open(rot_store->get(), Retrieval(64));
+  ASSERT_TRUE(a.ok() && b.ok());
+  const std::vector<double> inv = kernels::RopeInvFreq(kDim, 10000.0);
+  constexpr int kTokens = 160, kWindow = 16;
+  // Raw keys per layer, [token, kv_heads, head_dim], to find which token a representative is.
+  std::vector<std::vector<float>> raw_keys(kLayers), rot_keys(kLayers);
+  for (int64_t b0 = 0; b0 < kTokens; b0 += kWindow) {
+    ASSERT_TRUE((*a)->BeginStep(StepKind::kPrefill).ok());
+    ASSERT_TRUE((*b)->BeginStep(StepKind::kPrefill).ok());
+    std::vector<int64_t> pos(kWindow);
+    for (int t = 0; t < kWindow; ++t) pos[t] = b0 + t;
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<float> k, v, q;
+      for (int t = 0; t < kWindow; ++t) {
+        Token tok = MakeToken(21, l, b0 + t);
+        std::vector<float> kf(tok.k.size()), vf(tok.v.size());
+        ToFloat(DType::kF16, tok.k.data(), kf.data(), kf.size());
+        ToFloat(DType::kF16, tok.v.data(), vf.data(), vf.size());
+        k.insert(k.end(), kf.begin(), kf.end());
+        v.insert(v.end(), vf.begin(), vf.end());
+        q.insert(q.end(), tok.q.begin(), tok.q.end());
+      }
+      std::vector<float> k_rot = k, q_rot = q;
+      kernels::Rope(k_rot.data(), kWindow, kKvHeads, kDim, pos.data(), inv.data());
+      kernels::Rope(q_rot.data(), kWindow, kQHeads, kDim, pos.data(), inv.data());
+      raw_keys[l].insert(raw_keys[l].end(), k.begin(), k.end());
+      rot_keys[l].insert(rot_keys[l].end(), k_rot.begin(), k_rot.end());
+      std::vector<float> out(static_cast<size_t>(kWindow) * kQHeads * kDim);
+      ASSERT_TRUE((*a)->Append(l, k.data(), v.data(), kWindow, DType::kF32).ok());
+      ASSERT_TRUE((*a)->Attend(l, q.data(), pos.data(), kWindow, out.data()).ok());
+      ASSERT_TRUE((*b)->Append(l, k_rot.data(), v.data(), kWindow, DType::kF32).ok());
+      ASSERT_TRUE((*b)->Attend(l, q_rot.data(), pos.data(), kWindow, out.data()).ok());
+    }
+  }
+  // The token of chunk c whose key (head h) equals `key` exactly; -1 if none.
+  auto token_of = [&](const std::vector<float>& keys, uint64_t c, int h, const float* key) -> int64_t {
+    for (int64_t t = static_cast<int64_t>(c) * so.chunk_size; t < static_cast<int64_t>(c + 1) * so.chunk_size; ++t)
+      if (std::memcmp(keys.data() + (t * kKvHeads + h) * kDim, key, kDim * sizeof(float)) == 0) return t;
+    return -1;
+  };
+  int compared = 0;
+  for (int l = 0; l < kLayers; ++l) {
+    auto na = (*raw_store)->ChunkCount((*a)->sequence(), l);
+    auto nb = (*rot_store)->ChunkCount((*b)->sequence(), l);
+    ASSERT_TRUE(na.ok() && nb.ok());
+    ASSERT_EQ(*na, *nb);
+    ASSERT_GE(*na, 10u) << "the windows must seal chunks";
+    std::vector<float> ra(static_cast<size_t>(so.repr_topk) * kKvHeads * kDim), rb(ra.size());
+    for (uint64_t c = 0; c < *na; ++c) {
+      ASSERT_TRUE((*raw_store)->GetRepresentatives(ChunkKey{(*a)->sequence(), static_cast<uint32_t>(l), c}, ra.data()).ok());
+      ASSERT_TRUE((*rot_store)->GetRepresentatives(ChunkKey{(*b)->sequence(), static_cast<uint32_t>(l), c}, rb.data()).ok());
+      for (int h = 0; h < kKvHeads; ++h) {
+        std::vector<int64_t> ta, tb;
+        for (int r = 0; r < so.repr_topk; ++r) {
+          ta.push_back(token_of(raw_keys[l], c, h, ra.data() + (static_cast<size_t>(r) * kKvHeads + h) * kDim));
+          tb.push_back(token_of(rot_keys[l], c, h, rb.data() + (static_cast<size_t>(r) * kKvHeads + h) * kDim));
+        }
+        std::sort(ta.begin(), ta.end());
+        std::sort(tb.begin(), tb.end());
+        EXPECT_EQ(ta, tb) << "layer " << l << " chunk " << c << " head " << h;
+        EXPECT_GE(ta.front(), 0) << "a representative that is no key of its chunk";
+        ++compared;
+      }
+    }
+  }
+  EXPECT_GT(compared, 50);
+}
+
 TEST(Session, BadCallsGetNamedErrors) {
   auto store = TieredStore::Open(SmallStore());
   auto s = Session::Open(store->get(), Retrieval(32));

@@ -267,7 +267,15 @@ class Session {
   const float* MemoryQueries(const float* q, const int64_t* positions, int m, int64_t local_start);
   const float* TrueQueries(const float* q, const int64_t* positions, int m);
   void KeepQueries(int layer, const float* q, const int64_t* positions, int m);
-  Status ObserveLocked(int layer, const float* q_mem, const int64_t* positions, int m);
+  // The representative-key statistics of a prefill window (the attention its queries pay to
+  // the sinks and local window, added to the store's ring mass) and the retriever's Observe.
+  Status ObserveLocked(int layer, const float* q, const float* q_mem, const int64_t* positions, int m,
+                       const HotView& view, int64_t local_start);
+  // The statistics alone. kAbsolute: the store's own pass (ObserveQueries). kInfLLM: the
+  // store keeps keys before RoPE, so the pass runs here, on fp32 copies rotated where Attend
+  // puts them, and hands the local window's mass to the store (AddLocalAttention).
+  Status ObserveStatistics(int layer, const float* q, const int64_t* positions, int m, const HotView& view,
+                           int64_t local_start);
 
   TieredStore* store_;
   SequenceId seq_;
