@@ -7,7 +7,7 @@ CMAKE_ARGS ?=
 RUN_ARGS   ?= --context 131072 --data-dir $(BUILD)/run-data --json $(BUILD)/run-report.json
 
 .PHONY: all deps deps-checks configure build run test test-release test-asan test-tsan fuzz soak \
-        bench bench-retrieval gpu-check test-gpu-emulated clean
+        bench bench-retrieval gpu-check test-gpu-emulated format lint lint-format clean
 
 # ---- checks beyond the Release suite (all part of `make test`, hence of CI) ------------------
 # Each has its own build directory, built with clang from Debian (scripts/deps.sh checks).
@@ -15,9 +15,12 @@ ASAN_BUILD   ?= build-asan
 TSAN_BUILD   ?= build-tsan
 CLANG_CC     ?= clang-14
 CLANG_CXX    ?= clang++-14
-# Seconds each libFuzzer target runs in `make fuzz` (five targets, two at a time). CI's share;
-# `make fuzz FUZZ_SECONDS=1800` for a long run.
-FUZZ_SECONDS ?= 120
+# Seconds each libFuzzer target runs (five targets, two at a time): `make fuzz` is the long run
+# for humans (FUZZ_SECONDS=1800 for a longer one); `make test`, hence CI, gives each target
+# TEST_FUZZ_SECONDS from its committed corpus, enough to replay the corpus and catch a
+# regression on its inputs, not to explore.
+FUZZ_SECONDS      ?= 300
+TEST_FUZZ_SECONDS ?= 20
 # Kill/reopen cycles of `make soak` (every suite runs 20 of them: Soak.* in tests/soak_test.cc).
 SOAK_CYCLES  ?= 1000
 # Debian's FAISS is linked against GCC's OpenMP runtime (libgomp): the clang builds link that
@@ -75,12 +78,13 @@ run: configure
 # The Release suite, then AddressSanitizer+UBSan, ThreadSanitizer and the fuzzers, one
 # after the other (each stage prints how long it took).
 test:
+	@$(TIMED) "format check" $(MAKE) --no-print-directory lint-format
 	@$(TIMED) "Release build" $(MAKE) --no-print-directory build
 	@$(TIMED) "Release suite" $(MAKE) --no-print-directory test-release
 	@$(TIMED) "emulated GPU build and device tests" $(MAKE) --no-print-directory test-gpu-emulated
 	@$(TIMED) "ASan+UBSan build and suite" $(MAKE) --no-print-directory test-asan
 	@$(TIMED) "TSan build and concurrency tests" $(MAKE) --no-print-directory test-tsan
-	@$(TIMED) "fuzzers" $(MAKE) --no-print-directory fuzz
+	@$(TIMED) "fuzzers" $(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(TEST_FUZZ_SECONDS)
 
 test-release: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
@@ -111,9 +115,16 @@ test-gpu-emulated: deps
 $(ASAN_BUILD)/build.ninja: CMakeLists.txt | deps-checks
 	cmake -S . -B $(ASAN_BUILD) $(CLANG_CMAKE) -DKVTIER_SANITIZE=address,undefined -DKVTIER_FUZZ=ON
 
+# Four accuracy runs of the trained model over 8 samples of 2K prompts (ASAN_SKIP) are left to
+# the Release suite: under the sanitizers they cost 330 of the suite's 615 CPU-seconds, and they
+# run the model path that Cli.TrainedModelFindsThePasskeyAtTrainingLength, kept here, runs on
+# 512-token prompts; the other `infinite` tests (--compare rows, Compress) and
+# tests/session_test.cc's Compress tests stay in the sanitizer suite.
+ASAN_SKIP = ^Cli[.](RetrievalCarriesTheModelPastItsTrainingLength|InfiniteCompressStreamingLosesTheNeedle|InfiniteCompressKeepsTheNeedleWithH2O|DefaultsCopyATenDigitNeedlePastTheTrainingLength)$$
+
 test-asan: deps-checks $(ASAN_BUILD)/build.ninja
-	cmake --build $(ASAN_BUILD) -j $(JOBS) --target all fuzzers
-	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target kvtier_tests kvtier_c_api_test fuzzers
+	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900 -E '$(ASAN_SKIP)'
 
 # The concurrency tests (store, sessions, stress job, SIGKILL crash and soak, cold tier)
 # under ThreadSanitizer; tests/tsan.supp lists the only suppressions and why. The install
@@ -132,6 +143,17 @@ test-tsan: deps-checks $(TSAN_BUILD)/build.ninja
 fuzz: deps-checks $(ASAN_BUILD)/build.ninja
 	cmake --build $(ASAN_BUILD) -j $(JOBS) --target fuzzers
 	bash scripts/fuzz.sh $(ASAN_BUILD) $(FUZZ_SECONDS)
+
+# Rewrites every source as .clang-format says (make test checks that nothing differs).
+format:
+	git ls-files '*.cc' '*.h' '*.c' '*.cu' '*.cuh' | grep -v '^tests/fixtures/' | xargs clang-format-14 -i
+
+lint-format: deps-checks
+	bash scripts/lint.sh format
+
+# The static checks: the format check, then .clang-tidy's checks over the library and tools.
+lint: lint-format configure
+	bash scripts/lint.sh tidy $(BUILD)
 
 # SIGKILL soak: SOAK_CYCLES kill/reopen cycles on one store, every acknowledged chunk checked.
 soak: build

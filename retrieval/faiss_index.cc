@@ -204,7 +204,7 @@ Result<Built> BuildFaiss(int dim, const FaissIndexOptions& o) {
     } else if (!has_idmap && !ivf) {
       auto wrapped = std::make_unique<faiss::IndexIDMap2>(b.index.get());
       wrapped->own_fields = true;
-      b.index.release();
+      (void)b.index.release();  // `wrapped` owns it now; released only once that cannot throw
       b.index = std::move(wrapped);
     }
   } catch (const std::exception& e) {

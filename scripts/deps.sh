@@ -4,7 +4,8 @@
 #   scripts/deps.sh          what `make build` / `make run` need
 #   scripts/deps.sh checks   that, plus clang for the sanitizer and fuzz jobs of `make test`
 #                            (clang-14 with its compiler-rt: ASan, UBSan, TSan, libFuzzer;
-#                            llvm-14 for llvm-symbolizer, so reports show file:line)
+#                            llvm-14 for llvm-symbolizer, so reports show file:line;
+#                            clang-format-14 and clang-tidy-14 for scripts/lint.sh)
 #   scripts/deps.sh python   that, plus what the Python package and its tests need
 #                            (scripts/python_env.sh): Debian's interpreter headers, venv,
 #                            numpy, torch 1.13 (CPU) and matplotlib 3.6 (python -m kvtier.plot)
@@ -16,7 +17,7 @@ PKGS=(cmake ninja-build g++ make pkg-config
       libhiredis-dev redis-server redis-tools)
 for group in "$@"; do
   case "$group" in
-    checks) PKGS+=(clang-14 libclang-rt-14-dev llvm-14) ;;
+    checks) PKGS+=(clang-14 libclang-rt-14-dev llvm-14 clang-format-14 clang-tidy-14) ;;
     python) PKGS+=(python3-venv python3-dev python3-numpy python3-torch python3-matplotlib) ;;
     *) echo "deps: unknown group '$group' (none, 'checks' or 'python')" >&2; exit 2 ;;
   esac

@@ -108,7 +108,7 @@ class LlamaDeviceForward {
 
  private:
   LlamaDeviceForward(const LlamaModel* model, DeviceWeightLayout weights, DeviceActivationLayout acts)
-      : model_(model), weights_(std::move(weights)), acts_(std::move(acts)) {}
+      : model_(model), weights_(std::move(weights)), acts_(acts) {}
 
   const LlamaModel* model_;
   DeviceWeightLayout weights_;
