@@ -259,7 +259,8 @@ class Session {
   Session(TieredStore* store, SequenceId seq, const SessionOptions& options);
   Status CheckFiniteKv(int layer, const void* k, const void* v, int n, DType dtype) const;
   // Gather's work; `what` names the public call (Gather or Attend) in its errors.
-  Result<LayerParts> GatherFor(const char* what, int layer, const float* q, const int64_t* positions, int m);
+  Result<LayerParts> GatherFor(const char* what, int layer, const float* q, const int64_t* positions, int m,
+                               bool observe = true);
   Status CheckLayerCall(const char* what, int layer, const float* q, const int64_t* positions, int m,
                         bool in_step) const;
   // kInfLLM rotations of q [m, q_heads, head_dim] into scratch (q itself in kAbsolute):
