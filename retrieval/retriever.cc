@@ -228,8 +228,8 @@ Status Retriever::Sync(SequenceId seq, int layer) {
   KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
   // One store call per layer step: the chunks landed and dropped since the last one.
   KVTIER_RETURN_IF_ERROR(store_->ChunkUpdatesSince(seq, layer, li->cursor, &update_));
+  const size_t repr_elems = shape_.repr_floats();
   if (!update_.added.empty()) {
-    const size_t repr_elems = shape_.repr_floats();
     const std::vector<uint64_t>& added = update_.added;
     KVTIER_RETURN_IF_ERROR(li->index->Add(added, [&](uint64_t i, float* repr) -> Status {
       const auto it = std::lower_bound(added.begin(), added.end(), i);
@@ -239,8 +239,15 @@ Status Retriever::Sync(SequenceId seq, int layer) {
       return Status::Ok();
     }));
   }
+  li->cursor.chunks = update_.next.chunks;  // added (Add is all or nothing): never added twice
   if (!update_.dropped.empty()) KVTIER_RETURN_IF_ERROR(li->index->Remove(update_.dropped));
-  li->cursor = update_.next;
+  li->cursor.drops = update_.next.drops;
+  // A first sync over a long sequence hands over every chunk at once; a step's sync, a
+  // chunk or none. Keep a step's buffer, not the first one's.
+  if (update_.repr.size() > 64 * repr_elems) {
+    std::vector<float>().swap(update_.repr);
+    std::vector<uint64_t>().swap(update_.added);
+  }
   return Status::Ok();
 }
 
