@@ -487,8 +487,10 @@ TEST(Session, MassFromAttendEqualsTheStatisticsPass) {
       ASSERT_GE(*na, 10u);
       std::vector<float> ra(static_cast<size_t>(SmallStore().repr_topk) * kKvHeads * kDim), rb(ra.size());
       for (uint64_t c = 0; c < *na; ++c) {
-        ASSERT_TRUE((*store_a)->GetRepresentatives(ChunkKey{(*a)->sequence(), static_cast<uint32_t>(l), c}, ra.data()).ok());
-        ASSERT_TRUE((*store_b)->GetRepresentatives(ChunkKey{(*b)->sequence(), static_cast<uint32_t>(l), c}, rb.data()).ok());
+        const ChunkKey key_a{(*a)->sequence(), static_cast<uint32_t>(l), c};
+        ASSERT_TRUE((*store_a)->GetRepresentatives(key_a, ra.data()).ok());
+        const ChunkKey key_b{(*b)->sequence(), static_cast<uint32_t>(l), c};
+        ASSERT_TRUE((*store_b)->GetRepresentatives(key_b, rb.data()).ok());
         EXPECT_EQ(ra, rb) << "layer " << l << " chunk " << c;
       }
     }
