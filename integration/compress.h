@@ -8,7 +8,7 @@
 //   KVTIER_ASSIGN_OR_RETURN(KeepSet keep, policy->Keep(layer, kv_budget));
 //   KVTIER_ASSIGN_OR_RETURN(int64_t chunk_budget, ChunkBudget(*store, seq, layer, kv_budget));
 //   std::vector<uint64_t> drop = ChunksToDrop(ts, keep, n_sink, chunk_size, n_chunks, chunk_budget);
-//   store->DropChunks(seq, layer, drop); retriever->Forget(seq, layer, drop);
+//   store->DropChunks(seq, layer, drop);  // every Retriever over seq drops them at its next Sync
 //
 // A store drops whole chunks, a policy keeps tokens: a chunk's worth is the policy's score
 // summed over the tokens of it the policy kept (so the keep decision counts, not only the

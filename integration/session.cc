@@ -213,6 +213,66 @@ std::string FormatFloat(float x) {
   return buf;
 }
 
+// A prefill window's attention on a host tier that also feeds the representative-key
+// statistics. The statistics are the attention mass each local key gets from the window's
+// queries in a softmax over the sinks and the local window only (TieredStore::ObserveQueries'
+// definition), so the attention runs in two parts: sinks | local with the kernel's per-key
+// mass and the log-sum-exp, then, when chunks were retrieved, the chunks through the plan;
+// the LSE merge of the two is the attention over all of them. The first part is the very
+// call the statistics pass made, so the mass is the same numbers, and no key is read twice.
+Status AttendAndObserve(TieredStore* store, SequenceId seq, int layer, const AttentionPlanInput& in,
+                        AttentionPlan* plan, float* out) {
+  const size_t rows = static_cast<size_t>(in.n_queries) * in.q_heads;
+  const size_t out_elems = rows * static_cast<size_t>(in.head_dim);
+  const int n_dense = 1 + in.n_local;
+  std::vector<kernels::KvSpan> dense(static_cast<size_t>(n_dense));
+  std::vector<std::vector<float>> mass(static_cast<size_t>(n_dense));
+  for (int i = 0; i < n_dense; ++i) {
+    dense[static_cast<size_t>(i)] = i == 0 ? in.sinks : in.local[i - 1];
+    mass[static_cast<size_t>(i)].assign(static_cast<size_t>(in.kv_heads) * std::max(1, dense[i].n_tokens), 0.0f);
+    dense[static_cast<size_t>(i)].mass = mass[static_cast<size_t>(i)].data();
+  }
+  const bool chunks = in.n_chunks > 0;
+  std::vector<float> out_dense(chunks ? out_elems : 0), lse_dense(chunks ? rows : 0);
+  kernels::AttentionParams a;
+  a.q_heads = in.q_heads;
+  a.kv_heads = in.kv_heads;
+  a.head_dim = in.head_dim;
+  a.dtype = in.dtype;
+  a.scale = in.scale != 0.0f ? in.scale : 1.0f / std::sqrt(static_cast<float>(in.head_dim));
+  a.n_queries = in.n_queries;
+  a.q = in.q;
+  a.q_positions = in.positions;
+  a.parts = dense.data();
+  a.n_parts = n_dense;
+  a.out = chunks ? out_dense.data() : out;
+  a.lse = chunks ? lse_dense.data() : nullptr;
+  if (const kernels::KernelError e = kernels::Attention(a); e != kernels::KernelError::kOk)
+    return Internal(std::string("attention over the sinks and the local window (cpu): ") +
+                    kernels::KernelErrorString(e));
+  if (chunks) {
+    AttentionPlanInput only = in;
+    only.sinks = kernels::KvSpan{};
+    only.local = nullptr;
+    only.n_local = 0;
+    KVTIER_RETURN_IF_ERROR(plan->Build(only));
+    std::vector<float> out_chunks(out_elems), lse_chunks(rows), lse(rows);
+    kernels::SlotAttentionParams p = plan->params();
+    p.out = out_chunks.data();
+    p.lse = lse_chunks.data();
+    KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/false));
+    if (const kernels::KernelError e = kernels::SlotAttention(p); e != kernels::KernelError::kOk)
+      return Internal(std::string("attention over the retrieved chunks (cpu): ") + kernels::KernelErrorString(e));
+    kernels::MergeAttentionStates(static_cast<int>(rows), in.head_dim, out_dense.data(), lse_dense.data(),
+                                  out_chunks.data(), lse_chunks.data(), out, lse.data());
+  }
+  for (int i = 1; i < n_dense; ++i)
+    if (dense[static_cast<size_t>(i)].n_tokens > 0)
+      KVTIER_RETURN_IF_ERROR(store->AddLocalAttention(seq, layer, dense[i].first_position, dense[i].n_tokens,
+                                                      mass[static_cast<size_t>(i)].data()));
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status Session::CheckFiniteKv(int layer, const void* k, const void* v, int n, DType dtype) const {
@@ -413,7 +473,8 @@ Result<LayerParts> Session::Gather(int layer, const float* q, const int64_t* pos
   return GatherFor("Gather", layer, q, positions, m);
 }
 
-Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* q, const int64_t* positions, int m) {
+Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* q, const int64_t* positions, int m,
+                                      bool observe) {
   KVTIER_RETURN_IF_ERROR(CheckLayerCall(what, layer, q, positions, m, /*in_step=*/true));
   try {
     const bool decode = step_ == StepKind::kDecode;
@@ -429,9 +490,10 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
       lp.stats.search_ms = MsSince(t0);
     } else {
       // A prefill window's queries also feed the representative-key statistics (the attention
-      // they pay to the local window); Select builds the probe from the window, which is the
+      // they pay to the local window; Attend on a host tier takes them from its own attention
+      // and passes observe = false); Select builds the probe from the window, which is the
       // probe's Observe too (ActQKV's running statistics see every window once).
-      if (!decode && options_.observe_prefill)
+      if (!decode && options_.observe_prefill && observe)
         KVTIER_RETURN_IF_ERROR(ObserveStatistics(layer, q, positions, m, view, lp.local_start));
       KVTIER_ASSIGN_OR_RETURN(LayerSelection sel, retriever_->Select(seq_, layer, q_sel, m, decode));
       lp.chunks = std::move(sel.chunks);
@@ -484,7 +546,12 @@ Status Session::Attend(int layer, const float* q, const int64_t* positions, int 
   if (Status bg = store_->CheckBackgroundError(); !bg.ok())
     return Status(bg.code(), "Session::Attend: layer " + std::to_string(layer) + ": " + bg.message());
   const Geometry& g = geometry();
-  KVTIER_ASSIGN_OR_RETURN(LayerParts lp, GatherFor("Attend", layer, q, positions, m));
+  // A prefill window's representative-key statistics come from this attention on a host tier
+  // (the kernel's per-key mass); on a device tier Gather runs their pass on the host.
+  const bool host = std::strcmp(backend_->name(), "cpu") == 0;
+  const bool observe_here = host && retriever_ && !selector_ && options_.observe_prefill && in_step_ &&
+                            step_ == StepKind::kPrefill;
+  KVTIER_ASSIGN_OR_RETURN(LayerParts lp, GatherFor("Attend", layer, q, positions, m, /*observe=*/!observe_here));
   try {
     const auto t0 = std::chrono::steady_clock::now();
     // The plan: sinks | retrieved chunks (slots of the hot pool) | local runs, the order
@@ -547,8 +614,8 @@ Status Session::Attend(int layer, const float* q, const int64_t* positions, int 
     in.n_chunks = lp.n_chunks;
     in.local = lp.parts.data() + 1 + lp.n_chunks;
     in.n_local = static_cast<int>(lp.parts.size() - 1 - lp.n_chunks);
-    Status st = plan_.Build(in);
-    if (st.ok()) st = backend_->Run(plan_, out);
+    Status st = observe_here ? AttendAndObserve(store_, seq_, layer, in, &plan_, out) : plan_.Build(in);
+    if (st.ok() && !observe_here) st = backend_->Run(plan_, out);
     if (!st.ok()) return Status(st.code(), "Session::Attend: layer " + std::to_string(layer) + ": " + st.message());
     lp.stats.attention_ms = MsSince(t0);
     lp.Release();  // unpinning is bookkeeping under the store lock, not attention: timed by neither
@@ -635,7 +702,7 @@ Result<CompressReport> Session::Compress(const std::string& policy_spec, int64_t
       const std::vector<uint64_t> drop = ChunksToDrop(ts, keep, so.n_sink, so.chunk_size, n_chunks, chunk_budget);
       const uint64_t before = store_->counters().dropped_chunks;
       KVTIER_RETURN_IF_ERROR(store_->DropChunks(seq_, l, drop));
-      if (retriever_) KVTIER_RETURN_IF_ERROR(retriever_->Forget(seq_, l, drop));
+      if (retriever_) KVTIER_RETURN_IF_ERROR(retriever_->Sync(seq_, l));  // the index drops them too
       rep.dropped_chunks += store_->counters().dropped_chunks - before;
     }
     KVTIER_ASSIGN_OR_RETURN(rep.kept_tokens, KeptTokensPerLayer(*store_, seq_, g.layers));

@@ -69,6 +69,9 @@ struct LayerState {
   int64_t sealed_end = 0;     // first position not yet in a chunk (>= n_sink once sinks are full)
   bool sinks_restored = true; // false for a recovered sequence without a sinks record
   std::vector<Chunk*> chunks; // by chunk index; null for a dropped chunk or a hole left by a crash
+  // Under the store mutex: the chunk indices DropChunks removed, in drop order (the
+  // retrieval indexes over the layer read it through TieredStore::ChunkUpdatesSince).
+  std::vector<uint64_t> dropped;
   // Of an attached sequence: chunks [0, shared_chunks) are the publisher's (remote only, never
   // written or deleted here); later ones are this store's own. Fixed at attach.
   uint64_t shared_chunks = 0;

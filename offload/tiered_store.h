@@ -141,6 +141,20 @@ struct ChunkInfo {
   float score = 0.0f;            ///< policy score (higher = keep)
 };
 
+/// Where a reader of one layer's chunk changes stands (TieredStore::ChunkUpdatesSince).
+struct ChunkCursor {
+  uint64_t chunks = 0;  ///< chunk indices below this were handed over (or were holes)
+  uint64_t drops = 0;   ///< drops of the layer handed over so far
+};
+
+/// One layer's chunk changes since a cursor (TieredStore::ChunkUpdatesSince).
+struct ChunkUpdate {
+  ChunkCursor next;               ///< the cursor after these changes
+  std::vector<uint64_t> added;    ///< landed chunk indices, ascending
+  std::vector<float> repr;        ///< [added][repr_topk, kv_heads, head_dim] fp32 representative keys
+  std::vector<uint64_t> dropped;  ///< chunk indices dropped since the cursor, in drop order
+};
+
 /// What attention reads for one (sequence, layer) besides retrieved chunks:
 /// the sinks and the local window (the ring gives up to two spans). Pointers
 /// stay valid until the next Append to that (sequence, layer).
@@ -248,6 +262,16 @@ class TieredStore {
   Result<uint64_t> ChunkCount(SequenceId seq, int layer);
   /// Representative keys of one chunk: [repr_topk, kv_heads, head_dim] fp32.
   Status GetRepresentatives(const ChunkKey& key, float* out);
+  /// What changed in one layer's chunks since `since`, handed over in one call under one
+  /// lock (lands the layer first, as every reader): the landed chunks with index >=
+  /// since.chunks, ascending, with their representative keys, and the chunks dropped
+  /// (DropChunks) since drop number since.drops. `out->next` is the cursor for the next call.
+  /// A retrieval index keeps its cursor per (sequence, layer) and starts at {0, 0}, which
+  /// also builds it from what a recovered or attached sequence holds. Holes (dropped or lost
+  /// chunks) are never in `added`; a dropped index may appear in `dropped` without ever
+  /// having been added. NotFound for an unknown sequence, InvalidArgument for a bad layer or
+  /// a cursor past the layer's state; a failed landing is reported as ListChunks does.
+  Status ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCursor& since, ChunkUpdate* out);
   /// Starts promoting the chunks into hot slots and pins them (async).
   ///
   /// A fetch takes every hot slot it needs under the store lock, or none. When the pool has

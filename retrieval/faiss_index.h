@@ -50,8 +50,8 @@
 //
 // Persistence: rebuilt, not persisted. The store persists each chunk's
 // representatives in the cold tier's meta records; after a reopen the owner
-// rebuilds the index from TieredStore::GetRepresentatives (ListChunks /
-// ChunkCount tell which chunks exist).
+// rebuilds the index from what TieredStore::ChunkUpdatesSince hands over from
+// the start (Retriever::Sync does).
 //
 // Thread-safety: one writer at a time (Add, AddBatch, Remove). Const methods
 // (Search, ScoreAll, size, ...) may run concurrently with each other but not

@@ -226,14 +226,28 @@ Result<Retriever::LayerIndex*> Retriever::Index(SequenceId seq, int layer) {
 
 Status Retriever::Sync(SequenceId seq, int layer) {
   KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
-  KVTIER_ASSIGN_OR_RETURN(uint64_t count, store_->ChunkCount(seq, layer));
-  if (count <= li->next_chunk) return Status::Ok();
-  std::vector<uint64_t> chunks(count - li->next_chunk);
-  std::iota(chunks.begin(), chunks.end(), li->next_chunk);
-  KVTIER_RETURN_IF_ERROR(li->index->Add(chunks, [&](uint64_t i, float* repr) {
-    return store_->GetRepresentatives(ChunkKey{seq, static_cast<uint32_t>(layer), i}, repr);
-  }));
-  li->next_chunk = count;
+  // One store call per layer step: the chunks landed and dropped since the last one.
+  KVTIER_RETURN_IF_ERROR(store_->ChunkUpdatesSince(seq, layer, li->cursor, &update_));
+  const size_t repr_elems = shape_.repr_floats();
+  if (!update_.added.empty()) {
+    const std::vector<uint64_t>& added = update_.added;
+    KVTIER_RETURN_IF_ERROR(li->index->Add(added, [&](uint64_t i, float* repr) -> Status {
+      const auto it = std::lower_bound(added.begin(), added.end(), i);
+      if (it == added.end() || *it != i) return NotFound("chunk " + std::to_string(i) + " was not handed over");
+      const float* src = update_.repr.data() + static_cast<size_t>(it - added.begin()) * repr_elems;
+      std::copy(src, src + repr_elems, repr);
+      return Status::Ok();
+    }));
+  }
+  li->cursor.chunks = update_.next.chunks;  // added (Add is all or nothing): never added twice
+  if (!update_.dropped.empty()) KVTIER_RETURN_IF_ERROR(li->index->Remove(update_.dropped));
+  li->cursor.drops = update_.next.drops;
+  // A first sync over a long sequence hands over every chunk at once; a step's sync, a
+  // chunk or none. Keep a step's buffer, not the first one's.
+  if (update_.repr.size() > 64 * repr_elems) {
+    std::vector<float>().swap(update_.repr);
+    std::vector<uint64_t>().swap(update_.added);
+  }
   return Status::Ok();
 }
 

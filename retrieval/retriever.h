@@ -159,10 +159,14 @@ class Retriever {
                          std::vector<float>* scores);
   /// Sets the task question for a question-aware probe (Q-LLM).
   Status SetQuestion(int layer, const float* q, int m);
-  /// Indexes chunks sealed since the last call (also rebuilds after a reopen).
+  /// Brings (seq, layer)'s index up to the store in one store call
+  /// (TieredStore::ChunkUpdatesSince): adds the chunks landed since the last call (all of
+  /// them the first time, which rebuilds after a reopen or an attach) and removes the
+  /// chunks DropChunks dropped, whichever session or thread dropped them. Select runs it.
   Status Sync(SequenceId seq, int layer);
-  /// Removes chunks from (seq, layer)'s index: call after TieredStore::DropChunks so
-  /// dropped chunks are never selected again. Unknown indices are ignored.
+  /// Removes chunks from (seq, layer)'s index now. Sync removes what DropChunks dropped by
+  /// itself; this is for chunks an engine wants out of the index while the store keeps
+  /// them. Unknown indices are ignored.
   Status Forget(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices);
 
   ProbeBuilder& probe() { return *probe_; }
@@ -180,7 +184,7 @@ class Retriever {
   struct LayerIndex {
     std::unique_ptr<ChunkIndex> index;
     ExactChunkIndex* mirrored = nullptr;  // the index, when it keeps a backend mirror
-    uint64_t next_chunk = 0;  // chunks below this index are indexed (or holes)
+    ChunkCursor cursor;  // what of the store's chunk changes the index holds
   };
   // Select's path through the backend (the index keeps a mirror).
   Status SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
@@ -196,6 +200,7 @@ class Retriever {
   std::unordered_map<uint64_t, LayerIndex> indexes_;  // key: seq * 65536 + layer
   std::vector<float> probe_buf_, probe_vec_;
   ChunkScores scores_;  // Select: the layer's screened scores (reused)
+  ChunkUpdate update_;  // Sync: the store's changes (reused)
   int k_ = 0;
 };
 

@@ -1,7 +1,8 @@
 // The attention backend seam (offload/attention_backend.h): Session::Attend builds a plan
 // and runs it on the backend of the hot tier's device. Checked here, on any machine:
 //  * the CPU backend's plan path gives Session::Attend bit for bit the attention of the
-//    hand-written sequence (Gather's parts, sinks | chunks | local, through kernels::Attention),
+//    hand-written sequence (Gather's parts, sinks | chunks | local, through kernels::Attention;
+//    a prefill window that feeds the statistics as sinks | local and chunks, LSE-merged),
 //    with GQA, prefill windows and decode steps, chunks coming back from a disk tier, in both
 //    position modes;
 //  * the host-side logic the CUDA backend rests on: span -> slot mapping, the [K][V] slot as
@@ -75,8 +76,11 @@ Token MakeToken(int layer, int64_t pos) {
   return t;
 }
 
-// The attention Session::Attend computed before the plan existed, over Gather's parts.
-std::vector<float> HandWritten(LayerParts& lp, const float* q, const int64_t* pos, int m, bool infllm) {
+// The attention Session::Attend computes, over Gather's parts: one pass over sinks | chunks |
+// local, or, for a prefill window whose attention also gives the representative-key
+// statistics (`observed`), sinks | local and the chunks apart, merged by log-sum-exp.
+std::vector<float> HandWritten(LayerParts& lp, const float* q, const int64_t* pos, int m, bool infllm,
+                               bool observed) {
   const Geometry g{kLayers, kQHeads, kKvHeads, kDim, DType::kF16};
   std::vector<float> out(static_cast<size_t>(m) * kQHeads * kDim);
   kernels::AttentionParams ap;
@@ -113,6 +117,25 @@ std::vector<float> HandWritten(LayerParts& lp, const float* q, const int64_t* po
       parts[i].v = rv[i].data();
     }
     ap.dtype = DType::kF32;
+  }
+  if (observed && lp.n_chunks > 0) {
+    std::vector<kernels::KvSpan> dense{parts[0]};
+    dense.insert(dense.end(), parts.begin() + 1 + static_cast<ptrdiff_t>(lp.n_chunks), parts.end());
+    const size_t rows = static_cast<size_t>(m) * kQHeads;
+    std::vector<float> out_d(out.size()), out_c(out.size()), lse_d(rows), lse_c(rows), lse(rows);
+    ap.parts = dense.data();
+    ap.n_parts = static_cast<int>(dense.size());
+    ap.out = out_d.data();
+    ap.lse = lse_d.data();
+    EXPECT_EQ(kernels::Attention(ap), kernels::KernelError::kOk);
+    ap.parts = parts.data() + 1;
+    ap.n_parts = static_cast<int>(lp.n_chunks);
+    ap.out = out_c.data();
+    ap.lse = lse_c.data();
+    EXPECT_EQ(kernels::Attention(ap), kernels::KernelError::kOk);
+    kernels::MergeAttentionStates(static_cast<int>(rows), kDim, out_d.data(), lse_d.data(), out_c.data(),
+                                  lse_c.data(), out.data(), lse.data());
+    return out;
   }
   ap.parts = parts.data();
   ap.n_parts = static_cast<int>(parts.size());
@@ -157,7 +180,8 @@ void PlanPathEqualsHandWritten(PositionMode mode) {
       ASSERT_TRUE(s.ok()) << s.ToString();
       auto lp = (*b)->Gather(l, q.data(), pos.data(), m);
       ASSERT_TRUE(lp.ok()) << lp.status().ToString();
-      const std::vector<float> ref = HandWritten(*lp, q.data(), pos.data(), m, mode == PositionMode::kInfLLM);
+      const std::vector<float> ref =
+          HandWritten(*lp, q.data(), pos.data(), m, mode == PositionMode::kInfLLM, /*observed=*/!decode);
       lp->Release();
       ASSERT_EQ((*a)->last_chunks()[l], (*b)->last_chunks()[l]) << "position " << p0 << " layer " << l;
       ASSERT_EQ(std::memcmp(out.data(), ref.data(), out.size() * sizeof(float)), 0)

@@ -16,6 +16,7 @@
 #include "kernels/cpu/rope.h"
 #include "retrieval/chunk_index.h"
 #include "tests/test_util.h"
+#include "tests/tiered_store_test_peer.h"
 
 namespace kvtier {
 namespace {
@@ -399,6 +400,144 @@ TEST(Session, InfLLMStatisticsAttendWhereTheModelAttends) {
     }
   }
   EXPECT_GT(compared, 50);
+}
+
+TEST(Session, MassFromAttendEqualsTheStatisticsPass) {
+  // Attend takes a prefill window's representative-key statistics from its own attention;
+  // Gather runs the separate statistics pass (the store's ObserveQueries, or the session's
+  // InfLLM pass). Same data through both, in both position modes: the local ring's mass is
+  // the same numbers after every layer step, and Attend's output is the attention over
+  // sinks | chunks | local.
+  for (PositionMode mode : {PositionMode::kAbsolute, PositionMode::kInfLLM}) {
+    SCOPED_TRACE(PositionModeName(mode));
+    auto store_a = TieredStore::Open(SmallStore());
+    auto store_b = TieredStore::Open(SmallStore());
+    ASSERT_TRUE(store_a.ok() && store_b.ok());
+    SessionOptions o = Retrieval(32);
+    o.positions = mode;
+    auto a = Session::Open(store_a->get(), o);
+    auto b = Session::Open(store_b->get(), o);
+    ASSERT_TRUE(a.ok() && b.ok());
+    const std::vector<double> inv = kernels::RopeInvFreq(kDim, 10000.0);
+    constexpr int kWindow = 16;
+    int compared = 0, with_chunks = 0;
+    for (int64_t b0 = 0; b0 < 192; b0 += kWindow) {
+      ASSERT_TRUE((*a)->BeginStep(StepKind::kPrefill).ok());
+      ASSERT_TRUE((*b)->BeginStep(StepKind::kPrefill).ok());
+      std::vector<int64_t> pos(kWindow);
+      for (int t = 0; t < kWindow; ++t) pos[t] = b0 + t;
+      for (int l = 0; l < kLayers; ++l) {
+        std::vector<uint16_t> k, v;
+        std::vector<float> q;
+        for (int t = 0; t < kWindow; ++t) {
+          Token tok = MakeToken(33, l, b0 + t);
+          k.insert(k.end(), tok.k.begin(), tok.k.end());
+          v.insert(v.end(), tok.v.begin(), tok.v.end());
+          q.insert(q.end(), tok.q.begin(), tok.q.end());
+        }
+        ASSERT_TRUE((*a)->Append(l, k.data(), v.data(), kWindow, DType::kF16).ok());
+        ASSERT_TRUE((*b)->Append(l, k.data(), v.data(), kWindow, DType::kF16).ok());
+        std::vector<float> out(static_cast<size_t>(kWindow) * kQHeads * kDim), ref(out.size());
+        ASSERT_TRUE((*a)->Attend(l, q.data(), pos.data(), kWindow, out.data()).ok());
+        auto lp = (*b)->Gather(l, q.data(), pos.data(), kWindow);
+        ASSERT_TRUE(lp.ok()) << lp.status().ToString();
+        EXPECT_EQ((*a)->last_chunks()[l], lp->chunks) << "window " << b0 << " layer " << l;
+        // The reference attention over Gather's parts, rotated as Attend rotates them.
+        std::vector<float> q_ref = q;
+        std::vector<std::vector<float>> kf(lp->parts.size()), vf(lp->parts.size());
+        std::vector<kernels::KvSpan> parts = lp->parts;
+        for (size_t i = 0; i < parts.size(); ++i) {
+          const size_t n = static_cast<size_t>(parts[i].n_tokens) * kKvHeads * kDim;
+          kf[i].resize(std::max<size_t>(1, n));
+          vf[i].resize(std::max<size_t>(1, n));
+          ToFloat(DType::kF16, parts[i].k, kf[i].data(), n);
+          ToFloat(DType::kF16, parts[i].v, vf[i].data(), n);
+          if (mode == PositionMode::kInfLLM && n > 0) {
+            std::vector<int64_t> rp(static_cast<size_t>(parts[i].n_tokens));
+            for (int t = 0; t < parts[i].n_tokens; ++t)
+              rp[t] = lp->rope_positions[i] >= 0 ? lp->rope_positions[i] : parts[i].first_position + t;
+            kernels::Rope(kf[i].data(), parts[i].n_tokens, kKvHeads, kDim, rp.data(), inv.data());
+          }
+          parts[i].k = kf[i].data();
+          parts[i].v = vf[i].data();
+        }
+        if (mode == PositionMode::kInfLLM) kernels::Rope(q_ref.data(), kWindow, kQHeads, kDim, pos.data(), inv.data());
+        kernels::AttentionParams ap;
+        ap.q_heads = kQHeads; ap.kv_heads = kKvHeads; ap.head_dim = kDim; ap.dtype = DType::kF32;
+        ap.n_queries = kWindow; ap.q = q_ref.data(); ap.q_positions = pos.data();
+        ap.parts = parts.data(); ap.n_parts = static_cast<int>(parts.size()); ap.out = ref.data();
+        ASSERT_EQ(kernels::Attention(ap), kernels::KernelError::kOk);
+        for (size_t i = 0; i < out.size(); ++i)
+          ASSERT_NEAR(out[i], ref[i], 1e-5f) << "window " << b0 << " layer " << l << " element " << i;
+        with_chunks += lp->n_chunks > 0 ? 1 : 0;
+        lp->Release();
+        const std::vector<float> mass_a = TieredStoreTestPeer::RingMass(**store_a, (*a)->sequence(), l);
+        const std::vector<float> mass_b = TieredStoreTestPeer::RingMass(**store_b, (*b)->sequence(), l);
+        ASSERT_FALSE(mass_a.empty());
+        ASSERT_EQ(mass_a, mass_b) << "window " << b0 << " layer " << l;
+        ++compared;
+      }
+    }
+    EXPECT_EQ(compared, 12 * kLayers);
+    EXPECT_GT(with_chunks, 10) << "retrieved chunks must join the attention";
+    // The chunks sealed from that mass chose the same representatives.
+    for (int l = 0; l < kLayers; ++l) {
+      auto na = (*store_a)->ChunkCount((*a)->sequence(), l);
+      ASSERT_TRUE(na.ok());
+      ASSERT_GE(*na, 10u);
+      std::vector<float> ra(static_cast<size_t>(SmallStore().repr_topk) * kKvHeads * kDim), rb(ra.size());
+      for (uint64_t c = 0; c < *na; ++c) {
+        const ChunkKey key_a{(*a)->sequence(), static_cast<uint32_t>(l), c};
+        ASSERT_TRUE((*store_a)->GetRepresentatives(key_a, ra.data()).ok());
+        const ChunkKey key_b{(*b)->sequence(), static_cast<uint32_t>(l), c};
+        ASSERT_TRUE((*store_b)->GetRepresentatives(key_b, rb.data()).ok());
+        EXPECT_EQ(ra, rb) << "layer " << l << " chunk " << c;
+      }
+    }
+  }
+}
+
+TEST(Session, ASessionAttachedToTheSameSequenceNeverSelectsADroppedChunk) {
+  // Compress drops chunks from the store; every retrieval index over the sequence learns it
+  // from the store at its next step, not only the index of the session that compressed.
+  auto store = TieredStore::Open(SmallStore());
+  SessionOptions o = Retrieval(32);
+  o.keep_queries = 16;
+  auto s = Session::Open(store->get(), o);
+  ASSERT_TRUE(s.ok());
+  std::vector<float> outs;
+  ASSERT_TRUE(DriveSession(s->get(), 23, 320, 321, &outs).ok());
+  SessionOptions every = Retrieval(64 * 8);  // more than the sequence's chunks, all taken
+  every.retrieval.alloc = "topk";
+  auto reader = Session::Attach(store->get(), (*s)->sequence(), every);
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  const int64_t p = 320;
+  auto attend_all = [&](Session* x) {
+    ASSERT_TRUE(x->BeginStep(StepKind::kDecode).ok());
+    for (int l = 0; l < kLayers; ++l) {
+      Token t = MakeToken(23, l, p);
+      std::vector<float> out(static_cast<size_t>(kQHeads) * kDim);
+      Status st = x->Attend(l, t.q.data(), &p, 1, out.data());
+      ASSERT_TRUE(st.ok()) << st.ToString();
+    }
+  };
+  attend_all(reader->get());  // indexes every chunk
+  auto before = (*store)->ListChunks((*s)->sequence(), 0);
+  ASSERT_TRUE(before.ok());
+  EXPECT_EQ((*reader)->last_chunks()[0].size(), before->size());
+  auto rep = (*s)->Compress("h2o", 8 + 32 + 8 * 8);
+  ASSERT_TRUE(rep.ok()) << rep.status().ToString();
+  ASSERT_GT(rep->dropped_chunks, 0u);
+  attend_all(reader->get());
+  for (int l = 0; l < kLayers; ++l) {
+    auto live = (*store)->ListChunks((*s)->sequence(), l);
+    ASSERT_TRUE(live.ok());
+    std::vector<uint64_t> live_ids;
+    for (const ChunkInfo& c : *live) live_ids.push_back(c.key.index);
+    std::vector<uint64_t> chosen = (*reader)->last_chunks()[l];
+    std::sort(chosen.begin(), chosen.end());
+    EXPECT_EQ(chosen, live_ids) << "layer " << l;
+  }
 }
 
 TEST(Session, BadCallsGetNamedErrors) {

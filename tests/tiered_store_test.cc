@@ -535,6 +535,54 @@ TEST(TieredStore, RefetchExtendsTheLease) {
   ASSERT_TRUE(h3->Wait().ok());
 }
 
+// ChunkUpdatesSince hands a retrieval index what landed (with the representatives
+// GetRepresentatives gives) and what was dropped since its cursor, holes left out.
+TEST(TieredStore, ChunkUpdatesSinceHandsOverLandedAndDroppedChunks) {
+  StoreOptions o = SmallOptions("");
+  o.warm_bytes = 64 * o.chunk_bytes();
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok());
+  TieredStore* st = s->get();
+  const SequenceId seq = *st->CreateSequence();
+  AppendPattern(st, seq, 0, 1, 0, 8 + 40 + 8 * 6, 5);  // sinks, a full ring (n_local + chunk), 6 sealed
+  const size_t repr_elems = static_cast<size_t>(o.repr_topk) * o.geometry.token_elems();
+  ChunkUpdate u;
+  ASSERT_TRUE(st->ChunkUpdatesSince(seq, 0, ChunkCursor{}, &u).ok());
+  EXPECT_EQ(u.added, (std::vector<uint64_t>{0, 1, 2, 3, 4, 5}));
+  EXPECT_TRUE(u.dropped.empty());
+  EXPECT_EQ(u.next.chunks, 6u);
+  EXPECT_EQ(u.next.drops, 0u);
+  ASSERT_EQ(u.repr.size(), 6 * repr_elems);
+  std::vector<float> r(repr_elems);
+  for (uint64_t c = 0; c < 6; ++c) {
+    ASSERT_TRUE(st->GetRepresentatives(ChunkKey{seq, 0, c}, r.data()).ok());
+    EXPECT_EQ(0, std::memcmp(r.data(), u.repr.data() + c * repr_elems, repr_elems * sizeof(float))) << "chunk " << c;
+  }
+  // Nothing new: empty. Then two drops and two more chunks, one of them dropped at once.
+  const ChunkCursor first = u.next;
+  ASSERT_TRUE(st->ChunkUpdatesSince(seq, 0, first, &u).ok());
+  EXPECT_TRUE(u.added.empty() && u.dropped.empty() && u.repr.empty());
+  ASSERT_TRUE(st->DropChunks(seq, 0, {1, 4}).ok());
+  AppendPattern(st, seq, 0, 1, 8 + 40 + 8 * 6, 8 + 40 + 8 * 8, 5);
+  ASSERT_TRUE(st->DropChunks(seq, 0, {7}).ok());
+  ASSERT_TRUE(st->ChunkUpdatesSince(seq, 0, first, &u).ok());
+  EXPECT_EQ(u.added, (std::vector<uint64_t>{6}));
+  EXPECT_EQ(u.dropped, (std::vector<uint64_t>{1, 4, 7}));
+  EXPECT_EQ(u.next.chunks, 8u);
+  EXPECT_EQ(u.next.drops, 3u);
+  // From the start (a new index over the sequence): only live chunks, every drop.
+  ASSERT_TRUE(st->ChunkUpdatesSince(seq, 0, ChunkCursor{}, &u).ok());
+  EXPECT_EQ(u.added, (std::vector<uint64_t>{0, 2, 3, 5, 6}));
+  EXPECT_EQ(u.dropped, (std::vector<uint64_t>{1, 4, 7}));
+  // Bad calls are named.
+  Status past = st->ChunkUpdatesSince(seq, 0, ChunkCursor{9, 0}, &u);
+  EXPECT_EQ(past.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(past.message().find("cursor"), std::string::npos) << past.ToString();
+  EXPECT_EQ(st->ChunkUpdatesSince(seq, 0, ChunkCursor{}, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(st->ChunkUpdatesSince(seq + 100, 0, ChunkCursor{}, &u).code(), StatusCode::kNotFound);
+  EXPECT_EQ(st->ChunkUpdatesSince(seq, 5, ChunkCursor{}, &u).code(), StatusCode::kInvalidArgument);
+}
+
 // DropChunks refuses a chunk a live handle pins, and only while the lease lasts.
 TEST(TieredStore, DropChunksRespectsTheLeaseOnly) {
   TempDir dir;

@@ -4,8 +4,11 @@
 #pragma once
 
 #include <functional>
+#include <mutex>
 #include <utility>
+#include <vector>
 
+#include "offload/store_state.h"
 #include "offload/tiered_store.h"
 
 namespace kvtier {
@@ -17,6 +20,16 @@ class TieredStoreTestPeer {
   /// print it, so that the parent knows what a reopen after SIGKILL must bring back.
   static void SetAckListener(TieredStore& store, std::function<void(const ChunkKey&)> listener) {
     store.SetColdAckListener(std::move(listener));
+  }
+
+  /// A copy of the attention mass the local ring of (seq, layer) holds, [kv_heads, n_local +
+  /// chunk_size] by ring slot (token p at (p - n_sink) % ring); empty for an unknown sequence.
+  /// Call from the sequence's driving thread (the ring is that thread's).
+  static std::vector<float> RingMass(TieredStore& store, SequenceId seq, int layer) {
+    std::lock_guard<std::mutex> l(store.mu_);
+    auto it = store.sequences_.find(seq);
+    if (it == store.sequences_.end() || layer < 0 || layer >= static_cast<int>(it->second->layers.size())) return {};
+    return it->second->layers[static_cast<size_t>(layer)].ring_mass;
   }
 };
 

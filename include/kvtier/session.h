@@ -217,7 +217,9 @@ class Session {
   /// One layer's memory step: q [m, q_heads, head_dim] fp32 at `positions` (the tokens just
   /// appended: >= 0 and strictly increasing), out [m, q_heads, head_dim] fp32. kDecode steps take
   /// m = 1. A negative or non-increasing position, or a NaN or infinity in q, is InvalidArgument
-  /// naming it (Gather and Observe check the same).
+  /// naming it (Gather and Observe check the same). On a host tier a kPrefill window's
+  /// representative-key statistics come from this attention (sinks | local with per-key mass,
+  /// the chunks apart, merged by log-sum-exp), not from a second pass.
   Status Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
                 AttendStats* stats = nullptr);
   /// Attend without the attention: chooses and fetches the chunks and returns what to attend.
@@ -259,7 +261,8 @@ class Session {
   Session(TieredStore* store, SequenceId seq, const SessionOptions& options);
   Status CheckFiniteKv(int layer, const void* k, const void* v, int n, DType dtype) const;
   // Gather's work; `what` names the public call (Gather or Attend) in its errors.
-  Result<LayerParts> GatherFor(const char* what, int layer, const float* q, const int64_t* positions, int m);
+  Result<LayerParts> GatherFor(const char* what, int layer, const float* q, const int64_t* positions, int m,
+                               bool observe = true);
   Status CheckLayerCall(const char* what, int layer, const float* q, const int64_t* positions, int m,
                         bool in_step) const;
   // kInfLLM rotations of q [m, q_heads, head_dim] into scratch (q itself in kAbsolute):

@@ -56,6 +56,43 @@ Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) {
   return Status::Ok();
 }
 
+Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCursor& since, ChunkUpdate* out) {
+  if (out == nullptr) return InvalidArgument("ChunkUpdatesSince: out must not be null");
+  std::unique_lock<std::mutex> l(mu_);
+  Sequence* s = nullptr;
+  KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+  LandLayerLocked(l, s, layer);
+  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
+  const LayerState& ls = s->layers[layer];
+  if (since.chunks > ls.chunks.size() || since.drops > ls.dropped.size())
+    return InvalidArgument("ChunkUpdatesSince: cursor {chunks " + std::to_string(since.chunks) + ", drops " +
+                           std::to_string(since.drops) + "} is past layer " + std::to_string(layer) +
+                           " of sequence " + std::to_string(seq) + " (" + std::to_string(ls.chunks.size()) +
+                           " chunks, " + std::to_string(ls.dropped.size()) + " drops)");
+  return ReturnOnBadAlloc("ChunkUpdatesSince: the representatives of the new chunks", [&]() -> Status {
+    out->added.clear();
+    out->repr.clear();
+    out->dropped.assign(ls.dropped.begin() + static_cast<ptrdiff_t>(since.drops), ls.dropped.end());
+    const DType dt = options_.geometry.dtype;
+    const size_t repr_elems = static_cast<size_t>(options_.repr_topk) * options_.geometry.token_elems();
+    size_t n = 0;
+    for (uint64_t i = since.chunks; i < ls.chunks.size(); ++i) n += ls.chunks[i] != nullptr;
+    out->added.reserve(n);
+    out->repr.resize(n * repr_elems);
+    for (uint64_t i = since.chunks; i < ls.chunks.size(); ++i) {
+      const Chunk* c = ls.chunks[i];
+      if (c == nullptr) continue;
+      if (c->repr.size() != repr_elems * DTypeSize(dt))
+        return Internal("ChunkUpdatesSince: chunk " + c->key.ToString() + " holds " + std::to_string(c->repr.size()) +
+                        " bytes of representatives, not " + std::to_string(repr_elems * DTypeSize(dt)));
+      ToFloat(dt, c->repr.data(), out->repr.data() + out->added.size() * repr_elems, repr_elems);
+      out->added.push_back(i);
+    }
+    out->next = ChunkCursor{ls.chunks.size(), ls.dropped.size()};
+    return Status::Ok();
+  });
+}
+
 Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t end, void* k_out,
                                void* v_out) {
   Sequence* s = nullptr;
@@ -225,6 +262,7 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
             tier_keys[t].push_back(c->key);
       FreeChunkLocked(c);
       ls.chunks[idx] = nullptr;
+      ls.dropped.push_back(idx);
       counters_.dropped_chunks++;
     }
     counters_.warm_chunks = warm_->used();
