@@ -13,6 +13,10 @@
 #include <vector>
 
 #include "kvtier/kvtier.h"
+#include "offload/tiered_store.h"
+#include "retrieval/retriever.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/dtype.h"
 
 namespace kvtier {
 namespace {

@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "integration/compress.h"
+#include "engine/compress.h"
 #include "integration/kv_trace.h"
 #include "integration/workload.h"
 #include "store/geometry.h"
@@ -59,7 +59,7 @@ struct PolicyEvalRow {
   size_t peak_state_bytes = 0;   ///< policy state at its largest
 };
 
-// ExactAttentionRows (what a policy observes) lives in integration/compress.h.
+// ExactAttentionRows (what a policy observes) lives in engine/compress.h.
 
 /// Runs every policy on the same data. Errors name the policy that failed.
 Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& options);

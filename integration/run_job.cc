@@ -8,7 +8,7 @@
 
 #include <unistd.h>
 
-#include "integration/compress.h"
+#include "engine/compress.h"
 #include "integration/json.h"
 #include "integration/kv_source.h"
 #include "integration/policy_eval.h"
@@ -17,6 +17,9 @@
 #include "integration/tier_report.h"
 #include "kernels/cpu/attention.h"
 #include "kvtier/session.h"
+#include "offload/tiered_store.h"
+#include "retrieval/retriever.h"
+#include "kernels/dtype.h"
 #include "offload/policy/scoring_policy.h"
 
 namespace kvtier {

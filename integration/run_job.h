@@ -82,7 +82,7 @@ struct MethodReport {
 };
 
 /// Which chunks the methods retrieved, by position in the context: the buckets of
-/// MethodReport::chunk_counts (the chunk-choice heat map of `python -m kvtier.plot`). Bounded for
+/// MethodReport::chunk_counts (the chunk-choice heat map of `python -m kvtier.tools.plot`). Bounded for
 /// any context: chunk indices [0, chunks) are grouped into at most kMaxChunkChoiceBuckets buckets
 /// of bucket_chunks consecutive chunks; bucket b holds tokens [first_position + b * bucket_chunks *
 /// chunk_size, first_position + (b + 1) * bucket_chunks * chunk_size).

@@ -12,6 +12,8 @@
 #include "integration/sysinfo.h"
 #include "integration/tier_report.h"
 #include "kvtier/session.h"
+#include "offload/tiered_store.h"
+#include "engine/layer_parts.h"
 
 namespace kvtier {
 namespace {

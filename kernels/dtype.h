@@ -12,6 +12,10 @@
 
 namespace kvtier {
 
+// Spelled out identically in include/kvtier/types.h (the engine API's vocabulary, which
+// kernels/ does not include); the shared guard keeps one of the two per translation unit.
+#ifndef KVTIER_DTYPE_DEFINED_
+#define KVTIER_DTYPE_DEFINED_
 enum class DType : uint8_t {
   kF32 = 0,   ///< IEEE-754 binary32
   kF16 = 1,   ///< IEEE-754 binary16
@@ -20,6 +24,7 @@ enum class DType : uint8_t {
 
 /// Bytes per element.
 constexpr size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
+#endif  // KVTIER_DTYPE_DEFINED_
 /// "f32", "f16", "bf16".
 const char* DTypeName(DType t);
 /// Parses "f32|fp32|float32", "f16|fp16|float16|half", "bf16|bfloat16".

@@ -115,15 +115,14 @@
 #include <string_view>
 #include <vector>
 
+#include "kvtier/options.h"
 #include "offload/ack_manifest.h"
 #include "store/chunk.h"
 #include "store/status.h"
 
 namespace kvtier {
 
-/// Block compression of the cold tier's column families.
-enum class Compression : uint8_t { kNone, kLZ4, kZSTD };
-
+// Compression (the block compression of the column families) is in kvtier/options.h.
 /// "none", "lz4", "zstd".
 const char* CompressionName(Compression c);
 /// Parses "none|lz4|zstd" (case-insensitive); false when unknown.

@@ -19,17 +19,14 @@
 #include <utility>
 #include <vector>
 
+#include "kvtier/types.h"
 #include "offload/host_memory.h"
 #include "store/factory_spec.h"
 #include "store/status.h"
 
 namespace kvtier {
 
-/// Where the K/V handed to Append live. kDevice: the hot tier's own memory space (device
-/// pointers for "cuda"; for "host" that is host memory, so kDevice == kHost there).
-enum class MemorySpace { kHost, kDevice };
-/// "host" or "device"; "unknown" for a value outside the enum (named in errors).
-const char* MemorySpaceName(MemorySpace space);
+// MemorySpace (where Append's K/V live) is public vocabulary: kvtier/types.h.
 
 /// Names one asynchronous download (HotTier::DownloadBatchAsync). kCompletedTransfer names a
 /// download that was complete when it was submitted (a host tier's memcpy).

@@ -1,40 +1,5 @@
-// StoreCounters: what a TieredStore counts, readable at any time through
-// TieredStore::counters() (a consistent snapshot). Its own header so that the parts of the
-// store (offload/store/, offload/lower_tier.h) can add to it without the store's header.
+// StoreCounters are public (include/kvtier/counters.h): the parts of the store
+// (offload/store/, offload/lower_tier.h) add to them without the store's header.
 #pragma once
 
-#include <cstdint>
-
-namespace kvtier {
-
-/// Counters a user can read at any time (a consistent snapshot).
-struct StoreCounters {
-  uint64_t hot_chunks = 0, hot_bytes = 0;    ///< chunk slots in use (+ sinks/local bytes in hot_bytes)
-  uint64_t warm_chunks = 0, warm_bytes = 0;  ///< chunks resident in the warm tier
-  uint64_t cold_chunks = 0, cold_bytes = 0;  ///< chunks acknowledged by the cold tier
-  uint64_t promotions = 0;                   ///< chunk copies to a higher tier (cold->warm, warm->hot)
-  uint64_t demotions = 0;    ///< chunks that left a tier for a lower one (warm->cold, hot slot freed)
-  uint64_t hits = 0;         ///< fetched chunks already hot
-  uint64_t misses = 0;       ///< fetched chunks that had to be promoted
-  uint64_t bytes_moved = 0;  ///< bytes copied between tiers (either direction)
-  uint64_t cold_writes = 0, cold_reads = 0;
-  uint64_t lease_expired = 0;      ///< pins that ran past pin_timeout_ms and stopped protecting
-  uint64_t pin_waits = 0;          ///< fetches that waited for hot slots other fetches held (FetchChunks)
-  uint64_t pin_wait_us = 0;        ///< total time those fetches waited, microseconds
-  uint64_t pin_wait_timeouts = 0;  ///< waits that ran past pin_wait_ms (the fetch was ResourceExhausted)
-  uint64_t hot_reserved = 0;       ///< hot slots reserved by open sessions now (ReserveHotSlots)
-  uint64_t chunks_sealed = 0;      ///< chunks formed from the local window
-  uint64_t dropped_chunks = 0;     ///< chunks removed for good by DropChunks (compression)
-  // Where fetched chunks that were not hot came from (hits + the three = fetched chunks).
-  uint64_t warm_loads = 0;    ///< fetched chunks copied from the warm tier
-  uint64_t cold_loads = 0;    ///< fetched chunks read from the cold tier (RocksDB)
-  uint64_t remote_loads = 0;  ///< fetched chunks read from the remote tier (Redis)
-  // The remote tier's own counters (offload/remote_tier.h), 0 without one.
-  uint64_t remote_puts = 0, remote_put_bytes = 0;  ///< chunks acknowledged by the remote tier, payload bytes
-  uint64_t remote_gets = 0, remote_get_bytes = 0;  ///< chunks read back and verified, payload bytes
-  uint64_t remote_not_found = 0;                   ///< remote reads of a missing chunk (evicted by maxmemory)
-  uint64_t remote_corrupt = 0;                     ///< remote reads that failed the CRC or format check
-  uint64_t remote_errors = 0;                      ///< remote calls with no usable answer (node down or slow)
-};
-
-}  // namespace kvtier
+#include "kvtier/counters.h"

@@ -56,6 +56,8 @@
 #include <vector>
 
 #include "kernels/cpu/attention.h"
+#include "kvtier/options.h"
+#include "kvtier/store.h"
 #include "offload/clock.h"
 #include "offload/cold_tier.h"
 #include "offload/demotion_policy.h"
@@ -76,61 +78,6 @@ struct LayerState;
 struct Sequence;
 }  // namespace store_internal
 
-struct StoreOptions {
-  Geometry geometry;                   ///< model KV shape and storage dtype
-  int n_sink = 64;                     ///< attention-sink tokens kept hot per (sequence, layer)
-  int n_local = 512;                   ///< most recent tokens kept hot (the local window)
-  int chunk_size = 32;                 ///< tokens per chunk
-  int repr_topk = 4;                   ///< representative keys per head per chunk
-  uint64_t hot_bytes = 64ull << 20;    ///< hot slot pool for retrieved chunks (sinks/local are extra)
-  uint64_t warm_bytes = 256ull << 20;  ///< warm tier capacity
-  std::string data_dir;                ///< cold tier (RocksDB) directory; empty = no cold tier
-  Compression compression = Compression::kLZ4;  ///< cold tier compression: none|lz4|zstd
-  bool sync_writes = false;            ///< fsync cold writes (power-loss durability)
-  bool write_through = true;           ///< write each chunk to cold when sealed (crash-safe, free demotion)
-  int pin_timeout_ms = 30000;          ///< lease of a pinned chunk; an expired pin no longer protects it
-  /// Longest a fetch waits (real time) for hot slots that other fetches hold pinned or are
-  /// loading, e.g. another Session's Attend that is about to unpin; 0 = fail at once. See
-  /// FetchChunks. Default: 10000.
-  int pin_wait_ms = 10000;
-  std::string hot_policy = "lru";      ///< demotion policy of the hot slot pool
-  std::string warm_policy = "lru";     ///< demotion policy of the warm tier
-  int transfer_threads = 2;            ///< concurrency of the asynchronous transfer arena
-  /// Sealed chunks per (sequence, layer) whose download from the local window may be in
-  /// flight at once (a device tier copies them asynchronously: see "Landing" below); one
-  /// more waits for the oldest. >= 1.
-  int max_landing_chunks = 8;
-  /// The hot tier, by factory string (offload/hot_tier.h's registry): "host" (host
-  /// memory) or "cuda" (CudaHotTier, GPU memory), which is Unavailable for now: without a
-  /// CUDA build or device, and with one because the store reads hot memory on the host.
-  std::string hot_tier = "host";
-  /// An engine's own hot tier: when set, the store calls it (with hot_bytes and the
-  /// chunk size) instead of looking up hot_tier, which is then ignored. The tier must
-  /// have at least one slot, each of exactly chunk_bytes().
-  std::function<Result<std::unique_ptr<HotTier>>(size_t slot_pool_bytes, size_t slot_bytes)> hot_tier_factory;
-  /// Time source of the pin leases (pin_timeout_ms); tests pass a ManualClock.
-  std::shared_ptr<const Clock> clock = SteadyClock();
-  /// Passed to the cold tier (ColdTierOptions::fault_injector); tests only.
-  std::function<Status(std::string_view op, const ChunkKey& key)> cold_fault_injector;
-  /// Open checks that every chunk the cold tier acknowledged came back (a damaged or
-  /// truncated RocksDB WAL can lose them): false (default) fails Open with Corruption
-  /// naming the missing (sequence, layer, index) ranges; true opens anyway, the lost
-  /// chunks become holes for good, and LostChunks() lists them.
-  bool accept_lost_chunks = false;
-  /// Remote tier (offload/remote_tier.h): "redis://host:port[,host:port...][?wait=N&...]",
-  /// one Redis server or any nodes of a Redis Cluster; empty (default) = none. Chunks are
-  /// written through to it (and to the cold tier when data_dir is set too) and a chunk is
-  /// acknowledged once every lower tier has it; fetches read warm, then cold, then remote.
-  /// Sequences of other stores are shared through it (PublishSequence, AttachPublished).
-  std::string remote;
-  /// Key namespace of this store's chunks in the remote tier; empty (default) = a fresh
-  /// one per Open (host, pid, time), so concurrent stores never overwrite each other's.
-  std::string remote_namespace;
-
-  Status Validate() const;
-  /// Bytes of K+V of one chunk of one layer.
-  size_t chunk_bytes() const { return static_cast<size_t>(chunk_size) * geometry.token_kv_bytes(); }
-};
 
 /// Per-chunk metadata visible to retrieval and policies.
 struct ChunkInfo {
@@ -196,15 +143,15 @@ class FetchHandle {
   std::shared_ptr<State> state_;
 };
 
-class TieredStore {
+class TieredStore : public Store {
  public:
   /// Opens (and, with a data_dir holding an earlier store, recovers) a store.
   static Result<std::unique_ptr<TieredStore>> Open(const StoreOptions& options);
-  ~TieredStore();
+  ~TieredStore() override;
   TieredStore(const TieredStore&) = delete;
   TieredStore& operator=(const TieredStore&) = delete;
 
-  const StoreOptions& options() const { return options_; }
+  const StoreOptions& options() const override { return options_; }
 
   // ---- sequences ----
   Result<SequenceId> CreateSequence();
@@ -226,9 +173,9 @@ class TieredStore {
   /// which must lie in the local window.
   Status AddLocalAttention(SequenceId seq, int layer, int64_t first_position, int n, const float* mass);
   /// Persists sinks and local window; the sequence becomes read-only.
-  Status CloseSequence(SequenceId seq);
+  Status CloseSequence(SequenceId seq) override;
   /// Removes the sequence from every tier.
-  Status DropSequence(SequenceId seq);
+  Status DropSequence(SequenceId seq) override;
   /// Policy scores of sealed chunks of one layer ((chunk index, score), higher = keep):
   /// kept with the chunk (persisted by its next cold write issued after this call; a
   /// write already in flight carries the score it was issued with) and handed to
@@ -240,9 +187,9 @@ class TieredStore {
   /// a chunk pinned by a live fetch handle is FailedPrecondition and nothing is dropped.
   /// Already-dropped indices are ignored; indices past the layer's chunks are InvalidArgument.
   Status DropChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices);
-  std::vector<SequenceId> ListSequences() const;
+  std::vector<SequenceId> ListSequences() const override;
   /// Tokens appended to `layer` of `seq`.
-  Result<int64_t> SequenceLength(SequenceId seq, int layer) const;
+  Result<int64_t> SequenceLength(SequenceId seq, int layer) const override;
 
   // ---- reading ----
   /// Copies tokens [begin, end) of one layer into k_out/v_out
@@ -259,7 +206,7 @@ class TieredStore {
   Result<std::vector<ChunkInfo>> ListChunks(SequenceId seq, int layer);
   /// Number of chunk indices sealed in one layer (chunk i covers tokens
   /// [n_sink + i*chunk_size, n_sink + (i+1)*chunk_size)).
-  Result<uint64_t> ChunkCount(SequenceId seq, int layer);
+  Result<uint64_t> ChunkCount(SequenceId seq, int layer) override;
   /// Representative keys of one chunk: [repr_topk, kv_heads, head_dim] fp32.
   Status GetRepresentatives(const ChunkKey& key, float* out);
   /// What changed in one layer's chunks since `since`, handed over in one call under one
@@ -324,7 +271,7 @@ class TieredStore {
   /// and is read back from the cold tier), lacks the remote tier in ChunkInfo::tiers, is
   /// not written to Redis again by the store (PublishSequence copies it up), and the Redis
   /// error is reported as above.
-  Status WaitForDurable();
+  Status WaitForDurable() override;
   /// The sticky background write error (see WaitForDurable) without clearing it; OK when none.
   Status CheckBackgroundError();
   /// Every chunk the cold tier acknowledged and that was not dropped since, as index
@@ -338,7 +285,7 @@ class TieredStore {
   /// lost (accept_lost_chunks); empty otherwise.
   std::vector<ChunkRange> LostChunks() const;
   /// Lands every sequence first: the counters count landed chunks.
-  StoreCounters counters();
+  StoreCounters counters() override;
 
   // ---- sharing through the remote tier ----
   /// Publishes a closed sequence under `name` (1..128 of [A-Za-z0-9-_.]) for other
@@ -346,7 +293,7 @@ class TieredStore {
   /// record (chunk metas, sinks, local window), then the manifest. A reader sees the
   /// sequence only once the manifest exists, so never half of it. Publishing a name again
   /// replaces the manifest. FailedPrecondition without a remote tier or for an open sequence.
-  Status PublishSequence(SequenceId seq, std::string_view name);
+  Status PublishSequence(SequenceId seq, std::string_view name) override;
   /// Opens a sequence another store published: its sinks and local window are restored
   /// here, its chunks stay in the remote tier (under the publisher's keys, never written
   /// or deleted by this store) and fetches bring them into this store's warm and hot
@@ -354,7 +301,7 @@ class TieredStore {
   /// `name` is not (completely) published; InvalidArgument when the publisher's layout
   /// (geometry, n_sink, n_local, chunk_size, repr_topk) differs from this store's. The
   /// attached sequence is not persisted in this store's cold tier.
-  Result<SequenceId> AttachPublished(std::string_view name);
+  Result<SequenceId> AttachPublished(std::string_view name) override;
   /// The remote tier, or null.
   RemoteTier* remote_tier() const { return remote_; }
 

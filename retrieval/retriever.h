@@ -44,7 +44,7 @@
 //   index=Exact:heads=sum,rerank=4,rerank_min=256 budget=2048
 // (rank belongs to the allocator: budget.h says why.) These defaults are
 // ActQKV's Algorithm 1; kvtier's recommended configuration is the "kvtier"
-// preset (include/kvtier/session.h, RecommendedRetrieval()).
+// preset (RecommendedRetrieval(), include/kvtier/options.h).
 //
 // State and threading: the probe's running statistics (ActQKV Eq. 8) and the
 // allocator's per-step budget are per layer, not per sequence, and Select
@@ -60,6 +60,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvtier/options.h"
 #include "offload/tiered_store.h"
 #include "retrieval/budget.h"
 #include "retrieval/chunk_index.h"
@@ -69,28 +70,6 @@
 
 namespace kvtier {
 
-struct RetrieverOptions {
-  std::string probe = "act";      ///< probe builder spec: mean | act[:eps=..] | question[:base=..,weight=..]
-  std::string alloc = "entropy";  ///< budget allocator spec: topk | entropy[:min=M,rank=cosine|logit]
-  /// Chunk index spec per (sequence, layer): "Exact[:heads=sum|max,rerank=F,rerank_min=N]"
-  /// (default: every representative key kept, chunk score = best representative per kv head,
-  /// summed over heads) or a FAISS description over one mean vector per chunk
-  /// ("Flat", "HNSW32:ef=64", "IVF<n>,Flat:nprobe=16,train_min=0"). See chunk_index.h.
-  std::string index = "Exact";
-  int budget_tokens = 2048;       ///< retrieved tokens per layer and step (k = budget_tokens / chunk_size chunks)
-
-  /// Checks every part; InvalidArgument names the part ("probe: ...", "alloc: ...",
-  /// "index: ...") and, inside it, the bad key or value.
-  Status Validate() const;
-  /// "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,rerank_min=256
-  /// budget=2048": every part canonical (all keys spelled out), space-separated. Parse reads it
-  /// back to options with the same ToString.
-  std::string ToString() const;
-  /// Space-separated key=value items, keys probe, alloc, index, budget, each at most once; a
-  /// key left out keeps its default. Unknown or duplicate keys, items without '=', a bad
-  /// budget, or parts that do not validate are InvalidArgument naming them.
-  static Result<RetrieverOptions> Parse(const std::string& spec);
-};
 
 /// Sets `key` to `value` in factory spec `spec` ("Exact" + heads=max -> "Exact:heads=max";
 /// a key the spec sets already gets the new value in its place). The spec's name and keys are
@@ -99,33 +78,6 @@ Result<std::string> SetSpecKey(const std::string& spec, const std::string& key, 
 /// The value `spec` gives `key`, or "" when it sets none (or is malformed).
 std::string SpecKey(const std::string& spec, const std::string& key);
 
-/// The command-line view of RetrieverOptions::index and ::alloc: --index / --alloc set a spec,
-/// and the shorthands set one key of it: --head-merge (index "heads"), --rerank ("rerank"),
-/// --rerank-min ("rerank_min"), --rank-by (alloc "rank"). A shorthand holds whichever order
-/// the flags come in (--head-merge max --index Exact is Exact:heads=max). A tool's default
-/// for a key (kvtier infinite: heads=max, rank=logit) fills the key where neither the spec nor
-/// a shorthand sets it and the spec's kind has it (Exact has heads, Flat does not). Every call
-/// rewrites options->index and options->alloc; checking them is RetrieverOptions::Validate's.
-class RetrieverSpecFlags {
- public:
-  /// The specs in `options` are the starting ones; `options` must outlive this object.
-  explicit RetrieverSpecFlags(RetrieverOptions* options);
-  Status SetIndex(const std::string& spec);
-  Status SetAlloc(const std::string& spec);
-  Status SetIndexKey(const std::string& key, const std::string& value);
-  Status SetAllocKey(const std::string& key, const std::string& value);
-  Status DefaultIndexKey(const std::string& key, const std::string& value);
-  Status DefaultAllocKey(const std::string& key, const std::string& value);
-
- private:
-  struct Part {
-    std::string base;
-    std::vector<std::pair<std::string, std::string>> set, defaults;
-  };
-  Status Update();
-  RetrieverOptions* options_;
-  Part index_, alloc_;
-};
 
 /// What Select chose for one layer.
 struct LayerSelection {

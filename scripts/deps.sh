@@ -8,7 +8,7 @@
 #                            clang-format-14 and clang-tidy-14 for scripts/lint.sh)
 #   scripts/deps.sh python   that, plus what the Python package and its tests need
 #                            (scripts/python_env.sh): Debian's interpreter headers, venv,
-#                            numpy, torch 1.13 (CPU) and matplotlib 3.6 (python -m kvtier.plot)
+#                            numpy, torch 1.13 (CPU) and matplotlib 3.6 (python -m kvtier.tools.plot)
 # Groups combine: scripts/deps.sh checks python.
 set -euo pipefail
 PKGS=(cmake ninja-build g++ make pkg-config

@@ -9,7 +9,7 @@
 #                                  (python/requirements-current.txt) in .venv-current, built in
 #                                  build-py-current/; opt-in, not in ctest (a ~5.6 GB venv)
 # torch comes from Debian (python3-torch 1.13.1, CPU): PyPI's Linux wheels pull gigabytes of
-# CUDA libraries; matplotlib (kvtier.plot) is Debian's python3-matplotlib 3.6.3 too. The venv
+# CUDA libraries; matplotlib (kvtier.tools.plot) is Debian's python3-matplotlib 3.6.3 too. The venv
 # sees Debian's site-packages (--system-site-packages) and adds the pinned PyPI packages of
 # python/requirements-test.txt. Each step is skipped when done already, so a second run costs
 # the package rebuild only (incremental, in build-py/).

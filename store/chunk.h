@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-namespace kvtier {
+#include "kvtier/types.h"
 
-using SequenceId = uint64_t;
+namespace kvtier {
 
 /// Identity of a chunk: (sequence, layer, index within that layer).
 struct ChunkKey {

@@ -26,6 +26,8 @@
 #include "kernels/cpu/slot_attention.h"
 #include "kernels/dtype.h"
 #include "kvtier/session.h"
+#include "kernels/cpu/attention.h"
+#include "engine/layer_parts.h"
 #include "offload/attention_backend.h"
 #include "offload/hot_tier.h"
 #include "offload/tiered_store.h"

@@ -1,8 +1,8 @@
-// The compression budget (integration/compress.h ChunkBudget): one definition, from what the
+// The compression budget (engine/compress.h ChunkBudget): one definition, from what the
 // store holds, used by `kvtier run --compress` and `kvtier infinite --compress`, so a layer
 // never holds more than kv_budget tokens (apart from the documented exception: sinks and a
 // local window that alone exceed the budget).
-#include "integration/compress.h"
+#include "engine/compress.h"
 
 #include <gtest/gtest.h>
 

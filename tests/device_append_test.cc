@@ -24,6 +24,9 @@
 #include <vector>
 
 #include "kvtier/kvtier.h"
+#include "offload/tiered_store.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/dtype.h"
 #include "offload/hot_tier.h"
 #include "tests/test_util.h"
 

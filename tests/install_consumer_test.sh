@@ -6,12 +6,38 @@
 # example and the C API test program (tests/c_api_test.c) as C99; then runs them. Fails
 # if find_package(kvtier), an example or the C API breaks, if the consumer compiles
 # against the source tree or the CUDA toolkit's headers, or if it gets KVTIER_HAVE_CUDA
-# from a library built without CUDA.
+# from a library built without CUDA. Also fails if anything but include/kvtier/*.h is
+# installed as a header, if an installed header does not compile alone against the install
+# (one that includes a header that is not installed), or if the two spellings of DType
+# (kvtier/types.h and kernels/dtype.h, which must not include each other) differ.
 #   tests/install_consumer_test.sh BUILD_DIR SOURCE_DIR [KVTIER_WITH_CUDA: ON|OFF]
 set -euo pipefail
 build=$(cd "$1" && pwd); src=$(cd "$2" && pwd); with_cuda=${3:-OFF}
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
+# Exactly the public headers: include/kvtier/*.h, nothing from the layers' folders.
+installed=$(cd "$work/prefix/include" && find . -type f | sed 's|^\./||' | sort)
+public=$(cd "$src/include" && find kvtier -maxdepth 1 -name '*.h' -type f | sort)
+if [ "$installed" != "$public" ]; then
+  echo "installed headers differ from include/kvtier/*.h:" >&2
+  diff <(echo "$public") <(echo "$installed") >&2 || true
+  exit 1
+fi
+# Each installed header compiles alone with the install prefix as its only include path, so
+# none includes an internal header (C++20; the C API's header also as C99).
+for h in $installed; do
+  echo "#include <$h>" > "$work/alone.cc"
+  "${CXX:-c++}" -std=c++20 -fsyntax-only -I "$work/prefix/include" "$work/alone.cc" 2> "$work/alone.log" ||
+    { echo "installed header $h does not compile alone:" >&2; cat "$work/alone.log" >&2; exit 1; }
+done
+echo '#include <kvtier/kvtier_c.h>' > "$work/alone.c"
+"${CC:-cc}" -std=c99 -fsyntax-only -I "$work/prefix/include" "$work/alone.c" ||
+  { echo "kvtier/kvtier_c.h does not compile alone as C99" >&2; exit 1; }
+dtype_enum() { sed -n '/^#ifndef KVTIER_DTYPE_DEFINED_/,/^#endif/p' "$1"; }
+if [ "$(dtype_enum "$src/include/kvtier/types.h")" != "$(dtype_enum "$src/kernels/dtype.h")" ] ||
+   [ -z "$(dtype_enum "$src/kernels/dtype.h")" ]; then
+  echo "DType is spelled differently in include/kvtier/types.h and kernels/dtype.h" >&2; exit 1
+fi
 mkdir -p "$work/consumer"
 # The first ```cpp block after the marker in the README, verbatim.
 awk '/<!-- embedding-example -->/ {m=1; next}

@@ -6,6 +6,7 @@
 #include <functional>
 #include <random>
 
+#include "integration/retriever_flags.h"
 #include "integration/workload.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/dot.h"

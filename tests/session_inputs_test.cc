@@ -3,6 +3,9 @@
 // session refuses every later call, a second Drop included. Each refusal is InvalidArgument
 // or FailedPrecondition naming what was wrong, and a refused Append stores nothing.
 #include "kvtier/kvtier.h"
+#include "offload/tiered_store.h"
+#include "engine/layer_parts.h"
+#include "kernels/dtype.h"
 
 #include <gtest/gtest.h>
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvtier/kvtier.h"
+#include "offload/tiered_store.h"
 #include "tests/test_util.h"
 
 namespace kvtier {

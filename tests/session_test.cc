@@ -3,6 +3,10 @@
 // threads over one store give each one's single-threaded results bit for bit, bad calls
 // get named errors, and Compress keeps the budget.
 #include "kvtier/kvtier.h"
+#include "offload/tiered_store.h"
+#include "retrieval/retriever.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/dtype.h"
 
 #include <gtest/gtest.h>
 

@@ -1,27 +1,25 @@
 // kvtier's public header: everything an inference engine needs to use kvtier as
 // its KV memory.
 //
-//   TieredStore   the tiers (hot slots, warm host memory, RocksDB cold tier), shared
-//                 by every sequence: TieredStore::Open(StoreOptions)
+//   Store         the tiers (hot slots, warm host memory, RocksDB cold tier, Redis
+//                 remote tier), shared by every sequence: Store::Open(StoreOptions)
 //   Session       one sequence: Append K/V, Attend (probe, search, budget, fetch,
 //                 attention in one call), Compress, Close/Drop, counters
-//   Retriever, ScoringPolicy, kernels::Attention
-//                 the lower-level parts, for engines that run their own attention
-//                 or their own loop (Session::Gather gives the spans to attend)
+//   options       StoreOptions, RetrieverOptions, SessionOptions (kvtier/options.h)
+//   counters      StoreCounters, SessionCounters, AttendStats (kvtier/counters.h)
 //
-// Errors are Status / Result<T> (store/status.h); nothing throws across this API.
+// Errors are Status / Result<T> (kvtier/status.h); nothing throws across this API.
 // The README's "Embedding kvtier" section shows a complete decode loop. kvtier/kvtier_c.h
-// is the same API for C (opaque handles, error codes with messages).
+// is the same API for C (opaque handles, error codes with messages). Only the headers of
+// include/kvtier/ are installed; the store's internals (tiers, retrieval, kernels) are not.
 #pragma once
 
-#include "kernels/cpu/attention.h"
-#include "kernels/dtype.h"
+#include "kvtier/counters.h"
+#include "kvtier/options.h"
 #include "kvtier/session.h"
-#include "offload/policy/scoring_policy.h"
-#include "offload/tiered_store.h"
-#include "retrieval/retriever.h"
-#include "store/geometry.h"
-#include "store/status.h"
+#include "kvtier/status.h"
+#include "kvtier/store.h"
+#include "kvtier/types.h"
 
 namespace kvtier {
 

@@ -1,4 +1,4 @@
-// kvtier::Session: one sequence's view of a TieredStore, the object an inference
+// kvtier::Session: one sequence's view of a Store, the object an inference
 // engine talks to. It owns the sequence's retrieval state (probe statistics of
 // ActQKV Eq. 8, the entropy allocator's per-step budget of Eq. 12, the chunk
 // indexes), so two sequences never mix their statistics, and it runs a layer's
@@ -39,7 +39,7 @@
 // on the host).
 //
 // Threading: a Session is driven by one thread at a time. Different Sessions
-// may run concurrently on different threads over one TieredStore (the store
+// may run concurrently on different threads over one Store (the store
 // serialises what it shares; attention and search use oneTBB inside). Several
 // Sessions may attach to one sequence (e.g. to compare retrieval settings on the
 // same data); only one of them may Append, and they must not run at once.
@@ -69,20 +69,25 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cpu/attention.h"
-#include "offload/attention_backend.h"
-#include "offload/policy/scoring_policy.h"
-#include "offload/tiered_store.h"
-#include "retrieval/retriever.h"
-#include "store/status.h"
+#include "kvtier/counters.h"
+#include "kvtier/options.h"
+#include "kvtier/status.h"
+#include "kvtier/store.h"
+#include "kvtier/types.h"
 
 namespace kvtier {
 
-/// How keys get their positions; see the top of this file.
-enum class PositionMode { kAbsolute, kInfLLM };
-/// "absolute" | "infllm".
-Result<PositionMode> ParsePositionMode(const std::string& s);
-const char* PositionModeName(PositionMode mode);
+// Internal types the session holds or hands to tools built with the library's sources;
+// an engine needs none of them.
+class AttentionBackend;  // offload/attention_backend.h
+class AttentionPlan;     // offload/attention_backend.h
+class Retriever;         // retrieval/retriever.h
+class ScoringPolicy;     // offload/policy/scoring_policy.h
+class TieredStore;       // offload/tiered_store.h: the Store's implementation
+struct ChunkInfo;        // offload/tiered_store.h
+struct HotView;          // offload/tiered_store.h
+struct LayerParts;       // engine/layer_parts.h: what Gather returns
+
 
 /// Picks the sealed chunks one layer's queries attend to, in place of retrieval.
 /// `q` is [m, q_heads, head_dim] fp32 as memory sees it (kInfLLM: rotated by
@@ -122,57 +127,11 @@ Result<RetrievalPreset> MakeRetrievalPreset(const std::string& name);
 Result<RetrieverOptions> PaperRetrieval(const std::string& preset, const RetrieverOptions& configured);
 /// Every preset name, the default first.
 std::vector<std::string> RetrievalPresetNames();
-/// The "kvtier" preset's retrieval options: kvtier's recommended configuration.
-RetrieverOptions RecommendedRetrieval();
 
-struct SessionOptions {
-  RetrieverOptions retrieval = RecommendedRetrieval();  ///< probe, allocator, index and budget ("kvtier" preset)
-  bool retrieve = true;                              ///< false: attend every live chunk (full attention through the store)
-  PositionMode positions = PositionMode::kAbsolute;  ///< keys after RoPE (absolute) or before it (infllm)
-  double rope_theta = 10000.0;                       ///< kInfLLM: RoPE base (rotate-half, Hugging Face Llama)
-  bool observe_prefill = true;                       ///< prefill Attend feeds representative-key statistics
-  int keep_queries = 0;                              ///< most recent queries kept per layer for Compress (0 = none)
-  Status Validate() const;
-};
 
 enum class StepKind {
   kPrefill,  ///< a window of m >= 1 prompt tokens: the probe pools the window and updates Eq. 8's statistics
   kDecode,   ///< one generated token: the probe is that token's own query (ActQKV Sec. 4.2)
-};
-
-/// One Attend (or Gather) call.
-struct AttendStats {
-  double probe_ms = 0, search_ms = 0, alloc_ms = 0;  ///< retrieval: Eq. 7-9, Eq. 10 search, Eq. 11-12
-  double fetch_ms = 0;                               ///< promotion into hot slots, pin waits included
-  double attention_ms = 0;                           ///< the attention kernel (and kInfLLM rotation)
-  double entropy = 0;                                ///< Θ^ℓ of Eq. 11 when the allocator computed it
-  size_t chunks = 0;                                 ///< chunks attended
-};
-
-/// Totals over the session's life.
-struct SessionCounters {
-  uint64_t steps = 0;             ///< BeginStep calls
-  uint64_t attends = 0;           ///< Attend/Gather calls (layer steps)
-  uint64_t tokens_appended = 0;   ///< summed over layers
-  uint64_t chunks_attended = 0;   ///< summed over layer steps
-  uint64_t max_layer_chunks = 0;  ///< most chunks one layer attended in one step
-  uint64_t compressions = 0;      ///< Compress calls that ran
-  uint64_t dropped_chunks = 0;    ///< chunks Compress removed
-  double probe_ms = 0, search_ms = 0, alloc_ms = 0, fetch_ms = 0, attention_ms = 0;
-};
-
-/// The spans one layer attends, for engines that run their own attention. The chunks
-/// stay pinned in hot slots until Release() or destruction. kInfLLM: spans hold the
-/// keys as stored (before RoPE); `rope_positions` says where each part's keys belong.
-struct LayerParts {
-  std::vector<kernels::KvSpan> parts;    ///< sinks, retrieved chunks (best first), local window (oldest first)
-  std::vector<int64_t> rope_positions;   ///< [parts] kInfLLM: every key of part i at this position, -1 = true positions
-  size_t n_chunks = 0;                   ///< parts[1 .. n_chunks] are chunks
-  std::vector<uint64_t> chunks;          ///< chunk indices attended, as parts[1..n_chunks]
-  int64_t local_start = 0;               ///< L0: first position of the local window
-  AttendStats stats;
-  FetchHandle fetch;                     ///< the pins
-  void Release() { fetch.Release(); }
 };
 
 /// What one Compress did.
@@ -188,18 +147,19 @@ class Session {
   /// Creates a new sequence in `store` and a session over it. The store must outlive the session.
   /// ResourceExhausted when the hot pool cannot hold this session's budget beside the
   /// reservations of the sessions already open (see "Sharing the hot slot pool" above).
-  static Result<std::unique_ptr<Session>> Open(TieredStore* store, const SessionOptions& options);
+  static Result<std::unique_ptr<Session>> Open(Store* store, const SessionOptions& options);
   /// A session over an existing sequence (e.g. one recovered by reopening the store, or one
   /// another session appends to).
-  static Result<std::unique_ptr<Session>> Attach(TieredStore* store, SequenceId seq, const SessionOptions& options);
+  static Result<std::unique_ptr<Session>> Attach(Store* store, SequenceId seq, const SessionOptions& options);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
   SequenceId sequence() const { return seq_; }
+  /// The store's implementation, for tools built with the library's sources.
   TieredStore* store() const { return store_; }
   const SessionOptions& options() const { return options_; }
-  const Geometry& geometry() const { return store_->options().geometry; }
+  const Geometry& geometry() const;
 
   /// Appends n tokens of K and V ([n, kv_heads, head_dim] in `dtype`, which must be the
   /// store's) to one layer. kInfLLM: keys before RoPE. `space` says where k and v live
@@ -223,6 +183,8 @@ class Session {
   Status Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
                 AttendStats* stats = nullptr);
   /// Attend without the attention: chooses and fetches the chunks and returns what to attend.
+  /// LayerParts (engine/layer_parts.h) holds the kernels' spans: for code built with the
+  /// library's sources, not part of the installed API.
   Result<LayerParts> Gather(int layer, const float* q, const int64_t* positions, int m);
   /// Feeds prefill queries to the statistics (probe Eq. 8, representative keys, the query
   /// ring for Compress) without attending: for engines that attend elsewhere.
@@ -308,7 +270,7 @@ class Session {
   std::vector<std::vector<float>> rot_k_, rot_v_;
   std::vector<float> rot_pool_;  // kInfLLM: rotated chunks as a slot pool ([K][V] fp32 per chunk)
   std::unique_ptr<AttentionBackend> backend_;  // runs the plan where the hot tier's memory is
-  AttentionPlan plan_;                         // rebuilt every Attend, its vectors reused
+  std::unique_ptr<AttentionPlan> plan_;        // rebuilt every Attend, its vectors reused
 };
 
 }  // namespace kvtier

@@ -21,7 +21,7 @@
 
 #include "integration/cli/flags.h"
 #include "integration/cli/paths.h"
-#include "integration/compress.h"
+#include "engine/compress.h"
 #include "integration/json.h"
 #include "integration/model/llama.h"
 #include "integration/model/tasks.h"
@@ -32,6 +32,7 @@
 #include "offload/demotion_policy.h"
 #include "offload/hot_tier.h"
 #include "offload/policy/scoring_policy.h"
+#include "integration/retriever_flags.h"
 #include "retrieval/retriever.h"
 
 // OpenBLAS's thread control (declared by its cblas.h too).

@@ -22,6 +22,7 @@
 #include "integration/cli/trace.h"
 #include "integration/json.h"
 #include "integration/policy_eval.h"
+#include "integration/retriever_flags.h"
 #include "integration/run_job.h"
 #include "offload/demotion_policy.h"
 #include "offload/policy/scoring_policy.h"

@@ -61,7 +61,7 @@ Status CheckInputFile(const std::string& what, const std::string& path) {
   std::string msg = "'" + path + "' is a directory, not a file";
   if (fs::exists(fs::path(path) / "config.json") && !found.empty()) {
     msg += ". It looks like a Hugging Face export (config.json, " + fs::path(found.front()).filename().string() +
-           "), which is for transformers (python -m kvtier.infinitebench --model DIR); kvtier reads the "
+           "), which is for transformers (python -m kvtier.tools.infinitebench --model DIR); kvtier reads the "
            "kvtier-llama file it was exported from, e.g. --weights models/kvtier-tiny.safetensors";
   } else if (found.size() == 1) {
     msg += ": pass " + what + " " + found.front();

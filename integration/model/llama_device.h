@@ -33,6 +33,9 @@
 
 #include "integration/model/llama.h"
 #include "kvtier/session.h"
+#include "offload/tiered_store.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/dtype.h"
 #include "offload/hot_tier.h"
 #include "store/status.h"
 

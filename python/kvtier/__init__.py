@@ -15,11 +15,11 @@ closes the sequence. The package is typed (py.typed; the extension's stubs are _
 Arrays are numpy arrays or CPU torch tensors (buffer protocol or DLPack), never copied.
 A Status that is not OK raises kvtier.Error's subclass named by its code (kvtier.InvalidArgument,
 kvtier.NotFound, ...), with .code and .message. kvtier.hf plugs the store into Hugging Face
-transformers; kvtier.export_hf writes the shipped model as a transformers checkpoint.
+transformers. The tools and benchmarks (the shipped model's C++ forward, the task generator,
+export_hf, infinitebench, decode_bench, plot) are kvtier.tools, not the engine API.
 """
 from ._kvtier import (  # noqa: F401
     AlreadyExists,
-    CppLlama,
     Corruption,
     Error,
     FailedPrecondition,
@@ -33,7 +33,6 @@ from ._kvtier import (  # noqa: F401
     TimedOut,
     Unavailable,
     preset,
-    make_samples,
     preset_names,
     version,
 )
@@ -41,7 +40,7 @@ from ._kvtier import (  # noqa: F401
 __version__: str = version()
 
 __all__ = [
-    "Store", "Session", "CppLlama", "Error", "InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition",
+    "Store", "Session", "Error", "InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition",
     "ResourceExhausted", "Corruption", "IOError", "TimedOut", "Unavailable", "Internal",
-    "make_samples", "preset", "preset_names", "version",
+    "preset", "preset_names", "version",
 ]

@@ -31,6 +31,10 @@
 #include "integration/model/llama.h"
 #include "integration/model/tasks.h"
 #include "kvtier/kvtier.h"
+#include "offload/tiered_store.h"
+#include "kernels/cpu/attention.h"
+#include "engine/layer_parts.h"
+#include "kernels/dtype.h"
 #include "offload/scrambled_hot_tier.h"
 
 namespace py = pybind11;
@@ -888,7 +892,7 @@ void PyStore::Close() {
 
 // The shipped model's C++ forward pass (integration/model/llama.h) with the store `kvtier
 // infinite` gives it: the C++ path the Python one is timed against in the same process
-// (kvtier.decode_bench). Tokens are bytes; logits come back as a list.
+// (kvtier.tools.decode_bench). Tokens are bytes; logits come back as a list.
 class PyLlama {
  public:
   PyLlama(const std::string& weights, int64_t context, const std::string& preset, int budget, int n_sink, int n_local,
@@ -1023,7 +1027,7 @@ PYBIND11_MODULE(_kvtier, m) {
       .def_property_readonly("position", &PyLlama::Position);
 
   py::class_<PyStore>(m, "Store",
-                      "The tiers shared by every sequence: TieredStore::Open(StoreOptions). A context "
+                      "The tiers shared by every sequence: Store::Open(StoreOptions). A context "
                       "manager: `with kvtier.Store(...) as store:` closes it at the end of the block.")
       .def(py::init<const py::kwargs&>(),
            "Store(**options): StoreOptions fields as keyword arguments (layers, q_heads, kv_heads, head_dim, "

@@ -9,7 +9,7 @@ WEIGHTS = os.path.join(ROOT, "models", "kvtier-tiny.safetensors")
 
 @pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory):
-    from kvtier.export_hf import export
+    from kvtier.tools.export_hf import export
 
     out = tmp_path_factory.mktemp("kvtier-tiny-hf")
     export(WEIGHTS, str(out))

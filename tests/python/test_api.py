@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import kvtier
+import kvtier.tools
 
 GEOM = dict(layers=2, q_heads=4, kv_heads=2, head_dim=16)
 
@@ -28,6 +29,22 @@ def reference_attention(q, k, v, q_pos):
             p = np.exp(s - s.max())
             out[i, h] = (p / p.sum()) @ vv
     return out
+
+
+def test_the_package_is_the_engine_api_and_tools_are_apart():
+    engine = {"Store", "Session", "Error", "InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition",
+              "ResourceExhausted", "Corruption", "IOError", "TimedOut", "Unavailable", "Internal",
+              "preset", "preset_names", "version"}
+    assert set(kvtier.__all__) == engine
+    for name in engine:
+        assert hasattr(kvtier, name), name
+    assert not hasattr(kvtier, "CppLlama") and not hasattr(kvtier, "make_samples")
+    assert kvtier.tools.CppLlama is kvtier._kvtier.CppLlama
+    assert kvtier.tools.make_samples is kvtier._kvtier.make_samples
+    import importlib.util
+    for mod in ("plot", "export_hf", "infinitebench", "decode_bench"):
+        assert importlib.util.find_spec("kvtier.tools." + mod) is not None, mod
+        assert importlib.util.find_spec("kvtier." + mod) is None, mod
 
 
 def test_roundtrip_matches_reference_attention():
@@ -351,7 +368,7 @@ def test_bad_input_raises_never_crashes():
     with pytest.raises(kvtier.InvalidArgument, match="unknown option"):
         kvtier.Session.open(store, budget=5)
     with pytest.raises(kvtier.InvalidArgument):
-        kvtier.make_samples("passkey", 10, 1)  # too short for the task
+        kvtier.tools.make_samples("passkey", 10, 1)  # too short for the task
     # The session is still usable after all of that.
     s.attend(0, q, 7, out)
 

@@ -1,4 +1,4 @@
-"""kvtier.export_hf: transformers' Llama on the exported weights computes what kvtier's
+"""kvtier.tools.export_hf: transformers' Llama on the exported weights computes what kvtier's
 reference model (models/model.py, which integration/model/llama.cc reproduces) does."""
 import importlib.util
 import os
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvtier
+import kvtier.tools
 import kvtier.hf as kh
 
 from conftest import ROOT, WEIGHTS
@@ -25,7 +26,7 @@ def reference_model():
 
 
 def prompt(context, task="passkey", index=0):
-    s = kvtier.make_samples(task, context, index + 1)[index]
+    s = kvtier.tools.make_samples(task, context, index + 1)[index]
     return torch.tensor([list(s["prompt"])]), s["answer"]
 
 
@@ -60,20 +61,20 @@ def test_cli_finds_the_shipped_weights_from_any_directory(tmp_path):
     # From a directory with no models/ in it (and without the source tree on sys.path): the
     # package's own copy, installed with it.
     out = tmp_path / "hf"
-    r = subprocess.run([sys.executable, "-m", "kvtier.export_hf", "--out", str(out)], cwd=str(tmp_path),
+    r = subprocess.run([sys.executable, "-m", "kvtier.tools.export_hf", "--out", str(out)], cwd=str(tmp_path),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
-    import kvtier.export_hf as ex
+    import kvtier.tools.export_hf as ex
 
-    # The first place looked at is the package's own copy, and it is there.
+    # The first place looked at is the package's own copy (kvtier/models/), and it is there.
     found = ex.default_weights()
-    assert found == os.path.join(os.path.dirname(os.path.abspath(ex.__file__)), "models", "kvtier-tiny.safetensors")
+    assert found == os.path.join(os.path.dirname(os.path.abspath(kvtier.__file__)), "models", "kvtier-tiny.safetensors")
     assert open(found, "rb").read() == open(WEIGHTS, "rb").read()
 
 
 def test_cli_says_when_the_weights_are_missing(tmp_path, monkeypatch, capsys):
-    import kvtier.export_hf as ex
+    import kvtier.tools.export_hf as ex
 
     monkeypatch.setattr(ex, "weights_candidates", lambda: [str(tmp_path / "nowhere.safetensors")])
     with pytest.raises(SystemExit) as e:

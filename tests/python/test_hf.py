@@ -6,12 +6,13 @@ import torch
 from transformers import DynamicCache
 
 import kvtier
+import kvtier.tools
 import kvtier.hf as kh
 
 
 
 def prompt(context, task="passkey", index=0):
-    s = kvtier.make_samples(task, context, index + 1)[index]
+    s = kvtier.tools.make_samples(task, context, index + 1)[index]
     return torch.tensor([list(s["prompt"])]), s["answer"]
 
 

@@ -1,5 +1,5 @@
 """Passkey at 16K and 32K bytes through transformers' generate with the kvtier cache
-(kvtier.infinitebench) against `kvtier infinite` on the same prompts: the same accuracy and the
+(kvtier.tools.infinitebench) against `kvtier infinite` on the same prompts: the same accuracy and the
 same decoded answer for every sample, 10 samples per context."""
 import json
 import os
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-import kvtier.infinitebench as ib
+import kvtier.tools.infinitebench as ib
 
 from conftest import ROOT, WEIGHTS
 

@@ -1,4 +1,4 @@
-"""python -m kvtier.plot: real reports of the built CLI drawn into valid PNGs, the data extraction
+"""python -m kvtier.tools.plot: real reports of the built CLI drawn into valid PNGs, the data extraction
 checked against hand-computed values of small handmade reports, and the errors a user gets."""
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import kvtier.plot as kp
+import kvtier.tools.plot as kp
 
 from conftest import ROOT, WEIGHTS
 
@@ -23,7 +23,7 @@ def kvtier_cli():
 
 
 def plot(*args):
-    r = subprocess.run([sys.executable, "-m", "kvtier.plot", *args], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "kvtier.tools.plot", *args], capture_output=True, text=True)
     return r.returncode, r.stdout, r.stderr
 
 

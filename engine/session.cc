@@ -7,10 +7,14 @@
 #include <cstring>
 #include <new>
 
-#include "integration/compress.h"
+#include "engine/compress.h"
+#include "engine/layer_parts.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/dtype.h"
 #include "kvtier/kvtier.h"
+#include "offload/attention_backend.h"
+#include "offload/policy/scoring_policy.h"
+#include "offload/tiered_store.h"
 #include "retrieval/chunk_index.h"
 #include "retrieval/retriever.h"
 
@@ -19,6 +23,13 @@ namespace {
 
 double MsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Store::Open makes every Store a TieredStore; another implementation is refused.
+Result<TieredStore*> Tiered(const char* what, Store* store) {
+  auto* tiered = dynamic_cast<TieredStore*>(store);
+  if (tiered == nullptr) return InvalidArgument(std::string(what) + ": the store was not opened by Store::Open");
+  return tiered;
 }
 
 }  // namespace
@@ -99,7 +110,7 @@ Status SessionOptions::Validate() const {
 }
 
 Session::Session(TieredStore* store, SequenceId seq, const SessionOptions& options)
-    : store_(store), seq_(seq), options_(options) {
+    : store_(store), seq_(seq), options_(options), plan_(std::make_unique<AttentionPlan>()) {
   const Geometry& g = store->options().geometry;
   if (options.positions == PositionMode::kInfLLM) inv_freq_ = kernels::RopeInvFreq(g.head_dim, options.rope_theta);
   last_chunks_.resize(static_cast<size_t>(g.layers));
@@ -108,14 +119,17 @@ Session::Session(TieredStore* store, SequenceId seq, const SessionOptions& optio
 
 Session::~Session() { ReleaseReservation(); }
 
+const Geometry& Session::geometry() const { return store_->options().geometry; }
+
 void Session::ReleaseReservation() {
   if (reservation_ != 0) store_->ReleaseHotSlots(reservation_);
   reservation_ = 0;
   reserved_slots_ = 0;
 }
 
-Result<std::unique_ptr<Session>> Session::Open(TieredStore* store, const SessionOptions& options) {
-  if (store == nullptr) return InvalidArgument("Session::Open: store is null");
+Result<std::unique_ptr<Session>> Session::Open(Store* base, const SessionOptions& options) {
+  if (base == nullptr) return InvalidArgument("Session::Open: store is null");
+  KVTIER_ASSIGN_OR_RETURN(TieredStore * store, Tiered("Session::Open", base));
   KVTIER_RETURN_IF_ERROR(options.Validate());
   KVTIER_ASSIGN_OR_RETURN(SequenceId seq, store->CreateSequence());
   auto s = Attach(store, seq, options);
@@ -123,8 +137,9 @@ Result<std::unique_ptr<Session>> Session::Open(TieredStore* store, const Session
   return s;
 }
 
-Result<std::unique_ptr<Session>> Session::Attach(TieredStore* store, SequenceId seq, const SessionOptions& options) {
-  if (store == nullptr) return InvalidArgument("Session::Attach: store is null");
+Result<std::unique_ptr<Session>> Session::Attach(Store* base, SequenceId seq, const SessionOptions& options) {
+  if (base == nullptr) return InvalidArgument("Session::Attach: store is null");
+  KVTIER_ASSIGN_OR_RETURN(TieredStore * store, Tiered("Session::Attach", base));
   KVTIER_RETURN_IF_ERROR(options.Validate());
   const Geometry& g = store->options().geometry;
   if (options.positions == PositionMode::kInfLLM && g.head_dim % 2 != 0)
@@ -614,8 +629,8 @@ Status Session::Attend(int layer, const float* q, const int64_t* positions, int 
     in.n_chunks = lp.n_chunks;
     in.local = lp.parts.data() + 1 + lp.n_chunks;
     in.n_local = static_cast<int>(lp.parts.size() - 1 - lp.n_chunks);
-    Status st = observe_here ? AttendAndObserve(store_, seq_, layer, in, &plan_, out) : plan_.Build(in);
-    if (st.ok() && !observe_here) st = backend_->Run(plan_, out);
+    Status st = observe_here ? AttendAndObserve(store_, seq_, layer, in, plan_.get(), out) : plan_->Build(in);
+    if (st.ok() && !observe_here) st = backend_->Run(*plan_, out);
     if (!st.ok()) return Status(st.code(), "Session::Attend: layer " + std::to_string(layer) + ": " + st.message());
     lp.stats.attention_ms = MsSince(t0);
     lp.Release();  // unpinning is bookkeeping under the store lock, not attention: timed by neither

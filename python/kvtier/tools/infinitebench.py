@@ -1,17 +1,17 @@
 """∞-Bench-style retrieval through any local transformers checkpoint with kvtier as its KV
 memory: the Python counterpart of `kvtier infinite`, printing the same report.
 
-    python -m kvtier.infinitebench --model DIR --task passkey|number_string|kv_retrieval \\
+    python -m kvtier.tools.infinitebench --model DIR --task passkey|number_string|kv_retrieval \\
         --context N [--samples K] [--compare] [--json FILE]
 
-The samples are kvtier infinite's (kvtier.make_samples: the same generator, seed and order), the
+The samples are kvtier infinite's (kvtier.tools.make_samples: the same generator, seed and order), the
 defaults its defaults (sinks 16, local 256, chunks of 32, budget 256, prefill window 64, InfLLM
 positions, the kvtier preset), and each prompt runs the same way: all but its last token
 prefilled in windows, the last token as the first decode step of a greedy model.generate, exact
 match = correct. --compare adds transformers' own full attention (eager, DynamicCache) on the
 same samples and prints kvtier infinite's comparison table.
 
-A checkpoint with a 256-entry vocabulary (kvtier.export_hf's) is fed the prompt's bytes as
+A checkpoint with a 256-entry vocabulary (kvtier.tools.export_hf's) is fed the prompt's bytes as
 tokens, like kvtier infinite; any other goes through its tokenizer, and an answer counts when
 the decoded output starts with it (needle recall is then not measured: it needs byte positions).
 """
@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 import torch
 
 import kvtier
+import kvtier.tools
 import kvtier.hf as kh
 
 
@@ -38,7 +39,7 @@ def _parse_contexts(text: str) -> List[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m kvtier.infinitebench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvtier.tools.infinitebench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="local transformers checkpoint directory")
     ap.add_argument("--task", default="passkey", choices=["passkey", "number_string", "kv_retrieval"])
     ap.add_argument("--context", "--contexts", dest="contexts", type=_parse_contexts, default=[4096],
@@ -191,7 +192,7 @@ class Runner:
         methods = (["HF full attention"] if a.compare else []) + ["kvtier"]
         results: List[Result] = []
         for context in a.contexts:
-            samples = kvtier.make_samples(a.task, context, a.samples, a.seed)
+            samples = kvtier.tools.make_samples(a.task, context, a.samples, a.seed)
             for m in methods:
                 r = Result(m, context)
                 if m != "kvtier" and context > a.full_max_context:

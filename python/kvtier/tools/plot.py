@@ -1,6 +1,6 @@
 """Pictures of kvtier's JSON reports: the results people would rather see than read.
 
-    python -m kvtier.plot REPORT.json [REPORT2.json ...] --out DIR [--kind KIND]
+    python -m kvtier.tools.plot REPORT.json [REPORT2.json ...] --out DIR [--kind KIND]
 
 Each report's kind is told by its fields, and each kind gives its pictures (PNG, matplotlib's
 Agg backend, no display needed); every path written is printed:
@@ -435,7 +435,7 @@ def make_pictures(reports: Sequence[Report], out: str, say: Any = print) -> List
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m kvtier.plot", description=(__doc__ or "").split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m kvtier.tools.plot", description=(__doc__ or "").split("\n\n")[0],
                                  epilog="kinds: " + "; ".join(f"{k}: {v}" for k, v in KIND_SOURCES.items()))
     ap.add_argument("reports", nargs="+", metavar="REPORT.json", help="JSON reports of kvtier run / infinite")
     ap.add_argument("--out", required=True, metavar="DIR", help="directory for the PNGs (created)")
@@ -449,12 +449,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         reports = [load_report(p, args.kind) for p in args.reports]
         written = make_pictures(reports, args.out, say=lambda s: print(s, file=sys.stderr))
     except PlotError as e:
-        print(f"kvtier.plot: {e}", file=sys.stderr)
+        print(f"kvtier.tools.plot: {e}", file=sys.stderr)
         return 2
     for p in written:
         print(p)
     if not written:
-        print("kvtier.plot: no picture written", file=sys.stderr)
+        print("kvtier.tools.plot: no picture written", file=sys.stderr)
         return 1
     return 0
 

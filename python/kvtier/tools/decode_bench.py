@@ -1,9 +1,9 @@
 """Per-token decode time of transformers + kvtier against kvtier's C++ model path, in one process
-on the same prompt: the shipped model exported (kvtier.export_hf) and the same weights run by
+on the same prompt: the shipped model exported (kvtier.tools.export_hf) and the same weights run by
 integration/model/llama.cc, both over a kvtier store with `kvtier infinite`'s settings (sinks 16,
 local 256, chunks of 32, budget 256, InfLLM positions, the kvtier preset).
 
-    python -m kvtier.decode_bench --model HF_DIR [--weights models/kvtier-tiny.safetensors] \\
+    python -m kvtier.tools.decode_bench --model HF_DIR [--weights models/kvtier-tiny.safetensors] \\
         [--context 32768] [--tokens 64]
 
 Both paths prefill all but the prompt's last token in windows of 64, then decode greedily; the
@@ -20,13 +20,14 @@ from typing import Optional, Sequence
 import torch
 
 import kvtier
+import kvtier.tools
 import kvtier.hf as kh
-from kvtier.export_hf import default_weights
+from kvtier.tools.export_hf import default_weights
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvtier.decode_bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="the exported checkpoint (python -m kvtier.export_hf)")
+    ap = argparse.ArgumentParser(prog="python -m kvtier.tools.decode_bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="the exported checkpoint (python -m kvtier.tools.export_hf)")
     ap.add_argument("--weights", default=default_weights(), help="the kvtier-llama file it was exported from")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--tokens", type=int, default=64, help="decode steps timed")
@@ -34,12 +35,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
-    sample = kvtier.make_samples(a.task, a.context, 1)[0]
+    sample = kvtier.tools.make_samples(a.task, a.context, 1)[0]
     prompt = sample["prompt"]
     model = AutoModelForCausalLM.from_pretrained(a.model, attn_implementation=kh.ATTENTION_NAME).eval()
     cache = kh.KvtierCache(model.config, max_context=a.context + a.tokens + 64, n_sink=16, n_local=256,
                            chunk_size=32, budget_tokens=256, transfer_threads=2)
-    cpp = kvtier.CppLlama(a.weights, a.context + a.tokens + 64)
+    cpp = kvtier.tools.CppLlama(a.weights, a.context + a.tokens + 64)
 
     t0 = time.perf_counter()
     kh.prefill(model, torch.tensor([list(prompt[:-1])]), cache, 64)

@@ -1,4 +1,4 @@
-#include "integration/compress.h"
+#include "engine/compress.h"
 
 #include <algorithm>
 #include <cmath>

@@ -2,7 +2,7 @@
 `LlamaForCausalLM` checkpoint: config.json, model.safetensors (fp32) and a byte-level tokenizer
 whose token ids are the bytes themselves, the model's vocabulary.
 
-    python -m kvtier.export_hf [--weights models/kvtier-tiny.safetensors] --out DIR
+    python -m kvtier.tools.export_hf [--weights models/kvtier-tiny.safetensors] --out DIR
 
 Without --weights it exports the shipped kvtier-tiny from any directory: the copy installed in
 the package (kvtier/models/, put there by `pip install .`), else the source tree's models/.
@@ -167,7 +167,7 @@ def weights_candidates() -> List[str]:
     carries models/kvtier-tiny.safetensors as kvtier/models/), the source tree around the
     package (python/kvtier/../../models, when run from a checkout), the source tree pip
     installed from (its direct_url.json), and the current directory's models/."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the kvtier package
     roots = [here, os.path.join(here, "..", "..")]
     try:
         from importlib.metadata import PackageNotFoundError, distribution
@@ -201,7 +201,7 @@ def default_weights() -> Optional[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvtier.export_hf", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvtier.tools.export_hf", description=__doc__.split("\n\n")[0])
     ap.add_argument("--weights", help="kvtier-llama safetensors file (default: the shipped "
                     "kvtier-tiny.safetensors, installed with the package)")
     ap.add_argument("--out", required=True, help="output directory of the transformers checkpoint")

@@ -1,4 +1,4 @@
-// The C API (include/kvtier/kvtier_c.h) over TieredStore and Session. Every entry point
+// The C API (include/kvtier/kvtier_c.h) over Store and Session. Every entry point
 // checks its handles, pointers and enums, runs the C++ call inside a catch-all (bad_alloc
 // -> ResourceExhausted, anything else -> Internal), and copies the Status into the
 // caller's kvtier_error without allocating.
@@ -17,7 +17,7 @@
 #include "kvtier/kvtier.h"
 
 struct kvtier_store {
-  std::unique_ptr<kvtier::TieredStore> store;
+  std::unique_ptr<kvtier::Store> store;
   std::atomic<int> open_sessions{0};  // session handles not yet destroyed
 };
 
@@ -172,7 +172,7 @@ kvtier_code kvtier_store_open(const kvtier_store_options* options, kvtier_store*
     so.data_dir = options->data_dir ? options->data_dir : "";
     so.compression = static_cast<kvtier::Compression>(compression);
     auto handle = std::make_unique<kvtier_store>();
-    KVTIER_ASSIGN_OR_RETURN(handle->store, kvtier::TieredStore::Open(so));
+    KVTIER_ASSIGN_OR_RETURN(handle->store, kvtier::Store::Open(so));
     *out = handle.release();
     return Status::Ok();
   });

@@ -1,0 +1,62 @@
+// What kvtier counts, for an engine to read: StoreCounters (the store's tiers and
+// transfers, a consistent snapshot from Store::counters()), AttendStats (one
+// Session::Attend) and SessionCounters (a session's totals, Session::counters()).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvtier {
+
+/// Counters a user can read at any time (a consistent snapshot).
+struct StoreCounters {
+  uint64_t hot_chunks = 0, hot_bytes = 0;    ///< chunk slots in use (+ sinks/local bytes in hot_bytes)
+  uint64_t warm_chunks = 0, warm_bytes = 0;  ///< chunks resident in the warm tier
+  uint64_t cold_chunks = 0, cold_bytes = 0;  ///< chunks acknowledged by the cold tier
+  uint64_t promotions = 0;                   ///< chunk copies to a higher tier (cold->warm, warm->hot)
+  uint64_t demotions = 0;    ///< chunks that left a tier for a lower one (warm->cold, hot slot freed)
+  uint64_t hits = 0;         ///< fetched chunks already hot
+  uint64_t misses = 0;       ///< fetched chunks that had to be promoted
+  uint64_t bytes_moved = 0;  ///< bytes copied between tiers (either direction)
+  uint64_t cold_writes = 0, cold_reads = 0;
+  uint64_t lease_expired = 0;      ///< pins that ran past pin_timeout_ms and stopped protecting
+  uint64_t pin_waits = 0;          ///< fetches that waited for hot slots other fetches held (FetchChunks)
+  uint64_t pin_wait_us = 0;        ///< total time those fetches waited, microseconds
+  uint64_t pin_wait_timeouts = 0;  ///< waits that ran past pin_wait_ms (the fetch was ResourceExhausted)
+  uint64_t hot_reserved = 0;       ///< hot slots reserved by open sessions now (ReserveHotSlots)
+  uint64_t chunks_sealed = 0;      ///< chunks formed from the local window
+  uint64_t dropped_chunks = 0;     ///< chunks removed for good by DropChunks (compression)
+  // Where fetched chunks that were not hot came from (hits + the three = fetched chunks).
+  uint64_t warm_loads = 0;    ///< fetched chunks copied from the warm tier
+  uint64_t cold_loads = 0;    ///< fetched chunks read from the cold tier (RocksDB)
+  uint64_t remote_loads = 0;  ///< fetched chunks read from the remote tier (Redis)
+  // The remote tier's own counters (offload/remote_tier.h), 0 without one.
+  uint64_t remote_puts = 0, remote_put_bytes = 0;  ///< chunks acknowledged by the remote tier, payload bytes
+  uint64_t remote_gets = 0, remote_get_bytes = 0;  ///< chunks read back and verified, payload bytes
+  uint64_t remote_not_found = 0;                   ///< remote reads of a missing chunk (evicted by maxmemory)
+  uint64_t remote_corrupt = 0;                     ///< remote reads that failed the CRC or format check
+  uint64_t remote_errors = 0;                      ///< remote calls with no usable answer (node down or slow)
+};
+
+/// One Attend (or Gather) call.
+struct AttendStats {
+  double probe_ms = 0, search_ms = 0, alloc_ms = 0;  ///< retrieval: Eq. 7-9, Eq. 10 search, Eq. 11-12
+  double fetch_ms = 0;                               ///< promotion into hot slots, pin waits included
+  double attention_ms = 0;                           ///< the attention kernel (and kInfLLM rotation)
+  double entropy = 0;                                ///< Θ^ℓ of Eq. 11 when the allocator computed it
+  size_t chunks = 0;                                 ///< chunks attended
+};
+
+/// Totals over the session's life.
+struct SessionCounters {
+  uint64_t steps = 0;             ///< BeginStep calls
+  uint64_t attends = 0;           ///< Attend/Gather calls (layer steps)
+  uint64_t tokens_appended = 0;   ///< summed over layers
+  uint64_t chunks_attended = 0;   ///< summed over layer steps
+  uint64_t max_layer_chunks = 0;  ///< most chunks one layer attended in one step
+  uint64_t compressions = 0;      ///< Compress calls that ran
+  uint64_t dropped_chunks = 0;    ///< chunks Compress removed
+  double probe_ms = 0, search_ms = 0, alloc_ms = 0, fetch_ms = 0, attention_ms = 0;
+};
+
+}  // namespace kvtier

@@ -1,0 +1,126 @@
+// The options an engine sets: StoreOptions (the tiers, Store::Open), RetrieverOptions
+// (probe, allocator, index and budget of retrieval) and SessionOptions (one sequence's
+// retrieval and positions, Session::Open). Each option's one-line comment is its meaning
+// and default; Validate() refuses nonsense with InvalidArgument naming the field.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "kvtier/status.h"
+#include "kvtier/types.h"
+
+namespace kvtier {
+
+class Clock;       // offload/clock.h: the time source of pin leases
+class HotTier;     // offload/hot_tier.h: the hot slot pool's memory
+struct ChunkKey;   // store/chunk.h: (sequence, layer, index)
+
+/// std::chrono::steady_clock, shared by every store that does not bring its own.
+std::shared_ptr<const Clock> SteadyClock();
+
+/// Block compression of the cold tier's column families.
+enum class Compression : uint8_t { kNone, kLZ4, kZSTD };
+
+struct StoreOptions {
+  Geometry geometry;                   ///< model KV shape and storage dtype
+  int n_sink = 64;                     ///< attention-sink tokens kept hot per (sequence, layer)
+  int n_local = 512;                   ///< most recent tokens kept hot (the local window)
+  int chunk_size = 32;                 ///< tokens per chunk
+  int repr_topk = 4;                   ///< representative keys per head per chunk
+  uint64_t hot_bytes = 64ull << 20;    ///< hot slot pool for retrieved chunks (sinks/local are extra)
+  uint64_t warm_bytes = 256ull << 20;  ///< warm tier capacity
+  std::string data_dir;                ///< cold tier (RocksDB) directory; empty = no cold tier
+  Compression compression = Compression::kLZ4;  ///< cold tier compression: none|lz4|zstd
+  bool sync_writes = false;            ///< fsync cold writes (power-loss durability)
+  bool write_through = true;           ///< write each chunk to cold when sealed (crash-safe, free demotion)
+  int pin_timeout_ms = 30000;          ///< lease of a pinned chunk; an expired pin no longer protects it
+  /// Longest a fetch waits (real time) for hot slots that other fetches hold pinned or are
+  /// loading, e.g. another Session's Attend that is about to unpin; 0 = fail at once. See
+  /// FetchChunks. Default: 10000.
+  int pin_wait_ms = 10000;
+  std::string hot_policy = "lru";      ///< demotion policy of the hot slot pool
+  std::string warm_policy = "lru";     ///< demotion policy of the warm tier
+  int transfer_threads = 2;            ///< concurrency of the asynchronous transfer arena
+  /// Sealed chunks per (sequence, layer) whose download from the local window may be in
+  /// flight at once (a device tier copies them asynchronously: see "Landing" below); one
+  /// more waits for the oldest. >= 1.
+  int max_landing_chunks = 8;
+  /// The hot tier, by factory string (offload/hot_tier.h's registry): "host" (host
+  /// memory) or "cuda" (CudaHotTier, GPU memory), which is Unavailable for now: without a
+  /// CUDA build or device, and with one because the store reads hot memory on the host.
+  std::string hot_tier = "host";
+  /// An engine's own hot tier: when set, the store calls it (with hot_bytes and the
+  /// chunk size) instead of looking up hot_tier, which is then ignored. The tier must
+  /// have at least one slot, each of exactly chunk_bytes().
+  std::function<Result<std::unique_ptr<HotTier>>(size_t slot_pool_bytes, size_t slot_bytes)> hot_tier_factory;
+  /// Time source of the pin leases (pin_timeout_ms); tests pass a ManualClock.
+  std::shared_ptr<const Clock> clock = SteadyClock();
+  /// Passed to the cold tier (ColdTierOptions::fault_injector); tests only.
+  std::function<Status(std::string_view op, const ChunkKey& key)> cold_fault_injector;
+  /// Open checks that every chunk the cold tier acknowledged came back (a damaged or
+  /// truncated RocksDB WAL can lose them): false (default) fails Open with Corruption
+  /// naming the missing (sequence, layer, index) ranges; true opens anyway, the lost
+  /// chunks become holes for good, and LostChunks() lists them.
+  bool accept_lost_chunks = false;
+  /// Remote tier (offload/remote_tier.h): "redis://host:port[,host:port...][?wait=N&...]",
+  /// one Redis server or any nodes of a Redis Cluster; empty (default) = none. Chunks are
+  /// written through to it (and to the cold tier when data_dir is set too) and a chunk is
+  /// acknowledged once every lower tier has it; fetches read warm, then cold, then remote.
+  /// Sequences of other stores are shared through it (PublishSequence, AttachPublished).
+  std::string remote;
+  /// Key namespace of this store's chunks in the remote tier; empty (default) = a fresh
+  /// one per Open (host, pid, time), so concurrent stores never overwrite each other's.
+  std::string remote_namespace;
+
+  Status Validate() const;
+  /// Bytes of K+V of one chunk of one layer.
+  size_t chunk_bytes() const { return static_cast<size_t>(chunk_size) * geometry.token_kv_bytes(); }
+};
+
+struct RetrieverOptions {
+  std::string probe = "act";      ///< probe builder spec: mean | act[:eps=..] | question[:base=..,weight=..]
+  std::string alloc = "entropy";  ///< budget allocator spec: topk | entropy[:min=M,rank=cosine|logit]
+  /// Chunk index spec per (sequence, layer): "Exact[:heads=sum|max,rerank=F,rerank_min=N]"
+  /// (default: every representative key kept, chunk score = best representative per kv head,
+  /// summed over heads) or a FAISS description over one mean vector per chunk
+  /// ("Flat", "HNSW32:ef=64", "IVF<n>,Flat:nprobe=16,train_min=0"). See chunk_index.h.
+  std::string index = "Exact";
+  int budget_tokens = 2048;       ///< retrieved tokens per layer and step (k = budget_tokens / chunk_size chunks)
+
+  /// Checks every part; InvalidArgument names the part ("probe: ...", "alloc: ...",
+  /// "index: ...") and, inside it, the bad key or value.
+  Status Validate() const;
+  /// "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,rerank_min=256
+  /// budget=2048": every part canonical (all keys spelled out), space-separated. Parse reads it
+  /// back to options with the same ToString.
+  std::string ToString() const;
+  /// Space-separated key=value items, keys probe, alloc, index, budget, each at most once; a
+  /// key left out keeps its default. Unknown or duplicate keys, items without '=', a bad
+  /// budget, or parts that do not validate are InvalidArgument naming them.
+  static Result<RetrieverOptions> Parse(const std::string& spec);
+};
+
+/// How keys get their positions; see kvtier/session.h.
+enum class PositionMode { kAbsolute, kInfLLM };
+/// "absolute" | "infllm".
+Result<PositionMode> ParsePositionMode(const std::string& s);
+const char* PositionModeName(PositionMode mode);
+
+/// The "kvtier" preset's retrieval options: kvtier's recommended configuration.
+RetrieverOptions RecommendedRetrieval();
+
+struct SessionOptions {
+  RetrieverOptions retrieval = RecommendedRetrieval();  ///< probe, allocator, index and budget ("kvtier" preset)
+  bool retrieve = true;                              ///< false: attend every live chunk (full attention through the store)
+  PositionMode positions = PositionMode::kAbsolute;  ///< keys after RoPE (absolute) or before it (infllm)
+  double rope_theta = 10000.0;                       ///< kInfLLM: RoPE base (rotate-half, Hugging Face Llama)
+  bool observe_prefill = true;                       ///< prefill Attend feeds representative-key statistics
+  int keep_queries = 0;                              ///< most recent queries kept per layer for Compress (0 = none)
+  Status Validate() const;
+};
+
+}  // namespace kvtier
