@@ -3,6 +3,7 @@
 // threads over one store give each one's single-threaded results bit for bit, bad calls
 // get named errors, and Compress keeps the budget.
 #include "kvtier/kvtier.h"
+#include "engine/layer_parts.h"
 #include "offload/tiered_store.h"
 #include "retrieval/retriever.h"
 #include "kernels/cpu/attention.h"
