@@ -40,7 +40,7 @@
 // offload/store_recovery.h rebuilds the state of a reopened store,
 // offload/store_records.h is the format of what it keeps in the cold tier,
 // offload/representatives.h chooses each chunk's representative keys, and
-// offload/hot_tier.h builds the hot tier named by the options.
+// offload/hot_tier.h builds the hot tier on the options' device.
 #pragma once
 
 #include <atomic>
@@ -100,13 +100,13 @@ struct StoreOptions {
   /// flight at once (a device tier copies them asynchronously: see "Landing" below); one
   /// more waits for the oldest. >= 1.
   int max_landing_chunks = 8;
-  /// The hot tier, by factory string (offload/hot_tier.h's registry): "host" (host
-  /// memory) or "cuda" (CudaHotTier, GPU memory), which is Unavailable for now: without a
-  /// CUDA build or device, and with one because the store reads hot memory on the host.
-  std::string hot_tier = "host";
-  /// An engine's own hot tier: when set, the store calls it (with hot_bytes and the
-  /// chunk size) instead of looking up hot_tier, which is then ignored. The tier must
-  /// have at least one slot, each of exactly chunk_bytes().
+  /// Where kvtier's hot tier keeps its memory (offload/hot_tier.h, MakeHotTier): kCpu (host
+  /// memory) or kCuda (CudaHotTier, GPU memory; Unavailable without a CUDA build or device).
+  /// Default: kCpu.
+  Device device = Device::kCpu;
+  /// An engine's own hot tier, the one way to bring one: when set, the store calls it (with
+  /// hot_bytes and the chunk size) instead of building kvtier's tier on `device`, which is
+  /// then ignored. The tier must have at least one slot, each of exactly chunk_bytes().
   std::function<Result<std::unique_ptr<HotTier>>(size_t slot_pool_bytes, size_t slot_bytes)> hot_tier_factory;
   /// Time source of the pin leases (pin_timeout_ms); tests pass a ManualClock.
   std::shared_ptr<const Clock> clock = SteadyClock();

@@ -47,9 +47,9 @@
 // sessions do (tests/session_test.cc checks 8 sessions on 4 threads bit for bit
 // against their single-threaded runs).
 //
-// Sharing the hot slot pool: Open and Attach reserve the session's retrieval budget in
-// chunks (budget_tokens / chunk_size, at most the pool: what one Attend pins in the steady
-// state) with TieredStore::ReserveHotSlots, and refuse the session with ResourceExhausted,
+// Sharing the hot slot pool: Open and Attach refuse a retrieval budget the pool cannot hold
+// (SessionOptions::Validate(const StoreOptions&)), and reserve the session's budget in
+// chunks (budget_tokens / chunk_size: what one Attend pins in the steady state) with TieredStore::ReserveHotSlots, and refuse the session with ResourceExhausted,
 // naming the pool's slots, the slots reserved and the slots asked, when the open sessions'
 // reservations would exceed the pool (sessions attached to one sequence count once, at the
 // largest). Close, Drop and destruction give the reservation back; retrieve = false reserves
@@ -133,6 +133,10 @@ struct SessionOptions {
   bool observe_prefill = true;                       ///< prefill Attend feeds representative-key statistics
   int keep_queries = 0;                              ///< most recent queries kept per layer for Compress (0 = none)
   Status Validate() const;
+  /// Validate(), and with retrieve, that `store`'s hot slot pool holds the retrieval budget:
+  /// budget_tokens / chunk_size chunks at most hot_bytes / chunk_bytes(). InvalidArgument
+  /// naming both numbers otherwise (the budget is never clipped silently).
+  Status Validate(const StoreOptions& store) const;
 };
 
 enum class StepKind {
