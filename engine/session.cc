@@ -109,6 +109,21 @@ Status SessionOptions::Validate() const {
   return Status::Ok();
 }
 
+Status SessionOptions::Validate(const StoreOptions& store) const {
+  KVTIER_RETURN_IF_ERROR(Validate());
+  if (!retrieve || store.chunk_size <= 0 || store.chunk_bytes() == 0) return Status::Ok();
+  const int64_t want = retrieval.budget_tokens / store.chunk_size;
+  const int64_t pool = static_cast<int64_t>(store.hot_bytes / store.chunk_bytes());
+  if (want <= pool) return Status::Ok();
+  return InvalidArgument("budget_tokens " + std::to_string(retrieval.budget_tokens) + " needs " +
+                         std::to_string(want) + " chunks of " + std::to_string(store.chunk_size) +
+                         " tokens, and the hot slot pool holds " + std::to_string(pool) + " (hot_bytes " +
+                         std::to_string(store.hot_bytes) + ", " + std::to_string(store.chunk_bytes()) +
+                         " bytes a chunk): raise hot_bytes to at least " +
+                         std::to_string(static_cast<uint64_t>(want) * store.chunk_bytes()) +
+                         " or lower budget_tokens to at most " + std::to_string(pool * store.chunk_size));
+}
+
 Session::Session(TieredStore* store, SequenceId seq, const SessionOptions& options)
     : store_(store), seq_(seq), options_(options), plan_(std::make_unique<AttentionPlan>()) {
   const Geometry& g = store->options().geometry;
@@ -140,16 +155,16 @@ Result<std::unique_ptr<Session>> Session::Open(Store* base, const SessionOptions
 Result<std::unique_ptr<Session>> Session::Attach(Store* base, SequenceId seq, const SessionOptions& options) {
   if (base == nullptr) return InvalidArgument("Session::Attach: store is null");
   KVTIER_ASSIGN_OR_RETURN(TieredStore * store, Tiered("Session::Attach", base));
-  KVTIER_RETURN_IF_ERROR(options.Validate());
+  if (Status st = options.Validate(store->options()); !st.ok()) return Status(st.code(), "Session: " + st.message());
   const Geometry& g = store->options().geometry;
   if (options.positions == PositionMode::kInfLLM && g.head_dim % 2 != 0)
     return InvalidArgument("Session: infllm positions need an even head_dim for RoPE (got " +
                            std::to_string(g.head_dim) + ")");
   KVTIER_RETURN_IF_ERROR(store->SequenceLength(seq, 0).status());  // NotFound names the sequence
-  const bool device_tier = std::string(store->hot_tier()->device()) != "cpu";
+  const bool device_tier = store->hot_tier()->device() != Device::kCpu;
   if (device_tier && options.positions == PositionMode::kInfLLM)
     return FailedPrecondition(std::string("Session: infllm positions rotate the stored keys on the host, and the hot "
-                                          "tier is on \"") + store->hot_tier()->device() +
+                                          "tier is on \"") + DeviceName(store->hot_tier()->device()) +
                               "\"; use absolute positions (the engine applies RoPE)");
   try {
     std::unique_ptr<Session> s(new Session(store, seq, options));
@@ -157,7 +172,8 @@ Result<std::unique_ptr<Session>> Session::Attach(Store* base, SequenceId seq, co
     KVTIER_ASSIGN_OR_RETURN(s->backend_, MakeAttentionBackend(store->hot_tier(), g, 1));
     if (options.retrieve) {
       KVTIER_ASSIGN_OR_RETURN(s->retriever_, Retriever::Create(store, options.retrieval));
-      // Admission: the budget in chunks, at most the pool (the retriever never takes more).
+      // Admission: the budget in chunks (Validate checked that hot_bytes holds it; an engine's
+      // own tier may hold fewer slots than hot_bytes gives, hence the min).
       const int64_t slots = std::min<int64_t>(options.retrieval.budget_tokens / store->options().chunk_size,
                                               store->hot_tier()->slot_capacity());
       if (slots > 0) {

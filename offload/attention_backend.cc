@@ -257,9 +257,9 @@ class CudaAttentionBackend final : public AttentionBackend {
 Result<std::unique_ptr<AttentionBackend>> MakeAttentionBackend(HotTier* hot, const Geometry& geometry,
                                                                int max_queries) {
   if (hot == nullptr) return InvalidArgument("attention backend: no hot tier");
-  const std::string device = hot->device();
-  if (device == "cpu") return std::unique_ptr<AttentionBackend>(new CpuAttentionBackend());
-  if (device == "cuda") {
+  const Device device = hot->device();
+  if (device == Device::kCpu) return std::unique_ptr<AttentionBackend>(new CpuAttentionBackend());
+  if (device == Device::kCuda) {
 #if KVTIER_HAVE_CUDA
     auto* cuda = dynamic_cast<CudaHotTier*>(hot);
     if (cuda == nullptr)
@@ -281,7 +281,7 @@ Result<std::unique_ptr<AttentionBackend>> MakeAttentionBackend(HotTier* hot, con
     return Unavailable("attention backend: the hot tier is on \"cuda\" and this build has no CUDA (KVTIER_CUDA=off)");
 #endif
   }
-  return Unavailable("attention backend: no backend for hot tier device \"" + device + "\"");
+  return Unavailable(std::string("attention backend: no backend for hot tier device \"") + DeviceName(device) + "\"");
 }
 
 }  // namespace kvtier

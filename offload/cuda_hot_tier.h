@@ -40,7 +40,7 @@ class CudaHotTier final : public HotTier {
   CudaHotTier(const CudaHotTier&) = delete;
   CudaHotTier& operator=(const CudaHotTier&) = delete;
 
-  const char* device() const override { return "cuda"; }
+  Device device() const override { return Device::kCuda; }
   int32_t slot_capacity() const override { return book_.capacity(); }
   int32_t slots_used() const override { return book_.used(); }
   size_t slot_bytes() const override { return slot_bytes_; }

@@ -1,10 +1,7 @@
 #include "offload/hot_tier.h"
 
-#include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <map>
-#include <mutex>
 
 #if KVTIER_HAVE_CUDA
 #include "kernels/cuda/kernels.h"
@@ -33,7 +30,7 @@ Status HotTier::UploadBatch(const UploadOp* ops, size_t n) {
 }
 
 Status HotTier::CopyWithin(uint8_t*, const void*, size_t) {
-  return Unavailable(std::string("hot tier (") + device() +
+  return Unavailable(std::string("hot tier (") + DeviceName(device()) +
                      "): this tier does not copy within its own memory space; hand Append host K/V "
                      "(MemorySpace::kHost)");
 }
@@ -82,103 +79,54 @@ Status HostHotTier::CopyWithin(uint8_t* dst, const void* src, size_t bytes) {
 
 }  // namespace kvtier
 
-// ---- the registry --------------------------------------------------------------------
+// ---- kvtier's own tiers ------------------------------------------------------------------
 
 namespace kvtier {
-namespace {
 
-constexpr const char* kHostName = "host";
-constexpr const char* kCudaName = "cuda";
-
-struct Registry {
-  std::mutex mu;
-  std::map<std::string, HotTierFactory> factories;  // registered ones; "host" is built in
-};
-Registry& GetRegistry() {
-  static Registry* r = new Registry();  // never destroyed: stores may be closed during static destruction
-  return *r;
+const char* DeviceName(Device device) {
+  switch (device) {
+    case Device::kCpu: return "cpu";
+    case Device::kCuda: return "cuda";
+  }
+  return "unknown";
 }
 
-std::string KnownNames() {
-  std::string s;
-  for (const std::string& n : HotTierNames()) s += (s.empty() ? "" : "|") + n;
-  return s;
+Result<Device> ParseDevice(const std::string& name) {
+  if (name == "cpu") return Device::kCpu;
+  if (name == "cuda") return Device::kCuda;
+  return InvalidArgument("unknown device '" + name + "' (cpu|cuda)");
 }
 
-// The factory for a parsed spec, or the status explaining why there is none.
-Result<HotTierFactory> FindFactory(const FactorySpec& spec) {
-  if (spec.name == kHostName) {
-    if (!spec.params.empty())
-      return InvalidArgument("hot tier \"host\" takes no parameters (got \"" + spec.params[0].first + "\")");
-    return HotTierFactory([](const FactorySpec&, size_t pool_bytes, size_t slot_bytes)
-                              -> Result<std::unique_ptr<HotTier>> {
-      KVTIER_ASSIGN_OR_RETURN(auto tier, HostHotTier::Create(pool_bytes, slot_bytes));
-      return std::unique_ptr<HotTier>(std::move(tier));
-    });
-  }
-  {
-    Registry& r = GetRegistry();
-    std::lock_guard<std::mutex> l(r.mu);
-    auto it = r.factories.find(spec.name);
-    if (it != r.factories.end()) return it->second;
-  }
-  if (spec.name == kCudaName) {
+Status CheckDevice(Device device) {
+  switch (device) {
+    case Device::kCpu: return Status::Ok();
+    case Device::kCuda:
 #if KVTIER_HAVE_CUDA
-    if (!spec.params.empty())
-      return InvalidArgument("hot tier \"cuda\" takes no parameters (got \"" + spec.params[0].first + "\")");
-    // Asked here, not only in the factory, so that StoreOptions::Validate names the missing
-    // device before anything is opened.
-    if (kernels::cuda::DeviceCount() == 0)
-      return Unavailable(std::string("hot tier \"cuda\": no CUDA device: ") + kernels::cuda::LastCudaErrorString());
-    return HotTierFactory([](const FactorySpec&, size_t pool_bytes, size_t slot_bytes)
-                              -> Result<std::unique_ptr<HotTier>> {
-      KVTIER_ASSIGN_OR_RETURN(auto tier, CudaHotTier::Create(pool_bytes, slot_bytes));
-      return std::unique_ptr<HotTier>(std::move(tier));
-    });
+      // Asked here, not only when building, so that StoreOptions::Validate names the missing
+      // device before anything is opened.
+      if (kernels::cuda::DeviceCount() == 0)
+        return Unavailable(std::string("hot tier \"cuda\": no CUDA device: ") + kernels::cuda::LastCudaErrorString());
+      return Status::Ok();
 #else
-    return Unavailable("hot tier \"cuda\": this build has no CUDA (configure with KVTIER_CUDA=on where nvcc "
-                       "exists); use \"host\"");
+      return Unavailable("hot tier \"cuda\": this build has no CUDA (configure with KVTIER_CUDA=on where nvcc "
+                         "exists); use cpu");
 #endif
   }
-  return InvalidArgument("unknown hot tier \"" + spec.name + "\" (known: " + KnownNames() + ")");
+  return InvalidArgument("unknown device " + std::to_string(static_cast<int>(device)) + " (cpu|cuda)");
 }
 
-}  // namespace
-
-Status RegisterHotTier(const std::string& name, HotTierFactory factory) {
-  if (name.empty()) return InvalidArgument("RegisterHotTier: name must not be empty");
-  if (!factory) return InvalidArgument("RegisterHotTier: factory for \"" + name + "\" is empty");
-  if (name == kHostName) return AlreadyExists("hot tier \"host\" is built in");
+Result<std::unique_ptr<HotTier>> MakeHotTier(Device device, size_t slot_pool_bytes, size_t slot_bytes) {
+  KVTIER_RETURN_IF_ERROR(CheckDevice(device));
+  if (device == Device::kCpu) {
+    KVTIER_ASSIGN_OR_RETURN(auto tier, HostHotTier::Create(slot_pool_bytes, slot_bytes));
+    return std::unique_ptr<HotTier>(std::move(tier));
+  }
 #if KVTIER_HAVE_CUDA
-  if (name == kCudaName) return AlreadyExists("hot tier \"cuda\" is built in (this build has CUDA)");
+  KVTIER_ASSIGN_OR_RETURN(auto tier, CudaHotTier::Create(slot_pool_bytes, slot_bytes));
+  return std::unique_ptr<HotTier>(std::move(tier));
+#else
+  return Internal("MakeHotTier: no CUDA in this build");  // CheckDevice refused it already
 #endif
-  Registry& r = GetRegistry();
-  std::lock_guard<std::mutex> l(r.mu);
-  if (!r.factories.emplace(name, std::move(factory)).second)
-    return AlreadyExists("hot tier \"" + name + "\" is already registered");
-  return Status::Ok();
-}
-
-std::vector<std::string> HotTierNames() {
-  std::vector<std::string> names{kHostName};
-  Registry& r = GetRegistry();
-  std::lock_guard<std::mutex> l(r.mu);
-  for (const auto& [name, f] : r.factories) names.push_back(name);
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
-Status CheckHotTierSpec(const std::string& spec) {
-  KVTIER_ASSIGN_OR_RETURN(FactorySpec parsed, ParseFactorySpec(spec, "hot tier"));
-  return FindFactory(parsed).status();
-}
-
-Result<std::unique_ptr<HotTier>> MakeHotTier(const std::string& spec, size_t slot_pool_bytes, size_t slot_bytes) {
-  KVTIER_ASSIGN_OR_RETURN(FactorySpec parsed, ParseFactorySpec(spec, "hot tier"));
-  KVTIER_ASSIGN_OR_RETURN(HotTierFactory factory, FindFactory(parsed));
-  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<HotTier> tier, factory(parsed, slot_pool_bytes, slot_bytes));
-  if (tier == nullptr) return Internal("hot tier \"" + parsed.name + "\": its factory returned no tier");
-  return tier;
 }
 
 }  // namespace kvtier

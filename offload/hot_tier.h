@@ -5,10 +5,10 @@
 // builds with CUDA) implements the same interface with device memory: the
 // pointers it returns are device pointers.
 //
-// TieredStore does not name an implementation: it builds its hot tier from
-// StoreOptions::hot_tier (a factory string looked up in the registry below) or
-// from StoreOptions::hot_tier_factory (an engine's own tier). "host" is built
-// in, and so is "cuda" (offload/cuda_hot_tier.h) in builds with CUDA.
+// TieredStore does not name an implementation: it builds kvtier's own tier on
+// StoreOptions::device (MakeHotTier below: HostHotTier on kCpu, CudaHotTier on
+// kCuda in builds with CUDA), or calls StoreOptions::hot_tier_factory, the one
+// way an engine brings its own tier.
 #pragma once
 
 #include <cstddef>
@@ -36,8 +36,8 @@ inline constexpr TransferTicket kCompletedTransfer = 0;
 class HotTier {
  public:
   virtual ~HotTier() = default;
-  /// "cpu" or "cuda".
-  virtual const char* device() const = 0;
+  /// Where this tier's memory is.
+  virtual Device device() const = 0;
 
   // ---- slot pool for retrieved chunks (fixed slot size = one chunk) ----
   virtual int32_t slot_capacity() const = 0;
@@ -103,7 +103,7 @@ class HotTier {
 class HostHotTier final : public HotTier {
  public:
   static Result<std::unique_ptr<HostHotTier>> Create(size_t slot_pool_bytes, size_t slot_bytes);
-  const char* device() const override { return "cpu"; }
+  Device device() const override { return Device::kCpu; }
   int32_t slot_capacity() const override { return pool_->capacity(); }
   int32_t slots_used() const override { return pool_->used(); }
   size_t slot_bytes() const override { return pool_->slot_bytes(); }
@@ -130,7 +130,7 @@ class HostHotTier final : public HotTier {
 class ForwardingHotTier : public HotTier {
  public:
   explicit ForwardingHotTier(std::unique_ptr<HotTier> inner) : inner_(std::move(inner)) {}
-  const char* device() const override { return inner_->device(); }
+  Device device() const override { return inner_->device(); }
   int32_t slot_capacity() const override { return inner_->slot_capacity(); }
   int32_t slots_used() const override { return inner_->slots_used(); }
   size_t slot_bytes() const override { return inner_->slot_bytes(); }
@@ -158,24 +158,14 @@ class ForwardingHotTier : public HotTier {
   std::unique_ptr<HotTier> inner_;
 };
 
-// ---- the registry --------------------------------------------------------------------
+// ---- kvtier's own tiers ----------------------------------------------------------------
 
-/// Builds a hot tier with a slot pool of `slot_pool_bytes` (at least one slot of
-/// `slot_bytes`); `spec` carries the factory string's parameters.
-using HotTierFactory = std::function<Result<std::unique_ptr<HotTier>>(const FactorySpec& spec, size_t slot_pool_bytes,
-                                                                      size_t slot_bytes)>;
-
-/// Adds a named implementation (an engine's own tier). AlreadyExists when the name is
-/// taken ("host" always, "cuda" in builds with CUDA), InvalidArgument for an empty name or
-/// factory. Thread-safe.
-Status RegisterHotTier(const std::string& name, HotTierFactory factory);
-/// Names that MakeHotTier can build now, sorted ("host", plus registered ones).
-std::vector<std::string> HotTierNames();
-/// Checks `spec` without building anything: the same status MakeHotTier would give
-/// for a spec problem. InvalidArgument for a malformed spec or an unknown name;
-/// Unavailable for "cuda" in a build without CUDA or when no CUDA device is visible.
-Status CheckHotTierSpec(const std::string& spec);
-/// Builds the hot tier `spec` names ("host"; "host" takes no parameters).
-Result<std::unique_ptr<HotTier>> MakeHotTier(const std::string& spec, size_t slot_pool_bytes, size_t slot_bytes);
+/// Checks that MakeHotTier(device, ...) can build here, without building anything:
+/// Unavailable for kCuda in a build without CUDA or when no CUDA device is visible,
+/// InvalidArgument for a value outside the enum.
+Status CheckDevice(Device device);
+/// kvtier's hot tier on `device` with a slot pool of `slot_pool_bytes` (at least one slot of
+/// `slot_bytes`): HostHotTier on kCpu, CudaHotTier on kCuda.
+Result<std::unique_ptr<HotTier>> MakeHotTier(Device device, size_t slot_pool_bytes, size_t slot_bytes);
 
 }  // namespace kvtier

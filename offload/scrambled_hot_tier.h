@@ -22,12 +22,12 @@ namespace kvtier {
 
 class XorScrambledHotTier : public ForwardingHotTier {
  public:
-  /// `device` is what device() reports ("cuda" to look like device memory to the store;
-  /// "cpu" to keep the CPU attention backend); it must outlive the tier (a literal).
-  XorScrambledHotTier(std::unique_ptr<HotTier> inner, const char* device, uint8_t key = 0x5A)
+  /// `device` is what device() reports (kCuda to look like device memory to the store;
+  /// kCpu to keep the CPU attention backend).
+  XorScrambledHotTier(std::unique_ptr<HotTier> inner, Device device, uint8_t key = 0x5A)
       : ForwardingHotTier(std::move(inner)), device_(device), key_(key) {}
 
-  const char* device() const override { return device_; }
+  Device device() const override { return device_; }
   Status Upload(uint8_t* dst, const void* src, size_t bytes) override {
     Xor(dst, static_cast<const uint8_t*>(src), bytes);
     uploads_.fetch_add(1, std::memory_order_relaxed);
@@ -59,7 +59,7 @@ class XorScrambledHotTier : public ForwardingHotTier {
     for (size_t i = 0; i < bytes; ++i) dst[i] = src[i] ^ key_;
   }
 
-  const char* device_;
+  Device device_;
   uint8_t key_;
   // Atomic: the store uploads from the appending thread and from transfer threads (fetches).
   std::atomic<uint64_t> uploads_{0}, downloads_{0};

@@ -67,9 +67,9 @@ Status StoreOptions::Validate() const {
     if (!w.ok()) return InvalidArgument("warm_policy: " + w.status().message());
   }
   if (!hot_tier_factory) {
-    // Keeps the registry's code: Unavailable for "cuda" without a CUDA build or a device, InvalidArgument otherwise.
-    Status h = CheckHotTierSpec(hot_tier);
-    if (!h.ok()) return Status(h.code(), "hot_tier: " + h.message());
+    // Keeps CheckDevice's code: Unavailable for cuda without a CUDA build or a device.
+    Status h = CheckDevice(device);
+    if (!h.ok()) return Status(h.code(), "device: " + h.message());
   }
   if (clock == nullptr) return InvalidArgument("clock must not be null (the default is the steady clock)");
   if (!remote.empty()) {
@@ -121,11 +121,11 @@ Status TieredStore::Init() {
     KVTIER_ASSIGN_OR_RETURN(hot_, options_.hot_tier_factory(options_.hot_bytes, chunk_bytes_));
     if (hot_ == nullptr) return InvalidArgument("hot_tier_factory returned no hot tier");
   } else {
-    KVTIER_ASSIGN_OR_RETURN(hot_, MakeHotTier(options_.hot_tier, options_.hot_bytes, chunk_bytes_));
+    KVTIER_ASSIGN_OR_RETURN(hot_, MakeHotTier(options_.device, options_.hot_bytes, chunk_bytes_));
   }
   // Every slot holds one chunk ([K][V]); spans and copies assume exactly that size.
   if (hot_->slot_bytes() != chunk_bytes_ || hot_->slot_capacity() < 1)
-    return InvalidArgument("hot tier (" + std::string(hot_->device()) + ") has " +
+    return InvalidArgument("hot tier (" + std::string(DeviceName(hot_->device())) + ") has " +
                            std::to_string(hot_->slot_capacity()) + " slots of " + std::to_string(hot_->slot_bytes()) +
                            " bytes; the store needs at least one slot of one chunk (" + std::to_string(chunk_bytes_) +
                            " bytes)");

@@ -40,7 +40,7 @@
 // offload/store_recovery.h rebuilds the state of a reopened store,
 // offload/store_records.h is the format of what it keeps in the cold tier,
 // offload/representatives.h chooses each chunk's representative keys, and
-// offload/hot_tier.h builds the hot tier named by the options.
+// offload/hot_tier.h builds the hot tier on the options' device.
 #pragma once
 
 #include <atomic>

@@ -109,7 +109,7 @@ Result<std::unique_ptr<Retriever>> Retriever::Create(TieredStore* store, const R
   HotTier* hot = store->hot_tier();
   auto canonical = CanonicalChunkIndexSpec(options.index);
   const bool exact = canonical.ok() && canonical->rfind("Exact", 0) == 0;  // FAISS kinds stay on the host
-  if (hot != nullptr && std::string(hot->device()) == "cuda" && exact) {
+  if (hot != nullptr && hot->device() == Device::kCuda && exact) {
     KVTIER_ASSIGN_OR_RETURN(backend, MakeRetrievalBackend("cuda"));
   }
   return Create(store, options, std::move(backend));

@@ -297,7 +297,7 @@ TEST(AttentionBackend, PlanReadsKvSlotsThroughHalfPoolsBitForBitLikeTheParts) {
   with_out.out = out.data();
   EXPECT_TRUE(ValidateAttentionPlan(with_out, /*cuda=*/false).ok());
 
-  auto backend = MakeAttentionBackend(MakeHotTier("host", 4 * 2 * half, 2 * half)->get(),
+  auto backend = MakeAttentionBackend(MakeHotTier(Device::kCpu, 4 * 2 * half, 2 * half)->get(),
                                       Geometry{1, kQHeads, kKvHeads, kDim, DType::kF16}, 1);
   ASSERT_TRUE(backend.ok()) << backend.status().ToString();
   EXPECT_STREQ((*backend)->name(), "cpu");
@@ -448,23 +448,25 @@ TEST(AttentionBackend, KernelWorkspaceBoundCoversTheLaunchersQuery) {
 class ClaimsCuda final : public ForwardingHotTier {
  public:
   using ForwardingHotTier::ForwardingHotTier;
-  const char* device() const override { return "cuda"; }
+  Device device() const override { return Device::kCuda; }
 };
 
 TEST(AttentionBackend, SessionOnADeviceTierWithoutABackendIsRefusedWithAStatus) {
   StoreOptions o = Store("");
   o.warm_bytes = 256 * o.chunk_bytes();
   o.hot_tier_factory = [](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
-    KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier("host", pool, slot));
+    KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
     return std::unique_ptr<HotTier>(std::make_unique<ClaimsCuda>(std::move(inner)));
   };
   auto store = TieredStore::Open(o);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
-  auto s = Session::Open(store->get(), SessionOptions{});
+  SessionOptions so;
+  so.retrieval.budget_tokens = 24;  // within the pool: the backend is what refuses
+  auto s = Session::Open(store->get(), so);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status().ToString();
   EXPECT_NE(s.status().message().find("attention backend"), std::string::npos) << s.status().ToString();
-  SessionOptions inf;
+  SessionOptions inf = so;
   inf.positions = PositionMode::kInfLLM;
   auto s2 = Session::Open(store->get(), inf);
   ASSERT_FALSE(s2.ok());
@@ -483,15 +485,15 @@ TEST(AttentionBackend, SessionOnTheCudaTierMatchesTheHostTier) {
   // summation order).
   for (const int dim : {16, 64}) {
     SCOPED_TRACE("head_dim " + std::to_string(dim));
-    auto open = [dim](const std::string& tier) {
+    auto open = [dim](Device tier) {
       StoreOptions o = Store("");
       o.geometry.head_dim = dim;
       o.warm_bytes = 256 * o.chunk_bytes();
-      o.hot_tier = tier;
+      o.device = tier;
       return TieredStore::Open(o);
     };
-    auto host = open("host");
-    auto cuda = open("cuda");
+    auto host = open(Device::kCpu);
+    auto cuda = open(Device::kCuda);
     ASSERT_TRUE(host.ok() && cuda.ok()) << cuda.status().ToString();
     SessionOptions so;
     so.retrieval.budget_tokens = 24;

@@ -1,5 +1,5 @@
 // The CUDA hot tier's host-side parts, on any machine: SlotBook (its slot bookkeeping), the
-// "cuda" hot tier spec and --device cuda answering Unavailable with the reason instead of
+// cuda device and --device cuda answering Unavailable with the reason instead of
 // crashing. With a device (never so far: docs/gpu.md), CudaHotTier's copies round-trip.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -64,7 +64,7 @@ TEST(SlotBook, RefusesReleasesThatWouldHandOutOneSlotTwice) {
 }
 
 TEST(HotTierUploadBatch, HostTierCopiesEveryOp) {
-  auto made = MakeHotTier("host", 4 * 256, 256);
+  auto made = MakeHotTier(Device::kCpu, 4 * 256, 256);
   ASSERT_TRUE(made.ok()) << made.status().ToString();
   HotTier& t = **made;
   std::vector<uint8_t> a(256, 0x11), b(100, 0x22);
@@ -79,7 +79,7 @@ TEST(HotTierUploadBatch, HostTierCopiesEveryOp) {
 // The default UploadBatch stops at the first failing copy and returns its status.
 class FailsSecondUpload final : public HotTier {
  public:
-  const char* device() const override { return "cpu"; }
+  Device device() const override { return Device::kCpu; }
   int32_t slot_capacity() const override { return 1; }
   int32_t slots_used() const override { return 0; }
   size_t slot_bytes() const override { return 1; }
@@ -112,7 +112,7 @@ TEST(HotTierCopyWithin, DefaultRefusesNamingTheTierAndHostTierCopies) {
   EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
   EXPECT_NE(st.message().find("MemorySpace::kHost"), std::string::npos) << st.ToString();
   EXPECT_EQ(a, 1);
-  auto made = MakeHotTier("host", 2 * 64, 64);
+  auto made = MakeHotTier(Device::kCpu, 2 * 64, 64);
   ASSERT_TRUE(made.ok());
   HotTier& host = **made;
   std::vector<uint8_t> src(64, 0x3C);
@@ -122,10 +122,10 @@ TEST(HotTierCopyWithin, DefaultRefusesNamingTheTierAndHostTierCopies) {
 }
 
 TEST(XorScrambledHotTier, StoresScrambledBytesAndTranslatesEveryCopyAcrossTheHostBoundary) {
-  auto made = MakeHotTier("host", 2 * 64, 64);
+  auto made = MakeHotTier(Device::kCpu, 2 * 64, 64);
   ASSERT_TRUE(made.ok());
-  XorScrambledHotTier t(std::move(*made), "cuda", 0x0F);
-  EXPECT_STREQ(t.device(), "cuda");
+  XorScrambledHotTier t(std::move(*made), Device::kCuda, 0x0F);
+  EXPECT_EQ(t.device(), Device::kCuda);
   EXPECT_EQ(t.slot_capacity(), 2);  // the rest is the inner tier's
   std::vector<uint8_t> in(64), out(64, 0);
   for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<uint8_t>(i);
@@ -157,33 +157,26 @@ bool HaveDevice() {
 TEST(CudaHotTier, SpecIsUnavailableWithTheReasonWithoutADevice) {
   if (HaveDevice()) GTEST_SKIP() << "a CUDA device is present: covered by CopiesRoundTripThroughDeviceMemory";
   const size_t slot = 4096;
-  const Status check = CheckHotTierSpec("cuda");
+  const Status check = CheckDevice(Device::kCuda);
   EXPECT_EQ(check.code(), StatusCode::kUnavailable) << check.ToString();
 #if KVTIER_HAVE_CUDA
   EXPECT_NE(check.message().find("no CUDA device"), std::string::npos) << check.ToString();
 #else
   EXPECT_NE(check.message().find("no CUDA"), std::string::npos) << check.ToString();
 #endif
-  auto tier = MakeHotTier("cuda", 4 * slot, slot);
+  auto tier = MakeHotTier(Device::kCuda, 4 * slot, slot);
   ASSERT_FALSE(tier.ok());
   EXPECT_EQ(tier.status().code(), StatusCode::kUnavailable);
 }
 
 #if KVTIER_HAVE_CUDA
-TEST(CudaHotTier, IsBuiltInAndCannotBeReplaced) {
-  const Status st = RegisterHotTier("cuda", [](const FactorySpec&, size_t, size_t) -> Result<std::unique_ptr<HotTier>> {
-    return Internal("never built");
-  });
-  EXPECT_EQ(st.code(), StatusCode::kAlreadyExists) << st.ToString();
-}
-
 TEST(CudaHotTier, CopiesRoundTripThroughDeviceMemory) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();
   const size_t slot = 8192;
   auto made = CudaHotTier::Create(3 * slot + 100, slot);
   ASSERT_TRUE(made.ok()) << made.status().ToString();
   CudaHotTier& t = **made;
-  EXPECT_STREQ(t.device(), "cuda");
+  EXPECT_EQ(t.device(), Device::kCuda);
   EXPECT_EQ(t.slot_capacity(), 3);
   std::vector<uint8_t> in(slot), out(slot, 0);
   for (size_t i = 0; i < slot; ++i) in[i] = static_cast<uint8_t>(i * 7 + 1);
@@ -232,8 +225,8 @@ TEST(CudaHotTier, CopiesRoundTripThroughDeviceMemory) {
 #endif
 
 TEST(CudaHotTier, StoreTakesTheCudaTierOnlyWithADevice) {
-  // The store accepts hot_tier "cuda" (nothing in it dereferences hot memory on the host);
-  // without a CUDA build or a device, Open answers Unavailable naming hot_tier and why,
+  // The store accepts device cuda (nothing in it dereferences hot memory on the host);
+  // without a CUDA build or a device, Open answers Unavailable naming the device and why,
   // never crashes.
   StoreOptions o;
   o.geometry.layers = 1;
@@ -247,16 +240,16 @@ TEST(CudaHotTier, StoreTakesTheCudaTierOnlyWithADevice) {
   o.hot_bytes = 8 * o.chunk_bytes();
   o.warm_bytes = 16 * o.chunk_bytes();
   o.data_dir = "";
-  o.hot_tier = "cuda";
+  o.device = Device::kCuda;
   auto s = TieredStore::Open(o);
   if (HaveDevice()) {
     ASSERT_TRUE(s.ok()) << s.status().ToString();
-    EXPECT_STREQ((*s)->hot_tier()->device(), "cuda");
+    EXPECT_EQ((*s)->hot_tier()->device(), Device::kCuda);
     return;
   }
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status().ToString();
-  EXPECT_NE(s.status().message().find("hot_tier"), std::string::npos) << s.status().ToString();
+  EXPECT_NE(s.status().message().find("device"), std::string::npos) << s.status().ToString();
   EXPECT_NE(s.status().message().find("no CUDA"), std::string::npos) << s.status().ToString();
 }
 
@@ -279,8 +272,8 @@ TEST(CudaHotTier, StoreOverDeviceMemoryReadsItOnlyThroughTheTier) {
   ASSERT_TRUE(host.ok()) << host.status().ToString();
   XorScrambledHotTier* dev_tier = nullptr;
   o.hot_tier_factory = [&dev_tier](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
-    KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier("host", pool, slot));
-    auto t = std::make_unique<XorScrambledHotTier>(std::move(inner), "cuda");
+    KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
+    auto t = std::make_unique<XorScrambledHotTier>(std::move(inner), Device::kCuda);
     dev_tier = t.get();
     return std::unique_ptr<HotTier>(std::move(t));
   };

@@ -189,7 +189,7 @@ TEST(DeviceAppend, KDeviceNeverGoesThroughUploadAtSinksRingOrTheWrapPoint) {
     RecordingTier* tier = nullptr;
     StoreOptions so = SmallStore();
     so.hot_tier_factory = [&tier](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
-      KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier("host", pool, slot));
+      KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
       auto t = std::make_unique<RecordingTier>(std::move(inner));
       tier = t.get();
       return std::unique_ptr<HotTier>(std::move(t));
@@ -369,7 +369,7 @@ StoreOptions DeferredStore(const std::string& dir, DeferredDownloadTier** tier, 
   so.data_dir = dir;
   so.hot_tier_factory = [tier, polls_before_done, fail_download](size_t pool,
                                                                  size_t slot) -> Result<std::unique_ptr<HotTier>> {
-    KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier("host", pool, slot));
+    KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
     auto t = std::make_unique<DeferredDownloadTier>(std::move(inner));
     t->polls_before_done = polls_before_done;
     t->fail_download = fail_download;

@@ -728,7 +728,7 @@ TEST(DeviceRetrievalCuda, RetrieverOnACudaHotTierUsesTheCudaBackend) {
   if (!HaveDevice(&why)) GTEST_SKIP() << why;
   TempDir dir;
   StoreOptions o = Options(dir.path());
-  o.hot_tier = "cuda";
+  o.device = Device::kCuda;
   auto store = TieredStore::Open(o);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   TieredStore* s = store->get();

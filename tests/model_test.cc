@@ -379,12 +379,14 @@ TEST(SafeTensorsTest, ModelChecksTensorsAndConfig) {
 namespace kvtier::model {
 namespace {
 
-// Every chunk the retriever could pick fits: k = budget / chunk_size chunks per layer.
-RetrieverOptions AllChunks(const std::string& probe = "mean", const std::string& alloc = "topk") {
+// The whole hot pool of `o` (which holds every chunk of these tests): k = budget / chunk_size
+// chunks per layer.
+RetrieverOptions AllChunks(const StoreOptions& o, const std::string& probe = "mean",
+                           const std::string& alloc = "topk") {
   RetrieverOptions r;
   r.probe = probe;
   r.alloc = alloc;
-  r.budget_tokens = 1 << 16;
+  r.budget_tokens = static_cast<int>(o.hot_bytes / o.chunk_bytes()) * o.chunk_size;
   return r;
 }
 
@@ -404,7 +406,7 @@ TEST_F(LlamaModelTest, InfLLMEqualsAbsoluteWhileNothingIsInMemory) {
   auto abs = Session(model_.get(), o);
   auto inf = LlamaSession::Create(model_.get(), o, PositionMode::kInfLLM);
   ASSERT_TRUE(abs && inf.ok()) << inf.status().ToString();
-  ASSERT_TRUE((*inf)->EnableRetrieval(AllChunks("act", "entropy")).ok());
+  ASSERT_TRUE((*inf)->EnableRetrieval(AllChunks(o, "act", "entropy")).ok());
   EXPECT_EQ((*inf)->position_mode(), PositionMode::kInfLLM);
   const int prefix = 40;
   const std::vector<int32_t> head(ref_.tokens.begin(), ref_.tokens.begin() + prefix);
@@ -431,9 +433,10 @@ TEST_F(LlamaModelTest, InfLLMEqualsAbsoluteWhileNothingIsInMemory) {
 // (7) kAbsolute with the retriever picking every chunk (topk, k >= chunks) is still the
 // reference model: the Python logits within 1e-4, with most keys in sealed chunks.
 TEST_F(LlamaModelTest, RetrievalOfAllChunksMatchesPython) {
-  auto s = Session(model_.get(), Options(DType::kF32, 4, 8, 4));
+  const StoreOptions o = Options(DType::kF32, 4, 8, 4);
+  auto s = Session(model_.get(), o);
   ASSERT_NE(s, nullptr);
-  ASSERT_TRUE(s->EnableRetrieval(AllChunks()).ok());
+  ASSERT_TRUE(s->EnableRetrieval(AllChunks(o)).ok());
   const int prefix = 30;
   auto pre = s->Prefill(std::vector<int32_t>(ref_.tokens.begin(), ref_.tokens.begin() + prefix), 8);
   ASSERT_TRUE(pre.ok()) << pre.status().ToString();
@@ -463,7 +466,7 @@ TEST_F(LlamaModelTest, SmallBudgetPicksAtMostTheBudget) {
     SCOPED_TRACE(alloc);
     auto s = LlamaSession::Create(model_.get(), o, PositionMode::kInfLLM);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
-    RetrieverOptions r = AllChunks(std::string(alloc) == "topk" ? "mean" : "act", alloc);
+    RetrieverOptions r = AllChunks(o, std::string(alloc) == "topk" ? "mean" : "act", alloc);
     r.budget_tokens = 8;  // k = 2 chunks per layer
     ASSERT_TRUE((*s)->EnableRetrieval(r).ok());
     size_t most_per_step = 0;
@@ -521,7 +524,7 @@ TEST_F(LlamaModelTest, InfLLMPositionsApplyOnlyToMemory) {
 // (9) Bad options get errors that name them.
 TEST_F(LlamaModelTest, BadRetrievalOptionsAreRejected) {
   struct Case { RetrieverOptions r; std::string expect; };
-  std::vector<Case> cases(4);
+  std::vector<Case> cases(5);
   cases[0].r.probe = "bogus";
   cases[0].expect = "probe";
   cases[1].r.alloc = "nope";
@@ -530,6 +533,8 @@ TEST_F(LlamaModelTest, BadRetrievalOptionsAreRejected) {
   cases[2].expect = "budget_tokens";
   cases[3].r.index = "Bogus";
   cases[3].expect = "Bogus";
+  cases[4].r.budget_tokens = 65 * 4;  // the hot pool holds 64 chunks of 4
+  cases[4].expect = "budget_tokens 260 needs 65 chunks of 4 tokens, and the hot slot pool holds 64";
   for (const Case& c : cases) {
     auto s = Session(model_.get(), Options(DType::kF32, 4, 8, 4));
     ASSERT_NE(s, nullptr);
@@ -740,7 +745,7 @@ TEST(DeviceForwardPlan, CreateRefusesAHostTierAndInfLLMPositions) {
 #endif
 }
 
-StoreOptions DeviceOptions(const LlamaConfig& c, DType dtype, const std::string& hot_tier) {
+StoreOptions DeviceOptions(const LlamaConfig& c, DType dtype, Device device) {
   StoreOptions o;
   o.n_sink = 4;
   o.n_local = 64;
@@ -750,7 +755,7 @@ StoreOptions DeviceOptions(const LlamaConfig& c, DType dtype, const std::string&
   o.hot_bytes = 64 * o.chunk_bytes();
   o.warm_bytes = 64 * o.chunk_bytes();
   o.transfer_threads = 1;
-  o.hot_tier = hot_tier;
+  o.device = device;
   return o;
 }
 
@@ -758,14 +763,14 @@ TEST(DeviceForward, SessionOnACudaTierWithoutADeviceIsUnavailable) {
   if (HaveCudaDevice()) GTEST_SKIP() << "a CUDA device is present: DeviceForwardMatchesCpuForward covers it";
   auto m = LlamaModel::Load(ShippedModelPath());
   ASSERT_TRUE(m.ok()) << m.status().ToString();
-  auto s = LlamaSession::Create(m->get(), DeviceOptions((*m)->config(), DType::kF16, "cuda"), PositionMode::kAbsolute);
+  auto s = LlamaSession::Create(m->get(), DeviceOptions((*m)->config(), DType::kF16, Device::kCuda), PositionMode::kAbsolute);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status().ToString();
   // A CUDA build without a device says so; a build without CUDA does not know the tier name.
   EXPECT_TRUE(s.status().message().find("no CUDA device") != std::string::npos ||
               s.status().message().find("cuda") != std::string::npos)
       << s.status().message();
-  auto host = LlamaSession::Create(m->get(), DeviceOptions((*m)->config(), DType::kF16, "host"));
+  auto host = LlamaSession::Create(m->get(), DeviceOptions((*m)->config(), DType::kF16, Device::kCpu));
   ASSERT_TRUE(host.ok()) << host.status().ToString();
   EXPECT_FALSE((*host)->on_device());
 }
@@ -867,8 +872,8 @@ void CompareDeviceWithCpu(const LlamaModel& model, const std::string& what) {
   for (int32_t& t : prompt) t = byte(rng);
   for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
     SCOPED_TRACE(what + " " + DTypeName(dtype));
-    auto cpu = LlamaSession::Create(&model, DeviceOptions(c, dtype, "host"), PositionMode::kAbsolute);
-    auto gpu = LlamaSession::Create(&model, DeviceOptions(c, dtype, "cuda"), PositionMode::kAbsolute);
+    auto cpu = LlamaSession::Create(&model, DeviceOptions(c, dtype, Device::kCpu), PositionMode::kAbsolute);
+    auto gpu = LlamaSession::Create(&model, DeviceOptions(c, dtype, Device::kCuda), PositionMode::kAbsolute);
     ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
     ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
     ASSERT_TRUE((*gpu)->on_device());

@@ -422,6 +422,7 @@ TEST(RemoteTier, ClusterRoutesRedirectsAndSharesASequenceBetweenProcesses) {
   ASSERT_TRUE(local_seq.ok());
   ASSERT_TRUE(remote_share::Write(local->get(), *local_seq).ok());
   SessionOptions so;
+  so.retrieval.budget_tokens = static_cast<int>(o.hot_bytes / o.chunk_bytes()) * o.chunk_size;  // the whole hot pool
   auto shared_session = Session::Attach(s, *seq, so);
   auto local_session = Session::Attach(local->get(), *local_seq, so);
   ASSERT_TRUE(shared_session.ok()) << shared_session.status().ToString();

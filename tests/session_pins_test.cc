@@ -129,8 +129,8 @@ TEST(SessionPins, OpenIsRefusedWhenThePoolCannotHoldTheBudgets) {
   EXPECT_FALSE(Session::Open(st, Budget(512)).ok());
   c3->reset();
   EXPECT_TRUE(Session::Open(st, Budget(512)).ok());
-  // retrieve = false reserves nothing; a budget above the pool reserves the pool (the
-  // retriever never takes more), so nothing else with a budget fits beside it.
+  // retrieve = false reserves nothing; a budget above the pool is refused, naming both
+  // numbers; the whole pool's budget leaves no room for anything else with a budget.
   a->reset();
   beside_a->reset();
   SessionOptions full;
@@ -139,7 +139,15 @@ TEST(SessionPins, OpenIsRefusedWhenThePoolCannotHoldTheBudgets) {
   ASSERT_TRUE(f.ok());
   EXPECT_EQ((*f)->reserved_slots(), 0);
   EXPECT_EQ(st->counters().hot_reserved, 0u);
-  auto big = Session::Open(st, Budget(4096));
+  auto over = Session::Open(st, Budget(4096));
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(over.status().message().find("budget_tokens 4096 needs 128 chunks of 32 tokens, and the hot slot pool "
+                                         "holds 40"),
+            std::string::npos)
+      << over.status().ToString();
+  EXPECT_EQ(st->counters().hot_reserved, 0u);
+  auto big = Session::Open(st, Budget(40 * 32));
   ASSERT_TRUE(big.ok()) << big.status().ToString();
   EXPECT_EQ((*big)->reserved_slots(), 40);
   auto refused = Session::Open(st, Budget(32));

@@ -174,7 +174,8 @@ TEST(Session, FullBudgetEqualsAttentionOverEveryChunk) {
   SessionOptions full;
   full.retrieve = false;
   auto a = Session::Open(store->get(), full);
-  auto b = Session::Open(store->get(), Retrieval(1 << 16));
+  // The whole hot pool (256 chunks of 8 tokens): more than every chunk of the sequence.
+  auto b = Session::Open(store->get(), Retrieval(256 * 8));
   ASSERT_TRUE(a.ok() && b.ok());
   std::vector<float> oa, ob;
   ASSERT_TRUE(DriveSession(a->get(), 3, 128, 240, &oa).ok());

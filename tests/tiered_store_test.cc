@@ -91,9 +91,7 @@ TEST(StoreOptions, ValidateNamesTheField) {
   bad([](StoreOptions& b) { b.geometry.head_dim = 0; }, "head_dim");
   bad([](StoreOptions& b) { b.warm_policy = "fifo"; }, "warm_policy");
   bad([](StoreOptions& b) { b.pin_timeout_ms = 0; }, "pin_timeout_ms");
-  bad([](StoreOptions& b) { b.hot_tier = "gpu"; }, "hot_tier");
-  bad([](StoreOptions& b) { b.hot_tier = "host:slots=3"; }, "hot_tier");
-  bad([](StoreOptions& b) { b.hot_tier = ""; }, "hot_tier");
+  bad([](StoreOptions& b) { b.device = static_cast<Device>(7); }, "device");
   bad([](StoreOptions& b) { b.clock = nullptr; }, "clock");
 }
 
@@ -718,7 +716,7 @@ TEST(TieredStoreRepresentatives, BadInputIsNamed) {
 class CountingHotTier final : public HotTier {
  public:
   explicit CountingHotTier(std::unique_ptr<HotTier> inner) : inner_(std::move(inner)) {}
-  const char* device() const override { return "counting"; }
+  Device device() const override { return inner_->device(); }
   int32_t slot_capacity() const override { return inner_->slot_capacity(); }
   int32_t slots_used() const override { return inner_->slots_used(); }
   size_t slot_bytes() const override { return inner_->slot_bytes(); }
@@ -744,10 +742,10 @@ class CountingHotTier final : public HotTier {
 TEST(TieredStoreHotTier, AnEngineCanInjectItsOwnHotTier) {
   TempDir dir;
   StoreOptions o = SmallOptions(dir.path());
-  o.hot_tier = "not-looked-up";  // the factory wins
+  o.device = static_cast<Device>(7);  // the factory wins: the device is not looked at
   CountingHotTier* tier = nullptr;
   o.hot_tier_factory = [&tier](size_t pool_bytes, size_t slot_bytes) -> Result<std::unique_ptr<HotTier>> {
-    KVTIER_ASSIGN_OR_RETURN(auto host, MakeHotTier("host", pool_bytes, slot_bytes));
+    KVTIER_ASSIGN_OR_RETURN(auto host, MakeHotTier(Device::kCpu, pool_bytes, slot_bytes));
     auto counting = std::make_unique<CountingHotTier>(std::move(host));
     tier = counting.get();
     return std::unique_ptr<HotTier>(std::move(counting));
@@ -776,14 +774,18 @@ TEST(TieredStoreHotTier, AnEngineCanInjectItsOwnHotTier) {
   ExpectPattern(st, *seq, 0, 9, 0, 8 + 40 + 8 * 10);
 }
 
-TEST(TieredStoreHotTier, FactoryStringsAndTheirErrors) {
+TEST(TieredStoreHotTier, DevicesAndTheirErrors) {
   const size_t slot = 4096;
-  auto host = MakeHotTier("host", 4 * slot, slot);
+  auto host = MakeHotTier(Device::kCpu, 4 * slot, slot);
   ASSERT_TRUE(host.ok()) << host.status().ToString();
-  EXPECT_STREQ((*host)->device(), "cpu");
+  EXPECT_EQ((*host)->device(), Device::kCpu);
   EXPECT_EQ((*host)->slot_capacity(), 4);
   EXPECT_EQ((*host)->slot_bytes(), slot);
-  // Without a CUDA build or a device, the GPU tier is a clear Unavailable, from the registry
+  EXPECT_STREQ(DeviceName(Device::kCpu), "cpu");
+  EXPECT_STREQ(DeviceName(Device::kCuda), "cuda");
+  EXPECT_EQ(*ParseDevice("cuda"), Device::kCuda);
+  EXPECT_EQ(ParseDevice("host").status().message(), "unknown device 'host' (cpu|cuda)");
+  // Without a CUDA build or a device, the GPU tier is a clear Unavailable, from MakeHotTier
   // and from Open (tests/cuda_hot_tier_test.cc covers the store with a device).
 #if KVTIER_HAVE_CUDA
   const bool device = kernels::cuda::DeviceCount() > 0;
@@ -792,40 +794,23 @@ TEST(TieredStoreHotTier, FactoryStringsAndTheirErrors) {
 #endif
   StoreOptions o = SmallOptions("");
   if (!device) {
-    auto cuda = MakeHotTier("cuda", 4 * slot, slot);
+    auto cuda = MakeHotTier(Device::kCuda, 4 * slot, slot);
     ASSERT_FALSE(cuda.ok());
     EXPECT_EQ(cuda.status().code(), StatusCode::kUnavailable) << cuda.status().ToString();
     EXPECT_NE(cuda.status().message().find("no CUDA"), std::string::npos) << cuda.status().ToString();
-    o.hot_tier = "cuda";
+    o.device = Device::kCuda;
     auto s = TieredStore::Open(o);
     ASSERT_FALSE(s.ok());
     EXPECT_EQ(s.status().code(), StatusCode::kUnavailable);
-    EXPECT_NE(s.status().message().find("hot_tier"), std::string::npos) << s.status().ToString();
+    EXPECT_NE(s.status().message().find("device"), std::string::npos) << s.status().ToString();
   }
-  EXPECT_EQ(MakeHotTier("gpu", 4 * slot, slot).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(MakeHotTier("host:x=1", 4 * slot, slot).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(MakeHotTier("host", slot / 2, slot).status().code(), StatusCode::kInvalidArgument);
-  // A registered implementation is found by name; names are taken once.
-  ASSERT_TRUE(RegisterHotTier("counting-test", [](const FactorySpec&, size_t pool, size_t sb)
-                                                   -> Result<std::unique_ptr<HotTier>> {
-                KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier("host", pool, sb));
-                return std::unique_ptr<HotTier>(std::make_unique<CountingHotTier>(std::move(inner)));
-              }).ok());
-  EXPECT_EQ(RegisterHotTier("counting-test", [](const FactorySpec&, size_t, size_t)
-                                                 -> Result<std::unique_ptr<HotTier>> { return Internal("unused"); })
-                .code(),
-            StatusCode::kAlreadyExists);
-  EXPECT_EQ(RegisterHotTier("host", nullptr).code(), StatusCode::kInvalidArgument);
-  auto counted = MakeHotTier("counting-test", 4 * slot, slot);
-  ASSERT_TRUE(counted.ok()) << counted.status().ToString();
-  EXPECT_STREQ((*counted)->device(), "counting");
-  o.hot_tier = "counting-test";
-  EXPECT_TRUE(TieredStore::Open(o).ok());
+  EXPECT_EQ(MakeHotTier(static_cast<Device>(7), 4 * slot, slot).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(MakeHotTier(Device::kCpu, slot / 2, slot).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(TieredStoreHotTier, AnInjectedTierWithTheWrongSlotsIsRefused) {
   StoreOptions o = SmallOptions("");
-  o.hot_tier_factory = [](size_t pool_bytes, size_t slot_bytes) { return MakeHotTier("host", pool_bytes, slot_bytes / 2); };
+  o.hot_tier_factory = [](size_t pool_bytes, size_t slot_bytes) { return MakeHotTier(Device::kCpu, pool_bytes, slot_bytes / 2); };
   auto s = TieredStore::Open(o);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);

@@ -49,13 +49,13 @@ struct StoreOptions {
   /// flight at once (a device tier copies them asynchronously: see "Landing" below); one
   /// more waits for the oldest. >= 1.
   int max_landing_chunks = 8;
-  /// The hot tier, by factory string (offload/hot_tier.h's registry): "host" (host
-  /// memory) or "cuda" (CudaHotTier, GPU memory), which is Unavailable for now: without a
-  /// CUDA build or device, and with one because the store reads hot memory on the host.
-  std::string hot_tier = "host";
-  /// An engine's own hot tier: when set, the store calls it (with hot_bytes and the
-  /// chunk size) instead of looking up hot_tier, which is then ignored. The tier must
-  /// have at least one slot, each of exactly chunk_bytes().
+  /// Where kvtier's hot tier keeps its memory (offload/hot_tier.h, MakeHotTier): kCpu (host
+  /// memory) or kCuda (CudaHotTier, GPU memory; Unavailable without a CUDA build or device).
+  /// Default: kCpu.
+  Device device = Device::kCpu;
+  /// An engine's own hot tier, the one way to bring one: when set, the store calls it (with
+  /// hot_bytes and the chunk size) instead of building kvtier's tier on `device`, which is
+  /// then ignored. The tier must have at least one slot, each of exactly chunk_bytes().
   std::function<Result<std::unique_ptr<HotTier>>(size_t slot_pool_bytes, size_t slot_bytes)> hot_tier_factory;
   /// Time source of the pin leases (pin_timeout_ms); tests pass a ManualClock.
   std::shared_ptr<const Clock> clock = SteadyClock();
@@ -121,6 +121,10 @@ struct SessionOptions {
   bool observe_prefill = true;                       ///< prefill Attend feeds representative-key statistics
   int keep_queries = 0;                              ///< most recent queries kept per layer for Compress (0 = none)
   Status Validate() const;
+  /// Validate(), and with retrieve, that `store`'s hot slot pool holds the retrieval budget:
+  /// budget_tokens / chunk_size chunks at most hot_bytes / chunk_bytes(). InvalidArgument
+  /// naming both numbers otherwise (the budget is never clipped silently).
+  Status Validate(const StoreOptions& store) const;
 };
 
 }  // namespace kvtier

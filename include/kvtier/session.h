@@ -47,9 +47,9 @@
 // sessions do (tests/session_test.cc checks 8 sessions on 4 threads bit for bit
 // against their single-threaded runs).
 //
-// Sharing the hot slot pool: Open and Attach reserve the session's retrieval budget in
-// chunks (budget_tokens / chunk_size, at most the pool: what one Attend pins in the steady
-// state) with TieredStore::ReserveHotSlots, and refuse the session with ResourceExhausted,
+// Sharing the hot slot pool: Open and Attach refuse a retrieval budget the pool cannot hold
+// (SessionOptions::Validate(const StoreOptions&)), and reserve the session's budget in
+// chunks (budget_tokens / chunk_size: what one Attend pins in the steady state) with TieredStore::ReserveHotSlots, and refuse the session with ResourceExhausted,
 // naming the pool's slots, the slots reserved and the slots asked, when the open sessions'
 // reservations would exceed the pool (sessions attached to one sequence count once, at the
 // largest). Close, Drop and destruction give the reservation back; retrieve = false reserves

@@ -32,8 +32,15 @@ bool ParseDType(const char* name, DType* out);
 /// A sequence of the store: the tokens one request appended, per layer.
 using SequenceId = uint64_t;
 
+/// Where a hot tier keeps its memory.
+enum class Device { kCpu, kCuda };
+/// "cpu" or "cuda"; "unknown" for a value outside the enum (named in errors).
+const char* DeviceName(Device device);
+/// "cpu" | "cuda"; InvalidArgument naming the text otherwise.
+Result<Device> ParseDevice(const std::string& name);
+
 /// Where the K/V handed to Append live. kDevice: the hot tier's own memory space (device
-/// pointers for "cuda"; for "host" that is host memory, so kDevice == kHost there).
+/// pointers on Device::kCuda; on kCpu that is host memory, so kDevice == kHost there).
 enum class MemorySpace { kHost, kDevice };
 /// "host" or "device"; "unknown" for a value outside the enum (named in errors).
 const char* MemorySpaceName(MemorySpace space);

@@ -119,19 +119,6 @@ inline FlagSet::Binding PathFlag(std::string* dst) {
       *dst);
 }
 
-/// --device cpu|cuda bound to StoreOptions::hot_tier ("host" | "cuda"); its default is the
-/// device *hot_tier names now. "cuda" is refused when the store opens, with the reason (no
-/// CUDA in this build, no device, or the store's host-side reads of hot memory).
-inline FlagSet::Binding DeviceFlag(std::string* hot_tier) {
-  return FlagSet::Binding(
-      [=](const std::string& s) {
-        if (s != "cpu" && s != "cuda") return InvalidArgument("unknown device '" + s + "' (cpu|cuda)");
-        *hot_tier = s == "cpu" ? "host" : "cuda";
-        return Status::Ok();
-      },
-      *hot_tier == "cuda" ? "cuda" : "cpu");
-}
-
 /// `bind` with `default_text` as its default: for setters that are not one of the above (the
 /// text then comes from the variable the setter writes, e.g. WithDefault(o.probe, ...)), and
 /// for sentinel defaults that a number would misstate ("every key, = --chunk"). "" = none.

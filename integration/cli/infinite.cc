@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "integration/cli/flags.h"
+#include "integration/cli/option_flags.h"
 #include "integration/cli/paths.h"
 #include "engine/compress.h"
 #include "integration/json.h"
@@ -625,13 +626,14 @@ int RunInfinite(int argc, char** argv) {
           return ParseIntList(s, 1, int64_t{1} << 32, &o.contexts);
         });
   f.Add("samples", "samples per context length", IntFlag(&o.samples, 1, 1 << 20));
-  f.Add("probe", "retrieval probe: act | mean", WithDefault(o.retrieval.probe, [&o](const std::string& s) {
+  const auto& rt = RetrieverOptionTable();
+  f.Add("probe", cli::OptionHelp(cli::OptionRow(rt, "probe")), WithDefault(o.retrieval.probe, [&o](const std::string& s) {
     o.retrieval.probe = s;
     return Status::Ok();
   }));
-  f.Add("alloc", "budget allocator: entropy[:min=M,rank=cosine|logit] | topk",
+  f.Add("alloc", cli::OptionHelp(cli::OptionRow(rt, "alloc")),
         WithDefault(o.retrieval.alloc, [&rf](const std::string& s) { return rf.SetAlloc(s); }));
-  f.Add("index", "chunk index: Exact[:heads=sum|max,rerank=F,rerank_min=N] | Flat | HNSW32",
+  f.Add("index", cli::OptionHelp(cli::OptionRow(rt, "index")),
         WithDefault(o.retrieval.index, [&rf](const std::string& s) { return rf.SetIndex(s); }));
   f.Add("head-merge", "Exact index: a chunk's per-kv-head scores are summed (sum) or the best head decides (max) "
         "(index key heads=)",
@@ -641,7 +643,7 @@ int RunInfinite(int argc, char** argv) {
         "logit (allocator key rank=)",
         WithDefault(SpecKey(o.retrieval.alloc, "rank"),
                     [&rf](const std::string& s) { return rf.SetAllocKey("rank", s); }));
-  f.Add("budget", "retrieved tokens per layer and step", IntFlag(&o.retrieval.budget_tokens, 0, 1 << 24));
+  cli::AddOptionFlag(&f, rt, "budget_tokens", &o.retrieval);
   f.Add("policy", "demotion policy of the hot and warm tiers: lru or a scoring policy",
         WithDefault(o.store.warm_policy, [&o](const std::string& s) {
           auto p = MakeDemotionPolicy(s);
@@ -649,11 +651,13 @@ int RunInfinite(int argc, char** argv) {
           o.store.hot_policy = o.store.warm_policy = s;
           return Status::Ok();
         }));
-  f.Add("sink", "attention-sink tokens", IntFlag(&o.store.n_sink, 0, 1 << 20));
-  f.Add("local", "local-window tokens", IntFlag(&o.store.n_local, 1, 1 << 24));
-  f.Add("chunk", "tokens per chunk", IntFlag(&o.store.chunk_size, 1, 1 << 16));
-  f.Add("repr-topk", "representative keys per head per chunk (the paper baselines of --compare keep 4)",
-        WithDefault("every key, = --chunk", IntFlag(&o.store.repr_topk, 1, 1 << 16)));
+  const auto& store_rows = StoreOptionTable();
+  cli::AddOptionFlag(&f, store_rows, "n_sink", &o.store);
+  cli::AddOptionFlag(&f, store_rows, "n_local", &o.store);
+  cli::AddOptionFlag(&f, store_rows, "chunk_size", &o.store);
+  const auto& repr = cli::OptionRow(store_rows, "repr_topk");
+  f.Add(repr.flag, cli::OptionHelp(repr) + " (the paper baselines of --compare keep 4)",
+        WithDefault("every key, = --chunk", cli::OptionBinding(repr, &o.store)));
   f.Add("window", "prefill window in tokens, at most --local", IntFlag(&o.window, 1, 1 << 24));
   f.Add("positions", "infllm (memory at the local window's start, keys stored before RoPE) | absolute",
         WithDefault(model::PositionModeName(o.positions), [&o](const std::string& s) {
@@ -662,20 +666,24 @@ int RunInfinite(int argc, char** argv) {
           o.positions = *p;
           return Status::Ok();
         }));
-  f.Add("hot-bytes", "hot slot pool", WithDefault("what one layer attends", [&o](const std::string& s) {
+  const auto& hot = cli::OptionRow(store_rows, "hot_bytes");
+  f.Add(hot.flag, cli::OptionHelp(hot), WithDefault("what one layer attends", [&o](const std::string& s) {
     o.hot_set = true;
     return ParseBytes(s, &o.store.hot_bytes);
   }));
-  f.Add("device", "where the hot tier and the model forward run: cpu | cuda (GPU memory and the forward on the GPU: "
-        "needs --positions absolute, a CUDA build and a device)",
-        cli::DeviceFlag(&o.store.hot_tier));
-  f.Add("warm-bytes", "warm tier; less than every chunk needs --data-dir",
+  const auto& device = cli::OptionRow(store_rows, "device");
+  f.Add(device.flag, cli::OptionHelp(device) + "; the model forward runs there too (cuda needs --positions absolute)",
+        cli::OptionBinding(device, &o.store));
+  const auto& warm = cli::OptionRow(store_rows, "warm_bytes");
+  f.Add(warm.flag, cli::OptionHelp(warm) + "; less than every chunk needs --data-dir",
         WithDefault("every chunk", [&o](const std::string& s) {
           o.warm_set = true;
           return ParseBytes(s, &o.store.warm_bytes);
         }));
-  f.Add("data-dir", "cold tier (RocksDB) directory", WithDefault("none", PathFlag(&o.store.data_dir)));
-  f.Add("remote", "remote tier on Redis: redis://host:port[,host:port...][?wait=N&...]; with --warm-bytes, "
+  const auto& data_dir = cli::OptionRow(store_rows, "data_dir");
+  f.Add(data_dir.flag, cli::OptionHelp(data_dir), WithDefault("none", PathFlag(&o.store.data_dir)));
+  const auto& remote = cli::OptionRow(store_rows, "remote");
+  f.Add(remote.flag, cli::OptionHelp(remote) + "; with --warm-bytes, "
         "chunks that leave warm are fetched back from it", WithDefault("none", [&o](const std::string& s) {
           auto r = ParseRemoteSpec(s);
           if (!r.ok()) return r.status();
@@ -750,7 +758,7 @@ int RunInfinite(int argc, char** argv) {
     Status v = o.retrieval.Validate();
     if (!v.ok()) return Fail(InvalidArgument("retrieval options: " + v.message()));
   }
-  if (o.store.hot_tier == "cuda") {
+  if (o.store.device == Device::kCuda) {
     // --device cuda: the store's hot tier and the model's forward both run on the GPU
     // (integration/model/llama_device.h). First what the device forward does not take (usage
     // errors, whatever the machine), then whether there is a device at all (Unavailable
@@ -763,7 +771,7 @@ int RunInfinite(int argc, char** argv) {
       return Fail(InvalidArgument("--device cuda needs --positions absolute: with infllm positions the keys are "
                                   "stored before RoPE and rotated on the host at attention time, which the device "
                                   "forward does not implement"));
-    if (Status dev = CheckHotTierSpec(o.store.hot_tier); !dev.ok()) return Fail(dev);
+    if (Status dev = CheckDevice(o.store.device); !dev.ok()) return Fail(dev);
   }
   auto loaded = LlamaModel::Load(o.weights);
   if (!loaded.ok())
@@ -825,7 +833,7 @@ int RunInfinite(int argc, char** argv) {
               o.task.c_str(), o.samples, o.weights.c_str(), c.d_model, c.n_layers, c.q_heads, c.kv_heads);
   std::printf("store: sinks %d, local %d, chunk %d, prefill window %d, policy %s\n", o.store.n_sink, o.store.n_local,
               o.store.chunk_size, std::min(o.window, o.store.n_local), o.store.warm_policy.c_str());
-  if (o.store.hot_tier == "cuda")
+  if (o.store.device == Device::kCuda)
     std::printf("device: cuda (hot tier in GPU memory; embedding, norms, projections, RoPE, K/V conversion and "
                 "attention on the GPU; q and the attention output cross to the host per layer)\n");
   for (const Method& m : methods) std::printf("  %-15s %s\n", m.name.c_str(), Describe(o, m).c_str());

@@ -18,6 +18,7 @@
 #include "integration/cli/compile_tables.h"
 #include "integration/cli/flags.h"
 #include "integration/cli/infinite.h"
+#include "integration/cli/option_flags.h"
 #include "integration/cli/paths.h"
 #include "integration/cli/trace.h"
 #include "integration/json.h"
@@ -58,39 +59,32 @@ void AddStoreFlags(FlagSet* f, StoreOptions* o, DataPlace* place) {
          WithDefault(std::to_string(g.layers) + "," + std::to_string(g.q_heads) + "," + std::to_string(g.kv_heads) +
                          "," + std::to_string(g.head_dim),
                      [o](const std::string& s) { return o->geometry.ParseShape(s); }));
-  f->Add("dtype", "storage dtype f16|bf16|f32", WithDefault(DTypeName(g.dtype), [o](const std::string& s) {
-    if (!ParseDType(s.c_str(), &o->geometry.dtype)) return InvalidArgument("unknown dtype '" + s + "' (f16|bf16|f32)");
-    return Status::Ok();
-  }));
-  f->Add("chunk", "tokens per chunk", IntFlag(&o->chunk_size, 1, 1 << 16));
-  f->Add("sink", "attention-sink tokens kept hot", IntFlag(&o->n_sink, 0, 1 << 20));
-  f->Add("local", "local-window tokens kept hot", IntFlag(&o->n_local, 1, 1 << 24));
-  f->Add("repr-topk", "representative keys per head per chunk", IntFlag(&o->repr_topk, 1, 1 << 16));
-  f->Add("hot-bytes", "hot slot pool for retrieved chunks (K/M/G suffixes)", BytesFlag(&o->hot_bytes));
-  f->Add("device", "where the hot tier lives: cpu | cuda (GPU memory: needs a CUDA build and a device)",
-         cli::DeviceFlag(&o->hot_tier));
-  f->Add("warm-bytes", "warm tier capacity (K/M/G suffixes)", BytesFlag(&o->warm_bytes));
-  f->Add("data-dir", "cold tier (RocksDB) directory; 'none': no cold tier (then --remote is the lower tier)",
+  const auto& t = StoreOptionTable();
+  cli::AddOptionFlag(f, t, "dtype", o);
+  cli::AddOptionFlag(f, t, "chunk_size", o);
+  cli::AddOptionFlag(f, t, "n_sink", o);
+  cli::AddOptionFlag(f, t, "n_local", o);
+  cli::AddOptionFlag(f, t, "repr_topk", o);
+  cli::AddOptionFlag(f, t, "hot_bytes", o);
+  cli::AddOptionFlag(f, t, "device", o);
+  cli::AddOptionFlag(f, t, "warm_bytes", o);
+  const auto& data_dir = cli::OptionRow(t, "data_dir");
+  f->Add(data_dir.flag, cli::OptionHelp(data_dir) + "; 'none' here: no cold tier (then --remote is the lower tier)",
          WithDefault(o->data_dir.empty() ? "a new directory under $TMPDIR, removed at exit" : o->data_dir,
                      [o](const std::string& s) {
            if (s.empty()) return InvalidArgument("empty path");
            o->data_dir = s == "none" ? "" : s;
            return Status::Ok();
          }));
-  f->Add("remote", "remote tier on Redis: redis://host:port[,host:port...][?wait=N&timeout_ms=N&...] (one server "
-         "or any nodes of a cluster); chunks are written through to it as well and fetched from it when no local "
-         "tier holds them", WithDefault("none", [o](const std::string& s) {
+  const auto& remote = cli::OptionRow(t, "remote");
+  f->Add(remote.flag, cli::OptionHelp(remote) + "; chunks are written through to it as well and fetched from it "
+         "when no local tier holds them", WithDefault("none", [o](const std::string& s) {
            auto r = ParseRemoteSpec(s);
            if (!r.ok()) return r.status();
            o->remote = s;
            return Status::Ok();
          }));
-  f->Add("compression", "cold tier compression none|lz4|zstd",
-         WithDefault(CompressionName(o->compression), [o](const std::string& s) {
-           if (!ParseCompression(s, &o->compression))
-             return InvalidArgument("unknown compression '" + s + "' (none|lz4|zstd)");
-           return Status::Ok();
-         }));
+  cli::AddOptionFlag(f, t, "compression", o);
   f->Add("policy", "demotion policy of the hot and warm tiers: lru, or a scoring policy's factory string, "
          "e.g. h2o or gkv:form=max (see 'kvtier policies')", WithDefault(o->warm_policy, [o](const std::string& s) {
     auto p = MakeDemotionPolicy(s);
@@ -98,8 +92,7 @@ void AddStoreFlags(FlagSet* f, StoreOptions* o, DataPlace* place) {
     o->hot_policy = o->warm_policy = s;
     return Status::Ok();
   }));
-  f->Add("sync", "fsync every cold write (power-loss durability)",
-         [o](const std::string& s) { o->sync_writes = s != "0"; return Status::Ok(); }, true);
+  cli::AddOptionFlag(f, t, "sync_writes", o);
   f->Add("keep", "keep the sequences in --data-dir (and --remote) at the end; without it they are dropped, so "
          "nothing is left behind", [place](const std::string& s) { place->keep = s != "0"; return Status::Ok(); }, true);
 }
@@ -223,7 +216,8 @@ int CmdRun(int argc, char** argv) {
   FlagSet f;
   f.Add("context", "tokens of context", IntFlag(&o.workload.context, 1, int64_t{1} << 32));
   AddStoreFlags(&f, &o.store, &place);
-  f.Add("budget", "retrieved tokens per step and layer", IntFlag(&o.budget, 0, 1 << 24));
+  const auto& budget = cli::OptionRow(RetrieverOptionTable(), "budget_tokens");
+  f.Add(budget.flag, cli::OptionHelp(budget), IntFlag(&o.budget, budget.lo, budget.hi));
   f.Add("window", "prefill window in tokens", IntFlag(&o.window, 1, 1 << 20));
   f.Add("stat-stride", "every N-th prefill query feeds representative-key statistics",
         IntFlag(&o.stat_stride, 1, 1 << 20));
@@ -244,12 +238,12 @@ int CmdRun(int argc, char** argv) {
   }
   RetrieverSpecFlags rf(&o.retrieval);
   const ExactIndexOptions exact;
-  f.Add("probe", "probe builder: act | mean | question[:base=act,weight=0.5]",
+  const auto& rt = RetrieverOptionTable();
+  f.Add("probe", cli::OptionHelp(cli::OptionRow(rt, "probe")),
         WithDefault(o.retrieval.probe, [&o](const std::string& s) { o.retrieval.probe = s; return Status::Ok(); }));
-  f.Add("alloc", "budget allocator: entropy[:min=M,rank=cosine|logit] | topk",
+  f.Add("alloc", cli::OptionHelp(cli::OptionRow(rt, "alloc")),
         WithDefault(o.retrieval.alloc, [&rf](const std::string& s) { return rf.SetAlloc(s); }));
-  f.Add("index", "chunk index: Exact[:heads=sum|max,rerank=F,rerank_min=N] (best representative per head) or "
-        "a FAISS factory Flat | HNSW32 | IVF<n>,Flat over one mean vector per chunk",
+  f.Add("index", cli::OptionHelp(cli::OptionRow(rt, "index")),
         WithDefault(o.retrieval.index, [&rf](const std::string& s) { return rf.SetIndex(s); }));
   f.Add("rerank", "Exact index: rescore the best F x take chunks by their best representative, 0 = one "
         "full pass over every representative (index key rerank=F)",

@@ -213,7 +213,7 @@ Result<std::unique_ptr<LlamaSession>> LlamaSession::Create(const LlamaModel* mod
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, Session::Open(store.get(), so));
   HotTier* hot = store->hot_tier();
   auto s = std::unique_ptr<LlamaSession>(new LlamaSession(model, std::move(store), std::move(session)));
-  if (std::string(hot->device()) == "cuda") {
+  if (hot->device() == Device::kCuda) {
     // The forward follows the KV memory onto the device: a prefill window is at most n_local tokens.
     KVTIER_ASSIGN_OR_RETURN(s->device_, LlamaDeviceForward::Create(model, hot, s->store_->options().n_local,
                                                                    s->store_->options().geometry.dtype, positions,

@@ -117,7 +117,7 @@ class LlamaSession {
   /// options.geometry.dtype: f32, f16 or bf16), and creates the sequence. Prefill
   /// windows must not exceed options.n_local, so a window's keys are still hot
   /// when its queries attend. The model must outlive the session.
-  /// With options.hot_tier "cuda" the forward runs on the GPU (llama_device.h: weights
+  /// With options.device kCuda the forward runs on the GPU (llama_device.h: weights
   /// uploaded here, once per session), which needs kAbsolute positions;
   /// without a device, opening the store already answers Unavailable "no CUDA device".
   static Result<std::unique_ptr<LlamaSession>> Create(const LlamaModel* model, StoreOptions options,

@@ -170,7 +170,7 @@ Status TieredStore::ObserveQueries(SequenceId seq, int layer, const float* q, co
   // would have to be kept in step by every path that fills the regions (Append, reopen,
   // recovery, attach); the read-back cannot go stale.
   std::vector<std::vector<uint8_t>> host_copy;
-  if (std::string(hot_->device()) != "cpu") {
+  if (hot_->device() != Device::kCpu) {
     std::vector<kernels::KvSpan*> spans{&view.sinks};
     for (int i = 0; i < view.n_local_spans; ++i) spans.push_back(&view.local[i]);
     host_copy.resize(2 * spans.size());

@@ -23,8 +23,8 @@ class Unavailable(Error): ...
 class Internal(Error): ...
 
 def version() -> str: ...
-def hot_tier_names() -> list[str]: ...
-def _register_scrambled_hot_tier(name: str) -> None: ...
+def option_table() -> list[dict[str, Any]]: ...
+def _scrambled_store(**options: object) -> Store: ...
 def make_samples(task: str, context: int, samples: int, seed: int = 1) -> list[dict[str, Any]]: ...
 def preset_names() -> list[str]: ...
 def preset(name: str) -> dict[str, Any]: ...
@@ -45,8 +45,39 @@ class CppLlama:
     @property
     def position(self) -> int: ...
 
+# The keyword arguments of Store and Session.open/attach are the option table's rows
+# (engine/option_table.h), in its order, with its defaults; tests/python/test_options.py
+# checks them against kvtier._kvtier.option_table().
 class Store:
-    def __init__(self, **options: object) -> None: ...
+    def __init__(
+        self,
+        *,
+        layers: int = 32,
+        q_heads: int = 32,
+        kv_heads: int = 8,
+        head_dim: int = 128,
+        dtype: str = "f16",
+        n_sink: int = 64,
+        n_local: int = 512,
+        chunk_size: int = 32,
+        repr_topk: int = 4,
+        hot_bytes: int = 67108864,
+        warm_bytes: int = 268435456,
+        data_dir: str = "",
+        compression: str = "lz4",
+        sync_writes: bool = False,
+        write_through: bool = True,
+        pin_timeout_ms: int = 30000,
+        pin_wait_ms: int = 10000,
+        hot_policy: str = "lru",
+        warm_policy: str = "lru",
+        transfer_threads: int = 2,
+        max_landing_chunks: int = 8,
+        device: str = "cpu",
+        accept_lost_chunks: bool = False,
+        remote: str = "",
+        remote_namespace: str = "",
+    ) -> None: ...
     @property
     def options(self) -> dict[str, Any]: ...
     @property
@@ -62,9 +93,38 @@ class Store:
 
 class Session:
     @staticmethod
-    def open(store: Store, **options: object) -> Session: ...
+    def open(
+        store: Store,
+        *,
+        preset: str = "kvtier",
+        retrieval: str = ...,
+        probe: str = "act",
+        alloc: str = "entropy:rank=logit",
+        index: str = "Exact:heads=max",
+        budget_tokens: int = 2048,
+        retrieve: bool = True,
+        positions: str = "absolute",
+        rope_theta: float = 10000.0,
+        observe_prefill: bool = True,
+        keep_queries: int = 0,
+    ) -> Session: ...
     @staticmethod
-    def attach(store: Store, sequence: int, **options: object) -> Session: ...
+    def attach(
+        store: Store,
+        sequence: int,
+        *,
+        preset: str = "kvtier",
+        retrieval: str = ...,
+        probe: str = "act",
+        alloc: str = "entropy:rank=logit",
+        index: str = "Exact:heads=max",
+        budget_tokens: int = 2048,
+        retrieve: bool = True,
+        positions: str = "absolute",
+        rope_theta: float = 10000.0,
+        observe_prefill: bool = True,
+        keep_queries: int = 0,
+    ) -> Session: ...
     @property
     def sequence(self) -> int: ...
     @property

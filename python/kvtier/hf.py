@@ -230,8 +230,8 @@ class KvtierCache(Cache):
         if repr_topk is None:
             repr_topk = p["repr_topk"] or chunk_size
         budget = p["budget_tokens"] if budget_tokens is None else budget_tokens
-        session_opts = dict(preset=preset, positions=positions, retrieve=retrieve,
-                            rope_theta=rope_theta)
+        session_opts: Dict[str, Any] = dict(preset=preset, positions=positions, retrieve=retrieve,
+                                            rope_theta=rope_theta)
         if budget_tokens is not None:
             session_opts["budget_tokens"] = budget_tokens
         for key, val in (("probe", probe), ("alloc", alloc), ("index", index)):

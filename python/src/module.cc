@@ -30,6 +30,7 @@
 
 #include "integration/model/llama.h"
 #include "integration/model/tasks.h"
+#include "engine/option_table.h"
 #include "kvtier/kvtier.h"
 #include "offload/tiered_store.h"
 #include "kernels/cpu/attention.h"
@@ -351,56 +352,59 @@ int64_t GetInt(const py::handle& v, const std::string& key) {
   if (!PyLong_Check(v.ptr()) || PyBool_Check(v.ptr())) Bad("option '" + key + "': expected an int");
   return Get<int64_t>(v, key);
 }
-int GetInt32(const py::handle& v, const std::string& key) {
-  const int64_t x = GetInt(v, key);
-  if (x < INT32_MIN || x > INT32_MAX) Bad("option '" + key + "': out of range (got " + std::to_string(x) + ")");
-  return static_cast<int>(x);
-}
 bool GetBool(const py::handle& v, const std::string& key) {
   if (!PyBool_Check(v.ptr())) Bad("option '" + key + "': expected a bool");
   return v.cast<bool>();
+}
+
+// A keyword argument as its row of the option table (engine/option_table.h) types it; the
+// row then checks the range and the choices (SetOption). A wrong Python type is named here.
+template <typename Options>
+OptionValue PyOptionValue(const OptionDesc<Options>& d, const py::handle& v) {
+  const std::string key = d.name;
+  switch (d.type) {
+    case OptionType::kInt:
+    case OptionType::kBytes:
+      return GetInt(v, key);
+    case OptionType::kBool:
+      return GetBool(v, key);
+    case OptionType::kDouble:
+      if (PyBool_Check(v.ptr())) Bad("option '" + key + "': expected a number");
+      return Get<double>(v, key);
+    case OptionType::kString:
+    case OptionType::kChoice:
+      break;
+  }
+  return Get<std::string>(v, key);
+}
+
+// Sets `key` from a keyword argument when `table` has it; false when it does not.
+template <typename Options>
+bool SetFromKeyword(const std::vector<OptionDesc<Options>>& table, const std::string& key, const py::handle& v,
+                    Options* o) {
+  const OptionDesc<Options>* d = FindOption(table, key);
+  if (d == nullptr) return false;
+  Check(SetOption(*d, o, PyOptionValue(*d, v)));
+  return true;
+}
+
+py::object PyValue(const OptionValue& v) {
+  if (const auto* i = std::get_if<int64_t>(&v)) return py::int_(*i);
+  if (const auto* b = std::get_if<bool>(&v)) return py::bool_(*b);
+  if (const auto* d = std::get_if<double>(&v)) return py::float_(*d);
+  return py::str(std::get<std::string>(v));
+}
+
+template <typename Options>
+void AddToDict(const std::vector<OptionDesc<Options>>& table, const Options& o, py::dict* d) {
+  for (const auto& row : table) (*d)[row.name] = PyValue(row.get(o));
 }
 
 StoreOptions StoreOptionsFrom(const py::kwargs& kw) {
   StoreOptions o;
   for (auto item : kw) {
     const std::string key = py::str(item.first);
-    py::handle v = item.second;
-    if (key == "layers") o.geometry.layers = GetInt32(v, key);
-    else if (key == "q_heads") o.geometry.q_heads = GetInt32(v, key);
-    else if (key == "kv_heads") o.geometry.kv_heads = GetInt32(v, key);
-    else if (key == "head_dim") o.geometry.head_dim = GetInt32(v, key);
-    else if (key == "dtype") {
-      const std::string s = Get<std::string>(v, key);
-      if (!ParseDType(s.c_str(), &o.geometry.dtype)) Bad("option 'dtype': expected f32, f16 or bf16 (got '" + s + "')");
-    } else if (key == "n_sink") o.n_sink = GetInt32(v, key);
-    else if (key == "n_local") o.n_local = GetInt32(v, key);
-    else if (key == "chunk_size") o.chunk_size = GetInt32(v, key);
-    else if (key == "repr_topk") o.repr_topk = GetInt32(v, key);
-    else if (key == "hot_bytes") {
-      const int64_t x = GetInt(v, key);
-      if (x < 0) Bad("option 'hot_bytes': must be >= 0");
-      o.hot_bytes = static_cast<uint64_t>(x);
-    } else if (key == "warm_bytes") {
-      const int64_t x = GetInt(v, key);
-      if (x < 0) Bad("option 'warm_bytes': must be >= 0");
-      o.warm_bytes = static_cast<uint64_t>(x);
-    } else if (key == "data_dir") o.data_dir = Get<std::string>(v, key);
-    else if (key == "compression") {
-      const std::string s = Get<std::string>(v, key);
-      if (!ParseCompression(s, &o.compression))
-        Bad("option 'compression': expected none, lz4 or zstd (got '" + s + "')");
-    } else if (key == "sync_writes") o.sync_writes = GetBool(v, key);
-    else if (key == "write_through") o.write_through = GetBool(v, key);
-    else if (key == "pin_timeout_ms") o.pin_timeout_ms = GetInt32(v, key);
-    else if (key == "pin_wait_ms")
-      o.pin_wait_ms = GetInt32(v, key);
-    else if (key == "hot_policy") o.hot_policy = Get<std::string>(v, key);
-    else if (key == "warm_policy") o.warm_policy = Get<std::string>(v, key);
-    else if (key == "transfer_threads") o.transfer_threads = GetInt32(v, key);
-    else if (key == "hot_tier") o.hot_tier = Get<std::string>(v, key);
-    else if (key == "accept_lost_chunks") o.accept_lost_chunks = GetBool(v, key);
-    else Bad("Store: unknown option '" + key + "'");
+    if (!SetFromKeyword(StoreOptionTable(), key, item.second, &o)) Bad("Store: unknown option '" + key + "'");
   }
   return o;
 }
@@ -416,17 +420,12 @@ SessionOptions SessionOptionsFrom(const py::kwargs& kw) {
     const std::string key = py::str(item.first);
     py::handle v = item.second;
     if (key == "preset") continue;
-    if (key == "retrieve") o.retrieve = GetBool(v, key);
-    else if (key == "positions") o.positions = Take(ParsePositionMode(Get<std::string>(v, key)));
-    else if (key == "rope_theta") o.rope_theta = Get<double>(v, key);
-    else if (key == "observe_prefill") o.observe_prefill = GetBool(v, key);
-    else if (key == "keep_queries") o.keep_queries = GetInt32(v, key);
-    else if (key == "probe") o.retrieval.probe = Get<std::string>(v, key);
-    else if (key == "alloc") o.retrieval.alloc = Get<std::string>(v, key);
-    else if (key == "index") o.retrieval.index = Get<std::string>(v, key);
-    else if (key == "budget_tokens") o.retrieval.budget_tokens = GetInt32(v, key);
-    else if (key == "retrieval") o.retrieval = Take(RetrieverOptions::Parse(Get<std::string>(v, key)));
-    else Bad("Session: unknown option '" + key + "'");
+    if (key == "retrieval") {
+      o.retrieval = Take(RetrieverOptions::Parse(Get<std::string>(v, key)));
+    } else if (!SetFromKeyword(SessionOptionTable(), key, v, &o) &&
+               !SetFromKeyword(RetrieverOptionTable(), key, v, &o.retrieval)) {
+      Bad("Session: unknown option '" + key + "'");
+    }
   }
   Check(o.Validate());
   return o;
@@ -434,29 +433,46 @@ SessionOptions SessionOptionsFrom(const py::kwargs& kw) {
 
 py::dict StoreOptionsDict(const StoreOptions& o) {
   py::dict d;
-  d["layers"] = o.geometry.layers;
-  d["q_heads"] = o.geometry.q_heads;
-  d["kv_heads"] = o.geometry.kv_heads;
-  d["head_dim"] = o.geometry.head_dim;
-  d["dtype"] = DTypeName(o.geometry.dtype);
-  d["n_sink"] = o.n_sink;
-  d["n_local"] = o.n_local;
-  d["chunk_size"] = o.chunk_size;
-  d["repr_topk"] = o.repr_topk;
-  d["hot_bytes"] = o.hot_bytes;
-  d["warm_bytes"] = o.warm_bytes;
-  d["data_dir"] = o.data_dir;
-  d["compression"] = CompressionName(o.compression);
-  d["sync_writes"] = o.sync_writes;
-  d["write_through"] = o.write_through;
-  d["pin_timeout_ms"] = o.pin_timeout_ms;
-  d["pin_wait_ms"] = o.pin_wait_ms;
-  d["hot_policy"] = o.hot_policy;
-  d["warm_policy"] = o.warm_policy;
-  d["transfer_threads"] = o.transfer_threads;
-  d["hot_tier"] = o.hot_tier;
-  d["accept_lost_chunks"] = o.accept_lost_chunks;
+  AddToDict(StoreOptionTable(), o, &d);
   return d;
+}
+
+// The option table's rows of one struct, as the stubs test reads them.
+template <typename Options>
+void AddRows(const char* owner, const std::vector<OptionDesc<Options>>& table, const Options& defaults,
+             py::list* out) {
+  for (const auto& row : table) {
+    py::dict d;
+    d["struct"] = owner;
+    d["name"] = row.name;
+    d["flag"] = row.flag;
+    d["type"] = OptionTypeName(row.type);
+    d["default"] = PyValue(row.get(defaults));
+    d["meaning"] = row.meaning;
+    d["lo"] = row.lo;
+    d["hi"] = row.hi;
+    d["choices"] = row.choices;
+    out->append(d);
+  }
+}
+
+// One line per row: "name (type, default X): meaning".
+template <typename Options>
+std::string OptionsDoc(const std::vector<OptionDesc<Options>>& table, const Options& defaults) {
+  std::string out;
+  for (const auto& row : table)
+    out += std::string(row.name) + " (" + OptionTypeName(row.type) + ", default '" +
+           FormatOptionValue(row.get(defaults)) + "'): " + row.meaning + "\n";
+  return out;
+}
+
+py::list OptionTableRows() {
+  py::list out;
+  AddRows("StoreOptions", StoreOptionTable(), StoreOptions{}, &out);
+  const SessionOptions session;
+  AddRows("SessionOptions", RetrieverOptionTable(), session.retrieval, &out);
+  AddRows("SessionOptions", SessionOptionTable(), session, &out);
+  return out;
 }
 
 py::dict StatsDict(const AttendStats& s) {
@@ -485,8 +501,8 @@ class PySession;
 // append or attend in flight finishes first.
 class PyStore {
  public:
-  explicit PyStore(const py::kwargs& kw) {
-    StoreOptions o = StoreOptionsFrom(kw);
+  explicit PyStore(const py::kwargs& kw) : PyStore(StoreOptionsFrom(kw)) {}
+  explicit PyStore(const StoreOptions& o) {
     py::gil_scoped_release nogil;
     store_ = Take(TieredStore::Open(o));
   }
@@ -733,7 +749,7 @@ class PySession {
   // Gather: which spans a layer attends. The spans stay valid only while pinned and until the
   // next Append, which Python cannot enforce on a view, so their K/V are copied out (as
   // numpy arrays of the storage dtype; bf16 as uint16 bit patterns) and the pins released.
-  // The spans point into the store's hot tier, which may be device memory (hot_tier "cuda")
+  // The spans point into the store's hot tier, which may be device memory (device cuda)
   // or any tier whose bytes the host cannot read in place, so the copies go through the
   // tier's Download (for "host" the same memcpy as before); a failed copy raises its Status.
   py::dict Gather(int64_t layer, py::handle q, py::handle positions) {
@@ -848,13 +864,9 @@ class PySession {
   py::dict Options() const {
     const SessionOptions& o = s().options();
     py::dict d;
-    d["retrieve"] = o.retrieve;
-    d["positions"] = PositionModeName(o.positions);
-    d["rope_theta"] = o.rope_theta;
-    d["observe_prefill"] = o.observe_prefill;
-    d["keep_queries"] = o.keep_queries;
+    AddToDict(SessionOptionTable(), o, &d);
+    AddToDict(RetrieverOptionTable(), o.retrieval, &d);
     d["retrieval"] = o.retrieval.ToString();
-    d["budget_tokens"] = o.retrieval.budget_tokens;
     return d;
   }
 
@@ -969,17 +981,21 @@ PYBIND11_MODULE(_kvtier, m) {
   });
 
   m.def("version", &Version, "The C++ library's version.");
-  m.def("hot_tier_names", &HotTierNames, "Hot tier names a Store's hot_tier option takes now.");
-  m.def("_register_scrambled_hot_tier", [](const std::string& name) {
-    Check(RegisterHotTier(name, [](const FactorySpec&, size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
-      KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier("host", pool, slot));
+  m.def("option_table", &OptionTableRows,
+        "The engine option table (engine/option_table.h): one dict per Store and Session keyword argument "
+        "(struct, name, flag, type, default, meaning, lo, hi, choices).");
+  m.def("_scrambled_store", [](const py::kwargs& kw) {
+    StoreOptions o = StoreOptionsFrom(kw);
+    o.hot_tier_factory = [](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
+      KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
       // Bytes at rest are the caller's XOR 0x5A, like device memory the host cannot read in
-      // place; only its copies translate. It reports device "cpu" so that sessions open with
+      // place; only its copies translate. It reports device kCpu so that sessions open with
       // the CPU attention backend in any build: Gather must hand back the appended bytes
       // through it, which a host memcpy of the spans would not (tests/python/test_api.py).
-      return std::unique_ptr<HotTier>(new XorScrambledHotTier(std::move(inner), "cpu"));
-    }));
-  }, py::arg("name"), "Tests only: registers a hot tier whose stored bytes are XOR-scrambled (read through its "
+      return std::unique_ptr<HotTier>(new XorScrambledHotTier(std::move(inner), Device::kCpu));
+    };
+    return std::make_unique<PyStore>(o);
+  }, "Tests only: Store(**options) over a hot tier whose stored bytes are XOR-scrambled (read through its "
      "Download), to check that nothing reads hot memory in place.");
   // The prompts of `kvtier infinite` (integration/model/tasks.h), drawn in the same order from
   // the same generator, so that a Python runner evaluates exactly the same samples.
@@ -1026,14 +1042,19 @@ PYBIND11_MODULE(_kvtier, m) {
       .def("decode", &PyLlama::Decode, py::arg("token"), "One token; returns its logits.")
       .def_property_readonly("position", &PyLlama::Position);
 
+  // The keyword arguments' docstrings, from the option table.
+  static const std::string store_doc =
+      "Store(**options): StoreOptions as keyword arguments; unknown or invalid options raise "
+      "kvtier.InvalidArgument.\n\n" +
+      OptionsDoc(StoreOptionTable(), StoreOptions{});
+  static const std::string session_doc =
+      "Session.open(store, **options): a new sequence. Options: preset (a retrieval preset, applied first), "
+      "retrieval (a whole RetrieverOptions spec string), and SessionOptions as keyword arguments:\n\n" +
+      OptionsDoc(RetrieverOptionTable(), SessionOptions{}.retrieval) + OptionsDoc(SessionOptionTable(), SessionOptions{});
   py::class_<PyStore>(m, "Store",
                       "The tiers shared by every sequence: Store::Open(StoreOptions). A context "
                       "manager: `with kvtier.Store(...) as store:` closes it at the end of the block.")
-      .def(py::init<const py::kwargs&>(),
-           "Store(**options): StoreOptions fields as keyword arguments (layers, q_heads, kv_heads, head_dim, "
-           "dtype='f16', n_sink, n_local, chunk_size, repr_topk, hot_bytes, warm_bytes, data_dir, "
-           "compression, "
-           "...); unknown or invalid options raise kvtier.InvalidArgument")
+      .def(py::init<const py::kwargs&>(), store_doc.c_str())
       .def_property_readonly("options", [](const PyStore& s) { return StoreOptionsDict(s.get()->options()); })
       .def_property_readonly("closed", &PyStore::closed, "True after close().")
       .def(
@@ -1055,9 +1076,7 @@ PYBIND11_MODULE(_kvtier, m) {
       "One sequence over a Store (include/kvtier/session.h). A context manager: "
       "`with kvtier.Session.open(store) as s:` closes the sequence at the end of the block.")
       .def_static("open", &PySession::Open, py::arg("store"),
-                  "Session.open(store, **options): a new sequence. Options: preset, retrieve, positions "
-                  "('absolute'|'infllm'), rope_theta, observe_prefill, keep_queries, probe, alloc, index, "
-                  "budget_tokens, retrieval (a RetrieverOptions spec string).")
+                  session_doc.c_str())
       .def_static("attach", &PySession::Attach, py::arg("store"), py::arg("sequence"),
                   "Session.attach(store, sequence, **options): a session over an existing sequence.")
       .def_property_readonly("sequence", &PySession::Sequence)

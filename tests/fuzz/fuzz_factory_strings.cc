@@ -1,6 +1,6 @@
 // libFuzzer target: every factory string kvtier parses from users (flags, specs in
 // files): scoring policies, demotion policies, probes, budget allocators, chunk index
-// specs, hot tier specs and RetrieverOptions::Parse. The first byte picks the factory,
+// specs, device names and RetrieverOptions::Parse. The first byte picks the factory,
 // the rest is the string. What parses must print back (ToString / canonical form) to a
 // string that parses again to the same thing.
 #include <cstddef>
@@ -54,7 +54,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     }
     case 5:
-      (void)CheckHotTierSpec(spec);
+      (void)ParseDevice(spec);
       break;
     case 6: {
       auto o = RetrieverOptions::Parse(spec);

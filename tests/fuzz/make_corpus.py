@@ -126,7 +126,7 @@ specs = {
         # FAISS crashed (SIGFPE), leaked or allocated gigabytes on these before CheckFactoryDescription
         "HNSW1,PQ0x4fs", "IVF64,PQ7", "IVF64,PQ8x9", "IVF50000000,Flat",
         "HNSW00:ef=64"],
-    5: ["host", "cuda"],
+    5: ["cpu", "cuda"],
     6: ["probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,rerank_min=256 budget=2048",
         "probe=mean alloc=topk index=Flat budget=512"],
 }

@@ -80,16 +80,17 @@ def test_roundtrip_matches_reference_attention():
     np.testing.assert_allclose(out2[0], reference_attention(q[2:3], ks[0], vs[0], [99])[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("hot_tier", ["host", "scrambled-test"])
-def test_gather_copies_the_appended_bytes(hot_tier):
-    # gather copies each pinned span out of the hot tier. "scrambled-test" keeps its bytes
+@pytest.mark.parametrize("scrambled", [False, True])
+def test_gather_copies_the_appended_bytes(scrambled):
+    # gather copies each pinned span out of the hot tier. The scrambled store's tier keeps its bytes
     # XOR-scrambled at rest (offload/scrambled_hot_tier.h, XorScrambledHotTier), as device memory is unreadable in
     # place: only a copy through the tier's Download gives back the appended K/V, so a host
     # memcpy of the spans (what a "cuda" tier's device pointers cannot take) fails here.
-    if hot_tier != "host" and hot_tier not in kvtier._kvtier.hot_tier_names():
-        kvtier._kvtier._register_scrambled_hot_tier(hot_tier)  # once per process: the registry is global
     rng = np.random.default_rng(3)
-    store = small_store("f16", hot_tier=hot_tier)
+    if scrambled:
+        store = kvtier._kvtier._scrambled_store(**dict(GEOM, dtype="f16", n_sink=4, n_local=32, chunk_size=8))
+    else:
+        store = small_store("f16")
     s = kvtier.Session.open(store, retrieve=False)
     n = 100
     ks = [rng.standard_normal((n, 2, 16)).astype(np.float16) for _ in range(2)]
@@ -198,7 +199,7 @@ def test_status_codes_raise_their_classes():
         assert issubclass(getattr(kvtier, n), kvtier.Error)
     # Unavailable: the CUDA hot tier is not built.
     with pytest.raises(kvtier.Unavailable):
-        small_store(hot_tier="cuda")
+        small_store(device="cuda")
 
 
 def test_store_and_session_are_context_managers(tmp_path):
