@@ -21,7 +21,7 @@ CLANG_CXX    ?= clang++-14
 # regression on its inputs, not to explore.
 FUZZ_SECONDS      ?= 300
 TEST_FUZZ_SECONDS ?= 20
-# Kill/reopen cycles of `make soak` (every suite runs 20 of them: Soak.* in tests/soak_test.cc).
+# Kill/reopen cycles of `make soak` (every suite runs 20 of them: Soak.* in tests/offload/soak_test.cc).
 SOAK_CYCLES  ?= 1000
 # Debian's FAISS is linked against GCC's OpenMP runtime (libgomp): the clang builds link that
 # one too instead of LLVM's libomp, so that no process holds two OpenMP runtimes.
@@ -35,7 +35,7 @@ CLANG_CMAKE   = -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_CUDA=off \
                 -DOpenMP_C_FLAGS=-fopenmp=libgomp -DOpenMP_CXX_FLAGS=-fopenmp=libgomp \
                 -DOpenMP_C_LIB_NAMES=gomp -DOpenMP_CXX_LIB_NAMES=gomp -DOpenMP_gomp_LIBRARY=$(GOMP_LIB)
 # The concurrency tests, the ones ThreadSanitizer builds and runs.
-TSAN_TESTS    = tests/tiered_store_test.cc;tests/session_test.cc;tests/session_pins_test.cc;tests/stress_test.cc;tests/crash_test.cc;tests/soak_test.cc;tests/cold_tier_test.cc;tests/ack_manifest_test.cc;tests/remote_tier_test.cc;tests/device_append_test.cc
+TSAN_TESTS    = tests/offload/tiered_store_test.cc;tests/engine/session_test.cc;tests/engine/session_pins_test.cc;tests/integration/stress_test.cc;tests/offload/crash_test.cc;tests/offload/soak_test.cc;tests/offload/cold_tier_test.cc;tests/offload/ack_manifest_test.cc;tests/offload/remote_tier_test.cc;tests/offload/device_append_test.cc
 # A UBSan report aborts the test (compiled without recovery); leaks fail it too.
 export ASAN_OPTIONS  ?= detect_leaks=1:strict_string_checks=1:check_initialization_order=1
 export UBSAN_OPTIONS ?= print_stacktrace=1
@@ -98,7 +98,7 @@ $(GPU_EMU_BUILD)/build.ninja: CMakeLists.txt | deps
 	  -DKVTIER_GPU_EMULATION=$(HIP_CPU) "-DKVTIER_TEST_GLOB=$(GPU_EMU_TESTS)"
 
 # The test files holding device tests (the rest has none, so the emulated build skips them).
-GPU_EMU_TESTS = tests/kernel_backends_test.cc;tests/attention_backend_test.cc;tests/device_retrieval_test.cc;tests/model_test.cc;tests/cuda_hot_tier_test.cc;tests/device_append_test.cc;tests/device_end_to_end_test.cc;tests/tiered_store_test.cc
+GPU_EMU_TESTS = tests/kernels/kernel_backends_test.cc;tests/offload/attention_backend_test.cc;tests/retrieval/device_retrieval_test.cc;tests/integration/model_test.cc;tests/offload/cuda_hot_tier_test.cc;tests/offload/device_append_test.cc;tests/kernels/device_end_to_end_test.cc;tests/offload/tiered_store_test.cc
 
 test-gpu-emulated: deps
 	@if [ ! -f "$(HIP_CPU)/include/hip/hip_runtime.h" ]; then \
@@ -119,7 +119,7 @@ $(ASAN_BUILD)/build.ninja: CMakeLists.txt | deps-checks
 # the Release suite: under the sanitizers they cost 330 of the suite's 615 CPU-seconds, and they
 # run the model path that Cli.TrainedModelFindsThePasskeyAtTrainingLength, kept here, runs on
 # 512-token prompts; the other `infinite` tests (--compare rows, Compress) and
-# tests/session_test.cc's Compress tests stay in the sanitizer suite.
+# tests/engine/session_test.cc's Compress tests stay in the sanitizer suite.
 ASAN_SKIP = ^Cli[.](RetrievalCarriesTheModelPastItsTrainingLength|InfiniteCompressStreamingLosesTheNeedle|InfiniteCompressKeepsTheNeedleWithH2O|DefaultsCopyATenDigitNeedlePastTheTrainingLength)$$
 
 test-asan: deps-checks $(ASAN_BUILD)/build.ninja

@@ -4,7 +4,7 @@
 // The front ends read the rows instead of naming options by hand: the Python keyword
 // arguments (python/src/module.cc) and the CLI option flags with their --help
 // (integration/cli/option_flags.h). The rest is checked against the rows by
-// tests/option_table_test.cc: the structs' defaults, their field counts (a new field
+// tests/engine/option_table_test.cc: the structs' defaults, their field counts (a new field
 // fails the test until it has a row or is listed as no option), the C API's defaults, the
 // Python stubs and the README's option table.
 //

@@ -86,7 +86,7 @@
 // generator under separate stream ids. Nothing depends on the order or
 // blocking of Generate calls; the loops over lanes vectorise.
 //
-// Defaults, measured with a naive full softmax (tests/workload_test.cc
+// Defaults, measured with a naive full softmax (tests/integration/workload_test.cc
 // prints them): at 128K context, needle at depth 0.5, a question query puts
 // ~0.29-0.35 of its attention on its needle's 8 tokens at head_dim 64 and
 // ~0.38-0.48 at head_dim 128 (across seeds); ~0.28 / 0.35 at depth 0 and

@@ -9,7 +9,7 @@
 //  * "cpu": kernels::SlotAttention over host memory. The plan puts the sinks before the
 //    slots and the local runs after them (SlotAttentionParams::n_leading_dense), which is
 //    the order Session::Attend always concatenated its parts in, so the CPU path is bit for
-//    bit what it was (tests/attention_backend_test.cc and session_test check it).
+//    bit what it was (tests/offload/attention_backend_test.cc and session_test check it).
 //  * "cuda" (builds with CUDA, a CudaHotTier): the plan's pointers are device pointers
 //    (the tier's regions and slot pool); the host arrays (q, positions, slot list) are
 //    copied into one caller-owned device workspace, LaunchSlotAttention runs on the tier's

@@ -1,7 +1,7 @@
 // SlotBook: which slots of a fixed-size pool are taken, kept apart from the memory the slots
 // live in. The CUDA hot tier (offload/cuda_hot_tier.h) cannot touch its slots from the host,
 // so its bookkeeping is this device-independent class, tested on any machine
-// (tests/cuda_hot_tier_test.cc).
+// (tests/offload/cuda_hot_tier_test.cc).
 #pragma once
 
 #include <cstdint>

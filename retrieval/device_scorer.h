@@ -30,7 +30,7 @@
 //    workspace in exactly the cuda layout, through the same RunLayer sequence. What it chooses
 //    is what the Exact index chooses with rerank=0 (one exact fp32 pass): the same per-chunk
 //    arithmetic (ScoreChunksOneHead), the same Eq. 11 (SoftmaxEntropy) and the same order
-//    (score descending, ties to the lower row, -0 == +0); tests/device_retrieval_test.cc checks it.
+//    (score descending, ties to the lower row, -0 == +0); tests/retrieval/device_retrieval_test.cc checks it.
 //  * "cuda" (builds with CUDA): the mirror and the workspace are cudaMalloc'd, copies and
 //    launches (kernels/cuda/kernels.h) go on the backend's own non-blocking stream, the in- and
 //    out-blocks through pinned host staging. Without a device MakeRetrievalBackend answers Unavailable "no

@@ -169,7 +169,7 @@ fi
 # The same passkey samples (seed 11) through kvtier-tiny with the forward and attention on the GPU
 # (integration/model/llama_device.h) and on the CPU, both with absolute positions (the device
 # forward takes no others). Same answers expected (the logits differ by fp32 summation order
-# only; tests/model_test.cc DeviceForwardMatchesCpuForward bounds that), and the time ratio
+# only; tests/integration/model_test.cc DeviceForwardMatchesCpuForward bounds that), and the time ratio
 # cpu s/sample / cuda s/sample. kvtier-tiny's head_dim is 16, which the CUDA attention kernel
 # takes (16, 32, 64, 128, 256): a cuda run that stops anyway keeps its status line in the row.
 INFINITE_CONTEXTS="4096 16384"

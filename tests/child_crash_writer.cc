@@ -1,4 +1,4 @@
-// Child process of the SIGKILL test (tests/crash_test.cc): appends
+// Child process of the SIGKILL test (tests/offload/crash_test.cc): appends
 // deterministic KV to a store until it is killed, printing one line per chunk
 // the cold tier acknowledged:  "ACK <seq> <layer> <index>".
 // Usage: kvtier_child_crash_writer DATA_DIR SEED

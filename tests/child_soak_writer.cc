@@ -1,4 +1,4 @@
-// Child process of the SIGKILL soak (tests/soak_test.cc): one cycle of a long-lived
+// Child process of the SIGKILL soak (tests/offload/soak_test.cc): one cycle of a long-lived
 // store. Reopens the store in DATA_DIR (recovering whatever the last cycle left),
 // then works on it until it is killed: appends to two new sequences, now and then
 // drops a chunk, closes a sequence and starts another, and drops old sequences so

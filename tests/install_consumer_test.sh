@@ -3,7 +3,7 @@
 # alone, the README's "Embedding kvtier" example exactly as the README gives it: its
 # C++ program and its CMakeLists.txt (find_package and target_link_libraries, nothing
 # else: no CMAKE_CXX_STANDARD, the package carries C++20). The same build adds the C API
-# example and the C API test program (tests/c_api_test.c) as C99; then runs them. Fails
+# example and the C API test program (tests/engine/c_api_test.c) as C99; then runs them. Fails
 # if find_package(kvtier), an example or the C API breaks, if the consumer compiles
 # against the source tree or the CUDA toolkit's headers, or if it gets KVTIER_HAVE_CUDA
 # from a library built without CUDA. Also fails if anything but include/kvtier/*.h is
@@ -63,7 +63,7 @@ awk '/<!-- embedding-cmake -->/ {m=1; next}
 if ! grep -q 'add_executable(app main.cc)' "$work/consumer/CMakeLists.txt"; then
   echo "README.md has no \`\`\`cmake block building app from main.cc after <!-- embedding-cmake -->" >&2; exit 1
 fi
-cp "$src/tests/c_api_test.c" "$work/consumer/c_api_test.c"
+cp "$src/tests/engine/c_api_test.c" "$work/consumer/c_api_test.c"
 cat >> "$work/consumer/CMakeLists.txt" <<'CM'
 # Appended by the test: C consumers of kvtier/kvtier_c.h, compiled as C99 and linked by the
 # C++ linker (kvtier is C++).

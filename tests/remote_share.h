@@ -1,4 +1,4 @@
-// What the two-process share test (tests/remote_tier_test.cc, tests/child_remote_publisher.cc)
+// What the two-process share test (tests/offload/remote_tier_test.cc, tests/child_remote_publisher.cc)
 // agrees on: the store layout and the tokens the publisher writes.
 #pragma once
 

@@ -44,7 +44,7 @@
 // Sessions may attach to one sequence (e.g. to compare retrieval settings on the
 // same data); only one of them may Append, and they must not run at once.
 // Results do not depend on the thread a session runs on or on what other
-// sessions do (tests/session_test.cc checks 8 sessions on 4 threads bit for bit
+// sessions do (tests/engine/session_test.cc checks 8 sessions on 4 threads bit for bit
 // against their single-threaded runs).
 //
 // Sharing the hot slot pool: Open and Attach refuse a retrieval budget the pool cannot hold
@@ -56,7 +56,7 @@
 // nothing. An Attend holds no pin when it fetches, so where the entropy cut-off gives a layer
 // more than the budget's share and the pool is short, its fetch waits for other sessions'
 // Attends to unpin (StoreOptions::pin_wait_ms, StoreCounters::pin_waits) instead of failing;
-// tests/session_pins_test.cc runs many sessions on many threads at a pool just above their
+// tests/engine/session_pins_test.cc runs many sessions on many threads at a pool just above their
 // summed budgets. An engine that keeps one layer's LayerParts while it gathers the next gets
 // ResourceExhausted at once where the two together would pass its reservation and the pool
 // is short, never a deadlock (TieredStore::FetchChunks says why).

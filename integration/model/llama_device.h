@@ -22,7 +22,7 @@
 // time; Session refuses them on a device hot tier, and so does LlamaDeviceForward::Create.
 //
 // The host-side planning (layouts, packing, argument checks) is tested on CPU in
-// tests/model_test.cc; the comparison with the CPU forward (DeviceForwardMatchesCpuForward)
+// tests/integration/model_test.cc; the comparison with the CPU forward (DeviceForwardMatchesCpuForward)
 // runs on a GPU or the emulated device and skips without either.
 #pragma once
 

@@ -1,5 +1,5 @@
 // CUDA attention over (dense parts | slot list) and the LSE merge. See kernels/cuda/kernels.h.
-// The CPU twin (kernels/cpu/slot_attention) defines it; tests/kernel_backends_test.cc checks
+// The CPU twin (kernels/cpu/slot_attention) defines it; tests/kernels/kernel_backends_test.cc checks
 // this against the twin, on a GPU and on the emulated device.
 //
 // One kernel serves decode and prefill windows alike (there is no separate prefill path):

@@ -13,7 +13,7 @@
 // constexpr predicates exist in every build.
 //
 // STATUS: compiled with nvcc 13 for sm_90; NONE OF THESE KERNELS HAS EVER RUN ON A GPU.
-// tests/kernel_backends_test.cc compares each with its CPU twin when a device is present.
+// tests/kernels/kernel_backends_test.cc compares each with its CPU twin when a device is present.
 #pragma once
 
 #include <cstddef>

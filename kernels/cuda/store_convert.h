@@ -4,7 +4,7 @@
 // nearest even, f16 overflow to inf, exact subnormals). The CUDA intrinsics __float2half_rn /
 // __float2bfloat16_rn round the same way but return a canonical NaN (0x7fff), so they would
 // agree with the twin only "in meaning"; these agree in every bit, which the CPU test checks
-// on the host build of this same code (tests/kernel_backends_test.cc,
+// on the host build of this same code (tests/kernels/kernel_backends_test.cc,
 // StoreConversionBitsEqualTheHostConversion). The f16 subnormal path works on the integer
 // mantissa (dtype.cc uses float arithmetic there, exact on the host; on a device built with
 // -ftz a subnormal fp32 input would flush, so the integer form does not depend on that flag).

@@ -22,7 +22,7 @@
 
 #include "integration/model/llama_device.h"
 #include "kernels/cpu/rope.h"
-#include "test_util.h"
+#include "tests/test_util.h"
 
 #if KVTIER_HAVE_CUDA
 #include "kernels/cuda/kernels.h"

@@ -17,7 +17,7 @@
 #include "integration/policy_eval.h"
 #include "integration/run_job.h"
 #include "store/checksum.h"
-#include "test_util.h"
+#include "tests/test_util.h"
 
 namespace kvtier {
 namespace {

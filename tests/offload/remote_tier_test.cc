@@ -16,8 +16,8 @@
 
 #include "include/kvtier/session.h"
 #include "offload/tiered_store.h"
-#include "redis_fixture.h"
-#include "remote_share.h"
+#include "tests/redis_fixture.h"
+#include "tests/remote_share.h"
 
 namespace kvtier {
 namespace {

@@ -11,7 +11,7 @@
 
 #include "integration/pattern.h"
 #include "kernels/cpu/attention.h"
-#include "test_util.h"
+#include "tests/test_util.h"
 
 #include <rocksdb/db.h>
 #include <atomic>
@@ -786,7 +786,7 @@ TEST(TieredStoreHotTier, DevicesAndTheirErrors) {
   EXPECT_EQ(*ParseDevice("cuda"), Device::kCuda);
   EXPECT_EQ(ParseDevice("host").status().message(), "unknown device 'host' (cpu|cuda)");
   // Without a CUDA build or a device, the GPU tier is a clear Unavailable, from MakeHotTier
-  // and from Open (tests/cuda_hot_tier_test.cc covers the store with a device).
+  // and from Open (tests/offload/cuda_hot_tier_test.cc covers the store with a device).
 #if KVTIER_HAVE_CUDA
   const bool device = kernels::cuda::DeviceCount() > 0;
 #else

@@ -3,7 +3,7 @@
 //    through host"): MemorySpace::kDevice copies with HotTier::CopyWithin, never through
 //    Upload, and on the host tier gives the bytes and attention kHost gives; an unknown
 //    MemorySpace is refused by name. On CUDA, CopyWithin is a device-to-device copy on the
-//    tier's transfer stream (tests/cuda_hot_tier_test.cc, skipped without a device).
+//    tier's transfer stream (tests/offload/cuda_hot_tier_test.cc, skipped without a device).
 //  * Overlapped D2H of chunks leaving the local window: sealing submits
 //    HotTier::DownloadBatchAsync and the chunk lands later. A test tier whose downloads
 //    write their destination only when waited (poisoned until then) shows that the store
