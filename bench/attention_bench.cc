@@ -42,7 +42,9 @@ constexpr int kHeadDim = 64;
 constexpr DType kDType = DType::kF16;
 constexpr int kChunk = 32;
 
-size_t KvBytes(int64_t n) { return static_cast<size_t>(n) * kKvHeads * kHeadDim * kvtier::DTypeSize(kDType) * 2; }
+size_t KvBytes(int64_t n) {
+  return static_cast<size_t>(n) * kKvHeads * kHeadDim * kvtier::DTypeSize(kDType) * 2;
+}
 
 // KV for N tokens, built once per N and shared by the benchmarks.
 struct Kv {
@@ -175,8 +177,21 @@ BENCHMARK(BM_AttentionDecode)
     ->ArgsProduct({{k4K, k32K, k128K}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_AttentionDecodeMass)->ArgName("N")->Arg(k4K)->Arg(k32K)->Arg(k128K)->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_Memcpy)->ArgName("N")->Arg(k4K)->Arg(k32K)->Arg(k128K)->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_MemcpyParallel)->ArgName("N")->Arg(k4K)->Arg(k32K)->Arg(k128K)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_AttentionDecodeMass)
+    ->ArgName("N")
+    ->Arg(k4K)
+    ->Arg(k32K)
+    ->Arg(k128K)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Memcpy)->ArgName("N")->Arg(k4K)->Arg(k32K)->Arg(k128K)->UseRealTime()->Unit(
+    benchmark::kMicrosecond);
+BENCHMARK(BM_MemcpyParallel)
+    ->ArgName("N")
+    ->Arg(k4K)
+    ->Arg(k32K)
+    ->Arg(k128K)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace

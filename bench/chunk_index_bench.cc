@@ -46,8 +46,8 @@
 
 namespace {
 
-using kvtier::FaissVectorIndex;
 using kvtier::FaissIndexOptions;
+using kvtier::FaissVectorIndex;
 using Clock = std::chrono::steady_clock;
 
 constexpr int kK = 64;

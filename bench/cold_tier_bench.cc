@@ -196,22 +196,25 @@ void BM_Crc(benchmark::State& state, bool hw, size_t bytes) {
     benchmark::RegisterBenchmark(("Memcpy/" + sb).c_str(), [b](benchmark::State& s) { BM_Memcpy(s, b); });
     benchmark::RegisterBenchmark(("Crc32c/" + std::string(Crc32cIsHardware() ? "hw/" : "sw/") + sb).c_str(),
                                  [b](benchmark::State& s) { BM_Crc(s, true, b); });
-    benchmark::RegisterBenchmark(("Crc32c/slice8/" + sb).c_str(), [b](benchmark::State& s) { BM_Crc(s, false, b); });
+    benchmark::RegisterBenchmark(("Crc32c/slice8/" + sb).c_str(),
+                                 [b](benchmark::State& s) { BM_Crc(s, false, b); });
     for (Content content : {Content::kNoise, Content::kQ16}) {
       for (Compression c : comps) {
         const std::string name = std::string(CompressionName(c)) + "/" + ContentName(content) + "/" + sb;
-        benchmark::RegisterBenchmark(("ColdTier/Put/" + name).c_str(),
-                                     [c, content, b](benchmark::State& s) { BM_Put(s, c, content, b, false); })
+        benchmark::RegisterBenchmark(
+            ("ColdTier/Put/" + name).c_str(),
+            [c, content, b](benchmark::State& s) { BM_Put(s, c, content, b, false); })
             ->UseRealTime()
             ->MinTime(1.0);
-        benchmark::RegisterBenchmark(("ColdTier/Get/" + name).c_str(),
-                                     [c, content, b](benchmark::State& s) { BM_Get(s, c, content, b); })
-            ->UseRealTime();
+        benchmark::RegisterBenchmark(("ColdTier/Get/" + name).c_str(), [c, content, b](benchmark::State& s) {
+          BM_Get(s, c, content, b);
+        })->UseRealTime();
       }
     }
   }
-  benchmark::RegisterBenchmark("ColdTier/PutSync/lz4/noise/65536",
-                               [](benchmark::State& s) { BM_Put(s, Compression::kLZ4, Content::kNoise, 64u << 10, true); })
+  benchmark::RegisterBenchmark(
+      "ColdTier/PutSync/lz4/noise/65536",
+      [](benchmark::State& s) { BM_Put(s, Compression::kLZ4, Content::kNoise, 64u << 10, true); })
       ->UseRealTime()
       ->MinTime(1.0);
   return true;

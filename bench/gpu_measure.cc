@@ -44,23 +44,23 @@ namespace {
 using kvtier::kernels::KernelError;
 namespace kc = kvtier::kernels::cuda;
 
-#define CHECK_CUDA(x)                                                                    \
-  do {                                                                                   \
-    const cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                             \
+#define CHECK_CUDA(x)                                                                          \
+  do {                                                                                         \
+    const cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                                   \
       std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
+      std::exit(1);                                                                            \
+    }                                                                                          \
   } while (0)
 
-#define CHECK_KERNEL(x)                                                                               \
-  do {                                                                                                \
-    const KernelError e_ = (x);                                                                       \
-    if (e_ != KernelError::kOk) {                                                                     \
-      std::fprintf(stderr, "%s:%d: %s: %s (%s)\n", __FILE__, __LINE__, #x,                           \
-                   kvtier::kernels::KernelErrorString(e_), kc::LastCudaErrorString());                \
-      std::exit(1);                                                                                   \
-    }                                                                                                 \
+#define CHECK_KERNEL(x)                                                                \
+  do {                                                                                 \
+    const KernelError e_ = (x);                                                        \
+    if (e_ != KernelError::kOk) {                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s (%s)\n", __FILE__, __LINE__, #x,             \
+                   kvtier::kernels::KernelErrorString(e_), kc::LastCudaErrorString()); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
   } while (0)
 
 // Device memory in use, sampled after each measurement has allocated everything it needs.
@@ -110,14 +110,13 @@ void MeasureH2D(cudaStream_t s, int reps, std::vector<Row>* rows) {
   CHECK_CUDA(cudaMalloc(&dev, kFetchBytes));
   NotePeak();
   // Baseline: one large pinned copy of the fetched bytes.
-  const double base_ms = MedianMs(s, reps, [&] {
-    CHECK_CUDA(cudaMemcpyAsync(dev, host, kFetchBytes, cudaMemcpyHostToDevice, s));
-  });
+  const double base_ms = MedianMs(
+      s, reps, [&] { CHECK_CUDA(cudaMemcpyAsync(dev, host, kFetchBytes, cudaMemcpyHostToDevice, s)); });
   const double base_gbs = kFetchBytes / base_ms / 1e6;
   std::mt19937 rng(1);
   // 128K: one chunk of 32 tokens at Llama-3-8B geometry (K and V, bf16).
-  for (size_t chunk : {size_t{16} << 10, size_t{64} << 10, size_t{128} << 10, size_t{256} << 10, size_t{1} << 20,
-                       size_t{2} << 20}) {
+  for (size_t chunk : {size_t{16} << 10, size_t{64} << 10, size_t{128} << 10, size_t{256} << 10,
+                       size_t{1} << 20, size_t{2} << 20}) {
     const int n = static_cast<int>(kFetchBytes / chunk);
     const size_t host_chunks = kHostBytes / chunk;
     std::vector<size_t> pick(host_chunks);
@@ -147,13 +146,14 @@ void MeasureH2D(cudaStream_t s, int reps, std::vector<Row>* rows) {
     gp.dst = d_dst;
     const std::string name = "h2d_" + std::to_string(chunk >> 10) + "K";
     const double gather_ms = MedianMs(s, reps, [&] { CHECK_KERNEL(kc::LaunchGatherCopies(gp, s)); });
-    const double batch_ms = MedianMs(s, reps, [&] {
-      CHECK_KERNEL(kc::MemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, s));
-    });
+    const double batch_ms = MedianMs(
+        s, reps, [&] { CHECK_KERNEL(kc::MemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, s)); });
     const double each_ms = MedianMs(s, reps, [&] {
-      for (int i = 0; i < n; ++i) CHECK_CUDA(cudaMemcpyAsync(dsts[i], srcs[i], chunk, cudaMemcpyHostToDevice, s));
+      for (int i = 0; i < n; ++i)
+        CHECK_CUDA(cudaMemcpyAsync(dsts[i], srcs[i], chunk, cudaMemcpyHostToDevice, s));
     });
-    for (auto [method, ms] : {std::pair<const char*, double>{"gather_kernel", gather_ms}, {"memcpy_batch", batch_ms},
+    for (auto [method, ms] : {std::pair<const char*, double>{"gather_kernel", gather_ms},
+                              {"memcpy_batch", batch_ms},
                               {"memcpy_each", each_ms}}) {
       const double gbs = kFetchBytes / ms / 1e6;
       rows->push_back({name, method, gbs, base_gbs, gbs / base_gbs, 0.8, "GB/s"});
@@ -222,7 +222,8 @@ double MeasureAttention(cudaStream_t s, int reps, std::vector<Row>* rows) {
   std::vector<int32_t> all(kPool);
   for (int i = 0; i < kPool; ++i) all[i] = i;
   std::shuffle(all.begin(), all.end(), rng);
-  for (int i = 0; i < kSlots; ++i) slot_index[i] = all[i], slot_pos[i] = kSink + static_cast<int64_t>(i) * kChunk;
+  for (int i = 0; i < kSlots; ++i)
+    slot_index[i] = all[i], slot_pos[i] = kSink + static_cast<int64_t>(i) * kChunk;
   int32_t* d_index = nullptr;
   int64_t* d_pos = nullptr;
   int64_t* d_qpos = nullptr;
@@ -276,10 +277,11 @@ double MeasureAttention(cudaStream_t s, int reps, std::vector<Row>* rows) {
   void *a = nullptr, *b = nullptr;
   CHECK_CUDA(cudaMalloc(&a, copy_bytes));
   CHECK_CUDA(cudaMalloc(&b, copy_bytes));
-  const double copy_ms = MedianMs(s, reps, [&] { CHECK_CUDA(cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice, s)); });
+  const double copy_ms =
+      MedianMs(s, reps, [&] { CHECK_CUDA(cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice, s)); });
   const double copy_gbs = 2.0 * copy_bytes / copy_ms / 1e6;
-  rows->push_back({"attention_decode_2k_llama3_8b", "slot_attention", attn_gbs, copy_gbs, attn_gbs / copy_gbs, 0.5,
-                   "GB/s"});
+  rows->push_back({"attention_decode_2k_llama3_8b", "slot_attention", attn_gbs, copy_gbs, attn_gbs / copy_gbs,
+                   0.5, "GB/s"});
   rows->push_back({"attention_decode_2k_llama3_8b", "step_ms_32_layers", attn_ms, 0, 0, 0, "ms"});
   CHECK_CUDA(cudaFree(a));
   CHECK_CUDA(cudaFree(b));
@@ -335,11 +337,12 @@ void MeasureFullVsBudget(cudaStream_t s, int reps, double budget_ms, const std::
   for (const Row& r : h2d)
     if (r.name == "h2d_128K") best_gbs = std::max(best_gbs, r.value);
   const double fetch_ms = best_gbs > 0.0 ? 2.0 * kSlots * kChunk * token * kLayers / best_gbs / 1e6 : 0.0;
-  rows->push_back({"decode_128k_full_vs_budget", "kernel_only", full_ms, budget_ms, full_ms / budget_ms, 5.0, "ms"});
+  rows->push_back(
+      {"decode_128k_full_vs_budget", "kernel_only", full_ms, budget_ms, full_ms / budget_ms, 5.0, "ms"});
   rows->push_back({"decode_128k_full_vs_budget", "every_chunk_missed", full_ms, budget_ms + fetch_ms,
                    full_ms / (budget_ms + fetch_ms), 5.0, "ms"});
-  rows->push_back({"decode_1m_full", "kv_does_not_fit", 2.0 * 1048576.0 * token * kLayers / 1073741824.0, 0, 0, 0,
-                   "GiB"});
+  rows->push_back({"decode_1m_full", "kv_does_not_fit", 2.0 * 1048576.0 * token * kLayers / 1073741824.0, 0,
+                   0, 0, "GiB"});
   if (ws) CHECK_CUDA(cudaFree(ws));
   for (void* ptr : {k, v, static_cast<void*>(d_qpos), static_cast<void*>(d_q), static_cast<void*>(d_out)})
     CHECK_CUDA(cudaFree(ptr));
@@ -349,7 +352,8 @@ void MeasureFullVsBudget(cudaStream_t s, int reps, double budget_ms, const std::
 // the Session calls: Append and Attend are measured by the rows above), on random weights of
 // scale 0.02 (activations stay finite over 16 layers).
 void MeasureForward(cudaStream_t s, int reps, std::vector<Row>* rows) {
-  constexpr int kLayers = 16, kD = 2048, kQ = 32, kKv = 8, kHd = 64, kF = 8192, kVocab = 128256, kWindow = 256;
+  constexpr int kLayers = 16, kD = 2048, kQ = 32, kKv = 8, kHd = 64, kF = 8192, kVocab = 128256,
+                kWindow = 256;
   constexpr size_t qd = size_t{kQ} * kHd, kvd = size_t{kKv} * kHd;
   const size_t per_layer = 2 * kD + qd * kD * 2 + kvd * kD * 2 + size_t{3} * kF * kD;  // floats
   const size_t weight_floats = size_t{2} * kVocab * kD + kD + kLayers * per_layer;
@@ -441,9 +445,9 @@ void MeasureForward(cudaStream_t s, int reps, std::vector<Row>* rows) {
     CHECK_KERNEL(kc::LaunchEmbedding(e, s));
     for (int l = 0; l < kLayers; ++l) {
       const float* L = layer0 + l * per_layer;
-      const float *attn_norm = L, *wq = attn_norm + kD, *wk = wq + qd * kD, *wv = wk + kvd * kD, *wo = wv + kvd * kD,
-                  *mlp_norm = wo + kD * qd, *w_gate = mlp_norm + kD, *w_up = w_gate + size_t{kF} * kD,
-                  *w_down = w_up + size_t{kF} * kD;
+      const float *attn_norm = L, *wq = attn_norm + kD, *wk = wq + qd * kD, *wv = wk + kvd * kD,
+                  *wo = wv + kvd * kD, *mlp_norm = wo + kD * qd, *w_gate = mlp_norm + kD,
+                  *w_up = w_gate + size_t{kF} * kD, *w_down = w_up + size_t{kF} * kD;
       rms(x, attn_norm, h);
       gemm(h, kD, wq, qd, q, false);
       gemm(h, kD, wk, kvd, k, false);
@@ -475,12 +479,13 @@ void MeasureForward(cudaStream_t s, int reps, std::vector<Row>* rows) {
   void *a = nullptr, *b = nullptr;
   CHECK_CUDA(cudaMalloc(&a, copy_bytes));
   CHECK_CUDA(cudaMalloc(&b, copy_bytes));
-  const double copy_ms = MedianMs(s, reps, [&] { CHECK_CUDA(cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice, s)); });
+  const double copy_ms =
+      MedianMs(s, reps, [&] { CHECK_CUDA(cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice, s)); });
   const double copy_gbs = 2.0 * copy_bytes / copy_ms / 1e6;
   CHECK_CUDA(cudaFree(a));
   CHECK_CUDA(cudaFree(b));
-  rows->push_back({"forward_decode_llama32_1b", "weights_read", forward_gbs, copy_gbs, forward_gbs / copy_gbs, 0.5,
-                   "GB/s"});
+  rows->push_back({"forward_decode_llama32_1b", "weights_read", forward_gbs, copy_gbs, forward_gbs / copy_gbs,
+                   0.5, "GB/s"});
   rows->push_back({"forward_decode_llama32_1b", "token_ms_16_layers", decode_ms, 0, 0, 0, "ms"});
   const double decode_tps = 1e3 / decode_ms, prefill_tps = kWindow * 1e3 / prefill_ms;
   rows->push_back({"forward_prefill_llama32_1b", "window_256_tokens_s", prefill_tps, decode_tps,
@@ -488,10 +493,10 @@ void MeasureForward(cudaStream_t s, int reps, std::vector<Row>* rows) {
   kc::DestroyBlasHandle(blas);
   CHECK_CUDA(cudaFree(blas_ws));
   for (void* p : {static_cast<void*>(x), static_cast<void*>(h), static_cast<void*>(q), static_cast<void*>(k),
-                  static_cast<void*>(v), static_cast<void*>(att), static_cast<void*>(gate), static_cast<void*>(up),
-                  static_cast<void*>(logits), static_cast<void*>(k16), static_cast<void*>(v16),
-                  static_cast<void*>(tokens), static_cast<void*>(positions), static_cast<void*>(inv_freq),
-                  static_cast<void*>(w)})
+                  static_cast<void*>(v), static_cast<void*>(att), static_cast<void*>(gate),
+                  static_cast<void*>(up), static_cast<void*>(logits), static_cast<void*>(k16),
+                  static_cast<void*>(v16), static_cast<void*>(tokens), static_cast<void*>(positions),
+                  static_cast<void*>(inv_freq), static_cast<void*>(w)})
     CHECK_CUDA(cudaFree(p));
 }
 
@@ -540,10 +545,10 @@ int main(int argc, char** argv) {
   }
   std::fprintf(f, "measure\tmethod\tvalue\tbaseline\tratio\ttarget\tunit\tdevice\n");
   for (const Row& r : rows) {
-    std::printf("%-32s %-20s %12.3f %12.3f %8.3f %8.2f %s\n", r.name.c_str(), r.method.c_str(), r.value, r.baseline,
-                r.ratio, r.target, r.unit.c_str());
-    std::fprintf(f, "%s\t%s\t%.6g\t%.6g\t%.6g\t%.3g\t%s\t%s\n", r.name.c_str(), r.method.c_str(), r.value, r.baseline,
-                 r.ratio, r.target, r.unit.c_str(), prop.name);
+    std::printf("%-32s %-20s %12.3f %12.3f %8.3f %8.2f %s\n", r.name.c_str(), r.method.c_str(), r.value,
+                r.baseline, r.ratio, r.target, r.unit.c_str());
+    std::fprintf(f, "%s\t%s\t%.6g\t%.6g\t%.6g\t%.3g\t%s\t%s\n", r.name.c_str(), r.method.c_str(), r.value,
+                 r.baseline, r.ratio, r.target, r.unit.c_str(), prop.name);
   }
   std::fclose(f);
   CHECK_CUDA(cudaStreamDestroy(s));

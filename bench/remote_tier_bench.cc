@@ -145,7 +145,8 @@ void BM_LocalColdPut(benchmark::State& state) {
   uint64_t next = 0;
   for (auto _ : state)
     for (int i = 0; i < kBatch; ++i, ++next)
-      if (!b.cold->PutChunk({1, 0, next % kKeys}, "meta", payloads[next % payloads.size()].data(), bytes).ok()) {
+      if (!b.cold->PutChunk({1, 0, next % kKeys}, "meta", payloads[next % payloads.size()].data(), bytes)
+               .ok()) {
         state.SkipWithError("PutChunk failed");
         return;
       }

@@ -12,11 +12,11 @@
 #include <random>
 #include <vector>
 
+#include "kernels/cpu/attention.h"
+#include "kernels/dtype.h"
 #include "kvtier/kvtier.h"
 #include "offload/tiered_store.h"
 #include "retrieval/retriever.h"
-#include "kernels/cpu/attention.h"
-#include "kernels/dtype.h"
 
 namespace kvtier {
 namespace {
@@ -55,7 +55,8 @@ void BM_SessionDecodeStep(benchmark::State& state) {
       FromFloat(DType::kF16, kf.data(), kb.data(), kf.size());
       FromFloat(DType::kF16, vf.data(), vb.data(), vf.size());
       if (!s.Append(l, kb.data(), vb.data(), static_cast<int>(n), DType::kF16).ok()) return false;
-      if (!(*store)->Append(*seq_b, l, kb.data(), vb.data(), static_cast<int>(n), DType::kF16).ok()) return false;
+      if (!(*store)->Append(*seq_b, l, kb.data(), vb.data(), static_cast<int>(n), DType::kF16).ok())
+        return false;
     }
     return true;
   };
@@ -88,10 +89,17 @@ void BM_SessionDecodeStep(benchmark::State& state) {
         for (const auto& sp : h->spans()) parts.push_back(sp);
         for (int i = 0; i < view->n_local_spans; ++i) parts.push_back(view->local[i]);
         kernels::AttentionParams p;
-        p.q_heads = g.q_heads; p.kv_heads = g.kv_heads; p.head_dim = g.head_dim; p.dtype = g.dtype;
+        p.q_heads = g.q_heads;
+        p.kv_heads = g.kv_heads;
+        p.head_dim = g.head_dim;
+        p.dtype = g.dtype;
         p.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
-        p.n_queries = 1; p.q = qs[l].data(); p.q_positions = &pos;
-        p.parts = parts.data(); p.n_parts = static_cast<int>(parts.size()); p.out = out_b.data();
+        p.n_queries = 1;
+        p.q = qs[l].data();
+        p.q_positions = &pos;
+        p.parts = parts.data();
+        p.n_parts = static_cast<int>(parts.size());
+        p.out = out_b.data();
         if (kernels::Attention(p) != kernels::KernelError::kOk) return false;
         h->Release();
       }

@@ -43,7 +43,8 @@ void BM_WarmStore(benchmark::State& state) {
     auto seq = (*s)->CreateSequence();
     auto t0 = Clock::now();
     for (int p = 0; p < tokens; p += 256)
-      if (!(*s)->Append(*seq, 0, k.data() + p * tb, v.data() + p * tb, 256, DType::kF16).ok()) state.SkipWithError("append");
+      if (!(*s)->Append(*seq, 0, k.data() + p * tb, v.data() + p * tb, 256, DType::kF16).ok())
+        state.SkipWithError("append");
     auto t1 = Clock::now();
     std::memcpy(dst.data(), k.data(), k.size());
     std::memcpy(dst.data() + k.size(), v.data(), v.size());

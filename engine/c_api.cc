@@ -2,8 +2,6 @@
 // checks its handles, pointers and enums, runs the C++ call inside a catch-all (bad_alloc
 // -> ResourceExhausted, anything else -> Internal), and copies the Status into the
 // caller's kvtier_error without allocating.
-#include "kvtier/kvtier_c.h"
-
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -15,6 +13,7 @@
 #include <type_traits>
 
 #include "kvtier/kvtier.h"
+#include "kvtier/kvtier_c.h"
 
 struct kvtier_store {
   std::unique_ptr<kvtier::Store> store;
@@ -184,10 +183,11 @@ kvtier_code kvtier_store_close(kvtier_store* store, kvtier_error* err) {
   const int open = store->open_sessions.load();
   if (open > 0) {
     char buf[KVTIER_ERROR_MESSAGE_SIZE];
-    std::snprintf(buf, sizeof(buf),
-                  "%s: %d session handle(s) of this store are not destroyed; kvtier_session_destroy them first "
-                  "(the store stays open)",
-                  fn, open);
+    std::snprintf(
+        buf, sizeof(buf),
+        "%s: %d session handle(s) of this store are not destroyed; kvtier_session_destroy them first "
+        "(the store stays open)",
+        fn, open);
     return Report(err, KVTIER_FAILED_PRECONDITION, buf);
   }
   return Guard(err, fn, [&]() -> Status {
@@ -202,7 +202,8 @@ kvtier_code kvtier_store_wait_durable(kvtier_store* store, kvtier_error* err) {
   return Guard(err, fn, [&]() -> Status { return store->store->WaitForDurable(); });
 }
 
-kvtier_code kvtier_store_get_counters(const kvtier_store* store, kvtier_store_counters* out, kvtier_error* err) {
+kvtier_code kvtier_store_get_counters(const kvtier_store* store, kvtier_store_counters* out,
+                                      kvtier_error* err) {
   static const char* fn = "kvtier_store_get_counters";
   if (store == nullptr) return Invalid(err, fn, "store must not be NULL");
   if (out == nullptr) return Invalid(err, fn, "out must not be NULL");
@@ -237,7 +238,8 @@ kvtier_session_options kvtier_session_options_default(void) {
     const kvtier::SessionOptions so;
     o.preset = nullptr;
     o.budget_tokens = so.retrieval.budget_tokens;
-    o.positions = so.positions == kvtier::PositionMode::kInfLLM ? KVTIER_POSITIONS_INFLLM : KVTIER_POSITIONS_ABSOLUTE;
+    o.positions =
+        so.positions == kvtier::PositionMode::kInfLLM ? KVTIER_POSITIONS_INFLLM : KVTIER_POSITIONS_ABSOLUTE;
     o.rope_theta = so.rope_theta;
     o.keep_queries = so.keep_queries;
   } catch (...) {
@@ -245,8 +247,8 @@ kvtier_session_options kvtier_session_options_default(void) {
   return o;
 }
 
-kvtier_code kvtier_session_open(kvtier_store* store, const kvtier_session_options* options, kvtier_session** out,
-                                kvtier_error* err) {
+kvtier_code kvtier_session_open(kvtier_store* store, const kvtier_session_options* options,
+                                kvtier_session** out, kvtier_error* err) {
   static const char* fn = "kvtier_session_open";
   if (out == nullptr) return Invalid(err, fn, "out must not be NULL");
   *out = nullptr;
@@ -267,7 +269,7 @@ kvtier_code kvtier_session_open(kvtier_store* store, const kvtier_session_option
     so.retrieval = preset.retrieval;
     so.retrieval.budget_tokens = options->budget_tokens;
     so.positions = positions == KVTIER_POSITIONS_INFLLM ? kvtier::PositionMode::kInfLLM
-                                                                 : kvtier::PositionMode::kAbsolute;
+                                                        : kvtier::PositionMode::kAbsolute;
     so.rope_theta = options->rope_theta;
     so.keep_queries = options->keep_queries;
     auto handle = std::make_unique<kvtier_session>();
@@ -329,12 +331,13 @@ kvtier_code kvtier_session_begin_step(kvtier_session* session, kvtier_step_kind 
   }
   return Guard(err, fn, [&]() -> Status {
     return session->session->BeginStep(raw_kind == KVTIER_STEP_DECODE ? kvtier::StepKind::kDecode
-                                                                  : kvtier::StepKind::kPrefill);
+                                                                      : kvtier::StepKind::kPrefill);
   });
 }
 
-kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const float* q, const int64_t* positions,
-                                  int m, float* out, kvtier_attend_stats* stats, kvtier_error* err) {
+kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const float* q,
+                                  const int64_t* positions, int m, float* out, kvtier_attend_stats* stats,
+                                  kvtier_error* err) {
   static const char* fn = "kvtier_session_attend";
   if (session == nullptr) return Invalid(err, fn, "session must not be NULL");
   if (q == nullptr) return Invalid(err, fn, "q must not be NULL");
@@ -362,7 +365,8 @@ kvtier_code kvtier_session_compress(kvtier_session* session, const char* policy_
   if (session == nullptr) return Invalid(err, fn, "session must not be NULL");
   if (policy_spec == nullptr) return Invalid(err, fn, "policy_spec must not be NULL");
   return Guard(err, fn, [&]() -> Status {
-    KVTIER_ASSIGN_OR_RETURN(kvtier::CompressReport r, session->session->Compress(policy_spec, kv_budget, n_queries));
+    KVTIER_ASSIGN_OR_RETURN(kvtier::CompressReport r,
+                            session->session->Compress(policy_spec, kv_budget, n_queries));
     if (report != nullptr) {
       CopyString(report->policy, sizeof(report->policy), r.policy.c_str());
       report->dropped_chunks = r.dropped_chunks;

@@ -1,16 +1,16 @@
 #include "engine/compress.h"
 
+#include <oneapi/tbb/parallel_for.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
 #include <utility>
 
-#include <oneapi/tbb/parallel_for.h>
-
 #include "kernels/cpu/dot.h"
-#include "kernels/tbb_tsan.h"
 #include "kernels/dtype.h"
+#include "kernels/tbb_tsan.h"
 
 namespace kvtier {
 
@@ -18,35 +18,36 @@ Result<LayerKeys> ReadLayerKeys(TieredStore* store, SequenceId seq, int layer) {
   return ReturnOnBadAlloc(
       [&] { return "ReadLayerKeys: the keys and values of layer " + std::to_string(layer); },
       [&]() -> Result<LayerKeys> {
-  const StoreOptions& so = store->options();
-  const Geometry& g = so.geometry;
-  const int64_t n_sink = so.n_sink, cs = so.chunk_size;
-  KVTIER_ASSIGN_OR_RETURN(int64_t n_tokens, store->SequenceLength(seq, layer));
-  KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store->ListChunks(seq, layer));
-  KVTIER_ASSIGN_OR_RETURN(uint64_t count, store->ChunkCount(seq, layer));
-  std::vector<std::pair<int64_t, int64_t>> ranges;  // [begin, end) of live keys
-  ranges.emplace_back(0, std::min<int64_t>(n_sink, n_tokens));
-  for (const ChunkInfo& c : chunks) ranges.emplace_back(c.first_token, c.first_token + cs);
-  ranges.emplace_back(std::min<int64_t>(n_tokens, ChunkFirstToken(count, n_sink, cs)), n_tokens);
-  LayerKeys out;
-  for (const auto& [b, e] : ranges)
-    for (int64_t p = b; p < e; ++p) out.positions.push_back(p);
-  const size_t n = out.positions.size(), kv_elems = g.token_elems(), tok_bytes = kv_elems * DTypeSize(g.dtype);
-  std::vector<uint8_t> raw(n * tok_bytes), raw_v(raw.size());
-  size_t at = 0;
-  for (const auto& [b, e] : ranges) {
-    if (e <= b) continue;
-    KVTIER_RETURN_IF_ERROR(
-        store->ReadTokens(seq, layer, b, e, raw.data() + at * tok_bytes, raw_v.data() + at * tok_bytes));
-    at += static_cast<size_t>(e - b);
-  }
-  out.keys.resize(n * kv_elems);
-  out.values.resize(out.keys.size());
-  ToFloat(g.dtype, raw.data(), out.keys.data(), out.keys.size());
-  ToFloat(g.dtype, raw_v.data(), out.values.data(), out.values.size());
-  out.raw_bytes = raw.size();
-  return out;
-  });
+        const StoreOptions& so = store->options();
+        const Geometry& g = so.geometry;
+        const int64_t n_sink = so.n_sink, cs = so.chunk_size;
+        KVTIER_ASSIGN_OR_RETURN(int64_t n_tokens, store->SequenceLength(seq, layer));
+        KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store->ListChunks(seq, layer));
+        KVTIER_ASSIGN_OR_RETURN(uint64_t count, store->ChunkCount(seq, layer));
+        std::vector<std::pair<int64_t, int64_t>> ranges;  // [begin, end) of live keys
+        ranges.emplace_back(0, std::min<int64_t>(n_sink, n_tokens));
+        for (const ChunkInfo& c : chunks) ranges.emplace_back(c.first_token, c.first_token + cs);
+        ranges.emplace_back(std::min<int64_t>(n_tokens, ChunkFirstToken(count, n_sink, cs)), n_tokens);
+        LayerKeys out;
+        for (const auto& [b, e] : ranges)
+          for (int64_t p = b; p < e; ++p) out.positions.push_back(p);
+        const size_t n = out.positions.size(), kv_elems = g.token_elems(),
+                     tok_bytes = kv_elems * DTypeSize(g.dtype);
+        std::vector<uint8_t> raw(n * tok_bytes), raw_v(raw.size());
+        size_t at = 0;
+        for (const auto& [b, e] : ranges) {
+          if (e <= b) continue;
+          KVTIER_RETURN_IF_ERROR(store->ReadTokens(seq, layer, b, e, raw.data() + at * tok_bytes,
+                                                   raw_v.data() + at * tok_bytes));
+          at += static_cast<size_t>(e - b);
+        }
+        out.keys.resize(n * kv_elems);
+        out.values.resize(out.keys.size());
+        ToFloat(g.dtype, raw.data(), out.keys.data(), out.keys.size());
+        ToFloat(g.dtype, raw_v.data(), out.values.data(), out.values.size());
+        out.raw_bytes = raw.size();
+        return out;
+      });
 }
 
 Result<int64_t> ChunkBudget(TieredStore& store, SequenceId seq, int layer, int64_t kv_budget) {
@@ -56,7 +57,8 @@ Result<int64_t> ChunkBudget(TieredStore& store, SequenceId seq, int layer, int64
   // What the store holds outside the sealed chunks: the sinks (fewer early on) and the local
   // window from the sealed end on (n_local to n_local + chunk_size tokens once chunks seal).
   const int64_t sinks = std::min<int64_t>(so.n_sink, n_tokens);
-  const int64_t local = n_tokens - std::min<int64_t>(n_tokens, ChunkFirstToken(n_chunks, so.n_sink, so.chunk_size));
+  const int64_t local =
+      n_tokens - std::min<int64_t>(n_tokens, ChunkFirstToken(n_chunks, so.n_sink, so.chunk_size));
   return std::max<int64_t>(0, (kv_budget - sinks - local) / so.chunk_size);
 }
 

@@ -27,9 +27,9 @@ namespace kvtier {
 
 /// Every key a layer still holds, in position order, as fp32.
 struct LayerKeys {
-  std::vector<int64_t> positions;  ///< increasing: sinks, live sealed chunks, local window
-  std::vector<float> keys, values; ///< [positions.size()][kv_heads][head_dim], as stored
-  size_t raw_bytes = 0;            ///< bytes of the keys in the store's dtype (the values take as many)
+  std::vector<int64_t> positions;   ///< increasing: sinks, live sealed chunks, local window
+  std::vector<float> keys, values;  ///< [positions.size()][kv_heads][head_dim], as stored
+  size_t raw_bytes = 0;             ///< bytes of the keys in the store's dtype (the values take as many)
 };
 
 /// Reads back every key and value of (seq, layer) the store still holds: the sinks, the live
@@ -51,8 +51,8 @@ Result<int64_t> ChunkBudget(TieredStore& store, SequenceId seq, int layer, int64
 /// n_sink + (i+1)*chunk_size), i < n_chunks (chunks already dropped have no scored tokens, so
 /// they are simply listed again: DropChunks ignores holes). Ties in worth go to the earlier
 /// chunk. Returned in increasing order.
-std::vector<uint64_t> ChunksToDrop(const TokenScores& scores, const KeepSet& keep, int64_t n_sink, int chunk_size,
-                                   uint64_t n_chunks, int64_t chunk_budget);
+std::vector<uint64_t> ChunksToDrop(const TokenScores& scores, const KeepSet& keep, int64_t n_sink,
+                                   int chunk_size, uint64_t n_chunks, int64_t chunk_budget);
 
 /// Exact causal softmax attention of `m` queries (q: [m][q_heads][head_dim], at increasing
 /// positions qpos) over `n_keys` keys (k: [n_keys][kv_heads][head_dim]) at the increasing

@@ -28,7 +28,8 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
 // Store::Open makes every Store a TieredStore; another implementation is refused.
 Result<TieredStore*> Tiered(const char* what, Store* store) {
   auto* tiered = dynamic_cast<TieredStore*>(store);
-  if (tiered == nullptr) return InvalidArgument(std::string(what) + ": the store was not opened by Store::Open");
+  if (tiered == nullptr)
+    return InvalidArgument(std::string(what) + ": the store was not opened by Store::Open");
   return tiered;
 }
 
@@ -103,9 +104,11 @@ Status SessionOptions::Validate() const {
     return InvalidArgument("SessionOptions.positions: unknown position mode " +
                            std::to_string(static_cast<int>(positions)));
   if (!(rope_theta > 0.0) || !std::isfinite(rope_theta))
-    return InvalidArgument("SessionOptions.rope_theta must be finite and > 0 (got " + std::to_string(rope_theta) + ")");
+    return InvalidArgument("SessionOptions.rope_theta must be finite and > 0 (got " +
+                           std::to_string(rope_theta) + ")");
   if (keep_queries < 0)
-    return InvalidArgument("SessionOptions.keep_queries must be >= 0 (got " + std::to_string(keep_queries) + ")");
+    return InvalidArgument("SessionOptions.keep_queries must be >= 0 (got " + std::to_string(keep_queries) +
+                           ")");
   return Status::Ok();
 }
 
@@ -127,7 +130,8 @@ Status SessionOptions::Validate(const StoreOptions& store) const {
 Session::Session(TieredStore* store, SequenceId seq, const SessionOptions& options)
     : store_(store), seq_(seq), options_(options), plan_(std::make_unique<AttentionPlan>()) {
   const Geometry& g = store->options().geometry;
-  if (options.positions == PositionMode::kInfLLM) inv_freq_ = kernels::RopeInvFreq(g.head_dim, options.rope_theta);
+  if (options.positions == PositionMode::kInfLLM)
+    inv_freq_ = kernels::RopeInvFreq(g.head_dim, options.rope_theta);
   last_chunks_.resize(static_cast<size_t>(g.layers));
   kept_.resize(static_cast<size_t>(g.layers));
 }
@@ -148,14 +152,16 @@ Result<std::unique_ptr<Session>> Session::Open(Store* base, const SessionOptions
   KVTIER_RETURN_IF_ERROR(options.Validate());
   KVTIER_ASSIGN_OR_RETURN(SequenceId seq, store->CreateSequence());
   auto s = Attach(store, seq, options);
-  if (!s.ok()) store->DropSequence(seq).IgnoreError();  // nothing was appended: leave no empty sequence behind
+  if (!s.ok())
+    store->DropSequence(seq).IgnoreError();  // nothing was appended: leave no empty sequence behind
   return s;
 }
 
 Result<std::unique_ptr<Session>> Session::Attach(Store* base, SequenceId seq, const SessionOptions& options) {
   if (base == nullptr) return InvalidArgument("Session::Attach: store is null");
   KVTIER_ASSIGN_OR_RETURN(TieredStore * store, Tiered("Session::Attach", base));
-  if (Status st = options.Validate(store->options()); !st.ok()) return Status(st.code(), "Session: " + st.message());
+  if (Status st = options.Validate(store->options()); !st.ok())
+    return Status(st.code(), "Session: " + st.message());
   const Geometry& g = store->options().geometry;
   if (options.positions == PositionMode::kInfLLM && g.head_dim % 2 != 0)
     return InvalidArgument("Session: infllm positions need an even head_dim for RoPE (got " +
@@ -163,9 +169,10 @@ Result<std::unique_ptr<Session>> Session::Attach(Store* base, SequenceId seq, co
   KVTIER_RETURN_IF_ERROR(store->SequenceLength(seq, 0).status());  // NotFound names the sequence
   const bool device_tier = store->hot_tier()->device() != Device::kCpu;
   if (device_tier && options.positions == PositionMode::kInfLLM)
-    return FailedPrecondition(std::string("Session: infllm positions rotate the stored keys on the host, and the hot "
-                                          "tier is on \"") + DeviceName(store->hot_tier()->device()) +
-                              "\"; use absolute positions (the engine applies RoPE)");
+    return FailedPrecondition(
+        std::string("Session: infllm positions rotate the stored keys on the host, and the hot "
+                    "tier is on \"") +
+        DeviceName(store->hot_tier()->device()) + "\"; use absolute positions (the engine applies RoPE)");
   try {
     std::unique_ptr<Session> s(new Session(store, seq, options));
     // Sized for decode (one query); a prefill window grows a device workspace once.
@@ -260,7 +267,8 @@ Status AttendAndObserve(TieredStore* store, SequenceId seq, int layer, const Att
   std::vector<std::vector<float>> mass(static_cast<size_t>(n_dense));
   for (int i = 0; i < n_dense; ++i) {
     dense[static_cast<size_t>(i)] = i == 0 ? in.sinks : in.local[i - 1];
-    mass[static_cast<size_t>(i)].assign(static_cast<size_t>(in.kv_heads) * std::max(1, dense[i].n_tokens), 0.0f);
+    mass[static_cast<size_t>(i)].assign(static_cast<size_t>(in.kv_heads) * std::max(1, dense[i].n_tokens),
+                                        0.0f);
     dense[static_cast<size_t>(i)].mass = mass[static_cast<size_t>(i)].data();
   }
   const bool chunks = in.n_chunks > 0;
@@ -293,7 +301,8 @@ Status AttendAndObserve(TieredStore* store, SequenceId seq, int layer, const Att
     p.lse = lse_chunks.data();
     KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/false));
     if (const kernels::KernelError e = kernels::SlotAttention(p); e != kernels::KernelError::kOk)
-      return Internal(std::string("attention over the retrieved chunks (cpu): ") + kernels::KernelErrorString(e));
+      return Internal(std::string("attention over the retrieved chunks (cpu): ") +
+                      kernels::KernelErrorString(e));
     kernels::MergeAttentionStates(static_cast<int>(rows), in.head_dim, out_dense.data(), lse_dense.data(),
                                   out_chunks.data(), lse_chunks.data(), out, lse.data());
   }
@@ -354,22 +363,27 @@ Status Session::BeginStep(StepKind kind) {
 Status Session::CheckLayerCall(const char* what, int layer, const float* q, const int64_t* positions, int m,
                                bool in_step) const {
   const Geometry& g = geometry();
-  if (dropped_) return FailedPrecondition(std::string("Session::") + what + ": the session's sequence was dropped");
-  if (in_step && !in_step_) return FailedPrecondition(std::string("Session::") + what + ": call BeginStep first");
+  if (dropped_)
+    return FailedPrecondition(std::string("Session::") + what + ": the session's sequence was dropped");
+  if (in_step && !in_step_)
+    return FailedPrecondition(std::string("Session::") + what + ": call BeginStep first");
   if (layer < 0 || layer >= g.layers)
-    return InvalidArgument(std::string("Session::") + what + ": layer " + std::to_string(layer) + " outside [0, " +
-                           std::to_string(g.layers) + ")");
+    return InvalidArgument(std::string("Session::") + what + ": layer " + std::to_string(layer) +
+                           " outside [0, " + std::to_string(g.layers) + ")");
   // Retrieval serves layers 0, 1, ..., L-1 in that order, none skipped (the entropy budget
   // of Eq. 12 flows from shallow to deep layers); without it, layers only go forward.
   const bool every_layer = retriever_ != nullptr && !selector_;
   if (in_step && (every_layer ? layer != next_layer_ : layer < next_layer_))
-    return FailedPrecondition(std::string("Session::") + what + ": layer " + std::to_string(layer) + " where layer " +
-                              std::to_string(next_layer_) + (every_layer ? "" : " or a deeper one") +
+    return FailedPrecondition(std::string("Session::") + what + ": layer " + std::to_string(layer) +
+                              " where layer " + std::to_string(next_layer_) +
+                              (every_layer ? "" : " or a deeper one") +
                               " comes next in this step; layers go shallow to deep, each once per step");
-  if (m <= 0) return InvalidArgument(std::string("Session::") + what + ": m must be > 0 (got " + std::to_string(m) + ")");
+  if (m <= 0)
+    return InvalidArgument(std::string("Session::") + what + ": m must be > 0 (got " + std::to_string(m) +
+                           ")");
   if (in_step && step_ == StepKind::kDecode && m != 1)
-    return InvalidArgument(std::string("Session::") + what + ": a decode step takes one query (got m = " +
-                           std::to_string(m) + ")");
+    return InvalidArgument(std::string("Session::") + what +
+                           ": a decode step takes one query (got m = " + std::to_string(m) + ")");
   if (q == nullptr || positions == nullptr)
     return InvalidArgument(std::string("Session::") + what + ": q and positions must not be null");
   const size_t q_elems = static_cast<size_t>(g.q_heads) * g.head_dim;
@@ -434,13 +448,14 @@ Status Session::Observe(int layer, const float* q, const int64_t* positions, int
 
 Status Session::ObserveLocked(int layer, const float* q, const float* q_mem, const int64_t* positions, int m,
                               const HotView& view, int64_t local_start) {
-  if (options_.observe_prefill) KVTIER_RETURN_IF_ERROR(ObserveStatistics(layer, q, positions, m, view, local_start));
+  if (options_.observe_prefill)
+    KVTIER_RETURN_IF_ERROR(ObserveStatistics(layer, q, positions, m, view, local_start));
   if (retriever_) KVTIER_RETURN_IF_ERROR(retriever_->Observe(layer, q_mem, m));
   return Status::Ok();
 }
 
-Status Session::ObserveStatistics(int layer, const float* q, const int64_t* positions, int m, const HotView& view,
-                                  int64_t local_start) {
+Status Session::ObserveStatistics(int layer, const float* q, const int64_t* positions, int m,
+                                  const HotView& view, int64_t local_start) {
   if (inv_freq_.empty()) return store_->ObserveQueries(seq_, layer, q, positions, m);
   // kInfLLM (host tiers only: Open refuses a device tier). The model attends the local window
   // at its true positions and the sinks at L0 once chunks separate them (Attend's rotations),
@@ -504,8 +519,8 @@ Result<LayerParts> Session::Gather(int layer, const float* q, const int64_t* pos
   return GatherFor("Gather", layer, q, positions, m);
 }
 
-Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* q, const int64_t* positions, int m,
-                                      bool observe) {
+Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* q, const int64_t* positions,
+                                      int m, bool observe) {
   KVTIER_RETURN_IF_ERROR(CheckLayerCall(what, layer, q, positions, m, /*in_step=*/true));
   try {
     const bool decode = step_ == StepKind::kDecode;
@@ -565,12 +580,13 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
     counters_.fetch_ms += lp.stats.fetch_ms;
     return lp;
   } catch (const std::bad_alloc&) {
-    return ResourceExhausted(std::string("Session::") + what + ": out of memory (layer " + std::to_string(layer) +
-                             ", m = " + std::to_string(m) + ")");
+    return ResourceExhausted(std::string("Session::") + what + ": out of memory (layer " +
+                             std::to_string(layer) + ", m = " + std::to_string(m) + ")");
   }
 }
 
-Status Session::Attend(int layer, const float* q, const int64_t* positions, int m, float* out, AttendStats* stats) {
+Status Session::Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
+                       AttendStats* stats) {
   if (out == nullptr) return InvalidArgument("Session::Attend: out must not be null");
   // A lower tier that failed a background write of any session: reported here too, not
   // only by the Append or WaitForDurable that may come much later.
@@ -580,9 +596,10 @@ Status Session::Attend(int layer, const float* q, const int64_t* positions, int 
   // A prefill window's representative-key statistics come from this attention on a host tier
   // (the kernel's per-key mass); on a device tier Gather runs their pass on the host.
   const bool host = std::strcmp(backend_->name(), "cpu") == 0;
-  const bool observe_here = host && retriever_ && !selector_ && options_.observe_prefill && in_step_ &&
-                            step_ == StepKind::kPrefill;
-  KVTIER_ASSIGN_OR_RETURN(LayerParts lp, GatherFor("Attend", layer, q, positions, m, /*observe=*/!observe_here));
+  const bool observe_here =
+      host && retriever_ && !selector_ && options_.observe_prefill && in_step_ && step_ == StepKind::kPrefill;
+  KVTIER_ASSIGN_OR_RETURN(LayerParts lp,
+                          GatherFor("Attend", layer, q, positions, m, /*observe=*/!observe_here));
   try {
     const auto t0 = std::chrono::steady_clock::now();
     // The plan: sinks | retrieved chunks (slots of the hot pool) | local runs, the order
@@ -629,7 +646,8 @@ Status Session::Attend(int layer, const float* q, const int64_t* positions, int 
           ToFloat(g.dtype, sp.v, vf, n);
           pos.resize(static_cast<size_t>(sp.n_tokens));
           for (int t = 0; t < sp.n_tokens; ++t)
-            pos[static_cast<size_t>(t)] = lp.rope_positions[i] >= 0 ? lp.rope_positions[i] : sp.first_position + t;
+            pos[static_cast<size_t>(t)] =
+                lp.rope_positions[i] >= 0 ? lp.rope_positions[i] : sp.first_position + t;
           kernels::Rope(kf, sp.n_tokens, g.kv_heads, g.head_dim, pos.data(), inv_freq_.data());
         }
         sp.k = kf;
@@ -647,7 +665,8 @@ Status Session::Attend(int layer, const float* q, const int64_t* positions, int 
     in.n_local = static_cast<int>(lp.parts.size() - 1 - lp.n_chunks);
     Status st = observe_here ? AttendAndObserve(store_, seq_, layer, in, plan_.get(), out) : plan_->Build(in);
     if (st.ok() && !observe_here) st = backend_->Run(*plan_, out);
-    if (!st.ok()) return Status(st.code(), "Session::Attend: layer " + std::to_string(layer) + ": " + st.message());
+    if (!st.ok())
+      return Status(st.code(), "Session::Attend: layer " + std::to_string(layer) + ": " + st.message());
     lp.stats.attention_ms = MsSince(t0);
     lp.Release();  // unpinning is bookkeeping under the store lock, not attention: timed by neither
     counters_.attention_ms += lp.stats.attention_ms;
@@ -661,13 +680,17 @@ Status Session::Attend(int layer, const float* q, const int64_t* positions, int 
 Result<CompressReport> Session::Compress(const std::string& policy_spec, int64_t kv_budget, int n_queries) {
   if (dropped_) return FailedPrecondition("Session::Compress: the session's sequence was dropped");
   if (options_.keep_queries <= 0)
-    return FailedPrecondition("Session::Compress: no queries kept (set SessionOptions.keep_queries > 0): the policy "
-                              "observes the attention of the most recent queries");
-  if (n_queries < 0) return InvalidArgument("Session::Compress: n_queries must be >= 0 (got " + std::to_string(n_queries) + ")");
+    return FailedPrecondition(
+        "Session::Compress: no queries kept (set SessionOptions.keep_queries > 0): the policy "
+        "observes the attention of the most recent queries");
+  if (n_queries < 0)
+    return InvalidArgument("Session::Compress: n_queries must be >= 0 (got " + std::to_string(n_queries) +
+                           ")");
   const StoreOptions& so = store_->options();
   if (kv_budget < static_cast<int64_t>(so.n_sink) + so.n_local)
     return InvalidArgument("Session::Compress: kv_budget (" + std::to_string(kv_budget) +
-                           ") must cover the sinks and the local window (" + std::to_string(so.n_sink + so.n_local) + ")");
+                           ") must cover the sinks and the local window (" +
+                           std::to_string(so.n_sink + so.n_local) + ")");
   const Geometry& g = so.geometry;
   const size_t q_elems = static_cast<size_t>(g.q_heads) * g.head_dim;
   try {
@@ -696,18 +719,21 @@ Result<CompressReport> Session::Compress(const std::string& policy_spec, int64_t
         std::vector<int64_t> rope_pos(lk.positions);
         if (sealed > 0)
           for (int64_t& p : rope_pos) p = std::max(p, l0);
-        kernels::Rope(lk.keys.data(), static_cast<int>(n), g.kv_heads, g.head_dim, rope_pos.data(), inv_freq_.data());
+        kernels::Rope(lk.keys.data(), static_cast<int>(n), g.kv_heads, g.head_dim, rope_pos.data(),
+                      inv_freq_.data());
       }
       const std::deque<KeptQuery>& ring = kept_[static_cast<size_t>(l)];
       const int want = n_queries > 0 ? n_queries : static_cast<int>(ring.size());
       const int mq = std::min<int>(want, static_cast<int>(ring.size()));
-      if (mq < 1) return FailedPrecondition("Session::Compress: no queries kept for layer " + std::to_string(l));
+      if (mq < 1)
+        return FailedPrecondition("Session::Compress: no queries kept for layer " + std::to_string(l));
       std::vector<float> q(static_cast<size_t>(mq) * q_elems);
       std::vector<int64_t> qpos(static_cast<size_t>(mq));
       for (int i = 0; i < mq; ++i) {
         const KeptQuery& src = ring[ring.size() - static_cast<size_t>(mq) + static_cast<size_t>(i)];
         qpos[static_cast<size_t>(i)] = src.position;
-        std::copy(src.q.begin(), src.q.end(), q.begin() + static_cast<ptrdiff_t>(static_cast<size_t>(i) * q_elems));
+        std::copy(src.q.begin(), src.q.end(),
+                  q.begin() + static_cast<ptrdiff_t>(static_cast<size_t>(i) * q_elems));
       }
       std::vector<float> attn(static_cast<size_t>(g.q_heads) * mq * static_cast<size_t>(n));
       ExactAttentionRows(g, q.data(), qpos.data(), mq, lk.keys.data(), lk.positions.data(), n, attn.data());
@@ -730,7 +756,8 @@ Result<CompressReport> Session::Compress(const std::string& policy_spec, int64_t
       KVTIER_ASSIGN_OR_RETURN(TokenScores ts, policy_->Scores(l));
       KVTIER_ASSIGN_OR_RETURN(KeepSet keep, policy_->Keep(l, kv_budget));
       KVTIER_ASSIGN_OR_RETURN(int64_t chunk_budget, ChunkBudget(*store_, seq_, l, kv_budget));
-      const std::vector<uint64_t> drop = ChunksToDrop(ts, keep, so.n_sink, so.chunk_size, n_chunks, chunk_budget);
+      const std::vector<uint64_t> drop =
+          ChunksToDrop(ts, keep, so.n_sink, so.chunk_size, n_chunks, chunk_budget);
       const uint64_t before = store_->counters().dropped_chunks;
       KVTIER_RETURN_IF_ERROR(store_->DropChunks(seq_, l, drop));
       if (retriever_) KVTIER_RETURN_IF_ERROR(retriever_->Sync(seq_, l));  // the index drops them too

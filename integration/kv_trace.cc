@@ -78,7 +78,8 @@ Result<std::string> EncodeKvTrace(const KvTrace& t) {
   PutLengthPrefixed(&out, t.source);
   PutLengthPrefixed(&out, t.answer);
   for (int l = 0; l < t.layers; ++l)
-    for (const std::vector<float>* a : {&t.q[l], &t.k[l], &t.v[l]}) PutFloat32Array(&out, a->data(), a->size());
+    for (const std::vector<float>* a : {&t.q[l], &t.k[l], &t.v[l]})
+      PutFloat32Array(&out, a->data(), a->size());
   EncodeFixed64(out.data() + kFileBytesAt, out.size() + sizeof(uint32_t));
   PutFixed32(&out, Crc32c(out.data(), out.size()));
   return out;
@@ -89,91 +90,94 @@ Result<KvTrace> DecodeKvTrace(const std::string& bytes, const std::string& name)
   return ReturnOnBadAlloc(
       [&] { return "trace '" + name + "': its q/k/v (" + std::to_string(bytes.size()) + "-byte file)"; },
       [&]() -> Result<KvTrace> {
-  const std::string what = "trace '" + name + "': ";
-  const size_t size = bytes.size();
-  if (size >= sizeof(kMagic) && std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0)
-    return Corruption(what + "bad magic (not a kvtier trace file)");
-  if (size < kFixedHeader + sizeof(uint32_t))
-    return Corruption(what + "truncated: " + std::to_string(size) + " bytes, shorter than the " +
-                      std::to_string(kFixedHeader + sizeof(uint32_t)) + "-byte header");
-  // Everything between the magic and the CRC; the reader names a field that runs past its end.
-  RecordReader r(std::string_view(bytes).substr(sizeof(kMagic), size - sizeof(kMagic) - sizeof(uint32_t)),
-                 what + "header runs past the end of the file");
-  uint32_t version = 0, reserved = 0;
-  uint64_t file_bytes = 0;
-  KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&version, "version"));
-  KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&reserved, "reserved"));
-  KVTIER_RETURN_IF_ERROR(r.ReadFixed64(&file_bytes, "file_bytes"));
-  if (version != KvTrace::kVersion)
-    return Corruption(what + "unsupported version " + std::to_string(version) +
-                      " (this build reads version " + std::to_string(KvTrace::kVersion) + ")");
-  if (size < file_bytes)
-    return Corruption(what + "truncated: " + std::to_string(size) + " bytes, the header says " +
-                      std::to_string(file_bytes));
-  if (size > file_bytes)
-    return Corruption(what + "trailing bytes: " + std::to_string(size) + " bytes, the header says " +
-                      std::to_string(file_bytes));
-  const uint32_t stored_crc = DecodeFixed32(bytes.data() + size - sizeof(uint32_t));
-  const uint32_t crc = Crc32c(bytes.data(), size - sizeof(uint32_t));
-  if (crc != stored_crc) {
-    char buf[96];
-    std::snprintf(buf, sizeof(buf), "CRC mismatch (stored %08x, computed %08x): the file is corrupt",
-                  stored_crc, crc);
-    return Corruption(what + buf);
-  }
+        const std::string what = "trace '" + name + "': ";
+        const size_t size = bytes.size();
+        if (size >= sizeof(kMagic) && std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0)
+          return Corruption(what + "bad magic (not a kvtier trace file)");
+        if (size < kFixedHeader + sizeof(uint32_t))
+          return Corruption(what + "truncated: " + std::to_string(size) + " bytes, shorter than the " +
+                            std::to_string(kFixedHeader + sizeof(uint32_t)) + "-byte header");
+        // Everything between the magic and the CRC; the reader names a field that runs past its end.
+        RecordReader r(
+            std::string_view(bytes).substr(sizeof(kMagic), size - sizeof(kMagic) - sizeof(uint32_t)),
+            what + "header runs past the end of the file");
+        uint32_t version = 0, reserved = 0;
+        uint64_t file_bytes = 0;
+        KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&version, "version"));
+        KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&reserved, "reserved"));
+        KVTIER_RETURN_IF_ERROR(r.ReadFixed64(&file_bytes, "file_bytes"));
+        if (version != KvTrace::kVersion)
+          return Corruption(what + "unsupported version " + std::to_string(version) +
+                            " (this build reads version " + std::to_string(KvTrace::kVersion) + ")");
+        if (size < file_bytes)
+          return Corruption(what + "truncated: " + std::to_string(size) + " bytes, the header says " +
+                            std::to_string(file_bytes));
+        if (size > file_bytes)
+          return Corruption(what + "trailing bytes: " + std::to_string(size) + " bytes, the header says " +
+                            std::to_string(file_bytes));
+        const uint32_t stored_crc = DecodeFixed32(bytes.data() + size - sizeof(uint32_t));
+        const uint32_t crc = Crc32c(bytes.data(), size - sizeof(uint32_t));
+        if (crc != stored_crc) {
+          char buf[96];
+          std::snprintf(buf, sizeof(buf), "CRC mismatch (stored %08x, computed %08x): the file is corrupt",
+                        stored_crc, crc);
+          return Corruption(what + buf);
+        }
 
-  // The CRC held, so what follows only fails for a file written wrong (not damaged).
-  KvTrace t;
-  uint32_t shape[4];
-  int64_t n = 0;
-  uint32_t n_needles = 0;
-  for (uint32_t& d : shape) KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&d, "shape"));
-  KVTIER_RETURN_IF_ERROR(r.ReadInt64(&n, "n_tokens"));
-  KVTIER_RETURN_IF_ERROR(r.ReadInt64(&t.context, "context"));
-  KVTIER_RETURN_IF_ERROR(r.ReadInt64(&t.question_begin, "question_begin"));
-  KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&n_needles, "n_needles"));
-  for (uint32_t d : shape)
-    if (d == 0 || d > 4096) return Corruption(what + "geometry mismatch: implausible shape in the header");
-  t.layers = static_cast<int>(shape[0]);
-  t.q_heads = static_cast<int>(shape[1]);
-  t.kv_heads = static_cast<int>(shape[2]);
-  t.head_dim = static_cast<int>(shape[3]);
-  // Sizes are checked against the bytes left before anything is allocated for them.
-  if (n < 0 || static_cast<uint64_t>(n) > r.remaining() / sizeof(int32_t))
-    return Corruption(what + "n_tokens " + std::to_string(n) + " does not fit the file");
-  if (n_needles > r.remaining() / 16)
-    return Corruption(what + "needle count " + std::to_string(n_needles) + " does not fit the file");
-  t.needles.resize(n_needles);
-  for (TokenRange& rg : t.needles) {
-    KVTIER_RETURN_IF_ERROR(r.ReadInt64(&rg.begin, "needle begin"));
-    KVTIER_RETURN_IF_ERROR(r.ReadInt64(&rg.end, "needle end"));
-  }
-  t.tokens.resize(static_cast<size_t>(n));
-  KVTIER_RETURN_IF_ERROR(r.ReadInt32Array(t.tokens.data(), t.tokens.size(), "tokens"));
-  KVTIER_RETURN_IF_ERROR(r.ReadLengthPrefixed(&t.source, "source"));
-  KVTIER_RETURN_IF_ERROR(r.ReadLengthPrefixed(&t.answer, "answer"));
-  // 128-bit product: a crafted header must not overflow into a plausible size.
-  const unsigned __int128 want = static_cast<unsigned __int128>(t.layers) * static_cast<uint64_t>(n) *
-                                 static_cast<uint64_t>(t.q_heads + 2 * t.kv_heads) *
-                                 static_cast<uint64_t>(t.head_dim) * sizeof(float);
-  if (want != r.remaining())
-    return Corruption(what + "geometry mismatch: " + t.geometry().ToString() + " x " + std::to_string(n) +
-                      " tokens needs " + std::to_string(static_cast<uint64_t>(want)) +
-                      " bytes of q/k/v, the file holds " + std::to_string(r.remaining()));
-  t.q.resize(t.layers);
-  t.k.resize(t.layers);
-  t.v.resize(t.layers);
-  for (int l = 0; l < t.layers; ++l) {
-    t.q[l].resize(Elems(n, t.q_heads, t.head_dim));
-    t.k[l].resize(Elems(n, t.kv_heads, t.head_dim));
-    t.v[l].resize(t.k[l].size());
-    for (std::vector<float>* a : {&t.q[l], &t.k[l], &t.v[l]})
-      KVTIER_RETURN_IF_ERROR(r.ReadFloat32Array(a->data(), a->size(), "q/k/v"));
-  }
-  Status st = t.Validate();
-  if (!st.ok()) return Corruption(what + st.message());
-  return t;
-  });
+        // The CRC held, so what follows only fails for a file written wrong (not damaged).
+        KvTrace t;
+        uint32_t shape[4];
+        int64_t n = 0;
+        uint32_t n_needles = 0;
+        for (uint32_t& d : shape) KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&d, "shape"));
+        KVTIER_RETURN_IF_ERROR(r.ReadInt64(&n, "n_tokens"));
+        KVTIER_RETURN_IF_ERROR(r.ReadInt64(&t.context, "context"));
+        KVTIER_RETURN_IF_ERROR(r.ReadInt64(&t.question_begin, "question_begin"));
+        KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&n_needles, "n_needles"));
+        for (uint32_t d : shape)
+          if (d == 0 || d > 4096)
+            return Corruption(what + "geometry mismatch: implausible shape in the header");
+        t.layers = static_cast<int>(shape[0]);
+        t.q_heads = static_cast<int>(shape[1]);
+        t.kv_heads = static_cast<int>(shape[2]);
+        t.head_dim = static_cast<int>(shape[3]);
+        // Sizes are checked against the bytes left before anything is allocated for them.
+        if (n < 0 || static_cast<uint64_t>(n) > r.remaining() / sizeof(int32_t))
+          return Corruption(what + "n_tokens " + std::to_string(n) + " does not fit the file");
+        if (n_needles > r.remaining() / 16)
+          return Corruption(what + "needle count " + std::to_string(n_needles) + " does not fit the file");
+        t.needles.resize(n_needles);
+        for (TokenRange& rg : t.needles) {
+          KVTIER_RETURN_IF_ERROR(r.ReadInt64(&rg.begin, "needle begin"));
+          KVTIER_RETURN_IF_ERROR(r.ReadInt64(&rg.end, "needle end"));
+        }
+        t.tokens.resize(static_cast<size_t>(n));
+        KVTIER_RETURN_IF_ERROR(r.ReadInt32Array(t.tokens.data(), t.tokens.size(), "tokens"));
+        KVTIER_RETURN_IF_ERROR(r.ReadLengthPrefixed(&t.source, "source"));
+        KVTIER_RETURN_IF_ERROR(r.ReadLengthPrefixed(&t.answer, "answer"));
+        // 128-bit product: a crafted header must not overflow into a plausible size.
+        const unsigned __int128 want = static_cast<unsigned __int128>(t.layers) * static_cast<uint64_t>(n) *
+                                       static_cast<uint64_t>(t.q_heads + 2 * t.kv_heads) *
+                                       static_cast<uint64_t>(t.head_dim) * sizeof(float);
+        if (want != r.remaining())
+          return Corruption(what + "geometry mismatch: " + t.geometry().ToString() + " x " +
+                            std::to_string(n) + " tokens needs " +
+                            std::to_string(static_cast<uint64_t>(want)) + " bytes of q/k/v, the file holds " +
+                            std::to_string(r.remaining()));
+        t.q.resize(t.layers);
+        t.k.resize(t.layers);
+        t.v.resize(t.layers);
+        for (int l = 0; l < t.layers; ++l) {
+          t.q[l].resize(Elems(n, t.q_heads, t.head_dim));
+          t.k[l].resize(Elems(n, t.kv_heads, t.head_dim));
+          t.v[l].resize(t.k[l].size());
+          for (std::vector<float>* a : {&t.q[l], &t.k[l], &t.v[l]})
+            KVTIER_RETURN_IF_ERROR(r.ReadFloat32Array(a->data(), a->size(), "q/k/v"));
+        }
+        Status st = t.Validate();
+        if (!st.ok()) return Corruption(what + st.message());
+        return t;
+      });
 }
 
 Status WriteKvTrace(const std::string& path, const KvTrace& trace) {
@@ -193,16 +197,20 @@ Status WriteKvTrace(const std::string& path, const KvTrace& trace) {
 }
 
 Result<KvTrace> ReadKvTrace(const std::string& path) {
-  return ReturnOnBadAlloc([&] { return "trace file '" + path + "': its bytes"; }, [&]() -> Result<KvTrace> {
-  std::ifstream f(path, std::ios::binary | std::ios::ate);
-  if (!f) return NotFound("cannot open trace file '" + path + "'");
-  const std::streamoff size = f.tellg();
-  if (size < 0) return IOError("cannot determine the size of trace file '" + path + "'");
-  std::string bytes(static_cast<size_t>(size), '\0');  // sized from the file: one allocation
-  f.seekg(0);
-  if (size > 0 && !f.read(bytes.data(), size)) return IOError("read of trace file '" + path + "' failed");
-  return DecodeKvTrace(bytes, path);
-  });
+  return ReturnOnBadAlloc([&] { return "trace file '" + path + "': its bytes"; },
+                          [&]() -> Result<KvTrace> {
+                            std::ifstream f(path, std::ios::binary | std::ios::ate);
+                            if (!f) return NotFound("cannot open trace file '" + path + "'");
+                            const std::streamoff size = f.tellg();
+                            if (size < 0)
+                              return IOError("cannot determine the size of trace file '" + path + "'");
+                            std::string bytes(static_cast<size_t>(size),
+                                              '\0');  // sized from the file: one allocation
+                            f.seekg(0);
+                            if (size > 0 && !f.read(bytes.data(), size))
+                              return IOError("read of trace file '" + path + "' failed");
+                            return DecodeKvTrace(bytes, path);
+                          });
 }
 
 }  // namespace kvtier

@@ -1,5 +1,7 @@
 #include "integration/policy_eval.h"
 
+#include <oneapi/tbb/parallel_for.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -7,8 +9,6 @@
 #include <limits>
 #include <memory>
 #include <numeric>
-
-#include <oneapi/tbb/parallel_for.h>
 
 #include "integration/kv_source.h"
 #include "kernels/cpu/dot.h"
@@ -18,7 +18,8 @@ namespace kvtier {
 namespace {
 
 double NowMs() {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 double Mean(const std::vector<double>& v) {
@@ -43,8 +44,8 @@ void SoftmaxRow(const float* q, const std::vector<float>& K, int Hkv, int D, int
 }
 
 // o = sum_i p_i v_{positions[i]} for kv head kh.
-void WeightedValues(const float* p, const std::vector<float>& V, int Hkv, int D, int kh, const int64_t* positions,
-                    size_t n, float* o) {
+void WeightedValues(const float* p, const std::vector<float>& V, int Hkv, int D, int kh,
+                    const int64_t* positions, size_t n, float* o) {
   std::fill(o, o + D, 0.0f);
   for (size_t i = 0; i < n; ++i) {
     const float* v = V.data() + (static_cast<size_t>(positions[i]) * Hkv + kh) * D;
@@ -63,16 +64,17 @@ struct PolicyRun {
 
 }  // namespace
 
-
 Status PolicyEvalOptions::Validate() const {
   KVTIER_RETURN_IF_ERROR(geometry.Validate());
   if (budget < 1) return InvalidArgument("policy eval: budget must be >= 1, got " + std::to_string(budget));
   if (observe < 1 || observe > workload.context)
     return InvalidArgument("policy eval: observe must be in [1, context], got " + std::to_string(observe));
-  if (sink_tokens < 0 || local_tokens < 0) return InvalidArgument("policy eval: sink and local tokens must be >= 0");
+  if (sink_tokens < 0 || local_tokens < 0)
+    return InvalidArgument("policy eval: sink and local tokens must be >= 0");
   if (budget < sink_tokens + local_tokens + 1)
     return InvalidArgument("policy eval: budget " + std::to_string(budget) + " leaves no room beyond the " +
-                           std::to_string(sink_tokens + local_tokens) + " protected tokens (sinks + local window)");
+                           std::to_string(sink_tokens + local_tokens) +
+                           " protected tokens (sinks + local window)");
   return Status::Ok();
 }
 
@@ -91,8 +93,12 @@ Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& opt
   if (specs.empty())
     for (const PolicyInfo& info : ListScoringPolicies()) specs.push_back(info.name);
   PolicyGeometry pg;
-  pg.layers = L; pg.q_heads = Hq; pg.kv_heads = Hkv; pg.head_dim = D;
-  pg.sink_tokens = o.sink_tokens; pg.local_tokens = o.local_tokens;
+  pg.layers = L;
+  pg.q_heads = Hq;
+  pg.kv_heads = Hkv;
+  pg.head_dim = D;
+  pg.sink_tokens = o.sink_tokens;
+  pg.local_tokens = o.local_tokens;
   std::vector<PolicyRun> runs(specs.size());
   for (size_t i = 0; i < specs.size(); ++i) {
     auto p = MakeScoringPolicy(specs[i]);
@@ -126,9 +132,14 @@ Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& opt
     ExactAttentionRows(g, q.data(), qpos.data(), m, K[l].data(), nullptr, ctx, attn.data());
     const double attention_ms = NowMs() - t0;
     AttentionObservation obs;
-    obs.layer = l; obs.n_queries = m; obs.n_keys = ctx;
-    obs.key_positions = all_pos.data(); obs.query_positions = qpos.data();
-    obs.attention = attn.data(); obs.keys = K[l].data(); obs.values = V[l].data();
+    obs.layer = l;
+    obs.n_queries = m;
+    obs.n_keys = ctx;
+    obs.key_positions = all_pos.data();
+    obs.query_positions = qpos.data();
+    obs.attention = attn.data();
+    obs.keys = K[l].data();
+    obs.values = V[l].data();
     for (PolicyRun& r : runs) {
       r.row.prefill_attention_ms += attention_ms;
       const double t1 = NowMs();
@@ -168,7 +179,8 @@ Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& opt
       std::vector<std::vector<float>> full_rows(Hq), full_out(Hq);
       for (int h = 0; h < Hq; ++h) {
         full_rows[h].resize(p + 1);
-        SoftmaxRow(qd.data() + static_cast<size_t>(h) * D, K[l], Hkv, D, h / G, seen.data(), p + 1, full_rows[h].data());
+        SoftmaxRow(qd.data() + static_cast<size_t>(h) * D, K[l], Hkv, D, h / G, seen.data(), p + 1,
+                   full_rows[h].data());
         full_out[h].resize(D);
         WeightedValues(full_rows[h].data(), V[l], Hkv, D, h / G, seen.data(), p + 1, full_out[h].data());
       }
@@ -183,7 +195,8 @@ Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& opt
         for (int h = 0; h < Hq; ++h) {
           const auto& kept = r.cache[l][h / G];
           probs.resize(kept.size());
-          SoftmaxRow(qd.data() + static_cast<size_t>(h) * D, K[l], Hkv, D, h / G, kept.data(), kept.size(), probs.data());
+          SoftmaxRow(qd.data() + static_cast<size_t>(h) * D, K[l], Hkv, D, h / G, kept.data(), kept.size(),
+                     probs.data());
           WeightedValues(probs.data(), V[l], Hkv, D, h / G, kept.data(), kept.size(), o_kept.data());
           // Scatter into the union row (0 where this head dropped the key).
           size_t j = 0;
@@ -198,17 +211,22 @@ Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& opt
             num += (o_kept[d] - full_out[h][d]) * (o_kept[d] - full_out[h][d]);
             den += full_out[h][d] * full_out[h][d];
           }
-          r.recall += rec; r.recall_n++;
-          r.error += den > 0 ? std::sqrt(num / den) : 0.0; r.error_n++;
+          r.recall += rec;
+          r.recall_n++;
+          r.error += den > 0 ? std::sqrt(num / den) : 0.0;
+          r.error_n++;
         }
         r.decode_attention.back() += NowMs() - t0;
         for (const auto& head : r.cache[l]) {
-          r.cache_tokens += static_cast<double>(head.size()); r.cache_n++;
+          r.cache_tokens += static_cast<double>(head.size());
+          r.cache_n++;
           if (!sought.empty()) {
             int64_t in = 0, len = 0;
             for (const TokenRange& nr : sought)
-              for (int64_t t = nr.begin; t < nr.end; ++t, ++len) in += std::binary_search(head.begin(), head.end(), t);
-            r.retention += static_cast<double>(in) / static_cast<double>(len); r.retention_n++;
+              for (int64_t t = nr.begin; t < nr.end; ++t, ++len)
+                in += std::binary_search(head.begin(), head.end(), t);
+            r.retention += static_cast<double>(in) / static_cast<double>(len);
+            r.retention_n++;
           }
         }
         std::vector<float> uk(uni.size() * tok), uv(uni.size() * tok);
@@ -220,13 +238,19 @@ Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& opt
         // time (below); the others observe every step.
         if (r.policy->compress_every() > 0) continue;
         AttentionObservation obs;
-        obs.layer = l; obs.n_queries = 1; obs.n_keys = static_cast<int64_t>(uni.size());
-        obs.key_positions = uni.data(); obs.query_positions = &p;
-        obs.attention = obs_attn.data(); obs.keys = uk.data(); obs.values = uv.data();
+        obs.layer = l;
+        obs.n_queries = 1;
+        obs.n_keys = static_cast<int64_t>(uni.size());
+        obs.key_positions = uni.data();
+        obs.query_positions = &p;
+        obs.attention = obs_attn.data();
+        obs.keys = uk.data();
+        obs.values = uv.data();
         const double t1 = NowMs();
         Status st = r.policy->Observe(obs);
         r.decode_scoring.back() += NowMs() - t1;
-        if (!st.ok()) return Status(st.code(), r.row.spec + " (decode step " + std::to_string(s) + "): " + st.message());
+        if (!st.ok())
+          return Status(st.code(), r.row.spec + " (decode step " + std::to_string(s) + "): " + st.message());
       }
     }
     for (PolicyRun& r : runs) {
@@ -246,8 +270,8 @@ Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& opt
           for (int h = 0; h < Hq; ++h)
             for (int i = 0; i < w; ++i) {
               const auto& kept = r.cache[l][h / G];
-              const size_t visible = static_cast<size_t>(
-                  std::upper_bound(kept.begin(), kept.end(), wpos[i]) - kept.begin());
+              const size_t visible =
+                  static_cast<size_t>(std::upper_bound(kept.begin(), kept.end(), wpos[i]) - kept.begin());
               probs.resize(visible);
               const float* qv = past_q[wpos[i] - ctx][l].data() + static_cast<size_t>(h) * D;
               SoftmaxRow(qv, K[l], Hkv, D, h / G, kept.data(), visible, probs.data());
@@ -264,13 +288,20 @@ Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& opt
             std::copy_n(V[l].data() + static_cast<size_t>(uni[i]) * tok, tok, uv.data() + i * tok);
           }
           AttentionObservation obs;
-          obs.layer = l; obs.n_queries = w; obs.n_keys = static_cast<int64_t>(uni.size());
-          obs.key_positions = uni.data(); obs.query_positions = wpos.data();
-          obs.attention = wattn.data(); obs.keys = uk.data(); obs.values = uv.data();
+          obs.layer = l;
+          obs.n_queries = w;
+          obs.n_keys = static_cast<int64_t>(uni.size());
+          obs.key_positions = uni.data();
+          obs.query_positions = wpos.data();
+          obs.attention = wattn.data();
+          obs.keys = uk.data();
+          obs.values = uv.data();
           const double t1 = NowMs();
           Status st = r.policy->Observe(obs);
           r.decode_scoring.back() += NowMs() - t1;
-          if (!st.ok()) return Status(st.code(), r.row.spec + " (compression at step " + std::to_string(s) + "): " + st.message());
+          if (!st.ok())
+            return Status(st.code(),
+                          r.row.spec + " (compression at step " + std::to_string(s) + "): " + st.message());
         }
         for (int l = 0; l < L; ++l) {
           const double t1 = NowMs();
@@ -303,8 +334,8 @@ Result<std::vector<PolicyEvalRow>> EvaluatePolicies(const PolicyEvalOptions& opt
 std::string PolicyEvalTable(const std::vector<PolicyEvalRow>& rows) {
   std::string t;
   char buf[512];
-  std::snprintf(buf, sizeof(buf), "%-44s %7s %8s %8s %8s %9s %9s %6s %9s\n", "policy", "budget", "needle", "recall",
-                "out.err", "pf.score", "dec.score", "comp", "state.KiB");
+  std::snprintf(buf, sizeof(buf), "%-44s %7s %8s %8s %8s %9s %9s %6s %9s\n", "policy", "budget", "needle",
+                "recall", "out.err", "pf.score", "dec.score", "comp", "state.KiB");
   t += buf;
   std::snprintf(buf, sizeof(buf), "%-44s %7s %8s %8s %8s %9s %9s %6s %9s\n", "", "tokens", "kept", "", "",
                 "/attn", "/attn", "", "");

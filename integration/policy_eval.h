@@ -32,31 +32,31 @@ namespace kvtier {
 
 struct PolicyEvalOptions {
   Geometry geometry{8, 8, 2, 64, DType::kF32};  ///< model shape (dtype unused: fp32 throughout)
-  WorkloadOptions workload;                      ///< context, needles, decode_steps, ...
+  WorkloadOptions workload;                     ///< context, needles, decode_steps, ...
   /// Replay this recorded trace instead of the synthetic workload (geometry shape and
   /// workload lengths are taken from it, as RunOptions::trace).
   std::shared_ptr<const KvTrace> trace;
-  std::vector<std::string> policies;             ///< factory strings; empty = every policy's defaults
-  int64_t budget = 1024;                         ///< kept tokens per kv head and layer
-  int observe = 32;                              ///< prompt queries observed at prefill end
-  int64_t sink_tokens = 64;                      ///< protected sinks (PolicyGeometry)
-  int64_t local_tokens = 256;                    ///< protected local window (PolicyGeometry)
+  std::vector<std::string> policies;  ///< factory strings; empty = every policy's defaults
+  int64_t budget = 1024;              ///< kept tokens per kv head and layer
+  int observe = 32;                   ///< prompt queries observed at prefill end
+  int64_t sink_tokens = 64;           ///< protected sinks (PolicyGeometry)
+  int64_t local_tokens = 256;         ///< protected local window (PolicyGeometry)
   Status Validate() const;
 };
 
 struct PolicyEvalRow {
-  std::string spec;              ///< the policy's ToString()
+  std::string spec;  ///< the policy's ToString()
   int64_t budget = 0;
-  double needle_retention = 0;   ///< mean over decode steps, layers and kv heads
-  double attention_recall = 0;   ///< mean over decode steps, layers and q heads
-  double output_error = 0;       ///< mean over decode steps and layers
-  double prefill_scoring_ms = 0; ///< Observe + Keep over all layers at prefill end
+  double needle_retention = 0;      ///< mean over decode steps, layers and kv heads
+  double attention_recall = 0;      ///< mean over decode steps, layers and q heads
+  double output_error = 0;          ///< mean over decode steps and layers
+  double prefill_scoring_ms = 0;    ///< Observe + Keep over all layers at prefill end
   double prefill_attention_ms = 0;  ///< the observation window's attention over every key, all layers
   double decode_scoring_ms = 0;  ///< per decode step, all layers (mean: compressions every s steps amortised)
-  double decode_attention_ms = 0;   ///< attention over the kept cache per decode step, all layers (mean)
-  int compressions = 0;          ///< Keep calls per layer (1 at prefill end + decode-time ones)
-  double mean_cache_tokens = 0;  ///< kept tokens per kv head and layer, mean over decode steps
-  size_t peak_state_bytes = 0;   ///< policy state at its largest
+  double decode_attention_ms = 0;  ///< attention over the kept cache per decode step, all layers (mean)
+  int compressions = 0;            ///< Keep calls per layer (1 at prefill end + decode-time ones)
+  double mean_cache_tokens = 0;    ///< kept tokens per kv head and layer, mean over decode steps
+  size_t peak_state_bytes = 0;     ///< policy state at its largest
 };
 
 // ExactAttentionRows (what a policy observes) lives in engine/compress.h.

@@ -20,10 +20,15 @@ namespace kvtier {
 inline std::string FormatDuration(double s) {
   char buf[48];
   if (!(s >= 0)) s = 0;
-  if (s < 10) std::snprintf(buf, sizeof(buf), "%.1f s", s);
-  else if (s < 120) std::snprintf(buf, sizeof(buf), "%.0f s", s);
-  else if (s < 7200) std::snprintf(buf, sizeof(buf), "%d min %02d s", static_cast<int>(s) / 60, static_cast<int>(s) % 60);
-  else std::snprintf(buf, sizeof(buf), "%d h %02d min", static_cast<int>(s) / 3600, static_cast<int>(s) / 60 % 60);
+  if (s < 10)
+    std::snprintf(buf, sizeof(buf), "%.1f s", s);
+  else if (s < 120)
+    std::snprintf(buf, sizeof(buf), "%.0f s", s);
+  else if (s < 7200)
+    std::snprintf(buf, sizeof(buf), "%d min %02d s", static_cast<int>(s) / 60, static_cast<int>(s) % 60);
+  else
+    std::snprintf(buf, sizeof(buf), "%d h %02d min", static_cast<int>(s) / 3600,
+                  static_cast<int>(s) / 60 % 60);
   return buf;
 }
 
@@ -32,8 +37,12 @@ class Progress {
   /// on: false under --quiet. what: the phase ("prefill"); total: its units of work; unit:
   /// their name in the rate ("tokens" -> "5200 tokens/s").
   Progress(bool on, std::string what, int64_t total, std::string unit)
-      : on_(on), tty_(on && isatty(2) == 1), what_(std::move(what)), unit_(std::move(unit)),
-        total_(std::max<int64_t>(1, total)), t0_(NowSeconds()) {}
+      : on_(on),
+        tty_(on && isatty(2) == 1),
+        what_(std::move(what)),
+        unit_(std::move(unit)),
+        total_(std::max<int64_t>(1, total)),
+        t0_(NowSeconds()) {}
   ~Progress() = default;
   Progress(const Progress&) = delete;
   Progress& operator=(const Progress&) = delete;
@@ -51,8 +60,8 @@ class Progress {
     std::string eta = "ETA ?";
     if (rate > 0) eta = "ETA " + FormatDuration(static_cast<double>(total_ - done) / rate);
     std::fprintf(stderr, "\r[kvtier] %s %3d%% (%lld/%lld %s, %s, %s)\033[K", what_.c_str(),
-                 static_cast<int>(100 * done / total_), static_cast<long long>(done), static_cast<long long>(total_),
-                 unit_.c_str(), Rate(rate).c_str(), eta.c_str());
+                 static_cast<int>(100 * done / total_), static_cast<long long>(done),
+                 static_cast<long long>(total_), unit_.c_str(), Rate(rate).c_str(), eta.c_str());
     std::fflush(stderr);
   }
 
@@ -64,7 +73,8 @@ class Progress {
     const double t = NowSeconds() - t0_;
     std::fprintf(stderr, "%s[kvtier] %s: %lld %s in %s (%s)%s%s\n", tty_ ? "\r" : "", what_.c_str(),
                  static_cast<long long>(done_), unit_.c_str(), FormatDuration(t).c_str(),
-                 Rate(t > 0 ? static_cast<double>(done_) / t : 0).c_str(), extra.c_str(), tty_ ? "\033[K" : "");
+                 Rate(t > 0 ? static_cast<double>(done_) / t : 0).c_str(), extra.c_str(),
+                 tty_ ? "\033[K" : "");
     std::fflush(stderr);
   }
 

@@ -1,12 +1,12 @@
 #include "integration/run_job.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
 #include <sstream>
-
-#include <unistd.h>
 
 #include "engine/compress.h"
 #include "integration/json.h"
@@ -16,11 +16,11 @@
 #include "integration/sysinfo.h"
 #include "integration/tier_report.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/dtype.h"
 #include "kvtier/session.h"
+#include "offload/policy/scoring_policy.h"
 #include "offload/tiered_store.h"
 #include "retrieval/retriever.h"
-#include "kernels/dtype.h"
-#include "offload/policy/scoring_policy.h"
 
 namespace kvtier {
 namespace {
@@ -54,8 +54,8 @@ struct StepRecord {
   int64_t first_position = 0;
   int m = 0;
   std::vector<std::vector<float>> q_layer_cache;  // [layer][m, q_heads, D] (decode steps of methods[0])
-  std::vector<std::vector<float>> out;     // [layer][m, q_heads, D] sparse output
-  std::vector<Attended> attended;          // [layer]
+  std::vector<std::vector<float>> out;            // [layer][m, q_heads, D] sparse output
+  std::vector<Attended> attended;                 // [layer]
   double ms = 0, probe_ms = 0, retrieve_ms = 0, alloc_ms = 0, fetch_ms = 0, attention_ms = 0, append_ms = 0;
   double chunks = 0;
   uint64_t bytes_moved = 0;
@@ -64,17 +64,24 @@ struct StepRecord {
 kernels::AttentionParams MakeParams(const Geometry& g, const float* q, const int64_t* pos, int m,
                                     const std::vector<kernels::KvSpan>& parts, float* out) {
   kernels::AttentionParams p;
-  p.q_heads = g.q_heads; p.kv_heads = g.kv_heads; p.head_dim = g.head_dim; p.dtype = g.dtype;
+  p.q_heads = g.q_heads;
+  p.kv_heads = g.kv_heads;
+  p.head_dim = g.head_dim;
+  p.dtype = g.dtype;
   p.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
-  p.n_queries = m; p.q = q; p.q_positions = pos;
-  p.parts = parts.data(); p.n_parts = static_cast<int>(parts.size());
+  p.n_queries = m;
+  p.q = q;
+  p.q_positions = pos;
+  p.parts = parts.data();
+  p.n_parts = static_cast<int>(parts.size());
   p.out = out;
   return p;
 }
 
 Status RunKernel(const kernels::AttentionParams& p) {
   const kernels::KernelError e = kernels::Attention(p);
-  if (e != kernels::KernelError::kOk) return Internal(std::string("attention kernel: ") + kernels::KernelErrorString(e));
+  if (e != kernels::KernelError::kOk)
+    return Internal(std::string("attention kernel: ") + kernels::KernelErrorString(e));
   return Status::Ok();
 }
 
@@ -86,10 +93,12 @@ Status RunOptions::Validate() const {
   KVTIER_RETURN_IF_ERROR(trace ? trace->Validate() : workload.Validate());
   if (budget < 0) return InvalidArgument("budget must be >= 0 (got " + std::to_string(budget) + ")");
   if (window <= 0) return InvalidArgument("window must be > 0 (got " + std::to_string(window) + ")");
-  if (stat_stride <= 0) return InvalidArgument("stat_stride must be > 0 (got " + std::to_string(stat_stride) + ")");
+  if (stat_stride <= 0)
+    return InvalidArgument("stat_stride must be > 0 (got " + std::to_string(stat_stride) + ")");
   if (workload.context <= store.n_sink + store.n_local)
-    return InvalidArgument("context (" + std::to_string(workload.context) + ") must exceed n_sink + n_local (" +
-                           std::to_string(store.n_sink + store.n_local) + ") for anything to be retrieved");
+    return InvalidArgument("context (" + std::to_string(workload.context) +
+                           ") must exceed n_sink + n_local (" + std::to_string(store.n_sink + store.n_local) +
+                           ") for anything to be retrieved");
   {
     RetrieverOptions r = retrieval;
     r.budget_tokens = budget;
@@ -100,15 +109,17 @@ Status RunOptions::Validate() const {
     auto p = MakeScoringPolicy(compress);
     if (!p.ok()) return InvalidArgument("compress: " + p.status().message());
     if (kv_budget < store.n_sink + store.n_local)
-      return InvalidArgument("kv_budget (" + std::to_string(kv_budget) + ") must cover the sinks and local window (" +
+      return InvalidArgument("kv_budget (" + std::to_string(kv_budget) +
+                             ") must cover the sinks and local window (" +
                              std::to_string(store.n_sink + store.n_local) + " tokens)");
   }
   if (observe < 1 || observe > workload.context)
     return InvalidArgument("observe must be in [1, context] (got " + std::to_string(observe) + ")");
   const uint64_t budget_chunks = static_cast<uint64_t>(budget / store.chunk_size);
   if (budget_chunks * store.chunk_bytes() > store.hot_bytes)
-    return InvalidArgument("budget (" + std::to_string(budget) + " tokens = " + std::to_string(budget_chunks) +
-                           " chunks) does not fit the hot slot pool (hot_bytes " + std::to_string(store.hot_bytes) + ")");
+    return InvalidArgument(
+        "budget (" + std::to_string(budget) + " tokens = " + std::to_string(budget_chunks) +
+        " chunks) does not fit the hot slot pool (hot_bytes " + std::to_string(store.hot_bytes) + ")");
   return Status::Ok();
 }
 
@@ -119,7 +130,7 @@ namespace {
 struct Method {
   std::string name;
   std::unique_ptr<Session> session;  // its own retrieval state over the shared sequence
-  std::vector<StepRecord> steps;  // [0] question window, then decode steps
+  std::vector<StepRecord> steps;     // [0] question window, then decode steps
   uint64_t bytes_moved = 0;
   double chunks = 0;
 };
@@ -142,7 +153,8 @@ double Spearman(const std::vector<double>& a, const std::vector<double>& b) {
   const std::vector<double> ra = ranks(a), rb = ranks(b);
   const double n = static_cast<double>(a.size());
   if (n < 2) return 0.0;
-  const double ma = std::accumulate(ra.begin(), ra.end(), 0.0) / n, mb = std::accumulate(rb.begin(), rb.end(), 0.0) / n;
+  const double ma = std::accumulate(ra.begin(), ra.end(), 0.0) / n,
+               mb = std::accumulate(rb.begin(), rb.end(), 0.0) / n;
   double sab = 0, saa = 0, sbb = 0;
   for (size_t i = 0; i < ra.size(); ++i) {
     sab += (ra[i] - ma) * (rb[i] - mb);
@@ -168,8 +180,8 @@ SpearmanSummary Summarize(std::vector<double> v) {
 // of every chunk that existed then, per layer.
 struct SampledWindow {
   int64_t begin = 0, end = 0;
-  std::vector<std::vector<uint64_t>> ids;                       // [layer]
-  std::vector<std::vector<float>> act_scores, mean_scores;      // [layer]
+  std::vector<std::vector<uint64_t>> ids;                   // [layer]
+  std::vector<std::vector<float>> act_scores, mean_scores;  // [layer]
 };
 
 }  // namespace
@@ -238,7 +250,8 @@ Result<RunReport> RunJob(const RunOptions& options) {
     KVTIER_ASSIGN_OR_RETURN(RetrieverOptions streaming, paper("infllm", "mean", "topk", 0));
     KVTIER_ASSIGN_OR_RETURN(RetrieverOptions infllm, paper("infllm", "mean", "topk", opt.budget));
     KVTIER_ASSIGN_OR_RETURN(RetrieverOptions act_topk, paper("actqkv", "act", "topk", opt.budget));
-    KVTIER_ASSIGN_OR_RETURN(RetrieverOptions actqkv, paper("actqkv", "act", "entropy:rank=cosine", opt.budget));
+    KVTIER_ASSIGN_OR_RETURN(RetrieverOptions actqkv,
+                            paper("actqkv", "act", "entropy:rank=cosine", opt.budget));
     KVTIER_RETURN_IF_ERROR(add_method("StreamingLLM", streaming));
     KVTIER_RETURN_IF_ERROR(add_method("InfLLM", infllm));
     KVTIER_RETURN_IF_ERROR(add_method("ActQKV w/o cut-off", act_topk));
@@ -272,8 +285,11 @@ Result<RunReport> RunJob(const RunOptions& options) {
   std::vector<uint8_t> kb, vb;
   auto generate = [&](int layer, int64_t b, int64_t e) {
     const size_t n = static_cast<size_t>(e - b);
-    qf.resize(n * q_elems); kf.resize(n * kv_elems); vf.resize(n * kv_elems);
-    kb.resize(n * kv_elems * elem); vb.resize(n * kv_elems * elem);
+    qf.resize(n * q_elems);
+    kf.resize(n * kv_elems);
+    vf.resize(n * kv_elems);
+    kb.resize(n * kv_elems * elem);
+    vb.resize(n * kv_elems * elem);
     work.Generate(layer, b, e, qf.data(), kf.data(), vf.data());
     FromFloat(g.dtype, kf.data(), kb.data(), n * kv_elems);
     FromFloat(g.dtype, vf.data(), vb.data(), n * kv_elems);
@@ -285,7 +301,8 @@ Result<RunReport> RunJob(const RunOptions& options) {
   // Every stat_stride-th query of the window [b, e) held in qf, from the last
   // one back, skipping positions below min_pos: the observed queries (sq, spos).
   auto gather_strided = [&](int64_t b, int64_t e, int64_t min_pos) {
-    sq.clear(); spos.clear();
+    sq.clear();
+    spos.clear();
     for (int64_t p = e - 1; p >= b && p >= min_pos; p -= opt.stat_stride) {
       spos.push_back(p);
       sq.insert(sq.end(), qf.begin() + (p - b) * q_elems, qf.begin() + (p - b + 1) * q_elems);
@@ -305,23 +322,28 @@ Result<RunReport> RunJob(const RunOptions& options) {
     for (int l = 0; l < L; ++l) {
       generate(l, b, e);
       const double t0 = NowSeconds();
-      KVTIER_RETURN_IF_ERROR(methods[0].session->Append(l, kb.data(), vb.data(), static_cast<int>(e - b), g.dtype));
+      KVTIER_RETURN_IF_ERROR(
+          methods[0].session->Append(l, kb.data(), vb.data(), static_cast<int>(e - b), g.dtype));
       gather_strided(b, e, n_sink);
       if (!spos.empty())
-        KVTIER_RETURN_IF_ERROR(store->ObserveQueries(seq, l, sq.data(), spos.data(), static_cast<int>(spos.size())));
+        KVTIER_RETURN_IF_ERROR(
+            store->ObserveQueries(seq, l, sq.data(), spos.data(), static_cast<int>(spos.size())));
       // Every window feeds the probes' running statistics (ActQKV Eq. 8 runs over all windows so far).
       const int m = static_cast<int>(e - b);
       window_pos.resize(static_cast<size_t>(m));
       std::iota(window_pos.begin(), window_pos.end(), b);
-      for (Method& mt : methods) KVTIER_RETURN_IF_ERROR(mt.session->Observe(l, qf.data(), window_pos.data(), m));
+      for (Method& mt : methods)
+        KVTIER_RETURN_IF_ERROR(mt.session->Observe(l, qf.data(), window_pos.data(), m));
       prefill_s += NowSeconds() - t0;
       if (act_probe) {
         if (sample) {
           std::vector<uint64_t> ids2;
           KVTIER_RETURN_IF_ERROR(act_probe->ObserveAndScore(seq, l, qf.data(), m, &sampled.back().ids[l],
                                                             &sampled.back().act_scores[l]));
-          KVTIER_RETURN_IF_ERROR(mean_probe->ObserveAndScore(seq, l, qf.data(), m, &ids2, &sampled.back().mean_scores[l]));
-          if (ids2 != sampled.back().ids[l]) return Internal("act and mean probes scored different chunk sets");
+          KVTIER_RETURN_IF_ERROR(
+              mean_probe->ObserveAndScore(seq, l, qf.data(), m, &ids2, &sampled.back().mean_scores[l]));
+          if (ids2 != sampled.back().ids[l])
+            return Internal("act and mean probes scored different chunk sets");
         } else {
           KVTIER_RETURN_IF_ERROR(act_probe->Observe(l, qf.data(), m));
         }
@@ -347,8 +369,10 @@ Result<RunReport> RunJob(const RunOptions& options) {
   // Chunk scores are the block aggregation of its token scores (StructKV's S_block);
   // in compression mode the chunks holding the most keep-set tokens stay (ties by
   // score), up to kv_budget tokens, and the rest leave the store and every index.
-  const std::string demotion_spec = opt.store.warm_policy != "lru" ? opt.store.warm_policy : opt.store.hot_policy;
-  const std::string policy_spec = !opt.compress.empty() ? opt.compress : (demotion_spec != "lru" ? demotion_spec : "");
+  const std::string demotion_spec =
+      opt.store.warm_policy != "lru" ? opt.store.warm_policy : opt.store.hot_policy;
+  const std::string policy_spec =
+      !opt.compress.empty() ? opt.compress : (demotion_spec != "lru" ? demotion_spec : "");
   std::unique_ptr<ScoringPolicy> policy;
   // Observes one layer: the queries at positions [q_first, q_last] attend exactly over every
   // key the store still holds for the layer (sinks, live chunks, local window).
@@ -363,15 +387,21 @@ Result<RunReport> RunJob(const RunOptions& options) {
     std::iota(qpos.begin(), qpos.end(), q_first);
     std::vector<float> q(static_cast<size_t>(m) * q_elems), attn(static_cast<size_t>(Hq) * m * n);
     work.Generate(l, q_first, q_last + 1, q.data(), nullptr, nullptr);
-    rep.policy.scratch_bytes = std::max<uint64_t>(rep.policy.scratch_bytes, (2 * K.size() + attn.size()) * sizeof(float) +
-                                                                               2 * lk.raw_bytes);
+    rep.policy.scratch_bytes = std::max<uint64_t>(
+        rep.policy.scratch_bytes, (2 * K.size() + attn.size()) * sizeof(float) + 2 * lk.raw_bytes);
     double t0 = NowSeconds();
-    ExactAttentionRows(g, q.data(), qpos.data(), m, K.data(), keypos.data(), static_cast<int64_t>(n), attn.data());
+    ExactAttentionRows(g, q.data(), qpos.data(), m, K.data(), keypos.data(), static_cast<int64_t>(n),
+                       attn.data());
     rep.policy.attention_ms += 1e3 * (NowSeconds() - t0);
     AttentionObservation obs;
-    obs.layer = l; obs.n_queries = m; obs.n_keys = static_cast<int64_t>(n);
-    obs.key_positions = keypos.data(); obs.query_positions = qpos.data();
-    obs.attention = attn.data(); obs.keys = K.data(); obs.values = V.data();
+    obs.layer = l;
+    obs.n_queries = m;
+    obs.n_keys = static_cast<int64_t>(n);
+    obs.key_positions = keypos.data();
+    obs.query_positions = qpos.data();
+    obs.attention = attn.data();
+    obs.keys = K.data();
+    obs.values = V.data();
     t0 = NowSeconds();
     KVTIER_RETURN_IF_ERROR(policy->Observe(obs));
     rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
@@ -415,8 +445,12 @@ Result<RunReport> RunJob(const RunOptions& options) {
     // back from whichever tier holds it); the policy observes that, layer by layer.
     KVTIER_ASSIGN_OR_RETURN(policy, MakeScoringPolicy(policy_spec));
     PolicyGeometry pg;
-    pg.layers = L; pg.q_heads = Hq; pg.kv_heads = g.kv_heads; pg.head_dim = D;
-    pg.sink_tokens = n_sink; pg.local_tokens = opt.store.n_local;
+    pg.layers = L;
+    pg.q_heads = Hq;
+    pg.kv_heads = g.kv_heads;
+    pg.head_dim = D;
+    pg.sink_tokens = n_sink;
+    pg.local_tokens = opt.store.n_local;
     KVTIER_RETURN_IF_ERROR(policy->Begin(pg));
     rep.policy.spec = policy->ToString();
     for (int l = 0; l < L; ++l) KVTIER_RETURN_IF_ERROR(observe_layer(l, context - opt.observe, context - 1));
@@ -471,12 +505,14 @@ Result<RunReport> RunJob(const RunOptions& options) {
     work.Generate(l, qbegin, context, question_q[l].data(), nullptr, nullptr);
     for (Method& mt : methods) {
       Status st = mt.session->SetQuestion(l, question_q[l].data(), opt.workload.question_len);
-      if (!st.ok() && st.code() != StatusCode::kFailedPrecondition) return st;  // probes without a question term
+      if (!st.ok() && st.code() != StatusCode::kFailedPrecondition)
+        return st;  // probes without a question term
     }
   }
   // The question window was appended with the context; its queries attend now.
   for (Method& mt : methods) {
-    KVTIER_ASSIGN_OR_RETURN(StepRecord question, sparse_step(mt, qbegin, opt.workload.question_len, false, question_q));
+    KVTIER_ASSIGN_OR_RETURN(StepRecord question,
+                            sparse_step(mt, qbegin, opt.workload.question_len, false, question_q));
     mt.steps.push_back(std::move(question));
   }
   Progress dprog(opt.progress, "decode", opt.workload.decode_steps, "steps");
@@ -498,7 +534,8 @@ Result<RunReport> RunJob(const RunOptions& options) {
     }
     // Policies that compress while decoding (G-KV's s): every s generated tokens the last
     // min(observe, s) of them are observed over what the store holds, and it compresses again.
-    if (policy && !opt.compress.empty() && policy->compress_every() > 0 && (s + 1) % policy->compress_every() == 0) {
+    if (policy && !opt.compress.empty() && policy->compress_every() > 0 &&
+        (s + 1) % policy->compress_every() == 0) {
       const int64_t w = std::min<int64_t>(opt.observe, policy->compress_every());
       for (int l = 0; l < L; ++l) KVTIER_RETURN_IF_ERROR(observe_layer(l, p - w + 1, p));
       for (int l = 0; l < L; ++l) KVTIER_RETURN_IF_ERROR(apply_layer(l));
@@ -516,8 +553,9 @@ Result<RunReport> RunJob(const RunOptions& options) {
   if (act_probe) retriever_bytes += act_probe->memory_bytes() + mean_probe->memory_bytes();
   rep.index_bytes = store->metadata_bytes() + retriever_bytes;
   rep.rss_bound_bytes = opt.store.warm_bytes + opt.store.hot_bytes +
-                        (rep.counters.hot_bytes - rep.counters.hot_chunks * opt.store.chunk_bytes()) + rep.index_bytes +
-                        rep.policy.scratch_bytes + work.memory_bytes() + kRunRssOverheadBytes;
+                        (rep.counters.hot_bytes - rep.counters.hot_chunks * opt.store.chunk_bytes()) +
+                        rep.index_bytes + rep.policy.scratch_bytes + work.memory_bytes() +
+                        kRunRssOverheadBytes;
 
   // ---- chunk choice: the buckets of every method's chunk_counts, and the sought needles ----
   ChunkChoice& cc = rep.chunk_choice;
@@ -567,14 +605,23 @@ Result<RunReport> RunJob(const RunOptions& options) {
       r.ms = r.append_ms + r.probe_ms + r.retrieve_ms + r.alloc_ms + r.fetch_ms + r.attention_ms;
       for (int l = 0; l < L; ++l) {
         const bool hit = needle_hit(r, l);
-        if (i == 0) qhits += hit; else { hits += hit; total++; }
+        if (i == 0)
+          qhits += hit;
+        else {
+          hits += hit;
+          total++;
+        }
       }
       if (i == 0) continue;
       for (int l = 0; l < L; ++l)
         for (uint64_t c : r.attended[l].chunks) chunk_steps[l][c]++;
       mr.step_ms_all.push_back(r.ms);
-      probe.push_back(r.probe_ms); search.push_back(r.retrieve_ms); alloc.push_back(r.alloc_ms);
-      fetch.push_back(r.fetch_ms); attn.push_back(r.attention_ms); app.push_back(r.append_ms);
+      probe.push_back(r.probe_ms);
+      search.push_back(r.retrieve_ms);
+      alloc.push_back(r.alloc_ms);
+      fetch.push_back(r.fetch_ms);
+      attn.push_back(r.attention_ms);
+      app.push_back(r.append_ms);
       share.push_back(r.ms > 0 ? (r.probe_ms + r.retrieve_ms + r.alloc_ms) / r.ms : 0.0);
       chunks += r.chunks;
       mr.bytes_moved += r.bytes_moved;
@@ -586,8 +633,12 @@ Result<RunReport> RunJob(const RunOptions& options) {
         mr.chunk_max_steps[l][b] = std::max<uint64_t>(mr.chunk_max_steps[l][b], chunk_steps[l][c]);
       }
     mr.step_ms = Median(mr.step_ms_all);
-    mr.probe_ms = Median(probe); mr.search_ms = Median(search); mr.alloc_ms = Median(alloc);
-    mr.fetch_ms = Median(fetch); mr.attention_ms = Median(attn); mr.append_ms = Median(app);
+    mr.probe_ms = Median(probe);
+    mr.search_ms = Median(search);
+    mr.alloc_ms = Median(alloc);
+    mr.fetch_ms = Median(fetch);
+    mr.attention_ms = Median(attn);
+    mr.append_ms = Median(app);
     mr.retrieval_share = Median(share);
     mr.chunks_per_step = mt.steps.size() > 1 ? chunks / static_cast<double>(mt.steps.size() - 1) : 0.0;
     mr.needle_hit_rate = total ? static_cast<double>(hits) / total : 0.0;
@@ -611,7 +662,8 @@ Result<RunReport> RunJob(const RunOptions& options) {
     for (int l = 0; l < L; ++l) {
       for (int64_t b = 0; b < total; b += 4096) {
         const int64_t e = std::min(total, b + 4096);
-        kf.resize((e - b) * kv_elems); vf.resize((e - b) * kv_elems);
+        kf.resize((e - b) * kv_elems);
+        vf.resize((e - b) * kv_elems);
         work.Generate(l, b, e, nullptr, kf.data(), vf.data());
         FromFloat(g.dtype, kf.data(), all_k.data() + b * kv_elems * elem, kf.size());
         FromFloat(g.dtype, vf.data(), all_v.data() + b * kv_elems * elem, vf.size());
@@ -622,8 +674,8 @@ Result<RunReport> RunJob(const RunOptions& options) {
         const std::vector<float>& q = i == 0 ? question_q[l] : methods[0].steps[i].q_layer_cache[l];
         const int64_t visible = first + m;  // causal: keys up to the last query
         std::fill(mass.begin(), mass.end(), 0.0f);
-        std::vector<kernels::KvSpan> parts{kernels::KvSpan{all_k.data(), all_v.data(), static_cast<int>(visible), 0,
-                                                           mass.data()}};
+        std::vector<kernels::KvSpan> parts{
+            kernels::KvSpan{all_k.data(), all_v.data(), static_cast<int>(visible), 0, mass.data()}};
         std::vector<int64_t> pos(m);
         std::iota(pos.begin(), pos.end(), first);
         out.assign(static_cast<size_t>(m) * q_elems, 0.0f);
@@ -663,11 +715,11 @@ Result<RunReport> RunJob(const RunOptions& options) {
         gather_strided(w.begin, w.end, 0);
         const int64_t visible = w.end;
         std::fill(mass.begin(), mass.begin() + static_cast<size_t>(g.kv_heads) * visible, 0.0f);
-        std::vector<kernels::KvSpan> parts{kernels::KvSpan{all_k.data(), all_v.data(), static_cast<int>(visible), 0,
-                                                           mass.data()}};
+        std::vector<kernels::KvSpan> parts{
+            kernels::KvSpan{all_k.data(), all_v.data(), static_cast<int>(visible), 0, mass.data()}};
         out.assign(spos.size() * q_elems, 0.0f);
-        KVTIER_RETURN_IF_ERROR(RunKernel(MakeParams(g, sq.data(), spos.data(), static_cast<int>(spos.size()), parts,
-                                                    out.data())));
+        KVTIER_RETURN_IF_ERROR(RunKernel(
+            MakeParams(g, sq.data(), spos.data(), static_cast<int>(spos.size()), parts, out.data())));
         std::vector<double> oracle(ids.size(), 0.0), act(ids.size()), mean(ids.size());
         for (size_t c = 0; c < ids.size(); ++c) {
           const int64_t t0 = ChunkFirstToken(ids[c], n_sink, cs);
@@ -832,21 +884,35 @@ std::string RunReport::ToJson() const {
   w.Key("speedup_vs_full");
   speedup(step_ms);
   w.Key("split_ms").BeginObject();
-  w.Key("append").Double(append_ms).Key("retrieve").Double(retrieve_ms).Key("fetch").Double(fetch_ms)
-      .Key("attention").Double(attention_ms);
+  w.Key("append")
+      .Double(append_ms)
+      .Key("retrieve")
+      .Double(retrieve_ms)
+      .Key("fetch")
+      .Double(fetch_ms)
+      .Key("attention")
+      .Double(attention_ms);
   if (!methods.empty()) {
-    w.Key("probe").Double(methods[headline].probe_ms).Key("search").Double(methods[headline].search_ms)
-        .Key("alloc").Double(methods[headline].alloc_ms);
+    w.Key("probe")
+        .Double(methods[headline].probe_ms)
+        .Key("search")
+        .Double(methods[headline].search_ms)
+        .Key("alloc")
+        .Double(methods[headline].alloc_ms);
   }
   w.EndObject();
   w.Key("retrieval_share");
-  if (methods.empty()) w.Null();
-  else w.Double(methods[headline].retrieval_share);
+  if (methods.empty())
+    w.Null();
+  else
+    w.Double(methods[headline].retrieval_share);
   w.Key("prefill_s").Double(prefill_s);
   w.Key("prefill_drain_s").Double(prefill_drain_s);
   w.Key("prefill_tokens_per_s");
-  if (prefill_s > 0) w.Double(o.workload.context / prefill_s);
-  else w.Null();
+  if (prefill_s > 0)
+    w.Double(o.workload.context / prefill_s);
+  else
+    w.Null();
   w.Key("step_ms_all").BeginArray();
   for (double v : step_ms_all) w.Double(v);
   w.EndArray();
@@ -857,8 +923,10 @@ std::string RunReport::ToJson() const {
   w.Key("policy").BeginObject();
   // No scoring policy ran (lru, no --compress): its times are not measured; the chunks it
   // dropped and the tokens it kept only mean something after a compression.
-  if (policy.spec.empty()) w.Key("spec").Null();
-  else w.Key("spec").String(policy.spec);
+  if (policy.spec.empty())
+    w.Key("spec").Null();
+  else
+    w.Key("spec").String(policy.spec);
   w.Key("compressed").Bool(policy.compressed);
   if (policy.spec.empty()) {
     w.Key("scoring_ms").Null().Key("attention_ms").Null();
@@ -880,10 +948,20 @@ std::string RunReport::ToJson() const {
   w.Key("index_bytes").Uint(index_bytes);
   w.Key("context_kv_bytes").Uint(context_kv_bytes);
   w.Key("tier_bytes").BeginObject();
-  w.Key("hot").Uint(counters.hot_bytes).Key("warm").Uint(counters.warm_bytes).Key("cold").Uint(counters.cold_bytes);
+  w.Key("hot")
+      .Uint(counters.hot_bytes)
+      .Key("warm")
+      .Uint(counters.warm_bytes)
+      .Key("cold")
+      .Uint(counters.cold_bytes);
   w.EndObject();
   w.Key("tier_chunks").BeginObject();
-  w.Key("hot").Uint(counters.hot_chunks).Key("warm").Uint(counters.warm_chunks).Key("cold").Uint(counters.cold_chunks);
+  w.Key("hot")
+      .Uint(counters.hot_chunks)
+      .Key("warm")
+      .Uint(counters.warm_chunks)
+      .Key("cold")
+      .Uint(counters.cold_chunks);
   w.EndObject();
   w.EndObject();
   w.Key("io").BeginObject();
@@ -898,7 +976,12 @@ std::string RunReport::ToJson() const {
   w.Key("config").BeginObject();
   w.Key("context").Int(o.workload.context);
   w.Key("geometry").String(o.store.geometry.ToString());
-  w.Key("chunk_size").Int(o.store.chunk_size).Key("n_sink").Int(o.store.n_sink).Key("n_local").Int(o.store.n_local);
+  w.Key("chunk_size")
+      .Int(o.store.chunk_size)
+      .Key("n_sink")
+      .Int(o.store.n_sink)
+      .Key("n_local")
+      .Int(o.store.n_local);
   w.Key("repr_topk").Int(o.store.repr_topk);
   w.Key("budget").Int(o.budget).Key("window").Int(o.window).Key("stat_stride").Int(o.stat_stride);
   w.Key("hot_bytes").Uint(o.store.hot_bytes).Key("warm_bytes").Uint(o.store.warm_bytes);
@@ -911,7 +994,10 @@ std::string RunReport::ToJson() const {
   w.Key("decode_steps").Int(o.workload.decode_steps).Key("question_len").Int(o.workload.question_len);
   w.Key("needle_count").Int(o.workload.needle_count).Key("needle_len").Int(o.workload.needle_len);
   w.Key("needle_depth").Double(o.workload.needle_depth);
-  w.Key("question_anchor_every").Int(o.workload.question_anchor_every).Key("needle_echo").Int(o.workload.needle_echo);
+  w.Key("question_anchor_every")
+      .Int(o.workload.question_anchor_every)
+      .Key("needle_echo")
+      .Int(o.workload.needle_echo);
   w.Key("anchor_strength").Double(o.workload.anchor_strength).Key("noise").Double(o.workload.noise);
   w.Key("seed").Uint(o.workload.seed);
   // The data: "synthetic" (the knobs above) or a recorded trace (its provenance; the
@@ -931,8 +1017,8 @@ std::string RunReport::ToJson() const {
 std::string RunReport::CompareTable() const {
   std::string t;
   char line[512];
-  std::snprintf(line, sizeof(line), "%-20s %8s %8s %9s %10s %9s %10s %11s | %8s %8s\n", "method", "needle", "recall",
-                "out.err", "step ms", "vs full", "chunks", "MiB moved", "q.needle", "q.recall");
+  std::snprintf(line, sizeof(line), "%-20s %8s %8s %9s %10s %9s %10s %11s | %8s %8s\n", "method", "needle",
+                "recall", "out.err", "step ms", "vs full", "chunks", "MiB moved", "q.needle", "q.recall");
   t += line;
   if (!options.baseline) {
     // Recall, output error and the speed-up need full attention: "-" (not measured), never 0.
@@ -945,8 +1031,8 @@ std::string RunReport::CompareTable() const {
     t += "recall, out.err, vs full, q.recall: not measured (--no-baseline: full attention did not run)\n";
     return t;
   }
-  std::snprintf(line, sizeof(line), "%-20s %8.3f %8.3f %9.4f %10.2f %8.1fx %10s %11s | %8.3f %8.3f\n", "full attention",
-                1.0, 1.0, 0.0, full_attention_step_ms, 1.0, "all", "-", 1.0, 1.0);
+  std::snprintf(line, sizeof(line), "%-20s %8.3f %8.3f %9.4f %10.2f %8.1fx %10s %11s | %8.3f %8.3f\n",
+                "full attention", 1.0, 1.0, 0.0, full_attention_step_ms, 1.0, "all", "-", 1.0, 1.0);
   t += line;
   for (const MethodReport& m : methods) {
     char vs[32] = "-";
@@ -972,10 +1058,10 @@ std::string RunReport::ToTable() const {
     return std::string(s);
   };
   const std::string not_measured = "not measured (--no-baseline)";
-  const std::string recall_line = base ? fixed(attention_recall, 3) + "        " + fixed(question_attention_recall, 3)
-                                       : not_measured;
-  const std::string error_line = base ? fixed(output_rel_error, 4) + "        " + fixed(question_output_rel_error, 4)
-                                      : not_measured;
+  const std::string recall_line =
+      base ? fixed(attention_recall, 3) + "        " + fixed(question_attention_recall, 3) : not_measured;
+  const std::string error_line =
+      base ? fixed(output_rel_error, 4) + "        " + fixed(question_output_rel_error, 4) : not_measured;
   std::string full_line = not_measured;
   if (base) {
     char s[128];
@@ -987,38 +1073,44 @@ std::string RunReport::ToTable() const {
     full_line = s;
   }
   char prefill_rate[32] = "not measured";
-  if (prefill_s > 0) std::snprintf(prefill_rate, sizeof(prefill_rate), "%.0f", options.workload.context / prefill_s);
-  std::snprintf(buf, sizeof(buf),
-                "kvtier run — context %lld tokens, geometry %s, budget %d tokens/layer, chunk %d, sinks %d, local %d\n"
-                "\n"
-                "quality                      decode steps    question window\n"
-                "  needle hit rate            %8.3f        %8.3f\n"
-                "  attention recall           %s\n"
-                "  output rel. error          %s\n"
-                "\n"
-                "time per decode step (median over %zu steps, all %d layers)\n"
-                "  kvtier                     %8.2f ms  (append %.2f, probe+search+alloc %.2f, fetch %.2f, attention %.2f)\n"
-                "  full attention             %s\n"
-                "  prefill                    %8.2f s   (%s tokens/s, generation excluded; then %.2f s until the cold "
-                "tier acknowledged every chunk)\n"
-                "\n"
-                "memory\n"
-                "  context KV                 %8.1f MiB\n"
-                "  tiers: hot %.1f MiB, warm %.1f MiB, cold %.1f MiB (%llu/%llu/%llu chunks)\n"
-                "  peak RSS                   %8.1f MiB  (bound %.1f MiB: %s)\n"
-                "io: %.1f MiB moved, %llu promotions, %llu demotions, %llu hits, %llu misses, %llu cold reads, %llu cold writes\n",
-                static_cast<long long>(options.workload.context), options.store.geometry.ToString().c_str(),
-                options.budget, options.store.chunk_size, options.store.n_sink, options.store.n_local,
-                needle_hit_rate, question_needle_hit_rate, recall_line.c_str(), error_line.c_str(),
-                step_ms_all.size(), options.store.geometry.layers, step_ms, append_ms, retrieve_ms, fetch_ms,
-                attention_ms, full_line.c_str(), prefill_s, prefill_rate, prefill_drain_s, mib(context_kv_bytes),
-                mib(counters.hot_bytes), mib(counters.warm_bytes), mib(counters.cold_bytes),
-                static_cast<unsigned long long>(counters.hot_chunks), static_cast<unsigned long long>(counters.warm_chunks),
-                static_cast<unsigned long long>(counters.cold_chunks), mib(peak_rss_bytes), mib(rss_bound_bytes),
-                peak_rss_bytes <= rss_bound_bytes ? "within" : "EXCEEDED", mib(counters.bytes_moved),
-                static_cast<unsigned long long>(counters.promotions), static_cast<unsigned long long>(counters.demotions),
-                static_cast<unsigned long long>(counters.hits), static_cast<unsigned long long>(counters.misses),
-                static_cast<unsigned long long>(counters.cold_reads), static_cast<unsigned long long>(counters.cold_writes));
+  if (prefill_s > 0)
+    std::snprintf(prefill_rate, sizeof(prefill_rate), "%.0f", options.workload.context / prefill_s);
+  std::snprintf(
+      buf, sizeof(buf),
+      "kvtier run — context %lld tokens, geometry %s, budget %d tokens/layer, chunk %d, sinks %d, local %d\n"
+      "\n"
+      "quality                      decode steps    question window\n"
+      "  needle hit rate            %8.3f        %8.3f\n"
+      "  attention recall           %s\n"
+      "  output rel. error          %s\n"
+      "\n"
+      "time per decode step (median over %zu steps, all %d layers)\n"
+      "  kvtier                     %8.2f ms  (append %.2f, probe+search+alloc %.2f, fetch %.2f, attention "
+      "%.2f)\n"
+      "  full attention             %s\n"
+      "  prefill                    %8.2f s   (%s tokens/s, generation excluded; then %.2f s until the cold "
+      "tier acknowledged every chunk)\n"
+      "\n"
+      "memory\n"
+      "  context KV                 %8.1f MiB\n"
+      "  tiers: hot %.1f MiB, warm %.1f MiB, cold %.1f MiB (%llu/%llu/%llu chunks)\n"
+      "  peak RSS                   %8.1f MiB  (bound %.1f MiB: %s)\n"
+      "io: %.1f MiB moved, %llu promotions, %llu demotions, %llu hits, %llu misses, %llu cold reads, %llu "
+      "cold writes\n",
+      static_cast<long long>(options.workload.context), options.store.geometry.ToString().c_str(),
+      options.budget, options.store.chunk_size, options.store.n_sink, options.store.n_local, needle_hit_rate,
+      question_needle_hit_rate, recall_line.c_str(), error_line.c_str(), step_ms_all.size(),
+      options.store.geometry.layers, step_ms, append_ms, retrieve_ms, fetch_ms, attention_ms,
+      full_line.c_str(), prefill_s, prefill_rate, prefill_drain_s, mib(context_kv_bytes),
+      mib(counters.hot_bytes), mib(counters.warm_bytes), mib(counters.cold_bytes),
+      static_cast<unsigned long long>(counters.hot_chunks),
+      static_cast<unsigned long long>(counters.warm_chunks),
+      static_cast<unsigned long long>(counters.cold_chunks), mib(peak_rss_bytes), mib(rss_bound_bytes),
+      peak_rss_bytes <= rss_bound_bytes ? "within" : "EXCEEDED", mib(counters.bytes_moved),
+      static_cast<unsigned long long>(counters.promotions),
+      static_cast<unsigned long long>(counters.demotions), static_cast<unsigned long long>(counters.hits),
+      static_cast<unsigned long long>(counters.misses), static_cast<unsigned long long>(counters.cold_reads),
+      static_cast<unsigned long long>(counters.cold_writes));
   std::string text = buf;
   text += TierTrafficText(counters, !options.store.remote.empty());
   if (options.trace) {
@@ -1030,19 +1122,25 @@ std::string RunReport::ToTable() const {
       line += " [" + std::to_string(r.begin) + ", " + std::to_string(r.end) + ")";
     text.insert(nl + 1, line + "\n");
   }
-  if (!methods.empty()) text += "retrieval (" + methods[headline].name + "): " + methods[headline].spec + "\n";
+  if (!methods.empty())
+    text += "retrieval (" + methods[headline].name + "): " + methods[headline].spec + "\n";
   if (!policy.spec.empty()) {
     char line[512];
     char ratio[32] = "-";
-    if (policy.attention_ms > 0) std::snprintf(ratio, sizeof(ratio), "%.2fx", policy.scoring_ms / policy.attention_ms);
-    std::snprintf(line, sizeof(line), "scoring policy %s: %.1f ms over %d layers (%s the %.1f ms of the "
-                  "observation windows' exact attention)%s\n", policy.spec.c_str(), policy.scoring_ms,
-                  options.store.geometry.layers, ratio, policy.attention_ms,
+    if (policy.attention_ms > 0)
+      std::snprintf(ratio, sizeof(ratio), "%.2fx", policy.scoring_ms / policy.attention_ms);
+    std::snprintf(line, sizeof(line),
+                  "scoring policy %s: %.1f ms over %d layers (%s the %.1f ms of the "
+                  "observation windows' exact attention)%s\n",
+                  policy.spec.c_str(), policy.scoring_ms, options.store.geometry.layers, ratio,
+                  policy.attention_ms,
                   policy.compressed ? "" : "; scored at prefill end, its chunk scores drive demotion");
     text += line;
     if (policy.compressed) {
-      std::snprintf(line, sizeof(line), "compression: %d time(s); the store holds %llu tokens per layer (budget %lld) of "
-                    "%lld, %llu chunks dropped\n", policy.compressions, static_cast<unsigned long long>(policy.kept_tokens),
+      std::snprintf(line, sizeof(line),
+                    "compression: %d time(s); the store holds %llu tokens per layer (budget %lld) of "
+                    "%lld, %llu chunks dropped\n",
+                    policy.compressions, static_cast<unsigned long long>(policy.kept_tokens),
                     static_cast<long long>(options.kv_budget),
                     static_cast<long long>(options.workload.context + options.workload.decode_steps),
                     static_cast<unsigned long long>(policy.dropped_chunks));
@@ -1051,9 +1149,11 @@ std::string RunReport::ToTable() const {
   }
   if (spearman_act.samples > 0) {
     char line[256];
-    std::snprintf(line, sizeof(line), "probe-to-oracle Spearman rho (median, IQR over %d samples): act %.3f [%.3f, %.3f], mean %.3f [%.3f, %.3f]\n",
-                  spearman_act.samples, spearman_act.median, spearman_act.q1, spearman_act.q3, spearman_mean.median,
-                  spearman_mean.q1, spearman_mean.q3);
+    std::snprintf(line, sizeof(line),
+                  "probe-to-oracle Spearman rho (median, IQR over %d samples): act %.3f [%.3f, %.3f], mean "
+                  "%.3f [%.3f, %.3f]\n",
+                  spearman_act.samples, spearman_act.median, spearman_act.q1, spearman_act.q3,
+                  spearman_mean.median, spearman_mean.q1, spearman_mean.q3);
     text += line;
   }
   if (options.compare)

@@ -13,27 +13,29 @@
 
 #include "integration/kv_trace.h"
 #include "integration/workload.h"
-#include "offload/tiered_store.h"
 #include "kvtier/session.h"
+#include "offload/tiered_store.h"
 #include "retrieval/retriever.h"
 
 namespace kvtier {
 
 struct RunOptions {
-  StoreOptions store;          ///< store layout and capacities (data_dir holds the cold tier)
-  WorkloadOptions workload;    ///< the synthetic data
+  StoreOptions store;        ///< store layout and capacities (data_dir holds the cold tier)
+  WorkloadOptions workload;  ///< the synthetic data
   /// Replay this recorded trace (integration/kv_trace.h) instead of the synthetic workload:
   /// RunJob takes the geometry's shape (keeping store.geometry.dtype) and workload.context,
   /// question_len and decode_steps from it (AdoptTrace); the other workload knobs do not apply.
   std::shared_ptr<const KvTrace> trace;
-  RetrieverOptions retrieval = RecommendedRetrieval();  ///< the "kvtier" preset; budget_tokens is set from `budget`
+  RetrieverOptions retrieval =
+      RecommendedRetrieval();  ///< the "kvtier" preset; budget_tokens is set from `budget`
   int budget = 2048;           ///< retrieved tokens per step and layer (budget / chunk_size chunks)
   bool compare = false;        ///< run StreamingLLM, InfLLM, ActQKV w/o cut-off and ActQKV on the same data
   int spearman_windows = 8;    ///< prefill windows sampled for probe-to-oracle agreement (0 = skip)
   int window = 256;            ///< prefill window: tokens appended per layer at a time
-  int stat_stride = 8;         ///< every stat_stride-th query of a prefill window feeds representative-key statistics
-  bool baseline = true;        ///< also run full attention on the same data (quality + speed comparison)
-  bool progress = true;        ///< progress lines on stderr
+  int stat_stride =
+      8;  ///< every stat_stride-th query of a prefill window feeds representative-key statistics
+  bool baseline = true;  ///< also run full attention on the same data (quality + speed comparison)
+  bool progress = true;  ///< progress lines on stderr
   /// Drop the sequence from every tier (cold and remote included) when the job ends, an error
   /// included, so a run leaves no data behind (`kvtier run` without --keep). Default: kept.
   bool drop_at_end = false;
@@ -42,34 +44,34 @@ struct RunOptions {
   /// keep set's tokens up to `kv_budget` tokens per layer (sinks and local window
   /// included). Empty = off.
   std::string compress;
-  int64_t kv_budget = 16384;   ///< tokens kept per layer in compression mode
-  int observe = 32;            ///< prompt queries whose attention over every key the scoring policy sees
+  int64_t kv_budget = 16384;  ///< tokens kept per layer in compression mode
+  int observe = 32;           ///< prompt queries whose attention over every key the scoring policy sees
   Status Validate() const;
 };
 
 /// What the scoring policy did at prefill end (demotion scores and/or compression).
 struct PolicyStageReport {
-  std::string spec;              ///< the scoring policy's factory string ("" = none ran)
-  bool compressed = false;       ///< compression mode dropped chunks
-  int compressions = 0;          ///< at prefill end, plus every s decode steps for decode-time policies (G-KV)
-  double scoring_ms = 0;         ///< Observe + Scores/Keep over all layers
-  double attention_ms = 0;       ///< the observation window's exact attention over every key, all layers
-  uint64_t dropped_chunks = 0;   ///< over all layers
-  uint64_t kept_tokens = 0;      ///< tokens the store holds per layer (mean) after the last compression
-  uint64_t scratch_bytes = 0;    ///< one observation's K, V and attention rows (counted in the RSS bound)
+  std::string spec;             ///< the scoring policy's factory string ("" = none ran)
+  bool compressed = false;      ///< compression mode dropped chunks
+  int compressions = 0;         ///< at prefill end, plus every s decode steps for decode-time policies (G-KV)
+  double scoring_ms = 0;        ///< Observe + Scores/Keep over all layers
+  double attention_ms = 0;      ///< the observation window's exact attention over every key, all layers
+  uint64_t dropped_chunks = 0;  ///< over all layers
+  uint64_t kept_tokens = 0;     ///< tokens the store holds per layer (mean) after the last compression
+  uint64_t scratch_bytes = 0;   ///< one observation's K, V and attention rows (counted in the RSS bound)
 };
 
 /// Quality and speed of one retrieval method on the run's steps.
 struct MethodReport {
-  std::string name;                  ///< "ActQKV", "InfLLM", ... or "configured"
-  std::string spec;                  ///< probe / alloc / index / k
+  std::string name;  ///< "ActQKV", "InfLLM", ... or "configured"
+  std::string spec;  ///< probe / alloc / index / k
   double needle_hit_rate = 0, attention_recall = 0, output_rel_error = 0;
   double question_needle_hit_rate = 0, question_attention_recall = 0, question_output_rel_error = 0;
-  double step_ms = 0;                ///< median decode step, all layers (append + probe + search + fetch + attention)
+  double step_ms = 0;  ///< median decode step, all layers (append + probe + search + fetch + attention)
   double probe_ms = 0, search_ms = 0, alloc_ms = 0, fetch_ms = 0, attention_ms = 0, append_ms = 0;
-  double retrieval_share = 0;        ///< (probe + search + alloc) / step, medians
-  double chunks_per_step = 0;        ///< mean retrieved chunks per decode step over all layers
-  uint64_t bytes_moved = 0;          ///< bytes moved by this method's fetches
+  double retrieval_share = 0;  ///< (probe + search + alloc) / step, medians
+  double chunks_per_step = 0;  ///< mean retrieved chunks per decode step over all layers
+  uint64_t bytes_moved = 0;    ///< bytes moved by this method's fetches
   std::vector<double> step_ms_all, step_error_all;
   /// [layer][bucket]: how many times, summed over the decode steps, this method retrieved a
   /// chunk of the bucket (RunReport::chunk_choice says which chunks a bucket holds). The
@@ -100,42 +102,42 @@ constexpr uint64_t kMaxChunkChoiceBuckets = 128;
 /// Spearman rho between a probe's chunk scores and the oracle chunk relevance.
 struct SpearmanSummary {
   double median = 0, q1 = 0, q3 = 0;
-  int samples = 0;                   ///< (window, layer) pairs
+  int samples = 0;  ///< (window, layer) pairs
 };
 
 struct RunReport {
   RunOptions options;
-  std::vector<MethodReport> methods;    ///< the configured method, or the compared ones in table order
-  int headline = 0;                     ///< method whose numbers fill the top-level fields (ActQKV in a comparison)
+  std::vector<MethodReport> methods;  ///< the configured method, or the compared ones in table order
+  int headline = 0;  ///< method whose numbers fill the top-level fields (ActQKV in a comparison)
   SpearmanSummary spearman_act, spearman_mean;
   PolicyStageReport policy;
-  ChunkChoice chunk_choice;             ///< the buckets of every method's chunk_counts
-  SequenceId sequence = 0;              ///< the run's sequence in the store
-  bool sequence_dropped = false;        ///< it left every tier at the end (RunOptions::drop_at_end)
+  ChunkChoice chunk_choice;       ///< the buckets of every method's chunk_counts
+  SequenceId sequence = 0;        ///< the run's sequence in the store
+  bool sequence_dropped = false;  ///< it left every tier at the end (RunOptions::drop_at_end)
   // quality (decode steps and question window, all layers)
-  double needle_hit_rate = 0;        ///< (step, layer) pairs whose sought needle was fully attended
-  double attention_recall = 0;       ///< mean share of full attention's mass on the attended set
-  double output_rel_error = 0;       ///< median over decode steps of ||o - o_full|| / ||o_full||
+  double needle_hit_rate = 0;   ///< (step, layer) pairs whose sought needle was fully attended
+  double attention_recall = 0;  ///< mean share of full attention's mass on the attended set
+  double output_rel_error = 0;  ///< median over decode steps of ||o - o_full|| / ||o_full||
   double question_needle_hit_rate = 0;
   double question_attention_recall = 0;
   double question_output_rel_error = 0;
   // time
-  double prefill_s = 0;              ///< wall time of the prefill (append + statistics), generation excluded
-  double prefill_drain_s = 0;        ///< then, until the cold tier acknowledged every chunk (WaitForDurable)
-  double step_ms = 0;                ///< median decode step over all layers: append + retrieve + fetch + attention
+  double prefill_s = 0;        ///< wall time of the prefill (append + statistics), generation excluded
+  double prefill_drain_s = 0;  ///< then, until the cold tier acknowledged every chunk (WaitForDurable)
+  double step_ms = 0;          ///< median decode step over all layers: append + retrieve + fetch + attention
   double retrieve_ms = 0, fetch_ms = 0, attention_ms = 0, append_ms = 0;  ///< medians of the step's parts
-  double full_attention_step_ms = 0; ///< median full attention over the whole context, all layers, same step
+  double full_attention_step_ms = 0;  ///< median full attention over the whole context, all layers, same step
   // memory
-  uint64_t peak_rss_bytes = 0;       ///< peak RSS during the kvtier phases (before the baseline)
-  uint64_t rss_bound_bytes = 0;      ///< warm + hot + regions + index + a trace's q/k/v + stated overhead
-  uint64_t index_bytes = 0;          ///< chunk metadata and retriever index
-  uint64_t context_kv_bytes = 0;     ///< K+V bytes of the whole context, all layers
+  uint64_t peak_rss_bytes = 0;    ///< peak RSS during the kvtier phases (before the baseline)
+  uint64_t rss_bound_bytes = 0;   ///< warm + hot + regions + index + a trace's q/k/v + stated overhead
+  uint64_t index_bytes = 0;       ///< chunk metadata and retriever index
+  uint64_t context_kv_bytes = 0;  ///< K+V bytes of the whole context, all layers
   StoreCounters counters;
   std::vector<double> step_ms_all, full_step_ms_all, step_error_all;
 
   std::string ToJson() const;
   std::string ToTable() const;
-  std::string CompareTable() const;     ///< one row per method (+ full attention)
+  std::string CompareTable() const;  ///< one row per method (+ full attention)
 };
 
 /// Stated fixed overhead in the RSS bound: program and libraries, RocksDB

@@ -7,13 +7,13 @@
 #include <random>
 #include <thread>
 
+#include "engine/layer_parts.h"
 #include "integration/json.h"
 #include "integration/pattern.h"
 #include "integration/sysinfo.h"
 #include "integration/tier_report.h"
 #include "kvtier/session.h"
 #include "offload/tiered_store.h"
-#include "engine/layer_parts.h"
 
 namespace kvtier {
 namespace {
@@ -42,12 +42,15 @@ uint64_t VerifySequence(TieredStore* store, SequenceId seq, uint64_t pattern_id,
     for (int64_t b = 0; b < tokens; b += block) {
       const int64_t n = std::min(block, tokens - b);
       Status st = store->ReadTokens(seq, l, b, b + n, k.data(), v.data());
-      if (!st.ok()) { sh->Fail("read seq " + std::to_string(seq) + ": " + st.ToString()); continue; }
+      if (!st.ok()) {
+        sh->Fail("read seq " + std::to_string(seq) + ": " + st.ToString());
+        continue;
+      }
       FillPattern(kStressSalt, pattern_id, l, 0, b, n, tb, ek.data());
       FillPattern(kStressSalt, pattern_id, l, 1, b, n, tb, ev.data());
       if (std::memcmp(k.data(), ek.data(), n * tb) != 0 || std::memcmp(v.data(), ev.data(), n * tb) != 0)
-        sh->Fail("seq " + std::to_string(seq) + " layer " + std::to_string(l) + " tokens [" + std::to_string(b) +
-                 ", " + std::to_string(b + n) + ") differ from what was appended");
+        sh->Fail("seq " + std::to_string(seq) + " layer " + std::to_string(l) + " tokens [" +
+                 std::to_string(b) + ", " + std::to_string(b + n) + ") differ from what was appended");
       else
         verified += n;
     }
@@ -59,7 +62,8 @@ uint64_t VerifySequence(TieredStore* store, SequenceId seq, uint64_t pattern_id,
 
 Status StressOptions::Validate() const {
   KVTIER_RETURN_IF_ERROR(store.Validate());
-  if (store.data_dir.empty()) return InvalidArgument("stress needs a data_dir (the cold tier is part of the test)");
+  if (store.data_dir.empty())
+    return InvalidArgument("stress needs a data_dir (the cold tier is part of the test)");
   if (sequences <= 0) return InvalidArgument("sequences must be > 0 (got " + std::to_string(sequences) + ")");
   if (threads <= 0) return InvalidArgument("threads must be > 0 (got " + std::to_string(threads) + ")");
   if (tokens <= 0) return InvalidArgument("tokens must be > 0 (got " + std::to_string(tokens) + ")");
@@ -102,15 +106,19 @@ Result<StressReport> RunStress(const StressOptions& opt) {
           SessionOptions so;
           so.retrieve = false;
           auto session = Session::Attach(store.get(), seq, so);
-          if (!session.ok()) { sh.Fail("session: " + session.status().ToString()); return; }
+          if (!session.ok()) {
+            sh.Fail("session: " + session.status().ToString());
+            return;
+          }
           std::vector<uint64_t> pick;
-          (*session)->SetChunkSelector([&](int, const float*, const int64_t*, int, const std::vector<ChunkInfo>& chunks)
-                                           -> Result<std::vector<uint64_t>> {
-            pick.clear();
-            for (int c = 0; c < opt.fetch_chunks && !chunks.empty(); ++c)
-              pick.push_back(chunks[rng() % chunks.size()].key.index);
-            return pick;
-          });
+          (*session)->SetChunkSelector(
+              [&](int, const float*, const int64_t*, int,
+                  const std::vector<ChunkInfo>& chunks) -> Result<std::vector<uint64_t>> {
+                pick.clear();
+                for (int c = 0; c < opt.fetch_chunks && !chunks.empty(); ++c)
+                  pick.push_back(chunks[rng() % chunks.size()].key.index);
+                return pick;
+              });
           const std::vector<float> q(static_cast<size_t>(o.geometry.q_heads) * o.geometry.head_dim, 0.0f);
           std::vector<int64_t> len(o.geometry.layers, 0);
           bool done = false;
@@ -119,13 +127,18 @@ Result<StressReport> RunStress(const StressOptions& opt) {
             for (int l = 0; l < o.geometry.layers; ++l) {
               if (len[l] >= opt.tokens) continue;
               done = false;
-              const int n = static_cast<int>(std::min<int64_t>(
-                  opt.tokens - len[l], 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(opt.max_block))));
-              k.resize(n * tb); v.resize(n * tb);
+              const int n = static_cast<int>(
+                  std::min<int64_t>(opt.tokens - len[l],
+                                    1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(opt.max_block))));
+              k.resize(n * tb);
+              v.resize(n * tb);
               FillPattern(kStressSalt, pid, l, 0, len[l], n, tb, k.data());
               FillPattern(kStressSalt, pid, l, 1, len[l], n, tb, v.data());
               Status st = (*session)->Append(l, k.data(), v.data(), n, o.geometry.dtype);
-              if (!st.ok()) { sh.Fail("append: " + st.ToString()); return; }
+              if (!st.ok()) {
+                sh.Fail("append: " + st.ToString());
+                return;
+              }
               len[l] += n;
               sh.appends++;
               sh.bytes += 2 * n * tb;
@@ -134,18 +147,30 @@ Result<StressReport> RunStress(const StressOptions& opt) {
                 // A score-driven policy: random chunk scores, so victims are picked
                 // against pins and in-flight transfers in every order.
                 auto chunks = store->ListChunks(seq, l);
-                if (!chunks.ok()) { sh.Fail("list chunks: " + chunks.status().ToString()); return; }
+                if (!chunks.ok()) {
+                  sh.Fail("list chunks: " + chunks.status().ToString());
+                  return;
+                }
                 std::vector<std::pair<uint64_t, float>> scores;
                 for (const ChunkInfo& c : *chunks)
                   scores.emplace_back(c.key.index, std::uniform_real_distribution<float>(0, 1)(rng));
                 st = store->SetChunkScores(seq, l, scores);
-                if (!st.ok()) { sh.Fail("set chunk scores: " + st.ToString()); return; }
+                if (!st.ok()) {
+                  sh.Fail("set chunk scores: " + st.ToString());
+                  return;
+                }
               }
               st = (*session)->BeginStep(StepKind::kDecode);
-              if (!st.ok()) { sh.Fail("begin step: " + st.ToString()); return; }
+              if (!st.ok()) {
+                sh.Fail("begin step: " + st.ToString());
+                return;
+              }
               const int64_t at = len[l] - 1;
               auto parts = (*session)->Gather(l, q.data(), &at, 1);
-              if (!parts.ok()) { sh.Fail("fetch: " + parts.status().ToString()); continue; }
+              if (!parts.ok()) {
+                sh.Fail("fetch: " + parts.status().ToString());
+                continue;
+              }
               if (parts->n_chunks == 0) continue;
               sh.fetches++;
               // Check each promoted chunk bit for bit against the pattern.
@@ -157,14 +182,19 @@ Result<StressReport> RunStress(const StressOptions& opt) {
                 hot_v.resize(bytes);
                 // Through the hot tier: with --device cuda the spans are device pointers.
                 st = store->hot_tier()->Download(hot_k.data(), static_cast<const uint8_t*>(span.k), bytes);
-                if (st.ok()) st = store->hot_tier()->Download(hot_v.data(), static_cast<const uint8_t*>(span.v), bytes);
-                if (!st.ok()) { sh.Fail("read back a fetched chunk: " + st.ToString()); continue; }
+                if (st.ok())
+                  st = store->hot_tier()->Download(hot_v.data(), static_cast<const uint8_t*>(span.v), bytes);
+                if (!st.ok()) {
+                  sh.Fail("read back a fetched chunk: " + st.ToString());
+                  continue;
+                }
                 FillPattern(kStressSalt, pid, l, 0, span.first_position, span.n_tokens, tb, got.data());
                 bool same = std::memcmp(got.data(), hot_k.data(), bytes) == 0;
                 FillPattern(kStressSalt, pid, l, 1, span.first_position, span.n_tokens, tb, got.data());
                 same = same && std::memcmp(got.data(), hot_v.data(), bytes) == 0;
                 if (!same)
-                  sh.Fail("fetched chunk " + std::to_string(parts->chunks[c]) + " of seq " + std::to_string(seq) + " differs");
+                  sh.Fail("fetched chunk " + std::to_string(parts->chunks[c]) + " of seq " +
+                          std::to_string(seq) + " differs");
                 sh.fetched_chunks++;
               }
             }
@@ -175,7 +205,8 @@ Result<StressReport> RunStress(const StressOptions& opt) {
       });
     }
     for (auto& th : threads) th.join();
-    for (auto& [seq, pid] : made) rep.verified_tokens += VerifySequence(store.get(), seq, pid, opt.tokens, &sh);
+    for (auto& [seq, pid] : made)
+      rep.verified_tokens += VerifySequence(store.get(), seq, pid, opt.tokens, &sh);
     KVTIER_RETURN_IF_ERROR(store->WaitForDurable());
     rep.counters = store->counters();
     if (!opt.reopen && opt.drop_at_end) {
@@ -187,15 +218,20 @@ Result<StressReport> RunStress(const StressOptions& opt) {
   if (opt.reopen) {
     // Reopen from the RocksDB directory alone: everything must come back.
     KVTIER_ASSIGN_OR_RETURN(auto store, TieredStore::Open(opt.store));
-    for (auto& [seq, pid] : made) rep.verified_after_reopen += VerifySequence(store.get(), seq, pid, opt.tokens, &sh);
+    for (auto& [seq, pid] : made)
+      rep.verified_after_reopen += VerifySequence(store.get(), seq, pid, opt.tokens, &sh);
     if (opt.drop_at_end) {
       for (auto& [seq, pid] : made) KVTIER_RETURN_IF_ERROR(store->DropSequence(seq));
       KVTIER_RETURN_IF_ERROR(store->WaitForDurable());
       rep.sequences_dropped = true;
     }
   }
-  rep.appends = sh.appends; rep.fetches = sh.fetches; rep.fetched_chunks = sh.fetched_chunks;
-  rep.bytes_appended = sh.bytes; rep.errors = sh.errors; rep.first_error = sh.first_error;
+  rep.appends = sh.appends;
+  rep.fetches = sh.fetches;
+  rep.fetched_chunks = sh.fetched_chunks;
+  rep.bytes_appended = sh.bytes;
+  rep.errors = sh.errors;
+  rep.first_error = sh.first_error;
   rep.seconds = NowSeconds() - t0;
   return rep;
 }
@@ -208,13 +244,20 @@ std::string StressReport::ToJson(const StressOptions& o) const {
   w.Key("appends").Uint(appends).Key("fetches").Uint(fetches).Key("fetched_chunks").Uint(fetched_chunks);
   w.Key("bytes_appended").Uint(bytes_appended);
   w.Key("verified_tokens").Uint(verified_tokens).Key("verified_tokens_after_reopen");
-  if (o.reopen) w.Uint(verified_after_reopen);
-  else w.Null();  // not reopened: not measured
+  if (o.reopen)
+    w.Uint(verified_after_reopen);
+  else
+    w.Null();  // not reopened: not measured
   w.Key("sequences_dropped").Bool(sequences_dropped);
   w.Key("seconds").Double(seconds);
   w.Key("io").BeginObject();
   w.Key("bytes_moved").Uint(counters.bytes_moved).Key("promotions").Uint(counters.promotions);
-  w.Key("demotions").Uint(counters.demotions).Key("hits").Uint(counters.hits).Key("misses").Uint(counters.misses);
+  w.Key("demotions")
+      .Uint(counters.demotions)
+      .Key("hits")
+      .Uint(counters.hits)
+      .Key("misses")
+      .Uint(counters.misses);
   w.Key("cold_reads").Uint(counters.cold_reads).Key("cold_writes").Uint(counters.cold_writes);
   w.Key("lease_expired").Uint(counters.lease_expired);
   w.Key("pin_waits").Uint(counters.pin_waits).Key("pin_wait_us").Uint(counters.pin_wait_us);
@@ -222,10 +265,25 @@ std::string StressReport::ToJson(const StressOptions& o) const {
   WriteTierTrafficJson(&w, counters);
   w.EndObject();
   w.Key("config").BeginObject();
-  w.Key("geometry").String(o.store.geometry.ToString()).Key("sequences").Int(o.sequences).Key("threads").Int(o.threads);
-  w.Key("tokens").Int(o.tokens).Key("warm_bytes").Uint(o.store.warm_bytes).Key("hot_bytes").Uint(o.store.hot_bytes);
+  w.Key("geometry")
+      .String(o.store.geometry.ToString())
+      .Key("sequences")
+      .Int(o.sequences)
+      .Key("threads")
+      .Int(o.threads);
+  w.Key("tokens")
+      .Int(o.tokens)
+      .Key("warm_bytes")
+      .Uint(o.store.warm_bytes)
+      .Key("hot_bytes")
+      .Uint(o.store.hot_bytes);
   w.Key("seed").Uint(o.seed).Key("fetch_probability").Double(o.fetch_probability);
-  w.Key("chunk_size").Int(o.store.chunk_size).Key("n_sink").Int(o.store.n_sink).Key("n_local").Int(o.store.n_local);
+  w.Key("chunk_size")
+      .Int(o.store.chunk_size)
+      .Key("n_sink")
+      .Int(o.store.n_sink)
+      .Key("n_local")
+      .Int(o.store.n_local);
   w.Key("repr_topk").Int(o.store.repr_topk).Key("compression").String(CompressionName(o.store.compression));
   w.Key("data_dir").String(o.store.data_dir);
   w.EndObject();
@@ -235,24 +293,25 @@ std::string StressReport::ToJson(const StressOptions& o) const {
 
 std::string StressReport::ToTable(const StressOptions& o) const {
   char buf[2048];
-  std::snprintf(buf, sizeof(buf),
-                "kvtier stress — %d sequences x %lld tokens x %d layers on %d threads, warm %llu B, hot %llu B\n"
-                "  operations: %llu appends, %llu fetches (%llu chunks checked on promotion)\n"
-                "  bytes appended: %.1f MiB; moved between tiers: %.1f MiB\n"
-                "  tiers: %llu promotions, %llu demotions, %llu hits, %llu misses, %llu cold writes, %llu cold reads\n"
-                "  verified bit for bit: %llu tokens, after reopen: %llu tokens\n"
-                "  errors: %llu%s%s\n"
-                "  %.2f s\n",
-                o.sequences, static_cast<long long>(o.tokens), o.store.geometry.layers, o.threads,
-                static_cast<unsigned long long>(o.store.warm_bytes), static_cast<unsigned long long>(o.store.hot_bytes),
-                static_cast<unsigned long long>(appends), static_cast<unsigned long long>(fetches),
-                static_cast<unsigned long long>(fetched_chunks), bytes_appended / 1048576.0,
-                counters.bytes_moved / 1048576.0, static_cast<unsigned long long>(counters.promotions),
-                static_cast<unsigned long long>(counters.demotions), static_cast<unsigned long long>(counters.hits),
-                static_cast<unsigned long long>(counters.misses), static_cast<unsigned long long>(counters.cold_writes),
-                static_cast<unsigned long long>(counters.cold_reads), static_cast<unsigned long long>(verified_tokens),
-                static_cast<unsigned long long>(verified_after_reopen), static_cast<unsigned long long>(errors),
-                first_error.empty() ? "" : " — first: ", first_error.c_str(), seconds);
+  std::snprintf(
+      buf, sizeof(buf),
+      "kvtier stress — %d sequences x %lld tokens x %d layers on %d threads, warm %llu B, hot %llu B\n"
+      "  operations: %llu appends, %llu fetches (%llu chunks checked on promotion)\n"
+      "  bytes appended: %.1f MiB; moved between tiers: %.1f MiB\n"
+      "  tiers: %llu promotions, %llu demotions, %llu hits, %llu misses, %llu cold writes, %llu cold reads\n"
+      "  verified bit for bit: %llu tokens, after reopen: %llu tokens\n"
+      "  errors: %llu%s%s\n"
+      "  %.2f s\n",
+      o.sequences, static_cast<long long>(o.tokens), o.store.geometry.layers, o.threads,
+      static_cast<unsigned long long>(o.store.warm_bytes), static_cast<unsigned long long>(o.store.hot_bytes),
+      static_cast<unsigned long long>(appends), static_cast<unsigned long long>(fetches),
+      static_cast<unsigned long long>(fetched_chunks), bytes_appended / 1048576.0,
+      counters.bytes_moved / 1048576.0, static_cast<unsigned long long>(counters.promotions),
+      static_cast<unsigned long long>(counters.demotions), static_cast<unsigned long long>(counters.hits),
+      static_cast<unsigned long long>(counters.misses), static_cast<unsigned long long>(counters.cold_writes),
+      static_cast<unsigned long long>(counters.cold_reads), static_cast<unsigned long long>(verified_tokens),
+      static_cast<unsigned long long>(verified_after_reopen), static_cast<unsigned long long>(errors),
+      first_error.empty() ? "" : " — first: ", first_error.c_str(), seconds);
   return buf + TierTrafficText(counters, !o.store.remote.empty(), "  ");
 }
 

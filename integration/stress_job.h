@@ -14,14 +14,14 @@
 namespace kvtier {
 
 struct StressOptions {
-  StoreOptions store;            ///< small geometry and tiny capacities by default (see cli)
-  int sequences = 8;             ///< sequences in total
-  int threads = 4;               ///< driver threads (std::thread; sequences are split among them)
-  int64_t tokens = 4096;         ///< tokens appended per sequence and layer
-  int max_block = 97;            ///< appends use random blocks of 1..max_block tokens
-  double fetch_probability = 0.3;///< chance of a random fetch (and check) after each append
-  int fetch_chunks = 4;          ///< chunks per random fetch
-  bool reopen = true;            ///< close the store, reopen it from data_dir and verify again
+  StoreOptions store;              ///< small geometry and tiny capacities by default (see cli)
+  int sequences = 8;               ///< sequences in total
+  int threads = 4;                 ///< driver threads (std::thread; sequences are split among them)
+  int64_t tokens = 4096;           ///< tokens appended per sequence and layer
+  int max_block = 97;              ///< appends use random blocks of 1..max_block tokens
+  double fetch_probability = 0.3;  ///< chance of a random fetch (and check) after each append
+  int fetch_chunks = 4;            ///< chunks per random fetch
+  bool reopen = true;              ///< close the store, reopen it from data_dir and verify again
   uint64_t seed = 1;
   /// Drop every sequence from every tier (cold and remote included) once verified, so the
   /// test leaves no data behind (`kvtier stress` without --keep). Default: kept.
@@ -32,7 +32,7 @@ struct StressOptions {
 struct StressReport {
   uint64_t appends = 0, fetches = 0, fetched_chunks = 0, verified_tokens = 0, verified_after_reopen = 0;
   uint64_t bytes_appended = 0;
-  uint64_t errors = 0;           ///< failed operations plus mismatching bytes
+  uint64_t errors = 0;  ///< failed operations plus mismatching bytes
   std::string first_error;
   double seconds = 0;
   bool sequences_dropped = false;  ///< StressOptions::drop_at_end did

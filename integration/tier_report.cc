@@ -5,25 +5,29 @@
 namespace kvtier {
 
 namespace {
-double Share(uint64_t part, uint64_t total) { return total ? 100.0 * static_cast<double>(part) / total : 0.0; }
+double Share(uint64_t part, uint64_t total) {
+  return total ? 100.0 * static_cast<double>(part) / total : 0.0;
+}
 }  // namespace
 
 std::string TierTrafficText(const StoreCounters& c, bool remote, const std::string& indent) {
   // hits + misses = chunks fetched; every miss was served by warm, cold or remote (or failed).
   const uint64_t fetched = c.hits + c.misses;
   char buf[512];
-  std::snprintf(buf, sizeof(buf), "fetched chunks by tier: hot %.1f%%, warm %.1f%%, cold %.1f%%, remote %.1f%% (of %llu)\n",
+  std::snprintf(buf, sizeof(buf),
+                "fetched chunks by tier: hot %.1f%%, warm %.1f%%, cold %.1f%%, remote %.1f%% (of %llu)\n",
                 Share(c.hits, fetched), Share(c.warm_loads, fetched), Share(c.cold_loads, fetched),
                 Share(c.remote_loads, fetched), static_cast<unsigned long long>(fetched));
   std::string out = indent + buf;
   if (remote) {
-    std::snprintf(buf, sizeof(buf),
-                  "remote tier: %llu chunks put (%.1f MiB), %llu read back (%.1f MiB), %llu not found (evicted), "
-                  "%llu corrupt, %llu errors\n",
-                  static_cast<unsigned long long>(c.remote_puts), c.remote_put_bytes / 1048576.0,
-                  static_cast<unsigned long long>(c.remote_gets), c.remote_get_bytes / 1048576.0,
-                  static_cast<unsigned long long>(c.remote_not_found), static_cast<unsigned long long>(c.remote_corrupt),
-                  static_cast<unsigned long long>(c.remote_errors));
+    std::snprintf(
+        buf, sizeof(buf),
+        "remote tier: %llu chunks put (%.1f MiB), %llu read back (%.1f MiB), %llu not found (evicted), "
+        "%llu corrupt, %llu errors\n",
+        static_cast<unsigned long long>(c.remote_puts), c.remote_put_bytes / 1048576.0,
+        static_cast<unsigned long long>(c.remote_gets), c.remote_get_bytes / 1048576.0,
+        static_cast<unsigned long long>(c.remote_not_found),
+        static_cast<unsigned long long>(c.remote_corrupt), static_cast<unsigned long long>(c.remote_errors));
     out += indent + buf;
   }
   if (c.pin_waits > 0) {
@@ -50,7 +54,12 @@ void WriteTierTrafficJson(JsonWriter* w, const StoreCounters& c) {
   w->Key("remote_put").Uint(c.remote_put_bytes).Key("remote_get").Uint(c.remote_get_bytes);
   w->EndObject();
   w->Key("remote").BeginObject();
-  w->Key("puts").Uint(c.remote_puts).Key("gets").Uint(c.remote_gets).Key("not_found").Uint(c.remote_not_found);
+  w->Key("puts")
+      .Uint(c.remote_puts)
+      .Key("gets")
+      .Uint(c.remote_gets)
+      .Key("not_found")
+      .Uint(c.remote_not_found);
   w->Key("corrupt").Uint(c.remote_corrupt).Key("errors").Uint(c.remote_errors);
   w->EndObject();
   w->Key("pins").BeginObject();

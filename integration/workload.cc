@@ -95,15 +95,17 @@ Status NeedleStarts(const WorkloadOptions& o, std::vector<int64_t>* starts) {
   for (int i = 0; i < o.needle_count; ++i) {
     const int64_t s = (*starts)[i], e = s + o.needle_len;
     if (i + 1 < o.needle_count && e > (*starts)[i + 1])
-      return InvalidArgument("needle_count/needle_len: needle " + std::to_string(i) + " at [" + std::to_string(s) +
-                             "," + std::to_string(e) + ") overlaps needle " + std::to_string(i + 1) + " at " +
-                             std::to_string((*starts)[i + 1]) + " (needle_count " + std::to_string(o.needle_count) +
-                             " x needle_len " + std::to_string(o.needle_len) + " from needle_depth " +
-                             Num(o.needle_depth) + " do not fit; lower them or raise context)");
+      return InvalidArgument("needle_count/needle_len: needle " + std::to_string(i) + " at [" +
+                             std::to_string(s) + "," + std::to_string(e) + ") overlaps needle " +
+                             std::to_string(i + 1) + " at " + std::to_string((*starts)[i + 1]) +
+                             " (needle_count " + std::to_string(o.needle_count) + " x needle_len " +
+                             std::to_string(o.needle_len) + " from needle_depth " + Num(o.needle_depth) +
+                             " do not fit; lower them or raise context)");
     if (e > qb)
-      return InvalidArgument("needle_len/needle_depth: needle " + std::to_string(i) + " at [" + std::to_string(s) +
-                             "," + std::to_string(e) + ") does not fit before the question window at " +
-                             std::to_string(qb) + " (lower needle_depth, needle_count or needle_len, or raise context)");
+      return InvalidArgument("needle_len/needle_depth: needle " + std::to_string(i) + " at [" +
+                             std::to_string(s) + "," + std::to_string(e) +
+                             ") does not fit before the question window at " + std::to_string(qb) +
+                             " (lower needle_depth, needle_count or needle_len, or raise context)");
   }
   return Status::Ok();
 }
@@ -115,20 +117,23 @@ Status WorkloadOptions::Validate() const {
     return InvalidArgument("workload." + field + " " + what);
   };
   if (context <= 0) return bad("context", "must be > 0 (got " + std::to_string(context) + ")");
-  if (context > (int64_t{1} << 40)) return bad("context", "must be <= 2^40 (got " + std::to_string(context) + ")");
+  if (context > (int64_t{1} << 40))
+    return bad("context", "must be <= 2^40 (got " + std::to_string(context) + ")");
   if (question_len < 0) return bad("question_len", "must be >= 0 (got " + std::to_string(question_len) + ")");
   if (context <= question_len)
-    return bad("context", "must be > question_len (got context " + std::to_string(context) + ", question_len " +
-                              std::to_string(question_len) + ")");
+    return bad("context", "must be > question_len (got context " + std::to_string(context) +
+                              ", question_len " + std::to_string(question_len) + ")");
   if (decode_steps < 0) return bad("decode_steps", "must be >= 0 (got " + std::to_string(decode_steps) + ")");
   if (sink_tokens < 0) return bad("sink_tokens", "must be >= 0 (got " + std::to_string(sink_tokens) + ")");
   if (context - question_len <= sink_tokens)
     return bad("context", "leaves no haystack: context " + std::to_string(context) + " after sink_tokens (" +
-                              std::to_string(sink_tokens) + ") and before the question window (question_len " +
+                              std::to_string(sink_tokens) +
+                              ") and before the question window (question_len " +
                               std::to_string(question_len) + ")");
   if (needle_count < 1) return bad("needle_count", "must be >= 1 (got " + std::to_string(needle_count) + ")");
   if (needle_len < 1) return bad("needle_len", "must be >= 1 (got " + std::to_string(needle_len) + ")");
-  if (!(needle_depth >= 0.0 && needle_depth < 1.0)) return bad("needle_depth", "must be in [0, 1) (got " + Num(needle_depth) + ")");
+  if (!(needle_depth >= 0.0 && needle_depth < 1.0))
+    return bad("needle_depth", "must be in [0, 1) (got " + Num(needle_depth) + ")");
   auto nonneg = [&](const char* field, double x) -> Status {
     if (!std::isfinite(x) || x < 0) return bad(field, "must be finite and >= 0 (got " + Num(x) + ")");
     return Status::Ok();
@@ -136,16 +141,20 @@ Status WorkloadOptions::Validate() const {
   KVTIER_RETURN_IF_ERROR(nonneg("anchor_strength", anchor_strength));
   KVTIER_RETURN_IF_ERROR(nonneg("echo_weight", echo_weight));
   if (question_anchor_every < 1)
-    return InvalidArgument("question_anchor_every must be >= 1 (got " + std::to_string(question_anchor_every) + ")");
-  if (needle_echo < 0) return InvalidArgument("needle_echo must be >= 0 (got " + std::to_string(needle_echo) + ")");
+    return InvalidArgument("question_anchor_every must be >= 1 (got " +
+                           std::to_string(question_anchor_every) + ")");
+  if (needle_echo < 0)
+    return InvalidArgument("needle_echo must be >= 0 (got " + std::to_string(needle_echo) + ")");
   KVTIER_RETURN_IF_ERROR(nonneg("noise", noise));
   KVTIER_RETURN_IF_ERROR(nonneg("sink_strength", sink_strength));
   KVTIER_RETURN_IF_ERROR(nonneg("sink_query", sink_query));
   KVTIER_RETURN_IF_ERROR(nonneg("topic_strength", topic_strength));
   KVTIER_RETURN_IF_ERROR(nonneg("needle_value", needle_value));
   if (topic_len < 1) return bad("topic_len", "must be >= 1 (got " + std::to_string(topic_len) + ")");
-  if (!(signal_band > 0.0 && signal_band <= 1.0)) return bad("signal_band", "must be in (0, 1] (got " + Num(signal_band) + ")");
-  if (!(rope_base > 1.0) || !std::isfinite(rope_base)) return bad("rope_base", "must be finite and > 1 (got " + Num(rope_base) + ")");
+  if (!(signal_band > 0.0 && signal_band <= 1.0))
+    return bad("signal_band", "must be in (0, 1] (got " + Num(signal_band) + ")");
+  if (!(rope_base > 1.0) || !std::isfinite(rope_base))
+    return bad("rope_base", "must be finite and > 1 (got " + Num(rope_base) + ")");
   if (!(rope_scaling >= 1.0) || !std::isfinite(rope_scaling))
     return bad("rope_scaling", "must be finite and >= 1 (got " + Num(rope_scaling) + ")");
   std::vector<int64_t> starts;
@@ -159,9 +168,9 @@ struct Workload::Tables {
   int B = 0;           // 2 * nb: band vector length (dims band_lo.. P-1, then P+band_lo .. D-1)
   float d4 = 0;        // D^(1/4)
   // Per (layer, kv head), index lh = layer * kv_heads + head.
-  std::vector<float> sink;     // [lh][B]
-  std::vector<float> anchor;   // [lh][needle][B]
-  std::vector<float> value;    // [lh][needle][D]
+  std::vector<float> sink;          // [lh][B]
+  std::vector<float> anchor;        // [lh][needle][B]
+  std::vector<float> value;         // [lh][needle][D]
   std::vector<uint64_t> layer_key;  // per layer: token-stream key
   std::vector<uint64_t> topic_key;  // per (layer, head): topic-direction key
   // RoPE: frequencies and cos/sin of lo * theta for lo in [0, 1024), [lo][P].
@@ -172,7 +181,8 @@ struct Workload::Tables {
 Result<Workload> Workload::Create(const Geometry& geometry, const WorkloadOptions& options) {
   KVTIER_RETURN_IF_ERROR(geometry.Validate());
   if (geometry.head_dim % 2 != 0)
-    return InvalidArgument("geometry.head_dim must be even for RoPE (got " + std::to_string(geometry.head_dim) + ")");
+    return InvalidArgument("geometry.head_dim must be even for RoPE (got " +
+                           std::to_string(geometry.head_dim) + ")");
   KVTIER_RETURN_IF_ERROR(options.Validate());
 
   Workload w;
@@ -268,7 +278,8 @@ int Workload::EchoedNeedle(int64_t position) const {
   if (it == needle_starts_.begin()) return -1;
   --it;
   const int64_t end = *it + options_.needle_len;
-  if (position >= end && position < end + options_.needle_echo) return static_cast<int>(it - needle_starts_.begin());
+  if (position >= end && position < end + options_.needle_echo)
+    return static_cast<int>(it - needle_starts_.begin());
   return -1;
 }
 
@@ -303,10 +314,13 @@ inline void AddBand(float* row, const float* dir, float scale, int band_lo, int 
 }  // namespace
 
 void Workload::Generate(int layer, int64_t begin, int64_t end, float* q, float* k, float* v) const {
-  if (!tables_ || layer < 0 || layer >= geometry_.layers || begin < 0 || begin > end || end > total_tokens()) {
-    std::fprintf(stderr, "kvtier::Workload::Generate: bad arguments layer=%d [%lld, %lld) (layers %d, total_tokens %lld)\n",
-                 layer, static_cast<long long>(begin), static_cast<long long>(end), geometry_.layers,
-                 static_cast<long long>(total_tokens()));
+  if (!tables_ || layer < 0 || layer >= geometry_.layers || begin < 0 || begin > end ||
+      end > total_tokens()) {
+    std::fprintf(
+        stderr,
+        "kvtier::Workload::Generate: bad arguments layer=%d [%lld, %lld) (layers %d, total_tokens %lld)\n",
+        layer, static_cast<long long>(begin), static_cast<long long>(end), geometry_.layers,
+        static_cast<long long>(total_tokens()));
     std::abort();
   }
   if (begin == end || (!q && !k && !v)) return;

@@ -106,24 +106,31 @@
 namespace kvtier {
 
 struct WorkloadOptions {
-  int64_t context = 131072;     ///< tokens of context (filler + needles + question window)
-  int question_len = 64;        ///< last tokens of the context whose queries seek the needle(s)
-  int decode_steps = 64;        ///< generated tokens after the context (queries seek the needle too)
-  int needle_count = 1;         ///< needles planted
-  int needle_len = 8;           ///< tokens per needle
-  double needle_depth = 0.5;    ///< depth of the first needle as a fraction of the haystack [sink_tokens, question_begin); further needles spread evenly to its end
-  float anchor_strength = 3.3f; ///< how strongly needle keys and question queries share a direction (0 = no signal); seeker-needle score = anchor_strength^2
-  float noise = 1.0f;           ///< std of the isotropic per-component noise on q and k (score noise std = noise^2)
-  float sink_strength = 8.0f;   ///< key strength of the first `sink_tokens` tokens along the sink direction
-  float sink_query = 0.75f;     ///< every query's component along the sink direction (sink score = sink_query * sink_strength)
+  int64_t context = 131072;      ///< tokens of context (filler + needles + question window)
+  int question_len = 64;         ///< last tokens of the context whose queries seek the needle(s)
+  int decode_steps = 64;         ///< generated tokens after the context (queries seek the needle too)
+  int needle_count = 1;          ///< needles planted
+  int needle_len = 8;            ///< tokens per needle
+  double needle_depth = 0.5;     ///< depth of the first needle as a fraction of the haystack [sink_tokens,
+                                 ///< question_begin); further needles spread evenly to its end
+  float anchor_strength = 3.3f;  ///< how strongly needle keys and question queries share a direction (0 = no
+                                 ///< signal); seeker-needle score = anchor_strength^2
+  float noise = 1.0f;  ///< std of the isotropic per-component noise on q and k (score noise std = noise^2)
+  float sink_strength = 8.0f;  ///< key strength of the first `sink_tokens` tokens along the sink direction
+  float sink_query =
+      0.75f;  ///< every query's component along the sink direction (sink score = sink_query * sink_strength)
   int sink_tokens = 4;          ///< tokens that act as attention sinks
-  float topic_strength = 2.0f;  ///< strength of the topic direction in filler keys and filler queries (same-topic score = topic_strength^2)
-  int topic_len = 256;          ///< tokens over which the filler's topic direction drifts (gives chunks coherent content and makes filler queries attend locally)
-  int question_anchor_every = 1;///< in the question window only every N-th query seeks a needle; the others read like filler (anchor tokens among plain ones, ActQKV's premise)
-  int needle_echo = 16;         ///< filler tokens right after a needle whose queries also look back at it (0 = none)
+  float topic_strength = 2.0f;  ///< strength of the topic direction in filler keys and filler queries
+                                ///< (same-topic score = topic_strength^2)
+  int topic_len = 256;  ///< tokens over which the filler's topic direction drifts (gives chunks coherent
+                        ///< content and makes filler queries attend locally)
+  int question_anchor_every = 1;  ///< in the question window only every N-th query seeks a needle; the others
+                                  ///< read like filler (anchor tokens among plain ones, ActQKV's premise)
+  int needle_echo = 16;  ///< filler tokens right after a needle whose queries also look back at it (0 = none)
   float echo_weight = 0.5f;     ///< strength of that look-back, as a fraction of anchor_strength
   float needle_value = 1.0f;    ///< needle values add needle_value * sqrt(D) along a per-needle direction
-  double signal_band = 0.25;    ///< fraction of rotary pairs (the lowest-frequency ones) that carry all structured directions, in (0, 1]
+  double signal_band = 0.25;    ///< fraction of rotary pairs (the lowest-frequency ones) that carry all
+                                ///< structured directions, in (0, 1]
   double rope_base = 500000.0;  ///< RoPE base (Llama-3 uses 500000)
   double rope_scaling = 8.0;    ///< Llama-3.1 low-frequency scaling factor (1 = plain RoPE)
   bool apply_rope = true;       ///< false: write pre-RoPE q and k (for tests and probe studies)

@@ -8,9 +8,12 @@ namespace kvtier {
 
 const char* DTypeName(DType t) {
   switch (t) {
-    case DType::kF32: return "f32";
-    case DType::kF16: return "f16";
-    case DType::kBF16: return "bf16";
+    case DType::kF32:
+      return "f32";
+    case DType::kF16:
+      return "f16";
+    case DType::kBF16:
+      return "bf16";
   }
   return "?";
 }
@@ -18,9 +21,18 @@ const char* DTypeName(DType t) {
 bool ParseDType(const char* name, DType* out) {
   if (name == nullptr || out == nullptr) return false;
   auto eq = [&](const char* s) { return std::strcmp(name, s) == 0; };
-  if (eq("f32") || eq("fp32") || eq("float32")) { *out = DType::kF32; return true; }
-  if (eq("f16") || eq("fp16") || eq("float16") || eq("half")) { *out = DType::kF16; return true; }
-  if (eq("bf16") || eq("bfloat16")) { *out = DType::kBF16; return true; }
+  if (eq("f32") || eq("fp32") || eq("float32")) {
+    *out = DType::kF32;
+    return true;
+  }
+  if (eq("f16") || eq("fp16") || eq("float16") || eq("half")) {
+    *out = DType::kF16;
+    return true;
+  }
+  if (eq("bf16") || eq("bfloat16")) {
+    *out = DType::kBF16;
+    return true;
+  }
   return false;
 }
 
@@ -28,9 +40,9 @@ uint16_t FloatToF16(float f) {
   const uint32_t u = FloatBits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7e00u;               // NaN -> quiet NaN
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;              // >= 65520 rounds to inf
-  if (abs < 0x38800000u) {                                    // below 2^-14: subnormal or zero
+  if (abs > 0x7f800000u) return sign | 0x7e00u;   // NaN -> quiet NaN
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to inf
+  if (abs < 0x38800000u) {                        // below 2^-14: subnormal or zero
     // Value = abs_float; fp16 subnormal unit is 2^-24. Round to nearest even.
     const float a = BitsToFloat(abs);
     // a * 2^24 in float is exact for the integer part we need; use rint-like logic.
@@ -83,7 +95,9 @@ constinit const float* const kF16Table = kF16TableData.data();
 void ToFloat(DType t, const void* src, float* dst, size_t n) {
   if (n == 0) return;  // memcpy with a null pointer is undefined even for 0 bytes
   switch (t) {
-    case DType::kF32: std::memcpy(dst, src, n * 4); return;
+    case DType::kF32:
+      std::memcpy(dst, src, n * 4);
+      return;
     case DType::kF16: {
       const auto* s = static_cast<const uint16_t*>(src);
       const float* table = detail::kF16Table;
@@ -101,7 +115,9 @@ void ToFloat(DType t, const void* src, float* dst, size_t n) {
 void FromFloat(DType t, const float* src, void* dst, size_t n) {
   if (n == 0) return;
   switch (t) {
-    case DType::kF32: std::memcpy(dst, src, n * 4); return;
+    case DType::kF32:
+      std::memcpy(dst, src, n * 4);
+      return;
     case DType::kF16: {
       auto* d = static_cast<uint16_t*>(dst);
       for (size_t i = 0; i < n; ++i) d[i] = FloatToF16(src[i]);

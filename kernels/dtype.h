@@ -30,8 +30,16 @@ const char* DTypeName(DType t);
 /// Parses "f32|fp32|float32", "f16|fp16|float16|half", "bf16|bfloat16".
 bool ParseDType(const char* name, DType* out);
 
-inline uint32_t FloatBits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float BitsToFloat(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float BitsToFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 /// fp32 -> bf16, round to nearest even; NaN stays NaN.
 inline uint16_t FloatToBf16(float f) {

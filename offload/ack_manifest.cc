@@ -17,7 +17,8 @@ namespace kvtier {
 // ---- ranges ------------------------------------------------------------------------------
 
 std::string ChunkRange::ToString() const {
-  std::string s = "seq=" + std::to_string(seq) + "/layer=" + std::to_string(layer) + "/chunk=" + std::to_string(first);
+  std::string s =
+      "seq=" + std::to_string(seq) + "/layer=" + std::to_string(layer) + "/chunk=" + std::to_string(first);
   if (last > first) s += ".." + std::to_string(last);
   return s;
 }
@@ -66,13 +67,25 @@ void ChunkRangeSet::EraseRange(SequenceId seq, uint32_t layer, uint64_t first, u
   if (it != m.begin()) --it;
   while (it != m.end() && it->first <= last) {
     const uint64_t b = it->first, e = it->second;
-    if (e < first) { ++it; continue; }
+    if (e < first) {
+      ++it;
+      continue;
+    }
     it = m.erase(it);
     chunks_ -= e - b + 1;
     --ranges_;
     // What sticks out on either side stays (b < first means first > 0; e > last means last < max).
-    if (b < first) { m[b] = first - 1; chunks_ += first - b; ++ranges_; }
-    if (e > last) { m[last + 1] = e; chunks_ += e - last; ++ranges_; break; }
+    if (b < first) {
+      m[b] = first - 1;
+      chunks_ += first - b;
+      ++ranges_;
+    }
+    if (e > last) {
+      m[last + 1] = e;
+      chunks_ += e - last;
+      ++ranges_;
+      break;
+    }
   }
   if (m.empty()) sets_.erase(sit);
 }
@@ -121,7 +134,10 @@ std::vector<ChunkRange> ChunkRangeSet::Minus(const ChunkRangeSet& other) const {
         for (; it != om.end() && it->first <= e; ++it) {
           if (it->second < at) continue;
           if (it->first > at) out.push_back(ChunkRange{key.first, key.second, at, it->first - 1});
-          if (it->second >= e) { covered_to_end = true; break; }
+          if (it->second >= e) {
+            covered_to_end = true;
+            break;
+          }
           at = it->second + 1;  // <= e, no overflow
         }
       }
@@ -248,7 +264,10 @@ Result<std::unique_ptr<AckManifest>> AckManifest::Open(const std::string& dir, b
     char buf[1 << 16];
     const ssize_t n = ::read(fd, buf, sizeof buf);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) { st = IOError(Errno("ack manifest: read '" + path + "'", errno)); break; }
+    if (n < 0) {
+      st = IOError(Errno("ack manifest: read '" + path + "'", errno));
+      break;
+    }
     if (n == 0) break;
     bytes.append(buf, static_cast<size_t>(n));
   }
@@ -260,12 +279,13 @@ Result<std::unique_ptr<AckManifest>> AckManifest::Open(const std::string& dir, b
   ::close(fd);
   KVTIER_RETURN_IF_ERROR(st);
   if (whole == 0)
-    return Corruption("ack manifest '" + path + "' holds no header (" + std::to_string(bytes.size()) + " bytes)");
+    return Corruption("ack manifest '" + path + "' holds no header (" + std::to_string(bytes.size()) +
+                      " bytes)");
   for (size_t off = 0; off < whole; off += kRecordBytes) {
     const char* p = bytes.data() + off;
     auto bad = [&](const std::string& why) {
-      return Corruption("ack manifest '" + path + "': record at byte " + std::to_string(off) + " is damaged (" + why +
-                        "); the list of acknowledged chunks cannot be trusted");
+      return Corruption("ack manifest '" + path + "': record at byte " + std::to_string(off) +
+                        " is damaged (" + why + "); the list of acknowledged chunks cannot be trusted");
     };
     if (DecodeFixed32(p) != kMagic) return bad("bad magic");
     if (DecodeFixed32(p + 40) != Crc32c(p, 40)) return bad("checksum mismatch");
@@ -273,7 +293,8 @@ Result<std::unique_ptr<AckManifest>> AckManifest::Open(const std::string& dir, b
     const SequenceId seq = DecodeFixed64(p + 8);
     const uint32_t layer = DecodeFixed32(p + 16);
     const uint64_t a = DecodeFixed64(p + 24), b = DecodeFixed64(p + 32);
-    if ((off == 0) != (type == kHeader)) return bad(off == 0 ? "the first record is not a header" : "a second header");
+    if ((off == 0) != (type == kHeader))
+      return bad(off == 0 ? "the first record is not a header" : "a second header");
     switch (type) {
       case kHeader:
         if (a != kVersion)
@@ -325,7 +346,8 @@ Result<std::unique_ptr<AckManifest>> AckManifest::Create(const std::string& dir,
 Status AckManifest::AppendLocked(uint8_t type, SequenceId seq, uint32_t layer, uint64_t a, uint64_t b) {
   const Record r = MakeRecord(type, seq, layer, a, b);
   KVTIER_RETURN_IF_ERROR(WriteAll(fd_, r.data(), r.size(), path_));
-  if (sync_ && ::fdatasync(fd_) != 0) return IOError(Errno("ack manifest: fdatasync of '" + path_ + "'", errno));
+  if (sync_ && ::fdatasync(fd_) != 0)
+    return IOError(Errno("ack manifest: fdatasync of '" + path_ + "'", errno));
   ++file_records_;
   return Status::Ok();
 }
@@ -393,7 +415,8 @@ Status AckManifest::Adopt(const std::vector<ChunkRange>& chunks,
     deleted_.EraseRange(r.seq, r.layer, r.first, r.last);
   }
   for (const auto& [seq, crc] : sequences) sequences_[seq] = crc;
-  if (chunks.empty() && sequences.empty() && file_records_ <= 2 * SnapshotRecordsLocked() + 64) return Status::Ok();
+  if (chunks.empty() && sequences.empty() && file_records_ <= 2 * SnapshotRecordsLocked() + 64)
+    return Status::Ok();
   return CompactLocked();
 }
 

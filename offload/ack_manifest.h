@@ -127,7 +127,8 @@ class AckManifest {
   static Result<std::unique_ptr<AckManifest>> Open(const std::string& dir, bool sync);
   /// Creates <dir>/kvtier-acked holding exactly `chunks` and `sequences` (replacing any
   /// file there), durably (temporary file, fsync, rename, fsync of the directory).
-  static Result<std::unique_ptr<AckManifest>> Create(const std::string& dir, bool sync, const ChunkRangeSet& chunks,
+  static Result<std::unique_ptr<AckManifest>> Create(const std::string& dir, bool sync,
+                                                     const ChunkRangeSet& chunks,
                                                      const std::map<SequenceId, uint32_t>& sequences);
   ~AckManifest();
   AckManifest(const AckManifest&) = delete;
@@ -149,7 +150,8 @@ class AckManifest {
   /// Adds chunk ranges and sequence records that are present without having been
   /// recorded (found at open), then compacts when anything changed or the log has
   /// outgrown its snapshot.
-  Status Adopt(const std::vector<ChunkRange>& chunks, const std::vector<std::pair<SequenceId, uint32_t>>& sequences);
+  Status Adopt(const std::vector<ChunkRange>& chunks,
+               const std::vector<std::pair<SequenceId, uint32_t>>& sequences);
   /// Rewrites the file as one record per range (see the top of the file).
   Status Compact();
 

@@ -50,7 +50,8 @@ Result<int32_t> SlotOfSpan(const HotPoolView& pool, const kernels::KvSpan& span,
   const auto v = reinterpret_cast<uintptr_t>(span.v);
   const uintptr_t end = base + static_cast<uintptr_t>(pool.capacity) * pool.slot_bytes;
   if (k < base || k >= end || (k - base) % pool.slot_bytes != 0)
-    return InvalidArgument(name + ": K is not the start of a slot of the hot pool (a hot tier whose slots are not "
+    return InvalidArgument(name +
+                           ": K is not the start of a slot of the hot pool (a hot tier whose slots are not "
                            "one contiguous pool cannot be planned)");
   if (v != k + pool.slot_bytes / 2)
     return InvalidArgument(name + ": V is not the second half of the slot K starts");
@@ -77,8 +78,8 @@ Status AttentionPlan::Build(const AttentionPlanInput& in) {
   // Sinks | slots | local: the order Session::Attend concatenated its parts in.
   p.dense[0] = kernels::DenseKv{in.sinks.k, in.sinks.v, in.sinks.n_tokens, in.sinks.first_position, nullptr};
   for (int i = 0; i < in.n_local; ++i)
-    p.dense[1 + i] = kernels::DenseKv{in.local[i].k, in.local[i].v, in.local[i].n_tokens, in.local[i].first_position,
-                                      nullptr};
+    p.dense[1 + i] = kernels::DenseKv{in.local[i].k, in.local[i].v, in.local[i].n_tokens,
+                                      in.local[i].first_position, nullptr};
   p.n_dense = 1 + in.n_local;
   p.n_leading_dense = 1;
   slot_index_.resize(in.n_chunks);
@@ -130,7 +131,8 @@ Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda) {
 CudaAttentionWorkspace LayoutCudaAttentionWorkspace(int n_queries, int q_heads, int head_dim, int n_slots,
                                                     size_t kernel_bytes) {
   const size_t m = static_cast<size_t>(std::max(0, n_queries));
-  const size_t rows = m * static_cast<size_t>(std::max(0, q_heads)) * static_cast<size_t>(std::max(0, head_dim));
+  const size_t rows =
+      m * static_cast<size_t>(std::max(0, q_heads)) * static_cast<size_t>(std::max(0, head_dim));
   const size_t n = static_cast<size_t>(std::max(0, n_slots));
   CudaAttentionWorkspace w;
   w.q = 0;
@@ -169,7 +171,9 @@ class CpuAttentionBackend final : public AttentionBackend {
 
 #if KVTIER_HAVE_CUDA
 
-std::string CudaMessage(cudaError_t e) { return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e); }
+std::string CudaMessage(cudaError_t e) {
+  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+}
 
 // One device workspace for the session, sized at
 // creation for max_queries; a larger step (a longer prefill window than announced) grows it
@@ -217,9 +221,11 @@ class CudaAttentionBackend final : public AttentionBackend {
     // The plan's host arrays go into the workspace; K/V pointers are the tier's already.
     cudaError_t e = cudaMemcpyAsync(ws + w.q, p.q, q_bytes, cudaMemcpyHostToDevice, s);
     if (e == cudaSuccess)
-      e = cudaMemcpyAsync(ws + w.positions, p.q_positions, p.n_queries * sizeof(int64_t), cudaMemcpyHostToDevice, s);
+      e = cudaMemcpyAsync(ws + w.positions, p.q_positions, p.n_queries * sizeof(int64_t),
+                          cudaMemcpyHostToDevice, s);
     if (e == cudaSuccess && p.n_slots > 0)
-      e = cudaMemcpyAsync(ws + w.slot_index, p.slot_index, p.n_slots * sizeof(int32_t), cudaMemcpyHostToDevice, s);
+      e = cudaMemcpyAsync(ws + w.slot_index, p.slot_index, p.n_slots * sizeof(int32_t),
+                          cudaMemcpyHostToDevice, s);
     if (e == cudaSuccess && p.n_slots > 0)
       e = cudaMemcpyAsync(ws + w.slot_first, p.slot_first_position, p.n_slots * sizeof(int64_t),
                           cudaMemcpyHostToDevice, s);
@@ -263,8 +269,9 @@ Result<std::unique_ptr<AttentionBackend>> MakeAttentionBackend(HotTier* hot, con
 #if KVTIER_HAVE_CUDA
     auto* cuda = dynamic_cast<CudaHotTier*>(hot);
     if (cuda == nullptr)
-      return Unavailable("attention backend: a \"cuda\" hot tier that is not kvtier's CudaHotTier (its stream and "
-                         "memory are unknown to the attention backend)");
+      return Unavailable(
+          "attention backend: a \"cuda\" hot tier that is not kvtier's CudaHotTier (its stream and "
+          "memory are unknown to the attention backend)");
     if (!kernels::cuda::SlotAttentionHeadDimSupported(geometry.head_dim))
       return CudaHeadDimError("attention backend (cuda)", geometry.head_dim);
     auto backend = std::make_unique<CudaAttentionBackend>(cuda);
@@ -278,10 +285,12 @@ Result<std::unique_ptr<AttentionBackend>> MakeAttentionBackend(HotTier* hot, con
 #else
     (void)geometry;
     (void)max_queries;
-    return Unavailable("attention backend: the hot tier is on \"cuda\" and this build has no CUDA (KVTIER_CUDA=off)");
+    return Unavailable(
+        "attention backend: the hot tier is on \"cuda\" and this build has no CUDA (KVTIER_CUDA=off)");
 #endif
   }
-  return Unavailable(std::string("attention backend: no backend for hot tier device \"") + DeviceName(device) + "\"");
+  return Unavailable(std::string("attention backend: no backend for hot tier device \"") +
+                     DeviceName(device) + "\"");
 }
 
 }  // namespace kvtier

@@ -57,14 +57,14 @@ struct AttentionPlanInput {
   DType dtype = DType::kF16;
   float scale = 0.0f;  ///< 0 = 1 / sqrt(head_dim)
   int n_queries = 0;
-  const float* q = nullptr;             ///< [n_queries, q_heads, head_dim] fp32, host
-  const int64_t* positions = nullptr;   ///< [n_queries], host
-  kernels::KvSpan sinks;                ///< may hold 0 tokens
+  const float* q = nullptr;                 ///< [n_queries, q_heads, head_dim] fp32, host
+  const int64_t* positions = nullptr;       ///< [n_queries], host
+  kernels::KvSpan sinks;                    ///< may hold 0 tokens
   const kernels::KvSpan* chunks = nullptr;  ///< [n_chunks] spans into `pool`
   size_t n_chunks = 0;
-  const kernels::KvSpan* local = nullptr;   ///< [n_local] runs, oldest first
-  int n_local = 0;                          ///< 0 .. kMaxDenseParts - 1
-  HotPoolView pool;                         ///< where the chunks live
+  const kernels::KvSpan* local = nullptr;  ///< [n_local] runs, oldest first
+  int n_local = 0;                         ///< 0 .. kMaxDenseParts - 1
+  HotPoolView pool;                        ///< where the chunks live
 };
 
 /// One layer step's attention. The slot lists live in the plan (host memory) and params()

@@ -30,7 +30,8 @@ std::shared_ptr<const Clock> SteadyClock();
 class ManualClock final : public Clock {
  public:
   /// Starts at `start` (any point works; leases only compare differences).
-  explicit ManualClock(time_point start = time_point(std::chrono::hours(1))) : now_(start.time_since_epoch().count()) {}
+  explicit ManualClock(time_point start = time_point(std::chrono::hours(1)))
+      : now_(start.time_since_epoch().count()) {}
   time_point Now() const override { return time_point(duration(now_.load(std::memory_order_acquire))); }
   /// Moves time forward by d (>= 0; a negative d is ignored: a clock must be monotonic).
   void Advance(duration d) {

@@ -46,9 +46,12 @@ namespace kvtier {
 
 const char* CompressionName(Compression c) {
   switch (c) {
-    case Compression::kNone: return "none";
-    case Compression::kLZ4: return "lz4";
-    case Compression::kZSTD: return "zstd";
+    case Compression::kNone:
+      return "none";
+    case Compression::kLZ4:
+      return "lz4";
+    case Compression::kZSTD:
+      return "zstd";
   }
   return "unknown";
 }
@@ -57,9 +60,18 @@ bool ParseCompression(const std::string& name, Compression* out) {
   std::string s(name);
   std::transform(s.begin(), s.end(), s.begin(),
                  [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
-  if (s == "none") { *out = Compression::kNone; return true; }
-  if (s == "lz4") { *out = Compression::kLZ4; return true; }
-  if (s == "zstd") { *out = Compression::kZSTD; return true; }
+  if (s == "none") {
+    *out = Compression::kNone;
+    return true;
+  }
+  if (s == "lz4") {
+    *out = Compression::kLZ4;
+    return true;
+  }
+  if (s == "zstd") {
+    *out = Compression::kZSTD;
+    return true;
+  }
   return false;
 }
 
@@ -76,7 +88,8 @@ Status ColdTierOptions::Validate() const {
   switch (compression) {
     case Compression::kNone:
     case Compression::kLZ4:
-    case Compression::kZSTD: break;
+    case Compression::kZSTD:
+      break;
     default:
       return InvalidArgument("cold tier: compression must be none|lz4|zstd (got " +
                              std::to_string(static_cast<int>(compression)) + ")");
@@ -104,7 +117,10 @@ std::string SeqPrefix(SequenceId seq) {
 std::string Hex(std::string_view s) {
   static const char* d = "0123456789abcdef";
   std::string out;
-  for (unsigned char c : s) { out += d[c >> 4]; out += d[c & 15]; }
+  for (unsigned char c : s) {
+    out += d[c >> 4];
+    out += d[c & 15];
+  }
   return out;
 }
 
@@ -136,10 +152,14 @@ struct Decoded {
 
 const char* KindName(uint8_t k) {
   switch (k) {
-    case 1: return "sequence record";
-    case 2: return "chunk meta";
-    case 3: return "chunk payload";
-    case 4: return "blob";
+    case 1:
+      return "sequence record";
+    case 2:
+      return "chunk meta";
+    case 3:
+      return "chunk payload";
+    case 4:
+      return "blob";
   }
   return "unknown";
 }
@@ -174,8 +194,8 @@ Status cold_tier_format::DecodeValue(std::string_view v, ValueKind want, const s
   uint32_t crc = Crc32c(p, 24);
   crc = Crc32c(p + H, len, crc);
   if (crc != stored)
-    return Corruption("cold tier: " + what + " checksum mismatch (stored " + Hex32(stored) +
-                      ", computed " + Hex32(crc) + ")");
+    return Corruption("cold tier: " + what + " checksum mismatch (stored " + Hex32(stored) + ", computed " +
+                      Hex32(crc) + ")");
   if (aux != nullptr) *aux = DecodeFixed64(p + 16);
   *body = std::string_view(p + H, len);
   return Status::Ok();
@@ -191,7 +211,8 @@ std::string cold_tier_format::EncodeValue(ValueKind kind, std::string_view body,
 namespace {
 
 Status DecodeValue(rocksdb::Slice v, ValueKind want, const std::string& what, Decoded* out) {
-  return cold_tier_format::DecodeValue(std::string_view(v.data(), v.size()), want, what, &out->body, &out->aux);
+  return cold_tier_format::DecodeValue(std::string_view(v.data(), v.size()), want, what, &out->body,
+                                       &out->aux);
 }
 
 Status FromRocks(const rocksdb::Status& s, const std::string& what) {
@@ -200,20 +221,20 @@ Status FromRocks(const rocksdb::Status& s, const std::string& what) {
   return IOError(std::move(m));
 }
 
-std::string ChunkWhat(const ChunkKey& k, const char* part) {
-  return "chunk " + k.ToString() + " " + part;
-}
+std::string ChunkWhat(const ChunkKey& k, const char* part) { return "chunk " + k.ToString() + " " + part; }
 std::string BlobWhat(SequenceId seq, uint32_t layer, std::string_view name) {
-  return "blob seq=" + std::to_string(seq) + "/layer=" + std::to_string(layer) + "/name=" +
-         std::string(name);
+  return "blob seq=" + std::to_string(seq) + "/layer=" + std::to_string(layer) + "/name=" + std::string(name);
 }
 std::string SeqWhat(SequenceId seq) { return "sequence " + std::to_string(seq) + " record"; }
 
 rocksdb::CompressionType ToRocks(Compression c) {
   switch (c) {
-    case Compression::kNone: return rocksdb::kNoCompression;
-    case Compression::kLZ4: return rocksdb::kLZ4Compression;
-    case Compression::kZSTD: return rocksdb::kZSTD;
+    case Compression::kNone:
+      return rocksdb::kNoCompression;
+    case Compression::kLZ4:
+      return rocksdb::kLZ4Compression;
+    case Compression::kZSTD:
+      return rocksdb::kZSTD;
   }
   return rocksdb::kNoCompression;
 }
@@ -504,9 +525,9 @@ struct ColdTier::Impl {
   // What was acknowledged (offload/ack_manifest.h). Appends to it happen under the same
   // locks as the RocksDB write they describe, so its order is the database's order.
   std::unique_ptr<AckManifest> manifest;
-  std::vector<ChunkRange> lost;            // accepted at this open (accept_lost_chunks)
-  std::vector<SequenceId> lost_sequences;  // same, for sequence records
-  std::vector<ChunkRange> redropped;       // dropped chunks found present at this open, deleted again
+  std::vector<ChunkRange> lost;                 // accepted at this open (accept_lost_chunks)
+  std::vector<SequenceId> lost_sequences;       // same, for sequence records
+  std::vector<ChunkRange> redropped;            // dropped chunks found present at this open, deleted again
   std::vector<SequenceId> redropped_sequences;  // same, for dropped sequences
   std::string recovered_current;                // the MANIFEST a missing CURRENT was pointed at
 
@@ -602,8 +623,8 @@ struct ColdTier::Impl {
 #endif
     return db->Write(wo, batch);
   }
-  rocksdb::Status Put(const rocksdb::WriteOptions& wo, rocksdb::ColumnFamilyHandle* cf, const rocksdb::Slice& key,
-                      const rocksdb::Slice& value) {
+  rocksdb::Status Put(const rocksdb::WriteOptions& wo, rocksdb::ColumnFamilyHandle* cf,
+                      const rocksdb::Slice& key, const rocksdb::Slice& value) {
 #ifdef KVTIER_TSAN
     std::lock_guard l(tsan_write_mu);
 #endif
@@ -616,9 +637,11 @@ struct ColdTier::Impl {
   void Subtract(uint64_t bytes, uint64_t n) {
     // Counters are exact under the locks; clamp anyway so a bug cannot wrap.
     uint64_t cur = payload_bytes.load();
-    while (!payload_bytes.compare_exchange_weak(cur, cur >= bytes ? cur - bytes : 0)) {}
+    while (!payload_bytes.compare_exchange_weak(cur, cur >= bytes ? cur - bytes : 0)) {
+    }
     cur = chunks.load();
-    while (!chunks.compare_exchange_weak(cur, cur >= n ? cur - n : 0)) {}
+    while (!chunks.compare_exchange_weak(cur, cur >= n ? cur - n : 0)) {
+    }
   }
 
   // Adds deletes of every key of sequence `seq` (8-byte prefix) in `cf` to the batch.
@@ -815,9 +838,10 @@ Status ColdTier::Impl::CheckAcknowledged(const ChunkRangeSet& present) {
                                 ? "the ack manifest '" + path + "/" + AckManifest::kFileName +
                                       "' is missing, but this store was created with one"
                                 : opened.status().message();
-    return Corruption("cold tier: " + why +
-                      "; which acknowledged chunks are still there cannot be checked. Open with "
-                      "accept_lost_chunks (kvtier check --accept-lost) to rebuild it from the chunks present.");
+    return Corruption(
+        "cold tier: " + why +
+        "; which acknowledged chunks are still there cannot be checked. Open with "
+        "accept_lost_chunks (kvtier check --accept-lost) to rebuild it from the chunks present.");
   } else {
     // Accepted: nothing is known to be lost, so the manifest restarts from what is here.
     KVTIER_ASSIGN_OR_RETURN(manifest, AckManifest::Create(path, options.sync_writes, present, present_seqs));
@@ -841,18 +865,22 @@ Status ColdTier::Impl::CheckAcknowledged(const ChunkRangeSet& present) {
   if (!missing.empty() || !missing_seqs.empty()) {
     std::string what;
     if (!missing.empty())
-      what = std::to_string(CountChunks(missing)) + " acknowledged chunks are missing (" + DescribeRanges(missing) + ")";
+      what = std::to_string(CountChunks(missing)) + " acknowledged chunks are missing (" +
+             DescribeRanges(missing) + ")";
     if (!missing_seqs.empty()) {
       if (!what.empty()) what += " and ";
-      what += std::to_string(missing_seqs.size()) + " acknowledged sequence records are missing or older (sequence";
-      for (size_t i = 0; i < missing_seqs.size() && i < 50; ++i) what += " " + std::to_string(missing_seqs[i]);
+      what += std::to_string(missing_seqs.size()) +
+              " acknowledged sequence records are missing or older (sequence";
+      for (size_t i = 0; i < missing_seqs.size() && i < 50; ++i)
+        what += " " + std::to_string(missing_seqs[i]);
       if (missing_seqs.size() > 50) what += " ...";
       what += ")";
     }
     if (!accept)
-      return Corruption("cold tier: " + what + " in '" + path +
-                        "': RocksDB recovered its write-ahead log only up to damage or a truncation. Open with "
-                        "accept_lost_chunks (kvtier check --accept-lost) to accept the loss and go on without them.");
+      return Corruption(
+          "cold tier: " + what + " in '" + path +
+          "': RocksDB recovered its write-ahead log only up to damage or a truncation. Open with "
+          "accept_lost_chunks (kvtier check --accept-lost) to accept the loss and go on without them.");
     KVTIER_RETURN_IF_ERROR(manifest->Forget(missing, missing_seqs));
     lost = std::move(missing);
     lost_sequences = std::move(missing_seqs);
@@ -937,7 +965,8 @@ Status ColdTier::Impl::RedoDrops(ChunkRangeSet* present, const std::map<Sequence
 
 Status ColdTier::PutChunk(const ChunkKey& k, std::string_view meta, const void* payload,
                           size_t payload_bytes) {
-  if (payload_bytes == 0) return InvalidArgument("cold tier: chunk " + k.ToString() + " payload_bytes must be > 0");
+  if (payload_bytes == 0)
+    return InvalidArgument("cold tier: chunk " + k.ToString() + " payload_bytes must be > 0");
   KVTIER_RETURN_IF_ERROR(impl_->latch->Check());
   if (impl_->options.fault_injector) KVTIER_RETURN_IF_ERROR(impl_->options.fault_injector("put", k));
   if (payload == nullptr) return InvalidArgument("cold tier: chunk " + k.ToString() + " payload is null");
@@ -955,8 +984,10 @@ Status ColdTier::PutChunk(const ChunkKey& k, std::string_view meta, const void* 
                                   rocksdb::Slice(meta.data(), meta.size())};
   rocksdb::Slice pay_parts[2] = {rocksdb::Slice(pay_h.data(), pay_h.size()),
                                  rocksdb::Slice(static_cast<const char*>(payload), payload_bytes)};
-  rocksdb::Status s = batch.Put(m.meta_cf, rocksdb::SliceParts(&key_slice, 1), rocksdb::SliceParts(meta_parts, 2));
-  if (s.ok()) s = batch.Put(m.payload_cf, rocksdb::SliceParts(&key_slice, 1), rocksdb::SliceParts(pay_parts, 2));
+  rocksdb::Status s =
+      batch.Put(m.meta_cf, rocksdb::SliceParts(&key_slice, 1), rocksdb::SliceParts(meta_parts, 2));
+  if (s.ok())
+    s = batch.Put(m.payload_cf, rocksdb::SliceParts(&key_slice, 1), rocksdb::SliceParts(pay_parts, 2));
   if (!s.ok()) return FromRocks(s, "writing " + ChunkWhat(k, "batch"));
 
   std::shared_lock seq_lock(m.seq_mu);
@@ -1099,7 +1130,8 @@ Status ColdTier::ForEachSequence(const std::function<Status(SequenceId, std::str
   for (it->Seek("S"); it->Valid(); it->Next()) {
     rocksdb::Slice key = it->key();
     if (key.size() != 9 || key[0] != 'S')
-      return Corruption("cold tier: malformed sequence key 0x" + Hex(std::string_view(key.data(), key.size())));
+      return Corruption("cold tier: malformed sequence key 0x" +
+                        Hex(std::string_view(key.data(), key.size())));
     SequenceId seq = DecodeBigEndian64(key.data() + 1);
     Decoded d;
     KVTIER_RETURN_IF_ERROR(DecodeValue(it->value(), ValueKind::kSequence, SeqWhat(seq), &d));
@@ -1125,8 +1157,10 @@ Status ColdTier::ForEachChunkMeta(SequenceId seq,
   for (it->Seek(lo); it->Valid() && it->key().starts_with(lo); it->Next()) {
     rocksdb::Slice key = it->key();
     if (key.size() != 20)
-      return Corruption("cold tier: malformed chunk meta key 0x" + Hex(std::string_view(key.data(), key.size())));
-    ChunkKey ck{DecodeBigEndian64(key.data()), DecodeBigEndian32(key.data() + 8), DecodeBigEndian64(key.data() + 12)};
+      return Corruption("cold tier: malformed chunk meta key 0x" +
+                        Hex(std::string_view(key.data(), key.size())));
+    ChunkKey ck{DecodeBigEndian64(key.data()), DecodeBigEndian32(key.data() + 8),
+                DecodeBigEndian64(key.data() + 12)};
     Decoded d;
     KVTIER_RETURN_IF_ERROR(DecodeValue(it->value(), ValueKind::kMeta, ChunkWhat(ck, "meta"), &d));
     KVTIER_RETURN_IF_ERROR(fn(ck, d.body));
@@ -1141,7 +1175,8 @@ Status ColdTier::PutBlob(SequenceId seq, uint32_t layer, std::string_view name, 
   if (name.empty() || name.size() > kMaxBlobName)
     return InvalidArgument("cold tier: blob name must be 1.." + std::to_string(kMaxBlobName) +
                            " bytes (got " + std::to_string(name.size()) + ")");
-  if (data == nullptr && bytes > 0) return InvalidArgument("cold tier: " + BlobWhat(seq, layer, name) + " data is null");
+  if (data == nullptr && bytes > 0)
+    return InvalidArgument("cold tier: " + BlobWhat(seq, layer, name) + " data is null");
   if (bytes > std::numeric_limits<uint32_t>::max() - cold_tier_format::kValueHeaderBytes)
     return InvalidArgument("cold tier: " + BlobWhat(seq, layer, name) + " exceeds 4 GiB");
   Impl& m = *impl_;

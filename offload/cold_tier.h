@@ -8,11 +8,11 @@
 //
 //   column family   key                                          value
 //   "default"       "F"                                          format marker "kvtier.cold_tier.v1" (raw)
-//   "default"       "A"                                          manifest marker (raw; see "What was acknowledged")
-//   "default"       'S' seq:u64be                      (9 B)     header + caller's sequence record
-//   "chunk_meta"    seq:u64be layer:u32be index:u64be  (20 B)    header (aux = payload bytes) + caller's meta
-//   "chunk_payload" seq:u64be layer:u32be index:u64be  (20 B)    header + payload bytes
-//   "blob"          seq:u64be layer:u32be name bytes   (12+ B)   header + blob bytes
+//   "default"       "A"                                          manifest marker (raw; see "What was
+//   acknowledged") "default"       'S' seq:u64be                      (9 B)     header + caller's sequence
+//   record "chunk_meta"    seq:u64be layer:u32be index:u64be  (20 B)    header (aux = payload bytes) +
+//   caller's meta "chunk_payload" seq:u64be layer:u32be index:u64be  (20 B)    header + payload bytes "blob"
+//   seq:u64be layer:u32be name bytes   (12+ B)   header + blob bytes
 //
 // Metas and payloads live in separate families, so recovery (ForEachChunkMeta,
 // and the byte count rebuilt on Open) reads only the small meta SST blocks and
@@ -131,9 +131,9 @@ bool ParseCompression(const std::string& name, Compression* out);
 struct ColdTierOptions {
   std::string path;                             ///< database directory (created if missing; see Open)
   Compression compression = Compression::kLZ4;  ///< block compression of the chunk column
-  bool sync_writes = false;                     ///< fsync the WAL on each write: survives power loss, not just process death
-  size_t block_cache_bytes = 32 << 20;          ///< RocksDB block cache (default 32 MiB; 0 = no block cache)
-  size_t write_buffer_bytes = 32 << 20;         ///< memtable size (default 32 MiB; 64 KiB .. 4 GiB)
+  bool sync_writes = false;  ///< fsync the WAL on each write: survives power loss, not just process death
+  size_t block_cache_bytes = 32 << 20;   ///< RocksDB block cache (default 32 MiB; 0 = no block cache)
+  size_t write_buffer_bytes = 32 << 20;  ///< memtable size (default 32 MiB; 64 KiB .. 4 GiB)
   /// Fault injection for tests (RocksDB's FaultInjectionEnv in miniature): when
   /// set, PutChunk and GetChunk call it first ("put" / "get") and fail with its
   /// status, touching nothing, when it is not OK. Unset (the default) in production.
@@ -143,7 +143,7 @@ struct ColdTierOptions {
   /// default) fails Open with Corruption naming them; true opens anyway, accepts the
   /// loss for good (the manifest is rebuilt without them) and lists it in lost_chunks().
   bool accept_lost_chunks = false;
-  Status Validate() const;                      ///< names the bad field
+  Status Validate() const;  ///< names the bad field
 };
 
 class ColdTier {

@@ -12,7 +12,9 @@
 namespace kvtier {
 namespace {
 
-std::string CudaMessage(cudaError_t e) { return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e); }
+std::string CudaMessage(cudaError_t e) {
+  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+}
 
 }  // namespace
 
@@ -24,7 +26,8 @@ Result<std::unique_ptr<CudaHotTier>> CudaHotTier::Create(size_t slot_pool_bytes,
                            std::to_string(slot_bytes) + " bytes");
   if (n > static_cast<size_t>(INT32_MAX)) return InvalidArgument("hot tier \"cuda\": too many slots");
   if (kernels::cuda::DeviceCount() == 0)
-    return Unavailable(std::string("hot tier \"cuda\": no CUDA device: ") + kernels::cuda::LastCudaErrorString());
+    return Unavailable(std::string("hot tier \"cuda\": no CUDA device: ") +
+                       kernels::cuda::LastCudaErrorString());
   auto tier = std::unique_ptr<CudaHotTier>(new CudaHotTier(static_cast<int32_t>(n), slot_bytes));
   cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&tier->pool_), n * slot_bytes);
   if (e != cudaSuccess) {
@@ -111,9 +114,11 @@ Status CudaHotTier::Copy(void* dst, const void* src, size_t bytes, CopyKind kind
   if (e == cudaSuccess) e = static_cast<cudaError_t>(WaitForStreamWork(*ev));
   ReturnEvent(*ev);
   if (e != cudaSuccess) {
-    const char* what = kind == CopyKind::kUpload ? "upload" : kind == CopyKind::kDownload ? "download" : "device copy";
-    return IOError(std::string("hot tier \"cuda\": ") + what + " of " + std::to_string(bytes) + " bytes failed (" +
-                   CudaMessage(e) + ")");
+    const char* what = kind == CopyKind::kUpload     ? "upload"
+                       : kind == CopyKind::kDownload ? "download"
+                                                     : "device copy";
+    return IOError(std::string("hot tier \"cuda\": ") + what + " of " + std::to_string(bytes) +
+                   " bytes failed (" + CudaMessage(e) + ")");
   }
   return Status::Ok();
 }
@@ -125,7 +130,8 @@ Status CudaHotTier::UploadBatch(const UploadOp* ops, size_t n) {
   std::vector<size_t> sizes(n);
   for (size_t i = 0; i < n; ++i) dsts[i] = ops[i].dst, srcs[i] = ops[i].src, sizes[i] = ops[i].bytes;
   cudaStream_t s = static_cast<cudaStream_t>(stream_);
-  if (kernels::cuda::MemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, s) != kernels::KernelError::kOk)
+  if (kernels::cuda::MemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, s) !=
+      kernels::KernelError::kOk)
     return IOError("hot tier \"cuda\": batch upload of " + std::to_string(n) + " copies failed (" +
                    kernels::cuda::LastCudaErrorString() + ")");
   auto ev = TakeEvent();
@@ -133,11 +139,14 @@ Status CudaHotTier::UploadBatch(const UploadOp* ops, size_t n) {
   const cudaError_t e = static_cast<cudaError_t>(WaitForStreamWork(*ev));
   ReturnEvent(*ev);
   if (e != cudaSuccess)
-    return IOError("hot tier \"cuda\": batch upload of " + std::to_string(n) + " copies failed (" + CudaMessage(e) + ")");
+    return IOError("hot tier \"cuda\": batch upload of " + std::to_string(n) + " copies failed (" +
+                   CudaMessage(e) + ")");
   return Status::Ok();
 }
 
-Status CudaHotTier::Upload(uint8_t* dst, const void* src, size_t bytes) { return Copy(dst, src, bytes, CopyKind::kUpload); }
+Status CudaHotTier::Upload(uint8_t* dst, const void* src, size_t bytes) {
+  return Copy(dst, src, bytes, CopyKind::kUpload);
+}
 
 Status CudaHotTier::Download(void* dst, const uint8_t* src, size_t bytes) {
   return Copy(dst, src, bytes, CopyKind::kDownload);
@@ -146,7 +155,6 @@ Status CudaHotTier::Download(void* dst, const uint8_t* src, size_t bytes) {
 Status CudaHotTier::CopyWithin(uint8_t* dst, const void* src, size_t bytes) {
   return Copy(dst, src, bytes, CopyKind::kWithin);
 }
-
 
 Result<TransferTicket> CudaHotTier::DownloadBatchAsync(const DownloadOp* ops, size_t n) {
   auto taken = TakeEvent();
@@ -157,7 +165,8 @@ Result<TransferTicket> CudaHotTier::DownloadBatchAsync(const DownloadOp* ops, si
   // On the transfer stream, after every copy submitted so far and before every later one:
   // what lets the store refill the ring positions being read before the download is waited.
   for (size_t i = 0; i < n && e == cudaSuccess; ++i)
-    if (ops[i].bytes > 0) e = cudaMemcpyAsync(ops[i].dst, ops[i].src, ops[i].bytes, cudaMemcpyDeviceToHost, s);
+    if (ops[i].bytes > 0)
+      e = cudaMemcpyAsync(ops[i].dst, ops[i].src, ops[i].bytes, cudaMemcpyDeviceToHost, s);
   if (e == cudaSuccess) e = cudaEventRecord(ev, s);
   std::lock_guard<std::mutex> l(tickets_mu_);
   if (e != cudaSuccess) {
@@ -186,8 +195,8 @@ Status CudaHotTier::WaitTransfer(TransferTicket ticket) {
   std::lock_guard<std::mutex> l(tickets_mu_);
   spare_events_.push_back(ev);
   if (e != cudaSuccess)
-    return IOError("hot tier \"cuda\": asynchronous download (ticket " + std::to_string(ticket) + ") failed (" +
-                   CudaMessage(e) + ")");
+    return IOError("hot tier \"cuda\": asynchronous download (ticket " + std::to_string(ticket) +
+                   ") failed (" + CudaMessage(e) + ")");
   return Status::Ok();
 }
 

@@ -8,7 +8,10 @@ namespace kvtier {
 
 void LruPolicy::OnInsert(uint64_t id) {
   auto it = where_.find(id);
-  if (it != where_.end()) { order_.splice(order_.begin(), order_, it->second); return; }
+  if (it != where_.end()) {
+    order_.splice(order_.begin(), order_, it->second);
+    return;
+  }
   order_.push_front(id);
   where_[id] = order_.begin();
 }
@@ -27,7 +30,10 @@ void LruPolicy::OnRemove(uint64_t id) {
 
 bool LruPolicy::PickVictim(const std::function<bool(uint64_t)>& can_leave, uint64_t* victim) {
   for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
-    if (can_leave(*it)) { *victim = *it; return true; }
+    if (can_leave(*it)) {
+      *victim = *it;
+      return true;
+    }
   }
   return false;
 }

@@ -31,7 +31,10 @@ class DemotionPolicy {
   /// Ties break deterministically (insertion order).
   virtual bool PickVictim(const std::function<bool(uint64_t)>& can_leave, uint64_t* victim) = 0;
   /// A new score for a chunk (higher = keep). Recency-based policies ignore it.
-  virtual void OnScore(uint64_t id, float score) { (void)id; (void)score; }
+  virtual void OnScore(uint64_t id, float score) {
+    (void)id;
+    (void)score;
+  }
   virtual size_t size() const = 0;
   /// Factory string that rebuilds this policy.
   virtual std::string ToString() const = 0;
@@ -69,8 +72,8 @@ class ScoredDemotionPolicy final : public DemotionPolicy {
   using Key = std::pair<float, uint64_t>;  // (score, insertion sequence number)
   std::string spec_;
   uint64_t next_seq_ = 0;
-  std::map<Key, uint64_t> order_;                   // ascending: the first victim first
-  std::unordered_map<uint64_t, Key> where_;         // id -> its key in order_
+  std::map<Key, uint64_t> order_;            // ascending: the first victim first
+  std::unordered_map<uint64_t, Key> where_;  // id -> its key in order_
 };
 
 /// Builds a policy from its factory string: "lru", or a scoring policy's string (checked

@@ -14,7 +14,10 @@ bool CudaDevicePresent() {
 #ifdef KVTIER_HAVE_CUDA
   static const bool present = [] {
     int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) { cudaGetLastError(); return false; }
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
     return n > 0;
   }();
   return present;
@@ -36,13 +39,17 @@ Result<std::unique_ptr<HostBuffer>> HostBuffer::Allocate(size_t bytes, bool want
   (void)want_pinned;
   const size_t rounded = (bytes + 4095) / 4096 * 4096;
   void* p = std::aligned_alloc(4096, rounded);
-  if (p == nullptr) return ResourceExhausted("could not allocate " + std::to_string(bytes) + " bytes of host memory");
+  if (p == nullptr)
+    return ResourceExhausted("could not allocate " + std::to_string(bytes) + " bytes of host memory");
   return std::unique_ptr<HostBuffer>(new HostBuffer(static_cast<uint8_t*>(p), bytes, Kind::kAligned));
 }
 
 HostBuffer::~HostBuffer() {
 #ifdef KVTIER_HAVE_CUDA
-  if (kind_ == Kind::kPinned) { cudaFreeHost(data_); return; }
+  if (kind_ == Kind::kPinned) {
+    cudaFreeHost(data_);
+    return;
+  }
 #endif
   std::free(data_);
 }

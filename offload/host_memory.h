@@ -45,8 +45,8 @@ class SlotPool {
  public:
   /// `capacity_bytes / slot_bytes` slots; fewer than one slot is an error
   /// naming `what` (e.g. "warm_bytes").
-  static Result<std::unique_ptr<SlotPool>> Create(const char* what, size_t capacity_bytes,
-                                                  size_t slot_bytes, bool want_pinned);
+  static Result<std::unique_ptr<SlotPool>> Create(const char* what, size_t capacity_bytes, size_t slot_bytes,
+                                                  bool want_pinned);
   int32_t capacity() const { return capacity_; }
   int32_t used() const { return capacity_ - static_cast<int32_t>(free_.size()); }
   size_t slot_bytes() const { return slot_bytes_; }

@@ -18,8 +18,10 @@ Result<std::unique_ptr<HostHotTier>> HostHotTier::Create(size_t slot_pool_bytes,
 
 const char* MemorySpaceName(MemorySpace space) {
   switch (space) {
-    case MemorySpace::kHost: return "host";
-    case MemorySpace::kDevice: return "device";
+    case MemorySpace::kHost:
+      return "host";
+    case MemorySpace::kDevice:
+      return "device";
   }
   return "unknown";
 }
@@ -42,21 +44,24 @@ Result<TransferTicket> HotTier::DownloadBatchAsync(const DownloadOp* ops, size_t
 
 Status HotTier::WaitTransfer(TransferTicket ticket) {
   if (ticket != kCompletedTransfer)
-    return InvalidArgument("hot tier: unknown transfer ticket " + std::to_string(ticket) + " (never issued or already waited)");
+    return InvalidArgument("hot tier: unknown transfer ticket " + std::to_string(ticket) +
+                           " (never issued or already waited)");
   return Status::Ok();
 }
 
 Result<bool> HotTier::TransferDone(TransferTicket ticket) {
   // Not through WaitTransfer: a polled ticket must stay waitable in a tier that overrides it.
   if (ticket != kCompletedTransfer)
-    return InvalidArgument("hot tier: unknown transfer ticket " + std::to_string(ticket) + " (never issued or already waited)");
+    return InvalidArgument("hot tier: unknown transfer ticket " + std::to_string(ticket) +
+                           " (never issued or already waited)");
   return true;
 }
 
 Result<uint8_t*> HostHotTier::AllocateRegion(size_t bytes) {
   if (bytes == 0) return InvalidArgument("hot region size must be > 0");
   void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-  if (p == nullptr) return ResourceExhausted("hot tier: could not allocate " + std::to_string(bytes) + " bytes");
+  if (p == nullptr)
+    return ResourceExhausted("hot tier: could not allocate " + std::to_string(bytes) + " bytes");
   return static_cast<uint8_t*>(p);
 }
 
@@ -85,8 +90,10 @@ namespace kvtier {
 
 const char* DeviceName(Device device) {
   switch (device) {
-    case Device::kCpu: return "cpu";
-    case Device::kCuda: return "cuda";
+    case Device::kCpu:
+      return "cpu";
+    case Device::kCuda:
+      return "cuda";
   }
   return "unknown";
 }
@@ -99,17 +106,20 @@ Result<Device> ParseDevice(const std::string& name) {
 
 Status CheckDevice(Device device) {
   switch (device) {
-    case Device::kCpu: return Status::Ok();
+    case Device::kCpu:
+      return Status::Ok();
     case Device::kCuda:
 #if KVTIER_HAVE_CUDA
       // Asked here, not only when building, so that StoreOptions::Validate names the missing
       // device before anything is opened.
       if (kernels::cuda::DeviceCount() == 0)
-        return Unavailable(std::string("hot tier \"cuda\": no CUDA device: ") + kernels::cuda::LastCudaErrorString());
+        return Unavailable(std::string("hot tier \"cuda\": no CUDA device: ") +
+                           kernels::cuda::LastCudaErrorString());
       return Status::Ok();
 #else
-      return Unavailable("hot tier \"cuda\": this build has no CUDA (configure with KVTIER_CUDA=on where nvcc "
-                         "exists); use cpu");
+      return Unavailable(
+          "hot tier \"cuda\": this build has no CUDA (configure with KVTIER_CUDA=on where nvcc "
+          "exists); use cpu");
 #endif
   }
   return InvalidArgument("unknown device " + std::to_string(static_cast<int>(device)) + " (cpu|cuda)");

@@ -139,9 +139,13 @@ class ForwardingHotTier : public HotTier {
   uint8_t* slot_data(int32_t slot) override { return inner_->slot_data(slot); }
   Result<uint8_t*> AllocateRegion(size_t bytes) override { return inner_->AllocateRegion(bytes); }
   void FreeRegion(uint8_t* region, size_t bytes) override { inner_->FreeRegion(region, bytes); }
-  Status Upload(uint8_t* dst, const void* src, size_t bytes) override { return inner_->Upload(dst, src, bytes); }
+  Status Upload(uint8_t* dst, const void* src, size_t bytes) override {
+    return inner_->Upload(dst, src, bytes);
+  }
   Status UploadBatch(const UploadOp* ops, size_t n) override { return inner_->UploadBatch(ops, n); }
-  Status Download(void* dst, const uint8_t* src, size_t bytes) override { return inner_->Download(dst, src, bytes); }
+  Status Download(void* dst, const uint8_t* src, size_t bytes) override {
+    return inner_->Download(dst, src, bytes);
+  }
   Status CopyWithin(uint8_t* dst, const void* src, size_t bytes) override {
     return inner_->CopyWithin(dst, src, bytes);
   }

@@ -17,7 +17,8 @@ uint16_t Crc16Xmodem(const char* p, size_t n) {
   uint16_t crc = 0;
   for (size_t i = 0; i < n; ++i) {
     crc ^= static_cast<uint16_t>(static_cast<uint8_t>(p[i])) << 8;
-    for (int b = 0; b < 8; ++b) crc = (crc & 0x8000) ? static_cast<uint16_t>((crc << 1) ^ 0x1021) : static_cast<uint16_t>(crc << 1);
+    for (int b = 0; b < 8; ++b)
+      crc = (crc & 0x8000) ? static_cast<uint16_t>((crc << 1) ^ 0x1021) : static_cast<uint16_t>(crc << 1);
   }
   return crc;
 }
@@ -32,8 +33,8 @@ timeval Millis(int ms) {
 // hiredis reports a socket timeout as an I/O error with errno's text; keep the two apart,
 // since a slow node and a dead one call for different reactions from an operator.
 bool IsTimeout(const redisContext* c) {
-  return c->err == REDIS_ERR_IO &&
-         (std::strstr(c->errstr, "temporarily unavailable") != nullptr || std::strstr(c->errstr, "timed out") != nullptr);
+  return c->err == REDIS_ERR_IO && (std::strstr(c->errstr, "temporarily unavailable") != nullptr ||
+                                    std::strstr(c->errstr, "timed out") != nullptr);
 }
 
 Status ConnectionError(const redisContext* c, const RedisEndpoint& ep, const char* during) {
@@ -83,11 +84,15 @@ Status RedisClientOptions::Validate() const {
       return InvalidArgument("redis: seed port must be in 1..65535 (got " + std::to_string(ep.port) + ")");
   }
   if (connect_timeout_ms <= 0)
-    return InvalidArgument("redis: connect_timeout_ms must be > 0 (got " + std::to_string(connect_timeout_ms) + ")");
+    return InvalidArgument("redis: connect_timeout_ms must be > 0 (got " +
+                           std::to_string(connect_timeout_ms) + ")");
   if (command_timeout_ms <= 0)
-    return InvalidArgument("redis: command_timeout_ms must be > 0 (got " + std::to_string(command_timeout_ms) + ")");
-  if (retry_ms < 0) return InvalidArgument("redis: retry_ms must be >= 0 (got " + std::to_string(retry_ms) + ")");
-  if (pool_size < 1) return InvalidArgument("redis: pool_size must be >= 1 (got " + std::to_string(pool_size) + ")");
+    return InvalidArgument("redis: command_timeout_ms must be > 0 (got " +
+                           std::to_string(command_timeout_ms) + ")");
+  if (retry_ms < 0)
+    return InvalidArgument("redis: retry_ms must be >= 0 (got " + std::to_string(retry_ms) + ")");
+  if (pool_size < 1)
+    return InvalidArgument("redis: pool_size must be >= 1 (got " + std::to_string(pool_size) + ")");
   return Status::Ok();
 }
 
@@ -197,7 +202,8 @@ bool ParseClusterSlots(const redisReply* r, const RedisEndpoint& asked,
       return false;
     const redisReply* m = e->element[2];
     if (m->element[0]->type != REDIS_REPLY_STRING || m->element[1]->type != REDIS_REPLY_INTEGER) return false;
-    RedisEndpoint ep{std::string(m->element[0]->str, m->element[0]->len), static_cast<int>(m->element[1]->integer)};
+    RedisEndpoint ep{std::string(m->element[0]->str, m->element[0]->len),
+                     static_cast<int>(m->element[1]->integer)};
     if (ep.host.empty() || ep.host == "?") ep.host = asked.host;
     const int lo = static_cast<int>(e->element[0]->integer), hi = static_cast<int>(e->element[1]->integer);
     if (lo < 0 || hi >= kSlots || lo > hi) return false;
@@ -244,7 +250,8 @@ Result<std::unique_ptr<RedisClient>> RedisClient::Connect(const RedisClientOptio
     redisFree(c);
     if (!parsed) return Unavailable("redis " + seed.ToString() + ": unexpected CLUSTER SLOTS reply");
     if (ranges.empty())
-      return Unavailable("redis " + seed.ToString() + ": the cluster has no slots assigned (not created yet?)");
+      return Unavailable("redis " + seed.ToString() +
+                         ": the cluster has no slots assigned (not created yet?)");
     client->cluster_ = true;
     std::lock_guard<std::mutex> l(client->mu_);
     for (auto& [lo, hi, ep] : ranges) {

@@ -68,7 +68,9 @@ struct RedisClientOptions {
 
 /// A hiredis reply, freed on destruction.
 struct RedisReplyDeleter {
-  void operator()(redisReply* r) const { if (r) freeReplyObject(r); }
+  void operator()(redisReply* r) const {
+    if (r) freeReplyObject(r);
+  }
 };
 using RedisReplyPtr = std::unique_ptr<redisReply, RedisReplyDeleter>;
 

@@ -29,8 +29,8 @@ Result<int> ParseInt(std::string_view spec, std::string_view field, std::string_
   }
   return v;
 bad:
-  return InvalidArgument("remote spec '" + std::string(spec) + "': " + std::string(field) + " '" + std::string(text) +
-                         "' is not a non-negative integer");
+  return InvalidArgument("remote spec '" + std::string(spec) + "': " + std::string(field) + " '" +
+                         std::string(text) + "' is not a non-negative integer");
 }
 
 // The framed value's `what` and its messages say "remote tier", not the cold tier's words.
@@ -46,7 +46,8 @@ uint64_t KeyTag(std::string_view key) { return Crc32c(key.data(), key.size()); }
 // The framed value of a chunk (cold_tier_format::EncodeValue's layout, body = u32 meta
 // length, meta, payload) built in one buffer: the payload is copied once, not three times
 // (body, value, argv), which is most of a put's CPU next to the socket write.
-std::string FrameChunk(const std::string& key, std::string_view meta, const void* payload, size_t payload_bytes) {
+std::string FrameChunk(const std::string& key, std::string_view meta, const void* payload,
+                       size_t payload_bytes) {
   constexpr size_t H = cold_tier_format::kValueHeaderBytes;
   const size_t body = 4 + meta.size() + payload_bytes;
   std::string v(H + body, '\0');
@@ -74,9 +75,11 @@ Status RemoteTierOptions::Validate() const {
   if (!ValidNamespace(ns))
     return InvalidArgument("remote tier: ns '" + ns + "' must be 1..128 letters, digits, '-', '_' or '.'");
   if (wait_replicas < 0)
-    return InvalidArgument("remote tier: wait_replicas must be >= 0 (got " + std::to_string(wait_replicas) + ")");
+    return InvalidArgument("remote tier: wait_replicas must be >= 0 (got " + std::to_string(wait_replicas) +
+                           ")");
   if (wait_timeout_ms <= 0)
-    return InvalidArgument("remote tier: wait_timeout_ms must be > 0 (got " + std::to_string(wait_timeout_ms) + ")");
+    return InvalidArgument("remote tier: wait_timeout_ms must be > 0 (got " +
+                           std::to_string(wait_timeout_ms) + ")");
   // WAIT blocks up to its own limit: a socket timeout shorter than that would cut every
   // slow WAIT off as a dead connection.
   if (wait_replicas > 0 && wait_timeout_ms >= command_timeout_ms)
@@ -114,7 +117,8 @@ Result<RemoteTierOptions> ParseRemoteSpec(std::string_view spec) {
     if (comma != std::string_view::npos && rest.empty()) return bad("trailing ','");
     const size_t colon = item.rfind(':');
     if (item.empty()) return bad("empty host:port");
-    if (colon == std::string_view::npos || colon == 0) return bad("'" + std::string(item) + "' is not host:port");
+    if (colon == std::string_view::npos || colon == 0)
+      return bad("'" + std::string(item) + "' is not host:port");
     KVTIER_ASSIGN_OR_RETURN(int port, ParseInt(spec, "port", item.substr(colon + 1)));
     if (port < 1 || port > 65535) return bad("port " + std::to_string(port) + " is outside 1..65535");
     o.endpoints.push_back(RedisEndpoint{std::string(item.substr(0, colon)), port});
@@ -171,7 +175,9 @@ std::string RemoteTier::ChunkKeyString(const RemoteChunkRef& ref) const {
          std::to_string(ref.key.index);
 }
 
-std::string RemoteTier::PublicationKey(std::string_view name) { return "kvt:pub:{" + std::string(name) + "}"; }
+std::string RemoteTier::PublicationKey(std::string_view name) {
+  return "kvt:pub:{" + std::string(name) + "}";
+}
 std::string RemoteTier::PublicationPartKey(std::string_view name, uint32_t index) {
   return PublicationKey(name) + ":" + std::to_string(index);
 }
@@ -205,7 +211,8 @@ Status RemoteTier::PutChunks(std::vector<Put>* puts) {
   for (size_t i = 0; i < puts->size(); ++i) {
     Put& p = (*puts)[i];
     const RedisCall& c = calls[i];
-    const std::string what = "remote tier: writing chunk " + p.key.ToString() + " (key '" + calls[i].argv[1] + "')";
+    const std::string what =
+        "remote tier: writing chunk " + p.key.ToString() + " (key '" + calls[i].argv[1] + "')";
     if (!c.status.ok()) {
       p.status = Status(c.status.code(), what + ": " + c.status.message());
       errors_++;
@@ -224,7 +231,8 @@ Status RemoteTier::PutChunks(std::vector<Put>* puts) {
   return first;
 }
 
-Status RemoteTier::PutChunk(const ChunkKey& key, std::string_view meta, const void* payload, size_t payload_bytes) {
+Status RemoteTier::PutChunk(const ChunkKey& key, std::string_view meta, const void* payload,
+                            size_t payload_bytes) {
   std::vector<Put> puts(1);
   puts[0].key = key;
   puts[0].meta = meta;
@@ -254,10 +262,14 @@ Status RemoteTier::GetChunks(std::vector<Get>* gets) {
                           " is missing: evicted by the server (maxmemory) or never written");
       not_found_++;
     } else if (c.reply->type != REDIS_REPLY_STRING) {
-      g.status = c.reply->type == REDIS_REPLY_ERROR
-                     ? IOError("remote tier: reading " + what + ": " + std::string(c.reply->str, c.reply->len))
-                     : Corruption("remote tier: " + what + " holds no string value");
-      if (c.reply->type == REDIS_REPLY_ERROR) errors_++; else corrupt_++;
+      g.status =
+          c.reply->type == REDIS_REPLY_ERROR
+              ? IOError("remote tier: reading " + what + ": " + std::string(c.reply->str, c.reply->len))
+              : Corruption("remote tier: " + what + " holds no string value");
+      if (c.reply->type == REDIS_REPLY_ERROR)
+        errors_++;
+      else
+        corrupt_++;
     } else {
       std::string_view body;
       uint64_t aux = 0;
@@ -305,9 +317,12 @@ Status RemoteTier::DeleteChunks(const std::vector<ChunkKey>& keys) {
   client_->Execute(&calls);
   for (size_t i = 0; i < keys.size(); ++i) {
     const RedisCall& c = calls[i];
-    if (!c.status.ok()) return Status(c.status.code(), "remote tier: deleting chunk " + keys[i].ToString() + ": " + c.status.message());
+    if (!c.status.ok())
+      return Status(c.status.code(),
+                    "remote tier: deleting chunk " + keys[i].ToString() + ": " + c.status.message());
     if (c.reply->type == REDIS_REPLY_ERROR)
-      return IOError("remote tier: deleting chunk " + keys[i].ToString() + ": " + std::string(c.reply->str, c.reply->len));
+      return IOError("remote tier: deleting chunk " + keys[i].ToString() + ": " +
+                     std::string(c.reply->str, c.reply->len));
   }
   return Status::Ok();
 }
@@ -321,7 +336,8 @@ Status RemoteTier::PutPublication(std::string_view name, const std::vector<std::
   // last, becomes visible only after every part it names.
   std::vector<RedisCall> calls(parts.size() + 1);
   for (size_t i = 0; i <= parts.size(); ++i) {
-    const std::string key = i < parts.size() ? PublicationPartKey(name, static_cast<uint32_t>(i)) : PublicationKey(name);
+    const std::string key =
+        i < parts.size() ? PublicationPartKey(name, static_cast<uint32_t>(i)) : PublicationKey(name);
     const std::string_view body = i < parts.size() ? std::string_view(parts[i]) : manifest;
     calls[i].argv = {"SET", key, cold_tier_format::EncodeValue(ValueKind::kBlob, body, KeyTag(key))};
     calls[i].key = calls[i].argv[1];
@@ -330,7 +346,8 @@ Status RemoteTier::PutPublication(std::string_view name, const std::vector<std::
   for (const RedisCall& c : calls) {
     const std::string what = "remote tier: publishing '" + std::string(name) + "' (key '" + c.argv[1] + "')";
     if (!c.status.ok()) return Status(c.status.code(), what + ": " + c.status.message());
-    if (c.reply->type == REDIS_REPLY_ERROR) return IOError(what + ": " + std::string(c.reply->str, c.reply->len));
+    if (c.reply->type == REDIS_REPLY_ERROR)
+      return IOError(what + ": " + std::string(c.reply->str, c.reply->len));
   }
   return Status::Ok();
 }
@@ -341,15 +358,18 @@ Result<std::string> RemoteTier::GetRecord(const std::string& key, const std::str
   calls[0].key = calls[0].argv[1];
   client_->Execute(&calls);
   const RedisCall& c = calls[0];
-  if (!c.status.ok()) return Status(c.status.code(), "remote tier: reading " + what + ": " + c.status.message());
+  if (!c.status.ok())
+    return Status(c.status.code(), "remote tier: reading " + what + ": " + c.status.message());
   if (c.reply->type == REDIS_REPLY_NIL) return NotFound("remote tier: " + what + " does not exist");
   if (c.reply->type != REDIS_REPLY_STRING)
-    return IOError("remote tier: reading " + what + ": unexpected reply type " + std::to_string(c.reply->type));
+    return IOError("remote tier: reading " + what + ": unexpected reply type " +
+                   std::to_string(c.reply->type));
   std::string_view body;
   uint64_t aux = 0;
   KVTIER_RETURN_IF_ERROR(Reword(cold_tier_format::DecodeValue(std::string_view(c.reply->str, c.reply->len),
                                                               ValueKind::kBlob, what, &body, &aux)));
-  if (aux != KeyTag(key)) return Corruption("remote tier: " + what + " holds a value written under another key");
+  if (aux != KeyTag(key))
+    return Corruption("remote tier: " + what + " holds a value written under another key");
   return std::string(body);
 }
 
@@ -363,7 +383,8 @@ Result<std::string> RemoteTier::GetManifest(std::string_view name) {
 
 Result<std::string> RemoteTier::GetPublicationPart(std::string_view name, uint32_t index) {
   const std::string key = PublicationPartKey(name, index);
-  return GetRecord(key, "publication '" + std::string(name) + "' part " + std::to_string(index) + " (key '" + key + "')");
+  return GetRecord(
+      key, "publication '" + std::string(name) + "' part " + std::to_string(index) + " (key '" + key + "')");
 }
 
 }  // namespace kvtier

@@ -51,9 +51,9 @@ struct RemoteTierOptions {
   int command_timeout_ms = 2000;         ///< per reply (default 2 s)
   int retry_ms = 10000;                  ///< a node's retry window, then fail-at-once window (default 10 s)
   int pool_size = 4;                     ///< idle connections kept per node (default 4)
-  int wait_replicas = 0;                 ///< replicas WAIT must report before a put is acknowledged (default 0)
-  int wait_timeout_ms = 1000;            ///< WAIT's limit (default 1 s); below command_timeout_ms
-  Status Validate() const;               ///< names the bad field
+  int wait_replicas = 0;       ///< replicas WAIT must report before a put is acknowledged (default 0)
+  int wait_timeout_ms = 1000;  ///< WAIT's limit (default 1 s); below command_timeout_ms
+  Status Validate() const;     ///< names the bad field
 };
 
 /// Parses "redis://host:port[,host:port...][?key=value&...]" into options. Keys:
@@ -84,10 +84,10 @@ class RemoteTier {
   /// One chunk of a batch put.
   struct Put {
     ChunkKey key;
-    std::string_view meta;            ///< the chunk's meta record
+    std::string_view meta;  ///< the chunk's meta record
     const void* payload = nullptr;
     size_t payload_bytes = 0;
-    Status status;                    ///< OK once acknowledged
+    Status status;  ///< OK once acknowledged
   };
   /// Writes every chunk in one pipelined batch (per node); each put's status says whether
   /// it was acknowledged (see the header). Returns the first failure, OK when all were.
@@ -97,9 +97,9 @@ class RemoteTier {
   /// One chunk of a batch get.
   struct Get {
     RemoteChunkRef ref;
-    void* dst = nullptr;              ///< payload_bytes of room
+    void* dst = nullptr;  ///< payload_bytes of room
     size_t payload_bytes = 0;
-    Status status;                    ///< NotFound / Corruption / Unavailable / TimedOut naming the chunk
+    Status status;  ///< NotFound / Corruption / Unavailable / TimedOut naming the chunk
   };
   /// Reads every chunk in one pipelined batch and verifies it. Returns the first failure.
   Status GetChunks(std::vector<Get>* gets);
@@ -110,7 +110,8 @@ class RemoteTier {
 
   /// Publication records (kvt:pub:{name}[:part]), framed and checked like chunks.
   /// Writes the parts in order and the manifest last, on one connection.
-  Status PutPublication(std::string_view name, const std::vector<std::string>& parts, std::string_view manifest);
+  Status PutPublication(std::string_view name, const std::vector<std::string>& parts,
+                        std::string_view manifest);
   /// The manifest; NotFound when the name is not published (or not complete yet).
   Result<std::string> GetManifest(std::string_view name);
   /// Part `index` of a publication.
@@ -132,7 +133,8 @@ class RemoteTier {
 
   RemoteTierOptions options_;
   std::unique_ptr<RedisClient> client_;
-  std::atomic<uint64_t> puts_{0}, put_bytes_{0}, gets_{0}, get_bytes_{0}, not_found_{0}, corrupt_{0}, errors_{0};
+  std::atomic<uint64_t> puts_{0}, put_bytes_{0}, gets_{0}, get_bytes_{0}, not_found_{0}, corrupt_{0},
+      errors_{0};
 };
 
 }  // namespace kvtier

@@ -15,10 +15,11 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
   const Geometry& g = in.geometry;
   const int cs = in.chunk_size, D = g.head_dim, H = g.kv_heads, R = in.repr_topk;
   // The store validated all of this once at Open; a direct caller gets a named error.
-  if (cs <= 0) return InvalidArgument("ChooseRepresentatives: chunk_size must be > 0 (got " + std::to_string(cs) + ")");
+  if (cs <= 0)
+    return InvalidArgument("ChooseRepresentatives: chunk_size must be > 0 (got " + std::to_string(cs) + ")");
   if (R <= 0 || R > cs)
-    return InvalidArgument("ChooseRepresentatives: repr_topk must be in [1, chunk_size=" + std::to_string(cs) +
-                           "] (got " + std::to_string(R) + ")");
+    return InvalidArgument("ChooseRepresentatives: repr_topk must be in [1, chunk_size=" +
+                           std::to_string(cs) + "] (got " + std::to_string(R) + ")");
   if (H <= 0 || D <= 0)
     return InvalidArgument("ChooseRepresentatives: geometry kv_heads and head_dim must be > 0 (got " +
                            std::to_string(H) + ", " + std::to_string(D) + ")");

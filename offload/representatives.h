@@ -21,14 +21,14 @@
 namespace kvtier {
 
 struct RepresentativeInput {
-  Geometry geometry;                ///< kv_heads, head_dim and the storage dtype are used
-  int chunk_size = 0;               ///< tokens in the chunk
-  int repr_topk = 0;                ///< keys to choose per kv head (<= chunk_size)
-  const uint8_t* keys = nullptr;    ///< [chunk_size, kv_heads, head_dim], storage dtype
+  Geometry geometry;              ///< kv_heads, head_dim and the storage dtype are used
+  int chunk_size = 0;             ///< tokens in the chunk
+  int repr_topk = 0;              ///< keys to choose per kv head (<= chunk_size)
+  const uint8_t* keys = nullptr;  ///< [chunk_size, kv_heads, head_dim], storage dtype
   /// Attention mass per token: head h, token t at mass[h * mass_stride + t]. Null:
   /// no statistics for any head (every head takes the fallback).
   const float* mass = nullptr;
-  size_t mass_stride = 0;           ///< >= chunk_size when mass is given
+  size_t mass_stride = 0;  ///< >= chunk_size when mass is given
 };
 
 /// Writes [repr_topk, kv_heads, head_dim] keys (storage dtype) to `out`.

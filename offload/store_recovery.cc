@@ -24,7 +24,8 @@ Status CheckOrWriteStoreRecord(const StoreOptions& options, ColdTier* cold) {
   const std::string mine = EncodeStoreRecord(LayoutOf(options));
   if (existing.ok()) {
     if (*existing == mine) return Status::Ok();
-    KVTIER_ASSIGN_OR_RETURN(StoreLayout theirs, DecodeStoreRecord(*existing, "data_dir '" + options.data_dir + "'"));
+    KVTIER_ASSIGN_OR_RETURN(StoreLayout theirs,
+                            DecodeStoreRecord(*existing, "data_dir '" + options.data_dir + "'"));
     return InvalidArgument("data_dir '" + options.data_dir + "' holds a store with " + theirs.ToString() +
                            ", but the options say " + LayoutOf(options).ToString());
   }
@@ -42,7 +43,8 @@ Status RestoreSinksAndLocal(const StoreOptions& o, size_t token_bytes, SequenceI
     if (!r->ok())
       return r->status().code() == StatusCode::kNotFound
                  ? Corruption("cold tier: sequence " + std::to_string(id) + " is closed but layer " +
-                              std::to_string(l) + " lost what close wrote before it: " + r->status().message())
+                              std::to_string(l) +
+                              " lost what close wrote before it: " + r->status().message())
                  : r->status();
   const int64_t n_sink_tokens = std::min<int64_t>(ls->n_tokens, o.n_sink);
   const int64_t n_local_tokens = ls->n_tokens - std::max<int64_t>(ls->sealed_end, n_sink_tokens);
@@ -62,9 +64,10 @@ Status RestoreSinksAndLocal(const StoreOptions& o, size_t token_bytes, SequenceI
   for (int64_t t = 0; t < n_local_tokens; ++t) {
     const int64_t p = ls->sealed_end + t;
     const size_t slot = static_cast<size_t>((p - o.n_sink) % static_cast<int64_t>(ring));
-    KVTIER_RETURN_IF_ERROR(hot->Upload(ls->ring_k + slot * token_bytes, local->data() + t * token_bytes, token_bytes));
     KVTIER_RETURN_IF_ERROR(
-        hot->Upload(ls->ring_v + slot * token_bytes, local->data() + (n_local_tokens + t) * token_bytes, token_bytes));
+        hot->Upload(ls->ring_k + slot * token_bytes, local->data() + t * token_bytes, token_bytes));
+    KVTIER_RETURN_IF_ERROR(hot->Upload(ls->ring_v + slot * token_bytes,
+                                       local->data() + (n_local_tokens + t) * token_bytes, token_bytes));
   }
   ls->sinks_restored = true;
   return Status::Ok();
@@ -86,32 +89,35 @@ Status RecoverStore(const StoreOptions& options, ColdTier* cold, HotTier* hot, R
   }));
   for (auto& [id, bytes] : records) {
     if (id == store_records::kStoreRecordSeq) continue;
-    KVTIER_ASSIGN_OR_RETURN(store_records::SequenceRecord rec, store_records::DecodeSequenceRecord(bytes, id, L));
+    KVTIER_ASSIGN_OR_RETURN(store_records::SequenceRecord rec,
+                            store_records::DecodeSequenceRecord(bytes, id, L));
     auto seq = std::make_unique<Sequence>();
     seq->id = id;
     seq->state = rec.state;
     seq->layers.resize(L);
     out->next_seq_id = std::max(out->next_seq_id, id + 1);
-    Status meta_status = cold->ForEachChunkMeta(id, [&](const ChunkKey& key, std::string_view meta) -> Status {
-      if (key.layer >= static_cast<uint32_t>(L))
-        return Corruption("cold tier: chunk " + key.ToString() + " names a layer beyond the geometry");
-      KVTIER_ASSIGN_OR_RETURN(store_records::ChunkMeta m, store_records::DecodeChunkMeta(meta, key, repr_bytes));
-      auto c = std::make_unique<Chunk>();
-      c->id = out->next_chunk_id++;
-      c->key = key;
-      c->first_token = m.first_token;
-      c->repr = std::move(m.repr);
-      c->score = m.score;
-      c->tiers = kTierCold;
-      c->cold_acked = true;
-      auto& chunks = seq->layers[key.layer].chunks;
-      if (chunks.size() <= key.index) chunks.resize(key.index + 1, nullptr);
-      out->chunk_by_id[c->id] = c.get();
-      chunks[key.index] = c.release();
-      out->cold_chunks++;
-      out->cold_bytes += chunk_bytes;
-      return Status::Ok();
-    });
+    Status meta_status =
+        cold->ForEachChunkMeta(id, [&](const ChunkKey& key, std::string_view meta) -> Status {
+          if (key.layer >= static_cast<uint32_t>(L))
+            return Corruption("cold tier: chunk " + key.ToString() + " names a layer beyond the geometry");
+          KVTIER_ASSIGN_OR_RETURN(store_records::ChunkMeta m,
+                                  store_records::DecodeChunkMeta(meta, key, repr_bytes));
+          auto c = std::make_unique<Chunk>();
+          c->id = out->next_chunk_id++;
+          c->key = key;
+          c->first_token = m.first_token;
+          c->repr = std::move(m.repr);
+          c->score = m.score;
+          c->tiers = kTierCold;
+          c->cold_acked = true;
+          auto& chunks = seq->layers[key.layer].chunks;
+          if (chunks.size() <= key.index) chunks.resize(key.index + 1, nullptr);
+          out->chunk_by_id[c->id] = c.get();
+          chunks[key.index] = c.release();
+          out->cold_chunks++;
+          out->cold_bytes += chunk_bytes;
+          return Status::Ok();
+        });
     // Hand the sequence over before checking the status, so its chunks are freed either way.
     Sequence* s = seq.get();
     out->sequences[id] = std::move(seq);
@@ -128,19 +134,21 @@ Status RecoverStore(const StoreOptions& options, ColdTier* cold, HotTier* hot, R
         const int64_t beyond = ls.n_tokens - options.n_sink - (options.n_local + options.chunk_size);
         const int64_t sealed = beyond > 0 ? (beyond + options.chunk_size - 1) / options.chunk_size : 0;
         if (static_cast<int64_t>(ls.chunks.size()) > sealed)
-          return Corruption("cold tier: sequence " + std::to_string(id) + " layer " + std::to_string(l) + " has " +
-                            std::to_string(ls.chunks.size()) + " chunks but its " + std::to_string(ls.n_tokens) +
-                            " tokens seal only " + std::to_string(sealed));
+          return Corruption("cold tier: sequence " + std::to_string(id) + " layer " + std::to_string(l) +
+                            " has " + std::to_string(ls.chunks.size()) + " chunks but its " +
+                            std::to_string(ls.n_tokens) + " tokens seal only " + std::to_string(sealed));
         ls.sealed_end = std::min<int64_t>(ls.n_tokens, options.n_sink) + sealed * options.chunk_size;
       } else {
         // Never closed: what the acknowledged chunks cover, read-only, without sinks or window.
-        ls.sealed_end =
-            ls.chunks.empty() ? 0 : options.n_sink + static_cast<int64_t>(ls.chunks.size()) * options.chunk_size;
+        ls.sealed_end = ls.chunks.empty()
+                            ? 0
+                            : options.n_sink + static_cast<int64_t>(ls.chunks.size()) * options.chunk_size;
         ls.n_tokens = ls.sealed_end;
       }
       ls.sinks_restored = false;
       if (s->state == SeqState::kClosed)
-        KVTIER_RETURN_IF_ERROR(RestoreSinksAndLocal(options, token_bytes, id, l, cold, hot, &ls, &out->region_bytes));
+        KVTIER_RETURN_IF_ERROR(
+            RestoreSinksAndLocal(options, token_bytes, id, l, cold, hot, &ls, &out->region_bytes));
     }
   }
   return Status::Ok();

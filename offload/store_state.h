@@ -32,10 +32,10 @@ struct Chunk {
   uint8_t tiers = kTierNone;
   int32_t warm_slot = -1;
   int32_t hot_slot = -1;
-  int warm_pins = 0;          // internal copies reading/writing the warm slot
-  int hot_pins = 0;           // FetchHandles holding the hot slot
+  int warm_pins = 0;                 // internal copies reading/writing the warm slot
+  int hot_pins = 0;                  // FetchHandles holding the hot slot
   Clock::time_point pin_deadline{};  // from StoreOptions::clock
-  bool hot_loading = false;   // hot slot assigned, bytes not there yet
+  bool hot_loading = false;          // hot slot assigned, bytes not there yet
   bool cold_acked = false;
   bool cold_writing = false;
   // Written by SetChunkScores under the store mutex. A cold write encodes the
@@ -66,9 +66,9 @@ struct LayerState {
   uint8_t* ring_v = nullptr;
   std::vector<float> ring_mass;  // [kv_heads, ring] attention mass while in the local window
   int64_t n_tokens = 0;
-  int64_t sealed_end = 0;     // first position not yet in a chunk (>= n_sink once sinks are full)
-  bool sinks_restored = true; // false for a recovered sequence without a sinks record
-  std::vector<Chunk*> chunks; // by chunk index; null for a dropped chunk or a hole left by a crash
+  int64_t sealed_end = 0;      // first position not yet in a chunk (>= n_sink once sinks are full)
+  bool sinks_restored = true;  // false for a recovered sequence without a sinks record
+  std::vector<Chunk*> chunks;  // by chunk index; null for a dropped chunk or a hole left by a crash
   // Under the store mutex: the chunk indices DropChunks removed, in drop order (the
   // retrieval indexes over the layer read it through TieredStore::ChunkUpdatesSince).
   std::vector<uint64_t> dropped;

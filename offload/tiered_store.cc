@@ -126,9 +126,10 @@ Status TieredStore::Init() {
   // Every slot holds one chunk ([K][V]); spans and copies assume exactly that size.
   if (hot_->slot_bytes() != chunk_bytes_ || hot_->slot_capacity() < 1)
     return InvalidArgument("hot tier (" + std::string(DeviceName(hot_->device())) + ") has " +
-                           std::to_string(hot_->slot_capacity()) + " slots of " + std::to_string(hot_->slot_bytes()) +
-                           " bytes; the store needs at least one slot of one chunk (" + std::to_string(chunk_bytes_) +
-                           " bytes)");
+                           std::to_string(hot_->slot_capacity()) + " slots of " +
+                           std::to_string(hot_->slot_bytes()) +
+                           " bytes; the store needs at least one slot of one chunk (" +
+                           std::to_string(chunk_bytes_) + " bytes)");
   // A device tier ("cuda") is accepted: nothing in the store dereferences hot memory on the
   // host. Attention runs on the Session's backend for the tier's device
   // (offload/attention_backend.h); chunk scoring reads representatives, which are host data
@@ -191,30 +192,33 @@ Status TieredStore::Init() {
 }
 
 Result<SequenceId> TieredStore::CreateSequence() {
-  return ReturnOnBadAlloc("CreateSequence: the sinks and local window of every layer", [&]() -> Result<SequenceId> {
-  auto seq = std::make_unique<Sequence>();
-  const int L = options_.geometry.layers;
-  seq->layers.resize(L);
-  const size_t ring = static_cast<size_t>(options_.n_local + options_.chunk_size);
-  for (auto& ls : seq->layers) {
-    // Sinks may be zero tokens; keep a non-null region so spans are valid.
-    KVTIER_ASSIGN_OR_RETURN(ls.sink_k, hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
-    KVTIER_ASSIGN_OR_RETURN(ls.sink_v, hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
-    KVTIER_ASSIGN_OR_RETURN(ls.ring_k, hot_->AllocateRegion(ring * token_bytes_));
-    KVTIER_ASSIGN_OR_RETURN(ls.ring_v, hot_->AllocateRegion(ring * token_bytes_));
-    ls.ring_mass.assign(static_cast<size_t>(options_.geometry.kv_heads) * ring, 0.0f);
-  }
-  std::lock_guard<std::mutex> l(mu_);
-  seq->id = next_seq_id_++;
-  region_bytes_ += L * 2 * (options_.n_sink + ring) * token_bytes_;
-  if (cold_) {
-    const std::string rec = EncodeSequenceRecord(SeqState::kOpen, std::vector<int64_t>(L, 0));
-    KVTIER_RETURN_IF_ERROR(cold_->PutSequence(seq->id, rec));
-  }
-  const SequenceId id = seq->id;
-  sequences_[id] = std::move(seq);
-  return id;
-  });
+  return ReturnOnBadAlloc(
+      "CreateSequence: the sinks and local window of every layer", [&]() -> Result<SequenceId> {
+        auto seq = std::make_unique<Sequence>();
+        const int L = options_.geometry.layers;
+        seq->layers.resize(L);
+        const size_t ring = static_cast<size_t>(options_.n_local + options_.chunk_size);
+        for (auto& ls : seq->layers) {
+          // Sinks may be zero tokens; keep a non-null region so spans are valid.
+          KVTIER_ASSIGN_OR_RETURN(ls.sink_k,
+                                  hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
+          KVTIER_ASSIGN_OR_RETURN(ls.sink_v,
+                                  hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
+          KVTIER_ASSIGN_OR_RETURN(ls.ring_k, hot_->AllocateRegion(ring * token_bytes_));
+          KVTIER_ASSIGN_OR_RETURN(ls.ring_v, hot_->AllocateRegion(ring * token_bytes_));
+          ls.ring_mass.assign(static_cast<size_t>(options_.geometry.kv_heads) * ring, 0.0f);
+        }
+        std::lock_guard<std::mutex> l(mu_);
+        seq->id = next_seq_id_++;
+        region_bytes_ += L * 2 * (options_.n_sink + ring) * token_bytes_;
+        if (cold_) {
+          const std::string rec = EncodeSequenceRecord(SeqState::kOpen, std::vector<int64_t>(L, 0));
+          KVTIER_RETURN_IF_ERROR(cold_->PutSequence(seq->id, rec));
+        }
+        const SequenceId id = seq->id;
+        sequences_[id] = std::move(seq);
+        return id;
+      });
 }
 
 std::vector<SequenceId> TieredStore::ListSequences() const {
@@ -236,7 +240,8 @@ Status TieredStore::CheckLayerLocked(SequenceId seq, int layer, bool for_write, 
     return FailedPrecondition("sequence " + std::to_string(seq) +
                               (it->second->state == SeqState::kClosed
                                    ? " is closed; it is read-only"
-                                   : " was not closed before the store stopped; its chunks are readable but it cannot be appended to"));
+                                   : " was not closed before the store stopped; its chunks are readable but "
+                                     "it cannot be appended to"));
   *out = it->second.get();
   return Status::Ok();
 }
@@ -293,12 +298,15 @@ Status TieredStore::CloseSequence(SequenceId seq) {
   return st;
 }
 
-Status TieredStore::CopySinksAndLocal(SequenceId seq, Sequence* s, int l, std::string* sinks, std::string* local) {
+Status TieredStore::CopySinksAndLocal(SequenceId seq, Sequence* s, int l, std::string* sinks,
+                                      std::string* local) {
   LayerState& ls = s->layers[l];
   const int64_t n_sink_tokens = std::min<int64_t>(ls.n_tokens, options_.n_sink);
   sinks->assign(2 * n_sink_tokens * token_bytes_, '\0');
   Status st = hot_->Download(sinks->data(), ls.sink_k, n_sink_tokens * token_bytes_);
-  if (st.ok()) st = hot_->Download(sinks->data() + n_sink_tokens * token_bytes_, ls.sink_v, n_sink_tokens * token_bytes_);
+  if (st.ok())
+    st =
+        hot_->Download(sinks->data() + n_sink_tokens * token_bytes_, ls.sink_v, n_sink_tokens * token_bytes_);
   const int64_t n_local = ls.n_tokens - std::max<int64_t>(ls.sealed_end, n_sink_tokens);
   local->assign(2 * std::max<int64_t>(0, n_local) * token_bytes_, '\0');
   if (st.ok() && n_local > 0) {
@@ -313,7 +321,8 @@ Status TieredStore::CopySinksAndLocal(SequenceId seq, Sequence* s, int l, std::s
 Status TieredStore::DropSequence(SequenceId seq) {
   std::unique_lock<std::mutex> l(mu_);
   auto it = sequences_.find(seq);
-  if (it == sequences_.end()) return NotFound("sequence " + std::to_string(seq) + " does not exist (never created or dropped)");
+  if (it == sequences_.end())
+    return NotFound("sequence " + std::to_string(seq) + " does not exist (never created or dropped)");
   Sequence* s = it->second.get();
   // Wait for appends, reads and transfers that touch this sequence to finish; chunks still
   // landing land first (their downloads read the regions freed below). A landing failure
@@ -345,8 +354,10 @@ Status TieredStore::DropSequence(SequenceId seq) {
     }
     ls.chunks.clear();
     const size_t ring = static_cast<size_t>(options_.n_local + options_.chunk_size);
-    hot_->FreeRegion(ls.sink_k, 0); hot_->FreeRegion(ls.sink_v, 0);
-    hot_->FreeRegion(ls.ring_k, 0); hot_->FreeRegion(ls.ring_v, 0);
+    hot_->FreeRegion(ls.sink_k, 0);
+    hot_->FreeRegion(ls.sink_v, 0);
+    hot_->FreeRegion(ls.ring_k, 0);
+    hot_->FreeRegion(ls.ring_v, 0);
     region_bytes_ -= 2 * (options_.n_sink + ring) * token_bytes_;
   }
   sequences_.erase(seq);  // by key: `it` may be stale after the waits above (a CreateSequence can rehash)

@@ -78,14 +78,13 @@ struct LayerState;
 struct Sequence;
 }  // namespace store_internal
 
-
 /// Per-chunk metadata visible to retrieval and policies.
 struct ChunkInfo {
   ChunkKey key;
-  int64_t first_token = 0;       ///< absolute position of the chunk's first token
-  int n_tokens = 0;              ///< chunk_size
-  uint8_t tiers = kTierNone;     ///< TierBits where the chunk is resident
-  float score = 0.0f;            ///< policy score (higher = keep)
+  int64_t first_token = 0;    ///< absolute position of the chunk's first token
+  int n_tokens = 0;           ///< chunk_size
+  uint8_t tiers = kTierNone;  ///< TierBits where the chunk is resident
+  float score = 0.0f;         ///< policy score (higher = keep)
 };
 
 /// Where a reader of one layer's chunk changes stands (TieredStore::ChunkUpdatesSince).
@@ -106,10 +105,10 @@ struct ChunkUpdate {
 /// the sinks and the local window (the ring gives up to two spans). Pointers
 /// stay valid until the next Append to that (sequence, layer).
 struct HotView {
-  kernels::KvSpan sinks;         ///< n_tokens may be < n_sink early on
-  kernels::KvSpan local[2];      ///< oldest part first
+  kernels::KvSpan sinks;     ///< n_tokens may be < n_sink early on
+  kernels::KvSpan local[2];  ///< oldest part first
   int n_local_spans = 0;
-  int64_t n_tokens = 0;          ///< tokens appended to this layer so far
+  int64_t n_tokens = 0;  ///< tokens appended to this layer so far
 };
 
 /// Completion handle of an asynchronous fetch. Wait() returns the transfer's
@@ -137,6 +136,7 @@ class FetchHandle {
 
  private:
   friend class TieredStore;
+
  public:
   struct State;  // internal
  private:
@@ -345,7 +345,8 @@ class TieredStore : public Store {
   /// Marks a chunk the lower tiers in `acks` (TierBits, at least one) just acknowledged; returns
   /// the listener to call (outside the lock).
   std::function<void(const ChunkKey&)> AckColdWriteLocked(Chunk* c, uint8_t acks);
-  /// A free hot slot, or the hot policy's victim among slots neither loading nor pinned at `now`; -1 when none.
+  /// A free hot slot, or the hot policy's victim among slots neither loading nor pinned at `now`; -1 when
+  /// none.
   int32_t AcquireHotSlotLocked(Clock::time_point now);
   /// What the hot pool offers a fetch of `seq` that needs `need` slots it has no slot for,
   /// `requested` (sorted chunk ids) being the chunks the fetch asks for.
@@ -418,7 +419,7 @@ class TieredStore : public Store {
   std::set<uint64_t> pin_waiters_;
   uint64_t next_pin_ticket_ = 1;
   uint64_t region_bytes_ = 0;
-  uint64_t landing_chunks_ = 0;  // sealed chunks whose warm slot is still being filled (every layer)
+  uint64_t landing_chunks_ = 0;    // sealed chunks whose warm slot is still being filled (every layer)
   uint64_t landing_failures_ = 0;  // landings that lost their chunk (with chunks_sealed: landing progress)
   std::function<void(const ChunkKey&)> ack_listener_;
   // The first failed asynchronous write to a lower tier, sticky (see WaitForDurable):

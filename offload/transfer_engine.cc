@@ -1,16 +1,18 @@
 #include "offload/transfer_engine.h"
-#include "kernels/tbb_tsan.h"
 
 #include <oneapi/tbb/info.h>
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
 
+#include "kernels/tbb_tsan.h"
+
 namespace kvtier {
 
 Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const Options& options) {
   if (options.threads < 1)
-    return InvalidArgument("transfer engine: threads must be > 0 (got " + std::to_string(options.threads) + ")");
+    return InvalidArgument("transfer engine: threads must be > 0 (got " + std::to_string(options.threads) +
+                           ")");
   if (options.chunk_bytes == 0) return InvalidArgument("transfer engine: chunk_bytes must be > 0");
   if (options.hot == nullptr) return InvalidArgument("transfer engine: hot tier must not be null");
   auto engine = std::unique_ptr<TransferEngine>(new TransferEngine(options));

@@ -36,9 +36,9 @@ namespace kvtier {
 class TransferEngine {
  public:
   struct Options {
-    int threads = 2;          ///< worker threads asked for (capped at the process's cores - 1, at least 1)
-    size_t chunk_bytes = 0;   ///< bytes of one chunk (K and V): every copy moves exactly this much
-    HotTier* hot = nullptr;   ///< where fetched chunks are uploaded to; not owned
+    int threads = 2;         ///< worker threads asked for (capped at the process's cores - 1, at least 1)
+    size_t chunk_bytes = 0;  ///< bytes of one chunk (K and V): every copy moves exactly this much
+    HotTier* hot = nullptr;  ///< where fetched chunks are uploaded to; not owned
     /// The store's lower tiers in order (offload/lower_tier.h), not owned: chunks are
     /// written to each in order and read from the first that serves them. Empty: none.
     std::vector<LowerTier*> lower;
@@ -59,8 +59,8 @@ class TransferEngine {
 
   /// One chunk of a fetch, copied into its hot slot.
   struct Load {
-    ChunkKey key;                      ///< names the chunk in messages
-    uint8_t* hot_dst = nullptr;        ///< the hot slot (HotTier::slot_data)
+    ChunkKey key;                       ///< names the chunk in messages
+    uint8_t* hot_dst = nullptr;         ///< the hot slot (HotTier::slot_data)
     const uint8_t* warm_src = nullptr;  ///< the pinned warm copy; null: read it from a lower tier
     /// For a lower-tier read: where to read it to (a warm slot reserved to keep the copy), or
     /// null to read into `staging`.
@@ -72,7 +72,7 @@ class TransferEngine {
     /// Where the bytes came from, set with status OK: the lower tier that served them, or
     /// null for the warm copy.
     const LowerTier* source = nullptr;
-    Status status;                     ///< the outcome, per load
+    Status status;  ///< the outcome, per load
   };
   /// Copies every load into its hot slot on the calling thread: the warm ones as one
   /// HotTier::UploadBatch (one wait per fetch on a device tier), the others from the lower
@@ -113,7 +113,7 @@ class TransferEngine {
   Options options_;
   int workers_ = 1;
   std::unique_ptr<tbb::task_arena> arena_;
-  char fork_ = 0;  // the sync address of Enqueue's TSan fork annotation (kernels/tbb_tsan.h)
+  char fork_ = 0;                 // the sync address of Enqueue's TSan fork annotation (kernels/tbb_tsan.h)
   std::mutex mu_;                 // guards inflight_
   std::condition_variable idle_;  // signalled when inflight_ drops to 0
   int64_t inflight_ = 0;

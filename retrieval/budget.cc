@@ -40,9 +40,11 @@ void BudgetAllocator::BeginStepCommon(int layers, int k) {
   next_layer_ = 0;
   step_error_ = Status::Ok();
   if (layers < 1)
-    step_error_ = InvalidArgument("BudgetAllocator::BeginStep: layers must be >= 1 (got " + std::to_string(layers) + ")");
+    step_error_ = InvalidArgument("BudgetAllocator::BeginStep: layers must be >= 1 (got " +
+                                  std::to_string(layers) + ")");
   else if (k < 1)
-    step_error_ = InvalidArgument("BudgetAllocator::BeginStep: k must be >= 1 (got " + std::to_string(k) + ")");
+    step_error_ =
+        InvalidArgument("BudgetAllocator::BeginStep: k must be >= 1 (got " + std::to_string(k) + ")");
 }
 
 Status BudgetAllocator::CheckAllocate(int layer, const LayerScores& s, bool need_scores) const {
@@ -53,11 +55,14 @@ Status BudgetAllocator::CheckAllocate(int layer, const LayerScores& s, bool need
                               " layers of this step are served; call BeginStep (got layer " +
                               std::to_string(layer) + ")");
   if (layer != next_layer_)
-    return FailedPrecondition("BudgetAllocator::Allocate: layers are served in order 0..L-1; expected layer " +
-                              std::to_string(next_layer_) + ", got " + std::to_string(layer));
-  if (s.n < 0) return InvalidArgument("BudgetAllocator::Allocate: n must be >= 0 (got " + std::to_string(s.n) + ")");
+    return FailedPrecondition(
+        "BudgetAllocator::Allocate: layers are served in order 0..L-1; expected layer " +
+        std::to_string(next_layer_) + ", got " + std::to_string(layer));
+  if (s.n < 0)
+    return InvalidArgument("BudgetAllocator::Allocate: n must be >= 0 (got " + std::to_string(s.n) + ")");
   if (need_scores && s.n > 0) {
-    if (s.scores == nullptr) return InvalidArgument("BudgetAllocator::Allocate: scores must not be null when n > 0");
+    if (s.scores == nullptr)
+      return InvalidArgument("BudgetAllocator::Allocate: scores must not be null when n > 0");
     for (int i = 0; i < s.n; ++i)
       if (!std::isfinite(s.scores[i]))
         return InvalidArgument("BudgetAllocator::Allocate: score " + std::to_string(i) + " of layer " +
@@ -121,9 +126,9 @@ std::optional<double> EntropyBudget::MeanEntropy(int layer) const {
 void EntropyBudget::BeginStep(int layers, int k) {
   BeginStepCommon(layers, k);
   if (step_error_.ok() && k < opt_.min_chunks)
-    step_error_ = InvalidArgument("EntropyBudget::BeginStep: k (" + std::to_string(k) +
-                                  ") must be >= min (" + std::to_string(opt_.min_chunks) +
-                                  ") so that every layer can get its minimum");
+    step_error_ =
+        InvalidArgument("EntropyBudget::BeginStep: k (" + std::to_string(k) + ") must be >= min (" +
+                        std::to_string(opt_.min_chunks) + ") so that every layer can get its minimum");
   if (!step_error_.ok()) return;
   if (theta_count_.size() != static_cast<size_t>(layers)) {  // a different model: start over
     theta_sum_.assign(layers, 0.0);
@@ -145,8 +150,9 @@ Result<int> EntropyBudget::Allocate(int layer, const LayerScores& s) {
 Result<int> EntropyBudget::AllocateWithEntropy(int layer, int n, double theta) {
   KVTIER_RETURN_IF_ERROR(CheckAllocate(layer, LayerScores{nullptr, n}, /*need_scores=*/false));
   if (n > 0 && !(std::isfinite(theta) && theta >= 0.0))
-    return InvalidArgument("EntropyBudget::AllocateWithEntropy: the entropy of layer " + std::to_string(layer) +
-                           " must be finite and >= 0 (got " + std::to_string(theta) + ")");
+    return InvalidArgument("EntropyBudget::AllocateWithEntropy: the entropy of layer " +
+                           std::to_string(layer) + " must be finite and >= 0 (got " + std::to_string(theta) +
+                           ")");
   ++next_layer_;
   if (n == 0) return 0;  // nothing to take; no entropy recorded
   return Grant(layer, n, theta);
@@ -184,7 +190,8 @@ Result<int> EntropyBudget::Grant(int layer, int n, double theta) {
   const int64_t reserve = static_cast<int64_t>(M) * (L - 1 - layer);
   const int64_t hi = std::min<int64_t>(n, remaining_ - reserve);
   const int64_t lo = std::min<int64_t>(M, n);
-  if (hi < lo) return Internal("EntropyBudget: budget bookkeeping broke (B_kv " + std::to_string(remaining_) + ")");
+  if (hi < lo)
+    return Internal("EntropyBudget: budget bookkeeping broke (B_kv " + std::to_string(remaining_) + ")");
   const int64_t take = std::clamp(rounded, lo, hi);
   remaining_ -= take;  // Algorithm 1: B_kv <- B_kv - B^l (what the layer actually took)
 
@@ -201,8 +208,8 @@ const char* ChunkRankName(ChunkRank r) { return r == ChunkRank::kLogit ? "logit"
 Result<std::unique_ptr<BudgetAllocator>> MakeBudgetAllocator(const std::string& spec) {
   KVTIER_ASSIGN_OR_RETURN(FactorySpec fs, ParseFactorySpec(spec, "budget allocator"));
   auto unknown_key = [&](const std::string& key, const char* known) {
-    return InvalidArgument("unknown key '" + key + "' for budget allocator '" + fs.name + "' in spec '" + spec +
-                           "' (known: " + known + ")");
+    return InvalidArgument("unknown key '" + key + "' for budget allocator '" + fs.name + "' in spec '" +
+                           spec + "' (known: " + known + ")");
   };
   auto parse_rank = [&](const std::string& value) -> Result<ChunkRank> {
     if (value == "cosine") return ChunkRank::kCosine;
@@ -215,9 +222,10 @@ Result<std::unique_ptr<BudgetAllocator>> MakeBudgetAllocator(const std::string& 
       if (key != "rank") return unknown_key(key, "rank");
       KVTIER_ASSIGN_OR_RETURN(ChunkRank r, parse_rank(value));
       if (r != ChunkRank::kLogit)
-        return InvalidArgument("rank=" + value + " in budget allocator spec '" + spec +
-                               "': topk takes the index's top k by logit; ranking by cosine needs an allocator "
-                               "that scores every chunk (entropy)");
+        return InvalidArgument(
+            "rank=" + value + " in budget allocator spec '" + spec +
+            "': topk takes the index's top k by logit; ranking by cosine needs an allocator "
+            "that scores every chunk (entropy)");
     }
     return std::unique_ptr<BudgetAllocator>(new TopKBudget());
   }
@@ -233,11 +241,13 @@ Result<std::unique_ptr<BudgetAllocator>> MakeBudgetAllocator(const std::string& 
       }
     }
     if (Status st = o.Validate(); !st.ok())
-      return InvalidArgument("bad value for key 'min' in budget allocator spec '" + spec + "': " + st.message());
+      return InvalidArgument("bad value for key 'min' in budget allocator spec '" + spec +
+                             "': " + st.message());
     KVTIER_ASSIGN_OR_RETURN(auto b, EntropyBudget::Make(o));
     return std::unique_ptr<BudgetAllocator>(std::move(b));
   }
-  return InvalidArgument("unknown budget allocator '" + fs.name + "' in spec '" + spec + "' (known: topk, entropy)");
+  return InvalidArgument("unknown budget allocator '" + fs.name + "' in spec '" + spec +
+                         "' (known: topk, entropy)");
 }
 
 }  // namespace kvtier

@@ -39,7 +39,10 @@
 
 namespace kvtier {
 
-struct LayerScores { const float* scores; int n; };   // cosine scores s_i^l (Eq. 10) of the n available chunks of layer l
+struct LayerScores {
+  const float* scores;
+  int n;
+};  // cosine scores s_i^l (Eq. 10) of the n available chunks of layer l
 
 /// The order a layer takes its chunks in: by the Eq. 10 cosine (ActQKV Algorithm 1) or by the
 /// raw probe.key inner product, the attention logit (InfLLM's score).
@@ -82,7 +85,7 @@ class BudgetAllocator {
   Status CheckAllocate(int layer, const LayerScores& s, bool need_scores) const;
 
   bool begun_ = false;
-  Status step_error_;   // non-OK when BeginStep got bad arguments
+  Status step_error_;  // non-OK when BeginStep got bad arguments
   int layers_ = 0;
   int k_ = 0;
   int next_layer_ = 0;  // the layer Allocate expects next
@@ -160,12 +163,12 @@ class EntropyBudget final : public BudgetAllocator {
   // Eq. 12 and the bookkeeping for a layer with n > 0 chunks of entropy theta (Eq. 11).
   Result<int> Grant(int layer, int n, double theta);
   EntropyBudgetOptions opt_;
-  int64_t remaining_ = 0;            // B_kv
-  double last_theta_ = 0.0;          // Theta of the last Allocate with chunks
-  double step_theta_sum_ = 0.0;      // Theta of this step's layers with chunks so far
+  int64_t remaining_ = 0;        // B_kv
+  double last_theta_ = 0.0;      // Theta of the last Allocate with chunks
+  double step_theta_sum_ = 0.0;  // Theta of this step's layers with chunks so far
   int step_theta_count_ = 0;
-  std::vector<double> theta_sum_;    // [L] over previous steps
-  std::vector<int64_t> theta_count_; // [L]
+  std::vector<double> theta_sum_;     // [L] over previous steps
+  std::vector<int64_t> theta_count_;  // [L]
 };
 
 /// Builds an allocator from its factory string; unknown names, unknown or duplicate keys,

@@ -27,7 +27,8 @@ bool IsExact(const FactorySpec& fs) { return fs.name == "Exact"; }
 }  // namespace
 
 Status ChunkShape::Validate() const {
-  if (kv_heads <= 0) return InvalidArgument("ChunkShape.kv_heads must be > 0 (got " + std::to_string(kv_heads) + ")");
+  if (kv_heads <= 0)
+    return InvalidArgument("ChunkShape.kv_heads must be > 0 (got " + std::to_string(kv_heads) + ")");
   if (head_dim <= 0 || head_dim > 4096)
     return InvalidArgument("ChunkShape.head_dim must be in [1, 4096] (got " + std::to_string(head_dim) + ")");
   if (repr <= 0) return InvalidArgument("ChunkShape.repr must be > 0 (got " + std::to_string(repr) + ")");
@@ -38,7 +39,8 @@ ChunkIndex::~ChunkIndex() = default;
 
 Status ChunkIndex::CheckCurrent(const ChunkScores& screened, const char* who) const {
   if (Current(screened)) return Status::Ok();
-  return InvalidArgument(std::string(who) + ": the scores are not this index's of its current state (Screen with "
+  return InvalidArgument(std::string(who) +
+                         ": the scores are not this index's of its current state (Screen with "
                          "this index after its last Add or Remove)");
 }
 
@@ -113,7 +115,8 @@ void TopRowsAscending(const float* score, int64_t n, int64_t k, std::vector<int6
   }
 }
 
-std::vector<uint64_t> TakeBest(const std::vector<float>& rank, const std::vector<uint64_t>& ids, size_t take) {
+std::vector<uint64_t> TakeBest(const std::vector<float>& rank, const std::vector<uint64_t>& ids,
+                               size_t take) {
   const size_t t = std::min(rank.size(), take);
   std::vector<int64_t> rows;
   TopRowsAscending(rank.data(), static_cast<int64_t>(rank.size()), static_cast<int64_t>(t), &rows);

@@ -19,7 +19,8 @@ namespace {
 
 size_t Align256(size_t x) { return (x + 255) / 256 * 256; }
 
-Status KernelFailure(const char* backend, const char* what, kernels::KernelError e, const std::string& detail = "") {
+Status KernelFailure(const char* backend, const char* what, kernels::KernelError e,
+                     const std::string& detail = "") {
   return Internal(std::string("retrieval (") + backend + "): " + what + ": " + kernels::KernelErrorString(e) +
                   (detail.empty() ? "" : " (" + detail + ")"));
 }
@@ -36,16 +37,18 @@ Status ValidateLayerSelectPlan(const LayerSelectPlan& plan) {
   p.logit = &dummy;
   p.cosine = &dummy;
   switch (kernels::CheckChunkScoreParams(p)) {
-    case kernels::KernelError::kOk: break;
+    case kernels::KernelError::kOk:
+      break;
     case kernels::KernelError::kBadDType:
       return InvalidArgument("retrieval plan: key dtype " + std::string(DTypeName(p.dtype)) +
                              " cannot be scored (f32, f16 or bf16)");
     case kernels::KernelError::kNullPointer:
       return InvalidArgument("retrieval plan: the mirror's keys or inverse norms are null");
     default:
-      return InvalidArgument("retrieval plan: bad shape (kv_heads " + std::to_string(p.kv_heads) + ", head_dim " +
-                             std::to_string(p.head_dim) + ", repr " + std::to_string(p.repr) + ", n_chunks " +
-                             std::to_string(p.n_chunks) + ", chunk_stride " + std::to_string(p.chunk_stride) + ")");
+      return InvalidArgument("retrieval plan: bad shape (kv_heads " + std::to_string(p.kv_heads) +
+                             ", head_dim " + std::to_string(p.head_dim) + ", repr " + std::to_string(p.repr) +
+                             ", n_chunks " + std::to_string(p.n_chunks) + ", chunk_stride " +
+                             std::to_string(p.chunk_stride) + ")");
   }
   if (p.n_chunks > INT32_MAX)
     return InvalidArgument("retrieval plan: " + std::to_string(p.n_chunks) +
@@ -70,7 +73,7 @@ RetrievalWorkspaceLayout LayoutRetrievalWorkspace(int probe_floats, int64_t n_ch
   l.logit = l.in + Align256(l.in_bytes);
   l.cosine = l.logit + Align256(n * sizeof(float));
   l.out = l.cosine + Align256(n * sizeof(float));
-  l.entropy = l.out;                          // 256-aligned, so the double is aligned
+  l.entropy = l.out;  // 256-aligned, so the double is aligned
   l.non_finite = l.entropy + sizeof(double);
   l.rows = l.non_finite + 2 * sizeof(int32_t);  // the pad keeps rows 16-byte aligned
   l.out_bytes = l.rows + n * sizeof(int32_t) - l.out;
@@ -80,7 +83,8 @@ RetrievalWorkspaceLayout LayoutRetrievalWorkspace(int probe_floats, int64_t n_ch
   return l;
 }
 
-LayerKernelParams LayerParamsIn(uint8_t* base, const RetrievalWorkspaceLayout& l, const LayerSelectPlan& plan) {
+LayerKernelParams LayerParamsIn(uint8_t* base, const RetrievalWorkspaceLayout& l,
+                                const LayerSelectPlan& plan) {
   LayerKernelParams k;
   k.score = plan.score;
   k.score.probe = reinterpret_cast<const float*>(base + l.probe);
@@ -172,7 +176,8 @@ class CpuRetrievalBackend final : public RetrievalBackend {
   Result<uint8_t*> Allocate(size_t bytes) override {
     if (bytes == 0) return InvalidArgument("retrieval (cpu): Allocate of 0 bytes");
     auto* p = static_cast<uint8_t*>(::operator new(bytes, std::align_val_t(64), std::nothrow));
-    if (p == nullptr) return ResourceExhausted("retrieval (cpu): " + std::to_string(bytes) + " bytes for a mirror");
+    if (p == nullptr)
+      return ResourceExhausted("retrieval (cpu): " + std::to_string(bytes) + " bytes for a mirror");
     return p;
   }
   void Free(uint8_t* p) override {
@@ -234,7 +239,9 @@ class CpuRetrievalBackend final : public RetrievalBackend {
 
 #if KVTIER_HAVE_CUDA
 
-std::string CudaMessage(cudaError_t e) { return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e); }
+std::string CudaMessage(cudaError_t e) {
+  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+}
 
 // Its own non-blocking stream: mirror uploads, the
 // in-block, the kernels and the out-block are ordered on it, and RunLayer waits once.
@@ -247,7 +254,8 @@ class CudaRetrievalBackend final : public RetrievalBackend {
     auto b = std::unique_ptr<CudaRetrievalBackend>(new CudaRetrievalBackend());
     cudaStream_t s = nullptr;
     const cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    if (e != cudaSuccess) return Unavailable("retrieval backend \"cuda\": cudaStreamCreate: " + CudaMessage(e));
+    if (e != cudaSuccess)
+      return Unavailable("retrieval backend \"cuda\": cudaStreamCreate: " + CudaMessage(e));
     b->stream_ = s;
     return b;
   }
@@ -265,8 +273,8 @@ class CudaRetrievalBackend final : public RetrievalBackend {
     const cudaError_t e = cudaMalloc(&p, bytes);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
-      return ResourceExhausted("retrieval (cuda): cudaMalloc of " + std::to_string(bytes) + " bytes for a mirror (" +
-                               CudaMessage(e) + ")");
+      return ResourceExhausted("retrieval (cuda): cudaMalloc of " + std::to_string(bytes) +
+                               " bytes for a mirror (" + CudaMessage(e) + ")");
     }
     return static_cast<uint8_t*>(p);
   }
@@ -286,7 +294,8 @@ class CudaRetrievalBackend final : public RetrievalBackend {
     return Status::Ok();
   }
   Status Download(void* dst, const uint8_t* src, size_t bytes) override {
-    cudaError_t e = bytes > 0 ? cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_) : cudaSuccess;
+    cudaError_t e =
+        bytes > 0 ? cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_) : cudaSuccess;
     if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
     if (e != cudaSuccess) return Internal("retrieval (cuda): download: " + CudaMessage(e));
     return Status::Ok();
@@ -351,8 +360,8 @@ class CudaRetrievalBackend final : public RetrievalBackend {
     return Status::Ok();
   }
   Status CopyOutAndWait(size_t bytes) override {
-    cudaError_t e = cudaMemcpyAsync(static_cast<uint8_t*>(staging_) + layout_.in_bytes, workspace() + layout_.out,
-                                    bytes, cudaMemcpyDeviceToHost, stream_);
+    cudaError_t e = cudaMemcpyAsync(static_cast<uint8_t*>(staging_) + layout_.in_bytes,
+                                    workspace() + layout_.out, bytes, cudaMemcpyDeviceToHost, stream_);
     // The one synchronisation of the layer.
     if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
     if (e != cudaSuccess) return Internal("retrieval (cuda): " + CudaMessage(e));
@@ -385,7 +394,8 @@ Result<std::unique_ptr<RetrievalBackend>> MakeRetrievalBackend(const std::string
 
 // ---- mirror -------------------------------------------------------------------------------
 
-ReprMirror::ReprMirror(RetrievalBackend* backend, const ChunkShape& shape) : backend_(backend), shape_(shape) {
+ReprMirror::ReprMirror(RetrievalBackend* backend, const ChunkShape& shape)
+    : backend_(backend), shape_(shape) {
   row_key_bytes_ = static_cast<size_t>(shape.repr) * shape.head_dim * DTypeSize(shape.dtype);
   row_inv_bytes_ = static_cast<size_t>(shape.repr) * sizeof(float);
 }
@@ -433,8 +443,8 @@ Status ReprMirror::Update(size_t first, size_t n, const std::vector<std::vector<
   copies.reserve(2 * H);
   for (size_t h = 0; h < H; ++h) {
     if (first == n) break;
-    copies.push_back(BackendCopy{new_keys + (h * cap + first) * row_key_bytes_, keys[h].data() + first * row_key_bytes_,
-                                 (n - first) * row_key_bytes_});
+    copies.push_back(BackendCopy{new_keys + (h * cap + first) * row_key_bytes_,
+                                 keys[h].data() + first * row_key_bytes_, (n - first) * row_key_bytes_});
     copies.push_back(BackendCopy{new_inv + (h * cap + first) * row_inv_bytes_, inv_norm[h].data() + first * R,
                                  (n - first) * row_inv_bytes_});
   }
@@ -479,11 +489,12 @@ Status ReprMirror::Download(std::vector<uint8_t>* keys, std::vector<float>* inv_
   inv_norm->assign(H * rows_ * shape_.repr, 0.0f);
   if (rows_ == 0) return Status::Ok();
   for (size_t h = 0; h < H; ++h) {
-    KVTIER_RETURN_IF_ERROR(
-        backend_->Download(keys->data() + h * rows_ * row_key_bytes_, keys_ + h * capacity_ * row_key_bytes_,
-                           rows_ * row_key_bytes_));
+    KVTIER_RETURN_IF_ERROR(backend_->Download(keys->data() + h * rows_ * row_key_bytes_,
+                                              keys_ + h * capacity_ * row_key_bytes_,
+                                              rows_ * row_key_bytes_));
     KVTIER_RETURN_IF_ERROR(backend_->Download(inv_norm->data() + h * rows_ * shape_.repr,
-                                              inv_norm_ + h * capacity_ * row_inv_bytes_, rows_ * row_inv_bytes_));
+                                              inv_norm_ + h * capacity_ * row_inv_bytes_,
+                                              rows_ * row_inv_bytes_));
   }
   return Status::Ok();
 }

@@ -113,7 +113,8 @@ struct LayerKernelParams {
   kernels::EntropyParams entropy;
   kernels::SegmentedTopKParams topk;
 };
-LayerKernelParams LayerParamsIn(uint8_t* base, const RetrievalWorkspaceLayout& layout, const LayerSelectPlan& plan);
+LayerKernelParams LayerParamsIn(uint8_t* base, const RetrievalWorkspaceLayout& layout,
+                                const LayerSelectPlan& plan);
 
 class RetrievalBackend {
  public:

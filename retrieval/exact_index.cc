@@ -20,7 +20,8 @@ namespace {
 using kernels::InverseNorm;
 
 kernels::HeadFold::Kind FoldKind(ExactIndexOptions::HeadMerge heads) {
-  return heads == ExactIndexOptions::HeadMerge::kMax ? kernels::HeadFold::Kind::kMax : kernels::HeadFold::Kind::kSum;
+  return heads == ExactIndexOptions::HeadMerge::kMax ? kernels::HeadFold::Kind::kMax
+                                                     : kernels::HeadFold::Kind::kSum;
 }
 
 kernels::HeadFold FoldOf(ExactIndexOptions::HeadMerge heads, int n_heads) {
@@ -83,7 +84,8 @@ Result<std::unique_ptr<ExactChunkIndex>> ExactChunkIndex::Create(const ChunkShap
   KVTIER_RETURN_IF_ERROR(shape.Validate());
   if (options.rerank_factor < 0 || options.rerank_min < 0)
     return InvalidArgument("ExactIndexOptions rerank_factor and rerank_min must be >= 0 (got " +
-                           std::to_string(options.rerank_factor) + ", " + std::to_string(options.rerank_min) + ")");
+                           std::to_string(options.rerank_factor) + ", " + std::to_string(options.rerank_min) +
+                           ")");
   return std::unique_ptr<ExactChunkIndex>(new ExactChunkIndex(shape, options));
 }
 
@@ -91,8 +93,9 @@ Status ExactChunkIndex::Add(const std::vector<uint64_t>& chunks, const ReprReade
   for (size_t i = 0; i < chunks.size(); ++i) {
     const bool above = i > 0 ? chunks[i] > chunks[i - 1] : ids_.empty() || chunks[i] > ids_.back();
     if (!above)
-      return InvalidArgument("ExactChunkIndex::Add: chunk " + std::to_string(chunks[i]) +
-                             " is not above every chunk indexed before it (chunks are added in ascending order)");
+      return InvalidArgument(
+          "ExactChunkIndex::Add: chunk " + std::to_string(chunks[i]) +
+          " is not above every chunk indexed before it (chunks are added in ascending order)");
   }
   const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
   const DType dt = shape_.dtype;
@@ -103,7 +106,7 @@ Status ExactChunkIndex::Add(const std::vector<uint64_t>& chunks, const ReprReade
   for (uint64_t i : chunks) {
     Status st = read(i, repr.data());
     if (st.code() == StatusCode::kNotFound) continue;  // a hole left by a crash: nothing to index
-    if (!st.ok()) {  // all or nothing: drop the batch's rows again
+    if (!st.ok()) {                                    // all or nothing: drop the batch's rows again
       ids_.resize(old_n);
       for (int h = 0; h < H; ++h) {
         repr_[h].resize(old_n * R * key_bytes);
@@ -203,7 +206,8 @@ void ExactChunkIndex::PutQuantizedRow(int h, size_t row, int r, const float* key
 // ---- reads --------------------------------------------------------------------------
 
 Status ExactChunkIndex::Score(const float* probe, ChunkScores* out) const {
-  if (probe == nullptr || out == nullptr) return InvalidArgument("ExactChunkIndex::Score: probe and out must not be null");
+  if (probe == nullptr || out == nullptr)
+    return InvalidArgument("ExactChunkIndex::Score: probe and out must not be null");
   FullScores(probe, &out->logit, &out->cosine);
   if (!Current(*out)) out->ids = ids_;  // the same index unchanged: its ids are there already
   Stamp(out);
@@ -212,7 +216,8 @@ Status ExactChunkIndex::Score(const float* probe, ChunkScores* out) const {
 
 Status ExactChunkIndex::Screen(const float* probe, ChunkScores* out) const {
   if (options_.rerank_factor == 0) return Score(probe, out);
-  if (probe == nullptr || out == nullptr) return InvalidArgument("ExactChunkIndex::Screen: probe and out must not be null");
+  if (probe == nullptr || out == nullptr)
+    return InvalidArgument("ExactChunkIndex::Screen: probe and out must not be null");
   // The first stage: int8 codes, a quarter of the bytes of an fp32 pass, which is memory-bound.
   QuantizedScores(probe, &out->logit, &out->cosine);
   if (!Current(*out)) out->ids = ids_;
@@ -222,7 +227,8 @@ Status ExactChunkIndex::Screen(const float* probe, ChunkScores* out) const {
 
 Status ExactChunkIndex::Best(const float* probe, const ChunkScores& screened, ChunkRank rank, size_t take,
                              std::vector<uint64_t>* out) const {
-  if (probe == nullptr || out == nullptr) return InvalidArgument("ExactChunkIndex::Best: probe and out must not be null");
+  if (probe == nullptr || out == nullptr)
+    return InvalidArgument("ExactChunkIndex::Best: probe and out must not be null");
   KVTIER_RETURN_IF_ERROR(CheckCurrent(screened, "ExactChunkIndex::Best"));
   const size_t n = ids_.size();
   const std::vector<float>& by = screened.by(rank);
@@ -235,8 +241,8 @@ Status ExactChunkIndex::Best(const float* probe, const ChunkScores& screened, Ch
   }
   // The second stage: rescore the best candidates from the stored keys, in fp32.
   take = std::min(take, n);
-  const int64_t n_cand = std::max<int64_t>(static_cast<int64_t>(options_.rerank_factor) * static_cast<int64_t>(take),
-                                           options_.rerank_min);
+  const int64_t n_cand = std::max<int64_t>(
+      static_cast<int64_t>(options_.rerank_factor) * static_cast<int64_t>(take), options_.rerank_min);
   std::vector<int64_t> rows;
   TopRowsAscending(by.data(), static_cast<int64_t>(n), n_cand, &rows);
   std::vector<float> logit, cos;
@@ -264,16 +270,18 @@ void ExactChunkIndex::FullScores(const float* probe, std::vector<float>* raw, st
     // reference, so the vectorisable Dot is used instead.)
     const uint8_t* keys = repr_[h].data();
     TsanForkJoin fj;  // kernels/tbb_tsan.h
-    tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 1024), fj.Body([&](const tbb::blocked_range<size_t>& range) {
-      const size_t c0 = range.begin();
-      kernels::ScoreChunksOneHead(dt, keys, inv_norm_[h].data(), p, inv_p, D, R, c0, range.end(), fold,
-                                  ip.data() + c0 * R, raw->data(), cos->data());
-    }));
+    tbb::parallel_for(
+        tbb::blocked_range<size_t>(0, n, 1024), fj.Body([&](const tbb::blocked_range<size_t>& range) {
+          const size_t c0 = range.begin();
+          kernels::ScoreChunksOneHead(dt, keys, inv_norm_[h].data(), p, inv_p, D, R, c0, range.end(), fold,
+                                      ip.data() + c0 * R, raw->data(), cos->data());
+        }));
     fj.Join();
   }
 }
 
-void ExactChunkIndex::QuantizedScores(const float* probe, std::vector<float>* raw, std::vector<float>* cos) const {
+void ExactChunkIndex::QuantizedScores(const float* probe, std::vector<float>* raw,
+                                      std::vector<float>* cos) const {
   const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
   const size_t n = ids_.size();
   const kernels::HeadFold fold = FoldOf(options_.heads, H);
@@ -291,36 +299,38 @@ void ExactChunkIndex::QuantizedScores(const float* probe, std::vector<float>* ra
   constexpr int B = kernels::kI8Block;
   const size_t groups = (n + B - 1) / B, block_bytes = kernels::I8BlockBytes(D);
   TsanForkJoin fj;  // kernels/tbb_tsan.h
-  tbb::parallel_for(tbb::blocked_range<size_t>(0, groups, 64), fj.Body([&](const tbb::blocked_range<size_t>& range) {
-    const size_t g0 = range.begin(), g1 = range.end();
-    std::vector<int32_t> dots((g1 - g0) * R * B);
-    for (int h = 0; h < H; ++h) {
-      kernels::DotI8Blocks(q8_[h].data() + g0 * R * block_bytes, (g1 - g0) * R, p16.data() + h * de, D,
-                           dots.data());
-      const float* scale = q8_scale_[h].data() + g0 * R * B;
-      const float* cos_scale = q8_cos_scale_[h].data() + g0 * R * B;
-      // The probe's scales are >= 0, so they commute with the max over a chunk's
-      // representatives and are applied once per chunk.
-      const float ps = p_scale[h], cs = p_scale[h] * inv_p[h];
-      for (size_t g = g0; g < g1; ++g) {
-        const size_t base = (g - g0) * R * B;
-        float best[B], best_cos[B];
-        for (int lane = 0; lane < B; ++lane) {
-          best[lane] = static_cast<float>(dots[base + lane]) * scale[base + lane];
-          best_cos[lane] = static_cast<float>(dots[base + lane]) * cos_scale[base + lane];
-        }
-        for (int r = 1; r < R; ++r)
-          for (int lane = 0; lane < B; ++lane) {
-            const size_t j = base + static_cast<size_t>(r) * B + lane;
-            best[lane] = std::max(best[lane], static_cast<float>(dots[j]) * scale[j]);
-            best_cos[lane] = std::max(best_cos[lane], static_cast<float>(dots[j]) * cos_scale[j]);
+  tbb::parallel_for(
+      tbb::blocked_range<size_t>(0, groups, 64), fj.Body([&](const tbb::blocked_range<size_t>& range) {
+        const size_t g0 = range.begin(), g1 = range.end();
+        std::vector<int32_t> dots((g1 - g0) * R * B);
+        for (int h = 0; h < H; ++h) {
+          kernels::DotI8Blocks(q8_[h].data() + g0 * R * block_bytes, (g1 - g0) * R, p16.data() + h * de, D,
+                               dots.data());
+          const float* scale = q8_scale_[h].data() + g0 * R * B;
+          const float* cos_scale = q8_cos_scale_[h].data() + g0 * R * B;
+          // The probe's scales are >= 0, so they commute with the max over a chunk's
+          // representatives and are applied once per chunk.
+          const float ps = p_scale[h], cs = p_scale[h] * inv_p[h];
+          for (size_t g = g0; g < g1; ++g) {
+            const size_t base = (g - g0) * R * B;
+            float best[B], best_cos[B];
+            for (int lane = 0; lane < B; ++lane) {
+              best[lane] = static_cast<float>(dots[base + lane]) * scale[base + lane];
+              best_cos[lane] = static_cast<float>(dots[base + lane]) * cos_scale[base + lane];
+            }
+            for (int r = 1; r < R; ++r)
+              for (int lane = 0; lane < B; ++lane) {
+                const size_t j = base + static_cast<size_t>(r) * B + lane;
+                best[lane] = std::max(best[lane], static_cast<float>(dots[j]) * scale[j]);
+                best_cos[lane] = std::max(best_cos[lane], static_cast<float>(dots[j]) * cos_scale[j]);
+              }
+            const size_t c_end = std::min(n, (g + 1) * B);
+            for (size_t c = g * B; c < c_end; ++c)
+              fold.Add(best[c - g * B] * ps, std::max(-1.0f, best_cos[c - g * B] * cs), &(*raw)[c],
+                       &(*cos)[c]);
           }
-        const size_t c_end = std::min(n, (g + 1) * B);
-        for (size_t c = g * B; c < c_end; ++c)
-          fold.Add(best[c - g * B] * ps, std::max(-1.0f, best_cos[c - g * B] * cs), &(*raw)[c], &(*cos)[c]);
-      }
-    }
-  }));
+        }
+      }));
   fj.Join();
 }
 
@@ -339,30 +349,31 @@ void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& r
   constexpr size_t kAhead = 4;
   const size_t chunk_repr_bytes = static_cast<size_t>(R) * key_bytes;
   TsanForkJoin fj;  // kernels/tbb_tsan.h
-  tbb::parallel_for(tbb::blocked_range<size_t>(0, rows.size(), 64), fj.Body([&](const tbb::blocked_range<size_t>& range) {
-    for (size_t i = range.begin(); i < range.end(); ++i) {
-      if (i + kAhead < range.end()) {
-        const size_t ahead = static_cast<size_t>(rows[i + kAhead]);
-        for (int h = 0; h < H; ++h) {
-          const char* a = reinterpret_cast<const char*>(repr_[h].data() + ahead * chunk_repr_bytes);
-          for (size_t off = 0; off < chunk_repr_bytes; off += 64) __builtin_prefetch(a + off);
+  tbb::parallel_for(
+      tbb::blocked_range<size_t>(0, rows.size(), 64), fj.Body([&](const tbb::blocked_range<size_t>& range) {
+        for (size_t i = range.begin(); i < range.end(); ++i) {
+          if (i + kAhead < range.end()) {
+            const size_t ahead = static_cast<size_t>(rows[i + kAhead]);
+            for (int h = 0; h < H; ++h) {
+              const char* a = reinterpret_cast<const char*>(repr_[h].data() + ahead * chunk_repr_bytes);
+              for (size_t off = 0; off < chunk_repr_bytes; off += 64) __builtin_prefetch(a + off);
+            }
+          }
+          const size_t c = static_cast<size_t>(rows[i]);
+          for (int h = 0; h < H; ++h) {
+            const float* p = probe + static_cast<size_t>(h) * D;
+            const uint8_t* keys = repr_[h].data();
+            const float* inv = inv_norm_[h].data();
+            float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
+            for (int r = 0; r < R; ++r) {
+              const float dot = kernels::DotKey(dt, keys + (c * R + r) * key_bytes, p, D);
+              best = std::max(best, dot);
+              best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p[h]);
+            }
+            fold.Add(best, best_cos, &(*raw)[i], &(*cos)[i]);
+          }
         }
-      }
-      const size_t c = static_cast<size_t>(rows[i]);
-      for (int h = 0; h < H; ++h) {
-        const float* p = probe + static_cast<size_t>(h) * D;
-        const uint8_t* keys = repr_[h].data();
-        const float* inv = inv_norm_[h].data();
-        float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
-        for (int r = 0; r < R; ++r) {
-          const float dot = kernels::DotKey(dt, keys + (c * R + r) * key_bytes, p, D);
-          best = std::max(best, dot);
-          best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p[h]);
-        }
-        fold.Add(best, best_cos, &(*raw)[i], &(*cos)[i]);
-      }
-    }
-  }));
+      }));
   fj.Join();
 }
 
@@ -371,7 +382,8 @@ void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& r
 void ExactChunkIndex::MarkMirrorStale(size_t row) { mirror_stale_from_ = std::min(mirror_stale_from_, row); }
 
 Status ExactChunkIndex::AttachBackend(RetrievalBackend* backend) {
-  if (mirror_ != nullptr) return InvalidArgument("ExactChunkIndex::AttachBackend: a backend mirror is attached already");
+  if (mirror_ != nullptr)
+    return InvalidArgument("ExactChunkIndex::AttachBackend: a backend mirror is attached already");
   KVTIER_ASSIGN_OR_RETURN(mirror_, ReprMirror::Create(backend, shape_));
   mirror_stale_from_ = 0;
   return SyncMirror();
@@ -391,8 +403,9 @@ Status ExactChunkIndex::SelectOnBackend(const float* probe, ChunkRank rank, bool
     return FailedPrecondition("ExactChunkIndex::SelectOnBackend: no backend mirror (AttachBackend first)");
   if (probe == nullptr || chunks == nullptr || theta == nullptr || non_finite == nullptr)
     return InvalidArgument("ExactChunkIndex::SelectOnBackend: probe and outputs must not be null");
-  if (k_max < 0) return InvalidArgument("ExactChunkIndex::SelectOnBackend: k_max must be >= 0 (got " +
-                                        std::to_string(k_max) + ")");
+  if (k_max < 0)
+    return InvalidArgument("ExactChunkIndex::SelectOnBackend: k_max must be >= 0 (got " +
+                           std::to_string(k_max) + ")");
   KVTIER_RETURN_IF_ERROR(SyncMirror());
   LayerSelectPlan plan;
   plan.score = mirror_->Params(FoldKind(options_.heads));

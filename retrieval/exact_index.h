@@ -67,7 +67,8 @@ struct ExactIndexOptions {
 
 class ExactChunkIndex final : public ChunkIndex {
  public:
-  static Result<std::unique_ptr<ExactChunkIndex>> Create(const ChunkShape& shape, const ExactIndexOptions& options);
+  static Result<std::unique_ptr<ExactChunkIndex>> Create(const ChunkShape& shape,
+                                                         const ExactIndexOptions& options);
 
   using ChunkIndex::Add;
   Status Add(const std::vector<uint64_t>& chunks, const ReprReader& read) override;
@@ -97,8 +98,8 @@ class ExactChunkIndex final : public ChunkIndex {
   /// first, ties to the smaller chunk index, and, when `entropy`, Eq. 11 of every chunk's
   /// cosine with the count of cosines that are not finite (both 0 otherwise).
   /// FailedPrecondition without a mirror; InvalidArgument for a null probe or out, k_max < 0.
-  Status SelectOnBackend(const float* probe, ChunkRank rank, bool entropy, int k_max, std::vector<uint64_t>* chunks,
-                         double* theta, int32_t* non_finite);
+  Status SelectOnBackend(const float* probe, ChunkRank rank, bool entropy, int k_max,
+                         std::vector<uint64_t>* chunks, double* theta, int32_t* non_finite);
 
  private:
   ExactChunkIndex(const ChunkShape& shape, const ExactIndexOptions& options);
@@ -115,15 +116,15 @@ class ExactChunkIndex final : public ChunkIndex {
   void FullScores(const float* probe, std::vector<float>* logit, std::vector<float>* cosine) const;
 
   const ExactIndexOptions options_;
-  std::vector<uint64_t> ids_;                  // [n] chunk index of each row, ascending
-  std::vector<std::vector<uint8_t>> repr_;     // [H][n, R, D] in the store's dtype
-  std::vector<std::vector<float>> inv_norm_;   // [H][n, R]
-  std::vector<std::vector<int8_t>> q8_;        // [H] int8 blocks
-  std::vector<std::vector<float>> q8_scale_;   // [H][block * 8 + lane]: the row's code scale (0 in padding)
+  std::vector<uint64_t> ids_;                 // [n] chunk index of each row, ascending
+  std::vector<std::vector<uint8_t>> repr_;    // [H][n, R, D] in the store's dtype
+  std::vector<std::vector<float>> inv_norm_;  // [H][n, R]
+  std::vector<std::vector<int8_t>> q8_;       // [H] int8 blocks
+  std::vector<std::vector<float>> q8_scale_;  // [H][block * 8 + lane]: the row's code scale (0 in padding)
   std::vector<std::vector<float>> q8_cos_scale_;  // [H][block * 8 + lane]: code scale times inverse norm
-  std::unique_ptr<ReprMirror> mirror_;          // null: no backend attached
-  size_t mirror_stale_from_ = 0;                // rows from here may differ in the mirror (SIZE_MAX: none)
-  LayerSelectResult backend_result_;            // SelectOnBackend's scratch (reused)
+  std::unique_ptr<ReprMirror> mirror_;            // null: no backend attached
+  size_t mirror_stale_from_ = 0;                  // rows from here may differ in the mirror (SIZE_MAX: none)
+  LayerSelectResult backend_result_;              // SelectOnBackend's scratch (reused)
 };
 
 }  // namespace kvtier

@@ -88,32 +88,37 @@ Status CheckFactoryDescription(const std::string& factory, int dim) {
   const std::string quoted = "'" + factory + "'";
   // Every run of digits, and whether an 'x' (a code width: PQ8x10, RQ1x8) precedes it.
   for (size_t i = 0; i < factory.size();) {
-    if (!std::isdigit(static_cast<unsigned char>(factory[i]))) { ++i; continue; }
+    if (!std::isdigit(static_cast<unsigned char>(factory[i]))) {
+      ++i;
+      continue;
+    }
     size_t j = i;
     while (j < factory.size() && std::isdigit(static_cast<unsigned char>(factory[j]))) ++j;
     const std::string digits = factory.substr(i, j - i);
     const bool bits = i > 0 && factory[i - 1] == 'x';
     const int64_t cap = bits ? kMaxCodeBits : kMaxFactoryNumber;
     if (digits.size() > 6 || std::stoll(digits) > cap)
-      return InvalidArgument("FaissIndexOptions.factory " + quoted + ": " + (bits ? "code width " : "number ") +
-                             digits + " exceeds " + std::to_string(cap) +
+      return InvalidArgument("FaissIndexOptions.factory " + quoted + ": " +
+                             (bits ? "code width " : "number ") + digits + " exceeds " + std::to_string(cap) +
                              (bits ? " bits (2^bits centroids per sub-quantizer are allocated up front)"
                                    : " (index_factory allocates what the numbers name before any vector is "
                                      "added; a chunk index never needs more)"));
     i = j;
   }
   static const std::regex kHnsw(R"(HNSW([0-9]+))");
-  for (auto it = std::sregex_iterator(factory.begin(), factory.end(), kHnsw); it != std::sregex_iterator(); ++it)
+  for (auto it = std::sregex_iterator(factory.begin(), factory.end(), kHnsw); it != std::sregex_iterator();
+       ++it)
     if (std::stoll((*it)[1]) < 2)
       return InvalidArgument("FaissIndexOptions.factory " + quoted + ": " + (*it)[0].str() +
-                             ": HNSW needs M >= 2 neighbours per node (got " + std::to_string(std::stoll((*it)[1])) +
-                             ")");
+                             ": HNSW needs M >= 2 neighbours per node (got " +
+                             std::to_string(std::stoll((*it)[1])) + ")");
   // A product quantizer as a part of its own: at the start, or after ',' or '(' (not OPQ's
   // rotation, "OPQ16_64", whose M divides its output dimension).
   static const std::regex kPq(R"((^|[,(])PQ([0-9]+)(x([0-9]+))?)");
   const bool ivf = factory.rfind("IVF", 0) == 0 || factory.find(",IVF") != std::string::npos ||
                    factory.find("(IVF") != std::string::npos;
-  for (auto it = std::sregex_iterator(factory.begin(), factory.end(), kPq); it != std::sregex_iterator(); ++it) {
+  for (auto it = std::sregex_iterator(factory.begin(), factory.end(), kPq); it != std::sregex_iterator();
+       ++it) {
     const std::string part = (*it)[0].str().substr((*it)[1].length());
     const int64_t m = std::stoll((*it)[2]);
     if (m < 1)
@@ -327,7 +332,8 @@ Result<FaissIndexOptions> FaissIndexOptions::Parse(const std::string& spec) {
       KVTIER_ASSIGN_OR_RETURN(o.train_min, at_least(key, value, 0));
     } else if (key == "heads") {
       if (value == "max")
-        return InvalidArgument("heads=max in index spec '" + spec + "' needs the Exact index (a FAISS vector "
+        return InvalidArgument("heads=max in index spec '" + spec +
+                               "' needs the Exact index (a FAISS vector "
                                "concatenates the kv heads, so its inner product is the sum over heads)");
       if (value != "sum")
         return InvalidArgument("bad value '" + value + "' for key 'heads' in index spec '" + spec +
@@ -348,8 +354,8 @@ Result<FaissIndexOptions> FaissIndexOptions::Parse(const std::string& spec) {
     if (key == "ef" && !built->hnsw) applies = "HNSW indexes";
     if (key == "train_min" && !built->needs_training) applies = "indexes that train (IVF, PQ, ...)";
     if (applies)
-      return InvalidArgument("key '" + key + "' in index spec '" + spec + "' applies to " + applies + " only, not to '" +
-                             o.factory + "'");
+      return InvalidArgument("key '" + key + "' in index spec '" + spec + "' applies to " + applies +
+                             " only, not to '" + o.factory + "'");
   }
   return o;
 }
@@ -395,17 +401,19 @@ void FaissVectorIndex::ProbeVector(const float* probe, int H, int D, float* out)
 
 // ---- lifetime -------------------------------------------------------------------
 
-FaissVectorIndex::FaissVectorIndex(int dim, const FaissIndexOptions& options, size_t train_min, bool can_remove,
-                       bool exact)
+FaissVectorIndex::FaissVectorIndex(int dim, const FaissIndexOptions& options, size_t train_min,
+                                   bool can_remove, bool exact)
     : dim_(dim), options_(options), train_min_(train_min), can_remove_(can_remove), exact_(exact) {}
 
 FaissVectorIndex::~FaissVectorIndex() = default;
 
-Result<std::unique_ptr<FaissVectorIndex>> FaissVectorIndex::Create(int dim, const FaissIndexOptions& options) {
+Result<std::unique_ptr<FaissVectorIndex>> FaissVectorIndex::Create(int dim,
+                                                                   const FaissIndexOptions& options) {
   if (dim <= 0) return InvalidArgument("FaissVectorIndex dim must be > 0 (got " + std::to_string(dim) + ")");
   KVTIER_ASSIGN_OR_RETURN(Built b, BuildFaiss(dim, options));
   const size_t train_min = DefaultTrainMin(b, options);
-  std::unique_ptr<FaissVectorIndex> index(new FaissVectorIndex(dim, options, train_min, b.can_remove, b.exact));
+  std::unique_ptr<FaissVectorIndex> index(
+      new FaissVectorIndex(dim, options, train_min, b.can_remove, b.exact));
   index->faiss_ = std::move(b.index);
   index->live_ = !b.needs_training;
   return index;
@@ -446,11 +454,14 @@ Status FaissVectorIndex::Rebuild() {
 
 // ---- writes ---------------------------------------------------------------------
 
-Status FaissVectorIndex::Add(uint64_t chunk_index, const float* vec) { return AddBatch(1, &chunk_index, vec); }
+Status FaissVectorIndex::Add(uint64_t chunk_index, const float* vec) {
+  return AddBatch(1, &chunk_index, vec);
+}
 
 Status FaissVectorIndex::AddBatch(size_t n, const uint64_t* chunk_indices, const float* vecs) {
   if (n == 0) return Status::Ok();
-  if (chunk_indices == nullptr) return InvalidArgument("FaissVectorIndex::Add: chunk_indices must not be null");
+  if (chunk_indices == nullptr)
+    return InvalidArgument("FaissVectorIndex::Add: chunk_indices must not be null");
   if (vecs == nullptr) return InvalidArgument("FaissVectorIndex::Add: vec must not be null");
   const size_t d = static_cast<size_t>(dim_);
   bool hits_tombstone = false;
@@ -538,8 +549,8 @@ Status FaissVectorIndex::AddBatch(size_t n, const uint64_t* chunk_indices, const
       std::vector<faiss_idx_t> labels(chunk_indices, chunk_indices + n);
       faiss_->add_with_ids(static_cast<faiss_idx_t>(n), vecs, labels.data());
     } catch (const std::exception& e) {
-      st =
-          FromException("FaissVectorIndex '" + options_.factory + "': adding " + std::to_string(n) + " vectors", e);
+      st = FromException(
+          "FaissVectorIndex '" + options_.factory + "': adding " + std::to_string(n) + " vectors", e);
     }
     if (!st.ok()) {
       undo();
@@ -574,8 +585,9 @@ Status FaissVectorIndex::Remove(uint64_t chunk_index) {
         faiss::IDSelectorArray sel(1, &label);
         const size_t removed = faiss_->remove_ids(sel);
         if (removed != 1)
-          st = Internal("FaissVectorIndex '" + options_.factory + "': FAISS removed " + std::to_string(removed) +
-                        " vectors for chunk " + std::to_string(chunk_index) + " (expected 1)");
+          st = Internal("FaissVectorIndex '" + options_.factory + "': FAISS removed " +
+                        std::to_string(removed) + " vectors for chunk " + std::to_string(chunk_index) +
+                        " (expected 1)");
       } catch (const std::exception& e) {
         st = FromException(
             "FaissVectorIndex '" + options_.factory + "': removing chunk " + std::to_string(chunk_index), e);
@@ -598,7 +610,7 @@ Status FaissVectorIndex::Remove(uint64_t chunk_index) {
 // ---- reads ----------------------------------------------------------------------
 
 void FaissVectorIndex::ExactTopK(const float* probe, size_t take, std::vector<uint64_t>* ids,
-                           std::vector<float>* scores) const {
+                                 std::vector<float>* scores) const {
   const size_t n = ids_.size(), d = static_cast<size_t>(dim_);
   std::vector<std::pair<float, uint64_t>> heap;  // worst of the best `take` on top
   heap.reserve(take);
@@ -624,10 +636,11 @@ void FaissVectorIndex::ExactTopK(const float* probe, size_t take, std::vector<ui
 }
 
 Status FaissVectorIndex::Search(const float* probe_vec, int k, std::vector<uint64_t>* ids,
-                          std::vector<float>* scores) const {
+                                std::vector<float>* scores) const {
   if (probe_vec == nullptr) return InvalidArgument("FaissVectorIndex::Search: probe_vec must not be null");
   if (ids == nullptr) return InvalidArgument("FaissVectorIndex::Search: ids must not be null");
-  if (k < 0) return InvalidArgument("FaissVectorIndex::Search: k must be >= 0 (got " + std::to_string(k) + ")");
+  if (k < 0)
+    return InvalidArgument("FaissVectorIndex::Search: k must be >= 0 (got " + std::to_string(k) + ")");
   ids->clear();
   if (scores) scores->clear();
   if (!AllFinite(probe_vec, static_cast<size_t>(dim_)))
@@ -665,8 +678,8 @@ Status FaissVectorIndex::Search(const float* probe_vec, int k, std::vector<uint6
       kq *= 2;
     }
   } catch (const std::exception& e) {
-    return FromException("FaissVectorIndex '" + options_.factory + "': FAISS search (k=" + std::to_string(kq) + ")",
-                         e);
+    return FromException(
+        "FaissVectorIndex '" + options_.factory + "': FAISS search (k=" + std::to_string(kq) + ")", e);
   }
   if (live.size() < take || (exact_ && live.size() > take && dist[live[take - 1]] == dist[live[take]])) {
     ExactTopK(probe_vec, take, ids, scores);
@@ -681,8 +694,8 @@ Status FaissVectorIndex::Search(const float* probe_vec, int k, std::vector<uint6
     const uint64_t id = static_cast<uint64_t>(label[i]);
     const size_t row = RowOf(id);
     if (row == n)
-      return Internal("FaissVectorIndex '" + options_.factory + "': FAISS returned chunk " + std::to_string(id) +
-                      " which is not in the flat copy");
+      return Internal("FaissVectorIndex '" + options_.factory + "': FAISS returned chunk " +
+                      std::to_string(id) + " which is not in the flat copy");
     cand.emplace_back(Dot(vecs_.data() + row * d, probe_vec, dim_), id);
   }
   const size_t out = std::min(take, cand.size());
@@ -697,7 +710,7 @@ Status FaissVectorIndex::Search(const float* probe_vec, int k, std::vector<uint6
 }
 
 Status FaissVectorIndex::ScoreAll(const float* probe_vec, std::vector<uint64_t>* ids,
-                            std::vector<float>* scores) const {
+                                  std::vector<float>* scores) const {
   if (probe_vec == nullptr) return InvalidArgument("FaissVectorIndex::ScoreAll: probe_vec must not be null");
   if (ids == nullptr || scores == nullptr)
     return InvalidArgument("FaissVectorIndex::ScoreAll: ids and scores must not be null");
@@ -708,9 +721,11 @@ Status FaissVectorIndex::ScoreAll(const float* probe_vec, std::vector<uint64_t>*
   scores->resize(n);
   float* out = scores->data();
   TsanForkJoin fj;  // kernels/tbb_tsan.h
-  tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 512), fj.Body([&](const tbb::blocked_range<size_t>& range) {
-    for (size_t r = range.begin(); r < range.end(); ++r) out[r] = Dot(vecs_.data() + r * d, probe_vec, dim_);
-  }));
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, n, 512),
+                    fj.Body([&](const tbb::blocked_range<size_t>& range) {
+                      for (size_t r = range.begin(); r < range.end(); ++r)
+                        out[r] = Dot(vecs_.data() + r * d, probe_vec, dim_);
+                    }));
   fj.Join();
   return Status::Ok();
 }

@@ -203,7 +203,8 @@ class FaissVectorIndex {
 /// (InfLLM), see the header comment.
 class FaissChunkIndex final : public ChunkIndex {
  public:
-  static Result<std::unique_ptr<FaissChunkIndex>> Create(const ChunkShape& shape, const FaissIndexOptions& options);
+  static Result<std::unique_ptr<FaissChunkIndex>> Create(const ChunkShape& shape,
+                                                         const FaissIndexOptions& options);
 
   using ChunkIndex::Add;
   /// The batch's mean vectors go to FAISS in one AddBatch (HNSW inserts them in parallel;

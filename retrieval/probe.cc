@@ -22,7 +22,8 @@ kernels::ProbeShape ProbeShapeOf(const Geometry& g) {
 
 ProbeBuilder::~ProbeBuilder() = default;
 
-Status ProbeBuilder::CheckQueries(const char* what, int layer, const float* q, int m, const float* out) const {
+Status ProbeBuilder::CheckQueries(const char* what, int layer, const float* q, int m,
+                                  const float* out) const {
   const std::string name = std::string("ProbeBuilder::") + what;
   if (layer < 0 || layer >= g_.layers)
     return InvalidArgument(name + ": layer " + std::to_string(layer) + " out of range [0, " +
@@ -136,9 +137,11 @@ Status QuestionProbeOptions::Validate() const {
   if (base != "act" && base != "mean")
     return InvalidArgument("QuestionProbeOptions.base must be 'act' or 'mean' (got '" + base + "')");
   if (!std::isfinite(weight) || weight < 0.0 || weight > 1.0)
-    return InvalidArgument("QuestionProbeOptions.weight must be in [0, 1] (got " + FormatSpecDouble(weight) + ")");
+    return InvalidArgument("QuestionProbeOptions.weight must be in [0, 1] (got " + FormatSpecDouble(weight) +
+                           ")");
   if (!std::isfinite(eps) || eps < 0.0)
-    return InvalidArgument("QuestionProbeOptions.eps must be finite and >= 0 (got " + FormatSpecDouble(eps) + ")");
+    return InvalidArgument("QuestionProbeOptions.eps must be finite and >= 0 (got " + FormatSpecDouble(eps) +
+                           ")");
   return Status::Ok();
 }
 
@@ -189,8 +192,7 @@ Status QuestionProbeBuilder::Build(int layer, const float* q, int m, float* prob
   const std::vector<float>& qv = question_[layer];
   if (qv.empty()) return Status::Ok();  // no question: the base probe
   const double w = opt_.weight;
-  for (size_t i = 0; i < qv.size(); ++i)
-    probe[i] = static_cast<float>((1.0 - w) * probe[i] + w * qv[i]);
+  for (size_t i = 0; i < qv.size(); ++i) probe[i] = static_cast<float>((1.0 - w) * probe[i] + w * qv[i]);
   return Status::Ok();
 }
 
@@ -247,7 +249,8 @@ Result<std::unique_ptr<ProbeBuilder>> MakeProbeBuilder(const std::string& spec, 
     KVTIER_ASSIGN_OR_RETURN(auto b, QuestionProbeBuilder::Make(g, o));
     return std::unique_ptr<ProbeBuilder>(std::move(b));
   }
-  return InvalidArgument("unknown probe '" + fs.name + "' in spec '" + spec + "' (known: mean, act, question)");
+  return InvalidArgument("unknown probe '" + fs.name + "' in spec '" + spec +
+                         "' (known: mean, act, question)");
 }
 
 }  // namespace kvtier

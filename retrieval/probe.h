@@ -97,9 +97,9 @@ struct ActProbeOptions {
 
 /// Running statistics of one (layer, q head): Eq. 8 over every query of every window so far.
 struct ActStats {
-  int64_t count = 0;              ///< m*t: query vectors seen by this layer (same for all heads)
-  std::vector<double> mean;       ///< z-bar, [head_dim]; empty when count == 0
-  std::vector<double> variance;   ///< sigma^2 per dimension, unbiased (/(count-1)); empty when count < 2
+  int64_t count = 0;             ///< m*t: query vectors seen by this layer (same for all heads)
+  std::vector<double> mean;      ///< z-bar, [head_dim]; empty when count == 0
+  std::vector<double> variance;  ///< sigma^2 per dimension, unbiased (/(count-1)); empty when count < 2
 };
 
 /// "act": ActQKV's activation-aware probe-Query (Sec. 4.1).
@@ -141,9 +141,9 @@ class ActProbeBuilder final : public ProbeBuilder {
  private:
   ActProbeBuilder(const Geometry& g, const ActProbeOptions& o);
   struct LayerState {
-    int64_t count = 0;        // query vectors merged so far (all heads see the same windows)
-    std::vector<double> mean; // [q_heads, head_dim]
-    std::vector<double> m2;   // [q_heads, head_dim] sum of squared deviations from mean
+    int64_t count = 0;         // query vectors merged so far (all heads see the same windows)
+    std::vector<double> mean;  // [q_heads, head_dim]
+    std::vector<double> m2;    // [q_heads, head_dim] sum of squared deviations from mean
   };
   ActProbeOptions opt_;
   std::vector<LayerState> layers_;  // [layers]
@@ -165,7 +165,8 @@ struct QuestionProbeOptions {
 /// questions; SetQuestion again replaces a layer's question.
 class QuestionProbeBuilder final : public ProbeBuilder {
  public:
-  static Result<std::unique_ptr<QuestionProbeBuilder>> Make(const Geometry& g, const QuestionProbeOptions& o = {});
+  static Result<std::unique_ptr<QuestionProbeBuilder>> Make(const Geometry& g,
+                                                            const QuestionProbeOptions& o = {});
   Status Build(int layer, const float* q, int m, float* probe) override;
   Status SetQuestion(int layer, const float* q, int m) override;
   std::string ToString() const override;

@@ -23,7 +23,8 @@ const Geometry kSpecGeometry{1, 1, 1, 2, DType::kF32};
 // ---- options and spec strings -------------------------------------------------------
 
 Status RetrieverOptions::Validate() const {
-  if (budget_tokens < 0) return InvalidArgument("budget_tokens must be >= 0 (got " + std::to_string(budget_tokens) + ")");
+  if (budget_tokens < 0)
+    return InvalidArgument("budget_tokens must be >= 0 (got " + std::to_string(budget_tokens) + ")");
   auto i = CanonicalChunkIndexSpec(index);
   if (!i.ok()) return InvalidArgument("index: " + i.status().message());
   auto a = MakeBudgetAllocator(alloc);
@@ -56,7 +57,8 @@ Result<RetrieverOptions> RetrieverOptions::Parse(const std::string& spec) {
     pos = end;
     const size_t eq = item.find('=');
     if (eq == std::string::npos || eq == 0 || eq + 1 == item.size())
-      return InvalidArgument("malformed item '" + item + "' in retriever spec '" + spec + "' (expected key=value)");
+      return InvalidArgument("malformed item '" + item + "' in retriever spec '" + spec +
+                             "' (expected key=value)");
     const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
     if (std::find(seen.begin(), seen.end(), key) != seen.end())
       return InvalidArgument("duplicate key '" + key + "' in retriever spec '" + spec + "'");
@@ -128,8 +130,8 @@ Result<std::unique_ptr<Retriever>> Retriever::Create(TieredStore* store, const R
     // Checks the index spec against the real shape (e.g. a FAISS PQ<m> needs m | dimension).
     auto index = MakeChunkIndex(options.index, r->shape_);
     if (!index.ok()) return InvalidArgument("index: " + index.status().message());
-    r->spec_ = "probe=" + r->probe_->ToString() + " alloc=" + r->alloc_->ToString() + " index=" +
-               (*index)->ToString() + " budget=" + std::to_string(options.budget_tokens);
+    r->spec_ = "probe=" + r->probe_->ToString() + " alloc=" + r->alloc_->ToString() +
+               " index=" + (*index)->ToString() + " budget=" + std::to_string(options.budget_tokens);
   }
   r->backend_ = std::move(backend);
   r->k_ = options.budget_tokens / so.chunk_size;
@@ -165,7 +167,8 @@ Status Retriever::Sync(SequenceId seq, int layer) {
     const std::vector<uint64_t>& added = update_.added;
     KVTIER_RETURN_IF_ERROR(li->index->Add(added, [&](uint64_t i, float* repr) -> Status {
       const auto it = std::lower_bound(added.begin(), added.end(), i);
-      if (it == added.end() || *it != i) return NotFound("chunk " + std::to_string(i) + " was not handed over");
+      if (it == added.end() || *it != i)
+        return NotFound("chunk " + std::to_string(i) + " was not handed over");
       const float* src = update_.repr.data() + static_cast<size_t>(it - added.begin()) * repr_elems;
       std::copy(src, src + repr_elems, repr);
       return Status::Ok();
@@ -189,7 +192,9 @@ Status Retriever::Forget(SequenceId seq, int layer, const std::vector<uint64_t>&
   return li->index->Remove(chunk_indices);
 }
 
-Status Retriever::Observe(int layer, const float* q, int m) { return probe_->Build(layer, q, m, probe_buf_.data()); }
+Status Retriever::Observe(int layer, const float* q, int m) {
+  return probe_->Build(layer, q, m, probe_buf_.data());
+}
 
 Status Retriever::SetQuestion(int layer, const float* q, int m) { return probe_->SetQuestion(layer, q, m); }
 
@@ -198,60 +203,61 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
   return ReturnOnBadAlloc(
       [&] { return "Retriever::Select: scores of layer " + std::to_string(layer) + "'s chunks"; },
       [&]() -> Result<LayerSelection> {
-  LayerSelection sel;
-  const StoreOptions& so = store_->options();
-  auto t0 = std::chrono::steady_clock::now();
-  KVTIER_RETURN_IF_ERROR(decode ? probe_->BuildDecode(layer, q, probe_buf_.data())
-                                : probe_->Build(layer, q, m, probe_buf_.data()));
-  std::copy(probe_buf_.begin(), probe_buf_.end(), probe_vec_.begin());
-  sel.probe_ms = MsSince(t0);
+        LayerSelection sel;
+        const StoreOptions& so = store_->options();
+        auto t0 = std::chrono::steady_clock::now();
+        KVTIER_RETURN_IF_ERROR(decode ? probe_->BuildDecode(layer, q, probe_buf_.data())
+                                      : probe_->Build(layer, q, m, probe_buf_.data()));
+        std::copy(probe_buf_.begin(), probe_buf_.end(), probe_vec_.begin());
+        sel.probe_ms = MsSince(t0);
 
-  t0 = std::chrono::steady_clock::now();
-  KVTIER_RETURN_IF_ERROR(Sync(seq, layer));
-  KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
-  const ChunkIndex& index = *li->index;
-  const int n = static_cast<int>(index.size());
-  if (k_ == 0 || n == 0) {
-    // StreamingLLM-style budget 0, or nothing sealed yet: only sinks + local.
-    LayerScores none{nullptr, 0};
-    KVTIER_ASSIGN_OR_RETURN(int unused, alloc_->Allocate(layer, none));
-    (void)unused;
-    sel.search_ms = MsSince(t0);
-    return sel;
-  }
-  // Never more than the hot slot pool holds: the entropy cut-off can hand one layer most of
-  // the step's budget.
-  const size_t cap = so.hot_bytes / so.chunk_bytes();
-  if (li->mirrored != nullptr) {
-    sel.search_ms = MsSince(t0);
-    KVTIER_RETURN_IF_ERROR(SelectOnBackend(li, layer, n, cap, &sel));
-    return sel;
-  }
-  if (!alloc_->reads_scores()) {
-    // Fixed k: the index serves its top k (approximate kinds stay sub-linear).
-    KVTIER_RETURN_IF_ERROR(index.Search(probe_vec_.data(), std::min(static_cast<size_t>(k_), cap), &sel.chunks));
-    sel.search_ms = MsSince(t0);
-    t0 = std::chrono::steady_clock::now();
-    KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{nullptr, n}));
-    sel.chunks.resize(std::min<size_t>(sel.chunks.size(), static_cast<size_t>(take)));
-    sel.alloc_ms = MsSince(t0);
-    return sel;
-  }
-  // The entropy cut-off needs every chunk's score (Eq. 10-11 over the whole cache): the
-  // allocator reads the screened Eq. 10 cosines, then the index returns the layer's B^l best
-  // by the allocator's rank (refined from the stored keys where the screen was approximate).
-  KVTIER_RETURN_IF_ERROR(index.Screen(probe_vec_.data(), &scores_));
-  sel.search_ms = MsSince(t0);
-  t0 = std::chrono::steady_clock::now();
-  KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{scores_.cosine.data(), n}));
-  sel.entropy = alloc_->last_entropy();  // Θ^ℓ, computed once by the allocator
-  sel.alloc_ms = MsSince(t0);
-  t0 = std::chrono::steady_clock::now();
-  const size_t t = std::min(static_cast<size_t>(std::max(0, take)), cap);
-  KVTIER_RETURN_IF_ERROR(index.Best(probe_vec_.data(), scores_, alloc_->rank(), t, &sel.chunks));
-  sel.search_ms += MsSince(t0);
-  return sel;
-  });
+        t0 = std::chrono::steady_clock::now();
+        KVTIER_RETURN_IF_ERROR(Sync(seq, layer));
+        KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
+        const ChunkIndex& index = *li->index;
+        const int n = static_cast<int>(index.size());
+        if (k_ == 0 || n == 0) {
+          // StreamingLLM-style budget 0, or nothing sealed yet: only sinks + local.
+          LayerScores none{nullptr, 0};
+          KVTIER_ASSIGN_OR_RETURN(int unused, alloc_->Allocate(layer, none));
+          (void)unused;
+          sel.search_ms = MsSince(t0);
+          return sel;
+        }
+        // Never more than the hot slot pool holds: the entropy cut-off can hand one layer most of
+        // the step's budget.
+        const size_t cap = so.hot_bytes / so.chunk_bytes();
+        if (li->mirrored != nullptr) {
+          sel.search_ms = MsSince(t0);
+          KVTIER_RETURN_IF_ERROR(SelectOnBackend(li, layer, n, cap, &sel));
+          return sel;
+        }
+        if (!alloc_->reads_scores()) {
+          // Fixed k: the index serves its top k (approximate kinds stay sub-linear).
+          KVTIER_RETURN_IF_ERROR(
+              index.Search(probe_vec_.data(), std::min(static_cast<size_t>(k_), cap), &sel.chunks));
+          sel.search_ms = MsSince(t0);
+          t0 = std::chrono::steady_clock::now();
+          KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{nullptr, n}));
+          sel.chunks.resize(std::min<size_t>(sel.chunks.size(), static_cast<size_t>(take)));
+          sel.alloc_ms = MsSince(t0);
+          return sel;
+        }
+        // The entropy cut-off needs every chunk's score (Eq. 10-11 over the whole cache): the
+        // allocator reads the screened Eq. 10 cosines, then the index returns the layer's B^l best
+        // by the allocator's rank (refined from the stored keys where the screen was approximate).
+        KVTIER_RETURN_IF_ERROR(index.Screen(probe_vec_.data(), &scores_));
+        sel.search_ms = MsSince(t0);
+        t0 = std::chrono::steady_clock::now();
+        KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{scores_.cosine.data(), n}));
+        sel.entropy = alloc_->last_entropy();  // Θ^ℓ, computed once by the allocator
+        sel.alloc_ms = MsSince(t0);
+        t0 = std::chrono::steady_clock::now();
+        const size_t t = std::min(static_cast<size_t>(std::max(0, take)), cap);
+        KVTIER_RETURN_IF_ERROR(index.Best(probe_vec_.data(), scores_, alloc_->rank(), t, &sel.chunks));
+        sel.search_ms += MsSince(t0);
+        return sel;
+      });
 }
 
 Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel) {
@@ -264,8 +270,9 @@ Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, 
   auto t0 = std::chrono::steady_clock::now();
   double theta = 0.0;
   int32_t non_finite = 0;
-  KVTIER_RETURN_IF_ERROR(li->mirrored->SelectOnBackend(probe_vec_.data(), entropy ? alloc_->rank() : ChunkRank::kLogit,
-                                                       entropy, k_max, &sel->chunks, &theta, &non_finite));
+  KVTIER_RETURN_IF_ERROR(li->mirrored->SelectOnBackend(probe_vec_.data(),
+                                                       entropy ? alloc_->rank() : ChunkRank::kLogit, entropy,
+                                                       k_max, &sel->chunks, &theta, &non_finite));
   sel->search_ms += MsSince(t0);
   t0 = std::chrono::steady_clock::now();
   if (!entropy) {
@@ -276,8 +283,8 @@ Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, 
   }
   // Eq. 11 holds for finite scores only (the host path's allocator refuses others, and so here).
   if (non_finite > 0)
-    return InvalidArgument("BudgetAllocator::Allocate: " + std::to_string(non_finite) + " cosine score(s) of layer " +
-                           std::to_string(layer) + " are not finite");
+    return InvalidArgument("BudgetAllocator::Allocate: " + std::to_string(non_finite) +
+                           " cosine score(s) of layer " + std::to_string(layer) + " are not finite");
   KVTIER_ASSIGN_OR_RETURN(int take, alloc_->AllocateWithEntropy(layer, n, theta));
   sel->entropy = alloc_->last_entropy();
   sel->chunks.resize(std::min({sel->chunks.size(), static_cast<size_t>(std::max(0, take)), cap}));
@@ -285,8 +292,8 @@ Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, 
   return Status::Ok();
 }
 
-Status Retriever::ObserveAndScore(SequenceId seq, int layer, const float* q, int m, std::vector<uint64_t>* ids,
-                                  std::vector<float>* scores) {
+Status Retriever::ObserveAndScore(SequenceId seq, int layer, const float* q, int m,
+                                  std::vector<uint64_t>* ids, std::vector<float>* scores) {
   KVTIER_RETURN_IF_ERROR(probe_->Build(layer, q, m, probe_buf_.data()));
   std::copy(probe_buf_.begin(), probe_buf_.end(), probe_vec_.begin());
   KVTIER_RETURN_IF_ERROR(Sync(seq, layer));

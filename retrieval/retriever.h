@@ -70,7 +70,6 @@
 
 namespace kvtier {
 
-
 /// Sets `key` to `value` in factory spec `spec` ("Exact" + heads=max -> "Exact:heads=max";
 /// a key the spec sets already gets the new value in its place). The spec's name and keys are
 /// not checked beyond the factory-string syntax. InvalidArgument for a malformed spec.
@@ -78,12 +77,11 @@ Result<std::string> SetSpecKey(const std::string& spec, const std::string& key, 
 /// The value `spec` gives `key`, or "" when it sets none (or is malformed).
 std::string SpecKey(const std::string& spec, const std::string& key);
 
-
 /// What Select chose for one layer.
 struct LayerSelection {
-  std::vector<uint64_t> chunks;    ///< chunk indices to attend, best first
+  std::vector<uint64_t> chunks;  ///< chunk indices to attend, best first
   double probe_ms = 0, search_ms = 0, alloc_ms = 0;
-  double entropy = 0;              ///< Θ^ℓ when the allocator computed it (entropy), else 0
+  double entropy = 0;  ///< Θ^ℓ when the allocator computed it (entropy), else 0
 };
 
 class Retriever {
@@ -136,7 +134,7 @@ class Retriever {
   struct LayerIndex {
     std::unique_ptr<ChunkIndex> index;
     ExactChunkIndex* mirrored = nullptr;  // the index, when it keeps a backend mirror
-    ChunkCursor cursor;  // what of the store's chunk changes the index holds
+    ChunkCursor cursor;                   // what of the store's chunk changes the index holds
   };
   // Select's path through the backend (the index keeps a mirror).
   Status SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
@@ -148,7 +146,7 @@ class Retriever {
   std::string spec_;  // Describe()
   std::unique_ptr<ProbeBuilder> probe_;
   std::unique_ptr<BudgetAllocator> alloc_;
-  std::unique_ptr<RetrievalBackend> backend_;  // null: the host path
+  std::unique_ptr<RetrievalBackend> backend_;         // null: the host path
   std::unordered_map<uint64_t, LayerIndex> indexes_;  // key: seq * 65536 + layer
   std::vector<float> probe_buf_, probe_vec_;
   ChunkScores scores_;  // Select: the layer's screened scores (reused)

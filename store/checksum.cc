@@ -30,17 +30,14 @@ constexpr Crc32cTables MakeTables() {
     tb.t[0][i] = c;
   }
   for (int k = 1; k < 8; ++k)
-    for (uint32_t i = 0; i < 256; ++i)
-      tb.t[k][i] = (tb.t[k - 1][i] >> 8) ^ tb.t[0][tb.t[k - 1][i] & 0xffu];
+    for (uint32_t i = 0; i < 256; ++i) tb.t[k][i] = (tb.t[k - 1][i] >> 8) ^ tb.t[0][tb.t[k - 1][i] & 0xffu];
   return tb;
 }
 
 constexpr Crc32cTables kTables = MakeTables();
 static_assert(kTables.t[0][1] == 0xF26B8303u, "CRC-32C table");
 
-inline uint32_t ByteStep(uint32_t crc, uint8_t b) {
-  return kTables.t[0][(crc ^ b) & 0xffu] ^ (crc >> 8);
-}
+inline uint32_t ByteStep(uint32_t crc, uint8_t b) { return kTables.t[0][(crc ^ b) & 0xffu] ^ (crc >> 8); }
 
 // Raw (un-inverted) slice-by-8 update.
 uint32_t SoftwareUpdate(uint32_t crc, const uint8_t* p, size_t n) {
@@ -55,9 +52,8 @@ uint32_t SoftwareUpdate(uint32_t crc, const uint8_t* p, size_t n) {
       uint64_t w;
       std::memcpy(&w, p, 8);
       w ^= crc;
-      crc = t[7][w & 0xff] ^ t[6][(w >> 8) & 0xff] ^ t[5][(w >> 16) & 0xff] ^
-            t[4][(w >> 24) & 0xff] ^ t[3][(w >> 32) & 0xff] ^ t[2][(w >> 40) & 0xff] ^
-            t[1][(w >> 48) & 0xff] ^ t[0][w >> 56];
+      crc = t[7][w & 0xff] ^ t[6][(w >> 8) & 0xff] ^ t[5][(w >> 16) & 0xff] ^ t[4][(w >> 24) & 0xff] ^
+            t[3][(w >> 32) & 0xff] ^ t[2][(w >> 40) & 0xff] ^ t[1][(w >> 48) & 0xff] ^ t[0][w >> 56];
       p += 8;
       n -= 8;
     }

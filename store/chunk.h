@@ -17,9 +17,9 @@ namespace kvtier {
 
 /// Identity of a chunk: (sequence, layer, index within that layer).
 struct ChunkKey {
-  SequenceId seq = 0;   ///< sequence id
-  uint32_t layer = 0;   ///< layer index
-  uint64_t index = 0;   ///< 0 for the first chunk after the sinks
+  SequenceId seq = 0;  ///< sequence id
+  uint32_t layer = 0;  ///< layer index
+  uint64_t index = 0;  ///< 0 for the first chunk after the sinks
   bool operator==(const ChunkKey& o) const { return seq == o.seq && layer == o.layer && index == o.index; }
   bool operator<(const ChunkKey& o) const {
     if (seq != o.seq) return seq < o.seq;
@@ -32,7 +32,9 @@ struct ChunkKey {
 struct ChunkKeyHash {
   size_t operator()(const ChunkKey& k) const {
     uint64_t h = k.seq * 0x9e3779b97f4a7c15ull ^ (static_cast<uint64_t>(k.layer) << 40) ^ k.index;
-    h ^= h >> 31; h *= 0xbf58476d1ce4e5b9ull; h ^= h >> 29;
+    h ^= h >> 31;
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 29;
     return static_cast<size_t>(h);
   }
 };

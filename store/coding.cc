@@ -29,8 +29,8 @@ void PutInt32Array(std::string* dst, const int32_t* v, size_t n) {
 
 Status RecordReader::Need(size_t n, const char* field) const {
   if (remaining() >= n) return Status::Ok();
-  return Corruption(what_ + ": " + field + " needs " + std::to_string(n) + " bytes, " + std::to_string(remaining()) +
-                    " left (the record is short)");
+  return Corruption(what_ + ": " + field + " needs " + std::to_string(n) + " bytes, " +
+                    std::to_string(remaining()) + " left (the record is short)");
 }
 
 Status RecordReader::ReadFixed8(uint8_t* v, const char* field) {

@@ -43,7 +43,8 @@ inline void EncodeFixed64(char* dst, uint64_t v) {
   for (int i = 0; i < 8; ++i) dst[i] = static_cast<char>((v >> (8 * i)) & 0xff);
 }
 inline uint16_t DecodeFixed16(const char* p) {
-  return static_cast<uint16_t>(static_cast<uint8_t>(p[0]) | (static_cast<uint16_t>(static_cast<uint8_t>(p[1])) << 8));
+  return static_cast<uint16_t>(static_cast<uint8_t>(p[0]) |
+                               (static_cast<uint16_t>(static_cast<uint8_t>(p[1])) << 8));
 }
 inline uint32_t DecodeFixed32(const char* p) {
   uint32_t v = 0;
@@ -58,10 +59,16 @@ inline uint64_t DecodeFixed64(const char* p) {
 
 /// Big-endian: for keys, so that bytewise order is numeric order.
 inline void EncodeBigEndian32(char* dst, uint32_t v) {
-  for (int i = 3; i >= 0; --i) { dst[i] = static_cast<char>(v & 0xff); v >>= 8; }
+  for (int i = 3; i >= 0; --i) {
+    dst[i] = static_cast<char>(v & 0xff);
+    v >>= 8;
+  }
 }
 inline void EncodeBigEndian64(char* dst, uint64_t v) {
-  for (int i = 7; i >= 0; --i) { dst[i] = static_cast<char>(v & 0xff); v >>= 8; }
+  for (int i = 7; i >= 0; --i) {
+    dst[i] = static_cast<char>(v & 0xff);
+    v >>= 8;
+  }
 }
 inline uint32_t DecodeBigEndian32(const char* p) {
   uint32_t v = 0;
@@ -97,7 +104,9 @@ inline void PutInt64(std::string* dst, int64_t v) { PutFixed64(dst, static_cast<
 /// The float's IEEE-754 bit pattern, little-endian (NaN payloads survive).
 inline void PutFloat32(std::string* dst, float v) { PutFixed32(dst, std::bit_cast<uint32_t>(v)); }
 /// Raw bytes, no length: the reader must know n.
-inline void PutBytes(std::string* dst, const void* p, size_t n) { dst->append(static_cast<const char*>(p), n); }
+inline void PutBytes(std::string* dst, const void* p, size_t n) {
+  dst->append(static_cast<const char*>(p), n);
+}
 /// u32 length, then the bytes. Callers keep inputs below 4 GiB (every record
 /// kvtier writes is far smaller; EncodeKvTrace's strings are checked).
 inline void PutLengthPrefixed(std::string* dst, std::string_view s) {

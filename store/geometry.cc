@@ -9,16 +9,17 @@ namespace kvtier {
 
 Status Geometry::Validate() const {
   if (layers <= 0) return InvalidArgument("geometry.layers must be > 0 (got " + std::to_string(layers) + ")");
-  if (q_heads <= 0) return InvalidArgument("geometry.q_heads must be > 0 (got " + std::to_string(q_heads) + ")");
-  if (kv_heads <= 0) return InvalidArgument("geometry.kv_heads must be > 0 (got " + std::to_string(kv_heads) + ")");
+  if (q_heads <= 0)
+    return InvalidArgument("geometry.q_heads must be > 0 (got " + std::to_string(q_heads) + ")");
+  if (kv_heads <= 0)
+    return InvalidArgument("geometry.kv_heads must be > 0 (got " + std::to_string(kv_heads) + ")");
   if (!kernels::HeadDimSupported(head_dim))
     return InvalidArgument("geometry.head_dim must be in [1, " + std::to_string(kernels::kMaxHeadDim) +
                            "], what the attention kernel supports (got " + std::to_string(head_dim) + ")");
   if (q_heads % kv_heads != 0)
     return InvalidArgument("geometry.q_heads (" + std::to_string(q_heads) +
                            ") must be a multiple of geometry.kv_heads (" + std::to_string(kv_heads) + ")");
-  if (layers > 4096 || q_heads > 4096)
-    return InvalidArgument("geometry is implausibly large: " + ToString());
+  if (layers > 4096 || q_heads > 4096) return InvalidArgument("geometry is implausibly large: " + ToString());
   if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16)
     return InvalidArgument("geometry.dtype is not one of f32, f16, bf16");
   return Status::Ok();

@@ -17,15 +17,22 @@
 
 int main(int argc, char** argv) {
   using namespace kvtier;
-  if (argc != 3) { std::fprintf(stderr, "usage: %s DATA_DIR SEED\n", argv[0]); return 2; }
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: %s DATA_DIR SEED\n", argv[0]);
+    return 2;
+  }
   StoreOptions o = CrashTestOptions(argv[1]);
   const uint64_t seed = std::strtoull(argv[2], nullptr, 10);
   auto store = TieredStore::Open(o);
-  if (!store.ok()) { std::fprintf(stderr, "open: %s\n", store.status().ToString().c_str()); return 1; }
+  if (!store.ok()) {
+    std::fprintf(stderr, "open: %s\n", store.status().ToString().c_str());
+    return 1;
+  }
   TieredStoreTestPeer::SetAckListener(**store, [](const ChunkKey& k) {
     char line[96];
-    const int n = std::snprintf(line, sizeof(line), "ACK %llu %u %llu\n", static_cast<unsigned long long>(k.seq),
-                                k.layer, static_cast<unsigned long long>(k.index));
+    const int n =
+        std::snprintf(line, sizeof(line), "ACK %llu %u %llu\n", static_cast<unsigned long long>(k.seq),
+                      k.layer, static_cast<unsigned long long>(k.index));
     // One write() per line: a line is either wholly in the pipe or absent.
     if (write(1, line, n) != n) std::abort();
   });
@@ -45,11 +52,15 @@ int main(int argc, char** argv) {
         int64_t& n_done = len[i * o.geometry.layers + l];
         if (n_done > 2000000) return 3;
         const int n = 1 + static_cast<int>(rng() % 61);
-        k.resize(n * tb); v.resize(n * tb);
+        k.resize(n * tb);
+        v.resize(n * tb);
         FillPattern(kCrashSalt, seqs[i], l, 0, n_done, n, tb, k.data());
         FillPattern(kCrashSalt, seqs[i], l, 1, n_done, n, tb, v.data());
         Status st = (*store)->Append(seqs[i], l, k.data(), v.data(), n, o.geometry.dtype);
-        if (!st.ok()) { std::fprintf(stderr, "append: %s\n", st.ToString().c_str()); return 1; }
+        if (!st.ok()) {
+          std::fprintf(stderr, "append: %s\n", st.ToString().c_str());
+          return 1;
+        }
         n_done += n;
       }
   }

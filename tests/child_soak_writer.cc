@@ -45,14 +45,18 @@ int Die(const char* what, const kvtier::Status& st) {
 
 int main(int argc, char** argv) {
   using namespace kvtier;
-  if (argc != 3) { std::fprintf(stderr, "usage: %s DATA_DIR SEED\n", argv[0]); return 2; }
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: %s DATA_DIR SEED\n", argv[0]);
+    return 2;
+  }
   const StoreOptions o = CrashTestOptions(argv[1]);
   std::mt19937_64 rng(std::strtoull(argv[2], nullptr, 10));
   auto store = TieredStore::Open(o);
   if (!store.ok()) return Die("open", store.status());
   TieredStore* st = store->get();
   TieredStoreTestPeer::SetAckListener(*st, [](const ChunkKey& k) {
-    Line("ACK %llu %u %llu\n", static_cast<unsigned long long>(k.seq), k.layer, static_cast<unsigned long long>(k.index));
+    Line("ACK %llu %u %llu\n", static_cast<unsigned long long>(k.seq), k.layer,
+         static_cast<unsigned long long>(k.index));
   });
   Line("OPEN\n");
   // Sequences left by earlier cycles: keep the newest few, drop the rest.

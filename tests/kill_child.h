@@ -2,12 +2,11 @@
 // test and the soak, which differ only in what the child does and prints.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
@@ -20,8 +19,9 @@ namespace kvtier {
 /// line it printed; once `kill_after` lines starting with "ACK " were printed (or a few
 /// more: the kill races with the child, as it should) it is SIGKILLed. *status gets its
 /// wait status, *killed whether the kill was sent. A partial last line is not returned.
-inline std::vector<std::string> RunChildUntilAcks(const std::string& child, const std::string& dir, uint64_t seed,
-                                                  size_t kill_after, int* status, bool* killed) {
+inline std::vector<std::string> RunChildUntilAcks(const std::string& child, const std::string& dir,
+                                                  uint64_t seed, size_t kill_after, int* status,
+                                                  bool* killed) {
   int fds[2];
   EXPECT_EQ(pipe(fds), 0);
   posix_spawn_file_actions_t fa;
@@ -30,8 +30,8 @@ inline std::vector<std::string> RunChildUntilAcks(const std::string& child, cons
   posix_spawn_file_actions_addclose(&fa, fds[0]);
   const std::string exe = std::string(KVTIER_BINARY_DIR) + "/" + child;
   const std::string seed_s = std::to_string(seed);
-  char* argv[] = {const_cast<char*>(exe.c_str()), const_cast<char*>(dir.c_str()), const_cast<char*>(seed_s.c_str()),
-                  nullptr};
+  char* argv[] = {const_cast<char*>(exe.c_str()), const_cast<char*>(dir.c_str()),
+                  const_cast<char*>(seed_s.c_str()), nullptr};
   pid_t pid = 0;
   EXPECT_EQ(posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv, environ), 0) << exe;
   posix_spawn_file_actions_destroy(&fa);

@@ -5,14 +5,13 @@
 #pragma once
 
 #include <arpa/inet.h>
+#include <hiredis/hiredis.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <hiredis/hiredis.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -41,11 +40,11 @@ inline std::string FindOnPath(const std::string& name) {
 }
 
 /// Skips the test when redis-server or redis-cli is missing (.ci/run installs them).
-#define KVTIER_SKIP_WITHOUT_REDIS()                                                                        \
-  do {                                                                                                     \
-    if (::kvtier::FindOnPath("redis-server").empty() || ::kvtier::FindOnPath("redis-cli").empty())         \
-      GTEST_SKIP() << "redis-server/redis-cli not installed (apt-get install redis-server redis-tools; "   \
-                      "scripts/deps.sh installs them)";                                                    \
+#define KVTIER_SKIP_WITHOUT_REDIS()                                                                      \
+  do {                                                                                                   \
+    if (::kvtier::FindOnPath("redis-server").empty() || ::kvtier::FindOnPath("redis-cli").empty())       \
+      GTEST_SKIP() << "redis-server/redis-cli not installed (apt-get install redis-server redis-tools; " \
+                      "scripts/deps.sh installs them)";                                                  \
   } while (0)
 
 /// A free TCP port on 127.0.0.1 whose cluster bus port (+10000) is free too.
@@ -87,8 +86,10 @@ inline std::string RedisCommandText(int port, const std::vector<std::string>& ar
   auto* r = static_cast<redisReply*>(redisCommandArgv(c, static_cast<int>(a.size()), a.data(), l.data()));
   std::string out;
   if (r) {
-    if (r->type == REDIS_REPLY_INTEGER) out = std::to_string(r->integer);
-    else if (r->str) out.assign(r->str, r->len);
+    if (r->type == REDIS_REPLY_INTEGER)
+      out = std::to_string(r->integer);
+    else if (r->str)
+      out.assign(r->str, r->len);
     freeReplyObject(r);
   }
   redisFree(c);
@@ -119,9 +120,19 @@ class RedisServers {
   int Start(const std::vector<std::string>& extra = {}) {
     const int port = FreeRedisPort();
     const std::string exe = FindOnPath("redis-server");
-    std::vector<std::string> args = {exe,     "--port", std::to_string(port), "--bind", "127.0.0.1", "--dir",
-                                     dir_.path(), "--save", "",               "--appendonly", "no",
-                                     "--logfile", dir_.path() + "/redis-" + std::to_string(port) + ".log"};
+    std::vector<std::string> args = {exe,
+                                     "--port",
+                                     std::to_string(port),
+                                     "--bind",
+                                     "127.0.0.1",
+                                     "--dir",
+                                     dir_.path(),
+                                     "--save",
+                                     "",
+                                     "--appendonly",
+                                     "no",
+                                     "--logfile",
+                                     dir_.path() + "/redis-" + std::to_string(port) + ".log"};
     args.insert(args.end(), extra.begin(), extra.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -155,8 +166,8 @@ class RedisServers {
       if (idx < 0) return false;
       hosts += " 127.0.0.1:" + std::to_string(servers_[idx].port);
     }
-    const std::string cmd = FindOnPath("redis-cli") + " --cluster create" + hosts +
-                             " --cluster-replicas " + std::to_string(replicas) + " --cluster-yes > " + dir_.path() + "/create.log 2>&1";
+    const std::string cmd = FindOnPath("redis-cli") + " --cluster create" + hosts + " --cluster-replicas " +
+                            std::to_string(replicas) + " --cluster-yes > " + dir_.path() + "/create.log 2>&1";
     if (std::system(cmd.c_str()) != 0) {
       ADD_FAILURE() << "redis-cli --cluster create failed; see " << dir_.path() << "/create.log";
       return false;
@@ -168,7 +179,8 @@ class RedisServers {
         const std::string info = RedisCommandText(s.port, {"CLUSTER", "INFO"});
         const std::string repl = RedisCommandText(s.port, {"INFO", "replication"});
         ok = ok && info.find("cluster_state:ok") != std::string::npos &&
-             (repl.find("role:master") != std::string::npos || repl.find("master_link_status:up") != std::string::npos);
+             (repl.find("role:master") != std::string::npos ||
+              repl.find("master_link_status:up") != std::string::npos);
       }
       if (ok) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -210,8 +222,8 @@ class RedisServers {
 
   /// Runs redis-cli against one server with the arguments (shell words); its exit status.
   int Cli(int index, const std::string& args) const {
-    const std::string cmd = FindOnPath("redis-cli") + " -p " + std::to_string(servers_[index].port) + " " + args +
-                            " > /dev/null 2>&1";
+    const std::string cmd = FindOnPath("redis-cli") + " -p " + std::to_string(servers_[index].port) + " " +
+                            args + " > /dev/null 2>&1";
     return std::system(cmd.c_str());
   }
 

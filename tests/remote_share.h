@@ -28,12 +28,15 @@ inline StoreOptions Options(const std::string& remote) {
   return o;
 }
 
-inline size_t TokenBytes(const StoreOptions& o) { return o.geometry.token_elems() * DTypeSize(o.geometry.dtype); }
+inline size_t TokenBytes(const StoreOptions& o) {
+  return o.geometry.token_elems() * DTypeSize(o.geometry.dtype);
+}
 
 /// K or V (which 0/1) of tokens [from, to) of one layer.
 inline std::vector<uint8_t> Tokens(const StoreOptions& o, int layer, int which, int64_t from, int64_t to) {
   std::vector<uint8_t> out(static_cast<size_t>(to - from) * TokenBytes(o));
-  FillPattern(kSalt, kPatternSeq, static_cast<uint32_t>(layer), which, from, to - from, TokenBytes(o), out.data());
+  FillPattern(kSalt, kPatternSeq, static_cast<uint32_t>(layer), which, from, to - from, TokenBytes(o),
+              out.data());
   return out;
 }
 
@@ -43,7 +46,8 @@ inline Status Write(TieredStore* s, SequenceId seq) {
     for (int64_t p = 0; p < kTokens; p += 50) {
       const int64_t e = std::min<int64_t>(kTokens, p + 50);
       const auto k = Tokens(s->options(), l, 0, p, e), v = Tokens(s->options(), l, 1, p, e);
-      KVTIER_RETURN_IF_ERROR(s->Append(seq, l, k.data(), v.data(), static_cast<int>(e - p), s->options().geometry.dtype));
+      KVTIER_RETURN_IF_ERROR(
+          s->Append(seq, l, k.data(), v.data(), static_cast<int>(e - p), s->options().geometry.dtype));
     }
   return Status::Ok();
 }

@@ -38,10 +38,10 @@ inline constexpr const char* kTestSanitizer = nullptr;
 #endif
 
 /// In a test body (or SetUp): skips the test under a sanitizer, saying which and why.
-#define KVTIER_SKIP_UNDER_SANITIZER(why)                                                              \
-  do {                                                                                                \
-    if (::kvtier::kTestSanitizer != nullptr)                                                          \
-      GTEST_SKIP() << "skipped under " << ::kvtier::kTestSanitizer << ": " << why;                  \
+#define KVTIER_SKIP_UNDER_SANITIZER(why)                                           \
+  do {                                                                             \
+    if (::kvtier::kTestSanitizer != nullptr)                                       \
+      GTEST_SKIP() << "skipped under " << ::kvtier::kTestSanitizer << ": " << why; \
   } while (0)
 
 /// A fresh directory under /tmp, removed with everything in it when the

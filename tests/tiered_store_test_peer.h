@@ -28,7 +28,8 @@ class TieredStoreTestPeer {
   static std::vector<float> RingMass(TieredStore& store, SequenceId seq, int layer) {
     std::lock_guard<std::mutex> l(store.mu_);
     auto it = store.sequences_.find(seq);
-    if (it == store.sequences_.end() || layer < 0 || layer >= static_cast<int>(it->second->layers.size())) return {};
+    if (it == store.sequences_.end() || layer < 0 || layer >= static_cast<int>(it->second->layers.size()))
+      return {};
     return it->second->layers[static_cast<size_t>(layer)].ring_mass;
   }
 };

@@ -58,16 +58,16 @@ extern "C" {
 /* Equal to kvtier::StatusCode (store/status.h), value for value. */
 typedef enum kvtier_code {
   KVTIER_OK = 0,
-  KVTIER_INVALID_ARGUMENT = 1,    /* caller passed something malformed (shape, size, NULL, enum) */
-  KVTIER_NOT_FOUND = 2,           /* sequence / chunk / file does not exist */
+  KVTIER_INVALID_ARGUMENT = 1, /* caller passed something malformed (shape, size, NULL, enum) */
+  KVTIER_NOT_FOUND = 2,        /* sequence / chunk / file does not exist */
   KVTIER_ALREADY_EXISTS = 3,
   KVTIER_FAILED_PRECONDITION = 4, /* wrong state (dropped, closed, step not begun, sessions open) */
   KVTIER_RESOURCE_EXHAUSTED = 5,  /* a tier is full, or out of memory */
   KVTIER_CORRUPTION = 6,          /* stored bytes failed a checksum or format check */
   KVTIER_IO_ERROR = 7,            /* the disk tier or file system failed */
   KVTIER_TIMED_OUT = 8,
-  KVTIER_UNAVAILABLE = 9,         /* a backend (e.g. CUDA) is not present */
-  KVTIER_INTERNAL = 10            /* a kvtier bug */
+  KVTIER_UNAVAILABLE = 9, /* a backend (e.g. CUDA) is not present */
+  KVTIER_INTERNAL = 10    /* a kvtier bug */
 } kvtier_code;
 
 #define KVTIER_ERROR_MESSAGE_SIZE 1024
@@ -107,13 +107,13 @@ typedef struct kvtier_store_options {
   int layers, q_heads, kv_heads, head_dim; /* q_heads a multiple of kv_heads */
   kvtier_dtype dtype;                      /* storage dtype of K and V */
   /* tiers */
-  int n_sink;          /* attention-sink tokens kept hot per (sequence, layer) */
-  int n_local;         /* most recent tokens kept hot (the local window) */
-  int chunk_size;      /* tokens per chunk */
-  int repr_topk;       /* representative keys per kv head per chunk (presets "actqkv" and
-                          "infllm" are written with 4; a session cannot change it) */
-  uint64_t hot_bytes;  /* hot slot pool for retrieved chunks */
-  uint64_t warm_bytes; /* warm tier (host memory) capacity */
+  int n_sink;                     /* attention-sink tokens kept hot per (sequence, layer) */
+  int n_local;                    /* most recent tokens kept hot (the local window) */
+  int chunk_size;                 /* tokens per chunk */
+  int repr_topk;                  /* representative keys per kv head per chunk (presets "actqkv" and
+                                     "infllm" are written with 4; a session cannot change it) */
+  uint64_t hot_bytes;             /* hot slot pool for retrieved chunks */
+  uint64_t warm_bytes;            /* warm tier (host memory) capacity */
   const char* data_dir;           /* cold tier (RocksDB) directory, copied at open; NULL or "" = none */
   kvtier_compression compression; /* cold tier compression */
 } kvtier_store_options;
@@ -148,7 +148,8 @@ typedef struct kvtier_store_counters {
   uint64_t dropped_chunks; /* chunks removed for good by compression */
 } kvtier_store_counters;
 
-kvtier_code kvtier_store_get_counters(const kvtier_store* store, kvtier_store_counters* out, kvtier_error* err);
+kvtier_code kvtier_store_get_counters(const kvtier_store* store, kvtier_store_counters* out,
+                                      kvtier_error* err);
 
 /* ---- session: one sequence --------------------------------------------------- */
 
@@ -169,8 +170,8 @@ kvtier_session_options kvtier_session_options_default(void);
 /* Creates a new sequence in `store` and a session over it. On failure *out is NULL.
  * KVTIER_RESOURCE_EXHAUSTED when the hot pool cannot hold this session's budget (in chunks)
  * beside those of the sessions open on the store (see kvtier/session.h). */
-kvtier_code kvtier_session_open(kvtier_store* store, const kvtier_session_options* options, kvtier_session** out,
-                                kvtier_error* err);
+kvtier_code kvtier_session_open(kvtier_store* store, const kvtier_session_options* options,
+                                kvtier_session** out, kvtier_error* err);
 /* Persists the sinks and local window; the sequence becomes read-only. */
 kvtier_code kvtier_session_close(kvtier_session* session, kvtier_error* err);
 /* Removes the sequence from every tier. Afterwards every kvtier_code-returning call on the
@@ -201,8 +202,9 @@ typedef struct kvtier_attend_stats {
  * appended: positions[0] >= 0, strictly increasing), out [m, q_heads, head_dim] fp32. A
  * decode step takes m = 1. A negative or non-increasing position, or a NaN or infinity in q,
  * is KVTIER_INVALID_ARGUMENT naming it. `stats` may be NULL. */
-kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const float* q, const int64_t* positions,
-                                  int m, float* out, kvtier_attend_stats* stats, kvtier_error* err);
+kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const float* q,
+                                  const int64_t* positions, int m, float* out, kvtier_attend_stats* stats,
+                                  kvtier_error* err);
 
 /* What one compress did. */
 typedef struct kvtier_compress_report {

@@ -15,9 +15,9 @@
 
 namespace kvtier {
 
-class Clock;       // offload/clock.h: the time source of pin leases
-class HotTier;     // offload/hot_tier.h: the hot slot pool's memory
-struct ChunkKey;   // store/chunk.h: (sequence, layer, index)
+class Clock;      // offload/clock.h: the time source of pin leases
+class HotTier;    // offload/hot_tier.h: the hot slot pool's memory
+struct ChunkKey;  // store/chunk.h: (sequence, layer, index)
 
 /// std::chrono::steady_clock, shared by every store that does not bring its own.
 std::shared_ptr<const Clock> SteadyClock();
@@ -35,16 +35,16 @@ struct StoreOptions {
   uint64_t warm_bytes = 256ull << 20;  ///< warm tier capacity
   std::string data_dir;                ///< cold tier (RocksDB) directory; empty = no cold tier
   Compression compression = Compression::kLZ4;  ///< cold tier compression: none|lz4|zstd
-  bool sync_writes = false;            ///< fsync cold writes (power-loss durability)
-  bool write_through = true;           ///< write each chunk to cold when sealed (crash-safe, free demotion)
-  int pin_timeout_ms = 30000;          ///< lease of a pinned chunk; an expired pin no longer protects it
+  bool sync_writes = false;                     ///< fsync cold writes (power-loss durability)
+  bool write_through = true;   ///< write each chunk to cold when sealed (crash-safe, free demotion)
+  int pin_timeout_ms = 30000;  ///< lease of a pinned chunk; an expired pin no longer protects it
   /// Longest a fetch waits (real time) for hot slots that other fetches hold pinned or are
   /// loading, e.g. another Session's Attend that is about to unpin; 0 = fail at once. See
   /// FetchChunks. Default: 10000.
   int pin_wait_ms = 10000;
-  std::string hot_policy = "lru";      ///< demotion policy of the hot slot pool
-  std::string warm_policy = "lru";     ///< demotion policy of the warm tier
-  int transfer_threads = 2;            ///< concurrency of the asynchronous transfer arena
+  std::string hot_policy = "lru";   ///< demotion policy of the hot slot pool
+  std::string warm_policy = "lru";  ///< demotion policy of the warm tier
+  int transfer_threads = 2;         ///< concurrency of the asynchronous transfer arena
   /// Sealed chunks per (sequence, layer) whose download from the local window may be in
   /// flight at once (a device tier copies them asynchronously: see "Landing" below); one
   /// more waits for the oldest. >= 1.
@@ -89,7 +89,7 @@ struct RetrieverOptions {
   /// summed over heads) or a FAISS description over one mean vector per chunk
   /// ("Flat", "HNSW32:ef=64", "IVF<n>,Flat:nprobe=16,train_min=0"). See chunk_index.h.
   std::string index = "Exact";
-  int budget_tokens = 2048;       ///< retrieved tokens per layer and step (k = budget_tokens / chunk_size chunks)
+  int budget_tokens = 2048;  ///< retrieved tokens per layer and step (k = budget_tokens / chunk_size chunks)
 
   /// Checks every part; InvalidArgument names the part ("probe: ...", "alloc: ...",
   /// "index: ...") and, inside it, the bad key or value.
@@ -114,12 +114,13 @@ const char* PositionModeName(PositionMode mode);
 RetrieverOptions RecommendedRetrieval();
 
 struct SessionOptions {
-  RetrieverOptions retrieval = RecommendedRetrieval();  ///< probe, allocator, index and budget ("kvtier" preset)
-  bool retrieve = true;                              ///< false: attend every live chunk (full attention through the store)
+  RetrieverOptions retrieval =
+      RecommendedRetrieval();  ///< probe, allocator, index and budget ("kvtier" preset)
+  bool retrieve = true;        ///< false: attend every live chunk (full attention through the store)
   PositionMode positions = PositionMode::kAbsolute;  ///< keys after RoPE (absolute) or before it (infllm)
   double rope_theta = 10000.0;                       ///< kInfLLM: RoPE base (rotate-half, Hugging Face Llama)
   bool observe_prefill = true;                       ///< prefill Attend feeds representative-key statistics
-  int keep_queries = 0;                              ///< most recent queries kept per layer for Compress (0 = none)
+  int keep_queries = 0;  ///< most recent queries kept per layer for Compress (0 = none)
   Status Validate() const;
   /// Validate(), and with retrieve, that `store`'s hot slot pool holds the retrieval budget:
   /// budget_tokens / chunk_size chunks at most hot_bytes / chunk_bytes(). InvalidArgument

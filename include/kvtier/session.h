@@ -49,13 +49,13 @@
 //
 // Sharing the hot slot pool: Open and Attach refuse a retrieval budget the pool cannot hold
 // (SessionOptions::Validate(const StoreOptions&)), and reserve the session's budget in
-// chunks (budget_tokens / chunk_size: what one Attend pins in the steady state) with TieredStore::ReserveHotSlots, and refuse the session with ResourceExhausted,
-// naming the pool's slots, the slots reserved and the slots asked, when the open sessions'
-// reservations would exceed the pool (sessions attached to one sequence count once, at the
-// largest). Close, Drop and destruction give the reservation back; retrieve = false reserves
-// nothing. An Attend holds no pin when it fetches, so where the entropy cut-off gives a layer
-// more than the budget's share and the pool is short, its fetch waits for other sessions'
-// Attends to unpin (StoreOptions::pin_wait_ms, StoreCounters::pin_waits) instead of failing;
+// chunks (budget_tokens / chunk_size: what one Attend pins in the steady state) with
+// TieredStore::ReserveHotSlots, and refuse the session with ResourceExhausted, naming the pool's slots, the
+// slots reserved and the slots asked, when the open sessions' reservations would exceed the pool (sessions
+// attached to one sequence count once, at the largest). Close, Drop and destruction give the reservation
+// back; retrieve = false reserves nothing. An Attend holds no pin when it fetches, so where the entropy
+// cut-off gives a layer more than the budget's share and the pool is short, its fetch waits for other
+// sessions' Attends to unpin (StoreOptions::pin_wait_ms, StoreCounters::pin_waits) instead of failing;
 // tests/engine/session_pins_test.cc runs many sessions on many threads at a pool just above their
 // summed budgets. An engine that keeps one layer's LayerParts while it gathers the next gets
 // ResourceExhausted at once where the two together would pass its reservation and the pool
@@ -88,7 +88,6 @@ struct ChunkInfo;        // offload/tiered_store.h
 struct HotView;          // offload/tiered_store.h
 struct LayerParts;       // engine/layer_parts.h: what Gather returns
 
-
 /// Picks the sealed chunks one layer's queries attend to, in place of retrieval.
 /// `q` is [m, q_heads, head_dim] fp32 as memory sees it (kInfLLM: rotated by
 /// position - L0); `chunks` lists the layer's live sealed chunks in token order.
@@ -113,8 +112,9 @@ Result<std::vector<uint64_t>> SelectAllChunks(int layer, const float* q, const i
 ///    scored by the mean of its 4 representative keys, summed over kv heads (index "Flat":
 ///    score(c) = sum_h <p_h, mean_r k_{c,r,h}>, as InfLLM's code scores a block).
 struct RetrievalPreset {
-  RetrieverOptions retrieval;  ///< probe, allocator, index (budget_tokens left at its default for the caller to set)
-  int repr_topk = 0;           ///< representatives per chunk the preset is written with; 0 = leave the store's setting
+  RetrieverOptions
+      retrieval;      ///< probe, allocator, index (budget_tokens left at its default for the caller to set)
+  int repr_topk = 0;  ///< representatives per chunk the preset is written with; 0 = leave the store's setting
 };
 Result<RetrievalPreset> MakeRetrievalPreset(const std::string& name);
 /// A paper preset ("infllm", "actqkv") as the comparison rows of `kvtier run --compare` and
@@ -128,7 +128,6 @@ Result<RetrieverOptions> PaperRetrieval(const std::string& preset, const Retriev
 /// Every preset name, the default first.
 std::vector<std::string> RetrievalPresetNames();
 
-
 enum class StepKind {
   kPrefill,  ///< a window of m >= 1 prompt tokens: the probe pools the window and updates Eq. 8's statistics
   kDecode,   ///< one generated token: the probe is that token's own query (ActQKV Sec. 4.2)
@@ -136,10 +135,10 @@ enum class StepKind {
 
 /// What one Compress did.
 struct CompressReport {
-  std::string policy;              ///< the policy's ToString()
-  uint64_t dropped_chunks = 0;     ///< over every layer
-  uint64_t kept_tokens = 0;        ///< per layer, mean over layers, after the compression
-  int64_t compress_every = 0;      ///< the policy's decode-time recompression period (0 = once)
+  std::string policy;           ///< the policy's ToString()
+  uint64_t dropped_chunks = 0;  ///< over every layer
+  uint64_t kept_tokens = 0;     ///< per layer, mean over layers, after the compression
+  int64_t compress_every = 0;   ///< the policy's decode-time recompression period (0 = once)
 };
 
 class Session {

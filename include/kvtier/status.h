@@ -18,16 +18,16 @@ namespace kvtier {
 
 enum class StatusCode : int {
   kOk = 0,
-  kInvalidArgument,    ///< caller passed something malformed (shape, size, flag)
-  kNotFound,           ///< sequence / chunk / file does not exist
-  kAlreadyExists,      ///< object exists and may not be created again
-  kFailedPrecondition, ///< object is in the wrong state (dropped, closed)
-  kResourceExhausted,  ///< a tier is full and nothing can be demoted
-  kCorruption,         ///< stored bytes failed a checksum or format check
-  kIOError,            ///< the disk tier or file system failed
-  kTimedOut,           ///< a wait ran out; the operation itself continues
-  kUnavailable,        ///< a backend (e.g. CUDA) is not present
-  kInternal,           ///< a kvtier bug: an invariant did not hold
+  kInvalidArgument,     ///< caller passed something malformed (shape, size, flag)
+  kNotFound,            ///< sequence / chunk / file does not exist
+  kAlreadyExists,       ///< object exists and may not be created again
+  kFailedPrecondition,  ///< object is in the wrong state (dropped, closed)
+  kResourceExhausted,   ///< a tier is full and nothing can be demoted
+  kCorruption,          ///< stored bytes failed a checksum or format check
+  kIOError,             ///< the disk tier or file system failed
+  kTimedOut,            ///< a wait ran out; the operation itself continues
+  kUnavailable,         ///< a backend (e.g. CUDA) is not present
+  kInternal,            ///< a kvtier bug: an invariant did not hold
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -35,8 +35,7 @@ const char* StatusCodeName(StatusCode code);
 class [[nodiscard]] Status {
  public:
   Status() = default;
-  Status(StatusCode code, std::string message)
-      : code_(code), message_(std::move(message)) {}
+  Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
 
   static Status Ok() { return Status(); }
 
@@ -74,7 +73,7 @@ inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : value_(std::move(value)) {}         // NOLINT: implicit by design
   Result(Status status) : status_(std::move(status)) {  // NOLINT
     assert(!status_.ok() && "Result built from an OK Status carries no value");
     if (status_.ok()) status_ = Internal("Result built from an OK Status");
@@ -83,9 +82,18 @@ class [[nodiscard]] Result {
   bool ok() const { return value_.has_value(); }
   const Status& status() const { return status_; }
   /// The value; on an error Result prints the status and aborts (DieOnErrorValue).
-  T& value() & { CheckValue(); return *value_; }
-  const T& value() const& { CheckValue(); return *value_; }
-  T&& value() && { CheckValue(); return std::move(*value_); }
+  T& value() & {
+    CheckValue();
+    return *value_;
+  }
+  const T& value() const& {
+    CheckValue();
+    return *value_;
+  }
+  T&& value() && {
+    CheckValue();
+    return std::move(*value_);
+  }
   T* operator->() { return &value(); }
   const T* operator->() const { return &value(); }
   T& operator*() & { return value(); }
@@ -94,7 +102,8 @@ class [[nodiscard]] Result {
 
  private:
   void CheckValue() const {
-    if (!value_.has_value()) [[unlikely]] DieOnErrorValue(status_);
+    if (!value_.has_value()) [[unlikely]]
+      DieOnErrorValue(status_);
   }
   std::optional<T> value_;
   Status status_;
@@ -111,8 +120,10 @@ auto ReturnOnBadAlloc(W&& what, F&& body) -> decltype(body()) {
     return body();
   } catch (const std::bad_alloc&) {
     std::string w;
-    if constexpr (std::is_invocable_v<W&>) w = what();
-    else w = what;
+    if constexpr (std::is_invocable_v<W&>)
+      w = what();
+    else
+      w = what;
     return ResourceExhausted(w + ": out of memory");
   }
 }
@@ -120,17 +131,17 @@ auto ReturnOnBadAlloc(W&& what, F&& body) -> decltype(body()) {
 }  // namespace kvtier
 
 /// Returns early with the status when it is not OK.
-#define KVTIER_RETURN_IF_ERROR(expr)                  \
-  do {                                                \
-    ::kvtier::Status kvtier_status_ = (expr);         \
-    if (!kvtier_status_.ok()) return kvtier_status_;  \
+#define KVTIER_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::kvtier::Status kvtier_status_ = (expr);        \
+    if (!kvtier_status_.ok()) return kvtier_status_; \
   } while (0)
 
 #define KVTIER_CONCAT_INNER(a, b) a##b
 #define KVTIER_CONCAT(a, b) KVTIER_CONCAT_INNER(a, b)
 /// `KVTIER_ASSIGN_OR_RETURN(auto x, MakeX());`
-#define KVTIER_ASSIGN_OR_RETURN(lhs, expr)                              \
-  auto KVTIER_CONCAT(kvtier_result_, __LINE__) = (expr);                \
-  if (!KVTIER_CONCAT(kvtier_result_, __LINE__).ok())                    \
-    return KVTIER_CONCAT(kvtier_result_, __LINE__).status();            \
+#define KVTIER_ASSIGN_OR_RETURN(lhs, expr)                   \
+  auto KVTIER_CONCAT(kvtier_result_, __LINE__) = (expr);     \
+  if (!KVTIER_CONCAT(kvtier_result_, __LINE__).ok())         \
+    return KVTIER_CONCAT(kvtier_result_, __LINE__).status(); \
   lhs = std::move(KVTIER_CONCAT(kvtier_result_, __LINE__)).value()

@@ -24,9 +24,12 @@ const char* kUsage =
 
 const char* StateName(store_records::SeqState s) {
   switch (s) {
-    case store_records::SeqState::kOpen: return "open when the store stopped (recovered read-only)";
-    case store_records::SeqState::kClosed: return "closed";
-    case store_records::SeqState::kRecovered: return "recovered";
+    case store_records::SeqState::kOpen:
+      return "open when the store stopped (recovered read-only)";
+    case store_records::SeqState::kClosed:
+      return "closed";
+    case store_records::SeqState::kRecovered:
+      return "recovered";
   }
   return "unknown";
 }
@@ -57,7 +60,8 @@ Result<ColdReport> InspectCold(const std::string& dir, bool accept, bool verify)
     return layout_bytes.status().code() == StatusCode::kNotFound
                ? NotFound("'" + dir + "' holds no kvtier store (no store record)")
                : layout_bytes.status();
-  KVTIER_ASSIGN_OR_RETURN(rep.layout, store_records::DecodeStoreRecord(*layout_bytes, "data_dir '" + dir + "'"));
+  KVTIER_ASSIGN_OR_RETURN(rep.layout,
+                          store_records::DecodeStoreRecord(*layout_bytes, "data_dir '" + dir + "'"));
   KVTIER_RETURN_IF_ERROR(cold->ForEachSequence([&](SequenceId id, std::string_view rec) -> Status {
     if (id == store_records::kStoreRecordSeq) return Status::Ok();
     KVTIER_ASSIGN_OR_RETURN(rep.sequences[id],
@@ -66,7 +70,8 @@ Result<ColdReport> InspectCold(const std::string& dir, bool accept, bool verify)
   }));
   rep.acked = cold->AcknowledgedChunks();
   if (verify) {
-    const size_t chunk_bytes = static_cast<size_t>(rep.layout.chunk_size) * rep.layout.geometry.token_kv_bytes();
+    const size_t chunk_bytes =
+        static_cast<size_t>(rep.layout.chunk_size) * rep.layout.geometry.token_kv_bytes();
     std::vector<uint8_t> buf(chunk_bytes);
     for (const ChunkRange& r : rep.acked)
       for (uint64_t i = r.first;; ++i) {
@@ -85,11 +90,21 @@ int RunCheck(int argc, char** argv) {
   bool verify = false, accept = false;
   cli::FlagSet f;
   f.Add("data-dir", "the store's data directory (required)", cli::PathFlag(&dir));
-  f.Add("verify", "also read every acknowledged chunk back and check its checksums",
-        [&](const std::string& s) { verify = s != "0"; return Status::Ok(); }, true);
-  f.Add("accept-lost",
-        "open a store whose acknowledged chunks are missing anyway: forget them for good and print them",
-        [&](const std::string& s) { accept = s != "0"; return Status::Ok(); }, true);
+  f.Add(
+      "verify", "also read every acknowledged chunk back and check its checksums",
+      [&](const std::string& s) {
+        verify = s != "0";
+        return Status::Ok();
+      },
+      true);
+  f.Add(
+      "accept-lost",
+      "open a store whose acknowledged chunks are missing anyway: forget them for good and print them",
+      [&](const std::string& s) {
+        accept = s != "0";
+        return Status::Ok();
+      },
+      true);
   Status st = f.Parse("check", argc, argv);
   if (!st.ok()) return cli::Fail(st);
   if (f.help()) {
@@ -137,7 +152,8 @@ int RunCheck(int argc, char** argv) {
   std::map<SequenceId, std::vector<ChunkRange>> by_seq;
   for (const ChunkRange& r : rep->acked) by_seq[r.seq].push_back(r);
   for (const auto& [id, rec] : rep->sequences) {
-    std::printf("  sequence %llu: %s, tokens per layer", static_cast<unsigned long long>(id), StateName(rec.state));
+    std::printf("  sequence %llu: %s, tokens per layer", static_cast<unsigned long long>(id),
+                StateName(rec.state));
     for (int64_t n : rec.n_tokens) std::printf(" %lld", static_cast<long long>(n));
     const auto& ranges = by_seq[id];
     std::printf("; acknowledged chunks: %s\n", ranges.empty() ? "none" : DescribeRanges(ranges, 64).c_str());
@@ -147,7 +163,8 @@ int RunCheck(int argc, char** argv) {
   if (verify) std::printf("; %llu read back and verified", static_cast<unsigned long long>(rep->verified));
   std::printf("\n");
   if (!rep->lost.empty() || !rep->lost_sequences.empty()) {
-    std::printf("  lost and accepted: %llu chunks (%s)", static_cast<unsigned long long>(CountChunks(rep->lost)),
+    std::printf("  lost and accepted: %llu chunks (%s)",
+                static_cast<unsigned long long>(CountChunks(rep->lost)),
                 rep->lost.empty() ? "none" : DescribeRanges(rep->lost).c_str());
     if (!rep->lost_sequences.empty()) {
       std::printf(", sequence records of");

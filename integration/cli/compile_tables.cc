@@ -78,25 +78,26 @@ Status ParseFlags(int argc, char** argv, CompileFlags* f, bool* help) {
             WithDefault(std::to_string(f->layers) + "," + std::to_string(f->q_heads) + "," +
                             std::to_string(f->kv_heads) + "," + std::to_string(f->head_dim),
                         [f](const std::string& s) {
-    const std::vector<std::string> p = SplitComma(s);
-    if (p.size() != 4) return InvalidArgument("expected L,Hq,Hkv,D, got '" + s + "'");
-    int64_t v[4];
-    for (int i = 0; i < 4; ++i) KVTIER_RETURN_IF_ERROR(ParseInt(p[i], 1, 1 << 16, &v[i]));
-    f->layers = static_cast<int>(v[0]);
-    f->q_heads = static_cast<int>(v[1]);
-    f->kv_heads = static_cast<int>(v[2]);
-    f->head_dim = static_cast<int>(v[3]);
-    return Status::Ok();
-  }));
+                          const std::vector<std::string> p = SplitComma(s);
+                          if (p.size() != 4) return InvalidArgument("expected L,Hq,Hkv,D, got '" + s + "'");
+                          int64_t v[4];
+                          for (int i = 0; i < 4; ++i)
+                            KVTIER_RETURN_IF_ERROR(ParseInt(p[i], 1, 1 << 16, &v[i]));
+                          f->layers = static_cast<int>(v[0]);
+                          f->q_heads = static_cast<int>(v[1]);
+                          f->kv_heads = static_cast<int>(v[2]);
+                          f->head_dim = static_cast<int>(v[3]);
+                          return Status::Ok();
+                        }));
   flags.Add("context", "tokens per synthetic sequence", IntFlag(&f->context, 2, int64_t{1} << 24));
   flags.Add("window", "observation window: the last W queries", IntFlag(&f->window, 1, 1 << 16));
   flags.Add("budget", "budget(s) B per layer, comma-separated",
-            WithDefault(JoinNumbers(f->budgets),
-                        [f](const std::string& s) { return ParseIntList(s, 0, int64_t{1} << 40, &f->budgets); }));
+            WithDefault(JoinNumbers(f->budgets), [f](const std::string& s) {
+              return ParseIntList(s, 0, int64_t{1} << 40, &f->budgets);
+            }));
   flags.Add("sink", "attention-sink tokens protected", IntFlag(&f->sink, 0, 1 << 20));
   flags.Add("local", "local-window tokens protected", IntFlag(&f->local, 0, 1 << 20));
-  flags.Add("seed", "seed of the first sequence; sequence i uses seed + i",
-            IntFlag(&f->seed, 0, INT64_MAX));
+  flags.Add("seed", "seed of the first sequence; sequence i uses seed + i", IntFlag(&f->seed, 0, INT64_MAX));
   flags.Add("beta", "beta of lambda = beta / T in the gate reward, Eq. 14", DoubleFlag(&f->record.beta));
   flags.Add("tau-actions", "comma-separated tau actions in units of mean alpha",
             WithDefault(JoinNumbers(f->record.tau_actions),
@@ -108,8 +109,13 @@ Status ParseFlags(int argc, char** argv, CompileFlags* f, bool* help) {
   flags.Add("ppl-bins", "perplexity bins", IntFlag(&f->record.bins.ppl_bins, 1, 100));
   flags.Add("budget-bins", "log2 budget buckets", IntFlag(&f->record.bins.budget_bins, 1, 64));
   flags.Add("nll-step", "perplexity bin width in nats", DoubleFlag(&f->record.bins.nll_step));
-  flags.Add("quiet", "no progress on stderr",
-            [f](const std::string& s) { f->quiet = s != "0"; return Status::Ok(); }, true);
+  flags.Add(
+      "quiet", "no progress on stderr",
+      [f](const std::string& s) {
+        f->quiet = s != "0";
+        return Status::Ok();
+      },
+      true);
 
   KVTIER_RETURN_IF_ERROR(flags.Parse("compile-tables", argc, argv));
   *help = flags.help();
@@ -172,16 +178,18 @@ Status RecordSynthetic(const CompileFlags& f, CompilerKvTraces* traces) {
     for (int64_t b : f.budgets) KVTIER_RETURN_IF_ERROR(RecordCompilerKvTraces(pg, obs, b, f.record, traces));
     if (!f.quiet)
       std::fprintf(stderr, "\rcompile-tables: recorded %lld / %lld sequences (%zu records)",
-                   static_cast<long long>(s + 1), static_cast<long long>(f.record_synthetic), traces->records.size());
+                   static_cast<long long>(s + 1), static_cast<long long>(f.record_synthetic),
+                   traces->records.size());
   }
   if (!f.quiet) std::fprintf(stderr, "\n");
   return Status::Ok();
 }
 
 void PrintFit(const CompilerKvFitResult& r, const CompilerKvTraces& t, const std::string& out) {
-  std::printf("compiled %s from %zu records: %lld gate states and %lld head states fitted, Eq. 4 objective %.6g\n",
-              out.c_str(), t.records.size(), static_cast<long long>(r.gate_states_fitted),
-              static_cast<long long>(r.head_states_fitted), r.objective);
+  std::printf(
+      "compiled %s from %zu records: %lld gate states and %lld head states fitted, Eq. 4 objective %.6g\n",
+      out.c_str(), t.records.size(), static_cast<long long>(r.gate_states_fitted),
+      static_cast<long long>(r.head_states_fitted), r.objective);
   std::printf("W_head (layers x kv heads):\n");
   for (int l = 0; l < r.tables.layers; ++l) {
     std::printf("  layer %3d:", l);
@@ -195,7 +203,6 @@ void PrintFit(const CompilerKvFitResult& r, const CompilerKvTraces& t, const std
   for (const auto& [tau, n] : hist) std::printf(" %g x%lld", tau, static_cast<long long>(n));
   std::printf("\n");
 }
-
 
 }  // namespace
 
@@ -214,7 +221,8 @@ int RunCompileTables(int argc, char** argv) {
     st = RecordSynthetic(f, &traces);
     if (!st.ok()) return Fail(st);
     if (traces.records.empty())
-      return Fail(InvalidArgument("no records: every --budget is at least --context, so nothing was dropped"));
+      return Fail(
+          InvalidArgument("no records: every --budget is at least --context, so nothing was dropped"));
     st = SaveCompilerKvTraces(traces, f.out_traces);
     if (!st.ok()) return Fail(st);
     std::printf("wrote %zu records from %lld sequences to %s\n", traces.records.size(),
@@ -222,8 +230,9 @@ int RunCompileTables(int argc, char** argv) {
     if (f.out.empty()) return 0;
   } else {
     if (f.traces.empty() || f.out.empty())
-      return Fail(InvalidArgument("need --traces FILE --out TABLES, or --record-synthetic N --out-traces FILE "
-                                  "(see 'kvtier compile-tables --help')"));
+      return Fail(
+          InvalidArgument("need --traces FILE --out TABLES, or --record-synthetic N --out-traces FILE "
+                          "(see 'kvtier compile-tables --help')"));
     if (!f.out_traces.empty()) return Fail(InvalidArgument("--out-traces only goes with --record-synthetic"));
     auto loaded = LoadCompilerKvTraces(f.traces);
     if (!loaded.ok()) return Fail(loaded.status());

@@ -80,7 +80,8 @@ Status FlagSet::Parse(const std::string& command, int argc, char** argv) {
   if (const std::vector<std::string> extra = app.remaining(); !extra.empty()) {
     const std::string& arg = extra.front();
     if (arg.rfind("--", 0) != 0)
-      return InvalidArgument("unexpected argument '" + arg + "' for 'kvtier " + command + "' (flags start with --)");
+      return InvalidArgument("unexpected argument '" + arg + "' for 'kvtier " + command +
+                             "' (flags start with --)");
     return InvalidArgument("unknown flag --" + arg.substr(2, arg.find('=') - 2) + see);
   }
   std::map<const CLI::Option*, size_t> next;  // each flag's next value in results()
@@ -103,8 +104,10 @@ void FlagSet::PrintHelp(const char* usage) const {
   std::printf("%s\n\nflags:\n", usage);
   for (const auto& n : order_) {
     const Flag& f = flags_.at(n);
-    if (f.default_text.empty()) std::printf("  --%-18s %s\n", n.c_str(), f.help.c_str());
-    else std::printf("  --%-18s %s (default %s)\n", n.c_str(), f.help.c_str(), f.default_text.c_str());
+    if (f.default_text.empty())
+      std::printf("  --%-18s %s\n", n.c_str(), f.help.c_str());
+    else
+      std::printf("  --%-18s %s (default %s)\n", n.c_str(), f.help.c_str(), f.default_text.c_str());
   }
 }
 
@@ -134,7 +137,8 @@ Status ParseInt(const std::string& s, int64_t lo, int64_t hi, int64_t* out) {
   const long long v = std::strtoll(s.c_str(), &end, 10);
   if (s.empty() || *end != '\0' || errno != 0) return InvalidArgument("'" + s + "' is not an integer");
   if (v < lo || v > hi)
-    return InvalidArgument(std::to_string(v) + " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    return InvalidArgument(std::to_string(v) + " is outside [" + std::to_string(lo) + ", " +
+                           std::to_string(hi) + "]");
   *out = v;
   return Status::Ok();
 }
@@ -212,11 +216,11 @@ Status AddPresetFlag(FlagSet* flags, int argc, char** argv, RetrieverOptions* re
   std::string names;
   for (const std::string& n : RetrievalPresetNames()) names += (names.empty() ? "" : " | ") + n;
   flags->Add("preset",
-             names + ": retrieval settings under one name (kvtier = kvtier's recommended configuration; "
-                     "actqkv, infllm = the papers as written); flags that follow refine it",
-             WithDefault(RetrievalPresetNames().front(), [](const std::string& s) {
-               return MakeRetrievalPreset(s).status();
-             }));
+             names +
+                 ": retrieval settings under one name (kvtier = kvtier's recommended configuration; "
+                 "actqkv, infllm = the papers as written); flags that follow refine it",
+             WithDefault(RetrievalPresetNames().front(),
+                         [](const std::string& s) { return MakeRetrievalPreset(s).status(); }));
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     std::string name;

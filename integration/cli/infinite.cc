@@ -19,21 +19,21 @@
 #include <string>
 #include <vector>
 
+#include "engine/compress.h"
 #include "integration/cli/flags.h"
 #include "integration/cli/option_flags.h"
 #include "integration/cli/paths.h"
-#include "engine/compress.h"
 #include "integration/json.h"
 #include "integration/model/llama.h"
 #include "integration/model/tasks.h"
 #include "integration/policy_eval.h"
 #include "integration/progress.h"
+#include "integration/retriever_flags.h"
 #include "integration/tier_report.h"
 #include "kernels/cpu/forward.h"
 #include "offload/demotion_policy.h"
 #include "offload/hot_tier.h"
 #include "offload/policy/scoring_policy.h"
-#include "integration/retriever_flags.h"
 #include "retrieval/retriever.h"
 
 // OpenBLAS's thread control (declared by its cblas.h too).
@@ -45,8 +45,8 @@ namespace {
 
 using model::LlamaModel;
 using model::LlamaSession;
-using model::PositionMode;
 using model::MakeSample;
+using model::PositionMode;
 using model::Sample;
 
 using cli::Fail;
@@ -184,7 +184,7 @@ struct Method {
   enum Kind { kFull, kStreaming, kRetrieval, kNeedleOracle } kind = kRetrieval;
   RetrieverOptions retrieval;
   PositionMode positions = PositionMode::kInfLLM;
-  int repr_topk = 0;  // representative keys per chunk and head; 0 = --repr-topk
+  int repr_topk = 0;      // representative keys per chunk and head; 0 = --repr-topk
   bool compress = false;  // --compress applies (every method that attends chunks; StreamingLLM has none)
 };
 
@@ -195,9 +195,9 @@ struct Result1 {  // one method at one context length
   std::string skip_reason;
   int correct = 0, samples = 0;
   double seconds = 0;
-  uint64_t tokens = 0;          // prompt + decoded tokens run through the model
+  uint64_t tokens = 0;  // prompt + decoded tokens run through the model
   uint64_t chunks = 0, steps = 0;
-  std::string traffic;          // the last sample's fetched chunks by tier (integration/tier_report.h)
+  std::string traffic;  // the last sample's fetched chunks by tier (integration/tier_report.h)
   // Needle recall: over the answer steps (every decode step, the first one runs the prompt's
   // last token) and layers, the share that attended every sealed chunk holding the answer's
   // bytes inside the needle. Steps where those are still in the sinks or local window do not
@@ -212,8 +212,8 @@ struct Result1 {  // one method at one context length
   double kept_per_layer() const { return samples ? static_cast<double>(kept_tokens) / samples : 0; }
   double dropped_per_sample() const { return samples ? static_cast<double>(dropped_chunks) / samples : 0; }
   PhaseCost prompt,
-      generated;  // cost per token: prefill windows (and the prefill-end compression) | decode steps
-  StoreCounters peak;           // largest per-tier bytes over the samples (at each sample's end)
+      generated;       // cost per token: prefill windows (and the prefill-end compression) | decode steps
+  StoreCounters peak;  // largest per-tier bytes over the samples (at each sample's end)
   std::vector<std::string> outputs;
   double accuracy() const { return samples ? static_cast<double>(correct) / samples : 0; }
   double s_per_sample() const { return samples ? seconds / samples : 0; }
@@ -244,18 +244,18 @@ Result<StoreOptions> StoreFor(const Options& o, const Method& m, const LlamaMode
 // prog: the sample's progress (prompt and answer tokens through the model).
 Status RunSample(const Options& o, const Method& m, const LlamaModel& model, const StoreOptions& so,
                  const Sample& sample, Result1* r, Progress* prog) {
-  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<LlamaSession> session, LlamaSession::Create(&model, so, m.positions));
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<LlamaSession> session,
+                          LlamaSession::Create(&model, so, m.positions));
   if (m.kind == Method::kRetrieval) {
     KVTIER_RETURN_IF_ERROR(session->EnableRetrieval(m.retrieval));
   } else if (m.kind == Method::kStreaming) {
-    KVTIER_RETURN_IF_ERROR(session->SetChunkSelector(
-        [](int, const float*, const int64_t*, int, const std::vector<ChunkInfo>&) -> Result<std::vector<uint64_t>> {
-          return std::vector<uint64_t>{};
-        }));
+    KVTIER_RETURN_IF_ERROR(
+        session->SetChunkSelector([](int, const float*, const int64_t*, int, const std::vector<ChunkInfo>&)
+                                      -> Result<std::vector<uint64_t>> { return std::vector<uint64_t>{}; }));
   } else if (m.kind == Method::kNeedleOracle) {
     KVTIER_RETURN_IF_ERROR(session->SetChunkSelector(
-        [&sample](int, const float*, const int64_t*, int, const std::vector<ChunkInfo>& chunks)
-            -> Result<std::vector<uint64_t>> {
+        [&sample](int, const float*, const int64_t*, int,
+                  const std::vector<ChunkInfo>& chunks) -> Result<std::vector<uint64_t>> {
           std::vector<uint64_t> picked;
           for (const ChunkInfo& c : chunks)
             if (c.first_token < sample.needle_end && c.first_token + c.n_tokens > sample.needle_begin)
@@ -273,8 +273,9 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
       const int64_t C = so.chunk_size;
       const int64_t lo =
           ChunkOfPosition(std::max<int64_t>(sample.answer_begin, so.n_sink), so.n_sink, C, kAnyChunkCount);
-      const int64_t hi = std::min<int64_t>(static_cast<int64_t>(sealed),
-                                           ChunkOfPosition(sample.answer_end - 1, so.n_sink, C, kAnyChunkCount) + 1);
+      const int64_t hi =
+          std::min<int64_t>(static_cast<int64_t>(sealed),
+                            ChunkOfPosition(sample.answer_end - 1, so.n_sink, C, kAnyChunkCount) + 1);
       if (lo >= hi) continue;
       const std::vector<uint64_t>& got = session->last_chunks()[static_cast<size_t>(layer)];
       const auto found = std::count_if(got.begin(), got.end(), [&](uint64_t idx) {
@@ -302,7 +303,8 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
   if (compressing) KVTIER_RETURN_IF_ERROR(session->KeepQueries(observe));
   int64_t compress_every = 0;  // the policy's decode-time period, known after the first compression
   auto compress = [&](int n_queries) -> Status {
-    KVTIER_ASSIGN_OR_RETURN(CompressReport rep, session->session()->Compress(o.compress, o.kv_budget, n_queries));
+    KVTIER_ASSIGN_OR_RETURN(CompressReport rep,
+                            session->session()->Compress(o.compress, o.kv_budget, n_queries));
     r->dropped_chunks += rep.dropped_chunks;
     r->compressions += 1;
     compress_every = rep.compress_every;
@@ -368,14 +370,17 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
   };
   if (compressing) {
     KVTIER_RETURN_IF_ERROR(compress(observe));
-    KVTIER_ASSIGN_OR_RETURN(uint64_t kept, KeptTokensPerLayer(*session->store(), session->sequence(), cfg.n_layers));
+    KVTIER_ASSIGN_OR_RETURN(uint64_t kept,
+                            KeptTokensPerLayer(*session->store(), session->sequence(), cfg.n_layers));
     r->kept_tokens += kept;
     for (int l = 0; l < cfg.n_layers; ++l) {
       KVTIER_ASSIGN_OR_RETURN(int64_t n_tokens, session->store()->SequenceLength(session->sequence(), l));
       KVTIER_ASSIGN_OR_RETURN(uint64_t count, session->store()->ChunkCount(session->sequence(), l));
-      KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> live, session->store()->ListChunks(session->sequence(), l));
+      KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> live,
+                              session->store()->ListChunks(session->sequence(), l));
       r->kept_tokens_max = std::max<uint64_t>(
-          r->kept_tokens_max, static_cast<uint64_t>(n_tokens) - (count - live.size()) * static_cast<uint64_t>(so.chunk_size));
+          r->kept_tokens_max,
+          static_cast<uint64_t>(n_tokens) - (count - live.size()) * static_cast<uint64_t>(so.chunk_size));
     }
   }
   const Mark prefilled = mark();
@@ -440,8 +445,8 @@ Result<Result1> RunMethod(const Options& o, const Method& m, const LlamaModel& m
     char what[256];
     std::snprintf(what, sizeof(what), "infinite: %s, context %lld, sample %zu/%zu", m.name.c_str(),
                   static_cast<long long>(context), i + 1, samples.size());
-    Progress prog(!o.quiet, what, static_cast<int64_t>(samples[i].prompt.size() + samples[i].answer.size() - 1),
-                  "tokens");
+    Progress prog(!o.quiet, what,
+                  static_cast<int64_t>(samples[i].prompt.size() + samples[i].answer.size() - 1), "tokens");
     const int correct_before = r.correct;
     KVTIER_RETURN_IF_ERROR(RunSample(o, m, model, so, samples[i], &r, &prog));
     std::string extra = r.correct > correct_before ? ", correct" : ", wrong";
@@ -461,11 +466,13 @@ std::string MiB(uint64_t bytes) {
 
 std::string DescribeAttention(const Method& m, int chunk) {
   switch (m.kind) {
-    case Method::kFull: return "every chunk, absolute positions";
-    case Method::kStreaming: return "sinks + local window only, positions " +
-                                    std::string(model::PositionModeName(m.positions));
+    case Method::kFull:
+      return "every chunk, absolute positions";
+    case Method::kStreaming:
+      return "sinks + local window only, positions " + std::string(model::PositionModeName(m.positions));
     case Method::kNeedleOracle:
-      return "sinks + local window + exactly the chunks over the needle (upper bound of retrieval), positions " +
+      return "sinks + local window + exactly the chunks over the needle (upper bound of retrieval), "
+             "positions " +
              std::string(model::PositionModeName(m.positions));
     case Method::kRetrieval:
       return "probe=" + m.retrieval.probe + " alloc=" + m.retrieval.alloc + " index=" + m.retrieval.index +
@@ -511,11 +518,15 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
   w.Key("seed").Int(o.seed).Key("budget").Int(o.retrieval.budget_tokens);
   w.Key("sink").Int(o.store.n_sink).Key("local").Int(o.store.n_local).Key("chunk").Int(o.store.chunk_size);
   w.Key("window").Int(std::min(o.window, o.store.n_local));
-  if (o.compress.empty()) w.Key("compress").Null();
-  else w.Key("compress").String(o.compress);
+  if (o.compress.empty())
+    w.Key("compress").Null();
+  else
+    w.Key("compress").String(o.compress);
   // Without --compress no budget applies: null, not 0.
-  if (o.compress.empty()) w.Key("kv_budget").Null();
-  else w.Key("kv_budget").Int(o.kv_budget);
+  if (o.compress.empty())
+    w.Key("kv_budget").Null();
+  else
+    w.Key("kv_budget").Int(o.kv_budget);
   w.Key("observe").Int(o.observe);
   w.Key("gemm_gflops_one_core")
       .Double(rates.openblas)
@@ -523,12 +534,19 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
       .Double(rates.kvtier);
   w.Key("methods").BeginArray();
   for (const Method& m : methods)
-    w.BeginObject().Key("name").String(m.name).Key("config").String(Describe(o, m)).Key("compressed").Bool(m.compress)
+    w.BeginObject()
+        .Key("name")
+        .String(m.name)
+        .Key("config")
+        .String(Describe(o, m))
+        .Key("compressed")
+        .Bool(m.compress)
         .EndObject();
   w.EndArray();
   w.Key("results").BeginArray();
   for (const Result1& r : results) {
-    w.BeginObject().Key("method").String(r.method).Key("context").Int(r.context).Key("skipped").Bool(r.skipped);
+    w.BeginObject().Key("method").String(r.method).Key("context").Int(r.context).Key("skipped").Bool(
+        r.skipped);
     if (!r.skipped) {
       w.Key("accuracy").Double(r.accuracy()).Key("correct").Int(r.correct).Key("samples").Int(r.samples);
       w.Key("s_per_sample").Double(r.s_per_sample()).Key("tokens_per_s").Double(r.tokens_per_s());
@@ -539,15 +557,25 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
       w.Key("generated");
       CostJson(w, r.generated, gemm_gflops);
       w.EndObject();
-      if (r.needle_steps) w.Key("needle_recall").Double(r.needle_recall());
-      else w.Key("needle_recall").Null();
+      if (r.needle_steps)
+        w.Key("needle_recall").Double(r.needle_recall());
+      else
+        w.Key("needle_recall").Null();
       if (r.compressions) {
-        w.Key("kept_tokens_per_layer").Double(r.kept_per_layer()).Key("kept_tokens_max_layer").Uint(r.kept_tokens_max);
+        w.Key("kept_tokens_per_layer")
+            .Double(r.kept_per_layer())
+            .Key("kept_tokens_max_layer")
+            .Uint(r.kept_tokens_max);
         w.Key("dropped_chunks_per_sample").Double(r.dropped_per_sample());
         w.Key("compressions_per_sample").Double(static_cast<double>(r.compressions) / r.samples);
       }
       w.Key("tier_bytes").BeginObject();
-      w.Key("hot").Uint(r.peak.hot_bytes).Key("warm").Uint(r.peak.warm_bytes).Key("cold").Uint(r.peak.cold_bytes);
+      w.Key("hot")
+          .Uint(r.peak.hot_bytes)
+          .Key("warm")
+          .Uint(r.peak.warm_bytes)
+          .Key("cold")
+          .Uint(r.peak.cold_bytes);
       w.EndObject();
       w.Key("bytes_moved").Uint(r.peak.bytes_moved);
       w.Key("outputs").BeginArray();
@@ -577,11 +605,12 @@ void AddModelTaskFlags(cli::FlagSet* flags, std::string* weights, std::string* t
                    return Status::Ok();
                  },
                  *weights));
-  flags->Add("task", "passkey | number_string | kv_retrieval", cli::WithDefault(*task, [task](const std::string& s) {
-    KVTIER_RETURN_IF_ERROR(model::CheckTask(s));
-    *task = s;
-    return Status::Ok();
-  }));
+  flags->Add("task", "passkey | number_string | kv_retrieval",
+             cli::WithDefault(*task, [task](const std::string& s) {
+               KVTIER_RETURN_IF_ERROR(model::CheckTask(s));
+               *task = s;
+               return Status::Ok();
+             }));
 }
 
 int RunInfinite(int argc, char** argv) {
@@ -627,19 +656,22 @@ int RunInfinite(int argc, char** argv) {
         });
   f.Add("samples", "samples per context length", IntFlag(&o.samples, 1, 1 << 20));
   const auto& rt = RetrieverOptionTable();
-  f.Add("probe", cli::OptionHelp(cli::OptionRow(rt, "probe")), WithDefault(o.retrieval.probe, [&o](const std::string& s) {
-    o.retrieval.probe = s;
-    return Status::Ok();
-  }));
+  f.Add("probe", cli::OptionHelp(cli::OptionRow(rt, "probe")),
+        WithDefault(o.retrieval.probe, [&o](const std::string& s) {
+          o.retrieval.probe = s;
+          return Status::Ok();
+        }));
   f.Add("alloc", cli::OptionHelp(cli::OptionRow(rt, "alloc")),
         WithDefault(o.retrieval.alloc, [&rf](const std::string& s) { return rf.SetAlloc(s); }));
   f.Add("index", cli::OptionHelp(cli::OptionRow(rt, "index")),
         WithDefault(o.retrieval.index, [&rf](const std::string& s) { return rf.SetIndex(s); }));
-  f.Add("head-merge", "Exact index: a chunk's per-kv-head scores are summed (sum) or the best head decides (max) "
+  f.Add("head-merge",
+        "Exact index: a chunk's per-kv-head scores are summed (sum) or the best head decides (max) "
         "(index key heads=)",
         WithDefault(SpecKey(o.retrieval.index, "heads"),
                     [&rf](const std::string& s) { return rf.SetIndexKey("heads", s); }));
-  f.Add("rank-by", "entropy allocator: a layer takes its chunks by Eq. 10 cosine (cosine, Algorithm 1) or by "
+  f.Add("rank-by",
+        "entropy allocator: a layer takes its chunks by Eq. 10 cosine (cosine, Algorithm 1) or by "
         "logit (allocator key rank=)",
         WithDefault(SpecKey(o.retrieval.alloc, "rank"),
                     [&rf](const std::string& s) { return rf.SetAllocKey("rank", s); }));
@@ -668,11 +700,12 @@ int RunInfinite(int argc, char** argv) {
         }));
   const auto& hot = cli::OptionRow(store_rows, "hot_bytes");
   f.Add(hot.flag, cli::OptionHelp(hot), WithDefault("what one layer attends", [&o](const std::string& s) {
-    o.hot_set = true;
-    return ParseBytes(s, &o.store.hot_bytes);
-  }));
+          o.hot_set = true;
+          return ParseBytes(s, &o.store.hot_bytes);
+        }));
   const auto& device = cli::OptionRow(store_rows, "device");
-  f.Add(device.flag, cli::OptionHelp(device) + "; the model forward runs there too (cuda needs --positions absolute)",
+  f.Add(device.flag,
+        cli::OptionHelp(device) + "; the model forward runs there too (cuda needs --positions absolute)",
         cli::OptionBinding(device, &o.store));
   const auto& warm = cli::OptionRow(store_rows, "warm_bytes");
   f.Add(warm.flag, cli::OptionHelp(warm) + "; less than every chunk needs --data-dir",
@@ -683,8 +716,11 @@ int RunInfinite(int argc, char** argv) {
   const auto& data_dir = cli::OptionRow(store_rows, "data_dir");
   f.Add(data_dir.flag, cli::OptionHelp(data_dir), WithDefault("none", PathFlag(&o.store.data_dir)));
   const auto& remote = cli::OptionRow(store_rows, "remote");
-  f.Add(remote.flag, cli::OptionHelp(remote) + "; with --warm-bytes, "
-        "chunks that leave warm are fetched back from it", WithDefault("none", [&o](const std::string& s) {
+  f.Add(remote.flag,
+        cli::OptionHelp(remote) +
+            "; with --warm-bytes, "
+            "chunks that leave warm are fetched back from it",
+        WithDefault("none", [&o](const std::string& s) {
           auto r = ParseRemoteSpec(s);
           if (!r.ok()) return r.status();
           o.store.remote = s;
@@ -693,66 +729,90 @@ int RunInfinite(int argc, char** argv) {
   f.Add("full-max-bytes", "--compare: full attention runs where one layer's chunks fit in this",
         cli::BytesFlag(&o.full_max_bytes));
   f.Add("seed", "random seed of the samples", IntFlag(&o.seed, 0, INT64_MAX));
-  f.Add("compare", "full attention, StreamingLLM, InfLLM (mean+topk), ActQKV (act+entropy), kvtier (these flags) "
-        "and a needle oracle on the same samples at the same budget; one table by context length", [&o](const std::string& s) {
-          o.compare = s != "0";
-          return Status::Ok();
-        }, true);
-  f.Add("compress", "compression: this scoring policy (any 'kvtier policies' spec, e.g. h2o, snapkv, "
+  f.Add(
+      "compare",
+      "full attention, StreamingLLM, InfLLM (mean+topk), ActQKV (act+entropy), kvtier (these flags) "
+      "and a needle oracle on the same samples at the same budget; one table by context length",
+      [&o](const std::string& s) {
+        o.compare = s != "0";
+        return Status::Ok();
+      },
+      true);
+  f.Add("compress",
+        "compression: this scoring policy (any 'kvtier policies' spec, e.g. h2o, snapkv, "
         "gkv:s=16) drops whole chunks at prefill end, keeping --kv-budget tokens per layer; policies that "
         "compress while decoding (gkv) compress again every s decode steps. With --compare it applies to "
-        "every method that attends chunks (not StreamingLLM)", [&o](const std::string& s) {
+        "every method that attends chunks (not StreamingLLM)",
+        [&o](const std::string& s) {
           auto p = MakeScoringPolicy(s);
           if (!p.ok()) return InvalidArgument("--compress: " + p.status().message());
           o.compress = (*p)->ToString();
           return Status::Ok();
         });
-  f.Add("kv-budget", "--compress: tokens kept per layer, sinks and local window included (required with "
+  f.Add("kv-budget",
+        "--compress: tokens kept per layer, sinks and local window included (required with "
         "--compress, at least --sink + --local; the store's local window holds up to --chunk tokens more "
-        "than --local and is never dropped, so a budget below --sink + --local + --chunk may be exceeded by that)",
+        "than --local and is never dropped, so a budget below --sink + --local + --chunk may be exceeded by "
+        "that)",
         WithDefault("", IntFlag(&o.kv_budget, 1, int64_t{1} << 40)));
-  f.Add("observe", "--compress: the last prompt tokens whose queries' exact attention over every held key "
-        "the policy observes", IntFlag(&o.observe, 1, 1 << 16));
+  f.Add("observe",
+        "--compress: the last prompt tokens whose queries' exact attention over every held key "
+        "the policy observes",
+        IntFlag(&o.observe, 1, 1 << 16));
   f.Add("json", "write the report as JSON to this file (checked writable before the run)",
         cli::OutputPathFlag(&o.json));
-  f.Add("quiet", "no progress on stderr", [&o](const std::string& s) {
-    o.quiet = s != "0";
-    return Status::Ok();
-  }, true);
+  f.Add(
+      "quiet", "no progress on stderr",
+      [&o](const std::string& s) {
+        o.quiet = s != "0";
+        return Status::Ok();
+      },
+      true);
   Status st = f.Parse("infinite", argc, argv);
   if (!st.ok()) return Fail(st);
   if (f.help()) {
     f.PrintHelp(
-        "usage: kvtier infinite --weights FILE --task passkey|number_string|kv_retrieval --context N --samples S "
+        "usage: kvtier infinite --weights FILE --task passkey|number_string|kv_retrieval --context N "
+        "--samples S "
         "[flags]\n\n"
         "∞-Bench-style retrieval through the kvtier-llama model: each prompt is prefilled in windows with\n"
         "retrieval inside the model, the answer decoded greedily; exact match = correct. --compare runs\n"
-        "full attention, StreamingLLM, InfLLM and ActQKV (as the papers write them), kvtier (these flags) and a\n"
+        "full attention, StreamingLLM, InfLLM and ActQKV (as the papers write them), kvtier (these flags) "
+        "and a\n"
         "needle oracle on the same samples (--contexts 4096,16384,...). docs/retrieval.md explains kvtier's\n"
         "defaults (--head-merge max --rank-by logit, every key a representative).\n\n"
-        "--compress SPEC --kv-budget N: at prefill end the last --observe prompt queries attend exactly over\n"
-        "every key each layer holds (keys where the model attends them: with --positions infllm, memory at the\n"
+        "--compress SPEC --kv-budget N: at prefill end the last --observe prompt queries attend exactly "
+        "over\n"
+        "every key each layer holds (keys where the model attends them: with --positions infllm, memory at "
+        "the\n"
         "local window's start), the scoring policy keeps N tokens per\n"
-        "layer, and the chunks holding the fewest of its kept tokens leave the store and the retrieval index\n"
+        "layer, and the chunks holding the fewest of its kept tokens leave the store and the retrieval "
+        "index\n"
         "for good; gkv compresses again every s decode steps. With --compare every method but StreamingLLM\n"
         "works on the compressed store (full attention = every chunk compression left).");
     return 0;
   }
-  if (o.store.repr_topk == 0 || o.store.repr_topk > o.store.chunk_size) o.store.repr_topk = o.store.chunk_size;
-  if (o.weights.empty()) return Fail(InvalidArgument("--weights FILE is required (a kvtier-llama safetensors file)"));
+  if (o.store.repr_topk == 0 || o.store.repr_topk > o.store.chunk_size)
+    o.store.repr_topk = o.store.chunk_size;
+  if (o.weights.empty())
+    return Fail(InvalidArgument("--weights FILE is required (a kvtier-llama safetensors file)"));
   if (o.window > o.store.n_local)
     return Fail(InvalidArgument("--window (" + std::to_string(o.window) + ") must be <= --local (" +
-                                std::to_string(o.store.n_local) + "): a window's keys must stay in the local window"));
+                                std::to_string(o.store.n_local) +
+                                "): a window's keys must stay in the local window"));
   if (o.warm_set && o.store.data_dir.empty() && o.store.remote.empty())
-    return Fail(InvalidArgument("--warm-bytes needs --data-dir or --remote: without a lower tier the warm tier holds "
-                                "every chunk"));
+    return Fail(
+        InvalidArgument("--warm-bytes needs --data-dir or --remote: without a lower tier the warm tier holds "
+                        "every chunk"));
   if (!o.compress.empty() && o.kv_budget == 0)
     return Fail(InvalidArgument("--compress needs --kv-budget N (tokens kept per layer)"));
   if (o.compress.empty() && o.kv_budget != 0)
-    return Fail(InvalidArgument("--kv-budget needs --compress SPEC (the scoring policy that decides what stays)"));
+    return Fail(
+        InvalidArgument("--kv-budget needs --compress SPEC (the scoring policy that decides what stays)"));
   if (!o.compress.empty() && o.kv_budget < static_cast<int64_t>(o.store.n_sink) + o.store.n_local)
-    return Fail(InvalidArgument("--kv-budget (" + std::to_string(o.kv_budget) + ") must cover the sinks and the " +
-                                "local window (--sink " + std::to_string(o.store.n_sink) + " + --local " +
+    return Fail(InvalidArgument("--kv-budget (" + std::to_string(o.kv_budget) +
+                                ") must cover the sinks and the " + "local window (--sink " +
+                                std::to_string(o.store.n_sink) + " + --local " +
                                 std::to_string(o.store.n_local) + ")"));
   {
     Status v = o.retrieval.Validate();
@@ -764,13 +824,15 @@ int RunInfinite(int argc, char** argv) {
     // errors, whatever the machine), then whether there is a device at all (Unavailable
     // "no CUDA device: ..." otherwise).
     if (o.compare)
-      return Fail(InvalidArgument("--device cuda does not take --compare: StreamingLLM, InfLLM, ActQKV and the "
-                                  "needle oracle run with infllm positions, which the device forward does not "
-                                  "implement (run one method with --positions absolute)"));
+      return Fail(
+          InvalidArgument("--device cuda does not take --compare: StreamingLLM, InfLLM, ActQKV and the "
+                          "needle oracle run with infllm positions, which the device forward does not "
+                          "implement (run one method with --positions absolute)"));
     if (o.positions != PositionMode::kAbsolute)
-      return Fail(InvalidArgument("--device cuda needs --positions absolute: with infllm positions the keys are "
-                                  "stored before RoPE and rotated on the host at attention time, which the device "
-                                  "forward does not implement"));
+      return Fail(
+          InvalidArgument("--device cuda needs --positions absolute: with infllm positions the keys are "
+                          "stored before RoPE and rotated on the host at attention time, which the device "
+                          "forward does not implement"));
     if (Status dev = CheckDevice(o.store.device); !dev.ok()) return Fail(dev);
   }
   auto loaded = LlamaModel::Load(o.weights);
@@ -797,12 +859,16 @@ int RunInfinite(int argc, char** argv) {
     if (!infllm_preset.ok()) return Fail(infllm_preset.status());
     if (!actqkv_preset.ok()) return Fail(actqkv_preset.status());
     Method full{"full attention", Method::kFull, o.retrieval, PositionMode::kAbsolute, o.store.repr_topk};
-    Method streaming{"StreamingLLM", Method::kStreaming, o.retrieval, PositionMode::kInfLLM, o.store.repr_topk};
+    Method streaming{"StreamingLLM", Method::kStreaming, o.retrieval, PositionMode::kInfLLM,
+                     o.store.repr_topk};
     streaming.retrieval.budget_tokens = 0;
-    Method infllm{"InfLLM", Method::kRetrieval, infllm_preset->first, PositionMode::kInfLLM, infllm_preset->second};
-    Method actqkv{"ActQKV", Method::kRetrieval, actqkv_preset->first, PositionMode::kInfLLM, actqkv_preset->second};
+    Method infllm{"InfLLM", Method::kRetrieval, infllm_preset->first, PositionMode::kInfLLM,
+                  infllm_preset->second};
+    Method actqkv{"ActQKV", Method::kRetrieval, actqkv_preset->first, PositionMode::kInfLLM,
+                  actqkv_preset->second};
     Method ours{"kvtier", Method::kRetrieval, o.retrieval, o.positions, o.store.repr_topk};
-    Method oracle{"needle oracle", Method::kNeedleOracle, o.retrieval, PositionMode::kInfLLM, o.store.repr_topk};
+    Method oracle{"needle oracle", Method::kNeedleOracle, o.retrieval, PositionMode::kInfLLM,
+                  o.store.repr_topk};
     methods = {full, streaming, infllm, actqkv, ours, oracle};
   } else {
     methods = {Method{"kvtier", Method::kRetrieval, o.retrieval, o.positions, o.store.repr_topk}};
@@ -829,35 +895,45 @@ int RunInfinite(int argc, char** argv) {
   }
 
   const model::LlamaConfig& c = model.config();
-  std::printf("kvtier infinite — task %s, %d samples per context, weights %s (d_model %d, %d layers, %d/%d heads)\n",
-              o.task.c_str(), o.samples, o.weights.c_str(), c.d_model, c.n_layers, c.q_heads, c.kv_heads);
-  std::printf("store: sinks %d, local %d, chunk %d, prefill window %d, policy %s\n", o.store.n_sink, o.store.n_local,
-              o.store.chunk_size, std::min(o.window, o.store.n_local), o.store.warm_policy.c_str());
+  std::printf(
+      "kvtier infinite — task %s, %d samples per context, weights %s (d_model %d, %d layers, %d/%d heads)\n",
+      o.task.c_str(), o.samples, o.weights.c_str(), c.d_model, c.n_layers, c.q_heads, c.kv_heads);
+  std::printf("store: sinks %d, local %d, chunk %d, prefill window %d, policy %s\n", o.store.n_sink,
+              o.store.n_local, o.store.chunk_size, std::min(o.window, o.store.n_local),
+              o.store.warm_policy.c_str());
   if (o.store.device == Device::kCuda)
-    std::printf("device: cuda (hot tier in GPU memory; embedding, norms, projections, RoPE, K/V conversion and "
-                "attention on the GPU; q and the attention output cross to the host per layer)\n");
+    std::printf(
+        "device: cuda (hot tier in GPU memory; embedding, norms, projections, RoPE, K/V conversion and "
+        "attention on the GPU; q and the attention output cross to the host per layer)\n");
   for (const Method& m : methods) std::printf("  %-15s %s\n", m.name.c_str(), Describe(o, m).c_str());
   std::printf("\n");
   if (!o.compare) {
     for (const Result1& r : results) {
-      std::printf("context %lld: accuracy %.3f (%d/%d), %.3f s/sample, %.0f tokens/s, %.2f chunks per layer and step\n",
-                  static_cast<long long>(r.context), r.accuracy(), r.correct, r.samples, r.s_per_sample(),
-                  r.tokens_per_s(), r.steps ? static_cast<double>(r.chunks) / r.steps : 0.0);
-      std::printf("  memory per tier (store counters, largest at a sample's end): hot %s, warm %s, cold %s; "
-                  "moved %s\n", MiB(r.peak.hot_bytes).c_str(), MiB(r.peak.warm_bytes).c_str(),
-                  MiB(r.peak.cold_bytes).c_str(), MiB(r.peak.bytes_moved).c_str());
+      std::printf(
+          "context %lld: accuracy %.3f (%d/%d), %.3f s/sample, %.0f tokens/s, %.2f chunks per layer and "
+          "step\n",
+          static_cast<long long>(r.context), r.accuracy(), r.correct, r.samples, r.s_per_sample(),
+          r.tokens_per_s(), r.steps ? static_cast<double>(r.chunks) / r.steps : 0.0);
+      std::printf(
+          "  memory per tier (store counters, largest at a sample's end): hot %s, warm %s, cold %s; "
+          "moved %s\n",
+          MiB(r.peak.hot_bytes).c_str(), MiB(r.peak.warm_bytes).c_str(), MiB(r.peak.cold_bytes).c_str(),
+          MiB(r.peak.bytes_moved).c_str());
       std::printf("  the last sample's store:\n%s", r.traffic.c_str());
       if (r.needle_steps)
-        std::printf("  needle recall %.3f: share of (answer step, layer) that attended every sealed chunk holding "
-                    "the answer in the needle\n",
-                    r.needle_recall());
+        std::printf(
+            "  needle recall %.3f: share of (answer step, layer) that attended every sealed chunk holding "
+            "the answer in the needle\n",
+            r.needle_recall());
       if (r.compressions)
-        std::printf("  compression %s: %.1f tokens kept per layer (largest layer %llu, budget %lld), %.1f chunks "
-                    "dropped per sample (all layers), %.1f compressions per sample\n",
-                    o.compress.c_str(), r.kept_per_layer(), static_cast<unsigned long long>(r.kept_tokens_max),
-                    static_cast<long long>(o.kv_budget), r.dropped_per_sample(),
-                    static_cast<double>(r.compressions) / r.samples);
-      if (!r.outputs.empty()) std::printf("  first answer decoded: \"%s\"\n", model::Printable(r.outputs[0]).c_str());
+        std::printf(
+            "  compression %s: %.1f tokens kept per layer (largest layer %llu, budget %lld), %.1f chunks "
+            "dropped per sample (all layers), %.1f compressions per sample\n",
+            o.compress.c_str(), r.kept_per_layer(), static_cast<unsigned long long>(r.kept_tokens_max),
+            static_cast<long long>(o.kv_budget), r.dropped_per_sample(),
+            static_cast<double>(r.compressions) / r.samples);
+      if (!r.outputs.empty())
+        std::printf("  first answer decoded: \"%s\"\n", model::Printable(r.outputs[0]).c_str());
     }
   } else {
     std::printf("%-9s", "context");
@@ -879,8 +955,10 @@ int RunInfinite(int argc, char** argv) {
       }
       std::printf("\n");
     }
-    std::printf("acc: exact match; recall: needle recall (share of answer steps and layers that attended every\n"
-                "sealed chunk holding the answer in the needle; '-' where it never left the sinks or local window)\n");
+    std::printf(
+        "acc: exact match; recall: needle recall (share of answer steps and layers that attended every\n"
+        "sealed chunk holding the answer in the needle; '-' where it never left the sinks or local "
+        "window)\n");
     for (const Result1& r : results)
       if (r.skipped)
         std::printf("\n%s at context %lld skipped: %s (raise --full-max-bytes)", r.method.c_str(),
@@ -890,16 +968,19 @@ int RunInfinite(int argc, char** argv) {
       const Result1& r = results[(o.contexts.size() - 1) * methods.size() + i];
       if (r.skipped) continue;
       std::printf("  %-15s hot %s, warm %s, cold %s; %.0f tokens/s\n", r.method.c_str(),
-                  MiB(r.peak.hot_bytes).c_str(), MiB(r.peak.warm_bytes).c_str(), MiB(r.peak.cold_bytes).c_str(),
-                  r.tokens_per_s());
+                  MiB(r.peak.hot_bytes).c_str(), MiB(r.peak.warm_bytes).c_str(),
+                  MiB(r.peak.cold_bytes).c_str(), r.tokens_per_s());
     }
     if (!o.compress.empty()) {
-      std::printf("\ncompression %s to %lld tokens/layer at the largest context (kept tokens per layer, "
-                  "chunks dropped per sample):\n", o.compress.c_str(), static_cast<long long>(o.kv_budget));
+      std::printf(
+          "\ncompression %s to %lld tokens/layer at the largest context (kept tokens per layer, "
+          "chunks dropped per sample):\n",
+          o.compress.c_str(), static_cast<long long>(o.kv_budget));
       for (size_t i = 0; i < methods.size(); ++i) {
         const Result1& r = results[(o.contexts.size() - 1) * methods.size() + i];
         if (r.skipped || !r.compressions) continue;
-        std::printf("  %-15s %.1f kept, %.1f dropped\n", r.method.c_str(), r.kept_per_layer(), r.dropped_per_sample());
+        std::printf("  %-15s %.1f kept, %.1f dropped\n", r.method.c_str(), r.kept_per_layer(),
+                    r.dropped_per_sample());
       }
     }
   }

@@ -1,8 +1,8 @@
 // The `kvtier` command line: `kvtier run` (the main job), `kvtier stress`
 // (offload stress test), `kvtier infinite` (retrieval tasks through the
 // kvtier-llama model, integration/cli/infinite.h), `kvtier help`.
-#include <cerrno>
 #include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -25,10 +25,10 @@
 #include "integration/policy_eval.h"
 #include "integration/retriever_flags.h"
 #include "integration/run_job.h"
+#include "integration/stress_job.h"
 #include "offload/demotion_policy.h"
 #include "offload/policy/scoring_policy.h"
 #include "retrieval/exact_index.h"
-#include "integration/stress_job.h"
 
 namespace kvtier {
 namespace {
@@ -56,8 +56,8 @@ struct DataPlace {
 void AddStoreFlags(FlagSet* f, StoreOptions* o, DataPlace* place) {
   const Geometry& g = o->geometry;
   f->Add("geometry", "L,Hq,Hkv,D model KV shape",
-         WithDefault(std::to_string(g.layers) + "," + std::to_string(g.q_heads) + "," + std::to_string(g.kv_heads) +
-                         "," + std::to_string(g.head_dim),
+         WithDefault(std::to_string(g.layers) + "," + std::to_string(g.q_heads) + "," +
+                         std::to_string(g.kv_heads) + "," + std::to_string(g.head_dim),
                      [o](const std::string& s) { return o->geometry.ParseShape(s); }));
   const auto& t = StoreOptionTable();
   cli::AddOptionFlag(f, t, "dtype", o);
@@ -69,40 +69,54 @@ void AddStoreFlags(FlagSet* f, StoreOptions* o, DataPlace* place) {
   cli::AddOptionFlag(f, t, "device", o);
   cli::AddOptionFlag(f, t, "warm_bytes", o);
   const auto& data_dir = cli::OptionRow(t, "data_dir");
-  f->Add(data_dir.flag, cli::OptionHelp(data_dir) + "; 'none' here: no cold tier (then --remote is the lower tier)",
+  f->Add(data_dir.flag,
+         cli::OptionHelp(data_dir) + "; 'none' here: no cold tier (then --remote is the lower tier)",
          WithDefault(o->data_dir.empty() ? "a new directory under $TMPDIR, removed at exit" : o->data_dir,
                      [o](const std::string& s) {
-           if (s.empty()) return InvalidArgument("empty path");
-           o->data_dir = s == "none" ? "" : s;
-           return Status::Ok();
-         }));
+                       if (s.empty()) return InvalidArgument("empty path");
+                       o->data_dir = s == "none" ? "" : s;
+                       return Status::Ok();
+                     }));
   const auto& remote = cli::OptionRow(t, "remote");
-  f->Add(remote.flag, cli::OptionHelp(remote) + "; chunks are written through to it as well and fetched from it "
-         "when no local tier holds them", WithDefault("none", [o](const std::string& s) {
+  f->Add(remote.flag,
+         cli::OptionHelp(remote) +
+             "; chunks are written through to it as well and fetched from it "
+             "when no local tier holds them",
+         WithDefault("none", [o](const std::string& s) {
            auto r = ParseRemoteSpec(s);
            if (!r.ok()) return r.status();
            o->remote = s;
            return Status::Ok();
          }));
   cli::AddOptionFlag(f, t, "compression", o);
-  f->Add("policy", "demotion policy of the hot and warm tiers: lru, or a scoring policy's factory string, "
-         "e.g. h2o or gkv:form=max (see 'kvtier policies')", WithDefault(o->warm_policy, [o](const std::string& s) {
-    auto p = MakeDemotionPolicy(s);
-    if (!p.ok()) return p.status();
-    o->hot_policy = o->warm_policy = s;
-    return Status::Ok();
-  }));
+  f->Add("policy",
+         "demotion policy of the hot and warm tiers: lru, or a scoring policy's factory string, "
+         "e.g. h2o or gkv:form=max (see 'kvtier policies')",
+         WithDefault(o->warm_policy, [o](const std::string& s) {
+           auto p = MakeDemotionPolicy(s);
+           if (!p.ok()) return p.status();
+           o->hot_policy = o->warm_policy = s;
+           return Status::Ok();
+         }));
   cli::AddOptionFlag(f, t, "sync_writes", o);
-  f->Add("keep", "keep the sequences in --data-dir (and --remote) at the end; without it they are dropped, so "
-         "nothing is left behind", [place](const std::string& s) { place->keep = s != "0"; return Status::Ok(); }, true);
+  f->Add(
+      "keep",
+      "keep the sequences in --data-dir (and --remote) at the end; without it they are dropped, so "
+      "nothing is left behind",
+      [place](const std::string& s) {
+        place->keep = s != "0";
+        return Status::Ok();
+      },
+      true);
 }
 
 // After parsing: without --data-dir the cold tier goes to a fresh temporary directory.
 Status PrepareDataDir(const FlagSet& f, const char* prefix, StoreOptions* o, DataPlace* place) {
   if (f.given("data-dir")) return Status::Ok();
   if (place->keep && o->remote.empty())
-    return InvalidArgument("--keep needs --data-dir DIR (or --remote): without it the data go to a temporary "
-                           "directory that is removed at exit");
+    return InvalidArgument(
+        "--keep needs --data-dir DIR (or --remote): without it the data go to a temporary "
+        "directory that is removed at exit");
   place->scratch = std::make_unique<cli::ScratchDir>(prefix);
   if (place->scratch->path().empty()) return IOError(place->scratch->error());
   o->data_dir = place->scratch->path();
@@ -119,7 +133,8 @@ std::string DataNote(const StoreOptions& o, const DataPlace& place, bool dropped
   } else if (dropped) {
     t += std::string(what) + " dropped from " + o.data_dir + " at the end (--keep keeps them)";
   } else {
-    t += std::string(what) + " kept in " + o.data_dir + " ('kvtier check --data-dir " + o.data_dir + "' lists them)";
+    t += std::string(what) + " kept in " + o.data_dir + " ('kvtier check --data-dir " + o.data_dir +
+         "' lists them)";
   }
   if (!o.remote.empty()) t += std::string("; remote tier ") + o.remote + (dropped ? ": dropped" : ": kept");
   return t + "\n";
@@ -131,8 +146,6 @@ bool WriteFile(const std::string& path, const std::string& text) {
   f << text << "\n";
   return static_cast<bool>(f);
 }
-
-
 
 // `kvtier run --compare-policies`: every scoring policy on the same data (see
 // integration/policy_eval.h), at one budget or a sweep of budgets.
@@ -156,14 +169,17 @@ int ComparePolicies(const RunOptions& run, int64_t budget, const std::vector<int
     if (!r.ok()) return Fail(r.status());
     rows.insert(rows.end(), r->begin(), r->end());
   }
-  std::printf("kvtier run --compare-policies — context %lld tokens, geometry %s, %d decode steps, observation "
-              "window %d queries, sinks %lld, local %lld (per kv head)\n\n%s",
-              static_cast<long long>(o.workload.context), o.geometry.ToString().c_str(), o.workload.decode_steps,
-              o.observe, static_cast<long long>(o.sink_tokens), static_cast<long long>(o.local_tokens),
-              PolicyEvalTable(rows).c_str());
-  std::printf("\nneedle kept: share of the sought needle's tokens in the cache during decoding; recall: full "
-              "attention's mass on the kept keys;\nout.err: |o - o_full| / |o_full|; pf.score, dec.score: policy time "
-              "/ attention time of the same step (prefill end, decode); comp: compressions per layer.\n");
+  std::printf(
+      "kvtier run --compare-policies — context %lld tokens, geometry %s, %d decode steps, observation "
+      "window %d queries, sinks %lld, local %lld (per kv head)\n\n%s",
+      static_cast<long long>(o.workload.context), o.geometry.ToString().c_str(), o.workload.decode_steps,
+      o.observe, static_cast<long long>(o.sink_tokens), static_cast<long long>(o.local_tokens),
+      PolicyEvalTable(rows).c_str());
+  std::printf(
+      "\nneedle kept: share of the sought needle's tokens in the cache during decoding; recall: full "
+      "attention's mass on the kept keys;\nout.err: |o - o_full| / |o_full|; pf.score, dec.score: policy "
+      "time "
+      "/ attention time of the same step (prefill end, decode); comp: compressions per layer.\n");
   if (!json.empty()) {
     JsonWriter w;
     w.BeginObject().Key("context").Int(o.workload.context).Key("decode_steps").Int(o.workload.decode_steps);
@@ -172,7 +188,10 @@ int ComparePolicies(const RunOptions& run, int64_t budget, const std::vector<int
       w.BeginObject().Key("policy").String(r.spec).Key("budget").Int(r.budget);
       w.Key("needle_retention").Double(r.needle_retention).Key("attention_recall").Double(r.attention_recall);
       w.Key("output_error").Double(r.output_error).Key("prefill_scoring_ms").Double(r.prefill_scoring_ms);
-      w.Key("prefill_attention_ms").Double(r.prefill_attention_ms).Key("decode_scoring_ms").Double(r.decode_scoring_ms);
+      w.Key("prefill_attention_ms")
+          .Double(r.prefill_attention_ms)
+          .Key("decode_scoring_ms")
+          .Double(r.decode_scoring_ms);
       w.Key("decode_attention_ms").Double(r.decode_attention_ms).Key("compressions").Int(r.compressions);
       w.Key("mean_cache_tokens").Double(r.mean_cache_tokens).Key("peak_state_bytes").Uint(r.peak_state_bytes);
       w.EndObject();
@@ -187,7 +206,9 @@ int CmdPolicies(int argc, char** argv) {
   (void)argv;
   if (argc > 0 && std::string(argv[0]) != "--help" && std::string(argv[0]) != "-h")
     return Fail(InvalidArgument("'kvtier policies' takes no arguments"));
-  std::printf("scoring policies (factory string: name or name:key=value,...; e.g. --policy gkv:form=max,alpha=0.8)\n");
+  std::printf(
+      "scoring policies (factory string: name or name:key=value,...; e.g. --policy "
+      "gkv:form=max,alpha=0.8)\n");
   for (const PolicyInfo& p : ListScoringPolicies()) {
     std::printf("\n%s — %s\n  source: %s\n", p.name.c_str(), p.summary.c_str(), p.source.c_str());
     for (const PolicyParam& k : p.params)
@@ -240,49 +261,71 @@ int CmdRun(int argc, char** argv) {
   const ExactIndexOptions exact;
   const auto& rt = RetrieverOptionTable();
   f.Add("probe", cli::OptionHelp(cli::OptionRow(rt, "probe")),
-        WithDefault(o.retrieval.probe, [&o](const std::string& s) { o.retrieval.probe = s; return Status::Ok(); }));
+        WithDefault(o.retrieval.probe, [&o](const std::string& s) {
+          o.retrieval.probe = s;
+          return Status::Ok();
+        }));
   f.Add("alloc", cli::OptionHelp(cli::OptionRow(rt, "alloc")),
         WithDefault(o.retrieval.alloc, [&rf](const std::string& s) { return rf.SetAlloc(s); }));
   f.Add("index", cli::OptionHelp(cli::OptionRow(rt, "index")),
         WithDefault(o.retrieval.index, [&rf](const std::string& s) { return rf.SetIndex(s); }));
-  f.Add("rerank", "Exact index: rescore the best F x take chunks by their best representative, 0 = one "
+  f.Add("rerank",
+        "Exact index: rescore the best F x take chunks by their best representative, 0 = one "
         "full pass over every representative (index key rerank=F)",
         WithDefault(std::to_string(exact.rerank_factor),
                     [&rf](const std::string& s) { return rf.SetIndexKey("rerank", s); }));
-  f.Add("rerank-min", "Exact index: at least this many chunks reach the rescoring stage (index key rerank_min=N)",
+  f.Add("rerank-min",
+        "Exact index: at least this many chunks reach the rescoring stage (index key rerank_min=N)",
         WithDefault(std::to_string(exact.rerank_min),
                     [&rf](const std::string& s) { return rf.SetIndexKey("rerank_min", s); }));
-  f.Add("head-merge", "Exact index: per-kv-head chunk scores summed (sum) or the best head decides (max) "
+  f.Add("head-merge",
+        "Exact index: per-kv-head chunk scores summed (sum) or the best head decides (max) "
         "(index key heads=)",
         WithDefault(SpecKey(exact.ToString(), "heads"),
                     [&rf](const std::string& s) { return rf.SetIndexKey("heads", s); }));
-  f.Add("rank-by", "entropy allocator: take chunks by Eq. 10 cosine (cosine, Algorithm 1) or by logit "
+  f.Add("rank-by",
+        "entropy allocator: take chunks by Eq. 10 cosine (cosine, Algorithm 1) or by logit "
         "(allocator key rank=)",
         WithDefault(ChunkRankName(EntropyBudgetOptions{}.rank),
                     [&rf](const std::string& s) { return rf.SetAllocKey("rank", s); }));
-  f.Add("compare", "compare StreamingLLM, InfLLM, ActQKV w/o cut-off and ActQKV on the same data",
-        [&o](const std::string& s) { o.compare = s != "0"; return Status::Ok(); }, true);
+  f.Add(
+      "compare", "compare StreamingLLM, InfLLM, ActQKV w/o cut-off and ActQKV on the same data",
+      [&o](const std::string& s) {
+        o.compare = s != "0";
+        return Status::Ok();
+      },
+      true);
   f.Add("spearman-windows", "prefill windows sampled for probe-to-oracle Spearman rho (0 = off)",
         IntFlag(&o.spearman_windows, 0, 1 << 16));
   f.Add("question-anchors", "only every N-th question-window query seeks the needle (1 = all)",
         IntFlag(&o.workload.question_anchor_every, 1, 1 << 20));
   f.Add("needle-echo", "filler tokens after a needle that look back at it",
         IntFlag(&o.workload.needle_echo, 0, 1 << 20));
-  f.Add("compress", "compression mode: this scoring policy drops chunks at prefill end (see 'kvtier policies')",
-        [&o](const std::string& s) { o.compress = s; return Status::Ok(); });
-  f.Add("kv-budget", "tokens kept per layer (compression), or per kv head and layer with --compare-policies, "
-        "where it defaults to " + std::to_string(kComparePoliciesKvBudget) + " instead",
+  f.Add("compress",
+        "compression mode: this scoring policy drops chunks at prefill end (see 'kvtier policies')",
+        [&o](const std::string& s) {
+          o.compress = s;
+          return Status::Ok();
+        });
+  f.Add("kv-budget",
+        "tokens kept per layer (compression), or per kv head and layer with --compare-policies, "
+        "where it defaults to " +
+            std::to_string(kComparePoliciesKvBudget) + " instead",
         WithDefault(std::to_string(o.kv_budget), [&o, &kv_budget_set](const std::string& s) {
           kv_budget_set = true;
           return IntFlag(&o.kv_budget, 1, int64_t{1} << 40)(s);
         }));
   f.Add("observe", "prompt queries whose attention over every key the scoring policy observes",
         IntFlag(&o.observe, 1, 1 << 16));
-  f.Add("compare-policies", "run every scoring policy on the same data at the same budget (token-level, exact; "
-        "use --context 8192..32768) and print one table", [&compare_policies](const std::string& s) {
-          compare_policies = s != "0";
-          return Status::Ok();
-        }, true);
+  f.Add(
+      "compare-policies",
+      "run every scoring policy on the same data at the same budget (token-level, exact; "
+      "use --context 8192..32768) and print one table",
+      [&compare_policies](const std::string& s) {
+        compare_policies = s != "0";
+        return Status::Ok();
+      },
+      true);
   f.Add("sweep", "with --compare-policies: comma-separated budgets, e.g. 256,512,1024,2048",
         [&sweep](const std::string& s) { return ParseIntList(s, 1, int64_t{1} << 40, &sweep); });
   f.Add("policies", "with --compare-policies: factory strings separated by ';'",
@@ -291,7 +334,8 @@ int CmdRun(int argc, char** argv) {
           size_t pos = 0;
           while (pos <= s.size()) {
             const size_t semi = s.find(';', pos);
-            const std::string item = s.substr(pos, semi == std::string::npos ? std::string::npos : semi - pos);
+            const std::string item =
+                s.substr(pos, semi == std::string::npos ? std::string::npos : semi - pos);
             if (item.empty()) return InvalidArgument("empty policy in list '" + s + "'");
             policy_list.push_back(item);
             if (semi == std::string::npos) break;
@@ -299,20 +343,36 @@ int CmdRun(int argc, char** argv) {
           }
           return Status::Ok();
         }));
-  f.Add("no-baseline", "skip the full-attention comparison",
-        [&o](const std::string& s) { o.baseline = s == "0"; return Status::Ok(); }, true);
-  f.Add("quiet", "no progress on stderr", [&o](const std::string& s) { o.progress = s == "0"; return Status::Ok(); }, true);
+  f.Add(
+      "no-baseline", "skip the full-attention comparison",
+      [&o](const std::string& s) {
+        o.baseline = s == "0";
+        return Status::Ok();
+      },
+      true);
+  f.Add(
+      "quiet", "no progress on stderr",
+      [&o](const std::string& s) {
+        o.progress = s == "0";
+        return Status::Ok();
+      },
+      true);
   f.Add("json", "write the full report as JSON to this file (checked writable before the run)",
         cli::OutputPathFlag(&json));
   std::string trace;
-  f.Add("trace", "replay this trace ('kvtier trace') instead of the synthetic workload: a real model's Q/K/V; "
-        "geometry, context and decode steps come from it", cli::PathFlag(&trace));
+  f.Add("trace",
+        "replay this trace ('kvtier trace') instead of the synthetic workload: a real model's Q/K/V; "
+        "geometry, context and decode steps come from it",
+        cli::PathFlag(&trace));
   Status st = f.Parse("run", argc, argv);
   if (!st.ok()) return Fail(st);
   if (f.help()) {
-    f.PrintHelp("usage: kvtier run [flags]\n\nStreams a synthetic long context (a needle at a chosen depth, a question\n"
-                "window at the end) through the tiered store, decodes with retrieval, and\ncompares with full attention on the same data."
-                " --trace FILE replays a model's recorded\nattention ('kvtier trace') instead.");
+    f.PrintHelp(
+        "usage: kvtier run [flags]\n\nStreams a synthetic long context (a needle at a chosen depth, a "
+        "question\n"
+        "window at the end) through the tiered store, decodes with retrieval, and\ncompares with full "
+        "attention on the same data."
+        " --trace FILE replays a model's recorded\nattention ('kvtier trace') instead.");
     return 0;
   }
   if (!trace.empty()) {
@@ -320,7 +380,8 @@ int CmdRun(int argc, char** argv) {
     if (!st.ok()) return Fail(st);
   }
   if (compare_policies)
-    return ComparePolicies(o, kv_budget_set ? o.kv_budget : kComparePoliciesKvBudget, sweep, policy_list, json);
+    return ComparePolicies(o, kv_budget_set ? o.kv_budget : kComparePoliciesKvBudget, sweep, policy_list,
+                           json);
   st = PrepareDataDir(f, "kvtier-run", &o.store, &place);
   if (!st.ok()) return Fail(st);
   o.drop_at_end = !place.keep;
@@ -359,8 +420,10 @@ int CmdStress(int argc, char** argv) {
   Status st = f.Parse("stress", argc, argv);
   if (!st.ok()) return Fail(st);
   if (f.help()) {
-    f.PrintHelp("usage: kvtier stress [flags]\n\nMany sequences appended concurrently into tiny tiers, random promotions,\n"
-                "then every chunk verified bit for bit, before and after reopening the store.");
+    f.PrintHelp(
+        "usage: kvtier stress [flags]\n\nMany sequences appended concurrently into tiny tiers, random "
+        "promotions,\n"
+        "then every chunk verified bit for bit, before and after reopening the store.");
     return 0;
   }
   st = PrepareDataDir(f, "kvtier-stress", &o.store, &place);
@@ -370,7 +433,8 @@ int CmdStress(int argc, char** argv) {
   if (!rep.ok()) return Fail(rep.status());
   std::printf("%s", rep->ToTable(o).c_str());
   std::printf("%s", DataNote(o.store, place, rep->sequences_dropped, "the sequences").c_str());
-  if (!json.empty() && !WriteFile(json, rep->ToJson(o))) return Fail(IOError("could not write --json file '" + json + "'"));
+  if (!json.empty() && !WriteFile(json, rep->ToJson(o)))
+    return Fail(IOError("could not write --json file '" + json + "'"));
   return rep->errors == 0 ? 0 : 1;
 }
 
@@ -381,11 +445,14 @@ void Usage() {
       "  run       long-sequence run on a synthetic ∞-Bench-style workload, compared with full attention\n"
       "  stress    offload stress test: concurrent appends, tiny tiers, bit-for-bit verification\n"
       "  policies  the scoring policies (demotion and compression) with their parameters and defaults\n"
-      "  compile-tables  CompilerKV's offline compiler: record traces, fit the tables (conservative Q-learning)\n"
-      "  infinite  passkey / number_string / kv_retrieval through the kvtier-llama model with retrieval inside\n"
+      "  compile-tables  CompilerKV's offline compiler: record traces, fit the tables (conservative "
+      "Q-learning)\n"
+      "  infinite  passkey / number_string / kv_retrieval through the kvtier-llama model with retrieval "
+      "inside\n"
       "            it (--compare: full attention, StreamingLLM, InfLLM, ActQKV by context length)\n"
       "  trace     record the kvtier-llama model's real Q/K/V on one prompt, for 'kvtier run --trace FILE'\n"
-      "  check     is a store's data directory whole: every acknowledged chunk present (names the lost ones)\n"
+      "  check     is a store's data directory whole: every acknowledged chunk present (names the lost "
+      "ones)\n"
       "  help      this text\n\n"
       "'kvtier <command> --help' lists a command's flags.\n");
 }
@@ -395,7 +462,10 @@ void Usage() {
 
 int main(int argc, char** argv) {
   using namespace kvtier;
-  if (argc < 2) { Usage(); return 2; }
+  if (argc < 2) {
+    Usage();
+    return 2;
+  }
   const std::string cmd = argv[1];
   if (cmd == "run") return CmdRun(argc - 2, argv + 2);
   if (cmd == "stress") return CmdStress(argc - 2, argv + 2);
@@ -404,7 +474,13 @@ int main(int argc, char** argv) {
   if (cmd == "infinite") return RunInfinite(argc - 2, argv + 2);
   if (cmd == "trace") return RunTrace(argc - 2, argv + 2);
   if (cmd == "check") return RunCheck(argc - 2, argv + 2);
-  if (cmd == "help" || cmd == "--help" || cmd == "-h") { Usage(); return 0; }
-  std::fprintf(stderr, "kvtier: error: unknown command '%s' (run | stress | policies | compile-tables | infinite | trace | check | help)\n", cmd.c_str());
+  if (cmd == "help" || cmd == "--help" || cmd == "-h") {
+    Usage();
+    return 0;
+  }
+  std::fprintf(stderr,
+               "kvtier: error: unknown command '%s' (run | stress | policies | compile-tables | infinite | "
+               "trace | check | help)\n",
+               cmd.c_str());
   return 2;
 }

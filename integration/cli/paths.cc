@@ -60,9 +60,10 @@ Status CheckInputFile(const std::string& what, const std::string& path) {
   // The flag parser puts "--weights: " in front.
   std::string msg = "'" + path + "' is a directory, not a file";
   if (fs::exists(fs::path(path) / "config.json") && !found.empty()) {
-    msg += ". It looks like a Hugging Face export (config.json, " + fs::path(found.front()).filename().string() +
-           "), which is for transformers (python -m kvtier.tools.infinitebench --model DIR); kvtier reads the "
-           "kvtier-llama file it was exported from, e.g. --weights models/kvtier-tiny.safetensors";
+    msg +=
+        ". It looks like a Hugging Face export (config.json, " + fs::path(found.front()).filename().string() +
+        "), which is for transformers (python -m kvtier.tools.infinitebench --model DIR); kvtier reads the "
+        "kvtier-llama file it was exported from, e.g. --weights models/kvtier-tiny.safetensors";
   } else if (found.size() == 1) {
     msg += ": pass " + what + " " + found.front();
   } else if (!found.empty()) {
@@ -94,8 +95,8 @@ ScratchDir::ScratchDir(const std::string& prefix) {
   if (ec) base = "/tmp";
   std::string tmpl = (base / (prefix + "-XXXXXX")).string();
   if (mkdtemp(tmpl.data()) == nullptr) {
-    error_ = "cannot create a temporary data directory under '" + base.string() + "': " + std::strerror(errno) +
-             " (set TMPDIR, or give --data-dir DIR)";
+    error_ = "cannot create a temporary data directory under '" + base.string() +
+             "': " + std::strerror(errno) + " (set TMPDIR, or give --data-dir DIR)";
     return;
   }
   path_ = tmpl;

@@ -28,8 +28,7 @@ int RunTrace(int argc, char** argv) {
         IntFlag(&o.context, 1, int64_t{1} << 30));
   f.Add("seed", "the sample's seed: the prompt is 'kvtier infinite's first sample for it",
         IntFlag(&o.seed, 0, INT64_MAX));
-  f.Add("decode-steps",
-        "tokens decoded greedily after the prompt, each recorded",
+  f.Add("decode-steps", "tokens decoded greedily after the prompt, each recorded",
         cli::WithDefault("the answer's length", IntFlag(&o.decode_steps, 1, 1 << 20)));
   f.Add("positions",
         "absolute (the reference model) | infllm (the model runs with InfLLM's memory positions; "
@@ -41,7 +40,8 @@ int RunTrace(int argc, char** argv) {
           return Status::Ok();
         }));
   f.Add("window", "prefill window in tokens, 1..512", IntFlag(&o.window, 1, 512));
-  f.Add("out", "the trace file to write (required; checked writable before the model runs)", cli::OutputPathFlag(&out));
+  f.Add("out", "the trace file to write (required; checked writable before the model runs)",
+        cli::OutputPathFlag(&out));
   Status st = f.Parse("trace", argc, argv);
   if (!st.ok()) return Fail(st);
   if (f.help()) {

@@ -1,7 +1,5 @@
 #include "integration/model/llama.h"
 
-#include "kernels/cpu/rope.h"
-
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -11,6 +9,7 @@
 #include "integration/model/llama_device.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/forward.h"
+#include "kernels/cpu/rope.h"
 
 namespace kvtier::model {
 namespace {
@@ -26,7 +25,8 @@ Status ParseIntKey(const std::map<std::string, std::string>& meta, const std::st
   errno = 0;
   const long v = std::strtol(s, &end, 10);
   if (errno != 0 || end == s || *end != '\0' || v < INT32_MIN || v > INT32_MAX)
-    return InvalidArgument(path + ": __metadata__ '" + key + "' is not an integer (got '" + it->second + "')");
+    return InvalidArgument(path + ": __metadata__ '" + key + "' is not an integer (got '" + it->second +
+                           "')");
   *out = static_cast<int>(v);
   return Status::Ok();
 }
@@ -40,7 +40,8 @@ Status ParseFloatKey(const std::map<std::string, std::string>& meta, const std::
   errno = 0;
   const double v = std::strtod(s, &end);
   if (errno != 0 || end == s || *end != '\0' || !std::isfinite(v))
-    return InvalidArgument(path + ": __metadata__ '" + key + "' is not a finite number (got '" + it->second + "')");
+    return InvalidArgument(path + ": __metadata__ '" + key + "' is not a finite number (got '" + it->second +
+                           "')");
   *out = v;
   return Status::Ok();
 }
@@ -77,12 +78,13 @@ Status RmsNorm(const float* x, int m, int d, const float* w, double eps, float* 
 }
 
 // Copies a tensor out of the file after checking its exact shape.
-Status Take(const SafeTensors& st, const std::string& name, std::vector<int64_t> shape, std::vector<float>* out) {
+Status Take(const SafeTensors& st, const std::string& name, std::vector<int64_t> shape,
+            std::vector<float>* out) {
   auto t = st.Find(name);
   if (!t.ok()) return InvalidArgument(t.status().message());
   if ((*t)->shape != shape)
-    return InvalidArgument(st.path + ": tensor '" + name + "' has shape " + (*t)->ShapeString() + ", expected " +
-                           ShapeToString(shape));
+    return InvalidArgument(st.path + ": tensor '" + name + "' has shape " + (*t)->ShapeString() +
+                           ", expected " + ShapeToString(shape));
   KVTIER_ASSIGN_OR_RETURN(*out, st.ToFloat32(name));
   return Status::Ok();
 }
@@ -95,7 +97,8 @@ Status Take(const SafeTensors& st, const std::string& name, std::vector<int64_t>
 Status LlamaConfig::Validate() const {
   auto positive = [](const char* name, int v) -> Status {
     if (v <= 0)
-      return InvalidArgument(std::string("llama config: ") + name + " must be > 0 (got " + std::to_string(v) + ")");
+      return InvalidArgument(std::string("llama config: ") + name + " must be > 0 (got " + std::to_string(v) +
+                             ")");
     return Status::Ok();
   };
   KVTIER_RETURN_IF_ERROR(positive("vocab", vocab));
@@ -105,14 +108,14 @@ Status LlamaConfig::Validate() const {
   KVTIER_RETURN_IF_ERROR(positive("kv_heads", kv_heads));
   KVTIER_RETURN_IF_ERROR(positive("ffn_hidden", ffn_hidden));
   if (d_model % q_heads != 0)
-    return InvalidArgument("llama config: d_model (" + std::to_string(d_model) + ") must be a multiple of q_heads (" +
-                           std::to_string(q_heads) + ")");
+    return InvalidArgument("llama config: d_model (" + std::to_string(d_model) +
+                           ") must be a multiple of q_heads (" + std::to_string(q_heads) + ")");
   if (q_heads % kv_heads != 0)
-    return InvalidArgument("llama config: q_heads (" + std::to_string(q_heads) + ") must be a multiple of kv_heads (" +
-                           std::to_string(kv_heads) + ")");
+    return InvalidArgument("llama config: q_heads (" + std::to_string(q_heads) +
+                           ") must be a multiple of kv_heads (" + std::to_string(kv_heads) + ")");
   if (head_dim() % 2 != 0 || head_dim() > kernels::kMaxHeadDim)
-    return InvalidArgument("llama config: head_dim (" + std::to_string(head_dim()) + ") must be even and <= " +
-                           std::to_string(kernels::kMaxHeadDim));
+    return InvalidArgument("llama config: head_dim (" + std::to_string(head_dim()) +
+                           ") must be even and <= " + std::to_string(kernels::kMaxHeadDim));
   if (!(rope_theta > 0) || !std::isfinite(rope_theta))
     return InvalidArgument("llama config: rope_theta must be > 0 (got " + std::to_string(rope_theta) + ")");
   if (!(norm_eps > 0) || !std::isfinite(norm_eps))
@@ -120,12 +123,13 @@ Status LlamaConfig::Validate() const {
   return Status::Ok();
 }
 
-Result<LlamaConfig> LlamaConfig::FromMetadata(const std::map<std::string, std::string>& meta, const std::string& path) {
+Result<LlamaConfig> LlamaConfig::FromMetadata(const std::map<std::string, std::string>& meta,
+                                              const std::string& path) {
   auto it = meta.find("model");
   if (it == meta.end() || it->second != kModelName)
     return InvalidArgument(path + ": __metadata__ 'model' is '" +
-                           (it == meta.end() ? std::string("(absent)") : it->second) + "', expected '" + kModelName +
-                           "'");
+                           (it == meta.end() ? std::string("(absent)") : it->second) + "', expected '" +
+                           kModelName + "'");
   LlamaConfig c;
   KVTIER_RETURN_IF_ERROR(ParseIntKey(meta, path, "vocab", &c.vocab));
   KVTIER_RETURN_IF_ERROR(ParseIntKey(meta, path, "d_model", &c.d_model));
@@ -162,7 +166,8 @@ Result<std::unique_ptr<LlamaModel>> LlamaModel::FromSafeTensors(const SafeTensor
   KVTIER_ASSIGN_OR_RETURN(LlamaConfig c, LlamaConfig::FromMetadata(st.metadata, st.path));
   auto m = std::unique_ptr<LlamaModel>(new LlamaModel());
   m->config_ = c;
-  const int64_t d = c.d_model, hd = c.head_dim(), qd = c.q_heads * hd, kvd = c.kv_heads * hd, f = c.ffn_hidden;
+  const int64_t d = c.d_model, hd = c.head_dim(), qd = c.q_heads * hd, kvd = c.kv_heads * hd,
+                f = c.ffn_hidden;
   KVTIER_RETURN_IF_ERROR(Take(st, "embed", {c.vocab, d}, &m->embed_));
   KVTIER_RETURN_IF_ERROR(Take(st, "final_norm", {d}, &m->final_norm_));
   KVTIER_RETURN_IF_ERROR(Take(st, "lm_head", {c.vocab, d}, &m->lm_head_));
@@ -186,7 +191,8 @@ Result<std::unique_ptr<LlamaModel>> LlamaModel::FromSafeTensors(const SafeTensor
 // ---------------------------------------------------------------------------
 // LlamaSession
 
-LlamaSession::LlamaSession(const LlamaModel* model, std::unique_ptr<TieredStore> store, std::unique_ptr<Session> session)
+LlamaSession::LlamaSession(const LlamaModel* model, std::unique_ptr<TieredStore> store,
+                           std::unique_ptr<Session> session)
     : model_(model), store_(std::move(store)), session_(std::move(session)) {
   inv_freq_ = kernels::RopeInvFreq(model->config().head_dim(), model->config().rope_theta);
 }
@@ -203,7 +209,8 @@ Result<std::unique_ptr<LlamaSession>> LlamaSession::Create(const LlamaModel* mod
                                                            PositionMode positions) {
   if (model == nullptr) return InvalidArgument("LlamaSession: model is null");
   if (positions != PositionMode::kAbsolute && positions != PositionMode::kInfLLM)
-    return InvalidArgument("LlamaSession: unknown position mode " + std::to_string(static_cast<int>(positions)));
+    return InvalidArgument("LlamaSession: unknown position mode " +
+                           std::to_string(static_cast<int>(positions)));
   options.geometry = model->config().KvGeometry(options.geometry.dtype);
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<TieredStore> store, TieredStore::Open(options));
   SessionOptions so;
@@ -215,15 +222,16 @@ Result<std::unique_ptr<LlamaSession>> LlamaSession::Create(const LlamaModel* mod
   auto s = std::unique_ptr<LlamaSession>(new LlamaSession(model, std::move(store), std::move(session)));
   if (hot->device() == Device::kCuda) {
     // The forward follows the KV memory onto the device: a prefill window is at most n_local tokens.
-    KVTIER_ASSIGN_OR_RETURN(s->device_, LlamaDeviceForward::Create(model, hot, s->store_->options().n_local,
-                                                                   s->store_->options().geometry.dtype, positions,
-                                                                   s->inv_freq_));
+    KVTIER_ASSIGN_OR_RETURN(
+        s->device_, LlamaDeviceForward::Create(model, hot, s->store_->options().n_local,
+                                               s->store_->options().geometry.dtype, positions, s->inv_freq_));
   }
   return s;
 }
 
 Status LlamaSession::ReplaceSession(SessionOptions options, ChunkSelector selector) {
-  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, Session::Attach(store_.get(), session_->sequence(), options));
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Session> s,
+                          Session::Attach(store_.get(), session_->sequence(), options));
   s->SetChunkSelector(std::move(selector));
   session_ = std::move(s);
   return Status::Ok();
@@ -231,7 +239,8 @@ Status LlamaSession::ReplaceSession(SessionOptions options, ChunkSelector select
 
 Status LlamaSession::KeepQueries(int n) {
   if (position_ != 0)
-    return FailedPrecondition("KeepQueries: the session has already run " + std::to_string(position_) + " tokens");
+    return FailedPrecondition("KeepQueries: the session has already run " + std::to_string(position_) +
+                              " tokens");
   SessionOptions o = session_->options();
   o.keep_queries = n;
   return ReplaceSession(o, nullptr);
@@ -239,7 +248,8 @@ Status LlamaSession::KeepQueries(int n) {
 
 Status LlamaSession::SetChunkSelector(ChunkSelector selector) {
   if (position_ != 0)
-    return FailedPrecondition("SetChunkSelector: the session has already run " + std::to_string(position_) + " tokens");
+    return FailedPrecondition("SetChunkSelector: the session has already run " + std::to_string(position_) +
+                              " tokens");
   SessionOptions o = session_->options();
   o.retrieve = false;
   return ReplaceSession(o, std::move(selector));
@@ -265,7 +275,8 @@ Result<std::vector<float>> LlamaSession::Prefill(const std::vector<int32_t>& tok
   const int n_local = store_->options().n_local;
   if (window <= 0 || window > n_local)
     return InvalidArgument("Prefill: window must be in [1, n_local = " + std::to_string(n_local) + "] (got " +
-                           std::to_string(window) + "): a window's own keys must still be in the local window");
+                           std::to_string(window) +
+                           "): a window's own keys must still be in the local window");
   const int vocab = model_->config().vocab;
   std::vector<float> logits(tokens.size() * static_cast<size_t>(vocab));
   for (size_t i = 0; i < tokens.size(); i += static_cast<size_t>(window)) {
@@ -288,16 +299,15 @@ Status LlamaSession::Run(const int32_t* tokens, int m, float* logits, bool decod
   const int vocab = model_->config().vocab;
   for (int t = 0; t < m; ++t)
     if (tokens[t] < 0 || tokens[t] >= vocab)  // checked before anything is appended: the session stays usable
-      return InvalidArgument("token " + std::to_string(tokens[t]) + " at position " + std::to_string(position_ + t) +
-                             " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+      return InvalidArgument("token " + std::to_string(tokens[t]) + " at position " +
+                             std::to_string(position_ + t) + " is outside the vocabulary [0, " +
+                             std::to_string(vocab) + ")");
   Status st = Forward(tokens, m, logits, decode);
   if (!st.ok()) broken_ = st;
   return st;
 }
 
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 Status LlamaSession::Forward(const int32_t* tokens, int m, float* logits, bool decode) {
   if (device_) {  // the hot tier is on the GPU: so is the forward (llama_device.h)

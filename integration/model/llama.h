@@ -70,7 +70,8 @@ struct LlamaConfig {
   /// Sizes positive, d_model % q_heads == 0, q_heads % kv_heads == 0, head_dim even, theta/eps > 0.
   Status Validate() const;
   /// From safetensors __metadata__ (model=kvtier-llama and the keys above, as strings); validates.
-  static Result<LlamaConfig> FromMetadata(const std::map<std::string, std::string>& meta, const std::string& path);
+  static Result<LlamaConfig> FromMetadata(const std::map<std::string, std::string>& meta,
+                                          const std::string& path);
   /// The KV geometry of this model with the given storage dtype.
   Geometry KvGeometry(DType dtype) const;
 };
@@ -145,8 +146,8 @@ class LlamaSession {
   /// the store still gets keys before RoPE), v [m, kv_heads, head_dim]; fp32, valid during
   /// the call. For recording real attention (`kvtier trace`); unset, it costs nothing, and
   /// set or not the forward pass computes the same bits.
-  using QkvCapture = std::function<void(int layer, int64_t first_position, int m, const float* q, const float* k,
-                                        const float* v)>;
+  using QkvCapture = std::function<void(int layer, int64_t first_position, int m, const float* q,
+                                        const float* k, const float* v)>;
   void SetQkvCapture(QkvCapture capture) { capture_ = std::move(capture); }
   /// Rotates x [m, heads, head_dim] fp32 in place with this model's RoPE at `positions`, exactly
   /// as the forward pass rotates queries and keys: turns keys read back from a kInfLLM store
@@ -190,7 +191,7 @@ class LlamaSession {
   int64_t position_ = 0;
   Status broken_;  // set when a forward pass failed part-way: layers may hold different token counts
   QkvCapture capture_;
-  std::vector<double> inv_freq_;  // [head_dim / 2] RoPE frequencies, double like the reference
+  std::vector<double> inv_freq_;                // [head_dim / 2] RoPE frequencies, double like the reference
   std::unique_ptr<LlamaDeviceForward> device_;  // set when the hot tier is "cuda"
 };
 

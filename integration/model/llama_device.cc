@@ -29,7 +29,8 @@ size_t F32(int64_t elements) { return static_cast<size_t>(elements) * sizeof(flo
 }  // namespace
 
 DeviceWeightLayout PlanDeviceWeights(const LlamaConfig& c) {
-  const int64_t d = c.d_model, hd = c.head_dim(), qd = c.q_heads * hd, kvd = c.kv_heads * hd, f = c.ffn_hidden;
+  const int64_t d = c.d_model, hd = c.head_dim(), qd = c.q_heads * hd, kvd = c.kv_heads * hd,
+                f = c.ffn_hidden;
   DeviceWeightLayout w;
   size_t at = 0;
   w.embed = Place(&at, F32(int64_t{c.vocab} * d));
@@ -66,9 +67,9 @@ Result<std::vector<uint8_t>> PackDeviceWeights(const LlamaModel& model, const De
   auto put = [&](const DeviceTensor& t, const void* src, size_t bytes, const char* name) {
     if (!bad.ok()) return;
     if (bytes != t.bytes || t.offset + t.bytes > image.size()) {
-      bad = InvalidArgument(std::string("PackDeviceWeights: tensor '") + name + "' has " + std::to_string(bytes) +
-                            " bytes, the layout places " + std::to_string(t.bytes) + " at offset " +
-                            std::to_string(t.offset) + " of " + std::to_string(image.size()));
+      bad = InvalidArgument(std::string("PackDeviceWeights: tensor '") + name + "' has " +
+                            std::to_string(bytes) + " bytes, the layout places " + std::to_string(t.bytes) +
+                            " at offset " + std::to_string(t.offset) + " of " + std::to_string(image.size()));
       return;
     }
     if (bytes) std::memcpy(image.data() + t.offset, src, bytes);
@@ -100,7 +101,8 @@ Result<std::vector<uint8_t>> PackDeviceWeights(const LlamaModel& model, const De
 Result<DeviceActivationLayout> PlanDeviceActivations(const LlamaConfig& c, int max_tokens, DType kv_dtype) {
   if (Status st = c.Validate(); !st.ok()) return InvalidArgument("device forward: " + st.message());
   if (max_tokens < 1)
-    return InvalidArgument("device forward: max_tokens must be >= 1 (got " + std::to_string(max_tokens) + ")");
+    return InvalidArgument("device forward: max_tokens must be >= 1 (got " + std::to_string(max_tokens) +
+                           ")");
   if (kv_dtype != DType::kF32 && kv_dtype != DType::kF16 && kv_dtype != DType::kBF16)
     return InvalidArgument("device forward: the KV dtype must be f32, f16 or bf16 (got " +
                            std::to_string(static_cast<int>(kv_dtype)) + ")");
@@ -131,9 +133,11 @@ Result<DeviceActivationLayout> PlanDeviceActivations(const LlamaConfig& c, int m
 
 #if !KVTIER_HAVE_CUDA
 
-Result<std::unique_ptr<LlamaDeviceForward>> LlamaDeviceForward::Create(const LlamaModel*, HotTier*, int, DType,
-                                                                        PositionMode, const std::vector<double>&) {
-  return Unavailable("device forward: no CUDA device: this build has no CUDA (KVTIER_CUDA=off or nvcc not found)");
+Result<std::unique_ptr<LlamaDeviceForward>> LlamaDeviceForward::Create(const LlamaModel*, HotTier*, int,
+                                                                       DType, PositionMode,
+                                                                       const std::vector<double>&) {
+  return Unavailable(
+      "device forward: no CUDA device: this build has no CUDA (KVTIER_CUDA=off or nvcc not found)");
 }
 LlamaDeviceForward::~LlamaDeviceForward() = default;
 Status LlamaDeviceForward::Forward(Session*, const int32_t*, const int64_t*, int, bool, float*,
@@ -147,15 +151,18 @@ namespace {
 
 namespace kc = kernels::cuda;
 
-std::string CudaMessage(cudaError_t e) { return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e); }
+std::string CudaMessage(cudaError_t e) {
+  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+}
 
 // A launcher's KernelError as a Status naming the layer (-1: outside the layers) and the step.
 Status Launched(kernels::KernelError e, int layer, const char* step, bool blas = false) {
   if (e == kernels::KernelError::kOk) return Status::Ok();
   const std::string where = layer >= 0 ? "layer " + std::to_string(layer) + ": " : std::string();
-  const std::string detail = e == kernels::KernelError::kDeviceError
-                                 ? std::string(" (") + (blas ? kc::LastBlasStatusString() : kc::LastCudaErrorString()) + ")"
-                                 : std::string();
+  const std::string detail =
+      e == kernels::KernelError::kDeviceError
+          ? std::string(" (") + (blas ? kc::LastBlasStatusString() : kc::LastCudaErrorString()) + ")"
+          : std::string();
   return Internal("device forward: " + where + step + ": " + kernels::KernelErrorString(e) + detail);
 }
 
@@ -169,24 +176,27 @@ Status Cuda(cudaError_t e, int layer, const char* step) {
 }  // namespace
 
 Result<std::unique_ptr<LlamaDeviceForward>> LlamaDeviceForward::Create(const LlamaModel* model, HotTier* hot,
-                                                                        int max_tokens, DType kv_dtype,
-                                                                        PositionMode positions,
-                                                                        const std::vector<double>& inv_freq) {
+                                                                       int max_tokens, DType kv_dtype,
+                                                                       PositionMode positions,
+                                                                       const std::vector<double>& inv_freq) {
   if (model == nullptr) return InvalidArgument("device forward: model is null");
   if (positions != PositionMode::kAbsolute)
-    return InvalidArgument(std::string("device forward: positions '") + PositionModeName(positions) +
-                           "' are not supported on the device (InfLLM positions rotate the stored keys on the host "
-                           "at attention time); use absolute positions");
+    return InvalidArgument(
+        std::string("device forward: positions '") + PositionModeName(positions) +
+        "' are not supported on the device (InfLLM positions rotate the stored keys on the host "
+        "at attention time); use absolute positions");
   auto* tier = dynamic_cast<CudaHotTier*>(hot);
   if (tier == nullptr)
-    return Unavailable("device forward: no CUDA device: the store's hot tier is not kvtier's CudaHotTier (its "
-                       "stream and device memory are what the forward runs on)");
+    return Unavailable(
+        "device forward: no CUDA device: the store's hot tier is not kvtier's CudaHotTier (its "
+        "stream and device memory are what the forward runs on)");
   const LlamaConfig& c = model->config();
   KVTIER_ASSIGN_OR_RETURN(DeviceActivationLayout acts, PlanDeviceActivations(c, max_tokens, kv_dtype));
   DeviceWeightLayout weights = PlanDeviceWeights(c);
   KVTIER_ASSIGN_OR_RETURN(std::vector<uint8_t> image, PackDeviceWeights(*model, weights, inv_freq));
 
-  auto f = std::unique_ptr<LlamaDeviceForward>(new LlamaDeviceForward(model, std::move(weights), std::move(acts)));
+  auto f =
+      std::unique_ptr<LlamaDeviceForward>(new LlamaDeviceForward(model, std::move(weights), std::move(acts)));
   f->stream_ = tier->stream();
   cudaStream_t s = static_cast<cudaStream_t>(f->stream_);
   auto alloc = [](size_t bytes, void** p, const char* what) -> Status {
@@ -194,8 +204,8 @@ Result<std::unique_ptr<LlamaDeviceForward>> LlamaDeviceForward::Create(const Lla
     if (e == cudaSuccess) return Status::Ok();
     (void)cudaGetLastError();
     *p = nullptr;
-    return ResourceExhausted(std::string("device forward: cudaMalloc of ") + std::to_string(bytes) + " bytes for " +
-                             what + " failed (" + CudaMessage(e) + ")");
+    return ResourceExhausted(std::string("device forward: cudaMalloc of ") + std::to_string(bytes) +
+                             " bytes for " + what + " failed (" + CudaMessage(e) + ")");
   };
   KVTIER_RETURN_IF_ERROR(alloc(f->weights_.total, reinterpret_cast<void**>(&f->weight_mem_), "the weights"));
   KVTIER_RETURN_IF_ERROR(alloc(f->acts_.total, reinterpret_cast<void**>(&f->act_mem_), "the activations"));
@@ -203,7 +213,8 @@ Result<std::unique_ptr<LlamaDeviceForward>> LlamaDeviceForward::Create(const Lla
   KVTIER_RETURN_IF_ERROR(Launched(kc::CreateBlasHandle(&f->blas_), -1, "cuBLAS handle", /*blas=*/true));
   // One upload of the packed image; synchronised because `image` is freed on return.
   KVTIER_RETURN_IF_ERROR(
-      Cuda(cudaMemcpyAsync(f->weight_mem_, image.data(), image.size(), cudaMemcpyHostToDevice, s), -1, "weights up"));
+      Cuda(cudaMemcpyAsync(f->weight_mem_, image.data(), image.size(), cudaMemcpyHostToDevice, s), -1,
+           "weights up"));
   KVTIER_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(s), -1, "weights up"));
   const int hd = c.head_dim();
   const size_t rows = static_cast<size_t>(max_tokens);
@@ -234,8 +245,9 @@ Status LlamaDeviceForward::Forward(Session* session, const int32_t* tokens, cons
                                    bool decode, float* logits, const LlamaSession::QkvCapture& capture) {
   if (session == nullptr) return InvalidArgument("device forward: session is null");
   if (m < 1 || m > acts_.max_tokens)
-    return InvalidArgument("device forward: a window of " + std::to_string(m) + " tokens; this session's device " +
-                           "buffers hold 1.." + std::to_string(acts_.max_tokens));
+    return InvalidArgument("device forward: a window of " + std::to_string(m) +
+                           " tokens; this session's device " + "buffers hold 1.." +
+                           std::to_string(acts_.max_tokens));
   if (tokens == nullptr || positions == nullptr || logits == nullptr)
     return InvalidArgument("device forward: tokens, positions and logits must not be null");
   const LlamaConfig& c = model_->config();
@@ -246,14 +258,16 @@ Status LlamaDeviceForward::Forward(Session* session, const int32_t* tokens, cons
   auto A = [&](const DeviceTensor& t) { return reinterpret_cast<float*>(act_mem_ + t.offset); };
   int32_t* d_tokens = reinterpret_cast<int32_t*>(act_mem_ + acts_.tokens.offset);
   int64_t* d_positions = reinterpret_cast<int64_t*>(act_mem_ + acts_.positions.offset);
-  float *x = A(acts_.x), *h = A(acts_.h), *q = A(acts_.q), *k = A(acts_.k), *v = A(acts_.v), *att = A(acts_.att);
+  float *x = A(acts_.x), *h = A(acts_.h), *q = A(acts_.q), *k = A(acts_.k), *v = A(acts_.v),
+        *att = A(acts_.att);
   float *gate = A(acts_.gate), *up = A(acts_.up), *d_logits = A(acts_.logits);
   const size_t md = static_cast<size_t>(m);
 
+  KVTIER_RETURN_IF_ERROR(Cuda(
+      cudaMemcpyAsync(d_tokens, tokens, md * sizeof(int32_t), cudaMemcpyHostToDevice, s), -1, "tokens up"));
   KVTIER_RETURN_IF_ERROR(
-      Cuda(cudaMemcpyAsync(d_tokens, tokens, md * sizeof(int32_t), cudaMemcpyHostToDevice, s), -1, "tokens up"));
-  KVTIER_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(d_positions, positions, md * sizeof(int64_t), cudaMemcpyHostToDevice, s),
-                              -1, "positions up"));
+      Cuda(cudaMemcpyAsync(d_positions, positions, md * sizeof(int64_t), cudaMemcpyHostToDevice, s), -1,
+           "positions up"));
   {
     kernels::EmbeddingParams p;
     p.m = m;
@@ -345,12 +359,13 @@ Status LlamaDeviceForward::Forward(Session* session, const int32_t* tokens, cons
     }
     // The window's K/V go into the store first, so its queries find them in the local window.
     Status st = session->Append(l, k_append, v_append, m, dtype, MemorySpace::kDevice);
-    if (!st.ok()) return Status(st.code(), "device forward: layer " + std::to_string(l) + ": Append: " + st.message());
+    if (!st.ok())
+      return Status(st.code(), "device forward: layer " + std::to_string(l) + ": Append: " + st.message());
     st = session->Attend(l, q_host_.data(), positions, m, att_host_.data());
     if (!st.ok()) return Status(st.code(), "layer " + std::to_string(l) + ": " + st.message());
-    KVTIER_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(att, att_host_.data(), md * qd * sizeof(float),
-                                                cudaMemcpyHostToDevice, s),
-                                l, "attention output up"));
+    KVTIER_RETURN_IF_ERROR(
+        Cuda(cudaMemcpyAsync(att, att_host_.data(), md * qd * sizeof(float), cudaMemcpyHostToDevice, s), l,
+             "attention output up"));
 
     KVTIER_RETURN_IF_ERROR(gemm(att, qd, W(L.wo), d, x, true, l, "Gemm wo"));
     KVTIER_RETURN_IF_ERROR(rms(x, W(L.mlp_norm), h, l, "RmsNorm mlp_norm"));

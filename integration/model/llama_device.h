@@ -32,11 +32,11 @@
 #include <vector>
 
 #include "integration/model/llama.h"
-#include "kvtier/session.h"
-#include "offload/tiered_store.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/dtype.h"
+#include "kvtier/session.h"
 #include "offload/hot_tier.h"
+#include "offload/tiered_store.h"
 #include "store/status.h"
 
 namespace kvtier::model {
@@ -91,8 +91,9 @@ class LlamaDeviceForward {
   /// "no CUDA device: ..." in a build without CUDA or when the tier is not kvtier's CudaHotTier;
   /// InvalidArgument for bad sizes or positions other than kAbsolute; ResourceExhausted when
   /// device memory runs out. `inv_freq` is RopeInvFreq(head_dim, rope_theta).
-  static Result<std::unique_ptr<LlamaDeviceForward>> Create(const LlamaModel* model, HotTier* hot, int max_tokens,
-                                                            DType kv_dtype, PositionMode positions,
+  static Result<std::unique_ptr<LlamaDeviceForward>> Create(const LlamaModel* model, HotTier* hot,
+                                                            int max_tokens, DType kv_dtype,
+                                                            PositionMode positions,
                                                             const std::vector<double>& inv_freq);
   ~LlamaDeviceForward();
   LlamaDeviceForward(const LlamaDeviceForward&) = delete;
@@ -116,11 +117,11 @@ class LlamaDeviceForward {
   const LlamaModel* model_;
   DeviceWeightLayout weights_;
   DeviceActivationLayout acts_;
-  void* stream_ = nullptr;        // the hot tier's cudaStream_t (not owned)
-  uint8_t* weight_mem_ = nullptr;  // device: weights_.total bytes
-  uint8_t* act_mem_ = nullptr;     // device: acts_.total bytes
-  void* blas_ = nullptr;           // cublasHandle_t
-  void* blas_workspace_ = nullptr;  // device: kernels::cuda::GemmWorkspaceBytes()
+  void* stream_ = nullptr;                                  // the hot tier's cudaStream_t (not owned)
+  uint8_t* weight_mem_ = nullptr;                           // device: weights_.total bytes
+  uint8_t* act_mem_ = nullptr;                              // device: acts_.total bytes
+  void* blas_ = nullptr;                                    // cublasHandle_t
+  void* blas_workspace_ = nullptr;                          // device: kernels::cuda::GemmWorkspaceBytes()
   std::vector<float> q_host_, att_host_, k_host_, v_host_;  // per window: Attend takes host q and out
 };
 

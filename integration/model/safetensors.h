@@ -31,10 +31,10 @@ struct TensorInfo {
 };
 
 struct SafeTensors {
-  std::string path;                                ///< what errors name
+  std::string path;  ///< what errors name
   std::map<std::string, TensorInfo> tensors;
-  std::map<std::string, std::string> metadata;     ///< __metadata__
-  std::vector<uint8_t> data;                       ///< the data section
+  std::map<std::string, std::string> metadata;  ///< __metadata__
+  std::vector<uint8_t> data;                    ///< the data section
 
   /// NotFound naming the file and the tensor when absent.
   Result<const TensorInfo*> Find(const std::string& name) const;

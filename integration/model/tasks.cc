@@ -7,23 +7,25 @@
 namespace kvtier::model {
 namespace {
 
-// ∞-Bench-style task prompts (see tasks.h). The byte formats are the Python trainer's (models/tasks.py, documented
-// in models/README.md "Task formats"), byte for byte, so a model trained there is
-// evaluated on the prompts it learnt. The random draws here come from
-// std::mt19937_64, so the samples themselves are not the Python ones.
+// ∞-Bench-style task prompts (see tasks.h). The byte formats are the Python trainer's (models/tasks.py,
+// documented in models/README.md "Task formats"), byte for byte, so a model trained there is evaluated on the
+// prompts it learnt. The random draws here come from std::mt19937_64, so the samples themselves are not the
+// Python ones.
 
 const std::string kIntro =
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
     "I will quiz you about the important information there.\n";
 const std::string kFiller =
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n";
-const std::string kKvIntro = "Below is a list of keys and values. Find the value of the key I will ask about.\n";
+const std::string kKvIntro =
+    "Below is a list of keys and values. Find the value of the key I will ask about.\n";
 
 // The answer's first copy inside the needle.
 void FindAnswer(Sample* s) {
   const size_t at = s->prompt.find(s->answer, static_cast<size_t>(s->needle_begin));
   s->answer_begin = at == std::string::npos ? s->needle_begin : static_cast<int64_t>(at);
-  s->answer_end = at == std::string::npos ? s->needle_end : s->answer_begin + static_cast<int64_t>(s->answer.size());
+  s->answer_end =
+      at == std::string::npos ? s->needle_end : s->answer_begin + static_cast<int64_t>(s->answer.size());
 }
 
 std::string RandomChars(std::mt19937_64& rng, const char* alphabet, int n) {
@@ -40,8 +42,8 @@ Result<Sample> Haystack(const std::string& task, const std::string& needle, cons
                         const std::string& answer, int64_t length, std::mt19937_64& rng) {
   const int64_t fixed = static_cast<int64_t>(kIntro.size() + needle.size() + question.size() + answer.size());
   if (fixed > length)
-    return InvalidArgument("context " + std::to_string(length) + " is too short for task " + task + " (needs >= " +
-                           std::to_string(fixed) + " bytes)");
+    return InvalidArgument("context " + std::to_string(length) + " is too short for task " + task +
+                           " (needs >= " + std::to_string(fixed) + " bytes)");
   const int64_t n = (length - fixed) / static_cast<int64_t>(kFiller.size());
   const int64_t k = std::uniform_int_distribution<int64_t>(0, n)(rng);
   Sample s;
@@ -91,7 +93,8 @@ Result<Sample> MakeSample(const std::string& task, int64_t length, std::mt19937_
   }
   if (task == "number_string") {
     const std::string seq = RandomChars(rng, "0123456789", 10);
-    return Haystack(task, "The sequence of digits is " + seq + ". Remember it. " + seq + " is the sequence.\n",
+    return Haystack(task,
+                    "The sequence of digits is " + seq + ". Remember it. " + seq + " is the sequence.\n",
                     "What is the sequence of digits? The sequence of digits is ", seq, length, rng);
   }
   if (task == "kv_retrieval") {
@@ -102,7 +105,8 @@ Result<Sample> MakeSample(const std::string& task, int64_t length, std::mt19937_
                                                std::string("? The value is ").size() + 8);
     const int64_t n = (length - static_cast<int64_t>(kKvIntro.size()) - q_len) / line_len;
     if (n < 1)
-      return InvalidArgument("context " + std::to_string(length) + " is too short for task kv_retrieval (needs >= " +
+      return InvalidArgument("context " + std::to_string(length) +
+                             " is too short for task kv_retrieval (needs >= " +
                              std::to_string(kKvIntro.size() + q_len + line_len) + " bytes)");
     std::vector<std::string> keys, values;
     std::set<std::string> seen;

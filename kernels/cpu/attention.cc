@@ -28,7 +28,6 @@
 //     element has exactly one writer: p = exp(s - lse) summed over the rows of
 //     the key's GQA group.
 #include "kernels/cpu/attention.h"
-#include "kernels/tbb_tsan.h"
 
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -43,6 +42,8 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/tbb_tsan.h"
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
@@ -51,13 +52,20 @@ namespace kvtier::kernels {
 
 const char* KernelErrorString(KernelError e) {
   switch (e) {
-    case KernelError::kOk: return "ok";
-    case KernelError::kBadShape: return "bad shape";
-    case KernelError::kNullPointer: return "null pointer";
-    case KernelError::kBadDType: return "bad dtype";
-    case KernelError::kOutOfMemory: return "out of memory";
-    case KernelError::kDeviceError: return "CUDA error";
-    case KernelError::kWorkspace: return "workspace too small";
+    case KernelError::kOk:
+      return "ok";
+    case KernelError::kBadShape:
+      return "bad shape";
+    case KernelError::kNullPointer:
+      return "null pointer";
+    case KernelError::kBadDType:
+      return "bad dtype";
+    case KernelError::kOutOfMemory:
+      return "out of memory";
+    case KernelError::kDeviceError:
+      return "CUDA error";
+    case KernelError::kWorkspace:
+      return "workspace too small";
   }
   return "unknown kernel error";
 }
@@ -102,7 +110,9 @@ inline float VReduce(VF v) {
 }
 inline float VHSum(VF v) { return VReduce<false>(v); }
 inline float VHMax(VF v) { return VReduce<true>(v); }
-inline VF VRound(VF v) { return _mm512_maskz_roundscale_ps(kAll, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline VF VRound(VF v) {
+  return _mm512_maskz_roundscale_ps(kAll, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
 inline VF VPow2i(VF n) {  // 2^n for integer-valued n in [-126, 127]
   __m512i e = _mm512_add_epi32(_mm512_maskz_cvtps_epi32(kAll, n), _mm512_set1_epi32(127));
   return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll, e, 23));
@@ -114,11 +124,16 @@ inline VF VZeroBelow(VF x, VF lo, VF r) {  // r where x >= lo, else 0 (also for 
 // consecutive values of row l.
 inline VF VBcast4(const float* p) { return _mm512_maskz_broadcast_f32x4(kAll, _mm_loadu_ps(p)); }
 template <int kImm>
-inline VF VShuf(VF a, VF b) { return _mm512_maskz_shuffle_ps(kAll, a, b, kImm); }
+inline VF VShuf(VF a, VF b) {
+  return _mm512_maskz_shuffle_ps(kAll, a, b, kImm);
+}
 template <int kImm>
-inline VF VPerm(VF a) { return _mm512_maskz_permute_ps(kAll, a, kImm); }
+inline VF VPerm(VF a) {
+  return _mm512_maskz_permute_ps(kAll, a, kImm);
+}
 inline VF VZeroIfNegInf(VF x) {  // x, with -inf replaced by 0
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, VSet1(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ), x);
+  return _mm512_maskz_mov_ps(
+      _mm512_cmp_ps_mask(x, VSet1(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ), x);
 }
 inline void CvtF16(const uint16_t* s, float* d) {
   _mm512_storeu_ps(d, _mm512_maskz_cvtph_ps(kAll, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))));
@@ -160,9 +175,13 @@ inline VF VPow2i(VF n) {
 inline VF VZeroBelow(VF x, VF lo, VF r) { return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GE_OQ), r); }
 inline VF VBcast4(const float* p) { return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p)); }
 template <int kImm>
-inline VF VShuf(VF a, VF b) { return _mm256_shuffle_ps(a, b, kImm); }
+inline VF VShuf(VF a, VF b) {
+  return _mm256_shuffle_ps(a, b, kImm);
+}
 template <int kImm>
-inline VF VPerm(VF a) { return _mm256_permute_ps(a, kImm); }
+inline VF VPerm(VF a) {
+  return _mm256_permute_ps(a, kImm);
+}
 inline VF VZeroIfNegInf(VF x) {
   return _mm256_and_ps(_mm256_cmp_ps(x, VSet1(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ), x);
 }
@@ -260,7 +279,7 @@ struct Plan {
   // Mass pass (over the parts with mass only).
   const int* mparts = nullptr;     // [n_mparts] indices into p->parts
   const int64_t* moffs = nullptr;  // [n_mparts + 1] prefix sums
-  int n_mparts = 0, S2 = 1;  // items = key splits, each over all kv heads
+  int n_mparts = 0, S2 = 1;        // items = key splits, each over all kv heads
   int64_t NM = 0, split2_len = 0;
 };
 
@@ -285,7 +304,8 @@ class TileCursor {
  public:
   TileCursor(const KvSpan* parts, const int* idx, int n, const int64_t* offs, int64_t ka, int64_t kb, int T)
       : parts_(parts), idx_(idx), n_(n), offs_(offs), ka_(ka), kb_(kb), T_(T) {
-    if (offs_ != nullptr) i_ = std::max(0, static_cast<int>(std::upper_bound(offs, offs + n + 1, ka) - offs) - 1);
+    if (offs_ != nullptr)
+      i_ = std::max(0, static_cast<int>(std::upper_bound(offs, offs + n + 1, ka) - offs) - 1);
     LoadSegment();
   }
   bool Next(TileRef* t) {
@@ -349,8 +369,10 @@ inline const float* Tile(const Plan& pl, const void* base, int64_t t0, int nk, i
       const uint16_t* s = static_cast<const uint16_t*>(base) + first;
       for (int j = 0; j < nk; ++j, s += pl.kv_stride, dst += Dp) {
         for (int c = 0; c < NCT; ++c) {
-          if constexpr (DT == DType::kF16) CvtF16(s + c * kW, dst + c * kW);
-          else CvtBf16(s + c * kW, dst + c * kW);
+          if constexpr (DT == DType::kF16)
+            CvtF16(s + c * kW, dst + c * kW);
+          else
+            CvtBf16(s + c * kW, dst + c * kW);
         }
       }
       return dst - static_cast<size_t>(nk) * Dp;
@@ -366,8 +388,10 @@ inline const float* Tile(const Plan& pl, const void* base, int64_t t0, int nk, i
     } else {
       const uint16_t* s = static_cast<const uint16_t*>(base) + first + j * pl.kv_stride;
       for (; c + kW <= D; c += kW) {
-        if constexpr (DT == DType::kF16) CvtF16(s + c, d + c);
-        else CvtBf16(s + c, d + c);
+        if constexpr (DT == DType::kF16)
+          CvtF16(s + c, d + c);
+        else
+          CvtBf16(s + c, d + c);
       }
       for (; c < D; ++c) d[c] = DT == DType::kF16 ? F16ToFloat(s[c]) : Bf16ToFloat(s[c]);
     }
@@ -403,8 +427,8 @@ inline void Scores(const float* q, const float* k, size_t ks, int n, int nc_rt, 
 
 // Online-softmax update of one row with n (>= 1) visible keys of a tile.
 template <int NCT>
-inline void Row(const float* q, float* acc, float* m, float* l, const float* k, size_t ks,
-                const float* v, size_t vs, int n, int nc_rt, float* s) {
+inline void Row(const float* q, float* acc, float* m, float* l, const float* k, size_t ks, const float* v,
+                size_t vs, int n, int nc_rt, float* s) {
   Scores<NCT>(q, k, ks, n, nc_rt, s);
   const int np = static_cast<int>(RoundUp(n, kW));
   VF mx = VSet1(kNegInf);
@@ -869,12 +893,10 @@ void ParallelFor(int n, const F& f) {
     return;
   }
   TsanForkJoin fj;  // the edges oneTBB's uninstrumented library hides from TSan (kernels/tbb_tsan.h)
-  tbb::parallel_for(
-      tbb::blocked_range<int>(0, n, 1),
-      fj.Body([&](const tbb::blocked_range<int>& r) {
-        for (int i = r.begin(); i < r.end(); ++i) f(i);
-      }),
-      tbb::simple_partitioner());
+  tbb::parallel_for(tbb::blocked_range<int>(0, n, 1), fj.Body([&](const tbb::blocked_range<int>& r) {
+    for (int i = r.begin(); i < r.end(); ++i) f(i);
+  }),
+                    tbb::simple_partitioner());
   fj.Join();
 }
 
@@ -892,8 +914,10 @@ void RunMass(const Plan& pl) {
 template <DType DT>
 void Dispatch(const Plan& pl, bool mass) {
   // Register-blocked variants for the common padded head dims, a runtime loop otherwise.
-#define KVTIER_NC_CASE(N) \
-  case N: mass ? RunMass<DT, N>(pl) : RunMain<DT, N>(pl); return;
+#define KVTIER_NC_CASE(N)                           \
+  case N:                                           \
+    mass ? RunMass<DT, N>(pl) : RunMain<DT, N>(pl); \
+    return;
   switch (pl.nc) {
     KVTIER_NC_CASE(1)
     KVTIER_NC_CASE(2)
@@ -904,16 +928,24 @@ void Dispatch(const Plan& pl, bool mass) {
     KVTIER_NC_CASE(8)
     KVTIER_NC_CASE(12)
     KVTIER_NC_CASE(16)
-    default: mass ? RunMass<DT, 0>(pl) : RunMain<DT, 0>(pl); return;
+    default:
+      mass ? RunMass<DT, 0>(pl) : RunMain<DT, 0>(pl);
+      return;
   }
 #undef KVTIER_NC_CASE
 }
 
 void Run(const Plan& pl, bool mass) {
   switch (pl.p->dtype) {
-    case DType::kF32: Dispatch<DType::kF32>(pl, mass); return;
-    case DType::kF16: Dispatch<DType::kF16>(pl, mass); return;
-    case DType::kBF16: Dispatch<DType::kBF16>(pl, mass); return;
+    case DType::kF32:
+      Dispatch<DType::kF32>(pl, mass);
+      return;
+    case DType::kF16:
+      Dispatch<DType::kF16>(pl, mass);
+      return;
+    case DType::kBF16:
+      Dispatch<DType::kBF16>(pl, mass);
+      return;
   }
 }
 

@@ -45,12 +45,12 @@ namespace kvtier::kernels {
 
 enum class KernelError {
   kOk = 0,
-  kBadShape,      ///< a size, count, position range or scale is invalid
-  kNullPointer,   ///< a required pointer is null
-  kBadDType,      ///< dtype is not one of kF32, kF16, kBF16
-  kOutOfMemory,   ///< per-thread scratch or split-K buffers could not be allocated
-  kDeviceError,   ///< a CUDA call failed (kernels/cuda: LastCudaError says which)
-  kWorkspace,     ///< the caller's workspace is null or smaller than its ...WorkspaceBytes query
+  kBadShape,     ///< a size, count, position range or scale is invalid
+  kNullPointer,  ///< a required pointer is null
+  kBadDType,     ///< dtype is not one of kF32, kF16, kBF16
+  kOutOfMemory,  ///< per-thread scratch or split-K buffers could not be allocated
+  kDeviceError,  ///< a CUDA call failed (kernels/cuda: LastCudaError says which)
+  kWorkspace,    ///< the caller's workspace is null or smaller than its ...WorkspaceBytes query
 };
 
 /// Static string naming the error ("ok", "bad shape", ...); never null.
@@ -76,20 +76,20 @@ struct KvSpan {
 };
 
 struct AttentionParams {
-  int q_heads = 0;                      // > 0, multiple of kv_heads
-  int kv_heads = 0;                     // > 0; q head h uses kv head h / (q_heads / kv_heads)
-  int head_dim = 0;                     // 1 .. kMaxHeadDim
-  DType dtype = DType::kF16;            // storage dtype of every span's k and v
-  float scale = 0.0f;                   // softmax scale applied to q.k; must be finite; 0 means 1/sqrt(head_dim)
-  int n_queries = 0;                    // m >= 0 (1 for decode); m == 0 is a no-op (pointers unchecked)
-  const float* q = nullptr;             // [n_queries, q_heads, head_dim] fp32
-  const int64_t* q_positions = nullptr; // [n_queries] int64 absolute positions; may be null iff !causal
-  const KvSpan* parts = nullptr;        // [n_parts] sinks, chunks..., local window, in any order
-  int n_parts = 0;                      // >= 0; parts may be null when 0
-  float* out = nullptr;                 // [n_queries, q_heads, head_dim] fp32, every element written
-  float* lse = nullptr;                 // optional [n_queries, q_heads] fp32: natural-log log-sum-exp of the
-                                        // scaled, masked scores; -inf for a query that sees no key
-  bool causal = true;                   // mask out keys whose position > the query's position
+  int q_heads = 0;            // > 0, multiple of kv_heads
+  int kv_heads = 0;           // > 0; q head h uses kv head h / (q_heads / kv_heads)
+  int head_dim = 0;           // 1 .. kMaxHeadDim
+  DType dtype = DType::kF16;  // storage dtype of every span's k and v
+  float scale = 0.0f;         // softmax scale applied to q.k; must be finite; 0 means 1/sqrt(head_dim)
+  int n_queries = 0;          // m >= 0 (1 for decode); m == 0 is a no-op (pointers unchecked)
+  const float* q = nullptr;   // [n_queries, q_heads, head_dim] fp32
+  const int64_t* q_positions = nullptr;  // [n_queries] int64 absolute positions; may be null iff !causal
+  const KvSpan* parts = nullptr;         // [n_parts] sinks, chunks..., local window, in any order
+  int n_parts = 0;                       // >= 0; parts may be null when 0
+  float* out = nullptr;                  // [n_queries, q_heads, head_dim] fp32, every element written
+  float* lse = nullptr;                  // optional [n_queries, q_heads] fp32: natural-log log-sum-exp of the
+                                         // scaled, masked scores; -inf for a query that sees no key
+  bool causal = true;                    // mask out keys whose position > the query's position
 };
 
 /// Attention of n_queries queries over all keys of all parts (decode: m = 1;

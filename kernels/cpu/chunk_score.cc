@@ -7,9 +7,11 @@ namespace kvtier::kernels {
 
 KernelError CheckChunkScoreParams(const ChunkScoreParams& p) {
   if (p.kv_heads <= 0 || p.head_dim <= 0 || p.repr <= 0 || p.n_chunks < 0) return KernelError::kBadShape;
-  if (p.chunk_stride < 0 || (p.chunk_stride > 0 && p.chunk_stride < p.n_chunks)) return KernelError::kBadShape;
+  if (p.chunk_stride < 0 || (p.chunk_stride > 0 && p.chunk_stride < p.n_chunks))
+    return KernelError::kBadShape;
   if (p.fold != HeadFold::Kind::kSum && p.fold != HeadFold::Kind::kMax) return KernelError::kBadShape;
-  if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16) return KernelError::kBadDType;
+  if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16)
+    return KernelError::kBadDType;
   if (p.n_chunks == 0) return KernelError::kOk;
   if (p.keys == nullptr || p.inv_norm == nullptr || p.probe == nullptr || p.logit == nullptr ||
       p.cosine == nullptr)
@@ -35,8 +37,9 @@ KernelError ScoreChunks(const ChunkScoreParams& p) {
   const size_t head_keys = stride * R * D * DTypeSize(p.dtype);
   for (int h = 0; h < H; ++h) {
     const float* probe = p.probe + static_cast<size_t>(h) * D;
-    ScoreChunksOneHead(p.dtype, static_cast<const uint8_t*>(p.keys) + h * head_keys, p.inv_norm + h * stride * R, probe,
-                       InverseNorm(probe, D), D, R, 0, n, fold, ip.data(), p.logit, p.cosine);
+    ScoreChunksOneHead(p.dtype, static_cast<const uint8_t*>(p.keys) + h * head_keys,
+                       p.inv_norm + h * stride * R, probe, InverseNorm(probe, D), D, R, 0, n, fold, ip.data(),
+                       p.logit, p.cosine);
   }
   return KernelError::kOk;
 }
@@ -64,9 +67,8 @@ KernelError SegmentedTopK(const SegmentedTopKParams& p) {
     idx.resize(static_cast<size_t>(n));
     std::iota(idx.begin(), idx.end(), 0);
     // (score desc, index asc): a strict weak order without NaN; -0.0 == +0.0 compare equal.
-    std::partial_sort(idx.begin(), idx.begin() + take, idx.end(), [sc](int32_t a, int32_t b) {
-      return sc[a] > sc[b] || (sc[a] == sc[b] && a < b);
-    });
+    std::partial_sort(idx.begin(), idx.begin() + take, idx.end(),
+                      [sc](int32_t a, int32_t b) { return sc[a] > sc[b] || (sc[a] == sc[b] && a < b); });
     int32_t* oi = p.out_index + static_cast<size_t>(s) * p.k_max;
     float* os = p.out_score == nullptr ? nullptr : p.out_score + static_cast<size_t>(s) * p.k_max;
     for (int j = 0; j < p.k_max; ++j) {

@@ -47,8 +47,9 @@ inline float InverseNorm(const float* p, int D) {
 /// One kv head's contribution to chunks [c0, c1): keys [n, R, D] in dtype dt (this head's),
 /// inv_norm [n, R], probe p [D] with inverse norm inv_p; raw and cos indexed by chunk.
 /// ip is scratch of (c1 - c0) * R floats.
-inline void ScoreChunksOneHead(DType dt, const void* keys, const float* inv_norm, const float* p, float inv_p, int D,
-                               int R, size_t c0, size_t c1, const HeadFold& fold, float* ip, float* raw, float* cos) {
+inline void ScoreChunksOneHead(DType dt, const void* keys, const float* inv_norm, const float* p, float inv_p,
+                               int D, int R, size_t c0, size_t c1, const HeadFold& fold, float* ip,
+                               float* raw, float* cos) {
   const size_t key_bytes = static_cast<size_t>(D) * DTypeSize(dt);
   const uint8_t* k = static_cast<const uint8_t*>(keys);
   for (size_t j = c0 * R; j < c1 * R; ++j) ip[j - c0 * R] = DotKey(dt, k + j * key_bytes, p, D);
@@ -64,29 +65,31 @@ inline void ScoreChunksOneHead(DType dt, const void* keys, const float* inv_norm
 }
 
 struct ChunkScoreParams {
-  int kv_heads = 0;                           ///< > 0
-  int head_dim = 0;                           ///< > 0
-  int repr = 0;                               ///< representatives per chunk, > 0
-  DType dtype = DType::kF16;                  ///< storage dtype of keys
-  HeadFold::Kind fold = HeadFold::Kind::kSum; ///< how heads combine
-  int64_t n_chunks = 0;                       ///< >= 0
+  int kv_heads = 0;                            ///< > 0
+  int head_dim = 0;                            ///< > 0
+  int repr = 0;                                ///< representatives per chunk, > 0
+  DType dtype = DType::kF16;                   ///< storage dtype of keys
+  HeadFold::Kind fold = HeadFold::Kind::kSum;  ///< how heads combine
+  int64_t n_chunks = 0;                        ///< >= 0
   /// Chunks between one head's keys and the next's: 0 = n_chunks (packed). A buffer that
   /// grows by doubling (retrieval's device mirror) holds `capacity` rows per head and scores
   /// the first n_chunks of them; then keys are [kv_heads, chunk_stride, repr, head_dim] and
   /// inv_norm [kv_heads, chunk_stride, repr]. Must be 0 or >= n_chunks.
   int64_t chunk_stride = 0;
-  const void* keys = nullptr;                 ///< [kv_heads, n_chunks, repr, head_dim] dtype (one head contiguous)
-  const float* inv_norm = nullptr;            ///< [kv_heads, n_chunks, repr] 1/|key| (0 for a zero key)
-  const float* probe = nullptr;               ///< [kv_heads, head_dim] fp32
-  float* logit = nullptr;                     ///< [n_chunks] out
-  float* cosine = nullptr;                    ///< [n_chunks] out
+  const void* keys = nullptr;       ///< [kv_heads, n_chunks, repr, head_dim] dtype (one head contiguous)
+  const float* inv_norm = nullptr;  ///< [kv_heads, n_chunks, repr] 1/|key| (0 for a zero key)
+  const float* probe = nullptr;     ///< [kv_heads, head_dim] fp32
+  float* logit = nullptr;           ///< [n_chunks] out
+  float* cosine = nullptr;          ///< [n_chunks] out
 };
 
 /// Validates shapes and pointers (kOk, kBadShape, kNullPointer, kBadDType); shared by the
 /// CPU twin and the CUDA launcher, which cannot look at device memory.
 KernelError CheckChunkScoreParams(const ChunkScoreParams& p);
 /// The head stride in chunks: chunk_stride, or n_chunks when it is 0.
-inline int64_t ChunkStride(const ChunkScoreParams& p) { return p.chunk_stride > 0 ? p.chunk_stride : p.n_chunks; }
+inline int64_t ChunkStride(const ChunkScoreParams& p) {
+  return p.chunk_stride > 0 ? p.chunk_stride : p.n_chunks;
+}
 /// CPU twin: every chunk, every head.
 KernelError ScoreChunks(const ChunkScoreParams& p);
 
@@ -96,8 +99,9 @@ struct SegmentedTopKParams {
   const float* scores = nullptr;     ///< [offsets[n_segments]] fp32, no NaN
   const int32_t* k = nullptr;        ///< [n_segments] how many each segment takes (>= 0; clamped to its size)
   int k_max = 0;                     ///< >= every k[i]; the row stride of the outputs
-  int32_t* out_index = nullptr;      ///< [n_segments, k_max] index within the segment, best first; -1 after the take
-  float* out_score = nullptr;        ///< optional [n_segments, k_max] the scores; -inf after the take
+  int32_t* out_index =
+      nullptr;  ///< [n_segments, k_max] index within the segment, best first; -1 after the take
+  float* out_score = nullptr;  ///< optional [n_segments, k_max] the scores; -inf after the take
 };
 
 /// Host-side checks of the shape fields (kBadShape for k_max < 0, kNullPointer); the CPU twin

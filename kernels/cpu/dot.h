@@ -105,7 +105,8 @@ inline void DotI8BlocksScalar(const int8_t* blocks, size_t n_blocks, const int16
   for (size_t b = 0; b < n_blocks; ++b)
     for (int j = 0; j < kI8Block; ++j) {
       int32_t acc = 0;
-      for (int d = 0; d < D; ++d) acc += static_cast<int32_t>(blocks[b * block_bytes + I8Offset(d, j)]) * p[d];
+      for (int d = 0; d < D; ++d)
+        acc += static_cast<int32_t>(blocks[b * block_bytes + I8Offset(d, j)]) * p[d];
       out[b * kI8Block + j] = acc;
     }
 }
@@ -140,19 +141,23 @@ inline void DotI8Blocks(const int8_t* blocks, size_t n_blocks, const int16_t* p,
       __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
       int q = 0;
       for (; q + 2 <= quads; q += 2) {
-        const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + static_cast<size_t>(q) * 32));
-        const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + static_cast<size_t>(q + 1) * 32));
+        const __m256i c0 =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + static_cast<size_t>(q) * 32));
+        const __m256i c1 =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + static_cast<size_t>(q + 1) * 32));
         acc0 = _mm512_dpwssd_epi32(acc0, _mm512_cvtepi8_epi16(c0), pk[q]);
         acc1 = _mm512_dpwssd_epi32(acc1, _mm512_cvtepi8_epi16(c1), pk[q + 1]);
       }
       if (q < quads) {
-        const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + static_cast<size_t>(q) * 32));
+        const __m256i c0 =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + static_cast<size_t>(q) * 32));
         acc0 = _mm512_dpwssd_epi32(acc0, _mm512_cvtepi8_epi16(c0), pk[q]);
       }
       acc0 = _mm512_add_epi32(acc0, acc1);
       __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(acc0), _mm512_extracti64x4_epi64(acc0, 1));
       if (odd_pair) {
-        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + static_cast<size_t>(pairs - 1) * 16));
+        const __m128i c =
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + static_cast<size_t>(pairs - 1) * 16));
         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_cvtepi8_epi16(c), last));
       }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kI8Block), sum);
@@ -166,13 +171,17 @@ inline void DotI8Blocks(const int8_t* blocks, size_t n_blocks, const int16_t* p,
     __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
     int k = 0;
     for (; k + 2 <= pairs; k += 2) {
-      const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + static_cast<size_t>(k) * 16));
-      const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + static_cast<size_t>(k + 1) * 16));
+      const __m128i c0 =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + static_cast<size_t>(k) * 16));
+      const __m128i c1 =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + static_cast<size_t>(k + 1) * 16));
       acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(c0), _mm256_set1_epi32(word(k))));
-      acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(_mm256_cvtepi8_epi16(c1), _mm256_set1_epi32(word(k + 1))));
+      acc1 =
+          _mm256_add_epi32(acc1, _mm256_madd_epi16(_mm256_cvtepi8_epi16(c1), _mm256_set1_epi32(word(k + 1))));
     }
     if (k < pairs) {
-      const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + static_cast<size_t>(k) * 16));
+      const __m128i c0 =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + static_cast<size_t>(k) * 16));
       acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(c0), _mm256_set1_epi32(word(k))));
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kI8Block), _mm256_add_epi32(acc0, acc1));
@@ -193,7 +202,8 @@ inline float QuantizeI8(const float* x, int n, int8_t* codes) {
     return 0.0f;
   }
   const float inv = 127.0f / m;
-  for (int i = 0; i < n; ++i) codes[i] = static_cast<int8_t>(std::lrint(std::clamp(x[i] * inv, -127.0f, 127.0f)));
+  for (int i = 0; i < n; ++i)
+    codes[i] = static_cast<int8_t>(std::lrint(std::clamp(x[i] * inv, -127.0f, 127.0f)));
   return m / 127.0f;
 }
 

@@ -14,7 +14,8 @@ namespace {
 // < 1e-17 relative), 2^k from the exponent bits. About 1 ulp against std::exp; exactly 0 below
 // -708 (where 2^k would leave the normal range), exactly 1 at 0, NaN for NaN.
 inline double ExpNonPositive(double x) {
-  constexpr double kLog2e = 1.4426950408889634, kLn2Hi = 0.693147180369123816490, kLn2Lo = 1.90821492927058770002e-10;
+  constexpr double kLog2e = 1.4426950408889634, kLn2Hi = 0.693147180369123816490,
+                   kLn2Lo = 1.90821492927058770002e-10;
   constexpr double kRound = 6755399441055744.0;  // 1.5 * 2^52
   // NaN clamps to -708 too, so that k below is a small integer (converting NaN to int64 is
   // undefined behaviour); a NaN x still returns NaN at the end.

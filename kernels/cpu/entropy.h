@@ -28,8 +28,8 @@ struct EntropyParams {
   int32_t* non_finite = nullptr;
 };
 
-/// CPU twin: entropy[i] = SoftmaxEntropy(segment i) (and non_finite[i] when asked). kBadShape for decreasing offsets,
-/// kNullPointer for a missing array (scores may be null when every segment is empty).
+/// CPU twin: entropy[i] = SoftmaxEntropy(segment i) (and non_finite[i] when asked). kBadShape for decreasing
+/// offsets, kNullPointer for a missing array (scores may be null when every segment is empty).
 KernelError SegmentEntropy(const EntropyParams& p);
 
 }  // namespace kvtier::kernels

@@ -1,10 +1,10 @@
 #include "kernels/cpu/forward.h"
 
-#include <algorithm>
-#include <cmath>
-
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
+
+#include <algorithm>
+#include <cmath>
 
 #include "kernels/tbb_tsan.h"
 
@@ -85,12 +85,14 @@ KernelError Gemm(const GemmParams& p) {
 KernelError SwiGlu(const SwiGluParams& p) {
   if (p.n == 0) return KernelError::kOk;
   if (p.gate == nullptr || p.up == nullptr) return KernelError::kNullPointer;
-  for (size_t i = 0; i < p.n; ++i) p.gate[i] = p.gate[i] / (1.0f + std::exp(-p.gate[i])) * p.up[i];  // SiLU(g) * u
+  for (size_t i = 0; i < p.n; ++i)
+    p.gate[i] = p.gate[i] / (1.0f + std::exp(-p.gate[i])) * p.up[i];  // SiLU(g) * u
   return KernelError::kOk;
 }
 
 KernelError ConvertToStore(const ConvertToStoreParams& p) {
-  if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16) return KernelError::kBadDType;
+  if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16)
+    return KernelError::kBadDType;
   if (p.n == 0) return KernelError::kOk;
   if (p.src == nullptr || p.dst == nullptr) return KernelError::kNullPointer;
   FromFloat(p.dtype, p.src, p.dst, p.n);

@@ -30,12 +30,12 @@ KernelError Embedding(const EmbeddingParams& p);
 /// out[t, i] = x[t, i] * r_t * w[i], r_t = (float)(1 / sqrt(sum_i x[t,i]^2 / d + eps)),
 /// the sum of squares in double. out may not alias x.
 struct RmsNormParams {
-  int m = 0;                  ///< rows, >= 0
-  int d = 0;                  ///< row width, > 0
-  double eps = 0.0;           ///< > 0 and finite
-  const float* x = nullptr;   ///< [m, d]
-  const float* w = nullptr;   ///< [d]
-  float* out = nullptr;       ///< [m, d]
+  int m = 0;                 ///< rows, >= 0
+  int d = 0;                 ///< row width, > 0
+  double eps = 0.0;          ///< > 0 and finite
+  const float* x = nullptr;  ///< [m, d]
+  const float* w = nullptr;  ///< [d]
+  float* out = nullptr;      ///< [m, d]
 };
 KernelError RmsNorm(const RmsNormParams& p);
 

@@ -18,7 +18,8 @@ void MeanPoolProbe(const ProbeShape& s, const float* q, int m, float* probe) {
     }
 }
 
-void ActMergeWindow(const ProbeShape& s, const float* q, int m, int64_t n_old, double* mean_all, double* m2_all) {
+void ActMergeWindow(const ProbeShape& s, const float* q, int m, int64_t n_old, double* mean_all,
+                    double* m2_all) {
   const int Hq = s.q_heads, D = s.head_dim;
   const size_t row = static_cast<size_t>(Hq) * D;  // stride between consecutive queries of one head
   const int64_t n_all = n_old + m;
@@ -47,8 +48,8 @@ void ActMergeWindow(const ProbeShape& s, const float* q, int m, int64_t n_old, d
   }
 }
 
-void ActWeightedProbe(const ProbeShape& s, const float* q, int m, const double* mean_all, const double* m2_all,
-                      int64_t count, double eps, float* probe) {
+void ActWeightedProbe(const ProbeShape& s, const float* q, int m, const double* mean_all,
+                      const double* m2_all, int64_t count, double eps, float* probe) {
   // Edge case: Eq. 8's denominator mt - 1 is 0 and sigma^2 undefined: mean pooling.
   if (count < 2) {
     MeanPoolProbe(s, q, m, probe);

@@ -38,7 +38,7 @@ void ActMergeWindow(const ProbeShape& s, const float* q, int m, int64_t n_old, d
 /// 1/m when ||Phi||_1 == 0); head probe = sum_j weight_j q_j. The kv-head probe is the mean of
 /// its group's head probes, accumulated in fp64 head-major then query order, rounded to fp32
 /// once. count < 2 (sigma^2 undefined): mean pooling.
-void ActWeightedProbe(const ProbeShape& s, const float* q, int m, const double* mean, const double* m2, int64_t count,
-                      double eps, float* probe);
+void ActWeightedProbe(const ProbeShape& s, const float* q, int m, const double* mean, const double* m2,
+                      int64_t count, double eps, float* probe);
 
 }  // namespace kvtier::kernels

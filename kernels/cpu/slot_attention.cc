@@ -12,12 +12,15 @@ namespace kvtier::kernels {
 KernelError CheckSlotAttentionParams(const SlotAttentionParams& p) {
   if (p.q_heads <= 0 || p.kv_heads <= 0 || p.q_heads % p.kv_heads != 0) return KernelError::kBadShape;
   if (!HeadDimSupported(p.head_dim) || p.n_queries < 0) return KernelError::kBadShape;
-  if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16) return KernelError::kBadDType;
+  if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16)
+    return KernelError::kBadDType;
   if (!std::isfinite(p.scale)) return KernelError::kBadShape;
-  if (p.n_dense < 0 || p.n_dense > kMaxDenseParts || p.n_slots < 0 || p.pool_slots < 0) return KernelError::kBadShape;
+  if (p.n_dense < 0 || p.n_dense > kMaxDenseParts || p.n_slots < 0 || p.pool_slots < 0)
+    return KernelError::kBadShape;
   if (p.n_leading_dense < -1 || p.n_leading_dense > p.n_dense) return KernelError::kBadShape;
   if (p.n_queries == 0) return KernelError::kOk;
-  if (p.q == nullptr || p.out == nullptr || (p.causal && p.q_positions == nullptr)) return KernelError::kNullPointer;
+  if (p.q == nullptr || p.out == nullptr || (p.causal && p.q_positions == nullptr))
+    return KernelError::kNullPointer;
   for (int i = 0; i < p.n_dense; ++i) {
     const DenseKv& d = p.dense[i];
     if (d.n_tokens < 0) return KernelError::kBadShape;
@@ -25,7 +28,8 @@ KernelError CheckSlotAttentionParams(const SlotAttentionParams& p) {
   }
   if (p.n_slots > 0) {
     if (p.slot_tokens <= 0 || p.pool_slots == 0) return KernelError::kBadShape;
-    if (p.pool_k == nullptr || p.pool_v == nullptr || p.slot_index == nullptr || p.slot_first_position == nullptr)
+    if (p.pool_k == nullptr || p.pool_v == nullptr || p.slot_index == nullptr ||
+        p.slot_first_position == nullptr)
       return KernelError::kNullPointer;
   }
   return KernelError::kOk;
@@ -103,7 +107,8 @@ KernelError SlotAttention(const SlotAttentionParams& p) {
     const int n = static_cast<int>(scratch.size() / p.kv_heads);
     float* dst = p.slot_mass + static_cast<size_t>(i) * p.kv_heads * p.slot_tokens;
     for (int h = 0; h < p.kv_heads; ++h)
-      for (int t = 0; t < n; ++t) dst[static_cast<size_t>(h) * p.slot_tokens + t] += scratch[static_cast<size_t>(h) * n + t];
+      for (int t = 0; t < n; ++t)
+        dst[static_cast<size_t>(h) * p.slot_tokens + t] += scratch[static_cast<size_t>(h) * n + t];
   }
   return KernelError::kOk;
 }

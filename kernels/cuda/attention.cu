@@ -523,8 +523,8 @@ __global__ void __launch_bounds__(kThreads)
   MassPass<T, D>(p, sh, hg, qpos, scale, split, splits, vec);
 }
 
-__global__ void MergeStatesKernel(int rows, int head_dim, const float* out_a, const float* lse_a, const float* out_b,
-                                  const float* lse_b, float* out, float* lse) {
+__global__ void MergeStatesKernel(int rows, int head_dim, const float* out_a, const float* lse_a,
+                                  const float* out_b, const float* lse_b, float* out, float* lse) {
   const int r = blockIdx.x;
   if (r >= rows) return;
   const float la = lse_a[r], lb = lse_b[r];
@@ -605,11 +605,16 @@ KernelError LaunchTyped(const SlotAttentionParams& p, float scale, int splits, c
 template <typename T>
 KernelError LaunchDType(const SlotAttentionParams& p, float scale, int splits, char* ws, cudaStream_t s) {
   switch (p.head_dim) {
-    case 16: return LaunchTyped<T, 16>(p, scale, splits, ws, s);
-    case 32: return LaunchTyped<T, 32>(p, scale, splits, ws, s);
-    case 64: return LaunchTyped<T, 64>(p, scale, splits, ws, s);
-    case 128: return LaunchTyped<T, 128>(p, scale, splits, ws, s);
-    case 256: return LaunchTyped<T, 256>(p, scale, splits, ws, s);
+    case 16:
+      return LaunchTyped<T, 16>(p, scale, splits, ws, s);
+    case 32:
+      return LaunchTyped<T, 32>(p, scale, splits, ws, s);
+    case 64:
+      return LaunchTyped<T, 64>(p, scale, splits, ws, s);
+    case 128:
+      return LaunchTyped<T, 128>(p, scale, splits, ws, s);
+    case 256:
+      return LaunchTyped<T, 256>(p, scale, splits, ws, s);
   }
   return KernelError::kBadShape;  // LaunchSlotAttention refused it already
 }
@@ -621,7 +626,8 @@ size_t SlotAttentionWorkspaceBytes(const SlotAttentionParams& p) {
   return Layout(p, Splits(p)).total;
 }
 
-KernelError LaunchSlotAttention(const SlotAttentionParams& p, void* workspace, size_t workspace_bytes, Stream stream) {
+KernelError LaunchSlotAttention(const SlotAttentionParams& p, void* workspace, size_t workspace_bytes,
+                                Stream stream) {
   if (const KernelError e = CheckSlotAttentionParams(p); e != KernelError::kOk) return e;
   if (!SlotAttentionHeadDimSupported(p.head_dim)) return KernelError::kBadShape;
   if (p.n_queries == 0) return KernelError::kOk;
@@ -633,9 +639,12 @@ KernelError LaunchSlotAttention(const SlotAttentionParams& p, void* workspace, s
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   char* ws = static_cast<char*>(workspace);
   switch (p.dtype) {
-    case DType::kF32: return LaunchDType<float>(p, scale, splits, ws, s);
-    case DType::kF16: return LaunchDType<__half>(p, scale, splits, ws, s);
-    case DType::kBF16: return LaunchDType<__nv_bfloat16>(p, scale, splits, ws, s);
+    case DType::kF32:
+      return LaunchDType<float>(p, scale, splits, ws, s);
+    case DType::kF16:
+      return LaunchDType<__half>(p, scale, splits, ws, s);
+    case DType::kBF16:
+      return LaunchDType<__nv_bfloat16>(p, scale, splits, ws, s);
   }
   return KernelError::kBadDType;
 }

@@ -1,11 +1,11 @@
 // Helpers shared by the .cu files of kernels/cuda (not a public header).
 #pragma once
 
-#include <cstddef>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <cstddef>
 
 #include "kernels/cpu/attention.h"
 
@@ -31,7 +31,7 @@ inline void LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_
 #if defined(KVTIER_GPU_EMULATION)
   kvtier_emu::Launch(kernel, grid, block, smem, stream, args...);
 #else
-  kernel<<<grid, block, smem, stream>>>(args...);
+  kernel<<<grid, block, smem, stream> > >(args...);
 #endif
 }
 

@@ -165,26 +165,32 @@ KernelError LaunchSwiGlu(const SwiGluParams& p, Stream s) {
 
 size_t GemmWorkspaceBytes() { return size_t{32} << 20; }
 
-KernelError LaunchGemm(const GemmParams& p, BlasHandle handle, void* workspace, size_t workspace_bytes, Stream s) {
+KernelError LaunchGemm(const GemmParams& p, BlasHandle handle, void* workspace, size_t workspace_bytes,
+                       Stream s) {
   if (p.m < 0 || p.k <= 0 || p.n_out <= 0) return KernelError::kBadShape;
   if (p.m == 0) return KernelError::kOk;
-  if (p.x == nullptr || p.w == nullptr || p.y == nullptr || handle == nullptr) return KernelError::kNullPointer;
+  if (p.x == nullptr || p.w == nullptr || p.y == nullptr || handle == nullptr)
+    return KernelError::kNullPointer;
   if (workspace == nullptr || workspace_bytes < GemmWorkspaceBytes()) return KernelError::kWorkspace;
   cublasHandle_t h = static_cast<cublasHandle_t>(handle);
-  if (const KernelError e = CheckBlas(cublasSetStream(h, static_cast<cudaStream_t>(s))); e != KernelError::kOk) return e;
+  if (const KernelError e = CheckBlas(cublasSetStream(h, static_cast<cudaStream_t>(s)));
+      e != KernelError::kOk)
+    return e;
   // The caller's workspace, so that cuBLAS allocates nothing here (and a graph capture works).
-  if (const KernelError e = CheckBlas(cublasSetWorkspace(h, workspace, workspace_bytes)); e != KernelError::kOk)
+  if (const KernelError e = CheckBlas(cublasSetWorkspace(h, workspace, workspace_bytes));
+      e != KernelError::kOk)
     return e;
   // Row-major y[m, n] = x[m, k] . W^T with W [n, k] is, column-major, y^T[n, m] = W^T' . x^T
   // where W's buffer read column-major is a [k, n] matrix (so op T) and x's is [k, m] (op N).
   const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
-  return CheckBlas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, p.n_out, p.m, p.k, &alpha, p.w, CUDA_R_32F, p.k, p.x,
-                                CUDA_R_32F, p.k, &beta, p.y, CUDA_R_32F, p.n_out, CUBLAS_COMPUTE_32F_PEDANTIC,
-                                CUBLAS_GEMM_DEFAULT));
+  return CheckBlas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, p.n_out, p.m, p.k, &alpha, p.w, CUDA_R_32F, p.k,
+                                p.x, CUDA_R_32F, p.k, &beta, p.y, CUDA_R_32F, p.n_out,
+                                CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
 }
 
 KernelError LaunchConvertToStore(const ConvertToStoreParams& p, Stream s) {
-  if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16) return KernelError::kBadDType;
+  if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16)
+    return KernelError::kBadDType;
   if (p.n == 0) return KernelError::kOk;
   if (p.src == nullptr || p.dst == nullptr) return KernelError::kNullPointer;
   if (p.dtype == DType::kF32)

@@ -1,11 +1,10 @@
 // CUDA kernels of kvtier: launchers over the same POD params as their CPU twins
-// (kernels/cpu/slot_attention.h, chunk_score.h, entropy.h, probe.h, forward.h, rope.h), which define what each
-// computes. FlashInfer style: a launcher takes params holding DEVICE pointers, a stream and
-// caller-owned workspace (size from the matching ...WorkspaceBytes query), allocates
-// nothing, checks what it can on the host (shapes, null pointers), enqueues, and returns a
-// KernelError; kDeviceError carries the CUDA error in LastCudaError(). Nothing waits on the
-// stream. Host planning (which chunks, which slots) stays outside, so a run step can be
-// captured in a CUDA graph.
+// (kernels/cpu/slot_attention.h, chunk_score.h, entropy.h, probe.h, forward.h, rope.h), which define what
+// each computes. FlashInfer style: a launcher takes params holding DEVICE pointers, a stream and caller-owned
+// workspace (size from the matching ...WorkspaceBytes query), allocates nothing, checks what it can on the
+// host (shapes, null pointers), enqueues, and returns a KernelError; kDeviceError carries the CUDA error in
+// LastCudaError(). Nothing waits on the stream. Host planning (which chunks, which slots) stays outside, so a
+// run step can be captured in a CUDA graph.
 //
 // This header includes no CUDA header: streams are passed as `void*` (a cudaStream_t;
 // nullptr = the legacy default stream), so any C++ translation unit can include it. The
@@ -54,11 +53,13 @@ constexpr bool SlotAttentionHeadDimSupported(int head_dim) {
   return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 size_t SlotAttentionWorkspaceBytes(const SlotAttentionParams& p);
-KernelError LaunchSlotAttention(const SlotAttentionParams& p, void* workspace, size_t workspace_bytes, Stream s);
+KernelError LaunchSlotAttention(const SlotAttentionParams& p, void* workspace, size_t workspace_bytes,
+                                Stream s);
 
 /// MergeAttentionStates on the device (out/lse may alias out_a/lse_a).
 KernelError LaunchMergeAttentionStates(int rows, int head_dim, const float* out_a, const float* lse_a,
-                                       const float* out_b, const float* lse_b, float* out, float* lse, Stream s);
+                                       const float* out_b, const float* lse_b, float* out, float* lse,
+                                       Stream s);
 
 // ---- retrieval ---------------------------------------------------------------------------
 /// ScoreChunks: one warp per chunk, four representatives at a time on 8-lane groups, each dot
@@ -74,8 +75,8 @@ KernelError LaunchScoreChunks(const ChunkScoreParams& p, Stream s);
 /// on the host: pass it as `total`. The query asks CUB for its temporary bytes, which needs
 /// a device (kDeviceError without one).
 KernelError SegmentedTopKWorkspaceBytes(const SegmentedTopKParams& p, int32_t total, size_t* bytes);
-KernelError LaunchSegmentedTopK(const SegmentedTopKParams& p, int32_t total, void* workspace, size_t workspace_bytes,
-                                Stream s);
+KernelError LaunchSegmentedTopK(const SegmentedTopKParams& p, int32_t total, void* workspace,
+                                size_t workspace_bytes, Stream s);
 
 /// SegmentEntropy (Eq. 11): one block per segment, fp64 sums; non_finite (when set) counted
 /// with a block reduction.
@@ -113,12 +114,12 @@ KernelError LaunchRmsNorm(const RmsNormParams& p, Stream s);
 /// kernels::Rope (kernels/cpu/rope.h) over device arrays: x [m, heads, head_dim] in place,
 /// token t at positions[t], inv_freq [head_dim / 2] (RopeInvFreq, uploaded once).
 struct RopeParams {
-  int m = 0;                          ///< tokens, >= 0
-  int heads = 0;                      ///< > 0
-  int head_dim = 0;                   ///< > 0, even
-  float* x = nullptr;                 ///< [m, heads, head_dim], device
-  const int64_t* positions = nullptr; ///< [m], device
-  const double* inv_freq = nullptr;   ///< [head_dim / 2], device
+  int m = 0;                           ///< tokens, >= 0
+  int heads = 0;                       ///< > 0
+  int head_dim = 0;                    ///< > 0, even
+  float* x = nullptr;                  ///< [m, heads, head_dim], device
+  const int64_t* positions = nullptr;  ///< [m], device
+  const double* inv_freq = nullptr;    ///< [head_dim / 2], device
 };
 /// One block per token; angles in double, cos/sin rounded to fp32 once, as the twin.
 KernelError LaunchRope(const RopeParams& p, Stream s);
@@ -130,7 +131,8 @@ KernelError LaunchSwiGlu(const SwiGluParams& p, Stream s);
 /// caller's workspace (at least GemmWorkspaceBytes(), 32 MiB as NVIDIA recommends for sm_90;
 /// kWorkspace when short), so cuBLAS allocates nothing in the call.
 size_t GemmWorkspaceBytes();
-KernelError LaunchGemm(const GemmParams& p, BlasHandle handle, void* workspace, size_t workspace_bytes, Stream s);
+KernelError LaunchGemm(const GemmParams& p, BlasHandle handle, void* workspace, size_t workspace_bytes,
+                       Stream s);
 /// ConvertToStore (kernels/cpu/forward.h) on device arrays: the model's K/V, fp32, to the store's
 /// dtype before a device-side Append. Grid-stride; the element conversion is
 /// kernels/cuda/store_convert.h, which equals the twin (kvtier::FromFloat) in every bit,
@@ -139,10 +141,10 @@ KernelError LaunchConvertToStore(const ConvertToStoreParams& p, Stream s);
 
 // ---- transfers -----------------------------------------------------------------------------
 struct GatherParams {
-  int n_copies = 0;                  ///< >= 0
-  size_t bytes = 0;                  ///< bytes of every copy (one chunk's K or V)
-  const uint64_t* src = nullptr;     ///< [n_copies] device-visible addresses (mapped pinned host memory)
-  const uint64_t* dst = nullptr;     ///< [n_copies] device addresses
+  int n_copies = 0;               ///< >= 0
+  size_t bytes = 0;               ///< bytes of every copy (one chunk's K or V)
+  const uint64_t* src = nullptr;  ///< [n_copies] device-visible addresses (mapped pinned host memory)
+  const uint64_t* dst = nullptr;  ///< [n_copies] device addresses
   // src and dst are device-readable arrays (device or mapped pinned memory): the plan is
   // written by the host, the run step only reads it.
 };
@@ -153,6 +155,7 @@ KernelError LaunchGatherCopies(const GatherParams& p, Stream s);
 /// cudaMemcpyBatchAsync (CUDA >= 12.8) of `count` host-to-device copies, one attribute for
 /// all (source accessed in stream order). dsts/srcs/sizes are host arrays. On the legacy default
 /// stream (s == nullptr), which the batch call refuses, one cudaMemcpyAsync per copy.
-KernelError MemcpyBatchAsync(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count, Stream s);
+KernelError MemcpyBatchAsync(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
+                             Stream s);
 
 }  // namespace kvtier::kernels::cuda

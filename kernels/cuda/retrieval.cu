@@ -3,10 +3,9 @@
 // (kernels/cpu/chunk_score, entropy, probe) define what each computes.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cub/block/block_reduce.cuh>
 #include <cub/device/device_segmented_radix_sort.cuh>
-
-#include <cmath>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
@@ -17,8 +16,8 @@ namespace {
 // ---- chunk scoring ------------------------------------------------------------------------
 
 constexpr int kScoreWarps = 8;
-constexpr int kDotLanes = 8;                          // Dot's eight partial sums (kernels/cpu/dot.h)
-constexpr int kDotGroups = 32 / kDotLanes;            // representatives a warp dots at once
+constexpr int kDotLanes = 8;                // Dot's eight partial sums (kernels/cpu/dot.h)
+constexpr int kDotGroups = 32 / kDotLanes;  // representatives a warp dots at once
 
 // Dot (kernels/cpu/dot.h) in its exact order on the 8 lanes of a group: lane j sums elements
 // j, j+8, ... below n8 = n - n % 8 with fmaf into its own partial (Dot's lane j); every lane
@@ -98,7 +97,8 @@ __global__ void TopKPrepareKernel(const float* scores, int32_t total, float* key
   values[i] = i;
 }
 
-__global__ void TopKEmitKernel(const SegmentedTopKParams p, const float* keys_sorted, const int32_t* values_sorted) {
+__global__ void TopKEmitKernel(const SegmentedTopKParams p, const float* keys_sorted,
+                               const int32_t* values_sorted) {
   const int s = blockIdx.x;
   const int32_t begin = p.offsets[s], n = p.offsets[s + 1] - begin;
   const int32_t take = min(n, p.k[s]);
@@ -209,7 +209,8 @@ __global__ void MeanPoolKernel(const ProbeShape s, const float* q, int m, float*
 }
 
 // Eq. 8 merge: thread per (q head, d); the window's two-pass mean and M2, then Chan's update.
-__global__ void ActMergeKernel(const ProbeShape s, const float* q, int m, int64_t n_old, double* mean, double* m2) {
+__global__ void ActMergeKernel(const ProbeShape s, const float* q, int m, int64_t n_old, double* mean,
+                               double* m2) {
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
   const int D = s.head_dim;
   if (idx >= s.q_heads * D) return;
@@ -235,9 +236,9 @@ constexpr int kProbeThreads = 128;
 
 // Eq. 7: ||phi_j||_1 of every query j of q head blockIdx.x into l1[h * m + j]; Eq. 9's
 // ||Phi||_1 summed in j order into total[h].
-__global__ void __launch_bounds__(kProbeThreads) ActPhiKernel(const ProbeShape s, const float* q, int m,
-                                                              const double* mean, const double* m2, int64_t count,
-                                                              double eps, double* l1, double* total) {
+__global__ void __launch_bounds__(kProbeThreads)
+    ActPhiKernel(const ProbeShape s, const float* q, int m, const double* mean, const double* m2,
+                 int64_t count, double eps, double* l1, double* total) {
   using Reduce = cub::BlockReduce<double, kProbeThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   const int h = blockIdx.x, D = s.head_dim;
@@ -262,8 +263,8 @@ __global__ void __launch_bounds__(kProbeThreads) ActPhiKernel(const ProbeShape s
 }
 
 // Eq. 9 and GQA pooling: thread per (kv head, d), heads of the group then queries, in fp64.
-__global__ void ActCombineKernel(const ProbeShape s, const float* q, int m, const double* l1, const double* total,
-                                 float* probe) {
+__global__ void ActCombineKernel(const ProbeShape s, const float* q, int m, const double* l1,
+                                 const double* total, float* probe) {
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
   const int D = s.head_dim, G = s.q_heads / s.kv_heads;
   if (idx >= s.kv_heads * D) return;
@@ -295,9 +296,15 @@ KernelError LaunchScoreChunks(const ChunkScoreParams& p, Stream stream) {
   const int blocks = Blocks(p.n_chunks, kScoreWarps);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (p.dtype) {
-    case DType::kF32: LaunchKernel(&ScoreChunksKernel<float>, blocks, kScoreWarps * 32, 0, s, p); break;
-    case DType::kF16: LaunchKernel(&ScoreChunksKernel<__half>, blocks, kScoreWarps * 32, 0, s, p); break;
-    case DType::kBF16: LaunchKernel(&ScoreChunksKernel<__nv_bfloat16>, blocks, kScoreWarps * 32, 0, s, p); break;
+    case DType::kF32:
+      LaunchKernel(&ScoreChunksKernel<float>, blocks, kScoreWarps * 32, 0, s, p);
+      break;
+    case DType::kF16:
+      LaunchKernel(&ScoreChunksKernel<__half>, blocks, kScoreWarps * 32, 0, s, p);
+      break;
+    case DType::kBF16:
+      LaunchKernel(&ScoreChunksKernel<__nv_bfloat16>, blocks, kScoreWarps * 32, 0, s, p);
+      break;
   }
   return CheckLaunch();
 }
@@ -314,8 +321,8 @@ KernelError SegmentedTopKWorkspaceBytes(const SegmentedTopKParams& p, int32_t to
   return KernelError::kOk;
 }
 
-KernelError LaunchSegmentedTopK(const SegmentedTopKParams& p, int32_t total, void* workspace, size_t workspace_bytes,
-                                Stream stream) {
+KernelError LaunchSegmentedTopK(const SegmentedTopKParams& p, int32_t total, void* workspace,
+                                size_t workspace_bytes, Stream stream) {
   if (const KernelError e = CheckSegmentedTopKParams(p); e != KernelError::kOk) return e;
   if (total < 0) return KernelError::kBadShape;
   if (p.n_segments == 0 || p.k_max == 0) return KernelError::kOk;
@@ -337,8 +344,8 @@ KernelError LaunchSegmentedTopK(const SegmentedTopKParams& p, int32_t total, voi
   if (const KernelError e = CheckLaunch(); e != KernelError::kOk) return e;
   size_t cub_bytes = l.cub_bytes;
   if (const KernelError e = CheckCall(cub::DeviceSegmentedRadixSort::SortPairsDescending(
-          ws + l.cub, cub_bytes, keys, keys_out, values, values_out, total, p.n_segments, p.offsets, p.offsets + 1,
-          0, static_cast<int>(sizeof(float) * 8), s));
+          ws + l.cub, cub_bytes, keys, keys_out, values, values_out, total, p.n_segments, p.offsets,
+          p.offsets + 1, 0, static_cast<int>(sizeof(float) * 8), s));
       e != KernelError::kOk)
     return e;
   LaunchKernel(&TopKEmitKernel, p.n_segments, 128, 0, s, p, keys_out, values_out);

@@ -33,7 +33,7 @@ KVTIER_HOST_DEVICE inline uint16_t Bf16BitsFromF32Bits(uint32_t u) {
 KVTIER_HOST_DEVICE inline uint16_t F16BitsFromF32Bits(uint32_t u) {
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN -> quiet NaN
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN -> quiet NaN
   if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
   if (abs < 0x38800000u) {  // below 2^-14: an f16 subnormal (unit 2^-24) or zero
     // |x| <= 2^-25 rounds to 0 (2^-25 itself is the tie 0.5 units, to even 0); fp32

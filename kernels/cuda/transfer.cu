@@ -97,8 +97,8 @@ KernelError MemcpyBatchAsync(void* const* dsts, const void* const* srcs, const s
 #else
   // Older toolkits: one cudaMemcpyAsync per copy, same stream order.
   for (size_t i = 0; i < count; ++i)
-    if (const KernelError e =
-            CheckCall(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
+    if (const KernelError e = CheckCall(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyHostToDevice,
+                                                        static_cast<cudaStream_t>(stream)));
         e != KernelError::kOk)
       return e;
   return KernelError::kOk;

@@ -61,22 +61,23 @@ class ClassicPolicy : public ScoringPolicy {
   Status Observe(const AttentionObservation& obs) override {
     // An allocation failure (state grows with the observed keys) is ResourceExhausted.
     return ReturnOnBadAlloc(
-        [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; }, [&]() -> Status {
-    if (!began_) return FailedPrecondition(name() + ": Observe before Begin");
-    if (Status st = obs.Validate(g_); !st.ok()) return InvalidArgument(name() + ": " + st.message());
-    LayerState& s = layers_[obs.layer];
-    std::vector<int64_t> positions(obs.key_positions, obs.key_positions + obs.n_keys);
-    std::vector<std::vector<double>> per_head(g_.kv_heads);
-    for (int h = 0; h < g_.kv_heads; ++h)
-      per_head[h] = s.per_head.empty() ? std::vector<double>(positions.size(), NewKeyValue(s))
-                                       : Remap(s.positions, s.per_head[h], positions, NewKeyValue(s));
-    s.positions = std::move(positions);
-    s.per_head = std::move(per_head);
-    ++s.observations;
-    Update(obs, s);
-    s.observed = true;
-    return Status::Ok();
-    });
+        [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; },
+        [&]() -> Status {
+          if (!began_) return FailedPrecondition(name() + ": Observe before Begin");
+          if (Status st = obs.Validate(g_); !st.ok()) return InvalidArgument(name() + ": " + st.message());
+          LayerState& s = layers_[obs.layer];
+          std::vector<int64_t> positions(obs.key_positions, obs.key_positions + obs.n_keys);
+          std::vector<std::vector<double>> per_head(g_.kv_heads);
+          for (int h = 0; h < g_.kv_heads; ++h)
+            per_head[h] = s.per_head.empty() ? std::vector<double>(positions.size(), NewKeyValue(s))
+                                             : Remap(s.positions, s.per_head[h], positions, NewKeyValue(s));
+          s.positions = std::move(positions);
+          s.per_head = std::move(per_head);
+          ++s.observations;
+          Update(obs, s);
+          s.observed = true;
+          return Status::Ok();
+        });
   }
 
   Result<TokenScores> Scores(int layer) const override {
@@ -132,10 +133,11 @@ class ClassicPolicy : public ScoringPolicy {
   Status CheckLayer(int layer, const char* what) const {
     if (!began_) return FailedPrecondition(name() + ": " + what + " before Begin");
     if (layer < 0 || layer >= g_.layers)
-      return InvalidArgument(name() + ": " + what + ": layer " + std::to_string(layer) + " out of range [0, " +
-                             std::to_string(g_.layers) + ")");
+      return InvalidArgument(name() + ": " + what + ": layer " + std::to_string(layer) +
+                             " out of range [0, " + std::to_string(g_.layers) + ")");
     if (!layers_[layer].observed)
-      return FailedPrecondition(name() + ": " + what + " before any Observe of layer " + std::to_string(layer));
+      return FailedPrecondition(name() + ": " + what + " before any Observe of layer " +
+                                std::to_string(layer));
     return Status::Ok();
   }
 
@@ -184,7 +186,8 @@ class LruPolicy final : public ClassicPolicy {
       const double t = static_cast<double>(obs.query_positions[i]);
       for (int h = 0; h < g_.q_heads; ++h)
         for (int64_t k = 0; k < v; ++k)
-          if (static_cast<double>(obs.at(h, i, k)) >= uniform) s.per_head[h / G][k] = std::max(s.per_head[h / G][k], t);
+          if (static_cast<double>(obs.at(h, i, k)) >= uniform)
+            s.per_head[h / G][k] = std::max(s.per_head[h / G][k], t);
     }
   }
 };
@@ -380,11 +383,12 @@ Result<std::unique_ptr<ScoringPolicy>> MakeSnapKv(const FactorySpec& fs, const s
 }
 
 PolicyInfo LruInfo() {
-  return {"lru",
-          "keeps the most recently used keys (attention >= uniform 1/visible from a query head of the kv group); "
-          "never-used keys date from their insertion",
-          "classic baseline (least recently used)",
-          {}};
+  return {
+      "lru",
+      "keeps the most recently used keys (attention >= uniform 1/visible from a query head of the kv group); "
+      "never-used keys date from their insertion",
+      "classic baseline (least recently used)",
+      {}};
 }
 
 PolicyInfo StreamingInfo() {
@@ -396,11 +400,12 @@ PolicyInfo StreamingInfo() {
 }
 
 PolicyInfo H2oInfo() {
-  return {"h2o",
-          "keeps the heavy hitters: keys with the highest attention accumulated over all observations, plus the "
-          "local window",
-          "H2O: Heavy-Hitter Oracle (Zhang et al. 2023)",
-          {{"recent", "0", "share of the budget kept as most recent keys (beyond the local window), in [0, 1]"}}};
+  return {
+      "h2o",
+      "keeps the heavy hitters: keys with the highest attention accumulated over all observations, plus the "
+      "local window",
+      "H2O: Heavy-Hitter Oracle (Zhang et al. 2023)",
+      {{"recent", "0", "share of the budget kept as most recent keys (beyond the local window), in [0, 1]"}}};
 }
 
 PolicyInfo SnapKvInfo() {

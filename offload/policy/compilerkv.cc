@@ -89,7 +89,8 @@ class Reader {
   // The next line, which must be `keyword` followed by exactly `fields` space-separated fields
   // (fields < 0: any count >= 0).
   Result<std::vector<std::string>> Next(const std::string& keyword, int fields) {
-    if (next_ >= lines_.size()) return Corruption(Here(next_ + 1) + "expected '" + keyword + "', found end of file");
+    if (next_ >= lines_.size())
+      return Corruption(Here(next_ + 1) + "expected '" + keyword + "', found end of file");
     const std::string& line = lines_[next_++];
     std::vector<std::string> tok;
     size_t pos = 0;
@@ -103,7 +104,8 @@ class Reader {
     if (tok[0] != keyword) return Corruption(Here() + "expected '" + keyword + "', found '" + line + "'");
     tok.erase(tok.begin());
     if (fields >= 0 && static_cast<int>(tok.size()) != fields)
-      return Corruption(Here() + "'" + keyword + "' needs " + Str(fields) + " fields, found " + Str(tok.size()));
+      return Corruption(Here() + "'" + keyword + "' needs " + Str(fields) + " fields, found " +
+                        Str(tok.size()));
     return tok;
   }
   Status ExpectLine(const std::string& text) {
@@ -152,7 +154,9 @@ class Reader {
     return next_ < lines_.size() ? lines_[next_].substr(0, lines_[next_].find(' ')) : std::string();
   }
   std::string Here() const { return Here(next_); }
-  std::string Here(size_t line_no) const { return where_ + " line " + Str(static_cast<int64_t>(line_no)) + ": "; }
+  std::string Here(size_t line_no) const {
+    return where_ + " line " + Str(static_cast<int64_t>(line_no)) + ": ";
+  }
 
  private:
   std::string where_;
@@ -176,8 +180,9 @@ void AppendFloat(std::string* out, float v) {
 
 // Header shared by both files: layers, heads and the bins.
 void WriteHeader(std::string* out, int layers, int heads, const CompilerKvBins& b) {
-  *out += "layers " + Str(layers) + "\nheads " + Str(heads) + "\nent_bins " + Str(b.ent_bins) + "\nppl_bins " +
-          Str(b.ppl_bins) + "\nbudget_bins " + Str(b.budget_bins) + "\nnll_step " + Num(b.nll_step) + "\n";
+  *out += "layers " + Str(layers) + "\nheads " + Str(heads) + "\nent_bins " + Str(b.ent_bins) +
+          "\nppl_bins " + Str(b.ppl_bins) + "\nbudget_bins " + Str(b.budget_bins) + "\nnll_step " +
+          Num(b.nll_step) + "\n";
 }
 
 Status ReadHeader(Reader* r, int* layers, int* heads, CompilerKvBins* b) {
@@ -186,9 +191,9 @@ Status ReadHeader(Reader* r, int* layers, int* heads, CompilerKvBins* b) {
     int* dst;
     int64_t hi;
   };
-  for (const Item& it : {Item{"layers", layers, 1 << 16}, Item{"heads", heads, 1 << 16},
-                         Item{"ent_bins", &b->ent_bins, 1000}, Item{"ppl_bins", &b->ppl_bins, 100},
-                         Item{"budget_bins", &b->budget_bins, 64}}) {
+  for (const Item& it :
+       {Item{"layers", layers, 1 << 16}, Item{"heads", heads, 1 << 16}, Item{"ent_bins", &b->ent_bins, 1000},
+        Item{"ppl_bins", &b->ppl_bins, 100}, Item{"budget_bins", &b->budget_bins, 64}}) {
     KVTIER_ASSIGN_OR_RETURN(auto f, r->Next(it.key, 1));
     KVTIER_ASSIGN_OR_RETURN(int64_t v, r->Int(f[0], 1, it.hi, it.key));
     *it.dst = static_cast<int>(v);
@@ -247,8 +252,10 @@ Status ValidateActions(const std::vector<double>& a, const char* what, bool nonn
 // ---- bins and tables ---------------------------------------------------------------------------
 
 Status CompilerKvBins::Validate() const {
-  if (ent_bins < 1 || ent_bins > 1000) return InvalidArgument("ent_bins must be in [1, 1000], got " + Str(ent_bins));
-  if (ppl_bins < 1 || ppl_bins > 100) return InvalidArgument("ppl_bins must be in [1, 100], got " + Str(ppl_bins));
+  if (ent_bins < 1 || ent_bins > 1000)
+    return InvalidArgument("ent_bins must be in [1, 1000], got " + Str(ent_bins));
+  if (ppl_bins < 1 || ppl_bins > 100)
+    return InvalidArgument("ppl_bins must be in [1, 100], got " + Str(ppl_bins));
   if (budget_bins < 1 || budget_bins > 64)
     return InvalidArgument("budget_bins must be in [1, 64], got " + Str(budget_bins));
   if (!std::isfinite(nll_step) || nll_step <= 0)
@@ -300,7 +307,8 @@ Status CompilerKvTables::Validate() const {
                            Str(static_cast<int64_t>(layers) * heads));
   const size_t nt = static_cast<size_t>(layers) * bins.ent_bins * (bins.ppl_bins + 1) * bins.budget_bins;
   if (tau.size() != nt)
-    return InvalidArgument("compilerkv tables: tau holds " + Str(tau.size()) + " values, expected " + Str(nt));
+    return InvalidArgument("compilerkv tables: tau holds " + Str(tau.size()) + " values, expected " +
+                           Str(nt));
   for (float w : w_head)
     if (!std::isfinite(w)) return InvalidArgument("compilerkv tables: non-finite head weight");
   for (float x : tau)
@@ -340,8 +348,10 @@ Result<CompilerKvTables> ParseCompilerKvTables(const std::string& content, const
   KVTIER_RETURN_IF_ERROR(r.ExpectLine(kTablesMagic));
   CompilerKvTables t;
   KVTIER_RETURN_IF_ERROR(ReadHeader(&r, &t.layers, &t.heads, &t.bins));
-  const size_t nt = static_cast<size_t>(t.layers) * t.bins.ent_bins * (t.bins.ppl_bins + 1) * t.bins.budget_bins;
-  if (nt > (size_t{1} << 26)) return Corruption(where + ": table of " + Str(nt) + " thresholds is implausibly large");
+  const size_t nt =
+      static_cast<size_t>(t.layers) * t.bins.ent_bins * (t.bins.ppl_bins + 1) * t.bins.budget_bins;
+  if (nt > (size_t{1} << 26))
+    return Corruption(where + ": table of " + Str(nt) + " thresholds is implausibly large");
   // Every number takes at least two bytes of text (a digit and a separator): a header that
   // promises more than the file can hold is refused before anything is allocated for it.
   const size_t nw = static_cast<size_t>(t.layers) * t.heads;
@@ -355,7 +365,8 @@ Result<CompilerKvTables> ParseCompilerKvTables(const std::string& content, const
     KVTIER_ASSIGN_OR_RETURN(auto f, r.Next("w", t.heads + 1));
     KVTIER_RETURN_IF_ERROR(r.ExpectIndex(f[0], l, "layer"));
     for (int h = 0; h < t.heads; ++h) {
-      KVTIER_ASSIGN_OR_RETURN(t.w_head[static_cast<size_t>(l) * t.heads + h], r.Float(f[h + 1], "head weight"));
+      KVTIER_ASSIGN_OR_RETURN(t.w_head[static_cast<size_t>(l) * t.heads + h],
+                              r.Float(f[h + 1], "head weight"));
     }
   }
   for (int l = 0; l < t.layers; ++l)
@@ -381,14 +392,14 @@ Result<CompilerKvSelection> SelectCompilerKv(const PolicyGeometry& g, const std:
                                              const std::vector<float>& uhat, double alpha_mean, double tau,
                                              int64_t budget, bool fill) {
   if (uhat.size() != positions.size())
-    return InvalidArgument("compilerkv: " + Str(uhat.size()) + " scores for " + Str(positions.size()) + " positions");
+    return InvalidArgument("compilerkv: " + Str(uhat.size()) + " scores for " + Str(positions.size()) +
+                           " positions");
   if (budget < 0) return InvalidArgument("compilerkv: budget must be >= 0, got " + Str(budget));
   const int64_t n = static_cast<int64_t>(positions.size());
   // τ is in units of ᾱ (header comment): Eq. 15 compares s_t = û_t / ᾱ with τ; ranking (Top-B)
   // uses û itself (s is a monotone image of it).
   std::vector<float> s(n);
-  for (int64_t i = 0; i < n; ++i)
-    s[i] = alpha_mean > 0 ? static_cast<float>(uhat[i] / alpha_mean) : uhat[i];
+  for (int64_t i = 0; i < n; ++i) s[i] = alpha_mean > 0 ? static_cast<float>(uhat[i] / alpha_mean) : uhat[i];
   const std::vector<int64_t> prot = ProtectedIndexes(g, positions);
   std::vector<char> is_prot(n, 0);
   for (int64_t i : prot) is_prot[i] = 1;
@@ -399,9 +410,9 @@ Result<CompilerKvSelection> SelectCompilerKv(const PolicyGeometry& g, const std:
   CompilerKvSelection sel;
   sel.protected_count = static_cast<int64_t>(prot.size());
   if (budget < n && budget < sel.protected_count)
-    return InvalidArgument("compilerkv: budget " + Str(budget) + " is smaller than the " + Str(sel.protected_count) +
-                           " protected keys (sinks " + Str(g.sink_tokens) + " + local window " +
-                           Str(g.local_tokens) + ")");
+    return InvalidArgument("compilerkv: budget " + Str(budget) + " is smaller than the " +
+                           Str(sel.protected_count) + " protected keys (sinks " + Str(g.sink_tokens) +
+                           " + local window " + Str(g.local_tokens) + ")");
   sel.free_budget = std::min(budget, n) - sel.protected_count;
   const int64_t bfree = sel.free_budget;
   sel.tau_from_budget = tau < 0;
@@ -446,7 +457,8 @@ Result<CompilerKvSelection> SelectCompilerKv(const PolicyGeometry& g, const std:
 
 // ---- the policy ---------------------------------------------------------------------------------
 
-CompilerKvPolicy::CompilerKvPolicy(const CompilerKvOptions& options, std::shared_ptr<const CompilerKvTables> tables)
+CompilerKvPolicy::CompilerKvPolicy(const CompilerKvOptions& options,
+                                   std::shared_ptr<const CompilerKvTables> tables)
     : options_(options), neutral_(tables == nullptr), tables_(std::move(tables)) {
   if (tables_) options_.bins = tables_->bins;
 }
@@ -454,15 +466,16 @@ CompilerKvPolicy::CompilerKvPolicy(const CompilerKvOptions& options, std::shared
 std::string CompilerKvPolicy::ToString() const {
   const CompilerKvBins& b = options_.bins;
   return "compilerkv:tables=" + options_.tables + ",fill=" + (options_.fill ? "1" : "0") +
-         ",ent_bins=" + Str(b.ent_bins) + ",ppl_bins=" + Str(b.ppl_bins) + ",budget_bins=" + Str(b.budget_bins) +
-         ",nll_step=" + Num(b.nll_step);
+         ",ent_bins=" + Str(b.ent_bins) + ",ppl_bins=" + Str(b.ppl_bins) +
+         ",budget_bins=" + Str(b.budget_bins) + ",nll_step=" + Num(b.nll_step);
 }
 
 std::string CompilerKvPolicy::Describe() const {
   const std::string fill = options_.fill ? "fill=1: exactly min(B, T) keys, Top-B by û"
                                          : "fill=0: Eq. 16 literally, may keep fewer than B";
   if (neutral_)
-    return "compilerkv: neutral tables (W_head = 1, τ = the B-th largest û), so Eqs. 15-16 reduce to Top-B by û; " +
+    return "compilerkv: neutral tables (W_head = 1, τ = the B-th largest û), so Eqs. 15-16 reduce to Top-B "
+           "by û; " +
            fill;
   const CompilerKvTables& t = *tables_;
   float wmin = t.w_head.empty() ? 0.f : *std::min_element(t.w_head.begin(), t.w_head.end());
@@ -470,18 +483,19 @@ std::string CompilerKvPolicy::Describe() const {
   int64_t compiled = 0;
   for (float x : t.tau) compiled += x >= 0;
   return "compilerkv: tables '" + options_.tables + "' (" + Str(t.layers) + " layers x " + Str(t.heads) +
-         " heads, W_head in [" + Num(wmin) + ", " + Num(wmax) + "], " + Str(compiled) + " of " + Str(t.tau.size()) +
-         " risk states with a compiled τ, the rest from the budget); " + fill;
+         " heads, W_head in [" + Num(wmin) + ", " + Num(wmax) + "], " + Str(compiled) + " of " +
+         Str(t.tau.size()) + " risk states with a compiled τ, the rest from the budget); " + fill;
 }
 
 Status CompilerKvPolicy::Begin(const PolicyGeometry& g) {
   KVTIER_RETURN_IF_ERROR(g.Validate());
   if (neutral_) {
-    tables_ = std::make_shared<const CompilerKvTables>(CompilerKvTables::Neutral(g.layers, g.kv_heads, options_.bins));
+    tables_ = std::make_shared<const CompilerKvTables>(
+        CompilerKvTables::Neutral(g.layers, g.kv_heads, options_.bins));
   } else if (tables_->layers != g.layers || tables_->heads != g.kv_heads) {
     return InvalidArgument("compilerkv: tables file '" + options_.tables + "' holds W_head for " +
-                           Str(tables_->layers) + " layers x " + Str(tables_->heads) + " kv heads, but the model has " +
-                           Str(g.layers) + " x " + Str(g.kv_heads));
+                           Str(tables_->layers) + " layers x " + Str(tables_->heads) +
+                           " kv heads, but the model has " + Str(g.layers) + " x " + Str(g.kv_heads));
   }
   g_ = g;
   layers_.assign(g.layers, LayerState{});
@@ -496,64 +510,67 @@ Status CompilerKvPolicy::Begin(const PolicyGeometry& g) {
 Status CompilerKvPolicy::Observe(const AttentionObservation& obs) {
   // An allocation failure (state grows with the observed keys) is ResourceExhausted.
   return ReturnOnBadAlloc(
-      [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; }, [&]() -> Status {
-  if (!begun_) return FailedPrecondition("compilerkv: Observe before Begin");
-  KVTIER_RETURN_IF_ERROR(obs.Validate(g_));
-  if (obs.values == nullptr)
-    return InvalidArgument("compilerkv: the observation of layer " + Str(obs.layer) +
-                           " has no values (Eq. 7's relative value norm needs them)");
-  const int64_t n = obs.n_keys;
-  const int kv = g_.kv_heads, d = g_.head_dim;
-  std::vector<int64_t> pos(obs.key_positions, obs.key_positions + n);
-  // ‖v_t^{(l,h)}‖₂ per kv head (Eq. 7's numerator), kept raw: ρ is formed at scoring time over
-  // the keys cached then.
-  std::vector<float> norms(static_cast<size_t>(kv) * n);
-  for (int64_t t = 0; t < n; ++t)
-    for (int h = 0; h < kv; ++h) {
-      const float* v = obs.values + (static_cast<size_t>(t) * kv + h) * d;
-      double ss = 0.0;
-      for (int c = 0; c < d; ++c) ss += static_cast<double>(v[c]) * v[c];
-      if (!std::isfinite(ss))
-        return InvalidArgument("compilerkv: values of key " + Str(t) + ", kv head " + Str(h) + " (layer " +
-                               Str(obs.layer) + ") are not finite");
-      norms[static_cast<size_t>(h) * n + t] = static_cast<float>(std::sqrt(ss));
-    }
-  // This layer's share of Eq. 6 summed over the window: Σ_{j∈Ω} (1/H_q) Σ_h A_{j,t}.
-  std::vector<double> sum(n, 0.0);
-  for (int h = 0; h < g_.q_heads; ++h)
-    for (int i = 0; i < obs.n_queries; ++i) {
-      const float* row = obs.attention + (static_cast<size_t>(h) * obs.n_queries + i) * n;
-      for (int64_t t = 0; t < n; ++t) sum[t] += row[t];
-    }
-  LayerState& st = layers_[obs.layer];
-  std::vector<float> acc =
-      st.seen ? RemapByPosition(st.positions, st.attn_sum, pos, 0.0f) : std::vector<float>(n, 0.0f);
-  for (int64_t t = 0; t < n; ++t) acc[t] += static_cast<float>(sum[t] / g_.q_heads);
-  st.positions = std::move(pos);
-  st.attn_sum = std::move(acc);
-  st.norms = std::move(norms);
-  st.seen = true;
-  // Eq. 13's sum over Ω: each query position counts once, however many layers feed it.
-  if (obs.token_logprobs != nullptr)
-    for (int i = 0; i < obs.n_queries; ++i)
-      if (obs.query_positions[i] > last_logprob_query_) {
-        nll_sum_ -= obs.token_logprobs[i];
-        ++nll_count_;
-        last_logprob_query_ = obs.query_positions[i];
-      }
-  return Status::Ok();
-  });
+      [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; },
+      [&]() -> Status {
+        if (!begun_) return FailedPrecondition("compilerkv: Observe before Begin");
+        KVTIER_RETURN_IF_ERROR(obs.Validate(g_));
+        if (obs.values == nullptr)
+          return InvalidArgument("compilerkv: the observation of layer " + Str(obs.layer) +
+                                 " has no values (Eq. 7's relative value norm needs them)");
+        const int64_t n = obs.n_keys;
+        const int kv = g_.kv_heads, d = g_.head_dim;
+        std::vector<int64_t> pos(obs.key_positions, obs.key_positions + n);
+        // ‖v_t^{(l,h)}‖₂ per kv head (Eq. 7's numerator), kept raw: ρ is formed at scoring time over
+        // the keys cached then.
+        std::vector<float> norms(static_cast<size_t>(kv) * n);
+        for (int64_t t = 0; t < n; ++t)
+          for (int h = 0; h < kv; ++h) {
+            const float* v = obs.values + (static_cast<size_t>(t) * kv + h) * d;
+            double ss = 0.0;
+            for (int c = 0; c < d; ++c) ss += static_cast<double>(v[c]) * v[c];
+            if (!std::isfinite(ss))
+              return InvalidArgument("compilerkv: values of key " + Str(t) + ", kv head " + Str(h) +
+                                     " (layer " + Str(obs.layer) + ") are not finite");
+            norms[static_cast<size_t>(h) * n + t] = static_cast<float>(std::sqrt(ss));
+          }
+        // This layer's share of Eq. 6 summed over the window: Σ_{j∈Ω} (1/H_q) Σ_h A_{j,t}.
+        std::vector<double> sum(n, 0.0);
+        for (int h = 0; h < g_.q_heads; ++h)
+          for (int i = 0; i < obs.n_queries; ++i) {
+            const float* row = obs.attention + (static_cast<size_t>(h) * obs.n_queries + i) * n;
+            for (int64_t t = 0; t < n; ++t) sum[t] += row[t];
+          }
+        LayerState& st = layers_[obs.layer];
+        std::vector<float> acc =
+            st.seen ? RemapByPosition(st.positions, st.attn_sum, pos, 0.0f) : std::vector<float>(n, 0.0f);
+        for (int64_t t = 0; t < n; ++t) acc[t] += static_cast<float>(sum[t] / g_.q_heads);
+        st.positions = std::move(pos);
+        st.attn_sum = std::move(acc);
+        st.norms = std::move(norms);
+        st.seen = true;
+        // Eq. 13's sum over Ω: each query position counts once, however many layers feed it.
+        if (obs.token_logprobs != nullptr)
+          for (int i = 0; i < obs.n_queries; ++i)
+            if (obs.query_positions[i] > last_logprob_query_) {
+              nll_sum_ -= obs.token_logprobs[i];
+              ++nll_count_;
+              last_logprob_query_ = obs.query_positions[i];
+            }
+        return Status::Ok();
+      });
 }
 
-Result<CompilerKvAnalysis> CompilerKvPolicy::Analyze(int layer, const std::vector<float>* head_weights) const {
+Result<CompilerKvAnalysis> CompilerKvPolicy::Analyze(int layer,
+                                                     const std::vector<float>* head_weights) const {
   if (!begun_) return FailedPrecondition("compilerkv: Analyze/Scores/Keep before Begin");
   if (layer < 0 || layer >= g_.layers)
     return InvalidArgument("compilerkv: layer " + Str(layer) + " out of range [0, " + Str(g_.layers) + ")");
   const LayerState& st = layers_[layer];
-  if (!st.seen) return FailedPrecondition("compilerkv: no observation of layer " + Str(layer) + " since Begin");
+  if (!st.seen)
+    return FailedPrecondition("compilerkv: no observation of layer " + Str(layer) + " since Begin");
   if (head_weights != nullptr && static_cast<int>(head_weights->size()) != g_.kv_heads)
-    return InvalidArgument("compilerkv: " + Str(head_weights->size()) + " head weights for " + Str(g_.kv_heads) +
-                           " kv heads");
+    return InvalidArgument("compilerkv: " + Str(head_weights->size()) + " head weights for " +
+                           Str(g_.kv_heads) + " kv heads");
   CompilerKvAnalysis a;
   a.layer = layer;
   a.positions = st.positions;
@@ -635,8 +652,8 @@ Result<KeepSet> CompilerKvPolicy::Keep(int layer, int64_t budget) {
   const int64_t n = static_cast<int64_t>(a.positions.size());
   const int bb = options_.bins.BudgetBin(budget, n);
   const double tau = tables_->tau[tables_->tau_index(layer, a.ent_bin, a.ppl_bin, bb)];  // Alg. 1 line 26
-  KVTIER_ASSIGN_OR_RETURN(CompilerKvSelection sel,
-                          SelectCompilerKv(g_, a.positions, a.uhat, a.alpha_mean, tau, budget, options_.fill));
+  KVTIER_ASSIGN_OR_RETURN(CompilerKvSelection sel, SelectCompilerKv(g_, a.positions, a.uhat, a.alpha_mean,
+                                                                    tau, budget, options_.fill));
   KeepSet ks;
   std::vector<int64_t> kept_pos(sel.kept.size());
   for (size_t i = 0; i < sel.kept.size(); ++i) kept_pos[i] = a.positions[sel.kept[i]];
@@ -677,7 +694,8 @@ Result<KeepSet> CompilerKvPolicy::Keep(int layer, int64_t budget) {
 size_t CompilerKvPolicy::state_bytes() const {
   size_t b = sizeof(*this) + layers_.capacity() * sizeof(LayerState);
   for (const LayerState& st : layers_)
-    b += st.positions.capacity() * sizeof(int64_t) + (st.attn_sum.capacity() + st.norms.capacity()) * sizeof(float);
+    b += st.positions.capacity() * sizeof(int64_t) +
+         (st.attn_sum.capacity() + st.norms.capacity()) * sizeof(float);
   if (tables_) b += (tables_->w_head.capacity() + tables_->tau.capacity()) * sizeof(float);
   return b;
 }
@@ -699,7 +717,8 @@ Result<std::unique_ptr<CompilerKvPolicy>> MakeCompilerKvPolicy(const CompilerKvO
 
 Status CompilerKvTraces::Validate(const std::string& what) const {
   if (layers < 1 || heads < 1)
-    return InvalidArgument(what + ": layers and heads must be >= 1, got " + Str(layers) + " and " + Str(heads));
+    return InvalidArgument(what + ": layers and heads must be >= 1, got " + Str(layers) + " and " +
+                           Str(heads));
   {
     Status st = bins.Validate();
     if (!st.ok()) return InvalidArgument(what + ": " + st.message());
@@ -714,12 +733,13 @@ Status CompilerKvTraces::Validate(const std::string& what) const {
     const CompilerKvTraceRecord& r = records[i];
     const bool gate = r.kind == CompilerKvTraceRecord::Kind::kGate;
     const size_t na = gate ? tau_actions.size() : weight_actions.size();
-    const bool ok = r.layer >= 0 && r.layer < layers && r.budget_bin >= 0 && r.budget_bin < bins.budget_bins &&
-                    r.action >= 0 && static_cast<size_t>(r.action) < na && std::isfinite(r.reward) &&
-                    (gate ? (r.ent_bin >= 0 && r.ent_bin < bins.ent_bins && r.ppl_bin >= 0 &&
-                             r.ppl_bin <= bins.ppl_bins)
-                          : (r.head >= 0 && r.head < heads));
-    if (!ok) return InvalidArgument(what + ": record " + Str(i) + " has an index out of range or a bad reward");
+    const bool ok =
+        r.layer >= 0 && r.layer < layers && r.budget_bin >= 0 && r.budget_bin < bins.budget_bins &&
+        r.action >= 0 && static_cast<size_t>(r.action) < na && std::isfinite(r.reward) &&
+        (gate ? (r.ent_bin >= 0 && r.ent_bin < bins.ent_bins && r.ppl_bin >= 0 && r.ppl_bin <= bins.ppl_bins)
+              : (r.head >= 0 && r.head < heads));
+    if (!ok)
+      return InvalidArgument(what + ": record " + Str(i) + " has an index out of range or a bad reward");
   }
   return Status::Ok();
 }
@@ -770,7 +790,8 @@ Result<CompilerKvTraces> LoadCompilerKvTraces(const std::string& path) {
   KVTIER_ASSIGN_OR_RETURN(auto rf, r.Next("records", 1));
   KVTIER_ASSIGN_OR_RETURN(int64_t nrec, r.Int(rf[0], 0, int64_t{1} << 32, "record count"));
   t.records.reserve(static_cast<size_t>(std::min<int64_t>(nrec, 1 << 20)));
-  const int64_t ka = static_cast<int64_t>(t.tau_actions.size()), kw = static_cast<int64_t>(t.weight_actions.size());
+  const int64_t ka = static_cast<int64_t>(t.tau_actions.size()),
+                kw = static_cast<int64_t>(t.weight_actions.size());
   for (int64_t i = 0; i < nrec; ++i) {
     CompilerKvTraceRecord rec;
     std::vector<std::string> f;
@@ -811,12 +832,13 @@ Status CompilerKvRecordOptions::Validate() const {
   KVTIER_RETURN_IF_ERROR(bins.Validate());
   KVTIER_RETURN_IF_ERROR(ValidateActions(tau_actions, "tau_actions", true));
   KVTIER_RETURN_IF_ERROR(ValidateActions(weight_actions, "weight_actions", false));
-  if (!std::isfinite(beta) || beta < 0) return InvalidArgument("beta must be a finite number >= 0, got " + Num(beta));
+  if (!std::isfinite(beta) || beta < 0)
+    return InvalidArgument("beta must be a finite number >= 0, got " + Num(beta));
   return Status::Ok();
 }
 
-Status RecordCompilerKvTraces(const PolicyGeometry& g, const std::vector<AttentionObservation>& obs, int64_t budget,
-                              const CompilerKvRecordOptions& o, CompilerKvTraces* traces) {
+Status RecordCompilerKvTraces(const PolicyGeometry& g, const std::vector<AttentionObservation>& obs,
+                              int64_t budget, const CompilerKvRecordOptions& o, CompilerKvTraces* traces) {
   KVTIER_RETURN_IF_ERROR(g.Validate());
   KVTIER_RETURN_IF_ERROR(o.Validate());
   if (traces == nullptr) return InvalidArgument("compilerkv recorder: traces is null");
@@ -828,7 +850,8 @@ Status RecordCompilerKvTraces(const PolicyGeometry& g, const std::vector<Attenti
   for (const AttentionObservation& ob : obs) {
     if (ob.layer < 0 || ob.layer >= g.layers)
       return InvalidArgument("compilerkv recorder: observation layer " + Str(ob.layer) + " out of range");
-    if (have[ob.layer]++) return InvalidArgument("compilerkv recorder: layer " + Str(ob.layer) + " observed twice");
+    if (have[ob.layer]++)
+      return InvalidArgument("compilerkv recorder: layer " + Str(ob.layer) + " observed twice");
   }
   if (traces->layers == 0) {
     traces->layers = g.layers;
@@ -838,7 +861,8 @@ Status RecordCompilerKvTraces(const PolicyGeometry& g, const std::vector<Attenti
     traces->weight_actions = o.weight_actions;
   } else if (traces->layers != g.layers || traces->heads != g.kv_heads || !(traces->bins == o.bins) ||
              traces->tau_actions != o.tau_actions || traces->weight_actions != o.weight_actions) {
-    return InvalidArgument("compilerkv recorder: the traces were recorded with another geometry, bins or action set");
+    return InvalidArgument(
+        "compilerkv recorder: the traces were recorded with another geometry, bins or action set");
   }
   CompilerKvOptions po;
   po.bins = o.bins;
@@ -867,9 +891,10 @@ Status RecordCompilerKvTraces(const PolicyGeometry& g, const std::vector<Attenti
     // Gate table: reward Eq. 2 with λ = β/T and Ψ = |I_cand| − B' (Eq. 14), literal Eq. 16.
     const double lambda = o.beta / static_cast<double>(n);
     for (size_t a = 0; a < o.tau_actions.size(); ++a) {
-      KVTIER_ASSIGN_OR_RETURN(CompilerKvSelection sel,
-                              SelectCompilerKv(g, an.positions, an.uhat, an.alpha_mean, o.tau_actions[a], budget,
-                                               /*fill=*/false));
+      KVTIER_ASSIGN_OR_RETURN(
+          CompilerKvSelection sel,
+          SelectCompilerKv(g, an.positions, an.uhat, an.alpha_mean, o.tau_actions[a], budget,
+                           /*fill=*/false));
       CompilerKvTraceRecord r;
       r.kind = CompilerKvTraceRecord::Kind::kGate;
       r.layer = l;
@@ -887,8 +912,8 @@ Status RecordCompilerKvTraces(const PolicyGeometry& g, const std::vector<Attenti
         std::vector<float> w(g.kv_heads, 1.0f);
         w[h] = static_cast<float>(o.weight_actions[a]);
         KVTIER_ASSIGN_OR_RETURN(CompilerKvAnalysis aw, p.Analyze(l, &w));
-        KVTIER_ASSIGN_OR_RETURN(CompilerKvSelection sel,
-                                SelectCompilerKv(g, aw.positions, aw.uhat, aw.alpha_mean, -1.0, budget, true));
+        KVTIER_ASSIGN_OR_RETURN(CompilerKvSelection sel, SelectCompilerKv(g, aw.positions, aw.uhat,
+                                                                          aw.alpha_mean, -1.0, budget, true));
         CompilerKvTraceRecord r;
         r.kind = CompilerKvTraceRecord::Kind::kHead;
         r.layer = l;
@@ -958,7 +983,8 @@ std::vector<double> FitBandit(const BanditStats& b, const CompilerKvFitOptions& 
     for (int step = 0; step < o.steps; ++step) {
       const double lse = LogSumExp(qs, k);
       for (size_t a = 0; a < k; ++a) sm[a] = std::exp(qs[a] - lse);
-      for (size_t a = 0; a < k; ++a) qs[a] -= o.lr * (o.alpha_cql * (sm[a] - p[a]) + p[a] * (qs[a] - rbar[a]));
+      for (size_t a = 0; a < k; ++a)
+        qs[a] -= o.lr * (o.alpha_cql * (sm[a] - p[a]) + p[a] * (qs[a] - rbar[a]));
     }
     double term = 0.0, eq = 0.0;
     for (size_t a = 0; a < k; ++a) {
@@ -980,7 +1006,8 @@ size_t Argmax(const double* q, size_t k) {
 
 }  // namespace
 
-Result<CompilerKvFitResult> FitCompilerKvTables(const CompilerKvTraces& traces, const CompilerKvFitOptions& o) {
+Result<CompilerKvFitResult> FitCompilerKvTables(const CompilerKvTraces& traces,
+                                                const CompilerKvFitOptions& o) {
   KVTIER_RETURN_IF_ERROR(o.Validate());
   KVTIER_RETURN_IF_ERROR(traces.Validate("compilerkv traces"));
   if (traces.records.empty()) return InvalidArgument("compilerkv compiler: the traces hold no records");
@@ -1040,7 +1067,8 @@ Result<std::unique_ptr<ScoringPolicy>> MakeCompilerKv(const FactorySpec& fs, con
       o.tables = value;
     } else if (key == "fill") {
       KVTIER_ASSIGN_OR_RETURN(int v, ParseSpecInt(spec, key, value));
-      if (v != 0 && v != 1) return InvalidArgument("fill must be 0 or 1 in spec '" + spec + "', got " + value);
+      if (v != 0 && v != 1)
+        return InvalidArgument("fill must be 0 or 1 in spec '" + spec + "', got " + value);
       o.fill = v == 1;
     } else if (key == "ent_bins" || key == "ppl_bins" || key == "budget_bins") {
       KVTIER_ASSIGN_OR_RETURN(int v, ParseSpecInt(spec, key, value));
@@ -1071,8 +1099,8 @@ Result<std::unique_ptr<ScoringPolicy>> MakeCompilerKv(const FactorySpec& fs, con
                                        : key == "ppl_bins"    ? Str(fb.ppl_bins)
                                        : key == "budget_bins" ? Str(fb.budget_bins)
                                                               : Num(fb.nll_step);
-        return InvalidArgument("spec '" + spec + "' sets " + key + "=" + value + " but tables file '" + o.tables +
-                               "' was compiled with " + key + "=" + file_value);
+        return InvalidArgument("spec '" + spec + "' sets " + key + "=" + value + " but tables file '" +
+                               o.tables + "' was compiled with " + key + "=" + file_value);
       }
     }
   }
@@ -1085,11 +1113,14 @@ PolicyInfo CompilerKvInfo() {
   info.name = "compilerkv";
   info.summary =
       "keeps the Top-B keys by û = max_h α·ρ·W_head (window-summed global mean attention × relative value "
-      "norm, head-weighted max-pool), gated by a risk threshold τ(l, entropy bin, perplexity bin, budget bin) "
+      "norm, head-weighted max-pool), gated by a risk threshold τ(l, entropy bin, perplexity bin, budget "
+      "bin) "
       "from compiled tables; tables=neutral: W_head = 1 and τ from the budget, i.e. Top-B by û";
-  info.source = "papers/compilerkv-risk-adaptive-tables.txt Sec. 4.2-4.4, Eqs. 6-16, Algorithm 1; compiler Eq. 2-4, 9";
+  info.source =
+      "papers/compilerkv-risk-adaptive-tables.txt Sec. 4.2-4.4, Eqs. 6-16, Algorithm 1; compiler Eq. 2-4, 9";
   info.params = {
-      {"tables", kNeutral, "tables file from `kvtier compile-tables`, or 'neutral' (W_head = 1, τ = B-th largest û)"},
+      {"tables", kNeutral,
+       "tables file from `kvtier compile-tables`, or 'neutral' (W_head = 1, τ = B-th largest û)"},
       {"fill", "1", "1: pad Eq. 16's set to exactly min(B, T) keys; 0: Eq. 16 literally (may keep fewer)"},
       {"ent_bins", Str(b.ent_bins), "entropy bins over R_struct / ln T (a tables file's value rules)"},
       {"ppl_bins", Str(b.ppl_bins), "perplexity bins (plus one for 'no log-probs'; the file's value rules)"},

@@ -39,8 +39,8 @@
 //    `nll_step` nats, the last bin open (paper: 4 bins); with no token_logprobs the state uses
 //    the extra neutral bucket b_ppl = ppl_bins. B_l: log2 buckets of the keep fraction,
 //    b_B = min(budget_bins − 1, floor(log2(T / B))) (0 when B ≥ T, the last when B = 0), so
-//    tables transfer across context lengths. R_sem uses every distinct query position observed with log-probs since
-//    Begin() (a query fed for several layers counts once).
+//    tables transfer across context lengths. R_sem uses every distinct query position observed with log-probs
+//    since Begin() (a query fed for several layers counts once).
 //  - Exact budget (`fill`). The interface asks Keep() for exactly min(B, T) keys; Eq. 16 keeps
 //    fewer when |I_cand| < B. fill=1 (default) pads S with the highest-û non-candidates, so the
 //    budget is honoured; since I_cand is an upper set of û, the result is then Top-B by û and
@@ -128,11 +128,11 @@ struct CompilerKvBins {
 
 /// W_head and T_gate.
 struct CompilerKvTables {
-  int layers = 0;                ///< L
-  int heads = 0;                 ///< H (kv heads)
+  int layers = 0;  ///< L
+  int heads = 0;   ///< H (kv heads)
   CompilerKvBins bins;
-  std::vector<float> w_head;     ///< [layers][heads]
-  std::vector<float> tau;        ///< [layers][ent_bins][ppl_bins + 1][budget_bins]; < 0: from budget
+  std::vector<float> w_head;  ///< [layers][heads]
+  std::vector<float> tau;     ///< [layers][ent_bins][ppl_bins + 1][budget_bins]; < 0: from budget
 
   /// All weights 1, every τ from the budget.
   static CompilerKvTables Neutral(int layers, int heads, const CompilerKvBins& bins);
@@ -168,12 +168,12 @@ struct CompilerKvAnalysis {
 
 /// The outcome of Eqs. 15-16 on one layer.
 struct CompilerKvSelection {
-  std::vector<int64_t> kept;       ///< indexes into positions, increasing (protected included)
-  double tau = 0.0;                ///< τ applied, in units of ᾱ (resolved when from budget)
-  bool tau_from_budget = false;    ///< τ was the B'-th largest û/ᾱ
-  int64_t candidates = 0;          ///< |I_cand| over the non-protected keys (Eq. 15)
-  int64_t protected_count = 0;     ///< sinks + local window kept outside Eqs. 15-16
-  int64_t free_budget = 0;         ///< B' = min(B, n) − protected
+  std::vector<int64_t> kept;     ///< indexes into positions, increasing (protected included)
+  double tau = 0.0;              ///< τ applied, in units of ᾱ (resolved when from budget)
+  bool tau_from_budget = false;  ///< τ was the B'-th largest û/ᾱ
+  int64_t candidates = 0;        ///< |I_cand| over the non-protected keys (Eq. 15)
+  int64_t protected_count = 0;   ///< sinks + local window kept outside Eqs. 15-16
+  int64_t free_budget = 0;       ///< B' = min(B, n) − protected
 };
 
 /// Eqs. 15-16 over the non-protected keys (see the header comment). `tau` < 0: from budget.
@@ -186,8 +186,8 @@ Result<CompilerKvSelection> SelectCompilerKv(const PolicyGeometry& g, const std:
 struct CompilerKvDecision {
   int layer = -1;
   int budget_bin = 0;
-  CompilerKvAnalysis analysis;     ///< scalars only (no per-key vectors)
-  CompilerKvSelection selection;   ///< scalars only (no `kept`)
+  CompilerKvAnalysis analysis;    ///< scalars only (no per-key vectors)
+  CompilerKvSelection selection;  ///< scalars only (no `kept`)
 };
 
 struct CompilerKvOptions {
@@ -248,17 +248,17 @@ struct CompilerKvTraceRecord {
   enum class Kind : uint8_t { kGate, kHead };
   Kind kind = Kind::kGate;
   int layer = 0;
-  int ent_bin = 0;     ///< gate only
-  int ppl_bin = 0;     ///< gate only
-  int head = 0;        ///< head only
+  int ent_bin = 0;  ///< gate only
+  int ppl_bin = 0;  ///< gate only
+  int head = 0;     ///< head only
   int budget_bin = 0;
-  int action = 0;      ///< index into tau_actions (gate) or weight_actions (head)
+  int action = 0;  ///< index into tau_actions (gate) or weight_actions (head)
   double reward = 0.0;
   bool operator==(const CompilerKvTraceRecord& o) const = default;
 };
 
 struct CompilerKvTraces {
-  int layers = 0;                     ///< 0 until the first recording sets the header
+  int layers = 0;  ///< 0 until the first recording sets the header
   int heads = 0;
   CompilerKvBins bins;
   std::vector<double> tau_actions;     ///< the gate table's action values (units of ᾱ)
@@ -297,12 +297,12 @@ struct CompilerKvFitOptions {
 
 struct CompilerKvFitResult {
   CompilerKvTables tables;
-  std::vector<double> q_gate;        ///< [gate state][tau action], gate_state() order
-  std::vector<double> q_head;        ///< [head state][weight action], head_state() order
-  std::vector<int64_t> n_gate;       ///< records per gate state
-  std::vector<int64_t> n_head;       ///< records per head state
-  double objective = 0.0;            ///< Eq. 4 at the end, mean over all records
-  int64_t gate_states_fitted = 0;    ///< gate states with records
+  std::vector<double> q_gate;      ///< [gate state][tau action], gate_state() order
+  std::vector<double> q_head;      ///< [head state][weight action], head_state() order
+  std::vector<int64_t> n_gate;     ///< records per gate state
+  std::vector<int64_t> n_head;     ///< records per head state
+  double objective = 0.0;          ///< Eq. 4 at the end, mean over all records
+  int64_t gate_states_fitted = 0;  ///< gate states with records
   int64_t head_states_fitted = 0;
   size_t gate_state(int layer, int ent_bin, int ppl_bin, int budget_bin) const {
     return tables.tau_index(layer, ent_bin, ppl_bin, budget_bin);
@@ -313,6 +313,7 @@ struct CompilerKvFitResult {
 };
 
 /// Eq. 4 on the traces, then Eq. 9 and the gate argmax (see the header comment).
-Result<CompilerKvFitResult> FitCompilerKvTables(const CompilerKvTraces& traces, const CompilerKvFitOptions& o);
+Result<CompilerKvFitResult> FitCompilerKvTables(const CompilerKvTraces& traces,
+                                                const CompilerKvFitOptions& o);
 
 }  // namespace kvtier

@@ -42,9 +42,12 @@ enum class GkvForm { kMax, kMean, kSum };
 
 const char* FormName(GkvForm f) {
   switch (f) {
-    case GkvForm::kMax: return "max";
-    case GkvForm::kMean: return "mean";
-    case GkvForm::kSum: return "sum";
+    case GkvForm::kMax:
+      return "max";
+    case GkvForm::kMean:
+      return "mean";
+    case GkvForm::kSum:
+      return "sum";
   }
   return "?";
 }
@@ -71,7 +74,8 @@ struct GkvOptions {
     if (!(lambda >= 0.0 && lambda <= 1.0))
       return InvalidArgument("gkv: lambda must be in [0, 1], got " + FormatSpecDouble(lambda));
     if (!(tau >= -1.0 && tau <= 1.0))
-      return InvalidArgument("gkv: tau must be in [-1, 1] (a cosine similarity), got " + FormatSpecDouble(tau));
+      return InvalidArgument("gkv: tau must be in [-1, 1] (a cosine similarity), got " +
+                             FormatSpecDouble(tau));
     return Status::Ok();
   }
   std::string ToString() const {
@@ -100,15 +104,16 @@ constexpr float kNoRecord = std::numeric_limits<float>::quiet_NaN();
 // Cost: O(l²·d) per head and observation (every key pair), O(l·d) memory (rows are not stored);
 // about 50M multiply-adds per head at the paper's l = b + s = 640, d = 128.
 // Appendix D computes it over the whole cache too (R-KV keeps b + s keys at a compression).
-std::vector<float> Redundancy(const float* keys, int kv_heads, int head_dim, int head, int64_t n, int64_t cand_end,
-                              double tau) {
+std::vector<float> Redundancy(const float* keys, int kv_heads, int head_dim, int head, int64_t n,
+                              int64_t cand_end, double tau) {
   std::vector<float> kn(static_cast<size_t>(n) * head_dim);
   for (int64_t j = 0; j < n; ++j) {
     const float* k = keys + (static_cast<size_t>(j) * kv_heads + head) * head_dim;
     double norm = 0.0;
     for (int d = 0; d < head_dim; ++d) norm += static_cast<double>(k[d]) * k[d];
     const double inv = 1.0 / (std::sqrt(norm) + 1e-8);
-    for (int d = 0; d < head_dim; ++d) kn[static_cast<size_t>(j) * head_dim + d] = static_cast<float>(k[d] * inv);
+    for (int d = 0; d < head_dim; ++d)
+      kn[static_cast<size_t>(j) * head_dim + d] = static_cast<float>(k[d] * inv);
   }
   std::vector<double> col(n, 0.0), row(n);
   for (int64_t k = 0; k < n; ++k) {
@@ -117,8 +122,10 @@ std::vector<float> Redundancy(const float* keys, int kv_heads, int head_dim, int
     for (int64_t j = 0; j < n; ++j) {
       const float* b = &kn[static_cast<size_t>(j) * head_dim];
       double c = kernels::Dot(a, b, head_dim);
-      if (j == k || c < tau) c = 0.0;  // diagonal and below-threshold entries
-      else last = j;                    // the most recent similar key so far
+      if (j == k || c < tau)
+        c = 0.0;  // diagonal and below-threshold entries
+      else
+        last = j;  // the most recent similar key so far
       row[j] = c;
     }
     if (last >= 0) row[last] = 0.0;
@@ -162,72 +169,80 @@ class GkvPolicy final : public ScoringPolicy {
   Status Observe(const AttentionObservation& obs) override {
     // An allocation failure (state grows with the observed keys) is ResourceExhausted.
     return ReturnOnBadAlloc(
-        [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; }, [&]() -> Status {
-    if (!begun_) return FailedPrecondition("gkv: Observe before Begin");
-    KVTIER_RETURN_IF_ERROR(obs.Validate(g_));
-    if (o_.lambda < 1.0 && obs.keys == nullptr)
-      return InvalidArgument("gkv: lambda=" + FormatSpecDouble(o_.lambda) + " < 1 needs the keys for the R-KV " +
-                             "redundancy score, but the observation of layer " + std::to_string(obs.layer) +
-                             " has none (pass keys, or use lambda=1)");
-    const int64_t n = obs.n_keys;
-    const int G = g_.kv_heads, gs = g_.group_size();
-    const int wq = std::min(o_.w, obs.n_queries);  // the window: the last w queries
-    const int q0 = obs.n_queries - wq;
-    const int64_t win_from = std::max<int64_t>(0, n - o_.w);  // the paper's window: the last w keys
-    const int64_t cand_end = win_from > 0 ? win_from : n;
+        [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; },
+        [&]() -> Status {
+          if (!begun_) return FailedPrecondition("gkv: Observe before Begin");
+          KVTIER_RETURN_IF_ERROR(obs.Validate(g_));
+          if (o_.lambda < 1.0 && obs.keys == nullptr)
+            return InvalidArgument("gkv: lambda=" + FormatSpecDouble(o_.lambda) +
+                                   " < 1 needs the keys for the R-KV " +
+                                   "redundancy score, but the observation of layer " +
+                                   std::to_string(obs.layer) + " has none (pass keys, or use lambda=1)");
+          const int64_t n = obs.n_keys;
+          const int G = g_.kv_heads, gs = g_.group_size();
+          const int wq = std::min(o_.w, obs.n_queries);  // the window: the last w queries
+          const int q0 = obs.n_queries - wq;
+          const int64_t win_from = std::max<int64_t>(0, n - o_.w);  // the paper's window: the last w keys
+          const int64_t cand_end = win_from > 0 ? win_from : n;
 
-    LayerState& L = layers_[obs.layer];
-    std::vector<int64_t> positions(obs.key_positions, obs.key_positions + n);
-    // F_{t−1} carried by position; a recorded key absent from `obs` was dropped: forgotten here.
-    std::vector<std::vector<float>> record(G);
-    for (int h = 0; h < G; ++h)
-      record[h] = L.record.empty() ? std::vector<float>(n, kNoRecord)
-                                   : RemapByPosition(L.positions, L.record[h], positions, kNoRecord);
-    std::vector<std::vector<float>> global(G, std::vector<float>(n)), score(G, std::vector<float>(n));
-    std::vector<double> s(n);
-    for (int kv = 0; kv < G; ++kv) {
-      // Eq. 2: S[j] = (1/w) Σ_t A'[t][j], A'[t][j] = max over the group's query heads of A[h][t][j].
-      std::fill(s.begin(), s.end(), 0.0);
-      for (int t = q0; t < obs.n_queries; ++t)
-        for (int64_t j = 0; j < n; ++j) {
-          float m = 0.0f;
-          for (int h = kv * gs; h < (kv + 1) * gs; ++h) m = std::max(m, obs.at(h, t, j));
-          s[j] += m;
-        }
-      double mx = 0.0;
-      for (int64_t j = 0; j < n; ++j) {
-        s[j] /= wq;
-        if (j < cand_end) mx = std::max(mx, s[j]);
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const double hat = mx > 0.0 ? s[j] / mx : 0.0;  // S_t / max_j S_t
-        const float prev = record[kv][j];
-        double f = hat;  // no F_{t−1}: F_t = Ŝ (new keys, and every key at the first compression)
-        if (!std::isnan(prev)) {
-          switch (o_.form) {
-            case GkvForm::kMax: f = std::max(o_.alpha * prev, hat); break;          // Eq. 3
-            case GkvForm::kMean: f = o_.alpha * prev + (1.0 - o_.alpha) * hat; break;  // Eq. 4
-            case GkvForm::kSum: f = o_.alpha * prev + hat; break;                    // Eq. 5
+          LayerState& L = layers_[obs.layer];
+          std::vector<int64_t> positions(obs.key_positions, obs.key_positions + n);
+          // F_{t−1} carried by position; a recorded key absent from `obs` was dropped: forgotten here.
+          std::vector<std::vector<float>> record(G);
+          for (int h = 0; h < G; ++h)
+            record[h] = L.record.empty() ? std::vector<float>(n, kNoRecord)
+                                         : RemapByPosition(L.positions, L.record[h], positions, kNoRecord);
+          std::vector<std::vector<float>> global(G, std::vector<float>(n)), score(G, std::vector<float>(n));
+          std::vector<double> s(n);
+          for (int kv = 0; kv < G; ++kv) {
+            // Eq. 2: S[j] = (1/w) Σ_t A'[t][j], A'[t][j] = max over the group's query heads of A[h][t][j].
+            std::fill(s.begin(), s.end(), 0.0);
+            for (int t = q0; t < obs.n_queries; ++t)
+              for (int64_t j = 0; j < n; ++j) {
+                float m = 0.0f;
+                for (int h = kv * gs; h < (kv + 1) * gs; ++h) m = std::max(m, obs.at(h, t, j));
+                s[j] += m;
+              }
+            double mx = 0.0;
+            for (int64_t j = 0; j < n; ++j) {
+              s[j] /= wq;
+              if (j < cand_end) mx = std::max(mx, s[j]);
+            }
+            for (int64_t j = 0; j < n; ++j) {
+              const double hat = mx > 0.0 ? s[j] / mx : 0.0;  // S_t / max_j S_t
+              const float prev = record[kv][j];
+              double f = hat;  // no F_{t−1}: F_t = Ŝ (new keys, and every key at the first compression)
+              if (!std::isnan(prev)) {
+                switch (o_.form) {
+                  case GkvForm::kMax:
+                    f = std::max(o_.alpha * prev, hat);
+                    break;  // Eq. 3
+                  case GkvForm::kMean:
+                    f = o_.alpha * prev + (1.0 - o_.alpha) * hat;
+                    break;  // Eq. 4
+                  case GkvForm::kSum:
+                    f = o_.alpha * prev + hat;
+                    break;  // Eq. 5
+                }
+              }
+              global[kv][j] = static_cast<float>(f);
+              score[kv][j] = static_cast<float>(f);
+            }
+            if (o_.lambda < 1.0) {
+              // Appendix D: F' = λ·F − (1−λ)·R'.
+              const std::vector<float> r = Redundancy(obs.keys, G, g_.head_dim, kv, n, cand_end, o_.tau);
+              for (int64_t j = 0; j < n; ++j)
+                score[kv][j] = static_cast<float>(o_.lambda * global[kv][j] - (1.0 - o_.lambda) * r[j]);
+            }
           }
-        }
-        global[kv][j] = static_cast<float>(f);
-        score[kv][j] = static_cast<float>(f);
-      }
-      if (o_.lambda < 1.0) {
-        // Appendix D: F' = λ·F − (1−λ)·R'.
-        const std::vector<float> r = Redundancy(obs.keys, G, g_.head_dim, kv, n, cand_end, o_.tau);
-        for (int64_t j = 0; j < n; ++j)
-          score[kv][j] = static_cast<float>(o_.lambda * global[kv][j] - (1.0 - o_.lambda) * r[j]);
-      }
-    }
-    L.observed = true;
-    L.positions = std::move(positions);
-    L.window_from = win_from;
-    L.record = std::move(record);
-    L.global = std::move(global);
-    L.score = std::move(score);
-    return Status::Ok();
-    });
+          L.observed = true;
+          L.positions = std::move(positions);
+          L.window_from = win_from;
+          L.record = std::move(record);
+          L.global = std::move(global);
+          L.score = std::move(score);
+          return Status::Ok();
+        });
   }
 
   Result<TokenScores> Scores(int layer) const override {
@@ -249,7 +264,8 @@ class GkvPolicy final : public ScoringPolicy {
       auto kept = KeepTopWithProtected(g2, L.positions, L.score[h], budget);
       if (!kept.ok())
         return InvalidArgument("gkv layer " + std::to_string(layer) + ": " + kept.status().message() +
-                               " (the local window counts the w=" + std::to_string(o_.w) + " most recent keys)");
+                               " (the local window counts the w=" + std::to_string(o_.w) +
+                               " most recent keys)");
       out.per_head[h] = std::move(kept).value();
     }
     // Record F_t of each head's kept keys outside the window (F_{t−1} of the next compression);
@@ -290,18 +306,18 @@ class GkvPolicy final : public ScoringPolicy {
  private:
   struct LayerState {
     bool observed = false;
-    std::vector<int64_t> positions;           // the keys of the latest observation (after Keep: kept)
-    int64_t window_from = 0;                  // keys [window_from, n) are the paper's window
-    std::vector<std::vector<float>> record;   // [kv_heads][n]: F_{t−1}, NaN = none
-    std::vector<std::vector<float>> global;   // [kv_heads][n]: F_t pending for this step
-    std::vector<std::vector<float>> score;    // [kv_heads][n]: F'_t
+    std::vector<int64_t> positions;          // the keys of the latest observation (after Keep: kept)
+    int64_t window_from = 0;                 // keys [window_from, n) are the paper's window
+    std::vector<std::vector<float>> record;  // [kv_heads][n]: F_{t−1}, NaN = none
+    std::vector<std::vector<float>> global;  // [kv_heads][n]: F_t pending for this step
+    std::vector<std::vector<float>> score;   // [kv_heads][n]: F'_t
   };
 
   Status CheckLayer(int layer, const char* what) const {
     if (!begun_) return FailedPrecondition(std::string("gkv: ") + what + " before Begin");
     if (layer < 0 || layer >= g_.layers)
-      return InvalidArgument(std::string("gkv: ") + what + ": layer " + std::to_string(layer) + " out of range [0, " +
-                             std::to_string(g_.layers) + ")");
+      return InvalidArgument(std::string("gkv: ") + what + ": layer " + std::to_string(layer) +
+                             " out of range [0, " + std::to_string(g_.layers) + ")");
     if (!layers_[layer].observed)
       return FailedPrecondition(std::string("gkv: ") + what + "(layer " + std::to_string(layer) +
                                 ") before any observation of that layer");
@@ -322,9 +338,12 @@ Result<std::unique_ptr<ScoringPolicy>> MakeGkv(const FactorySpec& fs, const std:
   GkvOptions o;
   for (const auto& [key, value] : fs.params) {
     if (key == "form") {
-      if (value == "max") o.form = GkvForm::kMax;
-      else if (value == "mean") o.form = GkvForm::kMean;
-      else if (value == "sum") o.form = GkvForm::kSum;
+      if (value == "max")
+        o.form = GkvForm::kMax;
+      else if (value == "mean")
+        o.form = GkvForm::kMean;
+      else if (value == "sum")
+        o.form = GkvForm::kSum;
       else
         return InvalidArgument("bad value '" + value + "' for key 'form' in policy spec '" + spec +
                                "' (expected max, mean or sum)");
@@ -342,7 +361,8 @@ Result<std::unique_ptr<ScoringPolicy>> MakeGkv(const FactorySpec& fs, const std:
       return UnknownKey(fs, spec, key, "form, alpha, w, s, lambda, tau");
     }
   }
-  if (Status st = o.Validate(); !st.ok()) return InvalidArgument("policy spec '" + spec + "': " + st.message());
+  if (Status st = o.Validate(); !st.ok())
+    return InvalidArgument("policy spec '" + spec + "': " + st.message());
   return std::unique_ptr<ScoringPolicy>(std::make_unique<GkvPolicy>(o));
 }
 
@@ -356,10 +376,12 @@ PolicyInfo GkvInfo() {
       {
           {"form", FormName(d.form), "global score form: max (Eq. 3), mean (Eq. 4) or sum (Eq. 5)"},
           {"alpha", FormatSpecDouble(d.alpha), "memory decay rate α of the global score, in [0, 1]"},
-          {"w", std::to_string(d.w), "observation window: queries pooled for S (Eq. 2), recent keys always kept"},
+          {"w", std::to_string(d.w),
+           "observation window: queries pooled for S (Eq. 2), recent keys always kept"},
           {"s", std::to_string(d.s), "generated tokens between compressions (compress_every)"},
           {"lambda", FormatSpecDouble(d.lambda),
-           "weight of the global score against the R-KV redundancy, F' = λF − (1−λ)R'; 1 = no redundancy term "
+           "weight of the global score against the R-KV redundancy, F' = λF − (1−λ)R'; 1 = no redundancy "
+           "term "
            "(then keys are not needed)"},
           {"tau", FormatSpecDouble(d.tau), "cosine-similarity threshold of the R-KV redundancy"},
       }};

@@ -61,11 +61,15 @@ namespace kvtier::policies {
 /// Σ_l budget_l = layers * budget exactly (integer parts first, the remainder one key each to the
 /// lowest layers, which keeps the schedule non-increasing). beta >= 1 (1 = uniform; PyramidKV uses
 /// 20). InvalidArgument for layers < 1, budget < 0, beta < 1 or not finite, floor outside [0, budget].
-Result<std::vector<int64_t>> PyramidLayerBudgets(int layers, int64_t budget, double beta, int64_t floor_per_layer) {
-  if (layers < 1) return InvalidArgument("PyramidLayerBudgets: layers must be >= 1, got " + std::to_string(layers));
-  if (budget < 0) return InvalidArgument("PyramidLayerBudgets: budget must be >= 0, got " + std::to_string(budget));
+Result<std::vector<int64_t>> PyramidLayerBudgets(int layers, int64_t budget, double beta,
+                                                 int64_t floor_per_layer) {
+  if (layers < 1)
+    return InvalidArgument("PyramidLayerBudgets: layers must be >= 1, got " + std::to_string(layers));
+  if (budget < 0)
+    return InvalidArgument("PyramidLayerBudgets: budget must be >= 0, got " + std::to_string(budget));
   if (!std::isfinite(beta) || beta < 1.0)
-    return InvalidArgument("PyramidLayerBudgets: beta must be a finite number >= 1, got " + FormatSpecDouble(beta));
+    return InvalidArgument("PyramidLayerBudgets: beta must be a finite number >= 1, got " +
+                           FormatSpecDouble(beta));
   if (floor_per_layer < 0 || floor_per_layer > budget)
     return InvalidArgument("PyramidLayerBudgets: floor per layer " + std::to_string(floor_per_layer) +
                            " outside [0, budget " + std::to_string(budget) + "]");
@@ -109,7 +113,9 @@ struct HitStats {
   std::vector<std::vector<int32_t>> hits;  // [kv_heads][n] Σ_{h in group} Σ_j Hit_{h,i}^j
   std::vector<std::vector<double>> cum;    // [kv_heads][n] recent cumulative attention
   int64_t observers = 0;                   // G |L_w|, the denominator of Eq. 1
-  double rate(int g, int64_t i) const { return static_cast<double>(hits[g][i]) / static_cast<double>(observers); }
+  double rate(int g, int64_t i) const {
+    return static_cast<double>(hits[g][i]) / static_cast<double>(observers);
+  }
 };
 
 std::vector<float> RemapRow(const std::vector<int64_t>& old_pos, const float* old_vals,
@@ -145,44 +151,47 @@ class HitKvPolicy final : public ScoringPolicy {
   Status Observe(const AttentionObservation& obs) override {
     // An allocation failure (state grows with the observed keys) is ResourceExhausted.
     return ReturnOnBadAlloc(
-        [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; }, [&]() -> Status {
-    if (!began_) return FailedPrecondition("hitkv: Observe before Begin");
-    if (Status st = obs.Validate(g_); !st.ok()) return InvalidArgument("hitkv: " + st.message());
-    HitLayer& s = layers_[obs.layer];
-    std::vector<int64_t> positions(obs.key_positions, obs.key_positions + obs.n_keys);
-    const size_t n_old = s.positions.size(), n = positions.size();
-    std::vector<WindowRow> rows;
-    if (window_ > 0)  // keep earlier window queries before this observation's first one
-      for (auto& r : s.rows) {
-        if (r.query_position >= obs.query_positions[0]) continue;
-        WindowRow nr{r.query_position, {}};
-        nr.att.reserve(g_.q_heads * n);
-        for (int h = 0; h < g_.q_heads; ++h) {
-          const std::vector<float> m = RemapRow(s.positions, r.att.data() + h * n_old, positions);
-          nr.att.insert(nr.att.end(), m.begin(), m.end());
-        }
-        rows.push_back(std::move(nr));
-      }
-    for (int i = 0; i < obs.n_queries; ++i) {
-      WindowRow r{obs.query_positions[i], std::vector<float>(g_.q_heads * n)};
-      for (int h = 0; h < g_.q_heads; ++h)
-        for (size_t k = 0; k < n; ++k) r.att[h * n + k] = obs.at(h, i, static_cast<int64_t>(k));
-      rows.push_back(std::move(r));
-    }
-    const size_t limit = window_ > 0 ? static_cast<size_t>(window_) : static_cast<size_t>(obs.n_queries);
-    if (rows.size() > limit) rows.erase(rows.begin(), rows.end() - limit);
-    s.positions = std::move(positions);
-    s.rows = std::move(rows);
-    s.observed = true;
-    return Status::Ok();
-    });
+        [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; },
+        [&]() -> Status {
+          if (!began_) return FailedPrecondition("hitkv: Observe before Begin");
+          if (Status st = obs.Validate(g_); !st.ok()) return InvalidArgument("hitkv: " + st.message());
+          HitLayer& s = layers_[obs.layer];
+          std::vector<int64_t> positions(obs.key_positions, obs.key_positions + obs.n_keys);
+          const size_t n_old = s.positions.size(), n = positions.size();
+          std::vector<WindowRow> rows;
+          if (window_ > 0)  // keep earlier window queries before this observation's first one
+            for (auto& r : s.rows) {
+              if (r.query_position >= obs.query_positions[0]) continue;
+              WindowRow nr{r.query_position, {}};
+              nr.att.reserve(g_.q_heads * n);
+              for (int h = 0; h < g_.q_heads; ++h) {
+                const std::vector<float> m = RemapRow(s.positions, r.att.data() + h * n_old, positions);
+                nr.att.insert(nr.att.end(), m.begin(), m.end());
+              }
+              rows.push_back(std::move(nr));
+            }
+          for (int i = 0; i < obs.n_queries; ++i) {
+            WindowRow r{obs.query_positions[i], std::vector<float>(g_.q_heads * n)};
+            for (int h = 0; h < g_.q_heads; ++h)
+              for (size_t k = 0; k < n; ++k) r.att[h * n + k] = obs.at(h, i, static_cast<int64_t>(k));
+            rows.push_back(std::move(r));
+          }
+          const size_t limit =
+              window_ > 0 ? static_cast<size_t>(window_) : static_cast<size_t>(obs.n_queries);
+          if (rows.size() > limit) rows.erase(rows.begin(), rows.end() - limit);
+          s.positions = std::move(positions);
+          s.rows = std::move(rows);
+          s.observed = true;
+          return Status::Ok();
+        });
   }
 
   Result<TokenScores> Scores(int layer) const override {
     KVTIER_RETURN_IF_ERROR(CheckLayer(layer, "Scores"));
     const HitLayer& s = layers_[layer];
     int64_t K = k_;
-    if (K == 0) K = s.last_budget > 0 ? s.last_budget : std::max<int64_t>(1, g_.sink_tokens + g_.local_tokens);
+    if (K == 0)
+      K = s.last_budget > 0 ? s.last_budget : std::max<int64_t>(1, g_.sink_tokens + g_.local_tokens);
     const HitStats st = ComputeHits(s, K);
     const double o = static_cast<double>(st.observers);
     TokenScores out;
@@ -213,7 +222,8 @@ class HitKvPolicy final : public ScoringPolicy {
     for (int g = 0; g < g_.kv_heads; ++g) {
       auto kept = SelectHead(s, st, g, layer_budget);
       if (!kept.ok())
-        return Status(kept.status().code(), "hitkv (layer " + std::to_string(layer) + "): " + kept.status().message());
+        return Status(kept.status().code(),
+                      "hitkv (layer " + std::to_string(layer) + "): " + kept.status().message());
       ks.per_head[g] = std::move(kept).value();
     }
     s.last_budget = layer_budget;
@@ -253,8 +263,8 @@ class HitKvPolicy final : public ScoringPolicy {
     st.observers = static_cast<int64_t>(G) * static_cast<int64_t>(s.rows.size());
     std::vector<int64_t> idx;
     for (const auto& r : s.rows) {
-      const int64_t v = std::upper_bound(s.positions.begin(), s.positions.end(), r.query_position) -
-                        s.positions.begin();
+      const int64_t v =
+          std::upper_bound(s.positions.begin(), s.positions.end(), r.query_position) - s.positions.begin();
       for (int h = 0; h < g_.q_heads; ++h) {
         const float* a = r.att.data() + h * n;
         std::vector<int32_t>& hits = st.hits[h / G];
@@ -278,14 +288,16 @@ class HitKvPolicy final : public ScoringPolicy {
 
   // The keep set of kv head g: protected keys; then T_hr >= θ by (T_hr, cum, position) descending;
   // then padding by (cum, position) descending, to exactly min(budget, n).
-  Result<std::vector<int64_t>> SelectHead(const HitLayer& s, const HitStats& st, int g, int64_t budget) const {
+  Result<std::vector<int64_t>> SelectHead(const HitLayer& s, const HitStats& st, int g,
+                                          int64_t budget) const {
     const int64_t n = static_cast<int64_t>(s.positions.size());
     if (budget >= n) return s.positions;
     const std::vector<int64_t> prot = ProtectedIndexes(g_, s.positions);
     if (budget < static_cast<int64_t>(prot.size()))
       return InvalidArgument("budget " + std::to_string(budget) + " is smaller than the " +
-                             std::to_string(prot.size()) + " protected keys (sinks " + std::to_string(g_.sink_tokens) +
-                             " + local window " + std::to_string(g_.local_tokens) + ")");
+                             std::to_string(prot.size()) + " protected keys (sinks " +
+                             std::to_string(g_.sink_tokens) + " + local window " +
+                             std::to_string(g_.local_tokens) + ")");
     std::vector<char> chosen(n, 0);
     for (int64_t i : prot) chosen[i] = 1;
     int64_t left = budget - static_cast<int64_t>(prot.size());
@@ -297,8 +309,9 @@ class HitKvPolicy final : public ScoringPolicy {
     for (int64_t i = 0; i < n; ++i)
       if (!chosen[i]) (st.rate(g, i) >= theta_ ? pass : rest).push_back(i);
     const int64_t take = std::min<int64_t>(left, static_cast<int64_t>(pass.size()));
-    std::partial_sort(pass.begin(), pass.begin() + take, pass.end(),
-                      [&](int64_t x, int64_t y) { return hits[x] != hits[y] ? hits[x] > hits[y] : by_cum(x, y); });
+    std::partial_sort(pass.begin(), pass.begin() + take, pass.end(), [&](int64_t x, int64_t y) {
+      return hits[x] != hits[y] ? hits[x] > hits[y] : by_cum(x, y);
+    });
     for (int64_t t = 0; t < take; ++t) chosen[pass[t]] = 1;
     left -= take;
     // Pad the head to a uniform length with the highest recent cumulative attention.
@@ -372,15 +385,18 @@ Result<std::unique_ptr<ScoringPolicy>> MakeHitKv(const FactorySpec& fs, const st
 
 PolicyInfo HitKvInfo() {
   return {"hitkv",
-          "keeps the keys with hit rate T_hr >= theta (how often a key is in the Top-K of a recent-window query's "
+          "keeps the keys with hit rate T_hr >= theta (how often a key is in the Top-K of a recent-window "
+          "query's "
           "attention), padded per head with the highest recent cumulative attention",
           "HitKV (Zhao et al. 2026): Definition 1, Eq. 1, hit-based eviction; P-HitKV with PyramidKV budgets",
           {{"k", "0", "hit coefficient K (Definition 1); 0 = K is the (layer's) budget"},
            {"theta", "0.5", "hit-rate threshold: keep T_hr >= theta (Eq. 1), in [0, 1]"},
-           {"pyramid", "0", "0 = the same budget in every layer; beta >= 1 = P-HitKV, PyramidKV's linear per-layer "
-                            "schedule (top layer gets extra/beta)"},
-           {"window", "0", "recent window |L_w| in queries across observations; 0 = the latest observation's "
-                           "queries"}}};
+           {"pyramid", "0",
+            "0 = the same budget in every layer; beta >= 1 = P-HitKV, PyramidKV's linear per-layer "
+            "schedule (top layer gets extra/beta)"},
+           {"window", "0",
+            "recent window |L_w| in queries across observations; 0 = the latest observation's "
+            "queries"}}};
 }
 
 }  // namespace kvtier::policies

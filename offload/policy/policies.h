@@ -10,7 +10,8 @@
 
 namespace kvtier::policies {
 
-using PolicyMaker = Result<std::unique_ptr<ScoringPolicy>> (*)(const FactorySpec& fs, const std::string& spec);
+using PolicyMaker = Result<std::unique_ptr<ScoringPolicy>> (*)(const FactorySpec& fs,
+                                                               const std::string& spec);
 
 // classic.cc: lru, streaming, h2o, snapkv
 Result<std::unique_ptr<ScoringPolicy>> MakeLru(const FactorySpec& fs, const std::string& spec);
@@ -26,7 +27,8 @@ PolicyInfo SnapKvInfo();
 Result<std::unique_ptr<ScoringPolicy>> MakeHitKv(const FactorySpec& fs, const std::string& spec);
 PolicyInfo HitKvInfo();
 /// P-HitKV's per-layer budgets (PyramidKV's linear schedule); Σ_l = layers * budget. See hitkv.cc.
-Result<std::vector<int64_t>> PyramidLayerBudgets(int layers, int64_t budget, double beta, int64_t floor_per_layer);
+Result<std::vector<int64_t>> PyramidLayerBudgets(int layers, int64_t budget, double beta,
+                                                 int64_t floor_per_layer);
 
 // gkv.cc
 Result<std::unique_ptr<ScoringPolicy>> MakeGkv(const FactorySpec& fs, const std::string& spec);

@@ -9,14 +9,16 @@ namespace kvtier {
 ScoringPolicy::~ScoringPolicy() = default;
 
 Status PolicyGeometry::Validate() const {
-  if (layers < 1) return InvalidArgument("PolicyGeometry: layers must be >= 1, got " + std::to_string(layers));
+  if (layers < 1)
+    return InvalidArgument("PolicyGeometry: layers must be >= 1, got " + std::to_string(layers));
   if (q_heads < 1 || kv_heads < 1)
-    return InvalidArgument("PolicyGeometry: q_heads and kv_heads must be >= 1, got " + std::to_string(q_heads) +
-                           " and " + std::to_string(kv_heads));
+    return InvalidArgument("PolicyGeometry: q_heads and kv_heads must be >= 1, got " +
+                           std::to_string(q_heads) + " and " + std::to_string(kv_heads));
   if (q_heads % kv_heads != 0)
-    return InvalidArgument("PolicyGeometry: q_heads " + std::to_string(q_heads) + " is not a multiple of kv_heads " +
-                           std::to_string(kv_heads));
-  if (head_dim < 1) return InvalidArgument("PolicyGeometry: head_dim must be >= 1, got " + std::to_string(head_dim));
+    return InvalidArgument("PolicyGeometry: q_heads " + std::to_string(q_heads) +
+                           " is not a multiple of kv_heads " + std::to_string(kv_heads));
+  if (head_dim < 1)
+    return InvalidArgument("PolicyGeometry: head_dim must be >= 1, got " + std::to_string(head_dim));
   if (sink_tokens < 0 || local_tokens < 0)
     return InvalidArgument("PolicyGeometry: sink_tokens and local_tokens must be >= 0, got " +
                            std::to_string(sink_tokens) + " and " + std::to_string(local_tokens));
@@ -27,12 +29,14 @@ Status AttentionObservation::Validate(const PolicyGeometry& g) const {
   const std::string where = "AttentionObservation (layer " + std::to_string(layer) + "): ";
   if (layer < 0 || layer >= g.layers)
     return InvalidArgument(where + "layer out of range [0, " + std::to_string(g.layers) + ")");
-  if (n_queries < 1) return InvalidArgument(where + "n_queries must be >= 1, got " + std::to_string(n_queries));
+  if (n_queries < 1)
+    return InvalidArgument(where + "n_queries must be >= 1, got " + std::to_string(n_queries));
   if (n_keys < 1) return InvalidArgument(where + "n_keys must be >= 1, got " + std::to_string(n_keys));
   if (key_positions == nullptr || query_positions == nullptr || attention == nullptr)
     return InvalidArgument(where + "key_positions, query_positions and attention are required");
   for (int64_t i = 0; i < n_keys; ++i) {
-    if (key_positions[i] < 0) return InvalidArgument(where + "negative key position " + std::to_string(key_positions[i]));
+    if (key_positions[i] < 0)
+      return InvalidArgument(where + "negative key position " + std::to_string(key_positions[i]));
     if (i > 0 && key_positions[i] <= key_positions[i - 1])
       return InvalidArgument(where + "key positions not strictly increasing at index " + std::to_string(i));
   }
@@ -50,13 +54,14 @@ Status AttentionObservation::Validate(const PolicyGeometry& g) const {
         sum += a;
       }
       if (std::fabs(sum - 1.0) > 1e-3)
-        return InvalidArgument(where + "attention row (head " + std::to_string(h) + ", query " + std::to_string(i) +
-                               ") sums to " + std::to_string(sum) + ", not 1");
+        return InvalidArgument(where + "attention row (head " + std::to_string(h) + ", query " +
+                               std::to_string(i) + ") sums to " + std::to_string(sum) + ", not 1");
     }
   if (token_logprobs != nullptr)
     for (int i = 0; i < n_queries; ++i)
       if (!std::isfinite(token_logprobs[i]) || token_logprobs[i] > 0.0f)
-        return InvalidArgument(where + "token_logprobs[" + std::to_string(i) + "] is not a finite log-probability");
+        return InvalidArgument(where + "token_logprobs[" + std::to_string(i) +
+                               "] is not a finite log-probability");
   return Status::Ok();
 }
 
@@ -77,7 +82,8 @@ std::vector<int64_t> ProtectedIndexes(const PolicyGeometry& g, const std::vector
   return out;
 }
 
-std::vector<int64_t> TopIndexes(const std::vector<float>& scores, const std::vector<int64_t>& candidates, int64_t k) {
+std::vector<int64_t> TopIndexes(const std::vector<float>& scores, const std::vector<int64_t>& candidates,
+                                int64_t k) {
   std::vector<int64_t> c = candidates;
   k = std::clamp<int64_t>(k, 0, static_cast<int64_t>(c.size()));
   // Higher score first; ties toward the larger index (the later, more recent key).
@@ -87,7 +93,8 @@ std::vector<int64_t> TopIndexes(const std::vector<float>& scores, const std::vec
   return c;
 }
 
-Result<std::vector<int64_t>> KeepTopWithProtected(const PolicyGeometry& g, const std::vector<int64_t>& positions,
+Result<std::vector<int64_t>> KeepTopWithProtected(const PolicyGeometry& g,
+                                                  const std::vector<int64_t>& positions,
                                                   const std::vector<float>& scores, int64_t budget) {
   if (scores.size() != positions.size())
     return InvalidArgument("KeepTopWithProtected: " + std::to_string(scores.size()) + " scores for " +
@@ -97,8 +104,9 @@ Result<std::vector<int64_t>> KeepTopWithProtected(const PolicyGeometry& g, const
   if (budget >= n) return positions;
   const std::vector<int64_t> prot = ProtectedIndexes(g, positions);
   if (budget < static_cast<int64_t>(prot.size()))
-    return InvalidArgument("budget " + std::to_string(budget) + " is smaller than the " + std::to_string(prot.size()) +
-                           " protected keys (sinks " + std::to_string(g.sink_tokens) + " + local window " +
+    return InvalidArgument("budget " + std::to_string(budget) + " is smaller than the " +
+                           std::to_string(prot.size()) + " protected keys (sinks " +
+                           std::to_string(g.sink_tokens) + " + local window " +
                            std::to_string(g.local_tokens) + ")");
   std::vector<char> is_prot(n, 0);
   for (int64_t i : prot) is_prot[i] = 1;
@@ -114,8 +122,8 @@ Result<std::vector<int64_t>> KeepTopWithProtected(const PolicyGeometry& g, const
   return out;
 }
 
-std::vector<std::pair<int64_t, float>> AggregateToChunks(const TokenScores& s, int64_t n_sink, int64_t chunk_tokens,
-                                                         uint64_t n_chunks) {
+std::vector<std::pair<int64_t, float>> AggregateToChunks(const TokenScores& s, int64_t n_sink,
+                                                         int64_t chunk_tokens, uint64_t n_chunks) {
   std::vector<std::pair<int64_t, float>> out;
   if (chunk_tokens < 1) return out;
   for (size_t i = 0; i < s.positions.size(); ++i) {
@@ -129,7 +137,8 @@ std::vector<std::pair<int64_t, float>> AggregateToChunks(const TokenScores& s, i
   return out;
 }
 
-std::vector<float> RemapByPosition(const std::vector<int64_t>& old_positions, const std::vector<float>& old_values,
+std::vector<float> RemapByPosition(const std::vector<int64_t>& old_positions,
+                                   const std::vector<float>& old_values,
                                    const std::vector<int64_t>& new_positions, float fill) {
   std::vector<float> out(new_positions.size(), fill);
   size_t j = 0;

@@ -38,12 +38,12 @@ namespace kvtier {
 
 /// The model shape a policy scores for, and the keys it must protect.
 struct PolicyGeometry {
-  int layers = 1;              ///< transformer layers
-  int q_heads = 1;             ///< query heads
-  int kv_heads = 1;            ///< key/value heads (q_heads % kv_heads == 0, GQA)
-  int head_dim = 64;           ///< channels per head
-  int64_t sink_tokens = 4;     ///< positions [0, sink_tokens) are attention sinks
-  int64_t local_tokens = 32;   ///< the local_tokens most recent cached keys are the local window
+  int layers = 1;             ///< transformer layers
+  int q_heads = 1;            ///< query heads
+  int kv_heads = 1;           ///< key/value heads (q_heads % kv_heads == 0, GQA)
+  int head_dim = 64;          ///< channels per head
+  int64_t sink_tokens = 4;    ///< positions [0, sink_tokens) are attention sinks
+  int64_t local_tokens = 32;  ///< the local_tokens most recent cached keys are the local window
   int group_size() const { return q_heads / kv_heads; }
   Status Validate() const;
 };
@@ -149,12 +149,14 @@ std::vector<int64_t> ProtectedIndexes(const PolicyGeometry& g, const std::vector
 /// The keep set of one head: every protected index, then the highest-scoring others until
 /// `budget` (ties break toward the later position, deterministically), returned as
 /// positions, increasing. InvalidArgument if budget < protected count, or if sizes differ.
-Result<std::vector<int64_t>> KeepTopWithProtected(const PolicyGeometry& g, const std::vector<int64_t>& positions,
+Result<std::vector<int64_t>> KeepTopWithProtected(const PolicyGeometry& g,
+                                                  const std::vector<int64_t>& positions,
                                                   const std::vector<float>& scores, int64_t budget);
 
 /// Indexes of the `k` largest scores among `candidates` (indexes into `scores`), ties
 /// toward the larger index; k is clamped to the candidate count. Returned in score order.
-std::vector<int64_t> TopIndexes(const std::vector<float>& scores, const std::vector<int64_t>& candidates, int64_t k);
+std::vector<int64_t> TopIndexes(const std::vector<float>& scores, const std::vector<int64_t>& candidates,
+                                int64_t k);
 
 /// Chunk scores by block aggregation (StructKV Sec. 3.5: S_block = Σ_{t∈block} C[t]),
 /// summed over kv heads, with the chunks the store cuts (store/chunk.h): chunk c covers
@@ -163,13 +165,14 @@ std::vector<int64_t> TopIndexes(const std::vector<float>& scores, const std::vec
 /// chunk n_chunks - 1 on) are never chunks: their scores are left out. Returns one (chunk
 /// index, score) per chunk that holds at least one scored key, increasing by chunk index;
 /// empty when chunk_tokens < 1.
-std::vector<std::pair<int64_t, float>> AggregateToChunks(const TokenScores& s, int64_t n_sink, int64_t chunk_tokens,
-                                                         uint64_t n_chunks);
+std::vector<std::pair<int64_t, float>> AggregateToChunks(const TokenScores& s, int64_t n_sink,
+                                                         int64_t chunk_tokens, uint64_t n_chunks);
 
 /// Carries per-position state from `old_positions` to `new_positions` (both increasing):
 /// new[i] = old value at the same position, or `fill` for a position not seen before.
 /// Policies use it to keep state keyed by position across observations.
-std::vector<float> RemapByPosition(const std::vector<int64_t>& old_positions, const std::vector<float>& old_values,
+std::vector<float> RemapByPosition(const std::vector<int64_t>& old_positions,
+                                   const std::vector<float>& old_values,
                                    const std::vector<int64_t>& new_positions, float fill);
 
 }  // namespace kvtier

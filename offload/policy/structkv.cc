@@ -32,7 +32,9 @@ std::vector<int64_t> IntersectPositions(const std::vector<int64_t>& a, const std
 }
 
 // ⌊x·r⌋ for a token count x and a rate r, robust to 0.1·10 landing just under 1 in binary.
-int64_t RateCount(int64_t x, double r) { return static_cast<int64_t>(std::floor(static_cast<double>(x) * r + 1e-9)); }
+int64_t RateCount(int64_t x, double r) {
+  return static_cast<int64_t>(std::floor(static_cast<double>(x) * r + 1e-9));
+}
 
 }  // namespace
 
@@ -102,92 +104,94 @@ Status StructKvPolicy::CheckLayer(int layer, const char* what) const {
 Status StructKvPolicy::Observe(const AttentionObservation& obs) {
   // An allocation failure (state grows with the observed keys) is ResourceExhausted.
   return ReturnOnBadAlloc(
-      [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; }, [&]() -> Status {
-  if (!begun_) return FailedPrecondition("structkv: Observe before Begin");
-  KVTIER_RETURN_IF_ERROR(obs.Validate(g_));
-  const int l = obs.layer;
-  if (l != 0 && l != next_layer_)
-    return FailedPrecondition("structkv: layers are observed in order within a forward pass: expected layer " +
-                              std::to_string(next_layer_) + " (or 0 to start a new pass), got " + std::to_string(l));
-  if (l == 0) {  // a new forward pass: Algorithm 1 line 1, C ← 0, pruned ← false
-    c_ = Centrality{};
-    snapshots_.clear();
-    metrics_.clear();
-    transition_.clear();
-    structural_.clear();
-    pivot_ = -1;
-  }
-  const int64_t n = obs.n_keys;
-  const int G = g_.kv_heads, gs = g_.group_size(), Hq = g_.q_heads;
-  // The window: the last w queries of the observation (all of them when it has fewer).
-  const int wq = std::min(o_.w, obs.n_queries);
-  const int q0 = obs.n_queries - wq;
-
-  // Eq. 2, per kv group g: S_g[j] = (1/w) Σ_{t in window} Σ_{h∈H_g} a^(l,h)_{t,j}.
-  LayerState& L = layers_[l];
-  L.observed = true;
-  L.positions.assign(obs.key_positions, obs.key_positions + n);
-  L.saliency.assign(G, std::vector<float>(n, 0.0f));
-  std::vector<double> acc(n);
-  for (int grp = 0; grp < G; ++grp) {
-    std::fill(acc.begin(), acc.end(), 0.0);
-    for (int h = grp * gs; h < (grp + 1) * gs; ++h)
-      for (int t = q0; t < obs.n_queries; ++t)
-        for (int64_t j = 0; j < n; ++j) acc[j] += obs.at(h, t, j);
-    for (int64_t j = 0; j < n; ++j) L.saliency[grp][j] = static_cast<float>(acc[j] / wq);
-  }
-
-  if (pivot_ < 0) {  // Algorithm 1 line 5: not pruned yet
-    // Eq. 4–6 over the window's rows, averaged over the query heads and the window's queries.
-    const int64_t k = std::max<int64_t>(1, RateCount(n, o_.topk));  // Eq. 5: k = 0.1·N
-    double ent = 0.0, spa = 0.0, var = 0.0;
-    std::vector<float> row(n);
-    for (int h = 0; h < Hq; ++h)
-      for (int t = q0; t < obs.n_queries; ++t) {
-        double e = 0.0, sum = 0.0;
-        for (int64_t j = 0; j < n; ++j) {
-          const double a = obs.at(h, t, j);
-          row[j] = static_cast<float>(a);
-          if (a > 0.0) e -= a * std::log(a);  // Eq. 4, with 0·log 0 = 0
-          sum += a;
+      [&] { return name() + " Observe: state for " + std::to_string(obs.n_keys) + " keys"; },
+      [&]() -> Status {
+        if (!begun_) return FailedPrecondition("structkv: Observe before Begin");
+        KVTIER_RETURN_IF_ERROR(obs.Validate(g_));
+        const int l = obs.layer;
+        if (l != 0 && l != next_layer_)
+          return FailedPrecondition(
+              "structkv: layers are observed in order within a forward pass: expected layer " +
+              std::to_string(next_layer_) + " (or 0 to start a new pass), got " + std::to_string(l));
+        if (l == 0) {  // a new forward pass: Algorithm 1 line 1, C ← 0, pruned ← false
+          c_ = Centrality{};
+          snapshots_.clear();
+          metrics_.clear();
+          transition_.clear();
+          structural_.clear();
+          pivot_ = -1;
         }
-        const double mean = sum / static_cast<double>(n);
-        double v = 0.0;
-        for (int64_t j = 0; j < n; ++j) v += (row[j] - mean) * (row[j] - mean);
-        std::nth_element(row.begin(), row.begin() + (k - 1), row.end(), std::greater<float>());
-        double top = 0.0;
-        for (int64_t j = 0; j < k; ++j) top += row[j];  // Eq. 5: mass of the top-k keys
-        ent += e;
-        spa += top;
-        var += v / static_cast<double>(n);  // Eq. 6: population variance over the N keys
-      }
-    const double norm = 1.0 / (static_cast<double>(Hq) * wq);
-    metrics_.resize(l + 1);
-    metrics_[l] = StructKvLayerMetrics{ent * norm, spa * norm, var * norm};
+        const int64_t n = obs.n_keys;
+        const int G = g_.kv_heads, gs = g_.group_size(), Hq = g_.q_heads;
+        // The window: the last w queries of the observation (all of them when it has fewer).
+        const int wq = std::min(o_.w, obs.n_queries);
+        const int q0 = obs.n_queries - wq;
 
-    // Eq. 3 realised online (Algorithm 1 line 6): C ← λ·C + S^(l), per group, on the union of
-    // the positions seen in this pass (a key absent from a layer gets no in-degree there).
-    const std::vector<int64_t> merged = UnionPositions(c_.positions, L.positions);
-    Centrality next;
-    next.positions = merged;
-    next.per_group.resize(G);
-    for (int grp = 0; grp < G; ++grp) {
-      const std::vector<float> old = c_.per_group.empty()
-                                         ? std::vector<float>(merged.size(), 0.0f)
-                                         : RemapByPosition(c_.positions, c_.per_group[grp], merged, 0.0f);
-      const std::vector<float> s = RemapByPosition(L.positions, L.saliency[grp], merged, 0.0f);
-      next.per_group[grp].resize(merged.size());
-      for (size_t j = 0; j < merged.size(); ++j)
-        next.per_group[grp][j] = static_cast<float>(o_.lambda * old[j] + s[j]);
-    }
-    c_ = std::move(next);
-    snapshots_.resize(l + 1);
-    snapshots_[l] = c_;
-    if (l == LayerLimit()) DetectPivot(l);
-  }
-  next_layer_ = l + 1;
-  return Status::Ok();
-  });
+        // Eq. 2, per kv group g: S_g[j] = (1/w) Σ_{t in window} Σ_{h∈H_g} a^(l,h)_{t,j}.
+        LayerState& L = layers_[l];
+        L.observed = true;
+        L.positions.assign(obs.key_positions, obs.key_positions + n);
+        L.saliency.assign(G, std::vector<float>(n, 0.0f));
+        std::vector<double> acc(n);
+        for (int grp = 0; grp < G; ++grp) {
+          std::fill(acc.begin(), acc.end(), 0.0);
+          for (int h = grp * gs; h < (grp + 1) * gs; ++h)
+            for (int t = q0; t < obs.n_queries; ++t)
+              for (int64_t j = 0; j < n; ++j) acc[j] += obs.at(h, t, j);
+          for (int64_t j = 0; j < n; ++j) L.saliency[grp][j] = static_cast<float>(acc[j] / wq);
+        }
+
+        if (pivot_ < 0) {  // Algorithm 1 line 5: not pruned yet
+          // Eq. 4–6 over the window's rows, averaged over the query heads and the window's queries.
+          const int64_t k = std::max<int64_t>(1, RateCount(n, o_.topk));  // Eq. 5: k = 0.1·N
+          double ent = 0.0, spa = 0.0, var = 0.0;
+          std::vector<float> row(n);
+          for (int h = 0; h < Hq; ++h)
+            for (int t = q0; t < obs.n_queries; ++t) {
+              double e = 0.0, sum = 0.0;
+              for (int64_t j = 0; j < n; ++j) {
+                const double a = obs.at(h, t, j);
+                row[j] = static_cast<float>(a);
+                if (a > 0.0) e -= a * std::log(a);  // Eq. 4, with 0·log 0 = 0
+                sum += a;
+              }
+              const double mean = sum / static_cast<double>(n);
+              double v = 0.0;
+              for (int64_t j = 0; j < n; ++j) v += (row[j] - mean) * (row[j] - mean);
+              std::nth_element(row.begin(), row.begin() + (k - 1), row.end(), std::greater<float>());
+              double top = 0.0;
+              for (int64_t j = 0; j < k; ++j) top += row[j];  // Eq. 5: mass of the top-k keys
+              ent += e;
+              spa += top;
+              var += v / static_cast<double>(n);  // Eq. 6: population variance over the N keys
+            }
+          const double norm = 1.0 / (static_cast<double>(Hq) * wq);
+          metrics_.resize(l + 1);
+          metrics_[l] = StructKvLayerMetrics{ent * norm, spa * norm, var * norm};
+
+          // Eq. 3 realised online (Algorithm 1 line 6): C ← λ·C + S^(l), per group, on the union of
+          // the positions seen in this pass (a key absent from a layer gets no in-degree there).
+          const std::vector<int64_t> merged = UnionPositions(c_.positions, L.positions);
+          Centrality next;
+          next.positions = merged;
+          next.per_group.resize(G);
+          for (int grp = 0; grp < G; ++grp) {
+            const std::vector<float> old =
+                c_.per_group.empty() ? std::vector<float>(merged.size(), 0.0f)
+                                     : RemapByPosition(c_.positions, c_.per_group[grp], merged, 0.0f);
+            const std::vector<float> s = RemapByPosition(L.positions, L.saliency[grp], merged, 0.0f);
+            next.per_group[grp].resize(merged.size());
+            for (size_t j = 0; j < merged.size(); ++j)
+              next.per_group[grp][j] = static_cast<float>(o_.lambda * old[j] + s[j]);
+          }
+          c_ = std::move(next);
+          snapshots_.resize(l + 1);
+          snapshots_[l] = c_;
+          if (l == LayerLimit()) DetectPivot(l);
+        }
+        next_layer_ = l + 1;
+        return Status::Ok();
+      });
 }
 
 void StructKvPolicy::DetectPivot(int limit) {
@@ -243,8 +247,9 @@ Result<TokenScores> StructKvPolicy::Scores(int layer) const {
   out.positions = L.positions;
   out.per_head.resize(g_.kv_heads);
   for (int grp = 0; grp < g_.kv_heads; ++grp)
-    out.per_head[grp] = c_.per_group.empty() ? std::vector<float>(L.positions.size(), 0.0f)
-                                             : RemapByPosition(c_.positions, c_.per_group[grp], L.positions, 0.0f);
+    out.per_head[grp] = c_.per_group.empty()
+                            ? std::vector<float>(L.positions.size(), 0.0f)
+                            : RemapByPosition(c_.positions, c_.per_group[grp], L.positions, 0.0f);
   return out;
 }
 
@@ -258,7 +263,8 @@ Result<StructKvLayerMetrics> StructKvPolicy::Metrics(int layer) const {
   if (!begun_) return FailedPrecondition("structkv: Metrics before Begin");
   if (layer < 0 || layer >= static_cast<int>(metrics_.size()))
     return FailedPrecondition("structkv: no metrics for layer " + std::to_string(layer) +
-                              " in the current pass (have layers 0.." + std::to_string(metrics_.size()) + ")");
+                              " in the current pass (have layers 0.." + std::to_string(metrics_.size()) +
+                              ")");
   return metrics_[layer];
 }
 
@@ -343,8 +349,8 @@ Result<std::unique_ptr<ScoringPolicy>> MakeStructKv(const FactorySpec& fs, const
       KVTIER_ASSIGN_OR_RETURN(o.layer_limit, ParseSpecInt(spec, key, value));
     } else if (key == "budget_from_ratio") {
       if (value != "0" && value != "1")
-        return InvalidArgument("bad value '" + value + "' for key 'budget_from_ratio' in policy spec '" + spec +
-                               "' (expected 0 or 1)");
+        return InvalidArgument("bad value '" + value + "' for key 'budget_from_ratio' in policy spec '" +
+                               spec + "' (expected 0 or 1)");
       o.budget_from_ratio = value == "1";
     } else {
       double* target = key == "lambda"     ? &o.lambda
@@ -359,7 +365,8 @@ Result<std::unique_ptr<ScoringPolicy>> MakeStructKv(const FactorySpec& fs, const
       KVTIER_ASSIGN_OR_RETURN(*target, ParseSpecDouble(spec, key, value));
     }
   }
-  if (Status st = o.Validate(); !st.ok()) return InvalidArgument("policy spec '" + spec + "': " + st.message());
+  if (Status st = o.Validate(); !st.ok())
+    return InvalidArgument("policy spec '" + spec + "': " + st.message());
   return std::unique_ptr<ScoringPolicy>(std::make_unique<StructKvPolicy>(o));
 }
 
@@ -367,14 +374,17 @@ PolicyInfo StructKvInfo() {
   const StructKvOptions d;
   return PolicyInfo{
       "structkv",
-      "global in-degree centrality C accumulated over layers up to a detected pivot layer; keeps the top local "
+      "global in-degree centrality C accumulated over layers up to a detected pivot layer; keeps the top "
+      "local "
       "saliency S per layer (I_KV) and exposes the structural set I_struct = top-k(C) for propagation",
       "shared/papers/structkv-global-centrality-pivot.txt, Sec. 3.2-3.4 (Eq. 2-13), Algorithm 1, Sec. 4.1",
       {
-          {"w", std::to_string(d.w), "observation window (queries pooled, Eq. 2) and the recent window I_win"},
+          {"w", std::to_string(d.w),
+           "observation window (queries pooled, Eq. 2) and the recent window I_win"},
           {"lambda", FormatSpecDouble(d.lambda), "layer decay of the global centrality (Eq. 3), in (0, 1]"},
           {"r_struct", FormatSpecDouble(d.r_struct), "structural retention rate R_struct (Eq. 10)"},
-          {"r_kv", FormatSpecDouble(d.r_kv), "storage retention rate R_KV (Eq. 13), used when budget_from_ratio=1"},
+          {"r_kv", FormatSpecDouble(d.r_kv),
+           "storage retention rate R_KV (Eq. 13), used when budget_from_ratio=1"},
           {"w1", FormatSpecDouble(d.w1), "weight of the entropy drop in the transition score (Eq. 8)"},
           {"w2", FormatSpecDouble(d.w2), "weight of the sparsity rise (Eq. 8)"},
           {"w3", FormatSpecDouble(d.w3), "weight of the variance rise (Eq. 8)"},

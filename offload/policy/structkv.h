@@ -41,14 +41,14 @@
 namespace kvtier {
 
 struct StructKvOptions {
-  int w = 8;                       ///< observation / local window (Sec. 4.1)
-  double lambda = 0.9;             ///< layer decay λ of Eq. 3, in (0, 1]
-  double r_struct = 0.2;           ///< structural retention rate R_struct of Eq. 10
-  double r_kv = 0.1;               ///< storage retention rate R_KV of Eq. 13
+  int w = 8;                            ///< observation / local window (Sec. 4.1)
+  double lambda = 0.9;                  ///< layer decay λ of Eq. 3, in (0, 1]
+  double r_struct = 0.2;                ///< structural retention rate R_struct of Eq. 10
+  double r_kv = 0.1;                    ///< storage retention rate R_KV of Eq. 13
   double w1 = 0.2, w2 = 0.3, w3 = 0.5;  ///< transition weights of Eq. 8
-  double topk = 0.1;               ///< k = topk·N keys for the sparsity ρ of Eq. 5
-  int layer_limit = -1;            ///< L_lim of Algorithm 1 line 8; -1 = the last layer
-  bool budget_from_ratio = false;  ///< see the header comment
+  double topk = 0.1;                    ///< k = topk·N keys for the sparsity ρ of Eq. 5
+  int layer_limit = -1;                 ///< L_lim of Algorithm 1 line 8; -1 = the last layer
+  bool budget_from_ratio = false;       ///< see the header comment
   Status Validate() const;
   /// "structkv:w=8,lambda=0.9,..." with every parameter.
   std::string ToString() const;
@@ -106,9 +106,9 @@ class StructKvPolicy final : public ScoringPolicy {
   bool begun_ = false;
   std::vector<LayerState> layers_;
   // The current pass.
-  int next_layer_ = 0;                       // the layer Observe expects next (0 also restarts)
-  Centrality c_;                             // running C before the pivot, C at L* after
-  std::vector<Centrality> snapshots_;        // C after each layer 0..l, until the pivot
+  int next_layer_ = 0;                         // the layer Observe expects next (0 also restarts)
+  Centrality c_;                               // running C before the pivot, C at L* after
+  std::vector<Centrality> snapshots_;          // C after each layer 0..l, until the pivot
   std::vector<StructKvLayerMetrics> metrics_;  // Eq. 4–6 of layers 0..l (up to L_lim)
   std::vector<double> transition_;
   std::vector<int64_t> structural_;

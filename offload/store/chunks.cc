@@ -83,8 +83,9 @@ Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCurs
       const Chunk* c = ls.chunks[i];
       if (c == nullptr) continue;
       if (c->repr.size() != repr_elems * DTypeSize(dt))
-        return Internal("ChunkUpdatesSince: chunk " + c->key.ToString() + " holds " + std::to_string(c->repr.size()) +
-                        " bytes of representatives, not " + std::to_string(repr_elems * DTypeSize(dt)));
+        return Internal("ChunkUpdatesSince: chunk " + c->key.ToString() + " holds " +
+                        std::to_string(c->repr.size()) + " bytes of representatives, not " +
+                        std::to_string(repr_elems * DTypeSize(dt)));
       ToFloat(dt, c->repr.data(), out->repr.data() + out->added.size() * repr_elems, repr_elems);
       out->added.push_back(i);
     }

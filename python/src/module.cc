@@ -28,15 +28,15 @@
 #include <thread>
 #include <vector>
 
+#include "engine/layer_parts.h"
+#include "engine/option_table.h"
 #include "integration/model/llama.h"
 #include "integration/model/tasks.h"
-#include "engine/option_table.h"
-#include "kvtier/kvtier.h"
-#include "offload/tiered_store.h"
 #include "kernels/cpu/attention.h"
-#include "engine/layer_parts.h"
 #include "kernels/dtype.h"
+#include "kvtier/kvtier.h"
 #include "offload/scrambled_hot_tier.h"
+#include "offload/tiered_store.h"
 
 namespace py = pybind11;
 
@@ -51,10 +51,11 @@ struct StatusError {
 };
 
 constexpr std::array<StatusCode, 10> kErrorCodes = {
-    StatusCode::kInvalidArgument,   StatusCode::kNotFound,  StatusCode::kAlreadyExists,
-    StatusCode::kFailedPrecondition, StatusCode::kResourceExhausted, StatusCode::kCorruption,
-    StatusCode::kIOError,           StatusCode::kTimedOut,  StatusCode::kUnavailable,
-    StatusCode::kInternal};
+    StatusCode::kInvalidArgument,   StatusCode::kNotFound,
+    StatusCode::kAlreadyExists,     StatusCode::kFailedPrecondition,
+    StatusCode::kResourceExhausted, StatusCode::kCorruption,
+    StatusCode::kIOError,           StatusCode::kTimedOut,
+    StatusCode::kUnavailable,       StatusCode::kInternal};
 
 // The exception classes, by StatusCode (index 0 = the base kvtier.Error). Module-lifetime
 // references, created once at import.
@@ -73,8 +74,8 @@ T Take(Result<T> r) {
 
 void RaiseStatus(const Status& st) {
   const int idx = static_cast<int>(st.code());
-  PyObject* cls = (idx > 0 && idx < static_cast<int>(g_error_classes.size())) ? g_error_classes[idx]
-                                                                               : g_error_classes[0];
+  PyObject* cls =
+      (idx > 0 && idx < static_cast<int>(g_error_classes.size())) ? g_error_classes[idx] : g_error_classes[0];
   py::object exc = py::reinterpret_borrow<py::object>(cls)(py::str(st.ToString()));
   exc.attr("code") = py::str(StatusCodeName(st.code()));
   exc.attr("message") = py::str(st.message());
@@ -113,20 +114,28 @@ enum class Elem { kF32, kF16, kBF16, kI64, kOther };
 
 const char* ElemName(Elem e) {
   switch (e) {
-    case Elem::kF32: return "float32";
-    case Elem::kF16: return "float16";
-    case Elem::kBF16: return "bfloat16";
-    case Elem::kI64: return "int64";
-    case Elem::kOther: break;
+    case Elem::kF32:
+      return "float32";
+    case Elem::kF16:
+      return "float16";
+    case Elem::kBF16:
+      return "bfloat16";
+    case Elem::kI64:
+      return "int64";
+    case Elem::kOther:
+      break;
   }
   return "an unsupported dtype";
 }
 
 Elem ElemOf(DType d) {
   switch (d) {
-    case DType::kF32: return Elem::kF32;
-    case DType::kF16: return Elem::kF16;
-    case DType::kBF16: return Elem::kBF16;
+    case DType::kF32:
+      return Elem::kF32;
+    case DType::kF16:
+      return Elem::kF16;
+    case DType::kBF16:
+      return Elem::kBF16;
   }
   return Elem::kOther;
 }
@@ -142,7 +151,8 @@ class ArrayView {
       } else if (py::hasattr(obj, "__dlpack__")) {
         FromDlpack(obj);
       } else {
-        Bad(std::string(name) + ": expected a numpy array or a torch tensor (buffer protocol or DLPack), got " +
+        Bad(std::string(name) +
+            ": expected a numpy array or a torch tensor (buffer protocol or DLPack), got " +
             std::string(py::str(py::type::of(obj).attr("__name__"))));
       }
     } catch (...) {
@@ -292,16 +302,22 @@ class ArrayView {
     managed_ = managed;
     const DLTensor& t = managed->dl_tensor;
     if (t.device.device_type != 1)
-      Bad(name_ + ": the tensor must be on the CPU (DLPack device type " + std::to_string(t.device.device_type) +
-          "); kvtier's store and kernels read host memory");
+      Bad(name_ + ": the tensor must be on the CPU (DLPack device type " +
+          std::to_string(t.device.device_type) + "); kvtier's store and kernels read host memory");
     shape_.assign(t.shape, t.shape + t.ndim);
     dtype_name_ = DlpackName(t.dtype);
-    if (t.dtype.lanes != 1) elem_ = Elem::kOther;
-    else if (t.dtype.code == 2 && t.dtype.bits == 32) elem_ = Elem::kF32;
-    else if (t.dtype.code == 2 && t.dtype.bits == 16) elem_ = Elem::kF16;
-    else if (t.dtype.code == 4 && t.dtype.bits == 16) elem_ = Elem::kBF16;
-    else if (t.dtype.code == 0 && t.dtype.bits == 64) elem_ = Elem::kI64;
-    else elem_ = Elem::kOther;
+    if (t.dtype.lanes != 1)
+      elem_ = Elem::kOther;
+    else if (t.dtype.code == 2 && t.dtype.bits == 32)
+      elem_ = Elem::kF32;
+    else if (t.dtype.code == 2 && t.dtype.bits == 16)
+      elem_ = Elem::kF16;
+    else if (t.dtype.code == 4 && t.dtype.bits == 16)
+      elem_ = Elem::kBF16;
+    else if (t.dtype.code == 0 && t.dtype.bits == 64)
+      elem_ = Elem::kI64;
+    else
+      elem_ = Elem::kOther;
     data_ = static_cast<char*>(t.data) + t.byte_offset;
     if (t.strides != nullptr) {
       int64_t expect = 1;
@@ -380,8 +396,8 @@ OptionValue PyOptionValue(const OptionDesc<Options>& d, const py::handle& v) {
 
 // Sets `key` from a keyword argument when `table` has it; false when it does not.
 template <typename Options>
-bool SetFromKeyword(const std::vector<OptionDesc<Options>>& table, const std::string& key, const py::handle& v,
-                    Options* o) {
+bool SetFromKeyword(const std::vector<OptionDesc<Options>>& table, const std::string& key,
+                    const py::handle& v, Options* o) {
   const OptionDesc<Options>* d = FindOption(table, key);
   if (d == nullptr) return false;
   Check(SetOption(*d, o, PyOptionValue(*d, v)));
@@ -586,7 +602,8 @@ StepKind ParseStep(const std::string& s) {
 
 class PySession {
  public:
-  PySession(py::object store, std::unique_ptr<Session> s) : store_(std::move(store)), session_(std::move(s)) {}
+  PySession(py::object store, std::unique_ptr<Session> s)
+      : store_(std::move(store)), session_(std::move(s)) {}
 
   static std::shared_ptr<PySession> Open(py::object store, const py::kwargs& kw) {
     PyStore& ps = store.cast<PyStore&>();
@@ -661,7 +678,8 @@ class PySession {
       a->ExpectDim(2, geo.head_dim, "head_dim");
     }
     if (kv.dim(0) != vv.dim(0))
-      Bad("k and v must hold the same number of tokens (" + kv.ShapeString() + " vs " + vv.ShapeString() + ")");
+      Bad("k and v must hold the same number of tokens (" + kv.ShapeString() + " vs " + vv.ShapeString() +
+          ")");
     const int n = CheckedInt(kv.dim(0), "tokens");
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu_);
@@ -765,7 +783,8 @@ class PySession {
       py::gil_scoped_release nogil;
       lock.lock();
       tier = s().store()->hot_tier();
-      parts = Take(s().Gather(static_cast<int>(layer), static_cast<const float*>(qs.q->data()), qs.positions, qs.m));
+      parts = Take(
+          s().Gather(static_cast<int>(layer), static_cast<const float*>(qs.q->data()), qs.positions, qs.m));
     }
     // The pins go back however this returns (a failed Download or allocation throws).
     struct Unpin {
@@ -773,20 +792,24 @@ class PySession {
       ~Unpin() { p->Release(); }
     } unpin{parts};
     py::module_ np = py::module_::import("numpy");
-    py::object dt = np.attr(geo.dtype == DType::kF32 ? "float32" : geo.dtype == DType::kF16 ? "float16" : "uint16");
+    py::object dt = np.attr(geo.dtype == DType::kF32   ? "float32"
+                            : geo.dtype == DType::kF16 ? "float16"
+                                                       : "uint16");
     const size_t tok_bytes = geo.token_elems() * DTypeSize(geo.dtype);
     py::list list;
     for (size_t i = 0; i < parts->parts.size(); ++i) {
       const kernels::KvSpan& sp = parts->parts[i];
       py::dict d;
       auto copy = [&](const void* src) {
-        py::array a(py::dtype::from_args(dt), std::vector<py::ssize_t>{sp.n_tokens, geo.kv_heads, geo.head_dim});
+        py::array a(py::dtype::from_args(dt),
+                    std::vector<py::ssize_t>{sp.n_tokens, geo.kv_heads, geo.head_dim});
         if (sp.n_tokens > 0) {
           void* dst = a.mutable_data();
           Status st;
           {
             py::gil_scoped_release nogil;
-            st = tier->Download(dst, static_cast<const uint8_t*>(src), static_cast<size_t>(sp.n_tokens) * tok_bytes);
+            st = tier->Download(dst, static_cast<const uint8_t*>(src),
+                                static_cast<size_t>(sp.n_tokens) * tok_bytes);
           }
           Check(std::move(st));
         }
@@ -907,8 +930,8 @@ void PyStore::Close() {
 // (kvtier.tools.decode_bench). Tokens are bytes; logits come back as a list.
 class PyLlama {
  public:
-  PyLlama(const std::string& weights, int64_t context, const std::string& preset, int budget, int n_sink, int n_local,
-          int chunk_size) {
+  PyLlama(const std::string& weights, int64_t context, const std::string& preset, int budget, int n_sink,
+          int n_local, int chunk_size) {
     py::gil_scoped_release nogil;
     model_ = Take(model::LlamaModel::Load(weights));
     const RetrievalPreset p = Take(MakeRetrievalPreset(preset));
@@ -923,7 +946,8 @@ class PyLlama {
     const uint64_t cb = so.chunk_bytes(), chunks = static_cast<uint64_t>(context / chunk_size + 2);
     const uint64_t layers = static_cast<uint64_t>(model_->config().n_layers);
     so.warm_bytes = std::max<uint64_t>(layers * chunks * cb, 4 * cb);
-    so.hot_bytes = std::max<uint64_t>(std::min(chunks, layers * static_cast<uint64_t>(budget / chunk_size) + 1), 1) * cb;
+    so.hot_bytes =
+        std::max<uint64_t>(std::min(chunks, layers * static_cast<uint64_t>(budget / chunk_size) + 1), 1) * cb;
     session_ = Take(model::LlamaSession::Create(model_.get(), so, PositionMode::kInfLLM));
     RetrieverOptions r = p.retrieval;
     r.budget_tokens = budget;
@@ -957,8 +981,8 @@ PYBIND11_MODULE(_kvtier, m) {
   m.doc() = "kvtier engine API (see include/kvtier/session.h); use the kvtier package";
 
   // kvtier.Error and one subclass per StatusCode.
-  PyObject* base = PyErr_NewExceptionWithDoc("kvtier.Error", "A kvtier Status that is not OK: .code, .message.",
-                                             PyExc_Exception, nullptr);
+  PyObject* base = PyErr_NewExceptionWithDoc(
+      "kvtier.Error", "A kvtier Status that is not OK: .code, .message.", PyExc_Exception, nullptr);
   g_error_classes[0] = base;
   m.attr("Error") = py::handle(base);
   for (StatusCode code : kErrorCodes) {
@@ -984,59 +1008,70 @@ PYBIND11_MODULE(_kvtier, m) {
   m.def("option_table", &OptionTableRows,
         "The engine option table (engine/option_table.h): one dict per Store and Session keyword argument "
         "(struct, name, flag, type, default, meaning, lo, hi, choices).");
-  m.def("_scrambled_store", [](const py::kwargs& kw) {
-    StoreOptions o = StoreOptionsFrom(kw);
-    o.hot_tier_factory = [](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
-      KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
-      // Bytes at rest are the caller's XOR 0x5A, like device memory the host cannot read in
-      // place; only its copies translate. It reports device kCpu so that sessions open with
-      // the CPU attention backend in any build: Gather must hand back the appended bytes
-      // through it, which a host memcpy of the spans would not (tests/python/test_api.py).
-      return std::unique_ptr<HotTier>(new XorScrambledHotTier(std::move(inner), Device::kCpu));
-    };
-    return std::make_unique<PyStore>(o);
-  }, "Tests only: Store(**options) over a hot tier whose stored bytes are XOR-scrambled (read through its "
-     "Download), to check that nothing reads hot memory in place.");
+  m.def(
+      "_scrambled_store",
+      [](const py::kwargs& kw) {
+        StoreOptions o = StoreOptionsFrom(kw);
+        o.hot_tier_factory = [](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
+          KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
+          // Bytes at rest are the caller's XOR 0x5A, like device memory the host cannot read in
+          // place; only its copies translate. It reports device kCpu so that sessions open with
+          // the CPU attention backend in any build: Gather must hand back the appended bytes
+          // through it, which a host memcpy of the spans would not (tests/python/test_api.py).
+          return std::unique_ptr<HotTier>(new XorScrambledHotTier(std::move(inner), Device::kCpu));
+        };
+        return std::make_unique<PyStore>(o);
+      },
+      "Tests only: Store(**options) over a hot tier whose stored bytes are XOR-scrambled (read through its "
+      "Download), to check that nothing reads hot memory in place.");
   // The prompts of `kvtier infinite` (integration/model/tasks.h), drawn in the same order from
   // the same generator, so that a Python runner evaluates exactly the same samples.
-  m.def("make_samples", [](const std::string& task, int64_t context, int64_t samples, int64_t seed) {
-    Check(model::CheckTask(task));
-    if (samples < 0) Bad("samples must be >= 0 (got " + std::to_string(samples) + ")");
-    if (seed < 0) Bad("seed must be >= 0 (got " + std::to_string(seed) + ")");
-    std::mt19937_64 rng = model::SampleRng(seed, context);
-    py::list out;
-    for (int64_t i = 0; i < samples; ++i) {
-      model::Sample s = Take(model::MakeSample(task, context, rng));
-      py::dict d;
-      d["prompt"] = py::bytes(s.prompt);
-      d["answer"] = py::bytes(s.answer);
-      d["needle_begin"] = s.needle_begin;
-      d["needle_end"] = s.needle_end;
-      d["answer_begin"] = s.answer_begin;
-      d["answer_end"] = s.answer_end;
-      out.append(d);
-    }
-    return out;
-  }, py::arg("task"), py::arg("context"), py::arg("samples"), py::arg("seed") = 1,
-     "kvtier infinite's samples: [{prompt, answer (bytes), needle_begin, needle_end, answer_begin, answer_end}].");
+  m.def(
+      "make_samples",
+      [](const std::string& task, int64_t context, int64_t samples, int64_t seed) {
+        Check(model::CheckTask(task));
+        if (samples < 0) Bad("samples must be >= 0 (got " + std::to_string(samples) + ")");
+        if (seed < 0) Bad("seed must be >= 0 (got " + std::to_string(seed) + ")");
+        std::mt19937_64 rng = model::SampleRng(seed, context);
+        py::list out;
+        for (int64_t i = 0; i < samples; ++i) {
+          model::Sample s = Take(model::MakeSample(task, context, rng));
+          py::dict d;
+          d["prompt"] = py::bytes(s.prompt);
+          d["answer"] = py::bytes(s.answer);
+          d["needle_begin"] = s.needle_begin;
+          d["needle_end"] = s.needle_end;
+          d["answer_begin"] = s.answer_begin;
+          d["answer_end"] = s.answer_end;
+          out.append(d);
+        }
+        return out;
+      },
+      py::arg("task"), py::arg("context"), py::arg("samples"), py::arg("seed") = 1,
+      "kvtier infinite's samples: [{prompt, answer (bytes), needle_begin, needle_end, answer_begin, "
+      "answer_end}].");
   m.def("preset_names", &RetrievalPresetNames, "Retrieval preset names, the default first.");
-  m.def("preset", [](const std::string& name) {
-    const RetrievalPreset p = Take(MakeRetrievalPreset(name));
-    py::dict d;
-    d["retrieval"] = p.retrieval.ToString();
-    d["probe"] = p.retrieval.probe;
-    d["alloc"] = p.retrieval.alloc;
-    d["index"] = p.retrieval.index;
-    d["budget_tokens"] = p.retrieval.budget_tokens;
-    d["repr_topk"] = p.repr_topk;
-    return d;
-  }, py::arg("name"), "A retrieval preset's options as a dict.");
+  m.def(
+      "preset",
+      [](const std::string& name) {
+        const RetrievalPreset p = Take(MakeRetrievalPreset(name));
+        py::dict d;
+        d["retrieval"] = p.retrieval.ToString();
+        d["probe"] = p.retrieval.probe;
+        d["alloc"] = p.retrieval.alloc;
+        d["index"] = p.retrieval.index;
+        d["budget_tokens"] = p.retrieval.budget_tokens;
+        d["repr_topk"] = p.repr_topk;
+        return d;
+      },
+      py::arg("name"), "A retrieval preset's options as a dict.");
 
-  py::class_<PyLlama>(m, "CppLlama", "The shipped model's C++ forward over a kvtier store (InfLLM positions, "
-                     "retrieval by preset), for same-process timing against transformers.")
-      .def(py::init<const std::string&, int64_t, const std::string&, int, int, int, int>(), py::arg("weights"),
-           py::arg("context"), py::arg("preset") = "kvtier", py::arg("budget") = 256, py::arg("n_sink") = 16,
-           py::arg("n_local") = 256, py::arg("chunk_size") = 32)
+  py::class_<PyLlama>(m, "CppLlama",
+                      "The shipped model's C++ forward over a kvtier store (InfLLM positions, "
+                      "retrieval by preset), for same-process timing against transformers.")
+      .def(py::init<const std::string&, int64_t, const std::string&, int, int, int, int>(),
+           py::arg("weights"), py::arg("context"), py::arg("preset") = "kvtier", py::arg("budget") = 256,
+           py::arg("n_sink") = 16, py::arg("n_local") = 256, py::arg("chunk_size") = 32)
       .def("prefill", &PyLlama::Prefill, py::arg("tokens"), py::arg("window") = 64,
            "Runs the bytes in windows; returns the last token's logits.")
       .def("decode", &PyLlama::Decode, py::arg("token"), "One token; returns its logits.")
@@ -1050,7 +1085,8 @@ PYBIND11_MODULE(_kvtier, m) {
   static const std::string session_doc =
       "Session.open(store, **options): a new sequence. Options: preset (a retrieval preset, applied first), "
       "retrieval (a whole RetrieverOptions spec string), and SessionOptions as keyword arguments:\n\n" +
-      OptionsDoc(RetrieverOptionTable(), SessionOptions{}.retrieval) + OptionsDoc(SessionOptionTable(), SessionOptions{});
+      OptionsDoc(RetrieverOptionTable(), SessionOptions{}.retrieval) +
+      OptionsDoc(SessionOptionTable(), SessionOptions{});
   py::class_<PyStore>(m, "Store",
                       "The tiers shared by every sequence: Store::Open(StoreOptions). A context "
                       "manager: `with kvtier.Store(...) as store:` closes it at the end of the block.")
@@ -1075,8 +1111,7 @@ PYBIND11_MODULE(_kvtier, m) {
       m, "Session",
       "One sequence over a Store (include/kvtier/session.h). A context manager: "
       "`with kvtier.Session.open(store) as s:` closes the sequence at the end of the block.")
-      .def_static("open", &PySession::Open, py::arg("store"),
-                  session_doc.c_str())
+      .def_static("open", &PySession::Open, py::arg("store"), session_doc.c_str())
       .def_static("attach", &PySession::Attach, py::arg("store"), py::arg("sequence"),
                   "Session.attach(store, sequence, **options): a session over an existing sequence.")
       .def_property_readonly("sequence", &PySession::Sequence)

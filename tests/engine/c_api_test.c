@@ -6,7 +6,6 @@
  * message. Prints each failed check and exits non-zero if there was one.
  *   kvtier_c_api_test [DATA_DIR]   (DATA_DIR: the cold tier's directory; none without it) */
 #include <kvtier/kvtier_c.h>
-
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,23 +14,23 @@
 static int failures = 0;
 static int checks = 0;
 
-#define CHECK(cond, ...)                                                    \
-  do {                                                                      \
-    ++checks;                                                               \
-    if (!(cond)) {                                                          \
-      ++failures;                                                           \
-      fprintf(stderr, "FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond);    \
-      fprintf(stderr, __VA_ARGS__);                                         \
-      fputc('\n', stderr);                                                  \
-    }                                                                       \
+#define CHECK(cond, ...)                                                \
+  do {                                                                  \
+    ++checks;                                                           \
+    if (!(cond)) {                                                      \
+      ++failures;                                                       \
+      fprintf(stderr, "FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                     \
+      fputc('\n', stderr);                                              \
+    }                                                                   \
   } while (0)
 
 /* A call that must succeed; prints the error otherwise. */
-#define OK(call)                                                                           \
-  do {                                                                                     \
-    kvtier_code ok_code_ = (call);                                                         \
-    CHECK(ok_code_ == KVTIER_OK && err.code == KVTIER_OK && err.message[0] == '\0',        \
-          "%s -> %s: %s", #call, kvtier_code_name(ok_code_), err.message);                 \
+#define OK(call)                                                                                           \
+  do {                                                                                                     \
+    kvtier_code ok_code_ = (call);                                                                         \
+    CHECK(ok_code_ == KVTIER_OK && err.code == KVTIER_OK && err.message[0] == '\0', "%s -> %s: %s", #call, \
+          kvtier_code_name(ok_code_), err.message);                                                        \
   } while (0)
 
 /* A call that must fail with `want` and say why. */
@@ -193,9 +192,11 @@ int main(int argc, char** argv) {
 
   kvtier_store_counters sc;
   OK(kvtier_store_get_counters(store, &sc, &err));
-  printf("store: %llu chunks sealed, %llu promotions, %llu hits, %llu misses, %llu cold writes, %llu cold reads\n",
-         (unsigned long long)sc.chunks_sealed, (unsigned long long)sc.promotions, (unsigned long long)sc.hits,
-         (unsigned long long)sc.misses, (unsigned long long)sc.cold_writes, (unsigned long long)sc.cold_reads);
+  printf(
+      "store: %llu chunks sealed, %llu promotions, %llu hits, %llu misses, %llu cold writes, %llu cold "
+      "reads\n",
+      (unsigned long long)sc.chunks_sealed, (unsigned long long)sc.promotions, (unsigned long long)sc.hits,
+      (unsigned long long)sc.misses, (unsigned long long)sc.cold_writes, (unsigned long long)sc.cold_reads);
   CHECK(sc.chunks_sealed > 0 && sc.chunks_sealed % (2 * LAYERS) == 0, "chunks_sealed %llu",
         (unsigned long long)sc.chunks_sealed);
   CHECK(sc.promotions > 0 && sc.misses > 0 && sc.bytes_moved > 0, "promotions %llu misses %llu",
@@ -213,10 +214,11 @@ int main(int argc, char** argv) {
   OK(kvtier_session_get_counters(a, &ca, &err));
   OK(kvtier_session_get_counters(b, &cb, &err));
   const unsigned long long steps = PREFILL / WINDOW + DECODE;
-  printf("A: %llu steps, %llu attends, %llu chunks attended (at most %llu per layer step); "
-         "B: %llu chunks attended\n",
-         (unsigned long long)ca.steps, (unsigned long long)ca.attends, (unsigned long long)ca.chunks_attended,
-         (unsigned long long)ca.max_layer_chunks, (unsigned long long)cb.chunks_attended);
+  printf(
+      "A: %llu steps, %llu attends, %llu chunks attended (at most %llu per layer step); "
+      "B: %llu chunks attended\n",
+      (unsigned long long)ca.steps, (unsigned long long)ca.attends, (unsigned long long)ca.chunks_attended,
+      (unsigned long long)ca.max_layer_chunks, (unsigned long long)cb.chunks_attended);
   CHECK(ca.steps == steps && ca.attends == steps * LAYERS, "A: steps %llu attends %llu",
         (unsigned long long)ca.steps, (unsigned long long)ca.attends);
   CHECK(ca.tokens_appended == (unsigned long long)T * LAYERS, "A: tokens %llu",
@@ -246,10 +248,11 @@ int main(int argc, char** argv) {
   CHECK(st_a[0].chunks + st_a[1].chunks > 0 && st_a[0].chunks + st_a[1].chunks <= LAYERS * 4,
         "A: %llu + %llu chunks in its last step", (unsigned long long)st_a[0].chunks,
         (unsigned long long)st_a[1].chunks);
-  printf("last decode step vs full attention: budget over every chunk %.2e, budget of 4 chunks %.2e\n", max_err_b,
-         max_err_a);
+  printf("last decode step vs full attention: budget over every chunk %.2e, budget of 4 chunks %.2e\n",
+         max_err_b, max_err_a);
   CHECK(max_err_b < 1e-4, "full-budget session differs from full attention by %g", max_err_b);
-  CHECK(max_err_a == max_err_a && max_err_a < 2.0, "small-budget session output off the scale: %g", max_err_a);
+  CHECK(max_err_a == max_err_a && max_err_a < 2.0, "small-budget session output off the scale: %g",
+        max_err_a);
 
   /* ---- compression ---- */
   printf("compression:\n");
@@ -257,8 +260,10 @@ int main(int argc, char** argv) {
                KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_compress(a, "h2o:bogus_key=1", SINK + LOCAL + 4 * CHUNK, 0, NULL, &err),
                KVTIER_INVALID_ARGUMENT);
-  EXPECT_ERROR(kvtier_session_compress(a, NULL, SINK + LOCAL + 4 * CHUNK, 0, NULL, &err), KVTIER_INVALID_ARGUMENT);
-  EXPECT_ERROR(kvtier_session_compress(a, "h2o", 8, 0, NULL, &err), KVTIER_INVALID_ARGUMENT); /* below sinks+local */
+  EXPECT_ERROR(kvtier_session_compress(a, NULL, SINK + LOCAL + 4 * CHUNK, 0, NULL, &err),
+               KVTIER_INVALID_ARGUMENT);
+  EXPECT_ERROR(kvtier_session_compress(a, "h2o", 8, 0, NULL, &err),
+               KVTIER_INVALID_ARGUMENT); /* below sinks+local */
   EXPECT_ERROR(kvtier_session_compress(b, "h2o", SINK + LOCAL + 4 * CHUNK, 0, NULL, &err),
                KVTIER_FAILED_PRECONDITION); /* B keeps no queries */
   EXPECT_ERROR(kvtier_session_compress(NULL, "h2o", SINK + LOCAL + 4 * CHUNK, 0, NULL, &err),
@@ -266,15 +271,17 @@ int main(int argc, char** argv) {
   kvtier_compress_report rep;
   memset(&rep, 0, sizeof(rep));
   OK(kvtier_session_compress(a, "h2o", SINK + LOCAL + 4 * CHUNK, 0, &rep, &err));
-  printf("  h2o to %d tokens: policy %s, %llu chunks dropped, %llu tokens kept per layer\n", SINK + LOCAL + 4 * CHUNK,
-         rep.policy, (unsigned long long)rep.dropped_chunks, (unsigned long long)rep.kept_tokens);
+  printf("  h2o to %d tokens: policy %s, %llu chunks dropped, %llu tokens kept per layer\n",
+         SINK + LOCAL + 4 * CHUNK, rep.policy, (unsigned long long)rep.dropped_chunks,
+         (unsigned long long)rep.kept_tokens);
   CHECK(rep.policy[0] != '\0' && rep.dropped_chunks > 0, "report: policy '%s', dropped %llu", rep.policy,
         (unsigned long long)rep.dropped_chunks);
   CHECK(rep.kept_tokens <= (unsigned long long)(SINK + LOCAL + 4 * CHUNK + CHUNK) && rep.kept_tokens > 0,
         "kept %llu tokens per layer", (unsigned long long)rep.kept_tokens);
   OK(kvtier_session_get_counters(a, &ca, &err));
   OK(kvtier_store_get_counters(store, &sc, &err));
-  CHECK(ca.compressions == 1 && ca.dropped_chunks == rep.dropped_chunks && sc.dropped_chunks == rep.dropped_chunks,
+  CHECK(ca.compressions == 1 && ca.dropped_chunks == rep.dropped_chunks &&
+            sc.dropped_chunks == rep.dropped_chunks,
         "compressions %llu, session dropped %llu, store dropped %llu", (unsigned long long)ca.compressions,
         (unsigned long long)ca.dropped_chunks, (unsigned long long)sc.dropped_chunks);
   { /* a decode step on the compressed sequence */
@@ -316,7 +323,8 @@ int main(int argc, char** argv) {
   int64_t pos2[2] = {0, 1};
   for (int i = 0; i < 2 * Q_TOK; ++i) q2[i] = uniform();
   /* NULL handles and buffers */
-  EXPECT_ERROR(kvtier_session_append(NULL, 0, K[0][0], V[0][0], 1, KVTIER_F32, &err), KVTIER_INVALID_ARGUMENT);
+  EXPECT_ERROR(kvtier_session_append(NULL, 0, K[0][0], V[0][0], 1, KVTIER_F32, &err),
+               KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_append(c, 0, NULL, V[0][0], 1, KVTIER_F32, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_append(c, 0, K[0][0], NULL, 1, KVTIER_F32, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_begin_step(NULL, KVTIER_STEP_DECODE, &err), KVTIER_INVALID_ARGUMENT);
@@ -330,12 +338,14 @@ int main(int argc, char** argv) {
   EXPECT_ERROR(kvtier_store_wait_durable(NULL, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_store_close(NULL, &err), KVTIER_INVALID_ARGUMENT);
   /* shapes, layers and dtypes */
-  EXPECT_ERROR(kvtier_session_append(c, LAYERS, K[0][0], V[0][0], 1, KVTIER_F32, &err), KVTIER_INVALID_ARGUMENT);
+  EXPECT_ERROR(kvtier_session_append(c, LAYERS, K[0][0], V[0][0], 1, KVTIER_F32, &err),
+               KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_append(c, -1, K[0][0], V[0][0], 1, KVTIER_F32, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_append(c, 0, K[0][0], V[0][0], 0, KVTIER_F32, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_append(c, 0, K[0][0], V[0][0], -3, KVTIER_F32, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_append(c, 0, K[0][0], V[0][0], 1, KVTIER_F16, &err), KVTIER_INVALID_ARGUMENT);
-  EXPECT_ERROR(kvtier_session_append(c, 0, K[0][0], V[0][0], 1, (kvtier_dtype)42, &err), KVTIER_INVALID_ARGUMENT);
+  EXPECT_ERROR(kvtier_session_append(c, 0, K[0][0], V[0][0], 1, (kvtier_dtype)42, &err),
+               KVTIER_INVALID_ARGUMENT);
   /* non-finite K/V: refused naming layer, tensor, token and head; nothing appended (counted below) */
   {
     static float bad[2 * KV_TOK];
@@ -352,10 +362,12 @@ int main(int argc, char** argv) {
     }
   }
   for (int l = 0; l < LAYERS; ++l) OK(kvtier_session_append(c, l, K[l][0], V[l][0], 2, KVTIER_F32, &err));
-  EXPECT_ERROR(kvtier_session_attend(c, 0, q2, pos2, 1, o2, NULL, &err), KVTIER_FAILED_PRECONDITION); /* no step */
+  EXPECT_ERROR(kvtier_session_attend(c, 0, q2, pos2, 1, o2, NULL, &err),
+               KVTIER_FAILED_PRECONDITION); /* no step */
   EXPECT_ERROR(kvtier_session_begin_step(c, (kvtier_step_kind)7, &err), KVTIER_INVALID_ARGUMENT);
   OK(kvtier_session_begin_step(c, KVTIER_STEP_DECODE, &err));
-  EXPECT_ERROR(kvtier_session_attend(c, 0, q2, pos2, 2, o2, NULL, &err), KVTIER_INVALID_ARGUMENT); /* decode, m=2 */
+  EXPECT_ERROR(kvtier_session_attend(c, 0, q2, pos2, 2, o2, NULL, &err),
+               KVTIER_INVALID_ARGUMENT); /* decode, m=2 */
   EXPECT_ERROR(kvtier_session_attend(c, 0, NULL, pos2, 1, o2, NULL, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_attend(c, 0, q2, NULL, 1, o2, NULL, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_attend(c, 0, q2, pos2, 1, NULL, NULL, &err), KVTIER_INVALID_ARGUMENT);
@@ -372,7 +384,8 @@ int main(int argc, char** argv) {
     EXPECT_ERROR(kvtier_session_attend(c, 0, qnan, pos2, 1, o2, NULL, &err), KVTIER_INVALID_ARGUMENT);
     CHECK(strstr(err.message, "not finite") != NULL, "message \"%s\"", err.message);
   }
-  EXPECT_ERROR(kvtier_session_attend(c, 1, q2, pos2 + 1, 1, o2, NULL, &err), KVTIER_FAILED_PRECONDITION); /* order */
+  EXPECT_ERROR(kvtier_session_attend(c, 1, q2, pos2 + 1, 1, o2, NULL, &err),
+               KVTIER_FAILED_PRECONDITION); /* order */
   OK(kvtier_session_begin_step(c, KVTIER_STEP_PREFILL, &err));
   {
     int64_t down[2] = {1, 0};
@@ -387,7 +400,8 @@ int main(int argc, char** argv) {
   OK(kvtier_store_get_counters(store, &sc, &err)); /* still open */
   /* a dropped sequence */
   OK(kvtier_session_drop(c, &err));
-  EXPECT_ERROR(kvtier_session_append(c, 0, K[0][0], V[0][0], 1, KVTIER_F32, &err), KVTIER_FAILED_PRECONDITION);
+  EXPECT_ERROR(kvtier_session_append(c, 0, K[0][0], V[0][0], 1, KVTIER_F32, &err),
+               KVTIER_FAILED_PRECONDITION);
   EXPECT_ERROR(kvtier_session_begin_step(c, KVTIER_STEP_DECODE, &err), KVTIER_FAILED_PRECONDITION);
   EXPECT_ERROR(kvtier_session_attend(c, 0, q2, pos2, 1, o2, NULL, &err), KVTIER_FAILED_PRECONDITION);
   EXPECT_ERROR(kvtier_session_compress(c, "h2o", 1000, 0, NULL, &err), KVTIER_FAILED_PRECONDITION);
@@ -399,7 +413,8 @@ int main(int argc, char** argv) {
         (unsigned long long)ca.tokens_appended, (unsigned long long)ca.attends);
   /* a closed sequence is read-only */
   OK(kvtier_session_close(b, &err));
-  EXPECT_ERROR(kvtier_session_append(b, 0, K[0][0], V[0][0], 1, KVTIER_F32, &err), KVTIER_FAILED_PRECONDITION);
+  EXPECT_ERROR(kvtier_session_append(b, 0, K[0][0], V[0][0], 1, KVTIER_F32, &err),
+               KVTIER_FAILED_PRECONDITION);
 
   kvtier_session_destroy(c);
   kvtier_session_destroy(b);

@@ -2,17 +2,17 @@
 // K/V and queries must be finite, positions must be >= 0 and increasing, and a dropped
 // session refuses every later call, a second Drop included. Each refusal is InvalidArgument
 // or FailedPrecondition naming what was wrong, and a refused Append stores nothing.
-#include "kvtier/kvtier.h"
-#include "offload/tiered_store.h"
-#include "engine/layer_parts.h"
-#include "kernels/dtype.h"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
+
+#include "engine/layer_parts.h"
+#include "kernels/dtype.h"
+#include "kvtier/kvtier.h"
+#include "offload/tiered_store.h"
 
 namespace kvtier {
 namespace {
@@ -125,7 +125,8 @@ TEST(SessionInputs, NegativeOrNonIncreasingPositionsAreRefused) {
   int64_t pos = -3;
   // Each error names the call the caller made (an Attend's check is Gather's code).
   const Status attend = (*s)->Attend(0, q.data(), &pos, 1, out.data());
-  ExpectError(attend, StatusCode::kInvalidArgument, {"Session::Attend", "positions must be >= 0", "positions[0] = -3"});
+  ExpectError(attend, StatusCode::kInvalidArgument,
+              {"Session::Attend", "positions must be >= 0", "positions[0] = -3"});
   EXPECT_EQ(attend.message().find("Gather"), std::string::npos) << attend.ToString();
   ExpectError((*s)->Gather(0, q.data(), &pos, 1).status(), StatusCode::kInvalidArgument,
               {"Session::Gather", "positions[0] = -3"});

@@ -142,9 +142,10 @@ TEST(SessionPins, OpenIsRefusedWhenThePoolCannotHoldTheBudgets) {
   auto over = Session::Open(st, Budget(4096));
   ASSERT_FALSE(over.ok());
   EXPECT_EQ(over.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(over.status().message().find("budget_tokens 4096 needs 128 chunks of 32 tokens, and the hot slot pool "
-                                         "holds 40"),
-            std::string::npos)
+  EXPECT_NE(
+      over.status().message().find("budget_tokens 4096 needs 128 chunks of 32 tokens, and the hot slot pool "
+                                   "holds 40"),
+      std::string::npos)
       << over.status().ToString();
   EXPECT_EQ(st->counters().hot_reserved, 0u);
   auto big = Session::Open(st, Budget(40 * 32));

@@ -2,13 +2,6 @@
 // sequence it replaces, sessions keep their own retrieval state, many sessions on many
 // threads over one store give each one's single-threaded results bit for bit, bad calls
 // get named errors, and Compress keeps the budget.
-#include "kvtier/kvtier.h"
-#include "engine/layer_parts.h"
-#include "offload/tiered_store.h"
-#include "retrieval/retriever.h"
-#include "kernels/cpu/attention.h"
-#include "kernels/dtype.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -18,8 +11,14 @@
 #include <random>
 #include <thread>
 
+#include "engine/layer_parts.h"
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/rope.h"
+#include "kernels/dtype.h"
+#include "kvtier/kvtier.h"
+#include "offload/tiered_store.h"
 #include "retrieval/chunk_index.h"
+#include "retrieval/retriever.h"
 #include "tests/test_util.h"
 #include "tests/tiered_store_test_peer.h"
 
@@ -61,7 +60,8 @@ Token MakeToken(uint32_t seed, int layer, int64_t pos) {
   }
   const bool seeking = pos >= 200;
   for (int i = 0; i < kQHeads * kDim; ++i)
-    t.q[i] = n(rng) + (seeking ? 3.0f * std::sin(0.3f * static_cast<float>(i % (kKvHeads * kDim) + seed)) : 0.0f);
+    t.q[i] =
+        n(rng) + (seeking ? 3.0f * std::sin(0.3f * static_cast<float>(i % (kKvHeads * kDim) + seed)) : 0.0f);
   t.k.resize(k.size());
   t.v.resize(v.size());
   FromFloat(DType::kF16, k.data(), t.k.data(), k.size());
@@ -144,15 +144,23 @@ TEST(Session, AttendEqualsTheHandWrittenSequence) {
       for (const auto& sp : h->spans()) parts.push_back(sp);
       for (int i = 0; i < view->n_local_spans; ++i) parts.push_back(view->local[i]);
       kernels::AttentionParams ap;
-      ap.q_heads = g.q_heads; ap.kv_heads = g.kv_heads; ap.head_dim = g.head_dim; ap.dtype = g.dtype;
+      ap.q_heads = g.q_heads;
+      ap.kv_heads = g.kv_heads;
+      ap.head_dim = g.head_dim;
+      ap.dtype = g.dtype;
       ap.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
-      ap.n_queries = 1; ap.q = t.q.data(); ap.q_positions = &p;
-      ap.parts = parts.data(); ap.n_parts = static_cast<int>(parts.size()); ap.out = b.data();
+      ap.n_queries = 1;
+      ap.q = t.q.data();
+      ap.q_positions = &p;
+      ap.parts = parts.data();
+      ap.n_parts = static_cast<int>(parts.size());
+      ap.out = b.data();
       ASSERT_EQ(kernels::Attention(ap), kernels::KernelError::kOk);
       h->Release();
       ASSERT_EQ(st.chunks, sel->chunks.size());
       EXPECT_EQ((*s)->last_chunks()[l], sel->chunks) << "position " << p << " layer " << l;
-      ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "position " << p << " layer " << l;
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+          << "position " << p << " layer " << l;
       ++compared;
       with_chunks += st.chunks > 0 ? 1 : 0;
     }
@@ -295,7 +303,8 @@ TEST(Session, InfLLMPositionsRotateAtAttentionTime) {
     ToFloat(DType::kF16, t.v.data(), vf.data(), vf.size());
     all_k.insert(all_k.end(), kf.begin(), kf.end());
     all_v.insert(all_v.end(), vf.begin(), vf.end());
-    for (int l = 0; l < kLayers; ++l) ASSERT_TRUE((*s)->Append(l, t.k.data(), t.v.data(), 1, DType::kF16).ok());
+    for (int l = 0; l < kLayers; ++l)
+      ASSERT_TRUE((*s)->Append(l, t.k.data(), t.v.data(), 1, DType::kF16).ok());
     std::vector<float> out(static_cast<size_t>(kQHeads) * kDim);
     ASSERT_TRUE((*s)->Attend(0, t.q.data(), &p, 1, out.data()).ok());
     if (p != 119) continue;
@@ -312,8 +321,15 @@ TEST(Session, InfLLMPositionsRotateAtAttentionTime) {
     kernels::Rope(q.data(), 1, kQHeads, kDim, &p, inv.data());
     kernels::KvSpan all{k.data(), all_v.data(), 120, 0, nullptr};
     kernels::AttentionParams ap;
-    ap.q_heads = g.q_heads; ap.kv_heads = g.kv_heads; ap.head_dim = g.head_dim; ap.dtype = DType::kF32;
-    ap.n_queries = 1; ap.q = q.data(); ap.q_positions = &p; ap.parts = &all; ap.n_parts = 1;
+    ap.q_heads = g.q_heads;
+    ap.kv_heads = g.kv_heads;
+    ap.head_dim = g.head_dim;
+    ap.dtype = DType::kF32;
+    ap.n_queries = 1;
+    ap.q = q.data();
+    ap.q_positions = &p;
+    ap.parts = &all;
+    ap.n_parts = 1;
     std::vector<float> ref(out.size());
     ap.out = ref.data();
     ASSERT_EQ(kernels::Attention(ap), kernels::KernelError::kOk);
@@ -376,7 +392,8 @@ TEST(Session, InfLLMStatisticsAttendWhereTheModelAttends) {
   }
   // The token of chunk c whose key (head h) equals `key` exactly; -1 if none.
   auto token_of = [&](const std::vector<float>& keys, uint64_t c, int h, const float* key) -> int64_t {
-    for (int64_t t = static_cast<int64_t>(c) * so.chunk_size; t < static_cast<int64_t>(c + 1) * so.chunk_size; ++t)
+    for (int64_t t = static_cast<int64_t>(c) * so.chunk_size; t < static_cast<int64_t>(c + 1) * so.chunk_size;
+         ++t)
       if (std::memcmp(keys.data() + (t * kKvHeads + h) * kDim, key, kDim * sizeof(float)) == 0) return t;
     return -1;
   };
@@ -389,13 +406,19 @@ TEST(Session, InfLLMStatisticsAttendWhereTheModelAttends) {
     ASSERT_GE(*na, 10u) << "the windows must seal chunks";
     std::vector<float> ra(static_cast<size_t>(so.repr_topk) * kKvHeads * kDim), rb(ra.size());
     for (uint64_t c = 0; c < *na; ++c) {
-      ASSERT_TRUE((*raw_store)->GetRepresentatives(ChunkKey{(*a)->sequence(), static_cast<uint32_t>(l), c}, ra.data()).ok());
-      ASSERT_TRUE((*rot_store)->GetRepresentatives(ChunkKey{(*b)->sequence(), static_cast<uint32_t>(l), c}, rb.data()).ok());
+      ASSERT_TRUE((*raw_store)
+                      ->GetRepresentatives(ChunkKey{(*a)->sequence(), static_cast<uint32_t>(l), c}, ra.data())
+                      .ok());
+      ASSERT_TRUE((*rot_store)
+                      ->GetRepresentatives(ChunkKey{(*b)->sequence(), static_cast<uint32_t>(l), c}, rb.data())
+                      .ok());
       for (int h = 0; h < kKvHeads; ++h) {
         std::vector<int64_t> ta, tb;
         for (int r = 0; r < so.repr_topk; ++r) {
-          ta.push_back(token_of(raw_keys[l], c, h, ra.data() + (static_cast<size_t>(r) * kKvHeads + h) * kDim));
-          tb.push_back(token_of(rot_keys[l], c, h, rb.data() + (static_cast<size_t>(r) * kKvHeads + h) * kDim));
+          ta.push_back(
+              token_of(raw_keys[l], c, h, ra.data() + (static_cast<size_t>(r) * kKvHeads + h) * kDim));
+          tb.push_back(
+              token_of(rot_keys[l], c, h, rb.data() + (static_cast<size_t>(r) * kKvHeads + h) * kDim));
         }
         std::sort(ta.begin(), ta.end());
         std::sort(tb.begin(), tb.end());
@@ -467,11 +490,19 @@ TEST(Session, MassFromAttendEqualsTheStatisticsPass) {
           parts[i].k = kf[i].data();
           parts[i].v = vf[i].data();
         }
-        if (mode == PositionMode::kInfLLM) kernels::Rope(q_ref.data(), kWindow, kQHeads, kDim, pos.data(), inv.data());
+        if (mode == PositionMode::kInfLLM)
+          kernels::Rope(q_ref.data(), kWindow, kQHeads, kDim, pos.data(), inv.data());
         kernels::AttentionParams ap;
-        ap.q_heads = kQHeads; ap.kv_heads = kKvHeads; ap.head_dim = kDim; ap.dtype = DType::kF32;
-        ap.n_queries = kWindow; ap.q = q_ref.data(); ap.q_positions = pos.data();
-        ap.parts = parts.data(); ap.n_parts = static_cast<int>(parts.size()); ap.out = ref.data();
+        ap.q_heads = kQHeads;
+        ap.kv_heads = kKvHeads;
+        ap.head_dim = kDim;
+        ap.dtype = DType::kF32;
+        ap.n_queries = kWindow;
+        ap.q = q_ref.data();
+        ap.q_positions = pos.data();
+        ap.parts = parts.data();
+        ap.n_parts = static_cast<int>(parts.size());
+        ap.out = ref.data();
         ASSERT_EQ(kernels::Attention(ap), kernels::KernelError::kOk);
         for (size_t i = 0; i < out.size(); ++i)
           ASSERT_NEAR(out[i], ref[i], 1e-5f) << "window " << b0 << " layer " << l << " element " << i;
@@ -565,7 +596,8 @@ TEST(Session, BadCallsGetNamedErrors) {
   Token t = MakeToken(1, 0, 0);
   ASSERT_TRUE((*s)->Append(0, t.k.data(), t.v.data(), 1, DType::kF16).ok());
   ASSERT_TRUE((*s)->Append(1, t.k.data(), t.v.data(), 1, DType::kF16).ok());
-  expect((*s)->Attend(1, t.q.data(), &pos, 1, out.data()), StatusCode::kFailedPrecondition, "shallow to deep");
+  expect((*s)->Attend(1, t.q.data(), &pos, 1, out.data()), StatusCode::kFailedPrecondition,
+         "shallow to deep");
   {
     Status st = (*s)->Attend(0, t.q.data(), &pos, 1, out.data());
     ASSERT_TRUE(st.ok()) << st.ToString();

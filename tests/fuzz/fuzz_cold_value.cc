@@ -30,8 +30,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case cold_tier_format::ValueKind::kSequence: {
       auto r = store_records::DecodeSequenceRecord(body, 3, layers);
       // A record read back encodes to the same bytes ("open" on disk reads as kRecovered).
-      const auto state = r.ok() && r->state == store_records::SeqState::kClosed ? store_records::SeqState::kClosed
-                                                                               : store_records::SeqState::kOpen;
+      const auto state = r.ok() && r->state == store_records::SeqState::kClosed
+                             ? store_records::SeqState::kClosed
+                             : store_records::SeqState::kOpen;
       if (r.ok() && store_records::EncodeSequenceRecord(state, r->n_tokens) != body) __builtin_trap();
       break;
     }

@@ -2,9 +2,8 @@
 // input comes back as ResourceExhausted naming what was being allocated, never as a
 // std::bad_alloc crossing the API. Each case runs in a child process whose address space is
 // capped (RLIMIT_AS) a little above what it already uses.
-#include <gtest/gtest.h>
-
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -118,9 +117,10 @@ std::string SparseFile(const std::string& dir, uint64_t bytes) {
 class AllocFailureDeathTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    KVTIER_SKIP_UNDER_SANITIZER("the child caps its address space a little above what it maps (RLIMIT_AS), "
-                                "which a sanitizer's shadow memory exceeds, and ASan aborts on a failed "
-                                "allocation instead of throwing std::bad_alloc");
+    KVTIER_SKIP_UNDER_SANITIZER(
+        "the child caps its address space a little above what it maps (RLIMIT_AS), "
+        "which a sanitizer's shadow memory exceeds, and ASan aborts on a failed "
+        "allocation instead of throwing std::bad_alloc");
     GTEST_FLAG_SET(death_test_style, "threadsafe");
   }
 };

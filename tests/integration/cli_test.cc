@@ -58,8 +58,10 @@ TEST(Cli, RunSpillsToColdAndReportsEverything) {
   TempDir dir;
   const std::string json = dir.path() + "/report.json";
   // KV = 16384 tokens x 2 KiB = 32 MiB: 4x the 8 MiB warm tier.
-  Ran r = Kvtier("run --quiet --context 16384 --geometry 4,8,2,64 --warm-bytes 8M --hot-bytes 4M --budget 1024"
-                 " --decode-steps 4 --data-dir " + dir.path() + "/data --json " + json);
+  Ran r = Kvtier(
+      "run --quiet --context 16384 --geometry 4,8,2,64 --warm-bytes 8M --hot-bytes 4M --budget 1024"
+      " --decode-steps 4 --data-dir " +
+      dir.path() + "/data --json " + json);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("needle hit rate"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("full attention"), std::string::npos) << r.out;
@@ -71,7 +73,8 @@ TEST(Cli, RunSpillsToColdAndReportsEverything) {
   EXPECT_NE(rep.find("\"config\""), std::string::npos);
   EXPECT_GT(JsonNumber(rep, "cold"), 0) << "the run must spill to the cold tier";
   EXPECT_NE(rep.find("\"within_rss_bound\": true"), std::string::npos)
-      << "peak RSS " << JsonNumber(rep, "peak_rss_bytes") << " over bound " << JsonNumber(rep, "rss_bound_bytes");
+      << "peak RSS " << JsonNumber(rep, "peak_rss_bytes") << " over bound "
+      << JsonNumber(rep, "rss_bound_bytes");
   EXPECT_GE(JsonNumber(rep, "attention_recall"), 0.0);
   EXPECT_LE(JsonNumber(rep, "attention_recall"), 1.0 + 1e-9);
 }
@@ -79,8 +82,10 @@ TEST(Cli, RunSpillsToColdAndReportsEverything) {
 TEST(Cli, RunWithFullBudgetEqualsFullAttention) {
   TempDir dir;
   const std::string json = dir.path() + "/report.json";
-  Ran r = Kvtier("run --quiet --context 4096 --geometry 2,8,2,32 --dtype f32 --budget 4096 --hot-bytes 64M"
-                 " --decode-steps 3 --data-dir " + dir.path() + "/data --json " + json);
+  Ran r = Kvtier(
+      "run --quiet --context 4096 --geometry 2,8,2,32 --dtype f32 --budget 4096 --hot-bytes 64M"
+      " --decode-steps 3 --data-dir " +
+      dir.path() + "/data --json " + json);
   ASSERT_EQ(r.code, 0) << r.out;
   const std::string rep = ReadAll(json);
   EXPECT_NEAR(JsonNumber(rep, "attention_recall"), 1.0, 1e-6);
@@ -96,7 +101,10 @@ TEST(Cli, StressVerifiesEverything) {
   EXPECT_NE(r.out.find("after reopen: 18000 tokens"), std::string::npos) << r.out;  // 6 x 1500 x 2 layers
 }
 
-struct FailCase { std::string args; std::string expect; };
+struct FailCase {
+  std::string args;
+  std::string expect;
+};
 
 // Each command exits non-zero, says what `expect` names, and does not crash.
 template <size_t N>
@@ -140,10 +148,13 @@ namespace {
 TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
   TempDir dir;
   const std::string json = dir.path() + "/report.json";
-  Ran r = Kvtier("run --quiet --compare --context 8192 --geometry 2,8,2,32 --decode-steps 3 --spearman-windows 2"
-                 " --data-dir " + dir.path() + "/data --json " + json);
+  Ran r = Kvtier(
+      "run --quiet --compare --context 8192 --geometry 2,8,2,32 --decode-steps 3 --spearman-windows 2"
+      " --data-dir " +
+      dir.path() + "/data --json " + json);
   ASSERT_EQ(r.code, 0) << r.out;
-  for (const char* row : {"full attention", "StreamingLLM", "InfLLM", "ActQKV w/o cut-off", "ActQKV ", "kvtier "})
+  for (const char* row :
+       {"full attention", "StreamingLLM", "InfLLM", "ActQKV w/o cut-off", "ActQKV ", "kvtier "})
     EXPECT_NE(r.out.find(row), std::string::npos) << row << " missing in\n" << r.out;
   const std::string rep = ReadAll(json);
   EXPECT_NE(rep.find("\"probe_spearman\""), std::string::npos);
@@ -177,10 +188,12 @@ TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
     const size_t b = rep.find("\"spec\": \"", a) + 9;
     return rep.substr(b, rep.find('"', b) - b);
   };
-  EXPECT_NE(spec_of("ActQKV").find("alloc=entropy:min=1,rank=cosine index=Exact:heads=sum"), std::string::npos)
+  EXPECT_NE(spec_of("ActQKV").find("alloc=entropy:min=1,rank=cosine index=Exact:heads=sum"),
+            std::string::npos)
       << spec_of("ActQKV");
   EXPECT_NE(spec_of("InfLLM").find("probe=mean"), std::string::npos) << spec_of("InfLLM");
-  EXPECT_NE(spec_of("kvtier").find("rank=logit index=Exact:heads=max"), std::string::npos) << spec_of("kvtier");
+  EXPECT_NE(spec_of("kvtier").find("rank=logit index=Exact:heads=max"), std::string::npos)
+      << spec_of("kvtier");
   EXPECT_NE(r.out.find("kvtier "), std::string::npos) << r.out;
 }
 
@@ -261,8 +274,10 @@ TEST(Cli, PresetsSetRetrievalAndFlagsRefineThemInAnyOrder) {
   TempDir dir;
   auto spec = [&](const std::string& args) {
     const std::string json = dir.path() + "/r.json";
-    Ran r = Kvtier("run --quiet --no-baseline --context 4096 --geometry 1,4,2,32 --decode-steps 2 --spearman-windows 0 "
-                   "--data-dir " + dir.path() + "/d" + std::to_string(std::rand()) + " --json " + json + " " + args);
+    Ran r = Kvtier(
+        "run --quiet --no-baseline --context 4096 --geometry 1,4,2,32 --decode-steps 2 --spearman-windows 0 "
+        "--data-dir " +
+        dir.path() + "/d" + std::to_string(std::rand()) + " --json " + json + " " + args);
     EXPECT_EQ(r.code, 0) << args << "\n" << r.out;
     const std::string rep = ReadAll(json);
     const size_t b = rep.find("\"spec\": \"") + 9;
@@ -298,7 +313,8 @@ TEST(Cli, PoliciesListsEveryPolicyWithDefaults) {
   Ran r = Kvtier("policies");
   ASSERT_EQ(r.code, 0) << r.out;
   for (const char* name : {"lru", "streaming", "h2o", "snapkv", "hitkv", "gkv", "structkv", "compilerkv"})
-    EXPECT_NE(r.out.find(std::string("\n") + name + " — "), std::string::npos) << name << " missing in\n" << r.out;
+    EXPECT_NE(r.out.find(std::string("\n") + name + " — "), std::string::npos) << name << " missing in\n"
+                                                                               << r.out;
   EXPECT_NE(r.out.find("defaults: gkv:"), std::string::npos) << r.out;
 }
 
@@ -306,8 +322,10 @@ TEST(Cli, CompressionDropsChunksAndRetrievalNeverAsksForThem) {
   TempDir dir;
   const std::string json = dir.path() + "/report.json";
   // 8192 tokens, 64 sinks + 512 local + 32-token chunks: 236 chunks per layer; keep 2048 tokens.
-  Ran r = Kvtier("run --quiet --context 8192 --geometry 2,8,2,32 --decode-steps 3 --spearman-windows 0"
-                 " --compress h2o --kv-budget 2048 --data-dir " + dir.path() + "/data --json " + json);
+  Ran r = Kvtier(
+      "run --quiet --context 8192 --geometry 2,8,2,32 --decode-steps 3 --spearman-windows 0"
+      " --compress h2o --kv-budget 2048 --data-dir " +
+      dir.path() + "/data --json " + json);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("compression: 1 time(s)"), std::string::npos) << r.out;
   const std::string rep = ReadAll(json);
@@ -322,8 +340,10 @@ TEST(Cli, CompressionDropsChunksAndRetrievalNeverAsksForThem) {
 TEST(Cli, DecodeTimePolicyCompressesAgainEverySSteps) {
   TempDir dir;
   const std::string json = dir.path() + "/report.json";
-  Ran r = Kvtier("run --quiet --context 8192 --geometry 2,8,2,32 --decode-steps 16 --spearman-windows 0"
-                 " --compress gkv:s=8 --kv-budget 2048 --data-dir " + dir.path() + "/data --json " + json);
+  Ran r = Kvtier(
+      "run --quiet --context 8192 --geometry 2,8,2,32 --decode-steps 16 --spearman-windows 0"
+      " --compress gkv:s=8 --kv-budget 2048 --data-dir " +
+      dir.path() + "/data --json " + json);
   ASSERT_EQ(r.code, 0) << r.out;
   const std::string rep = ReadAll(json);
   EXPECT_EQ(JsonNumber(rep, "compressions"), 3) << rep;  // prefill end, then after decode steps 8 and 16
@@ -333,11 +353,14 @@ TEST(Cli, DecodeTimePolicyCompressesAgainEverySSteps) {
 
 TEST(Cli, ScoreDrivenDemotionRunsAndStressVerifies) {
   TempDir dir;
-  Ran r = Kvtier("run --quiet --context 8192 --geometry 2,8,2,32 --decode-steps 2 --spearman-windows 0 --warm-bytes 1M"
-                 " --policy snapkv --data-dir " + dir.path() + "/run");
+  Ran r = Kvtier(
+      "run --quiet --context 8192 --geometry 2,8,2,32 --decode-steps 2 --spearman-windows 0 --warm-bytes 1M"
+      " --policy snapkv --data-dir " +
+      dir.path() + "/run");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("chunk scores drive demotion"), std::string::npos) << r.out;
-  r = Kvtier("stress --sequences 4 --threads 2 --tokens 1000 --policy gkv --data-dir " + dir.path() + "/stress");
+  r = Kvtier("stress --sequences 4 --threads 2 --tokens 1000 --policy gkv --data-dir " + dir.path() +
+             "/stress");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("errors: 0"), std::string::npos) << r.out;
   r = Kvtier("run --policy bogus");
@@ -351,14 +374,17 @@ TEST(Cli, ScoreDrivenDemotionRunsAndStressVerifies) {
 TEST(Cli, ComparePoliciesPrintsOneRowPerPolicyAndBudget) {
   TempDir dir;
   const std::string json = dir.path() + "/policies.json";
-  Ran r = Kvtier("run --quiet --compare-policies --context 2048 --geometry 2,4,2,32 --decode-steps 4 --sink 16"
-                 " --local 64 --sweep 256,512 --policies 'h2o;snapkv:kernel=5;streaming' --json " + json);
+  Ran r = Kvtier(
+      "run --quiet --compare-policies --context 2048 --geometry 2,4,2,32 --decode-steps 4 --sink 16"
+      " --local 64 --sweep 256,512 --policies 'h2o;snapkv:kernel=5;streaming' --json " +
+      json);
   ASSERT_EQ(r.code, 0) << r.out;
   for (const char* row : {"h2o:recent=0", "snapkv:kernel=5", "streaming:sinks=auto"})
     EXPECT_NE(r.out.find(row), std::string::npos) << row << " missing in\n" << r.out;
   const std::string rep = ReadAll(json);
   size_t rows = 0;
-  for (size_t at = rep.find("\"policy\""); at != std::string::npos; at = rep.find("\"policy\"", at + 1)) ++rows;
+  for (size_t at = rep.find("\"policy\""); at != std::string::npos; at = rep.find("\"policy\"", at + 1))
+    ++rows;
   EXPECT_EQ(rows, 6u) << rep;  // 3 policies x 2 budgets
 }
 
@@ -383,7 +409,8 @@ std::string ShippedWeights() {
 #ifdef KVTIER_SOURCE_DIR
   return std::string(KVTIER_SOURCE_DIR) + "/models/kvtier-tiny.safetensors";
 #else
-  return (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors").string();
+  return (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors")
+      .string();
 #endif
 }
 
@@ -392,9 +419,10 @@ std::string ShippedWeights() {
 TEST(Cli, InfiniteRunsTheModelWithRetrieval) {
   TempDir dir;
   const std::string json = dir.path() + "/infinite.json";
-  Ran r = Kvtier("infinite --quiet --weights " + Fixture("tiny_llama.safetensors") +
-                 " --task passkey --context 512 --samples 2 --sink 16 --local 128 --chunk 16 --budget 64 --json " +
-                 json);
+  Ran r = Kvtier(
+      "infinite --quiet --weights " + Fixture("tiny_llama.safetensors") +
+      " --task passkey --context 512 --samples 2 --sink 16 --local 128 --chunk 16 --budget 64 --json " +
+      json);
   ASSERT_EQ(r.code, 0) << r.out;
   for (const char* field : {"accuracy", "s/sample", "tokens/s", "memory per tier", "hot ", "warm ", "cold ",
                             "positions infllm", "probe=act alloc=entropy"})
@@ -435,18 +463,21 @@ TEST(Cli, InfiniteRunsTheModelWithRetrieval) {
 TEST(Cli, InfiniteCompareTableByContext) {
   TempDir dir;
   const std::string json = dir.path() + "/compare.json";
-  Ran r = Kvtier("infinite --quiet --compare --weights " + Fixture("tiny_llama.safetensors") +
-                 " --task kv_retrieval --contexts 512,1024 --samples 2 --sink 16 --local 128 --chunk 16 --budget 64"
-                 " --json " + json);
+  Ran r = Kvtier(
+      "infinite --quiet --compare --weights " + Fixture("tiny_llama.safetensors") +
+      " --task kv_retrieval --contexts 512,1024 --samples 2 --sink 16 --local 128 --chunk 16 --budget 64"
+      " --json " +
+      json);
   ASSERT_EQ(r.code, 0) << r.out;
-  for (const char* col : {"full attention", "StreamingLLM", "InfLLM", "ActQKV", "kvtier", "needle oracle", "acc",
-                          "recall", "s/sample"})
+  for (const char* col : {"full attention", "StreamingLLM", "InfLLM", "ActQKV", "kvtier", "needle oracle",
+                          "acc", "recall", "s/sample"})
     EXPECT_NE(r.out.find(col), std::string::npos) << col << " missing in\n" << r.out;
   EXPECT_NE(r.out.find("\n512 "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("\n1024 "), std::string::npos) << r.out;
   const std::string rep = ReadAll(json);
   size_t rows = 0;
-  for (size_t at = rep.find("\"method\""); at != std::string::npos; at = rep.find("\"method\"", at + 1)) ++rows;
+  for (size_t at = rep.find("\"method\""); at != std::string::npos; at = rep.find("\"method\"", at + 1))
+    ++rows;
   EXPECT_EQ(rows, 12u) << rep;  // 6 methods x 2 contexts
   // StreamingLLM attends no chunk.
   const size_t at = rep.find("\"method\": \"StreamingLLM\"");
@@ -504,8 +535,10 @@ TEST(Cli, TrainedModelFindsThePasskeyAtTrainingLength) {
   TempDir dir;
   const std::string json = dir.path() + "/passkey.json";
   // 512 bytes fit in sinks + local window: nothing is retrieved, this is full attention.
-  Ran r = Kvtier("infinite --quiet --weights " + weights + " --task passkey --context 512 --samples 40 --seed 7"
-                 " --positions absolute --sink 64 --local 512 --window 128 --json " + json);
+  Ran r = Kvtier("infinite --quiet --weights " + weights +
+                 " --task passkey --context 512 --samples 40 --seed 7"
+                 " --positions absolute --sink 64 --local 512 --window 128 --json " +
+                 json);
   ASSERT_EQ(r.code, 0) << r.out;
   const double acc = JsonNumber(ReadAll(json), "accuracy");
   EXPECT_GE(acc, 0.95) << r.out;
@@ -526,8 +559,10 @@ TEST(Cli, RetrievalCarriesTheModelPastItsTrainingLength) {
   const std::string weights = ShippedWeights();
   TempDir dir;
   const std::string json = dir.path() + "/compare.json";
-  Ran r = Kvtier("infinite --quiet --weights " + weights + " --task passkey --compare --contexts 2048 --samples 8"
-                 " --seed 3 --sink 16 --local 128 --window 64 --budget 256 --full-max-bytes 1 --json " + json);
+  Ran r = Kvtier("infinite --quiet --weights " + weights +
+                 " --task passkey --compare --contexts 2048 --samples 8"
+                 " --seed 3 --sink 16 --local 128 --window 64 --budget 256 --full-max-bytes 1 --json " +
+                 json);
   ASSERT_EQ(r.code, 0) << r.out;
   const std::string rep = ReadAll(json);
   EXPECT_GE(MethodNumber(rep, "kvtier", "accuracy"), 0.85) << r.out;
@@ -558,14 +593,17 @@ TEST(Cli, DefaultsCopyATenDigitNeedlePastTheTrainingLength) {
 TEST(Cli, TraceThenRunReplaysRealAttention) {
   TempDir dir;
   const std::string trace = dir.path() + "/passkey.kvtrace";
-  Ran t = Kvtier("trace --weights " + ShippedWeights() + " --task passkey --context 1024 --seed 2 --out " + trace);
+  Ran t = Kvtier("trace --weights " + ShippedWeights() + " --task passkey --context 1024 --seed 2 --out " +
+                 trace);
   ASSERT_EQ(t.code, 0) << t.out;
   EXPECT_NE(t.out.find("question window"), std::string::npos) << t.out;
   EXPECT_NE(t.out.find("4,8,2,16"), std::string::npos) << t.out;
 
   const std::string full = dir.path() + "/full.json";
-  Ran r = Kvtier("run --quiet --trace " + trace + " --sink 16 --local 128 --chunk 32 --budget 1024 --dtype f32"
-                 " --hot-bytes 64M --data-dir " + dir.path() + "/d1 --json " + full);
+  Ran r = Kvtier("run --quiet --trace " + trace +
+                 " --sink 16 --local 128 --chunk 32 --budget 1024 --dtype f32"
+                 " --hot-bytes 64M --data-dir " +
+                 dir.path() + "/d1 --json " + full);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("trace: kvtier-llama"), std::string::npos) << r.out;
   std::string rep = ReadAll(full);
@@ -576,8 +614,10 @@ TEST(Cli, TraceThenRunReplaysRealAttention) {
   EXPECT_NE(rep.find("\"geometry\": \"4,8,2,16:f32\""), std::string::npos);
 
   const std::string small = dir.path() + "/small.json";
-  r = Kvtier("run --quiet --trace " + trace + " --sink 16 --local 128 --chunk 32 --budget 64 --compare"
-             " --data-dir " + dir.path() + "/d2 --json " + small);
+  r = Kvtier("run --quiet --trace " + trace +
+             " --sink 16 --local 128 --chunk 32 --budget 64 --compare"
+             " --data-dir " +
+             dir.path() + "/d2 --json " + small);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("StreamingLLM"), std::string::npos) << r.out;
   rep = ReadAll(small);
@@ -587,7 +627,8 @@ TEST(Cli, TraceThenRunReplaysRealAttention) {
   EXPECT_GT(recall, 0.0);
   EXPECT_LT(recall, 1.0) << "64 tokens cannot hold full attention's mass";
 
-  r = Kvtier("run --quiet --trace " + trace + " --sink 16 --local 64 --compare-policies --kv-budget 256"
+  r = Kvtier("run --quiet --trace " + trace +
+             " --sink 16 --local 64 --compare-policies --kv-budget 256"
              " --policies 'h2o;streaming'");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("h2o"), std::string::npos) << r.out;
@@ -633,8 +674,10 @@ TEST(Cli, RunTraceBadInputsGetClearErrors) {
 // ---- kvtier infinite --compress ----
 
 std::string CompressArgs(const std::string& json) {
-  return "infinite --quiet --weights " + ShippedWeights() + " --task passkey --context 2048 --samples 8 --seed 3"
-         " --sink 16 --local 128 --window 64 --budget 256 --json " + json;
+  return "infinite --quiet --weights " + ShippedWeights() +
+         " --task passkey --context 2048 --samples 8 --seed 3"
+         " --sink 16 --local 128 --window 64 --budget 256 --json " +
+         json;
 }
 
 // H2O compresses the real model's store at prefill end to 384 tokens per layer (16 sinks,
@@ -669,7 +712,8 @@ TEST(Cli, InfiniteCompressStreamingLosesTheNeedle) {
 }
 
 TEST(Cli, InfiniteCompressRejectsBadFlags) {
-  const std::string base = "infinite --quiet --weights " + ShippedWeights() + " --context 2048 --samples 1"
+  const std::string base = "infinite --quiet --weights " + ShippedWeights() +
+                           " --context 2048 --samples 1"
                            " --sink 16 --local 128 --window 64";
   Ran bogus = Kvtier(base + " --compress bogus --kv-budget 384");
   EXPECT_EQ(bogus.code, 2) << bogus.out;
@@ -703,7 +747,8 @@ std::map<std::string, std::string> HelpDefaults(const std::string& help) {
 }
 
 // The value of "key" in the report's "config" object (or the whole report), as text.
-std::string JsonText(const std::string& json, const std::string& key, const std::string& section = "\"config\"") {
+std::string JsonText(const std::string& json, const std::string& key,
+                     const std::string& section = "\"config\"") {
   const size_t from = json.find(section);
   const size_t at = json.find("\"" + key + "\":", from == std::string::npos ? 0 : from);
   if (at == std::string::npos) return "<missing " + key + ">";
@@ -721,13 +766,15 @@ uint64_t Bytes(const std::string& text) {
 
 // Checks every (flag, config key) pair: the help's default equals what the run used.
 void ExpectDefaultsUsed(const std::string& command, const std::map<std::string, std::string>& help,
-                        const std::string& json, const std::vector<std::pair<std::string, std::string>>& numbers,
+                        const std::string& json,
+                        const std::vector<std::pair<std::string, std::string>>& numbers,
                         const std::vector<std::pair<std::string, std::string>>& texts,
                         const std::vector<std::pair<std::string, std::string>>& bytes = {}) {
   for (const auto& [flag, key] : numbers) {
     ASSERT_TRUE(help.count(flag)) << command << " --help shows no default for --" << flag;
     EXPECT_NEAR(std::stod(help.at(flag)), std::stod(JsonText(json, key)), 1e-6)
-        << command << " --" << flag << ": help says " << help.at(flag) << ", the run used " << JsonText(json, key);
+        << command << " --" << flag << ": help says " << help.at(flag) << ", the run used "
+        << JsonText(json, key);
   }
   for (const auto& [flag, key] : texts) {
     ASSERT_TRUE(help.count(flag)) << command << " --help shows no default for --" << flag;
@@ -748,19 +795,32 @@ TEST(Cli, HelpShowsTheDefaultsEachCommandUses) {
   // kvtier run: everything at its default but the size of the job.
   const auto run_help = HelpDefaults(Kvtier("run --help").out);
   const std::string run_json = dir.path() + "/run.json";
-  Ran run = Kvtier("run --quiet --context 2048 --geometry 2,4,2,32 --decode-steps 4 --no-baseline --data-dir " +
-                   dir.path() + "/run-data --json " + run_json);
+  Ran run =
+      Kvtier("run --quiet --context 2048 --geometry 2,4,2,32 --decode-steps 4 --no-baseline --data-dir " +
+             dir.path() + "/run-data --json " + run_json);
   ASSERT_EQ(run.code, 0) << run.out;
   const std::string rep = ReadAll(run_json);
-  ExpectDefaultsUsed("run", run_help, rep,
-                     {{"sink", "n_sink"}, {"local", "n_local"}, {"chunk", "chunk_size"}, {"repr-topk", "repr_topk"},
-                      {"budget", "budget"}, {"window", "window"}, {"stat-stride", "stat_stride"},
-                      {"question-len", "question_len"}, {"needles", "needle_count"}, {"needle-len", "needle_len"},
-                      {"depth", "needle_depth"}, {"anchor", "anchor_strength"}, {"noise", "noise"}, {"seed", "seed"},
-                      {"spearman-windows", "spearman_windows"}, {"question-anchors", "question_anchor_every"},
-                      {"needle-echo", "needle_echo"}},
-                     {{"probe", "probe"}, {"alloc", "alloc"}, {"index", "index"}, {"compression", "compression"}},
-                     {{"hot-bytes", "hot_bytes"}, {"warm-bytes", "warm_bytes"}});
+  ExpectDefaultsUsed(
+      "run", run_help, rep,
+      {{"sink", "n_sink"},
+       {"local", "n_local"},
+       {"chunk", "chunk_size"},
+       {"repr-topk", "repr_topk"},
+       {"budget", "budget"},
+       {"window", "window"},
+       {"stat-stride", "stat_stride"},
+       {"question-len", "question_len"},
+       {"needles", "needle_count"},
+       {"needle-len", "needle_len"},
+       {"depth", "needle_depth"},
+       {"anchor", "anchor_strength"},
+       {"noise", "noise"},
+       {"seed", "seed"},
+       {"spearman-windows", "spearman_windows"},
+       {"question-anchors", "question_anchor_every"},
+       {"needle-echo", "needle_echo"}},
+      {{"probe", "probe"}, {"alloc", "alloc"}, {"index", "index"}, {"compression", "compression"}},
+      {{"hot-bytes", "hot_bytes"}, {"warm-bytes", "warm_bytes"}});
   EXPECT_EQ(run_help.at("dtype"), JsonText(rep, "geometry").substr(JsonText(rep, "geometry").find(':') + 1));
   EXPECT_EQ(run_help.at("data-dir"), "a new directory under $TMPDIR, removed at exit");
   EXPECT_EQ(run_help.at("kv-budget"), "16384");
@@ -773,12 +833,18 @@ TEST(Cli, HelpShowsTheDefaultsEachCommandUses) {
   ASSERT_EQ(inf.code, 0) << inf.out;
   const std::string irep = ReadAll(inf_json);
   ExpectDefaultsUsed("infinite", inf_help, irep.substr(0, irep.find("\"methods\"")),
-                     {{"sink", "sink"}, {"local", "local"}, {"chunk", "chunk"}, {"budget", "budget"},
-                      {"window", "window"}, {"observe", "observe"}, {"seed", "seed"}},
+                     {{"sink", "sink"},
+                      {"local", "local"},
+                      {"chunk", "chunk"},
+                      {"budget", "budget"},
+                      {"window", "window"},
+                      {"observe", "observe"},
+                      {"seed", "seed"}},
                      {{"task", "task"}});
   const std::string described = JsonText(irep, "config", "\"methods\"");
   for (const char* flag : {"probe", "alloc", "index"})
-    EXPECT_NE(described.find(std::string(flag) + "=" + inf_help.at(flag)), std::string::npos) << flag << ": " << described;
+    EXPECT_NE(described.find(std::string(flag) + "=" + inf_help.at(flag)), std::string::npos)
+        << flag << ": " << described;
   EXPECT_NE(described.find("heads=" + inf_help.at("head-merge")), std::string::npos) << described;
   EXPECT_NE(described.find("rank=" + inf_help.at("rank-by")), std::string::npos) << described;
   EXPECT_NE(described.find("positions " + inf_help.at("positions")), std::string::npos) << described;
@@ -795,9 +861,15 @@ TEST(Cli, HelpShowsTheDefaultsEachCommandUses) {
   ASSERT_EQ(stress.code, 0) << stress.out;
   const std::string srep = ReadAll(stress_json);
   ExpectDefaultsUsed("stress", stress_help, srep,
-                     {{"sink", "n_sink"}, {"local", "n_local"}, {"chunk", "chunk_size"}, {"repr-topk", "repr_topk"},
-                      {"threads", "threads"}, {"fetch-prob", "fetch_probability"}, {"seed", "seed"}},
-                     {{"compression", "compression"}}, {{"hot-bytes", "hot_bytes"}, {"warm-bytes", "warm_bytes"}});
+                     {{"sink", "n_sink"},
+                      {"local", "n_local"},
+                      {"chunk", "chunk_size"},
+                      {"repr-topk", "repr_topk"},
+                      {"threads", "threads"},
+                      {"fetch-prob", "fetch_probability"},
+                      {"seed", "seed"}},
+                     {{"compression", "compression"}},
+                     {{"hot-bytes", "hot_bytes"}, {"warm-bytes", "warm_bytes"}});
   EXPECT_EQ(stress_help.at("geometry") + ":" + stress_help.at("dtype"), JsonText(srep, "geometry"));
 
   // kvtier trace and compile-tables: the library's option structs.
@@ -822,7 +894,8 @@ TEST(Cli, HelpShowsTheDefaultsEachCommandUses) {
     for (std::string line; std::getline(in, line);) {
       if (line.rfind("  --", 0) != 0) continue;
       size_t n = 0;
-      for (size_t at = line.find("(default"); at != std::string::npos; at = line.find("(default", at + 1)) ++n;
+      for (size_t at = line.find("(default"); at != std::string::npos; at = line.find("(default", at + 1))
+        ++n;
       EXPECT_LE(n, 1u) << cmd << ": " << line;
     }
   }
@@ -864,11 +937,13 @@ const char* kSmallRun = "run --context 2048 --geometry 2,4,2,32 --decode-steps 2
 TEST(Cli, NoBaselineFiguresAreNullNotZero) {
   TempDir dir;
   const std::string json = dir.path() + "/r.json";
-  Ran r = Kvtier(std::string(kSmallRun) + " --quiet --no-baseline --data-dir " + dir.path() + "/d --json " + json);
+  Ran r = Kvtier(std::string(kSmallRun) + " --quiet --no-baseline --data-dir " + dir.path() + "/d --json " +
+                 json);
   ASSERT_EQ(r.code, 0) << r.out;
   const std::string rep = ReadAll(json);
-  for (const char* key : {"attention_recall", "output_rel_error", "question_attention_recall",
-                          "question_output_rel_error", "speedup_vs_full", "full_attention_step_ms", "median", "iqr"}) {
+  for (const char* key :
+       {"attention_recall", "output_rel_error", "question_attention_recall", "question_output_rel_error",
+        "speedup_vs_full", "full_attention_step_ms", "median", "iqr"}) {
     const std::vector<std::string> v = JsonValues(rep, key);
     ASSERT_FALSE(v.empty()) << key << " missing in\n" << rep;
     for (const std::string& x : v) EXPECT_EQ(x, "null") << key << " in\n" << rep;
@@ -885,12 +960,14 @@ TEST(Cli, NoBaselineFiguresAreNullNotZero) {
   r = Kvtier(std::string(kSmallRun) + " --quiet --no-baseline --compare --data-dir " + dir.path() + "/d2");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(r.out.find("0.0x"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("not measured (--no-baseline: full attention did not run)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("not measured (--no-baseline: full attention did not run)"), std::string::npos)
+      << r.out;
 
   // With the baseline the same figures are numbers.
   r = Kvtier(std::string(kSmallRun) + " --quiet --data-dir " + dir.path() + "/d3 --json " + json);
   ASSERT_EQ(r.code, 0) << r.out;
-  for (const char* key : {"attention_recall", "output_rel_error", "speedup_vs_full", "full_attention_step_ms"})
+  for (const char* key :
+       {"attention_recall", "output_rel_error", "speedup_vs_full", "full_attention_step_ms"})
     for (const std::string& x : JsonValues(ReadAll(json), key)) EXPECT_NE(x, "null") << key;
 }
 
@@ -901,12 +978,14 @@ TEST(Cli, DefaultRunLeavesNothingBehind) {
   const std::string in = "cd " + cwd.path() + " && TMPDIR=" + tmp.path() + " ";
   Ran r = Kvtier(std::string(kSmallRun) + " --quiet", in);
   ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("data: temporary directory " + tmp.path() + "/kvtier-run-"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("data: temporary directory " + tmp.path() + "/kvtier-run-"), std::string::npos)
+      << r.out;
   EXPECT_TRUE(IsEmptyDir(cwd.path()));
   EXPECT_TRUE(IsEmptyDir(tmp.path()));
   r = Kvtier("stress --sequences 2 --threads 2 --tokens 300", in);
   ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("data: temporary directory " + tmp.path() + "/kvtier-stress-"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("data: temporary directory " + tmp.path() + "/kvtier-stress-"), std::string::npos)
+      << r.out;
   EXPECT_TRUE(IsEmptyDir(cwd.path()));
   EXPECT_TRUE(IsEmptyDir(tmp.path()));
   // An error after the directory was made (the store refuses a 10-byte warm tier).
@@ -969,7 +1048,8 @@ TEST(Cli, ProgressIsOneLinePerPhaseOffATerminal) {
   EXPECT_EQ(CountLines(r.out, "[kvtier] infinite: kvtier, context 600, sample 1/2: "), 1u) << r.out;
   EXPECT_EQ(CountLines(r.out, "[kvtier] infinite: kvtier, context 600, sample 2/2: "), 1u) << r.out;
   EXPECT_EQ(CountLines(r.out, "[kvtier]"), 2u) << r.out;
-  r = Kvtier("infinite --quiet --weights " + Fixture("tiny_llama.safetensors") + " --context 600 --samples 2");
+  r = Kvtier("infinite --quiet --weights " + Fixture("tiny_llama.safetensors") +
+             " --context 600 --samples 2");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(r.out.find("[kvtier]"), std::string::npos) << r.out;
 }
@@ -991,8 +1071,10 @@ TEST(Cli, UserErrorsNameTheInputAndTheFix) {
       {"infinite --weights " + hf, "Hugging Face export"},
       {"infinite --weights " + plain, "pass --weights " + plain + "/tiny.safetensors"},
       {"infinite --weights " + empty, "holds no *.safetensors file"},
-      {"trace --weights " + plain + " --out " + dir.path() + "/t", "pass --weights " + plain + "/tiny.safetensors"},
-      {"run --json " + missing_dir + "/r.json", "--json: output file '" + missing_dir + "/r.json': the directory"},
+      {"trace --weights " + plain + " --out " + dir.path() + "/t",
+       "pass --weights " + plain + "/tiny.safetensors"},
+      {"run --json " + missing_dir + "/r.json",
+       "--json: output file '" + missing_dir + "/r.json': the directory"},
       {"run --json " + dir.path(), "is a directory"},
       {"stress --json " + missing_dir + "/r.json", "does not exist"},
       {"infinite --weights " + ShippedWeights() + " --json " + missing_dir + "/r.json", "does not exist"},
@@ -1044,9 +1126,10 @@ TEST(Cli, InterruptedRunRemovesItsTemporaryDirectory) {
   TempDir tmp;
   // Started in the background; SIGINT once its directory exists (the handler is in place by then).
   const std::string script =
-      "TMPDIR=" + tmp.path() + " " + KVTIER_BINARY_DIR + "/kvtier run --quiet --context 1048576 --geometry 2,4,2,32 "
-      ">/dev/null 2>&1 & pid=$!; for i in $(seq 200); do ls " + tmp.path() +
-      " | grep -q kvtier-run && break; sleep 0.05; done; kill -INT $pid; wait $pid; echo rc=$?";
+      "TMPDIR=" + tmp.path() + " " + KVTIER_BINARY_DIR +
+      "/kvtier run --quiet --context 1048576 --geometry 2,4,2,32 "
+      ">/dev/null 2>&1 & pid=$!; for i in $(seq 200); do ls " +
+      tmp.path() + " | grep -q kvtier-run && break; sleep 0.05; done; kill -INT $pid; wait $pid; echo rc=$?";
   Ran r;
   FILE* p = popen(script.c_str(), "r");
   ASSERT_NE(p, nullptr);

@@ -5,9 +5,8 @@
 //
 // Error metric: for every token, max |c++ - python| over the 256 logits divided
 // by max |python| of that row (the worst row is reported).
-#include "integration/model/llama.h"
-
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <cmath>
@@ -18,8 +17,7 @@
 #include <functional>
 #include <random>
 
-#include <sys/wait.h>
-
+#include "integration/model/llama.h"
 #include "integration/model/llama_device.h"
 #include "kernels/cpu/rope.h"
 #include "tests/test_util.h"
@@ -180,8 +178,8 @@ TEST_F(LlamaModelTest, DecodeEqualsPrefill) {
     auto l = dec->Decode(ref_.tokens[t]);
     ASSERT_TRUE(l.ok()) << l.status().ToString();
     worst = std::max(worst, RowRelError(l->data(), all->data() + static_cast<size_t>(t) * 256, 1));
-    EXPECT_EQ(LlamaSession::Argmax(*l), LlamaSession::Argmax(std::vector<float>(
-                                            all->begin() + t * 256, all->begin() + (t + 1) * 256)));
+    EXPECT_EQ(LlamaSession::Argmax(*l),
+              LlamaSession::Argmax(std::vector<float>(all->begin() + t * 256, all->begin() + (t + 1) * 256)));
   }
   RecordProperty("rel_error", Sci(worst));
   EXPECT_LE(worst, 1e-5) << "worst row relative error " << worst;
@@ -234,7 +232,8 @@ TEST_F(LlamaModelTest, RejectsBadCalls) {
   EXPECT_NE(too_wide.status().message().find("n_local"), std::string::npos) << too_wide.status().message();
   auto bad_token = s->Decode(300);
   ASSERT_FALSE(bad_token.ok());
-  EXPECT_NE(bad_token.status().message().find("vocabulary"), std::string::npos) << bad_token.status().message();
+  EXPECT_NE(bad_token.status().message().find("vocabulary"), std::string::npos)
+      << bad_token.status().message();
   EXPECT_TRUE(s->Decode(65).ok());  // a rejected call leaves the session usable
   EXPECT_EQ(s->position(), 1);
 }
@@ -251,8 +250,8 @@ std::vector<uint8_t> Image(const std::string& header, size_t data_bytes, uint64_
 }
 
 void WriteFile(const std::string& path, const std::vector<uint8_t>& bytes) {
-  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()),
-                                              static_cast<std::streamsize>(bytes.size()));
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
 }
 
 // Parsing fails with InvalidArgument naming the file and containing `what`.
@@ -297,11 +296,13 @@ TEST(SafeTensorsTest, MalformedFilesNameTheProblem) {
   ExpectBad(Image("{}", 0, 1000), "header length 1000 goes past the end");
   ExpectBad(Image(R"({"t":{"dtype":"F32",)", 8), "bad JSON");
   ExpectBad(Image(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}} x)", 8), "bad JSON");
-  ExpectBad(Image(R"({"t":{"dtype":"F64","shape":[2],"data_offsets":[0,16]}})", 16), "unsupported dtype 'F64'");
+  ExpectBad(Image(R"({"t":{"dtype":"F64","shape":[2],"data_offsets":[0,16]}})", 16),
+            "unsupported dtype 'F64'");
   ExpectBad(Image(R"({"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 12), "needs 12 bytes");
   ExpectBad(Image("{" + ok_tensor + "}", 4), "go past the data section");
   ExpectBad(Image(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", 8), "reversed");
-  ExpectBad(Image("{" + ok_tensor + R"(,"u":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12), "overlap");
+  ExpectBad(Image("{" + ok_tensor + R"(,"u":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12),
+            "overlap");
   ExpectBad(Image("{" + ok_tensor + "," + ok_tensor + "}", 8), "duplicate entry 't'");
   ExpectBad(Image(R"({"__metadata__":{"x":1}})", 0), "not a string");
   ExpectBad(Image(R"({"t":{"shape":[2],"data_offsets":[0,8]}})", 8), "\"dtype\"");
@@ -342,13 +343,15 @@ TEST(SafeTensorsTest, ModelChecksTensorsAndConfig) {
   auto m1 = LlamaModel::FromSafeTensors(missing);
   ASSERT_FALSE(m1.ok());
   EXPECT_EQ(m1.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(m1.status().message().find("'layers.1.wv' is missing"), std::string::npos) << m1.status().message();
+  EXPECT_NE(m1.status().message().find("'layers.1.wv' is missing"), std::string::npos)
+      << m1.status().message();
 
   SafeTensors shape = *base;
   shape.tensors.at("lm_head").shape = {128, 128};
   auto m2 = LlamaModel::FromSafeTensors(shape);
   ASSERT_FALSE(m2.ok());
-  EXPECT_NE(m2.status().message().find("'lm_head' has shape [128, 128], expected [256, 64]"), std::string::npos)
+  EXPECT_NE(m2.status().message().find("'lm_head' has shape [128, 128], expected [256, 64]"),
+            std::string::npos)
       << m2.status().message();
 
   SafeTensors cfg = *base;
@@ -513,17 +516,22 @@ TEST_F(LlamaModelTest, InfLLMPositionsApplyOnlyToMemory) {
   const int fits = o.n_sink + o.n_local;
   const double before = RowRelError(b->data(), a->data(), fits);
   const size_t skip = static_cast<size_t>(fits) * 256;
-  const double after = RowRelError(b->data() + skip, a->data() + skip, static_cast<int>(tokens.size()) - fits);
+  const double after =
+      RowRelError(b->data() + skip, a->data() + skip, static_cast<int>(tokens.size()) - fits);
   RecordProperty("rel_error_before_memory", Sci(before));
   RecordProperty("rel_error_with_memory", Sci(after));
   EXPECT_LE(before, 1e-6);
-  EXPECT_GT(after, 1e-4) << "memory keys must be rotated at the local window's start, not their true positions";
+  EXPECT_GT(after, 1e-4)
+      << "memory keys must be rotated at the local window's start, not their true positions";
   for (float v : *b) ASSERT_TRUE(std::isfinite(v));
 }
 
 // (9) Bad options get errors that name them.
 TEST_F(LlamaModelTest, BadRetrievalOptionsAreRejected) {
-  struct Case { RetrieverOptions r; std::string expect; };
+  struct Case {
+    RetrieverOptions r;
+    std::string expect;
+  };
   std::vector<Case> cases(5);
   cases[0].r.probe = "bogus";
   cases[0].expect = "probe";
@@ -586,19 +594,26 @@ std::string ShippedModelPath() {
 #ifdef KVTIER_SOURCE_DIR
   return std::string(KVTIER_SOURCE_DIR) + "/models/kvtier-tiny.safetensors";
 #else
-  return (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors").string();
+  return (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors")
+      .string();
 #endif
 }
 
 // Every tensor of a layout, with its name, in placement order.
 std::vector<std::pair<std::string, DeviceTensor>> Tensors(const DeviceWeightLayout& w) {
-  std::vector<std::pair<std::string, DeviceTensor>> t = {{"embed", w.embed}, {"final_norm", w.final_norm},
-                                                         {"lm_head", w.lm_head}};
+  std::vector<std::pair<std::string, DeviceTensor>> t = {
+      {"embed", w.embed}, {"final_norm", w.final_norm}, {"lm_head", w.lm_head}};
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const auto& L = w.layers[l];
     const std::string p = "layers." + std::to_string(l) + ".";
-    for (auto [n, d] : {std::pair{"attn_norm", L.attn_norm}, {"wq", L.wq}, {"wk", L.wk}, {"wv", L.wv},
-                        {"wo", L.wo}, {"mlp_norm", L.mlp_norm}, {"w_gate", L.w_gate}, {"w_up", L.w_up},
+    for (auto [n, d] : {std::pair{"attn_norm", L.attn_norm},
+                        {"wq", L.wq},
+                        {"wk", L.wk},
+                        {"wv", L.wv},
+                        {"wo", L.wo},
+                        {"mlp_norm", L.mlp_norm},
+                        {"w_gate", L.w_gate},
+                        {"w_up", L.w_up},
                         {"w_down", L.w_down}})
       t.emplace_back(p + n, d);
   }
@@ -705,9 +720,19 @@ TEST(DeviceForwardPlan, ActivationLayoutFitsTheLargestWindowInTheStoreDtype) {
     EXPECT_EQ(a->k_store.bytes, t == DType::kF32 ? 0 : m * kvd * 2);
     EXPECT_EQ(a->v_store.bytes, a->k_store.bytes);
     EXPECT_EQ(a->logits.bytes, m * 256 * 4);
-    ExpectPacked({{"tokens", a->tokens}, {"positions", a->positions}, {"x", a->x}, {"h", a->h}, {"q", a->q},
-                  {"k", a->k}, {"v", a->v}, {"att", a->att}, {"gate", a->gate}, {"up", a->up},
-                  {"k_store", a->k_store}, {"v_store", a->v_store}, {"logits", a->logits}},
+    ExpectPacked({{"tokens", a->tokens},
+                  {"positions", a->positions},
+                  {"x", a->x},
+                  {"h", a->h},
+                  {"q", a->q},
+                  {"k", a->k},
+                  {"v", a->v},
+                  {"att", a->att},
+                  {"gate", a->gate},
+                  {"up", a->up},
+                  {"k_store", a->k_store},
+                  {"v_store", a->v_store},
+                  {"logits", a->logits}},
                  a->total);
   }
   auto zero = PlanDeviceActivations(c, 0, DType::kF16);
@@ -717,7 +742,8 @@ TEST(DeviceForwardPlan, ActivationLayoutFitsTheLargestWindowInTheStoreDtype) {
       << zero.status().message();
   auto dtype = PlanDeviceActivations(c, 8, static_cast<DType>(5));
   ASSERT_FALSE(dtype.ok());
-  EXPECT_NE(dtype.status().message().find("f32, f16 or bf16 (got 5)"), std::string::npos) << dtype.status().message();
+  EXPECT_NE(dtype.status().message().find("f32, f16 or bf16 (got 5)"), std::string::npos)
+      << dtype.status().message();
   LlamaConfig broken = c;
   broken.kv_heads = 3;
   auto cfg = PlanDeviceActivations(broken, 8, DType::kF16);
@@ -732,16 +758,20 @@ TEST(DeviceForwardPlan, CreateRefusesAHostTierAndInfLLMPositions) {
   auto host = HostHotTier::Create(1 << 20, 4096);
   ASSERT_TRUE(host.ok()) << host.status().ToString();
   const std::vector<double> inv_freq = kernels::RopeInvFreq(c.head_dim(), c.rope_theta);
-  auto on_host = LlamaDeviceForward::Create(m->get(), host->get(), 64, DType::kF16, PositionMode::kAbsolute, inv_freq);
+  auto on_host =
+      LlamaDeviceForward::Create(m->get(), host->get(), 64, DType::kF16, PositionMode::kAbsolute, inv_freq);
   ASSERT_FALSE(on_host.ok());
   EXPECT_EQ(on_host.status().code(), StatusCode::kUnavailable) << on_host.status().ToString();
-  EXPECT_NE(on_host.status().message().find("no CUDA device"), std::string::npos) << on_host.status().message();
+  EXPECT_NE(on_host.status().message().find("no CUDA device"), std::string::npos)
+      << on_host.status().message();
 #if KVTIER_HAVE_CUDA
   // A CUDA build checks the positions first: the refusal names them, device or not.
-  auto infllm = LlamaDeviceForward::Create(m->get(), host->get(), 64, DType::kF16, PositionMode::kInfLLM, inv_freq);
+  auto infllm =
+      LlamaDeviceForward::Create(m->get(), host->get(), 64, DType::kF16, PositionMode::kInfLLM, inv_freq);
   ASSERT_FALSE(infllm.ok());
   EXPECT_EQ(infllm.status().code(), StatusCode::kInvalidArgument) << infllm.status().ToString();
-  EXPECT_NE(infllm.status().message().find("positions 'infllm'"), std::string::npos) << infllm.status().message();
+  EXPECT_NE(infllm.status().message().find("positions 'infllm'"), std::string::npos)
+      << infllm.status().message();
 #endif
 }
 
@@ -763,7 +793,8 @@ TEST(DeviceForward, SessionOnACudaTierWithoutADeviceIsUnavailable) {
   if (HaveCudaDevice()) GTEST_SKIP() << "a CUDA device is present: DeviceForwardMatchesCpuForward covers it";
   auto m = LlamaModel::Load(ShippedModelPath());
   ASSERT_TRUE(m.ok()) << m.status().ToString();
-  auto s = LlamaSession::Create(m->get(), DeviceOptions((*m)->config(), DType::kF16, Device::kCuda), PositionMode::kAbsolute);
+  auto s = LlamaSession::Create(m->get(), DeviceOptions((*m)->config(), DType::kF16, Device::kCuda),
+                                PositionMode::kAbsolute);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status().ToString();
   // A CUDA build without a device says so; a build without CUDA does not know the tier name.
@@ -789,7 +820,8 @@ std::string RunKvtierCli(const std::string& args, int* code) {
 }
 
 TEST(DeviceForward, InfiniteOnCudaSaysWhyItCannotRun) {
-  const std::string base = "infinite --weights " + ShippedModelPath() + " --task passkey --context 1024 --samples 1 "
+  const std::string base = "infinite --weights " + ShippedModelPath() +
+                           " --task passkey --context 1024 --samples 1 "
                            "--quiet --device cuda";
   // What the device forward does not take is a usage error on any machine, named.
   int code = -1;
@@ -816,14 +848,15 @@ std::unique_ptr<LlamaModel> RandomModel(uint32_t seed) {
   const LlamaConfig c{256, 256, 2, 4, 2, 512, 10000.0, 1e-5};
   SafeTensors st;
   st.path = "random-head64";
-  st.metadata = {{"model", "kvtier-llama"},       {"vocab", "256"},         {"d_model", "256"},
-                 {"n_layers", "2"},               {"q_heads", "4"},         {"kv_heads", "2"},
-                 {"ffn_hidden", "512"},           {"rope_theta", "10000.0"}, {"norm_eps", "1e-05"}};
+  st.metadata = {{"model", "kvtier-llama"}, {"vocab", "256"},          {"d_model", "256"},
+                 {"n_layers", "2"},         {"q_heads", "4"},          {"kv_heads", "2"},
+                 {"ffn_hidden", "512"},     {"rope_theta", "10000.0"}, {"norm_eps", "1e-05"}};
   std::mt19937 rng(seed);
   auto add = [&](const std::string& name, std::vector<int64_t> shape, bool norm) {
     int64_t n = 1;
     for (int64_t s : shape) n *= s;
-    std::normal_distribution<float> nd(norm ? 1.0f : 0.0f, norm ? 0.1f : 1.0f / std::sqrt(float(shape.back())));
+    std::normal_distribution<float> nd(norm ? 1.0f : 0.0f,
+                                       norm ? 0.1f : 1.0f / std::sqrt(float(shape.back())));
     TensorInfo t;
     t.dtype = DType::kF32;
     t.shape = shape;

@@ -59,7 +59,8 @@ TEST(Stress, ScoreDrivenDemotionWhileScoresChange) {
   auto rep = RunStress(o);
   ASSERT_TRUE(rep.ok()) << rep.status().ToString();
   EXPECT_EQ(rep->errors, 0u) << rep->first_error;
-  EXPECT_EQ(rep->verified_after_reopen, static_cast<uint64_t>(o.sequences) * o.store.geometry.layers * o.tokens);
+  EXPECT_EQ(rep->verified_after_reopen,
+            static_cast<uint64_t>(o.sequences) * o.store.geometry.layers * o.tokens);
 }
 
 // The race itself, with nothing else in the way: one thread seals chunks (each sealed chunk's
@@ -106,7 +107,8 @@ TEST(Stress, ScoresSetWhileChunksAreWrittenThrough) {
   ASSERT_FALSE(chunks->empty());
   for (const ChunkInfo& c : *chunks) {
     // 0 (never scored before its write) or one of the values the scorer sets: k / 8, k < 1000.
-    EXPECT_TRUE(c.score >= 0.0f && c.score < 125.0f && c.score * 8.0f == static_cast<float>(static_cast<int>(c.score * 8.0f)))
+    EXPECT_TRUE(c.score >= 0.0f && c.score < 125.0f &&
+                c.score * 8.0f == static_cast<float>(static_cast<int>(c.score * 8.0f)))
         << c.key.ToString() << " score " << c.score;
   }
 }

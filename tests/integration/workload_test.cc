@@ -1,5 +1,7 @@
 // Tests of integration/workload (the synthetic ∞-Bench-like generator),
 // integration/json (the report writer) and integration/sysinfo.
+#include "integration/workload.h"
+
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
@@ -14,7 +16,6 @@
 
 #include "integration/json.h"
 #include "integration/sysinfo.h"
-#include "integration/workload.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -120,7 +121,7 @@ TEST(Workload, NullOutputsAreSkippedAndOthersUnchanged) {
   EXPECT_TRUE(SameBytes(all.k, k));
   EXPECT_TRUE(SameBytes(all.q, q));
   EXPECT_TRUE(SameBytes(all.v, v));
-  w.Generate(1, b, e, nullptr, nullptr, nullptr);  // nothing to do
+  w.Generate(1, b, e, nullptr, nullptr, nullptr);     // nothing to do
   w.Generate(1, b, b, q.data(), k.data(), v.data());  // empty range
 }
 
@@ -148,7 +149,11 @@ TEST(Workload, NoiseIsStandardised) {
   std::vector<float> v(static_cast<size_t>(3000) * g.token_elems());
   w.Generate(0, 100, 3100, nullptr, nullptr, v.data());  // filler only (the needle sits near 4096)
   double s = 0, ss = 0, s4 = 0;
-  for (float x : v) { s += x; ss += double(x) * x; s4 += double(x) * x * x * x; }
+  for (float x : v) {
+    s += x;
+    ss += double(x) * x;
+    s4 += double(x) * x * x * x;
+  }
   const double n = static_cast<double>(v.size()), mean = s / n, var = ss / n - mean * mean;
   EXPECT_NEAR(mean, 0.0, 0.01);
   EXPECT_NEAR(var, 1.0, 0.02);
@@ -209,14 +214,24 @@ TEST(Workload, ValidateNamesTheBadField) {
       {"needle_depth", [](WorkloadOptions& o) { o.needle_depth = std::nan(""); }},
       {"context", [](WorkloadOptions& o) { o.context = o.question_len; }},
       {"context", [](WorkloadOptions& o) { o.context = 0; }},
-      {"context", [](WorkloadOptions& o) { o.context = 40; o.question_len = 36; o.sink_tokens = 4; }},
+      {"context",
+       [](WorkloadOptions& o) {
+         o.context = 40;
+         o.question_len = 36;
+         o.sink_tokens = 4;
+       }},
       {"question_len", [](WorkloadOptions& o) { o.question_len = -1; }},
       {"decode_steps", [](WorkloadOptions& o) { o.decode_steps = -1; }},
       {"needle_count", [](WorkloadOptions& o) { o.needle_count = 0; }},
       {"needle_len", [](WorkloadOptions& o) { o.needle_len = 0; }},
-      {"needle_len", [](WorkloadOptions& o) { o.needle_len = 5000; }},          // does not fit before the question window
-      {"needle_len", [](WorkloadOptions& o) { o.needle_depth = 0.999; }},       // pushed into the question window
-      {"needle_count", [](WorkloadOptions& o) { o.needle_count = 1000; o.needle_depth = 0.9; }},  // overlap
+      {"needle_len",
+       [](WorkloadOptions& o) { o.needle_len = 5000; }},  // does not fit before the question window
+      {"needle_len", [](WorkloadOptions& o) { o.needle_depth = 0.999; }},  // pushed into the question window
+      {"needle_count",
+       [](WorkloadOptions& o) {
+         o.needle_count = 1000;
+         o.needle_depth = 0.9;
+       }},  // overlap
       {"anchor_strength", [](WorkloadOptions& o) { o.anchor_strength = -1; }},
       {"noise", [](WorkloadOptions& o) { o.noise = std::numeric_limits<float>::infinity(); }},
       {"sink_strength", [](WorkloadOptions& o) { o.sink_strength = -2; }},
@@ -237,7 +252,8 @@ TEST(Workload, ValidateNamesTheBadField) {
     c.mutate(o);
     const Status s = o.Validate();
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << c.field;
-    EXPECT_NE(s.message().find(c.field), std::string::npos) << "expected '" << c.field << "' in: " << s.message();
+    EXPECT_NE(s.message().find(c.field), std::string::npos)
+        << "expected '" << c.field << "' in: " << s.message();
     auto w = Workload::Create(SmallGeometry(), o);
     EXPECT_FALSE(w.ok()) << c.field;
   }
@@ -284,7 +300,8 @@ TEST(Workload, RopeRotatesPairsByAbsolutePosition) {
           const double ex = yr[p] * std::cos(th) - yr[p + P] * std::sin(th);
           const double ey = yr[p] * std::sin(th) + yr[p + P] * std::cos(th);
           const double norm = std::hypot(yr[p], yr[p + P]);
-          EXPECT_NEAR(std::hypot(xr[p], xr[p + P]), norm, 1e-5 * (1 + norm)) << "pos " << pos << " pair " << p;
+          EXPECT_NEAR(std::hypot(xr[p], xr[p + P]), norm, 1e-5 * (1 + norm))
+              << "pos " << pos << " pair " << p;
           EXPECT_NEAR(xr[p], ex, 2e-5 * (1 + norm)) << "pos " << pos << " pair " << p;
           EXPECT_NEAR(xr[p + P], ey, 2e-5 * (1 + norm)) << "pos " << pos << " pair " << p;
         }
@@ -303,11 +320,12 @@ TEST(Workload, RopeRotatesPairsByAbsolutePosition) {
 // ---- attention structure (naive full softmax) ------------------------------------
 
 struct AttentionStats {
-  double needle_share = 0;      // seekers: mass on the sought needle's tokens
-  double best_other_block = 0;  // seekers: largest mass on any other needle_len-aligned block (sinks excluded)
+  double needle_share = 0;  // seekers: mass on the sought needle's tokens
+  double best_other_block =
+      0;  // seekers: largest mass on any other needle_len-aligned block (sinks excluded)
   double seeker_sink_share = 0;
   double filler_sink_share = 0;
-  double local_over_far = 0;    // filler: per-token mass within topic_len / per-token mass beyond 4*topic_len
+  double local_over_far = 0;  // filler: per-token mass within topic_len / per-token mass beyond 4*topic_len
   int seekers = 0, fillers = 0;
 };
 
@@ -365,7 +383,8 @@ AttentionStats MeasureAttention(const Workload& w, int seeker_stride = 1, int fi
         } else {
           double local = 0, far = 0;
           int64_t nl = 0, nf = 0;
-          for (int64_t t = std::max<int64_t>(o.sink_tokens, pos - o.topic_len); t <= pos; ++t, ++nl) local += p[t];
+          for (int64_t t = std::max<int64_t>(o.sink_tokens, pos - o.topic_len); t <= pos; ++t, ++nl)
+            local += p[t];
           for (int64_t t = o.sink_tokens; t < pos - 4 * o.topic_len; ++t, ++nf) far += p[t];
           st.filler_sink_share += sink;
           local_per += local / nl;
@@ -389,10 +408,11 @@ TEST(Workload, AttentionStructureAt8K) {
   o.context = 8192;
   const Workload w = MakeWorkload(g, o);
   const AttentionStats st = MeasureAttention(w);
-  std::printf("[workload 8K, D=64, default knobs] seekers: needle share %.3f, best other %d-token block %.4f, "
-              "sinks %.3f | filler queries: sinks %.3f, per-token local/far %.1f\n",
-              st.needle_share, o.needle_len, st.best_other_block, st.seeker_sink_share, st.filler_sink_share,
-              st.local_over_far);
+  std::printf(
+      "[workload 8K, D=64, default knobs] seekers: needle share %.3f, best other %d-token block %.4f, "
+      "sinks %.3f | filler queries: sinks %.3f, per-token local/far %.1f\n",
+      st.needle_share, o.needle_len, st.best_other_block, st.seeker_sink_share, st.filler_sink_share,
+      st.local_over_far);
   ::testing::Test::RecordProperty("needle_share_8k", std::to_string(st.needle_share));
   // The needle gets the largest share of the question/decode queries' mass ...
   EXPECT_GT(st.needle_share, 0.3);
@@ -412,11 +432,14 @@ TEST(Workload, NeedleShareAt128K) {
     const Geometry g = SmallGeometry(1, 4, 2, head_dim);
     const WorkloadOptions o;  // defaults: 128K context, needle at depth 0.5
     const AttentionStats st = MeasureAttention(MakeWorkload(g, o), /*seeker_stride=*/8, /*fillers=*/4);
-    std::printf("[workload 128K, D=%d, default knobs] seekers: needle share %.3f, best other block %.4f, sinks %.3f | "
-                "filler queries: sinks %.3f, per-token local/far %.1f\n",
-                head_dim, st.needle_share, st.best_other_block, st.seeker_sink_share, st.filler_sink_share,
-                st.local_over_far);
-    ::testing::Test::RecordProperty("needle_share_128k_d" + std::to_string(head_dim), std::to_string(st.needle_share));
+    std::printf(
+        "[workload 128K, D=%d, default knobs] seekers: needle share %.3f, best other block %.4f, sinks %.3f "
+        "| "
+        "filler queries: sinks %.3f, per-token local/far %.1f\n",
+        head_dim, st.needle_share, st.best_other_block, st.seeker_sink_share, st.filler_sink_share,
+        st.local_over_far);
+    ::testing::Test::RecordProperty("needle_share_128k_d" + std::to_string(head_dim),
+                                    std::to_string(st.needle_share));
     EXPECT_GT(st.needle_share, 0.2) << "D=" << head_dim;
     EXPECT_LT(st.needle_share, 0.6) << "D=" << head_dim;
     EXPECT_GT(st.needle_share, 5 * st.best_other_block) << "D=" << head_dim;
@@ -453,7 +476,11 @@ TEST(Workload, NeedleValuesCarryTheirDirection) {
         m1[d] += v1[(j * g.kv_heads + h) * g.head_dim + d] / o.needle_len;
       }
     double n0 = 0, n1 = 0, dot = 0;
-    for (int d = 0; d < g.head_dim; ++d) { n0 += m0[d] * m0[d]; n1 += m1[d] * m1[d]; dot += m0[d] * m1[d]; }
+    for (int d = 0; d < g.head_dim; ++d) {
+      n0 += m0[d] * m0[d];
+      n1 += m1[d] * m1[d];
+      dot += m0[d] * m1[d];
+    }
     EXPECT_GT(std::sqrt(n0), 0.8 * std::sqrt(double(g.head_dim)));
     EXPECT_LT(std::abs(dot) / std::sqrt(n0 * n1), 0.5);  // distinct needles, distinct directions
   }
@@ -465,19 +492,38 @@ TEST(JsonWriter, CompactNesting) {
   JsonWriter w;
   w.BeginObject();
   w.Key("quality").BeginObject().Key("needle_hit_rate").Double(0.93).Key("n").Int(-7).EndObject();
-  w.Key("list").BeginArray().Int(1).String("a").Bool(true).Bool(false).Null().BeginArray().EndArray().BeginObject()
-      .EndObject().EndArray();
+  w.Key("list")
+      .BeginArray()
+      .Int(1)
+      .String("a")
+      .Bool(true)
+      .Bool(false)
+      .Null()
+      .BeginArray()
+      .EndArray()
+      .BeginObject()
+      .EndObject()
+      .EndArray();
   w.Key("u").Uint(18446744073709551615ull);
   w.EndObject();
   EXPECT_TRUE(w.complete());
-  EXPECT_EQ(w.str(),
-            R"({"quality":{"needle_hit_rate":0.93,"n":-7},"list":[1,"a",true,false,null,[],{}],)"
-            R"("u":18446744073709551615})");
+  EXPECT_EQ(w.str(), R"({"quality":{"needle_hit_rate":0.93,"n":-7},"list":[1,"a",true,false,null,[],{}],)"
+                     R"("u":18446744073709551615})");
 }
 
 TEST(JsonWriter, Pretty) {
   JsonWriter w(/*pretty=*/true, 2);
-  w.BeginObject().Key("a").Int(1).Key("b").BeginArray().Int(2).Int(3).EndArray().Key("c").BeginObject().EndObject()
+  w.BeginObject()
+      .Key("a")
+      .Int(1)
+      .Key("b")
+      .BeginArray()
+      .Int(2)
+      .Int(3)
+      .EndArray()
+      .Key("c")
+      .BeginObject()
+      .EndObject()
       .EndObject();
   EXPECT_EQ(w.str(), "{\n  \"a\": 1,\n  \"b\": [\n    2,\n    3\n  ],\n  \"c\": {}\n}");
   EXPECT_TRUE(w.complete());
@@ -490,7 +536,8 @@ TEST(JsonWriter, Escaping) {
   // DEL (0x7f) needs no escape in JSON, and nlohmann writes it as it is.
   EXPECT_EQ(JsonWriter::Quote(std::string("\x01\x1f\x7f", 3)), "\"\\u0001\\u001f\x7f\"");
   EXPECT_EQ(JsonWriter::Quote(std::string("a\0b", 3)), "\"a\\u0000b\"");
-  EXPECT_EQ(JsonWriter::Quote("h\xC3\xA9llo \xE2\x88\x9E"), "\"h\xC3\xA9llo \xE2\x88\x9E\"");  // UTF-8 passes through
+  EXPECT_EQ(JsonWriter::Quote("h\xC3\xA9llo \xE2\x88\x9E"),
+            "\"h\xC3\xA9llo \xE2\x88\x9E\"");                    // UTF-8 passes through
   EXPECT_EQ(JsonWriter::Quote("a\xFFz"), "\"a\xEF\xBF\xBDz\"");  // invalid UTF-8: U+FFFD, not an exception
   JsonWriter w;
   w.BeginObject().Key("k\"ey").String("v\nal").EndObject();
@@ -550,8 +597,9 @@ TEST(JsonWriter, MisuseIsFlagged) {
 // ---- sysinfo -----------------------------------------------------------------------
 
 TEST(SysInfo, PeakRssFollowsMappedMemory) {
-  KVTIER_SKIP_UNDER_SANITIZER("RSS includes the sanitizer's shadow memory and allocator quarantine, which "
-                              "grow on their own between two readings");
+  KVTIER_SKIP_UNDER_SANITIZER(
+      "RSS includes the sanitizer's shadow memory and allocator quarantine, which "
+      "grow on their own between two readings");
   const uint64_t cur = CurrentRssBytes(), peak = PeakRssBytes();
   EXPECT_GT(cur, 0u);
   EXPECT_GE(peak, cur);

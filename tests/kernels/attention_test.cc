@@ -36,9 +36,9 @@ struct PartData {
   int n = 0;
   int64_t pos0 = 0;
   bool want_mass = false;
-  std::vector<uint8_t> k, v;   // storage bytes [n, kv_heads, head_dim]
-  std::vector<float> kf, vf;   // the same values decoded to fp32 (what the kernel sees)
-  std::vector<float> mass;     // [kv_heads, n]
+  std::vector<uint8_t> k, v;  // storage bytes [n, kv_heads, head_dim]
+  std::vector<float> kf, vf;  // the same values decoded to fp32 (what the kernel sees)
+  std::vector<float> mass;    // [kv_heads, n]
 };
 
 struct Problem {
@@ -116,7 +116,8 @@ Ref Naive(const Problem& pb) {
           s[j] = -kInf;
           continue;
         }
-        const float* k = p.kf.data() + static_cast<size_t>(keys[j].t) * pb.RowLen() + static_cast<size_t>(g) * D;
+        const float* k =
+            p.kf.data() + static_cast<size_t>(keys[j].t) * pb.RowLen() + static_cast<size_t>(g) * D;
         double dot = 0;
         for (int d = 0; d < D; ++d) dot += static_cast<double>(q[d]) * k[d];
         s[j] = dot * pb.scale;
@@ -131,7 +132,8 @@ Ref Naive(const Problem& pb) {
         if (s[j] == -kInf) continue;
         const double pj = std::exp(s[j] - mx) / sum;
         const PartData& p = pb.parts[keys[j].part];
-        const float* v = p.vf.data() + static_cast<size_t>(keys[j].t) * pb.RowLen() + static_cast<size_t>(g) * D;
+        const float* v =
+            p.vf.data() + static_cast<size_t>(keys[j].t) * pb.RowLen() + static_cast<size_t>(g) * D;
         for (int d = 0; d < D; ++d) o[d] += pj * v[d];
         r.mass[keys[j].part][static_cast<size_t>(g) * p.n + keys[j].t] += pj;
       }
@@ -334,12 +336,13 @@ std::vector<Shape> SweepShapes() {
 INSTANTIATE_TEST_SUITE_P(AttentionSweep, AttentionShapes, testing::ValuesIn(SweepShapes()), ShapeName);
 
 // Head dims that are not a multiple of the SIMD width, and odd GQA groups.
-INSTANTIATE_TEST_SUITE_P(AttentionOddDims, AttentionShapes,
-                         testing::Values(Shape{1, 8, 3, DType::kF32, true}, Shape{2, 40, 5, DType::kF16, false},
-                                         Shape{3, 80, 17, DType::kBF16, true}, Shape{4, 96, 1, DType::kF32, true},
-                                         Shape{1, 200, 9, DType::kF32, true}, Shape{5, 17, 2, DType::kF16, true},
-                                         Shape{2, 256, 4, DType::kBF16, false}),
-                         ShapeName);
+INSTANTIATE_TEST_SUITE_P(
+    AttentionOddDims, AttentionShapes,
+    testing::Values(Shape{1, 8, 3, DType::kF32, true}, Shape{2, 40, 5, DType::kF16, false},
+                    Shape{3, 80, 17, DType::kBF16, true}, Shape{4, 96, 1, DType::kF32, true},
+                    Shape{1, 200, 9, DType::kF32, true}, Shape{5, 17, 2, DType::kF16, true},
+                    Shape{2, 256, 4, DType::kBF16, false}),
+    ShapeName);
 
 // ---------------------------------------------------------------------------
 // Long contexts (exercise split-K and its LSE merge) under several thread counts.
@@ -352,7 +355,8 @@ struct LongCase {
 };
 
 void PrintTo(const LongCase& c, std::ostream* os) {
-  *os << "{m " << c.m << ", " << DTypeName(c.dt) << ", kv_heads " << c.kv_heads << ", threads " << c.threads << "}";
+  *os << "{m " << c.m << ", " << DTypeName(c.dt) << ", kv_heads " << c.kv_heads << ", threads " << c.threads
+      << "}";
 }
 
 class AttentionLong : public testing::TestWithParam<LongCase> {};
@@ -586,7 +590,8 @@ TEST(AttentionMisc, ConcurrentCallersGetIndependentResults) {
   for (int t = 0; t < 4; ++t)
     threads.emplace_back([&, t] {
       Problem local = pb;  // own copy (RunKernel writes mass through it)
-      for (int rep = 0; rep < 20; ++rep) results[t] = RunKernel(local, Shuffled(local.parts.size(), t * 100 + rep));
+      for (int rep = 0; rep < 20; ++rep)
+        results[t] = RunKernel(local, Shuffled(local.parts.size(), t * 100 + rep));
     });
   for (auto& th : threads) th.join();
   for (const Result& r : results) ExpectMatches(pb, r, ref);

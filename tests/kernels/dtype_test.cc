@@ -31,25 +31,25 @@ TEST(Dtype, F16ExactPatterns) {
   EXPECT_EQ(FloatToF16(1.0f), 0x3c00);
   EXPECT_EQ(FloatToF16(-2.0f), 0xc000);
   EXPECT_EQ(FloatToF16(0.5f), 0x3800);
-  EXPECT_EQ(FloatToF16(65504.0f), 0x7bff);                   // largest finite
+  EXPECT_EQ(FloatToF16(65504.0f), 0x7bff);  // largest finite
   EXPECT_EQ(FloatToF16(-65504.0f), 0xfbff);
-  EXPECT_EQ(FloatToF16(65519.0f), 0x7bff);                   // below the tie: rounds down
-  EXPECT_EQ(FloatToF16(65520.0f), 0x7c00);                   // tie with 2^16 -> even -> inf
+  EXPECT_EQ(FloatToF16(65519.0f), 0x7bff);  // below the tie: rounds down
+  EXPECT_EQ(FloatToF16(65520.0f), 0x7c00);  // tie with 2^16 -> even -> inf
   EXPECT_EQ(FloatToF16(-65520.0f), 0xfc00);
   EXPECT_EQ(FloatToF16(1e10f), 0x7c00);
   EXPECT_EQ(FloatToF16(std::numeric_limits<float>::infinity()), 0x7c00);
   EXPECT_EQ(FloatToF16(-std::numeric_limits<float>::infinity()), 0xfc00);
-  EXPECT_EQ(FloatToF16(Pow2(-14)), 0x0400);                  // smallest normal
-  EXPECT_EQ(FloatToF16(Pow2(-24)), 0x0001);                  // smallest subnormal
+  EXPECT_EQ(FloatToF16(Pow2(-14)), 0x0400);  // smallest normal
+  EXPECT_EQ(FloatToF16(Pow2(-24)), 0x0001);  // smallest subnormal
   EXPECT_EQ(FloatToF16(-Pow2(-24)), 0x8001);
-  EXPECT_EQ(FloatToF16(Pow2(-25)), 0x0000);                  // tie between 0 and 1 ulp -> even (0)
+  EXPECT_EQ(FloatToF16(Pow2(-25)), 0x0000);  // tie between 0 and 1 ulp -> even (0)
   EXPECT_EQ(FloatToF16(-Pow2(-25)), 0x8000);
-  EXPECT_EQ(FloatToF16(3 * Pow2(-25)), 0x0002);              // tie between 1 and 2 ulp -> even (2)
-  EXPECT_EQ(FloatToF16(5 * Pow2(-25)), 0x0002);              // tie between 2 and 3 ulp -> even (2)
-  EXPECT_EQ(FloatToF16(Pow2(-25) * 1.0001f), 0x0001);        // just above the tie
-  EXPECT_EQ(FloatToF16(Pow2(-30)), 0x0000);                  // underflow to zero
-  EXPECT_EQ(FloatToF16(1023 * Pow2(-24)), 0x03ff);           // largest subnormal
-  EXPECT_EQ(FloatToF16(Pow2(-14) - Pow2(-25)), 0x0400);      // rounds up into the normal range
+  EXPECT_EQ(FloatToF16(3 * Pow2(-25)), 0x0002);          // tie between 1 and 2 ulp -> even (2)
+  EXPECT_EQ(FloatToF16(5 * Pow2(-25)), 0x0002);          // tie between 2 and 3 ulp -> even (2)
+  EXPECT_EQ(FloatToF16(Pow2(-25) * 1.0001f), 0x0001);    // just above the tie
+  EXPECT_EQ(FloatToF16(Pow2(-30)), 0x0000);              // underflow to zero
+  EXPECT_EQ(FloatToF16(1023 * Pow2(-24)), 0x03ff);       // largest subnormal
+  EXPECT_EQ(FloatToF16(Pow2(-14) - Pow2(-25)), 0x0400);  // rounds up into the normal range
   EXPECT_EQ(FloatToF16(std::numeric_limits<float>::denorm_min()), 0x0000);
 }
 
@@ -163,8 +163,17 @@ TEST(Dtype, Bf16RoundTripEveryPattern) {
 }
 
 TEST(Dtype, ArrayConversions) {
-  const std::vector<float> src = {1.0f, -2.0f, 65504.0f, 65520.0f, Pow2(-24), Pow2(-25), 3 * Pow2(-25),
-                                  1.0f + Pow2(-11), 1.0f + 3 * Pow2(-11), 0.1f, -0.0f};
+  const std::vector<float> src = {1.0f,
+                                  -2.0f,
+                                  65504.0f,
+                                  65520.0f,
+                                  Pow2(-24),
+                                  Pow2(-25),
+                                  3 * Pow2(-25),
+                                  1.0f + Pow2(-11),
+                                  1.0f + 3 * Pow2(-11),
+                                  0.1f,
+                                  -0.0f};
   const size_t n = src.size();
 
   std::vector<uint16_t> h(n);
@@ -220,9 +229,9 @@ TEST(Dtype, ParseDType) {
     const char* name;
     DType want;
   };
-  const Case ok[] = {{"f32", DType::kF32},  {"fp32", DType::kF32},      {"float32", DType::kF32},
-                     {"f16", DType::kF16},  {"fp16", DType::kF16},      {"float16", DType::kF16},
-                     {"half", DType::kF16}, {"bf16", DType::kBF16},     {"bfloat16", DType::kBF16}};
+  const Case ok[] = {{"f32", DType::kF32},  {"fp32", DType::kF32},  {"float32", DType::kF32},
+                     {"f16", DType::kF16},  {"fp16", DType::kF16},  {"float16", DType::kF16},
+                     {"half", DType::kF16}, {"bf16", DType::kBF16}, {"bfloat16", DType::kBF16}};
   for (const Case& c : ok) {
     t = c.want == DType::kF32 ? DType::kBF16 : DType::kF32;  // something else
     EXPECT_TRUE(ParseDType(c.name, &t)) << c.name;

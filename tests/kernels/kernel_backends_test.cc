@@ -62,7 +62,8 @@ template <class T>
   for (size_t i = 0; i < got.size(); ++i) {
     if (std::isnan(got[i])) return ::testing::AssertionFailure() << what << ": NaN at " << i;
     if (std::isinf(want[i]) || std::isinf(got[i])) {
-      if (got[i] != want[i]) return ::testing::AssertionFailure() << what << ": " << got[i] << " vs " << want[i] << " at " << i;
+      if (got[i] != want[i])
+        return ::testing::AssertionFailure() << what << ": " << got[i] << " vs " << want[i] << " at " << i;
       continue;
     }
     mag = std::max(mag, std::fabs(want[i]));
@@ -71,8 +72,8 @@ template <class T>
   }
   const double rel = err / (mag > 0.0 ? mag : 1.0);
   if (rel <= tol) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": relative error " << rel << " > " << tol << " at " << worst << " ("
-                                       << got[worst] << " vs " << want[worst] << ")";
+  return ::testing::AssertionFailure() << what << ": relative error " << rel << " > " << tol << " at "
+                                       << worst << " (" << got[worst] << " vs " << want[worst] << ")";
 }
 
 std::vector<double> ToDouble(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
@@ -93,7 +94,9 @@ class DeviceArena {
     return d;
   }
   template <class T>
-  T* Put(const std::vector<T>& v) { return Put(v.data(), v.size()); }
+  T* Put(const std::vector<T>& v) {
+    return Put(v.data(), v.size());
+  }
   template <class T>
   T* Alloc(size_t n) {
     void* p = nullptr;
@@ -136,9 +139,9 @@ class KernelBackends : public ::testing::TestWithParam<Backend> {
 struct AttnShape {
   int q_heads, kv_heads, head_dim;
   DType dt;
-  int m;            // queries
-  int n_slots;      // selected chunks
-  bool ragged;      // slots partly filled
+  int m;        // queries
+  int n_slots;  // selected chunks
+  bool ragged;  // slots partly filled
   bool causal;
   bool mass;
   int slot_tokens = 16;   // tokens per slot
@@ -160,7 +163,11 @@ struct AttnProblem {
   int slot_tokens = 16, pool_slots = 0;
   std::vector<float> q;
   std::vector<int64_t> qpos;
-  struct Run { std::vector<uint8_t> k, v; int n; int64_t pos0; };
+  struct Run {
+    std::vector<uint8_t> k, v;
+    int n;
+    int64_t pos0;
+  };
   std::vector<Run> dense;               // sinks, local (two runs: a wrapped ring)
   std::vector<uint8_t> pool_k, pool_v;  // [pool_slots, slot_tokens, kv_heads, head_dim]
   std::vector<int32_t> slot_index, slot_n;
@@ -257,7 +264,11 @@ void ReferenceAttention(const AttnProblem& P, std::vector<double>* out, std::vec
                         std::vector<double>* mass /* dense runs then slots, in the twin's mass layouts */) {
   const AttnShape& s = P.s;
   const int D = s.head_dim, G = s.q_heads / s.kv_heads;
-  struct Key { std::vector<float> k, v; int64_t pos; size_t mass_at; };  // one kv head's row per key
+  struct Key {
+    std::vector<float> k, v;
+    int64_t pos;
+    size_t mass_at;
+  };  // one kv head's row per key
   std::vector<std::vector<Key>> keys(s.kv_heads);
   size_t mass_base = 0;
   auto add = [&](const uint8_t* kb, const uint8_t* vb, int n, int64_t pos0, int stride_tokens) {
@@ -278,8 +289,8 @@ void ReferenceAttention(const AttnProblem& P, std::vector<double>* out, std::vec
   for (const auto& r : P.dense) add(r.k.data(), r.v.data(), r.n, r.pos0, r.n);
   const size_t slot_bytes = static_cast<size_t>(P.slot_tokens) * P.Row() * DTypeSize(s.dt);
   for (size_t i = 0; i < P.slot_index.size(); ++i)
-    add(P.pool_k.data() + P.slot_index[i] * slot_bytes, P.pool_v.data() + P.slot_index[i] * slot_bytes, P.slot_n[i],
-        P.slot_pos[i], P.slot_tokens);
+    add(P.pool_k.data() + P.slot_index[i] * slot_bytes, P.pool_v.data() + P.slot_index[i] * slot_bytes,
+        P.slot_n[i], P.slot_pos[i], P.slot_tokens);
   out->assign(static_cast<size_t>(s.m) * s.q_heads * D, 0.0);
   lse->assign(static_cast<size_t>(s.m) * s.q_heads, 0.0);
   mass->assign(mass_base, 0.0);
@@ -346,7 +357,8 @@ TEST_P(KernelBackends, SlotAttentionMatchesReference) {
     const size_t n_lse = static_cast<size_t>(shape.m) * shape.q_heads;
     std::vector<float> out(n_out, kNaN), lse(n_lse, kNaN);
     std::vector<std::vector<float>> dmass;
-    for (const auto& r : P.dense) dmass.emplace_back(static_cast<size_t>(shape.kv_heads) * r.n, shape.mass ? 0.0f : kNaN);
+    for (const auto& r : P.dense)
+      dmass.emplace_back(static_cast<size_t>(shape.kv_heads) * r.n, shape.mass ? 0.0f : kNaN);
     std::vector<float> smass(static_cast<size_t>(shape.n_slots) * shape.kv_heads * P.slot_tokens, 0.0f);
     SlotAttentionParams p =
         P.Params(0, shape.n_slots, &out, &lse, shape.mass ? &dmass : nullptr, shape.mass ? &smass : nullptr);
@@ -396,8 +408,10 @@ TEST_P(KernelBackends, SlotAttentionMatchesReference) {
     d.lse = dev.Put(std::vector<float>(n_lse, kNaN));
     const size_t ws_bytes = cuda::SlotAttentionWorkspaceBytes(d);
     void* ws = ws_bytes ? dev.Alloc<char>(ws_bytes) : nullptr;
-    if (ws_bytes > 0) EXPECT_EQ(cuda::LaunchSlotAttention(d, ws, ws_bytes - 1, nullptr), KernelError::kWorkspace);
-    ASSERT_EQ(cuda::LaunchSlotAttention(d, ws, ws_bytes, nullptr), KernelError::kOk) << cuda::LastCudaErrorString();
+    if (ws_bytes > 0)
+      EXPECT_EQ(cuda::LaunchSlotAttention(d, ws, ws_bytes - 1, nullptr), KernelError::kWorkspace);
+    ASSERT_EQ(cuda::LaunchSlotAttention(d, ws, ws_bytes, nullptr), KernelError::kOk)
+        << cuda::LastCudaErrorString();
     std::vector<float> g_out(n_out), g_lse(n_lse);
     dev.Get(&g_out, d.out);
     dev.Get(&g_lse, d.lse);
@@ -427,16 +441,16 @@ TEST_P(KernelBackends, LseMergeOfSplitRangesEqualsOnePass) {
     const size_t n_out = static_cast<size_t>(shape.m) * shape.q_heads * shape.head_dim;
     const size_t n_lse = static_cast<size_t>(shape.m) * shape.q_heads;
     const int cut = shape.n_slots / 2;
-    std::vector<float> all(n_out, kNaN), all_lse(n_lse, kNaN), a(n_out, kNaN), a_lse(n_lse, kNaN), b(n_out, kNaN),
-        b_lse(n_lse, kNaN), merged(n_out, kNaN), merged_lse(n_lse, kNaN);
+    std::vector<float> all(n_out, kNaN), all_lse(n_lse, kNaN), a(n_out, kNaN), a_lse(n_lse, kNaN),
+        b(n_out, kNaN), b_lse(n_lse, kNaN), merged(n_out, kNaN), merged_lse(n_lse, kNaN);
     ASSERT_EQ(SlotAttention(P.Params(0, shape.n_slots, &all, &all_lse, nullptr, nullptr)), KernelError::kOk);
     ASSERT_EQ(SlotAttention(P.Params(0, cut, &a, &a_lse, nullptr, nullptr)), KernelError::kOk);
     ASSERT_EQ(SlotAttention(P.Params(cut, shape.n_slots, &b, &b_lse, nullptr, nullptr, /*with_dense=*/false)),
               KernelError::kOk);
     const double tol = Tolerance(DType::kF32);  // the split changes only fp32 rounding, not storage
     if (!cuda()) {
-      MergeAttentionStates(static_cast<int>(n_lse), shape.head_dim, a.data(), a_lse.data(), b.data(), b_lse.data(),
-                           merged.data(), merged_lse.data());
+      MergeAttentionStates(static_cast<int>(n_lse), shape.head_dim, a.data(), a_lse.data(), b.data(),
+                           b_lse.data(), merged.data(), merged_lse.data());
       EXPECT_TRUE(Close(merged, ToDouble(all), tol, "merged out"));
       EXPECT_TRUE(Close(merged_lse, ToDouble(all_lse), tol, "merged lse"));
       continue;
@@ -464,7 +478,8 @@ TEST(KernelBackendsCpu, MergeWithAnEmptySideKeepsTheOther) {
   MergeAttentionStates(1, 2, none.data(), none_lse.data(), a.data(), a_lse.data(), out.data(), lse.data());
   EXPECT_EQ(out, a);
   EXPECT_EQ(lse[0], 0.5f);
-  MergeAttentionStates(1, 2, none.data(), none_lse.data(), none.data(), none_lse.data(), out.data(), lse.data());
+  MergeAttentionStates(1, 2, none.data(), none_lse.data(), none.data(), none_lse.data(), out.data(),
+                       lse.data());
   EXPECT_EQ(out, none);
   EXPECT_EQ(lse[0], kNegInf);
 }
@@ -502,7 +517,12 @@ TEST(KernelBackendsCpu, CudaSlotAttentionRefusesHeadDimsWithoutAKernel) {
 
 // ---- chunk scoring and per-layer top-k ---------------------------------------------------------
 
-struct ScoreShape { int kv_heads, head_dim, repr; int64_t n; DType dt; HeadFold::Kind fold; };
+struct ScoreShape {
+  int kv_heads, head_dim, repr;
+  int64_t n;
+  DType dt;
+  HeadFold::Kind fold;
+};
 
 TEST_P(KernelBackends, ChunkScoresMatchReference) {
   const ScoreShape shapes[] = {{8, 128, 4, 300, DType::kBF16, HeadFold::Kind::kSum},
@@ -510,8 +530,9 @@ TEST_P(KernelBackends, ChunkScoresMatchReference) {
                                {4, 64, 3, 129, DType::kF16, HeadFold::Kind::kSum},
                                {1, 128, 2, 1, DType::kF16, HeadFold::Kind::kMax}};
   for (const ScoreShape& s : shapes) {
-    SCOPED_TRACE(std::to_string(s.kv_heads) + "kv d" + std::to_string(s.head_dim) + " R" + std::to_string(s.repr) +
-                 " n" + std::to_string(s.n) + " " + DTypeName(s.dt) + " seed " + std::to_string(seed_));
+    SCOPED_TRACE(std::to_string(s.kv_heads) + "kv d" + std::to_string(s.head_dim) + " R" +
+                 std::to_string(s.repr) + " n" + std::to_string(s.n) + " " + DTypeName(s.dt) + " seed " +
+                 std::to_string(seed_));
     const size_t n_keys = static_cast<size_t>(s.kv_heads) * s.n * s.repr;
     std::normal_distribution<float> nd(0.0f, 1.0f);
     std::vector<float> kf(n_keys * s.head_dim), probe(static_cast<size_t>(s.kv_heads) * s.head_dim);
@@ -549,7 +570,8 @@ TEST_P(KernelBackends, ChunkScoresMatchReference) {
           for (int r = 0; r < s.repr; ++r) {
             const float* k = kf.data() + ((static_cast<size_t>(h) * s.n + c) * s.repr + r) * s.head_dim;
             double dot = 0.0, kn = 0.0;
-            for (int d = 0; d < s.head_dim; ++d) dot += static_cast<double>(k[d]) * pr[d], kn += static_cast<double>(k[d]) * k[d];
+            for (int d = 0; d < s.head_dim; ++d)
+              dot += static_cast<double>(k[d]) * pr[d], kn += static_cast<double>(k[d]) * k[d];
             best = std::max(best, dot);
             best_cos = std::max(best_cos, dot / std::sqrt(kn * pn));
           }
@@ -612,8 +634,10 @@ TEST_P(KernelBackends, SegmentedTopKMatchesStableSort) {
       const int take = std::min(sizes[s], ks[s]);
       for (int j = 0; j < k_max; ++j) {
         EXPECT_EQ(idx[s * k_max + j], j < take ? order[j] : -1) << "segment " << s << " rank " << j;
-        if (j < take) EXPECT_EQ(top[s * k_max + j], sc[order[j]]);
-        else EXPECT_EQ(top[s * k_max + j], kNegInf);
+        if (j < take)
+          EXPECT_EQ(top[s * k_max + j], sc[order[j]]);
+        else
+          EXPECT_EQ(top[s * k_max + j], kNegInf);
       }
     }
     return;
@@ -664,7 +688,8 @@ TEST_P(KernelBackends, SegmentEntropyMatchesDirectFormula) {
     std::vector<double> want;
     for (size_t s = 0; s < sizes.size(); ++s) {
       long double z = 0.0L, h = 0.0L;
-      for (int32_t i = offsets[s]; i < offsets[s + 1]; ++i) z += std::exp(static_cast<long double>(scores[i]));
+      for (int32_t i = offsets[s]; i < offsets[s + 1]; ++i)
+        z += std::exp(static_cast<long double>(scores[i]));
       for (int32_t i = offsets[s]; i < offsets[s + 1]; ++i) {
         const long double pr = std::exp(static_cast<long double>(scores[i])) / z;
         if (pr > 0.0L) h -= pr * std::log(pr);
@@ -672,8 +697,8 @@ TEST_P(KernelBackends, SegmentEntropyMatchesDirectFormula) {
       want.push_back(static_cast<double>(h));
     }
     EXPECT_TRUE(Close(ent, want, 1e-9, "entropy"));  // fp64 arithmetic: far below fp32's bound
-    EXPECT_EQ(ent[0], 0.0);  // one chunk: exactly 0
-    EXPECT_EQ(ent[1], 0.0);  // empty segment
+    EXPECT_EQ(ent[0], 0.0);                          // one chunk: exactly 0
+    EXPECT_EQ(ent[1], 0.0);                          // empty segment
     return;
   }
 #if KVTIER_HAVE_CUDA
@@ -693,7 +718,8 @@ TEST_P(KernelBackends, SegmentEntropyMatchesDirectFormula) {
 
 // Eq. 8 over every query seen so far (direct two-pass sums, not the running form), then Eq. 7
 // and Eq. 9 over the current window, in long double.
-std::vector<double> DirectActProbe(const ProbeShape& s, const std::vector<std::vector<float>>& windows, double eps) {
+std::vector<double> DirectActProbe(const ProbeShape& s, const std::vector<std::vector<float>>& windows,
+                                   double eps) {
   const int D = s.head_dim, G = s.q_heads / s.kv_heads;
   const std::vector<float>& cur = windows.back();
   const int m = static_cast<int>(cur.size() / (static_cast<size_t>(s.q_heads) * D));
@@ -738,8 +764,8 @@ TEST_P(KernelBackends, ActProbeMatchesDirectEquationsAndTheRetriever) {
   const ProbeShape shapes[] = {{8, 2, 64}, {32, 8, 128}, {4, 4, 64}};
   const int window_sizes[] = {6, 3, 9, 1};
   for (const ProbeShape& s : shapes) {
-    SCOPED_TRACE(std::to_string(s.q_heads) + "q/" + std::to_string(s.kv_heads) + "kv d" + std::to_string(s.head_dim) +
-                 " seed " + std::to_string(seed_));
+    SCOPED_TRACE(std::to_string(s.q_heads) + "q/" + std::to_string(s.kv_heads) + "kv d" +
+                 std::to_string(s.head_dim) + " seed " + std::to_string(seed_));
     Geometry g;
     g.layers = 1;
     g.q_heads = s.q_heads;
@@ -783,8 +809,8 @@ TEST_P(KernelBackends, ActProbeMatchesDirectEquationsAndTheRetriever) {
       ASSERT_EQ(cuda::LaunchActMergeWindow(s, d_q, m, n_old, d_mean, d_m2, nullptr), KernelError::kOk);
       const size_t ws = cuda::ActWeightedProbeWorkspaceBytes(s, m);
       float* d_probe = dev->Put(std::vector<float>(twin.size(), kNaN));
-      ASSERT_EQ(cuda::LaunchActWeightedProbe(s, d_q, m, d_mean, d_m2, count, 1e-6, d_probe, dev->Alloc<char>(ws), ws,
-                                             nullptr),
+      ASSERT_EQ(cuda::LaunchActWeightedProbe(s, d_q, m, d_mean, d_m2, count, 1e-6, d_probe,
+                                             dev->Alloc<char>(ws), ws, nullptr),
                 KernelError::kOk)
           << cuda::LastCudaErrorString();
       std::vector<float> got(twin.size());
@@ -852,7 +878,8 @@ TEST_P(KernelBackends, EmbeddingCopiesTheTokensRows) {
     std::vector<double> want(out.size());
     for (int t = 0; t < m; ++t)
       for (int i = 0; i < d; ++i)
-        want[static_cast<size_t>(t) * d + i] = table[static_cast<size_t>(tokens[static_cast<size_t>(t)]) * d + i];
+        want[static_cast<size_t>(t) * d + i] =
+            table[static_cast<size_t>(tokens[static_cast<size_t>(t)]) * d + i];
     EXPECT_TRUE(Close(out, want, 0.0, "embedding"));  // a copy: exact
     return;
   }
@@ -910,7 +937,8 @@ TEST_P(KernelBackends, RmsNormMatchesReference) {
         for (int i = 0; i < d; ++i) ss += std::pow(static_cast<double>(x[static_cast<size_t>(t) * d + i]), 2);
         const double r = 1.0 / std::sqrt(ss / d + eps);
         for (int i = 0; i < d; ++i)
-          want[static_cast<size_t>(t) * d + i] = x[static_cast<size_t>(t) * d + i] * r * w[static_cast<size_t>(i)];
+          want[static_cast<size_t>(t) * d + i] =
+              x[static_cast<size_t>(t) * d + i] * r * w[static_cast<size_t>(i)];
       }
       EXPECT_TRUE(Close(out, want, 1e-5, "rmsnorm"));
       continue;
@@ -959,7 +987,8 @@ TEST_P(KernelBackends, RopeMatchesRotationReference) {
       for (int h = 0; h < heads; ++h)
         for (int i = 0; i < half; ++i) {
           // the angle from theta directly (not the twin's inv_freq table)
-          const double a = static_cast<double>(pos[static_cast<size_t>(t)]) * std::pow(theta, -2.0 * i / head_dim);
+          const double a =
+              static_cast<double>(pos[static_cast<size_t>(t)]) * std::pow(theta, -2.0 * i / head_dim);
           const size_t b = (static_cast<size_t>(t) * heads + h) * head_dim;
           const double x1 = x0[b + i], x2 = x0[b + i + half];
           want[b + i] = x1 * std::cos(a) - x2 * std::sin(a);
@@ -1022,8 +1051,9 @@ struct GemmShape {
 TEST_P(KernelBackends, GemmMatchesReference) {
   // decode (m 1), k not a multiple of 8 (the twin's tail), and shapes past the twin's threading
   // threshold (m k n >= 2^18), with and without the residual accumulate.
-  for (const GemmShape s : {GemmShape{1, 128, 384, false}, GemmShape{5, 131, 77, true}, GemmShape{64, 128, 256, false},
-                            GemmShape{64, 352, 128, true}, GemmShape{3, 128, 256, true}}) {
+  for (const GemmShape s :
+       {GemmShape{1, 128, 384, false}, GemmShape{5, 131, 77, true}, GemmShape{64, 128, 256, false},
+        GemmShape{64, 352, 128, true}, GemmShape{3, 128, 256, true}}) {
     SCOPED_TRACE("m " + std::to_string(s.m) + " k " + std::to_string(s.k) + " n " + std::to_string(s.n_out) +
                  (s.accumulate ? " +=" : " =") + " seed " + std::to_string(seed_));
     const std::vector<float> x = Normal(rng_, static_cast<size_t>(s.m) * s.k);
@@ -1046,7 +1076,8 @@ TEST_P(KernelBackends, GemmMatchesReference) {
         for (int o = 0; o < s.n_out; ++o) {
           double acc = s.accumulate ? y0[static_cast<size_t>(t) * s.n_out + o] : 0.0;
           for (int i = 0; i < s.k; ++i)
-            acc += static_cast<double>(x[static_cast<size_t>(t) * s.k + i]) * w[static_cast<size_t>(o) * s.k + i];
+            acc += static_cast<double>(x[static_cast<size_t>(t) * s.k + i]) *
+                   w[static_cast<size_t>(o) * s.k + i];
           want[static_cast<size_t>(t) * s.n_out + o] = acc;
         }
       EXPECT_TRUE(Close(y, want, 1e-5, "gemm"));
@@ -1064,7 +1095,8 @@ TEST_P(KernelBackends, GemmMatchesReference) {
     dp.w = dev.Put(w);
     dp.y = dev.Put(y0);
     EXPECT_EQ(cuda::LaunchGemm(dp, blas, ws, ws_bytes - 1, nullptr), KernelError::kWorkspace);
-    ASSERT_EQ(cuda::LaunchGemm(dp, blas, ws, ws_bytes, nullptr), KernelError::kOk) << cuda::LastBlasStatusString();
+    ASSERT_EQ(cuda::LaunchGemm(dp, blas, ws, ws_bytes, nullptr), KernelError::kOk)
+        << cuda::LastBlasStatusString();
     std::vector<float> got(y.size());
     dev.Get(&got, dp.y);
     EXPECT_TRUE(Close(got, ToDouble(y), 1e-5, "cuda gemm vs twin"));
@@ -1123,13 +1155,14 @@ uint16_t F16ByDistance(float x) {
   const double a = std::fabs(static_cast<double>(x));
   const uint16_t sign = std::signbit(x) ? 0x8000u : 0u;
   if (std::isinf(x) || a >= 65520.0) return sign | 0x7c00u;  // half-way above 65504 rounds to inf
-  auto value = [](uint16_t h) {  // magnitude of an f16 pattern without sign
+  auto value = [](uint16_t h) {                              // magnitude of an f16 pattern without sign
     const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
     return e == 0 ? std::ldexp(static_cast<double>(m), -24) : std::ldexp(1.0 + m / 1024.0, e - 15);
   };
   uint16_t lo = 0;  // the largest pattern <= a (patterns are ordered like their values)
   for (int step = 1 << 14; step > 0; step >>= 1)
-    if (lo + step <= 0x7bff && value(static_cast<uint16_t>(lo + step)) <= a) lo = static_cast<uint16_t>(lo + step);
+    if (lo + step <= 0x7bff && value(static_cast<uint16_t>(lo + step)) <= a)
+      lo = static_cast<uint16_t>(lo + step);
   if (value(lo) == a || lo == 0x7bff) return sign | lo;
   const double dl = a - value(lo), dh = value(static_cast<uint16_t>(lo + 1)) - a;
   const uint16_t pick = dl < dh ? lo : (dh < dl ? static_cast<uint16_t>(lo + 1) : ((lo & 1) ? lo + 1 : lo));
@@ -1147,14 +1180,16 @@ uint16_t Bf16ByDistance(float x) {
   if (vl == a) return sign | lo;
   // The next pattern up may be infinity (0x7f80): its "value" for rounding is 2^128.
   const uint16_t hi = static_cast<uint16_t>(lo + 1);
-  const double vh = hi == 0x7f80u ? std::ldexp(1.0, 128) : static_cast<double>(BitsToFloat(static_cast<uint32_t>(hi) << 16));
+  const double vh = hi == 0x7f80u ? std::ldexp(1.0, 128)
+                                  : static_cast<double>(BitsToFloat(static_cast<uint32_t>(hi) << 16));
   const double dl = a - vl, dh = vh - a;
   const uint16_t pick = dl < dh ? lo : (dh < dl ? hi : ((lo & 1) ? hi : lo));
   return sign | pick;
 }
 
 bool IsQuietNaN(DType t, uint16_t h) {
-  return t == DType::kF16 ? ((h & 0x7c00u) == 0x7c00u && (h & 0x0200u)) : ((h & 0x7f80u) == 0x7f80u && (h & 0x0040u));
+  return t == DType::kF16 ? ((h & 0x7c00u) == 0x7c00u && (h & 0x0200u))
+                          : ((h & 0x7f80u) == 0x7f80u && (h & 0x0040u));
 }
 
 TEST_P(KernelBackends, ConvertToStoreRoundsToNearestEven) {
@@ -1184,7 +1219,8 @@ TEST_P(KernelBackends, ConvertToStoreRoundsToNearestEven) {
           continue;
         }
         const uint16_t want = t == DType::kF16 ? F16ByDistance(src[i]) : Bf16ByDistance(src[i]);
-        ASSERT_EQ(got, want) << std::hex << "input bits " << FloatBits(src[i]) << " (seed " << std::dec << seed_ << ")";
+        ASSERT_EQ(got, want) << std::hex << "input bits " << FloatBits(src[i]) << " (seed " << std::dec
+                             << seed_ << ")";
       }
       continue;
     }
@@ -1196,7 +1232,8 @@ TEST_P(KernelBackends, ConvertToStoreRoundsToNearestEven) {
     ASSERT_EQ(cuda::LaunchConvertToStore(dp, nullptr), KernelError::kOk) << cuda::LastCudaErrorString();
     std::vector<uint8_t> got(twin.size());
     dev.Get(&got, static_cast<const uint8_t*>(dp.dst));
-    EXPECT_EQ(std::memcmp(got.data(), twin.data(), twin.size()), 0) << "cuda conversion differs from the twin";
+    EXPECT_EQ(std::memcmp(got.data(), twin.data(), twin.size()), 0)
+        << "cuda conversion differs from the twin";
 #endif
   }
 }

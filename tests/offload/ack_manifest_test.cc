@@ -8,11 +8,10 @@
 #include "offload/ack_manifest.h"
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -71,7 +70,8 @@ TEST(ChunkRangeSet, TheLargestIndexIsARangeLikeAnyOther) {
   s.Insert({2, 3, max - 1});
   EXPECT_EQ(s.Ranges(), R({{2, 3, max - 1, max}}));
   EXPECT_TRUE(s.Contains({2, 3, max}));
-  EXPECT_EQ(ChunkRange({2, 3, max - 1, max}).ToString(), "seq=2/layer=3/chunk=18446744073709551614..18446744073709551615");
+  EXPECT_EQ(ChunkRange({2, 3, max - 1, max}).ToString(),
+            "seq=2/layer=3/chunk=18446744073709551614..18446744073709551615");
   s.EraseRange(2, 3, max, max);
   EXPECT_EQ(s.Ranges(), R({{2, 3, max - 1, max - 1}}));
   ChunkRangeSet all;
@@ -92,7 +92,8 @@ TEST(ChunkRangeSet, MinusIsWhatTheOtherLacks) {
   present.InsertRange(3, 0, 0, 9);  // present, never acknowledged: not lost
   EXPECT_EQ(acked.Minus(present), R({{1, 0, 40, 49}, {1, 0, 60, 89}, {2, 0, 5, 5}}));
   EXPECT_EQ(CountChunks(acked.Minus(present)), 41u);
-  EXPECT_EQ(DescribeRanges(acked.Minus(present), 2), "seq=1/layer=0/chunk=40..49, seq=1/layer=0/chunk=60..89, and 1 more ranges");
+  EXPECT_EQ(DescribeRanges(acked.Minus(present), 2),
+            "seq=1/layer=0/chunk=40..49, seq=1/layer=0/chunk=60..89, and 1 more ranges");
 }
 
 // ---- the manifest file ----------------------------------------------------------------------
@@ -223,7 +224,8 @@ constexpr uint64_t kChunks = 48;
 
 std::string Payload(const ChunkKey& k) {
   std::string s(kPayload, '\0');
-  FillPattern(0xACC, k.seq, k.layer, 0, static_cast<int64_t>(k.index), 1, kPayload, reinterpret_cast<uint8_t*>(s.data()));
+  FillPattern(0xACC, k.seq, k.layer, 0, static_cast<int64_t>(k.index), 1, kPayload,
+              reinterpret_cast<uint8_t*>(s.data()));
   return s;
 }
 
@@ -321,7 +323,8 @@ TEST_P(WalDamage, OpenNamesEveryLostAcknowledgedChunkUntilTheLossIsAccepted) {
   for (const ChunkRange& r : lost) EXPECT_NE(msg.find(r.ToString()), std::string::npos) << r.ToString();
   ChunkRangeSet lost_set, now;
   for (const ChunkRange& r : lost) lost_set.InsertRange(r.seq, r.layer, r.first, r.last);
-  for (const ChunkRange& r : (*accepted)->AcknowledgedChunks()) now.InsertRange(r.seq, r.layer, r.first, r.last);
+  for (const ChunkRange& r : (*accepted)->AcknowledgedChunks())
+    now.InsertRange(r.seq, r.layer, r.first, r.last);
   EXPECT_EQ(now.chunks() + lost_set.chunks(), kChunks);
   std::string got(kPayload, '\0');
   for (const ChunkRange& r : now.Ranges())
@@ -331,12 +334,14 @@ TEST_P(WalDamage, OpenNamesEveryLostAcknowledgedChunkUntilTheLossIsAccepted) {
       EXPECT_EQ(got, Payload(k)) << k.ToString();
     }
   for (const ChunkRange& r : lost)
-    EXPECT_EQ((*accepted)->GetChunk({r.seq, r.layer, r.first}, got.data(), got.size()).code(), StatusCode::kNotFound);
+    EXPECT_EQ((*accepted)->GetChunk({r.seq, r.layer, r.first}, got.data(), got.size()).code(),
+              StatusCode::kNotFound);
   accepted->reset();
   EXPECT_TRUE(ColdTier::Open(ColdOpts(dir.path())).ok()) << "the accepted loss is reported again";
 }
 
-INSTANTIATE_TEST_SUITE_P(Damages, WalDamage, ::testing::Values(Damage::kFlipBits, Damage::kZeroBlock, Damage::kTruncate),
+INSTANTIATE_TEST_SUITE_P(Damages, WalDamage,
+                         ::testing::Values(Damage::kFlipBits, Damage::kZeroBlock, Damage::kTruncate),
                          [](const ::testing::TestParamInfo<Damage>& i) {
                            return i.param == Damage::kFlipBits    ? std::string("FlippedBits")
                                   : i.param == Damage::kZeroBlock ? std::string("ZeroedBlock")
@@ -503,7 +508,8 @@ TEST(WalDamageCold, ManyDropsArePrunedOnceFlushedAndStayDropped) {
     auto t = ColdTier::Open(ColdOpts(dir.path()));
     ASSERT_TRUE(t.ok()) << t.status().ToString();
     const std::string p(64, 'p');
-    for (uint64_t i = 0; i < kDeletes; ++i) ASSERT_TRUE((*t)->PutChunk({1, 0, 2 * i}, "m", p.data(), p.size()).ok());
+    for (uint64_t i = 0; i < kDeletes; ++i)
+      ASSERT_TRUE((*t)->PutChunk({1, 0, 2 * i}, "m", p.data(), p.size()).ok());
     for (uint64_t i = 0; i < kDeletes; ++i) ASSERT_TRUE((*t)->DeleteChunk({1, 0, 2 * i}).ok());
     EXPECT_EQ((*t)->stored_chunks(), 0u);
   }
@@ -575,7 +581,8 @@ TEST(WalDamageStore, OpenFailsNamingTheLostChunksAndAcceptingLeavesHoles) {
     const int64_t first = o.n_sink + static_cast<int64_t>(r.first) * o.chunk_size;
     Status st = (*store)->ReadTokens(r.seq, r.layer, first, first + o.chunk_size, k.data(), v.data());
     // A lost chunk in the middle is a hole; past the last chunk present it is past the end.
-    EXPECT_TRUE(st.code() == StatusCode::kNotFound || st.code() == StatusCode::kInvalidArgument) << st.ToString();
+    EXPECT_TRUE(st.code() == StatusCode::kNotFound || st.code() == StatusCode::kInvalidArgument)
+        << st.ToString();
   }
 }
 
@@ -664,7 +671,8 @@ TEST(WalDamageStore, KvtierCheckPrintsTheLostChunks) {
   out.clear();
   EXPECT_EQ(RunCli("check --data-dir " + dir.path(), &out), 1) << out;
   EXPECT_NE(out.find("kvtier: error: Corruption: cold tier: "), std::string::npos) << out;
-  EXPECT_NE(out.find("acknowledged chunks are missing (seq=" + std::to_string(seq) + "/layer="), std::string::npos)
+  EXPECT_NE(out.find("acknowledged chunks are missing (seq=" + std::to_string(seq) + "/layer="),
+            std::string::npos)
       << out;
   out.clear();
   ASSERT_EQ(RunCli("check --data-dir " + dir.path() + " --accept-lost", &out), 0) << out;

@@ -11,6 +11,8 @@
 //  * the CUDA backend is refused with a status for a "cuda" tier it cannot use.
 // Whether the CUDA backend computes the right numbers needs a GPU: the Session case at the
 // end skips without one, and none of it has run.
+#include "offload/attention_backend.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -22,13 +24,12 @@
 #include <string>
 #include <vector>
 
+#include "engine/layer_parts.h"
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/slot_attention.h"
 #include "kernels/dtype.h"
 #include "kvtier/session.h"
-#include "kernels/cpu/attention.h"
-#include "engine/layer_parts.h"
-#include "offload/attention_backend.h"
 #include "offload/hot_tier.h"
 #include "offload/tiered_store.h"
 #if KVTIER_HAVE_CUDA
@@ -146,7 +147,8 @@ std::vector<float> HandWritten(LayerParts& lp, const float* q, const int64_t* po
 }
 
 void PlanPathEqualsHandWritten(PositionMode mode) {
-  const std::string dir = std::string(KVTIER_BINARY_DIR) + "/attention_backend_test_data_" + PositionModeName(mode);
+  const std::string dir =
+      std::string(KVTIER_BINARY_DIR) + "/attention_backend_test_data_" + PositionModeName(mode);
   std::filesystem::remove_all(dir);
   auto store = TieredStore::Open(Store(dir));
   ASSERT_TRUE(store.ok()) << store.status().ToString();
@@ -396,7 +398,8 @@ TEST(AttentionBackend, WorkspaceLayoutIsAlignedDisjointAndCoversItsParts) {
       const CudaAttentionWorkspace w = LayoutCudaAttentionWorkspace(m, 32, 128, slots, kernel);
       const size_t rows = static_cast<size_t>(m) * 32 * 128 * sizeof(float);
       const size_t offs[] = {w.q, w.positions, w.slot_index, w.slot_first, w.out, w.kernel, w.total};
-      const size_t need[] = {rows, m * sizeof(int64_t), slots * sizeof(int32_t), slots * sizeof(int64_t), rows, kernel};
+      const size_t need[] = {
+          rows, m * sizeof(int64_t), slots * sizeof(int32_t), slots * sizeof(int64_t), rows, kernel};
       for (int i = 0; i < 6; ++i) {
         EXPECT_EQ(offs[i] % 256, 0u) << i;
         EXPECT_GE(offs[i + 1] - offs[i], need[i]) << "part " << i << " m " << m << " slots " << slots;
@@ -522,7 +525,8 @@ TEST(AttentionBackend, SessionOnTheCudaTierMatchesTheHostTier) {
         Status st = (*b)->Attend(l, q.data(), &p, 1, ob.data());
         ASSERT_TRUE(st.ok()) << st.ToString();
         EXPECT_EQ((*a)->last_chunks()[l], (*b)->last_chunks()[l]);
-        for (size_t i = 0; i < qe; ++i) worst = std::max(worst, static_cast<double>(std::fabs(oa[i] - ob[i])));
+        for (size_t i = 0; i < qe; ++i)
+          worst = std::max(worst, static_cast<double>(std::fabs(oa[i] - ob[i])));
       }
     }
     EXPECT_LE(worst, 1e-4);

@@ -2,17 +2,16 @@
 #include "offload/cold_tier.h"
 
 #include <fcntl.h>
-#include <poll.h>
-#include <signal.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
 #include <rocksdb/perf_context.h>
 #include <rocksdb/perf_level.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -90,9 +89,12 @@ std::string Fp16Noise(size_t n, uint64_t seed) {
     uint32_t sign = (u >> 16) & 0x8000u;
     int exp = static_cast<int>((u >> 23) & 0xff) - 127 + 15;
     uint16_t h;
-    if (exp <= 0) h = static_cast<uint16_t>(sign);
-    else if (exp >= 31) h = static_cast<uint16_t>(sign | 0x7bffu);
-    else h = static_cast<uint16_t>(sign | (exp << 10) | ((u >> 13) & 0x3ffu));
+    if (exp <= 0)
+      h = static_cast<uint16_t>(sign);
+    else if (exp >= 31)
+      h = static_cast<uint16_t>(sign | 0x7bffu);
+    else
+      h = static_cast<uint16_t>(sign | (exp << 10) | ((u >> 13) & 0x3ffu));
     std::memcpy(&s[i], &h, 2);
   }
   return s;
@@ -130,8 +132,10 @@ std::unique_ptr<ColdTier> MustOpen(const ColdTierOptions& o) {
 std::string GetPayload(ColdTier& t, const ChunkKey& k, size_t n, Status* st = nullptr) {
   std::string out(n, '\0');
   Status s = t.GetChunk(k, out.data(), n);
-  if (st) *st = s;
-  else EXPECT_TRUE(s.ok()) << s.ToString();
+  if (st)
+    *st = s;
+  else
+    EXPECT_TRUE(s.ok()) << s.ToString();
   return out;
 }
 
@@ -204,7 +208,10 @@ TEST(Crc32c, StandardVectors) {
   EXPECT_EQ(Crc32c("", 0), 0u);
   // RFC 3720 (iSCSI) B.4 vectors.
   std::string zeros(32, '\0'), ones(32, '\xff'), inc(32, '\0'), dec(32, '\0');
-  for (int i = 0; i < 32; ++i) { inc[i] = static_cast<char>(i); dec[i] = static_cast<char>(31 - i); }
+  for (int i = 0; i < 32; ++i) {
+    inc[i] = static_cast<char>(i);
+    dec[i] = static_cast<char>(31 - i);
+  }
   EXPECT_EQ(Crc32c(zeros.data(), 32), 0x8A9136AAu);
   EXPECT_EQ(Crc32c(ones.data(), 32), 0x62A8AB43u);
   EXPECT_EQ(Crc32c(inc.data(), 32), 0x46DD794Eu);
@@ -405,7 +412,9 @@ TEST_P(ColdTierCompression, PayloadRoundTripBitForBit) {
     for (size_t n : sizes) {
       for (int kind = 0; kind < 3; ++kind) {
         ChunkKey k{1, static_cast<uint32_t>(kind), idx++};
-        std::string p = kind == 0 ? RandomBytes(n, idx) : kind == 1 ? Fp16Noise(n, idx) : Compressible(n, idx);
+        std::string p = kind == 0   ? RandomBytes(n, idx)
+                        : kind == 1 ? Fp16Noise(n, idx)
+                                    : Compressible(n, idx);
         ASSERT_TRUE(t->PutChunk(k, "meta" + std::to_string(idx), p.data(), p.size()).ok());
         want[k] = p;
         total_bytes += n;
@@ -515,10 +524,12 @@ TEST(ColdTier, MetaIterationInKeyOrder) {
 
   auto check = [&](ColdTier& tier) {
     std::vector<std::pair<ChunkKey, std::string>> got;
-    ASSERT_TRUE(tier.ForEachChunkMeta(5, [&](const ChunkKey& k, std::string_view m) {
-                  got.emplace_back(k, std::string(m));
-                  return Status::Ok();
-                }).ok());
+    ASSERT_TRUE(tier.ForEachChunkMeta(5,
+                                      [&](const ChunkKey& k, std::string_view m) {
+                                        got.emplace_back(k, std::string(m));
+                                        return Status::Ok();
+                                      })
+                    .ok());
     ASSERT_EQ(got.size(), want.size());
     size_t i = 0;
     for (auto& [k, m] : want) {
@@ -527,11 +538,13 @@ TEST(ColdTier, MetaIterationInKeyOrder) {
       ++i;
     }
     int n7 = 0;
-    ASSERT_TRUE(tier.ForEachChunkMeta(7, [&](const ChunkKey&, std::string_view m) {
-                  EXPECT_TRUE(m.empty());
-                  ++n7;
-                  return Status::Ok();
-                }).ok());
+    ASSERT_TRUE(tier.ForEachChunkMeta(7,
+                                      [&](const ChunkKey&, std::string_view m) {
+                                        EXPECT_TRUE(m.empty());
+                                        ++n7;
+                                        return Status::Ok();
+                                      })
+                    .ok());
     EXPECT_EQ(n7, 1);
   };
   check(*t);
@@ -557,7 +570,9 @@ TEST(ColdTier, MetaIterationNeverReadsPayloads) {
     ASSERT_TRUE(t);
     for (int i = 0; i < kChunks; ++i) {
       std::string p = RandomBytes(kPayload, i);
-      ASSERT_TRUE(t->PutChunk({1, 0, static_cast<uint64_t>(i)}, std::string("m").append(std::to_string(i)), p.data(), p.size()).ok());
+      ASSERT_TRUE(t->PutChunk({1, 0, static_cast<uint64_t>(i)}, std::string("m").append(std::to_string(i)),
+                              p.data(), p.size())
+                      .ok());
     }
   }
   // Reopen so everything is in SST files (recovery flushes the WAL).
@@ -568,9 +583,9 @@ TEST(ColdTier, MetaIterationNeverReadsPayloads) {
   rocksdb::get_perf_context()->Reset();
   int n = 0;
   ASSERT_TRUE(t->ForEachChunkMeta(1, [&](const ChunkKey&, std::string_view) {
-                ++n;
-                return Status::Ok();
-              }).ok());
+                 ++n;
+                 return Status::Ok();
+               }).ok());
   uint64_t read_bytes = rocksdb::get_perf_context()->block_read_byte;
   rocksdb::SetPerfLevel(rocksdb::PerfLevel::kDisable);
   EXPECT_EQ(n, kChunks);
@@ -589,9 +604,9 @@ TEST(ColdTier, MetaIterationNeverReadsPayloads) {
   ASSERT_TRUE(t);
   n = 0;
   ASSERT_TRUE(t->ForEachChunkMeta(1, [&](const ChunkKey&, std::string_view) {
-                ++n;
-                return Status::Ok();
-              }).ok());
+                 ++n;
+                 return Status::Ok();
+               }).ok());
   EXPECT_EQ(n, kChunks);
 }
 
@@ -599,17 +614,18 @@ TEST(ColdTier, SequenceRecords) {
   TempDir dir;
   auto t = MustOpen(Opts(dir.path()));
   ASSERT_TRUE(t);
-  std::map<SequenceId, std::string> want = {{1, "one"}, {256, std::string("bin\0ary", 7)}, {2, ""},
-                                            {~0ull, "max"}};
+  std::map<SequenceId, std::string> want = {
+      {1, "one"}, {256, std::string("bin\0ary", 7)}, {2, ""}, {~0ull, "max"}};
   for (auto& [s, r] : want) ASSERT_TRUE(t->PutSequence(s, r).ok());
   ASSERT_TRUE(t->PutSequence(1, "one-v2").ok());
   want[1] = "one-v2";
   auto collect = [](ColdTier& tier) {
     std::vector<std::pair<SequenceId, std::string>> got;
     EXPECT_TRUE(tier.ForEachSequence([&](SequenceId s, std::string_view r) {
-                  got.emplace_back(s, std::string(r));
-                  return Status::Ok();
-                }).ok());
+                      got.emplace_back(s, std::string(r));
+                      return Status::Ok();
+                    })
+                    .ok());
     return got;
   };
   using Records = std::vector<std::pair<SequenceId, std::string>>;
@@ -673,7 +689,9 @@ void FillSequence(ColdTier& t, SequenceId seq, int layers, int chunks, size_t by
   for (int l = 0; l < layers; ++l) {
     for (int c = 0; c < chunks; ++c) {
       std::string p = RandomBytes(bytes, seq * 1000 + l * 100 + c);
-      ASSERT_TRUE(t.PutChunk({seq, static_cast<uint32_t>(l), static_cast<uint64_t>(c)}, "m", p.data(), p.size()).ok());
+      ASSERT_TRUE(
+          t.PutChunk({seq, static_cast<uint32_t>(l), static_cast<uint64_t>(c)}, "m", p.data(), p.size())
+              .ok());
     }
     std::string b = RandomBytes(500, seq + l);
     ASSERT_TRUE(t.PutBlob(seq, l, "sinks", b.data(), b.size()).ok());
@@ -682,26 +700,33 @@ void FillSequence(ColdTier& t, SequenceId seq, int layers, int chunks, size_t by
 
 void ExpectSequenceGone(ColdTier& t, SequenceId seq, int layers, int chunks, size_t bytes) {
   int n = 0;
-  ASSERT_TRUE(t.ForEachChunkMeta(seq, [&](const ChunkKey&, std::string_view) { ++n; return Status::Ok(); }).ok());
+  ASSERT_TRUE(t.ForEachChunkMeta(seq, [&](const ChunkKey&, std::string_view) {
+                 ++n;
+                 return Status::Ok();
+               }).ok());
   EXPECT_EQ(n, 0);
   std::string buf(bytes, '\0');
   for (int l = 0; l < layers; ++l) {
     for (int c = 0; c < chunks; ++c)
-      EXPECT_EQ(t.GetChunk({seq, static_cast<uint32_t>(l), static_cast<uint64_t>(c)}, buf.data(), bytes).code(),
-                StatusCode::kNotFound);
+      EXPECT_EQ(
+          t.GetChunk({seq, static_cast<uint32_t>(l), static_cast<uint64_t>(c)}, buf.data(), bytes).code(),
+          StatusCode::kNotFound);
     EXPECT_EQ(t.GetBlob(seq, l, "sinks").status().code(), StatusCode::kNotFound);
   }
   bool seen = false;
   ASSERT_TRUE(t.ForEachSequence([&](SequenceId s, std::string_view) {
-                seen |= (s == seq);
-                return Status::Ok();
-              }).ok());
+                 seen |= (s == seq);
+                 return Status::Ok();
+               }).ok());
   EXPECT_FALSE(seen);
 }
 
 void ExpectSequenceIntact(ColdTier& t, SequenceId seq, int layers, int chunks, size_t bytes) {
   int n = 0;
-  ASSERT_TRUE(t.ForEachChunkMeta(seq, [&](const ChunkKey&, std::string_view) { ++n; return Status::Ok(); }).ok());
+  ASSERT_TRUE(t.ForEachChunkMeta(seq, [&](const ChunkKey&, std::string_view) {
+                 ++n;
+                 return Status::Ok();
+               }).ok());
   EXPECT_EQ(n, layers * chunks);
   for (int l = 0; l < layers; ++l) {
     for (int c = 0; c < chunks; ++c)
@@ -713,9 +738,9 @@ void ExpectSequenceIntact(ColdTier& t, SequenceId seq, int layers, int chunks, s
   }
   std::string rec;
   ASSERT_TRUE(t.ForEachSequence([&](SequenceId s, std::string_view r) {
-                if (s == seq) rec = std::string(r);
-                return Status::Ok();
-              }).ok());
+                 if (s == seq) rec = std::string(r);
+                 return Status::Ok();
+               }).ok());
   EXPECT_EQ(rec, "rec" + std::to_string(seq));
 }
 
@@ -726,7 +751,8 @@ TEST(ColdTier, DeleteSequenceRemovesOnlyThatSequence) {
   {
     auto t = MustOpen(Opts(dir.path()));
     ASSERT_TRUE(t);
-    for (SequenceId s : {SequenceId{1}, SequenceId{2}, SequenceId{3}, kMax - 1, kMax}) FillSequence(*t, s, 3, 4, kBytes);
+    for (SequenceId s : {SequenceId{1}, SequenceId{2}, SequenceId{3}, kMax - 1, kMax})
+      FillSequence(*t, s, 3, 4, kBytes);
     EXPECT_EQ(t->stored_chunks(), 5u * 12u);
     ASSERT_TRUE(t->DeleteSequence(2).ok());
     ASSERT_TRUE(t->DeleteSequence(kMax).ok());  // no 8-byte successor: the iterating path
@@ -824,10 +850,10 @@ TEST(ColdTier, ConcurrentWritersKeepExactCounts) {
   uint64_t bytes = 0, n = 0;
   for (SequenceId s : {1, 2}) {
     ASSERT_TRUE(t->ForEachChunkMeta(s, [&](const ChunkKey&, std::string_view m) {
-                  ++n;
-                  bytes += std::stoull(std::string(m));
-                  return Status::Ok();
-                }).ok());
+                   ++n;
+                   bytes += std::stoull(std::string(m));
+                   return Status::Ok();
+                 }).ok());
   }
   EXPECT_GT(n, 0u);
   EXPECT_EQ(t->stored_chunks(), n);
@@ -893,7 +919,8 @@ class ColdTierCorruption : public ::testing::Test {
 };
 
 TEST_F(ColdTierCorruption, FlippedPayloadByte) {
-  auto t = Damage(fmt::kPayloadColumn, fmt::ChunkKeyBytes(key_), [](std::string& v) { v[v.size() / 2] ^= 0x10; });
+  auto t =
+      Damage(fmt::kPayloadColumn, fmt::ChunkKeyBytes(key_), [](std::string& v) { v[v.size() / 2] ^= 0x10; });
   ASSERT_TRUE(t);
   ExpectCorruption(ReadPayload(*t), "cold tier: chunk seq=3/layer=1/chunk=17 payload", "checksum mismatch");
   // The neighbour is unaffected.
@@ -1005,7 +1032,10 @@ TEST(ColdTierDurability, SigkillKeepsAcknowledgedChunks) {
   if (pid == 0) {
     close(fds[0]);
     int devnull = open("/dev/null", O_WRONLY);
-    if (devnull >= 0) { dup2(devnull, 1); dup2(devnull, 2); }
+    if (devnull >= 0) {
+      dup2(devnull, 1);
+      dup2(devnull, 2);
+    }
     execve("/proc/self/exe", argv, envp.data());
     _exit(127);
   }
@@ -1022,11 +1052,13 @@ TEST(ColdTierDurability, SigkillKeepsAcknowledgedChunks) {
     ++acked;
     return true;
   };
-  while (acked < 300 && read_ack(30000)) {}
+  while (acked < 300 && read_ack(30000)) {
+  }
   kill(pid, SIGKILL);
   int status = 0;
   waitpid(pid, &status, 0);
-  while (read_ack(0)) {}  // acks written just before the kill
+  while (read_ack(0)) {
+  }  // acks written just before the kill
   close(fds[0]);
   ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "child exited early, status " << status;
   ASSERT_GE(acked, 300u);
@@ -1042,14 +1074,14 @@ TEST(ColdTierDurability, SigkillKeepsAcknowledgedChunks) {
   // Whatever else made it is whole, and metas and payloads agree.
   uint64_t metas = 0;
   ASSERT_TRUE(t->ForEachChunkMeta(kKillSeq, [&](const ChunkKey& k, std::string_view m) {
-                ++metas;
-                EXPECT_EQ(m, std::string("m").append(std::to_string(k.index)));
-                Status s;
-                std::string got = GetPayload(*t, k, kKillPayload, &s);
-                EXPECT_TRUE(s.ok()) << s.ToString();
-                EXPECT_EQ(got, RandomBytes(kKillPayload, k.index));
-                return Status::Ok();
-              }).ok());
+                 ++metas;
+                 EXPECT_EQ(m, std::string("m").append(std::to_string(k.index)));
+                 Status s;
+                 std::string got = GetPayload(*t, k, kKillPayload, &s);
+                 EXPECT_TRUE(s.ok()) << s.ToString();
+                 EXPECT_EQ(got, RandomBytes(kKillPayload, k.index));
+                 return Status::Ok();
+               }).ok());
   EXPECT_GE(metas, acked);
   EXPECT_LE(metas, acked + 1);  // at most the one in flight
   EXPECT_EQ(t->stored_chunks(), metas);

@@ -2,12 +2,11 @@
 // acknowledged: a child appends until killed at a random point, then the
 // store is reopened here and every acknowledged chunk is verified bit for bit.
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <cstdio>
 #include <cstring>
@@ -28,7 +27,11 @@ extern char** environ;
 namespace kvtier {
 namespace {
 
-struct Ack { uint64_t seq; uint32_t layer; uint64_t index; };
+struct Ack {
+  uint64_t seq;
+  uint32_t layer;
+  uint64_t index;
+};
 
 // Runs the child until it printed `kill_after` acknowledgements (or a few
 // more: the kill races with further writes, which is the point), kills it
@@ -69,16 +72,18 @@ TEST(CrashTest, SigkillLosesNoAcknowledgedChunk) {
       for (uint64_t i = r.first; i <= r.last; ++i) durable.emplace(r.seq, r.layer, i);
     for (const Ack& a : acks) {
       ASSERT_TRUE(durable.count({a.seq, a.layer, a.index}))
-          << "round " << round << ": acknowledged chunk seq=" << a.seq << " layer=" << a.layer << " index=" << a.index
-          << " is not in AcknowledgedChunks()";
+          << "round " << round << ": acknowledged chunk seq=" << a.seq << " layer=" << a.layer
+          << " index=" << a.index << " is not in AcknowledgedChunks()";
       const int64_t first = o.n_sink + static_cast<int64_t>(a.index) * o.chunk_size;
       Status st = (*store)->ReadTokens(a.seq, a.layer, first, first + o.chunk_size, k.data(), v.data());
-      ASSERT_TRUE(st.ok()) << "round " << round << ": acknowledged chunk seq=" << a.seq << " layer=" << a.layer
-                           << " index=" << a.index << ": " << st.ToString();
+      ASSERT_TRUE(st.ok()) << "round " << round << ": acknowledged chunk seq=" << a.seq
+                           << " layer=" << a.layer << " index=" << a.index << ": " << st.ToString();
       FillPattern(kCrashSalt, a.seq, a.layer, 0, first, o.chunk_size, tb, ek.data());
       FillPattern(kCrashSalt, a.seq, a.layer, 1, first, o.chunk_size, tb, ev.data());
-      ASSERT_EQ(0, std::memcmp(k.data(), ek.data(), half)) << "K of acknowledged chunk " << a.index << " differs";
-      ASSERT_EQ(0, std::memcmp(v.data(), ev.data(), half)) << "V of acknowledged chunk " << a.index << " differs";
+      ASSERT_EQ(0, std::memcmp(k.data(), ek.data(), half))
+          << "K of acknowledged chunk " << a.index << " differs";
+      ASSERT_EQ(0, std::memcmp(v.data(), ev.data(), half))
+          << "V of acknowledged chunk " << a.index << " differs";
     }
     // The crashed sequences are recovered read-only, and say why on append.
     for (SequenceId id : (*store)->ListSequences()) {

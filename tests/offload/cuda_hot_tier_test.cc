@@ -1,6 +1,8 @@
 // The CUDA hot tier's host-side parts, on any machine: SlotBook (its slot bookkeeping), the
 // cuda device and --device cuda answering Unavailable with the reason instead of
 // crashing. With a device (never so far: docs/gpu.md), CudaHotTier's copies round-trip.
+#include "offload/cuda_hot_tier.h"
+
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -8,14 +10,13 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
-#include <utility>
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/dtype.h"
-#include "offload/cuda_hot_tier.h"
 #include "offload/hot_tier.h"
 #include "offload/scrambled_hot_tier.h"
 #include "offload/slot_book.h"
@@ -69,7 +70,8 @@ TEST(HotTierUploadBatch, HostTierCopiesEveryOp) {
   HotTier& t = **made;
   std::vector<uint8_t> a(256, 0x11), b(100, 0x22);
   const int32_t s0 = t.AcquireSlot(), s1 = t.AcquireSlot();
-  const HotTier::UploadOp ops[] = {{t.slot_data(s1), a.data(), a.size()}, {t.slot_data(s0), b.data(), b.size()}};
+  const HotTier::UploadOp ops[] = {{t.slot_data(s1), a.data(), a.size()},
+                                   {t.slot_data(s0), b.data(), b.size()}};
   ASSERT_TRUE(t.UploadBatch(ops, 2).ok());
   EXPECT_EQ(0, std::memcmp(t.slot_data(s1), a.data(), a.size()));
   EXPECT_EQ(0, std::memcmp(t.slot_data(s0), b.data(), b.size()));
@@ -132,7 +134,8 @@ TEST(XorScrambledHotTier, StoresScrambledBytesAndTranslatesEveryCopyAcrossTheHos
   const int32_t a = t.AcquireSlot(), b = t.AcquireSlot();
   const HotTier::UploadOp up[] = {{t.slot_data(a), in.data(), in.size()}};
   ASSERT_TRUE(t.UploadBatch(up, 1).ok());
-  for (size_t i = 0; i < in.size(); ++i) ASSERT_EQ(t.slot_data(a)[i], in[i] ^ 0x0F) << i;  // at rest: scrambled
+  for (size_t i = 0; i < in.size(); ++i)
+    ASSERT_EQ(t.slot_data(a)[i], in[i] ^ 0x0F) << i;  // at rest: scrambled
   // Within the tier the bytes move as they are at rest; out of it they are translated back.
   ASSERT_TRUE(t.CopyWithin(t.slot_data(b), t.slot_data(a), in.size()).ok());
   const HotTier::DownloadOp down[] = {{out.data(), t.slot_data(b), out.size()}};
@@ -317,7 +320,8 @@ TEST(CudaHotTier, StoreOverDeviceMemoryReadsItOnlyThroughTheTier) {
       std::vector<float> rh(repr), rd(repr, -1.0f);
       ASSERT_TRUE((*host)->GetRepresentatives((*ch)[i].key, rh.data()).ok());
       ASSERT_TRUE((*dev)->GetRepresentatives((*cd)[i].key, rd.data()).ok());
-      EXPECT_EQ(std::memcmp(rh.data(), rd.data(), repr * sizeof(float)), 0) << "layer " << l << " chunk " << i;
+      EXPECT_EQ(std::memcmp(rh.data(), rd.data(), repr * sizeof(float)), 0)
+          << "layer " << l << " chunk " << i;
     }
     // Every token back, from slots, the warm tier and the local ring.
     std::vector<uint16_t> kh(kTokens * tok), vh(kh.size()), kd(kh.size(), 1), vd(kh.size(), 1);
@@ -355,7 +359,8 @@ std::string RunKvtier(const std::string& args, int* code) {
 }
 
 TEST(CudaHotTier, DeviceFlagOfRunAndStressSaysWhyCudaIsUnavailable) {
-  if (HaveDevice()) GTEST_SKIP() << "a CUDA device is present: the store's refusal is checked by StoreRefuses*";
+  if (HaveDevice())
+    GTEST_SKIP() << "a CUDA device is present: the store's refusal is checked by StoreRefuses*";
   const std::string dir = std::string(KVTIER_BINARY_DIR) + "/cuda_hot_tier_test_data";
   for (const std::string cmd : {"run --context 4096 --decode-steps 1", "stress --sequences 1 --tokens 64"}) {
     int code = -1;

@@ -5,7 +5,6 @@
 #include <cmath>
 
 #include "offload/policy/scoring_policy.h"
-
 #include "offload/tiered_store.h"
 #include "tests/test_util.h"
 
@@ -73,7 +72,8 @@ TEST(ScoredDemotion, WarmTierDemotesTheLowestScoredChunk) {
   append(4 + 8 + 4 + 6 * 4);  // 6 chunks sealed: the warm tier is full
   ASSERT_TRUE(s->WaitForDurable().ok());
   ASSERT_EQ(*s->ChunkCount(seq, 0), 6u);
-  ASSERT_TRUE(s->SetChunkScores(seq, 0, {{0, 9.0f}, {1, 8.0f}, {2, 0.5f}, {3, 7.0f}, {4, 6.0f}, {5, 5.0f}}).ok());
+  ASSERT_TRUE(
+      s->SetChunkScores(seq, 0, {{0, 9.0f}, {1, 8.0f}, {2, 0.5f}, {3, 7.0f}, {4, 6.0f}, {5, 5.0f}}).ok());
   append(4);  // a 7th chunk needs a warm slot: chunk 2 (lowest score) leaves, not chunk 0 (oldest)
   ASSERT_TRUE(s->WaitForDurable().ok());
   auto chunks = s->ListChunks(seq, 0);

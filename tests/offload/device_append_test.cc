@@ -23,11 +23,11 @@
 #include <thread>
 #include <vector>
 
-#include "kvtier/kvtier.h"
-#include "offload/tiered_store.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/dtype.h"
+#include "kvtier/kvtier.h"
 #include "offload/hot_tier.h"
+#include "offload/tiered_store.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -68,7 +68,8 @@ Window MakeWindow(int layer, int64_t p0, int m) {
       vf.push_back(n(rng));
     }
     for (int i = 0; i < kQHeads * kDim; ++i)
-      w.q.push_back(n(rng) + (seeking ? 3.0f * std::sin(0.3f * static_cast<float>(i % (kKvHeads * kDim))) : 0.0f));
+      w.q.push_back(n(rng) +
+                    (seeking ? 3.0f * std::sin(0.3f * static_cast<float>(i % (kKvHeads * kDim))) : 0.0f));
     w.pos.push_back(p);
   }
   w.k.resize(kf.size());
@@ -136,7 +137,8 @@ TEST(DeviceAppend, OnTheHostTierKDeviceGivesTheBytesAndAttentionOfKHost) {
       std::vector<float> ra(repr), rb(repr, -1.0f);
       ASSERT_TRUE((*a)->GetRepresentatives((*ca)[i].key, ra.data()).ok());
       ASSERT_TRUE((*b)->GetRepresentatives((*cb)[i].key, rb.data()).ok());
-      EXPECT_EQ(0, std::memcmp(ra.data(), rb.data(), repr * sizeof(float))) << "layer " << l << " chunk " << i;
+      EXPECT_EQ(0, std::memcmp(ra.data(), rb.data(), repr * sizeof(float)))
+          << "layer " << l << " chunk " << i;
     }
   }
   EXPECT_GT((*sa)->counters().chunks_attended, 0u);
@@ -157,7 +159,7 @@ class RecordingTier final : public ForwardingHotTier {
     size_t bytes = 0;
   };
   Result<uint8_t*> AllocateRegion(size_t bytes) override {
-    KVTIER_ASSIGN_OR_RETURN(uint8_t* r, ForwardingHotTier::AllocateRegion(bytes));
+    KVTIER_ASSIGN_OR_RETURN(uint8_t * r, ForwardingHotTier::AllocateRegion(bytes));
     std::lock_guard<std::mutex> l(mu);
     regions.push_back(Region{r, bytes});
     return r;
@@ -212,9 +214,11 @@ TEST(DeviceAppend, KDeviceNeverGoesThroughUploadAtSinksRingOrTheWrapPoint) {
     const size_t tok = so.geometry.token_kv_bytes() / 2;
     bool sinks = false, up_to_wrap = false, from_ring_start = false;
     for (const RecordingTier::Copy& c : tier->copies) {
-      EXPECT_EQ(c.within, space == MemorySpace::kDevice) << "a copy of " << c.bytes << " bytes took the wrong path";
+      EXPECT_EQ(c.within, space == MemorySpace::kDevice)
+          << "a copy of " << c.bytes << " bytes took the wrong path";
       if (c.dst == sink_k.base && c.bytes == 4 * tok) sinks = true;
-      if (c.dst == ring_k.base + 10 * tok && c.bytes == 2 * tok && c.dst + c.bytes == ring_k.base + ring_k.bytes)
+      if (c.dst == ring_k.base + 10 * tok && c.bytes == 2 * tok &&
+          c.dst + c.bytes == ring_k.base + ring_k.bytes)
         up_to_wrap = true;
       if (c.dst == ring_k.base && c.bytes == 4 * tok && up_to_wrap) from_ring_start = true;
     }
@@ -367,8 +371,8 @@ StoreOptions DeferredStore(const std::string& dir, DeferredDownloadTier** tier, 
                            uint64_t fail_download = 0) {
   StoreOptions so = SmallStore();
   so.data_dir = dir;
-  so.hot_tier_factory = [tier, polls_before_done, fail_download](size_t pool,
-                                                                 size_t slot) -> Result<std::unique_ptr<HotTier>> {
+  so.hot_tier_factory = [tier, polls_before_done, fail_download](
+                            size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
     KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
     auto t = std::make_unique<DeferredDownloadTier>(std::move(inner));
     t->polls_before_done = polls_before_done;

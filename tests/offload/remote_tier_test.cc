@@ -41,7 +41,8 @@ Status PutRange(RemoteTier* t, uint64_t from, uint64_t to, size_t batch = 32, si
   for (uint64_t i = from; i < to; i += batch) {
     std::vector<std::vector<uint8_t>> data;
     std::vector<RemoteTier::Put> puts;
-    for (uint64_t j = i; j < std::min<uint64_t>(to, i + batch); ++j) data.push_back(ChunkBytes({1, 0, j}, bytes));
+    for (uint64_t j = i; j < std::min<uint64_t>(to, i + batch); ++j)
+      data.push_back(ChunkBytes({1, 0, j}, bytes));
     for (uint64_t j = i; j < std::min<uint64_t>(to, i + batch); ++j) {
       RemoteTier::Put p;
       p.key = ChunkKey{1, 0, j};
@@ -67,11 +68,16 @@ TEST(RemoteSpec, ParsesHostsAndOptionsAndRejectsNonsense) {
   EXPECT_EQ(o->command_timeout_ms, 2500);
   EXPECT_EQ(o->ns, "run-1");
   const std::vector<std::pair<std::string, std::string>> bad = {
-      {"http://h:1", "must start with redis://"},  {"redis://", "no host:port"},
-      {"redis://h", "is not host:port"},           {"redis://h:0", "outside 1..65535"},
-      {"redis://h:99999", "outside 1..65535"},     {"redis://h:12ab", "not a non-negative integer"},
-      {"redis://h:1,", "trailing ','"},            {"redis://h:1?wait", "not key=value"},
-      {"redis://h:1?color=red", "unknown option 'color'"}, {"redis://h:1?pool=0", "pool_size must be >= 1"},
+      {"http://h:1", "must start with redis://"},
+      {"redis://", "no host:port"},
+      {"redis://h", "is not host:port"},
+      {"redis://h:0", "outside 1..65535"},
+      {"redis://h:99999", "outside 1..65535"},
+      {"redis://h:12ab", "not a non-negative integer"},
+      {"redis://h:1,", "trailing ','"},
+      {"redis://h:1?wait", "not key=value"},
+      {"redis://h:1?color=red", "unknown option 'color'"},
+      {"redis://h:1?pool=0", "pool_size must be >= 1"},
       {"redis://h:1?wait=1&wait_timeout_ms=3000", "must be below command_timeout_ms"},
       {"redis://h:1?ns=a:b", "ns 'a:b'"}};
   for (const auto& [spec, why] : bad) {
@@ -142,7 +148,8 @@ TEST(RemoteTier, SingleServerRoundTripMissingAndCorruptValues) {
   ASSERT_TRUE((*tier)->GetChunk({nullptr, {1, 0, 11}}, buf.data(), kChunkBytes).ok());
   EXPECT_EQ(buf, ChunkBytes({1, 0, 11}));
   std::vector<uint8_t> small(kChunkBytes / 2);
-  EXPECT_EQ((*tier)->GetChunk({nullptr, {1, 0, 11}}, small.data(), small.size()).code(), StatusCode::kCorruption);
+  EXPECT_EQ((*tier)->GetChunk({nullptr, {1, 0, 11}}, small.data(), small.size()).code(),
+            StatusCode::kCorruption);
   const RemoteTierCounters c = (*tier)->counters();
   EXPECT_EQ(c.not_found, 1u);
   EXPECT_EQ(c.corrupt, 4u);
@@ -182,7 +189,8 @@ TEST(RemoteTier, DownOrSlowServerIsANamedErrorAndReconnects) {
   RedisServers redis;
   ASSERT_GE(redis.Start(), 0);
   const std::string port = std::to_string(redis.server(0).port);
-  auto tier = RemoteTier::Open(OptionsFor(redis.Spec(0, "timeout_ms=200&connect_timeout_ms=200&retry_ms=500")));
+  auto tier =
+      RemoteTier::Open(OptionsFor(redis.Spec(0, "timeout_ms=200&connect_timeout_ms=200&retry_ms=500")));
   ASSERT_TRUE(tier.ok()) << tier.status().ToString();
   ASSERT_TRUE(PutRange(tier->get(), 0, 4).ok());
   std::vector<uint8_t> buf(kChunkBytes);
@@ -200,7 +208,8 @@ TEST(RemoteTier, DownOrSlowServerIsANamedErrorAndReconnects) {
   // naming the node and its first error, even though it answers again.
   const auto t1 = std::chrono::steady_clock::now();
   st = (*tier)->GetChunk({nullptr, {1, 0, 1}}, buf.data(), kChunkBytes);
-  const double fast_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
+  const double fast_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
   EXPECT_LT(fast_ms, 100) << "fails at once, no retrying";
   EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
   EXPECT_NE(st.message().find("127.0.0.1:" + port + ": down"), std::string::npos) << st.message();
@@ -353,10 +362,12 @@ TEST(RemoteTier, ClusterRoutesRedirectsAndSharesASequenceBetweenProcesses) {
   const std::vector<RedisEndpoint> masters = (*tier)->client()->Masters();
   ASSERT_EQ(masters.size(), 3u);
   for (const std::string key : {"kvt:c1:1:0:0", "kvt:pub:{doc}", "x{abc}y"})
-    EXPECT_EQ(std::to_string(RedisKeySlot(key)), RedisCommandText(masters[0].port, {"CLUSTER", "KEYSLOT", key}));
+    EXPECT_EQ(std::to_string(RedisKeySlot(key)),
+              RedisCommandText(masters[0].port, {"CLUSTER", "KEYSLOT", key}));
   ASSERT_TRUE(PutRange(tier->get(), 0, 300).ok());
   for (const RedisEndpoint& m : masters)
-    EXPECT_GT(std::stoi(RedisCommandText(m.port, {"DBSIZE"})), 50) << m.ToString() << ": chunks spread over masters";
+    EXPECT_GT(std::stoi(RedisCommandText(m.port, {"DBSIZE"})), 50)
+        << m.ToString() << ": chunks spread over masters";
 
   // A manual failover moves a master's slots to its replica: the client's next requests
   // there get MOVED (or a refused connection) and follow the new slot map.
@@ -377,8 +388,8 @@ TEST(RemoteTier, ClusterRoutesRedirectsAndSharesASequenceBetweenProcesses) {
   auto role_is = [&](int port, const std::string& role) {
     return RedisCommandText(port, {"INFO", "replication"}).find("role:" + role) != std::string::npos;
   };
-  for (int i = 0; i < 200 && !(role_is(redis.server(replica).port, "master") && role_is(masters[1].port, "slave"));
-       ++i)
+  for (int i = 0;
+       i < 200 && !(role_is(redis.server(replica).port, "master") && role_is(masters[1].port, "slave")); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   ASSERT_TRUE(role_is(redis.server(replica).port, "master")) << "the replica took over within 20 s";
   ASSERT_TRUE(role_is(masters[1].port, "slave")) << "the old master demoted itself within 20 s";
@@ -422,7 +433,8 @@ TEST(RemoteTier, ClusterRoutesRedirectsAndSharesASequenceBetweenProcesses) {
   ASSERT_TRUE(local_seq.ok());
   ASSERT_TRUE(remote_share::Write(local->get(), *local_seq).ok());
   SessionOptions so;
-  so.retrieval.budget_tokens = static_cast<int>(o.hot_bytes / o.chunk_bytes()) * o.chunk_size;  // the whole hot pool
+  so.retrieval.budget_tokens =
+      static_cast<int>(o.hot_bytes / o.chunk_bytes()) * o.chunk_size;  // the whole hot pool
   auto shared_session = Session::Attach(s, *seq, so);
   auto local_session = Session::Attach(local->get(), *local_seq, so);
   ASSERT_TRUE(shared_session.ok()) << shared_session.status().ToString();
@@ -434,18 +446,21 @@ TEST(RemoteTier, ClusterRoutesRedirectsAndSharesASequenceBetweenProcesses) {
     ASSERT_TRUE((*shared_session)->BeginStep(StepKind::kDecode).ok());
     ASSERT_TRUE((*local_session)->BeginStep(StepKind::kDecode).ok());
     for (int l = 0; l < g.layers; ++l) {
-      const auto k = remote_share::Tokens(o, l, 0, pos, pos + 1), v = remote_share::Tokens(o, l, 1, pos, pos + 1);
+      const auto k = remote_share::Tokens(o, l, 0, pos, pos + 1),
+                 v = remote_share::Tokens(o, l, 1, pos, pos + 1);
       ASSERT_TRUE((*shared_session)->Append(l, k.data(), v.data(), 1, g.dtype).ok());
       ASSERT_TRUE((*local_session)->Append(l, k.data(), v.data(), 1, g.dtype).ok());
       std::vector<float> q(static_cast<size_t>(g.q_heads) * g.head_dim);
-      for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * static_cast<float>(i + 13 * step + 101 * l));
+      for (size_t i = 0; i < q.size(); ++i)
+        q[i] = std::sin(0.37f * static_cast<float>(i + 13 * step + 101 * l));
       std::vector<float> a(q.size()), b(q.size());
       AttendStats st;
       Status sa = (*shared_session)->Attend(l, q.data(), &pos, 1, a.data(), &st);
       ASSERT_TRUE(sa.ok()) << sa.ToString();
       ASSERT_TRUE((*local_session)->Attend(l, q.data(), &pos, 1, b.data()).ok());
       EXPECT_GT(st.chunks, 0u) << "retrieval chose chunks";
-      for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-5) << "layer " << l << " step " << step;
+      for (size_t i = 0; i < a.size(); ++i)
+        ASSERT_NEAR(a[i], b[i], 1e-5) << "layer " << l << " step " << step;
     }
   }
   EXPECT_GT(s->counters().remote_loads, remote_before) << "retrieved chunks came from Redis";
@@ -460,7 +475,8 @@ TEST(RemoteTier, FailoverLosesNoAcknowledgedChunk) {
   KVTIER_SKIP_WITHOUT_REDIS();
   RedisServers redis;
   ASSERT_TRUE(redis.StartCluster(1000, 7));
-  auto tier = RemoteTier::Open(OptionsFor(redis.Spec("ns=f1&wait=1&retry_ms=20000&timeout_ms=1500&wait_timeout_ms=1000")));
+  auto tier = RemoteTier::Open(
+      OptionsFor(redis.Spec("ns=f1&wait=1&retry_ms=20000&timeout_ms=1500&wait_timeout_ms=1000")));
   ASSERT_TRUE(tier.ok()) << tier.status().ToString();
   int victim = -1;
   for (const RedisEndpoint& m : (*tier)->client()->Masters())
@@ -540,7 +556,8 @@ TEST(RemoteCli, RunStressAndInfiniteUseTheRemoteTierAndReportIt) {
   EXPECT_NE(j.find("\"hit_rate\""), std::string::npos);
   EXPECT_NE(j.find("\"remote_get\""), std::string::npos);
   out.clear();
-  ASSERT_EQ(RunCli("stress --sequences 4 --tokens 600 --data-dir " + dir.path() + "/stress --remote " + redis.Spec(0),
+  ASSERT_EQ(RunCli("stress --sequences 4 --tokens 600 --data-dir " + dir.path() + "/stress --remote " +
+                       redis.Spec(0),
                    &out),
             0)
       << out;
@@ -549,7 +566,8 @@ TEST(RemoteCli, RunStressAndInfiniteUseTheRemoteTierAndReportIt) {
   out.clear();
   // infinite: the shipped model with a tiny warm tier, so retrieval fetches chunks from Redis.
   const std::string weights =
-      (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors").string();
+      (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors")
+          .string();
   ASSERT_EQ(RunCli("infinite --quiet --weights " + weights + " --task passkey --contexts 4096 --samples 1 " +
                        "--warm-bytes 64K --remote " + redis.Spec(0),
                    &out),

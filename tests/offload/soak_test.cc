@@ -8,12 +8,11 @@
 //  * a chunk DropChunks returned for stays gone, a dropped sequence stays gone;
 //  * a sequence CloseSequence returned for is closed and whole, sinks and local window too.
 // The suite runs a few cycles (KVTIER_SOAK_CYCLES, default 20); `make soak` runs hundreds.
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -55,9 +54,9 @@ TEST(Soak, SigkillReopenCyclesKeepEveryAcknowledgedChunk) {
   const size_t tb = o.geometry.token_elems() * DTypeSize(o.geometry.dtype);
   const size_t half = static_cast<size_t>(o.chunk_size) * tb;
   // What the child was promised, across cycles.
-  std::set<ChunkKey> expected;        // acknowledged, not dropped since
-  std::set<ChunkKey> dropped;         // DropChunks returned OK
-  std::set<ChunkKey> maybe_dropped;   // killed inside DropChunks: either way is right
+  std::set<ChunkKey> expected;       // acknowledged, not dropped since
+  std::set<ChunkKey> dropped;        // DropChunks returned OK
+  std::set<ChunkKey> maybe_dropped;  // killed inside DropChunks: either way is right
   std::set<SequenceId> dropped_seqs, closed_seqs;
   std::map<ChunkKey, std::string> history;  // what the lines said about each chunk, for failure messages
   std::mt19937_64 rng(20261124);
@@ -68,7 +67,8 @@ TEST(Soak, SigkillReopenCyclesKeepEveryAcknowledgedChunk) {
     int status = 0;
     const std::vector<std::string> lines = RunCycle(dir.path(), 7000 + cycle, 20 + rng() % 200, &status);
     ASSERT_TRUE(!lines.empty() && lines.front() == "OPEN") << "the child could not reopen the store";
-    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "child exited early, status " << status;
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
+        << "child exited early, status " << status;
     for (const std::string& line : lines) {
       std::istringstream in(line);
       std::string tag;
@@ -90,7 +90,8 @@ TEST(Soak, SigkillReopenCyclesKeepEveryAcknowledgedChunk) {
       } else if (tag == "DROPPINGSEQ" || tag == "DROPSEQ") {
         SequenceId s = 0;
         in >> s;
-        for (auto it = expected.begin(); it != expected.end();) it = it->seq == s ? expected.erase(it) : std::next(it);
+        for (auto it = expected.begin(); it != expected.end();)
+          it = it->seq == s ? expected.erase(it) : std::next(it);
         if (tag == "DROPSEQ") dropped_seqs.insert(s);
       } else if (tag == "CLOSED") {
         SequenceId s = 0;
@@ -111,7 +112,8 @@ TEST(Soak, SigkillReopenCyclesKeepEveryAcknowledgedChunk) {
     std::vector<uint8_t> gk(half), gv(half), ek(half), ev(half);
     for (const ChunkKey& k : acked) {
       const int64_t first = o.n_sink + static_cast<int64_t>(k.index) * o.chunk_size;
-      Status s = st->ReadTokens(k.seq, static_cast<int>(k.layer), first, first + o.chunk_size, gk.data(), gv.data());
+      Status s =
+          st->ReadTokens(k.seq, static_cast<int>(k.layer), first, first + o.chunk_size, gk.data(), gv.data());
       ASSERT_TRUE(s.ok()) << "acknowledged chunk " << k.ToString() << ": " << s.ToString();
       FillPattern(kCrashSalt, k.seq, k.layer, 0, first, o.chunk_size, tb, ek.data());
       FillPattern(kCrashSalt, k.seq, k.layer, 1, first, o.chunk_size, tb, ev.data());
@@ -123,7 +125,9 @@ TEST(Soak, SigkillReopenCyclesKeepEveryAcknowledgedChunk) {
       if (dropped_seqs.count(k.seq)) continue;
       EXPECT_FALSE(acked.count(k)) << "dropped chunk " << k.ToString() << " is acknowledged again";
       const int64_t first = o.n_sink + static_cast<int64_t>(k.index) * o.chunk_size;
-      EXPECT_FALSE(st->ReadTokens(k.seq, static_cast<int>(k.layer), first, first + o.chunk_size, gk.data(), gv.data()).ok())
+      EXPECT_FALSE(
+          st->ReadTokens(k.seq, static_cast<int>(k.layer), first, first + o.chunk_size, gk.data(), gv.data())
+              .ok())
           << "dropped chunk " << k.ToString() << " came back";
     }
     const std::vector<SequenceId> listed = st->ListSequences();
@@ -149,8 +153,8 @@ TEST(Soak, SigkillReopenCyclesKeepEveryAcknowledgedChunk) {
           const size_t bytes = static_cast<size_t>(end - p) * tb;
           std::vector<uint8_t> k(bytes), v(bytes), ek1(bytes), ev1(bytes);
           Status rs = st->ReadTokens(s, l, p, end, k.data(), v.data());
-          ASSERT_TRUE(rs.ok()) << "closed sequence " << s << " layer " << l << " tokens " << p << ".." << end << ": "
-                               << rs.ToString();
+          ASSERT_TRUE(rs.ok()) << "closed sequence " << s << " layer " << l << " tokens " << p << ".." << end
+                               << ": " << rs.ToString();
           FillPattern(kCrashSalt, s, l, 0, p, end - p, tb, ek1.data());
           FillPattern(kCrashSalt, s, l, 1, p, end - p, tb, ev1.data());
           ASSERT_EQ(k, ek1) << "closed sequence " << s << " layer " << l << " tokens " << p << ".." << end;
@@ -160,9 +164,11 @@ TEST(Soak, SigkillReopenCyclesKeepEveryAcknowledgedChunk) {
       }
     }
   }
-  std::printf("soak: %d cycles, %llu acknowledged chunk reads verified, %zu chunks and %zu sequences dropped, %zu closed\n",
-              cycles, static_cast<unsigned long long>(verified), dropped.size(), dropped_seqs.size(),
-              closed_seqs.size());
+  std::printf(
+      "soak: %d cycles, %llu acknowledged chunk reads verified, %zu chunks and %zu sequences dropped, %zu "
+      "closed\n",
+      cycles, static_cast<unsigned long long>(verified), dropped.size(), dropped_seqs.size(),
+      closed_seqs.size());
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
 #include "offload/tiered_store.h"
 
 #include <gtest/gtest.h>
+#include <rocksdb/db.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -11,14 +13,10 @@
 
 #include "integration/pattern.h"
 #include "kernels/cpu/attention.h"
-#include "tests/test_util.h"
-
-#include <rocksdb/db.h>
-#include <atomic>
-
 #include "offload/clock.h"
 #include "offload/cold_tier.h"
 #include "offload/hot_tier.h"
+#include "tests/test_util.h"
 #if KVTIER_HAVE_CUDA
 #include "kernels/cuda/kernels.h"
 #endif
@@ -45,12 +43,14 @@ StoreOptions SmallOptions(const std::string& dir) {
 size_t TokenBytes(const StoreOptions& o) { return o.geometry.token_elems() * DTypeSize(o.geometry.dtype); }
 
 // Appends tokens [from, to) of the pattern in blocks of `block`.
-void AppendPattern(TieredStore* s, SequenceId seq, int layer, uint64_t pid, int64_t from, int64_t to, int block) {
+void AppendPattern(TieredStore* s, SequenceId seq, int layer, uint64_t pid, int64_t from, int64_t to,
+                   int block) {
   const size_t tb = TokenBytes(s->options());
   std::vector<uint8_t> k, v;
   for (int64_t p = from; p < to; p += block) {
     const int n = static_cast<int>(std::min<int64_t>(block, to - p));
-    k.resize(n * tb); v.resize(n * tb);
+    k.resize(n * tb);
+    v.resize(n * tb);
     FillPattern(kSalt, pid, layer, 0, p, n, tb, k.data());
     FillPattern(kSalt, pid, layer, 1, p, n, tb, v.data());
     ASSERT_TRUE(s->Append(seq, layer, k.data(), v.data(), n, s->options().geometry.dtype).ok());
@@ -117,8 +117,8 @@ TEST(TieredStore, AppendReadBackAcrossSinksChunksAndLocal) {
   for (int l = 0; l < 2; ++l) {
     EXPECT_EQ(*st->SequenceLength(*seq, l), 301);
     ExpectPattern(st, *seq, l, 7, 0, 301);
-    ExpectPattern(st, *seq, l, 7, 3, 12);      // sinks into the first chunk
-    ExpectPattern(st, *seq, l, 7, 250, 301);   // chunks into the local window
+    ExpectPattern(st, *seq, l, 7, 3, 12);     // sinks into the first chunk
+    ExpectPattern(st, *seq, l, 7, 250, 301);  // chunks into the local window
   }
   // Sealing: chunks form only once n_local + chunk_size tokens wait past the sinks.
   auto chunks = st->ListChunks(*seq, 0);
@@ -181,8 +181,10 @@ TEST(TieredStore, BadInputGetsClearErrorsAndLosesNothing) {
     EXPECT_NE(got.message().find(needle), std::string::npos) << got.ToString();
   };
   expect(st->Append(*seq, 0, k.data(), v.data(), 4, DType::kBF16), StatusCode::kInvalidArgument, "dtype");
-  expect(st->Append(*seq, 0, k.data(), v.data(), 0, DType::kF16), StatusCode::kInvalidArgument, "token count");
-  expect(st->Append(*seq, 0, k.data(), v.data(), -3, DType::kF16), StatusCode::kInvalidArgument, "token count");
+  expect(st->Append(*seq, 0, k.data(), v.data(), 0, DType::kF16), StatusCode::kInvalidArgument,
+         "token count");
+  expect(st->Append(*seq, 0, k.data(), v.data(), -3, DType::kF16), StatusCode::kInvalidArgument,
+         "token count");
   expect(st->Append(*seq, 0, nullptr, v.data(), 4, DType::kF16), StatusCode::kInvalidArgument, "null");
   expect(st->Append(*seq, 2, k.data(), v.data(), 4, DType::kF16), StatusCode::kInvalidArgument, "layer 2");
   expect(st->Append(*seq, -1, k.data(), v.data(), 4, DType::kF16), StatusCode::kInvalidArgument, "layer -1");
@@ -237,7 +239,8 @@ TEST_P(ColdFailure, FullWarmTierKeepsEveryChunkWhileTheDiskFails) {
   o.warm_bytes = 4 * o.chunk_bytes();
   auto failing = std::make_shared<std::atomic<bool>>(false);
   o.cold_fault_injector = [failing](std::string_view op, const ChunkKey& k) {
-    return failing->load() && op == "put" ? IOError("injected: disk full writing " + k.ToString()) : Status::Ok();
+    return failing->load() && op == "put" ? IOError("injected: disk full writing " + k.ToString())
+                                          : Status::Ok();
   };
   auto s = TieredStore::Open(o);
   ASSERT_TRUE(s.ok());
@@ -316,7 +319,8 @@ TEST(TieredStore, CorruptColdChunkIsReportedNotServed) {
 
 // Four hot slots over 30 sealed chunks of layer 0 (pattern 9), with the warm tier holding 8:
 // most chunks are in the cold tier only. Null (after a failed expectation) when setup fails.
-std::unique_ptr<TieredStore> FourHotSlotsOverThirtyChunks(const std::string& dir, StoreOptions* o, SequenceId* seq) {
+std::unique_ptr<TieredStore> FourHotSlotsOverThirtyChunks(const std::string& dir, StoreOptions* o,
+                                                          SequenceId* seq) {
   *o = SmallOptions(dir);
   o->hot_bytes = 4 * o->chunk_bytes();
   auto s = TieredStore::Open(*o);
@@ -464,7 +468,8 @@ TEST(TieredStore, FetchesOfTwoLayersInFlightAtOnce) {
 // Leases run on StoreOptions::clock: a ManualClock moves time by exactly what the test
 // says, so nothing sleeps and a busy machine cannot make the lease run out early or late.
 // Two slots, pins of 50 ms, 6 chunks of layer 0 sealed.
-std::unique_ptr<TieredStore> TwoHotSlotsWithManualLeases(const std::string& dir, std::shared_ptr<ManualClock> clock,
+std::unique_ptr<TieredStore> TwoHotSlotsWithManualLeases(const std::string& dir,
+                                                         std::shared_ptr<ManualClock> clock,
                                                          SequenceId* seq) {
   StoreOptions o = SmallOptions(dir);
   o.hot_bytes = 2 * o.chunk_bytes();
@@ -554,7 +559,8 @@ TEST(TieredStore, ChunkUpdatesSinceHandsOverLandedAndDroppedChunks) {
   std::vector<float> r(repr_elems);
   for (uint64_t c = 0; c < 6; ++c) {
     ASSERT_TRUE(st->GetRepresentatives(ChunkKey{seq, 0, c}, r.data()).ok());
-    EXPECT_EQ(0, std::memcmp(r.data(), u.repr.data() + c * repr_elems, repr_elems * sizeof(float))) << "chunk " << c;
+    EXPECT_EQ(0, std::memcmp(r.data(), u.repr.data() + c * repr_elems, repr_elems * sizeof(float)))
+        << "chunk " << c;
   }
   // Nothing new: empty. Then two drops and two more chunks, one of them dropped at once.
   const ChunkCursor first = u.next;
@@ -655,8 +661,8 @@ TEST(TieredStoreRepresentatives, MostAttendedTokensPerHead) {
   std::vector<float> out(2 * 2 * 2, -1.0f);
   ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out.data())).ok());
   // out[r][h] = keys[chosen token][h].
-  EXPECT_EQ(out, (std::vector<float>{20, -2, 11, -1,     // r=0: head 0 token 2, head 1 token 1
-                                     0, 0, 31, -3}));    // r=1: head 0 token 0, head 1 token 3
+  EXPECT_EQ(out, (std::vector<float>{20, -2, 11, -1,   // r=0: head 0 token 2, head 1 token 1
+                                     0, 0, 31, -3}));  // r=1: head 0 token 0, head 1 token 3
   // Ties go to the earlier token.
   std::fill(mass.begin(), mass.end(), 1.0f);
   ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out.data())).ok());
@@ -682,7 +688,8 @@ TEST(TieredStoreRepresentatives, FallbackPicksTypicalKeysBitForBit) {
   in.keys = reinterpret_cast<const uint8_t*>(keys.data());
   std::vector<uint16_t> out(4, 0xffff);
   ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out.data())).ok());
-  EXPECT_EQ(out, (std::vector<uint16_t>(keys.begin(), keys.begin() + 4))) << "token 0 lies on the mean direction";
+  EXPECT_EQ(out, (std::vector<uint16_t>(keys.begin(), keys.begin() + 4)))
+      << "token 0 lies on the mean direction";
   // All-zero mass is "no statistics" as well.
   std::vector<float> zero(4, 0.0f);
   in.mass = zero.data();
@@ -720,17 +727,25 @@ class CountingHotTier final : public HotTier {
   int32_t slot_capacity() const override { return inner_->slot_capacity(); }
   int32_t slots_used() const override { return inner_->slots_used(); }
   size_t slot_bytes() const override { return inner_->slot_bytes(); }
-  int32_t AcquireSlot() override { acquired++; return inner_->AcquireSlot(); }
+  int32_t AcquireSlot() override {
+    acquired++;
+    return inner_->AcquireSlot();
+  }
   void ReleaseSlot(int32_t slot) override { inner_->ReleaseSlot(slot); }
   uint8_t* slot_data(int32_t slot) override { return inner_->slot_data(slot); }
-  Result<uint8_t*> AllocateRegion(size_t bytes) override { regions++; return inner_->AllocateRegion(bytes); }
+  Result<uint8_t*> AllocateRegion(size_t bytes) override {
+    regions++;
+    return inner_->AllocateRegion(bytes);
+  }
   void FreeRegion(uint8_t* region, size_t bytes) override { inner_->FreeRegion(region, bytes); }
   Status Upload(uint8_t* dst, const void* src, size_t bytes) override {
     uploads++;
     upload_bytes += bytes;
     return inner_->Upload(dst, src, bytes);
   }
-  Status Download(void* dst, const uint8_t* src, size_t bytes) override { return inner_->Download(dst, src, bytes); }
+  Status Download(void* dst, const uint8_t* src, size_t bytes) override {
+    return inner_->Download(dst, src, bytes);
+  }
 
   // Atomic: uploads of fetches run on transfer threads.
   std::atomic<int64_t> uploads{0}, upload_bytes{0}, acquired{0}, regions{0};
@@ -804,18 +819,23 @@ TEST(TieredStoreHotTier, DevicesAndTheirErrors) {
     EXPECT_EQ(s.status().code(), StatusCode::kUnavailable);
     EXPECT_NE(s.status().message().find("device"), std::string::npos) << s.status().ToString();
   }
-  EXPECT_EQ(MakeHotTier(static_cast<Device>(7), 4 * slot, slot).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(MakeHotTier(static_cast<Device>(7), 4 * slot, slot).status().code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(MakeHotTier(Device::kCpu, slot / 2, slot).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(TieredStoreHotTier, AnInjectedTierWithTheWrongSlotsIsRefused) {
   StoreOptions o = SmallOptions("");
-  o.hot_tier_factory = [](size_t pool_bytes, size_t slot_bytes) { return MakeHotTier(Device::kCpu, pool_bytes, slot_bytes / 2); };
+  o.hot_tier_factory = [](size_t pool_bytes, size_t slot_bytes) {
+    return MakeHotTier(Device::kCpu, pool_bytes, slot_bytes / 2);
+  };
   auto s = TieredStore::Open(o);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.status().message().find("slot"), std::string::npos) << s.status().ToString();
-  o.hot_tier_factory = [](size_t, size_t) -> Result<std::unique_ptr<HotTier>> { return Unavailable("no device"); };
+  o.hot_tier_factory = [](size_t, size_t) -> Result<std::unique_ptr<HotTier>> {
+    return Unavailable("no device");
+  };
   EXPECT_EQ(TieredStore::Open(o).status().code(), StatusCode::kUnavailable);
 }
 
@@ -933,10 +953,10 @@ TEST(TieredStore, DropChunksRemovesThemFromEveryTierForGood) {
     const StoreCounters c0 = st->counters();
     Status dropped = st->DropChunks(seq, 0, {2, 3, 18});  // 2, 3 cold; 18 warm
     ASSERT_TRUE(dropped.ok()) << dropped.ToString();
-    ASSERT_TRUE(st->DropChunks(seq, 0, {3}).ok());         // again: ignored
+    ASSERT_TRUE(st->DropChunks(seq, 0, {3}).ok());  // again: ignored
     EXPECT_EQ(st->counters().dropped_chunks - c0.dropped_chunks, 3u);
     EXPECT_EQ(st->counters().cold_chunks, c0.cold_chunks - 3);  // write-through: all three were on disk
-    EXPECT_EQ(*st->ChunkCount(seq, 0), 19u);  // indices stay: the dropped ones are holes
+    EXPECT_EQ(*st->ChunkCount(seq, 0), 19u);                    // indices stay: the dropped ones are holes
     auto refused = st->FetchChunks(seq, 0, {1, 2});
     EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
     std::vector<uint8_t> k(8 * TokenBytes(o)), v(k.size());
@@ -955,7 +975,8 @@ TEST(TieredStore, DropChunksRemovesThemFromEveryTierForGood) {
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   std::vector<uint8_t> k(8 * TokenBytes(o)), v(k.size());
   EXPECT_EQ((*s)->ReadTokens(seq, 0, 8 + 3 * 8, 8 + 4 * 8, k.data(), v.data()).code(), StatusCode::kNotFound);
-  EXPECT_EQ((*s)->ReadTokens(seq, 0, 8 + 18 * 8, 8 + 19 * 8, k.data(), v.data()).code(), StatusCode::kNotFound);
+  EXPECT_EQ((*s)->ReadTokens(seq, 0, 8 + 18 * 8, 8 + 19 * 8, k.data(), v.data()).code(),
+            StatusCode::kNotFound);
   ExpectPattern(s->get(), seq, 0, 5, 8 + 4 * 8, 8 + 18 * 8);
   ExpectPattern(s->get(), seq, 1, 6, 0, 8 + 32 + 8 * 20);
 }
@@ -963,7 +984,10 @@ TEST(TieredStore, DropChunksRemovesThemFromEveryTierForGood) {
 TEST(TieredStore, ReopenWithAnotherGeometryIsRejected) {
   TempDir dir;
   StoreOptions o = SmallOptions(dir.path());
-  { auto s = TieredStore::Open(o); ASSERT_TRUE(s.ok()); }
+  {
+    auto s = TieredStore::Open(o);
+    ASSERT_TRUE(s.ok());
+  }
   o.geometry.head_dim = 32;
   auto s = TieredStore::Open(o);
   ASSERT_FALSE(s.ok());

@@ -27,13 +27,13 @@ TEST(Budget, CosineHandValues) {
   const float x[] = {1, 0}, y[] = {1, 1}, z[] = {0, 0};
   EXPECT_NEAR(Cosine(x, y, 2), 1.0 / std::sqrt(2.0), 1e-7);  // 1 / (1 * sqrt 2)
   const float a[] = {1, 2, 3}, b[] = {-2, -4, -6}, c[] = {3, 0, -1};
-  EXPECT_NEAR(Cosine(a, b, 3), -1.0, 1e-7);                    // opposite directions
-  EXPECT_NEAR(Cosine(a, c, 3), 0.0, 1e-7);                     // 3 + 0 - 3 = 0: orthogonal
+  EXPECT_NEAR(Cosine(a, b, 3), -1.0, 1e-7);  // opposite directions
+  EXPECT_NEAR(Cosine(a, c, 3), 0.0, 1e-7);   // 3 + 0 - 3 = 0: orthogonal
   const float p[] = {3, 4}, k[] = {4, 3};
-  EXPECT_NEAR(Cosine(p, k, 2), 24.0 / 25.0, 1e-7);             // (12 + 12) / (5 * 5)
-  EXPECT_EQ(Cosine(x, z, 2), 0.0f);                            // zero norm -> 0, not NaN
+  EXPECT_NEAR(Cosine(p, k, 2), 24.0 / 25.0, 1e-7);  // (12 + 12) / (5 * 5)
+  EXPECT_EQ(Cosine(x, z, 2), 0.0f);                 // zero norm -> 0, not NaN
   EXPECT_EQ(Cosine(z, z, 2), 0.0f);
-  EXPECT_NEAR(Cosine(p, p, 2), 1.0, 1e-7);                     // scale-free
+  EXPECT_NEAR(Cosine(p, p, 2), 1.0, 1e-7);  // scale-free
 }
 
 // ---- Eq. 11 ------------------------------------------------------------------------------

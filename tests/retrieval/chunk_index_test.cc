@@ -3,8 +3,6 @@
 // reference, ties, removal for every FAISS kind, IVF training, HNSW recall, option
 // validation and edge cases. The Exact kind's own tests are in exact_index_test.cc.
 #include "retrieval/chunk_index.h"
-#include "retrieval/exact_index.h"
-#include "retrieval/faiss_index.h"
 
 #include <gtest/gtest.h>
 
@@ -19,6 +17,9 @@
 #include <set>
 #include <thread>
 #include <vector>
+
+#include "retrieval/exact_index.h"
+#include "retrieval/faiss_index.h"
 
 namespace kvtier {
 namespace {
@@ -61,7 +62,7 @@ std::vector<uint64_t> ReferenceTopK(const std::vector<uint64_t>& ids, const std:
 }
 
 std::unique_ptr<FaissVectorIndex> MakeIndex(int dim, const std::string& factory, int train_min = 0,
-                                      int nprobe = 16) {
+                                            int nprobe = 16) {
   FaissIndexOptions o;
   o.factory = factory;
   o.train_min = train_min;
@@ -541,7 +542,6 @@ TEST(ChunkIndexTest, ConcurrentSearchesAgreeWithSequential) {
   }
 }
 
-
 // ---- the ChunkIndex interface: specs and every kind ---------------------------------------
 
 TEST(ChunkIndexSpec, RoundTripsForEveryKind) {
@@ -612,8 +612,8 @@ TEST(ChunkIndexSpec, BadSpecsAreRejectedNamingTheKeyOrValue) {
     auto c = CanonicalChunkIndexSpec(spec);
     ASSERT_FALSE(c.ok()) << spec;
     EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << spec;
-    EXPECT_TRUE(Contains(c.status().message(), needle)) << spec << " -> " << c.status().message() << " (wanted "
-                                                          << needle << ")";
+    EXPECT_TRUE(Contains(c.status().message(), needle))
+        << spec << " -> " << c.status().message() << " (wanted " << needle << ")";
     auto m = MakeChunkIndex(spec, ChunkShape{2, 64, 4, DType::kF32});
     ASSERT_FALSE(m.ok()) << spec;
     EXPECT_EQ(m.status().message(), c.status().message()) << spec;
@@ -630,13 +630,14 @@ TEST(ChunkIndexSpec, BadSpecsAreRejectedNamingTheKeyOrValue) {
       << pq8.status().message();
   // Within the caps, what a chunk index can use still builds.
   for (const char* spec : {"IVF65536,Flat", "PQ16x8", "IVF64,PQ16x8", "OPQ16_64,PQ16"})
-    EXPECT_TRUE(CanonicalChunkIndexSpec(spec).ok()) << spec << ": " << CanonicalChunkIndexSpec(spec).status().ToString();
+    EXPECT_TRUE(CanonicalChunkIndexSpec(spec).ok())
+        << spec << ": " << CanonicalChunkIndexSpec(spec).status().ToString();
   // Shapes are checked too.
-  for (const auto& [shape, field] : std::vector<std::pair<ChunkShape, std::string>>{
-           {ChunkShape{0, 64, 4, DType::kF32}, "kv_heads"},
-           {ChunkShape{2, 0, 4, DType::kF32}, "head_dim"},
-           {ChunkShape{2, 8192, 4, DType::kF32}, "head_dim"},
-           {ChunkShape{2, 64, 0, DType::kF32}, "repr"}})
+  for (const auto& [shape, field] :
+       std::vector<std::pair<ChunkShape, std::string>>{{ChunkShape{0, 64, 4, DType::kF32}, "kv_heads"},
+                                                       {ChunkShape{2, 0, 4, DType::kF32}, "head_dim"},
+                                                       {ChunkShape{2, 8192, 4, DType::kF32}, "head_dim"},
+                                                       {ChunkShape{2, 64, 0, DType::kF32}, "repr"}})
     for (const char* spec : {"Exact", "Flat"}) {
       auto m = MakeChunkIndex(spec, shape);
       ASSERT_FALSE(m.ok());
@@ -728,11 +729,12 @@ TEST_P(ChunkIndexKindTest, KeepsTheInterfaceContract) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, ChunkIndexKindTest,
-                         ::testing::Values("Exact", "Exact:rerank=0", "Exact:heads=max,rerank=1,rerank_min=0", "Flat",
-                                           "HNSW32", "IVF4,Flat:train_min=16"),
+                         ::testing::Values("Exact", "Exact:rerank=0", "Exact:heads=max,rerank=1,rerank_min=0",
+                                           "Flat", "HNSW32", "IVF4,Flat:train_min=16"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            std::string name;
-                           for (char c : info.param) name += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+                           for (char c : info.param)
+                             name += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
                            return name;
                          });
 
@@ -750,7 +752,7 @@ TEST(FaissChunkIndex, ScoresTheMeanOfTheRepresentatives) {
   ASSERT_TRUE((*made)->Score(p.data(), &s).ok());
   EXPECT_EQ(s.ids, (std::vector<uint64_t>{0, 1}));
   EXPECT_EQ(s.logit, (std::vector<float>{0, 3}));
-  EXPECT_EQ(s.cosine[0], 0.0f);  // a zero vector: cosine 0
+  EXPECT_EQ(s.cosine[0], 0.0f);                                             // a zero vector: cosine 0
   EXPECT_NEAR(s.cosine[1], 3.0 / (std::sqrt(5.0) * std::sqrt(2.0)), 1e-6);  // Eq. 10 on the concatenation
   std::vector<uint64_t> top;
   ASSERT_TRUE((*made)->Search(p.data(), 1, &top).ok());

@@ -8,8 +8,6 @@
 // compiled; its tests skip with "no CUDA device: ..." without one and, with one, compare its
 // selections with the cpu backend's, which must be equal: the scoring kernel repeats the twin's
 // arithmetic in its order.
-#include "retrieval/device_scorer.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -24,6 +22,7 @@
 #include "kernels/cpu/chunk_score.h"
 #include "kernels/cpu/entropy.h"
 #include "retrieval/budget.h"
+#include "retrieval/device_scorer.h"
 #include "retrieval/exact_index.h"
 #include "retrieval/retriever.h"
 #include "tests/test_util.h"
@@ -83,8 +82,8 @@ std::vector<uint64_t> Iota(size_t n, uint64_t from = 0) {
 }
 
 // The host path's choice (rerank=0: Screen is the exact pass, Best sorts it) and its Eq. 11.
-std::vector<uint64_t> HostBest(const ChunkIndex& index, const std::vector<float>& probe, ChunkRank rank, size_t take,
-                               double* theta = nullptr) {
+std::vector<uint64_t> HostBest(const ChunkIndex& index, const std::vector<float>& probe, ChunkRank rank,
+                               size_t take, double* theta = nullptr) {
   ChunkScores s;
   EXPECT_TRUE(index.Screen(probe.data(), &s).ok());
   if (theta) *theta = SoftmaxEntropy(s.cosine.data(), static_cast<int>(s.cosine.size()));
@@ -110,7 +109,8 @@ TEST(DeviceRetrievalTwins, ChunkStrideScoresTheFirstRowsOfEachHeadAsPacked) {
   for (float& x : packed) x = nd(rng);
   for (float& x : packed_inv) x = std::abs(nd(rng));
   // The strided copy: rows [n, cap) of each head hold garbage the scoring must not read.
-  std::vector<float> strided(static_cast<size_t>(H) * cap * R * D, 1e30f), strided_inv(static_cast<size_t>(H) * cap * R, 1e30f);
+  std::vector<float> strided(static_cast<size_t>(H) * cap * R * D, 1e30f),
+      strided_inv(static_cast<size_t>(H) * cap * R, 1e30f);
   for (int h = 0; h < H; ++h) {
     std::copy_n(packed.data() + h * n * R * D, n * R * D, strided.data() + h * cap * R * D);
     std::copy_n(packed_inv.data() + h * n * R, n * R, strided_inv.data() + h * cap * R);
@@ -119,13 +119,24 @@ TEST(DeviceRetrievalTwins, ChunkStrideScoresTheFirstRowsOfEachHeadAsPacked) {
   for (float& x : probe) x = nd(rng);
   for (auto fold : {kernels::HeadFold::Kind::kSum, kernels::HeadFold::Kind::kMax}) {
     kernels::ChunkScoreParams p;
-    p.kv_heads = H; p.head_dim = D; p.repr = R; p.dtype = DType::kF32; p.fold = fold; p.n_chunks = n;
+    p.kv_heads = H;
+    p.head_dim = D;
+    p.repr = R;
+    p.dtype = DType::kF32;
+    p.fold = fold;
+    p.n_chunks = n;
     p.probe = probe.data();
     std::vector<float> la(n), ca(n), lb(n), cb(n);
-    p.keys = packed.data(); p.inv_norm = packed_inv.data(); p.logit = la.data(); p.cosine = ca.data();
+    p.keys = packed.data();
+    p.inv_norm = packed_inv.data();
+    p.logit = la.data();
+    p.cosine = ca.data();
     ASSERT_EQ(kernels::ScoreChunks(p), kernels::KernelError::kOk);
     p.chunk_stride = cap;
-    p.keys = strided.data(); p.inv_norm = strided_inv.data(); p.logit = lb.data(); p.cosine = cb.data();
+    p.keys = strided.data();
+    p.inv_norm = strided_inv.data();
+    p.logit = lb.data();
+    p.cosine = cb.data();
     ASSERT_EQ(kernels::ScoreChunks(p), kernels::KernelError::kOk);
     EXPECT_EQ(0, std::memcmp(la.data(), lb.data(), n * sizeof(float)));
     EXPECT_EQ(0, std::memcmp(ca.data(), cb.data(), n * sizeof(float)));
@@ -143,7 +154,10 @@ TEST(DeviceRetrievalTwins, SegmentEntropyCountsNonFiniteScoresAndKeepsTheEntropy
   double with[3], without[3];
   int32_t bad[3] = {-1, -1, -1};
   kernels::EntropyParams p;
-  p.n_segments = 3; p.offsets = offsets; p.scores = s.data(); p.entropy = without;
+  p.n_segments = 3;
+  p.offsets = offsets;
+  p.scores = s.data();
+  p.entropy = without;
   ASSERT_EQ(kernels::SegmentEntropy(p), kernels::KernelError::kOk);
   p.entropy = with;
   p.non_finite = bad;
@@ -186,7 +200,10 @@ TEST(DeviceRetrievalWorkspace, ParamsPointIntoTheLayoutAndPickTheRankedScores) {
   const RetrievalWorkspaceLayout l = LayoutRetrievalWorkspace(32, 100, 0);
   std::vector<uint8_t> ws(l.total);
   LayerSelectPlan plan;
-  plan.score.kv_heads = 2; plan.score.head_dim = 16; plan.score.repr = 1; plan.score.n_chunks = 50;
+  plan.score.kv_heads = 2;
+  plan.score.head_dim = 16;
+  plan.score.repr = 1;
+  plan.score.n_chunks = 50;
   plan.k_max = 7;
   plan.entropy = true;
   for (ChunkRank rank : {ChunkRank::kLogit, ChunkRank::kCosine}) {
@@ -230,8 +247,13 @@ TEST(DeviceRetrievalWorkspace, CpuBackendReservesPowersOfTwoOfChunks) {
 TEST(DeviceRetrievalPlan, BadPlansAreNamedStatuses) {
   std::vector<float> keys(4 * 2 * 8), inv(4 * 2), probe(16);
   LayerSelectPlan good;
-  good.score.kv_heads = 2; good.score.head_dim = 8; good.score.repr = 1; good.score.dtype = DType::kF32;
-  good.score.n_chunks = 4; good.score.keys = keys.data(); good.score.inv_norm = inv.data();
+  good.score.kv_heads = 2;
+  good.score.head_dim = 8;
+  good.score.repr = 1;
+  good.score.dtype = DType::kF32;
+  good.score.n_chunks = 4;
+  good.score.keys = keys.data();
+  good.score.inv_norm = inv.data();
   good.probe = probe.data();
   good.k_max = 4;
   EXPECT_TRUE(ValidateLayerSelectPlan(good).ok());
@@ -310,7 +332,8 @@ TEST(DeviceRetrievalMirror, LayoutAfterAddsAndRemovesEqualsAFreshOne) {
     size_t capacity_seen = 0;
     for (size_t b0 = 0; b0 < 100; b0 += 13) {  // batches of 13, a few removals in between
       const size_t b1 = std::min<size_t>(100, b0 + 13);
-      AddAll(grown.get(), Iota(b1 - b0, b0), std::vector<float>(reprs.begin() + b0 * per, reprs.begin() + b1 * per));
+      AddAll(grown.get(), Iota(b1 - b0, b0),
+             std::vector<float>(reprs.begin() + b0 * per, reprs.begin() + b1 * per));
       for (size_t i = b0; i < b1; ++i) {
         kept.push_back(i);
         kept_reprs.insert(kept_reprs.end(), reprs.begin() + i * per, reprs.begin() + (i + 1) * per);
@@ -368,7 +391,9 @@ TEST(DeviceRetrievalMirror, ScoringViewIsTheChunkScoreLayout) {
   const std::vector<float> probe = RandomProbe(shape, 2);
   std::vector<float> logit(20), cosine(20);
   kernels::ChunkScoreParams q = p;
-  q.probe = probe.data(); q.logit = logit.data(); q.cosine = cosine.data();
+  q.probe = probe.data();
+  q.logit = logit.data();
+  q.cosine = cosine.data();
   ASSERT_EQ(kernels::ScoreChunks(q), kernels::KernelError::kOk);
   ChunkScores s;
   ASSERT_TRUE(index->Score(probe.data(), &s).ok());
@@ -397,7 +422,9 @@ void ExpectSameChoices(const ChunkIndex& host, ExactChunkIndex* mirrored, const 
     int32_t bad = -1;
     const std::vector<uint64_t> want = HostBest(host, probe, f.rank, k, &theta_host);
     std::vector<uint64_t> got;
-    ASSERT_TRUE(mirrored->SelectOnBackend(probe.data(), f.rank, f.entropy, static_cast<int>(k), &got, &theta, &bad).ok());
+    ASSERT_TRUE(
+        mirrored->SelectOnBackend(probe.data(), f.rank, f.entropy, static_cast<int>(k), &got, &theta, &bad)
+            .ok());
     EXPECT_EQ(got, want) << what << " heads=" << f.heads << " rank=" << ChunkRankName(f.rank) << " k=" << k;
     if (f.entropy) {
       EXPECT_EQ(theta, theta_host) << what;  // the same SoftmaxEntropy of the same cosines
@@ -421,7 +448,8 @@ TEST(DeviceRetrievalSelect, CpuBackendChoosesWhatRerankZeroChooses) {
       AddAll(host.get(), Iota(300), reprs);
       AddAll(mirrored.get(), Iota(300), reprs);
       for (uint32_t seed = 0; seed < 3; ++seed)
-        ExpectSameChoices(*host, mirrored.get(), RandomProbe(shape, 100 + seed), f, std::string("random ") + DTypeName(dt));
+        ExpectSameChoices(*host, mirrored.get(), RandomProbe(shape, 100 + seed), f,
+                          std::string("random ") + DTypeName(dt));
       // After Remove (Forget): the compacted mirror chooses as the compacted host index.
       const std::vector<uint64_t> gone{0, 1, 57, 58, 150, 299};
       ASSERT_TRUE(host->Remove(gone).ok());
@@ -547,8 +575,9 @@ TEST(DeviceRetrievalBudget, BadEntropiesAndTopKAreRefused) {
   (*e)->BeginStep(2, 3);
   EXPECT_EQ((*e)->AllocateWithEntropy(0, 4, std::nan("")).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ((*e)->AllocateWithEntropy(0, 4, -1.0).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ((*e)->AllocateWithEntropy(1, 4, 1.0).status().code(), StatusCode::kFailedPrecondition);  // out of order
-  EXPECT_EQ((*e)->MaxTake(0, 10), 5);  // 2 x 3, one kept for the deeper layer
+  EXPECT_EQ((*e)->AllocateWithEntropy(1, 4, 1.0).status().code(),
+            StatusCode::kFailedPrecondition);           // out of order
+  EXPECT_EQ((*e)->MaxTake(0, 10), 5);                   // 2 x 3, one kept for the deeper layer
   EXPECT_EQ(*(*e)->AllocateWithEntropy(0, 4, 1.0), 3);  // refusals moved nothing: layer 0 still
   auto t = MakeBudgetAllocator("topk");
   (*t)->BeginStep(2, 3);
@@ -629,7 +658,8 @@ TEST(DeviceRetrievalRetriever, CpuBackendSelectsAsTheHostPathAtRerankZero) {
           auto a = (*host)->Select(seq, l, q.data(), decode ? 1 : 4, decode);
           auto b = (*dev)->Select(seq, l, q.data(), decode ? 1 : 4, decode);
           ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
-          EXPECT_EQ(a->chunks, b->chunks) << alloc << " heads=" << heads << " step " << step << " layer " << l;
+          EXPECT_EQ(a->chunks, b->chunks)
+              << alloc << " heads=" << heads << " step " << step << " layer " << l;
           EXPECT_EQ(a->entropy, b->entropy);
           EXPECT_FALSE(b->chunks.empty());
         }
@@ -711,7 +741,8 @@ TEST(DeviceRetrievalCuda, SelectsAsTheCpuBackend) {
           ASSERT_TRUE(st.ok()) << st.ToString();
           // The scoring kernel repeats the twin's arithmetic in its order (bit-equal scores), and
           // CUB's stable descending sort breaks ties by the lower row as the twin: equal lists.
-          EXPECT_EQ(a, b) << DTypeName(dt) << " heads=" << f.heads << " rank=" << ChunkRankName(f.rank) << " k=" << k;
+          EXPECT_EQ(a, b) << DTypeName(dt) << " heads=" << f.heads << " rank=" << ChunkRankName(f.rank)
+                          << " k=" << k;
           EXPECT_NEAR(ta, tb, 1e-6 * std::max(1.0, ta));
           EXPECT_EQ(nb, 0);
         }

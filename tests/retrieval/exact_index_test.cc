@@ -49,7 +49,8 @@ void AddAll(ChunkIndex* index, const std::vector<uint64_t>& ids, const std::vect
                   .ok());
 }
 
-std::vector<uint64_t> BestOf(const ChunkIndex& index, const std::vector<float>& probe, ChunkRank rank, size_t take) {
+std::vector<uint64_t> BestOf(const ChunkIndex& index, const std::vector<float>& probe, ChunkRank rank,
+                             size_t take) {
   ChunkScores s;
   EXPECT_TRUE(index.Screen(probe.data(), &s).ok());
   std::vector<uint64_t> out;
@@ -145,7 +146,8 @@ TEST(ExactChunkIndex, TwoStageSearchEqualsTheSinglePass) {
         // The screen approximates the fp32 scores (int8 codes of keys and probe).
         ASSERT_TRUE(two->Screen(p.data(), &screened).ok());
         ASSERT_EQ(screened.ids, a.ids);
-        for (size_t i = 0; i < n; ++i) EXPECT_NEAR(screened.cosine[i], a.cosine[i], 0.05) << what << " chunk " << i;
+        for (size_t i = 0; i < n; ++i)
+          EXPECT_NEAR(screened.cosine[i], a.cosine[i], 0.05) << what << " chunk " << i;
         for (ChunkRank rank : {ChunkRank::kCosine, ChunkRank::kLogit})
           for (size_t take : {size_t{1}, size_t{8}, size_t{30}, n + 5}) {
             const auto expect = BestOf(*single, p, rank, take);
@@ -169,7 +171,8 @@ TEST(ExactChunkIndex, TiedChunksGoToTheSmallerIndexFirst) {
   const ChunkShape shape{1, 2, 2, DType::kF32};
   const float c[] = {1, 0, 1, 0};
   for (int rerank : {0, 1, 4})
-    for (const std::vector<float>& p : {std::vector<float>{1, 0}, std::vector<float>{0, 1}, std::vector<float>{0, -1}}) {
+    for (const std::vector<float>& p :
+         {std::vector<float>{1, 0}, std::vector<float>{0, 1}, std::vector<float>{0, -1}}) {
       auto index = Make("Exact:rerank=" + std::to_string(rerank) + ",rerank_min=0", shape);
       ASSERT_NE(index, nullptr);
       for (uint64_t id : {3, 5, 9, 10}) ASSERT_TRUE(index->Add(id, c).ok());
@@ -233,7 +236,8 @@ TEST(ExactChunkIndex, RemovalEqualsAFreshIndex) {
       EXPECT_EQ(a.logit, b.logit);
       EXPECT_EQ(a.cosine, b.cosine);
       for (size_t take : {size_t{1}, size_t{5}, size_t{20}})
-        EXPECT_EQ(BestOf(*compacted, p, ChunkRank::kCosine, take), BestOf(*fresh, p, ChunkRank::kCosine, take));
+        EXPECT_EQ(BestOf(*compacted, p, ChunkRank::kCosine, take),
+                  BestOf(*fresh, p, ChunkRank::kCosine, take));
     }
     // A chunk index above every kept one can come back; everything can go.
     ASSERT_TRUE(compacted->Add(500, reprs.data()).ok());
@@ -310,7 +314,8 @@ TEST(ExactChunkIndex, StoredKeysScoreAsTheirFloats) {
   ASSERT_TRUE(index->Score(p.data(), &s).ok());
   for (int c = 0; c < 3; ++c) {
     float best = -1e30f;
-    for (int r = 0; r < 2; ++r) best = std::max(best, kernels::Dot(reprs.data() + (c * 2 + r) * 24, p.data(), 24));
+    for (int r = 0; r < 2; ++r)
+      best = std::max(best, kernels::Dot(reprs.data() + (c * 2 + r) * 24, p.data(), 24));
     EXPECT_EQ(s.logit[c], best) << "chunk " << c;
   }
 }
@@ -335,7 +340,8 @@ TEST(ExactChunkIndexKernels, DotKeyOfAStoredKeyEqualsDotOfItsFloats) {
             << DTypeName(t) << " n " << n;
         double ref = 0.0;
         for (int i = 0; i < n; ++i) ref += static_cast<double>(back[i]) * p[i];
-        EXPECT_NEAR(kernels::Dot(back.data(), p.data(), n), ref, 1e-4 * (1.0 + std::sqrt(static_cast<double>(n))));
+        EXPECT_NEAR(kernels::Dot(back.data(), p.data(), n), ref,
+                    1e-4 * (1.0 + std::sqrt(static_cast<double>(n))));
       }
     }
 }

@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-
 namespace kvtier {
 namespace {
 
@@ -58,10 +57,10 @@ void ExpectStats(ProbeBuilder* b, int layer, int head, int64_t count, const std:
 TEST(Probe, MeanPoolsQueriesAndGroupHeads) {
   // Hq = 4, Hkv = 2 (groups {0,1} -> kv 0, {2,3} -> kv 1), D = 2, m = 2.
   const Geometry g = G(2, 4, 2, 2);
-  const std::vector<float> q = Queries({{{1, 2}, {3, 4}},      // head 0
-                                        {{5, 6}, {7, 8}},      // head 1
-                                        {{0, 0}, {4, -4}},     // head 2
-                                        {{8, 8}, {0, 0}}});    // head 3
+  const std::vector<float> q = Queries({{{1, 2}, {3, 4}},    // head 0
+                                        {{5, 6}, {7, 8}},    // head 1
+                                        {{0, 0}, {4, -4}},   // head 2
+                                        {{8, 8}, {0, 0}}});  // head 3
   // kv 0 = (1+3+5+7, 2+4+6+8) / 4 = (4, 5); kv 1 = (0+4+8+0, 0-4+8+0) / 4 = (3, 1).
   auto b = Make("mean", g);
   std::vector<float> probe(4);
@@ -407,7 +406,8 @@ TEST(Probe, FactoryRoundTrips) {
     EXPECT_EQ(b2->ToString(), s1) << spec;
   }
   // Shortest round-trip formatting: the rebuilt eps is the same double, bit for bit.
-  EXPECT_EQ(AsAct(Make("act:eps=0.000000123456789012345678", g).get())->options().eps, 1.23456789012345678e-07);
+  EXPECT_EQ(AsAct(Make("act:eps=0.000000123456789012345678", g).get())->options().eps,
+            1.23456789012345678e-07);
 }
 
 TEST(Probe, FactoryRejectsBadSpecsNamingThem) {

@@ -29,7 +29,8 @@ StoreOptions Options(const std::string& dir) {
 }
 
 // Fills a store with `n` tokens of random K/V per layer and returns the K/V.
-std::vector<std::vector<float>> Fill(TieredStore* s, SequenceId seq, int n, uint64_t seed, std::vector<std::vector<float>>* vs) {
+std::vector<std::vector<float>> Fill(TieredStore* s, SequenceId seq, int n, uint64_t seed,
+                                     std::vector<std::vector<float>>* vs) {
   const Geometry& g = s->options().geometry;
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -85,15 +86,27 @@ TEST(Retriever, BudgetCoveringEveryChunkEqualsFullAttention) {
           for (int i = 0; i < view->n_local_spans; ++i) parts.push_back(view->local[i]);
           std::vector<float> out(q.size()), full(q.size());
           kernels::AttentionParams p;
-          p.q_heads = g.q_heads; p.kv_heads = g.kv_heads; p.head_dim = g.head_dim; p.dtype = DType::kF32;
-          p.n_queries = 1; p.q = q.data(); p.q_positions = &pos;
-          p.parts = parts.data(); p.n_parts = static_cast<int>(parts.size()); p.out = out.data();
+          p.q_heads = g.q_heads;
+          p.kv_heads = g.kv_heads;
+          p.head_dim = g.head_dim;
+          p.dtype = DType::kF32;
+          p.n_queries = 1;
+          p.q = q.data();
+          p.q_positions = &pos;
+          p.parts = parts.data();
+          p.n_parts = static_cast<int>(parts.size());
+          p.out = out.data();
           ASSERT_EQ(kernels::Attention(p), kernels::KernelError::kOk);
           kernels::KvSpan all{ks[l].data(), vs[l].data(), n, 0, nullptr};
-          p.parts = &all; p.n_parts = 1; p.out = full.data();
+          p.parts = &all;
+          p.n_parts = 1;
+          p.out = full.data();
           ASSERT_EQ(kernels::Attention(p), kernels::KernelError::kOk);
           double num = 0, den = 0;
-          for (size_t i = 0; i < out.size(); ++i) { num += (out[i] - full[i]) * (out[i] - full[i]); den += full[i] * full[i]; }
+          for (size_t i = 0; i < out.size(); ++i) {
+            num += (out[i] - full[i]) * (out[i] - full[i]);
+            den += full[i] * full[i];
+          }
           EXPECT_LT(std::sqrt(num / den), 1e-5) << alloc << " " << probe << " " << index;
         }
       }
@@ -107,7 +120,10 @@ TEST(Retriever, BudgetCoveringEveryChunkEqualsFullAttention) {
 std::unique_ptr<TieredStore> TwoChunkStore(const Geometry& g, std::vector<float> k, SequenceId* seq) {
   StoreOptions o = Options("");
   o.geometry = g;
-  o.n_sink = 0; o.n_local = 2; o.chunk_size = 2; o.repr_topk = 2;
+  o.n_sink = 0;
+  o.n_local = 2;
+  o.chunk_size = 2;
+  o.repr_topk = 2;
   auto store = TieredStore::Open(o);
   EXPECT_TRUE(store.ok()) << store.status().ToString();
   if (!store.ok()) return nullptr;
@@ -156,14 +172,15 @@ TEST(Retriever, TiedChunksGoToTheSmallerIndexFirst) {
   ASSERT_NE(store, nullptr);
   for (const char* alloc : {"topk", "entropy"})
     for (int rerank : {0, 1, 4})
-      for (const std::vector<float>& q : {std::vector<float>{1, 0}, std::vector<float>{0, 1}, std::vector<float>{0, -1}}) {
+      for (const std::vector<float>& q :
+           {std::vector<float>{1, 0}, std::vector<float>{0, 1}, std::vector<float>{0, -1}}) {
         RetrieverOptions ro;
         ro.probe = "mean";
         ro.alloc = alloc;
         ro.index = "Exact:rerank=" + std::to_string(rerank) + ",rerank_min=0";
         ro.budget_tokens = 2;  // k = 1
         const std::string what = std::string(alloc) + " rerank " + std::to_string(rerank) + " q (" +
-                                  std::to_string(q[0]) + "," + std::to_string(q[1]) + ")";
+                                 std::to_string(q[0]) + "," + std::to_string(q[1]) + ")";
         if (std::string(alloc) == "topk") {
           EXPECT_EQ(DecodeSelect(store.get(), seq, ro, q), (std::vector<uint64_t>{0})) << what;
         }
@@ -197,7 +214,8 @@ TEST(Retriever, TwoStageSearchMatchesTheFullPass) {
       ro.probe = "mean";
       ro.alloc = alloc;
       ro.budget_tokens = 8 * 4;  // k = 8 chunks
-      ro.index = "Exact:rerank=" + std::to_string(rerank_factor) + ",rerank_min=" + std::to_string(rerank_min);
+      ro.index =
+          "Exact:rerank=" + std::to_string(rerank_factor) + ",rerank_min=" + std::to_string(rerank_min);
       auto r = Retriever::Create(s, ro);
       EXPECT_TRUE(r.ok());
       std::vector<std::vector<uint64_t>> out;
@@ -244,7 +262,8 @@ TEST(Retriever, DroppedChunksAreNeverSelectedAgain) {
       ASSERT_TRUE(sel.ok());
       EXPECT_EQ(sel->chunks.size(), l == 0 ? 26u : 30u) << index;
       if (l == 0) {
-        for (uint64_t c : gone) EXPECT_EQ(std::count(sel->chunks.begin(), sel->chunks.end(), c), 0) << index << " chunk " << c;
+        for (uint64_t c : gone)
+          EXPECT_EQ(std::count(sel->chunks.begin(), sel->chunks.end(), c), 0) << index << " chunk " << c;
       }
       auto h = s->FetchChunks(seq, l, sel->chunks);  // every chosen chunk still exists
       ASSERT_TRUE(h.ok()) << h.status().ToString();
@@ -373,8 +392,8 @@ TEST(Retriever, HeadMergeMaxLetsTheMostInterestedHeadDecide) {
   // token = [head0 (x, y), head1 (x, y)]
   SequenceId seq = 0;
   auto store = TwoChunkStore(Geometry{1, 2, 2, 2, DType::kF32},
-                             {10, 0, -5, 0,  10, 0, -5, 0,   // chunk 0
-                              3, 0, 3, 0,    3, 0, 3, 0},    // chunk 1
+                             {10, 0, -5, 0, 10, 0, -5, 0,  // chunk 0
+                              3, 0, 3, 0, 3, 0, 3, 0},     // chunk 1
                              &seq);
   ASSERT_NE(store, nullptr);
   const std::vector<float> q{1, 0, 1, 0};  // one token, two q heads (one per kv head)
@@ -399,7 +418,8 @@ TEST(Retriever, RankByLogitKeepsKeyNorms) {
   // For both index kinds: rank is the allocator's, whatever the index.
   const float c = 0.9f, sn = std::sqrt(1.0f - 0.81f);
   SequenceId seq = 0;
-  auto store = TwoChunkStore(Geometry{1, 1, 1, 2, DType::kF32}, {5, 8.6602540f, 5, 8.6602540f, c, sn, c, sn}, &seq);
+  auto store =
+      TwoChunkStore(Geometry{1, 1, 1, 2, DType::kF32}, {5, 8.6602540f, 5, 8.6602540f, c, sn, c, sn}, &seq);
   ASSERT_NE(store, nullptr);
   for (const char* index : {"Exact", "Exact:rerank=0", "Flat"})
     for (const char* rank : {"cosine", "logit"}) {
@@ -437,7 +457,8 @@ TEST(Retriever, BadOptionsAreRejected) {
     c.set(&ro);
     const Status st = ro.Validate();
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.expect;
-    EXPECT_NE(st.message().find(c.expect), std::string::npos) << st.message() << " (wanted " << c.expect << ")";
+    EXPECT_NE(st.message().find(c.expect), std::string::npos)
+        << st.message() << " (wanted " << c.expect << ")";
   }
   EXPECT_FALSE(Retriever::Create(nullptr, RetrieverOptions()).ok());
   // Checked again against the store's real shape: PQ64 splits the 1024 dimensions Validate
@@ -458,17 +479,20 @@ TEST(Retriever, BadOptionsAreRejected) {
 // ---- spec strings ---------------------------------------------------------------------------
 
 TEST(RetrieverOptions, ToStringSpellsEveryPartOutAndParsesBack) {
-  EXPECT_EQ(RetrieverOptions().ToString(),
-            "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,rerank_min=256 "
-            "budget=2048");
+  EXPECT_EQ(
+      RetrieverOptions().ToString(),
+      "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,rerank_min=256 "
+      "budget=2048");
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"", "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,rerank_min=256 "
-           "budget=2048"},
+      {"",
+       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,rerank_min=256 "
+       "budget=2048"},
       {"index=Flat alloc=topk", "probe=act:eps=1e-06 alloc=topk index=Flat budget=2048"},
       {"  budget=512   probe=mean index=HNSW32:ef=32 ",
        "probe=mean alloc=entropy:min=1,rank=cosine index=HNSW32:ef=32 budget=512"},
       {"index=IVF64,Flat:nprobe=4 alloc=entropy:rank=logit",
-       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=logit index=IVF64,Flat:nprobe=4,train_min=0 budget=2048"},
+       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=logit index=IVF64,Flat:nprobe=4,train_min=0 "
+       "budget=2048"},
       {"index=Exact:rerank=0,heads=max alloc=entropy:rank=logit,min=2 probe=question:base=mean,weight=0.25",
        "probe=question:base=mean,weight=0.25 alloc=entropy:min=2,rank=logit "
        "index=Exact:heads=max,rerank=0,rerank_min=256 budget=2048"},
@@ -516,8 +540,9 @@ TEST(Retriever, DescribeIsTheCanonicalSpecAndParsesBack) {
   TempDir dir;
   auto store = TieredStore::Open(Options(dir.path()));
   ASSERT_TRUE(store.ok());
-  for (const char* spec : {"", "index=Flat alloc=topk probe=mean budget=64", "index=Exact:heads=max,rerank=0 alloc=entropy:rank=logit",
-                           "index=HNSW32 budget=128"}) {
+  for (const char* spec :
+       {"", "index=Flat alloc=topk probe=mean budget=64",
+        "index=Exact:heads=max,rerank=0 alloc=entropy:rank=logit", "index=HNSW32 budget=128"}) {
     auto o = RetrieverOptions::Parse(spec);
     ASSERT_TRUE(o.ok()) << spec;
     auto r = Retriever::Create(store->get(), *o);

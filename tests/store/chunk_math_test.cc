@@ -1,12 +1,11 @@
 // Position <-> chunk arithmetic (store/chunk.h): the one definition every caller uses, checked
 // against how the store itself cuts a layer into sinks, chunks and the local window.
-#include "store/chunk.h"
-
 #include <gtest/gtest.h>
 
 #include <vector>
 
 #include "offload/tiered_store.h"
+#include "store/chunk.h"
 
 namespace kvtier {
 namespace {
@@ -62,7 +61,8 @@ TEST(ChunkMath, AgreesWithTheStore) {
   ASSERT_TRUE(seq.ok());
   const int64_t n = 5 + 8 + 4 * 6 + 3;
   std::vector<float> k(static_cast<size_t>(n) * 4), v(k.size());
-  for (size_t i = 0; i < k.size(); ++i) k[i] = v[i] = static_cast<float>(i / 4);  // each token holds its position
+  for (size_t i = 0; i < k.size(); ++i)
+    k[i] = v[i] = static_cast<float>(i / 4);  // each token holds its position
   ASSERT_TRUE((*store)->Append(*seq, 0, k.data(), v.data(), static_cast<int>(n), DType::kF32).ok());
   auto count = (*store)->ChunkCount(*seq, 0);
   auto chunks = (*store)->ListChunks(*seq, 0);

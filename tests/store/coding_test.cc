@@ -27,7 +27,8 @@ TEST(StoreCoding, FixedWidthIsLittleEndianOnAnyHost) {
   PutFixed16(&s, 0x0102);
   PutFixed32(&s, 0x01020304u);
   PutFixed64(&s, 0x0102030405060708ull);
-  EXPECT_EQ(s, Bytes({0xab, 0x02, 0x01, 0x04, 0x03, 0x02, 0x01, 0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01}));
+  EXPECT_EQ(
+      s, Bytes({0xab, 0x02, 0x01, 0x04, 0x03, 0x02, 0x01, 0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01}));
   s.clear();
   PutInt32(&s, -2);
   PutInt64(&s, -3);
@@ -169,11 +170,10 @@ TEST(StoreCoding, ChunkMetaRecordFormat) {
   using namespace store_records;
   const std::vector<uint8_t> repr{1, 2, 3, 4, 5, 6};
   const std::string meta = EncodeChunkMeta(0x0102030405060708ll, repr.data(), repr.size(), 1.0f);
-  const std::string want = Bytes({0x4b, 0x56, 0x43, 0x4d,  // "KVCM"
-                                  1, 0, 0, 0,              // version
-                                  8, 7, 6, 5, 4, 3, 2, 1,  // first_token
-                                  6, 0, 0, 0, 1, 2, 3, 4, 5, 6,
-                                  0, 0, 0x80, 0x3f});     // score 1.0f
+  const std::string want = Bytes({0x4b, 0x56, 0x43, 0x4d,              // "KVCM"
+                                  1,    0,    0,    0,                 // version
+                                  8,    7,    6,    5,    4, 3, 2, 1,  // first_token
+                                  6,    0,    0,    0,    1, 2, 3, 4, 5, 6, 0, 0, 0x80, 0x3f});  // score 1.0f
   EXPECT_EQ(meta, want);
   const ChunkKey key{3, 1, 17};
   auto back = DecodeChunkMeta(meta, key, repr.size());
@@ -185,7 +185,8 @@ TEST(StoreCoding, ChunkMetaRecordFormat) {
     auto bad = DecodeChunkMeta(meta.substr(0, cut), key, repr.size());
     ASSERT_FALSE(bad.ok()) << cut;
     EXPECT_EQ(bad.status().code(), StatusCode::kCorruption);
-    EXPECT_NE(bad.status().message().find("seq=3/layer=1/chunk=17"), std::string::npos) << bad.status().ToString();
+    EXPECT_NE(bad.status().message().find("seq=3/layer=1/chunk=17"), std::string::npos)
+        << bad.status().ToString();
   }
   EXPECT_EQ(DecodeChunkMeta(meta + "x", key, repr.size()).status().code(), StatusCode::kCorruption);
   EXPECT_EQ(DecodeChunkMeta(meta, key, repr.size() + 2).status().code(), StatusCode::kCorruption);
@@ -218,13 +219,15 @@ TEST(StoreCoding, SequenceAndStoreRecords) {
   odd[4] = 9;  // version
   expect_bad(odd, "version 9");
   // An open sequence comes back as recovered (read-only).
-  EXPECT_EQ(DecodeSequenceRecord(EncodeSequenceRecord(SeqState::kOpen, {0}), 4, 1)->state, SeqState::kRecovered);
+  EXPECT_EQ(DecodeSequenceRecord(EncodeSequenceRecord(SeqState::kOpen, {0}), 4, 1)->state,
+            SeqState::kRecovered);
   auto wrong_layers = DecodeSequenceRecord(rec, 4, 2);
   EXPECT_EQ(wrong_layers.status().code(), StatusCode::kCorruption);
   EXPECT_NE(wrong_layers.status().message().find("sequence 4"), std::string::npos);
   auto short_rec = DecodeSequenceRecord(rec.substr(0, rec.size() - 3), 4, 3);
   EXPECT_EQ(short_rec.status().code(), StatusCode::kCorruption);
-  EXPECT_NE(short_rec.status().message().find("n_tokens"), std::string::npos) << short_rec.status().ToString();
+  EXPECT_NE(short_rec.status().message().find("n_tokens"), std::string::npos)
+      << short_rec.status().ToString();
 
   StoreLayout l{Geometry{2, 4, 2, 16, DType::kBF16}, 8, 32, 8, 2};
   const std::string sr = EncodeStoreRecord(l);
@@ -238,7 +241,8 @@ TEST(StoreCoding, SequenceAndStoreRecords) {
   std::string odd_dtype = sr;
   odd_dtype[24] = 9;  // after magic, version and four i32 of geometry
   auto dt = DecodeStoreRecord(odd_dtype, "data_dir 'x'");
-  EXPECT_NE(dt.status().message().find("dtype 9 is not a storage dtype"), std::string::npos) << dt.status().ToString();
+  EXPECT_NE(dt.status().message().find("dtype 9 is not a storage dtype"), std::string::npos)
+      << dt.status().ToString();
 }
 
 }  // namespace

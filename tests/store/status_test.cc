@@ -1,7 +1,6 @@
 // Status / Result<T>: value() of an error fails loudly in every build type, and a bad_alloc at
 // an API boundary comes back as ResourceExhausted.
 #include "store/status.h"
-#include "tests/test_util.h"
 
 #include <gtest/gtest.h>
 
@@ -9,6 +8,8 @@
 #include <new>
 #include <string>
 #include <vector>
+
+#include "tests/test_util.h"
 
 namespace kvtier {
 namespace {
@@ -19,19 +20,26 @@ Result<int> Fails() { return NotFound("no such thing"); }
 // optional; now it prints the status and aborts whatever the build type.
 TEST(ResultDeathTest, ValueOfAnErrorAbortsNamingTheStatus) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  EXPECT_DEATH({ [[maybe_unused]] int v = Fails().value(); }, "value\\(\\) called on an error: NotFound: no such thing");
-  EXPECT_DEATH({
-    const Result<int> r = Fails();
-    [[maybe_unused]] int v = r.value();
-  }, "NotFound: no such thing");
-  EXPECT_DEATH({
-    Result<std::string> r = InvalidArgument("bad");
-    [[maybe_unused]] size_t n = r->size();
-  }, "InvalidArgument: bad");
-  EXPECT_DEATH({
-    Result<std::unique_ptr<int>> r = Internal("boom");
-    [[maybe_unused]] std::unique_ptr<int> p = *std::move(r);
-  }, "Internal: boom");
+  EXPECT_DEATH({ [[maybe_unused]] int v = Fails().value(); },
+               "value\\(\\) called on an error: NotFound: no such thing");
+  EXPECT_DEATH(
+      {
+        const Result<int> r = Fails();
+        [[maybe_unused]] int v = r.value();
+      },
+      "NotFound: no such thing");
+  EXPECT_DEATH(
+      {
+        Result<std::string> r = InvalidArgument("bad");
+        [[maybe_unused]] size_t n = r->size();
+      },
+      "InvalidArgument: bad");
+  EXPECT_DEATH(
+      {
+        Result<std::unique_ptr<int>> r = Internal("boom");
+        [[maybe_unused]] std::unique_ptr<int> p = *std::move(r);
+      },
+      "Internal: boom");
 }
 
 TEST(Result, ValueOfAnOkResult) {
@@ -48,9 +56,9 @@ TEST(ReturnOnBadAlloc, TurnsBadAllocIntoResourceExhaustedNamingWhat) {
   Status st = ReturnOnBadAlloc("the widget table", []() -> Status { throw std::bad_alloc(); });
   EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(st.message(), "the widget table: out of memory");
-  Result<std::vector<int>> r = ReturnOnBadAlloc(
-      [] { return std::string("rows for ") + std::to_string(12) + " keys"; },
-      []() -> Result<std::vector<int>> { throw std::bad_alloc(); });
+  Result<std::vector<int>> r =
+      ReturnOnBadAlloc([] { return std::string("rows for ") + std::to_string(12) + " keys"; },
+                       []() -> Result<std::vector<int>> { throw std::bad_alloc(); });
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(r.status().message(), "rows for 12 keys: out of memory");
@@ -62,7 +70,8 @@ TEST(ReturnOnBadAlloc, TurnsBadAllocIntoResourceExhaustedNamingWhat) {
 }
 
 TEST(ReturnOnBadAlloc, AnAllocationNoAllocatorCanServe) {
-  KVTIER_SKIP_UNDER_SANITIZER("ASan aborts on an allocation beyond its maximum instead of throwing std::bad_alloc");
+  KVTIER_SKIP_UNDER_SANITIZER(
+      "ASan aborts on an allocation beyond its maximum instead of throwing std::bad_alloc");
   Result<size_t> huge = ReturnOnBadAlloc("a vector of 2^60 floats", []() -> Result<size_t> {
     std::vector<float> v(size_t{1} << 60);  // 4 EiB: within max_size(), beyond any allocator
     return v.size();

@@ -64,15 +64,24 @@ inline cublasStatus_t cublasSetWorkspace(cublasHandle_t handle, void* workspace,
 }
 inline const char* cublasGetStatusName(cublasStatus_t s) {
   switch (s) {
-    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
-    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
-    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
-    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
-    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
-    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
-    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
-    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
-    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    case CUBLAS_STATUS_SUCCESS:
+      return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED:
+      return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED:
+      return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE:
+      return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH:
+      return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR:
+      return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED:
+      return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR:
+      return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+      return "CUBLAS_STATUS_NOT_SUPPORTED";
   }
   return "CUBLAS_STATUS_UNKNOWN";
 }
@@ -98,11 +107,11 @@ __global__ void GemmColumnKernel(bool a_t, bool b_t, int m, int k, float alpha, 
 }
 }  // namespace kvtier_emu
 
-inline cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m,
-                                   int n, int k, const void* alpha, const void* a, cudaDataType_t a_type, int lda,
-                                   const void* b, cudaDataType_t b_type, int ldb, const void* beta, void* c,
-                                   cudaDataType_t c_type, int ldc, cublasComputeType_t compute,
-                                   cublasGemmAlgo_t /*algo*/) {
+inline cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
+                                   int m, int n, int k, const void* alpha, const void* a,
+                                   cudaDataType_t a_type, int lda, const void* b, cudaDataType_t b_type,
+                                   int ldb, const void* beta, void* c, cudaDataType_t c_type, int ldc,
+                                   cublasComputeType_t compute, cublasGemmAlgo_t /*algo*/) {
   if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
   if (a_type != CUDA_R_32F || b_type != CUDA_R_32F || c_type != CUDA_R_32F ||
       (compute != CUBLAS_COMPUTE_32F && compute != CUBLAS_COMPUTE_32F_PEDANTIC) || transa == CUBLAS_OP_C ||
@@ -113,8 +122,9 @@ inline cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t tran
   if (lda < std::max(1, a_t ? k : m) || ldb < std::max(1, b_t ? n : k) || ldc < std::max(1, m))
     return CUBLAS_STATUS_INVALID_VALUE;
   if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
-  kvtier_emu::Launch(&kvtier_emu::GemmColumnKernel, dim3(static_cast<unsigned>(n)), dim3(1), 0, handle->stream, a_t,
-                     b_t, m, k, *static_cast<const float*>(alpha), static_cast<const float*>(a), lda,
-                     static_cast<const float*>(b), ldb, *static_cast<const float*>(beta), static_cast<float*>(c), ldc);
+  kvtier_emu::Launch(&kvtier_emu::GemmColumnKernel, dim3(static_cast<unsigned>(n)), dim3(1), 0,
+                     handle->stream, a_t, b_t, m, k, *static_cast<const float*>(alpha),
+                     static_cast<const float*>(a), lda, static_cast<const float*>(b), ldb,
+                     *static_cast<const float*>(beta), static_cast<float*>(c), ldc);
   return CUBLAS_STATUS_SUCCESS;
 }

@@ -32,20 +32,20 @@
 #endif
 
 #include <hip/hip_runtime.h>
+#include <math.h>  // isfinite, expf, ... in the global namespace, where device code calls them
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <future>
 #include <cmath>
-#include <math.h>  // isfinite, expf, ... in the global namespace, where device code calls them
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <tuple>
 #include <type_traits>
-#include <unistd.h>
 
 #include "kernels/cuda/store_convert.h"
 
@@ -92,14 +92,20 @@ inline const char* cudaGetErrorString(cudaError_t e) { return hipGetErrorString(
 inline cudaError_t cudaGetLastError() { return hipGetLastError(); }
 inline cudaError_t cudaPeekAtLastError() { return hipPeekAtLastError(); }
 inline cudaError_t cudaGetDeviceCount(int* n) { return hipGetDeviceCount(n); }
-inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int device) { return hipGetDeviceProperties(p, device); }
+inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int device) {
+  return hipGetDeviceProperties(p, device);
+}
 inline cudaError_t cudaSetDevice(int device) { return hipSetDevice(device); }
 inline cudaError_t cudaDeviceSynchronize() { return hipDeviceSynchronize(); }
-inline cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) { return hipMemGetInfo(free_bytes, total); }
+inline cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
+  return hipMemGetInfo(free_bytes, total);
+}
 
 inline cudaError_t cudaMalloc(void** p, size_t bytes) { return hipMalloc(p, bytes); }
 template <typename T>
-inline cudaError_t cudaMalloc(T** p, size_t bytes) { return hipMalloc(reinterpret_cast<void**>(p), bytes); }
+inline cudaError_t cudaMalloc(T** p, size_t bytes) {
+  return hipMalloc(reinterpret_cast<void**>(p), bytes);
+}
 inline cudaError_t cudaFree(void* p) { return hipFree(p); }
 inline cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned flags) {
   return hipHostMalloc(p, bytes, static_cast<hipHostMallocKind>(flags));
@@ -108,9 +114,13 @@ template <typename T>
 inline cudaError_t cudaHostAlloc(T** p, size_t bytes, unsigned flags) {
   return cudaHostAlloc(reinterpret_cast<void**>(p), bytes, flags);
 }
-inline cudaError_t cudaMallocHost(void** p, size_t bytes) { return hipHostMalloc(p, bytes, hipHostMallocDefault); }
+inline cudaError_t cudaMallocHost(void** p, size_t bytes) {
+  return hipHostMalloc(p, bytes, hipHostMallocDefault);
+}
 template <typename T>
-inline cudaError_t cudaMallocHost(T** p, size_t bytes) { return cudaMallocHost(reinterpret_cast<void**>(p), bytes); }
+inline cudaError_t cudaMallocHost(T** p, size_t bytes) {
+  return cudaMallocHost(reinterpret_cast<void**>(p), bytes);
+}
 inline cudaError_t cudaFreeHost(void* p) { return hipHostFree(p); }
 inline cudaError_t cudaHostGetDevicePointer(void** device, void* host, unsigned flags) {
   return hipHostGetDevicePointer(device, host, flags);
@@ -152,30 +162,39 @@ inline cudaError_t cudaEventSynchronize(cudaEvent_t e) { return hipEventSynchron
 // HIP-CPU has no hipEventQuery: the event's completion is a std::future, polled here.
 inline cudaError_t cudaEventQuery(cudaEvent_t e) {
   if (e == nullptr) return hipErrorInvalidHandle;
-  const auto& done = is_done(*e);  // HIP-CPU's friend function, found by argument lookup
+  const auto& done = is_done(*e);         // HIP-CPU's friend function, found by argument lookup
   if (!done.valid()) return cudaSuccess;  // never recorded: CUDA reports it complete
-  return done.wait_for(std::chrono::seconds(0)) == std::future_status::ready ? cudaSuccess : cudaErrorNotReady;
+  return done.wait_for(std::chrono::seconds(0)) == std::future_status::ready ? cudaSuccess
+                                                                             : cudaErrorNotReady;
 }
-inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) { return hipEventElapsedTime(ms, a, b); }
+inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
+  return hipEventElapsedTime(ms, a, b);
+}
 
 // cudaMemcpyBatchAsync (CUDA 13 signature) as what it promises: the copies in stream order on
 // `s`. HIP has no batch copy, so it is one asynchronous copy per entry on the same stream. Like
 // the driver, it refuses the legacy default stream (cuMemcpyBatchAsync does).
-enum cudaMemcpySrcAccessOrder { cudaMemcpySrcAccessOrderInvalid = 0, cudaMemcpySrcAccessOrderStream = 1,
-                                cudaMemcpySrcAccessOrderDuringApiCall = 2, cudaMemcpySrcAccessOrderAny = 3 };
+enum cudaMemcpySrcAccessOrder {
+  cudaMemcpySrcAccessOrderInvalid = 0,
+  cudaMemcpySrcAccessOrderStream = 1,
+  cudaMemcpySrcAccessOrderDuringApiCall = 2,
+  cudaMemcpySrcAccessOrderAny = 3
+};
 enum cudaMemcpyFlags { cudaMemcpyFlagDefault = 0, cudaMemcpyFlagPreferOverlapWithCompute = 1 };
 struct cudaMemcpyAttributes {
   cudaMemcpySrcAccessOrder srcAccessOrder;
   unsigned flags;
 };
 inline cudaError_t cudaMemcpyBatchAsync(const void* const* dsts, const void* const* srcs, const size_t* sizes,
-                                        size_t count, const cudaMemcpyAttributes* attrs, const size_t* attr_index,
-                                        size_t n_attrs, cudaStream_t s) {
+                                        size_t count, const cudaMemcpyAttributes* attrs,
+                                        const size_t* attr_index, size_t n_attrs, cudaStream_t s) {
   if (count > 0 && (dsts == nullptr || srcs == nullptr || sizes == nullptr)) return cudaErrorInvalidValue;
-  if (n_attrs == 0 || attrs == nullptr || attr_index == nullptr || attr_index[0] != 0) return cudaErrorInvalidValue;
+  if (n_attrs == 0 || attrs == nullptr || attr_index == nullptr || attr_index[0] != 0)
+    return cudaErrorInvalidValue;
   if (s == nullptr) return cudaErrorInvalidValue;
   for (size_t i = 0; i < count; ++i)
-    if (const cudaError_t e = hipMemcpyAsync(const_cast<void*>(dsts[i]), srcs[i], sizes[i], hipMemcpyDefault, s);
+    if (const cudaError_t e =
+            hipMemcpyAsync(const_cast<void*>(dsts[i]), srcs[i], sizes[i], hipMemcpyDefault, s);
         e != hipSuccess)
       return e;
   return cudaSuccess;
@@ -213,9 +232,15 @@ inline float Opaque(float x) {
   return x;
 }
 }  // namespace kvtier_emu
-inline float __fadd_rn(float a, float b) { return kvtier_emu::Opaque(kvtier_emu::Opaque(a) + kvtier_emu::Opaque(b)); }
-inline float __fmul_rn(float a, float b) { return kvtier_emu::Opaque(kvtier_emu::Opaque(a) * kvtier_emu::Opaque(b)); }
-inline float __fdiv_rn(float a, float b) { return kvtier_emu::Opaque(kvtier_emu::Opaque(a) / kvtier_emu::Opaque(b)); }
+inline float __fadd_rn(float a, float b) {
+  return kvtier_emu::Opaque(kvtier_emu::Opaque(a) + kvtier_emu::Opaque(b));
+}
+inline float __fmul_rn(float a, float b) {
+  return kvtier_emu::Opaque(kvtier_emu::Opaque(a) * kvtier_emu::Opaque(b));
+}
+inline float __fdiv_rn(float a, float b) {
+  return kvtier_emu::Opaque(kvtier_emu::Opaque(a) / kvtier_emu::Opaque(b));
+}
 inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float __expf(float x) { return std::exp(x); }
@@ -250,7 +275,7 @@ inline constexpr int kMaxWarps = kMaxBlockThreads / kWarpSize;
 /// The synchronisation state of the block running on this OS thread (HIP-CPU runs one block at
 /// a time per thread, its threads as fibers of that thread).
 struct BlockState {
-  uint64_t block_seq = 0;                      // blocks started on this OS thread
+  uint64_t block_seq = 0;                       // blocks started on this OS thread
   uint64_t finished_in[kMaxBlockThreads] = {};  // per thread: the block_seq it finished
   int threads = 0;
   int exited = 0;
@@ -258,7 +283,7 @@ struct BlockState {
   uint64_t block_generation = 0;
   int warp_arrived[kMaxWarps] = {};
   uint64_t warp_generation[kMaxWarps] = {};
-  uint64_t idle_yields = 0;  // yields since the last arrival anywhere in the block
+  uint64_t idle_yields = 0;                    // yields since the last arrival anywhere in the block
   const hip::detail::Fiber* fibers = nullptr;  // HIP-CPU's fibers of this OS thread, one per thread rank
   // Shuffle exchange, double-buffered by the warp's generation parity: a lane can be at most
   // one shuffle ahead of the slowest lane of its warp, so two buffers never collide.
@@ -276,11 +301,12 @@ inline int ThreadRank() { return static_cast<int>(hip::detail::Fiber::this_fiber
 
 [[noreturn]] inline void Deadlock(const char* what) {
   char msg[200];
-  const int n = std::snprintf(msg, sizeof msg,
-                              "kvtier GPU emulation: %s can never complete in block (%u,%u,%u), thread %d: some "
-                              "thread of its warp or block never reaches it (undefined behaviour in CUDA)\n",
-                              what, static_cast<unsigned>(blockIdx.x), static_cast<unsigned>(blockIdx.y),
-                              static_cast<unsigned>(blockIdx.z), ThreadRank());
+  const int n =
+      std::snprintf(msg, sizeof msg,
+                    "kvtier GPU emulation: %s can never complete in block (%u,%u,%u), thread %d: some "
+                    "thread of its warp or block never reaches it (undefined behaviour in CUDA)\n",
+                    what, static_cast<unsigned>(blockIdx.x), static_cast<unsigned>(blockIdx.y),
+                    static_cast<unsigned>(blockIdx.z), ThreadRank());
   if (n > 0) (void)!::write(2, msg, static_cast<size_t>(n));
   std::abort();
 }
@@ -346,7 +372,7 @@ inline T Shuffle(T value, int width, SourceLane src_of) {
   BlockState& st = State();
   if (st.threads <= 1) return value;
   const int rank = ThreadRank(), warp = rank / kWarpSize, lane = rank % kWarpSize;
-  uint64_t (&slots)[kMaxBlockThreads] = st.exchange[st.warp_generation[warp] & 1];
+  uint64_t(&slots)[kMaxBlockThreads] = st.exchange[st.warp_generation[warp] & 1];
   uint64_t bits = 0;
   std::memcpy(&bits, &value, sizeof(T));
   slots[rank] = bits;

@@ -62,14 +62,17 @@ TEST(Lru, ScoreIsTheLatestQueryPositionGivingAtLeastUniformAttention) {
   //   key 3: at most 0.15 (< 1/5 for query 4, < 1/6 for query 5)                  -> stays 3
   //   key 4: new, used by query 4 (0.3, 0.4), not by query 5 (0.1, 0.15 < 1/6)    -> 4
   //   key 5: new, invisible to query 4, used by query 5 head 1 (0.3)             -> 5
-  Feed(p.get(), {0, Range(0, 6), {4, 5},
-                 {0.4f, 0.1f, 0.1f, 0.1f, 0.3f, 0.0f,  0.1f, 0.1f, 0.5f, 0.1f, 0.1f, 0.1f,       // head 0
-                  0.12f, 0.18f, 0.15f, 0.15f, 0.4f, 0.0f,  0.1f, 0.15f, 0.15f, 0.15f, 0.15f, 0.3f}});  // head 1
+  Feed(p.get(), {0, Range(0, 6), {4, 5}, {0.4f,  0.1f,  0.1f,  0.1f,  0.3f,  0.0f,
+                                          0.1f,  0.1f,  0.5f,  0.1f,  0.1f,  0.1f,  // head 0
+                                          0.12f, 0.18f, 0.15f, 0.15f, 0.4f,  0.0f,
+                                          0.1f,  0.15f, 0.15f, 0.15f, 0.15f, 0.3f}});  // head 1
   ExpectScores(p.get(), 0, Range(0, 6), {{4, 3, 5, 3, 4, 5}});
   // Key 6 new; query 6 sees all 7 keys (uniform 1/7 = 0.143): head 0 uses key 0 (0.5), head 1
   // key 5 (0.4); key 6 gets 0.05 / 0.1, never used -> its own position 6.
-  Feed(p.get(), {0, Range(0, 7), {6},
-                 {0.5f, 0.1f, 0.1f, 0.1f, 0.1f, 0.05f, 0.05f,    // head 0
+  Feed(p.get(), {0,
+                 Range(0, 7),
+                 {6},
+                 {0.5f, 0.1f, 0.1f, 0.1f, 0.1f, 0.05f, 0.05f,   // head 0
                   0.1f, 0.1f, 0.1f, 0.1f, 0.1f, 0.4f, 0.1f}});  // head 1
   ExpectScores(p.get(), 0, Range(0, 7), {{6, 3, 5, 3, 4, 6, 6}});
   // Keep 4: the three 6s (0, 5, 6), then key 2 (5).
@@ -77,8 +80,9 @@ TEST(Lru, ScoreIsTheLatestQueryPositionGivingAtLeastUniformAttention) {
   ExpectScores(p.get(), 0, {0, 2, 5, 6}, {{6, 5, 6, 6}});
   // Keys 1 and 4 come back (they were forgotten): each scores its own position, not its old
   // score. Query 7 sees 6 keys (uniform 1/6): only key 0 (0.5) is used; key 7 is new.
-  Feed(p.get(), {0, {0, 1, 4, 5, 6, 7}, {7},
-                 {0.5f, 0.1f, 0.1f, 0.1f, 0.1f, 0.1f, 0.5f, 0.1f, 0.1f, 0.1f, 0.1f, 0.1f}});
+  Feed(
+      p.get(),
+      {0, {0, 1, 4, 5, 6, 7}, {7}, {0.5f, 0.1f, 0.1f, 0.1f, 0.1f, 0.1f, 0.5f, 0.1f, 0.1f, 0.1f, 0.1f, 0.1f}});
   ExpectScores(p.get(), 0, {0, 1, 4, 5, 6, 7}, {{7, 1, 4, 6, 6, 7}});
 }
 
@@ -102,18 +106,18 @@ TEST(Streaming, KeepsSinksAndMostRecentShrinkingTheWindowToTheBudget) {
   auto p = Start("streaming", g);
   EXPECT_TRUE(p->may_evict_protected());
   Feed(p.get(), o);
-  EXPECT_EQ(KeepOk(p.get(), 0, 20)[0], Range(0, 10));     // budget >= keys: all
+  EXPECT_EQ(KeepOk(p.get(), 0, 20)[0], Range(0, 10));  // budget >= keys: all
   EXPECT_EQ(KeepOk(p.get(), 0, 10)[0], Range(0, 10));
   Feed(p.get(), o);
   EXPECT_EQ(KeepOk(p.get(), 0, 7)[0], (std::vector<int64_t>{0, 1, 5, 6, 7, 8, 9}));
   Feed(p.get(), o);
   EXPECT_EQ(KeepOk(p.get(), 0, 5)[0], (std::vector<int64_t>{0, 1, 7, 8, 9}));  // = sinks + local
   Feed(p.get(), o);
-  EXPECT_EQ(KeepOk(p.get(), 0, 4)[0], (std::vector<int64_t>{0, 1, 8, 9}));     // local window shrinks
+  EXPECT_EQ(KeepOk(p.get(), 0, 4)[0], (std::vector<int64_t>{0, 1, 8, 9}));  // local window shrinks
   Feed(p.get(), o);
-  EXPECT_EQ(KeepOk(p.get(), 0, 2)[0], (std::vector<int64_t>{0, 1}));           // sinks only
+  EXPECT_EQ(KeepOk(p.get(), 0, 2)[0], (std::vector<int64_t>{0, 1}));  // sinks only
   Feed(p.get(), o);
-  EXPECT_EQ(KeepOk(p.get(), 0, 1)[0], (std::vector<int64_t>{0}));              // the first sink
+  EXPECT_EQ(KeepOk(p.get(), 0, 1)[0], (std::vector<int64_t>{0}));  // the first sink
   Feed(p.get(), o);
   EXPECT_EQ(KeepOk(p.get(), 0, 0)[0], (std::vector<int64_t>{}));
 }
@@ -155,35 +159,45 @@ TEST(H2o, AccumulatesAttentionOverObservationsAndTheGroupsQueryHeads) {
   // Observation 1: keys 0..2, query 2.
   //   kv 0 = head 0 [.5 .25 .25] + head 1 [.125 .625 .25] = [.625 .875 .5]
   //   kv 1 = head 2 [.25 .25 .5] + head 3 [.375 .5 .125]  = [.625 .75 .625]
-  Feed(p.get(), {0, {0, 1, 2}, {2},
+  Feed(p.get(), {0,
+                 {0, 1, 2},
+                 {2},
                  {0.5f, 0.25f, 0.25f, 0.125f, 0.625f, 0.25f, 0.25f, 0.25f, 0.5f, 0.375f, 0.5f, 0.125f}});
   ExpectScores(p.get(), 0, {0, 1, 2}, {{0.625, 0.875, 0.5}, {0.625, 0.75, 0.625}});
   // Observation 2: keys 0..3, query 3 (key 3 new, starts at 0).
   //   kv 0 += [.125 .125 .25 .5] + [.5 .125 .125 .25] = [.625 .25 .375 .75] -> [1.25 1.125 .875 .75]
   //   kv 1 += [.125 .5 .125 .25] + [.25 .25 .25 .25] = [.375 .75 .375 .5]   -> [1 1.5 1 .5]
-  Feed(p.get(), {0, {0, 1, 2, 3}, {3},
-                 {0.125f, 0.125f, 0.25f, 0.5f, 0.5f, 0.125f, 0.125f, 0.25f,
-                  0.125f, 0.5f, 0.125f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f}});
+  Feed(p.get(), {0,
+                 {0, 1, 2, 3},
+                 {3},
+                 {0.125f, 0.125f, 0.25f, 0.5f, 0.5f, 0.125f, 0.125f, 0.25f, 0.125f, 0.5f, 0.125f, 0.25f,
+                  0.25f, 0.25f, 0.25f, 0.25f}});
   ExpectScores(p.get(), 0, {0, 1, 2, 3}, {{1.25, 1.125, 0.875, 0.75}, {1.0, 1.5, 1.0, 0.5}});
   // Keep 2: key 3 is the local window; kv 0 adds its heavy hitter 0, kv 1 its heavy hitter 1.
   // Key 2 is in neither -> forgotten.
   EXPECT_EQ(KeepOk(p.get(), 0, 2), (std::vector<std::vector<int64_t>>{{0, 3}, {1, 3}}));
   ExpectScores(p.get(), 0, {0, 1, 3}, {{1.25, 1.125, 0.75}, {1.0, 1.5, 0.5}});
   // Key 2 comes back: it starts again from 0 (+ this observation's 0.25 + 0.25 on kv 0).
-  Feed(p.get(), {0, {0, 1, 2, 3}, {3},
-                 {0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f,
-                  0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f}});
+  Feed(p.get(), {0,
+                 {0, 1, 2, 3},
+                 {3},
+                 {0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f,
+                  0.25f, 0.25f, 0.25f}});
   ExpectScores(p.get(), 0, {0, 1, 2, 3}, {{1.75, 1.625, 0.5, 1.25}, {1.5, 2.0, 0.5, 1.0}});
 }
 
 TEST(H2o, TiesGoToTheLaterKey) {
   const PolicyGeometry g = Geo(1, 4, 2, 0, 1);
   auto p = Start("h2o", g);
-  Feed(p.get(), {0, {0, 1, 2}, {2},
+  Feed(p.get(), {0,
+                 {0, 1, 2},
+                 {2},
                  {0.5f, 0.25f, 0.25f, 0.125f, 0.625f, 0.25f, 0.25f, 0.25f, 0.5f, 0.375f, 0.5f, 0.125f}});
-  Feed(p.get(), {0, {0, 1, 2, 3}, {3},
-                 {0.125f, 0.125f, 0.25f, 0.5f, 0.5f, 0.125f, 0.125f, 0.25f,
-                  0.125f, 0.5f, 0.125f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f}});
+  Feed(p.get(), {0,
+                 {0, 1, 2, 3},
+                 {3},
+                 {0.125f, 0.125f, 0.25f, 0.5f, 0.5f, 0.125f, 0.125f, 0.25f, 0.125f, 0.5f, 0.125f, 0.25f,
+                  0.25f, 0.25f, 0.25f, 0.25f}});
   // Keep 3: kv 0 [1.25 1.125 .875 | .75] -> 0, 1 + 3; kv 1 [1 1.5 1 | .5] -> 1, then the tie
   // between keys 0 and 2 (both 1.0) goes to the later key 2.
   EXPECT_EQ(KeepOk(p.get(), 0, 3), (std::vector<std::vector<int64_t>>{{0, 1, 3}, {1, 2, 3}}));
@@ -218,9 +232,10 @@ TEST(H2o, RecentShareKeepsTheMostRecentKeysBeforeHeavyHitters) {
 TEST(SnapKv, VotesPoolsPerHeadThenAveragesTheGroup) {
   // 2 query heads, 1 kv head, kernel 3; keys 0..5, window queries at 4 and 5.
   const PolicyGeometry g = Geo(1, 2, 1, 0, 0);
-  const Obs o{0, Range(0, 6), {4, 5},
-              {0.5f, 0.0f, 0.0f, 0.25f, 0.25f, 0.0f,  0.0f, 0.0f, 0.25f, 0.0f, 0.25f, 0.5f,           // head 0
-               0.0f, 0.75f, 0.0f, 0.0f, 0.25f, 0.0f,  0.0f, 0.0f, 0.0f, 0.125f, 0.125f, 0.75f}};   // head 1
+  const Obs o{0, Range(0, 6), {4, 5}, {0.5f, 0.0f,  0.0f,  0.25f,  0.25f,  0.0f,
+                                       0.0f, 0.0f,  0.25f, 0.0f,   0.25f,  0.5f,  // head 0
+                                       0.0f, 0.75f, 0.0f,  0.0f,   0.25f,  0.0f,
+                                       0.0f, 0.0f,  0.0f,  0.125f, 0.125f, 0.75f}};  // head 1
   // Vote (sum over the window): C0 = [.5 0 .25 .25 .5 .5], C1 = [0 .75 0 .125 .375 .75].
   // Max pool, kernel 3: P0 = [.5 .5 .25 .5 .5 .5], P1 = [.75 .75 .75 .375 .75 .75].
   // Group mean: [.625 .625 .5 .4375 .625 .625].
@@ -245,10 +260,12 @@ TEST(SnapKv, VotesPoolsPerHeadThenAveragesTheGroup) {
 TEST(SnapKv, OnlyTheLatestObservationCounts) {
   const PolicyGeometry g = Geo(1, 2, 1, 0, 0);
   auto p = Start("snapkv:kernel=3", g);
-  Feed(p.get(), {0, Range(0, 6), {5}, {0.0f, 0.0f, 0.5f, 0.5f, 0.0f, 0.0f, 0.25f, 0.25f, 0.25f, 0.25f, 0.0f, 0.0f}});
+  Feed(p.get(),
+       {0, Range(0, 6), {5}, {0.0f, 0.0f, 0.5f, 0.5f, 0.0f, 0.0f, 0.25f, 0.25f, 0.25f, 0.25f, 0.0f, 0.0f}});
   // Second observation: head 0 all on key 5, head 1 all on key 0.
   // P0 = [0 0 0 0 1 1], P1 = [1 1 0 0 0 0] -> mean [.5 .5 0 0 .5 .5], nothing of the first.
-  Feed(p.get(), {0, Range(0, 6), {5}, {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 1.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}});
+  Feed(p.get(),
+       {0, Range(0, 6), {5}, {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 1.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}});
   ExpectScores(p.get(), 0, Range(0, 6), {{0.5, 0.5, 0.0, 0.0, 0.5, 0.5}});
 }
 
@@ -264,7 +281,8 @@ std::vector<float> RandomAttention(std::mt19937& rng, int q_heads, const std::ve
     for (size_t i = 0; i < m; ++i) {
       float* row = att.data() + (h * m + i) * n;
       double sum = 0.0;
-      for (size_t k = 0; k < n && keys[k] <= queries[i]; ++k) sum += row[k] = static_cast<float>(std::exp(nd(rng)));
+      for (size_t k = 0; k < n && keys[k] <= queries[i]; ++k)
+        sum += row[k] = static_cast<float>(std::exp(nd(rng)));
       for (size_t k = 0; k < n; ++k) row[k] = static_cast<float>(row[k] / sum);
     }
   return att;
@@ -277,7 +295,8 @@ struct StreamLog {
 
 // `steps` rounds: each appends `add` tokens to every layer's cache (they are the round's queries),
 // observes every layer, keeps `budget` and checks the keep set; the cache becomes the kept union.
-StreamLog RunStream(ScoringPolicy* p, const PolicyGeometry& g, int steps, int add, int64_t budget, uint32_t seed) {
+StreamLog RunStream(ScoringPolicy* p, const PolicyGeometry& g, int steps, int add, int64_t budget,
+                    uint32_t seed) {
   std::mt19937 rng(seed);
   StreamLog log;
   std::vector<std::vector<int64_t>> cache(g.layers);
@@ -297,7 +316,8 @@ StreamLog RunStream(ScoringPolicy* p, const PolicyGeometry& g, int steps, int ad
       EXPECT_EQ(static_cast<int>(ks->per_head.size()), g.kv_heads);
       const std::vector<int64_t> prot = ProtectedIndexes(g, cache[l]);
       for (const auto& head : ks->per_head) {
-        EXPECT_EQ(static_cast<int64_t>(head.size()), std::min(budget, n)) << p->ToString() << " step " << step;
+        EXPECT_EQ(static_cast<int64_t>(head.size()), std::min(budget, n))
+            << p->ToString() << " step " << step;
         EXPECT_TRUE(std::is_sorted(head.begin(), head.end()));
         EXPECT_TRUE(std::adjacent_find(head.begin(), head.end()) == head.end());
         EXPECT_TRUE(std::includes(cache[l].begin(), cache[l].end(), head.begin(), head.end()));
@@ -391,8 +411,8 @@ TEST_P(ClassicPolicyProperties, SmallBudgetsAndBadInputsGiveClearErrors) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, ClassicPolicyProperties,
-                         ::testing::Values("lru", "streaming", "streaming:sinks=1", "h2o", "h2o:recent=0.5", "snapkv",
-                                           "snapkv:kernel=1"),
+                         ::testing::Values("lru", "streaming", "streaming:sinks=1", "h2o", "h2o:recent=0.5",
+                                           "snapkv", "snapkv:kernel=1"),
                          [](const ::testing::TestParamInfo<const char*>& info) {
                            std::string s = info.param;
                            for (char& c : s)
@@ -403,7 +423,8 @@ INSTANTIATE_TEST_SUITE_P(All, ClassicPolicyProperties,
 TEST(ClassicPolicies, OnlyStreamingMayEvictProtectedKeys) {
   for (const char* spec : {"lru", "h2o", "snapkv"}) EXPECT_FALSE(Make(spec)->may_evict_protected()) << spec;
   EXPECT_TRUE(Make("streaming")->may_evict_protected());
-  for (const char* spec : {"lru", "streaming", "h2o", "snapkv"}) EXPECT_EQ(Make(spec)->compress_every(), 0) << spec;
+  for (const char* spec : {"lru", "streaming", "h2o", "snapkv"})
+    EXPECT_EQ(Make(spec)->compress_every(), 0) << spec;
 }
 
 // ---- factory strings -------------------------------------------------------------------------------------
@@ -432,13 +453,15 @@ TEST(ClassicPolicies, FactoryStringsRoundTripWithNonDefaultParameters) {
 }
 
 TEST(ClassicPolicies, FactoryRejectsBadParameters) {
-  for (const char* spec : {"lru:x=1", "streaming:sink=2", "streaming:sinks=-1", "streaming:sinks=two",
-                           "h2o:recent=-0.1", "h2o:recent=1.5", "h2o:recent=nan", "h2o:window=4", "snapkv:kernel=0",
-                           "snapkv:kernel=4", "snapkv:kernel=-3", "snapkv:kernel=3.5", "snapkv:window=8"}) {
+  for (const char* spec :
+       {"lru:x=1", "streaming:sink=2", "streaming:sinks=-1", "streaming:sinks=two", "h2o:recent=-0.1",
+        "h2o:recent=1.5", "h2o:recent=nan", "h2o:window=4", "snapkv:kernel=0", "snapkv:kernel=4",
+        "snapkv:kernel=-3", "snapkv:kernel=3.5", "snapkv:window=8"}) {
     auto r = MakeScoringPolicy(spec);
     ASSERT_FALSE(r.ok()) << spec;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << spec;
-    EXPECT_NE(r.status().message().find(spec), std::string::npos) << "names the spec: " << r.status().message();
+    EXPECT_NE(r.status().message().find(spec), std::string::npos)
+        << "names the spec: " << r.status().message();
   }
 }
 

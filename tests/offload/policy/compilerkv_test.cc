@@ -1,6 +1,8 @@
 // Tests of the CompilerKV policy (offload/policy/compilerkv.h): hand-computed examples pinning
 // Eqs. 6, 7, 8, 10, 12, 13, 15, 16; neutral tables = Top-B; properties; bounded state; the tables
 // and traces files; the trace recorder's reward (Eqs. 2, 14) and the CQL compiler (Eqs. 4, 9).
+#include "offload/policy/compilerkv.h"
+
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -14,7 +16,6 @@
 #include <string>
 #include <vector>
 
-#include "offload/policy/compilerkv.h"
 #include "store/checksum.h"
 #include "tests/test_util.h"
 
@@ -278,11 +279,11 @@ TEST(CompilerKv, BinsDiscretiseAsDocumented) {
   EXPECT_EQ(b.PplBin(true, 2.5), 2);
   EXPECT_EQ(b.PplBin(true, 99.0), 3);
   EXPECT_EQ(b.BudgetBin(100, 100), 0);
-  EXPECT_EQ(b.BudgetBin(60, 100), 0);   // T/B = 1.67
-  EXPECT_EQ(b.BudgetBin(50, 100), 1);   // 2
-  EXPECT_EQ(b.BudgetBin(13, 100), 2);   // 7.7
-  EXPECT_EQ(b.BudgetBin(12, 100), 3);   // 8.3
-  EXPECT_EQ(b.BudgetBin(1, 1000), 5);   // clamped
+  EXPECT_EQ(b.BudgetBin(60, 100), 0);  // T/B = 1.67
+  EXPECT_EQ(b.BudgetBin(50, 100), 1);  // 2
+  EXPECT_EQ(b.BudgetBin(13, 100), 2);  // 7.7
+  EXPECT_EQ(b.BudgetBin(12, 100), 3);  // 8.3
+  EXPECT_EQ(b.BudgetBin(1, 1000), 5);  // clamped
   EXPECT_EQ(b.BudgetBin(0, 1000), 5);
 }
 
@@ -420,7 +421,8 @@ TEST(CompilerKv, PropertiesBudgetProtectedDeterministic) {
       EXPECT_EQ(static_cast<int64_t>(h.size()), std::min(budget, n));
       EXPECT_TRUE(std::is_sorted(h.begin(), h.end()));
       for (int64_t s = 0; s < 4; ++s) EXPECT_TRUE(std::binary_search(h.begin(), h.end(), s)) << "sink " << s;
-      for (int64_t s = n - 16; s < n; ++s) EXPECT_TRUE(std::binary_search(h.begin(), h.end(), s)) << "local " << s;
+      for (int64_t s = n - 16; s < n; ++s)
+        EXPECT_TRUE(std::binary_search(h.begin(), h.end(), s)) << "local " << s;
     }
     // The kept layer's state now holds only kept keys.
     auto a = p->Analyze(trial % 2);
@@ -495,7 +497,8 @@ TEST(CompilerKv, FactoryRoundTripWithNonDefaultParams) {
   auto p = MakeScoringPolicy(spec);
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   EXPECT_EQ((*p)->name(), "compilerkv");
-  EXPECT_EQ((*p)->ToString(), "compilerkv:tables=neutral,fill=0,ent_bins=10,ppl_bins=3,budget_bins=5,nll_step=0.5");
+  EXPECT_EQ((*p)->ToString(),
+            "compilerkv:tables=neutral,fill=0,ent_bins=10,ppl_bins=3,budget_bins=5,nll_step=0.5");
   auto p2 = MakeScoringPolicy((*p)->ToString());
   ASSERT_TRUE(p2.ok());
   EXPECT_EQ((*p2)->ToString(), (*p)->ToString());
@@ -527,8 +530,8 @@ TEST(CompilerKv, FactoryRoundTripWithNonDefaultParams) {
 
 TEST(CompilerKv, FactoryRejectsBadSpecs) {
   TempDir dir;
-  for (const char* spec : {"compilerkv:foo=1", "compilerkv:fill=2", "compilerkv:ent_bins=0", "compilerkv:nll_step=-1",
-                           "compilerkv:budget_bins=x"}) {
+  for (const char* spec : {"compilerkv:foo=1", "compilerkv:fill=2", "compilerkv:ent_bins=0",
+                           "compilerkv:nll_step=-1", "compilerkv:budget_bins=x"}) {
     auto p = MakeScoringPolicy(spec);
     ASSERT_FALSE(p.ok()) << spec;
     EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument) << spec;
@@ -556,7 +559,8 @@ CompilerKvTables SampleTables() {
   b.nll_step = 0.75;
   CompilerKvTables t = CompilerKvTables::Neutral(2, 3, b);
   for (size_t i = 0; i < t.w_head.size(); ++i) t.w_head[i] = 0.1f * static_cast<float>(i) + 0.3f;
-  for (size_t i = 0; i < t.tau.size(); ++i) t.tau[i] = i % 3 == 0 ? -1.0f : 0.8f + 0.01f * static_cast<float>(i);
+  for (size_t i = 0; i < t.tau.size(); ++i)
+    t.tau[i] = i % 3 == 0 ? -1.0f : 0.8f + 0.01f * static_cast<float>(i);
   return t;
 }
 
@@ -798,7 +802,7 @@ TEST(CompilerKvFit, PicksTheBestActionPerState) {
   EXPECT_FLOAT_EQ(tb.tau[tb.tau_index(0, 1, 1, 0)], 0.9f);
   EXPECT_FLOAT_EQ(tb.tau[tb.tau_index(1, 0, 0, 0)], 1.0f);
   EXPECT_FLOAT_EQ(tb.tau[tb.tau_index(0, 0, 0, 0)], -1.0f);  // unseen: from the budget
-  EXPECT_FLOAT_EQ(tb.weight(0, 1), 2.0f);                     // Eq. 9
+  EXPECT_FLOAT_EQ(tb.weight(0, 1), 2.0f);                    // Eq. 9
   EXPECT_FLOAT_EQ(tb.weight(1, 0), 0.5f);
   EXPECT_FLOAT_EQ(tb.weight(0, 0), 1.0f);  // no records
   EXPECT_EQ(fit->gate_states_fitted, 2);
@@ -884,8 +888,11 @@ TEST(CompilerKvFit, CliRecordsSyntheticTracesAndCompilesTables) {
   };
   const std::string traces = dir.path() + "/s.traces", tables = dir.path() + "/s.tables";
   std::string out;
-  const int rc = kvtier("--record-synthetic 2 --context 512 --window 16 --budget 64,128 --geometry 2,4,2,32 "
-                        "--local 16 --quiet --out-traces " + traces + " --out " + tables, &out);
+  const int rc = kvtier(
+      "--record-synthetic 2 --context 512 --window 16 --budget 64,128 --geometry 2,4,2,32 "
+      "--local 16 --quiet --out-traces " +
+          traces + " --out " + tables,
+      &out);
   ASSERT_EQ(rc, 0) << out;
   auto tr = LoadCompilerKvTraces(traces);
   ASSERT_TRUE(tr.ok()) << tr.status().ToString();

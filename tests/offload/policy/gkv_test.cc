@@ -76,7 +76,8 @@ void ExpectScores(const ScoringPolicy& p, int layer, int head, const std::vector
   ASSERT_TRUE(s.ok()) << what << ": " << s.status().ToString();
   EXPECT_EQ(s->positions, positions) << what;
   ASSERT_EQ(s->per_head[head].size(), want.size()) << what;
-  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(s->per_head[head][i], want[i], 1e-5) << what << " [" << i << "]";
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_NEAR(s->per_head[head][i], want[i], 1e-5) << what << " [" << i << "]";
 }
 
 std::vector<int64_t> KeepHead(ScoringPolicy& p, int layer, int64_t budget, int head = 0) {
@@ -323,8 +324,7 @@ TEST(Gkv, LongStreamStateBounded) {
       ASSERT_TRUE(p->Observe(o.View(layer)).ok());
       auto k = p->Keep(layer, 24);
       ASSERT_TRUE(k.ok()) << k.status().ToString();
-      for (const auto& h : k->per_head)
-        ASSERT_EQ(h.size(), std::min<size_t>(24, cache[layer].size()));
+      for (const auto& h : k->per_head) ASSERT_EQ(h.size(), std::min<size_t>(24, cache[layer].size()));
       cache[layer] = k->Union();
       ASSERT_LE(cache[layer].size(), 48u);
     }
@@ -354,7 +354,8 @@ TEST(Gkv, BadInputsGiveClearErrors) {
   ASSERT_TRUE(p->Begin(g).ok());
   auto sc = p->Scores(0);
   EXPECT_EQ(sc.status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(sc.status().message().find("before any observation"), std::string::npos) << sc.status().ToString();
+  EXPECT_NE(sc.status().message().find("before any observation"), std::string::npos)
+      << sc.status().ToString();
   EXPECT_EQ(p->Keep(0, 10).status().code(), StatusCode::kFailedPrecondition);
 
   st = p->Observe(o.View(2));  // layer out of range
@@ -377,7 +378,8 @@ TEST(Gkv, BadInputsGiveClearErrors) {
   ASSERT_TRUE(p->Observe(o.View(0)).ok());
   auto k = p->Keep(0, 2);
   EXPECT_EQ(k.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(k.status().message().find("smaller than the 3 protected"), std::string::npos) << k.status().ToString();
+  EXPECT_NE(k.status().message().find("smaller than the 3 protected"), std::string::npos)
+      << k.status().ToString();
   EXPECT_TRUE(p->Keep(0, 3).ok());
   EXPECT_EQ(p->Keep(0, -1).status().code(), StatusCode::kInvalidArgument);
 }
@@ -428,13 +430,15 @@ TEST(Gkv, FactoryRejectsBadSpecs) {
     const char* spec;
     const char* mentions;
   };
-  for (const Bad& b : {Bad{"gkv:form=median", "form"}, Bad{"gkv:alpha=1.5", "alpha"}, Bad{"gkv:alpha=x", "alpha"},
-                       Bad{"gkv:w=0", "w"}, Bad{"gkv:s=-1", "s"}, Bad{"gkv:lambda=2", "lambda"},
-                       Bad{"gkv:tau=3", "tau"}, Bad{"gkv:beta=1", "unknown key 'beta'"}}) {
+  for (const Bad& b :
+       {Bad{"gkv:form=median", "form"}, Bad{"gkv:alpha=1.5", "alpha"}, Bad{"gkv:alpha=x", "alpha"},
+        Bad{"gkv:w=0", "w"}, Bad{"gkv:s=-1", "s"}, Bad{"gkv:lambda=2", "lambda"}, Bad{"gkv:tau=3", "tau"},
+        Bad{"gkv:beta=1", "unknown key 'beta'"}}) {
     auto r = MakeScoringPolicy(b.spec);
     ASSERT_FALSE(r.ok()) << b.spec;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << b.spec;
-    EXPECT_NE(r.status().message().find(b.mentions), std::string::npos) << b.spec << ": " << r.status().message();
+    EXPECT_NE(r.status().message().find(b.mentions), std::string::npos)
+        << b.spec << ": " << r.status().message();
   }
 }
 

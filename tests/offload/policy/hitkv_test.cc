@@ -57,9 +57,9 @@ std::vector<int64_t> KeepHead(ScoringPolicy* p, int layer, int64_t budget, int h
 //   hits = [3 2 1 1 0 1] -> T_hr (Eq. 1) = [.75 .5 .25 .25 0 .25]
 // Recent cumulative attention (sum of the four rows): cum = [1.25 1 .625 .5625 .3125 .25].
 const PolicyGeometry kG = Geo(1, 2, 1, 0, 0);
-const Obs kWindow{0, Range(0, 6), {4, 5},
-                  {0.5f, 0.25f, 0.125f, 0.125f, 0.0f, 0.0f,        0.375f, 0.125f, 0.25f, 0.0625f, 0.1875f, 0.0f,
-                   0.125f, 0.5f, 0.125f, 0.25f, 0.0f, 0.0f,       0.25f, 0.125f, 0.125f, 0.125f, 0.125f, 0.25f}};
+const Obs kWindow{0, Range(0, 6), {4, 5}, {0.5f,  0.25f,   0.125f,  0.125f, 0.0f,   0.0f,   0.375f, 0.125f,
+                                           0.25f, 0.0625f, 0.1875f, 0.0f,   0.125f, 0.5f,   0.125f, 0.25f,
+                                           0.0f,  0.0f,    0.25f,   0.125f, 0.125f, 0.125f, 0.125f, 0.25f}};
 
 std::vector<int64_t> KeepOnWindow(const std::string& spec, int64_t budget) {
   auto p = Start(spec, kG);
@@ -304,7 +304,8 @@ std::vector<float> RandomAttention(std::mt19937& rng, int q_heads, const std::ve
     for (size_t i = 0; i < m; ++i) {
       float* row = att.data() + (h * m + i) * n;
       double sum = 0.0;
-      for (size_t k = 0; k < n && keys[k] <= queries[i]; ++k) sum += row[k] = static_cast<float>(std::exp(nd(rng)));
+      for (size_t k = 0; k < n && keys[k] <= queries[i]; ++k)
+        sum += row[k] = static_cast<float>(std::exp(nd(rng)));
       for (size_t k = 0; k < n; ++k) row[k] = static_cast<float>(row[k] / sum);
     }
   return att;
@@ -317,8 +318,8 @@ struct StreamLog {
 
 // Each round appends `add` tokens (the round's queries) to every layer, observes, keeps; the cache
 // becomes the kept union. Checks exact per-layer budget, protected keys, forgetting.
-StreamLog RunStream(ScoringPolicy* p, const PolicyGeometry& g, const std::vector<int64_t>& layer_budget, int steps,
-                    int add, int64_t budget, uint32_t seed) {
+StreamLog RunStream(ScoringPolicy* p, const PolicyGeometry& g, const std::vector<int64_t>& layer_budget,
+                    int steps, int add, int64_t budget, uint32_t seed) {
   std::mt19937 rng(seed);
   StreamLog log;
   std::vector<std::vector<int64_t>> cache(g.layers);
@@ -337,7 +338,8 @@ StreamLog RunStream(ScoringPolicy* p, const PolicyGeometry& g, const std::vector
       const int64_t n = static_cast<int64_t>(cache[l].size());
       const std::vector<int64_t> prot = ProtectedIndexes(g, cache[l]);
       for (const auto& head : ks->per_head) {
-        EXPECT_EQ(static_cast<int64_t>(head.size()), std::min(layer_budget[l], n)) << p->ToString() << " layer " << l;
+        EXPECT_EQ(static_cast<int64_t>(head.size()), std::min(layer_budget[l], n))
+            << p->ToString() << " layer " << l;
         EXPECT_TRUE(std::is_sorted(head.begin(), head.end()));
         EXPECT_TRUE(std::adjacent_find(head.begin(), head.end()) == head.end());
         EXPECT_TRUE(std::includes(cache[l].begin(), cache[l].end(), head.begin(), head.end()));
@@ -450,13 +452,14 @@ TEST(HitKv, FactoryStringsRoundTripWithNonDefaultParameters) {
 }
 
 TEST(HitKv, FactoryRejectsBadParameters) {
-  for (const char* spec : {"hitkv:k=-1", "hitkv:k=x", "hitkv:k=2.5", "hitkv:theta=1.5", "hitkv:theta=-0.1",
-                           "hitkv:theta=inf", "hitkv:pyramid=0.5", "hitkv:pyramid=-2", "hitkv:window=-1",
-                           "hitkv:kk=1", "hitkv:beta=20"}) {
+  for (const char* spec :
+       {"hitkv:k=-1", "hitkv:k=x", "hitkv:k=2.5", "hitkv:theta=1.5", "hitkv:theta=-0.1", "hitkv:theta=inf",
+        "hitkv:pyramid=0.5", "hitkv:pyramid=-2", "hitkv:window=-1", "hitkv:kk=1", "hitkv:beta=20"}) {
     auto r = MakeScoringPolicy(spec);
     ASSERT_FALSE(r.ok()) << spec;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << spec;
-    EXPECT_NE(r.status().message().find(spec), std::string::npos) << "names the spec: " << r.status().message();
+    EXPECT_NE(r.status().message().find(spec), std::string::npos)
+        << "names the spec: " << r.status().message();
   }
 }
 

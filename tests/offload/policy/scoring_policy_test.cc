@@ -189,8 +189,8 @@ TEST(ScoringPolicyHelpers, PolicyGeometryValidate) {
 struct ValidObs {
   std::vector<int64_t> keys = {0, 1, 2, 3};
   std::vector<int64_t> queries = {2, 3};
-  std::vector<float> att = {0.5f, 0.25f, 0.25f, 0.0f, 0.25f, 0.25f, 0.25f, 0.25f,   // head 0
-                            1.0f, 0.0f, 0.0f, 0.0f, 0.125f, 0.125f, 0.25f, 0.5f};  // head 1
+  std::vector<float> att = {0.5f, 0.25f, 0.25f, 0.0f, 0.25f,  0.25f,  0.25f, 0.25f,  // head 0
+                            1.0f, 0.0f,  0.0f,  0.0f, 0.125f, 0.125f, 0.25f, 0.5f};  // head 1
   std::vector<float> logp = {-1.0f, -0.5f};
   AttentionObservation View() const {
     AttentionObservation o;
@@ -297,13 +297,15 @@ TEST(PolicyRegistry, UnknownNameKeyAndBadValueAreInvalidArgumentNamingThem) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("nosuchpolicy"), std::string::npos) << r.status().message();
-  EXPECT_NE(r.status().message().find("hitkv"), std::string::npos) << "lists the known names: " << r.status().message();
+  EXPECT_NE(r.status().message().find("hitkv"), std::string::npos)
+      << "lists the known names: " << r.status().message();
 
   r = MakeScoringPolicy("snapkv:kernal=7");
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("kernal"), std::string::npos) << r.status().message();
-  EXPECT_NE(r.status().message().find("kernel"), std::string::npos) << "lists the known keys: " << r.status().message();
+  EXPECT_NE(r.status().message().find("kernel"), std::string::npos)
+      << "lists the known keys: " << r.status().message();
 
   r = MakeScoringPolicy("lru:k=1");
   ASSERT_FALSE(r.ok());

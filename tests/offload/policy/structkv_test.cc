@@ -156,7 +156,8 @@ TEST(StructKv, MetricsEq4To6) {
   const auto g = Geo(1, 2, 1, 0, 0);
   const std::vector<float> half = {.5f, .5f, 0, 0, 0, 0, 0, 0, 0, 0};
   const Obs o = MakeObs({0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, {{kU}, {half}});
-  for (const auto& [spec, rho] : {std::pair<const char*, double>{"structkv", .3}, {"structkv:topk=0.2", .6}}) {
+  for (const auto& [spec, rho] :
+       {std::pair<const char*, double>{"structkv", .3}, {"structkv:topk=0.2", .6}}) {
     SCOPED_TRACE(spec);
     auto p = Make(spec, g);
     ASSERT_TRUE(p->Observe(o.View(0)).ok());
@@ -205,8 +206,8 @@ TEST(StructKv, PivotEq9AndStructuralSetEq10) {
   }
   const std::vector<double> t = {0, 0, 1, 0, 0, 0};
   for (int l = 0; l < 6; ++l) EXPECT_NEAR(p->transition_scores()[l], t[l], 1e-6) << l;
-  ExpectNear(p->Scores(5)->per_head[0], {1.0539, 1.1539, .1539, .1539, .1539, .1539, .1539, .1539, .1539, .1539},
-             "C at L* = 3");
+  ExpectNear(p->Scores(5)->per_head[0],
+             {1.0539, 1.1539, .1539, .1539, .1539, .1539, .1539, .1539, .1539, .1539}, "C at L* = 3");
   EXPECT_EQ(p->structural(), (std::vector<int64_t>{0, 1, 8, 9}));
   auto k = p->Keep(5, 10);
   ASSERT_TRUE(k.ok());
@@ -379,7 +380,8 @@ TEST(StructKv, BadInputsGiveClearErrors) {
   ASSERT_TRUE(p->Begin(g).ok());
   auto sc = p->Scores(0);
   EXPECT_EQ(sc.status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(sc.status().message().find("before any observation"), std::string::npos) << sc.status().ToString();
+  EXPECT_NE(sc.status().message().find("before any observation"), std::string::npos)
+      << sc.status().ToString();
   EXPECT_EQ(p->Keep(1, 5).status().code(), StatusCode::kFailedPrecondition);
 
   st = p->Observe(o.View(3));  // out of range
@@ -396,7 +398,8 @@ TEST(StructKv, BadInputsGiveClearErrors) {
   // Budget below the protected keys: sink 0 + the last max(local 2, w 2) = 3.
   auto k = p->Keep(0, 2);
   EXPECT_EQ(k.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(k.status().message().find("smaller than the 3 protected"), std::string::npos) << k.status().ToString();
+  EXPECT_NE(k.status().message().find("smaller than the 3 protected"), std::string::npos)
+      << k.status().ToString();
   EXPECT_EQ(p->Keep(0, -3).status().code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(p->Keep(0, 3).ok());
 }
@@ -454,7 +457,8 @@ TEST(StructKv, FactoryRejectsBadSpecs) {
     auto r = MakeScoringPolicy(b.spec);
     ASSERT_FALSE(r.ok()) << b.spec;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << b.spec;
-    EXPECT_NE(r.status().message().find(b.mentions), std::string::npos) << b.spec << ": " << r.status().message();
+    EXPECT_NE(r.status().message().find(b.mentions), std::string::npos)
+        << b.spec << ": " << r.status().message();
   }
 }
 

@@ -47,8 +47,8 @@ void SortSegmentsDescending(const Key* keys_in, Key* keys_out, const Value* valu
 }
 
 template <typename Key, typename Value>
-__global__ void SortKernel(const Key* keys_in, Key* keys_out, const Value* values_in, Value* values_out, int n_segments,
-                           const int* begin_offsets, const int* end_offsets) {
+__global__ void SortKernel(const Key* keys_in, Key* keys_out, const Value* values_in, Value* values_out,
+                           int n_segments, const int* begin_offsets, const int* end_offsets) {
   SortSegmentsDescending(keys_in, keys_out, values_in, values_out, n_segments, begin_offsets, end_offsets);
 }
 
@@ -57,10 +57,10 @@ __global__ void SortKernel(const Key* keys_in, Key* keys_out, const Value* value
 struct DeviceSegmentedRadixSort {
   template <typename Key, typename Value, typename Offsets>
   static cudaError_t SortPairsDescending(void* temp_storage, size_t& temp_storage_bytes, const Key* keys_in,
-                                         Key* keys_out, const Value* values_in, Value* values_out, int num_items,
-                                         int num_segments, Offsets begin_offsets, Offsets end_offsets,
-                                         int begin_bit = 0, int end_bit = sizeof(Key) * 8,
-                                         cudaStream_t stream = nullptr) {
+                                         Key* keys_out, const Value* values_in, Value* values_out,
+                                         int num_items, int num_segments, Offsets begin_offsets,
+                                         Offsets end_offsets, int begin_bit = 0,
+                                         int end_bit = sizeof(Key) * 8, cudaStream_t stream = nullptr) {
     if (begin_bit != 0 || end_bit != static_cast<int>(sizeof(Key) * 8)) return cudaErrorInvalidValue;
     if (temp_storage == nullptr) {
       temp_storage_bytes = 256;  // CUB needs some; the stand-in asks for a token amount
