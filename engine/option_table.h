@@ -6,7 +6,7 @@
 // (integration/cli/option_flags.h). The rest is checked against the rows by
 // tests/engine/option_table_test.cc: the structs' defaults, their field counts (a new field
 // fails the test until it has a row or is listed as no option), the C API's defaults, the
-// Python stubs and the README's option table.
+// Python stubs and docs/options.md's option tables.
 //
 // A row reads and writes its field through `get` and `set`. SetOption checks a value
 // against the row (type, range, choices) before it writes, and its InvalidArgument names

@@ -31,7 +31,10 @@ inline void LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_
 #if defined(KVTIER_GPU_EMULATION)
   kvtier_emu::Launch(kernel, grid, block, smem, stream, args...);
 #else
-  kernel<<<grid, block, smem, stream> > >(args...);
+  // clang-format parses a .cuh as C++ and would split the launch's >>>.
+  // clang-format off
+  kernel<<<grid, block, smem, stream>>>(args...);
+  // clang-format on
 #endif
 }
 

@@ -1,5 +1,5 @@
 // The option table (engine/option_table.h) against everything that restates it: the
-// structs' defaults and fields, the C API's defaults, the README's option tables and the
+// structs' defaults and fields, the C API's defaults, docs/options.md's tables and the
 // CLI's --help. Each test fails when a name, a default or a meaning drifts from the table.
 #include "engine/option_table.h"
 
@@ -203,9 +203,9 @@ TEST(OptionTable, CDefaultsEqualTheTable) {
             FindOption(RetrieverOptionTable(), "budget_tokens")->default_text);
 }
 
-// ---- the README -----------------------------------------------------------------------
+// ---- docs/options.md -----------------------------------------------------------------------
 
-// A default as the README writes it: sizes in MiB, strings quoted.
+// A default as docs/options.md writes it: sizes in MiB, strings quoted.
 std::string DocDefault(OptionType type, const OptionValue& v) {
   if (type == OptionType::kBytes) {
     const int64_t b = std::get<int64_t>(v);
@@ -224,9 +224,9 @@ std::string StripBackticks(std::string s) {
   return out;
 }
 
-// The rows of the markdown table that follows `heading` in README.md: cells trimmed.
-std::vector<std::vector<std::string>> ReadmeTable(const std::string& heading) {
-  std::ifstream in(std::string(KVTIER_SOURCE_DIR) + "/README.md");
+// The rows of the markdown table that follows `heading` in docs/options.md: cells trimmed.
+std::vector<std::vector<std::string>> OptionsDocTable(const std::string& heading) {
+  std::ifstream in(std::string(KVTIER_SOURCE_DIR) + "/docs/options.md");
   std::string line;
   bool in_section = false, in_table = false;
   std::vector<std::vector<std::string>> rows;
@@ -270,7 +270,7 @@ void ExpectReadmeRows(const std::vector<std::vector<std::string>>& rows, size_t*
   for (const auto& d : table) {
     const std::string want =
         std::string("| `") + d.name + "` | " + DocDefault(d.type, d.get(defaults)) + " | " + d.meaning + " |";
-    ASSERT_LT(*at, rows.size()) << "README lacks the row " << want;
+    ASSERT_LT(*at, rows.size()) << "docs/options.md lacks the row " << want;
     const auto& r = rows[(*at)++];
     ASSERT_EQ(r.size(), 3u) << want;
     EXPECT_EQ(r[0], std::string("`") + d.name + "`") << "want " << want;
@@ -279,21 +279,21 @@ void ExpectReadmeRows(const std::vector<std::vector<std::string>>& rows, size_t*
   }
 }
 
-TEST(OptionTable, ReadmeTablesEqualTheTable) {
-  const auto store_rows = ReadmeTable("### Store options");
-  ASSERT_FALSE(store_rows.empty()) << "README.md has no table under '### Store options'";
+TEST(OptionTable, OptionsDocTablesEqualTheTable) {
+  const auto store_rows = OptionsDocTable("## Store options");
+  ASSERT_FALSE(store_rows.empty()) << "docs/options.md has no table under '## Store options'";
   EXPECT_EQ(store_rows.front(), (std::vector<std::string>{"field", "default", "meaning"}));
   size_t at = 1;
   ExpectReadmeRows(store_rows, &at, StoreOptionTable(), StoreOptions{});
-  EXPECT_EQ(at, store_rows.size()) << "README's store options table has rows the table does not";
+  EXPECT_EQ(at, store_rows.size()) << "docs/options.md's store options table has rows the table does not";
 
-  const auto session_rows = ReadmeTable("### Session options");
-  ASSERT_FALSE(session_rows.empty()) << "README.md has no table under '### Session options'";
+  const auto session_rows = OptionsDocTable("## Session options");
+  ASSERT_FALSE(session_rows.empty()) << "docs/options.md has no table under '## Session options'";
   at = 1;
   const SessionOptions session_defaults;
   ExpectReadmeRows(session_rows, &at, RetrieverOptionTable(), session_defaults.retrieval);
   ExpectReadmeRows(session_rows, &at, SessionOptionTable(), session_defaults);
-  EXPECT_EQ(at, session_rows.size()) << "README's session options table has rows the table does not";
+  EXPECT_EQ(at, session_rows.size()) << "docs/options.md's session options table has rows the table does not";
 }
 
 // ---- the CLI --------------------------------------------------------------------------

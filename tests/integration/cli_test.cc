@@ -397,22 +397,11 @@ namespace kvtier {
 namespace {
 
 std::string Fixture(const std::string& name) {
-#ifdef KVTIER_SOURCE_DIR
   return std::string(KVTIER_SOURCE_DIR) + "/tests/fixtures/" + name;
-#else
-  return (std::filesystem::path(__FILE__).parent_path() / "fixtures" / name).string();
-#endif
 }
 
 // The trained weights shipped in models/ (models/train.py regenerates them).
-std::string ShippedWeights() {
-#ifdef KVTIER_SOURCE_DIR
-  return std::string(KVTIER_SOURCE_DIR) + "/models/kvtier-tiny.safetensors";
-#else
-  return (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors")
-      .string();
-#endif
-}
+std::string ShippedWeights() { return std::string(KVTIER_SOURCE_DIR) + "/models/kvtier-tiny.safetensors"; }
 
 // `kvtier infinite` end to end on the random-weight fixture (accuracy ~0 is expected: the
 // model is untrained); what is checked is that every method runs and reports.

@@ -29,13 +29,7 @@
 namespace kvtier::model {
 namespace {
 
-std::string FixtureDir() {
-#ifdef KVTIER_SOURCE_DIR
-  return std::string(KVTIER_SOURCE_DIR) + "/tests/fixtures";
-#else
-  return (std::filesystem::path(__FILE__).parent_path() / "fixtures").string();
-#endif
-}
+std::string FixtureDir() { return std::string(KVTIER_SOURCE_DIR) + "/tests/fixtures"; }
 
 struct Reference {
   std::vector<int32_t> tokens;
@@ -590,14 +584,7 @@ bool HaveCudaDevice() {
 #endif
 }
 
-std::string ShippedModelPath() {
-#ifdef KVTIER_SOURCE_DIR
-  return std::string(KVTIER_SOURCE_DIR) + "/models/kvtier-tiny.safetensors";
-#else
-  return (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors")
-      .string();
-#endif
-}
+std::string ShippedModelPath() { return std::string(KVTIER_SOURCE_DIR) + "/models/kvtier-tiny.safetensors"; }
 
 // Every tensor of a layout, with its name, in placement order.
 std::vector<std::pair<std::string, DeviceTensor>> Tensors(const DeviceWeightLayout& w) {

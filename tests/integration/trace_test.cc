@@ -22,13 +22,7 @@
 namespace kvtier {
 namespace {
 
-std::string SourceDir() {
-#ifdef KVTIER_SOURCE_DIR
-  return KVTIER_SOURCE_DIR;
-#else
-  return std::filesystem::path(__FILE__).parent_path().parent_path().string();
-#endif
-}
+std::string SourceDir() { return KVTIER_SOURCE_DIR; }
 
 // A small valid trace with random q/k/v.
 KvTrace RandomTrace() {

@@ -39,10 +39,7 @@ std::string JsonArray(const std::string& json, const std::string& key) {
   return json.substr(open, end - open + 1);
 }
 
-std::string ShippedModel() {
-  return (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors")
-      .string();
-}
+std::string ShippedModel() { return std::string(KVTIER_SOURCE_DIR) + "/models/kvtier-tiny.safetensors"; }
 
 // Skips the test, saying why, unless a CUDA device (real or emulated) is there.
 #define REQUIRE_CUDA_DEVICE()                                         \

@@ -565,9 +565,7 @@ TEST(RemoteCli, RunStressAndInfiniteUseTheRemoteTierAndReportIt) {
   EXPECT_NE(out.find("remote tier: "), std::string::npos) << out;
   out.clear();
   // infinite: the shipped model with a tiny warm tier, so retrieval fetches chunks from Redis.
-  const std::string weights =
-      (std::filesystem::path(__FILE__).parent_path().parent_path() / "models" / "kvtier-tiny.safetensors")
-          .string();
+  const std::string weights = std::string(KVTIER_SOURCE_DIR) + "/models/kvtier-tiny.safetensors";
   ASSERT_EQ(RunCli("infinite --quiet --weights " + weights + " --task passkey --contexts 4096 --samples 1 " +
                        "--warm-bytes 64K --remote " + redis.Spec(0),
                    &out),
