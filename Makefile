@@ -7,7 +7,7 @@ CMAKE_ARGS ?=
 RUN_ARGS   ?= --context 131072 --data-dir $(BUILD)/run-data --json $(BUILD)/run-report.json
 
 .PHONY: all deps deps-checks configure build run test test-release test-asan test-tsan fuzz soak \
-        bench bench-retrieval gpu-check test-gpu-emulated format lint lint-format clean
+        bench bench-retrieval bench-scaling gpu-check test-gpu-emulated format lint lint-format clean
 
 # ---- checks beyond the Release suite (all part of `make test`, hence of CI) ------------------
 # Each has its own build directory, built with clang from Debian (scripts/deps.sh checks).
@@ -163,6 +163,14 @@ bench: build
 	./$(BUILD)/kvtier_bench --benchmark_min_time=0.2
 	bash scripts/bench_run.sh $(BUILD)
 	bash scripts/bench_policies.sh $(BUILD)
+
+# `kvtier run` at 32K, 128K, 512K and 1M, three runs each: step time, the ratio to full attention,
+# needle hit, peak RSS and index bytes as median and range, in a table and a plot (the 1M runs
+# take the most: full attention over 1M tokens is their baseline). KVTIER_BENCH_CONTEXTS and
+# KVTIER_BENCH_RUNS change the set.
+bench-scaling: configure
+	cmake --build $(BUILD) -j $(JOBS) --target kvtier_cli
+	bash scripts/bench_scaling.sh $(BUILD)
 
 # Retrieval overhead by context (32K, 128K, 1M) and index kind; the 1M runs take minutes.
 bench-retrieval: build
