@@ -93,7 +93,7 @@ test-release: build
 # (KVTIER_GPU_EMULATION; no nvcc), then every device test of kvtier_tests on that emulated device
 # (scripts/gpu_emulated.sh prints how many ran and each skip's reason). Skipped, saying so, where
 # HIP-CPU is absent (a user's fresh clone without ../shared).
-$(GPU_EMU_BUILD)/build.ninja: CMakeLists.txt | deps
+$(GPU_EMU_BUILD)/build.ninja: CMakeLists.txt Makefile | deps
 	cmake -S . -B $(GPU_EMU_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVTIER_CUDA=off \
 	  -DKVTIER_GPU_EMULATION=$(HIP_CPU) "-DKVTIER_TEST_GLOB=$(GPU_EMU_TESTS)"
 
@@ -129,7 +129,7 @@ test-asan: deps-checks $(ASAN_BUILD)/build.ninja
 # The concurrency tests (store, sessions, stress job, SIGKILL crash and soak, cold tier)
 # under ThreadSanitizer; tests/tsan.supp lists the only suppressions and why. The install
 # and C API programs are not concurrency tests: they run in the other two suites.
-$(TSAN_BUILD)/build.ninja: CMakeLists.txt | deps-checks
+$(TSAN_BUILD)/build.ninja: CMakeLists.txt Makefile | deps-checks
 	cmake -S . -B $(TSAN_BUILD) $(CLANG_CMAKE) -DKVTIER_SANITIZE=thread "-DKVTIER_TEST_GLOB=$(TSAN_TESTS)"
 
 test-tsan: deps-checks $(TSAN_BUILD)/build.ninja
