@@ -97,7 +97,7 @@
 // writes again, and on a disk that is still full it fails with IOError instead of opening.
 // RocksDB's info log ("LOG") is written by kvtier so that a log line the disk refused is
 // dropped: RocksDB 7.8's own logger hits an assertion (SIGABRT) on the line after one that
-// failed, which used to abort writers and every reopen of a full directory.
+// failed, which would abort writers and every reopen of a full directory.
 //
 // ---- Caching -------------------------------------------------------------------------
 // Payload and blob reads do not fill the block cache: the warm tier above is the

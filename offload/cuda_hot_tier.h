@@ -1,4 +1,4 @@
-// CudaHotTier: the hot tier in GPU memory (issue 13). The retrieved-chunk slot pool is one
+// CudaHotTier: the hot tier in GPU memory. The retrieved-chunk slot pool is one
 // cudaMalloc of capacity x slot_bytes; sinks and local rings are regions of their own
 // (cudaMalloc each). Every pointer it returns is a DEVICE pointer. Upload and Download copy
 // on the tier's own transfer stream (cudaStreamNonBlocking, so they overlap the compute

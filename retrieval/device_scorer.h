@@ -1,4 +1,4 @@
-// Retrieval backends (issue 13): the Exact index's selection of one layer as a plan that runs
+// Retrieval backends: the Exact index's selection of one layer as a plan that runs
 // where the hot tier's memory is, in the pattern of offload/attention_backend.h (plan on the
 // host, run on a backend "cpu" or "cuda", one workspace owned by the backend).
 //

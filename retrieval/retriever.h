@@ -21,7 +21,7 @@
 // fp32 rerank, heads=sum|max; the FAISS kinds' InfLLM mean vectors), is the
 // index's business (chunk_index.h, exact_index.h, faiss_index.h).
 //
-// Where the selection runs (issue 13): when the store's hot tier is on
+// Where the selection runs: when the store's hot tier is on
 // "cuda" (store->hot_tier()->device()), Create gives the Retriever a "cuda"
 // RetrievalBackend (retrieval/device_scorer.h) and every Exact index keeps a
 // device mirror of its representatives; a layer's Select then runs probe (host

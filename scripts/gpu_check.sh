@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command on a lent GPU machine (issue 13; ../shared/gpu/README.md): builds kvtier with
+# One command on a lent GPU machine (../shared/gpu/README.md): builds kvtier with
 # CUDA, runs the GPU tests, then the measurements, each a ratio against a baseline measured in
 # the same run, prints a short table and writes everything to OUT_DIR. Record the result in
 # docs/gpu.md.

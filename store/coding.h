@@ -2,9 +2,9 @@
 // anything it writes to disk (the tiered store's records, the cold tier's value
 // header and keys, the trace file).
 //
-// Why a module of its own: each format used to copy host-order bytes with
-// memcpy while its documentation said "little-endian", which only holds on a
-// little-endian host. Every encoder here spells the byte order out, so a file
+// Why a module of its own: copying host-order bytes with memcpy gives
+// "little-endian" only on a little-endian host. Every encoder here spells the
+// byte order out, so a file
 // written on one host reads back the same on any other, and a short or
 // damaged record is reported the same way everywhere: RecordReader returns
 // Corruption naming the record and the field instead of reading past the end.

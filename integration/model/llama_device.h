@@ -1,4 +1,4 @@
-// The kvtier-llama forward on the GPU (issue 13): what LlamaSession runs when its store's hot
+// The kvtier-llama forward on the GPU: what LlamaSession runs when its store's hot
 // tier is "cuda" (`kvtier infinite --device cuda`).
 //
 // Per window of m tokens (Prefill) or one token (Decode), on the hot tier's CUDA stream:

@@ -1,4 +1,4 @@
-// CPU twins of the model's non-attention forward (issue 13): embedding lookup, RMSNorm, the
+// CPU twins of the model's non-attention forward: embedding lookup, RMSNorm, the
 // projections as a GEMM (with the residual add folded in as accumulate), and SwiGLU. RoPE's
 // twin is kernels/cpu/rope.h. integration/model/llama.cc runs its forward through exactly
 // these functions, so the CPU forward and the twins that define the CUDA launchers'

@@ -1,4 +1,4 @@
-// Sessions sharing one store's hot slot pool (issue 24, defect 6): many sessions on many
+// Sessions sharing one store's hot slot pool: many sessions on many
 // threads at a pool just above their summed budgets never fail mid-run for want of a slot
 // another session is about to unpin.
 #include <gtest/gtest.h>

@@ -1,10 +1,10 @@
 // What the cold tier acknowledged must come back, or opening says which did not:
 // the ack manifest (offload/ack_manifest.h) and the check at open (cold_tier.h).
 //
-// The WAL tests reproduce issue 16: a short run whose data sits only in RocksDB's
+// The WAL tests: a short run whose data sits only in RocksDB's
 // write-ahead log (*.log: a database closed without a flush keeps it there), then
-// bit flips, a zeroed 32 KiB block or a truncation of that file. Before the manifest
-// RocksDB reopened each of these without an error, with acknowledged chunks gone.
+// bit flips, a zeroed 32 KiB block or a truncation of that file. Without the manifest
+// RocksDB reopens each of these without an error, with acknowledged chunks gone.
 #include "offload/ack_manifest.h"
 
 #include <fcntl.h>

@@ -1,4 +1,4 @@
-// A Redis remote tier that dies mid-stream fails in bounded time (issue 24, defect 3), on
+// A Redis remote tier that dies mid-stream fails in bounded time, on
 // real redis-server processes (tests/redis_fixture.h): one server SIGKILLed, a 3-master
 // cluster whose master is SIGKILLed (cluster_state:fail, every node answers CLUSTERDOWN),
 // and a store with RocksDB below Redis. The promise: the first failure of a node opens

@@ -1,4 +1,4 @@
-// Tests of retrieval/device_scorer.h: the retrieval backend seam of the Exact index (issue 13).
+// Tests of retrieval/device_scorer.h: the retrieval backend seam of the Exact index.
 // On CPU: the twins' additions (chunk_stride, the non-finite count), the workspace layout and
 // its sizing, plan checks, the mirror's layout against one built afresh after adds and
 // removes, and the "cpu" backend choosing exactly what the rerank=0 Exact index chooses
