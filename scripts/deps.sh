@@ -11,7 +11,7 @@
 #                            numpy, torch 1.13 (CPU) and matplotlib 3.6 (python -m kvtier.tools.plot)
 # Groups combine: scripts/deps.sh checks python.
 set -euo pipefail
-PKGS=(cmake ninja-build g++ make pkg-config
+PKGS=(cmake ninja-build g++ make pkg-config ccache
       libfaiss-dev libopenblas-dev librocksdb-dev liblz4-dev libzstd-dev libsnappy-dev
       libtbb-dev libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev
       libhiredis-dev redis-server redis-tools)

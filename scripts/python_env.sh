@@ -53,7 +53,12 @@ if ! cmp -s "$REQ" "$STAMP"; then
 fi
 # No build isolation: the build requirements are in the venv already (pinned above), so a
 # rebuild downloads nothing; build-py/ keeps CMake's objects between runs.
-"$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps "$ROOT"
+# KVTIER_PY_CUDA=on|off (set by ctest's Python.Package to its build's setting) overrides the
+# package's default KVTIER_CUDA=off: with the flags of the build beside it, ccache hands pip
+# that build's objects.
+CUDA_DEFINE=()
+[[ -n "${KVTIER_PY_CUDA:-}" ]] && CUDA_DEFINE=("--config-settings=cmake.define.KVTIER_CUDA=$KVTIER_PY_CUDA")
+"$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps "${CUDA_DEFINE[@]}" "$ROOT"
 
 if [[ "${1:-}" == "test" ]]; then
   shift
