@@ -1096,7 +1096,7 @@ std::string RunReport::ToTable() const {
       "\n"
       "time per decode step (median over %zu steps, all %d layers)\n"
       "  kvtier                     %8.2f ms  (append %.2f, probe+search+alloc %.2f, fetch %.2f, attention "
-      "%.2f; outside those %.2f)\n"
+      "%.2f)\n"
       "  full attention             %s\n"
       "  prefill                    %8.2f s   (%s tokens/s, generation excluded; then %.2f s until the cold "
       "tier acknowledged every chunk)\n"
@@ -1110,7 +1110,7 @@ std::string RunReport::ToTable() const {
       static_cast<long long>(options.workload.context), options.store.geometry.ToString().c_str(),
       options.budget, options.store.chunk_size, options.store.n_sink, options.store.n_local, needle_hit_rate,
       question_needle_hit_rate, recall_line.c_str(), error_line.c_str(), step_ms_all.size(),
-      options.store.geometry.layers, step_ms, append_ms, retrieve_ms, fetch_ms, attention_ms, other_ms,
+      options.store.geometry.layers, step_ms, append_ms, retrieve_ms, fetch_ms, attention_ms,
       full_line.c_str(), prefill_s, prefill_rate, prefill_drain_s, mib(context_kv_bytes),
       mib(counters.hot_bytes), mib(counters.warm_bytes), mib(counters.cold_bytes),
       static_cast<unsigned long long>(counters.hot_chunks),
