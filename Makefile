@@ -7,7 +7,7 @@ CMAKE_ARGS ?=
 RUN_ARGS   ?= --context 131072 --data-dir $(BUILD)/run-data --json $(BUILD)/run-report.json
 
 .PHONY: all deps deps-checks configure build run test test-release test-asan test-tsan fuzz soak \
-        bench bench-retrieval bench-scaling gpu-check test-gpu-emulated format lint lint-format clean
+        bench bench-retrieval bench-scaling profile-step gpu-check test-gpu-emulated format lint lint-format clean
 
 # ---- checks beyond the Release suite (all part of `make test`, hence of CI) ------------------
 # Each has its own build directory, built with clang from Debian (scripts/deps.sh checks).
@@ -171,6 +171,11 @@ bench: build
 bench-scaling: configure
 	cmake --build $(BUILD) -j $(JOBS) --target kvtier_cli
 	bash scripts/bench_scaling.sh $(BUILD)
+
+# Where the 128K decode step's CPU time goes, by part (perf; scripts/profile_step.sh).
+profile-step: configure
+	cmake --build $(BUILD) -j $(JOBS) --target kvtier_cli
+	bash scripts/profile_step.sh $(BUILD)
 
 # Retrieval overhead by context (32K, 128K, 1M) and index kind; the 1M runs take minutes.
 bench-retrieval: build

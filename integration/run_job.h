@@ -69,6 +69,9 @@ struct MethodReport {
   double question_needle_hit_rate = 0, question_attention_recall = 0, question_output_rel_error = 0;
   double step_ms = 0;  ///< median decode step, all layers (append + probe + search + fetch + attention)
   double probe_ms = 0, search_ms = 0, alloc_ms = 0, fetch_ms = 0, attention_ms = 0, append_ms = 0;
+  /// median of Session::Attend's wall time outside its timed parts (lock round trips, views,
+  /// unpinning), summed over layers; not part of step_ms
+  double other_ms = 0;
   double retrieval_share = 0;  ///< (probe + search + alloc) / step, medians
   double chunks_per_step = 0;  ///< mean retrieved chunks per decode step over all layers
   uint64_t bytes_moved = 0;    ///< bytes moved by this method's fetches
@@ -126,6 +129,7 @@ struct RunReport {
   double prefill_drain_s = 0;  ///< then, until the cold tier acknowledged every chunk (WaitForDurable)
   double step_ms = 0;          ///< median decode step over all layers: append + retrieve + fetch + attention
   double retrieve_ms = 0, fetch_ms = 0, attention_ms = 0, append_ms = 0;  ///< medians of the step's parts
+  double other_ms = 0;  ///< median wall time of the step's Attend calls outside those parts (not in step_ms)
   double full_attention_step_ms = 0;  ///< median full attention over the whole context, all layers, same step
   // memory
   uint64_t peak_rss_bytes = 0;    ///< peak RSS during the kvtier phases (before the baseline)

@@ -11,11 +11,11 @@
 
 #include <cstdint>
 #include <functional>
-#include <list>
 #include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "store/status.h"
 
@@ -41,18 +41,41 @@ class DemotionPolicy {
 };
 
 /// Least recently used: the chunk touched longest ago leaves first.
+///
+/// The store calls it for every chunk a fetch touches, under its lock, so it keeps the order
+/// in flat arrays rather than node-based containers: a doubly linked list over a node array
+/// (indices, not pointers) and an open-addressing table from chunk id to node. A tier's
+/// chunks then fit in a few hundred KiB that stay in cache, and each call touches a handful of
+/// adjacent entries instead of scattered heap nodes. The order and every victim are the same
+/// as a std::list kept most-recent-first (tests/offload/demotion_policy_test.cc compares them).
 class LruPolicy final : public DemotionPolicy {
  public:
+  LruPolicy();
   void OnInsert(uint64_t id) override;
   void OnAccess(uint64_t id) override;
   void OnRemove(uint64_t id) override;
   bool PickVictim(const std::function<bool(uint64_t)>& can_leave, uint64_t* victim) override;
-  size_t size() const override { return where_.size(); }
+  size_t size() const override { return size_; }
   std::string ToString() const override { return "lru"; }
 
  private:
-  std::list<uint64_t> order_;  // front = most recent
-  std::unordered_map<uint64_t, std::list<uint64_t>::iterator> where_;
+  static constexpr uint32_t kNone = 0xffffffffu;
+  struct Node {
+    uint64_t id = 0;
+    uint32_t prev = 0, next = 0;  // node 0 is the sentinel: next = most recent, prev = least
+  };
+  uint32_t Find(uint64_t id) const;  // node of id, or kNone
+  size_t Bucket(uint64_t id) const;  // home bucket of id in table_
+  void Unlink(uint32_t n);
+  void LinkFront(uint32_t n);
+  void Grow();                 // doubles table_, re-inserting every node
+  void EraseBucket(size_t b);  // backward-shift deletion (linear probing)
+
+  std::vector<Node> nodes_;  // [0] sentinel, then chunks; freed nodes in free_
+  std::vector<uint32_t> free_;
+  std::vector<uint32_t> table_;  // node index per bucket, kNone = empty; size a power of two
+  int shift_ = 0;                // 64 - log2(table_.size())
+  size_t size_ = 0;
 };
 
 /// Score-driven demotion: the chunk with the lowest score leaves first; chunks never

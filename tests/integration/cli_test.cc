@@ -77,6 +77,8 @@ TEST(Cli, RunSpillsToColdAndReportsEverything) {
       << JsonNumber(rep, "rss_bound_bytes");
   EXPECT_GE(JsonNumber(rep, "attention_recall"), 0.0);
   EXPECT_LE(JsonNumber(rep, "attention_recall"), 1.0 + 1e-9);
+  // Session::Attend's time outside its timed parts: reported apart, a wall time >= 0.
+  EXPECT_GE(JsonNumber(rep, "other"), 0.0) << "split_ms.other missing in\n" << rep;
 }
 
 TEST(Cli, RunWithFullBudgetEqualsFullAttention) {
