@@ -52,8 +52,12 @@ template <int TM, int TN>
 inline void Tile(const float* x, const float* w, int k, float* y, size_t ldy, bool accumulate) {
   static_assert(TM >= 1 && TN >= 1 && TN <= 8);
   const size_t ld = static_cast<size_t>(k);
+  // Loops over the tile's rows and accumulators are unrolled, so that acc lives in registers
+  // (indexed by constants only) instead of on the stack around the pass over k.
   V8 acc[TM][8];
+#pragma GCC unroll 8
   for (int a = 0; a < TM; ++a)
+#pragma GCC unroll 8
     for (int b = 0; b < 8; ++b) acc[a][b] = V8{};
   int i = 0;
   // Unrolled: the loads of the next steps start while this step's products are summed (about
@@ -67,6 +71,7 @@ inline void Tile(const float* x, const float* w, int k, float* y, size_t ldy, bo
       for (int a = 0; a < TM; ++a) acc[a][b] += xs[a] * wb;
     }
   }
+#pragma GCC unroll 8
   for (int a = 0; a < TM; ++a) {
     V8 s = Combine(acc[a]);  // lanes >= TN are sums of zeros, never stored
     for (int r = i; r < k; ++r)
