@@ -534,6 +534,32 @@ inline int GroupScores(const float* qp, const int* visr, int nvis, const float* 
   return nb;
 }
 
+// acc rows l < kQ, vectors [c0, c0 + CB): acc = acc * alpha_l + sum over the visible keys j
+// of p_lj v_j, the keys in order, one FMA per (row, vector, key). All kQ rows advance together,
+// so each key's value vectors are loaded once and the rows' FMA chains interleave (a row at a
+// time, a head_dim of 16 is one chain of dependent FMAs, latency-bound).
+template <int CB>
+inline void RowGroupValues(float* acc, size_t Dp, const float* al, const float* v, size_t vs, const float* sq,
+                           int nvis, int c0) {
+  VF a[kQ][CB];
+  for (int l = 0; l < kQ; ++l) {
+    const VF al_l = VSet1(al[4 * l]);
+    for (int cb = 0; cb < CB; ++cb) a[l][cb] = VMul(VLoad(acc + l * Dp + (c0 + cb) * kW), al_l);
+  }
+  for (int j = 0; j < nvis; ++j) {
+    const float* vj = v + j * vs + c0 * kW;
+    const float* pj = sq + (j / 4) * kW + j % 4;
+    VF vv[CB];
+    for (int cb = 0; cb < CB; ++cb) vv[cb] = VLoad(vj + cb * kW);
+    for (int l = 0; l < kQ; ++l) {
+      const VF p = VSet1(pj[4 * l]);
+      for (int cb = 0; cb < CB; ++cb) a[l][cb] = VFma(p, vv[cb], a[l][cb]);
+    }
+  }
+  for (int l = 0; l < kQ; ++l)
+    for (int cb = 0; cb < CB; ++cb) VStore(acc + l * Dp + (c0 + cb) * kW, a[l][cb]);
+}
+
 template <int NCT>
 inline void RowGroup(const float* qp, float* acc, size_t Dp, float* mq, float* lq, const int* visr, int nvis,
                      const float* k, size_t ks, const float* v, size_t vs, const float* zero_row, int nc_rt,
@@ -560,36 +586,19 @@ inline void RowGroup(const float* qp, float* acc, size_t Dp, float* mq, float* l
   VStore(al, alpha);
   constexpr int kCB = 4;  // vectors per row per pass: kQ * kCB accumulators in registers
   for (int c0 = 0; c0 < nc; c0 += kCB) {
-    const int cb_n = std::min(kCB, nc - c0);
-    if (cb_n == kCB) {
-      VF a[kQ][kCB];
-      for (int l = 0; l < kQ; ++l) {
-        const VF al_l = VSet1(al[4 * l]);
-        for (int cb = 0; cb < kCB; ++cb) a[l][cb] = VMul(VLoad(acc + l * Dp + (c0 + cb) * kW), al_l);
-      }
-      for (int j = 0; j < nvis; ++j) {
-        const float* vj = v + j * vs + c0 * kW;
-        const float* pj = sq + (j / 4) * kW + j % 4;
-        VF vv[kCB];
-        for (int cb = 0; cb < kCB; ++cb) vv[cb] = VLoad(vj + cb * kW);
-        for (int l = 0; l < kQ; ++l) {
-          const VF p = VSet1(pj[4 * l]);
-          for (int cb = 0; cb < kCB; ++cb) a[l][cb] = VFma(p, vv[cb], a[l][cb]);
-        }
-      }
-      for (int l = 0; l < kQ; ++l)
-        for (int cb = 0; cb < kCB; ++cb) VStore(acc + l * Dp + (c0 + cb) * kW, a[l][cb]);
-    } else {
-      for (int l = 0; l < kQ; ++l) {
-        const VF al_l = VSet1(al[4 * l]);
-        for (int cb = 0; cb < cb_n; ++cb) {
-          float* ap = acc + l * Dp + (c0 + cb) * kW;
-          VF a = VMul(VLoad(ap), al_l);
-          for (int j = 0; j < nvis; ++j)
-            a = VFma(VSet1(sq[(j / 4) * kW + 4 * l + j % 4]), VLoad(v + j * vs + (c0 + cb) * kW), a);
-          VStore(ap, a);
-        }
-      }
+    switch (std::min(kCB, nc - c0)) {
+      case 1:
+        RowGroupValues<1>(acc, Dp, al, v, vs, sq, nvis, c0);
+        break;
+      case 2:
+        RowGroupValues<2>(acc, Dp, al, v, vs, sq, nvis, c0);
+        break;
+      case 3:
+        RowGroupValues<3>(acc, Dp, al, v, vs, sq, nvis, c0);
+        break;
+      default:
+        RowGroupValues<kCB>(acc, Dp, al, v, vs, sq, nvis, c0);
+        break;
     }
   }
 }

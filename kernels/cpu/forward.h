@@ -41,9 +41,13 @@ KernelError RmsNorm(const RmsNormParams& p);
 
 /// y[m, n_out] (= or, with accumulate, +=) x[m, k] . W^T, W row-major [n_out, k]: y = W x per
 /// token, the layout of the model's projection weights. accumulate is the residual add
-/// (x_residual += W_o att). fp32 products and sums; the CPU twin sums each dot product in 8
-/// interleaved fp32 accumulators (the model's bits are defined by that order; the CUDA
-/// launcher, cuBLAS, sums in its own order and matches to fp32 rounding).
+/// (x_residual += W_o att). The CPU twin's bits, which the model's logits are defined by: each
+/// product x[t,i] w[o,i] rounded to fp32 (never fused into an add), summed in 8 fp32
+/// accumulators acc[i % 8] in order of i over the first k - k % 8 elements, then
+/// s = ((acc0 + acc1) + (acc2 + acc3)) + ((acc4 + acc5) + (acc6 + acc7)), then the k % 8
+/// trailing products added to s in order, then y = s or y + s. The twin computes tiles of
+/// outputs at once and splits output rows across threads; neither changes a bit. The CUDA
+/// launcher (cuBLAS) sums in its own order and matches to fp32 rounding.
 struct GemmParams {
   int m = 0;                 ///< rows of x and y, >= 0
   int k = 0;                 ///< inner size, > 0

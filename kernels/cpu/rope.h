@@ -15,7 +15,9 @@ namespace kvtier::kernels {
 std::vector<double> RopeInvFreq(int head_dim, double theta);
 
 /// Rotates x [m, heads, head_dim] fp32 in place, token t at positions[t].
-/// inv_freq has head_dim / 2 entries.
+/// inv_freq has head_dim / 2 entries. The cos/sin of small positions are computed once per
+/// thread and kept (up to 1 MiB per calling thread, for the last inv_freq it was given): a
+/// session rotates the same positions at every layer step. Kept or not, the bits are the same.
 void Rope(float* x, int m, int heads, int head_dim, const int64_t* positions, const double* inv_freq);
 
 }  // namespace kvtier::kernels

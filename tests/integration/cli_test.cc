@@ -431,12 +431,12 @@ TEST(Cli, InfiniteRunsTheModelWithRetrieval) {
   EXPECT_NE(r.out.find("cost per token"), std::string::npos) << r.out;
   const double gflops = JsonNumber(rep, "gemm_gflops_one_core");
   EXPECT_GT(gflops, 0.01) << rep;
-  for (const char* phase : {"\"prompt\"", "\"generated\""}) {
+  for (const char* phase : {"\"prompt\"", "\"generated\"", "\"total\""}) {
     const size_t at = rep.find(phase);
     ASSERT_NE(at, std::string::npos) << phase << " missing in\n" << rep;
     const std::string c = rep.substr(at);
     const double tokens = JsonNumber(c, "tokens");
-    EXPECT_GE(tokens, std::string(phase) == "\"prompt\"" ? 2 * 400 : 2) << phase;
+    EXPECT_GE(tokens, std::string(phase) == "\"generated\"" ? 2 : 2 * 400) << phase;
     EXPECT_GT(JsonNumber(c, "cpu_ms"), 0) << phase;
     EXPECT_NEAR(
         JsonNumber(c, "forward_and_rest_ms") + JsonNumber(c, "retrieval_ms") + JsonNumber(c, "attention_ms"),
@@ -449,6 +449,16 @@ TEST(Cli, InfiniteRunsTheModelWithRetrieval) {
     EXPECT_GT(floor_ms, 0) << phase;
     EXPECT_GT(JsonNumber(c, "cpu_over_floor"), 1.0) << phase << "\n" << rep;
   }
+  // The total row is both phases together: its tokens and FLOPs are their sums.
+  const std::string prompt = rep.substr(rep.find("\"prompt\"")), gen = rep.substr(rep.find("\"generated\"")),
+                    total = rep.substr(rep.find("\"total\""));
+  EXPECT_EQ(JsonNumber(total, "tokens"), JsonNumber(prompt, "tokens") + JsonNumber(gen, "tokens")) << rep;
+  EXPECT_NEAR(JsonNumber(total, "floor_flops") * JsonNumber(total, "tokens"),
+              JsonNumber(prompt, "floor_flops") * JsonNumber(prompt, "tokens") +
+                  JsonNumber(gen, "floor_flops") * JsonNumber(gen, "tokens"),
+              1e-6 * JsonNumber(total, "floor_flops") * JsonNumber(total, "tokens"))
+      << rep;
+  EXPECT_NE(r.out.find("total"), std::string::npos) << r.out;
 }
 
 TEST(Cli, InfiniteCompareTableByContext) {
