@@ -354,6 +354,7 @@ kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const floa
       stats->attention_ms = st.attention_ms;
       stats->entropy = st.entropy;
       stats->chunks = st.chunks;
+      stats->chunks_clipped = st.chunks_clipped;
     }
     return Status::Ok();
   });
@@ -391,6 +392,7 @@ kvtier_code kvtier_session_get_counters(const kvtier_session* session, kvtier_se
     out->max_layer_chunks = c.max_layer_chunks;
     out->compressions = c.compressions;
     out->dropped_chunks = c.dropped_chunks;
+    out->chunks_clipped = c.chunks_clipped;
     out->probe_ms = c.probe_ms;
     out->search_ms = c.search_ms;
     out->alloc_ms = c.alloc_ms;

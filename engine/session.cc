@@ -547,6 +547,8 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
       lp.stats.search_ms = sel.search_ms;
       lp.stats.alloc_ms = sel.alloc_ms;
       lp.stats.entropy = sel.entropy;
+      lp.stats.chunks_clipped = sel.clipped;
+      counters_.chunks_clipped += sel.clipped;
     }
     const auto t0 = std::chrono::steady_clock::now();
     if (!lp.chunks.empty()) {

@@ -15,6 +15,12 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The chunks of an allocator's grant `take` that a hot slot pool of `cap` chunks cannot hold.
+size_t BeyondPool(int take, size_t cap) {
+  const size_t granted = static_cast<size_t>(std::max(0, take));
+  return granted > cap ? granted - cap : 0;
+}
+
 // Any valid geometry checks a probe spec (the probe needs one to be built).
 const Geometry kSpecGeometry{1, 1, 1, 2, DType::kF32};
 
@@ -240,6 +246,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
           t0 = std::chrono::steady_clock::now();
           KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{nullptr, n}));
           sel.chunks.resize(std::min<size_t>(sel.chunks.size(), static_cast<size_t>(take)));
+          sel.clipped = BeyondPool(take, cap);
           sel.alloc_ms = MsSince(t0);
           return sel;
         }
@@ -254,6 +261,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
         sel.alloc_ms = MsSince(t0);
         t0 = std::chrono::steady_clock::now();
         const size_t t = std::min(static_cast<size_t>(std::max(0, take)), cap);
+        sel.clipped = BeyondPool(take, cap);
         KVTIER_RETURN_IF_ERROR(index.Best(probe_vec_.data(), scores_, alloc_->rank(), t, &sel.chunks));
         sel.search_ms += MsSince(t0);
         return sel;
@@ -278,6 +286,7 @@ Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, 
   if (!entropy) {
     KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{nullptr, n}));
     sel->chunks.resize(std::min<size_t>(sel->chunks.size(), static_cast<size_t>(std::max(0, take))));
+    sel->clipped = BeyondPool(take, cap);
     sel->alloc_ms = MsSince(t0);
     return Status::Ok();
   }
@@ -288,6 +297,7 @@ Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, 
   KVTIER_ASSIGN_OR_RETURN(int take, alloc_->AllocateWithEntropy(layer, n, theta));
   sel->entropy = alloc_->last_entropy();
   sel->chunks.resize(std::min({sel->chunks.size(), static_cast<size_t>(std::max(0, take)), cap}));
+  sel->clipped = BeyondPool(take, cap);
   sel->alloc_ms = MsSince(t0);
   return Status::Ok();
 }

@@ -82,6 +82,9 @@ struct LayerSelection {
   std::vector<uint64_t> chunks;  ///< chunk indices to attend, best first
   double probe_ms = 0, search_ms = 0, alloc_ms = 0;
   double entropy = 0;  ///< Θ^ℓ when the allocator computed it (entropy), else 0
+  /// Chunks the allocator granted this layer beyond what the hot slot pool holds, left out
+  /// (the entropy cut-off can hand one layer more than the pool; the rest is attended).
+  size_t clipped = 0;
 };
 
 class Retriever {

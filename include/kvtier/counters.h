@@ -45,6 +45,7 @@ struct AttendStats {
   double attention_ms = 0;                           ///< the attention kernel (and kInfLLM rotation)
   double entropy = 0;                                ///< Θ^ℓ of Eq. 11 when the allocator computed it
   size_t chunks = 0;                                 ///< chunks attended
+  size_t chunks_clipped = 0;  ///< chunks the budget granted this layer that the hot slot pool could not hold
 };
 
 /// Totals over the session's life.
@@ -56,6 +57,7 @@ struct SessionCounters {
   uint64_t max_layer_chunks = 0;  ///< most chunks one layer attended in one step
   uint64_t compressions = 0;      ///< Compress calls that ran
   uint64_t dropped_chunks = 0;    ///< chunks Compress removed
+  uint64_t chunks_clipped = 0;    ///< chunks granted beyond the hot slot pool, left out (AttendStats)
   double probe_ms = 0, search_ms = 0, alloc_ms = 0, fetch_ms = 0, attention_ms = 0;
 };
 

@@ -193,8 +193,9 @@ kvtier_code kvtier_session_begin_step(kvtier_session* session, kvtier_step_kind 
 /* One attend call's times and chunk count. */
 typedef struct kvtier_attend_stats {
   double probe_ms, search_ms, alloc_ms, fetch_ms, attention_ms;
-  double entropy;  /* the entropy allocator's layer entropy, when it computed one */
-  uint64_t chunks; /* chunks attended */
+  double entropy;          /* the entropy allocator's layer entropy, when it computed one */
+  uint64_t chunks;         /* chunks attended */
+  uint64_t chunks_clipped; /* chunks the budget granted that the hot slot pool could not hold */
 } kvtier_attend_stats;
 
 /* One layer's memory step: probe, chunk search, budget, fetch, attention over sinks |
@@ -232,6 +233,7 @@ typedef struct kvtier_session_counters {
   uint64_t compressions;     /* compress calls that ran */
   uint64_t dropped_chunks;   /* chunks compress removed */
   double probe_ms, search_ms, alloc_ms, fetch_ms, attention_ms;
+  uint64_t chunks_clipped; /* chunks granted beyond the hot slot pool, left out */
 } kvtier_session_counters;
 
 kvtier_code kvtier_session_get_counters(const kvtier_session* session, kvtier_session_counters* out,

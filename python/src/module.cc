@@ -500,6 +500,7 @@ py::dict StatsDict(const AttendStats& s) {
   d["attention_ms"] = s.attention_ms;
   d["entropy"] = s.entropy;
   d["chunks"] = s.chunks;
+  d["chunks_clipped"] = s.chunks_clipped;
   return d;
 }
 
@@ -876,6 +877,7 @@ class PySession {
     d["max_layer_chunks"] = c.max_layer_chunks;
     d["compressions"] = c.compressions;
     d["dropped_chunks"] = c.dropped_chunks;
+    d["chunks_clipped"] = c.chunks_clipped;
     d["probe_ms"] = c.probe_ms;
     d["search_ms"] = c.search_ms;
     d["alloc_ms"] = c.alloc_ms;

@@ -174,6 +174,55 @@ TEST(Session, AttendEqualsTheHandWrittenSequence) {
   EXPECT_GT(c.chunks_attended, 0u);
 }
 
+TEST(Session, GrantsTheHotPoolCannotHoldAreReportedAsClipped) {
+  // The entropy cut-off (Eq. 12) splits the step's L x k chunks by each layer's entropy, so a
+  // layer can be granted more than k: layers 1 and 2 hold one repeated key and layer 0 random
+  // keys, so their entropies differ. A pool of exactly k chunks passes Validate; the session
+  // attends the best chunks the pool holds and reports the rest, while a session over a large
+  // pool attends the whole grant.
+  const int k = 8;
+  StoreOptions small_opt = SmallStore(), big_opt = SmallStore();
+  small_opt.hot_bytes = static_cast<uint64_t>(k) * small_opt.chunk_bytes();
+  auto small_store = TieredStore::Open(small_opt);
+  auto big_store = TieredStore::Open(big_opt);
+  ASSERT_TRUE(small_store.ok() && big_store.ok());
+  auto small = Session::Open(small_store->get(), Retrieval(k * small_opt.chunk_size));
+  auto big = Session::Open(big_store->get(), Retrieval(k * small_opt.chunk_size));
+  ASSERT_TRUE(small.ok()) << small.status().ToString();
+  ASSERT_TRUE(big.ok()) << big.status().ToString();
+  std::vector<uint16_t> repeated(kKvHeads * kDim);
+  for (size_t i = 0; i < repeated.size(); ++i) {
+    const float x = std::sin(0.7f * static_cast<float>(i));
+    FromFloat(DType::kF16, &x, &repeated[i], 1);
+  }
+  uint64_t clipped = 0;
+  for (int64_t p = 0; p < 400; ++p) {
+    ASSERT_TRUE((*small)->BeginStep(StepKind::kDecode).ok());
+    ASSERT_TRUE((*big)->BeginStep(StepKind::kDecode).ok());
+    for (int l = 0; l < kLayers; ++l) {
+      Token t = MakeToken(9, l, p);
+      const uint16_t* key = l == 0 ? t.k.data() : repeated.data();
+      std::vector<float> out(static_cast<size_t>(kQHeads) * kDim);
+      AttendStats a, b;
+      ASSERT_TRUE((*small)->Append(l, key, t.v.data(), 1, DType::kF16).ok());
+      ASSERT_TRUE((*small)->Attend(l, t.q.data(), &p, 1, out.data(), &a).ok());
+      ASSERT_TRUE((*big)->Append(l, key, t.v.data(), 1, DType::kF16).ok());
+      ASSERT_TRUE((*big)->Attend(l, t.q.data(), &p, 1, out.data(), &b).ok());
+      ASSERT_LE(a.chunks, static_cast<size_t>(k)) << "position " << p << " layer " << l;
+      ASSERT_EQ(a.chunks + a.chunks_clipped, b.chunks) << "position " << p << " layer " << l;
+      ASSERT_EQ(b.chunks_clipped, 0u);
+      const std::vector<uint64_t>& chosen = (*small)->last_chunks()[l];
+      const std::vector<uint64_t>& granted = (*big)->last_chunks()[l];
+      ASSERT_TRUE(std::equal(chosen.begin(), chosen.end(), granted.begin()))  // the best first
+          << "position " << p << " layer " << l;
+      clipped += a.chunks_clipped;
+    }
+  }
+  EXPECT_GT(clipped, 0u);
+  EXPECT_EQ((*small)->counters().chunks_clipped, clipped);
+  EXPECT_EQ((*big)->counters().chunks_clipped, 0u);
+}
+
 TEST(Session, FullBudgetEqualsAttentionOverEveryChunk) {
   // retrieve = false attends every live chunk; a retrieval budget covering every chunk must
   // give the same outputs (the same keys, merged by log-sum-exp in another order: close).

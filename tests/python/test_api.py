@@ -66,7 +66,8 @@ def test_roundtrip_matches_reference_attention():
         np.testing.assert_allclose(out, reference_attention(q, ks[layer], vs[layer], pos), rtol=1e-5, atol=1e-5)
         # Every chunk sealed in this layer (the local ring keeps the newest tokens unsealed).
         assert stats["chunks"] == store.counters()["chunks_sealed"] // 2 > 0
-        assert set(stats) == {"probe_ms", "search_ms", "alloc_ms", "fetch_ms", "attention_ms", "entropy", "chunks"}
+        assert stats["chunks_clipped"] == 0  # the budget fits the hot slot pool
+        assert set(stats) == {"probe_ms", "search_ms", "alloc_ms", "fetch_ms", "attention_ms", "entropy", "chunks", "chunks_clipped"}
     c = s.counters()
     assert c["steps"] == 1 and c["attends"] == 2 and c["tokens_appended"] == 2 * n
     sc = store.counters()

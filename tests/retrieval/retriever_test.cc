@@ -147,6 +147,36 @@ std::vector<uint64_t> DecodeSelect(TieredStore* s, SequenceId seq, const Retriev
   return sel.ok() ? sel->chunks : std::vector<uint64_t>{};
 }
 
+TEST(Retriever, GrantsBeyondTheHotPoolAreCountedAsClipped) {
+  // k far above the pool: both allocators grant every one of the 30 chunks; the pool of 8
+  // chunks takes the best 8 and the other 22 are reported, not silently dropped.
+  for (const char* alloc : {"topk", "entropy"}) {
+    TempDir dir;
+    StoreOptions o = Options(dir.path());
+    o.hot_bytes = 8 * o.chunk_bytes();
+    auto store = TieredStore::Open(o);
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    TieredStore* s = store->get();
+    const Geometry& g = s->options().geometry;
+    SequenceId seq = *s->CreateSequence();
+    std::vector<std::vector<float>> vs;
+    Fill(s, seq, 4 + 16 + 4 * 30 + 3, 7, &vs);  // 30 chunks
+    RetrieverOptions ro;
+    ro.alloc = alloc;
+    ro.budget_tokens = 4 * 30 * 4;
+    auto r = Retriever::Create(s, ro);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    std::vector<float> q(static_cast<size_t>(g.q_heads) * g.head_dim, 0.5f);
+    (*r)->BeginStep();
+    for (int l = 0; l < g.layers; ++l) {
+      auto sel = (*r)->Select(seq, l, q.data(), 1, true);
+      ASSERT_TRUE(sel.ok()) << sel.status().ToString();
+      EXPECT_EQ(sel->chunks.size(), 8u) << alloc << " layer " << l;
+      EXPECT_EQ(sel->clipped, 22u) << alloc << " layer " << l;
+    }
+  }
+}
+
 TEST(Retriever, ExactScoresTheBestRepresentativePerHead) {
   // chunk 0: keys (3,0) and (-3,0): one strong match, mean 0.
   // chunk 1: keys (1,0) and (1,0): mean (1,0), best 1.
