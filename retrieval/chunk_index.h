@@ -114,7 +114,19 @@ class ChunkIndex {
 
   virtual size_t size() const = 0;            ///< chunks indexed (not removed)
   virtual uint64_t memory_bytes() const = 0;  ///< everything the index holds (from container sizes)
-  virtual std::string ToString() const = 0;   ///< the canonical spec: rebuilds an equal (empty) index
+
+  // ---- bounded memory (StoreOptions::index_bytes) ----
+  /// Caps memory_bytes() at `bytes` from now on (0 = unbounded): after every chunk an Add
+  /// indexes, an index over its cap gives up precision and then chunks, oldest (smallest chunk
+  /// index) first, as the kind documents. Only the Exact kind is bounded: the others answer
+  /// InvalidArgument for a cap > 0.
+  virtual Status SetMemoryCap(uint64_t bytes);
+  virtual uint64_t memory_cap() const { return 0; }  ///< 0 = unbounded
+  /// Chunks indexed at reduced precision (Exact: int8 codes only), counted in size().
+  virtual uint64_t compressed_chunks() const { return 0; }
+  /// Chunks the cap took out of the index since it was created (never returned again).
+  virtual uint64_t evicted_chunks() const { return 0; }
+  virtual std::string ToString() const = 0;  ///< the canonical spec: rebuilds an equal (empty) index
   const ChunkShape& shape() const { return shape_; }
 
  protected:
