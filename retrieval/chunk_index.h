@@ -23,7 +23,8 @@
 //       cosines averaged, so they stay in [-1, 1]) or the most interested head's (heads=max).
 //       Screen reads the int8 codes; Best rescores the best max(F x take, N) candidates from
 //       the stored keys (fp32 arithmetic). rerank=0: Screen is the exact pass and Best sorts
-//       it. Defaults: heads=sum,rerank=4,rerank_min=256.
+//       it. Defaults: heads=sum,rerank=4,rerank_min=256. Under a memory cap (SetMemoryCap) the
+//       oldest chunks keep only their int8 codes, then the oldest are evicted.
 //   <FAISS index_factory description>[:nprobe=N,ef=N,train_min=N]        (faiss_index.h)
 //       "Flat", "HNSW32", "IVF<n>,Flat", ...: one vector per chunk, the mean of its
 //       representatives with the kv heads concatenated, not normalised, so the inner product
