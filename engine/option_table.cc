@@ -92,6 +92,10 @@ const std::vector<StoreOptionDesc>& StoreOptionTable() {
        kInt64Max, "", KVTIER_OPT_INT(S, hot_bytes)},
       {"warm_bytes", "warm_bytes", "warm-bytes", OptionType::kBytes, "268435456", "warm tier capacity", 1,
        kInt64Max, "", KVTIER_OPT_INT(S, warm_bytes)},
+      {"index_bytes", "index_bytes", "index-bytes", OptionType::kBytes, "0",
+       "retrieval index memory per session, all layers (0 = unbounded; past it the oldest chunks are kept as "
+       "int8 codes, then evicted; Exact index only)",
+       0, kInt64Max, "", KVTIER_OPT_INT(S, index_bytes)},
       {"data_dir", "data_dir", "data-dir", OptionType::kString, "",
        "cold tier (RocksDB) directory; none if empty (a full warm tier is then ResourceExhausted)", 0, 0, "",
        KVTIER_OPT_STRING(S, data_dir)},

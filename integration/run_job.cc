@@ -345,6 +345,9 @@ Result<RunReport> RunJob(const RunOptions& options) {
               mean_probe->ObserveAndScore(seq, l, qf.data(), m, &ids2, &sampled.back().mean_scores[l]));
           if (ids2 != sampled.back().ids[l])
             return Internal("act and mean probes scored different chunk sets");
+          // Analysis only: rebuilt from the store at the next sample, not held in between.
+          act_probe->DropIndexes();
+          mean_probe->DropIndexes();
         } else {
           KVTIER_RETURN_IF_ERROR(act_probe->Observe(l, qf.data(), m));
         }
@@ -553,14 +556,27 @@ Result<RunReport> RunJob(const RunOptions& options) {
   KVTIER_RETURN_IF_ERROR(store->WaitForDurable());
   rep.peak_rss_bytes = PeakRssBytes();
   rep.counters = store->counters();
-  uint64_t retriever_bytes = 0;
-  for (Method& mt : methods) retriever_bytes += mt.session->retriever()->memory_bytes();
-  if (act_probe) retriever_bytes += act_probe->memory_bytes() + mean_probe->memory_bytes();
+  rep.index_cap_bytes = opt.store.index_bytes;
+  uint64_t retriever_bytes = 0, index_bound = 0;
+  for (Method& mt : methods) {
+    const Retriever* r = mt.session->retriever();
+    retriever_bytes += r->memory_bytes();
+    rep.index_compressed_chunks += r->compressed_chunks();
+    rep.index_evicted_chunks += r->evicted_chunks();
+    // A capped session's indexes never exceed the cap; the bound counts the cap itself.
+    index_bound +=
+        opt.store.index_bytes > 0 ? std::max(opt.store.index_bytes, r->memory_bytes()) : r->memory_bytes();
+  }
+  if (act_probe) {
+    const uint64_t analysis = act_probe->memory_bytes() + mean_probe->memory_bytes();
+    retriever_bytes += analysis;
+    index_bound += analysis;
+  }
   rep.index_bytes = store->metadata_bytes() + retriever_bytes;
   rep.rss_bound_bytes = opt.store.warm_bytes + opt.store.hot_bytes +
                         (rep.counters.hot_bytes - rep.counters.hot_chunks * opt.store.chunk_bytes()) +
-                        rep.index_bytes + rep.policy.scratch_bytes + work.memory_bytes() +
-                        kRunRssOverheadBytes;
+                        store->metadata_bytes() + index_bound + rep.policy.scratch_bytes +
+                        work.memory_bytes() + kRunRssOverheadBytes;
 
   // ---- chunk choice: the buckets of every method's chunk_counts, and the sought needles ----
   ChunkChoice& cc = rep.chunk_choice;
@@ -956,6 +972,9 @@ std::string RunReport::ToJson() const {
   w.Key("within_rss_bound").Bool(peak_rss_bytes <= rss_bound_bytes);
   w.Key("rss_overhead_bytes").Uint(kRunRssOverheadBytes);
   w.Key("index_bytes").Uint(index_bytes);
+  w.Key("index_cap_bytes").Uint(index_cap_bytes);
+  w.Key("index_compressed_chunks").Uint(index_compressed_chunks);
+  w.Key("index_evicted_chunks").Uint(index_evicted_chunks);
   w.Key("context_kv_bytes").Uint(context_kv_bytes);
   w.Key("tier_bytes").BeginObject();
   w.Key("hot")
@@ -1105,6 +1124,7 @@ std::string RunReport::ToTable() const {
       "  context KV                 %8.1f MiB\n"
       "  tiers: hot %.1f MiB, warm %.1f MiB, cold %.1f MiB (%llu/%llu/%llu chunks)\n"
       "  peak RSS                   %8.1f MiB  (bound %.1f MiB: %s)\n"
+      "  retrieval index            %8.1f MiB  (cap %s; %llu chunks as int8 codes only, %llu evicted)\n"
       "io: %.1f MiB moved, %llu promotions, %llu demotions, %llu hits, %llu misses, %llu cold reads, %llu "
       "cold writes\n",
       static_cast<long long>(options.workload.context), options.store.geometry.ToString().c_str(),
@@ -1116,7 +1136,10 @@ std::string RunReport::ToTable() const {
       static_cast<unsigned long long>(counters.hot_chunks),
       static_cast<unsigned long long>(counters.warm_chunks),
       static_cast<unsigned long long>(counters.cold_chunks), mib(peak_rss_bytes), mib(rss_bound_bytes),
-      peak_rss_bytes <= rss_bound_bytes ? "within" : "EXCEEDED", mib(counters.bytes_moved),
+      peak_rss_bytes <= rss_bound_bytes ? "within" : "EXCEEDED", mib(index_bytes),
+      index_cap_bytes > 0 ? (std::to_string(index_cap_bytes >> 20) + " MiB per session").c_str() : "none",
+      static_cast<unsigned long long>(index_compressed_chunks),
+      static_cast<unsigned long long>(index_evicted_chunks), mib(counters.bytes_moved),
       static_cast<unsigned long long>(counters.promotions),
       static_cast<unsigned long long>(counters.demotions), static_cast<unsigned long long>(counters.hits),
       static_cast<unsigned long long>(counters.misses), static_cast<unsigned long long>(counters.cold_reads),

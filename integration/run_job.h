@@ -132,10 +132,13 @@ struct RunReport {
   double other_ms = 0;  ///< median wall time of the step's Attend calls outside those parts (not in step_ms)
   double full_attention_step_ms = 0;  ///< median full attention over the whole context, all layers, same step
   // memory
-  uint64_t peak_rss_bytes = 0;    ///< peak RSS during the kvtier phases (before the baseline)
-  uint64_t rss_bound_bytes = 0;   ///< warm + hot + regions + index + a trace's q/k/v + stated overhead
-  uint64_t index_bytes = 0;       ///< chunk metadata and retriever index
-  uint64_t context_kv_bytes = 0;  ///< K+V bytes of the whole context, all layers
+  uint64_t peak_rss_bytes = 0;           ///< peak RSS during the kvtier phases (before the baseline)
+  uint64_t rss_bound_bytes = 0;          ///< warm + hot + regions + index or its cap + trace q/k/v + overhead
+  uint64_t index_bytes = 0;              ///< chunk metadata and retriever index
+  uint64_t index_cap_bytes = 0;          ///< StoreOptions::index_bytes per session (0 = unbounded)
+  uint64_t index_compressed_chunks = 0;  ///< chunks the cap keeps as int8 codes (every method)
+  uint64_t index_evicted_chunks = 0;     ///< chunks the cap evicted from the index (every method)
+  uint64_t context_kv_bytes = 0;         ///< K+V bytes of the whole context, all layers
   StoreCounters counters;
   std::vector<double> step_ms_all, full_step_ms_all, step_error_all;
 

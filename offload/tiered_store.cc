@@ -55,6 +55,9 @@ Status StoreOptions::Validate() const {
   if (hot_bytes < chunk_bytes())
     return InvalidArgument("hot_bytes (" + std::to_string(hot_bytes) + ") is smaller than one chunk (" +
                            std::to_string(chunk_bytes()) + " bytes)");
+  if (index_bytes != 0 && index_bytes < (uint64_t{1} << 20))
+    return InvalidArgument("index_bytes must be 0 (unbounded) or at least 1 MiB (got " +
+                           std::to_string(index_bytes) + ")");
   if (warm_bytes < chunk_bytes())
     return InvalidArgument("warm_bytes (" + std::to_string(warm_bytes) + ") is smaller than one chunk (" +
                            std::to_string(chunk_bytes()) + " bytes)");

@@ -44,6 +44,12 @@ Status ChunkIndex::CheckCurrent(const ChunkScores& screened, const char* who) co
                          "this index after its last Add or Remove)");
 }
 
+Status ChunkIndex::SetMemoryCap(uint64_t bytes) {
+  if (bytes == 0) return Status::Ok();
+  return InvalidArgument("index_bytes: the index kind '" + ToString() +
+                         "' cannot be bounded (only the Exact index takes a memory cap; use index_bytes 0)");
+}
+
 Status ChunkIndex::Add(uint64_t chunk, const float* repr) {
   if (repr == nullptr) return InvalidArgument("ChunkIndex::Add: repr must not be null");
   const size_t floats = shape_.repr_floats();

@@ -23,7 +23,8 @@
 //       cosines averaged, so they stay in [-1, 1]) or the most interested head's (heads=max).
 //       Screen reads the int8 codes; Best rescores the best max(F x take, N) candidates from
 //       the stored keys (fp32 arithmetic). rerank=0: Screen is the exact pass and Best sorts
-//       it. Defaults: heads=sum,rerank=4,rerank_min=256.
+//       it. Defaults: heads=sum,rerank=4,rerank_min=256. Under a memory cap (SetMemoryCap) the
+//       oldest chunks keep only their int8 codes, then the oldest are evicted.
 //   <FAISS index_factory description>[:nprobe=N,ef=N,train_min=N]        (faiss_index.h)
 //       "Flat", "HNSW32", "IVF<n>,Flat", ...: one vector per chunk, the mean of its
 //       representatives with the kv heads concatenated, not normalised, so the inner product
@@ -114,7 +115,19 @@ class ChunkIndex {
 
   virtual size_t size() const = 0;            ///< chunks indexed (not removed)
   virtual uint64_t memory_bytes() const = 0;  ///< everything the index holds (from container sizes)
-  virtual std::string ToString() const = 0;   ///< the canonical spec: rebuilds an equal (empty) index
+
+  // ---- bounded memory (StoreOptions::index_bytes) ----
+  /// Caps memory_bytes() at `bytes` from now on (0 = unbounded): after every chunk an Add
+  /// indexes, an index over its cap gives up precision and then chunks, oldest (smallest chunk
+  /// index) first, as the kind documents. Only the Exact kind is bounded: the others answer
+  /// InvalidArgument for a cap > 0.
+  virtual Status SetMemoryCap(uint64_t bytes);
+  virtual uint64_t memory_cap() const { return 0; }  ///< 0 = unbounded
+  /// Chunks indexed at reduced precision (Exact: int8 codes only), counted in size().
+  virtual uint64_t compressed_chunks() const { return 0; }
+  /// Chunks the cap took out of the index since it was created (never returned again).
+  virtual uint64_t evicted_chunks() const { return 0; }
+  virtual std::string ToString() const = 0;  ///< the canonical spec: rebuilds an equal (empty) index
   const ChunkShape& shape() const { return shape_; }
 
  protected:

@@ -113,8 +113,10 @@ RetrievalBackend::~RetrievalBackend() = default;
 
 Status RetrievalBackend::Reserve(int probe_floats, int64_t n_chunks) {
   if (probe_floats <= probe_floats_ && n_chunks <= layout_.n_chunks && layout_.total > 0) return Status::Ok();
+  // An eighth more than asked (at least 1024 chunks), so a growing cache resizes it O(log n)
+  // times and holds at most an eighth more than its largest layer.
   int64_t cap = std::max<int64_t>(1024, layout_.n_chunks);
-  while (cap < n_chunks) cap *= 2;
+  if (cap < n_chunks) cap = n_chunks + n_chunks / 8;
   cap = std::min<int64_t>(cap, INT32_MAX);
   const int pf = std::max(probe_floats, probe_floats_);
   KVTIER_ASSIGN_OR_RETURN(const size_t topk_bytes, TopKWorkspaceBytes(cap));
@@ -415,7 +417,7 @@ ReprMirror::~ReprMirror() {
 }
 
 Status ReprMirror::Update(size_t first, size_t n, const std::vector<std::vector<uint8_t>>& keys,
-                          const std::vector<std::vector<float>>& inv_norm) {
+                          const std::vector<std::vector<float>>& inv_norm, size_t max_rows) {
   const size_t H = static_cast<size_t>(shape_.kv_heads), R = static_cast<size_t>(shape_.repr);
   if (keys.size() != H || inv_norm.size() != H)
     return InvalidArgument("ReprMirror::Update: " + std::to_string(keys.size()) + " key and " +
@@ -428,8 +430,17 @@ Status ReprMirror::Update(size_t first, size_t n, const std::vector<std::vector<
   uint8_t* new_keys = keys_;
   uint8_t* new_inv = inv_norm_;
   size_t cap = capacity_;
-  if (n > capacity_) {  // amortised doubling; the head stride changes, so every row goes up
-    cap = std::max<size_t>({n, 2 * capacity_, 16});
+  const size_t limit = std::max(n, max_rows);
+  if (n > capacity_ || capacity_ > limit) {  // the head stride changes, so every row goes up
+    cap =
+        n > capacity_ ? std::max(n, std::min(std::max<size_t>(capacity_ + capacity_ / 8, 16), limit)) : limit;
+    if (cap == 0) {  // shrunk to nothing: no rows, no memory
+      backend_->Free(keys_);
+      backend_->Free(inv_norm_);
+      keys_ = inv_norm_ = nullptr;
+      rows_ = capacity_ = 0;
+      return Status::Ok();
+    }
     KVTIER_ASSIGN_OR_RETURN(new_keys, backend_->Allocate(H * cap * row_key_bytes_));
     auto inv = backend_->Allocate(H * cap * row_inv_bytes_);
     if (!inv.ok()) {

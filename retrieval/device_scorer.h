@@ -5,8 +5,10 @@
 // The Exact index (exact_index.h) may keep a MIRROR of its representatives on a backend
 // (ReprMirror): keys [kv_heads, capacity, repr, head_dim] in the store's dtype and inverse norms
 // [kv_heads, capacity, repr], kernels::ChunkScoreParams' layout with chunk_stride = capacity.
-// Capacity grows by doubling (every row is uploaded again then, so uploads stay amortised O(1)
-// per row); Add and Remove mark the first row they changed, and the rows from there are
+// Capacity grows by an eighth, never doubling (every row is uploaded again then, so uploads
+// stay amortised O(1) per row, about 9 per row, and the slack is at most an eighth of the
+// rows); under the index's memory cap it grows only into what the cap leaves, and it shrinks
+// when the cap evicts rows. Add and Remove mark the first row they changed, and the rows from there are
 // uploaded before the next selection (one copy per head and array for a whole batch, and one
 // wait: cudaMemcpyAsync from pageable memory does not promise the source may change on return,
 // and the index's host vectors do change with the next Add). So a layer whose index took new
@@ -141,8 +143,8 @@ class RetrievalBackend {
   Status RunLayer(const LayerSelectPlan& plan, LayerSelectResult* out);
 
   /// Makes the workspace hold layers of n_chunks (and probes of probe_floats): grows it, when
-  /// needed, to the next power of two of chunks (at least 1024), so a growing cache resizes it
-  /// O(log n) times. RunLayer calls it.
+  /// needed, to n_chunks and an eighth (at least 1024 chunks), so a growing cache resizes it
+  /// O(log n) times and never holds more than an eighth past its largest layer. RunLayer calls it.
   Status Reserve(int probe_floats, int64_t n_chunks);
   const RetrievalWorkspaceLayout& layout() const { return layout_; }
   size_t workspace_bytes() const { return layout_.total; }
@@ -180,17 +182,21 @@ class ReprMirror {
 
   /// Makes the mirror hold rows [0, n), uploading rows [first, n) from the host: keys[h] is
   /// head h's [n, R, D] in the shape's dtype, inv_norm[h] its [n, R]. Rows below `first` must
-  /// be unchanged since the last Update. Past the capacity it grows to max(n, 2 x capacity)
-  /// and uploads every row. On an error the mirror holds its old rows (Update again from 0).
+  /// be unchanged since the last Update. Past the capacity it grows to
+  /// max(n, min(capacity + capacity / 8 (at least 16), max_rows)); above max(n, max_rows) it
+  /// shrinks to that; either way it uploads every row. On an error the mirror holds its old
+  /// rows (Update again from 0).
   Status Update(size_t first, size_t n, const std::vector<std::vector<uint8_t>>& keys,
-                const std::vector<std::vector<float>>& inv_norm);
+                const std::vector<std::vector<float>>& inv_norm, size_t max_rows = SIZE_MAX);
   /// The scoring view: shape, fold, n_chunks = rows(), chunk_stride = capacity(), keys, inv_norm.
   kernels::ChunkScoreParams Params(kernels::HeadFold::Kind fold) const;
   /// The rows, packed as [kv_heads, rows, repr, head_dim] (dtype bytes) and [kv_heads, rows, repr].
   Status Download(std::vector<uint8_t>* keys, std::vector<float>* inv_norm) const;
   size_t rows() const { return rows_; }
   size_t capacity() const { return capacity_; }
-  uint64_t bytes() const { return capacity_ * (row_key_bytes_ + row_inv_bytes_) * shape_.kv_heads; }
+  uint64_t bytes() const { return capacity_ * row_bytes(); }
+  /// One row's bytes over every head: R keys and R inverse norms per kv head.
+  uint64_t row_bytes() const { return (row_key_bytes_ + row_inv_bytes_) * shape_.kv_heads; }
   RetrievalBackend* backend() const { return backend_; }
 
  private:

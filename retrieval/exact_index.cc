@@ -100,24 +100,23 @@ Status ExactChunkIndex::Add(const std::vector<uint64_t>& chunks, const ReprReade
   const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
   const DType dt = shape_.dtype;
   const size_t key_bytes = static_cast<size_t>(D) * DTypeSize(dt);
-  const size_t old_n = ids_.size();
   std::vector<float> repr(shape_.repr_floats());
   std::vector<uint8_t> stored(key_bytes);
+  size_t first_new = ids_.size();  // the batch's first row (the cap may move it down)
   for (uint64_t i : chunks) {
     Status st = read(i, repr.data());
     if (st.code() == StatusCode::kNotFound) continue;  // a hole left by a crash: nothing to index
-    if (!st.ok()) {                                    // all or nothing: drop the batch's rows again
-      ids_.resize(old_n);
-      for (int h = 0; h < H; ++h) {
-        repr_[h].resize(old_n * R * key_bytes);
-        inv_norm_[h].resize(old_n * R);
-      }
-      RequantiseAll();
-      MarkMirrorStale(old_n);
+    if (!st.ok()) {  // all or nothing for the batch (what the cap did to older rows stands)
+      std::vector<size_t> kept;
+      for (size_t row = 0; row < ids_.size() && ids_[row] < chunks.front(); ++row) kept.push_back(row);
+      KeepRows(kept);
+      MarkMirrorStale(std::min(first_new, ids_.size()));
       Changed();
       return st;
     }
+    GrowForRow();
     ids_.push_back(i);
+    const size_t row = ids_.size() - 1;
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < H; ++h) {
         const float* key = repr.data() + (static_cast<size_t>(r) * H + h) * D;
@@ -125,10 +124,18 @@ Status ExactChunkIndex::Add(const std::vector<uint64_t>& chunks, const ReprReade
         repr_[h].insert(repr_[h].end(), stored.begin(), stored.end());
         const float inv_norm = InverseNorm(key, D);
         inv_norm_[h].push_back(inv_norm);
-        PutQuantizedRow(h, ids_.size() - 1, r, key, inv_norm);
+        PutQuantizedRow(h, row, r, key, inv_norm);
       }
+    const size_t before = ids_.size();
+    const Status cap = EnforceCap();
+    if (ids_.size() < before) first_new = 0;  // rows moved: the mirror takes them all again
+    if (!cap.ok()) {
+      MarkMirrorStale(std::min(first_new, ids_.size()));
+      Changed();
+      return cap;
+    }
   }
-  MarkMirrorStale(old_n);
+  MarkMirrorStale(std::min(first_new, ids_.size()));
   Changed();
   return Status::Ok();
 }
@@ -136,50 +143,158 @@ Status ExactChunkIndex::Add(const std::vector<uint64_t>& chunks, const ReprReade
 Status ExactChunkIndex::Remove(const std::vector<uint64_t>& chunks) {
   std::vector<uint64_t> gone = chunks;
   std::sort(gone.begin(), gone.end());
-  const size_t H = static_cast<size_t>(shape_.kv_heads), D = shape_.head_dim, R = shape_.repr;
-  const size_t es = DTypeSize(shape_.dtype);
-  size_t keep = 0, first_moved = ids_.size();
-  for (size_t row = 0; row < ids_.size(); ++row) {
-    if (std::binary_search(gone.begin(), gone.end(), ids_[row])) continue;
-    if (keep != row) {  // compact in place: rows keep their ascending chunk order
-      first_moved = std::min(first_moved, keep);
-      ids_[keep] = ids_[row];
-      for (size_t h = 0; h < H; ++h) {
-        std::copy_n(repr_[h].begin() + row * R * D * es, R * D * es, repr_[h].begin() + keep * R * D * es);
-        std::copy_n(inv_norm_[h].begin() + row * R, R, inv_norm_[h].begin() + keep * R);
-      }
+  std::vector<size_t> kept;
+  kept.reserve(ids_.size());
+  for (size_t row = 0; row < ids_.size(); ++row)
+    if (!std::binary_search(gone.begin(), gone.end(), ids_[row])) kept.push_back(row);
+  if (kept.size() == ids_.size()) return Status::Ok();  // nothing of ours: the rows stand
+  size_t first_moved = kept.size();
+  for (size_t i = 0; i < kept.size(); ++i)
+    if (kept[i] != i) {
+      first_moved = i;
+      break;
     }
-    ++keep;
-  }
-  if (keep == ids_.size()) return Status::Ok();  // nothing of ours: the codes stand
-  ids_.resize(keep);
-  for (size_t h = 0; h < H; ++h) {
-    repr_[h].resize(keep * R * D * es);
-    inv_norm_[h].resize(keep * R);
-  }
-  // The int8 blocks interleave chunks: requantise the kept rows in their new places.
-  RequantiseAll();
-  MarkMirrorStale(std::min(first_moved, keep));
+  KeepRows(kept);
+  MarkMirrorStale(first_moved);
   Changed();
   return Status::Ok();
 }
 
-void ExactChunkIndex::RequantiseAll() {
-  const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
-  const DType dt = shape_.dtype;
-  const size_t es = DTypeSize(dt);
-  std::vector<float> key(D);
-  for (int h = 0; h < H; ++h) {
-    q8_[h].clear();
-    q8_scale_[h].clear();
-    q8_cos_scale_[h].clear();
-    for (size_t row = 0; row < ids_.size(); ++row)
-      for (int r = 0; r < R; ++r) {
-        const size_t j = row * R + r;
-        ToFloat(dt, repr_[h].data() + j * D * es, key.data(), D);  // exactly the key that was added
-        PutQuantizedRow(h, row, r, key.data(), inv_norm_[h][j]);
-      }
+namespace {
+
+// Reserves room for `need` elements, an eighth more when it must grow: a vector never
+// doubles, so its slack stays within an eighth of what it holds.
+template <typename T>
+void GrowTo(std::vector<T>* v, size_t need) {
+  if (v->capacity() < need) v->reserve(need + need / 8);
+}
+
+template <typename T>
+uint64_t CapacityBytes(const std::vector<T>& v) {
+  return v.capacity() * sizeof(T);
+}
+
+}  // namespace
+
+void ExactChunkIndex::GrowForRow() {
+  constexpr size_t B = kernels::kI8Block;
+  const size_t H = static_cast<size_t>(shape_.kv_heads), D = shape_.head_dim, R = shape_.repr;
+  const size_t es = DTypeSize(shape_.dtype), n = ids_.size() + 1, full = n - full_from_;
+  const size_t groups = (n + B - 1) / B, block_bytes = kernels::I8BlockBytes(static_cast<int>(D));
+  GrowTo(&ids_, n);
+  for (size_t h = 0; h < H; ++h) {
+    GrowTo(&repr_[h], full * R * D * es);
+    GrowTo(&inv_norm_[h], full * R);
+    GrowTo(&q8_[h], groups * R * block_bytes);
+    GrowTo(&q8_scale_[h], groups * R * B);
+    GrowTo(&q8_cos_scale_[h], groups * R * B);
   }
+}
+
+void ExactChunkIndex::KeepRows(const std::vector<size_t>& kept) {
+  constexpr size_t B = kernels::kI8Block;
+  const size_t H = static_cast<size_t>(shape_.kv_heads), D = shape_.head_dim, R = shape_.repr;
+  const size_t es = DTypeSize(shape_.dtype), key_row = R * D * es;
+  const size_t block_bytes = kernels::I8BlockBytes(static_cast<int>(D));
+  const size_t n = kept.size(), groups = (n + B - 1) / B;
+  size_t new_full_from = 0;
+  while (new_full_from < n && kept[new_full_from] < full_from_) ++new_full_from;
+  std::vector<uint64_t> ids(n);
+  for (size_t i = 0; i < n; ++i) ids[i] = ids_[kept[i]];
+  for (size_t h = 0; h < H; ++h) {
+    // The stored keys and norms of the kept full rows (each kept full row was full before).
+    std::vector<uint8_t> keys((n - new_full_from) * key_row);
+    std::vector<float> inv((n - new_full_from) * R);
+    for (size_t i = new_full_from; i < n; ++i) {
+      const size_t old = kept[i] - full_from_;
+      std::copy_n(repr_[h].begin() + old * key_row, key_row, keys.begin() + (i - new_full_from) * key_row);
+      std::copy_n(inv_norm_[h].begin() + old * R, R, inv.begin() + (i - new_full_from) * R);
+    }
+    // The codes, lane by lane (no requantisation: compressed rows have nothing else).
+    std::vector<int8_t> codes(groups * R * block_bytes, 0);
+    std::vector<float> scale(groups * R * B, 0.0f), cos_scale(groups * R * B, 0.0f);
+    for (size_t i = 0; i < n; ++i) {
+      const size_t o = kept[i], og = o / B, ol = o % B, ng = i / B, nl = i % B;
+      for (size_t r = 0; r < R; ++r) {
+        const int8_t* src = q8_[h].data() + (og * R + r) * block_bytes;
+        int8_t* dst = codes.data() + (ng * R + r) * block_bytes;
+        for (size_t d = 0; d < D; ++d)
+          dst[kernels::I8Offset(static_cast<int>(d), static_cast<int>(nl))] =
+              src[kernels::I8Offset(static_cast<int>(d), static_cast<int>(ol))];
+        scale[(ng * R + r) * B + nl] = q8_scale_[h][(og * R + r) * B + ol];
+        cos_scale[(ng * R + r) * B + nl] = q8_cos_scale_[h][(og * R + r) * B + ol];
+      }
+    }
+    repr_[h].swap(keys);
+    inv_norm_[h].swap(inv);
+    q8_[h].swap(codes);
+    q8_scale_[h].swap(scale);
+    q8_cos_scale_[h].swap(cos_scale);
+  }
+  ids_.swap(ids);
+  full_from_ = new_full_from;
+}
+
+Status ExactChunkIndex::SetMemoryCap(uint64_t bytes) {
+  cap_ = bytes;
+  const size_t before = ids_.size(), full_before = full_from_;
+  KVTIER_RETURN_IF_ERROR(EnforceCap());
+  if (ids_.size() != before || full_from_ != full_before) {
+    MarkMirrorStale(0);
+    Changed();
+  }
+  return SyncMirror();
+}
+
+Status ExactChunkIndex::EnforceCap() {
+  if (cap_ == 0) return Status::Ok();
+  const size_t H = static_cast<size_t>(shape_.kv_heads), D = shape_.head_dim, R = shape_.repr;
+  const size_t es = DTypeSize(shape_.dtype);
+  const uint64_t target = cap_ - cap_ / 8;
+  const uint64_t full_row = H * (R * D * es + R * sizeof(float));
+  const uint64_t code_row = H * (R * D + 2 * R * sizeof(float)) + sizeof(uint64_t);
+  // With a mirror, its rows for chunks it has not taken yet count too (SyncMirror adds them).
+  auto projected = [&] {
+    uint64_t b = memory_bytes();
+    if (mirror_ != nullptr && ids_.size() > mirror_->capacity())
+      b += (ids_.size() - mirror_->capacity()) * mirror_->row_bytes();
+    return b;
+  };
+  while (projected() > cap_ && !ids_.empty()) {
+    const uint64_t over = projected() - target;
+    if (mirror_ == nullptr && full_from_ < ids_.size()) {
+      // Compress the oldest full rows: their keys and norms go, their codes stay.
+      uint64_t slack = 0;
+      for (size_t h = 0; h < H; ++h)
+        slack +=
+            (repr_[h].capacity() - repr_[h].size()) + (inv_norm_[h].capacity() - inv_norm_[h].size()) * 4;
+      size_t k = over > slack ? static_cast<size_t>((over - slack + full_row - 1) / full_row) : 0;
+      k = std::min(k, ids_.size() - full_from_);
+      for (size_t h = 0; h < H; ++h) {
+        repr_[h].erase(repr_[h].begin(), repr_[h].begin() + k * R * D * es);
+        inv_norm_[h].erase(inv_norm_[h].begin(), inv_norm_[h].begin() + k * R);
+        repr_[h].shrink_to_fit();
+        inv_norm_[h].shrink_to_fit();
+      }
+      full_from_ += k;
+      continue;
+    }
+    // Every row is compressed (or a mirror needs the keys): evict the oldest rows, whole groups.
+    uint64_t row = code_row;
+    if (mirror_ != nullptr) row += 2 * full_row;  // the host's keys and the mirror's
+    constexpr size_t B = kernels::kI8Block;
+    size_t k = static_cast<size_t>((over + row - 1) / row);
+    k = std::min(ids_.size(), (k + B - 1) / B * B);
+    std::vector<size_t> kept(ids_.size() - k);
+    for (size_t i = 0; i < kept.size(); ++i) kept[i] = k + i;
+    KeepRows(kept);
+    evicted_ += k;
+    if (mirror_ != nullptr) {
+      MarkMirrorStale(0);
+      KVTIER_RETURN_IF_ERROR(SyncMirror());  // the mirror shrinks with the rows
+    }
+  }
+  return Status::Ok();
 }
 
 void ExactChunkIndex::PutQuantizedRow(int h, size_t row, int r, const float* key, float inv_norm) {
@@ -255,7 +370,7 @@ Status ExactChunkIndex::Best(const float* probe, const ChunkScores& screened, Ch
 
 void ExactChunkIndex::FullScores(const float* probe, std::vector<float>* raw, std::vector<float>* cos) const {
   const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
-  const size_t n = ids_.size();
+  const size_t n = ids_.size(), f0 = full_from_;
   const DType dt = shape_.dtype;
   const kernels::HeadFold fold = FoldOf(options_.heads, H);
   raw->assign(n, fold.Start());
@@ -265,19 +380,46 @@ void ExactChunkIndex::FullScores(const float* probe, std::vector<float>* raw, st
   for (int h = 0; h < H; ++h) {
     const float* p = probe + static_cast<size_t>(h) * D;
     const float inv_p = InverseNorm(p, D);
-    // One pass over this head's n*R contiguous keys, split over the cores.
+    // One pass over this head's rows, split over the cores: the compressed rows [0, f0) from
+    // their codes, the full rows from their n - f0 contiguous keys (rows indexed from f0).
     // (Debian's FAISS is built without SIMD: its fvec kernels are the scalar
     // reference, so the vectorisable Dot is used instead.)
     const uint8_t* keys = repr_[h].data();
     TsanForkJoin fj;  // kernels/tbb_tsan.h
     tbb::parallel_for(
         tbb::blocked_range<size_t>(0, n, 1024), fj.Body([&](const tbb::blocked_range<size_t>& range) {
-          const size_t c0 = range.begin();
-          kernels::ScoreChunksOneHead(dt, keys, inv_norm_[h].data(), p, inv_p, D, R, c0, range.end(), fold,
-                                      ip.data() + c0 * R, raw->data(), cos->data());
+          const size_t c0 = range.begin(), c1 = range.end();
+          for (size_t c = c0; c < std::min(c1, f0); ++c) {
+            float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
+            for (int r = 0; r < R; ++r) {
+              float dot, cs;
+              DequantisedDot(h, c, r, p, inv_p, &dot, &cs);
+              best = std::max(best, dot);
+              best_cos = std::max(best_cos, cs);
+            }
+            fold.Add(best, best_cos, &(*raw)[c], &(*cos)[c]);
+          }
+          const size_t a = std::max(c0, f0);
+          if (a < c1)
+            kernels::ScoreChunksOneHead(dt, keys, inv_norm_[h].data(), p, inv_p, D, R, a - f0, c1 - f0, fold,
+                                        ip.data() + a * R, raw->data() + f0, cos->data() + f0);
         }));
     fj.Join();
   }
+}
+
+void ExactChunkIndex::DequantisedDot(int h, size_t row, int r, const float* p, float inv_p, float* dot,
+                                     float* cos) const {
+  constexpr size_t B = kernels::kI8Block;
+  const int D = shape_.head_dim, R = shape_.repr;
+  const size_t block = (row / B) * R + r, lane = row % B, slot = block * B + lane;
+  const int8_t* codes = q8_[h].data() + block * kernels::I8BlockBytes(D);
+  float acc = 0.0f;
+  for (int d = 0; d < D; ++d)
+    acc += static_cast<float>(codes[kernels::I8Offset(d, static_cast<int>(lane))]) * p[d];
+  *dot = acc * q8_scale_[h][slot];
+  // The cosine scale is the code scale times the key's inverse norm (kept when the key went).
+  *cos = acc * q8_cos_scale_[h][slot] * inv_p;
 }
 
 void ExactChunkIndex::QuantizedScores(const float* probe, std::vector<float>* raw,
@@ -352,23 +494,33 @@ void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& r
   tbb::parallel_for(
       tbb::blocked_range<size_t>(0, rows.size(), 64), fj.Body([&](const tbb::blocked_range<size_t>& range) {
         for (size_t i = range.begin(); i < range.end(); ++i) {
-          if (i + kAhead < range.end()) {
-            const size_t ahead = static_cast<size_t>(rows[i + kAhead]);
+          if (i + kAhead < range.end() && static_cast<size_t>(rows[i + kAhead]) >= full_from_) {
+            const size_t ahead = static_cast<size_t>(rows[i + kAhead]) - full_from_;
             for (int h = 0; h < H; ++h) {
               const char* a = reinterpret_cast<const char*>(repr_[h].data() + ahead * chunk_repr_bytes);
               for (size_t off = 0; off < chunk_repr_bytes; off += 64) __builtin_prefetch(a + off);
             }
           }
-          const size_t c = static_cast<size_t>(rows[i]);
+          const size_t row = static_cast<size_t>(rows[i]);
           for (int h = 0; h < H; ++h) {
             const float* p = probe + static_cast<size_t>(h) * D;
-            const uint8_t* keys = repr_[h].data();
-            const float* inv = inv_norm_[h].data();
             float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
-            for (int r = 0; r < R; ++r) {
-              const float dot = kernels::DotKey(dt, keys + (c * R + r) * key_bytes, p, D);
-              best = std::max(best, dot);
-              best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p[h]);
+            if (row < full_from_) {  // compressed: its codes, as FullScores scores it
+              for (int r = 0; r < R; ++r) {
+                float dot, cs;
+                DequantisedDot(h, row, r, p, inv_p[h], &dot, &cs);
+                best = std::max(best, dot);
+                best_cos = std::max(best_cos, cs);
+              }
+            } else {
+              const size_t c = row - full_from_;
+              const uint8_t* keys = repr_[h].data();
+              const float* inv = inv_norm_[h].data();
+              for (int r = 0; r < R; ++r) {
+                const float dot = kernels::DotKey(dt, keys + (c * R + r) * key_bytes, p, D);
+                best = std::max(best, dot);
+                best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p[h]);
+              }
             }
             fold.Add(best, best_cos, &(*raw)[i], &(*cos)[i]);
           }
@@ -384,6 +536,10 @@ void ExactChunkIndex::MarkMirrorStale(size_t row) { mirror_stale_from_ = std::mi
 Status ExactChunkIndex::AttachBackend(RetrievalBackend* backend) {
   if (mirror_ != nullptr)
     return InvalidArgument("ExactChunkIndex::AttachBackend: a backend mirror is attached already");
+  if (full_from_ > 0)
+    return FailedPrecondition("ExactChunkIndex::AttachBackend: " + std::to_string(full_from_) +
+                              " chunks are compressed to int8 codes by the memory cap, and a backend scores "
+                              "stored keys (attach before the index fills)");
   KVTIER_ASSIGN_OR_RETURN(mirror_, ReprMirror::Create(backend, shape_));
   mirror_stale_from_ = 0;
   return SyncMirror();
@@ -391,8 +547,16 @@ Status ExactChunkIndex::AttachBackend(RetrievalBackend* backend) {
 
 Status ExactChunkIndex::SyncMirror() {
   if (mirror_ == nullptr) return Status::Ok();
-  if (mirror_stale_from_ >= ids_.size() && mirror_->rows() == ids_.size()) return Status::Ok();
-  KVTIER_RETURN_IF_ERROR(mirror_->Update(mirror_stale_from_, ids_.size(), repr_, inv_norm_));
+  const size_t n = ids_.size();
+  // Under a cap the mirror may take what the cap leaves once the host rows are counted.
+  size_t max_rows = SIZE_MAX;
+  if (cap_ > 0) {
+    const uint64_t host = memory_bytes() - mirror_->bytes();
+    max_rows =
+        host >= cap_ ? n : std::max<size_t>(n, (cap_ - host) / std::max<uint64_t>(1, mirror_->row_bytes()));
+  }
+  if (mirror_stale_from_ >= n && mirror_->rows() == n && mirror_->capacity() <= max_rows) return Status::Ok();
+  KVTIER_RETURN_IF_ERROR(mirror_->Update(mirror_stale_from_, n, repr_, inv_norm_, max_rows));
   mirror_stale_from_ = std::numeric_limits<size_t>::max();
   return Status::Ok();
 }

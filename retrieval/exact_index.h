@@ -27,9 +27,23 @@
 // the fp32 pass. On the 128K run the two-stage search chooses exactly what the single pass
 // chooses (a test checks them equal when the candidates are generous).
 //
-// Remove compacts the rows in place (they keep their ascending chunk order, hence the tie
-// order) and requantises the kept rows into their new lanes; the result scores exactly as
-// an index built afresh from the kept chunks.
+// Remove compacts the rows (they keep their ascending chunk order, hence the tie order) and
+// moves the kept rows' int8 codes into their new lanes; the result scores exactly as an index
+// built afresh from the kept chunks.
+//
+// Memory (per chunk and kv head, R representatives of D dims, e bytes a key element):
+//   keys R*D*e + inverse norms 4R  ("full" part)  |  int8 codes R*D + code scales 8R  |  id 8/H.
+// Vectors grow by an eighth (never double), so memory_bytes() stays within ~1/8 of the rows'
+// bytes. A memory cap (SetMemoryCap, StoreOptions::index_bytes / layers) is checked after
+// every chunk Add indexes; over it the index first COMPRESSES its oldest chunks (drops their
+// stored keys and norms: they are scored from their int8 codes, dequantised, code x scale, in
+// fp32, by Score and by Best's rescoring alike, so the two stages agree on them), and once
+// every chunk is compressed it EVICTS the oldest chunks (a multiple of 8, counted by
+// evicted_chunks()): they are never chosen again. Each step frees down to 7/8 of the cap, so
+// it runs about once per cap/8 bytes of new chunks. With a backend mirror the backend scores
+// stored keys, so the cap evicts directly (no compression). The result depends only on the
+// sequence of chunks, not on how Add batched them: a rebuild after a reopen or an attach (one
+// Add of every chunk) ends in the state the incremental Adds reached.
 //
 // A backend mirror (AttachBackend, retrieval/device_scorer.h): the representatives and inverse
 // norms also kept on a retrieval backend in kernels::ChunkScoreParams' layout, so that a layer's
@@ -84,6 +98,11 @@ class ExactChunkIndex final : public ChunkIndex {
               std::vector<uint64_t>* out) const override;
   size_t size() const override { return ids_.size(); }
   uint64_t memory_bytes() const override;
+  /// Caps memory_bytes() (0 = unbounded); an index over the new cap shrinks at once.
+  Status SetMemoryCap(uint64_t bytes) override;
+  uint64_t memory_cap() const override { return cap_; }
+  uint64_t compressed_chunks() const override { return full_from_; }
+  uint64_t evicted_chunks() const override { return evicted_; }
   std::string ToString() const override { return options_.ToString(); }
   const ExactIndexOptions& options() const { return options_; }
 
@@ -105,8 +124,15 @@ class ExactChunkIndex final : public ChunkIndex {
   ExactChunkIndex(const ChunkShape& shape, const ExactIndexOptions& options);
   // Writes representative r of the chunk at `row` into head h's int8 blocks, from its fp32 key.
   void PutQuantizedRow(int h, size_t row, int r, const float* key, float inv_norm);
-  // Requantises every row from the stored keys (after a compaction or a failed Add).
-  void RequantiseAll();
+  // Makes room for one more row, growing each vector by an eighth where it is full.
+  void GrowForRow();
+  // Keeps the rows `kept` (ascending) in that order, their codes moved lane by lane; every
+  // vector ends exactly sized.
+  void KeepRows(const std::vector<size_t>& kept);
+  // Over the cap: compress, then evict, the oldest rows until memory_bytes() <= 7/8 of it.
+  Status EnforceCap();
+  // The fp32 logit and cosine of representative r of a compressed row, from its int8 codes.
+  void DequantisedDot(int h, size_t row, int r, const float* p, float inv_p, float* dot, float* cos) const;
   // Rows from `row` on changed: the mirror takes them before the next selection.
   void MarkMirrorStale(size_t row);
   // The fp32 scores of the chunks at rows `rows` only (the rescoring stage).
@@ -117,8 +143,11 @@ class ExactChunkIndex final : public ChunkIndex {
 
   const ExactIndexOptions options_;
   std::vector<uint64_t> ids_;                 // [n] chunk index of each row, ascending
-  std::vector<std::vector<uint8_t>> repr_;    // [H][n, R, D] in the store's dtype
-  std::vector<std::vector<float>> inv_norm_;  // [H][n, R]
+  size_t full_from_ = 0;                      // rows below it are compressed (int8 codes only)
+  std::vector<std::vector<uint8_t>> repr_;    // [H][n - full_from_, R, D] in the store's dtype
+  std::vector<std::vector<float>> inv_norm_;  // [H][n - full_from_, R]
+  uint64_t cap_ = 0;                          // memory cap in bytes (0 = unbounded)
+  uint64_t evicted_ = 0;                      // rows the cap evicted
   std::vector<std::vector<int8_t>> q8_;       // [H] int8 blocks
   std::vector<std::vector<float>> q8_scale_;  // [H][block * 8 + lane]: the row's code scale (0 in padding)
   std::vector<std::vector<float>> q8_cos_scale_;  // [H][block * 8 + lane]: code scale times inverse norm

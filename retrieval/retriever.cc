@@ -136,6 +136,8 @@ Result<std::unique_ptr<Retriever>> Retriever::Create(TieredStore* store, const R
     // Checks the index spec against the real shape (e.g. a FAISS PQ<m> needs m | dimension).
     auto index = MakeChunkIndex(options.index, r->shape_);
     if (!index.ok()) return InvalidArgument("index: " + index.status().message());
+    if (so.index_bytes > 0)
+      KVTIER_RETURN_IF_ERROR((*index)->SetMemoryCap(so.index_bytes / so.geometry.layers));
     r->spec_ = "probe=" + r->probe_->ToString() + " alloc=" + r->alloc_->ToString() +
                " index=" + (*index)->ToString() + " budget=" + std::to_string(options.budget_tokens);
   }
@@ -154,6 +156,8 @@ Result<Retriever::LayerIndex*> Retriever::Index(SequenceId seq, int layer) {
   if (it == indexes_.end()) {
     LayerIndex li;
     KVTIER_ASSIGN_OR_RETURN(li.index, MakeChunkIndex(options_.index, shape_));
+    if (const uint64_t cap = store_->options().index_bytes; cap > 0)
+      KVTIER_RETURN_IF_ERROR(li.index->SetMemoryCap(cap / store_->options().geometry.layers));
     if (backend_ != nullptr)
       if (auto* exact = dynamic_cast<ExactChunkIndex*>(li.index.get()); exact != nullptr) {
         KVTIER_RETURN_IF_ERROR(exact->AttachBackend(backend_.get()));
@@ -313,6 +317,20 @@ Status Retriever::ObserveAndScore(SequenceId seq, int layer, const float* q, int
   *ids = std::move(s.ids);
   *scores = std::move(s.logit);
   return Status::Ok();
+}
+
+uint64_t Retriever::compressed_chunks() const {
+  uint64_t n = 0;
+  for (const auto& [key, li] : indexes_)
+    if (li.index) n += li.index->compressed_chunks();
+  return n;
+}
+
+uint64_t Retriever::evicted_chunks() const {
+  uint64_t n = 0;
+  for (const auto& [key, li] : indexes_)
+    if (li.index) n += li.index->evicted_chunks();
+  return n;
 }
 
 uint64_t Retriever::memory_bytes() const {

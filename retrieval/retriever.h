@@ -127,6 +127,13 @@ class Retriever {
   const RetrievalBackend* backend() const { return backend_.get(); }
   const RetrieverOptions& options() const { return options_; }
   uint64_t memory_bytes() const;
+  /// Summed over the indexes: chunks kept as int8 codes only, and chunks evicted, by the
+  /// memory cap (StoreOptions::index_bytes; each layer's index gets index_bytes / layers).
+  uint64_t compressed_chunks() const;
+  uint64_t evicted_chunks() const;
+  /// Frees every index; a layer's next Sync rebuilds its index from the store (as after an
+  /// attach). For analysis retrievers that score only now and then.
+  void DropIndexes() { indexes_.clear(); }
   /// The configuration, canonical: RetrieverOptions::ToString() of the parts as built
   /// ("probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,
   /// rerank_min=256 budget=2048"); RetrieverOptions::Parse reads it back.

@@ -33,7 +33,11 @@ struct StoreOptions {
   int repr_topk = 4;                   ///< representative keys per head per chunk
   uint64_t hot_bytes = 64ull << 20;    ///< hot slot pool for retrieved chunks (sinks/local are extra)
   uint64_t warm_bytes = 256ull << 20;  ///< warm tier capacity
-  std::string data_dir;                ///< cold tier (RocksDB) directory; empty = no cold tier
+  /// Retrieval index memory per session (the chunk indexes of all its layers; layers share it
+  /// evenly); 0 = unbounded. Past it the Exact index keeps its oldest chunks as int8 codes
+  /// only, then evicts the oldest (retrieval/exact_index.h). 0 or >= 1 MiB; Exact index only.
+  uint64_t index_bytes = 0;
+  std::string data_dir;                         ///< cold tier (RocksDB) directory; empty = no cold tier
   Compression compression = Compression::kLZ4;  ///< cold tier compression: none|lz4|zstd
   bool sync_writes = false;                     ///< fsync cold writes (power-loss durability)
   bool write_through = true;   ///< write each chunk to cold when sealed (crash-safe, free demotion)

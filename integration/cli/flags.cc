@@ -170,7 +170,7 @@ Status ParseBytes(const std::string& s, uint64_t* out) {
                            "' is not a size: a whole number with an optional suffix K, M or G (powers of "
                            "1024, either case), e.g. 512K, 64M, 2G");
   int64_t v = 0;
-  KVTIER_RETURN_IF_ERROR(ParseInt(num, 1, int64_t{1} << 50, &v));
+  KVTIER_RETURN_IF_ERROR(ParseInt(num, 0, int64_t{1} << 50, &v));  // 0: the rows' ranges decide
   *out = static_cast<uint64_t>(v) * mult;
   return Status::Ok();
 }

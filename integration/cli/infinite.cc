@@ -725,6 +725,8 @@ int RunInfinite(int argc, char** argv) {
           o.warm_set = true;
           return ParseBytes(s, &o.store.warm_bytes);
         }));
+  const auto& index_bytes = cli::OptionRow(store_rows, "index_bytes");
+  f.Add(index_bytes.flag, cli::OptionHelp(index_bytes), cli::OptionBinding(index_bytes, &o.store));
   const auto& data_dir = cli::OptionRow(store_rows, "data_dir");
   f.Add(data_dir.flag, cli::OptionHelp(data_dir), WithDefault("none", PathFlag(&o.store.data_dir)));
   const auto& remote = cli::OptionRow(store_rows, "remote");

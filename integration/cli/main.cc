@@ -68,6 +68,7 @@ void AddStoreFlags(FlagSet* f, StoreOptions* o, DataPlace* place) {
   cli::AddOptionFlag(f, t, "hot_bytes", o);
   cli::AddOptionFlag(f, t, "device", o);
   cli::AddOptionFlag(f, t, "warm_bytes", o);
+  cli::AddOptionFlag(f, t, "index_bytes", o);
   const auto& data_dir = cli::OptionRow(t, "data_dir");
   f->Add(data_dir.flag,
          cli::OptionHelp(data_dir) + "; 'none' here: no cold tier (then --remote is the lower tier)",

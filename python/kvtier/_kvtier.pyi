@@ -63,6 +63,7 @@ class Store:
         repr_topk: int = 4,
         hot_bytes: int = 67108864,
         warm_bytes: int = 268435456,
+        index_bytes: int = 0,
         data_dir: str = "",
         compression: str = "lz4",
         sync_writes: bool = False,

@@ -209,6 +209,7 @@ TEST(OptionTable, CDefaultsEqualTheTable) {
 std::string DocDefault(OptionType type, const OptionValue& v) {
   if (type == OptionType::kBytes) {
     const int64_t b = std::get<int64_t>(v);
+    if (b == 0) return "0";
     if (b % (int64_t{1} << 30) == 0) return std::to_string(b >> 30) + " GiB";
     if (b % (int64_t{1} << 20) == 0) return std::to_string(b >> 20) + " MiB";
     return std::to_string(b);

@@ -223,7 +223,7 @@ TEST(DeviceRetrievalWorkspace, ParamsPointIntoTheLayoutAndPickTheRankedScores) {
   EXPECT_EQ(LayerParamsIn(ws.data(), l, plan).entropy.n_segments, 0);
 }
 
-TEST(DeviceRetrievalWorkspace, CpuBackendReservesPowersOfTwoOfChunks) {
+TEST(DeviceRetrievalWorkspace, CpuBackendReservesAnEighthMoreThanAsked) {
   auto b = CpuBackend();
   ASSERT_NE(b, nullptr);
   EXPECT_STREQ(b->name(), "cpu");
@@ -236,12 +236,14 @@ TEST(DeviceRetrievalWorkspace, CpuBackendReservesPowersOfTwoOfChunks) {
   ASSERT_TRUE(b->Reserve(64, 1024).ok());
   EXPECT_EQ(b->workspace_bytes(), first);  // fits: nothing changes
   ASSERT_TRUE(b->Reserve(64, 1025).ok());
-  EXPECT_EQ(b->layout().n_chunks, 2048);
+  EXPECT_EQ(b->layout().n_chunks, 1025 + 128);  // an eighth more, not a doubling
+  ASSERT_TRUE(b->Reserve(64, 1100).ok());
+  EXPECT_EQ(b->layout().n_chunks, 1025 + 128);  // fits
   ASSERT_TRUE(b->Reserve(64, 5000).ok());
-  EXPECT_EQ(b->layout().n_chunks, 8192);
+  EXPECT_EQ(b->layout().n_chunks, 5000 + 625);
   ASSERT_TRUE(b->Reserve(128, 10).ok());  // a longer probe keeps the chunks
-  EXPECT_EQ(b->layout().n_chunks, 8192);
-  EXPECT_EQ(b->workspace_bytes(), LayoutRetrievalWorkspace(128, 8192, 0).total);
+  EXPECT_EQ(b->layout().n_chunks, 5625);
+  EXPECT_EQ(b->workspace_bytes(), LayoutRetrievalWorkspace(128, 5625, 0).total);
 }
 
 TEST(DeviceRetrievalPlan, BadPlansAreNamedStatuses) {
@@ -353,10 +355,11 @@ TEST(DeviceRetrievalMirror, LayoutAfterAddsAndRemovesEqualsAFreshOne) {
       ASSERT_NE(m, nullptr);
       EXPECT_EQ(m->rows(), kept.size());
       EXPECT_GE(m->capacity(), m->rows());
-      if (m->capacity() != capacity_seen) {  // grown: at least doubled
-        EXPECT_GE(m->capacity(), 2 * capacity_seen);
+      if (m->capacity() != capacity_seen) {  // grown by an eighth (at least 16), never doubled past it
+        EXPECT_LE(m->capacity(), std::max<size_t>({m->rows(), capacity_seen + capacity_seen / 8, 16}));
         capacity_seen = m->capacity();
       }
+      EXPECT_LE(m->capacity(), std::max<size_t>(m->rows() + m->rows() / 8 + 13, 16));  // what it holds
       auto fresh_backend = CpuBackend();  // declared first: an index must not outlive its backend
       auto fresh = MakeExact("Exact", shape);
       AddAll(fresh.get(), kept, kept_reprs);
@@ -399,6 +402,52 @@ TEST(DeviceRetrievalMirror, ScoringViewIsTheChunkScoreLayout) {
   ASSERT_TRUE(index->Score(probe.data(), &s).ok());
   EXPECT_EQ(0, std::memcmp(s.logit.data(), logit.data(), 20 * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(s.cosine.data(), cosine.data(), 20 * sizeof(float)));
+}
+
+TEST(DeviceRetrievalMirror, UnderACapTheMirrorEvictsWithTheHostAndShrinks) {
+  // With a mirror the backend scores stored keys, so the cap evicts (no int8-only chunks), the
+  // mirror counts in memory_bytes() and shrinks with the rows, and what the index chooses is
+  // what a fresh mirrored index of the kept chunks chooses.
+  const ChunkShape shape{2, 16, 4, DType::kF16};
+  const size_t n = 1200, per = shape.repr_floats();
+  const auto reprs = RandomReprs(n, shape, 61);
+  const uint64_t cap = 96 << 10;
+  auto backend = CpuBackend();
+  auto index = MakeExact("Exact:heads=max", shape);
+  ASSERT_TRUE(index->AttachBackend(backend.get()).ok());
+  ASSERT_TRUE(index->SetMemoryCap(cap).ok());
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(index->Add(i, reprs.data() + i * per).ok());
+    ASSERT_TRUE(index->SyncMirror().ok());
+    ASSERT_LE(index->memory_bytes(), cap) << "after chunk " << i;
+    ASSERT_EQ(index->mirror()->rows(), index->size());
+  }
+  EXPECT_EQ(index->compressed_chunks(), 0u);
+  EXPECT_GT(index->evicted_chunks(), 0u);
+  EXPECT_EQ(index->size() + index->evicted_chunks(), n);
+  EXPECT_LE(index->mirror()->capacity(), index->size() + index->size() / 8 + 16);
+  auto fresh_backend = CpuBackend();
+  auto fresh = MakeExact("Exact:heads=max", shape);
+  const uint64_t first = index->evicted_chunks();
+  AddAll(fresh.get(), Iota(n - first, first), std::vector<float>(reprs.begin() + first * per, reprs.end()));
+  ASSERT_TRUE(fresh->AttachBackend(fresh_backend.get()).ok());
+  const std::vector<float> probe = RandomProbe(shape, 3);
+  for (ChunkRank rank : {ChunkRank::kLogit, ChunkRank::kCosine}) {
+    std::vector<uint64_t> a, b;
+    double ta = 0, tb = 0;
+    int32_t na = 0, nb = 0;
+    ASSERT_TRUE(index->SelectOnBackend(probe.data(), rank, true, 16, &a, &ta, &na).ok());
+    ASSERT_TRUE(fresh->SelectOnBackend(probe.data(), rank, true, 16, &b, &tb, &nb).ok());
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(ta, tb);
+  }
+  // A compressed index cannot take a mirror: the backend has no keys for those chunks.
+  auto host = MakeExact("Exact", shape);
+  ASSERT_TRUE(host->SetMemoryCap(64 << 10).ok());
+  AddAll(host.get(), Iota(200), std::vector<float>(reprs.begin(), reprs.begin() + 200 * per));
+  ASSERT_GT(host->compressed_chunks(), 0u);
+  auto late_backend = CpuBackend();
+  EXPECT_EQ(host->AttachBackend(late_backend.get()).code(), StatusCode::kFailedPrecondition);
 }
 
 // ---- selections: cpu backend vs the rerank=0 host path -------------------------------------------

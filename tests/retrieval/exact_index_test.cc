@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/cpu/dot.h"
+#include "kvtier/options.h"
 
 namespace kvtier {
 namespace {
@@ -47,6 +48,12 @@ void AddAll(ChunkIndex* index, const std::vector<uint64_t>& ids, const std::vect
                           return Status::Ok();
                         })
                   .ok());
+}
+
+std::vector<uint64_t> Iota(size_t n, uint64_t from = 0) {
+  std::vector<uint64_t> v(n);
+  std::iota(v.begin(), v.end(), from);
+  return v;
 }
 
 std::vector<uint64_t> BestOf(const ChunkIndex& index, const std::vector<float>& probe, ChunkRank rank,
@@ -318,6 +325,197 @@ TEST(ExactChunkIndex, StoredKeysScoreAsTheirFloats) {
       best = std::max(best, kernels::Dot(reprs.data() + (c * 2 + r) * 24, p.data(), 24));
     EXPECT_EQ(s.logit[c], best) << "chunk " << c;
   }
+}
+
+// ---- bounded memory (SetMemoryCap) ----------------------------------------------------------
+
+// The bytes one chunk's rows take: keys + norms (full) and codes + two scales, per head, + id.
+uint64_t FullRowBytes(const ChunkShape& s) {
+  return static_cast<uint64_t>(s.kv_heads) * s.repr * (s.head_dim * DTypeSize(s.dtype) + sizeof(float));
+}
+uint64_t CodeRowBytes(const ChunkShape& s) {
+  return static_cast<uint64_t>(s.kv_heads) * s.repr * (s.head_dim + 2 * sizeof(float)) + sizeof(uint64_t);
+}
+
+TEST(ExactChunkIndexCap, MemoryNeverExceedsTheCapOnALongSequence) {
+  const ChunkShape shape{2, 16, 4, DType::kF16};
+  const size_t n = 3000;
+  const auto reprs = RandomReprs(n, shape, 41);
+  const size_t per = shape.repr_floats();
+  const uint64_t cap = 64 << 10;  // holds ~80 full chunks, or ~200 as codes only
+  auto index = Make("Exact", shape);
+  ASSERT_NE(index, nullptr);
+  ASSERT_TRUE(index->SetMemoryCap(cap).ok());
+  EXPECT_EQ(index->memory_cap(), cap);
+  uint64_t most = 0;
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(index->Add(i, reprs.data() + i * per).ok());
+    ASSERT_LE(index->memory_bytes(), cap) << "after chunk " << i;
+    most = std::max(most, index->memory_bytes());
+  }
+  EXPECT_GT(most, cap / 2);  // the cap is used, not just obeyed
+  // Codes only first, then eviction of the oldest: every chunk left is newer than every evicted one.
+  EXPECT_GT(index->evicted_chunks(), 0u);
+  EXPECT_GT(index->compressed_chunks(), 0u);
+  EXPECT_EQ(index->size() + index->evicted_chunks(), n);
+  EXPECT_EQ(index->evicted_chunks() % kernels::kI8Block, 0u);
+  ChunkScores s;
+  ASSERT_TRUE(index->Score(std::vector<float>(shape.dim(), 1.0f).data(), &s).ok());
+  ASSERT_EQ(s.ids.size(), index->size());
+  EXPECT_EQ(s.ids.front(), index->evicted_chunks());
+  EXPECT_EQ(s.ids.back(), n - 1);
+  EXPECT_LE(index->size() * CodeRowBytes(shape), cap);
+
+  // Unbounded, the slack is at most an eighth of the rows' bytes (vectors never double).
+  auto open = Make("Exact", shape);
+  for (size_t i = 0; i < n; ++i) ASSERT_TRUE(open->Add(i, reprs.data() + i * per).ok());
+  const uint64_t rows = n * (FullRowBytes(shape) + CodeRowBytes(shape));
+  EXPECT_GE(open->memory_bytes(), rows);
+  EXPECT_LE(open->memory_bytes(), rows + rows / 8 + 4096);
+  EXPECT_EQ(open->compressed_chunks(), 0u);
+  EXPECT_EQ(open->evicted_chunks(), 0u);
+  // A cap set later shrinks the index at once.
+  ASSERT_TRUE(open->SetMemoryCap(cap).ok());
+  EXPECT_LE(open->memory_bytes(), cap);
+  EXPECT_GT(open->evicted_chunks(), 0u);
+}
+
+TEST(ExactChunkIndexCap, CompressedChunksScoreWithinTheCodeErrorAndChooseTheSameTop) {
+  // Old chunks past the cap keep int8 codes only. Each key element is then off by at most half
+  // a code step (max|k| / 254), so a representative's dot with p is off by at most
+  // |p|_1 max|k| / 254; the chunk's best-of-R and the head sum move by no more than that sum.
+  const ChunkShape shape{2, 32, 4, DType::kF16};
+  const size_t n = 400, per = shape.repr_floats();
+  auto reprs = RandomReprs(n, shape, 43);
+  std::vector<float> p(shape.dim());
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  for (float& x : p) x = nd(rng);
+  // A clear case: chunks 10, 50 and 90 (all compressed below) hold a key along the probe.
+  for (size_t c : {10, 50, 90})
+    for (int h = 0; h < shape.kv_heads; ++h)
+      for (int d = 0; d < shape.head_dim; ++d)
+        reprs[c * per + (1 * shape.kv_heads + h) * shape.head_dim + d] = 2.0f * p[h * shape.head_dim + d];
+  std::vector<uint8_t> tmp(reprs.size() * 2);  // representable in f16, as the store's keys are
+  FromFloat(DType::kF16, reprs.data(), tmp.data(), reprs.size());
+  ToFloat(DType::kF16, tmp.data(), reprs.data(), reprs.size());
+  for (const char* spec : {"Exact", "Exact:rerank=0", "Exact:heads=max"}) {
+    auto exact = Make(spec, shape), capped = Make(spec, shape);
+    ASSERT_TRUE(capped->SetMemoryCap(n * (CodeRowBytes(shape) + FullRowBytes(shape) / 2)).ok());
+    AddAll(exact.get(), Iota(n), reprs);
+    AddAll(capped.get(), Iota(n), reprs);
+    ASSERT_EQ(capped->evicted_chunks(), 0u) << spec;
+    ASSERT_GT(capped->compressed_chunks(), 100u) << spec;
+    ChunkScores a, b;
+    ASSERT_TRUE(exact->Score(p.data(), &a).ok());
+    ASSERT_TRUE(capped->Score(p.data(), &b).ok());
+    ASSERT_EQ(a.ids, b.ids);
+    size_t differ = 0;
+    for (size_t c = 0; c < n; ++c) {
+      float bound = 0.0f;
+      for (int h = 0; h < shape.kv_heads; ++h) {
+        float p1 = 0.0f, kmax = 0.0f;
+        for (int d = 0; d < shape.head_dim; ++d) p1 += std::fabs(p[h * shape.head_dim + d]);
+        for (int r = 0; r < shape.repr; ++r)
+          for (int d = 0; d < shape.head_dim; ++d)
+            kmax = std::max(kmax, std::fabs(reprs[c * per + (r * shape.kv_heads + h) * shape.head_dim + d]));
+        bound += p1 * kmax / 254.0f * 1.01f;  // 1%: fp32 rounding of the sums
+      }
+      if (c >= capped->compressed_chunks()) {
+        EXPECT_EQ(a.logit[c], b.logit[c]) << spec << " full chunk " << c;  // untouched
+      } else {
+        EXPECT_NEAR(a.logit[c], b.logit[c], bound) << spec << " chunk " << c;
+        differ += a.logit[c] != b.logit[c];
+      }
+    }
+    EXPECT_GT(differ, 0u) << spec;  // the compressed chunks really are scored from codes
+    // The clear case chooses alike, through both stages.
+    for (ChunkRank rank : {ChunkRank::kLogit, ChunkRank::kCosine}) {
+      const auto want = BestOf(*exact, p, rank, 3);
+      EXPECT_EQ(want, (std::vector<uint64_t>{10, 50, 90})) << spec;
+      EXPECT_EQ(BestOf(*capped, p, rank, 3), want) << spec;
+    }
+  }
+}
+
+TEST(ExactChunkIndexCap, ARebuildInOneAddEndsWhereTheIncrementalAddsDid) {
+  // After a reopen or an attach the Retriever hands every chunk over in one Add: the capped
+  // index must end as the chunk-by-chunk one did (same chunks, same compression, same scores).
+  const ChunkShape shape{2, 16, 4, DType::kBF16};
+  const size_t n = 1500, per = shape.repr_floats();
+  const auto reprs = RandomReprs(n, shape, 47);
+  const uint64_t cap = 48 << 10;
+  auto step = Make("Exact", shape), batch = Make("Exact", shape), halves = Make("Exact", shape);
+  for (auto* idx : {step.get(), batch.get(), halves.get()}) ASSERT_TRUE(idx->SetMemoryCap(cap).ok());
+  for (size_t i = 0; i < n; ++i) ASSERT_TRUE(step->Add(i, reprs.data() + i * per).ok());
+  AddAll(batch.get(), Iota(n), reprs);
+  AddAll(halves.get(), Iota(700), std::vector<float>(reprs.begin(), reprs.begin() + 700 * per));
+  AddAll(halves.get(), Iota(n - 700, 700), std::vector<float>(reprs.begin() + 700 * per, reprs.end()));
+  std::vector<float> p(shape.dim());
+  for (int d = 0; d < shape.dim(); ++d) p[d] = std::sin(0.3f * d);
+  ChunkScores want;
+  ASSERT_TRUE(step->Score(p.data(), &want).ok());
+  EXPECT_GT(step->evicted_chunks(), 0u);
+  for (auto* idx : {batch.get(), halves.get()}) {
+    EXPECT_EQ(idx->size(), step->size());
+    EXPECT_EQ(idx->compressed_chunks(), step->compressed_chunks());
+    EXPECT_EQ(idx->evicted_chunks(), step->evicted_chunks());
+    EXPECT_EQ(idx->memory_bytes(), step->memory_bytes());
+    ChunkScores got;
+    ASSERT_TRUE(idx->Score(p.data(), &got).ok());
+    EXPECT_EQ(got.ids, want.ids);
+    EXPECT_EQ(got.logit, want.logit);
+    EXPECT_EQ(got.cosine, want.cosine);
+    EXPECT_EQ(BestOf(*idx, p, ChunkRank::kLogit, 8), BestOf(*step, p, ChunkRank::kLogit, 8));
+  }
+}
+
+TEST(ExactChunkIndexCap, RemovalOfCompressedChunksEqualsAFreshCappedIndex) {
+  // Remove moves codes lane by lane (compressed chunks have nothing to requantise from).
+  const ChunkShape shape{1, 8, 2, DType::kF32};
+  const size_t n = 64, per = shape.repr_floats();
+  const auto reprs = RandomReprs(n, shape, 53);
+  auto index = Make("Exact:rerank=0", shape);
+  ASSERT_TRUE(index->SetMemoryCap(n * (CodeRowBytes(shape) + FullRowBytes(shape) / 2)).ok());
+  AddAll(index.get(), Iota(n), reprs);
+  const uint64_t compressed = index->compressed_chunks();
+  ASSERT_GT(compressed, 9u);
+  ChunkScores before;
+  std::vector<float> p(shape.dim(), 0.25f);
+  p[2] = -1.0f;
+  ASSERT_TRUE(index->Score(p.data(), &before).ok());
+  ASSERT_TRUE(index->Remove({0, 3, 9, n - 1}).ok());
+  EXPECT_EQ(index->compressed_chunks(), compressed - 3);
+  ChunkScores after;
+  ASSERT_TRUE(index->Score(p.data(), &after).ok());
+  ASSERT_EQ(after.ids.size(), n - 4);
+  for (size_t i = 0, j = 0; i < before.ids.size(); ++i) {
+    if (j < after.ids.size() && after.ids[j] == before.ids[i]) {
+      EXPECT_EQ(after.logit[j], before.logit[i]) << "chunk " << before.ids[i];
+      EXPECT_EQ(after.cosine[j], before.cosine[i]) << "chunk " << before.ids[i];
+      ++j;
+    }
+  }
+  (void)per;
+}
+
+TEST(ExactChunkIndexCap, BadCapsAreRefusedNamingTheOption) {
+  StoreOptions o;
+  o.index_bytes = 1000;
+  Status st = o.Validate();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("index_bytes"), std::string::npos) << st.ToString();
+  o.index_bytes = 1 << 20;
+  EXPECT_TRUE(o.Validate().ok());
+  o.index_bytes = 0;
+  EXPECT_TRUE(o.Validate().ok());
+  // The FAISS kinds hold a flat copy FAISS builds on: they cannot be capped, and say so.
+  auto flat = Make("Flat", ChunkShape{2, 8, 2, DType::kF16});
+  ASSERT_NE(flat, nullptr);
+  st = flat->SetMemoryCap(1 << 20);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("index_bytes"), std::string::npos) << st.ToString();
+  EXPECT_TRUE(flat->SetMemoryCap(0).ok());
 }
 
 // ---- kernels the index rests on -------------------------------------------------------------

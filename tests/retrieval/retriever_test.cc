@@ -415,6 +415,56 @@ TEST(Retriever, IndexIsRebuiltAfterReopen) {
   }
 }
 
+TEST(Retriever, CappedIndexIsRebuiltAfterReopenAsItWasBuilt) {
+  // StoreOptions::index_bytes caps every index a Retriever builds (index_bytes / layers each).
+  // Built step by step while the sequence grows, or in one Sync after a reopen, the capped
+  // index ends alike: the same chunks compressed and evicted, the same bytes, the same choice.
+  TempDir dir;
+  StoreOptions o = Options(dir.path());
+  o.index_bytes = 1 << 20;  // ~930 full chunks a layer, ~3,360 as int8 codes
+  std::vector<float> q(static_cast<size_t>(o.geometry.q_heads) * o.geometry.head_dim, 0.3f);
+  q[5] = 2.0f;
+  RetrieverOptions ro;
+  ro.alloc = "topk";
+  ro.budget_tokens = 6 * 4;
+  SequenceId seq = 0;
+  std::vector<uint64_t> before;
+  uint64_t compressed = 0, evicted = 0, bytes = 0;
+  {
+    auto store = TieredStore::Open(o);
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    seq = *(*store)->CreateSequence();
+    auto r = Retriever::Create(store->get(), ro);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    std::vector<std::vector<float>> vs;
+    for (int step = 0; step < 20; ++step) {  // 20 x 800 tokens = ~4,000 chunks a layer
+      Fill(store->get(), seq, 800, 100 + step, &vs);
+      SelectLayer1(r->get(), seq, q);
+      ASSERT_LE((*r)->memory_bytes(), o.index_bytes) << "step " << step;
+    }
+    before = SelectLayer1(r->get(), seq, q);
+    compressed = (*r)->compressed_chunks();
+    evicted = (*r)->evicted_chunks();
+    bytes = (*r)->memory_bytes();
+    EXPECT_GT(evicted, 0u);
+    EXPECT_GT(compressed, 0u);
+    ASSERT_TRUE((*store)->CloseSequence(seq).ok());
+  }
+  auto store = TieredStore::Open(o);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto r = Retriever::Create(store->get(), ro);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(SelectLayer1(r->get(), seq, q), before);
+  EXPECT_EQ((*r)->compressed_chunks(), compressed);
+  EXPECT_EQ((*r)->evicted_chunks(), evicted);
+  EXPECT_EQ((*r)->memory_bytes(), bytes);
+  // A FAISS kind cannot be capped: the Retriever says so instead of growing unbounded.
+  ro.index = "Flat";
+  auto flat = Retriever::Create(store->get(), ro);
+  ASSERT_FALSE(flat.ok());
+  EXPECT_NE(flat.status().message().find("index_bytes"), std::string::npos) << flat.status().ToString();
+}
+
 // head_merge: chunk 0's keys match head 0 strongly and oppose head 1; chunk 1 matches
 // both heads mildly. Summed over heads chunk 1 wins (10 - 5 < 3 + 3); when the most
 // interested head decides, chunk 0 wins (10 > 3).
