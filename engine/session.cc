@@ -251,65 +251,26 @@ std::string FormatFloat(float x) {
   return buf;
 }
 
-// A prefill window's attention on a host tier that also feeds the representative-key
-// statistics. The statistics are the attention mass each local key gets from the window's
-// queries in a softmax over the sinks and the local window only (TieredStore::ObserveQueries'
-// definition), so the attention runs in two parts: sinks | local with the kernel's per-key
-// mass and the log-sum-exp, then, when chunks were retrieved, the chunks through the plan;
-// the LSE merge of the two is the attention over all of them. The first part is the very
-// call the statistics pass made, so the mass is the same numbers, and no key is read twice.
-Status AttendAndObserve(TieredStore* store, SequenceId seq, int layer, const AttentionPlanInput& in,
-                        AttentionPlan* plan, float* out) {
-  const size_t rows = static_cast<size_t>(in.n_queries) * in.q_heads;
-  const size_t out_elems = rows * static_cast<size_t>(in.head_dim);
-  const int n_dense = 1 + in.n_local;
-  std::vector<kernels::KvSpan> dense(static_cast<size_t>(n_dense));
-  std::vector<std::vector<float>> mass(static_cast<size_t>(n_dense));
-  for (int i = 0; i < n_dense; ++i) {
-    dense[static_cast<size_t>(i)] = i == 0 ? in.sinks : in.local[i - 1];
-    mass[static_cast<size_t>(i)].assign(static_cast<size_t>(in.kv_heads) * std::max(1, dense[i].n_tokens),
-                                        0.0f);
-    dense[static_cast<size_t>(i)].mass = mass[static_cast<size_t>(i)].data();
+// A prefill window's attention that also feeds the representative-key statistics: the
+// backend attends the dense parts (sinks | local) with their per-key mass in a softmax over
+// those parts only (TieredStore::ObserveQueries' definition), then the retrieved chunks, and
+// merges the two by log-sum-exp (AttentionBackend::RunWithDenseMass), on the tier's device.
+// The local window's mass goes to the store; no key is read twice and no second pass runs.
+Status AttendAndObserve(TieredStore* store, SequenceId seq, int layer, AttentionBackend* backend,
+                        const AttentionPlanInput& in, AttentionPlan* plan, float* out) {
+  KVTIER_RETURN_IF_ERROR(plan->Build(in));
+  const kernels::SlotAttentionParams& p = plan->params();
+  std::vector<float> mass[kernels::kMaxDenseParts];
+  float* mass_of[kernels::kMaxDenseParts] = {};
+  for (int i = 1; i < p.n_dense; ++i) {  // part 0 is the sinks: its mass is not kept
+    mass[i].resize(static_cast<size_t>(p.kv_heads) * std::max(1, p.dense[i].n_tokens));
+    mass_of[i] = mass[i].data();
   }
-  const bool chunks = in.n_chunks > 0;
-  std::vector<float> out_dense(chunks ? out_elems : 0), lse_dense(chunks ? rows : 0);
-  kernels::AttentionParams a;
-  a.q_heads = in.q_heads;
-  a.kv_heads = in.kv_heads;
-  a.head_dim = in.head_dim;
-  a.dtype = in.dtype;
-  a.scale = in.scale != 0.0f ? in.scale : 1.0f / std::sqrt(static_cast<float>(in.head_dim));
-  a.n_queries = in.n_queries;
-  a.q = in.q;
-  a.q_positions = in.positions;
-  a.parts = dense.data();
-  a.n_parts = n_dense;
-  a.out = chunks ? out_dense.data() : out;
-  a.lse = chunks ? lse_dense.data() : nullptr;
-  if (const kernels::KernelError e = kernels::Attention(a); e != kernels::KernelError::kOk)
-    return Internal(std::string("attention over the sinks and the local window (cpu): ") +
-                    kernels::KernelErrorString(e));
-  if (chunks) {
-    AttentionPlanInput only = in;
-    only.sinks = kernels::KvSpan{};
-    only.local = nullptr;
-    only.n_local = 0;
-    KVTIER_RETURN_IF_ERROR(plan->Build(only));
-    std::vector<float> out_chunks(out_elems), lse_chunks(rows), lse(rows);
-    kernels::SlotAttentionParams p = plan->params();
-    p.out = out_chunks.data();
-    p.lse = lse_chunks.data();
-    KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/false));
-    if (const kernels::KernelError e = kernels::SlotAttention(p); e != kernels::KernelError::kOk)
-      return Internal(std::string("attention over the retrieved chunks (cpu): ") +
-                      kernels::KernelErrorString(e));
-    kernels::MergeAttentionStates(static_cast<int>(rows), in.head_dim, out_dense.data(), lse_dense.data(),
-                                  out_chunks.data(), lse_chunks.data(), out, lse.data());
-  }
-  for (int i = 1; i < n_dense; ++i)
-    if (dense[static_cast<size_t>(i)].n_tokens > 0)
-      KVTIER_RETURN_IF_ERROR(store->AddLocalAttention(seq, layer, dense[i].first_position, dense[i].n_tokens,
-                                                      mass[static_cast<size_t>(i)].data()));
+  KVTIER_RETURN_IF_ERROR(backend->RunWithDenseMass(*plan, out, mass_of));
+  for (int i = 1; i < p.n_dense; ++i)
+    if (p.dense[i].n_tokens > 0)
+      KVTIER_RETURN_IF_ERROR(store->AddLocalAttention(seq, layer, p.dense[i].first_position,
+                                                      p.dense[i].n_tokens, mass[i].data()));
   return Status::Ok();
 }
 
@@ -595,11 +556,10 @@ Status Session::Attend(int layer, const float* q, const int64_t* positions, int 
   if (Status bg = store_->CheckBackgroundError(); !bg.ok())
     return Status(bg.code(), "Session::Attend: layer " + std::to_string(layer) + ": " + bg.message());
   const Geometry& g = geometry();
-  // A prefill window's representative-key statistics come from this attention on a host tier
-  // (the kernel's per-key mass); on a device tier Gather runs their pass on the host.
-  const bool host = std::strcmp(backend_->name(), "cpu") == 0;
+  // A prefill window's representative-key statistics come from this attention (the kernel's
+  // per-key mass, on the tier's device), not from a second pass in Gather.
   const bool observe_here =
-      host && retriever_ && !selector_ && options_.observe_prefill && in_step_ && step_ == StepKind::kPrefill;
+      retriever_ && !selector_ && options_.observe_prefill && in_step_ && step_ == StepKind::kPrefill;
   KVTIER_ASSIGN_OR_RETURN(LayerParts lp,
                           GatherFor("Attend", layer, q, positions, m, /*observe=*/!observe_here));
   try {
@@ -665,7 +625,8 @@ Status Session::Attend(int layer, const float* q, const int64_t* positions, int 
     in.n_chunks = lp.n_chunks;
     in.local = lp.parts.data() + 1 + lp.n_chunks;
     in.n_local = static_cast<int>(lp.parts.size() - 1 - lp.n_chunks);
-    Status st = observe_here ? AttendAndObserve(store_, seq_, layer, in, plan_.get(), out) : plan_->Build(in);
+    Status st = observe_here ? AttendAndObserve(store_, seq_, layer, backend_.get(), in, plan_.get(), out)
+                             : plan_->Build(in);
     if (st.ok() && !observe_here) st = backend_->Run(*plan_, out);
     if (!st.ok())
       return Status(st.code(), "Session::Attend: layer " + std::to_string(layer) + ": " + st.message());

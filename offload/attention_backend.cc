@@ -155,6 +155,33 @@ size_t MaxSlotAttentionKernelBytes(int n_queries, int q_heads, int head_dim) {
 
 namespace {
 
+// RunWithDenseMass attends a plan in two halves: the dense parts alone (their mass is the
+// statistics' softmax) and the slots alone; the LSE merge of the two is the whole attention.
+kernels::SlotAttentionParams DenseHalf(const kernels::SlotAttentionParams& p) {
+  kernels::SlotAttentionParams d = p;
+  d.n_slots = 0;
+  d.pool_k = d.pool_v = nullptr;
+  d.pool_slots = 0;
+  d.slot_index = nullptr;
+  d.slot_first_position = nullptr;
+  d.slot_n_tokens = nullptr;
+  d.slot_mass = nullptr;
+  d.n_leading_dense = -1;
+  return d;
+}
+
+kernels::SlotAttentionParams SlotHalf(const kernels::SlotAttentionParams& p) {
+  kernels::SlotAttentionParams c = p;
+  for (int i = 0; i < kernels::kMaxDenseParts; ++i) c.dense[i] = kernels::DenseKv{};
+  c.n_dense = 0;
+  c.n_leading_dense = -1;
+  return c;
+}
+
+size_t DenseMassElems(const kernels::SlotAttentionParams& p, int i) {
+  return static_cast<size_t>(p.kv_heads) * static_cast<size_t>(std::max(0, p.dense[i].n_tokens));
+}
+
 class CpuAttentionBackend final : public AttentionBackend {
  public:
   const char* name() const override { return "cpu"; }
@@ -167,6 +194,46 @@ class CpuAttentionBackend final : public AttentionBackend {
       return Internal(std::string("attention (cpu): ") + kernels::KernelErrorString(e));
     return Status::Ok();
   }
+
+  Status RunWithDenseMass(const AttentionPlan& plan, float* out, float* const* dense_mass) override {
+    kernels::SlotAttentionParams p = plan.params();
+    p.out = out;
+    KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/false));
+    const size_t rows = static_cast<size_t>(p.n_queries) * p.q_heads;
+    const size_t out_elems = rows * static_cast<size_t>(p.head_dim);
+    const bool slots = p.n_slots > 0;
+    kernels::SlotAttentionParams d = DenseHalf(p);
+    for (int i = 0; i < d.n_dense; ++i) {
+      d.dense[i].mass = dense_mass != nullptr ? dense_mass[i] : nullptr;
+      if (d.dense[i].mass != nullptr) std::fill_n(d.dense[i].mass, DenseMassElems(p, i), 0.0f);
+    }
+    if (slots) {
+      out_dense_.resize(out_elems);
+      lse_dense_.resize(rows);
+      d.out = out_dense_.data();
+      d.lse = lse_dense_.data();
+    }
+    kernels::KernelError e = kernels::SlotAttention(d);
+    if (e != kernels::KernelError::kOk)
+      return Internal(std::string("attention over the dense parts (cpu): ") + kernels::KernelErrorString(e));
+    if (!slots) return Status::Ok();
+    kernels::SlotAttentionParams c = SlotHalf(p);
+    out_slots_.resize(out_elems);
+    lse_slots_.resize(rows);
+    lse_.resize(rows);
+    c.out = out_slots_.data();
+    c.lse = lse_slots_.data();
+    e = kernels::SlotAttention(c);
+    if (e != kernels::KernelError::kOk)
+      return Internal(std::string("attention over the retrieved chunks (cpu): ") +
+                      kernels::KernelErrorString(e));
+    kernels::MergeAttentionStates(static_cast<int>(rows), p.head_dim, out_dense_.data(), lse_dense_.data(),
+                                  out_slots_.data(), lse_slots_.data(), out, lse_.data());
+    return Status::Ok();
+  }
+
+ private:
+  std::vector<float> out_dense_, lse_dense_, out_slots_, lse_slots_, lse_;
 };
 
 #if KVTIER_HAVE_CUDA
@@ -183,6 +250,7 @@ class CudaAttentionBackend final : public AttentionBackend {
   explicit CudaAttentionBackend(CudaHotTier* hot) : hot_(hot) {}
   ~CudaAttentionBackend() override {
     if (ws_) cudaFree(ws_);
+    if (side_) cudaFree(side_);
   }
   const char* name() const override { return "cuda"; }
 
@@ -212,13 +280,93 @@ class CudaAttentionBackend final : public AttentionBackend {
     KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/true));
     if (p.n_queries == 0) return Status::Ok();
     const size_t kernel_bytes = kernels::cuda::SlotAttentionWorkspaceBytes(p);
+    KVTIER_ASSIGN_OR_RETURN(kernels::SlotAttentionParams d, CopyPlanIn(p, kernel_bytes));
+    cudaStream_t s = stream();
+    const kernels::KernelError ke = kernels::cuda::LaunchSlotAttention(d, kernel_ws_, kernel_bytes, s);
+    if (ke != kernels::KernelError::kOk) return KernelFailure("attention (cuda)", ke);
+    return CopyOutAndWait(p, d.out, out);
+  }
+
+  // The dense half writes its mass into one zeroed device array (part i at mass_offset_[i]), its
+  // output into the workspace's output and its lse beside; the slot half writes beside those;
+  // the merge folds the slot half into the dense half in place.
+  Status RunWithDenseMass(const AttentionPlan& plan, float* out, float* const* dense_mass) override {
+    kernels::SlotAttentionParams p = plan.params();
+    p.out = out;
+    KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/true));
+    const kernels::SlotAttentionParams dense_half = DenseHalf(p), slot_half = SlotHalf(p);
+    const bool slots = p.n_slots > 0;
+    size_t mass_elems = 0;
+    for (int i = 0; i < p.n_dense; ++i) {
+      mass_offset_[i] = mass_elems;
+      mass_elems += dense_mass != nullptr && dense_mass[i] != nullptr ? DenseMassElems(p, i) : 0;
+    }
+    if (p.n_queries == 0) {
+      for (int i = 0; i < p.n_dense; ++i)
+        if (dense_mass != nullptr && dense_mass[i] != nullptr)
+          std::fill_n(dense_mass[i], DenseMassElems(p, i), 0.0f);
+      return Status::Ok();
+    }
+    const size_t kernel_bytes =
+        std::max(kernels::cuda::SlotAttentionWorkspaceBytes(dense_half),
+                 slots ? kernels::cuda::SlotAttentionWorkspaceBytes(slot_half) : size_t{0});
+    KVTIER_ASSIGN_OR_RETURN(kernels::SlotAttentionParams d, CopyPlanIn(p, kernel_bytes));
+    const size_t rows = static_cast<size_t>(p.n_queries) * p.q_heads;
+    const size_t out_bytes = Align256(rows * p.head_dim * sizeof(float));
+    const size_t lse_bytes = Align256(rows * sizeof(float));
+    const size_t slots_out = 0, dense_lse = slots_out + out_bytes, slots_lse = dense_lse + lse_bytes,
+                 mass = slots_lse + lse_bytes;
+    KVTIER_RETURN_IF_ERROR(ReserveSide(mass + mass_elems * sizeof(float)));
+    auto* side = static_cast<uint8_t*>(side_);
+    auto* mass_dev = reinterpret_cast<float*>(side + mass);
+    cudaStream_t s = stream();
+    cudaError_t e = mass_elems ? cudaMemsetAsync(mass_dev, 0, mass_elems * sizeof(float), s) : cudaSuccess;
+    if (e != cudaSuccess) return Internal("attention (cuda): clearing the mass: " + CudaMessage(e));
+    kernels::SlotAttentionParams dd = DenseHalf(d);
+    for (int i = 0; i < dd.n_dense; ++i)
+      dd.dense[i].mass =
+          dense_mass != nullptr && dense_mass[i] != nullptr ? mass_dev + mass_offset_[i] : nullptr;
+    dd.lse = slots ? reinterpret_cast<float*>(side + dense_lse) : nullptr;
+    kernels::KernelError ke = kernels::cuda::LaunchSlotAttention(dd, kernel_ws_, kernel_bytes, s);
+    if (ke != kernels::KernelError::kOk) return KernelFailure("attention over the dense parts (cuda)", ke);
+    if (slots) {
+      kernels::SlotAttentionParams cc = SlotHalf(d);
+      cc.out = reinterpret_cast<float*>(side + slots_out);
+      cc.lse = reinterpret_cast<float*>(side + slots_lse);
+      ke = kernels::cuda::LaunchSlotAttention(cc, kernel_ws_, kernel_bytes, s);
+      if (ke != kernels::KernelError::kOk)
+        return KernelFailure("attention over the retrieved chunks (cuda)", ke);
+      ke = kernels::cuda::LaunchMergeAttentionStates(static_cast<int>(rows), p.head_dim, d.out, dd.lse,
+                                                     cc.out, cc.lse, d.out, dd.lse, s);
+      if (ke != kernels::KernelError::kOk) return KernelFailure("attention merge (cuda)", ke);
+    }
+    for (int i = 0; i < p.n_dense && e == cudaSuccess; ++i)
+      if (dense_mass != nullptr && dense_mass[i] != nullptr && DenseMassElems(p, i) > 0)
+        e = cudaMemcpyAsync(dense_mass[i], mass_dev + mass_offset_[i], DenseMassElems(p, i) * sizeof(float),
+                            cudaMemcpyDeviceToHost, s);
+    if (e != cudaSuccess) return Internal("attention (cuda): copying the mass out: " + CudaMessage(e));
+    return CopyOutAndWait(p, d.out, out);
+  }
+
+ private:
+  cudaStream_t stream() const { return static_cast<cudaStream_t>(hot_->stream()); }
+
+  static Status KernelFailure(const std::string& what, kernels::KernelError e) {
+    return Internal(what + ": " + kernels::KernelErrorString(e) + " (" +
+                    kernels::cuda::LastCudaErrorString() + ")");
+  }
+
+  // Copies the plan's host arrays (q, positions, slot list) into the workspace, which it sizes
+  // for `kernel_bytes` of kernel workspace (at kernel_ws_), and returns the plan with device
+  // pointers and the workspace's output as out. K/V pointers are the tier's already.
+  Result<kernels::SlotAttentionParams> CopyPlanIn(const kernels::SlotAttentionParams& p,
+                                                  size_t kernel_bytes) {
     const CudaAttentionWorkspace w =
         LayoutCudaAttentionWorkspace(p.n_queries, p.q_heads, p.head_dim, p.n_slots, kernel_bytes);
     KVTIER_RETURN_IF_ERROR(Reserve(w.total));
     auto* ws = static_cast<uint8_t*>(ws_);
     const size_t q_bytes = static_cast<size_t>(p.n_queries) * p.q_heads * p.head_dim * sizeof(float);
-    cudaStream_t s = static_cast<cudaStream_t>(hot_->stream());
-    // The plan's host arrays go into the workspace; K/V pointers are the tier's already.
+    cudaStream_t s = stream();
     cudaError_t e = cudaMemcpyAsync(ws + w.q, p.q, q_bytes, cudaMemcpyHostToDevice, s);
     if (e == cudaSuccess)
       e = cudaMemcpyAsync(ws + w.positions, p.q_positions, p.n_queries * sizeof(int64_t),
@@ -238,22 +386,48 @@ class CudaAttentionBackend final : public AttentionBackend {
       d.slot_first_position = reinterpret_cast<const int64_t*>(ws + w.slot_first);
     }
     d.out = reinterpret_cast<float*>(ws + w.out);
-    const kernels::KernelError ke =
-        kernels::cuda::LaunchSlotAttention(d, kernel_bytes ? ws + w.kernel : nullptr, kernel_bytes, s);
-    if (ke != kernels::KernelError::kOk)
-      return Internal(std::string("attention (cuda): ") + kernels::KernelErrorString(ke) + " (" +
-                      kernels::cuda::LastCudaErrorString() + ")");
-    e = cudaMemcpyAsync(out, ws + w.out, q_bytes, cudaMemcpyDeviceToHost, s);
-    // One synchronisation per layer step: Session::Attend returns host output.
+    kernel_ws_ = kernel_bytes ? ws + w.kernel : nullptr;
+    return d;
+  }
+
+  // One synchronisation per layer step: Session::Attend returns host output.
+  Status CopyOutAndWait(const kernels::SlotAttentionParams& p, const float* out_dev, float* out) {
+    const size_t q_bytes = static_cast<size_t>(p.n_queries) * p.q_heads * p.head_dim * sizeof(float);
+    cudaStream_t s = stream();
+    cudaError_t e = cudaMemcpyAsync(out, out_dev, q_bytes, cudaMemcpyDeviceToHost, s);
     if (e == cudaSuccess) e = cudaStreamSynchronize(s);
     if (e != cudaSuccess) return Internal("attention (cuda): " + CudaMessage(e));
     return Status::Ok();
   }
 
- private:
+  // The side buffer of RunWithDenseMass (the slot half's output, both lse, the mass), grown on
+  // demand as the workspace is.
+  Status ReserveSide(size_t bytes) {
+    if (bytes <= side_bytes_) return Status::Ok();
+    if (side_) {
+      cudaStreamSynchronize(stream());
+      cudaFree(side_);
+      side_ = nullptr;
+      side_bytes_ = 0;
+    }
+    const cudaError_t e = cudaMalloc(&side_, bytes);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      side_ = nullptr;
+      return ResourceExhausted("attention (cuda): cudaMalloc of a " + std::to_string(bytes) +
+                               "-byte mass buffer failed (" + CudaMessage(e) + ")");
+    }
+    side_bytes_ = bytes;
+    return Status::Ok();
+  }
+
   CudaHotTier* hot_;
   void* ws_ = nullptr;
   size_t ws_bytes_ = 0;
+  void* kernel_ws_ = nullptr;
+  void* side_ = nullptr;
+  size_t side_bytes_ = 0;
+  size_t mass_offset_[kernels::kMaxDenseParts] = {};
 };
 
 #endif  // KVTIER_HAVE_CUDA

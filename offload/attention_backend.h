@@ -117,6 +117,14 @@ class AttentionBackend {
   /// Runs `plan`, writing [n_queries, q_heads, head_dim] fp32 to host `out`; the result is
   /// in place on return. A failed check is InvalidArgument, a failed kernel Internal.
   virtual Status Run(const AttentionPlan& plan, float* out) = 0;
+  /// Runs `plan` as Run does and also hands back the representative-key statistics of its dense
+  /// parts: dense_mass[i] (host, [kv_heads, n_tokens] of params().dense[i], for every
+  /// i < params().n_dense; null skips that part) is set to the attention mass each key gets from
+  /// the queries in a softmax over the dense parts only (the sinks and the local window: the
+  /// definition TieredStore::ObserveQueries computes). The dense parts and the chunks are attended
+  /// apart and merged by log-sum-exp (kernels::MergeAttentionStates), so the output is the
+  /// attention over all the keys and no key is read twice.
+  virtual Status RunWithDenseMass(const AttentionPlan& plan, float* out, float* const* dense_mass) = 0;
 };
 
 /// The backend for `hot`'s device: "cpu" for a host tier, "cuda" for a CudaHotTier (with

@@ -61,7 +61,11 @@ if [ -n "$PREBUILT" ]; then
   if [ "$built_at" != "$here" ] && [ ! -e "$built_at" ]; then
     mkdir -p "$(dirname "$built_at")" && ln -s "$here" "$built_at" && log "linked $built_at -> $here (paths compiled into the binaries)"
   fi
-  [ "$BUILD" = build ] || log "WARNING: the binaries look for $built_at/build; BUILD is $BUILD"
+  built_in=$(cat "$stage/binary_dir" 2>/dev/null || echo build)
+  if [ "$built_in" != "$BUILD" ] && [ ! -e "$built_in" ]; then
+    mkdir -p "$(dirname "$built_in")" && ln -s "$(cd "$BUILD" && pwd)" "$built_in" &&
+      log "linked $built_in -> $BUILD (the tests run the CLI from the build folder compiled in)"
+  fi
   missing=$(ldd "$BUILD/kvtier_tests" "$BUILD/kvtier" "$BUILD/kvtier_gpu_bench" | grep 'not found' | sort -u)
   [ -z "$missing" ] || die "shared libraries not found: $missing"
   note build prebuilt "commit $(cat "$stage/commit"); unpacked in $(( $(date +%s) - t0 )) s"

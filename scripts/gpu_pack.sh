@@ -30,6 +30,9 @@ for b in "${bins[@]}"; do ldd "$build/$b"; done | awk '$3 ~ /^\// {print $1, $3}
 src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$build/CMakeCache.txt")
 [ -n "$src" ] || { echo "gpu_pack: no CMAKE_HOME_DIRECTORY in $build/CMakeCache.txt" >&2; exit 1; }
 echo "$src" >"$stage/source_dir"
+# The build folder relative to the source tree (KVTIER_BINARY_DIR, where tests look for the CLI):
+# gpu_check.sh unpacks into its own BUILD and links this name to it when they differ.
+realpath --relative-to="$src" "$build" >"$stage/binary_dir"
 (cd "$src" && git rev-parse --short HEAD 2>/dev/null || echo unknown) >"$stage/commit"
 mkdir -p "$(dirname "$tarball")"
 tar -C "$stage" -czf "$tarball" .

@@ -176,9 +176,9 @@ class Session {
   /// One layer's memory step: q [m, q_heads, head_dim] fp32 at `positions` (the tokens just
   /// appended: >= 0 and strictly increasing), out [m, q_heads, head_dim] fp32. kDecode steps take
   /// m = 1. A negative or non-increasing position, or a NaN or infinity in q, is InvalidArgument
-  /// naming it (Gather and Observe check the same). On a host tier a kPrefill window's
-  /// representative-key statistics come from this attention (sinks | local with per-key mass,
-  /// the chunks apart, merged by log-sum-exp), not from a second pass.
+  /// naming it (Gather and Observe check the same). A kPrefill window's representative-key
+  /// statistics come from this attention on the hot tier's device (sinks | local with per-key
+  /// mass, the chunks apart, merged by log-sum-exp), not from a second pass.
   Status Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
                 AttendStats* stats = nullptr);
   /// Attend without the attention: chooses and fetches the chunks and returns what to attend.
