@@ -20,17 +20,18 @@ CLANG_CXX    ?= clang++-14
 # TEST_FUZZ_SECONDS from its committed corpus, enough to replay the corpus and catch a
 # regression on its inputs, not to explore.
 FUZZ_SECONDS      ?= 300
-TEST_FUZZ_SECONDS ?= 20
+TEST_FUZZ_SECONDS ?= 10
 # Kill/reopen cycles of `make soak` (every suite runs 20 of them: Soak.* in tests/offload/soak_test.cc).
 SOAK_CYCLES  ?= 1000
 # Debian's FAISS is linked against GCC's OpenMP runtime (libgomp): the clang builds link that
 # one too instead of LLVM's libomp, so that no process holds two OpenMP runtimes.
 GOMP_LIB     := $(shell gcc -print-file-name=libgomp.so 2>/dev/null)
-# Optimised (the suites are long), with line tables only: enough for file:line in reports,
-# and much faster to compile and link than full debug info.
+# -O1, as the ASan and TSan manuals advise: the suites stay fast enough, and the builds compile
+# about a third faster than at -O2 (kernels/cpu/attention.cc under ASan+UBSan: 34 s against 53).
+# Line tables only: enough for file:line in reports, much cheaper than full debug info.
 CLANG_CMAKE   = -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_CUDA=off \
-                "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O2 -gline-tables-only -DNDEBUG" \
-                "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -gline-tables-only -DNDEBUG" \
+                "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only -DNDEBUG" \
+                "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only -DNDEBUG" \
                 -DCMAKE_C_COMPILER=$(CLANG_CC) -DCMAKE_CXX_COMPILER=$(CLANG_CXX) \
                 -DOpenMP_C_FLAGS=-fopenmp=libgomp -DOpenMP_CXX_FLAGS=-fopenmp=libgomp \
                 -DOpenMP_C_LIB_NAMES=gomp -DOpenMP_CXX_LIB_NAMES=gomp -DOpenMP_gomp_LIBRARY=$(GOMP_LIB)

@@ -4,6 +4,7 @@
 # tests/python with pytest. Called by ctest (Python.Package) and usable by hand:
 #   scripts/python_env.sh          environment + package
 #   scripts/python_env.sh test     that, then pytest tests/python (extra args go to pytest)
+#   scripts/python_env.sh pytest ARGS   pytest ARGS against the package installed already
 #   scripts/python_env.sh test-current
 #                                  the same suite against the current PyPI torch + transformers
 #                                  (python/requirements-current.txt) in .venv-current, built in
@@ -36,6 +37,13 @@ if [[ "$MODE" == "test-current" ]]; then
   exec "$PY" -m pytest -q tests/python "$@"
 fi
 VENV="${KVTIER_VENV:-$ROOT/.venv}"
+if [[ "$MODE" == "pytest" ]]; then
+  # pytest on the package an earlier call installed (ctest: Python.Package, then one test per file).
+  shift
+  [[ -x "$VENV/bin/python" ]] || { echo "python_env: no venv at $VENV (run scripts/python_env.sh first)" >&2; exit 1; }
+  cd "$ROOT"
+  exec "$VENV/bin/python" -m pytest -q "$@"
+fi
 # The build's Debian packages plus the interpreter's (headers, venv, numpy, torch): the same
 # missing-only install as `make` uses.
 bash "$ROOT/scripts/deps.sh" python
