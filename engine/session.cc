@@ -407,9 +407,13 @@ Status Session::Observe(int layer, const float* q, const int64_t* positions, int
   return ObserveLocked(layer, q, q_mem, positions, m, view, local_start);
 }
 
+bool Session::ObservesStatistics() const {
+  return options_.observe_prefill && store_->options().repr_topk < store_->options().chunk_size;
+}
+
 Status Session::ObserveLocked(int layer, const float* q, const float* q_mem, const int64_t* positions, int m,
                               const HotView& view, int64_t local_start) {
-  if (options_.observe_prefill)
+  if (ObservesStatistics())
     KVTIER_RETURN_IF_ERROR(ObserveStatistics(layer, q, positions, m, view, local_start));
   if (retriever_) KVTIER_RETURN_IF_ERROR(retriever_->Observe(layer, q_mem, m));
   return Status::Ok();
@@ -497,10 +501,10 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
       lp.stats.search_ms = MsSince(t0);
     } else {
       // A prefill window's queries also feed the representative-key statistics (the attention
-      // they pay to the local window; Attend on a host tier takes them from its own attention
-      // and passes observe = false); Select builds the probe from the window, which is the
-      // probe's Observe too (ActQKV's running statistics see every window once).
-      if (!decode && options_.observe_prefill && observe)
+      // they pay to the local window; Attend takes them from its own attention and passes
+      // observe = false); Select builds the probe from the window, which is the probe's
+      // Observe too (ActQKV's running statistics see every window once).
+      if (!decode && ObservesStatistics() && observe)
         KVTIER_RETURN_IF_ERROR(ObserveStatistics(layer, q, positions, m, view, lp.local_start));
       KVTIER_ASSIGN_OR_RETURN(LayerSelection sel, retriever_->Select(seq_, layer, q_sel, m, decode));
       lp.chunks = std::move(sel.chunks);
@@ -559,7 +563,7 @@ Status Session::Attend(int layer, const float* q, const int64_t* positions, int 
   // A prefill window's representative-key statistics come from this attention (the kernel's
   // per-key mass, on the tier's device), not from a second pass in Gather.
   const bool observe_here =
-      retriever_ && !selector_ && options_.observe_prefill && in_step_ && step_ == StepKind::kPrefill;
+      retriever_ && !selector_ && ObservesStatistics() && in_step_ && step_ == StepKind::kPrefill;
   KVTIER_ASSIGN_OR_RETURN(LayerParts lp,
                           GatherFor("Attend", layer, q, positions, m, /*observe=*/!observe_here));
   try {

@@ -326,7 +326,8 @@ Result<RunReport> RunJob(const RunOptions& options) {
       KVTIER_RETURN_IF_ERROR(
           methods[0].session->Append(l, kb.data(), vb.data(), static_cast<int>(e - b), g.dtype));
       gather_strided(b, e, n_sink);
-      if (!spos.empty())
+      // With every key a representative (repr_topk = chunk_size) the statistics choose nothing.
+      if (!spos.empty() && opt.store.repr_topk < cs)
         KVTIER_RETURN_IF_ERROR(
             store->ObserveQueries(seq, l, sq.data(), spos.data(), static_cast<int>(spos.size())));
       // Every window feeds the probes' running statistics (ActQKV Eq. 8 runs over all windows so far).

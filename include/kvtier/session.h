@@ -178,7 +178,8 @@ class Session {
   /// m = 1. A negative or non-increasing position, or a NaN or infinity in q, is InvalidArgument
   /// naming it (Gather and Observe check the same). A kPrefill window's representative-key
   /// statistics come from this attention on the hot tier's device (sinks | local with per-key
-  /// mass, the chunks apart, merged by log-sum-exp), not from a second pass.
+  /// mass, the chunks apart, merged by log-sum-exp), not from a second pass; a store whose
+  /// repr_topk equals chunk_size keeps every key and needs no statistics.
   Status Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
                 AttendStats* stats = nullptr);
   /// Attend without the attention: chooses and fetches the chunks and returns what to attend.
@@ -235,6 +236,10 @@ class Session {
   // the sinks and local window, added to the store's ring mass) and the retriever's Observe.
   Status ObserveLocked(int layer, const float* q, const float* q_mem, const int64_t* positions, int m,
                        const HotView& view, int64_t local_start);
+  // Whether prefill feeds the statistics: observe_prefill, and the store keeps fewer
+  // representatives than a chunk has keys (with every key a representative, the statistics
+  // choose nothing and their attention is skipped).
+  bool ObservesStatistics() const;
   // The statistics alone. kAbsolute: the store's own pass (ObserveQueries). kInfLLM: the
   // store keeps keys before RoPE, so the pass runs here, on fp32 copies rotated where Attend
   // puts them, and hands the local window's mass to the store (AddLocalAttention).

@@ -583,6 +583,85 @@ TEST(Session, MassFromAttendEqualsTheStatisticsPass) {
   }
 }
 
+TEST(Session, EveryKeyARepresentativeSkipsTheStatistics) {
+  // With repr_topk = chunk_size every key is a representative, so the statistics choose
+  // nothing: a prefill Attend runs the plain attention (no dense | chunks split, no mass), bit
+  // for bit what a session with observe_prefill = false computes, the ring holds no mass, and
+  // each chunk's representatives are its keys.
+  StoreOptions so = SmallStore();
+  so.repr_topk = so.chunk_size;
+  auto store_a = TieredStore::Open(so);
+  auto store_b = TieredStore::Open(so);
+  ASSERT_TRUE(store_a.ok() && store_b.ok());
+  SessionOptions oa = Retrieval(32), ob = Retrieval(32);
+  ob.observe_prefill = false;
+  auto a = Session::Open(store_a->get(), oa);
+  auto b = Session::Open(store_b->get(), ob);
+  ASSERT_TRUE(a.ok() && b.ok());
+  constexpr int kWindow = 16;
+  int with_chunks = 0;
+  for (int64_t b0 = 0; b0 < 192; b0 += kWindow) {
+    ASSERT_TRUE((*a)->BeginStep(StepKind::kPrefill).ok());
+    ASSERT_TRUE((*b)->BeginStep(StepKind::kPrefill).ok());
+    std::vector<int64_t> pos(kWindow);
+    for (int t = 0; t < kWindow; ++t) pos[t] = b0 + t;
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<uint16_t> k, v;
+      std::vector<float> q;
+      for (int t = 0; t < kWindow; ++t) {
+        Token tok = MakeToken(41, l, b0 + t);
+        k.insert(k.end(), tok.k.begin(), tok.k.end());
+        v.insert(v.end(), tok.v.begin(), tok.v.end());
+        q.insert(q.end(), tok.q.begin(), tok.q.end());
+      }
+      ASSERT_TRUE((*a)->Append(l, k.data(), v.data(), kWindow, DType::kF16).ok());
+      ASSERT_TRUE((*b)->Append(l, k.data(), v.data(), kWindow, DType::kF16).ok());
+      std::vector<float> out_a(static_cast<size_t>(kWindow) * kQHeads * kDim), out_b(out_a.size());
+      ASSERT_TRUE((*a)->Attend(l, q.data(), pos.data(), kWindow, out_a.data()).ok());
+      ASSERT_TRUE((*b)->Attend(l, q.data(), pos.data(), kWindow, out_b.data()).ok());
+      ASSERT_EQ((*a)->last_chunks()[l], (*b)->last_chunks()[l]) << "window " << b0 << " layer " << l;
+      with_chunks += (*a)->last_chunks()[l].empty() ? 0 : 1;
+      ASSERT_EQ(0, std::memcmp(out_a.data(), out_b.data(), out_a.size() * sizeof(float)))
+          << "window " << b0 << " layer " << l;
+      for (float m : TieredStoreTestPeer::RingMass(**store_a, (*a)->sequence(), l))
+        ASSERT_EQ(m, 0.0f) << "the ring got mass: the statistics ran";
+    }
+  }
+  EXPECT_GT(with_chunks, 10) << "retrieved chunks must join the attention";
+  // Every key of a chunk is one of its representatives (head by head).
+  const size_t per_token = static_cast<size_t>(kKvHeads) * kDim;
+  std::vector<float> repr(static_cast<size_t>(so.repr_topk) * per_token), keys(repr.size());
+  std::vector<uint16_t> k16(repr.size()), v16(repr.size());
+  for (int l = 0; l < kLayers; ++l) {
+    auto n = (*store_a)->ChunkCount((*a)->sequence(), l);
+    ASSERT_TRUE(n.ok());
+    ASSERT_GE(*n, 10u);
+    for (uint64_t c = 0; c < *n; ++c) {
+      ASSERT_TRUE(
+          (*store_a)
+              ->GetRepresentatives(ChunkKey{(*a)->sequence(), static_cast<uint32_t>(l), c}, repr.data())
+              .ok());
+      const int64_t first = so.n_sink + static_cast<int64_t>(c) * so.chunk_size;
+      ASSERT_TRUE((*store_a)
+                      ->ReadTokens((*a)->sequence(), l, first, first + so.chunk_size, k16.data(), v16.data())
+                      .ok());
+      ToFloat(DType::kF16, k16.data(), keys.data(), keys.size());
+      for (int h = 0; h < kKvHeads; ++h) {
+        std::vector<std::vector<float>> want, got;
+        for (int t = 0; t < so.chunk_size; ++t) {
+          const float* kt = keys.data() + (static_cast<size_t>(t) * kKvHeads + h) * kDim;
+          want.emplace_back(kt, kt + kDim);
+          const float* rt = repr.data() + (static_cast<size_t>(t) * kKvHeads + h) * kDim;
+          got.emplace_back(rt, rt + kDim);
+        }
+        std::sort(want.begin(), want.end());
+        std::sort(got.begin(), got.end());
+        EXPECT_EQ(want, got) << "layer " << l << " chunk " << c << " head " << h;
+      }
+    }
+  }
+}
+
 TEST(Session, ASessionAttachedToTheSameSequenceNeverSelectsADroppedChunk) {
   // Compress drops chunks from the store; every retrieval index over the sequence learns it
   // from the store at its next step, not only the index of the session that compressed.
