@@ -493,6 +493,7 @@ void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& r
   TsanForkJoin fj;  // kernels/tbb_tsan.h
   tbb::parallel_for(
       tbb::blocked_range<size_t>(0, rows.size(), 64), fj.Body([&](const tbb::blocked_range<size_t>& range) {
+        std::vector<float> dots(static_cast<size_t>(R));
         for (size_t i = range.begin(); i < range.end(); ++i) {
           if (i + kAhead < range.end() && static_cast<size_t>(rows[i + kAhead]) >= full_from_) {
             const size_t ahead = static_cast<size_t>(rows[i + kAhead]) - full_from_;
@@ -516,8 +517,10 @@ void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& r
               const size_t c = row - full_from_;
               const uint8_t* keys = repr_[h].data();
               const float* inv = inv_norm_[h].data();
+              kernels::DotKeys(dt, keys + c * R * key_bytes, key_bytes, p, D, static_cast<size_t>(R),
+                               dots.data());
               for (int r = 0; r < R; ++r) {
-                const float dot = kernels::DotKey(dt, keys + (c * R + r) * key_bytes, p, D);
+                const float dot = dots[static_cast<size_t>(r)];
                 best = std::max(best, dot);
                 best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p[h]);
               }

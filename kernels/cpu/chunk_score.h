@@ -52,7 +52,7 @@ inline void ScoreChunksOneHead(DType dt, const void* keys, const float* inv_norm
                                float* raw, float* cos) {
   const size_t key_bytes = static_cast<size_t>(D) * DTypeSize(dt);
   const uint8_t* k = static_cast<const uint8_t*>(keys);
-  for (size_t j = c0 * R; j < c1 * R; ++j) ip[j - c0 * R] = DotKey(dt, k + j * key_bytes, p, D);
+  DotKeys(dt, k + c0 * R * key_bytes, key_bytes, p, D, (c1 - c0) * R, ip);
   for (size_t c = c0; c < c1; ++c) {
     float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
     for (int r = 0; r < R; ++r) {

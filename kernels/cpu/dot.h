@@ -70,6 +70,54 @@ inline float DotKey(DType t, const void* key, const float* p, int n) {
   return s;
 }
 
+/// DotKey of `count` keys spaced `stride` bytes apart with one probe: out[i] = DotKey(t, key_i,
+/// p, n), bit for bit. Eight keys at a time keep their eight partial sums in eight registers
+/// and add the lanes in DotKey's order after an 8x8 transpose, so the horizontal sums, one
+/// dependent chain per key in DotKey, run side by side (the rescoring of short keys, e.g.
+/// head_dim 16, is dominated by them). n not a multiple of 8 takes DotKey key by key.
+inline void DotKeys(DType t, const void* keys, size_t stride, const float* p, int n, size_t count,
+                    float* out) {
+  const uint8_t* base = static_cast<const uint8_t*>(keys);
+  size_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+  if (n % 8 == 0) {
+    auto load = [t](const uint8_t* key, int d) -> __m256 {
+      if (t == DType::kF32) return _mm256_loadu_ps(reinterpret_cast<const float*>(key) + d);
+      const __m128i h =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(key) + d));
+      if (t == DType::kF16) return _mm256_cvtph_ps(h);
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    };
+    for (; i + 8 <= count; i += 8) {
+      __m256 a[8];
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+      for (int d = 0; d < n; d += 8) {
+        const __m256 pv = _mm256_loadu_ps(p + d);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(load(base + (i + j) * stride, d), pv, a[j]);
+      }
+      // Transpose: lane l of key j goes to register l, position j.
+      const __m256 t0 = _mm256_unpacklo_ps(a[0], a[1]), t1 = _mm256_unpackhi_ps(a[0], a[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(a[2], a[3]), t3 = _mm256_unpackhi_ps(a[2], a[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(a[4], a[5]), t5 = _mm256_unpackhi_ps(a[4], a[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(a[6], a[7]), t7 = _mm256_unpackhi_ps(a[6], a[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      const __m256 lane[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                              _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                              _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                              _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+      // DotKey's tail-free sum: s = 0, then s += acc[0], ..., s += acc[7].
+      __m256 sum = _mm256_add_ps(_mm256_setzero_ps(), lane[0]);
+      for (int l = 1; l < 8; ++l) sum = _mm256_add_ps(sum, lane[l]);
+      _mm256_storeu_ps(out + i, sum);
+    }
+  }
+#endif
+  for (; i < count; ++i) out[i] = DotKey(t, base + i * stride, p, n);
+}
+
 /// Rows are stored in blocks of kI8Block, transposed in pairs of elements: block b holds
 /// rows [b*B, b*B+B) in I8BlockBytes(D) bytes, element d of lane j at
 /// block[I8Offset(d, j)] = (d/2)*2B + 2j + d%2 (an odd D gets a zero pad). One pair of

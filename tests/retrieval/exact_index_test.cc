@@ -520,6 +520,36 @@ TEST(ExactChunkIndexCap, BadCapsAreRefusedNamingTheOption) {
 
 // ---- kernels the index rests on -------------------------------------------------------------
 
+TEST(ExactChunkIndexKernels, DotKeysEqualsDotKeyKeyByKey) {
+  // The batched dot (eight keys, transposed lanes) must give DotKey's bits for every key, at
+  // every length, count and spacing: the rescoring and the full scores rest on it. Signed
+  // zeros and large magnitudes are in the mix (lane sums that cancel exactly, rounding).
+  std::mt19937 rng(29);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (DType t : {DType::kF16, DType::kBF16, DType::kF32})
+    for (int n : {8, 16, 24, 64, 128, 256, 3, 12}) {
+      const size_t es = DTypeSize(t);
+      for (size_t pad : {size_t{0}, size_t{5}}) {
+        const size_t stride = (static_cast<size_t>(n) + pad) * es;
+        for (size_t count : {size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{17}, size_t{64}}) {
+          std::vector<float> k((static_cast<size_t>(n) + pad) * count), p(n);
+          for (size_t i = 0; i < k.size(); ++i) k[i] = i % 13 == 0 ? -0.0f : (i % 29 == 0 ? 3.0e4f : nd(rng));
+          for (int i = 0; i < n; ++i) p[i] = i % 7 == 0 ? 0.0f : nd(rng);
+          std::vector<uint8_t> stored(k.size() * es);
+          FromFloat(t, k.data(), stored.data(), k.size());
+          std::vector<float> got(count, std::nanf(""));
+          kernels::DotKeys(t, stored.data(), stride, p.data(), n, count, got.data());
+          for (size_t i = 0; i < count; ++i) {
+            const float want = kernels::DotKey(t, stored.data() + i * stride, p.data(), n);
+            ASSERT_EQ(0, std::memcmp(&want, &got[i], sizeof(float)))
+                << DTypeName(t) << " n " << n << " pad " << pad << " count " << count << " key " << i << ": "
+                << want << " vs " << got[i];
+          }
+        }
+      }
+    }
+}
+
 TEST(ExactChunkIndexKernels, DotKeyOfAStoredKeyEqualsDotOfItsFloats) {
   // The rescoring stage reads representatives in the store's dtype; its scores must be the
   // ones an fp32 copy would give, bit for bit, at every length (lanes and tail).
