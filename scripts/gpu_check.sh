@@ -20,7 +20,8 @@
 # with the registry), they are unpacked into $KVTIER_DEPS_PREFIX (default
 # /opt/kvdeps), never into /. Environment: KVTIER_GPU_BUILD (build dir, default build-gpu),
 # KVTIER_CUDA_ARCH (default 90: H100/H200), JOBS, KVTIER_RUN_TIMEOUT (s per kvtier run, 540),
-# KVTIER_RUN_CONTEXTS (the `kvtier run --device cuda` contexts, default "131072 1048576").
+# KVTIER_RUN_CONTEXTS (the `kvtier run --device cuda` contexts, default "131072 1048576"),
+# KVTIER_INFINITE_CONTEXTS (`kvtier infinite` on cuda and cpu, default "4096 16384"; --quick "4096").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR [--build-only]}
@@ -178,6 +179,7 @@ fi
 # takes (16, 32, 64, 128, 256): a cuda run that stops anyway keeps its status line in the row.
 INFINITE_CONTEXTS="4096 16384"
 [ "$MODE" = "--quick" ] && INFINITE_CONTEXTS="4096"
+INFINITE_CONTEXTS=${KVTIER_INFINITE_CONTEXTS:-$INFINITE_CONTEXTS}  # e.g. "4096 16384 32768"
 for ctx in $INFINITE_CONTEXTS; do
   for dev in cpu cuda; do
     timeout "$INFINITE_TIMEOUT" "$BUILD/kvtier" infinite --weights models/kvtier-tiny.safetensors --task passkey \
