@@ -1032,6 +1032,57 @@ Status ColdTier::GetChunk(const ChunkKey& k, void* dst, size_t payload_bytes) {
   return Status::Ok();
 }
 
+void ColdTier::GetChunkMetas(const std::vector<ChunkKey>& keys, std::vector<std::string>* metas,
+                             std::vector<Status>* statuses) {
+  Impl& m = *impl_;
+  const size_t n = keys.size();
+  metas->assign(n, std::string());
+  statuses->assign(n, Status::Ok());
+  std::vector<std::string> key_bytes;
+  std::vector<rocksdb::Slice> slices;
+  std::vector<size_t> asked;  // positions in `keys` that go to RocksDB
+  key_bytes.reserve(n);
+  slices.reserve(n);
+  asked.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (impl_->options.fault_injector) {
+      Status f = impl_->options.fault_injector("meta", keys[i]);
+      if (!f.ok()) {
+        (*statuses)[i] = std::move(f);
+        continue;
+      }
+    }
+    key_bytes.push_back(cold_tier_format::ChunkKeyBytes(keys[i]));
+    asked.push_back(i);
+  }
+  for (const std::string& k : key_bytes) slices.emplace_back(k);
+  if (asked.empty()) return;
+  rocksdb::ReadOptions ro;
+  ro.verify_checksums = true;
+  std::vector<rocksdb::PinnableSlice> values(asked.size());
+  std::vector<rocksdb::Status> rs(asked.size());
+  m.db->MultiGet(ro, m.meta_cf, asked.size(), slices.data(), values.data(), rs.data());
+  for (size_t j = 0; j < asked.size(); ++j) {
+    const size_t i = asked[j];
+    const std::string what = ChunkWhat(keys[i], "meta");
+    if (rs[j].IsNotFound()) {
+      (*statuses)[i] = NotFound("cold tier: " + what + " not found");
+      continue;
+    }
+    if (!rs[j].ok()) {
+      (*statuses)[i] = FromRocks(rs[j], "reading " + what);
+      continue;
+    }
+    Decoded d;
+    Status st = DecodeValue(values[j], ValueKind::kMeta, what, &d);
+    if (!st.ok()) {
+      (*statuses)[i] = std::move(st);
+      continue;
+    }
+    (*metas)[i].assign(d.body.data(), d.body.size());
+  }
+}
+
 Status ColdTier::DeleteChunk(const ChunkKey& k) {
   Impl& m = *impl_;
   KVTIER_RETURN_IF_ERROR(m.latch->Check());

@@ -135,8 +135,9 @@ struct ColdTierOptions {
   size_t block_cache_bytes = 32 << 20;   ///< RocksDB block cache (default 32 MiB; 0 = no block cache)
   size_t write_buffer_bytes = 32 << 20;  ///< memtable size (default 32 MiB; 64 KiB .. 4 GiB)
   /// Fault injection for tests (RocksDB's FaultInjectionEnv in miniature): when
-  /// set, PutChunk and GetChunk call it first ("put" / "get") and fail with its
-  /// status, touching nothing, when it is not OK. Unset (the default) in production.
+  /// set, PutChunk, GetChunk and GetChunkMetas call it first ("put" / "get" / "meta", the
+  /// last per key) and fail with its status, touching nothing, when it is not OK. Unset
+  /// (the default) in production.
   std::function<Status(std::string_view op, const ChunkKey& key)> fault_injector;
   /// When acknowledged chunks or sequence records are missing at open (see "What was
   /// acknowledged" above), or the manifest itself is missing or damaged: false (the
@@ -173,6 +174,13 @@ class ColdTier {
   /// -> Corruption naming the chunk key; missing -> NotFound naming it.
   /// On error the contents of dst are unspecified.
   Status GetChunk(const ChunkKey& key, void* dst, size_t payload_bytes);
+
+  /// Reads the meta records of `keys` (the caller's bytes, as PutChunk stored them), one
+  /// batch (RocksDB MultiGet), verified as every read: (*metas)[i] and (*statuses)[i] per key,
+  /// NotFound or Corruption naming the chunk. Reads meta blocks only, never a payload, and lets
+  /// them fill the block cache. With a fault injector set, it is asked first with "meta" per key.
+  void GetChunkMetas(const std::vector<ChunkKey>& keys, std::vector<std::string>* metas,
+                     std::vector<Status>* statuses);
 
   /// Removes the chunk's meta and payload atomically. Deleting a chunk that is
   /// not stored is not an error.

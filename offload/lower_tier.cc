@@ -9,6 +9,12 @@ void LowerTier::GetChunks(std::vector<Get>* gets, size_t payload_bytes) {
   for (Get& g : *gets) g.status = GetChunk(g.ref, g.dst, payload_bytes);
 }
 
+void LowerTier::GetChunkMetas(std::vector<MetaGet>* gets) {
+  for (MetaGet& g : *gets)
+    g.status = FailedPrecondition(std::string(name()) + " cannot read the meta record of chunk " +
+                                  g.ref.key.ToString() + " without its payload");
+}
+
 namespace {
 
 class ColdLowerTier final : public LowerTier {
@@ -28,6 +34,19 @@ class ColdLowerTier final : public LowerTier {
   }
   Status GetChunk(const LowerChunkRef& ref, void* dst, size_t payload_bytes) override {
     return cold_->GetChunk(ref.key, dst, payload_bytes);
+  }
+  bool reads_chunk_meta() const override { return true; }
+  void GetChunkMetas(std::vector<MetaGet>* gets) override {
+    std::vector<ChunkKey> keys;
+    keys.reserve(gets->size());
+    for (const MetaGet& g : *gets) keys.push_back(g.ref.key);
+    std::vector<std::string> metas;
+    std::vector<Status> statuses;
+    cold_->GetChunkMetas(keys, &metas, &statuses);
+    for (size_t i = 0; i < gets->size(); ++i) {
+      (*gets)[i].meta = std::move(metas[i]);
+      (*gets)[i].status = std::move(statuses[i]);
+    }
   }
   Status RemoveChunks(const std::vector<ChunkKey>& keys) override {
     for (const ChunkKey& k : keys) KVTIER_RETURN_IF_ERROR(cold_->DeleteChunk(k));

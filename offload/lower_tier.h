@@ -11,6 +11,10 @@
 //  * Fall-through reads (TransferEngine::CopyLoads, the store's ReadLowerTier): a chunk no
 //    memory tier holds is read from each tier in order until one serves it; when every
 //    tier tried failed, the error names each failure, in order.
+//  * Meta reads (GetChunkMetas, the store's ReadLowerTierRepr): a chunk whose representative
+//    keys the store released from memory (see TieredStore::metadata_bytes) has them read back
+//    from its meta record, from each tier that reads metas alone (reads_chunk_meta()) in order
+//    until one serves it.
 //  * Counters: each tier counts the fetched chunks it served (CountLoad) and adds its own
 //    counters to a snapshot (AddCounters).
 //
@@ -83,6 +87,18 @@ class LowerTier {
   };
   /// GetChunk for each, as one batch where the tier can (pipelined for Redis).
   virtual void GetChunks(std::vector<Get>* gets, size_t payload_bytes);
+  /// Whether the tier reads a chunk's meta record without its payload (GetChunkMetas): the
+  /// store releases a chunk's in-memory representatives only once such a tier acknowledged it.
+  virtual bool reads_chunk_meta() const { return false; }
+  /// One chunk of GetChunkMetas.
+  struct MetaGet {
+    LowerChunkRef ref;
+    std::string meta;  ///< the meta record (offload/store_records.h) as written with the chunk
+    Status status;     ///< the outcome
+  };
+  /// Reads the meta records of chunks, verified, as one batch; each status names the chunk and
+  /// the tier. A tier whose reads_chunk_meta() is false answers FailedPrecondition for each.
+  virtual void GetChunkMetas(std::vector<MetaGet>* gets);
   /// Removes chunks of the store's own (missing ones are not an error); stops at the first
   /// failure.
   virtual Status RemoveChunks(const std::vector<ChunkKey>& keys) = 0;

@@ -106,7 +106,8 @@ Status RecoverStore(const StoreOptions& options, ColdTier* cold, HotTier* hot, R
           c->id = out->next_chunk_id++;
           c->key = key;
           c->first_token = m.first_token;
-          c->repr = std::move(m.repr);
+          // Cold only: its representatives stay in the meta record (checked above) and are read
+          // back on demand (TieredStore::metadata_bytes).
           c->score = m.score;
           c->tiers = kTierCold;
           c->cold_acked = true;

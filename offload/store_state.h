@@ -3,9 +3,12 @@
 // build it); not part of the public API.
 //
 // Locking: every mutable field is guarded by TieredStore's mutex, except where
-// a field says otherwise. A chunk's id, key, first_token and (once sealed) repr
-// never change, so transfer threads may read them without the lock while the
-// chunk is pinned.
+// a field says otherwise. A chunk's id, key and first_token never change, so transfer
+// threads may read them without the lock while the chunk is pinned. Its repr is chosen
+// once (at landing) and never changes; it is released (emptied, under the lock) only once
+// the chunk holds no warm copy, is not being written and a lower tier that reads metas
+// alone acknowledged its meta record (TieredStore::MaybeReleaseReprLocked), so a writer
+// of an unacknowledged chunk may read it without the lock.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +31,9 @@ struct Chunk {
   uint64_t id = 0;
   ChunkKey key;
   int64_t first_token = 0;
-  std::vector<uint8_t> repr;  // [repr_topk, kv_heads, head_dim] in storage dtype
+  // [repr_topk, kv_heads, head_dim] in storage dtype; empty once released (read back from
+  // the chunk's meta record in the lower tiers) and for a chunk recovered at Open.
+  std::vector<uint8_t> repr;
   uint8_t tiers = kTierNone;
   int32_t warm_slot = -1;
   int32_t hot_slot = -1;

@@ -171,7 +171,10 @@ Status TieredStore::Init() {
     remote_ = remote.get();
     lower_.push_back(MakeRemoteLowerTier(std::move(remote)));
   }
-  for (const auto& tier : lower_) error_window_ = std::min(error_window_, tier->error_window());
+  for (const auto& tier : lower_) {
+    error_window_ = std::min(error_window_, tier->error_window());
+    if (tier->reads_chunk_meta()) meta_tiers_ |= tier->tier_bit();
+  }
   TransferEngine::Options eo;
   eo.threads = options_.transfer_threads;
   eo.chunk_bytes = chunk_bytes_;
@@ -388,8 +391,9 @@ StoreCounters TieredStore::counters() {
 
 uint64_t TieredStore::metadata_bytes() const {
   std::lock_guard<std::mutex> l(mu_);
-  const size_t per_chunk = sizeof(Chunk) + static_cast<size_t>(options_.repr_topk) * token_bytes_ + 64;
-  return chunk_by_id_.size() * per_chunk;
+  const size_t per_chunk = sizeof(Chunk) + 64;
+  return chunk_by_id_.size() * per_chunk +
+         repr_chunks_ * static_cast<size_t>(options_.repr_topk) * token_bytes_;
 }
 
 }  // namespace kvtier

@@ -207,11 +207,16 @@ class TieredStore : public Store {
   /// Number of chunk indices sealed in one layer (chunk i covers tokens
   /// [n_sink + i*chunk_size, n_sink + (i+1)*chunk_size)).
   Result<uint64_t> ChunkCount(SequenceId seq, int layer) override;
-  /// Representative keys of one chunk: [repr_topk, kv_heads, head_dim] fp32.
+  /// Representative keys of one chunk: [repr_topk, kv_heads, head_dim] fp32. A chunk whose
+  /// representatives left memory (see metadata_bytes) has them read back from its meta record
+  /// in the lower tiers, without the store lock; a failed read is returned naming the chunk
+  /// ("representatives of chunk ... could not be read back from the lower tiers: ...").
   Status GetRepresentatives(const ChunkKey& key, float* out);
   /// What changed in one layer's chunks since `since`, handed over in one call under one
   /// lock (lands the layer first, as every reader): the landed chunks with index >=
-  /// since.chunks, ascending, with their representative keys, and the chunks dropped
+  /// since.chunks, ascending, with their representative keys (those that left memory read back
+  /// from the lower tiers in one batch without the store lock, as GetRepresentatives; a failed
+  /// read fails the call and moves no cursor), and the chunks dropped
   /// (DropChunks) since drop number since.drops. `out->next` is the cursor for the next call.
   /// A retrieval index keeps its cursor per (sequence, layer) and starts at {0, 0}, which
   /// also builds it from what a recovered or attached sequence holds. Holes (dropped or lost
@@ -305,7 +310,12 @@ class TieredStore : public Store {
   /// The remote tier, or null.
   RemoteTier* remote_tier() const { return remote_; }
 
-  /// Bytes of host memory held for indexes and chunk metadata (representatives).
+  /// Bytes of host memory held for indexes and chunk metadata: a record per chunk, plus the
+  /// representative keys of the chunks that hold them in memory. A chunk holds them from its
+  /// seal until it has left the warm tier with its meta record (which carries the same bytes)
+  /// acknowledged by a lower tier that reads metas alone (LowerTier::reads_chunk_meta: the cold
+  /// tier); then they are released and read back on demand. Chunks recovered at Open hold none.
+  /// A store without such a tier (none, or only a remote tier) keeps every chunk's.
   uint64_t metadata_bytes() const;
 
  private:
@@ -380,6 +390,22 @@ class TieredStore : public Store {
   bool has_lower() const { return !lower_.empty(); }
   /// Reads a chunk no memory tier holds from the lower tiers in order (verified).
   Status ReadLowerTier(const Sequence* s, const Chunk* c, void* dst);
+  /// One chunk of ReadLowerTierRepr: its key and room for repr_topk * token_bytes_ bytes.
+  struct ReprRead {
+    ChunkKey key;
+    uint8_t* dst = nullptr;
+    Status status;  ///< the outcome, naming the chunk
+  };
+  /// Reads the representatives (storage dtype) of chunks of `s` that released them, from their
+  /// meta records in the lower tiers that read metas alone, in order, in batches. Called
+  /// without mu_, with `s` held busy. Returns the first failure (each read has its own).
+  Status ReadLowerTierRepr(const Sequence* s, std::vector<ReprRead>* reads);
+  /// Releases the chunk's in-memory representatives when a tier that reads metas alone
+  /// acknowledged it and it holds no warm copy (see metadata_bytes).
+  void MaybeReleaseReprLocked(Chunk* c);
+  /// The chunk's representatives, in memory or read back: [repr_topk, kv_heads, head_dim] in the
+  /// storage dtype, into `out` (resized). Takes and drops mu_ itself; `s` must be held busy.
+  Status ReprBytes(const Sequence* s, const Chunk* c, std::vector<uint8_t>* out);
   /// K then V of the sinks and of the local window of one layer, as CloseSequence persists them.
   Status CopySinksAndLocal(SequenceId seq, Sequence* s, int layer, std::string* sinks, std::string* local);
 
@@ -419,6 +445,8 @@ class TieredStore : public Store {
   std::set<uint64_t> pin_waiters_;
   uint64_t next_pin_ticket_ = 1;
   uint64_t region_bytes_ = 0;
+  uint64_t repr_chunks_ = 0;       // chunks holding their representatives in memory (non-empty Chunk::repr)
+  uint8_t meta_tiers_ = 0;         // TierBits of the lower tiers that read metas alone (reads_chunk_meta)
   uint64_t landing_chunks_ = 0;    // sealed chunks whose warm slot is still being filled (every layer)
   uint64_t landing_failures_ = 0;  // landings that lost their chunk (with chunks_sealed: landing progress)
   std::function<void(const ChunkKey&)> ack_listener_;

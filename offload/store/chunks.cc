@@ -52,8 +52,27 @@ Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) {
   if (key.index >= chunks.size() || chunks[key.index] == nullptr)
     return NotFound("chunk " + key.ToString() + " does not exist");
   const Chunk* c = chunks[key.index];
-  ToFloat(options_.geometry.dtype, c->repr.data(), out, c->repr.size() / DTypeSize(options_.geometry.dtype));
-  return Status::Ok();
+  const DType dt = options_.geometry.dtype;
+  const size_t repr_elems = static_cast<size_t>(options_.repr_topk) * options_.geometry.token_elems();
+  if (!c->repr.empty()) {
+    ToFloat(dt, c->repr.data(), out, repr_elems);
+    return Status::Ok();
+  }
+  // Released from memory: read back from its meta record without the lock, as a fetch reads a
+  // payload; busy keeps the sequence (and its remote namespace) while the lock is dropped.
+  s->busy++;
+  l.unlock();
+  Status st = ReturnOnBadAlloc("GetRepresentatives: a read-back buffer", [&]() -> Status {
+    std::vector<uint8_t> bytes(repr_elems * DTypeSize(dt));
+    std::vector<ReprRead> reads{ReprRead{key, bytes.data(), Status::Ok()}};
+    KVTIER_RETURN_IF_ERROR(ReadLowerTierRepr(s, &reads));
+    ToFloat(dt, bytes.data(), out, repr_elems);
+    return Status::Ok();
+  });
+  l.lock();
+  s->busy--;
+  cv_.notify_all();
+  return st;
 }
 
 Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCursor& since, ChunkUpdate* out) {
@@ -69,29 +88,96 @@ Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCurs
                            std::to_string(since.drops) + "} is past layer " + std::to_string(layer) +
                            " of sequence " + std::to_string(seq) + " (" + std::to_string(ls.chunks.size()) +
                            " chunks, " + std::to_string(ls.dropped.size()) + " drops)");
-  return ReturnOnBadAlloc("ChunkUpdatesSince: the representatives of the new chunks", [&]() -> Status {
+  const DType dt = options_.geometry.dtype;
+  const size_t repr_elems = static_cast<size_t>(options_.repr_topk) * options_.geometry.token_elems();
+  const size_t repr_bytes = repr_elems * DTypeSize(dt);
+  std::vector<ReprRead> paged;     // chunks whose representatives left memory
+  std::vector<size_t> paged_slot;  // their position in out->added
+  Status st = ReturnOnBadAlloc("ChunkUpdatesSince: the representatives of the new chunks", [&]() -> Status {
     out->added.clear();
     out->repr.clear();
     out->dropped.assign(ls.dropped.begin() + static_cast<ptrdiff_t>(since.drops), ls.dropped.end());
-    const DType dt = options_.geometry.dtype;
-    const size_t repr_elems = static_cast<size_t>(options_.repr_topk) * options_.geometry.token_elems();
-    size_t n = 0;
-    for (uint64_t i = since.chunks; i < ls.chunks.size(); ++i) n += ls.chunks[i] != nullptr;
+    size_t n = 0, n_paged = 0;
+    for (uint64_t i = since.chunks; i < ls.chunks.size(); ++i)
+      if (const Chunk* c = ls.chunks[i]; c != nullptr) {
+        n++;
+        n_paged += c->repr.empty();
+      }
     out->added.reserve(n);
     out->repr.resize(n * repr_elems);
+    paged.reserve(n_paged);
+    paged_slot.reserve(n_paged);
     for (uint64_t i = since.chunks; i < ls.chunks.size(); ++i) {
       const Chunk* c = ls.chunks[i];
       if (c == nullptr) continue;
-      if (c->repr.size() != repr_elems * DTypeSize(dt))
+      if (c->repr.empty()) {
+        paged.push_back(ReprRead{c->key, nullptr, Status::Ok()});
+        paged_slot.push_back(out->added.size());
+      } else if (c->repr.size() != repr_bytes) {
         return Internal("ChunkUpdatesSince: chunk " + c->key.ToString() + " holds " +
                         std::to_string(c->repr.size()) + " bytes of representatives, not " +
-                        std::to_string(repr_elems * DTypeSize(dt)));
-      ToFloat(dt, c->repr.data(), out->repr.data() + out->added.size() * repr_elems, repr_elems);
+                        std::to_string(repr_bytes));
+      } else {
+        ToFloat(dt, c->repr.data(), out->repr.data() + out->added.size() * repr_elems, repr_elems);
+      }
       out->added.push_back(i);
     }
     out->next = ChunkCursor{ls.chunks.size(), ls.dropped.size()};
     return Status::Ok();
   });
+  if (!st.ok() || paged.empty()) return st;
+  // The released ones are read back without the lock (as a fetch reads payloads), a bounded
+  // batch at a time through one buffer; busy keeps the sequence while the lock is dropped.
+  s->busy++;
+  l.unlock();
+  constexpr size_t kBatch = 256;
+  std::vector<uint8_t> buf;
+  std::vector<ReprRead> batch;
+  st = ReturnOnBadAlloc("ChunkUpdatesSince: a read-back buffer", [&]() -> Status {
+    buf.resize(std::min(paged.size(), kBatch) * repr_bytes);
+    batch.reserve(std::min(paged.size(), kBatch));
+    return Status::Ok();
+  });
+  for (size_t b = 0; b < paged.size() && st.ok(); b += kBatch) {
+    const size_t e = std::min(paged.size(), b + kBatch);
+    batch.assign(paged.begin() + static_cast<ptrdiff_t>(b), paged.begin() + static_cast<ptrdiff_t>(e));
+    for (size_t j = 0; j < batch.size(); ++j) batch[j].dst = buf.data() + j * repr_bytes;
+    ReadLowerTierRepr(s, &batch).IgnoreError();  // per-chunk statuses below
+    for (size_t j = 0; j < batch.size(); ++j) {
+      paged[b + j].status = std::move(batch[j].status);
+      if (paged[b + j].status.ok())
+        ToFloat(dt, batch[j].dst, out->repr.data() + paged_slot[b + j] * repr_elems, repr_elems);
+    }
+  }
+  l.lock();
+  s->busy--;
+  cv_.notify_all();
+  if (!st.ok()) return st;
+  // A chunk dropped (DropChunks) while the lock was dropped may have lost its meta record
+  // with it: it is left out (its drop comes with a later call), as any hole. Any other failed
+  // read fails the call.
+  std::vector<uint8_t> gone(out->added.size(), 0);
+  bool any_gone = false;
+  for (size_t j = 0; j < paged.size(); ++j) {
+    if (paged[j].status.ok()) continue;
+    if (ls.chunks[out->added[paged_slot[j]]] != nullptr) return paged[j].status;
+    gone[paged_slot[j]] = 1;
+    any_gone = true;
+  }
+  if (any_gone) {
+    size_t w = 0;
+    for (size_t r = 0; r < out->added.size(); ++r) {
+      if (gone[r]) continue;
+      if (w != r) {
+        out->added[w] = out->added[r];
+        std::copy_n(out->repr.data() + r * repr_elems, repr_elems, out->repr.data() + w * repr_elems);
+      }
+      w++;
+    }
+    out->added.resize(w);
+    out->repr.resize(w * repr_elems);
+  }
+  return Status::Ok();
 }
 
 Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t end, void* k_out,
@@ -289,6 +375,7 @@ void TieredStore::FreeChunkLocked(Chunk* c) {
     counters_.cold_bytes -= chunk_bytes_;
   }
   chunk_by_id_.erase(c->id);
+  if (!c->repr.empty()) repr_chunks_--;
   delete c;
 }
 

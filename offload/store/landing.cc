@@ -85,6 +85,7 @@ void TieredStore::LandLayerLocked(std::unique_lock<std::mutex>& lock, Sequence* 
                                                    " failed and its tokens are lost: " + st.message());
         ls.chunks[c->key.index] = nullptr;
         chunk_by_id_.erase(c->id);
+        repr_chunks_--;
         warm_->Release(c->warm_slot);
         delete c;
       } else {

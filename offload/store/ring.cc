@@ -118,6 +118,7 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
     c->warm_slot = slot;
     c->warm_pins = 1;  // being filled
     chunk_by_id_[c->id] = c;
+    repr_chunks_++;
     ls.chunks.push_back(c);
     landing_chunks_++;  // from here on its warm slot is not counted as a warm chunk
     dst = warm_->slot_data(c->warm_slot);
@@ -137,6 +138,7 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
     // Nothing was submitted: the chunk stays in the ring, and the next Append seals it again.
     ls.chunks.pop_back();
     chunk_by_id_.erase(c->id);
+    repr_chunks_--;
     warm_->Release(c->warm_slot);
     landing_chunks_--;
     delete c;

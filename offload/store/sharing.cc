@@ -89,7 +89,11 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
         std::memcpy(buf.data(), warm_->slot_data(c->warm_slot), chunk_bytes_);
         st = Status::Ok();
       }
-      const std::string meta = EncodeChunkMeta(c->first_token, c->repr.data(), c->repr.size(), score);
+      // Representatives released from memory come back from the cold tier's meta record.
+      std::vector<uint8_t> repr;
+      st = ReprBytes(s, c, &repr);
+      if (!st.ok()) break;
+      const std::string meta = EncodeChunkMeta(c->first_token, repr.data(), repr.size(), score);
       st = remote_->PutChunk(c->key, meta, buf.data(), chunk_bytes_);
       if (!st.ok()) break;
       std::lock_guard<std::mutex> lk(mu_);
@@ -104,13 +108,39 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
     PutFixed32(&rec, kPubVersion);
     PutInt64(&rec, ls.n_tokens);
     PutInt64(&rec, ls.sealed_end);
+    // Every chunk's meta: a snapshot under the lock, then the representatives released from
+    // memory read back (one batch, without the lock), then the records.
+    struct Snap {
+      int64_t first_token = 0;
+      float score = 0.0f;
+      bool present = false;
+    };
+    std::vector<Snap> snaps;
+    std::vector<uint8_t> reprs;
+    std::vector<ReprRead> paged;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      PutFixed64(&rec, ls.chunks.size());
-      for (const Chunk* c : ls.chunks) {
-        PutFixed8(&rec, c ? 1 : 0);
-        if (c) PutLengthPrefixed(&rec, EncodeChunkMeta(c->first_token, c->repr.data(), repr_bytes, c->score));
+      snaps.resize(ls.chunks.size());
+      reprs.resize(ls.chunks.size() * repr_bytes);
+      for (size_t i = 0; i < ls.chunks.size(); ++i) {
+        const Chunk* c = ls.chunks[i];
+        if (c == nullptr) continue;
+        snaps[i] = Snap{c->first_token, c->score, true};
+        uint8_t* dst = reprs.data() + i * repr_bytes;
+        if (c->repr.empty())
+          paged.push_back(ReprRead{c->key, dst, Status::Ok()});
+        else
+          std::memcpy(dst, c->repr.data(), repr_bytes);
       }
+    }
+    if (!paged.empty()) st = ReadLowerTierRepr(s, &paged);
+    if (!st.ok()) break;
+    PutFixed64(&rec, snaps.size());
+    for (size_t i = 0; i < snaps.size(); ++i) {
+      PutFixed8(&rec, snaps[i].present ? 1 : 0);
+      if (snaps[i].present)
+        PutLengthPrefixed(&rec, EncodeChunkMeta(snaps[i].first_token, reprs.data() + i * repr_bytes,
+                                                repr_bytes, snaps[i].score));
     }
     std::string sinks, local;
     st = CopySinksAndLocal(seq, s, l, &sinks, &local);
@@ -262,6 +292,7 @@ Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
       c->id = next_chunk_id_++;
       c->key.seq = id;
       chunk_by_id_[c->id] = c;
+      repr_chunks_++;  // remote only: the remote tier does not read metas alone (see metadata_bytes)
     }
   sequences_[id] = std::move(seq);
   return id;

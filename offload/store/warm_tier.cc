@@ -2,7 +2,8 @@
 // drops warm copies the lower tiers already acknowledged, writes an unacknowledged victim
 // down first, lands chunks still landing, and otherwise waits for a busy chunk to finish;
 // AcquireWarmSlotForReadLocked gives a chunk read back from a lower tier a warm slot
-// without ever waiting. A chunk leaves warm only once a lower tier acknowledged it.
+// without ever waiting. A chunk leaves warm only once a lower tier acknowledged it, and its
+// representatives leave memory with it when that tier reads metas alone (MaybeReleaseReprLocked).
 //
 // Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
 // offload/store_state.h says otherwise (a layer's sinks and ring belong to the sequence's
@@ -30,7 +31,20 @@ bool TieredStore::DropWarmCopyLocked() {
   c->tiers &= ~kTierWarm;
   warm_policy_->OnRemove(victim_id);
   counters_.demotions++;
+  MaybeReleaseReprLocked(c);
   return true;
+}
+
+void TieredStore::MaybeReleaseReprLocked(Chunk* c) {
+  // The meta record in such a tier is then the other copy of these bytes (write_through.cc
+  // encodes it from c->repr), and nothing writes this chunk's meta again: every write of a
+  // chunk to the lower tiers (landing, demotion, CloseSequence) is of an unacknowledged one,
+  // and PublishSequence reads released representatives back (sharing.cc).
+  if (c->repr.empty() || c->warm_slot >= 0 || !c->cold_acked || c->cold_writing ||
+      (c->tiers & meta_tiers_) == 0)
+    return;
+  std::vector<uint8_t>().swap(c->repr);
+  repr_chunks_--;
 }
 
 int32_t TieredStore::AcquireWarmSlotForReadLocked() {

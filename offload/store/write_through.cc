@@ -4,7 +4,9 @@
 // CloseSequence). AckColdWriteLocked marks what the tiers acknowledged; a failed write
 // becomes the sticky background error (BackgroundErrorLocked, CheckBackgroundError) until
 // WaitForDurable reports it or the tiers' error window passes. ReadLowerTier reads a chunk
-// no memory tier holds, falling through the list in order.
+// no memory tier holds, falling through the list in order; ReadLowerTierRepr reads back the
+// representatives a chunk released from memory (MaybeReleaseReprLocked, warm_tier.cc) from
+// its meta record, the same way.
 //
 // Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
 // offload/store_state.h says otherwise (a layer's sinks and ring belong to the sequence's
@@ -13,6 +15,9 @@
 // A chunk being written is pinned (cold_writing, warm_pins) so its warm slot and key stay
 // valid while transfer threads read them without mu_.
 
+#include <algorithm>
+#include <cstring>
+
 #include "offload/store_records.h"
 #include "offload/store_state.h"
 #include "offload/tiered_store.h"
@@ -20,6 +25,7 @@
 
 namespace kvtier {
 
+using store_records::DecodeChunkMeta;
 using store_records::EncodeChunkMeta;
 
 Status TieredStore::WriteWarmChunkToColdLocked(std::unique_lock<std::mutex>& lock, Chunk* c) {
@@ -174,6 +180,88 @@ Status TieredStore::ReadLowerTier(const Sequence* s, const Chunk* c, void* dst) 
     tried = true;
   }
   return st;
+}
+
+Status TieredStore::ReadLowerTierRepr(const Sequence* s, std::vector<ReprRead>* reads) {
+  const size_t repr_bytes = static_cast<size_t>(options_.repr_topk) * token_bytes_;
+  // Bounded batches: a first index sync over a long sequence reads every chunk's meta.
+  constexpr size_t kBatch = 256;
+  std::vector<LowerTier::MetaGet> batch;
+  std::vector<size_t> pending, asked, still;  // positions in *reads
+  std::vector<uint8_t> tried(reads->size(), 0);
+  for (size_t b = 0; b < reads->size(); b += kBatch) {
+    const size_t e = std::min(reads->size(), b + kBatch);
+    pending.clear();
+    for (size_t i = b; i < e; ++i) {
+      (*reads)[i].status = Internal("no lower tier that reads chunk metas holds it");
+      pending.push_back(i);
+    }
+    for (const auto& tier : lower_) {
+      if (pending.empty()) break;
+      if (!tier->reads_chunk_meta()) continue;
+      batch.clear();
+      asked.clear();
+      for (size_t i : pending) {
+        LowerTier::MetaGet g;
+        g.ref.key = (*reads)[i].key;
+        if (store_internal::SharedChunk(s, g.ref.key)) {
+          if (!tier->serves_published()) continue;  // a publisher's chunk: not in this tier
+          g.ref.ns = &s->remote_ns;
+          g.ref.key.seq = s->remote_seq;
+        }
+        batch.push_back(std::move(g));
+        asked.push_back(i);
+      }
+      if (batch.empty()) continue;
+      tier->GetChunkMetas(&batch);
+      for (size_t j = 0; j < batch.size(); ++j) {
+        const size_t i = asked[j];
+        ReprRead& r = (*reads)[i];
+        Status got = std::move(batch[j].status);
+        if (got.ok()) {
+          Result<store_records::ChunkMeta> m = DecodeChunkMeta(batch[j].meta, r.key, repr_bytes);
+          if (m.ok()) {
+            std::memcpy(r.dst, m->repr.data(), repr_bytes);
+            r.status = Status::Ok();
+            continue;
+          }
+          got = m.status();
+        }
+        // Each tier serves what the ones before it lost or damaged; every failure is reported.
+        r.status = tried[i] ? Status(got.code(), r.status.message() + "; " + got.message()) : std::move(got);
+        tried[i] = 1;
+      }
+      still.clear();
+      for (size_t i : pending)
+        if (!(*reads)[i].status.ok()) still.push_back(i);
+      pending.swap(still);
+    }
+  }
+  Status first;
+  for (ReprRead& r : *reads) {
+    if (r.status.ok()) continue;
+    r.status =
+        Status(r.status.code(), "representatives of chunk " + r.key.ToString() +
+                                    " could not be read back from the lower tiers: " + r.status.message());
+    if (first.ok()) first = r.status;
+  }
+  return first;
+}
+
+Status TieredStore::ReprBytes(const Sequence* s, const Chunk* c, std::vector<uint8_t>* out) {
+  const size_t repr_bytes = static_cast<size_t>(options_.repr_topk) * token_bytes_;
+  ChunkKey key;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!c->repr.empty()) {
+      out->assign(c->repr.begin(), c->repr.end());
+      return Status::Ok();
+    }
+    key = c->key;
+  }
+  out->resize(repr_bytes);
+  std::vector<ReprRead> reads{ReprRead{key, out->data(), Status::Ok()}};
+  return ReadLowerTierRepr(s, &reads);
 }
 
 }  // namespace kvtier

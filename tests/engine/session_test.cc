@@ -662,6 +662,48 @@ TEST(Session, EveryKeyARepresentativeSkipsTheStatistics) {
   }
 }
 
+// A store over a cold tier with a small warm tier releases the representatives of chunks that
+// left warm; a session attached afterwards builds its indexes from the representatives read
+// back from the cold tier, and attends exactly as it does over a store that kept them all.
+TEST(Session, ASessionAttachedAfterRepresentativesLeftMemoryAttendsAsOverAResidentStore) {
+  TempDir dir;
+  StoreOptions paged_o = SmallStore(dir.path());
+  paged_o.warm_bytes = 8 * paged_o.chunk_bytes();
+  auto paged = TieredStore::Open(paged_o);
+  auto resident = TieredStore::Open(SmallStore());
+  ASSERT_TRUE(paged.ok() && resident.ok());
+  auto writer_p = Session::Open(paged->get(), Retrieval(64));
+  auto writer_r = Session::Open(resident->get(), Retrieval(64));
+  ASSERT_TRUE(writer_p.ok() && writer_r.ok());
+  std::vector<float> outs_p, outs_r;
+  ASSERT_TRUE(DriveSession(writer_p->get(), 29, 320, 321, &outs_p).ok());
+  ASSERT_TRUE(DriveSession(writer_r->get(), 29, 320, 321, &outs_r).ok());
+  EXPECT_EQ(outs_p, outs_r);
+  ASSERT_TRUE((*paged)->WaitForDurable().ok());
+  const size_t repr_bytes = static_cast<size_t>(paged_o.repr_topk) * kKvHeads * kDim * 2;
+  ASSERT_GE((*resident)->metadata_bytes(), (*paged)->metadata_bytes() + 60 * repr_bytes)
+      << "most chunks left warm, and their representatives left memory";
+  const SequenceId seq_p = (*writer_p)->sequence(), seq_r = (*writer_r)->sequence();
+  writer_p->reset();
+  writer_r->reset();
+  auto reader_p = Session::Attach(paged->get(), seq_p, Retrieval(64));
+  auto reader_r = Session::Attach(resident->get(), seq_r, Retrieval(64));
+  ASSERT_TRUE(reader_p.ok()) << reader_p.status().ToString();
+  ASSERT_TRUE(reader_r.ok());
+  outs_p.clear();
+  outs_r.clear();
+  for (int64_t b = 321; b < 329; ++b) {
+    auto mp = StepOnce(reader_p->get(), 29, b, 0, &outs_p);
+    ASSERT_TRUE(mp.ok()) << mp.status().ToString();
+    ASSERT_TRUE(StepOnce(reader_r->get(), 29, b, 0, &outs_r).ok());
+    for (int l = 0; l < kLayers; ++l)
+      ASSERT_EQ((*reader_p)->last_chunks()[l], (*reader_r)->last_chunks()[l])
+          << "step " << b << " layer " << l;
+  }
+  EXPECT_GT((*reader_p)->last_chunks()[0].size(), 0u) << "retrieval chose chunks";
+  EXPECT_EQ(outs_p, outs_r);
+}
+
 TEST(Session, ASessionAttachedToTheSameSequenceNeverSelectsADroppedChunk) {
   // Compress drops chunks from the store; every retrieval index over the sequence learns it
   // from the store at its next step, not only the index of the session that compressed.

@@ -466,6 +466,63 @@ TEST(RemoteTier, ClusterRoutesRedirectsAndSharesASequenceBetweenProcesses) {
   EXPECT_GT(s->counters().remote_loads, remote_before) << "retrieved chunks came from Redis";
 }
 
+// Publishing a sequence whose representatives left memory: chunks recovered from the cold
+// tier (written before the store had a remote tier, so copied up at publish) hold none, and
+// the publication carries the same representatives a store that kept them all would publish.
+TEST(RemoteTier, PublishingReadsBackRepresentativesThatLeftMemory) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  RedisServers redis;
+  ASSERT_GE(redis.Start(), 0);
+  TempDir dir;
+  StoreOptions cold_only = remote_share::Options("");
+  cold_only.data_dir = dir.path();
+  SequenceId seq = 0;
+  {
+    auto writer = TieredStore::Open(cold_only);
+    ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+    seq = *(*writer)->CreateSequence();
+    ASSERT_TRUE(remote_share::Write(writer->get(), seq).ok());
+    ASSERT_TRUE((*writer)->CloseSequence(seq).ok());
+  }
+  StoreOptions both = cold_only;
+  both.remote = redis.Spec(0);
+  auto publisher = TieredStore::Open(both);
+  ASSERT_TRUE(publisher.ok()) << publisher.status().ToString();
+  StoreOptions local_o = remote_share::Options("");
+  local_o.warm_bytes = 512 * local_o.chunk_bytes();
+  auto local = TieredStore::Open(local_o);
+  ASSERT_TRUE(local.ok());
+  const SequenceId local_seq = *(*local)->CreateSequence();
+  ASSERT_TRUE(remote_share::Write(local->get(), local_seq).ok());
+  ASSERT_LT((*publisher)->metadata_bytes(), (*local)->metadata_bytes()) << "recovered chunks hold none";
+  Status pub = (*publisher)->PublishSequence(seq, "paged-doc");
+  ASSERT_TRUE(pub.ok()) << pub.ToString();
+  auto reader = TieredStore::Open(remote_share::Options(redis.Spec(0)));
+  ASSERT_TRUE(reader.ok());
+  auto attached = (*reader)->AttachPublished("paged-doc");
+  ASSERT_TRUE(attached.ok()) << attached.status().ToString();
+  const StoreOptions& o = local_o;
+  std::vector<float> a(static_cast<size_t>(o.repr_topk) * o.geometry.token_elems()), b(a.size());
+  for (int l = 0; l < o.geometry.layers; ++l) {
+    auto n = (*local)->ChunkCount(local_seq, l);
+    ASSERT_TRUE(n.ok());
+    ASSERT_GT(*n, 40u);
+    ASSERT_EQ(*(*reader)->ChunkCount(*attached, l), *n);
+    for (uint64_t c = 0; c < *n; ++c) {
+      ASSERT_TRUE(
+          (*reader)->GetRepresentatives(ChunkKey{*attached, static_cast<uint32_t>(l), c}, a.data()).ok());
+      ASSERT_TRUE(
+          (*local)->GetRepresentatives(ChunkKey{local_seq, static_cast<uint32_t>(l), c}, b.data()).ok());
+      ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)))
+          << "layer " << l << " chunk " << c;
+    }
+    // The copied-up chunks are served by Redis as well.
+    std::vector<uint8_t> k(remote_share::kTokens * remote_share::TokenBytes(o)), v(k.size());
+    ASSERT_TRUE((*reader)->ReadTokens(*attached, l, 0, remote_share::kTokens, k.data(), v.data()).ok());
+    EXPECT_EQ(k, remote_share::Tokens(o, l, 0, 0, remote_share::kTokens)) << "layer " << l;
+  }
+}
+
 // A master SIGKILLed while chunks are being written: every put acknowledged (after WAIT 1)
 // is still readable after its replica took over. The killed master is the one with two
 // replicas (7 nodes), so the promoted replica has a replica of its own at once and WAIT 1

@@ -3,11 +3,14 @@
 #include <gtest/gtest.h>
 #include <rocksdb/db.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <random>
 #include <thread>
 
@@ -585,6 +588,181 @@ TEST(TieredStore, ChunkUpdatesSinceHandsOverLandedAndDroppedChunks) {
   EXPECT_EQ(st->ChunkUpdatesSince(seq, 0, ChunkCursor{}, nullptr).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(st->ChunkUpdatesSince(seq + 100, 0, ChunkCursor{}, &u).code(), StatusCode::kNotFound);
   EXPECT_EQ(st->ChunkUpdatesSince(seq, 5, ChunkCursor{}, &u).code(), StatusCode::kInvalidArgument);
+}
+
+// Two stores fed the same tokens: `paged` over a cold tier with a warm tier of 4 chunks (most
+// chunks leave warm, and their representatives leave memory with them), `resident` without a
+// cold tier and with room for every chunk in warm (every chunk keeps its representatives).
+struct PagedAndResident {
+  TempDir dir;
+  StoreOptions paged_o, resident_o;
+  std::unique_ptr<TieredStore> paged, resident;
+  SequenceId paged_seq = 0, resident_seq = 0;
+  static constexpr int64_t kTokens = 8 + 40 + 8 * 30;  // sinks, a full ring, 30 sealed chunks a layer
+
+  // Representative keys of every chunk of one layer, fp32, as GetRepresentatives gives them.
+  static std::vector<float> AllRepr(TieredStore* st, SequenceId seq, int layer, uint64_t n) {
+    const size_t e = static_cast<size_t>(st->options().repr_topk) * st->options().geometry.token_elems();
+    std::vector<float> all(n * e);
+    for (uint64_t c = 0; c < n; ++c) {
+      Status got = st->GetRepresentatives(ChunkKey{seq, static_cast<uint32_t>(layer), c}, all.data() + c * e);
+      EXPECT_TRUE(got.ok()) << "chunk " << c << ": " << got.ToString();
+    }
+    return all;
+  }
+};
+
+std::unique_ptr<PagedAndResident> MakePagedAndResident(
+    std::function<Status(std::string_view, const ChunkKey&)> injector = nullptr) {
+  auto p = std::make_unique<PagedAndResident>();
+  p->paged_o = SmallOptions(p->dir.path());
+  p->paged_o.warm_bytes = 4 * p->paged_o.chunk_bytes();
+  p->paged_o.cold_fault_injector = std::move(injector);
+  p->resident_o = SmallOptions("");
+  p->resident_o.warm_bytes = 128 * p->resident_o.chunk_bytes();
+  auto a = TieredStore::Open(p->paged_o);
+  auto b = TieredStore::Open(p->resident_o);
+  EXPECT_TRUE(a.ok() && b.ok());
+  if (!a.ok() || !b.ok()) return nullptr;
+  p->paged = std::move(*a);
+  p->resident = std::move(*b);
+  p->paged_seq = *p->paged->CreateSequence();
+  p->resident_seq = *p->resident->CreateSequence();
+  for (int l = 0; l < 2; ++l) {
+    AppendPattern(p->paged.get(), p->paged_seq, l, 61, 0, PagedAndResident::kTokens, 13);
+    AppendPattern(p->resident.get(), p->resident_seq, l, 61, 0, PagedAndResident::kTokens, 13);
+  }
+  EXPECT_TRUE(p->paged->WaitForDurable().ok());
+  return p;
+}
+
+// Chunks that left the warm tier, acknowledged by the cold tier, no longer hold their
+// representatives in memory: metadata_bytes falls by exactly their bytes, and every reader
+// gets the same representatives bit for bit, read back from the cold tier's meta records.
+TEST(TieredStore, RepresentativesLeaveMemoryWithTheWarmCopyAndComeBackBitForBit) {
+  auto p = MakePagedAndResident();
+  ASSERT_NE(p, nullptr);
+  const StoreOptions& o = p->paged_o;
+  const size_t repr_bytes = static_cast<size_t>(o.repr_topk) * TokenBytes(o);
+  uint64_t left_warm = 0;
+  for (int l = 0; l < 2; ++l) {
+    auto list = p->paged->ListChunks(p->paged_seq, l);
+    ASSERT_TRUE(list.ok());
+    ASSERT_EQ(list->size(), 30u);
+    for (const ChunkInfo& c : *list) left_warm += (c.tiers & kTierWarm) == 0;
+  }
+  ASSERT_GE(left_warm, 50u) << "a warm tier of 4 chunks keeps at most 4 of 60";
+  EXPECT_EQ(p->resident->metadata_bytes() - p->paged->metadata_bytes(), left_warm * repr_bytes)
+      << "the representatives of every chunk that left warm left memory";
+  const size_t e = static_cast<size_t>(o.repr_topk) * o.geometry.token_elems();
+  for (int l = 0; l < 2; ++l) {
+    // GetRepresentatives, chunk by chunk.
+    const std::vector<float> want = PagedAndResident::AllRepr(p->resident.get(), p->resident_seq, l, 30);
+    const std::vector<float> got = PagedAndResident::AllRepr(p->paged.get(), p->paged_seq, l, 30);
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float))) << "layer " << l;
+    // An index built now (cursor 0), and one that synced up to chunk 10 before.
+    for (const ChunkCursor since : {ChunkCursor{}, ChunkCursor{10, 0}}) {
+      ChunkUpdate u, r;
+      Status su = p->paged->ChunkUpdatesSince(p->paged_seq, l, since, &u);
+      ASSERT_TRUE(su.ok()) << su.ToString();
+      ASSERT_TRUE(p->resident->ChunkUpdatesSince(p->resident_seq, l, since, &r).ok());
+      EXPECT_EQ(u.added, r.added);
+      EXPECT_EQ(u.next.chunks, r.next.chunks);
+      ASSERT_EQ(u.repr.size(), r.repr.size());
+      EXPECT_EQ(0, std::memcmp(u.repr.data(), r.repr.data(), u.repr.size() * sizeof(float)))
+          << "layer " << l << " from chunk " << since.chunks;
+      EXPECT_EQ(0, std::memcmp(u.repr.data(), want.data() + since.chunks * e, u.repr.size() * sizeof(float)));
+    }
+  }
+  // A released chunk read back into warm by a fetch keeps its representatives out of memory
+  // (and the chunk whose warm slot it took releases its own).
+  {
+    auto h = p->paged->FetchChunks(p->paged_seq, 0, {0});
+    ASSERT_TRUE(h.ok() && h->Wait().ok());
+  }
+  uint64_t not_warm = 0;
+  for (int l = 0; l < 2; ++l) {
+    auto list = p->paged->ListChunks(p->paged_seq, l);
+    ASSERT_TRUE(list.ok());
+    for (const ChunkInfo& c : *list) {
+      not_warm += (c.tiers & kTierWarm) == 0;
+      if (l == 0 && c.key.index == 0) ASSERT_NE(c.tiers & kTierWarm, 0) << "chunk 0 was read into warm";
+    }
+  }
+  EXPECT_EQ(p->resident->metadata_bytes() - p->paged->metadata_bytes(), (not_warm + 1) * repr_bytes);
+  // Dropping a released chunk: the rest still reads back, and the drop is handed over.
+  ASSERT_TRUE(p->paged->DropChunks(p->paged_seq, 0, {2}).ok());
+  ChunkUpdate u;
+  ASSERT_TRUE(p->paged->ChunkUpdatesSince(p->paged_seq, 0, ChunkCursor{}, &u).ok());
+  EXPECT_EQ(u.added.size(), 29u);
+  EXPECT_EQ(u.dropped, (std::vector<uint64_t>{2}));
+  EXPECT_EQ(std::find(u.added.begin(), u.added.end(), 2u), u.added.end());
+}
+
+// A released representative that cannot be read back is a named error, not a crash and not
+// wrong bytes; chunks still in warm are served from memory meanwhile, and once the cold tier
+// answers again the same calls succeed.
+TEST(TieredStore, RepresentativesThatCannotBeReadBackAreANamedError) {
+  auto failing = std::make_shared<std::atomic<bool>>(false);
+  auto p = MakePagedAndResident([failing](std::string_view op, const ChunkKey& k) {
+    return failing->load() && op == "meta" ? IOError("injected: meta of " + k.ToString() + " unreadable")
+                                           : Status::Ok();
+  });
+  ASSERT_NE(p, nullptr);
+  const size_t e = static_cast<size_t>(p->paged_o.repr_topk) * p->paged_o.geometry.token_elems();
+  std::vector<float> r(e);
+  failing->store(true);
+  Status st = p->paged->GetRepresentatives(ChunkKey{p->paged_seq, 1, 0}, r.data());
+  EXPECT_EQ(st.code(), StatusCode::kIOError) << st.ToString();
+  EXPECT_NE(st.message().find("representatives of chunk " + ChunkKey{p->paged_seq, 1, 0}.ToString()),
+            std::string::npos)
+      << st.ToString();
+  EXPECT_NE(st.message().find("injected"), std::string::npos) << st.ToString();
+  ChunkUpdate u;
+  st = p->paged->ChunkUpdatesSince(p->paged_seq, 1, ChunkCursor{}, &u);
+  EXPECT_EQ(st.code(), StatusCode::kIOError) << st.ToString();
+  EXPECT_NE(st.message().find("representatives of chunk"), std::string::npos) << st.ToString();
+  auto list = p->paged->ListChunks(p->paged_seq, 1);
+  ASSERT_TRUE(list.ok());
+  for (const ChunkInfo& c : *list)
+    if (c.tiers & kTierWarm) {
+      Status warm = p->paged->GetRepresentatives(c.key, r.data());
+      EXPECT_TRUE(warm.ok()) << c.key.ToString() << " is in warm: " << warm.ToString();
+    }
+  failing->store(false);
+  st = p->paged->ChunkUpdatesSince(p->paged_seq, 1, ChunkCursor{}, &u);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(u.added.size(), 30u);
+  EXPECT_EQ(PagedAndResident::AllRepr(p->paged.get(), p->paged_seq, 1, 30),
+            PagedAndResident::AllRepr(p->resident.get(), p->resident_seq, 1, 30));
+}
+
+// A reopened store keeps the representatives of its (cold only) chunks in the cold tier:
+// metadata_bytes counts none, and readers get them back bit for bit.
+TEST(TieredStore, ReopenLeavesRepresentativesInTheColdTier) {
+  auto p = MakePagedAndResident();
+  ASSERT_NE(p, nullptr);
+  ASSERT_TRUE(p->paged->CloseSequence(p->paged_seq).ok());
+  const uint64_t before = p->paged->metadata_bytes();
+  p->paged.reset();
+  auto reopened = TieredStore::Open(p->paged_o);
+  ASSERT_TRUE(reopened.ok()) << reopened.status().ToString();
+  TieredStore* st = reopened->get();
+  const size_t repr_bytes = static_cast<size_t>(p->paged_o.repr_topk) * TokenBytes(p->paged_o);
+  EXPECT_EQ(p->resident->metadata_bytes() - st->metadata_bytes(), 60 * repr_bytes)
+      << "no chunk of the reopened store holds its representatives in memory";
+  EXPECT_LT(st->metadata_bytes(), before);
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(PagedAndResident::AllRepr(st, p->paged_seq, l, 30),
+              PagedAndResident::AllRepr(p->resident.get(), p->resident_seq, l, 30));
+    ChunkUpdate u, r;
+    ASSERT_TRUE(st->ChunkUpdatesSince(p->paged_seq, l, ChunkCursor{}, &u).ok());
+    ASSERT_TRUE(p->resident->ChunkUpdatesSince(p->resident_seq, l, ChunkCursor{}, &r).ok());
+    EXPECT_EQ(u.added, r.added);
+    EXPECT_EQ(u.repr, r.repr);
+    ExpectPattern(st, p->paged_seq, l, 61, 0, PagedAndResident::kTokens);
+  }
 }
 
 // DropChunks refuses a chunk a live handle pins, and only while the lease lasts.
