@@ -249,30 +249,12 @@ class CudaAttentionBackend final : public AttentionBackend {
  public:
   explicit CudaAttentionBackend(CudaHotTier* hot) : hot_(hot) {}
   ~CudaAttentionBackend() override {
-    if (ws_) cudaFree(ws_);
-    if (side_) cudaFree(side_);
+    if (ws_.ptr) cudaFree(ws_.ptr);
+    if (side_.ptr) cudaFree(side_.ptr);
   }
   const char* name() const override { return "cuda"; }
 
-  Status Reserve(size_t bytes) {
-    if (bytes <= ws_bytes_) return Status::Ok();
-    if (ws_) {
-      // Earlier steps' kernels may still read it: the tier's stream finishes them first.
-      cudaStreamSynchronize(static_cast<cudaStream_t>(hot_->stream()));
-      cudaFree(ws_);
-      ws_ = nullptr;
-      ws_bytes_ = 0;
-    }
-    const cudaError_t e = cudaMalloc(&ws_, bytes);
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      ws_ = nullptr;
-      return ResourceExhausted("attention (cuda): cudaMalloc of a " + std::to_string(bytes) +
-                               "-byte workspace failed (" + CudaMessage(e) + ")");
-    }
-    ws_bytes_ = bytes;
-    return Status::Ok();
-  }
+  Status Reserve(size_t bytes) { return Grow(&ws_, bytes, "workspace"); }
 
   Status Run(const AttentionPlan& plan, float* out) override {
     kernels::SlotAttentionParams p = plan.params();
@@ -287,7 +269,7 @@ class CudaAttentionBackend final : public AttentionBackend {
     return CopyOutAndWait(p, d.out, out);
   }
 
-  // The dense half writes its mass into one zeroed device array (part i at mass_offset_[i]), its
+  // The dense half writes its mass into one zeroed device array (part i at mass_offset[i]), its
   // output into the workspace's output and its lse beside; the slot half writes beside those;
   // the merge folds the slot half into the dense half in place.
   Status RunWithDenseMass(const AttentionPlan& plan, float* out, float* const* dense_mass) override {
@@ -296,9 +278,9 @@ class CudaAttentionBackend final : public AttentionBackend {
     KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/true));
     const kernels::SlotAttentionParams dense_half = DenseHalf(p), slot_half = SlotHalf(p);
     const bool slots = p.n_slots > 0;
-    size_t mass_elems = 0;
+    size_t mass_elems = 0, mass_offset[kernels::kMaxDenseParts] = {};
     for (int i = 0; i < p.n_dense; ++i) {
-      mass_offset_[i] = mass_elems;
+      mass_offset[i] = mass_elems;
       mass_elems += dense_mass != nullptr && dense_mass[i] != nullptr ? DenseMassElems(p, i) : 0;
     }
     if (p.n_queries == 0) {
@@ -316,8 +298,8 @@ class CudaAttentionBackend final : public AttentionBackend {
     const size_t lse_bytes = Align256(rows * sizeof(float));
     const size_t slots_out = 0, dense_lse = slots_out + out_bytes, slots_lse = dense_lse + lse_bytes,
                  mass = slots_lse + lse_bytes;
-    KVTIER_RETURN_IF_ERROR(ReserveSide(mass + mass_elems * sizeof(float)));
-    auto* side = static_cast<uint8_t*>(side_);
+    KVTIER_RETURN_IF_ERROR(Grow(&side_, mass + mass_elems * sizeof(float), "mass buffer"));
+    auto* side = static_cast<uint8_t*>(side_.ptr);
     auto* mass_dev = reinterpret_cast<float*>(side + mass);
     cudaStream_t s = stream();
     cudaError_t e = mass_elems ? cudaMemsetAsync(mass_dev, 0, mass_elems * sizeof(float), s) : cudaSuccess;
@@ -325,7 +307,7 @@ class CudaAttentionBackend final : public AttentionBackend {
     kernels::SlotAttentionParams dd = DenseHalf(d);
     for (int i = 0; i < dd.n_dense; ++i)
       dd.dense[i].mass =
-          dense_mass != nullptr && dense_mass[i] != nullptr ? mass_dev + mass_offset_[i] : nullptr;
+          dense_mass != nullptr && dense_mass[i] != nullptr ? mass_dev + mass_offset[i] : nullptr;
     dd.lse = slots ? reinterpret_cast<float*>(side + dense_lse) : nullptr;
     kernels::KernelError ke = kernels::cuda::LaunchSlotAttention(dd, kernel_ws_, kernel_bytes, s);
     if (ke != kernels::KernelError::kOk) return KernelFailure("attention over the dense parts (cuda)", ke);
@@ -342,7 +324,7 @@ class CudaAttentionBackend final : public AttentionBackend {
     }
     for (int i = 0; i < p.n_dense && e == cudaSuccess; ++i)
       if (dense_mass != nullptr && dense_mass[i] != nullptr && DenseMassElems(p, i) > 0)
-        e = cudaMemcpyAsync(dense_mass[i], mass_dev + mass_offset_[i], DenseMassElems(p, i) * sizeof(float),
+        e = cudaMemcpyAsync(dense_mass[i], mass_dev + mass_offset[i], DenseMassElems(p, i) * sizeof(float),
                             cudaMemcpyDeviceToHost, s);
     if (e != cudaSuccess) return Internal("attention (cuda): copying the mass out: " + CudaMessage(e));
     return CopyOutAndWait(p, d.out, out);
@@ -364,7 +346,7 @@ class CudaAttentionBackend final : public AttentionBackend {
     const CudaAttentionWorkspace w =
         LayoutCudaAttentionWorkspace(p.n_queries, p.q_heads, p.head_dim, p.n_slots, kernel_bytes);
     KVTIER_RETURN_IF_ERROR(Reserve(w.total));
-    auto* ws = static_cast<uint8_t*>(ws_);
+    auto* ws = static_cast<uint8_t*>(ws_.ptr);
     const size_t q_bytes = static_cast<size_t>(p.n_queries) * p.q_heads * p.head_dim * sizeof(float);
     cudaStream_t s = stream();
     cudaError_t e = cudaMemcpyAsync(ws + w.q, p.q, q_bytes, cudaMemcpyHostToDevice, s);
@@ -400,34 +382,34 @@ class CudaAttentionBackend final : public AttentionBackend {
     return Status::Ok();
   }
 
-  // The side buffer of RunWithDenseMass (the slot half's output, both lse, the mass), grown on
-  // demand as the workspace is.
-  Status ReserveSide(size_t bytes) {
-    if (bytes <= side_bytes_) return Status::Ok();
-    if (side_) {
+  // A device buffer that grows on demand to the largest step and is then reused. Earlier
+  // steps' kernels may still read it: the tier's stream finishes them before it is replaced.
+  struct DeviceBuffer {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+  Status Grow(DeviceBuffer* b, size_t bytes, const char* what) {
+    if (bytes <= b->bytes) return Status::Ok();
+    if (b->ptr) {
       cudaStreamSynchronize(stream());
-      cudaFree(side_);
-      side_ = nullptr;
-      side_bytes_ = 0;
+      cudaFree(b->ptr);
+      *b = DeviceBuffer{};
     }
-    const cudaError_t e = cudaMalloc(&side_, bytes);
+    const cudaError_t e = cudaMalloc(&b->ptr, bytes);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
-      side_ = nullptr;
-      return ResourceExhausted("attention (cuda): cudaMalloc of a " + std::to_string(bytes) +
-                               "-byte mass buffer failed (" + CudaMessage(e) + ")");
+      b->ptr = nullptr;
+      return ResourceExhausted("attention (cuda): cudaMalloc of a " + std::to_string(bytes) + "-byte " +
+                               what + " failed (" + CudaMessage(e) + ")");
     }
-    side_bytes_ = bytes;
+    b->bytes = bytes;
     return Status::Ok();
   }
 
   CudaHotTier* hot_;
-  void* ws_ = nullptr;
-  size_t ws_bytes_ = 0;
+  DeviceBuffer ws_;    // the plan's arrays, the output and the kernel's workspace (CopyPlanIn)
+  DeviceBuffer side_;  // RunWithDenseMass: the slot half's output, both lse, the mass
   void* kernel_ws_ = nullptr;
-  void* side_ = nullptr;
-  size_t side_bytes_ = 0;
-  size_t mass_offset_[kernels::kMaxDenseParts] = {};
 };
 
 #endif  // KVTIER_HAVE_CUDA
