@@ -21,9 +21,10 @@
 //       Every representative key is kept, in the store's dtype, plus int8 codes of it. A
 //       chunk's score is its best representative per kv head, the heads summed (heads=sum;
 //       cosines averaged, so they stay in [-1, 1]) or the most interested head's (heads=max).
-//       Screen reads the int8 codes; Best rescores the best max(F x take, N) candidates from
-//       the stored keys (fp32 arithmetic). rerank=0: Screen is the exact pass and Best sorts
-//       it. Defaults: heads=sum,rerank=4,rerank_min=256. Under a memory cap (SetMemoryCap) the
+//       Screen reads the int8 codes, with a bound on each score's error; Best rescores from the
+//       stored keys (fp32 arithmetic) the chunks the bound cannot rule out, plus the best
+//       max(F x take, N) screened, so it chooses what one exact pass would. rerank=0: Screen is
+//       the exact pass and Best sorts it. Defaults: heads=sum,rerank=1,rerank_min=0. Under a memory cap (SetMemoryCap) the
 //       oldest chunks keep only their int8 codes, then the oldest are evicted.
 //   <FAISS index_factory description>[:nprobe=N,ef=N,train_min=N]        (faiss_index.h)
 //       "Flat", "HNSW32", "IVF<n>,Flat", ...: one vector per chunk, the mean of its
@@ -76,6 +77,13 @@ struct ChunkScores {
   std::vector<float> logit;   ///< the raw inner product (attention logit; InfLLM's score)
   std::vector<float> cosine;  ///< ActQKV Eq. 10, in [-1, 1]
   const std::vector<float>& by(ChunkRank r) const { return r == ChunkRank::kLogit ? logit : cosine; }
+  /// Set by a screen that approximates: a bound on |screened - exact| per chunk, for each
+  /// score (ExactChunkIndex's int8 pass). Empty when the scores are the exact ones.
+  std::vector<float> logit_error;
+  std::vector<float> cosine_error;
+  const std::vector<float>& error_by(ChunkRank r) const {
+    return r == ChunkRank::kLogit ? logit_error : cosine_error;
+  }
   /// Set by Score/Screen: which index, in which of its states (changed by every Add or
   /// Remove), the scores are of. Best refuses scores of another index or state.
   const ChunkIndex* index = nullptr;

@@ -324,6 +324,8 @@ Status ExactChunkIndex::Score(const float* probe, ChunkScores* out) const {
   if (probe == nullptr || out == nullptr)
     return InvalidArgument("ExactChunkIndex::Score: probe and out must not be null");
   FullScores(probe, &out->logit, &out->cosine);
+  out->logit_error.clear();  // exact
+  out->cosine_error.clear();
   if (!Current(*out)) out->ids = ids_;  // the same index unchanged: its ids are there already
   Stamp(out);
   return Status::Ok();
@@ -334,7 +336,7 @@ Status ExactChunkIndex::Screen(const float* probe, ChunkScores* out) const {
   if (probe == nullptr || out == nullptr)
     return InvalidArgument("ExactChunkIndex::Screen: probe and out must not be null");
   // The first stage: int8 codes, a quarter of the bytes of an fp32 pass, which is memory-bound.
-  QuantizedScores(probe, &out->logit, &out->cosine);
+  QuantizedScores(probe, out);
   if (!Current(*out)) out->ids = ids_;
   Stamp(out);
   return Status::Ok();
@@ -354,18 +356,49 @@ Status ExactChunkIndex::Best(const float* probe, const ChunkScores& screened, Ch
     *out = TakeBest(by, screened.ids, take);
     return Status::Ok();
   }
-  // The second stage: rescore the best candidates from the stored keys, in fp32.
+  // The second stage: rescore, in fp32 from the stored keys, every chunk the screen's error
+  // bound cannot rule out of the take best, and the best max(F x take, N) screened.
   take = std::min(take, n);
-  const int64_t n_cand = std::max<int64_t>(
-      static_cast<int64_t>(options_.rerank_factor) * static_cast<int64_t>(take), options_.rerank_min);
   std::vector<int64_t> rows;
-  TopRowsAscending(by.data(), static_cast<int64_t>(n), n_cand, &rows);
+  CandidateRows(by, screened.error_by(rank), take,
+                std::max<int64_t>(static_cast<int64_t>(options_.rerank_factor) * static_cast<int64_t>(take),
+                                  options_.rerank_min),
+                &rows);
+  rescored_.fetch_add(rows.size(), std::memory_order_relaxed);
   std::vector<float> logit, cos;
   ScoresOf(probe, rows, &logit, &cos);
   std::vector<uint64_t> cand_ids(rows.size());
   for (size_t i = 0; i < rows.size(); ++i) cand_ids[i] = ids_[rows[i]];
   *out = TakeBest(rank == ChunkRank::kLogit ? logit : cos, cand_ids, take);
   return Status::Ok();
+}
+
+void ExactChunkIndex::CandidateRows(const std::vector<float>& score, const std::vector<float>& error, size_t take,
+                                    int64_t at_least, std::vector<int64_t>* rows) {
+  const int64_t n = static_cast<int64_t>(score.size());
+  if (error.size() != score.size()) {  // exact scores: their best max(take, at_least)
+    TopRowsAscending(score.data(), n, std::max<int64_t>(static_cast<int64_t>(take), at_least), rows);
+    return;
+  }
+  rows->clear();
+  if (take == 0 || n == 0) return;
+  // A chunk of the exact top take scores at least the take-th largest lower bound
+  // (screened - error); a chunk whose upper bound (screened + error) is below it cannot be one.
+  std::vector<float> lower(score.size());
+  for (size_t i = 0; i < score.size(); ++i) lower[i] = score[i] - error[i];
+  std::vector<int64_t> best_lower;
+  TopRowsAscending(lower.data(), n, static_cast<int64_t>(take), &best_lower);
+  float threshold = std::numeric_limits<float>::infinity();
+  for (int64_t r : best_lower) threshold = std::min(threshold, lower[static_cast<size_t>(r)]);
+  std::vector<int64_t> extra;  // the best max(F x take, N) screened, beyond the bound's
+  if (at_least > static_cast<int64_t>(take)) TopRowsAscending(score.data(), n, at_least, &extra);
+  size_t e = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const bool in_extra = e < extra.size() && extra[e] == i;
+    e += in_extra ? 1 : 0;
+    // NaN bounds compare false: such a chunk is rescored (its exact score decides).
+    if (in_extra || !(score[static_cast<size_t>(i)] + error[static_cast<size_t>(i)] < threshold)) rows->push_back(i);
+  }
 }
 
 void ExactChunkIndex::FullScores(const float* probe, std::vector<float>* raw, std::vector<float>* cos) const {
@@ -422,24 +455,42 @@ void ExactChunkIndex::DequantisedDot(int h, size_t row, int r, const float* p, f
   *cos = acc * q8_cos_scale_[h][slot] * inv_p;
 }
 
-void ExactChunkIndex::QuantizedScores(const float* probe, std::vector<float>* raw,
-                                      std::vector<float>* cos) const {
+void ExactChunkIndex::QuantizedScores(const float* probe, ChunkScores* out) const {
   const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
   const size_t n = ids_.size();
   const kernels::HeadFold fold = FoldOf(options_.heads, H);
-  raw->assign(n, fold.Start());
-  cos->assign(n, fold.Start());
-  std::vector<float> inv_p(H), p_scale(H);
+  std::vector<float>& raw = out->logit;
+  std::vector<float>& cos = out->cosine;
+  raw.assign(n, fold.Start());
+  cos.assign(n, fold.Start());
+  // The error bounds fold as the scores do: max over heads, or a sum (the cosines' with the
+  // same 1/H share), so they start at 0 either way.
+  out->logit_error.assign(n, 0.0f);
+  out->cosine_error.assign(n, 0.0f);
+  std::vector<float> inv_p(H), p_scale(H), per_step(H);
   const size_t de = static_cast<size_t>(D + 1) / 2 * 2;
   std::vector<int16_t> p16(H * de);  // the probe in int16 for the integer block dots
   for (int h = 0; h < H; ++h) {
     const float* p = probe + static_cast<size_t>(h) * D;
     inv_p[h] = InverseNorm(p, D);
     p_scale[h] = kernels::QuantizeProbeI16(p, D, p16.data() + h * de);
+    // A key with code step s: each element within s/2, so the codes' dot is within
+    // s |p|_1 / 2 of <p, k>, and |p|_1 <= ps (|p16|_1 + D/2); the probe's int16 rounding adds
+    // at most ps/2 per element times |code| <= 127: 64 ps D. Rounding of the fp32 sums, of
+    // the screen's and of the rescoring's, is below 2^-24 (D + 8) max|k| |p|_1, bounded
+    // here 16 times over (max|k| = 127 s).
+    double p16_l1 = 0.0, p_l1 = 0.0;
+    for (int d = 0; d < D; ++d) {
+      p16_l1 += std::abs(static_cast<double>(p16[h * de + d]));
+      p_l1 += std::fabs(static_cast<double>(p[d]));
+    }
+    per_step[h] = static_cast<float>(static_cast<double>(p_scale[h]) * (0.5 * p16_l1 + 0.5 * D + 64.0 * D) +
+                                     127.0 * (D + 8) * p_l1 / 1048576.0);
   }
   // One pass over the chunk groups for every head (one fork-join per layer, not per head).
   constexpr int B = kernels::kI8Block;
   const size_t groups = (n + B - 1) / B, block_bytes = kernels::I8BlockBytes(D);
+  const bool sum = !fold.max;
   TsanForkJoin fj;  // kernels/tbb_tsan.h
   tbb::parallel_for(
       tbb::blocked_range<size_t>(0, groups, 64), fj.Body([&](const tbb::blocked_range<size_t>& range) {
@@ -453,23 +504,33 @@ void ExactChunkIndex::QuantizedScores(const float* probe, std::vector<float>* ra
           // The probe's scales are >= 0, so they commute with the max over a chunk's
           // representatives and are applied once per chunk.
           const float ps = p_scale[h], cs = p_scale[h] * inv_p[h];
+          const float step = per_step[h], cos_step = per_step[h] * inv_p[h];
           for (size_t g = g0; g < g1; ++g) {
             const size_t base = (g - g0) * R * B;
-            float best[B], best_cos[B];
+            float best[B], best_cos[B], max_scale[B], max_cos_scale[B];
             for (int lane = 0; lane < B; ++lane) {
               best[lane] = static_cast<float>(dots[base + lane]) * scale[base + lane];
               best_cos[lane] = static_cast<float>(dots[base + lane]) * cos_scale[base + lane];
+              max_scale[lane] = scale[base + lane];
+              max_cos_scale[lane] = cos_scale[base + lane];
             }
             for (int r = 1; r < R; ++r)
               for (int lane = 0; lane < B; ++lane) {
                 const size_t j = base + static_cast<size_t>(r) * B + lane;
                 best[lane] = std::max(best[lane], static_cast<float>(dots[j]) * scale[j]);
                 best_cos[lane] = std::max(best_cos[lane], static_cast<float>(dots[j]) * cos_scale[j]);
+                max_scale[lane] = std::max(max_scale[lane], scale[j]);
+                max_cos_scale[lane] = std::max(max_cos_scale[lane], cos_scale[j]);
               }
             const size_t c_end = std::min(n, (g + 1) * B);
-            for (size_t c = g * B; c < c_end; ++c)
-              fold.Add(best[c - g * B] * ps, std::max(-1.0f, best_cos[c - g * B] * cs), &(*raw)[c],
-                       &(*cos)[c]);
+            for (size_t c = g * B; c < c_end; ++c) {
+              const int lane = static_cast<int>(c - g * B);
+              fold.Add(best[lane] * ps, std::max(-1.0f, best_cos[lane] * cs), &raw[c], &cos[c]);
+              const float e = max_scale[lane] * step, ec = max_cos_scale[lane] * cos_step;
+              out->logit_error[c] = sum ? out->logit_error[c] + e : std::max(out->logit_error[c], e);
+              out->cosine_error[c] =
+                  sum ? out->cosine_error[c] + ec * fold.cos_share : std::max(out->cosine_error[c], ec);
+            }
           }
         }
       }));

@@ -17,15 +17,24 @@
 //     chunk's best representative is an element-wise max over R consecutive blocks, with a
 //     code scale per key (and that scale times the inverse norm, for cosines).
 //
-// Search in two stages (rerank=F > 0, the default F=4, rerank_min=N=256):
+// Search in two stages (rerank=F > 0, the default F=1, rerank_min=N=0):
 //   Screen: every chunk scored from the int8 codes (half the bytes of fp16 keys; the search
-//     is memory-bound), with AVX-512 VNNI / AVX2 integer dots; the allocator sees these.
-//   Best:   the best max(F x take, N) chunks by the allocator's rank are rescored from the
-//     stored keys (converted exactly, fp32 arithmetic), and the take best of them returned,
-//     so quantisation error cannot reorder the chosen set.
+//     is memory-bound), with AVX-512 VNNI / AVX2 integer dots; the allocator sees these. With
+//     each score comes a bound on its error (ChunkScores::logit_error, cosine_error): a key
+//     element is off by at most half its code step and a probe element by half its int16
+//     step, so |<p, k> - screened| <= scale_k (ps (|p16|_1 / 2 + 64 D) + rounding), with
+//     scale_k the key's code step and ps the probe's; the max over representatives and the
+//     fold over heads move by no more than the largest (max) or the sum (sum) of these.
+//   Best:   the chunks the bound cannot rule out are rescored from the stored keys (converted
+//     exactly, fp32 arithmetic) and the take best of them returned: every chunk whose
+//     screened score plus its bound reaches the take-th largest screened-minus-bound. Each
+//     chunk of the exact top take has an exact score at least that large, so the choice is
+//     the single fp32 pass's, with as many candidates as the scores' spread needs (a few
+//     times take when the scores are spread out, more when many are within the code error).
+//     F and N add the best max(F x take, N) screened chunks to the candidates (for
+//     comparisons; the bound alone makes the choice exact).
 // rerank=0: Screen is that fp32 pass over every chunk, and Best sorts it. Score is always
-// the fp32 pass. On the 128K run the two-stage search chooses exactly what the single pass
-// chooses (a test checks them equal when the candidates are generous).
+// the fp32 pass.
 //
 // Remove compacts the rows (they keep their ascending chunk order, hence the tie order) and
 // moves the kept rows' int8 codes into their new lanes; the result scores exactly as an index
@@ -55,6 +64,7 @@
 // mirror takes the rows from there before the next selection (SyncMirror).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -68,14 +78,15 @@ namespace kvtier {
 struct ExactIndexOptions {
   enum class HeadMerge { kSum, kMax };
   HeadMerge heads = HeadMerge::kSum;  ///< "heads": how the kv heads' best scores combine
-  /// "rerank": the best max(rerank_factor x take, rerank_min) chunks of the int8 pass are
-  /// rescored from the stored keys; 0 = one fp32 pass over every chunk.
-  int rerank_factor = 4;
-  int rerank_min = 256;  ///< "rerank_min"
+  /// "rerank": > 0, the int8 pass screens every chunk and the chunks its error bound cannot
+  /// rule out, plus its best max(rerank_factor x take, rerank_min), are rescored from the
+  /// stored keys; 0 = one fp32 pass over every chunk. Default: 1.
+  int rerank_factor = 1;
+  int rerank_min = 0;  ///< "rerank_min". Default: 0.
 
   /// From an index spec "Exact[:heads=sum|max,rerank=F,rerank_min=N]" (F, N >= 0).
   static Result<ExactIndexOptions> Parse(const std::string& spec);
-  /// "Exact:heads=sum,rerank=4,rerank_min=256": every key spelled out.
+  /// "Exact:heads=sum,rerank=1,rerank_min=0": every key spelled out.
   std::string ToString() const;
 };
 
@@ -91,9 +102,10 @@ class ExactChunkIndex final : public ChunkIndex {
   Status Score(const float* probe, ChunkScores* out) const override;
   /// The int8 pass (rerank > 0), else Score.
   Status Screen(const float* probe, ChunkScores* out) const override;
-  /// rerank > 0: rescores the best max(rerank x take, rerank_min) of `screened` by `rank`
-  /// from the stored keys and returns the take best of them; rerank = 0: the take best of
-  /// `screened`.
+  /// rerank > 0: rescores, from the stored keys, the chunks of `screened` whose error bound
+  /// cannot rule them out of the take best by `rank`, plus its best max(rerank x take,
+  /// rerank_min), and returns the take best of them (the single fp32 pass's choice);
+  /// rerank = 0: the take best of `screened`.
   Status Best(const float* probe, const ChunkScores& screened, ChunkRank rank, size_t take,
               std::vector<uint64_t>* out) const override;
   size_t size() const override { return ids_.size(); }
@@ -103,6 +115,8 @@ class ExactChunkIndex final : public ChunkIndex {
   uint64_t memory_cap() const override { return cap_; }
   uint64_t compressed_chunks() const override { return full_from_; }
   uint64_t evicted_chunks() const override { return evicted_; }
+  /// Chunks Best has rescored from the stored keys, summed over its calls.
+  uint64_t rescored_chunks() const { return rescored_.load(std::memory_order_relaxed); }
   std::string ToString() const override { return options_.ToString(); }
   const ExactIndexOptions& options() const { return options_; }
 
@@ -138,7 +152,13 @@ class ExactChunkIndex final : public ChunkIndex {
   // The fp32 scores of the chunks at rows `rows` only (the rescoring stage).
   void ScoresOf(const float* probe, const std::vector<int64_t>& rows, std::vector<float>* logit,
                 std::vector<float>* cosine) const;
-  void QuantizedScores(const float* probe, std::vector<float>* logit, std::vector<float>* cosine) const;
+  // The int8 pass's scores and their error bounds (see "Search in two stages" above).
+  void QuantizedScores(const float* probe, ChunkScores* out) const;
+  // Rows (ascending) of the chunks Best rescores: those whose score + error reaches the take-th
+  // largest score - error, and the best at_least by score; with no errors (exact scores) the
+  // best max(take, at_least).
+  static void CandidateRows(const std::vector<float>& score, const std::vector<float>& error, size_t take,
+                            int64_t at_least, std::vector<int64_t>* rows);
   void FullScores(const float* probe, std::vector<float>* logit, std::vector<float>* cosine) const;
 
   const ExactIndexOptions options_;
@@ -148,6 +168,7 @@ class ExactChunkIndex final : public ChunkIndex {
   std::vector<std::vector<float>> inv_norm_;  // [H][n - full_from_, R]
   uint64_t cap_ = 0;                          // memory cap in bytes (0 = unbounded)
   uint64_t evicted_ = 0;                      // rows the cap evicted
+  mutable std::atomic<uint64_t> rescored_{0};  // rescored_chunks()
   std::vector<std::vector<int8_t>> q8_;       // [H] int8 blocks
   std::vector<std::vector<float>> q8_scale_;  // [H][block * 8 + lane]: the row's code scale (0 in padding)
   std::vector<std::vector<float>> q8_cos_scale_;  // [H][block * 8 + lane]: code scale times inverse norm

@@ -793,6 +793,8 @@ Status FaissChunkIndex::Remove(const std::vector<uint64_t>& chunks) {
 Status FaissChunkIndex::Score(const float* probe, ChunkScores* out) const {
   if (out == nullptr) return InvalidArgument("FaissChunkIndex::Score: out must not be null");
   KVTIER_RETURN_IF_ERROR(vectors_->ScoreAll(probe, &out->ids, &out->logit));
+  out->logit_error.clear();  // exact scores
+  out->cosine_error.clear();
   // Eq. 10: the cosine of the probe and the chunk's vector (kv heads concatenated): the raw
   // inner product over both norms.
   const float probe_norm = std::sqrt(Dot(probe, probe, shape_.dim()));

@@ -41,7 +41,7 @@
 // Configuration is four parts, each a factory string that ToString() spells
 // out in full and Parse() reads back:
 //   probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine
-//   index=Exact:heads=sum,rerank=4,rerank_min=256 budget=2048
+//   index=Exact:heads=sum,rerank=1,rerank_min=0 budget=2048
 // (rank belongs to the allocator: budget.h says why.) These defaults are
 // ActQKV's Algorithm 1; kvtier's recommended configuration is the "kvtier"
 // preset (RecommendedRetrieval(), include/kvtier/options.h).
@@ -135,8 +135,8 @@ class Retriever {
   /// attach). For analysis retrievers that score only now and then.
   void DropIndexes() { indexes_.clear(); }
   /// The configuration, canonical: RetrieverOptions::ToString() of the parts as built
-  /// ("probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,
-  /// rerank_min=256 budget=2048"); RetrieverOptions::Parse reads it back.
+  /// ("probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,
+  /// rerank_min=0 budget=2048"); RetrieverOptions::Parse reads it back.
   std::string Describe() const { return spec_; }
 
  private:

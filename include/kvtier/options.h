@@ -98,7 +98,7 @@ struct RetrieverOptions {
   /// Checks every part; InvalidArgument names the part ("probe: ...", "alloc: ...",
   /// "index: ...") and, inside it, the bad key or value.
   Status Validate() const;
-  /// "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,rerank_min=256
+  /// "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,rerank_min=0
   /// budget=2048": every part canonical (all keys spelled out), space-separated. Parse reads it
   /// back to options with the same ToString.
   std::string ToString() const;

@@ -271,12 +271,13 @@ int CmdRun(int argc, char** argv) {
   f.Add("index", cli::OptionHelp(cli::OptionRow(rt, "index")),
         WithDefault(o.retrieval.index, [&rf](const std::string& s) { return rf.SetIndex(s); }));
   f.Add("rerank",
-        "Exact index: rescore the best F x take chunks by their best representative, 0 = one "
-        "full pass over every representative (index key rerank=F)",
+        "Exact index: > 0 screens with int8 codes and rescores the chunks the screen's error bound "
+        "cannot rule out plus the best F x take; 0 = one full pass over every representative "
+        "(index key rerank=F)",
         WithDefault(std::to_string(exact.rerank_factor),
                     [&rf](const std::string& s) { return rf.SetIndexKey("rerank", s); }));
   f.Add("rerank-min",
-        "Exact index: at least this many chunks reach the rescoring stage (index key rerank_min=N)",
+        "Exact index: at least this many of the screen's best are rescored too (index key rerank_min=N)",
         WithDefault(std::to_string(exact.rerank_min),
                     [&rf](const std::string& s) { return rf.SetIndexKey("rerank_min", s); }));
   f.Add("head-merge",

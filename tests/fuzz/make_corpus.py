@@ -122,7 +122,7 @@ specs = {
     1: ["lru", "h2o", "snapkv"],
     2: ["act", "act:eps=1e-06", "mean", "question:base=act,weight=0.5"],
     3: ["topk", "topk:rank=logit", "entropy", "entropy:min=1,rank=cosine"],
-    4: ["Exact", "Exact:heads=max,rerank=4,rerank_min=256", "Flat", "HNSW32:ef=64", "IVF16,Flat:nprobe=4,train_min=0",
+    4: ["Exact", "Exact:heads=max,rerank=4,rerank_min=256", "Exact:heads=max,rerank=1,rerank_min=0", "Flat", "HNSW32:ef=64", "IVF16,Flat:nprobe=4,train_min=0",
         # FAISS crashed (SIGFPE), leaked or allocated gigabytes on these before CheckFactoryDescription
         "HNSW1,PQ0x4fs", "IVF64,PQ7", "IVF64,PQ8x9", "IVF50000000,Flat",
         "HNSW00:ef=64"],

@@ -546,8 +546,8 @@ TEST(ChunkIndexTest, ConcurrentSearchesAgreeWithSequential) {
 
 TEST(ChunkIndexSpec, RoundTripsForEveryKind) {
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"Exact", "Exact:heads=sum,rerank=4,rerank_min=256"},
-      {"Exact:heads=max", "Exact:heads=max,rerank=4,rerank_min=256"},
+      {"Exact", "Exact:heads=sum,rerank=1,rerank_min=0"},
+      {"Exact:heads=max", "Exact:heads=max,rerank=1,rerank_min=0"},
       {"Exact:rerank_min=0,rerank=0,heads=max", "Exact:heads=max,rerank=0,rerank_min=0"},
       {"Flat", "Flat"},
       {"Flat:heads=sum", "Flat"},  // what a FAISS vector does anyway

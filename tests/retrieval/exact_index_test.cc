@@ -56,6 +56,14 @@ std::vector<uint64_t> Iota(size_t n, uint64_t from = 0) {
   return v;
 }
 
+// The bytes one chunk's rows take: keys + norms (full) and codes + two scales, per head, + id.
+uint64_t FullRowBytes(const ChunkShape& s) {
+  return static_cast<uint64_t>(s.kv_heads) * s.repr * (s.head_dim * DTypeSize(s.dtype) + sizeof(float));
+}
+uint64_t CodeRowBytes(const ChunkShape& s) {
+  return static_cast<uint64_t>(s.kv_heads) * s.repr * (s.head_dim + 2 * sizeof(float)) + sizeof(uint64_t);
+}
+
 std::vector<uint64_t> BestOf(const ChunkIndex& index, const std::vector<float>& probe, ChunkRank rank,
                              size_t take) {
   ChunkScores s;
@@ -133,7 +141,7 @@ TEST(ExactChunkIndex, TwoStageSearchEqualsTheSinglePass) {
       std::iota(ids.begin(), ids.end(), 0);
       const std::string h = std::string("Exact:heads=") + heads;
       auto single = Make(h + ",rerank=0", shape);
-      auto two = Make(h + ",rerank=4,rerank_min=0", shape);
+      auto two = Make(h, shape);  // the default: the screen's error bound picks the candidates
       auto all = Make(h + ",rerank=1,rerank_min=1000", shape);
       ASSERT_TRUE(single && two && all);
       AddAll(single.get(), ids, reprs);
@@ -169,6 +177,83 @@ TEST(ExactChunkIndex, TwoStageSearchEqualsTheSinglePass) {
         EXPECT_EQ(s1, BestOf(*single, p, ChunkRank::kLogit, 8)) << what;
       }
     }
+}
+
+// Chunks whose scores all lie within the int8 codes' error of each other: the screen orders
+// them arbitrarily, and only its error bound (ChunkScores::logit_error, cosine_error) keeps the
+// two-stage choice equal to the single fp32 pass's. Each bound must hold chunk by chunk, and
+// the candidates must shrink when the scores spread out.
+TEST(ExactChunkIndex, ScreenErrorBoundsHoldAndMakeTheChoiceExactOnNearTies) {
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16})
+    for (const char* heads : {"sum", "max"})
+      for (bool capped : {false, true}) {
+        const ChunkShape shape{2, 32, 4, dt};
+        const size_t n = 300, per = shape.repr_floats();
+        std::mt19937 rng(17);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        std::vector<float> base(per), reprs(n * per);
+        for (float& x : base) x = nd(rng);
+        for (size_t c = 0; c < n; ++c)  // every chunk the same keys, moved by 0.3% of their scale
+          for (size_t i = 0; i < per; ++i) reprs[c * per + i] = base[i] + 0.003f * nd(rng);
+        std::vector<uint8_t> tmp(reprs.size() * DTypeSize(dt));  // representable, as stored keys are
+        FromFloat(dt, reprs.data(), tmp.data(), reprs.size());
+        ToFloat(dt, tmp.data(), reprs.data(), reprs.size());
+        const std::string h = std::string("Exact:heads=") + heads;
+        auto single = Make(h + ",rerank=0", shape);
+        auto two = Make(h, shape);
+        ASSERT_TRUE(single && two);
+        if (capped) {  // the older half as int8 codes only, in both (rescored from the codes)
+          const uint64_t cap = n * (CodeRowBytes(shape) + FullRowBytes(shape) / 2);
+          ASSERT_TRUE(single->SetMemoryCap(cap).ok());
+          ASSERT_TRUE(two->SetMemoryCap(cap).ok());
+        }
+        AddAll(single.get(), Iota(n), reprs);
+        AddAll(two.get(), Iota(n), reprs);
+        if (capped) ASSERT_GT(two->compressed_chunks(), 50u);
+        const auto* exact_two = dynamic_cast<const ExactChunkIndex*>(two.get());
+        ASSERT_NE(exact_two, nullptr);
+        for (int q = 0; q < 6; ++q) {
+          std::vector<float> p(shape.dim());
+          for (float& x : p) x = nd(rng);
+          const std::string what = std::string(DTypeName(dt)) + " " + heads + (capped ? " capped" : "") +
+                                   " probe " + std::to_string(q);
+          ChunkScores exact, screened;
+          ASSERT_TRUE(two->Score(p.data(), &exact).ok());
+          EXPECT_TRUE(exact.logit_error.empty() && exact.cosine_error.empty()) << what;
+          ASSERT_TRUE(two->Screen(p.data(), &screened).ok());
+          ASSERT_EQ(screened.logit_error.size(), n);
+          ASSERT_EQ(screened.cosine_error.size(), n);
+          size_t reordered = 0;
+          for (size_t c = 0; c < n; ++c) {
+            EXPECT_LE(std::fabs(screened.logit[c] - exact.logit[c]), screened.logit_error[c]) << what << " " << c;
+            EXPECT_LE(std::fabs(screened.cosine[c] - exact.cosine[c]), screened.cosine_error[c])
+                << what << " " << c;
+            if (c > 0) reordered += (screened.logit[c] < screened.logit[c - 1]) != (exact.logit[c] < exact.logit[c - 1]);
+          }
+          EXPECT_GT(reordered, 10u) << what << ": the screen must really reorder these chunks";
+          for (ChunkRank rank : {ChunkRank::kLogit, ChunkRank::kCosine})
+            for (size_t take : {size_t{1}, size_t{5}, size_t{17}}) {
+              const auto want = BestOf(*single, p, rank, take);
+              ASSERT_EQ(want.size(), take);
+              EXPECT_EQ(BestOf(*two, p, rank, take), want) << what << " take " << take;
+            }
+        }
+      }
+  // Spread-out scores: the bound leaves few candidates (the rescoring reads a small share).
+  const ChunkShape shape{2, 64, 4, DType::kF16};
+  const size_t n = 4000;
+  auto index = Make("Exact:heads=max", shape);
+  AddAll(index.get(), Iota(n), RandomReprs(n, shape, 23));
+  const auto* exact_index = dynamic_cast<const ExactChunkIndex*>(index.get());
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> p(shape.dim());
+  for (float& x : p) x = nd(rng);
+  const uint64_t before = exact_index->rescored_chunks();
+  ASSERT_EQ(BestOf(*index, p, ChunkRank::kLogit, 64).size(), 64u);
+  const uint64_t rescored = exact_index->rescored_chunks() - before;
+  EXPECT_GE(rescored, 64u);
+  EXPECT_LT(rescored, 400u) << "a tenth of the chunks at most for a take of 64";
 }
 
 TEST(ExactChunkIndex, TiedChunksGoToTheSmallerIndexFirst) {
@@ -328,14 +413,6 @@ TEST(ExactChunkIndex, StoredKeysScoreAsTheirFloats) {
 }
 
 // ---- bounded memory (SetMemoryCap) ----------------------------------------------------------
-
-// The bytes one chunk's rows take: keys + norms (full) and codes + two scales, per head, + id.
-uint64_t FullRowBytes(const ChunkShape& s) {
-  return static_cast<uint64_t>(s.kv_heads) * s.repr * (s.head_dim * DTypeSize(s.dtype) + sizeof(float));
-}
-uint64_t CodeRowBytes(const ChunkShape& s) {
-  return static_cast<uint64_t>(s.kv_heads) * s.repr * (s.head_dim + 2 * sizeof(float)) + sizeof(uint64_t);
-}
 
 TEST(ExactChunkIndexCap, MemoryNeverExceedsTheCapOnALongSequence) {
   const ChunkShape shape{2, 16, 4, DType::kF16};

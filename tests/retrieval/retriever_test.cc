@@ -561,11 +561,11 @@ TEST(Retriever, BadOptionsAreRejected) {
 TEST(RetrieverOptions, ToStringSpellsEveryPartOutAndParsesBack) {
   EXPECT_EQ(
       RetrieverOptions().ToString(),
-      "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,rerank_min=256 "
+      "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,rerank_min=0 "
       "budget=2048");
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"",
-       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,rerank_min=256 "
+       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,rerank_min=0 "
        "budget=2048"},
       {"index=Flat alloc=topk", "probe=act:eps=1e-06 alloc=topk index=Flat budget=2048"},
       {"  budget=512   probe=mean index=HNSW32:ef=32 ",
@@ -575,7 +575,7 @@ TEST(RetrieverOptions, ToStringSpellsEveryPartOutAndParsesBack) {
        "budget=2048"},
       {"index=Exact:rerank=0,heads=max alloc=entropy:rank=logit,min=2 probe=question:base=mean,weight=0.25",
        "probe=question:base=mean,weight=0.25 alloc=entropy:min=2,rank=logit "
-       "index=Exact:heads=max,rerank=0,rerank_min=256 budget=2048"},
+       "index=Exact:heads=max,rerank=0,rerank_min=0 budget=2048"},
   };
   for (const auto& [spec, canonical] : cases) {
     auto o = RetrieverOptions::Parse(spec);
