@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <numeric>
 
@@ -89,9 +90,45 @@ Result<std::string> CanonicalChunkIndexSpec(const std::string& spec) {
 
 // ---- ranking ------------------------------------------------------------------------
 
-// The k-th best order key is found on a copy (plain integers, no indirection through row
-// indices, which cost as much as the Exact index's first stage itself), then one pass keeps
-// every row above it and the first rows equal to it.
+namespace {
+
+// The k-th largest of n order keys. For k much smaller than n (a layer's take out of its
+// chunks), a min-heap of the k best seen so far: most keys are below its top and cost one
+// comparison. Otherwise nth_element on a copy (plain integers, no indirection through row
+// indices, which cost as much as the Exact index's first stage itself).
+uint32_t KthLargestKey(const uint32_t* key, int64_t n, int64_t k) {
+  if (k * 16 <= n) {
+    std::vector<uint32_t> heap(key, key + k);
+    std::make_heap(heap.begin(), heap.end(), std::greater<uint32_t>());  // heap.front() = smallest
+    for (int64_t i = k; i < n; ++i)
+      if (key[i] > heap.front()) {
+        std::pop_heap(heap.begin(), heap.end(), std::greater<uint32_t>());
+        heap.back() = key[i];
+        std::push_heap(heap.begin(), heap.end(), std::greater<uint32_t>());
+      }
+    return heap.front();
+  }
+  const auto sel = std::make_unique_for_overwrite<uint32_t[]>(static_cast<size_t>(n));
+  std::copy(key, key + n, sel.get());
+  std::nth_element(sel.get(), sel.get() + (k - 1), sel.get() + n, std::greater<uint32_t>());
+  return sel[k - 1];
+}
+
+}  // namespace
+
+float KthLargest(const float* v, int64_t n, int64_t k) {
+  if (n <= 0 || k <= 0) return std::numeric_limits<float>::infinity();
+  if (k > n) return -std::numeric_limits<float>::infinity();
+  const auto key = std::make_unique_for_overwrite<uint32_t[]>(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) key[i] = OrderKey(v[i]);
+  const uint32_t t = KthLargestKey(key.get(), n, k);
+  for (int64_t i = 0; i < n; ++i)
+    if (key[i] == t) return v[i];
+  return v[0];  // unreachable: t is one of the keys
+}
+
+// The k-th best order key, then one pass keeps every row above it and the first rows equal to
+// it.
 void TopRowsAscending(const float* score, int64_t n, int64_t k, std::vector<int64_t>* rows) {
   rows->clear();
   if (k <= 0 || n <= 0) return;
@@ -101,12 +138,10 @@ void TopRowsAscending(const float* score, int64_t n, int64_t k, std::vector<int6
     return;
   }
   // Written before it is read: no zero-fill (it is a hot loop's buffer).
-  const auto scratch = std::make_unique_for_overwrite<uint32_t[]>(2 * static_cast<size_t>(n));
+  const auto scratch = std::make_unique_for_overwrite<uint32_t[]>(static_cast<size_t>(n));
   uint32_t* key = scratch.get();
-  uint32_t* sel = key + n;
-  for (int64_t i = 0; i < n; ++i) key[i] = sel[i] = OrderKey(score[i]);
-  std::nth_element(sel, sel + (k - 1), sel + n, std::greater<uint32_t>());
-  const uint32_t t = sel[k - 1];
+  for (int64_t i = 0; i < n; ++i) key[i] = OrderKey(score[i]);
+  const uint32_t t = KthLargestKey(key, n, k);
   int64_t greater = 0;
   for (int64_t i = 0; i < n; ++i) greater += key[i] > t ? 1 : 0;
   int64_t ties_left = k - greater;

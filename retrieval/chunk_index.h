@@ -24,8 +24,8 @@
 //       Screen reads the int8 codes, with a bound on each score's error; Best rescores from the
 //       stored keys (fp32 arithmetic) the chunks the bound cannot rule out, plus the best
 //       max(F x take, N) screened, so it chooses what one exact pass would. rerank=0: Screen is
-//       the exact pass and Best sorts it. Defaults: heads=sum,rerank=1,rerank_min=0. Under a memory cap (SetMemoryCap) the
-//       oldest chunks keep only their int8 codes, then the oldest are evicted.
+//       the exact pass and Best sorts it. Defaults: heads=sum,rerank=1,rerank_min=0. Under a memory cap
+//       (SetMemoryCap) the oldest chunks keep only their int8 codes, then the oldest are evicted.
 //   <FAISS index_factory description>[:nprobe=N,ef=N,train_min=N]        (faiss_index.h)
 //       "Flat", "HNSW32", "IVF<n>,Flat", ...: one vector per chunk, the mean of its
 //       representatives with the kv heads concatenated, not normalised, so the inner product
@@ -170,6 +170,9 @@ Result<std::string> CanonicalChunkIndexSpec(const std::string& spec);
 /// The `take` best rows of `rank` (higher first, ties to the smaller row), best first, as
 /// their ids. Rows ascend in chunk index, so ties go to the smaller chunk index.
 std::vector<uint64_t> TakeBest(const std::vector<float>& rank, const std::vector<uint64_t>& ids, size_t take);
+/// The k-th largest of v[0..n) (NaNs ordered as TopRowsAscending orders them); +inf for k <= 0
+/// or n <= 0, -inf for k > n.
+float KthLargest(const float* v, int64_t n, int64_t k);
 /// The k best rows of score[0..n) (higher first, ties to the smaller row), in ascending row
 /// order. +0 and -0 tie.
 void TopRowsAscending(const float* score, int64_t n, int64_t k, std::vector<int64_t>* rows);

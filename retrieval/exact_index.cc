@@ -373,8 +373,8 @@ Status ExactChunkIndex::Best(const float* probe, const ChunkScores& screened, Ch
   return Status::Ok();
 }
 
-void ExactChunkIndex::CandidateRows(const std::vector<float>& score, const std::vector<float>& error, size_t take,
-                                    int64_t at_least, std::vector<int64_t>* rows) {
+void ExactChunkIndex::CandidateRows(const std::vector<float>& score, const std::vector<float>& error,
+                                    size_t take, int64_t at_least, std::vector<int64_t>* rows) {
   const int64_t n = static_cast<int64_t>(score.size());
   if (error.size() != score.size()) {  // exact scores: their best max(take, at_least)
     TopRowsAscending(score.data(), n, std::max<int64_t>(static_cast<int64_t>(take), at_least), rows);
@@ -386,10 +386,7 @@ void ExactChunkIndex::CandidateRows(const std::vector<float>& score, const std::
   // (screened - error); a chunk whose upper bound (screened + error) is below it cannot be one.
   std::vector<float> lower(score.size());
   for (size_t i = 0; i < score.size(); ++i) lower[i] = score[i] - error[i];
-  std::vector<int64_t> best_lower;
-  TopRowsAscending(lower.data(), n, static_cast<int64_t>(take), &best_lower);
-  float threshold = std::numeric_limits<float>::infinity();
-  for (int64_t r : best_lower) threshold = std::min(threshold, lower[static_cast<size_t>(r)]);
+  const float threshold = KthLargest(lower.data(), n, static_cast<int64_t>(take));
   std::vector<int64_t> extra;  // the best max(F x take, N) screened, beyond the bound's
   if (at_least > static_cast<int64_t>(take)) TopRowsAscending(score.data(), n, at_least, &extra);
   size_t e = 0;
@@ -397,7 +394,8 @@ void ExactChunkIndex::CandidateRows(const std::vector<float>& score, const std::
     const bool in_extra = e < extra.size() && extra[e] == i;
     e += in_extra ? 1 : 0;
     // NaN bounds compare false: such a chunk is rescored (its exact score decides).
-    if (in_extra || !(score[static_cast<size_t>(i)] + error[static_cast<size_t>(i)] < threshold)) rows->push_back(i);
+    if (in_extra || !(score[static_cast<size_t>(i)] + error[static_cast<size_t>(i)] < threshold))
+      rows->push_back(i);
   }
 }
 

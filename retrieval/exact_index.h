@@ -162,15 +162,15 @@ class ExactChunkIndex final : public ChunkIndex {
   void FullScores(const float* probe, std::vector<float>* logit, std::vector<float>* cosine) const;
 
   const ExactIndexOptions options_;
-  std::vector<uint64_t> ids_;                 // [n] chunk index of each row, ascending
-  size_t full_from_ = 0;                      // rows below it are compressed (int8 codes only)
-  std::vector<std::vector<uint8_t>> repr_;    // [H][n - full_from_, R, D] in the store's dtype
-  std::vector<std::vector<float>> inv_norm_;  // [H][n - full_from_, R]
-  uint64_t cap_ = 0;                          // memory cap in bytes (0 = unbounded)
-  uint64_t evicted_ = 0;                      // rows the cap evicted
+  std::vector<uint64_t> ids_;                  // [n] chunk index of each row, ascending
+  size_t full_from_ = 0;                       // rows below it are compressed (int8 codes only)
+  std::vector<std::vector<uint8_t>> repr_;     // [H][n - full_from_, R, D] in the store's dtype
+  std::vector<std::vector<float>> inv_norm_;   // [H][n - full_from_, R]
+  uint64_t cap_ = 0;                           // memory cap in bytes (0 = unbounded)
+  uint64_t evicted_ = 0;                       // rows the cap evicted
   mutable std::atomic<uint64_t> rescored_{0};  // rescored_chunks()
-  std::vector<std::vector<int8_t>> q8_;       // [H] int8 blocks
-  std::vector<std::vector<float>> q8_scale_;  // [H][block * 8 + lane]: the row's code scale (0 in padding)
+  std::vector<std::vector<int8_t>> q8_;        // [H] int8 blocks
+  std::vector<std::vector<float>> q8_scale_;   // [H][block * 8 + lane]: the row's code scale (0 in padding)
   std::vector<std::vector<float>> q8_cos_scale_;  // [H][block * 8 + lane]: code scale times inverse norm
   std::unique_ptr<ReprMirror> mirror_;            // null: no backend attached
   size_t mirror_stale_from_ = 0;                  // rows from here may differ in the mirror (SIZE_MAX: none)

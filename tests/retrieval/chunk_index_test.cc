@@ -146,6 +146,42 @@ TEST(ProbeVectorTest, InnerProductIsSumOfPerHeadCosines) {
 
 // ---- exact search -----------------------------------------------------------------
 
+// TopRowsAscending and KthLargest against a sort: both selection paths (a heap for k <= n/16,
+// nth_element above), heavy ties, +0 against -0, infinities.
+TEST(ChunkRanking, TopRowsAndKthLargestEqualASort) {
+  std::mt19937 rng(9);
+  for (int64_t n : {1, 5, 100, 1000, 5000})
+    for (int distinct : {3, 50, 1 << 20}) {
+      std::uniform_int_distribution<int> pick(0, distinct - 1);
+      std::vector<float> v(static_cast<size_t>(n));
+      for (float& x : v) {
+        const int i = pick(rng);
+        x = i == 0   ? (rng() % 2 ? 0.0f : -0.0f)
+            : i == 1 ? -std::numeric_limits<float>::infinity()
+                     : static_cast<float>(i % 1000) - 500.0f;
+      }
+      std::vector<int64_t> order(static_cast<size_t>(n));
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return v[a] > v[b]; });
+      for (int64_t k : {int64_t{1}, int64_t{3}, n / 16, n / 16 + 1, n / 2, n - 1, n, n + 1}) {
+        if (k <= 0) continue;
+        std::vector<int64_t> want(order.begin(), order.begin() + std::min(k, n));
+        std::sort(want.begin(), want.end());
+        std::vector<int64_t> got;
+        TopRowsAscending(v.data(), n, k, &got);
+        const std::string what =
+            "n " + std::to_string(n) + " distinct " + std::to_string(distinct) + " k " + std::to_string(k);
+        EXPECT_EQ(got, want) << what;
+        const float kth = KthLargest(v.data(), n, k);
+        if (k <= n)
+          EXPECT_EQ(kth, v[order[k - 1]]) << what;  // +0 == -0
+        else
+          EXPECT_EQ(kth, -std::numeric_limits<float>::infinity()) << what;
+      }
+    }
+  EXPECT_EQ(KthLargest(nullptr, 0, 1), std::numeric_limits<float>::infinity());
+}
+
 TEST(ChunkIndexTest, FlatTopKMatchesBruteForce) {
   const int H = 2, D = 16, dim = H * D;
   const size_t n = 3000;

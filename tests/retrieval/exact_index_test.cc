@@ -225,10 +225,13 @@ TEST(ExactChunkIndex, ScreenErrorBoundsHoldAndMakeTheChoiceExactOnNearTies) {
           ASSERT_EQ(screened.cosine_error.size(), n);
           size_t reordered = 0;
           for (size_t c = 0; c < n; ++c) {
-            EXPECT_LE(std::fabs(screened.logit[c] - exact.logit[c]), screened.logit_error[c]) << what << " " << c;
+            EXPECT_LE(std::fabs(screened.logit[c] - exact.logit[c]), screened.logit_error[c])
+                << what << " " << c;
             EXPECT_LE(std::fabs(screened.cosine[c] - exact.cosine[c]), screened.cosine_error[c])
                 << what << " " << c;
-            if (c > 0) reordered += (screened.logit[c] < screened.logit[c - 1]) != (exact.logit[c] < exact.logit[c - 1]);
+            if (c > 0)
+              reordered +=
+                  (screened.logit[c] < screened.logit[c - 1]) != (exact.logit[c] < exact.logit[c - 1]);
           }
           EXPECT_GT(reordered, 10u) << what << ": the screen must really reorder these chunks";
           for (ChunkRank rank : {ChunkRank::kLogit, ChunkRank::kCosine})

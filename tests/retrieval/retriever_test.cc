@@ -559,10 +559,9 @@ TEST(Retriever, BadOptionsAreRejected) {
 // ---- spec strings ---------------------------------------------------------------------------
 
 TEST(RetrieverOptions, ToStringSpellsEveryPartOutAndParsesBack) {
-  EXPECT_EQ(
-      RetrieverOptions().ToString(),
-      "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,rerank_min=0 "
-      "budget=2048");
+  EXPECT_EQ(RetrieverOptions().ToString(),
+            "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,rerank_min=0 "
+            "budget=2048");
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"",
        "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,rerank_min=0 "
