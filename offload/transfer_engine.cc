@@ -29,6 +29,7 @@ void TransferEngine::Enqueue(std::function<void()> fn) {
   {
     std::lock_guard<std::mutex> l(mu_);
     inflight_++;
+    enqueued_++;
   }
   // The fork oneTBB's uninstrumented library hides from TSan (kernels/tbb_tsan.h): what
   // the submitter wrote before this call happens before the task runs.

@@ -104,6 +104,11 @@ class TransferEngine {
   size_t chunk_bytes() const { return options_.chunk_bytes; }
   /// Workers the arena got (after the cap).
   int workers() const { return workers_; }
+  /// Tasks enqueued so far (Enqueue and SubmitColdWrite calls).
+  uint64_t enqueued() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return enqueued_;
+  }
 
  private:
   explicit TransferEngine(const Options& options) : options_(options) {}
@@ -114,9 +119,10 @@ class TransferEngine {
   int workers_ = 1;
   std::unique_ptr<tbb::task_arena> arena_;
   char fork_ = 0;                 // the sync address of Enqueue's TSan fork annotation (kernels/tbb_tsan.h)
-  std::mutex mu_;                 // guards inflight_
+  mutable std::mutex mu_;         // guards inflight_ and enqueued_
   std::condition_variable idle_;  // signalled when inflight_ drops to 0
   int64_t inflight_ = 0;
+  uint64_t enqueued_ = 0;
 };
 
 }  // namespace kvtier

@@ -10,6 +10,7 @@
 
 #include "offload/store_state.h"
 #include "offload/tiered_store.h"
+#include "offload/transfer_engine.h"
 
 namespace kvtier {
 
@@ -21,6 +22,9 @@ class TieredStoreTestPeer {
   static void SetAckListener(TieredStore& store, std::function<void(const ChunkKey&)> listener) {
     store.SetColdAckListener(std::move(listener));
   }
+
+  /// Tasks the store has handed its transfer engine so far.
+  static uint64_t TransferTasks(const TieredStore& store) { return store.engine_->enqueued(); }
 
   /// A copy of the attention mass the local ring of (seq, layer) holds, [kv_heads, n_local +
   /// chunk_size] by ring slot (token p at (p - n_sink) % ring); empty for an unknown sequence.

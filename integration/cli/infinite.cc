@@ -2,6 +2,7 @@
 #include "integration/cli/infinite.h"
 
 #include <cblas.h>
+#include <oneapi/tbb/global_control.h>
 #include <oneapi/tbb/task_arena.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -179,6 +181,7 @@ struct Options {
   std::string compress;
   int64_t kv_budget = 0;
   int observe = 32;
+  int threads = 0;  // worker threads of the whole run; 0 = oneTBB's default (one per core)
 };
 
 // One way of attending: which chunks, which positions.
@@ -538,6 +541,8 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
   else
     w.Key("kv_budget").Int(o.kv_budget);
   w.Key("observe").Int(o.observe);
+  w.Key("threads").Int(
+      static_cast<int64_t>(tbb::global_control::active_value(tbb::global_control::max_allowed_parallelism)));
   w.Key("gemm_gflops_one_core")
       .Double(rates.openblas)
       .Key("kvtier_gemm_gflops_one_core")
@@ -773,6 +778,10 @@ int RunInfinite(int argc, char** argv) {
         "--compress: the last prompt tokens whose queries' exact attention over every held key "
         "the policy observes",
         IntFlag(&o.observe, 1, 1 << 16));
+  f.Add("threads",
+        "worker threads for the whole run, 0 = one per core. The cost table's cpu column counts every "
+        "thread's CPU time: with 1 it compares with the one-core floor without the fork-join overhead",
+        WithDefault("0", IntFlag(&o.threads, 0, 4096)));
   f.Add("json", "write the report as JSON to this file (checked writable before the run)",
         cli::OutputPathFlag(&o.json));
   f.Add(
@@ -849,6 +858,8 @@ int RunInfinite(int argc, char** argv) {
                           "forward does not implement"));
     if (Status dev = CheckDevice(o.store.device); !dev.ok()) return Fail(dev);
   }
+  std::optional<tbb::global_control> thread_limit;  // --threads, for the rest of the run
+  if (o.threads > 0) thread_limit.emplace(tbb::global_control::max_allowed_parallelism, o.threads);
   auto loaded = LlamaModel::Load(o.weights);
   if (!loaded.ok())
     return Fail(InvalidArgument("cannot load --weights '" + o.weights + "': " + loaded.status().message()));
@@ -999,8 +1010,9 @@ int RunInfinite(int argc, char** argv) {
     }
   }
   std::printf(
-      "\ncost per token (ms; cpu = process CPU time, all threads; the parts are wall time: retrieval = "
-      "probe+search+alloc+fetch, attention, forward+rest = the remainder):\n");
+      "\ncost per token (ms; cpu = process CPU time, all %zu threads (--threads); the parts are wall time: "
+      "retrieval = probe+search+alloc+fetch, attention, forward+rest = the remainder):\n",
+      tbb::global_control::active_value(tbb::global_control::max_allowed_parallelism));
   std::printf(
       "floor = FLOPs per token / %.2f GFLOP/s (OpenBLAS sgemm, one thread, the model's FFN shape, best of 5 "
       "rounds in this run; kvtier's own GEMM there: %.2f GFLOP/s); total = prompt and generated tokens "

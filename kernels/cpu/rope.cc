@@ -23,7 +23,7 @@ inline void Angles(int64_t position, const double* inv_freq, int half, float* c,
 // step, so computing each (position, frequency) once saves almost every cos and sin. The
 // entries are the very floats Angles gives, so a rotation reads the same bits either way.
 // At most kTableBytes per thread; positions past the table's reach are computed each time.
-constexpr size_t kTableBytes = size_t{1} << 20;
+constexpr size_t kTableBytes = size_t{4} << 20;
 
 struct AngleTable {
   std::vector<double> inv_freq;  // [half] the frequencies the entries were computed for

@@ -203,6 +203,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer,
     auto st = std::make_shared<FetchHandle::State>();
     st->store = this;
     bool any_load = false;
+    bool all_warm = true;  // every load has a warm copy (none reads a lower tier)
     {
       std::unique_lock<std::mutex> l(mu_);
       Sequence* s = nullptr;
@@ -346,6 +347,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer,
           counters_.misses++;
           load = true;
           any_load = true;
+          all_warm = all_warm && c->warm_slot >= 0;
         }
         c->hot_pins++;
         c->pin_deadline = std::max(c->pin_deadline, deadline);
@@ -358,12 +360,20 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer,
       counters_.hot_chunks = hot_->slots_used();
       if (!any_load) st->done = true;
     }
-    if (any_load)
+    if (any_load && all_warm && hot_->device() == Device::kCpu) {
+      // Only memcpys between host tiers (a few microseconds): done here, as the caller would do
+      // them on its first Wait, without waking a transfer worker (which then spins for more
+      // work, a core's worth of CPU at a fetch per layer step). Reads from a lower tier and
+      // uploads to a device tier go to the engine, to overlap with the caller.
+      st->claimed = true;
+      RunFetch(st);
+    } else if (any_load) {
       engine_->Enqueue([this, st] {
         if (!st->claimed.exchange(true)) RunFetch(st);
       });
-    else
+    } else {
       st->claimed = true;
+    }
     FetchHandle h;
     h.state_ = st;
     return h;

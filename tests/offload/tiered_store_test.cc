@@ -20,6 +20,7 @@
 #include "offload/cold_tier.h"
 #include "offload/hot_tier.h"
 #include "tests/test_util.h"
+#include "tests/tiered_store_test_peer.h"
 #if KVTIER_HAVE_CUDA
 #include "kernels/cuda/kernels.h"
 #endif
@@ -423,6 +424,45 @@ TEST(TieredStore, FetchPromotesPinsAndCountsHits) {
     ASSERT_TRUE(w.ok()) << w.ToString();
     check_spans(*hh, {a, a + 1});
   }
+}
+
+// A fetch whose loads all have warm copies on a host hot tier is a few memcpys: it runs on
+// the caller's thread (done when FetchChunks returns) and wakes no transfer worker; one that
+// reads a lower tier goes to the transfer engine, to overlap with the caller.
+TEST(TieredStore, WarmOnlyFetchesRunOnTheCallersThread) {
+  TempDir dir;
+  StoreOptions o;
+  SequenceId seq = 0;
+  auto store = FourHotSlotsOverThirtyChunks(dir.path(), &o, &seq);
+  ASSERT_NE(store, nullptr);
+  TieredStore* st = store.get();
+  auto tier_of = [&](uint64_t idx) {
+    for (const ChunkInfo& c : *st->ListChunks(seq, 0))
+      if (c.key.index == idx) return c.tiers;
+    return uint8_t{0};
+  };
+  ASSERT_NE(tier_of(29) & kTierWarm, 0);
+  ASSERT_EQ(tier_of(0) & kTierWarm, 0);
+  st->EvictHot();
+  const uint64_t tasks = TieredStoreTestPeer::TransferTasks(*st);
+  const StoreCounters c0 = st->counters();
+  {
+    auto h = st->FetchChunks(seq, 0, {29, 28});
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    EXPECT_TRUE(h->Ready()) << "loaded before FetchChunks returned";
+    ASSERT_TRUE(h->Wait().ok());
+    EXPECT_EQ(TieredStoreTestPeer::TransferTasks(*st), tasks) << "no transfer task";
+    EXPECT_EQ(st->counters().misses - c0.misses, 2u);
+    EXPECT_EQ(st->counters().cold_reads, c0.cold_reads);
+  }
+  {
+    auto h = st->FetchChunks(seq, 0, {0});
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    ASSERT_TRUE(h->Wait().ok());
+    EXPECT_EQ(TieredStoreTestPeer::TransferTasks(*st), tasks + 1) << "the cold read went to the engine";
+    EXPECT_EQ(st->counters().cold_reads - c0.cold_reads, 1u);
+  }
+  ExpectPattern(st, seq, 0, 9, 0, 8 + 40 + 8 * 30);
 }
 
 // The caller may keep fetches of several layers in flight and attend one layer while the
