@@ -259,6 +259,56 @@ TEST(ExactChunkIndex, ScreenErrorBoundsHoldAndMakeTheChoiceExactOnNearTies) {
   EXPECT_LT(rescored, 400u) << "a tenth of the chunks at most for a take of 64";
 }
 
+// Best's contract for any screen: every score within its stated error of the exact one, the
+// choice is the exact top take. Adversarial screens here: the exact best chunks screened as
+// low as their bound allows and the rest as high, with errors up to half the scores' spread,
+// so the rescoring (and the skipping of candidates once the take-th best exact score is
+// above the rest's upper bounds) must rely on the bounds alone.
+TEST(ExactChunkIndex, BestIsExactForAnyScreenWithinItsBounds) {
+  const ChunkShape shape{2, 16, 4, DType::kF32};
+  const size_t n = 500;
+  auto index = Make("Exact:heads=max", shape);
+  AddAll(index.get(), Iota(n), RandomReprs(n, shape, 31));
+  auto single = Make("Exact:heads=max,rerank=0", shape);
+  AddAll(single.get(), Iota(n), RandomReprs(n, shape, 31));
+  std::mt19937 rng(4);
+  std::normal_distribution<float> nd;
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (int q = 0; q < 10; ++q) {
+    std::vector<float> p(shape.dim());
+    for (float& x : p) x = nd(rng);
+    ChunkScores exact;
+    ASSERT_TRUE(index->Score(p.data(), &exact).ok());
+    for (ChunkRank rank : {ChunkRank::kLogit, ChunkRank::kCosine})
+      for (size_t take : {size_t{1}, size_t{8}, size_t{40}}) {
+        const std::vector<float>& by = exact.by(rank);
+        const auto [lo, hi] = std::minmax_element(by.begin(), by.end());
+        const float spread = *hi - *lo;
+        std::vector<size_t> order(n);
+        std::iota(order.begin(), order.end(), size_t{0});
+        std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return by[a] > by[b]; });
+        std::vector<bool> top(n, false);
+        for (size_t i = 0; i < 2 * take; ++i) top[order[i]] = true;
+        ChunkScores screened;
+        ASSERT_TRUE(index->Screen(p.data(), &screened).ok());  // for its stamp
+        for (std::vector<float>* v :
+             {&screened.logit, &screened.cosine, &screened.logit_error, &screened.cosine_error})
+          v->assign(n, 0.0f);
+        std::vector<float>& s = rank == ChunkRank::kLogit ? screened.logit : screened.cosine;
+        std::vector<float>& e = rank == ChunkRank::kLogit ? screened.logit_error : screened.cosine_error;
+        for (size_t c = 0; c < n; ++c) {
+          e[c] = 0.5f * spread * u(rng);
+          s[c] = top[c] ? by[c] - e[c] : by[c] + e[c];
+        }
+        std::vector<uint64_t> got;
+        ASSERT_TRUE(index->Best(p.data(), screened, rank, take, &got).ok());
+        EXPECT_EQ(got, BestOf(*single, p, rank, take))
+            << "probe " << q << " rank " << (rank == ChunkRank::kLogit ? "logit" : "cosine") << " take "
+            << take;
+      }
+  }
+}
+
 TEST(ExactChunkIndex, TiedChunksGoToTheSmallerIndexFirst) {
   // Every chunk holds (1,0) twice: every score ties, in both stages and in a single pass, and
   // the smaller chunk index must win and come first. With p = (0,1) every dot is +0 or -0,
