@@ -163,11 +163,12 @@ soak: build
 	cd $(BUILD) && KVTIER_SOAK_CYCLES=$(SOAK_CYCLES) ./kvtier_tests --gtest_filter='Soak.*'
 
 # Google Benchmark (bench/*_bench.cc: BM_GemmVsOpenBlas is kernels::Gemm against OpenBLAS, one
-# core), then the trained model at 4K and 32K: its cost per token against the arithmetic floor
-# (the cpu/floor column; the target is the total within 3x at 32K), then the `kvtier run` scripts.
+# core), then the trained model at 4K and 32K on one thread: its cost per token against the
+# one-core arithmetic floor (the cpu/floor column; the target is the total within 3x at 32K),
+# then the `kvtier run` scripts.
 bench: build
 	./$(BUILD)/kvtier_bench --benchmark_min_time=0.2
-	./$(BUILD)/kvtier infinite --quiet --weights models/kvtier-tiny.safetensors --task passkey --contexts 4096,32768 --samples 1 --seed 11
+	./$(BUILD)/kvtier infinite --quiet --weights models/kvtier-tiny.safetensors --task passkey --contexts 4096,32768 --samples 2 --seed 11 --threads 1
 	bash scripts/bench_run.sh $(BUILD)
 	bash scripts/bench_policies.sh $(BUILD)
 

@@ -578,11 +578,8 @@ void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& r
               const float* inv = inv_norm_[h].data();
               kernels::DotKeys(dt, keys + c * R * key_bytes, key_bytes, p, D, static_cast<size_t>(R),
                                dots.data());
-              for (int r = 0; r < R; ++r) {
-                const float dot = dots[static_cast<size_t>(r)];
-                best = std::max(best, dot);
-                best_cos = std::max(best_cos, dot * inv[c * R + r] * inv_p[h]);
-              }
+              kernels::MaxDotAndCosine(dots.data(), inv + c * R, inv_p[h], static_cast<size_t>(R), &best,
+                                       &best_cos);
             }
             fold.Add(best, best_cos, &(*raw)[i], &(*cos)[i]);
           }

@@ -18,6 +18,10 @@
 #include <cstdint>
 #include <limits>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "kernels/cpu/attention.h"  // KernelError
 #include "kernels/cpu/dot.h"
 #include "kernels/dtype.h"
@@ -42,6 +46,41 @@ struct HeadFold {
 inline float InverseNorm(const float* p, int D) {
   const float pn2 = Dot(p, p, D);
   return pn2 > 0.0f ? 1.0f / std::sqrt(pn2) : 0.0f;
+}
+
+/// The best of n dots and of their cosines dot[r] * inv_norm[r] * inv_p (each product in that
+/// order, as ScoreChunksOneHead computes it), folded into *best (start -inf) and *best_cos
+/// (start -1). NaN dots are skipped as std::max(best, dot) skips them; among equal values the
+/// sign of a zero may differ from a sequential std::max (they compare equal).
+inline void MaxDotAndCosine(const float* dot, const float* inv_norm, float inv_p, size_t n, float* best,
+                            float* best_cos) {
+  float b = *best, bc = *best_cos;
+  size_t r = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    // _mm512_max_ps(x, acc) returns acc where x is NaN or equal: std::max(acc, x) per lane.
+    __m512 vb = _mm512_set1_ps(b), vc = _mm512_set1_ps(bc);
+    const __m512 vp = _mm512_set1_ps(inv_p);
+    for (; r + 16 <= n; r += 16) {
+      const __m512 d = _mm512_loadu_ps(dot + r);
+      vb = _mm512_max_ps(d, vb);
+      vc = _mm512_max_ps(_mm512_mul_ps(_mm512_mul_ps(d, _mm512_loadu_ps(inv_norm + r)), vp), vc);
+    }
+    alignas(64) float lb[16], lc[16];
+    _mm512_store_ps(lb, vb);
+    _mm512_store_ps(lc, vc);
+    for (int l = 0; l < 16; ++l) {
+      b = std::max(b, lb[l]);
+      bc = std::max(bc, lc[l]);
+    }
+  }
+#endif
+  for (; r < n; ++r) {
+    b = std::max(b, dot[r]);
+    bc = std::max(bc, dot[r] * inv_norm[r] * inv_p);
+  }
+  *best = b;
+  *best_cos = bc;
 }
 
 /// One kv head's contribution to chunks [c0, c1): keys [n, R, D] in dtype dt (this head's),
