@@ -437,7 +437,9 @@ TEST(TieredStore, WarmOnlyFetchesRunOnTheCallersThread) {
   ASSERT_NE(store, nullptr);
   TieredStore* st = store.get();
   auto tier_of = [&](uint64_t idx) {
-    for (const ChunkInfo& c : *st->ListChunks(seq, 0))
+    const auto list = st->ListChunks(seq, 0);  // named: a range-for over *temporary would dangle
+    EXPECT_TRUE(list.ok());
+    for (const ChunkInfo& c : *list)
       if (c.key.index == idx) return c.tiers;
     return uint8_t{0};
   };
