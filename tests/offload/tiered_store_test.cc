@@ -323,6 +323,16 @@ TEST(TieredStore, CorruptColdChunkIsReportedNotServed) {
 
 // Four hot slots over 30 sealed chunks of layer 0 (pattern 9), with the warm tier holding 8:
 // most chunks are in the cold tier only. Null (after a failed expectation) when setup fails.
+// The TierBits of chunk `index` of (seq, layer), 0 when it is not listed.
+uint8_t TiersOf(TieredStore* st, SequenceId seq, int layer, uint64_t index) {
+  const auto list = st->ListChunks(seq, layer);  // named: a range-for over *temporary would dangle
+  EXPECT_TRUE(list.ok());
+  if (!list.ok()) return 0;
+  for (const ChunkInfo& c : *list)
+    if (c.key.index == index) return c.tiers;
+  return 0;
+}
+
 std::unique_ptr<TieredStore> FourHotSlotsOverThirtyChunks(const std::string& dir, StoreOptions* o,
                                                           SequenceId* seq) {
   *o = SmallOptions(dir);
@@ -349,13 +359,7 @@ TEST(TieredStore, ColdReadsKeepAWarmCopyWhenWarmIsFull) {
   auto store = FourHotSlotsOverThirtyChunks(dir.path(), &o, &seq);
   ASSERT_NE(store, nullptr);
   TieredStore* st = store.get();
-  auto tiers_of = [&](uint64_t idx) {
-    auto list = st->ListChunks(seq, 0);
-    EXPECT_TRUE(list.ok());
-    for (const ChunkInfo& c : *list)
-      if (c.key.index == idx) return c.tiers;
-    return uint8_t{0};
-  };
+  auto tiers_of = [&](uint64_t idx) { return TiersOf(st, seq, 0, idx); };
   ASSERT_EQ(tiers_of(0) & kTierWarm, 0) << "chunk 0 starts cold only";
   const uint64_t warm_before = st->counters().warm_chunks;
   {
@@ -436,13 +440,7 @@ TEST(TieredStore, WarmOnlyFetchesRunOnTheCallersThread) {
   auto store = FourHotSlotsOverThirtyChunks(dir.path(), &o, &seq);
   ASSERT_NE(store, nullptr);
   TieredStore* st = store.get();
-  auto tier_of = [&](uint64_t idx) {
-    const auto list = st->ListChunks(seq, 0);  // named: a range-for over *temporary would dangle
-    EXPECT_TRUE(list.ok());
-    for (const ChunkInfo& c : *list)
-      if (c.key.index == idx) return c.tiers;
-    return uint8_t{0};
-  };
+  auto tier_of = [&](uint64_t idx) { return TiersOf(st, seq, 0, idx); };
   ASSERT_NE(tier_of(29) & kTierWarm, 0);
   ASSERT_EQ(tier_of(0) & kTierWarm, 0);
   st->EvictHot();
