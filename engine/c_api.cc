@@ -242,6 +242,7 @@ kvtier_session_options kvtier_session_options_default(void) {
         so.positions == kvtier::PositionMode::kInfLLM ? KVTIER_POSITIONS_INFLLM : KVTIER_POSITIONS_ABSOLUTE;
     o.rope_theta = so.rope_theta;
     o.keep_queries = so.keep_queries;
+    o.reuse_cosine = so.retrieval.reuse_cosine;
   } catch (...) {
   }
   return o;
@@ -268,6 +269,7 @@ kvtier_code kvtier_session_open(kvtier_store* store, const kvtier_session_option
     kvtier::SessionOptions so;
     so.retrieval = preset.retrieval;
     so.retrieval.budget_tokens = options->budget_tokens;
+    so.retrieval.reuse_cosine = options->reuse_cosine;  // Session::Open validates it
     so.positions = positions == KVTIER_POSITIONS_INFLLM ? kvtier::PositionMode::kInfLLM
                                                         : kvtier::PositionMode::kAbsolute;
     so.rope_theta = options->rope_theta;

@@ -615,6 +615,8 @@ Result<RunReport> RunJob(const RunOptions& options) {
     MethodReport mr;
     mr.name = mt.name;
     mr.spec = mt.session->retriever()->Describe();
+    mr.selections = mt.session->retriever()->selections();
+    mr.reused_selections = mt.session->retriever()->reused_selections();
     mr.chunk_counts.assign(static_cast<size_t>(L), std::vector<uint64_t>(cc.buckets, 0));
     mr.chunk_max_steps = mr.chunk_counts;
     std::vector<std::vector<uint32_t>> chunk_steps(static_cast<size_t>(L),
@@ -868,6 +870,7 @@ std::string RunReport::ToJson() const {
     w.EndObject();
     w.Key("retrieval_share").Double(m.retrieval_share);
     w.Key("chunks_per_step").Double(m.chunks_per_step);
+    w.Key("selections").Uint(m.selections).Key("reused_selections").Uint(m.reused_selections);
     w.Key("bytes_moved").Uint(m.bytes_moved);
     w.EndObject();
   }
@@ -1158,6 +1161,10 @@ std::string RunReport::ToTable() const {
   }
   if (!methods.empty())
     text += "retrieval (" + methods[headline].name + "): " + methods[headline].spec + "\n";
+  if (!methods.empty() && methods[headline].reused_selections > 0)
+    text += "reused selections: " + std::to_string(methods[headline].reused_selections) + " of " +
+            std::to_string(methods[headline].selections) +
+            " layer selections took the layer's last search again (--reuse)\n";
   if (!policy.spec.empty()) {
     char line[512];
     char ratio[32] = "-";

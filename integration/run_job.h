@@ -75,6 +75,9 @@ struct MethodReport {
   double retrieval_share = 0;  ///< (probe + search + alloc) / step, medians
   double chunks_per_step = 0;  ///< mean retrieved chunks per decode step over all layers
   uint64_t bytes_moved = 0;    ///< bytes moved by this method's fetches
+  /// Layer selections with chunks to choose from (prefill windows and decode steps), and how
+  /// many of them reused the layer's last search (RetrieverOptions::reuse_cosine).
+  uint64_t selections = 0, reused_selections = 0;
   std::vector<double> step_ms_all, step_error_all;
   /// [layer][bucket]: how many times, summed over the decode steps, this method retrieved a
   /// chunk of the bucket (RunReport::chunk_choice says which chunks a bucket holds). The

@@ -94,6 +94,11 @@ int TopKBudget::MaxTake(int layer, int n) const {
   return std::max(0, std::min(k_, n));
 }
 
+int TopKBudget::WouldTake(int layer, int n, double theta) const {
+  (void)theta;
+  return MaxTake(layer, n);
+}
+
 // ---- entropy -------------------------------------------------------------------------------
 
 Status EntropyBudgetOptions::Validate() const {
@@ -164,12 +169,32 @@ int EntropyBudget::MaxTake(int layer, int n) const {
   return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(n, remaining_ - reserve)));
 }
 
+int EntropyBudget::WouldTake(int layer, int n, double theta) const {
+  if (!begun_ || !step_error_.ok() || layer != next_layer_ || n <= 0 || !std::isfinite(theta) || theta < 0.0)
+    return std::max(0, n);
+  const int64_t take = Share(layer, n, theta);
+  return take < 0 ? std::max(0, n) : static_cast<int>(take);
+}
+
 Result<int> EntropyBudget::Grant(int layer, int n, double theta) {
-  const int L = layers_, M = opt_.min_chunks;
+  const int64_t take = Share(layer, n, theta);
+  if (take < 0)
+    return Internal("EntropyBudget: budget bookkeeping broke (B_kv " + std::to_string(remaining_) + ")");
   last_theta_ = theta;
   step_theta_sum_ += theta;
   ++step_theta_count_;
-  const double step_mean = step_theta_sum_ / step_theta_count_;  // stand-in for unseen layers
+  remaining_ -= take;  // Algorithm 1: B_kv <- B_kv - B^l (what the layer actually took)
+
+  // The running mean of layer l is updated only after the layer is processed.
+  theta_sum_[layer] += theta;
+  ++theta_count_[layer];
+  return static_cast<int>(take);
+}
+
+int64_t EntropyBudget::Share(int layer, int n, double theta) const {
+  const int L = layers_, M = opt_.min_chunks;
+  // Stand-in for unseen layers: the mean of this step's entropies so far, this layer's included.
+  const double step_mean = (step_theta_sum_ + theta) / (step_theta_count_ + 1);
 
   // Eq. 12 denominator: Theta^l + sum_{j>l} Theta-bar^j.
   double deeper = 0.0;
@@ -190,15 +215,8 @@ Result<int> EntropyBudget::Grant(int layer, int n, double theta) {
   const int64_t reserve = static_cast<int64_t>(M) * (L - 1 - layer);
   const int64_t hi = std::min<int64_t>(n, remaining_ - reserve);
   const int64_t lo = std::min<int64_t>(M, n);
-  if (hi < lo)
-    return Internal("EntropyBudget: budget bookkeeping broke (B_kv " + std::to_string(remaining_) + ")");
-  const int64_t take = std::clamp(rounded, lo, hi);
-  remaining_ -= take;  // Algorithm 1: B_kv <- B_kv - B^l (what the layer actually took)
-
-  // The running mean of layer l is updated only after the layer is processed.
-  theta_sum_[layer] += theta;
-  ++theta_count_[layer];
-  return static_cast<int>(take);
+  if (hi < lo) return -1;
+  return std::clamp(rounded, lo, hi);
 }
 
 // ---- factory ---------------------------------------------------------------------------------

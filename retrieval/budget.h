@@ -76,6 +76,11 @@ class BudgetAllocator {
   /// for a theta that is not finite or is negative; FailedPrecondition from allocators that
   /// read no scores (topk).
   virtual Result<int> AllocateWithEntropy(int layer, int n, double theta);
+  /// What Allocate (topk) or AllocateWithEntropy(layer, n, theta) (entropy) would grant layer
+  /// `layer` now, without granting it: no state changes. n itself when the step protocol is off
+  /// (the grant then reports the error). A caller that already holds a choice (the Retriever
+  /// reusing a layer's last selection) asks first whether the choice is long enough.
+  virtual int WouldTake(int layer, int n, double theta) const = 0;
 
  protected:
   BudgetAllocator() = default;
@@ -100,6 +105,7 @@ class TopKBudget final : public BudgetAllocator {
   bool reads_scores() const override { return false; }
   ChunkRank rank() const override { return ChunkRank::kLogit; }
   int MaxTake(int layer, int n) const override;
+  int WouldTake(int layer, int n, double theta) const override;
 };
 
 struct EntropyBudgetOptions {
@@ -154,6 +160,7 @@ class EntropyBudget final : public BudgetAllocator {
   /// min(n, B_kv - M * (deeper layers)): the clamp's upper bound below.
   int MaxTake(int layer, int n) const override;
   Result<int> AllocateWithEntropy(int layer, int n, double theta) override;
+  int WouldTake(int layer, int n, double theta) const override;
   /// Forgets the running means (new sequence).
   void Reset();
   const EntropyBudgetOptions& options() const { return opt_; }
@@ -162,6 +169,9 @@ class EntropyBudget final : public BudgetAllocator {
   explicit EntropyBudget(const EntropyBudgetOptions& o) : opt_(o) {}
   // Eq. 12 and the bookkeeping for a layer with n > 0 chunks of entropy theta (Eq. 11).
   Result<int> Grant(int layer, int n, double theta);
+  // Eq. 12 with its rounding and clamp for layer `layer` (n > 0 chunks, entropy theta), from the
+  // current state; -1 when the bookkeeping broke (the clamp's bounds cross).
+  int64_t Share(int layer, int n, double theta) const;
   EntropyBudgetOptions opt_;
   int64_t remaining_ = 0;        // B_kv
   double last_theta_ = 0.0;      // Theta of the last Allocate with chunks

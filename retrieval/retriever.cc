@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <numeric>
 
@@ -21,6 +23,16 @@ size_t BeyondPool(int take, size_t cap) {
   return granted > cap ? granted - cap : 0;
 }
 
+// reuse_cosine as ToString spells it: the shortest text that reads back to the same double.
+std::string FormatReuse(double c) {
+  char buf[32];
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, c);
+    if (std::strtod(buf, nullptr) == c) break;
+  }
+  return buf;
+}
+
 // Any valid geometry checks a probe spec (the probe needs one to be built).
 const Geometry kSpecGeometry{1, 1, 1, 2, DType::kF32};
 
@@ -31,6 +43,8 @@ const Geometry kSpecGeometry{1, 1, 1, 2, DType::kF32};
 Status RetrieverOptions::Validate() const {
   if (budget_tokens < 0)
     return InvalidArgument("budget_tokens must be >= 0 (got " + std::to_string(budget_tokens) + ")");
+  if (!(reuse_cosine >= 0.0 && reuse_cosine <= 1.0))
+    return InvalidArgument("reuse_cosine must be in [0, 1] (got " + FormatReuse(reuse_cosine) + ")");
   auto i = CanonicalChunkIndexSpec(index);
   if (!i.ok()) return InvalidArgument("index: " + i.status().message());
   auto a = MakeBudgetAllocator(alloc);
@@ -46,7 +60,8 @@ std::string RetrieverOptions::ToString() const {
   auto a = MakeBudgetAllocator(alloc);
   auto i = CanonicalChunkIndexSpec(index);
   return "probe=" + (p.ok() ? (*p)->ToString() : probe) + " alloc=" + (a.ok() ? (*a)->ToString() : alloc) +
-         " index=" + (i.ok() ? *i : index) + " budget=" + std::to_string(budget_tokens);
+         " index=" + (i.ok() ? *i : index) + " budget=" + std::to_string(budget_tokens) +
+         (reuse_cosine != 0.0 ? " reuse=" + FormatReuse(reuse_cosine) : "");
 }
 
 Result<RetrieverOptions> RetrieverOptions::Parse(const std::string& spec) {
@@ -77,9 +92,15 @@ Result<RetrieverOptions> RetrieverOptions::Parse(const std::string& spec) {
       o.index = value;
     } else if (key == "budget") {
       KVTIER_ASSIGN_OR_RETURN(o.budget_tokens, ParseSpecInt(spec, key, value));
+    } else if (key == "reuse") {
+      char* end = nullptr;
+      o.reuse_cosine = std::strtod(value.c_str(), &end);
+      if (end != value.c_str() + value.size() || !std::isfinite(o.reuse_cosine))
+        return InvalidArgument("bad value '" + value + "' for key 'reuse' in retriever spec '" + spec +
+                               "' (expected a number in [0, 1])");
     } else {
       return InvalidArgument("unknown key '" + key + "' in retriever spec '" + spec +
-                             "' (known: probe, alloc, index, budget)");
+                             "' (known: probe, alloc, index, budget, reuse)");
     }
   }
   KVTIER_RETURN_IF_ERROR(o.Validate());
@@ -139,7 +160,8 @@ Result<std::unique_ptr<Retriever>> Retriever::Create(TieredStore* store, const R
     if (so.index_bytes > 0)
       KVTIER_RETURN_IF_ERROR((*index)->SetMemoryCap(so.index_bytes / so.geometry.layers));
     r->spec_ = "probe=" + r->probe_->ToString() + " alloc=" + r->alloc_->ToString() +
-               " index=" + (*index)->ToString() + " budget=" + std::to_string(options.budget_tokens);
+               " index=" + (*index)->ToString() + " budget=" + std::to_string(options.budget_tokens) +
+               (options.reuse_cosine != 0.0 ? " reuse=" + FormatReuse(options.reuse_cosine) : "");
   }
   r->backend_ = std::move(backend);
   r->k_ = options.budget_tokens / so.chunk_size;
@@ -184,6 +206,7 @@ Status Retriever::Sync(SequenceId seq, int layer) {
       return Status::Ok();
     }));
   }
+  if (!update_.added.empty() || !update_.dropped.empty()) li->last_valid = false;
   li->cursor.chunks = update_.next.chunks;  // added (Add is all or nothing): never added twice
   if (!update_.dropped.empty()) KVTIER_RETURN_IF_ERROR(li->index->Remove(update_.dropped));
   li->cursor.drops = update_.next.drops;
@@ -199,6 +222,7 @@ Status Retriever::Sync(SequenceId seq, int layer) {
 Status Retriever::Forget(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices) {
   KVTIER_RETURN_IF_ERROR(Sync(seq, layer));  // index everything first, so nothing dropped is added later
   KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
+  li->last_valid = false;
   return li->index->Remove(chunk_indices);
 }
 
@@ -237,6 +261,14 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
         // Never more than the hot slot pool holds: the entropy cut-off can hand one layer most of
         // the step's budget.
         const size_t cap = so.hot_bytes / so.chunk_bytes();
+        ++selections_;
+        if (options_.reuse_cosine > 0.0 && li->last_valid) {
+          KVTIER_ASSIGN_OR_RETURN(bool reused, ReuseLast(li, layer, n, cap, &sel));
+          if (reused) {
+            sel.search_ms = MsSince(t0);
+            return sel;
+          }
+        }
         if (li->mirrored != nullptr) {
           sel.search_ms = MsSince(t0);
           KVTIER_RETURN_IF_ERROR(SelectOnBackend(li, layer, n, cap, &sel));
@@ -246,6 +278,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
           // Fixed k: the index serves its top k (approximate kinds stay sub-linear).
           KVTIER_RETURN_IF_ERROR(
               index.Search(probe_vec_.data(), std::min(static_cast<size_t>(k_), cap), &sel.chunks));
+          RememberSearch(li, sel.chunks, 0.0);
           sel.search_ms = MsSince(t0);
           t0 = std::chrono::steady_clock::now();
           KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{nullptr, n}));
@@ -266,10 +299,50 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
         t0 = std::chrono::steady_clock::now();
         const size_t t = std::min(static_cast<size_t>(std::max(0, take)), cap);
         sel.clipped = BeyondPool(take, cap);
-        KVTIER_RETURN_IF_ERROR(index.Best(probe_vec_.data(), scores_, alloc_->rank(), t, &sel.chunks));
+        // With reuse on, a few more than the grant: a later step's Eq. 12 grant from the same
+        // entropy moves by a chunk or two as the running means settle.
+        const size_t keep =
+            options_.reuse_cosine > 0.0 ? std::min({static_cast<size_t>(n), cap, t + t / 8 + 2}) : t;
+        KVTIER_RETURN_IF_ERROR(index.Best(probe_vec_.data(), scores_, alloc_->rank(), keep, &sel.chunks));
+        RememberSearch(li, sel.chunks, sel.entropy);
+        sel.chunks.resize(std::min(sel.chunks.size(), t));
         sel.search_ms += MsSince(t0);
         return sel;
       });
+}
+
+Result<bool> Retriever::ReuseLast(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel) {
+  const Geometry& g = store_->options().geometry;
+  for (int h = 0; h < g.kv_heads; ++h) {
+    const size_t off = static_cast<size_t>(h) * g.head_dim;
+    if (Cosine(probe_vec_.data() + off, li->last_probe.data() + off, g.head_dim) < options_.reuse_cosine)
+      return false;  // this head's probe moved: search again
+  }
+  // The grant the stored search's entropy gets now; the stored choice must cover it.
+  const size_t want =
+      std::min(static_cast<size_t>(std::max(0, alloc_->WouldTake(layer, n, li->last_theta))), cap);
+  if (want > li->last_chunks.size()) return false;
+  int take = 0;
+  if (alloc_->reads_scores()) {
+    KVTIER_ASSIGN_OR_RETURN(take, alloc_->AllocateWithEntropy(layer, n, li->last_theta));
+    sel->entropy = alloc_->last_entropy();
+  } else {
+    KVTIER_ASSIGN_OR_RETURN(take, alloc_->Allocate(layer, LayerScores{nullptr, n}));
+  }
+  const size_t t = std::min({static_cast<size_t>(std::max(0, take)), cap, li->last_chunks.size()});
+  sel->chunks.assign(li->last_chunks.begin(), li->last_chunks.begin() + static_cast<ptrdiff_t>(t));
+  sel->clipped = BeyondPool(take, cap);
+  sel->reused = true;
+  ++reused_selections_;
+  return true;
+}
+
+void Retriever::RememberSearch(LayerIndex* li, const std::vector<uint64_t>& chunks, double theta) {
+  if (options_.reuse_cosine <= 0.0) return;
+  li->last_valid = true;
+  li->last_probe = probe_vec_;
+  li->last_chunks = chunks;
+  li->last_theta = theta;
 }
 
 Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel) {
@@ -285,6 +358,7 @@ Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, 
   KVTIER_RETURN_IF_ERROR(li->mirrored->SelectOnBackend(probe_vec_.data(),
                                                        entropy ? alloc_->rank() : ChunkRank::kLogit, entropy,
                                                        k_max, &sel->chunks, &theta, &non_finite));
+  if (non_finite == 0) RememberSearch(li, sel->chunks, theta);
   sel->search_ms += MsSince(t0);
   t0 = std::chrono::steady_clock::now();
   if (!entropy) {

@@ -38,8 +38,20 @@
 // with the host path that way). Creating the "cuda" backend without a device
 // is Unavailable "no CUDA device: ...".
 //
+// Reusing a search (RetrieverOptions::reuse_cosine = c > 0): a layer keeps its last
+// search's choice, best first, with a few chunks beyond the grant, and the probe and the
+// Eq. 11 entropy it was made for. The next Select of that layer takes the choice again,
+// without Screen, Best or the backend, when (1) Sync found no chunk landed or left since,
+// (2) every kv head's probe has Eq. 10 cosine >= c with the stored one, and (3) the grant the
+// stored entropy gets now (BudgetAllocator::WouldTake) fits in the stored choice; the layer
+// is then granted from that entropy (AllocateWithEntropy). Otherwise it searches as below. A
+// decode query's probe that stays put (the same needle sought, step after step) costs no
+// search; what it loses is the chunks only this step's query scores high (the measured
+// cost: docs/benchmarks.md "Reusing a search").
+//
 // Configuration is four parts, each a factory string that ToString() spells
-// out in full and Parse() reads back:
+// out in full and Parse() reads back, and the reuse threshold (" reuse=c", spelled only
+// when not 0):
 //   probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine
 //   index=Exact:heads=sum,rerank=1,rerank_min=0 budget=2048
 // (rank belongs to the allocator: budget.h says why.) These defaults are
@@ -85,6 +97,8 @@ struct LayerSelection {
   /// Chunks the allocator granted this layer beyond what the hot slot pool holds, left out
   /// (the entropy cut-off can hand one layer more than the pool; the rest is attended).
   size_t clipped = 0;
+  /// The layer's last search's choice, taken again (RetrieverOptions::reuse_cosine).
+  bool reused = false;
 };
 
 class Retriever {
@@ -131,6 +145,10 @@ class Retriever {
   /// memory cap (StoreOptions::index_bytes; each layer's index gets index_bytes / layers).
   uint64_t compressed_chunks() const;
   uint64_t evicted_chunks() const;
+  /// Layer selections served by reusing the layer's last search (reuse_cosine), and all
+  /// layer selections that had chunks to choose from, since the Retriever was created.
+  uint64_t reused_selections() const { return reused_selections_; }
+  uint64_t selections() const { return selections_; }
   /// Frees every index; a layer's next Sync rebuilds its index from the store (as after an
   /// attach). For analysis retrievers that score only now and then.
   void DropIndexes() { indexes_.clear(); }
@@ -145,7 +163,17 @@ class Retriever {
     std::unique_ptr<ChunkIndex> index;
     ExactChunkIndex* mirrored = nullptr;  // the index, when it keeps a backend mirror
     ChunkCursor cursor;                   // what of the store's chunk changes the index holds
+    // The layer's last search, for reuse_cosine: valid until a chunk lands or leaves.
+    bool last_valid = false;
+    std::vector<float> last_probe;      // the probe it searched for
+    std::vector<uint64_t> last_chunks;  // its choice, best first (the grant and a few more)
+    double last_theta = 0.0;            // its Eq. 11 entropy (entropy allocator)
   };
+  // The reuse_cosine test; on success fills *sel from li's last search and grants the layer its
+  // budget from that search's entropy. False (nothing granted) when the search must run.
+  Result<bool> ReuseLast(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
+  // Records a search's choice (best first, `chunks` may hold more than the grant) for reuse.
+  void RememberSearch(LayerIndex* li, const std::vector<uint64_t>& chunks, double theta);
   // Select's path through the backend (the index keeps a mirror).
   Status SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
   Result<LayerIndex*> Index(SequenceId seq, int layer);
@@ -162,6 +190,7 @@ class Retriever {
   ChunkScores scores_;  // Select: the layer's screened scores (reused)
   ChunkUpdate update_;  // Sync: the store's changes (reused)
   int k_ = 0;
+  uint64_t reused_selections_ = 0, selections_ = 0;
 };
 
 }  // namespace kvtier

@@ -94,15 +94,21 @@ struct RetrieverOptions {
   /// ("Flat", "HNSW32:ef=64", "IVF<n>,Flat:nprobe=16,train_min=0"). See chunk_index.h.
   std::string index = "Exact";
   int budget_tokens = 2048;  ///< retrieved tokens per layer and step (k = budget_tokens / chunk_size chunks)
+  /// Reuse a layer's last selection instead of searching again while the index is unchanged
+  /// (no chunk landed or left since that search) and every kv head's probe has at least this
+  /// cosine with the probe that search was made for (0 = search at every step; in [0, 1]). The
+  /// budget of a reused step comes from the stored search's Eq. 11 entropy.
+  double reuse_cosine = 0.0;
 
   /// Checks every part; InvalidArgument names the part ("probe: ...", "alloc: ...",
   /// "index: ...") and, inside it, the bad key or value.
   Status Validate() const;
   /// "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,rerank_min=0
-  /// budget=2048": every part canonical (all keys spelled out), space-separated. Parse reads it
-  /// back to options with the same ToString.
+  /// budget=2048": every part canonical (all keys spelled out), space-separated, then
+  /// " reuse=C" when reuse_cosine is not 0. Parse reads it back to options with the same
+  /// ToString.
   std::string ToString() const;
-  /// Space-separated key=value items, keys probe, alloc, index, budget, each at most once; a
+  /// Space-separated key=value items, keys probe, alloc, index, budget, reuse, each at most once; a
   /// key left out keeps its default. Unknown or duplicate keys, items without '=', a bad
   /// budget, or parts that do not validate are InvalidArgument naming them.
   static Result<RetrieverOptions> Parse(const std::string& spec);

@@ -192,8 +192,8 @@ TEST(OptionTable, CDefaultsEqualTheTable) {
       {"rope_theta", FormatOptionValue(s.rope_theta)},
       {"keep_queries", std::to_string(s.keep_queries)},
   };
-  // + preset and budget_tokens.
-  EXPECT_EQ(session.size() + 2, CountFields<kvtier_session_options>());
+  // + preset, budget_tokens and reuse_cosine.
+  EXPECT_EQ(session.size() + 3, CountFields<kvtier_session_options>());
   for (const auto& [name, value] : session) {
     const SessionOptionDesc* d = FindOption(SessionOptionTable(), name);
     ASSERT_NE(d, nullptr) << name;
@@ -201,6 +201,8 @@ TEST(OptionTable, CDefaultsEqualTheTable) {
   }
   EXPECT_EQ(std::to_string(s.budget_tokens),
             FindOption(RetrieverOptionTable(), "budget_tokens")->default_text);
+  EXPECT_EQ(FormatOptionValue(s.reuse_cosine),
+            FindOption(RetrieverOptionTable(), "reuse_cosine")->default_text);
 }
 
 // ---- docs/options.md -----------------------------------------------------------------------

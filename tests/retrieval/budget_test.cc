@@ -356,3 +356,40 @@ TEST(EntropyBudget, LastEntropyIsTheEq11EntropyOfTheLastLayer) {
 
 }  // namespace
 }  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+// WouldTake is the grant AllocateWithEntropy (entropy) or Allocate (topk) makes next, and
+// asking changes nothing.
+TEST(BudgetAllocator, WouldTakeIsTheNextGrantWithoutGrantingIt) {
+  std::mt19937 rng(23);
+  std::uniform_real_distribution<double> theta(0.0, 6.0);
+  std::uniform_int_distribution<int> chunks(0, 300);
+  for (const char* spec : {"entropy", "entropy:min=3", "topk"}) {
+    auto a = MakeBudgetAllocator(spec);
+    ASSERT_TRUE(a.ok());
+    auto b = MakeBudgetAllocator(spec);  // the same steps without the questions
+    ASSERT_TRUE(b.ok());
+    for (int step = 0; step < 30; ++step) {
+      (*a)->BeginStep(6, 16);
+      (*b)->BeginStep(6, 16);
+      for (int l = 0; l < 6; ++l) {
+        const int n = chunks(rng);
+        const double t = theta(rng);
+        const int would = (*a)->WouldTake(l, n, t);
+        EXPECT_EQ((*a)->WouldTake(l, n, t), would) << spec;
+        Result<int> got = (*a)->reads_scores() ? (*a)->AllocateWithEntropy(l, n, t)
+                                               : (*a)->Allocate(l, LayerScores{nullptr, n});
+        Result<int> plain = (*b)->reads_scores() ? (*b)->AllocateWithEntropy(l, n, t)
+                                                 : (*b)->Allocate(l, LayerScores{nullptr, n});
+        ASSERT_TRUE(got.ok() && plain.ok()) << spec;
+        EXPECT_EQ(*got, would) << spec << " step " << step << " layer " << l;
+        EXPECT_EQ(*plain, *got) << spec;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvtier
