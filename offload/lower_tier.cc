@@ -98,6 +98,16 @@ class RemoteLowerTier final : public LowerTier {
     (void)seq;  // chunks only: the remote tier keeps no per-sequence record of this store
     return RemoveChunks(keys);
   }
+  bool reads_chunk_meta() const override { return true; }
+  void GetChunkMetas(std::vector<MetaGet>* gets) override {
+    std::vector<RemoteTier::MetaGet> rg(gets->size());
+    for (size_t i = 0; i < gets->size(); ++i) rg[i].ref = (*gets)[i].ref;
+    remote_->GetChunkMetas(&rg).IgnoreError();  // per-chunk statuses below
+    for (size_t i = 0; i < gets->size(); ++i) {
+      (*gets)[i].meta = std::move(rg[i].meta);
+      (*gets)[i].status = std::move(rg[i].status);
+    }
+  }
   void CountLoad(StoreCounters* c) const override { c->remote_loads++; }
   void AddCounters(StoreCounters* c) const override {
     const RemoteTierCounters r = remote_->counters();

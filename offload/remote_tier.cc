@@ -195,38 +195,52 @@ RemoteTierCounters RemoteTier::counters() const {
 }
 
 Status RemoteTier::PutChunks(std::vector<Put>* puts) {
-  std::vector<RedisCall> calls(puts->size());
+  // Two calls a chunk, in one batch: the framed chunk (2i) and its meta record (2i + 1).
+  std::vector<RedisCall> calls(2 * puts->size());
   for (size_t i = 0; i < puts->size(); ++i) {
     const Put& p = (*puts)[i];
-    std::string key = ChunkKeyString(RemoteChunkRef{nullptr, p.key});
+    const RemoteChunkRef ref{nullptr, p.key};
+    std::string key = ChunkKeyString(ref);
     std::string value = FrameChunk(key, p.meta, p.payload, p.payload_bytes);
-    calls[i].argv.reserve(3);
-    calls[i].argv.emplace_back("SET");
-    calls[i].argv.push_back(std::move(key));
-    calls[i].argv.push_back(std::move(value));  // moved, not copied: an initializer list would copy
-    calls[i].key = calls[i].argv[1];
+    RedisCall& chunk = calls[2 * i];
+    chunk.argv.reserve(3);
+    chunk.argv.emplace_back("SET");
+    chunk.argv.push_back(std::move(key));
+    chunk.argv.push_back(std::move(value));  // moved, not copied: an initializer list would copy
+    chunk.key = chunk.argv[1];
+    std::string meta_key = MetaKeyString(ref);
+    std::string meta = cold_tier_format::EncodeValue(ValueKind::kMeta, p.meta, KeyTag(meta_key));
+    RedisCall& m = calls[2 * i + 1];
+    m.argv.reserve(3);
+    m.argv.emplace_back("SET");
+    m.argv.push_back(std::move(meta_key));
+    m.argv.push_back(std::move(meta));
+    m.key = m.argv[1];
   }
   client_->Execute(&calls, options_.wait_replicas, options_.wait_timeout_ms);
   Status first;
   for (size_t i = 0; i < puts->size(); ++i) {
     Put& p = (*puts)[i];
-    const RedisCall& c = calls[i];
-    const std::string what =
-        "remote tier: writing chunk " + p.key.ToString() + " (key '" + calls[i].argv[1] + "')";
-    if (!c.status.ok()) {
-      p.status = Status(c.status.code(), what + ": " + c.status.message());
-      errors_++;
-    } else if (c.reply->type == REDIS_REPLY_ERROR) {
-      const std::string e(c.reply->str, c.reply->len);
-      // -OOM: maxmemory with a no-eviction policy; the chunk stays in the local tiers.
-      p.status = e.rfind("OOM", 0) == 0 ? ResourceExhausted(what + ": " + e) : IOError(what + ": " + e);
-      errors_++;
-    } else {
-      p.status = Status::Ok();
+    p.status = Status::Ok();
+    for (const RedisCall* c : {&calls[2 * i], &calls[2 * i + 1]}) {
+      const std::string what =
+          "remote tier: writing chunk " + p.key.ToString() + " (key '" + c->argv[1] + "')";
+      if (!c->status.ok()) {
+        p.status = Status(c->status.code(), what + ": " + c->status.message());
+      } else if (c->reply->type == REDIS_REPLY_ERROR) {
+        const std::string e(c->reply->str, c->reply->len);
+        // -OOM: maxmemory with a no-eviction policy; the chunk stays in the local tiers.
+        p.status = e.rfind("OOM", 0) == 0 ? ResourceExhausted(what + ": " + e) : IOError(what + ": " + e);
+      }
+      if (!p.status.ok()) break;
+    }
+    if (p.status.ok()) {
       puts_++;
       put_bytes_ += p.payload_bytes;
+    } else {
+      errors_++;
+      if (first.ok()) first = p.status;
     }
-    if (!p.status.ok() && first.ok()) first = p.status;
   }
   return first;
 }
@@ -308,20 +322,70 @@ Status RemoteTier::GetChunk(const RemoteChunkRef& ref, void* dst, size_t payload
   return GetChunks(&gets);
 }
 
-Status RemoteTier::DeleteChunks(const std::vector<ChunkKey>& keys) {
-  std::vector<RedisCall> calls(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) {
-    calls[i].argv = {"DEL", ChunkKeyString(RemoteChunkRef{nullptr, keys[i]})};
+Status RemoteTier::GetChunkMetas(std::vector<MetaGet>* gets) {
+  std::vector<RedisCall> calls(gets->size());
+  for (size_t i = 0; i < gets->size(); ++i) {
+    calls[i].argv = {"GET", MetaKeyString((*gets)[i].ref)};
     calls[i].key = calls[i].argv[1];
   }
   client_->Execute(&calls);
-  for (size_t i = 0; i < keys.size(); ++i) {
+  Status first;
+  for (size_t i = 0; i < gets->size(); ++i) {
+    MetaGet& g = (*gets)[i];
     const RedisCall& c = calls[i];
+    const std::string& key = c.argv[1];
+    const std::string what = "meta record of " + ChunkWhat(g.ref, key);
+    if (!c.status.ok()) {
+      g.status = Status(c.status.code(), "remote tier: reading " + what + ": " + c.status.message());
+      errors_++;
+    } else if (c.reply->type == REDIS_REPLY_NIL) {
+      g.status = NotFound("remote tier: " + what +
+                          " is missing: evicted by the server (maxmemory) or never written");
+      not_found_++;
+    } else if (c.reply->type != REDIS_REPLY_STRING) {
+      const bool error = c.reply->type == REDIS_REPLY_ERROR;
+      g.status =
+          error ? IOError("remote tier: reading " + what + ": " + std::string(c.reply->str, c.reply->len))
+                : Corruption("remote tier: " + what + " holds no string value");
+      if (error)
+        errors_++;
+      else
+        corrupt_++;
+    } else {
+      std::string_view body;
+      uint64_t aux = 0;
+      g.status = Reword(cold_tier_format::DecodeValue(std::string_view(c.reply->str, c.reply->len),
+                                                      ValueKind::kMeta, what, &body, &aux));
+      if (g.status.ok() && aux != KeyTag(key))
+        g.status = Corruption("remote tier: " + what + " holds a value written under another key");
+      if (g.status.ok())
+        g.meta.assign(body.data(), body.size());
+      else
+        corrupt_++;
+    }
+    if (!g.status.ok() && first.ok()) first = g.status;
+  }
+  return first;
+}
+
+Status RemoteTier::DeleteChunks(const std::vector<ChunkKey>& keys) {
+  // One DEL a key: a chunk's two keys may live on different cluster nodes.
+  std::vector<RedisCall> calls(2 * keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const RemoteChunkRef ref{nullptr, keys[i]};
+    calls[2 * i].argv = {"DEL", ChunkKeyString(ref)};
+    calls[2 * i + 1].argv = {"DEL", MetaKeyString(ref)};
+  }
+  for (RedisCall& c : calls) c.key = c.argv[1];
+  client_->Execute(&calls);
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const RedisCall& c = calls[i];
+    const ChunkKey& k = keys[i / 2];
     if (!c.status.ok())
       return Status(c.status.code(),
-                    "remote tier: deleting chunk " + keys[i].ToString() + ": " + c.status.message());
+                    "remote tier: deleting chunk " + k.ToString() + ": " + c.status.message());
     if (c.reply->type == REDIS_REPLY_ERROR)
-      return IOError("remote tier: deleting chunk " + keys[i].ToString() + ": " +
+      return IOError("remote tier: deleting chunk " + k.ToString() + ": " +
                      std::string(c.reply->str, c.reply->len));
   }
   return Status::Ok();

@@ -3,6 +3,7 @@
 //
 // ---- Keys --------------------------------------------------------------------------
 //   chunk              kvt:<ns>:<seq>:<layer>:<index>
+//   its meta record    kvt:<ns>:<seq>:<layer>:<index>:m  (read without the payload)
 //   published sequence kvt:pub:{<name>}            (the manifest, written last)
 //                      kvt:pub:{<name>}:<layer>    (the layer's chunk metas, sinks, window)
 // <ns> is the writing store's namespace (StoreOptions::remote_namespace), so stores
@@ -19,7 +20,12 @@
 // too. A chunk's body is u32 meta length, the meta record (offload/store_records.h),
 // then the payload. A read checks all of it: a missing key (never written, or evicted
 // by Redis under maxmemory) is NotFound naming the chunk and the key; any mismatch is
-// Corruption naming them. Nothing unverified reaches the caller.
+// Corruption naming them. Nothing unverified reaches the caller. The meta record is also
+// written under its own key (framed the same way, kind meta), in the same pipelined batch,
+// so that the store can read a chunk's representative keys back without its payload
+// (GetChunkMetas; offload/lower_tier.h, "Meta reads"): a put is acknowledged only when
+// both keys are. Under maxmemory Redis may evict either key; a missing meta key is
+// NotFound as a missing chunk is.
 //
 // ---- Acknowledgement -----------------------------------------------------------------
 // A put is acknowledged when the master answered OK and, with wait_replicas > 0, WAIT
@@ -105,7 +111,17 @@ class RemoteTier {
   Status GetChunks(std::vector<Get>* gets);
   Status GetChunk(const RemoteChunkRef& ref, void* dst, size_t payload_bytes);
 
-  /// Removes chunks of this namespace (missing ones are not an error).
+  /// One chunk of a batch meta read.
+  struct MetaGet {
+    RemoteChunkRef ref;
+    std::string meta;  ///< the meta record, as PutChunks got it
+    Status status;     ///< NotFound / Corruption / Unavailable / TimedOut naming the chunk
+  };
+  /// Reads the meta records of chunks (their own keys) in one pipelined batch, verified.
+  /// Returns the first failure.
+  Status GetChunkMetas(std::vector<MetaGet>* gets);
+
+  /// Removes chunks of this namespace, both keys (missing ones are not an error).
   Status DeleteChunks(const std::vector<ChunkKey>& keys);
 
   /// Publication records (kvt:pub:{name}[:part]), framed and checked like chunks.
@@ -117,8 +133,9 @@ class RemoteTier {
   /// Part `index` of a publication.
   Result<std::string> GetPublicationPart(std::string_view name, uint32_t index);
 
-  /// The key of a chunk (for tools and tests).
+  /// The key of a chunk, and of its meta record (for tools and tests).
   std::string ChunkKeyString(const RemoteChunkRef& ref) const;
+  std::string MetaKeyString(const RemoteChunkRef& ref) const { return ChunkKeyString(ref) + ":m"; }
   static std::string PublicationKey(std::string_view name);
   static std::string PublicationPartKey(std::string_view name, uint32_t index);
 

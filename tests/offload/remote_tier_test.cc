@@ -523,6 +523,96 @@ TEST(RemoteTier, PublishingReadsBackRepresentativesThatLeftMemory) {
   }
 }
 
+// A store whose only lower tier is Redis releases the representatives of the chunks that
+// left warm, as it does over RocksDB: metadata_bytes falls by exactly their bytes, readers get
+// them back bit for bit from the chunks' meta keys, and a meta key that is damaged or gone is
+// a named error for that chunk alone.
+TEST(RemoteTier, RepresentativesOfRedisOnlyChunksLeaveMemoryAndComeBack) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  RedisServers redis;
+  ASSERT_GE(redis.Start(), 0);
+  StoreOptions o = remote_share::Options(redis.Spec(0));
+  o.remote_namespace = "reps";
+  ASSERT_TRUE(o.data_dir.empty()) << "Redis is the only lower tier";
+  auto store = TieredStore::Open(o);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  TieredStore* s = store->get();
+  const SequenceId seq = *s->CreateSequence();
+  ASSERT_TRUE(remote_share::Write(s, seq).ok());
+  ASSERT_TRUE(s->WaitForDurable().ok());
+  StoreOptions resident_o = remote_share::Options("");
+  resident_o.warm_bytes = 512 * resident_o.chunk_bytes();
+  auto resident = TieredStore::Open(resident_o);
+  ASSERT_TRUE(resident.ok());
+  const SequenceId rseq = *(*resident)->CreateSequence();
+  ASSERT_TRUE(remote_share::Write(resident->get(), rseq).ok());
+
+  const size_t repr_bytes = static_cast<size_t>(o.repr_topk) * remote_share::TokenBytes(o);
+  uint64_t left_warm = 0;
+  for (int l = 0; l < o.geometry.layers; ++l) {
+    auto list = s->ListChunks(seq, l);
+    ASSERT_TRUE(list.ok());
+    for (const ChunkInfo& c : *list) left_warm += (c.tiers & kTierWarm) == 0;
+  }
+  ASSERT_GT(left_warm, 60u);
+  EXPECT_EQ((*resident)->metadata_bytes() - s->metadata_bytes(), left_warm * repr_bytes)
+      << "the representatives of every chunk that left warm left memory";
+
+  const size_t e = static_cast<size_t>(o.repr_topk) * o.geometry.token_elems();
+  std::vector<float> a(e), b(e);
+  for (int l = 0; l < o.geometry.layers; ++l) {
+    const uint64_t n = *s->ChunkCount(seq, l);
+    ASSERT_EQ(n, *(*resident)->ChunkCount(rseq, l));
+    for (uint64_t c = 0; c < n; ++c) {
+      Status got = s->GetRepresentatives(ChunkKey{seq, static_cast<uint32_t>(l), c}, a.data());
+      ASSERT_TRUE(got.ok()) << "layer " << l << " chunk " << c << ": " << got.ToString();
+      ASSERT_TRUE(
+          (*resident)->GetRepresentatives(ChunkKey{rseq, static_cast<uint32_t>(l), c}, b.data()).ok());
+      ASSERT_EQ(0, std::memcmp(a.data(), b.data(), e * sizeof(float))) << "layer " << l << " chunk " << c;
+    }
+    // An index built now gets them in one batch.
+    ChunkUpdate u, r;
+    ASSERT_TRUE(s->ChunkUpdatesSince(seq, l, ChunkCursor{}, &u).ok());
+    ASSERT_TRUE((*resident)->ChunkUpdatesSince(rseq, l, ChunkCursor{}, &r).ok());
+    EXPECT_EQ(u.added, r.added);
+    ASSERT_EQ(u.repr.size(), r.repr.size());
+    EXPECT_EQ(0, std::memcmp(u.repr.data(), r.repr.data(), u.repr.size() * sizeof(float))) << "layer " << l;
+  }
+
+  // Damage one released chunk's meta key, and remove another's.
+  ChunkKey damaged{}, gone{};
+  int found = 0;
+  auto list = s->ListChunks(seq, 1);
+  ASSERT_TRUE(list.ok());
+  for (const ChunkInfo& c : *list)
+    if ((c.tiers & kTierWarm) == 0 && found < 2) (found++ == 0 ? damaged : gone) = c.key;
+  ASSERT_EQ(found, 2);
+  const std::string damaged_key =
+      "kvt:reps:" + std::to_string(seq) + ":1:" + std::to_string(damaged.index) + ":m";
+  const std::string gone_key = "kvt:reps:" + std::to_string(seq) + ":1:" + std::to_string(gone.index) + ":m";
+  ASSERT_EQ(redis.Cli(0, "SETRANGE " + damaged_key + " 40 Z"), 0);
+  ASSERT_EQ(redis.Cli(0, "DEL " + gone_key), 0);
+  Status st = s->GetRepresentatives(damaged, a.data());
+  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+  EXPECT_NE(st.message().find("representatives of chunk " + damaged.ToString()), std::string::npos)
+      << st.ToString();
+  EXPECT_NE(st.message().find(damaged_key), std::string::npos) << st.ToString();
+  st = s->GetRepresentatives(gone, a.data());
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+  EXPECT_NE(st.message().find(gone_key), std::string::npos) << st.ToString();
+  ChunkUpdate u;
+  EXPECT_FALSE(s->ChunkUpdatesSince(seq, 1, ChunkCursor{}, &u).ok())
+      << "an index cannot be built without them";
+  EXPECT_TRUE(s->ChunkUpdatesSince(seq, 0, ChunkCursor{}, &u).ok()) << "layer 0 is untouched";
+  // The payloads are untouched: the chunks still fetch.
+  auto h = s->FetchChunks(seq, 1, {damaged.index, gone.index});
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  EXPECT_TRUE(h->Wait().ok());
+  // Dropping the sequence removes both keys of every chunk.
+  ASSERT_TRUE(s->DropSequence(seq).ok());
+  EXPECT_EQ(RedisCommandText(redis.server(0).port, {"DBSIZE"}), "0");
+}
+
 // A master SIGKILLed while chunks are being written: every put acknowledged (after WAIT 1)
 // is still readable after its replica took over. The killed master is the one with two
 // replicas (7 nodes), so the promoted replica has a replica of its own at once and WAIT 1
