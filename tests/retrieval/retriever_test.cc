@@ -359,86 +359,96 @@ TEST(Retriever, EntropyBudgetNeverExceedsTheStepBudget) {
 // cosine and no chunk landed or left; otherwise it searches, and a search's choice is always
 // what a retriever without reuse chooses for the same probe.
 TEST(Retriever, ReusesTheLastSearchOnlyWhileTheProbeStaysAndNothingLands) {
-  for (const char* alloc : {"entropy:rank=logit", "topk"}) {
-    TempDir dir;
-    auto store = TieredStore::Open(Options(dir.path()));
-    ASSERT_TRUE(store.ok());
-    TieredStore* s = store->get();
-    const Geometry& g = s->options().geometry;
-    SequenceId seq = *s->CreateSequence();
-    std::vector<std::vector<float>> vs;
-    Fill(s, seq, 4 + 16 + 4 * 60 + 3, 13, &vs);
-    RetrieverOptions ro;
-    ro.probe = "mean";
-    ro.alloc = alloc;
-    ro.budget_tokens = 6 * 4;  // k = 6 chunks
-    RetrieverOptions reusing = ro;
-    reusing.reuse_cosine = 0.9;
-    auto r = Retriever::Create(s, reusing);
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
-    EXPECT_NE((*r)->Describe().find(" reuse=0.9"), std::string::npos) << (*r)->Describe();
-    // The reference: a retriever that searches at every step, fed the same steps.
-    auto ref = Retriever::Create(s, ro);
-    ASSERT_TRUE(ref.ok());
-    std::mt19937 rng(17);
-    std::normal_distribution<float> nd(0.0f, 1.0f);
-    const size_t qn = static_cast<size_t>(g.q_heads) * g.head_dim;
-    std::vector<float> q0(qn), far(qn), near(qn);
-    for (auto& x : q0) x = nd(rng);
-    for (auto& x : far) x = nd(rng);  // an independent probe: cosine about 0
-    for (size_t i = 0; i < qn; ++i) near[i] = q0[i] + 0.05f * nd(rng);  // cosine about 0.999
-    // One step over every layer; returns each layer's choice and whether it was reused.
-    auto step = [&](Retriever* rt, const std::vector<float>& q) {
-      std::vector<std::pair<std::vector<uint64_t>, bool>> out;
-      rt->BeginStep();
-      for (int l = 0; l < g.layers; ++l) {
-        auto sel = rt->Select(seq, l, q.data(), 1, true);
-        EXPECT_TRUE(sel.ok()) << sel.status().ToString();
-        if (!sel.ok()) return out;
-        EXPECT_FALSE(sel->chunks.empty());
-        out.emplace_back(sel->chunks, sel->reused);
-      }
-      return out;
-    };
-    auto choices = [](const std::vector<std::pair<std::vector<uint64_t>, bool>>& v) {
-      std::vector<std::vector<uint64_t>> c;
-      for (const auto& [chunks, reused] : v) c.push_back(chunks);
-      return c;
-    };
-    const auto first = step(r->get(), q0);
-    const auto first_ref = step(ref->get(), q0);
-    EXPECT_EQ(choices(first), choices(first_ref)) << alloc;
-    for (const auto& [chunks, reused] : first) EXPECT_FALSE(reused) << alloc << ": nothing to reuse yet";
-    // The probe barely moved: every layer reuses the q0 search, with the grant its entropy gets
-    // now (the running means of Eq. 12 moved): what a search for q0 itself chooses.
-    const auto again = step(r->get(), near);
-    const auto again_ref = step(ref->get(), q0);
-    for (const auto& [chunks, reused] : again) EXPECT_TRUE(reused) << alloc;
-    EXPECT_EQ(choices(again), choices(again_ref)) << alloc;
-    // The probe moved: every layer searches, and chooses what the reference chooses.
-    const auto moved = step(r->get(), far);
-    const auto moved_ref = step(ref->get(), far);
-    for (const auto& [chunks, reused] : moved) EXPECT_FALSE(reused) << alloc;
-    EXPECT_EQ(choices(moved), choices(moved_ref)) << alloc;
-    EXPECT_EQ((*r)->reused_selections(), static_cast<uint64_t>(g.layers)) << alloc;
-    EXPECT_EQ((*r)->selections(), 3u * g.layers) << alloc;
-    // A chunk lands in every layer (4 more tokens push one out of the local window): the same
-    // probe searches again, over the new chunk too.
-    std::vector<float> k4(4 * g.token_elems());
-    for (auto& x : k4) x = nd(rng);
-    for (int l = 0; l < g.layers; ++l)
-      ASSERT_TRUE(s->Append(seq, l, k4.data(), k4.data(), 4, DType::kF32).ok());
-    const auto landed = step(r->get(), far);
-    const auto landed_ref = step(ref->get(), far);
-    for (const auto& [chunks, reused] : landed) EXPECT_FALSE(reused) << alloc << ": a chunk landed";
-    EXPECT_EQ(choices(landed), choices(landed_ref)) << alloc;
-    // A dropped chunk ends the reuse of layer 0 only.
-    ASSERT_TRUE(s->DropChunks(seq, 0, {landed[0].first.front()}).ok());
-    const auto dropped = step(r->get(), far);
-    EXPECT_FALSE(dropped[0].second) << alloc;
-    EXPECT_EQ(std::count(dropped[0].first.begin(), dropped[0].first.end(), landed[0].first.front()), 0);
-    for (int l = 1; l < g.layers; ++l) EXPECT_TRUE(dropped[l].second) << alloc << " layer " << l;
-  }
+  // The host path, and the backend path (the "cpu" twins of the device selection).
+  for (const bool on_backend : {false, true})
+    for (const char* alloc : {"entropy:rank=logit", "topk"}) {
+      SCOPED_TRACE(std::string(alloc) + (on_backend ? ", backend" : ", host"));
+      TempDir dir;
+      auto store = TieredStore::Open(Options(dir.path()));
+      ASSERT_TRUE(store.ok());
+      TieredStore* s = store->get();
+      const Geometry& g = s->options().geometry;
+      SequenceId seq = *s->CreateSequence();
+      std::vector<std::vector<float>> vs;
+      Fill(s, seq, 4 + 16 + 4 * 60 + 3, 13, &vs);
+      RetrieverOptions ro;
+      ro.probe = "mean";
+      ro.alloc = alloc;
+      ro.budget_tokens = 6 * 4;  // k = 6 chunks
+      RetrieverOptions reusing = ro;
+      reusing.reuse_cosine = 0.9;
+      auto backend = [&]() -> std::unique_ptr<RetrievalBackend> {
+        if (!on_backend) return nullptr;
+        auto b = MakeRetrievalBackend("cpu");
+        EXPECT_TRUE(b.ok()) << b.status().ToString();
+        return b.ok() ? std::move(b).value() : nullptr;
+      };
+      auto r = Retriever::Create(s, reusing, backend());
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      ASSERT_EQ((*r)->backend() != nullptr, on_backend);
+      EXPECT_NE((*r)->Describe().find(" reuse=0.9"), std::string::npos) << (*r)->Describe();
+      // The reference: a retriever that searches at every step, fed the same steps.
+      auto ref = Retriever::Create(s, ro, backend());
+      ASSERT_TRUE(ref.ok());
+      std::mt19937 rng(17);
+      std::normal_distribution<float> nd(0.0f, 1.0f);
+      const size_t qn = static_cast<size_t>(g.q_heads) * g.head_dim;
+      std::vector<float> q0(qn), far(qn), near(qn);
+      for (auto& x : q0) x = nd(rng);
+      for (auto& x : far) x = nd(rng);  // an independent probe: cosine about 0
+      for (size_t i = 0; i < qn; ++i) near[i] = q0[i] + 0.05f * nd(rng);  // cosine about 0.999
+      // One step over every layer; returns each layer's choice and whether it was reused.
+      auto step = [&](Retriever* rt, const std::vector<float>& q) {
+        std::vector<std::pair<std::vector<uint64_t>, bool>> out;
+        rt->BeginStep();
+        for (int l = 0; l < g.layers; ++l) {
+          auto sel = rt->Select(seq, l, q.data(), 1, true);
+          EXPECT_TRUE(sel.ok()) << sel.status().ToString();
+          if (!sel.ok()) return out;
+          EXPECT_FALSE(sel->chunks.empty());
+          out.emplace_back(sel->chunks, sel->reused);
+        }
+        return out;
+      };
+      auto choices = [](const std::vector<std::pair<std::vector<uint64_t>, bool>>& v) {
+        std::vector<std::vector<uint64_t>> c;
+        for (const auto& [chunks, reused] : v) c.push_back(chunks);
+        return c;
+      };
+      const auto first = step(r->get(), q0);
+      const auto first_ref = step(ref->get(), q0);
+      EXPECT_EQ(choices(first), choices(first_ref)) << alloc;
+      for (const auto& [chunks, reused] : first) EXPECT_FALSE(reused) << alloc << ": nothing to reuse yet";
+      // The probe barely moved: every layer reuses the q0 search, with the grant its entropy gets
+      // now (the running means of Eq. 12 moved): what a search for q0 itself chooses.
+      const auto again = step(r->get(), near);
+      const auto again_ref = step(ref->get(), q0);
+      for (const auto& [chunks, reused] : again) EXPECT_TRUE(reused) << alloc;
+      EXPECT_EQ(choices(again), choices(again_ref)) << alloc;
+      // The probe moved: every layer searches, and chooses what the reference chooses.
+      const auto moved = step(r->get(), far);
+      const auto moved_ref = step(ref->get(), far);
+      for (const auto& [chunks, reused] : moved) EXPECT_FALSE(reused) << alloc;
+      EXPECT_EQ(choices(moved), choices(moved_ref)) << alloc;
+      EXPECT_EQ((*r)->reused_selections(), static_cast<uint64_t>(g.layers)) << alloc;
+      EXPECT_EQ((*r)->selections(), 3u * g.layers) << alloc;
+      // A chunk lands in every layer (4 more tokens push one out of the local window): the same
+      // probe searches again, over the new chunk too.
+      std::vector<float> k4(4 * g.token_elems());
+      for (auto& x : k4) x = nd(rng);
+      for (int l = 0; l < g.layers; ++l)
+        ASSERT_TRUE(s->Append(seq, l, k4.data(), k4.data(), 4, DType::kF32).ok());
+      const auto landed = step(r->get(), far);
+      const auto landed_ref = step(ref->get(), far);
+      for (const auto& [chunks, reused] : landed) EXPECT_FALSE(reused) << alloc << ": a chunk landed";
+      EXPECT_EQ(choices(landed), choices(landed_ref)) << alloc;
+      // A dropped chunk ends the reuse of layer 0 only.
+      ASSERT_TRUE(s->DropChunks(seq, 0, {landed[0].first.front()}).ok());
+      const auto dropped = step(r->get(), far);
+      EXPECT_FALSE(dropped[0].second) << alloc;
+      EXPECT_EQ(std::count(dropped[0].first.begin(), dropped[0].first.end(), landed[0].first.front()), 0);
+      for (int l = 1; l < g.layers; ++l) EXPECT_TRUE(dropped[l].second) << alloc << " layer " << l;
+    }
 }
 
 // Layers are served in order within a step; returns layer 1's choice.
