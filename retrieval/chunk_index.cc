@@ -66,6 +66,12 @@ Status ChunkIndex::Search(const float* probe, size_t k, std::vector<uint64_t>* o
   return Best(probe, screened, ChunkRank::kLogit, k, out);
 }
 
+Status ChunkIndex::BestOf(const float* probe, const std::vector<uint64_t>& chunks, ChunkRank rank,
+                          size_t take, std::vector<uint64_t>* out) const {
+  (void)probe, (void)chunks, (void)rank, (void)take, (void)out;
+  return FailedPrecondition("index '" + ToString() + "' cannot score chosen chunks alone");
+}
+
 Result<std::unique_ptr<ChunkIndex>> MakeChunkIndex(const std::string& spec, const ChunkShape& shape) {
   KVTIER_ASSIGN_OR_RETURN(FactorySpec fs, ParseFactorySpec(spec, "index"));
   if (IsExact(fs)) {

@@ -373,6 +373,26 @@ Status ExactChunkIndex::Best(const float* probe, const ChunkScores& screened, Ch
   return Status::Ok();
 }
 
+Status ExactChunkIndex::BestOf(const float* probe, const std::vector<uint64_t>& chunks, ChunkRank rank,
+                               size_t take, std::vector<uint64_t>* out) const {
+  if (probe == nullptr || out == nullptr)
+    return InvalidArgument("ExactChunkIndex::BestOf: probe and out must not be null");
+  std::vector<int64_t> rows;
+  rows.reserve(chunks.size());
+  for (uint64_t c : chunks) {
+    const auto it = std::lower_bound(ids_.begin(), ids_.end(), c);
+    if (it != ids_.end() && *it == c) rows.push_back(it - ids_.begin());
+  }
+  std::sort(rows.begin(), rows.end());
+  rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+  std::vector<float> logit, cos;
+  ScoresOf(probe, rows, &logit, &cos);
+  std::vector<uint64_t> ids(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) ids[i] = ids_[rows[i]];
+  *out = TakeBest(rank == ChunkRank::kLogit ? logit : cos, ids, take);
+  return Status::Ok();
+}
+
 void ExactChunkIndex::CandidateRows(const std::vector<float>& score, const std::vector<float>& error,
                                     size_t take, int64_t at_least, std::vector<int64_t>* rows) {
   const int64_t n = static_cast<int64_t>(score.size());

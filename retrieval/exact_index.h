@@ -108,6 +108,8 @@ class ExactChunkIndex final : public ChunkIndex {
   /// rerank = 0: the take best of `screened`.
   Status Best(const float* probe, const ChunkScores& screened, ChunkRank rank, size_t take,
               std::vector<uint64_t>* out) const override;
+  Status BestOf(const float* probe, const std::vector<uint64_t>& chunks, ChunkRank rank, size_t take,
+                std::vector<uint64_t>* out) const override;
   size_t size() const override { return ids_.size(); }
   uint64_t memory_bytes() const override;
   /// Caps memory_bytes() (0 = unbounded); an index over the new cap shrinks at once.

@@ -33,6 +33,11 @@ std::string FormatReuse(double c) {
   return buf;
 }
 
+// The shortlist a search keeps for reuse_cosine: kReuseShortlist x the grant `t`, and at
+// least t + t / 8 + 2 (Retriever::ReuseLast needs the next grant to fit).
+constexpr size_t kReuseShortlist = 3;
+size_t ShortlistSize(size_t t) { return std::max(kReuseShortlist * t, t + t / 8 + 2); }
+
 // Any valid geometry checks a probe spec (the probe needs one to be built).
 const Geometry kSpecGeometry{1, 1, 1, 2, DType::kF32};
 
@@ -276,9 +281,12 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
         }
         if (!alloc_->reads_scores()) {
           // Fixed k: the index serves its top k (approximate kinds stay sub-linear).
+          const size_t k = std::min(static_cast<size_t>(k_), cap);
           KVTIER_RETURN_IF_ERROR(
-              index.Search(probe_vec_.data(), std::min(static_cast<size_t>(k_), cap), &sel.chunks));
+              index.Search(probe_vec_.data(),
+                           options_.reuse_cosine > 0.0 ? std::min(cap, ShortlistSize(k)) : k, &sel.chunks));
           RememberSearch(li, sel.chunks, 0.0);
+          sel.chunks.resize(std::min(sel.chunks.size(), k));
           sel.search_ms = MsSince(t0);
           t0 = std::chrono::steady_clock::now();
           KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{nullptr, n}));
@@ -299,10 +307,11 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
         t0 = std::chrono::steady_clock::now();
         const size_t t = std::min(static_cast<size_t>(std::max(0, take)), cap);
         sel.clipped = BeyondPool(take, cap);
-        // With reuse on, a few more than the grant: a later step's Eq. 12 grant from the same
-        // entropy moves by a chunk or two as the running means settle.
+        // With reuse on, the shortlist a reusing step rescores (ReuseLast): the best
+        // kReuseShortlist x the grant, and never fewer than a few more than the grant (a later
+        // step's Eq. 12 grant from the same entropy moves by a chunk or two).
         const size_t keep =
-            options_.reuse_cosine > 0.0 ? std::min({static_cast<size_t>(n), cap, t + t / 8 + 2}) : t;
+            options_.reuse_cosine > 0.0 ? std::min({static_cast<size_t>(n), cap, ShortlistSize(t)}) : t;
         KVTIER_RETURN_IF_ERROR(index.Best(probe_vec_.data(), scores_, alloc_->rank(), keep, &sel.chunks));
         RememberSearch(li, sel.chunks, sel.entropy);
         sel.chunks.resize(std::min(sel.chunks.size(), t));
@@ -330,7 +339,14 @@ Result<bool> Retriever::ReuseLast(LayerIndex* li, int layer, int n, size_t cap, 
     KVTIER_ASSIGN_OR_RETURN(take, alloc_->Allocate(layer, LayerScores{nullptr, n}));
   }
   const size_t t = std::min({static_cast<size_t>(std::max(0, take)), cap, li->last_chunks.size()});
-  sel->chunks.assign(li->last_chunks.begin(), li->last_chunks.begin() + static_cast<ptrdiff_t>(t));
+  // The shortlist rescored exactly for this step's probe (the Exact kind); kinds that cannot
+  // score chosen chunks alone take the stored choice as it is.
+  Status rescored = li->index->BestOf(probe_vec_.data(), li->last_chunks, alloc_->rank(), t, &sel->chunks);
+  if (rescored.code() == StatusCode::kFailedPrecondition) {
+    sel->chunks.assign(li->last_chunks.begin(), li->last_chunks.begin() + static_cast<ptrdiff_t>(t));
+  } else {
+    KVTIER_RETURN_IF_ERROR(rescored);
+  }
   sel->clipped = BeyondPool(take, cap);
   sel->reused = true;
   ++reused_selections_;
@@ -351,14 +367,25 @@ Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, 
   // The device's top-k starts before Eq. 12 has run, so it brings back the most the allocator
   // can grant (MaxTake) and the host keeps the first B^l (device_scorer.h says why).
   const bool entropy = alloc_->reads_scores();
-  const int k_max = static_cast<int>(std::min<size_t>(static_cast<size_t>(alloc_->MaxTake(layer, n)), cap));
+  size_t most = static_cast<size_t>(alloc_->MaxTake(layer, n));
+  // With reuse on, topk brings back its shortlist too (entropy's MaxTake is the step's budget).
+  if (options_.reuse_cosine > 0.0 && !entropy) most = std::min(static_cast<size_t>(n), ShortlistSize(most));
+  const int k_max = static_cast<int>(std::min(most, cap));
   auto t0 = std::chrono::steady_clock::now();
   double theta = 0.0;
   int32_t non_finite = 0;
   KVTIER_RETURN_IF_ERROR(li->mirrored->SelectOnBackend(probe_vec_.data(),
                                                        entropy ? alloc_->rank() : ChunkRank::kLogit, entropy,
                                                        k_max, &sel->chunks, &theta, &non_finite));
-  if (non_finite == 0) RememberSearch(li, sel->chunks, theta);
+  if (non_finite == 0) {
+    // The shortlist: the best of the k_max brought back (best first), as many as the host
+    // path keeps for the grant this entropy gets now.
+    const int want = entropy ? alloc_->WouldTake(layer, n, theta) : std::min(k_, n);
+    const size_t keep = std::min(sel->chunks.size(), ShortlistSize(static_cast<size_t>(std::max(0, want))));
+    RememberSearch(
+        li, std::vector<uint64_t>(sel->chunks.begin(), sel->chunks.begin() + static_cast<ptrdiff_t>(keep)),
+        theta);
+  }
   sel->search_ms += MsSince(t0);
   t0 = std::chrono::steady_clock::now();
   if (!entropy) {

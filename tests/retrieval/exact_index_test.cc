@@ -264,6 +264,54 @@ TEST(ExactChunkIndex, ScreenErrorBoundsHoldAndMakeTheChoiceExactOnNearTies) {
 // low as their bound allows and the rest as high, with errors up to half the scores' spread,
 // so the rescoring (and the skipping of candidates once the take-th best exact score is
 // above the rest's upper bounds) must rely on the bounds alone.
+// BestOf scores chosen chunks exactly: over every chunk it is the single exact pass's choice,
+// over a subset the best of that subset by the exact scores; unknown chunks are left out.
+TEST(ExactChunkIndex, BestOfChoosesFromTheGivenChunksByExactScores) {
+  for (const char* heads : {"sum", "max"})
+    for (DType dt : {DType::kF32, DType::kF16}) {
+      const ChunkShape shape{2, 16, 4, dt};
+      const size_t n = 300;
+      const std::string spec = std::string("Exact:heads=") + heads;
+      auto index = Make(spec, shape);
+      AddAll(index.get(), Iota(n), RandomReprs(n, shape, 41));
+      auto single = Make(spec + ",rerank=0", shape);
+      AddAll(single.get(), Iota(n), RandomReprs(n, shape, 41));
+      std::mt19937 rng(6);
+      std::normal_distribution<float> nd;
+      for (int q = 0; q < 5; ++q) {
+        std::vector<float> p(shape.dim());
+        for (float& x : p) x = nd(rng);
+        ChunkScores exact;
+        ASSERT_TRUE(index->Score(p.data(), &exact).ok());
+        for (ChunkRank rank : {ChunkRank::kLogit, ChunkRank::kCosine})
+          for (size_t take : {size_t{1}, size_t{10}, size_t{60}}) {
+            std::vector<uint64_t> got;
+            ASSERT_TRUE(index->BestOf(p.data(), Iota(n), rank, take, &got).ok());
+            EXPECT_EQ(got, BestOf(*single, p, rank, take)) << heads << " take " << take;
+            // Every third chunk, given out of order, plus chunks the index does not hold.
+            std::vector<uint64_t> subset{100000, 7777};
+            for (size_t c = n; c-- > 0;)
+              if (c % 3 == 0) subset.push_back(c);
+            std::vector<uint64_t> ids;
+            std::vector<float> by;
+            for (size_t c = 0; c < n; c += 3) {
+              ids.push_back(c);
+              by.push_back(exact.by(rank)[c]);
+            }
+            ASSERT_TRUE(index->BestOf(p.data(), subset, rank, take, &got).ok());
+            EXPECT_EQ(got, TakeBest(by, ids, take)) << heads << " take " << take;
+          }
+      }
+    }
+  // The FAISS kinds cannot: FailedPrecondition, which the Retriever's reuse takes as "keep the
+  // stored choice".
+  auto flat = Make("Flat", ChunkShape{2, 16, 4, DType::kF32});
+  std::vector<uint64_t> out;
+  std::vector<float> p(32, 1.0f);
+  EXPECT_EQ(flat->BestOf(p.data(), {0, 1}, ChunkRank::kLogit, 1, &out).code(),
+            StatusCode::kFailedPrecondition);
+}
+
 TEST(ExactChunkIndex, BestIsExactForAnyScreenWithinItsBounds) {
   const ChunkShape shape{2, 16, 4, DType::kF32};
   const size_t n = 500;
