@@ -171,8 +171,8 @@ const std::vector<RetrieverOptionDesc>& RetrieverOptionTable() {
        "retrieved tokens per layer and step (budget_tokens / chunk_size chunks; the hot pool must hold them)",
        0, 1 << 24, "", KVTIER_OPT_INT(R, budget_tokens)},
       {"reuse_cosine", "reuse_cosine", "reuse", OptionType::kDouble, "0",
-       "reuse a layer's last selection while no chunk landed and each kv head's probe keeps this cosine "
-       "with the one searched for (0 = search every step)",
+       "while no chunk landed and each kv head's probe keeps this cosine with the one searched for, "
+       "rescore the layer's last search's shortlist instead of every chunk (0 = search every step)",
        0, 0, "", KVTIER_OPT_DOUBLE(R, reuse_cosine)},
   };
   return table;

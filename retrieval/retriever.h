@@ -39,15 +39,17 @@
 // is Unavailable "no CUDA device: ...".
 //
 // Reusing a search (RetrieverOptions::reuse_cosine = c > 0): a layer keeps its last
-// search's choice, best first, with a few chunks beyond the grant, and the probe and the
-// Eq. 11 entropy it was made for. The next Select of that layer takes the choice again,
-// without Screen, Best or the backend, when (1) Sync found no chunk landed or left since,
-// (2) every kv head's probe has Eq. 10 cosine >= c with the stored one, and (3) the grant the
-// stored entropy gets now (BudgetAllocator::WouldTake) fits in the stored choice; the layer
-// is then granted from that entropy (AllocateWithEntropy). Otherwise it searches as below. A
-// decode query's probe that stays put (the same needle sought, step after step) costs no
-// search; what it loses is the chunks only this step's query scores high (the measured
-// cost: docs/benchmarks.md "Reusing a search").
+// search's shortlist, its best three times the grant (best first), and the probe and the
+// Eq. 11 entropy it was made for. The next Select of that layer reuses it, without Screen,
+// Best or the backend, when (1) Sync found no chunk landed or left since, (2) every kv head's
+// probe has Eq. 10 cosine >= c with the stored one, and (3) the grant the stored entropy gets
+// now (BudgetAllocator::WouldTake) fits in the shortlist; the layer is then granted from that
+// entropy (AllocateWithEntropy) and takes the grant's best of the shortlist, scored exactly
+// for this step's probe (ChunkIndex::BestOf; kinds that cannot, the FAISS ones, take the
+// shortlist's first as it is). Otherwise it searches as below. A decode query whose probe
+// stays put (the same needle sought, step after step) pays for a few hundred chunks instead
+// of every chunk; it misses what this step's query favours outside the shortlist (measured:
+// docs/benchmarks.md "Reusing a search").
 //
 // Configuration is four parts, each a factory string that ToString() spells
 // out in full and Parse() reads back, and the reuse threshold (" reuse=c", spelled only

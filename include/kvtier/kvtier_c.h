@@ -161,8 +161,9 @@ typedef struct kvtier_session_options {
   kvtier_positions positions; /* see kvtier/session.h */
   double rope_theta;          /* KVTIER_POSITIONS_INFLLM: RoPE base */
   int keep_queries;           /* most recent queries kept per layer for compress (0 = none) */
-  double reuse_cosine;        /* reuse a layer's last selection while its probe keeps this cosine
-                                 and no chunk landed (0 = search every step; in [0, 1]) */
+  double reuse_cosine;        /* rescore a layer's last search's shortlist instead of every chunk
+                                 while its probe keeps this cosine and no chunk landed (0 = search
+                                 every step; in [0, 1]) */
 } kvtier_session_options;
 
 /* kvtier::SessionOptions' defaults: preset "kvtier", 2048 tokens, absolute positions,

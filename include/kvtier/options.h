@@ -94,10 +94,11 @@ struct RetrieverOptions {
   /// ("Flat", "HNSW32:ef=64", "IVF<n>,Flat:nprobe=16,train_min=0"). See chunk_index.h.
   std::string index = "Exact";
   int budget_tokens = 2048;  ///< retrieved tokens per layer and step (k = budget_tokens / chunk_size chunks)
-  /// Reuse a layer's last selection instead of searching again while the index is unchanged
-  /// (no chunk landed or left since that search) and every kv head's probe has at least this
-  /// cosine with the probe that search was made for (0 = search at every step; in [0, 1]). The
-  /// budget of a reused step comes from the stored search's Eq. 11 entropy.
+  /// While the index is unchanged (no chunk landed or left since a layer's last search) and
+  /// every kv head's probe has at least this cosine with the probe that search was made for,
+  /// the layer takes its grant's best of that search's shortlist (its best 3x the grant),
+  /// rescored for the new probe, instead of searching every chunk (0 = search at every step;
+  /// in [0, 1]). The budget of such a step comes from the stored search's Eq. 11 entropy.
   double reuse_cosine = 0.0;
 
   /// Checks every part; InvalidArgument names the part ("probe: ...", "alloc: ...",
