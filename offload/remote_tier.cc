@@ -255,6 +255,33 @@ Status RemoteTier::PutChunk(const ChunkKey& key, std::string_view meta, const vo
   return PutChunks(&puts);
 }
 
+Status RemoteTier::ReplyBody(const RedisCall& c, cold_tier_format::ValueKind kind, const std::string& what,
+                             std::string_view* body) {
+  const std::string& key = c.argv[1];
+  if (!c.status.ok()) {
+    errors_++;
+    return Status(c.status.code(), "remote tier: reading " + what + ": " + c.status.message());
+  }
+  if (c.reply->type == REDIS_REPLY_NIL) {
+    not_found_++;
+    return NotFound("remote tier: " + what +
+                    " is missing: evicted by the server (maxmemory) or never written");
+  }
+  if (c.reply->type == REDIS_REPLY_ERROR) {
+    errors_++;
+    return IOError("remote tier: reading " + what + ": " + std::string(c.reply->str, c.reply->len));
+  }
+  uint64_t aux = 0;
+  Status st = c.reply->type == REDIS_REPLY_STRING
+                  ? Reword(cold_tier_format::DecodeValue(std::string_view(c.reply->str, c.reply->len), kind,
+                                                         what, body, &aux))
+                  : Corruption("remote tier: " + what + " holds no string value");
+  if (st.ok() && aux != KeyTag(key))
+    st = Corruption("remote tier: " + what + " holds a value written under another key");
+  if (!st.ok()) corrupt_++;
+  return st;
+}
+
 Status RemoteTier::GetChunks(std::vector<Get>* gets) {
   std::vector<RedisCall> calls(gets->size());
   for (size_t i = 0; i < gets->size(); ++i) {
@@ -265,43 +292,19 @@ Status RemoteTier::GetChunks(std::vector<Get>* gets) {
   Status first;
   for (size_t i = 0; i < gets->size(); ++i) {
     Get& g = (*gets)[i];
-    const RedisCall& c = calls[i];
-    const std::string& key = c.argv[1];
-    const std::string what = ChunkWhat(g.ref, key);
-    if (!c.status.ok()) {
-      g.status = Status(c.status.code(), "remote tier: reading " + what + ": " + c.status.message());
-      errors_++;
-    } else if (c.reply->type == REDIS_REPLY_NIL) {
-      g.status = NotFound("remote tier: " + what +
-                          " is missing: evicted by the server (maxmemory) or never written");
-      not_found_++;
-    } else if (c.reply->type != REDIS_REPLY_STRING) {
-      g.status =
-          c.reply->type == REDIS_REPLY_ERROR
-              ? IOError("remote tier: reading " + what + ": " + std::string(c.reply->str, c.reply->len))
-              : Corruption("remote tier: " + what + " holds no string value");
-      if (c.reply->type == REDIS_REPLY_ERROR)
-        errors_++;
-      else
-        corrupt_++;
-    } else {
-      std::string_view body;
-      uint64_t aux = 0;
-      g.status = Reword(cold_tier_format::DecodeValue(std::string_view(c.reply->str, c.reply->len),
-                                                      ValueKind::kPayload, what, &body, &aux));
-      if (g.status.ok() && aux != KeyTag(key))
-        g.status = Corruption("remote tier: " + what + " holds a value written under another key");
-      if (g.status.ok()) {
-        RecordReader rr(body, "remote tier: " + what);
-        uint32_t meta_len = 0;
-        std::string_view meta;
-        g.status = rr.ReadFixed32(&meta_len, "meta length");
-        if (g.status.ok()) g.status = rr.ReadView(meta_len, &meta, "meta");
-        if (g.status.ok() && rr.remaining() != g.payload_bytes)
-          g.status = Corruption("remote tier: " + what + " payload is " + std::to_string(rr.remaining()) +
-                                " bytes, expected " + std::to_string(g.payload_bytes) + " (another layout?)");
-        if (g.status.ok()) g.status = rr.ReadBytes(g.dst, g.payload_bytes, "payload");
-      }
+    const std::string what = ChunkWhat(g.ref, calls[i].argv[1]);
+    std::string_view body;
+    g.status = ReplyBody(calls[i], ValueKind::kPayload, what, &body);
+    if (g.status.ok()) {
+      RecordReader rr(body, "remote tier: " + what);
+      uint32_t meta_len = 0;
+      std::string_view meta;
+      g.status = rr.ReadFixed32(&meta_len, "meta length");
+      if (g.status.ok()) g.status = rr.ReadView(meta_len, &meta, "meta");
+      if (g.status.ok() && rr.remaining() != g.payload_bytes)
+        g.status = Corruption("remote tier: " + what + " payload is " + std::to_string(rr.remaining()) +
+                              " bytes, expected " + std::to_string(g.payload_bytes) + " (another layout?)");
+      if (g.status.ok()) g.status = rr.ReadBytes(g.dst, g.payload_bytes, "payload");
       if (g.status.ok()) {
         gets_++;
         get_bytes_ += g.payload_bytes;
@@ -332,37 +335,10 @@ Status RemoteTier::GetChunkMetas(std::vector<MetaGet>* gets) {
   Status first;
   for (size_t i = 0; i < gets->size(); ++i) {
     MetaGet& g = (*gets)[i];
-    const RedisCall& c = calls[i];
-    const std::string& key = c.argv[1];
-    const std::string what = "meta record of " + ChunkWhat(g.ref, key);
-    if (!c.status.ok()) {
-      g.status = Status(c.status.code(), "remote tier: reading " + what + ": " + c.status.message());
-      errors_++;
-    } else if (c.reply->type == REDIS_REPLY_NIL) {
-      g.status = NotFound("remote tier: " + what +
-                          " is missing: evicted by the server (maxmemory) or never written");
-      not_found_++;
-    } else if (c.reply->type != REDIS_REPLY_STRING) {
-      const bool error = c.reply->type == REDIS_REPLY_ERROR;
-      g.status =
-          error ? IOError("remote tier: reading " + what + ": " + std::string(c.reply->str, c.reply->len))
-                : Corruption("remote tier: " + what + " holds no string value");
-      if (error)
-        errors_++;
-      else
-        corrupt_++;
-    } else {
-      std::string_view body;
-      uint64_t aux = 0;
-      g.status = Reword(cold_tier_format::DecodeValue(std::string_view(c.reply->str, c.reply->len),
-                                                      ValueKind::kMeta, what, &body, &aux));
-      if (g.status.ok() && aux != KeyTag(key))
-        g.status = Corruption("remote tier: " + what + " holds a value written under another key");
-      if (g.status.ok())
-        g.meta.assign(body.data(), body.size());
-      else
-        corrupt_++;
-    }
+    std::string_view body;
+    g.status =
+        ReplyBody(calls[i], ValueKind::kMeta, "meta record of " + ChunkWhat(g.ref, calls[i].argv[1]), &body);
+    if (g.status.ok()) g.meta.assign(body.data(), body.size());
     if (!g.status.ok() && first.ok()) first = g.status;
   }
   return first;

@@ -50,6 +50,10 @@
 
 namespace kvtier {
 
+namespace cold_tier_format {
+enum class ValueKind : uint8_t;  // offload/cold_tier.h
+}  // namespace cold_tier_format
+
 struct RemoteTierOptions {
   std::vector<RedisEndpoint> endpoints;  ///< seeds: one server, or any nodes of a cluster
   std::string ns = "kvtier";             ///< key namespace of the writing store (letters, digits, -_.)
@@ -147,6 +151,11 @@ class RemoteTier {
  private:
   explicit RemoteTier(const RemoteTierOptions& options) : options_(options) {}
   Result<std::string> GetRecord(const std::string& key, const std::string& what);
+  // The framed body of the reply `c` to a GET (its argv[1] the key), of value kind `kind`,
+  // checked: the call's outcome, a missing key (NotFound), an error reply, the frame and the key
+  // tag (Corruption), each naming `what`. Counts errors, misses and corruption.
+  Status ReplyBody(const RedisCall& c, cold_tier_format::ValueKind kind, const std::string& what,
+                   std::string_view* body);
 
   RemoteTierOptions options_;
   std::unique_ptr<RedisClient> client_;
