@@ -1164,7 +1164,7 @@ std::string RunReport::ToTable() const {
   if (!methods.empty() && methods[headline].reused_selections > 0)
     text += "reused selections: " + std::to_string(methods[headline].reused_selections) + " of " +
             std::to_string(methods[headline].selections) +
-            " layer selections took the layer's last search again (--reuse)\n";
+            " layer selections rescored the layer's last search's shortlist (--reuse)\n";
   if (!policy.spec.empty()) {
     char line[512];
     char ratio[32] = "-";

@@ -122,7 +122,7 @@ class ChunkIndex {
   virtual Status Search(const float* probe, size_t k, std::vector<uint64_t>* out) const;
   /// The `take` best of `chunks` by `rank`, scored exactly for `probe` (as Score would), best
   /// first, ties to the smaller chunk index; chunks the index does not hold are left out.
-  /// Unimplemented for kinds that cannot score chosen chunks alone (the FAISS kinds).
+  /// FailedPrecondition for kinds that cannot score chosen chunks alone (the FAISS kinds).
   virtual Status BestOf(const float* probe, const std::vector<uint64_t>& chunks, ChunkRank rank, size_t take,
                         std::vector<uint64_t>* out) const;
 

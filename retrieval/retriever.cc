@@ -33,6 +33,9 @@ std::string FormatReuse(double c) {
   return buf;
 }
 
+// The spec's last item: " reuse=C", or nothing when reuse is off (the default).
+std::string ReuseItem(double c) { return c != 0.0 ? " reuse=" + FormatReuse(c) : ""; }
+
 // The shortlist a search keeps for reuse_cosine: kReuseShortlist x the grant `t`, and at
 // least t + t / 8 + 2 (Retriever::ReuseLast needs the next grant to fit).
 constexpr size_t kReuseShortlist = 3;
@@ -66,7 +69,7 @@ std::string RetrieverOptions::ToString() const {
   auto i = CanonicalChunkIndexSpec(index);
   return "probe=" + (p.ok() ? (*p)->ToString() : probe) + " alloc=" + (a.ok() ? (*a)->ToString() : alloc) +
          " index=" + (i.ok() ? *i : index) + " budget=" + std::to_string(budget_tokens) +
-         (reuse_cosine != 0.0 ? " reuse=" + FormatReuse(reuse_cosine) : "");
+         ReuseItem(reuse_cosine);
 }
 
 Result<RetrieverOptions> RetrieverOptions::Parse(const std::string& spec) {
@@ -98,11 +101,7 @@ Result<RetrieverOptions> RetrieverOptions::Parse(const std::string& spec) {
     } else if (key == "budget") {
       KVTIER_ASSIGN_OR_RETURN(o.budget_tokens, ParseSpecInt(spec, key, value));
     } else if (key == "reuse") {
-      char* end = nullptr;
-      o.reuse_cosine = std::strtod(value.c_str(), &end);
-      if (end != value.c_str() + value.size() || !std::isfinite(o.reuse_cosine))
-        return InvalidArgument("bad value '" + value + "' for key 'reuse' in retriever spec '" + spec +
-                               "' (expected a number in [0, 1])");
+      KVTIER_ASSIGN_OR_RETURN(o.reuse_cosine, ParseSpecDouble(spec, key, value));
     } else {
       return InvalidArgument("unknown key '" + key + "' in retriever spec '" + spec +
                              "' (known: probe, alloc, index, budget, reuse)");
@@ -166,7 +165,7 @@ Result<std::unique_ptr<Retriever>> Retriever::Create(TieredStore* store, const R
       KVTIER_RETURN_IF_ERROR((*index)->SetMemoryCap(so.index_bytes / so.geometry.layers));
     r->spec_ = "probe=" + r->probe_->ToString() + " alloc=" + r->alloc_->ToString() +
                " index=" + (*index)->ToString() + " budget=" + std::to_string(options.budget_tokens) +
-               (options.reuse_cosine != 0.0 ? " reuse=" + FormatReuse(options.reuse_cosine) : "");
+               ReuseItem(options.reuse_cosine);
   }
   r->backend_ = std::move(backend);
   r->k_ = options.budget_tokens / so.chunk_size;
@@ -285,7 +284,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
           KVTIER_RETURN_IF_ERROR(
               index.Search(probe_vec_.data(),
                            options_.reuse_cosine > 0.0 ? std::min(cap, ShortlistSize(k)) : k, &sel.chunks));
-          RememberSearch(li, sel.chunks, 0.0);
+          RememberSearch(li, sel.chunks, sel.chunks.size(), 0.0);
           sel.chunks.resize(std::min(sel.chunks.size(), k));
           sel.search_ms = MsSince(t0);
           t0 = std::chrono::steady_clock::now();
@@ -313,7 +312,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
         const size_t keep =
             options_.reuse_cosine > 0.0 ? std::min({static_cast<size_t>(n), cap, ShortlistSize(t)}) : t;
         KVTIER_RETURN_IF_ERROR(index.Best(probe_vec_.data(), scores_, alloc_->rank(), keep, &sel.chunks));
-        RememberSearch(li, sel.chunks, sel.entropy);
+        RememberSearch(li, sel.chunks, sel.chunks.size(), sel.entropy);
         sel.chunks.resize(std::min(sel.chunks.size(), t));
         sel.search_ms += MsSince(t0);
         return sel;
@@ -353,11 +352,13 @@ Result<bool> Retriever::ReuseLast(LayerIndex* li, int layer, int n, size_t cap, 
   return true;
 }
 
-void Retriever::RememberSearch(LayerIndex* li, const std::vector<uint64_t>& chunks, double theta) {
+void Retriever::RememberSearch(LayerIndex* li, const std::vector<uint64_t>& chunks, size_t keep,
+                               double theta) {
   if (options_.reuse_cosine <= 0.0) return;
   li->last_valid = true;
   li->last_probe = probe_vec_;
-  li->last_chunks = chunks;
+  li->last_chunks.assign(chunks.begin(),
+                         chunks.begin() + static_cast<ptrdiff_t>(std::min(keep, chunks.size())));
   li->last_theta = theta;
 }
 
@@ -381,10 +382,7 @@ Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, 
     // The shortlist: the best of the k_max brought back (best first), as many as the host
     // path keeps for the grant this entropy gets now.
     const int want = entropy ? alloc_->WouldTake(layer, n, theta) : std::min(k_, n);
-    const size_t keep = std::min(sel->chunks.size(), ShortlistSize(static_cast<size_t>(std::max(0, want))));
-    RememberSearch(
-        li, std::vector<uint64_t>(sel->chunks.begin(), sel->chunks.begin() + static_cast<ptrdiff_t>(keep)),
-        theta);
+    RememberSearch(li, sel->chunks, ShortlistSize(static_cast<size_t>(std::max(0, want))), theta);
   }
   sel->search_ms += MsSince(t0);
   t0 = std::chrono::steady_clock::now();

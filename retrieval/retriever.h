@@ -99,7 +99,8 @@ struct LayerSelection {
   /// Chunks the allocator granted this layer beyond what the hot slot pool holds, left out
   /// (the entropy cut-off can hand one layer more than the pool; the rest is attended).
   size_t clipped = 0;
-  /// The layer's last search's choice, taken again (RetrieverOptions::reuse_cosine).
+  /// Chosen from the layer's last search's shortlist instead of a search
+  /// (RetrieverOptions::reuse_cosine).
   bool reused = false;
 };
 
@@ -168,14 +169,14 @@ class Retriever {
     // The layer's last search, for reuse_cosine: valid until a chunk lands or leaves.
     bool last_valid = false;
     std::vector<float> last_probe;      // the probe it searched for
-    std::vector<uint64_t> last_chunks;  // its choice, best first (the grant and a few more)
+    std::vector<uint64_t> last_chunks;  // its shortlist, best first (ShortlistSize of the grant)
     double last_theta = 0.0;            // its Eq. 11 entropy (entropy allocator)
   };
   // The reuse_cosine test; on success fills *sel from li's last search and grants the layer its
   // budget from that search's entropy. False (nothing granted) when the search must run.
   Result<bool> ReuseLast(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
-  // Records a search's choice (best first, `chunks` may hold more than the grant) for reuse.
-  void RememberSearch(LayerIndex* li, const std::vector<uint64_t>& chunks, double theta);
+  // Records a search's shortlist for reuse: the first `keep` of `chunks` (best first).
+  void RememberSearch(LayerIndex* li, const std::vector<uint64_t>& chunks, size_t keep, double theta);
   // Select's path through the backend (the index keeps a mirror).
   Status SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
   Result<LayerIndex*> Index(SequenceId seq, int layer);
