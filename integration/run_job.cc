@@ -601,15 +601,19 @@ Result<RunReport> RunJob(const RunOptions& options) {
             [](const TokenRange& a, const TokenRange& b) { return a.begin < b.begin; });
 
   // ---- per-method timing and needle hits (no baseline needed) ----
-  auto needle_hit = [&](const StepRecord& rec, int l) {
+  // Whether the attended set holds every token of every needle the m queries from `first` seek.
+  auto needles_attended = [&](int64_t first, int m, const Attended& attended) {
     std::vector<TokenRange> sought;
-    for (int i = 0; i < rec.m; ++i)
-      for (const TokenRange& r : work.SoughtNeedles(rec.first_position + i))
+    for (int i = 0; i < m; ++i)
+      for (const TokenRange& r : work.SoughtNeedles(first + i))
         if (std::find(sought.begin(), sought.end(), r) == sought.end()) sought.push_back(r);
     for (const TokenRange& r : sought)
       for (int64_t t = r.begin; t < r.end; ++t)
-        if (!rec.attended[l].Contains(t, n_sink, cs)) return false;
+        if (!attended.Contains(t, n_sink, cs)) return false;
     return true;
+  };
+  auto needle_hit = [&](const StepRecord& rec, int l) {
+    return needles_attended(rec.first_position, rec.m, rec.attended[l]);
   };
   for (Method& mt : methods) {
     MethodReport mr;
@@ -683,6 +687,14 @@ Result<RunReport> RunJob(const RunOptions& options) {
         err_den = err_num, recall_sum = err_num;
     std::vector<float> mass(static_cast<size_t>(g.kv_heads) * total);
     std::vector<float> out;
+    // The attention oracle: per step and layer, the budget's worth of chunks that hold the most
+    // of full attention's mass (summed over kv heads and the step's queries), with the same
+    // sinks and local window as the methods. No chunk choice of budget / chunk_size chunks a
+    // layer captures more of that mass; it bounds what scoring alone can reach at this budget.
+    std::vector<double> oracle_hits(n_steps, 0.0), oracle_recall(n_steps, 0.0);
+    std::vector<double> chunk_mass;
+    std::vector<uint64_t> chunk_order;
+    const uint64_t oracle_take = static_cast<uint64_t>(std::max(0, opt.budget / cs));
     std::vector<double> rho_act, rho_mean;
     Progress bprog(opt.progress, "full-attention baseline", L, "layers");
     for (int l = 0; l < L; ++l) {
@@ -730,6 +742,38 @@ Result<RunReport> RunJob(const RunOptions& options) {
           }
           recall_sum[mi][i] += all > 0 ? on / all : 0.0;
         }
+        Attended best;
+        best.local_begin = methods[0].steps[i].attended[l].local_begin;
+        const uint64_t n_chunks =
+            best.local_begin > n_sink ? static_cast<uint64_t>((best.local_begin - n_sink) / cs) : 0;
+        chunk_mass.assign(n_chunks, 0.0);
+        double all = 0;
+        for (int h = 0; h < g.kv_heads; ++h) {
+          const float* mh = mass.data() + static_cast<size_t>(h) * visible;
+          for (int64_t t = 0; t < visible; ++t) all += mh[t];
+          for (uint64_t c = 0; c < n_chunks; ++c) {
+            const float* mc = mh + ChunkFirstToken(c, n_sink, cs);
+            chunk_mass[c] += std::accumulate(mc, mc + cs, 0.0);
+          }
+        }
+        chunk_order.resize(n_chunks);
+        std::iota(chunk_order.begin(), chunk_order.end(), 0);
+        const uint64_t take = std::min(oracle_take, n_chunks);
+        std::partial_sort(chunk_order.begin(), chunk_order.begin() + static_cast<std::ptrdiff_t>(take),
+                          chunk_order.end(), [&](uint64_t a, uint64_t b) {
+                            return chunk_mass[a] != chunk_mass[b] ? chunk_mass[a] > chunk_mass[b] : a < b;
+                          });
+        best.chunks.assign(chunk_order.begin(), chunk_order.begin() + static_cast<std::ptrdiff_t>(take));
+        std::sort(best.chunks.begin(), best.chunks.end());
+        double on = 0;
+        for (uint64_t c : best.chunks) on += chunk_mass[c];
+        for (int h = 0; h < g.kv_heads; ++h) {
+          const float* mh = mass.data() + static_cast<size_t>(h) * visible;
+          on += std::accumulate(mh, mh + std::min<int64_t>(n_sink, visible), 0.0);
+          on += std::accumulate(mh + std::min(best.local_begin, visible), mh + visible, 0.0);
+        }
+        oracle_recall[i] += all > 0 ? on / all : 0.0;
+        oracle_hits[i] += needles_attended(first, m, best) ? 1.0 : 0.0;
       }
       // Oracle chunk relevance of each sampled window: the mass its real
       // queries (a strided subset) give each chunk under full attention.
@@ -764,6 +808,15 @@ Result<RunReport> RunJob(const RunOptions& options) {
     rep.spearman_mean = Summarize(rho_mean);
     for (size_t i = 1; i < n_steps; ++i) rep.full_step_ms_all.push_back(full_ms[i]);
     rep.full_attention_step_ms = Median(rep.full_step_ms_all);
+    rep.oracle_take_chunks = oracle_take;
+    rep.question_oracle_needle_hit_rate = oracle_hits[0] / L;
+    rep.question_oracle_attention_recall = oracle_recall[0] / L;
+    if (n_steps > 1) {
+      const double pairs = static_cast<double>(n_steps - 1) * L;
+      rep.oracle_needle_hit_rate = std::accumulate(oracle_hits.begin() + 1, oracle_hits.end(), 0.0) / pairs;
+      rep.oracle_attention_recall =
+          std::accumulate(oracle_recall.begin() + 1, oracle_recall.end(), 0.0) / pairs;
+    }
     for (size_t mi = 0; mi < methods.size(); ++mi) {
       MethodReport& mr = rep.methods[mi];
       std::vector<double> recalls;
@@ -832,6 +885,18 @@ std::string RunReport::ToJson() const {
   vs_full(question_attention_recall);
   w.Key("question_output_rel_error");
   vs_full(question_output_rel_error);
+  // The budget's best chunks by full attention's own mass: what scoring alone could reach.
+  w.Key("attention_oracle").BeginObject();
+  w.Key("chunks_per_layer").Int(static_cast<int64_t>(oracle_take_chunks));
+  w.Key("needle_hit_rate");
+  vs_full(oracle_needle_hit_rate);
+  w.Key("attention_recall");
+  vs_full(oracle_attention_recall);
+  w.Key("question_needle_hit_rate");
+  vs_full(question_oracle_needle_hit_rate);
+  w.Key("question_attention_recall");
+  vs_full(question_oracle_attention_recall);
+  w.EndObject();
   w.Key("probe_spearman").BeginObject();
   for (const auto& [name, sp] : {std::pair<const char*, const SpearmanSummary*>{"act", &spearman_act},
                                  std::pair<const char*, const SpearmanSummary*>{"mean", &spearman_mean}}) {
@@ -1105,6 +1170,16 @@ std::string RunReport::ToTable() const {
       std::snprintf(s, sizeof(s), "%8.2f ms", full_attention_step_ms);
     full_line = s;
   }
+  std::string oracle_line = not_measured;
+  if (base) {
+    char s[256];
+    std::snprintf(s, sizeof(s),
+                  "%8.3f        %8.3f  (needle hit; recall %.3f and %.3f: the best %llu chunks a layer by "
+                  "full attention's mass)",
+                  oracle_needle_hit_rate, question_oracle_needle_hit_rate, oracle_attention_recall,
+                  question_oracle_attention_recall, static_cast<unsigned long long>(oracle_take_chunks));
+    oracle_line = s;
+  }
   char prefill_rate[32] = "not measured";
   if (prefill_s > 0)
     std::snprintf(prefill_rate, sizeof(prefill_rate), "%.0f", options.workload.context / prefill_s);
@@ -1116,6 +1191,7 @@ std::string RunReport::ToTable() const {
       "  needle hit rate            %8.3f        %8.3f\n"
       "  attention recall           %s\n"
       "  output rel. error          %s\n"
+      "  attention oracle           %s\n"
       "\n"
       "time per decode step (median over %zu steps, all %d layers)\n"
       "  kvtier                     %8.2f ms  (append %.2f, probe+search+alloc %.2f, fetch %.2f, attention "
@@ -1133,9 +1209,9 @@ std::string RunReport::ToTable() const {
       "cold writes\n",
       static_cast<long long>(options.workload.context), options.store.geometry.ToString().c_str(),
       options.budget, options.store.chunk_size, options.store.n_sink, options.store.n_local, needle_hit_rate,
-      question_needle_hit_rate, recall_line.c_str(), error_line.c_str(), step_ms_all.size(),
-      options.store.geometry.layers, step_ms, append_ms, retrieve_ms, fetch_ms, attention_ms,
-      full_line.c_str(), prefill_s, prefill_rate, prefill_drain_s, mib(context_kv_bytes),
+      question_needle_hit_rate, recall_line.c_str(), error_line.c_str(), oracle_line.c_str(),
+      step_ms_all.size(), options.store.geometry.layers, step_ms, append_ms, retrieve_ms, fetch_ms,
+      attention_ms, full_line.c_str(), prefill_s, prefill_rate, prefill_drain_s, mib(context_kv_bytes),
       mib(counters.hot_bytes), mib(counters.warm_bytes), mib(counters.cold_bytes),
       static_cast<unsigned long long>(counters.hot_chunks),
       static_cast<unsigned long long>(counters.warm_chunks),

@@ -127,6 +127,11 @@ struct RunReport {
   double question_needle_hit_rate = 0;
   double question_attention_recall = 0;
   double question_output_rel_error = 0;
+  // The attention oracle (needs the baseline): per (step, layer) the oracle_take_chunks chunks
+  // with the most full-attention mass, plus the sinks and local window every method attends.
+  uint64_t oracle_take_chunks = 0;
+  double oracle_needle_hit_rate = 0, oracle_attention_recall = 0;
+  double question_oracle_needle_hit_rate = 0, question_oracle_attention_recall = 0;
   // time
   double prefill_s = 0;        ///< wall time of the prefill (append + statistics), generation excluded
   double prefill_drain_s = 0;  ///< then, until the cold tier acknowledged every chunk (WaitForDurable)

@@ -99,6 +99,45 @@ TEST(Cli, RunWithFullBudgetEqualsFullAttention) {
   EXPECT_NEAR(JsonNumber(rep, "attention_recall"), 1.0, 1e-6);
   EXPECT_NEAR(JsonNumber(rep, "needle_hit_rate"), 1.0, 1e-12);
   EXPECT_LT(JsonNumber(rep, "output_rel_error"), 1e-5);
+  const std::string oracle = rep.substr(rep.find("\"attention_oracle\""));
+  EXPECT_NEAR(JsonNumber(oracle, "attention_recall"), 1.0, 1e-6);
+  EXPECT_NEAR(JsonNumber(oracle, "needle_hit_rate"), 1.0, 1e-12);
+}
+
+// The attention oracle takes, per step and layer, the budget's chunks with the most full-attention
+// mass: a method that takes exactly that many chunks a layer (topk) cannot capture more of it.
+TEST(Cli, AttentionOracleBoundsAFixedBudgetChoice) {
+  TempDir dir;
+  const std::string json = dir.path() + "/report.json";
+  Ran r = Kvtier(
+      "run --quiet --context 8192 --geometry 2,8,2,32 --budget 512 --alloc topk --decode-steps 4"
+      " --spearman-windows 0 --data-dir " +
+      dir.path() + "/data --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("attention oracle"), std::string::npos) << r.out;
+  const std::string rep = ReadAll(json);
+  const size_t at = rep.find("\"attention_oracle\"");
+  ASSERT_NE(at, std::string::npos) << rep;
+  const std::string oracle = rep.substr(at);
+  EXPECT_EQ(JsonNumber(oracle, "chunks_per_layer"), 16.0);  // 512 / 32
+  const double method_recall = JsonNumber(rep, "attention_recall"),
+               best = JsonNumber(oracle, "attention_recall");
+  EXPECT_GT(method_recall, 0.0);
+  EXPECT_GE(best, method_recall - 1e-9);
+  EXPECT_LE(best, 1.0 + 1e-9);
+  for (const char* key : {"needle_hit_rate", "question_needle_hit_rate", "question_attention_recall"}) {
+    EXPECT_GE(JsonNumber(oracle, key), 0.0) << key;
+    EXPECT_LE(JsonNumber(oracle, key), 1.0 + 1e-9) << key;
+  }
+  // Without the baseline there is no full attention to rank by: null, not a number.
+  Ran nb =
+      Kvtier("run --quiet --context 4096 --geometry 2,8,2,32 --decode-steps 2 --no-baseline --data-dir " +
+             dir.path() + "/data2 --json " + json);
+  ASSERT_EQ(nb.code, 0) << nb.out;
+  const std::string nrep = ReadAll(json);
+  const size_t nat = nrep.find("\"attention_oracle\"");
+  ASSERT_NE(nat, std::string::npos) << nrep;
+  EXPECT_EQ(nrep.find("\"attention_recall\": null", nat), nrep.find("\"attention_recall\"", nat)) << nrep;
 }
 
 TEST(Cli, StressVerifiesEverything) {
