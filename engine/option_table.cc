@@ -8,6 +8,7 @@
 
 #include "kernels/dtype.h"
 #include "offload/cold_tier.h"
+#include "offload/representatives.h"
 
 namespace kvtier {
 namespace {
@@ -87,6 +88,17 @@ const std::vector<StoreOptionDesc>& StoreOptionTable() {
        KVTIER_OPT_INT(S, chunk_size)},
       {"repr_topk", "repr_topk", "repr-topk", OptionType::kInt, "4", "representative keys per head per chunk",
        1, 1 << 16, "", KVTIER_OPT_INT(S, repr_topk)},
+      {"repr_choice", "repr_choice", "repr-choice", OptionType::kChoice, "mass",
+       "how representatives are chosen from the attention their keys got: mass (InfLLM: the most attended) "
+       "or "
+       "diverse (the most attended, then by attention minus cosine to those taken)",
+       0, 0, "mass|diverse",
+       [](const S& o) -> OptionValue { return std::string(ReprChoiceName(o.repr_choice)); },
+       [](S* o, const OptionValue& v) -> Status {
+         if (!ParseReprChoice(std::get<std::string>(v), &o->repr_choice))
+           return InvalidArgument("unknown repr_choice '" + std::get<std::string>(v) + "' (mass|diverse)");
+         return Status::Ok();
+       }},
       {"hot_bytes", "hot_bytes", "hot-bytes", OptionType::kBytes, "67108864",
        "hot slot pool for retrieved chunks (sinks and local ring are extra, reported in hot bytes)", 1,
        kInt64Max, "", KVTIER_OPT_INT(S, hot_bytes)},

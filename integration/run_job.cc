@@ -19,6 +19,7 @@
 #include "kernels/dtype.h"
 #include "kvtier/session.h"
 #include "offload/policy/scoring_policy.h"
+#include "offload/representatives.h"
 #include "offload/tiered_store.h"
 #include "retrieval/retriever.h"
 
@@ -888,13 +889,13 @@ std::string RunReport::ToJson() const {
   // The budget's best chunks by full attention's own mass: what scoring alone could reach.
   w.Key("attention_oracle").BeginObject();
   w.Key("chunks_per_layer").Int(static_cast<int64_t>(oracle_take_chunks));
-  w.Key("needle_hit_rate");
+  w.Key("needle_hit");
   vs_full(oracle_needle_hit_rate);
-  w.Key("attention_recall");
+  w.Key("recall");
   vs_full(oracle_attention_recall);
-  w.Key("question_needle_hit_rate");
+  w.Key("question_needle_hit");
   vs_full(question_oracle_needle_hit_rate);
-  w.Key("question_attention_recall");
+  w.Key("question_recall");
   vs_full(question_oracle_attention_recall);
   w.EndObject();
   w.Key("probe_spearman").BeginObject();
@@ -1081,6 +1082,7 @@ std::string RunReport::ToJson() const {
       .Key("n_local")
       .Int(o.store.n_local);
   w.Key("repr_topk").Int(o.store.repr_topk);
+  w.Key("repr_choice").String(ReprChoiceName(o.store.repr_choice));
   w.Key("budget").Int(o.budget).Key("window").Int(o.window).Key("stat_stride").Int(o.stat_stride);
   w.Key("hot_bytes").Uint(o.store.hot_bytes).Key("warm_bytes").Uint(o.store.warm_bytes);
   w.Key("data_dir").String(o.store.data_dir);

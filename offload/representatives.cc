@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -10,6 +11,20 @@
 #include "kernels/cpu/dot.h"
 
 namespace kvtier {
+
+const char* ReprChoiceName(ReprChoice c) { return c == ReprChoice::kMass ? "mass" : "diverse"; }
+
+bool ParseReprChoice(const std::string& name, ReprChoice* out) {
+  if (name == "mass") {
+    *out = ReprChoice::kMass;
+    return true;
+  }
+  if (name == "diverse") {
+    *out = ReprChoice::kDiverse;
+    return true;
+  }
+  return false;
+}
 
 Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
   const Geometry& g = in.geometry;
@@ -32,7 +47,8 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
   const size_t head_bytes = static_cast<size_t>(D) * DTypeSize(g.dtype);
   std::vector<float> keys;  // converted lazily: only the fallback needs fp32 keys
   std::vector<int> order(cs);
-  std::vector<float> score(cs), mean(D), inv_norm(cs);
+  std::vector<float> score(cs), mean(D), inv_norm(cs), covered(cs);
+  std::vector<char> taken(cs);
   for (int h = 0; h < H; ++h) {
     const float* mass = in.mass != nullptr ? in.mass + static_cast<size_t>(h) * in.mass_stride : nullptr;
     float total = 0.0f;
@@ -59,6 +75,39 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
     // Highest score first; ties go to the earlier token (deterministic).
     std::partial_sort(order.begin(), order.begin() + R, order.end(),
                       [&](int a, int b) { return score[a] != score[b] ? score[a] > score[b] : a < b; });
+    if (total > 0.0f && in.choice == ReprChoice::kDiverse && R > 1) {
+      // order[0] is the most attended token; each next one maximises
+      // mass / top mass - its highest cosine with a token taken (ties: the earlier token).
+      if (keys.empty()) {
+        keys.resize(static_cast<size_t>(cs) * H * D);
+        ToFloat(g.dtype, in.keys, keys.data(), keys.size());
+      }
+      auto key = [&](int t) { return &keys[(static_cast<size_t>(t) * H + h) * D]; };
+      for (int t = 0; t < cs; ++t) {
+        const float nk = kernels::Dot(key(t), key(t), D);
+        inv_norm[t] = nk > 0.0f ? 1.0f / std::sqrt(nk) : 0.0f;
+      }
+      const float top = score[order[0]];
+      std::fill(covered.begin(), covered.end(), -std::numeric_limits<float>::infinity());
+      std::fill(taken.begin(), taken.end(), 0);
+      for (int r = 0; r + 1 < R; ++r) {
+        const int last = order[r];
+        taken[last] = 1;
+        int next = -1;
+        float next_value = 0.0f;
+        for (int t = 0; t < cs; ++t) {
+          if (taken[t]) continue;
+          covered[t] =
+              std::max(covered[t], kernels::Dot(key(t), key(last), D) * inv_norm[t] * inv_norm[last]);
+          const float value = score[t] / top - covered[t];
+          if (next < 0 || value > next_value) {
+            next = t;
+            next_value = value;
+          }
+        }
+        order[r + 1] = next;
+      }
+    }
     for (int r = 0; r < R; ++r)
       std::memcpy(repr + (static_cast<size_t>(r) * H + h) * head_bytes,
                   in.keys + (static_cast<size_t>(order[r]) * H + h) * head_bytes, head_bytes);

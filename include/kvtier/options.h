@@ -25,14 +25,21 @@ std::shared_ptr<const Clock> SteadyClock();
 /// Block compression of the cold tier's column families.
 enum class Compression : uint8_t { kNone, kLZ4, kZSTD };
 
+/// How a chunk's representative keys are chosen from the attention its keys received while
+/// they were in the local window (offload/representatives.h): kMass takes the repr_topk most
+/// attended keys (InfLLM); kDiverse takes the most attended key, then each next one by its
+/// attention (relative to the most attended) minus its highest cosine with a key already taken.
+enum class ReprChoice : uint8_t { kMass, kDiverse };
+
 struct StoreOptions {
-  Geometry geometry;                   ///< model KV shape and storage dtype
-  int n_sink = 64;                     ///< attention-sink tokens kept hot per (sequence, layer)
-  int n_local = 512;                   ///< most recent tokens kept hot (the local window)
-  int chunk_size = 32;                 ///< tokens per chunk
-  int repr_topk = 4;                   ///< representative keys per head per chunk
-  uint64_t hot_bytes = 64ull << 20;    ///< hot slot pool for retrieved chunks (sinks/local are extra)
-  uint64_t warm_bytes = 256ull << 20;  ///< warm tier capacity
+  Geometry geometry;                           ///< model KV shape and storage dtype
+  int n_sink = 64;                             ///< attention-sink tokens kept hot per (sequence, layer)
+  int n_local = 512;                           ///< most recent tokens kept hot (the local window)
+  int chunk_size = 32;                         ///< tokens per chunk
+  int repr_topk = 4;                           ///< representative keys per head per chunk
+  ReprChoice repr_choice = ReprChoice::kMass;  ///< how they are chosen: mass (InfLLM) | diverse
+  uint64_t hot_bytes = 64ull << 20;            ///< hot slot pool for retrieved chunks (sinks/local are extra)
+  uint64_t warm_bytes = 256ull << 20;          ///< warm tier capacity
   /// Retrieval index memory per session (the chunk indexes of all its layers; layers share it
   /// evenly); 0 = unbounded. Past it the Exact index keeps its oldest chunks as int8 codes
   /// only, then evicts the oldest (retrieval/exact_index.h). 0 or >= 1 MiB; Exact index only.

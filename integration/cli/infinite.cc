@@ -192,7 +192,8 @@ struct Method {
   enum Kind { kFull, kStreaming, kRetrieval, kNeedleOracle } kind = kRetrieval;
   RetrieverOptions retrieval;
   PositionMode positions = PositionMode::kInfLLM;
-  int repr_topk = 0;      // representative keys per chunk and head; 0 = --repr-topk
+  int repr_topk = 0;                      // representative keys per chunk and head; 0 = --repr-topk
+  std::optional<ReprChoice> repr_choice;  // how they are chosen; unset = --repr-choice
   bool compress = false;  // --compress applies (every method that attends chunks; StreamingLLM has none)
 };
 
@@ -239,6 +240,7 @@ Result<StoreOptions> StoreFor(const Options& o, const Method& m, const LlamaMode
   StoreOptions s = o.store;
   s.geometry = model.config().KvGeometry(DType::kF32);
   if (m.repr_topk > 0) s.repr_topk = std::min(m.repr_topk, s.chunk_size);
+  if (m.repr_choice) s.repr_choice = *m.repr_choice;
   const uint64_t cb = s.chunk_bytes();
   const uint64_t chunks = static_cast<uint64_t>(context / s.chunk_size + 2);
   const uint64_t layers = static_cast<uint64_t>(model.config().n_layers);
@@ -708,6 +710,7 @@ int RunInfinite(int argc, char** argv) {
   const auto& repr = cli::OptionRow(store_rows, "repr_topk");
   f.Add(repr.flag, cli::OptionHelp(repr) + " (the paper baselines of --compare keep 4)",
         WithDefault("every key, = --chunk", cli::OptionBinding(repr, &o.store)));
+  cli::AddOptionFlag(&f, store_rows, "repr_choice", &o.store);
   f.Add("window", "prefill window in tokens, at most --local", IntFlag(&o.window, 1, 1 << 24));
   f.Add("positions", "infllm (memory at the local window's start, keys stored before RoPE) | absolute",
         WithDefault(model::PositionModeName(o.positions), [&o](const std::string& s) {
@@ -871,7 +874,8 @@ int RunInfinite(int argc, char** argv) {
 
   std::vector<Method> methods;
   if (o.compare) {
-    // The paper methods as written: 4 representative keys per chunk and head, chunk scores
+    // The paper methods as written: 4 representative keys per chunk and head (the most
+    // attended keys, ReprChoice::kMass, each method having its own store), chunk scores
     // summed over kv heads; InfLLM scores the mean of the representatives, ActQKV the best one
     // and takes chunks in Eq. 10 cosine order (Algorithm 1). "kvtier" is the flags'
     // configuration. PaperRetrieval (include/kvtier/session.h) picks the index kind.
@@ -892,6 +896,7 @@ int RunInfinite(int argc, char** argv) {
                   infllm_preset->second};
     Method actqkv{"ActQKV", Method::kRetrieval, actqkv_preset->first, PositionMode::kInfLLM,
                   actqkv_preset->second};
+    infllm.repr_choice = actqkv.repr_choice = ReprChoice::kMass;  // InfLLM's choice, both papers'
     Method ours{"kvtier", Method::kRetrieval, o.retrieval, o.positions, o.store.repr_topk};
     Method oracle{"needle oracle", Method::kNeedleOracle, o.retrieval, PositionMode::kInfLLM,
                   o.store.repr_topk};

@@ -65,6 +65,7 @@ void AddStoreFlags(FlagSet* f, StoreOptions* o, DataPlace* place) {
   cli::AddOptionFlag(f, t, "n_sink", o);
   cli::AddOptionFlag(f, t, "n_local", o);
   cli::AddOptionFlag(f, t, "repr_topk", o);
+  cli::AddOptionFlag(f, t, "repr_choice", o);
   cli::AddOptionFlag(f, t, "hot_bytes", o);
   cli::AddOptionFlag(f, t, "device", o);
   cli::AddOptionFlag(f, t, "warm_bytes", o);

@@ -68,6 +68,7 @@ void TieredStore::LandLayerLocked(std::unique_lock<std::mutex>& lock, Sequence* 
           ri.geometry = options_.geometry;
           ri.chunk_size = options_.chunk_size;
           ri.repr_topk = options_.repr_topk;
+          ri.choice = options_.repr_choice;
           ri.keys = warm_copy;
           ri.mass = p.mass.data();  // head h at h * chunk_size
           ri.mass_stride = static_cast<size_t>(options_.chunk_size);

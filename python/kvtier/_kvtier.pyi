@@ -61,6 +61,7 @@ class Store:
         n_local: int = 512,
         chunk_size: int = 32,
         repr_topk: int = 4,
+        repr_choice: str = "mass",
         hot_bytes: int = 67108864,
         warm_bytes: int = 268435456,
         index_bytes: int = 0,

@@ -394,9 +394,12 @@ TEST(Session, InfLLMPositionsRotateAtAttentionTime) {
 // With InfLLM positions the representative-key statistics are the attention the model pays
 // to its local window: queries and keys rotated at their true positions. The same keys stored
 // already rotated (absolute positions), with the queries rotated by hand, are that reference:
-// both stores must choose the same tokens as every chunk's representatives.
+// both stores must choose the same tokens as every chunk's representatives. (By attention
+// alone, ReprChoice::kMass: the diverse choice also compares the stored keys with each other,
+// and rotating keys at their own positions changes those angles.)
 TEST(Session, InfLLMStatisticsAttendWhereTheModelAttends) {
   StoreOptions so = SmallStore();
+  so.repr_choice = ReprChoice::kMass;
   so.geometry.dtype = DType::kF32;  // the same key bits in both stores, rotated or not
   so.n_sink = 0;                    // InfLLM puts separated sinks at L0: none here, so both agree
   auto raw_store = TieredStore::Open(so);

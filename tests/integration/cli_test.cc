@@ -100,8 +100,8 @@ TEST(Cli, RunWithFullBudgetEqualsFullAttention) {
   EXPECT_NEAR(JsonNumber(rep, "needle_hit_rate"), 1.0, 1e-12);
   EXPECT_LT(JsonNumber(rep, "output_rel_error"), 1e-5);
   const std::string oracle = rep.substr(rep.find("\"attention_oracle\""));
-  EXPECT_NEAR(JsonNumber(oracle, "attention_recall"), 1.0, 1e-6);
-  EXPECT_NEAR(JsonNumber(oracle, "needle_hit_rate"), 1.0, 1e-12);
+  EXPECT_NEAR(JsonNumber(oracle, "recall"), 1.0, 1e-6);
+  EXPECT_NEAR(JsonNumber(oracle, "needle_hit"), 1.0, 1e-12);
 }
 
 // The attention oracle takes, per step and layer, the budget's chunks with the most full-attention
@@ -120,12 +120,11 @@ TEST(Cli, AttentionOracleBoundsAFixedBudgetChoice) {
   ASSERT_NE(at, std::string::npos) << rep;
   const std::string oracle = rep.substr(at);
   EXPECT_EQ(JsonNumber(oracle, "chunks_per_layer"), 16.0);  // 512 / 32
-  const double method_recall = JsonNumber(rep, "attention_recall"),
-               best = JsonNumber(oracle, "attention_recall");
+  const double method_recall = JsonNumber(rep, "attention_recall"), best = JsonNumber(oracle, "recall");
   EXPECT_GT(method_recall, 0.0);
   EXPECT_GE(best, method_recall - 1e-9);
   EXPECT_LE(best, 1.0 + 1e-9);
-  for (const char* key : {"needle_hit_rate", "question_needle_hit_rate", "question_attention_recall"}) {
+  for (const char* key : {"needle_hit", "question_needle_hit", "question_recall"}) {
     EXPECT_GE(JsonNumber(oracle, key), 0.0) << key;
     EXPECT_LE(JsonNumber(oracle, key), 1.0 + 1e-9) << key;
   }
@@ -137,7 +136,7 @@ TEST(Cli, AttentionOracleBoundsAFixedBudgetChoice) {
   const std::string nrep = ReadAll(json);
   const size_t nat = nrep.find("\"attention_oracle\"");
   ASSERT_NE(nat, std::string::npos) << nrep;
-  EXPECT_EQ(nrep.find("\"attention_recall\": null", nat), nrep.find("\"attention_recall\"", nat)) << nrep;
+  EXPECT_EQ(nrep.find("\"recall\": null", nat), nrep.find("\"recall\"", nat)) << nrep;
 }
 
 TEST(Cli, StressVerifiesEverything) {

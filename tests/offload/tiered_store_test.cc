@@ -96,6 +96,7 @@ TEST(StoreOptions, ValidateNamesTheField) {
   bad([](StoreOptions& b) { b.warm_policy = "fifo"; }, "warm_policy");
   bad([](StoreOptions& b) { b.pin_timeout_ms = 0; }, "pin_timeout_ms");
   bad([](StoreOptions& b) { b.device = static_cast<Device>(7); }, "device");
+  bad([](StoreOptions& b) { b.repr_choice = static_cast<ReprChoice>(7); }, "repr_choice");
   bad([](StoreOptions& b) { b.clock = nullptr; }, "clock");
 }
 
@@ -882,12 +883,14 @@ TEST(TieredStore, RepresentativesFollowAttentionMassOrFallBackToTypicalKeys) {
   EXPECT_GT(repr[0], 0.9f);
 }
 
-// ChooseRepresentatives on its own: per kv head the most attended tokens, highest first.
+// ChooseRepresentatives on its own, InfLLM's choice: per kv head the most attended tokens,
+// highest first.
 TEST(TieredStoreRepresentatives, MostAttendedTokensPerHead) {
   RepresentativeInput in;
   in.geometry = Geometry{1, 2, 2, 2, DType::kF32};
   in.chunk_size = 4;
   in.repr_topk = 2;
+  in.choice = ReprChoice::kMass;
   // keys[t][h] = (10 t + h, -t): every key distinct and recognisable.
   std::vector<float> keys(4 * 2 * 2);
   for (int t = 0; t < 4; ++t)
@@ -910,6 +913,52 @@ TEST(TieredStoreRepresentatives, MostAttendedTokensPerHead) {
   std::fill(mass.begin(), mass.end(), 1.0f);
   ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out.data())).ok());
   EXPECT_EQ(out, (std::vector<float>{0, 0, 1, 0, 10, -1, 11, -1}));
+}
+
+// The diverse choice: the most attended token first, then the token with the highest
+// mass / top mass - (highest cosine with a token taken), computed here by hand. Five tokens
+// share a topic direction and collect most of the mass; one needle key points elsewhere.
+TEST(TieredStoreRepresentatives, DiverseTakesTheKeyTheMostAttendedOnesDoNotCover) {
+  RepresentativeInput in;
+  in.geometry = Geometry{1, 1, 1, 2, DType::kF32};
+  in.chunk_size = 6;
+  in.repr_topk = 2;
+  // Tokens 0-4 along (1, 0.1 t), token 5 (the needle) along (0, 1).
+  std::vector<float> keys;
+  for (int t = 0; t < 5; ++t) keys.insert(keys.end(), {1.0f, 0.1f * t});
+  keys.insert(keys.end(), {0.0f, 1.0f});
+  in.keys = reinterpret_cast<const uint8_t*>(keys.data());
+  const std::vector<float> mass{0.9f, 1.0f, 0.8f, 0.7f, 0.6f, 0.3f};
+  in.mass = mass.data();
+  in.mass_stride = 6;
+  auto cosine = [&](int a, int b) {
+    const float* x = &keys[2 * a];
+    const float* y = &keys[2 * b];
+    return (x[0] * y[0] + x[1] * y[1]) / std::sqrt((x[0] * x[0] + x[1] * x[1]) * (y[0] * y[0] + y[1] * y[1]));
+  };
+  // By hand: token 1 first (mass 1.0); token 5 scores 0.3 - cos(5, 1), token 0 0.9 - cos(0, 1).
+  ASSERT_GT(0.3f - cosine(5, 1), 0.9f - cosine(0, 1));
+  std::vector<float> out(2 * 2, -1.0f);
+  in.choice = ReprChoice::kDiverse;
+  ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out.data())).ok());
+  EXPECT_EQ(out, (std::vector<float>{1.0f, 0.1f, 0.0f, 1.0f})) << "token 1, then the needle";
+  // InfLLM's choice takes the two most attended, both along the topic.
+  in.choice = ReprChoice::kMass;
+  ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out.data())).ok());
+  EXPECT_EQ(out, (std::vector<float>{1.0f, 0.1f, 1.0f, 0.0f})) << "tokens 1 and 0";
+  // With one representative both take the most attended token.
+  in.repr_topk = 1;
+  for (ReprChoice c : {ReprChoice::kMass, ReprChoice::kDiverse}) {
+    in.choice = c;
+    ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out.data())).ok());
+    EXPECT_EQ(out[0], 1.0f);
+    EXPECT_EQ(out[1], 0.1f);
+  }
+  ReprChoice parsed = ReprChoice::kMass;
+  EXPECT_TRUE(ParseReprChoice("diverse", &parsed));
+  EXPECT_EQ(parsed, ReprChoice::kDiverse);
+  EXPECT_FALSE(ParseReprChoice("typical", &parsed));
+  EXPECT_STREQ(ReprChoiceName(ReprChoice::kMass), "mass");
 }
 
 // Without statistics: the typical keys, not the outlier; the choice copies the stored
