@@ -99,6 +99,7 @@ struct ChunkUpdate {
   std::vector<uint64_t> added;    ///< landed chunk indices, ascending
   std::vector<float> repr;        ///< [added][repr_topk, kv_heads, head_dim] fp32 representative keys
   std::vector<uint64_t> dropped;  ///< chunk indices dropped since the cursor, in drop order
+  bool complete = true;           ///< false: max_added was reached, more landed chunks wait past next
 };
 
 /// What attention reads for one (sequence, layer) besides retrieved chunks:
@@ -223,7 +224,11 @@ class TieredStore : public Store {
   /// chunks) are never in `added`; a dropped index may appear in `dropped` without ever
   /// having been added. NotFound for an unknown sequence, InvalidArgument for a bad layer or
   /// a cursor past the layer's state; a failed landing is reported as ListChunks does.
-  Status ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCursor& since, ChunkUpdate* out);
+  /// At most `max_added` chunks are handed over (> 0): past them `out->complete` is false and
+  /// `out->next` stands after the last one handed over (every drop comes with the first call),
+  /// so that a reader catching up with a long sequence holds a bounded batch at a time.
+  Status ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCursor& since, ChunkUpdate* out,
+                           size_t max_added = SIZE_MAX);
   /// Starts promoting the chunks into hot slots and pins them (async).
   ///
   /// A fetch takes every hot slot it needs under the store lock, or none. When the pool has

@@ -103,6 +103,10 @@ Status ExactChunkIndex::Add(const std::vector<uint64_t>& chunks, const ReprReade
   std::vector<float> repr(shape_.repr_floats());
   std::vector<uint8_t> stored(key_bytes);
   size_t first_new = ids_.size();  // the batch's first row (the cap may move it down)
+  // Room for the whole batch at once: a first sync over a long sequence adds every chunk, and
+  // growing row by row would reallocate each array dozens of times on the way. (Under a cap
+  // the rows may be compressed on the way: growing as they come counts no unused room.)
+  if (cap_ == 0) GrowForRows(chunks.size());
   for (uint64_t i : chunks) {
     Status st = read(i, repr.data());
     if (st.code() == StatusCode::kNotFound) continue;  // a hole left by a crash: nothing to index
@@ -114,7 +118,7 @@ Status ExactChunkIndex::Add(const std::vector<uint64_t>& chunks, const ReprReade
       Changed();
       return st;
     }
-    GrowForRow();
+    GrowForRows(1);
     ids_.push_back(i);
     const size_t row = ids_.size() - 1;
     for (int r = 0; r < R; ++r)
@@ -176,10 +180,10 @@ uint64_t CapacityBytes(const std::vector<T>& v) {
 
 }  // namespace
 
-void ExactChunkIndex::GrowForRow() {
+void ExactChunkIndex::GrowForRows(size_t more) {
   constexpr size_t B = kernels::kI8Block;
   const size_t H = static_cast<size_t>(shape_.kv_heads), D = shape_.head_dim, R = shape_.repr;
-  const size_t es = DTypeSize(shape_.dtype), n = ids_.size() + 1, full = n - full_from_;
+  const size_t es = DTypeSize(shape_.dtype), n = ids_.size() + more, full = n - full_from_;
   const size_t groups = (n + B - 1) / B, block_bytes = kernels::I8BlockBytes(static_cast<int>(D));
   GrowTo(&ids_, n);
   for (size_t h = 0; h < H; ++h) {

@@ -140,8 +140,9 @@ class ExactChunkIndex final : public ChunkIndex {
   ExactChunkIndex(const ChunkShape& shape, const ExactIndexOptions& options);
   // Writes representative r of the chunk at `row` into head h's int8 blocks, from its fp32 key.
   void PutQuantizedRow(int h, size_t row, int r, const float* key, float inv_norm);
-  // Makes room for one more row, growing each vector by an eighth where it is full.
-  void GrowForRow();
+  // Makes room for `more` rows, growing each vector to an eighth over what it needs where it
+  // is short.
+  void GrowForRows(size_t more);
   // Keeps the rows `kept` (ascending) in that order, their codes moved lane by lane; every
   // vector ends exactly sized.
   void KeepRows(const std::vector<size_t>& kept);

@@ -196,8 +196,23 @@ Result<Retriever::LayerIndex*> Retriever::Index(SequenceId seq, int layer) {
 
 Status Retriever::Sync(SequenceId seq, int layer) {
   KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
-  // One store call per layer step: the chunks landed and dropped since the last one.
-  KVTIER_RETURN_IF_ERROR(store_->ChunkUpdatesSince(seq, layer, li->cursor, &update_));
+  // One store call per layer step: the chunks landed and dropped since the last one. A first
+  // sync over a long sequence takes them kSyncBatch at a time, so that their fp32
+  // representatives are never all in memory at once beside the index they go into.
+  constexpr size_t kSyncBatch = 4096;
+  do {
+    KVTIER_RETURN_IF_ERROR(store_->ChunkUpdatesSince(seq, layer, li->cursor, &update_, kSyncBatch));
+    KVTIER_RETURN_IF_ERROR(ApplyUpdate(li));
+  } while (!update_.complete);
+  // A step's sync hands over a chunk or none: keep a step's buffer, not a first sync's batch.
+  if (update_.repr.size() > 64 * shape_.repr_floats()) {
+    std::vector<float>().swap(update_.repr);
+    std::vector<uint64_t>().swap(update_.added);
+  }
+  return Status::Ok();
+}
+
+Status Retriever::ApplyUpdate(LayerIndex* li) {
   const size_t repr_elems = shape_.repr_floats();
   if (!update_.added.empty()) {
     const std::vector<uint64_t>& added = update_.added;
@@ -214,12 +229,6 @@ Status Retriever::Sync(SequenceId seq, int layer) {
   li->cursor.chunks = update_.next.chunks;  // added (Add is all or nothing): never added twice
   if (!update_.dropped.empty()) KVTIER_RETURN_IF_ERROR(li->index->Remove(update_.dropped));
   li->cursor.drops = update_.next.drops;
-  // A first sync over a long sequence hands over every chunk at once; a step's sync, a
-  // chunk or none. Keep a step's buffer, not the first one's.
-  if (update_.repr.size() > 64 * repr_elems) {
-    std::vector<float>().swap(update_.repr);
-    std::vector<uint64_t>().swap(update_.added);
-  }
   return Status::Ok();
 }
 

@@ -180,6 +180,8 @@ class Retriever {
   // Select's path through the backend (the index keeps a mirror).
   Status SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
   Result<LayerIndex*> Index(SequenceId seq, int layer);
+  // Adds update_'s chunks to li's index, removes its drops and moves li's cursor.
+  Status ApplyUpdate(LayerIndex* li);
 
   TieredStore* store_;
   RetrieverOptions options_;

@@ -75,8 +75,10 @@ Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) {
   return st;
 }
 
-Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCursor& since, ChunkUpdate* out) {
+Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCursor& since, ChunkUpdate* out,
+                                      size_t max_added) {
   if (out == nullptr) return InvalidArgument("ChunkUpdatesSince: out must not be null");
+  if (max_added == 0) return InvalidArgument("ChunkUpdatesSince: max_added must be > 0");
   std::unique_lock<std::mutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
@@ -98,8 +100,9 @@ Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCurs
     out->repr.clear();
     out->dropped.assign(ls.dropped.begin() + static_cast<ptrdiff_t>(since.drops), ls.dropped.end());
     size_t n = 0, n_paged = 0;
-    for (uint64_t i = since.chunks; i < ls.chunks.size(); ++i)
-      if (const Chunk* c = ls.chunks[i]; c != nullptr) {
+    uint64_t end = since.chunks;  // the chunks handed over: [since.chunks, end)
+    for (; end < ls.chunks.size() && n < max_added; ++end)
+      if (const Chunk* c = ls.chunks[end]; c != nullptr) {
         n++;
         n_paged += c->repr.empty();
       }
@@ -107,7 +110,7 @@ Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCurs
     out->repr.resize(n * repr_elems);
     paged.reserve(n_paged);
     paged_slot.reserve(n_paged);
-    for (uint64_t i = since.chunks; i < ls.chunks.size(); ++i) {
+    for (uint64_t i = since.chunks; i < end; ++i) {
       const Chunk* c = ls.chunks[i];
       if (c == nullptr) continue;
       if (c->repr.empty()) {
@@ -122,7 +125,8 @@ Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCurs
       }
       out->added.push_back(i);
     }
-    out->next = ChunkCursor{ls.chunks.size(), ls.dropped.size()};
+    out->next = ChunkCursor{end, ls.dropped.size()};
+    out->complete = end == ls.chunks.size();
     return Status::Ok();
   });
   if (!st.ok() || paged.empty()) return st;

@@ -647,6 +647,29 @@ TEST(TieredStore, ChunkUpdatesSinceHandsOverLandedAndDroppedChunks) {
   ASSERT_TRUE(st->ChunkUpdatesSince(seq, 0, ChunkCursor{}, &u).ok());
   EXPECT_EQ(u.added, (std::vector<uint64_t>{0, 2, 3, 5, 6}));
   EXPECT_EQ(u.dropped, (std::vector<uint64_t>{1, 4, 7}));
+  EXPECT_TRUE(u.complete);
+  // In batches of two: holes skipped, every drop with the first batch, the cursor after the
+  // last chunk handed over, and the same chunks and representatives in the end.
+  std::vector<uint64_t> added;
+  std::vector<float> repr;
+  ChunkCursor at{};
+  int calls = 0;
+  do {
+    ASSERT_TRUE(st->ChunkUpdatesSince(seq, 0, at, &u, 2).ok());
+    EXPECT_LE(u.added.size(), 2u);
+    EXPECT_EQ(u.dropped, calls == 0 ? (std::vector<uint64_t>{1, 4, 7}) : std::vector<uint64_t>{});
+    added.insert(added.end(), u.added.begin(), u.added.end());
+    repr.insert(repr.end(), u.repr.begin(), u.repr.end());
+    at = u.next;
+    ++calls;
+  } while (!u.complete && calls < 10);
+  EXPECT_EQ(calls, 3);
+  EXPECT_EQ(added, (std::vector<uint64_t>{0, 2, 3, 5, 6}));
+  EXPECT_EQ(at.chunks, 8u);
+  EXPECT_EQ(at.drops, 3u);
+  ASSERT_TRUE(st->ChunkUpdatesSince(seq, 0, ChunkCursor{}, &u).ok());
+  EXPECT_EQ(repr, u.repr);
+  EXPECT_EQ(st->ChunkUpdatesSince(seq, 0, ChunkCursor{}, &u, 0).code(), StatusCode::kInvalidArgument);
   // Bad calls are named.
   Status past = st->ChunkUpdatesSince(seq, 0, ChunkCursor{9, 0}, &u);
   EXPECT_EQ(past.code(), StatusCode::kInvalidArgument);
