@@ -45,7 +45,7 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
                            ") must be >= chunk_size (" + std::to_string(cs) + ")");
 
   const size_t head_bytes = static_cast<size_t>(D) * DTypeSize(g.dtype);
-  std::vector<float> keys;  // converted lazily: only the fallback needs fp32 keys
+  std::vector<float> keys;  // converted lazily: only the fallback and the diverse choice need fp32 keys
   std::vector<int> order(cs);
   std::vector<float> score(cs), mean(D), inv_norm(cs), covered(cs);
   std::vector<char> taken(cs);
