@@ -140,8 +140,12 @@ struct RunReport {
   double other_ms = 0;  ///< median wall time of the step's Attend calls outside those parts (not in step_ms)
   double full_attention_step_ms = 0;  ///< median full attention over the whole context, all layers, same step
   // memory
-  uint64_t peak_rss_bytes = 0;           ///< peak RSS during the kvtier phases (before the baseline)
-  uint64_t rss_bound_bytes = 0;          ///< warm + hot + regions + index or its cap + trace q/k/v + overhead
+  uint64_t peak_rss_bytes = 0;  ///< peak RSS during the kvtier phases (before the baseline)
+  uint64_t rss_bound_bytes =
+      0;  ///< at start + warm + hot + regions + index or its cap + trace q/k/v + overhead
+  uint64_t rss_at_start_bytes = 0;  ///< RSS before the store opened: program, libraries, device runtime
+  uint64_t lower_tier_memory_peak_bytes =
+      0;                                 ///< RocksDB's memtables + table readers + block cache, most seen
   uint64_t index_bytes = 0;              ///< chunk metadata and retriever index
   uint64_t index_cap_bytes = 0;          ///< StoreOptions::index_bytes per session (0 = unbounded)
   uint64_t index_compressed_chunks = 0;  ///< chunks the cap keeps as int8 codes (every method)
@@ -155,8 +159,9 @@ struct RunReport {
   std::string CompareTable() const;  ///< one row per method (+ full attention)
 };
 
-/// Stated fixed overhead in the RSS bound: program and libraries, RocksDB
-/// memtables and block cache, the per-window generation buffers.
+/// Stated fixed overhead in the RSS bound: RocksDB's memtables, table readers and block cache,
+/// the per-window generation buffers, the allocator's slack. The program, its libraries and the
+/// device runtime are measured instead (RunReport::rss_at_start_bytes).
 constexpr uint64_t kRunRssOverheadBytes = 256ull << 20;
 
 Result<RunReport> RunJob(const RunOptions& options);

@@ -1272,4 +1272,14 @@ uint64_t ColdTier::stored_payload_bytes() const { return impl_->payload_bytes.lo
 uint64_t ColdTier::stored_chunks() const { return impl_->chunks.load(); }
 std::string ColdTier::path() const { return impl_->options.path; }
 
+uint64_t ColdTier::memory_bytes() const {
+  uint64_t memtables = 0, readers = 0, cache = 0;
+  rocksdb::DB* db = impl_->db;
+  db->GetAggregatedIntProperty(rocksdb::DB::Properties::kSizeAllMemTables, &memtables);
+  db->GetAggregatedIntProperty(rocksdb::DB::Properties::kEstimateTableReadersMem, &readers);
+  // One cache serves every family: asked once, not summed over them.
+  db->GetIntProperty(impl_->seq_cf, rocksdb::DB::Properties::kBlockCacheUsage, &cache);
+  return memtables + readers + cache;
+}
+
 }  // namespace kvtier

@@ -236,6 +236,10 @@ class ColdTier {
   uint64_t stored_payload_bytes() const;
   /// Number of chunks currently stored (same bookkeeping).
   uint64_t stored_chunks() const;
+  /// Host memory RocksDB holds now, by its own accounting: the memtables of every column
+  /// family (active, immutable and pinned), the table readers' index and filter blocks, and
+  /// the block cache's usage. What grows with the data is the table readers' share.
+  uint64_t memory_bytes() const;
   /// The database directory.
   std::string path() const;
 

@@ -26,6 +26,12 @@ bool CudaDevicePresent() {
 #endif
 }
 
+void InitDeviceRuntime() {
+#ifdef KVTIER_HAVE_CUDA
+  if (CudaDevicePresent() && cudaFree(nullptr) != cudaSuccess) cudaGetLastError();
+#endif
+}
+
 Result<std::unique_ptr<HostBuffer>> HostBuffer::Allocate(size_t bytes, bool want_pinned) {
   if (bytes == 0) return InvalidArgument("host buffer size must be > 0");
 #ifdef KVTIER_HAVE_CUDA

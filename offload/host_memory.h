@@ -38,6 +38,10 @@ class HostBuffer {
 
 /// True when kvtier was built with CUDA and at least one device is visible.
 bool CudaDevicePresent();
+/// Creates the CUDA runtime's primary context when CudaDevicePresent(), so that a caller can
+/// measure the process's memory with the runtime in it before kvtier allocates; otherwise
+/// does nothing. The first pinned allocation would create it anyway.
+void InitDeviceRuntime();
 
 /// A pool of equally sized slots carved out of one HostBuffer. Not
 /// thread-safe: the owner (a tier) serialises access under its own lock.

@@ -57,6 +57,7 @@ class ColdLowerTier final : public LowerTier {
     return cold_->DeleteSequence(seq);
   }
   void CountLoad(StoreCounters* c) const override { c->cold_loads++; }
+  uint64_t memory_bytes() const override { return cold_->memory_bytes(); }
 
  private:
   std::unique_ptr<ColdTier> cold_;

@@ -110,6 +110,9 @@ class LowerTier {
   virtual void CountLoad(StoreCounters* c) const = 0;
   /// Adds the tier's own counters to a snapshot (nothing for a tier without any).
   virtual void AddCounters(StoreCounters* c) const { (void)c; }
+  /// Host memory the tier's own machinery holds in this process (RocksDB's memtables, table
+  /// readers and block cache); 0 for a tier whose data lives elsewhere.
+  virtual uint64_t memory_bytes() const { return 0; }
 };
 
 /// The RocksDB cold tier as a LowerTier: owns `cold`. Reads in parallel, errors sticky until

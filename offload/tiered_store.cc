@@ -399,4 +399,10 @@ uint64_t TieredStore::metadata_bytes() const {
          repr_chunks_ * static_cast<size_t>(options_.repr_topk) * token_bytes_;
 }
 
+uint64_t TieredStore::lower_tier_memory_bytes() const {
+  uint64_t bytes = 0;
+  for (const std::unique_ptr<LowerTier>& t : lower_) bytes += t->memory_bytes();  // fixed at Open
+  return bytes;
+}
+
 }  // namespace kvtier

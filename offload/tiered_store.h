@@ -100,6 +100,7 @@ struct ChunkUpdate {
   std::vector<float> repr;        ///< [added][repr_topk, kv_heads, head_dim] fp32 representative keys
   std::vector<uint64_t> dropped;  ///< chunk indices dropped since the cursor, in drop order
   bool complete = true;           ///< false: max_added was reached, more landed chunks wait past next
+  uint64_t pending = 0;           ///< chunk indices past next still to hand over (holes included: at most)
 };
 
 /// What attention reads for one (sequence, layer) besides retrieved chunks:
@@ -322,6 +323,9 @@ class TieredStore : public Store {
   /// tier); then they are released and read back on demand. Chunks recovered at Open hold none.
   /// A store without such a tier (none, or only a remote tier) keeps every chunk's.
   uint64_t metadata_bytes() const;
+  /// Host memory the lower tiers' own machinery holds now (LowerTier::memory_bytes: RocksDB's
+  /// memtables, table readers and block cache), summed over them.
+  uint64_t lower_tier_memory_bytes() const;
 
  private:
   friend class FetchHandle;

@@ -106,6 +106,11 @@ class ChunkIndex {
   virtual Status Add(const std::vector<uint64_t>& chunks, const ReprReader& read) = 0;
   /// Indexes one chunk whose representatives ([R, kv_heads, head_dim] fp32) are at hand.
   Status Add(uint64_t chunk, const float* repr);
+  /// Makes room for `chunks` more chunks that Adds in several batches will bring (a first sync
+  /// over a long sequence), so that the index grows to them once instead of batch by batch,
+  /// each growth a copy and a freed block the allocator may keep. A hint: an index under a
+  /// memory cap, or a kind that cannot reserve, ignores it.
+  virtual void Reserve(size_t chunks) { (void)chunks; }
   /// Takes chunks out of the index; chunk indices it does not hold are ignored.
   virtual Status Remove(const std::vector<uint64_t>& chunks) = 0;
 

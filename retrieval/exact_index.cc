@@ -166,11 +166,10 @@ Status ExactChunkIndex::Remove(const std::vector<uint64_t>& chunks) {
 
 namespace {
 
-// Reserves room for `need` elements, an eighth more when it must grow: a vector never
-// doubles, so its slack stays within an eighth of what it holds.
+// Reserves room for `need` elements, `slack` of that more when it must grow.
 template <typename T>
-void GrowTo(std::vector<T>* v, size_t need) {
-  if (v->capacity() < need) v->reserve(need + need / 8);
+void GrowTo(std::vector<T>* v, size_t need, double slack) {
+  if (v->capacity() < need) v->reserve(need + static_cast<size_t>(static_cast<double>(need) * slack));
 }
 
 template <typename T>
@@ -180,18 +179,22 @@ uint64_t CapacityBytes(const std::vector<T>& v) {
 
 }  // namespace
 
-void ExactChunkIndex::GrowForRows(size_t more) {
+void ExactChunkIndex::Reserve(size_t chunks) {
+  if (cap_ == 0) GrowForRows(chunks, 0.0);  // a capped index keeps to its cap instead
+}
+
+void ExactChunkIndex::GrowForRows(size_t more, double slack) {
   constexpr size_t B = kernels::kI8Block;
   const size_t H = static_cast<size_t>(shape_.kv_heads), D = shape_.head_dim, R = shape_.repr;
   const size_t es = DTypeSize(shape_.dtype), n = ids_.size() + more, full = n - full_from_;
   const size_t groups = (n + B - 1) / B, block_bytes = kernels::I8BlockBytes(static_cast<int>(D));
-  GrowTo(&ids_, n);
+  GrowTo(&ids_, n, slack);
   for (size_t h = 0; h < H; ++h) {
-    GrowTo(&repr_[h], full * R * D * es);
-    GrowTo(&inv_norm_[h], full * R);
-    GrowTo(&q8_[h], groups * R * block_bytes);
-    GrowTo(&q8_scale_[h], groups * R * B);
-    GrowTo(&q8_cos_scale_[h], groups * R * B);
+    GrowTo(&repr_[h], full * R * D * es, slack);
+    GrowTo(&inv_norm_[h], full * R, slack);
+    GrowTo(&q8_[h], groups * R * block_bytes, slack);
+    GrowTo(&q8_scale_[h], groups * R * B, slack);
+    GrowTo(&q8_cos_scale_[h], groups * R * B, slack);
   }
 }
 

@@ -98,6 +98,7 @@ class ExactChunkIndex final : public ChunkIndex {
   using ChunkIndex::Add;
   Status Add(const std::vector<uint64_t>& chunks, const ReprReader& read) override;
   Status Remove(const std::vector<uint64_t>& chunks) override;
+  void Reserve(size_t chunks) override;
   /// The fp32 pass over every chunk.
   Status Score(const float* probe, ChunkScores* out) const override;
   /// The int8 pass (rerank > 0), else Score.
@@ -140,9 +141,9 @@ class ExactChunkIndex final : public ChunkIndex {
   ExactChunkIndex(const ChunkShape& shape, const ExactIndexOptions& options);
   // Writes representative r of the chunk at `row` into head h's int8 blocks, from its fp32 key.
   void PutQuantizedRow(int h, size_t row, int r, const float* key, float inv_norm);
-  // Makes room for `more` rows, growing each vector to an eighth over what it needs where it
-  // is short.
-  void GrowForRows(size_t more);
+  // Makes room for `more` rows, growing each vector where it is short to what it needs plus
+  // `slack` of that (an eighth by default: a vector never doubles).
+  void GrowForRows(size_t more, double slack = 0.125);
   // Keeps the rows `kept` (ascending) in that order, their codes moved lane by lane; every
   // vector ends exactly sized.
   void KeepRows(const std::vector<size_t>& kept);

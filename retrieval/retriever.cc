@@ -200,8 +200,12 @@ Status Retriever::Sync(SequenceId seq, int layer) {
   // sync over a long sequence takes them kSyncBatch at a time, so that their fp32
   // representatives are never all in memory at once beside the index they go into.
   constexpr size_t kSyncBatch = 4096;
+  bool first = true;
   do {
     KVTIER_RETURN_IF_ERROR(store_->ChunkUpdatesSince(seq, layer, li->cursor, &update_, kSyncBatch));
+    // More than a batch: the index grows once, to all of them.
+    if (first && !update_.complete) li->index->Reserve(update_.added.size() + update_.pending);
+    first = false;
     KVTIER_RETURN_IF_ERROR(ApplyUpdate(li));
   } while (!update_.complete);
   // A step's sync hands over a chunk or none: keep a step's buffer, not a first sync's batch.

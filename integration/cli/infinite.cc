@@ -888,21 +888,31 @@ int RunInfinite(int argc, char** argv) {
     auto actqkv_preset = paper("actqkv");
     if (!infllm_preset.ok()) return Fail(infllm_preset.status());
     if (!actqkv_preset.ok()) return Fail(actqkv_preset.status());
-    Method full{"full attention", Method::kFull, o.retrieval, PositionMode::kAbsolute, o.store.repr_topk};
-    Method streaming{"StreamingLLM", Method::kStreaming, o.retrieval, PositionMode::kInfLLM,
-                     o.store.repr_topk};
+    Method full{"full attention",        Method::kFull,     o.retrieval,
+                PositionMode::kAbsolute, o.store.repr_topk, std::nullopt};
+    Method streaming{"StreamingLLM",        Method::kStreaming, o.retrieval,
+                     PositionMode::kInfLLM, o.store.repr_topk,  std::nullopt};
     streaming.retrieval.budget_tokens = 0;
-    Method infllm{"InfLLM", Method::kRetrieval, infllm_preset->first, PositionMode::kInfLLM,
-                  infllm_preset->second};
-    Method actqkv{"ActQKV", Method::kRetrieval, actqkv_preset->first, PositionMode::kInfLLM,
-                  actqkv_preset->second};
-    infllm.repr_choice = actqkv.repr_choice = ReprChoice::kMass;  // InfLLM's choice, both papers'
-    Method ours{"kvtier", Method::kRetrieval, o.retrieval, o.positions, o.store.repr_topk};
-    Method oracle{"needle oracle", Method::kNeedleOracle, o.retrieval, PositionMode::kInfLLM,
-                  o.store.repr_topk};
+    // Both papers choose representatives as InfLLM does, by attention mass.
+    Method infllm{"InfLLM",
+                  Method::kRetrieval,
+                  infllm_preset->first,
+                  PositionMode::kInfLLM,
+                  infllm_preset->second,
+                  ReprChoice::kMass};
+    Method actqkv{"ActQKV",
+                  Method::kRetrieval,
+                  actqkv_preset->first,
+                  PositionMode::kInfLLM,
+                  actqkv_preset->second,
+                  ReprChoice::kMass};
+    Method ours{"kvtier", Method::kRetrieval, o.retrieval, o.positions, o.store.repr_topk, std::nullopt};
+    Method oracle{"needle oracle",       Method::kNeedleOracle, o.retrieval,
+                  PositionMode::kInfLLM, o.store.repr_topk,     std::nullopt};
     methods = {full, streaming, infllm, actqkv, ours, oracle};
   } else {
-    methods = {Method{"kvtier", Method::kRetrieval, o.retrieval, o.positions, o.store.repr_topk}};
+    methods = {
+        Method{"kvtier", Method::kRetrieval, o.retrieval, o.positions, o.store.repr_topk, std::nullopt}};
   }
   // --compress: every method that attends chunks works on what compression left (full
   // attention: every chunk left); StreamingLLM attends none, so compression cannot change it.

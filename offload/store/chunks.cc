@@ -127,6 +127,7 @@ Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCurs
     }
     out->next = ChunkCursor{end, ls.dropped.size()};
     out->complete = end == ls.chunks.size();
+    out->pending = ls.chunks.size() - end;
     return Status::Ok();
   });
   if (!st.ok() || paged.empty()) return st;

@@ -72,6 +72,15 @@ TEST(Cli, RunSpillsToColdAndReportsEverything) {
   EXPECT_NE(rep.find("\"tier_bytes\""), std::string::npos);
   EXPECT_NE(rep.find("\"config\""), std::string::npos);
   EXPECT_GT(JsonNumber(rep, "cold"), 0) << "the run must spill to the cold tier";
+  // The bound counts the program and libraries as measured before the store opened, and the
+  // RocksDB memory the stated overhead covers is reported as seen.
+  EXPECT_GT(JsonNumber(rep, "rss_at_start_bytes"), 0);
+  EXPECT_LT(JsonNumber(rep, "rss_at_start_bytes"), JsonNumber(rep, "peak_rss_bytes"));
+  EXPECT_GE(JsonNumber(rep, "rss_bound_bytes"),
+            JsonNumber(rep, "rss_at_start_bytes") + JsonNumber(rep, "rss_overhead_bytes") + (12 << 20))
+      << "the bound holds what was resident at start, the overhead, warm 8M and hot 4M";
+  EXPECT_GT(JsonNumber(rep, "lower_tier_memory_peak_bytes"), 0) << "RocksDB's memtables held chunks";
+  EXPECT_LT(JsonNumber(rep, "lower_tier_memory_peak_bytes"), JsonNumber(rep, "rss_overhead_bytes"));
   // The bound is the process's own memory; under a sanitizer RSS also holds its shadow memory
   // and quarantine (tests/test_util.h), so there only the report's fields are checked.
   if (kTestSanitizer == nullptr) {

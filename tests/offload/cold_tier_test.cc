@@ -610,6 +610,51 @@ TEST(ColdTier, MetaIterationNeverReadsPayloads) {
   EXPECT_EQ(n, kChunks);
 }
 
+TEST(ColdTier, MemoryCountsMemtablesThenTheBlockCache) {
+  TempDir dir;
+  constexpr int kChunks = 64;
+  constexpr size_t kPayload = 64 << 10;  // 4 MiB of payloads in all
+  constexpr size_t kMeta = 16 << 10;     // 1 MiB of meta records (representatives, in a store)
+  std::vector<ChunkKey> keys;
+  for (int i = 0; i < kChunks; ++i) keys.push_back({1, 0, static_cast<uint64_t>(i)});
+  const uint64_t empty = [&] {
+    auto t = MustOpen(Opts(dir.path(), Compression::kNone));
+    if (!t) return ~uint64_t{0};
+    const uint64_t before = t->memory_bytes();
+    for (int i = 0; i < kChunks; ++i) {
+      std::string p = RandomBytes(kPayload, i);
+      EXPECT_TRUE(t->PutChunk(keys[i], RandomBytes(kMeta, 1000 + i), p.data(), p.size()).ok());
+    }
+    // Unflushed, every record sits in a memtable.
+    EXPECT_GE(t->memory_bytes(), before + kChunks * (kPayload + kMeta));
+    return before;
+  }();
+  ASSERT_LT(empty, 1u << 20) << "an empty store's memtables, readers and cache";
+  // Reopened, the data is in SST files and the memtables are empty again. Payload reads bypass
+  // the block cache (the warm tier is the payload cache); meta reads fill it.
+  auto t = MustOpen(Opts(dir.path(), Compression::kNone));
+  ASSERT_TRUE(t);
+  const uint64_t reopened = t->memory_bytes();
+  EXPECT_LT(reopened, 1u << 20);
+  std::string got(kPayload, '\0');
+  for (const ChunkKey& k : keys) ASSERT_TRUE(t->GetChunk(k, got.data(), got.size()).ok());
+  EXPECT_LT(t->memory_bytes(), 1u << 20) << "payload reads left blocks in the cache";
+  std::vector<std::string> metas;
+  std::vector<Status> statuses;
+  t->GetChunkMetas(keys, &metas, &statuses);
+  for (const Status& st : statuses) ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_GE(t->memory_bytes(), reopened + kChunks * kMeta);
+  // Without a block cache nothing stays after the reads.
+  t.reset();
+  ColdTierOptions no_cache = Opts(dir.path(), Compression::kNone);
+  no_cache.block_cache_bytes = 0;
+  t = MustOpen(no_cache);
+  ASSERT_TRUE(t);
+  t->GetChunkMetas(keys, &metas, &statuses);
+  for (const Status& st : statuses) ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_LT(t->memory_bytes(), 1u << 20);
+}
+
 TEST(ColdTier, SequenceRecords) {
   TempDir dir;
   auto t = MustOpen(Opts(dir.path()));

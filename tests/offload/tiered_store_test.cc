@@ -648,6 +648,7 @@ TEST(TieredStore, ChunkUpdatesSinceHandsOverLandedAndDroppedChunks) {
   EXPECT_EQ(u.added, (std::vector<uint64_t>{0, 2, 3, 5, 6}));
   EXPECT_EQ(u.dropped, (std::vector<uint64_t>{1, 4, 7}));
   EXPECT_TRUE(u.complete);
+  EXPECT_EQ(u.pending, 0u);
   // In batches of two: holes skipped, every drop with the first batch, the cursor after the
   // last chunk handed over, and the same chunks and representatives in the end.
   std::vector<uint64_t> added;
@@ -657,6 +658,7 @@ TEST(TieredStore, ChunkUpdatesSinceHandsOverLandedAndDroppedChunks) {
   do {
     ASSERT_TRUE(st->ChunkUpdatesSince(seq, 0, at, &u, 2).ok());
     EXPECT_LE(u.added.size(), 2u);
+    EXPECT_EQ(u.pending, 8u - u.next.chunks) << "call " << calls;
     EXPECT_EQ(u.dropped, calls == 0 ? (std::vector<uint64_t>{1, 4, 7}) : std::vector<uint64_t>{});
     added.insert(added.end(), u.added.begin(), u.added.end());
     repr.insert(repr.end(), u.repr.begin(), u.repr.end());

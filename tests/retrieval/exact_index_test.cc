@@ -492,6 +492,44 @@ TEST(ExactChunkIndex, AddIsAllOrNothingSkipsHolesAndKeepsChunkOrder) {
   EXPECT_EQ(index->Score(nullptr, &after).code(), StatusCode::kInvalidArgument);
 }
 
+TEST(ExactChunkIndex, ReserveGrowsOnceToWhatTheBatchesBring) {
+  // A first sync hands a long sequence over in batches; reserved for all of them, the index
+  // holds exactly their rows (no growth slack) from the first batch on, and scores as an index
+  // that grew batch by batch. 96 chunks: a multiple of the int8 block, so no padded group.
+  const ChunkShape shape{2, 16, 2, DType::kF16};
+  constexpr size_t kChunks = 96;
+  static_assert(kChunks % kernels::kI8Block == 0);
+  const auto reprs = RandomReprs(kChunks, shape, 41);
+  auto grown = Make("Exact", shape), reserved = Make("Exact", shape);
+  ASSERT_TRUE(grown && reserved);
+  reserved->Reserve(kChunks);
+  const uint64_t at_reserve = reserved->memory_bytes();
+  EXPECT_EQ(at_reserve, kChunks * (FullRowBytes(shape) + CodeRowBytes(shape)));
+  for (size_t b = 0; b < kChunks; b += 16) {
+    const std::vector<uint64_t> ids = Iota(16, b);
+    const std::vector<float> part(reprs.begin() + b * shape.repr_floats(),
+                                  reprs.begin() + (b + 16) * shape.repr_floats());
+    AddAll(grown.get(), ids, part);
+    AddAll(reserved.get(), ids, part);
+    EXPECT_EQ(reserved->memory_bytes(), at_reserve) << "grew at the batch from chunk " << b;
+  }
+  EXPECT_GT(grown->memory_bytes(), at_reserve) << "growing batch by batch leaves slack";
+  std::vector<float> p(shape.dim());
+  for (size_t i = 0; i < p.size(); ++i) p[i] = std::sin(0.7f * static_cast<float>(i));
+  ChunkScores a, b;
+  ASSERT_TRUE(grown->Score(p.data(), &a).ok());
+  ASSERT_TRUE(reserved->Score(p.data(), &b).ok());
+  EXPECT_EQ(a.ids, b.ids);
+  EXPECT_EQ(a.logit, b.logit);
+  EXPECT_EQ(a.cosine, b.cosine);
+  // A capped index keeps to its cap: Reserve asks for nothing.
+  auto capped = Make("Exact", shape);
+  ASSERT_TRUE(capped->SetMemoryCap(64 * (FullRowBytes(shape) + CodeRowBytes(shape))).ok());
+  const uint64_t empty = capped->memory_bytes();
+  capped->Reserve(10 * kChunks);
+  EXPECT_EQ(capped->memory_bytes(), empty);
+}
+
 TEST(ExactChunkIndex, StoredKeysScoreAsTheirFloats) {
   // The keys are kept in the store's dtype: Score equals an fp32 pass over the converted keys.
   const ChunkShape shape{1, 24, 2, DType::kBF16};
