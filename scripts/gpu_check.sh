@@ -213,3 +213,6 @@ echo
 [ -s "$OUT/gpu_bench.txt" ] && cat "$OUT/gpu_bench.txt"
 echo
 echo "full results: $OUT"
+# A failed step fails the check (the table above says which).
+bad=$(awk -F'\t' 'NR > 1 && $2 != "ok" && $2 != "prebuilt" && $2 != "built" {print $1}' "$SUMMARY" | tr '\n' ' ')
+[ -z "$bad" ] || { echo "gpu_check: FAILED steps: $bad"; exit 1; }
