@@ -1224,9 +1224,7 @@ std::string RunReport::ToTable() const {
       "  tiers: hot %.1f MiB, warm %.1f MiB, cold %.1f MiB (%llu/%llu/%llu chunks)\n"
       "  peak RSS                   %8.1f MiB  (bound %.1f MiB: %s)\n"
       "    at start                 %8.1f MiB  (program, libraries, device runtime; in the bound)\n"
-      "    RocksDB, most seen       %8.1f MiB  (memtables, table readers, block cache; the bound's overhead "
-      "is "
-      "%.0f MiB)\n"
+      "    RocksDB, most seen       %8.1f MiB  (memtables, table readers, block cache; overhead %.0f MiB)\n"
       "  retrieval index            %8.1f MiB  (cap %s; %llu chunks as int8 codes only, %llu evicted)\n"
       "io: %.1f MiB moved, %llu promotions, %llu demotions, %llu hits, %llu misses, %llu cold reads, %llu "
       "cold writes\n",
