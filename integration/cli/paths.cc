@@ -1,5 +1,6 @@
 #include "integration/cli/paths.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -81,9 +82,39 @@ namespace {
 // at most one). A fixed buffer: the handler reads it without allocating.
 char g_scratch[4096];
 
+bool IsDotOrDotDot(const char* name) {
+  return name[0] == '.' && (name[1] == '\0' || (name[1] == '.' && name[2] == '\0'));
+}
+
+// Removes `name` under the directory `parent` (a file, or a directory with everything in it)
+// with async-signal-safe system calls only (unlinkat, openat, getdents64, lseek, close). The
+// handler runs on whichever thread the signal lands on, possibly one inside malloc holding its
+// arena lock, so it must not allocate: std::filesystem::remove_all does, and deadlocked there.
+// Recursion stops `depth` levels down; each level keeps a 4 KiB buffer on the stack.
+void RemoveTreeAt(int parent, const char* name, int depth) {
+  if (unlinkat(parent, name, 0) == 0 || (errno != EISDIR && errno != EPERM) || depth == 0) return;
+  const int dir = openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (dir < 0) return;
+  // Entries removed while reading may shift the directory's offsets: read it again from the
+  // start until it is empty (a background thread, RocksDB flushing, may still be adding files).
+  for (int pass = 0; pass < 64; ++pass) {
+    if (lseek(dir, 0, SEEK_SET) != 0) break;
+    alignas(dirent64) char buf[4096];
+    ssize_t n;
+    while ((n = getdents64(dir, buf, sizeof(buf))) > 0) {
+      for (ssize_t off = 0; off < n;) {
+        const auto* entry = reinterpret_cast<const dirent64*>(buf + off);
+        off += entry->d_reclen;
+        if (!IsDotOrDotDot(entry->d_name)) RemoveTreeAt(dir, entry->d_name, depth - 1);
+      }
+    }
+    if (unlinkat(parent, name, AT_REMOVEDIR) == 0 || errno != ENOTEMPTY) break;
+  }
+  close(dir);
+}
+
 void RemoveScratchAndExit(int sig) {
-  std::error_code ec;
-  if (g_scratch[0] != '\0') fs::remove_all(g_scratch, ec);  // best effort: the process ends now
+  if (g_scratch[0] != '\0') RemoveTreeAt(AT_FDCWD, g_scratch, 32);  // best effort: the process ends now
   std::_Exit(128 + sig);
 }
 

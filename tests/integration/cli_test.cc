@@ -1175,23 +1175,31 @@ TEST(Cli, RunDropsItsSequenceFromTheRemoteTierUnlessKept) {
   EXPECT_GT(keys(), 0);
 }
 
-// Ctrl-C (SIGINT) in the middle of a run removes the temporary data directory too.
+// Ctrl-C (SIGINT) in the middle of a run removes the temporary data directory too, whenever it
+// lands: while the workload is generated, during prefill (RocksDB flushing files into the
+// directory, threads inside malloc) and later. The handler must neither deadlock (it runs on
+// whichever thread the signal hits, maybe one inside malloc) nor leave a file behind.
 TEST(Cli, InterruptedRunRemovesItsTemporaryDirectory) {
-  TempDir tmp;
-  // Started in the background; SIGINT once its directory exists (the handler is in place by then).
-  const std::string script =
-      "TMPDIR=" + tmp.path() + " " + KVTIER_BINARY_DIR +
-      "/kvtier run --quiet --context 1048576 --geometry 2,4,2,32 "
-      ">/dev/null 2>&1 & pid=$!; for i in $(seq 200); do ls " +
-      tmp.path() + " | grep -q kvtier-run && break; sleep 0.05; done; kill -INT $pid; wait $pid; echo rc=$?";
-  Ran r;
-  FILE* p = popen(script.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  char buf[256];
-  while (fgets(buf, sizeof(buf), p) != nullptr) r.out += buf;
-  pclose(p);
-  EXPECT_NE(r.out.find("rc=130"), std::string::npos) << r.out;
-  EXPECT_TRUE(IsEmptyDir(tmp.path()));
+  for (const char* delay : {"0", "0.7", "2.5"}) {
+    TempDir tmp;
+    // Started in the background; SIGINT `delay` seconds after its directory exists (the handler
+    // is in place by then). A process still alive 15 s after the signal is killed: "hung".
+    const std::string script =
+        "TMPDIR=" + tmp.path() + " " + KVTIER_BINARY_DIR +
+        "/kvtier run --quiet --context 1048576 --geometry 2,4,2,32 >/dev/null 2>&1 & pid=$!; "
+        "for i in $(seq 200); do ls " +
+        tmp.path() + " | grep -q kvtier-run && break; sleep 0.05; done; sleep " + delay +
+        "; kill -INT $pid; for i in $(seq 300); do kill -0 $pid 2>/dev/null || break; sleep 0.05; done; "
+        "if kill -0 $pid 2>/dev/null; then echo hung; kill -KILL $pid; fi; wait $pid; echo rc=$?";
+    Ran r;
+    FILE* p = popen(script.c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    char buf[256];
+    while (fgets(buf, sizeof(buf), p) != nullptr) r.out += buf;
+    pclose(p);
+    EXPECT_EQ(r.out, "rc=130\n") << "SIGINT " << delay << " s in";
+    EXPECT_TRUE(IsEmptyDir(tmp.path())) << "SIGINT " << delay << " s in";
+  }
 }
 
 }  // namespace
