@@ -243,6 +243,7 @@ kvtier_session_options kvtier_session_options_default(void) {
     o.rope_theta = so.rope_theta;
     o.keep_queries = so.keep_queries;
     o.reuse_cosine = so.retrieval.reuse_cosine;
+    o.screen_period = so.retrieval.screen_period;
   } catch (...) {
   }
   return o;
@@ -269,7 +270,8 @@ kvtier_code kvtier_session_open(kvtier_store* store, const kvtier_session_option
     kvtier::SessionOptions so;
     so.retrieval = preset.retrieval;
     so.retrieval.budget_tokens = options->budget_tokens;
-    so.retrieval.reuse_cosine = options->reuse_cosine;  // Session::Open validates it
+    so.retrieval.reuse_cosine = options->reuse_cosine;  // Session::Open validates them
+    so.retrieval.screen_period = options->screen_period;
     so.positions = positions == KVTIER_POSITIONS_INFLLM ? kvtier::PositionMode::kInfLLM
                                                         : kvtier::PositionMode::kAbsolute;
     so.rope_theta = options->rope_theta;

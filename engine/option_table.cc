@@ -186,6 +186,10 @@ const std::vector<RetrieverOptionDesc>& RetrieverOptionTable() {
        "while no chunk landed and each kv head's probe keeps this cosine with the one searched for, "
        "rescore the layer's last search's shortlist instead of every chunk (0 = search every step)",
        0, 0, "", KVTIER_OPT_DOUBLE(R, reuse_cosine)},
+      {"screen_period", "screen_period", "screen", OptionType::kInt, "1",
+       "a decode step screens a rotating 1/R of a layer's chunks and rescores its shortlist, instead of "
+       "screening every chunk (1 = every chunk every step; needs alloc=entropy and the Exact index)",
+       1, 1 << 20, "", KVTIER_OPT_INT(R, screen_period)},
   };
   return table;
 }

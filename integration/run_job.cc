@@ -279,6 +279,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
   if (opt.spearman_windows > 0) {
     RetrieverOptions ro = opt.retrieval;
     ro.alloc = "topk";
+    ro.screen_period = 1;  // a topk allocator screens every chunk
     ro.budget_tokens = opt.budget;
     ro.probe = "act";
     KVTIER_ASSIGN_OR_RETURN(act_probe, Retriever::Create(store.get(), ro));
@@ -637,6 +638,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
     mr.spec = mt.session->retriever()->Describe();
     mr.selections = mt.session->retriever()->selections();
     mr.reused_selections = mt.session->retriever()->reused_selections();
+    mr.sliced_selections = mt.session->retriever()->sliced_selections();
     mr.chunk_counts.assign(static_cast<size_t>(L), std::vector<uint64_t>(cc.buckets, 0));
     mr.chunk_max_steps = mr.chunk_counts;
     std::vector<std::vector<uint32_t>> chunk_steps(static_cast<size_t>(L),
@@ -952,6 +954,7 @@ std::string RunReport::ToJson() const {
     w.Key("retrieval_share").Double(m.retrieval_share);
     w.Key("chunks_per_step").Double(m.chunks_per_step);
     w.Key("selections").Uint(m.selections).Key("reused_selections").Uint(m.reused_selections);
+    w.Key("sliced_selections").Uint(m.sliced_selections);
     w.Key("bytes_moved").Uint(m.bytes_moved);
     w.EndObject();
   }
@@ -1263,6 +1266,10 @@ std::string RunReport::ToTable() const {
     text += "reused selections: " + std::to_string(methods[headline].reused_selections) + " of " +
             std::to_string(methods[headline].selections) +
             " layer selections rescored the layer's last search's shortlist (--reuse)\n";
+  if (!methods.empty() && methods[headline].sliced_selections > 0)
+    text += "sliced selections: " + std::to_string(methods[headline].sliced_selections) + " of " +
+            std::to_string(methods[headline].selections) +
+            " layer selections screened a slice of the chunks and rescored the shortlist (--screen)\n";
   if (!policy.spec.empty()) {
     char line[512];
     char ratio[32] = "-";

@@ -78,6 +78,8 @@ struct MethodReport {
   /// Layer selections with chunks to choose from (prefill windows and decode steps), and how
   /// many of them reused the layer's last search (RetrieverOptions::reuse_cosine).
   uint64_t selections = 0, reused_selections = 0;
+  /// ... and how many screened a slice of the chunks (RetrieverOptions::screen_period).
+  uint64_t sliced_selections = 0;
   std::vector<double> step_ms_all, step_error_all;
   /// [layer][bucket]: how many times, summed over the decode steps, this method retrieved a
   /// chunk of the bucket (RunReport::chunk_choice says which chunks a bucket holds). The

@@ -72,6 +72,16 @@ Status ChunkIndex::BestOf(const float* probe, const std::vector<uint64_t>& chunk
   return FailedPrecondition("index '" + ToString() + "' cannot score chosen chunks alone");
 }
 
+Status ChunkIndex::ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks, ChunkScores* out) const {
+  (void)probe, (void)chunks, (void)out;
+  return FailedPrecondition("index '" + ToString() + "' cannot score chosen chunks alone");
+}
+
+Status ChunkIndex::ScreenRows(const float* probe, size_t begin, size_t end, ChunkScores* out) const {
+  (void)probe, (void)begin, (void)end, (void)out;
+  return FailedPrecondition("index '" + ToString() + "' cannot screen part of its chunks");
+}
+
 Result<std::unique_ptr<ChunkIndex>> MakeChunkIndex(const std::string& spec, const ChunkShape& shape) {
   KVTIER_ASSIGN_OR_RETURN(FactorySpec fs, ParseFactorySpec(spec, "index"));
   if (IsExact(fs)) {

@@ -131,6 +131,16 @@ class ChunkIndex {
   virtual Status BestOf(const float* probe, const std::vector<uint64_t>& chunks, ChunkRank rank, size_t take,
                         std::vector<uint64_t>* out) const;
 
+  /// `chunks`' exact scores (as Score gives them), ids ascending; chunks the index does not
+  /// hold are left out. Not a whole screen: Best refuses it. FailedPrecondition for kinds
+  /// that cannot score chosen chunks alone (the FAISS ones).
+  virtual Status ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks, ChunkScores* out) const;
+  /// Rows [begin, end) screened as Screen screens them: ids, scores and, where the screen
+  /// approximates, error bounds, for those rows only (a row is a chunk's place in ascending
+  /// chunk order: Add appends rows, Remove and a memory cap's eviction shift them). Not a whole
+  /// screen: Best refuses it. InvalidArgument for rows outside [0, size()); FailedPrecondition
+  /// for kinds that cannot screen part of their chunks (the FAISS ones).
+  virtual Status ScreenRows(const float* probe, size_t begin, size_t end, ChunkScores* out) const;
   virtual size_t size() const = 0;            ///< chunks indexed (not removed)
   virtual uint64_t memory_bytes() const = 0;  ///< everything the index holds (from container sizes)
 

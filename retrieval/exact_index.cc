@@ -343,7 +343,7 @@ Status ExactChunkIndex::Screen(const float* probe, ChunkScores* out) const {
   if (probe == nullptr || out == nullptr)
     return InvalidArgument("ExactChunkIndex::Screen: probe and out must not be null");
   // The first stage: int8 codes, a quarter of the bytes of an fp32 pass, which is memory-bound.
-  QuantizedScores(probe, out);
+  QuantizedScores(probe, 0, ids_.size(), out);
   if (!Current(*out)) out->ids = ids_;
   Stamp(out);
   return Status::Ok();
@@ -384,6 +384,16 @@ Status ExactChunkIndex::BestOf(const float* probe, const std::vector<uint64_t>& 
                                size_t take, std::vector<uint64_t>* out) const {
   if (probe == nullptr || out == nullptr)
     return InvalidArgument("ExactChunkIndex::BestOf: probe and out must not be null");
+  ChunkScores scored;
+  KVTIER_RETURN_IF_ERROR(ScoreChunks(probe, chunks, &scored));
+  *out = TakeBest(scored.by(rank), scored.ids, take);
+  return Status::Ok();
+}
+
+Status ExactChunkIndex::ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks,
+                                    ChunkScores* out) const {
+  if (probe == nullptr || out == nullptr)
+    return InvalidArgument("ExactChunkIndex::ScoreChunks: probe and out must not be null");
   std::vector<int64_t> rows;
   rows.reserve(chunks.size());
   for (uint64_t c : chunks) {
@@ -392,11 +402,32 @@ Status ExactChunkIndex::BestOf(const float* probe, const std::vector<uint64_t>& 
   }
   std::sort(rows.begin(), rows.end());
   rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
-  std::vector<float> logit, cos;
-  ScoresOf(probe, rows, &logit, &cos);
-  std::vector<uint64_t> ids(rows.size());
-  for (size_t i = 0; i < rows.size(); ++i) ids[i] = ids_[rows[i]];
-  *out = TakeBest(rank == ChunkRank::kLogit ? logit : cos, ids, take);
+  ScoresOf(probe, rows, &out->logit, &out->cosine);
+  out->ids.resize(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) out->ids[i] = ids_[static_cast<size_t>(rows[i])];
+  out->logit_error.clear();  // exact
+  out->cosine_error.clear();
+  out->index = nullptr;  // not a whole screen: Best refuses it
+  return Status::Ok();
+}
+
+Status ExactChunkIndex::ScreenRows(const float* probe, size_t begin, size_t end, ChunkScores* out) const {
+  if (probe == nullptr || out == nullptr)
+    return InvalidArgument("ExactChunkIndex::ScreenRows: probe and out must not be null");
+  if (begin > end || end > ids_.size())
+    return InvalidArgument("ExactChunkIndex::ScreenRows: rows [" + std::to_string(begin) + ", " +
+                           std::to_string(end) + ") of " + std::to_string(ids_.size()));
+  if (options_.rerank_factor == 0) {  // the screen is the fp32 pass
+    std::vector<int64_t> rows(end - begin);
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int64_t>(begin + i);
+    ScoresOf(probe, rows, &out->logit, &out->cosine);
+    out->logit_error.clear();
+    out->cosine_error.clear();
+  } else {
+    QuantizedScores(probe, begin, end, out);
+  }
+  out->ids.assign(ids_.begin() + static_cast<ptrdiff_t>(begin), ids_.begin() + static_cast<ptrdiff_t>(end));
+  out->index = nullptr;  // not a whole screen: Best refuses it
   return Status::Ok();
 }
 
@@ -480,9 +511,9 @@ void ExactChunkIndex::DequantisedDot(int h, size_t row, int r, const float* p, f
   *cos = acc * q8_cos_scale_[h][slot] * inv_p;
 }
 
-void ExactChunkIndex::QuantizedScores(const float* probe, ChunkScores* out) const {
+void ExactChunkIndex::QuantizedScores(const float* probe, size_t begin, size_t end, ChunkScores* out) const {
   const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
-  const size_t n = ids_.size();
+  const size_t n = end - begin;  // rows [begin, end) land at [0, n) of out's vectors
   const kernels::HeadFold fold = FoldOf(options_.heads, H);
   std::vector<float>& raw = out->logit;
   std::vector<float>& cos = out->cosine;
@@ -514,11 +545,14 @@ void ExactChunkIndex::QuantizedScores(const float* probe, ChunkScores* out) cons
   }
   // One pass over the chunk groups for every head (one fork-join per layer, not per head).
   constexpr int B = kernels::kI8Block;
-  const size_t groups = (n + B - 1) / B, block_bytes = kernels::I8BlockBytes(D);
+  // Whole groups of B rows: the first and the last may hold rows outside [begin, end).
+  const size_t first_group = begin / B, end_group = (end + B - 1) / B,
+               block_bytes = kernels::I8BlockBytes(D);
   const bool sum = !fold.max;
   TsanForkJoin fj;  // kernels/tbb_tsan.h
   tbb::parallel_for(
-      tbb::blocked_range<size_t>(0, groups, 64), fj.Body([&](const tbb::blocked_range<size_t>& range) {
+      tbb::blocked_range<size_t>(first_group, end_group, 64),
+      fj.Body([&](const tbb::blocked_range<size_t>& range) {
         const size_t g0 = range.begin(), g1 = range.end();
         std::vector<int32_t> dots((g1 - g0) * R * B);
         for (int h = 0; h < H; ++h) {
@@ -547,9 +581,10 @@ void ExactChunkIndex::QuantizedScores(const float* probe, ChunkScores* out) cons
                 max_scale[lane] = std::max(max_scale[lane], scale[j]);
                 max_cos_scale[lane] = std::max(max_cos_scale[lane], cos_scale[j]);
               }
-            const size_t c_end = std::min(n, (g + 1) * B);
-            for (size_t c = g * B; c < c_end; ++c) {
-              const int lane = static_cast<int>(c - g * B);
+            const size_t row_end = std::min(end, (g + 1) * B);
+            for (size_t row = std::max(begin, g * B); row < row_end; ++row) {
+              const int lane = static_cast<int>(row - g * B);
+              const size_t c = row - begin;
               fold.Add(best[lane] * ps, std::max(-1.0f, best_cos[lane] * cs), &raw[c], &cos[c]);
               const float e = max_scale[lane] * step, ec = max_cos_scale[lane] * cos_step;
               out->logit_error[c] = sum ? out->logit_error[c] + e : std::max(out->logit_error[c], e);

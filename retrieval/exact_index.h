@@ -111,6 +111,9 @@ class ExactChunkIndex final : public ChunkIndex {
               std::vector<uint64_t>* out) const override;
   Status BestOf(const float* probe, const std::vector<uint64_t>& chunks, ChunkRank rank, size_t take,
                 std::vector<uint64_t>* out) const override;
+  Status ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks, ChunkScores* out) const override;
+  /// The int8 pass over rows [begin, end) (rerank > 0), else the fp32 pass over them.
+  Status ScreenRows(const float* probe, size_t begin, size_t end, ChunkScores* out) const override;
   size_t size() const override { return ids_.size(); }
   uint64_t memory_bytes() const override;
   /// Caps memory_bytes() (0 = unbounded); an index over the new cap shrinks at once.
@@ -156,8 +159,9 @@ class ExactChunkIndex final : public ChunkIndex {
   // The fp32 scores of the chunks at rows `rows` only (the rescoring stage).
   void ScoresOf(const float* probe, const std::vector<int64_t>& rows, std::vector<float>* logit,
                 std::vector<float>* cosine) const;
-  // The int8 pass's scores and their error bounds (see "Search in two stages" above).
-  void QuantizedScores(const float* probe, ChunkScores* out) const;
+  // The int8 pass's scores and their error bounds (see "Search in two stages" above) for rows
+  // [begin, end), at [0, end - begin) of out's vectors.
+  void QuantizedScores(const float* probe, size_t begin, size_t end, ChunkScores* out) const;
   // Rows (ascending) of the chunks Best rescores: those whose score + error reaches the take-th
   // largest score - error, and the best at_least by score; with no errors (exact scores) the
   // best max(take, at_least).

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <numeric>
 
 #include "store/factory_spec.h"
@@ -35,11 +36,18 @@ std::string FormatReuse(double c) {
 
 // The spec's last item: " reuse=C", or nothing when reuse is off (the default).
 std::string ReuseItem(double c) { return c != 0.0 ? " reuse=" + FormatReuse(c) : ""; }
+// The spec's " screen=R", or nothing when every step screens every chunk (the default).
+std::string ScreenItem(int r) { return r != 1 ? " screen=" + std::to_string(r) : ""; }
 
 // The shortlist a search keeps for reuse_cosine: kReuseShortlist x the grant `t`, and at
 // least t + t / 8 + 2 (Retriever::ReuseLast needs the next grant to fit).
 constexpr size_t kReuseShortlist = 3;
 size_t ShortlistSize(size_t t) { return std::max(kReuseShortlist * t, t + t / 8 + 2); }
+// The shortlist the rolling screen (screen_period > 1) keeps: kSliceShortlist x the grant `t`,
+// and at least t + t / 8 + 2 (the next grant moves by a chunk or two). Twice, not three times:
+// each step rescores it exactly, and the slice brings in what it lacks.
+constexpr size_t kSliceShortlist = 2;
+size_t SliceShortlistSize(size_t t) { return std::max(kSliceShortlist * t, t + t / 8 + 2); }
 
 // Any valid geometry checks a probe spec (the probe needs one to be built).
 const Geometry kSpecGeometry{1, 1, 1, 2, DType::kF32};
@@ -53,10 +61,19 @@ Status RetrieverOptions::Validate() const {
     return InvalidArgument("budget_tokens must be >= 0 (got " + std::to_string(budget_tokens) + ")");
   if (!(reuse_cosine >= 0.0 && reuse_cosine <= 1.0))
     return InvalidArgument("reuse_cosine must be in [0, 1] (got " + FormatReuse(reuse_cosine) + ")");
+  if (screen_period < 1)
+    return InvalidArgument("screen_period must be >= 1 (got " + std::to_string(screen_period) + ")");
   auto i = CanonicalChunkIndexSpec(index);
   if (!i.ok()) return InvalidArgument("index: " + i.status().message());
   auto a = MakeBudgetAllocator(alloc);
   if (!a.ok()) return InvalidArgument("alloc: " + a.status().message());
+  if (screen_period > 1 && !(*a)->reads_scores())
+    return InvalidArgument("screen_period " + std::to_string(screen_period) +
+                           " needs an allocator that reads every chunk's score (alloc=entropy), not '" + alloc +
+                           "': the topk allocator takes the index's top k (screen_period 1)");
+  if (screen_period > 1 && i->rfind("Exact", 0) != 0)
+    return InvalidArgument("screen_period " + std::to_string(screen_period) + " needs the Exact index kind, not '" +
+                           *i + "' (FAISS kinds cannot screen part of their chunks)");
   auto p = MakeProbeBuilder(probe, kSpecGeometry);
   if (!p.ok()) return InvalidArgument("probe: " + p.status().message());
   return Status::Ok();
@@ -69,7 +86,7 @@ std::string RetrieverOptions::ToString() const {
   auto i = CanonicalChunkIndexSpec(index);
   return "probe=" + (p.ok() ? (*p)->ToString() : probe) + " alloc=" + (a.ok() ? (*a)->ToString() : alloc) +
          " index=" + (i.ok() ? *i : index) + " budget=" + std::to_string(budget_tokens) +
-         ReuseItem(reuse_cosine);
+         ReuseItem(reuse_cosine) + ScreenItem(screen_period);
 }
 
 Result<RetrieverOptions> RetrieverOptions::Parse(const std::string& spec) {
@@ -102,9 +119,11 @@ Result<RetrieverOptions> RetrieverOptions::Parse(const std::string& spec) {
       KVTIER_ASSIGN_OR_RETURN(o.budget_tokens, ParseSpecInt(spec, key, value));
     } else if (key == "reuse") {
       KVTIER_ASSIGN_OR_RETURN(o.reuse_cosine, ParseSpecDouble(spec, key, value));
+    } else if (key == "screen") {
+      KVTIER_ASSIGN_OR_RETURN(o.screen_period, ParseSpecInt(spec, key, value));
     } else {
       return InvalidArgument("unknown key '" + key + "' in retriever spec '" + spec +
-                             "' (known: probe, alloc, index, budget, reuse)");
+                             "' (known: probe, alloc, index, budget, reuse, screen)");
     }
   }
   KVTIER_RETURN_IF_ERROR(o.Validate());
@@ -165,7 +184,7 @@ Result<std::unique_ptr<Retriever>> Retriever::Create(TieredStore* store, const R
       KVTIER_RETURN_IF_ERROR((*index)->SetMemoryCap(so.index_bytes / so.geometry.layers));
     r->spec_ = "probe=" + r->probe_->ToString() + " alloc=" + r->alloc_->ToString() +
                " index=" + (*index)->ToString() + " budget=" + std::to_string(options.budget_tokens) +
-               ReuseItem(options.reuse_cosine);
+               ReuseItem(options.reuse_cosine) + ScreenItem(options.screen_period);
   }
   r->backend_ = std::move(backend);
   r->k_ = options.budget_tokens / so.chunk_size;
@@ -230,6 +249,7 @@ Status Retriever::ApplyUpdate(LayerIndex* li) {
     }));
   }
   if (!update_.added.empty() || !update_.dropped.empty()) li->last_valid = false;
+  if (!update_.dropped.empty()) li->roll_valid = false;  // rows shift: the kept cosines are off
   li->cursor.chunks = update_.next.chunks;  // added (Add is all or nothing): never added twice
   if (!update_.dropped.empty()) KVTIER_RETURN_IF_ERROR(li->index->Remove(update_.dropped));
   li->cursor.drops = update_.next.drops;
@@ -240,6 +260,7 @@ Status Retriever::Forget(SequenceId seq, int layer, const std::vector<uint64_t>&
   KVTIER_RETURN_IF_ERROR(Sync(seq, layer));  // index everything first, so nothing dropped is added later
   KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
   li->last_valid = false;
+  li->roll_valid = false;
   return li->index->Remove(chunk_indices);
 }
 
@@ -291,6 +312,13 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
           KVTIER_RETURN_IF_ERROR(SelectOnBackend(li, layer, n, cap, &sel));
           return sel;
         }
+        if (options_.screen_period > 1 && decode) {
+          KVTIER_ASSIGN_OR_RETURN(bool rolled, ScreenSlice(li, layer, n, cap, &sel));
+          if (rolled) {
+            sel.search_ms = MsSince(t0);
+            return sel;
+          }
+        }
         if (!alloc_->reads_scores()) {
           // Fixed k: the index serves its top k (approximate kinds stay sub-linear).
           const size_t k = std::min(static_cast<size_t>(k_), cap);
@@ -322,10 +350,25 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
         // With reuse on, the shortlist a reusing step rescores (ReuseLast): the best
         // kReuseShortlist x the grant, and never fewer than a few more than the grant (a later
         // step's Eq. 12 grant from the same entropy moves by a chunk or two).
-        const size_t keep =
-            options_.reuse_cosine > 0.0 ? std::min({static_cast<size_t>(n), cap, ShortlistSize(t)}) : t;
+        const size_t shortlist = options_.reuse_cosine > 0.0 ? ShortlistSize(t)
+                                 : options_.screen_period > 1 ? SliceShortlistSize(t)
+                                                              : t;
+        const size_t keep = std::min({static_cast<size_t>(n), cap, shortlist});
         KVTIER_RETURN_IF_ERROR(index.Best(probe_vec_.data(), scores_, alloc_->rank(), keep, &sel.chunks));
         RememberSearch(li, sel.chunks, sel.chunks.size(), sel.entropy);
+        if (options_.screen_period > 1) {
+          // A decode step's full screen starts the rolling screen over (a prefill window's
+          // probe is another query's: the next decode step screens every chunk again).
+          li->roll_valid = decode && !sel.chunks.empty();
+          if (li->roll_valid) {
+            li->roll_ids = scores_.ids;
+            li->roll_cos = scores_.cosine;
+            KeepEntropySums(li);
+            li->roll_cursor = 0;
+            li->roll_shortlist = sel.chunks;
+            li->roll_evicted = index.evicted_chunks();
+          }
+        }
         sel.chunks.resize(std::min(sel.chunks.size(), t));
         sel.search_ms += MsSince(t0);
         return sel;
@@ -362,6 +405,121 @@ Result<bool> Retriever::ReuseLast(LayerIndex* li, int layer, int n, size_t cap, 
   sel->clipped = BeyondPool(take, cap);
   sel->reused = true;
   ++reused_selections_;
+  return true;
+}
+
+// Eq. 11 over the kept cosines, kept as sums: Theta = log Z - W / Z with Z = sum_i e^{s_i} and
+// W = sum_i s_i e^{s_i} (the softmax's entropy; cosines lie in [-1, 1], so no shift by the
+// maximum is needed). Each term is added as it is stored (e^{s_i} in roll_exp), so replacing a
+// cosine subtracts exactly what was added.
+void Retriever::KeepEntropySums(LayerIndex* li) {
+  li->roll_exp.resize(li->roll_cos.size());
+  li->roll_z = li->roll_w = 0.0;
+  for (size_t i = 0; i < li->roll_cos.size(); ++i) {
+    li->roll_exp[i] = static_cast<float>(std::exp(static_cast<double>(li->roll_cos[i])));
+    li->roll_z += li->roll_exp[i];
+    li->roll_w += static_cast<double>(li->roll_cos[i]) * li->roll_exp[i];
+  }
+}
+
+void Retriever::KeepCosine(LayerIndex* li, size_t row, float cosine) {
+  li->roll_z -= li->roll_exp[row];
+  li->roll_w -= static_cast<double>(li->roll_cos[row]) * li->roll_exp[row];
+  li->roll_cos[row] = cosine;
+  li->roll_exp[row] = static_cast<float>(std::exp(static_cast<double>(cosine)));
+  li->roll_z += li->roll_exp[row];
+  li->roll_w += static_cast<double>(cosine) * li->roll_exp[row];
+}
+
+double Retriever::KeptEntropy(const LayerIndex& li) {
+  if (li.roll_cos.size() <= 1) return 0.0;
+  const double h = std::log(li.roll_z) - li.roll_w / li.roll_z;
+  return h > 0.0 || !std::isfinite(h) ? h : 0.0;  // NaN stays NaN: the allocator refuses it
+}
+
+Result<bool> Retriever::ScreenSlice(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel) {
+  const ChunkIndex& index = *li->index;
+  const size_t known = li->roll_ids.size(), total = static_cast<size_t>(n);
+  if (!li->roll_valid || li->roll_evicted != index.evicted_chunks() || known > total || known == 0 ||
+      li->roll_shortlist.empty())
+    return false;
+  const ChunkRank rank = alloc_->rank();
+  const float* probe = probe_vec_.data();
+  // Candidates rescored exactly: the shortlist and the chunks that landed since (screened
+  // into the kept cosines first).
+  std::vector<uint64_t> cand = li->roll_shortlist;
+  if (total > known) {
+    KVTIER_RETURN_IF_ERROR(index.ScreenRows(probe, known, total, &roll_part_));
+    li->roll_ids.insert(li->roll_ids.end(), roll_part_.ids.begin(), roll_part_.ids.end());
+    li->roll_cos.resize(total, 0.0f);
+    li->roll_exp.resize(total, 0.0f);
+    for (size_t i = 0; i < roll_part_.ids.size(); ++i) KeepCosine(li, known + i, roll_part_.cosine[i]);
+    cand.insert(cand.end(), roll_part_.ids.begin(), roll_part_.ids.end());
+  }
+  // This step's slice of the rows known before: ceil(known / R) of them from the cursor, in
+  // whole int8 blocks of 8 rows, back to row 0 after the last.
+  const size_t period = static_cast<size_t>(options_.screen_period);
+  const size_t len = ((known + period - 1) / period + 7) / 8 * 8;
+  const size_t begin = li->roll_cursor < known ? li->roll_cursor : 0;
+  const size_t end = std::min(known, begin + len);
+  li->roll_cursor = end < known ? end : 0;
+  KVTIER_RETURN_IF_ERROR(index.ScreenRows(probe, begin, end, &roll_part_));
+  for (size_t i = 0; i < roll_part_.ids.size(); ++i) KeepCosine(li, begin + i, roll_part_.cosine[i]);
+  // Once a round, the sums afresh: updates never pile up rounding.
+  if (li->roll_cursor == 0) KeepEntropySums(li);
+  // The shortlist and the new chunks rescored exactly; their exact cosines replace the kept
+  // ones, and the layer's grant comes from Eq. 11 over every chunk's latest cosine.
+  KVTIER_RETURN_IF_ERROR(index.ScoreChunks(probe, cand, &roll_exact_));
+  auto keep_cosines = [&](const ChunkScores& s) {
+    for (size_t i = 0; i < s.ids.size(); ++i) {
+      const auto it = std::lower_bound(li->roll_ids.begin(), li->roll_ids.end(), s.ids[i]);
+      if (it != li->roll_ids.end() && *it == s.ids[i])
+        KeepCosine(li, static_cast<size_t>(it - li->roll_ids.begin()), s.cosine[i]);
+    }
+  };
+  keep_cosines(roll_exact_);
+  const double theta = KeptEntropy(*li);
+  const size_t want = std::min(static_cast<size_t>(std::max(0, alloc_->WouldTake(layer, n, theta))), cap);
+  if (want == 0 || want > roll_exact_.ids.size()) return false;  // outgrew the shortlist: screen all
+  KVTIER_ASSIGN_OR_RETURN(int take, alloc_->AllocateWithEntropy(layer, n, theta));
+  sel->entropy = alloc_->last_entropy();
+  const size_t t = std::min({static_cast<size_t>(std::max(0, take)), cap, roll_exact_.ids.size()});
+  // A slice chunk can be among the t best of candidates and slice only if its screened score
+  // plus its error bound reaches the t-th best exact candidate score: those are rescored.
+  const std::vector<float>& exact_by = roll_exact_.by(rank);
+  const float reach = t > 0 ? KthLargest(exact_by.data(), static_cast<int64_t>(exact_by.size()),
+                                         static_cast<int64_t>(t))
+                            : std::numeric_limits<float>::infinity();
+  const std::vector<float>& slice_by = roll_part_.by(rank);
+  const std::vector<float>& slice_err = roll_part_.error_by(rank);
+  std::vector<uint64_t> extra;
+  for (size_t i = 0; i < slice_by.size(); ++i) {
+    const float upper = slice_by[i] + (slice_err.empty() ? 0.0f : slice_err[i]);
+    if (upper < reach) continue;  // NaN compares false: such a chunk is rescored
+    const uint64_t id = roll_part_.ids[i];
+    if (!std::binary_search(roll_exact_.ids.begin(), roll_exact_.ids.end(), id)) extra.push_back(id);
+  }
+  if (!extra.empty()) {
+    KVTIER_RETURN_IF_ERROR(index.ScoreChunks(probe, extra, &roll_part_));
+    keep_cosines(roll_part_);
+    // Merge by ascending chunk index (TakeBest breaks ties to the smaller index).
+    ChunkScores merged;
+    size_t a = 0, b = 0;
+    while (a < roll_exact_.ids.size() || b < roll_part_.ids.size()) {
+      const bool from_a =
+          b == roll_part_.ids.size() || (a < roll_exact_.ids.size() && roll_exact_.ids[a] < roll_part_.ids[b]);
+      const ChunkScores& src = from_a ? roll_exact_ : roll_part_;
+      const size_t i = from_a ? a++ : b++;
+      merged.ids.push_back(src.ids[i]);
+      merged.logit.push_back(src.logit[i]);
+      merged.cosine.push_back(src.cosine[i]);
+    }
+    roll_exact_ = std::move(merged);
+  }
+  li->roll_shortlist = TakeBest(roll_exact_.by(rank), roll_exact_.ids, std::min(cap, SliceShortlistSize(t)));
+  sel->chunks.assign(li->roll_shortlist.begin(), li->roll_shortlist.begin() + static_cast<ptrdiff_t>(t));
+  sel->clipped = BeyondPool(take, cap);
+  ++sliced_selections_;
   return true;
 }
 

@@ -51,9 +51,25 @@
 // of every chunk; it misses what this step's query favours outside the shortlist (measured:
 // docs/benchmarks.md "Reusing a search").
 //
+// Screening a slice (RetrieverOptions::screen_period = R > 1; decode steps, the entropy
+// allocator and the host Exact index only): a layer keeps every chunk's latest Eq. 10 cosine
+// and a shortlist (its best kSliceShortlist (2) times the grant, best first). A decode step screens
+// the chunks that landed since and a slice of ceil(n / R) rows from a cursor that goes round
+// (so every chunk is screened again within R steps), and rescores exactly the shortlist and the
+// new chunks. Eq. 11 takes the kept cosines (exact where rescored, screened otherwise, some
+// screened for earlier probes), Eq. 12 grants B^l from it, and the slice's chunks whose
+// screened score plus its error bound reaches the B^l-th best rescored score are rescored too
+// (no other slice chunk can be among the grant's best). The layer takes the B^l best of what
+// was rescored; the best kSliceShortlist x B^l become the next shortlist. A decode step
+// therefore reads 1/R of the screen's bytes, plus a few hundred chunks' keys. It chooses what a
+// full screen chooses while the probe stays; when the probe moves, it misses what the new probe
+// favours outside the shortlist until the slice comes round (measured: docs/benchmarks.md
+// "Screening a slice"). A prefill window, the first decode step, a drop or an eviction, and a
+// grant beyond the candidates screen every chunk (which starts the rolling screen over).
+//
 // Configuration is four parts, each a factory string that ToString() spells
-// out in full and Parse() reads back, and the reuse threshold (" reuse=c", spelled only
-// when not 0):
+// out in full and Parse() reads back, the reuse threshold (" reuse=c", spelled only when
+// not 0) and the screen period (" screen=R", spelled only when not 1):
 //   probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine
 //   index=Exact:heads=sum,rerank=1,rerank_min=0 budget=2048
 // (rank belongs to the allocator: budget.h says why.) These defaults are
@@ -151,6 +167,8 @@ class Retriever {
   /// Layer selections served by reusing the layer's last search (reuse_cosine), and all
   /// layer selections that had chunks to choose from, since the Retriever was created.
   uint64_t reused_selections() const { return reused_selections_; }
+  /// Layer selections that screened a slice of the chunks (screen_period > 1) instead of all.
+  uint64_t sliced_selections() const { return sliced_selections_; }
   uint64_t selections() const { return selections_; }
   /// Frees every index; a layer's next Sync rebuilds its index from the store (as after an
   /// attach). For analysis retrievers that score only now and then.
@@ -171,7 +189,27 @@ class Retriever {
     std::vector<float> last_probe;      // the probe it searched for
     std::vector<uint64_t> last_chunks;  // its shortlist, best first (ShortlistSize of the grant)
     double last_theta = 0.0;            // its Eq. 11 entropy (entropy allocator)
+    // The rolling screen (screen_period > 1), valid from a decode step's full screen until a
+    // chunk leaves: every chunk's latest Eq. 10 cosine (exact where rescored, else screened) by
+    // row, the next slice's first row, and the shortlist (best first).
+    bool roll_valid = false;
+    std::vector<uint64_t> roll_ids;  // the chunk at each row, ascending
+    std::vector<float> roll_cos;     // [rows] latest cosine
+    std::vector<float> roll_exp;     // [rows] e^{roll_cos}, as added to roll_z
+    double roll_z = 0.0, roll_w = 0.0;  // sum of e^{s}, of s e^{s}: Eq. 11's sums
+    size_t roll_cursor = 0;
+    std::vector<uint64_t> roll_shortlist;
+    uint64_t roll_evicted = 0;  // the index's evicted_chunks() then: an eviction shifts rows
   };
+  // screen_period > 1: screens this step's slice and the chunks that landed, rescores the
+  // shortlist and what of the slice could enter it, and grants the layer from Eq. 11 over the
+  // kept cosines. False (nothing granted) when a full screen must run instead.
+  Result<bool> ScreenSlice(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
+  // The rolling screen's Eq. 11 sums: afresh from the kept cosines, one cosine replaced, and
+  // the entropy they give.
+  static void KeepEntropySums(LayerIndex* li);
+  static void KeepCosine(LayerIndex* li, size_t row, float cosine);
+  static double KeptEntropy(const LayerIndex& li);
   // The reuse_cosine test; on success fills *sel from li's last search and grants the layer its
   // budget from that search's entropy. False (nothing granted) when the search must run.
   Result<bool> ReuseLast(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
@@ -194,8 +232,9 @@ class Retriever {
   std::vector<float> probe_buf_, probe_vec_;
   ChunkScores scores_;  // Select: the layer's screened scores (reused)
   ChunkUpdate update_;  // Sync: the store's changes (reused)
+  ChunkScores roll_part_, roll_exact_;  // ScreenSlice's scratch
   int k_ = 0;
-  uint64_t reused_selections_ = 0, selections_ = 0;
+  uint64_t reused_selections_ = 0, selections_ = 0, sliced_selections_ = 0;
 };
 
 }  // namespace kvtier

@@ -164,10 +164,12 @@ typedef struct kvtier_session_options {
   double reuse_cosine;        /* rescore a layer's last search's shortlist instead of every chunk
                                  while its probe keeps this cosine and no chunk landed (0 = search
                                  every step; in [0, 1]) */
+  int screen_period;          /* a decode step screens a rotating 1/screen_period of a layer's
+                                 chunks and rescores its shortlist (1 = every chunk every step) */
 } kvtier_session_options;
 
 /* kvtier::SessionOptions' defaults: preset "kvtier", 2048 tokens, absolute positions,
- * rope_theta 10000, keep_queries 0, reuse_cosine 0. */
+ * rope_theta 10000, keep_queries 0, reuse_cosine 0, screen_period 1. */
 kvtier_session_options kvtier_session_options_default(void);
 
 /* Creates a new sequence in `store` and a session over it. On failure *out is NULL.

@@ -107,16 +107,24 @@ struct RetrieverOptions {
   /// rescored for the new probe, instead of searching every chunk (0 = search at every step;
   /// in [0, 1]). The budget of such a step comes from the stored search's Eq. 11 entropy.
   double reuse_cosine = 0.0;
+  /// A decode step's search screens a rotating 1/R of the layer's chunks instead of all of
+  /// them (R = screen_period; 1 = every chunk every step). The layer keeps every chunk's latest
+  /// Eq. 10 cosine and a shortlist (its best 2x the grant); each step rescores exactly the
+  /// shortlist, the chunks that landed since, and the slice's chunks whose screened score
+  /// could reach the grant's best, takes the grant's best of them, and computes Eq. 11 over the
+  /// kept cosines. A chunk is screened again within R steps. Needs alloc=entropy and the
+  /// Exact index kind; the device path (a cuda hot tier) screens every chunk whatever R is.
+  int screen_period = 1;
 
   /// Checks every part; InvalidArgument names the part ("probe: ...", "alloc: ...",
   /// "index: ...") and, inside it, the bad key or value.
   Status Validate() const;
   /// "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,rerank_min=0
   /// budget=2048": every part canonical (all keys spelled out), space-separated, then
-  /// " reuse=C" when reuse_cosine is not 0. Parse reads it back to options with the same
+  /// " reuse=C" when reuse_cosine is not 0 and " screen=R" when screen_period is not 1. Parse reads it back to options with the same
   /// ToString.
   std::string ToString() const;
-  /// Space-separated key=value items, keys probe, alloc, index, budget, reuse, each at most once; a
+  /// Space-separated key=value items, keys probe, alloc, index, budget, reuse, screen, each at most once; a
   /// key left out keeps its default. Unknown or duplicate keys, items without '=', a bad
   /// budget, or parts that do not validate are InvalidArgument naming them.
   static Result<RetrieverOptions> Parse(const std::string& spec);

@@ -696,6 +696,7 @@ int RunInfinite(int argc, char** argv) {
                     [&rf](const std::string& s) { return rf.SetAllocKey("rank", s); }));
   cli::AddOptionFlag(&f, rt, "budget_tokens", &o.retrieval);
   cli::AddOptionFlag(&f, rt, "reuse_cosine", &o.retrieval);
+  cli::AddOptionFlag(&f, rt, "screen_period", &o.retrieval);
   f.Add("policy", "demotion policy of the hot and warm tiers: lru or a scoring policy",
         WithDefault(o.store.warm_policy, [&o](const std::string& s) {
           auto p = MakeDemotionPolicy(s);

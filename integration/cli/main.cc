@@ -275,6 +275,7 @@ int CmdRun(int argc, char** argv) {
   f.Add("index", cli::OptionHelp(cli::OptionRow(rt, "index")),
         WithDefault(o.retrieval.index, [&rf](const std::string& s) { return rf.SetIndex(s); }));
   cli::AddOptionFlag(&f, rt, "reuse_cosine", &o.retrieval);
+  cli::AddOptionFlag(&f, rt, "screen_period", &o.retrieval);
   f.Add("rerank",
         "Exact index: > 0 screens with int8 codes and rescores the chunks the screen's error bound "
         "cannot rule out plus the best F x take; 0 = one full pass over every representative "

@@ -313,6 +313,10 @@ int main(int argc, char** argv) {
   co.rope_theta = -1.0;
   EXPECT_ERROR(kvtier_session_open(store, &co, &c, &err), KVTIER_INVALID_ARGUMENT);
   co = kvtier_session_options_default();
+  CHECK(co.screen_period == 1, "default screen_period is not 1");
+  co.screen_period = 0;
+  EXPECT_ERROR(kvtier_session_open(store, &co, &c, &err), KVTIER_INVALID_ARGUMENT);
+  co = kvtier_session_options_default();
   EXPECT_ERROR(kvtier_session_open(NULL, &co, &c, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_open(store, NULL, &c, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_open(store, &co, NULL, &err), KVTIER_INVALID_ARGUMENT);

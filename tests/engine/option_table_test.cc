@@ -192,8 +192,8 @@ TEST(OptionTable, CDefaultsEqualTheTable) {
       {"rope_theta", FormatOptionValue(s.rope_theta)},
       {"keep_queries", std::to_string(s.keep_queries)},
   };
-  // + preset, budget_tokens and reuse_cosine.
-  EXPECT_EQ(session.size() + 3, CountFields<kvtier_session_options>());
+  // + preset, budget_tokens, reuse_cosine and screen_period.
+  EXPECT_EQ(session.size() + 4, CountFields<kvtier_session_options>());
   for (const auto& [name, value] : session) {
     const SessionOptionDesc* d = FindOption(SessionOptionTable(), name);
     ASSERT_NE(d, nullptr) << name;
@@ -203,6 +203,7 @@ TEST(OptionTable, CDefaultsEqualTheTable) {
             FindOption(RetrieverOptionTable(), "budget_tokens")->default_text);
   EXPECT_EQ(FormatOptionValue(s.reuse_cosine),
             FindOption(RetrieverOptionTable(), "reuse_cosine")->default_text);
+  EXPECT_EQ(std::to_string(s.screen_period), FindOption(RetrieverOptionTable(), "screen_period")->default_text);
 }
 
 // ---- docs/options.md -----------------------------------------------------------------------

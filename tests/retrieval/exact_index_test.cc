@@ -312,6 +312,72 @@ TEST(ExactChunkIndex, BestOfChoosesFromTheGivenChunksByExactScores) {
             StatusCode::kFailedPrecondition);
 }
 
+// ScreenRows gives rows [begin, end) of the whole screen, the int8 pass's scores and bounds or
+// the fp32 pass's, whatever the range's alignment to the int8 blocks; ScoreChunks gives the
+// chosen chunks' exact scores, ascending, the ones the index does not hold left out.
+TEST(ExactChunkIndex, ScreenRowsAndScoreChunksAreTheWholeScreensRows) {
+  for (const char* spec : {"Exact:heads=sum", "Exact:heads=max", "Exact:heads=max,rerank=0"})
+    for (DType dt : {DType::kF32, DType::kF16}) {
+      SCOPED_TRACE(std::string(spec) + " " + DTypeName(dt));
+      const ChunkShape shape{2, 16, 4, dt};
+      const size_t n = 203;  // not a multiple of the 8-row int8 blocks
+      auto index = Make(spec, shape);
+      AddAll(index.get(), Iota(n, 5), RandomReprs(n, shape, 43));
+      std::mt19937 rng(8);
+      std::normal_distribution<float> nd;
+      std::vector<float> p(shape.dim());
+      for (float& x : p) x = nd(rng);
+      ChunkScores whole, exact, part;
+      ASSERT_TRUE(index->Screen(p.data(), &whole).ok());
+      ASSERT_TRUE(index->Score(p.data(), &exact).ok());
+      const bool approximate = std::string(spec).find("rerank=0") == std::string::npos;
+      ASSERT_EQ(whole.logit_error.empty(), !approximate);
+      for (auto [b, e] : std::vector<std::pair<size_t, size_t>>{{0, n}, {0, 8}, {5, 77}, {8, 16}, {200, 203}, {9, 9}}) {
+        ASSERT_TRUE(index->ScreenRows(p.data(), b, e, &part).ok());
+        ASSERT_EQ(part.ids.size(), e - b);
+        ASSERT_EQ(part.logit.size(), e - b);
+        ASSERT_EQ(part.logit_error.size(), approximate ? e - b : 0u);
+        for (size_t i = 0; i < e - b; ++i) {
+          EXPECT_EQ(part.ids[i], whole.ids[b + i]);
+          if (approximate) {  // the same int8 arithmetic, bit for bit
+            EXPECT_EQ(part.logit[i], whole.logit[b + i]) << "row " << b + i;
+            EXPECT_EQ(part.cosine[i], whole.cosine[b + i]) << "row " << b + i;
+            EXPECT_EQ(part.logit_error[i], whole.logit_error[b + i]) << "row " << b + i;
+            EXPECT_EQ(part.cosine_error[i], whole.cosine_error[b + i]) << "row " << b + i;
+          } else {  // the fp32 pass, summed in another order
+            EXPECT_NEAR(part.logit[i], whole.logit[b + i], 1e-4f * (1.0f + std::fabs(whole.logit[b + i])));
+            EXPECT_NEAR(part.cosine[i], whole.cosine[b + i], 1e-5f);
+          }
+        }
+      }
+      // A partial screen is no whole one: Best refuses it.
+      ASSERT_TRUE(index->ScreenRows(p.data(), 0, n, &part).ok());
+      std::vector<uint64_t> out;
+      EXPECT_EQ(index->Best(p.data(), part, ChunkRank::kLogit, 3, &out).code(), StatusCode::kInvalidArgument);
+      for (auto [b, e] : std::vector<std::pair<size_t, size_t>>{{0, n + 1}, {10, 9}, {n + 1, n + 1}})
+        EXPECT_EQ(index->ScreenRows(p.data(), b, e, &part).code(), StatusCode::kInvalidArgument) << b << " " << e;
+      EXPECT_EQ(index->ScreenRows(nullptr, 0, 1, &part).code(), StatusCode::kInvalidArgument);
+      // ScoreChunks: out of order, a duplicate, chunks the index does not hold.
+      ChunkScores chosen;
+      ASSERT_TRUE(index->ScoreChunks(p.data(), {150, 7, 100000, 150, 4, 207, 33}, &chosen).ok());
+      ASSERT_EQ(chosen.ids, (std::vector<uint64_t>{7, 33, 150, 207}));
+      EXPECT_TRUE(chosen.logit_error.empty());
+      for (size_t i = 0; i < chosen.ids.size(); ++i) {
+        const size_t row = chosen.ids[i] - 5;
+        EXPECT_NEAR(chosen.logit[i], exact.logit[row], 1e-4f * (1.0f + std::fabs(exact.logit[row])));
+        EXPECT_NEAR(chosen.cosine[i], exact.cosine[row], 1e-5f);
+      }
+      EXPECT_EQ(index->ScoreChunks(p.data(), {7}, nullptr).code(), StatusCode::kInvalidArgument);
+    }
+  // The FAISS kinds can do neither.
+  auto flat = Make("Flat", ChunkShape{2, 16, 4, DType::kF32});
+  AddAll(flat.get(), Iota(10), RandomReprs(10, ChunkShape{2, 16, 4, DType::kF32}, 3));
+  std::vector<float> p(32, 1.0f);
+  ChunkScores out;
+  EXPECT_EQ(flat->ScreenRows(p.data(), 0, 8, &out).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(flat->ScoreChunks(p.data(), {1, 2}, &out).code(), StatusCode::kFailedPrecondition);
+}
+
 TEST(ExactChunkIndex, BestIsExactForAnyScreenWithinItsBounds) {
   const ChunkShape shape{2, 16, 4, DType::kF32};
   const size_t n = 500;

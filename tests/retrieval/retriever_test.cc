@@ -465,6 +465,126 @@ TEST(Retriever, ReusesTheLastSearchOnlyWhileTheProbeStaysAndNothingLands) {
     }
 }
 
+// screen_period R: a decode step screens a rotating 1/R of the chunks and rescores the shortlist,
+// the chunks that landed and what of the slice could enter the grant. While the probe stays, it
+// chooses what a full screen chooses; when the probe moves, it chooses it again within R steps
+// (every chunk screened once); a chunk that lands is scored at once; a dropped chunk, a
+// prefill window or the first decode step screen every chunk.
+TEST(Retriever, ScreenPeriodFindsWhatAFullScreenFindsWithinThePeriod) {
+  // rerank=0: the screen is the fp32 pass, so the kept cosines, Eq. 11 and the grants are the
+  // reference's exactly; rerank=1 screens in int8 and rescores by the error bound.
+  for (const char* index : {"Exact:heads=max,rerank=0", "Exact:heads=max"}) {
+    SCOPED_TRACE(index);
+    TempDir dir;
+    auto store = TieredStore::Open(Options(dir.path()));
+    ASSERT_TRUE(store.ok());
+    TieredStore* s = store->get();
+    const Geometry& g = s->options().geometry;
+    SequenceId seq = *s->CreateSequence();
+    std::vector<std::vector<float>> vs;
+    Fill(s, seq, 4 + 16 + 4 * 120 + 3, 19, &vs);  // 120 chunks a layer
+    RetrieverOptions ro;
+    ro.probe = "mean";
+    ro.alloc = "entropy:rank=logit";
+    ro.index = index;
+    ro.budget_tokens = 6 * 4;  // k = 6 chunks
+    RetrieverOptions sliced_options = ro;
+    constexpr int kPeriod = 4;
+    sliced_options.screen_period = kPeriod;
+    auto r = Retriever::Create(s, sliced_options);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_NE((*r)->Describe().find(" screen=4"), std::string::npos) << (*r)->Describe();
+    auto ref = Retriever::Create(s, ro);
+    ASSERT_TRUE(ref.ok());
+    std::mt19937 rng(23);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    const size_t qn = static_cast<size_t>(g.q_heads) * g.head_dim;
+    std::vector<float> q0(qn), far(qn);
+    for (auto& x : q0) x = nd(rng);
+    for (auto& x : far) x = nd(rng);
+    std::vector<double> entropies[2];  // the last step's Eq. 11 per layer: [0] r, [1] ref
+    auto step = [&](Retriever* rt, const std::vector<float>& q, bool decode = true) {
+      std::vector<std::vector<uint64_t>> out;
+      std::vector<double>& theta = entropies[rt == ref->get() ? 1 : 0];
+      theta.clear();
+      rt->BeginStep();
+      for (int l = 0; l < g.layers; ++l) {
+        auto sel = rt->Select(seq, l, q.data(), 1, decode);
+        EXPECT_TRUE(sel.ok()) << sel.status().ToString();
+        if (!sel.ok()) return out;
+        EXPECT_FALSE(sel->chunks.empty());
+        out.push_back(sel->chunks);
+        theta.push_back(sel->entropy);
+      }
+      return out;
+    };
+    // The grants may differ from the reference's: Eq. 11 takes the kept cosines, int8-screened
+    // ones (rerank=1), or some still of the last probe while the slices come round, and Eq. 12's
+    // running means keep what they saw. So: the same order, the shorter choice the longer's top
+    // (with rerank=0 and a probe that never moved, the same grants too).
+    bool same_grants = std::string(index).find("rerank=0") != std::string::npos;
+    auto same_choice = [&](const std::vector<std::vector<uint64_t>>& a,
+                           const std::vector<std::vector<uint64_t>>& b, const char* what) {
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t l = 0; l < a.size(); ++l) {
+        if (same_grants) {
+          EXPECT_EQ(a[l], b[l]) << what << " layer " << l;
+        } else {
+          const size_t m = std::min(a[l].size(), b[l].size());
+          EXPECT_TRUE(std::equal(a[l].begin(), a[l].begin() + m, b[l].begin())) << what << " layer " << l;
+        }
+      }
+    };
+    // A prefill window and the first decode step screen every chunk.
+    same_choice(step(r->get(), q0, false), step(ref->get(), q0, false), "prefill");
+    same_choice(step(r->get(), q0), step(ref->get(), q0), "first decode step");
+    EXPECT_EQ((*r)->sliced_selections(), 0u);
+    // The probe stays: slices, and the full screen's choice.
+    for (int i = 0; i < 3; ++i) {
+      same_choice(step(r->get(), q0), step(ref->get(), q0), "same probe");
+      // Eq. 11 kept as running sums is the full screen's (rerank=0: the same cosines).
+      for (int l = 0; l < g.layers && same_grants; ++l)
+        EXPECT_NEAR(entropies[0][l], entropies[1][l], 1e-6 * entropies[1][l]) << "layer " << l;
+    }
+    EXPECT_EQ((*r)->sliced_selections(), 3u * g.layers);
+    // The probe moves for good: within R steps every chunk has been screened for it, and the
+    // choice is the full screen's from then on.
+    for (int i = 0; i < kPeriod - 1; ++i) {
+      step(r->get(), far);
+      step(ref->get(), far);
+    }
+    same_grants = false;
+    for (int i = 0; i < 3; ++i) same_choice(step(r->get(), far), step(ref->get(), far), "after R steps");
+    EXPECT_EQ((*r)->sliced_selections(), (3u + kPeriod - 1 + 3) * g.layers);
+    // Chunks land whose keys point along the probe (28 tokens: the local window of 16 pushes the
+    // first of them out, chunks 125 and 126 whole): the next step scores them, and takes one first.
+    constexpr int kMore = 28;
+    std::vector<float> k_more(kMore * g.token_elems()), v_more(k_more.size());
+    for (auto& x : v_more) x = nd(rng);
+    for (int t = 0; t < kMore; ++t)
+      for (int h = 0; h < g.kv_heads; ++h)
+        for (int d = 0; d < g.head_dim; ++d)  // kv head h serves q heads 2h and 2h + 1
+          k_more[static_cast<size_t>(t) * g.token_elems() + h * g.head_dim + d] =
+              8.0f * (far[(2 * h) * g.head_dim + d] + far[(2 * h + 1) * g.head_dim + d]);
+    for (int l = 0; l < g.layers; ++l)
+      ASSERT_TRUE(s->Append(seq, l, k_more.data(), v_more.data(), kMore, DType::kF32).ok());
+    const auto landed = step(r->get(), far);
+    same_choice(landed, step(ref->get(), far), "chunks landed");
+    for (int l = 0; l < g.layers; ++l) {
+      ASSERT_FALSE(landed[l].empty());
+      EXPECT_GE(landed[l].front(), 120u) << "layer " << l << ": a chunk that landed comes first";
+    }
+    EXPECT_EQ((*r)->sliced_selections(), (3u + kPeriod - 1 + 3 + 1) * g.layers);
+    const uint64_t landed_chunk = landed[0].front();
+    // A dropped chunk: that layer screens every chunk again; the others keep slicing.
+    ASSERT_TRUE(s->DropChunks(seq, 0, {landed_chunk}).ok());
+    const auto dropped = step(r->get(), far);
+    same_choice(dropped, step(ref->get(), far), "a chunk dropped");
+    EXPECT_EQ(std::count(dropped[0].begin(), dropped[0].end(), landed_chunk), 0);
+    EXPECT_EQ((*r)->sliced_selections(), (3u + kPeriod - 1 + 3 + 1) * g.layers + g.layers - 1);
+  }
+}
+
 // Layers are served in order within a step; returns layer 1's choice.
 std::vector<uint64_t> SelectLayer1(Retriever* r, SequenceId seq, const std::vector<float>& q) {
   r->BeginStep();
@@ -691,6 +811,12 @@ TEST(RetrieverOptions, ToStringSpellsEveryPartOutAndParsesBack) {
       {"reuse=0",
        "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,"
        "rerank_min=0 budget=2048"},
+      {"screen=8 reuse=0.8",
+       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,"
+       "rerank_min=0 budget=2048 reuse=0.8 screen=8"},
+      {"screen=1",
+       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,"
+       "rerank_min=0 budget=2048"},
   };
   for (const auto& [spec, canonical] : cases) {
     auto o = RetrieverOptions::Parse(spec);
@@ -725,6 +851,10 @@ TEST(RetrieverOptions, BadSpecsAreRejectedNamingThem) {
       {"reuse=0.5x", "'reuse'"},
       {"reuse=1.5", "reuse_cosine must be in [0, 1]"},
       {"reuse=-0.1", "reuse_cosine must be in [0, 1]"},
+      {"screen=0", "screen_period must be >= 1"},
+      {"screen=x", "'screen'"},
+      {"screen=4 alloc=topk", "needs an allocator that reads every chunk's score"},
+      {"screen=4 index=Flat", "needs the Exact index kind"},
   };
   for (const auto& [spec, needle] : cases) {
     auto o = RetrieverOptions::Parse(spec);
