@@ -72,7 +72,8 @@ Status ChunkIndex::BestOf(const float* probe, const std::vector<uint64_t>& chunk
   return FailedPrecondition("index '" + ToString() + "' cannot score chosen chunks alone");
 }
 
-Status ChunkIndex::ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks, ChunkScores* out) const {
+Status ChunkIndex::ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks,
+                               ChunkScores* out) const {
   (void)probe, (void)chunks, (void)out;
   return FailedPrecondition("index '" + ToString() + "' cannot score chosen chunks alone");
 }

@@ -546,8 +546,7 @@ void ExactChunkIndex::QuantizedScores(const float* probe, size_t begin, size_t e
   // One pass over the chunk groups for every head (one fork-join per layer, not per head).
   constexpr int B = kernels::kI8Block;
   // Whole groups of B rows: the first and the last may hold rows outside [begin, end).
-  const size_t first_group = begin / B, end_group = (end + B - 1) / B,
-               block_bytes = kernels::I8BlockBytes(D);
+  const size_t first_group = begin / B, end_group = (end + B - 1) / B, block_bytes = kernels::I8BlockBytes(D);
   const bool sum = !fold.max;
   TsanForkJoin fj;  // kernels/tbb_tsan.h
   tbb::parallel_for(

@@ -111,7 +111,8 @@ class ExactChunkIndex final : public ChunkIndex {
               std::vector<uint64_t>* out) const override;
   Status BestOf(const float* probe, const std::vector<uint64_t>& chunks, ChunkRank rank, size_t take,
                 std::vector<uint64_t>* out) const override;
-  Status ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks, ChunkScores* out) const override;
+  Status ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks,
+                     ChunkScores* out) const override;
   /// The int8 pass over rows [begin, end) (rerank > 0), else the fp32 pass over them.
   Status ScreenRows(const float* probe, size_t begin, size_t end, ChunkScores* out) const override;
   size_t size() const override { return ids_.size(); }

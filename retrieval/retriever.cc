@@ -69,11 +69,12 @@ Status RetrieverOptions::Validate() const {
   if (!a.ok()) return InvalidArgument("alloc: " + a.status().message());
   if (screen_period > 1 && !(*a)->reads_scores())
     return InvalidArgument("screen_period " + std::to_string(screen_period) +
-                           " needs an allocator that reads every chunk's score (alloc=entropy), not '" + alloc +
-                           "': the topk allocator takes the index's top k (screen_period 1)");
+                           " needs an allocator that reads every chunk's score (alloc=entropy), not '" +
+                           alloc + "': the topk allocator takes the index's top k (screen_period 1)");
   if (screen_period > 1 && i->rfind("Exact", 0) != 0)
-    return InvalidArgument("screen_period " + std::to_string(screen_period) + " needs the Exact index kind, not '" +
-                           *i + "' (FAISS kinds cannot screen part of their chunks)");
+    return InvalidArgument("screen_period " + std::to_string(screen_period) +
+                           " needs the Exact index kind, not '" + *i +
+                           "' (FAISS kinds cannot screen part of their chunks)");
   auto p = MakeProbeBuilder(probe, kSpecGeometry);
   if (!p.ok()) return InvalidArgument("probe: " + p.status().message());
   return Status::Ok();
@@ -250,7 +251,7 @@ Status Retriever::ApplyUpdate(LayerIndex* li) {
   }
   if (!update_.added.empty() || !update_.dropped.empty()) li->last_valid = false;
   if (!update_.dropped.empty()) li->roll_valid = false;  // rows shift: the kept cosines are off
-  li->cursor.chunks = update_.next.chunks;  // added (Add is all or nothing): never added twice
+  li->cursor.chunks = update_.next.chunks;               // added (Add is all or nothing): never added twice
   if (!update_.dropped.empty()) KVTIER_RETURN_IF_ERROR(li->index->Remove(update_.dropped));
   li->cursor.drops = update_.next.drops;
   return Status::Ok();
@@ -350,7 +351,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
         // With reuse on, the shortlist a reusing step rescores (ReuseLast): the best
         // kReuseShortlist x the grant, and never fewer than a few more than the grant (a later
         // step's Eq. 12 grant from the same entropy moves by a chunk or two).
-        const size_t shortlist = options_.reuse_cosine > 0.0 ? ShortlistSize(t)
+        const size_t shortlist = options_.reuse_cosine > 0.0  ? ShortlistSize(t)
                                  : options_.screen_period > 1 ? SliceShortlistSize(t)
                                                               : t;
         const size_t keep = std::min({static_cast<size_t>(n), cap, shortlist});
@@ -487,9 +488,9 @@ Result<bool> Retriever::ScreenSlice(LayerIndex* li, int layer, int n, size_t cap
   // A slice chunk can be among the t best of candidates and slice only if its screened score
   // plus its error bound reaches the t-th best exact candidate score: those are rescored.
   const std::vector<float>& exact_by = roll_exact_.by(rank);
-  const float reach = t > 0 ? KthLargest(exact_by.data(), static_cast<int64_t>(exact_by.size()),
-                                         static_cast<int64_t>(t))
-                            : std::numeric_limits<float>::infinity();
+  const float reach =
+      t > 0 ? KthLargest(exact_by.data(), static_cast<int64_t>(exact_by.size()), static_cast<int64_t>(t))
+            : std::numeric_limits<float>::infinity();
   const std::vector<float>& slice_by = roll_part_.by(rank);
   const std::vector<float>& slice_err = roll_part_.error_by(rank);
   std::vector<uint64_t> extra;
@@ -506,8 +507,8 @@ Result<bool> Retriever::ScreenSlice(LayerIndex* li, int layer, int n, size_t cap
     ChunkScores merged;
     size_t a = 0, b = 0;
     while (a < roll_exact_.ids.size() || b < roll_part_.ids.size()) {
-      const bool from_a =
-          b == roll_part_.ids.size() || (a < roll_exact_.ids.size() && roll_exact_.ids[a] < roll_part_.ids[b]);
+      const bool from_a = b == roll_part_.ids.size() ||
+                          (a < roll_exact_.ids.size() && roll_exact_.ids[a] < roll_part_.ids[b]);
       const ChunkScores& src = from_a ? roll_exact_ : roll_part_;
       const size_t i = from_a ? a++ : b++;
       merged.ids.push_back(src.ids[i]);

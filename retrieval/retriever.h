@@ -193,9 +193,9 @@ class Retriever {
     // chunk leaves: every chunk's latest Eq. 10 cosine (exact where rescored, else screened) by
     // row, the next slice's first row, and the shortlist (best first).
     bool roll_valid = false;
-    std::vector<uint64_t> roll_ids;  // the chunk at each row, ascending
-    std::vector<float> roll_cos;     // [rows] latest cosine
-    std::vector<float> roll_exp;     // [rows] e^{roll_cos}, as added to roll_z
+    std::vector<uint64_t> roll_ids;     // the chunk at each row, ascending
+    std::vector<float> roll_cos;        // [rows] latest cosine
+    std::vector<float> roll_exp;        // [rows] e^{roll_cos}, as added to roll_z
     double roll_z = 0.0, roll_w = 0.0;  // sum of e^{s}, of s e^{s}: Eq. 11's sums
     size_t roll_cursor = 0;
     std::vector<uint64_t> roll_shortlist;
@@ -230,8 +230,8 @@ class Retriever {
   std::unique_ptr<RetrievalBackend> backend_;         // null: the host path
   std::unordered_map<uint64_t, LayerIndex> indexes_;  // key: seq * 65536 + layer
   std::vector<float> probe_buf_, probe_vec_;
-  ChunkScores scores_;  // Select: the layer's screened scores (reused)
-  ChunkUpdate update_;  // Sync: the store's changes (reused)
+  ChunkScores scores_;                  // Select: the layer's screened scores (reused)
+  ChunkUpdate update_;                  // Sync: the store's changes (reused)
   ChunkScores roll_part_, roll_exact_;  // ScreenSlice's scratch
   int k_ = 0;
   uint64_t reused_selections_ = 0, selections_ = 0, sliced_selections_ = 0;

@@ -121,8 +121,8 @@ struct RetrieverOptions {
   Status Validate() const;
   /// "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,rerank_min=0
   /// budget=2048": every part canonical (all keys spelled out), space-separated, then
-  /// " reuse=C" when reuse_cosine is not 0 and " screen=R" when screen_period is not 1. Parse reads it back to options with the same
-  /// ToString.
+  /// " reuse=C" when reuse_cosine is not 0 and " screen=R" when screen_period is not 1. Parse reads it back
+  /// to options with the same ToString.
   std::string ToString() const;
   /// Space-separated key=value items, keys probe, alloc, index, budget, reuse, screen, each at most once; a
   /// key left out keeps its default. Unknown or duplicate keys, items without '=', a bad

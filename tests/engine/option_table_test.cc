@@ -203,7 +203,8 @@ TEST(OptionTable, CDefaultsEqualTheTable) {
             FindOption(RetrieverOptionTable(), "budget_tokens")->default_text);
   EXPECT_EQ(FormatOptionValue(s.reuse_cosine),
             FindOption(RetrieverOptionTable(), "reuse_cosine")->default_text);
-  EXPECT_EQ(std::to_string(s.screen_period), FindOption(RetrieverOptionTable(), "screen_period")->default_text);
+  EXPECT_EQ(std::to_string(s.screen_period),
+            FindOption(RetrieverOptionTable(), "screen_period")->default_text);
 }
 
 // ---- docs/options.md -----------------------------------------------------------------------

@@ -332,7 +332,8 @@ TEST(ExactChunkIndex, ScreenRowsAndScoreChunksAreTheWholeScreensRows) {
       ASSERT_TRUE(index->Score(p.data(), &exact).ok());
       const bool approximate = std::string(spec).find("rerank=0") == std::string::npos;
       ASSERT_EQ(whole.logit_error.empty(), !approximate);
-      for (auto [b, e] : std::vector<std::pair<size_t, size_t>>{{0, n}, {0, 8}, {5, 77}, {8, 16}, {200, 203}, {9, 9}}) {
+      for (auto [b, e] :
+           std::vector<std::pair<size_t, size_t>>{{0, n}, {0, 8}, {5, 77}, {8, 16}, {200, 203}, {9, 9}}) {
         ASSERT_TRUE(index->ScreenRows(p.data(), b, e, &part).ok());
         ASSERT_EQ(part.ids.size(), e - b);
         ASSERT_EQ(part.logit.size(), e - b);
@@ -355,7 +356,8 @@ TEST(ExactChunkIndex, ScreenRowsAndScoreChunksAreTheWholeScreensRows) {
       std::vector<uint64_t> out;
       EXPECT_EQ(index->Best(p.data(), part, ChunkRank::kLogit, 3, &out).code(), StatusCode::kInvalidArgument);
       for (auto [b, e] : std::vector<std::pair<size_t, size_t>>{{0, n + 1}, {10, 9}, {n + 1, n + 1}})
-        EXPECT_EQ(index->ScreenRows(p.data(), b, e, &part).code(), StatusCode::kInvalidArgument) << b << " " << e;
+        EXPECT_EQ(index->ScreenRows(p.data(), b, e, &part).code(), StatusCode::kInvalidArgument)
+            << b << " " << e;
       EXPECT_EQ(index->ScreenRows(nullptr, 0, 1, &part).code(), StatusCode::kInvalidArgument);
       // ScoreChunks: out of order, a duplicate, chunks the index does not hold.
       ChunkScores chosen;
