@@ -32,6 +32,7 @@
 #include "integration/progress.h"
 #include "integration/retriever_flags.h"
 #include "integration/tier_report.h"
+#include "integration/turnover.h"
 #include "kernels/cpu/forward.h"
 #include "offload/demotion_policy.h"
 #include "offload/hot_tier.h"
@@ -214,6 +215,14 @@ struct Result1 {  // one method at one context length
   // so accuracy can be high at a modest recall.
   uint64_t needle_steps = 0, needle_hits = 0;
   double needle_recall() const { return needle_steps ? static_cast<double>(needle_hits) / needle_steps : -1; }
+  // Decode steps after the first: the share of retrieved chunks the same layer's previous
+  // step did not retrieve (integration/turnover.h), by layer, and over every layer.
+  std::vector<SelectionTurnover> turnover_by_layer;
+  SelectionTurnover turnover() const {
+    SelectionTurnover t;
+    for (const SelectionTurnover& l : turnover_by_layer) t.Add(l);
+    return t;
+  }
   // --compress: tokens the store held per layer right after the prefill-end compression
   // (summed over samples: mean over layers, and the largest layer), chunks dropped (all
   // layers, every compression) and compressions, summed over samples.
@@ -412,7 +421,19 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
     charge(before, after, 1, &r->generated);
     return logits;
   };
+  // Each layer's retrieved chunks at the previous decode step, ascending.
+  std::vector<std::vector<uint64_t>> previous_chunks;
+  auto count_turnover = [&] {
+    const std::vector<std::vector<uint64_t>>& now = session->last_chunks();
+    std::vector<std::vector<uint64_t>> sorted(now.begin(), now.end());
+    for (std::vector<uint64_t>& c : sorted) std::sort(c.begin(), c.end());
+    r->turnover_by_layer.resize(sorted.size());
+    if (previous_chunks.size() == sorted.size())
+      for (size_t l = 0; l < sorted.size(); ++l) r->turnover_by_layer[l].Add(previous_chunks[l], sorted[l]);
+    previous_chunks = std::move(sorted);
+  };
   KVTIER_ASSIGN_OR_RETURN(std::vector<float> last, decode(tokens.back()));
+  count_turnover();
   KVTIER_RETURN_IF_ERROR(score_needle());
   KVTIER_RETURN_IF_ERROR(after_decode());
   std::string out;
@@ -420,6 +441,7 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
   out.push_back(static_cast<char>(next));
   while (out.size() < sample.answer.size()) {
     KVTIER_ASSIGN_OR_RETURN(last, decode(next));
+    count_turnover();
     KVTIER_RETURN_IF_ERROR(score_needle());
     KVTIER_RETURN_IF_ERROR(after_decode());
     next = LlamaSession::Argmax(last);
@@ -580,6 +602,13 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
         w.Key("needle_recall").Double(r.needle_recall());
       else
         w.Key("needle_recall").Null();
+      if (r.turnover().measured())
+        w.Key("decode_turnover").Double(r.turnover().rate());
+      else
+        w.Key("decode_turnover").Null();
+      w.Key("decode_turnover_by_layer").BeginArray();
+      for (const SelectionTurnover& l : r.turnover_by_layer) l.measured() ? w.Double(l.rate()) : w.Null();
+      w.EndArray();
       if (r.compressions) {
         w.Key("kept_tokens_per_layer")
             .Double(r.kept_per_layer())
@@ -967,6 +996,18 @@ int RunInfinite(int argc, char** argv) {
             "  needle recall %.3f: share of (answer step, layer) that attended every sealed chunk holding "
             "the answer in the needle\n",
             r.needle_recall());
+      if (r.turnover().measured()) {
+        std::string by_layer;
+        for (const SelectionTurnover& l : r.turnover_by_layer) {
+          char v[16] = " -";
+          if (l.measured()) std::snprintf(v, sizeof(v), " %.2f", l.rate());
+          by_layer += v;
+        }
+        std::printf(
+            "  decode turnover %.3f (by layer%s): share of a layer's retrieved chunks that its previous "
+            "decode step did not retrieve\n",
+            r.turnover().rate(), by_layer.c_str());
+      }
       if (r.compressions)
         std::printf(
             "  compression %s: %.1f tokens kept per layer (largest layer %llu, budget %lld), %.1f chunks "

@@ -44,6 +44,12 @@ using cli::IntFlag;
 using cli::ParseIntList;
 using cli::WithDefault;
 
+// The value a factory spec gives `key` (what the preset chose), or `fallback` when it sets none.
+std::string SpecOr(const std::string& spec, const std::string& key, const std::string& fallback) {
+  std::string v = SpecKey(spec, key);
+  return v.empty() ? fallback : v;
+}
+
 // --kv-budget of `kvtier run --compare-policies` when the flag is not given (per kv head).
 constexpr int64_t kComparePoliciesKvBudget = 1024;
 
@@ -280,21 +286,21 @@ int CmdRun(int argc, char** argv) {
         "Exact index: > 0 screens with int8 codes and rescores the chunks the screen's error bound "
         "cannot rule out plus the best F x take; 0 = one full pass over every representative "
         "(index key rerank=F)",
-        WithDefault(std::to_string(exact.rerank_factor),
+        WithDefault(SpecOr(o.retrieval.index, "rerank", std::to_string(exact.rerank_factor)),
                     [&rf](const std::string& s) { return rf.SetIndexKey("rerank", s); }));
   f.Add("rerank-min",
         "Exact index: at least this many of the screen's best are rescored too (index key rerank_min=N)",
-        WithDefault(std::to_string(exact.rerank_min),
+        WithDefault(SpecOr(o.retrieval.index, "rerank_min", std::to_string(exact.rerank_min)),
                     [&rf](const std::string& s) { return rf.SetIndexKey("rerank_min", s); }));
   f.Add("head-merge",
         "Exact index: per-kv-head chunk scores summed (sum) or the best head decides (max) "
         "(index key heads=)",
-        WithDefault(SpecKey(exact.ToString(), "heads"),
+        WithDefault(SpecOr(o.retrieval.index, "heads", SpecKey(exact.ToString(), "heads")),
                     [&rf](const std::string& s) { return rf.SetIndexKey("heads", s); }));
   f.Add("rank-by",
         "entropy allocator: take chunks by Eq. 10 cosine (cosine, Algorithm 1) or by logit "
         "(allocator key rank=)",
-        WithDefault(ChunkRankName(EntropyBudgetOptions{}.rank),
+        WithDefault(SpecOr(o.retrieval.alloc, "rank", ChunkRankName(EntropyBudgetOptions{}.rank)),
                     [&rf](const std::string& s) { return rf.SetAllocKey("rank", s); }));
   f.Add(
       "compare", "compare StreamingLLM, InfLLM, ActQKV w/o cut-off and ActQKV on the same data",

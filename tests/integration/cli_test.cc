@@ -219,6 +219,20 @@ TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
   const size_t at = rep.find("\"name\": \"StreamingLLM\"");
   ASSERT_NE(at, std::string::npos);
   EXPECT_EQ(JsonNumber(rep.substr(at), "chunks_per_step"), 0.0);
+  // ... so no decode step turned over a retrieved chunk; every method that retrieves did.
+  const size_t st_turnover = rep.find("\"decode_turnover\":", at);
+  ASSERT_NE(st_turnover, std::string::npos);
+  EXPECT_EQ(rep.substr(st_turnover, 23), "\"decode_turnover\": null") << rep.substr(at, 2000);
+  for (const char* name : {"InfLLM", "kvtier"}) {
+    const size_t m = rep.find("\"name\": \"" + std::string(name) + "\"");
+    ASSERT_NE(m, std::string::npos) << name;
+    const double t = JsonNumber(rep.substr(m), "decode_turnover");
+    EXPECT_GE(t, 0.0) << name;
+    EXPECT_LE(t, 1.0) << name;
+    const std::vector<std::vector<double>> by_layer = JsonRows(rep, "decode_turnover_by_layer", m);
+    ASSERT_EQ(by_layer.size(), 1u) << name;
+    EXPECT_EQ(by_layer[0].size(), 2u) << name << ": --geometry 2,8,2,32 has two layers";
+  }
   // chunk_choice has one entry per method; StreamingLLM's counts are all 0, InfLLM's are not.
   const size_t cc = rep.find("\"chunk_choice\":");
   ASSERT_NE(cc, std::string::npos);
@@ -624,6 +638,18 @@ TEST(Cli, RetrievalCarriesTheModelPastItsTrainingLength) {
   EXPECT_LE(MethodNumber(rep, "StreamingLLM", "accuracy"), 0.3) << r.out;
   EXPECT_GT(MethodNumber(rep, "kvtier", "needle_recall"), 0.0) << r.out;
   EXPECT_DOUBLE_EQ(MethodNumber(rep, "needle oracle", "needle_recall"), 1.0) << r.out;
+  // The oracle hands every decode step the same needle chunks: nothing turns over. kvtier's
+  // copy layer (layer 1) chases the answer's next byte, so it turns over more than its first.
+  EXPECT_DOUBLE_EQ(MethodNumber(rep, "needle oracle", "decode_turnover"), 0.0) << r.out;
+  const double turnover = MethodNumber(rep, "kvtier", "decode_turnover");
+  EXPECT_GT(turnover, 0.0) << r.out;
+  EXPECT_LE(turnover, 1.0) << r.out;
+  const size_t kv = rep.find("\"method\": \"kvtier\"");
+  ASSERT_NE(kv, std::string::npos);
+  const std::vector<std::vector<double>> by_layer = JsonRows(rep, "decode_turnover_by_layer", kv);
+  ASSERT_EQ(by_layer.size(), 1u);
+  ASSERT_EQ(by_layer[0].size(), 4u) << "kvtier-tiny has four layers";
+  EXPECT_GT(by_layer[0][1], by_layer[0][0]) << r.out;
   EXPECT_NE(r.out.find("does not fit"), std::string::npos) << "full attention is skipped by --full-max-bytes";
 }
 
