@@ -31,7 +31,9 @@ struct SelectionTurnover {
   }
   bool measured() const { return retrieved > 0; }
   /// fresh / retrieved in [0, 1]; 0 when nothing was measured (check measured()).
-  double rate() const { return retrieved ? static_cast<double>(fresh) / static_cast<double>(retrieved) : 0.0; }
+  double rate() const {
+    return retrieved ? static_cast<double>(fresh) / static_cast<double>(retrieved) : 0.0;
+  }
 };
 
 }  // namespace kvtier
