@@ -367,6 +367,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
             KeepEntropySums(li);
             li->roll_cursor = 0;
             li->roll_shortlist = sel.chunks;
+            li->roll_granted = t;
             li->roll_evicted = index.evicted_chunks();
           }
         }
@@ -449,6 +450,14 @@ Result<bool> Retriever::ScreenSlice(LayerIndex* li, int layer, int n, size_t cap
   // Candidates rescored exactly: the shortlist and the chunks that landed since (screened
   // into the kept cosines first).
   std::vector<uint64_t> cand = li->roll_shortlist;
+  // The neighbours of the last step's choice (retriever.h: a head that reads on crosses into
+  // them); ids no row holds (past the last chunk, dropped) are not scored.
+  const size_t granted = std::min(li->roll_granted, li->roll_shortlist.size());
+  for (size_t i = 0; i < granted; ++i) {
+    const uint64_t c = li->roll_shortlist[i];
+    cand.push_back(c + 1);
+    if (c > 0) cand.push_back(c - 1);
+  }
   if (total > known) {
     KVTIER_RETURN_IF_ERROR(index.ScreenRows(probe, known, total, &roll_part_));
     li->roll_ids.insert(li->roll_ids.end(), roll_part_.ids.begin(), roll_part_.ids.end());
@@ -518,6 +527,7 @@ Result<bool> Retriever::ScreenSlice(LayerIndex* li, int layer, int n, size_t cap
     roll_exact_ = std::move(merged);
   }
   li->roll_shortlist = TakeBest(roll_exact_.by(rank), roll_exact_.ids, std::min(cap, SliceShortlistSize(t)));
+  li->roll_granted = t;
   sel->chunks.assign(li->roll_shortlist.begin(), li->roll_shortlist.begin() + static_cast<ptrdiff_t>(t));
   sel->clipped = BeyondPool(take, cap);
   ++sliced_selections_;

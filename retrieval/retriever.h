@@ -56,16 +56,18 @@
 // and a shortlist (its best kSliceShortlist (2) times the grant, best first). A decode step screens
 // the chunks that landed since and a slice of ceil(n / R) rows from a cursor that goes round
 // (so every chunk is screened again within R steps), and rescores exactly the shortlist and the
-// new chunks. Eq. 11 takes the kept cosines (exact where rescored, screened otherwise, some
-// screened for earlier probes), Eq. 12 grants B^l from it, and the slice's chunks whose
-// screened score plus its error bound reaches the B^l-th best rescored score are rescored too
-// (no other slice chunk can be among the grant's best). The layer takes the B^l best of what
-// was rescored; the best kSliceShortlist x B^l become the next shortlist. A decode step
-// therefore reads 1/R of the screen's bytes, plus a few hundred chunks' keys. It chooses what a
-// full screen chooses while the probe stays; when the probe moves, it misses what the new probe
-// favours outside the shortlist until the slice comes round (measured: docs/benchmarks.md
-// "Screening a slice"). A prefill window, the first decode step, a drop or an eviction, and a
-// grant beyond the candidates screen every chunk (which starts the rolling screen over).
+// new chunks, and the chunks next to the last step's choice (chunk c - 1 and c + 1 of each: a
+// head that reads on, such as a copy head, moves its target a token a step, and crossing a chunk
+// boundary takes it into a neighbour the last probe had no reason to favour). Eq. 11 takes the kept cosines
+// (exact where rescored, screened otherwise, some screened for earlier probes), Eq. 12 grants B^l from it,
+// and the slice's chunks whose screened score plus its error bound reaches the B^l-th best rescored score are
+// rescored too (no other slice chunk can be among the grant's best). The layer takes the B^l best of what was
+// rescored; the best kSliceShortlist x B^l become the next shortlist. A decode step therefore reads 1/R of
+// the screen's bytes, plus a few hundred chunks' keys. It chooses what a full screen chooses while the probe
+// stays; when the probe moves, it misses what the new probe favours outside the shortlist until the slice
+// comes round (measured: docs/benchmarks.md "Screening a slice"). A prefill window, the first decode step, a
+// drop or an eviction, and a grant beyond the candidates screen every chunk (which starts the rolling screen
+// over).
 //
 // Configuration is four parts, each a factory string that ToString() spells
 // out in full and Parse() reads back, the reuse threshold (" reuse=c", spelled only when
@@ -199,6 +201,7 @@ class Retriever {
     double roll_z = 0.0, roll_w = 0.0;  // sum of e^{s}, of s e^{s}: Eq. 11's sums
     size_t roll_cursor = 0;
     std::vector<uint64_t> roll_shortlist;
+    size_t roll_granted = 0;    // the last step's choice: the shortlist's first roll_granted
     uint64_t roll_evicted = 0;  // the index's evicted_chunks() then: an eviction shifts rows
   };
   // screen_period > 1: screens this step's slice and the chunks that landed, rescores the

@@ -110,7 +110,9 @@ struct RetrieverOptions {
   /// A decode step's search screens a rotating 1/R of the layer's chunks instead of all of
   /// them (R = screen_period; 1 = every chunk every step). The layer keeps every chunk's latest
   /// Eq. 10 cosine and a shortlist (its best 2x the grant); each step rescores exactly the
-  /// shortlist, the chunks that landed since, and the slice's chunks whose screened score
+  /// shortlist, the chunks that landed since, the neighbours (c - 1, c + 1) of the last step's
+  /// choice (where a head that reads on, such as a copy head, goes next), and the slice's chunks
+  /// whose screened score
   /// could reach the grant's best, takes the grant's best of them, and computes Eq. 11 over the
   /// kept cosines. A chunk is screened again within R steps. Needs alloc=entropy and the
   /// Exact index kind; the device path (a cuda hot tier) screens every chunk whatever R is.

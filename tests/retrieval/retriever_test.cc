@@ -585,6 +585,96 @@ TEST(Retriever, ScreenPeriodFindsWhatAFullScreenFindsWithinThePeriod) {
   }
 }
 
+// A head that reads on (a copy head) moves its target a token a step; when it crosses a chunk
+// boundary, the next chunk is what the new probe favours, yet the last probe had no reason to
+// put it in the shortlist, and the slice may be far from it. The neighbours of the last step's
+// choice are candidates, so the sliced step takes it at once, as a full screen does.
+TEST(Retriever, ScreenPeriodFollowsAReadIntoTheNextChunk) {
+  TempDir dir;
+  auto store = TieredStore::Open(Options(dir.path()));
+  ASSERT_TRUE(store.ok());
+  TieredStore* s = store->get();
+  const Geometry& g = s->options().geometry;
+  const StoreOptions& so = s->options();
+  SequenceId seq = *s->CreateSequence();
+  // 120 sealed chunks of random keys, but chunk 100's keys point along u and chunk 101's along
+  // w (per kv head, w orthogonal to u): the probe u favours chunk 100 and scores 101 at 0.
+  constexpr int kChunks = 120, kFirst = 100;
+  const int n = so.n_sink + so.n_local + so.chunk_size * kChunks + 3;
+  std::mt19937 rng(29);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const size_t hd = static_cast<size_t>(g.head_dim);
+  std::vector<float> u(g.kv_heads * hd), w(u.size());
+  for (int h = 0; h < g.kv_heads; ++h) {
+    float* uh = u.data() + h * hd;
+    float* wh = w.data() + h * hd;
+    for (size_t d = 0; d < hd; ++d) uh[d] = nd(rng), wh[d] = nd(rng);
+    auto normalize = [&](float* x) {
+      float n2 = 0;
+      for (size_t d = 0; d < hd; ++d) n2 += x[d] * x[d];
+      for (size_t d = 0; d < hd; ++d) x[d] /= std::sqrt(n2);
+    };
+    normalize(uh);
+    float dot = 0;
+    for (size_t d = 0; d < hd; ++d) dot += uh[d] * wh[d];
+    for (size_t d = 0; d < hd; ++d) wh[d] -= dot * uh[d];
+    normalize(wh);
+  }
+  for (int l = 0; l < g.layers; ++l) {
+    std::vector<float> k(static_cast<size_t>(n) * g.token_elems()), v(k.size());
+    for (auto& x : k) x = nd(rng);
+    for (auto& x : v) x = nd(rng);
+    for (int c = kFirst; c <= kFirst + 1; ++c)
+      for (int t = 0; t < so.chunk_size; ++t) {
+        const size_t tok = static_cast<size_t>(so.n_sink + c * so.chunk_size + t);
+        for (size_t e = 0; e < u.size(); ++e) k[tok * g.token_elems() + e] = 20.0f * (c == kFirst ? u : w)[e];
+      }
+    ASSERT_TRUE(s->Append(seq, l, k.data(), v.data(), n, DType::kF32).ok());
+  }
+  ASSERT_EQ(*s->ChunkCount(seq, 0), static_cast<uint64_t>(kChunks));
+  RetrieverOptions ro;
+  ro.probe = "mean";
+  ro.alloc = "entropy:rank=logit";
+  ro.index = "Exact:heads=max";
+  ro.budget_tokens = 6 * so.chunk_size;
+  RetrieverOptions sliced_options = ro;
+  sliced_options.screen_period = 4;  // the next slice: rows [0, 32), far from chunk 101
+  auto r = Retriever::Create(s, sliced_options);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  auto ref = Retriever::Create(s, ro);
+  ASSERT_TRUE(ref.ok());
+  // Queries: both q heads of kv head h along its direction.
+  auto query = [&](const std::vector<float>& dir) {
+    std::vector<float> q(static_cast<size_t>(g.q_heads) * hd);
+    const int group = g.q_heads / g.kv_heads;
+    for (int qh = 0; qh < g.q_heads; ++qh)
+      for (size_t d = 0; d < hd; ++d) q[qh * hd + d] = 3.0f * dir[(qh / group) * hd + d];
+    return q;
+  };
+  auto first_choice = [&](Retriever* rt, const std::vector<float>& q, bool decode) {
+    std::vector<uint64_t> firsts;
+    rt->BeginStep();
+    for (int l = 0; l < g.layers; ++l) {
+      auto sel = rt->Select(seq, l, q.data(), 1, decode);
+      EXPECT_TRUE(sel.ok()) << sel.status().ToString();
+      if (!sel.ok() || sel->chunks.empty()) return std::vector<uint64_t>{};
+      firsts.push_back(sel->chunks[0]);
+    }
+    return firsts;
+  };
+  const std::vector<uint64_t> at_u(g.layers, kFirst), at_w(g.layers, kFirst + 1);
+  const std::vector<float> qu = query(u), qw = query(w);
+  EXPECT_EQ(first_choice(r->get(), qu, false), at_u);  // a prefill window
+  EXPECT_EQ(first_choice(ref->get(), qu, false), at_u);
+  EXPECT_EQ(first_choice(r->get(), qu, true), at_u);  // the first decode step screens all
+  EXPECT_EQ(first_choice(ref->get(), qu, true), at_u);
+  EXPECT_EQ((*r)->sliced_selections(), 0u);
+  // The read moves on into chunk 101: a full screen takes it first, and so does the slice.
+  EXPECT_EQ(first_choice(ref->get(), qw, true), at_w);
+  EXPECT_EQ(first_choice(r->get(), qw, true), at_w);
+  EXPECT_EQ((*r)->sliced_selections(), static_cast<uint64_t>(g.layers));
+}
+
 // Layers are served in order within a step; returns layer 1's choice.
 std::vector<uint64_t> SelectLayer1(Retriever* r, SequenceId seq, const std::vector<float>& q) {
   r->BeginStep();
