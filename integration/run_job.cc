@@ -648,15 +648,11 @@ Result<RunReport> RunJob(const RunOptions& options) {
     int hits = 0, total = 0, qhits = 0;
     double chunks = 0;
     // steps[0] is the question window, steps[1] the first decode step.
-    SelectionTurnover turnover;
-    for (int l = 0; l < L; ++l) {
-      SelectionTurnover layer;
+    mr.decode_turnover_by_layer.resize(static_cast<size_t>(L));
+    for (int l = 0; l < L; ++l)
       for (size_t i = 2; i < mt.steps.size(); ++i)
-        layer.Add(mt.steps[i - 1].attended[l].chunks, mt.steps[i].attended[l].chunks);
-      mr.decode_turnover_by_layer.push_back(layer.measured() ? layer.rate() : -1.0);
-      turnover.Add(layer);
-    }
-    if (turnover.measured()) mr.decode_turnover = turnover.rate();
+        mr.decode_turnover_by_layer[l].Add(mt.steps[i - 1].attended[l].chunks,
+                                           mt.steps[i].attended[l].chunks);
     for (size_t i = 0; i < mt.steps.size(); ++i) {
       StepRecord& r = mt.steps[i];
       r.ms = r.append_ms + r.probe_ms + r.retrieve_ms + r.alloc_ms + r.fetch_ms + r.attention_ms;
@@ -966,14 +962,7 @@ std::string RunReport::ToJson() const {
     w.Key("chunks_per_step").Double(m.chunks_per_step);
     w.Key("selections").Uint(m.selections).Key("reused_selections").Uint(m.reused_selections);
     w.Key("sliced_selections").Uint(m.sliced_selections);
-    w.Key("decode_turnover");
-    if (m.decode_turnover >= 0)
-      w.Double(m.decode_turnover);
-    else
-      w.Null();
-    w.Key("decode_turnover_by_layer").BeginArray();
-    for (double t : m.decode_turnover_by_layer) t >= 0 ? w.Double(t) : w.Null();
-    w.EndArray();
+    WriteTurnoverJson(&w, m.decode_turnover_by_layer);
     w.Key("bytes_moved").Uint(m.bytes_moved);
     w.EndObject();
   }
@@ -1289,18 +1278,11 @@ std::string RunReport::ToTable() const {
     text += "sliced selections: " + std::to_string(methods[headline].sliced_selections) + " of " +
             std::to_string(methods[headline].selections) +
             " layer selections screened a slice of the chunks and rescored the shortlist (--screen)\n";
-  if (!methods.empty() && methods[headline].decode_turnover >= 0) {
-    std::string by_layer;
-    for (double t : methods[headline].decode_turnover_by_layer) {
-      char v[16] = " -";
-      if (t >= 0) std::snprintf(v, sizeof(v), " %.2f", t);
-      by_layer += v;
-    }
-    char total[32];
-    std::snprintf(total, sizeof(total), "%.3f", methods[headline].decode_turnover);
-    text += std::string("decode turnover: ") + total + " (by layer" + by_layer +
-            ") of a layer's retrieved chunks were not retrieved by its previous decode step\n";
-  }
+  if (const std::string turnover =
+          methods.empty() ? "" : TurnoverText(methods[headline].decode_turnover_by_layer);
+      !turnover.empty())
+    text += "decode turnover: " + turnover +
+            " of a layer's retrieved chunks were not retrieved by its previous decode step\n";
   if (!policy.spec.empty()) {
     char line[512];
     char ratio[32] = "-";

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "integration/kv_trace.h"
+#include "integration/turnover.h"
 #include "integration/workload.h"
 #include "kvtier/session.h"
 #include "offload/tiered_store.h"
@@ -80,10 +81,9 @@ struct MethodReport {
   uint64_t selections = 0, reused_selections = 0;
   /// ... and how many screened a slice of the chunks (RetrieverOptions::screen_period).
   uint64_t sliced_selections = 0;
-  /// Decode steps after the first, per layer: the share of retrieved chunks the previous
-  /// decode step did not retrieve (integration/turnover.h); -1 when no step retrieved any.
-  double decode_turnover = -1;
-  std::vector<double> decode_turnover_by_layer;  ///< [layer], -1 where no step retrieved any
+  /// [layer] decode steps after the first: the retrieved chunks the previous decode step did
+  /// not retrieve (integration/turnover.h).
+  std::vector<SelectionTurnover> decode_turnover_by_layer;
   std::vector<double> step_ms_all, step_error_all;
   /// [layer][bucket]: how many times, summed over the decode steps, this method retrieved a
   /// chunk of the bucket (RunReport::chunk_choice says which chunks a bucket holds). The

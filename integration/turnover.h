@@ -5,9 +5,11 @@
 // `kvtier infinite` report it over all layers and by layer (docs/benchmarks.md).
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
+
+#include "integration/json.h"
 
 namespace kvtier {
 
@@ -35,5 +37,16 @@ struct SelectionTurnover {
     return retrieved ? static_cast<double>(fresh) / static_cast<double>(retrieved) : 0.0;
   }
 };
+
+/// Every layer's turnover summed.
+SelectionTurnover TotalTurnover(const std::vector<SelectionTurnover>& by_layer);
+
+/// "0.378 (by layer 0.00 0.73 0.47 0.36)", a layer with nothing measured as "-"; empty when
+/// no layer measured anything.
+std::string TurnoverText(const std::vector<SelectionTurnover>& by_layer);
+
+/// "decode_turnover": the total's rate, and "decode_turnover_by_layer": each layer's; null
+/// where nothing was measured.
+void WriteTurnoverJson(JsonWriter* w, const std::vector<SelectionTurnover>& by_layer);
 
 }  // namespace kvtier

@@ -218,11 +218,6 @@ struct Result1 {  // one method at one context length
   // Decode steps after the first: the share of retrieved chunks the same layer's previous
   // step did not retrieve (integration/turnover.h), by layer, and over every layer.
   std::vector<SelectionTurnover> turnover_by_layer;
-  SelectionTurnover turnover() const {
-    SelectionTurnover t;
-    for (const SelectionTurnover& l : turnover_by_layer) t.Add(l);
-    return t;
-  }
   // --compress: tokens the store held per layer right after the prefill-end compression
   // (summed over samples: mean over layers, and the largest layer), chunks dropped (all
   // layers, every compression) and compressions, summed over samples.
@@ -602,13 +597,7 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
         w.Key("needle_recall").Double(r.needle_recall());
       else
         w.Key("needle_recall").Null();
-      if (r.turnover().measured())
-        w.Key("decode_turnover").Double(r.turnover().rate());
-      else
-        w.Key("decode_turnover").Null();
-      w.Key("decode_turnover_by_layer").BeginArray();
-      for (const SelectionTurnover& l : r.turnover_by_layer) l.measured() ? w.Double(l.rate()) : w.Null();
-      w.EndArray();
+      WriteTurnoverJson(&w, r.turnover_by_layer);
       if (r.compressions) {
         w.Key("kept_tokens_per_layer")
             .Double(r.kept_per_layer())
@@ -996,18 +985,11 @@ int RunInfinite(int argc, char** argv) {
             "  needle recall %.3f: share of (answer step, layer) that attended every sealed chunk holding "
             "the answer in the needle\n",
             r.needle_recall());
-      if (r.turnover().measured()) {
-        std::string by_layer;
-        for (const SelectionTurnover& l : r.turnover_by_layer) {
-          char v[16] = " -";
-          if (l.measured()) std::snprintf(v, sizeof(v), " %.2f", l.rate());
-          by_layer += v;
-        }
+      if (const std::string turnover = TurnoverText(r.turnover_by_layer); !turnover.empty())
         std::printf(
-            "  decode turnover %.3f (by layer%s): share of a layer's retrieved chunks that its previous "
-            "decode step did not retrieve\n",
-            r.turnover().rate(), by_layer.c_str());
-      }
+            "  decode turnover %s: share of a layer's retrieved chunks that its previous decode step did "
+            "not retrieve\n",
+            turnover.c_str());
       if (r.compressions)
         std::printf(
             "  compression %s: %.1f tokens kept per layer (largest layer %llu, budget %lld), %.1f chunks "
