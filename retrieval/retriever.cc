@@ -526,8 +526,13 @@ Result<bool> Retriever::ScreenSlice(LayerIndex* li, int layer, int n, size_t cap
     }
     roll_exact_ = std::move(merged);
   }
-  li->roll_shortlist = TakeBest(roll_exact_.by(rank), roll_exact_.ids, std::min(cap, SliceShortlistSize(t)));
+  // With reuse on, the shortlist is the length a reusing step needs (as after a full screen), and
+  // the slice is a search the next step may reuse: a chunk landing (which ends reuse) must not
+  // keep a layer off reuse until its next full screen.
+  const size_t keep = options_.reuse_cosine > 0.0 ? ShortlistSize(t) : SliceShortlistSize(t);
+  li->roll_shortlist = TakeBest(roll_exact_.by(rank), roll_exact_.ids, std::min(cap, keep));
   li->roll_granted = t;
+  RememberSearch(li, li->roll_shortlist, li->roll_shortlist.size(), theta);
   sel->chunks.assign(li->roll_shortlist.begin(), li->roll_shortlist.begin() + static_cast<ptrdiff_t>(t));
   sel->clipped = BeyondPool(take, cap);
   ++sliced_selections_;

@@ -69,6 +69,11 @@
 // drop or an eviction, and a grant beyond the candidates screen every chunk (which starts the rolling screen
 // over).
 //
+// Both at once (reuse_cosine > 0 and screen_period > 1): a step first tries to reuse, then to slice, then
+// screens every chunk. A sliced step is a search like a full screen: its shortlist (three times the grant,
+// the reuse length) and its probe are what the next step's reuse test compares with, so a chunk landing
+// (which ends reuse) costs one sliced step, not a full screen.
+//
 // Configuration is four parts, each a factory string that ToString() spells
 // out in full and Parse() reads back, the reuse threshold (" reuse=c", spelled only when
 // not 0) and the screen period (" screen=R", spelled only when not 1):

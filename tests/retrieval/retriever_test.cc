@@ -675,6 +675,75 @@ TEST(Retriever, ScreenPeriodFollowsAReadIntoTheNextChunk) {
   EXPECT_EQ((*r)->sliced_selections(), static_cast<uint64_t>(g.layers));
 }
 
+// reuse_cosine and screen_period together: a chunk landing ends reuse, the next step slices, and
+// that sliced step is a search the step after it reuses (it does not wait for a full screen).
+TEST(Retriever, ReuseResumesAfterASlicedStep) {
+  TempDir dir;
+  auto store = TieredStore::Open(Options(dir.path()));
+  ASSERT_TRUE(store.ok());
+  TieredStore* s = store->get();
+  const Geometry& g = s->options().geometry;
+  SequenceId seq = *s->CreateSequence();
+  std::vector<std::vector<float>> vs;
+  Fill(s, seq, 4 + 16 + 4 * 120 + 3, 31, &vs);  // 120 chunks a layer, 3 tokens past the last
+  RetrieverOptions ro;
+  ro.probe = "mean";
+  ro.alloc = "entropy:rank=logit";
+  ro.index = "Exact:heads=max";
+  ro.budget_tokens = 6 * 4;  // k = 6 chunks
+  RetrieverOptions both = ro;
+  both.reuse_cosine = 0.9;
+  both.screen_period = 4;
+  auto r = Retriever::Create(s, both);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  auto ref = Retriever::Create(s, ro);
+  ASSERT_TRUE(ref.ok());
+  std::mt19937 rng(37);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> q(static_cast<size_t>(g.q_heads) * g.head_dim);
+  for (auto& x : q) x = nd(rng);
+  auto step = [&](Retriever* rt) {
+    std::vector<std::vector<uint64_t>> out;
+    rt->BeginStep();
+    for (int l = 0; l < g.layers; ++l) {
+      auto sel = rt->Select(seq, l, q.data(), 1, true);
+      EXPECT_TRUE(sel.ok()) << sel.status().ToString();
+      if (!sel.ok()) return out;
+      out.push_back(sel->chunks);
+    }
+    return out;
+  };
+  // The same probe throughout: each choice is the reference's (the shorter one the longer's top:
+  // the grants come from Eq. 11 over kept or screened cosines).
+  auto same_choice = [&](const char* what) {
+    const auto a = step(r->get()), b = step(ref->get());
+    ASSERT_EQ(a.size(), b.size()) << what;
+    for (size_t l = 0; l < a.size(); ++l) {
+      ASSERT_FALSE(a[l].empty()) << what;
+      const size_t m = std::min(a[l].size(), b[l].size());
+      EXPECT_TRUE(std::equal(a[l].begin(), a[l].begin() + m, b[l].begin())) << what << " layer " << l;
+    }
+  };
+  const uint64_t L = static_cast<uint64_t>(g.layers);
+  same_choice("first decode step");  // a full screen
+  same_choice("reused");
+  EXPECT_EQ((*r)->reused_selections(), L);
+  EXPECT_EQ((*r)->sliced_selections(), 0u);
+  // A chunk lands in every layer: no reuse; the step slices (and scores the new chunk).
+  std::vector<float> k4(4 * g.token_elems());
+  for (auto& x : k4) x = nd(rng);
+  for (int l = 0; l < g.layers; ++l)
+    ASSERT_TRUE(s->Append(seq, l, k4.data(), k4.data(), 4, DType::kF32).ok());
+  same_choice("a chunk landed");
+  EXPECT_EQ((*r)->reused_selections(), L);
+  EXPECT_EQ((*r)->sliced_selections(), L);
+  // The probe stayed: the next step reuses the sliced step's search.
+  same_choice("reused after the slice");
+  EXPECT_EQ((*r)->reused_selections(), 2 * L);
+  EXPECT_EQ((*r)->sliced_selections(), L);
+  EXPECT_EQ((*r)->selections(), 4 * L);
+}
+
 // Layers are served in order within a step; returns layer 1's choice.
 std::vector<uint64_t> SelectLayer1(Retriever* r, SequenceId seq, const std::vector<float>& q) {
   r->BeginStep();
