@@ -167,6 +167,42 @@ void RunMemcpy(benchmark::State& state, bool parallel) {
   state.counters["threads"] = parts;
 }
 
+// The bytes the kernel reads (K then V), read and summed on every core and nothing else done
+// with them: the memory system's ceiling for a pass over the KV. A kernel reading below it at
+// a context that does not fit the caches is bound by its arithmetic, not by memory.
+void BM_ReadParallel(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  const Kv& kv = GetKv(n);
+  const size_t words = KvBytes(n) / 2 / sizeof(uint64_t);  // per K or V
+  const auto* ks = reinterpret_cast<const uint64_t*>(kv.k.data());
+  const auto* vs = reinterpret_cast<const uint64_t*>(kv.v.data());
+  const int parts = tbb::this_task_arena::max_concurrency();
+  std::vector<uint64_t> sums(static_cast<size_t>(2 * parts) * 8);  // a cache line per part
+  for (auto _ : state) {
+    tbb::parallel_for(
+        tbb::blocked_range<int>(0, 2 * parts, 1),
+        [&](const tbb::blocked_range<int>& r) {
+          for (int i = r.begin(); i < r.end(); ++i) {
+            const uint64_t* src = i < parts ? ks : vs;
+            const int j = i % parts;
+            const size_t a = words * j / parts, b = words * (j + 1) / parts;
+            uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+            size_t w = a;
+            for (; w + 4 <= b; w += 4) s0 += src[w], s1 += src[w + 1], s2 += src[w + 2], s3 += src[w + 3];
+            for (; w < b; ++w) s0 += src[w];
+            sums[static_cast<size_t>(i) * 8] = s0 + s1 + s2 + s3;
+          }
+        },
+        tbb::simple_partitioner());
+    benchmark::DoNotOptimize(sums.data());
+    benchmark::ClobberMemory();
+  }
+  const double bytes = static_cast<double>(KvBytes(n));
+  state.SetBytesProcessed(static_cast<int64_t>(bytes) * state.iterations());
+  state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+  state.counters["threads"] = parts;
+}
+
 void BM_Memcpy(benchmark::State& state) { RunMemcpy(state, false); }
 void BM_MemcpyParallel(benchmark::State& state) { RunMemcpy(state, true); }
 
@@ -177,6 +213,7 @@ BENCHMARK(BM_AttentionDecode)
     ->ArgsProduct({{k4K, k32K, k128K}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ReadParallel)->ArgName("N")->Arg(k4K)->Arg(k128K)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AttentionDecodeMass)
     ->ArgName("N")
     ->Arg(k4K)
