@@ -218,6 +218,9 @@ struct Result1 {  // one method at one context length
   // Decode steps after the first: the share of retrieved chunks the same layer's previous
   // step did not retrieve (integration/turnover.h), by layer, and over every layer.
   std::vector<SelectionTurnover> turnover_by_layer;
+  // Layer selections (prefill windows and decode steps) summed over samples, and those served
+  // by reusing the last search (--reuse) or by screening a slice (--screen).
+  uint64_t selections = 0, reused_selections = 0, sliced_selections = 0;
   // --compress: tokens the store held per layer right after the prefill-end compression
   // (summed over samples: mean over layers, and the largest layer), chunks dropped (all
   // layers, every compression) and compressions, summed over samples.
@@ -448,6 +451,11 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
   r->tokens += tokens.size() + out.size() - 1;
   r->steps += static_cast<uint64_t>((n_prefill + window - 1) / window + out.size()) * model.config().n_layers;
   r->chunks += session->total_chunks();
+  if (const Retriever* rt = session->retriever(); rt != nullptr) {
+    r->selections += rt->selections();
+    r->reused_selections += rt->reused_selections();
+    r->sliced_selections += rt->sliced_selections();
+  }
   r->samples += 1;
   r->correct += out == sample.answer ? 1 : 0;
   r->outputs.push_back(out);
@@ -598,6 +606,8 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
       else
         w.Key("needle_recall").Null();
       WriteTurnoverJson(&w, r.turnover_by_layer);
+      w.Key("selections").Uint(r.selections).Key("reused_selections").Uint(r.reused_selections);
+      w.Key("sliced_selections").Uint(r.sliced_selections);
       if (r.compressions) {
         w.Key("kept_tokens_per_layer")
             .Double(r.kept_per_layer())
@@ -990,6 +1000,13 @@ int RunInfinite(int argc, char** argv) {
             "  decode turnover %s: share of a layer's retrieved chunks that its previous decode step did "
             "not retrieve\n",
             turnover.c_str());
+      if (r.reused_selections > 0 || r.sliced_selections > 0)
+        std::printf(
+            "  of %llu layer selections, %llu reused the last search (--reuse), %llu screened a slice "
+            "(--screen)\n",
+            static_cast<unsigned long long>(r.selections),
+            static_cast<unsigned long long>(r.reused_selections),
+            static_cast<unsigned long long>(r.sliced_selections));
       if (r.compressions)
         std::printf(
             "  compression %s: %.1f tokens kept per layer (largest layer %llu, budget %lld), %.1f chunks "

@@ -526,6 +526,34 @@ TEST(Cli, InfiniteRunsTheModelWithRetrieval) {
               1e-6 * JsonNumber(total, "floor_flops") * JsonNumber(total, "tokens"))
       << rep;
   EXPECT_NE(r.out.find("total"), std::string::npos) << r.out;
+  // Every layer selection searched: neither --reuse nor --screen was given.
+  EXPECT_GT(JsonNumber(rep, "selections"), 0) << rep;
+  EXPECT_EQ(JsonNumber(rep, "reused_selections"), 0) << rep;
+  EXPECT_EQ(JsonNumber(rep, "sliced_selections"), 0) << rep;
+  EXPECT_EQ(r.out.find("screened a slice"), std::string::npos) << r.out;
+}
+
+// --screen and --reuse on `kvtier infinite`: the decode steps after the first screen a slice or
+// reuse the last search, and the report counts them (text and JSON).
+TEST(Cli, InfiniteCountsSlicedAndReusedSelections) {
+  TempDir dir;
+  const std::string json = dir.path() + "/infinite.json";
+  Ran r = Kvtier("infinite --quiet --weights " + Fixture("tiny_llama.safetensors") +
+                 " --task passkey --context 512 --samples 2 --sink 16 --local 128 --chunk 16 --budget 64"
+                 " --screen 4 --reuse 0.5 --json " +
+                 json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string rep = ReadAll(json);
+  const double all = JsonNumber(rep, "selections"), reused = JsonNumber(rep, "reused_selections"),
+               sliced = JsonNumber(rep, "sliced_selections");
+  EXPECT_GT(reused + sliced, 0) << rep;
+  // Prefill windows and each sample's first decode step search every chunk.
+  EXPECT_LT(reused + sliced, all) << rep;
+  EXPECT_NE(r.out.find("layer selections, " + std::to_string(static_cast<long long>(reused)) +
+                       " reused the last search (--reuse), " +
+                       std::to_string(static_cast<long long>(sliced)) + " screened a slice"),
+            std::string::npos)
+      << r.out;
 }
 
 TEST(Cli, InfiniteCompareTableByContext) {
