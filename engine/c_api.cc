@@ -359,6 +359,8 @@ kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const floa
       stats->entropy = st.entropy;
       stats->chunks = st.chunks;
       stats->chunks_clipped = st.chunks_clipped;
+      stats->reused = st.reused ? 1 : 0;
+      stats->sliced = st.sliced ? 1 : 0;
     }
     return Status::Ok();
   });
@@ -397,6 +399,8 @@ kvtier_code kvtier_session_get_counters(const kvtier_session* session, kvtier_se
     out->compressions = c.compressions;
     out->dropped_chunks = c.dropped_chunks;
     out->chunks_clipped = c.chunks_clipped;
+    out->selections_reused = c.selections_reused;
+    out->selections_sliced = c.selections_sliced;
     out->probe_ms = c.probe_ms;
     out->search_ms = c.search_ms;
     out->alloc_ms = c.alloc_ms;

@@ -514,6 +514,10 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
       lp.stats.entropy = sel.entropy;
       lp.stats.chunks_clipped = sel.clipped;
       counters_.chunks_clipped += sel.clipped;
+      lp.stats.reused = sel.reused;
+      lp.stats.sliced = sel.sliced;
+      counters_.selections_reused += sel.reused ? 1 : 0;
+      counters_.selections_sliced += sel.sliced ? 1 : 0;
     }
     const auto t0 = std::chrono::steady_clock::now();
     if (!lp.chunks.empty()) {

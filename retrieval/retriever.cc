@@ -535,6 +535,7 @@ Result<bool> Retriever::ScreenSlice(LayerIndex* li, int layer, int n, size_t cap
   RememberSearch(li, li->roll_shortlist, li->roll_shortlist.size(), theta);
   sel->chunks.assign(li->roll_shortlist.begin(), li->roll_shortlist.begin() + static_cast<ptrdiff_t>(t));
   sel->clipped = BeyondPool(take, cap);
+  sel->sliced = true;
   ++sliced_selections_;
   return true;
 }

@@ -125,6 +125,8 @@ struct LayerSelection {
   /// Chosen from the layer's last search's shortlist instead of a search
   /// (RetrieverOptions::reuse_cosine).
   bool reused = false;
+  /// Chosen by screening a slice of the chunks (RetrieverOptions::screen_period).
+  bool sliced = false;
 };
 
 class Retriever {

@@ -46,6 +46,8 @@ struct AttendStats {
   double entropy = 0;                                ///< Θ^ℓ of Eq. 11 when the allocator computed it
   size_t chunks = 0;                                 ///< chunks attended
   size_t chunks_clipped = 0;  ///< chunks the budget granted this layer that the hot slot pool could not hold
+  bool reused = false;  ///< the chunks came from the layer's last search (RetrieverOptions::reuse_cosine)
+  bool sliced = false;  ///< the search screened a slice of the chunks (RetrieverOptions::screen_period)
 };
 
 /// Totals over the session's life.
@@ -58,6 +60,9 @@ struct SessionCounters {
   uint64_t compressions = 0;      ///< Compress calls that ran
   uint64_t dropped_chunks = 0;    ///< chunks Compress removed
   uint64_t chunks_clipped = 0;    ///< chunks granted beyond the hot slot pool, left out (AttendStats)
+  uint64_t selections_reused =
+      0;  ///< layer steps whose chunks came from the last search (AttendStats::reused)
+  uint64_t selections_sliced = 0;  ///< layer steps that screened a slice of the chunks (AttendStats::sliced)
   double probe_ms = 0, search_ms = 0, alloc_ms = 0, fetch_ms = 0, attention_ms = 0;
 };
 

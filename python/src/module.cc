@@ -501,6 +501,8 @@ py::dict StatsDict(const AttendStats& s) {
   d["entropy"] = s.entropy;
   d["chunks"] = s.chunks;
   d["chunks_clipped"] = s.chunks_clipped;
+  d["reused"] = s.reused;
+  d["sliced"] = s.sliced;
   return d;
 }
 
@@ -878,6 +880,8 @@ class PySession {
     d["compressions"] = c.compressions;
     d["dropped_chunks"] = c.dropped_chunks;
     d["chunks_clipped"] = c.chunks_clipped;
+    d["selections_reused"] = c.selections_reused;
+    d["selections_sliced"] = c.selections_sliced;
     d["probe_ms"] = c.probe_ms;
     d["search_ms"] = c.search_ms;
     d["alloc_ms"] = c.alloc_ms;

@@ -296,6 +296,33 @@ int main(int argc, char** argv) {
     }
   }
 
+  /* ---- a session that screens a slice: its decode steps after the first say so ---- */
+  {
+    kvtier_session_options so = ao;
+    so.screen_period = 4;
+    kvtier_session* sl = NULL;
+    OK(kvtier_session_open(store, &so, &sl, &err));
+    if (sl == NULL) return 1;
+    static float out_s[LAYERS][Q_TOK];
+    kvtier_attend_stats st_s[LAYERS];
+    memset(st_s, 0, sizeof(st_s));
+    drive(sl, "sliced", out_s, st_s);
+    kvtier_session_counters cs;
+    OK(kvtier_session_get_counters(sl, &cs, &err));
+    printf("sliced session: %llu of %llu attends screened a slice, %llu reused\n",
+           (unsigned long long)cs.selections_sliced, (unsigned long long)cs.attends,
+           (unsigned long long)cs.selections_reused);
+    CHECK(cs.selections_sliced > 0 && cs.selections_sliced < cs.attends && cs.selections_reused == 0,
+          "sliced %llu of %llu, reused %llu", (unsigned long long)cs.selections_sliced,
+          (unsigned long long)cs.attends, (unsigned long long)cs.selections_reused);
+    CHECK(st_s[0].sliced == 1 && st_s[0].reused == 0, "the last decode step: sliced %d reused %d",
+          st_s[0].sliced, st_s[0].reused);
+    CHECK(ca.selections_sliced == 0 && ca.selections_reused == 0 && st_a[0].sliced == 0,
+          "A (defaults) sliced %llu reused %llu", (unsigned long long)ca.selections_sliced,
+          (unsigned long long)ca.selections_reused);
+    kvtier_session_destroy(sl);
+  }
+
   /* ---- bad input: a third session, so that A and B stay as they were ---- */
   printf("bad input:\n");
   kvtier_session* c = (kvtier_session*)&err;

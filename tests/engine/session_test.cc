@@ -223,6 +223,51 @@ TEST(Session, GrantsTheHotPoolCannotHoldAreReportedAsClipped) {
   EXPECT_EQ((*big)->counters().chunks_clipped, 0u);
 }
 
+// With reuse_cosine and screen_period, each Attend says how its layer's chunks were chosen, and
+// the session counts both kinds; without them, every selection searches every chunk.
+TEST(Session, ReportsReusedAndSlicedSelections) {
+  auto store = TieredStore::Open(SmallStore());
+  ASSERT_TRUE(store.ok());
+  SessionOptions fast = Retrieval(32);
+  fast.retrieval.reuse_cosine = 0.9;
+  fast.retrieval.screen_period = 4;
+  auto a = Session::Open(store->get(), fast);
+  auto b = Session::Open(store->get(), Retrieval(32));
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  uint64_t reused = 0, sliced = 0;
+  for (int64_t p = 0; p < 400; ++p) {
+    const bool decode = p >= 200;
+    for (Session* s : {a->get(), b->get()}) {
+      ASSERT_TRUE(s->BeginStep(decode ? StepKind::kDecode : StepKind::kPrefill).ok());
+      for (int l = 0; l < kLayers; ++l) {
+        Token t = MakeToken(5, l, p);
+        // Decode steps ask the same query: the probe stays, so a step reuses unless a chunk
+        // landed since the last search (every 8 tokens), and then it screens a slice.
+        const std::vector<float> q = decode ? MakeToken(5, l, 200).q : t.q;
+        std::vector<float> out(static_cast<size_t>(kQHeads) * kDim);
+        AttendStats st;
+        ASSERT_TRUE(s->Append(l, t.k.data(), t.v.data(), 1, DType::kF16).ok());
+        ASSERT_TRUE(s->Attend(l, q.data(), &p, 1, out.data(), &st).ok());
+        ASSERT_FALSE(st.reused && st.sliced) << "position " << p << " layer " << l;
+        if (s == b->get()) {
+          ASSERT_FALSE(st.reused || st.sliced) << "position " << p << " layer " << l;
+          continue;
+        }
+        if (!decode) ASSERT_FALSE(st.sliced) << "a prefill window screens every chunk, position " << p;
+        reused += st.reused ? 1 : 0;
+        sliced += st.sliced ? 1 : 0;
+      }
+    }
+  }
+  EXPECT_GT(reused, 0u);
+  EXPECT_GT(sliced, 0u);
+  EXPECT_EQ((*a)->counters().selections_reused, reused);
+  EXPECT_EQ((*a)->counters().selections_sliced, sliced);
+  EXPECT_EQ((*b)->counters().selections_reused, 0u);
+  EXPECT_EQ((*b)->counters().selections_sliced, 0u);
+}
+
 TEST(Session, FullBudgetEqualsAttentionOverEveryChunk) {
   // retrieve = false attends every live chunk; a retrieval budget covering every chunk must
   // give the same outputs (the same keys, merged by log-sum-exp in another order: close).

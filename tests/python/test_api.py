@@ -67,9 +67,11 @@ def test_roundtrip_matches_reference_attention():
         # Every chunk sealed in this layer (the local ring keeps the newest tokens unsealed).
         assert stats["chunks"] == store.counters()["chunks_sealed"] // 2 > 0
         assert stats["chunks_clipped"] == 0  # the budget fits the hot slot pool
-        assert set(stats) == {"probe_ms", "search_ms", "alloc_ms", "fetch_ms", "attention_ms", "entropy", "chunks", "chunks_clipped"}
+        assert set(stats) == {"probe_ms", "search_ms", "alloc_ms", "fetch_ms", "attention_ms", "entropy", "chunks", "chunks_clipped", "reused", "sliced"}
     c = s.counters()
     assert c["steps"] == 1 and c["attends"] == 2 and c["tokens_appended"] == 2 * n
+    assert c["selections_reused"] == 0 and c["selections_sliced"] == 0  # retrieve=False searches nothing
+    assert stats["reused"] is False and stats["sliced"] is False
     sc = store.counters()
     assert sc["chunks_sealed"] == 2 * stats["chunks"] and sc["warm_chunks"] == sc["chunks_sealed"]
     assert store.sequence_length(s.sequence, 0) == n
@@ -419,3 +421,31 @@ def test_session_input_rules_hold_in_python():
     s.drop()
     with pytest.raises(kvtier.FailedPrecondition, match="dropped"):
         s.drop()
+
+
+def test_sliced_and_reused_selections_are_counted():
+    # screen_period and reuse_cosine: decode steps with the same query reuse the last search
+    # until a chunk lands, then screen a slice; each attend says which, and the session counts.
+    rng = np.random.default_rng(5)
+    store = small_store()
+    s = kvtier.Session.open(store, budget_tokens=32, reuse_cosine=0.9, screen_period=4)
+    n = 100
+    for layer in range(2):
+        s.append(layer, rng.standard_normal((n, 2, 16), dtype=np.float32),
+                 rng.standard_normal((n, 2, 16), dtype=np.float32))
+    q = rng.standard_normal((1, 4, 16), dtype=np.float32)
+    reused = sliced = 0
+    for step in range(24):
+        if step:
+            for layer in range(2):
+                s.append(layer, rng.standard_normal((1, 2, 16), dtype=np.float32),
+                         rng.standard_normal((1, 2, 16), dtype=np.float32))
+        s.begin_step("decode")
+        for layer in range(2):
+            stats = s.attend(layer, q, n - 1 + step, np.zeros_like(q))
+            assert not (stats["reused"] and stats["sliced"])
+            reused += stats["reused"]
+            sliced += stats["sliced"]
+    c = s.counters()
+    assert reused > 0 and sliced > 0
+    assert c["selections_reused"] == reused and c["selections_sliced"] == sliced
