@@ -89,14 +89,15 @@ const std::vector<StoreOptionDesc>& StoreOptionTable() {
       {"repr_topk", "repr_topk", "repr-topk", OptionType::kInt, "4", "representative keys per head per chunk",
        1, 1 << 16, "", KVTIER_OPT_INT(S, repr_topk)},
       {"repr_choice", "repr_choice", "repr-choice", OptionType::kChoice, "mass",
-       "how representatives are chosen from the attention their keys got: mass (InfLLM: the most attended) "
-       "or "
-       "diverse (the most attended, then by attention minus cosine to those taken)",
-       0, 0, "mass|diverse",
+       "how representatives are chosen from the attention their keys got: mass (InfLLM: the most attended), "
+       "diverse (the most attended, then by attention minus cosine to those taken) or cluster (diverse's "
+       "keys as seeds; each representative the mean of the keys closest in angle to its seed)",
+       0, 0, "mass|diverse|cluster",
        [](const S& o) -> OptionValue { return std::string(ReprChoiceName(o.repr_choice)); },
        [](S* o, const OptionValue& v) -> Status {
          if (!ParseReprChoice(std::get<std::string>(v), &o->repr_choice))
-           return InvalidArgument("unknown repr_choice '" + std::get<std::string>(v) + "' (mass|diverse)");
+           return InvalidArgument("unknown repr_choice '" + std::get<std::string>(v) +
+                                  "' (mass|diverse|cluster)");
          return Status::Ok();
        }},
       {"hot_bytes", "hot_bytes", "hot-bytes", OptionType::kBytes, "67108864",

@@ -12,7 +12,17 @@
 
 namespace kvtier {
 
-const char* ReprChoiceName(ReprChoice c) { return c == ReprChoice::kMass ? "mass" : "diverse"; }
+const char* ReprChoiceName(ReprChoice c) {
+  switch (c) {
+    case ReprChoice::kMass:
+      return "mass";
+    case ReprChoice::kDiverse:
+      return "diverse";
+    case ReprChoice::kCluster:
+      return "cluster";
+  }
+  return "unknown";
+}
 
 bool ParseReprChoice(const std::string& name, ReprChoice* out) {
   if (name == "mass") {
@@ -21,6 +31,10 @@ bool ParseReprChoice(const std::string& name, ReprChoice* out) {
   }
   if (name == "diverse") {
     *out = ReprChoice::kDiverse;
+    return true;
+  }
+  if (name == "cluster") {
+    *out = ReprChoice::kCluster;
     return true;
   }
   return false;
@@ -49,6 +63,7 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
   std::vector<int> order(cs);
   std::vector<float> score(cs), mean(D), inv_norm(cs), covered(cs);
   std::vector<char> taken(cs);
+  std::vector<int> group(cs);
   for (int h = 0; h < H; ++h) {
     const float* mass = in.mass != nullptr ? in.mass + static_cast<size_t>(h) * in.mass_stride : nullptr;
     float total = 0.0f;
@@ -75,7 +90,7 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
     // Highest score first; ties go to the earlier token (deterministic).
     std::partial_sort(order.begin(), order.begin() + R, order.end(),
                       [&](int a, int b) { return score[a] != score[b] ? score[a] > score[b] : a < b; });
-    if (total > 0.0f && in.choice == ReprChoice::kDiverse && R > 1) {
+    if (total > 0.0f && in.choice != ReprChoice::kMass && R > 1) {
       // order[0] is the most attended token; each next one maximises
       // mass / top mass - its highest cosine with a token taken (ties: the earlier token).
       if (keys.empty()) {
@@ -107,6 +122,43 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
         }
         order[r + 1] = next;
       }
+    }
+    if (in.choice == ReprChoice::kCluster && R < cs) {
+      if (keys.empty()) {
+        keys.resize(static_cast<size_t>(cs) * H * D);
+        ToFloat(g.dtype, in.keys, keys.data(), keys.size());
+      }
+      auto key = [&](int t) { return &keys[(static_cast<size_t>(t) * H + h) * D]; };
+      for (int t = 0; t < cs; ++t) {
+        const float nk = kernels::Dot(key(t), key(t), D);
+        inv_norm[t] = nk > 0.0f ? 1.0f / std::sqrt(nk) : 0.0f;
+      }
+      // group[t]: the seed (representative index) token t joins.
+      std::fill(group.begin(), group.end(), -1);
+      for (int r = 0; r < R; ++r) group[order[r]] = r;
+      for (int t = 0; t < cs; ++t) {
+        if (group[t] >= 0) continue;
+        float best = -std::numeric_limits<float>::infinity();
+        for (int r = 0; r < R; ++r) {
+          const float c = kernels::Dot(key(t), key(order[r]), D) * inv_norm[t] * inv_norm[order[r]];
+          if (group[t] < 0 || c > best) {
+            group[t] = r;
+            best = c;
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        std::fill(mean.begin(), mean.end(), 0.0f);
+        int members = 0;
+        for (int t = 0; t < cs; ++t) {
+          if (group[t] != r) continue;
+          for (int d = 0; d < D; ++d) mean[d] += key(t)[d];
+          ++members;
+        }
+        for (int d = 0; d < D; ++d) mean[d] /= static_cast<float>(members);
+        FromFloat(g.dtype, mean.data(), repr + (static_cast<size_t>(r) * H + h) * head_bytes, D);
+      }
+      continue;
     }
     for (int r = 0; r < R; ++r)
       std::memcpy(repr + (static_cast<size_t>(r) * H + h) * head_bytes,

@@ -11,12 +11,20 @@
 // along the direction of one already taken adds nothing to it, while a key no
 // representative covers (a needle among filler that shares a topic) is missed by any query
 // that seeks it. The summed mass favours keys many queries attend a little (the chunk's
-// topic) over keys a few queries attend strongly. When no statistics
+// topic) over keys a few queries attend strongly. ReprChoice::kCluster starts from kDiverse's
+// keys as seeds, puts every key of the chunk with the seed it has the highest cosine with (a
+// seed with itself; ties to the earlier seed) and stores each group's mean key, rounded to the
+// storage dtype: a query's logit against a group's mean is its mean logit over the group's
+// keys. Keys that share a direction (a needle's tokens) then stand for it with their noise
+// averaged out, where the best single key of a chunk also carries the best of its noise, and
+// so does every competing chunk's (at 1M, 32K chunks of topic compete; docs/benchmarks.md).
+// With one representative it is the chunk's mean key; with repr_topk = chunk_size every key
+// is its own group and the choice is kDiverse's. When no statistics
 // reached the chunk for a head (all its mass is zero), the most typical keys
 // are taken instead: those with the highest summed cosine to every key of the
 // chunk (= cosine to the mean of the unit keys), a medoid-like choice that one
 // outlier cannot drag towards itself. Ties go to the earlier token, so the
-// choice is deterministic. The chosen keys are copied in the storage dtype,
+// choice is deterministic. kMass and kDiverse copy the chosen keys in the storage dtype,
 // bit for bit.
 #pragma once
 
@@ -30,9 +38,9 @@
 
 namespace kvtier {
 
-/// "mass" / "diverse".
+/// "mass" / "diverse" / "cluster".
 const char* ReprChoiceName(ReprChoice c);
-/// Parses "mass|diverse"; false when unknown.
+/// Parses "mass|diverse|cluster"; false when unknown.
 bool ParseReprChoice(const std::string& name, ReprChoice* out);
 
 struct RepresentativeInput {

@@ -58,8 +58,9 @@ Status StoreOptions::Validate() const {
   if (index_bytes != 0 && index_bytes < (uint64_t{1} << 20))
     return InvalidArgument("index_bytes must be 0 (unbounded) or at least 1 MiB (got " +
                            std::to_string(index_bytes) + ")");
-  if (repr_choice != ReprChoice::kMass && repr_choice != ReprChoice::kDiverse)
-    return InvalidArgument("repr_choice must be ReprChoice::kMass or ReprChoice::kDiverse (got " +
+  if (repr_choice != ReprChoice::kMass && repr_choice != ReprChoice::kDiverse &&
+      repr_choice != ReprChoice::kCluster)
+    return InvalidArgument("repr_choice must be ReprChoice::kMass, kDiverse or kCluster (got " +
                            std::to_string(static_cast<int>(repr_choice)) + ")");
   if (warm_bytes < chunk_bytes())
     return InvalidArgument("warm_bytes (" + std::to_string(warm_bytes) + ") is smaller than one chunk (" +

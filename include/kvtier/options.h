@@ -28,8 +28,10 @@ enum class Compression : uint8_t { kNone, kLZ4, kZSTD };
 /// How a chunk's representative keys are chosen from the attention its keys received while
 /// they were in the local window (offload/representatives.h): kMass takes the repr_topk most
 /// attended keys (InfLLM); kDiverse takes the most attended key, then each next one by its
-/// attention (relative to the most attended) minus its highest cosine with a key already taken.
-enum class ReprChoice : uint8_t { kMass, kDiverse };
+/// attention (relative to the most attended) minus its highest cosine with a key already taken;
+/// kCluster takes kDiverse's keys as seeds, puts every key of the chunk with the seed it has the
+/// highest cosine with, and stores each group's mean key.
+enum class ReprChoice : uint8_t { kMass, kDiverse, kCluster };
 
 struct StoreOptions {
   Geometry geometry;                           ///< model KV shape and storage dtype
@@ -37,7 +39,7 @@ struct StoreOptions {
   int n_local = 512;                           ///< most recent tokens kept hot (the local window)
   int chunk_size = 32;                         ///< tokens per chunk
   int repr_topk = 4;                           ///< representative keys per head per chunk
-  ReprChoice repr_choice = ReprChoice::kMass;  ///< how they are chosen: mass (InfLLM) | diverse
+  ReprChoice repr_choice = ReprChoice::kMass;  ///< how they are chosen: mass (InfLLM) | diverse | cluster
   uint64_t hot_bytes = 64ull << 20;            ///< hot slot pool for retrieved chunks (sinks/local are extra)
   uint64_t warm_bytes = 256ull << 20;          ///< warm tier capacity
   /// Retrieval index memory per session (the chunk indexes of all its layers; layers share it

@@ -908,6 +908,36 @@ TEST(TieredStore, RepresentativesFollowAttentionMassOrFallBackToTypicalKeys) {
   EXPECT_GT(repr[0], 0.9f);
 }
 
+// The store honours repr_choice: with cluster and one representative a sealed chunk's
+// representative is its mean key, whatever its statistics.
+TEST(TieredStore, ClusterRepresentativeIsTheChunksMeanKey) {
+  StoreOptions o = SmallOptions("");
+  o.geometry = Geometry{1, 2, 1, 4, DType::kF32};
+  o.n_sink = 0;
+  o.n_local = 4;
+  o.chunk_size = 4;
+  o.repr_topk = 1;
+  o.repr_choice = ReprChoice::kCluster;
+  o.warm_bytes = 64 * o.chunk_bytes();
+  auto s = TieredStore::Open(o);
+  ASSERT_TRUE(s.ok());
+  TieredStore* st = s->get();
+  auto seq = st->CreateSequence();
+  std::vector<float> k(4 * 4, 0.0f), v(8 * 4, 1.0f);
+  for (int t = 0; t < 4; ++t) k[t * 4 + t] = 1.0f + t;
+  ASSERT_TRUE(st->Append(*seq, 0, k.data(), v.data(), 4, DType::kF32).ok());
+  std::vector<float> mass{0.1f, 0.2f, 0.9f, 0.3f};
+  ASSERT_TRUE(st->AddLocalAttention(*seq, 0, 0, 4, mass.data()).ok());
+  std::vector<float> k2(8 * 4, 0.5f);
+  ASSERT_TRUE(st->Append(*seq, 0, k2.data(), v.data(), 8, DType::kF32).ok());
+  std::vector<float> repr(4);
+  ASSERT_TRUE(st->GetRepresentatives(ChunkKey{*seq, 0, 0}, repr.data()).ok());
+  EXPECT_EQ(repr, (std::vector<float>{0.25f, 0.5f, 0.75f, 1.0f}));
+  StoreOptions bad = o;
+  bad.repr_choice = static_cast<ReprChoice>(7);
+  EXPECT_EQ(TieredStore::Open(bad).status().code(), StatusCode::kInvalidArgument);
+}
+
 // ChooseRepresentatives on its own, InfLLM's choice: per kv head the most attended tokens,
 // highest first.
 TEST(TieredStoreRepresentatives, MostAttendedTokensPerHead) {
@@ -984,6 +1014,71 @@ TEST(TieredStoreRepresentatives, DiverseTakesTheKeyTheMostAttendedOnesDoNotCover
   EXPECT_EQ(parsed, ReprChoice::kDiverse);
   EXPECT_FALSE(ParseReprChoice("typical", &parsed));
   EXPECT_STREQ(ReprChoiceName(ReprChoice::kMass), "mass");
+}
+
+// The cluster choice: the diverse seeds (token 1, then the needle), every other key with the
+// seed it has the highest cosine with, and each representative its group's mean, by hand.
+TEST(TieredStoreRepresentatives, ClusterStoresTheMeanKeyOfEachSeedsGroup) {
+  RepresentativeInput in;
+  in.geometry = Geometry{1, 1, 1, 2, DType::kF32};
+  in.chunk_size = 7;
+  in.repr_topk = 2;
+  // Tokens 0-4 along (1, 0.1 t); tokens 5 and 6 (the needle) along (0, 1) and (0.1, 1).
+  std::vector<float> keys;
+  for (int t = 0; t < 5; ++t) keys.insert(keys.end(), {1.0f, 0.1f * t});
+  keys.insert(keys.end(), {0.0f, 1.0f, 0.1f, 1.0f});
+  in.keys = reinterpret_cast<const uint8_t*>(keys.data());
+  const std::vector<float> mass{0.9f, 1.0f, 0.8f, 0.7f, 0.6f, 0.3f, 0.1f};
+  in.mass = mass.data();
+  in.mass_stride = 7;
+  std::vector<float> out(2 * 2, -1.0f);
+  in.choice = ReprChoice::kDiverse;
+  ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out.data())).ok());
+  ASSERT_EQ(out, (std::vector<float>{1.0f, 0.1f, 0.0f, 1.0f})) << "the seeds: token 1, then token 5";
+  in.choice = ReprChoice::kCluster;
+  ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out.data())).ok());
+  // Tokens 0-4 join token 1 (mean (1, 0.2)); token 6 joins token 5 (mean (0.05, 1)).
+  float topic_y = 0.0f;
+  for (int t = 0; t < 5; ++t) topic_y += keys[2 * t + 1];
+  EXPECT_EQ(out, (std::vector<float>{1.0f, topic_y / 5.0f, (keys[10] + keys[12]) / 2.0f, 1.0f}));
+  // One representative: the chunk's mean key.
+  in.repr_topk = 1;
+  ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out.data())).ok());
+  float sx = 0, sy = 0;
+  for (int t = 0; t < 7; ++t) sx += keys[2 * t], sy += keys[2 * t + 1];
+  EXPECT_EQ(out[0], sx / 7.0f);
+  EXPECT_EQ(out[1], sy / 7.0f);
+  // Every key a representative: each is its own group, the keys themselves in the diverse order.
+  in.repr_topk = 7;
+  std::vector<float> all(7 * 2), diverse(7 * 2);
+  ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(all.data())).ok());
+  in.choice = ReprChoice::kDiverse;
+  ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(diverse.data())).ok());
+  EXPECT_EQ(all, diverse);
+  std::vector<float> sorted_all = all, sorted_keys = keys;
+  std::sort(sorted_all.begin(), sorted_all.end());
+  std::sort(sorted_keys.begin(), sorted_keys.end());
+  EXPECT_EQ(sorted_all, sorted_keys);
+  // A mean in a 16-bit dtype is the fp32 mean rounded to it.
+  in.geometry = Geometry{1, 1, 1, 2, DType::kF16};
+  in.choice = ReprChoice::kCluster;
+  in.repr_topk = 1;
+  std::vector<uint16_t> keys16(keys.size()), out16(2);
+  FromFloat(DType::kF16, keys.data(), keys16.data(), keys.size());
+  in.keys = reinterpret_cast<const uint8_t*>(keys16.data());
+  ASSERT_TRUE(ChooseRepresentatives(in, reinterpret_cast<uint8_t*>(out16.data())).ok());
+  float mean16[2] = {0, 0};
+  for (int t = 0; t < 7; ++t)
+    for (int d = 0; d < 2; ++d) mean16[d] += F16ToFloat(keys16[2 * t + d]);
+  for (float& m : mean16) m /= 7.0f;
+  uint16_t want[2];
+  FromFloat(DType::kF16, mean16, want, 2);
+  EXPECT_EQ(out16[0], want[0]);
+  EXPECT_EQ(out16[1], want[1]);
+  ReprChoice parsed = ReprChoice::kMass;
+  EXPECT_TRUE(ParseReprChoice("cluster", &parsed));
+  EXPECT_EQ(parsed, ReprChoice::kCluster);
+  EXPECT_STREQ(ReprChoiceName(ReprChoice::kCluster), "cluster");
 }
 
 // Without statistics: the typical keys, not the outlier; the choice copies the stored
