@@ -6,6 +6,10 @@
 //   BM_AttentionDecode/<N>/1   the same N tokens as a ragged list of 32-token
 //                              chunks (separate KvSpans over the same buffers)
 //   BM_AttentionDecodeMass/<N> one span, with the mass output requested
+//   BM_AttentionScattered/<N>  a decode step's retrieved part: 64 chunks of 32 tokens at
+//                              random places of the N tokens, other chunks every
+//                              iteration, so they come cold from memory as a decode
+//                              step's fetched chunks do
 // Baselines moving the same number of bytes:
 //   BM_Memcpy/<N>              one memcpy of the KV bytes (1 thread)
 //   BM_MemcpyParallel/<N>      the same memcpy split across the TBB threads
@@ -126,9 +130,59 @@ void RunDecode(benchmark::State& state, bool chunked, bool with_mass) {
   state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations() / 1e9, benchmark::Counter::kIsRate);
   state.counters["parts"] = static_cast<double>(spans.size());
   state.counters["threads"] = tbb::this_task_arena::max_concurrency();
+  state.counters["ns_per_token"] =
+      benchmark::Counter(static_cast<double>(n) * state.iterations() / 1e9,
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 
 void BM_AttentionDecode(benchmark::State& state) { RunDecode(state, state.range(1) != 0, false); }
+
+// ns_per_token here against BM_AttentionDecode/<N>/0's is what reading scattered, cold
+// chunks costs the kernel beyond streaming one span.
+void BM_AttentionScattered(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  constexpr int kChunks = 64;
+  const Kv& kv = GetKv(n);
+  const size_t row = static_cast<size_t>(kKvHeads) * kHeadDim;
+  std::mt19937 rng(2);
+  std::uniform_int_distribution<int64_t> pick(0, n / kChunk - 1);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> q(kQHeads * kHeadDim), out(kQHeads * kHeadDim), lse(kQHeads);
+  for (auto& x : q) x = u(rng);
+  const int64_t qpos = n;
+  std::vector<KvSpan> spans(kChunks);
+  AttentionParams p;
+  p.q_heads = kQHeads;
+  p.kv_heads = kKvHeads;
+  p.head_dim = kHeadDim;
+  p.dtype = kDType;
+  p.scale = 0.125f;
+  p.n_queries = 1;
+  p.q = q.data();
+  p.q_positions = &qpos;
+  p.parts = spans.data();
+  p.n_parts = kChunks;
+  p.out = out.data();
+  p.lse = lse.data();
+  for (auto _ : state) {
+    state.PauseTiming();
+    for (KvSpan& s : spans) {
+      const int64_t t = pick(rng) * kChunk;
+      s = KvSpan{kv.k.data() + t * row, kv.v.data() + t * row, kChunk, t, nullptr};
+    }
+    state.ResumeTiming();
+    const KernelError e = kvtier::kernels::Attention(p);
+    if (e != KernelError::kOk) {
+      state.SkipWithError(kvtier::kernels::KernelErrorString(e));
+      break;
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  const double tokens = static_cast<double>(kChunks) * kChunk;
+  state.counters["ns_per_token"] = benchmark::Counter(
+      tokens * state.iterations() / 1e9, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
 void BM_AttentionDecodeMass(benchmark::State& state) { RunDecode(state, false, true); }
 
 void RunMemcpy(benchmark::State& state, bool parallel) {
@@ -211,6 +265,12 @@ constexpr int64_t k4K = 4096, k32K = 32768, k128K = 131072;
 BENCHMARK(BM_AttentionDecode)
     ->ArgNames({"N", "chunked"})
     ->ArgsProduct({{k4K, k32K, k128K}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_AttentionScattered)
+    ->ArgName("N")
+    ->Arg(k128K)
+    ->Arg(8 * k128K)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ReadParallel)->ArgName("N")->Arg(k4K)->Arg(k128K)->UseRealTime()->Unit(benchmark::kMicrosecond);

@@ -214,25 +214,53 @@ inline void DotI8Blocks(const int8_t* blocks, size_t n_blocks, const int16_t* p,
   }
 #endif
 #if defined(__AVX2__)
-  for (size_t b = 0; b < n_blocks; ++b) {
-    const int8_t* block = blocks + b * block_bytes;
-    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+  // The probe's pair words are broadcast once per call (D up to 2 * kMaxPairs; wider heads
+  // build them per block), and two blocks go through the pairs together: four independent
+  // accumulators keep the loads in flight, which is what bounds this loop (the codes stream
+  // from memory).
+  constexpr int kMaxPairs = 128;
+  __m256i pk_table[kMaxPairs];
+  const bool table = pairs <= kMaxPairs;
+  if (table)
+    for (int k = 0; k < pairs; ++k) pk_table[k] = _mm256_set1_epi32(word(k));
+  auto pk = [&](int k) { return table ? pk_table[k] : _mm256_set1_epi32(word(k)); };
+  auto madd = [](const int8_t* codes, __m256i probe) {
+    return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))),
+                             probe);
+  };
+  size_t b = 0;
+  for (; b + 2 <= n_blocks; b += 2) {
+    const int8_t* x = blocks + b * block_bytes;
+    const int8_t* y = x + block_bytes;
+    __m256i x0 = _mm256_setzero_si256(), x1 = x0, y0 = x0, y1 = x0;
     int k = 0;
     for (; k + 2 <= pairs; k += 2) {
-      const __m128i c0 =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + static_cast<size_t>(k) * 16));
-      const __m128i c1 =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + static_cast<size_t>(k + 1) * 16));
-      acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(c0), _mm256_set1_epi32(word(k))));
-      acc1 =
-          _mm256_add_epi32(acc1, _mm256_madd_epi16(_mm256_cvtepi8_epi16(c1), _mm256_set1_epi32(word(k + 1))));
+      const __m256i p0 = pk(k), p1 = pk(k + 1);
+      const size_t o = static_cast<size_t>(k) * 16;
+      x0 = _mm256_add_epi32(x0, madd(x + o, p0));
+      x1 = _mm256_add_epi32(x1, madd(x + o + 16, p1));
+      y0 = _mm256_add_epi32(y0, madd(y + o, p0));
+      y1 = _mm256_add_epi32(y1, madd(y + o + 16, p1));
     }
     if (k < pairs) {
-      const __m128i c0 =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + static_cast<size_t>(k) * 16));
-      acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(c0), _mm256_set1_epi32(word(k))));
+      const size_t o = static_cast<size_t>(k) * 16;
+      x0 = _mm256_add_epi32(x0, madd(x + o, pk(k)));
+      y0 = _mm256_add_epi32(y0, madd(y + o, pk(k)));
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kI8Block), _mm256_add_epi32(acc0, acc1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kI8Block), _mm256_add_epi32(x0, x1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (b + 1) * kI8Block), _mm256_add_epi32(y0, y1));
+  }
+  for (; b < n_blocks; ++b) {
+    const int8_t* x = blocks + b * block_bytes;
+    __m256i x0 = _mm256_setzero_si256(), x1 = x0;
+    int k = 0;
+    for (; k + 2 <= pairs; k += 2) {
+      const size_t o = static_cast<size_t>(k) * 16;
+      x0 = _mm256_add_epi32(x0, madd(x + o, pk(k)));
+      x1 = _mm256_add_epi32(x1, madd(x + o + 16, pk(k + 1)));
+    }
+    if (k < pairs) x0 = _mm256_add_epi32(x0, madd(x + static_cast<size_t>(k) * 16, pk(k)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kI8Block), _mm256_add_epi32(x0, x1));
   }
 #else
   (void)word;

@@ -1,0 +1,136 @@
+// The Exact index's int8 screen (retrieval/exact_index.h) as a decode step runs it: one probe
+// against each of 8 layers' indexes in turn, at `kvtier run`'s geometry (2 kv heads of 64, fp16
+// keys, 4 representatives a chunk).
+//
+//   BM_ExactScreen/chunks:<n>    ExactChunkIndex::Screen of the 8 indexes of n chunks each
+//                                (1,024 chunks: 32K tokens; 4,096: 128K; 32,768: 1M)
+//   BM_ExactScreenRead/chunks:<n> the same bytes of codes and scales, read and summed on
+//                                every core and nothing else: the memory's ceiling for them
+//
+// Counters: GB/s = bytes of codes and scales a screen reads (576 a chunk and layer) per second
+// of wall time, in both, so the screen's figure reads directly against the ceiling measured
+// in the same run.
+#include <benchmark/benchmark.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "retrieval/exact_index.h"
+
+namespace {
+
+using kvtier::ChunkScores;
+using kvtier::ChunkShape;
+using kvtier::ExactChunkIndex;
+using kvtier::ExactIndexOptions;
+
+constexpr int kLayers = 8;
+constexpr int kKvHeads = 2;
+constexpr int kHeadDim = 64;
+constexpr int kRepr = 4;
+
+// Codes (one byte an element) and the two fp32 scales of each representative.
+double ScreenBytes(size_t chunks) {
+  return static_cast<double>(kLayers) * chunks * kKvHeads * kRepr * (kHeadDim + 8);
+}
+
+struct Layers {
+  std::vector<std::unique_ptr<ExactChunkIndex>> index;
+  std::vector<float> probe;
+};
+
+const Layers* GetLayers(size_t chunks) {
+  static std::map<size_t, std::unique_ptr<Layers>> cache;
+  auto& slot = cache[chunks];
+  if (slot) return slot.get();
+  auto layers = std::make_unique<Layers>();
+  const ChunkShape shape{kKvHeads, kHeadDim, kRepr, kvtier::DType::kF16};
+  auto options = ExactIndexOptions::Parse("Exact:heads=max");
+  if (!options.ok()) return nullptr;
+  std::mt19937 rng(static_cast<uint32_t>(chunks));
+  std::normal_distribution<float> normal;
+  std::vector<uint64_t> ids(chunks);
+  for (size_t i = 0; i < chunks; ++i) ids[i] = i;
+  for (int l = 0; l < kLayers; ++l) {
+    auto index = ExactChunkIndex::Create(shape, *options);
+    if (!index.ok()) return nullptr;
+    const kvtier::Status st = (*index)->Add(ids, [&](uint64_t, float* repr) {
+      for (size_t i = 0; i < shape.repr_floats(); ++i) repr[i] = normal(rng);
+      return kvtier::Status::Ok();
+    });
+    if (!st.ok()) return nullptr;
+    layers->index.push_back(std::move(*index));
+  }
+  layers->probe.resize(static_cast<size_t>(shape.dim()));
+  for (float& x : layers->probe) x = normal(rng);
+  slot = std::move(layers);
+  return slot.get();
+}
+
+void BM_ExactScreen(benchmark::State& state) {
+  const size_t chunks = static_cast<size_t>(state.range(0));
+  const Layers* layers = GetLayers(chunks);
+  if (layers == nullptr) return state.SkipWithError("building the indexes failed");
+  std::vector<ChunkScores> scores(kLayers);
+  for (auto _ : state) {
+    for (int l = 0; l < kLayers; ++l)
+      if (!layers->index[l]->Screen(layers->probe.data(), &scores[l]).ok())
+        return state.SkipWithError("Screen failed");
+    benchmark::DoNotOptimize(scores.data());
+  }
+  state.counters["GB/s"] =
+      benchmark::Counter(ScreenBytes(chunks) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+
+void BM_ExactScreenRead(benchmark::State& state) {
+  const size_t chunks = static_cast<size_t>(state.range(0));
+  const size_t words = static_cast<size_t>(ScreenBytes(chunks) / kLayers) / sizeof(uint64_t);
+  std::vector<std::vector<uint64_t>> bytes(kLayers, std::vector<uint64_t>(words, 1));
+  const int parts = tbb::this_task_arena::max_concurrency();
+  std::vector<uint64_t> sums(static_cast<size_t>(parts) * 8);  // a cache line per part
+  for (auto _ : state) {
+    for (int l = 0; l < kLayers; ++l) {
+      const uint64_t* src = bytes[l].data();
+      tbb::parallel_for(
+          tbb::blocked_range<int>(0, parts, 1),
+          [&](const tbb::blocked_range<int>& r) {
+            for (int i = r.begin(); i < r.end(); ++i) {
+              const size_t a = words * i / parts, b = words * (i + 1) / parts;
+              uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+              size_t w = a;
+              for (; w + 4 <= b; w += 4) s0 += src[w], s1 += src[w + 1], s2 += src[w + 2], s3 += src[w + 3];
+              for (; w < b; ++w) s0 += src[w];
+              sums[static_cast<size_t>(i) * 8] += s0 + s1 + s2 + s3;
+            }
+          },
+          tbb::simple_partitioner());
+    }
+    benchmark::DoNotOptimize(sums.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["GB/s"] =
+      benchmark::Counter(ScreenBytes(chunks) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+
+BENCHMARK(BM_ExactScreen)
+    ->ArgName("chunks")
+    ->Arg(1024)
+    ->Arg(4096)
+    ->Arg(32768)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ExactScreenRead)
+    ->ArgName("chunks")
+    ->Arg(1024)
+    ->Arg(4096)
+    ->Arg(32768)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
