@@ -59,11 +59,26 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
                            ") must be >= chunk_size (" + std::to_string(cs) + ")");
 
   const size_t head_bytes = static_cast<size_t>(D) * DTypeSize(g.dtype);
-  std::vector<float> keys;  // converted lazily: only the fallback and the diverse choice need fp32 keys
+  std::vector<float> keys;  // converted lazily: only the fallback, diverse and cluster need fp32 keys
   std::vector<int> order(cs);
   std::vector<float> score(cs), mean(D), inv_norm(cs), covered(cs);
   std::vector<char> taken(cs);
   std::vector<int> group(cs);
+  int normed_head = -1;  // the head whose keys inv_norm holds
+  auto key = [&](int h, int t) { return &keys[(static_cast<size_t>(t) * H + h) * D]; };
+  // The chunk's keys in fp32 (converted once) and inv_norm of head h's (once per head).
+  auto unit_norms = [&](int h) {
+    if (keys.empty()) {
+      keys.resize(static_cast<size_t>(cs) * H * D);
+      ToFloat(g.dtype, in.keys, keys.data(), keys.size());
+    }
+    if (normed_head == h) return;
+    for (int t = 0; t < cs; ++t) {
+      const float nk = kernels::Dot(key(h, t), key(h, t), D);
+      inv_norm[t] = nk > 0.0f ? 1.0f / std::sqrt(nk) : 0.0f;
+    }
+    normed_head = h;
+  };
   for (int h = 0; h < H; ++h) {
     const float* mass = in.mass != nullptr ? in.mass + static_cast<size_t>(h) * in.mass_stride : nullptr;
     float total = 0.0f;
@@ -72,19 +87,11 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
     if (total > 0.0f) {
       for (int t = 0; t < cs; ++t) score[t] = mass[t];
     } else {
-      if (keys.empty()) {
-        keys.resize(static_cast<size_t>(cs) * H * D);
-        ToFloat(g.dtype, in.keys, keys.data(), keys.size());
-      }
+      unit_norms(h);
       std::fill(mean.begin(), mean.end(), 0.0f);
-      for (int t = 0; t < cs; ++t) {
-        const float* kt = &keys[(static_cast<size_t>(t) * H + h) * D];
-        const float nk = kernels::Dot(kt, kt, D);
-        inv_norm[t] = nk > 0.0f ? 1.0f / std::sqrt(nk) : 0.0f;
-        for (int d = 0; d < D; ++d) mean[d] += kt[d] * inv_norm[t];
-      }
       for (int t = 0; t < cs; ++t)
-        score[t] = kernels::Dot(&keys[(static_cast<size_t>(t) * H + h) * D], mean.data(), D) * inv_norm[t];
+        for (int d = 0; d < D; ++d) mean[d] += key(h, t)[d] * inv_norm[t];
+      for (int t = 0; t < cs; ++t) score[t] = kernels::Dot(key(h, t), mean.data(), D) * inv_norm[t];
     }
     std::iota(order.begin(), order.end(), 0);
     // Highest score first; ties go to the earlier token (deterministic).
@@ -93,15 +100,7 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
     if (total > 0.0f && in.choice != ReprChoice::kMass && R > 1) {
       // order[0] is the most attended token; each next one maximises
       // mass / top mass - its highest cosine with a token taken (ties: the earlier token).
-      if (keys.empty()) {
-        keys.resize(static_cast<size_t>(cs) * H * D);
-        ToFloat(g.dtype, in.keys, keys.data(), keys.size());
-      }
-      auto key = [&](int t) { return &keys[(static_cast<size_t>(t) * H + h) * D]; };
-      for (int t = 0; t < cs; ++t) {
-        const float nk = kernels::Dot(key(t), key(t), D);
-        inv_norm[t] = nk > 0.0f ? 1.0f / std::sqrt(nk) : 0.0f;
-      }
+      unit_norms(h);
       const float top = score[order[0]];
       std::fill(covered.begin(), covered.end(), -std::numeric_limits<float>::infinity());
       std::fill(taken.begin(), taken.end(), 0);
@@ -113,7 +112,7 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
         for (int t = 0; t < cs; ++t) {
           if (taken[t]) continue;
           covered[t] =
-              std::max(covered[t], kernels::Dot(key(t), key(last), D) * inv_norm[t] * inv_norm[last]);
+              std::max(covered[t], kernels::Dot(key(h, t), key(h, last), D) * inv_norm[t] * inv_norm[last]);
           const float value = score[t] / top - covered[t];
           if (next < 0 || value > next_value) {
             next = t;
@@ -124,15 +123,7 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
       }
     }
     if (in.choice == ReprChoice::kCluster && R < cs) {
-      if (keys.empty()) {
-        keys.resize(static_cast<size_t>(cs) * H * D);
-        ToFloat(g.dtype, in.keys, keys.data(), keys.size());
-      }
-      auto key = [&](int t) { return &keys[(static_cast<size_t>(t) * H + h) * D]; };
-      for (int t = 0; t < cs; ++t) {
-        const float nk = kernels::Dot(key(t), key(t), D);
-        inv_norm[t] = nk > 0.0f ? 1.0f / std::sqrt(nk) : 0.0f;
-      }
+      unit_norms(h);
       // group[t]: the seed (representative index) token t joins.
       std::fill(group.begin(), group.end(), -1);
       for (int r = 0; r < R; ++r) group[order[r]] = r;
@@ -140,7 +131,7 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
         if (group[t] >= 0) continue;
         float best = -std::numeric_limits<float>::infinity();
         for (int r = 0; r < R; ++r) {
-          const float c = kernels::Dot(key(t), key(order[r]), D) * inv_norm[t] * inv_norm[order[r]];
+          const float c = kernels::Dot(key(h, t), key(h, order[r]), D) * inv_norm[t] * inv_norm[order[r]];
           if (group[t] < 0 || c > best) {
             group[t] = r;
             best = c;
@@ -152,7 +143,7 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
         int members = 0;
         for (int t = 0; t < cs; ++t) {
           if (group[t] != r) continue;
-          for (int d = 0; d < D; ++d) mean[d] += key(t)[d];
+          for (int d = 0; d < D; ++d) mean[d] += key(h, t)[d];
           ++members;
         }
         for (int d = 0; d < D; ++d) mean[d] /= static_cast<float>(members);
