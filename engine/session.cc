@@ -451,18 +451,8 @@ Status Session::ObserveStatistics(int layer, const float* q, const int64_t* posi
     parts[i] = kernels::KvSpan{k[i].data(), v[i].data(), sp.n_tokens, sp.first_position, mass[i].data()};
   }
   std::vector<float> out(static_cast<size_t>(m) * g.q_heads * g.head_dim);
-  kernels::AttentionParams p;
-  p.q_heads = g.q_heads;
-  p.kv_heads = g.kv_heads;
-  p.head_dim = g.head_dim;
-  p.dtype = DType::kF32;
-  p.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
-  p.n_queries = m;
-  p.q = q_true;
-  p.q_positions = positions;
-  p.parts = parts.data();
-  p.n_parts = n_parts;
-  p.out = out.data();
+  const kernels::AttentionParams p =
+      DenseAttentionParams(g, DType::kF32, q_true, positions, m, parts.data(), n_parts, out.data());
   const kernels::KernelError err = kernels::Attention(p);
   if (err != kernels::KernelError::kOk)
     return InvalidArgument(std::string("Session: the representative-key statistics' attention failed: ") +

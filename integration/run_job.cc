@@ -19,6 +19,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/dtype.h"
 #include "kvtier/session.h"
+#include "offload/attention_backend.h"
 #include "offload/host_memory.h"
 #include "offload/policy/scoring_policy.h"
 #include "offload/representatives.h"
@@ -67,19 +68,7 @@ struct StepRecord {
 
 kernels::AttentionParams MakeParams(const Geometry& g, const float* q, const int64_t* pos, int m,
                                     const std::vector<kernels::KvSpan>& parts, float* out) {
-  kernels::AttentionParams p;
-  p.q_heads = g.q_heads;
-  p.kv_heads = g.kv_heads;
-  p.head_dim = g.head_dim;
-  p.dtype = g.dtype;
-  p.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
-  p.n_queries = m;
-  p.q = q;
-  p.q_positions = pos;
-  p.parts = parts.data();
-  p.n_parts = static_cast<int>(parts.size());
-  p.out = out;
-  return p;
+  return DenseAttentionParams(g, g.dtype, q, pos, m, parts.data(), static_cast<int>(parts.size()), out);
 }
 
 Status RunKernel(const kernels::AttentionParams& p) {

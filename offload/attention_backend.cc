@@ -15,6 +15,24 @@
 #endif
 
 namespace kvtier {
+
+kernels::AttentionParams DenseAttentionParams(const Geometry& g, DType dtype, const float* q,
+                                              const int64_t* positions, int n_queries,
+                                              const kernels::KvSpan* parts, int n_parts, float* out) {
+  kernels::AttentionParams p;
+  p.q_heads = g.q_heads;
+  p.kv_heads = g.kv_heads;
+  p.head_dim = g.head_dim;
+  p.dtype = dtype;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
+  p.n_queries = n_queries;
+  p.q = q;
+  p.q_positions = positions;
+  p.parts = parts;
+  p.n_parts = n_parts;
+  p.out = out;
+  return p;
+}
 namespace {
 
 size_t Align256(size_t x) { return (x + 255) / 256 * 256; }

@@ -29,6 +29,7 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/slot_attention.h"
 #include "offload/hot_tier.h"
 #include "store/geometry.h"
@@ -50,6 +51,13 @@ HotPoolView PoolOf(HotTier* hot);
 /// and v its second half. InvalidArgument naming the span otherwise (a tier whose slots are
 /// not one contiguous pool cannot be planned: the kernel indexes a single base).
 Result<int32_t> SlotOfSpan(const HotPoolView& pool, const kernels::KvSpan& span, size_t index);
+
+/// kernels::Attention's parameters for `g`'s heads: n_queries queries q (fp32) at `positions`
+/// over `parts`, whose K/V are in `dtype`, written to `out`; softmax scale 1/sqrt(head_dim),
+/// causal, no log-sum-exp.
+kernels::AttentionParams DenseAttentionParams(const Geometry& g, DType dtype, const float* q,
+                                              const int64_t* positions, int n_queries,
+                                              const kernels::KvSpan* parts, int n_parts, float* out);
 
 /// What a plan is built from: the parts Session::Gather produced, in attention order.
 struct AttentionPlanInput {

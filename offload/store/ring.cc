@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "offload/attention_backend.h"
 #include "offload/store_state.h"
 #include "offload/tiered_store.h"
 
@@ -200,18 +201,8 @@ Status TieredStore::ObserveQueries(SequenceId seq, int layer, const float* q, co
     parts.back().mass = mass_local[i].data();
   }
   std::vector<float> out(static_cast<size_t>(m) * g.q_heads * g.head_dim);
-  kernels::AttentionParams p;
-  p.q_heads = g.q_heads;
-  p.kv_heads = g.kv_heads;
-  p.head_dim = g.head_dim;
-  p.dtype = g.dtype;
-  p.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
-  p.n_queries = m;
-  p.q = q;
-  p.q_positions = positions;
-  p.parts = parts.data();
-  p.n_parts = static_cast<int>(parts.size());
-  p.out = out.data();
+  const kernels::AttentionParams p = DenseAttentionParams(g, g.dtype, q, positions, m, parts.data(),
+                                                          static_cast<int>(parts.size()), out.data());
   const kernels::KernelError err = kernels::Attention(p);
   if (err != kernels::KernelError::kOk)
     return InvalidArgument(std::string("ObserveQueries: attention failed: ") +

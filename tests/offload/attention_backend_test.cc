@@ -215,6 +215,30 @@ TEST(AttentionBackend, SessionPlanOnCpuEqualsHandWrittenAttentionInfLLM) {
 
 // ---- host-side logic ------------------------------------------------------------------------
 
+// The dense attention the store's statistics, the Session's and `kvtier run`'s baselines run:
+// every field from the geometry and the arguments, the scale 1/sqrt(head_dim), causal.
+TEST(AttentionBackend, DenseAttentionParamsTakeTheGeometrysHeads) {
+  const Geometry g{2, 8, 2, 64, DType::kF16};
+  const float q[1] = {0.0f};
+  const int64_t pos[1] = {7};
+  const kernels::KvSpan parts[2] = {};
+  float out[1];
+  const kernels::AttentionParams p = DenseAttentionParams(g, DType::kF32, q, pos, 3, parts, 2, out);
+  EXPECT_EQ(p.q_heads, 8);
+  EXPECT_EQ(p.kv_heads, 2);
+  EXPECT_EQ(p.head_dim, 64);
+  EXPECT_EQ(p.dtype, DType::kF32);  // the parts' dtype, not the geometry's
+  EXPECT_FLOAT_EQ(p.scale, 0.125f);
+  EXPECT_EQ(p.n_queries, 3);
+  EXPECT_EQ(p.q, q);
+  EXPECT_EQ(p.q_positions, pos);
+  EXPECT_EQ(p.parts, parts);
+  EXPECT_EQ(p.n_parts, 2);
+  EXPECT_EQ(p.out, out);
+  EXPECT_EQ(p.lse, nullptr);
+  EXPECT_TRUE(p.causal);
+}
+
 TEST(AttentionBackend, SlotOfSpanMapsSlotStartsAndNamesEveryOtherSpan) {
   std::vector<uint8_t> pool(4 * 64);
   const HotPoolView view{pool.data(), 4, 64};
