@@ -7,6 +7,13 @@
 //   BM_ExactScreenRead/chunks:<n> the same bytes of codes and scales, read and summed on
 //                                every core and nothing else: the memory's ceiling for them
 //
+//   BM_ShortlistRescore/chunks:<n>/gathered:0  ExactChunkIndex::ScoreChunks of 192 chunks a
+//                                layer (three times a grant of 64, the shortlist a reused
+//                                search rescores), other chunks each iteration
+//   BM_ShortlistRescore/chunks:<n>/gathered:1  the same 192 chunks a layer gathered once
+//                                (GatherSubset) and scored as a ChunkSubset, as steps that reuse
+//                                a search score them
+//
 // Counters: GB/s = bytes of codes and scales a screen reads (576 a chunk and layer) per second
 // of wall time, in both, so the screen's figure reads directly against the ceiling measured
 // in the same run.
@@ -118,6 +125,40 @@ void BM_ExactScreenRead(benchmark::State& state) {
       benchmark::Counter(ScreenBytes(chunks) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
 
+void BM_ShortlistRescore(benchmark::State& state) {
+  const size_t chunks = static_cast<size_t>(state.range(0));
+  const bool gathered = state.range(1) != 0;
+  const Layers* layers = GetLayers(chunks);
+  if (layers == nullptr) return state.SkipWithError("building the indexes failed");
+  constexpr size_t kShortlist = 192;
+  // Distinct shortlists, so that the caches do not keep one (scattered rows), or one a layer
+  // gathered once (what the steps that reuse a search score again and again).
+  const size_t lists_a_layer = gathered ? 1 : 64;
+  std::mt19937 rng(7);
+  std::vector<std::vector<uint64_t>> lists(lists_a_layer * kLayers);
+  std::vector<std::unique_ptr<kvtier::ChunkSubset>> subsets(lists.size());
+  for (size_t i = 0; i < lists.size(); ++i) {
+    std::uniform_int_distribution<uint64_t> pick(0, chunks - 1);
+    for (size_t j = 0; j < kShortlist; ++j) lists[i].push_back(pick(rng));
+    if (gathered && !layers->index[i % kLayers]->GatherSubset(lists[i], &subsets[i]).ok())
+      return state.SkipWithError("GatherSubset failed");
+  }
+  ChunkScores scores;
+  size_t next = 0;
+  for (auto _ : state) {
+    for (int l = 0; l < kLayers; ++l) {
+      const kvtier::Status st =
+          gathered ? subsets[next]->Score(layers->probe.data(), &scores)
+                   : layers->index[l]->ScoreChunks(layers->probe.data(), lists[next], &scores);
+      if (!st.ok()) return state.SkipWithError("scoring failed");
+      next = (next + 1) % lists.size();
+    }
+    benchmark::DoNotOptimize(scores.logit.data());
+  }
+  state.counters["chunks/s"] = benchmark::Counter(
+      static_cast<double>(kLayers * kShortlist) * state.iterations(), benchmark::Counter::kIsRate);
+}
+
 BENCHMARK(BM_ExactScreen)
     ->ArgName("chunks")
     ->Arg(1024)
@@ -134,3 +175,8 @@ BENCHMARK(BM_ExactScreenRead)
     ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
+BENCHMARK(BM_ShortlistRescore)
+    ->ArgNames({"chunks", "gathered"})
+    ->ArgsProduct({{4096, 32768}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);

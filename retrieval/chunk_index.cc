@@ -37,6 +37,7 @@ Status ChunkShape::Validate() const {
 }
 
 ChunkIndex::~ChunkIndex() = default;
+ChunkSubset::~ChunkSubset() = default;
 
 Status ChunkIndex::CheckCurrent(const ChunkScores& screened, const char* who) const {
   if (Current(screened)) return Status::Ok();
@@ -75,6 +76,12 @@ Status ChunkIndex::BestOf(const float* probe, const std::vector<uint64_t>& chunk
 Status ChunkIndex::ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks,
                                ChunkScores* out) const {
   (void)probe, (void)chunks, (void)out;
+  return FailedPrecondition("index '" + ToString() + "' cannot score chosen chunks alone");
+}
+
+Status ChunkIndex::GatherSubset(const std::vector<uint64_t>& chunks,
+                                std::unique_ptr<ChunkSubset>* subset) const {
+  (void)chunks, (void)subset;
   return FailedPrecondition("index '" + ToString() + "' cannot score chosen chunks alone");
 }
 

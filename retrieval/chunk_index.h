@@ -69,6 +69,21 @@ struct ChunkShape {
 };
 
 class ChunkIndex;
+struct ChunkScores;
+
+/// Chosen chunks' representatives gathered side by side, to be scored for probe after probe:
+/// a reused search's shortlist (Retriever::ReuseLast), whose chunks lie scattered over the
+/// index's rows. A copy: it scores what the index held when it was made, exactly as the
+/// index's ScoreChunks scored those chunks then, bit for bit.
+class ChunkSubset {
+ public:
+  virtual ~ChunkSubset();
+  /// The subset's exact scores for `probe` ([kv_heads, head_dim] fp32), ids ascending. Not a
+  /// whole screen: Best refuses it.
+  virtual Status Score(const float* probe, ChunkScores* out) const = 0;
+  virtual size_t size() const = 0;            ///< chunks in the subset
+  virtual uint64_t memory_bytes() const = 0;  ///< what the copy holds
+};
 
 /// Scores of an index's chunks for one probe, rows in ascending chunk index. Reusing one
 /// object across calls keeps its buffers (and, for the same index, its ids) allocated.
@@ -135,6 +150,13 @@ class ChunkIndex {
   /// hold are left out. Not a whole screen: Best refuses it. FailedPrecondition for kinds
   /// that cannot score chosen chunks alone (the FAISS ones).
   virtual Status ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks, ChunkScores* out) const;
+  /// Fills *subset with a ChunkSubset of `chunks` (chunks the index does not hold are left
+  /// out), reusing its buffers when it holds one of this kind (else replacing it).
+  /// FailedPrecondition for kinds that cannot score chosen chunks alone (the FAISS ones) and
+  /// where a chosen chunk keeps only its int8 codes (Exact under a memory cap); after an error
+  /// *subset must be gathered again before it is scored.
+  virtual Status GatherSubset(const std::vector<uint64_t>& chunks,
+                              std::unique_ptr<ChunkSubset>* subset) const;
   /// Rows [begin, end) screened as Screen screens them: ids, scores and, where the screen
   /// approximates, error bounds, for those rows only (a row is a chunk's place in ascending
   /// chunk order: Add appends rows, Remove and a memory cap's eviction shift them). Not a whole

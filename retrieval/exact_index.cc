@@ -390,18 +390,140 @@ Status ExactChunkIndex::BestOf(const float* probe, const std::vector<uint64_t>& 
   return Status::Ok();
 }
 
+std::vector<int64_t> ExactChunkIndex::RowsOf(const std::vector<uint64_t>& chunks) const {
+  // The chunks in id order, found by one forward walk over the ascending ids_ (galloping from
+  // the last find): the walk reads ids_ in order, where a binary search per chunk misses the
+  // cache at each level of its descent.
+  std::vector<uint64_t> wanted(chunks);
+  std::sort(wanted.begin(), wanted.end());
+  wanted.erase(std::unique(wanted.begin(), wanted.end()), wanted.end());
+  std::vector<int64_t> rows;
+  rows.reserve(wanted.size());
+  size_t lo = 0;  // ids_[lo - 1] < the chunk looked for
+  for (uint64_t c : wanted) {
+    size_t hi = lo, step = 1;
+    while (hi < ids_.size() && ids_[hi] < c) {
+      lo = hi + 1;
+      hi += step;
+      step *= 2;
+    }
+    const auto it = std::lower_bound(ids_.begin() + static_cast<ptrdiff_t>(lo),
+                                     ids_.begin() + static_cast<ptrdiff_t>(std::min(hi, ids_.size())), c);
+    lo = static_cast<size_t>(it - ids_.begin());
+    if (it != ids_.end() && *it == c) rows.push_back(static_cast<int64_t>(lo));
+  }
+  return rows;
+}
+
+namespace {
+
+// ExactChunkIndex::GatherSubset's copy: per kv head the chosen rows' keys [m, R, D] in the store's
+// dtype and their inverse norms [m, R], scored as ScoresOf scores full rows (DotKeys, then
+// MaxDotAndCosine per chunk and head, the heads folded in order), so the scores are equal bit
+// for bit. Contiguous keys stream from memory (or stay in the caches from step to step) where
+// the same rows of the index are a scattered read at every step.
+class ExactChunkSubset final : public ChunkSubset {
+ public:
+  ExactChunkSubset(const ChunkShape& shape, kernels::HeadFold fold) : shape_(shape), fold_(fold) {}
+  // Whether this subset's buffers can take another gather of an index of `shape` and `fold`.
+  bool Fits(const ChunkShape& shape, kernels::HeadFold fold) const {
+    return shape.kv_heads == shape_.kv_heads && shape.head_dim == shape_.head_dim &&
+           shape.repr == shape_.repr && shape.dtype == shape_.dtype && fold.max == fold_.max &&
+           fold.cos_share == fold_.cos_share;
+  }
+
+  Status Score(const float* probe, ChunkScores* out) const override {
+    if (probe == nullptr || out == nullptr)
+      return InvalidArgument("ChunkSubset::Score: probe and out must not be null");
+    const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
+    const size_t m = ids.size(), key_bytes = static_cast<size_t>(D) * DTypeSize(shape_.dtype);
+    out->logit.assign(m, fold_.Start());
+    out->cosine.assign(m, fold_.Start());
+    std::vector<float> dots(m * static_cast<size_t>(R));
+    for (int h = 0; h < H; ++h) {
+      const float* p = probe + static_cast<size_t>(h) * D;
+      const float inv_p = InverseNorm(p, D);
+      kernels::DotKeys(shape_.dtype, keys[h].data(), key_bytes, p, D, m * static_cast<size_t>(R),
+                       dots.data());
+      for (size_t c = 0; c < m; ++c) {
+        float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
+        kernels::MaxDotAndCosine(dots.data() + c * R, inv_norm[h].data() + c * R, inv_p,
+                                 static_cast<size_t>(R), &best, &best_cos);
+        fold_.Add(best, best_cos, &out->logit[c], &out->cosine[c]);
+      }
+    }
+    out->ids = ids;
+    out->logit_error.clear();  // exact
+    out->cosine_error.clear();
+    out->index = nullptr;  // not a whole screen: Best refuses it
+    return Status::Ok();
+  }
+  size_t size() const override { return ids.size(); }
+  uint64_t memory_bytes() const override {
+    uint64_t b = ids.capacity() * sizeof(uint64_t);
+    for (const auto& k : keys) b += k.capacity();
+    for (const auto& v : inv_norm) b += v.capacity() * sizeof(float);
+    return b;
+  }
+
+  std::vector<uint64_t> ids;                 // [m] ascending
+  std::vector<std::vector<uint8_t>> keys;    // [H][m, R, D] in the store's dtype
+  std::vector<std::vector<float>> inv_norm;  // [H][m, R]
+
+ private:
+  const ChunkShape shape_;
+  const kernels::HeadFold fold_;
+};
+
+}  // namespace
+
+Status ExactChunkIndex::GatherSubset(const std::vector<uint64_t>& chunks,
+                                     std::unique_ptr<ChunkSubset>* subset) const {
+  if (subset == nullptr) return InvalidArgument("ExactChunkIndex::GatherSubset: subset must not be null");
+  const std::vector<int64_t> rows = RowsOf(chunks);
+  const int H = shape_.kv_heads, R = shape_.repr;
+  const size_t key_bytes = static_cast<size_t>(shape_.head_dim) * DTypeSize(shape_.dtype);
+  const size_t row_bytes = static_cast<size_t>(R) * key_bytes;
+  if (!rows.empty() && static_cast<size_t>(rows.front()) < full_from_)
+    return FailedPrecondition("ExactChunkIndex::GatherSubset: chunk " + std::to_string(ids_[rows.front()]) +
+                              " keeps only its int8 codes under the memory cap");
+  const kernels::HeadFold fold = FoldOf(options_.heads, H);
+  auto* mine = dynamic_cast<ExactChunkSubset*>(subset->get());
+  if (mine == nullptr || !mine->Fits(shape_, fold)) {
+    *subset = std::make_unique<ExactChunkSubset>(shape_, fold);
+    mine = static_cast<ExactChunkSubset*>(subset->get());
+  }
+  mine->ids.resize(rows.size());
+  mine->keys.resize(H);
+  mine->inv_norm.resize(H);
+  for (int h = 0; h < H; ++h) {
+    mine->keys[h].resize(rows.size() * row_bytes);
+    mine->inv_norm[h].resize(rows.size() * R);
+  }
+  // The rows lie scattered: ask for the representatives of a row a few places ahead.
+  constexpr size_t kAhead = 4;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (i + kAhead < rows.size()) {
+      const size_t ahead = static_cast<size_t>(rows[i + kAhead]) - full_from_;
+      for (int h = 0; h < H; ++h)
+        for (size_t off = 0; off < row_bytes; off += 64)
+          __builtin_prefetch(repr_[h].data() + ahead * row_bytes + off);
+    }
+    const size_t c = static_cast<size_t>(rows[i]) - full_from_;
+    mine->ids[i] = ids_[static_cast<size_t>(rows[i])];
+    for (int h = 0; h < H; ++h) {
+      std::copy_n(repr_[h].data() + c * row_bytes, row_bytes, mine->keys[h].data() + i * row_bytes);
+      std::copy_n(inv_norm_[h].data() + c * R, R, mine->inv_norm[h].data() + i * R);
+    }
+  }
+  return Status::Ok();
+}
+
 Status ExactChunkIndex::ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks,
                                     ChunkScores* out) const {
   if (probe == nullptr || out == nullptr)
     return InvalidArgument("ExactChunkIndex::ScoreChunks: probe and out must not be null");
-  std::vector<int64_t> rows;
-  rows.reserve(chunks.size());
-  for (uint64_t c : chunks) {
-    const auto it = std::lower_bound(ids_.begin(), ids_.end(), c);
-    if (it != ids_.end() && *it == c) rows.push_back(it - ids_.begin());
-  }
-  std::sort(rows.begin(), rows.end());
-  rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+  const std::vector<int64_t> rows = RowsOf(chunks);
   ScoresOf(probe, rows, &out->logit, &out->cosine);
   out->ids.resize(rows.size());
   for (size_t i = 0; i < rows.size(); ++i) out->ids[i] = ids_[static_cast<size_t>(rows[i])];

@@ -113,6 +113,10 @@ class ExactChunkIndex final : public ChunkIndex {
                 std::vector<uint64_t>* out) const override;
   Status ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks,
                      ChunkScores* out) const override;
+  /// The stored keys of `chunks` copied side by side; FailedPrecondition where one of them is
+  /// compressed (its codes only).
+  Status GatherSubset(const std::vector<uint64_t>& chunks,
+                      std::unique_ptr<ChunkSubset>* subset) const override;
   /// The int8 pass over rows [begin, end) (rerank > 0), else the fp32 pass over them.
   Status ScreenRows(const float* probe, size_t begin, size_t end, ChunkScores* out) const override;
   size_t size() const override { return ids_.size(); }
@@ -157,6 +161,8 @@ class ExactChunkIndex final : public ChunkIndex {
   void DequantisedDot(int h, size_t row, int r, const float* p, float inv_p, float* dot, float* cos) const;
   // Rows from `row` on changed: the mirror takes them before the next selection.
   void MarkMirrorStale(size_t row);
+  // The rows of `chunks` (those the index holds), ascending.
+  std::vector<int64_t> RowsOf(const std::vector<uint64_t>& chunks) const;
   // The fp32 scores of the chunks at rows `rows` only (the rescoring stage).
   void ScoresOf(const float* probe, const std::vector<int64_t>& rows, std::vector<float>* logit,
                 std::vector<float>* cosine) const;

@@ -249,7 +249,7 @@ Status Retriever::ApplyUpdate(LayerIndex* li) {
       return Status::Ok();
     }));
   }
-  if (!update_.added.empty() || !update_.dropped.empty()) li->last_valid = false;
+  if (!update_.added.empty() || !update_.dropped.empty()) ForgetSearch(li);
   if (!update_.dropped.empty()) li->roll_valid = false;  // rows shift: the kept cosines are off
   li->cursor.chunks = update_.next.chunks;               // added (Add is all or nothing): never added twice
   if (!update_.dropped.empty()) KVTIER_RETURN_IF_ERROR(li->index->Remove(update_.dropped));
@@ -260,7 +260,7 @@ Status Retriever::ApplyUpdate(LayerIndex* li) {
 Status Retriever::Forget(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices) {
   KVTIER_RETURN_IF_ERROR(Sync(seq, layer));  // index everything first, so nothing dropped is added later
   KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
-  li->last_valid = false;
+  ForgetSearch(li);
   li->roll_valid = false;
   return li->index->Remove(chunk_indices);
 }
@@ -397,13 +397,31 @@ Result<bool> Retriever::ReuseLast(LayerIndex* li, int layer, int n, size_t cap, 
   }
   const size_t t = std::min({static_cast<size_t>(std::max(0, take)), cap, li->last_chunks.size()});
   // The shortlist rescored exactly for this step's probe (the Exact kind); kinds that cannot
-  // score chosen chunks alone take the stored choice as it is.
-  Status rescored = li->index->BestOf(probe_vec_.data(), li->last_chunks, alloc_->rank(), t, &sel->chunks);
-  if (rescored.code() == StatusCode::kFailedPrecondition) {
-    sel->chunks.assign(li->last_chunks.begin(), li->last_chunks.begin() + static_cast<ptrdiff_t>(t));
-  } else {
-    KVTIER_RETURN_IF_ERROR(rescored);
+  // score chosen chunks alone take the stored choice as it is. The first reuse of a search
+  // scores the shortlist where it lies in the index; the second gathers it side by side
+  // (GatherSubset), which costs about two scattered scorings and makes each later one a
+  // fraction of one.
+  if (li->last_reuses == 1) {
+    const Status gathered = li->index->GatherSubset(li->last_chunks, &li->last_subset);
+    if (gathered.ok()) {
+      li->last_gathered = true;
+    } else if (gathered.code() != StatusCode::kFailedPrecondition) {
+      return gathered;
+    }
   }
+  if (li->last_gathered) {
+    KVTIER_RETURN_IF_ERROR(li->last_subset->Score(probe_vec_.data(), &reuse_scores_));
+    sel->chunks = TakeBest(reuse_scores_.by(alloc_->rank()), reuse_scores_.ids, t);
+  } else {
+    const Status rescored =
+        li->index->BestOf(probe_vec_.data(), li->last_chunks, alloc_->rank(), t, &sel->chunks);
+    if (rescored.code() == StatusCode::kFailedPrecondition) {
+      sel->chunks.assign(li->last_chunks.begin(), li->last_chunks.begin() + static_cast<ptrdiff_t>(t));
+    } else {
+      KVTIER_RETURN_IF_ERROR(rescored);
+    }
+  }
+  ++li->last_reuses;
   sel->clipped = BeyondPool(take, cap);
   sel->reused = true;
   ++reused_selections_;
@@ -540,6 +558,12 @@ Result<bool> Retriever::ScreenSlice(LayerIndex* li, int layer, int n, size_t cap
   return true;
 }
 
+void Retriever::ForgetSearch(LayerIndex* li) {
+  li->last_valid = false;
+  li->last_gathered = false;
+  li->last_reuses = 0;
+}
+
 void Retriever::RememberSearch(LayerIndex* li, const std::vector<uint64_t>& chunks, size_t keep,
                                double theta) {
   if (options_.reuse_cosine <= 0.0) return;
@@ -548,6 +572,8 @@ void Retriever::RememberSearch(LayerIndex* li, const std::vector<uint64_t>& chun
   li->last_chunks.assign(chunks.begin(),
                          chunks.begin() + static_cast<ptrdiff_t>(std::min(keep, chunks.size())));
   li->last_theta = theta;
+  li->last_gathered = false;
+  li->last_reuses = 0;
 }
 
 Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel) {
@@ -623,7 +649,7 @@ uint64_t Retriever::evicted_chunks() const {
 uint64_t Retriever::memory_bytes() const {
   uint64_t b = 0;
   for (const auto& [key, li] : indexes_)
-    if (li.index) b += li.index->memory_bytes();
+    if (li.index) b += li.index->memory_bytes() + (li.last_subset ? li.last_subset->memory_bytes() : 0);
   return b;
 }
 

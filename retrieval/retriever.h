@@ -168,6 +168,7 @@ class Retriever {
   /// The backend Exact indexes select on, or null for the host path.
   const RetrievalBackend* backend() const { return backend_.get(); }
   const RetrieverOptions& options() const { return options_; }
+  /// The indexes' memory_bytes() and the shortlists gathered for reuse (reuse_cosine).
   uint64_t memory_bytes() const;
   /// Summed over the indexes: chunks kept as int8 codes only, and chunks evicted, by the
   /// memory cap (StoreOptions::index_bytes; each layer's index gets index_bytes / layers).
@@ -198,6 +199,11 @@ class Retriever {
     std::vector<float> last_probe;      // the probe it searched for
     std::vector<uint64_t> last_chunks;  // its shortlist, best first (ShortlistSize of the grant)
     double last_theta = 0.0;            // its Eq. 11 entropy (entropy allocator)
+    // The shortlist's representatives side by side, gathered by the second step that reuses
+    // it (last_gathered: it holds last_chunks) into buffers kept from search to search.
+    std::unique_ptr<ChunkSubset> last_subset;
+    bool last_gathered = false;
+    int last_reuses = 0;  // steps that reused it so far
     // The rolling screen (screen_period > 1), valid from a decode step's full screen until a
     // chunk leaves: every chunk's latest Eq. 10 cosine (exact where rescored, else screened) by
     // row, the next slice's first row, and the shortlist (best first).
@@ -225,6 +231,8 @@ class Retriever {
   Result<bool> ReuseLast(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
   // Records a search's shortlist for reuse: the first `keep` of `chunks` (best first).
   void RememberSearch(LayerIndex* li, const std::vector<uint64_t>& chunks, size_t keep, double theta);
+  // A chunk landed or left: the layer's last search may not be reused.
+  static void ForgetSearch(LayerIndex* li);
   // Select's path through the backend (the index keeps a mirror).
   Status SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
   Result<LayerIndex*> Index(SequenceId seq, int layer);
@@ -243,6 +251,7 @@ class Retriever {
   ChunkScores scores_;                  // Select: the layer's screened scores (reused)
   ChunkUpdate update_;                  // Sync: the store's changes (reused)
   ChunkScores roll_part_, roll_exact_;  // ScreenSlice's scratch
+  ChunkScores reuse_scores_;            // ReuseLast's scratch
   int k_ = 0;
   uint64_t reused_selections_ = 0, selections_ = 0, sliced_selections_ = 0;
 };

@@ -722,6 +722,69 @@ TEST(ExactChunkIndexCap, CompressedChunksScoreWithinTheCodeErrorAndChooseTheSame
   }
 }
 
+// GatherSubset: the chosen chunks' representatives side by side score exactly as ScoreChunks
+// scores them in place, bit for bit, for any probe; a second gather into the same subset
+// replaces the first; compressed chunks and the FAISS kinds are FailedPrecondition.
+TEST(ExactChunkIndex, AGatheredSubsetScoresAsScoreChunksBitForBit) {
+  for (const char* spec : {"Exact:heads=sum", "Exact:heads=max", "Exact:heads=max,rerank=0"})
+    for (DType dt : {DType::kF32, DType::kF16, DType::kBF16})
+      for (int repr : {1, 4, 16}) {
+        SCOPED_TRACE(std::string(spec) + " " + DTypeName(dt) + " repr " + std::to_string(repr));
+        const ChunkShape shape{2, 16, repr, dt};
+        const size_t n = 203;
+        auto index = Make(spec, shape);
+        AddAll(index.get(), Iota(n, 5), RandomReprs(n, shape, 51));
+        std::mt19937 rng(9);
+        std::normal_distribution<float> nd;
+        // Out of order, a duplicate, chunks the index does not hold; then another choice.
+        const std::vector<std::vector<uint64_t>> choices{{150, 7, 100000, 150, 4, 207, 33, 5},
+                                                         {6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 199}};
+        std::unique_ptr<ChunkSubset> subset;
+        for (const auto& chosen : choices) {
+          ASSERT_TRUE(index->GatherSubset(chosen, &subset).ok());
+          ASSERT_NE(subset, nullptr);
+          const ChunkSubset* first = subset.get();
+          for (int probe = 0; probe < 3; ++probe) {
+            std::vector<float> p(shape.dim());
+            for (float& x : p) x = nd(rng);
+            ChunkScores want, got;
+            ASSERT_TRUE(index->ScoreChunks(p.data(), chosen, &want).ok());
+            ASSERT_TRUE(subset->Score(p.data(), &got).ok());
+            EXPECT_EQ(got.ids, want.ids);
+            ASSERT_EQ(got.logit.size(), want.logit.size());
+            EXPECT_EQ(0, std::memcmp(got.logit.data(), want.logit.data(), got.logit.size() * sizeof(float)));
+            EXPECT_EQ(0,
+                      std::memcmp(got.cosine.data(), want.cosine.data(), got.cosine.size() * sizeof(float)));
+            EXPECT_TRUE(got.logit_error.empty());
+            EXPECT_EQ(subset->size(), want.ids.size());
+            std::vector<uint64_t> out;  // not a whole screen
+            EXPECT_EQ(index->Best(p.data(), got, ChunkRank::kLogit, 1, &out).code(),
+                      StatusCode::kInvalidArgument);
+          }
+          EXPECT_GE(subset->memory_bytes(), subset->size() * shape.kv_heads * repr * 16 * DTypeSize(dt));
+          // The next gather keeps this object (its buffers).
+          ASSERT_TRUE(index->GatherSubset(chosen, &subset).ok());
+          EXPECT_EQ(subset.get(), first);
+        }
+        std::vector<float> p(shape.dim(), 1.0f);
+        EXPECT_EQ(subset->Score(nullptr, nullptr).code(), StatusCode::kInvalidArgument);
+        EXPECT_EQ(index->GatherSubset({7}, nullptr).code(), StatusCode::kInvalidArgument);
+      }
+  // A chunk kept as int8 codes only is not gathered (its stored keys are gone).
+  const ChunkShape shape{2, 16, 4, DType::kF16};
+  auto capped = Make("Exact", shape);
+  ASSERT_TRUE(capped->SetMemoryCap(64 * (FullRowBytes(shape) + CodeRowBytes(shape))).ok());
+  AddAll(capped.get(), Iota(200), RandomReprs(200, shape, 3));
+  ASSERT_GT(capped->compressed_chunks(), 0u);
+  std::unique_ptr<ChunkSubset> subset;
+  const uint64_t oldest_kept = 200 - capped->size();
+  EXPECT_EQ(capped->GatherSubset({oldest_kept, 199}, &subset).code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(capped->GatherSubset({199}, &subset).ok());
+  // The FAISS kinds cannot score chosen chunks alone.
+  auto flat = Make("Flat", ChunkShape{2, 16, 4, DType::kF32});
+  EXPECT_EQ(flat->GatherSubset({0, 1}, &subset).code(), StatusCode::kFailedPrecondition);
+}
+
 TEST(ExactChunkIndexCap, ARebuildInOneAddEndsWhereTheIncrementalAddsDid) {
   // After a reopen or an attach the Retriever hands every chunk over in one Add: the capped
   // index must end as the chunk-by-chunk one did (same chunks, same compression, same scores).
