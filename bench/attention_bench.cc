@@ -260,11 +260,12 @@ void BM_ReadParallel(benchmark::State& state) {
 void BM_Memcpy(benchmark::State& state) { RunMemcpy(state, false); }
 void BM_MemcpyParallel(benchmark::State& state) { RunMemcpy(state, true); }
 
-constexpr int64_t k4K = 4096, k32K = 32768, k128K = 131072;
+// kStep: the tokens a `kvtier run` decode step attends a layer (64 sinks, 2,048 retrieved, 512 local).
+constexpr int64_t kStep = 2624, k4K = 4096, k32K = 32768, k128K = 131072;
 
 BENCHMARK(BM_AttentionDecode)
     ->ArgNames({"N", "chunked"})
-    ->ArgsProduct({{k4K, k32K, k128K}, {0, 1}})
+    ->ArgsProduct({{kStep, k4K, k32K, k128K}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AttentionScattered)

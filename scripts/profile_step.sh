@@ -5,6 +5,7 @@
 # fetch, ...).
 #   scripts/profile_step.sh [BUILD_DIR] [OUT_DIR]
 #   KVTIER_PROFILE_ARGS  kvtier run flags [--context 131072 --decode-steps 400]
+#   KVTIER_PROFILE_HZ    perf's sampling rate [499]; more samples resolve the small parts
 # OUT_DIR (default BUILD_DIR/profile-step) gets perf.data, run.json, run.txt and parts.md.
 # Needs linux-perf (Debian's `linux-perf`); at kernel.perf_event_paranoid 2 perf may still
 # attach to a process of the same user, which is what this does (`perf record -D` is refused
@@ -29,6 +30,6 @@ until grep -q "prefill" "$out/run.err" 2> /dev/null; do
   sleep 0.5
 done
 sleep 3
-perf record -F 499 --call-graph dwarf,16384 -p "$pid" -o "$out/perf.data" 2> "$out/perf.err" || true
+perf record -F "${KVTIER_PROFILE_HZ:-499}" --call-graph dwarf,16384 -p "$pid" -o "$out/perf.data" 2> "$out/perf.err" || true
 wait "$pid"
 perf script -i "$out/perf.data" -F tid,ip,sym 2> /dev/null | /usr/bin/python3 "$here/profile_step.py" | tee "$out/parts.md"

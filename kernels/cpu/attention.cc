@@ -1035,10 +1035,17 @@ KernelError AttentionImpl(const AttentionParams& P) {
     pl.n_hblocks = P.kv_heads;
     base_items = static_cast<int64_t>(pl.n_hblocks) * pl.n_qblocks;
   }
+  // Equal items, as many as the workers or a multiple: with 5 on 2 workers one runs 3 while the
+  // other waits after 2 (a decode step's 2,624 keys), with 4 each runs 2.
+  const auto balanced = [threads](int64_t items, int64_t per_item) {
+    const int64_t total = items * per_item;
+    return total > threads ? std::max<int64_t>(1, total / threads * threads / per_item) : items;
+  };
   int64_t S = 1;
   if (base_items < target_items && N >= 2 * kMinSplitKeys) {
     S = std::min((target_items + base_items - 1) / base_items, N / kMinSplitKeys);
     S = std::max<int64_t>(1, std::min<int64_t>(S, std::numeric_limits<int>::max() / base_items));
+    S = balanced(S, base_items);
   }
   pl.split_len = RoundUp((N + S - 1) / S, pl.T);
   if (pl.split_len == 0) pl.split_len = 1;
@@ -1089,7 +1096,7 @@ KernelError AttentionImpl(const AttentionParams& P) {
     pl.moffs = moffs.data();
     pl.NM = moffs.back();
     int64_t S2 = 1;
-    if (pl.NM >= 2 * kMinSplitKeys) S2 = std::min(target_items, pl.NM / kMinSplitKeys);
+    if (pl.NM >= 2 * kMinSplitKeys) S2 = balanced(std::min(target_items, pl.NM / kMinSplitKeys), 1);
     pl.split2_len = std::max<int64_t>(1, RoundUp((pl.NM + S2 - 1) / S2, pl.T));
     pl.S2 = static_cast<int>(std::max<int64_t>(1, (pl.NM + pl.split2_len - 1) / pl.split2_len));
     Run(pl, /*mass=*/true);
