@@ -174,9 +174,10 @@ BENCHMARK(BM_ExactScreenRead)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
-}  // namespace
 BENCHMARK(BM_ShortlistRescore)
     ->ArgNames({"chunks", "gathered"})
     ->ArgsProduct({{4096, 32768}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
