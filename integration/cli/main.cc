@@ -234,10 +234,10 @@ int CmdRun(int argc, char** argv) {
   RunOptions o;
   // Defaults of the main job: a small model shape so 128K tokens stream
   // through two cores in about a minute, with a warm tier a quarter of the
-  // context's KV so the cold tier is exercised.
+  // context's KV so the cold tier is exercised. The hot tier keeps the
+  // library's default (StoreOptions::hot_bytes), as an embedding engine gets it.
   o.store.geometry = Geometry{8, 8, 2, 64, DType::kF16};
   o.store.warm_bytes = 128ull << 20;
-  o.store.hot_bytes = 16ull << 20;
   o.store.data_dir.clear();  // a temporary directory unless --data-dir (PrepareDataDir)
   o.workload.context = 131072;
   DataPlace place;

@@ -247,6 +247,8 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer,
         }
         requested.clear();
         int64_t need = 0;  // chunks with no hot slot, each once
+        // The chunks' records are scattered and cold in the cache after a search: each is read
+        // through the layer's table, with no chunk_by_id_ lookup unless a chunk is asked twice.
         for (uint64_t idx : chunk_indices) {
           if (idx >= lsp->chunks.size() || lsp->chunks[idx] == nullptr) {
             end_wait();
@@ -254,12 +256,18 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer,
                 "fetch: chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
                 " does not exist (layer has " + std::to_string(lsp->chunks.size()) + " chunks)");
           }
-          requested.push_back(lsp->chunks[idx]->id);
+          const Chunk* c = lsp->chunks[idx];
+          requested.push_back(c->id);
+          if (c->hot_slot < 0) need++;
         }
         std::sort(requested.begin(), requested.end());
+        const size_t listed = requested.size();
         requested.erase(std::unique(requested.begin(), requested.end()), requested.end());
-        for (uint64_t id : requested)
-          if (chunk_by_id_.at(id)->hot_slot < 0) need++;
+        if (requested.size() != listed) {  // a chunk asked for twice: count its slot once
+          need = 0;
+          for (uint64_t id : requested)
+            if (chunk_by_id_.at(id)->hot_slot < 0) need++;
+        }
         now = options_.clock->Now();
         if (need == 0) break;
         // An older fetch waits: one that holds no pin queues behind it (see the header).

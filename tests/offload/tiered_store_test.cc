@@ -443,6 +443,17 @@ TEST(TieredStore, FetchPromotesPinsAndCountsHits) {
   ASSERT_TRUE(h3.ok() && h3->Wait().ok());
   EXPECT_EQ(st->counters().hits - c1.hits, 3u);
   EXPECT_EQ(st->counters().bytes_moved, c1.bytes_moved);
+  // A chunk asked for twice needs one slot: with one slot free, {10, 10} fits, {10, 10, 11, 11}
+  // does not, and both spans of the chunk read its bytes.
+  auto twice_over = st->FetchChunks(seq, 0, {10, 10, 11, 11});
+  ASSERT_FALSE(twice_over.ok());
+  EXPECT_EQ(twice_over.status().code(), StatusCode::kResourceExhausted);
+  {
+    auto twice = st->FetchChunks(seq, 0, {10, 10});
+    ASSERT_TRUE(twice.ok()) << twice.status().ToString();
+    ASSERT_TRUE(twice->Wait().ok());
+    check_spans(*twice, {10, 10});
+  }
   h->Release();
   h3->Release();
   // Released: the slots can be reused, and evicted chunks come back intact.
