@@ -253,9 +253,17 @@ AckManifest::~AckManifest() {
 }
 
 Result<std::unique_ptr<AckManifest>> AckManifest::Open(const std::string& dir, bool sync) {
+  return Load(dir, sync, /*writable=*/true);
+}
+
+Result<std::unique_ptr<AckManifest>> AckManifest::Read(const std::string& dir) {
+  return Load(dir, /*sync=*/false, /*writable=*/false);
+}
+
+Result<std::unique_ptr<AckManifest>> AckManifest::Load(const std::string& dir, bool sync, bool writable) {
   auto m = std::unique_ptr<AckManifest>(new AckManifest(dir, sync));
   const std::string& path = m->path_;
-  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
   if (fd < 0 && errno == ENOENT) return NotFound("ack manifest '" + path + "' does not exist");
   if (fd < 0) return IOError(Errno("ack manifest: open '" + path + "'", errno));
   std::string bytes;
@@ -274,7 +282,8 @@ Result<std::unique_ptr<AckManifest>> AckManifest::Open(const std::string& dir, b
   const size_t whole = bytes.size() / kRecordBytes * kRecordBytes;
   // A partial last record is an append the process died in; its acknowledgement was
   // never returned, so dropping it loses nothing that was promised.
-  if (st.ok() && whole != bytes.size() && whole > 0 && ::ftruncate(fd, static_cast<off_t>(whole)) != 0)
+  if (writable && st.ok() && whole != bytes.size() && whole > 0 &&
+      ::ftruncate(fd, static_cast<off_t>(whole)) != 0)
     st = IOError(Errno("ack manifest: cut the partial last record of '" + path + "'", errno));
   ::close(fd);
   KVTIER_RETURN_IF_ERROR(st);
@@ -327,7 +336,10 @@ Result<std::unique_ptr<AckManifest>> AckManifest::Open(const std::string& dir, b
     }
   }
   m->file_records_ = whole / kRecordBytes;
-  KVTIER_ASSIGN_OR_RETURN(m->fd_, OpenForAppend(path));
+  if (writable) {
+    KVTIER_ASSIGN_OR_RETURN(m->fd_, OpenForAppend(path));
+  }
+  m->writable_ = writable;
   return m;
 }
 
@@ -344,6 +356,7 @@ Result<std::unique_ptr<AckManifest>> AckManifest::Create(const std::string& dir,
 }
 
 Status AckManifest::AppendLocked(uint8_t type, SequenceId seq, uint32_t layer, uint64_t a, uint64_t b) {
+  KVTIER_RETURN_IF_ERROR(CheckWritableLocked());
   const Record r = MakeRecord(type, seq, layer, a, b);
   KVTIER_RETURN_IF_ERROR(WriteAll(fd_, r.data(), r.size(), path_));
   if (sync_ && ::fdatasync(fd_) != 0)
@@ -402,6 +415,7 @@ Status AckManifest::AckSequenceRecord(SequenceId seq, uint32_t crc) {
 
 Status AckManifest::Forget(const std::vector<ChunkRange>& chunks, const std::vector<SequenceId>& sequences) {
   std::lock_guard l(mu_);
+  KVTIER_RETURN_IF_ERROR(CheckWritableLocked());
   for (const ChunkRange& r : chunks) chunks_.EraseRange(r.seq, r.layer, r.first, r.last);
   for (SequenceId s : sequences) sequences_.erase(s);
   return CompactLocked();
@@ -410,6 +424,7 @@ Status AckManifest::Forget(const std::vector<ChunkRange>& chunks, const std::vec
 Status AckManifest::Adopt(const std::vector<ChunkRange>& chunks,
                           const std::vector<std::pair<SequenceId, uint32_t>>& sequences) {
   std::lock_guard l(mu_);
+  KVTIER_RETURN_IF_ERROR(CheckWritableLocked());
   for (const ChunkRange& r : chunks) {
     chunks_.InsertRange(r.seq, r.layer, r.first, r.last);
     deleted_.EraseRange(r.seq, r.layer, r.first, r.last);
@@ -456,6 +471,7 @@ uint64_t AckManifest::drop_records() const {
 
 Status AckManifest::PruneDrops() {
   std::lock_guard l(mu_);
+  KVTIER_RETURN_IF_ERROR(CheckWritableLocked());
   if (dropped_.empty() && deleted_.empty()) return Status::Ok();
   std::set<SequenceId> dropped;
   ChunkRangeSet deleted;
@@ -470,7 +486,13 @@ Status AckManifest::PruneDrops() {
   return st;
 }
 
+Status AckManifest::CheckWritableLocked() const {
+  if (writable_) return Status::Ok();
+  return FailedPrecondition("ack manifest '" + path_ + "' was opened read-only (AckManifest::Read)");
+}
+
 Status AckManifest::CompactLocked() {
+  KVTIER_RETURN_IF_ERROR(CheckWritableLocked());
   uint64_t records = 0;
   KVTIER_RETURN_IF_ERROR(WriteSnapshot(dir_, path_, chunks_, sequences_, dropped_, deleted_, &records));
   // The old descriptor points at the replaced file: appends must go to the new one.

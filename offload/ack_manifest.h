@@ -125,6 +125,9 @@ class AckManifest {
   /// that is a new store or a lost manifest); a damaged one is Corruption naming the
   /// byte offset of the first bad record. A partial last record is cut off.
   static Result<std::unique_ptr<AckManifest>> Open(const std::string& dir, bool sync);
+  /// Reads <dir>/kvtier-acked as Open does, but writes nothing: a partial last record is
+  /// ignored, not cut off, and every call that would write returns FailedPrecondition.
+  static Result<std::unique_ptr<AckManifest>> Read(const std::string& dir);
   /// Creates <dir>/kvtier-acked holding exactly `chunks` and `sequences` (replacing any
   /// file there), durably (temporary file, fsync, rename, fsync of the directory).
   static Result<std::unique_ptr<AckManifest>> Create(const std::string& dir, bool sync,
@@ -175,6 +178,8 @@ class AckManifest {
 
  private:
   AckManifest(std::string dir, bool sync);
+  static Result<std::unique_ptr<AckManifest>> Load(const std::string& dir, bool sync, bool writable);
+  Status CheckWritableLocked() const;
   Status AppendLocked(uint8_t type, SequenceId seq, uint32_t layer, uint64_t a, uint64_t b);
   Status CompactLocked();
   Status MaybeCompactLocked();
@@ -184,6 +189,7 @@ class AckManifest {
   const bool sync_;
   mutable std::mutex mu_;
   int fd_ = -1;
+  bool writable_ = true;  // false: opened by Read
   ChunkRangeSet chunks_;
   std::map<SequenceId, uint32_t> sequences_;
   // Tombstones: disjoint from chunks_ (an ack takes a chunk out of deleted_).

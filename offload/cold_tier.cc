@@ -94,6 +94,10 @@ Status ColdTierOptions::Validate() const {
       return InvalidArgument("cold tier: compression must be none|lz4|zstd (got " +
                              std::to_string(static_cast<int>(compression)) + ")");
   }
+  if (read_only && accept_lost_chunks)
+    return InvalidArgument("cold tier: accept_lost_chunks needs a read-write open (read_only is set)");
+  if (list_missing && !read_only)
+    return InvalidArgument("cold tier: list_missing is for read-only opens (set read_only)");
   if (write_buffer_bytes < kMinWriteBuffer || write_buffer_bytes > kMaxWriteBuffer)
     return InvalidArgument("cold tier: write_buffer_bytes must be in [64 KiB, 4 GiB] (got " +
                            std::to_string(write_buffer_bytes) + ")");
@@ -257,9 +261,12 @@ struct StoreFiles {
   }
 };
 
-bool EndsWith(const std::string& s, const char* suffix) {
+// RocksDB's file names: <digits><suffix>, e.g. 000123.log, 000042.sst (an app.log is not one).
+bool IsNumbered(const std::string& s, const char* suffix) {
   const size_t n = std::strlen(suffix);
-  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
+  if (s.size() <= n || s.compare(s.size() - n, n, suffix) != 0) return false;
+  return std::all_of(s.begin(), s.end() - static_cast<std::ptrdiff_t>(n),
+                     [](char c) { return c >= '0' && c <= '9'; });
 }
 
 Status ListStoreFiles(const std::string& dir, StoreFiles* out) {
@@ -270,9 +277,10 @@ Status ListStoreFiles(const std::string& dir, StoreFiles* out) {
     const std::string name = it->path().filename().string();
     if (name == "CURRENT")
       out->current = true;
-    else if (name.rfind("MANIFEST-", 0) == 0)
+    else if (name.size() > 9 && name.rfind("MANIFEST-", 0) == 0 &&
+             std::all_of(name.begin() + 9, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
       out->manifests.push_back(name);
-    else if (EndsWith(name, ".log") || EndsWith(name, ".sst") || EndsWith(name, ".blob") ||
+    else if (IsNumbered(name, ".log") || IsNumbered(name, ".sst") || IsNumbered(name, ".blob") ||
              name == AckManifest::kFileName)
       out->data.push_back(name);
   }
@@ -424,10 +432,13 @@ const char* BackgroundErrorName(rocksdb::BackgroundErrorReason r) {
 // the RocksDB listener below, which runs on RocksDB's threads.
 class ColdTierWriteLatch {
  public:
-  explicit ColdTierWriteLatch(std::string path) : path_(std::move(path)) {}
+  ColdTierWriteLatch(std::string path, bool read_only) : path_(std::move(path)), read_only_(read_only) {}
 
-  /// OK while no write failed; else the IOError every later write returns.
+  /// OK while no write failed; else the IOError every later write returns. A read-only
+  /// tier's writes are all FailedPrecondition.
   Status Check() const {
+    if (read_only_)
+      return FailedPrecondition("cold tier: '" + path_ + "' is open read-only; it takes no writes");
     if (!failed_.load(std::memory_order_acquire)) return Status::Ok();
     std::lock_guard l(mu_);
     return IOError(
@@ -449,6 +460,7 @@ class ColdTierWriteLatch {
 
  private:
   const std::string path_;
+  const bool read_only_;
   mutable std::mutex mu_;
   std::atomic<bool> failed_{false};
   std::string first_;  // guarded by mu_
@@ -507,8 +519,23 @@ std::string BlobKey(SequenceId seq, uint32_t layer, std::string_view name) {
 
 // ---- the tier ---------------------------------------------------------------------------
 
+// What an open found in the database and the manifest, before it changes anything.
+struct Findings {
+  ChunkRangeSet present;                        // chunks whose meta record is there
+  std::map<SequenceId, uint32_t> present_seqs;  // sequence records there, by CRC-32C
+  std::set<SequenceId> damaged_seqs;            // there, failing their checks
+  bool had_marker = false;                      // the manifest marker is in the database
+  bool new_manifest = false;                    // no manifest and no marker: a new store
+  std::string manifest_problem;                 // the manifest is missing or damaged: why
+  std::vector<ChunkRange> missing;              // acknowledged, not there
+  std::vector<SequenceId> missing_seqs;         // acknowledged records not there, or older
+};
+
 struct ColdTier::Impl {
   ColdTierOptions options;
+  bool read_only = false;
+  std::string manifest_problem;          // read-only with list_missing: why the manifest is unusable
+  ChunkRangeSet acked_without_manifest;  // read-only without a manifest: what is there
   rocksdb::DB* db = nullptr;
   std::vector<rocksdb::ColumnFamilyHandle*> handles;
   rocksdb::ColumnFamilyHandle* seq_cf = nullptr;
@@ -563,7 +590,15 @@ struct ColdTier::Impl {
     return Status::Ok();
   }
 
-  Status CheckAcknowledged(const ChunkRangeSet& present);
+  // Open's steps (ColdTier::Open): the database, then what it holds against the manifest.
+  rocksdb::DBOptions MakeDbOptions(bool create);
+  std::vector<rocksdb::ColumnFamilyDescriptor> MakeColumnFamilies();
+  Status OpenDb(bool create);
+  Status Assess(Findings* f);
+  Status Refusal(const Findings& f) const;
+  static std::string DescribeMissing(const Findings& f);
+  Status Inspected(Findings f);
+  Status Settle(Findings f);
 
   // Rebuilds the counters from the meta records (small; payloads untouched), and notes
   // which chunks are there for the manifest check (a meta and its payload are one batch,
@@ -592,8 +627,9 @@ struct ColdTier::Impl {
 
   // Deletes again what the manifest says was dropped or deleted and is present (its delete
   // was lost with the WAL), so that it is neither served nor adopted. *present loses it.
+  // With apply false, only lists what it would delete again (a read-only open).
   Status RedoDrops(ChunkRangeSet* present, const std::map<SequenceId, uint32_t>& present_seqs,
-                   const std::set<SequenceId>& damaged_seqs);
+                   const std::set<SequenceId>& damaged_seqs, bool apply);
 
   // Once the manifest holds this many tombstones (offload/ack_manifest.h), a drop flushes
   // RocksDB and prunes them.
@@ -668,36 +704,67 @@ struct ColdTier::Impl {
 ColdTier::ColdTier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ColdTier::~ColdTier() = default;
 
-Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options) {
-  KVTIER_RETURN_IF_ERROR(options.Validate());
-  namespace fs = std::filesystem;
-  const std::string& path = options.path;
-  std::error_code ec;
-  fs::file_status st = fs::status(path, ec);
-  if (fs::exists(st)) {
-    if (fs::is_regular_file(st))
-      return InvalidArgument("cold tier: data dir '" + path + "' is a file, not a directory");
-    if (!fs::is_directory(st))
-      return InvalidArgument("cold tier: data dir '" + path + "' exists and is not a directory");
-  } else {
-    fs::create_directories(path, ec);
-    if (ec) return IOError("cold tier: cannot create data dir '" + path + "': " + ec.message());
+namespace {
+
+// RocksDB's info log for a read-only open: a read-only open writes nothing into the directory,
+// not even a LOG line.
+class DiscardingLog : public rocksdb::Logger {
+ public:
+  DiscardingLog() : rocksdb::Logger(rocksdb::InfoLogLevel::HEADER_LEVEL) {}
+  using rocksdb::Logger::Logv;
+  void Logv(const char*, va_list) override {}
+};
+
+// Whether another process holds the store's LOCK (RocksDB takes a POSIX write lock on it
+// for as long as a read-write open lasts). Asked with F_OFD_GETLK, which takes nothing, so
+// the read-only open that asks leaves the directory as it was. OK when no LOCK file exists.
+Status CheckNotLocked(const std::string& dir) {
+  const std::string lock = dir + "/LOCK";
+  const int fd = ::open(lock.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::Ok();
+  struct flock fl {};
+  fl.l_type = F_WRLCK;
+  fl.l_whence = SEEK_SET;
+  const int rc = ::fcntl(fd, F_OFD_GETLK, &fl);
+  ::close(fd);
+  if (rc == 0 && fl.l_type != F_UNLCK)
+    return IOError("cold tier: '" + dir + "' is open in another process (pid " + std::to_string(fl.l_pid) +
+                   " holds its LOCK); stop it before checking or repairing the store");
+  return Status::Ok();
+}
+
+// Puts a CURRENT that this open wrote (RecoverCurrent) out of the way again unless the open
+// kept the store: a refused or read-only open leaves the directory as it found it. Only a
+// CURRENT that still holds what was written is removed.
+class CurrentGuard {
+ public:
+  CurrentGuard(std::string dir, std::string manifest)
+      : dir_(std::move(dir)), manifest_(std::move(manifest)) {}
+  ~CurrentGuard() {
+    if (keep_ || manifest_.empty()) return;
+    const std::string current = dir_ + "/CURRENT";
+    std::string now;
+    if (FILE* f = std::fopen(current.c_str(), "rb")) {
+      char buf[256];
+      now.assign(buf, std::fread(buf, 1, sizeof buf, f));
+      std::fclose(f);
+    }
+    if (now == manifest_ + "\n") ::unlink(current.c_str());
   }
+  CurrentGuard(const CurrentGuard&) = delete;
+  CurrentGuard& operator=(const CurrentGuard&) = delete;
+  void Keep() { keep_ = true; }
 
-  // A directory that holds a store is never opened as a new one (see RecoverCurrent).
-  StoreFiles files;
-  KVTIER_RETURN_IF_ERROR(ListStoreFiles(path, &files));
+ private:
+  const std::string dir_, manifest_;
+  bool keep_ = false;
+};
 
-  const rocksdb::CompressionType ctype = ToRocks(options.compression);
-  if (ctype != rocksdb::kNoCompression) {
-    auto supported = rocksdb::GetSupportedCompressions();
-    if (std::find(supported.begin(), supported.end(), ctype) == supported.end())
-      return Unavailable(std::string("cold tier: this RocksDB was built without ") +
-                         CompressionName(options.compression) + " compression");
-  }
+}  // namespace
 
+rocksdb::DBOptions ColdTier::Impl::MakeDbOptions(bool create) {
   rocksdb::DBOptions dbo;
-  dbo.create_if_missing = !files.holds_store();
+  dbo.create_if_missing = create;
   dbo.create_missing_column_families = true;
   dbo.paranoid_checks = true;
   unsigned hw = std::max(2u, std::thread::hardware_concurrency());
@@ -711,11 +778,14 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
   // manifest check below names whatever acknowledged data the prefix lacks. Why not the
   // other modes: see "What was acknowledged" in cold_tier.h.
   dbo.wal_recovery_mode = rocksdb::WALRecoveryMode::kPointInTimeRecovery;
+  return dbo;
+}
 
+std::vector<rocksdb::ColumnFamilyDescriptor> ColdTier::Impl::MakeColumnFamilies() {
+  const rocksdb::CompressionType ctype = ToRocks(options.compression);
   std::shared_ptr<rocksdb::Cache> cache;
   if (options.block_cache_bytes > 0) cache = rocksdb::NewLRUCache(options.block_cache_bytes);
   std::shared_ptr<const rocksdb::FilterPolicy> bloom(rocksdb::NewBloomFilterPolicy(10));
-
   auto make_cf = [&](size_t write_buffer) {
     rocksdb::ColumnFamilyOptions c;
     c.write_buffer_size = write_buffer;
@@ -737,75 +807,157 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
   };
   const size_t wb = options.write_buffer_bytes;
   const size_t small_wb = std::min<size_t>(wb, 8u << 20);
-  std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
+  return {
       {cold_tier_format::kSequenceColumn, make_cf(small_wb)},
       {cold_tier_format::kMetaColumn, make_cf(small_wb)},
       {cold_tier_format::kPayloadColumn, make_cf(wb)},
       {cold_tier_format::kBlobColumn, make_cf(wb)},
   };
+}
+
+Status ColdTier::Impl::OpenDb(bool create) {
+  const std::string& path = options.path;
+  rocksdb::DBOptions dbo = MakeDbOptions(create);
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs = MakeColumnFamilies();
+  rocksdb::Status s;
+  latch = std::make_shared<ColdTierWriteLatch>(path, read_only);
+  if (read_only) {
+    KVTIER_RETURN_IF_ERROR(CheckNotLocked(path));
+    dbo.info_log = std::make_shared<DiscardingLog>();
+    // A read-only open cannot create a family its MANIFEST lacks (a MANIFEST truncated before
+    // the families were recorded): that is damage, named here.
+    std::vector<std::string> names;
+    s = rocksdb::DB::ListColumnFamilies(dbo, path, &names);
+    if (!s.ok()) return FromRocks(s, "reading the column families of '" + path + "'");
+    for (const auto& cf : cfs)
+      if (std::find(names.begin(), names.end(), cf.name) == names.end())
+        return Corruption(
+            "cold tier: '" + path + "': its MANIFEST lists no column family '" + cf.name +
+            "' (a damaged or truncated MANIFEST); nothing was changed. RocksDB's repair, run on a "
+            "copy of the directory, rebuilds the MANIFEST from the tables and logs that are there");
+    s = rocksdb::DB::OpenForReadOnly(dbo, path, cfs, &handles, &db);
+  } else {
+    dbo.listeners.push_back(std::make_shared<BackgroundErrorListener>(latch));
+    // RocksDB's info log goes through InfoLog (above), which survives a full disk.
+    dbo.info_log = std::make_shared<InfoLog>(path);
+    s = rocksdb::DB::Open(dbo, path, cfs, &handles, &db);
+  }
+  if (!s.ok()) {
+    std::string what = "open '" + path + "'" + (read_only ? " read-only" : "");
+    if (!recovered_current.empty())
+      what += " (its CURRENT file was missing; pointed at " + recovered_current +
+              ", the only MANIFEST, it still does not open)";
+    return FromRocks(s, what);
+  }
+  seq_cf = handles[0];
+  meta_cf = handles[1];
+  payload_cf = handles[2];
+  blob_cf = handles[3];
+
+  // Format marker: written on first open, checked afterwards.
+  std::string marker;
+  s = db->Get(rocksdb::ReadOptions(), seq_cf, kFormatMarkerKey, &marker);
+  if (s.IsNotFound()) {
+    if (read_only) return Status::Ok();  // written by the first read-write open
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    s = Put(wo, seq_cf, kFormatMarkerKey, kFormatMarkerValue);
+    if (!s.ok()) return FromRocks(s, "writing the format marker in '" + path + "'");
+  } else if (!s.ok()) {
+    return FromRocks(s, "reading the format marker in '" + path + "'");
+  } else if (marker != kFormatMarkerValue) {
+    return FailedPrecondition("cold tier: '" + path + "' holds format '" + marker + "', this build reads '" +
+                              kFormatMarkerValue + "'");
+  }
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options) {
+  KVTIER_RETURN_IF_ERROR(options.Validate());
+  namespace fs = std::filesystem;
+  const std::string& path = options.path;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    return IOError("cold tier: data dir '" + path + "': " + ec.message());
+  if (fs::exists(st)) {
+    if (fs::is_regular_file(st))
+      return InvalidArgument("cold tier: data dir '" + path + "' is a file, not a directory");
+    if (!fs::is_directory(st))
+      return InvalidArgument("cold tier: data dir '" + path + "' exists and is not a directory");
+  } else if (options.read_only) {
+    return NotFound("cold tier: data dir '" + path + "' does not exist (no store to open read-only)");
+  } else {
+    fs::create_directories(path, ec);
+    if (ec) return IOError("cold tier: cannot create data dir '" + path + "': " + ec.message());
+  }
+
+  // A directory that holds a store is never opened as a new one (see RecoverCurrent).
+  StoreFiles files;
+  KVTIER_RETURN_IF_ERROR(ListStoreFiles(path, &files));
+  if (options.read_only && !files.holds_store())
+    return NotFound(
+        "cold tier: '" + path +
+        "' holds no kvtier store (no CURRENT, MANIFEST-*, write-ahead log, table or ack manifest)");
+
+  const rocksdb::CompressionType ctype = ToRocks(options.compression);
+  if (ctype != rocksdb::kNoCompression) {
+    auto supported = rocksdb::GetSupportedCompressions();
+    if (std::find(supported.begin(), supported.end(), ctype) == supported.end())
+      return Unavailable(std::string("cold tier: this RocksDB was built without ") +
+                         CompressionName(options.compression) + " compression");
+  }
+
+  std::string recovered_current;
+  if (files.holds_store() && !files.current) {
+    KVTIER_ASSIGN_OR_RETURN(recovered_current, RecoverCurrent(path, files));
+  }
+  CurrentGuard current_guard(path, recovered_current);
+
+  // Opening never destroys evidence: a read-write open of a damaged store lets RocksDB
+  // flush what it replayed and delete the logs and tables its MANIFEST does not list, so
+  // every check that can refuse runs first on a read-only open, which replays the WAL in
+  // memory and changes nothing. With accept_lost_chunks the loss is accepted anyway, and
+  // the read-write open's own check lists it.
+  if (files.holds_store() && !options.read_only && !options.accept_lost_chunks) {
+    ColdTierOptions probe = options;
+    probe.read_only = true;
+    probe.fault_injector = nullptr;
+    auto impl = std::make_unique<Impl>();
+    impl->options = probe;
+    impl->read_only = true;
+    impl->recovered_current = recovered_current;
+    KVTIER_RETURN_IF_ERROR(impl->OpenDb(/*create=*/false));
+    Findings found;
+    KVTIER_RETURN_IF_ERROR(impl->Assess(&found));
+    KVTIER_RETURN_IF_ERROR(impl->Refusal(found));
+  }
 
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  impl->latch = std::make_shared<ColdTierWriteLatch>(path);
-  dbo.listeners.push_back(std::make_shared<BackgroundErrorListener>(impl->latch));
+  impl->read_only = options.read_only;
+  impl->recovered_current = recovered_current;
   impl->write_options.sync = options.sync_writes;
   impl->write_options.disableWAL = false;
-  if (files.holds_store() && !files.current) {
-    KVTIER_ASSIGN_OR_RETURN(impl->recovered_current, RecoverCurrent(path, files));
+  KVTIER_RETURN_IF_ERROR(impl->OpenDb(/*create=*/!files.holds_store()));
+  Findings found;
+  KVTIER_RETURN_IF_ERROR(impl->Assess(&found));
+  if (impl->read_only) {
+    KVTIER_RETURN_IF_ERROR(impl->Inspected(std::move(found)));
+  } else {
+    if (!options.accept_lost_chunks) KVTIER_RETURN_IF_ERROR(impl->Refusal(found));
+    KVTIER_RETURN_IF_ERROR(impl->Settle(std::move(found)));
+    current_guard.Keep();
   }
-  // RocksDB's info log goes through InfoLog (above), which survives a full disk.
-  dbo.info_log = std::make_shared<InfoLog>(path);
-  rocksdb::Status s = rocksdb::DB::Open(dbo, path, cfs, &impl->handles, &impl->db);
-  if (!s.ok() && !impl->recovered_current.empty()) {
-    // Leave the directory as it was found, unless RocksDB has moved CURRENT on meanwhile.
-    const std::string current = path + "/CURRENT";
-    std::string now;
-    if (FILE* f = std::fopen(current.c_str(), "rb")) {
-      char buf[256];
-      now.assign(buf, std::fread(buf, 1, sizeof buf, f));
-      std::fclose(f);
-    }
-    if (now == impl->recovered_current + "\n") ::unlink(current.c_str());
-    return FromRocks(s, "open '" + path + "' (its CURRENT file was missing; pointed at " +
-                            impl->recovered_current + ", the only MANIFEST, it still does not open)");
-  }
-  if (!s.ok()) return FromRocks(s, "open '" + path + "'");
-  impl->seq_cf = impl->handles[0];
-  impl->meta_cf = impl->handles[1];
-  impl->payload_cf = impl->handles[2];
-  impl->blob_cf = impl->handles[3];
-
-  // Format marker: written on first open, checked afterwards.
-  {
-    std::string marker;
-    s = impl->db->Get(rocksdb::ReadOptions(), impl->seq_cf, kFormatMarkerKey, &marker);
-    if (s.IsNotFound()) {
-      rocksdb::WriteOptions wo;
-      wo.sync = true;
-      s = impl->Put(wo, impl->seq_cf, kFormatMarkerKey, kFormatMarkerValue);
-      if (!s.ok()) return FromRocks(s, "writing the format marker in '" + path + "'");
-    } else if (!s.ok()) {
-      return FromRocks(s, "reading the format marker in '" + path + "'");
-    } else if (marker != kFormatMarkerValue) {
-      return FailedPrecondition("cold tier: '" + path + "' holds format '" + marker +
-                                "', this build reads '" + kFormatMarkerValue + "'");
-    }
-  }
-
-  ChunkRangeSet present;
-  KVTIER_RETURN_IF_ERROR(impl->ScanMetas(&present));
-  KVTIER_RETURN_IF_ERROR(impl->CheckAcknowledged(present));
   return std::unique_ptr<ColdTier>(new ColdTier(std::move(impl)));
 }
 
-// The manifest check of Open (see "What was acknowledged" in cold_tier.h).
-Status ColdTier::Impl::CheckAcknowledged(const ChunkRangeSet& present) {
+// What Open found, before it changes anything (see "What was acknowledged" in cold_tier.h).
+Status ColdTier::Impl::Assess(Findings* f) {
   const std::string& path = options.path;
-  const bool accept = options.accept_lost_chunks;
+  KVTIER_RETURN_IF_ERROR(ScanMetas(&f->present));
   // CRC of every sequence record present, to compare with the acknowledged ones. A record
   // that is there but fails its checksum is not reported here: reading it says Corruption.
-  std::map<SequenceId, uint32_t> present_seqs;
-  std::set<SequenceId> damaged_seqs;
   {
     rocksdb::ReadOptions ro;
     ro.fill_cache = false;
@@ -816,79 +968,115 @@ Status ColdTier::Impl::CheckAcknowledged(const ChunkRangeSet& present) {
       Decoded d;
       const SequenceId seq = DecodeBigEndian64(key.data() + 1);
       if (DecodeValue(it->value(), ValueKind::kSequence, "sequence record", &d).ok())
-        present_seqs[seq] = Crc32c(d.body.data(), d.body.size());
+        f->present_seqs[seq] = Crc32c(d.body.data(), d.body.size());
       else
-        damaged_seqs.insert(seq);
+        f->damaged_seqs.insert(seq);
     }
     if (!it->status().ok()) return FromRocks(it->status(), "scanning sequence records in '" + path + "'");
   }
   std::string marker;
   rocksdb::Status s = db->Get(rocksdb::ReadOptions(), seq_cf, cold_tier_format::kManifestMarkerKey, &marker);
   if (!s.ok() && !s.IsNotFound()) return FromRocks(s, "reading the manifest marker in '" + path + "'");
-  const bool had_manifest = s.ok();
+  f->had_marker = s.ok();
 
-  auto opened = AckManifest::Open(path, options.sync_writes);
+  auto opened = read_only ? AckManifest::Read(path) : AckManifest::Open(path, options.sync_writes);
   if (opened.ok()) {
     manifest = std::move(*opened);
-  } else if (opened.status().code() == StatusCode::kNotFound && !had_manifest) {
+  } else if (opened.status().code() == StatusCode::kNotFound && !f->had_marker) {
     // A new directory, or a store from before manifests: what it holds is what was acknowledged.
-    KVTIER_ASSIGN_OR_RETURN(manifest, AckManifest::Create(path, options.sync_writes, present, present_seqs));
-  } else if (!accept) {
-    const std::string why = opened.status().code() == StatusCode::kNotFound
-                                ? "the ack manifest '" + path + "/" + AckManifest::kFileName +
-                                      "' is missing, but this store was created with one"
-                                : opened.status().message();
-    return Corruption(
-        "cold tier: " + why +
-        "; which acknowledged chunks are still there cannot be checked. Open with "
-        "accept_lost_chunks (kvtier check --accept-lost) to rebuild it from the chunks present.");
+    f->new_manifest = true;
+    return Status::Ok();
   } else {
-    // Accepted: nothing is known to be lost, so the manifest restarts from what is here.
-    KVTIER_ASSIGN_OR_RETURN(manifest, AckManifest::Create(path, options.sync_writes, present, present_seqs));
+    f->manifest_problem = opened.status().code() == StatusCode::kNotFound
+                              ? "the ack manifest '" + path + "/" + AckManifest::kFileName +
+                                    "' is missing, but this store was created with one"
+                              : opened.status().message();
+    return Status::Ok();
   }
-  if (!had_manifest) {
+  const ChunkRangeSet acked = manifest->chunks();
+  f->missing = acked.Minus(f->present);
+  for (const auto& [seq, crc] : manifest->sequences()) {
+    if (f->damaged_seqs.count(seq)) continue;
+    auto it = f->present_seqs.find(seq);
+    if (it == f->present_seqs.end() || it->second != crc) f->missing_seqs.push_back(seq);
+  }
+  return Status::Ok();
+}
+
+// The Corruption an open without accept_lost_chunks fails with, given what Assess found.
+Status ColdTier::Impl::Refusal(const Findings& f) const {
+  const std::string& path = options.path;
+  const std::string untouched = " Nothing in the directory was changed.";
+  if (!f.manifest_problem.empty())
+    return Corruption(
+        "cold tier: " + f.manifest_problem +
+        "; which acknowledged chunks are still there cannot be checked." + untouched +
+        " Open with accept_lost_chunks (kvtier check --accept-lost) to rebuild it from the chunks "
+        "present.");
+  if (f.missing.empty() && f.missing_seqs.empty()) return Status::Ok();
+  return Corruption("cold tier: " + DescribeMissing(f) + " in '" + path +
+                    "': RocksDB recovered only part of what was acknowledged (damage or a truncation of its "
+                    "write-ahead log or MANIFEST)." +
+                    untouched +
+                    " RocksDB's repair, run on a copy of the directory, may salvage more; accept_lost_chunks "
+                    "(kvtier check --accept-lost, which lists them first) goes on "
+                    "without them.");
+}
+
+std::string ColdTier::Impl::DescribeMissing(const Findings& f) {
+  std::string what;
+  if (!f.missing.empty())
+    what = std::to_string(CountChunks(f.missing)) + " acknowledged chunks are missing (" +
+           DescribeRanges(f.missing) + ")";
+  if (!f.missing_seqs.empty()) {
+    if (!what.empty()) what += " and ";
+    what += std::to_string(f.missing_seqs.size()) +
+            " acknowledged sequence records are missing or older (sequence";
+    for (size_t i = 0; i < f.missing_seqs.size() && i < 50; ++i)
+      what += " " + std::to_string(f.missing_seqs[i]);
+    if (f.missing_seqs.size() > 50) what += " ...";
+    what += ")";
+  }
+  return what;
+}
+
+// A read-only open keeps what it found: refused unless list_missing, else listed.
+Status ColdTier::Impl::Inspected(Findings f) {
+  if (!options.list_missing) KVTIER_RETURN_IF_ERROR(Refusal(f));
+  manifest_problem = f.manifest_problem;
+  if (manifest == nullptr) acked_without_manifest = f.present;
+  lost = std::move(f.missing);
+  lost_sequences = std::move(f.missing_seqs);
+  if (manifest != nullptr) {
+    ChunkRangeSet present = f.present;
+    KVTIER_RETURN_IF_ERROR(RedoDrops(&present, f.present_seqs, f.damaged_seqs, /*apply=*/false));
+  }
+  return Status::Ok();
+}
+
+// The writes of a read-write open once Refusal passed (or the loss is accepted): the manifest
+// created or rebuilt, the loss forgotten, lost drops done again, strays adopted.
+Status ColdTier::Impl::Settle(Findings f) {
+  const std::string& path = options.path;
+  if (manifest == nullptr) {  // new, or (accepted) missing or damaged: restart from what is here
+    KVTIER_ASSIGN_OR_RETURN(manifest,
+                            AckManifest::Create(path, options.sync_writes, f.present, f.present_seqs));
+  }
+  if (!f.had_marker) {
     rocksdb::WriteOptions wo;
     wo.sync = true;
-    s = Put(wo, seq_cf, cold_tier_format::kManifestMarkerKey, AckManifest::kFileName);
+    rocksdb::Status s = Put(wo, seq_cf, cold_tier_format::kManifestMarkerKey, AckManifest::kFileName);
     if (!s.ok()) return FromRocks(s, "writing the manifest marker in '" + path + "'");
   }
-
-  const ChunkRangeSet acked = manifest->chunks();
-  std::vector<ChunkRange> missing = acked.Minus(present);
-  std::vector<SequenceId> missing_seqs;
-  const std::map<SequenceId, uint32_t> acked_seqs = manifest->sequences();
-  for (const auto& [seq, crc] : acked_seqs) {
-    if (damaged_seqs.count(seq)) continue;
-    auto it = present_seqs.find(seq);
-    if (it == present_seqs.end() || it->second != crc) missing_seqs.push_back(seq);
-  }
-  if (!missing.empty() || !missing_seqs.empty()) {
-    std::string what;
-    if (!missing.empty())
-      what = std::to_string(CountChunks(missing)) + " acknowledged chunks are missing (" +
-             DescribeRanges(missing) + ")";
-    if (!missing_seqs.empty()) {
-      if (!what.empty()) what += " and ";
-      what += std::to_string(missing_seqs.size()) +
-              " acknowledged sequence records are missing or older (sequence";
-      for (size_t i = 0; i < missing_seqs.size() && i < 50; ++i)
-        what += " " + std::to_string(missing_seqs[i]);
-      if (missing_seqs.size() > 50) what += " ...";
-      what += ")";
-    }
-    if (!accept)
-      return Corruption(
-          "cold tier: " + what + " in '" + path +
-          "': RocksDB recovered its write-ahead log only up to damage or a truncation. Open with "
-          "accept_lost_chunks (kvtier check --accept-lost) to accept the loss and go on without them.");
-    KVTIER_RETURN_IF_ERROR(manifest->Forget(missing, missing_seqs));
-    lost = std::move(missing);
-    lost_sequences = std::move(missing_seqs);
+  if (!f.missing.empty() || !f.missing_seqs.empty()) {
+    KVTIER_RETURN_IF_ERROR(manifest->Forget(f.missing, f.missing_seqs));
+    lost = std::move(f.missing);
+    lost_sequences = std::move(f.missing_seqs);
   }
   // A drop or delete the manifest recorded, whose database write is gone: done again.
-  ChunkRangeSet kept = present;
-  std::map<SequenceId, uint32_t> kept_seqs = present_seqs;
-  KVTIER_RETURN_IF_ERROR(RedoDrops(&kept, present_seqs, damaged_seqs));
+  ChunkRangeSet kept = f.present;
+  std::map<SequenceId, uint32_t> kept_seqs = f.present_seqs;
+  KVTIER_RETURN_IF_ERROR(RedoDrops(&kept, f.present_seqs, f.damaged_seqs, /*apply=*/true));
   for (SequenceId seq : redropped_sequences) kept_seqs.erase(seq);
   // Present, never acknowledged and never dropped (a write in flight when the process died
   // that landed anyway): the store brings it back, so from now on it counts as acknowledged.
@@ -906,7 +1094,7 @@ Status ColdTier::Impl::CheckAcknowledged(const ChunkRangeSet& present) {
 }
 
 Status ColdTier::Impl::RedoDrops(ChunkRangeSet* present, const std::map<SequenceId, uint32_t>& present_seqs,
-                                 const std::set<SequenceId>& damaged_seqs) {
+                                 const std::set<SequenceId>& damaged_seqs, bool apply) {
   const std::string& path = options.path;
   const std::string what = "deleting again what was dropped in '" + path + "'";
   const ChunkRangeSet acked = manifest->chunks();
@@ -952,7 +1140,7 @@ Status ColdTier::Impl::RedoDrops(ChunkRangeSet* present, const std::map<Sequence
       if (i == r.last) break;  // not i <= last: last may be UINT64_MAX
     }
   }
-  if (batch.Count() == 0) return Status::Ok();
+  if (batch.Count() == 0 || !apply) return Status::Ok();
   rocksdb::WriteOptions wo;
   wo.sync = true;
   s = Write(wo, &batch);
@@ -1261,7 +1449,12 @@ Result<std::string> ColdTier::GetBlob(SequenceId seq, uint32_t layer, std::strin
   return std::string(d.body);
 }
 
-std::vector<ChunkRange> ColdTier::AcknowledgedChunks() const { return impl_->manifest->chunks().Ranges(); }
+std::vector<ChunkRange> ColdTier::AcknowledgedChunks() const {
+  if (impl_->manifest == nullptr) return impl_->acked_without_manifest.Ranges();
+  return impl_->manifest->chunks().Ranges();
+}
+const std::string& ColdTier::manifest_problem() const { return impl_->manifest_problem; }
+bool ColdTier::read_only() const { return impl_->read_only; }
 const std::vector<ChunkRange>& ColdTier::lost_chunks() const { return impl_->lost; }
 const std::vector<SequenceId>& ColdTier::lost_sequence_records() const { return impl_->lost_sequences; }
 const std::vector<ChunkRange>& ColdTier::redropped_chunks() const { return impl_->redropped; }

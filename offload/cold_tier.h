@@ -46,9 +46,17 @@
 // sequence record that did not come back is Corruption naming each (sequence,
 // layer, index) range, e.g. "cold tier: 1833 acknowledged chunks are missing
 // (seq=1/layer=0/chunk=40..999, seq=1/layer=1/chunk=38..999, ...) in '/data': RocksDB
-// recovered its write-ahead log only up to damage or a truncation. ...". Until the loss is accepted
+// recovered only part of what was acknowledged ...". Until the loss is accepted
 // (ColdTierOptions::accept_lost_chunks) every open fails the same way: a later run
 // does not quietly build on a store with holes.
+//
+// The check runs before anything is written. A read-write open of a damaged store would let
+// RocksDB flush what it replayed, delete the write-ahead logs, and delete every table its
+// (possibly truncated) MANIFEST does not list: exactly the files RocksDB's repair recovers
+// the lost chunks from. So an open of a directory that holds a store first opens it
+// read-only (the WAL replayed in memory, nothing created, written or deleted, not even a
+// LOG line) and runs the check there; a refused open leaves every file as it was. Only
+// accept_lost_chunks skips that step: the loss is accepted, and lost_chunks() lists it.
 //
 // ---- Drops ---------------------------------------------------------------------------------
 // A DeleteChunk or DeleteSequence that returned OK stays deleted through any recovery. The
@@ -62,7 +70,8 @@
 //
 // ---- A directory that holds a store -------------------------------------------------------
 // Open creates a database only in a directory that holds none of CURRENT, MANIFEST-*, a
-// WAL (*.log), a table (*.sst, *.blob) or the ack manifest. A store's directory is opened
+// WAL (<number>.log), a table (<number>.sst, <number>.blob) or the ack manifest; other
+// files (an app.log, say) do not make a directory a store. A store's directory is opened
 // as that store or not at all: without CURRENT, RocksDB would start a new, empty database
 // there and later delete the old one's files as obsolete. A missing CURRENT is written back
 // (atomically) pointing at the MANIFEST-* when there is exactly one (recovered_current()
@@ -144,6 +153,16 @@ struct ColdTierOptions {
   /// default) fails Open with Corruption naming them; true opens anyway, accepts the
   /// loss for good (the manifest is rebuilt without them) and lists it in lost_chunks().
   bool accept_lost_chunks = false;
+  /// Opens the database read-only (kvtier check): nothing in the
+  /// directory is written, created or deleted (RocksDB replays its WAL in memory only; a
+  /// CURRENT written back for the check is removed again); every write returns
+  /// FailedPrecondition. The directory must hold a store (else NotFound), and no other
+  /// process may have it open (else IOError naming the pid holding its LOCK).
+  bool read_only = false;
+  /// Read-only opens only: missing acknowledged chunks or sequence records, or a missing or
+  /// damaged ack manifest, do not fail the open; they are listed in lost_chunks(),
+  /// lost_sequence_records() and manifest_problem() instead (nothing is forgotten).
+  bool list_missing = false;
   Status Validate() const;  ///< names the bad field
 };
 
@@ -216,19 +235,26 @@ class ColdTier {
   /// the database).
   std::vector<ChunkRange> AcknowledgedChunks() const;
   /// The acknowledged chunks found missing at this open and accepted as lost
-  /// (accept_lost_chunks); empty otherwise.
+  /// (accept_lost_chunks), or only listed (read_only with list_missing); empty otherwise.
   const std::vector<ChunkRange>& lost_chunks() const;
   /// Sequences whose acknowledged record was missing or older at this open and was
-  /// accepted as lost (accept_lost_chunks).
+  /// accepted as lost (accept_lost_chunks), or only listed (read_only with list_missing).
   const std::vector<SequenceId>& lost_sequence_records() const;
+  /// Read-only with list_missing: why the ack manifest could not be used (missing or
+  /// damaged); AcknowledgedChunks() is then what the database holds. Else empty.
+  const std::string& manifest_problem() const;
+  /// Opened with read_only.
+  bool read_only() const;
   /// Chunks that DeleteChunk or DeleteSequence had removed, found present at this open (the
-  /// delete was lost with the WAL) and deleted again (see "Drops" above).
+  /// delete was lost with the WAL) and deleted again (see "Drops" above); a read-only open
+  /// only lists them (the next read-write open deletes them again).
   const std::vector<ChunkRange>& redropped_chunks() const;
   /// Sequences that DeleteSequence had removed whose record, chunks or blobs were found
-  /// present at this open and were deleted again.
+  /// present at this open and were deleted again (read-only: would be).
   const std::vector<SequenceId>& redropped_sequences() const;
   /// When this open found CURRENT missing and pointed it at the only MANIFEST-* (see "A
-  /// directory that holds a store" above): that MANIFEST's name; else empty.
+  /// directory that holds a store" above): that MANIFEST's name; else empty. A read-only
+  /// open removes that CURRENT again once the database is open.
   const std::string& recovered_current() const;
 
   /// Approximate bytes of chunk payloads currently stored (uncompressed),

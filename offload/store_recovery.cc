@@ -155,4 +155,16 @@ Status RecoverStore(const StoreOptions& options, ColdTier* cold, HotTier* hot, R
   return Status::Ok();
 }
 
+void FreeRecoveredStore(HotTier* hot, RecoveredStore* rec) {
+  for (auto& [id, seq] : rec->sequences)
+    for (auto& ls : seq->layers) {
+      for (uint8_t* region : {ls.sink_k, ls.sink_v, ls.ring_k, ls.ring_v})
+        if (region != nullptr) hot->FreeRegion(region, 0);
+      for (store_internal::Chunk* c : ls.chunks) delete c;
+      ls.chunks.clear();
+    }
+  rec->sequences.clear();
+  rec->chunk_by_id.clear();
+}
+
 }  // namespace kvtier

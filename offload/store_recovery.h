@@ -41,4 +41,8 @@ struct RecoveredStore {
 /// caller frees it exactly as it frees its own state.
 Status RecoverStore(const StoreOptions& options, ColdTier* cold, HotTier* hot, RecoveredStore* out);
 
+/// Frees what RecoverStore built into *rec (hot regions from `hot`, the chunks): for a caller
+/// that rebuilt a store only to check it (kvtier check), not to run it.
+void FreeRecoveredStore(HotTier* hot, RecoveredStore* rec);
+
 }  // namespace kvtier

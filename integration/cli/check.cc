@@ -5,22 +5,29 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "integration/cli/flags.h"
 #include "offload/cold_tier.h"
+#include "offload/hot_tier.h"
 #include "offload/store_records.h"
+#include "offload/store_recovery.h"
 #include "offload/tiered_store.h"
 
 namespace kvtier {
 namespace {
 
-const char* kUsage =
+namespace fs = std::filesystem;
+
+const char* kCheckUsage =
     "usage: kvtier check --data-dir DIR [--verify] [--accept-lost]\n\n"
     "Checks that a store's data directory holds every chunk its cold tier acknowledged\n"
-    "(a damaged or truncated RocksDB write-ahead log can lose them): a missing chunk is an\n"
-    "error naming its sequence, layer and index. Prints each sequence's state and its\n"
-    "acknowledged chunks.";
+    "(a damaged or truncated RocksDB write-ahead log or MANIFEST can lose them): a missing chunk\n"
+    "is an error naming its sequence, layer and index. Prints each sequence's state and its\n"
+    "acknowledged chunks. Reads only: nothing in DIR is written, created or deleted, unless\n"
+    "--accept-lost is given (it lists what it forgets before it forgets it). RocksDB's repair,\n"
+    "run on a copy of the directory, may salvage more first.";
 
 const char* StateName(store_records::SeqState s) {
   switch (s) {
@@ -34,32 +41,53 @@ const char* StateName(store_records::SeqState s) {
   return "unknown";
 }
 
-// Everything check prints, gathered from the cold tier alone.
+// A directory to check: it must exist and be a directory. An OS error other than
+// "does not exist" (EACCES, ENAMETOOLONG, ...) is IOError naming the path and the error.
+Status CheckDirectory(const std::string& cmd, const std::string& dir) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(dir, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    return IOError(cmd + ": '" + dir + "': " + ec.message());
+  if (!fs::exists(st)) return NotFound(cmd + ": '" + dir + "' does not exist (no store to " + cmd + ")");
+  if (!fs::is_directory(st)) return InvalidArgument(cmd + ": '" + dir + "' is not a directory");
+  return Status::Ok();
+}
+
+// Everything check prints, read from the cold tier opened read-only.
 struct ColdReport {
+  bool has_store_record = false;
   store_records::StoreLayout layout;
   std::map<SequenceId, store_records::SequenceRecord> sequences;
-  std::vector<ChunkRange> acked, lost, redropped;
-  std::vector<SequenceId> lost_sequences, redropped_sequences;
-  std::string recovered_current;
+  std::vector<ChunkRange> acked, missing, redropped;
+  std::vector<SequenceId> missing_sequences, redropped_sequences;
+  std::string manifest_problem;
+  std::string missing_current;  // CURRENT was missing; the only MANIFEST is this one
   uint64_t verified = 0;
 };
 
-Result<ColdReport> InspectCold(const std::string& dir, bool accept, bool verify) {
+// Opens `dir` read-only. With list_missing, missing chunks and a damaged manifest are listed
+// in the report instead of failing. With whole_store, also rebuilds the store's state from its
+// records on a host hot tier of its own (what an embedding program's open checks).
+Result<ColdReport> InspectCold(const std::string& dir, bool list_missing, bool verify, bool whole_store) {
   ColdTierOptions co;
   co.path = dir;
-  co.accept_lost_chunks = accept;
+  co.read_only = true;
+  co.list_missing = list_missing;
   KVTIER_ASSIGN_OR_RETURN(auto cold, ColdTier::Open(co));
   ColdReport rep;
-  rep.lost = cold->lost_chunks();
-  rep.lost_sequences = cold->lost_sequence_records();
+  rep.missing = cold->lost_chunks();
+  rep.missing_sequences = cold->lost_sequence_records();
+  rep.manifest_problem = cold->manifest_problem();
   rep.redropped = cold->redropped_chunks();
   rep.redropped_sequences = cold->redropped_sequences();
-  rep.recovered_current = cold->recovered_current();
+  rep.missing_current = cold->recovered_current();
+  rep.acked = cold->AcknowledgedChunks();
   auto layout_bytes = cold->GetBlob(store_records::kStoreRecordSeq, 0, store_records::kStoreBlob);
-  if (!layout_bytes.ok())
-    return layout_bytes.status().code() == StatusCode::kNotFound
-               ? NotFound("'" + dir + "' holds no kvtier store (no store record)")
-               : layout_bytes.status();
+  if (!layout_bytes.ok()) {
+    if (layout_bytes.status().code() == StatusCode::kNotFound) return rep;
+    return layout_bytes.status();
+  }
+  rep.has_store_record = true;
   KVTIER_ASSIGN_OR_RETURN(rep.layout,
                           store_records::DecodeStoreRecord(*layout_bytes, "data_dir '" + dir + "'"));
   KVTIER_RETURN_IF_ERROR(cold->ForEachSequence([&](SequenceId id, std::string_view rec) -> Status {
@@ -68,7 +96,20 @@ Result<ColdReport> InspectCold(const std::string& dir, bool accept, bool verify)
                             store_records::DecodeSequenceRecord(rec, id, rep.layout.geometry.layers));
     return Status::Ok();
   }));
-  rep.acked = cold->AcknowledgedChunks();
+  if (whole_store) {
+    StoreOptions o;
+    o.geometry = rep.layout.geometry;
+    o.n_sink = rep.layout.n_sink;
+    o.n_local = rep.layout.n_local;
+    o.chunk_size = rep.layout.chunk_size;
+    o.repr_topk = rep.layout.repr_topk;
+    o.data_dir = dir;
+    KVTIER_ASSIGN_OR_RETURN(auto hot, MakeHotTier(Device::kCpu, o.chunk_bytes(), o.chunk_bytes()));
+    RecoveredStore rec;
+    Status st = RecoverStore(o, cold.get(), hot.get(), &rec);
+    FreeRecoveredStore(hot.get(), &rec);
+    KVTIER_RETURN_IF_ERROR(st);
+  }
   if (verify) {
     const size_t chunk_bytes =
         static_cast<size_t>(rep.layout.chunk_size) * rep.layout.geometry.token_kv_bytes();
@@ -81,6 +122,107 @@ Result<ColdReport> InspectCold(const std::string& dir, bool accept, bool verify)
       }
   }
   return rep;
+}
+
+Status NoStoreRecord(const std::string& dir) {
+  return NotFound("'" + dir + "' holds no kvtier store (no store record)");
+}
+
+// "N chunks (ranges), sequence records of a b c"
+std::string DescribeLoss(const std::vector<ChunkRange>& chunks, const std::vector<SequenceId>& seqs) {
+  std::string s = std::to_string(CountChunks(chunks)) + " chunks (" +
+                  (chunks.empty() ? std::string("none") : DescribeRanges(chunks)) + ")";
+  if (!seqs.empty()) {
+    s += ", sequence records of";
+    for (SequenceId q : seqs) s += " " + std::to_string(q);
+  }
+  return s;
+}
+
+void PrintReport(const std::string& dir, const ColdReport& rep, bool verify) {
+  std::printf("kvtier check: '%s': %s\n", dir.c_str(), rep.layout.ToString().c_str());
+  if (!rep.missing_current.empty())
+    std::printf(
+        "  CURRENT is missing: %s is the only MANIFEST; the next read-write open writes "
+        "CURRENT back pointing at it\n",
+        rep.missing_current.c_str());
+  if (!rep.redropped.empty() || !rep.redropped_sequences.empty()) {
+    std::printf(
+        "  dropped before and present again (their deletes were lost with the WAL); the next read-write "
+        "open deletes them again: %llu chunks (%s)",
+        static_cast<unsigned long long>(CountChunks(rep.redropped)),
+        rep.redropped.empty() ? "none" : DescribeRanges(rep.redropped).c_str());
+    if (!rep.redropped_sequences.empty()) {
+      std::printf(", sequences");
+      for (SequenceId s : rep.redropped_sequences) std::printf(" %llu", static_cast<unsigned long long>(s));
+    }
+    std::printf("\n");
+  }
+  std::map<SequenceId, std::vector<ChunkRange>> by_seq;
+  for (const ChunkRange& r : rep.acked) by_seq[r.seq].push_back(r);
+  for (const auto& [id, rec] : rep.sequences) {
+    // A sequence dropped whose record came back is not the store's any more.
+    if (std::find(rep.redropped_sequences.begin(), rep.redropped_sequences.end(), id) !=
+        rep.redropped_sequences.end())
+      continue;
+    std::printf("  sequence %llu: %s, tokens per layer", static_cast<unsigned long long>(id),
+                StateName(rec.state));
+    for (int64_t n : rec.n_tokens) std::printf(" %lld", static_cast<long long>(n));
+    const auto& ranges = by_seq[id];
+    std::printf("; acknowledged chunks: %s\n", ranges.empty() ? "none" : DescribeRanges(ranges, 64).c_str());
+  }
+  std::printf("  %llu acknowledged chunks in %zu ranges, all present",
+              static_cast<unsigned long long>(CountChunks(rep.acked)), rep.acked.size());
+  if (verify) std::printf("; %llu read back and verified", static_cast<unsigned long long>(rep.verified));
+  std::printf("\n");
+}
+
+// check --accept-lost: lists what it forgets (read-only), then forgets it (read-write).
+// Returns OK with *lost filled, or the refusal; nothing is changed on a refusal.
+Status AcceptLoss(const std::string& dir, ColdReport* lost) {
+  auto pre = InspectCold(dir, /*list_missing=*/true, /*verify=*/false, /*whole_store=*/false);
+  if (!pre.ok())
+    return Status(
+        pre.status().code(),
+        "check --accept-lost: cannot list what it would forget, so it forgets nothing (the directory "
+        "was not changed): " +
+            pre.status().message());
+  if (!pre->has_store_record)
+    return NotFound(
+        "check --accept-lost: '" + dir +
+        "' holds no kvtier store record (its write-ahead log held it, or it never was a store), so "
+        "there is nothing to go on with; the directory and its ack manifest were not changed" +
+        (pre->missing.empty()
+             ? std::string()
+             : " (" + std::to_string(CountChunks(pre->missing)) + " acknowledged chunks are missing)"));
+  if (pre->missing.empty() && pre->missing_sequences.empty() && pre->manifest_problem.empty()) {
+    *lost = std::move(*pre);
+    return Status::Ok();
+  }
+  if (!pre->manifest_problem.empty())
+    std::printf(
+        "kvtier check: '%s': %s; --accept-lost rebuilds the ack manifest from the %llu chunks present "
+        "(what it listed beyond them cannot be known)\n",
+        dir.c_str(), pre->manifest_problem.c_str(), static_cast<unsigned long long>(CountChunks(pre->acked)));
+  if (!pre->missing.empty() || !pre->missing_sequences.empty())
+    std::printf("kvtier check: '%s': forgetting for good %s\n", dir.c_str(),
+                DescribeLoss(pre->missing, pre->missing_sequences).c_str());
+  std::fflush(stdout);
+  StoreOptions o;
+  o.geometry = pre->layout.geometry;
+  o.n_sink = pre->layout.n_sink;
+  o.n_local = pre->layout.n_local;
+  o.chunk_size = pre->layout.chunk_size;
+  o.repr_topk = pre->layout.repr_topk;
+  o.hot_bytes = o.chunk_bytes();
+  o.warm_bytes = o.chunk_bytes();
+  o.transfer_threads = 1;
+  o.data_dir = dir;
+  o.accept_lost_chunks = true;
+  auto store = TieredStore::Open(o);
+  if (!store.ok()) return store.status();
+  *lost = std::move(*pre);
+  return Status::Ok();
 }
 
 }  // namespace
@@ -99,7 +241,7 @@ int RunCheck(int argc, char** argv) {
       true);
   f.Add(
       "accept-lost",
-      "open a store whose acknowledged chunks are missing anyway: forget them for good and print them",
+      "open a store whose acknowledged chunks are missing anyway: list them, then forget them for good",
       [&](const std::string& s) {
         accept = s != "0";
         return Status::Ok();
@@ -108,70 +250,24 @@ int RunCheck(int argc, char** argv) {
   Status st = f.Parse("check", argc, argv);
   if (!st.ok()) return cli::Fail(st);
   if (f.help()) {
-    f.PrintHelp(kUsage);
+    f.PrintHelp(kCheckUsage);
     return 0;
   }
   if (dir.empty()) return cli::Fail(InvalidArgument("check: --data-dir is required"));
-  // Opening would create an empty store there: a mistyped path is an error, not a new store.
-  std::error_code ec;
-  if (!std::filesystem::is_directory(dir, ec))
-    return cli::Fail(NotFound("check: '" + dir + "' is not a directory (no store to check)"));
+  st = CheckDirectory("check", dir);
+  if (!st.ok()) return cli::Fail(st);
 
-  auto rep = InspectCold(dir, accept, verify);
+  ColdReport lost;
+  if (accept) {
+    st = AcceptLoss(dir, &lost);
+    if (!st.ok()) return cli::Fail(st);
+  }
+  auto rep = InspectCold(dir, /*list_missing=*/false, verify, /*whole_store=*/true);
   if (!rep.ok()) return cli::Fail(rep.status());
-  // Then the whole store, as a program embedding kvtier opens it (sinks, windows, layout).
-  StoreOptions o;
-  o.geometry = rep->layout.geometry;
-  o.n_sink = rep->layout.n_sink;
-  o.n_local = rep->layout.n_local;
-  o.chunk_size = rep->layout.chunk_size;
-  o.repr_topk = rep->layout.repr_topk;
-  o.hot_bytes = o.chunk_bytes();
-  o.warm_bytes = o.chunk_bytes();
-  o.transfer_threads = 1;
-  o.data_dir = dir;
-  auto store = TieredStore::Open(o);
-  if (!store.ok()) return cli::Fail(store.status());
-
-  std::printf("kvtier check: '%s': %s\n", dir.c_str(), rep->layout.ToString().c_str());
-  if (!rep->recovered_current.empty())
-    std::printf("  CURRENT was missing: pointed it at %s, the only MANIFEST\n",
-                rep->recovered_current.c_str());
-  if (!rep->redropped.empty() || !rep->redropped_sequences.empty()) {
-    std::printf(
-        "  dropped before and present again (their deletes were lost with the WAL), deleted again: "
-        "%llu chunks (%s)",
-        static_cast<unsigned long long>(CountChunks(rep->redropped)),
-        rep->redropped.empty() ? "none" : DescribeRanges(rep->redropped).c_str());
-    if (!rep->redropped_sequences.empty()) {
-      std::printf(", sequences");
-      for (SequenceId s : rep->redropped_sequences) std::printf(" %llu", static_cast<unsigned long long>(s));
-    }
-    std::printf("\n");
-  }
-  std::map<SequenceId, std::vector<ChunkRange>> by_seq;
-  for (const ChunkRange& r : rep->acked) by_seq[r.seq].push_back(r);
-  for (const auto& [id, rec] : rep->sequences) {
-    std::printf("  sequence %llu: %s, tokens per layer", static_cast<unsigned long long>(id),
-                StateName(rec.state));
-    for (int64_t n : rec.n_tokens) std::printf(" %lld", static_cast<long long>(n));
-    const auto& ranges = by_seq[id];
-    std::printf("; acknowledged chunks: %s\n", ranges.empty() ? "none" : DescribeRanges(ranges, 64).c_str());
-  }
-  std::printf("  %llu acknowledged chunks in %zu ranges, all present",
-              static_cast<unsigned long long>(CountChunks(rep->acked)), rep->acked.size());
-  if (verify) std::printf("; %llu read back and verified", static_cast<unsigned long long>(rep->verified));
-  std::printf("\n");
-  if (!rep->lost.empty() || !rep->lost_sequences.empty()) {
-    std::printf("  lost and accepted: %llu chunks (%s)",
-                static_cast<unsigned long long>(CountChunks(rep->lost)),
-                rep->lost.empty() ? "none" : DescribeRanges(rep->lost).c_str());
-    if (!rep->lost_sequences.empty()) {
-      std::printf(", sequence records of");
-      for (SequenceId s : rep->lost_sequences) std::printf(" %llu", static_cast<unsigned long long>(s));
-    }
-    std::printf("\n");
-  }
+  if (!rep->has_store_record) return cli::Fail(NoStoreRecord(dir));
+  PrintReport(dir, *rep, verify);
+  if (!lost.missing.empty() || !lost.missing_sequences.empty())
+    std::printf("  lost and accepted: %s\n", DescribeLoss(lost.missing, lost.missing_sequences).c_str());
   return 0;
 }
 

@@ -2,15 +2,21 @@
 //
 //   kvtier check --data-dir DIR [--verify] [--accept-lost]
 //
-// Opens the cold tier in DIR, which checks that every chunk it acknowledged (and
-// every sequence record) came back (offload/cold_tier.h, "What was acknowledged");
-// a missing one fails with Corruption naming each (sequence, layer, index) range.
-// Then reads the layout from the store record, opens the whole store (recovery as
-// a program embedding kvtier would), and prints each sequence's state and its
-// acknowledged chunk ranges. --verify also reads every acknowledged chunk back and
-// checks its checksums. --accept-lost opens a store with lost chunks anyway,
-// removes them from the acknowledged list for good and prints them.
-// Exit code 0 when the store is whole (or the loss was accepted), 1 otherwise.
+// check opens the cold tier in DIR read-only (offload/cold_tier.h, ColdTierOptions::
+// read_only): nothing in DIR is written, created or deleted. It checks that every chunk the
+// cold tier acknowledged (and every sequence record) came back ("What was acknowledged"); a
+// missing one fails with Corruption naming each (sequence, layer, index) range. Then it
+// rebuilds the store's state from the records as an embedding program's open would
+// (offload/store_recovery.h, on a host hot tier of its own) and prints each sequence's state
+// and its acknowledged chunk ranges. --verify also reads every acknowledged chunk back and
+// checks its checksums.
+//
+// --accept-lost is the one writing form: it first lists, read-only, what it is about to
+// forget, then opens the store read-write accepting the loss for good. It refuses, changing
+// nothing, when the directory cannot be opened read-only (nothing to list) or holds no store
+// record (nothing to go on with).
+//
+// Exit code 0 when the store is whole (or the loss was accepted, 1 otherwise, 2 for bad flags.
 #pragma once
 
 namespace kvtier {

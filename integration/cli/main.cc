@@ -466,7 +466,7 @@ void Usage() {
       "            it (--compare: full attention, StreamingLLM, InfLLM, ActQKV by context length)\n"
       "  trace     record the kvtier-llama model's real Q/K/V on one prompt, for 'kvtier run --trace FILE'\n"
       "  check     is a store's data directory whole: every acknowledged chunk present (names the lost "
-      "ones)\n"
+      "ones; read-only)\n"
       "  help      this text\n\n"
       "'kvtier <command> --help' lists a command's flags.\n");
 }

@@ -19,6 +19,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
+#include <map>
 #include <random>
 #include <set>
 #include <string>
@@ -634,7 +636,8 @@ TEST(WalDamageStore, DropsThatReturnedOkStayDroppedWhenTheWalIsLost) {
   EXPECT_EQ(out.find("sequence " + std::to_string(a) + ":"), std::string::npos)
       << "dropped sequence listed:\n"
       << out;
-  EXPECT_NE(out.find("deleted again"), std::string::npos) << out;
+  EXPECT_NE(out.find("present again"), std::string::npos) << out;
+  EXPECT_NE(out.find("the next read-write open deletes them again"), std::string::npos) << out;
   EXPECT_NE(out.find("seq=" + std::to_string(b) + "/layer=0/chunk=0..2, seq=" + std::to_string(b) +
                      "/layer=0/chunk=4, seq=" + std::to_string(b) + "/layer=0/chunk=6..7"),
             std::string::npos)
@@ -680,6 +683,79 @@ TEST(WalDamageStore, KvtierCheckPrintsTheLostChunks) {
   out.clear();
   ASSERT_EQ(RunCli("check --data-dir " + dir.path() + " --verify", &out), 0) << out;
   EXPECT_EQ(out.find("lost and accepted"), std::string::npos) << out;
+}
+
+// Every regular file of a directory (recursively) with its bytes: "left byte for byte as it was".
+std::map<std::string, std::string> Snapshot(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (!e.is_regular_file()) continue;
+    std::ifstream f(e.path(), std::ios::binary);
+    out[fs::relative(e.path(), dir).string()] =
+        std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  }
+  return out;
+}
+
+// Issue 46, point 1: a refused open (kvtier check, TieredStore::Open) touches nothing, and
+// --accept-lost lists what it forgets before forgetting it.
+TEST(WalDamageStore, ARefusedOpenLeavesEveryFileAsItWas) {
+  SequenceId seq = 0;
+  TempDir dir;
+  FillStore(dir.path(), &seq);
+  DamageWal(dir.path(), Damage::kFlipBits, 80 * CrashTestOptions(dir.path()).chunk_bytes());
+  const auto before = Snapshot(dir.path());
+  std::string out;
+  EXPECT_EQ(RunCli("check --data-dir " + dir.path(), &out), 1) << out;
+  EXPECT_NE(out.find("acknowledged chunks are missing"), std::string::npos) << out;
+  EXPECT_NE(out.find("Nothing in the directory was changed"), std::string::npos) << out;
+  EXPECT_EQ(Snapshot(dir.path()), before) << "kvtier check changed the directory";
+  auto store = TieredStore::Open(CrashTestOptions(dir.path()));
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(Snapshot(dir.path()), before) << "a refused open changed the directory";
+
+  // The damaged directory as it was, so a user can hand it to RocksDB's repair; --accept-lost
+  // then lists what it forgets before forgetting it.
+  out.clear();
+  ASSERT_EQ(RunCli("check --data-dir " + dir.path() + " --accept-lost", &out), 0) << out;
+  const size_t listed = out.find("forgetting for good"), accepted = out.find("lost and accepted");
+  ASSERT_NE(listed, std::string::npos) << out;
+  EXPECT_LT(listed, accepted) << out;
+  out.clear();
+  EXPECT_EQ(RunCli("check --data-dir " + dir.path() + " --verify", &out), 0) << out;
+}
+
+// Issue 46, point 6: --accept-lost with no store record refuses and keeps the manifest.
+TEST(WalDamageStore, AcceptLostWithoutAStoreRecordRefusesAndKeepsTheManifest) {
+  SequenceId seq = 0;
+  TempDir dir;
+  FillStore(dir.path(), &seq);
+  // The whole WAL gone: the store record and every chunk with it.
+  for (const fs::path& w : WalFiles(dir.path())) ASSERT_TRUE(fs::remove(w));
+  const auto before = Snapshot(dir.path());
+  std::string out;
+  EXPECT_EQ(RunCli("check --data-dir " + dir.path() + " --accept-lost", &out), 1) << out;
+  EXPECT_NE(out.find("nothing to go on with"), std::string::npos) << out;
+  EXPECT_EQ(Snapshot(dir.path()), before) << "--accept-lost changed the directory before refusing";
+  out.clear();
+  EXPECT_EQ(RunCli("check --data-dir " + dir.path(), &out), 1) << out;
+  EXPECT_NE(out.find("acknowledged chunks are missing"), std::string::npos) << out;
+}
+
+// Issue 46, point 8: check on a directory that holds no store creates nothing there, and an
+// unrelated app.log does not make a directory a store.
+TEST(WalDamageStore, CheckOfADirectoryWithoutAStoreCreatesNothing) {
+  TempDir dir;
+  { std::ofstream(dir.path() + "/app.log") << "an application's log\n"; }
+  const auto before = Snapshot(dir.path());
+  std::string out;
+  EXPECT_EQ(RunCli("check --data-dir " + dir.path(), &out), 1) << out;
+  EXPECT_NE(out.find("holds no kvtier store"), std::string::npos) << out;
+  EXPECT_EQ(out.find("CURRENT file is missing"), std::string::npos) << out;
+  EXPECT_EQ(Snapshot(dir.path()), before);
+  auto store = TieredStore::Open(CrashTestOptions(dir.path()));
+  EXPECT_TRUE(store.ok()) << store.status().ToString();
 }
 
 }  // namespace
