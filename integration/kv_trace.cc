@@ -7,6 +7,7 @@
 
 #include "store/checksum.h"
 #include "store/coding.h"
+#include "store/file_bytes.h"
 
 namespace kvtier {
 namespace {
@@ -197,20 +198,9 @@ Status WriteKvTrace(const std::string& path, const KvTrace& trace) {
 }
 
 Result<KvTrace> ReadKvTrace(const std::string& path) {
-  return ReturnOnBadAlloc([&] { return "trace file '" + path + "': its bytes"; },
-                          [&]() -> Result<KvTrace> {
-                            std::ifstream f(path, std::ios::binary | std::ios::ate);
-                            if (!f) return NotFound("cannot open trace file '" + path + "'");
-                            const std::streamoff size = f.tellg();
-                            if (size < 0)
-                              return IOError("cannot determine the size of trace file '" + path + "'");
-                            std::string bytes(static_cast<size_t>(size),
-                                              '\0');  // sized from the file: one allocation
-                            f.seekg(0);
-                            if (size > 0 && !f.read(bytes.data(), size))
-                              return IOError("read of trace file '" + path + "' failed");
-                            return DecodeKvTrace(bytes, path);
-                          });
+  KVTIER_ASSIGN_OR_RETURN(std::string bytes, ReadFileBytes(path, "trace file"));
+  return ReturnOnBadAlloc([&] { return "trace file '" + path + "': decoding it"; },
+                          [&]() -> Result<KvTrace> { return DecodeKvTrace(bytes, path); });
 }
 
 }  // namespace kvtier

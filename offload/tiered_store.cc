@@ -65,8 +65,16 @@ Status StoreOptions::Validate() const {
   if (warm_bytes < chunk_bytes())
     return InvalidArgument("warm_bytes (" + std::to_string(warm_bytes) + ") is smaller than one chunk (" +
                            std::to_string(chunk_bytes()) + " bytes)");
-  if (!data_dir.empty() && std::filesystem::exists(data_dir) && !std::filesystem::is_directory(data_dir))
-    return InvalidArgument("data_dir '" + data_dir + "' is a file, not a directory");
+  if (!data_dir.empty()) {
+    // Never the throwing overloads: an OS error other than "does not exist" (EACCES on a
+    // parent, ENAMETOOLONG, ELOOP, ...) is IOError naming the path and the error.
+    std::error_code ec;
+    const std::filesystem::file_status st = std::filesystem::status(data_dir, ec);
+    if (ec && ec != std::errc::no_such_file_or_directory)
+      return IOError("data_dir '" + data_dir + "': " + ec.message());
+    if (std::filesystem::exists(st) && !std::filesystem::is_directory(st))
+      return InvalidArgument("data_dir '" + data_dir + "' is a file, not a directory");
+  }
   {
     auto p = MakeDemotionPolicy(hot_policy);
     if (!p.ok()) return InvalidArgument("hot_policy: " + p.status().message());

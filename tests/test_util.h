@@ -2,11 +2,13 @@
 #pragma once
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 
@@ -63,6 +65,33 @@ class TempDir {
  private:
   std::string path_;
 };
+
+/// Runs `body` in a forked child that drops to the unprivileged user nobody (65534) first
+/// when the tests run as root, and returns what it returned: the way to see EACCES, which
+/// root never gets. "child failed: ..." when the child could not run it.
+inline std::string InChildAsNobody(const std::function<std::string()>& body) {
+  int fds[2];
+  if (::pipe(fds) != 0) return "child failed: pipe";
+  const pid_t pid = ::fork();
+  if (pid < 0) return "child failed: fork";
+  if (pid == 0) {
+    ::close(fds[0]);
+    if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) ::_exit(3);
+    const std::string out = body();
+    if (::write(fds[1], out.data(), out.size()) < 0) ::_exit(4);
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string got;
+  char buf[512];
+  ssize_t n;
+  while ((n = ::read(fds[0], buf, sizeof buf)) > 0) got.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int wst = 0;
+  if (::waitpid(pid, &wst, 0) != pid || !WIFEXITED(wst) || WEXITSTATUS(wst) != 0)
+    return "child failed: status " + std::to_string(wst) + ", output '" + got + "'";
+  return got;
+}
 
 #ifdef KVTIER_BINARY_DIR
 namespace test {

@@ -52,6 +52,8 @@ FlagSet::Binding OutputPathFlag(std::string* dst) {
 Status CheckInputFile(const std::string& what, const std::string& path) {
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    return IOError(what + " '" + path + "': " + ec.message());
   if (!fs::exists(st)) return NotFound(what + " '" + path + "' does not exist");
   if (!fs::is_directory(st)) return Status::Ok();
   std::vector<std::string> found;

@@ -3,12 +3,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string_view>
 #include <utility>
 #include <vector>
+
+#include "store/file_bytes.h"
 
 namespace kvtier::model {
 namespace {
@@ -226,18 +227,8 @@ Result<SafeTensors> ParseSafeTensors(const std::string& path, std::vector<uint8_
 }
 
 Result<SafeTensors> LoadSafeTensors(const std::string& path) {
-  return ReturnOnBadAlloc([&] { return path + ": the file's bytes"; },
-                          [&]() -> Result<SafeTensors> {
-                            std::ifstream in(path, std::ios::binary | std::ios::ate);
-                            if (!in) return NotFound(path + ": cannot open the file");
-                            const std::streamoff size = in.tellg();
-                            if (size < 0) return IOError(path + ": cannot determine the file size");
-                            std::vector<uint8_t> bytes(static_cast<size_t>(size));
-                            in.seekg(0);
-                            if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size))
-                              return IOError(path + ": read failed");
-                            return ParseSafeTensors(path, std::move(bytes));
-                          });
+  KVTIER_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadFileBytesU8(path, "model file"));
+  return ParseSafeTensors(path, std::move(bytes));
 }
 
 }  // namespace kvtier::model

@@ -13,6 +13,7 @@
 
 #include "offload/policy/policies.h"
 #include "store/checksum.h"
+#include "store/file_bytes.h"
 
 namespace kvtier {
 namespace {
@@ -26,12 +27,7 @@ std::string Str(int64_t v) { return std::to_string(v); }
 // ---- files ---------------------------------------------------------------------------------
 
 Result<std::string> ReadWholeFile(const std::string& path, const std::string& what) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return NotFound(what + ": cannot open '" + path + "'");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) return IOError(what + ": read of '" + path + "' failed");
-  return ss.str();
+  return ReadFileBytes(path, what + ": file");
 }
 
 // Writes body + "crc32c <hex>\n" to path via a temporary file and rename.

@@ -159,6 +159,16 @@ int main(int argc, char** argv) {
     bad = so;
     bad.compression = (kvtier_compression)9;
     EXPECT_ERROR(kvtier_store_open(&bad, &store, &err), KVTIER_INVALID_ARGUMENT);
+    /* A data dir the OS will not stat (a component over 255 bytes): an I/O error naming the
+       OS error, never an abort or Internal. */
+    static char long_dir[400];
+    memset(long_dir, 'd', sizeof(long_dir) - 1);
+    memcpy(long_dir, "/tmp/", 5);
+    bad = so;
+    bad.data_dir = long_dir;
+    EXPECT_ERROR(kvtier_store_open(&bad, &store, &err), KVTIER_IO_ERROR);
+    CHECK(strstr(err.message, "File name too long") != NULL, "message \"%s\"", err.message);
+    CHECK(store == NULL, "store_open failed but left *out set");
   }
   OK(kvtier_store_open(&so, &store, &err));
   if (store == NULL) {

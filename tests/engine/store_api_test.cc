@@ -2,12 +2,14 @@
 // the abstract interface, a Session runs over it through a Store*, and a Store that
 // Store::Open did not make is refused by name instead of being used.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "kvtier/kvtier.h"
+#include "tests/test_util.h"
 
 namespace kvtier {
 namespace {
@@ -97,6 +99,41 @@ TEST(StoreApi, SessionRefusesAStoreThatOpenDidNotMake) {
   auto null = Session::Open(nullptr, SessionOptions{});
   ASSERT_FALSE(null.ok());
   EXPECT_NE(null.status().message().find("store is null"), std::string::npos);
+}
+
+// Store::Open never throws: a data_dir the OS will not stat is IOError naming the path and the
+// OS error, whichever step (options check or cold tier) meets it first.
+TEST(StoreApi, OpenNamesTheOsErrorOfAnUnusableDataDir) {
+  TempDir dir;
+  StoreOptions so = Small();
+  so.data_dir = dir.path() + "/" + std::string(300, 'd') + "/kv";
+  auto too_long = Store::Open(so);
+  ASSERT_FALSE(too_long.ok());
+  EXPECT_EQ(too_long.status().code(), StatusCode::kIOError) << too_long.status().ToString();
+  EXPECT_NE(too_long.status().message().find("File name too long"), std::string::npos)
+      << too_long.status().ToString();
+  EXPECT_NE(too_long.status().message().find(so.data_dir), std::string::npos) << too_long.status().ToString();
+
+  std::ofstream(dir.path() + "/file") << "x";
+  so.data_dir = dir.path() + "/file/kv";
+  auto below_a_file = Store::Open(so);
+  ASSERT_FALSE(below_a_file.ok());
+  EXPECT_EQ(below_a_file.status().code(), StatusCode::kIOError) << below_a_file.status().ToString();
+  EXPECT_NE(below_a_file.status().message().find("Not a directory"), std::string::npos)
+      << below_a_file.status().ToString();
+
+  // A directory nobody may enter (EACCES), opened as nobody: "Permission denied", not "not a
+  // directory", and nothing thrown.
+  const std::string closed = dir.path() + "/closed";
+  ASSERT_EQ(::mkdir(closed.c_str(), 0700), 0);
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0755), 0);
+  so.data_dir = closed + "/kv";
+  const std::string got = InChildAsNobody([&] {
+    auto r = Store::Open(so);
+    return r.ok() ? std::string("OK") : r.status().ToString();
+  });
+  EXPECT_NE(got.find("IOError"), std::string::npos) << got;
+  EXPECT_NE(got.find("'" + so.data_dir + "': Permission denied"), std::string::npos) << got;
 }
 
 }  // namespace

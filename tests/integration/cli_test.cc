@@ -760,7 +760,7 @@ TEST(Cli, RunTraceBadInputsGetClearErrors) {
       {"run --trace " + write("flip.kvtrace", flipped), "CRC mismatch"},
       {"run --trace " + write("short.kvtrace", bytes.substr(0, bytes.size() / 3)), "truncated"},
       {"run --trace " + write("magic.kvtrace", bad_magic), "bad magic"},
-      {"run --trace " + dir.path() + "/missing.kvtrace", "cannot open trace file"},
+      {"run --trace " + dir.path() + "/missing.kvtrace", "does not exist"},
       {"run --trace " + trace + " --geometry 8,8,2,64", "conflicts with the trace's geometry 4,8,2,16"},
       {"run --trace " + trace + " --context 4096", "--context 4096 conflicts with the trace's"},
       {"run --trace " + trace + " --needles 2", "--needles shapes the synthetic workload"},
@@ -1204,6 +1204,30 @@ TEST(Cli, UserErrorsNameTheInputAndTheFix) {
   EXPECT_EQ(ReadAll(dir.path() + "/old.json"), "old");
   EXPECT_EQ(Kvtier("run --json " + dir.path() + "/new.json --context -1").code, 2);
   EXPECT_FALSE(fs::exists(dir.path() + "/new.json"));
+}
+
+// Paths the OS refuses (a name over 255 bytes, a component that is a file, a directory given
+// as a file) are named with the OS error: no "terminate called", no "out of memory".
+TEST(Cli, PathsTheOsRefusesAreNamedWithTheOsError) {
+  TempDir dir;
+  const std::string too_long = dir.path() + "/" + std::string(300, 'd');
+  std::ofstream(dir.path() + "/file") << "x";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"run --context 512 --decode-steps 1 --data-dir " + too_long + "/kv", "File name too long"},
+      {"stress --sequences 1 --tokens 64 --data-dir " + too_long, "File name too long"},
+      {"run --context 512 --decode-steps 1 --data-dir " + dir.path() + "/file/kv", "Not a directory"},
+      {"check --data-dir " + too_long, "File name too long"},
+      {"run --trace " + dir.path(), "'" + dir.path() + "' is a directory, not a file"},
+      {"run --trace " + too_long, "File name too long"},
+      {"infinite --weights " + too_long, "File name too long"},
+  };
+  for (const auto& [args, want] : cases) {
+    Ran r = Kvtier(args);
+    EXPECT_TRUE(r.code == 1 || r.code == 2) << args << " -> exit " << r.code << "\n" << r.out;
+    EXPECT_NE(r.out.find(want), std::string::npos) << args << "\n" << r.out;
+    EXPECT_EQ(r.out.find("terminate called"), std::string::npos) << args << "\n" << r.out;
+    EXPECT_EQ(r.out.find("out of memory"), std::string::npos) << args << "\n" << r.out;
+  }
 }
 
 // With --remote the run's sequence leaves Redis at the end too, unless --keep.

@@ -10,9 +10,11 @@
 #include <gtest/gtest.h>
 #include <spawn.h>
 #include <sys/mount.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -60,6 +62,14 @@ class SmallTmpfs {
     if (!dir_.empty()) rmdir(dir_.c_str());
   }
   bool mounted() const { return mounted_; }
+  // Resizes the mounted tmpfs to `bytes` (rounded up to whole pages); an error message or "".
+  std::string Resize(uint64_t bytes) {
+    const std::string data = "size=" + std::to_string(bytes);
+    if (mount("kvtier_full_disk", dir_.c_str(), "tmpfs", MS_REMOUNT | MS_NOSUID | MS_NODEV, data.c_str()) !=
+        0)
+      return "remount " + dir_ + " " + data + ": " + std::strerror(errno);
+    return "";
+  }
   const std::string& why_not() const { return why_not_; }
   const std::string& dir() const { return dir_; }
 
@@ -228,6 +238,36 @@ TEST(FullDiskChild, ReopenFull) {
   EXPECT_TRUE(Contains(opened.status().message(), dir)) << opened.status().ToString();
 }
 
+// Reopens the directory once the disk has room again: every acknowledged chunk is there (the
+// open's acknowledgement check passes) and every token of the store reads back.
+TEST(FullDiskChild, ReopenWithRoom) {
+  if (ChildDir() == nullptr) GTEST_SKIP() << "helper of FullDisk.WriteErrorLatchesAndReopenFails";
+  alarm(60);
+  const std::string dir = ChildDir();
+  auto opened = TieredStore::Open(CrashTestOptions(dir));
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  std::printf("reopened with %zu acknowledged chunks\n", (*opened)->AcknowledgedChunks().size());
+  EXPECT_GT((*opened)->AcknowledgedChunks().size(), 0u);
+}
+
+// The bytes of the directory's write-ahead logs (RocksDB's numbered *.log files).
+uint64_t WalBytes(const std::string& dir) {
+  uint64_t bytes = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (e.is_regular_file() && name.size() > 4 && name.compare(name.size() - 4, 4, ".log") == 0 &&
+        std::isdigit(static_cast<unsigned char>(name[0])))
+      bytes += e.file_size();
+  }
+  return bytes;
+}
+
+uint64_t FreeBytes(const std::string& dir) {
+  struct statvfs v {};
+  return statvfs(dir.c_str(), &v) == 0 ? static_cast<uint64_t>(v.f_bavail) * v.f_frsize : 0;
+}
+
 // ---- the test -------------------------------------------------------------------------------
 
 TEST(FullDisk, WriteErrorLatchesAndReopenFails) {
@@ -250,6 +290,21 @@ TEST(FullDisk, WriteErrorLatchesAndReopenFails) {
         << reopen.output;
     EXPECT_TRUE(Contains(reopen.output, "[  PASSED  ] 1 test")) << reopen.output;
   }
+
+  // The rule docs/reliability.md states: a store that filled its disk reopens once about its
+  // WAL's size is free again (the read-write open flushes the WAL into a table before it
+  // deletes it), here the WAL's bytes plus 1 MiB for the new MANIFEST, WAL, OPTIONS and LOG.
+  const uint64_t wal = WalBytes(dir), room = wal + (uint64_t{1} << 20);
+  std::printf("WAL %llu bytes, %llu bytes free before growing the disk\n",
+              static_cast<unsigned long long>(wal), static_cast<unsigned long long>(FreeBytes(disk.dir())));
+  const std::string resized = disk.Resize((uint64_t{kTmpfsMiB} << 20) + room);
+  ASSERT_EQ(resized, "");
+  std::printf("%llu bytes free after growing it\n", static_cast<unsigned long long>(FreeBytes(disk.dir())));
+  const ChildRun roomy = RunChild("FullDiskChild.ReopenWithRoom", dir);
+  EXPECT_TRUE(WIFEXITED(roomy.status) && WEXITSTATUS(roomy.status) == 0)
+      << "reopen with room " << Describe(roomy.status) << "; its output:\n"
+      << roomy.output;
+  EXPECT_TRUE(Contains(roomy.output, "[  PASSED  ] 1 test")) << roomy.output;
 }
 
 }  // namespace

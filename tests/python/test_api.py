@@ -449,3 +449,13 @@ def test_sliced_and_reused_selections_are_counted():
     c = s.counters()
     assert reused > 0 and sliced > 0
     assert c["selections_reused"] == reused and c["selections_sliced"] == sliced
+
+
+def test_a_data_dir_the_os_refuses_is_an_io_error(tmp_path):
+    """A path the OS will not stat (a component over 255 bytes, a file in the middle) raises
+    kvtier.IOError naming the OS error; nothing aborts."""
+    with pytest.raises(kvtier.IOError, match="File name too long"):
+        small_store(data_dir=str(tmp_path / ("d" * 300) / "kv"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(kvtier.IOError, match="Not a directory"):
+        small_store(data_dir=str(tmp_path / "file" / "kv"))
