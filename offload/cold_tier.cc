@@ -9,6 +9,8 @@
 #include <rocksdb/listener.h>
 #include <rocksdb/options.h>
 #include <rocksdb/slice.h>
+#include <rocksdb/sst_file_reader.h>
+#include <rocksdb/sst_file_writer.h>
 #include <rocksdb/table.h>
 #include <rocksdb/write_batch.h>
 #include <sys/stat.h>
@@ -833,8 +835,9 @@ Status ColdTier::Impl::OpenDb(bool create) {
       if (std::find(names.begin(), names.end(), cf.name) == names.end())
         return Corruption(
             "cold tier: '" + path + "': its MANIFEST lists no column family '" + cf.name +
-            "' (a damaged or truncated MANIFEST); nothing was changed. RocksDB's repair, run on a "
-            "copy of the directory, rebuilds the MANIFEST from the tables and logs that are there");
+            "' (a damaged or truncated MANIFEST); nothing was changed. RocksDB's repair rebuilds "
+            "the MANIFEST from the tables and logs that are there: 'kvtier repair --data-dir " +
+            path + " --into NEW' runs it on a copy");
     s = rocksdb::DB::OpenForReadOnly(dbo, path, cfs, &handles, &db);
   } else {
     dbo.listeners.push_back(std::make_shared<BackgroundErrorListener>(latch));
@@ -952,6 +955,109 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
   return std::unique_ptr<ColdTier>(new ColdTier(std::move(impl)));
 }
 
+namespace {
+
+// A column family handle that only names a family: what SstFileWriter needs to stamp a table
+// with the family's name and id (its table properties), so that RocksDB's repair files the
+// table, and the log records of that id, under that family.
+class NamedFamily final : public rocksdb::ColumnFamilyHandle {
+ public:
+  NamedFamily(std::string name, uint32_t id) : name_(std::move(name)), id_(id) {}
+  const std::string& GetName() const override { return name_; }
+  uint32_t GetID() const override { return id_; }
+  rocksdb::Status GetDescriptor(rocksdb::ColumnFamilyDescriptor*) override {
+    return rocksdb::Status::NotSupported("a family name only");
+  }
+  const rocksdb::Comparator* GetComparator() const override { return rocksdb::BytewiseComparator(); }
+
+ private:
+  const std::string name_;
+  const uint32_t id_;
+};
+
+// The key the seed tables delete: kvtier never writes it (chunk keys are binary and fixed
+// length, sequence keys start with 'S'), and a tombstone is invisible to every read.
+const char* const kRepairSeedKey = "~kvtier-repair-seed";
+
+// Gives every family of `families` that no table in `dir` names a table of its own (one
+// tombstone, see ColdTier::Repair). `families` starts with RocksDB's default family (id 0,
+// which the repair always has); a kvtier store creates the others in their order at its first
+// open, so family i has id i. When a table says otherwise the ids are not kvtier's and nothing
+// is seeded: the repair then keeps what the tables and RocksDB's rules reach.
+Status SeedFamiliesWithoutTables(const std::string& dir,
+                                 const std::vector<rocksdb::ColumnFamilyDescriptor>& families) {
+  namespace fs = std::filesystem;
+  std::map<std::string, uint32_t> tabled;  // family name -> id, from the tables present
+  uint64_t next_number = 1;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const size_t digits = std::find_if(name.begin(), name.end(), [](char c) { return c < '0' || c > '9'; }) -
+                          name.begin();
+    if (digits > 0 && digits < 20) next_number = std::max<uint64_t>(next_number, std::stoull(name.substr(0, digits)) + 1);
+    if (name.rfind("MANIFEST-", 0) == 0 && name.size() > 9 && name.size() < 29)
+      next_number = std::max<uint64_t>(next_number, std::strtoull(name.c_str() + 9, nullptr, 10) + 1);
+    if (!IsNumbered(name, ".sst")) continue;
+    rocksdb::Options o;
+    rocksdb::SstFileReader reader(o);
+    if (!reader.Open(it->path().string()).ok()) continue;  // damaged: the repair sets it aside
+    const auto props = reader.GetTableProperties();
+    if (props != nullptr) tabled[props->column_family_name] = static_cast<uint32_t>(props->column_family_id);
+  }
+  if (ec) return IOError("cold tier: cannot list data dir '" + dir + "': " + ec.message());
+  for (size_t i = 0; i < families.size(); ++i) {
+    auto found = tabled.find(families[i].name);
+    if (found != tabled.end() && found->second != i) return Status::Ok();
+  }
+  if (families.empty() || families[0].name != rocksdb::kDefaultColumnFamilyName) return Status::Ok();
+  for (size_t i = 1; i < families.size(); ++i) {
+    if (tabled.count(families[i].name)) continue;
+    NamedFamily family(families[i].name, static_cast<uint32_t>(i));
+    rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), rocksdb::Options(rocksdb::DBOptions(), families[i].options),
+                                  &family);
+    char file[32];
+    std::snprintf(file, sizeof file, "%06" PRIu64 ".sst", next_number++);
+    const std::string path = dir + "/" + file;
+    rocksdb::Status s = writer.Open(path);
+    if (s.ok()) s = writer.Delete(kRepairSeedKey);
+    if (s.ok()) s = writer.Finish();
+    if (!s.ok()) {
+      ::unlink(path.c_str());
+      return FromRocks(s, "writing a table for column family '" + families[i].name + "' in '" + dir + "'");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ColdTier::Repair(const ColdTierOptions& options) {
+  KVTIER_RETURN_IF_ERROR(options.Validate());
+  namespace fs = std::filesystem;
+  const std::string& path = options.path;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    return IOError("cold tier: data dir '" + path + "': " + ec.message());
+  if (!fs::exists(st)) return NotFound("cold tier: data dir '" + path + "' does not exist (no store to repair)");
+  if (!fs::is_directory(st)) return InvalidArgument("cold tier: data dir '" + path + "' is not a directory");
+  StoreFiles files;
+  KVTIER_RETURN_IF_ERROR(ListStoreFiles(path, &files));
+  if (!files.holds_store())
+    return NotFound("cold tier: '" + path +
+                    "' holds no kvtier store (no CURRENT, MANIFEST-*, write-ahead log, table or ack manifest)");
+  KVTIER_RETURN_IF_ERROR(CheckNotLocked(path));
+  Impl impl;
+  impl.options = options;
+  rocksdb::DBOptions dbo = impl.MakeDbOptions(/*create=*/false);
+  dbo.info_log = std::make_shared<InfoLog>(path);
+  const std::vector<rocksdb::ColumnFamilyDescriptor> families = impl.MakeColumnFamilies();
+  KVTIER_RETURN_IF_ERROR(SeedFamiliesWithoutTables(path, families));
+  rocksdb::Status s = rocksdb::RepairDB(path, dbo, families, rocksdb::ColumnFamilyOptions());
+  if (!s.ok()) return FromRocks(s, "RocksDB's repair of '" + path + "'");
+  return Status::Ok();
+}
+
 // What Open found, before it changes anything (see "What was acknowledged" in cold_tier.h).
 Status ColdTier::Impl::Assess(Findings* f) {
   const std::string& path = options.path;
@@ -1018,8 +1124,9 @@ Status ColdTier::Impl::Refusal(const Findings& f) const {
                     "': RocksDB recovered only part of what was acknowledged (damage or a truncation of its "
                     "write-ahead log or MANIFEST)." +
                     untouched +
-                    " RocksDB's repair, run on a copy of the directory, may salvage more; accept_lost_chunks "
-                    "(kvtier check --accept-lost, which lists them first) goes on "
+                    " RocksDB's repair may salvage them: 'kvtier repair --data-dir " + path +
+                    " --into NEW' runs it on a copy and names what is still missing; after that, "
+                    "accept_lost_chunks (kvtier check --accept-lost, which lists them first) goes on "
                     "without them.");
 }
 

@@ -178,6 +178,19 @@ class ColdTier {
   /// Corruption with RocksDB's message appended.
   static Result<std::unique_ptr<ColdTier>> Open(const ColdTierOptions& options);
 
+  /// Runs RocksDB's repair (RepairDB) on the store in options.path, in place. It rebuilds the
+  /// MANIFEST from the tables and write-ahead logs present, replays every log past a damaged
+  /// record (where an open stops at the first), and moves what it cannot use into `lost/`:
+  /// it changes the directory, so callers repair a copy unless the user consented
+  /// (`kvtier repair`). RocksDB's repair keeps a log's records only for the column families
+  /// some table names; a family with no table yet (a store whose data is all in its logs) is
+  /// first given a table holding one tombstone of a key kvtier never writes, stamped with the
+  /// family's name and the id a kvtier store gives it, so that its records are kept. The ack
+  /// manifest is not touched: a read-only open afterwards names what is still missing.
+  /// Not a directory holding a store -> NotFound; open in another process -> IOError naming
+  /// the pid; RocksDB's errors -> IOError or Corruption with its message.
+  static Status Repair(const ColdTierOptions& options);
+
   ~ColdTier();
   ColdTier(const ColdTier&) = delete;
   ColdTier& operator=(const ColdTier&) = delete;

@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
+#include <map>
 #include <sstream>
 #include <string>
 
@@ -65,6 +67,20 @@ class TempDir {
  private:
   std::string path_;
 };
+
+/// Every regular file under `dir` (recursively), by relative path, with its bytes: what
+/// "the directory was left byte for byte as it was" compares.
+inline std::map<std::string, std::string> DirectorySnapshot(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (!e.is_regular_file()) continue;
+    std::ifstream f(e.path(), std::ios::binary);
+    out[fs::relative(e.path(), dir).string()] =
+        std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  }
+  return out;
+}
 
 /// Runs `body` in a forked child that drops to the unprivileged user nobody (65534) first
 /// when the tests run as root, and returns what it returned: the way to see EACCES, which

@@ -26,8 +26,17 @@ const char* kCheckUsage =
     "(a damaged or truncated RocksDB write-ahead log or MANIFEST can lose them): a missing chunk\n"
     "is an error naming its sequence, layer and index. Prints each sequence's state and its\n"
     "acknowledged chunks. Reads only: nothing in DIR is written, created or deleted, unless\n"
-    "--accept-lost is given (it lists what it forgets before it forgets it). RocksDB's repair,\n"
-    "run on a copy of the directory, may salvage more first.";
+    "--accept-lost is given (it lists what it forgets before it forgets it). Before accepting a\n"
+    "loss, 'kvtier repair --data-dir DIR --into NEW' salvages what RocksDB's repair can reach.";
+
+const char* kRepairUsage =
+    "usage: kvtier repair --data-dir DIR (--into NEW | --in-place)\n\n"
+    "Runs RocksDB's repair on a store that 'kvtier check' refuses: it rebuilds the MANIFEST from\n"
+    "the tables and write-ahead logs present and replays every log past a damaged record, then\n"
+    "checks the result as 'kvtier check' does and prints what was salvaged and what is still\n"
+    "missing. --into NEW repairs a copy made in NEW (which must not exist) and leaves DIR as it\n"
+    "was; --in-place repairs DIR itself (files the repair cannot use go to DIR/lost/). Nothing is\n"
+    "forgotten: 'kvtier check --data-dir NEW --accept-lost' goes on without what is still missing.";
 
 const char* StateName(store_records::SeqState s) {
   switch (s) {
@@ -134,7 +143,10 @@ std::string DescribeLoss(const std::vector<ChunkRange>& chunks, const std::vecto
                   (chunks.empty() ? std::string("none") : DescribeRanges(chunks)) + ")";
   if (!seqs.empty()) {
     s += ", sequence records of";
-    for (SequenceId q : seqs) s += " " + std::to_string(q);
+    for (SequenceId q : seqs) {
+      s += ' ';
+      s += std::to_string(q);
+    }
   }
   return s;
 }
@@ -225,7 +237,129 @@ Status AcceptLoss(const std::string& dir, ColdReport* lost) {
   return Status::Ok();
 }
 
+// Copies the store in `from` into `to`, a directory that must not exist yet (its parent must).
+Status CopyStore(const std::string& from, const std::string& to) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(to, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory) return IOError("repair: --into '" + to + "': " + ec.message());
+  if (fs::exists(st))
+    return InvalidArgument("repair: --into '" + to +
+                           "' exists; name a directory that does not (the copy is made there)");
+  if (!fs::create_directory(to, ec) || ec)
+    return IOError("repair: cannot create --into '" + to + "': " + (ec ? ec.message() : std::string("exists")));
+  fs::copy(from, to, fs::copy_options::recursive | fs::copy_options::copy_symlinks, ec);
+  if (ec) return IOError("repair: copying '" + from + "' to '" + to + "': " + ec.message());
+  return Status::Ok();
+}
+
+bool IsWhole(const ColdReport& r) {
+  return r.missing.empty() && r.missing_sequences.empty() && r.manifest_problem.empty();
+}
+
 }  // namespace
+
+int RunRepair(int argc, char** argv) {
+  std::string dir, into;
+  bool in_place = false;
+  cli::FlagSet f;
+  f.Add("data-dir", "the damaged store's data directory (required)", cli::PathFlag(&dir));
+  f.Add("into", "repair a copy of the store made in this directory (must not exist); DIR is left as it was",
+        cli::PathFlag(&into));
+  f.Add(
+      "in-place", "repair DIR itself (files the repair cannot use go to DIR/lost/)",
+      [&](const std::string& s) {
+        in_place = s != "0";
+        return Status::Ok();
+      },
+      true);
+  Status st = f.Parse("repair", argc, argv);
+  if (!st.ok()) return cli::Fail(st);
+  if (f.help()) {
+    f.PrintHelp(kRepairUsage);
+    return 0;
+  }
+  if (dir.empty()) return cli::Fail(InvalidArgument("repair: --data-dir is required"));
+  if (into.empty() == !in_place)
+    return cli::Fail(InvalidArgument(
+        "repair: say where to repair, with exactly one of --into NEW (a copy; '" + dir +
+        "' is left as it was) and --in-place (the directory itself)"));
+  st = CheckDirectory("repair", dir);
+  if (!st.ok()) return cli::Fail(st);
+
+  // What is missing before the repair, read-only; a store too damaged to open read-only is
+  // what the repair is for.
+  uint64_t missing_before = 0;
+  bool before_known = false;
+  auto before = InspectCold(dir, /*list_missing=*/true, /*verify=*/false, /*whole_store=*/false);
+  if (before.ok()) {
+    if (IsWhole(*before) && before->has_store_record) {
+      std::printf("kvtier repair: '%s' is whole (%llu acknowledged chunks, all present); nothing to repair, "
+                  "nothing was changed\n",
+                  dir.c_str(), static_cast<unsigned long long>(CountChunks(before->acked)));
+      return 0;
+    }
+    before_known = before->manifest_problem.empty();
+    missing_before = CountChunks(before->missing);
+    if (!before->manifest_problem.empty())
+      std::printf("kvtier repair: '%s' before the repair: %s\n", dir.c_str(), before->manifest_problem.c_str());
+    else
+      std::printf("kvtier repair: '%s' before the repair: %llu of %llu acknowledged chunks present; missing %s\n",
+                  dir.c_str(), static_cast<unsigned long long>(CountChunks(before->acked) - missing_before),
+                  static_cast<unsigned long long>(CountChunks(before->acked)),
+                  DescribeLoss(before->missing, before->missing_sequences).c_str());
+  } else if (before.status().code() == StatusCode::kCorruption) {
+    std::printf("kvtier repair: '%s' before the repair: does not open read-only: %s\n", dir.c_str(),
+                before.status().message().c_str());
+  } else {
+    return cli::Fail(before.status());
+  }
+
+  const std::string target = in_place ? dir : into;
+  if (!in_place) {
+    st = CopyStore(dir, into);
+    if (!st.ok()) return cli::Fail(st);
+    std::printf("kvtier repair: copied '%s' to '%s'; repairing the copy ('%s' is left as it was)\n", dir.c_str(),
+                into.c_str(), dir.c_str());
+  }
+  std::fflush(stdout);
+  ColdTierOptions co;
+  co.path = target;
+  st = ColdTier::Repair(co);
+  if (!st.ok()) return cli::Fail(st);
+  std::printf("kvtier repair: RocksDB's repair rebuilt '%s' (files it could not use are in %s/lost/)\n",
+              target.c_str(), target.c_str());
+
+  auto after = InspectCold(target, /*list_missing=*/true, /*verify=*/false, /*whole_store=*/false);
+  if (!after.ok())
+    return cli::Fail(Status(after.status().code(),
+                            "repair: the repaired store still does not open read-only: " + after.status().message()));
+  if (!after->has_store_record)
+    return cli::Fail(NotFound("repair: '" + target +
+                              "' holds no kvtier store record after the repair (the logs that held it are lost); "
+                              "nothing to go on with"));
+  const uint64_t missing_after = CountChunks(after->missing);
+  const std::string salvaged =
+      before_known ? std::to_string(missing_before > missing_after ? missing_before - missing_after : 0) + " of the " +
+                         std::to_string(missing_before) + " missing before"
+                   : std::string("what was missing before could not be counted");
+  if (IsWhole(*after)) {
+    auto rep = InspectCold(target, /*list_missing=*/false, /*verify=*/false, /*whole_store=*/true);
+    if (!rep.ok()) return cli::Fail(rep.status());
+    PrintReport(target, *rep, /*verify=*/false);
+    std::printf("kvtier repair: '%s' is whole: every acknowledged chunk is present (salvaged %s)\n", target.c_str(),
+                salvaged.c_str());
+    return 0;
+  }
+  if (!after->manifest_problem.empty())
+    std::printf("kvtier repair: '%s' after the repair: %s\n", target.c_str(), after->manifest_problem.c_str());
+  std::printf(
+      "kvtier repair: '%s' after the repair: %llu of %llu acknowledged chunks present (salvaged %s); still missing "
+      "%s. 'kvtier check --data-dir %s --accept-lost' lists them and goes on without them for good\n",
+      target.c_str(), static_cast<unsigned long long>(CountChunks(after->acked) - missing_after),
+      static_cast<unsigned long long>(CountChunks(after->acked)), salvaged.c_str(),
+      DescribeLoss(after->missing, after->missing_sequences).c_str(), target.c_str());
+  return 1;
+}
 
 int RunCheck(int argc, char** argv) {
   std::string dir;

@@ -17,11 +17,28 @@
 // record (nothing to go on with).
 //
 // Exit code 0 when the store is whole (or the loss was accepted, 1 otherwise, 2 for bad flags.
+//
+// `kvtier repair`: RocksDB's repair of a damaged store, with the user's consent.
+//
+//   kvtier repair --data-dir DIR (--into NEW | --in-place)
+//
+// Lists what a read-only open of DIR finds missing (or why it does not open), then runs
+// ColdTier::Repair on a copy of DIR made in NEW (DIR is left as it was) or, with --in-place,
+// on DIR itself, then the read-only check on the result: it prints how many acknowledged
+// chunks were missing before, how many the repair salvaged and which are still missing.
+// Nothing is forgotten here: `check --accept-lost` on the repaired directory goes on without
+// what is still missing, and lists it first.
+//
+// Exit code 0 when the repaired store is whole, 1 when chunks are still missing or the
+// repair failed, 2 for bad flags.
 #pragma once
 
 namespace kvtier {
 
 /// The subcommand; argv holds the flags after "check". Returns the exit code.
 int RunCheck(int argc, char** argv);
+
+/// The subcommand; argv holds the flags after "repair". Returns the exit code.
+int RunRepair(int argc, char** argv);
 
 }  // namespace kvtier

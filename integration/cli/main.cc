@@ -467,6 +467,7 @@ void Usage() {
       "  trace     record the kvtier-llama model's real Q/K/V on one prompt, for 'kvtier run --trace FILE'\n"
       "  check     is a store's data directory whole: every acknowledged chunk present (names the lost "
       "ones; read-only)\n"
+      "  repair    RocksDB's repair of a damaged store, into a copy or in place, then the same check\n"
       "  help      this text\n\n"
       "'kvtier <command> --help' lists a command's flags.\n");
 }
@@ -496,13 +497,14 @@ int main(int argc, char** argv) {
   if (cmd == "infinite") return RunInfinite(argc - 2, argv + 2);
   if (cmd == "trace") return RunTrace(argc - 2, argv + 2);
   if (cmd == "check") return RunCheck(argc - 2, argv + 2);
+  if (cmd == "repair") return RunRepair(argc - 2, argv + 2);
   if (cmd == "help" || cmd == "--help" || cmd == "-h") {
     Usage();
     return 0;
   }
   std::fprintf(stderr,
                "kvtier: error: unknown command '%s' (run | stress | policies | compile-tables | infinite | "
-               "trace | check | help)\n",
+               "trace | check | repair | help)\n",
                cmd.c_str());
   return 2;
 }

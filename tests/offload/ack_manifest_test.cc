@@ -685,18 +685,6 @@ TEST(WalDamageStore, KvtierCheckPrintsTheLostChunks) {
   EXPECT_EQ(out.find("lost and accepted"), std::string::npos) << out;
 }
 
-// Every regular file of a directory (recursively) with its bytes: "left byte for byte as it was".
-std::map<std::string, std::string> Snapshot(const std::string& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(dir)) {
-    if (!e.is_regular_file()) continue;
-    std::ifstream f(e.path(), std::ios::binary);
-    out[fs::relative(e.path(), dir).string()] =
-        std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  }
-  return out;
-}
-
 // Issue 46, point 1: a refused open (kvtier check, TieredStore::Open) touches nothing, and
 // --accept-lost lists what it forgets before forgetting it.
 TEST(WalDamageStore, ARefusedOpenLeavesEveryFileAsItWas) {
@@ -704,16 +692,16 @@ TEST(WalDamageStore, ARefusedOpenLeavesEveryFileAsItWas) {
   TempDir dir;
   FillStore(dir.path(), &seq);
   DamageWal(dir.path(), Damage::kFlipBits, 80 * CrashTestOptions(dir.path()).chunk_bytes());
-  const auto before = Snapshot(dir.path());
+  const auto before = DirectorySnapshot(dir.path());
   std::string out;
   EXPECT_EQ(RunCli("check --data-dir " + dir.path(), &out), 1) << out;
   EXPECT_NE(out.find("acknowledged chunks are missing"), std::string::npos) << out;
   EXPECT_NE(out.find("Nothing in the directory was changed"), std::string::npos) << out;
-  EXPECT_EQ(Snapshot(dir.path()), before) << "kvtier check changed the directory";
+  EXPECT_EQ(DirectorySnapshot(dir.path()), before) << "kvtier check changed the directory";
   auto store = TieredStore::Open(CrashTestOptions(dir.path()));
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.status().code(), StatusCode::kCorruption);
-  EXPECT_EQ(Snapshot(dir.path()), before) << "a refused open changed the directory";
+  EXPECT_EQ(DirectorySnapshot(dir.path()), before) << "a refused open changed the directory";
 
   // The damaged directory as it was, so a user can hand it to RocksDB's repair; --accept-lost
   // then lists what it forgets before forgetting it.
@@ -726,6 +714,103 @@ TEST(WalDamageStore, ARefusedOpenLeavesEveryFileAsItWas) {
   EXPECT_EQ(RunCli("check --data-dir " + dir.path() + " --verify", &out), 0) << out;
 }
 
+// The acknowledged chunks a read-only open of `dir` finds missing (what kvtier check lists).
+uint64_t MissingAcks(const std::string& dir) {
+  ColdTierOptions co;
+  co.path = dir;
+  co.read_only = true;
+  co.list_missing = true;
+  auto cold = ColdTier::Open(co);
+  EXPECT_TRUE(cold.ok()) << cold.status().ToString();
+  return cold.ok() ? CountChunks((*cold)->lost_chunks()) : ~0ull;
+}
+
+// Issue 46, point 1: bits flipped in the middle of the only WAL of a store whose data is all
+// in that WAL (no table yet). An open keeps the log's prefix up to the damaged record; RocksDB's
+// repair also replays past it, and kvtier repair keeps what it replays for every family. What
+// is still missing is named, and --accept-lost goes on without it.
+TEST(WalDamageStore, RepairSalvagesPastAFlippedBitAndNamesWhatIsStillMissing) {
+  SequenceId seq = 0;
+  TempDir dir;
+  FillStore(dir.path(), &seq);
+  DamageWal(dir.path(), Damage::kFlipBits, 80 * CrashTestOptions(dir.path()).chunk_bytes());
+  StoreOptions o = CrashTestOptions(dir.path());
+  const uint64_t missing_before = MissingAcks(dir.path());
+  ASSERT_GT(missing_before, 8u) << "the damage must cost the open more than the damaged records";
+  const auto before = DirectorySnapshot(dir.path());
+
+  std::string out;
+  EXPECT_EQ(RunCli("repair --data-dir " + dir.path(), &out), 2) << out;
+  EXPECT_NE(out.find("--into NEW"), std::string::npos) << out;
+  EXPECT_EQ(DirectorySnapshot(dir.path()), before) << "repair without consent changed the directory";
+
+  out.clear();
+  const int code = RunCli("repair --data-dir " + dir.path() + " --in-place", &out);
+  const uint64_t missing_after = MissingAcks(dir.path());
+  // A damaged fragment costs the records with a fragment in its 32 KiB log block.
+  const uint64_t per_block = 32768 / o.chunk_bytes() + 2;
+  EXPECT_LT(missing_after, missing_before) << out;
+  EXPECT_LE(missing_after, 2 * per_block) << "two flipped bytes cost at most two blocks\n" << out;
+  EXPECT_NE(out.find("salvaged " + std::to_string(missing_before - missing_after) + " of the " +
+                     std::to_string(missing_before) + " missing before"),
+            std::string::npos)
+      << out;
+  if (missing_after == 0) {
+    EXPECT_EQ(code, 0) << out;
+  } else {
+    EXPECT_EQ(code, 1) << out;
+    EXPECT_NE(out.find("still missing " + std::to_string(missing_after) + " chunks"), std::string::npos) << out;
+    EXPECT_NE(out.find("--accept-lost"), std::string::npos) << out;
+    out.clear();
+    ASSERT_EQ(RunCli("check --data-dir " + dir.path() + " --accept-lost", &out), 0) << out;
+    EXPECT_NE(out.find("forgetting for good " + std::to_string(missing_after) + " chunks"), std::string::npos)
+        << out;
+  }
+  auto store = TieredStore::Open(o);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  EXPECT_EQ(CountChunks((*store)->AcknowledgedChunks()), 80u - missing_after);
+  const size_t tb = o.geometry.token_elems() * DTypeSize(o.geometry.dtype);
+  std::vector<uint8_t> k(o.chunk_size * tb), v(o.chunk_size * tb), ek(k.size()), ev(v.size());
+  for (const ChunkRange& r : (*store)->AcknowledgedChunks())
+    for (uint64_t i = r.first; i <= r.last; ++i) {
+      const int64_t first = o.n_sink + static_cast<int64_t>(i) * o.chunk_size;
+      ASSERT_TRUE((*store)->ReadTokens(r.seq, r.layer, first, first + o.chunk_size, k.data(), v.data()).ok());
+      FillPattern(kCrashSalt, r.seq, r.layer, 0, first, o.chunk_size, tb, ek.data());
+      FillPattern(kCrashSalt, r.seq, r.layer, 1, first, o.chunk_size, tb, ev.data());
+      EXPECT_EQ(k, ek) << "chunk " << i << " of layer " << r.layer;
+      EXPECT_EQ(v, ev) << "chunk " << i << " of layer " << r.layer;
+    }
+}
+
+// kvtier repair changes nothing where it has nothing to do or no consent to do it.
+TEST(WalDamageStore, RepairRefusesWithoutTouchingAnything) {
+  SequenceId seq = 0;
+  TempDir dir, other;
+  FillStore(dir.path(), &seq);
+  const auto before = DirectorySnapshot(dir.path());
+  std::string out;
+  EXPECT_EQ(RunCli("repair --data-dir " + dir.path() + " --in-place", &out), 0) << out;
+  EXPECT_NE(out.find("nothing to repair, nothing was changed"), std::string::npos) << out;
+  EXPECT_EQ(DirectorySnapshot(dir.path()), before);
+
+  DamageWal(dir.path(), Damage::kTruncate, 80 * CrashTestOptions(dir.path()).chunk_bytes());
+  const auto damaged = DirectorySnapshot(dir.path());
+  out.clear();
+  EXPECT_EQ(RunCli("repair --data-dir " + dir.path() + " --into " + other.path(), &out), 2) << out;
+  EXPECT_NE(out.find("exists; name a directory that does not"), std::string::npos) << out;
+  out.clear();
+  EXPECT_EQ(RunCli("repair --data-dir " + dir.path() + " --in-place --into " + other.path() + "/x", &out), 2)
+      << out;
+  EXPECT_NE(out.find("exactly one of"), std::string::npos) << out;
+  EXPECT_EQ(DirectorySnapshot(dir.path()), damaged);
+  EXPECT_TRUE(DirectorySnapshot(other.path()).empty());
+
+  out.clear();
+  EXPECT_EQ(RunCli("repair --data-dir " + other.path() + " --in-place", &out), 1) << out;
+  EXPECT_NE(out.find("holds no kvtier store"), std::string::npos) << out;
+  EXPECT_TRUE(DirectorySnapshot(other.path()).empty());
+}
+
 // Issue 46, point 6: --accept-lost with no store record refuses and keeps the manifest.
 TEST(WalDamageStore, AcceptLostWithoutAStoreRecordRefusesAndKeepsTheManifest) {
   SequenceId seq = 0;
@@ -733,11 +818,11 @@ TEST(WalDamageStore, AcceptLostWithoutAStoreRecordRefusesAndKeepsTheManifest) {
   FillStore(dir.path(), &seq);
   // The whole WAL gone: the store record and every chunk with it.
   for (const fs::path& w : WalFiles(dir.path())) ASSERT_TRUE(fs::remove(w));
-  const auto before = Snapshot(dir.path());
+  const auto before = DirectorySnapshot(dir.path());
   std::string out;
   EXPECT_EQ(RunCli("check --data-dir " + dir.path() + " --accept-lost", &out), 1) << out;
   EXPECT_NE(out.find("nothing to go on with"), std::string::npos) << out;
-  EXPECT_EQ(Snapshot(dir.path()), before) << "--accept-lost changed the directory before refusing";
+  EXPECT_EQ(DirectorySnapshot(dir.path()), before) << "--accept-lost changed the directory before refusing";
   out.clear();
   EXPECT_EQ(RunCli("check --data-dir " + dir.path(), &out), 1) << out;
   EXPECT_NE(out.find("acknowledged chunks are missing"), std::string::npos) << out;
@@ -748,12 +833,12 @@ TEST(WalDamageStore, AcceptLostWithoutAStoreRecordRefusesAndKeepsTheManifest) {
 TEST(WalDamageStore, CheckOfADirectoryWithoutAStoreCreatesNothing) {
   TempDir dir;
   { std::ofstream(dir.path() + "/app.log") << "an application's log\n"; }
-  const auto before = Snapshot(dir.path());
+  const auto before = DirectorySnapshot(dir.path());
   std::string out;
   EXPECT_EQ(RunCli("check --data-dir " + dir.path(), &out), 1) << out;
   EXPECT_NE(out.find("holds no kvtier store"), std::string::npos) << out;
   EXPECT_EQ(out.find("CURRENT file is missing"), std::string::npos) << out;
-  EXPECT_EQ(Snapshot(dir.path()), before);
+  EXPECT_EQ(DirectorySnapshot(dir.path()), before);
   auto store = TieredStore::Open(CrashTestOptions(dir.path()));
   EXPECT_TRUE(store.ok()) << store.status().ToString();
 }

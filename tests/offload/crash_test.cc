@@ -106,23 +106,9 @@ int RunCli(const std::string& args, std::string* out) {
   return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
-// Issue 24, defect 1: two SIGKILLed writers, then CURRENT deleted. Opening must not start a
-// new database over the old one's files, and no check may delete them.
-TEST(CrashTest, KvtierCheckRecoversAMissingCurrentAfterSigkills) {
-  TempDir dir;
-  std::vector<Ack> acks = RunAndKill(dir.path(), 5, 150);
-  const std::vector<Ack> more = RunAndKill(dir.path(), 6, 150);
-  acks.insert(acks.end(), more.begin(), more.end());
-  ASSERT_GE(acks.size(), 300u);
-  ASSERT_TRUE(std::filesystem::remove(dir.path() + "/CURRENT"));
-  for (int round = 0; round < 2; ++round) {
-    std::string out;
-    ASSERT_EQ(RunCli("check --data-dir " + dir.path(), &out), 0) << "round " << round << ":\n" << out;
-    // check reads only: CURRENT stays missing (and reported) until a read-write open.
-    EXPECT_NE(out.find("CURRENT is missing: MANIFEST-"), std::string::npos) << out;
-    EXPECT_FALSE(std::filesystem::exists(dir.path() + "/CURRENT")) << "check wrote CURRENT";
-  }
-  StoreOptions o = CrashTestOptions(dir.path());
+// Opens the store in `dir` and reads every chunk of `acks` back, bit for bit.
+void ExpectEveryAckReadsBack(const std::string& dir, const std::vector<Ack>& acks) {
+  StoreOptions o = CrashTestOptions(dir);
   auto store = TieredStore::Open(o);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   const size_t tb = o.geometry.token_elems() * DTypeSize(o.geometry.dtype);
@@ -139,6 +125,60 @@ TEST(CrashTest, KvtierCheckRecoversAMissingCurrentAfterSigkills) {
     ASSERT_EQ(v, ev) << "V of acknowledged chunk seq=" << a.seq << " index=" << a.index << " differs";
   }
   EXPECT_EQ((*store)->ListSequences().size(), 2u * kCrashSequences);
+}
+
+// Issue 24, defect 1: two SIGKILLed writers, then CURRENT deleted. Opening must not start a
+// new database over the old one's files, and no check may delete them.
+TEST(CrashTest, KvtierCheckRecoversAMissingCurrentAfterSigkills) {
+  TempDir dir;
+  std::vector<Ack> acks = RunAndKill(dir.path(), 5, 150);
+  const std::vector<Ack> more = RunAndKill(dir.path(), 6, 150);
+  acks.insert(acks.end(), more.begin(), more.end());
+  ASSERT_GE(acks.size(), 300u);
+  ASSERT_TRUE(std::filesystem::remove(dir.path() + "/CURRENT"));
+  for (int round = 0; round < 2; ++round) {
+    std::string out;
+    ASSERT_EQ(RunCli("check --data-dir " + dir.path(), &out), 0) << "round " << round << ":\n" << out;
+    // check reads only: CURRENT stays missing (and reported) until a read-write open.
+    EXPECT_NE(out.find("CURRENT is missing: MANIFEST-"), std::string::npos) << out;
+    EXPECT_FALSE(std::filesystem::exists(dir.path() + "/CURRENT")) << "check wrote CURRENT";
+  }
+  ExpectEveryAckReadsBack(dir.path(), acks);
+}
+
+// Issue 46, point 1: two SIGKILLed writers, then the MANIFEST truncated to half. Every open
+// refuses and leaves every file as it was; `kvtier repair --into` repairs a copy, which then
+// holds every acknowledged chunk, bit for bit, and the damaged original is still untouched.
+TEST(CrashTest, ATruncatedManifestIsRefusedUntouchedAndRepairRecoversEveryAck) {
+  TempDir dir, spare;
+  std::vector<Ack> acks = RunAndKill(dir.path(), 7, 150);
+  const std::vector<Ack> more = RunAndKill(dir.path(), 8, 150);
+  acks.insert(acks.end(), more.begin(), more.end());
+  ASSERT_GE(acks.size(), 300u);
+  size_t manifests = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+    if (e.path().filename().string().rfind("MANIFEST-", 0) == 0) {
+      std::filesystem::resize_file(e.path(), std::filesystem::file_size(e.path()) / 2);
+      ++manifests;
+    }
+  ASSERT_GE(manifests, 1u);
+  const auto before = DirectorySnapshot(dir.path());
+
+  std::string out;
+  EXPECT_EQ(RunCli("check --data-dir " + dir.path(), &out), 1) << out;
+  EXPECT_NE(out.find("kvtier repair --data-dir " + dir.path() + " --into NEW"), std::string::npos) << out;
+  EXPECT_EQ(DirectorySnapshot(dir.path()), before) << "kvtier check changed the damaged directory";
+  auto refused = TieredStore::Open(CrashTestOptions(dir.path()));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(DirectorySnapshot(dir.path()), before) << "a refused open changed the damaged directory";
+
+  const std::string copy = spare.path() + "/repaired";
+  out.clear();
+  ASSERT_EQ(RunCli("repair --data-dir " + dir.path() + " --into " + copy, &out), 0) << out;
+  EXPECT_NE(out.find("before the repair"), std::string::npos) << out;
+  EXPECT_NE(out.find("is whole: every acknowledged chunk is present"), std::string::npos) << out;
+  EXPECT_EQ(DirectorySnapshot(dir.path()), before) << "repair --into changed the original";
+  ExpectEveryAckReadsBack(copy, acks);
 }
 
 }  // namespace
