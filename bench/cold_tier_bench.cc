@@ -21,6 +21,13 @@
 //                                 copy. Counter disk_ratio = SST bytes / payload bytes.
 //   Memcpy/<bytes>                memcpy of the same payloads (same buffer pool).
 //   Crc32c/<hw|sw>/<bytes>        the checksum alone.
+//   ColdTier/Open/<readonly|readwrite>/<wal|tables>
+//                                 opening a store of 2,048 acknowledged 16 KiB chunks,
+//                                 all in its WAL or all in tables, from a fresh copy of the
+//                                 directory each time (the copy is not timed). readonly is
+//                                 what every read-write open of an existing store runs first
+//                                 (the check that refuses without changing anything), so
+//                                 readonly / readwrite is that check's share of an open.
 //
 // Every database lives under /tmp/kvtier_cold_bench_XXXXXX and is removed
 // when its benchmark ends.
@@ -188,6 +195,57 @@ void BM_Crc(benchmark::State& state, bool hw, size_t bytes) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(bytes));
 }
 
+// A store of 2,048 acknowledged 16 KiB chunks in `dir`: in the WAL (`in_tables` false: the
+// tier is destroyed without a flush, as a crash leaves it) or in tables (reopened once).
+Status MakeOpenBenchStore(const std::string& dir, bool in_tables) {
+  constexpr size_t kBytes = 16u << 10;
+  auto pool = Fp16Pool(kBytes);
+  {
+    ColdTierOptions o;
+    o.path = dir;
+    KVTIER_ASSIGN_OR_RETURN(auto tier, ColdTier::Open(o));
+    KVTIER_RETURN_IF_ERROR(tier->PutSequence(1, "sequence 1"));
+    for (uint64_t i = 0; i < 2048; ++i)
+      KVTIER_RETURN_IF_ERROR(tier->PutChunk({1, static_cast<uint32_t>(i % 32), i / 32}, "meta",
+                                            pool[i % kPool].data(), kBytes));
+  }
+  if (in_tables) {
+    ColdTierOptions o;
+    o.path = dir;
+    KVTIER_ASSIGN_OR_RETURN(auto tier, ColdTier::Open(o));  // the open flushes what it replayed
+  }
+  return Status::Ok();
+}
+
+void BM_Open(benchmark::State& state, bool read_only, bool in_tables) {
+  BenchDir pristine, work;
+  Status st = MakeOpenBenchStore(pristine.path(), in_tables);
+  if (!st.ok()) {
+    state.SkipWithError(st.ToString().c_str());
+    return;
+  }
+  const std::string dir = work.path() + "/store";
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    fs::copy(pristine.path(), dir, fs::copy_options::recursive, ec);
+    if (ec) {
+      state.SkipWithError(ec.message().c_str());
+      break;
+    }
+    state.ResumeTiming();
+    ColdTierOptions o;
+    o.path = dir;
+    o.read_only = read_only;
+    auto tier = ColdTier::Open(o);
+    if (!tier.ok() || CountChunks((*tier)->AcknowledgedChunks()) != 2048) {
+      state.SkipWithError(tier.ok() ? "not every chunk is acknowledged" : tier.status().ToString().c_str());
+      break;
+    }
+  }
+}
+
 [[maybe_unused]] const bool kRegistered = [] {
   const size_t sizes[] = {16u << 10, 64u << 10, 256u << 10};
   const Compression comps[] = {Compression::kNone, Compression::kLZ4, Compression::kZSTD};
@@ -212,6 +270,14 @@ void BM_Crc(benchmark::State& state, bool hw, size_t bytes) {
       }
     }
   }
+  for (bool in_tables : {false, true})
+    for (bool read_only : {true, false})
+      benchmark::RegisterBenchmark(
+          ("ColdTier/Open/" + std::string(read_only ? "readonly/" : "readwrite/") + (in_tables ? "tables" : "wal"))
+              .c_str(),
+          [read_only, in_tables](benchmark::State& s) { BM_Open(s, read_only, in_tables); })
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark(
       "ColdTier/PutSync/lz4/noise/65536",
       [](benchmark::State& s) { BM_Put(s, Compression::kLZ4, Content::kNoise, 64u << 10, true); })
