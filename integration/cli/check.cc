@@ -62,6 +62,18 @@ Status CheckDirectory(const std::string& cmd, const std::string& dir) {
   return Status::Ok();
 }
 
+// The options that open the store in `dir` as its store record describes it.
+StoreOptions StoreOptionsFor(const store_records::StoreLayout& layout, const std::string& dir) {
+  StoreOptions o;
+  o.geometry = layout.geometry;
+  o.n_sink = layout.n_sink;
+  o.n_local = layout.n_local;
+  o.chunk_size = layout.chunk_size;
+  o.repr_topk = layout.repr_topk;
+  o.data_dir = dir;
+  return o;
+}
+
 // Everything check prints, read from the cold tier opened read-only.
 struct ColdReport {
   bool has_store_record = false;
@@ -106,13 +118,7 @@ Result<ColdReport> InspectCold(const std::string& dir, bool list_missing, bool v
     return Status::Ok();
   }));
   if (whole_store) {
-    StoreOptions o;
-    o.geometry = rep.layout.geometry;
-    o.n_sink = rep.layout.n_sink;
-    o.n_local = rep.layout.n_local;
-    o.chunk_size = rep.layout.chunk_size;
-    o.repr_topk = rep.layout.repr_topk;
-    o.data_dir = dir;
+    StoreOptions o = StoreOptionsFor(rep.layout, dir);
     KVTIER_ASSIGN_OR_RETURN(auto hot, MakeHotTier(Device::kCpu, o.chunk_bytes(), o.chunk_bytes()));
     RecoveredStore rec;
     Status st = RecoverStore(o, cold.get(), hot.get(), &rec);
@@ -220,16 +226,10 @@ Status AcceptLoss(const std::string& dir, ColdReport* lost) {
     std::printf("kvtier check: '%s': forgetting for good %s\n", dir.c_str(),
                 DescribeLoss(pre->missing, pre->missing_sequences).c_str());
   std::fflush(stdout);
-  StoreOptions o;
-  o.geometry = pre->layout.geometry;
-  o.n_sink = pre->layout.n_sink;
-  o.n_local = pre->layout.n_local;
-  o.chunk_size = pre->layout.chunk_size;
-  o.repr_topk = pre->layout.repr_topk;
+  StoreOptions o = StoreOptionsFor(pre->layout, dir);
   o.hot_bytes = o.chunk_bytes();
   o.warm_bytes = o.chunk_bytes();
   o.transfer_threads = 1;
-  o.data_dir = dir;
   o.accept_lost_chunks = true;
   auto store = TieredStore::Open(o);
   if (!store.ok()) return store.status();
