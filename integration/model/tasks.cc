@@ -54,6 +54,7 @@ Result<Sample> Haystack(const std::string& task, const std::string& needle, cons
   s.prompt += needle;
   s.needle_end = static_cast<int64_t>(s.prompt.size());
   for (int64_t i = k; i < n; ++i) s.prompt += kFiller;
+  s.question_begin = static_cast<int64_t>(s.prompt.size());
   s.prompt += question;
   s.answer = answer;
   FindAnswer(&s);
@@ -123,6 +124,7 @@ Result<Sample> MakeSample(const std::string& task, int64_t length, std::mt19937_
       s.prompt += keys[i] + ": " + values[i] + "\n";
       if (static_cast<size_t>(i) == asked) s.needle_end = static_cast<int64_t>(s.prompt.size());
     }
+    s.question_begin = static_cast<int64_t>(s.prompt.size());
     s.prompt += "What is the value of key " + keys[asked] + "? The value is ";
     s.answer = values[asked];
     FindAnswer(&s);

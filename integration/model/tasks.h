@@ -17,6 +17,9 @@ struct Sample {
   // key/value line. The needle oracle attends exactly the chunks over it. answer_begin/end:
   // the answer's first copy inside it, whose chunks needle recall asks about.
   int64_t needle_begin = 0, needle_end = 0, answer_begin = 0, answer_end = 0;
+  // Where the question starts: prompt[0, question_begin) is the context, the rest the input
+  // (the ∞-Bench task file schema, integration/infbench/task_file.h).
+  int64_t question_begin = 0;
 };
 
 /// OK for "passkey" | "number_string" | "kv_retrieval", else InvalidArgument naming them.

@@ -2,12 +2,14 @@
 // rule on hand-computed cases, including the official scorer's edge cases.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "integration/infbench/predictions.h"
 #include "integration/infbench/prompt.h"
 #include "integration/infbench/score.h"
 #include "integration/infbench/task_file.h"
@@ -304,6 +306,54 @@ TEST(InfBenchTaskFile, WrittenFilesReadBackTheSame) {
   EXPECT_EQ(f->samples[0].input, "q?");
   EXPECT_EQ(f->samples[0].max_new_tokens, 5);
   EXPECT_EQ(f->samples[0].answer_json, R"(["12345"])");
+}
+
+// ---- predictions ------------------------------------------------------------------------------
+
+TEST(InfBenchPredictions, ReopeningResumesAndDropsALineCutShortByAKill) {
+  TempDir dir;
+  const std::string path = dir.path() + "/kvtier/preds_passkey.jsonl";
+  {
+    auto f = PredictionsFile::Open(path);
+    ASSERT_TRUE(f.ok()) << f.status().ToString();
+    ASSERT_TRUE((*f)->Append({"0", "71432", R"(["71432"])"}).ok());
+    ASSERT_TRUE((*f)->Append({"\"b-1\"", "garbage \xff", R"(["12345"])"}).ok());
+  }
+  // A kill in the middle of the third line.
+  { std::ofstream(path, std::ios::app) << R"({"id": 2, "predic)"; }
+  auto f = PredictionsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ((*f)->dropped_partial_lines(), 1);
+  ASSERT_EQ((*f)->predictions().size(), 2u);
+  ASSERT_NE((*f)->Find("\"b-1\""), nullptr);
+  EXPECT_EQ((*f)->Find("\"b-1\"")->ground_truth_json, R"(["12345"])");
+  EXPECT_EQ((*f)->Find("2"), nullptr);
+  ASSERT_TRUE((*f)->Append({"2", "33333", R"(["33333"])"}).ok());
+  f->reset();
+  const std::string text = test::ReadAll(path);
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 3) << text;
+  EXPECT_NE(text.find(R"({"ground_truth":["33333"],"id":2,"prediction":"33333"})"), std::string::npos) << text;
+  // A complete last line without its newline is kept, and the next one starts on a line of its own.
+  { std::ofstream(path, std::ios::app) << R"({"id": 3, "prediction": "x", "ground_truth": ["y"]})"; }
+  f = PredictionsFile::Open(path);
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ((*f)->predictions().size(), 4u);
+  ASSERT_TRUE((*f)->Append({"4", "z", R"(["z"])"}).ok());
+  f->reset();
+  f = PredictionsFile::Open(path);
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ((*f)->predictions().size(), 5u);
+  EXPECT_EQ((*f)->dropped_partial_lines(), 0);
+}
+
+TEST(InfBenchPredictions, ADamagedLineInTheMiddleIsNamed) {
+  TempDir dir;
+  const std::string path = dir.path() + "/preds_passkey.jsonl";
+  std::ofstream(path) << "{\"id\": 0, \"prediction\": \"1\", \"ground_truth\": [\"1\"]}\nnot json\n"
+                      << "{\"id\": 1, \"prediction\": \"1\", \"ground_truth\": [\"1\"]}\n";
+  auto f = PredictionsFile::Open(path);
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find(path + ":2: not a prediction"), std::string::npos) << f.status().ToString();
 }
 
 }  // namespace
