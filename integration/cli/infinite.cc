@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <deque>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -25,11 +26,16 @@
 #include "integration/cli/flags.h"
 #include "integration/cli/option_flags.h"
 #include "integration/cli/paths.h"
+#include "integration/infbench/predictions.h"
+#include "integration/infbench/prompt.h"
+#include "integration/infbench/score.h"
+#include "integration/infbench/task_file.h"
 #include "integration/json.h"
 #include "integration/model/llama.h"
 #include "integration/model/tasks.h"
 #include "integration/policy_eval.h"
 #include "integration/progress.h"
+#include "integration/sysinfo.h"
 #include "integration/retriever_flags.h"
 #include "integration/tier_report.h"
 #include "integration/turnover.h"
@@ -183,6 +189,13 @@ struct Options {
   int64_t kv_budget = 0;
   int observe = 32;
   int threads = 0;  // worker threads of the whole run; 0 = oneTBB's default (one per core)
+  // ∞-Bench's own task files (--data): the prompts' template family, the truncation of a
+  // prompt to at most this many tokens (0: none), the generation budget (0: the sample's or
+  // the task's), where the predictions go; --samples limits each task when given.
+  std::string data, write_data, templates = "kvtier", predictions = "infbench-predictions";
+  int64_t truncate = 0;
+  int max_new_tokens = 0;
+  bool samples_set = false;
 };
 
 // One way of attending: which chunks, which positions.
@@ -256,7 +269,9 @@ Result<StoreOptions> StoreFor(const Options& o, const Method& m, const LlamaMode
     // Full attention pins every chunk of a layer at once; the entropy allocator may hand one
     // layer up to L * k chunks.
     const uint64_t k = static_cast<uint64_t>(std::max(0, m.retrieval.budget_tokens / s.chunk_size));
-    const uint64_t need = m.kind == Method::kFull ? chunks : std::min(chunks, layers * k + 1);
+    // At least the budget's chunks: a session refuses a pool smaller than what one layer may
+    // be granted, however short the prompt.
+    const uint64_t need = m.kind == Method::kFull ? chunks : std::max(k + 1, std::min(chunks, layers * k + 1));
     s.hot_bytes = std::max<uint64_t>(need, 1) * cb;
     if (o.hot_set) s.hot_bytes = std::max(s.hot_bytes, o.store.hot_bytes);
   }
@@ -264,8 +279,10 @@ Result<StoreOptions> StoreFor(const Options& o, const Method& m, const LlamaMode
 }
 
 // prog: the sample's progress (prompt and answer tokens through the model).
+// decode_tokens: the greedy decode's length (the first token comes from the prompt's last
+// step). The output is appended to r->outputs; whether it is right is the caller's to say.
 Status RunSample(const Options& o, const Method& m, const LlamaModel& model, const StoreOptions& so,
-                 const Sample& sample, Result1* r, Progress* prog) {
+                 const Sample& sample, size_t decode_tokens, Result1* r, Progress* prog) {
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<LlamaSession> session,
                           LlamaSession::Create(&model, so, m.positions));
   if (m.kind == Method::kRetrieval) {
@@ -287,6 +304,7 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
   }
   // Needle recall of the step just run: per layer, were all sealed needle chunks attended?
   auto score_needle = [&]() -> Status {
+    if (sample.answer_end <= sample.answer_begin) return Status::Ok();  // no needle known (--data)
     for (int layer = 0; layer < model.config().n_layers; ++layer) {
       // Every sealed chunk over the answer, dropped by --compress or not: a compressed-away
       // needle is a miss, not a step that does not count.
@@ -437,7 +455,7 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
   std::string out;
   int32_t next = LlamaSession::Argmax(last);
   out.push_back(static_cast<char>(next));
-  while (out.size() < sample.answer.size()) {
+  while (out.size() < decode_tokens) {
     KVTIER_ASSIGN_OR_RETURN(last, decode(next));
     count_turnover();
     KVTIER_RETURN_IF_ERROR(score_needle());
@@ -457,7 +475,6 @@ Status RunSample(const Options& o, const Method& m, const LlamaModel& model, con
     r->sliced_selections += rt->sliced_selections();
   }
   r->samples += 1;
-  r->correct += out == sample.answer ? 1 : 0;
   r->outputs.push_back(out);
   const StoreCounters c = session->store()->counters();
   r->traffic = TierTrafficText(c, !session->store()->options().remote.empty(), "    ");
@@ -488,7 +505,8 @@ Result<Result1> RunMethod(const Options& o, const Method& m, const LlamaModel& m
     Progress prog(!o.quiet, what,
                   static_cast<int64_t>(samples[i].prompt.size() + samples[i].answer.size() - 1), "tokens");
     const int correct_before = r.correct;
-    KVTIER_RETURN_IF_ERROR(RunSample(o, m, model, so, samples[i], &r, &prog));
+    KVTIER_RETURN_IF_ERROR(RunSample(o, m, model, so, samples[i], samples[i].answer.size(), &r, &prog));
+    r.correct += r.outputs.back() == samples[i].answer ? 1 : 0;
     std::string extra = r.correct > correct_before ? ", correct" : ", wrong";
     if (i + 1 < samples.size())
       extra += "; " + m.name + " at " + std::to_string(context) + " done in about " +
@@ -637,6 +655,242 @@ std::string ToJson(const Options& o, const std::vector<Method>& methods, const s
   return w.str();
 }
 
+// ---------------------------------------------------------------------------
+// ∞-Bench's own task files (--data, --write-data; integration/infbench/)
+
+// The generator's samples as a ∞-Bench task file: context = the prompt before the question,
+// input = the question, answer = [answer], max_new_tokens = the answer's bytes (kvtier-tiny
+// decodes exactly that many, as the generator's own path does).
+Status WriteGeneratorData(const Options& o) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(o.write_data, ec);
+  if (ec) return IOError("--write-data: cannot create '" + o.write_data + "': " + ec.message());
+  std::vector<infbench::BenchSample> out;
+  for (int64_t context : o.contexts) {
+    std::mt19937_64 rng = model::SampleRng(o.seed, context);
+    for (int i = 0; i < o.samples; ++i) {
+      KVTIER_ASSIGN_OR_RETURN(Sample s, MakeSample(o.task, context, rng));
+      infbench::BenchSample b;
+      b.id_json = std::to_string(out.size());
+      b.context = s.prompt.substr(0, static_cast<size_t>(s.question_begin));
+      b.input = s.prompt.substr(static_cast<size_t>(s.question_begin));
+      b.answer_json = JsonWriter::Quote(s.answer);
+      b.answer_json.insert(b.answer_json.begin(), '[');
+      b.answer_json.push_back(']');
+      b.max_new_tokens = static_cast<int>(s.answer.size());
+      out.push_back(std::move(b));
+    }
+  }
+  const std::string path = (fs::path(o.write_data) / (o.task + ".jsonl")).string();
+  KVTIER_RETURN_IF_ERROR(infbench::WriteTaskFile(path, out));
+  std::printf("wrote %zu %s samples to %s\n", out.size(), o.task.c_str(), path.c_str());
+  return Status::Ok();
+}
+
+// A method's folder name under --predictions: "full attention" -> "full_attention".
+std::string MethodSlug(const std::string& name) {
+  std::string s;
+  for (char c : name) s.push_back(c == ' ' ? '_' : static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+  return s;
+}
+
+struct TaskRun {  // one method on one task file
+  std::string task, file, method, predictions;
+  bool skipped = false;
+  std::string skip_reason;
+  int samples = 0, resumed = 0;  // samples scored; of them, found in the predictions file
+  double score_sum = 0;
+  Result1 run;                   // the samples run now (time, tokens, retrieval, tiers)
+  uint64_t peak_rss = 0;
+  double score() const { return samples ? score_sum / samples : 0; }
+};
+
+std::string DataJson(const Options& o, const std::vector<Method>& methods, const std::vector<TaskRun>& runs,
+                     const std::vector<std::string>& tasks) {
+  JsonWriter w(/*pretty=*/true);
+  w.BeginObject();
+  w.Key("weights").String(o.weights).Key("data").String(o.data).Key("template").String(o.templates);
+  w.Key("truncate").Int(o.truncate).Key("max_new_tokens").Int(o.max_new_tokens);
+  w.Key("predictions").String(o.predictions).Key("budget").Int(o.retrieval.budget_tokens);
+  w.Key("sink").Int(o.store.n_sink).Key("local").Int(o.store.n_local).Key("chunk").Int(o.store.chunk_size);
+  w.Key("window").Int(std::min(o.window, o.store.n_local));
+  w.Key("methods").BeginArray();
+  for (const Method& m : methods) w.BeginObject().Key("name").String(m.name).Key("config").String(Describe(o, m)).EndObject();
+  w.EndArray();
+  w.Key("tasks").BeginArray();
+  for (const std::string& t : tasks) w.String(t);
+  w.EndArray();
+  w.Key("results").BeginArray();
+  for (const TaskRun& r : runs) {
+    w.BeginObject().Key("task").String(r.task).Key("file").String(r.file).Key("method").String(r.method);
+    w.Key("skipped").Bool(r.skipped);
+    if (r.skipped) {
+      w.Key("skip_reason").String(r.skip_reason).EndObject();
+      continue;
+    }
+    w.Key("score").Double(r.score()).Key("samples").Int(r.samples).Key("resumed").Int(r.resumed);
+    w.Key("predictions").String(r.predictions);
+    w.Key("run").BeginObject();
+    w.Key("samples").Int(r.run.samples).Key("seconds").Double(r.run.seconds);
+    w.Key("s_per_sample").Double(r.run.s_per_sample()).Key("tokens").Uint(r.run.tokens);
+    w.Key("tokens_per_s").Double(r.run.tokens_per_s());
+    w.Key("chunks_per_layer_step").Double(r.run.steps ? static_cast<double>(r.run.chunks) / r.run.steps : 0);
+    w.Key("selections").Uint(r.run.selections).Key("reused_selections").Uint(r.run.reused_selections);
+    w.Key("sliced_selections").Uint(r.run.sliced_selections);
+    WriteTurnoverJson(&w, r.run.turnover_by_layer);
+    w.Key("tier_bytes").BeginObject();
+    w.Key("hot").Uint(r.run.peak.hot_bytes).Key("warm").Uint(r.run.peak.warm_bytes).Key("cold").Uint(r.run.peak.cold_bytes);
+    w.EndObject();
+    w.Key("bytes_moved").Uint(r.run.peak.bytes_moved).Key("peak_rss_bytes").Uint(r.peak_rss);
+    w.EndObject().EndObject();
+  }
+  w.EndArray().EndObject();
+  return w.str();
+}
+
+// --data: every task file through every method, with the benchmark's prompts, truncation and
+// scoring; predictions appended as made, and the samples already in them skipped.
+int RunData(const Options& o, std::vector<Method> methods, const LlamaModel& model) {
+  // The needle oracle needs the needle's place, which the benchmark's files do not say.
+  methods.erase(std::remove_if(methods.begin(), methods.end(),
+                               [](const Method& m) { return m.kind == Method::kNeedleOracle; }),
+                methods.end());
+  auto data = infbench::ReadTaskData(o.data);
+  if (!data.ok()) return Fail(data.status());
+  std::vector<TaskRun> runs;
+  std::vector<std::string> tasks;
+  for (const infbench::TaskFile& tf : *data) {
+    tasks.push_back(tf.task);
+    const size_t n = o.samples_set ? std::min(tf.samples.size(), static_cast<size_t>(o.samples)) : tf.samples.size();
+    // The prompts, their budgets and ground truths: the same for every method.
+    std::vector<Sample> prompts(n);
+    std::vector<size_t> budgets(n);
+    std::vector<std::string> truths(n);
+    for (size_t i = 0; i < n; ++i) {
+      const infbench::BenchSample& b = tf.samples[i];
+      auto prompt = infbench::BuildPrompt(o.templates, tf.task, b);
+      if (!prompt.ok()) return Fail(InvalidArgument(tf.path + ": " + prompt.status().message()));
+      prompts[i].prompt = o.truncate > 0 ? infbench::TruncateMiddle(*prompt, static_cast<size_t>(o.truncate)) : *prompt;
+      if (prompts[i].prompt.size() < 2)
+        return Fail(InvalidArgument(tf.path + ":" + std::to_string(b.line) + ": the prompt is shorter than 2 tokens"));
+      budgets[i] = static_cast<size_t>(o.max_new_tokens > 0   ? o.max_new_tokens
+                                       : b.max_new_tokens > 0 ? b.max_new_tokens
+                                                              : infbench::DefaultMaxNewTokens(tf.task));
+      auto gt = infbench::GroundTruthJson(tf.task, b);
+      if (!gt.ok()) return Fail(InvalidArgument(tf.path + ":" + std::to_string(b.line) + ": " + gt.status().message()));
+      truths[i] = *gt;
+    }
+    for (const Method& m : methods) {
+      TaskRun tr;
+      tr.task = tf.task;
+      tr.file = tf.path;
+      tr.method = m.name;
+      tr.run.method = m.name;
+      tr.predictions = o.predictions + "/" + MethodSlug(m.name) + "/preds_" + tf.task + ".jsonl";
+      auto preds = infbench::PredictionsFile::Open(tr.predictions);
+      if (!preds.ok()) return Fail(preds.status());
+      ResetPeakRss();
+      size_t to_run = 0;
+      for (size_t i = 0; i < n; ++i) to_run += (*preds)->Find(tf.samples[i].id_json) == nullptr;
+      size_t ran = 0;
+      for (size_t i = 0; i < n; ++i) {
+        const infbench::BenchSample& b = tf.samples[i];
+        std::string prediction;
+        if (const infbench::Prediction* p = (*preds)->Find(b.id_json); p != nullptr) {
+          if (p->ground_truth_json != truths[i])
+            return Fail(FailedPrecondition(
+                tr.predictions + " was made from other data: sample " + b.id_json + "'s ground truth there is " +
+                p->ground_truth_json.substr(0, 60) + ", in " + tf.path + " " + truths[i].substr(0, 60) +
+                " (move the file away, or give another --predictions folder)"));
+          prediction = p->prediction;
+          tr.resumed += 1;
+        } else {
+          auto so = StoreFor(o, m, model, static_cast<int64_t>(prompts[i].prompt.size() + budgets[i]));
+          if (!so.ok()) return Fail(so.status());
+          if (m.kind == Method::kFull && so->hot_bytes > o.full_max_bytes) {
+            tr.skipped = true;
+            tr.skip_reason = "sample " + b.id_json + ": one layer's chunks need " +
+                             std::to_string(so->hot_bytes >> 20) + " MiB of hot slots (raise --full-max-bytes)";
+            break;
+          }
+          char what[256];
+          std::snprintf(what, sizeof(what), "infinite: %s, %s, sample %zu/%zu", m.name.c_str(), tf.task.c_str(),
+                        ran + 1, to_run);
+          Progress prog(!o.quiet, what, static_cast<int64_t>(prompts[i].prompt.size() + budgets[i] - 1), "tokens");
+          Status st = RunSample(o, m, model, *so, prompts[i], budgets[i], &tr.run, &prog);
+          if (!st.ok()) return Fail(st);
+          prediction = tr.run.outputs.back();
+          st = (*preds)->Append({b.id_json, prediction, truths[i]});
+          if (!st.ok()) return Fail(st);
+          ++ran;
+          prog.Done(ran < to_run ? "; " + tf.task + " done in about " +
+                                       FormatDuration(tr.run.s_per_sample() * static_cast<double>(to_run - ran))
+                                 : std::string());
+        }
+        auto score = infbench::ScoreOne(tf.task, prediction, truths[i], o.templates);
+        if (!score.ok()) return Fail(score.status());
+        tr.score_sum += *score;
+        tr.samples += 1;
+      }
+      tr.peak_rss = PeakRssBytes();
+      runs.push_back(std::move(tr));
+    }
+  }
+
+  const model::LlamaConfig& c = model.config();
+  std::printf("kvtier infinite — ∞-Bench data %s, template %s, truncate %s, weights %s (d_model %d, %d layers)\n",
+              o.data.c_str(), o.templates.c_str(), o.truncate > 0 ? std::to_string(o.truncate).c_str() : "none",
+              o.weights.c_str(), c.d_model, c.n_layers);
+  for (const Method& m : methods) std::printf("  %-15s %s\n", m.name.c_str(), Describe(o, m).c_str());
+  std::printf("\n");
+  for (const TaskRun& r : runs) {
+    if (r.skipped) {
+      std::printf("%-20s %-15s skipped: %s\n", r.task.c_str(), r.method.c_str(), r.skip_reason.c_str());
+      continue;
+    }
+    std::printf("%-20s %-15s %6.2f over %d samples (%d from %s); %d run now, %.3f s/sample, %.2f chunks per layer "
+                "and step, peak RSS %s\n",
+                r.task.c_str(), r.method.c_str(), 100 * r.score(), r.samples, r.resumed, r.predictions.c_str(),
+                r.run.samples, r.run.s_per_sample(),
+                r.run.steps ? static_cast<double>(r.run.chunks) / r.run.steps : 0.0, MiB(r.peak_rss).c_str());
+  }
+  // The paper's table: one row per method, one column per task, then the average.
+  std::printf("\n%-15s", "method");
+  for (const std::string& t : tasks) std::printf(" | %-19s", t.c_str());
+  std::printf(" | %-6s\n", "avg");
+  for (const Method& m : methods) {
+    std::printf("%-15s", m.name.c_str());
+    double sum = 0;
+    int counted = 0;
+    for (const std::string& t : tasks)
+      for (const TaskRun& r : runs)
+        if (r.method == m.name && r.task == t) {
+          if (r.skipped) {
+            std::printf(" | %-19s", "skipped");
+          } else {
+            std::printf(" | %-19.2f", 100 * r.score());
+            sum += 100 * r.score();
+            ++counted;
+          }
+        }
+    if (counted == static_cast<int>(tasks.size()))
+      std::printf(" | %-6.2f\n", sum / counted);
+    else
+      std::printf(" | %-6s\n", "-");
+  }
+  std::printf(
+      "scores x100 by the benchmark's rules: accuracy for the retrieval, choice, math_find and code tasks, "
+      "F1 for QA, ROUGE-Lsum for the summary, the share of values for math_calc\n");
+  if (!o.json.empty()) {
+    std::ofstream out(o.json, std::ios::binary | std::ios::trunc);
+    out << DataJson(o, methods, runs, tasks) << "\n";
+    if (!out) return Fail(IOError("could not write --json file '" + o.json + "'"));
+    std::printf("report: %s\n", o.json.c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 void AddModelTaskFlags(cli::FlagSet* flags, std::string* weights, std::string* task) {
@@ -701,7 +955,11 @@ int RunInfinite(int argc, char** argv) {
           context_set = true;
           return ParseIntList(s, 1, int64_t{1} << 32, &o.contexts);
         });
-  f.Add("samples", "samples per context length", IntFlag(&o.samples, 1, 1 << 20));
+  f.Add("samples", "samples per context length (with --data: the first S of each task; default all)",
+        WithDefault("10", [&o](const std::string& s) {
+          o.samples_set = true;
+          return IntFlag(&o.samples, 1, 1 << 20).set(s);
+        }));
   const auto& rt = RetrieverOptionTable();
   f.Add("probe", cli::OptionHelp(cli::OptionRow(rt, "probe")),
         WithDefault(o.retrieval.probe, [&o](const std::string& s) {
@@ -781,6 +1039,30 @@ int RunInfinite(int argc, char** argv) {
   f.Add("full-max-bytes", "--compare: full attention runs where one layer's chunks fit in this",
         cli::BytesFlag(&o.full_max_bytes));
   f.Add("seed", "random seed of the samples", IntFlag(&o.seed, 0, INT64_MAX));
+  f.Add("data",
+        "∞-Bench's own task files: one <task>.jsonl or a folder of them (the benchmark's twelve tasks); "
+        "runs them with the benchmark's prompts, truncation and scoring instead of the generator",
+        WithDefault("none", PathFlag(&o.data)));
+  f.Add("template", "--data: the prompts' template family: kvtier (context + input as they are) | gpt4 | "
+        "yarn-mistral (also yi-6b-200k, yi-34b-200k, chatglm3)",
+        cli::WithDefault(o.templates, [&o](const std::string& s) {
+          infbench::BenchSample probe;
+          KVTIER_RETURN_IF_ERROR(infbench::BuildPrompt(s, "passkey", probe).status());
+          o.templates = s;
+          return Status::Ok();
+        }));
+  f.Add("truncate", "--data: cut a longer prompt to this many tokens by dropping its middle, as the benchmark "
+        "does (0: no truncation)",
+        WithDefault("0", IntFlag(&o.truncate, 0, int64_t{1} << 32)));
+  f.Add("max-new-tokens", "--data: tokens generated per sample (0: the sample's max_new_tokens, else the "
+        "benchmark's budget for its task)",
+        WithDefault("0", IntFlag(&o.max_new_tokens, 0, 1 << 20)));
+  f.Add("predictions", "--data: folder of the predictions, <method>/preds_<task>.jsonl as the benchmark's "
+        "scorer reads them; a run finds the samples already there and goes on after them",
+        cli::WithDefault(o.predictions, PathFlag(&o.predictions)));
+  f.Add("write-data", "write the generator's samples (--task, --contexts, --samples, --seed) as a ∞-Bench "
+        "task file DIR/<task>.jsonl for --data, and exit",
+        WithDefault("none", PathFlag(&o.write_data)));
   f.Add(
       "compare",
       "full attention, StreamingLLM, InfLLM (mean+topk), ActQKV (act+entropy), kvtier (these flags) "
@@ -845,11 +1127,22 @@ int RunInfinite(int argc, char** argv) {
         "layer, and the chunks holding the fewest of its kept tokens leave the store and the retrieval "
         "index\n"
         "for good; gkv compresses again every s decode steps. With --compare every method but StreamingLLM\n"
-        "works on the compressed store (full attention = every chunk compression left).");
+        "works on the compressed store (full attention = every chunk compression left).\n\n"
+        "--data DIR|FILE: ∞-Bench's own task files (<task>.jsonl, the benchmark's twelve tasks) instead of the\n"
+        "generator: the benchmark's prompts (--template), truncation (--truncate) and scoring; predictions\n"
+        "appended to --predictions DIR/<method>/preds_<task>.jsonl as they are made, and a rerun skips the\n"
+        "samples already there. --write-data DIR writes the generator's samples as such a file.");
     return 0;
   }
   if (o.store.repr_topk == 0 || o.store.repr_topk > o.store.chunk_size)
     o.store.repr_topk = o.store.chunk_size;
+  if (!o.write_data.empty()) {
+    if (!o.data.empty()) return Fail(InvalidArgument("--write-data and --data do not go together"));
+    Status w = WriteGeneratorData(o);
+    return w.ok() ? 0 : Fail(w);
+  }
+  if (o.data.empty() && (o.truncate > 0 || o.max_new_tokens > 0))
+    return Fail(InvalidArgument("--truncate and --max-new-tokens apply to --data runs"));
   if (o.weights.empty())
     return Fail(InvalidArgument("--weights FILE is required (a kvtier-llama safetensors file)"));
   if (o.window > o.store.n_local)
@@ -946,6 +1239,7 @@ int RunInfinite(int argc, char** argv) {
   // --compress: every method that attends chunks works on what compression left (full
   // attention: every chunk left); StreamingLLM attends none, so compression cannot change it.
   for (Method& m : methods) m.compress = !o.compress.empty() && m.kind != Method::kStreaming;
+  if (!o.data.empty()) return RunData(o, methods, model);
 
   // The same samples for every method: one generator per context length.
   std::vector<Result1> results;
