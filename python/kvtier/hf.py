@@ -239,7 +239,8 @@ class KvtierCache(Cache):
                 session_opts[key] = val
         # Sizing as `kvtier infinite` does (StoreFor): every chunk of max_context fits in warm;
         # the hot pool holds what one layer may attend (the entropy allocator can hand one
-        # layer up to layers * k chunks), every chunk when not retrieving.
+        # layer up to layers * k chunks, and a session refuses a pool below one layer's budget,
+        # however short the context), every chunk when not retrieving.
         elem = {"f32": 4, "f16": 2, "bf16": 2}.get(dtype, 4)
         chunk_bytes = chunk_size * self.kv_heads * self.head_dim * 2 * elem
         chunks = max_context // chunk_size + 2
@@ -247,7 +248,7 @@ class KvtierCache(Cache):
             warm_bytes = max(self.n_layers * chunks * chunk_bytes, 4 * chunk_bytes)
         if hot_bytes is None:
             k = max(0, budget // chunk_size)
-            need = chunks if not retrieve else min(chunks, self.n_layers * k + 1)
+            need = chunks if not retrieve else max(k + 1, min(chunks, self.n_layers * k + 1))
             hot_bytes = max(need, 1) * chunk_bytes
         self.store = kvtier.Store(layers=self.n_layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
                                   head_dim=self.head_dim, dtype=dtype, n_sink=n_sink, n_local=n_local,

@@ -31,6 +31,10 @@
 #include "engine/layer_parts.h"
 #include "engine/option_table.h"
 #include "integration/model/llama.h"
+#include "integration/infbench/predictions.h"
+#include "integration/infbench/prompt.h"
+#include "integration/infbench/score.h"
+#include "integration/infbench/task_file.h"
 #include "integration/model/tasks.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/dtype.h"
@@ -978,6 +982,50 @@ class PyLlama {
   std::unique_ptr<model::LlamaSession> session_;
 };
 
+// Text from C++ (UTF-8 that a model's bytes may have broken) as a Python str, bad bytes replaced.
+py::str Utf8(const std::string& s) {
+  return py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "replace"));
+}
+
+py::dict InfBenchSampleDict(const infbench::BenchSample& b) {
+  py::dict d;
+  d["id"] = b.id_json;
+  d["context"] = Utf8(b.context);
+  d["input"] = Utf8(b.input);
+  d["answer"] = b.answer_json;
+  d["options"] = b.options;
+  d["max_new_tokens"] = b.max_new_tokens;
+  d["line"] = b.line;
+  return d;
+}
+
+infbench::BenchSample InfBenchSampleFrom(const py::dict& d) {
+  infbench::BenchSample b;
+  try {
+    b.id_json = d.contains("id") ? d["id"].cast<std::string>() : "0";
+    b.context = d["context"].cast<std::string>();
+    b.input = d.contains("input") ? d["input"].cast<std::string>() : "";
+    b.answer_json = d.contains("answer") ? d["answer"].cast<std::string>() : "null";
+    if (d.contains("options")) b.options = d["options"].cast<std::vector<std::string>>();
+    if (d.contains("max_new_tokens")) b.max_new_tokens = d["max_new_tokens"].cast<int>();
+    if (d.contains("line")) b.line = d["line"].cast<int>();
+  } catch (const py::cast_error& e) {
+    Bad(std::string("a ∞-Bench sample is a dict of id, context, input, answer (JSON text), options, "
+                    "max_new_tokens and line, as infbench_read returns it: ") + e.what());
+  } catch (const py::error_already_set&) {
+    Bad("a ∞-Bench sample needs a 'context' (a dict as infbench_read returns it)");
+  }
+  return b;
+}
+
+py::dict InfBenchPredictionDict(const infbench::Prediction& p) {
+  py::dict d;
+  d["id"] = p.id_json;
+  d["prediction"] = Utf8(p.prediction);
+  d["ground_truth"] = p.ground_truth_json;
+  return d;
+}
+
 }  // namespace
 }  // namespace kvtier::python
 
@@ -1056,6 +1104,87 @@ PYBIND11_MODULE(_kvtier, m) {
       py::arg("task"), py::arg("context"), py::arg("samples"), py::arg("seed") = 1,
       "kvtier infinite's samples: [{prompt, answer (bytes), needle_begin, needle_end, answer_begin, "
       "answer_end}].");
+  // ∞-Bench's task files, prompts, truncation, scoring and predictions (integration/infbench/):
+  // the same code as `kvtier infinite --data`, for kvtier.tools.infinitebench.
+  m.def(
+      "infbench_read",
+      [](const std::string& path) {
+        py::list files;
+        for (const infbench::TaskFile& f : Take(infbench::ReadTaskData(path))) {
+          py::list samples;
+          for (const infbench::BenchSample& b : f.samples) samples.append(InfBenchSampleDict(b));
+          py::dict d;
+          d["task"] = f.task;
+          d["path"] = f.path;
+          d["samples"] = samples;
+          files.append(d);
+        }
+        return files;
+      },
+      py::arg("path"),
+      "A ∞-Bench task file or a folder of <task>.jsonl: [{task, path, samples: [{id (JSON text), context, "
+      "input, answer (JSON text), options, max_new_tokens, line}]}].");
+  m.def(
+      "infbench_prompt",
+      [](const std::string& family, const std::string& task, const py::dict& sample) {
+        return Utf8(Take(infbench::BuildPrompt(family, task, InfBenchSampleFrom(sample))));
+      },
+      py::arg("family"), py::arg("task"), py::arg("sample"),
+      "The benchmark's prompt of a sample (template family kvtier | gpt4 | yarn-mistral), before truncation.");
+  m.def(
+      "infbench_ground_truth",
+      [](const std::string& task, const py::dict& sample) {
+        return Take(infbench::GroundTruthJson(task, InfBenchSampleFrom(sample)));
+      },
+      py::arg("task"), py::arg("sample"), "What the benchmark's scorer compares with (JSON text).");
+  m.def(
+      "infbench_score",
+      [](const std::string& task, const std::string& prediction, const std::string& ground_truth,
+         const std::string& family) { return Take(infbench::ScoreOne(task, prediction, ground_truth, family)); },
+      py::arg("task"), py::arg("prediction"), py::arg("ground_truth"), py::arg("family") = "",
+      "One prediction's score in [0, 1] by the benchmark's rule for the task.");
+  m.def("infbench_rouge_lsum", &infbench::RougeLsum, py::arg("prediction"), py::arg("reference"),
+        "ROUGE-Lsum F as rouge_score computes it.");
+  m.def(
+      "infbench_truncate",
+      [](const std::vector<int64_t>& tokens, int64_t max_len) {
+        if (max_len < 0) Bad("max_len must be >= 0 (got " + std::to_string(max_len) + ")");
+        return infbench::TruncateMiddle(tokens, static_cast<size_t>(max_len));
+      },
+      py::arg("tokens"), py::arg("max_len"), "The benchmark's truncation: the first n // 2 and the last n - n // 2.");
+  m.def(
+      "infbench_max_new_tokens",
+      [](const std::string& task) {
+        Check(infbench::CheckTaskName(task));
+        return infbench::DefaultMaxNewTokens(task);
+      },
+      py::arg("task"), "The benchmark's generation budget for a task, in tokens.");
+  py::class_<infbench::PredictionsFile>(m, "InfBenchPredictions",
+                                        "A method's predictions on one task (preds_<task>.jsonl), resumable.")
+      .def(py::init([](const std::string& path) { return Take(infbench::PredictionsFile::Open(path)); }),
+           py::arg("path"))
+      .def(
+          "find",
+          [](const infbench::PredictionsFile& f, const std::string& id) -> py::object {
+            const infbench::Prediction* p = f.Find(id);
+            if (p == nullptr) return py::none();
+            return InfBenchPredictionDict(*p);
+          },
+          py::arg("id"), "The prediction of sample `id` (JSON text) already in the file, or None.")
+      .def(
+          "append",
+          [](infbench::PredictionsFile& f, const std::string& id, const std::string& prediction,
+             const std::string& ground_truth) { Check(f.Append({id, prediction, ground_truth})); },
+          py::arg("id"), py::arg("prediction"), py::arg("ground_truth"), "Appends one line and flushes it.")
+      .def_property_readonly("predictions",
+                             [](const infbench::PredictionsFile& f) {
+                               py::list out;
+                               for (const infbench::Prediction& p : f.predictions())
+                                 out.append(InfBenchPredictionDict(p));
+                               return out;
+                             })
+      .def_property_readonly("dropped_partial_lines", &infbench::PredictionsFile::dropped_partial_lines)
+      .def_property_readonly("path", &infbench::PredictionsFile::path);
   m.def("preset_names", &RetrievalPresetNames, "Retrieval preset names, the default first.");
   m.def(
       "preset",

@@ -6,8 +6,22 @@
     python -m kvtier.tools.plot REPORT.json ...     pictures of the CLI's JSON reports
 
 CppLlama is the shipped model's C++ forward pass (the store `kvtier infinite` gives it);
-make_samples(task, context, samples, seed) generates `kvtier infinite`'s prompts.
+make_samples(task, context, samples, seed) generates `kvtier infinite`'s prompts. The infbench_*
+functions and InfBenchPredictions are ∞-Bench's task files, prompts, truncation, scoring and
+resumable predictions, the code `kvtier infinite --data` runs.
 """
-from .._kvtier import CppLlama, make_samples  # noqa: F401
+from .._kvtier import (  # noqa: F401
+    CppLlama,
+    InfBenchPredictions,
+    infbench_ground_truth,
+    infbench_max_new_tokens,
+    infbench_prompt,
+    infbench_read,
+    infbench_rouge_lsum,
+    infbench_score,
+    infbench_truncate,
+    make_samples,
+)
 
-__all__ = ["CppLlama", "make_samples"]
+__all__ = ["CppLlama", "make_samples", "InfBenchPredictions", "infbench_ground_truth", "infbench_max_new_tokens",
+           "infbench_prompt", "infbench_read", "infbench_rouge_lsum", "infbench_score", "infbench_truncate"]

@@ -3,6 +3,16 @@ memory: the Python counterpart of `kvtier infinite`, printing the same report.
 
     python -m kvtier.tools.infinitebench --model DIR --task passkey|number_string|kv_retrieval \\
         --context N [--samples K] [--compare] [--json FILE]
+    python -m kvtier.tools.infinitebench --model DIR --data TASKS [--template gpt4|yarn-mistral|kvtier] \\
+        [--truncate N] [--predictions DIR] [--compare] [--json FILE]
+
+With --data, ∞-Bench's own task files (one <task>.jsonl or a folder of the twelve) run instead of
+the generator, as `kvtier infinite --data` runs them and with the same code (the benchmark's
+prompts, truncation in the middle to --truncate tokens of the model's tokenizer, and scoring):
+predictions are appended to --predictions DIR/<method>/preds_<task>.jsonl as they are made (what the
+benchmark's scorer reads), a rerun skips the samples already there, and the end prints one row per
+method and one column per task. --compare adds transformers' full attention, StreamingLLM (sinks and
+local window only), InfLLM and ActQKV (their presets) on the same samples.
 
 The samples are kvtier infinite's (kvtier.tools.make_samples: the same generator, seed and order), the
 defaults its defaults (sinks 16, local 256, chunks of 32, budget 256, prefill window 64, InfLLM
@@ -17,6 +27,7 @@ the decoded output starts with it (needle recall is then not measured: it needs 
 """
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
@@ -44,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--task", default="passkey", choices=["passkey", "number_string", "kv_retrieval"])
     ap.add_argument("--context", "--contexts", dest="contexts", type=_parse_contexts, default=[4096],
                     help="prompt length in bytes, or a comma-separated list")
-    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--samples", type=int, default=None,
+                    help="samples per context (default 10); with --data the first K of each task (default all)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--preset", default="kvtier", help="retrieval preset: " + "|".join(kvtier.preset_names()))
     ap.add_argument("--budget", type=int, default=256, help="retrieved tokens per layer and step")
@@ -64,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--full-max-context", type=int, default=4096,
                     help="--compare: full attention runs up to this context (eager attention with a growing "
                          "DynamicCache costs quadratic time on CPU)")
+    ap.add_argument("--data", help="∞-Bench task files: one <task>.jsonl or a folder of them (instead of --task)")
+    ap.add_argument("--template", default="kvtier", help="--data: prompt template family: kvtier | gpt4 | "
+                    "yarn-mistral (also yi-6b-200k, yi-34b-200k, chatglm3)")
+    ap.add_argument("--truncate", type=int, default=0, help="--data: cut a longer prompt to this many tokens by "
+                    "dropping its middle, as the benchmark does (0: none)")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="--data: tokens generated per sample (0: the "
+                    "sample's max_new_tokens, else the benchmark's budget for its task)")
+    ap.add_argument("--predictions", default="infbench-predictions", help="--data: folder of "
+                    "<method>/preds_<task>.jsonl; a rerun goes on after the samples already there")
     ap.add_argument("--json", help="write the report as JSON to this file")
     ap.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return ap
@@ -207,6 +228,155 @@ class Runner:
         return methods, results
 
 
+class TaskRun:
+    """One method on one ∞-Bench task file (--data)."""
+
+    def __init__(self, task: str, path: str, method: str, predictions: str) -> None:
+        self.task, self.path, self.method, self.predictions = task, path, method, predictions
+        self.samples = self.resumed = self.run = 0
+        self.score_sum = self.seconds = 0.0
+        self.tokens = 0
+        self.chunks = self.steps = 0
+
+    def score(self) -> float:
+        return self.score_sum / self.samples if self.samples else 0.0
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"task": self.task, "file": self.path, "method": self.method, "score": self.score(),
+                "samples": self.samples, "resumed": self.resumed, "predictions": self.predictions,
+                "run": {"samples": self.run, "seconds": self.seconds,
+                        "s_per_sample": self.seconds / self.run if self.run else 0.0, "tokens": self.tokens,
+                        "chunks_per_layer_step": self.chunks / self.steps if self.steps else 0.0}}
+
+
+DATA_METHODS = {  # --data --compare: name -> KvtierCache options (None: transformers' own attention)
+    "HF full attention": None,
+    "StreamingLLM": {"budget_tokens": 0},
+    "InfLLM": {"preset": "infllm"},
+    "ActQKV": {"preset": "actqkv"},
+    "kvtier": {},
+}
+
+
+def _slug(method: str) -> str:
+    return method.lower().replace(" ", "_")
+
+
+class DataRunner(Runner):
+    """--data: the benchmark's task files through transformers' generate with the kvtier cache."""
+
+    def tokens_of(self, prompt: str) -> List[int]:
+        if self.byte_vocab:
+            ids = list(prompt.encode("utf-8"))
+        else:
+            ids = self.tok(prompt, add_special_tokens=True).input_ids
+        if self.a.truncate and len(ids) > self.a.truncate:
+            ids = kvtier.tools.infbench_truncate(ids, self.a.truncate)
+            if not self.byte_vocab:  # as the benchmark does: back to text, then the model's tokens again
+                ids = self.tok(self.tok.decode(ids, skip_special_tokens=True), add_special_tokens=True).input_ids
+        return [int(t) for t in ids]
+
+    def text_of(self, tokens: List[int]) -> str:
+        if self.byte_vocab:
+            return bytes(tokens).decode("utf-8", "replace")
+        return str(self.tok.decode(tokens, skip_special_tokens=True)).strip()
+
+    def predict(self, method: str, ids: List[int], budget: int, tr: TaskRun) -> str:
+        extra = DATA_METHODS[method]
+        x = torch.tensor([ids])
+        cache = None
+        if extra is not None:
+            kh.use_kvtier(self.model, True)
+            opts = {**extra}
+            cache = self.make_cache_with(len(ids) + budget, **opts)
+        t0 = time.perf_counter()
+        prefill_cache = cache if cache is not None else kh.DynamicCache()
+        with torch.no_grad():
+            if x.shape[1] > 1:
+                kh.prefill(self.model, x[:, :-1], prefill_cache, self.a.window)
+            out = self.model.generate(x, **kh.cache_arg(self.model, prefill_cache), max_new_tokens=budget,
+                                      do_sample=False, attention_mask=torch.ones_like(x))
+        new = out[0, x.shape[1]:].tolist()
+        tr.seconds += time.perf_counter() - t0
+        tr.tokens += len(ids) + len(new) - 1
+        tr.run += 1
+        if cache is not None:
+            tr.steps += ((len(ids) - 1 + self.a.window - 1) // self.a.window + len(new)) * cache.n_layers
+            tr.chunks += int(cache.session.counters()["chunks_attended"])
+        kh.use_kvtier(self.model, False)
+        return self.text_of(new)
+
+    def make_cache_with(self, context: int, **extra: Any) -> kh.KvtierCache:
+        a = self.a
+        opts: Dict[str, Any] = dict(max_context=context + 64, preset=a.preset, positions=a.positions,
+                                    budget_tokens=a.budget, n_sink=a.sink, n_local=a.local, chunk_size=a.chunk,
+                                    prefill_window=a.window, transfer_threads=2)
+        if a.repr_topk:
+            opts["repr_topk"] = a.repr_topk
+        for key in ("probe", "alloc", "index"):
+            if getattr(a, key) and "preset" not in extra:
+                opts[key] = getattr(a, key)
+        opts.update(extra)
+        return kh.KvtierCache(self.model.config, **opts)
+
+    def run_data(self) -> Tuple[List[str], List[str], List[TaskRun]]:
+        a = self.a
+        methods = list(DATA_METHODS) if a.compare else ["kvtier"]
+        files = kvtier.tools.infbench_read(a.data)
+        tasks: List[str] = []
+        runs: List[TaskRun] = []
+        for f in files:
+            task = f["task"]
+            tasks.append(task)
+            samples = f["samples"] if a.samples_given is None else f["samples"][:a.samples_given]
+            prepared = []
+            for s in samples:
+                prompt = kvtier.tools.infbench_prompt(a.template, task, s)
+                budget = a.max_new_tokens or s["max_new_tokens"] or kvtier.tools.infbench_max_new_tokens(task)
+                prepared.append((s, self.tokens_of(prompt), budget, kvtier.tools.infbench_ground_truth(task, s)))
+            for m in methods:
+                tr = TaskRun(task, f["path"], m, os.path.join(a.predictions, _slug(m), f"preds_{task}.jsonl"))
+                preds = kvtier.tools.InfBenchPredictions(tr.predictions)
+                todo = sum(1 for s, *_ in prepared if preds.find(s["id"]) is None)
+                for s, ids, budget, truth in prepared:
+                    done = preds.find(s["id"])
+                    if done is not None:
+                        if done["ground_truth"] != truth:
+                            raise SystemExit(f"{tr.predictions} was made from other data: sample {s['id']}'s ground "
+                                             f"truth there is {done['ground_truth'][:60]}, in {f['path']} "
+                                             f"{truth[:60]} (move the file away, or give another --predictions)")
+                        prediction = done["prediction"]
+                        tr.resumed += 1
+                    else:
+                        if not a.quiet:
+                            eta = (f"; about {tr.seconds / tr.run * (todo - tr.run):.0f} s left" if tr.run else "")
+                            print(f"infinitebench: {m}, {task}, sample {tr.run + 1}/{todo}{eta}", file=sys.stderr)
+                        prediction = self.predict(m, ids, budget, tr)
+                        preds.append(s["id"], prediction, truth)
+                    tr.score_sum += kvtier.tools.infbench_score(task, prediction, truth, a.template)
+                    tr.samples += 1
+                runs.append(tr)
+        return methods, tasks, runs
+
+
+def data_report(a: argparse.Namespace, methods: List[str], tasks: List[str], runs: List[TaskRun],
+                out: Optional[TextIO] = None) -> None:
+    out = out or sys.stdout
+    print(f"kvtier.tools.infinitebench — ∞-Bench data {a.data}, template {a.template}, truncate "
+          f"{a.truncate or 'none'}, model {a.model} — transformers {kh.transformers.__version__}", file=out)
+    for r in runs:
+        print(f"{r.task:<20} {r.method:<17} {100 * r.score():6.2f} over {r.samples} samples ({r.resumed} from "
+              f"{r.predictions}); {r.run} run now, {(r.seconds / r.run if r.run else 0.0):.3f} s/sample", file=out)
+    print(file=out)
+    print(f"{'method':<17}" + "".join(f" | {t:<19}" for t in tasks) + " | avg", file=out)
+    for m in methods:
+        scores = [100 * r.score() for t in tasks for r in runs if r.method == m and r.task == t]
+        print(f"{m:<17}" + "".join(f" | {v:<19.2f}" for v in scores) + f" | {sum(scores) / len(scores):.2f}",
+              file=out)
+    print("scores x100 by the benchmark's rules: accuracy for the retrieval, choice, math_find and code tasks, "
+          "F1 for QA, ROUGE-Lsum for the summary, the share of values for math_calc", file=out)
+
+
 def _printable(b: bytes) -> str:
     return "".join(chr(c) if 32 <= c < 127 and c not in (34, 92) else f"\\x{c:02x}" for c in b)
 
@@ -271,7 +441,16 @@ def report(a: argparse.Namespace, model: Any, methods: List[str], results: List[
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    # --samples limits each task of --data only when given.
+    a.samples_given = a.samples
+    if a.samples is None:
+        a.samples = 10
+    if a.truncate < 0 or a.max_new_tokens < 0:
+        raise SystemExit("--truncate and --max-new-tokens must be >= 0")
+    if not a.data and (a.truncate or a.max_new_tokens):
+        raise SystemExit("--truncate and --max-new-tokens apply to --data runs")
     if a.window > a.local or a.window < 1:
         raise SystemExit(f"--window ({a.window}) must be in [1, --local ({a.local})]")
     if a.samples < 1:
@@ -282,6 +461,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=getattr(torch, a.dtype),
                                                  attn_implementation="eager").eval()
     tok = None if model.config.vocab_size == 256 else AutoTokenizer.from_pretrained(a.model)
+    if a.data:
+        try:
+            dmethods, tasks, runs = DataRunner(a, model, tok).run_data()
+        except kvtier.Error as e:
+            raise SystemExit(f"infinitebench: {type(e).__name__}: {e}")
+        data_report(a, dmethods, tasks, runs)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"data": a.data, "template": a.template, "truncate": a.truncate, "model": a.model,
+                           "methods": dmethods, "tasks": tasks, "results": [r.as_dict() for r in runs]}, f, indent=2)
+            print(f"report: {a.json}")
+        return 0
     methods, results = Runner(a, model, tok).run()
     report(a, model, methods, results)
     if a.json:
