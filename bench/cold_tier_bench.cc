@@ -206,8 +206,8 @@ Status MakeOpenBenchStore(const std::string& dir, bool in_tables) {
     KVTIER_ASSIGN_OR_RETURN(auto tier, ColdTier::Open(o));
     KVTIER_RETURN_IF_ERROR(tier->PutSequence(1, "sequence 1"));
     for (uint64_t i = 0; i < 2048; ++i)
-      KVTIER_RETURN_IF_ERROR(tier->PutChunk({1, static_cast<uint32_t>(i % 32), i / 32}, "meta",
-                                            pool[i % kPool].data(), kBytes));
+      KVTIER_RETURN_IF_ERROR(
+          tier->PutChunk({1, static_cast<uint32_t>(i % 32), i / 32}, "meta", pool[i % kPool].data(), kBytes));
   }
   if (in_tables) {
     ColdTierOptions o;
@@ -273,7 +273,8 @@ void BM_Open(benchmark::State& state, bool read_only, bool in_tables) {
   for (bool in_tables : {false, true})
     for (bool read_only : {true, false})
       benchmark::RegisterBenchmark(
-          ("ColdTier/Open/" + std::string(read_only ? "readonly/" : "readwrite/") + (in_tables ? "tables" : "wal"))
+          ("ColdTier/Open/" + std::string(read_only ? "readonly/" : "readwrite/") +
+           (in_tables ? "tables" : "wal"))
               .c_str(),
           [read_only, in_tables](benchmark::State& s) { BM_Open(s, read_only, in_tables); })
           ->UseRealTime()

@@ -992,9 +992,10 @@ Status SeedFamiliesWithoutTables(const std::string& dir,
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    const size_t digits = std::find_if(name.begin(), name.end(), [](char c) { return c < '0' || c > '9'; }) -
-                          name.begin();
-    if (digits > 0 && digits < 20) next_number = std::max<uint64_t>(next_number, std::stoull(name.substr(0, digits)) + 1);
+    const size_t digits =
+        std::find_if(name.begin(), name.end(), [](char c) { return c < '0' || c > '9'; }) - name.begin();
+    if (digits > 0 && digits < 20)
+      next_number = std::max<uint64_t>(next_number, std::stoull(name.substr(0, digits)) + 1);
     if (name.rfind("MANIFEST-", 0) == 0 && name.size() > 9 && name.size() < 29)
       next_number = std::max<uint64_t>(next_number, std::strtoull(name.c_str() + 9, nullptr, 10) + 1);
     if (!IsNumbered(name, ".sst")) continue;
@@ -1013,8 +1014,8 @@ Status SeedFamiliesWithoutTables(const std::string& dir,
   for (size_t i = 1; i < families.size(); ++i) {
     if (tabled.count(families[i].name)) continue;
     NamedFamily family(families[i].name, static_cast<uint32_t>(i));
-    rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), rocksdb::Options(rocksdb::DBOptions(), families[i].options),
-                                  &family);
+    rocksdb::SstFileWriter writer(rocksdb::EnvOptions(),
+                                  rocksdb::Options(rocksdb::DBOptions(), families[i].options), &family);
     char file[32];
     std::snprintf(file, sizeof file, "%06" PRIu64 ".sst", next_number++);
     const std::string path = dir + "/" + file;
@@ -1039,13 +1040,15 @@ Status ColdTier::Repair(const ColdTierOptions& options) {
   const fs::file_status st = fs::status(path, ec);
   if (ec && ec != std::errc::no_such_file_or_directory)
     return IOError("cold tier: data dir '" + path + "': " + ec.message());
-  if (!fs::exists(st)) return NotFound("cold tier: data dir '" + path + "' does not exist (no store to repair)");
+  if (!fs::exists(st))
+    return NotFound("cold tier: data dir '" + path + "' does not exist (no store to repair)");
   if (!fs::is_directory(st)) return InvalidArgument("cold tier: data dir '" + path + "' is not a directory");
   StoreFiles files;
   KVTIER_RETURN_IF_ERROR(ListStoreFiles(path, &files));
   if (!files.holds_store())
-    return NotFound("cold tier: '" + path +
-                    "' holds no kvtier store (no CURRENT, MANIFEST-*, write-ahead log, table or ack manifest)");
+    return NotFound(
+        "cold tier: '" + path +
+        "' holds no kvtier store (no CURRENT, MANIFEST-*, write-ahead log, table or ack manifest)");
   KVTIER_RETURN_IF_ERROR(CheckNotLocked(path));
   Impl impl;
   impl.options = options;
@@ -1123,8 +1126,7 @@ Status ColdTier::Impl::Refusal(const Findings& f) const {
   return Corruption("cold tier: " + DescribeMissing(f) + " in '" + path +
                     "': RocksDB recovered only part of what was acknowledged (damage or a truncation of its "
                     "write-ahead log or MANIFEST)." +
-                    untouched +
-                    " RocksDB's repair may salvage them: 'kvtier repair --data-dir " + path +
+                    untouched + " RocksDB's repair may salvage them: 'kvtier repair --data-dir " + path +
                     " --into NEW' runs it on a copy and names what is still missing; after that, "
                     "accept_lost_chunks (kvtier check --accept-lost, which lists them first) goes on "
                     "without them.");

@@ -241,12 +241,14 @@ Status AcceptLoss(const std::string& dir, ColdReport* lost) {
 Status CopyStore(const std::string& from, const std::string& to) {
   std::error_code ec;
   const fs::file_status st = fs::status(to, ec);
-  if (ec && ec != std::errc::no_such_file_or_directory) return IOError("repair: --into '" + to + "': " + ec.message());
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    return IOError("repair: --into '" + to + "': " + ec.message());
   if (fs::exists(st))
     return InvalidArgument("repair: --into '" + to +
                            "' exists; name a directory that does not (the copy is made there)");
   if (!fs::create_directory(to, ec) || ec)
-    return IOError("repair: cannot create --into '" + to + "': " + (ec ? ec.message() : std::string("exists")));
+    return IOError("repair: cannot create --into '" + to +
+                   "': " + (ec ? ec.message() : std::string("exists")));
   fs::copy(from, to, fs::copy_options::recursive | fs::copy_options::copy_symlinks, ec);
   if (ec) return IOError("repair: copying '" + from + "' to '" + to + "': " + ec.message());
   return Status::Ok();
@@ -280,9 +282,9 @@ int RunRepair(int argc, char** argv) {
   }
   if (dir.empty()) return cli::Fail(InvalidArgument("repair: --data-dir is required"));
   if (into.empty() == !in_place)
-    return cli::Fail(InvalidArgument(
-        "repair: say where to repair, with exactly one of --into NEW (a copy; '" + dir +
-        "' is left as it was) and --in-place (the directory itself)"));
+    return cli::Fail(
+        InvalidArgument("repair: say where to repair, with exactly one of --into NEW (a copy; '" + dir +
+                        "' is left as it was) and --in-place (the directory itself)"));
   st = CheckDirectory("repair", dir);
   if (!st.ok()) return cli::Fail(st);
 
@@ -293,20 +295,23 @@ int RunRepair(int argc, char** argv) {
   auto before = InspectCold(dir, /*list_missing=*/true, /*verify=*/false, /*whole_store=*/false);
   if (before.ok()) {
     if (IsWhole(*before) && before->has_store_record) {
-      std::printf("kvtier repair: '%s' is whole (%llu acknowledged chunks, all present); nothing to repair, "
-                  "nothing was changed\n",
-                  dir.c_str(), static_cast<unsigned long long>(CountChunks(before->acked)));
+      std::printf(
+          "kvtier repair: '%s' is whole (%llu acknowledged chunks, all present); nothing to repair, "
+          "nothing was changed\n",
+          dir.c_str(), static_cast<unsigned long long>(CountChunks(before->acked)));
       return 0;
     }
     before_known = before->manifest_problem.empty();
     missing_before = CountChunks(before->missing);
     if (!before->manifest_problem.empty())
-      std::printf("kvtier repair: '%s' before the repair: %s\n", dir.c_str(), before->manifest_problem.c_str());
+      std::printf("kvtier repair: '%s' before the repair: %s\n", dir.c_str(),
+                  before->manifest_problem.c_str());
     else
-      std::printf("kvtier repair: '%s' before the repair: %llu of %llu acknowledged chunks present; missing %s\n",
-                  dir.c_str(), static_cast<unsigned long long>(CountChunks(before->acked) - missing_before),
-                  static_cast<unsigned long long>(CountChunks(before->acked)),
-                  DescribeLoss(before->missing, before->missing_sequences).c_str());
+      std::printf(
+          "kvtier repair: '%s' before the repair: %llu of %llu acknowledged chunks present; missing %s\n",
+          dir.c_str(), static_cast<unsigned long long>(CountChunks(before->acked) - missing_before),
+          static_cast<unsigned long long>(CountChunks(before->acked)),
+          DescribeLoss(before->missing, before->missing_sequences).c_str());
   } else if (before.status().code() == StatusCode::kCorruption) {
     std::printf("kvtier repair: '%s' before the repair: does not open read-only: %s\n", dir.c_str(),
                 before.status().message().c_str());
@@ -318,8 +323,8 @@ int RunRepair(int argc, char** argv) {
   if (!in_place) {
     st = CopyStore(dir, into);
     if (!st.ok()) return cli::Fail(st);
-    std::printf("kvtier repair: copied '%s' to '%s'; repairing the copy ('%s' is left as it was)\n", dir.c_str(),
-                into.c_str(), dir.c_str());
+    std::printf("kvtier repair: copied '%s' to '%s'; repairing the copy ('%s' is left as it was)\n",
+                dir.c_str(), into.c_str(), dir.c_str());
   }
   std::fflush(stdout);
   ColdTierOptions co;
@@ -331,29 +336,33 @@ int RunRepair(int argc, char** argv) {
 
   auto after = InspectCold(target, /*list_missing=*/true, /*verify=*/false, /*whole_store=*/false);
   if (!after.ok())
-    return cli::Fail(Status(after.status().code(),
-                            "repair: the repaired store still does not open read-only: " + after.status().message()));
+    return cli::Fail(
+        Status(after.status().code(),
+               "repair: the repaired store still does not open read-only: " + after.status().message()));
   if (!after->has_store_record)
-    return cli::Fail(NotFound("repair: '" + target +
-                              "' holds no kvtier store record after the repair (the logs that held it are lost); "
-                              "nothing to go on with"));
+    return cli::Fail(
+        NotFound("repair: '" + target +
+                 "' holds no kvtier store record after the repair (the logs that held it are lost); "
+                 "nothing to go on with"));
   const uint64_t missing_after = CountChunks(after->missing);
   const std::string salvaged =
-      before_known ? std::to_string(missing_before > missing_after ? missing_before - missing_after : 0) + " of the " +
-                         std::to_string(missing_before) + " missing before"
+      before_known ? std::to_string(missing_before > missing_after ? missing_before - missing_after : 0) +
+                         " of the " + std::to_string(missing_before) + " missing before"
                    : std::string("what was missing before could not be counted");
   if (IsWhole(*after)) {
     auto rep = InspectCold(target, /*list_missing=*/false, /*verify=*/false, /*whole_store=*/true);
     if (!rep.ok()) return cli::Fail(rep.status());
     PrintReport(target, *rep, /*verify=*/false);
-    std::printf("kvtier repair: '%s' is whole: every acknowledged chunk is present (salvaged %s)\n", target.c_str(),
-                salvaged.c_str());
+    std::printf("kvtier repair: '%s' is whole: every acknowledged chunk is present (salvaged %s)\n",
+                target.c_str(), salvaged.c_str());
     return 0;
   }
   if (!after->manifest_problem.empty())
-    std::printf("kvtier repair: '%s' after the repair: %s\n", target.c_str(), after->manifest_problem.c_str());
+    std::printf("kvtier repair: '%s' after the repair: %s\n", target.c_str(),
+                after->manifest_problem.c_str());
   std::printf(
-      "kvtier repair: '%s' after the repair: %llu of %llu acknowledged chunks present (salvaged %s); still missing "
+      "kvtier repair: '%s' after the repair: %llu of %llu acknowledged chunks present (salvaged %s); still "
+      "missing "
       "%s. 'kvtier check --data-dir %s --accept-lost' lists them and goes on without them for good\n",
       target.c_str(), static_cast<unsigned long long>(CountChunks(after->acked) - missing_after),
       static_cast<unsigned long long>(CountChunks(after->acked)), salvaged.c_str(),

@@ -35,8 +35,8 @@
 #include "integration/model/tasks.h"
 #include "integration/policy_eval.h"
 #include "integration/progress.h"
-#include "integration/sysinfo.h"
 #include "integration/retriever_flags.h"
+#include "integration/sysinfo.h"
 #include "integration/tier_report.h"
 #include "integration/turnover.h"
 #include "kernels/cpu/forward.h"
@@ -271,7 +271,8 @@ Result<StoreOptions> StoreFor(const Options& o, const Method& m, const LlamaMode
     const uint64_t k = static_cast<uint64_t>(std::max(0, m.retrieval.budget_tokens / s.chunk_size));
     // At least the budget's chunks: a session refuses a pool smaller than what one layer may
     // be granted, however short the prompt.
-    const uint64_t need = m.kind == Method::kFull ? chunks : std::max(k + 1, std::min(chunks, layers * k + 1));
+    const uint64_t need =
+        m.kind == Method::kFull ? chunks : std::max(k + 1, std::min(chunks, layers * k + 1));
     s.hot_bytes = std::max<uint64_t>(need, 1) * cb;
     if (o.hot_set) s.hot_bytes = std::max(s.hot_bytes, o.store.hot_bytes);
   }
@@ -691,7 +692,8 @@ Status WriteGeneratorData(const Options& o) {
 // A method's folder name under --predictions: "full attention" -> "full_attention".
 std::string MethodSlug(const std::string& name) {
   std::string s;
-  for (char c : name) s.push_back(c == ' ' ? '_' : static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+  for (char c : name)
+    s.push_back(c == ' ' ? '_' : static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
   return s;
 }
 
@@ -701,7 +703,7 @@ struct TaskRun {  // one method on one task file
   std::string skip_reason;
   int samples = 0, resumed = 0;  // samples scored; of them, found in the predictions file
   double score_sum = 0;
-  Result1 run;                   // the samples run now (time, tokens, retrieval, tiers)
+  Result1 run;  // the samples run now (time, tokens, retrieval, tiers)
   uint64_t peak_rss = 0;
   double score() const { return samples ? score_sum / samples : 0; }
 };
@@ -716,7 +718,8 @@ std::string DataJson(const Options& o, const std::vector<Method>& methods, const
   w.Key("sink").Int(o.store.n_sink).Key("local").Int(o.store.n_local).Key("chunk").Int(o.store.chunk_size);
   w.Key("window").Int(std::min(o.window, o.store.n_local));
   w.Key("methods").BeginArray();
-  for (const Method& m : methods) w.BeginObject().Key("name").String(m.name).Key("config").String(Describe(o, m)).EndObject();
+  for (const Method& m : methods)
+    w.BeginObject().Key("name").String(m.name).Key("config").String(Describe(o, m)).EndObject();
   w.EndArray();
   w.Key("tasks").BeginArray();
   for (const std::string& t : tasks) w.String(t);
@@ -740,7 +743,12 @@ std::string DataJson(const Options& o, const std::vector<Method>& methods, const
     w.Key("sliced_selections").Uint(r.run.sliced_selections);
     WriteTurnoverJson(&w, r.run.turnover_by_layer);
     w.Key("tier_bytes").BeginObject();
-    w.Key("hot").Uint(r.run.peak.hot_bytes).Key("warm").Uint(r.run.peak.warm_bytes).Key("cold").Uint(r.run.peak.cold_bytes);
+    w.Key("hot")
+        .Uint(r.run.peak.hot_bytes)
+        .Key("warm")
+        .Uint(r.run.peak.warm_bytes)
+        .Key("cold")
+        .Uint(r.run.peak.cold_bytes);
     w.EndObject();
     w.Key("bytes_moved").Uint(r.run.peak.bytes_moved).Key("peak_rss_bytes").Uint(r.peak_rss);
     w.EndObject().EndObject();
@@ -762,7 +770,8 @@ int RunData(const Options& o, std::vector<Method> methods, const LlamaModel& mod
   std::vector<std::string> tasks;
   for (const infbench::TaskFile& tf : *data) {
     tasks.push_back(tf.task);
-    const size_t n = o.samples_set ? std::min(tf.samples.size(), static_cast<size_t>(o.samples)) : tf.samples.size();
+    const size_t n =
+        o.samples_set ? std::min(tf.samples.size(), static_cast<size_t>(o.samples)) : tf.samples.size();
     // The prompts, their budgets and ground truths: the same for every method.
     std::vector<Sample> prompts(n);
     std::vector<size_t> budgets(n);
@@ -771,14 +780,17 @@ int RunData(const Options& o, std::vector<Method> methods, const LlamaModel& mod
       const infbench::BenchSample& b = tf.samples[i];
       auto prompt = infbench::BuildPrompt(o.templates, tf.task, b);
       if (!prompt.ok()) return Fail(InvalidArgument(tf.path + ": " + prompt.status().message()));
-      prompts[i].prompt = o.truncate > 0 ? infbench::TruncateMiddle(*prompt, static_cast<size_t>(o.truncate)) : *prompt;
+      prompts[i].prompt =
+          o.truncate > 0 ? infbench::TruncateMiddle(*prompt, static_cast<size_t>(o.truncate)) : *prompt;
       if (prompts[i].prompt.size() < 2)
-        return Fail(InvalidArgument(tf.path + ":" + std::to_string(b.line) + ": the prompt is shorter than 2 tokens"));
+        return Fail(InvalidArgument(tf.path + ":" + std::to_string(b.line) +
+                                    ": the prompt is shorter than 2 tokens"));
       budgets[i] = static_cast<size_t>(o.max_new_tokens > 0   ? o.max_new_tokens
                                        : b.max_new_tokens > 0 ? b.max_new_tokens
                                                               : infbench::DefaultMaxNewTokens(tf.task));
       auto gt = infbench::GroundTruthJson(tf.task, b);
-      if (!gt.ok()) return Fail(InvalidArgument(tf.path + ":" + std::to_string(b.line) + ": " + gt.status().message()));
+      if (!gt.ok())
+        return Fail(InvalidArgument(tf.path + ":" + std::to_string(b.line) + ": " + gt.status().message()));
       truths[i] = *gt;
     }
     for (const Method& m : methods) {
@@ -799,10 +811,10 @@ int RunData(const Options& o, std::vector<Method> methods, const LlamaModel& mod
         std::string prediction;
         if (const infbench::Prediction* p = (*preds)->Find(b.id_json); p != nullptr) {
           if (p->ground_truth_json != truths[i])
-            return Fail(FailedPrecondition(
-                tr.predictions + " was made from other data: sample " + b.id_json + "'s ground truth there is " +
-                p->ground_truth_json.substr(0, 60) + ", in " + tf.path + " " + truths[i].substr(0, 60) +
-                " (move the file away, or give another --predictions folder)"));
+            return Fail(FailedPrecondition(tr.predictions + " was made from other data: sample " + b.id_json +
+                                           "'s ground truth there is " + p->ground_truth_json.substr(0, 60) +
+                                           ", in " + tf.path + " " + truths[i].substr(0, 60) +
+                                           " (move the file away, or give another --predictions folder)"));
           prediction = p->prediction;
           tr.resumed += 1;
         } else {
@@ -811,22 +823,25 @@ int RunData(const Options& o, std::vector<Method> methods, const LlamaModel& mod
           if (m.kind == Method::kFull && so->hot_bytes > o.full_max_bytes) {
             tr.skipped = true;
             tr.skip_reason = "sample " + b.id_json + ": one layer's chunks need " +
-                             std::to_string(so->hot_bytes >> 20) + " MiB of hot slots (raise --full-max-bytes)";
+                             std::to_string(so->hot_bytes >> 20) +
+                             " MiB of hot slots (raise --full-max-bytes)";
             break;
           }
           char what[256];
-          std::snprintf(what, sizeof(what), "infinite: %s, %s, sample %zu/%zu", m.name.c_str(), tf.task.c_str(),
-                        ran + 1, to_run);
-          Progress prog(!o.quiet, what, static_cast<int64_t>(prompts[i].prompt.size() + budgets[i] - 1), "tokens");
+          std::snprintf(what, sizeof(what), "infinite: %s, %s, sample %zu/%zu", m.name.c_str(),
+                        tf.task.c_str(), ran + 1, to_run);
+          Progress prog(!o.quiet, what, static_cast<int64_t>(prompts[i].prompt.size() + budgets[i] - 1),
+                        "tokens");
           Status st = RunSample(o, m, model, *so, prompts[i], budgets[i], &tr.run, &prog);
           if (!st.ok()) return Fail(st);
           prediction = tr.run.outputs.back();
           st = (*preds)->Append({b.id_json, prediction, truths[i]});
           if (!st.ok()) return Fail(st);
           ++ran;
-          prog.Done(ran < to_run ? "; " + tf.task + " done in about " +
-                                       FormatDuration(tr.run.s_per_sample() * static_cast<double>(to_run - ran))
-                                 : std::string());
+          prog.Done(ran < to_run
+                        ? "; " + tf.task + " done in about " +
+                              FormatDuration(tr.run.s_per_sample() * static_cast<double>(to_run - ran))
+                        : std::string());
         }
         auto score = infbench::ScoreOne(tf.task, prediction, truths[i], o.templates);
         if (!score.ok()) return Fail(score.status());
@@ -839,9 +854,10 @@ int RunData(const Options& o, std::vector<Method> methods, const LlamaModel& mod
   }
 
   const model::LlamaConfig& c = model.config();
-  std::printf("kvtier infinite — ∞-Bench data %s, template %s, truncate %s, weights %s (d_model %d, %d layers)\n",
-              o.data.c_str(), o.templates.c_str(), o.truncate > 0 ? std::to_string(o.truncate).c_str() : "none",
-              o.weights.c_str(), c.d_model, c.n_layers);
+  std::printf(
+      "kvtier infinite — ∞-Bench data %s, template %s, truncate %s, weights %s (d_model %d, %d layers)\n",
+      o.data.c_str(), o.templates.c_str(), o.truncate > 0 ? std::to_string(o.truncate).c_str() : "none",
+      o.weights.c_str(), c.d_model, c.n_layers);
   for (const Method& m : methods) std::printf("  %-15s %s\n", m.name.c_str(), Describe(o, m).c_str());
   std::printf("\n");
   for (const TaskRun& r : runs) {
@@ -849,11 +865,12 @@ int RunData(const Options& o, std::vector<Method> methods, const LlamaModel& mod
       std::printf("%-20s %-15s skipped: %s\n", r.task.c_str(), r.method.c_str(), r.skip_reason.c_str());
       continue;
     }
-    std::printf("%-20s %-15s %6.2f over %d samples (%d from %s); %d run now, %.3f s/sample, %.2f chunks per layer "
-                "and step, peak RSS %s\n",
-                r.task.c_str(), r.method.c_str(), 100 * r.score(), r.samples, r.resumed, r.predictions.c_str(),
-                r.run.samples, r.run.s_per_sample(),
-                r.run.steps ? static_cast<double>(r.run.chunks) / r.run.steps : 0.0, MiB(r.peak_rss).c_str());
+    std::printf(
+        "%-20s %-15s %6.2f over %d samples (%d from %s); %d run now, %.3f s/sample, %.2f chunks per layer "
+        "and step, peak RSS %s\n",
+        r.task.c_str(), r.method.c_str(), 100 * r.score(), r.samples, r.resumed, r.predictions.c_str(),
+        r.run.samples, r.run.s_per_sample(),
+        r.run.steps ? static_cast<double>(r.run.chunks) / r.run.steps : 0.0, MiB(r.peak_rss).c_str());
   }
   // The paper's table: one row per method, one column per task, then the average.
   std::printf("\n%-15s", "method");
@@ -1043,7 +1060,8 @@ int RunInfinite(int argc, char** argv) {
         "∞-Bench's own task files: one <task>.jsonl or a folder of them (the benchmark's twelve tasks); "
         "runs them with the benchmark's prompts, truncation and scoring instead of the generator",
         WithDefault("none", PathFlag(&o.data)));
-  f.Add("template", "--data: the prompts' template family: kvtier (context + input as they are) | gpt4 | "
+  f.Add("template",
+        "--data: the prompts' template family: kvtier (context + input as they are) | gpt4 | "
         "yarn-mistral (also yi-6b-200k, yi-34b-200k, chatglm3)",
         cli::WithDefault(o.templates, [&o](const std::string& s) {
           infbench::BenchSample probe;
@@ -1051,16 +1069,20 @@ int RunInfinite(int argc, char** argv) {
           o.templates = s;
           return Status::Ok();
         }));
-  f.Add("truncate", "--data: cut a longer prompt to this many tokens by dropping its middle, as the benchmark "
+  f.Add("truncate",
+        "--data: cut a longer prompt to this many tokens by dropping its middle, as the benchmark "
         "does (0: no truncation)",
         WithDefault("0", IntFlag(&o.truncate, 0, int64_t{1} << 32)));
-  f.Add("max-new-tokens", "--data: tokens generated per sample (0: the sample's max_new_tokens, else the "
+  f.Add("max-new-tokens",
+        "--data: tokens generated per sample (0: the sample's max_new_tokens, else the "
         "benchmark's budget for its task)",
         WithDefault("0", IntFlag(&o.max_new_tokens, 0, 1 << 20)));
-  f.Add("predictions", "--data: folder of the predictions, <method>/preds_<task>.jsonl as the benchmark's "
+  f.Add("predictions",
+        "--data: folder of the predictions, <method>/preds_<task>.jsonl as the benchmark's "
         "scorer reads them; a run finds the samples already there and goes on after them",
         cli::WithDefault(o.predictions, PathFlag(&o.predictions)));
-  f.Add("write-data", "write the generator's samples (--task, --contexts, --samples, --seed) as a ∞-Bench "
+  f.Add("write-data",
+        "write the generator's samples (--task, --contexts, --samples, --seed) as a ∞-Bench "
         "task file DIR/<task>.jsonl for --data, and exit",
         WithDefault("none", PathFlag(&o.write_data)));
   f.Add(
@@ -1128,7 +1150,8 @@ int RunInfinite(int argc, char** argv) {
         "index\n"
         "for good; gkv compresses again every s decode steps. With --compare every method but StreamingLLM\n"
         "works on the compressed store (full attention = every chunk compression left).\n\n"
-        "--data DIR|FILE: ∞-Bench's own task files (<task>.jsonl, the benchmark's twelve tasks) instead of the\n"
+        "--data DIR|FILE: ∞-Bench's own task files (<task>.jsonl, the benchmark's twelve tasks) instead of "
+        "the\n"
         "generator: the benchmark's prompts (--template), truncation (--truncate) and scoring; predictions\n"
         "appended to --predictions DIR/<method>/preds_<task>.jsonl as they are made, and a rerun skips the\n"
         "samples already there. --write-data DIR writes the generator's samples as such a file.");

@@ -23,7 +23,7 @@ Result<std::unique_ptr<PredictionsFile>> PredictionsFile::Open(const std::string
   if (fs::exists(path, ec)) {
     KVTIER_ASSIGN_OR_RETURN(bytes, ReadFileBytes(path, "predictions file"));
   }
-  size_t pos = 0, whole = 0;  // whole: bytes up to the end of the last line kept
+  size_t pos = 0, whole = 0;   // whole: bytes up to the end of the last line kept
   bool needs_newline = false;  // the last line kept has no newline yet
   int line = 0;
   while (pos < bytes.size()) {
@@ -39,8 +39,8 @@ Result<std::unique_ptr<PredictionsFile>> PredictionsFile::Open(const std::string
     } catch (const json::parse_error&) {
       parsed = false;
     }
-    if (!parsed || !j.is_object() || !j.contains("id") || !j.contains("prediction") || !j.contains("ground_truth") ||
-        !j["prediction"].is_string()) {
+    if (!parsed || !j.is_object() || !j.contains("id") || !j.contains("prediction") ||
+        !j.contains("ground_truth") || !j["prediction"].is_string()) {
       if (text.find_first_not_of(" \t\r") == std::string::npos) {
         pos = end + 1;
         if (!last) whole = pos;
@@ -63,7 +63,9 @@ Result<std::unique_ptr<PredictionsFile>> PredictionsFile::Open(const std::string
   }
   if (whole < bytes.size()) {
     fs::resize_file(path, whole, ec);
-    if (ec) return IOError("cannot cut predictions file '" + path + "' back to its last whole line: " + ec.message());
+    if (ec)
+      return IOError("cannot cut predictions file '" + path +
+                     "' back to its last whole line: " + ec.message());
   }
   f->file_ = std::fopen(path.c_str(), "ab");
   if (f->file_ == nullptr) return IOError("cannot open predictions file '" + path + "' for appending");

@@ -11,17 +11,20 @@ using Templates = std::map<std::string, std::string>;
 // The benchmark's templates, verbatim (src/prompt.py: gpt4_templates, yarn_mistral_templates).
 const Templates kGpt4 = {
     {"passkey",
-     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will quiz "
+     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will "
+     "quiz "
      "you about the important information there.\n\n{context}\n\n{input}"},
     {"number_string",
      "There is an important info hidden inside a lot of irrelevant text. Find it. I will quiz you about the "
      "important information there.\n\n{context}\n\n{input}"},
     {"kv_retrieval",
-     "Extract the value corresponding to the specified key in the JSON object below.\n\n{context}\n\n{input}"},
+     "Extract the value corresponding to the specified key in the JSON object "
+     "below.\n\n{context}\n\n{input}"},
     {"longbook_qa_eng",
      "Read the book below and answer a question.\n\n{context}\n\nQuestion: {question}\n\nBe very concise."},
     {"longbook_choice_eng",
-     "Read the book and answer the question.\n\n{context}\n\nQuestion: {question}\n\nOnly one of the following "
+     "Read the book and answer the question.\n\n{context}\n\nQuestion: {question}\n\nOnly one of the "
+     "following "
      "options is correct, tell me the answer using one single letter (A, B, C, or D). Don't say anything "
      "else.\nA. {OPTION_A}\nB. {OPTION_B}\nC. {OPTION_C}\nD. {OPTION_D}"},
     {"longbook_sum_eng", "Summarize the following book.\n\n{context}"},
@@ -33,33 +36,39 @@ const Templates kGpt4 = {
     // exchange (eval_utils.create_msgs); as one prompt that is the context alone.
     {"math_calc", "{context}"},
     {"code_run",
-     "Following is a set of Python functions. There is a function called named {func}.\n\n{context}\n\nPlease "
-     "give me the exact number of the return value of {func_call}. Be concise. Your response must end with the "
+     "Following is a set of Python functions. There is a function called named "
+     "{func}.\n\n{context}\n\nPlease "
+     "give me the exact number of the return value of {func_call}. Be concise. Your response must end with "
+     "the "
      "final returned value."},
     {"code_debug",
      "There is ONLY ONE function in the large project that is deliberately made to include an obvious error. "
      "Please find the function that contains the most obvious errors. I will give you four options to narrow "
-     "your scope. You can inspect the options and think. Eventually, tell me the answer using one single letter "
+     "your scope. You can inspect the options and think. Eventually, tell me the answer using one single "
+     "letter "
      "(A, B, C, or D).\n\n{context}\n\nWhich funtion has deliberate error?\nA. {OPTION_A}\nB. {OPTION_B}\nC. "
      "{OPTION_C}\nD. {OPTION_D}\n\nYou should first find the functions in the options. Repeat their content, "
      "inspect through code, and at last give me your answer for the function that has the deliberate and "
      "obvious error in A, B, C, or D."},
     {"longdialogue_qa_eng",
      "Below is a dialogue script where one random occurrence of a character name is replaced with "
-     "\"$$MASK$$\", and you should try to guess who that character is.\n\nThe dialogue:\n\n---\n\n{context}\n\n"
+     "\"$$MASK$$\", and you should try to guess who that character is.\n\nThe "
+     "dialogue:\n\n---\n\n{context}\n\n"
      "---\n\nEnd of dialogue.\n\nWhich character is most likely \"$$MASK$$\"? Just say the name used by the "
      "scriptwriter (before the colon marks) of one single character and nothing else."},
 };
 
 const Templates kYarnMistral = {
     {"passkey",
-     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will quiz "
+     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will "
+     "quiz "
      "you about the important information there.\n\n{context}\n\n{input}\n\nThe pass key is"},
     {"number_string",
      "There is an important info hidden inside a lot of irrelevant text. Find it. I will quiz you about the "
      "important information there.\n\n{context}\n\n{input}\n\nThe sequence of digits is"},
     {"kv_retrieval",
-     "Extract the value corresponding to the specified key in the JSON object below.\n\n{context}\n\n{input}"},
+     "Extract the value corresponding to the specified key in the JSON object "
+     "below.\n\n{context}\n\n{input}"},
     {"longbook_sum_eng", "Summarize the book below.\n\n{context}\n\nSummary:"},
     {"longbook_choice_eng",
      "Read the book and answer the question.\n\n{context}\n\nQuestion: {question}\nA. {OPTION_A}\nB. "
@@ -75,15 +84,18 @@ const Templates kYarnMistral = {
      "Let us calculate the intermediate values of an expression.\n\nExpression: 1 + 3 + 4\nValues: [1, 4, "
      "8]\n\nExpression: 8 - 3 + 2 - 4\nValues: [8, 5, 7, 3]\n\nExpression: {context}\nValues:"},
     {"code_run",
-     "There is a function called {func} in the following Python code.\n\n{context}\n\nPlease compute the exact "
+     "There is a function called {func} in the following Python code.\n\n{context}\n\nPlease compute the "
+     "exact "
      "value of {func_call}. The value of {func_call} is"},
     {"code_debug",
-     "Following is a Python code where exactly one of the functions/methods has a deliberate error that makes "
+     "Following is a Python code where exactly one of the functions/methods has a deliberate error that "
+     "makes "
      "it crash.\n\n{context}\n\nOptions:\nA. {OPTION_A}\nB. {OPTION_B}\nC. {OPTION_C}\nD. {OPTION_D}\n\nThe "
      "correct option is:"},
     {"longdialogue_qa_eng",
      "Below is a dialogue script where one random occurrence of a character name is replaced with "
-     "\"$$MASK$$\", and you should try to guess who that character is.\n\n{context}\n\nThe name that has been "
+     "\"$$MASK$$\", and you should try to guess who that character is.\n\n{context}\n\nThe name that has "
+     "been "
      "replaced with $$MASK$$ is likely"},
 };
 
@@ -152,10 +164,18 @@ Result<std::string> BuildPrompt(const std::string& family, const std::string& ta
 
 int DefaultMaxNewTokens(const std::string& task) {
   static const std::map<std::string, int> kBudget = {
-      {"passkey", 6},           {"number_string", 12},       {"kv_retrieval", 50},
-      {"longbook_sum_eng", 1200}, {"longbook_choice_eng", 40}, {"longbook_qa_eng", 40},
-      {"longbook_qa_chn", 40},  {"longdialogue_qa_eng", 40}, {"math_find", 3},
-      {"math_calc", 30000},     {"code_run", 5},             {"code_debug", 5},
+      {"passkey", 6},
+      {"number_string", 12},
+      {"kv_retrieval", 50},
+      {"longbook_sum_eng", 1200},
+      {"longbook_choice_eng", 40},
+      {"longbook_qa_eng", 40},
+      {"longbook_qa_chn", 40},
+      {"longdialogue_qa_eng", 40},
+      {"math_find", 3},
+      {"math_calc", 30000},
+      {"code_run", 5},
+      {"code_debug", 5},
   };
   auto it = kBudget.find(task);
   return it == kBudget.end() ? 0 : it->second;

@@ -99,7 +99,8 @@ U32 Blank(U32 s, const U32& chars) {
   return s;
 }
 U32 Replace(U32 s, const U32& what, const U32& with) {
-  for (size_t at = s.find(what); at != U32::npos; at = s.find(what, at + with.size())) s.replace(at, what.size(), with);
+  for (size_t at = s.find(what); at != U32::npos; at = s.find(what, at + with.size()))
+    s.replace(at, what.size(), with);
   return s;
 }
 U32 Strip(const U32& s) {
@@ -179,7 +180,9 @@ double F1(const std::vector<U32>& pred, const std::vector<U32>& truth) {
   return 2 * p * r / (p + r);
 }
 
-bool IsAsciiPunct(char32_t c) { return c < 0x80 && c > 0x20 && c != 0x7F && !std::isalnum(static_cast<int>(c)); }
+bool IsAsciiPunct(char32_t c) {
+  return c < 0x80 && c > 0x20 && c != 0x7F && !std::isalnum(static_cast<int>(c));
+}
 bool IsWordChar(char32_t c) {
   return c >= 0x80 ? !IsSpace(c) : (std::isalnum(static_cast<int>(c)) != 0 || c == U'_');
 }
@@ -196,7 +199,8 @@ U32 NormalizeAnswer(const U32& s) {
     bool replaced = false;
     if (boundary_before)
       for (const U32& art : {U32(U"the"), U32(U"an"), U32(U"a")}) {
-        if (t.compare(i, art.size(), art) == 0 && (i + art.size() == t.size() || !IsWordChar(t[i + art.size()]))) {
+        if (t.compare(i, art.size(), art) == 0 &&
+            (i + art.size() == t.size() || !IsWordChar(t[i + art.size()]))) {
           u.push_back(U' ');
           i += art.size();
           replaced = true;
@@ -318,8 +322,8 @@ double RougeLsum(const std::string& prediction, const std::string& reference) {
   return precision + recall > 0 ? 2 * precision * recall / (precision + recall) : 0;
 }
 
-Result<double> ScoreOne(const std::string& task, const std::string& prediction, const std::string& ground_truth_json,
-                        const std::string& family) {
+Result<double> ScoreOne(const std::string& task, const std::string& prediction,
+                        const std::string& ground_truth_json, const std::string& family) {
   json gt;
   try {
     gt = json::parse(ground_truth_json);
@@ -391,8 +395,8 @@ Result<double> ScoreOne(const std::string& task, const std::string& prediction, 
     const U32 head = pred.substr(0, 2);
     if (head == letter + U"." || head == letter + U":") return 1.0;
     U32 p = Strip(pred);
-    for (const U32& c : {U32(U"\n"), U32(U"`"), U32(U"'"), U32(U"\""), U32(U"-"), U32(U"*"), U32(U"Option"),
-                        U32(U"option")})
+    for (const U32& c :
+         {U32(U"\n"), U32(U"`"), U32(U"'"), U32(U"\""), U32(U"-"), U32(U"*"), U32(U"Option"), U32(U"option")})
       p = Replace(p, c, U" ");
     p = CollapseSpaces(p);
     for (const U32& prefix : {U32(U"answer is:"), U32(U"is:"), U32(U"answer:")}) {

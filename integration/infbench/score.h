@@ -38,8 +38,8 @@ namespace kvtier::infbench {
 
 /// The score of one prediction, in [0, 1]. `family` is the template family (math_calc's
 /// gpt4 rule). A ground truth the task cannot score -> InvalidArgument naming it.
-Result<double> ScoreOne(const std::string& task, const std::string& prediction, const std::string& ground_truth_json,
-                        const std::string& family = "");
+Result<double> ScoreOne(const std::string& task, const std::string& prediction,
+                        const std::string& ground_truth_json, const std::string& family = "");
 
 /// ROUGE-Lsum's F-measure of `prediction` against `reference` (see above).
 double RougeLsum(const std::string& prediction, const std::string& reference);

@@ -13,9 +13,9 @@ namespace {
 using nlohmann::json;
 
 const std::vector<std::string> kTasks = {
-    "passkey",          "number_string",   "kv_retrieval",        "longdialogue_qa_eng",
+    "passkey",          "number_string",       "kv_retrieval",    "longdialogue_qa_eng",
     "longbook_sum_eng", "longbook_choice_eng", "longbook_qa_eng", "longbook_qa_chn",
-    "math_find",        "math_calc",       "code_run",            "code_debug",
+    "math_find",        "math_calc",           "code_run",        "code_debug",
 };
 
 std::string Where(const std::string& path, int line) { return path + ":" + std::to_string(line); }
@@ -170,9 +170,11 @@ Result<std::vector<TaskFile>> ReadTaskData(const std::string& path) {
     out.push_back(std::move(f));
   }
   if (out.empty())
-    return NotFound("'" + path + "' holds no ∞-Bench task file (looked for <task>.jsonl, task one of passkey, "
-                    "number_string, kv_retrieval, longdialogue_qa_eng, longbook_sum_eng, longbook_choice_eng, "
-                    "longbook_qa_eng, longbook_qa_chn, math_find, math_calc, code_run, code_debug)");
+    return NotFound(
+        "'" + path +
+        "' holds no ∞-Bench task file (looked for <task>.jsonl, task one of passkey, "
+        "number_string, kv_retrieval, longdialogue_qa_eng, longbook_sum_eng, longbook_choice_eng, "
+        "longbook_qa_eng, longbook_qa_chn, math_find, math_calc, code_run, code_debug)");
   return out;
 }
 

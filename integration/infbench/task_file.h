@@ -29,12 +29,12 @@ Status CheckTaskName(const std::string& task);
 bool IsExactMatchTask(const std::string& task);
 
 struct BenchSample {
-  std::string id_json;      ///< the id as the file writes it: 3 or "a-3"
+  std::string id_json;  ///< the id as the file writes it: 3 or "a-3"
   std::string context, input;
   std::string answer_json;  ///< the answer as the file writes it (a JSON value)
   std::vector<std::string> options;
-  int max_new_tokens = 0;   ///< 0: the task's budget
-  int line = 0;             ///< 1-based line in its file
+  int max_new_tokens = 0;  ///< 0: the task's budget
+  int line = 0;            ///< 1-based line in its file
 };
 
 struct TaskFile {

@@ -30,11 +30,11 @@
 
 #include "engine/layer_parts.h"
 #include "engine/option_table.h"
-#include "integration/model/llama.h"
 #include "integration/infbench/predictions.h"
 #include "integration/infbench/prompt.h"
 #include "integration/infbench/score.h"
 #include "integration/infbench/task_file.h"
+#include "integration/model/llama.h"
 #include "integration/model/tasks.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/dtype.h"
@@ -984,7 +984,8 @@ class PyLlama {
 
 // Text from C++ (UTF-8 that a model's bytes may have broken) as a Python str, bad bytes replaced.
 py::str Utf8(const std::string& s) {
-  return py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "replace"));
+  return py::reinterpret_steal<py::str>(
+      PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "replace"));
 }
 
 py::dict InfBenchSampleDict(const infbench::BenchSample& b) {
@@ -1011,7 +1012,8 @@ infbench::BenchSample InfBenchSampleFrom(const py::dict& d) {
     if (d.contains("line")) b.line = d["line"].cast<int>();
   } catch (const py::cast_error& e) {
     Bad(std::string("a ∞-Bench sample is a dict of id, context, input, answer (JSON text), options, "
-                    "max_new_tokens and line, as infbench_read returns it: ") + e.what());
+                    "max_new_tokens and line, as infbench_read returns it: ") +
+        e.what());
   } catch (const py::error_already_set&) {
     Bad("a ∞-Bench sample needs a 'context' (a dict as infbench_read returns it)");
   }
@@ -1130,7 +1132,8 @@ PYBIND11_MODULE(_kvtier, m) {
         return Utf8(Take(infbench::BuildPrompt(family, task, InfBenchSampleFrom(sample))));
       },
       py::arg("family"), py::arg("task"), py::arg("sample"),
-      "The benchmark's prompt of a sample (template family kvtier | gpt4 | yarn-mistral), before truncation.");
+      "The benchmark's prompt of a sample (template family kvtier | gpt4 | yarn-mistral), before "
+      "truncation.");
   m.def(
       "infbench_ground_truth",
       [](const std::string& task, const py::dict& sample) {
@@ -1140,7 +1143,9 @@ PYBIND11_MODULE(_kvtier, m) {
   m.def(
       "infbench_score",
       [](const std::string& task, const std::string& prediction, const std::string& ground_truth,
-         const std::string& family) { return Take(infbench::ScoreOne(task, prediction, ground_truth, family)); },
+         const std::string& family) {
+        return Take(infbench::ScoreOne(task, prediction, ground_truth, family));
+      },
       py::arg("task"), py::arg("prediction"), py::arg("ground_truth"), py::arg("family") = "",
       "One prediction's score in [0, 1] by the benchmark's rule for the task.");
   m.def("infbench_rouge_lsum", &infbench::RougeLsum, py::arg("prediction"), py::arg("reference"),
@@ -1151,7 +1156,8 @@ PYBIND11_MODULE(_kvtier, m) {
         if (max_len < 0) Bad("max_len must be >= 0 (got " + std::to_string(max_len) + ")");
         return infbench::TruncateMiddle(tokens, static_cast<size_t>(max_len));
       },
-      py::arg("tokens"), py::arg("max_len"), "The benchmark's truncation: the first n // 2 and the last n - n // 2.");
+      py::arg("tokens"), py::arg("max_len"),
+      "The benchmark's truncation: the first n // 2 and the last n - n // 2.");
   m.def(
       "infbench_max_new_tokens",
       [](const std::string& task) {
@@ -1174,7 +1180,9 @@ PYBIND11_MODULE(_kvtier, m) {
       .def(
           "append",
           [](infbench::PredictionsFile& f, const std::string& id, const std::string& prediction,
-             const std::string& ground_truth) { Check(f.Append({id, prediction, ground_truth})); },
+             const std::string& ground_truth) {
+            Check(f.Append({id, prediction, ground_truth}));
+          },
           py::arg("id"), py::arg("prediction"), py::arg("ground_truth"), "Appends one line and flushes it.")
       .def_property_readonly("predictions",
                              [](const infbench::PredictionsFile& f) {

@@ -43,8 +43,9 @@ TEST(InfBenchCli, GeneratorSamplesScoreTheSameThroughData) {
     auto gen = test::Kvtier("infinite --weights " + Weights() + " " + common + " --compare --quiet --json " +
                             dir.path() + "/gen.json");
     ASSERT_EQ(gen.code, 0) << gen.out;
-    auto data = test::Kvtier("infinite --weights " + Weights() + " --data " + dir.path() + "/data --compare --quiet " +
-                             "--predictions " + dir.path() + "/preds --json " + dir.path() + "/data.json");
+    auto data = test::Kvtier("infinite --weights " + Weights() + " --data " + dir.path() +
+                             "/data --compare --quiet " + "--predictions " + dir.path() + "/preds --json " +
+                             dir.path() + "/data.json");
     ASSERT_EQ(data.code, 0) << data.out;
     const json g = ReadJson(dir.path() + "/gen.json"), d = ReadJson(dir.path() + "/data.json");
     for (const json& m : d["methods"]) {
@@ -64,9 +65,11 @@ TEST(InfBenchCli, GeneratorSamplesScoreTheSameThroughData) {
       const auto preds = ReadLines(dir.path() + "/preds/" + slug + "/preds_" + task + ".jsonl");
       ASSERT_EQ(preds.size(), outputs.size()) << task << " " << name;
       for (size_t i = 0; i < preds.size(); ++i)
-        EXPECT_EQ(preds[i]["prediction"].get<std::string>(), outputs[i]) << task << " " << name << " sample " << i;
+        EXPECT_EQ(preds[i]["prediction"].get<std::string>(), outputs[i])
+            << task << " " << name << " sample " << i;
       for (const json& r : d["results"])
-        if (r["method"] == name) EXPECT_DOUBLE_EQ(r["score"].get<double>(), static_cast<double>(correct) / samples);
+        if (r["method"] == name)
+          EXPECT_DOUBLE_EQ(r["score"].get<double>(), static_cast<double>(correct) / samples);
     }
   }
 }
@@ -76,9 +79,9 @@ TEST(InfBenchCli, GeneratorSamplesScoreTheSameThroughData) {
 TEST(InfBenchCli, EveryTaskOfTheOfficialSchemaRuns) {
   for (const std::string family : {"gpt4", "yarn-mistral"}) {
     TempDir dir;
-    auto r = test::Kvtier("infinite --weights " + Weights() + " --data " + Fixtures() + " --template " + family +
-                          " --max-new-tokens 4 --quiet --predictions " + dir.path() + " --json " + dir.path() +
-                          "/r.json");
+    auto r = test::Kvtier("infinite --weights " + Weights() + " --data " + Fixtures() + " --template " +
+                          family + " --max-new-tokens 4 --quiet --predictions " + dir.path() + " --json " +
+                          dir.path() + "/r.json");
     ASSERT_EQ(r.code, 0) << r.out;
     EXPECT_NE(r.out.find("| longbook_choice_eng "), std::string::npos) << r.out;
     const json rep = ReadJson(dir.path() + "/r.json");
@@ -99,7 +102,8 @@ TEST(InfBenchCli, EveryTaskOfTheOfficialSchemaRuns) {
 // truncate + budget - 1 tokens through the model.
 TEST(InfBenchCli, TruncationBoundsThePromptInTokens) {
   TempDir dir;
-  ASSERT_EQ(test::Kvtier("infinite --task passkey --contexts 2048 --samples 2 --write-data " + dir.path()).code, 0);
+  ASSERT_EQ(
+      test::Kvtier("infinite --task passkey --contexts 2048 --samples 2 --write-data " + dir.path()).code, 0);
   auto r = test::Kvtier("infinite --weights " + Weights() + " --data " + dir.path() +
                         "/passkey.jsonl --truncate 700 --quiet --predictions " + dir.path() + "/p --json " +
                         dir.path() + "/r.json");
@@ -112,13 +116,18 @@ TEST(InfBenchCli, TruncationBoundsThePromptInTokens) {
 // predictions and score are those of a run that was never interrupted.
 TEST(InfBenchCli, AKilledRunResumesWhereItStopped) {
   TempDir dir;
-  ASSERT_EQ(test::Kvtier("infinite --task passkey --contexts 16384 --samples 4 --write-data " + dir.path()).code, 0);
-  const std::string run = "infinite --weights " + Weights() + " --data " + dir.path() + "/passkey.jsonl --quiet ";
+  ASSERT_EQ(
+      test::Kvtier("infinite --task passkey --contexts 16384 --samples 4 --write-data " + dir.path()).code,
+      0);
+  const std::string run =
+      "infinite --weights " + Weights() + " --data " + dir.path() + "/passkey.jsonl --quiet ";
   const std::string preds = dir.path() + "/killed/kvtier/preds_passkey.jsonl";
   // Started in the background, killed once its first prediction is written.
-  const std::string script = "cd " + dir.path() + " && (" + std::string(KVTIER_BINARY_DIR) + "/kvtier " + run +
+  const std::string script = "cd " + dir.path() + " && (" + std::string(KVTIER_BINARY_DIR) + "/kvtier " +
+                             run +
                              "--predictions killed > /dev/null 2>&1 & pid=$!; for i in $(seq 1 600); do "
-                             "[ -s " + preds + " ] && break; sleep 0.02; done; kill -9 $pid; wait $pid; echo killed)";
+                             "[ -s " +
+                             preds + " ] && break; sleep 0.02; done; kill -9 $pid; wait $pid; echo killed)";
   FILE* p = popen(script.c_str(), "r");
   ASSERT_NE(p, nullptr);
   char buf[64] = {};
@@ -131,7 +140,8 @@ TEST(InfBenchCli, AKilledRunResumesWhereItStopped) {
   auto resumed = test::Kvtier(run + "--predictions " + dir.path() + "/killed");
   ASSERT_EQ(resumed.code, 0) << resumed.out;
   EXPECT_NE(resumed.out.find("over 4 samples (" + std::to_string(before) + " from"), std::string::npos)
-      << "before " << before << "\n" << resumed.out;
+      << "before " << before << "\n"
+      << resumed.out;
   auto whole = test::Kvtier(run + "--predictions " + dir.path() + "/whole");
   ASSERT_EQ(whole.code, 0) << whole.out;
   const auto a = ReadLines(preds), b = ReadLines(dir.path() + "/whole/kvtier/preds_passkey.jsonl");
@@ -145,10 +155,14 @@ TEST(InfBenchCli, AKilledRunResumesWhereItStopped) {
 
 TEST(InfBenchCli, BadDataAndFlagsAreNamed) {
   TempDir dir;
-  { std::ofstream(dir.path() + "/passkey.jsonl") << R"({"id": 0, "context": "c", "input": "i"})" << "\n"; }
+  {
+    std::ofstream(dir.path() + "/passkey.jsonl") << R"({"id": 0, "context": "c", "input": "i"})"
+                                                 << "\n";
+  }
   auto r = test::Kvtier("infinite --weights " + Weights() + " --data " + dir.path() + " --quiet");
   EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_NE(r.out.find(dir.path() + "/passkey.jsonl:1: field 'answer' is missing"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(dir.path() + "/passkey.jsonl:1: field 'answer' is missing"), std::string::npos)
+      << r.out;
   r = test::Kvtier("infinite --weights " + Weights() + " --data " + dir.path() + "/none --quiet");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("does not exist"), std::string::npos) << r.out;
@@ -159,8 +173,14 @@ TEST(InfBenchCli, BadDataAndFlagsAreNamed) {
   EXPECT_EQ(r.code, 2) << r.out;
   // Predictions made from other data are not mixed in.
   TempDir a, b;
-  ASSERT_EQ(test::Kvtier("infinite --task passkey --contexts 1024 --samples 1 --seed 1 --write-data " + a.path()).code, 0);
-  ASSERT_EQ(test::Kvtier("infinite --task passkey --contexts 1024 --samples 1 --seed 2 --write-data " + b.path()).code, 0);
+  ASSERT_EQ(
+      test::Kvtier("infinite --task passkey --contexts 1024 --samples 1 --seed 1 --write-data " + a.path())
+          .code,
+      0);
+  ASSERT_EQ(
+      test::Kvtier("infinite --task passkey --contexts 1024 --samples 1 --seed 2 --write-data " + b.path())
+          .code,
+      0);
   const std::string preds = " --quiet --predictions " + dir.path() + "/p";
   ASSERT_EQ(test::Kvtier("infinite --weights " + Weights() + " --data " + a.path() + preds).code, 0);
   r = test::Kvtier("infinite --weights " + Weights() + " --data " + b.path() + preds);

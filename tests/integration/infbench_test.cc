@@ -18,7 +18,8 @@
 namespace kvtier::infbench {
 namespace {
 
-double Score(const std::string& task, const std::string& pred, const std::string& gt, const std::string& family = "") {
+double Score(const std::string& task, const std::string& pred, const std::string& gt,
+             const std::string& family = "") {
   auto r = ScoreOne(task, pred, gt, family);
   EXPECT_TRUE(r.ok()) << r.status().ToString();
   return r.ok() ? *r : -1;
@@ -26,7 +27,7 @@ double Score(const std::string& task, const std::string& pred, const std::string
 
 TEST(InfBenchScore, PasskeyAndNumberStringMatchTheFirstRunOfDigits) {
   EXPECT_EQ(Score("passkey", "The pass key is 71432.", R"(["71432"])"), 1);
-  EXPECT_EQ(Score("passkey", "71432", R"("71432")"), 1);            // a bare string answer
+  EXPECT_EQ(Score("passkey", "71432", R"("71432")"), 1);              // a bare string answer
   EXPECT_EQ(Score("passkey", "12345 and 71432", R"(["71432"])"), 0);  // only the first number counts
   EXPECT_EQ(Score("passkey", "7143", R"(["71432"])"), 0);
   EXPECT_EQ(Score("passkey", "key 071432", R"(["71432"])"), 0);
@@ -73,7 +74,7 @@ TEST(InfBenchScore, LongbookChoiceFollowsTheBenchmarksOrderOfRules) {
   EXPECT_EQ(Score("longbook_choice_eng", "The answer is Paris", gt), 1);
   EXPECT_EQ(Score("longbook_choice_eng", "  B", gt), 1);  // the first word that is a piece of "ABCD"
   EXPECT_EQ(Score("longbook_choice_eng", "I'd say C or B", gt), 0);  // "C" comes first
-  EXPECT_EQ(Score("longbook_choice_eng", "Paris", gt), 0);  // the text alone is not read
+  EXPECT_EQ(Score("longbook_choice_eng", "Paris", gt), 0);           // the text alone is not read
   EXPECT_EQ(Score("longbook_choice_eng", "", gt), 0);
 }
 
@@ -142,7 +143,8 @@ TEST(InfBenchPrompt, TruncationKeepsTheHeadAndTheTailAsTheBenchmarkDoes) {
   EXPECT_EQ(TruncateMiddle(s, 0), "");
 }
 
-BenchSample Sample(const std::string& context, const std::string& input, std::vector<std::string> options = {}) {
+BenchSample Sample(const std::string& context, const std::string& input,
+                   std::vector<std::string> options = {}) {
   BenchSample s;
   s.context = context;
   s.input = input;
@@ -157,9 +159,10 @@ TEST(InfBenchPrompt, EachFamilyFillsTheBenchmarksTemplates) {
   EXPECT_EQ(*p, "CTX What is the pass key? The pass key is ");
   p = BuildPrompt("yarn-mistral", "passkey", Sample("CTX", "What is the pass key?"));
   ASSERT_TRUE(p.ok());
-  EXPECT_EQ(*p,
-            "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will "
-            "quiz you about the important information there.\n\nCTX\n\nWhat is the pass key?\n\nThe pass key is");
+  EXPECT_EQ(
+      *p,
+      "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will "
+      "quiz you about the important information there.\n\nCTX\n\nWhat is the pass key?\n\nThe pass key is");
   p = BuildPrompt("chatglm3", "passkey", Sample("CTX", "What is the pass key?"));  // yarn-mistral's
   ASSERT_TRUE(p.ok());
   EXPECT_NE(p->find("The pass key is"), std::string::npos);
@@ -176,14 +179,17 @@ TEST(InfBenchPrompt, EachFamilyFillsTheBenchmarksTemplates) {
 TEST(InfBenchPrompt, CodeRunAndMathFindTakeTheirPartsFromTheInput) {
   auto p = BuildPrompt("yarn-mistral", "code_run", Sample("CODE", "Compute func_12(-3) for me"));
   ASSERT_TRUE(p.ok());
-  EXPECT_EQ(*p,
-            "There is a function called func_12 in the following Python code.\n\nCODE\n\nPlease compute the exact "
-            "value of func_12(-3). The value of func_12(-3) is");
+  EXPECT_EQ(
+      *p,
+      "There is a function called func_12 in the following Python code.\n\nCODE\n\nPlease compute the exact "
+      "value of func_12(-3). The value of func_12(-3) is");
   p = BuildPrompt("gpt4", "math_find", Sample("[1, 5, 2]", "What is the largest number of the list?"));
   ASSERT_FALSE(p.ok());  // "The ..." is case-sensitive, as the benchmark's regex
   p = BuildPrompt("gpt4", "math_find", Sample("[1, 5, 2]", "The largest number of the list is"));
   ASSERT_TRUE(p.ok());
-  EXPECT_EQ(*p, "What is the largest number in the following list?\n\n[1, 5, 2]\n\nThe largest number of the list is");
+  EXPECT_EQ(
+      *p,
+      "What is the largest number in the following list?\n\n[1, 5, 2]\n\nThe largest number of the list is");
   auto bad = BuildPrompt("gpt4", "code_run", Sample("CODE", "no call here"));
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("line 3"), std::string::npos) << bad.status().ToString();
@@ -205,15 +211,19 @@ TEST(InfBenchTaskFile, ReadsEveryTaskOfTheOfficialSchema) {
   const std::string choice_options = R"(["Rome", "Paris", "Oslo", "Bern"])";
   const std::map<std::string, std::string> lines = {
       {"passkey", R"({"id": 0, "context": "c", "input": "i", "answer": ["71432"], "options": []})"},
-      {"number_string", R"({"id": 0, "context": "c", "input": "i", "answer": ["1234567890"], "options": []})"},
+      {"number_string",
+       R"({"id": 0, "context": "c", "input": "i", "answer": ["1234567890"], "options": []})"},
       {"kv_retrieval", R"({"id": 0, "context": "c", "input": "i", "answer": ["v-1"], "options": []})"},
       {"longdialogue_qa_eng", R"({"id": 0, "context": "c", "input": "", "answer": ["JOHN"], "options": []})"},
-      {"longbook_sum_eng", R"({"id": 0, "context": "c", "input": "", "answer": ["a summary"], "options": []})"},
+      {"longbook_sum_eng",
+       R"({"id": 0, "context": "c", "input": "", "answer": ["a summary"], "options": []})"},
       {"longbook_choice_eng",
-       R"({"id": 0, "context": "c", "input": "Where?", "answer": ["Paris"], "options": )" + choice_options + "}"},
+       R"({"id": 0, "context": "c", "input": "Where?", "answer": ["Paris"], "options": )" + choice_options +
+           "}"},
       {"longbook_qa_eng", R"({"id": 0, "context": "c", "input": "q", "answer": ["a", "b"], "options": []})"},
       {"longbook_qa_chn", R"({"id": 0, "context": "书", "input": "问", "answer": ["北京"], "options": []})"},
-      {"math_find", R"({"id": 0, "context": "[1]", "input": "The largest number of it", "answer": 1, "options": []})"},
+      {"math_find",
+       R"({"id": 0, "context": "[1]", "input": "The largest number of it", "answer": 1, "options": []})"},
       {"math_calc", R"({"id": 0, "context": "1 + 2", "input": "", "answer": [1, 3], "options": []})"},
       {"code_run", R"j({"id": 0, "context": "def", "input": "func_1(2)", "answer": 5, "options": []})j"},
       {"code_debug",
@@ -256,15 +266,19 @@ TEST(InfBenchTaskFile, MalformedLinesAreNamedByFileLineAndField) {
       {"passkey", R"({"context": "c", "input": "i", "answer": ["1"]})", ":1: field 'id' is missing"},
       {"passkey", R"({"id": 1.5, "context": "c", "input": "i", "answer": ["1"]})", "field 'id' must be"},
       {"passkey", R"({"id": 1, "input": "i", "answer": ["1"]})", "field 'context' is missing"},
-      {"passkey", R"({"id": 1, "context": 3, "input": "i", "answer": ["1"]})", "field 'context' must be a string"},
+      {"passkey", R"({"id": 1, "context": 3, "input": "i", "answer": ["1"]})",
+       "field 'context' must be a string"},
       {"passkey", R"({"id": 1, "context": "c", "input": "i"})", "field 'answer' is missing"},
-      {"passkey", R"({"id": 1, "context": "c", "input": "i", "answer": []})", "field 'answer' is an empty list"},
+      {"passkey", R"({"id": 1, "context": "c", "input": "i", "answer": []})",
+       "field 'answer' is an empty list"},
       {"passkey", R"({"id": 1, "context": "c", "input": "i", "answer": {"a": 1}})", "field 'answer' must be"},
-      {"math_calc", R"({"id": 1, "context": "c", "input": "", "answer": [1, "2"]})", "must hold integers only"},
+      {"math_calc", R"({"id": 1, "context": "c", "input": "", "answer": [1, "2"]})",
+       "must hold integers only"},
       {"math_find", R"({"id": 1, "context": "c", "input": "", "answer": ["x"]})", "must be a number"},
       {"code_debug", R"({"id": 1, "context": "c", "input": "", "answer": "f", "options": ["f", "g"]})",
        "must hold the 4 choices"},
-      {"code_debug", R"({"id": 1, "context": "c", "input": "", "answer": "z", "options": ["f", "g", "h", "k"]})",
+      {"code_debug",
+       R"({"id": 1, "context": "c", "input": "", "answer": "z", "options": ["f", "g", "h", "k"]})",
        "is none of the 4 options"},
       {"passkey", R"({"id": 1, "context": "c", "input": "i", "answer": ["1"], "options": "x"})",
        "field 'options' must be a list of strings"},
@@ -332,7 +346,8 @@ TEST(InfBenchPredictions, ReopeningResumesAndDropsALineCutShortByAKill) {
   f->reset();
   const std::string text = test::ReadAll(path);
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 3) << text;
-  EXPECT_NE(text.find(R"({"ground_truth":["33333"],"id":2,"prediction":"33333"})"), std::string::npos) << text;
+  EXPECT_NE(text.find(R"({"ground_truth":["33333"],"id":2,"prediction":"33333"})"), std::string::npos)
+      << text;
   // A complete last line without its newline is kept, and the next one starts on a line of its own.
   { std::ofstream(path, std::ios::app) << R"({"id": 3, "prediction": "x", "ground_truth": ["y"]})"; }
   f = PredictionsFile::Open(path);
@@ -353,7 +368,8 @@ TEST(InfBenchPredictions, ADamagedLineInTheMiddleIsNamed) {
                       << "{\"id\": 1, \"prediction\": \"1\", \"ground_truth\": [\"1\"]}\n";
   auto f = PredictionsFile::Open(path);
   ASSERT_FALSE(f.ok());
-  EXPECT_NE(f.status().message().find(path + ":2: not a prediction"), std::string::npos) << f.status().ToString();
+  EXPECT_NE(f.status().message().find(path + ":2: not a prediction"), std::string::npos)
+      << f.status().ToString();
 }
 
 }  // namespace

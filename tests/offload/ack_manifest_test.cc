@@ -759,7 +759,8 @@ TEST(WalDamageStore, RepairSalvagesPastAFlippedBitAndNamesWhatIsStillMissing) {
     EXPECT_EQ(code, 0) << out;
   } else {
     EXPECT_EQ(code, 1) << out;
-    EXPECT_NE(out.find("still missing " + std::to_string(missing_after) + " chunks"), std::string::npos) << out;
+    EXPECT_NE(out.find("still missing " + std::to_string(missing_after) + " chunks"), std::string::npos)
+        << out;
     EXPECT_NE(out.find("--accept-lost"), std::string::npos) << out;
     out.clear();
     ASSERT_EQ(RunCli("check --data-dir " + dir.path() + " --accept-lost", &out), 0) << out;
