@@ -109,6 +109,8 @@ def test_every_task_of_the_official_schema_runs(hf_dir, tmp_path, capsys):
         got = lines(tmp_path / "kvtier" / f"preds_{t}.jsonl")
         assert got and set(got[0]) == {"id", "prediction", "ground_truth"}
     assert "| longbook_choice_eng" in capsys.readouterr().out
+    for r in rep["results"]:
+        assert r["run"]["peak_rss_bytes"] > 0 and r["run"]["tier_bytes"]["warm_bytes"] >= 0
 
 
 def test_a_run_resumes_after_the_samples_already_predicted(hf_dir, tmp_path, capsys):

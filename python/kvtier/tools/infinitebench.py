@@ -28,6 +28,7 @@ the decoded output starts with it (needle recall is then not measured: it needs 
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
@@ -237,6 +238,8 @@ class TaskRun:
         self.score_sum = self.seconds = 0.0
         self.tokens = 0
         self.chunks = self.steps = 0
+        self.peak = {"hot_bytes": 0, "warm_bytes": 0, "cold_bytes": 0, "bytes_moved": 0}
+        self.peak_rss = 0  # the process's peak RSS when the task ended (bytes; it only grows)
 
     def score(self) -> float:
         return self.score_sum / self.samples if self.samples else 0.0
@@ -246,7 +249,8 @@ class TaskRun:
                 "samples": self.samples, "resumed": self.resumed, "predictions": self.predictions,
                 "run": {"samples": self.run, "seconds": self.seconds,
                         "s_per_sample": self.seconds / self.run if self.run else 0.0, "tokens": self.tokens,
-                        "chunks_per_layer_step": self.chunks / self.steps if self.steps else 0.0}}
+                        "chunks_per_layer_step": self.chunks / self.steps if self.steps else 0.0,
+                        "tier_bytes": self.peak, "peak_rss_bytes": self.peak_rss}}
 
 
 DATA_METHODS = {  # --data --compare: name -> KvtierCache options (None: transformers' own attention)
@@ -303,6 +307,9 @@ class DataRunner(Runner):
         if cache is not None:
             tr.steps += ((len(ids) - 1 + self.a.window - 1) // self.a.window + len(new)) * cache.n_layers
             tr.chunks += int(cache.session.counters()["chunks_attended"])
+            c = cache.store.counters()
+            for k in tr.peak:
+                tr.peak[k] = max(tr.peak[k], int(c[k]))
         kh.use_kvtier(self.model, False)
         return self.text_of(new)
 
@@ -355,6 +362,7 @@ class DataRunner(Runner):
                         preds.append(s["id"], prediction, truth)
                     tr.score_sum += kvtier.tools.infbench_score(task, prediction, truth, a.template)
                     tr.samples += 1
+                tr.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
                 runs.append(tr)
         return methods, tasks, runs
 
