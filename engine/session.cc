@@ -511,7 +511,17 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
     }
     const auto t0 = std::chrono::steady_clock::now();
     if (!lp.chunks.empty()) {
-      KVTIER_ASSIGN_OR_RETURN(lp.fetch, store_->FetchChunks(seq_, layer, lp.chunks));
+      // A retrieval grant past the reservation takes only slots no other session's
+      // reservation claims (see "Sharing the hot slot pool" in session.h); a selector's
+      // choice, and full attention, are fetched whole.
+      const bool fit = retriever_ && !selector_ && reservation_ != 0;
+      KVTIER_ASSIGN_OR_RETURN(lp.fetch, store_->FetchChunks(seq_, layer, lp.chunks,
+                                                            fit ? FetchFit::kWithinClaims : FetchFit::kAll));
+      if (const size_t kept = lp.fetch.spans().size(); kept < lp.chunks.size()) {
+        lp.stats.chunks_clipped += lp.chunks.size() - kept;
+        counters_.chunks_clipped += lp.chunks.size() - kept;
+        lp.chunks.resize(kept);
+      }
       KVTIER_RETURN_IF_ERROR(lp.fetch.Wait());
     }
     lp.stats.fetch_ms = MsSince(t0);

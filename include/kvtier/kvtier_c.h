@@ -200,7 +200,8 @@ typedef struct kvtier_attend_stats {
   double probe_ms, search_ms, alloc_ms, fetch_ms, attention_ms;
   double entropy;          /* the entropy allocator's layer entropy, when it computed one */
   uint64_t chunks;         /* chunks attended */
-  uint64_t chunks_clipped; /* chunks the budget granted that the hot slot pool could not hold */
+  uint64_t chunks_clipped; /* chunks granted and left out: beyond the hot slot pool, or, when the pool
+                              is short, beyond the session's reservation (kvtier/session.h) */
   int reused;              /* 1: the chunks came from the layer's last search (reuse_cosine) */
   int sliced;              /* 1: the search screened a slice of the chunks (screen_period) */
 } kvtier_attend_stats;
@@ -240,7 +241,7 @@ typedef struct kvtier_session_counters {
   uint64_t compressions;     /* compress calls that ran */
   uint64_t dropped_chunks;   /* chunks compress removed */
   double probe_ms, search_ms, alloc_ms, fetch_ms, attention_ms;
-  uint64_t chunks_clipped;    /* chunks granted beyond the hot slot pool, left out */
+  uint64_t chunks_clipped;    /* chunks granted and left out (kvtier_attend_stats.chunks_clipped) */
   uint64_t selections_reused; /* attend calls whose chunks came from the last search */
   uint64_t selections_sliced; /* attend calls that screened a slice of the chunks */
 } kvtier_session_counters;

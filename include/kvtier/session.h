@@ -44,8 +44,8 @@
 // Sessions may attach to one sequence (e.g. to compare retrieval settings on the
 // same data); only one of them may Append, and they must not run at once.
 // Results do not depend on the thread a session runs on or on what other
-// sessions do (tests/engine/session_test.cc checks 8 sessions on 4 threads bit for bit
-// against their single-threaded runs).
+// sessions do, as long as the hot slot pool is not short (below) (tests/engine/session_test.cc
+// checks 8 sessions on 4 threads bit for bit against their single-threaded runs).
 //
 // Sharing the hot slot pool: Open and Attach refuse a retrieval budget the pool cannot hold
 // (SessionOptions::Validate(const StoreOptions&)), and reserve the session's budget in
@@ -53,11 +53,21 @@
 // TieredStore::ReserveHotSlots, and refuse the session with ResourceExhausted, naming the pool's slots, the
 // slots reserved and the slots asked, when the open sessions' reservations would exceed the pool (sessions
 // attached to one sequence count once, at the largest). Close, Drop and destruction give the reservation
-// back; retrieve = false reserves nothing. An Attend holds no pin when it fetches, so where the entropy
-// cut-off gives a layer more than the budget's share and the pool is short, its fetch waits for other
-// sessions' Attends to unpin (StoreOptions::pin_wait_ms, StoreCounters::pin_waits) instead of failing;
-// tests/engine/session_pins_test.cc runs many sessions on many threads at a pool just above their
-// summed budgets. An engine that keeps one layer's LayerParts while it gathers the next gets
+// back; retrieve = false reserves nothing. The entropy cut-off may grant a layer more chunks than the
+// reservation (the budget's share of one layer); the chunks past the reservation are fetched only from
+// slots that no other open session's reservation claims (a claim: the larger of a session's reservation
+// and the slots it holds pinned), and the rest of the grant is left out, counted in chunks_clipped
+// (AttendStats, SessionCounters), rather than waited for. So a grant is capped at the reservation
+// exactly when the pool is short, and every session can always pin its reservation at once: an engine
+// that batches many sessions on one thread (per layer: Gather every session, attend, release all)
+// never waits. With a pool that holds every grant beside the others' reservations, nothing is left out
+// and results do not depend on other sessions; where it is short, what a layer attends past its
+// reservation depends on what the other sessions hold at that moment. A fetch never waits for pins
+// the calling thread holds: it fails at once with ResourceExhausted saying so. Otherwise, where it
+// must, a fetch waits for other threads' Attends to unpin (StoreOptions::pin_wait_ms,
+// StoreCounters::pin_waits) instead of failing. tests/engine/session_pins_test.cc runs many sessions
+// on many threads at a pool just above their summed budgets, and 8 and 16 sessions batched on one
+// thread. An engine that keeps one layer's LayerParts while it gathers the next gets
 // ResourceExhausted at once where the two together would pass its reservation and the pool
 // is short, never a deadlock (TieredStore::FetchChunks says why).
 #pragma once
