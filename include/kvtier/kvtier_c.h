@@ -207,10 +207,14 @@ typedef struct kvtier_attend_stats {
 } kvtier_attend_stats;
 
 /* One layer's memory step: probe, chunk search, budget, fetch, attention over sinks |
- * chunks | local window. q [m, q_heads, head_dim] fp32 at `positions` [m] (the tokens just
- * appended: positions[0] >= 0, strictly increasing), out [m, q_heads, head_dim] fp32. A
- * decode step takes m = 1. A negative or non-increasing position, or a NaN or infinity in q,
- * is KVTIER_INVALID_ARGUMENT naming it. `stats` may be NULL. */
+ * chunks | local window. q [m, q_heads, head_dim] fp32 at `positions` [m], out [m, q_heads,
+ * head_dim] fp32. A decode step takes m = 1. The positions are the layer's last m tokens:
+ * with N tokens appended to the layer (by any session over the sequence), exactly N - m,
+ * ..., N - 1, so a window's K/V are appended before its queries attend. A layer holding no
+ * tokens is KVTIER_FAILED_PRECONDITION ("layer L holds no tokens"); other positions are
+ * KVTIER_INVALID_ARGUMENT naming what the layer holds ("layer L holds positions 0..N-1"), as
+ * are a negative or non-increasing position and a NaN or infinity in q; out is not written
+ * then. `stats` may be NULL. */
 kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const float* q,
                                   const int64_t* positions, int m, float* out, kvtier_attend_stats* stats,
                                   kvtier_error* err);

@@ -183,10 +183,16 @@ class Session {
                 MemorySpace space = MemorySpace::kHost);
   /// Starts a step over all layers.
   Status BeginStep(StepKind kind);
-  /// One layer's memory step: q [m, q_heads, head_dim] fp32 at `positions` (the tokens just
-  /// appended: >= 0 and strictly increasing), out [m, q_heads, head_dim] fp32. kDecode steps take
-  /// m = 1. A negative or non-increasing position, or a NaN or infinity in q, is InvalidArgument
-  /// naming it (Gather and Observe check the same). A kPrefill window's representative-key
+  /// One layer's memory step: q [m, q_heads, head_dim] fp32 at `positions`, out [m, q_heads,
+  /// head_dim] fp32. kDecode steps take m = 1. The positions are the layer's last m tokens:
+  /// with N tokens in the layer (every token appended to the sequence's layer, by any session
+  /// over it, a shared prefix's included; compression's holes still count), exactly
+  /// N - m, ..., N - 1, in both position modes (kInfLLM passes true positions too). So a
+  /// window's K/V are appended before its queries attend. A layer holding no tokens is
+  /// FailedPrecondition ("layer L holds no tokens"); other positions are InvalidArgument
+  /// naming what the layer holds ("layer L holds positions 0..N-1") and what was passed, as are
+  /// a negative or non-increasing position and a NaN or infinity in q. Gather and Observe check
+  /// the same; nothing is attended, fetched or observed on a refusal. A kPrefill window's representative-key
   /// statistics come from this attention on the hot tier's device (sinks | local with per-key
   /// mass, the chunks apart, merged by log-sum-exp), not from a second pass; a store whose
   /// repr_topk equals chunk_size keeps every key and needs no statistics.
@@ -237,6 +243,9 @@ class Session {
                                bool observe = true);
   Status CheckLayerCall(const char* what, int layer, const float* q, const int64_t* positions, int m,
                         bool in_step) const;
+  // The positions rule of Attend: `positions` (checked increasing) are the last m of the
+  // `held` tokens the layer holds.
+  Status CheckPositionsHeld(const char* what, int layer, const int64_t* positions, int m, int64_t held) const;
   // kInfLLM rotations of q [m, q_heads, head_dim] into scratch (q itself in kAbsolute):
   // memory's view (by position - L0) and attention's (at the true positions).
   const float* MemoryQueries(const float* q, const int64_t* positions, int m, int64_t local_start);
