@@ -58,7 +58,9 @@
 // slots that no other open session's reservation claims (a claim: the larger of a session's reservation
 // and the slots it holds pinned), and the rest of the grant is left out, counted in chunks_clipped
 // (AttendStats, SessionCounters), rather than waited for. So a grant is capped at the reservation
-// exactly when the pool is short, and every session can always pin its reservation at once: an engine
+// exactly when the pool is short. (Reserving what a layer can be granted instead would reserve nearly
+// the step's whole budget, layers x budget chunks, per session: Eq. 12 may hand one layer almost all
+// of it.) Every session can therefore always pin its reservation at once: an engine
 // that batches many sessions on one thread (per layer: Gather every session, attend, release all)
 // never waits. With a pool that holds every grant beside the others' reservations, nothing is left out
 // and results do not depend on other sessions; where it is short, what a layer attends past its

@@ -3,7 +3,8 @@
  * attend output of a session whose budget covers every chunk against attention computed
  * here over every key; compression; and every bad input (NULLs, shapes, a negative
  * position, positions other than the layer's last appended tokens, NaN/inf in K/V or q, calls
- * on a dropped session) answered by its error code and a message. Prints each failed check and exits non-zero if there was one.
+ * on a dropped session) answered by its error code and a message. Prints each failed check
+ * and exits non-zero if there was one.
  *   kvtier_c_api_test [DATA_DIR]   (DATA_DIR: the cold tier's directory; none without it) */
 #include <kvtier/kvtier_c.h>
 #include <math.h>
