@@ -409,7 +409,7 @@ class TieredStore : public Store {
                         Clock::time_point now, bool full);
   /// How many of a kWithinClaims fetch's n chunks `seq` may pin (FetchChunks): n when n is
   /// within its reservation, else what the other sequences' claims leave, at least the
-  /// reservation. Walks the hot slots once.
+  /// reservation. Reads the live fetch handles' pins (live_fetches_), not the whole pool.
   size_t FitWithinClaimsLocked(SequenceId seq, size_t n, Clock::time_point now);
   /// Hot slots pinned or loading for chunks that live fetch handles of `thread` hold.
   int64_t HeldByThreadLocked(std::thread::id thread, Clock::time_point now) const;

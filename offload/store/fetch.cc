@@ -2,9 +2,10 @@
 // fetch needs or none (waiting for pins to drop, oldest waiter first, within the hot slot
 // reservations of ReserveHotSlots, never for pins its own thread holds; with kWithinClaims it
 // leaves out a grant's tail that other sequences' reservations claim: see FetchChunks in
-// offload/tiered_store.h), pins the chunks under a lease, and RunFetch copies them in (warm copy, or
-// lower-tier read through the transfer engine). FetchHandle waits for and releases the pins. EvictHot frees
-// every unpinned hot slot.
+// offload/tiered_store.h), pins the chunks under a lease, and RunFetch copies them in (warm
+// copy, or lower-tier read through the transfer engine). FetchHandle waits for and releases
+// the pins; live_fetches_ lists the handles that hold pins. EvictHot frees every unpinned hot
+// slot.
 //
 // Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
 // offload/store_state.h says otherwise (a layer's sinks and ring belong to the sequence's
@@ -173,16 +174,19 @@ int64_t TieredStore::ReservedTotalLocked() const {
 size_t TieredStore::FitWithinClaimsLocked(SequenceId seq, size_t n, Clock::time_point now) {
   const int64_t reserved = ReservedForLocked(seq);
   if (static_cast<int64_t>(n) <= reserved) return n;
-  // Each sequence's claim: the larger of its reservation and the slots it holds.
+  // Each sequence's claim: the larger of its reservation and the slots it holds. Every pin
+  // and load but ReadTokens' (held only while it copies) belongs to a live fetch handle, so
+  // this reads the pinned chunks alone, not the whole pool.
   std::unordered_map<SequenceId, int64_t> held;
-  uint64_t unused = 0;
-  hot_policy_->PickVictim(
-      [&](uint64_t id) {
-        const Chunk* c = chunk_by_id_.at(id);
-        if (c->hot_loading || PinnedLocked(c, now)) held[c->key.seq]++;
-        return false;
-      },
-      &unused);
+  std::unordered_set<uint64_t> seen;
+  for (const FetchHandle::State* f : live_fetches_)
+    for (uint64_t id : f->chunk_ids) {
+      if (!seen.insert(id).second) continue;
+      auto it = chunk_by_id_.find(id);
+      if (it == chunk_by_id_.end()) continue;  // dropped meanwhile
+      const Chunk* c = it->second;
+      if (c->hot_slot >= 0 && (c->hot_loading || PinnedLocked(c, now))) held[c->key.seq]++;
+    }
   std::unordered_map<SequenceId, int64_t> claim = held;
   for (const auto& [id, res] : reservations_) {
     int64_t& r = claim[res.seq];
