@@ -367,6 +367,28 @@ Status Session::CheckLayerCall(const char* what, int layer, const float* q, cons
   return Status::Ok();
 }
 
+Status Session::CheckPositionsHeld(const char* what, int layer, const int64_t* positions, int m,
+                                   int64_t held) const {
+  const std::string call = std::string("Session::") + what + ": layer " + std::to_string(layer);
+  const std::string got =
+      " (got " + std::to_string(positions[0]) + ".." + std::to_string(positions[m - 1]) + ")";
+  if (held == 0)
+    return FailedPrecondition(call +
+                              " holds no tokens: append the step's K/V to the layer before its queries"
+                              " attend" +
+                              got);
+  const std::string holds = call + " holds positions 0.." + std::to_string(held - 1);
+  if (held < m)
+    return InvalidArgument(holds + ", fewer tokens than the " + std::to_string(m) +
+                           " queries: a window's K/V are appended before its queries" + got);
+  // Strictly increasing (CheckLayerCall) from held - m to held - 1: exactly the last m tokens.
+  if (positions[0] != held - m || positions[m - 1] != held - 1)
+    return InvalidArgument(holds + ": the " + std::to_string(m) + " queries must be at its last " +
+                           std::to_string(m) + " appended tokens, " + std::to_string(held - m) + ".." +
+                           std::to_string(held - 1) + got);
+  return Status::Ok();
+}
+
 const float* Session::MemoryQueries(const float* q, const int64_t* positions, int m, int64_t local_start) {
   if (inv_freq_.empty()) return q;  // kAbsolute: the engine's queries are memory's view already
   const Geometry& g = geometry();
@@ -400,8 +422,9 @@ void Session::KeepQueries(int layer, const float* q, const int64_t* positions, i
 
 Status Session::Observe(int layer, const float* q, const int64_t* positions, int m) {
   KVTIER_RETURN_IF_ERROR(CheckLayerCall("Observe", layer, q, positions, m, /*in_step=*/false));
-  KeepQueries(layer, q, positions, m);
   KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, layer));
+  KVTIER_RETURN_IF_ERROR(CheckPositionsHeld("Observe", layer, positions, m, view.n_tokens));
+  KeepQueries(layer, q, positions, m);
   const int64_t local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
   const float* q_mem = MemoryQueries(q, positions, m, local_start);  // memory's view needs L0
   return ObserveLocked(layer, q, q_mem, positions, m, view, local_start);
@@ -481,6 +504,7 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
     const bool decode = step_ == StepKind::kDecode;
     LayerParts lp;
     KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, layer));
+    KVTIER_RETURN_IF_ERROR(CheckPositionsHeld(what, layer, positions, m, view.n_tokens));
     lp.local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
     const float* q_sel = MemoryQueries(q, positions, m, lp.local_start);
     if (selector_ || !retriever_) {
@@ -511,7 +535,17 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
     }
     const auto t0 = std::chrono::steady_clock::now();
     if (!lp.chunks.empty()) {
-      KVTIER_ASSIGN_OR_RETURN(lp.fetch, store_->FetchChunks(seq_, layer, lp.chunks));
+      // A retrieval grant past the reservation takes only slots no other session's
+      // reservation claims (see "Sharing the hot slot pool" in session.h); a selector's
+      // choice, and full attention, are fetched whole.
+      const bool fit = retriever_ && !selector_ && reservation_ != 0;
+      KVTIER_ASSIGN_OR_RETURN(lp.fetch, store_->FetchChunks(seq_, layer, lp.chunks,
+                                                            fit ? FetchFit::kWithinClaims : FetchFit::kAll));
+      if (const size_t kept = lp.fetch.spans().size(); kept < lp.chunks.size()) {
+        lp.stats.chunks_clipped += lp.chunks.size() - kept;
+        counters_.chunks_clipped += lp.chunks.size() - kept;
+        lp.chunks.resize(kept);
+      }
       KVTIER_RETURN_IF_ERROR(lp.fetch.Wait());
     }
     lp.stats.fetch_ms = MsSince(t0);

@@ -52,7 +52,9 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "kernels/cpu/attention.h"
@@ -113,6 +115,15 @@ struct HotView {
   int64_t n_tokens = 0;  ///< tokens appended to this layer so far
 };
 
+/// How FetchChunks treats a fetch longer than its sequence's hot slot reservation
+/// (TieredStore::ReserveHotSlots).
+enum class FetchFit {
+  kAll,  ///< every chunk asked for, or an error
+  /// The chunks are best first; a tail that would take slots other sequences' reservations
+  /// claim is left out (see FetchChunks).
+  kWithinClaims,
+};
+
 /// Completion handle of an asynchronous fetch. Wait() returns the transfer's
 /// status; a wait that times out does not cancel the transfer. Until Release()
 /// (or destruction, or the lease running out) the chunks stay pinned in hot
@@ -130,7 +141,8 @@ class FetchHandle {
 
   bool Ready() const;
   Status Wait(std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
-  /// One span per requested chunk, in request order (valid after Wait() returned OK).
+  /// One span per chunk fetched, in request order (valid after Wait() returned OK): every
+  /// requested chunk, or the first ones a FetchFit::kWithinClaims fetch kept.
   const std::vector<kernels::KvSpan>& spans() const;
   /// Unpins the chunks; the handle becomes empty.
   void Release();
@@ -245,7 +257,25 @@ class TieredStore : public Store {
   /// holders outside any wait have unpinned (an Attend unpins before it returns; a lease runs
   /// out), the room is P - sum_W H >= sum_W (R - H) >= n of any member of W, which never queues
   /// behind others; and with W empty no pin is left, so the oldest waiter has the whole pool.
-  Result<FetchHandle> FetchChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices);
+  /// That argument needs the holders to unpin while the waiter waits, so a fetch never waits
+  /// for pins its own thread holds (the live handles its earlier FetchChunks calls returned,
+  /// whichever thread releases them): when the slots free or held by other threads are too
+  /// few for it, it fails at once with ResourceExhausted saying that the calling thread holds
+  /// the pins it would wait for (a batching engine that gathers every session's layer before
+  /// releasing any would otherwise wait pin_wait_ms for itself).
+  ///
+  /// `fit` = kWithinClaims (what Session uses for a retrieval grant): `chunk_indices` are best
+  /// first, and a fetch of more chunks than `seq`'s reservation R keeps, of the chunks past R,
+  /// only as many as leave every other sequence's claim free, where a sequence's claim is the
+  /// larger of its reservation and the slots it holds pinned or loading: it keeps
+  /// max(min(n, R), P - (the others' claims) - (the slots `seq` holds)) of its n chunks and
+  /// leaves the rest out (spans() has one span per chunk kept). As long as every fetch past
+  /// its reservation goes through this rule, the claims never exceed the pool, so a sequence
+  /// can always pin its reservation without waiting, even when one thread holds every other
+  /// sequence's pins. A fetch within its reservation, and any fetch with kAll, takes every
+  /// chunk or fails as above.
+  Result<FetchHandle> FetchChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices,
+                                  FetchFit fit = FetchFit::kAll);
 
   /// Admission of a Session (kvtier/session.h reserves its retrieval budget in chunks, what
   /// one Attend pins in the steady state): reserves `slots` hot slots for `seq`, so that
@@ -377,6 +407,12 @@ class TieredStore : public Store {
   /// `full`: count held_self and held_other in any case (no early stop).
   HotRoom HotRoomLocked(SequenceId seq, int64_t need, const std::vector<uint64_t>& requested,
                         Clock::time_point now, bool full);
+  /// How many of a kWithinClaims fetch's n chunks `seq` may pin (FetchChunks): n when n is
+  /// within its reservation, else what the other sequences' claims leave, at least the
+  /// reservation. Reads the live fetch handles' pins (live_fetches_), not the whole pool.
+  size_t FitWithinClaimsLocked(SequenceId seq, size_t n, Clock::time_point now);
+  /// Hot slots pinned or loading for chunks that live fetch handles of `thread` hold.
+  int64_t HeldByThreadLocked(std::thread::id thread, Clock::time_point now) const;
   /// Hot slots reserved for `seq` (its largest reservation), and for every sequence.
   int64_t ReservedForLocked(SequenceId seq) const;
   int64_t ReservedTotalLocked() const;
@@ -453,6 +489,8 @@ class TieredStore : public Store {
   // take slots while an older one waits, so a large fetch is not starved by small ones.
   std::set<uint64_t> pin_waiters_;
   uint64_t next_pin_ticket_ = 1;
+  // Fetch handles holding pins, not yet released: whose thread holds which pins.
+  std::unordered_set<const FetchHandle::State*> live_fetches_;
   uint64_t region_bytes_ = 0;
   uint64_t repr_chunks_ = 0;       // chunks holding their representatives in memory (non-empty Chunk::repr)
   uint8_t meta_tiers_ = 0;         // TierBits of the lower tiers that read metas alone (reads_chunk_meta)

@@ -45,7 +45,9 @@ struct AttendStats {
   double attention_ms = 0;                           ///< the attention kernel (and kInfLLM rotation)
   double entropy = 0;                                ///< Θ^ℓ of Eq. 11 when the allocator computed it
   size_t chunks = 0;                                 ///< chunks attended
-  size_t chunks_clipped = 0;  ///< chunks the budget granted this layer that the hot slot pool could not hold
+  /// Chunks the budget granted this layer and left out: beyond the hot slot pool, or, when the pool
+  /// is short, beyond the session's reservation (kvtier/session.h, "Sharing the hot slot pool").
+  size_t chunks_clipped = 0;
   bool reused = false;  ///< the chunks came from the layer's last search (RetrieverOptions::reuse_cosine)
   bool sliced = false;  ///< the search screened a slice of the chunks (RetrieverOptions::screen_period)
 };
@@ -59,7 +61,7 @@ struct SessionCounters {
   uint64_t max_layer_chunks = 0;  ///< most chunks one layer attended in one step
   uint64_t compressions = 0;      ///< Compress calls that ran
   uint64_t dropped_chunks = 0;    ///< chunks Compress removed
-  uint64_t chunks_clipped = 0;    ///< chunks granted beyond the hot slot pool, left out (AttendStats)
+  uint64_t chunks_clipped = 0;    ///< chunks granted and left out (AttendStats::chunks_clipped)
   uint64_t selections_reused =
       0;  ///< layer steps whose chunks came from the last search (AttendStats::reused)
   uint64_t selections_sliced = 0;  ///< layer steps that screened a slice of the chunks (AttendStats::sliced)

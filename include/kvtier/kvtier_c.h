@@ -200,16 +200,21 @@ typedef struct kvtier_attend_stats {
   double probe_ms, search_ms, alloc_ms, fetch_ms, attention_ms;
   double entropy;          /* the entropy allocator's layer entropy, when it computed one */
   uint64_t chunks;         /* chunks attended */
-  uint64_t chunks_clipped; /* chunks the budget granted that the hot slot pool could not hold */
+  uint64_t chunks_clipped; /* chunks granted and left out: beyond the hot slot pool, or, when the pool
+                              is short, beyond the session's reservation (kvtier/session.h) */
   int reused;              /* 1: the chunks came from the layer's last search (reuse_cosine) */
   int sliced;              /* 1: the search screened a slice of the chunks (screen_period) */
 } kvtier_attend_stats;
 
 /* One layer's memory step: probe, chunk search, budget, fetch, attention over sinks |
- * chunks | local window. q [m, q_heads, head_dim] fp32 at `positions` [m] (the tokens just
- * appended: positions[0] >= 0, strictly increasing), out [m, q_heads, head_dim] fp32. A
- * decode step takes m = 1. A negative or non-increasing position, or a NaN or infinity in q,
- * is KVTIER_INVALID_ARGUMENT naming it. `stats` may be NULL. */
+ * chunks | local window. q [m, q_heads, head_dim] fp32 at `positions` [m], out [m, q_heads,
+ * head_dim] fp32. A decode step takes m = 1. The positions are the layer's last m tokens:
+ * with N tokens appended to the layer (by any session over the sequence), exactly N - m,
+ * ..., N - 1, so a window's K/V are appended before its queries attend. A layer holding no
+ * tokens is KVTIER_FAILED_PRECONDITION ("layer L holds no tokens"); other positions are
+ * KVTIER_INVALID_ARGUMENT naming what the layer holds ("layer L holds positions 0..N-1"), as
+ * are a negative or non-increasing position and a NaN or infinity in q; out is not written
+ * then. `stats` may be NULL. */
 kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const float* q,
                                   const int64_t* positions, int m, float* out, kvtier_attend_stats* stats,
                                   kvtier_error* err);
@@ -240,7 +245,7 @@ typedef struct kvtier_session_counters {
   uint64_t compressions;     /* compress calls that ran */
   uint64_t dropped_chunks;   /* chunks compress removed */
   double probe_ms, search_ms, alloc_ms, fetch_ms, attention_ms;
-  uint64_t chunks_clipped;    /* chunks granted beyond the hot slot pool, left out */
+  uint64_t chunks_clipped;    /* chunks granted and left out (kvtier_attend_stats.chunks_clipped) */
   uint64_t selections_reused; /* attend calls whose chunks came from the last search */
   uint64_t selections_sliced; /* attend calls that screened a slice of the chunks */
 } kvtier_session_counters;

@@ -44,8 +44,8 @@
 // Sessions may attach to one sequence (e.g. to compare retrieval settings on the
 // same data); only one of them may Append, and they must not run at once.
 // Results do not depend on the thread a session runs on or on what other
-// sessions do (tests/engine/session_test.cc checks 8 sessions on 4 threads bit for bit
-// against their single-threaded runs).
+// sessions do, as long as the hot slot pool is not short (below) (tests/engine/session_test.cc
+// checks 8 sessions on 4 threads bit for bit against their single-threaded runs).
 //
 // Sharing the hot slot pool: Open and Attach refuse a retrieval budget the pool cannot hold
 // (SessionOptions::Validate(const StoreOptions&)), and reserve the session's budget in
@@ -53,11 +53,23 @@
 // TieredStore::ReserveHotSlots, and refuse the session with ResourceExhausted, naming the pool's slots, the
 // slots reserved and the slots asked, when the open sessions' reservations would exceed the pool (sessions
 // attached to one sequence count once, at the largest). Close, Drop and destruction give the reservation
-// back; retrieve = false reserves nothing. An Attend holds no pin when it fetches, so where the entropy
-// cut-off gives a layer more than the budget's share and the pool is short, its fetch waits for other
-// sessions' Attends to unpin (StoreOptions::pin_wait_ms, StoreCounters::pin_waits) instead of failing;
-// tests/engine/session_pins_test.cc runs many sessions on many threads at a pool just above their
-// summed budgets. An engine that keeps one layer's LayerParts while it gathers the next gets
+// back; retrieve = false reserves nothing. The entropy cut-off may grant a layer more chunks than the
+// reservation (the budget's share of one layer); the chunks past the reservation are fetched only from
+// slots that no other open session's reservation claims (a claim: the larger of a session's reservation
+// and the slots it holds pinned), and the rest of the grant is left out, counted in chunks_clipped
+// (AttendStats, SessionCounters), rather than waited for. So a grant is capped at the reservation
+// exactly when the pool is short. (Reserving what a layer can be granted instead would reserve nearly
+// the step's whole budget, layers x budget chunks, per session: Eq. 12 may hand one layer almost all
+// of it.) Every session can therefore always pin its reservation at once: an engine
+// that batches many sessions on one thread (per layer: Gather every session, attend, release all)
+// never waits. With a pool that holds every grant beside the others' reservations, nothing is left out
+// and results do not depend on other sessions; where it is short, what a layer attends past its
+// reservation depends on what the other sessions hold at that moment. A fetch never waits for pins
+// the calling thread holds: it fails at once with ResourceExhausted saying so. Otherwise, where it
+// must, a fetch waits for other threads' Attends to unpin (StoreOptions::pin_wait_ms,
+// StoreCounters::pin_waits) instead of failing. tests/engine/session_pins_test.cc runs many sessions
+// on many threads at a pool just above their summed budgets, and 8 and 16 sessions batched on one
+// thread. An engine that keeps one layer's LayerParts while it gathers the next gets
 // ResourceExhausted at once where the two together would pass its reservation and the pool
 // is short, never a deadlock (TieredStore::FetchChunks says why).
 #pragma once
@@ -173,10 +185,16 @@ class Session {
                 MemorySpace space = MemorySpace::kHost);
   /// Starts a step over all layers.
   Status BeginStep(StepKind kind);
-  /// One layer's memory step: q [m, q_heads, head_dim] fp32 at `positions` (the tokens just
-  /// appended: >= 0 and strictly increasing), out [m, q_heads, head_dim] fp32. kDecode steps take
-  /// m = 1. A negative or non-increasing position, or a NaN or infinity in q, is InvalidArgument
-  /// naming it (Gather and Observe check the same). A kPrefill window's representative-key
+  /// One layer's memory step: q [m, q_heads, head_dim] fp32 at `positions`, out [m, q_heads,
+  /// head_dim] fp32. kDecode steps take m = 1. The positions are the layer's last m tokens:
+  /// with N tokens in the layer (every token appended to the sequence's layer, by any session
+  /// over it, a shared prefix's included; compression's holes still count), exactly
+  /// N - m, ..., N - 1, in both position modes (kInfLLM passes true positions too). So a
+  /// window's K/V are appended before its queries attend. A layer holding no tokens is
+  /// FailedPrecondition ("layer L holds no tokens"); other positions are InvalidArgument
+  /// naming what the layer holds ("layer L holds positions 0..N-1") and what was passed, as are
+  /// a negative or non-increasing position and a NaN or infinity in q. Gather and Observe check
+  /// the same; nothing is attended, fetched or observed on a refusal. A kPrefill window's representative-key
   /// statistics come from this attention on the hot tier's device (sinks | local with per-key
   /// mass, the chunks apart, merged by log-sum-exp), not from a second pass; a store whose
   /// repr_topk equals chunk_size keeps every key and needs no statistics.
@@ -227,6 +245,9 @@ class Session {
                                bool observe = true);
   Status CheckLayerCall(const char* what, int layer, const float* q, const int64_t* positions, int m,
                         bool in_step) const;
+  // The positions rule of Attend: `positions` (checked increasing) are the last m of the
+  // `held` tokens the layer holds.
+  Status CheckPositionsHeld(const char* what, int layer, const int64_t* positions, int m, int64_t held) const;
   // kInfLLM rotations of q [m, q_heads, head_dim] into scratch (q itself in kAbsolute):
   // memory's view (by position - L0) and attention's (at the true positions).
   const float* MemoryQueries(const float* q, const int64_t* positions, int m, int64_t local_start);

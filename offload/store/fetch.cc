@@ -1,9 +1,11 @@
 // TieredStore, part "fetch": promotion into hot slots. FetchChunks takes every hot slot a
 // fetch needs or none (waiting for pins to drop, oldest waiter first, within the hot slot
-// reservations of ReserveHotSlots: see FetchChunks in offload/tiered_store.h), pins the
-// chunks under a lease, and RunFetch copies them in (warm copy, or lower-tier read through
-// the transfer engine). FetchHandle waits for and releases the pins. EvictHot frees every
-// unpinned hot slot.
+// reservations of ReserveHotSlots, never for pins its own thread holds; with kWithinClaims it
+// leaves out a grant's tail that other sequences' reservations claim: see FetchChunks in
+// offload/tiered_store.h), pins the chunks under a lease, and RunFetch copies them in (warm
+// copy, or lower-tier read through the transfer engine). FetchHandle waits for and releases
+// the pins; live_fetches_ lists the handles that hold pins. EvictHot frees every unpinned hot
+// slot.
 //
 // Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
 // offload/store_state.h says otherwise (a layer's sinks and ring belong to the sequence's
@@ -13,6 +15,8 @@
 // copies without it; a chunk loading into a hot slot is marked hot_loading until then.
 
 #include <algorithm>
+#include <thread>
+#include <unordered_set>
 
 #include "offload/store_state.h"
 #include "offload/tiered_store.h"
@@ -26,6 +30,7 @@ struct FetchHandle::State {
   std::vector<uint8_t> needs_load;
   std::vector<kernels::KvSpan> spans;
   std::vector<std::pair<uint64_t, int32_t>> awaited;  // (chunk id, slot) loading under another fetch
+  std::thread::id thread;  // the thread whose FetchChunks took the pins (TieredStore::live_fetches_)
   // Whoever claims the loads first runs them: the transfer task, or the caller's Wait() when the
   // transfer workers are still busy with earlier work (a backlog of cold writes after a long
   // prefill must not stall a decode step's fetch behind it).
@@ -166,6 +171,48 @@ int64_t TieredStore::ReservedTotalLocked() const {
   return total;
 }
 
+size_t TieredStore::FitWithinClaimsLocked(SequenceId seq, size_t n, Clock::time_point now) {
+  const int64_t reserved = ReservedForLocked(seq);
+  if (static_cast<int64_t>(n) <= reserved) return n;
+  // Each sequence's claim: the larger of its reservation and the slots it holds. Every pin
+  // and load but ReadTokens' (held only while it copies) belongs to a live fetch handle, so
+  // this reads the pinned chunks alone, not the whole pool.
+  std::unordered_map<SequenceId, int64_t> held;
+  std::unordered_set<uint64_t> seen;
+  for (const FetchHandle::State* f : live_fetches_)
+    for (uint64_t id : f->chunk_ids) {
+      if (!seen.insert(id).second) continue;
+      auto it = chunk_by_id_.find(id);
+      if (it == chunk_by_id_.end()) continue;  // dropped meanwhile
+      const Chunk* c = it->second;
+      if (c->hot_slot >= 0 && (c->hot_loading || PinnedLocked(c, now))) held[c->key.seq]++;
+    }
+  std::unordered_map<SequenceId, int64_t> claim = held;
+  for (const auto& [id, res] : reservations_) {
+    int64_t& r = claim[res.seq];
+    r = std::max<int64_t>(r, res.slots);
+  }
+  int64_t others = 0;
+  for (const auto& [s, c] : claim)
+    if (s != seq) others += c;
+  const int64_t left = hot_->slot_capacity() - others - held[seq];
+  return static_cast<size_t>(std::clamp<int64_t>(std::max(reserved, left), 0, static_cast<int64_t>(n)));
+}
+
+int64_t TieredStore::HeldByThreadLocked(std::thread::id thread, Clock::time_point now) const {
+  std::unordered_set<uint64_t> ids;
+  for (const FetchHandle::State* f : live_fetches_)
+    if (f->thread == thread) ids.insert(f->chunk_ids.begin(), f->chunk_ids.end());
+  int64_t held = 0;
+  for (uint64_t id : ids) {
+    auto it = chunk_by_id_.find(id);
+    if (it == chunk_by_id_.end()) continue;  // dropped meanwhile
+    const Chunk* c = it->second;
+    if (c->hot_slot >= 0 && (c->hot_loading || PinnedLocked(c, now))) held++;
+  }
+  return held;
+}
+
 Result<uint64_t> TieredStore::ReserveHotSlots(SequenceId seq, int32_t slots) {
   if (slots < 0)
     return InvalidArgument("ReserveHotSlots: slots must be >= 0 (got " + std::to_string(slots) + ")");
@@ -197,11 +244,15 @@ void TieredStore::ReleaseHotSlots(uint64_t reservation) {
   counters_.hot_reserved = static_cast<uint64_t>(ReservedTotalLocked());
 }
 
-Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer,
-                                             const std::vector<uint64_t>& chunk_indices) {
+Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const std::vector<uint64_t>& asked,
+                                             FetchFit fit) {
   return ReturnOnBadAlloc("FetchChunks: the fetch's chunk lists", [&]() -> Result<FetchHandle> {
     auto st = std::make_shared<FetchHandle::State>();
     st->store = this;
+    st->thread = std::this_thread::get_id();
+    // The chunks this attempt fetches: `asked`, or (kWithinClaims) its first ones.
+    std::vector<uint64_t> fitted;
+    const std::vector<uint64_t>* chunks_ptr = &asked;
     bool any_load = false;
     bool all_warm = true;  // every load has a warm copy (none reads a lower tier)
     {
@@ -239,6 +290,17 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer,
           return checked;
         }
         lsp = &s->layers[layer];
+        now = options_.clock->Now();
+        if (fit == FetchFit::kWithinClaims) {
+          const size_t keep = FitWithinClaimsLocked(seq, asked.size(), now);
+          if (keep < asked.size()) {
+            fitted.assign(asked.begin(), asked.begin() + static_cast<ptrdiff_t>(keep));
+            chunks_ptr = &fitted;
+          } else {
+            chunks_ptr = &asked;
+          }
+        }
+        const std::vector<uint64_t>& chunk_indices = *chunks_ptr;
         if (static_cast<int64_t>(chunk_indices.size()) > hot_->slot_capacity()) {
           end_wait();
           return ResourceExhausted("fetch of " + std::to_string(chunk_indices.size()) +
@@ -268,7 +330,6 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer,
           for (uint64_t id : requested)
             if (chunk_by_id_.at(id)->hot_slot < 0) need++;
         }
-        now = options_.clock->Now();
         if (need == 0) break;
         // An older fetch waits: one that holds no pin queues behind it (see the header).
         const bool behind =
@@ -296,6 +357,16 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer,
         }
         const auto real_now = std::chrono::steady_clock::now();
         if (!waited) {  // the first wait of this call
+          // Only other threads can free slots while this one waits: if what they hold cannot
+          // cover the need, the wait could only end by this thread's own releases. (Checked
+          // once: this thread's pins cannot grow while it waits.)
+          const int64_t mine = room.available < need ? HeldByThreadLocked(st->thread, now) : 0;
+          if (room.available + room.held_self + room.held_other - mine < need) {
+            return ResourceExhausted(
+                "hot tier: " + numbers + "; the calling thread holds " + std::to_string(mine) +
+                " of them through its own live fetch handles (LayerParts), so it would wait for itself "
+                "(pin_wait_ms): release those handles before fetching more, or raise hot_bytes");
+          }
           wait_start = real_now;
           wait_deadline = real_now + std::chrono::milliseconds(options_.pin_wait_ms);
           counters_.pin_waits++;
@@ -316,6 +387,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer,
       }
       end_wait();
       LayerState& ls = *lsp;
+      const std::vector<uint64_t>& chunk_indices = *chunks_ptr;
       const auto deadline = now + std::chrono::milliseconds(options_.pin_timeout_ms);
       // Allocated before any chunk is pinned, so an allocation failure leaves nothing to undo.
       st->chunk_ids.reserve(chunk_indices.size());
@@ -367,6 +439,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer,
       }
       counters_.hot_chunks = hot_->slots_used();
       if (!any_load) st->done = true;
+      if (!st->chunk_ids.empty()) live_fetches_.insert(st.get());
     }
     if (any_load && all_warm && hot_->device() == Device::kCpu) {
       // Only memcpys between host tiers (a few microseconds): done here, as the caller would do
@@ -506,6 +579,7 @@ void TieredStore::ReleasePins(FetchHandle::State* st) {
   std::lock_guard<std::mutex> l(mu_);
   if (st->released) return;
   st->released = true;
+  live_fetches_.erase(st);
   for (uint64_t id : st->chunk_ids) {
     auto it = chunk_by_id_.find(id);
     if (it == chunk_by_id_.end()) continue;  // dropped meanwhile

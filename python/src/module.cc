@@ -1265,8 +1265,9 @@ PYBIND11_MODULE(_kvtier, m) {
            "K and V [n, kv_heads, head_dim] in the store's dtype, C-contiguous, on the CPU (read in place).")
       .def("begin_step", &PySession::BeginStep, py::arg("kind"), "'prefill' or 'decode'.")
       .def("attend", &PySession::Attend, py::arg("layer"), py::arg("q"), py::arg("positions"), py::arg("out"),
-           "q [m, q_heads, head_dim] float32, positions [m] int64 (or the first position as an int); writes "
-           "out [m, q_heads, head_dim] float32 in place; returns the AttendStats as a dict.")
+           "q [m, q_heads, head_dim] float32, positions [m] int64 (or the first position as an int): the "
+           "layer's last m appended tokens (kvtier/session.h); writes out [m, q_heads, head_dim] float32 in "
+           "place; returns the AttendStats as a dict.")
       .def("gather", &PySession::Gather, py::arg("layer"), py::arg("q"), py::arg("positions"))
       .def("observe", &PySession::Observe, py::arg("layer"), py::arg("q"), py::arg("positions"))
       .def("set_question", &PySession::SetQuestion, py::arg("layer"), py::arg("q"))

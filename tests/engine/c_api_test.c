@@ -2,8 +2,9 @@
  * steps over enough tokens that chunks are sealed, spilled and retrieved; counters; one
  * attend output of a session whose budget covers every chunk against attention computed
  * here over every key; compression; and every bad input (NULLs, shapes, a negative
- * position, NaN/inf in K/V or q, calls on a dropped session) answered by its error code and a
- * message. Prints each failed check and exits non-zero if there was one.
+ * position, positions other than the layer's last appended tokens, NaN/inf in K/V or q, calls
+ * on a dropped session) answered by its error code and a message. Prints each failed check
+ * and exits non-zero if there was one.
  *   kvtier_c_api_test [DATA_DIR]   (DATA_DIR: the cold tier's directory; none without it) */
 #include <kvtier/kvtier_c.h>
 #include <math.h>
@@ -363,6 +364,31 @@ int main(int argc, char** argv) {
   static float q2[2 * Q_TOK], o2[2 * Q_TOK];
   int64_t pos2[2] = {0, 1};
   for (int i = 0; i < 2 * Q_TOK; ++i) q2[i] = uniform();
+  /* positions are the layer's last appended tokens: a layer with none, then positions past,
+   * before and at its last token (a fourth session, gone before C's checks) */
+  {
+    kvtier_session* d = NULL;
+    kvtier_session_options dopt = kvtier_session_options_default();
+    dopt.budget_tokens = 4 * CHUNK; /* beside A, B and C in the pool */
+    OK(kvtier_session_open(store, &dopt, &d, &err));
+    if (d == NULL) return 1;
+    o2[0] = 7.0f;
+    OK(kvtier_session_begin_step(d, KVTIER_STEP_PREFILL, &err));
+    EXPECT_ERROR(kvtier_session_attend(d, 0, q2, pos2, 2, o2, NULL, &err), KVTIER_FAILED_PRECONDITION);
+    CHECK(strstr(err.message, "layer 0 holds no tokens") != NULL, "message \"%s\"", err.message);
+    CHECK(o2[0] == 7.0f, "a refused attend wrote out");
+    OK(kvtier_session_append(d, 0, K[0][0], V[0][0], 2, KVTIER_F32, &err));
+    OK(kvtier_session_begin_step(d, KVTIER_STEP_DECODE, &err));
+    const int64_t past = INT64_MAX;
+    EXPECT_ERROR(kvtier_session_attend(d, 0, q2, &past, 1, o2, NULL, &err), KVTIER_INVALID_ARGUMENT);
+    CHECK(strstr(err.message, "layer 0 holds positions 0..1") && strstr(err.message, "9223372036854775807"),
+          "message \"%s\"", err.message);
+    EXPECT_ERROR(kvtier_session_attend(d, 0, q2, pos2, 1, o2, NULL, &err), KVTIER_INVALID_ARGUMENT);
+    CHECK(strstr(err.message, "1..1") && strstr(err.message, "got 0..0"), "message \"%s\"", err.message);
+    CHECK(o2[0] == 7.0f, "a refused attend wrote out");
+    OK(kvtier_session_attend(d, 0, q2, pos2 + 1, 1, o2, NULL, &err));
+    kvtier_session_destroy(d);
+  }
   /* NULL handles and buffers */
   EXPECT_ERROR(kvtier_session_append(NULL, 0, K[0][0], V[0][0], 1, KVTIER_F32, &err),
                KVTIER_INVALID_ARGUMENT);

@@ -1,5 +1,6 @@
 // Session's input rules (include/kvtier/session.h), the ones the C API and Python inherit:
-// K/V and queries must be finite, positions must be >= 0 and increasing, and a dropped
+// K/V and queries must be finite, positions must be the layer's last appended tokens (>= 0,
+// increasing, ending at the last token appended), and a dropped
 // session refuses every later call, a second Drop included. Each refusal is InvalidArgument
 // or FailedPrecondition naming what was wrong, and a refused Append stores nothing.
 #include <gtest/gtest.h>
@@ -141,6 +142,85 @@ TEST(SessionInputs, NegativeOrNonIncreasingPositionsAreRefused) {
   const int64_t ok[4] = {0, 1, 2, 3};
   Status st = (*s)->Attend(0, q.data(), ok, 4, out.data());
   EXPECT_TRUE(st.ok()) << st.ToString();
+}
+
+TEST(SessionInputs, PositionsMustBeTheLayersLastAppendedTokens) {
+  for (PositionMode mode : {PositionMode::kAbsolute, PositionMode::kInfLLM}) {
+    SCOPED_TRACE(PositionModeName(mode));
+    auto store = TieredStore::Open(SmallStore(DType::kF32));
+    ASSERT_TRUE(store.ok());
+    SessionOptions o = Small();
+    o.positions = mode;
+    auto s = Session::Open(store->get(), o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    std::vector<float> q(48 * kQHeads * kDim, 0.5f), out(q.size(), 7.0f);
+    std::vector<int64_t> window(48);
+    for (int i = 0; i < 48; ++i) window[static_cast<size_t>(i)] = i;
+    // A prefill window on a layer that holds nothing: refused, out untouched.
+    ASSERT_TRUE((*s)->BeginStep(StepKind::kPrefill).ok());
+    ExpectError((*s)->Attend(0, q.data(), window.data(), 48, out.data()), StatusCode::kFailedPrecondition,
+                {"Session::Attend", "layer 0 holds no tokens"});
+    EXPECT_EQ(out[0], 7.0f);
+    ExpectError((*s)->Gather(0, q.data(), window.data(), 48).status(), StatusCode::kFailedPrecondition,
+                {"Session::Gather", "layer 0 holds no tokens"});
+    ExpectError((*s)->Observe(0, q.data(), window.data(), 48), StatusCode::kFailedPrecondition,
+                {"Session::Observe", "layer 0 holds no tokens"});
+    // 48 tokens appended: positions 0..47 are right, anything else names what the layer holds.
+    const std::vector<uint8_t> kv = Tokens(DType::kF32, 48);
+    ASSERT_TRUE((*s)->Append(0, kv.data(), kv.data(), 48, DType::kF32).ok());
+    std::vector<int64_t> shifted(window);
+    for (int64_t& p : shifted) p += 1;
+    ExpectError((*s)->Attend(0, q.data(), shifted.data(), 48, out.data()), StatusCode::kInvalidArgument,
+                {"layer 0 holds positions 0..47", "last 48 appended", "0..47", "got 1..48"});
+    ExpectError((*s)->Attend(0, q.data(), window.data() + 8, 39, out.data()), StatusCode::kInvalidArgument,
+                {"layer 0 holds positions 0..47", "last 39 appended tokens, 9..47", "got 8..46"});
+    const int64_t gap[2] = {40, 47};
+    ExpectError((*s)->Attend(0, q.data(), gap, 2, out.data()), StatusCode::kInvalidArgument,
+                {"46..47", "got 40..47"});
+    ExpectError((*s)->Observe(0, q.data(), shifted.data(), 48), StatusCode::kInvalidArgument,
+                {"Session::Observe", "layer 0 holds positions 0..47"});
+    EXPECT_EQ(out[0], 7.0f);
+    Status st = (*s)->Attend(0, q.data(), window.data(), 48, out.data());
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    // More queries than the layer holds tokens.
+    ASSERT_TRUE((*s)->Append(1, kv.data(), kv.data(), 8, DType::kF32).ok());
+    ExpectError((*s)->Attend(1, q.data(), window.data(), 48, out.data()), StatusCode::kInvalidArgument,
+                {"layer 1 holds positions 0..7", "48 queries"});
+    // A decode step: the one query is the last token, not INT64_MAX nor an earlier one.
+    ASSERT_TRUE((*s)->BeginStep(StepKind::kDecode).ok());
+    ASSERT_TRUE((*s)->Append(0, kv.data(), kv.data(), 1, DType::kF32).ok());
+    int64_t pos = std::numeric_limits<int64_t>::max();
+    ExpectError((*s)->Attend(0, q.data(), &pos, 1, out.data()), StatusCode::kInvalidArgument,
+                {"layer 0 holds positions 0..48", "48..48", std::to_string(pos)});
+    pos = 47;
+    ExpectError((*s)->Gather(0, q.data(), &pos, 1).status(), StatusCode::kInvalidArgument,
+                {"Session::Gather", "layer 0 holds positions 0..48", "got 47..47"});
+    pos = 48;
+    st = (*s)->Attend(0, q.data(), &pos, 1, out.data());
+    EXPECT_TRUE(st.ok()) << st.ToString();
+  }
+}
+
+TEST(SessionInputs, AnAttachedSessionAttendsAtTheAppendersPositions) {
+  // A second session over a sequence another one appends to attends at the appender's
+  // positions; the rule counts the sequence's tokens, whoever appended them.
+  auto store = TieredStore::Open(SmallStore(DType::kF32));
+  ASSERT_TRUE(store.ok());
+  auto a = Session::Open(store->get(), Small());
+  ASSERT_TRUE(a.ok());
+  auto b = Session::Attach(store->get(), (*a)->sequence(), Small());
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  const std::vector<uint8_t> kv = Tokens(DType::kF32, 40);
+  std::vector<float> q(kQHeads * kDim, 0.5f), out(q.size());
+  for (int l = 0; l < kLayers; ++l) ASSERT_TRUE((*a)->Append(l, kv.data(), kv.data(), 40, DType::kF32).ok());
+  int64_t pos = 39;
+  for (Session* s : {a->get(), b->get()}) {
+    ASSERT_TRUE(s->BeginStep(StepKind::kDecode).ok());
+    for (int l = 0; l < kLayers; ++l) {
+      Status st = s->Attend(l, q.data(), &pos, 1, out.data());
+      EXPECT_TRUE(st.ok()) << st.ToString();
+    }
+  }
 }
 
 TEST(SessionInputs, DroppedSessionRefusesEveryLaterCallASecondDropIncluded) {

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/layer_parts.h"
 #include "kvtier/kvtier.h"
 #include "offload/tiered_store.h"
 #include "tests/test_util.h"
@@ -36,6 +37,10 @@ SessionOptions Budget(int budget_tokens) {
   SessionOptions o;
   o.retrieval.budget_tokens = budget_tokens;
   return o;
+}
+
+double MsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // Decodes `tokens` tokens (from position 0) through every layer of a fresh session.
@@ -91,6 +96,87 @@ TEST(SessionPins, ConcurrentSessionsAtAPoolJustAboveTheirBudgetsNeverFail) {
   EXPECT_EQ(c.hot_reserved, 0u) << "every session gave its reservation back";
   std::printf("pin waits %llu, %.1f ms in all\n", static_cast<unsigned long long>(c.pin_waits),
               c.pin_wait_us / 1000.0);
+}
+
+// A batching engine on one thread: `sessions` sessions of 128 budget tokens (4 chunks each)
+// over a pool of their reservations plus `spare` slots; each step, per layer, every session
+// appends its token and gathers its spans, all are attended, then all are released. Returns
+// the first failed call (naming session, step and layer) or OK; `wall_ms` is the decode's
+// time, `clipped` the chunks cut from grants.
+Status BatchedDecodeOnOneThread(int sessions, int spare, int pin_wait_ms, int steps, double* wall_ms,
+                                uint64_t* clipped, StoreCounters* counters) {
+  StoreOptions so = PinStore("", sessions * 4 + spare);
+  so.pin_wait_ms = pin_wait_ms;
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<TieredStore> store, TieredStore::Open(so));
+  std::vector<std::unique_ptr<Session>> ss;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  constexpr int kPrompt = 16 + 128 + 24 * 32;  // sinks, local window, 24 chunks
+  std::vector<float> k(static_cast<size_t>(kPrompt) * kKvHeads * kDim), v(k.size());
+  for (int i = 0; i < sessions; ++i) {
+    KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, Session::Open(store.get(), Budget(128)));
+    if (s->reserved_slots() != 4) return Internal("reserved " + std::to_string(s->reserved_slots()));
+    for (int l = 0; l < kLayers; ++l) {
+      for (float& x : k) x = n(rng);
+      for (float& x : v) x = n(rng);
+      KVTIER_RETURN_IF_ERROR(s->Append(l, k.data(), v.data(), kPrompt, DType::kF32));
+    }
+    ss.push_back(std::move(s));
+  }
+  std::vector<float> k1(kKvHeads * kDim), v1(k1.size()), q(kQHeads * kDim);
+  std::vector<LayerParts> held(static_cast<size_t>(sessions));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int step = 0; step < steps; ++step) {
+    const int64_t pos = kPrompt + step;
+    for (auto& s : ss) KVTIER_RETURN_IF_ERROR(s->BeginStep(StepKind::kDecode));
+    for (int l = 0; l < kLayers; ++l) {
+      for (int i = 0; i < sessions; ++i) {
+        for (float& x : k1) x = n(rng);
+        for (float& x : v1) x = n(rng);
+        for (float& x : q) x = n(rng);
+        KVTIER_RETURN_IF_ERROR(ss[i]->Append(l, k1.data(), v1.data(), 1, DType::kF32));
+        auto lp = ss[i]->Gather(l, q.data(), &pos, 1);
+        if (!lp.ok())
+          return Status(lp.status().code(), "session " + std::to_string(i) + ", step " +
+                                                std::to_string(step) + ", layer " + std::to_string(l) + ": " +
+                                                lp.status().message());
+        held[static_cast<size_t>(i)] = std::move(*lp);
+      }
+      for (LayerParts& lp : held) lp.Release();  // attended: every session's spans at once
+    }
+  }
+  *wall_ms = MsSince(t0);
+  *clipped = 0;
+  for (auto& s : ss) *clipped += s->counters().chunks_clipped;
+  *counters = store->counters();
+  return Status::Ok();
+}
+
+TEST(SessionPins, OneThreadBatchingManySessionsNeverWaitsForItsOwnPins) {
+  // The entropy cut-off grants a layer more than the budget's share (here 5 or more chunks of
+  // a 4-chunk reservation); the thread holds every earlier session's pins while it gathers
+  // the next. No gather may wait: every pin in the pool is this thread's.
+  constexpr int kSteps = 40, kWaitMs = 2000;
+  struct Case {
+    int sessions, spare;
+  };
+  for (const Case& c : {Case{16, 0}, Case{8, 0}, Case{16, 4}}) {
+    SCOPED_TRACE(std::to_string(c.sessions) + " sessions, " + std::to_string(c.spare) + " spare slots");
+    double wall_ms = 0;
+    uint64_t clipped = 0;
+    StoreCounters sc;
+    const Status st = BatchedDecodeOnOneThread(c.sessions, c.spare, kWaitMs, kSteps, &wall_ms, &clipped, &sc);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    std::printf("%d sessions, %d spare: %d steps in %.0f ms, %llu chunks cut from grants, %llu pin waits\n",
+                c.sessions, c.spare, kSteps, wall_ms, static_cast<unsigned long long>(clipped),
+                static_cast<unsigned long long>(sc.pin_waits));
+    EXPECT_EQ(sc.pin_waits, 0u);
+    EXPECT_EQ(sc.pin_wait_timeouts, 0u);
+    EXPECT_LT(wall_ms, kWaitMs) << "far below steps x pin_wait_ms = " << kSteps * kWaitMs << " ms";
+    if (c.spare == 0) {
+      EXPECT_GT(clipped, 0u) << "no grant passed the reservation: the case tests nothing";
+    }
+  }
 }
 
 TEST(SessionPins, OpenIsRefusedWhenThePoolCannotHoldTheBudgets) {
@@ -156,11 +242,11 @@ TEST(SessionPins, OpenIsRefusedWhenThePoolCannotHoldTheBudgets) {
   EXPECT_NE(refused.status().message().find("40 reserved"), std::string::npos) << refused.status().ToString();
 }
 
-// A store of tiny chunks with `slots` hot slots and two sequences of `chunks` sealed chunks
-// each in layer 0.
+// A store of tiny chunks with `slots` hot slots and three sequences of `chunks` sealed chunks
+// each in layer 0 (c for the tests that need a third).
 struct TwoSequences {
   std::unique_ptr<TieredStore> store;
-  SequenceId a = 0, b = 0;
+  SequenceId a = 0, b = 0, c = 0;
 };
 TwoSequences MakeTwoSequences(int slots, int chunks, int pin_wait_ms) {
   StoreOptions so;
@@ -177,7 +263,7 @@ TwoSequences MakeTwoSequences(int slots, int chunks, int pin_wait_ms) {
   t.store = std::move(*store);
   const int n = so.n_local + chunks * so.chunk_size;
   std::vector<float> kv(static_cast<size_t>(n) * 16, 0.5f);
-  for (SequenceId* seq : {&t.a, &t.b}) {
+  for (SequenceId* seq : {&t.a, &t.b, &t.c}) {
     *seq = *t.store->CreateSequence();
     EXPECT_TRUE(t.store->Append(*seq, 0, kv.data(), kv.data(), n, DType::kF32).ok());
   }
@@ -188,10 +274,6 @@ std::vector<uint64_t> Range(uint64_t begin, uint64_t end) {
   std::vector<uint64_t> v;
   for (uint64_t i = begin; i < end; ++i) v.push_back(i);
   return v;
-}
-
-double MsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 TEST(SessionPins, AFetchWaitsForAnotherSequencesUnpin) {
@@ -214,7 +296,10 @@ TEST(SessionPins, AFetchWaitsForAnotherSequencesUnpin) {
 
 TEST(SessionPins, AFetchWaitIsBoundedAndNamed) {
   TwoSequences t = MakeTwoSequences(8, 10, 100);
-  auto all = t.store->FetchChunks(t.a, 0, Range(0, 8));
+  // Another thread's pins (this thread's own would be refused at once, not waited for).
+  Result<FetchHandle> all = FailedPrecondition("not run");
+  std::thread holder([&] { all = t.store->FetchChunks(t.a, 0, Range(0, 8)); });
+  holder.join();
   ASSERT_TRUE(all.ok());
   const auto t0 = std::chrono::steady_clock::now();
   auto refused = t.store->FetchChunks(t.b, 0, Range(0, 2));
@@ -229,6 +314,48 @@ TEST(SessionPins, AFetchWaitIsBoundedAndNamed) {
   EXPECT_EQ(c.pin_waits, 1u);
   EXPECT_EQ(c.pin_wait_timeouts, 1u);
   EXPECT_GE(c.pin_wait_us, 90000u);
+}
+
+TEST(SessionPins, NoWaitForPinsTheCallingThreadHolds) {
+  // This thread holds every slot through a's and b's handles; c holds none, so waiting would
+  // be allowed by the sequence rule, but only this thread could free the slots.
+  TwoSequences t = MakeTwoSequences(8, 10, 10000);
+  TieredStore* st = t.store.get();
+  auto six = st->FetchChunks(t.a, 0, Range(0, 6));
+  auto two = st->FetchChunks(t.b, 0, Range(0, 2));
+  ASSERT_TRUE(six.ok() && two.ok());
+  auto t0 = std::chrono::steady_clock::now();
+  auto refused = st->FetchChunks(t.c, 0, Range(0, 2));
+  EXPECT_LT(MsSince(t0), 1000.0) << "well under pin_wait_ms (10000)";
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+  for (const char* part :
+       {"needs 2 more hot slots", "the calling thread holds 8 of them", "would wait for itself", "release"})
+    EXPECT_NE(refused.status().message().find(part), std::string::npos)
+        << part << " in: " << refused.status().ToString();
+  EXPECT_EQ(st->counters().pin_waits, 0u);
+  // With b's 2 pins taken by another thread instead (pins count for the thread that
+  // fetched them), c may wait for those 2, and fails at once asking for 3.
+  two->Release();
+  Result<FetchHandle> other = FailedPrecondition("not run");
+  std::thread holder([&] { other = st->FetchChunks(t.b, 0, Range(0, 2)); });
+  holder.join();
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  t0 = std::chrono::steady_clock::now();
+  auto three = st->FetchChunks(t.c, 0, Range(0, 3));
+  EXPECT_LT(MsSince(t0), 1000.0);
+  ASSERT_FALSE(three.ok());
+  EXPECT_NE(three.status().message().find("the calling thread holds 6 of them"), std::string::npos)
+      << three.status().ToString();
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    other->Release();
+  });
+  auto waited = st->FetchChunks(t.c, 0, Range(0, 2));  // the other thread's 2 will come free
+  releaser.join();
+  ASSERT_TRUE(waited.ok()) << waited.status().ToString();
+  EXPECT_EQ(st->counters().pin_waits, 1u);
+  EXPECT_EQ(st->counters().pin_wait_timeouts, 0u);
 }
 
 TEST(SessionPins, NoWaitForPinsASequenceHoldsItselfOrBeyondItsReservation) {

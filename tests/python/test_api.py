@@ -423,6 +423,38 @@ def test_session_input_rules_hold_in_python():
         s.drop()
 
 
+def test_attend_positions_are_the_layers_last_appended_tokens():
+    """Positions are the layer's last m appended tokens (include/kvtier/session.h): a layer
+    holding none, and positions past or before them, raise naming what the layer holds; out is
+    not written."""
+    store = small_store()
+    s = kvtier.Session.open(store)
+    q = np.full((48, 4, 16), 0.5, np.float32)
+    out = np.full_like(q, 7.0)
+    s.begin_step("prefill")
+    with pytest.raises(kvtier.FailedPrecondition, match="layer 0 holds no tokens"):
+        s.attend(0, q, np.arange(48, dtype=np.int64), out)
+    with pytest.raises(kvtier.FailedPrecondition, match="layer 0 holds no tokens"):
+        s.gather(0, q, 0)
+    with pytest.raises(kvtier.FailedPrecondition, match="layer 0 holds no tokens"):
+        s.observe(0, q, 0)
+    assert (out == 7.0).all()
+    k = np.full((48, 2, 16), 0.25, np.float32)
+    s.append(0, k, k)
+    with pytest.raises(kvtier.InvalidArgument, match=r"layer 0 holds positions 0\.\.47.*got 1\.\.48"):
+        s.attend(0, q, 1, out)
+    s.attend(0, q, 0, out)
+    assert np.isfinite(out).all()
+    s.begin_step("decode")
+    s.append(0, k[:1], k[:1])
+    one = np.full((1, 4, 16), 0.5, np.float32)
+    with pytest.raises(kvtier.InvalidArgument, match=r"layer 0 holds positions 0\.\.48.*9223372036854775807"):
+        s.attend(0, one, np.array([2**63 - 1], np.int64), np.zeros_like(one))
+    with pytest.raises(kvtier.InvalidArgument, match=r"48\.\.48 \(got 47\.\.47\)"):
+        s.attend(0, one, 47, np.zeros_like(one))
+    s.attend(0, one, 48, np.zeros_like(one))
+
+
 def test_sliced_and_reused_selections_are_counted():
     # screen_period and reuse_cosine: decode steps with the same query reuse the last search
     # until a chunk lands, then screen a slice; each attend says which, and the session counts.
