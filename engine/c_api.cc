@@ -41,6 +41,7 @@ static_assert(KVTIER_IO_ERROR == static_cast<int>(StatusCode::kIOError));
 static_assert(KVTIER_TIMED_OUT == static_cast<int>(StatusCode::kTimedOut));
 static_assert(KVTIER_UNAVAILABLE == static_cast<int>(StatusCode::kUnavailable));
 static_assert(KVTIER_INTERNAL == static_cast<int>(StatusCode::kInternal));
+static_assert(KVTIER_PERMISSION_DENIED == static_cast<int>(StatusCode::kPermissionDenied));
 static_assert(KVTIER_F32 == static_cast<int>(kvtier::DType::kF32));
 static_assert(KVTIER_F16 == static_cast<int>(kvtier::DType::kF16));
 static_assert(KVTIER_BF16 == static_cast<int>(kvtier::DType::kBF16));
@@ -111,7 +112,7 @@ extern "C" {
 
 const char* kvtier_code_name(kvtier_code code) {
   const long long c = Raw(code);
-  if (c < KVTIER_OK || c > KVTIER_INTERNAL) return "Unknown";
+  if (c < KVTIER_OK || c > KVTIER_PERMISSION_DENIED) return "Unknown";
   return kvtier::StatusCodeName(static_cast<StatusCode>(c));
 }
 

@@ -67,7 +67,8 @@ typedef enum kvtier_code {
   KVTIER_IO_ERROR = 7,            /* the disk tier or file system failed */
   KVTIER_TIMED_OUT = 8,
   KVTIER_UNAVAILABLE = 9, /* a backend (e.g. CUDA) is not present */
-  KVTIER_INTERNAL = 10    /* a kvtier bug */
+  KVTIER_INTERNAL = 10,   /* a kvtier bug */
+  KVTIER_PERMISSION_DENIED = 11 /* a backend refused the credentials (Redis AUTH, ACL): not retried */
 } kvtier_code;
 
 #define KVTIER_ERROR_MESSAGE_SIZE 1024

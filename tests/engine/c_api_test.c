@@ -122,6 +122,9 @@ int main(int argc, char** argv) {
   CHECK(strcmp(kvtier_code_name(KVTIER_INVALID_ARGUMENT), "InvalidArgument") == 0, "%s",
         kvtier_code_name(KVTIER_INVALID_ARGUMENT));
   CHECK(strcmp(kvtier_code_name(KVTIER_INTERNAL), "Internal") == 0, "%s", kvtier_code_name(KVTIER_INTERNAL));
+  CHECK(strcmp(kvtier_code_name(KVTIER_PERMISSION_DENIED), "PermissionDenied") == 0, "%s",
+        kvtier_code_name(KVTIER_PERMISSION_DENIED));
+  CHECK(strcmp(kvtier_code_name((kvtier_code)12), "Unknown") == 0, "%s", kvtier_code_name((kvtier_code)12));
   CHECK(strcmp(kvtier_code_name((kvtier_code)99), "Unknown") == 0, "%s", kvtier_code_name((kvtier_code)99));
 
   /* ---- store ---- */
