@@ -139,6 +139,7 @@ kvtier_store_options kvtier_store_options_default(void) {
     o.hot_bytes = so.hot_bytes;
     o.warm_bytes = so.warm_bytes;
     o.data_dir = nullptr;
+    o.remote = nullptr;
     o.compression = static_cast<kvtier_compression>(so.compression);
   } catch (...) {
   }
@@ -170,6 +171,7 @@ kvtier_code kvtier_store_open(const kvtier_store_options* options, kvtier_store*
     so.hot_bytes = options->hot_bytes;
     so.warm_bytes = options->warm_bytes;
     so.data_dir = options->data_dir ? options->data_dir : "";
+    so.remote = options->remote ? options->remote : "";
     so.compression = static_cast<kvtier::Compression>(compression);
     auto handle = std::make_unique<kvtier_store>();
     KVTIER_ASSIGN_OR_RETURN(handle->store, kvtier::Store::Open(so));

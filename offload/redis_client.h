@@ -30,6 +30,14 @@
 // node. Retrying is safe because every command the remote tier sends is idempotent (SET
 // of the same value, GET, DEL, WAIT).
 //
+// Credentials: with a password (and optionally an ACL user) every connection the client
+// opens, to a seed, a cluster node or a node reconnected after a failure, sends AUTH before
+// anything else. A refused AUTH (WRONGPASS, or a server with no password set), a NOAUTH
+// reply (the server wants a password and none was given) and an ACL denial (NOPERM) are
+// PermissionDenied naming the node and the server's words, never the password; they are
+// final: not retried, and the node's retry window does not open (the node is up, it said
+// no).
+//
 // Thread-safe: any number of threads may call Execute; each takes its own connections
 // from the per-node pool.
 #pragma once
@@ -50,7 +58,10 @@ namespace kvtier {
 struct RedisEndpoint {
   std::string host;  ///< name or address
   int port = 0;      ///< TCP port
-  std::string ToString() const { return host + ":" + std::to_string(port); }
+  /// "host:port", "[::1]:port" for an IPv6 address.
+  std::string ToString() const {
+    return (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
+  }
   bool operator==(const RedisEndpoint& o) const { return host == o.host && port == o.port; }
 };
 
@@ -62,7 +73,10 @@ struct RedisClientOptions {
   int connect_timeout_ms = 1000;     ///< TCP connect limit per attempt (default 1 s)
   int command_timeout_ms = 2000;     ///< limit on one reply (default 2 s); slower is a failed attempt
   int retry_ms = 10000;              ///< a node's retry window, then its fail-at-once window (default 10 s)
-  int pool_size = 4;                 ///< idle connections kept per node (default 4)
+  int pool_size = 4;                 ///< idle connections kept per node (default 4), 1..kMaxPoolSize
+  std::string user;                  ///< ACL user AUTH names; empty: the default user
+  std::string password;              ///< AUTH's password; empty: no AUTH (user must then be empty)
+  static constexpr int kMaxPoolSize = 256;
   Status Validate() const;           ///< names the bad field
 };
 
@@ -86,7 +100,8 @@ struct RedisCall {
 class RedisClient {
  public:
   /// Connects to the first reachable seed and learns whether it is a cluster (and its
-  /// slot map). Unavailable naming every seed when none answers.
+  /// slot map). Unavailable naming every seed when none answers; PermissionDenied at once
+  /// when a seed refuses the credentials (or wants some and none were given).
   static Result<std::unique_ptr<RedisClient>> Connect(const RedisClientOptions& options);
   ~RedisClient();
   RedisClient(const RedisClient&) = delete;

@@ -117,6 +117,9 @@ typedef struct kvtier_store_options {
   uint64_t warm_bytes;            /* warm tier (host memory) capacity */
   const char* data_dir;           /* cold tier (RocksDB) directory, copied at open; NULL or "" = none */
   kvtier_compression compression; /* cold tier compression */
+  const char* remote;             /* remote tier spec, redis://[USER:PASSWORD@]host:port[,...][?...]
+                                     (docs/cli.md), copied at open; NULL or "" = none. A refused
+                                     password is KVTIER_PERMISSION_DENIED; no message holds it */
 } kvtier_store_options;
 
 /* kvtier::StoreOptions' defaults (geometry 32,32,8,128:f16, sinks 64, local 512, chunks of
