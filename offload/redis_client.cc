@@ -116,7 +116,7 @@ Status RedisClientOptions::Validate() const {
 }
 
 struct RedisClient::Node {
-  using Clock = std::chrono::steady_clock;
+  using Clock = RedisClient::Clock;
   RedisEndpoint endpoint;
   std::vector<redisContext*> idle;  // pooled connections, guarded by RedisClient::mu_
   // The node's retry window, guarded by RedisClient::mu_ (see the header): open from the
@@ -179,11 +179,19 @@ int RedisClient::NodeIndexLocked(const RedisEndpoint& ep) {
   return static_cast<int>(nodes_.size() - 1);
 }
 
-void RedisClient::NodeFailedLocked(int node, const Status& error) {
+RedisClient::Clock::time_point RedisClient::OutageStartLocked() const {
+  const auto now = Clock::now();
+  auto start = now;
+  for (const auto& n : nodes_)
+    if (n->failing || (n->down && now < n->down_until)) start = std::min(start, n->failing_since);
+  return start;
+}
+
+void RedisClient::NodeFailedLocked(int node, const Status& error, std::optional<Clock::time_point> since) {
   Node& n = *nodes_[node];
   if (n.failing || n.down) return;
   n.failing = true;
-  n.failing_since = Node::Clock::now();
+  n.failing_since = since ? *since : Node::Clock::now();
   n.first_error = error;
   // A node tried again after its down window waited its one window already: down again at
   // once, or a queue spread over several dead nodes would wait a window per node and retry.
@@ -313,11 +321,22 @@ bool RedisClient::RefreshSlots() {
     std::lock_guard<std::mutex> l(mu_);
     for (auto& n : nodes_) candidates.push_back(n->endpoint);
   }
+  const size_t known = candidates.size();  // candidates[i] is nodes_[i] for i < known
   for (const RedisEndpoint& s : options_.seeds)
     if (std::find(candidates.begin(), candidates.end(), s) == candidates.end()) candidates.push_back(s);
-  for (const RedisEndpoint& ep : candidates) {
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const RedisEndpoint& ep = candidates[i];
     auto dial = Dial(ep);
-    if (!dial.ok()) continue;
+    if (!dial.ok()) {
+      // A node that cannot be reached now has failed an attempt: its window opens now, not
+      // when a batch first reaches it, so masters that died together (the whole cluster
+      // down for good) are named one retry window after the first failure, not one each.
+      if (i < known && dial.status().code() != StatusCode::kPermissionDenied) {
+        std::lock_guard<std::mutex> l(mu_);
+        NodeFailedLocked(static_cast<int>(i), dial.status());
+      }
+      continue;
+    }
     RedisReplyPtr r(static_cast<redisReply*>(redisCommand(*dial, "CLUSTER SLOTS")));
     redisFree(*dial);
     std::vector<std::tuple<int, int, RedisEndpoint>> ranges;
@@ -586,20 +605,23 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
       }
       {
         std::lock_guard<std::mutex> l(mu_);
-        if (transient.ok()) {
+        if (!cluster_down.ok()) {
+          // cluster_state:fail is the whole remote failing, not one node, and it is the
+          // outage that began with the first node that failed (the cluster says so only
+          // cluster-node-timeout later): every node's window opens at that first failure,
+          // so a queue spread over the masters waits one window in all, not one per master
+          // as each is reached in turn, nor a second one for the masters still answering.
+          const auto since = OutageStartLocked();
+          for (int n = 0; n < static_cast<int>(nodes_.size()); ++n) {
+            NodeFailedLocked(n, cluster_down, since);
+            failed_nodes.push_back(n);
+          }
+        } else if (transient.ok()) {
           NodeAnsweredLocked(b.node);
         } else {
           NodeFailedLocked(b.node, transient);
           failed_nodes.push_back(b.node);
         }
-        // cluster_state:fail is the whole remote failing, not one node: every node's window
-        // opens now, so a queue spread over the masters waits one window, not one per master
-        // as each is reached in turn.
-        if (!cluster_down.ok())
-          for (int n = 0; n < static_cast<int>(nodes_.size()); ++n) {
-            NodeFailedLocked(n, cluster_down);
-            failed_nodes.push_back(n);
-          }
       }
       GiveBack(b.node, b.ctx);
       b.ctx = nullptr;

@@ -19,7 +19,10 @@
 // belongs to the node, not to the batch: it opens at the node's first failure and every
 // batch sent to the node meanwhile shares it, so a queue of batches behind a dead node
 // waits one retry_ms in all, not one each; a CLUSTERDOWN reply (cluster_state:fail, the
-// whole remote failing) opens every node's window at once. When the window ends (or a
+// whole remote failing) opens every node's window at once, as of the first failure of the
+// outage (the earliest open window); and a node the slot-map refresh cannot reach opens
+// its window then, not when a batch first reaches it, so masters that died together are
+// named one retry_ms after the first failure. When the window ends (or a
 // batch has retried retry_ms), the node is down for the next retry_ms: every queued and
 // later command to it fails at once with Unavailable naming the node and its first
 // error. After that the next command tries the node again (a restarted server is used
@@ -44,9 +47,11 @@
 
 #include <hiredis/hiredis.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -126,8 +131,13 @@ class RedisClient {
   /// Re-reads CLUSTER SLOTS from any node that answers; false when none did.
   bool RefreshSlots();
   int NodeIndexLocked(const RedisEndpoint& ep);
-  /// A failed attempt on the node: opens its retry window unless one is open.
-  void NodeFailedLocked(int node, const Status& error);
+  using Clock = std::chrono::steady_clock;
+  /// A failed attempt on the node: opens its retry window unless one is open, as of
+  /// `since` (default now).
+  void NodeFailedLocked(int node, const Status& error, std::optional<Clock::time_point> since = std::nullopt);
+  /// When the outage in progress began: the earliest window start of a failing (or still
+  /// down) node; now when none is.
+  Clock::time_point OutageStartLocked() const;
   /// The node answered as it should: its retry window closes.
   void NodeAnsweredLocked(int node);
   /// Not OK while the node is down (its window ran out): the status every command gets.
