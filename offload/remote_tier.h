@@ -76,8 +76,9 @@ struct RemoteTierOptions {
 /// password_file (a file holding the password; one trailing newline is dropped).
 /// Credentials: the password comes from the userinfo, else password_file, else the
 /// environment variable KVTIER_REDIS_PASSWORD; the user from the userinfo, else
-/// KVTIER_REDIS_USER. Userinfo is percent-decoded (a '@', '?' or '%' in a password is
-/// written %40, %3F, %25). A password in the query (password=) is refused: query strings
+/// KVTIER_REDIS_USER. Userinfo ends at the last '@' before the first '?' and is
+/// percent-decoded (a '?' or '%' in a password is written %3F, %25). A password in the
+/// query (password=) is refused: query strings
 /// end up in logs. InvalidArgument saying what is wrong otherwise, quoting the spec
 /// through RedactRemoteSpec: no message holds the password.
 Result<RemoteTierOptions> ParseRemoteSpec(std::string_view spec);
