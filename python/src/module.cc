@@ -448,9 +448,13 @@ SessionOptions SessionOptionsFrom(const py::kwargs& kw) {
   return o;
 }
 
+// Store.options: what the store was opened with, the remote spec's password replaced by
+// "***" (RedactRemoteSpec): the dict is for reading and printing, and a password there
+// would end up in a log.
 py::dict StoreOptionsDict(const StoreOptions& o) {
   py::dict d;
   AddToDict(StoreOptionTable(), o, &d);
+  d["remote"] = py::str(RedactRemoteSpec(o.remote));
   return d;
 }
 
