@@ -110,8 +110,7 @@ Status RedisClientOptions::Validate() const {
   if (pool_size < 1 || pool_size > kMaxPoolSize)
     return InvalidArgument("redis: pool_size must be in 1.." + std::to_string(kMaxPoolSize) + " (got " +
                            std::to_string(pool_size) + ")");
-  if (password.empty() && !user.empty())
-    return InvalidArgument("redis: user '" + user + "' has no password");
+  if (password.empty() && !user.empty()) return InvalidArgument("redis: user '" + user + "' has no password");
   return Status::Ok();
 }
 

@@ -82,7 +82,7 @@ struct RedisClientOptions {
   std::string user;                  ///< ACL user AUTH names; empty: the default user
   std::string password;              ///< AUTH's password; empty: no AUTH (user must then be empty)
   static constexpr int kMaxPoolSize = 256;
-  Status Validate() const;           ///< names the bad field
+  Status Validate() const;  ///< names the bad field
 };
 
 /// A hiredis reply, freed on destruction.

@@ -46,8 +46,9 @@ size_t AuthorityStart(std::string_view spec) {
 bool SecretKey(std::string_view k) {
   std::string l(k);
   for (char& c : l) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return l != "password_file" && (l.find("pass") != std::string::npos || l.find("secret") != std::string::npos ||
-                                  l.find("token") != std::string::npos);
+  return l != "password_file" &&
+         (l.find("pass") != std::string::npos || l.find("secret") != std::string::npos ||
+          l.find("token") != std::string::npos);
 }
 
 // True when `piece` (a view into `spec`) overlaps what RedactRemoteSpec hides: a misparsed
@@ -194,8 +195,9 @@ std::string RedactRemoteSpec(std::string_view spec) {
 Result<RemoteTierOptions> ParseRemoteSpec(std::string_view spec) {
   const std::string_view scheme = "redis://";
   auto bad = [&](const std::string& why) {
-    return InvalidArgument("remote spec '" + RedactRemoteSpec(spec) + "': " + why +
-                           " (expected redis://[USER:PASSWORD@]host:port[,host:port...][?wait=N&timeout_ms=N&...])");
+    return InvalidArgument(
+        "remote spec '" + RedactRemoteSpec(spec) + "': " + why +
+        " (expected redis://[USER:PASSWORD@]host:port[,host:port...][?wait=N&timeout_ms=N&...])");
   };
   if (spec.substr(0, scheme.size()) != scheme) return bad("must start with redis://");
   std::string_view rest = spec.substr(scheme.size());
@@ -205,8 +207,7 @@ Result<RemoteTierOptions> ParseRemoteSpec(std::string_view spec) {
     const std::string_view info = rest.substr(0, at);
     rest = rest.substr(at + 1);
     const size_t colon = info.find(':');
-    if (!PercentDecode(info.substr(0, colon), &o.user))
-      return bad("the user name has a malformed %-escape");
+    if (!PercentDecode(info.substr(0, colon), &o.user)) return bad("the user name has a malformed %-escape");
     if (colon != std::string_view::npos) {
       if (!PercentDecode(info.substr(colon + 1), &o.password))
         return bad("the password has a malformed %-escape");
@@ -235,8 +236,7 @@ Result<RemoteTierOptions> ParseRemoteSpec(std::string_view spec) {
       port_text = item.substr(close + 2);
     } else {
       const size_t colon = item.rfind(':');
-      if (colon == std::string_view::npos || colon == 0)
-        return bad(Quote(spec, item) + " is not host:port");
+      if (colon == std::string_view::npos || colon == 0) return bad(Quote(spec, item) + " is not host:port");
       host = item.substr(0, colon);
       if (host.find(':') != std::string_view::npos)
         return bad(Quote(spec, item) + " is not host:port (an IPv6 address goes in brackets: [::1]:6379)");

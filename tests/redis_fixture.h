@@ -200,8 +200,9 @@ class RedisServers {
       if (idx < 0) return false;
       hosts += " 127.0.0.1:" + std::to_string(servers_[idx].port);
     }
-    const std::string cmd = FindOnPath("redis-cli") + CliAuth() + " --cluster create" + hosts + " --cluster-replicas " +
-                            std::to_string(replicas) + " --cluster-yes > " + dir_.path() + "/create.log 2>&1";
+    const std::string cmd = FindOnPath("redis-cli") + CliAuth() + " --cluster create" + hosts +
+                            " --cluster-replicas " + std::to_string(replicas) + " --cluster-yes > " +
+                            dir_.path() + "/create.log 2>&1";
     if (std::system(cmd.c_str()) != 0) {
       ADD_FAILURE() << "redis-cli --cluster create failed; see " << dir_.path() << "/create.log";
       return false;
@@ -256,8 +257,8 @@ class RedisServers {
 
   /// Runs redis-cli against one server with the arguments (shell words); its exit status.
   int Cli(int index, const std::string& args) const {
-    const std::string cmd = FindOnPath("redis-cli") + CliAuth() + " -p " + std::to_string(servers_[index].port) +
-                            " " + args + " > /dev/null 2>&1";
+    const std::string cmd = FindOnPath("redis-cli") + CliAuth() + " -p " +
+                            std::to_string(servers_[index].port) + " " + args + " > /dev/null 2>&1";
     return std::system(cmd.c_str());
   }
 

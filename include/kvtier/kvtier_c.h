@@ -66,8 +66,8 @@ typedef enum kvtier_code {
   KVTIER_CORRUPTION = 6,          /* stored bytes failed a checksum or format check */
   KVTIER_IO_ERROR = 7,            /* the disk tier or file system failed */
   KVTIER_TIMED_OUT = 8,
-  KVTIER_UNAVAILABLE = 9, /* a backend (e.g. CUDA) is not present */
-  KVTIER_INTERNAL = 10,   /* a kvtier bug */
+  KVTIER_UNAVAILABLE = 9,       /* a backend (e.g. CUDA) is not present */
+  KVTIER_INTERNAL = 10,         /* a kvtier bug */
   KVTIER_PERMISSION_DENIED = 11 /* a backend refused the credentials (Redis AUTH, ACL): not retried */
 } kvtier_code;
 

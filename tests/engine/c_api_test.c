@@ -143,9 +143,11 @@ static int run_remote(const char* spec, const char* wrong, const char* secret) {
   OK(kvtier_store_get_counters(store, &c, &err));
   CHECK(c.cold_writes > 0 && c.demotions > 0 && c.cold_chunks == 0,
         "Redis acknowledged the chunks: %llu writes, %llu demotions, %llu on a disk",
-        (unsigned long long)c.cold_writes, (unsigned long long)c.demotions, (unsigned long long)c.cold_chunks);
+        (unsigned long long)c.cold_writes, (unsigned long long)c.demotions,
+        (unsigned long long)c.cold_chunks);
   printf("remote: %llu chunks written through, %llu demoted to Redis, %llu fetched back\n",
-         (unsigned long long)c.cold_writes, (unsigned long long)c.demotions, (unsigned long long)c.cold_reads);
+         (unsigned long long)c.cold_writes, (unsigned long long)c.demotions,
+         (unsigned long long)c.cold_reads);
   OK(kvtier_session_drop(a, &err));
   kvtier_session_destroy(a);
   OK(kvtier_store_close(store, &err));

@@ -26,7 +26,9 @@ namespace kvtier {
 namespace {
 
 using Time = std::chrono::steady_clock;
-double MsSince(Time::time_point t0) { return std::chrono::duration<double, std::milli>(Time::now() - t0).count(); }
+double MsSince(Time::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Time::now() - t0).count();
+}
 
 constexpr char kSecret[] = "Zq9-s3cret-pw";  // what no message may hold
 constexpr char kUser[] = "kvt-app";
@@ -153,24 +155,31 @@ TEST(RemoteSpec, CredentialsComeFromTheUserinfoAFileOrTheEnvironment) {
 TEST(RemoteSpec, NoErrorMessageHoldsThePassword) {
   EnvGuard env;
   const std::string s = kSecret;
-  const std::vector<std::string> specs = {
-      "redis://u:" + s + "@h",           "redis://u:" + s + "@h:0",
-      "redis://u:" + s + "@h:1?color=red", "redis://:" + s + "@h:1?pool=0",
-      "redis://:" + s + "@h:1,",         "redis://u:" + s + "@h:1?wait=x",
-      "redis://u:Zq9?-s3cret-pw@h:1",    "redis://u:Zq9-s3?cret-pw@h:1?wait=1",
-      "http://u:" + s + "@h:1",          "redis://h:1?password=" + s,
-      "redis://u:" + s + "@[::1:1",      "redis://u:" + s + "@h:1?wait=1&wait=1"};
+  const std::vector<std::string> specs = {"redis://u:" + s + "@h",
+                                          "redis://u:" + s + "@h:0",
+                                          "redis://u:" + s + "@h:1?color=red",
+                                          "redis://:" + s + "@h:1?pool=0",
+                                          "redis://:" + s + "@h:1,",
+                                          "redis://u:" + s + "@h:1?wait=x",
+                                          "redis://u:Zq9?-s3cret-pw@h:1",
+                                          "redis://u:Zq9-s3?cret-pw@h:1?wait=1",
+                                          "http://u:" + s + "@h:1",
+                                          "redis://h:1?password=" + s,
+                                          "redis://u:" + s + "@[::1:1",
+                                          "redis://u:" + s + "@h:1?wait=1&wait=1"};
   for (const std::string& spec : specs) {
     auto r = ParseRemoteSpec(spec);
     ASSERT_FALSE(r.ok()) << "(spec " << RedactRemoteSpec(spec) << ")";
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
     ExpectNoSecret(r.status().message());
     ExpectNoSecret(r.status().message(), "s3cret");
+    ExpectNoSecret(r.status().message(), "Zq9");  // no fragment of a misparsed password either
     StoreOptions so = remote_share::Options(spec);
     const Status st = so.Validate();
     EXPECT_FALSE(st.ok());
     ExpectNoSecret(st.message());
     ExpectNoSecret(st.message(), "s3cret");
+    ExpectNoSecret(st.message(), "Zq9");
   }
 }
 
@@ -190,8 +199,8 @@ TEST(RemoteSpec, RedactReplacesTheSecretAndNothingElse) {
 }
 
 TEST(RemoteSpec, DuplicateKeysAndAbsurdPoolSizesAreRefusedNamingTheKey) {
-  for (const std::string q : {"wait=1&wait=2", "ns=a&ns=b", "pool=2&timeout_ms=900&pool=2",
-                              "password_file=/a&password_file=/b"}) {
+  for (const std::string q :
+       {"wait=1&wait=2", "ns=a&ns=b", "pool=2&timeout_ms=900&pool=2", "password_file=/a&password_file=/b"}) {
     auto r = ParseRemoteSpec("redis://h:1?" + q);
     ASSERT_FALSE(r.ok()) << q;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
@@ -247,7 +256,8 @@ TEST(RemoteAuth, IPv6LoopbackServerIsReachable) {
   a.sin6_addr = in6addr_loopback;
   const bool v6 = fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
   if (fd >= 0) close(fd);
-  if (!v6) GTEST_SKIP() << "no IPv6 loopback on this machine (::1 cannot be bound); the parse test covers [::1]";
+  if (!v6)
+    GTEST_SKIP() << "no IPv6 loopback on this machine (::1 cannot be bound); the parse test covers [::1]";
   RedisServers redis;
   redis.RequireAuth("", kSecret);
   // Bound to both: the fixture's PING goes to 127.0.0.1; the tier is given only [::1].
@@ -259,7 +269,8 @@ TEST(RemoteAuth, IPv6LoopbackServerIsReachable) {
   ASSERT_TRUE(tier.ok()) << tier.status().ToString();
   EXPECT_TRUE(RoundTrip(tier->get(), 0, 8).ok());
   const std::string clients = redis.Command(i, {"CLIENT", "LIST"});
-  EXPECT_NE(clients.find("addr=[::1]:"), std::string::npos) << "the tier's connections come over ::1: " << clients;
+  EXPECT_NE(clients.find("addr=[::1]:"), std::string::npos)
+      << "the tier's connections come over ::1: " << clients;
 }
 
 // ---- one server -----------------------------------------------------------------------------
@@ -407,7 +418,6 @@ TEST(RemoteAuth, ClusterWithAclUser) {
   ClusterWithCredentials(kUser);
 }
 
-
 // ---- the CLI --------------------------------------------------------------------------------
 
 // Runs the built kvtier with arguments and extra environment; its exit status, stdout and
@@ -415,8 +425,8 @@ TEST(RemoteAuth, ClusterWithAclUser) {
 int RunCli(const std::string& env, const std::string& args, const std::string& dir, std::string* out,
            std::string* err) {
   const std::string o = dir + "/cli.out", e = dir + "/cli.err";
-  const std::string cmd = env + " '" + std::string(KVTIER_BINARY_DIR) + "/kvtier' " + args + " > '" + o +
-                          "' 2> '" + e + "'";
+  const std::string cmd =
+      env + " '" + std::string(KVTIER_BINARY_DIR) + "/kvtier' " + args + " > '" + o + "' 2> '" + e + "'";
   const int rc = std::system(cmd.c_str());
   auto slurp = [](const std::string& path) {
     std::ifstream f(path, std::ios::binary);
@@ -448,8 +458,9 @@ void CliWithCredentials(RedisServers* redis, const std::string& user, const std:
   TempDir dir;
   std::string out, err;
   const std::string remote = WithUserinfo(spec, user + ":" + kSecret);
-  ASSERT_EQ(RunCli("", "run --context 8192 --warm-bytes 4M --decode-steps 4 --data-dir none --remote '" +
-                           remote + "' --json " + dir.path() + "/run.json",
+  ASSERT_EQ(RunCli("",
+                   "run --context 8192 --warm-bytes 4M --decode-steps 4 --data-dir none --remote '" + remote +
+                       "' --json " + dir.path() + "/run.json",
                    dir.path(), &out, &err),
             0)
       << out << err;
@@ -457,14 +468,15 @@ void CliWithCredentials(RedisServers* redis, const std::string& user, const std:
   EXPECT_NE(out.find(" 0 errors"), std::string::npos) << out;
   std::ifstream json(dir.path() + "/run.json");
   const std::string j((std::istreambuf_iterator<char>(json)), std::istreambuf_iterator<char>());
-  EXPECT_NE(j.find("\"remote\": \"redis://" + user + ":***@"), std::string::npos) << "redacted, not dropped: " << j;
+  EXPECT_NE(j.find("\"remote\": \"redis://" + user + ":***@"), std::string::npos)
+      << "redacted, not dropped: " << j;
   // Through the environment, with a cold tier and a kept data dir.
-  ASSERT_EQ(RunCli("KVTIER_REDIS_PASSWORD='" + std::string(kSecret) + "'" +
-                       (user.empty() ? "" : " KVTIER_REDIS_USER='" + user + "'"),
-                   "stress --sequences 2 --tokens 600 --data-dir " + dir.path() + "/stress --remote '" +
-                       spec + "'",
-                   dir.path(), &out, &err),
-            0)
+  ASSERT_EQ(
+      RunCli("KVTIER_REDIS_PASSWORD='" + std::string(kSecret) + "'" +
+                 (user.empty() ? "" : " KVTIER_REDIS_USER='" + user + "'"),
+             "stress --sequences 2 --tokens 600 --data-dir " + dir.path() + "/stress --remote '" + spec + "'",
+             dir.path(), &out, &err),
+      0)
       << out << err;
   EXPECT_NE(out.find("errors: 0"), std::string::npos) << out;
   ExpectNoSecret(out + err);
@@ -480,8 +492,9 @@ void CliWithCredentials(RedisServers* redis, const std::string& user, const std:
   // A wrong password: refused at open, promptly (retry_ms is 10 s by default), without the secret.
   const std::string wrong = std::string("Wx7-") + kSecret;
   const auto t0 = Time::now();
-  EXPECT_NE(RunCli("", "run --quiet --context 4096 --data-dir none --remote '" +
-                           WithUserinfo(spec, user + ":" + wrong) + "'",
+  EXPECT_NE(RunCli("",
+                   "run --quiet --context 4096 --data-dir none --remote '" +
+                       WithUserinfo(spec, user + ":" + wrong) + "'",
                    dir.path(), &out, &err),
             0);
   const double ms = MsSince(t0);

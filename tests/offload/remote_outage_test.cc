@@ -221,8 +221,8 @@ void MastersKilledForGood(int nodes, int replicas, bool all) {
                         "&connect_timeout_ms=" + std::to_string(kTimeout);
   std::vector<int> masters;
   for (size_t i = 0; i < redis.size(); ++i)
-    if (RedisCommandText(redis.server(static_cast<int>(i)).port, {"INFO", "replication"}).find("role:master") !=
-        std::string::npos)
+    if (RedisCommandText(redis.server(static_cast<int>(i)).port, {"INFO", "replication"})
+            .find("role:master") != std::string::npos)
       masters.push_back(static_cast<int>(i));
   ASSERT_EQ(masters.size(), 3u);
   const Outage out = RunOutage(OutageOptions(redis.Spec(q), ""), [&] {
