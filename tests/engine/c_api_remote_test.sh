@@ -22,11 +22,12 @@ cleanup() {
 trap cleanup EXIT
 SECRET="Cq4-s3cret-$$"
 
-# A loopback port nobody listens on, whose cluster bus port (+10000) is free too.
+# A loopback port nobody listens on, whose cluster bus port (+10000) is free too; below the
+# usual ephemeral range (32768..), so that no outgoing connection holds it meanwhile.
 free_port() {
   local p
   while :; do
-    p=$(( 20000 + RANDOM % 30000 ))
+    p=$(( 10000 + RANDOM % 12000 ))
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null && ! (exec 3<>"/dev/tcp/127.0.0.1/$((p + 10000))") 2>/dev/null; then
       echo "$p"
       return
@@ -35,24 +36,31 @@ free_port() {
 }
 
 # start USER EXTRA...: one server wanting the password (USER empty) or the ACL user; sets PORT.
+# A port taken between the check and the bind (another test's server): another port.
 start() {
   local user=$1
   shift
-  local auth
-  PORT=$(free_port)
+  local auth attempt pid
   if [[ -z "$user" ]]; then
     auth=(--requirepass "$SECRET" --masterauth "$SECRET")
   else
     auth=(--user default off --user "$user" on ">$SECRET" '~*' '&*' +@all --masteruser "$user" --masterauth "$SECRET")
   fi
-  redis-server --port "$PORT" --bind 127.0.0.1 --dir "$DIR" --save '' --appendonly no \
-    --logfile "$DIR/redis-$PORT.log" "${auth[@]}" "$@" > /dev/null 2>&1 &
-  PIDS+=($!)
-  for _ in $(seq 100); do
-    if cli "$user" -p "$PORT" PING 2>/dev/null | grep -q PONG; then return; fi
-    sleep 0.05
+  for attempt in 1 2 3 4 5; do
+    PORT=$(free_port)
+    redis-server --port "$PORT" --bind 127.0.0.1 --dir "$DIR" --save '' --appendonly no \
+      --logfile "$DIR/redis-$PORT.log" "${auth[@]}" "$@" > /dev/null 2>&1 &
+    pid=$!
+    PIDS+=("$pid")
+    for _ in $(seq 200); do
+      if cli "$user" -p "$PORT" PING 2>/dev/null | grep -q PONG; then return; fi
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.05
+    done
+    echo "redis-server on $PORT did not start (attempt $attempt):" >&2
+    tail -3 "$DIR/redis-$PORT.log" >&2 || true
+    kill -9 "$pid" 2>/dev/null || true
   done
-  echo "redis-server on $PORT did not start" >&2
   exit 1
 }
 

@@ -29,7 +29,7 @@ SECRET="Tl5-s3cret-$$"
 free_port() {
   local p
   while :; do
-    p=$(( 20000 + RANDOM % 40000 ))
+    p=$(( 10000 + RANDOM % 20000 ))  # below the usual ephemeral range (32768..)
     (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null || { echo "$p"; return; }
   done
 }
@@ -43,21 +43,30 @@ openssl x509 -req -in "$DIR/redis.csr" -CA "$DIR/ca.crt" -CAkey "$DIR/ca.key" -C
   -extfile "$DIR/san.ext" -out "$DIR/redis.crt" 2>/dev/null
 chmod 600 "$DIR"/*.key
 
-# 2. redis-server on its TLS port only (--port 0: no plain-text port), with a password.
-TLS_PORT=$(free_port)
-redis-server --port 0 --tls-port "$TLS_PORT" --bind 127.0.0.1 --dir "$DIR" --save '' --appendonly no \
-  --tls-cert-file "$DIR/redis.crt" --tls-key-file "$DIR/redis.key" --tls-ca-cert-file "$DIR/ca.crt" \
-  --tls-auth-clients no --requirepass "$SECRET" --logfile "$DIR/redis.log" > /dev/null 2>&1 &
-PIDS+=($!)
+# 2. redis-server on its TLS port only (--port 0: no plain-text port), with a password. A port
+# taken between the check and the bind: another port.
 tls_cli() { REDISCLI_AUTH="$SECRET" redis-cli --tls --cacert "$DIR/ca.crt" -h 127.0.0.1 -p "$TLS_PORT" "$@"; }
-for _ in $(seq 100); do
-  tls_cli PING 2>/dev/null | grep -q PONG && break
-  sleep 0.05
-done
-if ! tls_cli PING 2>/dev/null | grep -q PONG; then
-  grep -qi "tls" "$DIR/redis.log" 2>/dev/null && cat "$DIR/redis.log"
+up=0
+for attempt in 1 2 3 4 5; do
+  TLS_PORT=$(free_port)
+  rm -f "$DIR/redis.log"
+  redis-server --port 0 --tls-port "$TLS_PORT" --bind 127.0.0.1 --dir "$DIR" --save '' --appendonly no \
+    --tls-cert-file "$DIR/redis.crt" --tls-key-file "$DIR/redis.key" --tls-ca-cert-file "$DIR/ca.crt" \
+    --tls-auth-clients no --requirepass "$SECRET" --logfile "$DIR/redis.log" > "$DIR/redis.out" 2>&1 &
+  pid=$!
+  PIDS+=("$pid")
+  for _ in $(seq 200); do
+    if tls_cli PING 2>/dev/null | grep -q PONG; then up=1; break; fi
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.05
+  done
+  [[ $up -eq 1 ]] && break
+  kill -9 "$pid" 2>/dev/null || true
+  grep -qi "address already in use" "$DIR/redis.log" "$DIR/redis.out" 2>/dev/null && continue
+  cat "$DIR/redis.log" "$DIR/redis.out" 2>/dev/null || true
   skip "redis-server did not answer on a TLS port (built without TLS support?)"
-fi
+done
+[[ $up -eq 1 ]] || { echo "FAILED: no free port for redis-server in 5 attempts"; exit 1; }
 # A plain-text client cannot talk to it: the tunnel is what makes it reachable.
 if REDISCLI_AUTH="$SECRET" timeout 5 redis-cli -h 127.0.0.1 -p "$TLS_PORT" PING 2>/dev/null | grep -q PONG; then
   echo "FAILED: the TLS port answered plain text"
