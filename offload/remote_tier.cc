@@ -166,30 +166,28 @@ Status RemoteTierOptions::Validate() const {
 }
 
 std::string RedactRemoteSpec(std::string_view spec) {
-  std::string out(spec);
-  const size_t start = AuthorityStart(spec);
-  if (const size_t at = UserinfoEnd(spec, start, true); at != std::string_view::npos) {
-    const size_t colon = spec.find(':', start);
-    if (colon < at) out = std::string(spec.substr(0, colon + 1)) + "***" + std::string(spec.substr(at));
+  // First the values of secret-looking query keys, wherever a '?' or '&' starts one (also
+  // past an '@' that a misparse might take for the userinfo's end).
+  std::string s;
+  for (size_t i = 0; i < spec.size();) {
+    s += spec[i];
+    if (spec[i] == '?' || spec[i] == '&') {
+      const size_t eq = spec.find('=', i + 1), end = spec.find('&', i + 1);
+      if (eq != std::string_view::npos && eq < end && SecretKey(spec.substr(i + 1, eq - i - 1))) {
+        s += std::string(spec.substr(i + 1, eq - i)) + "***";
+        i = end == std::string_view::npos ? spec.size() : end;
+        continue;
+      }
+    }
+    ++i;
   }
-  // Query values of secret-looking keys.
-  const size_t q = out.find('?', out.find('@') == std::string::npos ? start : out.rfind('@'));
-  if (q == std::string::npos) return out;
-  std::string redacted = out.substr(0, q + 1);
-  std::string_view query = std::string_view(out).substr(q + 1);
-  while (true) {
-    const size_t amp = query.find('&');
-    const std::string_view kv = query.substr(0, amp);
-    const size_t eq = kv.find('=');
-    if (eq != std::string_view::npos && SecretKey(kv.substr(0, eq)))
-      redacted += std::string(kv.substr(0, eq + 1)) + "***";
-    else
-      redacted += std::string(kv);
-    if (amp == std::string_view::npos) break;
-    redacted += '&';
-    query = query.substr(amp + 1);
+  // Then the userinfo's password.
+  const size_t start = AuthorityStart(s);
+  if (const size_t at = UserinfoEnd(s, start, true); at != std::string::npos) {
+    const size_t colon = s.find(':', start);
+    if (colon < at) s = s.substr(0, colon + 1) + "***" + s.substr(at);
   }
-  return redacted;
+  return s;
 }
 
 Result<RemoteTierOptions> ParseRemoteSpec(std::string_view spec) {

@@ -194,6 +194,9 @@ TEST(RemoteSpec, RedactReplacesTheSecretAndNothingElse) {
             "redis://h:1?password_file=/run/secrets/redis")
       << "the file's path is no secret";
   EXPECT_EQ(RedactRemoteSpec("redis://u:a?b@h:1"), "redis://u:***@h:1") << "a raw '?' in the password";
+  EXPECT_EQ(RedactRemoteSpec("redis://h:1?password_file=/a@b&password=x9").find("x9"), std::string::npos)
+      << "a query secret past an '@' in a path";
+  EXPECT_EQ(RedactRemoteSpec("redis://h:1?password=a@b:c&wait=1"), "redis://h:1?password=***&wait=1");
   EXPECT_EQ(RedactRemoteSpec(""), "");
   EXPECT_EQ(RedactRemoteSpec("garbage:pw@x"), "garbage:***@x");
 }
