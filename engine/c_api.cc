@@ -41,6 +41,7 @@ static_assert(KVTIER_IO_ERROR == static_cast<int>(StatusCode::kIOError));
 static_assert(KVTIER_TIMED_OUT == static_cast<int>(StatusCode::kTimedOut));
 static_assert(KVTIER_UNAVAILABLE == static_cast<int>(StatusCode::kUnavailable));
 static_assert(KVTIER_INTERNAL == static_cast<int>(StatusCode::kInternal));
+static_assert(KVTIER_PERMISSION_DENIED == static_cast<int>(StatusCode::kPermissionDenied));
 static_assert(KVTIER_F32 == static_cast<int>(kvtier::DType::kF32));
 static_assert(KVTIER_F16 == static_cast<int>(kvtier::DType::kF16));
 static_assert(KVTIER_BF16 == static_cast<int>(kvtier::DType::kBF16));
@@ -111,7 +112,7 @@ extern "C" {
 
 const char* kvtier_code_name(kvtier_code code) {
   const long long c = Raw(code);
-  if (c < KVTIER_OK || c > KVTIER_INTERNAL) return "Unknown";
+  if (c < KVTIER_OK || c > KVTIER_PERMISSION_DENIED) return "Unknown";
   return kvtier::StatusCodeName(static_cast<StatusCode>(c));
 }
 
@@ -138,6 +139,7 @@ kvtier_store_options kvtier_store_options_default(void) {
     o.hot_bytes = so.hot_bytes;
     o.warm_bytes = so.warm_bytes;
     o.data_dir = nullptr;
+    o.remote = nullptr;
     o.compression = static_cast<kvtier_compression>(so.compression);
   } catch (...) {
   }
@@ -169,6 +171,7 @@ kvtier_code kvtier_store_open(const kvtier_store_options* options, kvtier_store*
     so.hot_bytes = options->hot_bytes;
     so.warm_bytes = options->warm_bytes;
     so.data_dir = options->data_dir ? options->data_dir : "";
+    so.remote = options->remote ? options->remote : "";
     so.compression = static_cast<kvtier::Compression>(compression);
     auto handle = std::make_unique<kvtier_store>();
     KVTIER_ASSIGN_OR_RETURN(handle->store, kvtier::Store::Open(so));

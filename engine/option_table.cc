@@ -159,9 +159,8 @@ const std::vector<StoreOptionDesc>& StoreOptionTable() {
        "LostChunks() lists them",
        0, 0, "", KVTIER_OPT_BOOL(S, accept_lost_chunks)},
       {"remote", "remote", "remote", OptionType::kString, "",
-       "remote tier on Redis, redis://host:port[,host:port...][?wait=N&timeout_ms=N&...] (one server or any "
-       "nodes of a "
-       "cluster); none if empty",
+       "remote tier on Redis, redis://[USER:PASSWORD@]host:port[,host:port...][?wait=N&timeout_ms=N&...] "
+       "(one server or any nodes of a cluster; credentials and options: docs/cli.md); none if empty",
        0, 0, "", KVTIER_OPT_STRING(S, remote)},
       {"remote_namespace", "remote_namespace", "", OptionType::kString, "",
        "key namespace of this store's chunks in Redis; empty = a fresh one per Open (host, pid, time)", 0, 0,

@@ -1103,7 +1103,7 @@ std::string RunReport::ToJson() const {
   w.Key("budget").Int(o.budget).Key("window").Int(o.window).Key("stat_stride").Int(o.stat_stride);
   w.Key("hot_bytes").Uint(o.store.hot_bytes).Key("warm_bytes").Uint(o.store.warm_bytes);
   w.Key("data_dir").String(o.store.data_dir);
-  w.Key("remote").String(o.store.remote);
+  w.Key("remote").String(RedactRemoteSpec(o.store.remote));
   w.Key("compression").String(CompressionName(o.store.compression));
   w.Key("probe").String(o.retrieval.probe).Key("alloc").String(o.retrieval.alloc);
   w.Key("index").String(o.retrieval.index);

@@ -45,6 +45,22 @@ Status ConnectionError(const redisContext* c, const RedisEndpoint& ep, const cha
 
 bool StartsWith(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
 
+// A reply that refuses the credentials or the user's rights: final, retrying cannot help.
+bool IsAuthError(std::string_view e) {
+  return StartsWith(e, "NOAUTH") || StartsWith(e, "WRONGPASS") || StartsWith(e, "NOPERM") ||
+         StartsWith(e, "ERR AUTH") || StartsWith(e, "ERR invalid password") ||
+         StartsWith(e, "ERR Client sent AUTH");
+}
+
+// The server's words only: they never hold the password.
+Status AuthError(const RedisEndpoint& ep, std::string_view e) {
+  std::string m = "redis " + ep.ToString() + ": " + std::string(e);
+  if (e.find("NOAUTH") != std::string_view::npos)
+    m += " (the server wants a password: give one in the remote spec's userinfo, password_file= or "
+         "KVTIER_REDIS_PASSWORD)";
+  return PermissionDenied(std::move(m));
+}
+
 // "MOVED 3999 127.0.0.1:6381" / "ASK 3999 127.0.0.1:6381" -> slot, endpoint.
 bool ParseRedirect(std::string_view e, int* slot, RedisEndpoint* ep) {
   const size_t a = e.find(' ');
@@ -91,13 +107,15 @@ Status RedisClientOptions::Validate() const {
                            std::to_string(command_timeout_ms) + ")");
   if (retry_ms < 0)
     return InvalidArgument("redis: retry_ms must be >= 0 (got " + std::to_string(retry_ms) + ")");
-  if (pool_size < 1)
-    return InvalidArgument("redis: pool_size must be >= 1 (got " + std::to_string(pool_size) + ")");
+  if (pool_size < 1 || pool_size > kMaxPoolSize)
+    return InvalidArgument("redis: pool_size must be in 1.." + std::to_string(kMaxPoolSize) + " (got " +
+                           std::to_string(pool_size) + ")");
+  if (password.empty() && !user.empty()) return InvalidArgument("redis: user '" + user + "' has no password");
   return Status::Ok();
 }
 
 struct RedisClient::Node {
-  using Clock = std::chrono::steady_clock;
+  using Clock = RedisClient::Clock;
   RedisEndpoint endpoint;
   std::vector<redisContext*> idle;  // pooled connections, guarded by RedisClient::mu_
   // The node's retry window, guarded by RedisClient::mu_ (see the header): open from the
@@ -131,6 +149,23 @@ Result<redisContext*> RedisClient::Dial(const RedisEndpoint& ep) const {
     redisFree(c);
     return st;
   }
+  if (!options_.password.empty()) {
+    const std::string& u = options_.user;
+    const std::string& p = options_.password;
+    RedisReplyPtr r(static_cast<redisReply*>(
+        u.empty() ? redisCommand(c, "AUTH %b", p.data(), p.size())
+                  : redisCommand(c, "AUTH %b %b", u.data(), u.size(), p.data(), p.size())));
+    Status st;
+    if (!r)
+      st = ConnectionError(c, ep, "AUTH");
+    else if (r->type == REDIS_REPLY_ERROR)
+      st = AuthError(ep, (u.empty() ? "AUTH refused: " : "AUTH as user '" + u + "' refused: ") +
+                             std::string(r->str, r->len));
+    if (!st.ok()) {
+      redisFree(c);
+      return st;
+    }
+  }
   return c;
 }
 
@@ -143,11 +178,19 @@ int RedisClient::NodeIndexLocked(const RedisEndpoint& ep) {
   return static_cast<int>(nodes_.size() - 1);
 }
 
-void RedisClient::NodeFailedLocked(int node, const Status& error) {
+RedisClient::Clock::time_point RedisClient::OutageStartLocked() const {
+  const auto now = Clock::now();
+  auto start = now;
+  for (const auto& n : nodes_)
+    if (n->failing || (n->down && now < n->down_until)) start = std::min(start, n->failing_since);
+  return start;
+}
+
+void RedisClient::NodeFailedLocked(int node, const Status& error, std::optional<Clock::time_point> since) {
   Node& n = *nodes_[node];
   if (n.failing || n.down) return;
   n.failing = true;
-  n.failing_since = Node::Clock::now();
+  n.failing_since = since ? *since : Node::Clock::now();
   n.first_error = error;
   // A node tried again after its down window waited its one window already: down again at
   // once, or a queue spread over several dead nodes would wait a window per node and retry.
@@ -221,6 +264,8 @@ Result<std::unique_ptr<RedisClient>> RedisClient::Connect(const RedisClientOptio
   for (const RedisEndpoint& seed : options.seeds) {
     auto dial = client->Dial(seed);
     if (!dial.ok()) {
+      // Every seed has the same credentials: a refusal is the answer, not a dead seed.
+      if (dial.status().code() == StatusCode::kPermissionDenied) return dial.status();
       tried += (tried.empty() ? "" : "; ") + dial.status().message();
       continue;
     }
@@ -233,6 +278,10 @@ Result<std::unique_ptr<RedisClient>> RedisClient::Connect(const RedisClientOptio
     }
     if (r->type == REDIS_REPLY_ERROR) {
       const std::string e(r->str, r->len);
+      if (IsAuthError(e)) {
+        redisFree(c);
+        return AuthError(seed, "CLUSTER SLOTS refused: " + e);
+      }
       if (e.find("cluster support disabled") == std::string::npos) {
         redisFree(c);
         return Unavailable("redis " + seed.ToString() + ": CLUSTER SLOTS failed: " + e);
@@ -271,11 +320,22 @@ bool RedisClient::RefreshSlots() {
     std::lock_guard<std::mutex> l(mu_);
     for (auto& n : nodes_) candidates.push_back(n->endpoint);
   }
+  const size_t known = candidates.size();  // candidates[i] is nodes_[i] for i < known
   for (const RedisEndpoint& s : options_.seeds)
     if (std::find(candidates.begin(), candidates.end(), s) == candidates.end()) candidates.push_back(s);
-  for (const RedisEndpoint& ep : candidates) {
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const RedisEndpoint& ep = candidates[i];
     auto dial = Dial(ep);
-    if (!dial.ok()) continue;
+    if (!dial.ok()) {
+      // A node that cannot be reached now has failed an attempt: its window opens now, not
+      // when a batch first reaches it, so masters that died together (the whole cluster
+      // down for good) are named one retry window after the first failure, not one each.
+      if (i < known && dial.status().code() != StatusCode::kPermissionDenied) {
+        std::lock_guard<std::mutex> l(mu_);
+        NodeFailedLocked(static_cast<int>(i), dial.status());
+      }
+      continue;
+    }
     RedisReplyPtr r(static_cast<redisReply*>(redisCommand(*dial, "CLUSTER SLOTS")));
     redisFree(*dial);
     std::vector<std::tuple<int, int, RedisEndpoint>> ranges;
@@ -407,7 +467,13 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
           }
         }
       }
-      if (b.ctx == nullptr) {
+      if (b.ctx == nullptr && err.code() == StatusCode::kPermissionDenied) {
+        // The node answered and refused the credentials: final, and the node is not failing.
+        for (size_t i : b.calls) {
+          (*calls)[i].status = err;
+          ask_node[i] = -1;
+        }
+      } else if (b.ctx == nullptr) {
         for (size_t i : b.calls) {
           (*calls)[i].status = err;
           retry.push_back(i);
@@ -452,6 +518,10 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
             ask_node[i] = NodeIndexLocked(ep);
             call.status = Unavailable("redis: " + std::string(e));
             retry.push_back(i);
+            continue;
+          }
+          if (IsAuthError(e)) {
+            call.status = AuthError(b.endpoint, e);  // final: no retry, not waited for
             continue;
           }
           if (StartsWith(e, "TRYAGAIN") || StartsWith(e, "CLUSTERDOWN") || StartsWith(e, "LOADING") ||
@@ -511,7 +581,14 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
         }
         RedisReplyPtr w(static_cast<redisReply*>(raw));
         const long long acked = w->type == REDIS_REPLY_INTEGER ? w->integer : -1;
-        if (acked < wait_replicas) {
+        if (w->type == REDIS_REPLY_ERROR && IsAuthError(std::string_view(w->str, w->len))) {
+          // The user may write but not WAIT (an ACL denial): not acknowledged, and final.
+          const Status st = AuthError(b.endpoint, "WAIT refused: " + std::string(w->str, w->len));
+          for (size_t i : answered) {
+            (*calls)[i].reply.reset();
+            (*calls)[i].status = st;
+          }
+        } else if (acked < wait_replicas) {
           // Not on enough replicas: a failover now could lose it. Not acknowledged; retried.
           const Status st = Unavailable("redis " + b.endpoint.ToString() + ": write reached " +
                                         std::to_string(std::max(0LL, acked)) + " of " + wait_n +
@@ -527,20 +604,23 @@ void RedisClient::Execute(std::vector<RedisCall>* calls, int wait_replicas, int 
       }
       {
         std::lock_guard<std::mutex> l(mu_);
-        if (transient.ok()) {
+        if (!cluster_down.ok()) {
+          // cluster_state:fail is the whole remote failing, not one node, and it is the
+          // outage that began with the first node that failed (the cluster says so only
+          // cluster-node-timeout later): every node's window opens at that first failure,
+          // so a queue spread over the masters waits one window in all, not one per master
+          // as each is reached in turn, nor a second one for the masters still answering.
+          const auto since = OutageStartLocked();
+          for (int n = 0; n < static_cast<int>(nodes_.size()); ++n) {
+            NodeFailedLocked(n, cluster_down, since);
+            failed_nodes.push_back(n);
+          }
+        } else if (transient.ok()) {
           NodeAnsweredLocked(b.node);
         } else {
           NodeFailedLocked(b.node, transient);
           failed_nodes.push_back(b.node);
         }
-        // cluster_state:fail is the whole remote failing, not one node: every node's window
-        // opens now, so a queue spread over the masters waits one window, not one per master
-        // as each is reached in turn.
-        if (!cluster_down.ok())
-          for (int n = 0; n < static_cast<int>(nodes_.size()); ++n) {
-            NodeFailedLocked(n, cluster_down);
-            failed_nodes.push_back(n);
-          }
       }
       GiveBack(b.node, b.ctx);
       b.ctx = nullptr;

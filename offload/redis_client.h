@@ -19,7 +19,10 @@
 // belongs to the node, not to the batch: it opens at the node's first failure and every
 // batch sent to the node meanwhile shares it, so a queue of batches behind a dead node
 // waits one retry_ms in all, not one each; a CLUSTERDOWN reply (cluster_state:fail, the
-// whole remote failing) opens every node's window at once. When the window ends (or a
+// whole remote failing) opens every node's window at once, as of the first failure of the
+// outage (the earliest open window); and a node the slot-map refresh cannot reach opens
+// its window then, not when a batch first reaches it, so masters that died together are
+// named one retry_ms after the first failure. When the window ends (or a
 // batch has retried retry_ms), the node is down for the next retry_ms: every queued and
 // later command to it fails at once with Unavailable naming the node and its first
 // error. After that the next command tries the node again (a restarted server is used
@@ -30,15 +33,25 @@
 // node. Retrying is safe because every command the remote tier sends is idempotent (SET
 // of the same value, GET, DEL, WAIT).
 //
+// Credentials: with a password (and optionally an ACL user) every connection the client
+// opens, to a seed, a cluster node or a node reconnected after a failure, sends AUTH before
+// anything else. A refused AUTH (WRONGPASS, or a server with no password set), a NOAUTH
+// reply (the server wants a password and none was given) and an ACL denial (NOPERM) are
+// PermissionDenied naming the node and the server's words, never the password; they are
+// final: not retried, and the node's retry window does not open (the node is up, it said
+// no).
+//
 // Thread-safe: any number of threads may call Execute; each takes its own connections
 // from the per-node pool.
 #pragma once
 
 #include <hiredis/hiredis.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -50,7 +63,10 @@ namespace kvtier {
 struct RedisEndpoint {
   std::string host;  ///< name or address
   int port = 0;      ///< TCP port
-  std::string ToString() const { return host + ":" + std::to_string(port); }
+  /// "host:port", "[::1]:port" for an IPv6 address.
+  std::string ToString() const {
+    return (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
+  }
   bool operator==(const RedisEndpoint& o) const { return host == o.host && port == o.port; }
 };
 
@@ -62,8 +78,11 @@ struct RedisClientOptions {
   int connect_timeout_ms = 1000;     ///< TCP connect limit per attempt (default 1 s)
   int command_timeout_ms = 2000;     ///< limit on one reply (default 2 s); slower is a failed attempt
   int retry_ms = 10000;              ///< a node's retry window, then its fail-at-once window (default 10 s)
-  int pool_size = 4;                 ///< idle connections kept per node (default 4)
-  Status Validate() const;           ///< names the bad field
+  int pool_size = 4;                 ///< idle connections kept per node (default 4), 1..kMaxPoolSize
+  std::string user;                  ///< ACL user AUTH names; empty: the default user
+  std::string password;              ///< AUTH's password; empty: no AUTH (user must then be empty)
+  static constexpr int kMaxPoolSize = 256;
+  Status Validate() const;  ///< names the bad field
 };
 
 /// A hiredis reply, freed on destruction.
@@ -86,7 +105,8 @@ struct RedisCall {
 class RedisClient {
  public:
   /// Connects to the first reachable seed and learns whether it is a cluster (and its
-  /// slot map). Unavailable naming every seed when none answers.
+  /// slot map). Unavailable naming every seed when none answers; PermissionDenied at once
+  /// when a seed refuses the credentials (or wants some and none were given).
   static Result<std::unique_ptr<RedisClient>> Connect(const RedisClientOptions& options);
   ~RedisClient();
   RedisClient(const RedisClient&) = delete;
@@ -111,8 +131,13 @@ class RedisClient {
   /// Re-reads CLUSTER SLOTS from any node that answers; false when none did.
   bool RefreshSlots();
   int NodeIndexLocked(const RedisEndpoint& ep);
-  /// A failed attempt on the node: opens its retry window unless one is open.
-  void NodeFailedLocked(int node, const Status& error);
+  using Clock = std::chrono::steady_clock;
+  /// A failed attempt on the node: opens its retry window unless one is open, as of
+  /// `since` (default now).
+  void NodeFailedLocked(int node, const Status& error, std::optional<Clock::time_point> since = std::nullopt);
+  /// When the outage in progress began: the earliest window start of a failing (or still
+  /// down) node; now when none is.
+  Clock::time_point OutageStartLocked() const;
   /// The node answered as it should: its retry window closes.
   void NodeAnsweredLocked(int node);
   /// Not OK while the node is down (its window ran out): the status every command gets.

@@ -1,7 +1,12 @@
 #include "offload/remote_tier.h"
 
+#include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 
 #include "offload/cold_tier.h"
 #include "store/checksum.h"
@@ -20,6 +25,51 @@ bool ValidNamespace(std::string_view ns) {
   return true;
 }
 
+// Where the userinfo of a spec ends (its '@'), or npos: the last '@' before the first '?'.
+// `lenient` also takes the first '@' past a '?' (a password holding a raw '?'), so that
+// redaction hides too much rather than too little.
+size_t UserinfoEnd(std::string_view spec, size_t start, bool lenient) {
+  const size_t q = spec.find('?', start);
+  const std::string_view before = spec.substr(0, q);
+  const size_t at = before.rfind('@');
+  if (at != std::string_view::npos && at >= start) return at;
+  if (!lenient || q == std::string_view::npos) return std::string_view::npos;
+  return spec.find('@', q);
+}
+
+size_t AuthorityStart(std::string_view spec) {
+  const size_t s = spec.find("://");
+  return s == std::string_view::npos ? 0 : s + 3;
+}
+
+// A query key whose value is a secret (the parser refuses them; redaction hides them anyway).
+bool SecretKey(std::string_view k) {
+  std::string l(k);
+  for (char& c : l) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return l != "password_file" &&
+         (l.find("pass") != std::string::npos || l.find("secret") != std::string::npos ||
+          l.find("token") != std::string::npos);
+}
+
+// True when `piece` (a view into `spec`) overlaps what RedactRemoteSpec hides: a misparsed
+// password (a raw '?' in it) must not come back quoted as a host or an option.
+bool TouchesSecret(std::string_view spec, std::string_view piece) {
+  if (piece.data() < spec.data() || piece.data() + piece.size() > spec.data() + spec.size()) return false;
+  const size_t start = AuthorityStart(spec);
+  const size_t at = UserinfoEnd(spec, start, true);
+  if (at == std::string_view::npos) return false;
+  const size_t colon = spec.find(':', start);
+  if (colon >= at) return false;
+  const size_t p0 = static_cast<size_t>(piece.data() - spec.data()), p1 = p0 + piece.size();
+  return p0 < at && p1 > colon + 1;
+}
+
+// A piece of the spec for a message: quoted, or not shown when it may hold the password.
+std::string Quote(std::string_view spec, std::string_view piece) {
+  if (TouchesSecret(spec, piece)) return "(not shown: it may hold the password; a '?' in one is written %3F)";
+  return "'" + std::string(piece) + "'";
+}
+
 Result<int> ParseInt(std::string_view spec, std::string_view field, std::string_view text) {
   int v = 0;
   if (text.empty() || text.size() > 9) goto bad;
@@ -29,8 +79,25 @@ Result<int> ParseInt(std::string_view spec, std::string_view field, std::string_
   }
   return v;
 bad:
-  return InvalidArgument("remote spec '" + std::string(spec) + "': " + std::string(field) + " '" +
-                         std::string(text) + "' is not a non-negative integer");
+  return InvalidArgument("remote spec '" + RedactRemoteSpec(spec) + "': " + std::string(field) + " " +
+                         Quote(spec, text) + " is not a non-negative integer");
+}
+
+// %XX-decoding of a userinfo part; false on a malformed escape.
+bool PercentDecode(std::string_view in, std::string* out) {
+  out->clear();
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (in[i] != '%') {
+      out->push_back(in[i]);
+      continue;
+    }
+    if (i + 2 >= in.size() || !std::isxdigit(static_cast<unsigned char>(in[i + 1])) ||
+        !std::isxdigit(static_cast<unsigned char>(in[i + 2])))
+      return false;
+    out->push_back(static_cast<char>(std::stoi(std::string(in.substr(i + 1, 2)), nullptr, 16)));
+    i += 2;
+  }
+  return true;
 }
 
 // The framed value's `what` and its messages say "remote tier", not the cold tier's words.
@@ -91,48 +158,116 @@ Status RemoteTierOptions::Validate() const {
   co.command_timeout_ms = command_timeout_ms;
   co.retry_ms = retry_ms;
   co.pool_size = pool_size;
+  co.user = user;
+  co.password = password;
   Status st = co.Validate();
   if (!st.ok()) return Status(st.code(), "remote tier: " + st.message());
   return Status::Ok();
 }
 
+std::string RedactRemoteSpec(std::string_view spec) {
+  // First the values of secret-looking query keys, wherever a '?' or '&' starts one (also
+  // past an '@' that a misparse might take for the userinfo's end).
+  std::string s;
+  for (size_t i = 0; i < spec.size();) {
+    s += spec[i];
+    if (spec[i] == '?' || spec[i] == '&') {
+      const size_t eq = spec.find('=', i + 1), end = spec.find('&', i + 1);
+      if (eq != std::string_view::npos && eq < end && SecretKey(spec.substr(i + 1, eq - i - 1))) {
+        s += std::string(spec.substr(i + 1, eq - i)) + "***";
+        i = end == std::string_view::npos ? spec.size() : end;
+        continue;
+      }
+    }
+    ++i;
+  }
+  // Then the userinfo's password.
+  const size_t start = AuthorityStart(s);
+  if (const size_t at = UserinfoEnd(s, start, true); at != std::string::npos) {
+    const size_t colon = s.find(':', start);
+    if (colon < at) s = s.substr(0, colon + 1) + "***" + s.substr(at);
+  }
+  return s;
+}
+
 Result<RemoteTierOptions> ParseRemoteSpec(std::string_view spec) {
   const std::string_view scheme = "redis://";
   auto bad = [&](const std::string& why) {
-    return InvalidArgument("remote spec '" + std::string(spec) + "': " + why +
-                           " (expected redis://host:port[,host:port...][?wait=N&timeout_ms=N&...])");
+    return InvalidArgument(
+        "remote spec '" + RedactRemoteSpec(spec) + "': " + why +
+        " (expected redis://[USER:PASSWORD@]host:port[,host:port...][?wait=N&timeout_ms=N&...])");
   };
   if (spec.substr(0, scheme.size()) != scheme) return bad("must start with redis://");
   std::string_view rest = spec.substr(scheme.size());
+  RemoteTierOptions o;
+  bool userinfo_password = false;
+  if (const size_t at = UserinfoEnd(rest, 0, false); at != std::string_view::npos) {
+    const std::string_view info = rest.substr(0, at);
+    rest = rest.substr(at + 1);
+    const size_t colon = info.find(':');
+    if (!PercentDecode(info.substr(0, colon), &o.user)) return bad("the user name has a malformed %-escape");
+    if (colon != std::string_view::npos) {
+      if (!PercentDecode(info.substr(colon + 1), &o.password))
+        return bad("the password has a malformed %-escape");
+      if (o.password.empty()) return bad("the userinfo's password is empty");
+      userinfo_password = true;
+    }
+  }
   std::string_view query;
   if (const size_t q = rest.find('?'); q != std::string_view::npos) {
     query = rest.substr(q + 1);
     rest = rest.substr(0, q);
   }
-  RemoteTierOptions o;
   while (!rest.empty()) {
     const size_t comma = rest.find(',');
     const std::string_view item = rest.substr(0, comma);
     rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
     if (comma != std::string_view::npos && rest.empty()) return bad("trailing ','");
-    const size_t colon = item.rfind(':');
     if (item.empty()) return bad("empty host:port");
-    if (colon == std::string_view::npos || colon == 0)
-      return bad("'" + std::string(item) + "' is not host:port");
-    KVTIER_ASSIGN_OR_RETURN(int port, ParseInt(spec, "port", item.substr(colon + 1)));
+    std::string_view host, port_text;
+    if (item.front() == '[') {
+      // [IPv6 address]:port
+      const size_t close = item.find(']');
+      if (close == std::string_view::npos || close == 1 || close + 1 >= item.size() || item[close + 1] != ':')
+        return bad(Quote(spec, item) + " is not [IPv6 address]:port");
+      host = item.substr(1, close - 1);
+      port_text = item.substr(close + 2);
+    } else {
+      const size_t colon = item.rfind(':');
+      if (colon == std::string_view::npos || colon == 0) return bad(Quote(spec, item) + " is not host:port");
+      host = item.substr(0, colon);
+      if (host.find(':') != std::string_view::npos)
+        return bad(Quote(spec, item) + " is not host:port (an IPv6 address goes in brackets: [::1]:6379)");
+      port_text = item.substr(colon + 1);
+    }
+    KVTIER_ASSIGN_OR_RETURN(int port, ParseInt(spec, "port", port_text));
     if (port < 1 || port > 65535) return bad("port " + std::to_string(port) + " is outside 1..65535");
-    o.endpoints.push_back(RedisEndpoint{std::string(item.substr(0, colon)), port});
+    o.endpoints.push_back(RedisEndpoint{std::string(host), port});
   }
   if (o.endpoints.empty()) return bad("no host:port");
+  std::vector<std::string> seen;
+  std::string password_file;
   while (!query.empty()) {
     const size_t amp = query.find('&');
     const std::string_view kv = query.substr(0, amp);
     query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
     const size_t eq = kv.find('=');
-    if (eq == std::string_view::npos) return bad("option '" + std::string(kv) + "' is not key=value");
+    if (eq == std::string_view::npos) return bad("option " + Quote(spec, kv) + " is not key=value");
     const std::string_view k = kv.substr(0, eq), v = kv.substr(eq + 1);
+    if (SecretKey(k))
+      return bad("option " + Quote(spec, k) +
+                 ": a password is not taken from the query (query strings end up in logs); give it in the "
+                 "userinfo (redis://:PASSWORD@host:port), in password_file=PATH or in KVTIER_REDIS_PASSWORD");
+    if (std::find(seen.begin(), seen.end(), k) != seen.end())
+      return bad("option " + Quote(spec, k) + " is given twice");
+    seen.emplace_back(k);
     if (k == "ns") {
       o.ns = std::string(v);
+      continue;
+    }
+    if (k == "password_file") {
+      if (v.empty()) return bad("password_file is empty");
+      password_file = std::string(v);
       continue;
     }
     int* field = k == "wait"                 ? &o.wait_replicas
@@ -143,10 +278,35 @@ Result<RemoteTierOptions> ParseRemoteSpec(std::string_view spec) {
                  : k == "pool"               ? &o.pool_size
                                              : nullptr;
     if (field == nullptr)
-      return bad("unknown option '" + std::string(k) +
-                 "' (known: wait, wait_timeout_ms, timeout_ms, connect_timeout_ms, retry_ms, pool, ns)");
+      return bad("unknown option " + Quote(spec, k) +
+                 " (known: wait, wait_timeout_ms, timeout_ms, connect_timeout_ms, retry_ms, pool, ns, "
+                 "password_file)");
     KVTIER_ASSIGN_OR_RETURN(*field, ParseInt(spec, k, v));
+    if (k == "pool" && (o.pool_size < 1 || o.pool_size > RedisClientOptions::kMaxPoolSize))
+      return bad("option 'pool' is " + std::to_string(o.pool_size) + ", outside 1.." +
+                 std::to_string(RedisClientOptions::kMaxPoolSize) + " (idle connections kept per node)");
   }
+  if (!password_file.empty()) {
+    if (userinfo_password) return bad("a password in the userinfo and a password_file: give one");
+    std::ifstream f(password_file, std::ios::binary);
+    if (!f) return bad("password_file '" + password_file + "' cannot be read: " + std::strerror(errno));
+    std::string pw((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    if (f.bad()) return bad("password_file '" + password_file + "' cannot be read: " + std::strerror(errno));
+    if (!pw.empty() && pw.back() == '\n') pw.pop_back();
+    if (!pw.empty() && pw.back() == '\r') pw.pop_back();
+    if (pw.empty()) return bad("password_file '" + password_file + "' holds no password");
+    if (pw.find('\n') != std::string::npos)
+      return bad("password_file '" + password_file + "' holds more than one line");
+    o.password = std::move(pw);
+  } else if (!userinfo_password) {
+    if (const char* env = std::getenv("KVTIER_REDIS_PASSWORD"); env != nullptr && env[0] != '\0')
+      o.password = env;
+  }
+  if (o.user.empty())
+    if (const char* env = std::getenv("KVTIER_REDIS_USER"); env != nullptr && env[0] != '\0') o.user = env;
+  if (!o.user.empty() && o.password.empty())
+    return bad("user '" + o.user +
+               "' has no password (give it in the userinfo, password_file=PATH or KVTIER_REDIS_PASSWORD)");
   Status st = o.Validate();
   if (!st.ok()) return bad(st.message());
   return o;
@@ -161,6 +321,8 @@ Result<std::unique_ptr<RemoteTier>> RemoteTier::Open(const RemoteTierOptions& op
   co.command_timeout_ms = options.command_timeout_ms;
   co.retry_ms = options.retry_ms;
   co.pool_size = options.pool_size;
+  co.user = options.user;
+  co.password = options.password;
   auto client = RedisClient::Connect(co);
   if (!client.ok()) return Status(client.status().code(), "remote tier: " + client.status().message());
   tier->client_ = std::move(*client);

@@ -63,14 +63,31 @@ struct RemoteTierOptions {
   int pool_size = 4;                     ///< idle connections kept per node (default 4)
   int wait_replicas = 0;       ///< replicas WAIT must report before a put is acknowledged (default 0)
   int wait_timeout_ms = 1000;  ///< WAIT's limit (default 1 s); below command_timeout_ms
-  Status Validate() const;     ///< names the bad field
+  std::string user;            ///< ACL user for AUTH; empty: the default user
+  std::string password;        ///< AUTH on every connection when not empty
+  Status Validate() const;     ///< names the bad field, never the password
 };
 
-/// Parses "redis://host:port[,host:port...][?key=value&...]" into options. Keys:
-/// wait (wait_replicas), wait_timeout_ms, timeout_ms (command_timeout_ms),
-/// connect_timeout_ms, retry_ms, pool, ns. InvalidArgument saying what is wrong and
-/// quoting the spec otherwise.
+/// Parses a remote spec into options (docs/cli.md, "Remote spec"):
+///   redis://[USER[:PASSWORD]@ | :PASSWORD@]HOST:PORT[,HOST:PORT...][?KEY=VALUE&...]
+/// HOST is a name, an IPv4 address or a bracketed IPv6 address ([::1]). Keys, each at most
+/// once: wait (wait_replicas), wait_timeout_ms, timeout_ms (command_timeout_ms),
+/// connect_timeout_ms, retry_ms, pool (1..RedisClientOptions::kMaxPoolSize), ns,
+/// password_file (a file holding the password; one trailing newline is dropped).
+/// Credentials: the password comes from the userinfo, else password_file, else the
+/// environment variable KVTIER_REDIS_PASSWORD; the user from the userinfo, else
+/// KVTIER_REDIS_USER. Userinfo ends at the last '@' before the first '?' and is
+/// percent-decoded (a '?' or '%' in a password is written %3F, %25). A password in the
+/// query (password=) is refused: query strings
+/// end up in logs. InvalidArgument saying what is wrong otherwise, quoting the spec
+/// through RedactRemoteSpec: no message holds the password.
 Result<RemoteTierOptions> ParseRemoteSpec(std::string_view spec);
+
+/// The spec with every secret replaced by "***": the userinfo's password
+/// (redis://user:***@host:port, redis://:***@host:port) and the value of any query key
+/// naming a password. Safe on any string, parsable or not; what every message, log line and
+/// report prints instead of the spec.
+std::string RedactRemoteSpec(std::string_view spec);
 
 /// Where a chunk lives in the remote tier: the writer's namespace (null: this tier's own)
 /// and its chunk key.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages kvtier builds against, only those missing.
 # Works as root; uses sudo otherwise. Fast (one dpkg-query) when nothing is missing.
-#   scripts/deps.sh          what `make build` / `make run` need
+#   scripts/deps.sh          what `make build` / `make run` need (and the remote-tier tests:
+#                            redis-server, redis-tools; stunnel4 and openssl for the TLS recipe)
 #   scripts/deps.sh checks   that, plus clang for the sanitizer and fuzz jobs of `make test`
 #                            (clang-14 with its compiler-rt: ASan, UBSan, TSan, libFuzzer;
 #                            llvm-14 for llvm-symbolizer, so reports show file:line;
@@ -14,7 +15,7 @@ set -euo pipefail
 PKGS=(cmake ninja-build g++ make pkg-config ccache
       libfaiss-dev libopenblas-dev librocksdb-dev liblz4-dev libzstd-dev libsnappy-dev
       libtbb-dev libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev
-      libhiredis-dev redis-server redis-tools)
+      libhiredis-dev redis-server redis-tools stunnel4 openssl)
 for group in "$@"; do
   case "$group" in
     checks) PKGS+=(clang-14 libclang-rt-14-dev llvm-14 clang-format-14 clang-tidy-14) ;;

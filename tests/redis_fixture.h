@@ -71,19 +71,28 @@ inline int FreeRedisPort() {
 }
 
 /// Runs one command on 127.0.0.1:port with hiredis; the reply as text ("" on failure).
-inline std::string RedisCommandText(int port, const std::vector<std::string>& argv) {
+/// `auth` (e.g. {"AUTH", "pw"} or {"AUTH", "user", "pw"}) is sent first when not empty.
+inline std::string RedisCommandText(int port, const std::vector<std::string>& argv,
+                                    const std::vector<std::string>& auth = {}) {
   redisContext* c = redisConnectWithTimeout("127.0.0.1", port, timeval{2, 0});
   if (c == nullptr || c->err) {
     if (c) redisFree(c);
     return "";
   }
-  std::vector<const char*> a;
-  std::vector<size_t> l;
-  for (const auto& s : argv) {
-    a.push_back(s.data());
-    l.push_back(s.size());
+  auto run = [c](const std::vector<std::string>& words) {
+    std::vector<const char*> a;
+    std::vector<size_t> l;
+    for (const auto& s : words) {
+      a.push_back(s.data());
+      l.push_back(s.size());
+    }
+    return static_cast<redisReply*>(redisCommandArgv(c, static_cast<int>(a.size()), a.data(), l.data()));
+  };
+  if (!auth.empty()) {
+    redisReply* ar = run(auth);
+    if (ar) freeReplyObject(ar);
   }
-  auto* r = static_cast<redisReply*>(redisCommandArgv(c, static_cast<int>(a.size()), a.data(), l.data()));
+  auto* r = run(argv);
   std::string out;
   if (r) {
     if (r->type == REDIS_REPLY_INTEGER)
@@ -115,6 +124,25 @@ class RedisServers {
     pid_t pid = -1;
   };
 
+  /// Every server started from now on wants credentials: with `user` empty a password
+  /// (requirepass), else an ACL user `user` with password `password` and every right, the
+  /// default user off. Replicas authenticate to their masters the same way; the fixture's
+  /// own commands (PING, CLUSTER INFO, Cli, Command) send AUTH.
+  void RequireAuth(const std::string& user, const std::string& password) {
+    user_ = user;
+    password_ = password;
+  }
+  /// AUTH's words for the credentials set by RequireAuth (empty when none).
+  std::vector<std::string> Auth() const {
+    if (password_.empty()) return {};
+    if (user_.empty()) return {"AUTH", password_};
+    return {"AUTH", user_, password_};
+  }
+  /// One command on server `index`, with the fixture's credentials.
+  std::string Command(int index, const std::vector<std::string>& argv) const {
+    return RedisCommandText(servers_[index].port, argv, Auth());
+  }
+
   /// Starts one redis-server with extra arguments (e.g. {"--maxmemory", "2mb"}); returns
   /// its index, or -1 (with a gtest failure) when it did not answer PING within 10 s.
   int Start(const std::vector<std::string>& extra = {}) {
@@ -133,6 +161,12 @@ class RedisServers {
                                      "no",
                                      "--logfile",
                                      dir_.path() + "/redis-" + std::to_string(port) + ".log"};
+    if (!password_.empty() && user_.empty()) {
+      args.insert(args.end(), {"--requirepass", password_, "--masterauth", password_});
+    } else if (!password_.empty()) {
+      args.insert(args.end(), {"--user", "default", "off", "--user", user_, "on", ">" + password_, "~*", "&*",
+                               "+@all", "--masteruser", user_, "--masterauth", password_});
+    }
     args.insert(args.end(), extra.begin(), extra.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -144,7 +178,7 @@ class RedisServers {
     }
     servers_.push_back(Server{port, pid});
     for (int i = 0; i < 200; ++i) {
-      if (RedisCommandText(port, {"PING"}) == "PONG") return static_cast<int>(servers_.size() - 1);
+      if (RedisCommandText(port, {"PING"}, Auth()) == "PONG") return static_cast<int>(servers_.size() - 1);
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     ADD_FAILURE() << "redis-server on port " << port << " did not answer PING";
@@ -166,8 +200,9 @@ class RedisServers {
       if (idx < 0) return false;
       hosts += " 127.0.0.1:" + std::to_string(servers_[idx].port);
     }
-    const std::string cmd = FindOnPath("redis-cli") + " --cluster create" + hosts + " --cluster-replicas " +
-                            std::to_string(replicas) + " --cluster-yes > " + dir_.path() + "/create.log 2>&1";
+    const std::string cmd = FindOnPath("redis-cli") + CliAuth() + " --cluster create" + hosts +
+                            " --cluster-replicas " + std::to_string(replicas) + " --cluster-yes > " +
+                            dir_.path() + "/create.log 2>&1";
     if (std::system(cmd.c_str()) != 0) {
       ADD_FAILURE() << "redis-cli --cluster create failed; see " << dir_.path() << "/create.log";
       return false;
@@ -176,8 +211,8 @@ class RedisServers {
     while (std::chrono::steady_clock::now() < deadline) {
       bool ok = true;
       for (const Server& s : servers_) {
-        const std::string info = RedisCommandText(s.port, {"CLUSTER", "INFO"});
-        const std::string repl = RedisCommandText(s.port, {"INFO", "replication"});
+        const std::string info = RedisCommandText(s.port, {"CLUSTER", "INFO"}, Auth());
+        const std::string repl = RedisCommandText(s.port, {"INFO", "replication"}, Auth());
         ok = ok && info.find("cluster_state:ok") != std::string::npos &&
              (repl.find("role:master") != std::string::npos ||
               repl.find("master_link_status:up") != std::string::npos);
@@ -222,14 +257,22 @@ class RedisServers {
 
   /// Runs redis-cli against one server with the arguments (shell words); its exit status.
   int Cli(int index, const std::string& args) const {
-    const std::string cmd = FindOnPath("redis-cli") + " -p " + std::to_string(servers_[index].port) + " " +
-                            args + " > /dev/null 2>&1";
+    const std::string cmd = FindOnPath("redis-cli") + CliAuth() + " -p " +
+                            std::to_string(servers_[index].port) + " " + args + " > /dev/null 2>&1";
     return std::system(cmd.c_str());
   }
 
  private:
+  // redis-cli's credential flags (the password through its environment variable would be
+  // tidier, but these are test passwords and the command line stays in this process).
+  std::string CliAuth() const {
+    if (password_.empty()) return "";
+    return (user_.empty() ? "" : " --user '" + user_ + "'") + " -a '" + password_ + "' --no-auth-warning";
+  }
+
   TempDir dir_;
   std::vector<Server> servers_;
+  std::string user_, password_;
 };
 
 }  // namespace kvtier

@@ -66,8 +66,9 @@ typedef enum kvtier_code {
   KVTIER_CORRUPTION = 6,          /* stored bytes failed a checksum or format check */
   KVTIER_IO_ERROR = 7,            /* the disk tier or file system failed */
   KVTIER_TIMED_OUT = 8,
-  KVTIER_UNAVAILABLE = 9, /* a backend (e.g. CUDA) is not present */
-  KVTIER_INTERNAL = 10    /* a kvtier bug */
+  KVTIER_UNAVAILABLE = 9,       /* a backend (e.g. CUDA) is not present */
+  KVTIER_INTERNAL = 10,         /* a kvtier bug */
+  KVTIER_PERMISSION_DENIED = 11 /* a backend refused the credentials (Redis AUTH, ACL): not retried */
 } kvtier_code;
 
 #define KVTIER_ERROR_MESSAGE_SIZE 1024
@@ -116,6 +117,9 @@ typedef struct kvtier_store_options {
   uint64_t warm_bytes;            /* warm tier (host memory) capacity */
   const char* data_dir;           /* cold tier (RocksDB) directory, copied at open; NULL or "" = none */
   kvtier_compression compression; /* cold tier compression */
+  const char* remote;             /* remote tier spec, redis://[USER:PASSWORD@]host:port[,...][?...]
+                                     (docs/cli.md), copied at open; NULL or "" = none. A refused
+                                     password is KVTIER_PERMISSION_DENIED; no message holds it */
 } kvtier_store_options;
 
 /* kvtier::StoreOptions' defaults (geometry 32,32,8,128:f16, sinks 64, local 512, chunks of

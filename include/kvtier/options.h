@@ -79,11 +79,14 @@ struct StoreOptions {
   /// naming the missing (sequence, layer, index) ranges; true opens anyway, the lost
   /// chunks become holes for good, and LostChunks() lists them.
   bool accept_lost_chunks = false;
-  /// Remote tier (offload/remote_tier.h): "redis://host:port[,host:port...][?wait=N&...]",
+  /// Remote tier (offload/remote_tier.h): "redis://[USER:PASSWORD@]host:port[,...][?wait=N&...]",
   /// one Redis server or any nodes of a Redis Cluster; empty (default) = none. Chunks are
   /// written through to it (and to the cold tier when data_dir is set too) and a chunk is
   /// acknowledged once every lower tier has it; fetches read warm, then cold, then remote.
   /// Sequences of other stores are shared through it (PublishSequence, AttachPublished).
+  /// Credentials: "redis://[USER]:PASSWORD@host:port...", password_file=PATH, or
+  /// KVTIER_REDIS_PASSWORD / KVTIER_REDIS_USER (docs/cli.md); a refused one fails Open
+  /// with PermissionDenied at once. No message or report holds the password.
   std::string remote;
   /// Key namespace of this store's chunks in the remote tier; empty (default) = a fresh
   /// one per Open (host, pid, time), so concurrent stores never overwrite each other's.

@@ -28,6 +28,7 @@ enum class StatusCode : int {
   kTimedOut,            ///< a wait ran out; the operation itself continues
   kUnavailable,         ///< a backend (e.g. CUDA) is not present
   kInternal,            ///< a kvtier bug: an invariant did not hold
+  kPermissionDenied,    ///< a backend refused the credentials (e.g. Redis AUTH); retrying will not help
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -63,6 +64,7 @@ inline Status IOError(std::string m) { return {StatusCode::kIOError, std::move(m
 inline Status TimedOut(std::string m) { return {StatusCode::kTimedOut, std::move(m)}; }
 inline Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
 inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+inline Status PermissionDenied(std::string m) { return {StatusCode::kPermissionDenied, std::move(m)}; }
 
 /// Prints "kvtier: Result::value() called on an error: <status>" on stderr and aborts, in
 /// every build type: reading the value of an error Result is a caller bug that must not turn

@@ -147,7 +147,8 @@ std::string DataNote(const StoreOptions& o, const DataPlace& place, bool dropped
     t += std::string(what) + " kept in " + o.data_dir + " ('kvtier check --data-dir " + o.data_dir +
          "' lists them)";
   }
-  if (!o.remote.empty()) t += std::string("; remote tier ") + o.remote + (dropped ? ": dropped" : ": kept");
+  if (!o.remote.empty())
+    t += std::string("; remote tier ") + RedactRemoteSpec(o.remote) + (dropped ? ": dropped" : ": kept");
   return t + "\n";
 }
 

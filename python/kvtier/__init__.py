@@ -27,6 +27,7 @@ from ._kvtier import (  # noqa: F401
     Internal,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Session,
     Store,
@@ -42,5 +43,5 @@ __version__: str = version()
 __all__ = [
     "Store", "Session", "Error", "InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition",
     "ResourceExhausted", "Corruption", "IOError", "TimedOut", "Unavailable", "Internal",
-    "preset", "preset_names", "version",
+    "PermissionDenied", "preset", "preset_names", "version",
 ]

@@ -54,16 +54,17 @@ struct StatusError {
   Status status;
 };
 
-constexpr std::array<StatusCode, 10> kErrorCodes = {
+constexpr std::array<StatusCode, 11> kErrorCodes = {
     StatusCode::kInvalidArgument,   StatusCode::kNotFound,
     StatusCode::kAlreadyExists,     StatusCode::kFailedPrecondition,
     StatusCode::kResourceExhausted, StatusCode::kCorruption,
     StatusCode::kIOError,           StatusCode::kTimedOut,
-    StatusCode::kUnavailable,       StatusCode::kInternal};
+    StatusCode::kUnavailable,       StatusCode::kInternal,
+    StatusCode::kPermissionDenied};
 
 // The exception classes, by StatusCode (index 0 = the base kvtier.Error). Module-lifetime
 // references, created once at import.
-std::array<PyObject*, 11> g_error_classes{};
+std::array<PyObject*, 12> g_error_classes{};
 
 [[noreturn]] void Throw(Status st) { throw StatusError{std::move(st)}; }
 void Check(Status st) {
@@ -451,9 +452,13 @@ SessionOptions SessionOptionsFrom(const py::kwargs& kw) {
   return o;
 }
 
+// Store.options: what the store was opened with, the remote spec's password replaced by
+// "***" (RedactRemoteSpec): the dict is for reading and printing, and a password there
+// would end up in a log.
 py::dict StoreOptionsDict(const StoreOptions& o) {
   py::dict d;
   AddToDict(StoreOptionTable(), o, &d);
+  d["remote"] = py::str(RedactRemoteSpec(o.remote));
   return d;
 }
 

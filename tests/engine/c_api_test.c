@@ -5,7 +5,11 @@
  * position, positions other than the layer's last appended tokens, NaN/inf in K/V or q, calls
  * on a dropped session) answered by its error code and a message. Prints each failed check
  * and exits non-zero if there was one.
- *   kvtier_c_api_test [DATA_DIR]   (DATA_DIR: the cold tier's directory; none without it) */
+ *   kvtier_c_api_test [DATA_DIR]   (DATA_DIR: the cold tier's directory; none without it)
+ *   kvtier_c_api_test --remote SPEC WRONG_SPEC SECRET
+ *     (tests/engine/c_api_remote_test.sh: a store whose lower tier is the Redis of SPEC,
+ *     credentials included, drives a session; WRONG_SPEC, the same servers with a wrong
+ *     password, is KVTIER_PERMISSION_DENIED; no message holds SECRET) */
 #include <kvtier/kvtier_c.h>
 #include <math.h>
 #include <stdio.h>
@@ -106,6 +110,73 @@ static void drive(kvtier_session* s, const char* name, float last_out[LAYERS][Q_
   }
 }
 
+/* The remote tier with credentials: see the header comment. */
+static int run_remote(const char* spec, const char* wrong, const char* secret) {
+  kvtier_error err;
+  memset(&err, 0, sizeof(err));
+  kvtier_store_options so = kvtier_store_options_default();
+  CHECK(so.remote == NULL, "default remote is NULL");
+  so.layers = LAYERS;
+  so.q_heads = QH;
+  so.kv_heads = KVH;
+  so.head_dim = D;
+  so.dtype = KVTIER_F32;
+  so.n_sink = SINK;
+  so.n_local = LOCAL;
+  so.chunk_size = CHUNK;
+  so.hot_bytes = 1u << 20;
+  so.warm_bytes = 64u << 10; /* a fraction of the chunks: the rest live only in Redis */
+  so.remote = spec;
+  kvtier_store* store = NULL;
+  OK(kvtier_store_open(&so, &store, &err));
+  CHECK(strstr(err.message, secret) == NULL, "message holds the secret");
+  if (store == NULL) return 1;
+  kvtier_session_options ao = kvtier_session_options_default();
+  ao.budget_tokens = 4 * CHUNK;
+  kvtier_session* a = NULL;
+  OK(kvtier_session_open(store, &ao, &a, &err));
+  if (a == NULL) return 1;
+  static float out[LAYERS][Q_TOK];
+  kvtier_attend_stats st[LAYERS];
+  drive(a, "remote", out, st);
+  OK(kvtier_store_wait_durable(store, &err));
+  kvtier_store_counters c;
+  OK(kvtier_store_get_counters(store, &c, &err));
+  CHECK(c.cold_writes > 0 && c.demotions > 0 && c.cold_chunks == 0,
+        "Redis acknowledged the chunks: %llu writes, %llu demotions, %llu on a disk",
+        (unsigned long long)c.cold_writes, (unsigned long long)c.demotions,
+        (unsigned long long)c.cold_chunks);
+  printf("remote: %llu chunks written through, %llu demoted to Redis, %llu fetched back\n",
+         (unsigned long long)c.cold_writes, (unsigned long long)c.demotions,
+         (unsigned long long)c.cold_reads);
+  OK(kvtier_session_drop(a, &err));
+  kvtier_session_destroy(a);
+  OK(kvtier_store_close(store, &err));
+
+  /* The same servers, a wrong password: refused as such, not as an outage, and not echoed. */
+  so.remote = wrong;
+  store = (kvtier_store*)&err;
+  EXPECT_ERROR(kvtier_store_open(&so, &store, &err), KVTIER_PERMISSION_DENIED);
+  CHECK(store == NULL, "store_open failed but left *out set");
+  CHECK(strstr(err.message, secret) == NULL && strstr(err.message, "WRONGPASS") != NULL, "message \"%s\"",
+        err.message);
+  /* A malformed spec holding the password: invalid, quoted redacted. */
+  {
+    static char bad[512];
+    snprintf(bad, sizeof(bad), "redis://u:%s@h:0", secret);
+    so.remote = bad;
+    EXPECT_ERROR(kvtier_store_open(&so, &store, &err), KVTIER_INVALID_ARGUMENT);
+    CHECK(strstr(err.message, secret) == NULL && strstr(err.message, "redis://u:***@h:0") != NULL,
+          "message \"%s\"", err.message);
+  }
+  if (failures) {
+    fprintf(stderr, "%d of %d checks failed\n", failures, checks);
+    return 1;
+  }
+  printf("all %d checks passed\n", checks);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const char* data_dir = argc > 1 ? argv[1] : NULL;
   kvtier_error err;
@@ -116,6 +187,7 @@ int main(int argc, char** argv) {
       for (int i = 0; i < KV_TOK; ++i) V[l][t][i] = uniform();
       for (int i = 0; i < Q_TOK; ++i) Q[l][t][i] = 2.0f * uniform();
     }
+  if (argc == 5 && strcmp(argv[1], "--remote") == 0) return run_remote(argv[2], argv[3], argv[4]);
 
   printf("kvtier %s\n", kvtier_version());
   CHECK(kvtier_version()[0] != '\0', "empty version");
@@ -123,6 +195,9 @@ int main(int argc, char** argv) {
   CHECK(strcmp(kvtier_code_name(KVTIER_INVALID_ARGUMENT), "InvalidArgument") == 0, "%s",
         kvtier_code_name(KVTIER_INVALID_ARGUMENT));
   CHECK(strcmp(kvtier_code_name(KVTIER_INTERNAL), "Internal") == 0, "%s", kvtier_code_name(KVTIER_INTERNAL));
+  CHECK(strcmp(kvtier_code_name(KVTIER_PERMISSION_DENIED), "PermissionDenied") == 0, "%s",
+        kvtier_code_name(KVTIER_PERMISSION_DENIED));
+  CHECK(strcmp(kvtier_code_name((kvtier_code)12), "Unknown") == 0, "%s", kvtier_code_name((kvtier_code)12));
   CHECK(strcmp(kvtier_code_name((kvtier_code)99), "Unknown") == 0, "%s", kvtier_code_name((kvtier_code)99));
 
   /* ---- store ---- */

@@ -177,6 +177,7 @@ TEST(OptionTable, CDefaultsEqualTheTable) {
       {"warm_bytes", std::to_string(c.warm_bytes)},
       {"data_dir", c.data_dir == nullptr ? "" : c.data_dir},
       {"compression", CompressionName(static_cast<Compression>(c.compression))},
+      {"remote", c.remote == nullptr ? "" : c.remote},
   };
   EXPECT_EQ(store.size(), CountFields<kvtier_store_options>());
   for (const auto& [name, value] : store) {

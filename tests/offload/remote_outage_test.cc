@@ -204,6 +204,56 @@ TEST(RemoteOutage, ClusterMasterKilledIsBoundedNotAHang) {
   EXPECT_NE(info.find("cluster_state:fail"), std::string::npos) << "the case under test: " << info;
 }
 
+// Masters SIGKILLed for good: every master, with the replicas still up (none can be
+// promoted: no master is left to vote) or without replicas; or one master of a cluster
+// without replicas (cluster_state:fail for good; the live masters answer CLUSTERDOWN only
+// cluster-node-timeout after the kill). The store names the failure within one retry
+// window and one command timeout of the kill, as documented, not after two windows.
+// retry_ms is larger here than above so that the slack of a loaded machine cannot hide a
+// second window.
+void MastersKilledForGood(int nodes, int replicas, bool all) {
+  constexpr int kRetry = 3000, kTimeout = 500;
+  constexpr double kBound = kRetry + kTimeout + 1000;
+  RedisServers redis;
+  ASSERT_TRUE(redis.StartCluster(kNodeTimeoutMs, nodes, replicas));
+  Watchdog dog(120, &redis);
+  const std::string q = "retry_ms=" + std::to_string(kRetry) + "&timeout_ms=" + std::to_string(kTimeout) +
+                        "&connect_timeout_ms=" + std::to_string(kTimeout);
+  std::vector<int> masters;
+  for (size_t i = 0; i < redis.size(); ++i)
+    if (RedisCommandText(redis.server(static_cast<int>(i)).port, {"INFO", "replication"})
+            .find("role:master") != std::string::npos)
+      masters.push_back(static_cast<int>(i));
+  ASSERT_EQ(masters.size(), 3u);
+  const Outage out = RunOutage(OutageOptions(redis.Spec(q), ""), [&] {
+    for (int m : masters)
+      if (all || m == masters[1]) redis.Kill(m);
+  });
+  ExpectNamedUnavailable(out.error, "redis 127.0.0.1:");
+  EXPECT_LT(out.error_ms, kBound) << "retry_ms (" << kRetry << ") + timeout_ms (" << kTimeout
+                                  << ") + 1 s of slack: " << out.error.ToString();
+  ExpectNamedUnavailable(out.other, "redis 127.0.0.1:");
+  EXPECT_LT(out.other_ms, 500);
+  EXPECT_FALSE(out.durable.ok());
+  EXPECT_LT(out.durable_ms, kBound);
+  EXPECT_LT(out.closed_ms, kBound + 500);
+}
+
+TEST(RemoteOutage, ClusterAllMastersKilledForGoodIsNamedWithinOneWindow) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  MastersKilledForGood(6, 1, true);
+}
+
+TEST(RemoteOutage, ClusterOfMastersOnlyAllKilledIsNamedWithinOneWindow) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  MastersKilledForGood(3, 0, true);
+}
+
+TEST(RemoteOutage, ClusterOfMastersOnlyOneKilledForGoodIsNamedWithinOneWindow) {
+  KVTIER_SKIP_WITHOUT_REDIS();
+  MastersKilledForGood(3, 0, false);
+}
+
 // RocksDB below Redis: what RocksDB acknowledged is durable though Redis refused it. The
 // store reports the Redis error (named, in bounded time), keeps every token readable from
 // the local disk, and marks those chunks cold but not remote.

@@ -77,7 +77,7 @@ TEST(RemoteSpec, ParsesHostsAndOptionsAndRejectsNonsense) {
       {"redis://h:1,", "trailing ','"},
       {"redis://h:1?wait", "not key=value"},
       {"redis://h:1?color=red", "unknown option 'color'"},
-      {"redis://h:1?pool=0", "pool_size must be >= 1"},
+      {"redis://h:1?pool=0", "option 'pool' is 0, outside 1..256"},
       {"redis://h:1?wait=1&wait_timeout_ms=3000", "must be below command_timeout_ms"},
       {"redis://h:1?ns=a:b", "ns 'a:b'"}};
   for (const auto& [spec, why] : bad) {

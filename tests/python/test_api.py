@@ -34,7 +34,7 @@ def reference_attention(q, k, v, q_pos):
 def test_the_package_is_the_engine_api_and_tools_are_apart():
     engine = {"Store", "Session", "Error", "InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition",
               "ResourceExhausted", "Corruption", "IOError", "TimedOut", "Unavailable", "Internal",
-              "preset", "preset_names", "version"}
+              "PermissionDenied", "preset", "preset_names", "version"}
     assert set(kvtier.__all__) == engine
     for name in engine:
         assert hasattr(kvtier, name), name
@@ -197,7 +197,7 @@ def test_status_codes_raise_their_classes():
         s.counters()
     # Every code has its class, each an Error, and the names are StatusCodeName's.
     names = ["InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition", "ResourceExhausted",
-             "Corruption", "IOError", "TimedOut", "Unavailable", "Internal"]
+             "Corruption", "IOError", "TimedOut", "Unavailable", "Internal", "PermissionDenied"]
     for n in names:
         assert issubclass(getattr(kvtier, n), kvtier.Error)
     # Unavailable: the CUDA hot tier is not built.

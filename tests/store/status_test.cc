@@ -16,6 +16,16 @@ namespace {
 
 Result<int> Fails() { return NotFound("no such thing"); }
 
+// Every code has its own name; PermissionDenied (refused credentials) is the last one and is
+// what the C API and Python mirror (KVTIER_PERMISSION_DENIED, kvtier.PermissionDenied).
+TEST(Status, EveryCodeIsNamedIncludingPermissionDenied) {
+  EXPECT_STREQ(StatusCodeName(StatusCode::kPermissionDenied), "PermissionDenied");
+  EXPECT_EQ(static_cast<int>(StatusCode::kPermissionDenied), 11);
+  EXPECT_EQ(PermissionDenied("redis h:1: WRONGPASS").ToString(), "PermissionDenied: redis h:1: WRONGPASS");
+  for (int c = 0; c <= static_cast<int>(StatusCode::kPermissionDenied); ++c)
+    EXPECT_STRNE(StatusCodeName(static_cast<StatusCode>(c)), "Unknown") << c;
+}
+
 // In a Release build (NDEBUG) the former assert() was compiled out and value() read an empty
 // optional; now it prints the status and aborts whatever the build type.
 TEST(ResultDeathTest, ValueOfAnErrorAbortsNamingTheStatus) {
