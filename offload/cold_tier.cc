@@ -271,6 +271,23 @@ bool IsNumbered(const std::string& s, const char* suffix) {
                      [](char c) { return c >= '0' && c <= '9'; });
 }
 
+// Whether the data dir `path` exists (*exists). One that exists and is not a directory is
+// InvalidArgument; an OS error other than "does not exist" (EACCES, ENAMETOOLONG, ...) is
+// IOError naming the path and the error.
+Status StatDataDir(const std::string& path, bool* exists) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    return IOError("cold tier: data dir '" + path + "': " + ec.message());
+  *exists = fs::exists(st);
+  if (*exists && fs::is_regular_file(st))
+    return InvalidArgument("cold tier: data dir '" + path + "' is a file, not a directory");
+  if (*exists && !fs::is_directory(st))
+    return InvalidArgument("cold tier: data dir '" + path + "' exists and is not a directory");
+  return Status::Ok();
+}
+
 Status ListStoreFiles(const std::string& dir, StoreFiles* out) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -880,17 +897,11 @@ Result<std::unique_ptr<ColdTier>> ColdTier::Open(const ColdTierOptions& options)
   namespace fs = std::filesystem;
   const std::string& path = options.path;
   std::error_code ec;
-  const fs::file_status st = fs::status(path, ec);
-  if (ec && ec != std::errc::no_such_file_or_directory)
-    return IOError("cold tier: data dir '" + path + "': " + ec.message());
-  if (fs::exists(st)) {
-    if (fs::is_regular_file(st))
-      return InvalidArgument("cold tier: data dir '" + path + "' is a file, not a directory");
-    if (!fs::is_directory(st))
-      return InvalidArgument("cold tier: data dir '" + path + "' exists and is not a directory");
-  } else if (options.read_only) {
+  bool exists = false;
+  KVTIER_RETURN_IF_ERROR(StatDataDir(path, &exists));
+  if (!exists && options.read_only)
     return NotFound("cold tier: data dir '" + path + "' does not exist (no store to open read-only)");
-  } else {
+  if (!exists) {
     fs::create_directories(path, ec);
     if (ec) return IOError("cold tier: cannot create data dir '" + path + "': " + ec.message());
   }
@@ -1034,15 +1045,10 @@ Status SeedFamiliesWithoutTables(const std::string& dir,
 
 Status ColdTier::Repair(const ColdTierOptions& options) {
   KVTIER_RETURN_IF_ERROR(options.Validate());
-  namespace fs = std::filesystem;
   const std::string& path = options.path;
-  std::error_code ec;
-  const fs::file_status st = fs::status(path, ec);
-  if (ec && ec != std::errc::no_such_file_or_directory)
-    return IOError("cold tier: data dir '" + path + "': " + ec.message());
-  if (!fs::exists(st))
-    return NotFound("cold tier: data dir '" + path + "' does not exist (no store to repair)");
-  if (!fs::is_directory(st)) return InvalidArgument("cold tier: data dir '" + path + "' is not a directory");
+  bool exists = false;
+  KVTIER_RETURN_IF_ERROR(StatDataDir(path, &exists));
+  if (!exists) return NotFound("cold tier: data dir '" + path + "' does not exist (no store to repair)");
   StoreFiles files;
   KVTIER_RETURN_IF_ERROR(ListStoreFiles(path, &files));
   if (!files.holds_store())
