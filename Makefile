@@ -6,7 +6,7 @@ CMAKE_ARGS ?=
 # The main job: a long-sequence run on the default embedded setup (see README).
 RUN_ARGS   ?= --context 131072 --data-dir $(BUILD)/run-data --json $(BUILD)/run-report.json
 
-.PHONY: all deps deps-checks configure build run test test-release test-asan test-tsan fuzz soak \
+.PHONY: all deps deps-checks configure build run test test-release test-asan test-tsan fuzz soak lint-tidy \
         bench bench-retrieval bench-scaling profile-step gpu-check test-gpu-emulated format lint lint-format clean
 
 # ---- checks beyond the Release suite (all part of `make test`, hence of CI) ------------------
@@ -76,11 +76,13 @@ run: configure
 	rm -rf $(BUILD)/run-data
 	./$(BUILD)/kvtier run $(RUN_ARGS)
 
-# The Release suite, then AddressSanitizer+UBSan, ThreadSanitizer and the fuzzers, one
+# The format check, the Release build, .clang-tidy's checks over the library and tools on its
+# compile commands, the Release suite, then AddressSanitizer+UBSan, ThreadSanitizer and the fuzzers, one
 # after the other (each stage prints how long it took).
 test:
 	@$(TIMED) "format check" $(MAKE) --no-print-directory lint-format
 	@$(TIMED) "Release build" $(MAKE) --no-print-directory build
+	@$(TIMED) "clang-tidy" $(MAKE) --no-print-directory lint-tidy
 	@$(TIMED) "Release suite" $(MAKE) --no-print-directory test-release
 	@$(TIMED) "emulated GPU build and device tests" $(MAKE) --no-print-directory test-gpu-emulated
 	@$(TIMED) "ASan+UBSan build and suite" $(MAKE) --no-print-directory test-asan
@@ -155,7 +157,10 @@ lint-format: deps-checks
 	bash scripts/lint.sh format
 
 # The static checks: the format check, then .clang-tidy's checks over the library and tools.
-lint: lint-format configure
+lint: lint-format lint-tidy
+
+# .clang-tidy's checks over the library and tool sources, on $(BUILD)'s compile commands.
+lint-tidy: deps-checks configure
 	bash scripts/lint.sh tidy $(BUILD)
 
 # SIGKILL soak: SOAK_CYCLES kill/reopen cycles on one store, every acknowledged chunk checked.
