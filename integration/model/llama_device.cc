@@ -195,8 +195,7 @@ Result<std::unique_ptr<LlamaDeviceForward>> LlamaDeviceForward::Create(const Lla
   DeviceWeightLayout weights = PlanDeviceWeights(c);
   KVTIER_ASSIGN_OR_RETURN(std::vector<uint8_t> image, PackDeviceWeights(*model, weights, inv_freq));
 
-  auto f =
-      std::unique_ptr<LlamaDeviceForward>(new LlamaDeviceForward(model, std::move(weights), std::move(acts)));
+  auto f = std::unique_ptr<LlamaDeviceForward>(new LlamaDeviceForward(model, std::move(weights), acts));
   f->stream_ = tier->stream();
   cudaStream_t s = static_cast<cudaStream_t>(f->stream_);
   auto alloc = [](size_t bytes, void** p, const char* what) -> Status {
