@@ -1064,8 +1064,7 @@ int RunInfinite(int argc, char** argv) {
         "--data: the prompts' template family: kvtier (context + input as they are) | gpt4 | "
         "yarn-mistral (also yi-6b-200k, yi-34b-200k, chatglm3)",
         cli::WithDefault(o.templates, [&o](const std::string& s) {
-          infbench::BenchSample probe;
-          KVTIER_RETURN_IF_ERROR(infbench::BuildPrompt(s, "passkey", probe).status());
+          KVTIER_RETURN_IF_ERROR(infbench::CheckTemplateFamily(s));
           o.templates = s;
           return Status::Ok();
         }));

@@ -55,7 +55,7 @@ Result<std::unique_ptr<PredictionsFile>> PredictionsFile::Open(const std::string
     }
     Prediction p{j["id"].dump(), j["prediction"].get<std::string>(),
                  j["ground_truth"].dump(-1, ' ', false, json::error_handler_t::replace)};
-    f->ids_.insert(p.id_json);
+    f->by_id_[p.id_json] = f->predictions_.size();
     f->predictions_.push_back(std::move(p));
     whole = last ? end : end + 1;
     needs_newline = last;
@@ -79,10 +79,8 @@ PredictionsFile::~PredictionsFile() {
 }
 
 const Prediction* PredictionsFile::Find(const std::string& id_json) const {
-  if (!ids_.count(id_json)) return nullptr;
-  for (const Prediction& p : predictions_)
-    if (p.id_json == id_json) return &p;
-  return nullptr;
+  auto it = by_id_.find(id_json);
+  return it == by_id_.end() ? nullptr : &predictions_[it->second];
 }
 
 Status PredictionsFile::Append(const Prediction& p) {
@@ -93,7 +91,7 @@ Status PredictionsFile::Append(const Prediction& p) {
   const std::string line = j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
   if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0)
     return IOError("cannot append to predictions file '" + path_ + "'");
-  ids_.insert(p.id_json);
+  by_id_[p.id_json] = predictions_.size();
   predictions_.push_back(p);
   return Status::Ok();
 }

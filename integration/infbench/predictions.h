@@ -7,8 +7,8 @@
 #pragma once
 
 #include <cstdio>
+#include <map>
 #include <memory>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -45,7 +45,7 @@ class PredictionsFile {
   std::string path_;
   std::FILE* file_ = nullptr;
   std::vector<Prediction> predictions_;
-  std::set<std::string> ids_;
+  std::map<std::string, size_t> by_id_;  // id -> its index in predictions_
   int dropped_ = 0;
 };
 

@@ -1,5 +1,6 @@
 #include "integration/infbench/prompt.h"
 
+#include <algorithm>
 #include <map>
 #include <regex>
 
@@ -122,20 +123,29 @@ std::string Fill(const std::string& tpl, const std::map<std::string, std::string
   return out;
 }
 
+// The family an alias stands for (the benchmark's MODEL_TO_PROMPT_TEMPLATE), else `family`.
+std::string Canonical(const std::string& family) {
+  return family == "yi-6b-200k" || family == "yi-34b-200k" || family == "chatglm3" ? "yarn-mistral" : family;
+}
+
 }  // namespace
 
 const std::vector<std::string>& TemplateFamilies() { return kFamilies; }
 
+Status CheckTemplateFamily(const std::string& family) {
+  const std::string f = Canonical(family);
+  if (std::find(kFamilies.begin(), kFamilies.end(), f) != kFamilies.end()) return Status::Ok();
+  return InvalidArgument("unknown ∞-Bench template family '" + family +
+                         "' (kvtier | gpt4 | yarn-mistral; yi-6b-200k, yi-34b-200k and chatglm3 use "
+                         "yarn-mistral's)");
+}
+
 Result<std::string> BuildPrompt(const std::string& family, const std::string& task, const BenchSample& s) {
   KVTIER_RETURN_IF_ERROR(CheckTaskName(task));
-  const std::string f =
-      family == "yi-6b-200k" || family == "yi-34b-200k" || family == "chatglm3" ? "yarn-mistral" : family;
+  KVTIER_RETURN_IF_ERROR(CheckTemplateFamily(family));
+  const std::string f = Canonical(family);
   if (f == "kvtier") return s.context + s.input;
-  const Templates* templates = f == "gpt4" ? &kGpt4 : f == "yarn-mistral" ? &kYarnMistral : nullptr;
-  if (templates == nullptr)
-    return InvalidArgument("unknown ∞-Bench template family '" + family +
-                           "' (kvtier | gpt4 | yarn-mistral; yi-6b-200k, yi-34b-200k and chatglm3 use "
-                           "yarn-mistral's)");
+  const Templates* templates = f == "gpt4" ? &kGpt4 : &kYarnMistral;
   std::map<std::string, std::string> v = {{"context", s.context}, {"input", s.input}, {"question", s.input}};
   if (s.options.size() == 4)
     for (int i = 0; i < 4; ++i) v[std::string("OPTION_") + static_cast<char>('A' + i)] = s.options[i];

@@ -21,6 +21,9 @@ namespace kvtier::infbench {
 /// The families, first the default of `kvtier infinite --data` (kvtier).
 const std::vector<std::string>& TemplateFamilies();
 
+/// OK for one of TemplateFamilies() or an alias; else InvalidArgument listing them.
+Status CheckTemplateFamily(const std::string& family);
+
 /// The prompt of one sample (before truncation). Unknown family -> InvalidArgument listing
 /// them; an input the task's template needs a part of and lacks (code_run's func_N(x),
 /// math_find's "The ... of") -> InvalidArgument naming the sample's line.

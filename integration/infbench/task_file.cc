@@ -118,11 +118,6 @@ Status CheckTaskName(const std::string& task) {
   return InvalidArgument("unknown ∞-Bench task '" + task + "' (" + all + ")");
 }
 
-bool IsExactMatchTask(const std::string& task) {
-  return task != "longbook_sum_eng" && task != "longbook_qa_eng" && task != "longbook_qa_chn" &&
-         task != "math_calc";
-}
-
 Result<TaskFile> ReadTaskFile(const std::string& path, const std::string& task) {
   TaskFile f;
   f.path = path;

@@ -24,9 +24,6 @@ namespace kvtier::infbench {
 const std::vector<std::string>& TaskNames();
 /// OK for one of TaskNames(); else InvalidArgument listing them.
 Status CheckTaskName(const std::string& task);
-/// Whether a task's score is right or wrong per sample (1 or 0) rather than a fraction (F1,
-/// ROUGE, the share of math_calc's values): the table prints it as accuracy.
-bool IsExactMatchTask(const std::string& task);
 
 struct BenchSample {
   std::string id_json;  ///< the id as the file writes it: 3 or "a-3"

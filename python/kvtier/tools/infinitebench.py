@@ -142,16 +142,18 @@ class Runner:
             return bytes(tokens)
         return self.tok.decode(tokens, skip_special_tokens=True).strip().encode("latin-1", "replace")
 
-    def make_cache(self, context: int) -> kh.KvtierCache:
+    def make_cache(self, context: int, **extra: Any) -> kh.KvtierCache:
+        """The flags' cache; `extra` overrides them (a method's preset replaces --probe/--alloc/--index)."""
         a = self.a
-        opts = dict(max_context=context + 64, preset=a.preset, positions=a.positions, budget_tokens=a.budget,
-                    n_sink=a.sink, n_local=a.local, chunk_size=a.chunk, prefill_window=a.window,
-                    transfer_threads=2)
+        opts: Dict[str, Any] = dict(max_context=context + 64, preset=a.preset, positions=a.positions,
+                                    budget_tokens=a.budget, n_sink=a.sink, n_local=a.local, chunk_size=a.chunk,
+                                    prefill_window=a.window, transfer_threads=2)
         if a.repr_topk:
             opts["repr_topk"] = a.repr_topk
         for key in ("probe", "alloc", "index"):
-            if getattr(a, key):
+            if getattr(a, key) and "preset" not in extra:
                 opts[key] = getattr(a, key)
+        opts.update(extra)
         return kh.KvtierCache(self.model.config, **opts)
 
     def needle_scorer(self, cache: kh.KvtierCache, sample: Dict[str, Any],
@@ -291,8 +293,7 @@ class DataRunner(Runner):
         cache = None
         if extra is not None:
             kh.use_kvtier(self.model, True)
-            opts = {**extra}
-            cache = self.make_cache_with(len(ids) + budget, **opts)
+            cache = self.make_cache(len(ids) + budget, **extra)
         t0 = time.perf_counter()
         prefill_cache = cache if cache is not None else kh.DynamicCache()
         with torch.no_grad():
@@ -312,19 +313,6 @@ class DataRunner(Runner):
                 tr.peak[k] = max(tr.peak[k], int(c[k]))
         kh.use_kvtier(self.model, False)
         return self.text_of(new)
-
-    def make_cache_with(self, context: int, **extra: Any) -> kh.KvtierCache:
-        a = self.a
-        opts: Dict[str, Any] = dict(max_context=context + 64, preset=a.preset, positions=a.positions,
-                                    budget_tokens=a.budget, n_sink=a.sink, n_local=a.local, chunk_size=a.chunk,
-                                    prefill_window=a.window, transfer_threads=2)
-        if a.repr_topk:
-            opts["repr_topk"] = a.repr_topk
-        for key in ("probe", "alloc", "index"):
-            if getattr(a, key) and "preset" not in extra:
-                opts[key] = getattr(a, key)
-        opts.update(extra)
-        return kh.KvtierCache(self.model.config, **opts)
 
     def run_data(self) -> Tuple[List[str], List[str], List[TaskRun]]:
         a = self.a
