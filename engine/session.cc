@@ -503,6 +503,7 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
   try {
     const bool decode = step_ == StepKind::kDecode;
     LayerParts lp;
+    KVTIER_RETURN_IF_ERROR(store_->Flush(seq_));  // the session drives its sequence: it lands what it sealed
     KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, layer));
     KVTIER_RETURN_IF_ERROR(CheckPositionsHeld(what, layer, positions, m, view.n_tokens));
     lp.local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
@@ -702,6 +703,9 @@ Result<CompressReport> Session::Compress(const std::string& policy_spec, int64_t
       policy_ = std::move(p);
       policy_spec_ = policy_spec;
     }
+    // The session drives its sequence: what it sealed lands now, so the keys read back below
+    // and the chunk counts cover every token appended.
+    KVTIER_RETURN_IF_ERROR(store_->Flush(seq_));
     for (int l = 0; l < g.layers; ++l) {
       KVTIER_ASSIGN_OR_RETURN(LayerKeys lk, ReadLayerKeys(store_, seq_, l));
       const int64_t n = static_cast<int64_t>(lk.positions.size());
@@ -753,10 +757,10 @@ Result<CompressReport> Session::Compress(const std::string& policy_spec, int64_t
       KVTIER_ASSIGN_OR_RETURN(int64_t chunk_budget, ChunkBudget(*store_, seq_, l, kv_budget));
       const std::vector<uint64_t> drop =
           ChunksToDrop(ts, keep, so.n_sink, so.chunk_size, n_chunks, chunk_budget);
-      const uint64_t before = store_->counters().dropped_chunks;
-      KVTIER_RETURN_IF_ERROR(store_->DropChunks(seq_, l, drop));
+      uint64_t dropped = 0;
+      KVTIER_RETURN_IF_ERROR(store_->DropChunks(seq_, l, drop, &dropped));
       if (retriever_) KVTIER_RETURN_IF_ERROR(retriever_->Sync(seq_, l));  // the index drops them too
-      rep.dropped_chunks += store_->counters().dropped_chunks - before;
+      rep.dropped_chunks += dropped;
     }
     KVTIER_ASSIGN_OR_RETURN(rep.kept_tokens, KeptTokensPerLayer(*store_, seq_, g.layers));
     counters_.compressions += 1;

@@ -387,15 +387,13 @@ Status TieredStore::DropSequence(SequenceId seq) {
   return Status::Ok();
 }
 
-StoreCounters TieredStore::counters() {
-  std::unique_lock<std::mutex> l(mu_);
-  // Statistics count landed chunks: land what is in flight (a failure stays in its layer's
-  // landing_error for the next call that can return it).
-  LandEverythingLocked(l);
+StoreCounters TieredStore::counters() const {
+  std::lock_guard<std::mutex> l(mu_);
   StoreCounters c = counters_;
   c.hot_chunks = hot_->slots_used();
   c.hot_bytes = c.hot_chunks * chunk_bytes_ + region_bytes_;
-  c.warm_chunks = warm_->used() - landing_chunks_;  // a chunk another thread is landing is not warm yet
+  c.warm_chunks = warm_->used() - landing_chunks_;  // a chunk still landing is not warm yet
+  c.chunks_landing = landing_chunks_;
   c.warm_bytes = c.warm_chunks * chunk_bytes_;
   for (const auto& tier : lower_) tier->AddCounters(&c);
   return c;

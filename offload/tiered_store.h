@@ -17,16 +17,19 @@
 //  * Landing: sealing a chunk submits its download from the local ring into a
 //    pinned warm slot (HotTier::DownloadBatchAsync: asynchronous on a device tier,
 //    done at submit on the host tier) and returns. Until the download has landed
-//    the chunk is not held by warm, not fetchable, not indexed (ListChunks,
-//    ChunkCount, representatives), not written to a lower tier and not demotable.
-//    Every reader of a layer's sealed chunks lands them first (ListChunks,
-//    ChunkCount, GetRepresentatives, FetchChunks, ReadTokens, SetChunkScores,
-//    DropChunks; per sequence CloseSequence, DropSequence, PublishSequence; every
-//    sequence for counters() and WaitForDurable()), Append lands those already
-//    complete and keeps at most max_landing_chunks in flight per layer. A failed
-//    download loses that chunk only (never acknowledged: its index becomes a hole)
-//    and is returned by the next Status-returning call that lands the layer
-//    (Append: before appending anything).
+//    the chunk is not held by warm, not fetchable, not indexed, not written to a
+//    lower tier and not demotable, and readers do not see it (ListChunks,
+//    ChunkCount, GetRepresentatives, ChunkUpdatesSince and ReadTokens see the
+//    landed chunks only; counters() reports the rest as chunks_landing). A sealed
+//    chunk lands on its sequence's driver, never on a reader: the sequence's next
+//    Append (which lands those already complete and keeps at most
+//    max_landing_chunks in flight per layer), BeginLayerStep, FetchChunks,
+//    SetChunkScores or DropChunks of its layer, Flush, CloseSequence,
+//    DropSequence or PublishSequence of the sequence, WaitForDurable() (every
+//    sequence), and an Append that finds the warm tier full of landing chunks.
+//    A failed download loses that chunk only (never acknowledged: its index
+//    becomes a hole) and is returned by the next Status-returning call that lands
+//    the layer (Append: before appending anything).
 //  * With write_through (default), a chunk is acknowledged (durable across
 //    SIGKILL) once the asynchronous cold write has finished; WaitForDurable()
 //    waits for all of them. Sinks and the local window are persisted by
@@ -98,6 +101,7 @@ struct ChunkCursor {
 /// One layer's chunk changes since a cursor (TieredStore::ChunkUpdatesSince).
 struct ChunkUpdate {
   ChunkCursor next;               ///< the cursor after these changes
+  ChunkCursor since;              ///< the cursor these changes start from
   std::vector<uint64_t> added;    ///< landed chunk indices, ascending
   std::vector<float> repr;        ///< [added][repr_topk, kv_heads, head_dim] fp32 representative keys
   std::vector<uint64_t> dropped;  ///< chunk indices dropped since the cursor, in drop order
@@ -200,7 +204,13 @@ class TieredStore : public Store {
   /// a reopened store does not bring them back). Waits for transfers touching them;
   /// a chunk pinned by a live fetch handle is FailedPrecondition and nothing is dropped.
   /// Already-dropped indices are ignored; indices past the layer's chunks are InvalidArgument.
-  Status DropChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices);
+  /// `dropped` (optional) receives how many chunks this call removed.
+  Status DropChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices,
+                    uint64_t* dropped = nullptr);
+  /// Lands every chunk of the sequence still landing (see "Landing" above): its driver's
+  /// way to make readers on other threads see everything appended so far. Returns the first
+  /// landing failure not reported yet.
+  Status Flush(SequenceId seq);
   std::vector<SequenceId> ListSequences() const override;
   /// Tokens appended to `layer` of `seq`.
   Result<int64_t> SequenceLength(SequenceId seq, int layer) const override;
@@ -215,19 +225,21 @@ class TieredStore : public Store {
   /// The hot tier (its device(), slot pool and, for "cuda", stream): what an attention
   /// backend plans against. Owned by the store.
   HotTier* hot_tier() const { return hot_.get(); }
-  /// Metadata of the sealed chunks of one layer, in token order. Lands the layer first (see
-  /// "Landing" above), hence not const, as every reader of sealed chunks.
-  Result<std::vector<ChunkInfo>> ListChunks(SequenceId seq, int layer);
-  /// Number of chunk indices sealed in one layer (chunk i covers tokens
-  /// [n_sink + i*chunk_size, n_sink + (i+1)*chunk_size)).
-  Result<uint64_t> ChunkCount(SequenceId seq, int layer) override;
+  /// Metadata of the landed chunks of one layer, in token order (a reader: see "Landing").
+  Result<std::vector<ChunkInfo>> ListChunks(SequenceId seq, int layer) const;
+  /// Number of chunk indices sealed and landed in one layer (chunk i covers tokens
+  /// [n_sink + i*chunk_size, n_sink + (i+1)*chunk_size)): the indices before the oldest chunk
+  /// still landing.
+  Result<uint64_t> ChunkCount(SequenceId seq, int layer) const override;
   /// Representative keys of one chunk: [repr_topk, kv_heads, head_dim] fp32. A chunk whose
   /// representatives left memory (see metadata_bytes) has them read back from its meta record
   /// in the lower tiers, without the store lock; a failed read is returned naming the chunk
   /// ("representatives of chunk ... could not be read back from the lower tiers: ...").
-  Status GetRepresentatives(const ChunkKey& key, float* out);
+  /// NotFound for a chunk still landing.
+  Status GetRepresentatives(const ChunkKey& key, float* out) const;
   /// What changed in one layer's chunks since `since`, handed over in one call under one
-  /// lock (lands the layer first, as every reader): the landed chunks with index >=
+  /// lock (a reader: it lands nothing, and stops before the oldest chunk still landing): the
+  /// landed chunks with index >=
   /// since.chunks, ascending, with their representative keys (those that left memory read back
   /// from the lower tiers in one batch without the store lock, as GetRepresentatives; a failed
   /// read fails the call and moves no cursor), and the chunks dropped
@@ -236,12 +248,12 @@ class TieredStore : public Store {
   /// also builds it from what a recovered or attached sequence holds. Holes (dropped or lost
   /// chunks) are never in `added`; a dropped index may appear in `dropped` without ever
   /// having been added. NotFound for an unknown sequence, InvalidArgument for a bad layer or
-  /// a cursor past the layer's state; a failed landing is reported as ListChunks does.
+  /// a cursor past the layer's state.
   /// At most `max_added` chunks are handed over (> 0): past them `out->complete` is false and
   /// `out->next` stands after the last one handed over (every drop comes with the first call),
   /// so that a reader catching up with a long sequence holds a bounded batch at a time.
   Status ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCursor& since, ChunkUpdate* out,
-                           size_t max_added = SIZE_MAX);
+                           size_t max_added = SIZE_MAX) const;
   /// Starts promoting the chunks into hot slots and pins them (async).
   ///
   /// A fetch takes every hot slot it needs under the store lock, or none. When the pool has
@@ -325,8 +337,9 @@ class TieredStore : public Store {
   /// The acknowledged chunks found missing when this store was opened and accepted as
   /// lost (accept_lost_chunks); empty otherwise.
   std::vector<ChunkRange> LostChunks() const;
-  /// Lands every sequence first: the counters count landed chunks.
-  StoreCounters counters() override;
+  /// A snapshot; counts landed chunks, and the chunks still landing as chunks_landing
+  /// (a reader: it lands nothing).
+  StoreCounters counters() const override;
 
   // ---- sharing through the remote tier ----
   /// Publishes a closed sequence under `name` (1..128 of [A-Za-z0-9-_.]) for other
@@ -381,6 +394,12 @@ class TieredStore : public Store {
   void LandSequenceLocked(std::unique_lock<std::mutex>& lock, Sequence* s);
   /// Whether anything landed (by this thread or another it waited for).
   bool LandEverythingLocked(std::unique_lock<std::mutex>& lock);
+  /// The end of what readers see of a layer's chunks: the index of its oldest chunk still
+  /// landing, or chunks.size().
+  uint64_t LandedEndLocked(const LayerState& ls) const;
+  /// ChunkUpdatesSince of a checked layer; may drop the lock (read-back of representatives).
+  Status ChunkUpdatesLocked(std::unique_lock<std::mutex>& lock, Sequence* s, int layer,
+                            const ChunkCursor& since, ChunkUpdate* out, size_t max_added) const;
   /// The layer's (or sequence's) unreported landing failure, cleared; OK when none.
   Status TakeLandingErrorLocked(LayerState& ls);
   Status TakeLandingErrorLocked(Sequence* s);
@@ -444,7 +463,7 @@ class TieredStore : public Store {
   /// Reads the representatives (storage dtype) of chunks of `s` that released them, from their
   /// meta records in the lower tiers that read metas alone, in order, in batches. Called
   /// without mu_, with `s` held busy. Returns the first failure (each read has its own).
-  Status ReadLowerTierRepr(const Sequence* s, std::vector<ReprRead>* reads);
+  Status ReadLowerTierRepr(const Sequence* s, std::vector<ReprRead>* reads) const;
   /// Releases the chunk's in-memory representatives when a tier that reads metas alone
   /// acknowledged it and it holds no warm copy (see metadata_bytes).
   void MaybeReleaseReprLocked(Chunk* c);
@@ -473,7 +492,7 @@ class TieredStore : public Store {
   std::unique_ptr<TransferEngine> engine_;
 
   mutable std::mutex mu_;
-  std::condition_variable cv_;  // signalled when a transfer finishes or a pin drops
+  mutable std::condition_variable cv_;  // signalled when a transfer finishes or a pin drops
   std::unordered_map<SequenceId, std::unique_ptr<Sequence>> sequences_;
   std::unordered_map<uint64_t, Chunk*> chunk_by_id_;
   uint64_t next_chunk_id_ = 1;

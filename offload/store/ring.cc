@@ -118,6 +118,7 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
     c->repr = std::move(repr);  // chosen when the chunk lands
     c->warm_slot = slot;
     c->warm_pins = 1;  // being filled
+    c->landing = true;
     chunk_by_id_[c->id] = c;
     repr_chunks_++;
     ls.chunks.push_back(c);
@@ -152,7 +153,8 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
   landing.ticket = *ticket;
   ls.landing.push_back(std::move(landing));
   // A host tier's download is complete already: the chunk lands here, as if sealing were
-  // synchronous. A device tier's lands at the next reader, or when too many are in flight.
+  // synchronous. A device tier's lands at this sequence's next driving call (Append, the
+  // layer step's door, Flush, ...), or here when too many are in flight.
   LandLayerLocked(lock, s, layer, static_cast<size_t>(options_.max_landing_chunks), false);
   LandLayerLocked(lock, s, layer, 0, true);
   return Status::Ok();

@@ -182,7 +182,7 @@ Status TieredStore::ReadLowerTier(const Sequence* s, const Chunk* c, void* dst) 
   return st;
 }
 
-Status TieredStore::ReadLowerTierRepr(const Sequence* s, std::vector<ReprRead>* reads) {
+Status TieredStore::ReadLowerTierRepr(const Sequence* s, std::vector<ReprRead>* reads) const {
   const size_t repr_bytes = static_cast<size_t>(options_.repr_topk) * token_bytes_;
   // Bounded batches: a first index sync over a long sequence reads every chunk's meta.
   constexpr size_t kBatch = 256;

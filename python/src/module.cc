@@ -586,6 +586,7 @@ class PyStore {
     d["pin_wait_timeouts"] = c.pin_wait_timeouts;
     d["hot_reserved"] = c.hot_reserved;
     d["chunks_sealed"] = c.chunks_sealed;
+    d["chunks_landing"] = c.chunks_landing;
     d["dropped_chunks"] = c.dropped_chunks;
     return d;
   }
