@@ -7,6 +7,7 @@
 //   offload/store/write_through.cc  the lower tiers: writes, acknowledgement, errors, reads
 //   offload/store/chunks.cc         chunk metadata, ReadTokens, scores, drops
 //   offload/store/fetch.cc          promotion into hot slots: pins, leases, hot room
+//   offload/store/layer_step.cc     the layer step's door (BeginLayerStep)
 //   offload/store/sharing.cc        publish and attach through the remote tier
 //
 // Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
@@ -106,7 +107,7 @@ TieredStore::TieredStore(const StoreOptions& options) : options_(options) {}
 TieredStore::~TieredStore() {
   if (engine_) {
     // Downloads in flight write into warm slots: land them (which issues their write-through).
-    std::unique_lock<std::mutex> l(mu_);
+    std::unique_lock<CountingMutex> l(mu_);
     LandEverythingLocked(l);
   }
   // Transfer tasks call back into the store: let them finish first.
@@ -210,6 +211,7 @@ Status TieredStore::Init() {
 }
 
 Result<SequenceId> TieredStore::CreateSequence() {
+  CountVisit();
   return ReturnOnBadAlloc(
       "CreateSequence: the sinks and local window of every layer", [&]() -> Result<SequenceId> {
         auto seq = std::make_unique<Sequence>();
@@ -226,7 +228,7 @@ Result<SequenceId> TieredStore::CreateSequence() {
           KVTIER_ASSIGN_OR_RETURN(ls.ring_v, hot_->AllocateRegion(ring * token_bytes_));
           ls.ring_mass.assign(static_cast<size_t>(options_.geometry.kv_heads) * ring, 0.0f);
         }
-        std::lock_guard<std::mutex> l(mu_);
+        std::lock_guard<CountingMutex> l(mu_);
         seq->id = next_seq_id_++;
         region_bytes_ += L * 2 * (options_.n_sink + ring) * token_bytes_;
         if (cold_) {
@@ -240,7 +242,8 @@ Result<SequenceId> TieredStore::CreateSequence() {
 }
 
 std::vector<SequenceId> TieredStore::ListSequences() const {
-  std::lock_guard<std::mutex> l(mu_);
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   std::vector<SequenceId> ids;
   for (auto& [id, s] : sequences_) ids.push_back(id);
   std::sort(ids.begin(), ids.end());
@@ -265,16 +268,18 @@ Status TieredStore::CheckLayerLocked(SequenceId seq, int layer, bool for_write, 
 }
 
 Result<int64_t> TieredStore::SequenceLength(SequenceId seq, int layer) const {
-  std::lock_guard<std::mutex> l(mu_);
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
   return s->layers[layer].n_tokens;
 }
 
 Status TieredStore::CloseSequence(SequenceId seq) {
+  CountVisit();
   Sequence* s = nullptr;
   {
-    std::unique_lock<std::mutex> l(mu_);
+    std::unique_lock<CountingMutex> l(mu_);
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, 0, true, &s));
     LandSequenceLocked(l, s);
     KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s));
@@ -285,7 +290,7 @@ Status TieredStore::CloseSequence(SequenceId seq) {
     // Every chunk must be acknowledged before the record says "closed".
     for (auto& ls : s->layers) {
       for (Chunk* c : ls.chunks) {
-        std::unique_lock<std::mutex> l(mu_);
+        std::unique_lock<CountingMutex> l(mu_);
         if (c == nullptr) continue;  // dropped, or a hole left by a crash
         cv_.wait(l, [&] { return !c->cold_writing; });
         if (c->cold_acked) continue;
@@ -309,7 +314,7 @@ Status TieredStore::CloseSequence(SequenceId seq) {
       st = cold_->PutSequence(seq, rec);
     }
   }
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   s->busy--;
   if (st.ok()) s->state = SeqState::kClosed;
   cv_.notify_all();
@@ -337,7 +342,8 @@ Status TieredStore::CopySinksAndLocal(SequenceId seq, Sequence* s, int l, std::s
 }
 
 Status TieredStore::DropSequence(SequenceId seq) {
-  std::unique_lock<std::mutex> l(mu_);
+  CountVisit();
+  std::unique_lock<CountingMutex> l(mu_);
   auto it = sequences_.find(seq);
   if (it == sequences_.end())
     return NotFound("sequence " + std::to_string(seq) + " does not exist (never created or dropped)");
@@ -388,7 +394,8 @@ Status TieredStore::DropSequence(SequenceId seq) {
 }
 
 StoreCounters TieredStore::counters() const {
-  std::lock_guard<std::mutex> l(mu_);
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   StoreCounters c = counters_;
   c.hot_chunks = hot_->slots_used();
   c.hot_bytes = c.hot_chunks * chunk_bytes_ + region_bytes_;
@@ -400,13 +407,15 @@ StoreCounters TieredStore::counters() const {
 }
 
 uint64_t TieredStore::metadata_bytes() const {
-  std::lock_guard<std::mutex> l(mu_);
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   const size_t per_chunk = sizeof(Chunk) + 64;
   return chunk_by_id_.size() * per_chunk +
          repr_chunks_ * static_cast<size_t>(options_.repr_topk) * token_bytes_;
 }
 
 uint64_t TieredStore::lower_tier_memory_bytes() const {
+  CountVisit();
   uint64_t bytes = 0;
   for (const std::unique_ptr<LowerTier>& t : lower_) bytes += t->memory_bytes();  // fixed at Open
   return bytes;

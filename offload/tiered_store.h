@@ -37,7 +37,7 @@
 //
 // The store is the coordinator: it decides what moves where under one mutex. Its
 // implementation is split into parts (listed at the top of offload/tiered_store.cc:
-// offload/store/ring, landing, warm_tier, write_through, chunks, fetch, sharing). The tiers
+// offload/store/ring, landing, warm_tier, write_through, chunks, fetch, layer_step, sharing). The tiers
 // below warm sit behind offload/lower_tier.h as an ordered list (RocksDB, then Redis).
 // Around it: offload/transfer_engine.h moves the bytes on worker threads,
 // offload/store_recovery.h rebuilds the state of a reopened store,
@@ -69,6 +69,7 @@
 #include "offload/hot_tier.h"
 #include "offload/lower_tier.h"
 #include "offload/remote_tier.h"
+#include "offload/store/counting_mutex.h"
 #include "offload/store_counters.h"
 #include "store/chunk.h"
 #include "store/geometry.h"
@@ -117,6 +118,12 @@ struct HotView {
   kernels::KvSpan local[2];  ///< oldest part first
   int n_local_spans = 0;
   int64_t n_tokens = 0;  ///< tokens appended to this layer so far
+};
+
+/// What a layer step reads from the store besides the chunk updates (TieredStore::BeginLayerStep).
+struct LayerStepView {
+  Status background;  ///< the sticky lower-tier write error (CheckBackgroundError); OK when none
+  HotView hot;        ///< sinks and local window of the layer
 };
 
 /// How FetchChunks treats a fetch longer than its sequence's hot slot reservation
@@ -222,6 +229,20 @@ class TieredStore : public Store {
   Status ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t end, void* k_out, void* v_out);
   /// Sinks and local window of one layer, in hot memory (device pointers for a "cuda" tier).
   Result<HotView> GetHotView(SequenceId seq, int layer);
+  /// The layer step's door, for the sequence's driver (Session::Attend and Gather): one visit,
+  /// one lock entry, and everything a layer step reads from the store before it fetches. It
+  /// lands the layer's own sealed chunks (the caller drives the sequence, see "Landing"; a
+  /// failed landing is returned), then fills `out` with the sticky background error (not
+  /// returned: the caller decides whether it fails the step) and the hot view, and, when
+  /// `since` is not null, `updates` with the layer's chunk changes since `since`, as
+  /// ChunkUpdatesSince (at most max_added chunks). The step then goes on with one FetchChunks
+  /// (+ Wait) of what it chose and the handle's Release: a decode step over hot chunks enters
+  /// the store lock three times. Buffers in `updates` are reused, so a caller that keeps them
+  /// allocates nothing in the steady state. `out` and `updates` are what a device-resident
+  /// step's chunk table would be fed from: the hot view's device spans and the chunk indices
+  /// that came and left. NotFound / InvalidArgument as GetHotView and ChunkUpdatesSince.
+  Status BeginLayerStep(SequenceId seq, int layer, const ChunkCursor* since, ChunkUpdate* updates,
+                        LayerStepView* out, size_t max_added = SIZE_MAX);
   /// The hot tier (its device(), slot pool and, for "cuda", stream): what an attention
   /// backend plans against. Owned by the store.
   HotTier* hot_tier() const { return hot_.get(); }
@@ -388,28 +409,30 @@ class TieredStore : public Store {
   /// a download). With keep == 0 and !only_complete, also waits for landings other threads
   /// claimed, so that on return no chunk of the layer is landing. Failures go to the
   /// layer's landing_error. Drops the lock while waiting for a download.
-  void LandLayerLocked(std::unique_lock<std::mutex>& lock, Sequence* s, int layer, size_t keep = 0,
+  void LandLayerLocked(std::unique_lock<CountingMutex>& lock, Sequence* s, int layer, size_t keep = 0,
                        bool only_complete = false);
   /// Every layer of one sequence, or of every sequence, landed completely.
-  void LandSequenceLocked(std::unique_lock<std::mutex>& lock, Sequence* s);
+  void LandSequenceLocked(std::unique_lock<CountingMutex>& lock, Sequence* s);
   /// Whether anything landed (by this thread or another it waited for).
-  bool LandEverythingLocked(std::unique_lock<std::mutex>& lock);
+  bool LandEverythingLocked(std::unique_lock<CountingMutex>& lock);
   /// The end of what readers see of a layer's chunks: the index of its oldest chunk still
   /// landing, or chunks.size().
   uint64_t LandedEndLocked(const LayerState& ls) const;
+  /// The hot view of a checked layer (its sinks and ring belong to the driver; read without mu_).
+  Status HotViewOf(SequenceId seq, const LayerState& ls, HotView* v) const;
   /// ChunkUpdatesSince of a checked layer; may drop the lock (read-back of representatives).
-  Status ChunkUpdatesLocked(std::unique_lock<std::mutex>& lock, Sequence* s, int layer,
+  Status ChunkUpdatesLocked(std::unique_lock<CountingMutex>& lock, Sequence* s, int layer,
                             const ChunkCursor& since, ChunkUpdate* out, size_t max_added) const;
   /// The layer's (or sequence's) unreported landing failure, cleared; OK when none.
   Status TakeLandingErrorLocked(LayerState& ls);
   Status TakeLandingErrorLocked(Sequence* s);
-  Status MakeWarmRoom(std::unique_lock<std::mutex>& lock);
+  Status MakeWarmRoom(std::unique_lock<CountingMutex>& lock);
   /// Writes the chunk to cold synchronously and acknowledges it. `score` is the chunk's
   /// score snapshotted under the lock by the caller (see Chunk::score).
   Status WriteCold(Chunk* c, const uint8_t* payload, float score);
   /// Writes a warm chunk the cold tier has not acknowledged; drops the lock
   /// during the write and holds it again on return.
-  Status WriteWarmChunkToColdLocked(std::unique_lock<std::mutex>& lock, Chunk* c);
+  Status WriteWarmChunkToColdLocked(std::unique_lock<CountingMutex>& lock, Chunk* c);
   /// Marks a chunk the lower tiers in `acks` (TierBits, at least one) just acknowledged; returns
   /// the listener to call (outside the lock).
   std::function<void(const ChunkKey&)> AckColdWriteLocked(Chunk* c, uint8_t acks);
@@ -445,6 +468,7 @@ class TieredStore : public Store {
   /// (warm_pins, cold_writing) until the write is done. `score` as for WriteCold.
   void SubmitColdWrite(Chunk* c, const uint8_t* payload, float score);
   void RunFetch(const std::shared_ptr<FetchHandle::State>& st);
+  /// Waits for the fetch's transfer to finish, then unpins its chunks: one lock entry.
   void ReleasePins(FetchHandle::State* st);
   /// A pin protects its chunk until the lease (pin_deadline, from options_.clock) runs out.
   bool PinnedLocked(const Chunk* c, Clock::time_point now) const;
@@ -491,8 +515,12 @@ class TieredStore : public Store {
   // After the tiers it copies between, so that it is destroyed (idle) before them.
   std::unique_ptr<TransferEngine> engine_;
 
-  mutable std::mutex mu_;
-  mutable std::condition_variable cv_;  // signalled when a transfer finishes or a pin drops
+  // The one store lock; counts its entries (a layer step's are held to a bound by a test).
+  mutable CountingMutex mu_;
+  mutable std::condition_variable_any cv_;  // signalled when a transfer finishes or a pin drops
+  // Calls of the public API so far (CountVisit), for the same test: a relaxed counter.
+  mutable std::atomic<uint64_t> visits_{0};
+  void CountVisit() const { visits_.fetch_add(1, std::memory_order_relaxed); }
   std::unordered_map<SequenceId, std::unique_ptr<Sequence>> sequences_;
   std::unordered_map<uint64_t, Chunk*> chunk_by_id_;
   uint64_t next_chunk_id_ = 1;

@@ -21,7 +21,8 @@
 namespace kvtier {
 
 Result<std::vector<ChunkInfo>> TieredStore::ListChunks(SequenceId seq, int layer) const {
-  std::lock_guard<std::mutex> l(mu_);
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
   std::vector<ChunkInfo> out;
@@ -33,14 +34,16 @@ Result<std::vector<ChunkInfo>> TieredStore::ListChunks(SequenceId seq, int layer
 }
 
 Result<uint64_t> TieredStore::ChunkCount(SequenceId seq, int layer) const {
-  std::lock_guard<std::mutex> l(mu_);
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
   return LandedEndLocked(s->layers[layer]);
 }
 
 Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) const {
-  std::unique_lock<std::mutex> l(mu_);
+  CountVisit();
+  std::unique_lock<CountingMutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(key.seq, static_cast<int>(key.layer), false, &s));
   const auto& chunks = s->layers[key.layer].chunks;
@@ -75,15 +78,16 @@ Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) const {
 
 Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCursor& since, ChunkUpdate* out,
                                       size_t max_added) const {
+  CountVisit();
   if (out == nullptr) return InvalidArgument("ChunkUpdatesSince: out must not be null");
   if (max_added == 0) return InvalidArgument("ChunkUpdatesSince: max_added must be > 0");
-  std::unique_lock<std::mutex> l(mu_);
+  std::unique_lock<CountingMutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
   return ChunkUpdatesLocked(l, s, layer, since, out, max_added);
 }
 
-Status TieredStore::ChunkUpdatesLocked(std::unique_lock<std::mutex>& l, Sequence* s, int layer,
+Status TieredStore::ChunkUpdatesLocked(std::unique_lock<CountingMutex>& l, Sequence* s, int layer,
                                        const ChunkCursor& since, ChunkUpdate* out, size_t max_added) const {
   const SequenceId seq = s->id;
   const LayerState& ls = s->layers[layer];
@@ -191,9 +195,10 @@ Status TieredStore::ChunkUpdatesLocked(std::unique_lock<std::mutex>& l, Sequence
 
 Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t end, void* k_out,
                                void* v_out) {
+  CountVisit();
   Sequence* s = nullptr;
   {
-    std::unique_lock<std::mutex> l(mu_);
+    std::unique_lock<CountingMutex> l(mu_);
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
     if (begin < 0 || end < begin || end > s->layers[layer].n_tokens)
       return InvalidArgument("ReadTokens: range [" + std::to_string(begin) + ", " + std::to_string(end) +
@@ -231,7 +236,7 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
       const uint8_t* src = nullptr;
       bool from_hot = false;
       {
-        std::lock_guard<std::mutex> l(mu_);
+        std::lock_guard<CountingMutex> l(mu_);
         c = idx < ls.chunks.size() ? ls.chunks[idx] : nullptr;
         if (c == nullptr) {
           st = NotFound("chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
@@ -262,7 +267,7 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
         if (st.ok()) st = ReadLowerTier(s, c, staging.data());
         src = staging.data();
         if (st.ok()) {
-          std::lock_guard<std::mutex> l(mu_);
+          std::lock_guard<CountingMutex> l(mu_);
           counters_.cold_reads++;
         }
       }
@@ -274,7 +279,7 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
         if (st.ok()) st = copy(vo + off, src + half + in_chunk * token_bytes_, take * token_bytes_);
       }
       {
-        std::lock_guard<std::mutex> l(mu_);
+        std::lock_guard<CountingMutex> l(mu_);
         if (src != staging.data()) (from_hot ? c->hot_pins : c->warm_pins)--;
         cv_.notify_all();
       }
@@ -291,7 +296,7 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
       p += take;
     }
   }
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   s->busy--;
   cv_.notify_all();
   return st;
@@ -299,7 +304,8 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
 
 Status TieredStore::SetChunkScores(SequenceId seq, int layer,
                                    const std::vector<std::pair<uint64_t, float>>& scores) {
-  std::unique_lock<std::mutex> l(mu_);
+  CountVisit();
+  std::unique_lock<CountingMutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
   LandLayerLocked(l, s, layer);
@@ -325,10 +331,11 @@ Status TieredStore::SetChunkScores(SequenceId seq, int layer,
 
 Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices,
                                uint64_t* dropped) {
+  CountVisit();
   if (dropped != nullptr) *dropped = 0;
   std::vector<std::vector<ChunkKey>> tier_keys(lower_.size());  // per lower tier, what it may hold
   {
-    std::unique_lock<std::mutex> l(mu_);
+    std::unique_lock<CountingMutex> l(mu_);
     Sequence* s = nullptr;
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
     LandLayerLocked(l, s, layer);

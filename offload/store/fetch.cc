@@ -35,6 +35,9 @@ struct FetchHandle::State {
   // transfer workers are still busy with earlier work (a backlog of cold writes after a long
   // prefill must not stall a decode step's fetch behind it).
   std::atomic<bool> claimed{false};
+  // Every chunk was hot, none loading, when FetchChunks returned: Wait has nothing to wait
+  // for and takes no lock. Set before the handle is handed out, never changed.
+  bool complete_at_issue = false;
   bool done = false;
   bool released = false;
   Status status;
@@ -54,15 +57,16 @@ FetchHandle& FetchHandle::operator=(FetchHandle&& o) noexcept {
 
 bool FetchHandle::Ready() const {
   if (!state_) return true;
-  std::lock_guard<std::mutex> l(state_->store->mu_);
+  std::lock_guard<CountingMutex> l(state_->store->mu_);
   return state_->store->FetchCompleteLocked(state_.get());
 }
 
 Status FetchHandle::Wait(std::chrono::milliseconds timeout) {
   if (!state_) return FailedPrecondition("fetch handle is empty (released or never started)");
+  if (state_->complete_at_issue) return Status::Ok();
   TieredStore* store = state_->store;
   if (!state_->claimed.exchange(true)) store->RunFetch(state_);  // not started yet: load on this thread
-  std::unique_lock<std::mutex> l(store->mu_);
+  std::unique_lock<CountingMutex> l(store->mu_);
   if (!store->cv_.wait_for(l, timeout, [&] { return store->FetchCompleteLocked(state_.get()); }))
     return TimedOut("fetch of " + std::to_string(state_->chunk_ids.size()) + " chunks not done after " +
                     std::to_string(timeout.count()) + " ms (the transfer continues)");
@@ -83,13 +87,7 @@ const std::vector<kernels::KvSpan>& FetchHandle::spans() const {
 
 void FetchHandle::Release() {
   if (!state_) return;
-  TieredStore* store = state_->store;
-  {
-    // Wait for the transfer to finish first: the task still writes into the slots.
-    std::unique_lock<std::mutex> l(store->mu_);
-    store->cv_.wait(l, [&] { return state_->done; });
-  }
-  store->ReleasePins(state_.get());
+  state_->store->ReleasePins(state_.get());
   state_.reset();
 }
 
@@ -214,9 +212,10 @@ int64_t TieredStore::HeldByThreadLocked(std::thread::id thread, Clock::time_poin
 }
 
 Result<uint64_t> TieredStore::ReserveHotSlots(SequenceId seq, int32_t slots) {
+  CountVisit();
   if (slots < 0)
     return InvalidArgument("ReserveHotSlots: slots must be >= 0 (got " + std::to_string(slots) + ")");
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   if (sequences_.find(seq) == sequences_.end())
     return NotFound("ReserveHotSlots: sequence " + std::to_string(seq) +
                     " does not exist (never created or dropped)");
@@ -239,13 +238,15 @@ Result<uint64_t> TieredStore::ReserveHotSlots(SequenceId seq, int32_t slots) {
 }
 
 void TieredStore::ReleaseHotSlots(uint64_t reservation) {
-  std::lock_guard<std::mutex> l(mu_);
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   if (reservations_.erase(reservation) == 0) return;
   counters_.hot_reserved = static_cast<uint64_t>(ReservedTotalLocked());
 }
 
 Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const std::vector<uint64_t>& asked,
                                              FetchFit fit) {
+  CountVisit();
   return ReturnOnBadAlloc("FetchChunks: the fetch's chunk lists", [&]() -> Result<FetchHandle> {
     auto st = std::make_shared<FetchHandle::State>();
     st->store = this;
@@ -256,7 +257,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
     bool any_load = false;
     bool all_warm = true;  // every load has a warm copy (none reads a lower tier)
     {
-      std::unique_lock<std::mutex> l(mu_);
+      std::unique_lock<CountingMutex> l(mu_);
       Sequence* s = nullptr;
       LayerState* lsp = nullptr;
       std::vector<uint64_t> requested;  // chunk ids, sorted, each once
@@ -439,6 +440,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
       }
       counters_.hot_chunks = hot_->slots_used();
       if (!any_load) st->done = true;
+      st->complete_at_issue = !any_load && st->awaited.empty();
       if (!st->chunk_ids.empty()) live_fetches_.insert(st.get());
     }
     if (any_load && all_warm && hot_->device() == Device::kCpu) {
@@ -476,7 +478,7 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
   chunks.reserve(st->chunk_ids.size());
   read_slots.reserve(st->chunk_ids.size());
   {
-    std::lock_guard<std::mutex> l(mu_);
+    std::lock_guard<CountingMutex> l(mu_);
     for (size_t i = 0; i < st->chunk_ids.size(); ++i) {
       if (!st->needs_load[i]) continue;
       Chunk* c = chunk_by_id_.at(st->chunk_ids[i]);
@@ -505,7 +507,7 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
   }
   engine_->CopyLoads(&loads);
 
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   Status first_error;
   for (size_t j = 0; j < loads.size(); ++j) {
     const TransferEngine::Load& ld = loads[j];
@@ -557,7 +559,8 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
 }
 
 void TieredStore::EvictHot() {
-  std::lock_guard<std::mutex> l(mu_);
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   const Clock::time_point now = options_.clock->Now();
   uint64_t victim = 0;
   while (hot_policy_->PickVictim(
@@ -576,7 +579,9 @@ void TieredStore::EvictHot() {
 }
 
 void TieredStore::ReleasePins(FetchHandle::State* st) {
-  std::lock_guard<std::mutex> l(mu_);
+  std::unique_lock<CountingMutex> l(mu_);
+  // The transfer finishes first: its task still writes into the slots.
+  cv_.wait(l, [&] { return st->done; });
   if (st->released) return;
   st->released = true;
   live_fetches_.erase(st);

@@ -31,7 +31,7 @@ namespace kvtier {
 
 using store_internal::LandingChunk;
 
-void TieredStore::LandLayerLocked(std::unique_lock<std::mutex>& lock, Sequence* s, int layer, size_t keep,
+void TieredStore::LandLayerLocked(std::unique_lock<CountingMutex>& lock, Sequence* s, int layer, size_t keep,
                                   bool only_complete) {
   LayerState& ls = s->layers[layer];
   if (ls.landing.size() <= keep && ls.landers == 0) return;  // the common case: nothing in flight
@@ -118,11 +118,11 @@ void TieredStore::LandLayerLocked(std::unique_lock<std::mutex>& lock, Sequence* 
   }
 }
 
-void TieredStore::LandSequenceLocked(std::unique_lock<std::mutex>& lock, Sequence* s) {
+void TieredStore::LandSequenceLocked(std::unique_lock<CountingMutex>& lock, Sequence* s) {
   for (int l = 0; l < static_cast<int>(s->layers.size()); ++l) LandLayerLocked(lock, s, l);
 }
 
-bool TieredStore::LandEverythingLocked(std::unique_lock<std::mutex>& lock) {
+bool TieredStore::LandEverythingLocked(std::unique_lock<CountingMutex>& lock) {
   if (landing_chunks_ == 0) return false;
   const uint64_t before = counters_.chunks_sealed + landing_failures_;
   // Ids first: the map may change while a landing drops the lock (a drop waits for the
@@ -151,7 +151,8 @@ uint64_t TieredStore::LandedEndLocked(const LayerState& ls) const {
 }
 
 Status TieredStore::Flush(SequenceId seq) {
-  std::unique_lock<std::mutex> l(mu_);
+  CountVisit();
+  std::unique_lock<CountingMutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, 0, false, &s));
   LandSequenceLocked(l, s);

@@ -39,11 +39,12 @@ constexpr uint32_t kPubVersion = 1;
 }  // namespace
 
 Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
+  CountVisit();
   if (!remote_)
     return FailedPrecondition("PublishSequence: the store has no remote tier (StoreOptions::remote)");
   Sequence* s = nullptr;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    std::lock_guard<CountingMutex> l(mu_);
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, 0, false, &s));
     if (s->state != SeqState::kClosed)
       return FailedPrecondition("PublishSequence: sequence " + std::to_string(seq) +
@@ -56,7 +57,7 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
   }
   {
     // A closed sequence has nothing landing (CloseSequence landed it); kept for the invariant.
-    std::unique_lock<std::mutex> l(mu_);
+    std::unique_lock<CountingMutex> l(mu_);
     LandSequenceLocked(l, s);
     Status landed = TakeLandingErrorLocked(s);
     if (!landed.ok()) {
@@ -77,14 +78,14 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
       if (c == nullptr) continue;
       float score;
       {
-        std::lock_guard<std::mutex> lk(mu_);
+        std::lock_guard<CountingMutex> lk(mu_);
         if (c->tiers & kTierRemote) continue;
         score = c->score;
       }
       st = ReadLowerTier(s, c, buf.data());
       if (!st.ok()) {
         // Not in the lower tiers: the warm copy (write_through off) is the only one.
-        std::unique_lock<std::mutex> lk(mu_);
+        std::unique_lock<CountingMutex> lk(mu_);
         if (c->warm_slot < 0) break;
         std::memcpy(buf.data(), warm_->slot_data(c->warm_slot), chunk_bytes_);
         st = Status::Ok();
@@ -96,7 +97,7 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
       const std::string meta = EncodeChunkMeta(c->first_token, repr.data(), repr.size(), score);
       st = remote_->PutChunk(c->key, meta, buf.data(), chunk_bytes_);
       if (!st.ok()) break;
-      std::lock_guard<std::mutex> lk(mu_);
+      std::lock_guard<CountingMutex> lk(mu_);
       c->tiers |= kTierRemote;
     }
   }
@@ -119,7 +120,7 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
     std::vector<uint8_t> reprs;
     std::vector<ReprRead> paged;
     {
-      std::lock_guard<std::mutex> lk(mu_);
+      std::lock_guard<CountingMutex> lk(mu_);
       snaps.resize(ls.chunks.size());
       reprs.resize(ls.chunks.size() * repr_bytes);
       for (size_t i = 0; i < ls.chunks.size(); ++i) {
@@ -160,13 +161,14 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
     PutFixed32(&manifest, static_cast<uint32_t>(options_.geometry.layers));
     st = remote_->PutPublication(name, parts, manifest);
   }
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   s->busy--;
   cv_.notify_all();
   return st;
 }
 
 Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
+  CountVisit();
   if (!remote_)
     return FailedPrecondition("AttachPublished: the store has no remote tier (StoreOptions::remote)");
   KVTIER_ASSIGN_OR_RETURN(std::string manifest, remote_->GetManifest(name));
@@ -281,7 +283,7 @@ Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
                                           local.data() + (n_local + t) * token_bytes_, token_bytes_));
     }
   }
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   cleanup.armed = false;
   const SequenceId id = next_seq_id_++;
   seq->id = id;

@@ -57,7 +57,7 @@ int32_t TieredStore::AcquireWarmSlotForReadLocked() {
   return warm_->Acquire();
 }
 
-Status TieredStore::MakeWarmRoom(std::unique_lock<std::mutex>& lock) {
+Status TieredStore::MakeWarmRoom(std::unique_lock<CountingMutex>& lock) {
   while (warm_->full()) {
     auto movable = [&](uint64_t id) {
       const Chunk* c = chunk_by_id_.at(id);

@@ -28,7 +28,7 @@ namespace kvtier {
 using store_records::DecodeChunkMeta;
 using store_records::EncodeChunkMeta;
 
-Status TieredStore::WriteWarmChunkToColdLocked(std::unique_lock<std::mutex>& lock, Chunk* c) {
+Status TieredStore::WriteWarmChunkToColdLocked(std::unique_lock<CountingMutex>& lock, Chunk* c) {
   // Pinned and marked while the lock is dropped: nobody frees or reuses the slot.
   c->cold_writing = true;
   c->warm_pins++;
@@ -54,7 +54,7 @@ Status TieredStore::WriteCold(Chunk* c, const uint8_t* payload, float score) {
   if (!st.ok() && acks == 0) return st;
   std::function<void(const ChunkKey&)> listener;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    std::lock_guard<CountingMutex> l(mu_);
     listener = AckColdWriteLocked(c, acks);
   }
   // The chunk is still pinned (cold_writing) by the caller: its key stays valid.
@@ -88,12 +88,12 @@ void TieredStore::SubmitColdWrite(Chunk* c, const uint8_t* payload, float score)
     std::function<void(const ChunkKey&)> listener;
     if (st.ok() || acks != 0) {
       // What an earlier tier acknowledged is durable even if a later one refused it.
-      std::lock_guard<std::mutex> l(mu_);
+      std::lock_guard<CountingMutex> l(mu_);
       listener = AckColdWriteLocked(c, acks);
     }
     // Still pinned (cold_writing): nobody frees the chunk while the listener runs.
     if (listener) listener(c->key);
-    std::lock_guard<std::mutex> l(mu_);
+    std::lock_guard<CountingMutex> l(mu_);
     c->cold_writing = false;
     c->warm_pins--;
     if (!st.ok() && (background_error_.ok() || std::chrono::steady_clock::now() >= background_error_until_)) {
@@ -117,15 +117,17 @@ Status TieredStore::BackgroundErrorLocked() {
 }
 
 Status TieredStore::CheckBackgroundError() {
-  std::lock_guard<std::mutex> l(mu_);
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   return BackgroundErrorLocked();
 }
 
 Status TieredStore::WaitForDurable() {
+  CountVisit();
   Status landed;
   {
     // Chunks still landing have no write issued yet: land them, which issues it.
-    std::unique_lock<std::mutex> l(mu_);
+    std::unique_lock<CountingMutex> l(mu_);
     LandEverythingLocked(l);
     for (auto& [id, seq] : sequences_) {
       Status st = TakeLandingErrorLocked(seq.get());
@@ -136,10 +138,10 @@ Status TieredStore::WaitForDurable() {
   // failed: then the rest is not waited for (writes queued behind a dead node are refused
   // anyway), and the error says that not everything is durable.
   while (!engine_->WaitIdleFor(std::chrono::milliseconds(20))) {
-    std::lock_guard<std::mutex> l(mu_);
+    std::lock_guard<CountingMutex> l(mu_);
     if (error_window_ != std::chrono::milliseconds::max() && !BackgroundErrorLocked().ok()) break;
   }
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   if (!landed.ok()) return landed;
   // A failed write-through leaves its chunk unacknowledged in warm, where the
   // next demotion or CloseSequence writes it again (or, with both tiers and only Redis
@@ -150,15 +152,17 @@ Status TieredStore::WaitForDurable() {
 }
 
 void TieredStore::SetColdAckListener(std::function<void(const ChunkKey&)> listener) {
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   ack_listener_ = std::move(listener);
 }
 
 std::vector<ChunkRange> TieredStore::AcknowledgedChunks() const {
+  CountVisit();
   return cold_ ? cold_->AcknowledgedChunks() : std::vector<ChunkRange>{};
 }
 
 std::vector<ChunkRange> TieredStore::LostChunks() const {
+  CountVisit();
   return cold_ ? cold_->lost_chunks() : std::vector<ChunkRange>{};
 }
 
@@ -252,7 +256,7 @@ Status TieredStore::ReprBytes(const Sequence* s, const Chunk* c, std::vector<uin
   const size_t repr_bytes = static_cast<size_t>(options_.repr_topk) * token_bytes_;
   ChunkKey key;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    std::lock_guard<CountingMutex> l(mu_);
     if (!c->repr.empty()) {
       out->assign(c->repr.begin(), c->repr.end());
       return Status::Ok();
