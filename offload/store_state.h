@@ -39,7 +39,7 @@ struct Chunk {
   int32_t hot_slot = -1;
   int warm_pins = 0;                 // internal copies reading/writing the warm slot
   int hot_pins = 0;                  // FetchHandles holding the hot slot
-  Clock::time_point pin_deadline{};  // from StoreOptions::clock
+  Clock::time_point pin_deadline{};  // from StoreHooks::clock
   bool hot_loading = false;          // hot slot assigned, bytes not there yet
   bool cold_acked = false;
   bool cold_writing = false;

@@ -82,12 +82,11 @@ Status StoreOptions::Validate() const {
     auto w = MakeDemotionPolicy(warm_policy);
     if (!w.ok()) return InvalidArgument("warm_policy: " + w.status().message());
   }
-  if (!hot_tier_factory) {
+  {
     // Keeps CheckDevice's code: Unavailable for cuda without a CUDA build or a device.
     Status h = CheckDevice(device);
     if (!h.ok()) return Status(h.code(), "device: " + h.message());
   }
-  if (clock == nullptr) return InvalidArgument("clock must not be null (the default is the steady clock)");
   if (!remote.empty()) {
     auto r = ParseRemoteSpec(remote);
     if (!r.ok()) return InvalidArgument("remote: " + r.status().message());
@@ -102,7 +101,8 @@ Status StoreOptions::Validate() const {
   return Status::Ok();
 }
 
-TieredStore::TieredStore(const StoreOptions& options) : options_(options) {}
+TieredStore::TieredStore(const StoreOptions& options, const StoreHooks& hooks)
+    : options_(options), hooks_(hooks) {}
 
 TieredStore::~TieredStore() {
   if (engine_) {
@@ -124,8 +124,20 @@ TieredStore::~TieredStore() {
 }
 
 Result<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& options) {
-  KVTIER_RETURN_IF_ERROR(options.Validate());
-  auto store = std::unique_ptr<TieredStore>(new TieredStore(options));
+  return Open(options, StoreHooks{});
+}
+
+Result<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& options, const StoreHooks& hooks) {
+  KVTIER_RETURN_IF_ERROR(hooks.Validate());
+  if (hooks.hot_tier_factory) {
+    // The hot tier is the hook's: `device` names none of kvtier's to build, so it is not checked.
+    StoreOptions checked = options;
+    checked.device = Device::kCpu;
+    KVTIER_RETURN_IF_ERROR(checked.Validate());
+  } else {
+    KVTIER_RETURN_IF_ERROR(options.Validate());
+  }
+  auto store = std::unique_ptr<TieredStore>(new TieredStore(options, hooks));
   KVTIER_RETURN_IF_ERROR(store->Init());
   return store;
 }
@@ -133,8 +145,8 @@ Result<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& optio
 Status TieredStore::Init() {
   token_bytes_ = options_.geometry.token_elems() * DTypeSize(options_.geometry.dtype);
   chunk_bytes_ = options_.chunk_bytes();
-  if (options_.hot_tier_factory) {
-    KVTIER_ASSIGN_OR_RETURN(hot_, options_.hot_tier_factory(options_.hot_bytes, chunk_bytes_));
+  if (hooks_.hot_tier_factory) {
+    KVTIER_ASSIGN_OR_RETURN(hot_, hooks_.hot_tier_factory(options_.hot_bytes, chunk_bytes_));
     if (hot_ == nullptr) return InvalidArgument("hot_tier_factory returned no hot tier");
   } else {
     KVTIER_ASSIGN_OR_RETURN(hot_, MakeHotTier(options_.device, options_.hot_bytes, chunk_bytes_));
@@ -160,7 +172,7 @@ Status TieredStore::Init() {
     co.path = options_.data_dir;
     co.compression = options_.compression;
     co.sync_writes = options_.sync_writes;
-    co.fault_injector = options_.cold_fault_injector;
+    co.fault_injector = hooks_.cold_fault_injector;
     co.accept_lost_chunks = options_.accept_lost_chunks;
     KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<ColdTier> cold, ColdTier::Open(co));
     cold_ = cold.get();

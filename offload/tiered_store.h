@@ -11,7 +11,7 @@
 //    after the cold tier acknowledged it.
 //  * A chunk pinned by a FetchHandle is never demoted until the handle is
 //    released or its lease (StoreOptions::pin_timeout_ms, measured on
-//    StoreOptions::clock) runs out.
+//    StoreHooks::clock) runs out.
 //  * One sequence is driven by one thread at a time; different sequences
 //    may be driven from different threads concurrently.
 //  * Landing: sealing a chunk submits its download from the local ring into a
@@ -71,6 +71,7 @@
 #include "offload/remote_tier.h"
 #include "offload/store/counting_mutex.h"
 #include "offload/store_counters.h"
+#include "offload/store_hooks.h"
 #include "store/chunk.h"
 #include "store/geometry.h"
 #include "store/status.h"
@@ -172,6 +173,9 @@ class TieredStore : public Store {
  public:
   /// Opens (and, with a data_dir holding an earlier store, recovers) a store.
   static Result<std::unique_ptr<TieredStore>> Open(const StoreOptions& options);
+  /// The same with what tests and tools plug in (offload/store_hooks.h: their own hot tier, the
+  /// lease clock, a cold-tier fault injector). InvalidArgument names a bad hook.
+  static Result<std::unique_ptr<TieredStore>> Open(const StoreOptions& options, const StoreHooks& hooks);
   ~TieredStore() override;
   TieredStore(const TieredStore&) = delete;
   TieredStore& operator=(const TieredStore&) = delete;
@@ -400,7 +404,7 @@ class TieredStore : public Store {
   using Chunk = store_internal::Chunk;
   using LayerState = store_internal::LayerState;
   using Sequence = store_internal::Sequence;
-  explicit TieredStore(const StoreOptions& options);
+  TieredStore(const StoreOptions& options, const StoreHooks& hooks);
   Status Init();
   Status CheckLayerLocked(SequenceId seq, int layer, bool for_write, Sequence** out) const;
   Status SealOldestChunk(Sequence* s, int layer);
@@ -470,7 +474,7 @@ class TieredStore : public Store {
   void RunFetch(const std::shared_ptr<FetchHandle::State>& st);
   /// Waits for the fetch's transfer to finish, then unpins its chunks: one lock entry.
   void ReleasePins(FetchHandle::State* st);
-  /// A pin protects its chunk until the lease (pin_deadline, from options_.clock) runs out.
+  /// A pin protects its chunk until the lease (pin_deadline, from hooks_.clock) runs out.
   bool PinnedLocked(const Chunk* c, Clock::time_point now) const;
   bool FetchCompleteLocked(const FetchHandle::State* st) const;
   void FreeChunkLocked(Chunk* c);
@@ -498,6 +502,7 @@ class TieredStore : public Store {
   Status CopySinksAndLocal(SequenceId seq, Sequence* s, int layer, std::string* sinks, std::string* local);
 
   StoreOptions options_;
+  StoreHooks hooks_;
   size_t chunk_bytes_ = 0;
   size_t token_bytes_ = 0;  // K (or V) bytes of one token
   std::unique_ptr<HotTier> hot_;

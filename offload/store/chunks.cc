@@ -346,7 +346,7 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
         return InvalidArgument("DropChunks: chunk " +
                                ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
                                " does not exist (layer has " + std::to_string(ls.chunks.size()) + " chunks)");
-    const Clock::time_point now = options_.clock->Now();
+    const Clock::time_point now = hooks_.clock->Now();
     for (uint64_t idx : chunk_indices) {
       const Chunk* c = ls.chunks[idx];
       if (c && PinnedLocked(c, now))

@@ -291,7 +291,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
           return checked;
         }
         lsp = &s->layers[layer];
-        now = options_.clock->Now();
+        now = hooks_.clock->Now();
         if (fit == FetchFit::kWithinClaims) {
           const size_t keep = FitWithinClaimsLocked(seq, asked.size(), now);
           if (keep < asked.size()) {
@@ -561,7 +561,7 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
 void TieredStore::EvictHot() {
   CountVisit();
   std::lock_guard<CountingMutex> l(mu_);
-  const Clock::time_point now = options_.clock->Now();
+  const Clock::time_point now = hooks_.clock->Now();
   uint64_t victim = 0;
   while (hot_policy_->PickVictim(
       [&](uint64_t id) {

@@ -191,13 +191,14 @@ TEST(DeviceAppend, KDeviceNeverGoesThroughUploadAtSinksRingOrTheWrapPoint) {
     SCOPED_TRACE(MemorySpaceName(space));
     RecordingTier* tier = nullptr;
     StoreOptions so = SmallStore();
-    so.hot_tier_factory = [&tier](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
+    StoreHooks hooks;
+    hooks.hot_tier_factory = [&tier](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
       KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
       auto t = std::make_unique<RecordingTier>(std::move(inner));
       tier = t.get();
       return std::unique_ptr<HotTier>(std::move(t));
     };
-    auto store = TieredStore::Open(so);
+    auto store = TieredStore::Open(so, hooks);
     ASSERT_TRUE(store.ok()) << store.status().ToString();
     auto seq = (*store)->CreateSequence();
     ASSERT_TRUE(seq.ok());
@@ -376,12 +377,18 @@ class DeferredDownloadTier final : public ForwardingHotTier {
   size_t max_in_flight_ = 0;
 };
 
-StoreOptions DeferredStore(const std::string& dir, DeferredDownloadTier** tier, int polls_before_done,
-                           uint64_t fail_download = 0) {
-  StoreOptions so = SmallStore();
+// A store's options with the hooks it is opened with (TieredStore::Open(so, so.hooks)).
+struct OptionsAndHooks : StoreOptions {
+  StoreHooks hooks;
+};
+
+OptionsAndHooks DeferredStore(const std::string& dir, DeferredDownloadTier** tier, int polls_before_done,
+                              uint64_t fail_download = 0) {
+  OptionsAndHooks so;
+  static_cast<StoreOptions&>(so) = SmallStore();
   so.data_dir = dir;
-  so.hot_tier_factory = [tier, polls_before_done, fail_download](
-                            size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
+  so.hooks.hot_tier_factory = [tier, polls_before_done, fail_download](
+                                  size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
     KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
     auto t = std::make_unique<DeferredDownloadTier>(std::move(inner));
     t->polls_before_done = polls_before_done;
@@ -455,14 +462,14 @@ TEST(AsyncSeal, DeferredDownloadsGiveTheSynchronousResultsBitForBit) {
     DeferredDownloadTier* tier = nullptr;
     StoreOptions sync_opts = SmallStore();
     sync_opts.data_dir = dir_sync.path();
-    StoreOptions async_opts = DeferredStore(dir_async.path(), &tier, polls);
+    OptionsAndHooks async_opts = DeferredStore(dir_async.path(), &tier, polls);
     async_opts.max_landing_chunks = 3;
     constexpr int64_t kPrefill = 144, kTokens = 160;
     SequenceId seq_sync = 0, seq_async = 0;
     std::vector<LayerContent> before;
     {
       auto a = TieredStore::Open(sync_opts);
-      auto b = TieredStore::Open(async_opts);
+      auto b = TieredStore::Open(async_opts, async_opts.hooks);
       ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
       auto sa = Session::Open(a->get(), SmallRetrieval());
       auto sb = Session::Open(b->get(), SmallRetrieval());
@@ -546,7 +553,7 @@ TEST(AsyncSeal, DeferredDownloadsGiveTheSynchronousResultsBitForBit) {
     }
     // Reopened from the cold tier: the same content.
     auto a = TieredStore::Open(sync_opts);
-    auto b = TieredStore::Open(async_opts);
+    auto b = TieredStore::Open(async_opts, async_opts.hooks);
     ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
     for (int l = 0; l < kLayers; ++l) {
       SCOPED_TRACE("reopened, layer " + std::to_string(l));
@@ -564,9 +571,9 @@ TEST(AsyncSeal, DeferredDownloadsGiveTheSynchronousResultsBitForBit) {
 TEST(AsyncSeal, AtMostMaxLandingChunksStayInFlightAndStatisticsReportThem) {
   TempDir dir;
   DeferredDownloadTier* tier = nullptr;
-  StoreOptions so = DeferredStore(dir.path(), &tier, 1 << 30);
+  OptionsAndHooks so = DeferredStore(dir.path(), &tier, 1 << 30);
   so.max_landing_chunks = 2;
-  auto store = TieredStore::Open(so);
+  auto store = TieredStore::Open(so, so.hooks);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   auto seq = (*store)->CreateSequence();
   ASSERT_TRUE(seq.ok());
@@ -601,13 +608,13 @@ TEST(AsyncSeal, AtMostMaxLandingChunksStayInFlightAndStatisticsReportThem) {
 TEST(AsyncSeal, AFailedDownloadIsReportedOnceAndLosesOnlyItsChunk) {
   TempDir dir;
   DeferredDownloadTier* tier = nullptr;
-  const StoreOptions so = DeferredStore(dir.path(), &tier, 1 << 30, /*fail_download=*/3);
+  const OptionsAndHooks so = DeferredStore(dir.path(), &tier, 1 << 30, /*fail_download=*/3);
   const size_t tok = so.geometry.token_elems();
   constexpr int64_t kTokens = 40;  // 4 sinks, 6 chunks sealed of 4 tokens, 12 in the ring
   const Window w = MakeWindow(0, 0, kTokens);
   SequenceId seq = 0;
   {
-    auto store = TieredStore::Open(so);
+    auto store = TieredStore::Open(so, so.hooks);
     ASSERT_TRUE(store.ok()) << store.status().ToString();
     auto created = (*store)->CreateSequence();
     ASSERT_TRUE(created.ok());
@@ -649,7 +656,7 @@ TEST(AsyncSeal, AFailedDownloadIsReportedOnceAndLosesOnlyItsChunk) {
     ASSERT_TRUE((*store)->CloseSequence(seq).ok());
   }
   // Every acknowledged chunk comes back after a reopen.
-  auto store = TieredStore::Open(so);
+  auto store = TieredStore::Open(so, so.hooks);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   auto listed = (*store)->ListChunks(seq, 0);
   ASSERT_TRUE(listed.ok()) << listed.status().ToString();
@@ -664,9 +671,9 @@ TEST(AsyncSeal, AFailedDownloadIsReportedOnceAndLosesOnlyItsChunk) {
 TEST(AsyncSeal, AFailedDownloadIsReportedByAppendBeforeItAppends) {
   DeferredDownloadTier* tier = nullptr;
   // polls_before_done 1: the poll right after sealing says "not yet", the next Append's says done.
-  StoreOptions so = DeferredStore("", &tier, /*polls_before_done=*/1, /*fail_download=*/1);
+  OptionsAndHooks so = DeferredStore("", &tier, /*polls_before_done=*/1, /*fail_download=*/1);
   so.data_dir = "";
-  auto store = TieredStore::Open(so);
+  auto store = TieredStore::Open(so, so.hooks);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   auto seq = (*store)->CreateSequence();
   ASSERT_TRUE(seq.ok());
@@ -691,7 +698,8 @@ TEST(AsyncSeal, StatisticsOnAnotherThreadLandNothingWhileSequencesComeAndGo) {
   // counters() on its own thread, while this one appends and drops (a drop lands what is in
   // flight): the reader sees consistent numbers and never runs a landing.
   DeferredDownloadTier* tier = nullptr;
-  auto store = TieredStore::Open(DeferredStore("", &tier, 1 << 30));
+  const OptionsAndHooks so = DeferredStore("", &tier, 1 << 30);
+  auto store = TieredStore::Open(so, so.hooks);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> reads{0};
@@ -732,9 +740,9 @@ TEST(AsyncSeal, AReaderOnAnotherThreadNeverLandsASequenceItDoesNotDrive) {
   // of the store and must neither see those chunks nor run their landing.
   TempDir dir;
   DeferredDownloadTier* tier = nullptr;
-  StoreOptions so = DeferredStore(dir.path(), &tier, 1 << 30);
+  OptionsAndHooks so = DeferredStore(dir.path(), &tier, 1 << 30);
   so.max_landing_chunks = 8;
-  auto opened = TieredStore::Open(so);
+  auto opened = TieredStore::Open(so, so.hooks);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   TieredStore* store = opened->get();
   auto seq = store->CreateSequence();
