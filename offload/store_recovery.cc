@@ -110,7 +110,7 @@ Status RecoverStore(const StoreOptions& options, ColdTier* cold, HotTier* hot, R
           // back on demand (TieredStore::metadata_bytes).
           c->score = m.score;
           c->tiers = kTierCold;
-          c->cold_acked = true;
+          c->lower_acked = true;
           auto& chunks = seq->layers[key.layer].chunks;
           if (chunks.size() <= key.index) chunks.resize(key.index + 1, nullptr);
           out->chunk_by_id[c->id] = c.get();

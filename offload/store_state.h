@@ -41,8 +41,8 @@ struct Chunk {
   int hot_pins = 0;                  // FetchHandles holding the hot slot
   Clock::time_point pin_deadline{};  // from StoreHooks::clock
   bool hot_loading = false;          // hot slot assigned, bytes not there yet
-  bool cold_acked = false;
-  bool cold_writing = false;
+  bool lower_acked = false;
+  bool lower_writing = false;
   // Sealed, its download into the warm slot not landed yet (LandingChunk): readers do not
   // see it (TieredStore: "Landing"); cleared under the store mutex when it lands.
   bool landing = false;

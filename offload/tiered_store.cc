@@ -175,8 +175,7 @@ Status TieredStore::Init() {
     co.fault_injector = hooks_.cold_fault_injector;
     co.accept_lost_chunks = options_.accept_lost_chunks;
     KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<ColdTier> cold, ColdTier::Open(co));
-    cold_ = cold.get();
-    lower_.push_back(MakeColdLowerTier(std::move(cold)));
+    lower_.AddCold(std::move(cold));
   }
   if (!options_.remote.empty()) {
     KVTIER_ASSIGN_OR_RETURN(RemoteTierOptions ro, ParseRemoteSpec(options_.remote));
@@ -193,12 +192,7 @@ Status TieredStore::Init() {
               std::to_string(std::chrono::system_clock::now().time_since_epoch().count());
     }
     KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<RemoteTier> remote, RemoteTier::Open(ro));
-    remote_ = remote.get();
-    lower_.push_back(MakeRemoteLowerTier(std::move(remote)));
-  }
-  for (const auto& tier : lower_) {
-    error_window_ = std::min(error_window_, tier->error_window());
-    if (tier->reads_chunk_meta()) meta_tiers_ |= tier->tier_bit();
+    lower_.AddRemote(std::move(remote));
   }
   TransferEngine::Options eo;
   eo.threads = options_.transfer_threads;
@@ -206,9 +200,9 @@ Status TieredStore::Init() {
   eo.hot = hot_.get();
   for (const auto& tier : lower_) eo.lower.push_back(tier.get());
   KVTIER_ASSIGN_OR_RETURN(engine_, TransferEngine::Create(eo));
-  if (cold_) {
+  if (lower_.cold()) {
     RecoveredStore rec;
-    Status st = RecoverStore(options_, cold_, hot_.get(), &rec);
+    Status st = RecoverStore(options_, lower_.cold(), hot_.get(), &rec);
     // Adopt whatever was rebuilt even on failure: the destructor frees it.
     sequences_ = std::move(rec.sequences);
     chunk_by_id_ = std::move(rec.chunk_by_id);
@@ -243,9 +237,9 @@ Result<SequenceId> TieredStore::CreateSequence() {
         std::lock_guard<CountingMutex> l(mu_);
         seq->id = next_seq_id_++;
         region_bytes_ += L * 2 * (options_.n_sink + ring) * token_bytes_;
-        if (cold_) {
+        if (lower_.cold()) {
           const std::string rec = EncodeSequenceRecord(SeqState::kOpen, std::vector<int64_t>(L, 0));
-          KVTIER_RETURN_IF_ERROR(cold_->PutSequence(seq->id, rec));
+          KVTIER_RETURN_IF_ERROR(lower_.cold()->PutSequence(seq->id, rec));
         }
         const SequenceId id = seq->id;
         sequences_[id] = std::move(seq);
@@ -298,32 +292,32 @@ Status TieredStore::CloseSequence(SequenceId seq) {
     s->busy++;
   }
   Status st;
-  if (has_lower()) {
+  if (!lower_.empty()) {
     // Every chunk must be acknowledged before the record says "closed".
     for (auto& ls : s->layers) {
       for (Chunk* c : ls.chunks) {
         std::unique_lock<CountingMutex> l(mu_);
         if (c == nullptr) continue;  // dropped, or a hole left by a crash
-        cv_.wait(l, [&] { return !c->cold_writing; });
-        if (c->cold_acked) continue;
-        st = WriteWarmChunkToColdLocked(l, c);
+        cv_.wait(l, [&] { return !c->lower_writing; });
+        if (c->lower_acked) continue;
+        st = WriteWarmChunkDownLocked(l, c);
         if (!st.ok()) break;
       }
       if (!st.ok()) break;
     }
   }
-  if (cold_ && !s->attached) {  // an attached sequence is not persisted here (its publisher holds it)
+  if (lower_.cold() && !s->attached) {  // an attached sequence is not persisted here (its publisher holds it)
     std::vector<int64_t> n_tokens;
     for (int l = 0; l < options_.geometry.layers && st.ok(); ++l) {
       n_tokens.push_back(s->layers[l].n_tokens);
       std::string sinks, local;
       st = CopySinksAndLocal(seq, s, l, &sinks, &local);
-      if (st.ok()) st = cold_->PutBlob(seq, l, store_records::kSinksBlob, sinks.data(), sinks.size());
-      if (st.ok()) st = cold_->PutBlob(seq, l, store_records::kLocalBlob, local.data(), local.size());
+      if (st.ok()) st = lower_.cold()->PutBlob(seq, l, store_records::kSinksBlob, sinks.data(), sinks.size());
+      if (st.ok()) st = lower_.cold()->PutBlob(seq, l, store_records::kLocalBlob, local.data(), local.size());
     }
     if (st.ok()) {
       const std::string rec = EncodeSequenceRecord(SeqState::kClosed, n_tokens);
-      st = cold_->PutSequence(seq, rec);
+      st = lower_.cold()->PutSequence(seq, rec);
     }
   }
   std::lock_guard<CountingMutex> l(mu_);
@@ -374,7 +368,7 @@ Status TieredStore::DropSequence(SequenceId seq) {
       if (!ls.landing.empty() || ls.landers > 0) return false;
     for (auto& ls : s->layers)
       for (Chunk* c : ls.chunks)
-        if (c && (c->warm_pins > 0 || c->cold_writing || c->hot_loading)) return false;
+        if (c && (c->warm_pins > 0 || c->lower_writing || c->hot_loading)) return false;
     return true;
   });
   // Per lower tier, the chunks it holds; an attached sequence's chunks belong to its publisher.
@@ -400,9 +394,7 @@ Status TieredStore::DropSequence(SequenceId seq) {
   counters_.warm_chunks = warm_->used();
   counters_.hot_chunks = hot_->slots_used();
   l.unlock();
-  for (size_t t = 0; t < lower_.size(); ++t)
-    KVTIER_RETURN_IF_ERROR(lower_[t]->RemoveSequence(seq, tier_keys[t]));
-  return Status::Ok();
+  return lower_.RemoveSequence(seq, tier_keys);
 }
 
 StoreCounters TieredStore::counters() const {
@@ -414,7 +406,7 @@ StoreCounters TieredStore::counters() const {
   c.warm_chunks = warm_->used() - landing_chunks_;  // a chunk still landing is not warm yet
   c.chunks_landing = landing_chunks_;
   c.warm_bytes = c.warm_chunks * chunk_bytes_;
-  for (const auto& tier : lower_) tier->AddCounters(&c);
+  lower_.AddCounters(&c);
   return c;
 }
 
@@ -428,9 +420,7 @@ uint64_t TieredStore::metadata_bytes() const {
 
 uint64_t TieredStore::lower_tier_memory_bytes() const {
   CountVisit();
-  uint64_t bytes = 0;
-  for (const std::unique_ptr<LowerTier>& t : lower_) bytes += t->memory_bytes();  // fixed at Open
-  return bytes;
+  return lower_.memory_bytes();
 }
 
 }  // namespace kvtier

@@ -6,9 +6,9 @@
 // with FetchChunks, which promotes them into hot slots asynchronously.
 //
 // Invariants:
-//  * A sealed chunk is always in the warm tier or acknowledged by the cold
+//  * A sealed chunk is always in the warm tier or acknowledged by a lower
 //    tier (or both); the hot slot is a cache of it. A chunk leaves warm only
-//    after the cold tier acknowledged it.
+//    after a lower tier acknowledged it.
 //  * A chunk pinned by a FetchHandle is never demoted until the handle is
 //    released or its lease (StoreOptions::pin_timeout_ms, measured on
 //    StoreHooks::clock) runs out.
@@ -31,14 +31,15 @@
 //    becomes a hole) and is returned by the next Status-returning call that lands
 //    the layer (Append: before appending anything).
 //  * With write_through (default), a chunk is acknowledged (durable across
-//    SIGKILL) once the asynchronous cold write has finished; WaitForDurable()
+//    SIGKILL) once the asynchronous lower-tier write has finished; WaitForDurable()
 //    waits for all of them. Sinks and the local window are persisted by
 //    CloseSequence.
 //
 // The store is the coordinator: it decides what moves where under one mutex. Its
 // implementation is split into parts (listed at the top of offload/tiered_store.cc:
 // offload/store/ring, landing, warm_tier, write_through, chunks, fetch, layer_step, sharing). The tiers
-// below warm sit behind offload/lower_tier.h as an ordered list (RocksDB, then Redis).
+// below warm sit behind offload/lower_tier.h as an ordered list (RocksDB, then Redis), held
+// with what concerns them all by LowerTiers (offload/store/lower_tiers.h).
 // Around it: offload/transfer_engine.h moves the bytes on worker threads,
 // offload/store_recovery.h rebuilds the state of a reopened store,
 // offload/store_records.h is the format of what it keeps in the cold tier,
@@ -70,6 +71,7 @@
 #include "offload/lower_tier.h"
 #include "offload/remote_tier.h"
 #include "offload/store/counting_mutex.h"
+#include "offload/store/lower_tiers.h"
 #include "offload/store_counters.h"
 #include "offload/store_hooks.h"
 #include "store/chunk.h"
@@ -206,7 +208,7 @@ class TieredStore : public Store {
   /// Removes the sequence from every tier.
   Status DropSequence(SequenceId seq) override;
   /// Policy scores of sealed chunks of one layer ((chunk index, score), higher = keep):
-  /// kept with the chunk (persisted by its next cold write issued after this call; a
+  /// kept with the chunk (persisted by its next lower-tier write issued after this call; a
   /// write already in flight carries the score it was issued with) and handed to
   /// score-driven demotion policies. Indices of dropped chunks are ignored; past the end is InvalidArgument.
   Status SetChunkScores(SequenceId seq, int layer, const std::vector<std::pair<uint64_t, float>>& scores);
@@ -330,7 +332,7 @@ class TieredStore : public Store {
   void EvictHot();
 
   // ---- durability and accounting ----
-  /// Waits until every write-through cold write issued so far has finished, and returns
+  /// Waits until every write-through lower-tier write issued so far has finished, and returns
   /// (and clears) the first that failed, naming the chunk and the tier (for Redis the
   /// node). With a remote tier, once a write has failed it returns that error without
   /// waiting for the writes still queued, so it never waits on a dead remote longer than
@@ -382,7 +384,7 @@ class TieredStore : public Store {
   /// attached sequence is not persisted in this store's cold tier.
   Result<SequenceId> AttachPublished(std::string_view name) override;
   /// The remote tier, or null.
-  RemoteTier* remote_tier() const { return remote_; }
+  RemoteTier* remote_tier() const { return lower_.remote(); }
 
   /// Bytes of host memory held for indexes and chunk metadata: a record per chunk, plus the
   /// representative keys of the chunks that hold them in memory. A chunk holds them from its
@@ -400,7 +402,7 @@ class TieredStore : public Store {
   friend class TieredStoreTestPeer;  // tests/tiered_store_test_peer.h
   /// Registers a callback run (on a transfer thread) each time a chunk is acknowledged by
   /// the lower tiers (TieredStoreTestPeer::SetAckListener).
-  void SetColdAckListener(std::function<void(const ChunkKey&)> listener);
+  void SetAckListener(std::function<void(const ChunkKey&)> listener);
   using Chunk = store_internal::Chunk;
   using LayerState = store_internal::LayerState;
   using Sequence = store_internal::Sequence;
@@ -431,15 +433,12 @@ class TieredStore : public Store {
   Status TakeLandingErrorLocked(LayerState& ls);
   Status TakeLandingErrorLocked(Sequence* s);
   Status MakeWarmRoom(std::unique_lock<CountingMutex>& lock);
-  /// Writes the chunk to cold synchronously and acknowledges it. `score` is the chunk's
-  /// score snapshotted under the lock by the caller (see Chunk::score).
-  Status WriteCold(Chunk* c, const uint8_t* payload, float score);
-  /// Writes a warm chunk the cold tier has not acknowledged; drops the lock
+  /// Writes the chunk to the lower tiers synchronously and acknowledges it. `score` is the
+  /// chunk's score snapshotted under the lock by the caller (see Chunk::score).
+  Status WriteLower(Chunk* c, const uint8_t* payload, float score);
+  /// Writes a warm chunk the lower tiers have not acknowledged; drops the lock
   /// during the write and holds it again on return.
-  Status WriteWarmChunkToColdLocked(std::unique_lock<CountingMutex>& lock, Chunk* c);
-  /// Marks a chunk the lower tiers in `acks` (TierBits, at least one) just acknowledged; returns
-  /// the listener to call (outside the lock).
-  std::function<void(const ChunkKey&)> AckColdWriteLocked(Chunk* c, uint8_t acks);
+  Status WriteWarmChunkDownLocked(std::unique_lock<CountingMutex>& lock, Chunk* c);
   /// A free hot slot, or the hot policy's victim among slots neither loading nor pinned at `now`; -1 when
   /// none.
   int32_t AcquireHotSlotLocked(Clock::time_point now);
@@ -462,15 +461,15 @@ class TieredStore : public Store {
   /// Hot slots reserved for `seq` (its largest reservation), and for every sequence.
   int64_t ReservedForLocked(SequenceId seq) const;
   int64_t ReservedTotalLocked() const;
-  /// Drops the warm copy of the warm policy's victim among unpinned chunks the cold tier
+  /// Drops the warm copy of the warm policy's victim among unpinned chunks a lower tier
   /// has acknowledged; false when there is none.
   bool DropWarmCopyLocked();
-  /// A warm slot for a chunk just read from cold: a free one, or one freed by
+  /// A warm slot for a chunk just read from a lower tier: a free one, or one freed by
   /// DropWarmCopyLocked; -1 when neither (never waits).
   int32_t AcquireWarmSlotForReadLocked();
   /// Hands the chunk's write-through to the transfer engine; the chunk stays pinned
-  /// (warm_pins, cold_writing) until the write is done. `score` as for WriteCold.
-  void SubmitColdWrite(Chunk* c, const uint8_t* payload, float score);
+  /// (warm_pins, lower_writing) until the write is done. `score` as for WriteLower.
+  void SubmitLowerWrite(Chunk* c, const uint8_t* payload, float score);
   void RunFetch(const std::shared_ptr<FetchHandle::State>& st);
   /// Waits for the fetch's transfer to finish, then unpins its chunks: one lock entry.
   void ReleasePins(FetchHandle::State* st);
@@ -478,19 +477,9 @@ class TieredStore : public Store {
   bool PinnedLocked(const Chunk* c, Clock::time_point now) const;
   bool FetchCompleteLocked(const FetchHandle::State* st) const;
   void FreeChunkLocked(Chunk* c);
-  /// A tier below warm acknowledges chunks (cold, remote or both).
-  bool has_lower() const { return !lower_.empty(); }
-  /// Reads a chunk no memory tier holds from the lower tiers in order (verified).
-  Status ReadLowerTier(const Sequence* s, const Chunk* c, void* dst);
-  /// One chunk of ReadLowerTierRepr: its key and room for repr_topk * token_bytes_ bytes.
-  struct ReprRead {
-    ChunkKey key;
-    uint8_t* dst = nullptr;
-    Status status;  ///< the outcome, naming the chunk
-  };
-  /// Reads the representatives (storage dtype) of chunks of `s` that released them, from their
-  /// meta records in the lower tiers that read metas alone, in order, in batches. Called
-  /// without mu_, with `s` held busy. Returns the first failure (each read has its own).
+  using ReprRead = LowerTiers::ReprRead;
+  /// LowerTiers::ReadReprs of this store's representatives. Called without mu_, with `s`
+  /// held busy.
   Status ReadLowerTierRepr(const Sequence* s, std::vector<ReprRead>* reads) const;
   /// Releases the chunk's in-memory representatives when a tier that reads metas alone
   /// acknowledged it and it holds no warm copy (see metadata_bytes).
@@ -507,15 +496,9 @@ class TieredStore : public Store {
   size_t token_bytes_ = 0;  // K (or V) bytes of one token
   std::unique_ptr<HotTier> hot_;
   std::unique_ptr<SlotPool> warm_;
-  // The tiers below warm, in order (offload/lower_tier.h): write-through, fall-through reads
-  // and acknowledgement go through this list. cold_ and remote_ view the same tiers for what
-  // only they do (sequence records and recovery; publications); null when absent.
-  std::vector<std::unique_ptr<LowerTier>> lower_;
-  ColdTier* cold_ = nullptr;
-  RemoteTier* remote_ = nullptr;
-  // How long a failed background write stays in the way (the shortest window of lower_);
-  // max(): until WaitForDurable reports it.
-  std::chrono::milliseconds error_window_ = std::chrono::milliseconds::max();
+  // The tiers below warm, in order, with their fall-through reads, acknowledgements and
+  // sticky error (offload/store/lower_tiers.h); write-through goes through engine_.
+  LowerTiers lower_;
   std::unique_ptr<DemotionPolicy> hot_policy_, warm_policy_;
   // After the tiers it copies between, so that it is destroyed (idle) before them.
   std::unique_ptr<TransferEngine> engine_;
@@ -545,17 +528,8 @@ class TieredStore : public Store {
   std::unordered_set<const FetchHandle::State*> live_fetches_;
   uint64_t region_bytes_ = 0;
   uint64_t repr_chunks_ = 0;       // chunks holding their representatives in memory (non-empty Chunk::repr)
-  uint8_t meta_tiers_ = 0;         // TierBits of the lower tiers that read metas alone (reads_chunk_meta)
   uint64_t landing_chunks_ = 0;    // sealed chunks whose warm slot is still being filled (every layer)
   uint64_t landing_failures_ = 0;  // landings that lost their chunk (with chunks_sealed: landing progress)
-  std::function<void(const ChunkKey&)> ack_listener_;
-  // The first failed asynchronous write to a lower tier, sticky (see WaitForDurable):
-  // every Append and CheckBackgroundError returns it until WaitForDurable reports it or until
-  // error_window_ after the failure has passed (then a later failure replaces it;
-  // WaitForDurable reports whichever is held).
-  Status background_error_;
-  std::chrono::steady_clock::time_point background_error_until_;
-  Status BackgroundErrorLocked();
 };
 
 }  // namespace kvtier

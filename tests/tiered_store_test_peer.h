@@ -20,7 +20,7 @@ class TieredStoreTestPeer {
   /// from then on it is in TieredStore::AcknowledgedChunks. The crash and soak children
   /// print it, so that the parent knows what a reopen after SIGKILL must bring back.
   static void SetAckListener(TieredStore& store, std::function<void(const ChunkKey&)> listener) {
-    store.SetColdAckListener(std::move(listener));
+    store.SetAckListener(std::move(listener));
   }
 
   /// Calls of the store's public API so far (each public member function counts once per call;

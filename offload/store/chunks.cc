@@ -260,11 +260,11 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
         }
       }
       if (src == nullptr) {
-        st = ReturnOnBadAlloc("ReadTokens: a cold chunk's staging buffer", [&] {
+        st = ReturnOnBadAlloc("ReadTokens: a lower-tier chunk's staging buffer", [&] {
           staging.resize(chunk_bytes_);
           return Status::Ok();
         });
-        if (st.ok()) st = ReadLowerTier(s, c, staging.data());
+        if (st.ok()) st = lower_.ReadChunk(s, c->key, staging.data(), chunk_bytes_);
         src = staging.data();
         if (st.ok()) {
           std::lock_guard<CountingMutex> l(mu_);
@@ -353,11 +353,11 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
         return FailedPrecondition("DropChunks: chunk " + c->key.ToString() +
                                   " is pinned by a live fetch handle; release it first");
     }
-    // Transfers in flight finish first: a warm read, a cold write, a hot load.
+    // Transfers in flight finish first: a warm read, a lower-tier write, a hot load.
     cv_.wait(l, [&] {
       for (uint64_t idx : chunk_indices) {
         const Chunk* c = ls.chunks[idx];
-        if (c && (c->warm_pins > 0 || c->cold_writing || c->hot_loading)) return false;
+        if (c && (c->warm_pins > 0 || c->lower_writing || c->hot_loading)) return false;
       }
       return true;
     });
@@ -365,7 +365,7 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
       Chunk* c = ls.chunks[idx];
       if (c == nullptr) continue;
       // Written (or being written) to the lower tiers; a publisher's chunk is not this store's to remove.
-      if (c->cold_acked || c->cold_writing)
+      if (c->lower_acked || c->lower_writing)
         for (size_t t = 0; t < lower_.size(); ++t)
           if (!(lower_[t]->serves_published() && store_internal::SharedChunk(s, c->key)))
             tier_keys[t].push_back(c->key);
@@ -380,8 +380,7 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
   }
   // The chunk is gone from memory; removing its lower-tier copies is what makes the drop
   // survive a reopen.
-  for (size_t t = 0; t < lower_.size(); ++t) KVTIER_RETURN_IF_ERROR(lower_[t]->RemoveChunks(tier_keys[t]));
-  return Status::Ok();
+  return lower_.RemoveChunks(tier_keys);
 }
 
 void TieredStore::FreeChunkLocked(Chunk* c) {
@@ -393,7 +392,7 @@ void TieredStore::FreeChunkLocked(Chunk* c) {
     hot_->ReleaseSlot(c->hot_slot);
     hot_policy_->OnRemove(c->id);
   }
-  if (c->cold_acked && (c->tiers & kTierCold) && counters_.cold_chunks > 0) {
+  if (c->lower_acked && (c->tiers & kTierCold) && counters_.cold_chunks > 0) {
     counters_.cold_chunks--;
     counters_.cold_bytes -= chunk_bytes_;
   }

@@ -32,7 +32,7 @@ struct FetchHandle::State {
   std::vector<std::pair<uint64_t, int32_t>> awaited;  // (chunk id, slot) loading under another fetch
   std::thread::id thread;  // the thread whose FetchChunks took the pins (TieredStore::live_fetches_)
   // Whoever claims the loads first runs them: the transfer task, or the caller's Wait() when the
-  // transfer workers are still busy with earlier work (a backlog of cold writes after a long
+  // transfer workers are still busy with earlier work (a backlog of lower-tier writes after a long
   // prefill must not stall a decode step's fetch behind it).
   std::atomic<bool> claimed{false};
   // Every chunk was hot, none loading, when FetchChunks returned: Wait has nothing to wait
@@ -119,7 +119,7 @@ int32_t TieredStore::AcquireHotSlotLocked(Clock::time_point now) {
     counters_.lease_expired += c->hot_pins;
     c->hot_pins = 0;
   }
-  // The hot slot is a cache: warm or cold still holds the chunk.
+  // The hot slot is a cache: warm or a lower tier still holds the chunk.
   slot = c->hot_slot;
   c->hot_slot = -1;
   c->tiers &= ~kTierHot;
@@ -466,13 +466,13 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
 void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
   // Three phases, so the store lock is taken twice per fetch, not twice per chunk:
   // (1) under the lock, pin each load's warm copy, or reserve the warm slot a chunk coming
-  // back from cold will keep its copy in (retrieval tends to come back to the same chunks);
-  // (2) without it, the transfer engine reads cold chunks into those slots and uploads to
+  // back from a lower tier will keep its copy in (retrieval tends to come back to the same chunks);
+  // (2) without it, the transfer engine reads lower-tier chunks into those slots and uploads to
   // the hot slots; (3) under the lock, unpin, attach the warm copies that arrived, and mark
   // the loads done.
   std::vector<TransferEngine::Load> loads;
   std::vector<Chunk*> chunks;       // parallel to loads
-  std::vector<int32_t> read_slots;  // warm slot reserved for a cold read (-1: none was free)
+  std::vector<int32_t> read_slots;  // warm slot reserved for a lower-tier read (-1: none was free)
   // Sized once (an upper bound: hits need no load), outside the lock: no regrowth per chunk.
   loads.reserve(st->chunk_ids.size());
   chunks.reserve(st->chunk_ids.size());

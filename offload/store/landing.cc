@@ -98,11 +98,11 @@ void TieredStore::LandLayerLocked(std::unique_lock<CountingMutex>& lock, Sequenc
         counters_.warm_chunks = warm_->used() - landing_chunks_;
         counters_.chunks_sealed++;
         counters_.bytes_moved += chunk_bytes_;
-        if (options_.write_through && has_lower()) {
-          c->cold_writing = true;        // keeps the warm pin until the write is done
+        if (options_.write_through && !lower_.empty()) {
+          c->lower_writing = true;       // keeps the warm pin until the write is done
           const float score = c->score;  // snapshot under the lock (see Chunk::score)
           lock.unlock();
-          SubmitColdWrite(c, warm_copy, score);
+          SubmitLowerWrite(c, warm_copy, score);
           lock.lock();
         } else {
           c->warm_pins = 0;

@@ -31,7 +31,7 @@ Status TieredStore::BeginLayerStep(SequenceId seq, int layer, const ChunkCursor*
   // The caller drives the sequence: the layer's own sealed chunks land now (see "Landing").
   LandLayerLocked(l, s, layer);
   KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
-  out->background = BackgroundErrorLocked();
+  out->background = lower_.BackgroundErrorLocked();
   KVTIER_RETURN_IF_ERROR(HotViewOf(seq, s->layers[layer], &out->hot));
   if (since == nullptr) return Status::Ok();
   return ChunkUpdatesLocked(l, s, layer, *since, updates, max_added);

@@ -43,7 +43,7 @@ Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void*
     KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
     // A lower tier that failed a background write: say so now, before appending anything,
     // rather than after waiting for warm room behind it.
-    KVTIER_RETURN_IF_ERROR(BackgroundErrorLocked());
+    KVTIER_RETURN_IF_ERROR(lower_.BackgroundErrorLocked());
     s->busy++;
   }
   // kDevice K/V are already in the tier's memory space: copied within it, never through the host.

@@ -40,7 +40,7 @@ constexpr uint32_t kPubVersion = 1;
 
 Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
   CountVisit();
-  if (!remote_)
+  if (!lower_.remote())
     return FailedPrecondition("PublishSequence: the store has no remote tier (StoreOptions::remote)");
   Sequence* s = nullptr;
   {
@@ -82,7 +82,7 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
         if (c->tiers & kTierRemote) continue;
         score = c->score;
       }
-      st = ReadLowerTier(s, c, buf.data());
+      st = lower_.ReadChunk(s, c->key, buf.data(), chunk_bytes_);
       if (!st.ok()) {
         // Not in the lower tiers: the warm copy (write_through off) is the only one.
         std::unique_lock<CountingMutex> lk(mu_);
@@ -95,7 +95,7 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
       st = ReprBytes(s, c, &repr);
       if (!st.ok()) break;
       const std::string meta = EncodeChunkMeta(c->first_token, repr.data(), repr.size(), score);
-      st = remote_->PutChunk(c->key, meta, buf.data(), chunk_bytes_);
+      st = lower_.remote()->PutChunk(c->key, meta, buf.data(), chunk_bytes_);
       if (!st.ok()) break;
       std::lock_guard<CountingMutex> lk(mu_);
       c->tiers |= kTierRemote;
@@ -156,10 +156,10 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
     PutLengthPrefixed(&manifest, store_records::EncodeStoreRecord(store_records::StoreLayout{
                                      options_.geometry, options_.n_sink, options_.n_local,
                                      options_.chunk_size, options_.repr_topk}));
-    PutLengthPrefixed(&manifest, remote_->ns());
+    PutLengthPrefixed(&manifest, lower_.remote()->ns());
     PutFixed64(&manifest, seq);
     PutFixed32(&manifest, static_cast<uint32_t>(options_.geometry.layers));
-    st = remote_->PutPublication(name, parts, manifest);
+    st = lower_.remote()->PutPublication(name, parts, manifest);
   }
   std::lock_guard<CountingMutex> l(mu_);
   s->busy--;
@@ -169,9 +169,9 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
 
 Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
   CountVisit();
-  if (!remote_)
+  if (!lower_.remote())
     return FailedPrecondition("AttachPublished: the store has no remote tier (StoreOptions::remote)");
-  KVTIER_ASSIGN_OR_RETURN(std::string manifest, remote_->GetManifest(name));
+  KVTIER_ASSIGN_OR_RETURN(std::string manifest, lower_.remote()->GetManifest(name));
   const std::string what = "remote tier: publication '" + std::string(name) + "'";
   RecordReader mr(manifest, what + " manifest");
   uint32_t magic = 0, version = 0, layers = 0;
@@ -218,7 +218,8 @@ Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
     }
   } cleanup{this, seq.get()};
   for (int l = 0; l < L; ++l) {
-    KVTIER_ASSIGN_OR_RETURN(std::string part, remote_->GetPublicationPart(name, static_cast<uint32_t>(l)));
+    KVTIER_ASSIGN_OR_RETURN(std::string part,
+                            lower_.remote()->GetPublicationPart(name, static_cast<uint32_t>(l)));
     RecordReader rr(part, what + " layer " + std::to_string(l));
     LayerState& ls = seq->layers[l];
     uint64_t n_chunks = 0;
@@ -256,7 +257,7 @@ Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
       c->repr = std::move(m.repr);
       c->score = m.score;
       c->tiers = kTierRemote;
-      c->cold_acked = true;  // a lower tier (the remote one) holds it: warm copies may leave
+      c->lower_acked = true;  // a lower tier (the remote one) holds it: warm copies may leave
     }
     std::string sinks, local;
     KVTIER_RETURN_IF_ERROR(rr.ReadLengthPrefixed(&sinks, "sinks"));
