@@ -165,7 +165,11 @@ Status TieredStore::Init() {
   // read of hot memory goes through HotTier::Download (ReadTokens, CloseSequence's sinks,
   // ObserveQueries, see there).
   KVTIER_ASSIGN_OR_RETURN(warm_, SlotPool::Create("warm_bytes", options_.warm_bytes, chunk_bytes_, true));
-  KVTIER_ASSIGN_OR_RETURN(hot_policy_, MakeDemotionPolicy(options_.hot_policy));
+  {
+    KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<DemotionPolicy> hot_policy,
+                            MakeDemotionPolicy(options_.hot_policy));
+    hot_pool_ = std::make_unique<HotPool>(hot_.get(), std::move(hot_policy), &chunk_by_id_);
+  }
   KVTIER_ASSIGN_OR_RETURN(warm_policy_, MakeDemotionPolicy(options_.warm_policy));
   if (!options_.data_dir.empty()) {
     ColdTierOptions co;

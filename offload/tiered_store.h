@@ -71,6 +71,7 @@
 #include "offload/lower_tier.h"
 #include "offload/remote_tier.h"
 #include "offload/store/counting_mutex.h"
+#include "offload/store/hot_pool.h"
 #include "offload/store/lower_tiers.h"
 #include "offload/store_counters.h"
 #include "offload/store_hooks.h"
@@ -291,17 +292,11 @@ class TieredStore : public Store {
   /// where there is room, so a fetch of many chunks is not starved by a stream of small ones.
   /// It fails at once with ResourceExhausted, naming the numbers, where waiting could deadlock:
   /// when `seq` already holds pins and would hold more than its reservation (ReserveHotSlots)
-  /// with this fetch. Why nothing deadlocks: a waiter that holds pins (set W) holds at most its
-  /// reservation R less what it asks, n; reservations sum to at most the pool P. Once the
-  /// holders outside any wait have unpinned (an Attend unpins before it returns; a lease runs
-  /// out), the room is P - sum_W H >= sum_W (R - H) >= n of any member of W, which never queues
-  /// behind others; and with W empty no pin is left, so the oldest waiter has the whole pool.
-  /// That argument needs the holders to unpin while the waiter waits, so a fetch never waits
-  /// for pins its own thread holds (the live handles its earlier FetchChunks calls returned,
-  /// whichever thread releases them): when the slots free or held by other threads are too
-  /// few for it, it fails at once with ResourceExhausted saying that the calling thread holds
-  /// the pins it would wait for (a batching engine that gathers every session's layer before
-  /// releasing any would otherwise wait pin_wait_ms for itself).
+  /// with this fetch, and when the slots free or held by other threads are too few for it
+  /// (it would wait for pins its own thread holds: the live handles its earlier FetchChunks
+  /// calls returned, whichever thread releases them; a batching engine that gathers every
+  /// session's layer before releasing any would otherwise wait pin_wait_ms for itself). Why
+  /// nothing deadlocks is written once, on HotPool (offload/store/hot_pool.h).
   ///
   /// `fit` = kWithinClaims (what Session uses for a retrieval grant): `chunk_indices` are best
   /// first, and a fetch of more chunks than `seq`'s reservation R keeps, of the chunks past R,
@@ -439,28 +434,6 @@ class TieredStore : public Store {
   /// Writes a warm chunk the lower tiers have not acknowledged; drops the lock
   /// during the write and holds it again on return.
   Status WriteWarmChunkDownLocked(std::unique_lock<CountingMutex>& lock, Chunk* c);
-  /// A free hot slot, or the hot policy's victim among slots neither loading nor pinned at `now`; -1 when
-  /// none.
-  int32_t AcquireHotSlotLocked(Clock::time_point now);
-  /// What the hot pool offers a fetch of `seq` that needs `need` slots it has no slot for,
-  /// `requested` (sorted chunk ids) being the chunks the fetch asks for.
-  struct HotRoom {
-    int64_t available = 0;   // free slots + slots of unpinned, not loading chunks outside `requested`
-    int64_t held_self = 0;   // slots pinned or loading for chunks of `seq` (filled when available < need)
-    int64_t held_other = 0;  // the same for other sequences' chunks (filled when available < need)
-  };
-  /// `full`: count held_self and held_other in any case (no early stop).
-  HotRoom HotRoomLocked(SequenceId seq, int64_t need, const std::vector<uint64_t>& requested,
-                        Clock::time_point now, bool full);
-  /// How many of a kWithinClaims fetch's n chunks `seq` may pin (FetchChunks): n when n is
-  /// within its reservation, else what the other sequences' claims leave, at least the
-  /// reservation. Reads the live fetch handles' pins (live_fetches_), not the whole pool.
-  size_t FitWithinClaimsLocked(SequenceId seq, size_t n, Clock::time_point now);
-  /// Hot slots pinned or loading for chunks that live fetch handles of `thread` hold.
-  int64_t HeldByThreadLocked(std::thread::id thread, Clock::time_point now) const;
-  /// Hot slots reserved for `seq` (its largest reservation), and for every sequence.
-  int64_t ReservedForLocked(SequenceId seq) const;
-  int64_t ReservedTotalLocked() const;
   /// Drops the warm copy of the warm policy's victim among unpinned chunks a lower tier
   /// has acknowledged; false when there is none.
   bool DropWarmCopyLocked();
@@ -473,8 +446,6 @@ class TieredStore : public Store {
   void RunFetch(const std::shared_ptr<FetchHandle::State>& st);
   /// Waits for the fetch's transfer to finish, then unpins its chunks: one lock entry.
   void ReleasePins(FetchHandle::State* st);
-  /// A pin protects its chunk until the lease (pin_deadline, from hooks_.clock) runs out.
-  bool PinnedLocked(const Chunk* c, Clock::time_point now) const;
   bool FetchCompleteLocked(const FetchHandle::State* st) const;
   void FreeChunkLocked(Chunk* c);
   using ReprRead = LowerTiers::ReprRead;
@@ -499,7 +470,10 @@ class TieredStore : public Store {
   // The tiers below warm, in order, with their fall-through reads, acknowledgements and
   // sticky error (offload/store/lower_tiers.h); write-through goes through engine_.
   LowerTiers lower_;
-  std::unique_ptr<DemotionPolicy> hot_policy_, warm_policy_;
+  std::unique_ptr<DemotionPolicy> warm_policy_;
+  // The hot slot pool's bookkeeping: hot policy, pins and leases, reservations, waiters, live
+  // fetches (offload/store/hot_pool.h, guarded by mu_). Built at Init over hot_ and chunk_by_id_.
+  std::unique_ptr<HotPool> hot_pool_;
   // After the tiers it copies between, so that it is destroyed (idle) before them.
   std::unique_ptr<TransferEngine> engine_;
 
@@ -514,18 +488,6 @@ class TieredStore : public Store {
   uint64_t next_chunk_id_ = 1;
   SequenceId next_seq_id_ = 1;
   StoreCounters counters_;
-  struct HotReservation {
-    SequenceId seq = 0;
-    int32_t slots = 0;
-  };
-  std::unordered_map<uint64_t, HotReservation> reservations_;  // by ReserveHotSlots' id
-  uint64_t next_reservation_ = 1;
-  // Fetches waiting for hot slots, by ticket (oldest first): a fetch that holds no pin does not
-  // take slots while an older one waits, so a large fetch is not starved by small ones.
-  std::set<uint64_t> pin_waiters_;
-  uint64_t next_pin_ticket_ = 1;
-  // Fetch handles holding pins, not yet released: whose thread holds which pins.
-  std::unordered_set<const FetchHandle::State*> live_fetches_;
   uint64_t region_bytes_ = 0;
   uint64_t repr_chunks_ = 0;       // chunks holding their representatives in memory (non-empty Chunk::repr)
   uint64_t landing_chunks_ = 0;    // sealed chunks whose warm slot is still being filled (every layer)

@@ -323,7 +323,7 @@ Status TieredStore::SetChunkScores(SequenceId seq, int layer,
     Chunk* c = ls.chunks[idx];
     if (c == nullptr) continue;
     c->score = score;
-    hot_policy_->OnScore(c->id, score);
+    hot_pool_->policy().OnScore(c->id, score);
     warm_policy_->OnScore(c->id, score);
   }
   return Status::Ok();
@@ -349,7 +349,7 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
     const Clock::time_point now = hooks_.clock->Now();
     for (uint64_t idx : chunk_indices) {
       const Chunk* c = ls.chunks[idx];
-      if (c && PinnedLocked(c, now))
+      if (c && HotPool::Pinned(c, now))
         return FailedPrecondition("DropChunks: chunk " + c->key.ToString() +
                                   " is pinned by a live fetch handle; release it first");
     }
@@ -390,7 +390,7 @@ void TieredStore::FreeChunkLocked(Chunk* c) {
   }
   if (c->hot_slot >= 0) {
     hot_->ReleaseSlot(c->hot_slot);
-    hot_policy_->OnRemove(c->id);
+    hot_pool_->policy().OnRemove(c->id);
   }
   if (c->lower_acked && (c->tiers & kTierCold) && counters_.cold_chunks > 0) {
     counters_.cold_chunks--;
