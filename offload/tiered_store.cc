@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "offload/store/layer_regions.h"
 #include "offload/store_records.h"
 #include "offload/store_recovery.h"
 #include "offload/store_state.h"
@@ -114,10 +115,7 @@ TieredStore::~TieredStore() {
   if (engine_) engine_->WaitIdle();
   for (auto& [id, seq] : sequences_) {
     for (auto& ls : seq->layers) {
-      if (ls.sink_k) hot_->FreeRegion(ls.sink_k, 0);
-      if (ls.sink_v) hot_->FreeRegion(ls.sink_v, 0);
-      if (ls.ring_k) hot_->FreeRegion(ls.ring_k, 0);
-      if (ls.ring_v) hot_->FreeRegion(ls.ring_v, 0);
+      store_internal::FreeLayerRegions(hot_.get(), &ls);
       for (Chunk* c : ls.chunks) delete c;
     }
   }
@@ -227,20 +225,12 @@ Result<SequenceId> TieredStore::CreateSequence() {
         auto seq = std::make_unique<Sequence>();
         const int L = options_.geometry.layers;
         seq->layers.resize(L);
-        const size_t ring = static_cast<size_t>(options_.n_local + options_.chunk_size);
-        for (auto& ls : seq->layers) {
-          // Sinks may be zero tokens; keep a non-null region so spans are valid.
-          KVTIER_ASSIGN_OR_RETURN(ls.sink_k,
-                                  hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
-          KVTIER_ASSIGN_OR_RETURN(ls.sink_v,
-                                  hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
-          KVTIER_ASSIGN_OR_RETURN(ls.ring_k, hot_->AllocateRegion(ring * token_bytes_));
-          KVTIER_ASSIGN_OR_RETURN(ls.ring_v, hot_->AllocateRegion(ring * token_bytes_));
-          ls.ring_mass.assign(static_cast<size_t>(options_.geometry.kv_heads) * ring, 0.0f);
-        }
+        for (auto& ls : seq->layers)
+          KVTIER_RETURN_IF_ERROR(
+              store_internal::AllocateLayerRegions(options_, token_bytes_, hot_.get(), &ls));
         std::lock_guard<CountingMutex> l(mu_);
         seq->id = next_seq_id_++;
-        region_bytes_ += L * 2 * (options_.n_sink + ring) * token_bytes_;
+        region_bytes_ += L * store_internal::LayerRegionBytes(options_, token_bytes_);
         if (lower_.cold()) {
           const std::string rec = EncodeSequenceRecord(SeqState::kOpen, std::vector<int64_t>(L, 0));
           KVTIER_RETURN_IF_ERROR(lower_.cold()->PutSequence(seq->id, rec));
@@ -387,12 +377,8 @@ Status TieredStore::DropSequence(SequenceId seq) {
       FreeChunkLocked(c);
     }
     ls.chunks.clear();
-    const size_t ring = static_cast<size_t>(options_.n_local + options_.chunk_size);
-    hot_->FreeRegion(ls.sink_k, 0);
-    hot_->FreeRegion(ls.sink_v, 0);
-    hot_->FreeRegion(ls.ring_k, 0);
-    hot_->FreeRegion(ls.ring_v, 0);
-    region_bytes_ -= 2 * (options_.n_sink + ring) * token_bytes_;
+    store_internal::FreeLayerRegions(hot_.get(), &ls);
+    region_bytes_ -= store_internal::LayerRegionBytes(options_, token_bytes_);
   }
   sequences_.erase(seq);  // by key: `it` may be stale after the waits above (a CreateSequence can rehash)
   counters_.warm_chunks = warm_->used();

@@ -12,6 +12,7 @@
 
 #include <cstring>
 
+#include "offload/store/layer_regions.h"
 #include "offload/store_records.h"
 #include "offload/store_state.h"
 #include "offload/tiered_store.h"
@@ -196,7 +197,6 @@ Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
 
   const int L = options_.geometry.layers;
   const size_t repr_bytes = static_cast<size_t>(options_.repr_topk) * token_bytes_;
-  const size_t ring = static_cast<size_t>(options_.n_local + options_.chunk_size);
   auto seq = std::make_unique<Sequence>();
   seq->state = SeqState::kOpen;  // the published prefix is read-only; tokens appended here are ours
   seq->attached = true;
@@ -211,8 +211,7 @@ Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
     ~Cleanup() {
       if (!armed) return;
       for (auto& ls : s->layers) {
-        for (uint8_t* r : {ls.sink_k, ls.sink_v, ls.ring_k, ls.ring_v})
-          if (r) store->hot_->FreeRegion(r, 0);
+        store_internal::FreeLayerRegions(store->hot_.get(), &ls);
         for (Chunk* c : ls.chunks) delete c;
       }
     }
@@ -265,30 +264,15 @@ Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
     KVTIER_RETURN_IF_ERROR(rr.ExpectEnd());
     if (sinks.size() != 2 * n_sink_tokens * token_bytes_ || local.size() != 2 * n_local * token_bytes_)
       return Corruption(what + " layer " + std::to_string(l) + ": sinks/local do not match its token count");
-    KVTIER_ASSIGN_OR_RETURN(ls.sink_k,
-                            hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
-    KVTIER_ASSIGN_OR_RETURN(ls.sink_v,
-                            hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
-    KVTIER_ASSIGN_OR_RETURN(ls.ring_k, hot_->AllocateRegion(ring * token_bytes_));
-    KVTIER_ASSIGN_OR_RETURN(ls.ring_v, hot_->AllocateRegion(ring * token_bytes_));
-    ls.ring_mass.assign(static_cast<size_t>(options_.geometry.kv_heads) * ring, 0.0f);
-    const size_t sb = n_sink_tokens * token_bytes_;
-    KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.sink_k, sinks.data(), sb));
-    KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.sink_v, sinks.data() + sb, sb));
-    for (int64_t t = 0; t < n_local; ++t) {
-      const int64_t p = std::max<int64_t>(ls.sealed_end, n_sink_tokens) + t;
-      const size_t slot = static_cast<size_t>((p - options_.n_sink) % static_cast<int64_t>(ring));
-      KVTIER_RETURN_IF_ERROR(
-          hot_->Upload(ls.ring_k + slot * token_bytes_, local.data() + t * token_bytes_, token_bytes_));
-      KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.ring_v + slot * token_bytes_,
-                                          local.data() + (n_local + t) * token_bytes_, token_bytes_));
-    }
+    KVTIER_RETURN_IF_ERROR(store_internal::AllocateLayerRegions(options_, token_bytes_, hot_.get(), &ls));
+    KVTIER_RETURN_IF_ERROR(
+        store_internal::RestoreLayerRegions(options_, token_bytes_, hot_.get(), sinks, local, &ls));
   }
   std::lock_guard<CountingMutex> l(mu_);
   cleanup.armed = false;
   const SequenceId id = next_seq_id_++;
   seq->id = id;
-  region_bytes_ += L * 2 * (options_.n_sink + ring) * token_bytes_;
+  region_bytes_ += L * store_internal::LayerRegionBytes(options_, token_bytes_);
   for (auto& ls : seq->layers)
     for (Chunk* c : ls.chunks) {
       if (c == nullptr) continue;
