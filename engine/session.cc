@@ -503,7 +503,25 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
   try {
     const bool decode = step_ == StepKind::kDecode;
     LayerParts lp;
-    KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, layer));
+    // The layer step's first store visit (TieredStore::BeginLayerStep): lands the layer's
+    // sealed chunks (the session drives its sequence), and reads the background error, the
+    // hot view and, with retrieval, the index's chunk updates, under one lock entry. The
+    // second is the fetch below; the handle's release is the last lock entry.
+    ChunkCursor cursor;
+    ChunkUpdate* updates = nullptr;
+    if (retriever_ && !selector_) {
+      KVTIER_ASSIGN_OR_RETURN(cursor, retriever_->Cursor(seq_, layer));
+      updates = retriever_->step_update();
+    }
+    LayerStepView step;
+    KVTIER_RETURN_IF_ERROR(store_->BeginLayerStep(seq_, layer, updates ? &cursor : nullptr, updates, &step,
+                                                  Retriever::kSyncBatch));
+    // A lower tier that failed a background write of any session: reported here too, not
+    // only by the Append or WaitForDurable that may come much later.
+    if (!step.background.ok())
+      return Status(step.background.code(), std::string("Session::") + what + ": layer " +
+                                                std::to_string(layer) + ": " + step.background.message());
+    const HotView& view = step.hot;
     KVTIER_RETURN_IF_ERROR(CheckPositionsHeld(what, layer, positions, m, view.n_tokens));
     lp.local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
     const float* q_sel = MemoryQueries(q, positions, m, lp.local_start);
@@ -520,7 +538,7 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
       // Observe too (ActQKV's running statistics see every window once).
       if (!decode && ObservesStatistics() && observe)
         KVTIER_RETURN_IF_ERROR(ObserveStatistics(layer, q, positions, m, view, lp.local_start));
-      KVTIER_ASSIGN_OR_RETURN(LayerSelection sel, retriever_->Select(seq_, layer, q_sel, m, decode));
+      KVTIER_ASSIGN_OR_RETURN(LayerSelection sel, retriever_->Select(seq_, layer, q_sel, m, decode, updates));
       lp.chunks = std::move(sel.chunks);
       lp.stats.probe_ms = sel.probe_ms;
       lp.stats.search_ms = sel.search_ms;
@@ -583,10 +601,6 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
 Status Session::Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
                        AttendStats* stats) {
   if (out == nullptr) return InvalidArgument("Session::Attend: out must not be null");
-  // A lower tier that failed a background write of any session: reported here too, not
-  // only by the Append or WaitForDurable that may come much later.
-  if (Status bg = store_->CheckBackgroundError(); !bg.ok())
-    return Status(bg.code(), "Session::Attend: layer " + std::to_string(layer) + ": " + bg.message());
   const Geometry& g = geometry();
   // A prefill window's representative-key statistics come from this attention (the kernel's
   // per-key mass, on the tier's device), not from a second pass in Gather.
@@ -702,6 +716,9 @@ Result<CompressReport> Session::Compress(const std::string& policy_spec, int64_t
       policy_ = std::move(p);
       policy_spec_ = policy_spec;
     }
+    // The session drives its sequence: what it sealed lands now, so the keys read back below
+    // and the chunk counts cover every token appended.
+    KVTIER_RETURN_IF_ERROR(store_->Flush(seq_));
     for (int l = 0; l < g.layers; ++l) {
       KVTIER_ASSIGN_OR_RETURN(LayerKeys lk, ReadLayerKeys(store_, seq_, l));
       const int64_t n = static_cast<int64_t>(lk.positions.size());
@@ -753,10 +770,10 @@ Result<CompressReport> Session::Compress(const std::string& policy_spec, int64_t
       KVTIER_ASSIGN_OR_RETURN(int64_t chunk_budget, ChunkBudget(*store_, seq_, l, kv_budget));
       const std::vector<uint64_t> drop =
           ChunksToDrop(ts, keep, so.n_sink, so.chunk_size, n_chunks, chunk_budget);
-      const uint64_t before = store_->counters().dropped_chunks;
-      KVTIER_RETURN_IF_ERROR(store_->DropChunks(seq_, l, drop));
+      uint64_t dropped = 0;
+      KVTIER_RETURN_IF_ERROR(store_->DropChunks(seq_, l, drop, &dropped));
       if (retriever_) KVTIER_RETURN_IF_ERROR(retriever_->Sync(seq_, l));  // the index drops them too
-      rep.dropped_chunks += store_->counters().dropped_chunks - before;
+      rep.dropped_chunks += dropped;
     }
     KVTIER_ASSIGN_OR_RETURN(rep.kept_tokens, KeptTokensPerLayer(*store_, seq_, g.layers));
     counters_.compressions += 1;

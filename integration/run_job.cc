@@ -1086,6 +1086,7 @@ std::string RunReport::ToJson() const {
   w.Key("hits").Uint(counters.hits).Key("misses").Uint(counters.misses);
   w.Key("cold_reads").Uint(counters.cold_reads).Key("cold_writes").Uint(counters.cold_writes);
   w.Key("chunks_sealed").Uint(counters.chunks_sealed);
+  w.Key("chunks_landing").Uint(counters.chunks_landing);
   w.EndObject();
   w.Key("tiers");
   WriteTierTrafficJson(&w, counters);

@@ -130,24 +130,11 @@ std::string Hex(std::string_view s) {
   return out;
 }
 
-std::string Hex32(uint32_t v) {
-  char buf[16];
-  std::snprintf(buf, sizeof buf, "0x%08" PRIx32, v);
-  return buf;
-}
-
 using Header = std::array<char, cold_tier_format::kValueHeaderBytes>;
 
 Header MakeHeader(ValueKind kind, const void* body, size_t n, uint64_t aux) {
   Header h{};
-  EncodeFixed32(h.data(), cold_tier_format::kMagic);
-  h[4] = static_cast<char>(cold_tier_format::kFormatVersion);
-  h[5] = static_cast<char>(kind);
-  EncodeFixed64(h.data() + 8, n);
-  EncodeFixed64(h.data() + 16, aux);
-  uint32_t crc = Crc32c(h.data(), 24);
-  crc = Crc32c(body, n, crc);
-  EncodeFixed32(h.data() + 24, crc);
+  value_framing::EncodeHeader(h.data(), kind, body, n, aux);
   return h;
 }
 
@@ -156,63 +143,7 @@ struct Decoded {
   std::string_view body;
 };
 
-const char* KindName(uint8_t k) {
-  switch (k) {
-    case 1:
-      return "sequence record";
-    case 2:
-      return "chunk meta";
-    case 3:
-      return "chunk payload";
-    case 4:
-      return "blob";
-  }
-  return "unknown";
-}
-
 }  // namespace
-
-// `what` names the key, e.g. "chunk seq=3/layer=1/chunk=17 payload".
-Status cold_tier_format::DecodeValue(std::string_view v, ValueKind want, const std::string& what,
-                                     std::string_view* body, uint64_t* aux) {
-  constexpr size_t H = cold_tier_format::kValueHeaderBytes;
-  if (v.size() < H)
-    return Corruption("cold tier: " + what + " value too short (" + std::to_string(v.size()) +
-                      " bytes, the header alone is " + std::to_string(H) + ")");
-  const char* p = v.data();
-  uint32_t magic = DecodeFixed32(p);
-  if (magic != cold_tier_format::kMagic)
-    return Corruption("cold tier: " + what + " bad magic " + Hex32(magic) + " (expected " +
-                      Hex32(cold_tier_format::kMagic) + ")");
-  uint8_t version = static_cast<uint8_t>(p[4]);
-  if (version != cold_tier_format::kFormatVersion)
-    return Corruption("cold tier: " + what + " has format version " + std::to_string(version) +
-                      ", this build reads " + std::to_string(cold_tier_format::kFormatVersion));
-  uint8_t kind = static_cast<uint8_t>(p[5]);
-  if (kind != static_cast<uint8_t>(want))
-    return Corruption("cold tier: " + what + " holds a " + KindName(kind) + " value (kind " +
-                      std::to_string(kind) + "), expected a " + KindName(static_cast<uint8_t>(want)));
-  uint64_t len = DecodeFixed64(p + 8);
-  if (len != v.size() - H)
-    return Corruption("cold tier: " + what + " length mismatch (header says " + std::to_string(len) +
-                      " bytes, value holds " + std::to_string(v.size() - H) + ")");
-  uint32_t stored = DecodeFixed32(p + 24);
-  uint32_t crc = Crc32c(p, 24);
-  crc = Crc32c(p + H, len, crc);
-  if (crc != stored)
-    return Corruption("cold tier: " + what + " checksum mismatch (stored " + Hex32(stored) + ", computed " +
-                      Hex32(crc) + ")");
-  if (aux != nullptr) *aux = DecodeFixed64(p + 16);
-  *body = std::string_view(p + H, len);
-  return Status::Ok();
-}
-
-std::string cold_tier_format::EncodeValue(ValueKind kind, std::string_view body, uint64_t aux) {
-  const Header h = MakeHeader(kind, body.data(), body.size(), aux);
-  std::string v(h.data(), h.size());
-  v.append(body.data(), body.size());
-  return v;
-}
 
 namespace {
 

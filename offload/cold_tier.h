@@ -126,6 +126,7 @@
 
 #include "kvtier/options.h"
 #include "offload/ack_manifest.h"
+#include "offload/value_framing.h"
 #include "store/chunk.h"
 #include "store/status.h"
 
@@ -298,25 +299,19 @@ inline constexpr const char* kBlobColumn = "blob";
 /// Key in "default" written (synced) when the manifest is created: with it present, a
 /// missing manifest file is Corruption rather than a store from before manifests.
 inline constexpr const char* kManifestMarkerKey = "A";
-inline constexpr size_t kValueHeaderBytes = 28;
-inline constexpr uint32_t kMagic = 0x5443564Bu;
-inline constexpr uint8_t kFormatVersion = 1;
+// The value framing (offload/value_framing.h), which the remote tier shares.
+using value_framing::kFormatVersion;
+using value_framing::kMagic;
+using value_framing::kValueHeaderBytes;
 /// 'S' seq:u64be.
 std::string SequenceKey(SequenceId seq);
 /// seq:u64be layer:u32be index:u64be (the key in both chunk families).
 std::string ChunkKeyBytes(const ChunkKey& key);
 /// seq:u64be layer:u32be name.
 std::string BlobKey(SequenceId seq, uint32_t layer, std::string_view name);
-/// The value header's kind byte.
-enum class ValueKind : uint8_t { kSequence = 1, kMeta = 2, kPayload = 3, kBlob = 4 };
-/// Checks a stored value as every read does (length, magic, version, kind, length field,
-/// CRC) and points *body at its body (inside `value`); *aux gets the header's aux field
-/// (may be null). Corruption naming `what` (e.g. "chunk seq=3/layer=1/chunk=17 payload")
-/// and what failed otherwise. Any bytes are safe to pass (a fuzz target does).
-Status DecodeValue(std::string_view value, ValueKind kind, const std::string& what, std::string_view* body,
-                   uint64_t* aux);
-/// The stored value of `body`: header (with `aux`) then body.
-std::string EncodeValue(ValueKind kind, std::string_view body, uint64_t aux);
+using value_framing::DecodeValue;
+using value_framing::EncodeValue;
+using value_framing::ValueKind;
 }  // namespace cold_tier_format
 
 }  // namespace kvtier

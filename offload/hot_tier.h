@@ -7,8 +7,9 @@
 //
 // TieredStore does not name an implementation: it builds kvtier's own tier on
 // StoreOptions::device (MakeHotTier below: HostHotTier on kCpu, CudaHotTier on
-// kCuda in builds with CUDA), or calls StoreOptions::hot_tier_factory, the one
-// way an engine brings its own tier.
+// kCuda in builds with CUDA), or calls StoreHooks::hot_tier_factory
+// (offload/store_hooks.h), the internal way tests and tools bring their own tier.
+// This interface is not installed: a pluggable hot tier is not public.
 #pragma once
 
 #include <cstddef>

@@ -8,7 +8,7 @@
 #include <fstream>
 #include <iterator>
 
-#include "offload/cold_tier.h"
+#include "offload/value_framing.h"
 #include "store/checksum.h"
 #include "store/coding.h"
 
@@ -16,7 +16,7 @@ namespace kvtier {
 
 namespace {
 
-using cold_tier_format::ValueKind;
+using value_framing::ValueKind;
 
 bool ValidNamespace(std::string_view ns) {
   if (ns.empty() || ns.size() > 128) return false;
@@ -110,24 +110,19 @@ Status Reword(Status st) {
 
 uint64_t KeyTag(std::string_view key) { return Crc32c(key.data(), key.size()); }
 
-// The framed value of a chunk (cold_tier_format::EncodeValue's layout, body = u32 meta
+// The framed value of a chunk (offload/value_framing.h, body = u32 meta
 // length, meta, payload) built in one buffer: the payload is copied once, not three times
 // (body, value, argv), which is most of a put's CPU next to the socket write.
 std::string FrameChunk(const std::string& key, std::string_view meta, const void* payload,
                        size_t payload_bytes) {
-  constexpr size_t H = cold_tier_format::kValueHeaderBytes;
+  constexpr size_t H = value_framing::kValueHeaderBytes;
   const size_t body = 4 + meta.size() + payload_bytes;
   std::string v(H + body, '\0');
   char* p = v.data();
-  EncodeFixed32(p, cold_tier_format::kMagic);
-  p[4] = static_cast<char>(cold_tier_format::kFormatVersion);
-  p[5] = static_cast<char>(ValueKind::kPayload);
-  EncodeFixed64(p + 8, body);
-  EncodeFixed64(p + 16, KeyTag(key));
   EncodeFixed32(p + H, static_cast<uint32_t>(meta.size()));
   std::memcpy(p + H + 4, meta.data(), meta.size());
   std::memcpy(p + H + 4 + meta.size(), payload, payload_bytes);
-  EncodeFixed32(p + 24, Crc32c(p + H, body, Crc32c(p, 24)));
+  value_framing::EncodeHeader(p, ValueKind::kPayload, p + H, body, KeyTag(key));
   return v;
 }
 
@@ -371,7 +366,7 @@ Status RemoteTier::PutChunks(std::vector<Put>* puts) {
     chunk.argv.push_back(std::move(value));  // moved, not copied: an initializer list would copy
     chunk.key = chunk.argv[1];
     std::string meta_key = MetaKeyString(ref);
-    std::string meta = cold_tier_format::EncodeValue(ValueKind::kMeta, p.meta, KeyTag(meta_key));
+    std::string meta = value_framing::EncodeValue(ValueKind::kMeta, p.meta, KeyTag(meta_key));
     RedisCall& m = calls[2 * i + 1];
     m.argv.reserve(3);
     m.argv.emplace_back("SET");
@@ -417,7 +412,7 @@ Status RemoteTier::PutChunk(const ChunkKey& key, std::string_view meta, const vo
   return PutChunks(&puts);
 }
 
-Status RemoteTier::ReplyBody(const RedisCall& c, cold_tier_format::ValueKind kind, const std::string& what,
+Status RemoteTier::ReplyBody(const RedisCall& c, value_framing::ValueKind kind, const std::string& what,
                              std::string_view* body) {
   const std::string& key = c.argv[1];
   if (!c.status.ok()) {
@@ -435,8 +430,8 @@ Status RemoteTier::ReplyBody(const RedisCall& c, cold_tier_format::ValueKind kin
   }
   uint64_t aux = 0;
   Status st = c.reply->type == REDIS_REPLY_STRING
-                  ? Reword(cold_tier_format::DecodeValue(std::string_view(c.reply->str, c.reply->len), kind,
-                                                         what, body, &aux))
+                  ? Reword(value_framing::DecodeValue(std::string_view(c.reply->str, c.reply->len), kind,
+                                                      what, body, &aux))
                   : Corruption("remote tier: " + what + " holds no string value");
   if (st.ok() && aux != KeyTag(key))
     st = Corruption("remote tier: " + what + " holds a value written under another key");
@@ -541,7 +536,7 @@ Status RemoteTier::PutPublication(std::string_view name, const std::vector<std::
     const std::string key =
         i < parts.size() ? PublicationPartKey(name, static_cast<uint32_t>(i)) : PublicationKey(name);
     const std::string_view body = i < parts.size() ? std::string_view(parts[i]) : manifest;
-    calls[i].argv = {"SET", key, cold_tier_format::EncodeValue(ValueKind::kBlob, body, KeyTag(key))};
+    calls[i].argv = {"SET", key, value_framing::EncodeValue(ValueKind::kBlob, body, KeyTag(key))};
     calls[i].key = calls[i].argv[1];
   }
   client_->Execute(&calls, options_.wait_replicas, options_.wait_timeout_ms);
@@ -568,8 +563,8 @@ Result<std::string> RemoteTier::GetRecord(const std::string& key, const std::str
                    std::to_string(c.reply->type));
   std::string_view body;
   uint64_t aux = 0;
-  KVTIER_RETURN_IF_ERROR(Reword(cold_tier_format::DecodeValue(std::string_view(c.reply->str, c.reply->len),
-                                                              ValueKind::kBlob, what, &body, &aux)));
+  KVTIER_RETURN_IF_ERROR(Reword(value_framing::DecodeValue(std::string_view(c.reply->str, c.reply->len),
+                                                           ValueKind::kBlob, what, &body, &aux)));
   if (aux != KeyTag(key))
     return Corruption("remote tier: " + what + " holds a value written under another key");
   return std::string(body);

@@ -14,7 +14,7 @@
 // manifest finds the records it names.
 //
 // ---- Values ------------------------------------------------------------------------
-// Framed like the cold tier's (offload/cold_tier.h, cold_tier_format::EncodeValue):
+// Framed like the cold tier's (offload/cold_tier.h, value_framing::EncodeValue):
 // magic, version, kind, body length, CRC-32C over header and body; the header's aux
 // field holds the CRC-32C of the key, so a value copied under another key is caught
 // too. A chunk's body is u32 meta length, the meta record (offload/store_records.h),
@@ -50,9 +50,9 @@
 
 namespace kvtier {
 
-namespace cold_tier_format {
-enum class ValueKind : uint8_t;  // offload/cold_tier.h
-}  // namespace cold_tier_format
+namespace value_framing {
+enum class ValueKind : uint8_t;  // offload/value_framing.h
+}  // namespace value_framing
 
 struct RemoteTierOptions {
   std::vector<RedisEndpoint> endpoints;  ///< seeds: one server, or any nodes of a cluster
@@ -171,7 +171,7 @@ class RemoteTier {
   // The framed body of the reply `c` to a GET (its argv[1] the key), of value kind `kind`,
   // checked: the call's outcome, a missing key (NotFound), an error reply, the frame and the key
   // tag (Corruption), each naming `what`. Counts errors, misses and corruption.
-  Status ReplyBody(const RedisCall& c, cold_tier_format::ValueKind kind, const std::string& what,
+  Status ReplyBody(const RedisCall& c, value_framing::ValueKind kind, const std::string& what,
                    std::string_view* body);
 
   RemoteTierOptions options_;

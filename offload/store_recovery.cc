@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "offload/store/layer_regions.h"
+
 namespace kvtier {
 
 using store_internal::Chunk;
@@ -52,23 +54,9 @@ Status RestoreSinksAndLocal(const StoreOptions& o, size_t token_bytes, SequenceI
       local->size() != 2 * static_cast<size_t>(n_local_tokens) * token_bytes)
     return Corruption("cold tier: sequence " + std::to_string(id) + " layer " + std::to_string(l) +
                       " sinks/local records do not match its token count");
-  const size_t ring = static_cast<size_t>(o.n_local + o.chunk_size);
-  KVTIER_ASSIGN_OR_RETURN(ls->sink_k, hot->AllocateRegion(std::max<size_t>(1, o.n_sink * token_bytes)));
-  KVTIER_ASSIGN_OR_RETURN(ls->sink_v, hot->AllocateRegion(std::max<size_t>(1, o.n_sink * token_bytes)));
-  KVTIER_ASSIGN_OR_RETURN(ls->ring_k, hot->AllocateRegion(ring * token_bytes));
-  KVTIER_ASSIGN_OR_RETURN(ls->ring_v, hot->AllocateRegion(ring * token_bytes));
-  *region_bytes += 2 * (o.n_sink + ring) * token_bytes;
-  const size_t sb = n_sink_tokens * token_bytes;
-  KVTIER_RETURN_IF_ERROR(hot->Upload(ls->sink_k, sinks->data(), sb));
-  KVTIER_RETURN_IF_ERROR(hot->Upload(ls->sink_v, sinks->data() + sb, sb));
-  for (int64_t t = 0; t < n_local_tokens; ++t) {
-    const int64_t p = ls->sealed_end + t;
-    const size_t slot = static_cast<size_t>((p - o.n_sink) % static_cast<int64_t>(ring));
-    KVTIER_RETURN_IF_ERROR(
-        hot->Upload(ls->ring_k + slot * token_bytes, local->data() + t * token_bytes, token_bytes));
-    KVTIER_RETURN_IF_ERROR(hot->Upload(ls->ring_v + slot * token_bytes,
-                                       local->data() + (n_local_tokens + t) * token_bytes, token_bytes));
-  }
+  KVTIER_RETURN_IF_ERROR(store_internal::AllocateLayerRegions(o, token_bytes, hot, ls));
+  *region_bytes += store_internal::LayerRegionBytes(o, token_bytes);
+  KVTIER_RETURN_IF_ERROR(store_internal::RestoreLayerRegions(o, token_bytes, hot, *sinks, *local, ls));
   ls->sinks_restored = true;
   return Status::Ok();
 }
@@ -110,7 +98,7 @@ Status RecoverStore(const StoreOptions& options, ColdTier* cold, HotTier* hot, R
           // back on demand (TieredStore::metadata_bytes).
           c->score = m.score;
           c->tiers = kTierCold;
-          c->cold_acked = true;
+          c->lower_acked = true;
           auto& chunks = seq->layers[key.layer].chunks;
           if (chunks.size() <= key.index) chunks.resize(key.index + 1, nullptr);
           out->chunk_by_id[c->id] = c.get();
@@ -158,8 +146,7 @@ Status RecoverStore(const StoreOptions& options, ColdTier* cold, HotTier* hot, R
 void FreeRecoveredStore(HotTier* hot, RecoveredStore* rec) {
   for (auto& [id, seq] : rec->sequences)
     for (auto& ls : seq->layers) {
-      for (uint8_t* region : {ls.sink_k, ls.sink_v, ls.ring_k, ls.ring_v})
-        if (region != nullptr) hot->FreeRegion(region, 0);
+      store_internal::FreeLayerRegions(hot, &ls);
       for (store_internal::Chunk* c : ls.chunks) delete c;
       ls.chunks.clear();
     }

@@ -39,10 +39,13 @@ struct Chunk {
   int32_t hot_slot = -1;
   int warm_pins = 0;                 // internal copies reading/writing the warm slot
   int hot_pins = 0;                  // FetchHandles holding the hot slot
-  Clock::time_point pin_deadline{};  // from StoreOptions::clock
+  Clock::time_point pin_deadline{};  // from StoreHooks::clock
   bool hot_loading = false;          // hot slot assigned, bytes not there yet
-  bool cold_acked = false;
-  bool cold_writing = false;
+  bool lower_acked = false;
+  bool lower_writing = false;
+  // Sealed, its download into the warm slot not landed yet (LandingChunk): readers do not
+  // see it (TieredStore: "Landing"); cleared under the store mutex when it lands.
+  bool landing = false;
   // Written by SetChunkScores under the store mutex. A cold write encodes the
   // score it snapshotted under the mutex when it was issued, never this field
   // from a transfer thread.
@@ -50,10 +53,10 @@ struct Chunk {
 };
 
 /// A sealed chunk whose ring -> warm download was submitted (HotTier::DownloadBatchAsync)
-/// and has not landed yet. Until the store lands it (TieredStore::LandLayerLocked) the chunk
-/// sits in LayerState::chunks at its index, holding its warm slot with warm_pins = 1, but is
-/// not held by warm (not in the warm policy), not fetchable, not indexed, not written to a
-/// lower tier and not demotable: every reader of the layer's chunks lands it first.
+/// and has not landed yet. Until the sequence's driver lands it (TieredStore::LandLayerLocked)
+/// the chunk sits in LayerState::chunks at its index (Chunk::landing), holding its warm slot
+/// with warm_pins = 1, but is not held by warm (not in the warm policy), not fetchable, not
+/// indexed, not written to a lower tier and not demotable; readers skip it.
 struct LandingChunk {
   Chunk* chunk = nullptr;
   TransferTicket ticket = kCompletedTransfer;

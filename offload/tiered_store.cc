@@ -7,6 +7,7 @@
 //   offload/store/write_through.cc  the lower tiers: writes, acknowledgement, errors, reads
 //   offload/store/chunks.cc         chunk metadata, ReadTokens, scores, drops
 //   offload/store/fetch.cc          promotion into hot slots: pins, leases, hot room
+//   offload/store/layer_step.cc     the layer step's door (BeginLayerStep)
 //   offload/store/sharing.cc        publish and attach through the remote tier
 //
 // Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
@@ -21,6 +22,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "offload/store/layer_regions.h"
 #include "offload/store_records.h"
 #include "offload/store_recovery.h"
 #include "offload/store_state.h"
@@ -81,12 +83,11 @@ Status StoreOptions::Validate() const {
     auto w = MakeDemotionPolicy(warm_policy);
     if (!w.ok()) return InvalidArgument("warm_policy: " + w.status().message());
   }
-  if (!hot_tier_factory) {
+  {
     // Keeps CheckDevice's code: Unavailable for cuda without a CUDA build or a device.
     Status h = CheckDevice(device);
     if (!h.ok()) return Status(h.code(), "device: " + h.message());
   }
-  if (clock == nullptr) return InvalidArgument("clock must not be null (the default is the steady clock)");
   if (!remote.empty()) {
     auto r = ParseRemoteSpec(remote);
     if (!r.ok()) return InvalidArgument("remote: " + r.status().message());
@@ -101,30 +102,40 @@ Status StoreOptions::Validate() const {
   return Status::Ok();
 }
 
-TieredStore::TieredStore(const StoreOptions& options) : options_(options) {}
+TieredStore::TieredStore(const StoreOptions& options, const StoreHooks& hooks)
+    : options_(options), hooks_(hooks) {}
 
 TieredStore::~TieredStore() {
   if (engine_) {
     // Downloads in flight write into warm slots: land them (which issues their write-through).
-    std::unique_lock<std::mutex> l(mu_);
+    std::unique_lock<CountingMutex> l(mu_);
     LandEverythingLocked(l);
   }
   // Transfer tasks call back into the store: let them finish first.
   if (engine_) engine_->WaitIdle();
   for (auto& [id, seq] : sequences_) {
     for (auto& ls : seq->layers) {
-      if (ls.sink_k) hot_->FreeRegion(ls.sink_k, 0);
-      if (ls.sink_v) hot_->FreeRegion(ls.sink_v, 0);
-      if (ls.ring_k) hot_->FreeRegion(ls.ring_k, 0);
-      if (ls.ring_v) hot_->FreeRegion(ls.ring_v, 0);
+      store_internal::FreeLayerRegions(hot_.get(), &ls);
       for (Chunk* c : ls.chunks) delete c;
     }
   }
 }
 
 Result<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& options) {
-  KVTIER_RETURN_IF_ERROR(options.Validate());
-  auto store = std::unique_ptr<TieredStore>(new TieredStore(options));
+  return Open(options, StoreHooks{});
+}
+
+Result<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& options, const StoreHooks& hooks) {
+  KVTIER_RETURN_IF_ERROR(hooks.Validate());
+  if (hooks.hot_tier_factory) {
+    // The hot tier is the hook's: `device` names none of kvtier's to build, so it is not checked.
+    StoreOptions checked = options;
+    checked.device = Device::kCpu;
+    KVTIER_RETURN_IF_ERROR(checked.Validate());
+  } else {
+    KVTIER_RETURN_IF_ERROR(options.Validate());
+  }
+  auto store = std::unique_ptr<TieredStore>(new TieredStore(options, hooks));
   KVTIER_RETURN_IF_ERROR(store->Init());
   return store;
 }
@@ -132,8 +143,8 @@ Result<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& optio
 Status TieredStore::Init() {
   token_bytes_ = options_.geometry.token_elems() * DTypeSize(options_.geometry.dtype);
   chunk_bytes_ = options_.chunk_bytes();
-  if (options_.hot_tier_factory) {
-    KVTIER_ASSIGN_OR_RETURN(hot_, options_.hot_tier_factory(options_.hot_bytes, chunk_bytes_));
+  if (hooks_.hot_tier_factory) {
+    KVTIER_ASSIGN_OR_RETURN(hot_, hooks_.hot_tier_factory(options_.hot_bytes, chunk_bytes_));
     if (hot_ == nullptr) return InvalidArgument("hot_tier_factory returned no hot tier");
   } else {
     KVTIER_ASSIGN_OR_RETURN(hot_, MakeHotTier(options_.device, options_.hot_bytes, chunk_bytes_));
@@ -152,18 +163,21 @@ Status TieredStore::Init() {
   // read of hot memory goes through HotTier::Download (ReadTokens, CloseSequence's sinks,
   // ObserveQueries, see there).
   KVTIER_ASSIGN_OR_RETURN(warm_, SlotPool::Create("warm_bytes", options_.warm_bytes, chunk_bytes_, true));
-  KVTIER_ASSIGN_OR_RETURN(hot_policy_, MakeDemotionPolicy(options_.hot_policy));
+  {
+    KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<DemotionPolicy> hot_policy,
+                            MakeDemotionPolicy(options_.hot_policy));
+    hot_pool_ = std::make_unique<HotPool>(hot_.get(), std::move(hot_policy), &chunk_by_id_);
+  }
   KVTIER_ASSIGN_OR_RETURN(warm_policy_, MakeDemotionPolicy(options_.warm_policy));
   if (!options_.data_dir.empty()) {
     ColdTierOptions co;
     co.path = options_.data_dir;
     co.compression = options_.compression;
     co.sync_writes = options_.sync_writes;
-    co.fault_injector = options_.cold_fault_injector;
+    co.fault_injector = hooks_.cold_fault_injector;
     co.accept_lost_chunks = options_.accept_lost_chunks;
     KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<ColdTier> cold, ColdTier::Open(co));
-    cold_ = cold.get();
-    lower_.push_back(MakeColdLowerTier(std::move(cold)));
+    lower_.AddCold(std::move(cold));
   }
   if (!options_.remote.empty()) {
     KVTIER_ASSIGN_OR_RETURN(RemoteTierOptions ro, ParseRemoteSpec(options_.remote));
@@ -180,12 +194,7 @@ Status TieredStore::Init() {
               std::to_string(std::chrono::system_clock::now().time_since_epoch().count());
     }
     KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<RemoteTier> remote, RemoteTier::Open(ro));
-    remote_ = remote.get();
-    lower_.push_back(MakeRemoteLowerTier(std::move(remote)));
-  }
-  for (const auto& tier : lower_) {
-    error_window_ = std::min(error_window_, tier->error_window());
-    if (tier->reads_chunk_meta()) meta_tiers_ |= tier->tier_bit();
+    lower_.AddRemote(std::move(remote));
   }
   TransferEngine::Options eo;
   eo.threads = options_.transfer_threads;
@@ -193,9 +202,9 @@ Status TieredStore::Init() {
   eo.hot = hot_.get();
   for (const auto& tier : lower_) eo.lower.push_back(tier.get());
   KVTIER_ASSIGN_OR_RETURN(engine_, TransferEngine::Create(eo));
-  if (cold_) {
+  if (lower_.cold()) {
     RecoveredStore rec;
-    Status st = RecoverStore(options_, cold_, hot_.get(), &rec);
+    Status st = RecoverStore(options_, lower_.cold(), hot_.get(), &rec);
     // Adopt whatever was rebuilt even on failure: the destructor frees it.
     sequences_ = std::move(rec.sequences);
     chunk_by_id_ = std::move(rec.chunk_by_id);
@@ -210,28 +219,21 @@ Status TieredStore::Init() {
 }
 
 Result<SequenceId> TieredStore::CreateSequence() {
+  CountVisit();
   return ReturnOnBadAlloc(
       "CreateSequence: the sinks and local window of every layer", [&]() -> Result<SequenceId> {
         auto seq = std::make_unique<Sequence>();
         const int L = options_.geometry.layers;
         seq->layers.resize(L);
-        const size_t ring = static_cast<size_t>(options_.n_local + options_.chunk_size);
-        for (auto& ls : seq->layers) {
-          // Sinks may be zero tokens; keep a non-null region so spans are valid.
-          KVTIER_ASSIGN_OR_RETURN(ls.sink_k,
-                                  hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
-          KVTIER_ASSIGN_OR_RETURN(ls.sink_v,
-                                  hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
-          KVTIER_ASSIGN_OR_RETURN(ls.ring_k, hot_->AllocateRegion(ring * token_bytes_));
-          KVTIER_ASSIGN_OR_RETURN(ls.ring_v, hot_->AllocateRegion(ring * token_bytes_));
-          ls.ring_mass.assign(static_cast<size_t>(options_.geometry.kv_heads) * ring, 0.0f);
-        }
-        std::lock_guard<std::mutex> l(mu_);
+        for (auto& ls : seq->layers)
+          KVTIER_RETURN_IF_ERROR(
+              store_internal::AllocateLayerRegions(options_, token_bytes_, hot_.get(), &ls));
+        std::lock_guard<CountingMutex> l(mu_);
         seq->id = next_seq_id_++;
-        region_bytes_ += L * 2 * (options_.n_sink + ring) * token_bytes_;
-        if (cold_) {
+        region_bytes_ += L * store_internal::LayerRegionBytes(options_, token_bytes_);
+        if (lower_.cold()) {
           const std::string rec = EncodeSequenceRecord(SeqState::kOpen, std::vector<int64_t>(L, 0));
-          KVTIER_RETURN_IF_ERROR(cold_->PutSequence(seq->id, rec));
+          KVTIER_RETURN_IF_ERROR(lower_.cold()->PutSequence(seq->id, rec));
         }
         const SequenceId id = seq->id;
         sequences_[id] = std::move(seq);
@@ -240,7 +242,8 @@ Result<SequenceId> TieredStore::CreateSequence() {
 }
 
 std::vector<SequenceId> TieredStore::ListSequences() const {
-  std::lock_guard<std::mutex> l(mu_);
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   std::vector<SequenceId> ids;
   for (auto& [id, s] : sequences_) ids.push_back(id);
   std::sort(ids.begin(), ids.end());
@@ -265,51 +268,53 @@ Status TieredStore::CheckLayerLocked(SequenceId seq, int layer, bool for_write, 
 }
 
 Result<int64_t> TieredStore::SequenceLength(SequenceId seq, int layer) const {
-  std::lock_guard<std::mutex> l(mu_);
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
   return s->layers[layer].n_tokens;
 }
 
 Status TieredStore::CloseSequence(SequenceId seq) {
+  CountVisit();
   Sequence* s = nullptr;
   {
-    std::unique_lock<std::mutex> l(mu_);
+    std::unique_lock<CountingMutex> l(mu_);
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, 0, true, &s));
     LandSequenceLocked(l, s);
     KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s));
     s->busy++;
   }
   Status st;
-  if (has_lower()) {
+  if (!lower_.empty()) {
     // Every chunk must be acknowledged before the record says "closed".
     for (auto& ls : s->layers) {
       for (Chunk* c : ls.chunks) {
-        std::unique_lock<std::mutex> l(mu_);
+        std::unique_lock<CountingMutex> l(mu_);
         if (c == nullptr) continue;  // dropped, or a hole left by a crash
-        cv_.wait(l, [&] { return !c->cold_writing; });
-        if (c->cold_acked) continue;
-        st = WriteWarmChunkToColdLocked(l, c);
+        cv_.wait(l, [&] { return !c->lower_writing; });
+        if (c->lower_acked) continue;
+        st = WriteWarmChunkDownLocked(l, c);
         if (!st.ok()) break;
       }
       if (!st.ok()) break;
     }
   }
-  if (cold_ && !s->attached) {  // an attached sequence is not persisted here (its publisher holds it)
+  if (lower_.cold() && !s->attached) {  // an attached sequence is not persisted here (its publisher holds it)
     std::vector<int64_t> n_tokens;
     for (int l = 0; l < options_.geometry.layers && st.ok(); ++l) {
       n_tokens.push_back(s->layers[l].n_tokens);
       std::string sinks, local;
       st = CopySinksAndLocal(seq, s, l, &sinks, &local);
-      if (st.ok()) st = cold_->PutBlob(seq, l, store_records::kSinksBlob, sinks.data(), sinks.size());
-      if (st.ok()) st = cold_->PutBlob(seq, l, store_records::kLocalBlob, local.data(), local.size());
+      if (st.ok()) st = lower_.cold()->PutBlob(seq, l, store_records::kSinksBlob, sinks.data(), sinks.size());
+      if (st.ok()) st = lower_.cold()->PutBlob(seq, l, store_records::kLocalBlob, local.data(), local.size());
     }
     if (st.ok()) {
       const std::string rec = EncodeSequenceRecord(SeqState::kClosed, n_tokens);
-      st = cold_->PutSequence(seq, rec);
+      st = lower_.cold()->PutSequence(seq, rec);
     }
   }
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   s->busy--;
   if (st.ok()) s->state = SeqState::kClosed;
   cv_.notify_all();
@@ -337,7 +342,8 @@ Status TieredStore::CopySinksAndLocal(SequenceId seq, Sequence* s, int l, std::s
 }
 
 Status TieredStore::DropSequence(SequenceId seq) {
-  std::unique_lock<std::mutex> l(mu_);
+  CountVisit();
+  std::unique_lock<CountingMutex> l(mu_);
   auto it = sequences_.find(seq);
   if (it == sequences_.end())
     return NotFound("sequence " + std::to_string(seq) + " does not exist (never created or dropped)");
@@ -356,7 +362,7 @@ Status TieredStore::DropSequence(SequenceId seq) {
       if (!ls.landing.empty() || ls.landers > 0) return false;
     for (auto& ls : s->layers)
       for (Chunk* c : ls.chunks)
-        if (c && (c->warm_pins > 0 || c->cold_writing || c->hot_loading)) return false;
+        if (c && (c->warm_pins > 0 || c->lower_writing || c->hot_loading)) return false;
     return true;
   });
   // Per lower tier, the chunks it holds; an attached sequence's chunks belong to its publisher.
@@ -371,47 +377,40 @@ Status TieredStore::DropSequence(SequenceId seq) {
       FreeChunkLocked(c);
     }
     ls.chunks.clear();
-    const size_t ring = static_cast<size_t>(options_.n_local + options_.chunk_size);
-    hot_->FreeRegion(ls.sink_k, 0);
-    hot_->FreeRegion(ls.sink_v, 0);
-    hot_->FreeRegion(ls.ring_k, 0);
-    hot_->FreeRegion(ls.ring_v, 0);
-    region_bytes_ -= 2 * (options_.n_sink + ring) * token_bytes_;
+    store_internal::FreeLayerRegions(hot_.get(), &ls);
+    region_bytes_ -= store_internal::LayerRegionBytes(options_, token_bytes_);
   }
   sequences_.erase(seq);  // by key: `it` may be stale after the waits above (a CreateSequence can rehash)
   counters_.warm_chunks = warm_->used();
   counters_.hot_chunks = hot_->slots_used();
   l.unlock();
-  for (size_t t = 0; t < lower_.size(); ++t)
-    KVTIER_RETURN_IF_ERROR(lower_[t]->RemoveSequence(seq, tier_keys[t]));
-  return Status::Ok();
+  return lower_.RemoveSequence(seq, tier_keys);
 }
 
-StoreCounters TieredStore::counters() {
-  std::unique_lock<std::mutex> l(mu_);
-  // Statistics count landed chunks: land what is in flight (a failure stays in its layer's
-  // landing_error for the next call that can return it).
-  LandEverythingLocked(l);
+StoreCounters TieredStore::counters() const {
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   StoreCounters c = counters_;
   c.hot_chunks = hot_->slots_used();
   c.hot_bytes = c.hot_chunks * chunk_bytes_ + region_bytes_;
-  c.warm_chunks = warm_->used() - landing_chunks_;  // a chunk another thread is landing is not warm yet
+  c.warm_chunks = warm_->used() - landing_chunks_;  // a chunk still landing is not warm yet
+  c.chunks_landing = landing_chunks_;
   c.warm_bytes = c.warm_chunks * chunk_bytes_;
-  for (const auto& tier : lower_) tier->AddCounters(&c);
+  lower_.AddCounters(&c);
   return c;
 }
 
 uint64_t TieredStore::metadata_bytes() const {
-  std::lock_guard<std::mutex> l(mu_);
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   const size_t per_chunk = sizeof(Chunk) + 64;
   return chunk_by_id_.size() * per_chunk +
          repr_chunks_ * static_cast<size_t>(options_.repr_topk) * token_bytes_;
 }
 
 uint64_t TieredStore::lower_tier_memory_bytes() const {
-  uint64_t bytes = 0;
-  for (const std::unique_ptr<LowerTier>& t : lower_) bytes += t->memory_bytes();  // fixed at Open
-  return bytes;
+  CountVisit();
+  return lower_.memory_bytes();
 }
 
 }  // namespace kvtier

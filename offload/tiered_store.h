@@ -6,36 +6,40 @@
 // with FetchChunks, which promotes them into hot slots asynchronously.
 //
 // Invariants:
-//  * A sealed chunk is always in the warm tier or acknowledged by the cold
+//  * A sealed chunk is always in the warm tier or acknowledged by a lower
 //    tier (or both); the hot slot is a cache of it. A chunk leaves warm only
-//    after the cold tier acknowledged it.
+//    after a lower tier acknowledged it.
 //  * A chunk pinned by a FetchHandle is never demoted until the handle is
 //    released or its lease (StoreOptions::pin_timeout_ms, measured on
-//    StoreOptions::clock) runs out.
+//    StoreHooks::clock) runs out.
 //  * One sequence is driven by one thread at a time; different sequences
 //    may be driven from different threads concurrently.
 //  * Landing: sealing a chunk submits its download from the local ring into a
 //    pinned warm slot (HotTier::DownloadBatchAsync: asynchronous on a device tier,
 //    done at submit on the host tier) and returns. Until the download has landed
-//    the chunk is not held by warm, not fetchable, not indexed (ListChunks,
-//    ChunkCount, representatives), not written to a lower tier and not demotable.
-//    Every reader of a layer's sealed chunks lands them first (ListChunks,
-//    ChunkCount, GetRepresentatives, FetchChunks, ReadTokens, SetChunkScores,
-//    DropChunks; per sequence CloseSequence, DropSequence, PublishSequence; every
-//    sequence for counters() and WaitForDurable()), Append lands those already
-//    complete and keeps at most max_landing_chunks in flight per layer. A failed
-//    download loses that chunk only (never acknowledged: its index becomes a hole)
-//    and is returned by the next Status-returning call that lands the layer
-//    (Append: before appending anything).
+//    the chunk is not held by warm, not fetchable, not indexed, not written to a
+//    lower tier and not demotable, and readers do not see it (ListChunks,
+//    ChunkCount, GetRepresentatives, ChunkUpdatesSince and ReadTokens see the
+//    landed chunks only; counters() reports the rest as chunks_landing). A sealed
+//    chunk lands on its sequence's driver, never on a reader: the sequence's next
+//    Append (which lands those already complete and keeps at most
+//    max_landing_chunks in flight per layer), BeginLayerStep, FetchChunks,
+//    SetChunkScores or DropChunks of its layer, Flush, CloseSequence,
+//    DropSequence or PublishSequence of the sequence, WaitForDurable() (every
+//    sequence), and an Append that finds the warm tier full of landing chunks.
+//    A failed download loses that chunk only (never acknowledged: its index
+//    becomes a hole) and is returned by the next Status-returning call that lands
+//    the layer (Append: before appending anything).
 //  * With write_through (default), a chunk is acknowledged (durable across
-//    SIGKILL) once the asynchronous cold write has finished; WaitForDurable()
+//    SIGKILL) once the asynchronous lower-tier write has finished; WaitForDurable()
 //    waits for all of them. Sinks and the local window are persisted by
 //    CloseSequence.
 //
 // The store is the coordinator: it decides what moves where under one mutex. Its
 // implementation is split into parts (listed at the top of offload/tiered_store.cc:
-// offload/store/ring, landing, warm_tier, write_through, chunks, fetch, sharing). The tiers
-// below warm sit behind offload/lower_tier.h as an ordered list (RocksDB, then Redis).
+// offload/store/ring, landing, warm_tier, write_through, chunks, fetch, layer_step, sharing). The tiers
+// below warm sit behind offload/lower_tier.h as an ordered list (RocksDB, then Redis), held
+// with what concerns them all by LowerTiers (offload/store/lower_tiers.h).
 // Around it: offload/transfer_engine.h moves the bytes on worker threads,
 // offload/store_recovery.h rebuilds the state of a reopened store,
 // offload/store_records.h is the format of what it keeps in the cold tier,
@@ -66,7 +70,11 @@
 #include "offload/hot_tier.h"
 #include "offload/lower_tier.h"
 #include "offload/remote_tier.h"
+#include "offload/store/counting_mutex.h"
+#include "offload/store/hot_pool.h"
+#include "offload/store/lower_tiers.h"
 #include "offload/store_counters.h"
+#include "offload/store_hooks.h"
 #include "store/chunk.h"
 #include "store/geometry.h"
 #include "store/status.h"
@@ -98,6 +106,7 @@ struct ChunkCursor {
 /// One layer's chunk changes since a cursor (TieredStore::ChunkUpdatesSince).
 struct ChunkUpdate {
   ChunkCursor next;               ///< the cursor after these changes
+  ChunkCursor since;              ///< the cursor these changes start from
   std::vector<uint64_t> added;    ///< landed chunk indices, ascending
   std::vector<float> repr;        ///< [added][repr_topk, kv_heads, head_dim] fp32 representative keys
   std::vector<uint64_t> dropped;  ///< chunk indices dropped since the cursor, in drop order
@@ -113,6 +122,12 @@ struct HotView {
   kernels::KvSpan local[2];  ///< oldest part first
   int n_local_spans = 0;
   int64_t n_tokens = 0;  ///< tokens appended to this layer so far
+};
+
+/// What a layer step reads from the store besides the chunk updates (TieredStore::BeginLayerStep).
+struct LayerStepView {
+  Status background;  ///< the sticky lower-tier write error (CheckBackgroundError); OK when none
+  HotView hot;        ///< sinks and local window of the layer
 };
 
 /// How FetchChunks treats a fetch longer than its sequence's hot slot reservation
@@ -161,6 +176,9 @@ class TieredStore : public Store {
  public:
   /// Opens (and, with a data_dir holding an earlier store, recovers) a store.
   static Result<std::unique_ptr<TieredStore>> Open(const StoreOptions& options);
+  /// The same with what tests and tools plug in (offload/store_hooks.h: their own hot tier, the
+  /// lease clock, a cold-tier fault injector). InvalidArgument names a bad hook.
+  static Result<std::unique_ptr<TieredStore>> Open(const StoreOptions& options, const StoreHooks& hooks);
   ~TieredStore() override;
   TieredStore(const TieredStore&) = delete;
   TieredStore& operator=(const TieredStore&) = delete;
@@ -191,7 +209,7 @@ class TieredStore : public Store {
   /// Removes the sequence from every tier.
   Status DropSequence(SequenceId seq) override;
   /// Policy scores of sealed chunks of one layer ((chunk index, score), higher = keep):
-  /// kept with the chunk (persisted by its next cold write issued after this call; a
+  /// kept with the chunk (persisted by its next lower-tier write issued after this call; a
   /// write already in flight carries the score it was issued with) and handed to
   /// score-driven demotion policies. Indices of dropped chunks are ignored; past the end is InvalidArgument.
   Status SetChunkScores(SequenceId seq, int layer, const std::vector<std::pair<uint64_t, float>>& scores);
@@ -200,7 +218,13 @@ class TieredStore : public Store {
   /// a reopened store does not bring them back). Waits for transfers touching them;
   /// a chunk pinned by a live fetch handle is FailedPrecondition and nothing is dropped.
   /// Already-dropped indices are ignored; indices past the layer's chunks are InvalidArgument.
-  Status DropChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices);
+  /// `dropped` (optional) receives how many chunks this call removed.
+  Status DropChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices,
+                    uint64_t* dropped = nullptr);
+  /// Lands every chunk of the sequence still landing (see "Landing" above): its driver's
+  /// way to make readers on other threads see everything appended so far. Returns the first
+  /// landing failure not reported yet.
+  Status Flush(SequenceId seq);
   std::vector<SequenceId> ListSequences() const override;
   /// Tokens appended to `layer` of `seq`.
   Result<int64_t> SequenceLength(SequenceId seq, int layer) const override;
@@ -212,22 +236,38 @@ class TieredStore : public Store {
   Status ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t end, void* k_out, void* v_out);
   /// Sinks and local window of one layer, in hot memory (device pointers for a "cuda" tier).
   Result<HotView> GetHotView(SequenceId seq, int layer);
+  /// The layer step's door, for the sequence's driver (Session::Attend and Gather): one visit,
+  /// one lock entry, and everything a layer step reads from the store before it fetches. It
+  /// lands the layer's own sealed chunks (the caller drives the sequence, see "Landing"; a
+  /// failed landing is returned), then fills `out` with the sticky background error (not
+  /// returned: the caller decides whether it fails the step) and the hot view, and, when
+  /// `since` is not null, `updates` with the layer's chunk changes since `since`, as
+  /// ChunkUpdatesSince (at most max_added chunks). The step then goes on with one FetchChunks
+  /// (+ Wait) of what it chose and the handle's Release: a decode step over hot chunks enters
+  /// the store lock three times. Buffers in `updates` are reused, so a caller that keeps them
+  /// allocates nothing in the steady state. `out` and `updates` are what a device-resident
+  /// step's chunk table would be fed from: the hot view's device spans and the chunk indices
+  /// that came and left. NotFound / InvalidArgument as GetHotView and ChunkUpdatesSince.
+  Status BeginLayerStep(SequenceId seq, int layer, const ChunkCursor* since, ChunkUpdate* updates,
+                        LayerStepView* out, size_t max_added = SIZE_MAX);
   /// The hot tier (its device(), slot pool and, for "cuda", stream): what an attention
   /// backend plans against. Owned by the store.
   HotTier* hot_tier() const { return hot_.get(); }
-  /// Metadata of the sealed chunks of one layer, in token order. Lands the layer first (see
-  /// "Landing" above), hence not const, as every reader of sealed chunks.
-  Result<std::vector<ChunkInfo>> ListChunks(SequenceId seq, int layer);
-  /// Number of chunk indices sealed in one layer (chunk i covers tokens
-  /// [n_sink + i*chunk_size, n_sink + (i+1)*chunk_size)).
-  Result<uint64_t> ChunkCount(SequenceId seq, int layer) override;
+  /// Metadata of the landed chunks of one layer, in token order (a reader: see "Landing").
+  Result<std::vector<ChunkInfo>> ListChunks(SequenceId seq, int layer) const;
+  /// Number of chunk indices sealed and landed in one layer (chunk i covers tokens
+  /// [n_sink + i*chunk_size, n_sink + (i+1)*chunk_size)): the indices before the oldest chunk
+  /// still landing.
+  Result<uint64_t> ChunkCount(SequenceId seq, int layer) const override;
   /// Representative keys of one chunk: [repr_topk, kv_heads, head_dim] fp32. A chunk whose
   /// representatives left memory (see metadata_bytes) has them read back from its meta record
   /// in the lower tiers, without the store lock; a failed read is returned naming the chunk
   /// ("representatives of chunk ... could not be read back from the lower tiers: ...").
-  Status GetRepresentatives(const ChunkKey& key, float* out);
+  /// NotFound for a chunk still landing.
+  Status GetRepresentatives(const ChunkKey& key, float* out) const;
   /// What changed in one layer's chunks since `since`, handed over in one call under one
-  /// lock (lands the layer first, as every reader): the landed chunks with index >=
+  /// lock (a reader: it lands nothing, and stops before the oldest chunk still landing): the
+  /// landed chunks with index >=
   /// since.chunks, ascending, with their representative keys (those that left memory read back
   /// from the lower tiers in one batch without the store lock, as GetRepresentatives; a failed
   /// read fails the call and moves no cursor), and the chunks dropped
@@ -236,12 +276,12 @@ class TieredStore : public Store {
   /// also builds it from what a recovered or attached sequence holds. Holes (dropped or lost
   /// chunks) are never in `added`; a dropped index may appear in `dropped` without ever
   /// having been added. NotFound for an unknown sequence, InvalidArgument for a bad layer or
-  /// a cursor past the layer's state; a failed landing is reported as ListChunks does.
+  /// a cursor past the layer's state.
   /// At most `max_added` chunks are handed over (> 0): past them `out->complete` is false and
   /// `out->next` stands after the last one handed over (every drop comes with the first call),
   /// so that a reader catching up with a long sequence holds a bounded batch at a time.
   Status ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCursor& since, ChunkUpdate* out,
-                           size_t max_added = SIZE_MAX);
+                           size_t max_added = SIZE_MAX) const;
   /// Starts promoting the chunks into hot slots and pins them (async).
   ///
   /// A fetch takes every hot slot it needs under the store lock, or none. When the pool has
@@ -252,17 +292,11 @@ class TieredStore : public Store {
   /// where there is room, so a fetch of many chunks is not starved by a stream of small ones.
   /// It fails at once with ResourceExhausted, naming the numbers, where waiting could deadlock:
   /// when `seq` already holds pins and would hold more than its reservation (ReserveHotSlots)
-  /// with this fetch. Why nothing deadlocks: a waiter that holds pins (set W) holds at most its
-  /// reservation R less what it asks, n; reservations sum to at most the pool P. Once the
-  /// holders outside any wait have unpinned (an Attend unpins before it returns; a lease runs
-  /// out), the room is P - sum_W H >= sum_W (R - H) >= n of any member of W, which never queues
-  /// behind others; and with W empty no pin is left, so the oldest waiter has the whole pool.
-  /// That argument needs the holders to unpin while the waiter waits, so a fetch never waits
-  /// for pins its own thread holds (the live handles its earlier FetchChunks calls returned,
-  /// whichever thread releases them): when the slots free or held by other threads are too
-  /// few for it, it fails at once with ResourceExhausted saying that the calling thread holds
-  /// the pins it would wait for (a batching engine that gathers every session's layer before
-  /// releasing any would otherwise wait pin_wait_ms for itself).
+  /// with this fetch, and when the slots free or held by other threads are too few for it
+  /// (it would wait for pins its own thread holds: the live handles its earlier FetchChunks
+  /// calls returned, whichever thread releases them; a batching engine that gathers every
+  /// session's layer before releasing any would otherwise wait pin_wait_ms for itself). Why
+  /// nothing deadlocks is written once, on HotPool (offload/store/hot_pool.h).
   ///
   /// `fit` = kWithinClaims (what Session uses for a retrieval grant): `chunk_indices` are best
   /// first, and a fetch of more chunks than `seq`'s reservation R keeps, of the chunks past R,
@@ -293,7 +327,7 @@ class TieredStore : public Store {
   void EvictHot();
 
   // ---- durability and accounting ----
-  /// Waits until every write-through cold write issued so far has finished, and returns
+  /// Waits until every write-through lower-tier write issued so far has finished, and returns
   /// (and clears) the first that failed, naming the chunk and the tier (for Redis the
   /// node). With a remote tier, once a write has failed it returns that error without
   /// waiting for the writes still queued, so it never waits on a dead remote longer than
@@ -325,8 +359,9 @@ class TieredStore : public Store {
   /// The acknowledged chunks found missing when this store was opened and accepted as
   /// lost (accept_lost_chunks); empty otherwise.
   std::vector<ChunkRange> LostChunks() const;
-  /// Lands every sequence first: the counters count landed chunks.
-  StoreCounters counters() override;
+  /// A snapshot; counts landed chunks, and the chunks still landing as chunks_landing
+  /// (a reader: it lands nothing).
+  StoreCounters counters() const override;
 
   // ---- sharing through the remote tier ----
   /// Publishes a closed sequence under `name` (1..128 of [A-Za-z0-9-_.]) for other
@@ -344,7 +379,7 @@ class TieredStore : public Store {
   /// attached sequence is not persisted in this store's cold tier.
   Result<SequenceId> AttachPublished(std::string_view name) override;
   /// The remote tier, or null.
-  RemoteTier* remote_tier() const { return remote_; }
+  RemoteTier* remote_tier() const { return lower_.remote(); }
 
   /// Bytes of host memory held for indexes and chunk metadata: a record per chunk, plus the
   /// representative keys of the chunks that hold them in memory. A chunk holds them from its
@@ -362,11 +397,11 @@ class TieredStore : public Store {
   friend class TieredStoreTestPeer;  // tests/tiered_store_test_peer.h
   /// Registers a callback run (on a transfer thread) each time a chunk is acknowledged by
   /// the lower tiers (TieredStoreTestPeer::SetAckListener).
-  void SetColdAckListener(std::function<void(const ChunkKey&)> listener);
+  void SetAckListener(std::function<void(const ChunkKey&)> listener);
   using Chunk = store_internal::Chunk;
   using LayerState = store_internal::LayerState;
   using Sequence = store_internal::Sequence;
-  explicit TieredStore(const StoreOptions& options);
+  TieredStore(const StoreOptions& options, const StoreHooks& hooks);
   Status Init();
   Status CheckLayerLocked(SequenceId seq, int layer, bool for_write, Sequence** out) const;
   Status SealOldestChunk(Sequence* s, int layer);
@@ -375,76 +410,48 @@ class TieredStore : public Store {
   /// a download). With keep == 0 and !only_complete, also waits for landings other threads
   /// claimed, so that on return no chunk of the layer is landing. Failures go to the
   /// layer's landing_error. Drops the lock while waiting for a download.
-  void LandLayerLocked(std::unique_lock<std::mutex>& lock, Sequence* s, int layer, size_t keep = 0,
+  void LandLayerLocked(std::unique_lock<CountingMutex>& lock, Sequence* s, int layer, size_t keep = 0,
                        bool only_complete = false);
   /// Every layer of one sequence, or of every sequence, landed completely.
-  void LandSequenceLocked(std::unique_lock<std::mutex>& lock, Sequence* s);
+  void LandSequenceLocked(std::unique_lock<CountingMutex>& lock, Sequence* s);
   /// Whether anything landed (by this thread or another it waited for).
-  bool LandEverythingLocked(std::unique_lock<std::mutex>& lock);
+  bool LandEverythingLocked(std::unique_lock<CountingMutex>& lock);
+  /// The end of what readers see of a layer's chunks: the index of its oldest chunk still
+  /// landing, or chunks.size().
+  uint64_t LandedEndLocked(const LayerState& ls) const;
+  /// The hot view of a checked layer (its sinks and ring belong to the driver; read without mu_).
+  Status HotViewOf(SequenceId seq, const LayerState& ls, HotView* v) const;
+  /// ChunkUpdatesSince of a checked layer; may drop the lock (read-back of representatives).
+  Status ChunkUpdatesLocked(std::unique_lock<CountingMutex>& lock, Sequence* s, int layer,
+                            const ChunkCursor& since, ChunkUpdate* out, size_t max_added) const;
   /// The layer's (or sequence's) unreported landing failure, cleared; OK when none.
   Status TakeLandingErrorLocked(LayerState& ls);
   Status TakeLandingErrorLocked(Sequence* s);
-  Status MakeWarmRoom(std::unique_lock<std::mutex>& lock);
-  /// Writes the chunk to cold synchronously and acknowledges it. `score` is the chunk's
-  /// score snapshotted under the lock by the caller (see Chunk::score).
-  Status WriteCold(Chunk* c, const uint8_t* payload, float score);
-  /// Writes a warm chunk the cold tier has not acknowledged; drops the lock
+  Status MakeWarmRoom(std::unique_lock<CountingMutex>& lock);
+  /// Writes the chunk to the lower tiers synchronously and acknowledges it. `score` is the
+  /// chunk's score snapshotted under the lock by the caller (see Chunk::score).
+  Status WriteLower(Chunk* c, const uint8_t* payload, float score);
+  /// Writes a warm chunk the lower tiers have not acknowledged; drops the lock
   /// during the write and holds it again on return.
-  Status WriteWarmChunkToColdLocked(std::unique_lock<std::mutex>& lock, Chunk* c);
-  /// Marks a chunk the lower tiers in `acks` (TierBits, at least one) just acknowledged; returns
-  /// the listener to call (outside the lock).
-  std::function<void(const ChunkKey&)> AckColdWriteLocked(Chunk* c, uint8_t acks);
-  /// A free hot slot, or the hot policy's victim among slots neither loading nor pinned at `now`; -1 when
-  /// none.
-  int32_t AcquireHotSlotLocked(Clock::time_point now);
-  /// What the hot pool offers a fetch of `seq` that needs `need` slots it has no slot for,
-  /// `requested` (sorted chunk ids) being the chunks the fetch asks for.
-  struct HotRoom {
-    int64_t available = 0;   // free slots + slots of unpinned, not loading chunks outside `requested`
-    int64_t held_self = 0;   // slots pinned or loading for chunks of `seq` (filled when available < need)
-    int64_t held_other = 0;  // the same for other sequences' chunks (filled when available < need)
-  };
-  /// `full`: count held_self and held_other in any case (no early stop).
-  HotRoom HotRoomLocked(SequenceId seq, int64_t need, const std::vector<uint64_t>& requested,
-                        Clock::time_point now, bool full);
-  /// How many of a kWithinClaims fetch's n chunks `seq` may pin (FetchChunks): n when n is
-  /// within its reservation, else what the other sequences' claims leave, at least the
-  /// reservation. Reads the live fetch handles' pins (live_fetches_), not the whole pool.
-  size_t FitWithinClaimsLocked(SequenceId seq, size_t n, Clock::time_point now);
-  /// Hot slots pinned or loading for chunks that live fetch handles of `thread` hold.
-  int64_t HeldByThreadLocked(std::thread::id thread, Clock::time_point now) const;
-  /// Hot slots reserved for `seq` (its largest reservation), and for every sequence.
-  int64_t ReservedForLocked(SequenceId seq) const;
-  int64_t ReservedTotalLocked() const;
-  /// Drops the warm copy of the warm policy's victim among unpinned chunks the cold tier
+  Status WriteWarmChunkDownLocked(std::unique_lock<CountingMutex>& lock, Chunk* c);
+  /// Drops the warm copy of the warm policy's victim among unpinned chunks a lower tier
   /// has acknowledged; false when there is none.
   bool DropWarmCopyLocked();
-  /// A warm slot for a chunk just read from cold: a free one, or one freed by
+  /// A warm slot for a chunk just read from a lower tier: a free one, or one freed by
   /// DropWarmCopyLocked; -1 when neither (never waits).
   int32_t AcquireWarmSlotForReadLocked();
   /// Hands the chunk's write-through to the transfer engine; the chunk stays pinned
-  /// (warm_pins, cold_writing) until the write is done. `score` as for WriteCold.
-  void SubmitColdWrite(Chunk* c, const uint8_t* payload, float score);
+  /// (warm_pins, lower_writing) until the write is done. `score` as for WriteLower.
+  void SubmitLowerWrite(Chunk* c, const uint8_t* payload, float score);
   void RunFetch(const std::shared_ptr<FetchHandle::State>& st);
+  /// Waits for the fetch's transfer to finish, then unpins its chunks: one lock entry.
   void ReleasePins(FetchHandle::State* st);
-  /// A pin protects its chunk until the lease (pin_deadline, from options_.clock) runs out.
-  bool PinnedLocked(const Chunk* c, Clock::time_point now) const;
   bool FetchCompleteLocked(const FetchHandle::State* st) const;
   void FreeChunkLocked(Chunk* c);
-  /// A tier below warm acknowledges chunks (cold, remote or both).
-  bool has_lower() const { return !lower_.empty(); }
-  /// Reads a chunk no memory tier holds from the lower tiers in order (verified).
-  Status ReadLowerTier(const Sequence* s, const Chunk* c, void* dst);
-  /// One chunk of ReadLowerTierRepr: its key and room for repr_topk * token_bytes_ bytes.
-  struct ReprRead {
-    ChunkKey key;
-    uint8_t* dst = nullptr;
-    Status status;  ///< the outcome, naming the chunk
-  };
-  /// Reads the representatives (storage dtype) of chunks of `s` that released them, from their
-  /// meta records in the lower tiers that read metas alone, in order, in batches. Called
-  /// without mu_, with `s` held busy. Returns the first failure (each read has its own).
-  Status ReadLowerTierRepr(const Sequence* s, std::vector<ReprRead>* reads);
+  using ReprRead = LowerTiers::ReprRead;
+  /// LowerTiers::ReadReprs of this store's representatives. Called without mu_, with `s`
+  /// held busy.
+  Status ReadLowerTierRepr(const Sequence* s, std::vector<ReprRead>* reads) const;
   /// Releases the chunk's in-memory representatives when a tier that reads metas alone
   /// acknowledged it and it holds no warm copy (see metadata_bytes).
   void MaybeReleaseReprLocked(Chunk* c);
@@ -455,55 +462,36 @@ class TieredStore : public Store {
   Status CopySinksAndLocal(SequenceId seq, Sequence* s, int layer, std::string* sinks, std::string* local);
 
   StoreOptions options_;
+  StoreHooks hooks_;
   size_t chunk_bytes_ = 0;
   size_t token_bytes_ = 0;  // K (or V) bytes of one token
   std::unique_ptr<HotTier> hot_;
   std::unique_ptr<SlotPool> warm_;
-  // The tiers below warm, in order (offload/lower_tier.h): write-through, fall-through reads
-  // and acknowledgement go through this list. cold_ and remote_ view the same tiers for what
-  // only they do (sequence records and recovery; publications); null when absent.
-  std::vector<std::unique_ptr<LowerTier>> lower_;
-  ColdTier* cold_ = nullptr;
-  RemoteTier* remote_ = nullptr;
-  // How long a failed background write stays in the way (the shortest window of lower_);
-  // max(): until WaitForDurable reports it.
-  std::chrono::milliseconds error_window_ = std::chrono::milliseconds::max();
-  std::unique_ptr<DemotionPolicy> hot_policy_, warm_policy_;
+  // The tiers below warm, in order, with their fall-through reads, acknowledgements and
+  // sticky error (offload/store/lower_tiers.h); write-through goes through engine_.
+  LowerTiers lower_;
+  std::unique_ptr<DemotionPolicy> warm_policy_;
+  // The hot slot pool's bookkeeping: hot policy, pins and leases, reservations, waiters, live
+  // fetches (offload/store/hot_pool.h, guarded by mu_). Built at Init over hot_ and chunk_by_id_.
+  std::unique_ptr<HotPool> hot_pool_;
   // After the tiers it copies between, so that it is destroyed (idle) before them.
   std::unique_ptr<TransferEngine> engine_;
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;  // signalled when a transfer finishes or a pin drops
+  // The one store lock; counts its entries (a layer step's are held to a bound by a test).
+  mutable CountingMutex mu_;
+  mutable std::condition_variable_any cv_;  // signalled when a transfer finishes or a pin drops
+  // Calls of the public API so far (CountVisit), for the same test: a relaxed counter.
+  mutable std::atomic<uint64_t> visits_{0};
+  void CountVisit() const { visits_.fetch_add(1, std::memory_order_relaxed); }
   std::unordered_map<SequenceId, std::unique_ptr<Sequence>> sequences_;
   std::unordered_map<uint64_t, Chunk*> chunk_by_id_;
   uint64_t next_chunk_id_ = 1;
   SequenceId next_seq_id_ = 1;
   StoreCounters counters_;
-  struct HotReservation {
-    SequenceId seq = 0;
-    int32_t slots = 0;
-  };
-  std::unordered_map<uint64_t, HotReservation> reservations_;  // by ReserveHotSlots' id
-  uint64_t next_reservation_ = 1;
-  // Fetches waiting for hot slots, by ticket (oldest first): a fetch that holds no pin does not
-  // take slots while an older one waits, so a large fetch is not starved by small ones.
-  std::set<uint64_t> pin_waiters_;
-  uint64_t next_pin_ticket_ = 1;
-  // Fetch handles holding pins, not yet released: whose thread holds which pins.
-  std::unordered_set<const FetchHandle::State*> live_fetches_;
   uint64_t region_bytes_ = 0;
   uint64_t repr_chunks_ = 0;       // chunks holding their representatives in memory (non-empty Chunk::repr)
-  uint8_t meta_tiers_ = 0;         // TierBits of the lower tiers that read metas alone (reads_chunk_meta)
   uint64_t landing_chunks_ = 0;    // sealed chunks whose warm slot is still being filled (every layer)
   uint64_t landing_failures_ = 0;  // landings that lost their chunk (with chunks_sealed: landing progress)
-  std::function<void(const ChunkKey&)> ack_listener_;
-  // The first failed asynchronous write to a lower tier, sticky (see WaitForDurable):
-  // every Append and CheckBackgroundError returns it until WaitForDurable reports it or until
-  // error_window_ after the failure has passed (then a later failure replaces it;
-  // WaitForDurable reports whichever is held).
-  Status background_error_;
-  std::chrono::steady_clock::time_point background_error_until_;
-  Status BackgroundErrorLocked();
 };
 
 }  // namespace kvtier

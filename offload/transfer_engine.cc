@@ -137,7 +137,7 @@ Status TransferEngine::WriteChunk(const ChunkKey& key, std::string_view meta, co
   return Status::Ok();
 }
 
-void TransferEngine::SubmitColdWrite(ColdWrite write, std::function<void(Status, WriteAcks)> done) {
+void TransferEngine::SubmitLowerWrite(LowerWrite write, std::function<void(Status, WriteAcks)> done) {
   Enqueue([this, w = std::move(write), done = std::move(done)] {
     WriteAcks acks = 0;
     Status st = WriteChunk(w.key, w.meta, w.payload, &acks);

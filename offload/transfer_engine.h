@@ -92,19 +92,19 @@ class TransferEngine {
   Status WriteChunk(const ChunkKey& key, std::string_view meta, const uint8_t* payload,
                     WriteAcks* acks = nullptr) const;
 
-  struct ColdWrite {
+  struct LowerWrite {
     ChunkKey key;
     std::string meta;                  ///< the encoded meta record
     const uint8_t* payload = nullptr;  ///< chunk_bytes, pinned by the submitter until `done` ran
   };
   /// WriteChunk on a worker; `done` then runs on that worker with the write's status
   /// (already naming the chunk when it failed) and the tiers that acknowledged it.
-  void SubmitColdWrite(ColdWrite write, std::function<void(Status, WriteAcks)> done);
+  void SubmitLowerWrite(LowerWrite write, std::function<void(Status, WriteAcks)> done);
 
   size_t chunk_bytes() const { return options_.chunk_bytes; }
   /// Workers the arena got (after the cap).
   int workers() const { return workers_; }
-  /// Tasks enqueued so far (Enqueue and SubmitColdWrite calls).
+  /// Tasks enqueued so far (Enqueue and SubmitLowerWrite calls).
   uint64_t enqueued() const {
     std::lock_guard<std::mutex> l(mu_);
     return enqueued_;

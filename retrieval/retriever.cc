@@ -217,43 +217,59 @@ Result<Retriever::LayerIndex*> Retriever::Index(SequenceId seq, int layer) {
 Status Retriever::Sync(SequenceId seq, int layer) {
   KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
   // One store call per layer step: the chunks landed and dropped since the last one. A first
-  // sync over a long sequence takes them kSyncBatch at a time, so that their fp32
-  // representatives are never all in memory at once beside the index they go into.
-  constexpr size_t kSyncBatch = 4096;
+  // sync over a long sequence takes them kSyncBatch at a time.
   bool first = true;
   do {
     KVTIER_RETURN_IF_ERROR(store_->ChunkUpdatesSince(seq, layer, li->cursor, &update_, kSyncBatch));
     // More than a batch: the index grows once, to all of them.
     if (first && !update_.complete) li->index->Reserve(update_.added.size() + update_.pending);
     first = false;
-    KVTIER_RETURN_IF_ERROR(ApplyUpdate(li));
+    KVTIER_RETURN_IF_ERROR(ApplyUpdate(li, update_));
   } while (!update_.complete);
-  // A step's sync hands over a chunk or none: keep a step's buffer, not a first sync's batch.
-  if (update_.repr.size() > 64 * shape_.repr_floats()) {
-    std::vector<float>().swap(update_.repr);
-    std::vector<uint64_t>().swap(update_.added);
-  }
+  ShrinkUpdate(&update_);
   return Status::Ok();
 }
 
-Status Retriever::ApplyUpdate(LayerIndex* li) {
+Result<ChunkCursor> Retriever::Cursor(SequenceId seq, int layer) {
+  KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
+  return li->cursor;
+}
+
+Status Retriever::Apply(SequenceId seq, int layer, const ChunkUpdate& update) {
+  KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
+  if (update.since.chunks != li->cursor.chunks || update.since.drops != li->cursor.drops)
+    return Sync(seq, layer);  // taken from another cursor: the index asks the store itself
+  if (!update.complete) li->index->Reserve(update.added.size() + update.pending);
+  KVTIER_RETURN_IF_ERROR(ApplyUpdate(li, update));
+  if (&update == &step_update_) ShrinkUpdate(&step_update_);
+  return update.complete ? Status::Ok() : Sync(seq, layer);
+}
+
+void Retriever::ShrinkUpdate(ChunkUpdate* update) const {
+  if (update->repr.size() > 64 * shape_.repr_floats()) {
+    std::vector<float>().swap(update->repr);
+    std::vector<uint64_t>().swap(update->added);
+  }
+}
+
+Status Retriever::ApplyUpdate(LayerIndex* li, const ChunkUpdate& update) {
   const size_t repr_elems = shape_.repr_floats();
-  if (!update_.added.empty()) {
-    const std::vector<uint64_t>& added = update_.added;
+  if (!update.added.empty()) {
+    const std::vector<uint64_t>& added = update.added;
     KVTIER_RETURN_IF_ERROR(li->index->Add(added, [&](uint64_t i, float* repr) -> Status {
       const auto it = std::lower_bound(added.begin(), added.end(), i);
       if (it == added.end() || *it != i)
         return NotFound("chunk " + std::to_string(i) + " was not handed over");
-      const float* src = update_.repr.data() + static_cast<size_t>(it - added.begin()) * repr_elems;
+      const float* src = update.repr.data() + static_cast<size_t>(it - added.begin()) * repr_elems;
       std::copy(src, src + repr_elems, repr);
       return Status::Ok();
     }));
   }
-  if (!update_.added.empty() || !update_.dropped.empty()) ForgetSearch(li);
-  if (!update_.dropped.empty()) li->roll_valid = false;  // rows shift: the kept cosines are off
-  li->cursor.chunks = update_.next.chunks;               // added (Add is all or nothing): never added twice
-  if (!update_.dropped.empty()) KVTIER_RETURN_IF_ERROR(li->index->Remove(update_.dropped));
-  li->cursor.drops = update_.next.drops;
+  if (!update.added.empty() || !update.dropped.empty()) ForgetSearch(li);
+  if (!update.dropped.empty()) li->roll_valid = false;  // rows shift: the kept cosines are off
+  li->cursor.chunks = update.next.chunks;               // added (Add is all or nothing): never added twice
+  if (!update.dropped.empty()) KVTIER_RETURN_IF_ERROR(li->index->Remove(update.dropped));
+  li->cursor.drops = update.next.drops;
   return Status::Ok();
 }
 
@@ -271,7 +287,8 @@ Status Retriever::Observe(int layer, const float* q, int m) {
 
 Status Retriever::SetQuestion(int layer, const float* q, int m) { return probe_->SetQuestion(layer, q, m); }
 
-Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float* q, int m, bool decode) {
+Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float* q, int m, bool decode,
+                                         const ChunkUpdate* update) {
   // Scratch grows with the layer's chunks and the window: an allocation failure is ResourceExhausted.
   return ReturnOnBadAlloc(
       [&] { return "Retriever::Select: scores of layer " + std::to_string(layer) + "'s chunks"; },
@@ -285,7 +302,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
         sel.probe_ms = MsSince(t0);
 
         t0 = std::chrono::steady_clock::now();
-        KVTIER_RETURN_IF_ERROR(Sync(seq, layer));
+        KVTIER_RETURN_IF_ERROR(update != nullptr ? Apply(seq, layer, *update) : Sync(seq, layer));
         KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
         const ChunkIndex& index = *li->index;
         const int n = static_cast<int>(index.size());

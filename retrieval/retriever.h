@@ -143,7 +143,12 @@ class Retriever {
   void BeginStep();
   /// Chooses the chunks of one layer. q: [m, q_heads, head_dim] fp32, the
   /// window's queries (m >= 1), or the current token's query when `decode`.
-  Result<LayerSelection> Select(SequenceId seq, int layer, const float* q, int m, bool decode);
+  /// `update`: the store's chunk changes of the layer since Cursor(seq, layer), fetched by the
+  /// caller in its layer step's one store visit (TieredStore::BeginLayerStep into
+  /// step_update()); Select applies them instead of asking the store (Apply). Null: Select
+  /// syncs with the store itself (Sync).
+  Result<LayerSelection> Select(SequenceId seq, int layer, const float* q, int m, bool decode,
+                                const ChunkUpdate* update = nullptr);
   /// Feeds a prefill window to the probe builder without retrieving (keeps
   /// ActQKV's running statistics of Eq. 8 over every window).
   Status Observe(int layer, const float* q, int m);
@@ -159,6 +164,20 @@ class Retriever {
   /// them the first time, which rebuilds after a reopen or an attach) and removes the
   /// chunks DropChunks dropped, whichever session or thread dropped them. Select runs it.
   Status Sync(SequenceId seq, int layer);
+  /// Where (seq, layer)'s index stands in the store's change feed (creating the index): the
+  /// cursor a caller passes to TieredStore::BeginLayerStep (or ChunkUpdatesSince).
+  Result<ChunkCursor> Cursor(SequenceId seq, int layer);
+  /// Brings (seq, layer)'s index up with changes the caller fetched from the store: `update`
+  /// must start at Cursor(seq, layer) (ChunkUpdate::since); one taken from another cursor is
+  /// ignored and the index syncs itself, and one that stops short (complete == false, a first
+  /// sync over a long sequence) is completed by Sync.
+  Status Apply(SequenceId seq, int layer, const ChunkUpdate& update);
+  /// A buffer for the store's changes of one layer step, kept from step to step so that the
+  /// steady state allocates nothing; fill it with at most kSyncBatch chunks.
+  ChunkUpdate* step_update() { return &step_update_; }
+  /// The most chunks one store call hands over to a sync (their fp32 representatives are never
+  /// all in memory at once beside the index they go into).
+  static constexpr size_t kSyncBatch = 4096;
   /// Removes chunks from (seq, layer)'s index now. Sync removes what DropChunks dropped by
   /// itself; this is for chunks an engine wants out of the index while the store keeps
   /// them. Unknown indices are ignored.
@@ -236,8 +255,10 @@ class Retriever {
   // Select's path through the backend (the index keeps a mirror).
   Status SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
   Result<LayerIndex*> Index(SequenceId seq, int layer);
-  // Adds update_'s chunks to li's index, removes its drops and moves li's cursor.
-  Status ApplyUpdate(LayerIndex* li);
+  // Adds the update's chunks to li's index, removes its drops and moves li's cursor.
+  Status ApplyUpdate(LayerIndex* li, const ChunkUpdate& update);
+  // Frees a buffer that held a first sync's batch: a step hands over a chunk or none.
+  void ShrinkUpdate(ChunkUpdate* update) const;
 
   TieredStore* store_;
   RetrieverOptions options_;
@@ -250,6 +271,7 @@ class Retriever {
   std::vector<float> probe_buf_, probe_vec_;
   ChunkScores scores_;                  // Select: the layer's screened scores (reused)
   ChunkUpdate update_;                  // Sync: the store's changes (reused)
+  ChunkUpdate step_update_;             // step_update(): a caller's layer step's changes (reused)
   ChunkScores roll_part_, roll_exact_;  // ScreenSlice's scratch
   ChunkScores reuse_scores_;            // ReuseLast's scratch
   int k_ = 0;

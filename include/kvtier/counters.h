@@ -24,7 +24,8 @@ struct StoreCounters {
   uint64_t pin_wait_us = 0;        ///< total time those fetches waited, microseconds
   uint64_t pin_wait_timeouts = 0;  ///< waits that ran past pin_wait_ms (the fetch was ResourceExhausted)
   uint64_t hot_reserved = 0;       ///< hot slots reserved by open sessions now (ReserveHotSlots)
-  uint64_t chunks_sealed = 0;      ///< chunks formed from the local window
+  uint64_t chunks_sealed = 0;      ///< chunks formed from the local window and landed
+  uint64_t chunks_landing = 0;     ///< chunks sealed whose copy into the warm tier has not landed yet
   uint64_t dropped_chunks = 0;     ///< chunks removed for good by DropChunks (compression)
   // Where fetched chunks that were not hot came from (hits + the three = fetched chunks).
   uint64_t warm_loads = 0;    ///< fetched chunks copied from the warm tier

@@ -15,13 +15,6 @@
 
 namespace kvtier {
 
-class Clock;      // offload/clock.h: the time source of pin leases
-class HotTier;    // offload/hot_tier.h: the hot slot pool's memory
-struct ChunkKey;  // store/chunk.h: (sequence, layer, index)
-
-/// std::chrono::steady_clock, shared by every store that does not bring its own.
-std::shared_ptr<const Clock> SteadyClock();
-
 /// Block compression of the cold tier's column families.
 enum class Compression : uint8_t { kNone, kLZ4, kZSTD };
 
@@ -66,14 +59,6 @@ struct StoreOptions {
   /// memory) or kCuda (CudaHotTier, GPU memory; Unavailable without a CUDA build or device).
   /// Default: kCpu.
   Device device = Device::kCpu;
-  /// An engine's own hot tier, the one way to bring one: when set, the store calls it (with
-  /// hot_bytes and the chunk size) instead of building kvtier's tier on `device`, which is
-  /// then ignored. The tier must have at least one slot, each of exactly chunk_bytes().
-  std::function<Result<std::unique_ptr<HotTier>>(size_t slot_pool_bytes, size_t slot_bytes)> hot_tier_factory;
-  /// Time source of the pin leases (pin_timeout_ms); tests pass a ManualClock.
-  std::shared_ptr<const Clock> clock = SteadyClock();
-  /// Passed to the cold tier (ColdTierOptions::fault_injector); tests only.
-  std::function<Status(std::string_view op, const ChunkKey& key)> cold_fault_injector;
   /// Open checks that every chunk the cold tier acknowledged came back (a damaged or
   /// truncated RocksDB WAL can lose them): false (default) fails Open with Corruption
   /// naming the missing (sequence, layer, index) ranges; true opens anyway, the lost

@@ -34,8 +34,9 @@ class Store {
   virtual std::vector<SequenceId> ListSequences() const = 0;
   /// Tokens appended to one layer of a sequence; NotFound for an unknown sequence.
   virtual Result<int64_t> SequenceLength(SequenceId seq, int layer) const = 0;
-  /// Sealed chunks of one layer of a sequence (dropped ones included: their indices stay).
-  virtual Result<uint64_t> ChunkCount(SequenceId seq, int layer) = 0;
+  /// Sealed chunks of one layer of a sequence (dropped ones included: their indices stay),
+  /// as far as they have landed (a chunk sealed on a device lands on its sequence's next call).
+  virtual Result<uint64_t> ChunkCount(SequenceId seq, int layer) const = 0;
   /// Persists the sinks and the local window; the sequence becomes read-only.
   virtual Status CloseSequence(SequenceId seq) = 0;
   /// Removes the sequence from every tier.
@@ -44,7 +45,7 @@ class Store {
   /// across SIGKILL) and returns the first failed background write, if any.
   virtual Status WaitForDurable() = 0;
   /// A consistent snapshot of the store's counters.
-  virtual StoreCounters counters() = 0;
+  virtual StoreCounters counters() const = 0;
   /// Publishes a closed sequence under `name` in the remote tier, for other stores to attach.
   virtual Status PublishSequence(SequenceId seq, std::string_view name) = 0;
   /// A sequence another store published under `name` (NotFound until it exists).

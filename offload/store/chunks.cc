@@ -1,8 +1,9 @@
 // TieredStore, part "chunks": the sealed chunks of a layer as readers and compression see
 // them: their metadata (ListChunks, ChunkCount, GetRepresentatives), their tokens
 // (ReadTokens, from whichever tier holds them, promoting nothing), their scores
-// (SetChunkScores) and their removal (DropChunks, FreeChunkLocked). Each lands the layer
-// first (offload/store/landing.cc).
+// (SetChunkScores) and their removal (DropChunks, FreeChunkLocked). The readers see the
+// landed chunks only and land nothing; SetChunkScores and DropChunks, called by the
+// sequence's driver, land the layer first (offload/store/landing.cc).
 //
 // Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
 // offload/store_state.h says otherwise (a layer's sinks and ring belong to the sequence's
@@ -19,38 +20,38 @@
 
 namespace kvtier {
 
-Result<std::vector<ChunkInfo>> TieredStore::ListChunks(SequenceId seq, int layer) {
-  std::unique_lock<std::mutex> l(mu_);
+Result<std::vector<ChunkInfo>> TieredStore::ListChunks(SequenceId seq, int layer) const {
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
-  LandLayerLocked(l, s, layer);
-  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
   std::vector<ChunkInfo> out;
   for (const Chunk* c : s->layers[layer].chunks) {
-    if (c == nullptr) continue;
+    if (c == nullptr || c->landing) continue;
     out.push_back(ChunkInfo{c->key, c->first_token, options_.chunk_size, c->tiers, c->score});
   }
   return out;
 }
 
-Result<uint64_t> TieredStore::ChunkCount(SequenceId seq, int layer) {
-  std::unique_lock<std::mutex> l(mu_);
+Result<uint64_t> TieredStore::ChunkCount(SequenceId seq, int layer) const {
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
-  LandLayerLocked(l, s, layer);
-  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
-  return static_cast<uint64_t>(s->layers[layer].chunks.size());
+  return LandedEndLocked(s->layers[layer]);
 }
 
-Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) {
-  std::unique_lock<std::mutex> l(mu_);
+Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) const {
+  CountVisit();
+  std::unique_lock<CountingMutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(key.seq, static_cast<int>(key.layer), false, &s));
-  LandLayerLocked(l, s, static_cast<int>(key.layer));
-  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[key.layer]));
   const auto& chunks = s->layers[key.layer].chunks;
   if (key.index >= chunks.size() || chunks[key.index] == nullptr)
     return NotFound("chunk " + key.ToString() + " does not exist");
+  if (chunks[key.index]->landing)
+    return NotFound("chunk " + key.ToString() +
+                    " has not landed yet (its sequence's next Append, layer step or Flush lands it)");
   const Chunk* c = chunks[key.index];
   const DType dt = options_.geometry.dtype;
   const size_t repr_elems = static_cast<size_t>(options_.repr_topk) * options_.geometry.token_elems();
@@ -76,15 +77,21 @@ Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) {
 }
 
 Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCursor& since, ChunkUpdate* out,
-                                      size_t max_added) {
+                                      size_t max_added) const {
+  CountVisit();
   if (out == nullptr) return InvalidArgument("ChunkUpdatesSince: out must not be null");
   if (max_added == 0) return InvalidArgument("ChunkUpdatesSince: max_added must be > 0");
-  std::unique_lock<std::mutex> l(mu_);
+  std::unique_lock<CountingMutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
-  LandLayerLocked(l, s, layer);
-  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
+  return ChunkUpdatesLocked(l, s, layer, since, out, max_added);
+}
+
+Status TieredStore::ChunkUpdatesLocked(std::unique_lock<CountingMutex>& l, Sequence* s, int layer,
+                                       const ChunkCursor& since, ChunkUpdate* out, size_t max_added) const {
+  const SequenceId seq = s->id;
   const LayerState& ls = s->layers[layer];
+  const uint64_t landed = LandedEndLocked(ls);  // readers see the landed chunks only
   if (since.chunks > ls.chunks.size() || since.drops > ls.dropped.size())
     return InvalidArgument("ChunkUpdatesSince: cursor {chunks " + std::to_string(since.chunks) + ", drops " +
                            std::to_string(since.drops) + "} is past layer " + std::to_string(layer) +
@@ -96,12 +103,13 @@ Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCurs
   std::vector<ReprRead> paged;     // chunks whose representatives left memory
   std::vector<size_t> paged_slot;  // their position in out->added
   Status st = ReturnOnBadAlloc("ChunkUpdatesSince: the representatives of the new chunks", [&]() -> Status {
+    out->since = since;
     out->added.clear();
     out->repr.clear();
     out->dropped.assign(ls.dropped.begin() + static_cast<ptrdiff_t>(since.drops), ls.dropped.end());
     size_t n = 0, n_paged = 0;
     uint64_t end = since.chunks;  // the chunks handed over: [since.chunks, end)
-    for (; end < ls.chunks.size() && n < max_added; ++end)
+    for (; end < landed && n < max_added; ++end)
       if (const Chunk* c = ls.chunks[end]; c != nullptr) {
         n++;
         n_paged += c->repr.empty();
@@ -125,9 +133,9 @@ Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCurs
       }
       out->added.push_back(i);
     }
-    out->next = ChunkCursor{end, ls.dropped.size()};
-    out->complete = end == ls.chunks.size();
-    out->pending = ls.chunks.size() - end;
+    out->next = ChunkCursor{std::max(end, since.chunks), ls.dropped.size()};
+    out->complete = end >= landed;
+    out->pending = end >= landed ? 0 : landed - end;
     return Status::Ok();
   });
   if (!st.ok() || paged.empty()) return st;
@@ -187,12 +195,11 @@ Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCurs
 
 Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t end, void* k_out,
                                void* v_out) {
+  CountVisit();
   Sequence* s = nullptr;
   {
-    std::unique_lock<std::mutex> l(mu_);
+    std::unique_lock<CountingMutex> l(mu_);
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
-    LandLayerLocked(l, s, layer);
-    KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
     if (begin < 0 || end < begin || end > s->layers[layer].n_tokens)
       return InvalidArgument("ReadTokens: range [" + std::to_string(begin) + ", " + std::to_string(end) +
                              ") is outside [0, " + std::to_string(s->layers[layer].n_tokens) + ")");
@@ -229,12 +236,18 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
       const uint8_t* src = nullptr;
       bool from_hot = false;
       {
-        std::lock_guard<std::mutex> l(mu_);
+        std::lock_guard<CountingMutex> l(mu_);
         c = idx < ls.chunks.size() ? ls.chunks[idx] : nullptr;
         if (c == nullptr) {
           st = NotFound("chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
                         " is missing (dropped by compression, lost before it was acknowledged, or lost "
                         "from a damaged cold tier and accepted at open)");
+          break;
+        }
+        if (c->landing) {  // a reader lands nothing: its bytes may still be on their way to warm
+          st = FailedPrecondition(
+              "chunk " + c->key.ToString() +
+              " has not landed yet (its sequence's next Append, layer step or Flush lands it)");
           break;
         }
         if (c->warm_slot >= 0) {
@@ -247,14 +260,14 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
         }
       }
       if (src == nullptr) {
-        st = ReturnOnBadAlloc("ReadTokens: a cold chunk's staging buffer", [&] {
+        st = ReturnOnBadAlloc("ReadTokens: a lower-tier chunk's staging buffer", [&] {
           staging.resize(chunk_bytes_);
           return Status::Ok();
         });
-        if (st.ok()) st = ReadLowerTier(s, c, staging.data());
+        if (st.ok()) st = lower_.ReadChunk(s, c->key, staging.data(), chunk_bytes_);
         src = staging.data();
         if (st.ok()) {
-          std::lock_guard<std::mutex> l(mu_);
+          std::lock_guard<CountingMutex> l(mu_);
           counters_.cold_reads++;
         }
       }
@@ -266,7 +279,7 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
         if (st.ok()) st = copy(vo + off, src + half + in_chunk * token_bytes_, take * token_bytes_);
       }
       {
-        std::lock_guard<std::mutex> l(mu_);
+        std::lock_guard<CountingMutex> l(mu_);
         if (src != staging.data()) (from_hot ? c->hot_pins : c->warm_pins)--;
         cv_.notify_all();
       }
@@ -283,7 +296,7 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
       p += take;
     }
   }
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   s->busy--;
   cv_.notify_all();
   return st;
@@ -291,7 +304,8 @@ Status TieredStore::ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t
 
 Status TieredStore::SetChunkScores(SequenceId seq, int layer,
                                    const std::vector<std::pair<uint64_t, float>>& scores) {
-  std::unique_lock<std::mutex> l(mu_);
+  CountVisit();
+  std::unique_lock<CountingMutex> l(mu_);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
   LandLayerLocked(l, s, layer);
@@ -309,16 +323,19 @@ Status TieredStore::SetChunkScores(SequenceId seq, int layer,
     Chunk* c = ls.chunks[idx];
     if (c == nullptr) continue;
     c->score = score;
-    hot_policy_->OnScore(c->id, score);
+    hot_pool_->policy().OnScore(c->id, score);
     warm_policy_->OnScore(c->id, score);
   }
   return Status::Ok();
 }
 
-Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices) {
+Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices,
+                               uint64_t* dropped) {
+  CountVisit();
+  if (dropped != nullptr) *dropped = 0;
   std::vector<std::vector<ChunkKey>> tier_keys(lower_.size());  // per lower tier, what it may hold
   {
-    std::unique_lock<std::mutex> l(mu_);
+    std::unique_lock<CountingMutex> l(mu_);
     Sequence* s = nullptr;
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
     LandLayerLocked(l, s, layer);
@@ -329,18 +346,18 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
         return InvalidArgument("DropChunks: chunk " +
                                ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
                                " does not exist (layer has " + std::to_string(ls.chunks.size()) + " chunks)");
-    const Clock::time_point now = options_.clock->Now();
+    const Clock::time_point now = hooks_.clock->Now();
     for (uint64_t idx : chunk_indices) {
       const Chunk* c = ls.chunks[idx];
-      if (c && PinnedLocked(c, now))
+      if (c && HotPool::Pinned(c, now))
         return FailedPrecondition("DropChunks: chunk " + c->key.ToString() +
                                   " is pinned by a live fetch handle; release it first");
     }
-    // Transfers in flight finish first: a warm read, a cold write, a hot load.
+    // Transfers in flight finish first: a warm read, a lower-tier write, a hot load.
     cv_.wait(l, [&] {
       for (uint64_t idx : chunk_indices) {
         const Chunk* c = ls.chunks[idx];
-        if (c && (c->warm_pins > 0 || c->cold_writing || c->hot_loading)) return false;
+        if (c && (c->warm_pins > 0 || c->lower_writing || c->hot_loading)) return false;
       }
       return true;
     });
@@ -348,7 +365,7 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
       Chunk* c = ls.chunks[idx];
       if (c == nullptr) continue;
       // Written (or being written) to the lower tiers; a publisher's chunk is not this store's to remove.
-      if (c->cold_acked || c->cold_writing)
+      if (c->lower_acked || c->lower_writing)
         for (size_t t = 0; t < lower_.size(); ++t)
           if (!(lower_[t]->serves_published() && store_internal::SharedChunk(s, c->key)))
             tier_keys[t].push_back(c->key);
@@ -356,14 +373,14 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
       ls.chunks[idx] = nullptr;
       ls.dropped.push_back(idx);
       counters_.dropped_chunks++;
+      if (dropped != nullptr) ++*dropped;
     }
     counters_.warm_chunks = warm_->used();
     counters_.hot_chunks = hot_->slots_used();
   }
   // The chunk is gone from memory; removing its lower-tier copies is what makes the drop
   // survive a reopen.
-  for (size_t t = 0; t < lower_.size(); ++t) KVTIER_RETURN_IF_ERROR(lower_[t]->RemoveChunks(tier_keys[t]));
-  return Status::Ok();
+  return lower_.RemoveChunks(tier_keys);
 }
 
 void TieredStore::FreeChunkLocked(Chunk* c) {
@@ -373,9 +390,9 @@ void TieredStore::FreeChunkLocked(Chunk* c) {
   }
   if (c->hot_slot >= 0) {
     hot_->ReleaseSlot(c->hot_slot);
-    hot_policy_->OnRemove(c->id);
+    hot_pool_->policy().OnRemove(c->id);
   }
-  if (c->cold_acked && (c->tiers & kTierCold) && counters_.cold_chunks > 0) {
+  if (c->lower_acked && (c->tiers & kTierCold) && counters_.cold_chunks > 0) {
     counters_.cold_chunks--;
     counters_.cold_bytes -= chunk_bytes_;
   }

@@ -4,7 +4,8 @@
 // leaves out a grant's tail that other sequences' reservations claim: see FetchChunks in
 // offload/tiered_store.h), pins the chunks under a lease, and RunFetch copies them in (warm
 // copy, or lower-tier read through the transfer engine). FetchHandle waits for and releases
-// the pins; live_fetches_ lists the handles that hold pins. EvictHot frees every unpinned hot
+// the pins; HotPool (offload/store/hot_pool.h) keeps the handles that hold pins, the
+// reservations, the waiters and the hot policy. EvictHot frees every unpinned hot
 // slot.
 //
 // Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
@@ -24,17 +25,20 @@
 
 namespace kvtier {
 
-struct FetchHandle::State {
+// A live fetch is a HotPool::Holder: its pinned chunks (chunk_ids, request order) and the
+// thread whose FetchChunks took them (thread).
+struct FetchHandle::State : HotPool::Holder {
   TieredStore* store = nullptr;
-  std::vector<uint64_t> chunk_ids;  // pinned chunks, request order
   std::vector<uint8_t> needs_load;
   std::vector<kernels::KvSpan> spans;
   std::vector<std::pair<uint64_t, int32_t>> awaited;  // (chunk id, slot) loading under another fetch
-  std::thread::id thread;  // the thread whose FetchChunks took the pins (TieredStore::live_fetches_)
   // Whoever claims the loads first runs them: the transfer task, or the caller's Wait() when the
-  // transfer workers are still busy with earlier work (a backlog of cold writes after a long
+  // transfer workers are still busy with earlier work (a backlog of lower-tier writes after a long
   // prefill must not stall a decode step's fetch behind it).
   std::atomic<bool> claimed{false};
+  // Every chunk was hot, none loading, when FetchChunks returned: Wait has nothing to wait
+  // for and takes no lock. Set before the handle is handed out, never changed.
+  bool complete_at_issue = false;
   bool done = false;
   bool released = false;
   Status status;
@@ -54,15 +58,16 @@ FetchHandle& FetchHandle::operator=(FetchHandle&& o) noexcept {
 
 bool FetchHandle::Ready() const {
   if (!state_) return true;
-  std::lock_guard<std::mutex> l(state_->store->mu_);
+  std::lock_guard<CountingMutex> l(state_->store->mu_);
   return state_->store->FetchCompleteLocked(state_.get());
 }
 
 Status FetchHandle::Wait(std::chrono::milliseconds timeout) {
   if (!state_) return FailedPrecondition("fetch handle is empty (released or never started)");
+  if (state_->complete_at_issue) return Status::Ok();
   TieredStore* store = state_->store;
   if (!state_->claimed.exchange(true)) store->RunFetch(state_);  // not started yet: load on this thread
-  std::unique_lock<std::mutex> l(store->mu_);
+  std::unique_lock<CountingMutex> l(store->mu_);
   if (!store->cv_.wait_for(l, timeout, [&] { return store->FetchCompleteLocked(state_.get()); }))
     return TimedOut("fetch of " + std::to_string(state_->chunk_ids.size()) + " chunks not done after " +
                     std::to_string(timeout.count()) + " ms (the transfer continues)");
@@ -83,13 +88,7 @@ const std::vector<kernels::KvSpan>& FetchHandle::spans() const {
 
 void FetchHandle::Release() {
   if (!state_) return;
-  TieredStore* store = state_->store;
-  {
-    // Wait for the transfer to finish first: the task still writes into the slots.
-    std::unique_lock<std::mutex> l(store->mu_);
-    store->cv_.wait(l, [&] { return state_->done; });
-  }
-  store->ReleasePins(state_.get());
+  state_->store->ReleasePins(state_.get());
   state_.reset();
 }
 
@@ -102,150 +101,30 @@ bool TieredStore::FetchCompleteLocked(const FetchHandle::State* st) const {
   return true;
 }
 
-bool TieredStore::PinnedLocked(const Chunk* c, Clock::time_point now) const {
-  if (c->hot_pins == 0) return false;
-  return now < c->pin_deadline;
-}
-
-int32_t TieredStore::AcquireHotSlotLocked(Clock::time_point now) {
-  int32_t slot = hot_->AcquireSlot();
-  if (slot >= 0) return slot;
-  uint64_t victim = 0;
-  auto can_leave = [&](uint64_t id) {
-    const Chunk* c = chunk_by_id_.at(id);
-    return !c->hot_loading && !PinnedLocked(c, now);
-  };
-  if (!hot_policy_->PickVictim(can_leave, &victim)) return -1;
-  Chunk* c = chunk_by_id_.at(victim);
-  if (c->hot_pins > 0) {  // an expired lease: the pin no longer protects it
-    counters_.lease_expired += c->hot_pins;
-    c->hot_pins = 0;
-  }
-  // The hot slot is a cache: warm or cold still holds the chunk.
-  slot = c->hot_slot;
-  c->hot_slot = -1;
-  c->tiers &= ~kTierHot;
-  hot_policy_->OnRemove(victim);
-  counters_.demotions++;
-  return slot;
-}
-
-TieredStore::HotRoom TieredStore::HotRoomLocked(SequenceId seq, int64_t need,
-                                                const std::vector<uint64_t>& requested, Clock::time_point now,
-                                                bool full) {
-  HotRoom room;
-  room.available = hot_->slot_capacity() - hot_->slots_used();
-  if (room.available >= need && !full) return room;
-  // Every hot chunk is in the policy: walk it (stopping once enough are evictable). A chunk
-  // the fetch asks for is not room: it is a hit, and evicting it would only move it.
-  uint64_t unused = 0;
-  hot_policy_->PickVictim(
-      [&](uint64_t id) {
-        const Chunk* c = chunk_by_id_.at(id);
-        if (c->hot_loading || PinnedLocked(c, now)) {
-          (c->key.seq == seq ? room.held_self : room.held_other)++;
-        } else if (!std::binary_search(requested.begin(), requested.end(), id)) {
-          room.available++;
-        }
-        return !full && room.available >= need;  // true stops the walk
-      },
-      &unused);
-  return room;
-}
-
-int64_t TieredStore::ReservedForLocked(SequenceId seq) const {
-  int64_t r = 0;
-  for (const auto& [id, res] : reservations_)
-    if (res.seq == seq) r = std::max<int64_t>(r, res.slots);
-  return r;
-}
-
-int64_t TieredStore::ReservedTotalLocked() const {
-  std::unordered_map<SequenceId, int64_t> by_seq;
-  for (const auto& [id, res] : reservations_) {
-    int64_t& r = by_seq[res.seq];
-    r = std::max<int64_t>(r, res.slots);
-  }
-  int64_t total = 0;
-  for (const auto& [seq, r] : by_seq) total += r;
-  return total;
-}
-
-size_t TieredStore::FitWithinClaimsLocked(SequenceId seq, size_t n, Clock::time_point now) {
-  const int64_t reserved = ReservedForLocked(seq);
-  if (static_cast<int64_t>(n) <= reserved) return n;
-  // Each sequence's claim: the larger of its reservation and the slots it holds. Every pin
-  // and load but ReadTokens' (held only while it copies) belongs to a live fetch handle, so
-  // this reads the pinned chunks alone, not the whole pool.
-  std::unordered_map<SequenceId, int64_t> held;
-  std::unordered_set<uint64_t> seen;
-  for (const FetchHandle::State* f : live_fetches_)
-    for (uint64_t id : f->chunk_ids) {
-      if (!seen.insert(id).second) continue;
-      auto it = chunk_by_id_.find(id);
-      if (it == chunk_by_id_.end()) continue;  // dropped meanwhile
-      const Chunk* c = it->second;
-      if (c->hot_slot >= 0 && (c->hot_loading || PinnedLocked(c, now))) held[c->key.seq]++;
-    }
-  std::unordered_map<SequenceId, int64_t> claim = held;
-  for (const auto& [id, res] : reservations_) {
-    int64_t& r = claim[res.seq];
-    r = std::max<int64_t>(r, res.slots);
-  }
-  int64_t others = 0;
-  for (const auto& [s, c] : claim)
-    if (s != seq) others += c;
-  const int64_t left = hot_->slot_capacity() - others - held[seq];
-  return static_cast<size_t>(std::clamp<int64_t>(std::max(reserved, left), 0, static_cast<int64_t>(n)));
-}
-
-int64_t TieredStore::HeldByThreadLocked(std::thread::id thread, Clock::time_point now) const {
-  std::unordered_set<uint64_t> ids;
-  for (const FetchHandle::State* f : live_fetches_)
-    if (f->thread == thread) ids.insert(f->chunk_ids.begin(), f->chunk_ids.end());
-  int64_t held = 0;
-  for (uint64_t id : ids) {
-    auto it = chunk_by_id_.find(id);
-    if (it == chunk_by_id_.end()) continue;  // dropped meanwhile
-    const Chunk* c = it->second;
-    if (c->hot_slot >= 0 && (c->hot_loading || PinnedLocked(c, now))) held++;
-  }
-  return held;
-}
-
 Result<uint64_t> TieredStore::ReserveHotSlots(SequenceId seq, int32_t slots) {
+  CountVisit();
   if (slots < 0)
     return InvalidArgument("ReserveHotSlots: slots must be >= 0 (got " + std::to_string(slots) + ")");
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   if (sequences_.find(seq) == sequences_.end())
     return NotFound("ReserveHotSlots: sequence " + std::to_string(seq) +
                     " does not exist (never created or dropped)");
-  const int64_t pool = hot_->slot_capacity();
-  const int64_t reserved = ReservedTotalLocked();
-  const int64_t mine = ReservedForLocked(seq);
-  // Sessions of one sequence count once, at their largest reservation.
-  const int64_t after = reserved - mine + std::max<int64_t>(mine, slots);
-  if (after > pool)
-    return ResourceExhausted(
-        "hot tier: " + std::to_string(pool) + " slots, " + std::to_string(reserved) +
-        " reserved by the open sessions (" + std::to_string(reservations_.size()) + "), this one asks " +
-        std::to_string(slots) +
-        " (its budget in chunks): the pool cannot hold the budgets of the sessions open at once; "
-        "close or drop a session, lower budget_tokens or raise hot_bytes");
-  const uint64_t id = next_reservation_++;
-  reservations_.emplace(id, HotReservation{seq, slots});
-  counters_.hot_reserved = static_cast<uint64_t>(after);
+  uint64_t after = 0;
+  KVTIER_ASSIGN_OR_RETURN(uint64_t id, hot_pool_->ReserveLocked(seq, slots, &after));
+  counters_.hot_reserved = after;
   return id;
 }
 
 void TieredStore::ReleaseHotSlots(uint64_t reservation) {
-  std::lock_guard<std::mutex> l(mu_);
-  if (reservations_.erase(reservation) == 0) return;
-  counters_.hot_reserved = static_cast<uint64_t>(ReservedTotalLocked());
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
+  uint64_t after = 0;
+  if (hot_pool_->ReleaseLocked(reservation, &after)) counters_.hot_reserved = after;
 }
 
 Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const std::vector<uint64_t>& asked,
                                              FetchFit fit) {
+  CountVisit();
   return ReturnOnBadAlloc("FetchChunks: the fetch's chunk lists", [&]() -> Result<FetchHandle> {
     auto st = std::make_shared<FetchHandle::State>();
     st->store = this;
@@ -256,7 +135,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
     bool any_load = false;
     bool all_warm = true;  // every load has a warm copy (none reads a lower tier)
     {
-      std::unique_lock<std::mutex> l(mu_);
+      std::unique_lock<CountingMutex> l(mu_);
       Sequence* s = nullptr;
       LayerState* lsp = nullptr;
       std::vector<uint64_t> requested;  // chunk ids, sorted, each once
@@ -266,14 +145,14 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
       // too little room, so a fetch that never waits reads no clock for it.
       std::chrono::steady_clock::time_point wait_start{}, wait_deadline{};
       bool waited = false;
-      uint64_t ticket = 0;  // in pin_waiters_ while this call waits
+      uint64_t ticket = 0;  // in the pool's waiters while this call waits
       const auto end_wait = [&] {
         if (!waited) return;
         counters_.pin_wait_us += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
                                                            std::chrono::steady_clock::now() - wait_start)
                                                            .count());
         waited = false;
-        pin_waiters_.erase(ticket);
+        hot_pool_->EndWaitLocked(ticket);
         cv_.notify_all();  // the next waiter may be the oldest now
       };
       for (;;) {
@@ -290,9 +169,9 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
           return checked;
         }
         lsp = &s->layers[layer];
-        now = options_.clock->Now();
+        now = hooks_.clock->Now();
         if (fit == FetchFit::kWithinClaims) {
-          const size_t keep = FitWithinClaimsLocked(seq, asked.size(), now);
+          const size_t keep = hot_pool_->FitWithinClaimsLocked(seq, asked.size(), now);
           if (keep < asked.size()) {
             fitted.assign(asked.begin(), asked.begin() + static_cast<ptrdiff_t>(keep));
             chunks_ptr = &fitted;
@@ -332,15 +211,14 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
         }
         if (need == 0) break;
         // An older fetch waits: one that holds no pin queues behind it (see the header).
-        const bool behind =
-            options_.pin_wait_ms > 0 && !pin_waiters_.empty() && *pin_waiters_.begin() != ticket;
-        const HotRoom room = HotRoomLocked(seq, need, requested, now, behind);
+        const bool behind = options_.pin_wait_ms > 0 && hot_pool_->BehindLocked(ticket);
+        const HotPool::Room room = hot_pool_->RoomLocked(seq, need, requested, now, behind);
         if (room.available >= need && (!behind || room.held_self > 0)) break;
         // Too few slots. Waiting is safe while this sequence holds no pin, or stays within its
         // reservation with this fetch (the header says why); otherwise it could wait for
         // itself, or for a sequence that waits for it. A sequence that holds pins never queues
         // behind others: the oldest waiter may be waiting for exactly those pins.
-        const int64_t reserved = ReservedForLocked(seq);
+        const int64_t reserved = hot_pool_->ReservedForLocked(seq);
         const bool may_wait = room.held_self == 0 || room.held_self + need <= reserved;
         const std::string numbers =
             "the fetch needs " + std::to_string(need) + " more hot slots; of the pool's " +
@@ -360,7 +238,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
           // Only other threads can free slots while this one waits: if what they hold cannot
           // cover the need, the wait could only end by this thread's own releases. (Checked
           // once: this thread's pins cannot grow while it waits.)
-          const int64_t mine = room.available < need ? HeldByThreadLocked(st->thread, now) : 0;
+          const int64_t mine = room.available < need ? hot_pool_->HeldByThreadLocked(st->thread, now) : 0;
           if (room.available + room.held_self + room.held_other - mine < need) {
             return ResourceExhausted(
                 "hot tier: " + numbers + "; the calling thread holds " + std::to_string(mine) +
@@ -371,8 +249,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
           wait_deadline = real_now + std::chrono::milliseconds(options_.pin_wait_ms);
           counters_.pin_waits++;
           waited = true;
-          ticket = next_pin_ticket_++;
-          pin_waiters_.insert(ticket);
+          ticket = hot_pool_->StartWaitLocked();
         }
         if (real_now >= wait_deadline) {
           if (room.available >= need) break;  // queued behind a waiter for that long: go ahead
@@ -401,7 +278,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
           c->hot_pins--;
           if (st->needs_load[i]) {
             hot_->ReleaseSlot(c->hot_slot);
-            hot_policy_->OnRemove(c->id);
+            hot_pool_->policy().OnRemove(c->id);
             c->hot_slot = -1;
             c->hot_loading = false;
           }
@@ -413,17 +290,17 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
         if (c->hot_slot >= 0) {
           if (c->hot_loading) st->awaited.emplace_back(c->id, c->hot_slot);
           counters_.hits++;
-          hot_policy_->OnAccess(c->id);
+          hot_pool_->policy().OnAccess(c->id);
         } else {
-          const int32_t slot = AcquireHotSlotLocked(now);
-          if (slot < 0) {  // not expected: HotRoomLocked counted the room under this lock
+          const int32_t slot = hot_pool_->AcquireSlotLocked(now, &counters_);
+          if (slot < 0) {  // not expected: RoomLocked counted the room under this lock
             undo();
             return Internal("hot tier: no slot for a fetch the pool was found to have room for (" +
                             std::to_string(hot_->slot_capacity()) + " slots)");
           }
           c->hot_slot = slot;
           c->hot_loading = true;
-          hot_policy_->OnInsert(c->id);
+          hot_pool_->policy().OnInsert(c->id);
           counters_.misses++;
           load = true;
           any_load = true;
@@ -439,7 +316,8 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
       }
       counters_.hot_chunks = hot_->slots_used();
       if (!any_load) st->done = true;
-      if (!st->chunk_ids.empty()) live_fetches_.insert(st.get());
+      st->complete_at_issue = !any_load && st->awaited.empty();
+      if (!st->chunk_ids.empty()) hot_pool_->AddHolderLocked(st.get());
     }
     if (any_load && all_warm && hot_->device() == Device::kCpu) {
       // Only memcpys between host tiers (a few microseconds): done here, as the caller would do
@@ -464,19 +342,19 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
 void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
   // Three phases, so the store lock is taken twice per fetch, not twice per chunk:
   // (1) under the lock, pin each load's warm copy, or reserve the warm slot a chunk coming
-  // back from cold will keep its copy in (retrieval tends to come back to the same chunks);
-  // (2) without it, the transfer engine reads cold chunks into those slots and uploads to
+  // back from a lower tier will keep its copy in (retrieval tends to come back to the same chunks);
+  // (2) without it, the transfer engine reads lower-tier chunks into those slots and uploads to
   // the hot slots; (3) under the lock, unpin, attach the warm copies that arrived, and mark
   // the loads done.
   std::vector<TransferEngine::Load> loads;
   std::vector<Chunk*> chunks;       // parallel to loads
-  std::vector<int32_t> read_slots;  // warm slot reserved for a cold read (-1: none was free)
+  std::vector<int32_t> read_slots;  // warm slot reserved for a lower-tier read (-1: none was free)
   // Sized once (an upper bound: hits need no load), outside the lock: no regrowth per chunk.
   loads.reserve(st->chunk_ids.size());
   chunks.reserve(st->chunk_ids.size());
   read_slots.reserve(st->chunk_ids.size());
   {
-    std::lock_guard<std::mutex> l(mu_);
+    std::lock_guard<CountingMutex> l(mu_);
     for (size_t i = 0; i < st->chunk_ids.size(); ++i) {
       if (!st->needs_load[i]) continue;
       Chunk* c = chunk_by_id_.at(st->chunk_ids[i]);
@@ -505,7 +383,7 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
   }
   engine_->CopyLoads(&loads);
 
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   Status first_error;
   for (size_t j = 0; j < loads.size(); ++j) {
     const TransferEngine::Load& ld = loads[j];
@@ -545,7 +423,7 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
     // Failed loads must not stay in hot slots holding garbage.
     for (Chunk* c : chunks) {
       hot_->ReleaseSlot(c->hot_slot);
-      hot_policy_->OnRemove(c->id);
+      hot_pool_->policy().OnRemove(c->id);
       c->hot_slot = -1;
       c->tiers &= ~kTierHot;
     }
@@ -557,29 +435,18 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
 }
 
 void TieredStore::EvictHot() {
-  std::lock_guard<std::mutex> l(mu_);
-  const Clock::time_point now = options_.clock->Now();
-  uint64_t victim = 0;
-  while (hot_policy_->PickVictim(
-      [&](uint64_t id) {
-        const Chunk* c = chunk_by_id_.at(id);
-        return !c->hot_loading && !PinnedLocked(c, now);
-      },
-      &victim)) {
-    Chunk* c = chunk_by_id_.at(victim);
-    hot_->ReleaseSlot(c->hot_slot);
-    c->hot_slot = -1;
-    c->tiers &= ~kTierHot;
-    c->hot_pins = 0;
-    hot_policy_->OnRemove(victim);
-  }
+  CountVisit();
+  std::lock_guard<CountingMutex> l(mu_);
+  hot_pool_->EvictUnpinnedLocked(hooks_.clock->Now());
 }
 
 void TieredStore::ReleasePins(FetchHandle::State* st) {
-  std::lock_guard<std::mutex> l(mu_);
+  std::unique_lock<CountingMutex> l(mu_);
+  // The transfer finishes first: its task still writes into the slots.
+  cv_.wait(l, [&] { return st->done; });
   if (st->released) return;
   st->released = true;
-  live_fetches_.erase(st);
+  hot_pool_->RemoveHolderLocked(st);
   for (uint64_t id : st->chunk_ids) {
     auto it = chunk_by_id_.find(id);
     if (it == chunk_by_id_.end()) continue;  // dropped meanwhile

@@ -5,15 +5,17 @@
 // chunk is not fetchable, not indexed, not written down and not demotable (see "Landing"
 // in offload/tiered_store.h).
 //
-// Who lands: the appending thread lands what is complete at each Append and keeps at most
-// max_landing_chunks in flight per layer (SealOldestChunk); every reader of a layer's
-// sealed chunks lands the layer first, since a landing completes an earlier Append and a
-// reader must see the store as if it had completed. Such readers are therefore non-const
-// members (ListChunks, ChunkCount, GetRepresentatives, counters(), ...): landing changes the
-// store, and the signature says so. A background landing step would need a transfer worker
-// to block on device copies and on other landers, which the few workers must not do
-// (offload/transfer_engine.h); landing on the writer's calls alone would let a reader see
-// fewer chunks than were appended.
+// Who lands: the sequence's driver, never a reader. The appending thread lands what is
+// complete at each Append and keeps at most max_landing_chunks in flight per layer
+// (SealOldestChunk); the layer step's door (BeginLayerStep) lands its layer; the calls that
+// change or end the sequence land it (FetchChunks, SetChunkScores and DropChunks their layer;
+// Flush, CloseSequence, DropSequence, PublishSequence all layers); WaitForDurable and the
+// destructor land every sequence, and an Append that finds the warm tier full of landing
+// chunks lands them (their slots are the only room left). Readers (ListChunks, ChunkCount,
+// GetRepresentatives, ChunkUpdatesSince, ReadTokens, counters(), ...) are const in spirit and
+// in signature where they can be: they see the landed chunks only (Chunk::landing) and report
+// the rest (StoreCounters::chunks_landing). So a reader on one thread never runs the device
+// waits and representative choices of a sequence another thread drives.
 //
 // Locking: the landing queue (LayerState::landing, landers, landing_error) and the
 // counters are under mu_. A lander claims the queue's oldest entry under mu_, then drops
@@ -29,12 +31,12 @@ namespace kvtier {
 
 using store_internal::LandingChunk;
 
-void TieredStore::LandLayerLocked(std::unique_lock<std::mutex>& lock, Sequence* s, int layer, size_t keep,
+void TieredStore::LandLayerLocked(std::unique_lock<CountingMutex>& lock, Sequence* s, int layer, size_t keep,
                                   bool only_complete) {
   LayerState& ls = s->layers[layer];
   if (ls.landing.size() <= keep && ls.landers == 0) return;  // the common case: nothing in flight
-  // Busy while the lock is dropped below: a DropSequence on another thread (counters() and
-  // WaitForDurable land every sequence) waits for this landing instead of freeing `ls`.
+  // Busy while the lock is dropped below: a DropSequence on another thread (WaitForDurable
+  // lands every sequence) waits for this landing instead of freeing `ls`.
   s->busy++;
   struct Unbusy {
     TieredStore* store;
@@ -91,15 +93,16 @@ void TieredStore::LandLayerLocked(std::unique_lock<std::mutex>& lock, Sequence* 
         delete c;
       } else {
         c->tiers = kTierWarm;
+        c->landing = false;
         warm_policy_->OnInsert(c->id);
         counters_.warm_chunks = warm_->used() - landing_chunks_;
         counters_.chunks_sealed++;
         counters_.bytes_moved += chunk_bytes_;
-        if (options_.write_through && has_lower()) {
-          c->cold_writing = true;        // keeps the warm pin until the write is done
+        if (options_.write_through && !lower_.empty()) {
+          c->lower_writing = true;       // keeps the warm pin until the write is done
           const float score = c->score;  // snapshot under the lock (see Chunk::score)
           lock.unlock();
-          SubmitColdWrite(c, warm_copy, score);
+          SubmitLowerWrite(c, warm_copy, score);
           lock.lock();
         } else {
           c->warm_pins = 0;
@@ -115,11 +118,11 @@ void TieredStore::LandLayerLocked(std::unique_lock<std::mutex>& lock, Sequence* 
   }
 }
 
-void TieredStore::LandSequenceLocked(std::unique_lock<std::mutex>& lock, Sequence* s) {
+void TieredStore::LandSequenceLocked(std::unique_lock<CountingMutex>& lock, Sequence* s) {
   for (int l = 0; l < static_cast<int>(s->layers.size()); ++l) LandLayerLocked(lock, s, l);
 }
 
-bool TieredStore::LandEverythingLocked(std::unique_lock<std::mutex>& lock) {
+bool TieredStore::LandEverythingLocked(std::unique_lock<CountingMutex>& lock) {
   if (landing_chunks_ == 0) return false;
   const uint64_t before = counters_.chunks_sealed + landing_failures_;
   // Ids first: the map may change while a landing drops the lock (a drop waits for the
@@ -131,6 +134,29 @@ bool TieredStore::LandEverythingLocked(std::unique_lock<std::mutex>& lock) {
     if (it != sequences_.end()) LandSequenceLocked(lock, it->second.get());
   }
   return counters_.chunks_sealed + landing_failures_ != before;
+}
+
+uint64_t TieredStore::LandedEndLocked(const LayerState& ls) const {
+  size_t in_flight = ls.landing.size() + static_cast<size_t>(ls.landers);
+  if (in_flight == 0) return ls.chunks.size();
+  // The landing chunks are among the newest, not always the last ones (two threads may land
+  // a layer's chunks out of order): the first of them ends what readers see.
+  uint64_t end = ls.chunks.size();
+  for (size_t i = ls.chunks.size(); i > 0 && in_flight > 0; --i)
+    if (const Chunk* c = ls.chunks[i - 1]; c != nullptr && c->landing) {
+      end = i - 1;
+      in_flight--;
+    }
+  return end;
+}
+
+Status TieredStore::Flush(SequenceId seq) {
+  CountVisit();
+  std::unique_lock<CountingMutex> l(mu_);
+  Sequence* s = nullptr;
+  KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, 0, false, &s));
+  LandSequenceLocked(l, s);
+  return TakeLandingErrorLocked(s);
 }
 
 Status TieredStore::TakeLandingErrorLocked(LayerState& ls) {

@@ -24,9 +24,10 @@ using store_internal::LandingChunk;
 
 Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void* v, int n, DType dtype,
                            MemorySpace space) {
+  CountVisit();
   Sequence* s = nullptr;
   {
-    std::unique_lock<std::mutex> l(mu_);
+    std::unique_lock<CountingMutex> l(mu_);
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, true, &s));
     if (n <= 0) return InvalidArgument("Append: token count must be > 0 (got " + std::to_string(n) + ")");
     if (k == nullptr || v == nullptr) return InvalidArgument("Append: k and v must not be null");
@@ -42,7 +43,7 @@ Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void*
     KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
     // A lower tier that failed a background write: say so now, before appending anything,
     // rather than after waiting for warm room behind it.
-    KVTIER_RETURN_IF_ERROR(BackgroundErrorLocked());
+    KVTIER_RETURN_IF_ERROR(lower_.BackgroundErrorLocked());
     s->busy++;
   }
   // kDevice K/V are already in the tier's memory space: copied within it, never through the host.
@@ -83,7 +84,7 @@ Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void*
     ls.n_tokens += take;
     done += take;
   }
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   s->busy--;
   cv_.notify_all();
   return status;
@@ -107,7 +108,7 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
   // Allocated before anything changes, so that running out of memory here loses nothing.
   std::vector<uint8_t> repr(static_cast<size_t>(options_.repr_topk) * token_bytes_);
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    std::unique_lock<CountingMutex> lock(mu_);
     KVTIER_RETURN_IF_ERROR(MakeWarmRoom(lock));
     const int32_t slot = warm_->Acquire();
     if (slot < 0) return Internal("warm tier reported room but had no free slot");
@@ -118,6 +119,7 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
     c->repr = std::move(repr);  // chosen when the chunk lands
     c->warm_slot = slot;
     c->warm_pins = 1;  // being filled
+    c->landing = true;
     chunk_by_id_[c->id] = c;
     repr_chunks_++;
     ls.chunks.push_back(c);
@@ -134,7 +136,7 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
   const HotTier::DownloadOp ops[] = {{dst, ls.ring_k + slot0 * token_bytes_, half},
                                      {dst + half, ls.ring_v + slot0 * token_bytes_, half}};
   Result<TransferTicket> ticket = hot_->DownloadBatchAsync(ops, 2);
-  std::unique_lock<std::mutex> lock(mu_);
+  std::unique_lock<CountingMutex> lock(mu_);
   if (!ticket.ok()) {
     // Nothing was submitted: the chunk stays in the ring, and the next Append seals it again.
     ls.chunks.pop_back();
@@ -152,7 +154,8 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
   landing.ticket = *ticket;
   ls.landing.push_back(std::move(landing));
   // A host tier's download is complete already: the chunk lands here, as if sealing were
-  // synchronous. A device tier's lands at the next reader, or when too many are in flight.
+  // synchronous. A device tier's lands at this sequence's next driving call (Append, the
+  // layer step's door, Flush, ...), or here when too many are in flight.
   LandLayerLocked(lock, s, layer, static_cast<size_t>(options_.max_landing_chunks), false);
   LandLayerLocked(lock, s, layer, 0, true);
   return Status::Ok();
@@ -160,6 +163,7 @@ Status TieredStore::SealOldestChunk(Sequence* s, int layer) {
 
 Status TieredStore::ObserveQueries(SequenceId seq, int layer, const float* q, const int64_t* positions,
                                    int m) {
+  CountVisit();
   if (m <= 0)
     return InvalidArgument("ObserveQueries: query count must be > 0 (got " + std::to_string(m) + ")");
   if (q == nullptr || positions == nullptr)
@@ -216,9 +220,10 @@ Status TieredStore::ObserveQueries(SequenceId seq, int layer, const float* q, co
 
 Status TieredStore::AddLocalAttention(SequenceId seq, int layer, int64_t first_position, int n,
                                       const float* mass) {
+  CountVisit();
   Sequence* s = nullptr;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    std::lock_guard<CountingMutex> l(mu_);
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, true, &s));
   }
   if (n <= 0 || mass == nullptr) return InvalidArgument("AddLocalAttention: need n > 0 and a mass array");
@@ -237,32 +242,38 @@ Status TieredStore::AddLocalAttention(SequenceId seq, int layer, int64_t first_p
 }
 
 Result<HotView> TieredStore::GetHotView(SequenceId seq, int layer) {
+  CountVisit();
   Sequence* s = nullptr;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    std::lock_guard<CountingMutex> l(mu_);
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
   }
-  LayerState& ls = s->layers[layer];
+  HotView v;
+  KVTIER_RETURN_IF_ERROR(HotViewOf(seq, s->layers[layer], &v));
+  return v;
+}
+
+Status TieredStore::HotViewOf(SequenceId seq, const LayerState& ls, HotView* v) const {
   if (!ls.sinks_restored)
     return FailedPrecondition("sequence " + std::to_string(seq) +
                               " was recovered without its sinks and local window (it was not closed)");
-  HotView v;
-  v.n_tokens = ls.n_tokens;
-  v.sinks = kernels::KvSpan{ls.sink_k, ls.sink_v,
-                            static_cast<int>(std::min<int64_t>(ls.n_tokens, options_.n_sink)), 0, nullptr};
+  *v = HotView{};
+  v->n_tokens = ls.n_tokens;
+  v->sinks = kernels::KvSpan{ls.sink_k, ls.sink_v,
+                             static_cast<int>(std::min<int64_t>(ls.n_tokens, options_.n_sink)), 0, nullptr};
   const int64_t ring = options_.n_local + options_.chunk_size;
   int64_t pos = std::max<int64_t>(ls.sealed_end, options_.n_sink);
   int64_t remaining = ls.n_tokens - pos;
   while (remaining > 0) {
     const int64_t slot = (pos - options_.n_sink) % ring;
     const int64_t take = std::min(remaining, ring - slot);
-    v.local[v.n_local_spans++] =
+    v->local[v->n_local_spans++] =
         kernels::KvSpan{ls.ring_k + slot * token_bytes_, ls.ring_v + slot * token_bytes_,
                         static_cast<int>(take), pos, nullptr};
     pos += take;
     remaining -= take;
   }
-  return v;
+  return Status::Ok();
 }
 
 }  // namespace kvtier

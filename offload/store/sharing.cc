@@ -12,6 +12,7 @@
 
 #include <cstring>
 
+#include "offload/store/layer_regions.h"
 #include "offload/store_records.h"
 #include "offload/store_state.h"
 #include "offload/tiered_store.h"
@@ -39,11 +40,12 @@ constexpr uint32_t kPubVersion = 1;
 }  // namespace
 
 Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
-  if (!remote_)
+  CountVisit();
+  if (!lower_.remote())
     return FailedPrecondition("PublishSequence: the store has no remote tier (StoreOptions::remote)");
   Sequence* s = nullptr;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    std::lock_guard<CountingMutex> l(mu_);
     KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, 0, false, &s));
     if (s->state != SeqState::kClosed)
       return FailedPrecondition("PublishSequence: sequence " + std::to_string(seq) +
@@ -56,7 +58,7 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
   }
   {
     // A closed sequence has nothing landing (CloseSequence landed it); kept for the invariant.
-    std::unique_lock<std::mutex> l(mu_);
+    std::unique_lock<CountingMutex> l(mu_);
     LandSequenceLocked(l, s);
     Status landed = TakeLandingErrorLocked(s);
     if (!landed.ok()) {
@@ -77,14 +79,14 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
       if (c == nullptr) continue;
       float score;
       {
-        std::lock_guard<std::mutex> lk(mu_);
+        std::lock_guard<CountingMutex> lk(mu_);
         if (c->tiers & kTierRemote) continue;
         score = c->score;
       }
-      st = ReadLowerTier(s, c, buf.data());
+      st = lower_.ReadChunk(s, c->key, buf.data(), chunk_bytes_);
       if (!st.ok()) {
         // Not in the lower tiers: the warm copy (write_through off) is the only one.
-        std::unique_lock<std::mutex> lk(mu_);
+        std::unique_lock<CountingMutex> lk(mu_);
         if (c->warm_slot < 0) break;
         std::memcpy(buf.data(), warm_->slot_data(c->warm_slot), chunk_bytes_);
         st = Status::Ok();
@@ -94,9 +96,9 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
       st = ReprBytes(s, c, &repr);
       if (!st.ok()) break;
       const std::string meta = EncodeChunkMeta(c->first_token, repr.data(), repr.size(), score);
-      st = remote_->PutChunk(c->key, meta, buf.data(), chunk_bytes_);
+      st = lower_.remote()->PutChunk(c->key, meta, buf.data(), chunk_bytes_);
       if (!st.ok()) break;
-      std::lock_guard<std::mutex> lk(mu_);
+      std::lock_guard<CountingMutex> lk(mu_);
       c->tiers |= kTierRemote;
     }
   }
@@ -119,7 +121,7 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
     std::vector<uint8_t> reprs;
     std::vector<ReprRead> paged;
     {
-      std::lock_guard<std::mutex> lk(mu_);
+      std::lock_guard<CountingMutex> lk(mu_);
       snaps.resize(ls.chunks.size());
       reprs.resize(ls.chunks.size() * repr_bytes);
       for (size_t i = 0; i < ls.chunks.size(); ++i) {
@@ -155,21 +157,22 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
     PutLengthPrefixed(&manifest, store_records::EncodeStoreRecord(store_records::StoreLayout{
                                      options_.geometry, options_.n_sink, options_.n_local,
                                      options_.chunk_size, options_.repr_topk}));
-    PutLengthPrefixed(&manifest, remote_->ns());
+    PutLengthPrefixed(&manifest, lower_.remote()->ns());
     PutFixed64(&manifest, seq);
     PutFixed32(&manifest, static_cast<uint32_t>(options_.geometry.layers));
-    st = remote_->PutPublication(name, parts, manifest);
+    st = lower_.remote()->PutPublication(name, parts, manifest);
   }
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   s->busy--;
   cv_.notify_all();
   return st;
 }
 
 Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
-  if (!remote_)
+  CountVisit();
+  if (!lower_.remote())
     return FailedPrecondition("AttachPublished: the store has no remote tier (StoreOptions::remote)");
-  KVTIER_ASSIGN_OR_RETURN(std::string manifest, remote_->GetManifest(name));
+  KVTIER_ASSIGN_OR_RETURN(std::string manifest, lower_.remote()->GetManifest(name));
   const std::string what = "remote tier: publication '" + std::string(name) + "'";
   RecordReader mr(manifest, what + " manifest");
   uint32_t magic = 0, version = 0, layers = 0;
@@ -194,7 +197,6 @@ Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
 
   const int L = options_.geometry.layers;
   const size_t repr_bytes = static_cast<size_t>(options_.repr_topk) * token_bytes_;
-  const size_t ring = static_cast<size_t>(options_.n_local + options_.chunk_size);
   auto seq = std::make_unique<Sequence>();
   seq->state = SeqState::kOpen;  // the published prefix is read-only; tokens appended here are ours
   seq->attached = true;
@@ -209,14 +211,14 @@ Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
     ~Cleanup() {
       if (!armed) return;
       for (auto& ls : s->layers) {
-        for (uint8_t* r : {ls.sink_k, ls.sink_v, ls.ring_k, ls.ring_v})
-          if (r) store->hot_->FreeRegion(r, 0);
+        store_internal::FreeLayerRegions(store->hot_.get(), &ls);
         for (Chunk* c : ls.chunks) delete c;
       }
     }
   } cleanup{this, seq.get()};
   for (int l = 0; l < L; ++l) {
-    KVTIER_ASSIGN_OR_RETURN(std::string part, remote_->GetPublicationPart(name, static_cast<uint32_t>(l)));
+    KVTIER_ASSIGN_OR_RETURN(std::string part,
+                            lower_.remote()->GetPublicationPart(name, static_cast<uint32_t>(l)));
     RecordReader rr(part, what + " layer " + std::to_string(l));
     LayerState& ls = seq->layers[l];
     uint64_t n_chunks = 0;
@@ -254,7 +256,7 @@ Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
       c->repr = std::move(m.repr);
       c->score = m.score;
       c->tiers = kTierRemote;
-      c->cold_acked = true;  // a lower tier (the remote one) holds it: warm copies may leave
+      c->lower_acked = true;  // a lower tier (the remote one) holds it: warm copies may leave
     }
     std::string sinks, local;
     KVTIER_RETURN_IF_ERROR(rr.ReadLengthPrefixed(&sinks, "sinks"));
@@ -262,30 +264,15 @@ Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
     KVTIER_RETURN_IF_ERROR(rr.ExpectEnd());
     if (sinks.size() != 2 * n_sink_tokens * token_bytes_ || local.size() != 2 * n_local * token_bytes_)
       return Corruption(what + " layer " + std::to_string(l) + ": sinks/local do not match its token count");
-    KVTIER_ASSIGN_OR_RETURN(ls.sink_k,
-                            hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
-    KVTIER_ASSIGN_OR_RETURN(ls.sink_v,
-                            hot_->AllocateRegion(std::max<size_t>(1, options_.n_sink * token_bytes_)));
-    KVTIER_ASSIGN_OR_RETURN(ls.ring_k, hot_->AllocateRegion(ring * token_bytes_));
-    KVTIER_ASSIGN_OR_RETURN(ls.ring_v, hot_->AllocateRegion(ring * token_bytes_));
-    ls.ring_mass.assign(static_cast<size_t>(options_.geometry.kv_heads) * ring, 0.0f);
-    const size_t sb = n_sink_tokens * token_bytes_;
-    KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.sink_k, sinks.data(), sb));
-    KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.sink_v, sinks.data() + sb, sb));
-    for (int64_t t = 0; t < n_local; ++t) {
-      const int64_t p = std::max<int64_t>(ls.sealed_end, n_sink_tokens) + t;
-      const size_t slot = static_cast<size_t>((p - options_.n_sink) % static_cast<int64_t>(ring));
-      KVTIER_RETURN_IF_ERROR(
-          hot_->Upload(ls.ring_k + slot * token_bytes_, local.data() + t * token_bytes_, token_bytes_));
-      KVTIER_RETURN_IF_ERROR(hot_->Upload(ls.ring_v + slot * token_bytes_,
-                                          local.data() + (n_local + t) * token_bytes_, token_bytes_));
-    }
+    KVTIER_RETURN_IF_ERROR(store_internal::AllocateLayerRegions(options_, token_bytes_, hot_.get(), &ls));
+    KVTIER_RETURN_IF_ERROR(
+        store_internal::RestoreLayerRegions(options_, token_bytes_, hot_.get(), sinks, local, &ls));
   }
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<CountingMutex> l(mu_);
   cleanup.armed = false;
   const SequenceId id = next_seq_id_++;
   seq->id = id;
-  region_bytes_ += L * 2 * (options_.n_sink + ring) * token_bytes_;
+  region_bytes_ += L * store_internal::LayerRegionBytes(options_, token_bytes_);
   for (auto& ls : seq->layers)
     for (Chunk* c : ls.chunks) {
       if (c == nullptr) continue;

@@ -20,11 +20,11 @@ bool TieredStore::DropWarmCopyLocked() {
   if (!warm_policy_->PickVictim(
           [&](uint64_t id) {
             const Chunk* c = chunk_by_id_.at(id);
-            return c->warm_pins == 0 && !c->cold_writing && c->cold_acked;
+            return c->warm_pins == 0 && !c->lower_writing && c->lower_acked;
           },
           &victim_id))
     return false;
-  // The cold tier already acknowledged it: the warm copy may leave now.
+  // A lower tier already acknowledged it: the warm copy may leave now.
   Chunk* c = chunk_by_id_.at(victim_id);
   warm_->Release(c->warm_slot);
   c->warm_slot = -1;
@@ -40,46 +40,46 @@ void TieredStore::MaybeReleaseReprLocked(Chunk* c) {
   // encodes it from c->repr), and nothing writes this chunk's meta again: every write of a
   // chunk to the lower tiers (landing, demotion, CloseSequence) is of an unacknowledged one,
   // and PublishSequence reads released representatives back (sharing.cc).
-  if (c->repr.empty() || c->warm_slot >= 0 || !c->cold_acked || c->cold_writing ||
-      (c->tiers & meta_tiers_) == 0)
+  if (c->repr.empty() || c->warm_slot >= 0 || !c->lower_acked || c->lower_writing ||
+      (c->tiers & lower_.meta_tiers()) == 0)
     return;
   std::vector<uint8_t>().swap(c->repr);
   repr_chunks_--;
 }
 
 int32_t TieredStore::AcquireWarmSlotForReadLocked() {
-  // A chunk read back from cold was just retrieved, and retrieval tends to come back to
+  // A chunk read back from a lower tier was just retrieved, and retrieval tends to come back to
   // the same chunks over the next steps: keep a warm copy, making room by dropping the
-  // policy's victim among warm chunks the cold tier already holds. Never waits and never
+  // policy's victim among warm chunks a lower tier already holds. Never waits and never
   // writes: a transfer task must not block on others.
   const int32_t ws = warm_->Acquire();
   if (ws >= 0 || !DropWarmCopyLocked()) return ws;
   return warm_->Acquire();
 }
 
-Status TieredStore::MakeWarmRoom(std::unique_lock<std::mutex>& lock) {
+Status TieredStore::MakeWarmRoom(std::unique_lock<CountingMutex>& lock) {
   while (warm_->full()) {
     auto movable = [&](uint64_t id) {
       const Chunk* c = chunk_by_id_.at(id);
-      return c->warm_pins == 0 && !c->cold_writing;
+      return c->warm_pins == 0 && !c->lower_writing;
     };
     if (DropWarmCopyLocked()) continue;
     uint64_t victim_id = 0;
-    if (has_lower() && warm_policy_->PickVictim(movable, &victim_id)) {
-      // Not yet in cold: write it, and only then let it leave warm.
-      KVTIER_RETURN_IF_ERROR(WriteWarmChunkToColdLocked(lock, chunk_by_id_.at(victim_id)));
+    if (!lower_.empty() && warm_policy_->PickVictim(movable, &victim_id)) {
+      // Not yet in a lower tier: write it, and only then let it leave warm.
+      KVTIER_RETURN_IF_ERROR(WriteWarmChunkDownLocked(lock, chunk_by_id_.at(victim_id)));
       continue;
     }
     // Slots held by chunks still landing become warm chunks (movable once acknowledged).
     // (A chunk another thread is between sealing and submitting is not landable yet: the
     // wait below lets that thread go on.)
     if (landing_chunks_ > 0 && LandEverythingLocked(lock)) continue;
-    if (!has_lower())
+    if (!!lower_.empty())
       return ResourceExhausted(
           "warm tier is full (" + std::to_string(warm_->capacity()) +
           " chunks) and there is no cold tier (data_dir) or remote tier (remote) to demote to");
     // The writes this would wait for are failing: the error, not a wait behind them.
-    KVTIER_RETURN_IF_ERROR(BackgroundErrorLocked());
+    KVTIER_RETURN_IF_ERROR(lower_.BackgroundErrorLocked());
     // Every warm chunk is busy (being copied or written): wait for one to finish.
     cv_.wait_for(lock, std::chrono::milliseconds(100));
   }

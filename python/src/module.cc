@@ -530,9 +530,9 @@ class PySession;
 class PyStore {
  public:
   explicit PyStore(const py::kwargs& kw) : PyStore(StoreOptionsFrom(kw)) {}
-  explicit PyStore(const StoreOptions& o) {
+  explicit PyStore(const StoreOptions& o, const StoreHooks& hooks = StoreHooks{}) {
     py::gil_scoped_release nogil;
-    store_ = Take(TieredStore::Open(o));
+    store_ = Take(TieredStore::Open(o, hooks));
   }
   // GIL held.
   TieredStore* get() const {
@@ -586,6 +586,7 @@ class PyStore {
     d["pin_wait_timeouts"] = c.pin_wait_timeouts;
     d["hot_reserved"] = c.hot_reserved;
     d["chunks_sealed"] = c.chunks_sealed;
+    d["chunks_landing"] = c.chunks_landing;
     d["dropped_chunks"] = c.dropped_chunks;
     return d;
   }
@@ -1073,7 +1074,8 @@ PYBIND11_MODULE(_kvtier, m) {
       "_scrambled_store",
       [](const py::kwargs& kw) {
         StoreOptions o = StoreOptionsFrom(kw);
-        o.hot_tier_factory = [](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
+        StoreHooks hooks;
+        hooks.hot_tier_factory = [](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
           KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
           // Bytes at rest are the caller's XOR 0x5A, like device memory the host cannot read in
           // place; only its copies translate. It reports device kCpu so that sessions open with
@@ -1081,7 +1083,7 @@ PYBIND11_MODULE(_kvtier, m) {
           // through it, which a host memcpy of the spans would not (tests/python/test_api.py).
           return std::unique_ptr<HotTier>(new XorScrambledHotTier(std::move(inner), Device::kCpu));
         };
-        return std::make_unique<PyStore>(o);
+        return std::make_unique<PyStore>(o, hooks);
       },
       "Tests only: Store(**options) over a hot tier whose stored bytes are XOR-scrambled (read through its "
       "Download), to check that nothing reads hot memory in place.");

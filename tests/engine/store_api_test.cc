@@ -73,11 +73,11 @@ class ForeignStore final : public Store {
   const StoreOptions& options() const override { return options_; }
   std::vector<SequenceId> ListSequences() const override { return {}; }
   Result<int64_t> SequenceLength(SequenceId, int) const override { return int64_t{0}; }
-  Result<uint64_t> ChunkCount(SequenceId, int) override { return uint64_t{0}; }
+  Result<uint64_t> ChunkCount(SequenceId, int) const override { return uint64_t{0}; }
   Status CloseSequence(SequenceId) override { return Status::Ok(); }
   Status DropSequence(SequenceId) override { return Status::Ok(); }
   Status WaitForDurable() override { return Status::Ok(); }
-  StoreCounters counters() override { return {}; }
+  StoreCounters counters() const override { return {}; }
   Status PublishSequence(SequenceId, std::string_view) override { return Status::Ok(); }
   Result<SequenceId> AttachPublished(std::string_view) override { return SequenceId{1}; }
 

@@ -482,11 +482,12 @@ class ClaimsCuda final : public ForwardingHotTier {
 TEST(AttentionBackend, SessionOnADeviceTierWithoutABackendIsRefusedWithAStatus) {
   StoreOptions o = Store("");
   o.warm_bytes = 256 * o.chunk_bytes();
-  o.hot_tier_factory = [](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
+  StoreHooks hooks;
+  hooks.hot_tier_factory = [](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
     KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
     return std::unique_ptr<HotTier>(std::make_unique<ClaimsCuda>(std::move(inner)));
   };
-  auto store = TieredStore::Open(o);
+  auto store = TieredStore::Open(o, hooks);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   SessionOptions so;
   so.retrieval.budget_tokens = 24;  // within the pool: the backend is what refuses

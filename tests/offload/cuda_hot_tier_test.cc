@@ -274,13 +274,14 @@ TEST(CudaHotTier, StoreOverDeviceMemoryReadsItOnlyThroughTheTier) {
   auto host = TieredStore::Open(o);
   ASSERT_TRUE(host.ok()) << host.status().ToString();
   XorScrambledHotTier* dev_tier = nullptr;
-  o.hot_tier_factory = [&dev_tier](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
+  StoreHooks hooks;
+  hooks.hot_tier_factory = [&dev_tier](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
     KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
     auto t = std::make_unique<XorScrambledHotTier>(std::move(inner), Device::kCuda);
     dev_tier = t.get();
     return std::unique_ptr<HotTier>(std::move(t));
   };
-  auto dev = TieredStore::Open(o);
+  auto dev = TieredStore::Open(o, hooks);
   ASSERT_TRUE(dev.ok()) << dev.status().ToString();
   auto sh = (*host)->CreateSequence();
   auto sd = (*dev)->CreateSequence();

@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -190,13 +191,14 @@ TEST(DeviceAppend, KDeviceNeverGoesThroughUploadAtSinksRingOrTheWrapPoint) {
     SCOPED_TRACE(MemorySpaceName(space));
     RecordingTier* tier = nullptr;
     StoreOptions so = SmallStore();
-    so.hot_tier_factory = [&tier](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
+    StoreHooks hooks;
+    hooks.hot_tier_factory = [&tier](size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
       KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
       auto t = std::make_unique<RecordingTier>(std::move(inner));
       tier = t.get();
       return std::unique_ptr<HotTier>(std::move(t));
     };
-    auto store = TieredStore::Open(so);
+    auto store = TieredStore::Open(so, hooks);
     ASSERT_TRUE(store.ok()) << store.status().ToString();
     auto seq = (*store)->CreateSequence();
     ASSERT_TRUE(seq.ok());
@@ -283,6 +285,7 @@ class DeferredDownloadTier final : public ForwardingHotTier {
   }
   Result<bool> TransferDone(TransferTicket t) override {
     std::lock_guard<std::mutex> l(mu_);
+    landing_threads_.insert(std::this_thread::get_id());
     auto it = pending_.find(t);
     if (it == pending_.end()) return InvalidArgument("unknown ticket");
     if (++it->second.polls <= polls_before_done) return false;
@@ -291,6 +294,7 @@ class DeferredDownloadTier final : public ForwardingHotTier {
   }
   Status WaitTransfer(TransferTicket t) override {
     std::lock_guard<std::mutex> l(mu_);
+    landing_threads_.insert(std::this_thread::get_id());
     auto it = pending_.find(t);
     if (it == pending_.end()) return InvalidArgument("unknown ticket");
     Pending p = std::move(it->second);
@@ -332,6 +336,11 @@ class DeferredDownloadTier final : public ForwardingHotTier {
     std::lock_guard<std::mutex> l(mu_);
     return issued_;
   }
+  /// Whether `thread` ever polled or waited for a download: the work of landing a chunk.
+  bool landed_on(std::thread::id thread) {
+    std::lock_guard<std::mutex> l(mu_);
+    return landing_threads_.count(thread) > 0;
+  }
 
  private:
   struct Pending {
@@ -364,15 +373,22 @@ class DeferredDownloadTier final : public ForwardingHotTier {
   std::map<TransferTicket, Pending> pending_;
   TransferTicket next_ticket_ = 1;
   uint64_t issued_ = 0;
+  std::set<std::thread::id> landing_threads_;
   size_t max_in_flight_ = 0;
 };
 
-StoreOptions DeferredStore(const std::string& dir, DeferredDownloadTier** tier, int polls_before_done,
-                           uint64_t fail_download = 0) {
-  StoreOptions so = SmallStore();
+// A store's options with the hooks it is opened with (TieredStore::Open(so, so.hooks)).
+struct OptionsAndHooks : StoreOptions {
+  StoreHooks hooks;
+};
+
+OptionsAndHooks DeferredStore(const std::string& dir, DeferredDownloadTier** tier, int polls_before_done,
+                              uint64_t fail_download = 0) {
+  OptionsAndHooks so;
+  static_cast<StoreOptions&>(so) = SmallStore();
   so.data_dir = dir;
-  so.hot_tier_factory = [tier, polls_before_done, fail_download](
-                            size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
+  so.hooks.hot_tier_factory = [tier, polls_before_done, fail_download](
+                                  size_t pool, size_t slot) -> Result<std::unique_ptr<HotTier>> {
     KVTIER_ASSIGN_OR_RETURN(auto inner, MakeHotTier(Device::kCpu, pool, slot));
     auto t = std::make_unique<DeferredDownloadTier>(std::move(inner));
     t->polls_before_done = polls_before_done;
@@ -446,14 +462,14 @@ TEST(AsyncSeal, DeferredDownloadsGiveTheSynchronousResultsBitForBit) {
     DeferredDownloadTier* tier = nullptr;
     StoreOptions sync_opts = SmallStore();
     sync_opts.data_dir = dir_sync.path();
-    StoreOptions async_opts = DeferredStore(dir_async.path(), &tier, polls);
+    OptionsAndHooks async_opts = DeferredStore(dir_async.path(), &tier, polls);
     async_opts.max_landing_chunks = 3;
     constexpr int64_t kPrefill = 144, kTokens = 160;
     SequenceId seq_sync = 0, seq_async = 0;
     std::vector<LayerContent> before;
     {
       auto a = TieredStore::Open(sync_opts);
-      auto b = TieredStore::Open(async_opts);
+      auto b = TieredStore::Open(async_opts, async_opts.hooks);
       ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
       auto sa = Session::Open(a->get(), SmallRetrieval());
       auto sb = Session::Open(b->get(), SmallRetrieval());
@@ -471,14 +487,28 @@ TEST(AsyncSeal, DeferredDownloadsGiveTheSynchronousResultsBitForBit) {
       EXPECT_LE(tier->max_in_flight(), static_cast<size_t>(kLayers * 3 + 1));
       EXPECT_TRUE(SameBits(out_sync, out_async)) << "Attend outputs differ";
       EXPECT_GT((*sb)->counters().chunks_attended, 0u);
-      // A chunk still landing is landed by the reader: append one more window without
-      // attending, so that chunks are in flight, then read.
+      // A chunk still landing is not seen by readers, and no reader lands it: append one more
+      // window without attending, so that chunks are in flight; readers see the landed ones
+      // only, and the driver's Flush lands the rest.
       for (int l = 0; l < kLayers; ++l) {
         const Window w = MakeWindow(l, kTokens, 12);
         ASSERT_TRUE((*a)->Append(seq_sync, l, w.k.data(), w.v.data(), 12, DType::kF16).ok());
         ASSERT_TRUE((*b)->Append(seq_async, l, w.k.data(), w.v.data(), 12, DType::kF16).ok());
       }
-      EXPECT_GT(tier->in_flight(), 0u);
+      const size_t in_flight = tier->in_flight();
+      EXPECT_GT(in_flight, 0u);
+      EXPECT_EQ((*b)->counters().chunks_landing, in_flight);
+      uint64_t seen_sync = 0, seen_async = 0;
+      for (int l = 0; l < kLayers; ++l) {
+        seen_sync += *(*a)->ChunkCount(seq_sync, l);
+        seen_async += *(*b)->ChunkCount(seq_async, l);
+        EXPECT_EQ((*b)->ListChunks(seq_async, l)->size(), *(*b)->ChunkCount(seq_async, l));
+      }
+      EXPECT_EQ(seen_async + in_flight, seen_sync);
+      EXPECT_EQ(tier->in_flight(), in_flight);  // the readers landed nothing
+      ASSERT_TRUE((*b)->Flush(seq_async).ok());
+      EXPECT_EQ(tier->in_flight(), 0u);
+      EXPECT_EQ((*b)->counters().chunks_landing, 0u);
       for (int l = 0; l < kLayers; ++l) {
         SCOPED_TRACE("layer " + std::to_string(l));
         const LayerContent cs = ReadLayer(a->get(), seq_sync, l, kTokens + 12);
@@ -523,7 +553,7 @@ TEST(AsyncSeal, DeferredDownloadsGiveTheSynchronousResultsBitForBit) {
     }
     // Reopened from the cold tier: the same content.
     auto a = TieredStore::Open(sync_opts);
-    auto b = TieredStore::Open(async_opts);
+    auto b = TieredStore::Open(async_opts, async_opts.hooks);
     ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
     for (int l = 0; l < kLayers; ++l) {
       SCOPED_TRACE("reopened, layer " + std::to_string(l));
@@ -538,12 +568,12 @@ TEST(AsyncSeal, DeferredDownloadsGiveTheSynchronousResultsBitForBit) {
   }
 }
 
-TEST(AsyncSeal, AtMostMaxLandingChunksStayInFlightAndStatisticsLandThem) {
+TEST(AsyncSeal, AtMostMaxLandingChunksStayInFlightAndStatisticsReportThem) {
   TempDir dir;
   DeferredDownloadTier* tier = nullptr;
-  StoreOptions so = DeferredStore(dir.path(), &tier, 1 << 30);
+  OptionsAndHooks so = DeferredStore(dir.path(), &tier, 1 << 30);
   so.max_landing_chunks = 2;
-  auto store = TieredStore::Open(so);
+  auto store = TieredStore::Open(so, so.hooks);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   auto seq = (*store)->CreateSequence();
   ASSERT_TRUE(seq.ok());
@@ -553,9 +583,17 @@ TEST(AsyncSeal, AtMostMaxLandingChunksStayInFlightAndStatisticsLandThem) {
   EXPECT_EQ(tier->issued(), 12u);
   EXPECT_EQ(tier->in_flight(), 2u);
   EXPECT_EQ(tier->max_in_flight(), 3u);  // the bound, plus the one just submitted
-  const StoreCounters c = (*store)->counters();
+  // Statistics count the landed chunks and report the others; they land nothing.
+  StoreCounters c = (*store)->counters();
+  EXPECT_EQ(tier->in_flight(), 2u);
+  EXPECT_EQ(c.chunks_sealed, 10u);
+  EXPECT_EQ(c.chunks_landing, 2u);
+  EXPECT_EQ(c.warm_chunks, 10u);
+  ASSERT_TRUE((*store)->Flush(*seq).ok());
+  c = (*store)->counters();
   EXPECT_EQ(tier->in_flight(), 0u);
   EXPECT_EQ(c.chunks_sealed, 12u);
+  EXPECT_EQ(c.chunks_landing, 0u);
   EXPECT_EQ(c.warm_chunks, 12u);
   so.max_landing_chunks = 0;
   EXPECT_EQ(so.Validate().code(), StatusCode::kInvalidArgument);
@@ -570,26 +608,32 @@ TEST(AsyncSeal, AtMostMaxLandingChunksStayInFlightAndStatisticsLandThem) {
 TEST(AsyncSeal, AFailedDownloadIsReportedOnceAndLosesOnlyItsChunk) {
   TempDir dir;
   DeferredDownloadTier* tier = nullptr;
-  const StoreOptions so = DeferredStore(dir.path(), &tier, 1 << 30, /*fail_download=*/3);
+  const OptionsAndHooks so = DeferredStore(dir.path(), &tier, 1 << 30, /*fail_download=*/3);
   const size_t tok = so.geometry.token_elems();
   constexpr int64_t kTokens = 40;  // 4 sinks, 6 chunks sealed of 4 tokens, 12 in the ring
   const Window w = MakeWindow(0, 0, kTokens);
   SequenceId seq = 0;
   {
-    auto store = TieredStore::Open(so);
+    auto store = TieredStore::Open(so, so.hooks);
     ASSERT_TRUE(store.ok()) << store.status().ToString();
     auto created = (*store)->CreateSequence();
     ASSERT_TRUE(created.ok());
     seq = *created;
     ASSERT_TRUE((*store)->Append(seq, 0, w.k.data(), w.v.data(), kTokens, DType::kF16).ok());
     EXPECT_EQ(tier->in_flight(), 6u);
-    // The first call that lands layer 0 reports the failure, naming the chunk; the next does not.
+    // A reader sees none of them and lands nothing.
     auto listed = (*store)->ListChunks(seq, 0);
-    ASSERT_FALSE(listed.ok());
-    EXPECT_EQ(listed.status().code(), StatusCode::kIOError) << listed.status().ToString();
-    EXPECT_NE(listed.status().message().find("injected failure"), std::string::npos);
-    EXPECT_NE(listed.status().message().find(ChunkKey{seq, 0, 2}.ToString()), std::string::npos)
-        << listed.status().ToString();
+    ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+    EXPECT_TRUE(listed->empty());
+    EXPECT_EQ(tier->in_flight(), 6u);
+    // The first driver call that lands layer 0 reports the failure, naming the chunk; the
+    // next does not.
+    const Status flushed = (*store)->Flush(seq);
+    EXPECT_EQ(flushed.code(), StatusCode::kIOError) << flushed.ToString();
+    EXPECT_NE(flushed.message().find("injected failure"), std::string::npos);
+    EXPECT_NE(flushed.message().find(ChunkKey{seq, 0, 2}.ToString()), std::string::npos)
+        << flushed.ToString();
+    ASSERT_TRUE((*store)->Flush(seq).ok());
     listed = (*store)->ListChunks(seq, 0);
     ASSERT_TRUE(listed.ok()) << listed.status().ToString();
     std::vector<uint64_t> indices;
@@ -612,7 +656,7 @@ TEST(AsyncSeal, AFailedDownloadIsReportedOnceAndLosesOnlyItsChunk) {
     ASSERT_TRUE((*store)->CloseSequence(seq).ok());
   }
   // Every acknowledged chunk comes back after a reopen.
-  auto store = TieredStore::Open(so);
+  auto store = TieredStore::Open(so, so.hooks);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   auto listed = (*store)->ListChunks(seq, 0);
   ASSERT_TRUE(listed.ok()) << listed.status().ToString();
@@ -627,9 +671,9 @@ TEST(AsyncSeal, AFailedDownloadIsReportedOnceAndLosesOnlyItsChunk) {
 TEST(AsyncSeal, AFailedDownloadIsReportedByAppendBeforeItAppends) {
   DeferredDownloadTier* tier = nullptr;
   // polls_before_done 1: the poll right after sealing says "not yet", the next Append's says done.
-  StoreOptions so = DeferredStore("", &tier, /*polls_before_done=*/1, /*fail_download=*/1);
+  OptionsAndHooks so = DeferredStore("", &tier, /*polls_before_done=*/1, /*fail_download=*/1);
   so.data_dir = "";
-  auto store = TieredStore::Open(so);
+  auto store = TieredStore::Open(so, so.hooks);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   auto seq = (*store)->CreateSequence();
   ASSERT_TRUE(seq.ok());
@@ -650,21 +694,25 @@ TEST(AsyncSeal, AFailedDownloadIsReportedByAppendBeforeItAppends) {
   EXPECT_TRUE(listed->empty());  // chunk 0 is a hole
 }
 
-TEST(AsyncSeal, StatisticsOnAnotherThreadLandChunksWhileSequencesComeAndGo) {
-  // counters() lands every sequence's chunks from its own thread, while this one appends
-  // and drops: a drop waits for a landing in progress instead of freeing what it reads.
+TEST(AsyncSeal, StatisticsOnAnotherThreadLandNothingWhileSequencesComeAndGo) {
+  // counters() on its own thread, while this one appends and drops (a drop lands what is in
+  // flight): the reader sees consistent numbers and never runs a landing.
   DeferredDownloadTier* tier = nullptr;
-  auto store = TieredStore::Open(DeferredStore("", &tier, 1 << 30));
+  const OptionsAndHooks so = DeferredStore("", &tier, 1 << 30);
+  auto store = TieredStore::Open(so, so.hooks);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> reads{0};
+  std::thread::id reader_id;
   std::thread reader([&] {
     while (!stop.load()) {
       const StoreCounters c = (*store)->counters();
       EXPECT_LE(c.warm_chunks, c.chunks_sealed);
+      EXPECT_LE(c.chunks_landing, static_cast<uint64_t>(kLayers) * 6);
       reads.fetch_add(1);
     }
   });
+  reader_id = reader.get_id();
   constexpr int kRounds = 30;
   for (int round = 0; round < kRounds; ++round) {
     auto seq = (*store)->CreateSequence();
@@ -678,10 +726,75 @@ TEST(AsyncSeal, StatisticsOnAnotherThreadLandChunksWhileSequencesComeAndGo) {
   stop.store(true);
   reader.join();
   EXPECT_GT(reads.load(), 0u);
+  EXPECT_FALSE(tier->landed_on(reader_id));
+  EXPECT_TRUE(tier->landed_on(std::this_thread::get_id()));
   EXPECT_EQ(tier->in_flight(), 0u);
   const StoreCounters c = (*store)->counters();
   EXPECT_EQ(c.chunks_sealed, static_cast<uint64_t>(kRounds) * kLayers * 6);
   EXPECT_EQ(c.warm_chunks, 0u);
+}
+
+TEST(AsyncSeal, AReaderOnAnotherThreadNeverLandsASequenceItDoesNotDrive) {
+  // Downloads complete only when waited: every chunk sealed stays landing until its
+  // sequence's driver (this thread) lands it. A reader on another thread calls every reader
+  // of the store and must neither see those chunks nor run their landing.
+  TempDir dir;
+  DeferredDownloadTier* tier = nullptr;
+  OptionsAndHooks so = DeferredStore(dir.path(), &tier, 1 << 30);
+  so.max_landing_chunks = 8;
+  auto opened = TieredStore::Open(so, so.hooks);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  TieredStore* store = opened->get();
+  auto seq = store->CreateSequence();
+  ASSERT_TRUE(seq.ok());
+  // 4 sinks, 6 chunks sealed (4 tokens each), 12 in the ring, in every layer.
+  for (int l = 0; l < kLayers; ++l) {
+    const Window w = MakeWindow(l, 0, 40);
+    ASSERT_TRUE(store->Append(*seq, l, w.k.data(), w.v.data(), 40, DType::kF16).ok());
+  }
+  const size_t in_flight = tier->in_flight();
+  ASSERT_EQ(in_flight, static_cast<size_t>(kLayers) * 6);
+  const uint64_t landing = store->counters().chunks_landing;
+  EXPECT_EQ(landing, in_flight);
+  std::thread::id reader_id;
+  std::thread reader([&] {
+    const size_t tok = so.geometry.token_elems();
+    for (int l = 0; l < kLayers; ++l) {
+      auto count = store->ChunkCount(*seq, l);
+      ASSERT_TRUE(count.ok());
+      EXPECT_EQ(*count, 0u);  // all six still landing
+      auto listed = store->ListChunks(*seq, l);
+      ASSERT_TRUE(listed.ok());
+      EXPECT_TRUE(listed->empty());
+      std::vector<float> repr(static_cast<size_t>(so.repr_topk) * tok);
+      EXPECT_EQ(store->GetRepresentatives(ChunkKey{*seq, static_cast<uint32_t>(l), 0}, repr.data()).code(),
+                StatusCode::kNotFound);
+      ChunkUpdate update;
+      ASSERT_TRUE(store->ChunkUpdatesSince(*seq, l, ChunkCursor{}, &update).ok());
+      EXPECT_TRUE(update.added.empty());
+      EXPECT_EQ(update.next.chunks, 0u);
+      std::vector<uint16_t> k(40 * tok), v(40 * tok);
+      EXPECT_EQ(store->ReadTokens(*seq, l, 0, 40, k.data(), v.data()).code(),
+                StatusCode::kFailedPrecondition);
+      EXPECT_TRUE(store->ReadTokens(*seq, l, 28, 40, k.data(), v.data()).ok());  // the local window
+      EXPECT_EQ(*store->SequenceLength(*seq, l), 40);
+    }
+    const StoreCounters c = store->counters();
+    EXPECT_EQ(c.chunks_landing, in_flight);
+    EXPECT_EQ(c.chunks_sealed, 0u);
+    EXPECT_GT(store->metadata_bytes(), 0u);
+  });
+  reader_id = reader.get_id();
+  reader.join();
+  EXPECT_FALSE(tier->landed_on(reader_id)) << "a reader ran a landing of a sequence it does not drive";
+  EXPECT_EQ(tier->in_flight(), in_flight);
+  EXPECT_EQ(store->counters().chunks_landing, landing);
+  // The driver lands them, on its own thread; then readers see every chunk.
+  ASSERT_TRUE(store->Flush(*seq).ok());
+  EXPECT_TRUE(tier->landed_on(std::this_thread::get_id()));
+  EXPECT_EQ(tier->in_flight(), 0u);
+  EXPECT_EQ(store->counters().chunks_landing, 0u);
+  for (int l = 0; l < kLayers; ++l) EXPECT_EQ(*store->ChunkCount(*seq, l), 6u);
 }
 
 }  // namespace

@@ -97,7 +97,19 @@ TEST(StoreOptions, ValidateNamesTheField) {
   bad([](StoreOptions& b) { b.pin_timeout_ms = 0; }, "pin_timeout_ms");
   bad([](StoreOptions& b) { b.device = static_cast<Device>(7); }, "device");
   bad([](StoreOptions& b) { b.repr_choice = static_cast<ReprChoice>(7); }, "repr_choice");
-  bad([](StoreOptions& b) { b.clock = nullptr; }, "clock");
+}
+
+TEST(TieredStore, BadHooksAreInvalidArgumentNamingTheHook) {
+  StoreHooks hooks;
+  hooks.clock = nullptr;
+  auto s = TieredStore::Open(SmallOptions(""), hooks);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("clock"), std::string::npos) << s.status().ToString();
+  // The options are still checked with hooks, the device alone excepted when the hot tier is the hook's.
+  StoreOptions bad = SmallOptions("");
+  bad.chunk_size = 0;
+  EXPECT_EQ(TieredStore::Open(bad, StoreHooks{}).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(TieredStore, DataDirThatIsAFileIsRejected) {
@@ -243,11 +255,12 @@ TEST_P(ColdFailure, FullWarmTierKeepsEveryChunkWhileTheDiskFails) {
   o.write_through = GetParam();
   o.warm_bytes = 4 * o.chunk_bytes();
   auto failing = std::make_shared<std::atomic<bool>>(false);
-  o.cold_fault_injector = [failing](std::string_view op, const ChunkKey& k) {
+  StoreHooks hooks;
+  hooks.cold_fault_injector = [failing](std::string_view op, const ChunkKey& k) {
     return failing->load() && op == "put" ? IOError("injected: disk full writing " + k.ToString())
                                           : Status::Ok();
   };
-  auto s = TieredStore::Open(o);
+  auto s = TieredStore::Open(o, hooks);
   ASSERT_TRUE(s.ok());
   TieredStore* st = s->get();
   auto seq = st->CreateSequence();
@@ -545,7 +558,7 @@ TEST(TieredStore, FetchesOfTwoLayersInFlightAtOnce) {
   EXPECT_GE(st->counters().cold_reads - c0.cold_reads, 4u);
 }
 
-// Leases run on StoreOptions::clock: a ManualClock moves time by exactly what the test
+// Leases run on StoreHooks::clock: a ManualClock moves time by exactly what the test
 // says, so nothing sleeps and a busy machine cannot make the lease run out early or late.
 // Two slots, pins of 50 ms, 6 chunks of layer 0 sealed.
 std::unique_ptr<TieredStore> TwoHotSlotsWithManualLeases(const std::string& dir,
@@ -554,8 +567,9 @@ std::unique_ptr<TieredStore> TwoHotSlotsWithManualLeases(const std::string& dir,
   StoreOptions o = SmallOptions(dir);
   o.hot_bytes = 2 * o.chunk_bytes();
   o.pin_timeout_ms = 50;
-  o.clock = clock;
-  auto s = TieredStore::Open(o);
+  StoreHooks hooks;
+  hooks.clock = clock;
+  auto s = TieredStore::Open(o, hooks);
   EXPECT_TRUE(s.ok()) << s.status().ToString();
   if (!s.ok()) return nullptr;
   auto created = (*s)->CreateSequence();
@@ -698,6 +712,7 @@ TEST(TieredStore, ChunkUpdatesSinceHandsOverLandedAndDroppedChunks) {
 struct PagedAndResident {
   TempDir dir;
   StoreOptions paged_o, resident_o;
+  StoreHooks paged_hooks;
   std::unique_ptr<TieredStore> paged, resident;
   SequenceId paged_seq = 0, resident_seq = 0;
   static constexpr int64_t kTokens = 8 + 40 + 8 * 30;  // sinks, a full ring, 30 sealed chunks a layer
@@ -719,10 +734,10 @@ std::unique_ptr<PagedAndResident> MakePagedAndResident(
   auto p = std::make_unique<PagedAndResident>();
   p->paged_o = SmallOptions(p->dir.path());
   p->paged_o.warm_bytes = 4 * p->paged_o.chunk_bytes();
-  p->paged_o.cold_fault_injector = std::move(injector);
+  p->paged_hooks.cold_fault_injector = std::move(injector);
   p->resident_o = SmallOptions("");
   p->resident_o.warm_bytes = 128 * p->resident_o.chunk_bytes();
-  auto a = TieredStore::Open(p->paged_o);
+  auto a = TieredStore::Open(p->paged_o, p->paged_hooks);
   auto b = TieredStore::Open(p->resident_o);
   EXPECT_TRUE(a.ok() && b.ok());
   if (!a.ok() || !b.ok()) return nullptr;
@@ -848,7 +863,7 @@ TEST(TieredStore, ReopenLeavesRepresentativesInTheColdTier) {
   ASSERT_TRUE(p->paged->CloseSequence(p->paged_seq).ok());
   const uint64_t before = p->paged->metadata_bytes();
   p->paged.reset();
-  auto reopened = TieredStore::Open(p->paged_o);
+  auto reopened = TieredStore::Open(p->paged_o, p->paged_hooks);
   ASSERT_TRUE(reopened.ok()) << reopened.status().ToString();
   TieredStore* st = reopened->get();
   const size_t repr_bytes = static_cast<size_t>(p->paged_o.repr_topk) * TokenBytes(p->paged_o);
@@ -1182,13 +1197,14 @@ TEST(TieredStoreHotTier, AnEngineCanInjectItsOwnHotTier) {
   StoreOptions o = SmallOptions(dir.path());
   o.device = static_cast<Device>(7);  // the factory wins: the device is not looked at
   CountingHotTier* tier = nullptr;
-  o.hot_tier_factory = [&tier](size_t pool_bytes, size_t slot_bytes) -> Result<std::unique_ptr<HotTier>> {
+  StoreHooks hooks;
+  hooks.hot_tier_factory = [&tier](size_t pool_bytes, size_t slot_bytes) -> Result<std::unique_ptr<HotTier>> {
     KVTIER_ASSIGN_OR_RETURN(auto host, MakeHotTier(Device::kCpu, pool_bytes, slot_bytes));
     auto counting = std::make_unique<CountingHotTier>(std::move(host));
     tier = counting.get();
     return std::unique_ptr<HotTier>(std::move(counting));
   };
-  auto s = TieredStore::Open(o);
+  auto s = TieredStore::Open(o, hooks);
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   ASSERT_NE(tier, nullptr);
   TieredStore* st = s->get();
@@ -1249,17 +1265,18 @@ TEST(TieredStoreHotTier, DevicesAndTheirErrors) {
 
 TEST(TieredStoreHotTier, AnInjectedTierWithTheWrongSlotsIsRefused) {
   StoreOptions o = SmallOptions("");
-  o.hot_tier_factory = [](size_t pool_bytes, size_t slot_bytes) {
+  StoreHooks hooks;
+  hooks.hot_tier_factory = [](size_t pool_bytes, size_t slot_bytes) {
     return MakeHotTier(Device::kCpu, pool_bytes, slot_bytes / 2);
   };
-  auto s = TieredStore::Open(o);
+  auto s = TieredStore::Open(o, hooks);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.status().message().find("slot"), std::string::npos) << s.status().ToString();
-  o.hot_tier_factory = [](size_t, size_t) -> Result<std::unique_ptr<HotTier>> {
+  hooks.hot_tier_factory = [](size_t, size_t) -> Result<std::unique_ptr<HotTier>> {
     return Unavailable("no device");
   };
-  EXPECT_EQ(TieredStore::Open(o).status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(TieredStore::Open(o, hooks).status().code(), StatusCode::kUnavailable);
 }
 
 // Scores set while chunks sit in warm reach the cold tier with the chunks (written at

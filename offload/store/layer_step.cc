@@ -1,0 +1,40 @@
+// TieredStore, part "layer step": the door a sequence's driver goes through once per layer
+// step (BeginLayerStep). A decode layer step makes two store visits and three lock entries:
+//   1. BeginLayerStep: under one lock entry, lands the layer's own sealed chunks (nothing to
+//      do in the steady state), reads the sticky background error, the hot view (sinks and
+//      local window) and the layer's chunk updates since the retrieval index's cursor;
+//   2. FetchChunks of the chosen chunks: one lock entry; its handle's Wait takes no lock
+//      when every chunk was hot already;
+//   3. FetchHandle::Release after attention: one lock entry.
+// tests/offload/layer_step_test.cc counts them.
+//
+// Locking: mu_ (TieredStore's one mutex) for all of it; the hot view reads the layer's sinks
+// and ring, which belong to the driver (the caller). The updates may drop the lock to read
+// representatives back from the lower tiers (the first sync after a reopen), as
+// ChunkUpdatesSince does.
+
+#include "offload/store_state.h"
+#include "offload/tiered_store.h"
+
+namespace kvtier {
+
+Status TieredStore::BeginLayerStep(SequenceId seq, int layer, const ChunkCursor* since, ChunkUpdate* updates,
+                                   LayerStepView* out, size_t max_added) {
+  CountVisit();
+  if (out == nullptr) return InvalidArgument("BeginLayerStep: out must not be null");
+  if (since != nullptr && updates == nullptr)
+    return InvalidArgument("BeginLayerStep: updates must not be null when a cursor is given");
+  if (max_added == 0) return InvalidArgument("BeginLayerStep: max_added must be > 0");
+  std::unique_lock<CountingMutex> l(mu_);
+  Sequence* s = nullptr;
+  KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+  // The caller drives the sequence: the layer's own sealed chunks land now (see "Landing").
+  LandLayerLocked(l, s, layer);
+  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
+  out->background = lower_.BackgroundErrorLocked();
+  KVTIER_RETURN_IF_ERROR(HotViewOf(seq, s->layers[layer], &out->hot));
+  if (since == nullptr) return Status::Ok();
+  return ChunkUpdatesLocked(l, s, layer, *since, updates, max_added);
+}
+
+}  // namespace kvtier
