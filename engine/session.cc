@@ -8,7 +8,7 @@
 #include <new>
 
 #include "engine/compress.h"
-#include "engine/layer_parts.h"
+#include "engine/session_internal.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/dtype.h"
 #include "kvtier/kvtier.h"
@@ -127,7 +127,7 @@ Status SessionOptions::Validate(const StoreOptions& store) const {
                          " or lower budget_tokens to at most " + std::to_string(pool * store.chunk_size));
 }
 
-Session::Session(TieredStore* store, SequenceId seq, const SessionOptions& options)
+SessionImpl::SessionImpl(TieredStore* store, SequenceId seq, const SessionOptions& options)
     : store_(store), seq_(seq), options_(options), plan_(std::make_unique<AttentionPlan>()) {
   const Geometry& g = store->options().geometry;
   if (options.positions == PositionMode::kInfLLM)
@@ -136,11 +136,11 @@ Session::Session(TieredStore* store, SequenceId seq, const SessionOptions& optio
   kept_.resize(static_cast<size_t>(g.layers));
 }
 
-Session::~Session() { ReleaseReservation(); }
+SessionImpl::~SessionImpl() { ReleaseReservation(); }
 
-const Geometry& Session::geometry() const { return store_->options().geometry; }
+const Geometry& SessionImpl::geometry() const { return store_->options().geometry; }
 
-void Session::ReleaseReservation() {
+void SessionImpl::ReleaseReservation() {
   if (reservation_ != 0) store_->ReleaseHotSlots(reservation_);
   reservation_ = 0;
   reserved_slots_ = 0;
@@ -174,7 +174,7 @@ Result<std::unique_ptr<Session>> Session::Attach(Store* base, SequenceId seq, co
                     "tier is on \"") +
         DeviceName(store->hot_tier()->device()) + "\"; use absolute positions (the engine applies RoPE)");
   try {
-    std::unique_ptr<Session> s(new Session(store, seq, options));
+    std::unique_ptr<SessionImpl> s(new SessionImpl(store, seq, options));
     // Sized for decode (one query); a prefill window grows a device workspace once.
     KVTIER_ASSIGN_OR_RETURN(s->backend_, MakeAttentionBackend(store->hot_tier(), g, 1));
     if (options.retrieve) {
@@ -194,13 +194,13 @@ Result<std::unique_ptr<Session>> Session::Attach(Store* base, SequenceId seq, co
         s->reserved_slots_ = static_cast<int32_t>(slots);
       }
     }
-    return s;
+    return std::unique_ptr<Session>(std::move(s));
   } catch (const std::bad_alloc&) {
     return ResourceExhausted("Session: out of memory creating the session's state");
   }
 }
 
-void Session::ApplyRope(float* x, int m, int heads, const int64_t* positions) const {
+void SessionImpl::ApplyRope(float* x, int m, int heads, const int64_t* positions) const {
   if (inv_freq_.empty()) return;  // kAbsolute: the engine applied RoPE
   kernels::Rope(x, m, heads, geometry().head_dim, positions, inv_freq_.data());
 }
@@ -276,7 +276,7 @@ Status AttendAndObserve(TieredStore* store, SequenceId seq, int layer, Attention
 
 }  // namespace
 
-Status Session::CheckFiniteKv(int layer, const void* k, const void* v, int n, DType dtype) const {
+Status SessionImpl::CheckFiniteKv(int layer, const void* k, const void* v, int n, DType dtype) const {
   // Malformed calls are refused by the store's Append, which names what is wrong.
   if (k == nullptr || v == nullptr || n <= 0 || dtype != geometry().dtype) return Status::Ok();
   const Geometry& g = geometry();
@@ -301,7 +301,7 @@ Status Session::CheckFiniteKv(int layer, const void* k, const void* v, int n, DT
   return Status::Ok();
 }
 
-Status Session::Append(int layer, const void* k, const void* v, int n, DType dtype, MemorySpace space) {
+Status SessionImpl::Append(int layer, const void* k, const void* v, int n, DType dtype, MemorySpace space) {
   if (dropped_) return FailedPrecondition("Session::Append: the session's sequence was dropped");
   if (space == MemorySpace::kHost) KVTIER_RETURN_IF_ERROR(CheckFiniteKv(layer, k, v, n, dtype));
   KVTIER_RETURN_IF_ERROR(store_->Append(seq_, layer, k, v, n, dtype, space));
@@ -309,7 +309,7 @@ Status Session::Append(int layer, const void* k, const void* v, int n, DType dty
   return Status::Ok();
 }
 
-Status Session::BeginStep(StepKind kind) {
+Status SessionImpl::BeginStep(StepKind kind) {
   if (dropped_) return FailedPrecondition("Session::BeginStep: the session's sequence was dropped");
   if (kind != StepKind::kPrefill && kind != StepKind::kDecode)
     return InvalidArgument("Session::BeginStep: unknown step kind " + std::to_string(static_cast<int>(kind)));
@@ -321,8 +321,8 @@ Status Session::BeginStep(StepKind kind) {
   return Status::Ok();
 }
 
-Status Session::CheckLayerCall(const char* what, int layer, const float* q, const int64_t* positions, int m,
-                               bool in_step) const {
+Status SessionImpl::CheckLayerCall(const char* what, int layer, const float* q, const int64_t* positions,
+                                   int m, bool in_step) const {
   const Geometry& g = geometry();
   if (dropped_)
     return FailedPrecondition(std::string("Session::") + what + ": the session's sequence was dropped");
@@ -367,8 +367,8 @@ Status Session::CheckLayerCall(const char* what, int layer, const float* q, cons
   return Status::Ok();
 }
 
-Status Session::CheckPositionsHeld(const char* what, int layer, const int64_t* positions, int m,
-                                   int64_t held) const {
+Status SessionImpl::CheckPositionsHeld(const char* what, int layer, const int64_t* positions, int m,
+                                       int64_t held) const {
   const std::string call = std::string("Session::") + what + ": layer " + std::to_string(layer);
   const std::string got =
       " (got " + std::to_string(positions[0]) + ".." + std::to_string(positions[m - 1]) + ")";
@@ -389,7 +389,8 @@ Status Session::CheckPositionsHeld(const char* what, int layer, const int64_t* p
   return Status::Ok();
 }
 
-const float* Session::MemoryQueries(const float* q, const int64_t* positions, int m, int64_t local_start) {
+const float* SessionImpl::MemoryQueries(const float* q, const int64_t* positions, int m,
+                                        int64_t local_start) {
   if (inv_freq_.empty()) return q;  // kAbsolute: the engine's queries are memory's view already
   const Geometry& g = geometry();
   q_mem_.assign(q, q + static_cast<size_t>(m) * g.q_heads * g.head_dim);
@@ -399,7 +400,7 @@ const float* Session::MemoryQueries(const float* q, const int64_t* positions, in
   return q_mem_.data();
 }
 
-const float* Session::TrueQueries(const float* q, const int64_t* positions, int m) {
+const float* SessionImpl::TrueQueries(const float* q, const int64_t* positions, int m) {
   if (inv_freq_.empty()) return q;  // kAbsolute: already rotated at their true positions
   const Geometry& g = geometry();
   q_rot_.assign(q, q + static_cast<size_t>(m) * g.q_heads * g.head_dim);
@@ -407,7 +408,7 @@ const float* Session::TrueQueries(const float* q, const int64_t* positions, int 
   return q_rot_.data();
 }
 
-void Session::KeepQueries(int layer, const float* q, const int64_t* positions, int m) {
+void SessionImpl::KeepQueries(int layer, const float* q, const int64_t* positions, int m) {
   if (options_.keep_queries <= 0) return;
   // Kept for Compress as attention sees them: rotated at their true positions.
   q = TrueQueries(q, positions, m);
@@ -420,7 +421,7 @@ void Session::KeepQueries(int layer, const float* q, const int64_t* positions, i
   }
 }
 
-Status Session::Observe(int layer, const float* q, const int64_t* positions, int m) {
+Status SessionImpl::Observe(int layer, const float* q, const int64_t* positions, int m) {
   KVTIER_RETURN_IF_ERROR(CheckLayerCall("Observe", layer, q, positions, m, /*in_step=*/false));
   KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, layer));
   KVTIER_RETURN_IF_ERROR(CheckPositionsHeld("Observe", layer, positions, m, view.n_tokens));
@@ -430,20 +431,20 @@ Status Session::Observe(int layer, const float* q, const int64_t* positions, int
   return ObserveLocked(layer, q, q_mem, positions, m, view, local_start);
 }
 
-bool Session::ObservesStatistics() const {
+bool SessionImpl::ObservesStatistics() const {
   return options_.observe_prefill && store_->options().repr_topk < store_->options().chunk_size;
 }
 
-Status Session::ObserveLocked(int layer, const float* q, const float* q_mem, const int64_t* positions, int m,
-                              const HotView& view, int64_t local_start) {
+Status SessionImpl::ObserveLocked(int layer, const float* q, const float* q_mem, const int64_t* positions,
+                                  int m, const HotView& view, int64_t local_start) {
   if (ObservesStatistics())
     KVTIER_RETURN_IF_ERROR(ObserveStatistics(layer, q, positions, m, view, local_start));
   if (retriever_) KVTIER_RETURN_IF_ERROR(retriever_->Observe(layer, q_mem, m));
   return Status::Ok();
 }
 
-Status Session::ObserveStatistics(int layer, const float* q, const int64_t* positions, int m,
-                                  const HotView& view, int64_t local_start) {
+Status SessionImpl::ObserveStatistics(int layer, const float* q, const int64_t* positions, int m,
+                                      const HotView& view, int64_t local_start) {
   if (inv_freq_.empty()) return store_->ObserveQueries(seq_, layer, q, positions, m);
   // kInfLLM (host tiers only: Open refuses a device tier). The model attends the local window
   // at its true positions and the sinks at L0 once chunks separate them (Attend's rotations),
@@ -487,18 +488,18 @@ Status Session::ObserveStatistics(int layer, const float* q, const int64_t* posi
   return Status::Ok();
 }
 
-Status Session::SetQuestion(int layer, const float* q, int m) {
+Status SessionImpl::SetQuestion(int layer, const float* q, int m) {
   if (dropped_) return FailedPrecondition("Session::SetQuestion: the session's sequence was dropped");
   if (!retriever_) return FailedPrecondition("Session::SetQuestion: retrieval is off (retrieve = false)");
   return retriever_->SetQuestion(layer, q, m);
 }
 
-Result<LayerParts> Session::Gather(int layer, const float* q, const int64_t* positions, int m) {
+Result<LayerParts> SessionImpl::Gather(int layer, const float* q, const int64_t* positions, int m) {
   return GatherFor("Gather", layer, q, positions, m);
 }
 
-Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* q, const int64_t* positions,
-                                      int m, bool observe) {
+Result<LayerParts> SessionImpl::GatherFor(const char* what, int layer, const float* q,
+                                          const int64_t* positions, int m, bool observe) {
   KVTIER_RETURN_IF_ERROR(CheckLayerCall(what, layer, q, positions, m, /*in_step=*/true));
   try {
     const bool decode = step_ == StepKind::kDecode;
@@ -598,8 +599,8 @@ Result<LayerParts> Session::GatherFor(const char* what, int layer, const float* 
   }
 }
 
-Status Session::Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
-                       AttendStats* stats) {
+Status SessionImpl::Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
+                           AttendStats* stats) {
   if (out == nullptr) return InvalidArgument("Session::Attend: out must not be null");
   const Geometry& g = geometry();
   // A prefill window's representative-key statistics come from this attention (the kernel's
@@ -686,7 +687,8 @@ Status Session::Attend(int layer, const float* q, const int64_t* positions, int 
   }
 }
 
-Result<CompressReport> Session::Compress(const std::string& policy_spec, int64_t kv_budget, int n_queries) {
+Result<CompressReport> SessionImpl::Compress(const std::string& policy_spec, int64_t kv_budget,
+                                             int n_queries) {
   if (dropped_) return FailedPrecondition("Session::Compress: the session's sequence was dropped");
   if (options_.keep_queries <= 0)
     return FailedPrecondition(
@@ -784,14 +786,14 @@ Result<CompressReport> Session::Compress(const std::string& policy_spec, int64_t
   }
 }
 
-Status Session::Close() {
+Status SessionImpl::Close() {
   if (dropped_) return FailedPrecondition("Session::Close: the session's sequence was dropped");
   in_step_ = false;
   ReleaseReservation();
   return store_->CloseSequence(seq_);
 }
 
-Status Session::Drop() {
+Status SessionImpl::Drop() {
   if (dropped_) return FailedPrecondition("Session::Drop: the session's sequence was dropped already");
   KVTIER_RETURN_IF_ERROR(store_->DropSequence(seq_));
   ReleaseReservation();

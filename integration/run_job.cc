@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "engine/compress.h"
+#include "engine/session_internal.h"
 #include "integration/json.h"
 #include "integration/kv_source.h"
 #include "integration/policy_eval.h"
@@ -439,7 +440,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
     rep.policy.scoring_ms += 1e3 * (NowSeconds() - t0);
     const uint64_t dropped_before = store->counters().dropped_chunks;
     KVTIER_RETURN_IF_ERROR(store->DropChunks(seq, l, drop));
-    for (Method& mt : methods) KVTIER_RETURN_IF_ERROR(mt.session->retriever()->Forget(seq, l, drop));
+    for (Method& mt : methods) KVTIER_RETURN_IF_ERROR(ImplOf(*mt.session).retriever()->Forget(seq, l, drop));
     if (act_probe) {
       KVTIER_RETURN_IF_ERROR(act_probe->Forget(seq, l, drop));
       KVTIER_RETURN_IF_ERROR(mean_probe->Forget(seq, l, drop));
@@ -567,7 +568,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
   rep.index_cap_bytes = opt.store.index_bytes;
   uint64_t retriever_bytes = 0, index_bound = 0;
   for (Method& mt : methods) {
-    const Retriever* r = mt.session->retriever();
+    const Retriever* r = ImplOf(*mt.session).retriever();
     retriever_bytes += r->memory_bytes();
     rep.index_compressed_chunks += r->compressed_chunks();
     rep.index_evicted_chunks += r->evicted_chunks();
@@ -625,10 +626,10 @@ Result<RunReport> RunJob(const RunOptions& options) {
   for (Method& mt : methods) {
     MethodReport mr;
     mr.name = mt.name;
-    mr.spec = mt.session->retriever()->Describe();
-    mr.selections = mt.session->retriever()->selections();
-    mr.reused_selections = mt.session->retriever()->reused_selections();
-    mr.sliced_selections = mt.session->retriever()->sliced_selections();
+    mr.spec = ImplOf(*mt.session).retriever()->Describe();
+    mr.selections = ImplOf(*mt.session).retriever()->selections();
+    mr.reused_selections = ImplOf(*mt.session).retriever()->reused_selections();
+    mr.sliced_selections = ImplOf(*mt.session).retriever()->sliced_selections();
     mr.chunk_counts.assign(static_cast<size_t>(L), std::vector<uint64_t>(cc.buckets, 0));
     mr.chunk_max_steps = mr.chunk_counts;
     std::vector<std::vector<uint32_t>> chunk_steps(static_cast<size_t>(L),

@@ -7,7 +7,7 @@
 #include <random>
 #include <thread>
 
-#include "engine/layer_parts.h"
+#include "engine/session_internal.h"
 #include "integration/json.h"
 #include "integration/pattern.h"
 #include "integration/sysinfo.h"
@@ -111,7 +111,7 @@ Result<StressReport> RunStress(const StressOptions& opt) {
             return;
           }
           std::vector<uint64_t> pick;
-          (*session)->SetChunkSelector(
+          ImplOf(**session).SetChunkSelector(
               [&](int, const float*, const int64_t*, int,
                   const std::vector<ChunkInfo>& chunks) -> Result<std::vector<uint64_t>> {
                 pick.clear();
@@ -166,7 +166,7 @@ Result<StressReport> RunStress(const StressOptions& opt) {
                 return;
               }
               const int64_t at = len[l] - 1;
-              auto parts = (*session)->Gather(l, q.data(), &at, 1);
+              auto parts = ImplOf(**session).Gather(l, q.data(), &at, 1);
               if (!parts.ok()) {
                 sh.Fail("fetch: " + parts.status().ToString());
                 continue;

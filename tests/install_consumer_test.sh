@@ -8,7 +8,8 @@
 # against the source tree or the CUDA toolkit's headers, or if it gets KVTIER_HAVE_CUDA
 # from a library built without CUDA. Also fails if anything but include/kvtier/*.h is
 # installed as a header, if an installed header does not compile alone against the install
-# (one that includes a header that is not installed), or if the two spellings of DType
+# (one that includes a header that is not installed) or names a type no installed header
+# defines (tests/public_types_test.sh), or if the two spellings of DType
 # (kvtier/types.h and kernels/dtype.h, which must not include each other) differ.
 #   tests/install_consumer_test.sh BUILD_DIR SOURCE_DIR [KVTIER_WITH_CUDA: ON|OFF]
 set -euo pipefail
@@ -30,6 +31,9 @@ for h in $installed; do
   "${CXX:-c++}" -std=c++20 -fsyntax-only -I "$work/prefix/include" "$work/alone.cc" 2> "$work/alone.log" ||
     { echo "installed header $h does not compile alone:" >&2; cat "$work/alone.log" >&2; exit 1; }
 done
+# Each installed header names only types the installed headers define (no internal type, not
+# even forward-declared): with the compile-alone check above, no internal type reaches an engine.
+bash "$src/tests/public_types_test.sh" "$work/prefix/include" > /dev/null
 echo '#include <kvtier/kvtier_c.h>' > "$work/alone.c"
 "${CC:-cc}" -std=c99 -fsyntax-only -I "$work/prefix/include" "$work/alone.c" ||
   { echo "kvtier/kvtier_c.h does not compile alone as C99" >&2; exit 1; }

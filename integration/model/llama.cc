@@ -232,7 +232,7 @@ Result<std::unique_ptr<LlamaSession>> LlamaSession::Create(const LlamaModel* mod
 Status LlamaSession::ReplaceSession(SessionOptions options, ChunkSelector selector) {
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Session> s,
                           Session::Attach(store_.get(), session_->sequence(), options));
-  s->SetChunkSelector(std::move(selector));
+  ImplOf(*s).SetChunkSelector(std::move(selector));
   session_ = std::move(s);
   return Status::Ok();
 }

@@ -48,6 +48,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/session_internal.h"
 #include "integration/model/safetensors.h"
 #include "kvtier/session.h"
 #include "offload/tiered_store.h"
@@ -101,8 +102,8 @@ class LlamaModel {
   std::vector<LlamaLayer> layers_;
 };
 
-// Positions and chunk selection are the engine API's (include/kvtier/session.h): the
-// forward pass is a kvtier::Session client like any engine.
+// Positions are the engine API's (include/kvtier/session.h), chunk selection the session's
+// internal one (engine/session_internal.h): the forward pass is a kvtier::Session client.
 using kvtier::ChunkSelector;
 using kvtier::ParsePositionMode;
 using kvtier::PositionMode;
@@ -133,9 +134,9 @@ class LlamaSession {
   Status EnableRetrieval(const RetrieverOptions& options);
   /// Keeps each layer's n most recent queries for session()->Compress (before the first token).
   Status KeepQueries(int n);
-  Retriever* retriever() { return session_->retriever(); }
+  Retriever* retriever() { return ImplOf(*session_).retriever(); }
   PositionMode position_mode() const { return session_->options().positions; }
-  /// The engine-API session the forward pass drives (counters, Compress, Gather).
+  /// The engine-API session the forward pass drives (counters, Compress; ImplOf for Gather).
   Session* session() { return session_.get(); }
   /// Whether the forward runs on the GPU (the store's hot tier is "cuda").
   bool on_device() const { return device_ != nullptr; }

@@ -28,8 +28,8 @@
 #include <thread>
 #include <vector>
 
-#include "engine/layer_parts.h"
 #include "engine/option_table.h"
+#include "engine/session_internal.h"
 #include "integration/infbench/predictions.h"
 #include "integration/infbench/prompt.h"
 #include "integration/infbench/score.h"
@@ -795,9 +795,9 @@ class PySession {
     {
       py::gil_scoped_release nogil;
       lock.lock();
-      tier = s().store()->hot_tier();
-      parts = Take(
-          s().Gather(static_cast<int>(layer), static_cast<const float*>(qs.q->data()), qs.positions, qs.m));
+      tier = ImplOf(s()).store()->hot_tier();
+      parts = Take(ImplOf(s()).Gather(static_cast<int>(layer), static_cast<const float*>(qs.q->data()),
+                                      qs.positions, qs.m));
     }
     // The pins go back however this returns (a failed Download or allocation throws).
     struct Unpin {

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/layer_parts.h"
+#include "engine/session_internal.h"
 #include "kernels/dtype.h"
 #include "kvtier/kvtier.h"
 #include "offload/tiered_store.h"
@@ -129,7 +129,7 @@ TEST(SessionInputs, NegativeOrNonIncreasingPositionsAreRefused) {
   ExpectError(attend, StatusCode::kInvalidArgument,
               {"Session::Attend", "positions must be >= 0", "positions[0] = -3"});
   EXPECT_EQ(attend.message().find("Gather"), std::string::npos) << attend.ToString();
-  ExpectError((*s)->Gather(0, q.data(), &pos, 1).status(), StatusCode::kInvalidArgument,
+  ExpectError(ImplOf(**s).Gather(0, q.data(), &pos, 1).status(), StatusCode::kInvalidArgument,
               {"Session::Gather", "positions[0] = -3"});
   ExpectError((*s)->Observe(0, q.data(), &pos, 1), StatusCode::kInvalidArgument,
               {"Session::Observe", "positions[0] = -3"});
@@ -161,7 +161,7 @@ TEST(SessionInputs, PositionsMustBeTheLayersLastAppendedTokens) {
     ExpectError((*s)->Attend(0, q.data(), window.data(), 48, out.data()), StatusCode::kFailedPrecondition,
                 {"Session::Attend", "layer 0 holds no tokens"});
     EXPECT_EQ(out[0], 7.0f);
-    ExpectError((*s)->Gather(0, q.data(), window.data(), 48).status(), StatusCode::kFailedPrecondition,
+    ExpectError(ImplOf(**s).Gather(0, q.data(), window.data(), 48).status(), StatusCode::kFailedPrecondition,
                 {"Session::Gather", "layer 0 holds no tokens"});
     ExpectError((*s)->Observe(0, q.data(), window.data(), 48), StatusCode::kFailedPrecondition,
                 {"Session::Observe", "layer 0 holds no tokens"});
@@ -193,7 +193,7 @@ TEST(SessionInputs, PositionsMustBeTheLayersLastAppendedTokens) {
     ExpectError((*s)->Attend(0, q.data(), &pos, 1, out.data()), StatusCode::kInvalidArgument,
                 {"layer 0 holds positions 0..48", "48..48", std::to_string(pos)});
     pos = 47;
-    ExpectError((*s)->Gather(0, q.data(), &pos, 1).status(), StatusCode::kInvalidArgument,
+    ExpectError(ImplOf(**s).Gather(0, q.data(), &pos, 1).status(), StatusCode::kInvalidArgument,
                 {"Session::Gather", "layer 0 holds positions 0..48", "got 47..47"});
     pos = 48;
     st = (*s)->Attend(0, q.data(), &pos, 1, out.data());
@@ -239,7 +239,8 @@ TEST(SessionInputs, DroppedSessionRefusesEveryLaterCallASecondDropIncluded) {
               {"dropped"});
   ExpectError((*s)->BeginStep(StepKind::kDecode), StatusCode::kFailedPrecondition, {"dropped"});
   ExpectError((*s)->Attend(0, q.data(), &pos, 1, out.data()), StatusCode::kFailedPrecondition, {"dropped"});
-  ExpectError((*s)->Gather(0, q.data(), &pos, 1).status(), StatusCode::kFailedPrecondition, {"dropped"});
+  ExpectError(ImplOf(**s).Gather(0, q.data(), &pos, 1).status(), StatusCode::kFailedPrecondition,
+              {"dropped"});
   ExpectError((*s)->Observe(0, q.data(), &pos, 1), StatusCode::kFailedPrecondition, {"dropped"});
   ExpectError((*s)->SetQuestion(0, q.data(), 1), StatusCode::kFailedPrecondition, {"dropped"});
   ExpectError((*s)->Compress("h2o", 100).status(), StatusCode::kFailedPrecondition, {"dropped"});

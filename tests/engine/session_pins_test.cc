@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/layer_parts.h"
+#include "engine/session_internal.h"
 #include "kvtier/kvtier.h"
 #include "offload/tiered_store.h"
 #include "tests/test_util.h"
@@ -135,7 +135,7 @@ Status BatchedDecodeOnOneThread(int sessions, int spare, int pin_wait_ms, int st
         for (float& x : v1) x = n(rng);
         for (float& x : q) x = n(rng);
         KVTIER_RETURN_IF_ERROR(ss[i]->Append(l, k1.data(), v1.data(), 1, DType::kF32));
-        auto lp = ss[i]->Gather(l, q.data(), &pos, 1);
+        auto lp = ImplOf(*ss[i]).Gather(l, q.data(), &pos, 1);
         if (!lp.ok())
           return Status(lp.status().code(), "session " + std::to_string(i) + ", step " +
                                                 std::to_string(step) + ", layer " + std::to_string(l) + ": " +

@@ -11,7 +11,7 @@
 #include <random>
 #include <thread>
 
-#include "engine/layer_parts.h"
+#include "engine/session_internal.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/dtype.h"
@@ -565,7 +565,7 @@ TEST(Session, MassFromAttendEqualsTheStatisticsPass) {
         ASSERT_TRUE((*b)->Append(l, k.data(), v.data(), kWindow, DType::kF16).ok());
         std::vector<float> out(static_cast<size_t>(kWindow) * kQHeads * kDim), ref(out.size());
         ASSERT_TRUE((*a)->Attend(l, q.data(), pos.data(), kWindow, out.data()).ok());
-        auto lp = (*b)->Gather(l, q.data(), pos.data(), kWindow);
+        auto lp = ImplOf(**b).Gather(l, q.data(), pos.data(), kWindow);
         ASSERT_TRUE(lp.ok()) << lp.status().ToString();
         EXPECT_EQ((*a)->last_chunks()[l], lp->chunks) << "window " << b0 << " layer " << l;
         // The reference attention over Gather's parts, rotated as Attend rotates them.

@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/layer_parts.h"
+#include "engine/session_internal.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/slot_attention.h"
@@ -183,7 +183,7 @@ void PlanPathEqualsHandWritten(PositionMode mode) {
       AttendStats st;
       Status s = (*a)->Attend(l, q.data(), pos.data(), m, out.data(), &st);
       ASSERT_TRUE(s.ok()) << s.ToString();
-      auto lp = (*b)->Gather(l, q.data(), pos.data(), m);
+      auto lp = ImplOf(**b).Gather(l, q.data(), pos.data(), m);
       ASSERT_TRUE(lp.ok()) << lp.status().ToString();
       const std::vector<float> ref =
           HandWritten(*lp, q.data(), pos.data(), m, mode == PositionMode::kInfLLM, /*observed=*/!decode);

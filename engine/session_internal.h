@@ -1,0 +1,177 @@
+// SessionImpl: the implementation behind every kvtier::Session (include/kvtier/session.h), and
+// what tools, tests and the Python module, built with the library's sources, use beyond the
+// installed API: Gather (the spans to attend, for engines with their own attention kernel), a
+// ChunkSelector in place of retrieval, and the store and retriever behind a session. Reach it
+// with ImplOf(session): Session::Open and Attach make every Session a SessionImpl.
+//
+// Inside a layer step. Gather chooses and fetches the chunks: the probe and search of the
+// Retriever (retrieval/retriever.h), or the selector, then TieredStore::FetchChunks pins them in
+// hot slots; it returns LayerParts (engine/layer_parts.h): sinks | chunks | local window as the
+// kernels' spans, pinned until released. Attend builds an AttentionPlan from them (the
+// kernels' POD params: sinks, the retrieved chunks as hot-slot indices, the local runs) and runs
+// it on the backend of the store's hot tier (offload/attention_backend.h):
+// kernels::SlotAttention over host memory for "host", the CUDA launcher over device memory for
+// "cuda" (one device workspace per session, one stream synchronisation per Attend). With a
+// "cuda" hot tier Gather's spans are device pointers, and kInfLLM is refused (its key rotation
+// runs on the host). A kPrefill window's representative-key statistics come from Attend's own
+// attention on the tier's device (sinks | local with per-key mass, the chunks apart, merged by
+// log-sum-exp); a store whose repr_topk equals chunk_size keeps every key and needs none.
+//
+// kInfLLM positions: with L0 = the local window's first position, local keys sit at their true
+// positions, retrieved chunks all at L0, and the sinks at L0 once chunks separate them from the
+// local window (true positions while contiguous). Retrieval sees the queries rotated by p - L0,
+// so q.k_stored is the score a key gets as a memory unit.
+//
+// Sharing the hot slot pool, in full. Open and Attach refuse a retrieval budget the pool cannot
+// hold (SessionOptions::Validate(const StoreOptions&)) and reserve the session's budget in
+// chunks (budget_tokens / chunk_size: what one Attend pins in the steady state) with
+// TieredStore::ReserveHotSlots; sessions attached to one sequence count once, at the largest;
+// retrieve = false reserves nothing. The entropy cut-off may grant a layer more chunks than the
+// reservation; the chunks past it are fetched only from slots no other open session's
+// reservation claims (a claim: the larger of a session's reservation and the slots it holds
+// pinned), and the rest is left out (chunks_clipped) rather than waited for. Reserving what a
+// layer can be granted instead would reserve nearly the step's whole budget, layers x budget
+// chunks, per session: Eq. 12 may hand one layer almost all of it. An engine that batches many
+// sessions on one thread (per layer: Gather every session, attend, release all) therefore never
+// waits. A fetch never waits for pins the calling thread holds: it fails at once with
+// ResourceExhausted saying so; otherwise, where it must, it waits for other threads' Attends to
+// unpin (StoreOptions::pin_wait_ms, StoreCounters::pin_waits). An engine that keeps one layer's
+// LayerParts while it gathers the next gets ResourceExhausted at once where the two together
+// would pass its reservation and the pool is short, never a deadlock (TieredStore::FetchChunks
+// says why). tests/engine/session_pins_test.cc runs many sessions on many threads at a pool just
+// above their summed budgets, and 8 and 16 sessions batched on one thread;
+// tests/engine/session_test.cc checks 8 sessions on 4 threads bit for bit against their
+// single-threaded runs.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/layer_parts.h"
+#include "kvtier/session.h"
+#include "offload/tiered_store.h"
+
+namespace kvtier {
+
+class AttentionBackend;  // offload/attention_backend.h
+class AttentionPlan;     // offload/attention_backend.h
+class Retriever;         // retrieval/retriever.h
+class ScoringPolicy;     // offload/policy/scoring_policy.h
+
+/// Picks the sealed chunks one layer's queries attend to, in place of retrieval.
+/// `q` is [m, q_heads, head_dim] fp32 as memory sees it (kInfLLM: rotated by
+/// position - L0); `chunks` lists the layer's live sealed chunks in token order.
+/// Returns chunk indices (ChunkKey::index) to fetch.
+using ChunkSelector = std::function<Result<std::vector<uint64_t>>(
+    int layer, const float* q, const int64_t* positions, int m, const std::vector<ChunkInfo>& chunks)>;
+
+/// Every live sealed chunk: full attention through the store.
+Result<std::vector<uint64_t>> SelectAllChunks(int layer, const float* q, const int64_t* positions, int m,
+                                              const std::vector<ChunkInfo>& chunks);
+
+class SessionImpl final : public Session {
+ public:
+  SessionImpl(TieredStore* store, SequenceId seq, const SessionOptions& options);
+  ~SessionImpl() override;
+
+  SequenceId sequence() const override { return seq_; }
+  const SessionOptions& options() const override { return options_; }
+  const Geometry& geometry() const override;
+  Status Append(int layer, const void* k, const void* v, int n, DType dtype,
+                MemorySpace space = MemorySpace::kHost) override;
+  Status BeginStep(StepKind kind) override;
+  Status Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
+                AttendStats* stats = nullptr) override;
+  Status Observe(int layer, const float* q, const int64_t* positions, int m) override;
+  Status SetQuestion(int layer, const float* q, int m) override;
+  Result<CompressReport> Compress(const std::string& policy, int64_t kv_budget, int n_queries = 0) override;
+  Status Close() override;
+  Status Drop() override;
+  SessionCounters counters() const override { return counters_; }
+  int32_t reserved_slots() const override { return reserved_slots_; }
+  const std::vector<std::vector<uint64_t>>& last_chunks() const override { return last_chunks_; }
+  void ApplyRope(float* x, int m, int heads, const int64_t* positions) const override;
+
+  /// Attend without the attention: chooses and fetches the chunks and returns what to attend,
+  /// pinned until the LayerParts is released or destroyed. Checks what Attend checks, and
+  /// counts as the layer's step.
+  Result<LayerParts> Gather(int layer, const float* q, const int64_t* positions, int m);
+  /// Replaces retrieval by a selector (an oracle, StreamingLLM's "nothing", ...); null restores retrieval.
+  void SetChunkSelector(ChunkSelector selector) { selector_ = std::move(selector); }
+  /// The store the session's sequence lives in.
+  TieredStore* store() const { return store_; }
+  /// The retriever (null when retrieve = false), e.g. for Describe().
+  Retriever* retriever() { return retriever_.get(); }
+
+ private:
+  friend class Session;  // Open and Attach set up the backend, the retriever and the reservation
+
+  Status CheckFiniteKv(int layer, const void* k, const void* v, int n, DType dtype) const;
+  // Gather's work; `what` names the public call (Gather or Attend) in its errors.
+  Result<LayerParts> GatherFor(const char* what, int layer, const float* q, const int64_t* positions, int m,
+                               bool observe = true);
+  Status CheckLayerCall(const char* what, int layer, const float* q, const int64_t* positions, int m,
+                        bool in_step) const;
+  // The positions rule of Attend: `positions` (checked increasing) are the last m of the
+  // `held` tokens the layer holds.
+  Status CheckPositionsHeld(const char* what, int layer, const int64_t* positions, int m, int64_t held) const;
+  // kInfLLM rotations of q [m, q_heads, head_dim] into scratch (q itself in kAbsolute):
+  // memory's view (by position - L0) and attention's (at the true positions).
+  const float* MemoryQueries(const float* q, const int64_t* positions, int m, int64_t local_start);
+  const float* TrueQueries(const float* q, const int64_t* positions, int m);
+  void KeepQueries(int layer, const float* q, const int64_t* positions, int m);
+  // The representative-key statistics of a prefill window (the attention its queries pay to
+  // the sinks and local window, added to the store's ring mass) and the retriever's Observe.
+  Status ObserveLocked(int layer, const float* q, const float* q_mem, const int64_t* positions, int m,
+                       const HotView& view, int64_t local_start);
+  // Whether prefill feeds the statistics: observe_prefill, and the store keeps fewer
+  // representatives than a chunk has keys (with every key a representative, the statistics
+  // choose nothing and their attention is skipped).
+  bool ObservesStatistics() const;
+  // The statistics alone. kAbsolute: the store's own pass (ObserveQueries). kInfLLM: the
+  // store keeps keys before RoPE, so the pass runs here, on fp32 copies rotated where Attend
+  // puts them, and hands the local window's mass to the store (AddLocalAttention).
+  Status ObserveStatistics(int layer, const float* q, const int64_t* positions, int m, const HotView& view,
+                           int64_t local_start);
+
+  TieredStore* store_;
+  SequenceId seq_;
+  SessionOptions options_;
+  std::unique_ptr<Retriever> retriever_;
+  ChunkSelector selector_;
+  StepKind step_ = StepKind::kPrefill;
+  bool in_step_ = false;
+  int next_layer_ = 0;
+  bool dropped_ = false;
+  uint64_t reservation_ = 0;  // TieredStore::ReserveHotSlots' id, 0 = none
+  int32_t reserved_slots_ = 0;
+  void ReleaseReservation();
+  std::vector<double> inv_freq_;  // [head_dim / 2] kInfLLM RoPE frequencies
+  SessionCounters counters_;
+  std::vector<std::vector<uint64_t>> last_chunks_;
+  struct KeptQuery {
+    int64_t position;
+    std::vector<float> q;  // after RoPE at `position`
+  };
+  std::vector<std::deque<KeptQuery>> kept_;  // [layer], oldest first
+  std::unique_ptr<ScoringPolicy> policy_;
+  std::string policy_spec_;
+  // Scratch reused across calls (a session is driven by one thread at a time).
+  std::vector<float> q_rot_, q_mem_;
+  std::vector<int64_t> rel_;
+  std::vector<std::vector<float>> rot_k_, rot_v_;
+  std::vector<float> rot_pool_;  // kInfLLM: rotated chunks as a slot pool ([K][V] fp32 per chunk)
+  std::unique_ptr<AttentionBackend> backend_;  // runs the plan where the hot tier's memory is
+  std::unique_ptr<AttentionPlan> plan_;        // rebuilt every Attend, its vectors reused
+};
+
+/// The implementation behind `session`. Every Session is one (Session::Open and Attach make
+/// them, and Session's constructor is for SessionImpl alone).
+inline SessionImpl& ImplOf(Session& session) { return static_cast<SessionImpl&>(session); }
+inline const SessionImpl& ImplOf(const Session& session) { return static_cast<const SessionImpl&>(session); }
+
+}  // namespace kvtier
