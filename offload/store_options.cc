@@ -1,33 +1,28 @@
-// StoreOptions::Validate: the checks of each option's range and of the options together,
-// run by Store::Open before it builds anything.
+// StoreOptions::Validate, run by Store::Open before it builds anything: every option's
+// range from its row (offload/store_option_table.h), then the checks that relate options to
+// each other or to the machine (a data_dir that is a file, a device that is absent).
 
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <system_error>
 
 #include "kvtier/options.h"
 #include "offload/demotion_policy.h"
 #include "offload/hot_tier.h"
 #include "offload/remote_tier.h"
+#include "offload/store_option_table.h"
 #include "store/status.h"
 
 namespace kvtier {
 
 Status StoreOptions::Validate() const {
+  // Each option's own range first (its row), then the geometry's and the options' relations.
+  // With a hot_tier_factory the device is not looked at.
+  for (const StoreOptionDesc& d : StoreOptionTable())
+    if (!(hot_tier_factory && std::string_view(d.name) == "device"))
+      KVTIER_RETURN_IF_ERROR(CheckOptionValue(d, d.get(*this)));
   KVTIER_RETURN_IF_ERROR(geometry.Validate());
-  auto positive = [](const char* name, int64_t v) -> Status {
-    if (v <= 0) return InvalidArgument(std::string(name) + " must be > 0 (got " + std::to_string(v) + ")");
-    return Status::Ok();
-  };
-  if (n_sink < 0) return InvalidArgument("n_sink must be >= 0 (got " + std::to_string(n_sink) + ")");
-  KVTIER_RETURN_IF_ERROR(positive("n_local", n_local));
-  KVTIER_RETURN_IF_ERROR(positive("chunk_size", chunk_size));
-  KVTIER_RETURN_IF_ERROR(positive("repr_topk", repr_topk));
-  KVTIER_RETURN_IF_ERROR(positive("pin_timeout_ms", pin_timeout_ms));
-  if (pin_wait_ms < 0)
-    return InvalidArgument("pin_wait_ms must be >= 0 (got " + std::to_string(pin_wait_ms) + ")");
-  KVTIER_RETURN_IF_ERROR(positive("transfer_threads", transfer_threads));
-  KVTIER_RETURN_IF_ERROR(positive("max_landing_chunks", max_landing_chunks));
   if (n_local % chunk_size != 0)
     return InvalidArgument("n_local (" + std::to_string(n_local) + ") must be a multiple of chunk_size (" +
                            std::to_string(chunk_size) + ")");
@@ -40,10 +35,6 @@ Status StoreOptions::Validate() const {
   if (index_bytes != 0 && index_bytes < (uint64_t{1} << 20))
     return InvalidArgument("index_bytes must be 0 (unbounded) or at least 1 MiB (got " +
                            std::to_string(index_bytes) + ")");
-  if (repr_choice != ReprChoice::kMass && repr_choice != ReprChoice::kDiverse &&
-      repr_choice != ReprChoice::kCluster)
-    return InvalidArgument("repr_choice must be ReprChoice::kMass, kDiverse or kCluster (got " +
-                           std::to_string(static_cast<int>(repr_choice)) + ")");
   if (warm_bytes < chunk_bytes())
     return InvalidArgument("warm_bytes (" + std::to_string(warm_bytes) + ") is smaller than one chunk (" +
                            std::to_string(chunk_bytes()) + " bytes)");
