@@ -543,5 +543,38 @@ TEST(OptionTable, CliHelpShowsTheTablesMeanings) {
   }
 }
 
+TEST(OptionTable, CliHelpShowsTheTablesDefaults) {
+  // kvtier run's flags start from the structs' defaults: --help shows each row's default.
+  const std::string help = ReadCommand(std::string(KVTIER_BINARY_DIR) + "/kvtier run --help 2>&1");
+  int checked = 0;
+  auto expect = [&](const auto& d) {
+    // Not switches, sizes (shown as 64M) or empty strings (the command describes its own).
+    if (!*d.flag || d.type == OptionType::kBool || d.type == OptionType::kBytes ||
+        FormatOptionValue(OptionDefault(d)).empty())
+      return;
+    const size_t at = help.find(std::string("  --") + d.flag + " ");
+    ASSERT_NE(at, std::string::npos) << "kvtier run --help lacks --" << d.flag;
+    const std::string line = help.substr(at, help.find('\n', at) - at);
+    const std::string want = "(default " + FormatOptionValue(OptionDefault(d)) + ")";
+    EXPECT_NE(line.find(want), std::string::npos) << "'" << line << "' does not show " << want;
+    ++checked;
+  };
+  for (const auto& d : StoreOptionTable()) expect(d);
+  for (const auto& d : RetrieverOptionTable()) expect(d);
+  EXPECT_GT(checked, 8);
+}
+
+TEST(OptionTable, CliDTypeTakesTheUsualSpellings) {
+  const std::string kvtier = std::string(KVTIER_BINARY_DIR) + "/kvtier";
+  for (const Spelling& s : kSpellings) {
+    const std::string cmd = kvtier + " run --dtype " + s.text + " --help >/dev/null 2>&1";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  }
+  const std::string out = ReadCommand(kvtier + " run --dtype fp8 --context 1024 2>&1");
+  EXPECT_NE(out.find("--dtype: unknown dtype 'fp8' (f16|fp16|float16|half|bf16|bfloat16|f32|fp32|float32)"),
+            std::string::npos)
+      << out;
+}
+
 }  // namespace
 }  // namespace kvtier
