@@ -77,8 +77,7 @@ std::set<std::string> TopFields(const std::vector<OptionDesc<Options>>& table) {
 
 TEST(OptionTable, OneRetrievalDefault) {
   // RetrieverOptions{}, SessionOptions{}.retrieval, RecommendedRetrieval() and the "kvtier"
-  // preset are one configuration (alloc was "entropy" in the first and "entropy:rank=logit"
-  // in the others).
+  // preset are one configuration, alloc and index included.
   const RetrieverOptions plain;
   const SessionOptions session;
   Result<RetrievalPreset> preset = MakeRetrievalPreset("kvtier");
@@ -431,7 +430,7 @@ TEST(OptionTable, CApiCoversEveryOption) {
 
 TEST(OptionTable, CApiOpensASessionWithBudgetZero) {
   // budget_tokens 0 (sinks and local window only, as infinitebench's StreamingLLM row uses)
-  // is in the row's range; the C API refused it once.
+  // is in the row's range, for the C API as for every front end.
   kvtier_store_options so = kvtier_store_options_default();
   kvtier_error err;
   for (auto [name, value] : std::vector<std::pair<const char*, const char*>>{

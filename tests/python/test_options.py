@@ -83,7 +83,7 @@ def test_option_dtype_error_lists_the_spellings():
 
 
 def test_option_defaults_are_the_structs():
-    # One retrieval default: Session.open's options are the table's (alloc once had two).
+    # One retrieval default: Session.open's options are the table's, alloc and index included.
     with kvtier.Store(layers=2, q_heads=4, kv_heads=2, head_dim=16) as store:
         with kvtier.Session.open(store) as s:
             for r in rows("SessionOptions"):
