@@ -575,5 +575,21 @@ TEST(OptionTable, CliDTypeTakesTheUsualSpellings) {
       << out;
 }
 
+TEST(OptionTable, ReportsHoldEveryStoreOption) {
+  // kvtier stress's JSON report writes its store's options from the rows
+  // (integration/options_json.h), as kvtier run's does.
+  const std::string json = testing::TempDir() + "option_table_stress.json";
+  const std::string cmd = std::string(KVTIER_BINARY_DIR) +
+                          "/kvtier stress --sequences 1 --tokens 256 --json " + json + " >/dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const std::string report = ReadFile(json);
+  const size_t config = report.find("\"config\"");
+  ASSERT_NE(config, std::string::npos) << report;
+  for (const auto& d : StoreOptionTable())
+    EXPECT_NE(report.find(std::string("\"") + d.name + "\"", config), std::string::npos)
+        << "the report's config lacks " << d.name;
+  std::remove(json.c_str());
+}
+
 }  // namespace
 }  // namespace kvtier
