@@ -8,10 +8,13 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <type_traits>
+#include <unordered_set>
 
+#include "engine/option_table.h"
 #include "kvtier/kvtier.h"
 #include "kvtier/kvtier_c.h"
 
@@ -48,6 +51,11 @@ static_assert(KVTIER_BF16 == static_cast<int>(kvtier::DType::kBF16));
 static_assert(KVTIER_COMPRESSION_NONE == static_cast<int>(kvtier::Compression::kNone));
 static_assert(KVTIER_COMPRESSION_LZ4 == static_cast<int>(kvtier::Compression::kLZ4));
 static_assert(KVTIER_COMPRESSION_ZSTD == static_cast<int>(kvtier::Compression::kZSTD));
+static_assert(KVTIER_DEVICE_CPU == static_cast<int>(kvtier::Device::kCpu));
+static_assert(KVTIER_DEVICE_CUDA == static_cast<int>(kvtier::Device::kCuda));
+static_assert(KVTIER_REPR_MASS == static_cast<int>(kvtier::ReprChoice::kMass));
+static_assert(KVTIER_REPR_DIVERSE == static_cast<int>(kvtier::ReprChoice::kDiverse));
+static_assert(KVTIER_REPR_CLUSTER == static_cast<int>(kvtier::ReprChoice::kCluster));
 
 void CopyString(char* dst, size_t size, const char* src) {
   if (size == 0) return;
@@ -106,6 +114,169 @@ long long Raw(const E& e) {
 
 bool ValidDType(long long d) { return d == KVTIER_F32 || d == KVTIER_F16 || d == KVTIER_BF16; }
 
+// A string the C structs point at after kvtier_*_options_set or _default: kept for the
+// life of the process (one copy per distinct text), so the caller's buffer may go away.
+const char* Intern(const std::string& text) {
+  static std::mutex mu;
+  static std::unordered_set<std::string> strings;
+  const std::lock_guard<std::mutex> lock(mu);
+  return strings.insert(text).first->c_str();
+}
+
+const char* OrEmpty(const char* s) { return s != nullptr ? s : ""; }
+
+// The C store options as kvtier::StoreOptions and back: the one place that names the C
+// fields. Enums are checked as ints (a C caller may pass any int); bad ones are named.
+Status StoreOptionsFromC(const kvtier_store_options& c, kvtier::StoreOptions* so) {
+  if (!ValidDType(Raw(c.dtype)))
+    return kvtier::InvalidArgument(
+        "options->dtype is not a kvtier_dtype (KVTIER_F32, KVTIER_F16, KVTIER_BF16)");
+  const long long compression = Raw(c.compression);
+  if (compression < KVTIER_COMPRESSION_NONE || compression > KVTIER_COMPRESSION_ZSTD)
+    return kvtier::InvalidArgument("options->compression is not a kvtier_compression (NONE, LZ4, ZSTD)");
+  const long long device = Raw(c.device);
+  if (device != KVTIER_DEVICE_CPU && device != KVTIER_DEVICE_CUDA)
+    return kvtier::InvalidArgument("options->device is not a kvtier_device (CPU, CUDA)");
+  const long long repr = Raw(c.repr_choice);
+  if (repr < KVTIER_REPR_MASS || repr > KVTIER_REPR_CLUSTER)
+    return kvtier::InvalidArgument(
+        "options->repr_choice is not a kvtier_repr_choice (MASS, DIVERSE, CLUSTER)");
+  so->geometry.layers = c.layers;
+  so->geometry.q_heads = c.q_heads;
+  so->geometry.kv_heads = c.kv_heads;
+  so->geometry.head_dim = c.head_dim;
+  so->geometry.dtype = static_cast<kvtier::DType>(Raw(c.dtype));
+  so->n_sink = c.n_sink;
+  so->n_local = c.n_local;
+  so->chunk_size = c.chunk_size;
+  so->repr_topk = c.repr_topk;
+  so->hot_bytes = c.hot_bytes;
+  so->warm_bytes = c.warm_bytes;
+  so->data_dir = OrEmpty(c.data_dir);
+  so->compression = static_cast<kvtier::Compression>(compression);
+  so->remote = OrEmpty(c.remote);
+  so->device = static_cast<kvtier::Device>(device);
+  so->repr_choice = static_cast<kvtier::ReprChoice>(repr);
+  so->index_bytes = c.index_bytes;
+  so->sync_writes = c.sync_writes != 0;
+  so->write_through = c.write_through != 0;
+  so->pin_timeout_ms = c.pin_timeout_ms;
+  so->pin_wait_ms = c.pin_wait_ms;
+  so->hot_policy = OrEmpty(c.hot_policy);
+  so->warm_policy = OrEmpty(c.warm_policy);
+  so->transfer_threads = c.transfer_threads;
+  so->max_landing_chunks = c.max_landing_chunks;
+  so->accept_lost_chunks = c.accept_lost_chunks != 0;
+  so->remote_namespace = OrEmpty(c.remote_namespace);
+  return Status::Ok();
+}
+
+// Strings are interned; an empty data_dir, remote or remote_namespace is NULL (= none).
+void StoreOptionsToC(const kvtier::StoreOptions& so, kvtier_store_options* c) {
+  auto optional = [](const std::string& s) -> const char* { return s.empty() ? nullptr : Intern(s); };
+  c->layers = so.geometry.layers;
+  c->q_heads = so.geometry.q_heads;
+  c->kv_heads = so.geometry.kv_heads;
+  c->head_dim = so.geometry.head_dim;
+  c->dtype = static_cast<kvtier_dtype>(so.geometry.dtype);
+  c->n_sink = so.n_sink;
+  c->n_local = so.n_local;
+  c->chunk_size = so.chunk_size;
+  c->repr_topk = so.repr_topk;
+  c->hot_bytes = so.hot_bytes;
+  c->warm_bytes = so.warm_bytes;
+  c->data_dir = optional(so.data_dir);
+  c->compression = static_cast<kvtier_compression>(so.compression);
+  c->remote = optional(so.remote);
+  c->device = static_cast<kvtier_device>(so.device);
+  c->repr_choice = static_cast<kvtier_repr_choice>(so.repr_choice);
+  c->index_bytes = so.index_bytes;
+  c->sync_writes = so.sync_writes ? 1 : 0;
+  c->write_through = so.write_through ? 1 : 0;
+  c->pin_timeout_ms = so.pin_timeout_ms;
+  c->pin_wait_ms = so.pin_wait_ms;
+  c->hot_policy = Intern(so.hot_policy);
+  c->warm_policy = Intern(so.warm_policy);
+  c->transfer_threads = so.transfer_threads;
+  c->max_landing_chunks = so.max_landing_chunks;
+  c->accept_lost_chunks = so.accept_lost_chunks ? 1 : 0;
+  c->remote_namespace = optional(so.remote_namespace);
+}
+
+// The C session options as kvtier::SessionOptions: the preset's retrieval, then every field
+// over it (probe, alloc and index only where not NULL).
+Status SessionOptionsFromC(const kvtier_session_options& c, kvtier::SessionOptions* so) {
+  const long long positions = Raw(c.positions);
+  if (positions != KVTIER_POSITIONS_ABSOLUTE && positions != KVTIER_POSITIONS_INFLLM)
+    return kvtier::InvalidArgument("options->positions is not a kvtier_positions (ABSOLUTE, INFLLM)");
+  KVTIER_ASSIGN_OR_RETURN(kvtier::RetrievalPreset preset,
+                          kvtier::MakeRetrievalPreset(c.preset ? c.preset : "kvtier"));
+  so->retrieval = preset.retrieval;
+  if (c.probe != nullptr) so->retrieval.probe = c.probe;
+  if (c.alloc != nullptr) so->retrieval.alloc = c.alloc;
+  if (c.index != nullptr) so->retrieval.index = c.index;
+  so->retrieval.budget_tokens = c.budget_tokens;
+  so->retrieval.reuse_cosine = c.reuse_cosine;
+  so->retrieval.screen_period = c.screen_period;
+  so->positions =
+      positions == KVTIER_POSITIONS_INFLLM ? kvtier::PositionMode::kInfLLM : kvtier::PositionMode::kAbsolute;
+  so->rope_theta = c.rope_theta;
+  so->keep_queries = c.keep_queries;
+  so->retrieve = c.retrieve != 0;
+  so->observe_prefill = c.observe_prefill != 0;
+  return Status::Ok();
+}
+
+// Every field but preset, probe, alloc and index (which stay as they are: NULL follows the
+// preset).
+void SessionOptionsToC(const kvtier::SessionOptions& so, kvtier_session_options* c) {
+  c->budget_tokens = so.retrieval.budget_tokens;
+  c->reuse_cosine = so.retrieval.reuse_cosine;
+  c->screen_period = so.retrieval.screen_period;
+  c->positions =
+      so.positions == kvtier::PositionMode::kInfLLM ? KVTIER_POSITIONS_INFLLM : KVTIER_POSITIONS_ABSOLUTE;
+  c->rope_theta = so.rope_theta;
+  c->keep_queries = so.keep_queries;
+  c->retrieve = so.retrieve ? 1 : 0;
+  c->observe_prefill = so.observe_prefill ? 1 : 0;
+}
+
+std::string KnownNames() {
+  std::string out;
+  auto add = [&](const auto& table) {
+    for (const auto& d : table) out += (out.empty() ? "" : ", ") + std::string(d.name);
+  };
+  add(kvtier::StoreOptionTable());
+  return out;
+}
+
+std::string KnownSessionNames() {
+  std::string out = "preset";
+  auto add = [&](const auto& table) {
+    for (const auto& d : table) out += ", " + std::string(d.name);
+  };
+  add(kvtier::RetrieverOptionTable());
+  add(kvtier::SessionOptionTable());
+  return out;
+}
+
+// Parses `value` by the row and writes it into *o (range and choices checked): errors name
+// the option.
+template <typename Options>
+Status SetByText(const kvtier::OptionDesc<Options>& d, const char* value, Options* o) {
+  KVTIER_ASSIGN_OR_RETURN(kvtier::OptionValue v, kvtier::ParseOptionText(d, value));
+  return kvtier::SetOption(d, o, std::move(v));
+}
+
+Status CopyText(const std::string& text, char* buf, size_t size, const char* name) {
+  if (text.size() + 1 > size)
+    return kvtier::InvalidArgument(std::string("option '") + name + "': its value needs " +
+                                   std::to_string(text.size() + 1) + " bytes, buf has " +
+                                   std::to_string(size));
+  std::memcpy(buf, text.c_str(), text.size() + 1);
+  return Status::Ok();
+}
+
 }  // namespace
 
 extern "C" {
@@ -126,24 +297,44 @@ kvtier_store_options kvtier_store_options_default(void) {
   // Read off the C++ defaults so that the two never disagree (constructing StoreOptions
   // allocates only its small policy strings and the clock: effectively never fails).
   try {
-    const kvtier::StoreOptions so;
-    o.layers = so.geometry.layers;
-    o.q_heads = so.geometry.q_heads;
-    o.kv_heads = so.geometry.kv_heads;
-    o.head_dim = so.geometry.head_dim;
-    o.dtype = static_cast<kvtier_dtype>(so.geometry.dtype);
-    o.n_sink = so.n_sink;
-    o.n_local = so.n_local;
-    o.chunk_size = so.chunk_size;
-    o.repr_topk = so.repr_topk;
-    o.hot_bytes = so.hot_bytes;
-    o.warm_bytes = so.warm_bytes;
-    o.data_dir = nullptr;
-    o.remote = nullptr;
-    o.compression = static_cast<kvtier_compression>(so.compression);
+    StoreOptionsToC(kvtier::StoreOptions{}, &o);
   } catch (...) {
   }
   return o;
+}
+
+kvtier_code kvtier_store_options_set(kvtier_store_options* options, const char* name, const char* value,
+                                     kvtier_error* err) {
+  static const char* fn = "kvtier_store_options_set";
+  if (options == nullptr) return Invalid(err, fn, "options must not be NULL");
+  if (name == nullptr || value == nullptr) return Invalid(err, fn, "name and value must not be NULL");
+  return Guard(err, fn, [&]() -> Status {
+    const kvtier::StoreOptionDesc* d = kvtier::FindOption(kvtier::StoreOptionTable(), name);
+    if (d == nullptr)
+      return kvtier::InvalidArgument(std::string("unknown store option '") + name +
+                                     "' (known: " + KnownNames() + ")");
+    kvtier::StoreOptions so;
+    KVTIER_RETURN_IF_ERROR(StoreOptionsFromC(*options, &so));
+    KVTIER_RETURN_IF_ERROR(SetByText(*d, value, &so));
+    StoreOptionsToC(so, options);
+    return Status::Ok();
+  });
+}
+
+kvtier_code kvtier_store_options_get(const kvtier_store_options* options, const char* name, char* buf,
+                                     size_t size, kvtier_error* err) {
+  static const char* fn = "kvtier_store_options_get";
+  if (options == nullptr) return Invalid(err, fn, "options must not be NULL");
+  if (name == nullptr || buf == nullptr) return Invalid(err, fn, "name and buf must not be NULL");
+  return Guard(err, fn, [&]() -> Status {
+    const kvtier::StoreOptionDesc* d = kvtier::FindOption(kvtier::StoreOptionTable(), name);
+    if (d == nullptr)
+      return kvtier::InvalidArgument(std::string("unknown store option '") + name +
+                                     "' (known: " + KnownNames() + ")");
+    kvtier::StoreOptions so;
+    KVTIER_RETURN_IF_ERROR(StoreOptionsFromC(*options, &so));
+    return CopyText(kvtier::FormatOptionValue(d->get(so)), buf, size, name);
+  });
 }
 
 kvtier_code kvtier_store_open(const kvtier_store_options* options, kvtier_store** out, kvtier_error* err) {
@@ -151,28 +342,10 @@ kvtier_code kvtier_store_open(const kvtier_store_options* options, kvtier_store*
   if (out == nullptr) return Invalid(err, fn, "out must not be NULL");
   *out = nullptr;
   if (options == nullptr) return Invalid(err, fn, "options must not be NULL");
-  if (!ValidDType(Raw(options->dtype)))
-    return Invalid(err, fn, "options->dtype is not a kvtier_dtype (KVTIER_F32, KVTIER_F16, KVTIER_BF16)");
-  const long long compression = Raw(options->compression);
-  if (compression != KVTIER_COMPRESSION_NONE && compression != KVTIER_COMPRESSION_LZ4 &&
-      compression != KVTIER_COMPRESSION_ZSTD)
-    return Invalid(err, fn, "options->compression is not a kvtier_compression (NONE, LZ4, ZSTD)");
   return Guard(err, fn, [&]() -> Status {
     kvtier::StoreOptions so;
-    so.geometry.layers = options->layers;
-    so.geometry.q_heads = options->q_heads;
-    so.geometry.kv_heads = options->kv_heads;
-    so.geometry.head_dim = options->head_dim;
-    so.geometry.dtype = static_cast<kvtier::DType>(Raw(options->dtype));
-    so.n_sink = options->n_sink;
-    so.n_local = options->n_local;
-    so.chunk_size = options->chunk_size;
-    so.repr_topk = options->repr_topk;
-    so.hot_bytes = options->hot_bytes;
-    so.warm_bytes = options->warm_bytes;
-    so.data_dir = options->data_dir ? options->data_dir : "";
-    so.remote = options->remote ? options->remote : "";
-    so.compression = static_cast<kvtier::Compression>(compression);
+    Status st = StoreOptionsFromC(*options, &so);
+    if (!st.ok()) return kvtier::InvalidArgument(std::string(fn) + ": " + st.message());
     auto handle = std::make_unique<kvtier_store>();
     KVTIER_ASSIGN_OR_RETURN(handle->store, kvtier::Store::Open(so));
     *out = handle.release();
@@ -238,18 +411,58 @@ kvtier_session_options kvtier_session_options_default(void) {
   kvtier_session_options o;
   std::memset(&o, 0, sizeof(o));
   try {
-    const kvtier::SessionOptions so;
-    o.preset = nullptr;
-    o.budget_tokens = so.retrieval.budget_tokens;
-    o.positions =
-        so.positions == kvtier::PositionMode::kInfLLM ? KVTIER_POSITIONS_INFLLM : KVTIER_POSITIONS_ABSOLUTE;
-    o.rope_theta = so.rope_theta;
-    o.keep_queries = so.keep_queries;
-    o.reuse_cosine = so.retrieval.reuse_cosine;
-    o.screen_period = so.retrieval.screen_period;
+    SessionOptionsToC(kvtier::SessionOptions{}, &o);  // preset, probe, alloc, index: NULL ("kvtier")
   } catch (...) {
   }
   return o;
+}
+
+kvtier_code kvtier_session_options_set(kvtier_session_options* options, const char* name, const char* value,
+                                       kvtier_error* err) {
+  static const char* fn = "kvtier_session_options_set";
+  if (options == nullptr) return Invalid(err, fn, "options must not be NULL");
+  if (name == nullptr || value == nullptr) return Invalid(err, fn, "name and value must not be NULL");
+  return Guard(err, fn, [&]() -> Status {
+    const std::string n = name;
+    if (n == "preset") {
+      KVTIER_RETURN_IF_ERROR(kvtier::MakeRetrievalPreset(value).status());
+      options->preset = Intern(value);
+      return Status::Ok();
+    }
+    kvtier::SessionOptions so;
+    KVTIER_RETURN_IF_ERROR(SessionOptionsFromC(*options, &so));
+    if (const auto* d = kvtier::FindOption(kvtier::RetrieverOptionTable(), n)) {
+      KVTIER_RETURN_IF_ERROR(SetByText(*d, value, &so.retrieval));
+      if (n == "probe") options->probe = Intern(so.retrieval.probe);
+      if (n == "alloc") options->alloc = Intern(so.retrieval.alloc);
+      if (n == "index") options->index = Intern(so.retrieval.index);
+    } else if (const auto* r = kvtier::FindOption(kvtier::SessionOptionTable(), n)) {
+      KVTIER_RETURN_IF_ERROR(SetByText(*r, value, &so));
+    } else {
+      return kvtier::InvalidArgument("unknown session option '" + n + "' (known: " + KnownSessionNames() +
+                                     ")");
+    }
+    SessionOptionsToC(so, options);
+    return Status::Ok();
+  });
+}
+
+kvtier_code kvtier_session_options_get(const kvtier_session_options* options, const char* name, char* buf,
+                                       size_t size, kvtier_error* err) {
+  static const char* fn = "kvtier_session_options_get";
+  if (options == nullptr) return Invalid(err, fn, "options must not be NULL");
+  if (name == nullptr || buf == nullptr) return Invalid(err, fn, "name and buf must not be NULL");
+  return Guard(err, fn, [&]() -> Status {
+    const std::string n = name;
+    if (n == "preset") return CopyText(options->preset ? options->preset : "kvtier", buf, size, name);
+    kvtier::SessionOptions so;
+    KVTIER_RETURN_IF_ERROR(SessionOptionsFromC(*options, &so));
+    if (const auto* d = kvtier::FindOption(kvtier::RetrieverOptionTable(), n))
+      return CopyText(kvtier::FormatOptionValue(d->get(so.retrieval)), buf, size, name);
+    if (const auto* r = kvtier::FindOption(kvtier::SessionOptionTable(), n))
+      return CopyText(kvtier::FormatOptionValue(r->get(so)), buf, size, name);
+    return kvtier::InvalidArgument("unknown session option '" + n + "' (known: " + KnownSessionNames() + ")");
+  });
 }
 
 kvtier_code kvtier_session_open(kvtier_store* store, const kvtier_session_options* options,
@@ -259,26 +472,10 @@ kvtier_code kvtier_session_open(kvtier_store* store, const kvtier_session_option
   *out = nullptr;
   if (store == nullptr) return Invalid(err, fn, "store must not be NULL");
   if (options == nullptr) return Invalid(err, fn, "options must not be NULL");
-  const long long positions = Raw(options->positions);
-  if (positions != KVTIER_POSITIONS_ABSOLUTE && positions != KVTIER_POSITIONS_INFLLM)
-    return Invalid(err, fn, "options->positions is not a kvtier_positions (ABSOLUTE, INFLLM)");
-  if (options->budget_tokens <= 0) {
-    char buf[128];
-    std::snprintf(buf, sizeof(buf), "options->budget_tokens must be > 0 (got %d)", options->budget_tokens);
-    return Invalid(err, fn, buf);
-  }
   return Guard(err, fn, [&]() -> Status {
-    KVTIER_ASSIGN_OR_RETURN(kvtier::RetrievalPreset preset,
-                            kvtier::MakeRetrievalPreset(options->preset ? options->preset : "kvtier"));
     kvtier::SessionOptions so;
-    so.retrieval = preset.retrieval;
-    so.retrieval.budget_tokens = options->budget_tokens;
-    so.retrieval.reuse_cosine = options->reuse_cosine;  // Session::Open validates them
-    so.retrieval.screen_period = options->screen_period;
-    so.positions = positions == KVTIER_POSITIONS_INFLLM ? kvtier::PositionMode::kInfLLM
-                                                        : kvtier::PositionMode::kAbsolute;
-    so.rope_theta = options->rope_theta;
-    so.keep_queries = options->keep_queries;
+    Status st = SessionOptionsFromC(*options, &so);
+    if (!st.ok()) return Status(st.code(), std::string(fn) + ": " + st.message());
     auto handle = std::make_unique<kvtier_session>();
     KVTIER_ASSIGN_OR_RETURN(handle->session, kvtier::Session::Open(store->store.get(), so));
     handle->owner = store;

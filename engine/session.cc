@@ -9,6 +9,7 @@
 
 #include "engine/compress.h"
 #include "engine/session_internal.h"
+#include "engine/option_table.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/dtype.h"
 #include "kvtier/kvtier.h"
@@ -90,25 +91,12 @@ Result<RetrieverOptions> PaperRetrieval(const std::string& preset, const Retriev
   return r;
 }
 
-RetrieverOptions RecommendedRetrieval() {
-  RetrieverOptions o;
-  o.probe = "act";
-  o.alloc = "entropy:rank=logit";
-  o.index = "Exact:heads=max";
-  return o;
-}
+RetrieverOptions RecommendedRetrieval() { return RetrieverOptions{}; }
 
 Status SessionOptions::Validate() const {
+  // Each option's own range (engine/option_table.h's rows), then the retrieval it asks for.
+  KVTIER_RETURN_IF_ERROR(CheckOptionRanges(SessionOptionTable(), *this));
   if (retrieve) KVTIER_RETURN_IF_ERROR(retrieval.Validate());
-  if (positions != PositionMode::kAbsolute && positions != PositionMode::kInfLLM)
-    return InvalidArgument("SessionOptions.positions: unknown position mode " +
-                           std::to_string(static_cast<int>(positions)));
-  if (!(rope_theta > 0.0) || !std::isfinite(rope_theta))
-    return InvalidArgument("SessionOptions.rope_theta must be finite and > 0 (got " +
-                           std::to_string(rope_theta) + ")");
-  if (keep_queries < 0)
-    return InvalidArgument("SessionOptions.keep_queries must be >= 0 (got " + std::to_string(keep_queries) +
-                           ")");
   return Status::Ok();
 }
 

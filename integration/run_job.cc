@@ -12,6 +12,7 @@
 #include "engine/session_internal.h"
 #include "integration/json.h"
 #include "integration/kv_source.h"
+#include "integration/options_json.h"
 #include "integration/policy_eval.h"
 #include "integration/progress.h"
 #include "integration/sysinfo.h"
@@ -1094,19 +1095,8 @@ std::string RunReport::ToJson() const {
   w.Key("config").BeginObject();
   w.Key("context").Int(o.workload.context);
   w.Key("geometry").String(o.store.geometry.ToString());
-  w.Key("chunk_size")
-      .Int(o.store.chunk_size)
-      .Key("n_sink")
-      .Int(o.store.n_sink)
-      .Key("n_local")
-      .Int(o.store.n_local);
-  w.Key("repr_topk").Int(o.store.repr_topk);
-  w.Key("repr_choice").String(ReprChoiceName(o.store.repr_choice));
+  WriteStoreOptionsJson(&w, o.store);
   w.Key("budget").Int(o.budget).Key("window").Int(o.window).Key("stat_stride").Int(o.stat_stride);
-  w.Key("hot_bytes").Uint(o.store.hot_bytes).Key("warm_bytes").Uint(o.store.warm_bytes);
-  w.Key("data_dir").String(o.store.data_dir);
-  w.Key("remote").String(RedactRemoteSpec(o.store.remote));
-  w.Key("compression").String(CompressionName(o.store.compression));
   w.Key("probe").String(o.retrieval.probe).Key("alloc").String(o.retrieval.alloc);
   w.Key("index").String(o.retrieval.index);
   w.Key("compare").Bool(o.compare).Key("spearman_windows").Int(o.spearman_windows);

@@ -9,6 +9,7 @@
 
 #include "engine/session_internal.h"
 #include "integration/json.h"
+#include "integration/options_json.h"
 #include "integration/pattern.h"
 #include "integration/sysinfo.h"
 #include "integration/tier_report.h"
@@ -271,21 +272,9 @@ std::string StressReport::ToJson(const StressOptions& o) const {
       .Int(o.sequences)
       .Key("threads")
       .Int(o.threads);
-  w.Key("tokens")
-      .Int(o.tokens)
-      .Key("warm_bytes")
-      .Uint(o.store.warm_bytes)
-      .Key("hot_bytes")
-      .Uint(o.store.hot_bytes);
+  w.Key("tokens").Int(o.tokens);
   w.Key("seed").Uint(o.seed).Key("fetch_probability").Double(o.fetch_probability);
-  w.Key("chunk_size")
-      .Int(o.store.chunk_size)
-      .Key("n_sink")
-      .Int(o.store.n_sink)
-      .Key("n_local")
-      .Int(o.store.n_local);
-  w.Key("repr_topk").Int(o.store.repr_topk).Key("compression").String(CompressionName(o.store.compression));
-  w.Key("data_dir").String(o.store.data_dir);
+  WriteStoreOptionsJson(&w, o.store);
   w.EndObject();
   w.EndObject();
   return w.str();

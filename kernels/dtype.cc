@@ -3,6 +3,7 @@
 #include <array>
 #include <bit>
 #include <cstring>
+#include <string>
 
 namespace kvtier {
 
@@ -18,22 +19,39 @@ const char* DTypeName(DType t) {
   return "?";
 }
 
+namespace {
+
+// Every spelling ParseDType accepts, the canonical one (DTypeName) first in each group.
+struct DTypeSpelling {
+  const char* text;
+  DType dtype;
+};
+constexpr DTypeSpelling kDTypeSpellings[] = {
+    {"f16", DType::kF16},  {"fp16", DType::kF16},  {"float16", DType::kF16},
+    {"half", DType::kF16}, {"bf16", DType::kBF16}, {"bfloat16", DType::kBF16},
+    {"f32", DType::kF32},  {"fp32", DType::kF32},  {"float32", DType::kF32},
+};
+
+}  // namespace
+
 bool ParseDType(const char* name, DType* out) {
   if (name == nullptr || out == nullptr) return false;
-  auto eq = [&](const char* s) { return std::strcmp(name, s) == 0; };
-  if (eq("f32") || eq("fp32") || eq("float32")) {
-    *out = DType::kF32;
-    return true;
-  }
-  if (eq("f16") || eq("fp16") || eq("float16") || eq("half")) {
-    *out = DType::kF16;
-    return true;
-  }
-  if (eq("bf16") || eq("bfloat16")) {
-    *out = DType::kBF16;
-    return true;
+  for (const DTypeSpelling& s : kDTypeSpellings) {
+    if (std::strcmp(name, s.text) == 0) {
+      *out = s.dtype;
+      return true;
+    }
   }
   return false;
+}
+
+const char* DTypeSpellings() {
+  static const std::string all = [] {
+    std::string out;
+    for (const DTypeSpelling& s : kDTypeSpellings) out += (out.empty() ? "" : "|") + std::string(s.text);
+    return out;
+  }();
+  return all.c_str();
 }
 
 uint16_t FloatToF16(float f) {

@@ -29,6 +29,8 @@ constexpr size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
 const char* DTypeName(DType t);
 /// Parses "f32|fp32|float32", "f16|fp16|float16|half", "bf16|bfloat16".
 bool ParseDType(const char* name, DType* out);
+/// Every spelling ParseDType accepts, '|'-separated: "f16|fp16|float16|half|bf16|bfloat16|f32|fp32|float32".
+const char* DTypeSpellings();
 
 inline uint32_t FloatBits(float f) {
   uint32_t u;

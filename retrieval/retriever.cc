@@ -9,6 +9,7 @@
 #include <limits>
 #include <numeric>
 
+#include "retrieval/retriever_option_table.h"
 #include "store/factory_spec.h"
 
 namespace kvtier {
@@ -57,12 +58,7 @@ const Geometry kSpecGeometry{1, 1, 1, 2, DType::kF32};
 // ---- options and spec strings -------------------------------------------------------
 
 Status RetrieverOptions::Validate() const {
-  if (budget_tokens < 0)
-    return InvalidArgument("budget_tokens must be >= 0 (got " + std::to_string(budget_tokens) + ")");
-  if (!(reuse_cosine >= 0.0 && reuse_cosine <= 1.0))
-    return InvalidArgument("reuse_cosine must be in [0, 1] (got " + FormatReuse(reuse_cosine) + ")");
-  if (screen_period < 1)
-    return InvalidArgument("screen_period must be >= 1 (got " + std::to_string(screen_period) + ")");
+  KVTIER_RETURN_IF_ERROR(CheckOptionRanges(RetrieverOptionTable(), *this));
   auto i = CanonicalChunkIndexSpec(index);
   if (!i.ok()) return InvalidArgument("index: " + i.status().message());
   auto a = MakeBudgetAllocator(alloc);

@@ -4,6 +4,7 @@
  *
  *   kvtier_store_options so = kvtier_store_options_default();
  *   so.layers = 2; so.q_heads = 8; so.kv_heads = 2; so.head_dim = 64; so.dtype = KVTIER_F32;
+ *   (or by name, every option: kvtier_store_options_set(&so, "dtype", "fp16", &err))
  *   kvtier_error err;
  *   kvtier_store* store;
  *   if (kvtier_store_open(&so, &store, &err) != KVTIER_OK) { puts(err.message); ... }
@@ -92,6 +93,15 @@ typedef enum kvtier_compression {
   KVTIER_COMPRESSION_LZ4 = 1,
   KVTIER_COMPRESSION_ZSTD = 2
 } kvtier_compression;
+/* Where the hot tier keeps its memory (kvtier::Device): KVTIER_DEVICE_CUDA needs a CUDA build
+ * and a device, else kvtier_store_open is KVTIER_UNAVAILABLE. */
+typedef enum kvtier_device { KVTIER_DEVICE_CPU = 0, KVTIER_DEVICE_CUDA = 1 } kvtier_device;
+/* How a chunk's representative keys are chosen (kvtier::ReprChoice). */
+typedef enum kvtier_repr_choice {
+  KVTIER_REPR_MASS = 0,
+  KVTIER_REPR_DIVERSE = 1,
+  KVTIER_REPR_CLUSTER = 2
+} kvtier_repr_choice;
 /* See kvtier/session.h: keys and queries after RoPE (absolute) or before it (infllm). */
 typedef enum kvtier_positions { KVTIER_POSITIONS_ABSOLUTE = 0, KVTIER_POSITIONS_INFLLM = 1 } kvtier_positions;
 typedef enum kvtier_step_kind {
@@ -120,11 +130,41 @@ typedef struct kvtier_store_options {
   const char* remote;             /* remote tier spec, redis://[USER:PASSWORD@]host:port[,...][?...]
                                      (docs/cli.md), copied at open; NULL or "" = none. A refused
                                      password is KVTIER_PERMISSION_DENIED; no message holds it */
+  /* The rest of kvtier::StoreOptions, one field each (docs/options.md has every meaning). */
+  kvtier_device device;           /* where the hot tier's memory is */
+  kvtier_repr_choice repr_choice; /* how representatives are chosen */
+  uint64_t index_bytes;           /* retrieval index memory per session (0 = unbounded) */
+  int sync_writes;                /* 1: fsync every cold write */
+  int write_through;              /* 1: write each chunk to cold when it is sealed */
+  int pin_timeout_ms;             /* lease of a pinned chunk */
+  int pin_wait_ms;                /* longest a fetch waits for pinned hot slots (0 = fail at once) */
+  const char* hot_policy;         /* demotion policy of the hot slot pool, copied at open */
+  const char* warm_policy;        /* demotion policy of the warm tier, copied at open */
+  int transfer_threads;           /* concurrency of the transfer arena */
+  int max_landing_chunks;         /* sealed chunks per (sequence, layer) landing at once */
+  int accept_lost_chunks;         /* 1: open a store whose acknowledged chunks did not come back */
+  const char* remote_namespace;   /* key namespace in the remote tier, copied at open; NULL or "" = fresh */
 } kvtier_store_options;
 
 /* kvtier::StoreOptions' defaults (geometry 32,32,8,128:f16, sinks 64, local 512, chunks of
- * 32, 4 representatives, hot 64 MiB, warm 256 MiB, no cold tier, lz4). */
+ * 32, 4 representatives, hot 64 MiB, warm 256 MiB, no cold tier, lz4, cpu, ...): read off a
+ * default-constructed kvtier::StoreOptions, so the two never disagree. */
 kvtier_store_options kvtier_store_options_default(void);
+
+/* Sets the option `name` (docs/options.md's names: "n_sink", "hot_bytes", "device", "dtype",
+ * ...) from text, as the CLI and Python take it: integers, sizes with an optional K/M/G suffix,
+ * true|false|1|0, numbers, or one of the option's choices (a dtype takes f16, fp16, float16,
+ * half; bf16, bfloat16; f32, fp32, float32). The value is checked against the option's range
+ * or choices; an unknown name or a bad value is KVTIER_INVALID_ARGUMENT naming the option
+ * ("option 'n_sink': -1 is outside [0, 1048576]") and leaves *options as it was. A string
+ * option's text is copied into memory the library keeps for the life of the process. */
+kvtier_code kvtier_store_options_set(kvtier_store_options* options, const char* name, const char* value,
+                                     kvtier_error* err);
+/* Writes the option `name`'s value as text (as kvtier_store_options_set takes it) into
+ * buf[size], NUL-terminated; KVTIER_INVALID_ARGUMENT for an unknown name or a value that does
+ * not fit. */
+kvtier_code kvtier_store_options_get(const kvtier_store_options* options, const char* name, char* buf,
+                                     size_t size, kvtier_error* err);
 
 /* Opens (and, with a data_dir holding an earlier store, recovers) a store. On success
  * *out is the handle; on failure *out is NULL. */
@@ -161,7 +201,7 @@ typedef struct kvtier_session kvtier_session;
 
 typedef struct kvtier_session_options {
   const char* preset;         /* retrieval preset: "kvtier" | "actqkv" | "infllm"; NULL = "kvtier" */
-  int budget_tokens;          /* retrieved tokens per layer and step (> 0) */
+  int budget_tokens;          /* retrieved tokens per layer and step (0 = sinks and local only) */
   kvtier_positions positions; /* see kvtier/session.h */
   double rope_theta;          /* KVTIER_POSITIONS_INFLLM: RoPE base */
   int keep_queries;           /* most recent queries kept per layer for compress (0 = none) */
@@ -170,11 +210,26 @@ typedef struct kvtier_session_options {
                                  every step; in [0, 1]) */
   int screen_period;          /* a decode step screens a rotating 1/screen_period of a layer's
                                  chunks and rescores its shortlist (1 = every chunk every step) */
+  /* The rest of kvtier::SessionOptions (docs/options.md has every meaning). */
+  const char* probe;   /* probe builder spec; NULL = the preset's */
+  const char* alloc;   /* budget allocator spec; NULL = the preset's */
+  const char* index;   /* chunk index spec; NULL = the preset's */
+  int retrieve;        /* 0: attend every live chunk (full attention through the store) */
+  int observe_prefill; /* 1: prefill attends feed representative-key statistics */
 } kvtier_session_options;
 
-/* kvtier::SessionOptions' defaults: preset "kvtier", 2048 tokens, absolute positions,
- * rope_theta 10000, keep_queries 0, reuse_cosine 0, screen_period 1. */
+/* kvtier::SessionOptions' defaults: preset "kvtier", 2048 tokens (0 = sinks and local window
+ * only), absolute positions, rope_theta 10000, keep_queries 0, reuse_cosine 0,
+ * screen_period 1, the preset's probe, alloc and index, retrieve 1, observe_prefill 1. */
 kvtier_session_options kvtier_session_options_default(void);
+
+/* As kvtier_store_options_set, for the session's options ("budget_tokens", "alloc",
+ * "positions", "rope_theta", ...) and "preset". */
+kvtier_code kvtier_session_options_set(kvtier_session_options* options, const char* name, const char* value,
+                                       kvtier_error* err);
+/* As kvtier_store_options_get; probe, alloc and index read the preset's when NULL. */
+kvtier_code kvtier_session_options_get(const kvtier_session_options* options, const char* name, char* buf,
+                                       size_t size, kvtier_error* err);
 
 /* Creates a new sequence in `store` and a session over it. On failure *out is NULL.
  * KVTIER_RESOURCE_EXHAUSTED when the hot pool cannot hold this session's budget (in chunks)

@@ -83,13 +83,16 @@ struct StoreOptions {
 };
 
 struct RetrieverOptions {
-  std::string probe = "act";      ///< probe builder spec: mean | act[:eps=..] | question[:base=..,weight=..]
-  std::string alloc = "entropy";  ///< budget allocator spec: topk | entropy[:min=M,rank=cosine|logit]
+  // The defaults are kvtier's recommended configuration (the "kvtier" preset): ActQKV's probe
+  // and budget, chunks ordered by logit, the most interested kv head decides.
+  std::string probe = "act";  ///< probe builder spec: mean | act[:eps=..] | question[:base=..,weight=..]
+  std::string alloc =
+      "entropy:rank=logit";  ///< budget allocator spec: topk | entropy[:min=M,rank=cosine|logit]
   /// Chunk index spec per (sequence, layer): "Exact[:heads=sum|max,rerank=F,rerank_min=N]"
-  /// (default: every representative key kept, chunk score = best representative per kv head,
-  /// summed over heads) or a FAISS description over one mean vector per chunk
-  /// ("Flat", "HNSW32:ef=64", "IVF<n>,Flat:nprobe=16,train_min=0"). See chunk_index.h.
-  std::string index = "Exact";
+  /// (default "Exact:heads=max": every representative key kept, chunk score = best
+  /// representative of the best kv head) or a FAISS description over one mean vector per
+  /// chunk ("Flat", "HNSW32:ef=64", "IVF<n>,Flat:nprobe=16,train_min=0"). See chunk_index.h.
+  std::string index = "Exact:heads=max";
   int budget_tokens = 2048;  ///< retrieved tokens per layer and step (k = budget_tokens / chunk_size chunks)
   /// While the index is unchanged (no chunk landed or left since a layer's last search) and
   /// every kv head's probe has at least this cosine with the probe that search was made for,
@@ -128,12 +131,11 @@ enum class PositionMode { kAbsolute, kInfLLM };
 Result<PositionMode> ParsePositionMode(const std::string& s);
 const char* PositionModeName(PositionMode mode);
 
-/// The "kvtier" preset's retrieval options: kvtier's recommended configuration.
+/// The "kvtier" preset's retrieval options: RetrieverOptions{}, kvtier's recommended configuration.
 RetrieverOptions RecommendedRetrieval();
 
 struct SessionOptions {
-  RetrieverOptions retrieval =
-      RecommendedRetrieval();  ///< probe, allocator, index and budget ("kvtier" preset)
+  RetrieverOptions retrieval;  ///< probe, allocator, index and budget (the "kvtier" preset)
   bool retrieve = true;        ///< false: attend every live chunk (full attention through the store)
   PositionMode positions = PositionMode::kAbsolute;  ///< keys after RoPE (absolute) or before it (infllm)
   double rope_theta = 10000.0;                       ///< kInfLLM: RoPE base (rotate-half, Hugging Face Llama)

@@ -28,6 +28,8 @@ constexpr size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
 const char* DTypeName(DType t);
 /// Parses "f32|fp32|float32", "f16|fp16|float16|half", "bf16|bfloat16".
 bool ParseDType(const char* name, DType* out);
+/// Every spelling ParseDType accepts, '|'-separated: "f16|fp16|float16|half|bf16|bfloat16|f32|fp32|float32".
+const char* DTypeSpellings();
 
 /// A sequence of the store: the tokens one request appended, per layer.
 using SequenceId = uint64_t;

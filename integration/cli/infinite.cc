@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "engine/compress.h"
+#include "engine/store_sizing.h"
 #include "integration/cli/flags.h"
 #include "integration/cli/option_flags.h"
 #include "integration/cli/paths.h"
@@ -261,19 +262,10 @@ Result<StoreOptions> StoreFor(const Options& o, const Method& m, const LlamaMode
   s.geometry = model.config().KvGeometry(DType::kF32);
   if (m.repr_topk > 0) s.repr_topk = std::min(m.repr_topk, s.chunk_size);
   if (m.repr_choice) s.repr_choice = *m.repr_choice;
-  const uint64_t cb = s.chunk_bytes();
-  const uint64_t chunks = static_cast<uint64_t>(context / s.chunk_size + 2);
-  const uint64_t layers = static_cast<uint64_t>(model.config().n_layers);
-  if (!o.warm_set) s.warm_bytes = std::max<uint64_t>(layers * chunks * cb, 4 * cb);
+  const StoreSize size = SizeStoreForContext(s, context, m.retrieval.budget_tokens, m.kind != Method::kFull);
+  if (!o.warm_set) s.warm_bytes = size.warm_bytes;
   if (!o.hot_set || m.kind == Method::kFull) {
-    // Full attention pins every chunk of a layer at once; the entropy allocator may hand one
-    // layer up to L * k chunks.
-    const uint64_t k = static_cast<uint64_t>(std::max(0, m.retrieval.budget_tokens / s.chunk_size));
-    // At least the budget's chunks: a session refuses a pool smaller than what one layer may
-    // be granted, however short the prompt.
-    const uint64_t need =
-        m.kind == Method::kFull ? chunks : std::max(k + 1, std::min(chunks, layers * k + 1));
-    s.hot_bytes = std::max<uint64_t>(need, 1) * cb;
+    s.hot_bytes = size.hot_bytes;
     if (o.hot_set) s.hot_bytes = std::max(s.hot_bytes, o.store.hot_bytes);
   }
   return s;

@@ -65,7 +65,7 @@ FlagSet::Binding OptionBinding(const OptionDesc<Options>& d, Options* o) {
         break;
       case OptionType::kChoice:
         v = s;
-        if (!CheckOptionValue(row->type, row->name, 0, 0, row->choices, v).ok())
+        if (!CheckOptionValue(*row, v).ok())
           return InvalidArgument("unknown " + std::string(row->name) + " '" + s + "' (" + row->choices + ")");
         break;
     }

@@ -35,6 +35,7 @@ from ._kvtier import (  # noqa: F401
     Unavailable,
     preset,
     preset_names,
+    size_store,
     version,
 )
 
@@ -43,5 +44,5 @@ __version__: str = version()
 __all__ = [
     "Store", "Session", "Error", "InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition",
     "ResourceExhausted", "Corruption", "IOError", "TimedOut", "Unavailable", "Internal",
-    "PermissionDenied", "preset", "preset_names", "version",
+    "PermissionDenied", "preset", "preset_names", "size_store", "version",
 ]

@@ -237,26 +237,23 @@ class KvtierCache(Cache):
         for key, val in (("probe", probe), ("alloc", alloc), ("index", index)):
             if val is not None:
                 session_opts[key] = val
-        # Sizing as `kvtier infinite` does (StoreFor): every chunk of max_context fits in warm;
-        # the hot pool holds what one layer may attend (the entropy allocator can hand one
-        # layer up to layers * k chunks, and a session refuses a pool below one layer's budget,
-        # however short the context), every chunk when not retrieving.
-        elem = {"f32": 4, "f16": 2, "bf16": 2}.get(dtype, 4)
-        chunk_bytes = chunk_size * self.kv_heads * self.head_dim * 2 * elem
-        chunks = max_context // chunk_size + 2
-        if warm_bytes is None:
-            warm_bytes = max(self.n_layers * chunks * chunk_bytes, 4 * chunk_bytes)
-        if hot_bytes is None:
-            k = max(0, budget // chunk_size)
-            need = chunks if not retrieve else max(k + 1, min(chunks, self.n_layers * k + 1))
-            hot_bytes = max(need, 1) * chunk_bytes
+        # Sizing as `kvtier infinite` does (engine/store_sizing.h): every chunk of max_context
+        # fits in warm; the hot pool holds what one layer may attend, every chunk when not
+        # retrieving.
+        if warm_bytes is None or hot_bytes is None:
+            size = kvtier.size_store(max_context, budget, retrieve, layers=self.n_layers, q_heads=self.q_heads,
+                                     kv_heads=self.kv_heads, head_dim=self.head_dim, dtype=dtype,
+                                     chunk_size=chunk_size)
+            warm_bytes = size["warm_bytes"] if warm_bytes is None else warm_bytes
+            hot_bytes = size["hot_bytes"] if hot_bytes is None else hot_bytes
         self.store = kvtier.Store(layers=self.n_layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
                                   head_dim=self.head_dim, dtype=dtype, n_sink=n_sink, n_local=n_local,
                                   chunk_size=chunk_size, repr_topk=min(repr_topk, chunk_size), hot_bytes=hot_bytes,
                                   warm_bytes=warm_bytes, **store_options)
         self.session = kvtier.Session.open(self.store, **session_opts)
         self.positions_mode = positions
-        self.store_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+        self.store_dtype = {"f32": torch.float32, "f16": torch.float16,
+                            "bf16": torch.bfloat16}[self.store.options["dtype"]]
         self.n_local = n_local
         self.prefill_window = prefill_window
         # "prefill" while prefill() runs; otherwise by the number of tokens

@@ -30,6 +30,7 @@
 
 #include "engine/option_table.h"
 #include "engine/session_internal.h"
+#include "engine/store_sizing.h"
 #include "integration/infbench/predictions.h"
 #include "integration/infbench/prompt.h"
 #include "integration/infbench/score.h"
@@ -476,6 +477,9 @@ void AddRows(const char* owner, const std::vector<OptionDesc<Options>>& table, c
     d["meaning"] = row.meaning;
     d["lo"] = row.lo;
     d["hi"] = row.hi;
+    d["dlo"] = row.dlo;
+    d["dhi"] = row.dhi;
+    d["dlo_open"] = row.dlo_open;
     d["choices"] = row.choices;
     out->append(d);
   }
@@ -958,12 +962,10 @@ class PyLlama {
     so.chunk_size = chunk_size;
     so.repr_topk = p.repr_topk > 0 ? std::min(p.repr_topk, chunk_size) : chunk_size;
     so.transfer_threads = 2;
-    // kvtier infinite's sizing (StoreFor): every chunk in warm, what one layer attends in hot.
-    const uint64_t cb = so.chunk_bytes(), chunks = static_cast<uint64_t>(context / chunk_size + 2);
-    const uint64_t layers = static_cast<uint64_t>(model_->config().n_layers);
-    so.warm_bytes = std::max<uint64_t>(layers * chunks * cb, 4 * cb);
-    so.hot_bytes =
-        std::max<uint64_t>(std::min(chunks, layers * static_cast<uint64_t>(budget / chunk_size) + 1), 1) * cb;
+    // kvtier infinite's sizing: every chunk in warm, what one layer attends in hot.
+    const StoreSize size = SizeStoreForContext(so, context, budget, /*retrieve=*/true);
+    so.warm_bytes = size.warm_bytes;
+    so.hot_bytes = size.hot_bytes;
     session_ = Take(model::LlamaSession::Create(model_.get(), so, PositionMode::kInfLLM));
     RetrieverOptions r = p.retrieval;
     r.budget_tokens = budget;
@@ -1067,6 +1069,20 @@ PYBIND11_MODULE(_kvtier, m) {
   });
 
   m.def("version", &Version, "The C++ library's version.");
+  m.def(
+      "size_store",
+      [](int64_t context, int budget_tokens, bool retrieve, const py::kwargs& kw) {
+        if (context < 0) Bad("size_store: context must be >= 0 (got " + std::to_string(context) + ")");
+        const StoreSize size = SizeStoreForContext(StoreOptionsFrom(kw), context, budget_tokens, retrieve);
+        py::dict d;
+        d["hot_bytes"] = size.hot_bytes;
+        d["warm_bytes"] = size.warm_bytes;
+        return d;
+      },
+      py::arg("context"), py::arg("budget_tokens"), py::arg("retrieve") = true,
+      "Tier sizes for one sequence of up to `context` tokens (engine/store_sizing.h, as `kvtier infinite` "
+      "sizes its store): {'hot_bytes', 'warm_bytes'}. The keyword arguments are Store options (geometry, "
+      "dtype, chunk_size); the warm tier holds every chunk, the hot pool what one layer may attend.");
   m.def("option_table", &OptionTableRows,
         "The engine option table (engine/option_table.h): one dict per Store and Session keyword argument "
         "(struct, name, flag, type, default, meaning, lo, hi, choices).");

@@ -235,6 +235,30 @@ int main(int argc, char** argv) {
     bad = so;
     bad.compression = (kvtier_compression)9;
     EXPECT_ERROR(kvtier_store_open(&bad, &store, &err), KVTIER_INVALID_ARGUMENT);
+    bad = so;
+    bad.device = (kvtier_device)4;
+    EXPECT_ERROR(kvtier_store_open(&bad, &store, &err), KVTIER_INVALID_ARGUMENT);
+    /* Every option by name: the usual dtype spellings, sizes with suffixes, named errors. */
+    bad = so;
+    OK(kvtier_store_options_set(&bad, "dtype", "fp16", &err));
+    CHECK(bad.dtype == KVTIER_F16, "dtype fp16 -> %d", (int)bad.dtype);
+    OK(kvtier_store_options_set(&bad, "dtype", "bfloat16", &err));
+    CHECK(bad.dtype == KVTIER_BF16, "dtype bfloat16 -> %d", (int)bad.dtype);
+    OK(kvtier_store_options_set(&bad, "dtype", "float32", &err));
+    CHECK(bad.dtype == KVTIER_F32, "dtype float32 -> %d", (int)bad.dtype);
+    EXPECT_ERROR(kvtier_store_options_set(&bad, "dtype", "fp8", &err), KVTIER_INVALID_ARGUMENT);
+    CHECK(strstr(err.message, "f16|fp16|float16|half|bf16|bfloat16|f32|fp32|float32") != NULL, "%s",
+          err.message);
+    OK(kvtier_store_options_set(&bad, "warm_policy", "lru", &err));
+    OK(kvtier_store_options_set(&bad, "pin_wait_ms", "0", &err));
+    CHECK(bad.pin_wait_ms == 0, "pin_wait_ms %d", bad.pin_wait_ms);
+    EXPECT_ERROR(kvtier_store_options_set(&bad, "n_sink", "-1", &err), KVTIER_INVALID_ARGUMENT);
+    CHECK(strcmp(err.message, "option 'n_sink': -1 is outside [0, 1048576]") == 0, "%s", err.message);
+    {
+      char text[64];
+      OK(kvtier_store_options_get(&bad, "device", text, sizeof text, &err));
+      CHECK(strcmp(text, "cpu") == 0, "device %s", text);
+    }
     /* A data dir the OS will not stat (a component over 255 bytes): an I/O error naming the
        OS error, never an abort or Internal. */
     static char long_dir[400];
@@ -417,8 +441,13 @@ int main(int argc, char** argv) {
   EXPECT_ERROR(kvtier_session_open(store, &co, &c, &err), KVTIER_INVALID_ARGUMENT);
   CHECK(c == NULL, "session_open failed but left *out set");
   co = kvtier_session_options_default();
-  co.budget_tokens = 0;
+  co.budget_tokens = -1;
   EXPECT_ERROR(kvtier_session_open(store, &co, &c, &err), KVTIER_INVALID_ARGUMENT);
+  co = kvtier_session_options_default();
+  EXPECT_ERROR(kvtier_session_options_set(&co, "budget_tokens", "-1", &err), KVTIER_INVALID_ARGUMENT);
+  CHECK(co.budget_tokens == 2048, "a refused kvtier_session_options_set changed budget_tokens to %d",
+        co.budget_tokens);
+  EXPECT_ERROR(kvtier_session_options_set(&co, "no_such_option", "1", &err), KVTIER_INVALID_ARGUMENT);
   co = kvtier_session_options_default();
   co.positions = (kvtier_positions)5;
   EXPECT_ERROR(kvtier_session_open(store, &co, &c, &err), KVTIER_INVALID_ARGUMENT);

@@ -1,15 +1,21 @@
-// The option table (engine/option_table.h) against everything that restates it: the
-// structs' defaults and fields, the C API's defaults, docs/options.md's tables and the
-// CLI's --help. Each test fails when a name, a default or a meaning drifts from the table.
+// The option list (engine/option_table.h) against everything that follows from it: the
+// structs' defaults and fields, each Validate's ranges, the C API's fields, defaults and
+// setters, the dtype spellings, docs/options.md's tables and the CLI's --help. Each test
+// fails when a name, a default, a range or a meaning drifts from the rows.
 #include "engine/option_table.h"
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -67,16 +73,23 @@ std::set<std::string> TopFields(const std::vector<OptionDesc<Options>>& table) {
   return out;
 }
 
-template <typename Options>
-void ExpectDefaults(const std::vector<OptionDesc<Options>>& table, const Options& defaults) {
-  for (const auto& d : table)
-    EXPECT_EQ(FormatOptionValue(d.get(defaults)), d.default_text) << "option " << d.name;
-}
+// ---- one default per option ------------------------------------------------------------
 
-TEST(OptionTable, DefaultsEqualTheStructs) {
-  ExpectDefaults(StoreOptionTable(), StoreOptions{});
-  ExpectDefaults(RetrieverOptionTable(), RetrieverOptions{});
-  ExpectDefaults(SessionOptionTable(), SessionOptions{});
+TEST(OptionTable, OneRetrievalDefault) {
+  // RetrieverOptions{}, SessionOptions{}.retrieval, RecommendedRetrieval() and the "kvtier"
+  // preset are one configuration, alloc and index included.
+  const RetrieverOptions plain;
+  const SessionOptions session;
+  Result<RetrievalPreset> preset = MakeRetrievalPreset("kvtier");
+  ASSERT_TRUE(preset.ok());
+  for (const auto& d : RetrieverOptionTable()) {
+    const std::string want = FormatOptionValue(d.get(plain));
+    EXPECT_EQ(FormatOptionValue(d.get(session.retrieval)), want) << d.name;
+    EXPECT_EQ(FormatOptionValue(d.get(RecommendedRetrieval())), want) << d.name;
+    EXPECT_EQ(FormatOptionValue(d.get(preset->retrieval)), want) << d.name;
+  }
+  EXPECT_EQ(plain.alloc, "entropy:rank=logit");
+  EXPECT_EQ(plain.index, "Exact:heads=max");
 }
 
 TEST(OptionTable, EveryFieldIsAnOptionOrListed) {
@@ -115,14 +128,118 @@ TEST(OptionTable, NamesAreUniqueAndRowsComplete) {
       if (d.type == OptionType::kInt || d.type == OptionType::kBytes) {
         EXPECT_LT(d.lo, d.hi) << d.name;
       }
+      if (d.type == OptionType::kDouble) {
+        EXPECT_LT(d.dlo, d.dhi) << d.name;
+      }
       if (d.type == OptionType::kChoice) {
         EXPECT_NE(std::string(d.choices), "") << d.name;
       }
+      // The struct's default is inside its own row.
+      EXPECT_TRUE(CheckOptionValue(d, OptionDefault(d)).ok())
+          << d.name << ": " << CheckOptionValue(d, OptionDefault(d)).message();
     }
   };
   check(StoreOptionTable());
   check(RetrieverOptionTable());
   check(SessionOptionTable());
+}
+
+// ---- Validate checks every row's range --------------------------------------------------
+
+// The largest value field type T holds, as int64_t.
+template <typename T>
+int64_t FieldMax() {
+  return std::numeric_limits<T>::max() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())
+             ? std::numeric_limits<int64_t>::max()
+             : static_cast<int64_t>(std::numeric_limits<T>::max());
+}
+
+// The row's value written without SetOption's check, as a caller filling the struct would.
+template <typename Options>
+Options With(const OptionDesc<Options>& d, Options o, const OptionValue& v) {
+  EXPECT_TRUE(d.set(&o, v).ok()) << d.name;
+  return o;
+}
+
+// For every int, size and number row: a value just outside each bound is refused by
+// `validate` with InvalidArgument naming the option; the bounds themselves pass the row's
+// check, and whatever Validate then says (a relation between options) names no range of it.
+template <typename Options, typename Validate>
+void ExpectValidateChecksRanges(const std::vector<OptionDesc<Options>>& table, const Options& base,
+                                int64_t (*field_max)(const OptionDesc<Options>&), Validate validate) {
+  int refused = 0;
+  for (const auto& d : table) {
+    const std::string named = std::string("option '") + d.name + "': ";
+    std::vector<OptionValue> outside, bounds;
+    if (d.type == OptionType::kInt || d.type == OptionType::kBytes) {
+      const int64_t max = field_max(d);
+      const int64_t min = d.type == OptionType::kBytes ? 0 : -max - 1;  // the field's own limits
+      if (d.lo > min) outside.push_back(OptionValue{d.lo - 1});
+      if (d.hi < max) outside.push_back(OptionValue{d.hi + 1});
+      bounds = {OptionValue{d.lo}, OptionValue{d.hi}};
+    } else if (d.type == OptionType::kDouble) {
+      if (std::isfinite(d.dlo)) {
+        outside.push_back(OptionValue{d.dlo_open ? d.dlo : std::nextafter(d.dlo, -1e300)});
+        if (!d.dlo_open) bounds.push_back(OptionValue{d.dlo});
+      }
+      if (std::isfinite(d.dhi)) {
+        outside.push_back(OptionValue{std::nextafter(d.dhi, 1e300)});
+        bounds.push_back(OptionValue{d.dhi});
+      }
+      outside.push_back(OptionValue{std::nan("")});
+    } else if (d.type == OptionType::kChoice) {
+      outside.push_back(OptionValue{std::string("no-such-choice")});
+    }
+    for (const OptionValue& v : outside) {
+      Options o = base;
+      if (d.type == OptionType::kChoice) {
+        // A choice field holds only its enum's values; SetOption refuses the text instead.
+        Status st = SetOption(d, &o, v);
+        EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << d.name;
+        EXPECT_EQ(st.message().rfind(named, 0), 0u) << st.message();
+        continue;
+      }
+      Status st = validate(With(d, o, v));
+      EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << d.name << " = " << FormatOptionValue(v);
+      EXPECT_NE(st.message().find(named), std::string::npos)
+          << d.name << " = " << FormatOptionValue(v) << ": " << st.message();
+      ++refused;
+    }
+    for (const OptionValue& v : bounds) {
+      const Options o = With(d, base, v);
+      EXPECT_TRUE(CheckOptionRanges(table, o).ok()) << d.name << " = " << FormatOptionValue(v);
+      Status st = validate(o);
+      EXPECT_EQ(st.message().find(named), std::string::npos)
+          << d.name << " = " << FormatOptionValue(v) << " is in range, but: " << st.message();
+    }
+  }
+  EXPECT_GT(refused, 1);
+}
+
+template <typename Options>
+int64_t StoreFieldMax(const OptionDesc<Options>& d) {
+  const std::string f = d.field;
+  if (f == "hot_bytes" || f == "warm_bytes" || f == "index_bytes") return FieldMax<uint64_t>();
+  return FieldMax<int>();
+}
+
+TEST(OptionTable, ValidateChecksEveryRowsRange) {
+  ASSERT_TRUE(StoreOptions{}.Validate().ok());
+  ExpectValidateChecksRanges(StoreOptionTable(), StoreOptions{}, &StoreFieldMax<StoreOptions>,
+                             [](const StoreOptions& o) { return o.Validate(); });
+  ExpectValidateChecksRanges(RetrieverOptionTable(), RetrieverOptions{}, &StoreFieldMax<RetrieverOptions>,
+                             [](const RetrieverOptions& o) { return o.Validate(); });
+  ExpectValidateChecksRanges(SessionOptionTable(), SessionOptions{}, &StoreFieldMax<SessionOptions>,
+                             [](const SessionOptions& o) { return o.Validate(); });
+  // Cases the front ends used to disagree on: a budget of 0 (sinks and local window only) is
+  // valid everywhere; chunk_size has one range, the row's.
+  RetrieverOptions r;
+  r.budget_tokens = 0;
+  EXPECT_TRUE(r.Validate().ok());
+  StoreOptions s;
+  s.chunk_size = 1 << 17;
+  s.n_local = 1 << 17;
+  EXPECT_EQ(s.Validate().message(), "option 'chunk_size': 131072 is outside [1, 65536]");
 }
 
 TEST(OptionTable, SetOptionChecksTypeRangeAndChoices) {
@@ -145,6 +262,8 @@ TEST(OptionTable, SetOptionChecksTypeRangeAndChoices) {
   ASSERT_TRUE(
       SetOption(*FindOption(SessionOptionTable(), "rope_theta"), &so, OptionValue{int64_t{500000}}).ok());
   EXPECT_EQ(so.rope_theta, 500000.0);
+  EXPECT_EQ(SetOption(*FindOption(SessionOptionTable(), "rope_theta"), &so, OptionValue{0.0}).message(),
+            "option 'rope_theta': 0 is outside (0, inf]");
   ASSERT_TRUE(
       SetOption(*FindOption(SessionOptionTable(), "positions"), &so, OptionValue{std::string("infllm")})
           .ok());
@@ -152,154 +271,232 @@ TEST(OptionTable, SetOptionChecksTypeRangeAndChoices) {
   // Every row reads back what it wrote.
   for (const auto& d : t) {
     StoreOptions x;
-    ASSERT_TRUE(SetOption(d, &x, d.get(StoreOptions{})).ok()) << d.name;
-    EXPECT_EQ(FormatOptionValue(d.get(x)), d.default_text) << d.name;
+    ASSERT_TRUE(SetOption(d, &x, OptionDefault(d)).ok()) << d.name;
+    EXPECT_EQ(FormatOptionValue(d.get(x)), FormatOptionValue(OptionDefault(d))) << d.name;
   }
+}
+
+// ---- dtype spellings ---------------------------------------------------------------------
+
+struct Spelling {
+  const char* text;
+  DType dtype;
+};
+const Spelling kSpellings[] = {
+    {"f16", DType::kF16},  {"fp16", DType::kF16},  {"float16", DType::kF16},
+    {"half", DType::kF16}, {"bf16", DType::kBF16}, {"bfloat16", DType::kBF16},
+    {"f32", DType::kF32},  {"fp32", DType::kF32},  {"float32", DType::kF32},
+};
+
+TEST(OptionTable, DTypeTakesTheUsualSpellings) {
+  const StoreOptionDesc& d = *FindOption(StoreOptionTable(), "dtype");
+  EXPECT_EQ(std::string(d.choices), DTypeSpellings());
+  for (const Spelling& s : kSpellings) {
+    StoreOptions o;
+    o.geometry.dtype = s.dtype == DType::kF32 ? DType::kBF16 : DType::kF32;
+    ASSERT_TRUE(SetOption(d, &o, OptionValue{std::string(s.text)}).ok()) << s.text;
+    EXPECT_EQ(o.geometry.dtype, s.dtype) << s.text;
+    EXPECT_NE(std::string(DTypeSpellings()).find(s.text), std::string::npos) << s.text;
+  }
+  StoreOptions o;
+  EXPECT_EQ(SetOption(d, &o, OptionValue{std::string("fp8")}).message(),
+            "option 'dtype': expected f16|fp16|float16|half|bf16|bfloat16|f32|fp32|float32 (got 'fp8')");
 }
 
 // ---- the C API ------------------------------------------------------------------------
 
-TEST(OptionTable, CDefaultsEqualTheTable) {
+std::string CStoreGet(const kvtier_store_options& o, const char* name) {
+  char buf[512];
+  kvtier_error err;
+  EXPECT_EQ(kvtier_store_options_get(&o, name, buf, sizeof buf, &err), KVTIER_OK)
+      << name << ": " << err.message;
+  return buf;
+}
+
+std::string CSessionGet(const kvtier_session_options& o, const char* name) {
+  char buf[512];
+  kvtier_error err;
+  EXPECT_EQ(kvtier_session_options_get(&o, name, buf, sizeof buf, &err), KVTIER_OK)
+      << name << ": " << err.message;
+  return buf;
+}
+
+// A value of the row other than its default, inside its range.
+template <typename Options>
+std::string OtherValue(const OptionDesc<Options>& d) {
+  const OptionValue def = OptionDefault(d);
+  switch (d.type) {
+    case OptionType::kInt:
+    case OptionType::kBytes:
+      return std::to_string(std::get<int64_t>(def) == d.lo ? d.lo + 1 : d.lo);
+    case OptionType::kBool:
+      return std::get<bool>(def) ? "false" : "true";
+    case OptionType::kDouble:
+      return FormatOptionValue(std::isfinite(d.dhi) ? (std::get<double>(def) == d.dhi ? d.dlo : d.dhi)
+                                                    : std::get<double>(def) + 1.5);
+    case OptionType::kString:
+      return "x" + std::get<std::string>(def);
+    case OptionType::kChoice: {
+      const std::string all = d.choices;
+      for (size_t pos = 0; pos <= all.size();) {
+        const size_t bar = std::min(all.find('|', pos), all.size());
+        const std::string c = all.substr(pos, bar - pos);
+        OptionValue v = c;
+        Options o;
+        if (d.set(&o, v).ok() && FormatOptionValue(d.get(o)) != FormatOptionValue(def)) return c;
+        pos = bar + 1;
+      }
+      return "";
+    }
+  }
+  return "";
+}
+
+TEST(OptionTable, CApiCoversEveryOption) {
+  // One C field per row (plus the session's preset): a row without a C field fails here.
+  EXPECT_EQ(CountFields<kvtier_store_options>(), StoreOptionTable().size());
+  EXPECT_EQ(CountFields<kvtier_session_options>(),
+            1 + RetrieverOptionTable().size() + SessionOptionTable().size());
+
+  // The C defaults are the table's, read back by name.
   const kvtier_store_options c = kvtier_store_options_default();
-  // Every field of the C struct, as the table's name and the C default spelled as the table
-  // spells values; a field added to the C struct fails the count below until it is here.
-  const std::vector<std::pair<std::string, std::string>> store = {
-      {"layers", std::to_string(c.layers)},
-      {"q_heads", std::to_string(c.q_heads)},
-      {"kv_heads", std::to_string(c.kv_heads)},
-      {"head_dim", std::to_string(c.head_dim)},
-      {"dtype", DTypeName(static_cast<DType>(c.dtype))},
-      {"n_sink", std::to_string(c.n_sink)},
-      {"n_local", std::to_string(c.n_local)},
-      {"chunk_size", std::to_string(c.chunk_size)},
-      {"repr_topk", std::to_string(c.repr_topk)},
-      {"hot_bytes", std::to_string(c.hot_bytes)},
-      {"warm_bytes", std::to_string(c.warm_bytes)},
-      {"data_dir", c.data_dir == nullptr ? "" : c.data_dir},
-      {"compression", CompressionName(static_cast<Compression>(c.compression))},
-      {"remote", c.remote == nullptr ? "" : c.remote},
-  };
-  EXPECT_EQ(store.size(), CountFields<kvtier_store_options>());
-  for (const auto& [name, value] : store) {
-    const StoreOptionDesc* d = FindOption(StoreOptionTable(), name);
-    ASSERT_NE(d, nullptr) << name;
-    EXPECT_EQ(value, d->default_text) << "kvtier_store_options_default()." << name;
+  for (const auto& d : StoreOptionTable())
+    EXPECT_EQ(CStoreGet(c, d.name), FormatOptionValue(OptionDefault(d)))
+        << "kvtier_store_options_default()." << d.name;
+  const kvtier_session_options s = kvtier_session_options_default();
+  EXPECT_EQ(s.preset, nullptr);
+  for (const auto& d : RetrieverOptionTable())
+    EXPECT_EQ(CSessionGet(s, d.name), FormatOptionValue(d.get(SessionOptions{}.retrieval))) << d.name;
+  for (const auto& d : SessionOptionTable())
+    EXPECT_EQ(CSessionGet(s, d.name), FormatOptionValue(OptionDefault(d))) << d.name;
+
+  // Every row's setter writes a C field that reads back (a row the C fields miss would
+  // read back its default), and refuses a value outside the row naming the option.
+  for (const auto& d : StoreOptionTable()) {
+    kvtier_store_options o = kvtier_store_options_default();
+    const std::string v = OtherValue(d);
+    kvtier_error err;
+    ASSERT_EQ(kvtier_store_options_set(&o, d.name, v.c_str(), &err), KVTIER_OK)
+        << d.name << "=" << v << ": " << err.message;
+    EXPECT_EQ(CStoreGet(o, d.name), v) << d.name;
+    if ((d.type == OptionType::kInt || d.type == OptionType::kBytes) && d.lo > 0) {
+      const kvtier_store_options before = o;
+      EXPECT_EQ(kvtier_store_options_set(&o, d.name, std::to_string(d.lo - 1).c_str(), &err),
+                KVTIER_INVALID_ARGUMENT);
+      EXPECT_EQ(std::string(err.message).find(std::string("option '") + d.name + "': "), 0u) << err.message;
+      EXPECT_EQ(std::memcmp(&before, &o, sizeof o), 0) << d.name << ": a refused value changed the options";
+    }
+  }
+  for (const auto* table : {&RetrieverOptionTable()}) {
+    for (const auto& d : *table) {
+      kvtier_session_options o = kvtier_session_options_default();
+      const std::string v = OtherValue(d);
+      kvtier_error err;
+      ASSERT_EQ(kvtier_session_options_set(&o, d.name, v.c_str(), &err), KVTIER_OK)
+          << d.name << ": " << err.message;
+      EXPECT_EQ(CSessionGet(o, d.name), v) << d.name;
+    }
+  }
+  for (const auto& d : SessionOptionTable()) {
+    kvtier_session_options o = kvtier_session_options_default();
+    const std::string v = OtherValue(d);
+    kvtier_error err;
+    ASSERT_EQ(kvtier_session_options_set(&o, d.name, v.c_str(), &err), KVTIER_OK)
+        << d.name << ": " << err.message;
+    EXPECT_EQ(CSessionGet(o, d.name), v) << d.name;
   }
 
-  const kvtier_session_options s = kvtier_session_options_default();
-  EXPECT_EQ(s.preset, nullptr);  // = "kvtier", SessionOptions' retrieval (RecommendedRetrieval)
-  const std::vector<std::pair<std::string, std::string>> session = {
-      {"positions", s.positions == KVTIER_POSITIONS_INFLLM ? "infllm" : "absolute"},
-      {"rope_theta", FormatOptionValue(s.rope_theta)},
-      {"keep_queries", std::to_string(s.keep_queries)},
-  };
-  // + preset, budget_tokens, reuse_cosine and screen_period.
-  EXPECT_EQ(session.size() + 4, CountFields<kvtier_session_options>());
-  for (const auto& [name, value] : session) {
-    const SessionOptionDesc* d = FindOption(SessionOptionTable(), name);
-    ASSERT_NE(d, nullptr) << name;
-    EXPECT_EQ(value, d->default_text) << "kvtier_session_options_default()." << name;
+  // Names and spellings.
+  kvtier_store_options o = kvtier_store_options_default();
+  kvtier_error err;
+  EXPECT_EQ(kvtier_store_options_set(&o, "no_such_option", "1", &err), KVTIER_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(err.message).find("unknown store option 'no_such_option' (known: layers, "),
+            std::string::npos)
+      << err.message;
+  for (const Spelling& sp : kSpellings) {
+    ASSERT_EQ(kvtier_store_options_set(&o, "dtype", sp.text, &err), KVTIER_OK) << sp.text;
+    EXPECT_EQ(static_cast<int>(o.dtype), static_cast<int>(sp.dtype)) << sp.text;
   }
-  EXPECT_EQ(std::to_string(s.budget_tokens),
-            FindOption(RetrieverOptionTable(), "budget_tokens")->default_text);
-  EXPECT_EQ(FormatOptionValue(s.reuse_cosine),
-            FindOption(RetrieverOptionTable(), "reuse_cosine")->default_text);
-  EXPECT_EQ(std::to_string(s.screen_period),
-            FindOption(RetrieverOptionTable(), "screen_period")->default_text);
+  EXPECT_EQ(kvtier_store_options_set(&o, "dtype", "fp8", &err), KVTIER_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(err.message).find("f16|fp16|float16|half|bf16|bfloat16|f32|fp32|float32"),
+            std::string::npos);
+  ASSERT_EQ(kvtier_store_options_set(&o, "device", "cuda", &err), KVTIER_OK);
+  EXPECT_EQ(o.device, KVTIER_DEVICE_CUDA);
+  ASSERT_EQ(kvtier_store_options_set(&o, "hot_bytes", "8M", &err), KVTIER_OK);
+  EXPECT_EQ(o.hot_bytes, uint64_t{8} << 20);
+  EXPECT_EQ(kvtier_store_options_set(&o, "n_sink", "many", &err), KVTIER_INVALID_ARGUMENT);
+  EXPECT_STREQ(err.message, "option 'n_sink': 'many' is not an integer");
+}
+
+TEST(OptionTable, CApiOpensASessionWithBudgetZero) {
+  // budget_tokens 0 (sinks and local window only, as infinitebench's StreamingLLM row uses)
+  // is in the row's range, for the C API as for every front end.
+  kvtier_store_options so = kvtier_store_options_default();
+  kvtier_error err;
+  for (auto [name, value] : std::vector<std::pair<const char*, const char*>>{
+           {"layers", "2"}, {"q_heads", "4"}, {"kv_heads", "2"}, {"head_dim", "16"}, {"dtype", "fp32"}})
+    ASSERT_EQ(kvtier_store_options_set(&so, name, value, &err), KVTIER_OK) << err.message;
+  kvtier_store* store = nullptr;
+  ASSERT_EQ(kvtier_store_open(&so, &store, &err), KVTIER_OK) << err.message;
+  kvtier_session_options o = kvtier_session_options_default();
+  ASSERT_EQ(kvtier_session_options_set(&o, "budget_tokens", "0", &err), KVTIER_OK) << err.message;
+  kvtier_session* s = nullptr;
+  ASSERT_EQ(kvtier_session_open(store, &o, &s, &err), KVTIER_OK) << err.message;
+  kvtier_session_destroy(s);
+  o.budget_tokens = -1;
+  EXPECT_EQ(kvtier_session_open(store, &o, &s, &err), KVTIER_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(err.message).find("option 'budget_tokens': -1 is outside [0, "), std::string::npos)
+      << err.message;
+  ASSERT_EQ(kvtier_store_close(store, &err), KVTIER_OK) << err.message;
 }
 
 // ---- docs/options.md -----------------------------------------------------------------------
 
-// A default as docs/options.md writes it: sizes in MiB, strings quoted.
-std::string DocDefault(OptionType type, const OptionValue& v) {
-  if (type == OptionType::kBytes) {
-    const int64_t b = std::get<int64_t>(v);
-    if (b == 0) return "0";
-    if (b % (int64_t{1} << 30) == 0) return std::to_string(b >> 30) + " GiB";
-    if (b % (int64_t{1} << 20) == 0) return std::to_string(b >> 20) + " MiB";
-    return std::to_string(b);
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The markdown table right after the first line `heading` (the lines from the first one
+// starting with '|' to the first one that does not), or "" without one; *begin and *end
+// locate it in `text`.
+std::string TableAfter(const std::string& text, const std::string& heading, size_t* begin, size_t* end) {
+  size_t at = text.find("\n" + heading + "\n");
+  if (at == std::string::npos) return "";
+  at = text.find("\n|", at);
+  if (at == std::string::npos) return "";
+  *begin = at + 1;
+  size_t e = *begin;
+  while (e < text.size() && text[e] == '|') {
+    const size_t nl = text.find('\n', e);
+    e = nl == std::string::npos ? text.size() : nl + 1;
   }
-  if (type == OptionType::kString) return "\"" + std::get<std::string>(v) + "\"";
-  return FormatOptionValue(v);
+  *end = e;
+  return text.substr(*begin, e - *begin);
 }
 
-std::string StripBackticks(std::string s) {
-  std::string out;
-  for (char c : s)
-    if (c != '`') out += c;
-  return out;
-}
-
-// The rows of the markdown table that follows `heading` in docs/options.md: cells trimmed.
-std::vector<std::vector<std::string>> OptionsDocTable(const std::string& heading) {
-  std::ifstream in(std::string(KVTIER_SOURCE_DIR) + "/docs/options.md");
-  std::string line;
-  bool in_section = false, in_table = false;
-  std::vector<std::vector<std::string>> rows;
-  while (std::getline(in, line)) {
-    if (!in_section) {
-      in_section = line == heading;
+TEST(OptionTable, OptionsDocIsGeneratedFromTheTable) {
+  const std::string path = std::string(KVTIER_SOURCE_DIR) + "/docs/options.md";
+  std::string doc = ReadFile(path);
+  // KVTIER_WRITE_OPTIONS_DOC=1 writes the generated tables into docs/options.md.
+  const bool write = std::getenv("KVTIER_WRITE_OPTIONS_DOC") != nullptr;
+  for (const auto& [heading, want] : std::vector<std::pair<std::string, std::string>>{
+           {"## Store options", StoreOptionsMarkdown()}, {"## Session options", SessionOptionsMarkdown()}}) {
+    size_t b = 0, e = 0;
+    const std::string have = TableAfter(doc, heading, &b, &e);
+    ASSERT_NE(have, "") << "docs/options.md has no table under '" << heading << "'";
+    if (write) {
+      doc.replace(b, e - b, want);
       continue;
     }
-    if (line.rfind("|", 0) != 0) {
-      if (in_table) break;
-      continue;
-    }
-    in_table = true;
-    if (line.rfind("|---", 0) == 0) continue;
-    std::vector<std::string> cells;
-    // Cells split at '|' ("\\|" is a '|' inside a cell, as GitHub's tables want it).
-    std::string cell;
-    for (size_t i = 1; i < line.size(); ++i) {
-      const char ch = line[i];
-      if (ch == '\\' && i + 1 < line.size() && line[i + 1] == '|') {  // "\|": a '|' in a cell
-        cell += '|';
-        ++i;
-        continue;
-      }
-      if (ch == '|') {
-        const size_t b = cell.find_first_not_of(' '), e = cell.find_last_not_of(' ');
-        cells.push_back(b == std::string::npos ? "" : cell.substr(b, e - b + 1));
-        cell.clear();
-      } else {
-        cell += ch;
-      }
-    }
-    rows.push_back(cells);
+    EXPECT_EQ(have, want)
+        << "docs/options.md's table under '" << heading
+        << "' differs from the option table: run KVTIER_WRITE_OPTIONS_DOC=1 build/kvtier_tests "
+           "--gtest_filter=OptionTable.OptionsDocIsGeneratedFromTheTable";
   }
-  return rows;
-}
-
-template <typename Options>
-void ExpectReadmeRows(const std::vector<std::vector<std::string>>& rows, size_t* at,
-                      const std::vector<OptionDesc<Options>>& table, const Options& defaults) {
-  for (const auto& d : table) {
-    const std::string want =
-        std::string("| `") + d.name + "` | " + DocDefault(d.type, d.get(defaults)) + " | " + d.meaning + " |";
-    ASSERT_LT(*at, rows.size()) << "docs/options.md lacks the row " << want;
-    const auto& r = rows[(*at)++];
-    ASSERT_EQ(r.size(), 3u) << want;
-    EXPECT_EQ(r[0], std::string("`") + d.name + "`") << "want " << want;
-    EXPECT_EQ(StripBackticks(r[1]), StripBackticks(DocDefault(d.type, d.get(defaults)))) << "want " << want;
-    EXPECT_EQ(StripBackticks(r[2]), d.meaning) << "want " << want;
-  }
-}
-
-TEST(OptionTable, OptionsDocTablesEqualTheTable) {
-  const auto store_rows = OptionsDocTable("## Store options");
-  ASSERT_FALSE(store_rows.empty()) << "docs/options.md has no table under '## Store options'";
-  EXPECT_EQ(store_rows.front(), (std::vector<std::string>{"field", "default", "meaning"}));
-  size_t at = 1;
-  ExpectReadmeRows(store_rows, &at, StoreOptionTable(), StoreOptions{});
-  EXPECT_EQ(at, store_rows.size()) << "docs/options.md's store options table has rows the table does not";
-
-  const auto session_rows = OptionsDocTable("## Session options");
-  ASSERT_FALSE(session_rows.empty()) << "docs/options.md has no table under '## Session options'";
-  at = 1;
-  const SessionOptions session_defaults;
-  ExpectReadmeRows(session_rows, &at, RetrieverOptionTable(), session_defaults.retrieval);
-  ExpectReadmeRows(session_rows, &at, SessionOptionTable(), session_defaults);
-  EXPECT_EQ(at, session_rows.size()) << "docs/options.md's session options table has rows the table does not";
+  if (write) std::ofstream(path) << doc;
 }
 
 // ---- the CLI --------------------------------------------------------------------------
@@ -343,6 +540,55 @@ TEST(OptionTable, CliHelpShowsTheTablesMeanings) {
     }
     EXPECT_GT(checked, 5) << command;
   }
+}
+
+TEST(OptionTable, CliHelpShowsTheTablesDefaults) {
+  // kvtier run's flags start from the structs' defaults: --help shows each row's default.
+  const std::string help = ReadCommand(std::string(KVTIER_BINARY_DIR) + "/kvtier run --help 2>&1");
+  int checked = 0;
+  auto expect = [&](const auto& d) {
+    // Not switches, sizes (shown as 64M) or empty strings (the command describes its own).
+    if (!*d.flag || d.type == OptionType::kBool || d.type == OptionType::kBytes ||
+        FormatOptionValue(OptionDefault(d)).empty())
+      return;
+    const size_t at = help.find(std::string("  --") + d.flag + " ");
+    ASSERT_NE(at, std::string::npos) << "kvtier run --help lacks --" << d.flag;
+    const std::string line = help.substr(at, help.find('\n', at) - at);
+    const std::string want = "(default " + FormatOptionValue(OptionDefault(d)) + ")";
+    EXPECT_NE(line.find(want), std::string::npos) << "'" << line << "' does not show " << want;
+    ++checked;
+  };
+  for (const auto& d : StoreOptionTable()) expect(d);
+  for (const auto& d : RetrieverOptionTable()) expect(d);
+  EXPECT_GT(checked, 8);
+}
+
+TEST(OptionTable, CliDTypeTakesTheUsualSpellings) {
+  const std::string kvtier = std::string(KVTIER_BINARY_DIR) + "/kvtier";
+  for (const Spelling& s : kSpellings) {
+    const std::string cmd = kvtier + " run --dtype " + s.text + " --help >/dev/null 2>&1";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  }
+  const std::string out = ReadCommand(kvtier + " run --dtype fp8 --context 1024 2>&1");
+  EXPECT_NE(out.find("--dtype: unknown dtype 'fp8' (f16|fp16|float16|half|bf16|bfloat16|f32|fp32|float32)"),
+            std::string::npos)
+      << out;
+}
+
+TEST(OptionTable, ReportsHoldEveryStoreOption) {
+  // kvtier stress's JSON report writes its store's options from the rows
+  // (integration/options_json.h), as kvtier run's does.
+  const std::string json = testing::TempDir() + "option_table_stress.json";
+  const std::string cmd = std::string(KVTIER_BINARY_DIR) +
+                          "/kvtier stress --sequences 1 --tokens 256 --json " + json + " >/dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const std::string report = ReadFile(json);
+  const size_t config = report.find("\"config\"");
+  ASSERT_NE(config, std::string::npos) << report;
+  for (const auto& d : StoreOptionTable())
+    EXPECT_NE(report.find(std::string("\"") + d.name + "\"", config), std::string::npos)
+        << "the report's config lacks " << d.name;
+  std::remove(json.c_str());
 }
 
 }  // namespace

@@ -64,3 +64,61 @@ def test_range_errors_come_from_the_table():
     with kvtier.Store(layers=2, q_heads=4, kv_heads=2, head_dim=16) as store:
         with pytest.raises(kvtier.InvalidArgument, match="option 'rope_theta': expected a number"):
             kvtier.Session.open(store, rope_theta=True)
+
+
+SPELLINGS = {"f16": "f16", "fp16": "f16", "float16": "f16", "half": "f16", "bf16": "bf16", "bfloat16": "bf16",
+             "f32": "f32", "fp32": "f32", "float32": "f32"}
+
+
+@pytest.mark.parametrize("spelling", sorted(SPELLINGS))
+def test_option_dtype_takes_the_usual_spellings(spelling):
+    with kvtier.Store(layers=2, q_heads=4, kv_heads=2, head_dim=16, dtype=spelling) as store:
+        assert store.options["dtype"] == SPELLINGS[spelling]
+
+
+def test_option_dtype_error_lists_the_spellings():
+    with pytest.raises(kvtier.InvalidArgument, match=r"option 'dtype': expected "
+                       r"f16\|fp16\|float16\|half\|bf16\|bfloat16\|f32\|fp32\|float32 \(got 'fp8'\)"):
+        kvtier.Store(dtype="fp8")
+
+
+def test_option_defaults_are_the_structs():
+    # One retrieval default: Session.open's options are the table's, alloc and index included.
+    with kvtier.Store(layers=2, q_heads=4, kv_heads=2, head_dim=16) as store:
+        with kvtier.Session.open(store) as s:
+            for r in rows("SessionOptions"):
+                assert s.options[r["name"]] == r["default"], r["name"]
+    alloc = next(r for r in rows("SessionOptions") if r["name"] == "alloc")
+    assert alloc["default"] == "entropy:rank=logit"
+
+
+def test_option_budget_zero_opens_a_session():
+    budget = next(r for r in rows("SessionOptions") if r["name"] == "budget_tokens")
+    assert budget["lo"] == 0
+    with kvtier.Store(layers=2, q_heads=4, kv_heads=2, head_dim=16) as store:
+        with kvtier.Session.open(store, budget_tokens=0) as s:
+            assert s.options["budget_tokens"] == 0
+        with pytest.raises(kvtier.InvalidArgument, match=r"option 'budget_tokens': -1 is outside \[0, "):
+            kvtier.Session.open(store, budget_tokens=-1)
+
+
+def test_option_double_ranges_come_from_the_table():
+    reuse = next(r for r in rows("SessionOptions") if r["name"] == "reuse_cosine")
+    assert (reuse["dlo"], reuse["dhi"], reuse["dlo_open"]) == (0.0, 1.0, False)
+    with kvtier.Store(layers=2, q_heads=4, kv_heads=2, head_dim=16) as store:
+        with pytest.raises(kvtier.InvalidArgument, match=r"option 'reuse_cosine': 1.5 is outside \[0, 1\]"):
+            kvtier.Session.open(store, reuse_cosine=1.5)
+        with pytest.raises(kvtier.InvalidArgument, match=r"option 'rope_theta': 0 is outside \(0, inf\]"):
+            kvtier.Session.open(store, rope_theta=0.0)
+
+
+def test_option_size_store_is_the_library_sizing():
+    geometry = dict(layers=4, q_heads=8, kv_heads=2, head_dim=16, dtype="fp32", chunk_size=16)
+    cb = 16 * 2 * 2 * 16 * 4  # chunk_size * kv_heads * head_dim * (K and V) * 4 bytes
+    size = kvtier.size_store(4096, 128, **geometry)
+    assert size == {"hot_bytes": 33 * cb, "warm_bytes": 4 * 258 * cb}
+    assert kvtier.size_store(4096, 128, False, **geometry)["hot_bytes"] == 258 * cb
+    half = kvtier.size_store(4096, 128, **dict(geometry, dtype="half"))
+    assert half == {"hot_bytes": 33 * cb // 2, "warm_bytes": 4 * 258 * cb // 2}
+    with pytest.raises(kvtier.InvalidArgument, match="option 'chunk_size'"):
+        kvtier.size_store(4096, 128, chunk_size=0)

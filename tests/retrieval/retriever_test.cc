@@ -958,15 +958,15 @@ TEST(Retriever, BadOptionsAreRejected) {
 
 TEST(RetrieverOptions, ToStringSpellsEveryPartOutAndParsesBack) {
   EXPECT_EQ(RetrieverOptions().ToString(),
-            "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,rerank_min=0 "
+            "probe=act:eps=1e-06 alloc=entropy:min=1,rank=logit index=Exact:heads=max,rerank=1,rerank_min=0 "
             "budget=2048");
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"",
-       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,rerank_min=0 "
+       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=logit index=Exact:heads=max,rerank=1,rerank_min=0 "
        "budget=2048"},
       {"index=Flat alloc=topk", "probe=act:eps=1e-06 alloc=topk index=Flat budget=2048"},
       {"  budget=512   probe=mean index=HNSW32:ef=32 ",
-       "probe=mean alloc=entropy:min=1,rank=cosine index=HNSW32:ef=32 budget=512"},
+       "probe=mean alloc=entropy:min=1,rank=logit index=HNSW32:ef=32 budget=512"},
       {"index=IVF64,Flat:nprobe=4 alloc=entropy:rank=logit",
        "probe=act:eps=1e-06 alloc=entropy:min=1,rank=logit index=IVF64,Flat:nprobe=4,train_min=0 "
        "budget=2048"},
@@ -974,16 +974,16 @@ TEST(RetrieverOptions, ToStringSpellsEveryPartOutAndParsesBack) {
        "probe=question:base=mean,weight=0.25 alloc=entropy:min=2,rank=logit "
        "index=Exact:heads=max,rerank=0,rerank_min=0 budget=2048"},
       {"reuse=0.80 alloc=topk",
-       "probe=act:eps=1e-06 alloc=topk index=Exact:heads=sum,rerank=1,rerank_min=0 "
+       "probe=act:eps=1e-06 alloc=topk index=Exact:heads=max,rerank=1,rerank_min=0 "
        "budget=2048 reuse=0.8"},
       {"reuse=0",
-       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,"
+       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=logit index=Exact:heads=max,rerank=1,"
        "rerank_min=0 budget=2048"},
       {"screen=8 reuse=0.8",
-       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,"
+       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=logit index=Exact:heads=max,rerank=1,"
        "rerank_min=0 budget=2048 reuse=0.8 screen=8"},
       {"screen=1",
-       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=1,"
+       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=logit index=Exact:heads=max,rerank=1,"
        "rerank_min=0 budget=2048"},
   };
   for (const auto& [spec, canonical] : cases) {
@@ -1017,9 +1017,9 @@ TEST(RetrieverOptions, BadSpecsAreRejectedNamingThem) {
       {"probe=act:eps=x", "probe"},
       {"reuse=x", "'reuse'"},
       {"reuse=0.5x", "'reuse'"},
-      {"reuse=1.5", "reuse_cosine must be in [0, 1]"},
-      {"reuse=-0.1", "reuse_cosine must be in [0, 1]"},
-      {"screen=0", "screen_period must be >= 1"},
+      {"reuse=1.5", "option 'reuse_cosine': 1.5 is outside [0, 1]"},
+      {"reuse=-0.1", "option 'reuse_cosine': -0.1 is outside [0, 1]"},
+      {"screen=0", "option 'screen_period': 0 is outside [1, "},
       {"screen=x", "'screen'"},
       {"screen=4 alloc=topk", "needs an allocator that reads every chunk's score"},
       {"screen=4 index=Flat", "needs the Exact index kind"},
