@@ -8,8 +8,8 @@
 #include <new>
 
 #include "engine/compress.h"
-#include "engine/session_internal.h"
 #include "engine/option_table.h"
+#include "engine/session_internal.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/dtype.h"
 #include "kvtier/kvtier.h"

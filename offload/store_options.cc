@@ -17,7 +17,8 @@ namespace kvtier {
 
 Status StoreOptions::Validate() const {
   // Each option's own range first (its row), then the geometry's and the options' relations.
-  for (const StoreOptionDesc& d : StoreOptionTable()) KVTIER_RETURN_IF_ERROR(CheckOptionValue(d, d.get(*this)));
+  for (const StoreOptionDesc& d : StoreOptionTable())
+    KVTIER_RETURN_IF_ERROR(CheckOptionValue(d, d.get(*this)));
   KVTIER_RETURN_IF_ERROR(geometry.Validate());
   if (n_local % chunk_size != 0)
     return InvalidArgument("n_local (" + std::to_string(n_local) + ") must be a multiple of chunk_size (" +
