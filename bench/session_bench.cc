@@ -83,7 +83,7 @@ void BM_SessionDecodeStep(benchmark::State& state) {
         if (!sel.ok()) return false;
         auto h = (*store)->FetchChunks(*seq_b, l, sel->chunks);
         if (!h.ok() || !h->Wait().ok()) return false;
-        auto view = (*store)->GetHotView(*seq_b, l);
+        auto view = GetHotView(**store, *seq_b, l);
         if (!view.ok()) return false;
         std::vector<kernels::KvSpan> parts{view->sinks};
         for (const auto& sp : h->spans()) parts.push_back(sp);

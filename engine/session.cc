@@ -14,6 +14,7 @@
 #include "kernels/dtype.h"
 #include "kvtier/kvtier.h"
 #include "offload/attention_backend.h"
+#include "offload/observe_queries.h"
 #include "offload/policy/scoring_policy.h"
 #include "offload/tiered_store.h"
 #include "retrieval/chunk_index.h"
@@ -411,7 +412,7 @@ void SessionImpl::KeepQueries(int layer, const float* q, const int64_t* position
 
 Status SessionImpl::Observe(int layer, const float* q, const int64_t* positions, int m) {
   KVTIER_RETURN_IF_ERROR(CheckLayerCall("Observe", layer, q, positions, m, /*in_step=*/false));
-  KVTIER_ASSIGN_OR_RETURN(HotView view, store_->GetHotView(seq_, layer));
+  KVTIER_ASSIGN_OR_RETURN(HotView view, GetHotView(*store_, seq_, layer));
   KVTIER_RETURN_IF_ERROR(CheckPositionsHeld("Observe", layer, positions, m, view.n_tokens));
   KeepQueries(layer, q, positions, m);
   const int64_t local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
@@ -433,7 +434,7 @@ Status SessionImpl::ObserveLocked(int layer, const float* q, const float* q_mem,
 
 Status SessionImpl::ObserveStatistics(int layer, const float* q, const int64_t* positions, int m,
                                       const HotView& view, int64_t local_start) {
-  if (inv_freq_.empty()) return store_->ObserveQueries(seq_, layer, q, positions, m);
+  if (inv_freq_.empty()) return ObserveQueries(*store_, seq_, layer, q, positions, m);
   // kInfLLM (host tiers only: Open refuses a device tier). The model attends the local window
   // at its true positions and the sinks at L0 once chunks separate them (Attend's rotations),
   // with queries at their true positions; the sinks join the softmax, only the local window's

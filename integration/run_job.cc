@@ -22,6 +22,7 @@
 #include "kernels/dtype.h"
 #include "kvtier/session.h"
 #include "offload/attention_backend.h"
+#include "offload/observe_queries.h"
 #include "offload/host_memory.h"
 #include "offload/policy/scoring_policy.h"
 #include "offload/representatives.h"
@@ -213,7 +214,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
   // stated overhead must cover).
   auto sample_lower_tier_memory = [&] {
     rep.lower_tier_memory_peak_bytes =
-        std::max(rep.lower_tier_memory_peak_bytes, store->lower_tier_memory_bytes());
+        std::max(rep.lower_tier_memory_peak_bytes, store->lower_tiers().memory_bytes());
   };
   rep.sequence = seq;
   rep.options = opt;
@@ -335,7 +336,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
       // With every key a representative (repr_topk = chunk_size) the statistics choose nothing.
       if (!spos.empty() && opt.store.repr_topk < cs)
         KVTIER_RETURN_IF_ERROR(
-            store->ObserveQueries(seq, l, sq.data(), spos.data(), static_cast<int>(spos.size())));
+            ObserveQueries(*store, seq, l, sq.data(), spos.data(), static_cast<int>(spos.size())));
       // Every window feeds the probes' running statistics (ActQKV Eq. 8 runs over all windows so far).
       const int m = static_cast<int>(e - b);
       window_pos.resize(static_cast<size_t>(m));
@@ -507,7 +508,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
       std::vector<uint64_t> chunks = mt.session->last_chunks()[static_cast<size_t>(l)];
       std::sort(chunks.begin(), chunks.end());
       rec.attended[l].chunks = std::move(chunks);
-      KVTIER_ASSIGN_OR_RETURN(HotView view, store->GetHotView(seq, l));
+      KVTIER_ASSIGN_OR_RETURN(HotView view, GetHotView(*store, seq, l));
       rec.attended[l].local_begin = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
     }
     rec.bytes_moved = store->counters().bytes_moved - moved0;

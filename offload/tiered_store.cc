@@ -1,19 +1,22 @@
-// TieredStore, the facade: the public API declared in offload/tiered_store.h, with the
-// store's lifecycle here (options, Open and recovery, sequences, Close, Drop, counters)
-// and the rest in parts a reader can name, each opening with what it owns:
-//   offload/store/ring.cc           sinks, local ring, sealing, attention statistics
-//   offload/store/landing.cc        completing sealed chunks (representatives, warm, write-through)
-//   offload/store/warm_tier.cc      room in the warm tier
-//   offload/store/write_through.cc  the lower tiers: writes, acknowledgement, errors, reads
-//   offload/store/chunks.cc         chunk metadata, ReadTokens, scores, drops
-//   offload/store/fetch.cc          promotion into hot slots: pins, leases, hot room
-//   offload/store/layer_step.cc     the layer step's door (BeginLayerStep)
-//   offload/store/sharing.cc        publish and attach through the remote tier
+// TieredStore, the coordinator: the public API declared in offload/tiered_store.h over the
+// parts that own the store's state (each header says what it owns):
+//   offload/store/sequence_table.h  the sequences and their layers' hot regions
+//   offload/store/layer_ring.h      sinks and local ring of a layer: appends, the hot view, statistics
+//   offload/store/chunk_catalog.h   the chunk records, what readers see of them, the change feed
+//   offload/store/landing.h         sealing a ring chunk and landing it in warm
+//   offload/store/warm_tier.h       the warm slabs, their policy, room
+//   offload/store/lower_tiers.h     the tiers below warm, acknowledgements, the sticky error
+//   offload/store/lower_writer.h    writes to the lower tiers
+//   offload/store/hot_pool.h        who holds which hot slot; why nothing deadlocks
+//   offload/store/promoter.h        fetches: promotion into hot slots
+// This file has the store's lifecycle (Open and recovery, sequences, Close, Drop, Flush,
+// durability, counters); offload/store/ring.cc the appends, chunks.cc the chunk calls,
+// layer_step.cc the layer step's door and sharing.cc publish and attach.
 //
-// Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
+// Locking: one mutex (sync_.mu) guards every part's mutable state, except where
 // offload/store_state.h says otherwise (a layer's sinks and ring belong to the sequence's
-// driving thread). A function named ...Locked is called with mu_ held; one that takes the
-// std::unique_lock may drop it while it waits or copies bytes, and holds it again on return.
+// driving thread). A call that takes the std::unique_lock may drop it while it waits or copies
+// bytes, and holds it again on return.
 
 #include "offload/tiered_store.h"
 
@@ -39,21 +42,12 @@ TieredStore::TieredStore(const StoreOptions& options, const StoreHooks& hooks)
 TieredStore::~TieredStore() {
   if (engine_) {
     // Downloads in flight write into warm slots: land them (which issues their write-through).
-    std::unique_lock<CountingMutex> l(mu_);
-    LandEverythingLocked(l);
+    std::unique_lock<CountingMutex> l(sync_.mu);
+    landing_->LandEverything(l);
   }
-  // Transfer tasks call back into the store: let them finish first.
+  // Transfer tasks call back into the store: let them finish first. The parts go in the reverse
+  // order of their declaration (the sequence table frees the layers' regions and chunk records).
   if (engine_) engine_->WaitIdle();
-  for (auto& [id, seq] : sequences_) {
-    for (auto& ls : seq->layers) {
-      store_internal::FreeLayerRegions(hot_.get(), &ls);
-      for (Chunk* c : ls.chunks) delete c;
-    }
-  }
-}
-
-Result<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& options) {
-  return Open(options, StoreHooks{});
 }
 
 Result<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& options, const StoreHooks& hooks) {
@@ -67,53 +61,52 @@ Result<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& optio
     KVTIER_RETURN_IF_ERROR(options.Validate());
   }
   auto store = std::unique_ptr<TieredStore>(new TieredStore(options, hooks));
-  KVTIER_RETURN_IF_ERROR(store->Init());
-  return store;
-}
-
-Status TieredStore::Init() {
-  token_bytes_ = options_.geometry.token_elems() * DTypeSize(options_.geometry.dtype);
-  chunk_bytes_ = options_.chunk_bytes();
-  if (hooks_.hot_tier_factory) {
-    KVTIER_ASSIGN_OR_RETURN(hot_, hooks_.hot_tier_factory(options_.hot_bytes, chunk_bytes_));
-    if (hot_ == nullptr) return InvalidArgument("hot_tier_factory returned no hot tier");
+  TieredStore& s = *store;
+  const StoreOptions& o = s.options_;
+  s.token_bytes_ = o.geometry.token_elems() * DTypeSize(o.geometry.dtype);
+  s.chunk_bytes_ = o.chunk_bytes();
+  if (s.hooks_.hot_tier_factory) {
+    KVTIER_ASSIGN_OR_RETURN(s.hot_, s.hooks_.hot_tier_factory(o.hot_bytes, s.chunk_bytes_));
+    if (s.hot_ == nullptr) return InvalidArgument("hot_tier_factory returned no hot tier");
   } else {
-    KVTIER_ASSIGN_OR_RETURN(hot_, MakeHotTier(options_.device, options_.hot_bytes, chunk_bytes_));
+    KVTIER_ASSIGN_OR_RETURN(s.hot_, MakeHotTier(o.device, o.hot_bytes, s.chunk_bytes_));
   }
+  HotTier* hot = s.hot_.get();
   // Every slot holds one chunk ([K][V]); spans and copies assume exactly that size.
-  if (hot_->slot_bytes() != chunk_bytes_ || hot_->slot_capacity() < 1)
-    return InvalidArgument("hot tier (" + std::string(DeviceName(hot_->device())) + ") has " +
-                           std::to_string(hot_->slot_capacity()) + " slots of " +
-                           std::to_string(hot_->slot_bytes()) +
+  if (hot->slot_bytes() != s.chunk_bytes_ || hot->slot_capacity() < 1)
+    return InvalidArgument("hot tier (" + std::string(DeviceName(hot->device())) + ") has " +
+                           std::to_string(hot->slot_capacity()) + " slots of " +
+                           std::to_string(hot->slot_bytes()) +
                            " bytes; the store needs at least one slot of one chunk (" +
-                           std::to_string(chunk_bytes_) + " bytes)");
+                           std::to_string(s.chunk_bytes_) + " bytes)");
   // A device tier ("cuda") is accepted: nothing in the store dereferences hot memory on the
   // host. Attention runs on the Session's backend for the tier's device
   // (offload/attention_backend.h); chunk scoring reads representatives, which are host data
   // chosen when a sealed chunk lands, from the warm copy it was downloaded into; every other
   // read of hot memory goes through HotTier::Download (ReadTokens, CloseSequence's sinks,
   // ObserveQueries, see there).
-  KVTIER_ASSIGN_OR_RETURN(warm_, SlotPool::Create("warm_bytes", options_.warm_bytes, chunk_bytes_, true));
+  s.ring_ = std::make_unique<LayerRing>(o, s.token_bytes_);
+  s.sequences_ = std::make_unique<SequenceTable>(o, s.token_bytes_, hot);
+  s.catalog_ = std::make_unique<ChunkCatalog>(o, s.token_bytes_);
   {
-    KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<DemotionPolicy> hot_policy,
-                            MakeDemotionPolicy(options_.hot_policy));
-    hot_pool_ = std::make_unique<HotPool>(hot_.get(), std::move(hot_policy), &chunk_by_id_);
+    KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<DemotionPolicy> hot_policy, MakeDemotionPolicy(o.hot_policy));
+    s.hot_pool_ = std::make_unique<HotPool>(hot, std::move(hot_policy), &s.catalog_->by_id());
   }
-  KVTIER_ASSIGN_OR_RETURN(warm_policy_, MakeDemotionPolicy(options_.warm_policy));
-  if (!options_.data_dir.empty()) {
+  KVTIER_ASSIGN_OR_RETURN(s.warm_, WarmTier::Create(o, s.chunk_bytes_, s.catalog_.get(), &s.lower_, &s.counters_));
+  if (!o.data_dir.empty()) {
     ColdTierOptions co;
-    co.path = options_.data_dir;
-    co.compression = options_.compression;
-    co.sync_writes = options_.sync_writes;
-    co.fault_injector = hooks_.cold_fault_injector;
-    co.accept_lost_chunks = options_.accept_lost_chunks;
+    co.path = o.data_dir;
+    co.compression = o.compression;
+    co.sync_writes = o.sync_writes;
+    co.fault_injector = s.hooks_.cold_fault_injector;
+    co.accept_lost_chunks = o.accept_lost_chunks;
     KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<ColdTier> cold, ColdTier::Open(co));
-    lower_.AddCold(std::move(cold));
+    s.lower_.AddCold(std::move(cold));
   }
-  if (!options_.remote.empty()) {
-    KVTIER_ASSIGN_OR_RETURN(RemoteTierOptions ro, ParseRemoteSpec(options_.remote));
-    if (!options_.remote_namespace.empty()) {
-      ro.ns = options_.remote_namespace;
+  if (!o.remote.empty()) {
+    KVTIER_ASSIGN_OR_RETURN(RemoteTierOptions ro, ParseRemoteSpec(o.remote));
+    if (!o.remote_namespace.empty()) {
+      ro.ns = o.remote_namespace;
     } else {
       // Sequence ids restart at 1 in every store: a namespace of its own per Open keeps
       // two stores on one Redis from overwriting each other's chunks.
@@ -125,95 +118,86 @@ Status TieredStore::Init() {
               std::to_string(std::chrono::system_clock::now().time_since_epoch().count());
     }
     KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<RemoteTier> remote, RemoteTier::Open(ro));
-    lower_.AddRemote(std::move(remote));
+    s.lower_.AddRemote(std::move(remote));
   }
   TransferEngine::Options eo;
-  eo.threads = options_.transfer_threads;
-  eo.chunk_bytes = chunk_bytes_;
-  eo.hot = hot_.get();
-  for (const auto& tier : lower_) eo.lower.push_back(tier.get());
-  KVTIER_ASSIGN_OR_RETURN(engine_, TransferEngine::Create(eo));
-  if (lower_.cold()) {
+  eo.threads = o.transfer_threads;
+  eo.chunk_bytes = s.chunk_bytes_;
+  eo.hot = hot;
+  for (const auto& tier : s.lower_) eo.lower.push_back(tier.get());
+  KVTIER_ASSIGN_OR_RETURN(s.engine_, TransferEngine::Create(eo));
+  s.writer_ = std::make_unique<LowerWriter>(s.engine_.get(), &s.lower_, &s.sync_, &s.counters_, s.chunk_bytes_);
+  s.landing_ = std::make_unique<Landing>(
+      o, s.chunk_bytes_, *s.ring_,
+      Landing::Parts{hot, s.warm_.get(), s.catalog_.get(), s.writer_.get(), &s.lower_, s.sequences_.get(),
+                     &s.sync_, &s.counters_});
+  s.promoter_ = std::make_unique<Promoter>(
+      o, s.hooks_, s.chunk_bytes_,
+      Promoter::Parts{hot, s.hot_pool_.get(), s.warm_.get(), s.catalog_.get(), s.sequences_.get(),
+                      s.landing_.get(), s.engine_.get(), &s.sync_, &s.counters_});
+  if (s.lower_.cold()) {
     RecoveredStore rec;
-    Status st = RecoverStore(options_, lower_.cold(), hot_.get(), &rec);
-    // Adopt whatever was rebuilt even on failure: the destructor frees it.
-    sequences_ = std::move(rec.sequences);
-    chunk_by_id_ = std::move(rec.chunk_by_id);
-    next_chunk_id_ = rec.next_chunk_id;
-    next_seq_id_ = rec.next_seq_id;
-    counters_.cold_chunks += rec.cold_chunks;
-    counters_.cold_bytes += rec.cold_bytes;
-    region_bytes_ += rec.region_bytes;
+    Status st = RecoverStore(o, s.lower_.cold(), hot, &rec);
+    // Adopt whatever was rebuilt even on failure: the sequence table frees it.
+    s.sequences_->Adopt(std::move(rec.sequences), rec.next_seq_id, rec.region_bytes);
+    s.catalog_->Adopt(std::move(rec.chunk_by_id), rec.next_chunk_id);
+    s.counters_.cold_chunks += rec.cold_chunks;
+    s.counters_.cold_bytes += rec.cold_bytes;
     KVTIER_RETURN_IF_ERROR(st);
   }
-  return Status::Ok();
+  return store;
 }
 
 Result<SequenceId> TieredStore::CreateSequence() {
-  CountVisit();
+  visits_.Count();
   return ReturnOnBadAlloc(
       "CreateSequence: the sinks and local window of every layer", [&]() -> Result<SequenceId> {
         auto seq = std::make_unique<Sequence>();
         const int L = options_.geometry.layers;
         seq->layers.resize(L);
-        for (auto& ls : seq->layers)
-          KVTIER_RETURN_IF_ERROR(
-              store_internal::AllocateLayerRegions(options_, token_bytes_, hot_.get(), &ls));
-        std::lock_guard<CountingMutex> l(mu_);
-        seq->id = next_seq_id_++;
-        region_bytes_ += L * store_internal::LayerRegionBytes(options_, token_bytes_);
+        for (auto& ls : seq->layers) {
+          Status st = store_internal::AllocateLayerRegions(options_, token_bytes_, hot_.get(), &ls);
+          if (!st.ok()) {
+            for (auto& done : seq->layers) store_internal::FreeLayerRegions(hot_.get(), &done);
+            return st;
+          }
+        }
+        std::lock_guard<CountingMutex> l(sync_.mu);
+        const SequenceId id = sequences_->Add(std::move(seq));
         if (lower_.cold()) {
           const std::string rec = EncodeSequenceRecord(SeqState::kOpen, std::vector<int64_t>(L, 0));
-          KVTIER_RETURN_IF_ERROR(lower_.cold()->PutSequence(seq->id, rec));
+          Status st = lower_.cold()->PutSequence(id, rec);
+          if (!st.ok()) {
+            sequences_->Erase(id);
+            return st;
+          }
         }
-        const SequenceId id = seq->id;
-        sequences_[id] = std::move(seq);
         return id;
       });
 }
 
 std::vector<SequenceId> TieredStore::ListSequences() const {
-  CountVisit();
-  std::lock_guard<CountingMutex> l(mu_);
-  std::vector<SequenceId> ids;
-  for (auto& [id, s] : sequences_) ids.push_back(id);
-  std::sort(ids.begin(), ids.end());
-  return ids;
-}
-
-Status TieredStore::CheckLayerLocked(SequenceId seq, int layer, bool for_write, Sequence** out) const {
-  auto it = sequences_.find(seq);
-  if (it == sequences_.end())
-    return NotFound("sequence " + std::to_string(seq) + " does not exist (never created or dropped)");
-  if (layer < 0 || layer >= options_.geometry.layers)
-    return InvalidArgument("layer " + std::to_string(layer) + " is out of range [0, " +
-                           std::to_string(options_.geometry.layers) + ")");
-  if (for_write && it->second->state != SeqState::kOpen)
-    return FailedPrecondition("sequence " + std::to_string(seq) +
-                              (it->second->state == SeqState::kClosed
-                                   ? " is closed; it is read-only"
-                                   : " was not closed before the store stopped; its chunks are readable but "
-                                     "it cannot be appended to"));
-  *out = it->second.get();
-  return Status::Ok();
+  visits_.Count();
+  std::lock_guard<CountingMutex> l(sync_.mu);
+  return sequences_->Ids();
 }
 
 Result<int64_t> TieredStore::SequenceLength(SequenceId seq, int layer) const {
-  CountVisit();
-  std::lock_guard<CountingMutex> l(mu_);
+  visits_.Count();
+  std::lock_guard<CountingMutex> l(sync_.mu);
   Sequence* s = nullptr;
-  KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+  KVTIER_RETURN_IF_ERROR(sequences_->Check(seq, layer, false, &s));
   return s->layers[layer].n_tokens;
 }
 
 Status TieredStore::CloseSequence(SequenceId seq) {
-  CountVisit();
+  visits_.Count();
   Sequence* s = nullptr;
   {
-    std::unique_lock<CountingMutex> l(mu_);
-    KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, 0, true, &s));
-    LandSequenceLocked(l, s);
-    KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s));
+    std::unique_lock<CountingMutex> l(sync_.mu);
+    KVTIER_RETURN_IF_ERROR(sequences_->Check(seq, 0, true, &s));
+    landing_->LandSequence(l, s);
+    KVTIER_RETURN_IF_ERROR(Landing::TakeError(s));
     s->busy++;
   }
   Status st;
@@ -221,11 +205,11 @@ Status TieredStore::CloseSequence(SequenceId seq) {
     // Every chunk must be acknowledged before the record says "closed".
     for (auto& ls : s->layers) {
       for (Chunk* c : ls.chunks) {
-        std::unique_lock<CountingMutex> l(mu_);
+        std::unique_lock<CountingMutex> l(sync_.mu);
         if (c == nullptr) continue;  // dropped, or a hole left by a crash
-        cv_.wait(l, [&] { return !c->lower_writing; });
+        sync_.cv.wait(l, [&] { return !c->lower_writing; });
         if (c->lower_acked) continue;
-        st = WriteWarmChunkDownLocked(l, c);
+        st = writer_->WriteDown(l, c, warm_->slot_data(c->warm_slot));
         if (!st.ok()) break;
       }
       if (!st.ok()) break;
@@ -236,7 +220,7 @@ Status TieredStore::CloseSequence(SequenceId seq) {
     for (int l = 0; l < options_.geometry.layers && st.ok(); ++l) {
       n_tokens.push_back(s->layers[l].n_tokens);
       std::string sinks, local;
-      st = CopySinksAndLocal(seq, s, l, &sinks, &local);
+      st = ring_->CopyOut(hot_.get(), s->layers[l], &sinks, &local);
       if (st.ok()) st = lower_.cold()->PutBlob(seq, l, store_records::kSinksBlob, sinks.data(), sinks.size());
       if (st.ok()) st = lower_.cold()->PutBlob(seq, l, store_records::kLocalBlob, local.data(), local.size());
     }
@@ -245,49 +229,28 @@ Status TieredStore::CloseSequence(SequenceId seq) {
       st = lower_.cold()->PutSequence(seq, rec);
     }
   }
-  std::lock_guard<CountingMutex> l(mu_);
+  std::lock_guard<CountingMutex> l(sync_.mu);
   s->busy--;
   if (st.ok()) s->state = SeqState::kClosed;
-  cv_.notify_all();
-  return st;
-}
-
-Status TieredStore::CopySinksAndLocal(SequenceId seq, Sequence* s, int l, std::string* sinks,
-                                      std::string* local) {
-  LayerState& ls = s->layers[l];
-  const int64_t n_sink_tokens = std::min<int64_t>(ls.n_tokens, options_.n_sink);
-  sinks->assign(2 * n_sink_tokens * token_bytes_, '\0');
-  Status st = hot_->Download(sinks->data(), ls.sink_k, n_sink_tokens * token_bytes_);
-  if (st.ok())
-    st =
-        hot_->Download(sinks->data() + n_sink_tokens * token_bytes_, ls.sink_v, n_sink_tokens * token_bytes_);
-  const int64_t n_local = ls.n_tokens - std::max<int64_t>(ls.sealed_end, n_sink_tokens);
-  local->assign(2 * std::max<int64_t>(0, n_local) * token_bytes_, '\0');
-  if (st.ok() && n_local > 0) {
-    std::vector<uint8_t> k(n_local * token_bytes_), v(n_local * token_bytes_);
-    st = ReadTokens(seq, l, ls.n_tokens - n_local, ls.n_tokens, k.data(), v.data());
-    std::memcpy(local->data(), k.data(), k.size());
-    std::memcpy(local->data() + k.size(), v.data(), v.size());
-  }
+  sync_.cv.notify_all();
   return st;
 }
 
 Status TieredStore::DropSequence(SequenceId seq) {
-  CountVisit();
-  std::unique_lock<CountingMutex> l(mu_);
-  auto it = sequences_.find(seq);
-  if (it == sequences_.end())
+  visits_.Count();
+  std::unique_lock<CountingMutex> l(sync_.mu);
+  Sequence* s = sequences_->Find(seq);
+  if (s == nullptr)
     return NotFound("sequence " + std::to_string(seq) + " does not exist (never created or dropped)");
-  Sequence* s = it->second.get();
   // Wait for appends, reads and transfers that touch this sequence to finish; chunks still
   // landing land first (their downloads read the regions freed below). A landing failure
   // changes nothing here: the sequence goes anyway.
   for (;;) {
-    cv_.wait(l, [&] { return s->busy == 0; });
-    LandSequenceLocked(l, s);
+    sync_.cv.wait(l, [&] { return s->busy == 0; });
+    landing_->LandSequence(l, s);
     if (s->busy == 0) break;
   }
-  cv_.wait(l, [&] {
+  sync_.cv.wait(l, [&] {
     if (s->busy > 0) return false;
     for (auto& ls : s->layers)
       if (!ls.landing.empty() || ls.landers > 0) return false;
@@ -305,43 +268,106 @@ Status TieredStore::DropSequence(SequenceId seq) {
         if ((c->tiers & lower_[t]->tier_bit()) &&
             !(lower_[t]->serves_published() && store_internal::SharedChunk(s, c->key)))
           tier_keys[t].push_back(c->key);
-      FreeChunkLocked(c);
+      warm_->Forget(c);
+      hot_pool_->ForgetLocked(c);
+      LowerTiers::ForgetLocked(c, chunk_bytes_, &counters_);
+      catalog_->Forget(c);
     }
     ls.chunks.clear();
-    store_internal::FreeLayerRegions(hot_.get(), &ls);
-    region_bytes_ -= store_internal::LayerRegionBytes(options_, token_bytes_);
   }
-  sequences_.erase(seq);  // by key: `it` may be stale after the waits above (a CreateSequence can rehash)
+  sequences_->Erase(seq);  // frees the layers' regions
   counters_.warm_chunks = warm_->used();
   counters_.hot_chunks = hot_->slots_used();
   l.unlock();
   return lower_.RemoveSequence(seq, tier_keys);
 }
 
+Status TieredStore::Flush(SequenceId seq) {
+  visits_.Count();
+  std::unique_lock<CountingMutex> l(sync_.mu);
+  Sequence* s = nullptr;
+  KVTIER_RETURN_IF_ERROR(sequences_->Check(seq, 0, false, &s));
+  landing_->LandSequence(l, s);
+  return Landing::TakeError(s);
+}
+
+Status TieredStore::WaitForDurable() {
+  visits_.Count();
+  Status landed;
+  {
+    // Chunks still landing have no write issued yet: land them, which issues it.
+    std::unique_lock<CountingMutex> l(sync_.mu);
+    landing_->LandEverything(l);
+    for (SequenceId id : sequences_->Ids()) {
+      Status st = Landing::TakeError(sequences_->Find(id));
+      if (landed.ok()) landed = std::move(st);
+    }
+  }
+  // Every write issued so far has finished or, where errors expire (a remote tier), one
+  // failed: then the rest is not waited for (writes queued behind a dead node are refused
+  // anyway), and the error says that not everything is durable.
+  while (!engine_->WaitIdleFor(std::chrono::milliseconds(20))) {
+    std::lock_guard<CountingMutex> l(sync_.mu);
+    if (lower_.errors_expire() && !lower_.BackgroundErrorLocked().ok()) break;
+  }
+  std::lock_guard<CountingMutex> l(sync_.mu);
+  if (!landed.ok()) return landed;
+  // A failed write-through leaves its chunk unacknowledged in warm, where the
+  // next demotion or CloseSequence writes it again (or, with both tiers and only Redis
+  // failing, acknowledged by the cold tier alone); report the failure once.
+  return lower_.TakeBackgroundErrorLocked();
+}
+
+Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices,
+                                             FetchFit fit) {
+  visits_.Count();
+  return promoter_->Fetch(seq, layer, chunk_indices, fit);
+}
+
+Result<uint64_t> TieredStore::ReserveHotSlots(SequenceId seq, int32_t slots) {
+  visits_.Count();
+  if (slots < 0)
+    return InvalidArgument("ReserveHotSlots: slots must be >= 0 (got " + std::to_string(slots) + ")");
+  std::lock_guard<CountingMutex> l(sync_.mu);
+  if (sequences_->Find(seq) == nullptr)
+    return NotFound("ReserveHotSlots: sequence " + std::to_string(seq) +
+                    " does not exist (never created or dropped)");
+  uint64_t after = 0;
+  KVTIER_ASSIGN_OR_RETURN(uint64_t id, hot_pool_->ReserveLocked(seq, slots, &after));
+  counters_.hot_reserved = after;
+  return id;
+}
+
+void TieredStore::ReleaseHotSlots(uint64_t reservation) {
+  visits_.Count();
+  std::lock_guard<CountingMutex> l(sync_.mu);
+  uint64_t after = 0;
+  if (hot_pool_->ReleaseLocked(reservation, &after)) counters_.hot_reserved = after;
+}
+
+void TieredStore::EvictHot() {
+  visits_.Count();
+  std::lock_guard<CountingMutex> l(sync_.mu);
+  hot_pool_->EvictUnpinnedLocked(hooks_.clock->Now());
+}
+
 StoreCounters TieredStore::counters() const {
-  CountVisit();
-  std::lock_guard<CountingMutex> l(mu_);
+  visits_.Count();
+  std::lock_guard<CountingMutex> l(sync_.mu);
   StoreCounters c = counters_;
   c.hot_chunks = hot_->slots_used();
-  c.hot_bytes = c.hot_chunks * chunk_bytes_ + region_bytes_;
-  c.warm_chunks = warm_->used() - landing_chunks_;  // a chunk still landing is not warm yet
-  c.chunks_landing = landing_chunks_;
+  c.hot_bytes = c.hot_chunks * chunk_bytes_ + sequences_->region_bytes();
+  c.chunks_landing = landing_->in_flight();
+  c.warm_chunks = warm_->used() - c.chunks_landing;  // a chunk still landing is not warm yet
   c.warm_bytes = c.warm_chunks * chunk_bytes_;
   lower_.AddCounters(&c);
   return c;
 }
 
 uint64_t TieredStore::metadata_bytes() const {
-  CountVisit();
-  std::lock_guard<CountingMutex> l(mu_);
-  const size_t per_chunk = sizeof(Chunk) + 64;
-  return chunk_by_id_.size() * per_chunk +
-         repr_chunks_ * static_cast<size_t>(options_.repr_topk) * token_bytes_;
-}
-
-uint64_t TieredStore::lower_tier_memory_bytes() const {
-  CountVisit();
-  return lower_.memory_bytes();
+  visits_.Count();
+  std::lock_guard<CountingMutex> l(sync_.mu);
+  return catalog_->MetadataBytes();
 }
 
 }  // namespace kvtier

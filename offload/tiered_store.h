@@ -70,9 +70,18 @@
 #include "offload/hot_tier.h"
 #include "offload/lower_tier.h"
 #include "offload/remote_tier.h"
+#include "offload/store/chunk_catalog.h"
 #include "offload/store/counting_mutex.h"
 #include "offload/store/hot_pool.h"
+#include "offload/store/landing.h"
+#include "offload/store/layer_ring.h"
 #include "offload/store/lower_tiers.h"
+#include "offload/store/lower_writer.h"
+#include "offload/store/promoter.h"
+#include "offload/store/sequence_table.h"
+#include "offload/store/store_sync.h"
+#include "offload/store/warm_tier.h"
+#include "offload/store_types.h"
 #include "offload/store_counters.h"
 #include "offload/store_hooks.h"
 #include "store/chunk.h"
@@ -88,97 +97,12 @@ struct LayerState;
 struct Sequence;
 }  // namespace store_internal
 
-/// Per-chunk metadata visible to retrieval and policies.
-struct ChunkInfo {
-  ChunkKey key;
-  int64_t first_token = 0;    ///< absolute position of the chunk's first token
-  int n_tokens = 0;           ///< chunk_size
-  uint8_t tiers = kTierNone;  ///< TierBits where the chunk is resident
-  float score = 0.0f;         ///< policy score (higher = keep)
-};
-
-/// Where a reader of one layer's chunk changes stands (TieredStore::ChunkUpdatesSince).
-struct ChunkCursor {
-  uint64_t chunks = 0;  ///< chunk indices below this were handed over (or were holes)
-  uint64_t drops = 0;   ///< drops of the layer handed over so far
-};
-
-/// One layer's chunk changes since a cursor (TieredStore::ChunkUpdatesSince).
-struct ChunkUpdate {
-  ChunkCursor next;               ///< the cursor after these changes
-  ChunkCursor since;              ///< the cursor these changes start from
-  std::vector<uint64_t> added;    ///< landed chunk indices, ascending
-  std::vector<float> repr;        ///< [added][repr_topk, kv_heads, head_dim] fp32 representative keys
-  std::vector<uint64_t> dropped;  ///< chunk indices dropped since the cursor, in drop order
-  bool complete = true;           ///< false: max_added was reached, more landed chunks wait past next
-  uint64_t pending = 0;           ///< chunk indices past next still to hand over (holes included: at most)
-};
-
-/// What attention reads for one (sequence, layer) besides retrieved chunks:
-/// the sinks and the local window (the ring gives up to two spans). Pointers
-/// stay valid until the next Append to that (sequence, layer).
-struct HotView {
-  kernels::KvSpan sinks;     ///< n_tokens may be < n_sink early on
-  kernels::KvSpan local[2];  ///< oldest part first
-  int n_local_spans = 0;
-  int64_t n_tokens = 0;  ///< tokens appended to this layer so far
-};
-
-/// What a layer step reads from the store besides the chunk updates (TieredStore::BeginLayerStep).
-struct LayerStepView {
-  Status background;  ///< the sticky lower-tier write error (CheckBackgroundError); OK when none
-  HotView hot;        ///< sinks and local window of the layer
-};
-
-/// How FetchChunks treats a fetch longer than its sequence's hot slot reservation
-/// (TieredStore::ReserveHotSlots).
-enum class FetchFit {
-  kAll,  ///< every chunk asked for, or an error
-  /// The chunks are best first; a tail that would take slots other sequences' reservations
-  /// claim is left out (see FetchChunks).
-  kWithinClaims,
-};
-
-/// Completion handle of an asynchronous fetch. Wait() returns the transfer's
-/// status; a wait that times out does not cancel the transfer. Until Release()
-/// (or destruction, or the lease running out) the chunks stay pinned in hot
-/// slots and spans() point at them. After the lease runs out, or after the
-/// sequence is dropped, the spans may point at reused slots. Release or
-/// destroy every handle before the store that issued it.
-class FetchHandle {
- public:
-  FetchHandle() = default;
-  ~FetchHandle();
-  FetchHandle(FetchHandle&&) noexcept;
-  FetchHandle& operator=(FetchHandle&&) noexcept;
-  FetchHandle(const FetchHandle&) = delete;
-  FetchHandle& operator=(const FetchHandle&) = delete;
-
-  bool Ready() const;
-  Status Wait(std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
-  /// One span per chunk fetched, in request order (valid after Wait() returned OK): every
-  /// requested chunk, or the first ones a FetchFit::kWithinClaims fetch kept.
-  const std::vector<kernels::KvSpan>& spans() const;
-  /// Unpins the chunks; the handle becomes empty.
-  void Release();
-  bool empty() const { return state_ == nullptr; }
-
- private:
-  friend class TieredStore;
-
- public:
-  struct State;  // internal
- private:
-  std::shared_ptr<State> state_;
-};
-
 class TieredStore : public Store {
  public:
-  /// Opens (and, with a data_dir holding an earlier store, recovers) a store.
-  static Result<std::unique_ptr<TieredStore>> Open(const StoreOptions& options);
-  /// The same with what tests and tools plug in (offload/store_hooks.h: their own hot tier, the
-  /// lease clock, a cold-tier fault injector). InvalidArgument names a bad hook.
-  static Result<std::unique_ptr<TieredStore>> Open(const StoreOptions& options, const StoreHooks& hooks);
+  /// Opens (and, with a data_dir holding an earlier store, recovers) a store, with what tests
+  /// and tools plug in (offload/store_hooks.h: their own hot tier, the lease clock, a cold-tier
+  /// fault injector). InvalidArgument names a bad option or hook.
+  static Result<std::unique_ptr<TieredStore>> Open(const StoreOptions& options, const StoreHooks& hooks = {});
   ~TieredStore() override;
   TieredStore(const TieredStore&) = delete;
   TieredStore& operator=(const TieredStore&) = delete;
@@ -195,11 +119,6 @@ class TieredStore : public Store {
   /// it is host memory, the same bytes as kHost). Any other value is InvalidArgument.
   Status Append(SequenceId seq, int layer, const void* k, const void* v, int n, DType dtype,
                 MemorySpace space = MemorySpace::kHost);
-  /// Attention statistics for representative keys, from queries: computes the
-  /// attention of q ([m, q_heads, head_dim] fp32, at the given absolute
-  /// positions) over the sinks and local window and accumulates the mass each
-  /// local key received.
-  Status ObserveQueries(SequenceId seq, int layer, const float* q, const int64_t* positions, int m);
   /// Attention statistics from an engine that computed them itself: mass
   /// ([kv_heads, n] fp32) received by tokens [first_position, first_position+n),
   /// which must lie in the local window.
@@ -234,8 +153,6 @@ class TieredStore : public Store {
   /// ([end-begin, kv_heads, head_dim], storage dtype), from whichever tier
   /// holds them, without promoting anything.
   Status ReadTokens(SequenceId seq, int layer, int64_t begin, int64_t end, void* k_out, void* v_out);
-  /// Sinks and local window of one layer, in hot memory (device pointers for a "cuda" tier).
-  Result<HotView> GetHotView(SequenceId seq, int layer);
   /// The layer step's door, for the sequence's driver (Session::Attend and Gather): one visit,
   /// one lock entry, and everything a layer step reads from the store before it fetches. It
   /// lands the layer's own sealed chunks (the caller drives the sequence, see "Landing"; a
@@ -247,7 +164,8 @@ class TieredStore : public Store {
   /// the store lock three times. Buffers in `updates` are reused, so a caller that keeps them
   /// allocates nothing in the steady state. `out` and `updates` are what a device-resident
   /// step's chunk table would be fed from: the hot view's device spans and the chunk indices
-  /// that came and left. NotFound / InvalidArgument as GetHotView and ChunkUpdatesSince.
+  /// that came and left. NotFound / InvalidArgument as ChunkUpdatesSince; FailedPrecondition for a sequence
+  /// recovered without its sinks and local window (it was not closed).
   Status BeginLayerStep(SequenceId seq, int layer, const ChunkCursor* since, ChunkUpdate* updates,
                         LayerStepView* out, size_t max_added = SIZE_MAX);
   /// The hot tier (its device(), slot pool and, for "cuda", stream): what an attention
@@ -347,18 +265,6 @@ class TieredStore : public Store {
   /// not written to Redis again by the store (PublishSequence copies it up), and the Redis
   /// error is reported as above.
   Status WaitForDurable() override;
-  /// The sticky background write error (see WaitForDurable) without clearing it; OK when none.
-  Status CheckBackgroundError();
-  /// Every chunk the cold tier acknowledged and that was not dropped since, as index
-  /// ranges per (sequence, layer) in order: what a reopen, even after SIGKILL, must
-  /// bring back (Open checks it did). A chunk is in it once the ack listener (a test hook,
-  /// tests/tiered_store_test_peer.h) was or is about to be called for it, and from the
-  /// moment CloseSequence returns for all of its sequence's chunks. Read from the cold
-  /// tier's manifest, not from memory; empty without a cold tier, where nothing is durable.
-  std::vector<ChunkRange> AcknowledgedChunks() const;
-  /// The acknowledged chunks found missing when this store was opened and accepted as
-  /// lost (accept_lost_chunks); empty otherwise.
-  std::vector<ChunkRange> LostChunks() const;
   /// A snapshot; counts landed chunks, and the chunks still landing as chunks_landing
   /// (a reader: it lands nothing).
   StoreCounters counters() const override;
@@ -378,8 +284,10 @@ class TieredStore : public Store {
   /// (geometry, n_sink, n_local, chunk_size, repr_topk) differs from this store's. The
   /// attached sequence is not persisted in this store's cold tier.
   Result<SequenceId> AttachPublished(std::string_view name) override;
-  /// The remote tier, or null.
-  RemoteTier* remote_tier() const { return lower_.remote(); }
+  /// The tiers below warm (offload/store/lower_tiers.h): the cold tier (its acknowledged and
+  /// lost chunks: ColdTier::AcknowledgedChunks, lost_chunks), the remote tier, the memory their
+  /// machinery holds (memory_bytes).
+  const LowerTiers& lower_tiers() const { return lower_; }
 
   /// Bytes of host memory held for indexes and chunk metadata: a record per chunk, plus the
   /// representative keys of the chunks that hold them in memory. A chunk holds them from its
@@ -388,110 +296,43 @@ class TieredStore : public Store {
   /// tier); then they are released and read back on demand. Chunks recovered at Open hold none.
   /// A store without such a tier (none, or only a remote tier) keeps every chunk's.
   uint64_t metadata_bytes() const;
-  /// Host memory the lower tiers' own machinery holds now (LowerTier::memory_bytes: RocksDB's
-  /// memtables, table readers and block cache), summed over them.
-  uint64_t lower_tier_memory_bytes() const;
 
  private:
-  friend class FetchHandle;
   friend class TieredStoreTestPeer;  // tests/tiered_store_test_peer.h
-  /// Registers a callback run (on a transfer thread) each time a chunk is acknowledged by
-  /// the lower tiers (TieredStoreTestPeer::SetAckListener).
-  void SetAckListener(std::function<void(const ChunkKey&)> listener);
   using Chunk = store_internal::Chunk;
   using LayerState = store_internal::LayerState;
   using Sequence = store_internal::Sequence;
   TieredStore(const StoreOptions& options, const StoreHooks& hooks);
-  Status Init();
-  Status CheckLayerLocked(SequenceId seq, int layer, bool for_write, Sequence** out) const;
-  Status SealOldestChunk(Sequence* s, int layer);
-  /// Lands the oldest landing chunks of one layer until at most `keep` are left; with
-  /// `only_complete`, stops at the first whose download is not complete yet (never waits for
-  /// a download). With keep == 0 and !only_complete, also waits for landings other threads
-  /// claimed, so that on return no chunk of the layer is landing. Failures go to the
-  /// layer's landing_error. Drops the lock while waiting for a download.
-  void LandLayerLocked(std::unique_lock<CountingMutex>& lock, Sequence* s, int layer, size_t keep = 0,
-                       bool only_complete = false);
-  /// Every layer of one sequence, or of every sequence, landed completely.
-  void LandSequenceLocked(std::unique_lock<CountingMutex>& lock, Sequence* s);
-  /// Whether anything landed (by this thread or another it waited for).
-  bool LandEverythingLocked(std::unique_lock<CountingMutex>& lock);
-  /// The end of what readers see of a layer's chunks: the index of its oldest chunk still
-  /// landing, or chunks.size().
-  uint64_t LandedEndLocked(const LayerState& ls) const;
-  /// The hot view of a checked layer (its sinks and ring belong to the driver; read without mu_).
-  Status HotViewOf(SequenceId seq, const LayerState& ls, HotView* v) const;
-  /// ChunkUpdatesSince of a checked layer; may drop the lock (read-back of representatives).
-  Status ChunkUpdatesLocked(std::unique_lock<CountingMutex>& lock, Sequence* s, int layer,
-                            const ChunkCursor& since, ChunkUpdate* out, size_t max_added) const;
-  /// The layer's (or sequence's) unreported landing failure, cleared; OK when none.
-  Status TakeLandingErrorLocked(LayerState& ls);
-  Status TakeLandingErrorLocked(Sequence* s);
-  Status MakeWarmRoom(std::unique_lock<CountingMutex>& lock);
-  /// Writes the chunk to the lower tiers synchronously and acknowledges it. `score` is the
-  /// chunk's score snapshotted under the lock by the caller (see Chunk::score).
-  Status WriteLower(Chunk* c, const uint8_t* payload, float score);
-  /// Writes a warm chunk the lower tiers have not acknowledged; drops the lock
-  /// during the write and holds it again on return.
-  Status WriteWarmChunkDownLocked(std::unique_lock<CountingMutex>& lock, Chunk* c);
-  /// Drops the warm copy of the warm policy's victim among unpinned chunks a lower tier
-  /// has acknowledged; false when there is none.
-  bool DropWarmCopyLocked();
-  /// A warm slot for a chunk just read from a lower tier: a free one, or one freed by
-  /// DropWarmCopyLocked; -1 when neither (never waits).
-  int32_t AcquireWarmSlotForReadLocked();
-  /// Hands the chunk's write-through to the transfer engine; the chunk stays pinned
-  /// (warm_pins, lower_writing) until the write is done. `score` as for WriteLower.
-  void SubmitLowerWrite(Chunk* c, const uint8_t* payload, float score);
-  void RunFetch(const std::shared_ptr<FetchHandle::State>& st);
-  /// Waits for the fetch's transfer to finish, then unpins its chunks: one lock entry.
-  void ReleasePins(FetchHandle::State* st);
-  bool FetchCompleteLocked(const FetchHandle::State* st) const;
-  void FreeChunkLocked(Chunk* c);
-  using ReprRead = LowerTiers::ReprRead;
-  /// LowerTiers::ReadReprs of this store's representatives. Called without mu_, with `s`
-  /// held busy.
-  Status ReadLowerTierRepr(const Sequence* s, std::vector<ReprRead>* reads) const;
-  /// Releases the chunk's in-memory representatives when a tier that reads metas alone
-  /// acknowledged it and it holds no warm copy (see metadata_bytes).
-  void MaybeReleaseReprLocked(Chunk* c);
-  /// The chunk's representatives, in memory or read back: [repr_topk, kv_heads, head_dim] in the
-  /// storage dtype, into `out` (resized). Takes and drops mu_ itself; `s` must be held busy.
-  Status ReprBytes(const Sequence* s, const Chunk* c, std::vector<uint8_t>* out);
-  /// K then V of the sinks and of the local window of one layer, as CloseSequence persists them.
-  Status CopySinksAndLocal(SequenceId seq, Sequence* s, int layer, std::string* sinks, std::string* local);
 
+  // The parts, in the order they are built at Open and destroyed in reverse (what a part
+  // refers to outlives it); which file owns what is on each part's header.
   StoreOptions options_;
   StoreHooks hooks_;
   size_t chunk_bytes_ = 0;
   size_t token_bytes_ = 0;  // K (or V) bytes of one token
+  // The coordinator's lock, its condition and the count of public calls (LayerStep's test).
+  mutable StoreSync sync_;
+  mutable CallCounter visits_;
+  // Hot memory: the tier's slots and regions (offload/hot_tier.h), then who holds which slot.
   std::unique_ptr<HotTier> hot_;
-  std::unique_ptr<SlotPool> warm_;
-  // The tiers below warm, in order, with their fall-through reads, acknowledgements and
-  // sticky error (offload/store/lower_tiers.h); write-through goes through engine_.
-  LowerTiers lower_;
-  std::unique_ptr<DemotionPolicy> warm_policy_;
-  // The hot slot pool's bookkeeping: hot policy, pins and leases, reservations, waiters, live
-  // fetches (offload/store/hot_pool.h, guarded by mu_). Built at Init over hot_ and chunk_by_id_.
+  StoreCounters counters_;  // guarded by sync_.mu; parts add to it
+  std::unique_ptr<LayerRing> ring_;
+  std::unique_ptr<SequenceTable> sequences_;
+  std::unique_ptr<ChunkCatalog> catalog_;
   std::unique_ptr<HotPool> hot_pool_;
+  // The tiers below warm, in order, with their reads, acknowledgements and sticky error.
+  LowerTiers lower_;
+  std::unique_ptr<WarmTier> warm_;
   // After the tiers it copies between, so that it is destroyed (idle) before them.
   std::unique_ptr<TransferEngine> engine_;
-
-  // The one store lock; counts its entries (a layer step's are held to a bound by a test).
-  mutable CountingMutex mu_;
-  mutable std::condition_variable_any cv_;  // signalled when a transfer finishes or a pin drops
-  // Calls of the public API so far (CountVisit), for the same test: a relaxed counter.
-  mutable std::atomic<uint64_t> visits_{0};
-  void CountVisit() const { visits_.fetch_add(1, std::memory_order_relaxed); }
-  std::unordered_map<SequenceId, std::unique_ptr<Sequence>> sequences_;
-  std::unordered_map<uint64_t, Chunk*> chunk_by_id_;
-  uint64_t next_chunk_id_ = 1;
-  SequenceId next_seq_id_ = 1;
-  StoreCounters counters_;
-  uint64_t region_bytes_ = 0;
-  uint64_t repr_chunks_ = 0;       // chunks holding their representatives in memory (non-empty Chunk::repr)
-  uint64_t landing_chunks_ = 0;    // sealed chunks whose warm slot is still being filled (every layer)
-  uint64_t landing_failures_ = 0;  // landings that lost their chunk (with chunks_sealed: landing progress)
+  std::unique_ptr<LowerWriter> writer_;
+  std::unique_ptr<Landing> landing_;
+  std::unique_ptr<Promoter> promoter_;
 };
+
+/// Sinks and local window of one layer, in hot memory (device pointers for a "cuda" tier): the
+/// hot view of TieredStore::BeginLayerStep, for a caller that needs nothing else. A call of the
+/// sequence's driver (it lands the layer's sealed chunks).
+Result<HotView> GetHotView(TieredStore& store, SequenceId seq, int layer);
 
 }  // namespace kvtier

@@ -27,7 +27,7 @@ PARTS = [
     ("fetch: copies and cold reads", r"TransferEngine::CopyLoads|UploadBatch|CopyWithin|LowerTier|ColdTier::Get"),
     ("fetch: bookkeeping", r"TieredStore::FetchChunks|TieredStore::RunFetch|FetchHandle::Wait|AcquireHotSlot|HotRoomLocked"),
     ("release", r"FetchHandle::Release|ReleasePins|LayerParts::Release"),
-    ("hot view", r"TieredStore::GetHotView"),
+    ("hot view", r"kvtier::GetHotView"),
     ("select: other", r"Retriever::Select"),
     ("attend: other", r"Session::Attend|Session::GatherFor"),
 ]

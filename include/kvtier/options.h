@@ -62,7 +62,7 @@ struct StoreOptions {
   /// Open checks that every chunk the cold tier acknowledged came back (a damaged or
   /// truncated RocksDB WAL can lose them): false (default) fails Open with Corruption
   /// naming the missing (sequence, layer, index) ranges; true opens anyway, the lost
-  /// chunks become holes for good, and LostChunks() lists them.
+  /// chunks become holes for good, and TieredStore::lower_tiers().LostChunks() lists them.
   bool accept_lost_chunks = false;
   /// Remote tier (offload/remote_tier.h): "redis://[USER:PASSWORD@]host:port[,...][?wait=N&...]",
   /// one Redis server or any nodes of a Redis Cluster; empty (default) = none. Chunks are

@@ -32,6 +32,14 @@ int32_t HotPool::AcquireSlotLocked(Clock::time_point now, StoreCounters* counter
   return slot;
 }
 
+void HotPool::ForgetLocked(Chunk* c) {
+  if (c->hot_slot < 0) return;
+  tier_->ReleaseSlot(c->hot_slot);
+  policy_->OnRemove(c->id);
+  c->hot_slot = -1;
+  c->tiers &= ~kTierHot;
+}
+
 void HotPool::EvictUnpinnedLocked(Clock::time_point now) {
   uint64_t victim = 0;
   while (policy_->PickVictim(

@@ -67,6 +67,8 @@ class HotPool {
   /// A free slot, or the policy's victim among slots neither loading nor pinned at `now`
   /// (its chunk leaves hot: counted in demotions, an expired lease in lease_expired); -1 when none.
   int32_t AcquireSlotLocked(Clock::time_point now, StoreCounters* counters);
+  /// Takes a chunk that is going away out of hot (slot released, out of the policy).
+  void ForgetLocked(store_internal::Chunk* c);
   /// Frees every slot neither loading nor pinned at `now` (the chunks stay in warm or below).
   void EvictUnpinnedLocked(Clock::time_point now);
 

@@ -8,7 +8,7 @@
 //   3. FetchHandle::Release after attention: one lock entry.
 // tests/offload/layer_step_test.cc counts them.
 //
-// Locking: mu_ (TieredStore's one mutex) for all of it; the hot view reads the layer's sinks
+// Locking: the coordinator's mutex (sync_.mu) for all of it; the hot view reads the layer's sinks
 // and ring, which belong to the driver (the caller). The updates may drop the lock to read
 // representatives back from the lower tiers (the first sync after a reopen), as
 // ChunkUpdatesSince does.
@@ -20,21 +20,27 @@ namespace kvtier {
 
 Status TieredStore::BeginLayerStep(SequenceId seq, int layer, const ChunkCursor* since, ChunkUpdate* updates,
                                    LayerStepView* out, size_t max_added) {
-  CountVisit();
+  visits_.Count();
   if (out == nullptr) return InvalidArgument("BeginLayerStep: out must not be null");
   if (since != nullptr && updates == nullptr)
     return InvalidArgument("BeginLayerStep: updates must not be null when a cursor is given");
   if (max_added == 0) return InvalidArgument("BeginLayerStep: max_added must be > 0");
-  std::unique_lock<CountingMutex> l(mu_);
+  std::unique_lock<CountingMutex> l(sync_.mu);
   Sequence* s = nullptr;
-  KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, layer, false, &s));
+  KVTIER_RETURN_IF_ERROR(sequences_->Check(seq, layer, false, &s));
   // The caller drives the sequence: the layer's own sealed chunks land now (see "Landing").
-  LandLayerLocked(l, s, layer);
-  KVTIER_RETURN_IF_ERROR(TakeLandingErrorLocked(s->layers[layer]));
+  landing_->LandLayer(l, s, layer);
+  KVTIER_RETURN_IF_ERROR(Landing::TakeError(s->layers[layer]));
   out->background = lower_.BackgroundErrorLocked();
-  KVTIER_RETURN_IF_ERROR(HotViewOf(seq, s->layers[layer], &out->hot));
+  KVTIER_RETURN_IF_ERROR(ring_->View(seq, s->layers[layer], &out->hot));
   if (since == nullptr) return Status::Ok();
-  return ChunkUpdatesLocked(l, s, layer, *since, updates, max_added);
+  return catalog_->UpdatesSince(l, sync_, lower_, s, layer, *since, updates, max_added);
+}
+
+Result<HotView> GetHotView(TieredStore& store, SequenceId seq, int layer) {
+  LayerStepView step;
+  KVTIER_RETURN_IF_ERROR(store.BeginLayerStep(seq, layer, nullptr, nullptr, &step));
+  return step.hot;
 }
 
 }  // namespace kvtier

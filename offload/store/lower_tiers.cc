@@ -173,4 +173,19 @@ Status LowerTiers::TakeBackgroundErrorLocked() {
   return st;
 }
 
+void LowerTiers::ForgetLocked(const store_internal::Chunk* c, size_t chunk_bytes, StoreCounters* counters) {
+  if (c->lower_acked && (c->tiers & kTierCold) && counters->cold_chunks > 0) {
+    counters->cold_chunks--;
+    counters->cold_bytes -= chunk_bytes;
+  }
+}
+
+std::vector<ChunkRange> LowerTiers::AcknowledgedChunks() const {
+  return cold_ ? cold_->AcknowledgedChunks() : std::vector<ChunkRange>{};
+}
+
+std::vector<ChunkRange> LowerTiers::LostChunks() const {
+  return cold_ ? cold_->lost_chunks() : std::vector<ChunkRange>{};
+}
+
 }  // namespace kvtier

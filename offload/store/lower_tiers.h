@@ -77,6 +77,14 @@ class LowerTiers {
   /// once in `counters` (a chunk of `chunk_bytes`); returns the listener to call outside the lock.
   AckListener AckLocked(store_internal::Chunk* c, uint8_t acks, size_t chunk_bytes, StoreCounters* counters);
   void SetAckListenerLocked(AckListener listener) { ack_listener_ = std::move(listener); }
+  /// Uncounts a chunk that is going away (dropped) from what `counters` say the cold tier holds.
+  static void ForgetLocked(const store_internal::Chunk* c, size_t chunk_bytes, StoreCounters* counters);
+  /// The chunks the cold tier acknowledged and that were not dropped since, read from its
+  /// manifest (ColdTier::AcknowledgedChunks); empty without a cold tier, where nothing is durable.
+  std::vector<ChunkRange> AcknowledgedChunks() const;
+  /// The acknowledged chunks found missing when the store was opened and accepted as lost
+  /// (accept_lost_chunks); empty otherwise.
+  std::vector<ChunkRange> LostChunks() const;
 
   /// A failed background write: held (sticky) unless one is held already and still in its window.
   void RecordWriteFailureLocked(const Status& st);

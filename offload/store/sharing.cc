@@ -3,12 +3,8 @@
 // the manifest (last, so a reader never sees half of it); AttachPublished rebuilds a
 // published sequence here, its chunks left in the remote tier under the publisher's keys.
 //
-// Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
-// offload/store_state.h says otherwise (a layer's sinks and ring belong to the sequence's
-// driving thread). A function named ...Locked is called with mu_ held; one that takes the
-// std::unique_lock may drop it while it waits or copies bytes, and holds it again on return.
-// Both hold Sequence::busy (publish) or build the sequence out of sight (attach) while they
-// talk to Redis without mu_.
+// Locking: the coordinator's mutex (sync_.mu) guards what this file reads of the parts. Both hold Sequence::busy (publish) or build the sequence out of sight (attach) while they
+// talk to Redis without sync_.mu.
 
 #include <cstring>
 
@@ -22,6 +18,7 @@ namespace kvtier {
 
 using store_records::EncodeChunkMeta;
 using store_records::SeqState;
+using ReprRead = LowerTiers::ReprRead;
 
 //
 // Publication format (bodies of the remote tier's framed values, little-endian):
@@ -40,13 +37,13 @@ constexpr uint32_t kPubVersion = 1;
 }  // namespace
 
 Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
-  CountVisit();
+  visits_.Count();
   if (!lower_.remote())
     return FailedPrecondition("PublishSequence: the store has no remote tier (StoreOptions::remote)");
   Sequence* s = nullptr;
   {
-    std::lock_guard<CountingMutex> l(mu_);
-    KVTIER_RETURN_IF_ERROR(CheckLayerLocked(seq, 0, false, &s));
+    std::lock_guard<CountingMutex> l(sync_.mu);
+    KVTIER_RETURN_IF_ERROR(sequences_->Check(seq, 0, false, &s));
     if (s->state != SeqState::kClosed)
       return FailedPrecondition("PublishSequence: sequence " + std::to_string(seq) +
                                 " is not closed; close it first (readers must see a complete sequence)");
@@ -58,12 +55,12 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
   }
   {
     // A closed sequence has nothing landing (CloseSequence landed it); kept for the invariant.
-    std::unique_lock<CountingMutex> l(mu_);
-    LandSequenceLocked(l, s);
-    Status landed = TakeLandingErrorLocked(s);
+    std::unique_lock<CountingMutex> l(sync_.mu);
+    landing_->LandSequence(l, s);
+    Status landed = Landing::TakeError(s);
     if (!landed.ok()) {
       s->busy--;
-      cv_.notify_all();
+      sync_.cv.notify_all();
       return landed;
     }
   }
@@ -79,26 +76,34 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
       if (c == nullptr) continue;
       float score;
       {
-        std::lock_guard<CountingMutex> lk(mu_);
+        std::lock_guard<CountingMutex> lk(sync_.mu);
         if (c->tiers & kTierRemote) continue;
         score = c->score;
       }
       st = lower_.ReadChunk(s, c->key, buf.data(), chunk_bytes_);
       if (!st.ok()) {
         // Not in the lower tiers: the warm copy (write_through off) is the only one.
-        std::unique_lock<CountingMutex> lk(mu_);
+        std::unique_lock<CountingMutex> lk(sync_.mu);
         if (c->warm_slot < 0) break;
         std::memcpy(buf.data(), warm_->slot_data(c->warm_slot), chunk_bytes_);
         st = Status::Ok();
       }
       // Representatives released from memory come back from the cold tier's meta record.
       std::vector<uint8_t> repr;
-      st = ReprBytes(s, c, &repr);
+      {
+        std::lock_guard<CountingMutex> lk(sync_.mu);
+        repr = c->repr;
+      }
+      if (repr.empty()) {
+        repr.resize(repr_bytes);
+        std::vector<ReprRead> reads{ReprRead{c->key, repr.data(), Status::Ok()}};
+        st = lower_.ReadReprs(s, repr_bytes, &reads);
+      }
       if (!st.ok()) break;
       const std::string meta = EncodeChunkMeta(c->first_token, repr.data(), repr.size(), score);
       st = lower_.remote()->PutChunk(c->key, meta, buf.data(), chunk_bytes_);
       if (!st.ok()) break;
-      std::lock_guard<CountingMutex> lk(mu_);
+      std::lock_guard<CountingMutex> lk(sync_.mu);
       c->tiers |= kTierRemote;
     }
   }
@@ -121,7 +126,7 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
     std::vector<uint8_t> reprs;
     std::vector<ReprRead> paged;
     {
-      std::lock_guard<CountingMutex> lk(mu_);
+      std::lock_guard<CountingMutex> lk(sync_.mu);
       snaps.resize(ls.chunks.size());
       reprs.resize(ls.chunks.size() * repr_bytes);
       for (size_t i = 0; i < ls.chunks.size(); ++i) {
@@ -135,7 +140,7 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
           std::memcpy(dst, c->repr.data(), repr_bytes);
       }
     }
-    if (!paged.empty()) st = ReadLowerTierRepr(s, &paged);
+    if (!paged.empty()) st = lower_.ReadReprs(s, repr_bytes, &paged);
     if (!st.ok()) break;
     PutFixed64(&rec, snaps.size());
     for (size_t i = 0; i < snaps.size(); ++i) {
@@ -145,7 +150,7 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
                                                 repr_bytes, snaps[i].score));
     }
     std::string sinks, local;
-    st = CopySinksAndLocal(seq, s, l, &sinks, &local);
+    if (st.ok()) st = ring_->CopyOut(hot_.get(), ls, &sinks, &local);
     PutLengthPrefixed(&rec, sinks);
     PutLengthPrefixed(&rec, local);
     parts.push_back(std::move(rec));
@@ -162,14 +167,14 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
     PutFixed32(&manifest, static_cast<uint32_t>(options_.geometry.layers));
     st = lower_.remote()->PutPublication(name, parts, manifest);
   }
-  std::lock_guard<CountingMutex> l(mu_);
+  std::lock_guard<CountingMutex> l(sync_.mu);
   s->busy--;
-  cv_.notify_all();
+  sync_.cv.notify_all();
   return st;
 }
 
 Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
-  CountVisit();
+  visits_.Count();
   if (!lower_.remote())
     return FailedPrecondition("AttachPublished: the store has no remote tier (StoreOptions::remote)");
   KVTIER_ASSIGN_OR_RETURN(std::string manifest, lower_.remote()->GetManifest(name));
@@ -268,20 +273,18 @@ Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
     KVTIER_RETURN_IF_ERROR(
         store_internal::RestoreLayerRegions(options_, token_bytes_, hot_.get(), sinks, local, &ls));
   }
-  std::lock_guard<CountingMutex> l(mu_);
+  std::lock_guard<CountingMutex> l(sync_.mu);
   cleanup.armed = false;
-  const SequenceId id = next_seq_id_++;
-  seq->id = id;
-  region_bytes_ += L * store_internal::LayerRegionBytes(options_, token_bytes_);
-  for (auto& ls : seq->layers)
+  Sequence* attached = seq.get();
+  const SequenceId id = sequences_->Add(std::move(seq));
+  // The chunks keep their representatives in memory: the remote tier does not read metas alone
+  // (see metadata_bytes).
+  for (auto& ls : attached->layers)
     for (Chunk* c : ls.chunks) {
       if (c == nullptr) continue;
-      c->id = next_chunk_id_++;
       c->key.seq = id;
-      chunk_by_id_[c->id] = c;
-      repr_chunks_++;  // remote only: the remote tier does not read metas alone (see metadata_bytes)
+      catalog_->Register(c);
     }
-  sequences_[id] = std::move(seq);
   return id;
 }
 

@@ -138,7 +138,7 @@ TEST(Session, AttendEqualsTheHandWrittenSequence) {
       ASSERT_TRUE(sel.ok());
       auto h = (*store)->FetchChunks(*seq2, l, sel->chunks);
       ASSERT_TRUE(h.ok() && h->Wait().ok());
-      auto view = (*store)->GetHotView(*seq2, l);
+      auto view = GetHotView(**store, *seq2, l);
       ASSERT_TRUE(view.ok());
       std::vector<kernels::KvSpan> parts{view->sinks};
       for (const auto& sp : h->spans()) parts.push_back(sp);
@@ -403,7 +403,7 @@ TEST(Session, InfLLMPositionsRotateAtAttentionTime) {
     ASSERT_TRUE((*s)->Attend(0, t.q.data(), &p, 1, out.data()).ok());
     if (p != 119) continue;
     // Reference: L0 = first position of the local window.
-    auto view = (*store)->GetHotView((*s)->sequence(), 0);
+    auto view = GetHotView(**store, (*s)->sequence(), 0);
     ASSERT_TRUE(view.ok());
     const int64_t l0 = view->local[0].first_position;
     ASSERT_GT(l0, 8) << "chunks must separate the sinks from the local window";

@@ -544,7 +544,7 @@ std::vector<ChunkRange> FillStore(const std::string& dir, SequenceId* seq) {
     EXPECT_TRUE((*store)->Append(*seq, l, k.data(), v.data(), static_cast<int>(n), o.geometry.dtype).ok());
   }
   EXPECT_TRUE((*store)->WaitForDurable().ok());
-  return (*store)->AcknowledgedChunks();
+  return (*store)->lower_tiers().AcknowledgedChunks();
 }
 
 TEST(WalDamageStore, OpenFailsNamingTheLostChunksAndAcceptingLeavesHoles) {
@@ -563,13 +563,13 @@ TEST(WalDamageStore, OpenFailsNamingTheLostChunksAndAcceptingLeavesHoles) {
   o.accept_lost_chunks = true;
   store = TieredStore::Open(o);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
-  const std::vector<ChunkRange> lost = (*store)->LostChunks();
+  const std::vector<ChunkRange> lost = (*store)->lower_tiers().LostChunks();
   ASSERT_FALSE(lost.empty());
-  EXPECT_EQ(CountChunks(lost) + CountChunks((*store)->AcknowledgedChunks()), 80u);
+  EXPECT_EQ(CountChunks(lost) + CountChunks((*store)->lower_tiers().AcknowledgedChunks()), 80u);
   const size_t tb = o.geometry.token_elems() * DTypeSize(o.geometry.dtype);
   const size_t half = static_cast<size_t>(o.chunk_size) * tb;
   std::vector<uint8_t> k(half), v(half), ek(half), ev(half);
-  for (const ChunkRange& r : (*store)->AcknowledgedChunks())
+  for (const ChunkRange& r : (*store)->lower_tiers().AcknowledgedChunks())
     for (uint64_t i = r.first; i <= r.last; ++i) {
       const int64_t first = o.n_sink + static_cast<int64_t>(i) * o.chunk_size;
       Status st = (*store)->ReadTokens(r.seq, r.layer, first, first + o.chunk_size, k.data(), v.data());
@@ -769,10 +769,10 @@ TEST(WalDamageStore, RepairSalvagesPastAFlippedBitAndNamesWhatIsStillMissing) {
   }
   auto store = TieredStore::Open(o);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
-  EXPECT_EQ(CountChunks((*store)->AcknowledgedChunks()), 80u - missing_after);
+  EXPECT_EQ(CountChunks((*store)->lower_tiers().AcknowledgedChunks()), 80u - missing_after);
   const size_t tb = o.geometry.token_elems() * DTypeSize(o.geometry.dtype);
   std::vector<uint8_t> k(o.chunk_size * tb), v(o.chunk_size * tb), ek(k.size()), ev(v.size());
-  for (const ChunkRange& r : (*store)->AcknowledgedChunks())
+  for (const ChunkRange& r : (*store)->lower_tiers().AcknowledgedChunks())
     for (uint64_t i = r.first; i <= r.last; ++i) {
       const int64_t first = o.n_sink + static_cast<int64_t>(i) * o.chunk_size;
       ASSERT_TRUE((*store)->ReadTokens(r.seq, r.layer, first, first + o.chunk_size, k.data(), v.data()).ok());

@@ -68,7 +68,7 @@ TEST(CrashTest, SigkillLosesNoAcknowledgedChunk) {
     std::vector<uint8_t> k(half), v(half), ek(half), ev(half);
     // The library's own account of what is durable holds every chunk the listener saw.
     std::set<std::tuple<uint64_t, uint32_t, uint64_t>> durable;
-    for (const ChunkRange& r : (*store)->AcknowledgedChunks())
+    for (const ChunkRange& r : (*store)->lower_tiers().AcknowledgedChunks())
       for (uint64_t i = r.first; i <= r.last; ++i) durable.emplace(r.seq, r.layer, i);
     for (const Ack& a : acks) {
       ASSERT_TRUE(durable.count({a.seq, a.layer, a.index}))

@@ -18,6 +18,7 @@
 
 #include "kernels/dtype.h"
 #include "offload/hot_tier.h"
+#include "offload/observe_queries.h"
 #include "offload/scrambled_hot_tier.h"
 #include "offload/slot_book.h"
 #include "offload/tiered_store.h"
@@ -305,8 +306,8 @@ TEST(CudaHotTier, StoreOverDeviceMemoryReadsItOnlyThroughTheTier) {
       ASSERT_TRUE((*host)->Append(*sh, l, k.data(), v.data(), kWindow, DType::kF16).ok());
       ASSERT_TRUE((*dev)->Append(*sd, l, k.data(), v.data(), kWindow, DType::kF16).ok());
       // The window's queries feed the representative-key statistics (attention on the host).
-      ASSERT_TRUE((*host)->ObserveQueries(*sh, l, q.data(), pos.data(), kWindow).ok());
-      Status st = (*dev)->ObserveQueries(*sd, l, q.data(), pos.data(), kWindow);
+      ASSERT_TRUE(ObserveQueries(**host, *sh, l, q.data(), pos.data(), kWindow).ok());
+      Status st = ObserveQueries(**dev, *sd, l, q.data(), pos.data(), kWindow);
       ASSERT_TRUE(st.ok()) << st.ToString();
     }
   }

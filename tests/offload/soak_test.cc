@@ -104,7 +104,7 @@ TEST(Soak, SigkillReopenCyclesKeepEveryAcknowledgedChunk) {
     ASSERT_TRUE(store.ok()) << "reopen after SIGKILL: " << store.status().ToString();
     TieredStore* st = store->get();
     std::set<ChunkKey> acked;
-    for (const ChunkRange& r : st->AcknowledgedChunks())
+    for (const ChunkRange& r : st->lower_tiers().AcknowledgedChunks())
       for (uint64_t i = r.first; i <= r.last; ++i) acked.insert(ChunkKey{r.seq, r.layer, i});
     for (const ChunkKey& k : expected)
       ASSERT_TRUE(acked.count(k)) << "acknowledged chunk " << k.ToString()

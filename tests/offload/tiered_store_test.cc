@@ -17,6 +17,7 @@
 #include "integration/pattern.h"
 #include "kernels/cpu/attention.h"
 #include "offload/clock.h"
+#include "offload/observe_queries.h"
 #include "offload/cold_tier.h"
 #include "offload/hot_tier.h"
 #include "tests/test_util.h"
@@ -146,7 +147,7 @@ TEST(TieredStore, AppendReadBackAcrossSinksChunksAndLocal) {
     EXPECT_EQ((*chunks)[i].key.index, i);
     EXPECT_EQ((*chunks)[i].first_token, 8 + static_cast<int64_t>(i) * 8);
   }
-  auto view = st->GetHotView(*seq, 0);
+  auto view = GetHotView(*st, *seq, 0);
   ASSERT_TRUE(view.ok());
   EXPECT_EQ(view->sinks.n_tokens, 8);
   int local = 0;
@@ -1323,7 +1324,7 @@ TEST(TieredStore, ObserveQueriesAccumulatesLocalAttention) {
   // A query pointing at token 1's key, at position 3 (sees tokens 0..3).
   std::vector<float> q{0, 8, 0, 0, 0, 8, 0, 0};  // two q heads, one kv head
   int64_t pos = 3;
-  ASSERT_TRUE(st->ObserveQueries(*seq, 0, q.data(), &pos, 1).ok());
+  ASSERT_TRUE(ObserveQueries(*st, *seq, 0, q.data(), &pos, 1).ok());
   std::vector<float> k3(8 * 4, 0.0f), v3(8 * 4, 0.0f);
   ASSERT_TRUE(st->Append(*seq, 0, k3.data(), v3.data(), 8, DType::kF32).ok());
   std::vector<float> repr(4);
@@ -1357,7 +1358,7 @@ TEST(TieredStore, ReopenRecoversClosedSequencesBitForBit) {
     ExpectPattern(s->get(), b, l, 12, 0, 20);
   }
   // Representatives came back too, and attention can run on the recovered view.
-  auto view = (*s)->GetHotView(a, 0);
+  auto view = GetHotView(**s, a, 0);
   ASSERT_TRUE(view.ok());
   EXPECT_EQ(view->n_tokens, 333);
   auto h = (*s)->FetchChunks(a, 0, {0, 3});

@@ -80,7 +80,7 @@ TEST(Retriever, BudgetCoveringEveryChunkEqualsFullAttention) {
           ASSERT_EQ(sel->chunks.size(), 30u) << alloc << " " << probe << " " << index << " layer " << l;
           auto h = s->FetchChunks(seq, l, sel->chunks);
           ASSERT_TRUE(h.ok() && h->Wait().ok());
-          auto view = s->GetHotView(seq, l);
+          auto view = GetHotView(*s, seq, l);
           std::vector<kernels::KvSpan> parts{view->sinks};
           for (auto& sp : h->spans()) parts.push_back(sp);
           for (int i = 0; i < view->n_local_spans; ++i) parts.push_back(view->local[i]);

@@ -1,34 +1,23 @@
-// TieredStore, part "fetch": promotion into hot slots. FetchChunks takes every hot slot a
-// fetch needs or none (waiting for pins to drop, oldest waiter first, within the hot slot
-// reservations of ReserveHotSlots, never for pins its own thread holds; with kWithinClaims it
-// leaves out a grant's tail that other sequences' reservations claim: see FetchChunks in
-// offload/tiered_store.h), pins the chunks under a lease, and RunFetch copies them in (warm
-// copy, or lower-tier read through the transfer engine). FetchHandle waits for and releases
-// the pins; HotPool (offload/store/hot_pool.h) keeps the handles that hold pins, the
-// reservations, the waiters and the hot policy. EvictHot frees every unpinned hot
-// slot.
-//
-// Locking: TieredStore's one mutex (mu_) guards every field this file touches, except where
-// offload/store_state.h says otherwise (a layer's sinks and ring belong to the sequence's
-// driving thread). A function named ...Locked is called with mu_ held; one that takes the
-// std::unique_lock may drop it while it waits or copies bytes, and holds it again on return.
-// RunFetch takes mu_ twice per fetch (pin and reserve, then publish), never per chunk, and
-// copies without it; a chunk loading into a hot slot is marked hot_loading until then.
+// Promoter: see offload/store/promoter.h.
+
+#include "offload/store/promoter.h"
 
 #include <algorithm>
 #include <thread>
 #include <unordered_set>
 
-#include "offload/store_state.h"
-#include "offload/tiered_store.h"
 #include "offload/transfer_engine.h"
 
 namespace kvtier {
 
+using store_internal::Chunk;
+using store_internal::LayerState;
+using store_internal::Sequence;
+
 // A live fetch is a HotPool::Holder: its pinned chunks (chunk_ids, request order) and the
 // thread whose FetchChunks took them (thread).
 struct FetchHandle::State : HotPool::Holder {
-  TieredStore* store = nullptr;
+  Promoter* promoter = nullptr;
   std::vector<uint8_t> needs_load;
   std::vector<kernels::KvSpan> spans;
   std::vector<std::pair<uint64_t, int32_t>> awaited;  // (chunk id, slot) loading under another fetch
@@ -58,24 +47,24 @@ FetchHandle& FetchHandle::operator=(FetchHandle&& o) noexcept {
 
 bool FetchHandle::Ready() const {
   if (!state_) return true;
-  std::lock_guard<CountingMutex> l(state_->store->mu_);
-  return state_->store->FetchCompleteLocked(state_.get());
+  std::lock_guard<CountingMutex> l(state_->promoter->parts_.sync->mu);
+  return state_->promoter->CompleteLocked(state_.get());
 }
 
 Status FetchHandle::Wait(std::chrono::milliseconds timeout) {
   if (!state_) return FailedPrecondition("fetch handle is empty (released or never started)");
   if (state_->complete_at_issue) return Status::Ok();
-  TieredStore* store = state_->store;
-  if (!state_->claimed.exchange(true)) store->RunFetch(state_);  // not started yet: load on this thread
-  std::unique_lock<CountingMutex> l(store->mu_);
-  if (!store->cv_.wait_for(l, timeout, [&] { return store->FetchCompleteLocked(state_.get()); }))
+  Promoter* p = state_->promoter;
+  if (!state_->claimed.exchange(true)) p->Run(state_);  // not started yet: load on this thread
+  std::unique_lock<CountingMutex> l(p->parts_.sync->mu);
+  if (!p->parts_.sync->cv.wait_for(l, timeout, [&] { return p->CompleteLocked(state_.get()); }))
     return TimedOut("fetch of " + std::to_string(state_->chunk_ids.size()) + " chunks not done after " +
                     std::to_string(timeout.count()) + " ms (the transfer continues)");
   if (!state_->status.ok()) return state_->status;
   // Chunks another fetch was loading: make sure that load succeeded.
   for (auto [id, slot] : state_->awaited) {
-    auto it = store->chunk_by_id_.find(id);
-    if (it == store->chunk_by_id_.end() || it->second->hot_slot != slot)
+    const Chunk* c = p->parts_.catalog->Find(id);
+    if (c == nullptr || c->hot_slot != slot)
       return Unavailable("fetch: a chunk loaded by a concurrent fetch did not arrive (that fetch failed)");
   }
   return Status::Ok();
@@ -88,46 +77,23 @@ const std::vector<kernels::KvSpan>& FetchHandle::spans() const {
 
 void FetchHandle::Release() {
   if (!state_) return;
-  state_->store->ReleasePins(state_.get());
+  state_->promoter->Release(state_.get());
   state_.reset();
 }
 
-bool TieredStore::FetchCompleteLocked(const FetchHandle::State* st) const {
+bool Promoter::CompleteLocked(const FetchHandle::State* st) const {
   if (!st->done) return false;
   for (auto [id, slot] : st->awaited) {
-    auto it = chunk_by_id_.find(id);
-    if (it != chunk_by_id_.end() && it->second->hot_loading && it->second->hot_slot == slot) return false;
+    const Chunk* c = parts_.catalog->Find(id);
+    if (c != nullptr && c->hot_loading && c->hot_slot == slot) return false;
   }
   return true;
 }
 
-Result<uint64_t> TieredStore::ReserveHotSlots(SequenceId seq, int32_t slots) {
-  CountVisit();
-  if (slots < 0)
-    return InvalidArgument("ReserveHotSlots: slots must be >= 0 (got " + std::to_string(slots) + ")");
-  std::lock_guard<CountingMutex> l(mu_);
-  if (sequences_.find(seq) == sequences_.end())
-    return NotFound("ReserveHotSlots: sequence " + std::to_string(seq) +
-                    " does not exist (never created or dropped)");
-  uint64_t after = 0;
-  KVTIER_ASSIGN_OR_RETURN(uint64_t id, hot_pool_->ReserveLocked(seq, slots, &after));
-  counters_.hot_reserved = after;
-  return id;
-}
-
-void TieredStore::ReleaseHotSlots(uint64_t reservation) {
-  CountVisit();
-  std::lock_guard<CountingMutex> l(mu_);
-  uint64_t after = 0;
-  if (hot_pool_->ReleaseLocked(reservation, &after)) counters_.hot_reserved = after;
-}
-
-Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const std::vector<uint64_t>& asked,
-                                             FetchFit fit) {
-  CountVisit();
+Result<FetchHandle> Promoter::Fetch(SequenceId seq, int layer, const std::vector<uint64_t>& asked, FetchFit fit) {
   return ReturnOnBadAlloc("FetchChunks: the fetch's chunk lists", [&]() -> Result<FetchHandle> {
     auto st = std::make_shared<FetchHandle::State>();
-    st->store = this;
+    st->promoter = this;
     st->thread = std::this_thread::get_id();
     // The chunks this attempt fetches: `asked`, or (kWithinClaims) its first ones.
     std::vector<uint64_t> fitted;
@@ -135,7 +101,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
     bool any_load = false;
     bool all_warm = true;  // every load has a warm copy (none reads a lower tier)
     {
-      std::unique_lock<CountingMutex> l(mu_);
+      std::unique_lock<CountingMutex> l(parts_.sync->mu);
       Sequence* s = nullptr;
       LayerState* lsp = nullptr;
       std::vector<uint64_t> requested;  // chunk ids, sorted, each once
@@ -148,22 +114,22 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
       uint64_t ticket = 0;  // in the pool's waiters while this call waits
       const auto end_wait = [&] {
         if (!waited) return;
-        counters_.pin_wait_us += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+        parts_.counters->pin_wait_us += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
                                                            std::chrono::steady_clock::now() - wait_start)
                                                            .count());
         waited = false;
-        hot_pool_->EndWaitLocked(ticket);
-        cv_.notify_all();  // the next waiter may be the oldest now
+        parts_.pool->EndWaitLocked(ticket);
+        parts_.sync->cv.notify_all();  // the next waiter may be the oldest now
       };
       for (;;) {
         // (Re)checked after every wait: the lock was dropped.
-        Status checked = CheckLayerLocked(seq, layer, false, &s);
+        Status checked = parts_.sequences->Check(seq, layer, false, &s);
         if (!checked.ok()) {
           end_wait();
           return checked;
         }
-        LandLayerLocked(l, s, layer);
-        checked = TakeLandingErrorLocked(s->layers[layer]);
+        parts_.landing->LandLayer(l, s, layer);
+        checked = Landing::TakeError(s->layers[layer]);
         if (!checked.ok()) {
           end_wait();
           return checked;
@@ -171,7 +137,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
         lsp = &s->layers[layer];
         now = hooks_.clock->Now();
         if (fit == FetchFit::kWithinClaims) {
-          const size_t keep = hot_pool_->FitWithinClaimsLocked(seq, asked.size(), now);
+          const size_t keep = parts_.pool->FitWithinClaimsLocked(seq, asked.size(), now);
           if (keep < asked.size()) {
             fitted.assign(asked.begin(), asked.begin() + static_cast<ptrdiff_t>(keep));
             chunks_ptr = &fitted;
@@ -180,10 +146,10 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
           }
         }
         const std::vector<uint64_t>& chunk_indices = *chunks_ptr;
-        if (static_cast<int64_t>(chunk_indices.size()) > hot_->slot_capacity()) {
+        if (static_cast<int64_t>(chunk_indices.size()) > parts_.hot->slot_capacity()) {
           end_wait();
           return ResourceExhausted("fetch of " + std::to_string(chunk_indices.size()) +
-                                   " chunks exceeds the hot tier's " + std::to_string(hot_->slot_capacity()) +
+                                   " chunks exceeds the hot tier's " + std::to_string(parts_.hot->slot_capacity()) +
                                    " slots (hot_bytes)");
         }
         requested.clear();
@@ -207,22 +173,22 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
         if (requested.size() != listed) {  // a chunk asked for twice: count its slot once
           need = 0;
           for (uint64_t id : requested)
-            if (chunk_by_id_.at(id)->hot_slot < 0) need++;
+            if (parts_.catalog->Find(id)->hot_slot < 0) need++;
         }
         if (need == 0) break;
         // An older fetch waits: one that holds no pin queues behind it (see the header).
-        const bool behind = options_.pin_wait_ms > 0 && hot_pool_->BehindLocked(ticket);
-        const HotPool::Room room = hot_pool_->RoomLocked(seq, need, requested, now, behind);
+        const bool behind = options_.pin_wait_ms > 0 && parts_.pool->BehindLocked(ticket);
+        const HotPool::Room room = parts_.pool->RoomLocked(seq, need, requested, now, behind);
         if (room.available >= need && (!behind || room.held_self > 0)) break;
         // Too few slots. Waiting is safe while this sequence holds no pin, or stays within its
         // reservation with this fetch (the header says why); otherwise it could wait for
         // itself, or for a sequence that waits for it. A sequence that holds pins never queues
         // behind others: the oldest waiter may be waiting for exactly those pins.
-        const int64_t reserved = hot_pool_->ReservedForLocked(seq);
+        const int64_t reserved = parts_.pool->ReservedForLocked(seq);
         const bool may_wait = room.held_self == 0 || room.held_self + need <= reserved;
         const std::string numbers =
             "the fetch needs " + std::to_string(need) + " more hot slots; of the pool's " +
-            std::to_string(hot_->slot_capacity()) + ", " + std::to_string(room.held_other) +
+            std::to_string(parts_.hot->slot_capacity()) + ", " + std::to_string(room.held_other) +
             " are pinned or loading for other sequences and " + std::to_string(room.held_self) +
             " for this one (sequence " + std::to_string(seq) + ", reservation " + std::to_string(reserved) +
             ")";
@@ -238,7 +204,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
           // Only other threads can free slots while this one waits: if what they hold cannot
           // cover the need, the wait could only end by this thread's own releases. (Checked
           // once: this thread's pins cannot grow while it waits.)
-          const int64_t mine = room.available < need ? hot_pool_->HeldByThreadLocked(st->thread, now) : 0;
+          const int64_t mine = room.available < need ? parts_.pool->HeldByThreadLocked(st->thread, now) : 0;
           if (room.available + room.held_self + room.held_other - mine < need) {
             return ResourceExhausted(
                 "hot tier: " + numbers + "; the calling thread holds " + std::to_string(mine) +
@@ -247,20 +213,20 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
           }
           wait_start = real_now;
           wait_deadline = real_now + std::chrono::milliseconds(options_.pin_wait_ms);
-          counters_.pin_waits++;
+          parts_.counters->pin_waits++;
           waited = true;
-          ticket = hot_pool_->StartWaitLocked();
+          ticket = parts_.pool->StartWaitLocked();
         }
         if (real_now >= wait_deadline) {
           if (room.available >= need) break;  // queued behind a waiter for that long: go ahead
           end_wait();
-          counters_.pin_wait_timeouts++;
+          parts_.counters->pin_wait_timeouts++;
           return ResourceExhausted(
               "hot tier: " + numbers + "; waited " + std::to_string(options_.pin_wait_ms) +
               " ms (pin_wait_ms) for them to be unpinned; release fetch handles or raise hot_bytes");
         }
         // Unpins and finished loads notify; an expiring lease does not, hence the slice.
-        cv_.wait_until(l, std::min(wait_deadline, real_now + std::chrono::milliseconds(20)));
+        parts_.sync->cv.wait_until(l, std::min(wait_deadline, real_now + std::chrono::milliseconds(20)));
       }
       end_wait();
       LayerState& ls = *lsp;
@@ -274,11 +240,11 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
       // but never filled (they would otherwise look "loading" forever).
       const auto undo = [&] {
         for (size_t i = 0; i < st->chunk_ids.size(); ++i) {
-          Chunk* c = chunk_by_id_.at(st->chunk_ids[i]);
+          Chunk* c = parts_.catalog->Find(st->chunk_ids[i]);
           c->hot_pins--;
           if (st->needs_load[i]) {
-            hot_->ReleaseSlot(c->hot_slot);
-            hot_pool_->policy().OnRemove(c->id);
+            parts_.hot->ReleaseSlot(c->hot_slot);
+            parts_.pool->policy().OnRemove(c->id);
             c->hot_slot = -1;
             c->hot_loading = false;
           }
@@ -289,19 +255,19 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
         bool load = false;
         if (c->hot_slot >= 0) {
           if (c->hot_loading) st->awaited.emplace_back(c->id, c->hot_slot);
-          counters_.hits++;
-          hot_pool_->policy().OnAccess(c->id);
+          parts_.counters->hits++;
+          parts_.pool->policy().OnAccess(c->id);
         } else {
-          const int32_t slot = hot_pool_->AcquireSlotLocked(now, &counters_);
+          const int32_t slot = parts_.pool->AcquireSlotLocked(now, parts_.counters);
           if (slot < 0) {  // not expected: RoomLocked counted the room under this lock
             undo();
             return Internal("hot tier: no slot for a fetch the pool was found to have room for (" +
-                            std::to_string(hot_->slot_capacity()) + " slots)");
+                            std::to_string(parts_.hot->slot_capacity()) + " slots)");
           }
           c->hot_slot = slot;
           c->hot_loading = true;
-          hot_pool_->policy().OnInsert(c->id);
-          counters_.misses++;
+          parts_.pool->policy().OnInsert(c->id);
+          parts_.counters->misses++;
           load = true;
           any_load = true;
           all_warm = all_warm && c->warm_slot >= 0;
@@ -310,25 +276,25 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
         c->pin_deadline = std::max(c->pin_deadline, deadline);
         st->chunk_ids.push_back(c->id);
         st->needs_load.push_back(load ? 1 : 0);
-        const uint8_t* base = hot_->slot_data(c->hot_slot);
+        const uint8_t* base = parts_.hot->slot_data(c->hot_slot);
         st->spans.push_back(
             kernels::KvSpan{base, base + chunk_bytes_ / 2, options_.chunk_size, c->first_token, nullptr});
       }
-      counters_.hot_chunks = hot_->slots_used();
+      parts_.counters->hot_chunks = parts_.hot->slots_used();
       if (!any_load) st->done = true;
       st->complete_at_issue = !any_load && st->awaited.empty();
-      if (!st->chunk_ids.empty()) hot_pool_->AddHolderLocked(st.get());
+      if (!st->chunk_ids.empty()) parts_.pool->AddHolderLocked(st.get());
     }
-    if (any_load && all_warm && hot_->device() == Device::kCpu) {
+    if (any_load && all_warm && parts_.hot->device() == Device::kCpu) {
       // Only memcpys between host tiers (a few microseconds): done here, as the caller would do
       // them on its first Wait, without waking a transfer worker (which then spins for more
       // work, a core's worth of CPU at a fetch per layer step). Reads from a lower tier and
       // uploads to a device tier go to the engine, to overlap with the caller.
       st->claimed = true;
-      RunFetch(st);
+      Run(st);
     } else if (any_load) {
-      engine_->Enqueue([this, st] {
-        if (!st->claimed.exchange(true)) RunFetch(st);
+      parts_.engine->Enqueue([this, st] {
+        if (!st->claimed.exchange(true)) Run(st);
       });
     } else {
       st->claimed = true;
@@ -339,7 +305,7 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const st
   });
 }
 
-void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
+void Promoter::Run(const std::shared_ptr<FetchHandle::State>& st) {
   // Three phases, so the store lock is taken twice per fetch, not twice per chunk:
   // (1) under the lock, pin each load's warm copy, or reserve the warm slot a chunk coming
   // back from a lower tier will keep its copy in (retrieval tends to come back to the same chunks);
@@ -354,15 +320,15 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
   chunks.reserve(st->chunk_ids.size());
   read_slots.reserve(st->chunk_ids.size());
   {
-    std::lock_guard<CountingMutex> l(mu_);
+    std::lock_guard<CountingMutex> l(parts_.sync->mu);
     for (size_t i = 0; i < st->chunk_ids.size(); ++i) {
       if (!st->needs_load[i]) continue;
-      Chunk* c = chunk_by_id_.at(st->chunk_ids[i]);
+      Chunk* c = parts_.catalog->Find(st->chunk_ids[i]);
       TransferEngine::Load ld;
       ld.key = c->key;
-      ld.hot_dst = hot_->slot_data(c->hot_slot);
+      ld.hot_dst = parts_.hot->slot_data(c->hot_slot);
       ld.ref.key = c->key;
-      if (const Sequence* s = sequences_.at(c->key.seq).get(); store_internal::SharedChunk(s, c->key)) {
+      if (const Sequence* s = parts_.sequences->Find(c->key.seq); store_internal::SharedChunk(s, c->key)) {
         // Its bytes sit under the publisher's namespace and sequence id, in no local tier.
         ld.ref.ns = &s->remote_ns;
         ld.ref.key.seq = s->remote_seq;
@@ -370,20 +336,20 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
       int32_t read_slot = -1;
       if (c->warm_slot >= 0) {
         c->warm_pins++;
-        ld.warm_src = warm_->slot_data(c->warm_slot);
-        warm_policy_->OnAccess(c->id);
+        ld.warm_src = parts_.warm->slot_data(c->warm_slot);
+        parts_.warm->OnAccess(c->id);
       } else {
-        read_slot = AcquireWarmSlotForReadLocked();
-        if (read_slot >= 0) ld.read_buf = warm_->slot_data(read_slot);
+        read_slot = parts_.warm->AcquireForRead();
+        if (read_slot >= 0) ld.read_buf = parts_.warm->slot_data(read_slot);
       }
       loads.push_back(std::move(ld));
       chunks.push_back(c);
       read_slots.push_back(read_slot);
     }
   }
-  engine_->CopyLoads(&loads);
+  parts_.engine->CopyLoads(&loads);
 
-  std::lock_guard<CountingMutex> l(mu_);
+  std::lock_guard<CountingMutex> l(parts_.sync->mu);
   Status first_error;
   for (size_t j = 0; j < loads.size(); ++j) {
     const TransferEngine::Load& ld = loads[j];
@@ -391,26 +357,24 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
     if (ld.warm_src != nullptr) {
       c->warm_pins--;
     } else {
-      counters_.cold_reads++;
+      parts_.counters->cold_reads++;
       if (read_slots[j] >= 0) {
         if (ld.status.ok() && c->warm_slot < 0) {
-          c->warm_slot = read_slots[j];
-          c->tiers |= kTierWarm;
-          warm_policy_->OnInsert(c->id);
-          counters_.promotions++;
-          counters_.bytes_moved += chunk_bytes_;
+          parts_.warm->Hold(c, read_slots[j]);
+          parts_.counters->promotions++;
+          parts_.counters->bytes_moved += chunk_bytes_;
         } else {
-          warm_->Release(read_slots[j]);
+          parts_.warm->Release(read_slots[j]);
         }
       }
     }
     if (ld.status.ok()) {
-      counters_.promotions++;
-      counters_.bytes_moved += chunk_bytes_;
+      parts_.counters->promotions++;
+      parts_.counters->bytes_moved += chunk_bytes_;
       if (ld.source == nullptr)
-        counters_.warm_loads++;
+        parts_.counters->warm_loads++;
       else
-        ld.source->CountLoad(&counters_);
+        ld.source->CountLoad(parts_.counters);
     } else if (first_error.ok()) {
       first_error = ld.status;
     }
@@ -422,37 +386,31 @@ void TieredStore::RunFetch(const std::shared_ptr<FetchHandle::State>& st) {
   if (!first_error.ok()) {
     // Failed loads must not stay in hot slots holding garbage.
     for (Chunk* c : chunks) {
-      hot_->ReleaseSlot(c->hot_slot);
-      hot_pool_->policy().OnRemove(c->id);
+      parts_.hot->ReleaseSlot(c->hot_slot);
+      parts_.pool->policy().OnRemove(c->id);
       c->hot_slot = -1;
       c->tiers &= ~kTierHot;
     }
   }
-  counters_.warm_chunks = warm_->used();
+  parts_.counters->warm_chunks = parts_.warm->used();
   st->status = first_error;
   st->done = true;
-  cv_.notify_all();
+  parts_.sync->cv.notify_all();
 }
 
-void TieredStore::EvictHot() {
-  CountVisit();
-  std::lock_guard<CountingMutex> l(mu_);
-  hot_pool_->EvictUnpinnedLocked(hooks_.clock->Now());
-}
-
-void TieredStore::ReleasePins(FetchHandle::State* st) {
-  std::unique_lock<CountingMutex> l(mu_);
+void Promoter::Release(FetchHandle::State* st) {
+  std::unique_lock<CountingMutex> l(parts_.sync->mu);
   // The transfer finishes first: its task still writes into the slots.
-  cv_.wait(l, [&] { return st->done; });
+  parts_.sync->cv.wait(l, [&] { return st->done; });
   if (st->released) return;
   st->released = true;
-  hot_pool_->RemoveHolderLocked(st);
+  parts_.pool->RemoveHolderLocked(st);
   for (uint64_t id : st->chunk_ids) {
-    auto it = chunk_by_id_.find(id);
-    if (it == chunk_by_id_.end()) continue;  // dropped meanwhile
-    if (it->second->hot_pins > 0) it->second->hot_pins--;
+    Chunk* c = parts_.catalog->Find(id);
+    if (c == nullptr) continue;  // dropped meanwhile
+    if (c->hot_pins > 0) c->hot_pins--;
   }
-  cv_.notify_all();
+  parts_.sync->cv.notify_all();
 }
 
 }  // namespace kvtier

@@ -1,0 +1,73 @@
+// ObserveQueries: see offload/observe_queries.h.
+
+#include "offload/observe_queries.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "offload/attention_backend.h"
+
+namespace kvtier {
+
+Status ObserveQueries(TieredStore& store, SequenceId seq, int layer, const float* q, const int64_t* positions,
+                      int m) {
+  if (m <= 0)
+    return InvalidArgument("ObserveQueries: query count must be > 0 (got " + std::to_string(m) + ")");
+  if (q == nullptr || positions == nullptr)
+    return InvalidArgument("ObserveQueries: q and positions must not be null");
+  LayerStepView step;
+  KVTIER_RETURN_IF_ERROR(store.BeginLayerStep(seq, layer, nullptr, nullptr, &step));
+  HotView& view = step.hot;
+  HotTier* hot = store.hot_tier();
+  const StoreOptions& options = store.options();
+  const size_t token_bytes = options.geometry.token_elems() * DTypeSize(options.geometry.dtype);
+  const Geometry& g = options.geometry;
+  // This attention (for the representative-key statistics) runs on the host. With a device
+  // tier the sinks and local window are read back into host copies first: one download of
+  // at most n_sink + n_local + chunk_size tokens per call, and only prefill windows call it
+  // (decode steps do not observe). A host mirror kept by Append would save that copy but
+  // would have to be kept in step by every path that fills the regions (Append, reopen,
+  // recovery, attach); the read-back cannot go stale.
+  std::vector<std::vector<uint8_t>> host_copy;
+  if (hot->device() != Device::kCpu) {
+    std::vector<kernels::KvSpan*> spans{&view.sinks};
+    for (int i = 0; i < view.n_local_spans; ++i) spans.push_back(&view.local[i]);
+    host_copy.resize(2 * spans.size());
+    for (size_t i = 0; i < spans.size(); ++i) {
+      kernels::KvSpan& sp = *spans[i];
+      const size_t bytes = static_cast<size_t>(sp.n_tokens) * token_bytes;
+      host_copy[2 * i].resize(std::max<size_t>(1, bytes));
+      host_copy[2 * i + 1].resize(std::max<size_t>(1, bytes));
+      KVTIER_RETURN_IF_ERROR(
+          hot->Download(host_copy[2 * i].data(), static_cast<const uint8_t*>(sp.k), bytes));
+      KVTIER_RETURN_IF_ERROR(
+          hot->Download(host_copy[2 * i + 1].data(), static_cast<const uint8_t*>(sp.v), bytes));
+      sp.k = host_copy[2 * i].data();
+      sp.v = host_copy[2 * i + 1].data();
+    }
+  }
+  std::vector<float> mass_sinks(static_cast<size_t>(g.kv_heads) * std::max(1, view.sinks.n_tokens), 0.0f);
+  std::vector<std::vector<float>> mass_local(view.n_local_spans);
+  std::vector<kernels::KvSpan> parts;
+  parts.push_back(view.sinks);
+  parts.back().mass = mass_sinks.data();
+  for (int i = 0; i < view.n_local_spans; ++i) {
+    mass_local[i].assign(static_cast<size_t>(g.kv_heads) * view.local[i].n_tokens, 0.0f);
+    parts.push_back(view.local[i]);
+    parts.back().mass = mass_local[i].data();
+  }
+  std::vector<float> out(static_cast<size_t>(m) * g.q_heads * g.head_dim);
+  const kernels::AttentionParams p = DenseAttentionParams(g, g.dtype, q, positions, m, parts.data(),
+                                                          static_cast<int>(parts.size()), out.data());
+  const kernels::KernelError err = kernels::Attention(p);
+  if (err != kernels::KernelError::kOk)
+    return InvalidArgument(std::string("ObserveQueries: attention failed: ") +
+                           kernels::KernelErrorString(err));
+  for (int i = 0; i < view.n_local_spans; ++i) {
+    KVTIER_RETURN_IF_ERROR(store.AddLocalAttention(seq, layer, view.local[i].first_position, view.local[i].n_tokens,
+                                             mass_local[i].data()));
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvtier

@@ -1,0 +1,66 @@
+// The types of TieredStore's calls that its parts share (offload/tiered_store.h): a chunk's
+// metadata, the change feed's cursor and batch, the hot view and what a layer step reads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "store/chunk.h"
+#include "store/status.h"
+
+namespace kvtier {
+
+/// Per-chunk metadata visible to retrieval and policies.
+struct ChunkInfo {
+  ChunkKey key;
+  int64_t first_token = 0;    ///< absolute position of the chunk's first token
+  int n_tokens = 0;           ///< chunk_size
+  uint8_t tiers = kTierNone;  ///< TierBits where the chunk is resident
+  float score = 0.0f;         ///< policy score (higher = keep)
+};
+
+/// Where a reader of one layer's chunk changes stands (TieredStore::ChunkUpdatesSince).
+struct ChunkCursor {
+  uint64_t chunks = 0;  ///< chunk indices below this were handed over (or were holes)
+  uint64_t drops = 0;   ///< drops of the layer handed over so far
+};
+
+/// One layer's chunk changes since a cursor (TieredStore::ChunkUpdatesSince).
+struct ChunkUpdate {
+  ChunkCursor next;               ///< the cursor after these changes
+  ChunkCursor since;              ///< the cursor these changes start from
+  std::vector<uint64_t> added;    ///< landed chunk indices, ascending
+  std::vector<float> repr;        ///< [added][repr_topk, kv_heads, head_dim] fp32 representative keys
+  std::vector<uint64_t> dropped;  ///< chunk indices dropped since the cursor, in drop order
+  bool complete = true;           ///< false: max_added was reached, more landed chunks wait past next
+  uint64_t pending = 0;           ///< chunk indices past next still to hand over (holes included: at most)
+};
+
+/// What attention reads for one (sequence, layer) besides retrieved chunks:
+/// the sinks and the local window (the ring gives up to two spans). Pointers
+/// stay valid until the next Append to that (sequence, layer).
+struct HotView {
+  kernels::KvSpan sinks;     ///< n_tokens may be < n_sink early on
+  kernels::KvSpan local[2];  ///< oldest part first
+  int n_local_spans = 0;
+  int64_t n_tokens = 0;  ///< tokens appended to this layer so far
+};
+
+/// What a layer step reads from the store besides the chunk updates (TieredStore::BeginLayerStep).
+struct LayerStepView {
+  Status background;  ///< the sticky lower-tier write error (LowerTiers::BackgroundErrorLocked); OK when none
+  HotView hot;        ///< sinks and local window of the layer
+};
+
+/// How FetchChunks treats a fetch longer than its sequence's hot slot reservation
+/// (TieredStore::ReserveHotSlots).
+enum class FetchFit {
+  kAll,  ///< every chunk asked for, or an error
+  /// The chunks are best first; a tail that would take slots other sequences' reservations
+  /// claim is left out (see FetchChunks).
+  kWithinClaims,
+};
+
+}  // namespace kvtier
