@@ -35,11 +35,12 @@
 //    waits for all of them. Sinks and the local window are persisted by
 //    CloseSequence.
 //
-// The store is the coordinator: it decides what moves where under one mutex. Its
-// implementation is split into parts (listed at the top of offload/tiered_store.cc:
-// offload/store/ring, landing, warm_tier, write_through, chunks, fetch, layer_step, sharing). The tiers
-// below warm sit behind offload/lower_tier.h as an ordered list (RocksDB, then Redis), held
-// with what concerns them all by LowerTiers (offload/store/lower_tiers.h).
+// The store is the coordinator: it decides what moves where under one mutex, and the parts it
+// holds own the state (listed at the top of offload/tiered_store.cc and in docs/architecture.md,
+// "The store and its parts": SequenceTable, LayerRing, ChunkCatalog, Landing, WarmTier,
+// LowerWriter, LowerTiers, HotPool, Promoter, all in offload/store/). The tiers below warm sit
+// behind offload/lower_tier.h as an ordered list (RocksDB, then Redis), held with what concerns
+// them all by LowerTiers.
 // Around it: offload/transfer_engine.h moves the bytes on worker threads,
 // offload/store_recovery.h rebuilds the state of a reopened store,
 // offload/store_records.h is the format of what it keeps in the cold tier,
@@ -254,7 +255,7 @@ class TieredStore : public Store {
   /// does not wait much longer either).
   ///
   /// A failed background write is sticky until then: the next Append of any sequence (and
-  /// CheckBackgroundError, which Session::Attend calls) returns it too, so nothing waits
+  /// BeginLayerStep's view, which Session::Attend reads) returns it too, so nothing waits
   /// on warm room behind a dead lower tier. With a remote tier it also expires once the
   /// remote's retry_ms has passed since the failure, so a restarted server is used again.
   ///
