@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <unordered_set>
 
+#include "engine/c_api_internal.h"
 #include "engine/option_table.h"
 #include "kvtier/kvtier.h"
 #include "kvtier/kvtier_c.h"
@@ -279,6 +280,30 @@ Status CopyText(const std::string& text, char* buf, size_t size, const char* nam
 
 }  // namespace
 
+namespace kvtier {
+
+void StoreCountersToC(const StoreCounters& c, kvtier_store_counters* out) {
+  out->hot_chunks = c.hot_chunks;
+  out->hot_bytes = c.hot_bytes;
+  out->warm_chunks = c.warm_chunks;
+  out->warm_bytes = c.warm_bytes;
+  out->cold_chunks = c.cold_chunks;
+  out->cold_bytes = c.cold_bytes;
+  out->promotions = c.promotions;
+  out->demotions = c.demotions;
+  out->hits = c.hits;
+  out->misses = c.misses;
+  out->bytes_moved = c.bytes_moved;
+  out->cold_writes = c.cold_writes;
+  out->cold_reads = c.cold_reads;
+  out->lease_expired = c.lease_expired;
+  out->chunks_sealed = c.chunks_sealed;
+  out->dropped_chunks = c.dropped_chunks;
+  out->chunks_landing = c.chunks_landing;
+}
+
+}  // namespace kvtier
+
 extern "C" {
 
 const char* kvtier_code_name(kvtier_code code) {
@@ -384,23 +409,7 @@ kvtier_code kvtier_store_get_counters(const kvtier_store* store, kvtier_store_co
   if (store == nullptr) return Invalid(err, fn, "store must not be NULL");
   if (out == nullptr) return Invalid(err, fn, "out must not be NULL");
   return Guard(err, fn, [&]() -> Status {
-    const kvtier::StoreCounters c = store->store->counters();
-    out->hot_chunks = c.hot_chunks;
-    out->hot_bytes = c.hot_bytes;
-    out->warm_chunks = c.warm_chunks;
-    out->warm_bytes = c.warm_bytes;
-    out->cold_chunks = c.cold_chunks;
-    out->cold_bytes = c.cold_bytes;
-    out->promotions = c.promotions;
-    out->demotions = c.demotions;
-    out->hits = c.hits;
-    out->misses = c.misses;
-    out->bytes_moved = c.bytes_moved;
-    out->cold_writes = c.cold_writes;
-    out->cold_reads = c.cold_reads;
-    out->lease_expired = c.lease_expired;
-    out->chunks_sealed = c.chunks_sealed;
-    out->dropped_chunks = c.dropped_chunks;
+    kvtier::StoreCountersToC(store->store->counters(), out);
     return Status::Ok();
   });
 }

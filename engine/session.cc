@@ -242,7 +242,7 @@ std::string FormatFloat(float x) {
 
 // A prefill window's attention that also feeds the representative-key statistics: the
 // backend attends the dense parts (sinks | local) with their per-key mass in a softmax over
-// those parts only (TieredStore::ObserveQueries' definition), then the retrieved chunks, and
+// those parts only (ObserveQueries' definition, offload/observe_queries.h), then the retrieved chunks, and
 // merges the two by log-sum-exp (AttentionBackend::RunWithDenseMass), on the tier's device.
 // The local window's mass goes to the store; no key is read twice and no second pass runs.
 Status AttendAndObserve(TieredStore* store, SequenceId seq, int layer, AttentionBackend* backend,
@@ -305,6 +305,7 @@ Status SessionImpl::BeginStep(StepKind kind) {
   step_ = kind;
   in_step_ = true;
   next_layer_ = 0;
+  step_plan_.valid = false;
   if (retriever_) retriever_->BeginStep();
   counters_.steps += 1;
   return Status::Ok();
@@ -378,22 +379,71 @@ Status SessionImpl::CheckPositionsHeld(const char* what, int layer, const int64_
   return Status::Ok();
 }
 
-const float* SessionImpl::MemoryQueries(const float* q, const int64_t* positions, int m,
-                                        int64_t local_start) {
+const SessionImpl::StepPlan& SessionImpl::PlanStep(int m, const HotView& view) {
+  StepPlanKey key;
+  key.m = m;
+  key.held = view.n_tokens;
+  key.sinks_first = view.sinks.first_position;
+  key.sinks_tokens = view.sinks.n_tokens;
+  key.n_local = view.n_local_spans;
+  for (int i = 0; i < view.n_local_spans; ++i) {
+    key.local_first[i] = view.local[i].first_position;
+    key.local_tokens[i] = view.local[i].n_tokens;
+  }
+  StepPlan& p = step_plan_;
+  if (p.valid && p.key == key) return p;
+  p.valid = false;
+  p.key = key;
+  p.positions.resize(static_cast<size_t>(m));
+  for (int t = 0; t < m; ++t) p.positions[static_cast<size_t>(t)] = view.n_tokens - m + t;
+  p.local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
+  p.sinks_are_memory = view.sinks.first_position + view.sinks.n_tokens < p.local_start;
+  const Geometry& g = geometry();
+  p.base = AttentionPlanInput{};
+  p.base.q_heads = g.q_heads;
+  p.base.kv_heads = g.kv_heads;
+  p.base.head_dim = g.head_dim;
+  p.base.dtype = g.dtype;
+  p.base.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
+  p.base.n_queries = m;
+  p.base.positions = p.positions.data();
+  p.base.pool = PoolOf(store_->hot_tier());
+  if (!inv_freq_.empty()) {
+    p.rel.resize(static_cast<size_t>(m));
+    for (int t = 0; t < m; ++t)
+      p.rel[static_cast<size_t>(t)] = p.positions[static_cast<size_t>(t)] - p.local_start;
+    p.sink_key_positions.resize(static_cast<size_t>(view.sinks.n_tokens));
+    for (int t = 0; t < view.sinks.n_tokens; ++t)
+      p.sink_key_positions[static_cast<size_t>(t)] =
+          p.sinks_are_memory ? p.local_start : view.sinks.first_position + t;
+    for (int i = 0; i < 2; ++i) {
+      const int n = i < view.n_local_spans ? view.local[i].n_tokens : 0;
+      p.local_key_positions[i].resize(static_cast<size_t>(n));
+      for (int t = 0; t < n; ++t)
+        p.local_key_positions[i][static_cast<size_t>(t)] = view.local[i].first_position + t;
+    }
+    p.chunk_key_positions.assign(static_cast<size_t>(store_->options().chunk_size), p.local_start);
+  }
+  p.valid = true;
+  step_plan_builds_ += 1;
+  return p;
+}
+
+const float* SessionImpl::MemoryQueries(const float* q, int m, const StepPlan& plan) {
   if (inv_freq_.empty()) return q;  // kAbsolute: the engine's queries are memory's view already
   const Geometry& g = geometry();
   q_mem_.assign(q, q + static_cast<size_t>(m) * g.q_heads * g.head_dim);
-  rel_.resize(static_cast<size_t>(m));
-  for (int t = 0; t < m; ++t) rel_[static_cast<size_t>(t)] = positions[t] - local_start;
-  kernels::Rope(q_mem_.data(), m, g.q_heads, g.head_dim, rel_.data(), inv_freq_.data());
+  kernels::Rope(q_mem_.data(), m, g.q_heads, g.head_dim, plan.rel.data(), inv_freq_.data());
   return q_mem_.data();
 }
 
 const float* SessionImpl::TrueQueries(const float* q, const int64_t* positions, int m) {
   if (inv_freq_.empty()) return q;  // kAbsolute: already rotated at their true positions
+  if (q_rot_of_ == q) return q_rot_.data();
   const Geometry& g = geometry();
   q_rot_.assign(q, q + static_cast<size_t>(m) * g.q_heads * g.head_dim);
   kernels::Rope(q_rot_.data(), m, g.q_heads, g.head_dim, positions, inv_freq_.data());
+  q_rot_of_ = q;
   return q_rot_.data();
 }
 
@@ -412,28 +462,29 @@ void SessionImpl::KeepQueries(int layer, const float* q, const int64_t* position
 
 Status SessionImpl::Observe(int layer, const float* q, const int64_t* positions, int m) {
   KVTIER_RETURN_IF_ERROR(CheckLayerCall("Observe", layer, q, positions, m, /*in_step=*/false));
+  q_rot_of_ = nullptr;
   KVTIER_ASSIGN_OR_RETURN(HotView view, GetHotView(*store_, seq_, layer));
   KVTIER_RETURN_IF_ERROR(CheckPositionsHeld("Observe", layer, positions, m, view.n_tokens));
-  KeepQueries(layer, q, positions, m);
-  const int64_t local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
-  const float* q_mem = MemoryQueries(q, positions, m, local_start);  // memory's view needs L0
-  return ObserveLocked(layer, q, q_mem, positions, m, view, local_start);
+  const StepPlan& plan = PlanStep(m, view);
+  KeepQueries(layer, q, plan.positions.data(), m);
+  const float* q_mem = MemoryQueries(q, m, plan);  // memory's view needs L0
+  return ObserveLocked(layer, q, q_mem, m, view, plan);
 }
 
 bool SessionImpl::ObservesStatistics() const {
   return options_.observe_prefill && store_->options().repr_topk < store_->options().chunk_size;
 }
 
-Status SessionImpl::ObserveLocked(int layer, const float* q, const float* q_mem, const int64_t* positions,
-                                  int m, const HotView& view, int64_t local_start) {
-  if (ObservesStatistics())
-    KVTIER_RETURN_IF_ERROR(ObserveStatistics(layer, q, positions, m, view, local_start));
+Status SessionImpl::ObserveLocked(int layer, const float* q, const float* q_mem, int m, const HotView& view,
+                                  const StepPlan& plan) {
+  if (ObservesStatistics()) KVTIER_RETURN_IF_ERROR(ObserveStatistics(layer, q, m, view, plan));
   if (retriever_) KVTIER_RETURN_IF_ERROR(retriever_->Observe(layer, q_mem, m));
   return Status::Ok();
 }
 
-Status SessionImpl::ObserveStatistics(int layer, const float* q, const int64_t* positions, int m,
-                                      const HotView& view, int64_t local_start) {
+Status SessionImpl::ObserveStatistics(int layer, const float* q, int m, const HotView& view,
+                                      const StepPlan& plan) {
+  const int64_t* positions = plan.positions.data();
   if (inv_freq_.empty()) return ObserveQueries(*store_, seq_, layer, q, positions, m);
   // kInfLLM (host tiers only: Open refuses a device tier). The model attends the local window
   // at its true positions and the sinks at L0 once chunks separate them (Attend's rotations),
@@ -443,10 +494,8 @@ Status SessionImpl::ObserveStatistics(int layer, const float* q, const int64_t* 
   const float* q_true = TrueQueries(q, positions, m);
   const size_t tok = g.token_elems();
   const int n_parts = 1 + view.n_local_spans;
-  const bool sinks_are_memory = view.sinks.first_position + view.sinks.n_tokens < local_start;
   std::vector<std::vector<float>> k(n_parts), v(n_parts), mass(n_parts);
   std::vector<kernels::KvSpan> parts(n_parts);
-  std::vector<int64_t> pos;
   for (int i = 0; i < n_parts; ++i) {
     const kernels::KvSpan& sp = i == 0 ? view.sinks : view.local[i - 1];
     const size_t n = static_cast<size_t>(sp.n_tokens) * tok;
@@ -456,9 +505,7 @@ Status SessionImpl::ObserveStatistics(int layer, const float* q, const int64_t* 
     if (n > 0) {
       ToFloat(g.dtype, sp.k, k[i].data(), n);
       ToFloat(g.dtype, sp.v, v[i].data(), n);
-      pos.resize(static_cast<size_t>(sp.n_tokens));
-      for (int t = 0; t < sp.n_tokens; ++t)
-        pos[static_cast<size_t>(t)] = i == 0 && sinks_are_memory ? local_start : sp.first_position + t;
+      const std::vector<int64_t>& pos = i == 0 ? plan.sink_key_positions : plan.local_key_positions[i - 1];
       kernels::Rope(k[i].data(), sp.n_tokens, g.kv_heads, g.head_dim, pos.data(), inv_freq_.data());
     }
     parts[i] = kernels::KvSpan{k[i].data(), v[i].data(), sp.n_tokens, sp.first_position, mass[i].data()};
@@ -490,6 +537,7 @@ Result<LayerParts> SessionImpl::Gather(int layer, const float* q, const int64_t*
 Result<LayerParts> SessionImpl::GatherFor(const char* what, int layer, const float* q,
                                           const int64_t* positions, int m, bool observe) {
   KVTIER_RETURN_IF_ERROR(CheckLayerCall(what, layer, q, positions, m, /*in_step=*/true));
+  q_rot_of_ = nullptr;
   try {
     const bool decode = step_ == StepKind::kDecode;
     LayerParts lp;
@@ -513,8 +561,9 @@ Result<LayerParts> SessionImpl::GatherFor(const char* what, int layer, const flo
                                                 std::to_string(layer) + ": " + step.background.message());
     const HotView& view = step.hot;
     KVTIER_RETURN_IF_ERROR(CheckPositionsHeld(what, layer, positions, m, view.n_tokens));
-    lp.local_start = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
-    const float* q_sel = MemoryQueries(q, positions, m, lp.local_start);
+    const StepPlan& plan = PlanStep(m, view);
+    lp.local_start = plan.local_start;
+    const float* q_sel = MemoryQueries(q, m, plan);
     if (selector_ || !retriever_) {
       KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store_->ListChunks(seq_, layer));
       const auto t0 = std::chrono::steady_clock::now();
@@ -527,7 +576,7 @@ Result<LayerParts> SessionImpl::GatherFor(const char* what, int layer, const flo
       // observe = false); Select builds the probe from the window, which is the probe's
       // Observe too (ActQKV's running statistics see every window once).
       if (!decode && ObservesStatistics() && observe)
-        KVTIER_RETURN_IF_ERROR(ObserveStatistics(layer, q, positions, m, view, lp.local_start));
+        KVTIER_RETURN_IF_ERROR(ObserveStatistics(layer, q, m, view, plan));
       KVTIER_ASSIGN_OR_RETURN(LayerSelection sel, retriever_->Select(seq_, layer, q_sel, m, decode, updates));
       lp.chunks = std::move(sel.chunks);
       lp.stats.probe_ms = sel.probe_ms;
@@ -567,11 +616,10 @@ Result<LayerParts> SessionImpl::GatherFor(const char* what, int layer, const flo
     // InfLLM positions (see the top of session.h): chunks at L0; the sinks at L0 once chunks
     // separate them from the local window; the local window at its true positions.
     lp.rope_positions.assign(lp.parts.size(), -1);
-    const bool sinks_are_memory = view.sinks.first_position + view.sinks.n_tokens < lp.local_start;
-    if (sinks_are_memory) lp.rope_positions[0] = lp.local_start;
+    if (plan.sinks_are_memory) lp.rope_positions[0] = lp.local_start;
     for (size_t i = 1; i <= lp.n_chunks; ++i) lp.rope_positions[i] = lp.local_start;
 
-    KeepQueries(layer, q, positions, m);
+    KeepQueries(layer, q, plan.positions.data(), m);
     next_layer_ = layer + 1;
     last_chunks_[static_cast<size_t>(layer)] = lp.chunks;
     counters_.attends += 1;
@@ -601,28 +649,20 @@ Status SessionImpl::Attend(int layer, const float* q, const int64_t* positions, 
   try {
     const auto t0 = std::chrono::steady_clock::now();
     // The plan: sinks | retrieved chunks (slots of the hot pool) | local runs, the order
-    // Gather lists them in.
-    AttentionPlanInput in;
-    in.q_heads = g.q_heads;
-    in.kv_heads = g.kv_heads;
-    in.head_dim = g.head_dim;
-    in.dtype = g.dtype;
-    in.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
-    in.n_queries = m;
+    // Gather lists them in, over the step plan GatherFor built or reused for this layer.
+    const StepPlan& step = step_plan_;
+    AttentionPlanInput in = step.base;
     in.q = q;
-    in.positions = positions;
-    in.pool = PoolOf(store_->hot_tier());
     if (!inv_freq_.empty()) {
       // Queries at their true positions; each part's keys rotated where memory puts them, on
       // fp32 copies (the store keeps keys before RoPE). The rotated chunks form a slot pool
       // of their own ([K][V] per chunk), so the plan reads them through the same index list.
-      in.q = TrueQueries(q, positions, m);
+      in.q = TrueQueries(q, step.positions.data(), m);
       const size_t tok = g.token_elems();
       const size_t chunk_elems = lp.n_chunks ? static_cast<size_t>(lp.parts[1].n_tokens) * tok : 0;
       rot_pool_.resize(lp.n_chunks * 2 * chunk_elems);
       rot_k_.resize(lp.parts.size());
       rot_v_.resize(lp.parts.size());
-      std::vector<int64_t> pos;
       for (size_t i = 0; i < lp.parts.size(); ++i) {
         kernels::KvSpan& sp = lp.parts[i];
         const size_t n = static_cast<size_t>(sp.n_tokens) * tok;
@@ -642,10 +682,15 @@ Status SessionImpl::Attend(int layer, const float* q, const int64_t* positions, 
         if (n > 0) {
           ToFloat(g.dtype, sp.k, kf, n);
           ToFloat(g.dtype, sp.v, vf, n);
-          pos.resize(static_cast<size_t>(sp.n_tokens));
-          for (int t = 0; t < sp.n_tokens; ++t)
-            pos[static_cast<size_t>(t)] =
-                lp.rope_positions[i] >= 0 ? lp.rope_positions[i] : sp.first_position + t;
+          // Where the step plan rotates this part's keys: the sinks (at L0 once separated),
+          // a chunk (all at L0), a local run (true positions).
+          const std::vector<int64_t>& pos = i == 0  ? step.sink_key_positions
+                                            : chunk ? step.chunk_key_positions
+                                                    : step.local_key_positions[i - 1 - lp.n_chunks];
+          if (pos.size() != static_cast<size_t>(sp.n_tokens))
+            return Internal("Session::Attend: layer " + std::to_string(layer) + ": part " +
+                            std::to_string(i) + " holds " + std::to_string(sp.n_tokens) +
+                            " tokens and the step plan rotates " + std::to_string(pos.size()));
           kernels::Rope(kf, sp.n_tokens, g.kv_heads, g.head_dim, pos.data(), inv_freq_.data());
         }
         sp.k = kf;

@@ -53,14 +53,13 @@
 
 #include "engine/layer_parts.h"
 #include "kvtier/session.h"
+#include "offload/attention_backend.h"
 #include "offload/tiered_store.h"
 
 namespace kvtier {
 
-class AttentionBackend;  // offload/attention_backend.h
-class AttentionPlan;     // offload/attention_backend.h
-class Retriever;         // retrieval/retriever.h
-class ScoringPolicy;     // offload/policy/scoring_policy.h
+class Retriever;      // retrieval/retriever.h
+class ScoringPolicy;  // offload/policy/scoring_policy.h
 
 /// Picks the sealed chunks one layer's queries attend to, in place of retrieval.
 /// `q` is [m, q_heads, head_dim] fp32 as memory sees it (kInfLLM: rotated by
@@ -106,6 +105,12 @@ class SessionImpl final : public Session {
   TieredStore* store() const { return store_; }
   /// The retriever (null when retrieve = false), e.g. for Describe().
   Retriever* retriever() { return retriever_.get(); }
+  /// How many times the step plan (below) was built: once per step while every layer of a step
+  /// holds the same tokens, and once more for each layer whose inputs differ from the last.
+  uint64_t step_plan_builds() const { return step_plan_builds_; }
+  /// Drops the step plan, so that the next layer call builds it anew: what building it per
+  /// layer would give, for tests that compare the reuse with it.
+  void ForgetStepPlan() { step_plan_.valid = false; }
 
  private:
   friend class Session;  // Open and Attach set up the backend, the retriever and the reservation
@@ -119,15 +124,53 @@ class SessionImpl final : public Session {
   // The positions rule of Attend: `positions` (checked increasing) are the last m of the
   // `held` tokens the layer holds.
   Status CheckPositionsHeld(const char* what, int layer, const int64_t* positions, int m, int64_t held) const;
+  // What every layer of a step shares, planned once per step: BeginStep drops the plan, the
+  // step's first layer call builds it from its query count and hot view, and the later layers
+  // reuse it while their key is the same. The key fixes everything in the plan: the queries'
+  // positions are exactly the layer's last m tokens (CheckPositionsHeld), so m and the token
+  // count give them, and the sinks' and local runs' extents give L0 and where each key is
+  // rotated to. A layer with another key (one holding more tokens than the rest, or Observe
+  // between steps) rebuilds it; the results are the same bits either way.
+  struct StepPlanKey {
+    int m = 0;
+    int64_t held = 0;  // tokens the layer holds
+    int64_t sinks_first = 0;
+    int sinks_tokens = 0;
+    int n_local = 0;
+    int64_t local_first[2] = {0, 0};
+    int local_tokens[2] = {0, 0};
+    bool operator==(const StepPlanKey&) const = default;
+  };
+  struct StepPlan {
+    bool valid = false;
+    StepPlanKey key;
+    std::vector<int64_t> positions;  // [m] the queries' positions: held - m .. held - 1
+    int64_t local_start = 0;         // L0: the local window's first position (held when empty)
+    bool sinks_are_memory = false;   // chunks separate the sinks from the local window
+    // Attend's plan input less the parts and queries: geometry, scale, m, `positions`, the
+    // hot slot pool (fixed for the store's life).
+    AttentionPlanInput base;
+    // kInfLLM only: memory's view of the queries (positions - L0) and the positions each part's
+    // keys are rotated to: the sinks (at L0 once separated), each local run (true positions),
+    // a retrieved chunk (chunk_size times L0).
+    std::vector<int64_t> rel;
+    std::vector<int64_t> sink_key_positions;
+    std::vector<int64_t> local_key_positions[2];
+    std::vector<int64_t> chunk_key_positions;
+  };
+  // The plan for a layer call of m queries over `view`, reused when its key matches.
+  const StepPlan& PlanStep(int m, const HotView& view);
   // kInfLLM rotations of q [m, q_heads, head_dim] into scratch (q itself in kAbsolute):
-  // memory's view (by position - L0) and attention's (at the true positions).
-  const float* MemoryQueries(const float* q, const int64_t* positions, int m, int64_t local_start);
+  // memory's view (by position - L0) and attention's (at the true positions). TrueQueries
+  // rotates once per layer call: GatherFor and Observe forget the last rotation on entry, and
+  // the call's later uses (kept queries, statistics, attention) read it back.
+  const float* MemoryQueries(const float* q, int m, const StepPlan& plan);
   const float* TrueQueries(const float* q, const int64_t* positions, int m);
   void KeepQueries(int layer, const float* q, const int64_t* positions, int m);
   // The representative-key statistics of a prefill window (the attention its queries pay to
   // the sinks and local window, added to the store's ring mass) and the retriever's Observe.
-  Status ObserveLocked(int layer, const float* q, const float* q_mem, const int64_t* positions, int m,
-                       const HotView& view, int64_t local_start);
+  Status ObserveLocked(int layer, const float* q, const float* q_mem, int m, const HotView& view,
+                       const StepPlan& plan);
   // Whether prefill feeds the statistics: observe_prefill, and the store keeps fewer
   // representatives than a chunk has keys (with every key a representative, the statistics
   // choose nothing and their attention is skipped).
@@ -135,8 +178,7 @@ class SessionImpl final : public Session {
   // The statistics alone. kAbsolute: the store's own pass (ObserveQueries). kInfLLM: the
   // store keeps keys before RoPE, so the pass runs here, on fp32 copies rotated where Attend
   // puts them, and hands the local window's mass to the store (AddLocalAttention).
-  Status ObserveStatistics(int layer, const float* q, const int64_t* positions, int m, const HotView& view,
-                           int64_t local_start);
+  Status ObserveStatistics(int layer, const float* q, int m, const HotView& view, const StepPlan& plan);
 
   TieredStore* store_;
   SequenceId seq_;
@@ -162,7 +204,9 @@ class SessionImpl final : public Session {
   std::string policy_spec_;
   // Scratch reused across calls (a session is driven by one thread at a time).
   std::vector<float> q_rot_, q_mem_;
-  std::vector<int64_t> rel_;
+  const float* q_rot_of_ = nullptr;  // the q that q_rot_ holds rotated in this layer call; null = none
+  StepPlan step_plan_;
+  uint64_t step_plan_builds_ = 0;
   std::vector<std::vector<float>> rot_k_, rot_v_;
   std::vector<float> rot_pool_;  // kInfLLM: rotated chunks as a slot pool ([K][V] fp32 per chunk)
   std::unique_ptr<AttentionBackend> backend_;  // runs the plan where the hot tier's memory is

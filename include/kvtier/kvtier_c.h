@@ -190,6 +190,7 @@ typedef struct kvtier_store_counters {
   uint64_t lease_expired;  /* pins that ran past their lease */
   uint64_t chunks_sealed;  /* chunks formed from the local window */
   uint64_t dropped_chunks; /* chunks removed for good by compression */
+  uint64_t chunks_landing; /* chunks sealed whose copy into the warm tier has not landed yet */
 } kvtier_store_counters;
 
 kvtier_code kvtier_store_get_counters(const kvtier_store* store, kvtier_store_counters* out,

@@ -314,6 +314,9 @@ int main(int argc, char** argv) {
   if (data_dir) {
     OK(kvtier_store_wait_durable(store, &err));
     OK(kvtier_store_get_counters(store, &sc, &err));
+    /* Waiting for durability lands every sealed chunk first: none is left landing. */
+    CHECK(sc.chunks_landing == 0, "%llu chunks still landing after wait_durable",
+          (unsigned long long)sc.chunks_landing);
     CHECK(sc.cold_writes > 0 && sc.cold_chunks > 0, "cold writes %llu", (unsigned long long)sc.cold_writes);
     CHECK(sc.warm_chunks < sc.chunks_sealed, "warm %llu of %llu chunks: nothing spilled",
           (unsigned long long)sc.warm_chunks, (unsigned long long)sc.chunks_sealed);

@@ -1,7 +1,8 @@
 // The option list (engine/option_table.h) against everything that follows from it: the
 // structs' defaults and fields, each Validate's ranges, the C API's fields, defaults and
 // setters, the dtype spellings, docs/options.md's tables and the CLI's --help. Each test
-// fails when a name, a default, a range or a meaning drifts from the rows.
+// fails when a name, a default, a range or a meaning drifts from the rows. Also the C API's
+// counters struct against StoreCounters, field by field.
 #include "engine/option_table.h"
 
 #include <gtest/gtest.h>
@@ -19,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/c_api_internal.h"
 #include "kernels/dtype.h"
 #include "kvtier/kvtier_c.h"
 #include "offload/cold_tier.h"
@@ -350,6 +352,45 @@ std::string OtherValue(const OptionDesc<Options>& d) {
     }
   }
   return "";
+}
+
+TEST(CApiMirror, StoreCountersCopyEveryCField) {
+  // Each field of kvtier_store_counters and the StoreCounters field it mirrors (same name).
+  struct Mirrored {
+    const char* name;
+    uint64_t StoreCounters::*cpp;
+    uint64_t kvtier_store_counters::*c;
+  };
+  const std::vector<Mirrored> mirrored = {
+      {"hot_chunks", &StoreCounters::hot_chunks, &kvtier_store_counters::hot_chunks},
+      {"hot_bytes", &StoreCounters::hot_bytes, &kvtier_store_counters::hot_bytes},
+      {"warm_chunks", &StoreCounters::warm_chunks, &kvtier_store_counters::warm_chunks},
+      {"warm_bytes", &StoreCounters::warm_bytes, &kvtier_store_counters::warm_bytes},
+      {"cold_chunks", &StoreCounters::cold_chunks, &kvtier_store_counters::cold_chunks},
+      {"cold_bytes", &StoreCounters::cold_bytes, &kvtier_store_counters::cold_bytes},
+      {"promotions", &StoreCounters::promotions, &kvtier_store_counters::promotions},
+      {"demotions", &StoreCounters::demotions, &kvtier_store_counters::demotions},
+      {"hits", &StoreCounters::hits, &kvtier_store_counters::hits},
+      {"misses", &StoreCounters::misses, &kvtier_store_counters::misses},
+      {"bytes_moved", &StoreCounters::bytes_moved, &kvtier_store_counters::bytes_moved},
+      {"cold_writes", &StoreCounters::cold_writes, &kvtier_store_counters::cold_writes},
+      {"cold_reads", &StoreCounters::cold_reads, &kvtier_store_counters::cold_reads},
+      {"lease_expired", &StoreCounters::lease_expired, &kvtier_store_counters::lease_expired},
+      {"chunks_sealed", &StoreCounters::chunks_sealed, &kvtier_store_counters::chunks_sealed},
+      {"dropped_chunks", &StoreCounters::dropped_chunks, &kvtier_store_counters::dropped_chunks},
+      {"chunks_landing", &StoreCounters::chunks_landing, &kvtier_store_counters::chunks_landing},
+  };
+  // A field added to the C struct changes the count until the list above names it.
+  EXPECT_EQ(CountFields<kvtier_store_counters>(), mirrored.size())
+      << "kvtier_store_counters has a field the list above does not name";
+  // Distinct values, so a field copied from the wrong counter, or not at all, shows.
+  StoreCounters c;
+  uint64_t next = 1000;
+  for (const Mirrored& m : mirrored) c.*m.cpp = ++next;
+  kvtier_store_counters out;
+  std::memset(&out, 0, sizeof out);
+  StoreCountersToC(c, &out);
+  for (const Mirrored& m : mirrored) EXPECT_EQ(out.*m.c, c.*m.cpp) << m.name;
 }
 
 TEST(OptionTable, CApiCoversEveryOption) {

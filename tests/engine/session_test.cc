@@ -528,6 +528,105 @@ TEST(Session, InfLLMStatisticsAttendWhereTheModelAttends) {
   EXPECT_GT(compared, 50);
 }
 
+// A step plans once what does not depend on the layer (the queries' positions, L0, where each
+// part's keys are rotated, the plan input's geometry and pool): one build per step, reused by
+// the step's other layers, with the same bits as a plan built for every layer. Prefill windows
+// then decode steps, retrieval on, kept queries on, in both position modes.
+TEST(Session, PlansOncePerStepAndReusesThePlanBitForBit) {
+  for (PositionMode mode : {PositionMode::kAbsolute, PositionMode::kInfLLM}) {
+    SCOPED_TRACE(PositionModeName(mode));
+    auto store_a = TieredStore::Open(SmallStore());
+    auto store_b = TieredStore::Open(SmallStore());
+    ASSERT_TRUE(store_a.ok() && store_b.ok());
+    SessionOptions o = Retrieval(32);
+    o.positions = mode;
+    o.keep_queries = 4;
+    auto a = Session::Open(store_a->get(), o);  // reuses the step plan
+    auto b = Session::Open(store_b->get(), o);  // builds it for every layer
+    ASSERT_TRUE(a.ok() && b.ok());
+    SessionImpl& reuse = ImplOf(**a);
+    SessionImpl& per_layer = ImplOf(**b);
+    constexpr int64_t kPrefill = 160, kTotal = 200;
+    int steps = 0, with_chunks = 0;
+    for (int64_t b0 = 0; b0 < kTotal; ++steps) {
+      const bool decode = b0 >= kPrefill;
+      const int m = decode ? 1 : 16;
+      const StepKind kind = decode ? StepKind::kDecode : StepKind::kPrefill;
+      ASSERT_TRUE((*a)->BeginStep(kind).ok());
+      ASSERT_TRUE((*b)->BeginStep(kind).ok());
+      const uint64_t builds_a = reuse.step_plan_builds(), builds_b = per_layer.step_plan_builds();
+      std::vector<int64_t> pos(m);
+      for (int t = 0; t < m; ++t) pos[t] = b0 + t;
+      for (int l = 0; l < kLayers; ++l) {
+        std::vector<uint16_t> k, v;
+        std::vector<float> q;
+        for (int t = 0; t < m; ++t) {
+          Token tok = MakeToken(41, l, b0 + t);
+          k.insert(k.end(), tok.k.begin(), tok.k.end());
+          v.insert(v.end(), tok.v.begin(), tok.v.end());
+          q.insert(q.end(), tok.q.begin(), tok.q.end());
+        }
+        ASSERT_TRUE((*a)->Append(l, k.data(), v.data(), m, DType::kF16).ok());
+        ASSERT_TRUE((*b)->Append(l, k.data(), v.data(), m, DType::kF16).ok());
+        std::vector<float> out_a(static_cast<size_t>(m) * kQHeads * kDim), out_b(out_a.size());
+        per_layer.ForgetStepPlan();
+        ASSERT_TRUE((*a)->Attend(l, q.data(), pos.data(), m, out_a.data()).ok());
+        ASSERT_TRUE((*b)->Attend(l, q.data(), pos.data(), m, out_b.data()).ok());
+        ASSERT_EQ(std::memcmp(out_a.data(), out_b.data(), out_a.size() * sizeof(float)), 0)
+            << "step at " << b0 << " layer " << l << ": the reused plan attends differently";
+        ASSERT_EQ((*a)->last_chunks()[l], (*b)->last_chunks()[l]) << "step at " << b0 << " layer " << l;
+        with_chunks += (*a)->last_chunks()[l].empty() ? 0 : 1;
+      }
+      EXPECT_EQ(reuse.step_plan_builds() - builds_a, 1u) << "step at " << b0 << ": one plan per step";
+      EXPECT_EQ(per_layer.step_plan_builds() - builds_b, static_cast<uint64_t>(kLayers)) << "step at " << b0;
+      b0 += m;
+    }
+    EXPECT_EQ(steps, 10 + 40);
+    EXPECT_GT(with_chunks, 20) << "retrieved chunks must join the attention";
+    // The kept queries (rotated once per layer call and read back) compress alike.
+    auto ra = (*a)->Compress("h2o", 64);
+    auto rb = (*b)->Compress("h2o", 64);
+    ASSERT_TRUE(ra.ok() && rb.ok()) << ra.status().ToString() << " " << rb.status().ToString();
+    EXPECT_EQ(ra->dropped_chunks, rb->dropped_chunks);
+    EXPECT_EQ(ra->kept_tokens, rb->kept_tokens);
+    EXPECT_GT(ra->dropped_chunks, 0u);
+  }
+}
+
+// The plan is reused only where it fits: a layer holding one more token than the step's first
+// layer attends at other positions, so it builds its own plan, and attends as the first layer
+// of a step would.
+TEST(Session, ALayerHoldingOtherTokensBuildsItsOwnStepPlan) {
+  SessionOptions o;
+  o.retrieve = false;  // without retrieval, layers may be skipped and may differ in length
+  o.positions = PositionMode::kInfLLM;
+  auto store_a = TieredStore::Open(SmallStore());
+  auto store_b = TieredStore::Open(SmallStore());
+  ASSERT_TRUE(store_a.ok() && store_b.ok());
+  auto a = Session::Open(store_a->get(), o);
+  auto b = Session::Open(store_b->get(), o);
+  ASSERT_TRUE(a.ok() && b.ok());
+  // Layer 0 holds 100 tokens, layer 1 101.
+  for (int64_t p = 0; p < 101; ++p)
+    for (int l = 0; l < 2; ++l) {
+      if (l == 0 && p == 100) continue;
+      Token t = MakeToken(43, l, p);
+      ASSERT_TRUE((*a)->Append(l, t.k.data(), t.v.data(), 1, DType::kF16).ok());
+      ASSERT_TRUE((*b)->Append(l, t.k.data(), t.v.data(), 1, DType::kF16).ok());
+    }
+  const std::vector<float> q0 = MakeToken(43, 0, 99).q, q1 = MakeToken(43, 1, 100).q;
+  std::vector<float> out0(q0.size()), out1(q1.size()), ref1(q1.size());
+  const int64_t p0 = 99, p1 = 100;
+  const uint64_t builds = ImplOf(**a).step_plan_builds();
+  ASSERT_TRUE((*a)->BeginStep(StepKind::kDecode).ok());
+  ASSERT_TRUE((*a)->Attend(0, q0.data(), &p0, 1, out0.data()).ok());
+  ASSERT_TRUE((*a)->Attend(1, q1.data(), &p1, 1, out1.data()).ok());
+  EXPECT_EQ(ImplOf(**a).step_plan_builds() - builds, 2u);
+  ASSERT_TRUE((*b)->BeginStep(StepKind::kDecode).ok());  // layer 1 first in its step
+  ASSERT_TRUE((*b)->Attend(1, q1.data(), &p1, 1, ref1.data()).ok());
+  EXPECT_EQ(std::memcmp(out1.data(), ref1.data(), out1.size() * sizeof(float)), 0);
+}
+
 TEST(Session, MassFromAttendEqualsTheStatisticsPass) {
   // Attend takes a prefill window's representative-key statistics from its own attention;
   // Gather runs the separate statistics pass (the store's ObserveQueries, or the session's
