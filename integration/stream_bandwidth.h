@@ -12,10 +12,10 @@
 namespace kvtier {
 
 struct StreamBandwidthOptions {
-  /// Bytes read per pass; 0 = twice the last-level cache, within [64 MiB, 1 GiB] (64 MiB
-  /// where the cache size is unknown). At least 1 MiB otherwise.
+  /// Bytes read per pass; 0 = one and a half times the last-level cache, within [64 MiB,
+  /// 1 GiB] (64 MiB where the cache size is unknown). At least 1 MiB otherwise.
   uint64_t buffer_bytes = 0;
-  int passes = 3;  ///< timed passes after one untimed one, in [1, 100]; the median is reported
+  int passes = 3;  ///< timed passes over the filled buffer, in [1, 100]; the median is reported
   Status Validate() const;
 };
 
@@ -32,7 +32,7 @@ struct StreamBandwidth {
 /// The largest data or unified cache of cpu0 (sysfs, then sysconf), in bytes; 0 when unknown.
 uint64_t LastLevelCacheBytes();
 
-/// Allocates and fills the buffer, reads it once untimed and `passes` times timed.
+/// Maps and fills the buffer (on the same threads), then reads it `passes` times, timed.
 /// InvalidArgument from Validate; ResourceExhausted when the buffer cannot be allocated.
 Result<StreamBandwidth> MeasureStreamBandwidth(const StreamBandwidthOptions& options = {});
 

@@ -367,7 +367,8 @@ int CmdRun(int argc, char** argv) {
       true);
   f.Add(
       "no-bandwidth",
-      "skip the streaming-bandwidth measurement (about 0.2 s) that the byte floor of each step divides by",
+      "skip the streaming-bandwidth measurement (a fraction of a second) that each step's byte floor divides "
+      "by",
       [&o](const std::string& s) {
         o.measure_bandwidth = s == "0";
         return Status::Ok();

@@ -3,6 +3,7 @@
 // geometry: 2 layers, 2 kv heads, head_dim 64, fp16, chunks of 32 tokens, 4 representatives.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -40,7 +41,8 @@ StoreOptions SmallStore() {
 
 // Appends `m` tokens at `p0` to every layer and attends them (a prefill window or, m = 1, a
 // decode step); returns the last layer step's stats per layer.
-std::vector<AttendStats> Step(Session* s, int64_t p0, int m, bool decode) {
+// With `same_query` every step's queries are one fixed draw (a probe that stays put).
+std::vector<AttendStats> Step(Session* s, int64_t p0, int m, bool decode, bool same_query = false) {
   std::vector<AttendStats> stats(kLayers);
   EXPECT_TRUE(s->BeginStep(decode ? StepKind::kDecode : StepKind::kPrefill).ok());
   std::vector<int64_t> pos(static_cast<size_t>(m));
@@ -52,7 +54,8 @@ std::vector<AttendStats> Step(Session* s, int64_t p0, int m, bool decode) {
         q(static_cast<size_t>(m) * kQHeads * kDim), out(q.size());
     for (float& x : k) x = n(rng);
     for (float& x : v) x = n(rng);
-    for (float& x : q) x = n(rng);
+    std::mt19937 q_rng(static_cast<uint32_t>(l + 7));
+    for (float& x : q) x = same_query ? n(q_rng) : n(rng);
     std::vector<uint16_t> kh(k.size()), vh(v.size());
     FromFloat(DType::kF16, k.data(), kh.data(), k.size());
     FromFloat(DType::kF16, v.data(), vh.data(), v.size());
@@ -135,6 +138,59 @@ TEST(StepBytes, TheDefaultSearchRescoresBetweenTheGrantAndEveryChunk) {
     EXPECT_EQ(st.rescoring_bytes % kRescorePerChunk, 0u);
     EXPECT_GE(st.rescoring_bytes, st.chunks * kRescorePerChunk);
     EXPECT_LE(st.rescoring_bytes, n * kRescorePerChunk);
+  }
+}
+
+// A sliced step (screen_period 4) screens ceil(n / 4) rows, in whole blocks of 8, from row 0
+// after the full screen of the first decode step; a reused step screens nothing and rescores
+// the shortlist (its second reuse gathers the shortlist once, then scores the copy).
+TEST(StepBytes, ASliceAndAReuseReadWhatTheyScore) {
+  for (const bool reuse : {false, true}) {
+    SCOPED_TRACE(reuse ? "reuse" : "slice");
+    auto store = TieredStore::Open(SmallStore());
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    TieredStore* ts = store->get();
+    SessionOptions so;
+    so.retrieval.budget_tokens = 4 * kChunk;
+    if (reuse) {
+      so.retrieval.reuse_cosine = 0.5;
+      so.retrieval.alloc = "topk";  // a grant of 4 chunks every step: a shortlist of 12
+    } else {
+      so.retrieval.screen_period = 4;
+    }
+    auto session = Session::Open(ts, so);
+    ASSERT_TRUE(session.ok()) << session.status().ToString();
+    Session* s = session->get();
+    for (int64_t b = 0; b < 1024; b += 128) Step(s, b, 128, false, true);
+    // Decode steps 1024..1027: no chunk seals (the ring holds 64 tokens and seals 32 at a time
+    // once it overflows; 1024 - 32 = 992 tokens are 31 chunks, so the next seal is at 1024 + 32).
+    std::vector<std::vector<AttendStats>> steps;
+    std::vector<uint64_t> n(kLayers);
+    for (int64_t p = 1024; p < 1027; ++p) steps.push_back(Step(s, p, 1, true, true));
+    for (int l = 0; l < kLayers; ++l) n[static_cast<size_t>(l)] = *ts->ChunkCount(s->sequence(), l);
+    for (int l = 0; l < kLayers; ++l) {
+      const uint64_t chunks = n[static_cast<size_t>(l)];
+      const AttendStats& first = steps[0][static_cast<size_t>(l)];
+      EXPECT_FALSE(first.sliced || first.reused);
+      EXPECT_EQ(first.first_stage_bytes, chunks * kScreenPerChunk);
+      const AttendStats& second = steps[1][static_cast<size_t>(l)];
+      const AttendStats& third = steps[2][static_cast<size_t>(l)];
+      if (!reuse) {
+        ASSERT_TRUE(second.sliced) << "layer " << l;
+        const uint64_t slice = std::min<uint64_t>(chunks, ((chunks + 3) / 4 + 7) / 8 * 8);
+        EXPECT_EQ(second.first_stage_bytes, slice * kScreenPerChunk) << "layer " << l << ", " << chunks;
+        EXPECT_GT(second.rescoring_bytes, 0u);
+        EXPECT_EQ(second.rescoring_bytes % kRescorePerChunk, 0u);
+      } else {
+        ASSERT_TRUE(second.reused && third.reused) << "layer " << l;
+        EXPECT_EQ(second.first_stage_bytes, 0u);
+        EXPECT_EQ(third.first_stage_bytes, 0u);
+        // The shortlist: three times the grant of 4 chunks, scored where it lies (second), then
+        // copied and the copy scored (third): twice its bytes.
+        EXPECT_EQ(second.rescoring_bytes, 12 * kRescorePerChunk) << "layer " << l;
+        EXPECT_EQ(third.rescoring_bytes, 2 * 12 * kRescorePerChunk) << "layer " << l;
+      }
+    }
   }
 }
 
