@@ -1390,7 +1390,7 @@ std::string RunReport::ToTable() const {
   {
     // The byte floor, beside the same-run ratio: what the step and full attention read, and the
     // time those bytes take at the streaming rate measured in this run.
-    std::string floor;
+    std::string floor = "\n";  // a section of its own, as "memory" below
     char line[512];
     if (bandwidth.bytes_per_s > 0)
       std::snprintf(
