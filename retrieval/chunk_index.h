@@ -112,8 +112,8 @@ struct ChunkScores {
 /// byte floor counts (kvtier run, "bytes by part"). Counted per call from row counts, never per
 /// element. `first_stage`: the pass over every chunk the allocator sees (Screen, ScreenRows, and
 /// Score, an fp32 pass over every chunk); `rescoring`: the chunks scored again from their stored
-/// keys (Best's second stage, BestOf, ScoreChunks, GatherSubset's copy). Kinds that do not count
-/// (the FAISS ones) report 0 for both.
+/// keys (Best's second stage, BestOf, ScoreChunks, GatherSubset's copy). A kind that does not
+/// count reports 0 (the default); the FAISS kinds count their exhaustive scans only.
 struct IndexReadBytes {
   uint64_t first_stage = 0;
   uint64_t rescoring = 0;

@@ -287,15 +287,19 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
                                          const ChunkUpdate* update) {
   // The layer's index reads, counted by the index per call: the difference around the selection
   // (a reused search's subset adds its own reads in ReuseLast).
-  KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
-  const IndexReadBytes before = li->index->read_bytes();
-  KVTIER_ASSIGN_OR_RETURN(LayerSelection sel, SelectLayer(seq, layer, q, m, decode, update));
-  const IndexReadBytes after = li->index->read_bytes();
-  sel.first_stage_bytes += after.first_stage - before.first_stage;
-  sel.rescoring_bytes += after.rescoring - before.rescoring;
-  read_bytes_.first_stage += sel.first_stage_bytes;
-  read_bytes_.rescoring += sel.rescoring_bytes;
-  return sel;
+  return ReturnOnBadAlloc([&] { return "Retriever::Select: layer " + std::to_string(layer) + "'s index"; },
+                          [&]() -> Result<LayerSelection> {
+                            KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
+                            const IndexReadBytes before = li->index->read_bytes();
+                            KVTIER_ASSIGN_OR_RETURN(LayerSelection sel,
+                                                    SelectLayer(seq, layer, q, m, decode, update));
+                            const IndexReadBytes after = li->index->read_bytes();
+                            sel.first_stage_bytes += after.first_stage - before.first_stage;
+                            sel.rescoring_bytes += after.rescoring - before.rescoring;
+                            read_bytes_.first_stage += sel.first_stage_bytes;
+                            read_bytes_.rescoring += sel.rescoring_bytes;
+                            return sel;
+                          });
 }
 
 Result<LayerSelection> Retriever::SelectLayer(SequenceId seq, int layer, const float* q, int m, bool decode,
