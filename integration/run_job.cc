@@ -727,8 +727,9 @@ Result<RunReport> RunJob(const RunOptions& options) {
     }
     rep.full_attention_bytes = bytes / static_cast<double>(methods[0].steps.size() - 1);
   }
-  // After the peak RSS was taken: the buffer is not the store's memory.
-  if (opt.measure_bandwidth) {
+  // After the peak RSS was taken: the buffer is not the store's memory. A cuda tier's step reads
+  // GPU memory, whose rate this host read does not measure: no floor there.
+  if (opt.measure_bandwidth && opt.store.device == Device::kCpu) {
     KVTIER_ASSIGN_OR_RETURN(rep.bandwidth, MeasureStreamBandwidth(opt.bandwidth));
   }
 
@@ -1223,7 +1224,7 @@ namespace {
 // "x.xx ms, step N.Nx it" for a step of `ms` over `bytes`, or what was not measured.
 std::string FloorText(const RunReport& r, double ms, double bytes, bool timed) {
   char s[128];
-  if (r.bandwidth.bytes_per_s <= 0) return "floor not measured (--no-bandwidth)";
+  if (r.bandwidth.bytes_per_s <= 0) return "floor not measured (--no-bandwidth or --device cuda)";
   const double floor = r.FloorMs(bytes);
   if (!timed || ms <= 0 || floor <= 0) {
     std::snprintf(s, sizeof(s), "floor %.2f ms", floor);
@@ -1247,7 +1248,7 @@ std::string RunReport::FloorTable() const {
   else
     std::snprintf(line, sizeof(line),
                   "bytes per decode step (MB, mean over the steps, all layers); the byte floor was not "
-                  "measured (--no-bandwidth):\n");
+                  "measured (--no-bandwidth or --device cuda):\n");
   t += line;
   std::snprintf(line, sizeof(line), "%-20s %10s %10s %9s %10s %9s %9s %11s\n", "method", "1st stage",
                 "rescoring", "fetch", "attention", "total", "floor ms", "step/floor");

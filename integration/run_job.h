@@ -39,6 +39,7 @@ struct RunOptions {
   bool baseline = true;  ///< also run full attention on the same data (quality + speed comparison)
   /// Measure the memory's streaming read rate after the evaluated steps
   /// (MeasureStreamBandwidth with `bandwidth`), for each method's byte floor (MethodReport).
+  /// Host tiers only: a cuda tier's step reads GPU memory, and its floor is not reported.
   bool measure_bandwidth = true;
   StreamBandwidthOptions bandwidth;
   bool progress = true;  ///< progress lines on stderr
