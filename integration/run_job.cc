@@ -920,6 +920,19 @@ Result<RunReport> RunJob(const RunOptions& options) {
   return rep;
 }
 
+namespace {
+
+// "bytes_per_step": what a decode step of `m` read, by part and in total.
+void WriteStepBytes(JsonWriter* w, const MethodReport& m) {
+  w->Key("bytes_per_step").BeginObject();
+  w->Key("first_stage").Double(m.first_stage_bytes).Key("rescoring").Double(m.rescoring_bytes);
+  w->Key("fetch").Double(m.fetch_bytes).Key("attention").Double(m.attention_bytes);
+  w->Key("total").Double(m.step_bytes());
+  w->EndObject();
+}
+
+}  // namespace
+
 double RunReport::FloorMs(double bytes) const {
   return bandwidth.bytes_per_s > 0 ? 1e3 * bytes / bandwidth.bytes_per_s : 0.0;
 }
@@ -1008,11 +1021,7 @@ std::string RunReport::ToJson() const {
     w.Key("bytes_moved").Uint(m.bytes_moved);
     // What a decode step read, by part (mean over the decode steps, all layers), and the time
     // those bytes take at the streaming rate measured in this run.
-    w.Key("bytes_per_step").BeginObject();
-    w.Key("first_stage").Double(m.first_stage_bytes).Key("rescoring").Double(m.rescoring_bytes);
-    w.Key("fetch").Double(m.fetch_bytes).Key("attention").Double(m.attention_bytes);
-    w.Key("total").Double(m.step_bytes());
-    w.EndObject();
+    WriteStepBytes(&w, m);
     w.Key("floor_ms");
     floor_ms(m.step_bytes());
     w.Key("step_over_floor");
@@ -1097,7 +1106,10 @@ std::string RunReport::ToJson() const {
   // The byte floor (methods[].bytes_per_step for every method): the headline method's and
   // full attention's, and the streaming rate both are divided by.
   const double head_bytes = methods.empty() ? 0.0 : methods[headline].step_bytes();
-  w.Key("bytes_per_step").Double(head_bytes);
+  if (methods.empty())
+    w.Key("bytes_per_step").Null();
+  else
+    WriteStepBytes(&w, methods[headline]);
   w.Key("floor_ms");
   floor_ms(head_bytes);
   w.Key("step_over_floor");
