@@ -570,6 +570,9 @@ kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const floa
       stats->chunks_clipped = st.chunks_clipped;
       stats->reused = st.reused ? 1 : 0;
       stats->sliced = st.sliced ? 1 : 0;
+      stats->first_stage_bytes = st.first_stage_bytes;
+      stats->rescoring_bytes = st.rescoring_bytes;
+      stats->attention_bytes = st.attention_bytes;
     }
     return Status::Ok();
   });
@@ -610,6 +613,9 @@ kvtier_code kvtier_session_get_counters(const kvtier_session* session, kvtier_se
     out->chunks_clipped = c.chunks_clipped;
     out->selections_reused = c.selections_reused;
     out->selections_sliced = c.selections_sliced;
+    out->first_stage_bytes = c.first_stage_bytes;
+    out->rescoring_bytes = c.rescoring_bytes;
+    out->attention_bytes = c.attention_bytes;
     out->probe_ms = c.probe_ms;
     out->search_ms = c.search_ms;
     out->alloc_ms = c.alloc_ms;

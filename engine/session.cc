@@ -587,6 +587,10 @@ Result<LayerParts> SessionImpl::GatherFor(const char* what, int layer, const flo
       counters_.chunks_clipped += sel.clipped;
       lp.stats.reused = sel.reused;
       lp.stats.sliced = sel.sliced;
+      lp.stats.first_stage_bytes = sel.first_stage_bytes;
+      lp.stats.rescoring_bytes = sel.rescoring_bytes;
+      counters_.first_stage_bytes += sel.first_stage_bytes;
+      counters_.rescoring_bytes += sel.rescoring_bytes;
       counters_.selections_reused += sel.reused ? 1 : 0;
       counters_.selections_sliced += sel.sliced ? 1 : 0;
     }
@@ -613,6 +617,11 @@ Result<LayerParts> SessionImpl::GatherFor(const char* what, int layer, const flo
     if (!lp.fetch.empty())
       for (const kernels::KvSpan& sp : lp.fetch.spans()) lp.parts.push_back(sp);
     for (int i = 0; i < view.n_local_spans; ++i) lp.parts.push_back(view.local[i]);
+    // The attention reads K and V of every token of the parts once (a count, not a measurement).
+    int64_t attended_tokens = 0;
+    for (const kernels::KvSpan& sp : lp.parts) attended_tokens += sp.n_tokens;
+    lp.stats.attention_bytes = static_cast<uint64_t>(attended_tokens) * geometry().token_kv_bytes();
+    counters_.attention_bytes += lp.stats.attention_bytes;
     // InfLLM positions (see the top of session.h): chunks at L0; the sinks at L0 once chunks
     // separate them from the local window; the local window at its true positions.
     lp.rope_positions.assign(lp.parts.size(), -1);

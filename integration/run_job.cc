@@ -22,8 +22,8 @@
 #include "kernels/dtype.h"
 #include "kvtier/session.h"
 #include "offload/attention_backend.h"
-#include "offload/observe_queries.h"
 #include "offload/host_memory.h"
+#include "offload/observe_queries.h"
 #include "offload/policy/scoring_policy.h"
 #include "offload/representatives.h"
 #include "offload/tiered_store.h"
@@ -67,6 +67,8 @@ struct StepRecord {
   double other_ms = 0;  // Session::Attend's wall time outside the parts above (not in ms)
   double chunks = 0;
   uint64_t bytes_moved = 0;
+  // Bytes read, all layers (AttendStats' counts; the fetch's from the store's loads).
+  uint64_t first_stage_bytes = 0, rescoring_bytes = 0, attention_bytes = 0, fetch_bytes = 0;
 };
 
 kernels::AttentionParams MakeParams(const Geometry& g, const float* q, const int64_t* pos, int m,
@@ -101,6 +103,10 @@ Status RunOptions::Validate() const {
     KVTIER_RETURN_IF_ERROR(r.Validate());
   }
   if (spearman_windows < 0) return InvalidArgument("spearman_windows must be >= 0");
+  if (measure_bandwidth) {
+    const Status bw = bandwidth.Validate();
+    if (!bw.ok()) return InvalidArgument("bandwidth: " + bw.message());
+  }
   if (!compress.empty()) {
     auto p = MakeScoringPolicy(compress);
     if (!p.ok()) return InvalidArgument("compress: " + p.status().message());
@@ -489,7 +495,10 @@ Result<RunReport> RunJob(const RunOptions& options) {
     std::vector<int64_t> pos(m);
     std::iota(pos.begin(), pos.end(), first);
     if (methods.size() > 1) store->EvictHot();
-    const uint64_t moved0 = store->counters().bytes_moved;
+    // Chunks promoted into hot slots, from whichever tier: the fetch's bytes.
+    auto loads = [](const StoreCounters& c) { return c.warm_loads + c.cold_loads + c.remote_loads; };
+    const StoreCounters before = store->counters();
+    const uint64_t moved0 = before.bytes_moved;
     KVTIER_RETURN_IF_ERROR(mt.session->BeginStep(decode ? StepKind::kDecode : StepKind::kPrefill));
     for (int l = 0; l < L; ++l) {
       rec.out[l].assign(static_cast<size_t>(m) * q_elems, 0.0f);
@@ -505,13 +514,18 @@ Result<RunReport> RunJob(const RunOptions& options) {
       rec.fetch_ms += st.fetch_ms;
       rec.attention_ms += st.attention_ms;
       rec.chunks += st.chunks;
+      rec.first_stage_bytes += st.first_stage_bytes;
+      rec.rescoring_bytes += st.rescoring_bytes;
+      rec.attention_bytes += st.attention_bytes;
       std::vector<uint64_t> chunks = mt.session->last_chunks()[static_cast<size_t>(l)];
       std::sort(chunks.begin(), chunks.end());
       rec.attended[l].chunks = std::move(chunks);
       KVTIER_ASSIGN_OR_RETURN(HotView view, GetHotView(*store, seq, l));
       rec.attended[l].local_begin = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
     }
-    rec.bytes_moved = store->counters().bytes_moved - moved0;
+    const StoreCounters after = store->counters();
+    rec.bytes_moved = after.bytes_moved - moved0;
+    rec.fetch_bytes = (loads(after) - loads(before)) * opt.store.chunk_bytes();
     return rec;
   };
 
@@ -671,6 +685,17 @@ Result<RunReport> RunJob(const RunOptions& options) {
       share.push_back(r.ms > 0 ? (r.probe_ms + r.retrieve_ms + r.alloc_ms) / r.ms : 0.0);
       chunks += r.chunks;
       mr.bytes_moved += r.bytes_moved;
+      mr.first_stage_bytes += static_cast<double>(r.first_stage_bytes);
+      mr.rescoring_bytes += static_cast<double>(r.rescoring_bytes);
+      mr.fetch_bytes += static_cast<double>(r.fetch_bytes);
+      mr.attention_bytes += static_cast<double>(r.attention_bytes);
+    }
+    if (mt.steps.size() > 1) {
+      const double n = static_cast<double>(mt.steps.size() - 1);  // decode steps
+      mr.first_stage_bytes /= n;
+      mr.rescoring_bytes /= n;
+      mr.fetch_bytes /= n;
+      mr.attention_bytes /= n;
     }
     for (int l = 0; l < L; ++l)
       for (uint64_t c = 0; c < cc.chunks; ++c) {
@@ -691,6 +716,22 @@ Result<RunReport> RunJob(const RunOptions& options) {
     mr.needle_hit_rate = total ? static_cast<double>(hits) / total : 0.0;
     mr.question_needle_hit_rate = static_cast<double>(qhits) / L;
     rep.methods.push_back(std::move(mr));
+  }
+
+  // ---- the byte floor: full attention's bytes, and the streaming rate measured now ----
+  // Full attention reads K and V of every visible token, every layer, once per step.
+  if (methods[0].steps.size() > 1) {
+    double bytes = 0;
+    for (size_t i = 1; i < methods[0].steps.size(); ++i) {
+      const StepRecord& r = methods[0].steps[i];
+      bytes += static_cast<double>(r.first_position + r.m) * L * static_cast<double>(g.token_kv_bytes());
+    }
+    rep.full_attention_bytes = bytes / static_cast<double>(methods[0].steps.size() - 1);
+  }
+  // After the peak RSS was taken: the buffer is not the store's memory. A cuda tier's step reads
+  // GPU memory, whose rate this host read does not measure: no floor there.
+  if (opt.measure_bandwidth && opt.store.device == Device::kCpu) {
+    KVTIER_ASSIGN_OR_RETURN(rep.bandwidth, MeasureStreamBandwidth(opt.bandwidth));
   }
 
   // ---- baseline: full attention over the whole context, one layer at a time ----
@@ -880,6 +921,23 @@ Result<RunReport> RunJob(const RunOptions& options) {
   return rep;
 }
 
+namespace {
+
+// "bytes_per_step": what a decode step of `m` read, by part and in total.
+void WriteStepBytes(JsonWriter* w, const MethodReport& m) {
+  w->Key("bytes_per_step").BeginObject();
+  w->Key("first_stage").Double(m.first_stage_bytes).Key("rescoring").Double(m.rescoring_bytes);
+  w->Key("fetch").Double(m.fetch_bytes).Key("attention").Double(m.attention_bytes);
+  w->Key("total").Double(m.step_bytes());
+  w->EndObject();
+}
+
+}  // namespace
+
+double RunReport::FloorMs(double bytes) const {
+  return bandwidth.bytes_per_s > 0 ? 1e3 * bytes / bandwidth.bytes_per_s : 0.0;
+}
+
 std::string RunReport::ToJson() const {
   JsonWriter w(true);
   const RunOptions& o = options;
@@ -889,6 +947,12 @@ std::string RunReport::ToJson() const {
   auto vs_full = [&](double v) -> JsonWriter& { return base ? w.Double(v) : w.Null(); };
   auto speedup = [&](double ms) -> JsonWriter& {
     return base && ms > 0 ? w.Double(full_attention_step_ms / ms) : w.Null();
+  };
+  // The byte floor needs the bandwidth measurement; a step's ratio to it, a step time.
+  const bool measured = bandwidth.bytes_per_s > 0;
+  auto floor_ms = [&](double bytes) -> JsonWriter& { return measured ? w.Double(FloorMs(bytes)) : w.Null(); };
+  auto over_floor = [&](double ms, double bytes) -> JsonWriter& {
+    return measured && ms > 0 && bytes > 0 ? w.Double(ms / FloorMs(bytes)) : w.Null();
   };
   w.BeginObject();
   w.Key("quality").BeginObject();
@@ -956,6 +1020,13 @@ std::string RunReport::ToJson() const {
     w.Key("sliced_selections").Uint(m.sliced_selections);
     WriteTurnoverJson(&w, m.decode_turnover_by_layer);
     w.Key("bytes_moved").Uint(m.bytes_moved);
+    // What a decode step read, by part (mean over the decode steps, all layers), and the time
+    // those bytes take at the streaming rate measured in this run.
+    WriteStepBytes(&w, m);
+    w.Key("floor_ms");
+    floor_ms(m.step_bytes());
+    w.Key("step_over_floor");
+    over_floor(m.step_ms, m.step_bytes());
     w.EndObject();
   }
   w.EndArray();
@@ -1033,6 +1104,43 @@ std::string RunReport::ToJson() const {
   w.Key("full_attention_step_ms_all").BeginArray();
   for (double v : full_step_ms_all) w.Double(v);
   w.EndArray();
+  // The byte floor (methods[].bytes_per_step for every method): the headline method's and
+  // full attention's, and the streaming rate both are divided by.
+  const double head_bytes = methods.empty() ? 0.0 : methods[headline].step_bytes();
+  if (methods.empty())
+    w.Key("bytes_per_step").Null();
+  else
+    WriteStepBytes(&w, methods[headline]);
+  w.Key("floor_ms");
+  floor_ms(head_bytes);
+  w.Key("step_over_floor");
+  over_floor(step_ms, head_bytes);
+  w.Key("full_attention_bytes_per_step").Double(full_attention_bytes);
+  w.Key("full_attention_floor_ms");
+  floor_ms(full_attention_bytes);
+  w.Key("full_attention_step_over_floor");
+  if (base)
+    over_floor(full_attention_step_ms, full_attention_bytes);
+  else
+    w.Null();
+  w.Key("stream_bandwidth");
+  if (measured) {
+    w.BeginObject();
+    w.Key("bytes_per_s")
+        .Double(bandwidth.bytes_per_s)
+        .Key("best_bytes_per_s")
+        .Double(bandwidth.best_bytes_per_s);
+    w.Key("buffer_bytes").Uint(bandwidth.buffer_bytes).Key("llc_bytes").Uint(bandwidth.llc_bytes);
+    w.Key("threads")
+        .Int(bandwidth.threads)
+        .Key("passes")
+        .Int(bandwidth.passes)
+        .Key("ms")
+        .Double(bandwidth.ms);
+    w.EndObject();
+  } else {
+    w.Null();
+  }
   w.EndObject();
   w.Key("policy").BeginObject();
   // No scoring policy ran (lru, no --compress): its times are not measured; the chunks it
@@ -1122,6 +1230,59 @@ std::string RunReport::ToJson() const {
   w.EndObject();
   w.EndObject();
   return w.str();
+}
+
+namespace {
+
+// "x.xx ms, step N.Nx it" for a step of `ms` over `bytes`, or what was not measured.
+std::string FloorText(const RunReport& r, double ms, double bytes, bool timed) {
+  char s[128];
+  if (r.bandwidth.bytes_per_s <= 0) return "floor not measured (--no-bandwidth or --device cuda)";
+  const double floor = r.FloorMs(bytes);
+  if (!timed || ms <= 0 || floor <= 0) {
+    std::snprintf(s, sizeof(s), "floor %.2f ms", floor);
+  } else {
+    std::snprintf(s, sizeof(s), "floor %.2f ms, step %.1fx it", floor, ms / floor);
+  }
+  return s;
+}
+
+}  // namespace
+
+std::string RunReport::FloorTable() const {
+  std::string t;
+  char line[512];
+  if (bandwidth.bytes_per_s > 0)
+    std::snprintf(
+        line, sizeof(line),
+        "bytes per decode step (MB, mean over the steps, all layers) and the byte floor at %.1f GB/s "
+        "(read-only streaming on %d threads, measured in this run):\n",
+        bandwidth.bytes_per_s / 1e9, bandwidth.threads);
+  else
+    std::snprintf(line, sizeof(line),
+                  "bytes per decode step (MB, mean over the steps, all layers); the byte floor was not "
+                  "measured (--no-bandwidth or --device cuda):\n");
+  t += line;
+  std::snprintf(line, sizeof(line), "%-20s %10s %10s %9s %10s %9s %9s %11s\n", "method", "1st stage",
+                "rescoring", "fetch", "attention", "total", "floor ms", "step/floor");
+  t += line;
+  auto row = [&](const std::string& name, double first, double rescore, double fetch, double attn, double ms,
+                 bool timed) {
+    const double total = first + rescore + fetch + attn;
+    char floor[32] = "-", ratio[32] = "-";
+    if (bandwidth.bytes_per_s > 0) {
+      std::snprintf(floor, sizeof(floor), "%.2f", FloorMs(total));
+      if (timed && ms > 0 && FloorMs(total) > 0)
+        std::snprintf(ratio, sizeof(ratio), "%.2fx", ms / FloorMs(total));
+    }
+    std::snprintf(line, sizeof(line), "%-20s %10.2f %10.2f %9.2f %10.2f %9.2f %9s %11s\n", name.c_str(),
+                  first / 1e6, rescore / 1e6, fetch / 1e6, attn / 1e6, total / 1e6, floor, ratio);
+    t += line;
+  };
+  row("full attention", 0, 0, 0, full_attention_bytes, full_attention_step_ms, options.baseline);
+  for (const MethodReport& m : methods)
+    row(m.name, m.first_stage_bytes, m.rescoring_bytes, m.fetch_bytes, m.attention_bytes, m.step_ms, true);
+  return t;
 }
 
 std::string RunReport::CompareTable() const {
@@ -1240,6 +1401,37 @@ std::string RunReport::ToTable() const {
       static_cast<unsigned long long>(counters.misses), static_cast<unsigned long long>(counters.cold_reads),
       static_cast<unsigned long long>(counters.cold_writes));
   std::string text = buf;
+  {
+    // The byte floor, beside the same-run ratio: what the step and full attention read, and the
+    // time those bytes take at the streaming rate measured in this run.
+    std::string floor = "\n";  // a section of its own, as "memory" below
+    char line[512];
+    if (bandwidth.bytes_per_s > 0)
+      std::snprintf(
+          line, sizeof(line),
+          "byte floor (a decode step's bytes at %.1f GB/s, read-only streaming on %d threads, measured "
+          "in this run)\n",
+          bandwidth.bytes_per_s / 1e9, bandwidth.threads);
+    else
+      std::snprintf(line, sizeof(line), "byte floor (a decode step's bytes)\n");
+    floor += line;
+    if (!methods.empty()) {
+      const MethodReport& m = methods[headline];
+      std::snprintf(line, sizeof(line),
+                    "  kvtier                     %8.1f MB  (first stage %.1f, rescoring %.1f, fetch %.1f, "
+                    "attention %.1f): %s\n",
+                    m.step_bytes() / 1e6, m.first_stage_bytes / 1e6, m.rescoring_bytes / 1e6,
+                    m.fetch_bytes / 1e6, m.attention_bytes / 1e6,
+                    FloorText(*this, m.step_ms, m.step_bytes(), true).c_str());
+      floor += line;
+    }
+    std::snprintf(line, sizeof(line), "  full attention             %8.1f MB  %s\n",
+                  full_attention_bytes / 1e6,
+                  FloorText(*this, full_attention_step_ms, full_attention_bytes, base).c_str());
+    floor += line;
+    const size_t at = text.find("\nmemory\n");
+    text.insert(at == std::string::npos ? text.size() : at, floor);
+  }
   text += TierTrafficText(counters, !options.store.remote.empty());
   if (options.trace) {
     // Right under the title: every figure above is on the trace's real attention.
@@ -1298,7 +1490,8 @@ std::string RunReport::ToTable() const {
     text += line;
   }
   if (options.compare)
-    text += "\ncomparison on the same data (decode steps | question window):\n" + CompareTable();
+    text += "\ncomparison on the same data (decode steps | question window):\n" + CompareTable() + "\n" +
+            FloorTable();
   return text;
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "integration/kv_trace.h"
+#include "integration/stream_bandwidth.h"
 #include "integration/turnover.h"
 #include "integration/workload.h"
 #include "kvtier/session.h"
@@ -36,6 +37,11 @@ struct RunOptions {
   int stat_stride =
       8;  ///< every stat_stride-th query of a prefill window feeds representative-key statistics
   bool baseline = true;  ///< also run full attention on the same data (quality + speed comparison)
+  /// Measure the memory's streaming read rate after the evaluated steps
+  /// (MeasureStreamBandwidth with `bandwidth`), for each method's byte floor (MethodReport).
+  /// Host tiers only: a cuda tier's step reads GPU memory, and its floor is not reported.
+  bool measure_bandwidth = true;
+  StreamBandwidthOptions bandwidth;
   bool progress = true;  ///< progress lines on stderr
   /// Drop the sequence from every tier (cold and remote included) when the job ends, an error
   /// included, so a run leaves no data behind (`kvtier run` without --keep). Default: kept.
@@ -76,6 +82,11 @@ struct MethodReport {
   double retrieval_share = 0;  ///< (probe + search + alloc) / step, medians
   double chunks_per_step = 0;  ///< mean retrieved chunks per decode step over all layers
   uint64_t bytes_moved = 0;    ///< bytes moved by this method's fetches
+  /// Bytes a decode step read, all layers, mean over the decode steps, by part: the first stage
+  /// and the rescoring of the search and the K/V attended (AttendStats' counts), and the fetch's
+  /// promotions into hot slots (the store's warm, cold and remote loads times the chunk's bytes).
+  double first_stage_bytes = 0, rescoring_bytes = 0, fetch_bytes = 0, attention_bytes = 0;
+  double step_bytes() const { return first_stage_bytes + rescoring_bytes + fetch_bytes + attention_bytes; }
   /// Layer selections with chunks to choose from (prefill windows and decode steps), and how
   /// many of them reused the layer's last search (RetrieverOptions::reuse_cosine).
   uint64_t selections = 0, reused_selections = 0;
@@ -145,6 +156,12 @@ struct RunReport {
   double retrieve_ms = 0, fetch_ms = 0, attention_ms = 0, append_ms = 0;  ///< medians of the step's parts
   double other_ms = 0;  ///< median wall time of the step's Attend calls outside those parts (not in step_ms)
   double full_attention_step_ms = 0;  ///< median full attention over the whole context, all layers, same step
+  /// K and V of every token full attention reads in a decode step, all layers, mean over the steps.
+  double full_attention_bytes = 0;
+  /// The streaming read rate measured in this run (RunOptions::measure_bandwidth; 0 when not).
+  StreamBandwidth bandwidth;
+  /// The time `bytes` take at the measured rate, in ms (0 without a measurement).
+  double FloorMs(double bytes) const;
   // memory
   uint64_t peak_rss_bytes = 0;  ///< peak RSS during the kvtier phases (before the baseline)
   uint64_t rss_bound_bytes =
@@ -163,6 +180,9 @@ struct RunReport {
   std::string ToJson() const;
   std::string ToTable() const;
   std::string CompareTable() const;  ///< one row per method (+ full attention)
+  /// One row per method (+ full attention): bytes per decode step by part, the byte floor and
+  /// the step's ratio to it.
+  std::string FloorTable() const;
 };
 
 /// Stated fixed overhead in the RSS bound: RocksDB's memtables, table readers and block cache,

@@ -129,9 +129,9 @@ class AttentionBackend {
   /// parts: dense_mass[i] (host, [kv_heads, n_tokens] of params().dense[i], for every
   /// i < params().n_dense; null skips that part) is set to the attention mass each key gets from
   /// the queries in a softmax over the dense parts only (the sinks and the local window: the
-  /// definition ObserveQueries computes, offload/observe_queries.h). The dense parts and the chunks are attended
-  /// apart and merged by log-sum-exp (kernels::MergeAttentionStates), so the output is the
-  /// attention over all the keys and no key is read twice.
+  /// definition ObserveQueries computes, offload/observe_queries.h). The dense parts and the chunks are
+  /// attended apart and merged by log-sum-exp (kernels::MergeAttentionStates), so the output is the attention
+  /// over all the keys and no key is read twice.
   virtual Status RunWithDenseMass(const AttentionPlan& plan, float* out, float* const* dense_mass) = 0;
 };
 

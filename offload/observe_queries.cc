@@ -64,8 +64,8 @@ Status ObserveQueries(TieredStore& store, SequenceId seq, int layer, const float
     return InvalidArgument(std::string("ObserveQueries: attention failed: ") +
                            kernels::KernelErrorString(err));
   for (int i = 0; i < view.n_local_spans; ++i) {
-    KVTIER_RETURN_IF_ERROR(store.AddLocalAttention(seq, layer, view.local[i].first_position, view.local[i].n_tokens,
-                                             mass_local[i].data()));
+    KVTIER_RETURN_IF_ERROR(store.AddLocalAttention(seq, layer, view.local[i].first_position,
+                                                   view.local[i].n_tokens, mass_local[i].data()));
   }
   return Status::Ok();
 }

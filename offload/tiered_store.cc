@@ -92,7 +92,8 @@ Result<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& optio
     KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<DemotionPolicy> hot_policy, MakeDemotionPolicy(o.hot_policy));
     s.hot_pool_ = std::make_unique<HotPool>(hot, std::move(hot_policy), &s.catalog_->by_id());
   }
-  KVTIER_ASSIGN_OR_RETURN(s.warm_, WarmTier::Create(o, s.chunk_bytes_, s.catalog_.get(), &s.lower_, &s.counters_));
+  KVTIER_ASSIGN_OR_RETURN(s.warm_,
+                          WarmTier::Create(o, s.chunk_bytes_, s.catalog_.get(), &s.lower_, &s.counters_));
   if (!o.data_dir.empty()) {
     ColdTierOptions co;
     co.path = o.data_dir;
@@ -126,11 +127,12 @@ Result<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& optio
   eo.hot = hot;
   for (const auto& tier : s.lower_) eo.lower.push_back(tier.get());
   KVTIER_ASSIGN_OR_RETURN(s.engine_, TransferEngine::Create(eo));
-  s.writer_ = std::make_unique<LowerWriter>(s.engine_.get(), &s.lower_, &s.sync_, &s.counters_, s.chunk_bytes_);
-  s.landing_ = std::make_unique<Landing>(
-      o, s.chunk_bytes_, *s.ring_,
-      Landing::Parts{hot, s.warm_.get(), s.catalog_.get(), s.writer_.get(), &s.lower_, s.sequences_.get(),
-                     &s.sync_, &s.counters_});
+  s.writer_ =
+      std::make_unique<LowerWriter>(s.engine_.get(), &s.lower_, &s.sync_, &s.counters_, s.chunk_bytes_);
+  s.landing_ =
+      std::make_unique<Landing>(o, s.chunk_bytes_, *s.ring_,
+                                Landing::Parts{hot, s.warm_.get(), s.catalog_.get(), s.writer_.get(),
+                                               &s.lower_, s.sequences_.get(), &s.sync_, &s.counters_});
   s.promoter_ = std::make_unique<Promoter>(
       o, s.hooks_, s.chunk_bytes_,
       Promoter::Parts{hot, s.hot_pool_.get(), s.warm_.get(), s.catalog_.get(), s.sequences_.get(),
@@ -318,8 +320,8 @@ Status TieredStore::WaitForDurable() {
   return lower_.TakeBackgroundErrorLocked();
 }
 
-Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices,
-                                             FetchFit fit) {
+Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer,
+                                             const std::vector<uint64_t>& chunk_indices, FetchFit fit) {
   visits_.Count();
   return promoter_->Fetch(seq, layer, chunk_indices, fit);
 }

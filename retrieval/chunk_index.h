@@ -83,6 +83,9 @@ class ChunkSubset {
   virtual Status Score(const float* probe, ChunkScores* out) const = 0;
   virtual size_t size() const = 0;            ///< chunks in the subset
   virtual uint64_t memory_bytes() const = 0;  ///< what the copy holds
+  /// Bytes its Score calls read (keys and what scores them), summed over the calls; 0 for kinds
+  /// that do not count.
+  virtual uint64_t read_bytes() const { return 0; }
 };
 
 /// Scores of an index's chunks for one probe, rows in ascending chunk index. Reusing one
@@ -103,6 +106,17 @@ struct ChunkScores {
   /// Remove), the scores are of. Best refuses scores of another index or state.
   const ChunkIndex* index = nullptr;
   uint64_t generation = 0;
+};
+
+/// The bytes an index's reads touched, summed over its calls since it was created: what a step's
+/// byte floor counts (kvtier run, "bytes by part"). Counted per call from row counts, never per
+/// element. `first_stage`: the pass over every chunk the allocator sees (Screen, ScreenRows, and
+/// Score, an fp32 pass over every chunk); `rescoring`: the chunks scored again from their stored
+/// keys (Best's second stage, BestOf, ScoreChunks, GatherSubset's copy). A kind that does not
+/// count reports 0 (the default); the FAISS kinds count their exhaustive scans only.
+struct IndexReadBytes {
+  uint64_t first_stage = 0;
+  uint64_t rescoring = 0;
 };
 
 /// Fills `repr` ([R, kv_heads, head_dim] fp32) with the representative keys of `chunk`.
@@ -165,6 +179,9 @@ class ChunkIndex {
   virtual Status ScreenRows(const float* probe, size_t begin, size_t end, ChunkScores* out) const;
   virtual size_t size() const = 0;            ///< chunks indexed (not removed)
   virtual uint64_t memory_bytes() const = 0;  ///< everything the index holds (from container sizes)
+  /// What the reads have touched so far (IndexReadBytes); a caller takes differences around the
+  /// calls it wants counted. Safe beside concurrent const calls.
+  virtual IndexReadBytes read_bytes() const { return {}; }
 
   // ---- bounded memory (StoreOptions::index_bytes) ----
   /// Caps memory_bytes() at `bytes` from now on (0 = unbounded): after every chunk an Add

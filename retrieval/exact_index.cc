@@ -331,6 +331,8 @@ Status ExactChunkIndex::Score(const float* probe, ChunkScores* out) const {
   if (probe == nullptr || out == nullptr)
     return InvalidArgument("ExactChunkIndex::Score: probe and out must not be null");
   FullScores(probe, &out->logit, &out->cosine);
+  first_stage_bytes_.fetch_add(full_from_ * CodeRowBytes() + (ids_.size() - full_from_) * FullRowBytes(),
+                               std::memory_order_relaxed);
   out->logit_error.clear();  // exact
   out->cosine_error.clear();
   if (!Current(*out)) out->ids = ids_;  // the same index unchanged: its ids are there already
@@ -344,6 +346,7 @@ Status ExactChunkIndex::Screen(const float* probe, ChunkScores* out) const {
     return InvalidArgument("ExactChunkIndex::Screen: probe and out must not be null");
   // The first stage: int8 codes, a quarter of the bytes of an fp32 pass, which is memory-bound.
   QuantizedScores(probe, 0, ids_.size(), out);
+  first_stage_bytes_.fetch_add(ids_.size() * CodeRowBytes(), std::memory_order_relaxed);
   if (!Current(*out)) out->ids = ids_;
   Stamp(out);
   return Status::Ok();
@@ -372,6 +375,7 @@ Status ExactChunkIndex::Best(const float* probe, const ChunkScores& screened, Ch
                                   options_.rerank_min),
                 &rows);
   rescored_.fetch_add(rows.size(), std::memory_order_relaxed);
+  rescoring_bytes_.fetch_add(ExactPassBytes(rows), std::memory_order_relaxed);
   std::vector<float> logit, cos;
   ScoresOf(probe, rows, &logit, &cos);
   std::vector<uint64_t> cand_ids(rows.size());
@@ -456,9 +460,12 @@ class ExactChunkSubset final : public ChunkSubset {
     out->logit_error.clear();  // exact
     out->cosine_error.clear();
     out->index = nullptr;  // not a whole screen: Best refuses it
+    read_bytes_.fetch_add(m * static_cast<size_t>(R) * H * (key_bytes + sizeof(float)),
+                          std::memory_order_relaxed);
     return Status::Ok();
   }
   size_t size() const override { return ids.size(); }
+  uint64_t read_bytes() const override { return read_bytes_.load(std::memory_order_relaxed); }
   uint64_t memory_bytes() const override {
     uint64_t b = ids.capacity() * sizeof(uint64_t);
     for (const auto& k : keys) b += k.capacity();
@@ -473,6 +480,7 @@ class ExactChunkSubset final : public ChunkSubset {
  private:
   const ChunkShape shape_;
   const kernels::HeadFold fold_;
+  mutable std::atomic<uint64_t> read_bytes_{0};  // read_bytes()
 };
 
 }  // namespace
@@ -493,6 +501,7 @@ Status ExactChunkIndex::GatherSubset(const std::vector<uint64_t>& chunks,
     *subset = std::make_unique<ExactChunkSubset>(shape_, fold);
     mine = static_cast<ExactChunkSubset*>(subset->get());
   }
+  rescoring_bytes_.fetch_add(rows.size() * FullRowBytes(), std::memory_order_relaxed);  // the copy's reads
   mine->ids.resize(rows.size());
   mine->keys.resize(H);
   mine->inv_norm.resize(H);
@@ -525,6 +534,7 @@ Status ExactChunkIndex::ScoreChunks(const float* probe, const std::vector<uint64
     return InvalidArgument("ExactChunkIndex::ScoreChunks: probe and out must not be null");
   const std::vector<int64_t> rows = RowsOf(chunks);
   ScoresOf(probe, rows, &out->logit, &out->cosine);
+  rescoring_bytes_.fetch_add(ExactPassBytes(rows), std::memory_order_relaxed);
   out->ids.resize(rows.size());
   for (size_t i = 0; i < rows.size(); ++i) out->ids[i] = ids_[static_cast<size_t>(rows[i])];
   out->logit_error.clear();  // exact
@@ -543,10 +553,12 @@ Status ExactChunkIndex::ScreenRows(const float* probe, size_t begin, size_t end,
     std::vector<int64_t> rows(end - begin);
     for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int64_t>(begin + i);
     ScoresOf(probe, rows, &out->logit, &out->cosine);
+    first_stage_bytes_.fetch_add(ExactPassBytes(rows), std::memory_order_relaxed);
     out->logit_error.clear();
     out->cosine_error.clear();
   } else {
     QuantizedScores(probe, begin, end, out);
+    first_stage_bytes_.fetch_add((end - begin) * CodeRowBytes(), std::memory_order_relaxed);
   }
   out->ids.assign(ids_.begin() + static_cast<ptrdiff_t>(begin), ids_.begin() + static_cast<ptrdiff_t>(end));
   out->index = nullptr;  // not a whole screen: Best refuses it
@@ -820,11 +832,37 @@ Status ExactChunkIndex::SelectOnBackend(const float* probe, ChunkRank rank, bool
   plan.entropy = entropy;
   plan.k_max = static_cast<int>(std::min<int64_t>(k_max, plan.score.n_chunks));
   KVTIER_RETURN_IF_ERROR(mirror_->backend()->RunLayer(plan, &backend_result_));
+  // One fp32 pass over the mirror's rows: the first stage (what rerank=0 chooses).
+  first_stage_bytes_.fetch_add(static_cast<uint64_t>(plan.score.n_chunks) * FullRowBytes(),
+                               std::memory_order_relaxed);
   chunks->resize(backend_result_.rows.size());
   for (size_t i = 0; i < backend_result_.rows.size(); ++i) (*chunks)[i] = ids_[backend_result_.rows[i]];
   *theta = backend_result_.entropy;
   *non_finite = backend_result_.non_finite;
   return Status::Ok();
+}
+
+uint64_t ExactChunkIndex::CodeRowBytes() const {
+  return static_cast<uint64_t>(shape_.repr) * shape_.kv_heads * (shape_.head_dim + 2 * sizeof(float));
+}
+
+uint64_t ExactChunkIndex::FullRowBytes() const {
+  return static_cast<uint64_t>(shape_.repr) * shape_.kv_heads *
+         (static_cast<uint64_t>(shape_.head_dim) * DTypeSize(shape_.dtype) + sizeof(float));
+}
+
+uint64_t ExactChunkIndex::ExactPassBytes(const std::vector<int64_t>& rows) const {
+  // Rows below full_from_ keep only their codes (none without a memory cap).
+  const uint64_t compressed =
+      full_from_ == 0 ? 0 : static_cast<uint64_t>(std::count_if(rows.begin(), rows.end(), [&](int64_t r) {
+        return static_cast<size_t>(r) < full_from_;
+      }));
+  return compressed * CodeRowBytes() + (rows.size() - compressed) * FullRowBytes();
+}
+
+IndexReadBytes ExactChunkIndex::read_bytes() const {
+  return IndexReadBytes{first_stage_bytes_.load(std::memory_order_relaxed),
+                        rescoring_bytes_.load(std::memory_order_relaxed)};
 }
 
 uint64_t ExactChunkIndex::memory_bytes() const {

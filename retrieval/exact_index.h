@@ -128,6 +128,15 @@ class ExactChunkIndex final : public ChunkIndex {
   uint64_t evicted_chunks() const override { return evicted_; }
   /// Chunks Best has rescored from the stored keys, summed over its calls.
   uint64_t rescored_chunks() const { return rescored_.load(std::memory_order_relaxed); }
+  /// The first stage reads, per chunk, CodeRowBytes() (int8 screen) or, for an fp32 pass,
+  /// FullRowBytes() (CodeRowBytes() for a row the cap compressed); the rescoring FullRowBytes().
+  IndexReadBytes read_bytes() const override;
+  /// Per chunk, one int8 screen's read: R x kv_heads x (head_dim codes + a code scale and its
+  /// cosine scale, 4 bytes each).
+  uint64_t CodeRowBytes() const;
+  /// Per chunk, one fp32 pass's read: R x kv_heads x (head_dim keys in the store's dtype + an
+  /// inverse norm, 4 bytes).
+  uint64_t FullRowBytes() const;
   std::string ToString() const override { return options_.ToString(); }
   const ExactIndexOptions& options() const { return options_; }
 
@@ -175,6 +184,8 @@ class ExactChunkIndex final : public ChunkIndex {
   static void CandidateRows(const std::vector<float>& score, const std::vector<float>& error, size_t take,
                             int64_t at_least, std::vector<int64_t>* rows);
   void FullScores(const float* probe, std::vector<float>* logit, std::vector<float>* cosine) const;
+  // What an fp32 pass over `rows` reads: FullRowBytes() a row, CodeRowBytes() for compressed ones.
+  uint64_t ExactPassBytes(const std::vector<int64_t>& rows) const;
 
   const ExactIndexOptions options_;
   std::vector<uint64_t> ids_;                  // [n] chunk index of each row, ascending
@@ -184,8 +195,10 @@ class ExactChunkIndex final : public ChunkIndex {
   uint64_t cap_ = 0;                           // memory cap in bytes (0 = unbounded)
   uint64_t evicted_ = 0;                       // rows the cap evicted
   mutable std::atomic<uint64_t> rescored_{0};  // rescored_chunks()
-  std::vector<std::vector<int8_t>> q8_;        // [H] int8 blocks
-  std::vector<std::vector<float>> q8_scale_;   // [H][block * 8 + lane]: the row's code scale (0 in padding)
+  // read_bytes(): the first stage's and the rescoring's bytes, added once per call.
+  mutable std::atomic<uint64_t> first_stage_bytes_{0}, rescoring_bytes_{0};
+  std::vector<std::vector<int8_t>> q8_;       // [H] int8 blocks
+  std::vector<std::vector<float>> q8_scale_;  // [H][block * 8 + lane]: the row's code scale (0 in padding)
   std::vector<std::vector<float>> q8_cos_scale_;  // [H][block * 8 + lane]: code scale times inverse norm
   std::unique_ptr<ReprMirror> mirror_;            // null: no backend attached
   size_t mirror_stale_from_ = 0;                  // rows from here may differ in the mirror (SIZE_MAX: none)

@@ -793,6 +793,8 @@ Status FaissChunkIndex::Remove(const std::vector<uint64_t>& chunks) {
 Status FaissChunkIndex::Score(const float* probe, ChunkScores* out) const {
   if (out == nullptr) return InvalidArgument("FaissChunkIndex::Score: out must not be null");
   KVTIER_RETURN_IF_ERROR(vectors_->ScoreAll(probe, &out->ids, &out->logit));
+  first_stage_bytes_.fetch_add(out->ids.size() * (static_cast<uint64_t>(shape_.dim()) + 1) * sizeof(float),
+                               std::memory_order_relaxed);
   out->logit_error.clear();  // exact scores
   out->cosine_error.clear();
   // Eq. 10: the cosine of the probe and the chunk's vector (kv heads concatenated): the raw
@@ -822,6 +824,10 @@ Status FaissChunkIndex::Best(const float* probe, const ChunkScores& screened, Ch
 
 Status FaissChunkIndex::Search(const float* probe, size_t k, std::vector<uint64_t>* out) const {
   const size_t kk = std::min(k, static_cast<size_t>(std::numeric_limits<int>::max()));
+  const size_t n = vectors_->size();
+  if (n > 0 && kk > 0 && (vectors_->exhaustive() || !vectors_->trained() || kk >= n))
+    first_stage_bytes_.fetch_add(n * static_cast<uint64_t>(shape_.dim()) * sizeof(float),
+                                 std::memory_order_relaxed);
   return vectors_->Search(probe, static_cast<int>(kk), out, nullptr);
 }
 

@@ -66,6 +66,7 @@
 // reported with what failed. No exception leaves these classes.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -174,6 +175,7 @@ class FaissVectorIndex {
   std::string factory() const;    ///< the factory string the index was created with
   bool trained() const;           ///< FAISS serves searches (false: not trained yet, exact scan)
   size_t tombstones() const;      ///< removed chunks still inside FAISS (indexes that cannot remove)
+  bool exhaustive() const { return exact_; }  ///< the FAISS index scans every vector ("Flat")
   const FaissIndexOptions& options() const { return options_; }
 
  private:
@@ -217,6 +219,12 @@ class FaissChunkIndex final : public ChunkIndex {
   Status Search(const float* probe, size_t k, std::vector<uint64_t>* out) const override;
   size_t size() const override { return vectors_->size(); }
   uint64_t memory_bytes() const override;
+  /// The first stage only: Score reads every chunk's vector and norm; Search every vector where
+  /// it scans them all (the exhaustive kind "Flat", an untrained index, or k >= size()). What an
+  /// approximate kind's walk (IVF lists, an HNSW graph) reads is not counted.
+  IndexReadBytes read_bytes() const override {
+    return IndexReadBytes{first_stage_bytes_.load(std::memory_order_relaxed), 0};
+  }
   std::string ToString() const override { return vectors_->options().ToString(); }
 
   const FaissVectorIndex& vectors() const { return *vectors_; }
@@ -226,6 +234,7 @@ class FaissChunkIndex final : public ChunkIndex {
       : ChunkIndex(shape), vectors_(std::move(vectors)) {}
   std::unique_ptr<FaissVectorIndex> vectors_;
   std::vector<float> norm_;  // [chunk index] L2 norm of the chunk's mean vector (Eq. 10 cosines)
+  mutable std::atomic<uint64_t> first_stage_bytes_{0};  // read_bytes()
 };
 
 }  // namespace kvtier

@@ -285,6 +285,25 @@ Status Retriever::SetQuestion(int layer, const float* q, int m) { return probe_-
 
 Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float* q, int m, bool decode,
                                          const ChunkUpdate* update) {
+  // The layer's index reads, counted by the index per call: the difference around the selection
+  // (a reused search's subset adds its own reads in ReuseLast).
+  return ReturnOnBadAlloc([&] { return "Retriever::Select: layer " + std::to_string(layer) + "'s index"; },
+                          [&]() -> Result<LayerSelection> {
+                            KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
+                            const IndexReadBytes before = li->index->read_bytes();
+                            KVTIER_ASSIGN_OR_RETURN(LayerSelection sel,
+                                                    SelectLayer(seq, layer, q, m, decode, update));
+                            const IndexReadBytes after = li->index->read_bytes();
+                            sel.first_stage_bytes += after.first_stage - before.first_stage;
+                            sel.rescoring_bytes += after.rescoring - before.rescoring;
+                            read_bytes_.first_stage += sel.first_stage_bytes;
+                            read_bytes_.rescoring += sel.rescoring_bytes;
+                            return sel;
+                          });
+}
+
+Result<LayerSelection> Retriever::SelectLayer(SequenceId seq, int layer, const float* q, int m, bool decode,
+                                              const ChunkUpdate* update) {
   // Scratch grows with the layer's chunks and the window: an allocation failure is ResourceExhausted.
   return ReturnOnBadAlloc(
       [&] { return "Retriever::Select: scores of layer " + std::to_string(layer) + "'s chunks"; },
@@ -423,7 +442,9 @@ Result<bool> Retriever::ReuseLast(LayerIndex* li, int layer, int n, size_t cap, 
     }
   }
   if (li->last_gathered) {
+    const uint64_t read0 = li->last_subset->read_bytes();
     KVTIER_RETURN_IF_ERROR(li->last_subset->Score(probe_vec_.data(), &reuse_scores_));
+    sel->rescoring_bytes += li->last_subset->read_bytes() - read0;
     sel->chunks = TakeBest(reuse_scores_.by(alloc_->rank()), reuse_scores_.ids, t);
   } else {
     const Status rescored =

@@ -127,6 +127,10 @@ struct LayerSelection {
   bool reused = false;
   /// Chosen by screening a slice of the chunks (RetrieverOptions::screen_period).
   bool sliced = false;
+  /// Bytes this selection's index reads touched (ChunkIndex::read_bytes, IndexReadBytes): the
+  /// first stage over the chunks (the int8 screen, or a slice of it) and the chunks rescored
+  /// from their stored keys (a reused search's shortlist included). 0 for kinds that do not count.
+  uint64_t first_stage_bytes = 0, rescoring_bytes = 0;
 };
 
 class Retriever {
@@ -149,6 +153,8 @@ class Retriever {
   /// syncs with the store itself (Sync).
   Result<LayerSelection> Select(SequenceId seq, int layer, const float* q, int m, bool decode,
                                 const ChunkUpdate* update = nullptr);
+  /// The bytes every Select so far read (LayerSelection's, summed).
+  const IndexReadBytes& read_bytes() const { return read_bytes_; }
   /// Feeds a prefill window to the probe builder without retrieving (keeps
   /// ActQKV's running statistics of Eq. 8 over every window).
   Status Observe(int layer, const float* q, int m);
@@ -240,6 +246,9 @@ class Retriever {
   // shortlist and what of the slice could enter it, and grants the layer from Eq. 11 over the
   // kept cosines. False (nothing granted) when a full screen must run instead.
   Result<bool> ScreenSlice(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
+  // Select's work; Select adds what it read (LayerSelection's byte counts).
+  Result<LayerSelection> SelectLayer(SequenceId seq, int layer, const float* q, int m, bool decode,
+                                     const ChunkUpdate* update);
   // The rolling screen's Eq. 11 sums: afresh from the kept cosines, one cosine replaced, and
   // the entropy they give.
   static void KeepEntropySums(LayerIndex* li);
@@ -276,6 +285,7 @@ class Retriever {
   ChunkScores reuse_scores_;            // ReuseLast's scratch
   int k_ = 0;
   uint64_t reused_selections_ = 0, selections_ = 0, sliced_selections_ = 0;
+  IndexReadBytes read_bytes_;  // read_bytes()
 };
 
 }  // namespace kvtier

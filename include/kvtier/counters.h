@@ -51,6 +51,13 @@ struct AttendStats {
   size_t chunks_clipped = 0;
   bool reused = false;  ///< the chunks came from the layer's last search (RetrieverOptions::reuse_cosine)
   bool sliced = false;  ///< the search screened a slice of the chunks (RetrieverOptions::screen_period)
+  /// Bytes the layer step read, by part (the step's byte floor; the fetch's bytes are the store's
+  /// promotions, StoreCounters). Counted per call from chunk and token counts, not measured:
+  /// the first stage over the chunks (the Exact index's int8 screen: codes and scales), the
+  /// chunks rescored from their stored keys (keys and inverse norms), and the K and V of every
+  /// token attended (sinks, chunks, local window). FAISS index kinds count their exhaustive scans
+  /// only (retrieval/faiss_index.h).
+  uint64_t first_stage_bytes = 0, rescoring_bytes = 0, attention_bytes = 0;
 };
 
 /// Totals over the session's life.
@@ -66,6 +73,8 @@ struct SessionCounters {
   uint64_t selections_reused =
       0;  ///< layer steps whose chunks came from the last search (AttendStats::reused)
   uint64_t selections_sliced = 0;  ///< layer steps that screened a slice of the chunks (AttendStats::sliced)
+  /// AttendStats' byte counts, summed over layer steps.
+  uint64_t first_stage_bytes = 0, rescoring_bytes = 0, attention_bytes = 0;
   double probe_ms = 0, search_ms = 0, alloc_ms = 0, fetch_ms = 0, attention_ms = 0;
 };
 

@@ -264,6 +264,9 @@ typedef struct kvtier_attend_stats {
                               is short, beyond the session's reservation (kvtier/session.h) */
   int reused;              /* 1: the chunks came from the layer's last search (reuse_cosine) */
   int sliced;              /* 1: the search screened a slice of the chunks (screen_period) */
+  /* bytes the layer step read, counted (kvtier::AttendStats): the search's first stage over the
+     chunks, the chunks rescored from their stored keys, the K/V of every token attended */
+  uint64_t first_stage_bytes, rescoring_bytes, attention_bytes;
 } kvtier_attend_stats;
 
 /* One layer's memory step: probe, chunk search, budget, fetch, attention over sinks |
@@ -308,6 +311,7 @@ typedef struct kvtier_session_counters {
   uint64_t chunks_clipped;    /* chunks granted and left out (kvtier_attend_stats.chunks_clipped) */
   uint64_t selections_reused; /* attend calls whose chunks came from the last search */
   uint64_t selections_sliced; /* attend calls that screened a slice of the chunks */
+  uint64_t first_stage_bytes, rescoring_bytes, attention_bytes; /* kvtier_attend_stats', summed */
 } kvtier_session_counters;
 
 kvtier_code kvtier_session_get_counters(const kvtier_session* session, kvtier_session_counters* out,

@@ -366,6 +366,15 @@ int CmdRun(int argc, char** argv) {
       },
       true);
   f.Add(
+      "no-bandwidth",
+      "skip the streaming-bandwidth measurement (a fraction of a second) that each step's byte floor divides "
+      "by",
+      [&o](const std::string& s) {
+        o.measure_bandwidth = s == "0";
+        return Status::Ok();
+      },
+      true);
+  f.Add(
       "quiet", "no progress on stderr",
       [&o](const std::string& s) {
         o.progress = s == "0";

@@ -88,9 +88,9 @@ std::vector<ChunkInfo> ChunkCatalog::List(const LayerState& ls) const {
   return out;
 }
 
-Status ChunkCatalog::UpdatesSince(std::unique_lock<CountingMutex>& l, StoreSync& sync, const LowerTiers& lower,
-                                  Sequence* s, int layer, const ChunkCursor& since, ChunkUpdate* out,
-                                  size_t max_added) const {
+Status ChunkCatalog::UpdatesSince(std::unique_lock<CountingMutex>& l, StoreSync& sync,
+                                  const LowerTiers& lower, Sequence* s, int layer, const ChunkCursor& since,
+                                  ChunkUpdate* out, size_t max_added) const {
   const SequenceId seq = s->id;
   const LayerState& ls = s->layers[layer];
   const uint64_t landed = LandedEnd(ls);  // readers see the landed chunks only

@@ -61,8 +61,8 @@ class Landing {
   /// download). With keep == 0 and !only_complete, also waits for landings other threads
   /// claimed, so that on return no chunk of the layer is landing. Failures go to the layer's
   /// landing_error.
-  void LandLayer(std::unique_lock<CountingMutex>& lock, store_internal::Sequence* s, int layer, size_t keep = 0,
-                 bool only_complete = false);
+  void LandLayer(std::unique_lock<CountingMutex>& lock, store_internal::Sequence* s, int layer,
+                 size_t keep = 0, bool only_complete = false);
   /// Every layer of the sequence landed completely.
   void LandSequence(std::unique_lock<CountingMutex>& lock, store_internal::Sequence* s);
   /// Every sequence landed completely; whether anything landed (by this thread or another it waited for).

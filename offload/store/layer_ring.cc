@@ -109,9 +109,10 @@ Status LayerRing::CopyOut(HotTier* hot, const LayerState& ls, std::string* sinks
   size_t off = 0;
   for (int i = 0; i < view.n_local_spans; ++i) {
     const size_t bytes = static_cast<size_t>(view.local[i].n_tokens) * token_bytes_;
-    KVTIER_RETURN_IF_ERROR(hot->Download(local->data() + off, static_cast<const uint8_t*>(view.local[i].k), bytes));
     KVTIER_RETURN_IF_ERROR(
-        hot->Download(local->data() + local_bytes + off, static_cast<const uint8_t*>(view.local[i].v), bytes));
+        hot->Download(local->data() + off, static_cast<const uint8_t*>(view.local[i].k), bytes));
+    KVTIER_RETURN_IF_ERROR(hot->Download(local->data() + local_bytes + off,
+                                         static_cast<const uint8_t*>(view.local[i].v), bytes));
     off += bytes;
   }
   return Status::Ok();

@@ -36,8 +36,8 @@ class LayerRing {
   /// Appends n tokens (K and V, [n, kv_heads, head_dim] each) with `copy_in`, calling `seal`
   /// whenever the ring is full before a copy (it must seal the oldest chunk: AdvancePastOldestChunk).
   /// Stops at the first failure; the tokens copied before it stay appended.
-  Status Append(store_internal::LayerState& ls, const uint8_t* k, const uint8_t* v, int n, const CopyIn& copy_in,
-                const std::function<Status()>& seal) const;
+  Status Append(store_internal::LayerState& ls, const uint8_t* k, const uint8_t* v, int n,
+                const CopyIn& copy_in, const std::function<Status()>& seal) const;
   /// The sinks and local window of the layer (FailedPrecondition for a sequence recovered
   /// without them).
   Status View(SequenceId seq, const store_internal::LayerState& ls, HotView* v) const;
@@ -53,7 +53,8 @@ class LayerRing {
   void AdvancePastOldestChunk(store_internal::LayerState& ls) const;
   /// K then V of the sinks and of the local window, read from hot memory through `hot`, as
   /// CloseSequence persists them and RestoreLayerRegions reads them back.
-  Status CopyOut(HotTier* hot, const store_internal::LayerState& ls, std::string* sinks, std::string* local) const;
+  Status CopyOut(HotTier* hot, const store_internal::LayerState& ls, std::string* sinks,
+                 std::string* local) const;
 
  private:
   const StoreOptions& options_;

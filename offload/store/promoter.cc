@@ -90,7 +90,8 @@ bool Promoter::CompleteLocked(const FetchHandle::State* st) const {
   return true;
 }
 
-Result<FetchHandle> Promoter::Fetch(SequenceId seq, int layer, const std::vector<uint64_t>& asked, FetchFit fit) {
+Result<FetchHandle> Promoter::Fetch(SequenceId seq, int layer, const std::vector<uint64_t>& asked,
+                                    FetchFit fit) {
   return ReturnOnBadAlloc("FetchChunks: the fetch's chunk lists", [&]() -> Result<FetchHandle> {
     auto st = std::make_shared<FetchHandle::State>();
     st->promoter = this;
@@ -114,9 +115,10 @@ Result<FetchHandle> Promoter::Fetch(SequenceId seq, int layer, const std::vector
       uint64_t ticket = 0;  // in the pool's waiters while this call waits
       const auto end_wait = [&] {
         if (!waited) return;
-        parts_.counters->pin_wait_us += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
-                                                           std::chrono::steady_clock::now() - wait_start)
-                                                           .count());
+        parts_.counters->pin_wait_us +=
+            static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                      std::chrono::steady_clock::now() - wait_start)
+                                      .count());
         waited = false;
         parts_.pool->EndWaitLocked(ticket);
         parts_.sync->cv.notify_all();  // the next waiter may be the oldest now
@@ -149,8 +151,8 @@ Result<FetchHandle> Promoter::Fetch(SequenceId seq, int layer, const std::vector
         if (static_cast<int64_t>(chunk_indices.size()) > parts_.hot->slot_capacity()) {
           end_wait();
           return ResourceExhausted("fetch of " + std::to_string(chunk_indices.size()) +
-                                   " chunks exceeds the hot tier's " + std::to_string(parts_.hot->slot_capacity()) +
-                                   " slots (hot_bytes)");
+                                   " chunks exceeds the hot tier's " +
+                                   std::to_string(parts_.hot->slot_capacity()) + " slots (hot_bytes)");
         }
         requested.clear();
         int64_t need = 0;  // chunks with no hot slot, each once

@@ -87,7 +87,8 @@ class Promoter {
       : options_(options), hooks_(hooks), chunk_bytes_(chunk_bytes), parts_(parts) {}
 
   /// TieredStore::FetchChunks (its contract is written there).
-  Result<FetchHandle> Fetch(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices, FetchFit fit);
+  Result<FetchHandle> Fetch(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices,
+                            FetchFit fit);
 
  private:
   friend class FetchHandle;

@@ -3,8 +3,9 @@
 // the manifest (last, so a reader never sees half of it); AttachPublished rebuilds a
 // published sequence here, its chunks left in the remote tier under the publisher's keys.
 //
-// Locking: the coordinator's mutex (sync_.mu) guards what this file reads of the parts. Both hold Sequence::busy (publish) or build the sequence out of sight (attach) while they
-// talk to Redis without sync_.mu.
+// Locking: the coordinator's mutex (sync_.mu) guards what this file reads of the parts. Both hold
+// Sequence::busy (publish) or build the sequence out of sight (attach) while they talk to Redis without
+// sync_.mu.
 
 #include <cstring>
 

@@ -14,7 +14,8 @@ Result<std::unique_ptr<WarmTier>> WarmTier::Create(const StoreOptions& options, 
                                                    ChunkCatalog* catalog, const LowerTiers* lower,
                                                    StoreCounters* counters) {
   auto warm = std::unique_ptr<WarmTier>(new WarmTier());
-  KVTIER_ASSIGN_OR_RETURN(warm->slots_, SlotPool::Create("warm_bytes", options.warm_bytes, chunk_bytes, true));
+  KVTIER_ASSIGN_OR_RETURN(warm->slots_,
+                          SlotPool::Create("warm_bytes", options.warm_bytes, chunk_bytes, true));
   KVTIER_ASSIGN_OR_RETURN(warm->policy_, MakeDemotionPolicy(options.warm_policy));
   warm->catalog_ = catalog;
   warm->lower_ = lower;

@@ -516,6 +516,9 @@ py::dict StatsDict(const AttendStats& s) {
   d["chunks_clipped"] = s.chunks_clipped;
   d["reused"] = s.reused;
   d["sliced"] = s.sliced;
+  d["first_stage_bytes"] = s.first_stage_bytes;
+  d["rescoring_bytes"] = s.rescoring_bytes;
+  d["attention_bytes"] = s.attention_bytes;
   return d;
 }
 
@@ -896,6 +899,9 @@ class PySession {
     d["chunks_clipped"] = c.chunks_clipped;
     d["selections_reused"] = c.selections_reused;
     d["selections_sliced"] = c.selections_sliced;
+    d["first_stage_bytes"] = c.first_stage_bytes;
+    d["rescoring_bytes"] = c.rescoring_bytes;
+    d["attention_bytes"] = c.attention_bytes;
     d["probe_ms"] = c.probe_ms;
     d["search_ms"] = c.search_ms;
     d["alloc_ms"] = c.alloc_ms;

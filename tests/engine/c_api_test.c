@@ -430,6 +430,13 @@ int main(int argc, char** argv) {
           (unsigned long long)cs.attends, (unsigned long long)cs.selections_reused);
     CHECK(st_s[0].sliced == 1 && st_s[0].reused == 0, "the last decode step: sliced %d reused %d",
           st_s[0].sliced, st_s[0].reused);
+    /* the bytes the step read come through: a slice screened and rescored, K/V attended */
+    CHECK(st_s[0].first_stage_bytes > 0 && st_s[0].rescoring_bytes > 0 && st_s[0].attention_bytes > 0 &&
+              cs.first_stage_bytes >= st_s[0].first_stage_bytes &&
+              cs.attention_bytes >= st_s[0].attention_bytes,
+          "bytes: step %llu/%llu/%llu, session %llu/%llu", (unsigned long long)st_s[0].first_stage_bytes,
+          (unsigned long long)st_s[0].rescoring_bytes, (unsigned long long)st_s[0].attention_bytes,
+          (unsigned long long)cs.first_stage_bytes, (unsigned long long)cs.attention_bytes);
     CHECK(ca.selections_sliced == 0 && ca.selections_reused == 0 && st_a[0].sliced == 0,
           "A (defaults) sliced %llu reused %llu", (unsigned long long)ca.selections_sliced,
           (unsigned long long)ca.selections_reused);

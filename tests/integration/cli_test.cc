@@ -1072,7 +1072,7 @@ TEST(Cli, NoBaselineFiguresAreNullNotZero) {
   const std::string rep = ReadAll(json);
   for (const char* key :
        {"attention_recall", "output_rel_error", "question_attention_recall", "question_output_rel_error",
-        "speedup_vs_full", "full_attention_step_ms", "median", "iqr"}) {
+        "speedup_vs_full", "full_attention_step_ms", "full_attention_step_over_floor", "median", "iqr"}) {
     const std::vector<std::string> v = JsonValues(rep, key);
     ASSERT_FALSE(v.empty()) << key << " missing in\n" << rep;
     for (const std::string& x : v) EXPECT_EQ(x, "null") << key << " in\n" << rep;
@@ -1098,6 +1098,55 @@ TEST(Cli, NoBaselineFiguresAreNullNotZero) {
   for (const char* key :
        {"attention_recall", "output_rel_error", "speedup_vs_full", "full_attention_step_ms"})
     for (const std::string& x : JsonValues(ReadAll(json), key)) EXPECT_NE(x, "null") << key;
+}
+
+// Issue 47: beside the same-run ratio, each method's bytes per decode step by part, the floor
+// those bytes take at the streaming rate measured in the run, and the step's ratio to it; full
+// attention's too.
+TEST(Cli, RunReportsTheStepAgainstItsByteFloor) {
+  TempDir dir;
+  const std::string json = dir.path() + "/r.json";
+  Ran r =
+      Kvtier(std::string(kSmallRun) + " --quiet --compare --data-dir " + dir.path() + "/d --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string rep = ReadAll(json);
+  auto positive = [&](const std::string& key, size_t count) {
+    const std::vector<std::string> v = JsonValues(rep, key);
+    ASSERT_EQ(v.size(), count) << key << " in\n" << rep;
+    for (const std::string& x : v) {
+      ASSERT_NE(x, "null") << key;
+      const double d = std::stod(x);
+      EXPECT_TRUE(std::isfinite(d) && d > 0) << key << " = " << x;
+    }
+  };
+  // Five methods, and the headline's in "time".
+  positive("floor_ms", 6);
+  positive("step_over_floor", 6);
+  positive("total", 6);
+  positive("full_attention_floor_ms", 1);
+  positive("full_attention_step_over_floor", 1);
+  positive("bytes_per_s", 1);
+  // Full attention reads K and V of every visible token: decode steps at 2048 and 2049 see
+  // 2049 and 2050 tokens, 2 layers x 2 kv heads x 32 x 2 (K, V) x 2 bytes = 256 B a token and layer.
+  EXPECT_EQ(JsonValues(rep, "full_attention_bytes_per_step"), std::vector<std::string>{"1049344"});
+  // StreamingLLM searches nothing: no first stage, no rescoring, no fetch.
+  const size_t streaming = rep.find("\"name\": \"StreamingLLM\"");
+  ASSERT_NE(streaming, std::string::npos);
+  const std::string part = rep.substr(rep.find("\"bytes_per_step\"", streaming));
+  for (const char* key : {"first_stage", "rescoring", "fetch"})
+    EXPECT_EQ(JsonValues(part, key).at(0), "0") << key;
+  EXPECT_NE(r.out.find("byte floor (a decode step's bytes at "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("step/floor"), std::string::npos) << r.out;
+
+  // --no-bandwidth: the bytes are still counted, the floor is not measured.
+  r = Kvtier(std::string(kSmallRun) + " --quiet --no-bandwidth --data-dir " + dir.path() + "/d2 --json " +
+             json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string off = ReadAll(json);
+  for (const char* key : {"floor_ms", "step_over_floor", "full_attention_floor_ms", "stream_bandwidth"})
+    for (const std::string& x : JsonValues(off, key)) EXPECT_EQ(x, "null") << key;
+  EXPECT_NE(JsonValues(off, "full_attention_bytes_per_step").at(0), "0");
+  EXPECT_NE(r.out.find("floor not measured (--no-bandwidth or --device cuda)"), std::string::npos) << r.out;
 }
 
 // A default run or stress test writes its data to a temporary directory under $TMPDIR and

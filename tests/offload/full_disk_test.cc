@@ -246,7 +246,8 @@ TEST(FullDiskChild, ReopenWithRoom) {
   const std::string dir = ChildDir();
   auto opened = TieredStore::Open(CrashTestOptions(dir));
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-  std::printf("reopened with %zu acknowledged chunks\n", (*opened)->lower_tiers().AcknowledgedChunks().size());
+  std::printf("reopened with %zu acknowledged chunks\n",
+              (*opened)->lower_tiers().AcknowledgedChunks().size());
   EXPECT_GT((*opened)->lower_tiers().AcknowledgedChunks().size(), 0u);
 }
 

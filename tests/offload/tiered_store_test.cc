@@ -17,9 +17,9 @@
 #include "integration/pattern.h"
 #include "kernels/cpu/attention.h"
 #include "offload/clock.h"
-#include "offload/observe_queries.h"
 #include "offload/cold_tier.h"
 #include "offload/hot_tier.h"
+#include "offload/observe_queries.h"
 #include "tests/test_util.h"
 #include "tests/tiered_store_test_peer.h"
 #if KVTIER_HAVE_CUDA

@@ -67,7 +67,10 @@ def test_roundtrip_matches_reference_attention():
         # Every chunk sealed in this layer (the local ring keeps the newest tokens unsealed).
         assert stats["chunks"] == store.counters()["chunks_sealed"] // 2 > 0
         assert stats["chunks_clipped"] == 0  # the budget fits the hot slot pool
-        assert set(stats) == {"probe_ms", "search_ms", "alloc_ms", "fetch_ms", "attention_ms", "entropy", "chunks", "chunks_clipped", "reused", "sliced"}
+        assert set(stats) == {"probe_ms", "search_ms", "alloc_ms", "fetch_ms", "attention_ms", "entropy", "chunks", "chunks_clipped", "reused", "sliced", "first_stage_bytes", "rescoring_bytes", "attention_bytes"}
+        # retrieve=False searches nothing; the attention reads K/V (2 heads x 16 x 2 tensors x 4 B) of every token.
+        assert stats["first_stage_bytes"] == 0 and stats["rescoring_bytes"] == 0
+        assert stats["attention_bytes"] == n * 2 * 16 * 2 * 4
     c = s.counters()
     assert c["steps"] == 1 and c["attends"] == 2 and c["tokens_appended"] == 2 * n
     assert c["selections_reused"] == 0 and c["selections_sliced"] == 0  # retrieve=False searches nothing
