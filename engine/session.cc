@@ -14,6 +14,7 @@
 #include "kernels/dtype.h"
 #include "kvtier/kvtier.h"
 #include "offload/attention_backend.h"
+#include "offload/device_sync.h"
 #include "offload/observe_queries.h"
 #include "offload/policy/scoring_policy.h"
 #include "offload/tiered_store.h"
@@ -34,6 +35,20 @@ Result<TieredStore*> Tiered(const char* what, Store* store) {
     return InvalidArgument(std::string(what) + ": the store was not opened by Store::Open");
   return tiered;
 }
+
+// Adds the process's host syncs (offload/device_sync.h) made while it lives to a session's
+// count: SessionCounters::host_syncs.
+class HostSyncScope {
+ public:
+  explicit HostSyncScope(uint64_t* into) : into_(into), start_(HostSyncsTotal()) {}
+  ~HostSyncScope() { *into_ += HostSyncsTotal() - start_; }
+  HostSyncScope(const HostSyncScope&) = delete;
+  HostSyncScope& operator=(const HostSyncScope&) = delete;
+
+ private:
+  uint64_t* into_;
+  uint64_t start_;
+};
 
 }  // namespace
 
@@ -291,6 +306,7 @@ Status SessionImpl::CheckFiniteKv(int layer, const void* k, const void* v, int n
 }
 
 Status SessionImpl::Append(int layer, const void* k, const void* v, int n, DType dtype, MemorySpace space) {
+  const HostSyncScope syncs(&counters_.host_syncs);
   if (dropped_) return FailedPrecondition("Session::Append: the session's sequence was dropped");
   if (space == MemorySpace::kHost) KVTIER_RETURN_IF_ERROR(CheckFiniteKv(layer, k, v, n, dtype));
   KVTIER_RETURN_IF_ERROR(store_->Append(seq_, layer, k, v, n, dtype, space));
@@ -461,6 +477,7 @@ void SessionImpl::KeepQueries(int layer, const float* q, const int64_t* position
 }
 
 Status SessionImpl::Observe(int layer, const float* q, const int64_t* positions, int m) {
+  const HostSyncScope syncs(&counters_.host_syncs);
   KVTIER_RETURN_IF_ERROR(CheckLayerCall("Observe", layer, q, positions, m, /*in_step=*/false));
   q_rot_of_ = nullptr;
   KVTIER_ASSIGN_OR_RETURN(HotView view, GetHotView(*store_, seq_, layer));
@@ -531,6 +548,7 @@ Status SessionImpl::SetQuestion(int layer, const float* q, int m) {
 }
 
 Result<LayerParts> SessionImpl::Gather(int layer, const float* q, const int64_t* positions, int m) {
+  const HostSyncScope syncs(&counters_.host_syncs);
   return GatherFor("Gather", layer, q, positions, m);
 }
 
@@ -647,6 +665,7 @@ Result<LayerParts> SessionImpl::GatherFor(const char* what, int layer, const flo
 
 Status SessionImpl::Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
                            AttendStats* stats) {
+  const HostSyncScope syncs(&counters_.host_syncs);
   if (out == nullptr) return InvalidArgument("Session::Attend: out must not be null");
   const Geometry& g = geometry();
   // A prefill window's representative-key statistics come from this attention (the kernel's
@@ -732,6 +751,7 @@ Status SessionImpl::Attend(int layer, const float* q, const int64_t* positions, 
 
 Result<CompressReport> SessionImpl::Compress(const std::string& policy_spec, int64_t kv_budget,
                                              int n_queries) {
+  const HostSyncScope syncs(&counters_.host_syncs);
   if (dropped_) return FailedPrecondition("Session::Compress: the session's sequence was dropped");
   if (options_.keep_queries <= 0)
     return FailedPrecondition(

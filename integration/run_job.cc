@@ -546,6 +546,12 @@ Result<RunReport> RunJob(const RunOptions& options) {
                             sparse_step(mt, qbegin, opt.workload.question_len, false, question_q));
     mt.steps.push_back(std::move(question));
   }
+  auto host_syncs = [&methods] {
+    uint64_t n = 0;
+    for (const Method& mt : methods) n += mt.session->counters().host_syncs;
+    return n;
+  };
+  const uint64_t decode_syncs0 = host_syncs();
   Progress dprog(opt.progress, "decode", opt.workload.decode_steps, "steps");
   for (int s = 0; s < opt.workload.decode_steps; ++s) {
     const int64_t p = context + s;
@@ -577,6 +583,9 @@ Result<RunReport> RunJob(const RunOptions& options) {
     dprog.Update(s + 1);
   }
   dprog.Done();
+  if (opt.workload.decode_steps > 0)
+    rep.host_syncs_per_token =
+        static_cast<double>(host_syncs() - decode_syncs0) / static_cast<double>(opt.workload.decode_steps);
   KVTIER_RETURN_IF_ERROR(store->WaitForDurable());
   sample_lower_tier_memory();
   rep.peak_rss_bytes = PeakRssBytes();
@@ -1199,6 +1208,10 @@ std::string RunReport::ToJson() const {
   w.Key("chunks_sealed").Uint(counters.chunks_sealed);
   w.Key("chunks_landing").Uint(counters.chunks_landing);
   w.EndObject();
+  w.Key("device").BeginObject();
+  w.Key("kind").String(DeviceName(o.store.device));
+  w.Key("host_syncs_per_token").Double(host_syncs_per_token);
+  w.EndObject();
   w.Key("tiers");
   WriteTierTrafficJson(&w, counters);
   w.Key("config").BeginObject();
@@ -1433,6 +1446,14 @@ std::string RunReport::ToTable() const {
     text.insert(at == std::string::npos ? text.size() : at, floor);
   }
   text += TierTrafficText(counters, !options.store.remote.empty());
+  if (options.store.device == Device::kCuda) {
+    char line[192];
+    std::snprintf(line, sizeof(line),
+                  "device: cuda, %.2f host syncs per generated token (blocking waits on the device over the "
+                  "decode steps)\n",
+                  host_syncs_per_token);
+    text += line;
+  }
   if (options.trace) {
     // Right under the title: every figure above is on the trace's real attention.
     const size_t nl = text.find('\n');

@@ -175,6 +175,9 @@ struct RunReport {
   uint64_t index_evicted_chunks = 0;     ///< chunks the cap evicted from the index (every method)
   uint64_t context_kv_bytes = 0;         ///< K+V bytes of the whole context, all layers
   StoreCounters counters;
+  /// Blocking host waits on the device per generated token over the decode steps (appends and
+  /// attention, every method's session summed: SessionCounters::host_syncs); 0 on a cpu tier.
+  double host_syncs_per_token = 0;
   std::vector<double> step_ms_all, full_step_ms_all, step_error_all;
 
   std::string ToJson() const;

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "offload/cuda_hot_tier.h"
+#include "offload/device_sync_cuda.h"
 #endif
 
 namespace kvtier {
@@ -342,8 +343,9 @@ class CudaAttentionBackend final : public AttentionBackend {
     }
     for (int i = 0; i < p.n_dense && e == cudaSuccess; ++i)
       if (dense_mass != nullptr && dense_mass[i] != nullptr && DenseMassElems(p, i) > 0)
-        e = cudaMemcpyAsync(dense_mass[i], mass_dev + mass_offset[i], DenseMassElems(p, i) * sizeof(float),
-                            cudaMemcpyDeviceToHost, s);
+        e = device_sync::CopyAsync(dense_mass[i], mass_dev + mass_offset[i],
+                                   DenseMassElems(p, i) * sizeof(float), cudaMemcpyDeviceToHost, s,
+                                   device_sync::HostMemory::kPageable);  // the store's mass arrays
     if (e != cudaSuccess) return Internal("attention (cuda): copying the mass out: " + CudaMessage(e));
     return CopyOutAndWait(p, d.out, out);
   }
@@ -367,16 +369,19 @@ class CudaAttentionBackend final : public AttentionBackend {
     auto* ws = static_cast<uint8_t*>(ws_.ptr);
     const size_t q_bytes = static_cast<size_t>(p.n_queries) * p.q_heads * p.head_dim * sizeof(float);
     cudaStream_t s = stream();
-    cudaError_t e = cudaMemcpyAsync(ws + w.q, p.q, q_bytes, cudaMemcpyHostToDevice, s);
+    // q and positions are the engine's host memory, the slot list the plan's vectors: pageable.
+    using device_sync::CopyAsync;
+    constexpr device_sync::HostMemory kPageable = device_sync::HostMemory::kPageable;
+    cudaError_t e = CopyAsync(ws + w.q, p.q, q_bytes, cudaMemcpyHostToDevice, s, kPageable);
     if (e == cudaSuccess)
-      e = cudaMemcpyAsync(ws + w.positions, p.q_positions, p.n_queries * sizeof(int64_t),
-                          cudaMemcpyHostToDevice, s);
+      e = CopyAsync(ws + w.positions, p.q_positions, p.n_queries * sizeof(int64_t), cudaMemcpyHostToDevice, s,
+                    kPageable);
     if (e == cudaSuccess && p.n_slots > 0)
-      e = cudaMemcpyAsync(ws + w.slot_index, p.slot_index, p.n_slots * sizeof(int32_t),
-                          cudaMemcpyHostToDevice, s);
+      e = CopyAsync(ws + w.slot_index, p.slot_index, p.n_slots * sizeof(int32_t), cudaMemcpyHostToDevice, s,
+                    kPageable);
     if (e == cudaSuccess && p.n_slots > 0)
-      e = cudaMemcpyAsync(ws + w.slot_first, p.slot_first_position, p.n_slots * sizeof(int64_t),
-                          cudaMemcpyHostToDevice, s);
+      e = CopyAsync(ws + w.slot_first, p.slot_first_position, p.n_slots * sizeof(int64_t),
+                    cudaMemcpyHostToDevice, s, kPageable);
     if (e != cudaSuccess) return Internal("attention (cuda): copying the plan in: " + CudaMessage(e));
     kernels::SlotAttentionParams d = p;
     d.q = reinterpret_cast<const float*>(ws + w.q);
@@ -394,8 +399,10 @@ class CudaAttentionBackend final : public AttentionBackend {
   Status CopyOutAndWait(const kernels::SlotAttentionParams& p, const float* out_dev, float* out) {
     const size_t q_bytes = static_cast<size_t>(p.n_queries) * p.q_heads * p.head_dim * sizeof(float);
     cudaStream_t s = stream();
-    cudaError_t e = cudaMemcpyAsync(out, out_dev, q_bytes, cudaMemcpyDeviceToHost, s);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+    // `out` is the engine's host memory: pageable.
+    cudaError_t e = device_sync::CopyAsync(out, out_dev, q_bytes, cudaMemcpyDeviceToHost, s,
+                                           device_sync::HostMemory::kPageable);
+    if (e == cudaSuccess) e = device_sync::SyncStream(s);
     if (e != cudaSuccess) return Internal("attention (cuda): " + CudaMessage(e));
     return Status::Ok();
   }
@@ -409,7 +416,7 @@ class CudaAttentionBackend final : public AttentionBackend {
   Status Grow(DeviceBuffer* b, size_t bytes, const char* what) {
     if (bytes <= b->bytes) return Status::Ok();
     if (b->ptr) {
-      cudaStreamSynchronize(stream());
+      device_sync::SyncStream(stream());
       cudaFree(b->ptr);
       *b = DeviceBuffer{};
     }

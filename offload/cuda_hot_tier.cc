@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/cuda/kernels.h"
+#include "offload/device_sync_cuda.h"
 
 namespace kvtier {
 namespace {
@@ -43,7 +44,7 @@ Result<std::unique_ptr<CudaHotTier>> CudaHotTier::Create(size_t slot_pool_bytes,
 }
 
 CudaHotTier::~CudaHotTier() {
-  if (stream_) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  if (stream_) device_sync::SyncStream(static_cast<cudaStream_t>(stream_));
   for (auto& [ticket, ev] : in_flight_) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
   for (void* ev : spare_events_) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
   if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
@@ -97,7 +98,7 @@ int CudaHotTier::WaitForStreamWork(void* event) {
   // state (HIP-CPU's emulated device hung on exactly that under `kvtier stress --threads 2`).
   cudaEvent_t ev = static_cast<cudaEvent_t>(event);
   cudaError_t e = cudaEventRecord(ev, static_cast<cudaStream_t>(stream_));
-  if (e == cudaSuccess) e = cudaEventSynchronize(ev);
+  if (e == cudaSuccess) e = device_sync::SyncEvent(ev);
   return static_cast<int>(e);
 }
 
@@ -109,7 +110,9 @@ Status CudaHotTier::Copy(void* dst, const void* src, size_t bytes, CopyKind kind
                                                            : cudaMemcpyDeviceToDevice;
   auto ev = TakeEvent();
   if (!ev.ok()) return ev.status();
-  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, dir, s);
+  // HotTier's Upload and Download take any host memory (an engine's buffers, the store's
+  // vectors); the pinned warm slots travel through UploadBatch and DownloadBatchAsync.
+  cudaError_t e = device_sync::CopyAsync(dst, src, bytes, dir, s, device_sync::HostMemory::kPageable);
   // HotTier's contract: the bytes are in place on return (the store reads them next).
   if (e == cudaSuccess) e = static_cast<cudaError_t>(WaitForStreamWork(*ev));
   ReturnEvent(*ev);
@@ -130,6 +133,7 @@ Status CudaHotTier::UploadBatch(const UploadOp* ops, size_t n) {
   std::vector<size_t> sizes(n);
   for (size_t i = 0; i < n; ++i) dsts[i] = ops[i].dst, srcs[i] = ops[i].src, sizes[i] = ops[i].bytes;
   cudaStream_t s = static_cast<cudaStream_t>(stream_);
+  // From the pinned warm slots (UploadOp): asynchronous, not a wait; the event wait below is.
   if (kernels::cuda::MemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, s) !=
       kernels::KernelError::kOk)
     return IOError("hot tier \"cuda\": batch upload of " + std::to_string(n) + " copies failed (" +
@@ -166,7 +170,8 @@ Result<TransferTicket> CudaHotTier::DownloadBatchAsync(const DownloadOp* ops, si
   // what lets the store refill the ring positions being read before the download is waited.
   for (size_t i = 0; i < n && e == cudaSuccess; ++i)
     if (ops[i].bytes > 0)
-      e = cudaMemcpyAsync(ops[i].dst, ops[i].src, ops[i].bytes, cudaMemcpyDeviceToHost, s);
+      e = device_sync::CopyAsync(ops[i].dst, ops[i].src, ops[i].bytes, cudaMemcpyDeviceToHost, s,
+                                 device_sync::HostMemory::kPinned);  // warm slots (DownloadOp)
   if (e == cudaSuccess) e = cudaEventRecord(ev, s);
   std::lock_guard<std::mutex> l(tickets_mu_);
   if (e != cudaSuccess) {
@@ -191,7 +196,7 @@ Status CudaHotTier::WaitTransfer(TransferTicket ticket) {
     ev = static_cast<cudaEvent_t>(it->second);
     in_flight_.erase(it);
   }
-  const cudaError_t e = cudaEventSynchronize(ev);
+  const cudaError_t e = device_sync::SyncEvent(ev);
   std::lock_guard<std::mutex> l(tickets_mu_);
   spare_events_.push_back(ev);
   if (e != cudaSuccess)

@@ -7,7 +7,9 @@
 // copy on the same stream with the same wait. DownloadBatchAsync (a sealed chunk leaving the
 // local window for its pinned warm slot) records an event per ticket and returns: the store
 // waits for it when the chunk lands, and the ring positions it read are refilled only by
-// copies submitted later on the same stream. Slot bookkeeping is SlotBook (host-only, tested on CPU).
+// copies submitted later on the same stream. Every wait and every copy from or to host memory not
+// known to be pinned (Upload's and Download's) is counted (offload/device_sync.h). Slot
+// bookkeeping is SlotBook (host-only, tested on CPU).
 //
 // Built only with KVTIER_HAVE_CUDA; MakeHotTier("cuda") finds it then, and answers
 // Unavailable "no CUDA device: ..." when the driver sees none. TieredStore takes it: the

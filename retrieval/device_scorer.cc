@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/kernels.h"
+#include "offload/device_sync_cuda.h"
 #endif
 
 namespace kvtier {
@@ -262,7 +263,7 @@ class CudaRetrievalBackend final : public RetrievalBackend {
     return b;
   }
   ~CudaRetrievalBackend() override {
-    if (stream_) cudaStreamSynchronize(stream_);
+    if (stream_) device_sync::SyncStream(stream_);
     if (ws_) cudaFree(ws_);
     if (staging_) cudaFreeHost(staging_);
     if (stream_) cudaStreamDestroy(stream_);
@@ -282,7 +283,7 @@ class CudaRetrievalBackend final : public RetrievalBackend {
   }
   void Free(uint8_t* p) override {
     if (p == nullptr) return;
-    cudaStreamSynchronize(stream_);  // a kernel of the last run may still read it
+    device_sync::SyncStream(stream_);  // a kernel of the last run may still read it
     cudaFree(p);
   }
   Status Upload(const BackendCopy* copies, size_t n) override {
@@ -290,15 +291,17 @@ class CudaRetrievalBackend final : public RetrievalBackend {
     cudaError_t e = cudaSuccess;
     for (size_t i = 0; i < n && e == cudaSuccess; ++i)
       if (copies[i].bytes > 0)
-        e = cudaMemcpyAsync(copies[i].dst, copies[i].src, copies[i].bytes, cudaMemcpyHostToDevice, stream_);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);  // the host rows may change after return
+        e = device_sync::CopyAsync(copies[i].dst, copies[i].src, copies[i].bytes, cudaMemcpyHostToDevice,
+                                   stream_, device_sync::HostMemory::kPageable);  // the index's vectors
+    if (e == cudaSuccess) e = device_sync::SyncStream(stream_);  // the host rows may change after return
     if (e != cudaSuccess) return Internal("retrieval (cuda): mirror upload: " + CudaMessage(e));
     return Status::Ok();
   }
   Status Download(void* dst, const uint8_t* src, size_t bytes) override {
-    cudaError_t e =
-        bytes > 0 ? cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_) : cudaSuccess;
-    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    cudaError_t e = bytes > 0 ? device_sync::CopyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_,
+                                                       device_sync::HostMemory::kPageable)
+                              : cudaSuccess;
+    if (e == cudaSuccess) e = device_sync::SyncStream(stream_);
     if (e != cudaSuccess) return Internal("retrieval (cuda): download: " + CudaMessage(e));
     return Status::Ok();
   }
@@ -319,7 +322,7 @@ class CudaRetrievalBackend final : public RetrievalBackend {
 
  protected:
   Status AllocateWorkspace(const RetrievalWorkspaceLayout& l) override {
-    cudaStreamSynchronize(stream_);
+    device_sync::SyncStream(stream_);
     if (ws_) cudaFree(ws_);
     if (staging_) cudaFreeHost(staging_);
     ws_ = nullptr;
@@ -342,7 +345,8 @@ class CudaRetrievalBackend final : public RetrievalBackend {
   uint8_t* staging() override { return static_cast<uint8_t*>(staging_); }
   Status CopyIn(size_t bytes) override {
     const cudaError_t e =
-        cudaMemcpyAsync(workspace() + layout_.in, staging_, bytes, cudaMemcpyHostToDevice, stream_);
+        device_sync::CopyAsync(workspace() + layout_.in, staging_, bytes, cudaMemcpyHostToDevice, stream_,
+                               device_sync::HostMemory::kPinned);
     if (e != cudaSuccess) return Internal("retrieval (cuda): in-block upload: " + CudaMessage(e));
     return Status::Ok();
   }
@@ -362,10 +366,11 @@ class CudaRetrievalBackend final : public RetrievalBackend {
     return Status::Ok();
   }
   Status CopyOutAndWait(size_t bytes) override {
-    cudaError_t e = cudaMemcpyAsync(static_cast<uint8_t*>(staging_) + layout_.in_bytes,
-                                    workspace() + layout_.out, bytes, cudaMemcpyDeviceToHost, stream_);
+    cudaError_t e =
+        device_sync::CopyAsync(static_cast<uint8_t*>(staging_) + layout_.in_bytes, workspace() + layout_.out,
+                               bytes, cudaMemcpyDeviceToHost, stream_, device_sync::HostMemory::kPinned);
     // The one synchronisation of the layer.
-    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    if (e == cudaSuccess) e = device_sync::SyncStream(stream_);
     if (e != cudaSuccess) return Internal("retrieval (cuda): " + CudaMessage(e));
     return Status::Ok();
   }

@@ -4,6 +4,10 @@
 #                                   part of `make test`, hence CI). `make format` rewrites them.
 #   scripts/lint.sh tidy BUILD_DIR  .clang-tidy's checks over the library and tool sources, with
 #                                   BUILD_DIR's compile_commands.json (`make lint` runs both).
+#   scripts/lint.sh syncs           no source blocks the host on the device except through the
+#                                   counting wrappers of offload/device_sync_cuda.h (part of the
+#                                   format stage, and a ctest test). `syncs --self-test`: the check
+#                                   refuses each kind of blocking call and passes what it should.
 # Exit status 1 names the files that fail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +15,28 @@ FORMAT=${CLANG_FORMAT:-clang-format-14}
 TIDY=${CLANG_TIDY:-clang-tidy-14}
 # Everything of ours; tests/fixtures holds data, not code.
 sources() { git ls-files '*.cc' '*.h' '*.c' '*.cu' '*.cuh' | grep -v '^tests/fixtures/'; }
+# The CUDA runtime's calls that block the host, or may (every copy: an asynchronous one blocks
+# when its host memory is pageable, which no grep can tell). Comments are left out. A file that
+# says `host-sync-lint: async-copies-only` (kernels/cuda: its copies run on the caller's stream,
+# between device buffers or from the pinned memory the caller passes, and the caller counts its
+# waits) may hold cudaMemcpyAsync and cudaMemcpyBatchAsync, nothing else of the list.
+# Prints FILE:LINE: TEXT for each call found; exit status 1 when there is one.
+blocking_calls() {
+  awk '
+    FNR == 1 { async_ok = 0 }
+    /host-sync-lint: async-copies-only/ { async_ok = 1 }
+    {
+      code = $0
+      sub(/\/\/.*/, "", code)
+      if (code !~ /cuda(StreamSynchronize|EventSynchronize|DeviceSynchronize|Memcpy[A-Za-z0-9]*)[[:space:]]*[(]/) next
+      rest = code
+      gsub(/cudaMemcpy(Batch)?Async[[:space:]]*[(]/, "", rest)
+      if (async_ok && rest !~ /cuda(StreamSynchronize|EventSynchronize|DeviceSynchronize|Memcpy[A-Za-z0-9]*)[[:space:]]*[(]/) next
+      print FILENAME ":" FNR ": " $0
+      found = 1
+    }
+    END { exit found ? 1 : 0 }' "$@"
+}
 case "${1:-}" in
   format)
     bad=()
@@ -38,5 +64,43 @@ case "${1:-}" in
     grep -E 'warning:|error:' "$build/tidy.log" | grep -v 'warnings generated' || true
     ((rc == 0)) && echo "lint: clang-tidy clean over ${#files[@]} files" || { echo "lint: clang-tidy found the above"; exit 1; }
     ;;
-  *) echo "usage: scripts/lint.sh format | tidy BUILD_DIR" >&2; exit 2 ;;
+  syncs)
+    if [[ "${2:-}" == "--self-test" ]]; then
+      tmp=$(mktemp -d)
+      trap 'rm -rf "$tmp"' EXIT
+      # Each line of bad.cc and async_bad.cu must be reported, no line of good.cc or async.cu.
+      printf '%s\n' 'cudaStreamSynchronize(s);' 'e = cudaEventSynchronize(ev);' 'cudaDeviceSynchronize();' \
+        'cudaMemcpy(d, h, n, cudaMemcpyHostToDevice);' 'cudaMemcpyToSymbol(sym, h, n);' \
+        'cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, s);' 'cudaMemcpy2DAsync (d, p, h, p, w, n, k, s);' \
+        'x = 1; cudaStreamSynchronize(s);  // a comment after the call' >"$tmp/bad.cc"
+      printf '%s\n' '// cudaStreamSynchronize(s) in a comment' 'device_sync::SyncStream(s);' \
+        'kernels::cuda::MemcpyBatchAsync(d, h, n, c, s);' \
+        'cudaStreamQuery(s); cudaEventQuery(ev); cudaEventRecord(ev, s);' >"$tmp/good.cc"
+      printf '%s\n' '// host-sync-lint: async-copies-only' \
+        'CheckCall(cudaMemcpyAsync(d, h, n, cudaMemcpyDeviceToDevice, s));' \
+        'CheckCall(cudaMemcpyBatchAsync(d, h, n, c, a, i, 1, s));' >"$tmp/async.cu"
+      printf '%s\n' '// host-sync-lint: async-copies-only' 'cudaStreamSynchronize(s);' \
+        'cudaMemcpy(d, h, n, cudaMemcpyDeviceToHost);' >"$tmp/async_bad.cu"
+      got=$(cd "$tmp" && blocking_calls bad.cc good.cc async.cu async_bad.cu | cut -d: -f1,2 | tr '\n' ' ')
+      want="bad.cc:1 bad.cc:2 bad.cc:3 bad.cc:4 bad.cc:5 bad.cc:6 bad.cc:7 bad.cc:8 async_bad.cu:2 async_bad.cu:3 "
+      if [[ "$got" != "$want" ]]; then
+        echo "lint syncs self-test: reported [$got], expected [$want]"
+        exit 1
+      fi
+      echo "lint syncs self-test: each kind of blocking call refused; comments, wrappers, async-only files passed"
+      exit 0
+    fi
+    # Tests may wait as they like; bench/gpu_measure.cc times raw runtime calls (kvtier_gpu_bench
+    # links kernels only); the emulation layer is the runtime; the wrappers call it.
+    mapfile -t files < <(sources | grep -vE '^(tests/|bench/|kernels/cuda/emulation/)' |
+                         grep -vx 'offload/device_sync.cc')
+    if ! found=$(blocking_calls "${files[@]}"); then
+      echo "lint: blocking device calls outside offload/device_sync_cuda.h's counting wrappers"
+      echo "(SyncStream, SyncEvent, SyncDevice, CopyBlocking, CopyAsync: every host wait is counted):"
+      echo "$found" | sed 's/^/  /'
+      exit 1
+    fi
+    echo "lint: no blocking device call outside offload/device_sync in ${#files[@]} files"
+    ;;
+  *) echo "usage: scripts/lint.sh format | tidy BUILD_DIR | syncs [--self-test]" >&2; exit 2 ;;
 esac

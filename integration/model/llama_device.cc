@@ -8,6 +8,7 @@
 
 #include "kernels/cuda/kernels.h"
 #include "offload/cuda_hot_tier.h"
+#include "offload/device_sync_cuda.h"
 #endif
 
 namespace kvtier::model {
@@ -212,9 +213,10 @@ Result<std::unique_ptr<LlamaDeviceForward>> LlamaDeviceForward::Create(const Lla
   KVTIER_RETURN_IF_ERROR(Launched(kc::CreateBlasHandle(&f->blas_), -1, "cuBLAS handle", /*blas=*/true));
   // One upload of the packed image; synchronised because `image` is freed on return.
   KVTIER_RETURN_IF_ERROR(
-      Cuda(cudaMemcpyAsync(f->weight_mem_, image.data(), image.size(), cudaMemcpyHostToDevice, s), -1,
-           "weights up"));
-  KVTIER_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(s), -1, "weights up"));
+      Cuda(device_sync::CopyAsync(f->weight_mem_, image.data(), image.size(), cudaMemcpyHostToDevice, s,
+                                  device_sync::HostMemory::kPageable),
+           -1, "weights up"));
+  KVTIER_RETURN_IF_ERROR(Cuda(device_sync::SyncStream(s), -1, "weights up"));
   const int hd = c.head_dim();
   const size_t rows = static_cast<size_t>(max_tokens);
   f->q_host_.resize(rows * c.q_heads * hd);
@@ -225,7 +227,7 @@ Result<std::unique_ptr<LlamaDeviceForward>> LlamaDeviceForward::Create(const Lla
 LlamaDeviceForward::~LlamaDeviceForward() {
   // Work on the stream may still read these buffers: finish it before freeing (cudaFree would
   // synchronise the device anyway; this says why).
-  if (stream_) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  if (stream_) device_sync::SyncStream(static_cast<cudaStream_t>(stream_));
   kc::DestroyBlasHandle(blas_);
   if (blas_workspace_) cudaFree(blas_workspace_);
   if (act_mem_) cudaFree(act_mem_);
@@ -262,11 +264,14 @@ Status LlamaDeviceForward::Forward(Session* session, const int32_t* tokens, cons
   float *gate = A(acts_.gate), *up = A(acts_.up), *d_logits = A(acts_.logits);
   const size_t md = static_cast<size_t>(m);
 
+  // The caller's host arrays, and below q_host_, att_host_ and the captures' vectors: pageable.
+  constexpr device_sync::HostMemory kPageable = device_sync::HostMemory::kPageable;
   KVTIER_RETURN_IF_ERROR(Cuda(
-      cudaMemcpyAsync(d_tokens, tokens, md * sizeof(int32_t), cudaMemcpyHostToDevice, s), -1, "tokens up"));
-  KVTIER_RETURN_IF_ERROR(
-      Cuda(cudaMemcpyAsync(d_positions, positions, md * sizeof(int64_t), cudaMemcpyHostToDevice, s), -1,
-           "positions up"));
+      device_sync::CopyAsync(d_tokens, tokens, md * sizeof(int32_t), cudaMemcpyHostToDevice, s, kPageable),
+      -1, "tokens up"));
+  KVTIER_RETURN_IF_ERROR(Cuda(device_sync::CopyAsync(d_positions, positions, md * sizeof(int64_t),
+                                                     cudaMemcpyHostToDevice, s, kPageable),
+                              -1, "positions up"));
   {
     kernels::EmbeddingParams p;
     p.m = m;
@@ -321,8 +326,10 @@ Status LlamaDeviceForward::Forward(Session* session, const int32_t* tokens, cons
     return Launched(kc::LaunchConvertToStore(p, s), layer, step);
   };
   auto down = [&](float* host, const float* dev, size_t n, int layer, const char* step) {
-    Status st = Cuda(cudaMemcpyAsync(host, dev, n * sizeof(float), cudaMemcpyDeviceToHost, s), layer, step);
-    if (st.ok()) st = Cuda(cudaStreamSynchronize(s), layer, step);
+    Status st =
+        Cuda(device_sync::CopyAsync(host, dev, n * sizeof(float), cudaMemcpyDeviceToHost, s, kPageable),
+             layer, step);
+    if (st.ok()) st = Cuda(device_sync::SyncStream(s), layer, step);
     return st;
   };
 
@@ -362,9 +369,9 @@ Status LlamaDeviceForward::Forward(Session* session, const int32_t* tokens, cons
       return Status(st.code(), "device forward: layer " + std::to_string(l) + ": Append: " + st.message());
     st = session->Attend(l, q_host_.data(), positions, m, att_host_.data());
     if (!st.ok()) return Status(st.code(), "layer " + std::to_string(l) + ": " + st.message());
-    KVTIER_RETURN_IF_ERROR(
-        Cuda(cudaMemcpyAsync(att, att_host_.data(), md * qd * sizeof(float), cudaMemcpyHostToDevice, s), l,
-             "attention output up"));
+    KVTIER_RETURN_IF_ERROR(Cuda(device_sync::CopyAsync(att, att_host_.data(), md * qd * sizeof(float),
+                                                       cudaMemcpyHostToDevice, s, kPageable),
+                                l, "attention output up"));
 
     KVTIER_RETURN_IF_ERROR(gemm(att, qd, W(L.wo), d, x, true, l, "Gemm wo"));
     KVTIER_RETURN_IF_ERROR(rms(x, W(L.mlp_norm), h, l, "RmsNorm mlp_norm"));

@@ -1,6 +1,8 @@
 // The model's non-attention forward on the device: embedding lookup, RMSNorm, RoPE, SwiGLU,
 // and the projections as a cuBLAS GEMM. Twins: kernels/cpu/forward.h and kernels/cpu/rope.h.
 // See kernels/cuda/kernels.h.
+// host-sync-lint: async-copies-only (f32 ConvertToStore is a device-to-device copy on the
+// caller's stream: no host wait; the waits are the callers', counted in offload/device_sync.h).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 

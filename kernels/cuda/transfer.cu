@@ -1,5 +1,7 @@
 // Chunk transfers host -> device: a gather kernel reading mapped pinned host memory, and
 // cudaMemcpyBatchAsync. Plus the error bookkeeping of kernels/cuda. See kernels/cuda/kernels.h.
+// host-sync-lint: async-copies-only (MemcpyBatchAsync's sources are the caller's pinned memory;
+// the caller waits, and counts the wait: offload/device_sync.h).
 #include <cuda_runtime.h>
 
 #include <cstdint>

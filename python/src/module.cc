@@ -907,6 +907,7 @@ class PySession {
     d["alloc_ms"] = c.alloc_ms;
     d["fetch_ms"] = c.fetch_ms;
     d["attention_ms"] = c.attention_ms;
+    d["host_syncs"] = c.host_syncs;
     return d;
   }
 

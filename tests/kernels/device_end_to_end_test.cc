@@ -82,6 +82,12 @@ TEST(DeviceEndToEnd, RunOnCudaMatchesTheCpuRun) {
   EXPECT_NEAR(JsonNumber(a, "attention_recall"), JsonNumber(b, "attention_recall"), 1e-4);
   EXPECT_NE(cuda.out.find("cuda"), std::string::npos) << "the report should name the device it ran on:\n"
                                                       << cuda.out;
+  // Blocking host waits per generated token: none on the cpu tier; on the cuda tier at least the
+  // 11 per layer of a quiet decode step (tests/offload/device_sync_test.cc), here 2 layers.
+  EXPECT_EQ(JsonNumber(a, "host_syncs_per_token"), 0.0) << a;
+  EXPECT_GE(JsonNumber(b, "host_syncs_per_token"), 22.0) << b;
+  EXPECT_NE(cuda.out.find("host syncs per generated token"), std::string::npos) << cuda.out;
+  EXPECT_EQ(cpu.out.find("host syncs per generated token"), std::string::npos) << cpu.out;
 }
 
 // `kvtier stress` through the CUDA hot tier: every token appended reads back byte for byte,
