@@ -6,6 +6,11 @@
 //   BM_AttentionDecode/<N>/1   the same N tokens as a ragged list of 32-token
 //                              chunks (separate KvSpans over the same buffers)
 //   BM_AttentionDecodeMass/<N> one span, with the mass output requested
+//   BM_SlotAttentionStep/rotated:<0|1>  a `kvtier run` decode step's layer through the plan's
+//                              kernel (kernels::SlotAttention): 64 sinks | 64 chunks of 32 tokens
+//                              from a slot pool | 512 local tokens as two runs; rotated:1 rotates
+//                              the keys as read (InfLLM positions: sinks and chunks at L0, the
+//                              local runs at their own positions), rotated:0 reads them as stored
 //   BM_AttentionScattered/<N>  a decode step's retrieved part: 64 chunks of 32 tokens at
 //                              random places of the N tokens, other chunks every
 //                              iteration, so they come cold from memory as a decode
@@ -31,6 +36,8 @@
 #include <vector>
 
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cpu/slot_attention.h"
 #include "kernels/dtype.h"
 
 namespace {
@@ -185,6 +192,69 @@ void BM_AttentionScattered(benchmark::State& state) {
 }
 void BM_AttentionDecodeMass(benchmark::State& state) { RunDecode(state, false, true); }
 
+void BM_SlotAttentionStep(benchmark::State& state) {
+  const bool rotated = state.range(0) != 0;
+  constexpr int kSinks = 64, kChunks = 64, kLocal = 512, kPoolSlots = 128;
+  const int64_t pool_tokens = static_cast<int64_t>(kPoolSlots) * kChunk;
+  const Kv& kv = GetKv(pool_tokens + kSinks + kLocal);  // pool | sinks | local
+  const size_t row = static_cast<size_t>(kKvHeads) * kHeadDim;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> q(kQHeads * kHeadDim), out(kQHeads * kHeadDim);
+  for (auto& x : q) x = u(rng);
+  // The chunks: every other slot of the pool, at positions after the sinks.
+  std::vector<int32_t> slot_index(kChunks);
+  std::vector<int64_t> slot_first(kChunks);
+  for (int i = 0; i < kChunks; ++i) {
+    slot_index[static_cast<size_t>(i)] = 2 * i;
+    slot_first[static_cast<size_t>(i)] = kSinks + static_cast<int64_t>(i) * kChunk;
+  }
+  const int64_t l0 = 100000, qpos = l0 + kLocal - 1;  // the local window far past the chunks
+  const std::vector<double> inv_freq = kvtier::kernels::RopeInvFreq(kHeadDim, 500000.0);
+  kvtier::kernels::SlotAttentionParams p;
+  p.q_heads = kQHeads;
+  p.kv_heads = kKvHeads;
+  p.head_dim = kHeadDim;
+  p.dtype = kDType;
+  p.n_queries = 1;
+  p.q = q.data();
+  p.q_positions = &qpos;
+  const uint16_t* sinks_k = kv.k.data() + pool_tokens * row;
+  const uint16_t* sinks_v = kv.v.data() + pool_tokens * row;
+  const uint16_t* local_k = sinks_k + kSinks * row;
+  const uint16_t* local_v = sinks_v + kSinks * row;
+  p.dense[0] = {sinks_k, sinks_v, kSinks, 0, nullptr};
+  p.dense[1] = {local_k + 200 * row, local_v + 200 * row, kLocal - 200, l0, nullptr};  // a wrapped ring
+  p.dense[2] = {local_k, local_v, 200, l0 + kLocal - 200, nullptr};
+  p.n_dense = 3;
+  p.n_leading_dense = 1;
+  p.pool_k = kv.k.data();
+  p.pool_v = kv.v.data();
+  p.pool_slots = kPoolSlots;
+  p.slot_tokens = kChunk;
+  p.n_slots = kChunks;
+  p.slot_index = slot_index.data();
+  p.slot_first_position = slot_first.data();
+  p.out = out.data();
+  if (rotated) {
+    p.rope_inv_freq = inv_freq.data();
+    p.dense[0].rope_position = l0;
+    p.slot_rope_position = l0;
+  }
+  for (auto _ : state) {
+    const KernelError e = kvtier::kernels::SlotAttention(p);
+    if (e != KernelError::kOk) {
+      state.SkipWithError(kvtier::kernels::KernelErrorString(e));
+      break;
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  const double tokens = kSinks + static_cast<double>(kChunks) * kChunk + kLocal;
+  state.counters["ns_per_token"] = benchmark::Counter(
+      tokens * state.iterations() / 1e9, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
 void RunMemcpy(benchmark::State& state, bool parallel) {
   const int64_t n = state.range(0);
   const Kv& kv = GetKv(n);
@@ -266,6 +336,12 @@ constexpr int64_t kStep = 2624, k4K = 4096, k32K = 32768, k128K = 131072;
 BENCHMARK(BM_AttentionDecode)
     ->ArgNames({"N", "chunked"})
     ->ArgsProduct({{kStep, k4K, k32K, k128K}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_SlotAttentionStep)
+    ->ArgName("rotated")
+    ->Arg(0)
+    ->Arg(1)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AttentionScattered)

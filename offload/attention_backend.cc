@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <initializer_list>
 #include <new>
 #include <string>
+#include <utility>
 
 #include "kernels/cuda/kernels.h"  // no CUDA header: its head_dim list holds in every build
 #include "kernels/dtype.h"
@@ -77,7 +80,32 @@ Result<int32_t> SlotOfSpan(const HotPoolView& pool, const kernels::KvSpan& span,
   return static_cast<int32_t>((k - base) / pool.slot_bytes);
 }
 
+namespace {
+
+// The rotation a plan asks for, as a named status (the kernels' check says only "bad shape").
+Status CheckRope(const std::string& who, int head_dim, const double* inv_freq,
+                 std::initializer_list<std::pair<std::string, int64_t>> positions) {
+  for (const auto& [name, pos] : positions) {
+    if (pos < kernels::kRopeAtKeyPositions)
+      return InvalidArgument(
+          who + ": " + name + " " + std::to_string(pos) +
+          " (a rotation position is >= 0, or kRopeAtKeyPositions = -1 for each key's own)");
+    if (inv_freq == nullptr && pos != kernels::kRopeAtKeyPositions)
+      return InvalidArgument(who + ": " + name + " " + std::to_string(pos) +
+                             " is set but rope_inv_freq is null (no rotation to place)");
+  }
+  if (inv_freq != nullptr && head_dim % 2 != 0)
+    return InvalidArgument(who + ": head_dim " + std::to_string(head_dim) +
+                           " is odd: keys rotate in pairs (rope_inv_freq is set)");
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status AttentionPlan::Build(const AttentionPlanInput& in) {
+  KVTIER_RETURN_IF_ERROR(CheckRope(
+      "attention plan", in.head_dim, in.rope_inv_freq,
+      {{"sinks_rope_position", in.sinks_rope_position}, {"chunks_rope_position", in.chunks_rope_position}}));
   if (in.n_local < 0 || in.n_local > kernels::kMaxDenseParts - 1)
     return InvalidArgument("attention plan: " + std::to_string(in.n_local) + " local runs (at most " +
                            std::to_string(kernels::kMaxDenseParts - 1) + " next to the sinks)");
@@ -101,6 +129,9 @@ Status AttentionPlan::Build(const AttentionPlanInput& in) {
                                       in.local[i].first_position, nullptr};
   p.n_dense = 1 + in.n_local;
   p.n_leading_dense = 1;
+  p.rope_inv_freq = in.rope_inv_freq;
+  p.dense[0].rope_position = in.sinks_rope_position;
+  p.slot_rope_position = in.chunks_rope_position;
   slot_index_.resize(in.n_chunks);
   slot_first_.resize(in.n_chunks);
   const size_t half = in.pool.slot_bytes / 2;
@@ -138,6 +169,12 @@ Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda) {
   if (cuda && p.n_queries > 65535)
     return InvalidArgument("attention plan: " + std::to_string(p.n_queries) +
                            " queries: the CUDA attention kernel takes at most 65535 per call");
+  for (int i = 0; i < std::clamp(p.n_dense, 0, kernels::kMaxDenseParts); ++i)
+    KVTIER_RETURN_IF_ERROR(
+        CheckRope("attention plan", p.head_dim, p.rope_inv_freq,
+                  {{"dense[" + std::to_string(i) + "].rope_position", p.dense[i].rope_position}}));
+  KVTIER_RETURN_IF_ERROR(CheckRope("attention plan", p.head_dim, p.rope_inv_freq,
+                                   {{"slot_rope_position", p.slot_rope_position}}));
   if (const KernelError e = kernels::CheckSlotAttentionParams(p); e != KernelError::kOk)
     return PlanError(e, "parameters rejected");
   for (int i = 0; i < p.n_slots; ++i)
@@ -270,6 +307,7 @@ class CudaAttentionBackend final : public AttentionBackend {
   ~CudaAttentionBackend() override {
     if (ws_.ptr) cudaFree(ws_.ptr);
     if (side_.ptr) cudaFree(side_.ptr);
+    if (rope_.ptr) cudaFree(rope_.ptr);
   }
   const char* name() const override { return "cuda"; }
 
@@ -392,7 +430,32 @@ class CudaAttentionBackend final : public AttentionBackend {
     }
     d.out = reinterpret_cast<float*>(ws + w.out);
     kernel_ws_ = kernel_bytes ? ws + w.kernel : nullptr;
+    if (p.rope_inv_freq != nullptr) {
+      KVTIER_ASSIGN_OR_RETURN(d.rope_inv_freq, DeviceInvFreq(p.rope_inv_freq, p.head_dim / 2));
+    }
     return d;
+  }
+
+  // The device copy of `half` inverse frequencies: uploaded when they differ from the last
+  // ones (a session passes the same table every step), on the tier's stream, so kernels
+  // queued before still read the values they were launched with.
+  Result<const double*> DeviceInvFreq(const double* host, int half) {
+    const size_t bytes = static_cast<size_t>(half) * sizeof(double);
+    if (rope_host_.size() == static_cast<size_t>(half) && std::memcmp(rope_host_.data(), host, bytes) == 0)
+      return static_cast<const double*>(rope_.ptr);
+    KVTIER_RETURN_IF_ERROR(Grow(&rope_, bytes, "rotation frequency table"));
+    try {
+      rope_host_.assign(host, host + half);
+    } catch (const std::bad_alloc&) {
+      return ResourceExhausted("attention (cuda): out of memory copying the rotation frequencies");
+    }
+    const cudaError_t e =
+        cudaMemcpyAsync(rope_.ptr, rope_host_.data(), bytes, cudaMemcpyHostToDevice, stream());
+    if (e != cudaSuccess) {
+      rope_host_.clear();
+      return Internal("attention (cuda): copying the rotation frequencies in: " + CudaMessage(e));
+    }
+    return static_cast<const double*>(rope_.ptr);
   }
 
   // One synchronisation per layer step: Session::Attend returns host output.
@@ -432,8 +495,10 @@ class CudaAttentionBackend final : public AttentionBackend {
   }
 
   CudaHotTier* hot_;
-  DeviceBuffer ws_;    // the plan's arrays, the output and the kernel's workspace (CopyPlanIn)
-  DeviceBuffer side_;  // RunWithDenseMass: the slot half's output, both lse, the mass
+  DeviceBuffer ws_;                // the plan's arrays, the output and the kernel's workspace (CopyPlanIn)
+  DeviceBuffer side_;              // RunWithDenseMass: the slot half's output, both lse, the mass
+  DeviceBuffer rope_;              // the rotation's inverse frequencies (DeviceInvFreq)
+  std::vector<double> rope_host_;  // what rope_ holds (empty: nothing uploaded)
   void* kernel_ws_ = nullptr;
 };
 

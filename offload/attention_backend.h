@@ -17,6 +17,12 @@
 //    Its host-side logic (slot mapping, workspace layout, plan validation) is tested here
 //    without a device; the numbers it computes, on a GPU or the emulated device.
 //
+// Keys kept before RoPE (InfLLM positions) are rotated by the kernel as it reads them
+// (AttentionPlanInput::rope_inv_freq; kernels/cpu/slot_attention.h says how): the plan carries
+// the frequencies and a rotation position for the sinks and for the chunks, the local runs are
+// rotated at their tokens' own positions, and the queries come rotated. The "cuda" backend
+// keeps a device copy of the frequencies, uploaded when they change.
+//
 // A hot slot holds one chunk as [K chunk][V chunk] (TieredStore's layout), while the
 // kernel reads K and V slots of one half each from two pools with the same index. So the
 // pool is seen as 2 * capacity half-slots: pool_k = base, pool_v = base + half, hot slot s
@@ -73,6 +79,17 @@ struct AttentionPlanInput {
   const kernels::KvSpan* local = nullptr;  ///< [n_local] runs, oldest first
   int n_local = 0;                         ///< 0 .. kMaxDenseParts - 1
   HotPoolView pool;                        ///< where the chunks live
+  /// Keys rotated as the kernel reads them: [head_dim / 2] inverse frequencies
+  /// (kernels::RopeInvFreq), HOST memory, read while Build and Run run; null = keys as stored.
+  /// With it, head_dim must be even and q must hold the queries already rotated.
+  const double* rope_inv_freq = nullptr;
+  /// Where the sinks' keys are rotated: kernels::kRopeAtKeyPositions (each at its own position)
+  /// or one position >= 0 for all (InfLLM: L0 = the local window's start, once chunks separate
+  /// the sinks from it). Must stay kRopeAtKeyPositions without rope_inv_freq.
+  int64_t sinks_rope_position = kernels::kRopeAtKeyPositions;
+  /// Where every retrieved chunk's keys are rotated, as sinks_rope_position (InfLLM: L0).
+  int64_t chunks_rope_position = kernels::kRopeAtKeyPositions;
+  // The local runs are rotated at their tokens' own positions.
 };
 
 /// One layer step's attention. The slot lists live in the plan (host memory) and params()
@@ -98,8 +115,10 @@ class AttentionPlan {
 };
 
 /// Host-side checks of a plan for a backend, as a named status: what CheckSlotAttentionParams
-/// finds, slot indices outside the pool, and for "cuda" the launcher's limits (head_dim 16, 32,
-/// 64, 128 or 256, at most 65535 queries). Needs no device and reads no K/V memory.
+/// finds, slot indices outside the pool, the rotation (an odd head_dim, a rotation position set
+/// without frequencies or below kRopeAtKeyPositions), and for "cuda" the launcher's limits
+/// (head_dim 16, 32, 64, 128 or 256, at most 65535 queries). Needs no device and reads no K/V
+/// memory.
 Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda);
 
 /// The CUDA backend's one device workspace, laid out on the host: the plan's host arrays

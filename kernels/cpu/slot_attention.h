@@ -9,6 +9,16 @@
 //   M = max(lse_a, lse_b), out = (out_a e^(lse_a - M) + out_b e^(lse_b - M)) / (e^(lse_a - M) + e^(lse_b -
 //   M)), lse = M + log(e^(lse_a - M) + e^(lse_b - M));
 // a side with lse = -inf (it saw no key) contributes nothing; both -inf gives zeros and -inf.
+//
+// Keys rotated as they are read (SlotAttentionParams::rope_inv_freq set): a store that keeps
+// keys before RoPE (InfLLM positions) gives each part the position its keys are rotated at,
+// which need not be where they are (causal masking always uses the true positions). Each key
+// is widened to fp32 and rotated as kernels::Rope (kernels/cpu/rope.h) rotates it: rotate-half
+// pairs (i, i + head_dim / 2), angle position * inv_freq[i] in double, cos and sin rounded to
+// fp32 once. V is never rotated; the queries come rotated already (the caller's job). The twin
+// rotates fp32 copies of the keys with kernels::Rope and attends them (V widened to fp32 too),
+// so its output is that of kernels::Rope on fp32 copies followed by an unrotated SlotAttention
+// with dtype kF32, bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -20,12 +30,22 @@ namespace kvtier::kernels {
 /// Dense runs: sinks and the local window (a ring that wraps is two runs).
 inline constexpr int kMaxDenseParts = 4;
 
+/// A rotation position (DenseKv::rope_position, SlotAttentionParams::slot_rope_position) that
+/// rotates each key at its own absolute position. Any value >= 0 rotates every key of the part
+/// (of every selected slot) at that one position; values below -1 are refused (kBadShape).
+inline constexpr int64_t kRopeAtKeyPositions = -1;
+
 struct DenseKv {
   const void* k = nullptr;     ///< [n_tokens, kv_heads, head_dim] storage dtype
   const void* v = nullptr;     ///< [n_tokens, kv_heads, head_dim] storage dtype
   int n_tokens = 0;            ///< >= 0
   int64_t first_position = 0;  ///< absolute position of token 0
   float* mass = nullptr;       ///< optional [kv_heads, n_tokens], ADDED to (KvSpan::mass)
+  /// Where its keys are rotated when SlotAttentionParams::rope_inv_freq is set:
+  /// kRopeAtKeyPositions (token t at first_position + t) or one position >= 0 for every token
+  /// (InfLLM: the sinks at L0 once chunks separate them from the local window). Must stay
+  /// kRopeAtKeyPositions when rope_inv_freq is null (kBadShape otherwise).
+  int64_t rope_position = kRopeAtKeyPositions;
 };
 
 struct SlotAttentionParams {
@@ -57,6 +77,15 @@ struct SlotAttentionParams {
                                ///< filled slot: its first slot_n_tokens[i] of each row)
   float* out = nullptr;        ///< [n_queries, q_heads, head_dim] fp32
   float* lse = nullptr;        ///< optional [n_queries, q_heads] natural-log LSE; -inf when no key
+  /// Optional rotation of every key as it is read (see the top of this file): [head_dim / 2]
+  /// inverse frequencies (kernels::RopeInvFreq), host memory for the twin, device memory for
+  /// the CUDA launcher. null = keys as stored (head_dim may then be odd). With it, head_dim must
+  /// be even (kBadShape) and q must hold rotated queries.
+  const double* rope_inv_freq = nullptr;
+  /// Where the selected slots' keys are rotated: kRopeAtKeyPositions (token t of slot i at
+  /// slot_first_position[i] + t) or one position >= 0 for all of them (InfLLM: L0, the start of
+  /// the local window). Must stay kRopeAtKeyPositions when rope_inv_freq is null.
+  int64_t slot_rope_position = kRopeAtKeyPositions;
 };
 
 /// Host-side checks of everything a launcher can check without reading device memory
@@ -64,6 +93,8 @@ struct SlotAttentionParams {
 KernelError CheckSlotAttentionParams(const SlotAttentionParams& p);
 
 /// CPU twin. Also checks slot_index values and slot_n_tokens (kBadShape when out of range).
+/// With rope_inv_freq it allocates fp32 copies of every attended K and V (kOutOfMemory when it
+/// cannot; kept per thread between calls).
 KernelError SlotAttention(const SlotAttentionParams& p);
 
 /// LSE merge (see above) of rows [rows, head_dim]: out/lse may alias out_a/lse_a.

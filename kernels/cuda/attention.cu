@@ -38,6 +38,14 @@
 // over its tiles (K only); with more, MassKernel makes it over the same grid after the merge.
 // Each key's exp(score - lse), summed over the block's heads, is added with one atomic.
 //
+// Keys rotated as they are read (rope_inv_freq set; kernels/cpu/slot_attention.h): a second
+// instance of each kernel (kRope) widens the stored tile's visible keys to fp32 and rotates them
+// into a padded fp32 tile in shared memory (RotateTile) before the score step, which then dots
+// q with those rows; V and the P.V step are as without. A tile's keys share one rotation
+// position (the part's, or the slots') or each sit at its own; the block keeps the cos/sin of
+// the last one-position rotation, so a run of chunks at L0 computes them once. The kernels
+// without rotation are the code they were (their shared memory has no rotated tile).
+//
 // head_dim is a template parameter D in {16, 32, 64, 128, 256}: with 2- or 4-byte elements a
 // row is whole 16-byte chunks (32 bytes at least) and whole 8-byte column chunks. Shared
 // memory per block is at most 2 x (8 KiB + N x 16) of K/V plus kGroup x D floats of q.
@@ -83,11 +91,25 @@ struct Geometry {
   static constexpr int W = 8 / kElem;                                      // elements per P.V read (8 bytes)
   static constexpr int kCols = D / W;                                      // column chunks per head
   static constexpr int kOwn = (kGroup * kCols + kThreads - 1) / kThreads;  // column chunks a thread owns
-  static constexpr int SP = N + 1;  // pitch of a head's scores (heads of one warp in other banks)
+  static constexpr int SP = N + 1;   // pitch of a head's scores (heads of one warp in other banks)
+  static constexpr int KRP = D + 4;  // pitch of a rotated fp32 key row (16 bytes of padding)
 };
 
+// What a block that rotates keys keeps besides (kRope): the tile's keys rotated in fp32, and
+// the cos/sin of the last one-position rotation it computed (rope_pos; -1 = none yet).
+template <typename T, int D, bool kRope>
+struct RopeSmem {};
 template <typename T, int D>
-struct Smem {
+struct RopeSmem<T, D, true> {
+  using G = Geometry<T, D>;
+  alignas(16) float kr[G::N * G::KRP];
+  float rc[D / 2], rs[D / 2];
+  int64_t rope_pos;
+};
+
+// kRope = false is the layout of a block that reads keys as stored (RopeSmem is empty).
+template <typename T, int D, bool kRope>
+struct Smem : RopeSmem<T, D, kRope> {
   using G = Geometry<T, D>;
   uint4 k[G::N * G::CP];
   uint4 v[G::N * G::CP];
@@ -104,6 +126,8 @@ struct Tile {
   const T* v;
   float* mass;
   int n;
+  int64_t rope_pos;  // with rope_inv_freq: where key 0 is rotated
+  bool rope_each;    // key t at rope_pos + t (else every key at rope_pos)
 };
 
 // The tiles of one split in order (see the header comment). Every thread of a block walks the
@@ -141,6 +165,7 @@ struct TileCursor {
       int64_t pos0;
       const T *kb, *vb;
       float* mass;
+      int64_t rope;  // the part's rotation position (kRopeAtKeyPositions: each key at its own)
       if (unit < dense_units) {
         int part = 0;
         for (; part + 1 < p->n_dense; ++part) {
@@ -155,6 +180,7 @@ struct TileCursor {
         kb = static_cast<const T*>(d.k);
         vb = static_cast<const T*>(d.v);
         mass = d.mass ? d.mass + static_cast<size_t>(kvh) * d.n_tokens + t0 : nullptr;
+        rope = d.rope_position;
       } else {
         unit -= dense_units;
         const int i = unit / slot_tiles;
@@ -171,6 +197,7 @@ struct TileCursor {
         mass = p->slot_mass
                    ? p->slot_mass + (static_cast<size_t>(i) * p->kv_heads + kvh) * p->slot_tokens + t0
                    : nullptr;
+        rope = p->slot_rope_position;
       }
       if (causal && qpos - pos0 + 1 < n) n = qpos - pos0 + 1 < 0 ? 0 : static_cast<int>(qpos - pos0 + 1);
       if (n <= 0) continue;
@@ -178,6 +205,8 @@ struct TileCursor {
       t->v = vb + t0 * row + head;
       t->mass = mass;
       t->n = n;
+      t->rope_each = rope == kRopeAtKeyPositions;
+      t->rope_pos = t->rope_each ? pos0 : rope;
       return true;
     }
     return false;
@@ -219,7 +248,8 @@ struct Stage {
       }
     }
   }
-  __device__ __forceinline__ void Store(Smem<T, D>& sh) const {
+  template <bool kRope>
+  __device__ __forceinline__ void Store(Smem<T, D, kRope>& sh) const {
 #pragma unroll
     for (int r = 0; r < G::kLoads; ++r) {
       const int j = threadIdx.x + r * kThreads;
@@ -244,8 +274,8 @@ __device__ __forceinline__ void ToFloats(const Raw& raw, float (&x)[kCount]) {
 
 // scale * q_g . k_key for every (key, head) pair of the tile, into sh.s (keys past n: -inf).
 // Pair i = threadIdx.x + r * kThreads is key i % N of head i / N.
-template <typename T, int D>
-__device__ __forceinline__ void ScoreTile(Smem<T, D>& sh, int group, int n, float scale) {
+template <typename T, int D, bool kRope>
+__device__ __forceinline__ void ScoreTile(Smem<T, D, kRope>& sh, int group, int n, float scale) {
   using G = Geometry<T, D>;
   for (int i = threadIdx.x; i < group * G::N; i += kThreads) {
     const int key = i % G::N, g = i / G::N;
@@ -269,6 +299,28 @@ __device__ __forceinline__ void ScoreTile(Smem<T, D>& sh, int group, int n, floa
   }
 }
 
+// ScoreTile over the tile's rotated fp32 rows (sh.kr, RotateTile), the same four fma chains.
+template <typename T, int D>
+__device__ __forceinline__ void ScoreRotatedTile(Smem<T, D, true>& sh, int group, int n, float scale) {
+  using G = Geometry<T, D>;
+  for (int i = threadIdx.x; i < group * G::N; i += kThreads) {
+    const int key = i % G::N, g = i / G::N;
+    const float* krow = sh.kr + key * G::KRP;
+    const float* q = sh.q + g * D;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+    for (int e = 0; e < D; e += 4) {
+      const float4 kv = *reinterpret_cast<const float4*>(krow + e);
+      const float4 qv = *reinterpret_cast<const float4*>(q + e);
+      d[0] = fmaf(qv.x, kv.x, d[0]);
+      d[1] = fmaf(qv.y, kv.y, d[1]);
+      d[2] = fmaf(qv.z, kv.z, d[2]);
+      d[3] = fmaf(qv.w, kv.w, d[3]);
+    }
+    sh.s[g * G::SP + key] = key < n ? ((d[0] + d[1]) + (d[2] + d[3])) * scale : -INFINITY;
+  }
+}
+
 __device__ __forceinline__ float WarpMax(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
@@ -276,9 +328,9 @@ __device__ __forceinline__ float WarpMax(float x) {
 }
 
 // Loads the block's q rows (heads kvh * G + g0 .. + group - 1 of query qi) into sh.q.
-template <typename T, int D>
-__device__ __forceinline__ void LoadQueries(const SlotAttentionParams& p, Smem<T, D>& sh, int h0, int group,
-                                            int qi) {
+template <typename T, int D, bool kRope>
+__device__ __forceinline__ void LoadQueries(const SlotAttentionParams& p, Smem<T, D, kRope>& sh, int h0,
+                                            int group, int qi) {
   const float* q = p.q + (static_cast<size_t>(qi) * p.q_heads + h0) * D;  // the group's rows are consecutive
   for (int i = threadIdx.x; i < group * D; i += kThreads) sh.q[i] = q[i];
 }
@@ -304,12 +356,51 @@ __device__ __forceinline__ HeadGroup BlockHeads(const SlotAttentionParams& p) {
   return hg;
 }
 
+// Rotates the tile's visible keys (sh.k, storage dtype) into sh.kr in fp32 as kernels::Rope
+// does: pairs (j, j + D/2), angle position * inv_freq[j] in double, cos and sin rounded to fp32
+// once. A one-position tile reuses the block's cos/sin when its position is the last one
+// computed (InfLLM's chunks all sit at L0). Called by every thread of the block once the tile
+// is in shared memory and synchronised; returns synchronised.
+template <typename T, int D>
+__device__ void RotateTile(const SlotAttentionParams& p, Smem<T, D, true>& sh, const Tile<T>& t) {
+  using G = Geometry<T, D>;
+  constexpr int H = D / 2;
+  if (!t.rope_each && sh.rope_pos != t.rope_pos) {  // block-uniform
+    __syncthreads();                                // every thread has read rope_pos
+    for (int j = threadIdx.x; j < H; j += kThreads) {
+      const double a = static_cast<double>(t.rope_pos) * p.rope_inv_freq[j];
+      sh.rc[j] = static_cast<float>(cos(a));
+      sh.rs[j] = static_cast<float>(sin(a));
+    }
+    if (threadIdx.x == 0) sh.rope_pos = t.rope_pos;
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < t.n * H; i += kThreads) {  // keys past n: ScoreTile masks them
+    const int key = i / H, j = i % H;
+    float c, s;
+    if (t.rope_each) {
+      const double a = static_cast<double>(t.rope_pos + key) * p.rope_inv_freq[j];
+      c = static_cast<float>(cos(a));
+      s = static_cast<float>(sin(a));
+    } else {
+      c = sh.rc[j];
+      s = sh.rs[j];
+    }
+    const T* krow = reinterpret_cast<const T*>(sh.k + key * G::CP);
+    const float x1 = LoadAsFloat(krow + j), x2 = LoadAsFloat(krow + j + H);
+    float* out = sh.kr + key * G::KRP;
+    out[j] = x1 * c + (-x2) * s;
+    out[j + H] = x2 * c + x1 * s;
+  }
+  __syncthreads();
+}
+
 // The mass pass: for each visible key of this split's tiles, adds sum over the block's heads
 // of exp(score - lse_g) (sh.l holds lse_g; -inf: the head saw no key and adds nothing).
 // Called by every thread of the block (it synchronises).
-template <typename T, int D>
-__device__ void MassPass(const SlotAttentionParams& p, Smem<T, D>& sh, const HeadGroup& hg, int64_t qpos,
-                         float scale, int split, int splits, bool vec) {
+template <typename T, int D, bool kRope>
+__device__ void MassPass(const SlotAttentionParams& p, Smem<T, D, kRope>& sh, const HeadGroup& hg,
+                         int64_t qpos, float scale, int split, int splits, bool vec) {
   using G = Geometry<T, D>;
   TileCursor<T, G::N> cursor(p, hg.kvh, qpos, split, splits);
   const size_t row = static_cast<size_t>(p.kv_heads) * D;
@@ -321,7 +412,12 @@ __device__ void MassPass(const SlotAttentionParams& p, Smem<T, D>& sh, const Hea
     __syncthreads();  // the previous tile's readers are done
     st.Store(sh);
     __syncthreads();
-    ScoreTile<T, D>(sh, hg.group, t.n, scale);
+    if constexpr (kRope) {
+      RotateTile<T, D>(p, sh, t);
+      ScoreRotatedTile<T, D>(sh, hg.group, t.n, scale);
+    } else {
+      ScoreTile<T, D>(sh, hg.group, t.n, scale);
+    }
     __syncthreads();
     for (int key = threadIdx.x; key < t.n; key += kThreads) {
       float sum = 0.0f;
@@ -334,12 +430,12 @@ __device__ void MassPass(const SlotAttentionParams& p, Smem<T, D>& sh, const Hea
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kRope>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     SlotAttentionKernel(const SlotAttentionParams p, float scale, int splits, bool vec, float* part_out,
                         float* part_lse) {
   using G = Geometry<T, D>;
-  __shared__ Smem<T, D> sh;
+  __shared__ Smem<T, D, kRope> sh;
   const HeadGroup hg = BlockHeads(p);
   const int qi = blockIdx.y, split = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -365,6 +461,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     sh.m[threadIdx.x] = -INFINITY;
     sh.l[threadIdx.x] = 0.0f;
   }
+  if constexpr (kRope) {
+    if (threadIdx.x == 0) sh.rope_pos = -1;  // no cos/sin computed yet
+  }
   while (have) {
     __syncthreads();  // the previous tile's readers are done (and sh.q, sh.m, sh.l are set)
     st.Store(sh);
@@ -372,7 +471,12 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     Tile<T> next;
     const bool have_next = cursor.Next(&next);
     if (have_next) st.Load(next, row, vec);  // in flight while this tile is computed
-    ScoreTile<T, D>(sh, hg.group, cur.n, scale);
+    if constexpr (kRope) {
+      RotateTile<T, D>(p, sh, cur);
+      ScoreRotatedTile<T, D>(sh, hg.group, cur.n, scale);
+    } else {
+      ScoreTile<T, D>(sh, hg.group, cur.n, scale);
+    }
     __syncthreads();
     if (warp < hg.group) {  // warp-uniform: warp g updates head g's online softmax
       float* s = sh.s + warp * G::SP;
@@ -509,16 +613,19 @@ __global__ void __launch_bounds__(kMergeThreads)
 }
 
 // The mass pass after the merge (more than one split): the same grid, the final lse of each row.
-template <typename T, int D>
+template <typename T, int D, bool kRope>
 __global__ void __launch_bounds__(kThreads)
     MassKernel(const SlotAttentionParams p, float scale, int splits, bool vec, const float* final_lse) {
-  __shared__ Smem<T, D> sh;
+  __shared__ Smem<T, D, kRope> sh;
   const HeadGroup hg = BlockHeads(p);
   const int qi = blockIdx.y, split = blockIdx.z;
   const int64_t qpos = p.causal ? p.q_positions[qi] : 0;
   LoadQueries<T, D>(p, sh, hg.h0, hg.group, qi);
   const int g = threadIdx.x;
   if (g < hg.group) sh.l[g] = final_lse[static_cast<size_t>(qi) * p.q_heads + hg.h0 + g];
+  if constexpr (kRope) {
+    if (threadIdx.x == 0) sh.rope_pos = -1;  // no cos/sin computed yet
+  }
   __syncthreads();
   MassPass<T, D>(p, sh, hg, qpos, scale, split, splits, vec);
 }
@@ -583,38 +690,46 @@ Workspace Layout(const SlotAttentionParams& p, int splits) {
   return w;
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kRope>
 KernelError LaunchTyped(const SlotAttentionParams& p, float scale, int splits, char* ws, cudaStream_t s) {
   const dim3 grid(p.kv_heads * HeadGroups(p), p.n_queries, splits);
   const Workspace w = Layout(p, splits);
   const bool vec = RowsAligned16(p);
   float* part_out = splits > 1 ? reinterpret_cast<float*>(ws + w.part_out) : nullptr;
   float* part_lse = splits > 1 ? reinterpret_cast<float*>(ws + w.part_lse) : nullptr;
-  LaunchKernel(&SlotAttentionKernel<T, D>, grid, kThreads, 0, s, p, scale, splits, vec, part_out, part_lse);
+  LaunchKernel(&SlotAttentionKernel<T, D, kRope>, grid, kThreads, 0, s, p, scale, splits, vec, part_out,
+               part_lse);
   if (const KernelError e = CheckLaunch(); e != KernelError::kOk || splits == 1) return e;
   const int rows = p.q_heads * p.n_queries;
   float* final_lse = reinterpret_cast<float*>(ws + w.final_lse);
   LaunchKernel(&MergeSplitsKernel, rows, kMergeThreads, 0, s, splits, rows, D, part_out, part_lse, p.out,
                p.lse, final_lse);
   if (const KernelError e = CheckLaunch(); e != KernelError::kOk || !WantsMass(p)) return e;
-  LaunchKernel(&MassKernel<T, D>, grid, kThreads, 0, s, p, scale, splits, vec,
+  LaunchKernel(&MassKernel<T, D, kRope>, grid, kThreads, 0, s, p, scale, splits, vec,
                static_cast<const float*>(final_lse));
   return CheckLaunch();
+}
+
+// The kernels for head_dim D: keys rotated as they are read, or as stored.
+template <typename T, int D>
+KernelError LaunchHeadDim(const SlotAttentionParams& p, float scale, int splits, char* ws, cudaStream_t s) {
+  return p.rope_inv_freq != nullptr ? LaunchTyped<T, D, true>(p, scale, splits, ws, s)
+                                    : LaunchTyped<T, D, false>(p, scale, splits, ws, s);
 }
 
 template <typename T>
 KernelError LaunchDType(const SlotAttentionParams& p, float scale, int splits, char* ws, cudaStream_t s) {
   switch (p.head_dim) {
     case 16:
-      return LaunchTyped<T, 16>(p, scale, splits, ws, s);
+      return LaunchHeadDim<T, 16>(p, scale, splits, ws, s);
     case 32:
-      return LaunchTyped<T, 32>(p, scale, splits, ws, s);
+      return LaunchHeadDim<T, 32>(p, scale, splits, ws, s);
     case 64:
-      return LaunchTyped<T, 64>(p, scale, splits, ws, s);
+      return LaunchHeadDim<T, 64>(p, scale, splits, ws, s);
     case 128:
-      return LaunchTyped<T, 128>(p, scale, splits, ws, s);
+      return LaunchHeadDim<T, 128>(p, scale, splits, ws, s);
     case 256:
-      return LaunchTyped<T, 256>(p, scale, splits, ws, s);
+      return LaunchHeadDim<T, 256>(p, scale, splits, ws, s);
   }
   return KernelError::kBadShape;  // LaunchSlotAttention refused it already
 }

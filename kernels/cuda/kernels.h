@@ -46,6 +46,10 @@ const char* LastCudaErrorString();
 /// outside [0, pool_slots) is skipped (the host cannot see device memory; the CPU twin
 /// rejects it). Mass: a pass after the final lse adds exp(score - lse)
 /// with atomics (their order makes mass non-deterministic in the last bits).
+/// Rotation (p.rope_inv_freq, a DEVICE array of head_dim / 2 doubles): each tile's keys are
+/// widened to fp32 and rotated in shared memory before the score step, at the part's
+/// DenseKv::rope_position or slot_rope_position (kRopeAtKeyPositions: each key at its own), as
+/// the twin does; the mass pass scores the same rotated keys. V is not rotated.
 /// Workspace: the splits' partials (0 bytes when one split suffices); kWorkspace when short.
 /// The head_dims LaunchSlotAttention has a kernel for (one template instance each). Inline, so
 /// host code of any build (ValidateAttentionPlan) states the same list without CUDA.

@@ -492,6 +492,196 @@ TEST_P(KernelBackends, LseMergeOfSplitRangesEqualsOnePass) {
   }
 }
 
+// ---- keys rotated as they are read (InfLLM positions) --------------------------------------
+
+// Where a rotating problem puts each part: the sinks at L0 or at their own positions, the
+// chunks at L0 or at their own, the local runs at their own.
+struct RopePlacement {
+  bool sinks_at_l0, chunks_at_l0;
+};
+
+// L0: the local window's first position (AttnProblem puts the ring's two runs last).
+int64_t LocalStart(const AttnProblem& P) { return std::min(P.dense[1].pos0, P.dense[2].pos0); }
+
+// The twin's params for P with the rotation of `place` (host inv_freq).
+SlotAttentionParams RotatingParams(const AttnProblem& P, const RopePlacement& place, const double* inv_freq,
+                                   std::vector<float>* out, std::vector<float>* lse,
+                                   std::vector<std::vector<float>>* dense_mass,
+                                   std::vector<float>* slot_mass) {
+  SlotAttentionParams p = P.Params(0, static_cast<int>(P.slot_index.size()), out, lse, dense_mass, slot_mass);
+  p.rope_inv_freq = inv_freq;
+  p.dense[0].rope_position = place.sinks_at_l0 ? LocalStart(P) : kRopeAtKeyPositions;
+  p.slot_rope_position = place.chunks_at_l0 ? LocalStart(P) : kRopeAtKeyPositions;
+  return p;
+}
+
+// What the rotation must mean: kernels::Rope on fp32 copies of the keys where `place` puts
+// them (V widened, not rotated), then SlotAttention without rotation over the copies in fp32.
+void RotatedReference(const AttnProblem& P, const RopePlacement& place, const double* inv_freq,
+                      std::vector<float>* out, std::vector<float>* lse,
+                      std::vector<std::vector<float>>* dense_mass, std::vector<float>* slot_mass) {
+  const AttnShape& s = P.s;
+  const size_t row = P.Row();
+  const int64_t l0 = LocalStart(P);
+  auto widen = [&](const std::vector<uint8_t>& src) {
+    std::vector<float> f(src.size() / DTypeSize(s.dt));
+    ToFloat(s.dt, src.data(), f.data(), f.size());
+    return f;
+  };
+  auto rotate = [&](float* k, int n, int64_t pos0, bool at_l0) {
+    std::vector<int64_t> pos(static_cast<size_t>(n));
+    for (int t = 0; t < n; ++t) pos[static_cast<size_t>(t)] = at_l0 ? l0 : pos0 + t;
+    Rope(k, n, s.kv_heads, s.head_dim, pos.data(), inv_freq);
+  };
+  std::vector<std::vector<float>> dk, dv;
+  for (size_t i = 0; i < P.dense.size(); ++i) {
+    dk.push_back(widen(P.dense[i].k));
+    dv.push_back(widen(P.dense[i].v));
+    rotate(dk.back().data(), P.dense[i].n, P.dense[i].pos0, i == 0 && place.sinks_at_l0);
+  }
+  std::vector<float> pk = widen(P.pool_k), pv = widen(P.pool_v);
+  for (size_t i = 0; i < P.slot_index.size(); ++i)
+    rotate(pk.data() + static_cast<size_t>(P.slot_index[i]) * P.slot_tokens * row, P.slot_tokens,
+           P.slot_pos[i], place.chunks_at_l0);
+  SlotAttentionParams p = P.Params(0, static_cast<int>(P.slot_index.size()), out, lse, dense_mass, slot_mass);
+  p.dtype = DType::kF32;
+  for (int i = 0; i < p.n_dense; ++i) {
+    p.dense[i].k = dk[static_cast<size_t>(i)].data();
+    p.dense[i].v = dv[static_cast<size_t>(i)].data();
+  }
+  p.pool_k = pk.data();
+  p.pool_v = pv.data();
+  ASSERT_EQ(SlotAttention(p), KernelError::kOk);
+}
+
+const AttnShape kRopeShapes[] = {
+    {32, 8, 128, DType::kBF16, 1, 12, false, true, false},            // GQA 4:1, Llama-3-8B decode
+    {8, 2, 64, DType::kF16, 1, 9, true, true, true},                  // GQA 4:1, ragged slots, mass
+    {4, 4, 64, DType::kF32, 5, 7, true, true, true},                  // GQA 1:1, a window, mass
+    {8, 8, 16, DType::kF16, 128, 2, true, true, true, 16, 40},        // 1:1, one split: mass in the block
+    {4, 1, 256, DType::kBF16, 3, 6, false, true, true, 24, 70},       // GQA 4:1, d256, many splits, mass
+    {4, 4, 32, DType::kF32, 1, 5, false, true, false, 16, 33, true},  // 1:1, rows not 16-byte aligned
+    {8, 2, 128, DType::kF16, 2, 4, false, true, true, 16, 16, true},  // 4:1, unaligned 16-bit, mass
+};
+
+TEST_P(KernelBackends, SlotAttentionRotatesKeysAsRopeOnFp32Copies) {
+  const RopePlacement places[] = {{true, true}, {false, true}, {false, false}};
+  int case_no = 0;
+  for (const AttnShape& shape : kRopeShapes) {
+    const RopePlacement place = places[case_no++ % 3];
+    SCOPED_TRACE(Name(shape) + (place.sinks_at_l0 ? " sinks@L0" : " sinks@own") +
+                 (place.chunks_at_l0 ? " chunks@L0" : " chunks@own") + " seed " + std::to_string(seed_));
+    AttnProblem P;
+    P.Make(shape, rng_);
+    const std::vector<double> inv_freq = RopeInvFreq(shape.head_dim, 10000.0);
+    const size_t n_out = static_cast<size_t>(shape.m) * shape.q_heads * shape.head_dim;
+    const size_t n_lse = static_cast<size_t>(shape.m) * shape.q_heads;
+    const size_t n_smass = static_cast<size_t>(shape.n_slots) * shape.kv_heads * P.slot_tokens;
+    auto zero_mass = [&] {
+      std::vector<std::vector<float>> m;
+      for (const auto& r : P.dense) m.emplace_back(static_cast<size_t>(shape.kv_heads) * r.n, 0.0f);
+      return m;
+    };
+    std::vector<float> out(n_out, kNaN), lse(n_lse, kNaN), smass(n_smass, 0.0f);
+    std::vector<std::vector<float>> dmass = zero_mass();
+    ASSERT_EQ(SlotAttention(RotatingParams(P, place, inv_freq.data(), &out, &lse,
+                                           shape.mass ? &dmass : nullptr, shape.mass ? &smass : nullptr)),
+              KernelError::kOk);
+    if (!cuda()) {
+      std::vector<float> ref(n_out, kNaN), ref_lse(n_lse, kNaN), ref_smass(n_smass, 0.0f);
+      std::vector<std::vector<float>> ref_dmass = zero_mass();
+      RotatedReference(P, place, inv_freq.data(), &ref, &ref_lse, shape.mass ? &ref_dmass : nullptr,
+                       shape.mass ? &ref_smass : nullptr);
+      EXPECT_TRUE(Close(out, ToDouble(ref), 1e-5, "out vs rope on copies"));
+      EXPECT_TRUE(Close(lse, ToDouble(ref_lse), 1e-5, "lse vs rope on copies"));
+      if (shape.mass) {
+        for (size_t i = 0; i < dmass.size(); ++i)
+          EXPECT_TRUE(Close(dmass[i], ToDouble(ref_dmass[i]), 1e-5, "dense mass vs rope on copies"));
+        EXPECT_TRUE(Close(smass, ToDouble(ref_smass), 1e-5, "slot mass vs rope on copies"));
+      }
+      // The rotation must matter here: the keys as stored give another answer.
+      std::vector<float> plain(n_out, kNaN), plain_lse(n_lse, kNaN);
+      ASSERT_EQ(SlotAttention(P.Params(0, shape.n_slots, &plain, &plain_lse, nullptr, nullptr)),
+                KernelError::kOk);
+      EXPECT_FALSE(Close(plain, ToDouble(ref), 1e-2, "unrotated vs rotated"));
+      continue;
+    }
+#if KVTIER_HAVE_CUDA
+    DeviceArena dev;
+    std::vector<float> dummy_out(n_out), dummy_lse(n_lse);
+    SlotAttentionParams d = RotatingParams(P, place, nullptr, &dummy_out, &dummy_lse, nullptr, nullptr);
+    d.rope_inv_freq = dev.Put(inv_freq);
+    d.q = dev.Put(P.q);
+    d.q_positions = dev.Put(P.qpos);
+    std::vector<float*> d_dmass;
+    for (int i = 0; i < d.n_dense; ++i) {
+      d.dense[i].k = dev.Put(P.dense[i].k);
+      d.dense[i].v = dev.Put(P.dense[i].v);
+      if (shape.misalign && i == 0) {  // one element in front: no 16-byte loads
+        const size_t elem = DTypeSize(shape.dt);
+        std::vector<uint8_t> k(elem), v(elem);
+        k.insert(k.end(), P.dense[i].k.begin(), P.dense[i].k.end());
+        v.insert(v.end(), P.dense[i].v.begin(), P.dense[i].v.end());
+        d.dense[i].k = dev.Put(k) + elem;
+        d.dense[i].v = dev.Put(v) + elem;
+      }
+      d.dense[i].mass = shape.mass ? dev.Put(std::vector<float>(dmass[i].size(), 0.0f)) : nullptr;
+      d_dmass.push_back(d.dense[i].mass);
+    }
+    d.pool_k = dev.Put(P.pool_k);
+    d.pool_v = dev.Put(P.pool_v);
+    d.slot_index = dev.Put(P.slot_index);
+    d.slot_first_position = dev.Put(P.slot_pos);
+    d.slot_n_tokens = dev.Put(P.slot_n);
+    d.slot_mass = shape.mass ? dev.Put(std::vector<float>(n_smass, 0.0f)) : nullptr;
+    d.out = dev.Put(std::vector<float>(n_out, kNaN));
+    d.lse = dev.Put(std::vector<float>(n_lse, kNaN));
+    const size_t ws_bytes = cuda::SlotAttentionWorkspaceBytes(d);
+    void* ws = ws_bytes ? dev.Alloc<char>(ws_bytes) : nullptr;
+    ASSERT_EQ(cuda::LaunchSlotAttention(d, ws, ws_bytes, nullptr), KernelError::kOk)
+        << cuda::LastCudaErrorString();
+    std::vector<float> g_out(n_out), g_lse(n_lse);
+    dev.Get(&g_out, d.out);
+    dev.Get(&g_lse, d.lse);
+    EXPECT_TRUE(Close(g_out, ToDouble(out), 1e-4, "cuda out vs twin"));
+    EXPECT_TRUE(Close(g_lse, ToDouble(lse), 1e-4, "cuda lse vs twin"));
+    if (shape.mass) {
+      for (int i = 0; i < d.n_dense; ++i) {
+        std::vector<float> g(dmass[i].size());
+        dev.Get(&g, d_dmass[i]);
+        EXPECT_TRUE(Close(g, ToDouble(dmass[i]), 1e-4, "cuda dense mass vs twin"));
+      }
+      std::vector<float> g(n_smass);
+      dev.Get(&g, d.slot_mass);
+      EXPECT_TRUE(Close(g, ToDouble(smass), 1e-4, "cuda slot mass vs twin"));
+    }
+#endif
+  }
+}
+
+TEST(KernelBackendsCpu, SlotAttentionRefusesARotationItCannotPlace) {
+  std::mt19937 rng(11);
+  AttnProblem P;
+  P.Make({4, 2, 64, DType::kF16, 1, 3, false, true, false}, rng);
+  std::vector<float> out(4 * 64), lse(4);
+  const std::vector<double> inv_freq = RopeInvFreq(64, 10000.0);
+  SlotAttentionParams p = P.Params(0, 3, &out, &lse, nullptr, nullptr);
+  p.slot_rope_position = 5;  // a position without frequencies
+  EXPECT_EQ(SlotAttention(p), KernelError::kBadShape);
+  p.slot_rope_position = kRopeAtKeyPositions;
+  p.dense[0].rope_position = 5;
+  EXPECT_EQ(SlotAttention(p), KernelError::kBadShape);
+  p.rope_inv_freq = inv_freq.data();
+  EXPECT_EQ(SlotAttention(p), KernelError::kOk);
+  p.dense[0].rope_position = -2;  // below kRopeAtKeyPositions
+  EXPECT_EQ(SlotAttention(p), KernelError::kBadShape);
+  p.dense[0].rope_position = kRopeAtKeyPositions;
+  p.head_dim = 63;  // odd: no pairs to rotate
+  EXPECT_EQ(CheckSlotAttentionParams(p), KernelError::kBadShape);
+  p.rope_inv_freq = nullptr;
+  EXPECT_EQ(CheckSlotAttentionParams(p), KernelError::kOk);
+}
+
 TEST(KernelBackendsCpu, MergeWithAnEmptySideKeepsTheOther) {
   const std::vector<float> a = {1.0f, 2.0f}, a_lse = {0.5f}, none = {0.0f, 0.0f}, none_lse = {kNegInf};
   std::vector<float> out(2, kNaN), lse(1, kNaN);

@@ -34,6 +34,8 @@
 #include "offload/tiered_store.h"
 #include "tests/tiered_store_test_peer.h"
 #if KVTIER_HAVE_CUDA
+#include <cuda_runtime.h>
+
 #include "kernels/cuda/kernels.h"
 #endif
 
@@ -360,6 +362,265 @@ TEST(AttentionBackend, PlanReadsKvSlotsThroughHalfPoolsBitForBitLikeTheParts) {
   in.n_local = kernels::kMaxDenseParts;  // too many runs next to the sinks
   EXPECT_EQ(plan.Build(in).code(), StatusCode::kInvalidArgument);
 }
+
+// A plan whose keys are kept before RoPE: sinks, three chunks of a [K][V] slot pool and two
+// local runs in host memory, queries at the end of the local window.
+struct RotatingPlanCase {
+  static constexpr int kChunk = 8, kCap = 6, kM = 3;
+  DType dt;
+  size_t tok = static_cast<size_t>(kKvHeads) * kDim, half = 0;
+  std::vector<uint8_t> pool, sk, sv, lk, lv;
+  std::vector<float> q;
+  int64_t pos[kM] = {45, 46, 47};
+  std::vector<double> inv_freq = kernels::RopeInvFreq(kDim, 10000.0);
+  std::vector<kernels::KvSpan> chunks;
+  kernels::KvSpan sinks, local[2];
+  static constexpr int64_t kL0 = 28;  // the local window's start
+
+  explicit RotatingPlanCase(DType dtype) : dt(dtype) {
+    half = kChunk * tok * DTypeSize(dt);
+    std::mt19937 rng(9);
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    auto random = [&](size_t elems) {
+      std::vector<float> f(elems);
+      for (float& x : f) x = n(rng);
+      std::vector<uint8_t> b(elems * DTypeSize(dt));
+      FromFloat(dt, f.data(), b.data(), elems);
+      return b;
+    };
+    pool = random(kCap * 2 * kChunk * tok);
+    sk = random(4 * tok), sv = random(4 * tok), lk = random(20 * tok), lv = random(20 * tok);
+    q.resize(static_cast<size_t>(kM) * kQHeads * kDim);
+    for (float& x : q) x = n(rng);
+    Place(pool.data(), sk.data(), sv.data(), lk.data(), lv.data());
+  }
+  // The spans over these bases (host copies, or device copies of the same bytes).
+  void Place(const uint8_t* pool_base, const uint8_t* s_k, const uint8_t* s_v, const uint8_t* l_k,
+             const uint8_t* l_v) {
+    chunks.clear();
+    const int chosen[3] = {5, 0, 3};
+    for (int i = 0; i < 3; ++i)
+      chunks.push_back(kernels::KvSpan{pool_base + chosen[i] * 2 * half,
+                                       pool_base + chosen[i] * 2 * half + half, kChunk,
+                                       4 + static_cast<int64_t>(i) * kChunk, nullptr});
+    sinks = kernels::KvSpan{s_k, s_v, 4, 0, nullptr};
+    const size_t run = 12 * tok * DTypeSize(dt);
+    local[0] = kernels::KvSpan{l_k, l_v, 12, kL0, nullptr};
+    local[1] = kernels::KvSpan{l_k + run, l_v + run, 8, kL0 + 12, nullptr};
+  }
+  AttentionPlanInput Input(const uint8_t* pool_base) const {
+    AttentionPlanInput in;
+    in.q_heads = kQHeads;
+    in.kv_heads = kKvHeads;
+    in.head_dim = kDim;
+    in.dtype = dt;
+    in.n_queries = kM;
+    in.q = q.data();
+    in.positions = pos;
+    in.sinks = sinks;
+    in.chunks = chunks.data();
+    in.n_chunks = chunks.size();
+    in.local = local;
+    in.n_local = 2;
+    in.pool = HotPoolView{pool_base, kCap, 2 * half};
+    in.rope_inv_freq = inv_freq.data();
+    in.sinks_rope_position = kL0;
+    in.chunks_rope_position = kL0;
+    return in;
+  }
+};
+
+// Session::Attend's InfLLM path before the kernel rotated: fp32 copies rotated with
+// kernels::Rope (sinks and chunks at L0, the local runs at their own positions), the chunks
+// as a pool of their own, planned in kF32 without rotation.
+struct PreRotated {
+  std::vector<float> pool, parts[3];
+  AttentionPlanInput in;
+  std::vector<kernels::KvSpan> chunks;
+  kernels::KvSpan sinks, local[2];
+
+  explicit PreRotated(const RotatingPlanCase& c) {
+    const size_t chunk_elems = RotatingPlanCase::kChunk * c.tok;
+    auto copy = [&](const kernels::KvSpan& sp, float* k, float* v, bool at_l0) {
+      const size_t n = static_cast<size_t>(sp.n_tokens) * c.tok;
+      ToFloat(c.dt, sp.k, k, n);
+      ToFloat(c.dt, sp.v, v, n);
+      std::vector<int64_t> pos(static_cast<size_t>(sp.n_tokens));
+      for (int t = 0; t < sp.n_tokens; ++t)
+        pos[static_cast<size_t>(t)] = at_l0 ? c.kL0 : sp.first_position + t;
+      kernels::Rope(k, sp.n_tokens, kKvHeads, kDim, pos.data(), c.inv_freq.data());
+      kernels::KvSpan out = sp;
+      out.k = k;
+      out.v = v;
+      return out;
+    };
+    pool.resize(c.chunks.size() * 2 * chunk_elems);
+    for (size_t i = 0; i < c.chunks.size(); ++i) {
+      float* k = pool.data() + i * 2 * chunk_elems;
+      chunks.push_back(copy(c.chunks[i], k, k + chunk_elems, true));
+    }
+    const kernels::KvSpan* dense[3] = {&c.sinks, &c.local[0], &c.local[1]};
+    kernels::KvSpan* mine[3] = {&sinks, &local[0], &local[1]};
+    for (int i = 0; i < 3; ++i) {
+      const size_t n = static_cast<size_t>(dense[i]->n_tokens) * c.tok;
+      parts[i].resize(2 * n);
+      *mine[i] = copy(*dense[i], parts[i].data(), parts[i].data() + n, i == 0);
+    }
+    in = c.Input(c.pool.data());
+    in.dtype = DType::kF32;
+    in.rope_inv_freq = nullptr;
+    in.sinks_rope_position = in.chunks_rope_position = kernels::kRopeAtKeyPositions;
+    in.sinks = sinks;
+    in.chunks = chunks.data();
+    in.local = local;
+    in.pool = HotPoolView{reinterpret_cast<const uint8_t*>(pool.data()), static_cast<int32_t>(chunks.size()),
+                          2 * chunk_elems * sizeof(float)};
+  }
+};
+
+TEST(AttentionBackend, RotatingPlanOnCpuEqualsRopeOnFp32CopiesBitForBit) {
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(dt));
+    RotatingPlanCase c(dt);
+    AttentionPlan plan, ref_plan;
+    ASSERT_TRUE(plan.Build(c.Input(c.pool.data())).ok());
+    EXPECT_EQ(plan.params().rope_inv_freq, c.inv_freq.data());
+    EXPECT_EQ(plan.params().dense[0].rope_position, c.kL0);
+    EXPECT_EQ(plan.params().dense[1].rope_position, kernels::kRopeAtKeyPositions);
+    EXPECT_EQ(plan.params().slot_rope_position, c.kL0);
+    PreRotated r(c);
+    ASSERT_TRUE(ref_plan.Build(r.in).ok());
+    auto backend = MakeAttentionBackend(MakeHotTier(Device::kCpu, 4 * 2 * c.half, 2 * c.half)->get(),
+                                        Geometry{1, kQHeads, kKvHeads, kDim, dt}, 1);
+    ASSERT_TRUE(backend.ok()) << backend.status().ToString();
+    std::vector<float> out(c.q.size(), std::nanf("")), ref(c.q.size(), std::nanf(""));
+    ASSERT_TRUE((*backend)->Run(plan, out.data()).ok());
+    ASSERT_TRUE((*backend)->Run(ref_plan, ref.data()).ok());
+    EXPECT_EQ(std::memcmp(out.data(), ref.data(), out.size() * sizeof(float)), 0);
+    // The dense parts' statistics come from the rotated keys too.
+    std::vector<float> mass[3], ref_mass[3];
+    float* mp[3];
+    float* rp[3];
+    for (int i = 0; i < 3; ++i) {
+      mass[i].assign(static_cast<size_t>(kKvHeads) * plan.params().dense[i].n_tokens, std::nanf(""));
+      ref_mass[i].assign(mass[i].size(), std::nanf(""));
+      mp[i] = mass[i].data();
+      rp[i] = ref_mass[i].data();
+    }
+    ASSERT_TRUE((*backend)->RunWithDenseMass(plan, out.data(), mp).ok());
+    ASSERT_TRUE((*backend)->RunWithDenseMass(ref_plan, ref.data(), rp).ok());
+    EXPECT_EQ(std::memcmp(out.data(), ref.data(), out.size() * sizeof(float)), 0);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(mass[i], ref_mass[i]) << "dense part " << i;
+  }
+}
+
+TEST(AttentionBackend, RotationErrorsAreNamed) {
+  RotatingPlanCase c(DType::kF16);
+  AttentionPlan plan;
+  AttentionPlanInput in = c.Input(c.pool.data());
+  in.rope_inv_freq = nullptr;  // positions set, nothing to rotate with
+  Status s = plan.Build(in);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("sinks_rope_position 28 is set but rope_inv_freq is null"), std::string::npos)
+      << s.ToString();
+  in.sinks_rope_position = kernels::kRopeAtKeyPositions;
+  s = plan.Build(in);
+  EXPECT_NE(s.message().find("chunks_rope_position 28"), std::string::npos) << s.ToString();
+  in.chunks_rope_position = kernels::kRopeAtKeyPositions;
+  EXPECT_TRUE(plan.Build(in).ok());  // no rotation at all: today's plan
+  EXPECT_EQ(plan.params().rope_inv_freq, nullptr);
+  in.rope_inv_freq = c.inv_freq.data();
+  in.chunks_rope_position = -7;
+  s = plan.Build(in);
+  EXPECT_NE(s.message().find("chunks_rope_position -7"), std::string::npos) << s.ToString();
+  in.chunks_rope_position = c.kL0;
+  in.head_dim = 31;
+  s = plan.Build(in);
+  EXPECT_NE(s.message().find("head_dim 31 is odd"), std::string::npos) << s.ToString();
+  in.head_dim = kDim;
+  ASSERT_TRUE(plan.Build(in).ok());
+  std::vector<float> out(c.q.size());
+  kernels::SlotAttentionParams p = plan.params();
+  p.out = out.data();
+  EXPECT_TRUE(ValidateAttentionPlan(p, /*cuda=*/true).ok());
+  p.dense[2].rope_position = -3;
+  s = ValidateAttentionPlan(p, false);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("dense[2].rope_position -3"), std::string::npos) << s.ToString();
+  p.dense[2].rope_position = kernels::kRopeAtKeyPositions;
+  p.rope_inv_freq = nullptr;
+  s = ValidateAttentionPlan(p, true);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("slot_rope_position 28 is set but rope_inv_freq is null"), std::string::npos)
+      << s.ToString();
+}
+
+#if KVTIER_HAVE_CUDA
+TEST(AttentionBackend, RotatingPlanOnTheCudaBackendMatchesTheCpuBackend) {
+  if (kernels::cuda::DeviceCount() == 0)
+    GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(dt));
+    RotatingPlanCase c(dt);
+    AttentionPlan host_plan, dev_plan;
+    ASSERT_TRUE(host_plan.Build(c.Input(c.pool.data())).ok());
+    // The same bytes on the device; the plan's host arrays (q, positions, inv_freq) stay host.
+    std::vector<void*> allocs;
+    auto put = [&](const std::vector<uint8_t>& b) {
+      void* d = nullptr;
+      EXPECT_EQ(cudaMalloc(&d, b.size()), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(d, b.data(), b.size(), cudaMemcpyHostToDevice), cudaSuccess);
+      allocs.push_back(d);
+      return static_cast<const uint8_t*>(d);
+    };
+    const uint8_t* d_pool = put(c.pool);
+    c.Place(d_pool, put(c.sk), put(c.sv), put(c.lk), put(c.lv));
+    ASSERT_TRUE(dev_plan.Build(c.Input(d_pool)).ok());
+    auto tier = MakeHotTier(Device::kCuda, 4 * 2 * c.half, 2 * c.half);
+    ASSERT_TRUE(tier.ok()) << tier.status().ToString();
+    auto cpu = MakeAttentionBackend(MakeHotTier(Device::kCpu, 4 * 2 * c.half, 2 * c.half)->get(),
+                                    Geometry{1, kQHeads, kKvHeads, kDim, dt}, 1);
+    auto gpu = MakeAttentionBackend(tier->get(), Geometry{1, kQHeads, kKvHeads, kDim, dt}, 1);
+    ASSERT_TRUE(cpu.ok() && gpu.ok()) << gpu.status().ToString();
+    std::vector<float> want(c.q.size()), got(c.q.size(), std::nanf(""));
+    auto worst = [&] {
+      double w = 0;
+      for (size_t i = 0; i < want.size(); ++i)
+        w = std::max(w, static_cast<double>(std::fabs(want[i] - got[i])));
+      return w;
+    };
+    ASSERT_TRUE((*cpu)->Run(host_plan, want.data()).ok());
+    Status st = (*gpu)->Run(dev_plan, got.data());
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    EXPECT_LE(worst(), 1e-4);
+    // Other frequencies: the device copy follows them.
+    c.inv_freq = kernels::RopeInvFreq(kDim, 500000.0);
+    ASSERT_TRUE(dev_plan.Build(c.Input(d_pool)).ok());
+    c.Place(c.pool.data(), c.sk.data(), c.sv.data(), c.lk.data(), c.lv.data());
+    ASSERT_TRUE(host_plan.Build(c.Input(c.pool.data())).ok());
+    ASSERT_TRUE((*cpu)->Run(host_plan, want.data()).ok());
+    ASSERT_TRUE((*gpu)->Run(dev_plan, got.data()).ok());
+    EXPECT_LE(worst(), 1e-4);
+    // With the dense parts' statistics (two launches and a merge).
+    std::vector<float> mass[3], gmass[3];
+    float* mp[3];
+    float* gp[3];
+    for (int i = 0; i < 3; ++i) {
+      mass[i].assign(static_cast<size_t>(kKvHeads) * host_plan.params().dense[i].n_tokens, 0.0f);
+      gmass[i].assign(mass[i].size(), std::nanf(""));
+      mp[i] = mass[i].data();
+      gp[i] = gmass[i].data();
+    }
+    ASSERT_TRUE((*cpu)->RunWithDenseMass(host_plan, want.data(), mp).ok());
+    st = (*gpu)->RunWithDenseMass(dev_plan, got.data(), gp);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    EXPECT_LE(worst(), 1e-4);
+    for (int i = 0; i < 3; ++i)
+      for (size_t j = 0; j < mass[i].size(); ++j) EXPECT_NEAR(gmass[i][j], mass[i][j], 1e-4) << i << " " << j;
+    for (void* d : allocs) cudaFree(d);
+  }
+}
+#endif
 
 TEST(AttentionBackend, ValidationNamesBadGeometry) {
   kernels::SlotAttentionParams p;
