@@ -171,12 +171,6 @@ Result<std::unique_ptr<Session>> Session::Attach(Store* base, SequenceId seq, co
     return InvalidArgument("Session: infllm positions need an even head_dim for RoPE (got " +
                            std::to_string(g.head_dim) + ")");
   KVTIER_RETURN_IF_ERROR(store->SequenceLength(seq, 0).status());  // NotFound names the sequence
-  const bool device_tier = store->hot_tier()->device() != Device::kCpu;
-  if (device_tier && options.positions == PositionMode::kInfLLM)
-    return FailedPrecondition(
-        std::string("Session: infllm positions rotate the stored keys on the host, and the hot "
-                    "tier is on \"") +
-        DeviceName(store->hot_tier()->device()) + "\"; use absolute positions (the engine applies RoPE)");
   try {
     std::unique_ptr<SessionImpl> s(new SessionImpl(store, seq, options));
     // Sized for decode (one query); a prefill window grows a device workspace once.
@@ -438,7 +432,6 @@ const SessionImpl::StepPlan& SessionImpl::PlanStep(int m, const HotView& view) {
       for (int t = 0; t < n; ++t)
         p.local_key_positions[i][static_cast<size_t>(t)] = view.local[i].first_position + t;
     }
-    p.chunk_key_positions.assign(static_cast<size_t>(store_->options().chunk_size), p.local_start);
   }
   p.valid = true;
   step_plan_builds_ += 1;
@@ -503,15 +496,19 @@ Status SessionImpl::ObserveStatistics(int layer, const float* q, int m, const Ho
                                       const StepPlan& plan) {
   const int64_t* positions = plan.positions.data();
   if (inv_freq_.empty()) return ObserveQueries(*store_, seq_, layer, q, positions, m);
-  // kInfLLM (host tiers only: Open refuses a device tier). The model attends the local window
-  // at its true positions and the sinks at L0 once chunks separate them (Attend's rotations),
-  // with queries at their true positions; the sinks join the softmax, only the local window's
-  // mass is kept (the store's pass does the same).
+  // kInfLLM. The model attends the local window at its true positions and the sinks at L0 once
+  // chunks separate them (Attend's rotations), with queries at their true positions; the sinks
+  // join the softmax, only the local window's mass is kept (the store's pass does the same).
+  // This pass runs on the host: on a device tier the sinks and local window are read back first
+  // (as ObserveQueries does; Attend of a prefill window takes the statistics on the device).
   const Geometry& g = geometry();
   const float* q_true = TrueQueries(q, positions, m);
   const size_t tok = g.token_elems();
   const int n_parts = 1 + view.n_local_spans;
+  HotTier* hot = store_->hot_tier();
+  const bool device_tier = hot->device() != Device::kCpu;
   std::vector<std::vector<float>> k(n_parts), v(n_parts), mass(n_parts);
+  std::vector<uint8_t> host_k, host_v;
   std::vector<kernels::KvSpan> parts(n_parts);
   for (int i = 0; i < n_parts; ++i) {
     const kernels::KvSpan& sp = i == 0 ? view.sinks : view.local[i - 1];
@@ -520,8 +517,19 @@ Status SessionImpl::ObserveStatistics(int layer, const float* q, int m, const Ho
     v[i].resize(std::max<size_t>(1, n));
     mass[i].assign(static_cast<size_t>(g.kv_heads) * std::max(1, sp.n_tokens), 0.0f);
     if (n > 0) {
-      ToFloat(g.dtype, sp.k, k[i].data(), n);
-      ToFloat(g.dtype, sp.v, v[i].data(), n);
+      const void* ks = sp.k;
+      const void* vs = sp.v;
+      if (device_tier) {
+        const size_t bytes = n * DTypeSize(g.dtype);
+        host_k.resize(bytes);
+        host_v.resize(bytes);
+        KVTIER_RETURN_IF_ERROR(hot->Download(host_k.data(), static_cast<const uint8_t*>(sp.k), bytes));
+        KVTIER_RETURN_IF_ERROR(hot->Download(host_v.data(), static_cast<const uint8_t*>(sp.v), bytes));
+        ks = host_k.data();
+        vs = host_v.data();
+      }
+      ToFloat(g.dtype, ks, k[i].data(), n);
+      ToFloat(g.dtype, vs, v[i].data(), n);
       const std::vector<int64_t>& pos = i == 0 ? plan.sink_key_positions : plan.local_key_positions[i - 1];
       kernels::Rope(k[i].data(), sp.n_tokens, g.kv_heads, g.head_dim, pos.data(), inv_freq_.data());
     }
@@ -682,52 +690,14 @@ Status SessionImpl::Attend(int layer, const float* q, const int64_t* positions, 
     AttentionPlanInput in = step.base;
     in.q = q;
     if (!inv_freq_.empty()) {
-      // Queries at their true positions; each part's keys rotated where memory puts them, on
-      // fp32 copies (the store keeps keys before RoPE). The rotated chunks form a slot pool
-      // of their own ([K][V] per chunk), so the plan reads them through the same index list.
+      // Queries at their true positions; each part's keys rotated where memory puts them, by
+      // the attention kernel as it reads them (the store keeps keys before RoPE), on the tier's
+      // device: the retrieved chunks at L0, the sinks at L0 once chunks separate them from the
+      // local window (else at their own positions), the local runs at their own positions.
       in.q = TrueQueries(q, step.positions.data(), m);
-      const size_t tok = g.token_elems();
-      const size_t chunk_elems = lp.n_chunks ? static_cast<size_t>(lp.parts[1].n_tokens) * tok : 0;
-      rot_pool_.resize(lp.n_chunks * 2 * chunk_elems);
-      rot_k_.resize(lp.parts.size());
-      rot_v_.resize(lp.parts.size());
-      for (size_t i = 0; i < lp.parts.size(); ++i) {
-        kernels::KvSpan& sp = lp.parts[i];
-        const size_t n = static_cast<size_t>(sp.n_tokens) * tok;
-        const bool chunk = i >= 1 && i <= lp.n_chunks;
-        float* kf = nullptr;
-        float* vf = nullptr;
-        if (chunk) {
-          if (n != chunk_elems) return Internal("Session::Attend: retrieved chunks of different sizes");
-          kf = rot_pool_.data() + (i - 1) * 2 * chunk_elems;
-          vf = kf + chunk_elems;
-        } else {
-          rot_k_[i].resize(n);
-          rot_v_[i].resize(n);
-          kf = rot_k_[i].data();
-          vf = rot_v_[i].data();
-        }
-        if (n > 0) {
-          ToFloat(g.dtype, sp.k, kf, n);
-          ToFloat(g.dtype, sp.v, vf, n);
-          // Where the step plan rotates this part's keys: the sinks (at L0 once separated),
-          // a chunk (all at L0), a local run (true positions).
-          const std::vector<int64_t>& pos = i == 0  ? step.sink_key_positions
-                                            : chunk ? step.chunk_key_positions
-                                                    : step.local_key_positions[i - 1 - lp.n_chunks];
-          if (pos.size() != static_cast<size_t>(sp.n_tokens))
-            return Internal("Session::Attend: layer " + std::to_string(layer) + ": part " +
-                            std::to_string(i) + " holds " + std::to_string(sp.n_tokens) +
-                            " tokens and the step plan rotates " + std::to_string(pos.size()));
-          kernels::Rope(kf, sp.n_tokens, g.kv_heads, g.head_dim, pos.data(), inv_freq_.data());
-        }
-        sp.k = kf;
-        sp.v = vf;
-      }
-      in.dtype = DType::kF32;
-      in.pool.base = reinterpret_cast<const uint8_t*>(rot_pool_.data());
-      in.pool.capacity = static_cast<int32_t>(lp.n_chunks);
-      in.pool.slot_bytes = 2 * chunk_elems * sizeof(float);
+      in.rope_inv_freq = inv_freq_.data();
+      in.chunks_rope_position = step.local_start;
+      in.sinks_rope_position = step.sinks_are_memory ? step.local_start : kernels::kRopeAtKeyPositions;
     }
     in.sinks = lp.parts[0];
     in.chunks = lp.n_chunks ? lp.parts.data() + 1 : nullptr;

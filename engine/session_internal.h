@@ -150,13 +150,12 @@ class SessionImpl final : public Session {
     // Attend's plan input less the parts and queries: geometry, scale, m, `positions`, the
     // hot slot pool (fixed for the store's life).
     AttentionPlanInput base;
-    // kInfLLM only: memory's view of the queries (positions - L0) and the positions each part's
-    // keys are rotated to: the sinks (at L0 once separated), each local run (true positions),
-    // a retrieved chunk (chunk_size times L0).
+    // kInfLLM only: memory's view of the queries (positions - L0) and the positions the
+    // statistics pass rotates the dense parts' keys to: the sinks (at L0 once separated), each
+    // local run (true positions). Attend has the kernel rotate them (chunks at L0).
     std::vector<int64_t> rel;
     std::vector<int64_t> sink_key_positions;
     std::vector<int64_t> local_key_positions[2];
-    std::vector<int64_t> chunk_key_positions;
   };
   // The plan for a layer call of m queries over `view`, reused when its key matches.
   const StepPlan& PlanStep(int m, const HotView& view);
@@ -207,8 +206,6 @@ class SessionImpl final : public Session {
   const float* q_rot_of_ = nullptr;  // the q that q_rot_ holds rotated in this layer call; null = none
   StepPlan step_plan_;
   uint64_t step_plan_builds_ = 0;
-  std::vector<std::vector<float>> rot_k_, rot_v_;
-  std::vector<float> rot_pool_;  // kInfLLM: rotated chunks as a slot pool ([K][V] fp32 per chunk)
   std::unique_ptr<AttentionBackend> backend_;  // runs the plan where the hot tier's memory is
   std::unique_ptr<AttentionPlan> plan_;        // rebuilt every Attend, its vectors reused
 };

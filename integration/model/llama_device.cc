@@ -3,6 +3,8 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/cpu/rope.h"
+
 #if KVTIER_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -181,11 +183,9 @@ Result<std::unique_ptr<LlamaDeviceForward>> LlamaDeviceForward::Create(const Lla
                                                                        PositionMode positions,
                                                                        const std::vector<double>& inv_freq) {
   if (model == nullptr) return InvalidArgument("device forward: model is null");
-  if (positions != PositionMode::kAbsolute)
-    return InvalidArgument(
-        std::string("device forward: positions '") + PositionModeName(positions) +
-        "' are not supported on the device (InfLLM positions rotate the stored keys on the host "
-        "at attention time); use absolute positions");
+  if (positions != PositionMode::kAbsolute && positions != PositionMode::kInfLLM)
+    return InvalidArgument(std::string("device forward: unknown position mode ") +
+                           std::to_string(static_cast<int>(positions)));
   auto* tier = dynamic_cast<CudaHotTier*>(hot);
   if (tier == nullptr)
     return Unavailable(
@@ -198,6 +198,8 @@ Result<std::unique_ptr<LlamaDeviceForward>> LlamaDeviceForward::Create(const Lla
 
   auto f = std::unique_ptr<LlamaDeviceForward>(new LlamaDeviceForward(model, std::move(weights), acts));
   f->stream_ = tier->stream();
+  f->infllm_ = positions == PositionMode::kInfLLM;
+  f->inv_freq_ = inv_freq;
   cudaStream_t s = static_cast<cudaStream_t>(f->stream_);
   auto alloc = [](size_t bytes, void** p, const char* what) -> Status {
     const cudaError_t e = cudaMalloc(p, bytes);
@@ -339,8 +341,12 @@ Status LlamaDeviceForward::Forward(Session* session, const int32_t* tokens, cons
     KVTIER_RETURN_IF_ERROR(gemm(h, d, W(L.wq), qd, q, false, l, "Gemm wq"));
     KVTIER_RETURN_IF_ERROR(gemm(h, d, W(L.wk), kvd, k, false, l, "Gemm wk"));
     KVTIER_RETURN_IF_ERROR(gemm(h, d, W(L.wv), kvd, v, false, l, "Gemm wv"));
-    KVTIER_RETURN_IF_ERROR(rope(q, c.q_heads, l, "Rope q"));
-    KVTIER_RETURN_IF_ERROR(rope(k, c.kv_heads, l, "Rope k"));
+    // kAbsolute: the forward applies RoPE; kInfLLM: the session's attention kernel does, and the
+    // store keeps keys before RoPE.
+    if (!infllm_) {
+      KVTIER_RETURN_IF_ERROR(rope(q, c.q_heads, l, "Rope q"));
+      KVTIER_RETURN_IF_ERROR(rope(k, c.kv_heads, l, "Rope k"));
+    }
     const void* k_append = k;
     const void* v_append = v;
     if (dtype != DType::kF32) {  // f32 K/V are stored as they are (FromFloat's f32 case is a copy)
@@ -361,7 +367,16 @@ Status LlamaDeviceForward::Forward(Session* session, const int32_t* tokens, cons
       v_host_.resize(md * kvd);
       KVTIER_RETURN_IF_ERROR(down(k_host_.data(), k, md * kvd, l, "k down (capture)"));
       KVTIER_RETURN_IF_ERROR(down(v_host_.data(), v, md * kvd, l, "v down (capture)"));
-      capture(l, positions[0], m, q_host_.data(), k_host_.data(), v_host_.data());
+      if (infllm_) {
+        // The capture sees queries and keys at their true positions in both modes (as the
+        // host forward's): rotated copies, the stream's work on them done by the downs above.
+        capture_q_.assign(q_host_.begin(), q_host_.begin() + static_cast<ptrdiff_t>(md * qd));
+        kernels::Rope(capture_q_.data(), m, c.q_heads, hd, positions, inv_freq_.data());
+        kernels::Rope(k_host_.data(), m, c.kv_heads, hd, positions, inv_freq_.data());
+        capture(l, positions[0], m, capture_q_.data(), k_host_.data(), v_host_.data());
+      } else {
+        capture(l, positions[0], m, q_host_.data(), k_host_.data(), v_host_.data());
+      }
     }
     // The window's K/V go into the store first, so its queries find them in the local window.
     Status st = session->Append(l, k_append, v_append, m, dtype, MemorySpace::kDevice);

@@ -18,8 +18,9 @@
 // is a single copy); the activations of the largest window in another (PlanDeviceActivations).
 // One cuBLAS handle and its 32 MiB workspace per session. All are freed with the session.
 //
-// Positions: absolute only. InfLLM positions rotate the stored keys on the host at attention
-// time; Session refuses them on a device hot tier, and so does LlamaDeviceForward::Create.
+// Positions: absolute (the forward rotates q and k with RoPE before Append and Attend) or
+// InfLLM (q and k go out unrotated: the store keeps keys before RoPE and the Session's attention
+// kernel rotates them where memory puts them, on the device).
 //
 // The host-side planning (layouts, packing, argument checks) is tested on CPU in
 // tests/integration/model_test.cc; the comparison with the CPU forward (DeviceForwardMatchesCpuForward)
@@ -123,6 +124,9 @@ class LlamaDeviceForward {
   void* blas_ = nullptr;                                    // cublasHandle_t
   void* blas_workspace_ = nullptr;                          // device: kernels::cuda::GemmWorkspaceBytes()
   std::vector<float> q_host_, att_host_, k_host_, v_host_;  // per window: Attend takes host q and out
+  bool infllm_ = false;                                     // keys and queries leave unrotated
+  std::vector<double> inv_freq_;                            // host copy: the capture's rotations
+  std::vector<float> capture_q_;                            // kInfLLM capture: q at its true positions
 };
 
 }  // namespace kvtier::model

@@ -114,11 +114,15 @@ TEST(DeviceEndToEnd, StressOnCudaReadsBackEveryByte) {
 // and a 256-token budget: retrieval chooses): the forward, the store's hot tier and the
 // attention on the device give the CPU's answers, sample by sample. 2K, not more, because the
 // emulated device of `make test` runs every kernel on the CPU.
-TEST(DeviceEndToEnd, InfinitePasskeyOnCudaAnswersAsTheCpu) {
+class DeviceEndToEndPositions : public ::testing::TestWithParam<const char*> {};
+
+// Both position modes: absolute (the forward rotates q and k) and infllm, the default (keys
+// stored before RoPE, rotated by the attention kernel on the device).
+TEST_P(DeviceEndToEndPositions, InfinitePasskeyOnCudaAnswersAsTheCpu) {
   REQUIRE_CUDA_DEVICE();
   TempDir dir;
   const std::string args = "infinite --quiet --weights " + ShippedModel() +
-                           " --task passkey --context 2048 --samples 1 --positions absolute";
+                           " --task passkey --context 2048 --samples 1 --positions " + GetParam();
   Ran cpu = Kvtier(args + " --device cpu --json " + dir.path() + "/cpu.json");
   ASSERT_EQ(cpu.code, 0) << cpu.out;
   Ran cuda = Kvtier(args + " --device cuda --json " + dir.path() + "/cuda.json");
@@ -130,6 +134,8 @@ TEST(DeviceEndToEnd, InfinitePasskeyOnCudaAnswersAsTheCpu) {
   EXPECT_EQ(JsonNumber(a, "accuracy"), JsonNumber(b, "accuracy"));
   EXPECT_EQ(JsonNumber(a, "correct"), JsonNumber(b, "correct"));
 }
+
+INSTANTIATE_TEST_SUITE_P(Modes, DeviceEndToEndPositions, ::testing::Values("absolute", "infllm"));
 
 }  // namespace
 }  // namespace kvtier
