@@ -738,27 +738,29 @@ TEST(DeviceForwardPlan, ActivationLayoutFitsTheLargestWindowInTheStoreDtype) {
   EXPECT_NE(cfg.status().message().find("kv_heads"), std::string::npos) << cfg.status().message();
 }
 
-TEST(DeviceForwardPlan, CreateRefusesAHostTierAndInfLLMPositions) {
+TEST(DeviceForwardPlan, CreateRefusesAHostTierAndAnUnknownPositionMode) {
   auto m = LlamaModel::Load(ShippedModelPath());
   ASSERT_TRUE(m.ok()) << m.status().ToString();
   const LlamaConfig& c = (*m)->config();
   auto host = HostHotTier::Create(1 << 20, 4096);
   ASSERT_TRUE(host.ok()) << host.status().ToString();
   const std::vector<double> inv_freq = kernels::RopeInvFreq(c.head_dim(), c.rope_theta);
-  auto on_host =
-      LlamaDeviceForward::Create(m->get(), host->get(), 64, DType::kF16, PositionMode::kAbsolute, inv_freq);
-  ASSERT_FALSE(on_host.ok());
-  EXPECT_EQ(on_host.status().code(), StatusCode::kUnavailable) << on_host.status().ToString();
-  EXPECT_NE(on_host.status().message().find("no CUDA device"), std::string::npos)
-      << on_host.status().message();
+  // Both position modes run on the device; a host tier is refused in either.
+  for (const PositionMode mode : {PositionMode::kAbsolute, PositionMode::kInfLLM}) {
+    auto on_host = LlamaDeviceForward::Create(m->get(), host->get(), 64, DType::kF16, mode, inv_freq);
+    ASSERT_FALSE(on_host.ok());
+    EXPECT_EQ(on_host.status().code(), StatusCode::kUnavailable) << on_host.status().ToString();
+    EXPECT_NE(on_host.status().message().find("no CUDA device"), std::string::npos)
+        << on_host.status().message();
+  }
 #if KVTIER_HAVE_CUDA
-  // A CUDA build checks the positions first: the refusal names them, device or not.
-  auto infllm =
-      LlamaDeviceForward::Create(m->get(), host->get(), 64, DType::kF16, PositionMode::kInfLLM, inv_freq);
-  ASSERT_FALSE(infllm.ok());
-  EXPECT_EQ(infllm.status().code(), StatusCode::kInvalidArgument) << infllm.status().ToString();
-  EXPECT_NE(infllm.status().message().find("positions 'infllm'"), std::string::npos)
-      << infllm.status().message();
+  // A CUDA build checks the mode first: the refusal names it, device or not.
+  auto unknown = LlamaDeviceForward::Create(m->get(), host->get(), 64, DType::kF16,
+                                            static_cast<PositionMode>(7), inv_freq);
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), StatusCode::kInvalidArgument) << unknown.status().ToString();
+  EXPECT_NE(unknown.status().message().find("unknown position mode 7"), std::string::npos)
+      << unknown.status().message();
 #endif
 }
 
