@@ -449,8 +449,9 @@ class CudaAttentionBackend final : public AttentionBackend {
     } catch (const std::bad_alloc&) {
       return ResourceExhausted("attention (cuda): out of memory copying the rotation frequencies");
     }
-    const cudaError_t e =
-        cudaMemcpyAsync(rope_.ptr, rope_host_.data(), bytes, cudaMemcpyHostToDevice, stream());
+    // Pageable: the runtime stages it before returning (counted once per new table).
+    const cudaError_t e = device_sync::CopyAsync(rope_.ptr, rope_host_.data(), bytes, cudaMemcpyHostToDevice,
+                                                 stream(), device_sync::HostMemory::kPageable);
     if (e != cudaSuccess) {
       rope_host_.clear();
       return Internal("attention (cuda): copying the rotation frequencies in: " + CudaMessage(e));
