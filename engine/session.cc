@@ -505,31 +505,21 @@ Status SessionImpl::ObserveStatistics(int layer, const float* q, int m, const Ho
   const float* q_true = TrueQueries(q, positions, m);
   const size_t tok = g.token_elems();
   const int n_parts = 1 + view.n_local_spans;
-  HotTier* hot = store_->hot_tier();
-  const bool device_tier = hot->device() != Device::kCpu;
+  HotView host_view = view;
+  std::vector<std::vector<uint8_t>> host_copy;
+  KVTIER_RETURN_IF_ERROR(
+      HostCopyOfView(store_->hot_tier(), tok * DTypeSize(g.dtype), &host_view, &host_copy));
   std::vector<std::vector<float>> k(n_parts), v(n_parts), mass(n_parts);
-  std::vector<uint8_t> host_k, host_v;
   std::vector<kernels::KvSpan> parts(n_parts);
   for (int i = 0; i < n_parts; ++i) {
-    const kernels::KvSpan& sp = i == 0 ? view.sinks : view.local[i - 1];
+    const kernels::KvSpan& sp = i == 0 ? host_view.sinks : host_view.local[i - 1];
     const size_t n = static_cast<size_t>(sp.n_tokens) * tok;
     k[i].resize(std::max<size_t>(1, n));
     v[i].resize(std::max<size_t>(1, n));
     mass[i].assign(static_cast<size_t>(g.kv_heads) * std::max(1, sp.n_tokens), 0.0f);
     if (n > 0) {
-      const void* ks = sp.k;
-      const void* vs = sp.v;
-      if (device_tier) {
-        const size_t bytes = n * DTypeSize(g.dtype);
-        host_k.resize(bytes);
-        host_v.resize(bytes);
-        KVTIER_RETURN_IF_ERROR(hot->Download(host_k.data(), static_cast<const uint8_t*>(sp.k), bytes));
-        KVTIER_RETURN_IF_ERROR(hot->Download(host_v.data(), static_cast<const uint8_t*>(sp.v), bytes));
-        ks = host_k.data();
-        vs = host_v.data();
-      }
-      ToFloat(g.dtype, ks, k[i].data(), n);
-      ToFloat(g.dtype, vs, v[i].data(), n);
+      ToFloat(g.dtype, sp.k, k[i].data(), n);
+      ToFloat(g.dtype, sp.v, v[i].data(), n);
       const std::vector<int64_t>& pos = i == 0 ? plan.sink_key_positions : plan.local_key_positions[i - 1];
       kernels::Rope(k[i].data(), sp.n_tokens, g.kv_heads, g.head_dim, pos.data(), inv_freq_.data());
     }

@@ -947,6 +947,11 @@ double RunReport::FloorMs(double bytes) const {
   return bandwidth.bytes_per_s > 0 ? 1e3 * bytes / bandwidth.bytes_per_s : 0.0;
 }
 
+double RunReport::OverFloor(double ms, double bytes) const {
+  const double floor = FloorMs(bytes);
+  return ms > 0 && floor > 0 ? ms / floor : 0.0;
+}
+
 std::string RunReport::ToJson() const {
   JsonWriter w(true);
   const RunOptions& o = options;
@@ -961,7 +966,8 @@ std::string RunReport::ToJson() const {
   const bool measured = bandwidth.bytes_per_s > 0;
   auto floor_ms = [&](double bytes) -> JsonWriter& { return measured ? w.Double(FloorMs(bytes)) : w.Null(); };
   auto over_floor = [&](double ms, double bytes) -> JsonWriter& {
-    return measured && ms > 0 && bytes > 0 ? w.Double(ms / FloorMs(bytes)) : w.Null();
+    const double r = OverFloor(ms, bytes);
+    return r > 0 ? w.Double(r) : w.Null();
   };
   w.BeginObject();
   w.Key("quality").BeginObject();
@@ -1251,12 +1257,11 @@ namespace {
 std::string FloorText(const RunReport& r, double ms, double bytes, bool timed) {
   char s[128];
   if (r.bandwidth.bytes_per_s <= 0) return "floor not measured (--no-bandwidth or --device cuda)";
-  const double floor = r.FloorMs(bytes);
-  if (!timed || ms <= 0 || floor <= 0) {
+  const double floor = r.FloorMs(bytes), over = timed ? r.OverFloor(ms, bytes) : 0.0;
+  if (over > 0)
+    std::snprintf(s, sizeof(s), "floor %.2f ms, step %.1fx it", floor, over);
+  else
     std::snprintf(s, sizeof(s), "floor %.2f ms", floor);
-  } else {
-    std::snprintf(s, sizeof(s), "floor %.2f ms, step %.1fx it", floor, ms / floor);
-  }
   return s;
 }
 
@@ -1285,8 +1290,8 @@ std::string RunReport::FloorTable() const {
     char floor[32] = "-", ratio[32] = "-";
     if (bandwidth.bytes_per_s > 0) {
       std::snprintf(floor, sizeof(floor), "%.2f", FloorMs(total));
-      if (timed && ms > 0 && FloorMs(total) > 0)
-        std::snprintf(ratio, sizeof(ratio), "%.2fx", ms / FloorMs(total));
+      if (const double over = timed ? OverFloor(ms, total) : 0.0; over > 0)
+        std::snprintf(ratio, sizeof(ratio), "%.2fx", over);
     }
     std::snprintf(line, sizeof(line), "%-20s %10.2f %10.2f %9.2f %10.2f %9.2f %9s %11s\n", name.c_str(),
                   first / 1e6, rescore / 1e6, fetch / 1e6, attn / 1e6, total / 1e6, floor, ratio);

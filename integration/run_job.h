@@ -162,6 +162,9 @@ struct RunReport {
   StreamBandwidth bandwidth;
   /// The time `bytes` take at the measured rate, in ms (0 without a measurement).
   double FloorMs(double bytes) const;
+  /// A step of `ms` over its floor for `bytes`; 0 when the bandwidth was not measured, the step
+  /// not timed (ms <= 0) or the floor is 0.
+  double OverFloor(double ms, double bytes) const;
   // memory
   uint64_t peak_rss_bytes = 0;  ///< peak RSS during the kvtier phases (before the baseline)
   uint64_t rss_bound_bytes =

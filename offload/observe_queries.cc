@@ -9,6 +9,31 @@
 
 namespace kvtier {
 
+Status HostCopyOfView(HotTier* hot, size_t token_bytes, HotView* view,
+                      std::vector<std::vector<uint8_t>>* storage) {
+  if (hot->device() == Device::kCpu) return Status::Ok();
+  // One download of at most n_sink + n_local + chunk_size tokens per call, and only prefill
+  // windows observe. A host mirror kept by Append would save that copy but would have to be
+  // kept in step by every path that fills the regions (Append, reopen, recovery, attach); the
+  // read-back cannot go stale.
+  std::vector<kernels::KvSpan*> spans{&view->sinks};
+  for (int i = 0; i < view->n_local_spans; ++i) spans.push_back(&view->local[i]);
+  storage->resize(2 * spans.size());
+  for (size_t i = 0; i < spans.size(); ++i) {
+    kernels::KvSpan& sp = *spans[i];
+    const size_t bytes = static_cast<size_t>(sp.n_tokens) * token_bytes;
+    std::vector<uint8_t>& k = (*storage)[2 * i];
+    std::vector<uint8_t>& v = (*storage)[2 * i + 1];
+    k.resize(std::max<size_t>(1, bytes));
+    v.resize(std::max<size_t>(1, bytes));
+    KVTIER_RETURN_IF_ERROR(hot->Download(k.data(), static_cast<const uint8_t*>(sp.k), bytes));
+    KVTIER_RETURN_IF_ERROR(hot->Download(v.data(), static_cast<const uint8_t*>(sp.v), bytes));
+    sp.k = k.data();
+    sp.v = v.data();
+  }
+  return Status::Ok();
+}
+
 Status ObserveQueries(TieredStore& store, SequenceId seq, int layer, const float* q, const int64_t* positions,
                       int m) {
   if (m <= 0)
@@ -22,30 +47,10 @@ Status ObserveQueries(TieredStore& store, SequenceId seq, int layer, const float
   const StoreOptions& options = store.options();
   const size_t token_bytes = options.geometry.token_elems() * DTypeSize(options.geometry.dtype);
   const Geometry& g = options.geometry;
-  // This attention (for the representative-key statistics) runs on the host. With a device
-  // tier the sinks and local window are read back into host copies first: one download of
-  // at most n_sink + n_local + chunk_size tokens per call, and only prefill windows call it
-  // (decode steps do not observe). A host mirror kept by Append would save that copy but
-  // would have to be kept in step by every path that fills the regions (Append, reopen,
-  // recovery, attach); the read-back cannot go stale.
+  // This attention (for the representative-key statistics) runs on the host: on a device tier
+  // over host copies of the sinks and local window (HostCopyOfView).
   std::vector<std::vector<uint8_t>> host_copy;
-  if (hot->device() != Device::kCpu) {
-    std::vector<kernels::KvSpan*> spans{&view.sinks};
-    for (int i = 0; i < view.n_local_spans; ++i) spans.push_back(&view.local[i]);
-    host_copy.resize(2 * spans.size());
-    for (size_t i = 0; i < spans.size(); ++i) {
-      kernels::KvSpan& sp = *spans[i];
-      const size_t bytes = static_cast<size_t>(sp.n_tokens) * token_bytes;
-      host_copy[2 * i].resize(std::max<size_t>(1, bytes));
-      host_copy[2 * i + 1].resize(std::max<size_t>(1, bytes));
-      KVTIER_RETURN_IF_ERROR(
-          hot->Download(host_copy[2 * i].data(), static_cast<const uint8_t*>(sp.k), bytes));
-      KVTIER_RETURN_IF_ERROR(
-          hot->Download(host_copy[2 * i + 1].data(), static_cast<const uint8_t*>(sp.v), bytes));
-      sp.k = host_copy[2 * i].data();
-      sp.v = host_copy[2 * i + 1].data();
-    }
-  }
+  KVTIER_RETURN_IF_ERROR(HostCopyOfView(hot, token_bytes, &view, &host_copy));
   std::vector<float> mass_sinks(static_cast<size_t>(g.kv_heads) * std::max(1, view.sinks.n_tokens), 0.0f);
   std::vector<std::vector<float>> mass_local(view.n_local_spans);
   std::vector<kernels::KvSpan> parts;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "offload/tiered_store.h"
 #include "store/status.h"
@@ -18,5 +19,11 @@ namespace kvtier {
 /// chunk_size tokens; only prefill windows observe).
 Status ObserveQueries(TieredStore& store, SequenceId seq, int layer, const float* q, const int64_t* positions,
                       int m);
+
+/// For a host pass over a hot view: on a device tier, downloads the sinks and local window of
+/// `view` (`token_bytes` per token, K or V) into `storage` and points the view's spans at the
+/// copies (positions unchanged); on a host tier, leaves the view as it is.
+Status HostCopyOfView(HotTier* hot, size_t token_bytes, HotView* view,
+                      std::vector<std::vector<uint8_t>>* storage);
 
 }  // namespace kvtier
