@@ -14,6 +14,9 @@
 #include "kernels/dtype.h"
 #include "kvtier/kvtier.h"
 #include "offload/attention_backend.h"
+#if KVTIER_HAVE_CUDA
+#include "offload/cuda_hot_tier.h"
+#endif
 #include "offload/device_sync.h"
 #include "offload/observe_queries.h"
 #include "offload/policy/scoring_policy.h"
@@ -254,8 +257,10 @@ std::string FormatFloat(float x) {
 // those parts only (ObserveQueries' definition, offload/observe_queries.h), then the retrieved chunks, and
 // merges the two by log-sum-exp (AttentionBackend::RunWithDenseMass), on the tier's device.
 // The local window's mass goes to the store; no key is read twice and no second pass runs.
+// `q_device` / `out_on_device`: as AttentionBackend::RunOnDevice (AttendDevice), else host out.
 Status AttendAndObserve(TieredStore* store, SequenceId seq, int layer, AttentionBackend* backend,
-                        const AttentionPlanInput& in, AttentionPlan* plan, float* out) {
+                        const AttentionPlanInput& in, AttentionPlan* plan, float* out, const float* q_device,
+                        bool out_on_device) {
   KVTIER_RETURN_IF_ERROR(plan->Build(in));
   const kernels::SlotAttentionParams& p = plan->params();
   std::vector<float> mass[kernels::kMaxDenseParts];
@@ -264,7 +269,8 @@ Status AttendAndObserve(TieredStore* store, SequenceId seq, int layer, Attention
     mass[i].resize(static_cast<size_t>(p.kv_heads) * std::max(1, p.dense[i].n_tokens));
     mass_of[i] = mass[i].data();
   }
-  KVTIER_RETURN_IF_ERROR(backend->RunWithDenseMass(*plan, out, mass_of));
+  KVTIER_RETURN_IF_ERROR(out_on_device ? backend->RunOnDevice(*plan, q_device, out, mass_of)
+                                       : backend->RunWithDenseMass(*plan, out, mass_of));
   for (int i = 1; i < p.n_dense; ++i)
     if (p.dense[i].n_tokens > 0)
       KVTIER_RETURN_IF_ERROR(store->AddLocalAttention(seq, layer, p.dense[i].first_position,
@@ -306,6 +312,88 @@ Status SessionImpl::Append(int layer, const void* k, const void* v, int n, DType
   KVTIER_RETURN_IF_ERROR(store_->Append(seq_, layer, k, v, n, dtype, space));
   counters_.tokens_appended += static_cast<uint64_t>(n);
   return Status::Ok();
+}
+
+Result<void*> SessionImpl::DeviceTier(const char* what) const {
+#if KVTIER_HAVE_CUDA
+  if (auto* cuda = dynamic_cast<CudaHotTier*>(store_->hot_tier()); cuda != nullptr)
+    return static_cast<void*>(cuda);
+#endif
+  return FailedPrecondition(
+      std::string("Session::") + what + ": the store's hot tier is \"" +
+      DeviceName(store_->hot_tier()->device()) +
+      "\": device pointers and a stream need the \"cuda\" hot tier (StoreOptions::hot_tier)"
+#if !KVTIER_HAVE_CUDA
+      " and a build with CUDA (this one has none)"
+#endif
+      "; host memory goes through Append and Attend");
+}
+
+Status SessionImpl::AppendDevice(int layer, const void* k, const void* v, int n, DType dtype, void* stream) {
+  const HostSyncScope syncs(&counters_.host_syncs);
+  if (dropped_) return FailedPrecondition("Session::AppendDevice: the session's sequence was dropped");
+  KVTIER_ASSIGN_OR_RETURN(void* tier, DeviceTier("AppendDevice"));
+#if KVTIER_HAVE_CUDA
+  auto* cuda = static_cast<CudaHotTier*>(tier);
+  // The copies start after the engine's writes of k and v, and the engine's later work (which
+  // may overwrite k and v) after the copies: both on the device.
+  KVTIER_RETURN_IF_ERROR(cuda->WaitForStream(stream));
+  const Status appended = store_->Append(seq_, layer, k, v, n, dtype, MemorySpace::kDevice, /*ordered=*/true);
+  const Status ordered = cuda->MakeStreamWait(stream);
+  KVTIER_RETURN_IF_ERROR(appended);
+  KVTIER_RETURN_IF_ERROR(ordered);
+  counters_.tokens_appended += static_cast<uint64_t>(n);
+  return Status::Ok();
+#else
+  (void)tier, (void)layer, (void)k, (void)v, (void)n, (void)dtype, (void)stream;
+  return Internal("Session::AppendDevice: unreachable without CUDA");
+#endif
+}
+
+Status SessionImpl::AttendDevice(int layer, const float* q, const int64_t* positions, int m, float* out,
+                                 void* stream, AttendStats* stats) {
+  const HostSyncScope syncs(&counters_.host_syncs);
+  if (dropped_) return FailedPrecondition("Session::AttendDevice: the session's sequence was dropped");
+  KVTIER_ASSIGN_OR_RETURN(void* tier, DeviceTier("AttendDevice"));
+  if (q == nullptr || out == nullptr)
+    return InvalidArgument("Session::AttendDevice: q and out must not be null");
+  if (m <= 0 || m > (1 << 20))
+    return InvalidArgument("Session::AttendDevice: m = " + std::to_string(m) + " queries (1 .. 1048576)");
+#if KVTIER_HAVE_CUDA
+  auto* cuda = static_cast<CudaHotTier*>(tier);
+  const Geometry& g = geometry();
+  const size_t q_bytes = static_cast<size_t>(m) * g.q_heads * g.head_dim * sizeof(float);
+  // The queries come down once, after the engine wrote them: the host's retrieval and checks
+  // read this copy; the attention reads q where the engine left it.
+  KVTIER_RETURN_IF_ERROR(cuda->WaitForStream(stream));
+  Status st = Status::Ok();
+  if (q_host_ == nullptr || q_host_->size() < q_bytes) {
+    auto buffer = HostBuffer::Allocate(std::max<size_t>(q_bytes, 4096), /*want_pinned=*/true);
+    if (!buffer.ok())
+      st = buffer.status();
+    else
+      q_host_ = std::move(*buffer);
+  }
+  if (st.ok()) {
+    const HotTier::DownloadOp down{q_host_->data(), reinterpret_cast<const uint8_t*>(q), q_bytes};
+    auto ticket = cuda->DownloadBatchAsync(&down, 1);
+    st = ticket.ok() ? cuda->WaitTransfer(*ticket) : ticket.status();
+    if (!st.ok())
+      st = Status(st.code(), "Session::AttendDevice: layer " + std::to_string(layer) +
+                                 ": copying the queries down: " + st.message());
+  }
+  if (st.ok())
+    st = AttendLayer("AttendDevice", layer, reinterpret_cast<const float*>(q_host_->data()), q, positions, m,
+                     out,
+                     /*out_on_device=*/true, stats);
+  // The engine's later work starts after the attention wrote `out`, whatever happened above.
+  const Status ordered = cuda->MakeStreamWait(stream);
+  KVTIER_RETURN_IF_ERROR(st);
+  return ordered;
+#else
+  (void)tier, (void)layer, (void)positions, (void)stream, (void)stats;
+  return Internal("Session::AttendDevice: unreachable without CUDA");
+#endif
 }
 
 Status SessionImpl::BeginStep(StepKind kind) {
@@ -665,13 +753,17 @@ Status SessionImpl::Attend(int layer, const float* q, const int64_t* positions, 
                            AttendStats* stats) {
   const HostSyncScope syncs(&counters_.host_syncs);
   if (out == nullptr) return InvalidArgument("Session::Attend: out must not be null");
-  const Geometry& g = geometry();
+  return AttendLayer("Attend", layer, q, nullptr, positions, m, out, /*out_on_device=*/false, stats);
+}
+
+Status SessionImpl::AttendLayer(const char* what, int layer, const float* q, const float* q_device,
+                                const int64_t* positions, int m, float* out, bool out_on_device,
+                                AttendStats* stats) {
   // A prefill window's representative-key statistics come from this attention (the kernel's
   // per-key mass, on the tier's device), not from a second pass in Gather.
   const bool observe_here =
       retriever_ && !selector_ && ObservesStatistics() && in_step_ && step_ == StepKind::kPrefill;
-  KVTIER_ASSIGN_OR_RETURN(LayerParts lp,
-                          GatherFor("Attend", layer, q, positions, m, /*observe=*/!observe_here));
+  KVTIER_ASSIGN_OR_RETURN(LayerParts lp, GatherFor(what, layer, q, positions, m, /*observe=*/!observe_here));
   try {
     const auto t0 = std::chrono::steady_clock::now();
     // The plan: sinks | retrieved chunks (slots of the hot pool) | local runs, the order
@@ -685,6 +777,7 @@ Status SessionImpl::Attend(int layer, const float* q, const int64_t* positions, 
       // device: the retrieved chunks at L0, the sinks at L0 once chunks separate them from the
       // local window (else at their own positions), the local runs at their own positions.
       in.q = TrueQueries(q, step.positions.data(), m);
+      q_device = nullptr;  // the kernel reads the rotated host copy, uploaded with the plan
       in.rope_inv_freq = inv_freq_.data();
       in.chunks_rope_position = step.local_start;
       in.sinks_rope_position = step.sinks_are_memory ? step.local_start : kernels::kRopeAtKeyPositions;
@@ -694,18 +787,22 @@ Status SessionImpl::Attend(int layer, const float* q, const int64_t* positions, 
     in.n_chunks = lp.n_chunks;
     in.local = lp.parts.data() + 1 + lp.n_chunks;
     in.n_local = static_cast<int>(lp.parts.size() - 1 - lp.n_chunks);
-    Status st = observe_here ? AttendAndObserve(store_, seq_, layer, backend_.get(), in, plan_.get(), out)
+    Status st = observe_here ? AttendAndObserve(store_, seq_, layer, backend_.get(), in, plan_.get(), out,
+                                                q_device, out_on_device)
                              : plan_->Build(in);
-    if (st.ok() && !observe_here) st = backend_->Run(*plan_, out);
+    if (st.ok() && !observe_here)
+      st = out_on_device ? backend_->RunOnDevice(*plan_, q_device, out, nullptr) : backend_->Run(*plan_, out);
     if (!st.ok())
-      return Status(st.code(), "Session::Attend: layer " + std::to_string(layer) + ": " + st.message());
+      return Status(st.code(), std::string("Session::") + what + ": layer " + std::to_string(layer) + ": " +
+                                   st.message());
     lp.stats.attention_ms = MsSince(t0);
     lp.Release();  // unpinning is bookkeeping under the store lock, not attention: timed by neither
     counters_.attention_ms += lp.stats.attention_ms;
     if (stats) *stats = lp.stats;
     return Status::Ok();
   } catch (const std::bad_alloc&) {
-    return ResourceExhausted("Session::Attend: out of memory (layer " + std::to_string(layer) + ")");
+    return ResourceExhausted(std::string("Session::") + what + ": out of memory (layer " +
+                             std::to_string(layer) + ")");
   }
 }
 

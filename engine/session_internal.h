@@ -54,6 +54,7 @@
 #include "engine/layer_parts.h"
 #include "kvtier/session.h"
 #include "offload/attention_backend.h"
+#include "offload/host_memory.h"
 #include "offload/tiered_store.h"
 
 namespace kvtier {
@@ -85,6 +86,9 @@ class SessionImpl final : public Session {
   Status BeginStep(StepKind kind) override;
   Status Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
                 AttendStats* stats = nullptr) override;
+  Status AppendDevice(int layer, const void* k, const void* v, int n, DType dtype, void* stream) override;
+  Status AttendDevice(int layer, const float* q, const int64_t* positions, int m, float* out, void* stream,
+                      AttendStats* stats = nullptr) override;
   Status Observe(int layer, const float* q, const int64_t* positions, int m) override;
   Status SetQuestion(int layer, const float* q, int m) override;
   Result<CompressReport> Compress(const std::string& policy, int64_t kv_budget, int n_queries = 0) override;
@@ -116,6 +120,14 @@ class SessionImpl final : public Session {
   friend class Session;  // Open and Attach set up the backend, the retriever and the reservation
 
   Status CheckFiniteKv(int layer, const void* k, const void* v, int n, DType dtype) const;
+  // Attend's work: q on the host (checked, searched with, and attended unless q_device is
+  // given), out on the host or, with out_on_device, the tier's device memory (left in flight on
+  // the tier's stream); `what` names the public call in errors.
+  Status AttendLayer(const char* what, int layer, const float* q, const float* q_device,
+                     const int64_t* positions, int m, float* out, bool out_on_device, AttendStats* stats);
+  // The store's hot tier as the device-pointer calls need it: a CudaHotTier (as void*, so this
+  // header needs no CUDA), or FailedPrecondition naming `what` and why not.
+  Result<void*> DeviceTier(const char* what) const;
   // Gather's work; `what` names the public call (Gather or Attend) in its errors.
   Result<LayerParts> GatherFor(const char* what, int layer, const float* q, const int64_t* positions, int m,
                                bool observe = true);
@@ -208,6 +220,7 @@ class SessionImpl final : public Session {
   uint64_t step_plan_builds_ = 0;
   std::unique_ptr<AttentionBackend> backend_;  // runs the plan where the hot tier's memory is
   std::unique_ptr<AttentionPlan> plan_;        // rebuilt every Attend, its vectors reused
+  std::unique_ptr<HostBuffer> q_host_;         // AttendDevice: the queries' pinned host copy
 };
 
 /// The implementation behind `session`. Every Session is one (Session::Open and Attach make

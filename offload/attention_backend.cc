@@ -288,6 +288,12 @@ class CpuAttentionBackend final : public AttentionBackend {
     return Status::Ok();
   }
 
+  Status RunOnDevice(const AttentionPlan&, const float*, float*, float* const*) override {
+    return FailedPrecondition(
+        "attention (cpu): a host hot tier has no device memory (Run and RunWithDenseMass take its host "
+        "pointers)");
+  }
+
  private:
   std::vector<float> out_dense_, lse_dense_, out_slots_, lse_slots_, lse_;
 };
@@ -298,9 +304,92 @@ std::string CudaMessage(cudaError_t e) {
   return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
 }
 
-// One device workspace for the session, sized at
-// creation for max_queries; a larger step (a longer prefill window than announced) grows it
-// once, to that step's size, and then reuses it.
+// Host memory the backend's copies read from or write to, pinned so that they are asynchronous
+// (no host wait, and capturable): a ring of kStagingEntries buffers, each with an event recorded
+// after the last copy that used it. An entry is reused only once its event has completed; in
+// the steady state the device is far behind the host by fewer steps than the ring has entries, so
+// taking one finds it free. When it is not, the wait is counted (device_sync).
+class PinnedStaging {
+ public:
+  static constexpr int kStagingEntries = 16;
+  PinnedStaging() = default;
+  PinnedStaging(const PinnedStaging&) = delete;
+  PinnedStaging& operator=(const PinnedStaging&) = delete;
+  ~PinnedStaging() {
+    for (Entry& e : entries_) {
+      if (e.done) {
+        device_sync::SyncEvent(e.done);
+        cudaEventDestroy(e.done);
+      }
+      if (e.host) cudaFreeHost(e.host);
+    }
+  }
+
+  // The next entry, at least `bytes` long, free to overwrite (its earlier copies complete).
+  Result<uint8_t*> Take(size_t bytes, const char* what) {
+    current_ = (current_ + 1) % kStagingEntries;
+    Entry& e = entries_[current_];
+    if (e.done == nullptr) {
+      if (const cudaError_t err = cudaEventCreateWithFlags(&e.done, cudaEventDisableTiming);
+          err != cudaSuccess)
+        return Internal(std::string("attention (cuda): cudaEventCreate for the ") + what + ": " +
+                        CudaMessage(err));
+    } else if (e.recorded) {
+      cudaError_t err = cudaEventQuery(e.done);
+      if (err == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        err = device_sync::SyncEvent(e.done);
+      }
+      if (err != cudaSuccess)
+        return Internal(std::string("attention (cuda): staging the ") + what + ": " + CudaMessage(err));
+    }
+    e.recorded = false;
+    if (bytes > e.bytes) {
+      if (e.host) cudaFreeHost(e.host);
+      e.host = nullptr;
+      e.bytes = 0;
+      const size_t want = std::max<size_t>(Align256(bytes), 4096);
+      if (const cudaError_t err = cudaHostAlloc(&e.host, want, cudaHostAllocDefault); err != cudaSuccess) {
+        (void)cudaGetLastError();
+        e.host = nullptr;
+        return ResourceExhausted("attention (cuda): cudaHostAlloc of " + std::to_string(want) +
+                                 " bytes for the " + what + " failed (" + CudaMessage(err) + ")");
+      }
+      e.bytes = want;
+    }
+    return static_cast<uint8_t*>(e.host);
+  }
+  // Marks the entry Take returned last as in use by everything submitted to `s` so far.
+  Status Done(cudaStream_t s) {
+    Entry& e = entries_[current_];
+    if (const cudaError_t err = cudaEventRecord(e.done, s); err != cudaSuccess)
+      return Internal("attention (cuda): recording a staging event: " + CudaMessage(err));
+    e.recorded = true;
+    return Status::Ok();
+  }
+  // Waits for the entry Take returned last (after Done): its device-to-host copies are in place.
+  Status Wait() {
+    const cudaError_t err = device_sync::SyncEvent(entries_[current_].done);
+    if (err != cudaSuccess) return Internal("attention (cuda): " + CudaMessage(err));
+    return Status::Ok();
+  }
+
+ private:
+  struct Entry {
+    void* host = nullptr;
+    size_t bytes = 0;
+    cudaEvent_t done = nullptr;
+    bool recorded = false;
+  };
+  Entry entries_[kStagingEntries];
+  int current_ = kStagingEntries - 1;
+};
+
+// One device workspace for the session, sized at creation for max_queries; a larger step (a
+// longer prefill window than announced) grows it once, to that step's size, and then reuses it.
+// The plan's host arrays travel through PinnedStaging; every copy and kernel runs on the tier's
+// stream, in submission order, so a later step's copies into the workspace land after the
+// earlier step's kernels read it.
 class CudaAttentionBackend final : public AttentionBackend {
  public:
   explicit CudaAttentionBackend(CudaHotTier* hot) : hot_(hot) {}
@@ -314,42 +403,73 @@ class CudaAttentionBackend final : public AttentionBackend {
   Status Reserve(size_t bytes) { return Grow(&ws_, bytes, "workspace"); }
 
   Status Run(const AttentionPlan& plan, float* out) override {
-    kernels::SlotAttentionParams p = plan.params();
-    p.out = out;  // checked as non-null on the host; replaced by the device output below
-    KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/true));
-    if (p.n_queries == 0) return Status::Ok();
-    const size_t kernel_bytes = kernels::cuda::SlotAttentionWorkspaceBytes(p);
-    KVTIER_ASSIGN_OR_RETURN(kernels::SlotAttentionParams d, CopyPlanIn(p, kernel_bytes));
-    cudaStream_t s = stream();
-    const kernels::KernelError ke = kernels::cuda::LaunchSlotAttention(d, kernel_ws_, kernel_bytes, s);
-    if (ke != kernels::KernelError::kOk) return KernelFailure("attention (cuda)", ke);
-    return CopyOutAndWait(p, d.out, out);
+    KVTIER_ASSIGN_OR_RETURN(const float* out_dev, Launch(plan, nullptr, nullptr, nullptr));
+    return CopyOutAndWait(plan.params(), out_dev, out);
   }
 
-  // The dense half writes its mass into one zeroed device array (part i at mass_offset[i]), its
-  // output into the workspace's output and its lse beside; the slot half writes beside those;
-  // the merge folds the slot half into the dense half in place.
   Status RunWithDenseMass(const AttentionPlan& plan, float* out, float* const* dense_mass) override {
+    KVTIER_ASSIGN_OR_RETURN(const float* out_dev, Launch(plan, nullptr, nullptr, dense_mass));
+    return CopyOutAndWait(plan.params(), out_dev, out);
+  }
+
+  Status RunOnDevice(const AttentionPlan& plan, const float* q_device, float* out_device,
+                     float* const* dense_mass) override {
+    if (out_device == nullptr) return InvalidArgument("attention (cuda): the device output is null");
+    return Launch(plan, q_device, out_device, dense_mass).status();
+  }
+
+ private:
+  cudaStream_t stream() const { return static_cast<cudaStream_t>(hot_->stream()); }
+
+  static Status KernelFailure(const std::string& what, kernels::KernelError e) {
+    return Internal(what + ": " + kernels::KernelErrorString(e) + " (" +
+                    kernels::cuda::LastCudaErrorString() + ")");
+  }
+
+  // Runs `plan` on the tier's stream and returns the device output it wrote: `out_device` when
+  // given, else the workspace's. q comes from `q_device` when given, else the plan's host q is
+  // staged. With dense_mass (RunWithDenseMass's contract) the dense parts and the chunks are
+  // attended apart and merged, and the mass is copied to the host and waited for; without it
+  // nothing is waited for.
+  //
+  // The mass variant: the dense half writes its mass into one zeroed device array (part i at
+  // mass_offset[i]), its output into the output and its lse beside; the slot half writes beside
+  // those; the merge folds the slot half into the dense half in place.
+  Result<const float*> Launch(const AttentionPlan& plan, const float* q_device, float* out_device,
+                              float* const* dense_mass) {
     kernels::SlotAttentionParams p = plan.params();
-    p.out = out;
+    float host_out_marker = 0.0f;  // ValidateAttentionPlan checks out as non-null on the host
+    p.out = out_device != nullptr ? out_device : &host_out_marker;
+    if (q_device != nullptr) p.q = q_device;
     KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/true));
+    bool any_mass = false;
+    for (int i = 0; dense_mass != nullptr && i < p.n_dense; ++i) any_mass |= dense_mass[i] != nullptr;
+    if (p.n_queries == 0) {
+      for (int i = 0; any_mass && i < p.n_dense; ++i)
+        if (dense_mass[i] != nullptr) std::fill_n(dense_mass[i], DenseMassElems(p, i), 0.0f);
+      return static_cast<const float*>(out_device);
+    }
+    cudaStream_t s = stream();
+    if (!any_mass) {
+      const size_t kernel_bytes = kernels::cuda::SlotAttentionWorkspaceBytes(p);
+      KVTIER_ASSIGN_OR_RETURN(kernels::SlotAttentionParams d,
+                              CopyPlanIn(p, q_device, out_device, kernel_bytes));
+      const kernels::KernelError ke = kernels::cuda::LaunchSlotAttention(d, kernel_ws_, kernel_bytes, s);
+      if (ke != kernels::KernelError::kOk) return KernelFailure("attention (cuda)", ke);
+      return static_cast<const float*>(d.out);
+    }
     const kernels::SlotAttentionParams dense_half = DenseHalf(p), slot_half = SlotHalf(p);
     const bool slots = p.n_slots > 0;
     size_t mass_elems = 0, mass_offset[kernels::kMaxDenseParts] = {};
     for (int i = 0; i < p.n_dense; ++i) {
       mass_offset[i] = mass_elems;
-      mass_elems += dense_mass != nullptr && dense_mass[i] != nullptr ? DenseMassElems(p, i) : 0;
-    }
-    if (p.n_queries == 0) {
-      for (int i = 0; i < p.n_dense; ++i)
-        if (dense_mass != nullptr && dense_mass[i] != nullptr)
-          std::fill_n(dense_mass[i], DenseMassElems(p, i), 0.0f);
-      return Status::Ok();
+      mass_elems += dense_mass[i] != nullptr ? DenseMassElems(p, i) : 0;
     }
     const size_t kernel_bytes =
         std::max(kernels::cuda::SlotAttentionWorkspaceBytes(dense_half),
                  slots ? kernels::cuda::SlotAttentionWorkspaceBytes(slot_half) : size_t{0});
-    KVTIER_ASSIGN_OR_RETURN(kernels::SlotAttentionParams d, CopyPlanIn(p, kernel_bytes));
+    KVTIER_ASSIGN_OR_RETURN(kernels::SlotAttentionParams d,
+                            CopyPlanIn(p, q_device, out_device, kernel_bytes));
     const size_t rows = static_cast<size_t>(p.n_queries) * p.q_heads;
     const size_t out_bytes = Align256(rows * p.head_dim * sizeof(float));
     const size_t lse_bytes = Align256(rows * sizeof(float));
@@ -358,13 +478,11 @@ class CudaAttentionBackend final : public AttentionBackend {
     KVTIER_RETURN_IF_ERROR(Grow(&side_, mass + mass_elems * sizeof(float), "mass buffer"));
     auto* side = static_cast<uint8_t*>(side_.ptr);
     auto* mass_dev = reinterpret_cast<float*>(side + mass);
-    cudaStream_t s = stream();
     cudaError_t e = mass_elems ? cudaMemsetAsync(mass_dev, 0, mass_elems * sizeof(float), s) : cudaSuccess;
     if (e != cudaSuccess) return Internal("attention (cuda): clearing the mass: " + CudaMessage(e));
     kernels::SlotAttentionParams dd = DenseHalf(d);
     for (int i = 0; i < dd.n_dense; ++i)
-      dd.dense[i].mass =
-          dense_mass != nullptr && dense_mass[i] != nullptr ? mass_dev + mass_offset[i] : nullptr;
+      dd.dense[i].mass = dense_mass[i] != nullptr ? mass_dev + mass_offset[i] : nullptr;
     dd.lse = slots ? reinterpret_cast<float*>(side + dense_lse) : nullptr;
     kernels::KernelError ke = kernels::cuda::LaunchSlotAttention(dd, kernel_ws_, kernel_bytes, s);
     if (ke != kernels::KernelError::kOk) return KernelFailure("attention over the dense parts (cuda)", ke);
@@ -379,56 +497,58 @@ class CudaAttentionBackend final : public AttentionBackend {
                                                      cc.out, cc.lse, d.out, dd.lse, s);
       if (ke != kernels::KernelError::kOk) return KernelFailure("attention merge (cuda)", ke);
     }
-    for (int i = 0; i < p.n_dense && e == cudaSuccess; ++i)
-      if (dense_mass != nullptr && dense_mass[i] != nullptr && DenseMassElems(p, i) > 0)
-        e = device_sync::CopyAsync(dense_mass[i], mass_dev + mass_offset[i],
-                                   DenseMassElems(p, i) * sizeof(float), cudaMemcpyDeviceToHost, s,
-                                   device_sync::HostMemory::kPageable);  // the store's mass arrays
+    // The mass goes to the store's host arrays through one staging entry and one wait.
+    KVTIER_ASSIGN_OR_RETURN(uint8_t * staged, staging_.Take(mass_elems * sizeof(float), "key mass"));
+    if (mass_elems > 0)
+      e = device_sync::CopyAsync(staged, mass_dev, mass_elems * sizeof(float), cudaMemcpyDeviceToHost, s,
+                                 device_sync::HostMemory::kPinned);
     if (e != cudaSuccess) return Internal("attention (cuda): copying the mass out: " + CudaMessage(e));
-    return CopyOutAndWait(p, d.out, out);
+    KVTIER_RETURN_IF_ERROR(staging_.Done(s));
+    KVTIER_RETURN_IF_ERROR(staging_.Wait());
+    const auto* staged_mass = reinterpret_cast<const float*>(staged);
+    for (int i = 0; i < p.n_dense; ++i)
+      if (dense_mass[i] != nullptr)
+        std::copy_n(staged_mass + mass_offset[i], DenseMassElems(p, i), dense_mass[i]);
+    return static_cast<const float*>(d.out);
   }
 
- private:
-  cudaStream_t stream() const { return static_cast<cudaStream_t>(hot_->stream()); }
-
-  static Status KernelFailure(const std::string& what, kernels::KernelError e) {
-    return Internal(what + ": " + kernels::KernelErrorString(e) + " (" +
-                    kernels::cuda::LastCudaErrorString() + ")");
-  }
-
-  // Copies the plan's host arrays (q, positions, slot list) into the workspace, which it sizes
-  // for `kernel_bytes` of kernel workspace (at kernel_ws_), and returns the plan with device
-  // pointers and the workspace's output as out. K/V pointers are the tier's already.
+  // Copies the plan's host arrays (q unless q_device is given, positions, the slot list) into the
+  // workspace through one staging entry, sizing the workspace for `kernel_bytes` of kernel
+  // workspace (at kernel_ws_), and returns the plan with device pointers and, as out,
+  // `out_device` or the workspace's output. K/V pointers are the tier's already.
   Result<kernels::SlotAttentionParams> CopyPlanIn(const kernels::SlotAttentionParams& p,
+                                                  const float* q_device, float* out_device,
                                                   size_t kernel_bytes) {
     const CudaAttentionWorkspace w =
         LayoutCudaAttentionWorkspace(p.n_queries, p.q_heads, p.head_dim, p.n_slots, kernel_bytes);
     KVTIER_RETURN_IF_ERROR(Reserve(w.total));
     auto* ws = static_cast<uint8_t*>(ws_.ptr);
-    const size_t q_bytes = static_cast<size_t>(p.n_queries) * p.q_heads * p.head_dim * sizeof(float);
+    const size_t q_bytes =
+        q_device ? 0 : static_cast<size_t>(p.n_queries) * p.q_heads * p.head_dim * sizeof(float);
+    // The workspace's layout up to `out` is what is staged: one copy of w.out bytes (the gaps
+    // between the arrays travel too, unread).
+    KVTIER_ASSIGN_OR_RETURN(uint8_t * staged, staging_.Take(w.out, "attention plan"));
+    if (q_bytes) std::memcpy(staged + w.q, p.q, q_bytes);
+    std::memcpy(staged + w.positions, p.q_positions, p.n_queries * sizeof(int64_t));
+    if (p.n_slots > 0) {
+      std::memcpy(staged + w.slot_index, p.slot_index, p.n_slots * sizeof(int32_t));
+      std::memcpy(staged + w.slot_first, p.slot_first_position, p.n_slots * sizeof(int64_t));
+    }
     cudaStream_t s = stream();
-    // q and positions are the engine's host memory, the slot list the plan's vectors: pageable.
-    using device_sync::CopyAsync;
-    constexpr device_sync::HostMemory kPageable = device_sync::HostMemory::kPageable;
-    cudaError_t e = CopyAsync(ws + w.q, p.q, q_bytes, cudaMemcpyHostToDevice, s, kPageable);
-    if (e == cudaSuccess)
-      e = CopyAsync(ws + w.positions, p.q_positions, p.n_queries * sizeof(int64_t), cudaMemcpyHostToDevice, s,
-                    kPageable);
-    if (e == cudaSuccess && p.n_slots > 0)
-      e = CopyAsync(ws + w.slot_index, p.slot_index, p.n_slots * sizeof(int32_t), cudaMemcpyHostToDevice, s,
-                    kPageable);
-    if (e == cudaSuccess && p.n_slots > 0)
-      e = CopyAsync(ws + w.slot_first, p.slot_first_position, p.n_slots * sizeof(int64_t),
-                    cudaMemcpyHostToDevice, s, kPageable);
+    // With device queries the copy starts at the positions (w.q == 0 precedes them).
+    const size_t from = q_device ? w.positions : 0;
+    const cudaError_t e = device_sync::CopyAsync(ws + from, staged + from, w.out - from,
+                                                 cudaMemcpyHostToDevice, s, device_sync::HostMemory::kPinned);
     if (e != cudaSuccess) return Internal("attention (cuda): copying the plan in: " + CudaMessage(e));
+    KVTIER_RETURN_IF_ERROR(staging_.Done(s));
     kernels::SlotAttentionParams d = p;
-    d.q = reinterpret_cast<const float*>(ws + w.q);
+    d.q = q_device ? q_device : reinterpret_cast<const float*>(ws + w.q);
     d.q_positions = reinterpret_cast<const int64_t*>(ws + w.positions);
     if (p.n_slots > 0) {
       d.slot_index = reinterpret_cast<const int32_t*>(ws + w.slot_index);
       d.slot_first_position = reinterpret_cast<const int64_t*>(ws + w.slot_first);
     }
-    d.out = reinterpret_cast<float*>(ws + w.out);
+    d.out = out_device ? out_device : reinterpret_cast<float*>(ws + w.out);
     kernel_ws_ = kernel_bytes ? ws + w.kernel : nullptr;
     if (p.rope_inv_freq != nullptr) {
       KVTIER_ASSIGN_OR_RETURN(d.rope_inv_freq, DeviceInvFreq(p.rope_inv_freq, p.head_dim / 2));
@@ -459,15 +579,17 @@ class CudaAttentionBackend final : public AttentionBackend {
     return static_cast<const double*>(rope_.ptr);
   }
 
-  // One synchronisation per layer step: Session::Attend returns host output.
+  // One wait per host-output layer step: the output through a staging entry, then copied to `out`.
   Status CopyOutAndWait(const kernels::SlotAttentionParams& p, const float* out_dev, float* out) {
     const size_t q_bytes = static_cast<size_t>(p.n_queries) * p.q_heads * p.head_dim * sizeof(float);
-    cudaStream_t s = stream();
-    // `out` is the engine's host memory: pageable.
-    cudaError_t e = device_sync::CopyAsync(out, out_dev, q_bytes, cudaMemcpyDeviceToHost, s,
-                                           device_sync::HostMemory::kPageable);
-    if (e == cudaSuccess) e = device_sync::SyncStream(s);
-    if (e != cudaSuccess) return Internal("attention (cuda): " + CudaMessage(e));
+    if (q_bytes == 0) return Status::Ok();
+    KVTIER_ASSIGN_OR_RETURN(uint8_t * staged, staging_.Take(q_bytes, "attention output"));
+    const cudaError_t e = device_sync::CopyAsync(staged, out_dev, q_bytes, cudaMemcpyDeviceToHost, stream(),
+                                                 device_sync::HostMemory::kPinned);
+    if (e != cudaSuccess) return Internal("attention (cuda): copying the output out: " + CudaMessage(e));
+    KVTIER_RETURN_IF_ERROR(staging_.Done(stream()));
+    KVTIER_RETURN_IF_ERROR(staging_.Wait());
+    std::memcpy(out, staged, q_bytes);
     return Status::Ok();
   }
 
@@ -499,6 +621,7 @@ class CudaAttentionBackend final : public AttentionBackend {
   DeviceBuffer ws_;                // the plan's arrays, the output and the kernel's workspace (CopyPlanIn)
   DeviceBuffer side_;              // RunWithDenseMass: the slot half's output, both lse, the mass
   DeviceBuffer rope_;              // the rotation's inverse frequencies (DeviceInvFreq)
+  PinnedStaging staging_;          // the host side of every copy in and out
   std::vector<double> rope_host_;  // what rope_ holds (empty: nothing uploaded)
   void* kernel_ws_ = nullptr;
 };

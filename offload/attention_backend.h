@@ -12,8 +12,9 @@
 //    bit what it was (tests/offload/attention_backend_test.cc and session_test check it).
 //  * "cuda" (builds with CUDA, a CudaHotTier): the plan's pointers are device pointers
 //    (the tier's regions and slot pool); the host arrays (q, positions, slot list) are
-//    copied into one caller-owned device workspace, LaunchSlotAttention runs on the tier's
-//    stream, the output comes back and the stream is synchronised once per call.
+//    staged in pinned memory and copied into one backend-owned device workspace,
+//    LaunchSlotAttention runs on the tier's stream; Run's host output comes back through
+//    pinned memory with one wait per call, RunOnDevice's stays on the device with none.
 //    Its host-side logic (slot mapping, workspace layout, plan validation) is tested here
 //    without a device; the numbers it computes, on a GPU or the emulated device.
 //
@@ -152,6 +153,15 @@ class AttentionBackend {
   /// attended apart and merged by log-sum-exp (kernels::MergeAttentionStates), so the output is the attention
   /// over all the keys and no key is read twice.
   virtual Status RunWithDenseMass(const AttentionPlan& plan, float* out, float* const* dense_mass) = 0;
+  /// Runs `plan` with the queries and the output in the hot tier's device memory ("cuda"): q from
+  /// `q_device` (null: the plan's host q, uploaded), [n_queries, q_heads, head_dim] fp32 written to
+  /// `out_device`, both ordered on the tier's stream, and returns once the work is submitted: no
+  /// host wait, unless `dense_mass` (null, or RunWithDenseMass's array) asks for the mass, which
+  /// comes back to the host and is waited for. The caller orders its own stream around the tier's
+  /// (CudaHotTier::WaitForStream, MakeStreamWait). FailedPrecondition on "cpu" (host memory is the
+  /// tier's memory there: Run and RunWithDenseMass are the calls).
+  virtual Status RunOnDevice(const AttentionPlan& plan, const float* q_device, float* out_device,
+                             float* const* dense_mass) = 0;
 };
 
 /// The backend for `hot`'s device: "cpu" for a host tier, "cuda" for a CudaHotTier (with

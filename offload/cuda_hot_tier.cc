@@ -102,7 +102,7 @@ int CudaHotTier::WaitForStreamWork(void* event) {
   return static_cast<int>(e);
 }
 
-Status CudaHotTier::Copy(void* dst, const void* src, size_t bytes, CopyKind kind) {
+Status CudaHotTier::Copy(void* dst, const void* src, size_t bytes, CopyKind kind, bool wait) {
   if (bytes == 0) return Status::Ok();
   cudaStream_t s = static_cast<cudaStream_t>(stream_);
   const cudaMemcpyKind dir = kind == CopyKind::kUpload     ? cudaMemcpyHostToDevice
@@ -113,8 +113,9 @@ Status CudaHotTier::Copy(void* dst, const void* src, size_t bytes, CopyKind kind
   // HotTier's Upload and Download take any host memory (an engine's buffers, the store's
   // vectors); the pinned warm slots travel through UploadBatch and DownloadBatchAsync.
   cudaError_t e = device_sync::CopyAsync(dst, src, bytes, dir, s, device_sync::HostMemory::kPageable);
-  // HotTier's contract: the bytes are in place on return (the store reads them next).
-  if (e == cudaSuccess) e = static_cast<cudaError_t>(WaitForStreamWork(*ev));
+  // HotTier's contract: the bytes are in place on return (the store reads them next), except
+  // for CopyWithinOrdered, which only orders them.
+  if (e == cudaSuccess && wait) e = static_cast<cudaError_t>(WaitForStreamWork(*ev));
   ReturnEvent(*ev);
   if (e != cudaSuccess) {
     const char* what = kind == CopyKind::kUpload     ? "upload"
@@ -158,6 +159,32 @@ Status CudaHotTier::Download(void* dst, const uint8_t* src, size_t bytes) {
 
 Status CudaHotTier::CopyWithin(uint8_t* dst, const void* src, size_t bytes) {
   return Copy(dst, src, bytes, CopyKind::kWithin);
+}
+
+Status CudaHotTier::CopyWithinOrdered(uint8_t* dst, const void* src, size_t bytes) {
+  return Copy(dst, src, bytes, CopyKind::kWithin, /*wait=*/false);
+}
+
+Status CudaHotTier::Order(void* from, void* to, const char* what) {
+  auto ev = TakeEvent();
+  if (!ev.ok()) return ev.status();
+  // cudaStreamWaitEvent waits for the event's record at the time of the call, so the event may
+  // go back to the spare list (and be recorded again) at once.
+  cudaError_t e = cudaEventRecord(static_cast<cudaEvent_t>(*ev), static_cast<cudaStream_t>(from));
+  if (e == cudaSuccess)
+    e = cudaStreamWaitEvent(static_cast<cudaStream_t>(to), static_cast<cudaEvent_t>(*ev), 0);
+  ReturnEvent(*ev);
+  if (e != cudaSuccess)
+    return IOError(std::string("hot tier \"cuda\": ") + what + " (" + CudaMessage(e) + ")");
+  return Status::Ok();
+}
+
+Status CudaHotTier::WaitForStream(void* engine_stream) {
+  return Order(engine_stream, stream_, "ordering the transfer stream after the engine's stream");
+}
+
+Status CudaHotTier::MakeStreamWait(void* engine_stream) {
+  return Order(stream_, engine_stream, "ordering the engine's stream after the transfer stream");
 }
 
 Result<TransferTicket> CudaHotTier::DownloadBatchAsync(const DownloadOp* ops, size_t n) {

@@ -61,6 +61,17 @@ class CudaHotTier final : public HotTier {
   /// whose writes are complete: the transfer stream does not wait for the engine's stream
   /// (synchronise it, or produce K/V on stream()).
   Status CopyWithin(uint8_t* dst, const void* src, size_t bytes) override;
+  /// CopyWithin without the wait: ordered before every later copy and kernel on the transfer
+  /// stream, complete only once that stream reaches it. The caller keeps `src` unchanged until
+  /// then (an engine's stream made to wait with MakeStreamWait does).
+  Status CopyWithinOrdered(uint8_t* dst, const void* src, size_t bytes) override;
+  /// Orders the transfer stream after the work submitted to `engine_stream` (a cudaStream_t;
+  /// null is the legacy default stream) so far: an event recorded there, waited for on the
+  /// device (cudaStreamWaitEvent). The host does not wait.
+  Status WaitForStream(void* engine_stream);
+  /// Orders `engine_stream` after the work submitted to the transfer stream so far, on the
+  /// device, as WaitForStream the other way round.
+  Status MakeStreamWait(void* engine_stream);
   /// Device -> host cudaMemcpyAsync of every op on the transfer stream, then an event of the
   /// ticket's own recorded after them; returns without waiting. The copies are asynchronous
   /// only into pinned host memory (the store's warm slots are pinned when a device is
@@ -78,7 +89,9 @@ class CudaHotTier final : public HotTier {
  private:
   CudaHotTier(int32_t capacity, size_t slot_bytes) : book_(capacity), slot_bytes_(slot_bytes) {}
   enum class CopyKind { kUpload, kDownload, kWithin };
-  Status Copy(void* dst, const void* src, size_t bytes, CopyKind kind);
+  Status Copy(void* dst, const void* src, size_t bytes, CopyKind kind, bool wait = true);
+  // Records an event on `from` and makes `to` wait for it on the device.
+  Status Order(void* from, void* to, const char* what);
   /// An event (cudaEvent_t) from the spare list, or a new one; ReturnEvent puts it back.
   Result<void*> TakeEvent();
   void ReturnEvent(void* event);

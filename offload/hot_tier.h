@@ -77,6 +77,12 @@ class HotTier {
   /// return), and ordered with the tier's other copies the same way. The default refuses
   /// (Unavailable naming the tier): a tier must say how to copy within its own memory.
   virtual Status CopyWithin(uint8_t* dst, const void* src, size_t bytes);
+  /// CopyWithin that a device tier may leave in flight: ordered before the tier's later copies
+  /// and kernels, complete once the tier's stream reaches it (CudaHotTier). The default is
+  /// CopyWithin (complete on return).
+  virtual Status CopyWithinOrdered(uint8_t* dst, const void* src, size_t bytes) {
+    return CopyWithin(dst, src, bytes);
+  }
 
   /// One hot -> host copy of an asynchronous batch.
   struct DownloadOp {
@@ -127,7 +133,7 @@ class HostHotTier final : public HotTier {
 /// Every virtual forwards, the batched and asynchronous copies too, straight to the inner
 /// tier: a subclass that changes how bytes are copied must override each copy it changes
 /// (Upload, UploadBatch, Download, DownloadBatchAsync with WaitTransfer/TransferDone,
-/// CopyWithin), since a forwarded batch never passes through its own Upload or Download.
+/// CopyWithin, CopyWithinOrdered), since a forwarded batch never passes through its own Upload or Download.
 class ForwardingHotTier : public HotTier {
  public:
   explicit ForwardingHotTier(std::unique_ptr<HotTier> inner) : inner_(std::move(inner)) {}
@@ -149,6 +155,9 @@ class ForwardingHotTier : public HotTier {
   }
   Status CopyWithin(uint8_t* dst, const void* src, size_t bytes) override {
     return inner_->CopyWithin(dst, src, bytes);
+  }
+  Status CopyWithinOrdered(uint8_t* dst, const void* src, size_t bytes) override {
+    return inner_->CopyWithinOrdered(dst, src, bytes);
   }
   Result<TransferTicket> DownloadBatchAsync(const DownloadOp* ops, size_t n) override {
     return inner_->DownloadBatchAsync(ops, n);

@@ -118,8 +118,10 @@ class TieredStore : public Store {
   /// kDevice (the hot tier's own memory space, copied with HotTier::CopyWithin: device to
   /// device for "cuda", so a GPU engine's K/V never round-trip through the host; for "host"
   /// it is host memory, the same bytes as kHost). Any other value is InvalidArgument.
+  /// `ordered` (kDevice only): copy with HotTier::CopyWithinOrdered, leaving the copies in flight
+  /// on the tier's stream (the caller orders its own stream after them).
   Status Append(SequenceId seq, int layer, const void* k, const void* v, int n, DType dtype,
-                MemorySpace space = MemorySpace::kHost);
+                MemorySpace space = MemorySpace::kHost, bool ordered = false);
   /// Attention statistics from an engine that computed them itself: mass
   /// ([kv_heads, n] fp32) received by tokens [first_position, first_position+n),
   /// which must lie in the local window.

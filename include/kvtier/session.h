@@ -140,6 +140,28 @@ class Session {
   /// representative-key statistics from this same attention (no second pass).
   virtual Status Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
                         AttendStats* stats = nullptr) = 0;
+
+  /// The device-pointer calls, for an engine whose K/V, queries and outputs live on the GPU: a
+  /// store opened with hot_tier = "cuda" (FailedPrecondition on a "host" tier, which Append and
+  /// Attend serve). Same arguments, checks and results as Append(..., MemorySpace::kDevice) and
+  /// Attend, except that k, v, q and out are device pointers and the work is ordered on the
+  /// engine's CUDA stream `stream` (its cudaStream_t; null is the legacy default stream): kvtier's
+  /// copies and kernels of the call start after everything the engine submitted to `stream`
+  /// before the call, and whatever the engine submits to `stream` after the call starts after
+  /// them. That ordering is made on the device (events the streams wait for), never by blocking
+  /// the host. So the engine may write q and K/V on its stream and call at once, and read `out`
+  /// (or overwrite k, v and q) on its stream after the call without a synchronisation.
+  ///
+  /// AppendDevice does not block the host in steady decode (a chunk sealed out of the local
+  /// window lands without a wait too). AttendDevice still waits on the host, counted in
+  /// SessionCounters::host_syncs: for the queries' download (the probe, the chunk search and the
+  /// budget run on the host, which also checks q for NaN and infinity as Attend does), for the
+  /// selection's download when the index runs on the device, for a fetch of chunks that are not
+  /// hot, and in a prefill window for the representative-key statistics. The attention itself
+  /// and its output add none.
+  virtual Status AppendDevice(int layer, const void* k, const void* v, int n, DType dtype, void* stream) = 0;
+  virtual Status AttendDevice(int layer, const float* q, const int64_t* positions, int m, float* out,
+                              void* stream, AttendStats* stats = nullptr) = 0;
   /// Feeds prefill queries to the statistics (probe Eq. 8, representative keys, the query
   /// ring for Compress) without attending: for engines that attend elsewhere.
   virtual Status Observe(int layer, const float* q, const int64_t* positions, int m) = 0;

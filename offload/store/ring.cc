@@ -13,7 +13,7 @@
 namespace kvtier {
 
 Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void* v, int n, DType dtype,
-                           MemorySpace space) {
+                           MemorySpace space, bool ordered) {
   visits_.Count();
   Sequence* s = nullptr;
   {
@@ -38,8 +38,9 @@ Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void*
   }
   // kDevice K/V are already in the tier's memory space: copied within it, never through the host.
   HotTier* hot = hot_.get();
-  const LayerRing::CopyIn copy_in = [hot, space](uint8_t* dst, const uint8_t* src, size_t bytes) {
-    return space == MemorySpace::kDevice ? hot->CopyWithin(dst, src, bytes) : hot->Upload(dst, src, bytes);
+  const LayerRing::CopyIn copy_in = [hot, space, ordered](uint8_t* dst, const uint8_t* src, size_t bytes) {
+    if (space == MemorySpace::kHost) return hot->Upload(dst, src, bytes);
+    return ordered ? hot->CopyWithinOrdered(dst, src, bytes) : hot->CopyWithin(dst, src, bytes);
   };
   const Status status = ring_->Append(
       s->layers[layer], static_cast<const uint8_t*>(k), static_cast<const uint8_t*>(v), n, copy_in,
