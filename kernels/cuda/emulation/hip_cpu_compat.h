@@ -23,8 +23,25 @@
 //   end-of-block protocol intact (see there).
 // - The fp32 intrinsics with the IEEE rounding CUDA gives them (never contracted into an FMA),
 //   bf16 as the project's own bit conversions (kernels/cuda/store_convert.h).
+// - CUDA graphs by stream capture (state and rules: stream_capture.h): cudaStreamBeginCapture /
+//   EndCapture / IsCapturing, cudaThreadExchangeStreamCaptureMode, cudaGraphInstantiate / Launch
+//   / Destroy, cudaGraphExecDestroy. While a stream captures, launches (Launch's arguments kept by
+//   value), cudaMemcpyAsync, cudaMemcpyBatchAsync and cudaMemsetAsync submitted to it are
+//   recorded, not run; event records and waits carry the fork/join pattern (a stream that waits
+//   on an event recorded in a capture joins it; ending with a fork not joined back fails as in
+//   CUDA). Refused with CUDA's error, invalidating the capture: a synchronisation or query of a
+//   capturing stream, of an event recorded in one, of the device; per the capture mode, the
+//   potentially unsafe calls: cudaMalloc / cudaFree / cudaHostAlloc / cudaMallocHost /
+//   cudaFreeHost, blocking cudaMemcpy / cudaMemset, waits on and queries of any other stream or
+//   event; an asynchronous copy to or from pageable host memory (any address outside the
+//   cudaMalloc'd and pinned allocations, which are tracked for that); the legacy stream while a
+//   blocking stream captures. cudaGraphLaunch replays the recorded work in recording order on the
+//   given stream; kernels read their captured pointers' data at replay time.
 // What it cannot show: speed, the GPU memory model and its races, PCIe/NVLink transfers,
-// __expf's approximation error (it is std::exp here), cuBLAS and CUB themselves (stand-ins).
+// __expf's approximation error (it is std::exp here), cuBLAS and CUB themselves (stand-ins); of
+// graphs: concurrency between a graph's branches (a replay is one ordered sequence), the cost of
+// a launch, node types other than those above (host nodes, memory nodes, conditional nodes),
+// graph updates, and calls the real runtime refuses that the rules above do not name.
 #pragma once
 
 #if !defined(KVTIER_GPU_EMULATION)
@@ -44,9 +61,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <memory>
 #include <tuple>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
+#include "kernels/cuda/emulation/stream_capture.h"
 #include "kernels/cuda/store_convert.h"
 
 // HIP-CPU marks kernels and device functions __attribute__((simd)), which makes GCC build vector
@@ -74,6 +95,17 @@ inline constexpr cudaError_t cudaErrorNotReady = hipErrorNotReady;
 inline constexpr cudaError_t cudaErrorNoDevice = hipErrorNoDevice;
 inline constexpr cudaError_t cudaErrorInvalidValue = hipErrorInvalidValue;
 inline constexpr cudaError_t cudaErrorMemoryAllocation = hipErrorOutOfMemory;
+inline constexpr cudaError_t cudaErrorInvalidResourceHandle = hipErrorInvalidHandle;
+inline constexpr cudaError_t cudaErrorIllegalState = kvtier_emu::capture::kIllegalState;
+inline constexpr cudaError_t cudaErrorStreamCaptureUnsupported = kvtier_emu::capture::kUnsupported;
+inline constexpr cudaError_t cudaErrorStreamCaptureInvalidated = kvtier_emu::capture::kInvalidated;
+inline constexpr cudaError_t cudaErrorStreamCaptureMerge = kvtier_emu::capture::kMerge;
+inline constexpr cudaError_t cudaErrorStreamCaptureUnmatched = kvtier_emu::capture::kUnmatched;
+inline constexpr cudaError_t cudaErrorStreamCaptureUnjoined = kvtier_emu::capture::kUnjoined;
+inline constexpr cudaError_t cudaErrorStreamCaptureIsolation = kvtier_emu::capture::kIsolation;
+inline constexpr cudaError_t cudaErrorStreamCaptureImplicit = kvtier_emu::capture::kImplicit;
+inline constexpr cudaError_t cudaErrorCapturedEvent = kvtier_emu::capture::kCapturedEvent;
+inline constexpr cudaError_t cudaErrorStreamCaptureWrongThread = kvtier_emu::capture::kWrongThread;
 inline constexpr cudaMemcpyKind cudaMemcpyHostToHost = hipMemcpyHostToHost;
 inline constexpr cudaMemcpyKind cudaMemcpyHostToDevice = hipMemcpyHostToDevice;
 inline constexpr cudaMemcpyKind cudaMemcpyDeviceToHost = hipMemcpyDeviceToHost;
@@ -87,8 +119,14 @@ inline constexpr auto cudaHostAllocDefault = hipHostMallocDefault;
 inline constexpr auto cudaHostAllocPortable = hipHostMallocPortable;
 inline constexpr auto cudaHostAllocMapped = hipHostMallocMapped;
 
-inline const char* cudaGetErrorName(cudaError_t e) { return hipGetErrorName(e); }
-inline const char* cudaGetErrorString(cudaError_t e) { return hipGetErrorString(e); }
+inline const char* cudaGetErrorName(cudaError_t e) {
+  const char* capture = kvtier_emu::capture::ErrorName(e);
+  return capture != nullptr ? capture : hipGetErrorName(e);
+}
+inline const char* cudaGetErrorString(cudaError_t e) {
+  const char* capture = kvtier_emu::capture::ErrorString(e);
+  return capture != nullptr ? capture : hipGetErrorString(e);
+}
 inline cudaError_t cudaGetLastError() { return hipGetLastError(); }
 inline cudaError_t cudaPeekAtLastError() { return hipPeekAtLastError(); }
 inline cudaError_t cudaGetDeviceCount(int* n) { return hipGetDeviceCount(n); }
@@ -96,32 +134,53 @@ inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int device) {
   return hipGetDeviceProperties(p, device);
 }
 inline cudaError_t cudaSetDevice(int device) { return hipSetDevice(device); }
-inline cudaError_t cudaDeviceSynchronize() { return hipDeviceSynchronize(); }
+inline cudaError_t cudaDeviceSynchronize() {
+  if (const cudaError_t e = kvtier_emu::capture::BeforeDeviceWait(); e != cudaSuccess) return e;
+  return hipDeviceSynchronize();
+}
 inline cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
   return hipMemGetInfo(free_bytes, total);
 }
 
-inline cudaError_t cudaMalloc(void** p, size_t bytes) { return hipMalloc(p, bytes); }
+// Allocation and freeing are refused inside a capture (stream_capture.h: unsafe calls); the
+// allocations are noted so that a capture can tell device, pinned and pageable memory apart.
+inline cudaError_t cudaMalloc(void** p, size_t bytes) {
+  if (const cudaError_t e = kvtier_emu::capture::BeforeUnsafeCall(); e != cudaSuccess) return e;
+  const cudaError_t e = hipMalloc(p, bytes);
+  if (e == cudaSuccess) kvtier_emu::capture::NoteAllocation(kvtier_emu::capture::Memory::kDevice, *p, bytes);
+  return e;
+}
 template <typename T>
 inline cudaError_t cudaMalloc(T** p, size_t bytes) {
-  return hipMalloc(reinterpret_cast<void**>(p), bytes);
+  return cudaMalloc(reinterpret_cast<void**>(p), bytes);
 }
-inline cudaError_t cudaFree(void* p) { return hipFree(p); }
+inline cudaError_t cudaFree(void* p) {
+  if (const cudaError_t e = kvtier_emu::capture::BeforeUnsafeCall(); e != cudaSuccess) return e;
+  kvtier_emu::capture::ForgetAllocation(kvtier_emu::capture::Memory::kDevice, p);
+  return hipFree(p);
+}
 inline cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned flags) {
-  return hipHostMalloc(p, bytes, static_cast<hipHostMallocKind>(flags));
+  if (const cudaError_t e = kvtier_emu::capture::BeforeUnsafeCall(); e != cudaSuccess) return e;
+  const cudaError_t e = hipHostMalloc(p, bytes, static_cast<hipHostMallocKind>(flags));
+  if (e == cudaSuccess) kvtier_emu::capture::NoteAllocation(kvtier_emu::capture::Memory::kPinned, *p, bytes);
+  return e;
 }
 template <typename T>
 inline cudaError_t cudaHostAlloc(T** p, size_t bytes, unsigned flags) {
   return cudaHostAlloc(reinterpret_cast<void**>(p), bytes, flags);
 }
 inline cudaError_t cudaMallocHost(void** p, size_t bytes) {
-  return hipHostMalloc(p, bytes, hipHostMallocDefault);
+  return cudaHostAlloc(p, bytes, cudaHostAllocDefault);
 }
 template <typename T>
 inline cudaError_t cudaMallocHost(T** p, size_t bytes) {
   return cudaMallocHost(reinterpret_cast<void**>(p), bytes);
 }
-inline cudaError_t cudaFreeHost(void* p) { return hipHostFree(p); }
+inline cudaError_t cudaFreeHost(void* p) {
+  if (const cudaError_t e = kvtier_emu::capture::BeforeUnsafeCall(); e != cudaSuccess) return e;
+  kvtier_emu::capture::ForgetAllocation(kvtier_emu::capture::Memory::kPinned, p);
+  return hipHostFree(p);
+}
 inline cudaError_t cudaHostGetDevicePointer(void** device, void* host, unsigned flags) {
   return hipHostGetDevicePointer(device, host, flags);
 }
@@ -130,38 +189,71 @@ inline cudaError_t cudaHostGetDevicePointer(T** device, void* host, unsigned fla
   return hipHostGetDevicePointer(reinterpret_cast<void**>(device), host, flags);
 }
 
+// The blocking copy and memset are refused inside a capture; the asynchronous ones are recorded
+// on a capturing stream, a copy only when neither side is pageable host memory.
 inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  if (const cudaError_t e = kvtier_emu::capture::BeforeBlockingCopy(); e != cudaSuccess) return e;
   return hipMemcpy(dst, src, bytes, kind);
 }
 inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                                    cudaStream_t s = nullptr) {
-  return hipMemcpyAsync(dst, src, bytes, kind, s);
+  if (bytes == 0) return cudaSuccess;
+  if (dst == nullptr || src == nullptr) return cudaErrorInvalidValue;
+  return kvtier_emu::capture::Submit(
+      s, [=](cudaStream_t on) { (void)hipMemcpyAsync(dst, src, bytes, kind, on); }, {dst, src});
 }
-inline cudaError_t cudaMemset(void* dst, int value, size_t bytes) { return hipMemset(dst, value, bytes); }
+inline cudaError_t cudaMemset(void* dst, int value, size_t bytes) {
+  if (const cudaError_t e = kvtier_emu::capture::BeforeBlockingCopy(); e != cudaSuccess) return e;
+  return hipMemset(dst, value, bytes);
+}
 inline cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t s = nullptr) {
-  return hipMemsetAsync(dst, value, bytes, s);
+  if (bytes == 0) return cudaSuccess;
+  if (dst == nullptr) return cudaErrorInvalidValue;
+  return kvtier_emu::capture::Submit(s,
+                                     [=](cudaStream_t on) { (void)hipMemsetAsync(dst, value, bytes, on); });
 }
 
 inline cudaError_t cudaStreamCreate(cudaStream_t* s) { return hipStreamCreate(s); }
+// Non-blocking streams are noted: the legacy stream conflicts with a capture in the others only.
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {
-  return hipStreamCreateWithFlags(s, static_cast<hipStreamFlags>(flags));
+  const cudaError_t e = hipStreamCreateWithFlags(s, static_cast<hipStreamFlags>(flags));
+  if (e == cudaSuccess) kvtier_emu::capture::NoteStream(*s, (flags & cudaStreamNonBlocking) != 0);
+  return e;
 }
-inline cudaError_t cudaStreamDestroy(cudaStream_t s) { return hipStreamDestroy(s); }
-inline cudaError_t cudaStreamSynchronize(cudaStream_t s) { return hipStreamSynchronize(s); }
-inline cudaError_t cudaStreamQuery(cudaStream_t s) { return hipStreamQuery(s); }
+inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  kvtier_emu::capture::ForgetStream(s);
+  return hipStreamDestroy(s);
+}
+inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  if (const cudaError_t e = kvtier_emu::capture::BeforeStreamWait(s); e != cudaSuccess) return e;
+  return hipStreamSynchronize(s);
+}
+inline cudaError_t cudaStreamQuery(cudaStream_t s) {
+  if (const cudaError_t e = kvtier_emu::capture::BeforeStreamWait(s); e != cudaSuccess) return e;
+  return hipStreamQuery(s);
+}
 inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags = 0) {
-  return hipStreamWaitEvent(s, e, flags);
+  return kvtier_emu::capture::WaitEvent(s, e, flags);
 }
 inline cudaError_t cudaEventCreate(cudaEvent_t* e) { return hipEventCreate(e); }
 inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) {
   return hipEventCreateWithFlags(e, static_cast<hipEventFlags>(flags));
 }
-inline cudaError_t cudaEventDestroy(cudaEvent_t e) { return hipEventDestroy(e); }
-inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = nullptr) { return hipEventRecord(e, s); }
-inline cudaError_t cudaEventSynchronize(cudaEvent_t e) { return hipEventSynchronize(e); }
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  kvtier_emu::capture::ForgetEvent(e);
+  return hipEventDestroy(e);
+}
+inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = nullptr) {
+  return kvtier_emu::capture::RecordEvent(e, s);
+}
+inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  if (const cudaError_t err = kvtier_emu::capture::BeforeEventWait(e); err != cudaSuccess) return err;
+  return hipEventSynchronize(e);
+}
 // HIP-CPU has no hipEventQuery: the event's completion is a std::future, polled here.
 inline cudaError_t cudaEventQuery(cudaEvent_t e) {
   if (e == nullptr) return hipErrorInvalidHandle;
+  if (const cudaError_t err = kvtier_emu::capture::BeforeEventWait(e); err != cudaSuccess) return err;
   const auto& done = is_done(*e);         // HIP-CPU's friend function, found by argument lookup
   if (!done.valid()) return cudaSuccess;  // never recorded: CUDA reports it complete
   return done.wait_for(std::chrono::seconds(0)) == std::future_status::ready ? cudaSuccess
@@ -194,9 +286,72 @@ inline cudaError_t cudaMemcpyBatchAsync(const void* const* dsts, const void* con
   if (s == nullptr) return cudaErrorInvalidValue;
   for (size_t i = 0; i < count; ++i)
     if (const cudaError_t e =
-            hipMemcpyAsync(const_cast<void*>(dsts[i]), srcs[i], sizes[i], hipMemcpyDefault, s);
-        e != hipSuccess)
+            cudaMemcpyAsync(const_cast<void*>(dsts[i]), srcs[i], sizes[i], cudaMemcpyDefault, s);
+        e != cudaSuccess)
       return e;
+  return cudaSuccess;
+}
+
+// ---- CUDA graphs: stream capture and replay (kernels/cuda/emulation/stream_capture.h) --------
+// A graph is the work a capture recorded, in recording order; an executable graph is a copy of
+// it. Launching one enqueues that work on the stream, in that order, as ordinary asynchronous
+// work (a later synchronisation waits for it); the recorded kernel arguments are the values
+// captured, so pointers are fixed and the data behind them is read when the replay runs.
+// Launching into a capturing stream records the whole replay as one node of that capture.
+struct CUgraph_st {
+  std::shared_ptr<const std::vector<kvtier_emu::capture::Node>> nodes;
+};
+struct CUgraphExec_st {
+  std::shared_ptr<const std::vector<kvtier_emu::capture::Node>> nodes;
+};
+using cudaGraph_t = CUgraph_st*;
+using cudaGraphExec_t = CUgraphExec_st*;
+
+inline cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
+  return kvtier_emu::capture::Begin(s, mode);
+}
+/// On any error *graph is null; the capture has ended unless the error is cudaErrorIllegalState
+/// (no capture), cudaErrorStreamCaptureUnmatched or cudaErrorStreamCaptureWrongThread.
+inline cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
+  if (graph == nullptr) return kvtier_emu::capture::Fail(cudaErrorInvalidValue);
+  *graph = nullptr;
+  std::vector<kvtier_emu::capture::Node> nodes;
+  if (const cudaError_t e = kvtier_emu::capture::End(s, &nodes); e != cudaSuccess) return e;
+  *graph = new CUgraph_st{std::make_shared<const std::vector<kvtier_emu::capture::Node>>(std::move(nodes))};
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  return kvtier_emu::capture::Status(s, status);
+}
+inline cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
+  if (mode == nullptr || (*mode != cudaStreamCaptureModeGlobal && *mode != cudaStreamCaptureModeThreadLocal &&
+                          *mode != cudaStreamCaptureModeRelaxed))
+    return kvtier_emu::capture::Fail(cudaErrorInvalidValue);
+  std::swap(*mode, kvtier_emu::capture::ThreadMode());
+  return cudaSuccess;
+}
+/// CUDA 12+'s three-argument form; no instantiation flag changes what the emulation replays.
+inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph,
+                                        unsigned long long flags = 0) {
+  (void)flags;
+  if (exec == nullptr || graph == nullptr) return kvtier_emu::capture::Fail(cudaErrorInvalidValue);
+  *exec = new CUgraphExec_st{graph->nodes};
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+  if (exec == nullptr) return kvtier_emu::capture::Fail(cudaErrorInvalidValue);
+  return kvtier_emu::capture::Submit(s, [nodes = exec->nodes](cudaStream_t on) {
+    for (const kvtier_emu::capture::Node& node : *nodes) node(on);
+  });
+}
+inline cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  if (exec == nullptr) return kvtier_emu::capture::Fail(cudaErrorInvalidValue);
+  delete exec;  // replays already enqueued hold their own reference to the work
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  if (graph == nullptr) return kvtier_emu::capture::Fail(cudaErrorInvalidValue);
+  delete graph;
   return cudaSuccess;
 }
 
@@ -417,14 +572,21 @@ inline void RunBlockThread(const Body& body) {
   while (st.exited < threads) YieldTo(next, "the end of the block");
 }
 
-/// kernel<<<grid, block, smem, stream>>>(args...) on HIP-CPU.
+/// kernel<<<grid, block, smem, stream>>>(args...) on HIP-CPU. The arguments are converted to the
+/// kernel's parameter types and kept by value, so a launch recorded in a capture
+/// (stream_capture.h) replays with the values it was given. A launch a capture refuses runs
+/// nothing and leaves its error for cudaGetLastError, as a refused <<<...>>> does.
 template <typename... Params, typename... Args>
 inline void Launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, hipStream_t stream,
                    Args&&... args) {
-  hip::detail::launch(
-      grid, block, static_cast<std::uint32_t>(smem), stream,
-      [kernel](auto&&... xs) noexcept { RunBlockThread([&] { kernel(xs...); }); },
-      std::make_tuple(std::decay_t<Params>(std::forward<Args>(args))...));
+  const auto enqueue =
+      [kernel, grid, block, smem,
+       params = std::make_tuple(std::decay_t<Params>(std::forward<Args>(args))...)](hipStream_t on) {
+        hip::detail::launch(
+            grid, block, static_cast<std::uint32_t>(smem), on,
+            [kernel](auto&&... xs) noexcept { RunBlockThread([&] { kernel(xs...); }); }, params);
+      };
+  (void)capture::Submit(stream, enqueue);
 }
 
 }  // namespace kvtier_emu
