@@ -22,6 +22,7 @@
 #include "kernels/dtype.h"
 #include "kvtier/session.h"
 #include "offload/attention_backend.h"
+#include "offload/device_memory.h"
 #include "offload/host_memory.h"
 #include "offload/observe_queries.h"
 #include "offload/policy/scoring_policy.h"
@@ -589,6 +590,11 @@ Result<RunReport> RunJob(const RunOptions& options) {
   KVTIER_RETURN_IF_ERROR(store->WaitForDurable());
   sample_lower_tier_memory();
   rep.peak_rss_bytes = PeakRssBytes();
+  {
+    const DeviceMemoryUse device_memory = ReadDeviceMemory();
+    rep.device_memory_peak_bytes = device_memory.peak_total;
+    for (int i = 0; i < kDeviceMemoryOwners; ++i) rep.device_memory_peak_by_owner[i] = device_memory.peak[i];
+  }
   rep.counters = store->counters();
   rep.index_cap_bytes = opt.store.index_bytes;
   uint64_t retriever_bytes = 0, index_bound = 0;
@@ -1217,6 +1223,11 @@ std::string RunReport::ToJson() const {
   w.Key("device").BeginObject();
   w.Key("kind").String(DeviceName(o.store.device));
   w.Key("host_syncs_per_token").Double(host_syncs_per_token);
+  w.Key("memory_peak_bytes").Uint(device_memory_peak_bytes);
+  w.Key("memory_peak_bytes_by_owner").BeginObject();
+  for (int i = 0; i < kDeviceMemoryOwners; ++i)
+    w.Key(DeviceMemoryOwnerName(static_cast<DeviceMemoryOwner>(i))).Uint(device_memory_peak_by_owner[i]);
+  w.EndObject();
   w.EndObject();
   w.Key("tiers");
   WriteTierTrafficJson(&w, counters);
@@ -1457,6 +1468,18 @@ std::string RunReport::ToTable() const {
                   "device: cuda, %.2f host syncs per generated token (blocking waits on the device over the "
                   "decode steps)\n",
                   host_syncs_per_token);
+    text += line;
+    const auto mib = [](uint64_t b) { return static_cast<double>(b) / (1 << 20); };
+    const auto owner = [this](DeviceMemoryOwner o) {
+      return device_memory_peak_by_owner[static_cast<int>(o)];
+    };
+    std::snprintf(
+        line, sizeof(line),
+        "device memory peak %.1f MiB (counted allocations; most per owner: hot tier %.1f, attention "
+        "%.1f, retrieval mirror %.1f, retrieval workspace %.1f)\n",
+        mib(device_memory_peak_bytes), mib(owner(DeviceMemoryOwner::kHotTier)),
+        mib(owner(DeviceMemoryOwner::kAttention)), mib(owner(DeviceMemoryOwner::kRetrievalMirror)),
+        mib(owner(DeviceMemoryOwner::kRetrievalWorkspace)));
     text += line;
   }
   if (options.trace) {

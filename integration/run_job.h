@@ -16,6 +16,7 @@
 #include "integration/turnover.h"
 #include "integration/workload.h"
 #include "kvtier/session.h"
+#include "offload/device_memory.h"
 #include "offload/tiered_store.h"
 #include "retrieval/retriever.h"
 
@@ -181,6 +182,11 @@ struct RunReport {
   /// Blocking host waits on the device per generated token over the decode steps (appends and
   /// attention, every method's session summed: SessionCounters::host_syncs); 0 on a cpu tier.
   double host_syncs_per_token = 0;
+  /// Device memory (offload/device_memory.h's counted allocations) at its most during the
+  /// kvtier phases, read with peak RSS: every owner at once, and each owner's own most. 0 on a
+  /// cpu tier (it allocates none).
+  uint64_t device_memory_peak_bytes = 0;
+  uint64_t device_memory_peak_by_owner[kDeviceMemoryOwners] = {};
   std::vector<double> step_ms_all, full_step_ms_all, step_error_all;
 
   std::string ToJson() const;

@@ -394,9 +394,9 @@ class CudaAttentionBackend final : public AttentionBackend {
  public:
   explicit CudaAttentionBackend(CudaHotTier* hot) : hot_(hot) {}
   ~CudaAttentionBackend() override {
-    if (ws_.ptr) cudaFree(ws_.ptr);
-    if (side_.ptr) cudaFree(side_.ptr);
-    if (rope_.ptr) cudaFree(rope_.ptr);
+    if (ws_.ptr) device_memory::Free(ws_.ptr);
+    if (side_.ptr) device_memory::Free(side_.ptr);
+    if (rope_.ptr) device_memory::Free(rope_.ptr);
   }
   const char* name() const override { return "cuda"; }
 
@@ -603,10 +603,10 @@ class CudaAttentionBackend final : public AttentionBackend {
     if (bytes <= b->bytes) return Status::Ok();
     if (b->ptr) {
       device_sync::SyncStream(stream());
-      cudaFree(b->ptr);
+      device_memory::Free(b->ptr);
       *b = DeviceBuffer{};
     }
-    const cudaError_t e = cudaMalloc(&b->ptr, bytes);
+    const cudaError_t e = device_memory::Malloc(&b->ptr, bytes, DeviceMemoryOwner::kAttention);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
       b->ptr = nullptr;

@@ -30,7 +30,7 @@ Result<std::unique_ptr<CudaHotTier>> CudaHotTier::Create(size_t slot_pool_bytes,
     return Unavailable(std::string("hot tier \"cuda\": no CUDA device: ") +
                        kernels::cuda::LastCudaErrorString());
   auto tier = std::unique_ptr<CudaHotTier>(new CudaHotTier(static_cast<int32_t>(n), slot_bytes));
-  cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&tier->pool_), n * slot_bytes);
+  cudaError_t e = device_memory::Malloc(&tier->pool_, n * slot_bytes, DeviceMemoryOwner::kHotTier);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return ResourceExhausted("hot tier \"cuda\": cudaMalloc of " + std::to_string(n * slot_bytes) +
@@ -48,7 +48,7 @@ CudaHotTier::~CudaHotTier() {
   for (auto& [ticket, ev] : in_flight_) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
   for (void* ev : spare_events_) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
   if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
-  if (pool_) cudaFree(pool_);
+  if (pool_) device_memory::Free(pool_);
 }
 
 void CudaHotTier::ReleaseSlot(int32_t slot) {
@@ -58,7 +58,7 @@ void CudaHotTier::ReleaseSlot(int32_t slot) {
 Result<uint8_t*> CudaHotTier::AllocateRegion(size_t bytes) {
   if (bytes == 0) return InvalidArgument("hot region size must be > 0");
   void* p = nullptr;
-  const cudaError_t e = cudaMalloc(&p, bytes);
+  const cudaError_t e = device_memory::Malloc(&p, bytes, DeviceMemoryOwner::kHotTier);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return ResourceExhausted("hot tier \"cuda\": cudaMalloc of " + std::to_string(bytes) + " bytes failed (" +
@@ -69,7 +69,7 @@ Result<uint8_t*> CudaHotTier::AllocateRegion(size_t bytes) {
 
 void CudaHotTier::FreeRegion(uint8_t* region, size_t) {
   // cudaFree synchronises the device: a region is freed only when its sequence is dropped.
-  if (region) cudaFree(region);
+  if (region) device_memory::Free(region);
 }
 
 Result<void*> CudaHotTier::TakeEvent() {

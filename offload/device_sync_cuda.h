@@ -12,6 +12,7 @@
 
 #include <cstddef>
 
+#include "offload/device_memory_cuda.h"  // the counted allocations come with the counted waits
 #include "offload/device_sync.h"
 
 namespace kvtier::device_sync {

@@ -6,6 +6,8 @@
 
 #ifdef KVTIER_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "offload/device_memory_cuda.h"
 #endif
 
 namespace kvtier {
@@ -28,7 +30,7 @@ bool CudaDevicePresent() {
 
 void InitDeviceRuntime() {
 #ifdef KVTIER_HAVE_CUDA
-  if (CudaDevicePresent() && cudaFree(nullptr) != cudaSuccess) cudaGetLastError();
+  if (CudaDevicePresent() && device_memory::Free(nullptr) != cudaSuccess) cudaGetLastError();
 #endif
 }
 
@@ -37,7 +39,7 @@ Result<std::unique_ptr<HostBuffer>> HostBuffer::Allocate(size_t bytes, bool want
 #ifdef KVTIER_HAVE_CUDA
   if (want_pinned && CudaDevicePresent()) {
     void* p = nullptr;
-    if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable) == cudaSuccess && p != nullptr)
+    if (device_memory::HostAlloc(&p, bytes, cudaHostAllocPortable) == cudaSuccess && p != nullptr)
       return std::unique_ptr<HostBuffer>(new HostBuffer(static_cast<uint8_t*>(p), bytes, Kind::kPinned));
     cudaGetLastError();  // fall through to pageable memory, reported by kind()
   }
@@ -53,7 +55,7 @@ Result<std::unique_ptr<HostBuffer>> HostBuffer::Allocate(size_t bytes, bool want
 HostBuffer::~HostBuffer() {
 #ifdef KVTIER_HAVE_CUDA
   if (kind_ == Kind::kPinned) {
-    cudaFreeHost(data_);
+    device_memory::FreeHost(data_);
     return;
   }
 #endif

@@ -264,8 +264,8 @@ class CudaRetrievalBackend final : public RetrievalBackend {
   }
   ~CudaRetrievalBackend() override {
     if (stream_) device_sync::SyncStream(stream_);
-    if (ws_) cudaFree(ws_);
-    if (staging_) cudaFreeHost(staging_);
+    if (ws_) device_memory::Free(ws_);
+    if (staging_) device_memory::FreeHost(staging_);
     if (stream_) cudaStreamDestroy(stream_);
   }
   const char* name() const override { return "cuda"; }
@@ -273,7 +273,7 @@ class CudaRetrievalBackend final : public RetrievalBackend {
   Result<uint8_t*> Allocate(size_t bytes) override {
     if (bytes == 0) return InvalidArgument("retrieval (cuda): Allocate of 0 bytes");
     void* p = nullptr;
-    const cudaError_t e = cudaMalloc(&p, bytes);
+    const cudaError_t e = device_memory::Malloc(&p, bytes, DeviceMemoryOwner::kRetrievalMirror);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
       return ResourceExhausted("retrieval (cuda): cudaMalloc of " + std::to_string(bytes) +
@@ -284,7 +284,7 @@ class CudaRetrievalBackend final : public RetrievalBackend {
   void Free(uint8_t* p) override {
     if (p == nullptr) return;
     device_sync::SyncStream(stream_);  // a kernel of the last run may still read it
-    cudaFree(p);
+    device_memory::Free(p);
   }
   Status Upload(const BackendCopy* copies, size_t n) override {
     if (n > 0 && copies == nullptr) return InvalidArgument("retrieval (cuda): Upload: copies are null");
@@ -323,15 +323,16 @@ class CudaRetrievalBackend final : public RetrievalBackend {
  protected:
   Status AllocateWorkspace(const RetrievalWorkspaceLayout& l) override {
     device_sync::SyncStream(stream_);
-    if (ws_) cudaFree(ws_);
-    if (staging_) cudaFreeHost(staging_);
+    if (ws_) device_memory::Free(ws_);
+    if (staging_) device_memory::FreeHost(staging_);
     ws_ = nullptr;
     staging_ = nullptr;
-    cudaError_t e = cudaMalloc(&ws_, l.total);
-    if (e == cudaSuccess) e = cudaMallocHost(&staging_, l.in_bytes + l.out_bytes);
+    cudaError_t e = device_memory::Malloc(&ws_, l.total, DeviceMemoryOwner::kRetrievalWorkspace);
+    if (e == cudaSuccess)
+      e = device_memory::HostAlloc(&staging_, l.in_bytes + l.out_bytes, cudaHostAllocDefault);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
-      if (ws_) cudaFree(ws_);
+      if (ws_) device_memory::Free(ws_);
       ws_ = nullptr;
       staging_ = nullptr;
       layout_ = RetrievalWorkspaceLayout{};
@@ -446,6 +447,12 @@ Status ReprMirror::Update(size_t first, size_t n, const std::vector<std::vector<
       rows_ = capacity_ = 0;
       return Status::Ok();
     }
+    // Every row goes up again from the host, so the old arrays go first: the mirror never holds
+    // two capacities at once, and its backend bytes never pass bytes() (what the cap counts).
+    backend_->Free(keys_);
+    backend_->Free(inv_norm_);
+    keys_ = inv_norm_ = nullptr;
+    rows_ = capacity_ = 0;
     KVTIER_ASSIGN_OR_RETURN(new_keys, backend_->Allocate(H * cap * row_key_bytes_));
     auto inv = backend_->Allocate(H * cap * row_inv_bytes_);
     if (!inv.ok()) {
@@ -465,20 +472,14 @@ Status ReprMirror::Update(size_t first, size_t n, const std::vector<std::vector<
                                  (n - first) * row_inv_bytes_});
   }
   const Status st = backend_->Upload(copies.data(), copies.size());
-  if (!st.ok()) {
-    if (new_keys != keys_) {
-      backend_->Free(new_keys);
-      backend_->Free(new_inv);
-    }
-    rows_ = std::min(rows_, first);  // rows from `first` may be half written
-    return st;
-  }
-  if (new_keys != keys_) {
-    backend_->Free(keys_);
-    backend_->Free(inv_norm_);
+  if (new_keys != keys_) {  // the new arrays are the mirror's, whatever the upload did
     keys_ = new_keys;
     inv_norm_ = new_inv;
     capacity_ = cap;
+  }
+  if (!st.ok()) {
+    rows_ = std::min(rows_, first);  // rows from `first` may be half written
+    return st;
   }
   rows_ = n;
   return Status::Ok();

@@ -184,8 +184,9 @@ class ReprMirror {
   /// head h's [n, R, D] in the shape's dtype, inv_norm[h] its [n, R]. Rows below `first` must
   /// be unchanged since the last Update. Past the capacity it grows to
   /// max(n, min(capacity + capacity / 8 (at least 16), max_rows)); above max(n, max_rows) it
-  /// shrinks to that; either way it uploads every row. On an error the mirror holds its old
-  /// rows (Update again from 0).
+  /// shrinks to that; either way it frees the old arrays before it allocates the new ones (its
+  /// backend memory never passes bytes()) and uploads every row. On an error the mirror holds
+  /// the rows below `first` (none when it was reallocating): Update again from 0.
   Status Update(size_t first, size_t n, const std::vector<std::vector<uint8_t>>& keys,
                 const std::vector<std::vector<float>>& inv_norm, size_t max_rows = SIZE_MAX);
   /// The scoring view: shape, fold, n_chunks = rows(), chunk_stride = capacity(), keys, inv_norm.

@@ -21,6 +21,7 @@
 # /opt/kvdeps), never into /. Environment: KVTIER_GPU_BUILD (build dir, default build-gpu),
 # KVTIER_CUDA_ARCH (default 90: H100/H200), JOBS, KVTIER_RUN_TIMEOUT (s per kvtier run, 540),
 # KVTIER_RUN_CONTEXTS (the `kvtier run --device cuda` contexts, default "131072 1048576"),
+# KVTIER_RUN_INDEX_BYTES (their --index-bytes, default from the geometry: step 6),
 # KVTIER_INFINITE_CONTEXTS (`kvtier infinite` on cuda and cpu, default "4096 16384"; --quick "4096").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -133,32 +134,59 @@ log "gpu bench: rc $rc"
 
 # ---- 6. kvtier run --device cuda at 128K and 1M tokens vs full attention ---------------------------
 # Llama-3-8B geometry. run compares retrieval with full attention over the same data itself;
-# peak GPU memory is sampled with nvidia-smi while it runs (it must stay flat 128K -> 1M).
+# peak GPU memory is sampled with nvidia-smi while it runs, and kvtier's own count of its device
+# allocations (device.memory_peak_bytes) read from the report: with the index cap below both
+# must stay flat 128K -> 1M (issue 44).
+# The cap (--index-bytes, per session; KVTIER_RUN_INDEX_BYTES overrides it, 0 = none) is 1.25x
+# what a session's Exact index holds at 128K with its device mirror, so the 128K run is not
+# clipped (the index's vectors grow by an eighth, and the cap evicts down to 7/8 of itself only
+# once passed) and at 1M the mirror stays at about 1.25x its 128K size. Per chunk of 32 tokens
+# and layer, with 4 representatives (the defaults): kv_heads x 4 x (2 x (head_dim x dtype bytes
+# + 4): the host's keys and norms and the mirror's, + head_dim + 8: int8 codes and scales) + 8 (id).
+index_cap() {  # layers kv_heads head_dim dtype_bytes -> "<MiB>M"
+  echo "$(( ($1 * 4096 * ($2 * 4 * (2 * ($3 * $4 + 4) + $3 + 8) + 8) * 5 / 4 + (1 << 20) - 1) >> 20 ))M"
+}
 RUN_CONTEXTS="131072 1048576"
 RUN_GEOMETRY=(--geometry 32,32,8,128 --dtype bf16)
+RUN_INDEX_BYTES=$(index_cap 32 8 128 2)  # 3282M
 if [ "$MODE" = "--quick" ]; then
   # The default geometry (8,8,2,64 f16): 512 MiB of KV at 128K and 4 GiB at 1M, which a
   # 15-minute lease allows (about 15 s and 100 s on an H200 machine's 16 cores).
   RUN_CONTEXTS="131072 1048576"
   RUN_GEOMETRY=()
+  RUN_INDEX_BYTES=$(index_cap 8 2 64 2)  # 106M
 fi
 RUN_CONTEXTS=${KVTIER_RUN_CONTEXTS:-$RUN_CONTEXTS}  # e.g. "131072" to skip the 1M run
+RUN_INDEX_BYTES=${KVTIER_RUN_INDEX_BYTES:-$RUN_INDEX_BYTES}
+log "kvtier run --device cuda with --index-bytes $RUN_INDEX_BYTES"
 for ctx in $RUN_CONTEXTS; do
   sample=$OUT/gpu_mem_$ctx.txt
   (while :; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >>"$sample" 2>/dev/null; sleep 0.5; done) &
   sampler=$!
   timeout "$RUN_TIMEOUT" "$BUILD/kvtier" run --device cuda --context "$ctx" "${RUN_GEOMETRY[@]}" \
-    --data-dir "$OUT/run-data-$ctx" --json "$OUT/run_$ctx.json" >"$OUT/run_$ctx.txt" 2>&1
+    --index-bytes "$RUN_INDEX_BYTES" --data-dir "$OUT/run-data-$ctx" --json "$OUT/run_$ctx.json" >"$OUT/run_$ctx.txt" 2>&1
   rc=$?
   kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
   rm -rf "$OUT/run-data-$ctx"
   peak=$(sort -n "$sample" 2>/dev/null | tail -1)
+  # kvtier's counted device memory and what the cap evicted (0 at 128K: not clipped).
+  counted=$(python3 - "$OUT/run_$ctx.json" <<'PY'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+    print(f"counted device peak MiB {r['device']['memory_peak_bytes'] / 2**20:.1f} "
+          f"(mirror {r['device']['memory_peak_bytes_by_owner']['retrieval_mirror'] / 2**20:.1f}); "
+          f"index evicted {r['memory']['index_evicted_chunks']} chunks")
+except Exception as e:  # a run that failed wrote no report
+    print(f"no report ({type(e).__name__})")
+PY
+)
   # The step-time line ("kvtier ... ms", "full attention ... -> kvtier is N.Nx faster"): run's
   # full-attention baseline is its CPU kernel over host copies, so the same-GPU ratio is
   # kvtier_gpu_bench's; an error run keeps its last line (the status).
   speed=$(grep -m1 -A1 -- '^  kvtier ' "$OUT/run_$ctx.txt" | tr -s ' ' | tr '\n' ';' || tail -1 "$OUT/run_$ctx.txt")
-  note "run_$ctx" "$([ $rc = 0 ] && echo ok || echo "rc $rc")" "peak GPU MiB ${peak:-?}; $speed"
-  log "kvtier run --device cuda --context $ctx: rc $rc, peak GPU memory ${peak:-?} MiB"
+  note "run_$ctx" "$([ $rc = 0 ] && echo ok || echo "rc $rc")" "peak GPU MiB ${peak:-?}; $counted; $speed"
+  log "kvtier run --device cuda --context $ctx: rc $rc, peak GPU memory ${peak:-?} MiB; $counted"
 done
 
 # The same 128K run on the CPU path (hot tier in host memory), for the per-part step times.

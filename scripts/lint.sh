@@ -8,6 +8,11 @@
 #                                   counting wrappers of offload/device_sync_cuda.h (part of the
 #                                   format stage, and a ctest test). `syncs --self-test`: the check
 #                                   refuses each kind of blocking call and passes what it should.
+#   scripts/lint.sh allocs          no source allocates or frees device or pinned host memory
+#                                   except through the counting wrappers of
+#                                   offload/device_memory_cuda.h (part of the format stage, and a
+#                                   ctest test). `allocs --self-test`: the check refuses each
+#                                   kind of allocation and passes what it should.
 # Exit status 1 names the files that fail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +37,20 @@ blocking_calls() {
       rest = code
       gsub(/cudaMemcpy(Batch)?Async[[:space:]]*[(]/, "", rest)
       if (async_ok && rest !~ /cuda(StreamSynchronize|EventSynchronize|DeviceSynchronize|Memcpy[A-Za-z0-9]*)[[:space:]]*[(]/) next
+      print FILENAME ":" FNR ": " $0
+      found = 1
+    }
+    END { exit found ? 1 : 0 }' "$@"
+}
+# The CUDA runtime's allocations and frees of device and pinned host memory (cudaMalloc and every
+# cudaMalloc*, cudaFree and every cudaFree*, cudaHostAlloc, cudaHostRegister/Unregister).
+# Comments are left out. Prints FILE:LINE: TEXT for each call found; exit status 1 when there is one.
+allocation_calls() {
+  awk '
+    {
+      code = $0
+      sub(/\/\/.*/, "", code)
+      if (code !~ /cuda(Malloc[A-Za-z0-9]*|Free[A-Za-z0-9]*|HostAlloc|HostRegister|HostUnregister)[[:space:]]*[(]/) next
       print FILENAME ":" FNR ": " $0
       found = 1
     }
@@ -102,5 +121,40 @@ case "${1:-}" in
     fi
     echo "lint: no blocking device call outside offload/device_sync in ${#files[@]} files"
     ;;
-  *) echo "usage: scripts/lint.sh format | tidy BUILD_DIR | syncs [--self-test]" >&2; exit 2 ;;
+  allocs)
+    if [[ "${2:-}" == "--self-test" ]]; then
+      tmp=$(mktemp -d)
+      trap 'rm -rf "$tmp"' EXIT
+      # Each line of bad.cc must be reported, no line of good.cc.
+      printf '%s\n' 'cudaMalloc(&p, n);' 'e = cudaFree(p);' 'cudaMallocHost(&h, n);' 'cudaHostAlloc(&h, n, f);' \
+        'cudaFreeHost(h);' 'cudaMallocAsync (&p, n, s);' 'cudaFreeAsync(p, s);' 'cudaMallocManaged(&p, n);' \
+        'cudaMallocPitch(&p, &pitch, w, h);' 'cudaHostRegister(h, n, f);' 'cudaHostUnregister(h);' \
+        'x = 1; cudaFree(p);  // a comment after the call' >"$tmp/bad.cc"
+      printf '%s\n' '// cudaMalloc(&p, n) in a comment' 'device_memory::Malloc(&p, n, DeviceMemoryOwner::kHotTier);' \
+        'device_memory::Free(p); device_memory::HostAlloc(&h, n, f); device_memory::FreeHost(h);' \
+        'return ResourceExhausted("cudaMalloc of " + std::to_string(n) + " bytes failed");' \
+        'cudaMemGetInfo(&free, &total);' >"$tmp/good.cc"
+      got=$(cd "$tmp" && allocation_calls bad.cc good.cc | cut -d: -f1,2 | tr '\n' ' ')
+      want="bad.cc:1 bad.cc:2 bad.cc:3 bad.cc:4 bad.cc:5 bad.cc:6 bad.cc:7 bad.cc:8 bad.cc:9 bad.cc:10 bad.cc:11 bad.cc:12 "
+      if [[ "$got" != "$want" ]]; then
+        echo "lint allocs self-test: reported [$got], expected [$want]"
+        exit 1
+      fi
+      echo "lint allocs self-test: each kind of allocation refused; comments, messages and wrappers passed"
+      exit 0
+    fi
+    # Tests allocate as they like; bench/gpu_measure.cc times raw runtime calls (kvtier_gpu_bench
+    # links kernels only); the emulation layer is the runtime; the wrappers call it. kernels/cuda
+    # (which depends on nothing of ours) allocates nothing: its callers pass workspaces.
+    mapfile -t files < <(sources | grep -vE '^(tests/|bench/|kernels/cuda/emulation/)' |
+                         grep -vx 'offload/device_memory.cc')
+    if ! found=$(allocation_calls "${files[@]}"); then
+      echo "lint: device or pinned memory allocated outside offload/device_memory_cuda.h's counting wrappers"
+      echo "(device_memory::Malloc, Free, HostAlloc, FreeHost: every byte of device memory is counted):"
+      echo "$found" | sed 's/^/  /'
+      exit 1
+    fi
+    echo "lint: no device allocation outside offload/device_memory in ${#files[@]} files"
+    ;;
+  *) echo "usage: scripts/lint.sh format | tidy BUILD_DIR | syncs [--self-test] | allocs [--self-test]" >&2; exit 2 ;;
 esac

@@ -202,7 +202,7 @@ Result<std::unique_ptr<LlamaDeviceForward>> LlamaDeviceForward::Create(const Lla
   f->inv_freq_ = inv_freq;
   cudaStream_t s = static_cast<cudaStream_t>(f->stream_);
   auto alloc = [](size_t bytes, void** p, const char* what) -> Status {
-    const cudaError_t e = cudaMalloc(p, bytes);
+    const cudaError_t e = device_memory::Malloc(p, bytes, DeviceMemoryOwner::kModelForward);
     if (e == cudaSuccess) return Status::Ok();
     (void)cudaGetLastError();
     *p = nullptr;
@@ -231,9 +231,9 @@ LlamaDeviceForward::~LlamaDeviceForward() {
   // synchronise the device anyway; this says why).
   if (stream_) device_sync::SyncStream(static_cast<cudaStream_t>(stream_));
   kc::DestroyBlasHandle(blas_);
-  if (blas_workspace_) cudaFree(blas_workspace_);
-  if (act_mem_) cudaFree(act_mem_);
-  if (weight_mem_) cudaFree(weight_mem_);
+  if (blas_workspace_) device_memory::Free(blas_workspace_);
+  if (act_mem_) device_memory::Free(act_mem_);
+  if (weight_mem_) device_memory::Free(weight_mem_);
 }
 
 // Ordering: every launch and copy below is on the hot tier's stream, the stream the tier's

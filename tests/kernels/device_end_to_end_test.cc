@@ -88,6 +88,46 @@ TEST(DeviceEndToEnd, RunOnCudaMatchesTheCpuRun) {
   EXPECT_GE(JsonNumber(b, "host_syncs_per_token"), 22.0) << b;
   EXPECT_NE(cuda.out.find("host syncs per generated token"), std::string::npos) << cuda.out;
   EXPECT_EQ(cpu.out.find("host syncs per generated token"), std::string::npos) << cpu.out;
+  // Counted device memory (offload/device_memory.h): 0 on the cpu tier; on the cuda tier at
+  // least the hot tier's 4 MiB slot pool, and a line of the report.
+  EXPECT_EQ(JsonNumber(a, "memory_peak_bytes"), 0.0) << a;
+  EXPECT_GE(JsonNumber(b, "memory_peak_bytes"), 4.0 * (1 << 20)) << b;
+  EXPECT_GE(JsonNumber(b, "hot_tier"), 4.0 * (1 << 20)) << b;
+  EXPECT_NE(cuda.out.find("device memory peak"), std::string::npos) << cuda.out;
+  EXPECT_EQ(cpu.out.find("device memory peak"), std::string::npos) << cpu.out;
+}
+
+// Peak device memory is flat in the context under an index cap (issue 44): `kvtier run --device
+// cuda --index-bytes 3M` at 64K peaks within 10% of the same run at 16K, while at 64K without
+// the cap it grows past that (the retrieval mirror grows with the chunks; the hot tier, the
+// attention and retrieval workspaces do not). 3M (1.5 MiB a layer) leaves the 16K run's index
+// (512 chunks a layer, about 1.4 MiB with the mirror) whole: the short run is not clipped.
+TEST(DeviceEndToEnd, RunOnCudaPeakDeviceMemoryIsFlatUnderAnIndexCap) {
+  REQUIRE_CUDA_DEVICE();
+  TempDir dir;
+  const std::string args =
+      "run --quiet --geometry 2,4,2,64 --decode-steps 2 --warm-bytes 16M --hot-bytes 4M --seed 9001"
+      " --device cuda";
+  auto run = [&](const std::string& name, const std::string& more) {
+    Ran r = Kvtier(args + " " + more + " --data-dir " + dir.path() + "/" + name + " --json " + dir.path() +
+                   "/" + name + ".json");
+    EXPECT_EQ(r.code, 0) << r.out;
+    return ReadAll(dir.path() + "/" + name + ".json");
+  };
+  const std::string short_capped = run("short", "--context 16384 --index-bytes 3M");
+  const std::string long_capped = run("long", "--context 65536 --index-bytes 3M");
+  const std::string long_uncapped = run("uncapped", "--context 65536");
+  const double peak_short = JsonNumber(short_capped, "memory_peak_bytes");
+  const double peak_long = JsonNumber(long_capped, "memory_peak_bytes");
+  const double peak_uncapped = JsonNumber(long_uncapped, "memory_peak_bytes");
+  ASSERT_GT(peak_short, 0.0) << short_capped;
+  EXPECT_EQ(JsonNumber(short_capped, "index_evicted_chunks"), 0.0) << "the cap clipped the short run";
+  EXPECT_GT(JsonNumber(long_capped, "index_evicted_chunks"), 0.0) << long_capped;
+  EXPECT_LE(peak_long, 1.10 * peak_short)
+      << "16K " << peak_short << " B, 64K with the cap " << peak_long << " B";
+  EXPECT_LE(JsonNumber(long_capped, "retrieval_mirror"), 3.0 * (1 << 20)) << long_capped;
+  EXPECT_GT(peak_uncapped, 1.10 * peak_short)
+      << "without the cap the mirror should grow: 16K " << peak_short << " B, 64K " << peak_uncapped << " B";
 }
 
 // `kvtier stress` through the CUDA hot tier: every token appended reads back byte for byte,

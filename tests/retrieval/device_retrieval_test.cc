@@ -29,6 +29,7 @@
 
 #if KVTIER_HAVE_CUDA
 #include "kernels/cuda/kernels.h"
+#include "offload/device_memory.h"
 #endif
 
 namespace kvtier {
@@ -841,6 +842,66 @@ TEST(DeviceRetrievalCuda, RetrieverOnACudaHotTierUsesTheCudaBackend) {
   auto flat = Retriever::Create(s, ro);
   ASSERT_TRUE(flat.ok());
   EXPECT_EQ((*flat)->backend(), nullptr);
+#endif
+}
+
+// The mirror obeys the index's memory cap on the device (issue 44): over a stream of adds eight
+// times what a capped layer holds, the mirror's counted device memory (offload/device_memory.h)
+// is always what the index counts for it (mirror()->bytes()), the whole index stays within the
+// cap, and the mirror never holds two capacities at once (it frees before it grows), so its
+// peak is the largest capacity it had. The same stream uncapped takes the mirror past the cap.
+TEST(DeviceRetrievalCuda, CappedMirrorsCountedDeviceBytesStayWithinTheCap) {
+#if !KVTIER_HAVE_CUDA
+  GTEST_SKIP() << "no CUDA device: this build has no CUDA (KVTIER_CUDA=off)";
+#else
+  std::string why;
+  if (!HaveDevice(&why)) GTEST_SKIP() << why;
+  auto cuda = MakeRetrievalBackend("cuda");
+  ASSERT_TRUE(cuda.ok()) << cuda.status().ToString();
+  const ChunkShape shape{2, 64, 4, DType::kF16};  // 2,696 bytes a chunk with the host's rows and codes
+  const size_t n = 3200, per = shape.repr_floats();
+  const uint64_t cap = 1 << 20;  // about 390 chunks: the stream is 8x that
+  const auto reprs = RandomReprs(n, shape, 71);
+  auto mirror_bytes = [] { return ReadDeviceMemory().current_of(DeviceMemoryOwner::kRetrievalMirror); };
+  const uint64_t base = mirror_bytes();  // mirrors other tests left alive (none expected)
+  ResetDeviceMemoryPeaks();
+  uint64_t most = 0;
+  {
+    auto index = MakeExact("Exact:heads=max", shape);
+    ASSERT_TRUE(index->AttachBackend(cuda->get()).ok());
+    ASSERT_TRUE(index->SetMemoryCap(cap).ok());
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(index->Add(i, reprs.data() + i * per).ok());
+      ASSERT_TRUE(index->SyncMirror().ok());
+      ASSERT_EQ(mirror_bytes() - base, index->mirror()->bytes()) << "after chunk " << i;
+      ASSERT_LE(index->memory_bytes(), cap) << "after chunk " << i;
+      most = std::max(most, index->mirror()->bytes());
+    }
+    EXPECT_GT(index->evicted_chunks(), n / 2);  // the cap applied
+    const uint64_t peak = ReadDeviceMemory().peak_of(DeviceMemoryOwner::kRetrievalMirror) - base;
+    EXPECT_EQ(peak, most) << "the mirror held more than its capacity at some point";
+    EXPECT_LE(peak, cap);
+    // What it chooses is what the cpu backend's mirror of the kept chunks chooses.
+    auto cpu = CpuBackend();
+    auto fresh = MakeExact("Exact:heads=max", shape);
+    const uint64_t first = index->evicted_chunks();
+    for (uint64_t i = first; i < n; ++i) ASSERT_TRUE(fresh->Add(i, reprs.data() + i * per).ok());
+    ASSERT_TRUE(fresh->AttachBackend(cpu.get()).ok());
+    const std::vector<float> probe = RandomProbe(shape, 5);
+    std::vector<uint64_t> a, b;
+    double ta = 0, tb = 0;
+    int32_t na = 0, nb = 0;
+    ASSERT_TRUE(index->SelectOnBackend(probe.data(), ChunkRank::kLogit, true, 16, &a, &ta, &na).ok());
+    ASSERT_TRUE(fresh->SelectOnBackend(probe.data(), ChunkRank::kLogit, true, 16, &b, &tb, &nb).ok());
+    EXPECT_EQ(a, b);
+  }
+  EXPECT_EQ(mirror_bytes(), base);  // the index's mirror gave its memory back
+  auto uncapped = MakeExact("Exact:heads=max", shape);
+  ASSERT_TRUE(uncapped->AttachBackend(cuda->get()).ok());
+  for (size_t i = 0; i < n; ++i) ASSERT_TRUE(uncapped->Add(i, reprs.data() + i * per).ok());
+  ASSERT_TRUE(uncapped->SyncMirror().ok());
+  EXPECT_EQ(mirror_bytes() - base, uncapped->mirror()->bytes());
+  EXPECT_GT(mirror_bytes() - base, 2 * cap);
 #endif
 }
 
