@@ -321,7 +321,7 @@ class PinnedStaging {
         device_sync::SyncEvent(e.done);
         cudaEventDestroy(e.done);
       }
-      if (e.host) cudaFreeHost(e.host);
+      if (e.host) device_memory::FreeHost(e.host);
     }
   }
 
@@ -345,11 +345,12 @@ class PinnedStaging {
     }
     e.recorded = false;
     if (bytes > e.bytes) {
-      if (e.host) cudaFreeHost(e.host);
+      if (e.host) device_memory::FreeHost(e.host);
       e.host = nullptr;
       e.bytes = 0;
       const size_t want = std::max<size_t>(Align256(bytes), 4096);
-      if (const cudaError_t err = cudaHostAlloc(&e.host, want, cudaHostAllocDefault); err != cudaSuccess) {
+      if (const cudaError_t err = device_memory::HostAlloc(&e.host, want, cudaHostAllocDefault);
+          err != cudaSuccess) {
         (void)cudaGetLastError();
         e.host = nullptr;
         return ResourceExhausted("attention (cuda): cudaHostAlloc of " + std::to_string(want) +

@@ -154,14 +154,15 @@ void RunBothAndCompare(PositionMode positions) {
       ASSERT_TRUE(st.ok()) << st.ToString();
       append_waits += HostSyncsTotal() - w0;
       w0 = HostSyncsTotal();
-      st = (*ds)->AttendDevice(l, static_cast<const float*>(q_dev.ptr), &p, 1, static_cast<float*>(out_dev.ptr),
-                               engine);
+      st = (*ds)->AttendDevice(l, static_cast<const float*>(q_dev.ptr), &p, 1,
+                               static_cast<float*>(out_dev.ptr), engine);
       ASSERT_TRUE(st.ok()) << st.ToString();
       attend_waits_dev += HostSyncsTotal() - w0;
       // The engine reads the output on its stream; the test then waits for it.
       ASSERT_EQ(cudaMemcpyAsync(pout, out_dev.ptr, q_bytes, cudaMemcpyDeviceToHost, engine), cudaSuccess);
       ASSERT_EQ(cudaStreamSynchronize(engine), cudaSuccess);
-      ASSERT_EQ(0, std::memcmp(pout, host_out.data(), q_bytes)) << "device output differs from the host call's";
+      ASSERT_EQ(0, std::memcmp(pout, host_out.data(), q_bytes))
+          << "device output differs from the host call's";
       EXPECT_EQ((*ds)->last_chunks()[l], (*hs)->last_chunks()[l]);
       ++steps_compared;
     }
@@ -227,7 +228,8 @@ TEST(DeviceSession, QuietDeviceLayerStepWaitsTwiceAllInRetrieval) {
     if (p < 120 || c1.chunks_sealed != c0.chunks_sealed || c1.misses != c0.misses || c1.chunks_landing != 0)
       continue;
     ++quiet;
-    for (int l = 0; l < kLayers; ++l) EXPECT_EQ(attends[l], 2u) << "quiet step at position " << p << ", layer " << l;
+    for (int l = 0; l < kLayers; ++l)
+      EXPECT_EQ(attends[l], 2u) << "quiet step at position " << p << ", layer " << l;
   }
   EXPECT_GE(quiet, 8) << "too few decode steps without a seal or a miss to pin the quiet count";
   cudaStreamSynchronize(engine);
@@ -252,27 +254,28 @@ TEST(DeviceSession, RefusesNullPointersAndADroppedSequence) {
   int64_t p = 0;
   const Status null_out = (*s)->AttendDevice(0, static_cast<const float*>(q.ptr), &p, 1, nullptr, nullptr);
   EXPECT_EQ(null_out.code(), StatusCode::kInvalidArgument) << null_out.ToString();
-  const Status bad_m = (*s)->AttendDevice(0, static_cast<const float*>(q.ptr), &p, 0,
-                                          static_cast<float*>(q.ptr), nullptr);
+  const Status bad_m =
+      (*s)->AttendDevice(0, static_cast<const float*>(q.ptr), &p, 0, static_cast<float*>(q.ptr), nullptr);
   EXPECT_EQ(bad_m.code(), StatusCode::kInvalidArgument) << bad_m.ToString();
   int64_t wrong = 5;  // the layer holds position 0 only
-  const Status bad_pos = (*s)->AttendDevice(0, static_cast<const float*>(q.ptr), &wrong, 1,
-                                            static_cast<float*>(q.ptr), nullptr);
+  const Status bad_pos =
+      (*s)->AttendDevice(0, static_cast<const float*>(q.ptr), &wrong, 1, static_cast<float*>(q.ptr), nullptr);
   EXPECT_EQ(bad_pos.code(), StatusCode::kInvalidArgument) << bad_pos.ToString();
   EXPECT_NE(bad_pos.message().find("AttendDevice"), std::string::npos) << bad_pos.ToString();
   // A NaN query is found in the host copy and refused, as Attend refuses it.
   std::vector<float> nan_q(kQHeads * kDim, 0.0f);
   nan_q[3] = std::nanf("");
-  ASSERT_EQ(cudaMemcpy(q.ptr, nan_q.data(), nan_q.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(q.ptr, nan_q.data(), nan_q.size() * sizeof(float), cudaMemcpyHostToDevice),
+            cudaSuccess);
   DeviceArray out(kQHeads * kDim * sizeof(float));
-  const Status nan = (*s)->AttendDevice(0, static_cast<const float*>(q.ptr), &p, 1, static_cast<float*>(out.ptr),
-                                        nullptr);
+  const Status nan =
+      (*s)->AttendDevice(0, static_cast<const float*>(q.ptr), &p, 1, static_cast<float*>(out.ptr), nullptr);
   EXPECT_EQ(nan.code(), StatusCode::kInvalidArgument) << nan.ToString();
   ASSERT_TRUE((*s)->Drop().ok());
   const Status dropped = (*s)->AppendDevice(0, kv.ptr, kv.ptr, 1, DType::kF16, nullptr);
   EXPECT_EQ(dropped.code(), StatusCode::kFailedPrecondition) << dropped.ToString();
-  const Status dropped2 = (*s)->AttendDevice(0, static_cast<const float*>(q.ptr), &p, 1,
-                                             static_cast<float*>(out.ptr), nullptr);
+  const Status dropped2 =
+      (*s)->AttendDevice(0, static_cast<const float*>(q.ptr), &p, 1, static_cast<float*>(out.ptr), nullptr);
   EXPECT_EQ(dropped2.code(), StatusCode::kFailedPrecondition) << dropped2.ToString();
 }
 

@@ -170,7 +170,8 @@ TEST_F(GraphCaptureDevice, ReplaysMemsetKernelAndCopyWithReplayTimeInputs) {
   ASSERT_EQ(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal), cudaSuccess);
   EXPECT_EQ(CaptureStatus(stream_), cudaStreamCaptureStatusActive);
   EXPECT_EQ(cudaMemsetAsync(copy, 0, (n + pad) * sizeof(float), stream_), cudaSuccess);
-  EXPECT_EQ(cuda::LaunchMergeAttentionStates(rows, head_dim, a, al, b, bl, out, lse, stream_), KernelError::kOk)
+  EXPECT_EQ(cuda::LaunchMergeAttentionStates(rows, head_dim, a, al, b, bl, out, lse, stream_),
+            KernelError::kOk)
       << cuda::LastCudaErrorString();
   EXPECT_EQ(cudaMemcpyAsync(copy, out, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_), cudaSuccess);
   EXPECT_EQ(CaptureStatus(stream_), cudaStreamCaptureStatusActive);
@@ -202,8 +203,10 @@ TEST_F(GraphCaptureDevice, ReplaysMemsetKernelAndCopyWithReplayTimeInputs) {
     ASSERT_EQ(cudaGraphLaunch(exec, stream_), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
     const std::vector<float> got_copy = Download(copy, n + pad);
-    EXPECT_TRUE(SameBits(Download(out, n), want_out)) << "the replayed kernel's output differs from the eager run";
-    EXPECT_TRUE(SameBits(Download(lse, rows), want_lse)) << "the replayed kernel's lse differs from the eager run";
+    EXPECT_TRUE(SameBits(Download(out, n), want_out))
+        << "the replayed kernel's output differs from the eager run";
+    EXPECT_TRUE(SameBits(Download(lse, rows), want_lse))
+        << "the replayed kernel's lse differs from the eager run";
     EXPECT_TRUE(SameBits(std::vector<float>(got_copy.begin(), got_copy.begin() + n), want_out))
         << "the replayed device-to-device copy did not follow the kernel";
     EXPECT_EQ(std::vector<float>(got_copy.begin() + n, got_copy.end()), std::vector<float>(pad, 0.0f))
@@ -233,7 +236,8 @@ TEST_F(GraphCaptureDevice, PinnedAsyncCopiesAreRecordedAndReadAtReplay) {
     for (size_t i = 0; i < n; ++i) host_in[i] = value + static_cast<float>(i);
     ASSERT_EQ(cudaGraphLaunch(exec, stream_), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
-    for (size_t i = 0; i < n; i += 97) ASSERT_EQ(host_out[i], value + static_cast<float>(i)) << "element " << i;
+    for (size_t i = 0; i < n; i += 97)
+      ASSERT_EQ(host_out[i], value + static_cast<float>(i)) << "element " << i;
   }
   EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
   EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
@@ -307,7 +311,8 @@ TEST_F(GraphCaptureDevice, UnrelatedWaitsFollowTheCaptureMode) {
   ExpectInvalidatedThenEnd(stream_);
 
   ASSERT_EQ(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal), cudaSuccess);
-  EXPECT_EQ(wait_on_another_thread(), cudaErrorStreamCaptureUnsupported) << "a global capture forbids it anywhere";
+  EXPECT_EQ(wait_on_another_thread(), cudaErrorStreamCaptureUnsupported)
+      << "a global capture forbids it anywhere";
   ExpectInvalidatedThenEnd(stream_);
 
   ASSERT_EQ(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed), cudaSuccess);
@@ -366,12 +371,14 @@ TEST_F(GraphCaptureDevice, ForkAndJoinThroughEventsReplayInOrder) {
   EXPECT_EQ(cudaEventRecord(fork, stream_), cudaSuccess);
   EXPECT_EQ(CaptureStatus(side), cudaStreamCaptureStatusNone);
   EXPECT_EQ(cudaStreamWaitEvent(side, fork, 0), cudaSuccess);
-  EXPECT_EQ(CaptureStatus(side), cudaStreamCaptureStatusActive) << "waiting on a captured event joins the capture";
+  EXPECT_EQ(CaptureStatus(side), cudaStreamCaptureStatusActive)
+      << "waiting on a captured event joins the capture";
   // The branch reads what the origin wrote before the fork, the origin what the branch wrote.
   EXPECT_EQ(cudaMemcpyAsync(branch, first, n * sizeof(float), cudaMemcpyDeviceToDevice, side), cudaSuccess);
   EXPECT_EQ(cudaEventRecord(join, side), cudaSuccess);
   EXPECT_EQ(cudaStreamWaitEvent(stream_, join, 0), cudaSuccess);
-  EXPECT_EQ(cudaMemcpyAsync(joined, branch, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_), cudaSuccess);
+  EXPECT_EQ(cudaMemcpyAsync(joined, branch, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+            cudaSuccess);
   cudaGraph_t graph = nullptr;
   ASSERT_EQ(cudaStreamEndCapture(stream_, &graph), cudaSuccess);
   EXPECT_EQ(CaptureStatus(side), cudaStreamCaptureStatusNone) << "the joined stream leaves with the capture";
@@ -385,7 +392,8 @@ TEST_F(GraphCaptureDevice, ForkAndJoinThroughEventsReplayInOrder) {
   float memset_value;
   const uint32_t bits = 0x11111111u;
   std::memcpy(&memset_value, &bits, sizeof bits);
-  EXPECT_EQ(Download(joined, n), std::vector<float>(n, memset_value)) << "the joined copy missed the branch's work";
+  EXPECT_EQ(Download(joined, n), std::vector<float>(n, memset_value))
+      << "the joined copy missed the branch's work";
   EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
   EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
 }
