@@ -61,6 +61,12 @@ class CudaHotTier final : public HotTier {
   /// whose writes are complete: the transfer stream does not wait for the engine's stream
   /// (synchronise it, or produce K/V on stream()).
   Status CopyWithin(uint8_t* dst, const void* src, size_t bytes) override;
+  /// Upload without the wait: `src` is copied into a pinned staging buffer (a ring of
+  /// kStagingBuffers, each reused once the copy that read it is done, counted as an event wait
+  /// when it is not) and copied from there on the transfer stream, asynchronously. So an
+  /// Append of host K/V blocks the host for neither copy.
+  Status UploadOrdered(uint8_t* dst, const void* src, size_t bytes) override;
+  static constexpr int kStagingBuffers = 64;
   /// CopyWithin without the wait: ordered before every later copy and kernel on the transfer
   /// stream, complete only once that stream reaches it. The caller keeps `src` unchanged until
   /// then (an engine's stream made to wait with MakeStreamWait does).
@@ -110,6 +116,17 @@ class CudaHotTier final : public HotTier {
   std::vector<void*> spare_events_;
   TransferTicket next_ticket_ = kCompletedTransfer + 1;
   uint64_t bad_releases_ = 0;
+  // UploadOrdered's pinned staging ring, guarded by staging_mu_ (sessions append from several
+  // threads): each buffer with the event recorded after the copy that last read it.
+  struct StagingBuffer {
+    void* host = nullptr;
+    size_t bytes = 0;
+    void* done = nullptr;  // cudaEvent_t, recorded after the copy that read the buffer
+    bool recorded = false;
+  };
+  std::mutex staging_mu_;
+  std::vector<StagingBuffer> staging_;
+  size_t next_staging_ = 0;
 };
 
 #endif  // KVTIER_HAVE_CUDA

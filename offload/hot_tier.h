@@ -77,6 +77,13 @@ class HotTier {
   /// return), and ordered with the tier's other copies the same way. The default refuses
   /// (Unavailable naming the tier): a tier must say how to copy within its own memory.
   virtual Status CopyWithin(uint8_t* dst, const void* src, size_t bytes);
+  /// Upload that a device tier may leave in flight: `src` is copied (or staged) before the call
+  /// returns, so the caller may reuse it at once, and the bytes reach `dst` before the tier's
+  /// later copies and kernels run (CudaHotTier stages them in pinned memory). The default is
+  /// Upload (complete on return).
+  virtual Status UploadOrdered(uint8_t* dst, const void* src, size_t bytes) {
+    return Upload(dst, src, bytes);
+  }
   /// CopyWithin that a device tier may leave in flight: ordered before the tier's later copies
   /// and kernels, complete once the tier's stream reaches it (CudaHotTier). The default is
   /// CopyWithin (complete on return).
@@ -133,7 +140,9 @@ class HostHotTier final : public HotTier {
 /// Every virtual forwards, the batched and asynchronous copies too, straight to the inner
 /// tier: a subclass that changes how bytes are copied must override each copy it changes
 /// (Upload, UploadBatch, Download, DownloadBatchAsync with WaitTransfer/TransferDone,
-/// CopyWithin, CopyWithinOrdered), since a forwarded batch never passes through its own Upload or Download.
+/// CopyWithin), since a forwarded batch never passes through its own Upload or Download. The
+/// ordered copies (UploadOrdered, CopyWithinOrdered) are not forwarded: they keep HotTier's
+/// defaults, which call this tier's own Upload and CopyWithin.
 class ForwardingHotTier : public HotTier {
  public:
   explicit ForwardingHotTier(std::unique_ptr<HotTier> inner) : inner_(std::move(inner)) {}
@@ -155,9 +164,6 @@ class ForwardingHotTier : public HotTier {
   }
   Status CopyWithin(uint8_t* dst, const void* src, size_t bytes) override {
     return inner_->CopyWithin(dst, src, bytes);
-  }
-  Status CopyWithinOrdered(uint8_t* dst, const void* src, size_t bytes) override {
-    return inner_->CopyWithinOrdered(dst, src, bytes);
   }
   Result<TransferTicket> DownloadBatchAsync(const DownloadOp* ops, size_t n) override {
     return inner_->DownloadBatchAsync(ops, n);

@@ -222,7 +222,6 @@ Result<std::unique_ptr<LlamaDeviceForward>> LlamaDeviceForward::Create(const Lla
   const int hd = c.head_dim();
   const size_t rows = static_cast<size_t>(max_tokens);
   f->q_host_.resize(rows * c.q_heads * hd);
-  f->att_host_.resize(rows * c.q_heads * hd);
   return f;
 }
 
@@ -238,12 +237,11 @@ LlamaDeviceForward::~LlamaDeviceForward() {
 
 // Ordering: every launch and copy below is on the hot tier's stream, the stream the tier's
 // Upload/Download and the cuda attention backend use, so stream order alone sequences the
-// device work. The host reads device results at three points, and each is preceded by a
-// synchronisation of that stream: q before Attend (which also guarantees that the converted
-// K/V are complete before Append reads them, whatever stream Append copies on), the capture's
-// q/k/v, and the logits at the end. Host -> device copies from pageable memory (tokens,
-// positions, the attention output) return once the source has been staged, so the host
-// buffers may be reused right after.
+// device work; the session's device calls take the stream too. The host reads device results
+// at two points, each preceded by a synchronisation of that stream: the capture's q/k/v and
+// the logits at the end (the session downloads q for its retrieval itself). Host -> device
+// copies from pageable memory (tokens, positions) return once the source has been staged, so
+// the host buffers may be reused right after.
 Status LlamaDeviceForward::Forward(Session* session, const int32_t* tokens, const int64_t* positions, int m,
                                    bool decode, float* logits, const LlamaSession::QkvCapture& capture) {
   if (session == nullptr) return InvalidArgument("device forward: session is null");
@@ -266,7 +264,7 @@ Status LlamaDeviceForward::Forward(Session* session, const int32_t* tokens, cons
   float *gate = A(acts_.gate), *up = A(acts_.up), *d_logits = A(acts_.logits);
   const size_t md = static_cast<size_t>(m);
 
-  // The caller's host arrays, and below q_host_, att_host_ and the captures' vectors: pageable.
+  // The caller's host arrays, and below the captures' vectors: pageable.
   constexpr device_sync::HostMemory kPageable = device_sync::HostMemory::kPageable;
   KVTIER_RETURN_IF_ERROR(Cuda(
       device_sync::CopyAsync(d_tokens, tokens, md * sizeof(int32_t), cudaMemcpyHostToDevice, s, kPageable),
@@ -355,13 +353,13 @@ Status LlamaDeviceForward::Forward(Session* session, const int32_t* tokens, cons
       k_append = act_mem_ + acts_.k_store.offset;
       v_append = act_mem_ + acts_.v_store.offset;
     }
-    // Session::Attend takes host q and writes host out today, so q comes down and the output
-    // goes back up: two copies of [m, q_heads, head_dim] fp32 and one synchronisation per layer.
-    // A device-q Attend (the backend reading q from, and writing out to, device memory) is the
-    // next step; it is not here because Attend also hands q to the host-side planning (the
-    // retriever's probe, Observe's representative statistics, KeepQueries for Compress), which
-    // would then need its own download, and the Session API belongs to another change.
-    KVTIER_RETURN_IF_ERROR(down(q_host_.data(), q, md * qd, l, "q down"));
+    // The session reads q and the window's K/V where they are and writes the attention output
+    // into `att`, all ordered on this stream (Session::AppendDevice / AttendDevice); it brings q
+    // down once itself for the host's retrieval.
+    if (capture) {
+      q_host_.resize(md * qd);
+      KVTIER_RETURN_IF_ERROR(down(q_host_.data(), q, md * qd, l, "q down (capture)"));
+    }
     if (capture) {
       k_host_.resize(md * kvd);
       v_host_.resize(md * kvd);
@@ -379,14 +377,11 @@ Status LlamaDeviceForward::Forward(Session* session, const int32_t* tokens, cons
       }
     }
     // The window's K/V go into the store first, so its queries find them in the local window.
-    Status st = session->Append(l, k_append, v_append, m, dtype, MemorySpace::kDevice);
+    Status st = session->AppendDevice(l, k_append, v_append, m, dtype, s);
     if (!st.ok())
       return Status(st.code(), "device forward: layer " + std::to_string(l) + ": Append: " + st.message());
-    st = session->Attend(l, q_host_.data(), positions, m, att_host_.data());
+    st = session->AttendDevice(l, q, positions, m, att, s);
     if (!st.ok()) return Status(st.code(), "layer " + std::to_string(l) + ": " + st.message());
-    KVTIER_RETURN_IF_ERROR(Cuda(device_sync::CopyAsync(att, att_host_.data(), md * qd * sizeof(float),
-                                                       cudaMemcpyHostToDevice, s, kPageable),
-                                l, "attention output up"));
 
     KVTIER_RETURN_IF_ERROR(gemm(att, qd, W(L.wo), d, x, true, l, "Gemm wo"));
     KVTIER_RETURN_IF_ERROR(rms(x, W(L.mlp_norm), h, l, "RmsNorm mlp_norm"));

@@ -4,8 +4,9 @@
 // Per window of m tokens (Prefill) or one token (Decode), on the hot tier's CUDA stream:
 //   token ids and positions up -> Embedding -> per layer: RmsNorm, Q/K/V GEMMs, RoPE at the
 //   absolute positions, K/V converted to the store dtype ON THE DEVICE (LaunchConvertToStore,
-//   whose twin is kvtier::FromFloat) and appended with MemorySpace::kDevice (the K/V never
-//   visit the host), q down -> Session::Attend -> attention output up, Wo GEMM with the
+//   whose twin is kvtier::FromFloat) and appended with Session::AppendDevice (the K/V never
+//   visit the host), Session::AttendDevice reading q and writing the attention output on the
+//   device (it brings q down for its retrieval itself), Wo GEMM with the
 //   residual, RmsNorm, gate/up GEMMs, SwiGLU, down GEMM with the residual -> final RmsNorm,
 //   lm_head -> logits down.
 // Every step is a launcher of kernels/cuda/kernels.h whose CPU twin is what the CPU forward
@@ -118,15 +119,15 @@ class LlamaDeviceForward {
   const LlamaModel* model_;
   DeviceWeightLayout weights_;
   DeviceActivationLayout acts_;
-  void* stream_ = nullptr;                                  // the hot tier's cudaStream_t (not owned)
-  uint8_t* weight_mem_ = nullptr;                           // device: weights_.total bytes
-  uint8_t* act_mem_ = nullptr;                              // device: acts_.total bytes
-  void* blas_ = nullptr;                                    // cublasHandle_t
-  void* blas_workspace_ = nullptr;                          // device: kernels::cuda::GemmWorkspaceBytes()
-  std::vector<float> q_host_, att_host_, k_host_, v_host_;  // per window: Attend takes host q and out
-  bool infllm_ = false;                                     // keys and queries leave unrotated
-  std::vector<double> inv_freq_;                            // host copy: the capture's rotations
-  std::vector<float> capture_q_;                            // kInfLLM capture: q at its true positions
+  void* stream_ = nullptr;                       // the hot tier's cudaStream_t (not owned)
+  uint8_t* weight_mem_ = nullptr;                // device: weights_.total bytes
+  uint8_t* act_mem_ = nullptr;                   // device: acts_.total bytes
+  void* blas_ = nullptr;                         // cublasHandle_t
+  void* blas_workspace_ = nullptr;               // device: kernels::cuda::GemmWorkspaceBytes()
+  std::vector<float> q_host_, k_host_, v_host_;  // per window: the capture's copies
+  bool infllm_ = false;                          // keys and queries leave unrotated
+  std::vector<double> inv_freq_;                 // host copy: the capture's rotations
+  std::vector<float> capture_q_;                 // kInfLLM capture: q at its true positions
 };
 
 }  // namespace kvtier::model

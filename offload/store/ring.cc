@@ -39,7 +39,9 @@ Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void*
   // kDevice K/V are already in the tier's memory space: copied within it, never through the host.
   HotTier* hot = hot_.get();
   const LayerRing::CopyIn copy_in = [hot, space, ordered](uint8_t* dst, const uint8_t* src, size_t bytes) {
-    if (space == MemorySpace::kHost) return hot->Upload(dst, src, bytes);
+    // The engine's host K/V are staged before the call returns; the tier's later work (the
+    // attention, a seal's download) is ordered after the copy, so nothing waits for it here.
+    if (space == MemorySpace::kHost) return hot->UploadOrdered(dst, src, bytes);
     return ordered ? hot->CopyWithinOrdered(dst, src, bytes) : hot->CopyWithin(dst, src, bytes);
   };
   const Status status = ring_->Append(

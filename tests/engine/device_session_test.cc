@@ -190,7 +190,7 @@ TEST(DeviceSession, DeviceCallsGiveTheHostCallsOutputsInfLLMPositions) {
 
 // A quiet decode layer step through the device calls: AppendDevice waits for nothing, and
 // AttendDevice waits twice (the queries' download for the host's retrieval, the selection's
-// download), where the host calls wait 4 (appends) + 2 (attend).
+// download), as the host calls do (the selection's download and the output's).
 TEST(DeviceSession, QuietDeviceLayerStepWaitsTwiceAllInRetrieval) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();
   auto store = TieredStore::Open(SmallStore(Device::kCuda));
