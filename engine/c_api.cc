@@ -115,6 +115,31 @@ long long Raw(const E& e) {
 
 bool ValidDType(long long d) { return d == KVTIER_F32 || d == KVTIER_F16 || d == KVTIER_BF16; }
 
+// An append's dtype from C: KVTIER_OK, or KVTIER_INVALID_ARGUMENT naming the bad value.
+kvtier_code CheckAppendDType(kvtier_error* err, const char* fn, long long raw_dtype) {
+  if (ValidDType(raw_dtype)) return KVTIER_OK;
+  char buf[128];
+  std::snprintf(buf, sizeof(buf), "dtype %lld is not a kvtier_dtype (KVTIER_F32, KVTIER_F16, KVTIER_BF16)",
+                raw_dtype);
+  return Invalid(err, fn, buf);
+}
+
+void AttendStatsToC(const kvtier::AttendStats& st, kvtier_attend_stats* out) {
+  out->probe_ms = st.probe_ms;
+  out->search_ms = st.search_ms;
+  out->alloc_ms = st.alloc_ms;
+  out->fetch_ms = st.fetch_ms;
+  out->attention_ms = st.attention_ms;
+  out->entropy = st.entropy;
+  out->chunks = st.chunks;
+  out->chunks_clipped = st.chunks_clipped;
+  out->reused = st.reused ? 1 : 0;
+  out->sliced = st.sliced ? 1 : 0;
+  out->first_stage_bytes = st.first_stage_bytes;
+  out->rescoring_bytes = st.rescoring_bytes;
+  out->attention_bytes = st.attention_bytes;
+}
+
 // A string the C structs point at after kvtier_*_options_set or _default: kept for the
 // life of the process (one copy per distinct text), so the caller's buffer may go away.
 const char* Intern(const std::string& text) {
@@ -522,14 +547,21 @@ kvtier_code kvtier_session_append(kvtier_session* session, int layer, const void
   if (session == nullptr) return Invalid(err, fn, "session must not be NULL");
   if (k == nullptr || v == nullptr) return Invalid(err, fn, "k and v must not be NULL");
   const long long raw_dtype = Raw(dtype);
-  if (!ValidDType(raw_dtype)) {
-    char buf[128];
-    std::snprintf(buf, sizeof(buf), "dtype %lld is not a kvtier_dtype (KVTIER_F32, KVTIER_F16, KVTIER_BF16)",
-                  raw_dtype);
-    return Invalid(err, fn, buf);
-  }
+  if (const kvtier_code c = CheckAppendDType(err, fn, raw_dtype); c != KVTIER_OK) return c;
   return Guard(err, fn, [&]() -> Status {
     return session->session->Append(layer, k, v, n, static_cast<kvtier::DType>(raw_dtype));
+  });
+}
+
+kvtier_code kvtier_session_append_device(kvtier_session* session, int layer, const void* k, const void* v,
+                                         int n, kvtier_dtype dtype, void* stream, kvtier_error* err) {
+  static const char* fn = "kvtier_session_append_device";
+  if (session == nullptr) return Invalid(err, fn, "session must not be NULL");
+  if (k == nullptr || v == nullptr) return Invalid(err, fn, "k and v (device pointers) must not be NULL");
+  const long long raw_dtype = Raw(dtype);
+  if (const kvtier_code c = CheckAppendDType(err, fn, raw_dtype); c != KVTIER_OK) return c;
+  return Guard(err, fn, [&]() -> Status {
+    return session->session->AppendDevice(layer, k, v, n, static_cast<kvtier::DType>(raw_dtype), stream);
   });
 }
 
@@ -559,21 +591,23 @@ kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const floa
   return Guard(err, fn, [&]() -> Status {
     kvtier::AttendStats st;
     KVTIER_RETURN_IF_ERROR(session->session->Attend(layer, q, positions, m, out, &st));
-    if (stats != nullptr) {
-      stats->probe_ms = st.probe_ms;
-      stats->search_ms = st.search_ms;
-      stats->alloc_ms = st.alloc_ms;
-      stats->fetch_ms = st.fetch_ms;
-      stats->attention_ms = st.attention_ms;
-      stats->entropy = st.entropy;
-      stats->chunks = st.chunks;
-      stats->chunks_clipped = st.chunks_clipped;
-      stats->reused = st.reused ? 1 : 0;
-      stats->sliced = st.sliced ? 1 : 0;
-      stats->first_stage_bytes = st.first_stage_bytes;
-      stats->rescoring_bytes = st.rescoring_bytes;
-      stats->attention_bytes = st.attention_bytes;
-    }
+    if (stats != nullptr) AttendStatsToC(st, stats);
+    return Status::Ok();
+  });
+}
+
+kvtier_code kvtier_session_attend_device(kvtier_session* session, int layer, const float* q,
+                                         const int64_t* positions, int m, float* out, void* stream,
+                                         kvtier_attend_stats* stats, kvtier_error* err) {
+  static const char* fn = "kvtier_session_attend_device";
+  if (session == nullptr) return Invalid(err, fn, "session must not be NULL");
+  if (q == nullptr) return Invalid(err, fn, "q (a device pointer) must not be NULL");
+  if (positions == nullptr) return Invalid(err, fn, "positions (host memory) must not be NULL");
+  if (out == nullptr) return Invalid(err, fn, "out (a device pointer) must not be NULL");
+  return Guard(err, fn, [&]() -> Status {
+    kvtier::AttendStats st;
+    KVTIER_RETURN_IF_ERROR(session->session->AttendDevice(layer, q, positions, m, out, stream, &st));
+    if (stats != nullptr) AttendStatsToC(st, stats);
     return Status::Ok();
   });
 }

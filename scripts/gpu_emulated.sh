@@ -6,7 +6,9 @@
 # kernel backends, CudaHotTier, DeviceRetrieval*, DeviceForward, DeviceAppend, DeviceEndToEnd,
 # AttentionBackend.SessionOnTheCudaTier...). They run in JOBS gtest shards; the summary says how
 # many ran and names every skip with its reason. Fails when a test fails, when one skips for
-# "no CUDA device" (here there is one: the emulated device) or skips without a reason.
+# "no CUDA device" (here there is one: the emulated device) or skips without a reason. Then runs
+# README.md's GPU embedding example, built beside kvtier_tests (kvtier_readme_gpu_example), through
+# tests/readme_gpu_example_test.sh, which checks its output; fails when it fails or skips.
 set -uo pipefail
 build=${1:?usage: scripts/gpu_emulated.sh BUILD_DIR [JOBS]}
 jobs=${2:-$(nproc)}
@@ -53,6 +55,16 @@ for n, r in bad:
     print(f"  not allowed here: {n} skipped {'without a reason' if not r else 'for want of a device'}")
 sys.exit(1 if failed or bad or not ran else 0)
 PY
+example_rc=0
+bash "$(dirname "$0")/../tests/readme_gpu_example_test.sh" "$build/kvtier_readme_gpu_example" \
+  >"$out/readme_gpu_example.log" 2>&1 || example_rc=$?
+if [[ $example_rc -eq 0 ]]; then
+  echo "gpu-emulated: README.md's GPU embedding example ran: $(head -n 1 "$out/readme_gpu_example.log")"
+else
+  echo "gpu-emulated: README.md's GPU embedding example FAILED (exit $example_rc):"
+  cat "$out/readme_gpu_example.log"
+  rc=1
+fi
 if [[ $rc -ne 0 ]]; then
   for log in "$out"/shard*.log; do
     echo "---- $log (last 150 lines)"

@@ -16,6 +16,8 @@
  *                        kvtier_session_attend(s, layer, q, &pos, 1, out, NULL, &err);
  *   kvtier_session_destroy(s);
  *   kvtier_store_close(store, &err);
+ *   (K/V, q and out in GPU memory, on a "cuda" hot tier: kvtier_session_append_device and
+ *   kvtier_session_attend_device, ordered on the engine's CUDA stream.)
  *
  * Errors. Every fallible function returns a kvtier_code (KVTIER_OK = 0; the other
  * values equal kvtier::StatusCode's) and, when its last argument `err` is not NULL,
@@ -281,6 +283,33 @@ typedef struct kvtier_attend_stats {
 kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const float* q,
                                   const int64_t* positions, int m, float* out, kvtier_attend_stats* stats,
                                   kvtier_error* err);
+
+/* The device-pointer twins of kvtier_session_append and kvtier_session_attend
+ * (kvtier::Session::AppendDevice and AttendDevice), for an engine whose K/V, queries and
+ * outputs live on the GPU. They need a store opened with device KVTIER_DEVICE_CUDA
+ * (kvtier_store_options_set(&so, "device", "cuda", &err)); on a cpu hot tier they are
+ * KVTIER_FAILED_PRECONDITION naming the "cuda" tier, and nothing is appended or written. Same
+ * arguments, checks and results as the host twins, except that k, v, q and out are device
+ * pointers (positions and stats stay in host memory) and the work is ordered on the engine's
+ * CUDA stream `stream`: its cudaStream_t passed as void* (no kvtier header includes a CUDA
+ * header; NULL is the legacy default stream). kvtier's copies and kernels of the call start
+ * after everything the engine submitted to `stream` before the call, and whatever the engine
+ * submits to `stream` after the call starts after them; that ordering is made on the device,
+ * never by blocking the host. So the engine may write k, v and q on its stream and call at once,
+ * and read out (or overwrite k, v and q) on its stream after the call without synchronising.
+ * K/V on the device are not scanned for NaN or infinity (a non-finite value gives non-finite
+ * outputs); q is, in the host copy kvtier_session_attend_device takes of it.
+ * What the host still waits for, each wait counted in kvtier_session_counters.host_syncs:
+ * kvtier_session_append_device, in steady decode, for nothing (a chunk sealed out of the local
+ * window lands without a wait too). kvtier_session_attend_device for the queries' download (the
+ * probe, the chunk search and the budget run on the host), for the selection's download when the
+ * index runs on the device, for a fetch of chunks that are not hot, and in a prefill window for
+ * the representative-key statistics; the attention itself and its output add none. */
+kvtier_code kvtier_session_append_device(kvtier_session* session, int layer, const void* k, const void* v,
+                                         int n, kvtier_dtype dtype, void* stream, kvtier_error* err);
+kvtier_code kvtier_session_attend_device(kvtier_session* session, int layer, const float* q,
+                                         const int64_t* positions, int m, float* out, void* stream,
+                                         kvtier_attend_stats* stats, kvtier_error* err);
 
 /* What one compress did. */
 typedef struct kvtier_compress_report {

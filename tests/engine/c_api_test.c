@@ -509,6 +509,39 @@ int main(int argc, char** argv) {
   EXPECT_ERROR(kvtier_session_append(c, 0, NULL, V[0][0], 1, KVTIER_F32, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_append(c, 0, K[0][0], NULL, 1, KVTIER_F32, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_begin_step(NULL, KVTIER_STEP_DECODE, &err), KVTIER_INVALID_ARGUMENT);
+  /* the device-pointer calls: NULLs refused as by their host twins; on this store's cpu hot tier
+   * KVTIER_FAILED_PRECONDITION naming the "cuda" tier they need, nothing appended or written */
+  EXPECT_ERROR(kvtier_session_append_device(NULL, 0, K[0][0], V[0][0], 1, KVTIER_F32, NULL, &err),
+               KVTIER_INVALID_ARGUMENT);
+  EXPECT_ERROR(kvtier_session_append_device(c, 0, NULL, V[0][0], 1, KVTIER_F32, NULL, &err),
+               KVTIER_INVALID_ARGUMENT);
+  EXPECT_ERROR(kvtier_session_append_device(c, 0, K[0][0], NULL, 1, KVTIER_F32, NULL, &err),
+               KVTIER_INVALID_ARGUMENT);
+  EXPECT_ERROR(kvtier_session_attend_device(NULL, 0, q2, pos2, 1, o2, NULL, NULL, &err),
+               KVTIER_INVALID_ARGUMENT);
+  EXPECT_ERROR(kvtier_session_attend_device(c, 0, NULL, pos2, 1, o2, NULL, NULL, &err),
+               KVTIER_INVALID_ARGUMENT);
+  EXPECT_ERROR(kvtier_session_attend_device(c, 0, q2, NULL, 1, o2, NULL, NULL, &err),
+               KVTIER_INVALID_ARGUMENT);
+  EXPECT_ERROR(kvtier_session_attend_device(c, 0, q2, pos2, 1, NULL, NULL, NULL, &err),
+               KVTIER_INVALID_ARGUMENT);
+  {
+    kvtier_session_counters before, after;
+    OK(kvtier_session_get_counters(c, &before, &err));
+    EXPECT_ERROR(kvtier_session_append_device(c, 0, K[0][0], V[0][0], 1, KVTIER_F32, NULL, &err),
+                 KVTIER_FAILED_PRECONDITION);
+    CHECK(strstr(err.message, "\"cuda\"") != NULL, "message \"%s\"", err.message);
+    o2[0] = 7.0f;
+    EXPECT_ERROR(kvtier_session_attend_device(c, 0, q2, pos2, 1, o2, NULL, NULL, &err),
+                 KVTIER_FAILED_PRECONDITION);
+    CHECK(strstr(err.message, "\"cuda\"") != NULL, "message \"%s\"", err.message);
+    CHECK(o2[0] == 7.0f, "a refused attend_device wrote out");
+    OK(kvtier_session_get_counters(c, &after, &err));
+    CHECK(after.tokens_appended == before.tokens_appended && after.attends == before.attends,
+          "a refused device call appended or attended: tokens %llu -> %llu, attends %llu -> %llu",
+          (unsigned long long)before.tokens_appended, (unsigned long long)after.tokens_appended,
+          (unsigned long long)before.attends, (unsigned long long)after.attends);
+  }
   EXPECT_ERROR(kvtier_session_attend(NULL, 0, q2, pos2, 1, o2, NULL, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_get_counters(NULL, &ca, &err), KVTIER_INVALID_ARGUMENT);
   EXPECT_ERROR(kvtier_session_get_counters(c, NULL, &err), KVTIER_INVALID_ARGUMENT);
