@@ -322,7 +322,7 @@ Result<void*> SessionImpl::DeviceTier(const char* what) const {
   return FailedPrecondition(
       std::string("Session::") + what + ": the store's hot tier is \"" +
       DeviceName(store_->hot_tier()->device()) +
-      "\": device pointers and a stream need the \"cuda\" hot tier (StoreOptions::hot_tier)"
+      "\": device pointers and a stream need the \"cuda\" hot tier (StoreOptions::device = Device::kCuda)"
 #if !KVTIER_HAVE_CUDA
       " and a build with CUDA (this one has none)"
 #endif
