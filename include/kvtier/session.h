@@ -142,11 +142,11 @@ class Session {
                         AttendStats* stats = nullptr) = 0;
 
   /// The device-pointer calls, for an engine whose K/V, queries and outputs live on the GPU: a
-  /// store opened with hot_tier = "cuda" (FailedPrecondition on a "host" tier, which Append and
-  /// Attend serve). Same arguments, checks and results as Append(..., MemorySpace::kDevice) and
-  /// Attend, except that k, v, q and out are device pointers and the work is ordered on the
-  /// engine's CUDA stream `stream` (its cudaStream_t; null is the legacy default stream): kvtier's
-  /// copies and kernels of the call start after everything the engine submitted to `stream`
+  /// store opened with StoreOptions::device = Device::kCuda, the "cuda" hot tier
+  /// (FailedPrecondition on a "host" tier, which Append and Attend serve). Same arguments, checks and results
+  /// as Append(..., MemorySpace::kDevice) and Attend, except that k, v, q and out are device pointers and the
+  /// work is ordered on the engine's CUDA stream `stream` (its cudaStream_t; null is the legacy default
+  /// stream): kvtier's copies and kernels of the call start after everything the engine submitted to `stream`
   /// before the call, and whatever the engine submits to `stream` after the call starts after
   /// them. That ordering is made on the device (events the streams wait for), never by blocking
   /// the host. So the engine may write q and K/V on its stream and call at once, and read `out`
