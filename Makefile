@@ -49,6 +49,7 @@ TIMED         = bash scripts/timed.sh
 # at ../shared/third_party/hip-cpu beside the checkout; it is never copied into this tree).
 GPU_EMU_BUILD ?= build-gpu-emulated
 HIP_CPU       ?= $(abspath $(CURDIR)/../shared/third_party/hip-cpu)
+PY_VENV       ?= $(CURDIR)/.venv
 
 all: build
 
@@ -94,11 +95,20 @@ test-release: build
 
 # The CUDA half executed on the CPU: kernels/cuda/*.cu and the CUDA-side C++ built against HIP-CPU
 # (KVTIER_GPU_EMULATION; no nvcc), then every device test of kvtier_tests on that emulated device
-# (scripts/gpu_emulated.sh prints how many ran and each skip's reason). Skipped, saying so, where
+# (scripts/gpu_emulated.sh prints how many ran and each skip's reason), then the Python module's
+# device tests (tests/python/test_device.py) against the module built there. Skipped, saying so, where
 # HIP-CPU is absent (a user's fresh clone without ../shared).
-$(GPU_EMU_BUILD)/build.ninja: CMakeLists.txt Makefile | deps
+# The same build holds the Python module (KVTIER_PYTHON, against the project's venv: scripts/python_env.sh
+# env), whose device tests (tests/python/test_device.py) scripts/gpu_emulated.sh runs after the C++ ones.
+$(GPU_EMU_BUILD)/build.ninja: CMakeLists.txt Makefile | deps $(PY_VENV)/bin/python
 	cmake -S . -B $(GPU_EMU_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVTIER_CUDA=off \
-	  -DKVTIER_GPU_EMULATION=$(HIP_CPU) "-DKVTIER_TEST_GLOB=$(GPU_EMU_TESTS)"
+	  -DKVTIER_GPU_EMULATION=$(HIP_CPU) "-DKVTIER_TEST_GLOB=$(GPU_EMU_TESTS)" \
+	  -DKVTIER_PYTHON=ON -DPython_EXECUTABLE=$(PY_VENV)/bin/python
+
+# The project's venv without the package (scripts/python_env.sh env); the Release suite's Python.Package
+# makes the same one.
+$(PY_VENV)/bin/python:
+	bash scripts/python_env.sh env
 
 # The test files holding device tests (the rest has none, so the emulated build skips them).
 GPU_EMU_TESTS = tests/offload/device_sync_test.cc;tests/offload/device_memory_test.cc;tests/kernels/graph_capture_test.cc;tests/kernels/kernel_backends_test.cc;tests/offload/attention_backend_test.cc;tests/retrieval/device_retrieval_test.cc;tests/integration/model_test.cc;tests/offload/cuda_hot_tier_test.cc;tests/offload/device_append_test.cc;tests/kernels/device_end_to_end_test.cc;tests/offload/tiered_store_test.cc;tests/engine/c_api_cuda_test.cc;tests/engine/device_session_test.cc
@@ -108,7 +118,7 @@ test-gpu-emulated: deps
 	  echo "test-gpu-emulated: SKIPPED: no HIP-CPU at $(HIP_CPU) (set HIP_CPU=<folder> to run the CUDA sources on the CPU)"; \
 	else \
 	  $(MAKE) --no-print-directory $(GPU_EMU_BUILD)/build.ninja && \
-	  cmake --build $(GPU_EMU_BUILD) -j $(JOBS) --target kvtier_tests && \
+	  cmake --build $(GPU_EMU_BUILD) -j $(JOBS) --target kvtier_tests _kvtier && \
 	  bash scripts/gpu_emulated.sh $(GPU_EMU_BUILD) $(JOBS); \
 	fi
 

@@ -56,6 +56,8 @@ const char* DeviceMemoryOwnerName(DeviceMemoryOwner owner) {
       return "retrieval_workspace";
     case DeviceMemoryOwner::kModelForward:
       return "model_forward";
+    case DeviceMemoryOwner::kEngineArrays:
+      return "engine_arrays";
   }
   return "unknown";
 }

@@ -23,10 +23,12 @@ enum class DeviceMemoryOwner : int {
   kRetrievalMirror,     ///< ReprMirror on "cuda": the Exact index's representatives and norms
   kRetrievalWorkspace,  ///< the cuda retrieval backend's selection workspace
   kModelForward,        ///< the device forward of the model: weights, activations, BLAS workspace
+  kEngineArrays,        ///< arrays kvtier allocates for an engine to fill (Python's kvtier.DeviceArray)
 };
-inline constexpr int kDeviceMemoryOwners = 5;
+inline constexpr int kDeviceMemoryOwners = 6;
 
-/// "hot_tier", "attention", "retrieval_mirror", "retrieval_workspace", "model_forward".
+/// "hot_tier", "attention", "retrieval_mirror", "retrieval_workspace", "model_forward",
+/// "engine_arrays".
 const char* DeviceMemoryOwnerName(DeviceMemoryOwner owner);
 
 /// A snapshot of the counts, in bytes.

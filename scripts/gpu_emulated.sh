@@ -8,7 +8,8 @@
 # many ran and names every skip with its reason. Fails when a test fails, when one skips for
 # "no CUDA device" (here there is one: the emulated device) or skips without a reason. Then runs
 # README.md's GPU embedding example, built beside kvtier_tests (kvtier_readme_gpu_example), through
-# tests/readme_gpu_example_test.sh, which checks its output; fails when it fails or skips.
+# tests/readme_gpu_example_test.sh, which checks its output; fails when it fails or skips. Then the
+# Python module's device tests, where this build made the module (see the end).
 set -uo pipefail
 build=${1:?usage: scripts/gpu_emulated.sh BUILD_DIR [JOBS]}
 jobs=${2:-$(nproc)}
@@ -70,5 +71,26 @@ if [[ $rc -ne 0 ]]; then
     echo "---- $log (last 150 lines)"
     tail -n 150 "$log"
   done
+fi
+# The Python module built here (KVTIER_PYTHON: _kvtier*.so) on the emulated device: a copy of
+# python/kvtier with it beside, first on PYTHONPATH (ahead of a host build installed in the venv),
+# runs tests/python/test_device.py, which may not skip here (KVTIER_EXPECT_DEVICE_RUNTIME).
+module=$(ls "$build"/_kvtier*.so 2>/dev/null | head -n 1)
+if [[ -n "$module" ]]; then
+  python=$(sed -n 's/^Python_EXECUTABLE:[A-Z]*=//p' "$build/CMakeCache.txt")
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  stage="$out/python"
+  rm -rf "$stage" && mkdir -p "$stage" && cp -r "$root/python/kvtier" "$stage/" && cp "$module" "$stage/kvtier/"
+  start=$SECONDS
+  if KVTIER_EXPECT_DEVICE_RUNTIME=emulated PYTHONPATH="$stage" "${python:-python3}" -m pytest -q \
+       -p no:cacheprovider "$root/tests/python/test_device.py" >"$out/python.log" 2>&1; then
+    echo "gpu-emulated: Python device tests passed in $((SECONDS - start)) s ($(tail -n 1 "$out/python.log"))"
+  else
+    echo "gpu-emulated: Python device tests FAILED (tests/python/test_device.py):"
+    cat "$out/python.log"
+    rc=1
+  fi
+else
+  echo "gpu-emulated: no Python module in $build (configure it with -DKVTIER_PYTHON=ON): its device tests did not run"
 fi
 exit $rc

@@ -5,6 +5,8 @@
 #   scripts/python_env.sh          environment + package
 #   scripts/python_env.sh test     that, then pytest tests/python (extra args go to pytest)
 #   scripts/python_env.sh pytest ARGS   pytest ARGS against the package installed already
+#   scripts/python_env.sh env      the environment alone, no package (the emulated-device build of
+#                                  the module, make test-gpu-emulated, builds against it)
 #   scripts/python_env.sh test-current
 #                                  the same suite against the current PyPI torch + transformers
 #                                  (python/requirements-current.txt) in .venv-current, built in
@@ -59,6 +61,8 @@ if ! cmp -s "$REQ" "$STAMP"; then
   "$PY" -m pip install -q --disable-pip-version-check -r "$REQ"
   cp "$REQ" "$STAMP"
 fi
+[[ "$MODE" == "env" ]] && exit 0
+
 # No build isolation: the build requirements are in the venv already (pinned above), so a
 # rebuild downloads nothing; build-py/ keeps CMake's objects between runs.
 # KVTIER_PY_CUDA=on|off (set by ctest's Python.Package to its build's setting) overrides the

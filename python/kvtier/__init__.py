@@ -12,7 +12,10 @@ Both are context managers: `with kvtier.Store(...) as store:` closes the store a
 the block (later calls raise kvtier.FailedPrecondition), `with kvtier.Session.open(store) as s:`
 closes the sequence. The package is typed (py.typed; the extension's stubs are _kvtier.pyi).
 
-Arrays are numpy arrays or CPU torch tensors (buffer protocol or DLPack), never copied.
+Arrays are numpy arrays or CPU torch tensors (buffer protocol or DLPack), never copied. On a
+store with device="cuda", Session.append and Session.attend also take CUDA arrays (DLPack on a
+CUDA device, or __cuda_array_interface__), ordered on the caller's stream (stream=, a
+cudaStream_t's value as an int); kvtier.DeviceArray is such an array that kvtier allocates.
 A Status that is not OK raises kvtier.Error's subclass named by its code (kvtier.InvalidArgument,
 kvtier.NotFound, ...), with .code and .message. kvtier.hf plugs the store into Hugging Face
 transformers. The tools and benchmarks (the shipped model's C++ forward, the task generator,
@@ -21,6 +24,7 @@ export_hf, infinitebench, decode_bench, plot) are kvtier.tools, not the engine A
 from ._kvtier import (  # noqa: F401
     AlreadyExists,
     Corruption,
+    DeviceArray,
     Error,
     FailedPrecondition,
     IOError,
@@ -33,6 +37,7 @@ from ._kvtier import (  # noqa: F401
     Store,
     TimedOut,
     Unavailable,
+    device_runtime,
     preset,
     preset_names,
     size_store,
@@ -44,5 +49,5 @@ __version__: str = version()
 __all__ = [
     "Store", "Session", "Error", "InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition",
     "ResourceExhausted", "Corruption", "IOError", "TimedOut", "Unavailable", "Internal",
-    "PermissionDenied", "preset", "preset_names", "size_store", "version",
+    "PermissionDenied", "preset", "preset_names", "size_store", "version", "DeviceArray", "device_runtime",
 ]

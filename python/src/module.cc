@@ -4,6 +4,9 @@
 // failing that, DLPack (torch tensors, on the CPU), and the pointer handed to the store or
 // the attention kernel is the caller's memory. Every shape, dtype, contiguity and device is
 // checked here first, so bad input raises instead of reaching C++ with a wrong extent.
+// Session.append and Session.attend also take CUDA arrays (DLPack on kDLCUDA, or
+// __cuda_array_interface__) on a store whose hot tier is "cuda": they go to AppendDevice and
+// AttendDevice, ordered on the caller's stream (the `stream=` keyword; see DeviceView).
 //
 // Errors: a non-OK Status raises kvtier.<Code> (a kvtier.Error subclass; InvalidArgument is
 // also a ValueError) carrying .code (StatusCodeName) and .message; the binding's own checks
@@ -26,6 +29,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "engine/option_table.h"
@@ -42,6 +46,13 @@
 #include "kvtier/kvtier.h"
 #include "offload/scrambled_hot_tier.h"
 #include "offload/tiered_store.h"
+
+#if KVTIER_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "offload/device_memory_cuda.h"
+#include "offload/device_sync_cuda.h"
+#endif
 
 namespace py = pybind11;
 
@@ -146,29 +157,56 @@ Elem ElemOf(DType d) {
   return Elem::kOther;
 }
 
-// A view of a caller's array: data pointer, element type, shape. Holds whatever keeps the
-// memory alive (the buffer, or the DLPack capsule's managed tensor) until destroyed.
-class ArrayView {
- public:
-  ArrayView(py::handle obj, const char* name, bool writable) : name_(name) {
-    try {
-      if (PyObject_CheckBuffer(obj.ptr())) {
-        FromBuffer(obj, writable);
-      } else if (py::hasattr(obj, "__dlpack__")) {
-        FromDlpack(obj);
-      } else {
-        Bad(std::string(name) +
-            ": expected a numpy array or a torch tensor (buffer protocol or DLPack), got " +
-            std::string(py::str(py::type::of(obj).attr("__name__"))));
-      }
-    } catch (...) {
-      Free();  // a throwing constructor runs no destructor
-      throw;
-    }
+// DLPack's device types that this binding tells apart (dlpack.h DLDeviceType).
+constexpr int32_t kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13;
+
+// A DLPack dtype in numpy's words, for messages.
+std::string DlpackName(const DLDataType& t) {
+  const std::string bits = std::to_string(t.bits);
+  std::string s;
+  switch (t.code) {
+    case 0:
+      s = "int" + bits;
+      break;
+    case 1:
+      s = "uint" + bits;
+      break;
+    case 2:
+      s = "float" + bits;
+      break;
+    case 4:
+      s = "bfloat" + bits;
+      break;
+    case 5:
+      s = "complex" + bits;
+      break;
+    case 6:
+      s = "bool";
+      break;
+    default:
+      s = "DLPack type code " + std::to_string(t.code) + " of " + bits + " bits";
   }
-  ~ArrayView() { Free(); }
-  ArrayView(const ArrayView&) = delete;
-  ArrayView& operator=(const ArrayView&) = delete;
+  if (t.lanes != 1) s += " x" + std::to_string(t.lanes);
+  return s;
+}
+
+Elem DlpackElem(const DLDataType& t) {
+  if (t.lanes != 1) return Elem::kOther;
+  if (t.code == 2 && t.bits == 32) return Elem::kF32;
+  if (t.code == 2 && t.bits == 16) return Elem::kF16;
+  if (t.code == 4 && t.bits == 16) return Elem::kBF16;
+  if (t.code == 0 && t.bits == 64) return Elem::kI64;
+  return Elem::kOther;
+}
+
+// An array argument, whichever protocol it came through: data pointer, element type, shape,
+// and the argument's name for messages. Owns the DLPack tensor it took, if any (its deleter
+// runs when the view goes away).
+class ArrayBase {
+ public:
+  virtual ~ArrayBase() { ReleaseDlpack(); }
+  ArrayBase(const ArrayBase&) = delete;
+  ArrayBase& operator=(const ArrayBase&) = delete;
 
   void* data() const { return data_; }
   Elem elem() const { return elem_; }
@@ -192,6 +230,85 @@ class ArrayView {
     for (size_t i = 0; i < shape_.size(); ++i) s += (i ? ", " : "") + std::to_string(shape_[i]);
     return s + "]";
   }
+
+ protected:
+  explicit ArrayBase(const char* name) : name_(name) {}
+
+  // Takes the tensor out of a __dlpack__ capsule: the consumer owns it from here, so the
+  // capsule is renamed (its destructor then leaves it alone) and the deleter runs in
+  // ReleaseDlpack.
+  const DLTensor& TakeDlpack(const py::object& capsule) {
+    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+    if (managed == nullptr) {
+      PyErr_Clear();
+      Bad(name_ + ": __dlpack__ did not return a DLPack capsule");
+    }
+    PyCapsule_SetName(capsule.ptr(), "used_dltensor");
+    managed_ = managed;
+    return managed->dl_tensor;
+  }
+
+  // Shape, dtype, data pointer and the row-major check of a DLPack tensor.
+  void ReadDlTensor(const DLTensor& t) {
+    shape_.assign(t.shape, t.shape + t.ndim);
+    dtype_name_ = DlpackName(t.dtype);
+    elem_ = DlpackElem(t.dtype);
+    data_ = static_cast<char*>(t.data) + t.byte_offset;
+    if (t.strides != nullptr) {
+      int64_t expect = 1;
+      for (int i = t.ndim - 1; i >= 0; --i) {
+        if (t.shape[i] != 1 && t.strides[i] != expect)
+          Bad(name_ + ": the tensor must be contiguous (row-major); call .contiguous() first");
+        expect *= t.shape[i];
+      }
+    }
+  }
+
+  void ReleaseDlpack() {
+    if (managed_ != nullptr && managed_->deleter != nullptr) managed_->deleter(managed_);
+    managed_ = nullptr;
+  }
+
+  int64_t Elements() const {
+    int64_t n = 1;
+    for (int64_t d : shape_) n *= d;
+    return n;
+  }
+
+  std::string name_;
+  void* data_ = nullptr;
+  Elem elem_ = Elem::kOther;
+  std::string dtype_name_ = "an unknown dtype";  // the caller's, in numpy's words, for messages
+  std::vector<int64_t> shape_;
+
+ private:
+  DLManagedTensor* managed_ = nullptr;
+};
+
+// A host array: the buffer protocol, or DLPack on the CPU. Holds the buffer until destroyed.
+class ArrayView : public ArrayBase {
+ public:
+  ArrayView(py::handle obj, const char* name, bool writable) : ArrayBase(name) {
+    try {
+      if (PyObject_CheckBuffer(obj.ptr())) {
+        FromBuffer(obj, writable);
+      } else if (py::hasattr(obj, "__dlpack__")) {
+        FromDlpack(obj);
+      } else if (py::hasattr(obj, "__cuda_array_interface__")) {
+        Bad(name_ +
+            ": a CUDA array (__cuda_array_interface__), where this call reads a host array (numpy, or a "
+            "CPU tensor)");
+      } else {
+        Bad(std::string(name) +
+            ": expected a numpy array or a torch tensor (buffer protocol or DLPack), got " +
+            std::string(py::str(py::type::of(obj).attr("__name__"))));
+      }
+    } catch (...) {
+      Free();  // a throwing constructor runs no destructor of its own class
+      throw;
+    }
+  }
+  ~ArrayView() override { Free(); }
 
  private:
   void FromBuffer(py::handle obj, bool writable) {
@@ -240,39 +357,10 @@ class ArrayView {
     return "buffer format '" + f + "'";
   }
 
-  static std::string DlpackName(const DLDataType& t) {
-    const std::string bits = std::to_string(t.bits);
-    std::string s;
-    switch (t.code) {
-      case 0:
-        s = "int" + bits;
-        break;
-      case 1:
-        s = "uint" + bits;
-        break;
-      case 2:
-        s = "float" + bits;
-        break;
-      case 4:
-        s = "bfloat" + bits;
-        break;
-      case 5:
-        s = "complex" + bits;
-        break;
-      case 6:
-        s = "bool";
-        break;
-      default:
-        s = "DLPack type code " + std::to_string(t.code) + " of " + bits + " bits";
-    }
-    if (t.lanes != 1) s += " x" + std::to_string(t.lanes);
-    return s;
-  }
-
   // What makes a torch tensor unreadable in place, asked before __dlpack__ so that the message
   // says why instead of torch's own exception escaping: a tensor that requires grad (torch
-  // refuses to export it), one on the meta device (no data at all), one in device memory (this
-  // binding hands the store host pointers). Objects without these attributes pass.
+  // refuses to export it), one on the meta device (no data at all), one in device memory (a
+  // host array is read here). Objects without these attributes pass.
   void CheckTorchLike(py::handle obj) {
     if (py::hasattr(obj, "requires_grad") && py::bool_(obj.attr("requires_grad")))
       Bad(name_ +
@@ -286,7 +374,8 @@ class ArrayView {
       Bad(name_ + ": the tensor is on the meta device and has no data to read; create it on the CPU");
     if (type != "cpu")
       Bad(name_ + ": the tensor is on " + std::string(py::str(device)) +
-          "; kvtier's Python API reads arrays from host memory, whatever the hot tier: move it with .cpu()");
+          "; this call reads host arrays (Session.append and Session.attend take CUDA arrays on a store "
+          "with device='cuda'): move it with .cpu()");
   }
 
   void FromDlpack(py::handle obj) {
@@ -297,59 +386,479 @@ class ArrayView {
     } catch (py::error_already_set& e) {
       Bad(name_ + ": cannot be read in place through DLPack: " + std::string(py::str(e.value())));
     }
-    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
-    if (managed == nullptr) {
-      PyErr_Clear();
-      Bad(name_ + ": __dlpack__ did not return a DLPack capsule");
-    }
-    // The consumer owns the tensor from here: rename the capsule so its destructor does not
-    // free it too, and call the deleter when this view goes away.
-    PyCapsule_SetName(capsule.ptr(), "used_dltensor");
-    managed_ = managed;
-    const DLTensor& t = managed->dl_tensor;
-    if (t.device.device_type != 1)
+    const DLTensor& t = TakeDlpack(capsule);
+    if (t.device.device_type != kDLCPU)
       Bad(name_ + ": the tensor must be on the CPU (DLPack device type " +
-          std::to_string(t.device.device_type) + "); kvtier's store and kernels read host memory");
-    shape_.assign(t.shape, t.shape + t.ndim);
-    dtype_name_ = DlpackName(t.dtype);
-    if (t.dtype.lanes != 1)
-      elem_ = Elem::kOther;
-    else if (t.dtype.code == 2 && t.dtype.bits == 32)
-      elem_ = Elem::kF32;
-    else if (t.dtype.code == 2 && t.dtype.bits == 16)
-      elem_ = Elem::kF16;
-    else if (t.dtype.code == 4 && t.dtype.bits == 16)
-      elem_ = Elem::kBF16;
-    else if (t.dtype.code == 0 && t.dtype.bits == 64)
-      elem_ = Elem::kI64;
-    else
-      elem_ = Elem::kOther;
-    data_ = static_cast<char*>(t.data) + t.byte_offset;
-    if (t.strides != nullptr) {
-      int64_t expect = 1;
-      for (int i = t.ndim - 1; i >= 0; --i) {
-        if (t.shape[i] != 1 && t.strides[i] != expect)
-          Bad(name_ + ": the tensor must be contiguous (row-major); call .contiguous() first");
-        expect *= t.shape[i];
-      }
-    }
+          std::to_string(t.device.device_type) + "); this call reads host memory");
+    ReadDlTensor(t);
   }
 
   void Free() {
-    if (managed_ != nullptr && managed_->deleter != nullptr) managed_->deleter(managed_);
-    managed_ = nullptr;
+    ReleaseDlpack();
     if (has_buffer_) PyBuffer_Release(&buffer_);
     has_buffer_ = false;
   }
 
-  std::string name_;
-  void* data_ = nullptr;
-  Elem elem_ = Elem::kOther;
-  std::string dtype_name_ = "an unknown dtype";  // the caller's, in numpy's words, for messages
-  std::vector<int64_t> shape_;
   Py_buffer buffer_{};
   bool has_buffer_ = false;
-  DLManagedTensor* managed_ = nullptr;
+};
+
+// (device_type, device_id) from an object's __dlpack_device__(), errors naming the argument.
+std::pair<int32_t, int32_t> DlpackDevice(py::handle obj, const std::string& name) {
+  py::object dev;
+  try {
+    dev = obj.attr("__dlpack_device__")();
+  } catch (py::error_already_set& e) {
+    Bad(name + ": __dlpack_device__() failed: " + std::string(py::str(e.value())));
+  }
+  try {
+    auto t = dev.cast<py::tuple>();
+    if (t.size() == 2) return {t[0].cast<int32_t>(), t[1].cast<int32_t>()};
+  } catch (const py::cast_error&) {
+  }
+  Bad(name + ": __dlpack_device__() must return (device_type, device_id), got " + std::string(py::repr(dev)));
+}
+
+// Whether an argument is a device array, as its protocols say: one with the buffer protocol is
+// host memory; otherwise __dlpack_device__ names the device (kDLCPU: host), and an object
+// without it that has __cuda_array_interface__ is a device array. Anything else, a
+// __dlpack_device__ that raises included (torch's meta tensors), is left to ArrayView (host),
+// which says what makes it unreadable.
+bool IsDeviceArray(py::handle obj) {
+  if (PyObject_CheckBuffer(obj.ptr())) return false;
+  if (py::hasattr(obj, "__dlpack_device__")) {
+    try {
+      const auto dev = obj.attr("__dlpack_device__")().cast<py::tuple>();
+      return dev.size() == 2 && dev[0].cast<int32_t>() != kDLCPU;
+    } catch (const py::error_already_set&) {
+      return false;
+    } catch (const py::cast_error&) {
+      return false;
+    }
+  }
+  return py::hasattr(obj, "__cuda_array_interface__");
+}
+
+// The caller's stream, as the Python calls take it (`stream=`): a cudaStream_t's value as an
+// int (torch.cuda.Stream.cuda_stream, cupy's Stream.ptr), None or 0 for the legacy default
+// stream. 1 and 2 are CUDA's cudaStreamLegacy and cudaStreamPerThread handles.
+int64_t StreamHandle(py::handle stream) {
+  if (stream.is_none()) return 0;
+  if (!PyLong_Check(stream.ptr()) || PyBool_Check(stream.ptr()))
+    Bad("stream: must be an int (a cudaStream_t's value, e.g. torch.cuda.Stream.cuda_stream) or None, got " +
+        std::string(py::str(py::type::of(stream).attr("__name__"))));
+  const int64_t h = stream.cast<int64_t>();
+  if (h < 0) Bad("stream: a cudaStream_t's value is not negative (got " + std::to_string(h) + ")");
+  return h;
+}
+
+// Stream handles that name the same stream compare equal: the legacy default stream is 0 or 1
+// (CUDA's cudaStreamLegacy). HIP-CPU, which runs the emulated device, has one default stream,
+// which 0, 1 and 2 all name there.
+int64_t SameStreamKey(int64_t handle) {
+#if KVTIER_GPU_EMULATION
+  return handle <= 2 ? 0 : handle;
+#else
+  return handle == 1 ? 0 : handle;
+#endif
+}
+
+// Where a session's device calls run: the store's CUDA device and the caller's stream.
+struct DeviceContext {
+  int device = 0;             // the CUDA device of the store's hot tier
+  int64_t stream_handle = 0;  // the caller's stream (StreamHandle)
+  void* stream = nullptr;     // the same as AppendDevice/AttendDevice take it (a cudaStream_t)
+};
+
+void* StreamPointer(int64_t handle) {
+  if (SameStreamKey(handle) == 0) return nullptr;
+  return reinterpret_cast<void*>(static_cast<intptr_t>(handle));
+}
+
+// A device array: DLPack on a CUDA device (preferred when an object has both protocols: it
+// carries the stream handshake and the memory's owner), or __cuda_array_interface__ v2/v3.
+// After construction the caller's stream (ctx) is ordered after the array's producer:
+//   DLPack: __dlpack__(stream=) is called with the caller's stream (1 for the legacy default
+//     stream, as DLPack reserves 0), and the producer orders its pending writes before it.
+//   __cuda_array_interface__ v3 `stream`: absent or None promises nothing to wait for; 1 and 2
+//     are the legacy and per-thread default streams; 0 is refused (the interface reserves it);
+//     another int is a cudaStream_t. Unless it is the caller's own stream, an event recorded on
+//     it is what the caller's stream waits for: ordered on the device, the host does not wait.
+// Refused by name: another device type (pinned host memory, kDLCUDAHost, included), a CUDA
+// device other than the store's, a non-contiguous or masked array, a read-only output and, where
+// the runtime can tell (cudaPointerGetAttributes, CUDA builds), host memory behind the interface.
+// HIP-CPU (the emulated device) has no pointer attributes: its device memory is host memory,
+// so there only what the protocols claim is checked.
+class DeviceView : public ArrayBase {
+ public:
+  DeviceView(py::handle obj, const char* name, bool writable, const DeviceContext& ctx) : ArrayBase(name) {
+#if !KVTIER_HAVE_CUDA
+    (void)obj, (void)writable, (void)ctx;
+    Bad(name_ + ": a CUDA array, and this build of kvtier has no CUDA");
+#else
+    if (py::hasattr(obj, "__dlpack_device__") && py::hasattr(obj, "__dlpack__")) {
+      FromDlpack(obj, ctx);
+    } else if (py::hasattr(obj, "__cuda_array_interface__")) {
+      FromCudaArrayInterface(obj, writable, ctx);
+    } else {
+      Bad(name_ + ": expected a CUDA array (DLPack on a CUDA device, or __cuda_array_interface__), got " +
+          std::string(py::str(py::type::of(obj).attr("__name__"))));
+    }
+    if (Elements() > 0) CheckPointer(ctx);
+#endif
+  }
+
+ private:
+#if KVTIER_HAVE_CUDA
+  void CheckDevice(int32_t type, int32_t id, const DeviceContext& ctx) const {
+    if (type == kDLCUDAHost)
+      Bad(name_ +
+          ": pinned host memory (DLPack device kDLCUDAHost); the device calls read CUDA device memory");
+    if (type != kDLCUDA && type != kDLCUDAManaged)
+      Bad(name_ + ": on DLPack device type " + std::to_string(type) +
+          "; the device calls read CUDA device memory (kDLCUDA = 2)");
+    if (id != ctx.device)
+      Bad(name_ + ": on CUDA device " + std::to_string(id) + "; the store's hot tier is on device " +
+          std::to_string(ctx.device));
+  }
+
+  void FromDlpack(py::handle obj, const DeviceContext& ctx) {
+    const auto [type, id] = DlpackDevice(obj, name_);
+    CheckDevice(type, id, ctx);
+    const int64_t consumer = ctx.stream_handle == 0 ? 1 : ctx.stream_handle;
+    py::object capsule;
+    try {
+      capsule = obj.attr("__dlpack__")(py::arg("stream") = consumer);
+    } catch (py::error_already_set& e) {
+      Bad(name_ + ": cannot be read in place through DLPack: " + std::string(py::str(e.value())));
+    }
+    const DLTensor& t = TakeDlpack(capsule);
+    if (t.device.device_type != type || t.device.device_id != id)
+      Bad(name_ + ": __dlpack__ gave a tensor on DLPack device (" + std::to_string(t.device.device_type) +
+          ", " + std::to_string(t.device.device_id) + "), __dlpack_device__ said (" + std::to_string(type) +
+          ", " + std::to_string(id) + ")");
+    ReadDlTensor(t);
+  }
+
+  // "<f4" and the like: element type, numpy's name, bytes per element.
+  void ReadTypestr(const std::string& typestr, int64_t* itemsize) {
+    if (typestr.size() < 3) Bad(name_ + ": __cuda_array_interface__ typestr '" + typestr + "' is malformed");
+    const char order = typestr[0], kind = typestr[1];
+    int64_t bytes = 0;
+    try {
+      bytes = std::stoll(typestr.substr(2));
+    } catch (const std::exception&) {
+      Bad(name_ + ": __cuda_array_interface__ typestr '" + typestr + "' is malformed");
+    }
+    *itemsize = bytes;
+    const std::string bits = std::to_string(bytes * 8);
+    switch (kind) {
+      case 'f':
+        dtype_name_ = "float" + bits;
+        break;
+      case 'i':
+        dtype_name_ = "int" + bits;
+        break;
+      case 'u':
+        dtype_name_ = "uint" + bits;
+        break;
+      case 'c':
+        dtype_name_ = "complex" + bits;
+        break;
+      case 'b':
+        dtype_name_ = "bool";
+        break;
+      default:
+        dtype_name_ = "typestr '" + typestr + "'";
+    }
+    if (order == '>' && bytes > 1) {
+      dtype_name_ = "big-endian " + dtype_name_;
+      elem_ = Elem::kOther;
+    } else if (kind == 'f' && bytes == 4) {
+      elem_ = Elem::kF32;
+    } else if (kind == 'f' && bytes == 2) {
+      elem_ = Elem::kF16;
+    } else if (kind == 'i' && bytes == 8) {
+      elem_ = Elem::kI64;
+    } else {
+      elem_ = Elem::kOther;
+    }
+  }
+
+  void FromCudaArrayInterface(py::handle obj, bool writable, const DeviceContext& ctx) {
+    const std::string what = name_ + ": __cuda_array_interface__";
+    py::object raw;
+    try {
+      raw = obj.attr("__cuda_array_interface__");
+    } catch (py::error_already_set& e) {
+      Bad(what + " failed: " + std::string(py::str(e.value())));
+    }
+    if (!py::isinstance<py::dict>(raw)) Bad(what + " is not a dict");
+    const auto cai = raw.cast<py::dict>();
+    auto field = [&](const char* key) -> py::object {
+      return cai.contains(key) ? py::reinterpret_borrow<py::object>(cai[key]) : py::none();
+    };
+    try {
+      const py::object version = field("version");
+      if (version.is_none()) Bad(what + " has no 'version'");
+      const int v = version.cast<int>();
+      if (v < 2 || v > 3) Bad(what + " version " + std::to_string(v) + "; kvtier reads versions 2 and 3");
+      for (py::handle d : field("shape").cast<py::tuple>()) shape_.push_back(d.cast<int64_t>());
+      int64_t itemsize = 0;
+      ReadTypestr(field("typestr").cast<std::string>(), &itemsize);
+      const auto data = field("data").cast<py::tuple>();
+      if (data.size() != 2) Bad(what + " 'data' must be (pointer, read_only)");
+      data_ = reinterpret_cast<void*>(static_cast<uintptr_t>(data[0].cast<uint64_t>()));
+      if (writable && data[1].cast<bool>())
+        Bad(name_ + ": read-only (__cuda_array_interface__ data[1] is True); the output must be writable");
+      if (!field("mask").is_none()) Bad(what + " has a mask; masked arrays are not read");
+      const py::object strides = field("strides");
+      if (!strides.is_none()) {
+        const auto s = strides.cast<py::tuple>();
+        if (s.size() != shape_.size()) Bad(what + " 'strides' and 'shape' differ in length");
+        int64_t expect = itemsize;
+        for (size_t i = shape_.size(); i-- > 0;) {
+          if (shape_[i] != 1 && s[i].cast<int64_t>() != expect)
+            Bad(name_ +
+                ": the array must be C-contiguous (row-major); __cuda_array_interface__ strides are " +
+                std::string(py::str(strides)));
+          expect *= shape_[i];
+        }
+      }
+      const py::object stream = field("stream");
+      if (v >= 3 && !stream.is_none()) OrderAfter(stream.cast<int64_t>(), ctx);
+    } catch (const py::cast_error& e) {
+      Bad(what + " has a field of the wrong type (" + e.what() + ")");
+    }
+  }
+
+  // The caller's stream waits for the producer's (CUDA's rule for the interface's `stream`).
+  void OrderAfter(int64_t producer, const DeviceContext& ctx) const {
+    if (producer == 0)
+      Bad(name_ +
+          ": __cuda_array_interface__ stream 0 is not allowed (the interface reserves it: use 1 for the "
+          "legacy default stream)");
+    if (SameStreamKey(producer) == SameStreamKey(ctx.stream_handle)) return;
+    cudaEvent_t event = nullptr;
+    cudaError_t e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+    if (e == cudaSuccess) {
+      e = cudaEventRecord(event, static_cast<cudaStream_t>(StreamPointer(producer)));
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(static_cast<cudaStream_t>(ctx.stream), event, 0);
+      (void)cudaEventDestroy(event);  // released by the runtime once the wait is done
+    }
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      Bad(name_ + ": cannot order the call after __cuda_array_interface__ stream " +
+          std::to_string(producer) + ": " + cudaGetErrorString(e));
+    }
+  }
+
+  void CheckPointer(const DeviceContext& ctx) const {
+    if (data_ == nullptr) Bad(name_ + ": a null data pointer");
+#if KVTIER_GPU_EMULATION
+    // HIP-CPU has no hipPointerGetAttributes (its device memory is host memory): nothing to ask.
+    (void)ctx;
+#else
+    cudaPointerAttributes attr{};
+    const cudaError_t e = cudaPointerGetAttributes(&attr, data_);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      Bad(name_ + ": cudaPointerGetAttributes refused the pointer (" + cudaGetErrorString(e) + ")");
+    }
+    if (attr.type == cudaMemoryTypeHost || attr.type == cudaMemoryTypeUnregistered)
+      Bad(name_ + ": host memory behind a device interface (cudaPointerGetAttributes: " +
+          (attr.type == cudaMemoryTypeHost ? "pinned host memory" : "memory CUDA did not allocate") +
+          "); the device calls read CUDA device memory");
+    if (attr.device != ctx.device)
+      Bad(name_ + ": on CUDA device " + std::to_string(attr.device) + "; the store's hot tier is on device " +
+          std::to_string(ctx.device));
+#endif
+  }
+#endif  // KVTIER_HAVE_CUDA
+};
+
+// The calling thread's current CUDA device (0 without CUDA, and on HIP-CPU's single device).
+int CurrentCudaDevice() {
+#if KVTIER_HAVE_CUDA && !KVTIER_GPU_EMULATION
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return device;
+#else
+  return 0;
+#endif
+}
+
+// Which device runtime this build has: "cuda", "emulated" (HIP-CPU) or "none".
+const char* DeviceRuntime() {
+#if KVTIER_GPU_EMULATION
+  return "emulated";
+#elif KVTIER_HAVE_CUDA
+  return "cuda";
+#else
+  return "none";
+#endif
+}
+
+// kvtier.DeviceArray: a C-contiguous array in CUDA device memory that the module allocates
+// (counted as DeviceMemoryOwner::kEngineArrays) and frees when the object is collected (or when the last
+// DLPack consumer of it lets go). It exposes both device protocols: __cuda_array_interface__ v3 (stream None)
+// and
+// __dlpack__/__dlpack_device__ (kDLCUDA). It has no stream of its own: from_host's copy is
+// complete when it returns, and whoever writes it on a stream (AttendDevice's out) orders its
+// readers on that stream; __dlpack__ therefore has nothing to order and ignores `stream`.
+// to_host() waits for the whole device (cudaDeviceSynchronize), then copies. Builds without
+// CUDA raise kvtier.Unavailable on construction.
+class PyDeviceArray {
+ public:
+  PyDeviceArray(const std::vector<int64_t>& shape, const py::object& dtype)
+      : shape_(shape), dtype_(py::dtype::from_args(dtype)) {
+    elem_ = NumpyElem(dtype_);
+    if (elem_ != Elem::kF32 && elem_ != Elem::kF16 && elem_ != Elem::kI64)
+      Bad("DeviceArray: dtype must be float32, float16 or int64, got " + std::string(py::str(dtype_)));
+    for (int64_t d : shape_)
+      if (d < 0) Bad("DeviceArray: shape " + ShapeText() + " has a negative dimension");
+    bytes_ = static_cast<size_t>(dtype_.itemsize());
+    for (int64_t d : shape_) bytes_ *= static_cast<size_t>(d);
+#if KVTIER_HAVE_CUDA
+    device_ = CurrentCudaDevice();
+    // One byte for an empty array, so that every DeviceArray has a device pointer of its own.
+    const cudaError_t e =
+        device_memory::Malloc(&ptr_, std::max<size_t>(bytes_, 1), DeviceMemoryOwner::kEngineArrays);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      ptr_ = nullptr;
+      Throw(ResourceExhausted("DeviceArray: cudaMalloc of " + std::to_string(bytes_) +
+                              " bytes failed: " + cudaGetErrorString(e)));
+    }
+#else
+    Throw(
+        Unavailable("DeviceArray: this build of kvtier has no CUDA (build it with KVTIER_CUDA=on, or the "
+                    "emulated device of make test-gpu-emulated)"));
+#endif
+  }
+  ~PyDeviceArray() {
+#if KVTIER_HAVE_CUDA
+    if (ptr_ != nullptr) (void)device_memory::Free(ptr_);
+#endif
+  }
+  PyDeviceArray(const PyDeviceArray&) = delete;
+  PyDeviceArray& operator=(const PyDeviceArray&) = delete;
+
+  // A device copy of a host array (anything numpy.ascontiguousarray takes).
+  static std::unique_ptr<PyDeviceArray> FromHost(const py::object& host) {
+    const auto arr = py::array::ensure(host, py::array::c_style);
+    if (!arr)
+      Bad("DeviceArray.from_host: expected an array, got " +
+          std::string(py::str(py::type::of(host).attr("__name__"))));
+    std::vector<int64_t> shape(arr.shape(), arr.shape() + arr.ndim());
+    auto d = std::make_unique<PyDeviceArray>(shape, arr.dtype());
+#if KVTIER_HAVE_CUDA
+    if (d->bytes_ > 0) d->Copy(d->ptr_, arr.data(), cudaMemcpyHostToDevice);
+#endif
+    return d;
+  }
+
+  // A host copy (numpy), after every device call in flight has finished.
+  py::array ToHost() const {
+    py::array out(dtype_, shape_);
+#if KVTIER_HAVE_CUDA
+    if (bytes_ > 0) {
+      const cudaError_t e = device_sync::SyncDevice();
+      if (e != cudaSuccess)
+        Throw(Internal(std::string("DeviceArray.to_host: cudaDeviceSynchronize: ") + cudaGetErrorString(e)));
+      Copy(out.mutable_data(), ptr_, cudaMemcpyDeviceToHost);
+    }
+#endif
+    return out;
+  }
+
+  py::tuple Shape() const { return py::cast(shape_); }
+  const py::dtype& Dtype() const { return dtype_; }
+  size_t Nbytes() const { return bytes_; }
+  uintptr_t Pointer() const { return reinterpret_cast<uintptr_t>(ptr_); }
+  int device() const { return device_; }
+
+  py::dict CudaArrayInterface() const {
+    py::dict d;
+    d["shape"] = Shape();
+    d["typestr"] = std::string(elem_ == Elem::kF32 ? "<f4" : elem_ == Elem::kF16 ? "<f2" : "<i8");
+    d["data"] = py::make_tuple(Pointer(), false);
+    d["version"] = 3;
+    d["strides"] = py::none();
+    d["stream"] = py::none();
+    return d;
+  }
+
+  py::tuple DlpackDeviceTuple() const { return py::make_tuple(kDLCUDA, device_); }
+
+  // A DLPack capsule ("dltensor") over this array; the tensor keeps the DeviceArray alive.
+  static py::capsule Dlpack(const py::object& self) {
+    const auto& a = self.cast<const PyDeviceArray&>();
+    auto* holder = new DlpackHolder{};
+    holder->owner = self;
+    holder->shape = a.shape_;
+    DLTensor& t = holder->managed.dl_tensor;
+    t.data = a.ptr_;
+    t.device = DLDevice{kDLCUDA, a.device_};
+    t.ndim = static_cast<int32_t>(a.shape_.size());
+    t.dtype = a.elem() == Elem::kF32   ? DLDataType{2, 32, 1}
+              : a.elem() == Elem::kF16 ? DLDataType{2, 16, 1}
+                                       : DLDataType{0, 64, 1};
+    t.shape = holder->shape.data();
+    t.strides = nullptr;
+    t.byte_offset = 0;
+    holder->managed.manager_ctx = holder;
+    holder->managed.deleter = [](DLManagedTensor* m) {
+      py::gil_scoped_acquire gil;
+      delete static_cast<DlpackHolder*>(m->manager_ctx);
+    };
+    return py::capsule(&holder->managed, "dltensor", [](PyObject* capsule) {
+      // Still named "dltensor": no consumer took the tensor, so the capsule frees it.
+      if (PyCapsule_IsValid(capsule, "dltensor")) {
+        auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+        m->deleter(m);
+      }
+    });
+  }
+
+  Elem elem() const { return elem_; }
+
+ private:
+  struct DlpackHolder {
+    DLManagedTensor managed{};
+    py::object owner;
+    std::vector<int64_t> shape;
+  };
+
+  static Elem NumpyElem(const py::dtype& dt) {
+    if (dt.kind() == 'f' && dt.itemsize() == 4) return Elem::kF32;
+    if (dt.kind() == 'f' && dt.itemsize() == 2) return Elem::kF16;
+    if (dt.kind() == 'i' && dt.itemsize() == 8) return Elem::kI64;
+    return Elem::kOther;
+  }
+
+  std::string ShapeText() const {
+    std::string s = "(";
+    for (size_t i = 0; i < shape_.size(); ++i) s += (i ? ", " : "") + std::to_string(shape_[i]);
+    return s + ")";
+  }
+
+#if KVTIER_HAVE_CUDA
+  void Copy(void* dst, const void* src, cudaMemcpyKind kind) const {
+    const cudaError_t e = device_sync::CopyBlocking(dst, src, bytes_, kind);
+    if (e != cudaSuccess) Throw(Internal(std::string("DeviceArray: cudaMemcpy: ") + cudaGetErrorString(e)));
+  }
+#endif
+
+  std::vector<int64_t> shape_;
+  py::dtype dtype_;
+  Elem elem_ = Elem::kOther;
+  size_t bytes_ = 0;
+  void* ptr_ = nullptr;
+  int device_ = 0;
 };
 
 int CheckedInt(int64_t v, const char* what) {
@@ -540,7 +1049,10 @@ class PyStore {
   explicit PyStore(const StoreOptions& o, const StoreHooks& hooks = StoreHooks{}) {
     py::gil_scoped_release nogil;
     store_ = Take(TieredStore::Open(o, hooks));
+    if (o.device == Device::kCuda) cuda_device_ = CurrentCudaDevice();
   }
+  // The CUDA device a "cuda" hot tier was opened on: the caller's current device then.
+  int cuda_device() const { return cuda_device_; }
   // GIL held.
   TieredStore* get() const {
     if (!store_) Throw(FailedPrecondition("the store was closed"));
@@ -609,6 +1121,7 @@ class PyStore {
 
  private:
   std::unique_ptr<TieredStore> store_;
+  int cuda_device_ = 0;
   std::atomic<int> busy_{0};
   bool closing_ = false;
   std::vector<std::weak_ptr<PySession>> sessions_;  // GIL held to read or change
@@ -688,11 +1201,30 @@ class PySession {
       Bad("layer " + std::to_string(layer) + " out of range [0, " + std::to_string(g().layers) + ")");
   }
 
-  void Append(int64_t layer, py::handle k, py::handle v) {
+  // Host arrays go to Append; device arrays (both k and v) to AppendDevice on `stream`.
+  void Append(int64_t layer, py::handle k, py::handle v, py::handle stream) {
     CheckLayer(layer);
-    const Geometry& geo = g();
+    if (DeviceCall({{k, "k"}, {v, "v"}})) {
+      const DeviceContext ctx = DeviceCallContext("k", stream);
+      DeviceView kv(k, "k", false, ctx), vv(v, "v", false, ctx);
+      const int n = CheckKv(kv, vv);
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mu_);
+      Check(s().AppendDevice(static_cast<int>(layer), kv.data(), vv.data(), n, g().dtype, ctx.stream));
+      return;
+    }
+    NoStreamForHostArrays(stream, "k and v");
     ArrayView kv(k, "k", false), vv(v, "v", false);
-    for (const ArrayView* a : {&kv, &vv}) {
+    const int n = CheckKv(kv, vv);
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    Check(s().Append(static_cast<int>(layer), kv.data(), vv.data(), n, g().dtype));
+  }
+
+  // Shapes and dtypes of K and V; the number of tokens.
+  int CheckKv(const ArrayBase& kv, const ArrayBase& vv) const {
+    const Geometry& geo = g();
+    for (const ArrayBase* a : {&kv, &vv}) {
       a->Expect(ElemOf(geo.dtype), 3);
       a->ExpectDim(1, geo.kv_heads, "kv_heads");
       a->ExpectDim(2, geo.head_dim, "head_dim");
@@ -700,10 +1232,49 @@ class PySession {
     if (kv.dim(0) != vv.dim(0))
       Bad("k and v must hold the same number of tokens (" + kv.ShapeString() + " vs " + vv.ShapeString() +
           ")");
-    const int n = CheckedInt(kv.dim(0), "tokens");
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mu_);
-    Check(s().Append(static_cast<int>(layer), kv.data(), vv.data(), n, geo.dtype));
+    return CheckedInt(kv.dim(0), "tokens");
+  }
+
+  // Whether a call's arrays are device arrays: all of them, or none (a mix is refused, naming
+  // the host one).
+  static bool DeviceCall(std::initializer_list<std::pair<py::handle, const char*>> arrays) {
+    int device = 0;
+    const char* a_device = nullptr;
+    const char* a_host = nullptr;
+    for (const auto& [obj, name] : arrays) {
+      if (IsDeviceArray(obj)) {
+        ++device;
+        a_device = name;
+      } else {
+        a_host = name;
+      }
+    }
+    if (device > 0 && a_host != nullptr)
+      Bad(std::string(a_host) + ": a host array beside the device array " + a_device +
+          "; pass them all in device memory or all in host memory");
+    return device > 0;
+  }
+
+  static void NoStreamForHostArrays(py::handle stream, const char* arrays) {
+    if (!stream.is_none())
+      Bad("stream: is for device arrays, and " + std::string(arrays) + " are host arrays");
+  }
+
+  // The store's CUDA device and the caller's stream, for a device call; refused on a host tier.
+  DeviceContext DeviceCallContext(const char* first_array, py::handle stream) const {
+    if (ImplOf(s()).store()->hot_tier()->device() != Device::kCuda)
+      Bad(std::string(first_array) +
+          ": a CUDA array, and this session's store has its hot tier on the host: device arrays need a store "
+          "opened with device='cuda'"
+#if !KVTIER_HAVE_CUDA
+          " (and a build of kvtier with CUDA)"
+#endif
+      );
+    DeviceContext ctx;
+    ctx.device = store_.cast<const PyStore&>().cuda_device();
+    ctx.stream_handle = StreamHandle(stream);
+    ctx.stream = StreamPointer(ctx.stream_handle);
+    return ctx;
   }
 
   void BeginStep(const std::string& kind) {
@@ -715,14 +1286,18 @@ class PySession {
 
   // q [m, q_heads, head_dim] f32 and positions [m] int64 (or the first position as an int).
   struct Queries {
-    std::unique_ptr<ArrayView> q, pos;
+    std::unique_ptr<ArrayBase> q;
+    std::unique_ptr<ArrayView> pos;
     std::vector<int64_t> own_pos;
     const int64_t* positions = nullptr;
     int m = 0;
   };
   Queries ReadQueries(py::handle q, py::handle positions) const {
+    return ReadQueries(std::make_unique<ArrayView>(q, "q", false), positions);
+  }
+  Queries ReadQueries(std::unique_ptr<ArrayBase> q, py::handle positions) const {
     Queries r;
-    r.q = std::make_unique<ArrayView>(q, "q", false);
+    r.q = std::move(q);
     r.q->Expect(Elem::kF32, 3);
     r.q->ExpectDim(1, g().q_heads, "q_heads");
     r.q->ExpectDim(2, g().head_dim, "head_dim");
@@ -742,10 +1317,38 @@ class PySession {
     return r;
   }
 
-  py::dict Attend(int64_t layer, py::handle q, py::handle positions, py::handle out) {
+  // Host q and out go to Attend; device q and out (positions stay on the host) to AttendDevice
+  // on `stream`.
+  py::dict Attend(int64_t layer, py::handle q, py::handle positions, py::handle out, py::handle stream) {
     CheckLayer(layer);
-    Queries qs = ReadQueries(q, positions);
-    ArrayView ov(out, "out", true);
+    AttendStats stats;
+    if (DeviceCall({{q, "q"}, {out, "out"}})) {
+      if (IsDeviceArray(positions))
+        Bad("positions: a device array; positions are read on the host (an int, or a host int64 array)");
+      const DeviceContext ctx = DeviceCallContext("q", stream);
+      auto qv = std::make_unique<DeviceView>(q, "q", false, ctx);
+      Queries qs = ReadQueries(std::move(qv), positions);
+      DeviceView ov(out, "out", true, ctx);
+      CheckOut(qs, ov);
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mu_);
+      Check(s().AttendDevice(static_cast<int>(layer), static_cast<const float*>(qs.q->data()), qs.positions,
+                             qs.m, static_cast<float*>(ov.data()), ctx.stream, &stats));
+    } else {
+      NoStreamForHostArrays(stream, "q and out");
+      Queries qs = ReadQueries(q, positions);
+      ArrayView ov(out, "out", true);
+      CheckOut(qs, ov);
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mu_);
+      Check(s().Attend(static_cast<int>(layer), static_cast<const float*>(qs.q->data()), qs.positions, qs.m,
+                       static_cast<float*>(ov.data()), &stats));
+    }
+    return StatsDict(stats);
+  }
+
+  // out [m, q_heads, head_dim] float32, not overlapping q.
+  void CheckOut(const Queries& qs, const ArrayBase& ov) const {
     ov.Expect(Elem::kF32, 3);
     ov.ExpectDim(0, qs.m, "queries");
     ov.ExpectDim(1, g().q_heads, "q_heads");
@@ -754,14 +1357,6 @@ class PySession {
     const auto* op = static_cast<const char*>(ov.data());
     const size_t bytes = static_cast<size_t>(qs.m) * g().q_heads * g().head_dim * sizeof(float);
     if (qp < op + bytes && op < qp + bytes) Bad("out must not overlap q");
-    AttendStats stats;
-    {
-      py::gil_scoped_release nogil;
-      std::lock_guard<std::mutex> lock(mu_);
-      Check(s().Attend(static_cast<int>(layer), static_cast<const float*>(qs.q->data()), qs.positions, qs.m,
-                       static_cast<float*>(ov.data()), &stats));
-    }
-    return StatsDict(stats);
   }
 
   void Observe(int64_t layer, py::handle q, py::handle positions) {
@@ -1280,6 +1875,36 @@ PYBIND11_MODULE(_kvtier, m) {
            "Chunk indices sealed in one layer (chunk i covers tokens n_sink + i*chunk_size onwards).")
       .def("wait_for_durable", &PyStore::WaitForDurable);
 
+  m.def("device_runtime", &DeviceRuntime,
+        "The device runtime of this build: 'cuda', 'emulated' (the CUDA sources on HIP-CPU) or 'none'.");
+  py::class_<PyDeviceArray>(
+      m, "DeviceArray",
+      "A C-contiguous array in CUDA device memory, allocated by kvtier and freed when "
+      "collected: for Session.append/attend on a store with device='cuda'. Exposes "
+      "__cuda_array_interface__ (v3) and __dlpack__/__dlpack_device__ (kDLCUDA). Builds "
+      "without CUDA raise kvtier.Unavailable.")
+      .def(py::init<const std::vector<int64_t>&, const py::object&>(), py::arg("shape"),
+           py::arg("dtype") = "float32", "Uninitialised device memory; dtype float32, float16 or int64.")
+      .def_static("from_host", &PyDeviceArray::FromHost, py::arg("array"),
+                  "A device copy of a host array (numpy; complete on return).")
+      .def("to_host", &PyDeviceArray::ToHost,
+           "A numpy copy, once every device call in flight has finished (cudaDeviceSynchronize).")
+      .def_property_readonly("shape", &PyDeviceArray::Shape)
+      .def_property_readonly("dtype", &PyDeviceArray::Dtype)
+      .def_property_readonly("nbytes", &PyDeviceArray::Nbytes)
+      .def_property_readonly("ptr", &PyDeviceArray::Pointer, "The device pointer, as an int.")
+      .def_property_readonly("device", &PyDeviceArray::device, "The CUDA device id.")
+      .def_property_readonly("__cuda_array_interface__", &PyDeviceArray::CudaArrayInterface)
+      .def("__dlpack_device__", &PyDeviceArray::DlpackDeviceTuple)
+      .def(
+          "__dlpack__",
+          [](const py::object& self, const py::object& /*stream*/, const py::object& /*max_version*/) {
+            return PyDeviceArray::Dlpack(self);
+          },
+          py::kw_only(), py::arg("stream") = py::none(), py::arg("max_version") = py::none(),
+          "A DLPack capsule (kDLCUDA). `stream` is accepted and ignored: the array has no pending writes of "
+          "its own to order (see the class).");
+
   py::class_<PySession, std::shared_ptr<PySession>>(
       m, "Session",
       "One sequence over a Store (include/kvtier/session.h). A context manager: "
@@ -1291,13 +1916,21 @@ PYBIND11_MODULE(_kvtier, m) {
       .def_property_readonly("store", &PySession::store)
       .def_property_readonly("options", &PySession::Options)
       .def_property_readonly("last_chunks", &PySession::LastChunks)
-      .def("append", &PySession::Append, py::arg("layer"), py::arg("k"), py::arg("v"),
-           "K and V [n, kv_heads, head_dim] in the store's dtype, C-contiguous, on the CPU (read in place).")
+      .def(
+          "append", &PySession::Append, py::arg("layer"), py::arg("k"), py::arg("v"), py::kw_only(),
+          py::arg("stream") = py::none(),
+          "K and V [n, kv_heads, head_dim] in the store's dtype, C-contiguous, read in place: host arrays, "
+          "or "
+          "on a store with device='cuda' CUDA arrays (DLPack or __cuda_array_interface__) appended device to "
+          "device, ordered on `stream` (a cudaStream_t's value as an int; None = the legacy default stream).")
       .def("begin_step", &PySession::BeginStep, py::arg("kind"), "'prefill' or 'decode'.")
       .def("attend", &PySession::Attend, py::arg("layer"), py::arg("q"), py::arg("positions"), py::arg("out"),
+           py::kw_only(), py::arg("stream") = py::none(),
            "q [m, q_heads, head_dim] float32, positions [m] int64 (or the first position as an int): the "
            "layer's last m appended tokens (kvtier/session.h); writes out [m, q_heads, head_dim] float32 in "
-           "place; returns the AttendStats as a dict.")
+           "place; returns the AttendStats as a dict. q and out may be CUDA arrays on a store with "
+           "device='cuda' (positions stay on the host): the attention is ordered on `stream` as append's is, "
+           "and out is written on that stream.")
       .def("gather", &PySession::Gather, py::arg("layer"), py::arg("q"), py::arg("positions"))
       .def("observe", &PySession::Observe, py::arg("layer"), py::arg("q"), py::arg("positions"))
       .def("set_question", &PySession::SetQuestion, py::arg("layer"), py::arg("q"))

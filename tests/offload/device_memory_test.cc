@@ -19,8 +19,9 @@ namespace kvtier {
 namespace {
 
 constexpr DeviceMemoryOwner kAll[] = {
-    DeviceMemoryOwner::kHotTier, DeviceMemoryOwner::kAttention, DeviceMemoryOwner::kRetrievalMirror,
-    DeviceMemoryOwner::kRetrievalWorkspace, DeviceMemoryOwner::kModelForward};
+    DeviceMemoryOwner::kHotTier,         DeviceMemoryOwner::kAttention,
+    DeviceMemoryOwner::kRetrievalMirror, DeviceMemoryOwner::kRetrievalWorkspace,
+    DeviceMemoryOwner::kModelForward,    DeviceMemoryOwner::kEngineArrays};
 
 TEST(DeviceMemoryCounter, CountsByOwnerWithTheTotalsPeakAndReset) {
   static_assert(sizeof(kAll) / sizeof(kAll[0]) == kDeviceMemoryOwners);

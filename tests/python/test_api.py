@@ -34,7 +34,8 @@ def reference_attention(q, k, v, q_pos):
 def test_the_package_is_the_engine_api_and_tools_are_apart():
     engine = {"Store", "Session", "Error", "InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition",
               "ResourceExhausted", "Corruption", "IOError", "TimedOut", "Unavailable", "Internal",
-              "PermissionDenied", "preset", "preset_names", "size_store", "version"}
+              "PermissionDenied", "preset", "preset_names", "size_store", "version", "DeviceArray",
+              "device_runtime"}
     assert set(kvtier.__all__) == engine
     for name in engine:
         assert hasattr(kvtier, name), name
