@@ -16,6 +16,7 @@
 
 #include "offload/cuda_hot_tier.h"
 #include "offload/device_sync_cuda.h"
+#include "offload/pinned_staging.h"
 #endif
 
 namespace kvtier {
@@ -304,88 +305,6 @@ std::string CudaMessage(cudaError_t e) {
   return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
 }
 
-// Host memory the backend's copies read from or write to, pinned so that they are asynchronous
-// (no host wait, and capturable): a ring of kStagingEntries buffers, each with an event recorded
-// after the last copy that used it. An entry is reused only once its event has completed; in
-// the steady state the device is far behind the host by fewer steps than the ring has entries, so
-// taking one finds it free. When it is not, the wait is counted (device_sync).
-class PinnedStaging {
- public:
-  static constexpr int kStagingEntries = 16;
-  PinnedStaging() = default;
-  PinnedStaging(const PinnedStaging&) = delete;
-  PinnedStaging& operator=(const PinnedStaging&) = delete;
-  ~PinnedStaging() {
-    for (Entry& e : entries_) {
-      if (e.done) {
-        device_sync::SyncEvent(e.done);
-        cudaEventDestroy(e.done);
-      }
-      if (e.host) device_memory::FreeHost(e.host);
-    }
-  }
-
-  // The next entry, at least `bytes` long, free to overwrite (its earlier copies complete).
-  Result<uint8_t*> Take(size_t bytes, const char* what) {
-    current_ = (current_ + 1) % kStagingEntries;
-    Entry& e = entries_[current_];
-    if (e.done == nullptr) {
-      if (const cudaError_t err = cudaEventCreateWithFlags(&e.done, cudaEventDisableTiming);
-          err != cudaSuccess)
-        return Internal(std::string("attention (cuda): cudaEventCreate for the ") + what + ": " +
-                        CudaMessage(err));
-    } else if (e.recorded) {
-      cudaError_t err = cudaEventQuery(e.done);
-      if (err == cudaErrorNotReady) {
-        (void)cudaGetLastError();
-        err = device_sync::SyncEvent(e.done);
-      }
-      if (err != cudaSuccess)
-        return Internal(std::string("attention (cuda): staging the ") + what + ": " + CudaMessage(err));
-    }
-    e.recorded = false;
-    if (bytes > e.bytes) {
-      if (e.host) device_memory::FreeHost(e.host);
-      e.host = nullptr;
-      e.bytes = 0;
-      const size_t want = std::max<size_t>(Align256(bytes), 4096);
-      if (const cudaError_t err = device_memory::HostAlloc(&e.host, want, cudaHostAllocDefault);
-          err != cudaSuccess) {
-        (void)cudaGetLastError();
-        e.host = nullptr;
-        return ResourceExhausted("attention (cuda): cudaHostAlloc of " + std::to_string(want) +
-                                 " bytes for the " + what + " failed (" + CudaMessage(err) + ")");
-      }
-      e.bytes = want;
-    }
-    return static_cast<uint8_t*>(e.host);
-  }
-  // Marks the entry Take returned last as in use by everything submitted to `s` so far.
-  Status Done(cudaStream_t s) {
-    Entry& e = entries_[current_];
-    if (const cudaError_t err = cudaEventRecord(e.done, s); err != cudaSuccess)
-      return Internal("attention (cuda): recording a staging event: " + CudaMessage(err));
-    e.recorded = true;
-    return Status::Ok();
-  }
-  // Waits for the entry Take returned last (after Done): its device-to-host copies are in place.
-  Status Wait() {
-    const cudaError_t err = device_sync::SyncEvent(entries_[current_].done);
-    if (err != cudaSuccess) return Internal("attention (cuda): " + CudaMessage(err));
-    return Status::Ok();
-  }
-
- private:
-  struct Entry {
-    void* host = nullptr;
-    size_t bytes = 0;
-    cudaEvent_t done = nullptr;
-    bool recorded = false;
-  };
-  Entry entries_[kStagingEntries];
-  int current_ = kStagingEntries - 1;
-};
-
 // One device workspace for the session, sized at creation for max_queries; a larger step (a
 // longer prefill window than announced) grows it once, to that step's size, and then reuses it.
 // The plan's host arrays travel through PinnedStaging; every copy and kernel runs on the tier's
@@ -619,11 +538,11 @@ class CudaAttentionBackend final : public AttentionBackend {
   }
 
   CudaHotTier* hot_;
-  DeviceBuffer ws_;                // the plan's arrays, the output and the kernel's workspace (CopyPlanIn)
-  DeviceBuffer side_;              // RunWithDenseMass: the slot half's output, both lse, the mass
-  DeviceBuffer rope_;              // the rotation's inverse frequencies (DeviceInvFreq)
-  PinnedStaging staging_;          // the host side of every copy in and out
-  std::vector<double> rope_host_;  // what rope_ holds (empty: nothing uploaded)
+  DeviceBuffer ws_;    // the plan's arrays, the output and the kernel's workspace (CopyPlanIn)
+  DeviceBuffer side_;  // RunWithDenseMass: the slot half's output, both lse, the mass
+  DeviceBuffer rope_;  // the rotation's inverse frequencies (DeviceInvFreq)
+  PinnedStaging staging_{16, "attention (cuda)"};  // the host side of every copy in and out
+  std::vector<double> rope_host_;                  // what rope_ holds (empty: nothing uploaded)
   void* kernel_ws_ = nullptr;
 };
 

@@ -4,7 +4,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -47,10 +46,6 @@ Result<std::unique_ptr<CudaHotTier>> CudaHotTier::Create(size_t slot_pool_bytes,
 
 CudaHotTier::~CudaHotTier() {
   if (stream_) device_sync::SyncStream(static_cast<cudaStream_t>(stream_));
-  for (StagingBuffer& b : staging_) {
-    if (b.done) cudaEventDestroy(static_cast<cudaEvent_t>(b.done));
-    if (b.host) device_memory::FreeHost(b.host);
-  }
   for (auto& [ticket, ev] : in_flight_) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
   for (void* ev : spare_events_) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
   if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
@@ -170,46 +165,19 @@ Status CudaHotTier::CopyWithin(uint8_t* dst, const void* src, size_t bytes) {
 Status CudaHotTier::UploadOrdered(uint8_t* dst, const void* src, size_t bytes) {
   if (bytes == 0) return Status::Ok();
   std::lock_guard<std::mutex> l(staging_mu_);
-  if (staging_.empty()) staging_.resize(kStagingBuffers);
-  StagingBuffer& b = staging_[next_staging_];
-  next_staging_ = (next_staging_ + 1) % staging_.size();
-  cudaError_t e = cudaSuccess;
-  if (b.done == nullptr) {
-    cudaEvent_t ev = nullptr;
-    e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
-    b.done = ev;
-  } else if (b.recorded) {
-    // Free once the copy that read it is done; in steady decode it long is.
-    e = cudaEventQuery(static_cast<cudaEvent_t>(b.done));
-    if (e == cudaErrorNotReady) {
-      (void)cudaGetLastError();
-      e = device_sync::SyncEvent(static_cast<cudaEvent_t>(b.done));
-    }
+  Result<uint8_t*> staged = staging_.Take(bytes, "staged upload");
+  Status st = staged.status();
+  if (st.ok()) {
+    std::memcpy(*staged, src, bytes);
+    const cudaError_t e =
+        device_sync::CopyAsync(dst, *staged, bytes, cudaMemcpyHostToDevice,
+                               static_cast<cudaStream_t>(stream_), device_sync::HostMemory::kPinned);
+    st = e == cudaSuccess ? staging_.Done(stream_) : Internal(CudaMessage(e));
   }
-  if (e == cudaSuccess && bytes > b.bytes) {
-    if (b.host) device_memory::FreeHost(b.host);
-    b.host = nullptr;
-    b.bytes = 0;
-    const size_t want = std::max<size_t>(bytes, 4096);
-    e = device_memory::HostAlloc(&b.host, want, cudaHostAllocDefault);
-    if (e == cudaSuccess)
-      b.bytes = want;
-    else
-      b.host = nullptr;
-  }
-  b.recorded = false;
-  if (e == cudaSuccess) {
-    std::memcpy(b.host, src, bytes);
-    cudaStream_t s = static_cast<cudaStream_t>(stream_);
-    e = device_sync::CopyAsync(dst, b.host, bytes, cudaMemcpyHostToDevice, s,
-                               device_sync::HostMemory::kPinned);
-    if (e == cudaSuccess) e = cudaEventRecord(static_cast<cudaEvent_t>(b.done), s);
-    if (e == cudaSuccess) b.recorded = true;
-  }
-  if (e != cudaSuccess) {
+  if (!st.ok()) {
     (void)cudaGetLastError();
     return IOError("hot tier \"cuda\": staged upload of " + std::to_string(bytes) + " bytes failed (" +
-                   CudaMessage(e) + ")");
+                   st.message() + ")");
   }
   return Status::Ok();
 }

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "offload/hot_tier.h"
+#include "offload/pinned_staging.h"
 #include "offload/slot_book.h"
 #include "store/status.h"
 
@@ -117,16 +118,9 @@ class CudaHotTier final : public HotTier {
   TransferTicket next_ticket_ = kCompletedTransfer + 1;
   uint64_t bad_releases_ = 0;
   // UploadOrdered's pinned staging ring, guarded by staging_mu_ (sessions append from several
-  // threads): each buffer with the event recorded after the copy that last read it.
-  struct StagingBuffer {
-    void* host = nullptr;
-    size_t bytes = 0;
-    void* done = nullptr;  // cudaEvent_t, recorded after the copy that read the buffer
-    bool recorded = false;
-  };
+  // threads).
   std::mutex staging_mu_;
-  std::vector<StagingBuffer> staging_;
-  size_t next_staging_ = 0;
+  PinnedStaging staging_{kStagingBuffers, "hot tier \"cuda\""};
 };
 
 #endif  // KVTIER_HAVE_CUDA
