@@ -19,7 +19,9 @@ std::string CudaMessage(cudaError_t e) {
 }  // namespace
 
 PinnedStaging::PinnedStaging(int entries, std::string owner)
-    : entries_(static_cast<size_t>(std::max(1, entries))), current_(entries_.size() - 1), owner_(std::move(owner)) {}
+    : entries_(static_cast<size_t>(std::max(1, entries))),
+      current_(entries_.size() - 1),
+      owner_(std::move(owner)) {}
 
 PinnedStaging::~PinnedStaging() {
   for (Entry& e : entries_) {
@@ -53,11 +55,12 @@ Result<uint8_t*> PinnedStaging::Take(size_t bytes, const char* what) {
     e.host = nullptr;
     e.bytes = 0;
     const size_t want = std::max<size_t>((bytes + 255) / 256 * 256, 4096);
-    if (const cudaError_t err = device_memory::HostAlloc(&e.host, want, cudaHostAllocDefault); err != cudaSuccess) {
+    if (const cudaError_t err = device_memory::HostAlloc(&e.host, want, cudaHostAllocDefault);
+        err != cudaSuccess) {
       (void)cudaGetLastError();
       e.host = nullptr;
-      return ResourceExhausted(owner_ + ": cudaHostAlloc of " + std::to_string(want) + " bytes for the " + what +
-                               " failed (" + CudaMessage(err) + ")");
+      return ResourceExhausted(owner_ + ": cudaHostAlloc of " + std::to_string(want) + " bytes for the " +
+                               what + " failed (" + CudaMessage(err) + ")");
     }
     e.bytes = want;
   }
@@ -66,7 +69,8 @@ Result<uint8_t*> PinnedStaging::Take(size_t bytes, const char* what) {
 
 Status PinnedStaging::Done(void* stream) {
   Entry& e = entries_[current_];
-  if (const cudaError_t err = cudaEventRecord(static_cast<cudaEvent_t>(e.done), static_cast<cudaStream_t>(stream));
+  if (const cudaError_t err =
+          cudaEventRecord(static_cast<cudaEvent_t>(e.done), static_cast<cudaStream_t>(stream));
       err != cudaSuccess)
     return Internal(owner_ + ": recording a staging event: " + CudaMessage(err));
   e.recorded = true;
