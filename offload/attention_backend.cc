@@ -101,6 +101,44 @@ Status CheckRope(const std::string& who, int head_dim, const double* inv_freq,
   return Status::Ok();
 }
 
+// The device slot list's fields, as named refusals (AttentionPlanInput::device_slot_index).
+Status CheckDeviceSlots(const AttentionPlanInput& in) {
+  const std::string who = "attention plan: ";
+  if (in.device_slot_capacity < 0)
+    return InvalidArgument(who + "device_slot_capacity " + std::to_string(in.device_slot_capacity) +
+                           " is negative");
+  if (in.device_slot_capacity == 0) {
+    if (in.device_slot_count != nullptr)
+      return InvalidArgument(who +
+                             "device_slot_count is set but device_slot_capacity is 0 (a device count needs "
+                             "the capacity of its slot list)");
+    if (in.device_slot_index != nullptr || in.device_slot_first_position != nullptr)
+      return InvalidArgument(who + "a device slot list is set but device_slot_capacity is 0");
+    return Status::Ok();
+  }
+  if (in.n_chunks > 0)
+    return InvalidArgument(who + std::to_string(in.n_chunks) +
+                           " host chunk spans and a device slot list: the chunks are one or the other");
+  if (in.device_slot_count == nullptr)
+    return InvalidArgument(who + "device_slot_capacity " + std::to_string(in.device_slot_capacity) +
+                           " without device_slot_count (the count of its entries in use)");
+  if (in.device_slot_index == nullptr) return InvalidArgument(who + "device_slot_index is null");
+  if (in.device_slot_first_position == nullptr)
+    return InvalidArgument(who + "device_slot_first_position is null");
+  if (in.device_slot_capacity > INT32_MAX / 2)
+    return InvalidArgument(who + "device_slot_capacity " + std::to_string(in.device_slot_capacity));
+  if (in.pool.base == nullptr || in.pool.capacity <= 0 || in.pool.slot_bytes == 0 ||
+      in.pool.slot_bytes % 2 != 0)
+    return InvalidArgument(who + "a device slot list, but the hot tier has no slot pool of [K][V] slots");
+  const size_t token_bytes = static_cast<size_t>(std::max(0, in.kv_heads)) *
+                             static_cast<size_t>(std::max(0, in.head_dim)) * DTypeSize(in.dtype);
+  if (token_bytes == 0 || (in.pool.slot_bytes / 2) % token_bytes != 0)
+    return InvalidArgument(who + "the pool's slots of " + std::to_string(in.pool.slot_bytes) +
+                           " bytes do not hold whole tokens of " + std::to_string(token_bytes) +
+                           " bytes of K and V");
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status AttentionPlan::Build(const AttentionPlanInput& in) {
@@ -111,6 +149,11 @@ Status AttentionPlan::Build(const AttentionPlanInput& in) {
     return InvalidArgument("attention plan: " + std::to_string(in.n_local) + " local runs (at most " +
                            std::to_string(kernels::kMaxDenseParts - 1) + " next to the sinks)");
   if (in.n_chunks > 0 && in.chunks == nullptr) return InvalidArgument("attention plan: chunk spans are null");
+  if (in.q_rope_positions != nullptr && in.rope_inv_freq == nullptr)
+    return InvalidArgument(
+        "attention plan: q_rope_positions is set but rope_inv_freq is null (no rotation to "
+        "apply to the queries)");
+  KVTIER_RETURN_IF_ERROR(CheckDeviceSlots(in));
   if (in.n_chunks > static_cast<size_t>(INT32_MAX / 2))
     return InvalidArgument("attention plan: " + std::to_string(in.n_chunks) + " chunks");
   kernels::SlotAttentionParams p;
@@ -131,6 +174,7 @@ Status AttentionPlan::Build(const AttentionPlanInput& in) {
   p.n_dense = 1 + in.n_local;
   p.n_leading_dense = 1;
   p.rope_inv_freq = in.rope_inv_freq;
+  p.q_rope_positions = in.q_rope_positions;
   p.dense[0].rope_position = in.sinks_rope_position;
   p.slot_rope_position = in.chunks_rope_position;
   slot_index_.resize(in.n_chunks);
@@ -154,11 +198,24 @@ Status AttentionPlan::Build(const AttentionPlanInput& in) {
     p.slot_index = slot_index_.data();
     p.slot_first_position = slot_first_.data();
   }
+  const bool device_slots = in.device_slot_capacity > 0;
+  if (device_slots) {  // CheckDeviceSlots passed: whole tokens, one full slot per chunk
+    p.n_slots = in.device_slot_capacity;
+    p.n_slots_in_memory = in.device_slot_count;
+    p.pool_k = in.pool.base;
+    p.pool_v = in.pool.base + half;
+    p.pool_slots = 2 * in.pool.capacity - 1;
+    p.slot_tokens =
+        static_cast<int>(half / (static_cast<size_t>(in.kv_heads) * in.head_dim * DTypeSize(in.dtype)));
+    p.slot_index = in.device_slot_index;
+    p.slot_first_position = in.device_slot_first_position;
+  }
   p_ = p;
+  slots_on_device_ = device_slots;
   return Status::Ok();
 }
 
-Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda) {
+Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda, bool slots_on_device) {
   using kernels::KernelError;
   if (p.q_heads <= 0 || p.kv_heads <= 0 || p.q_heads % p.kv_heads != 0)
     return InvalidArgument("attention plan: q_heads (" + std::to_string(p.q_heads) +
@@ -176,9 +233,32 @@ Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda) {
                   {{"dense[" + std::to_string(i) + "].rope_position", p.dense[i].rope_position}}));
   KVTIER_RETURN_IF_ERROR(CheckRope("attention plan", p.head_dim, p.rope_inv_freq,
                                    {{"slot_rope_position", p.slot_rope_position}}));
+  if (p.q_rope_positions != nullptr && p.rope_inv_freq == nullptr)
+    return InvalidArgument("attention plan: q_rope_positions is set but rope_inv_freq is null");
+  if (p.n_slots_in_memory != nullptr && p.n_slots <= 0)
+    return InvalidArgument(
+        "attention plan: a slot count in memory (n_slots_in_memory) but no capacity (n_slots " +
+        std::to_string(p.n_slots) + ")");
+  if (slots_on_device && !cuda)
+    return InvalidArgument(
+        "attention plan: the slot list is in device memory; only the \"cuda\" backend runs it");
+  if (slots_on_device && p.n_slots_in_memory == nullptr)
+    return InvalidArgument("attention plan: a device slot list without its device count (n_slots_in_memory)");
+  if (cuda && !slots_on_device && p.n_slots_in_memory != nullptr)
+    return InvalidArgument(
+        "attention plan: a slot count in host memory; the cuda backend reads a count on the device (a device "
+        "slot list)");
   if (const KernelError e = kernels::CheckSlotAttentionParams(p); e != KernelError::kOk)
     return PlanError(e, "parameters rejected");
-  for (int i = 0; i < p.n_slots; ++i)
+  if (slots_on_device) return Status::Ok();  // the list is device memory: the kernel skips a bad index
+  int n_slots = p.n_slots;
+  if (p.n_slots_in_memory != nullptr) {
+    n_slots = *p.n_slots_in_memory;
+    if (n_slots < 0 || n_slots > p.n_slots)
+      return InvalidArgument("attention plan: slot count " + std::to_string(n_slots) + " outside [0, " +
+                             std::to_string(p.n_slots) + "] (n_slots, the capacity)");
+  }
+  for (int i = 0; i < n_slots; ++i)
     if (p.slot_index[i] < 0 || p.slot_index[i] >= p.pool_slots)
       return InvalidArgument("attention plan: slot index " + std::to_string(p.slot_index[i]) + " (entry " +
                              std::to_string(i) + ") outside the pool's " + std::to_string(p.pool_slots));
@@ -186,7 +266,7 @@ Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda) {
 }
 
 CudaAttentionWorkspace LayoutCudaAttentionWorkspace(int n_queries, int q_heads, int head_dim, int n_slots,
-                                                    size_t kernel_bytes) {
+                                                    size_t kernel_bytes, int n_q_rope_positions) {
   const size_t m = static_cast<size_t>(std::max(0, n_queries));
   const size_t rows =
       m * static_cast<size_t>(std::max(0, q_heads)) * static_cast<size_t>(std::max(0, head_dim));
@@ -196,7 +276,9 @@ CudaAttentionWorkspace LayoutCudaAttentionWorkspace(int n_queries, int q_heads, 
   w.positions = w.q + Align256(rows * sizeof(float));
   w.slot_index = w.positions + Align256(m * sizeof(int64_t));
   w.slot_first = w.slot_index + Align256(n * sizeof(int32_t));
-  w.out = w.slot_first + Align256(n * sizeof(int64_t));
+  w.q_rope_positions = w.slot_first + Align256(n * sizeof(int64_t));
+  w.out =
+      w.q_rope_positions + Align256(static_cast<size_t>(std::max(0, n_q_rope_positions)) * sizeof(int64_t));
   w.kernel = w.out + Align256(rows * sizeof(float));
   w.total = w.kernel + Align256(kernel_bytes);
   return w;
@@ -217,6 +299,7 @@ namespace {
 kernels::SlotAttentionParams DenseHalf(const kernels::SlotAttentionParams& p) {
   kernels::SlotAttentionParams d = p;
   d.n_slots = 0;
+  d.n_slots_in_memory = nullptr;
   d.pool_k = d.pool_v = nullptr;
   d.pool_slots = 0;
   d.slot_index = nullptr;
@@ -245,7 +328,7 @@ class CpuAttentionBackend final : public AttentionBackend {
   Status Run(const AttentionPlan& plan, float* out) override {
     kernels::SlotAttentionParams p = plan.params();
     p.out = out;
-    KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/false));
+    KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/false, plan.slots_on_device()));
     const kernels::KernelError e = kernels::SlotAttention(p);
     if (e != kernels::KernelError::kOk)
       return Internal(std::string("attention (cpu): ") + kernels::KernelErrorString(e));
@@ -255,7 +338,7 @@ class CpuAttentionBackend final : public AttentionBackend {
   Status RunWithDenseMass(const AttentionPlan& plan, float* out, float* const* dense_mass) override {
     kernels::SlotAttentionParams p = plan.params();
     p.out = out;
-    KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/false));
+    KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/false, plan.slots_on_device()));
     const size_t rows = static_cast<size_t>(p.n_queries) * p.q_heads;
     const size_t out_elems = rows * static_cast<size_t>(p.head_dim);
     const bool slots = p.n_slots > 0;
@@ -361,7 +444,7 @@ class CudaAttentionBackend final : public AttentionBackend {
     float host_out_marker = 0.0f;  // ValidateAttentionPlan checks out as non-null on the host
     p.out = out_device != nullptr ? out_device : &host_out_marker;
     if (q_device != nullptr) p.q = q_device;
-    KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/true));
+    KVTIER_RETURN_IF_ERROR(ValidateAttentionPlan(p, /*cuda=*/true, plan.slots_on_device()));
     bool any_mass = false;
     for (int i = 0; dense_mass != nullptr && i < p.n_dense; ++i) any_mass |= dense_mass[i] != nullptr;
     if (p.n_queries == 0) {
@@ -373,7 +456,7 @@ class CudaAttentionBackend final : public AttentionBackend {
     if (!any_mass) {
       const size_t kernel_bytes = kernels::cuda::SlotAttentionWorkspaceBytes(p);
       KVTIER_ASSIGN_OR_RETURN(kernels::SlotAttentionParams d,
-                              CopyPlanIn(p, q_device, out_device, kernel_bytes));
+                              CopyPlanIn(p, plan.slots_on_device(), q_device, out_device, kernel_bytes));
       const kernels::KernelError ke = kernels::cuda::LaunchSlotAttention(d, kernel_ws_, kernel_bytes, s);
       if (ke != kernels::KernelError::kOk) return KernelFailure("attention (cuda)", ke);
       return static_cast<const float*>(d.out);
@@ -389,7 +472,7 @@ class CudaAttentionBackend final : public AttentionBackend {
         std::max(kernels::cuda::SlotAttentionWorkspaceBytes(dense_half),
                  slots ? kernels::cuda::SlotAttentionWorkspaceBytes(slot_half) : size_t{0});
     KVTIER_ASSIGN_OR_RETURN(kernels::SlotAttentionParams d,
-                            CopyPlanIn(p, q_device, out_device, kernel_bytes));
+                            CopyPlanIn(p, plan.slots_on_device(), q_device, out_device, kernel_bytes));
     const size_t rows = static_cast<size_t>(p.n_queries) * p.q_heads;
     const size_t out_bytes = Align256(rows * p.head_dim * sizeof(float));
     const size_t lse_bytes = Align256(rows * sizeof(float));
@@ -432,15 +515,18 @@ class CudaAttentionBackend final : public AttentionBackend {
     return static_cast<const float*>(d.out);
   }
 
-  // Copies the plan's host arrays (q unless q_device is given, positions, the slot list) into the
-  // workspace through one staging entry, sizing the workspace for `kernel_bytes` of kernel
-  // workspace (at kernel_ws_), and returns the plan with device pointers and, as out,
-  // `out_device` or the workspace's output. K/V pointers are the tier's already.
-  Result<kernels::SlotAttentionParams> CopyPlanIn(const kernels::SlotAttentionParams& p,
+  // Copies the plan's host arrays (q unless q_device is given, positions, the slot list unless it
+  // is on the device already, the queries' rotation positions) into the workspace through one
+  // staging entry, sizing the workspace for `kernel_bytes` of kernel workspace (at kernel_ws_), and
+  // returns the plan with device pointers and, as out, `out_device` or the workspace's output. K/V
+  // pointers (and a device slot list with its count) are the tier's already.
+  Result<kernels::SlotAttentionParams> CopyPlanIn(const kernels::SlotAttentionParams& p, bool slots_on_device,
                                                   const float* q_device, float* out_device,
                                                   size_t kernel_bytes) {
-    const CudaAttentionWorkspace w =
-        LayoutCudaAttentionWorkspace(p.n_queries, p.q_heads, p.head_dim, p.n_slots, kernel_bytes);
+    const int staged_slots = slots_on_device ? 0 : p.n_slots;
+    const int rope_positions = p.q_rope_positions != nullptr ? p.n_queries : 0;
+    const CudaAttentionWorkspace w = LayoutCudaAttentionWorkspace(p.n_queries, p.q_heads, p.head_dim,
+                                                                  staged_slots, kernel_bytes, rope_positions);
     KVTIER_RETURN_IF_ERROR(Reserve(w.total));
     auto* ws = static_cast<uint8_t*>(ws_.ptr);
     const size_t q_bytes =
@@ -450,10 +536,12 @@ class CudaAttentionBackend final : public AttentionBackend {
     KVTIER_ASSIGN_OR_RETURN(uint8_t * staged, staging_.Take(w.out, "attention plan"));
     if (q_bytes) std::memcpy(staged + w.q, p.q, q_bytes);
     std::memcpy(staged + w.positions, p.q_positions, p.n_queries * sizeof(int64_t));
-    if (p.n_slots > 0) {
-      std::memcpy(staged + w.slot_index, p.slot_index, p.n_slots * sizeof(int32_t));
-      std::memcpy(staged + w.slot_first, p.slot_first_position, p.n_slots * sizeof(int64_t));
+    if (staged_slots > 0) {
+      std::memcpy(staged + w.slot_index, p.slot_index, staged_slots * sizeof(int32_t));
+      std::memcpy(staged + w.slot_first, p.slot_first_position, staged_slots * sizeof(int64_t));
     }
+    if (rope_positions > 0)
+      std::memcpy(staged + w.q_rope_positions, p.q_rope_positions, rope_positions * sizeof(int64_t));
     cudaStream_t s = stream();
     // With device queries the copy starts at the positions (w.q == 0 precedes them).
     const size_t from = q_device ? w.positions : 0;
@@ -464,10 +552,11 @@ class CudaAttentionBackend final : public AttentionBackend {
     kernels::SlotAttentionParams d = p;
     d.q = q_device ? q_device : reinterpret_cast<const float*>(ws + w.q);
     d.q_positions = reinterpret_cast<const int64_t*>(ws + w.positions);
-    if (p.n_slots > 0) {
+    if (staged_slots > 0) {
       d.slot_index = reinterpret_cast<const int32_t*>(ws + w.slot_index);
       d.slot_first_position = reinterpret_cast<const int64_t*>(ws + w.slot_first);
     }
+    if (rope_positions > 0) d.q_rope_positions = reinterpret_cast<const int64_t*>(ws + w.q_rope_positions);
     d.out = out_device ? out_device : reinterpret_cast<float*>(ws + w.out);
     kernel_ws_ = kernel_bytes ? ws + w.kernel : nullptr;
     if (p.rope_inv_freq != nullptr) {
@@ -569,7 +658,7 @@ Result<std::unique_ptr<AttentionBackend>> MakeAttentionBackend(HotTier* hot, con
     const int m = std::max(1, max_queries);
     const CudaAttentionWorkspace w =
         LayoutCudaAttentionWorkspace(m, geometry.q_heads, geometry.head_dim, hot->slot_capacity(),
-                                     MaxSlotAttentionKernelBytes(m, geometry.q_heads, geometry.head_dim));
+                                     MaxSlotAttentionKernelBytes(m, geometry.q_heads, geometry.head_dim), m);
     KVTIER_RETURN_IF_ERROR(backend->Reserve(w.total));
     return std::unique_ptr<AttentionBackend>(std::move(backend));
 #else

@@ -91,7 +91,29 @@ struct AttentionPlanInput {
   /// Where every retrieved chunk's keys are rotated, as sinks_rope_position (InfLLM: L0).
   int64_t chunks_rope_position = kernels::kRopeAtKeyPositions;
   // The local runs are rotated at their tokens' own positions.
+  /// Queries rotated by the kernel: [n_queries] positions, HOST memory, read while Build and
+  /// Run/RunOnDevice run (the "cuda" backend stages them with the plan, no wait); query row t is
+  /// rotated at q_rope_positions[t] as kernels::Rope rotates (SlotAttentionParams::
+  /// q_rope_positions), and q (or RunOnDevice's q_device) then holds the queries unrotated.
+  /// Needs rope_inv_freq. null = q comes rotated.
+  const int64_t* q_rope_positions = nullptr;
+  /// The chunk half as DEVICE arrays (a device-side selection the host never sees; "cuda"
+  /// only), instead of chunks/n_chunks (which must then be empty): device_slot_capacity entries
+  /// of device_slot_index (KERNEL pool indices: KernelSlotIndex(hot slot) = 2 * hot slot, each
+  /// chunk one full slot of `pool`) and device_slot_first_position (each chunk's first absolute
+  /// position), of which the first *device_slot_count (one device int32, in
+  /// [0, device_slot_capacity]; the kernel clamps it there) are attended. An index outside the
+  /// pool is skipped by the kernel. The capacity sizes the launch (its split count); the output
+  /// equals that of a host plan of the same count's chunks launched with the same split count.
+  const int32_t* device_slot_index = nullptr;
+  const int64_t* device_slot_first_position = nullptr;
+  const int32_t* device_slot_count = nullptr;
+  int device_slot_capacity = 0;  ///< >= 0; > 0 needs all three device arrays
 };
+
+/// The index of hot slot `hot_slot` in AttentionPlan's slot list (and in a device slot list):
+/// the kernel reads a [K][V] slot as two halves of one pool (see the top of this file).
+constexpr int32_t KernelSlotIndex(int32_t hot_slot) { return 2 * hot_slot; }
 
 /// One layer step's attention. The slot lists live in the plan (host memory) and params()
 /// points at them; reuse one plan across steps so that building allocates nothing once the
@@ -108,30 +130,38 @@ class AttentionPlan {
   const kernels::SlotAttentionParams& params() const { return p_; }
   const std::vector<int32_t>& slot_index() const { return slot_index_; }
   const std::vector<int64_t>& slot_first_position() const { return slot_first_; }
+  /// Whether params()' slot list, first positions and count (n_slots_in_memory) are device
+  /// pointers (AttentionPlanInput::device_slot_index): only the "cuda" backend runs such a plan.
+  bool slots_on_device() const { return slots_on_device_; }
 
  private:
   kernels::SlotAttentionParams p_;
+  bool slots_on_device_ = false;
   std::vector<int32_t> slot_index_;
   std::vector<int64_t> slot_first_;
 };
 
 /// Host-side checks of a plan for a backend, as a named status: what CheckSlotAttentionParams
 /// finds, slot indices outside the pool, the rotation (an odd head_dim, a rotation position set
-/// without frequencies or below kRopeAtKeyPositions), and for "cuda" the launcher's limits
-/// (head_dim 16, 32, 64, 128 or 256, at most 65535 queries). Needs no device and reads no K/V
-/// memory.
-Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda);
+/// without frequencies or below kRopeAtKeyPositions, query positions without frequencies), and
+/// for "cuda" the launcher's limits (head_dim 16, 32, 64, 128 or 256, at most 65535 queries).
+/// Needs no device and reads no K/V memory. With slots_on_device (AttentionPlan::
+/// slots_on_device) the slot list and its count are device memory and are not read: such a plan
+/// needs cuda and a count (n_slots_in_memory), and a count needs them on the device.
+Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda, bool slots_on_device = false);
 
 /// The CUDA backend's one device workspace, laid out on the host: the plan's host arrays
 /// copied in, the output, then the kernel's own workspace; every offset 256-aligned.
 struct CudaAttentionWorkspace {
-  size_t q = 0, positions = 0, slot_index = 0, slot_first = 0, out = 0, kernel = 0;
+  size_t q = 0, positions = 0, slot_index = 0, slot_first = 0, q_rope_positions = 0, out = 0, kernel = 0;
   size_t total = 0;
 };
-/// Layout for n_queries queries of q_heads x head_dim, n_slots slots and `kernel_bytes`
+/// Layout for n_queries queries of q_heads x head_dim, n_slots slots staged from the host (0 for a
+/// device slot list), n_q_rope_positions query rotation positions (0 or n_queries; 0 takes no
+/// bytes, so the other offsets are those of a plan without) and `kernel_bytes`
 /// (SlotAttentionWorkspaceBytes of the plan).
 CudaAttentionWorkspace LayoutCudaAttentionWorkspace(int n_queries, int q_heads, int head_dim, int n_slots,
-                                                    size_t kernel_bytes);
+                                                    size_t kernel_bytes, int n_q_rope_positions = 0);
 /// An upper bound of SlotAttentionWorkspaceBytes for n_queries (the launcher splits a row's
 /// keys 16 ways at most; each split keeps head_dim + 1 floats per row, plus the final lse),
 /// so a backend can size its workspace at creation for the largest step it expects.
@@ -143,7 +173,8 @@ class AttentionBackend {
   /// "cpu" or "cuda": the device of the hot tier it reads.
   virtual const char* name() const = 0;
   /// Runs `plan`, writing [n_queries, q_heads, head_dim] fp32 to host `out`; the result is
-  /// in place on return. A failed check is InvalidArgument, a failed kernel Internal.
+  /// in place on return. A failed check is InvalidArgument, a failed kernel Internal. A plan whose
+  /// slots are on the device (slots_on_device) is FailedPrecondition on "cpu".
   virtual Status Run(const AttentionPlan& plan, float* out) = 0;
   /// Runs `plan` as Run does and also hands back the representative-key statistics of its dense
   /// parts: dense_mass[i] (host, [kv_heads, n_tokens] of params().dense[i], for every

@@ -95,6 +95,7 @@ KernelError CheckSlotAttentionParams(const SlotAttentionParams& p) {
       return KernelError::kBadShape;
   }
   if (p.rope_inv_freq != nullptr && p.head_dim % 2 != 0) return KernelError::kBadShape;
+  if (p.q_rope_positions != nullptr && p.rope_inv_freq == nullptr) return KernelError::kBadShape;
   if (p.n_queries == 0) return KernelError::kOk;
   if (p.q == nullptr || p.out == nullptr || (p.causal && p.q_positions == nullptr))
     return KernelError::kNullPointer;
@@ -112,9 +113,29 @@ KernelError CheckSlotAttentionParams(const SlotAttentionParams& p) {
   return KernelError::kOk;
 }
 
-KernelError SlotAttention(const SlotAttentionParams& p) {
-  if (const KernelError e = CheckSlotAttentionParams(p); e != KernelError::kOk) return e;
-  if (p.n_queries == 0) return KernelError::kOk;
+KernelError SlotAttention(const SlotAttentionParams& params) {
+  if (const KernelError e = CheckSlotAttentionParams(params); e != KernelError::kOk) return e;
+  if (params.n_queries == 0) return KernelError::kOk;
+  // The count in memory makes this the call with n_slots = the count; rotated queries make it
+  // the call with q rotated by Rope.
+  SlotAttentionParams p = params;
+  if (p.n_slots_in_memory != nullptr) {
+    const int32_t count = *p.n_slots_in_memory;
+    if (count < 0 || count > p.n_slots) return KernelError::kBadShape;
+    p.n_slots = count;
+    p.n_slots_in_memory = nullptr;
+  }
+  std::vector<float> rotated_q;
+  if (p.q_rope_positions != nullptr) {
+    try {
+      rotated_q.assign(p.q, p.q + static_cast<size_t>(p.n_queries) * p.q_heads * p.head_dim);
+    } catch (const std::bad_alloc&) {
+      return KernelError::kOutOfMemory;
+    }
+    Rope(rotated_q.data(), p.n_queries, p.q_heads, p.head_dim, p.q_rope_positions, p.rope_inv_freq);
+    p.q = rotated_q.data();
+    p.q_rope_positions = nullptr;
+  }
   for (int i = 0; i < p.n_slots; ++i) {
     if (p.slot_index[i] < 0 || p.slot_index[i] >= p.pool_slots) return KernelError::kBadShape;
     if (p.slot_n_tokens && (p.slot_n_tokens[i] < 0 || p.slot_n_tokens[i] > p.slot_tokens))

@@ -15,7 +15,8 @@
 // which need not be where they are (causal masking always uses the true positions). Each key
 // is widened to fp32 and rotated as kernels::Rope (kernels/cpu/rope.h) rotates it: rotate-half
 // pairs (i, i + head_dim / 2), angle position * inv_freq[i] in double, cos and sin rounded to
-// fp32 once. V is never rotated; the queries come rotated already (the caller's job). The twin
+// fp32 once. V is never rotated; the queries come rotated already (the caller's job), unless
+// q_rope_positions asks the kernel to rotate them (SlotAttentionParams says how). The twin
 // rotates fp32 copies of the keys with kernels::Rope and attends them (V widened to fp32 too),
 // so its output is that of kernels::Rope on fp32 copies followed by an unrotated SlotAttention
 // with dtype kF32, bit for bit.
@@ -68,7 +69,7 @@ struct SlotAttentionParams {
   const void* pool_v = nullptr;          ///< same layout as pool_k
   int pool_slots = 0;                    ///< slots in the pool (>= 0)
   int slot_tokens = 0;                   ///< tokens per slot (one chunk), > 0 when n_slots > 0
-  int n_slots = 0;                       ///< selected slots (>= 0)
+  int n_slots = 0;                       ///< selected slots (>= 0); the CAPACITY with n_slots_in_memory
   const int32_t* slot_index = nullptr;   ///< [n_slots] slot of each selected chunk, in [0, pool_slots)
   const int64_t* slot_first_position = nullptr;  ///< [n_slots] absolute position of each chunk's token 0
   const int32_t* slot_n_tokens =
@@ -86,13 +87,32 @@ struct SlotAttentionParams {
   /// slot_first_position[i] + t) or one position >= 0 for all of them (InfLLM: L0, the start of
   /// the local window). Must stay kRopeAtKeyPositions when rope_inv_freq is null.
   int64_t slot_rope_position = kRopeAtKeyPositions;
+  /// Optional count of the selected slots read from memory (host memory for the twin, device
+  /// memory for the CUDA launcher, which never reads it on the host): one int32 in [0, n_slots];
+  /// n_slots is then the capacity of the slot arrays, and only their first count entries are read
+  /// (slot_mass rows past the count are not written). The twin returns kBadShape for a count
+  /// outside [0, n_slots]; the CUDA kernel clamps it into that range. null = n_slots slots.
+  /// Equal means: out, lse and mass are those of the same call with n_slots = the count and
+  /// n_slots_in_memory = null, bit for bit for out and lse (the twin always; the CUDA launcher
+  /// when both calls split the keys alike, see cuda::SlotAttentionSplits, which decides from
+  /// n_slots, the capacity), mass up to the order of its atomic adds on CUDA.
+  const int32_t* n_slots_in_memory = nullptr;
+  /// Optional rotation of the queries (needs rope_inv_freq; kBadShape without): [n_queries]
+  /// positions, query row t rotated at q_rope_positions[t] before the score step, as
+  /// kernels::Rope rotates it (rotate-half pairs, angle in double, cos and sin rounded to fp32
+  /// once); q then holds the queries as projected (unrotated). Host memory for the twin (which
+  /// rotates an fp32 copy of q with kernels::Rope), device memory for the CUDA launcher. The
+  /// result is that of passing q already rotated by kernels::Rope, bit for bit in the twin.
+  /// null = q holds the queries as they are to be scored.
+  const int64_t* q_rope_positions = nullptr;
 };
 
 /// Host-side checks of everything a launcher can check without reading device memory
 /// (shapes, dtype, null pointers); shared by the CPU twin and the CUDA launcher.
 KernelError CheckSlotAttentionParams(const SlotAttentionParams& p);
 
-/// CPU twin. Also checks slot_index values and slot_n_tokens (kBadShape when out of range).
+/// CPU twin. Also checks slot_index values, slot_n_tokens and *n_slots_in_memory (kBadShape when
+/// out of range).
 /// With rope_inv_freq it allocates fp32 copies of every attended K and V (kOutOfMemory when it
 /// cannot; kept per thread between calls).
 KernelError SlotAttention(const SlotAttentionParams& p);

@@ -38,6 +38,15 @@
 // over its tiles (K only); with more, MassKernel makes it over the same grid after the merge.
 // Each key's exp(score - lse), summed over the block's heads, is added with one atomic.
 //
+// The slot count in memory (n_slots_in_memory): the grid, the split count and the workspace are
+// decided on the host from n_slots, the capacity; every block reads the count and its cursor walks
+// only the count's tiles (its units past them do not exist), so a split whose units all lie past the
+// count writes an empty partial (lse -inf) and the merge weighs it 0. With the split count of a call
+// with n_slots = the count, each split walks the same tiles in the same order: the same bits.
+//
+// Queries rotated in the kernel (q_rope_positions, only with rope_inv_freq): LoadQueries rotates
+// the block's q rows as it copies them to shared memory; every later step reads them there.
+//
 // Keys rotated as they are read (rope_inv_freq set; kernels/cpu/slot_attention.h): a second
 // instance of each kernel (kRope) widens the stored tile's visible keys to fp32 and rotates them
 // into a padded fp32 tile in shared memory (RotateTile) before the score step, which then dots
@@ -130,6 +139,13 @@ struct Tile {
   bool rope_each;    // key t at rope_pos + t (else every key at rope_pos)
 };
 
+// The selected slots: n_slots, or the count in memory clamped into [0, n_slots] (the capacity).
+__device__ __forceinline__ int SlotCount(const SlotAttentionParams& p) {
+  if (p.n_slots_in_memory == nullptr) return p.n_slots;
+  const int32_t count = *p.n_slots_in_memory;
+  return count < 0 ? 0 : (count > p.n_slots ? p.n_slots : count);
+}
+
 // The tiles of one split in order (see the header comment). Every thread of a block walks the
 // same tiles: n and the pointers are block-uniform.
 template <typename T, int N>
@@ -154,7 +170,7 @@ struct TileCursor {
     dense_units = 0;
     for (int i = 0; i < params.n_dense; ++i) dense_units += (params.dense[i].n_tokens + N - 1) / N;
     slot_tiles = params.n_slots > 0 ? (params.slot_tokens + N - 1) / N : 0;
-    total = dense_units + params.n_slots * slot_tiles;
+    total = dense_units + SlotCount(params) * slot_tiles;
   }
 
   __device__ bool Next(Tile<T>* t) {
@@ -327,11 +343,29 @@ __device__ __forceinline__ float WarpMax(float x) {
   return x;
 }
 
-// Loads the block's q rows (heads kvh * G + g0 .. + group - 1 of query qi) into sh.q.
+// Loads the block's q rows (heads kvh * G + g0 .. + group - 1 of query qi) into sh.q, rotated at
+// q_rope_positions[qi] when that is set (only with rope_inv_freq: the kRope instances) as
+// LaunchRope rotates (kernels/cuda/forward.cu): angle in double, cos and sin rounded to fp32 once,
+// each product and the sum rounded apart (no FMA), which is kernels::Rope's arithmetic.
 template <typename T, int D, bool kRope>
 __device__ __forceinline__ void LoadQueries(const SlotAttentionParams& p, Smem<T, D, kRope>& sh, int h0,
                                             int group, int qi) {
   const float* q = p.q + (static_cast<size_t>(qi) * p.q_heads + h0) * D;  // the group's rows are consecutive
+  if constexpr (kRope) {
+    if (p.q_rope_positions != nullptr) {  // block-uniform
+      constexpr int H = D / 2;
+      const double pos = static_cast<double>(p.q_rope_positions[qi]);
+      for (int i = threadIdx.x; i < group * H; i += kThreads) {
+        const int g = i / H, j = i % H;
+        const double a = pos * p.rope_inv_freq[j];
+        const float c = static_cast<float>(cos(a)), s = static_cast<float>(sin(a));
+        const float x1 = q[g * D + j], x2 = q[g * D + j + H];
+        sh.q[g * D + j] = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(-x2, s));
+        sh.q[g * D + j + H] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+      }
+      return;
+    }
+  }
   for (int i = threadIdx.x; i < group * D; i += kThreads) sh.q[i] = q[i];
 }
 
@@ -735,6 +769,11 @@ KernelError LaunchDType(const SlotAttentionParams& p, float scale, int splits, c
 }
 
 }  // namespace
+
+int SlotAttentionSplits(const SlotAttentionParams& p) {
+  if (CheckSlotAttentionParams(p) != KernelError::kOk || p.n_queries == 0) return 0;
+  return Splits(p);
+}
 
 size_t SlotAttentionWorkspaceBytes(const SlotAttentionParams& p) {
   if (CheckSlotAttentionParams(p) != KernelError::kOk || p.n_queries == 0) return 0;

@@ -50,6 +50,17 @@ const char* LastCudaErrorString();
 /// widened to fp32 and rotated in shared memory before the score step, at the part's
 /// DenseKv::rope_position or slot_rope_position (kRopeAtKeyPositions: each key at its own), as
 /// the twin does; the mass pass scores the same rotated keys. V is not rotated.
+/// Slot count in memory (p.n_slots_in_memory, a DEVICE int32): n_slots is the capacity; the grid,
+/// the split count and the workspace are decided from it, blocks read the count and walk only its
+/// slots' tiles (a count outside [0, n_slots] is clamped into it), so nothing past the count is
+/// read. out and lse equal bit for bit those of a launch with n_slots = the count when the two
+/// take the same SlotAttentionSplits (the split count grows with n_slots up to kMaxSplits, so it
+/// is the same when the count's keys already fill the splits, or when there is one split).
+/// Rotated queries (p.q_rope_positions, a DEVICE [n_queries] array, with rope_inv_freq): each
+/// block rotates its q rows as it loads them, with LaunchRope's arithmetic, so the result is that
+/// of a launch whose q was rotated by LaunchRope first, bit for bit (and that of kernels::Rope on
+/// the host wherever its cos/sin and rounded products agree with the device's: everywhere on the
+/// emulated device when the host compiler does not contract Rope's products into FMAs).
 /// Workspace: the splits' partials (0 bytes when one split suffices); kWorkspace when short.
 /// The head_dims LaunchSlotAttention has a kernel for (one template instance each). Inline, so
 /// host code of any build (ValidateAttentionPlan) states the same list without CUDA.
@@ -57,6 +68,8 @@ constexpr bool SlotAttentionHeadDimSupported(int head_dim) {
   return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 size_t SlotAttentionWorkspaceBytes(const SlotAttentionParams& p);
+/// The number of splits LaunchSlotAttention takes for p (0 when p is refused or has no query).
+int SlotAttentionSplits(const SlotAttentionParams& p);
 KernelError LaunchSlotAttention(const SlotAttentionParams& p, void* workspace, size_t workspace_bytes,
                                 Stream s);
 

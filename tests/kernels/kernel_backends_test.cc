@@ -659,6 +659,213 @@ TEST_P(KernelBackends, SlotAttentionRotatesKeysAsRopeOnFp32Copies) {
   }
 }
 
+// The slot count read from memory (n_slots_in_memory): a launch over a slot list of capacity 6
+// whose count says c gives the bits of a launch with n_slots = c, for c = 0, 3 and 6. The entries
+// past the count are valid slots of the pool: reading them would change the output. The shape
+// fills the kernel's splits from the dense parts alone (4 kv heads x 64 queries: 4 splits; the
+// 120-token local window has at least 4 tiles), so both launches split alike whatever the count.
+TEST_P(KernelBackends, SlotCountInMemoryEqualsTheHostCount) {
+  constexpr int kCapacity = 6;
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16})
+    for (int head_dim : {64, 128}) {
+      const AttnShape shape{8, 4, head_dim, dt, 64, kCapacity, true, true, true, 16, 120};
+      AttnProblem P;
+      P.Make(shape, rng_);
+      const size_t n_out = static_cast<size_t>(shape.m) * shape.q_heads * shape.head_dim;
+      const size_t n_lse = static_cast<size_t>(shape.m) * shape.q_heads;
+      const size_t n_smass = static_cast<size_t>(kCapacity) * shape.kv_heads * P.slot_tokens;
+      for (int32_t count : {0, 3, kCapacity}) {
+        SCOPED_TRACE(Name(shape) + " count " + std::to_string(count) + " seed " + std::to_string(seed_));
+        auto zero_mass = [&] {
+          std::vector<std::vector<float>> m;
+          for (const auto& r : P.dense) m.emplace_back(static_cast<size_t>(shape.kv_heads) * r.n, 0.0f);
+          return m;
+        };
+        std::vector<float> out(n_out, kNaN), lse(n_lse, kNaN), smass(n_smass, 0.0f);
+        std::vector<float> ref(n_out, kNaN), ref_lse(n_lse, kNaN), ref_smass(n_smass, 0.0f);
+        std::vector<std::vector<float>> dmass = zero_mass(), ref_dmass = zero_mass();
+        SlotAttentionParams p = P.Params(0, kCapacity, &out, &lse, &dmass, &smass);
+        p.n_slots_in_memory = &count;
+        const SlotAttentionParams r = P.Params(0, count, &ref, &ref_lse, &ref_dmass, &ref_smass);
+        if (!cuda()) {
+          ASSERT_EQ(SlotAttention(p), KernelError::kOk);
+          ASSERT_EQ(SlotAttention(r), KernelError::kOk);
+          EXPECT_EQ(std::memcmp(out.data(), ref.data(), n_out * sizeof(float)), 0);
+          EXPECT_EQ(std::memcmp(lse.data(), ref_lse.data(), n_lse * sizeof(float)), 0);
+          EXPECT_EQ(dmass, ref_dmass);
+          EXPECT_EQ(smass, ref_smass);  // rows past the count stay 0 in both
+          continue;
+        }
+#if KVTIER_HAVE_CUDA
+        DeviceArena dev;
+        auto on_device = [&](SlotAttentionParams d, int n_slots, const int32_t* d_count,
+                             std::vector<float*>* d_dmass, float** d_smass) {
+          d.q = dev.Put(P.q);
+          d.q_positions = dev.Put(P.qpos);
+          for (int i = 0; i < d.n_dense; ++i) {
+            d.dense[i].k = dev.Put(P.dense[i].k);
+            d.dense[i].v = dev.Put(P.dense[i].v);
+            d.dense[i].mass = dev.Put(std::vector<float>(dmass[i].size(), 0.0f));
+            d_dmass->push_back(d.dense[i].mass);
+          }
+          d.pool_k = dev.Put(P.pool_k);
+          d.pool_v = dev.Put(P.pool_v);
+          d.n_slots = n_slots;
+          d.n_slots_in_memory = d_count;
+          d.slot_index = dev.Put(P.slot_index);
+          d.slot_first_position = dev.Put(P.slot_pos);
+          d.slot_n_tokens = dev.Put(P.slot_n);
+          d.slot_mass = *d_smass = dev.Put(std::vector<float>(n_smass, 0.0f));
+          d.out = dev.Put(std::vector<float>(n_out, kNaN));
+          d.lse = dev.Put(std::vector<float>(n_lse, kNaN));
+          return d;
+        };
+        std::vector<float*> cap_dmass, count_dmass;
+        float *cap_smass = nullptr, *count_smass = nullptr;
+        const SlotAttentionParams dc = on_device(p, kCapacity, dev.Put(&count, 1), &cap_dmass, &cap_smass);
+        const SlotAttentionParams dr = on_device(r, count, nullptr, &count_dmass, &count_smass);
+        ASSERT_EQ(cuda::SlotAttentionSplits(dc), cuda::SlotAttentionSplits(dr));
+        ASSERT_GT(cuda::SlotAttentionSplits(dc), 1);  // the merge runs: empty splits must weigh 0
+        for (const SlotAttentionParams* d : {&dc, &dr}) {
+          const size_t ws_bytes = cuda::SlotAttentionWorkspaceBytes(*d);
+          ASSERT_EQ(cuda::LaunchSlotAttention(*d, dev.Alloc<char>(ws_bytes), ws_bytes, nullptr),
+                    KernelError::kOk)
+              << cuda::LastCudaErrorString();
+        }
+        std::vector<float> g_out(n_out), g_lse(n_lse), w_out(n_out), w_lse(n_lse);
+        dev.Get(&g_out, dc.out);
+        dev.Get(&g_lse, dc.lse);
+        dev.Get(&w_out, dr.out);
+        dev.Get(&w_lse, dr.lse);
+        EXPECT_EQ(std::memcmp(g_out.data(), w_out.data(), n_out * sizeof(float)), 0);
+        EXPECT_EQ(std::memcmp(g_lse.data(), w_lse.data(), n_lse * sizeof(float)), 0);
+        ASSERT_EQ(SlotAttention(r), KernelError::kOk);  // the twin of the count
+        EXPECT_TRUE(Close(g_out, ToDouble(ref), Tolerance(dt), "cuda out vs twin"));
+        // Mass: atomics in either order; past the count, nothing is added.
+        std::vector<float> g(n_smass), w(n_smass);
+        dev.Get(&g, cap_smass);
+        dev.Get(&w, count_smass);
+        EXPECT_TRUE(Close(g, ToDouble(w), 1e-5, "slot mass"));
+        for (size_t i = static_cast<size_t>(count) * shape.kv_heads * P.slot_tokens; i < n_smass; ++i)
+          ASSERT_EQ(g[i], 0.0f) << "slot mass past the count at " << i;
+        for (size_t i = 0; i < cap_dmass.size(); ++i) {
+          std::vector<float> gd(dmass[i].size()), wd(dmass[i].size());
+          dev.Get(&gd, cap_dmass[i]);
+          dev.Get(&wd, count_dmass[i]);
+          EXPECT_TRUE(Close(gd, ToDouble(wd), 1e-5, "dense mass"));
+        }
+#endif
+      }
+    }
+}
+
+TEST(KernelBackendsCpu, SlotAttentionRefusesACountOutsideItsCapacity) {
+  std::mt19937 rng(3);
+  AttnProblem P;
+  P.Make(AttnShape{4, 2, 64, DType::kF16, 1, 4, false, true, false}, rng);
+  std::vector<float> out(4 * 64), lse(4);
+  SlotAttentionParams p = P.Params(0, 4, &out, &lse, nullptr, nullptr);
+  for (int32_t count : {-1, 5}) {
+    p.n_slots_in_memory = &count;
+    EXPECT_EQ(SlotAttention(p), KernelError::kBadShape) << count;
+  }
+  int32_t zero = 0;
+  p.n_slots_in_memory = &zero;
+  EXPECT_EQ(SlotAttention(p), KernelError::kOk);
+}
+
+// Queries rotated by the kernel (q_rope_positions) are the queries rotated by kernels::Rope first:
+// bit for bit in the twin. On the device, bit for bit with the queries rotated by LaunchRope first
+// (the device's Rope: the same arithmetic without FMA contraction), and close to kernels::Rope's
+// on the host, whose products the host compiler may fuse (GCC does with -march=native).
+TEST_P(KernelBackends, SlotAttentionRotatesQueriesAsRope) {
+  const RopePlacement place{true, true};  // InfLLM: sinks and chunks at L0
+  for (const AttnShape& shape : {kRopeShapes[0], kRopeShapes[1], kRopeShapes[2], kRopeShapes[4]}) {
+    SCOPED_TRACE(Name(shape) + " seed " + std::to_string(seed_));
+    AttnProblem P;
+    P.Make(shape, rng_);
+    const std::vector<double> inv_freq = RopeInvFreq(shape.head_dim, 10000.0);
+    const size_t n_out = static_cast<size_t>(shape.m) * shape.q_heads * shape.head_dim;
+    const size_t n_lse = static_cast<size_t>(shape.m) * shape.q_heads;
+    // Where the queries are rotated: not their causal positions (InfLLM rotates them elsewhere).
+    std::vector<int64_t> rope_pos(P.qpos);
+    for (int64_t& x : rope_pos) x = x * 3 + 1000;
+    std::vector<float> rotated_q = P.q;
+    Rope(rotated_q.data(), shape.m, shape.q_heads, shape.head_dim, rope_pos.data(), inv_freq.data());
+    std::vector<float> out(n_out, kNaN), lse(n_lse, kNaN), ref(n_out, kNaN), ref_lse(n_lse, kNaN);
+    SlotAttentionParams p = RotatingParams(P, place, inv_freq.data(), &out, &lse, nullptr, nullptr);
+    p.q_rope_positions = rope_pos.data();
+    SlotAttentionParams r = RotatingParams(P, place, inv_freq.data(), &ref, &ref_lse, nullptr, nullptr);
+    r.q = rotated_q.data();
+    ASSERT_EQ(SlotAttention(p), KernelError::kOk);
+    ASSERT_EQ(SlotAttention(r), KernelError::kOk);
+    if (!cuda()) {
+      EXPECT_EQ(std::memcmp(out.data(), ref.data(), n_out * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(lse.data(), ref_lse.data(), n_lse * sizeof(float)), 0);
+      std::vector<float> plain(n_out, kNaN), plain_lse(n_lse, kNaN);  // the rotation must matter
+      ASSERT_EQ(
+          SlotAttention(RotatingParams(P, place, inv_freq.data(), &plain, &plain_lse, nullptr, nullptr)),
+          KernelError::kOk);
+      EXPECT_FALSE(Close(plain, ToDouble(ref), 1e-2, "unrotated queries vs rotated"));
+      continue;
+    }
+#if KVTIER_HAVE_CUDA
+    DeviceArena dev;
+    SlotAttentionParams d = RotatingParams(P, place, nullptr, &out, &lse, nullptr, nullptr);
+    d.rope_inv_freq = dev.Put(inv_freq);
+    d.q_positions = dev.Put(P.qpos);
+    for (int i = 0; i < d.n_dense; ++i) {
+      d.dense[i].k = dev.Put(P.dense[i].k);
+      d.dense[i].v = dev.Put(P.dense[i].v);
+    }
+    d.pool_k = dev.Put(P.pool_k);
+    d.pool_v = dev.Put(P.pool_v);
+    d.slot_index = dev.Put(P.slot_index);
+    d.slot_first_position = dev.Put(P.slot_pos);
+    d.slot_n_tokens = dev.Put(P.slot_n);
+    const size_t ws_bytes = cuda::SlotAttentionWorkspaceBytes(d);
+    void* ws = ws_bytes ? dev.Alloc<char>(ws_bytes) : nullptr;
+    // The queries as projected, rotated by the kernel.
+    SlotAttentionParams in_kernel = d;
+    in_kernel.q = dev.Put(P.q);
+    in_kernel.q_rope_positions = dev.Put(rope_pos);
+    in_kernel.out = dev.Put(std::vector<float>(n_out, kNaN));
+    in_kernel.lse = dev.Put(std::vector<float>(n_lse, kNaN));
+    // The queries rotated by LaunchRope, then attended.
+    SlotAttentionParams by_rope = d;
+    cuda::RopeParams rp;
+    rp.m = shape.m;
+    rp.heads = shape.q_heads;
+    rp.head_dim = shape.head_dim;
+    rp.x = dev.Put(P.q);
+    rp.positions = in_kernel.q_rope_positions;
+    rp.inv_freq = d.rope_inv_freq;
+    ASSERT_EQ(cuda::LaunchRope(rp, nullptr), KernelError::kOk) << cuda::LastCudaErrorString();
+    by_rope.q = rp.x;
+    by_rope.out = dev.Put(std::vector<float>(n_out, kNaN));
+    by_rope.lse = dev.Put(std::vector<float>(n_lse, kNaN));
+    // The queries rotated by kernels::Rope on the host, then attended.
+    SlotAttentionParams by_host = by_rope;
+    by_host.q = dev.Put(rotated_q);
+    by_host.out = dev.Put(std::vector<float>(n_out, kNaN));
+    by_host.lse = dev.Put(std::vector<float>(n_lse, kNaN));
+    for (const SlotAttentionParams* x : {&in_kernel, &by_rope, &by_host})
+      ASSERT_EQ(cuda::LaunchSlotAttention(*x, ws, ws_bytes, nullptr), KernelError::kOk)
+          << cuda::LastCudaErrorString();
+    std::vector<float> g_out(n_out), g_lse(n_lse), w_out(n_out), w_lse(n_lse), h_out(n_out);
+    dev.Get(&g_out, in_kernel.out);
+    dev.Get(&g_lse, in_kernel.lse);
+    dev.Get(&w_out, by_rope.out);
+    dev.Get(&w_lse, by_rope.lse);
+    dev.Get(&h_out, by_host.out);
+    EXPECT_EQ(std::memcmp(g_out.data(), w_out.data(), n_out * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(g_lse.data(), w_lse.data(), n_lse * sizeof(float)), 0);
+    EXPECT_TRUE(Close(g_out, ToDouble(h_out), 1e-5, "in-kernel rotation vs kernels::Rope on the host"));
+    EXPECT_TRUE(Close(g_out, ToDouble(ref), 1e-4, "cuda out vs twin"));
+#endif
+  }
+}
+
 TEST(KernelBackendsCpu, SlotAttentionRefusesARotationItCannotPlace) {
   std::mt19937 rng(11);
   AttnProblem P;
@@ -680,6 +887,12 @@ TEST(KernelBackendsCpu, SlotAttentionRefusesARotationItCannotPlace) {
   EXPECT_EQ(CheckSlotAttentionParams(p), KernelError::kBadShape);
   p.rope_inv_freq = nullptr;
   EXPECT_EQ(CheckSlotAttentionParams(p), KernelError::kOk);
+  p.head_dim = 64;
+  const int64_t q_rope_position = 9;
+  p.q_rope_positions = &q_rope_position;  // queries to rotate, without frequencies
+  EXPECT_EQ(SlotAttention(p), KernelError::kBadShape);
+  p.rope_inv_freq = inv_freq.data();
+  EXPECT_EQ(SlotAttention(p), KernelError::kOk);
 }
 
 TEST(KernelBackendsCpu, MergeWithAnEmptySideKeepsTheOther) {

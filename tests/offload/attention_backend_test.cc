@@ -555,6 +555,233 @@ TEST(AttentionBackend, RotationErrorsAreNamed) {
       << s.ToString();
 }
 
+// q_rope_positions: the plan's queries as projected, rotated by the kernel, give the bits of the
+// plan whose queries kernels::Rope rotated first (the CPU backend's twin rotates with Rope).
+TEST(AttentionBackend, QueriesRotatedByTheKernelOnCpuEqualPreRotatedQueriesBitForBit) {
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(dt));
+    RotatingPlanCase c(dt);
+    const int64_t q_rope[RotatingPlanCase::kM] = {1000, 1001, 1002};  // not the causal positions
+    std::vector<float> rotated = c.q;
+    kernels::Rope(rotated.data(), RotatingPlanCase::kM, kQHeads, kDim, q_rope, c.inv_freq.data());
+    AttentionPlanInput in = c.Input(c.pool.data()), ref_in = in;
+    in.q_rope_positions = q_rope;
+    ref_in.q = rotated.data();
+    AttentionPlan plan, ref_plan;
+    ASSERT_TRUE(plan.Build(in).ok());
+    ASSERT_TRUE(ref_plan.Build(ref_in).ok());
+    EXPECT_EQ(plan.params().q_rope_positions, q_rope);
+    auto backend = MakeAttentionBackend(MakeHotTier(Device::kCpu, 4 * 2 * c.half, 2 * c.half)->get(),
+                                        Geometry{1, kQHeads, kKvHeads, kDim, dt}, 1);
+    ASSERT_TRUE(backend.ok()) << backend.status().ToString();
+    std::vector<float> out(c.q.size(), std::nanf("")), ref(c.q.size(), std::nanf(""));
+    ASSERT_TRUE((*backend)->Run(plan, out.data()).ok());
+    ASSERT_TRUE((*backend)->Run(ref_plan, ref.data()).ok());
+    EXPECT_EQ(std::memcmp(out.data(), ref.data(), out.size() * sizeof(float)), 0);
+    std::vector<float> mass(static_cast<size_t>(kKvHeads) * 4), ref_mass(mass.size());
+    float* mp[3] = {mass.data(), nullptr, nullptr};
+    float* rp[3] = {ref_mass.data(), nullptr, nullptr};
+    ASSERT_TRUE((*backend)->RunWithDenseMass(plan, out.data(), mp).ok());
+    ASSERT_TRUE((*backend)->RunWithDenseMass(ref_plan, ref.data(), rp).ok());
+    EXPECT_EQ(std::memcmp(out.data(), ref.data(), out.size() * sizeof(float)), 0);
+    EXPECT_EQ(mass, ref_mass);
+  }
+}
+
+TEST(AttentionBackend, DeviceSlotListAndQueryRotationErrorsAreNamed) {
+  RotatingPlanCase c(DType::kF16);
+  // Stand-ins for device arrays: Build and ValidateAttentionPlan never read them.
+  const int32_t index[4] = {10, 0, 6, 2};
+  const int64_t first[4] = {4, 12, 20, 28};
+  const int32_t count = 3;
+  AttentionPlanInput in = c.Input(c.pool.data());
+  in.chunks = nullptr;
+  in.n_chunks = 0;
+  auto refused = [&](const std::string& what) {
+    AttentionPlan plan;
+    const Status s = plan.Build(in);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what;
+    EXPECT_NE(s.message().find(what), std::string::npos) << s.ToString();
+  };
+  in.device_slot_count = &count;  // a count without a capacity
+  refused("device_slot_count is set but device_slot_capacity is 0");
+  in.device_slot_count = nullptr;
+  in.device_slot_capacity = 4;
+  in.device_slot_index = index;
+  in.device_slot_first_position = first;
+  refused("device_slot_capacity 4 without device_slot_count");
+  in.device_slot_count = &count;
+  in.device_slot_index = nullptr;
+  refused("device_slot_index is null");
+  in.device_slot_index = index;
+  in.device_slot_first_position = nullptr;
+  refused("device_slot_first_position is null");
+  in.device_slot_first_position = first;
+  in.device_slot_capacity = -1;
+  refused("device_slot_capacity -1 is negative");
+  in.device_slot_capacity = 4;
+  in.chunks = c.chunks.data();
+  in.n_chunks = c.chunks.size();
+  refused("3 host chunk spans and a device slot list");
+  in.chunks = nullptr;
+  in.n_chunks = 0;
+  in.pool.slot_bytes = 2 * c.half + 2;  // not whole tokens
+  refused("do not hold whole tokens");
+  in.pool.slot_bytes = 2 * c.half;
+  const int64_t q_rope[RotatingPlanCase::kM] = {0, 1, 2};
+  in.q_rope_positions = q_rope;
+  in.rope_inv_freq = nullptr;
+  in.sinks_rope_position = in.chunks_rope_position = kernels::kRopeAtKeyPositions;
+  refused("q_rope_positions is set but rope_inv_freq is null");
+  in.rope_inv_freq = c.inv_freq.data();
+  AttentionPlan plan;
+  ASSERT_TRUE(plan.Build(in).ok());
+  EXPECT_TRUE(plan.slots_on_device());
+  const kernels::SlotAttentionParams& p = plan.params();
+  EXPECT_EQ(p.n_slots, 4);  // the capacity
+  EXPECT_EQ(p.n_slots_in_memory, &count);
+  EXPECT_EQ(p.slot_index, index);
+  EXPECT_EQ(p.slot_first_position, first);
+  EXPECT_EQ(p.slot_tokens, RotatingPlanCase::kChunk);
+  EXPECT_EQ(p.pool_slots, 2 * RotatingPlanCase::kCap - 1);
+  EXPECT_EQ(p.q_rope_positions, q_rope);
+  std::vector<float> out(c.q.size());
+  kernels::SlotAttentionParams with_out = p;
+  with_out.out = out.data();
+  EXPECT_TRUE(ValidateAttentionPlan(with_out, /*cuda=*/true, /*slots_on_device=*/true).ok());
+  Status s = ValidateAttentionPlan(with_out, /*cuda=*/false, /*slots_on_device=*/true);
+  EXPECT_NE(s.message().find("only the \"cuda\" backend runs it"), std::string::npos) << s.ToString();
+  auto cpu = MakeAttentionBackend(MakeHotTier(Device::kCpu, 4 * 2 * c.half, 2 * c.half)->get(),
+                                  Geometry{1, kQHeads, kKvHeads, kDim, DType::kF16}, 1);
+  ASSERT_TRUE(cpu.ok());
+  s = (*cpu)->Run(plan, out.data());
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("device memory"), std::string::npos) << s.ToString();
+  kernels::SlotAttentionParams no_count = with_out;
+  no_count.n_slots_in_memory = nullptr;
+  s = ValidateAttentionPlan(no_count, true, true);
+  EXPECT_NE(s.message().find("without its device count"), std::string::npos) << s.ToString();
+  kernels::SlotAttentionParams no_capacity = with_out;
+  no_capacity.n_slots = 0;
+  s = ValidateAttentionPlan(no_capacity, true, true);
+  EXPECT_NE(s.message().find("no capacity (n_slots 0)"), std::string::npos) << s.ToString();
+  // A count in host memory: the twin reads it (checked against the capacity), cuda refuses it.
+  s = ValidateAttentionPlan(with_out, /*cuda=*/true, /*slots_on_device=*/false);
+  EXPECT_NE(s.message().find("slot count in host memory"), std::string::npos) << s.ToString();
+  const int32_t too_many = 5;
+  with_out.n_slots_in_memory = &too_many;
+  s = ValidateAttentionPlan(with_out, false, false);
+  EXPECT_NE(s.message().find("slot count 5 outside [0, 4]"), std::string::npos) << s.ToString();
+  with_out.n_slots_in_memory = &count;
+  EXPECT_TRUE(ValidateAttentionPlan(with_out, false, false).ok());
+  with_out.q_rope_positions = q_rope;
+  with_out.rope_inv_freq = nullptr;
+  with_out.dense[0].rope_position = with_out.slot_rope_position = kernels::kRopeAtKeyPositions;
+  s = ValidateAttentionPlan(with_out, false, false);
+  EXPECT_NE(s.message().find("q_rope_positions is set but rope_inv_freq is null"), std::string::npos)
+      << s.ToString();
+}
+
+#if KVTIER_HAVE_CUDA
+// The chunk half given as device arrays (a device slot list and its device count) on the "cuda"
+// backend: with capacity == count, the bits of the host plan over the same chunks; with spare
+// capacity (other slots past the count, which must not be read), the same attention up to the split
+// layout; with the queries rotated in the kernel, the plan whose queries kernels::Rope rotated.
+TEST(AttentionBackend, DeviceSlotListPlanOnTheCudaBackendEqualsTheHostPlan) {
+  if (kernels::cuda::DeviceCount() == 0)
+    GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(dt));
+    RotatingPlanCase c(dt);
+    std::vector<void*> allocs;
+    auto put = [&](const void* b, size_t bytes) {
+      void* d = nullptr;
+      EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 1)), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(d, b, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      allocs.push_back(d);
+      return d;
+    };
+    auto put_bytes = [&](const std::vector<uint8_t>& b) {
+      return static_cast<const uint8_t*>(put(b.data(), b.size()));
+    };
+    const uint8_t* d_pool = put_bytes(c.pool);
+    c.Place(d_pool, put_bytes(c.sk), put_bytes(c.sv), put_bytes(c.lk), put_bytes(c.lv));
+    auto tier = MakeHotTier(Device::kCuda, 4 * 2 * c.half, 2 * c.half);
+    ASSERT_TRUE(tier.ok()) << tier.status().ToString();
+    auto gpu = MakeAttentionBackend(tier->get(), Geometry{1, kQHeads, kKvHeads, kDim, dt}, 1);
+    ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
+    const size_t n_out = c.q.size();
+    auto* d_out = static_cast<float*>(put(std::vector<float>(n_out, std::nanf("")).data(), n_out * 4));
+    auto run = [&](const AttentionPlan& plan, const float* q_device) {
+      std::vector<float> got(n_out, std::nanf(""));
+      const Status st = (*gpu)->RunOnDevice(plan, q_device, d_out, nullptr);
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(got.data(), d_out, n_out * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+      return got;
+    };
+    AttentionPlan host_plan;
+    ASSERT_TRUE(host_plan.Build(c.Input(d_pool)).ok());
+    const std::vector<float> want = run(host_plan, nullptr);
+    // The host plan's slot list, then two other slots of the pool past the count.
+    std::vector<int32_t> index = host_plan.slot_index();
+    std::vector<int64_t> first = host_plan.slot_first_position();
+    index.push_back(KernelSlotIndex(1));
+    index.push_back(KernelSlotIndex(2));
+    first.push_back(60);
+    first.push_back(68);
+    const int32_t count = static_cast<int32_t>(c.chunks.size());
+    AttentionPlanInput in = c.Input(d_pool);
+    in.chunks = nullptr;
+    in.n_chunks = 0;
+    in.device_slot_index = static_cast<const int32_t*>(put(index.data(), index.size() * sizeof(int32_t)));
+    in.device_slot_first_position =
+        static_cast<const int64_t*>(put(first.data(), first.size() * sizeof(int64_t)));
+    in.device_slot_count = static_cast<const int32_t*>(put(&count, sizeof(count)));
+    in.device_slot_capacity = count;
+    AttentionPlan dev_plan;
+    ASSERT_TRUE(dev_plan.Build(in).ok());
+    std::vector<float> got = run(dev_plan, nullptr);
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), n_out * sizeof(float)), 0) << "capacity == count";
+    auto worst = [&](const std::vector<float>& a, const std::vector<float>& b) {
+      double w = 0;
+      for (size_t i = 0; i < a.size(); ++i) w = std::max(w, static_cast<double>(std::fabs(a[i] - b[i])));
+      return w;
+    };
+    in.device_slot_capacity = static_cast<int>(index.size());
+    ASSERT_TRUE(dev_plan.Build(in).ok());
+    got = run(dev_plan, nullptr);
+    EXPECT_LE(worst(got, want), 1e-5) << "capacity " << index.size() << " > count " << count;
+    // The mass path (dense half, slot half with the device count, merge) against the host plan's.
+    std::vector<float> mass(static_cast<size_t>(kKvHeads) * 4), want_mass(mass.size());
+    std::vector<float> host_out(n_out), want_host(n_out);
+    float* mp[3] = {mass.data(), nullptr, nullptr};
+    float* wp[3] = {want_mass.data(), nullptr, nullptr};
+    ASSERT_TRUE((*gpu)->RunWithDenseMass(dev_plan, host_out.data(), mp).ok());
+    ASSERT_TRUE((*gpu)->RunWithDenseMass(host_plan, want_host.data(), wp).ok());
+    EXPECT_LE(worst(host_out, want_host), 1e-5);
+    EXPECT_LE(worst(mass, want_mass), 1e-5);
+    // Queries as projected on the device, rotated by the kernel: the plan whose q kernels::Rope
+    // rotated (close: the host compiler may fuse Rope's products), and no host copy of q needed.
+    const int64_t q_rope[RotatingPlanCase::kM] = {1000, 1001, 1002};
+    std::vector<float> rotated = c.q;
+    kernels::Rope(rotated.data(), RotatingPlanCase::kM, kQHeads, kDim, q_rope, c.inv_freq.data());
+    AttentionPlanInput rot_ref = c.Input(d_pool);
+    rot_ref.q = rotated.data();
+    ASSERT_TRUE(host_plan.Build(rot_ref).ok());
+    const std::vector<float> want_rot = run(host_plan, nullptr);
+    in.q_rope_positions = q_rope;
+    in.q = nullptr;  // RunOnDevice takes q_device
+    ASSERT_TRUE(dev_plan.Build(in).ok());
+    const auto* q_device = static_cast<const float*>(put(c.q.data(), n_out * sizeof(float)));
+    got = run(dev_plan, q_device);
+    EXPECT_LE(worst(got, want_rot), 1e-5);
+    EXPECT_GT(worst(want, want_rot), 1e-3);  // the rotation matters
+    for (void* d : allocs) cudaFree(d);
+  }
+}
+#endif
+
 #if KVTIER_HAVE_CUDA
 TEST(AttentionBackend, RotatingPlanOnTheCudaBackendMatchesTheCpuBackend) {
   if (kernels::cuda::DeviceCount() == 0)
@@ -692,6 +919,14 @@ TEST(AttentionBackend, WorkspaceLayoutIsAlignedDisjointAndCoversItsParts) {
       }
     }
   }
+  // The queries' rotation positions sit before the output; without them no offset moves.
+  const CudaAttentionWorkspace plain = LayoutCudaAttentionWorkspace(3, 32, 128, 5, 1000);
+  const CudaAttentionWorkspace rope = LayoutCudaAttentionWorkspace(3, 32, 128, 5, 1000, 3);
+  EXPECT_EQ(plain.q_rope_positions, plain.out);
+  EXPECT_EQ(rope.q_rope_positions, plain.out);
+  EXPECT_GE(rope.out - rope.q_rope_positions, 3 * sizeof(int64_t));
+  EXPECT_EQ(rope.out % 256, 0u);
+  EXPECT_EQ(rope.total - rope.out, plain.total - plain.out);
   EXPECT_EQ(MaxSlotAttentionKernelBytes(0, 32, 128), 0u);
   EXPECT_GE(MaxSlotAttentionKernelBytes(1, 32, 128), 16u * 32 * 129 * sizeof(float));
 }
