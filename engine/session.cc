@@ -367,6 +367,14 @@ Status SessionImpl::AttendDevice(int layer, const float* q, const int64_t* posit
   // read this copy; the attention reads q where the engine left it.
   KVTIER_RETURN_IF_ERROR(cuda->WaitForStream(stream));
   Status st = Status::Ok();
+  if (QueriesStayOnDevice(m)) {
+    // The retrieval backend builds the probe from q and checks it where it is: no copy down.
+    st = AttendLayer("AttendDevice", layer, nullptr, q, stream, positions, m, out, /*out_on_device=*/true,
+                     stats);
+    const Status ordered = cuda->MakeStreamWait(stream);
+    KVTIER_RETURN_IF_ERROR(st);
+    return ordered;
+  }
   if (q_host_ == nullptr || q_host_->size() < q_bytes) {
     auto buffer = HostBuffer::Allocate(std::max<size_t>(q_bytes, 4096), /*want_pinned=*/true);
     if (!buffer.ok())
@@ -383,9 +391,8 @@ Status SessionImpl::AttendDevice(int layer, const float* q, const int64_t* posit
                                  ": copying the queries down: " + st.message());
   }
   if (st.ok())
-    st = AttendLayer("AttendDevice", layer, reinterpret_cast<const float*>(q_host_->data()), q, positions, m,
-                     out,
-                     /*out_on_device=*/true, stats);
+    st = AttendLayer("AttendDevice", layer, reinterpret_cast<const float*>(q_host_->data()), q, stream,
+                     positions, m, out, /*out_on_device=*/true, stats);
   // The engine's later work starts after the attention wrote `out`, whatever happened above.
   const Status ordered = cuda->MakeStreamWait(stream);
   KVTIER_RETURN_IF_ERROR(st);
@@ -394,6 +401,11 @@ Status SessionImpl::AttendDevice(int layer, const float* q, const int64_t* posit
   (void)tier, (void)layer, (void)positions, (void)stream, (void)stats;
   return Internal("Session::AttendDevice: unreachable without CUDA");
 #endif
+}
+
+bool SessionImpl::QueriesStayOnDevice(int m) const {
+  return in_step_ && step_ == StepKind::kDecode && m == 1 && retriever_ != nullptr && !selector_ &&
+         retriever_->SelectsDecodeOnBackend() && inv_freq_.empty() && options_.keep_queries == 0;
 }
 
 Status SessionImpl::BeginStep(StepKind kind) {
@@ -410,7 +422,7 @@ Status SessionImpl::BeginStep(StepKind kind) {
 }
 
 Status SessionImpl::CheckLayerCall(const char* what, int layer, const float* q, const int64_t* positions,
-                                   int m, bool in_step) const {
+                                   int m, bool in_step, bool q_on_device) const {
   const Geometry& g = geometry();
   if (dropped_)
     return FailedPrecondition(std::string("Session::") + what + ": the session's sequence was dropped");
@@ -433,10 +445,12 @@ Status SessionImpl::CheckLayerCall(const char* what, int layer, const float* q, 
   if (in_step && step_ == StepKind::kDecode && m != 1)
     return InvalidArgument(std::string("Session::") + what +
                            ": a decode step takes one query (got m = " + std::to_string(m) + ")");
-  if (q == nullptr || positions == nullptr)
+  if ((q == nullptr && !q_on_device) || positions == nullptr)
     return InvalidArgument(std::string("Session::") + what + ": q and positions must not be null");
   const size_t q_elems = static_cast<size_t>(g.q_heads) * g.head_dim;
-  const size_t bad_q = FirstNonFinite(DType::kF32, q, static_cast<size_t>(m) * q_elems);
+  // Queries on the device are checked there (the retrieval backend's CountNonFinite).
+  const size_t bad_q = q_on_device ? static_cast<size_t>(m) * q_elems
+                                   : FirstNonFinite(DType::kF32, q, static_cast<size_t>(m) * q_elems);
   if (bad_q < static_cast<size_t>(m) * q_elems)
     return InvalidArgument(std::string("Session::") + what + ": layer " + std::to_string(layer) + ": q[" +
                            std::to_string(bad_q / q_elems) + "][" +
@@ -639,8 +653,13 @@ Result<LayerParts> SessionImpl::Gather(int layer, const float* q, const int64_t*
 }
 
 Result<LayerParts> SessionImpl::GatherFor(const char* what, int layer, const float* q,
-                                          const int64_t* positions, int m, bool observe) {
-  KVTIER_RETURN_IF_ERROR(CheckLayerCall(what, layer, q, positions, m, /*in_step=*/true));
+                                          const int64_t* positions, int m, bool observe,
+                                          const float* q_device, void* q_stream) {
+  const bool q_on_device = q == nullptr && q_device != nullptr;
+  KVTIER_RETURN_IF_ERROR(CheckLayerCall(what, layer, q, positions, m, /*in_step=*/true, q_on_device));
+  if (q_on_device && !QueriesStayOnDevice(m))
+    return Internal(std::string("Session::") + what +
+                    ": the queries stayed on the device for a step that needs them");
   q_rot_of_ = nullptr;
   try {
     const bool decode = step_ == StepKind::kDecode;
@@ -667,7 +686,7 @@ Result<LayerParts> SessionImpl::GatherFor(const char* what, int layer, const flo
     KVTIER_RETURN_IF_ERROR(CheckPositionsHeld(what, layer, positions, m, view.n_tokens));
     const StepPlan& plan = PlanStep(m, view);
     lp.local_start = plan.local_start;
-    const float* q_sel = MemoryQueries(q, m, plan);
+    const float* q_sel = q_on_device ? nullptr : MemoryQueries(q, m, plan);
     if (selector_ || !retriever_) {
       KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store_->ListChunks(seq_, layer));
       const auto t0 = std::chrono::steady_clock::now();
@@ -681,7 +700,24 @@ Result<LayerParts> SessionImpl::GatherFor(const char* what, int layer, const flo
       // Observe too (ActQKV's running statistics see every window once).
       if (!decode && ObservesStatistics() && observe)
         KVTIER_RETURN_IF_ERROR(ObserveStatistics(layer, q, m, view, plan));
-      KVTIER_ASSIGN_OR_RETURN(LayerSelection sel, retriever_->Select(seq_, layer, q_sel, m, decode, updates));
+      auto select = [&]() -> Result<LayerSelection> {
+        if (!q_on_device) return retriever_->Select(seq_, layer, q_sel, m, decode, updates);
+        BackendQueries queries;
+        queries.q = q_device;
+        queries.q_heads = geometry().q_heads;
+        if (!inv_freq_.empty()) {  // memory sees the query at its position minus L0 (MemoryQueries)
+          queries.rope_inv_freq = inv_freq_.data();
+          queries.rope_position = plan.rel[0];
+        }
+        queries.after_stream = q_stream;
+        Result<LayerSelection> on_device = retriever_->SelectDecodeOnBackend(seq_, layer, queries, updates);
+        if (!on_device.ok())
+          return Status(on_device.status().code(),
+                        std::string("Session::") + what + ": " + on_device.status().message());
+        return on_device;
+      };
+      Result<LayerSelection> selected = select();
+      KVTIER_ASSIGN_OR_RETURN(LayerSelection sel, std::move(selected));
       lp.chunks = std::move(sel.chunks);
       lp.stats.probe_ms = sel.probe_ms;
       lp.stats.search_ms = sel.search_ms;
@@ -732,7 +768,7 @@ Result<LayerParts> SessionImpl::GatherFor(const char* what, int layer, const flo
     if (plan.sinks_are_memory) lp.rope_positions[0] = lp.local_start;
     for (size_t i = 1; i <= lp.n_chunks; ++i) lp.rope_positions[i] = lp.local_start;
 
-    KeepQueries(layer, q, plan.positions.data(), m);
+    if (!q_on_device) KeepQueries(layer, q, plan.positions.data(), m);
     next_layer_ = layer + 1;
     last_chunks_[static_cast<size_t>(layer)] = lp.chunks;
     counters_.attends += 1;
@@ -753,17 +789,18 @@ Status SessionImpl::Attend(int layer, const float* q, const int64_t* positions, 
                            AttendStats* stats) {
   const HostSyncScope syncs(&counters_.host_syncs);
   if (out == nullptr) return InvalidArgument("Session::Attend: out must not be null");
-  return AttendLayer("Attend", layer, q, nullptr, positions, m, out, /*out_on_device=*/false, stats);
+  return AttendLayer("Attend", layer, q, nullptr, nullptr, positions, m, out, /*out_on_device=*/false, stats);
 }
 
 Status SessionImpl::AttendLayer(const char* what, int layer, const float* q, const float* q_device,
-                                const int64_t* positions, int m, float* out, bool out_on_device,
-                                AttendStats* stats) {
+                                void* q_stream, const int64_t* positions, int m, float* out,
+                                bool out_on_device, AttendStats* stats) {
   // A prefill window's representative-key statistics come from this attention (the kernel's
   // per-key mass, on the tier's device), not from a second pass in Gather.
   const bool observe_here =
       retriever_ && !selector_ && ObservesStatistics() && in_step_ && step_ == StepKind::kPrefill;
-  KVTIER_ASSIGN_OR_RETURN(LayerParts lp, GatherFor(what, layer, q, positions, m, /*observe=*/!observe_here));
+  KVTIER_ASSIGN_OR_RETURN(
+      LayerParts lp, GatherFor(what, layer, q, positions, m, /*observe=*/!observe_here, q_device, q_stream));
   try {
     const auto t0 = std::chrono::steady_clock::now();
     // The plan: sinks | retrieved chunks (slots of the hot pool) | local runs, the order

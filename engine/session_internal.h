@@ -123,16 +123,26 @@ class SessionImpl final : public Session {
   // Attend's work: q on the host (checked, searched with, and attended unless q_device is
   // given), out on the host or, with out_on_device, the tier's device memory (left in flight on
   // the tier's stream); `what` names the public call in errors.
-  Status AttendLayer(const char* what, int layer, const float* q, const float* q_device,
+  // q: the host queries, or null when they stay on the device (AttendDevice's decode step whose
+  // selection runs on the retrieval backend: q_device then feeds the probe and the attention,
+  // after q_stream's work).
+  Status AttendLayer(const char* what, int layer, const float* q, const float* q_device, void* q_stream,
                      const int64_t* positions, int m, float* out, bool out_on_device, AttendStats* stats);
+  // Whether AttendDevice's queries may stay on the device for this layer call: a decode step
+  // whose selection the retrieval backend builds from them, and no host reader of q (kept
+  // queries, the host's rotation of InfLLM's queries).
+  bool QueriesStayOnDevice(int m) const;
   // The store's hot tier as the device-pointer calls need it: a CudaHotTier (as void*, so this
   // header needs no CUDA), or FailedPrecondition naming `what` and why not.
   Result<void*> DeviceTier(const char* what) const;
   // Gather's work; `what` names the public call (Gather or Attend) in its errors.
+  // q null with q_device set: the decode query stays on the device (AttendLayer).
   Result<LayerParts> GatherFor(const char* what, int layer, const float* q, const int64_t* positions, int m,
-                               bool observe = true);
+                               bool observe = true, const float* q_device = nullptr,
+                               void* q_stream = nullptr);
+  // q null: the queries are on the device and checked there (not here).
   Status CheckLayerCall(const char* what, int layer, const float* q, const int64_t* positions, int m,
-                        bool in_step) const;
+                        bool in_step, bool q_on_device = false) const;
   // The positions rule of Attend: `positions` (checked increasing) are the last m of the
   // `held` tokens the layer holds.
   Status CheckPositionsHeld(const char* what, int layer, const int64_t* positions, int m, int64_t held) const;

@@ -6,6 +6,7 @@
 #include <new>
 #include <string>
 
+#include "kernels/cpu/rope.h"
 #include "kernels/dtype.h"
 
 #if KVTIER_HAVE_CUDA
@@ -24,6 +25,22 @@ Status KernelFailure(const char* backend, const char* what, kernels::KernelError
                      const std::string& detail = "") {
   return Internal(std::string("retrieval (") + backend + "): " + what + ": " + kernels::KernelErrorString(e) +
                   (detail.empty() ? "" : " (" + detail + ")"));
+}
+
+Status CheckBackendQueries(const BackendQueries& q, int kv_heads, int head_dim) {
+  if (q.q_heads <= 0 || kv_heads <= 0 || q.q_heads % kv_heads != 0)
+    return InvalidArgument("retrieval plan: the queries' " + std::to_string(q.q_heads) +
+                           " heads are not a multiple of the " + std::to_string(kv_heads) + " kv heads");
+  if (head_dim <= 0 || (q.rope_inv_freq != nullptr && head_dim % 2 != 0))
+    return InvalidArgument("retrieval plan: head_dim " + std::to_string(head_dim) +
+                           " cannot be rotated (it must be even)");
+  if (static_cast<int64_t>(q.q_heads) * head_dim >= INT32_MAX)
+    return InvalidArgument("retrieval plan: a query of " + std::to_string(q.q_heads) + " x " +
+                           std::to_string(head_dim) + " floats");
+  if (q.rope_inv_freq != nullptr && q.rope_position < 0)
+    return InvalidArgument("retrieval plan: the queries' rotation position " +
+                           std::to_string(q.rope_position) + " is negative");
+  return Status::Ok();
 }
 
 }  // namespace
@@ -54,29 +71,49 @@ Status ValidateLayerSelectPlan(const LayerSelectPlan& plan) {
   if (p.n_chunks > INT32_MAX)
     return InvalidArgument("retrieval plan: " + std::to_string(p.n_chunks) +
                            " chunks in one layer (the top-k's segment offsets are int32)");
-  if (plan.probe == nullptr) return InvalidArgument("retrieval plan: the probe is null");
+  if ((plan.probe == nullptr) == (plan.queries.q == nullptr))
+    return InvalidArgument(plan.probe == nullptr
+                               ? "retrieval plan: the probe is null (and no queries to build it from)"
+                               : "retrieval plan: both a probe and queries (the probe is built from either)");
+  if (plan.queries.q != nullptr)
+    KVTIER_RETURN_IF_ERROR(CheckBackendQueries(plan.queries, p.kv_heads, p.head_dim));
   if (plan.k_max < 0 || plan.k_max > p.n_chunks)
     return InvalidArgument("retrieval plan: k_max " + std::to_string(plan.k_max) + " outside [0, " +
                            std::to_string(p.n_chunks) + "] (the layer's chunks)");
   return Status::Ok();
 }
 
-RetrievalWorkspaceLayout LayoutRetrievalWorkspace(int probe_floats, int64_t n_chunks, size_t topk_bytes) {
+RetrievalWorkspaceLayout LayoutRetrievalWorkspace(int probe_floats, int64_t n_chunks, size_t topk_bytes,
+                                                  int q_floats, int rope_pairs) {
   const size_t n = static_cast<size_t>(std::max<int64_t>(0, n_chunks));
   const size_t pf = static_cast<size_t>(std::max(0, probe_floats));
+  const size_t qf = static_cast<size_t>(std::max(0, q_floats));
+  const size_t rp = qf > 0 ? static_cast<size_t>(std::max(0, rope_pairs)) : 0;
   RetrievalWorkspaceLayout l;
   l.n_chunks = static_cast<int64_t>(n);
+  l.q_floats = static_cast<int>(qf);
+  l.rope_pairs = static_cast<int>(rp);
   l.in = 0;
   l.probe = l.in;
   l.offsets = l.probe + pf * sizeof(float);  // int32 after fp32: 4-byte aligned
   l.k = l.offsets + 2 * sizeof(int32_t);
   l.in_bytes = l.k + sizeof(int32_t) - l.in;
-  l.logit = l.in + Align256(l.in_bytes);
+  if (qf > 0) {
+    l.q_position = (l.k + sizeof(int32_t) + 7) / 8 * 8;
+    l.inv_freq = l.q_position + sizeof(int64_t);
+    l.in_bytes = l.inv_freq + rp * sizeof(double) - l.in;
+    l.q = l.in + Align256(l.in_bytes);
+    l.logit = l.q + Align256(qf * sizeof(float));
+  } else {
+    l.logit = l.in + Align256(l.in_bytes);
+  }
   l.cosine = l.logit + Align256(n * sizeof(float));
   l.out = l.cosine + Align256(n * sizeof(float));
   l.entropy = l.out;  // 256-aligned, so the double is aligned
   l.non_finite = l.entropy + sizeof(double);
-  l.rows = l.non_finite + 2 * sizeof(int32_t);  // the pad keeps rows 16-byte aligned
+  l.q_non_finite = l.non_finite + sizeof(int32_t);
+  l.q_first = l.q_non_finite + sizeof(int32_t);
+  l.rows = l.entropy + 32;  // past the pad, rows stay 16-byte aligned
   l.out_bytes = l.rows + n * sizeof(int32_t) - l.out;
   l.topk = l.out + Align256(l.out_bytes);
   l.topk_bytes = topk_bytes;
@@ -112,20 +149,33 @@ LayerKernelParams LayerParamsIn(uint8_t* base, const RetrievalWorkspaceLayout& l
 
 RetrievalBackend::~RetrievalBackend() = default;
 
-Status RetrievalBackend::Reserve(int probe_floats, int64_t n_chunks) {
-  if (probe_floats <= probe_floats_ && n_chunks <= layout_.n_chunks && layout_.total > 0) return Status::Ok();
+Status RetrievalBackend::Reserve(int probe_floats, int64_t n_chunks, int q_floats, int rope_pairs) {
+  if (probe_floats <= probe_floats_ && n_chunks <= layout_.n_chunks && q_floats <= layout_.q_floats &&
+      rope_pairs <= layout_.rope_pairs && layout_.total > 0)
+    return Status::Ok();
   // An eighth more than asked (at least 1024 chunks), so a growing cache resizes it O(log n)
   // times and holds at most an eighth more than its largest layer.
   int64_t cap = std::max<int64_t>(1024, layout_.n_chunks);
   if (cap < n_chunks) cap = n_chunks + n_chunks / 8;
   cap = std::min<int64_t>(cap, INT32_MAX);
   const int pf = std::max(probe_floats, probe_floats_);
+  const int qf = std::max(q_floats, layout_.q_floats);
+  const int rp = std::max(rope_pairs, layout_.rope_pairs);
   KVTIER_ASSIGN_OR_RETURN(const size_t topk_bytes, TopKWorkspaceBytes(cap));
-  const RetrievalWorkspaceLayout l = LayoutRetrievalWorkspace(pf, cap, topk_bytes);
+  const RetrievalWorkspaceLayout l = LayoutRetrievalWorkspace(pf, cap, topk_bytes, qf, rp);
   KVTIER_RETURN_IF_ERROR(AllocateWorkspace(l));
   layout_ = l;
   probe_floats_ = pf;
   return Status::Ok();
+}
+
+void RetrievalBackend::StageQueries(const BackendQueries& queries, int head_dim) {
+  const RetrievalWorkspaceLayout& l = layout_;
+  uint8_t* in = staging();
+  std::memcpy(in + (l.q_position - l.in), &queries.rope_position, sizeof(int64_t));
+  if (queries.rope_inv_freq != nullptr)
+    std::memcpy(in + (l.inv_freq - l.in), queries.rope_inv_freq,
+                static_cast<size_t>(head_dim / 2) * sizeof(double));
 }
 
 Status RetrievalBackend::RunLayer(const LayerSelectPlan& plan, LayerSelectResult* out) {
@@ -134,25 +184,45 @@ Status RetrievalBackend::RunLayer(const LayerSelectPlan& plan, LayerSelectResult
   out->rows.clear();
   out->entropy = 0.0;
   out->non_finite = 0;
+  out->q_non_finite = 0;
+  out->q_first_non_finite = INT32_MAX;
   const int64_t n = plan.score.n_chunks;
-  if (n == 0) return Status::Ok();
-  const int probe_floats = plan.score.kv_heads * plan.score.head_dim;
-  KVTIER_RETURN_IF_ERROR(Reserve(probe_floats, n));
+  const BackendQueries& queries = plan.queries;
+  const bool device_probe = queries.q != nullptr;
+  if (n == 0) {
+    if (!device_probe) return Status::Ok();
+    return CheckQueries(queries, plan.score.head_dim, &out->q_non_finite, &out->q_first_non_finite);
+  }
+  const int head_dim = plan.score.head_dim;
+  const int probe_floats = plan.score.kv_heads * head_dim;
+  const int q_floats = device_probe ? queries.q_heads * head_dim : 0;
+  KVTIER_RETURN_IF_ERROR(Reserve(probe_floats, n, q_floats, device_probe ? head_dim / 2 : 0));
   const RetrievalWorkspaceLayout& l = layout_;
   // The in-block, written into host staging and uploaded as one copy.
   uint8_t* in = staging();
-  std::memcpy(in + (l.probe - l.in), plan.probe, static_cast<size_t>(probe_floats) * sizeof(float));
+  if (device_probe)
+    StageQueries(queries, head_dim);
+  else
+    std::memcpy(in + (l.probe - l.in), plan.probe, static_cast<size_t>(probe_floats) * sizeof(float));
   const int32_t offsets[2] = {0, static_cast<int32_t>(n)};
   std::memcpy(in + (l.offsets - l.in), offsets, sizeof offsets);
   const int32_t k = plan.k_max;
   std::memcpy(in + (l.k - l.in), &k, sizeof k);
   KVTIER_RETURN_IF_ERROR(CopyIn(l.in_bytes));
+  if (device_probe)
+    KVTIER_RETURN_IF_ERROR(LaunchQueries(
+        queries, kernels::ProbeShape{queries.q_heads, plan.score.kv_heads, head_dim}, /*probe=*/true));
   const LayerKernelParams params = LayerParamsIn(workspace(), l, plan);
   KVTIER_RETURN_IF_ERROR(Launch(params, plan));
   // Only the scalars and the k_max rows come back.
   const size_t out_bytes = (l.rows - l.out) + static_cast<size_t>(plan.k_max) * sizeof(int32_t);
   KVTIER_RETURN_IF_ERROR(CopyOutAndWait(out_bytes));
   const uint8_t* ob = staging() + l.in_bytes;
+  if (device_probe) {
+    std::memcpy(&out->q_non_finite, ob + (l.q_non_finite - l.out), sizeof(int32_t));
+    std::memcpy(&out->q_first_non_finite, ob + (l.q_first - l.out), sizeof(int32_t));
+    if (out->q_non_finite > 0) return Status::Ok();  // the rows of a NaN probe mean nothing
+  }
   if (plan.entropy) {
     std::memcpy(&out->entropy, ob + (l.entropy - l.out), sizeof(double));
     std::memcpy(&out->non_finite, ob + (l.non_finite - l.out), sizeof(int32_t));
@@ -165,6 +235,28 @@ Status RetrievalBackend::RunLayer(const LayerSelectPlan& plan, LayerSelectResult
     if (r < 0 || r >= n)
       return Internal(std::string("retrieval (") + name() + "): the top-k returned row " + std::to_string(r) +
                       " of " + std::to_string(n));
+  return Status::Ok();
+}
+
+Status RetrievalBackend::CheckQueries(const BackendQueries& queries, int head_dim, int32_t* count,
+                                      int32_t* first) {
+  if (count == nullptr || first == nullptr)
+    return InvalidArgument("RetrievalBackend::CheckQueries: the outputs must not be null");
+  if (queries.q == nullptr) return InvalidArgument("RetrievalBackend::CheckQueries: the queries are null");
+  KVTIER_RETURN_IF_ERROR(CheckBackendQueries(queries, queries.q_heads, head_dim));
+  // A probe never has more floats than its query (kv_heads <= q_heads): reserving that much
+  // now spares the first selection a reallocation (and its wait).
+  const int q_floats = queries.q_heads * head_dim;
+  KVTIER_RETURN_IF_ERROR(
+      Reserve(std::max(probe_floats_, q_floats), layout_.n_chunks, q_floats, head_dim / 2));
+  KVTIER_RETURN_IF_ERROR(LaunchQueries(queries,
+                                       kernels::ProbeShape{queries.q_heads, queries.q_heads, head_dim},
+                                       /*probe=*/false));
+  const RetrievalWorkspaceLayout& l = layout_;
+  KVTIER_RETURN_IF_ERROR(CopyOutAndWait(l.rows - l.out));
+  const uint8_t* ob = staging() + l.in_bytes;
+  std::memcpy(count, ob + (l.q_non_finite - l.out), sizeof(int32_t));
+  std::memcpy(first, ob + (l.q_first - l.out), sizeof(int32_t));
   return Status::Ok();
 }
 
@@ -234,6 +326,26 @@ class CpuRetrievalBackend final : public RetrievalBackend {
     std::memcpy(staging_.data() + layout_.in_bytes, workspace() + layout_.out, bytes);
     return Status::Ok();
   }
+  Status LaunchQueries(const BackendQueries& q, const kernels::ProbeShape& shape, bool probe) override {
+    uint8_t* ws = workspace();
+    const RetrievalWorkspaceLayout& l = layout_;
+    const int32_t n = shape.q_heads * shape.head_dim;
+    auto* count = reinterpret_cast<int32_t*>(ws + l.q_non_finite);
+    kernels::CountNonFinite(q.q, n, count, reinterpret_cast<int32_t*>(ws + l.q_first));
+    if (!probe) return Status::Ok();
+    auto* probe_out = reinterpret_cast<float*>(ws + l.probe);
+    if (*count > 0) {  // the twin's sort needs finite scores; the host refuses this query anyway
+      std::fill_n(probe_out, static_cast<size_t>(shape.kv_heads) * shape.head_dim, 0.0f);
+      return Status::Ok();
+    }
+    auto* qw = reinterpret_cast<float*>(ws + l.q);
+    std::memcpy(qw, q.q, static_cast<size_t>(n) * sizeof(float));
+    if (q.rope_inv_freq != nullptr)
+      kernels::Rope(qw, 1, shape.q_heads, shape.head_dim, reinterpret_cast<const int64_t*>(ws + l.q_position),
+                    reinterpret_cast<const double*>(ws + l.inv_freq));
+    kernels::MeanPoolProbe(shape, qw, 1, probe_out);
+    return Status::Ok();
+  }
 
  private:
   std::vector<uint64_t> ws_;
@@ -260,12 +372,16 @@ class CudaRetrievalBackend final : public RetrievalBackend {
     if (e != cudaSuccess)
       return Unavailable("retrieval backend \"cuda\": cudaStreamCreate: " + CudaMessage(e));
     b->stream_ = s;
+    const cudaError_t ev = cudaEventCreateWithFlags(&b->queries_written_, cudaEventDisableTiming);
+    if (ev != cudaSuccess)
+      return Unavailable("retrieval backend \"cuda\": cudaEventCreate: " + CudaMessage(ev));
     return b;
   }
   ~CudaRetrievalBackend() override {
     if (stream_) device_sync::SyncStream(stream_);
     if (ws_) device_memory::Free(ws_);
     if (staging_) device_memory::FreeHost(staging_);
+    if (queries_written_) cudaEventDestroy(queries_written_);
     if (stream_) cudaStreamDestroy(stream_);
   }
   const char* name() const override { return "cuda"; }
@@ -366,6 +482,44 @@ class CudaRetrievalBackend final : public RetrievalBackend {
       return KernelFailure("cuda", "LaunchSegmentedTopK", e, kc::LastCudaErrorString());
     return Status::Ok();
   }
+  Status LaunchQueries(const BackendQueries& q, const kernels::ProbeShape& shape, bool probe) override {
+    namespace kc = kernels::cuda;
+    using kernels::KernelError;
+    // After the engine's writes of q, on the device: the backend's stream waits for an event.
+    cudaError_t e = cudaEventRecord(queries_written_, static_cast<cudaStream_t>(q.after_stream));
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream_, queries_written_, 0);
+    if (e != cudaSuccess)
+      return Internal("retrieval (cuda): ordering after the queries' stream: " + CudaMessage(e));
+    uint8_t* ws = workspace();
+    const RetrievalWorkspaceLayout& l = layout_;
+    const int32_t n = shape.q_heads * shape.head_dim;
+    if (const KernelError k =
+            kc::LaunchCountNonFinite(q.q, n, reinterpret_cast<int32_t*>(ws + l.q_non_finite),
+                                     reinterpret_cast<int32_t*>(ws + l.q_first), stream_);
+        k != KernelError::kOk)
+      return KernelFailure("cuda", "LaunchCountNonFinite", k, kc::LastCudaErrorString());
+    if (!probe) return Status::Ok();
+    auto* qw = reinterpret_cast<float*>(ws + l.q);
+    e = device_sync::CopyAsync(qw, q.q, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToDevice,
+                               stream_, device_sync::HostMemory::kPinned);
+    if (e != cudaSuccess) return Internal("retrieval (cuda): copying the queries: " + CudaMessage(e));
+    if (q.rope_inv_freq != nullptr) {
+      kc::RopeParams r;
+      r.m = 1;
+      r.heads = shape.q_heads;
+      r.head_dim = shape.head_dim;
+      r.x = qw;
+      r.positions = reinterpret_cast<const int64_t*>(ws + l.q_position);
+      r.inv_freq = reinterpret_cast<const double*>(ws + l.inv_freq);
+      if (const KernelError k = kc::LaunchRope(r, stream_); k != KernelError::kOk)
+        return KernelFailure("cuda", "LaunchRope", k, kc::LastCudaErrorString());
+    }
+    if (const KernelError k =
+            kc::LaunchMeanPoolProbe(shape, qw, 1, reinterpret_cast<float*>(ws + l.probe), stream_);
+        k != KernelError::kOk)
+      return KernelFailure("cuda", "LaunchMeanPoolProbe", k, kc::LastCudaErrorString());
+    return Status::Ok();
+  }
   Status CopyOutAndWait(size_t bytes) override {
     cudaError_t e =
         device_sync::CopyAsync(static_cast<uint8_t*>(staging_) + layout_.in_bytes, workspace() + layout_.out,
@@ -379,6 +533,7 @@ class CudaRetrievalBackend final : public RetrievalBackend {
  private:
   CudaRetrievalBackend() = default;
   cudaStream_t stream_ = nullptr;
+  cudaEvent_t queries_written_ = nullptr;  // recorded on BackendQueries::after_stream
   void* ws_ = nullptr;
   void* staging_ = nullptr;  // pinned
 };

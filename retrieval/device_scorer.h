@@ -42,14 +42,19 @@
 //    double) may differ from the twin in Theta's last bits, which changes Eq. 12's floor only
 //    for a share within ~1e-16 of an integer.
 //
-// The probe (ActQKV Eq. 7-9) stays on the host twin (retrieval/probe.h): the queries reach the
-// Session on the host, the probe is O(m x H x D) per layer, and its result is one [H, D] vector
-// that travels in the in-block upload the selection makes anyway; a device probe would need the
-// queries uploaded first (more bytes than the probe) for no fewer synchronisations.
+// The probe: a prefill window's (ActQKV Eq. 7-9, running statistics) is built on the host twin
+// (retrieval/probe.h) and travels in the in-block. A decode step's query may instead stay where
+// the engine wrote it (LayerSelectPlan::queries, Session::AttendDevice): the backend then builds
+// the decode probe itself (ActQKV Sec. 4.2: Q_probe = q, mean-pooled per GQA group, rotated to
+// memory's position first with InfLLM positions) from a copy of q in its workspace, and checks q
+// for NaN and infinity (kernels::CountNonFinite), the count and the first index coming back in
+// the out-block with the rows, so the host never holds q. The rotation and the pooling are the
+// twins' (kernels/cpu/rope.h, probe.h), so the probe is the host path's bit for bit.
 //
 // Thread-safety: a backend serves one Retriever (one sequence, one thread at a time).
 #pragma once
 
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -58,6 +63,7 @@
 
 #include "kernels/cpu/chunk_score.h"
 #include "kernels/cpu/entropy.h"
+#include "kernels/cpu/probe.h"
 #include "retrieval/budget.h"  // ChunkRank
 #include "retrieval/chunk_index.h"
 #include "store/status.h"
@@ -71,12 +77,27 @@ struct BackendCopy {
   size_t bytes = 0;
 };
 
+/// A decode step's query in the backend's memory, from which the backend builds the probe.
+struct BackendQueries {
+  const float* q = nullptr;  ///< backend memory, [q_heads, head_dim] fp32: one query
+  int q_heads = 0;           ///< a multiple of the plan's kv_heads
+  /// Host [head_dim / 2] frequencies (kernels::RopeInvFreq) to rotate q by at rope_position
+  /// before pooling (InfLLM positions: memory sees the query at its position minus L0); null:
+  /// q is memory's view already (absolute positions).
+  const double* rope_inv_freq = nullptr;
+  int64_t rope_position = 0;
+  /// cuda: the stream whose work wrote q (the backend's stream waits for it through an event,
+  /// never the host); null: the legacy default stream. Ignored by "cpu".
+  void* after_stream = nullptr;
+};
+
 /// What one layer's selection runs.
 struct LayerSelectPlan {
   /// The mirror's view (ReprMirror::Params): shape, fold, n_chunks, chunk_stride, keys and
   /// inv_norm in backend memory. probe, logit and cosine are ignored (the backend sets them).
   kernels::ChunkScoreParams score;
-  const float* probe = nullptr;        ///< host [kv_heads, head_dim] fp32
+  const float* probe = nullptr;        ///< host [kv_heads, head_dim] fp32; null iff queries.q is set
+  BackendQueries queries;              ///< a decode query in backend memory: the probe is built there
   ChunkRank rank = ChunkRank::kLogit;  ///< the score the top-k orders by
   bool entropy = false;                ///< compute Eq. 11 of the cosines (and count non-finite ones)
   int k_max = 0;                       ///< rows to bring back, best first; in [0, n_chunks]
@@ -86,6 +107,10 @@ struct LayerSelectResult {
   std::vector<int32_t> rows;  ///< the min(k_max, n) best rows by plan.rank, best first
   double entropy = 0.0;       ///< Eq. 11 of the cosines (plan.entropy; else 0)
   int32_t non_finite = 0;     ///< cosines that are not finite (plan.entropy; else 0)
+  /// plan.queries: how many of q's values are NaN or infinite, and the index of the first
+  /// (INT32_MAX when none). The rows mean nothing when q_non_finite > 0.
+  int32_t q_non_finite = 0;
+  int32_t q_first_non_finite = INT32_MAX;
 };
 
 /// Host-side checks of a plan (shapes, pointers, k_max, the int32 segment limit), as
@@ -95,18 +120,25 @@ Status ValidateLayerSelectPlan(const LayerSelectPlan& plan);
 /// A backend's one workspace for layers of up to n_chunks chunks, laid out on the host as byte
 /// offsets from its base, each part 256-aligned:
 ///   in-block  = probe [probe_floats] fp32 | top-k offsets [2] int32 | top-k k [1] int32  (one upload)
+///               [with q_floats > 0: | pad | q_position int64 | inv_freq [rope_pairs] double]
+///   [with q_floats > 0: q [q_floats] fp32, the queries' copy the probe is built from]
 ///   logit [n], cosine [n] fp32
-///   out-block = entropy double | non_finite int32 | pad | rows [k_max] int32               (one download)
+///   out-block = entropy double | non_finite int32 | q_non_finite int32 | q_first int32 | pad
+///               | rows [k_max] int32                                                      (one download)
 ///   top-k     = the top-k launcher's own workspace (topk_bytes)
 struct RetrievalWorkspaceLayout {
-  size_t in = 0, in_bytes = 0, probe = 0, offsets = 0, k = 0;
+  size_t in = 0, in_bytes = 0, probe = 0, offsets = 0, k = 0, q_position = 0, inv_freq = 0;
+  size_t q = 0;
   size_t logit = 0, cosine = 0;
-  size_t out = 0, out_bytes = 0, entropy = 0, non_finite = 0, rows = 0;
+  size_t out = 0, out_bytes = 0, entropy = 0, non_finite = 0, q_non_finite = 0, q_first = 0, rows = 0;
   size_t topk = 0, topk_bytes = 0;
   size_t total = 0;
   int64_t n_chunks = 0;  ///< the most chunks (and rows) it holds
+  int q_floats = 0;      ///< the most query floats it holds (0: no query part)
+  int rope_pairs = 0;    ///< the most rotation frequencies its in-block holds
 };
-RetrievalWorkspaceLayout LayoutRetrievalWorkspace(int probe_floats, int64_t n_chunks, size_t topk_bytes);
+RetrievalWorkspaceLayout LayoutRetrievalWorkspace(int probe_floats, int64_t n_chunks, size_t topk_bytes,
+                                                  int q_floats = 0, int rope_pairs = 0);
 
 /// The kernels' parameters for `plan` in a workspace at `base` (backend memory) laid out by
 /// `layout`: scoring into logit/cosine, Eq. 11 over the cosines, the top-k of plan.rank.
@@ -141,11 +173,14 @@ class RetrievalBackend {
   /// Runs one layer's selection: validate, reserve, upload the in-block, launch, download the
   /// out-block, synchronise once. InvalidArgument for a bad plan, Internal for a failed kernel.
   Status RunLayer(const LayerSelectPlan& plan, LayerSelectResult* out);
+  /// Only the check of `queries` (a layer with nothing to select still refuses a NaN query):
+  /// *count and *first as LayerSelectResult's q_non_finite and q_first_non_finite. One wait.
+  Status CheckQueries(const BackendQueries& queries, int head_dim, int32_t* count, int32_t* first);
 
   /// Makes the workspace hold layers of n_chunks (and probes of probe_floats): grows it, when
   /// needed, to n_chunks and an eighth (at least 1024 chunks), so a growing cache resizes it
   /// O(log n) times and never holds more than an eighth past its largest layer. RunLayer calls it.
-  Status Reserve(int probe_floats, int64_t n_chunks);
+  Status Reserve(int probe_floats, int64_t n_chunks, int q_floats = 0, int rope_pairs = 0);
   const RetrievalWorkspaceLayout& layout() const { return layout_; }
   size_t workspace_bytes() const { return layout_.total; }
 
@@ -160,10 +195,20 @@ class RetrievalBackend {
   // layout_.out -> staging + in_bytes (out_bytes of it); then wait for all of it.
   virtual Status CopyIn(size_t bytes) = 0;
   virtual Status Launch(const LayerKernelParams& k, const LayerSelectPlan& plan) = 0;
+  // Enqueue, after the in-block's upload and before Launch: (after queries.after_stream's work)
+  // q -> the workspace's q, rotated by the in-block's inv_freq at its q_position when
+  // queries.rope_inv_freq is set; the decode probe into the in-block's probe when `probe`;
+  // CountNonFinite of q into the out-block. `shape` is the probe's.
+  virtual Status LaunchQueries(const BackendQueries& queries, const kernels::ProbeShape& shape,
+                               bool probe) = 0;
   virtual Status CopyOutAndWait(size_t bytes) = 0;
 
   RetrievalWorkspaceLayout layout_;
   int probe_floats_ = 0;
+
+ private:
+  // The in-block's query part (q_position, inv_freq) written into staging for `queries`.
+  void StageQueries(const BackendQueries& queries, int head_dim);
 };
 
 /// "cpu" (the twins on host memory) or "cuda" (builds with CUDA and a device). Unavailable

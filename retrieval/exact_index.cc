@@ -817,19 +817,41 @@ Status ExactChunkIndex::SyncMirror() {
 
 Status ExactChunkIndex::SelectOnBackend(const float* probe, ChunkRank rank, bool entropy, int k_max,
                                         std::vector<uint64_t>* chunks, double* theta, int32_t* non_finite) {
+  if (probe == nullptr)
+    return InvalidArgument("ExactChunkIndex::SelectOnBackend: probe and outputs must not be null");
+  LayerSelectPlan plan;
+  plan.probe = probe;
+  plan.rank = rank;
+  plan.entropy = entropy;
+  return RunOnBackend(plan, k_max, chunks, theta, non_finite);
+}
+
+Status ExactChunkIndex::SelectOnBackend(const BackendQueries& queries, ChunkRank rank, bool entropy,
+                                        int k_max, std::vector<uint64_t>* chunks, double* theta,
+                                        int32_t* non_finite, int32_t* q_non_finite, int32_t* q_first) {
+  if (queries.q == nullptr || q_non_finite == nullptr || q_first == nullptr)
+    return InvalidArgument("ExactChunkIndex::SelectOnBackend: queries and outputs must not be null");
+  LayerSelectPlan plan;
+  plan.queries = queries;
+  plan.rank = rank;
+  plan.entropy = entropy;
+  KVTIER_RETURN_IF_ERROR(RunOnBackend(plan, k_max, chunks, theta, non_finite));
+  *q_non_finite = backend_result_.q_non_finite;
+  *q_first = backend_result_.q_first_non_finite;
+  return Status::Ok();
+}
+
+Status ExactChunkIndex::RunOnBackend(LayerSelectPlan plan, int k_max, std::vector<uint64_t>* chunks,
+                                     double* theta, int32_t* non_finite) {
   if (mirror_ == nullptr)
     return FailedPrecondition("ExactChunkIndex::SelectOnBackend: no backend mirror (AttachBackend first)");
-  if (probe == nullptr || chunks == nullptr || theta == nullptr || non_finite == nullptr)
+  if (chunks == nullptr || theta == nullptr || non_finite == nullptr)
     return InvalidArgument("ExactChunkIndex::SelectOnBackend: probe and outputs must not be null");
   if (k_max < 0)
     return InvalidArgument("ExactChunkIndex::SelectOnBackend: k_max must be >= 0 (got " +
                            std::to_string(k_max) + ")");
   KVTIER_RETURN_IF_ERROR(SyncMirror());
-  LayerSelectPlan plan;
   plan.score = mirror_->Params(FoldKind(options_.heads));
-  plan.probe = probe;
-  plan.rank = rank;
-  plan.entropy = entropy;
   plan.k_max = static_cast<int>(std::min<int64_t>(k_max, plan.score.n_chunks));
   KVTIER_RETURN_IF_ERROR(mirror_->backend()->RunLayer(plan, &backend_result_));
   // One fp32 pass over the mirror's rows: the first stage (what rerank=0 chooses).

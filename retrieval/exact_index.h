@@ -153,6 +153,13 @@ class ExactChunkIndex final : public ChunkIndex {
   /// FailedPrecondition without a mirror; InvalidArgument for a null probe or out, k_max < 0.
   Status SelectOnBackend(const float* probe, ChunkRank rank, bool entropy, int k_max,
                          std::vector<uint64_t>* chunks, double* theta, int32_t* non_finite);
+  /// The same from a decode query in the backend's memory: the backend builds the probe
+  /// (BackendQueries) and checks q; *q_non_finite and *q_first get LayerSelectResult's
+  /// q_non_finite and q_first_non_finite, and when q is not finite the chunks come back empty.
+  /// With no rows a layer still checks q.
+  Status SelectOnBackend(const BackendQueries& queries, ChunkRank rank, bool entropy, int k_max,
+                         std::vector<uint64_t>* chunks, double* theta, int32_t* non_finite,
+                         int32_t* q_non_finite, int32_t* q_first);
 
  private:
   ExactChunkIndex(const ChunkShape& shape, const ExactIndexOptions& options);
@@ -203,6 +210,8 @@ class ExactChunkIndex final : public ChunkIndex {
   std::unique_ptr<ReprMirror> mirror_;            // null: no backend attached
   size_t mirror_stale_from_ = 0;                  // rows from here may differ in the mirror (SIZE_MAX: none)
   LayerSelectResult backend_result_;              // SelectOnBackend's scratch (reused)
+  Status RunOnBackend(LayerSelectPlan plan, int k_max, std::vector<uint64_t>* chunks, double* theta,
+                      int32_t* non_finite);
 };
 
 }  // namespace kvtier

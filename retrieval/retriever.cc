@@ -179,6 +179,7 @@ Result<std::unique_ptr<Retriever>> Retriever::Create(TieredStore* store, const R
     if (!index.ok()) return InvalidArgument("index: " + index.status().message());
     if (so.index_bytes > 0)
       KVTIER_RETURN_IF_ERROR((*index)->SetMemoryCap(so.index_bytes / so.geometry.layers));
+    r->mirrors_ = dynamic_cast<ExactChunkIndex*>(index->get()) != nullptr;  // Index() attaches these
     r->spec_ = "probe=" + r->probe_->ToString() + " alloc=" + r->alloc_->ToString() +
                " index=" + (*index)->ToString() + " budget=" + std::to_string(options.budget_tokens) +
                ReuseItem(options.reuse_cosine) + ScreenItem(options.screen_period);
@@ -285,6 +286,22 @@ Status Retriever::SetQuestion(int layer, const float* q, int m) { return probe_-
 
 Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float* q, int m, bool decode,
                                          const ChunkUpdate* update) {
+  return CountedSelect(seq, layer, q, m, decode, update, nullptr);
+}
+
+Result<LayerSelection> Retriever::SelectDecodeOnBackend(SequenceId seq, int layer,
+                                                        const BackendQueries& queries,
+                                                        const ChunkUpdate* update) {
+  if (!SelectsDecodeOnBackend())
+    return FailedPrecondition(
+        "Retriever::SelectDecodeOnBackend: the selection runs on the host here (no backend, or reuse_cosine "
+        "compares probes on the host): pass the query in host memory");
+  if (queries.q == nullptr) return InvalidArgument("Retriever::SelectDecodeOnBackend: the query is null");
+  return CountedSelect(seq, layer, nullptr, 1, /*decode=*/true, update, &queries);
+}
+
+Result<LayerSelection> Retriever::CountedSelect(SequenceId seq, int layer, const float* q, int m, bool decode,
+                                                const ChunkUpdate* update, const BackendQueries* queries) {
   // The layer's index reads, counted by the index per call: the difference around the selection
   // (a reused search's subset adds its own reads in ReuseLast).
   return ReturnOnBadAlloc([&] { return "Retriever::Select: layer " + std::to_string(layer) + "'s index"; },
@@ -292,7 +309,7 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
                             KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
                             const IndexReadBytes before = li->index->read_bytes();
                             KVTIER_ASSIGN_OR_RETURN(LayerSelection sel,
-                                                    SelectLayer(seq, layer, q, m, decode, update));
+                                                    SelectLayer(seq, layer, q, m, decode, update, queries));
                             const IndexReadBytes after = li->index->read_bytes();
                             sel.first_stage_bytes += after.first_stage - before.first_stage;
                             sel.rescoring_bytes += after.rescoring - before.rescoring;
@@ -302,8 +319,17 @@ Result<LayerSelection> Retriever::Select(SequenceId seq, int layer, const float*
                           });
 }
 
+Status Retriever::QueriesFinite(int layer, int32_t count, int32_t first) const {
+  if (count == 0) return Status::Ok();
+  const int d = store_->options().geometry.head_dim;
+  return InvalidArgument("layer " + std::to_string(layer) + ": q[0][" + std::to_string(first / d) + "][" +
+                         std::to_string(first % d) + "] is not finite (" + std::to_string(count) +
+                         " NaN or infinite value(s), found where the query is, on the device); queries must "
+                         "be finite");
+}
+
 Result<LayerSelection> Retriever::SelectLayer(SequenceId seq, int layer, const float* q, int m, bool decode,
-                                              const ChunkUpdate* update) {
+                                              const ChunkUpdate* update, const BackendQueries* queries) {
   // Scratch grows with the layer's chunks and the window: an allocation failure is ResourceExhausted.
   return ReturnOnBadAlloc(
       [&] { return "Retriever::Select: scores of layer " + std::to_string(layer) + "'s chunks"; },
@@ -311,9 +337,11 @@ Result<LayerSelection> Retriever::SelectLayer(SequenceId seq, int layer, const f
         LayerSelection sel;
         const StoreOptions& so = store_->options();
         auto t0 = std::chrono::steady_clock::now();
-        KVTIER_RETURN_IF_ERROR(decode ? probe_->BuildDecode(layer, q, probe_buf_.data())
-                                      : probe_->Build(layer, q, m, probe_buf_.data()));
-        std::copy(probe_buf_.begin(), probe_buf_.end(), probe_vec_.begin());
+        if (queries == nullptr) {
+          KVTIER_RETURN_IF_ERROR(decode ? probe_->BuildDecode(layer, q, probe_buf_.data())
+                                        : probe_->Build(layer, q, m, probe_buf_.data()));
+          std::copy(probe_buf_.begin(), probe_buf_.end(), probe_vec_.begin());
+        }  // else the backend builds it (SelectOnBackend)
         sel.probe_ms = MsSince(t0);
 
         t0 = std::chrono::steady_clock::now();
@@ -323,6 +351,11 @@ Result<LayerSelection> Retriever::SelectLayer(SequenceId seq, int layer, const f
         const int n = static_cast<int>(index.size());
         if (k_ == 0 || n == 0) {
           // StreamingLLM-style budget 0, or nothing sealed yet: only sinks + local.
+          if (queries != nullptr) {  // nothing to select, and still no NaN query passes
+            int32_t bad = 0, first = 0;
+            KVTIER_RETURN_IF_ERROR(backend_->CheckQueries(*queries, so.geometry.head_dim, &bad, &first));
+            KVTIER_RETURN_IF_ERROR(QueriesFinite(layer, bad, first));
+          }
           LayerScores none{nullptr, 0};
           KVTIER_ASSIGN_OR_RETURN(int unused, alloc_->Allocate(layer, none));
           (void)unused;
@@ -342,9 +375,12 @@ Result<LayerSelection> Retriever::SelectLayer(SequenceId seq, int layer, const f
         }
         if (li->mirrored != nullptr) {
           sel.search_ms = MsSince(t0);
-          KVTIER_RETURN_IF_ERROR(SelectOnBackend(li, layer, n, cap, &sel));
+          KVTIER_RETURN_IF_ERROR(SelectOnBackend(li, layer, n, cap, &sel, queries));
           return sel;
         }
+        if (queries != nullptr)
+          return FailedPrecondition("Retriever::SelectDecodeOnBackend: layer " + std::to_string(layer) +
+                                    "'s index keeps no backend mirror");
         if (options_.screen_period > 1 && decode) {
           KVTIER_ASSIGN_OR_RETURN(bool rolled, ScreenSlice(li, layer, n, cap, &sel));
           if (rolled) {
@@ -610,7 +646,8 @@ void Retriever::RememberSearch(LayerIndex* li, const std::vector<uint64_t>& chun
   li->last_reuses = 0;
 }
 
-Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel) {
+Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel,
+                                  const BackendQueries* queries) {
   // The same choice as the host path with rerank=0: topk takes the top min(k, cap) by logit
   // and the allocator cuts it to min(k, n); entropy takes the top min(B^l, cap) by its rank.
   // The device's top-k starts before Eq. 12 has run, so it brings back the most the allocator
@@ -623,9 +660,16 @@ Status Retriever::SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, 
   auto t0 = std::chrono::steady_clock::now();
   double theta = 0.0;
   int32_t non_finite = 0;
-  KVTIER_RETURN_IF_ERROR(li->mirrored->SelectOnBackend(probe_vec_.data(),
-                                                       entropy ? alloc_->rank() : ChunkRank::kLogit, entropy,
-                                                       k_max, &sel->chunks, &theta, &non_finite));
+  const ChunkRank rank = entropy ? alloc_->rank() : ChunkRank::kLogit;
+  if (queries == nullptr) {
+    KVTIER_RETURN_IF_ERROR(li->mirrored->SelectOnBackend(probe_vec_.data(), rank, entropy, k_max,
+                                                         &sel->chunks, &theta, &non_finite));
+  } else {
+    int32_t bad = 0, first = 0;
+    KVTIER_RETURN_IF_ERROR(li->mirrored->SelectOnBackend(*queries, rank, entropy, k_max, &sel->chunks, &theta,
+                                                         &non_finite, &bad, &first));
+    KVTIER_RETURN_IF_ERROR(QueriesFinite(layer, bad, first));
+  }
   if (non_finite == 0) {
     // The shortlist: the best of the k_max brought back (best first), as many as the host
     // path keeps for the grant this entropy gets now.

@@ -153,6 +153,19 @@ class Retriever {
   /// syncs with the store itself (Sync).
   Result<LayerSelection> Select(SequenceId seq, int layer, const float* q, int m, bool decode,
                                 const ChunkUpdate* update = nullptr);
+  /// Whether a decode step's Select can take its query in the backend's memory
+  /// (SelectDecodeOnBackend): a backend with the Exact index's mirrors and no reuse of searches
+  /// (which compares probes on the host).
+  bool SelectsDecodeOnBackend() const {
+    return backend_ != nullptr && mirrors_ && options_.reuse_cosine <= 0.0;
+  }
+  /// Select for a decode step whose query stays in the backend's memory: the backend builds the
+  /// probe (retrieval/device_scorer.h) and checks q, which is never copied to the host.
+  /// InvalidArgument naming q[0][head][d] when q holds a NaN or an infinity (the layer's
+  /// allocation then does not happen: the step is over); FailedPrecondition when
+  /// SelectsDecodeOnBackend() is false.
+  Result<LayerSelection> SelectDecodeOnBackend(SequenceId seq, int layer, const BackendQueries& queries,
+                                               const ChunkUpdate* update = nullptr);
   /// The bytes every Select so far read (LayerSelection's, summed).
   const IndexReadBytes& read_bytes() const { return read_bytes_; }
   /// Feeds a prefill window to the probe builder without retrieving (keeps
@@ -246,9 +259,13 @@ class Retriever {
   // shortlist and what of the slice could enter it, and grants the layer from Eq. 11 over the
   // kept cosines. False (nothing granted) when a full screen must run instead.
   Result<bool> ScreenSlice(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
-  // Select's work; Select adds what it read (LayerSelection's byte counts).
+  // Select's work; Select adds what it read (LayerSelection's byte counts). `queries`: a
+  // decode query in the backend's memory instead of q (SelectDecodeOnBackend).
   Result<LayerSelection> SelectLayer(SequenceId seq, int layer, const float* q, int m, bool decode,
-                                     const ChunkUpdate* update);
+                                     const ChunkUpdate* update, const BackendQueries* queries);
+  // The selection's read bytes added to it and to read_bytes_ around SelectLayer.
+  Result<LayerSelection> CountedSelect(SequenceId seq, int layer, const float* q, int m, bool decode,
+                                       const ChunkUpdate* update, const BackendQueries* queries);
   // The rolling screen's Eq. 11 sums: afresh from the kept cosines, one cosine replaced, and
   // the entropy they give.
   static void KeepEntropySums(LayerIndex* li);
@@ -262,7 +279,10 @@ class Retriever {
   // A chunk landed or left: the layer's last search may not be reused.
   static void ForgetSearch(LayerIndex* li);
   // Select's path through the backend (the index keeps a mirror).
-  Status SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel);
+  Status SelectOnBackend(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel,
+                         const BackendQueries* queries);
+  // InvalidArgument naming q's first NaN or infinity (the backend's check), OK when there is none.
+  Status QueriesFinite(int layer, int32_t count, int32_t first) const;
   Result<LayerIndex*> Index(SequenceId seq, int layer);
   // Adds the update's chunks to li's index, removes its drops and moves li's cursor.
   Status ApplyUpdate(LayerIndex* li, const ChunkUpdate& update);
@@ -275,7 +295,8 @@ class Retriever {
   std::string spec_;  // Describe()
   std::unique_ptr<ProbeBuilder> probe_;
   std::unique_ptr<BudgetAllocator> alloc_;
-  std::unique_ptr<RetrievalBackend> backend_;         // null: the host path
+  std::unique_ptr<RetrievalBackend> backend_;  // null: the host path
+  bool mirrors_ = false;  // the index kind keeps a backend mirror (Exact), so backend_ selects
   std::unordered_map<uint64_t, LayerIndex> indexes_;  // key: seq * 65536 + layer
   std::vector<float> probe_buf_, probe_vec_;
   ChunkScores scores_;                  // Select: the layer's screened scores (reused)

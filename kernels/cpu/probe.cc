@@ -1,7 +1,9 @@
 #include "kernels/cpu/probe.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 namespace kvtier::kernels {
@@ -16,6 +18,17 @@ void MeanPoolProbe(const ProbeShape& s, const float* q, int m, float* probe) {
       float* dst = probe + static_cast<size_t>(h / G) * D;
       for (int d = 0; d < D; ++d) dst[d] += w * src[d];
     }
+}
+
+void CountNonFinite(const float* x, int32_t n, int32_t* count, int32_t* first) {
+  int32_t c = 0, f = INT32_MAX;
+  for (int32_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) {
+      if (c == 0) f = i;
+      ++c;
+    }
+  *count = c;
+  *first = f;
 }
 
 void ActMergeWindow(const ProbeShape& s, const float* q, int m, int64_t n_old, double* mean_all,

@@ -26,6 +26,10 @@ inline double ActVariance(double m2, int64_t count) { return m2 / static_cast<do
 /// Sums in query-major, head-minor order with weight 1 / (m * G) per term (fp32).
 void MeanPoolProbe(const ProbeShape& s, const float* q, int m, float* probe);
 
+/// The queries' check where they live: *count = how many of x[0, n) are NaN or infinite, *first
+/// = the index of the first of them (INT32_MAX when none). n in [0, INT32_MAX).
+void CountNonFinite(const float* x, int32_t n, int32_t* count, int32_t* first);
+
 /// Eq. 8, running form: merges the window q (m >= 1 queries) into the statistics of every q
 /// head that have seen n_old query vectors so far (mean, m2 zero when n_old == 0). Chan et al.:
 /// with the window's mean mu_w and sum of squares M2_w (two-pass, fp64),

@@ -104,6 +104,9 @@ KernelError LaunchSegmentEntropy(const EntropyParams& p, Stream s);
 KernelError LaunchMeanPoolProbe(const ProbeShape& shape, const float* q, int m, float* probe, Stream s);
 KernelError LaunchActMergeWindow(const ProbeShape& shape, const float* q, int m, int64_t n_old, double* mean,
                                  double* m2, Stream s);
+/// CountNonFinite (kernels/cpu/probe.h) of n fp32 values on the device into count and first
+/// (device int32s, written, not added to): one block, no atomics.
+KernelError LaunchCountNonFinite(const float* x, int32_t n, int32_t* count, int32_t* first, Stream s);
 size_t ActWeightedProbeWorkspaceBytes(const ProbeShape& shape, int m);
 KernelError LaunchActWeightedProbe(const ProbeShape& shape, const float* q, int m, const double* mean,
                                    const double* m2, int64_t count, double eps, float* probe, void* workspace,

@@ -282,6 +282,32 @@ __global__ void ActCombineKernel(const ProbeShape s, const float* q, int m, cons
   probe[idx] = static_cast<float>(acc);
 }
 
+constexpr int kCheckThreads = 256;
+
+struct MinIndexOp {
+  __device__ int32_t operator()(int32_t a, int32_t b) const { return a < b ? a : b; }
+};
+
+// CountNonFinite: one block strides over x; the count and the lowest index reduce in the block.
+__global__ void __launch_bounds__(kCheckThreads)
+    CountNonFiniteKernel(const float* x, int32_t n, int32_t* count, int32_t* first) {
+  using ReduceI = cub::BlockReduce<int32_t, kCheckThreads>;
+  __shared__ typename ReduceI::TempStorage tmp;
+  int32_t c = 0, f = INT32_MAX;
+  for (int32_t i = threadIdx.x; i < n; i += kCheckThreads)
+    if (!isfinite(x[i])) {
+      if (c == 0) f = i;  // a thread's indices rise, so its first is its lowest
+      ++c;
+    }
+  const int32_t total = ReduceI(tmp).Sum(c);
+  __syncthreads();  // tmp is reused
+  const int32_t lowest = ReduceI(tmp).Reduce(f, MinIndexOp());
+  if (threadIdx.x == 0) {
+    *count = total;
+    *first = lowest;
+  }
+}
+
 bool ShapeOk(const ProbeShape& s) {
   return s.q_heads > 0 && s.kv_heads > 0 && s.head_dim > 0 && s.q_heads % s.kv_heads == 0;
 }
@@ -376,6 +402,14 @@ KernelError LaunchActMergeWindow(const ProbeShape& shape, const float* q, int m,
   const int n = shape.q_heads * shape.head_dim;
   LaunchKernel(&ActMergeKernel, Blocks(n, 128), 128, 0, static_cast<cudaStream_t>(stream), shape, q, m, n_old,
                mean, m2);
+  return CheckLaunch();
+}
+
+KernelError LaunchCountNonFinite(const float* x, int32_t n, int32_t* count, int32_t* first, Stream stream) {
+  if (n < 0) return KernelError::kBadShape;
+  if ((n > 0 && x == nullptr) || count == nullptr || first == nullptr) return KernelError::kNullPointer;
+  LaunchKernel(&CountNonFiniteKernel, 1, kCheckThreads, 0, static_cast<cudaStream_t>(stream), x, n, count,
+               first);
   return CheckLaunch();
 }
 

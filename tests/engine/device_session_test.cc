@@ -130,6 +130,7 @@ void RunBothAndCompare(PositionMode positions) {
   std::mt19937 rng(positions == PositionMode::kInfLLM ? 23 : 17);
   std::vector<float> host_out(kQHeads * kDim);
   uint64_t append_waits = 0, attend_waits_dev = 0, attend_waits_host = 0, steps_compared = 0;
+  uint64_t selected_on_device = 0;  // layer steps whose probe the backend built from q on the device
   for (int64_t p = 0; p < 160; ++p) {
     const Token t = MakeToken(&rng);
     ASSERT_TRUE((*hs)->BeginStep(StepKind::kDecode).ok());
@@ -164,6 +165,7 @@ void RunBothAndCompare(PositionMode positions) {
       ASSERT_EQ(0, std::memcmp(pout, host_out.data(), q_bytes))
           << "device output differs from the host call's";
       EXPECT_EQ((*ds)->last_chunks()[l], (*hs)->last_chunks()[l]);
+      if (positions == PositionMode::kAbsolute && !(*ds)->last_chunks()[l].empty()) ++selected_on_device;
       ++steps_compared;
     }
   }
@@ -171,9 +173,12 @@ void RunBothAndCompare(PositionMode positions) {
   EXPECT_GT((*ds)->counters().chunks_attended, 0u);  // retrieval ran: chunks were attended
   EXPECT_EQ((*ds)->counters().chunks_attended, (*hs)->counters().chunks_attended);
   EXPECT_EQ(append_waits, 0u) << "AppendDevice blocked the host";
-  // The host call waits once more per layer step than the device call does for the output, and
-  // the device call once more for the queries' download: the two totals are equal.
-  EXPECT_EQ(attend_waits_dev, attend_waits_host);
+  // The host call waits for its output, which the device call leaves on the device. The device
+  // call waits instead for the queries' download where the host needs them (InfLLM's rotation),
+  // or for the backend's check of q where the layer has no chunks to select; where it selects,
+  // q stays on the device and the call waits once less than the host call.
+  if (positions == PositionMode::kAbsolute) EXPECT_GT(selected_on_device, 100u);
+  EXPECT_EQ(attend_waits_dev + selected_on_device, attend_waits_host);
   cudaFreeHost(pinned);
   cudaStreamDestroy(engine);
 }
@@ -191,7 +196,9 @@ TEST(DeviceSession, DeviceCallsGiveTheHostCallsOutputsInfLLMPositions) {
 // A quiet decode layer step through the device calls: AppendDevice waits for nothing, and
 // AttendDevice waits twice (the queries' download for the host's retrieval, the selection's
 // download), as the host calls do (the selection's download and the output's).
-TEST(DeviceSession, QuietDeviceLayerStepWaitsTwiceAllInRetrieval) {
+// A quiet decode layer step through the device calls waits on the host once: for the selection's
+// download (the probe is built from q on the device, which never comes down).
+TEST(DeviceSession, QuietDeviceLayerStepWaitsOnceForTheSelection) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();
   auto store = TieredStore::Open(SmallStore(Device::kCuda));
   ASSERT_TRUE(store.ok()) << store.status().ToString();
@@ -229,7 +236,7 @@ TEST(DeviceSession, QuietDeviceLayerStepWaitsTwiceAllInRetrieval) {
       continue;
     ++quiet;
     for (int l = 0; l < kLayers; ++l)
-      EXPECT_EQ(attends[l], 2u) << "quiet step at position " << p << ", layer " << l;
+      EXPECT_EQ(attends[l], 1u) << "quiet step at position " << p << ", layer " << l;
   }
   EXPECT_GE(quiet, 8) << "too few decode steps without a seal or a miss to pin the quiet count";
   cudaStreamSynchronize(engine);
@@ -262,7 +269,8 @@ TEST(DeviceSession, RefusesNullPointersAndADroppedSequence) {
       (*s)->AttendDevice(0, static_cast<const float*>(q.ptr), &wrong, 1, static_cast<float*>(q.ptr), nullptr);
   EXPECT_EQ(bad_pos.code(), StatusCode::kInvalidArgument) << bad_pos.ToString();
   EXPECT_NE(bad_pos.message().find("AttendDevice"), std::string::npos) << bad_pos.ToString();
-  // A NaN query is found in the host copy and refused, as Attend refuses it.
+  // A NaN query is found where it is (the retrieval backend's check of a decode query that
+  // stays on the device) and refused by name, as Attend refuses it.
   std::vector<float> nan_q(kQHeads * kDim, 0.0f);
   nan_q[3] = std::nanf("");
   ASSERT_EQ(cudaMemcpy(q.ptr, nan_q.data(), nan_q.size() * sizeof(float), cudaMemcpyHostToDevice),
@@ -271,6 +279,8 @@ TEST(DeviceSession, RefusesNullPointersAndADroppedSequence) {
   const Status nan =
       (*s)->AttendDevice(0, static_cast<const float*>(q.ptr), &p, 1, static_cast<float*>(out.ptr), nullptr);
   EXPECT_EQ(nan.code(), StatusCode::kInvalidArgument) << nan.ToString();
+  EXPECT_NE(nan.message().find("Session::AttendDevice: layer 0: q[0][0][3] is not finite"), std::string::npos)
+      << nan.ToString();
   ASSERT_TRUE((*s)->Drop().ok());
   const Status dropped = (*s)->AppendDevice(0, kv.ptr, kv.ptr, 1, DType::kF16, nullptr);
   EXPECT_EQ(dropped.code(), StatusCode::kFailedPrecondition) << dropped.ToString();

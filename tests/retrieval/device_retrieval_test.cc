@@ -21,6 +21,7 @@
 
 #include "kernels/cpu/chunk_score.h"
 #include "kernels/cpu/entropy.h"
+#include "kernels/cpu/rope.h"
 #include "retrieval/budget.h"
 #include "retrieval/device_scorer.h"
 #include "retrieval/exact_index.h"
@@ -197,6 +198,47 @@ TEST(DeviceRetrievalWorkspace, LayoutIsAlignedDisjointAndGrowsWithTheChunks) {
     }
 }
 
+TEST(DeviceRetrievalWorkspace, AQueryPartSitsBetweenTheInBlockAndTheScores) {
+  const RetrievalWorkspaceLayout plain = LayoutRetrievalWorkspace(32, 100, 0);
+  const RetrievalWorkspaceLayout l =
+      LayoutRetrievalWorkspace(32, 100, 0, /*q_floats=*/8 * 16, /*rope_pairs=*/8);
+  EXPECT_EQ(plain.q_floats, 0);
+  EXPECT_EQ(l.q_floats, 128);
+  EXPECT_EQ(l.rope_pairs, 8);
+  // in-block: probe | offsets | k | pad | q_position | inv_freq, one upload
+  EXPECT_EQ(l.k, plain.k);
+  EXPECT_EQ(l.q_position % 8, 0u);
+  EXPECT_GE(l.q_position, l.k + 4);
+  EXPECT_EQ(l.inv_freq, l.q_position + 8);
+  EXPECT_EQ(l.in_bytes, l.inv_freq + 8 * sizeof(double) - l.in);
+  EXPECT_EQ(l.q % 256, 0u);
+  EXPECT_LE(l.in + l.in_bytes, l.q);
+  EXPECT_LE(l.q + 128 * sizeof(float), l.logit);
+  // the queries' check comes back in the out-block, before the rows
+  EXPECT_EQ(l.q_non_finite, l.non_finite + 4);
+  EXPECT_EQ(l.q_first, l.q_non_finite + 4);
+  EXPECT_LE(l.q_first + 4, l.rows);
+  EXPECT_EQ(l.rows % 16, 0u);
+}
+
+TEST(DeviceRetrievalTwins, CountNonFiniteCountsAndFindsTheFirst) {
+  std::vector<float> x(1000, 1.5f);
+  int32_t count = -1, first = -1;
+  kernels::CountNonFinite(x.data(), 1000, &count, &first);
+  EXPECT_EQ(count, 0);
+  EXPECT_EQ(first, INT32_MAX);
+  x[700] = std::numeric_limits<float>::infinity();
+  x[31] = std::numeric_limits<float>::quiet_NaN();
+  x[999] = -std::numeric_limits<float>::infinity();
+  x[5] = std::numeric_limits<float>::max();  // finite
+  kernels::CountNonFinite(x.data(), 1000, &count, &first);
+  EXPECT_EQ(count, 3);
+  EXPECT_EQ(first, 31);
+  kernels::CountNonFinite(x.data(), 0, &count, &first);
+  EXPECT_EQ(count, 0);
+  EXPECT_EQ(first, INT32_MAX);
+}
+
 TEST(DeviceRetrievalWorkspace, ParamsPointIntoTheLayoutAndPickTheRankedScores) {
   const RetrievalWorkspaceLayout l = LayoutRetrievalWorkspace(32, 100, 0);
   std::vector<uint8_t> ws(l.total);
@@ -273,6 +315,20 @@ TEST(DeviceRetrievalPlan, BadPlansAreNamedStatuses) {
   p = good;
   p.probe = nullptr;
   expect_bad(p, "probe is null");
+  {
+    std::vector<float> q(32);
+    LayerSelectPlan both = good;
+    both.queries.q = q.data();
+    both.queries.q_heads = 4;
+    expect_bad(both, "both a probe and queries");
+    both.probe = nullptr;
+    both.queries.q_heads = 3;  // not a multiple of the 2 kv heads
+    expect_bad(both, "not a multiple of the 2 kv heads");
+    both.queries.q_heads = 4;
+    both.queries.rope_inv_freq = reinterpret_cast<const double*>(q.data());
+    both.queries.rope_position = -1;
+    expect_bad(both, "rotation position -1 is negative");
+  }
   p = good;
   p.score.keys = nullptr;
   expect_bad(p, "null");
@@ -717,6 +773,104 @@ TEST(DeviceRetrievalRetriever, CpuBackendSelectsAsTheHostPathAtRerankZero) {
     }
 }
 
+// A decode query left in the backend's memory (Session::AttendDevice): the backend builds the
+// probe (rotated first with InfLLM positions) and checks q; the choice is the host query's.
+TEST(DeviceRetrievalRetriever, DecodeQueriesInBackendMemoryChooseAsHostQueries) {
+  for (const char* alloc : {"topk", "entropy:rank=cosine", "entropy:rank=logit"})
+    for (const bool rotate : {false, true}) {
+      TempDir dir;
+      auto store = TieredStore::Open(Options(dir.path()));
+      ASSERT_TRUE(store.ok());
+      TieredStore* s = store->get();
+      const Geometry& g = s->options().geometry;
+      const SequenceId seq = *s->CreateSequence();
+      Fill(s, seq, 4 + 16 + 4 * 40 + 1, 33);
+      RetrieverOptions ro;
+      ro.alloc = alloc;
+      ro.budget_tokens = 5 * 4;
+      auto host = Retriever::Create(s, ro, CpuBackend());
+      auto dev = Retriever::Create(s, ro, CpuBackend());
+      ASSERT_TRUE(host.ok() && dev.ok());
+      ASSERT_TRUE((*dev)->SelectsDecodeOnBackend());
+      const std::vector<double> inv_freq = kernels::RopeInvFreq(g.head_dim, 10000.0);
+      std::mt19937 rng(8);
+      std::normal_distribution<float> nd;
+      std::vector<float> q(static_cast<size_t>(g.q_heads) * g.head_dim), rotated(q.size());
+      for (int step = 0; step < 12; ++step) {
+        for (auto& x : q) x = nd(rng) * (1 + step % 3);
+        const int64_t position = 160 + 7 * step;  // where memory sees the query (InfLLM: minus L0)
+        rotated = q;
+        if (rotate) kernels::Rope(rotated.data(), 1, g.q_heads, g.head_dim, &position, inv_freq.data());
+        BackendQueries queries;
+        queries.q = q.data();  // the cpu backend's memory is host memory
+        queries.q_heads = g.q_heads;
+        queries.rope_inv_freq = rotate ? inv_freq.data() : nullptr;
+        queries.rope_position = position;
+        (*host)->BeginStep();
+        (*dev)->BeginStep();
+        for (int l = 0; l < g.layers; ++l) {
+          auto a = (*host)->Select(seq, l, rotated.data(), 1, /*decode=*/true);
+          auto b = (*dev)->SelectDecodeOnBackend(seq, l, queries);
+          ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
+          EXPECT_EQ(a->chunks, b->chunks)
+              << alloc << " rotate " << rotate << " step " << step << " layer " << l;
+          EXPECT_EQ(a->entropy, b->entropy);
+          EXPECT_FALSE(b->chunks.empty());
+          EXPECT_EQ(a->first_stage_bytes, b->first_stage_bytes);
+        }
+      }
+      // A NaN or an infinity in q: refused by name, found by the backend's check.
+      q[static_cast<size_t>(2) * g.head_dim + 5] = std::numeric_limits<float>::quiet_NaN();
+      q[static_cast<size_t>(3) * g.head_dim + 1] = std::numeric_limits<float>::infinity();
+      BackendQueries bad;
+      bad.q = q.data();
+      bad.q_heads = g.q_heads;
+      (*dev)->BeginStep();
+      auto refused = (*dev)->SelectDecodeOnBackend(seq, 0, bad);
+      ASSERT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+      EXPECT_NE(refused.status().message().find("q[0][2][5] is not finite (2 NaN or infinite"),
+                std::string::npos)
+          << refused.status().message();
+    }
+}
+
+TEST(DeviceRetrievalRetriever, DecodeQueriesInBackendMemoryAreCheckedWithoutChunksAndRefusedWithReuse) {
+  TempDir dir;
+  auto store = TieredStore::Open(Options(dir.path()));
+  ASSERT_TRUE(store.ok());
+  TieredStore* s = store->get();
+  const Geometry& g = s->options().geometry;
+  const SequenceId seq = *s->CreateSequence();
+  Fill(s, seq, 8, 5);  // sinks and local only: nothing sealed, nothing to select
+  RetrieverOptions ro;
+  auto dev = Retriever::Create(s, ro, CpuBackend());
+  ASSERT_TRUE(dev.ok());
+  std::vector<float> q(static_cast<size_t>(g.q_heads) * g.head_dim, 0.5f);
+  BackendQueries queries;
+  queries.q = q.data();
+  queries.q_heads = g.q_heads;
+  (*dev)->BeginStep();
+  auto none = (*dev)->SelectDecodeOnBackend(seq, 0, queries);
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_TRUE(none->chunks.empty());
+  q[static_cast<size_t>(g.head_dim) + 3] = -std::numeric_limits<float>::infinity();
+  auto refused = (*dev)->SelectDecodeOnBackend(seq, 1, queries);
+  ASSERT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("q[0][1][3] is not finite"), std::string::npos)
+      << refused.status().message();
+  // Reuse compares probes on the host: the query must come to the host.
+  ro.reuse_cosine = 0.9;
+  auto reusing = Retriever::Create(s, ro, CpuBackend());
+  ASSERT_TRUE(reusing.ok());
+  EXPECT_FALSE((*reusing)->SelectsDecodeOnBackend());
+  (*reusing)->BeginStep();
+  EXPECT_EQ((*reusing)->SelectDecodeOnBackend(seq, 0, queries).status().code(),
+            StatusCode::kFailedPrecondition);
+  auto host_only = Retriever::Create(s, RetrieverOptions{});
+  ASSERT_TRUE(host_only.ok());
+  EXPECT_FALSE((*host_only)->SelectsDecodeOnBackend());
+}
+
 TEST(DeviceRetrievalRetriever, FaissKindsStayOnTheHostWithABackend) {
   TempDir dir;
   auto store = TieredStore::Open(Options(dir.path()));
@@ -738,6 +892,7 @@ TEST(DeviceRetrievalRetriever, FaissKindsStayOnTheHostWithABackend) {
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ(a->chunks, b->chunks);
   EXPECT_EQ((*dev)->memory_bytes(), (*host)->memory_bytes());  // no mirror was made
+  EXPECT_FALSE((*dev)->SelectsDecodeOnBackend());              // so the query comes to the host
 }
 
 // ---- the cuda backend ----------------------------------------------------------------------------
@@ -798,6 +953,78 @@ TEST(DeviceRetrievalCuda, SelectsAsTheCpuBackend) {
         }
       }
     }
+#endif
+}
+
+// The decode query in device memory (what Session::AttendDevice hands over): the cuda backend
+// builds the probe from it (rotated first when asked) and checks it there; the choice is the
+// cpu backend's from the host query.
+TEST(DeviceRetrievalCuda, DecodeQueriesInDeviceMemoryChooseAsTheCpuBackend) {
+#if !KVTIER_HAVE_CUDA
+  GTEST_SKIP() << "no CUDA device: this build has no CUDA (KVTIER_CUDA=off)";
+#else
+  std::string why;
+  if (!HaveDevice(&why)) GTEST_SKIP() << why;
+  for (const bool rotate : {false, true}) {
+    TempDir dir;
+    StoreOptions o = Options(dir.path());
+    o.device = Device::kCuda;
+    auto store = TieredStore::Open(o);
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    TieredStore* s = store->get();
+    const Geometry& g = s->options().geometry;
+    const SequenceId seq = *s->CreateSequence();
+    Fill(s, seq, 4 + 16 + 4 * 40, 8);
+    RetrieverOptions ro;
+    ro.budget_tokens = 5 * 4;
+    auto dev = Retriever::Create(s, ro);
+    auto cpu = Retriever::Create(s, ro, CpuBackend());
+    ASSERT_TRUE(dev.ok() && cpu.ok()) << dev.status().ToString();
+    ASSERT_TRUE((*dev)->SelectsDecodeOnBackend());
+    const size_t q_bytes = static_cast<size_t>(g.q_heads) * g.head_dim * sizeof(float);
+    auto memory = MakeRetrievalBackend("cuda");  // device memory for the query, as an engine's
+    ASSERT_TRUE(memory.ok());
+    auto q_device = (*memory)->Allocate(q_bytes);
+    ASSERT_TRUE(q_device.ok());
+    const std::vector<double> inv_freq = kernels::RopeInvFreq(g.head_dim, 10000.0);
+    std::vector<float> q(static_cast<size_t>(g.q_heads) * g.head_dim);
+    std::mt19937 rng(1);
+    std::normal_distribution<float> nd;
+    for (int step = 0; step < 4; ++step) {
+      for (auto& x : q) x = nd(rng);
+      const BackendCopy up{*q_device, q.data(), q_bytes};
+      ASSERT_TRUE((*memory)->Upload(&up, 1).ok());
+      const int64_t position = 90 + step;
+      std::vector<float> rotated = q;
+      if (rotate) kernels::Rope(rotated.data(), 1, g.q_heads, g.head_dim, &position, inv_freq.data());
+      BackendQueries queries;
+      queries.q = reinterpret_cast<const float*>(*q_device);
+      queries.q_heads = g.q_heads;
+      queries.rope_inv_freq = rotate ? inv_freq.data() : nullptr;
+      queries.rope_position = position;
+      (*dev)->BeginStep();
+      (*cpu)->BeginStep();
+      for (int l = 0; l < g.layers; ++l) {
+        auto a = (*cpu)->Select(seq, l, rotated.data(), 1, true);
+        auto b = (*dev)->SelectDecodeOnBackend(seq, l, queries);
+        ASSERT_TRUE(a.ok() && b.ok()) << b.status().ToString();
+        EXPECT_EQ(a->chunks, b->chunks) << "rotate " << rotate << " step " << step << " layer " << l;
+        EXPECT_NEAR(a->entropy, b->entropy, 1e-6 * std::max(1.0, a->entropy));
+      }
+    }
+    q[static_cast<size_t>(3) * g.head_dim + 2] = std::numeric_limits<float>::quiet_NaN();
+    const BackendCopy up{*q_device, q.data(), q_bytes};
+    ASSERT_TRUE((*memory)->Upload(&up, 1).ok());
+    BackendQueries bad;
+    bad.q = reinterpret_cast<const float*>(*q_device);
+    bad.q_heads = g.q_heads;
+    (*dev)->BeginStep();
+    auto refused = (*dev)->SelectDecodeOnBackend(seq, 0, bad);
+    ASSERT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(refused.status().message().find("q[0][3][2] is not finite (1 NaN"), std::string::npos)
+        << refused.status().message();
+    (*memory)->Free(*q_device);
+  }
 #endif
 }
 
