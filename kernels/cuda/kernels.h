@@ -20,6 +20,7 @@
 
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/chunk_score.h"
+#include "kernels/cpu/chunk_table.h"
 #include "kernels/cpu/entropy.h"
 #include "kernels/cpu/forward.h"
 #include "kernels/cpu/probe.h"
@@ -177,5 +178,18 @@ KernelError LaunchGatherCopies(const GatherParams& p, Stream s);
 /// stream (s == nullptr), which the batch call refuses, one cudaMemcpyAsync per copy.
 KernelError MemcpyBatchAsync(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
                              Stream s);
+
+// ---- device chunk table ----------------------------------------------------------------------
+/// ChunkTableAssign (kernels/cpu/chunk_table.h states the rule) on device memory: one block; its
+/// threads stamp the hits, then one thread walks the entries in selection order (each miss's
+/// victim depends on the ones before), then the block stamps the listed slots. Reads *n_rows on
+/// the device; the twin's outputs and table bit for bit. The host checks the params
+/// (CheckChunkTableAssignParams) and nothing else.
+KernelError LaunchChunkTableAssign(const ChunkTableParams& p, Stream s);
+/// ChunkTableGather on the device: grid (max_rows, parts of a chunk, K | V), blocks past
+/// *n_misses (read on the device) exit; each block copies its parts of one miss's half from the
+/// source (mapped pinned host memory, read through UVA) to its slot, 16 bytes per load when the
+/// chunk size and both addresses are 16-byte aligned, bytes otherwise.
+KernelError LaunchChunkTableGather(const ChunkTableParams& p, Stream s);
 
 }  // namespace kvtier::kernels::cuda
