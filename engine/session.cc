@@ -405,7 +405,7 @@ Status SessionImpl::AttendDevice(int layer, const float* q, const int64_t* posit
 
 bool SessionImpl::QueriesStayOnDevice(int m) const {
   return in_step_ && step_ == StepKind::kDecode && m == 1 && retriever_ != nullptr && !selector_ &&
-         retriever_->SelectsDecodeOnBackend() && inv_freq_.empty() && options_.keep_queries == 0;
+         retriever_->SelectsDecodeOnBackend() && options_.keep_queries == 0;
 }
 
 Status SessionImpl::BeginStep(StepKind kind) {
@@ -813,8 +813,12 @@ Status SessionImpl::AttendLayer(const char* what, int layer, const float* q, con
       // the attention kernel as it reads them (the store keeps keys before RoPE), on the tier's
       // device: the retrieved chunks at L0, the sinks at L0 once chunks separate them from the
       // local window (else at their own positions), the local runs at their own positions.
-      in.q = TrueQueries(q, step.positions.data(), m);
-      q_device = nullptr;  // the kernel reads the rotated host copy, uploaded with the plan
+      if (q != nullptr) {
+        in.q = TrueQueries(q, step.positions.data(), m);
+        q_device = nullptr;  // the kernel reads the rotated host copy, uploaded with the plan
+      } else {
+        in.q_rope_positions = step.positions.data();  // the kernel rotates the device queries
+      }
       in.rope_inv_freq = inv_freq_.data();
       in.chunks_rope_position = step.local_start;
       in.sinks_rope_position = step.sinks_are_memory ? step.local_start : kernels::kRopeAtKeyPositions;

@@ -129,8 +129,8 @@ class SessionImpl final : public Session {
   Status AttendLayer(const char* what, int layer, const float* q, const float* q_device, void* q_stream,
                      const int64_t* positions, int m, float* out, bool out_on_device, AttendStats* stats);
   // Whether AttendDevice's queries may stay on the device for this layer call: a decode step
-  // whose selection the retrieval backend builds from them, and no host reader of q (kept
-  // queries, the host's rotation of InfLLM's queries).
+  // whose selection the retrieval backend builds from them (InfLLM's rotations of q happen
+  // there and in the attention kernel), and no kept queries (a host copy for Compress).
   bool QueriesStayOnDevice(int m) const;
   // The store's hot tier as the device-pointer calls need it: a CudaHotTier (as void*, so this
   // header needs no CUDA), or FailedPrecondition naming `what` and why not.

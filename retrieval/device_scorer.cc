@@ -37,9 +37,6 @@ Status CheckBackendQueries(const BackendQueries& q, int kv_heads, int head_dim) 
   if (static_cast<int64_t>(q.q_heads) * head_dim >= INT32_MAX)
     return InvalidArgument("retrieval plan: a query of " + std::to_string(q.q_heads) + " x " +
                            std::to_string(head_dim) + " floats");
-  if (q.rope_inv_freq != nullptr && q.rope_position < 0)
-    return InvalidArgument("retrieval plan: the queries' rotation position " +
-                           std::to_string(q.rope_position) + " is negative");
   return Status::Ok();
 }
 

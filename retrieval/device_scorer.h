@@ -85,7 +85,7 @@ struct BackendQueries {
   /// before pooling (InfLLM positions: memory sees the query at its position minus L0); null:
   /// q is memory's view already (absolute positions).
   const double* rope_inv_freq = nullptr;
-  int64_t rope_position = 0;
+  int64_t rope_position = 0;  ///< may be negative (a query among the sinks, before L0)
   /// cuda: the stream whose work wrote q (the backend's stream waits for it through an event,
   /// never the host); null: the legacy default stream. Ignored by "cpu".
   void* after_stream = nullptr;

@@ -325,9 +325,11 @@ TEST(DeviceRetrievalPlan, BadPlansAreNamedStatuses) {
     both.queries.q_heads = 3;  // not a multiple of the 2 kv heads
     expect_bad(both, "not a multiple of the 2 kv heads");
     both.queries.q_heads = 4;
+    both.queries.rope_position = -1;  // before L0 (a query among the sinks): a rotation like any other
+    EXPECT_TRUE(ValidateLayerSelectPlan(both).ok());
+    both.score.head_dim = 7;
     both.queries.rope_inv_freq = reinterpret_cast<const double*>(q.data());
-    both.queries.rope_position = -1;
-    expect_bad(both, "rotation position -1 is negative");
+    expect_bad(both, "cannot be rotated");
   }
   p = good;
   p.score.keys = nullptr;
