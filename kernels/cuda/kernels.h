@@ -21,6 +21,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/chunk_score.h"
 #include "kernels/cpu/entropy.h"
+#include "kernels/cpu/entropy_grant.h"
 #include "kernels/cpu/forward.h"
 #include "kernels/cpu/probe.h"
 #include "kernels/cpu/slot_attention.h"
@@ -161,5 +162,20 @@ KernelError LaunchGatherCopies(const GatherParams& p, Stream s);
 /// stream (s == nullptr), which the batch call refuses, one cudaMemcpyAsync per copy.
 KernelError MemcpyBatchAsync(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
                              Stream s);
+
+// ---- Eq. 12 grant on the device ------------------------------------------------------------
+/// ActQKV Eq. 12 / Algorithm 1 for one layer (twin: EntropyGrantStep, kernels/cpu/entropy_grant.h,
+/// which says what each field means and the flow's order): one thread reads the layer's n,
+/// Theta (SegmentEntropy's output) and non-finite count from device memory, writes min(grant,
+/// cap) to p.take and, on success, updates the state in device memory, so that the next layer's
+/// grant needs no host wait. A failure writes take 0 and its code (kEntropyGrant...) to p.error.
+/// Host checks as EntropyGrantCheck (kBadShape, kNullPointer). p.fixed_k >= 1: topk,
+/// take = min(fixed_k, n, cap).
+KernelError LaunchEntropyGrant(const EntropyGrantParams& p, Stream s);
+/// EntropyGrantBeginStep on a device state: B_kv = L * k, the step's Theta sum and count reset.
+/// k >= 1 (kBadShape), and >= the state's min_chunks (the caller checks, as
+/// EntropyBudget::BeginStep does; a smaller k makes the step's grants fail with
+/// kEntropyGrantBoundsCross).
+KernelError LaunchEntropyGrantBeginStep(EntropyGrantState* state, int k, Stream s);
 
 }  // namespace kvtier::kernels::cuda
