@@ -118,8 +118,8 @@ std::string EntropyBudget::ToString() const {
 }
 
 void EntropyBudget::Reset() {
-  theta_sum_.clear();
-  theta_count_.clear();
+  std::fill(theta_sum_.begin(), theta_sum_.end(), 0.0);
+  std::fill(theta_count_.begin(), theta_count_.end(), 0);
 }
 
 std::optional<double> EntropyBudget::MeanEntropy(int layer) const {
@@ -138,10 +138,11 @@ void EntropyBudget::BeginStep(int layers, int k) {
   if (theta_count_.size() != static_cast<size_t>(layers)) {  // a different model: start over
     theta_sum_.assign(layers, 0.0);
     theta_count_.assign(layers, 0);
+    state_.theta_sum = theta_sum_.data();
+    state_.theta_count = theta_count_.data();
   }
-  remaining_ = static_cast<int64_t>(layers) * k;  // B_kv = L x k
-  step_theta_sum_ = 0.0;
-  step_theta_count_ = 0;
+  state_.layers = layers;
+  kernels::EntropyGrantBeginStep(&state_, k);  // B_kv = L x k (Algorithm 1)
 }
 
 Result<int> EntropyBudget::Allocate(int layer, const LayerScores& s) {
@@ -166,57 +167,23 @@ Result<int> EntropyBudget::AllocateWithEntropy(int layer, int n, double theta) {
 int EntropyBudget::MaxTake(int layer, int n) const {
   if (!begun_ || !step_error_.ok() || layer < 0 || layer >= layers_) return std::max(0, n);
   const int64_t reserve = static_cast<int64_t>(opt_.min_chunks) * (layers_ - 1 - layer);
-  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(n, remaining_ - reserve)));
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(n, state_.remaining - reserve)));
 }
 
 int EntropyBudget::WouldTake(int layer, int n, double theta) const {
   if (!begun_ || !step_error_.ok() || layer != next_layer_ || n <= 0 || !std::isfinite(theta) || theta < 0.0)
     return std::max(0, n);
-  const int64_t take = Share(layer, n, theta);
+  const int64_t take = kernels::EntropyGrantShare(state_, layer, n, theta);  // ActQKV Eq. 12
   return take < 0 ? std::max(0, n) : static_cast<int>(take);
 }
 
 Result<int> EntropyBudget::Grant(int layer, int n, double theta) {
-  const int64_t take = Share(layer, n, theta);
+  // ActQKV Eq. 12 and Algorithm 1's bookkeeping: kernels/cpu/entropy_grant.h.
+  const int64_t take = kernels::EntropyGrantTake(&state_, layer, n, theta);
   if (take < 0)
-    return Internal("EntropyBudget: budget bookkeeping broke (B_kv " + std::to_string(remaining_) + ")");
-  last_theta_ = theta;
-  step_theta_sum_ += theta;
-  ++step_theta_count_;
-  remaining_ -= take;  // Algorithm 1: B_kv <- B_kv - B^l (what the layer actually took)
-
-  // The running mean of layer l is updated only after the layer is processed.
-  theta_sum_[layer] += theta;
-  ++theta_count_[layer];
+    return Internal("EntropyBudget: budget bookkeeping broke (B_kv " + std::to_string(state_.remaining) +
+                    ")");
   return static_cast<int>(take);
-}
-
-int64_t EntropyBudget::Share(int layer, int n, double theta) const {
-  const int L = layers_, M = opt_.min_chunks;
-  // Stand-in for unseen layers: the mean of this step's entropies so far, this layer's included.
-  const double step_mean = (step_theta_sum_ + theta) / (step_theta_count_ + 1);
-
-  // Eq. 12 denominator: Theta^l + sum_{j>l} Theta-bar^j.
-  double deeper = 0.0;
-  for (int j = layer + 1; j < L; ++j)
-    deeper += theta_count_[j] > 0 ? theta_sum_[j] / static_cast<double>(theta_count_[j]) : step_mean;
-  const double budget = static_cast<double>(remaining_);
-  double share;  // B^l before rounding
-  if (layer == L - 1) {
-    share = budget;  // Eq. 12 with an empty sum: everything that is left
-  } else if (theta + deeper > 0.0) {
-    share = theta / (theta + deeper) * budget;  // Eq. 12
-  } else {
-    share = budget / static_cast<double>(L - layer);  // 0/0: even split of what is left
-  }
-  // Floor (leftover fraction stays in B_kv for the deeper layers), with a 1e-9 relative tolerance.
-  const int64_t rounded = static_cast<int64_t>(std::floor(share * (1.0 + 1e-9)));
-  // Clamp to [min(M, n), min(n, B_kv - M * (deeper layers))]: reserve the deeper layers' minimum.
-  const int64_t reserve = static_cast<int64_t>(M) * (L - 1 - layer);
-  const int64_t hi = std::min<int64_t>(n, remaining_ - reserve);
-  const int64_t lo = std::min<int64_t>(M, n);
-  if (hi < lo) return -1;
-  return std::clamp(rounded, lo, hi);
 }
 
 // ---- factory ---------------------------------------------------------------------------------

@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/entropy_grant.h"
 #include "store/status.h"
 
 namespace kvtier {
@@ -142,9 +143,14 @@ struct EntropyBudgetOptions {
 ///     (too few chunks) goes to the deeper layers. Sum over the step <= L * k.
 ///   - After the layer is processed, Theta^l enters layer l's running mean.
 /// BeginStep with a different L than the previous step forgets the running means.
+/// The arithmetic is kernels/cpu/entropy_grant.h's (the twin of the device grant): this class
+/// holds its running state in a kernels::EntropyGrantState, its vectors backing the arrays.
 class EntropyBudget final : public BudgetAllocator {
  public:
   static Result<std::unique_ptr<EntropyBudget>> Make(const EntropyBudgetOptions& o = {});
+  // The state points into this object's vectors: a copy would share them.
+  EntropyBudget(const EntropyBudget&) = delete;
+  EntropyBudget& operator=(const EntropyBudget&) = delete;
   void BeginStep(int layers, int k) override;
   Result<int> Allocate(int layer, const LayerScores& s) override;
   std::string ToString() const override;
@@ -153,8 +159,8 @@ class EntropyBudget final : public BudgetAllocator {
   /// was ever allocated with chunks (or out of range).
   std::optional<double> MeanEntropy(int layer) const;
   /// B_kv: budget left in the current step.
-  int64_t remaining() const { return remaining_; }
-  double last_entropy() const override { return last_theta_; }
+  int64_t remaining() const { return state_.remaining; }
+  double last_entropy() const override { return state_.last_theta; }
   bool reads_scores() const override { return true; }
   ChunkRank rank() const override { return opt_.rank; }
   /// min(n, B_kv - M * (deeper layers)): the clamp's upper bound below.
@@ -166,17 +172,14 @@ class EntropyBudget final : public BudgetAllocator {
   const EntropyBudgetOptions& options() const { return opt_; }
 
  private:
-  explicit EntropyBudget(const EntropyBudgetOptions& o) : opt_(o) {}
-  // Eq. 12 and the bookkeeping for a layer with n > 0 chunks of entropy theta (Eq. 11).
+  explicit EntropyBudget(const EntropyBudgetOptions& o) : opt_(o) { state_.min_chunks = o.min_chunks; }
+  // Eq. 12 and the bookkeeping for a layer with n > 0 chunks of entropy theta (Eq. 11):
+  // kernels::EntropyGrantTake; Internal when the bookkeeping broke (the clamp's bounds cross).
   Result<int> Grant(int layer, int n, double theta);
-  // Eq. 12 with its rounding and clamp for layer `layer` (n > 0 chunks, entropy theta), from the
-  // current state; -1 when the bookkeeping broke (the clamp's bounds cross).
-  int64_t Share(int layer, int n, double theta) const;
   EntropyBudgetOptions opt_;
-  int64_t remaining_ = 0;        // B_kv
-  double last_theta_ = 0.0;      // Theta of the last Allocate with chunks
-  double step_theta_sum_ = 0.0;  // Theta of this step's layers with chunks so far
-  int step_theta_count_ = 0;
+  // B_kv, the step's Theta sum and count, the last Theta; theta_sum / theta_count point at
+  // theta_sum_ / theta_count_ (L entries each once a step has begun, else null).
+  kernels::EntropyGrantState state_;
   std::vector<double> theta_sum_;     // [L] over previous steps
   std::vector<int64_t> theta_count_;  // [L]
 };

@@ -22,6 +22,7 @@
 #include "kernels/cpu/chunk_score.h"
 #include "kernels/cpu/chunk_table.h"
 #include "kernels/cpu/entropy.h"
+#include "kernels/cpu/entropy_grant.h"
 #include "kernels/cpu/forward.h"
 #include "kernels/cpu/probe.h"
 #include "kernels/cpu/slot_attention.h"
@@ -191,5 +192,20 @@ KernelError LaunchChunkTableAssign(const ChunkTableParams& p, Stream s);
 /// source (mapped pinned host memory, read through UVA) to its slot, 16 bytes per load when the
 /// chunk size and both addresses are 16-byte aligned, bytes otherwise.
 KernelError LaunchChunkTableGather(const ChunkTableParams& p, Stream s);
+
+// ---- Eq. 12 grant on the device ------------------------------------------------------------
+/// ActQKV Eq. 12 / Algorithm 1 for one layer (twin: EntropyGrantStep, kernels/cpu/entropy_grant.h,
+/// which says what each field means and the flow's order): one thread reads the layer's n,
+/// Theta (SegmentEntropy's output) and non-finite count from device memory, writes min(grant,
+/// cap) to p.take and, on success, updates the state in device memory, so that the next layer's
+/// grant needs no host wait. A failure writes take 0 and its code (kEntropyGrant...) to p.error.
+/// Host checks as EntropyGrantCheck (kBadShape, kNullPointer). p.fixed_k >= 1: topk,
+/// take = min(fixed_k, n, cap).
+KernelError LaunchEntropyGrant(const EntropyGrantParams& p, Stream s);
+/// EntropyGrantBeginStep on a device state: B_kv = L * k, the step's Theta sum and count reset.
+/// k >= 1 (kBadShape), and >= the state's min_chunks (the caller checks, as
+/// EntropyBudget::BeginStep does; a smaller k makes the step's grants fail with
+/// kEntropyGrantBoundsCross).
+KernelError LaunchEntropyGrantBeginStep(EntropyGrantState* state, int k, Stream s);
 
 }  // namespace kvtier::kernels::cuda
