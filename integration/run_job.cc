@@ -10,6 +10,7 @@
 
 #include "engine/compress.h"
 #include "engine/session_internal.h"
+#include "integration/device_driver.h"
 #include "integration/json.h"
 #include "integration/kv_source.h"
 #include "integration/options_json.h"
@@ -486,6 +487,11 @@ Result<RunReport> RunJob(const RunOptions& options) {
   // Every method attends over the same store; in a comparison the hot slot
   // cache is emptied before each method's step, so no method is served by
   // chunks another method fetched.
+  // On a cuda tier the decode steps go through the device-pointer calls, as an engine's do.
+  std::unique_ptr<DeviceDriver> driver;
+  if (opt.store.device == Device::kCuda && !opt.host_calls) {
+    KVTIER_ASSIGN_OR_RETURN(driver, DeviceDriver::Create(g));
+  }
   auto sparse_step = [&](Method& mt, int64_t first, int m, bool decode,
                          const std::vector<std::vector<float>>& qs) -> Result<StepRecord> {
     StepRecord rec;
@@ -505,7 +511,10 @@ Result<RunReport> RunJob(const RunOptions& options) {
       rec.out[l].assign(static_cast<size_t>(m) * q_elems, 0.0f);
       AttendStats st;
       const double t0 = NowSeconds();
-      KVTIER_RETURN_IF_ERROR(mt.session->Attend(l, qs[l].data(), pos.data(), m, rec.out[l].data(), &st));
+      if (driver && decode)
+        KVTIER_RETURN_IF_ERROR(driver->Attend(mt.session.get(), l, qs[l].data(), pos.data(), &st));
+      else
+        KVTIER_RETURN_IF_ERROR(mt.session->Attend(l, qs[l].data(), pos.data(), m, rec.out[l].data(), &st));
       const double wall_ms = 1e3 * (NowSeconds() - t0);
       rec.other_ms +=
           std::max(0.0, wall_ms - (st.probe_ms + st.search_ms + st.alloc_ms + st.fetch_ms + st.attention_ms));
@@ -523,6 +532,12 @@ Result<RunReport> RunJob(const RunOptions& options) {
       rec.attended[l].chunks = std::move(chunks);
       KVTIER_ASSIGN_OR_RETURN(HotView view, GetHotView(*store, seq, l));
       rec.attended[l].local_begin = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
+    }
+    if (driver && decode) {
+      // The engine reads the step's outputs back: the device work of the step ends here.
+      const double t0 = NowSeconds();
+      KVTIER_RETURN_IF_ERROR(driver->ReadOutputs(&rec.out));
+      rec.other_ms += 1e3 * (NowSeconds() - t0);
     }
     const StoreCounters after = store->counters();
     rec.bytes_moved = after.bytes_moved - moved0;
@@ -561,7 +576,10 @@ Result<RunReport> RunJob(const RunOptions& options) {
       generate(l, p, p + 1);
       step_q[l].assign(qf.begin(), qf.end());
       const double t0 = NowSeconds();
-      KVTIER_RETURN_IF_ERROR(methods[0].session->Append(l, kb.data(), vb.data(), 1, g.dtype));
+      if (driver)
+        KVTIER_RETURN_IF_ERROR(driver->Append(methods[0].session.get(), l, kb.data(), vb.data(), g.dtype));
+      else
+        KVTIER_RETURN_IF_ERROR(methods[0].session->Append(l, kb.data(), vb.data(), 1, g.dtype));
       append_ms += 1e3 * (NowSeconds() - t0);
     }
     for (Method& mt : methods) {

@@ -54,6 +54,10 @@ struct RunOptions {
   std::string compress;
   int64_t kv_budget = 16384;  ///< tokens kept per layer in compression mode
   int observe = 32;           ///< prompt queries whose attention over every key the scoring policy sees
+  /// On a "cuda" hot tier the decode steps hand K, V, queries and outputs over in device memory
+  /// on the driver's own stream (Session::AppendDevice / AttendDevice, integration/device_driver.h),
+  /// as an engine does; true: through the host-pointer Append / Attend instead. Host tiers ignore it.
+  bool host_calls = false;
   Status Validate() const;
 };
 

@@ -359,6 +359,15 @@ int CmdRun(int argc, char** argv) {
           return Status::Ok();
         }));
   f.Add(
+      "host-calls",
+      "on a cuda tier, drive the decode steps through Append/Attend with host pointers instead of the "
+      "device-pointer calls an engine uses (AppendDevice/AttendDevice)",
+      [&o](const std::string& s) {
+        o.host_calls = s != "0";
+        return Status::Ok();
+      },
+      true);
+  f.Add(
       "no-baseline", "skip the full-attention comparison",
       [&o](const std::string& s) {
         o.baseline = s == "0";
