@@ -154,11 +154,13 @@ class Session {
   ///
   /// AppendDevice does not block the host in steady decode (a chunk sealed out of the local
   /// window lands without a wait too). AttendDevice still waits on the host, counted in
-  /// SessionCounters::host_syncs: for the queries' download (the probe, the chunk search and the
-  /// budget run on the host, which also checks q for NaN and infinity as Attend does), for the
-  /// selection's download when the index runs on the device, for a fetch of chunks that are not
-  /// hot, and in a prefill window for the representative-key statistics. The attention itself
-  /// and its output add none.
+  /// SessionCounters::host_syncs: for the selection's download (the budget and the fetch run on
+  /// the host), for a fetch of chunks that are not hot, and in a prefill window for the
+  /// representative-key statistics. A decode query stays on the device where the retrieval
+  /// backend selects (Exact index, no search reuse, no kept queries): the probe is built and q is
+  /// checked for NaN and infinity there (refused by name as Attend refuses it, in the selection's
+  /// wait); otherwise q comes down once (one more wait) for the host's probe and checks. The
+  /// attention itself and its output add none.
   virtual Status AppendDevice(int layer, const void* k, const void* v, int n, DType dtype, void* stream) = 0;
   virtual Status AttendDevice(int layer, const float* q, const int64_t* positions, int m, float* out,
                               void* stream, AttendStats* stats = nullptr) = 0;
