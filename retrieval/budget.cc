@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "kernels/cpu/entropy.h"
 #include "retrieval/probe.h"  // factory-string helpers
@@ -15,6 +16,73 @@ namespace kvtier {
 double SoftmaxEntropy(const float* s, int n) {
   // Eq. 11 lives in kernels/cpu/entropy (the CPU twin of the device kernel).
   return kernels::SoftmaxEntropy(s, n);
+}
+
+namespace {
+// An upper bound on e^x for x >= 0: 1 + x + x^2 for x <= 1 (the series' tail past x is at most
+// x^2 (e - 2) there), else exp rounded up.
+double ExpUpper(double x) { return x <= 1.0 ? 1.0 + x + x * x : std::exp(x) * (1.0 + 1e-15); }
+// A lower bound on e^{-x} for x >= 0: 1 - x for x <= 1/2, else exp rounded down.
+double ExpNegLower(double x) { return x <= 0.5 ? 1.0 - x : std::exp(-x) * (1.0 - 1e-15); }
+}  // namespace
+
+double SoftmaxEntropyErrorBound(const float* s, const float* error, int n,
+                                std::vector<double>* contribution) {
+  if (contribution != nullptr) contribution->assign(static_cast<size_t>(std::max(n, 0)), 0.0);
+  if (s == nullptr || error == nullptr || n <= 0) return 0.0;
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  double mx = -kInf;
+  for (int i = 0; i < n; ++i) {
+    if (!std::isfinite(s[i]) || !(error[i] >= 0.0f && error[i] <= std::numeric_limits<float>::max()))
+      return kInf;
+    mx = std::max(mx, static_cast<double>(s[i]));
+  }
+  // softmax(s) and the p-mean of s, shifted by the max (no overflow).
+  std::vector<double> p(static_cast<size_t>(n));
+  double z = 0.0, zs = 0.0;
+  for (int i = 0; i < n; ++i) {
+    p[i] = std::exp(static_cast<double>(s[i]) - mx);
+    z += p[i];
+    zs += p[i] * (static_cast<double>(s[i]) - mx);
+  }
+  const double mean = zs / z + mx;
+  double w = 0.0, shift = 0.0;  // W and the numerator of m
+  const double inv_z = 1.0 / z;
+  for (int i = 0; i < n; ++i) {
+    p[i] *= inv_z;
+    const double e = error[i];
+    if (e == 0.0) {
+      w += p[i];
+      continue;
+    }
+    const double up = ExpUpper(e);
+    w += p[i] * ExpNegLower(e);
+    shift += p[i] * up * e + p[i] * (up - 1.0) * std::abs(static_cast<double>(s[i]) - mean);
+  }
+  if (!(w > 0.0)) return kInf;
+  const double inv_w = 1.0 / w, m = shift * inv_w;
+  // p[i] becomes c_i (one loop whatever `contribution` is: the same arithmetic every call).
+  double bound = 0.0;
+  for (int i = 0; i < n; ++i) {
+    const double e = error[i];
+    p[i] = e == 0.0 ? 0.0
+                    : p[i] * ExpUpper(e) * inv_w * (std::abs(static_cast<double>(s[i]) - mean) + e + m) * e;
+    bound += p[i];
+  }
+  if (contribution != nullptr) contribution->assign(p.begin(), p.end());
+  // The terms above are evaluated in double: their relative error is far below 1e-6 for any n
+  // below 2^30. SoftmaxEntropy of either vector is a sum of n terms in double: log Z and
+  // sum p_i (s_i - max) are off by at most (n + 16) 2^-53 (1 + log n + spread) each, with the
+  // spread max - min of the scores (< the screened spread + 2 max e); twice that for the two
+  // evaluations, times 2 for slack.
+  double lo = mx, emax = 0.0;
+  for (int i = 0; i < n; ++i) {
+    lo = std::min(lo, static_cast<double>(s[i]));
+    emax = std::max(emax, static_cast<double>(error[i]));
+  }
+  const double spread = mx - lo + 2.0 * emax;
+  const double rounding = 4.0 * (n + 16.0) * 0x1p-53 * (1.0 + std::log(static_cast<double>(n)) + spread);
+  return bound * (1.0 + 1e-6) + rounding;
 }
 
 float Cosine(const float* a, const float* b, int d) {

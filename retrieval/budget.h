@@ -192,6 +192,23 @@ Result<std::unique_ptr<BudgetAllocator>> MakeBudgetAllocator(const std::string& 
 /// Theta = log Z - sum_i p_i (s_i - max), Z = sum_i exp(s_i - max). 0 when n <= 0 (or s null).
 /// Scores must be finite (the entropy allocator checks).
 double SoftmaxEntropy(const float* s, int n);
+/// The error the entropy path's Θ is certified within (issue 47, docs/retrieval.md "The exactness
+/// contract"), nats: a layer whose screened cosines leave a larger SoftmaxEntropyErrorBound has
+/// more of them rescored exactly (ChunkIndex::RefineForEntropy) before the grant.
+inline constexpr double kEntropyErrorTarget = 1e-3;
+/// A certified bound on |SoftmaxEntropy(x) - SoftmaxEntropy(s)| for every x with
+/// |x_i - s_i| <= error[i] (error[i] = 0: s_i is exact), the double evaluation of both included;
+/// proof in docs/retrieval.md. With p = softmax(s), d_i = s_i - sum_j p_j s_j, up(e) >= e^e,
+/// W = sum_j p_j e^{-e_j} and
+///   m = (sum_j p_j up(e_j) e_j + sum_j p_j (up(e_j) - 1) |d_j|) / W
+/// (a bound on how far the p-mean of x moves from that of s), the bound is the sum of
+///   c_i = p_i up(e_i) / W * (|d_i| + e_i + m) * e_i,
+/// inflated by 1e-6 relative, plus 4 (n + 16) 2^-53 (1 + log n + spread + 2 max e) nats for the
+/// double rounding of the two SoftmaxEntropy evaluations (spread: max - min of s). `contribution`, when set,
+/// gets c_i (n entries; 0 where error[i] = 0). +inf when a score or error is not finite, an error is
+/// negative, or W underflows; 0 when n <= 0.
+double SoftmaxEntropyErrorBound(const float* s, const float* error, int n,
+                                std::vector<double>* contribution = nullptr);
 /// Eq. 10 helper: cosine similarity of a probe and a key (0 when either norm is 0), in fp64.
 float Cosine(const float* a, const float* b, int d);
 

@@ -67,6 +67,22 @@ Status ChunkIndex::Search(const float* probe, size_t k, std::vector<uint64_t>* o
   return Best(probe, screened, ChunkRank::kLogit, k, out);
 }
 
+Status ChunkIndex::RefineForEntropy(const float* probe, double max_error, ChunkScores* screened,
+                                    double* bound) const {
+  (void)probe;
+  (void)max_error;
+  if (screened == nullptr || bound == nullptr)
+    return InvalidArgument("ChunkIndex::RefineForEntropy: screened and bound must not be null");
+  const int n = static_cast<int>(screened->cosine.size());
+  if (screened->cosine_error.size() == screened->cosine.size()) {
+    *bound = SoftmaxEntropyErrorBound(screened->cosine.data(), screened->cosine_error.data(), n);
+  } else {
+    const std::vector<float> none(screened->cosine.size(), 0.0f);  // exact scores
+    *bound = SoftmaxEntropyErrorBound(screened->cosine.data(), none.data(), n);
+  }
+  return Status::Ok();
+}
+
 Status ChunkIndex::BestOf(const float* probe, const std::vector<uint64_t>& chunks, ChunkRank rank,
                           size_t take, std::vector<uint64_t>* out) const {
   (void)probe, (void)chunks, (void)rank, (void)take, (void)out;

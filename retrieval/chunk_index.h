@@ -17,7 +17,7 @@
 // Kinds, chosen by the spec string (the factory-string syntax of store/factory_spec.h; the
 // name may hold commas, as FAISS descriptions do: "IVF1024,Flat:nprobe=32"):
 //
-//   Exact[:heads=sum|max,rerank=F,rerank_min=N]                         (exact_index.h)
+//   Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E]                         (exact_index.h)
 //       Every representative key is kept, in the store's dtype, plus int8 codes of it. A
 //       chunk's score is its best representative per kv head, the heads summed (heads=sum;
 //       cosines averaged, so they stay in [-1, 1]) or the most interested head's (heads=max).
@@ -102,6 +102,9 @@ struct ChunkScores {
   const std::vector<float>& error_by(ChunkRank r) const {
     return r == ChunkRank::kLogit ? logit_error : cosine_error;
   }
+  /// Rows (ascending) whose scores RefineForEntropy replaced with the exact ones (their errors
+  /// 0), so that Best need not score them again. Cleared by Score and Screen.
+  std::vector<int64_t> exact_rows;
   /// Set by Score/Screen: which index, in which of its states (changed by every Add or
   /// Remove), the scores are of. Best refuses scores of another index or state.
   const ChunkIndex* index = nullptr;
@@ -147,8 +150,20 @@ class ChunkIndex {
   virtual Status Score(const float* probe, ChunkScores* out) const = 0;
   /// Every chunk's scores as the allocator sees them; Best refines them. Default: Score.
   virtual Status Screen(const float* probe, ChunkScores* out) const { return Score(probe, out); }
+  /// Makes Eq. 11 of `screened`'s cosines (Screen's answer for the same probe) certified within
+  /// `max_error` nats of Eq. 11 of the exact cosines: while SoftmaxEntropyErrorBound (budget.h)
+  /// of the cosines and their error bounds exceeds it, the chunks of the largest contributions
+  /// are scored exactly and their scores replace the screened ones (errors 0, rows added to
+  /// exact_rows). *bound gets the final bound (<= max_error, or every chunk exact). Default:
+  /// nothing to refine for exact scores (*bound = the bound of 0 errors); an approximate kind
+  /// that cannot rescore leaves the scores and reports their bound.
+  virtual Status RefineForEntropy(const float* probe, double max_error, ChunkScores* screened,
+                                  double* bound) const;
+  /// The Θ error (nats) the index's spec asks the entropy path to certify with RefineForEntropy
+  /// (the Exact index's "theta"); 0 = none (the default, and every other kind).
+  virtual double entropy_error_target() const { return 0.0; }
   /// The `take` best chunks by `rank`, best first, ties to the smaller chunk index; `screened`
-  /// is Screen's answer for the same probe. take larger than size() returns every chunk.
+  /// is Screen's answer for the same probe (refined or not). take larger than size() returns every chunk.
   virtual Status Best(const float* probe, const ChunkScores& screened, ChunkRank rank, size_t take,
                       std::vector<uint64_t>* out) const = 0;
   /// The top k by logit, best first, ties to the smaller chunk index (approximate kinds: among

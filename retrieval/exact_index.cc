@@ -4,8 +4,11 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <iterator>
 #include <limits>
+#include <utility>
 
 #include "kernels/cpu/chunk_score.h"
 #include "kernels/cpu/dot.h"
@@ -54,9 +57,15 @@ Result<ExactIndexOptions> ExactIndexOptions::Parse(const std::string& spec) {
         return InvalidArgument("bad value '" + value + "' for key '" + key + "' in index spec '" + spec +
                                "' (expected an integer >= 0)");
       (key == "rerank" ? o.rerank_factor : o.rerank_min) = v;
+    } else if (key == "theta") {
+      KVTIER_ASSIGN_OR_RETURN(const double v, ParseSpecDouble(spec, key, value));
+      if (!(v >= 0.0 && v <= 1.0))
+        return InvalidArgument("bad value '" + value + "' for key 'theta' in index spec '" + spec +
+                               "' (expected nats in [0, 1]; 0 = no certificate)");
+      o.theta_error = v;
     } else {
       return InvalidArgument("unknown key '" + key + "' for index 'Exact' in spec '" + spec +
-                             "' (known: heads, rerank, rerank_min)");
+                             "' (known: heads, rerank, rerank_min, theta)");
     }
   }
   return o;
@@ -64,7 +73,8 @@ Result<ExactIndexOptions> ExactIndexOptions::Parse(const std::string& spec) {
 
 std::string ExactIndexOptions::ToString() const {
   return std::string("Exact:heads=") + (heads == HeadMerge::kMax ? "max" : "sum") +
-         ",rerank=" + std::to_string(rerank_factor) + ",rerank_min=" + std::to_string(rerank_min);
+         ",rerank=" + std::to_string(rerank_factor) + ",rerank_min=" + std::to_string(rerank_min) +
+         (theta_error > 0.0 ? ",theta=" + FormatSpecDouble(theta_error) : "");
 }
 
 // ---- lifetime and writes ------------------------------------------------------------
@@ -335,6 +345,7 @@ Status ExactChunkIndex::Score(const float* probe, ChunkScores* out) const {
                                std::memory_order_relaxed);
   out->logit_error.clear();  // exact
   out->cosine_error.clear();
+  out->exact_rows.clear();
   if (!Current(*out)) out->ids = ids_;  // the same index unchanged: its ids are there already
   Stamp(out);
   return Status::Ok();
@@ -347,6 +358,7 @@ Status ExactChunkIndex::Screen(const float* probe, ChunkScores* out) const {
   // The first stage: int8 codes, a quarter of the bytes of an fp32 pass, which is memory-bound.
   QuantizedScores(probe, 0, ids_.size(), out);
   first_stage_bytes_.fetch_add(ids_.size() * CodeRowBytes(), std::memory_order_relaxed);
+  out->exact_rows.clear();
   if (!Current(*out)) out->ids = ids_;
   Stamp(out);
   return Status::Ok();
@@ -374,14 +386,125 @@ Status ExactChunkIndex::Best(const float* probe, const ChunkScores& screened, Ch
                 std::max<int64_t>(static_cast<int64_t>(options_.rerank_factor) * static_cast<int64_t>(take),
                                   options_.rerank_min),
                 &rows);
-  rescored_.fetch_add(rows.size(), std::memory_order_relaxed);
-  rescoring_bytes_.fetch_add(ExactPassBytes(rows), std::memory_order_relaxed);
-  std::vector<float> logit, cos;
-  ScoresOf(probe, rows, &logit, &cos);
+  // Candidates RefineForEntropy scored exactly keep those scores (bit for bit what ScoresOf
+  // gives); the others are scored now.
+  const std::vector<int64_t>& exact = screened.exact_rows;
+  if (!exact.empty() && (exact.back() < 0 || static_cast<size_t>(exact.back()) >= n))
+    return InvalidArgument("ExactChunkIndex::Best: exact row " + std::to_string(exact.back()) + " of " +
+                           std::to_string(n) + " rows");
+  std::vector<int64_t> fresh;
+  std::vector<uint8_t> known(rows.size(), 0);
+  fresh.reserve(rows.size());
+  for (size_t i = 0, j = 0; i < rows.size(); ++i) {
+    while (j < exact.size() && exact[j] < rows[i]) ++j;
+    known[i] = j < exact.size() && exact[j] == rows[i];
+    if (!known[i]) fresh.push_back(rows[i]);
+  }
+  rescored_.fetch_add(fresh.size(), std::memory_order_relaxed);
+  rescoring_bytes_.fetch_add(ExactPassBytes(fresh), std::memory_order_relaxed);
+  std::vector<float> fresh_logit, fresh_cos;
+  ScoresOf(probe, fresh, &fresh_logit, &fresh_cos);
+  const std::vector<float>& fresh_by = rank == ChunkRank::kLogit ? fresh_logit : fresh_cos;
+  std::vector<float> score(rows.size());
   std::vector<uint64_t> cand_ids(rows.size());
-  for (size_t i = 0; i < rows.size(); ++i) cand_ids[i] = ids_[rows[i]];
-  *out = TakeBest(rank == ChunkRank::kLogit ? logit : cos, cand_ids, take);
+  for (size_t i = 0, f = 0; i < rows.size(); ++i) {
+    cand_ids[i] = ids_[rows[i]];
+    score[i] = known[i] ? by[static_cast<size_t>(rows[i])] : fresh_by[f++];
+  }
+  *out = TakeBest(score, cand_ids, take);
   return Status::Ok();
+}
+
+Status ExactChunkIndex::RefineForEntropy(const float* probe, double max_error, ChunkScores* screened,
+                                         double* bound) const {
+  if (probe == nullptr || screened == nullptr || bound == nullptr)
+    return InvalidArgument("ExactChunkIndex::RefineForEntropy: probe, screened and bound must not be null");
+  KVTIER_RETURN_IF_ERROR(CheckCurrent(*screened, "ExactChunkIndex::RefineForEntropy"));
+  const size_t n = ids_.size();
+  if (screened->cosine_error.size() != n)  // exact scores (rerank=0): nothing to refine
+    return ChunkIndex::RefineForEntropy(probe, max_error, screened, bound);
+  if (screened->cosine.size() != n || screened->logit.size() != n || screened->logit_error.size() != n)
+    return InvalidArgument("ExactChunkIndex::RefineForEntropy: " + std::to_string(screened->cosine.size()) +
+                           " cosines for " + std::to_string(n) + " chunks");
+  std::vector<double> contribution;
+  std::vector<std::pair<double, int64_t>> order;  // (contribution, row) of the rows still screened
+  std::vector<int64_t> rows, merged;
+  std::vector<float> logit, cos;
+  // Contributions fall into buckets a quarter octave wide, largest first: a positive double's
+  // bits order as its value, and its exponent with two mantissa bits name its bucket.
+  constexpr int kBuckets = 256;
+  const auto key = [](double c) { return std::bit_cast<uint64_t>(c) >> 50; };
+  std::vector<double> bucket_sum(kBuckets);
+  std::vector<uint8_t> bucket_of;
+  std::vector<std::pair<double, int64_t>> in_last;
+  for (;;) {
+    *bound = SoftmaxEntropyErrorBound(screened->cosine.data(), screened->cosine_error.data(),
+                                      static_cast<int>(n), &contribution);
+    if (*bound <= max_error) return Status::Ok();
+    order.clear();
+    for (size_t i = 0; i < n; ++i)
+      if (screened->cosine_error[i] != 0.0f) order.emplace_back(contribution[i], static_cast<int64_t>(i));
+    if (order.empty()) return Status::Ok();  // every chunk exact: the bound is rounding alone
+    size_t take = order.size();  // a bound that is not finite (a NaN error): every row still screened
+    if (std::isfinite(*bound)) {
+      // The largest contributions (ties to the smaller row) until those left sum to at most 0.9
+      // of the target: the last tenth leaves room for the terms every contribution shares (the
+      // softmax, its mean, m), which move as exact cosines replace screened ones; the loop
+      // rescores more if needed. The buckets before the one where the sum is reached are taken
+      // whole, that one's rows in order: the same rows as a full sort, in linear time.
+      double need = -0.9 * max_error;
+      uint64_t top = 0;
+      for (const auto& o : order) {
+        need += o.first;
+        top = std::max(top, key(o.first));
+      }
+      std::fill(bucket_sum.begin(), bucket_sum.end(), 0.0);
+      bucket_of.resize(order.size());
+      for (size_t i = 0; i < order.size(); ++i) {
+        bucket_of[i] = static_cast<uint8_t>(std::min<uint64_t>(top - key(order[i].first), kBuckets - 1));
+        bucket_sum[bucket_of[i]] += order[i].first;
+      }
+      int last = 0;  // the bucket where the sum is reached
+      while (last < kBuckets - 1 && need - bucket_sum[static_cast<size_t>(last)] > 0.0)
+        need -= bucket_sum[static_cast<size_t>(last++)];
+      // The taken buckets' rows move to the front (in place: a row moves only backwards), then
+      // the last bucket's, largest first, while the sum is not reached (at least one row).
+      take = 0;
+      in_last.clear();
+      for (size_t i = 0; i < order.size(); ++i) {
+        const int b = static_cast<int>(bucket_of[i]);
+        if (b < last)
+          order[take++] = order[i];
+        else if (b == last)
+          in_last.push_back(order[i]);
+      }
+      std::sort(in_last.begin(), in_last.end(), [](const auto& a, const auto& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      });
+      for (size_t i = 0; i < in_last.size() && (need > 0.0 || take == 0); ++i) {
+        need -= in_last[i].first;
+        order[take++] = in_last[i];
+      }
+    }
+    rows.resize(take);
+    for (size_t i = 0; i < take; ++i) rows[i] = order[i].second;
+    std::sort(rows.begin(), rows.end());
+    rescored_.fetch_add(rows.size(), std::memory_order_relaxed);
+    rescoring_bytes_.fetch_add(ExactPassBytes(rows), std::memory_order_relaxed);
+    entropy_rescored_.fetch_add(rows.size(), std::memory_order_relaxed);
+    ScoresOf(probe, rows, &logit, &cos);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const size_t r = static_cast<size_t>(rows[i]);
+      screened->logit[r] = logit[i];
+      screened->cosine[r] = cos[i];
+      screened->logit_error[r] = 0.0f;
+      screened->cosine_error[r] = 0.0f;
+    }
+    merged.clear();
+    std::merge(screened->exact_rows.begin(), screened->exact_rows.end(), rows.begin(), rows.end(),
+               std::back_inserter(merged));
+    screened->exact_rows.swap(merged);
+  }
 }
 
 Status ExactChunkIndex::BestOf(const float* probe, const std::vector<uint64_t>& chunks, ChunkRank rank,
@@ -561,6 +684,7 @@ Status ExactChunkIndex::ScreenRows(const float* probe, size_t begin, size_t end,
     first_stage_bytes_.fetch_add((end - begin) * CodeRowBytes(), std::memory_order_relaxed);
   }
   out->ids.assign(ids_.begin() + static_cast<ptrdiff_t>(begin), ids_.begin() + static_cast<ptrdiff_t>(end));
+  out->exact_rows.clear();
   out->index = nullptr;  // not a whole screen: Best refuses it
   return Status::Ok();
 }

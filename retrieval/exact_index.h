@@ -33,6 +33,12 @@
 //     times take when the scores are spread out, more when many are within the code error).
 //     F and N add the best max(F x take, N) screened chunks to the candidates (for
 //     comparisons; the bound alone makes the choice exact).
+//   RefineForEntropy, between the two (the entropy allocator's path): Eq. 11 of the screened
+//     cosines is certified within a target of Eq. 11 of the exact ones by rescoring, from the
+//     stored keys, the chunks that contribute most to SoftmaxEntropyErrorBound (budget.h): the
+//     chunks of large softmax weight and error first, the top of the ranking among them. Their
+//     exact scores replace the screened ones (error 0, ChunkScores::exact_rows) and Best reuses
+//     them without reading the keys again.
 // rerank=0: Screen is that fp32 pass over every chunk, and Best sorts it. Score is always
 // the fp32 pass.
 //
@@ -83,10 +89,16 @@ struct ExactIndexOptions {
   /// stored keys; 0 = one fp32 pass over every chunk. Default: 1.
   int rerank_factor = 1;
   int rerank_min = 0;  ///< "rerank_min". Default: 0.
+  /// "theta": > 0, the entropy path's Θ (Eq. 11) is certified within this many nats of the fp32
+  /// Θ (RefineForEntropy rescores the chunks that weigh most in it until
+  /// SoftmaxEntropyErrorBound is within it; docs/retrieval.md, "The exactness contract"); 0 = the
+  /// screened cosines' Θ, no certificate. Default: 0 (the certificate at 1e-3 doubles the 128K
+  /// decode step on a CPU). In [0, 1].
+  double theta_error = 0.0;
 
-  /// From an index spec "Exact[:heads=sum|max,rerank=F,rerank_min=N]" (F, N >= 0).
+  /// From an index spec "Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E]" (F, N >= 0, E in [0, 1]).
   static Result<ExactIndexOptions> Parse(const std::string& spec);
-  /// "Exact:heads=sum,rerank=1,rerank_min=0": every key spelled out.
+  /// "Exact:heads=sum,rerank=1,rerank_min=0": every key spelled out, and ",theta=E" when E > 0.
   std::string ToString() const;
 };
 
@@ -105,10 +117,16 @@ class ExactChunkIndex final : public ChunkIndex {
   Status Screen(const float* probe, ChunkScores* out) const override;
   /// rerank > 0: rescores, from the stored keys, the chunks of `screened` whose error bound
   /// cannot rule them out of the take best by `rank`, plus its best max(rerank x take,
-  /// rerank_min), and returns the take best of them (the single fp32 pass's choice);
-  /// rerank = 0: the take best of `screened`.
+  /// rerank_min), and returns the take best of them (the single fp32 pass's choice); the rows in
+  /// screened.exact_rows keep their (exact) scores unread. rerank = 0: the take best of `screened`.
   Status Best(const float* probe, const ChunkScores& screened, ChunkRank rank, size_t take,
               std::vector<uint64_t>* out) const override;
+  /// rerank > 0: the chunks of the largest contributions to the Θ bound rescored from the
+  /// stored keys, as Best rescores (counted in rescored_chunks() and the rescoring bytes), until
+  /// the bound is <= max_error or every chunk is exact; rerank = 0: the scores are exact.
+  Status RefineForEntropy(const float* probe, double max_error, ChunkScores* screened,
+                          double* bound) const override;
+  double entropy_error_target() const override { return options_.theta_error; }
   Status BestOf(const float* probe, const std::vector<uint64_t>& chunks, ChunkRank rank, size_t take,
                 std::vector<uint64_t>* out) const override;
   Status ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks,
@@ -126,8 +144,11 @@ class ExactChunkIndex final : public ChunkIndex {
   uint64_t memory_cap() const override { return cap_; }
   uint64_t compressed_chunks() const override { return full_from_; }
   uint64_t evicted_chunks() const override { return evicted_; }
-  /// Chunks Best has rescored from the stored keys, summed over its calls.
+  /// Chunks Best and RefineForEntropy have rescored from the stored keys, summed over their calls
+  /// (a chunk Best takes from RefineForEntropy's exact_rows is not read, nor counted, again).
   uint64_t rescored_chunks() const { return rescored_.load(std::memory_order_relaxed); }
+  /// Of those, the chunks RefineForEntropy rescored.
+  uint64_t entropy_rescored_chunks() const { return entropy_rescored_.load(std::memory_order_relaxed); }
   /// The first stage reads, per chunk, CodeRowBytes() (int8 screen) or, for an fp32 pass,
   /// FullRowBytes() (CodeRowBytes() for a row the cap compressed); the rescoring FullRowBytes().
   IndexReadBytes read_bytes() const override;
@@ -195,13 +216,14 @@ class ExactChunkIndex final : public ChunkIndex {
   uint64_t ExactPassBytes(const std::vector<int64_t>& rows) const;
 
   const ExactIndexOptions options_;
-  std::vector<uint64_t> ids_;                  // [n] chunk index of each row, ascending
-  size_t full_from_ = 0;                       // rows below it are compressed (int8 codes only)
-  std::vector<std::vector<uint8_t>> repr_;     // [H][n - full_from_, R, D] in the store's dtype
-  std::vector<std::vector<float>> inv_norm_;   // [H][n - full_from_, R]
-  uint64_t cap_ = 0;                           // memory cap in bytes (0 = unbounded)
-  uint64_t evicted_ = 0;                       // rows the cap evicted
-  mutable std::atomic<uint64_t> rescored_{0};  // rescored_chunks()
+  std::vector<uint64_t> ids_;                          // [n] chunk index of each row, ascending
+  size_t full_from_ = 0;                               // rows below it are compressed (int8 codes only)
+  std::vector<std::vector<uint8_t>> repr_;             // [H][n - full_from_, R, D] in the store's dtype
+  std::vector<std::vector<float>> inv_norm_;           // [H][n - full_from_, R]
+  uint64_t cap_ = 0;                                   // memory cap in bytes (0 = unbounded)
+  uint64_t evicted_ = 0;                               // rows the cap evicted
+  mutable std::atomic<uint64_t> rescored_{0};          // rescored_chunks()
+  mutable std::atomic<uint64_t> entropy_rescored_{0};  // entropy_rescored_chunks()
   // read_bytes(): the first stage's and the rescoring's bytes, added once per call.
   mutable std::atomic<uint64_t> first_stage_bytes_{0}, rescoring_bytes_{0};
   std::vector<std::vector<int8_t>> q8_;       // [H] int8 blocks

@@ -405,9 +405,15 @@ Result<LayerSelection> Retriever::SelectLayer(SequenceId seq, int layer, const f
           return sel;
         }
         // The entropy cut-off needs every chunk's score (Eq. 10-11 over the whole cache): the
-        // allocator reads the screened Eq. 10 cosines, then the index returns the layer's B^l best
-        // by the allocator's rank (refined from the stored keys where the screen was approximate).
+        // allocator reads the screened Eq. 10 cosines (with the index's "theta" certificate, the
+        // chunks that weigh most in Eq. 11 rescored exactly until Θ is within it), then the index
+        // returns the layer's B^l best by the allocator's rank (refined from the stored keys
+        // where the screen was approximate).
         KVTIER_RETURN_IF_ERROR(index.Screen(probe_vec_.data(), &scores_));
+        if (const double target = index.entropy_error_target(); target > 0.0) {
+          double theta_bound = 0.0;
+          KVTIER_RETURN_IF_ERROR(index.RefineForEntropy(probe_vec_.data(), target, &scores_, &theta_bound));
+        }
         sel.search_ms = MsSince(t0);
         t0 = std::chrono::steady_clock::now();
         KVTIER_ASSIGN_OR_RETURN(int take, alloc_->Allocate(layer, LayerScores{scores_.cosine.data(), n}));

@@ -612,6 +612,14 @@ TEST(ChunkIndexSpec, RoundTripsForEveryKind) {
   EXPECT_EQ(e->heads, ExactIndexOptions::HeadMerge::kMax);
   EXPECT_EQ(e->rerank_factor, 2);
   EXPECT_EQ(e->rerank_min, 9);
+  EXPECT_EQ(e->theta_error, 0.0);  // no certificate unless asked
+  auto certified = ExactIndexOptions::Parse("Exact:heads=max,theta=0.001");
+  ASSERT_TRUE(certified.ok());
+  EXPECT_EQ(certified->theta_error, 0.001);
+  EXPECT_EQ(certified->ToString(), "Exact:heads=max,rerank=1,rerank_min=0,theta=0.001");
+  auto index = MakeChunkIndex("Exact:theta=0.001", ChunkShape{2, 16, 2, DType::kF16});
+  ASSERT_TRUE(index.ok());
+  EXPECT_EQ((*index)->entropy_error_target(), 0.001);
   auto f = FaissIndexOptions::Parse("IVF64,Flat:nprobe=3,train_min=70");
   ASSERT_TRUE(f.ok());
   EXPECT_EQ(f->factory, "IVF64,Flat");
@@ -628,6 +636,8 @@ TEST(ChunkIndexSpec, BadSpecsAreRejectedNamingTheKeyOrValue) {
       {"Exact:rerank=-1", "bad value '-1' for key 'rerank'"},
       {"Exact:rerank=x", "'rerank'"},
       {"Exact:rerank_min=1.5", "'rerank_min'"},
+      {"Exact:theta=-0.1", "bad value '-0.1' for key 'theta'"},
+      {"Exact:theta=2", "bad value '2' for key 'theta'"},
       {"Exact:bogus=1", "unknown key 'bogus'"},
       {"Exact:nprobe=4", "unknown key 'nprobe'"},
       {"Exact:heads=max,heads=sum", "duplicate key 'heads'"},

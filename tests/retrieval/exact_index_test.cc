@@ -425,6 +425,83 @@ TEST(ExactChunkIndex, BestIsExactForAnyScreenWithinItsBounds) {
   }
 }
 
+TEST(ExactChunkIndex, RefineForEntropyRescoresUntilTheThetaBoundIsMet) {
+  const ChunkShape shape{2, 16, 4, DType::kF16};
+  const size_t n = 600;
+  auto made = ExactChunkIndex::Create(shape, *ExactIndexOptions::Parse("Exact:heads=max"));
+  ASSERT_TRUE(made.ok());
+  ExactChunkIndex* index = made->get();
+  AddAll(index, Iota(n), RandomReprs(n, shape, 53));
+  auto single = Make("Exact:heads=max,rerank=0", shape);
+  AddAll(single.get(), Iota(n), RandomReprs(n, shape, 53));
+  std::mt19937 rng(6);
+  std::normal_distribution<float> nd;
+  for (int q = 0; q < 4; ++q) {
+    std::vector<float> p(shape.dim());
+    for (float& x : p) x = nd(rng);
+    ChunkScores exact, screened;
+    ASSERT_TRUE(single->Score(p.data(), &exact).ok());
+    const double theta_fp32 = SoftmaxEntropy(exact.cosine.data(), static_cast<int>(n));
+    ASSERT_TRUE(index->Screen(p.data(), &screened).ok());
+    const double screened_bound =
+        SoftmaxEntropyErrorBound(screened.cosine.data(), screened.cosine_error.data(), static_cast<int>(n));
+    ASSERT_GT(screened_bound, 0.0);
+    ASSERT_TRUE(std::isfinite(screened_bound));
+
+    // A target the screen meets already: nothing is rescored and the scores stay.
+    const ChunkScores before = screened;
+    const uint64_t refined0 = index->entropy_rescored_chunks();
+    double bound = -1.0;
+    ASSERT_TRUE(index->RefineForEntropy(p.data(), 2.0 * screened_bound, &screened, &bound).ok());
+    EXPECT_EQ(bound, screened_bound);
+    EXPECT_EQ(index->entropy_rescored_chunks(), refined0);
+    EXPECT_TRUE(screened.exact_rows.empty());
+    EXPECT_EQ(screened.cosine, before.cosine);
+
+    // A target 20 times below the screen's bound: chunks are rescored (a minority of them,
+    // the ones that weigh most), their scores are the fp32 pass's bit for bit, and the bound
+    // then holds the target and the true error.
+    const double target = screened_bound / 20.0;
+    const IndexReadBytes read0 = index->read_bytes();
+    const uint64_t rescored0 = index->rescored_chunks();
+    ASSERT_TRUE(index->RefineForEntropy(p.data(), target, &screened, &bound).ok());
+    const uint64_t refined = index->entropy_rescored_chunks() - refined0;
+    EXPECT_GT(refined, 0u) << "probe " << q;
+    EXPECT_LT(refined, n) << "probe " << q;
+    EXPECT_EQ(index->rescored_chunks() - rescored0, refined);
+    EXPECT_EQ(index->read_bytes().rescoring - read0.rescoring, refined * FullRowBytes(shape));
+    ASSERT_EQ(screened.exact_rows.size(), refined);
+    EXPECT_TRUE(std::is_sorted(screened.exact_rows.begin(), screened.exact_rows.end()));
+    for (int64_t r : screened.exact_rows) {
+      const size_t c = static_cast<size_t>(r);
+      EXPECT_EQ(screened.cosine[c], exact.cosine[c]) << "row " << r;
+      EXPECT_EQ(screened.logit[c], exact.logit[c]) << "row " << r;
+      EXPECT_EQ(screened.cosine_error[c], 0.0f);
+      EXPECT_EQ(screened.logit_error[c], 0.0f);
+    }
+    EXPECT_LE(bound, target) << "probe " << q;
+    EXPECT_EQ(bound, SoftmaxEntropyErrorBound(screened.cosine.data(), screened.cosine_error.data(),
+                                              static_cast<int>(n)));
+    EXPECT_LE(std::abs(SoftmaxEntropy(screened.cosine.data(), static_cast<int>(n)) - theta_fp32), bound);
+
+    // Best from the refined scores chooses the fp32 pass's chunks and reads none of the
+    // refined chunks again.
+    for (ChunkRank rank : {ChunkRank::kLogit, ChunkRank::kCosine}) {
+      ChunkScores plain;
+      ASSERT_TRUE(index->Screen(p.data(), &plain).ok());
+      std::vector<uint64_t> from_plain, from_refined;
+      const uint64_t r0 = index->rescored_chunks();
+      ASSERT_TRUE(index->Best(p.data(), plain, rank, 16, &from_plain).ok());
+      const uint64_t r1 = index->rescored_chunks();
+      ASSERT_TRUE(index->Best(p.data(), screened, rank, 16, &from_refined).ok());
+      const uint64_t r2 = index->rescored_chunks();
+      EXPECT_EQ(from_refined, BestOf(*single, p, rank, 16));
+      EXPECT_EQ(from_plain, from_refined);
+      EXPECT_LT(r2 - r1, r1 - r0) << "the refined chunks among Best's candidates are not read again";
+    }
+  }
+}
+
 TEST(ExactChunkIndex, TiedChunksGoToTheSmallerIndexFirst) {
   // Every chunk holds (1,0) twice: every score ties, in both stages and in a single pass, and
   // the smaller chunk index must win and come first. With p = (0,1) every dot is +0 or -0,
