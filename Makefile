@@ -36,7 +36,7 @@ CLANG_CMAKE   = -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_CUDA=off \
                 -DOpenMP_C_FLAGS=-fopenmp=libgomp -DOpenMP_CXX_FLAGS=-fopenmp=libgomp \
                 -DOpenMP_C_LIB_NAMES=gomp -DOpenMP_CXX_LIB_NAMES=gomp -DOpenMP_gomp_LIBRARY=$(GOMP_LIB)
 # The concurrency tests, the ones ThreadSanitizer builds and runs.
-TSAN_TESTS    = tests/offload/tiered_store_test.cc;tests/engine/session_test.cc;tests/engine/session_pins_test.cc;tests/integration/stress_test.cc;tests/offload/crash_test.cc;tests/offload/soak_test.cc;tests/offload/cold_tier_test.cc;tests/offload/ack_manifest_test.cc;tests/offload/remote_tier_test.cc;tests/offload/device_append_test.cc;tests/offload/landing_test.cc;tests/offload/promoter_test.cc;tests/offload/lower_writer_test.cc
+TSAN_TESTS    = tests/offload/tiered_store_test.cc;tests/engine/session_test.cc;tests/engine/session_pins_test.cc;tests/integration/stress_test.cc;tests/offload/crash_test.cc;tests/offload/soak_test.cc;tests/offload/cold_tier_test.cc;tests/offload/ack_manifest_test.cc;tests/offload/remote_tier_test.cc;tests/offload/device_append_test.cc;tests/offload/landing_test.cc;tests/offload/promoter_test.cc;tests/offload/lower_writer_test.cc;tests/offload/warm_addresses_test.cc
 # A UBSan report aborts the test (compiled without recovery); leaks fail it too.
 export ASAN_OPTIONS  ?= detect_leaks=1:strict_string_checks=1:check_initialization_order=1
 export UBSAN_OPTIONS ?= print_stacktrace=1

@@ -1,5 +1,6 @@
 // The types of TieredStore's calls that its parts share (offload/tiered_store.h): a chunk's
-// metadata, the change feed's cursor and batch, the hot view and what a layer step reads.
+// metadata, the change feed's cursor and batch, the hot view and what a layer step reads, and
+// what a device reader of the warm tier is handed (WarmChunkAddress) and fenced by (WarmReaderFence).
 #pragma once
 
 #include <cstddef>
@@ -61,6 +62,36 @@ enum class FetchFit {
   /// The chunks are best first; a tail that would take slots other sequences' reservations
   /// claim is left out (see FetchChunks).
   kWithinClaims,
+};
+
+/// Where a device reader finds one chunk's warm copy (TieredStore::WarmAddresses): the K half
+/// and the V half of its warm slot ([K chunk][V chunk], each [chunk_size, kv_heads, head_dim]
+/// in the storage dtype), host memory (pinned and mapped when a CUDA device is present, so a
+/// kernel reads it through UVA). Valid while the store's warm epoch is the one the call
+/// returned; null when the chunk has no warm copy (only in a lower tier), is still landing, or
+/// was dropped.
+struct WarmChunkAddress {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t first_position = 0;  ///< absolute position of the chunk's first token (0 for a dropped chunk)
+};
+
+/// What the store waits on before a warm slot whose address it handed out
+/// (TieredStore::WarmAddresses) changes hands: the device reads issued so far. Registered with
+/// TieredStore::SetWarmReaderFence. The store first moves the warm epoch, then calls
+/// WaitForReaders under its lock: it must only wait for work already submitted (a CUDA event
+/// recorded after the reader's reads of handed-out addresses) and must never call the store.
+/// A reader that enqueues reads on another thread than the store's callers makes "check
+/// TieredStore::warm_epoch() (lock-free), enqueue the reads, record the event" one critical
+/// section of its own lock, which WaitForReaders takes too: either the wait covers those
+/// reads, or the check sees the epoch moved and the reader asks again (it never holds that
+/// lock while it calls the store). An error stops the reuse that needed it and is returned by
+/// the store call that needed the slot (the chunk stays in warm, still exposed).
+class WarmReaderFence {
+ public:
+  virtual ~WarmReaderFence();
+  /// Returns once every read of a handed-out warm address issued so far has finished.
+  virtual Status WaitForReaders() = 0;
 };
 
 }  // namespace kvtier

@@ -48,6 +48,19 @@ TieredStore::~TieredStore() {
   // Transfer tasks call back into the store: let them finish first. The parts go in the reverse
   // order of their declaration (the sequence table frees the layers' regions and chunk records).
   if (engine_) engine_->WaitIdle();
+  if (warm_) {
+    // The slabs go with the store: device reads of handed-out addresses finish first. A failed
+    // wait has no caller to fail; the slabs are freed all the same.
+    std::lock_guard<CountingMutex> l(sync_.mu);
+    Status fenced = warm_->FenceReaders();
+    (void)fenced;
+  }
+}
+
+void TieredStore::SetWarmReaderFence(WarmReaderFence* fence) {
+  visits_.Count();
+  std::lock_guard<CountingMutex> l(sync_.mu);
+  warm_->SetReaderFence(fence);
 }
 
 Result<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& options, const StoreHooks& hooks) {
@@ -261,6 +274,12 @@ Status TieredStore::DropSequence(SequenceId seq) {
         if (c && (c->warm_pins > 0 || c->lower_writing || c->hot_loading)) return false;
     return true;
   });
+  // A warm slot of the sequence handed to a device reader is freed below: the reads first. A
+  // failed wait drops nothing.
+  bool exposed = false;
+  for (auto& ls : s->layers)
+    for (Chunk* c : ls.chunks) exposed = exposed || (c != nullptr && warm_->exposed(c->warm_slot));
+  if (exposed) KVTIER_RETURN_IF_ERROR(warm_->FenceReaders());
   // Per lower tier, the chunks it holds; an attached sequence's chunks belong to its publisher.
   std::vector<std::vector<ChunkKey>> tier_keys(lower_.size());
   for (auto& ls : s->layers) {

@@ -171,6 +171,34 @@ class TieredStore : public Store {
   /// recovered without its sinks and local window (it was not closed).
   Status BeginLayerStep(SequenceId seq, int layer, const ChunkCursor* since, ChunkUpdate* updates,
                         LayerStepView* out, size_t max_added = SIZE_MAX);
+  /// Where a device reader finds chunks of one layer in the warm tier (the sources of a
+  /// device gather, kernels/cpu/chunk_table.h's src_k/src_v): out[i] is chunk
+  /// chunk_indices[i]'s K and V halves of its warm slot and its first token's position, or null
+  /// halves when it has no warm copy (only in a lower tier), has not landed, or was dropped. A
+  /// reader: it lands nothing. Each slot handed out is EXPOSED: it does not change hands (its
+  /// copy dropped for room, its chunk dropped, the sequence dropped, the store closed) before
+  /// the store waited on the warm reader fence (SetWarmReaderFence) and moved the warm epoch.
+  /// `*epoch` is that epoch now: the addresses stay valid while warm_epoch() still equals it;
+  /// once it moved, ask again (it moves before the wait, and also when the wait fails). NotFound
+  /// / InvalidArgument for the sequence and layer as ListChunks; InvalidArgument for an index
+  /// past the layer's chunks (naming it) or null outputs.
+  Status WarmAddresses(SequenceId seq, int layer, const uint64_t* chunk_indices, size_t n,
+                       WarmChunkAddress* out, uint64_t* epoch);
+  /// The warm epoch now (see WarmAddresses): a reader holding addresses of an older epoch asks
+  /// again. Lock-free (an atomic read), so a reader may check it under its fence's own lock
+  /// (offload/store_types.h, WarmReaderFence).
+  uint64_t warm_epoch() const { return warm_->epoch(); }
+  /// Registers what the store waits on before an exposed warm slot changes hands
+  /// (offload/store_types.h; not owned, null: none, and exposed slots then turn over with no
+  /// wait, the marks cleared and the epoch moved). The fence is called under the store lock,
+  /// once per turnover however many exposed slots it covers, and counted in
+  /// StoreCounters::warm_reader_fences; its error fails the call that needed the slot (Append's
+  /// room, DropChunks, DropSequence) and nothing changes hands (a fetch's read from a lower tier
+  /// then keeps no warm copy, WarmTier::AcquireForRead). Replacing the fence does not
+  /// wait on the old one: replace it once the old reader's reads are done. It must outlive the
+  /// store or be replaced first; the store's destructor waits on it (an error there is ignored:
+  /// the slabs go with the store).
+  void SetWarmReaderFence(WarmReaderFence* fence);
   /// The hot tier (its device(), slot pool and, for "cuda", stream): what an attention
   /// backend plans against. Owned by the store.
   HotTier* hot_tier() const { return hot_.get(); }

@@ -27,6 +27,9 @@ struct StoreCounters {
   uint64_t chunks_sealed = 0;      ///< chunks formed from the local window and landed
   uint64_t chunks_landing = 0;     ///< chunks sealed whose copy into the warm tier has not landed yet
   uint64_t dropped_chunks = 0;     ///< chunks removed for good by DropChunks (compression)
+  /// Waits on the warm reader fence (TieredStore::SetWarmReaderFence) before a warm slot whose
+  /// address a device reader was handed changed hands.
+  uint64_t warm_reader_fences = 0;
   // Where fetched chunks that were not hot came from (hits + the three = fetched chunks).
   uint64_t warm_loads = 0;    ///< fetched chunks copied from the warm tier
   uint64_t cold_loads = 0;    ///< fetched chunks read from the cold tier (RocksDB)

@@ -1,9 +1,10 @@
 // TieredStore, the chunk calls: what readers ask of a layer's sealed chunks (ListChunks,
 // ChunkCount, GetRepresentatives, ChunkUpdatesSince: the ChunkCatalog answers), their tokens
 // (ReadTokens, from whichever tier holds them, promoting nothing), their scores
-// (SetChunkScores) and their removal (DropChunks). The readers see the landed chunks only and
-// land nothing; SetChunkScores and DropChunks, called by the sequence's driver, land the layer
-// first (offload/store/landing.h).
+// (SetChunkScores), their removal (DropChunks) and their warm addresses for a device reader
+// (WarmAddresses, which marks the slots exposed: offload/store/warm_tier.h). The readers see
+// the landed chunks only and land nothing; SetChunkScores and DropChunks, called by the
+// sequence's driver, land the layer first (offload/store/landing.h).
 //
 // Locking: the coordinator's mutex (sync_.mu); a call that takes the std::unique_lock may drop
 // it while it reads bytes, and holds it again on return. ReadTokens pins each chunk it copies
@@ -67,6 +68,38 @@ Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) const {
   s->busy--;
   sync_.cv.notify_all();
   return st;
+}
+
+Status TieredStore::WarmAddresses(SequenceId seq, int layer, const uint64_t* chunk_indices, size_t n,
+                                  WarmChunkAddress* out, uint64_t* epoch) {
+  visits_.Count();
+  if (n > 0 && (chunk_indices == nullptr || out == nullptr))
+    return InvalidArgument("WarmAddresses: chunk_indices and out must not be null (n = " + std::to_string(n) +
+                           ")");
+  if (epoch == nullptr) return InvalidArgument("WarmAddresses: epoch must not be null");
+  std::lock_guard<CountingMutex> l(sync_.mu);
+  Sequence* s = nullptr;
+  KVTIER_RETURN_IF_ERROR(sequences_->Check(seq, layer, false, &s));
+  const LayerState& ls = s->layers[layer];
+  for (size_t i = 0; i < n; ++i)
+    if (chunk_indices[i] >= ls.chunks.size())
+      return InvalidArgument("WarmAddresses: chunk " +
+                             ChunkKey{seq, static_cast<uint32_t>(layer), chunk_indices[i]}.ToString() +
+                             " does not exist (layer has " + std::to_string(ls.chunks.size()) + " chunks)");
+  const size_t half = chunk_bytes_ / 2;  // a warm slot is [K chunk][V chunk]
+  for (size_t i = 0; i < n; ++i) {
+    const Chunk* c = ls.chunks[chunk_indices[i]];
+    out[i] = WarmChunkAddress{};
+    if (c == nullptr) continue;  // dropped, or a hole left by a crash
+    out[i].first_position = c->first_token;
+    if (c->landing || c->warm_slot < 0) continue;  // not landed (a reader lands nothing), or not in warm
+    const uint8_t* data = warm_->Expose(c);
+    out[i].k = data;
+    out[i].v = data + half;
+    warm_->OnAccess(c->id);  // the device reads it, as a fetch from warm would
+  }
+  *epoch = warm_->epoch();
+  return Status::Ok();
 }
 
 Status TieredStore::ChunkUpdatesSince(SequenceId seq, int layer, const ChunkCursor& since, ChunkUpdate* out,
@@ -248,6 +281,13 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
       }
       return true;
     });
+    // A warm slot handed to a device reader is freed below: the reads first (a failed wait
+    // drops nothing).
+    for (uint64_t idx : chunk_indices)
+      if (const Chunk* c = ls.chunks[idx]; c != nullptr && warm_->exposed(c->warm_slot)) {
+        KVTIER_RETURN_IF_ERROR(warm_->FenceReaders());
+        break;
+      }
     for (uint64_t idx : chunk_indices) {
       Chunk* c = ls.chunks[idx];
       if (c == nullptr) continue;

@@ -2,6 +2,7 @@
 
 #include "offload/store/warm_tier.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "offload/store/lower_writer.h"
@@ -9,6 +10,8 @@
 namespace kvtier {
 
 using store_internal::Chunk;
+
+WarmReaderFence::~WarmReaderFence() = default;
 
 Result<std::unique_ptr<WarmTier>> WarmTier::Create(const StoreOptions& options, size_t chunk_bytes,
                                                    ChunkCatalog* catalog, const LowerTiers* lower,
@@ -20,6 +23,7 @@ Result<std::unique_ptr<WarmTier>> WarmTier::Create(const StoreOptions& options, 
   warm->catalog_ = catalog;
   warm->lower_ = lower;
   warm->counters_ = counters;
+  warm->exposed_.assign(static_cast<size_t>(warm->slots_->capacity()), 0);
   return warm;
 }
 
@@ -31,13 +35,18 @@ void WarmTier::Hold(Chunk* c, int32_t slot) {
 
 void WarmTier::Forget(Chunk* c) {
   if (c->warm_slot < 0) return;
+  // The caller fenced (FenceFor); a mark left here would outlive the slot's owner.
+  if (exposed(c->warm_slot)) {
+    exposed_[static_cast<size_t>(c->warm_slot)] = 0;
+    exposed_count_--;
+  }
   slots_->Release(c->warm_slot);
   policy_->OnRemove(c->id);
   c->warm_slot = -1;
   c->tiers &= ~kTierWarm;
 }
 
-bool WarmTier::DropVictimCopy() {
+Result<bool> WarmTier::DropVictimCopy() {
   uint64_t victim_id = 0;
   if (!policy_->PickVictim(
           [&](uint64_t id) {
@@ -46,8 +55,10 @@ bool WarmTier::DropVictimCopy() {
           },
           &victim_id))
     return false;
-  // A lower tier already acknowledged it: the warm copy may leave now.
+  // A lower tier already acknowledged it: the warm copy may leave now, once no device reader
+  // can still be reading its slot.
   Chunk* c = catalog_->Find(victim_id);
+  KVTIER_RETURN_IF_ERROR(FenceFor(c));
   Forget(c);
   counters_->demotions++;
   catalog_->ReleaseReprIfDurable(c, lower_->meta_tiers());
@@ -57,10 +68,14 @@ bool WarmTier::DropVictimCopy() {
 int32_t WarmTier::AcquireForRead() {
   // A chunk read back from a lower tier was just retrieved, and retrieval tends to come back to
   // the same chunks over the next steps: keep a warm copy, making room by dropping the
-  // policy's victim among warm chunks a lower tier already holds. Never waits and never
-  // writes: a transfer task must not block on others.
+  // policy's victim among warm chunks a lower tier already holds. Never waits on other chunks
+  // and never writes: a transfer task must not block on others (an exposed victim waits on the
+  // reader fence, which waits on device work only). A fence failure leaves the victim in
+  // place: the read keeps no warm copy, as when no victim could be found.
   const int32_t ws = slots_->Acquire();
-  if (ws >= 0 || !DropVictimCopy()) return ws;
+  if (ws >= 0) return ws;
+  const Result<bool> dropped = DropVictimCopy();
+  if (!dropped.ok() || !*dropped) return -1;
   return slots_->Acquire();
 }
 
@@ -71,7 +86,8 @@ Status WarmTier::MakeRoom(std::unique_lock<CountingMutex>& lock, StoreSync& sync
       const Chunk* c = catalog_->Find(id);
       return c->warm_pins == 0 && !c->lower_writing;
     };
-    if (DropVictimCopy()) continue;
+    KVTIER_ASSIGN_OR_RETURN(const bool dropped, DropVictimCopy());
+    if (dropped) continue;
     uint64_t victim_id = 0;
     if (!lower_->empty() && policy_->PickVictim(movable, &victim_id)) {
       // Not yet in a lower tier: write it, and only then let it leave warm.
@@ -94,5 +110,34 @@ Status WarmTier::MakeRoom(std::unique_lock<CountingMutex>& lock, StoreSync& sync
   }
   return Status::Ok();
 }
+
+const uint8_t* WarmTier::Expose(const Chunk* c) {
+  const auto slot = static_cast<size_t>(c->warm_slot);
+  if (exposed_[slot] == 0) {
+    exposed_[slot] = 1;
+    exposed_count_++;
+  }
+  return slots_->slot_data(c->warm_slot);
+}
+
+Status WarmTier::FenceReaders() {
+  if (exposed_count_ == 0) return Status::Ok();
+  // Before the wait: a reader that checks the epoch after the fence took its lock sees it moved.
+  epoch_.fetch_add(1, std::memory_order_acq_rel);
+  if (fence_ != nullptr) {
+    counters_->warm_reader_fences++;
+    Status st = fence_->WaitForReaders();
+    if (!st.ok())
+      return Status(st.code(),
+                    "waiting for the device readers of the warm tier before reusing a slot "
+                    "whose address was handed out: " +
+                        st.message());
+  }
+  std::fill(exposed_.begin(), exposed_.end(), 0);
+  exposed_count_ = 0;
+  return Status::Ok();
+}
+
+Status WarmTier::FenceFor(const Chunk* c) { return exposed(c->warm_slot) ? FenceReaders() : Status::Ok(); }
 
 }  // namespace kvtier

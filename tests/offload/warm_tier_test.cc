@@ -88,17 +88,17 @@ TEST(WarmTier, OnlyAcknowledgedUnpinnedChunksNotBeingWrittenLoseTheirWarmCopy) {
   Chunk* writing = f.HoldNew(true);
   writing->lower_writing = true;
   EXPECT_EQ(unacked->tiers & kTierWarm, kTierWarm);
-  EXPECT_FALSE(f.warm->DropVictimCopy());
+  EXPECT_FALSE(*f.warm->DropVictimCopy());
   EXPECT_EQ(f.counters.demotions, 0u);
   for (Chunk* c : {unacked, pinned, writing}) EXPECT_GE(c->warm_slot, 0);
   writing->lower_writing = false;
-  ASSERT_TRUE(f.warm->DropVictimCopy());
+  ASSERT_TRUE(*f.warm->DropVictimCopy());
   EXPECT_EQ(writing->warm_slot, -1);
   EXPECT_EQ(writing->tiers & kTierWarm, 0);
   EXPECT_EQ(writing->tiers & kTierCold, kTierCold);  // still in the tier that acknowledged it
   EXPECT_EQ(f.counters.demotions, 1u);
   EXPECT_EQ(f.warm->used(), 2);
-  EXPECT_FALSE(f.warm->DropVictimCopy());  // the pinned one stays
+  EXPECT_FALSE(*f.warm->DropVictimCopy());  // the pinned one stays
   EXPECT_GE(pinned->warm_slot, 0);
 }
 
@@ -175,6 +175,64 @@ TEST(WarmTier, MakeRoomLandsChunksWhenNothingElseFreesRoom) {
   EXPECT_EQ(landing->warm_slot, -1);
   EXPECT_EQ(f.counters.demotions, 1u);
   EXPECT_EQ(f.warm->used(), 2);
+}
+
+// Counts its calls; fails them with `fail` set.
+struct CountingFence : WarmReaderFence {
+  Status WaitForReaders() override {
+    calls++;
+    return fail ? Unavailable("the device reader's event failed") : Status::Ok();
+  }
+  int calls = 0;
+  bool fail = false;
+};
+
+TEST(WarmTier, AcquireForReadFencesAnExposedVictimOnceAndKeepsItWhenTheFenceFails) {
+  Fixture f;
+  CountingFence fence;
+  f.warm->SetReaderFence(&fence);
+  f.HoldNew(false);
+  f.HoldNew(false);
+  Chunk* acked = f.HoldNew(true);
+  const int32_t acked_slot = acked->warm_slot;
+  EXPECT_EQ(f.warm->Expose(acked), f.warm->slot_data(acked_slot));
+  EXPECT_TRUE(f.warm->exposed(acked_slot));
+  fence.fail = true;
+  EXPECT_EQ(f.warm->AcquireForRead(), -1);  // the victim is kept: no warm copy for the read
+  EXPECT_EQ(fence.calls, 1);
+  EXPECT_EQ(f.counters.warm_reader_fences, 1u);
+  EXPECT_EQ(acked->warm_slot, acked_slot);
+  EXPECT_TRUE(f.warm->exposed(acked_slot));
+  EXPECT_EQ(f.counters.demotions, 0u);
+  fence.fail = false;
+  const uint64_t epoch = f.warm->epoch();
+  EXPECT_EQ(f.warm->AcquireForRead(), acked_slot);
+  EXPECT_EQ(fence.calls, 2);
+  EXPECT_EQ(f.warm->epoch(), epoch + 1);
+  EXPECT_FALSE(f.warm->exposed(acked_slot));
+  EXPECT_EQ(f.warm->exposed_count(), 0);
+  f.warm->Release(acked_slot);
+}
+
+TEST(WarmTier, MakeRoomReturnsTheFencesErrorAndDropsNothing) {
+  Fixture f;
+  CountingFence fence;
+  fence.fail = true;
+  f.warm->SetReaderFence(&fence);
+  f.HoldNew(false);
+  f.HoldNew(false);
+  Chunk* acked = f.HoldNew(true);
+  f.warm->Expose(acked);
+  std::unique_lock<CountingMutex> lock(f.sync.mu);
+  const Status st = f.warm->MakeRoom(lock, f.sync, f.writer, [] { return false; });
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  EXPECT_NE(st.message().find("the device reader's event failed"), std::string::npos) << st.ToString();
+  EXPECT_GE(acked->warm_slot, 0);
+  EXPECT_EQ(f.warm->used(), 3);
+  fence.fail = false;
+  ASSERT_TRUE(f.warm->MakeRoom(lock, f.sync, f.writer, [] { return false; }).ok());
+  EXPECT_EQ(acked->warm_slot, -1);
+  EXPECT_EQ(fence.calls, 2);
 }
 
 }  // namespace
