@@ -52,12 +52,25 @@
 // miss_slot[i] * chunk_bytes_k, and the same for V. Slots hold one chunk's half each:
 // pool_k/pool_v are [slots, slot_tokens, kv_heads, head_dim] in the storage dtype, so
 // chunk_bytes_k = slot_tokens * kv_heads * head_dim * DTypeSize.
+//
+// The sequential part of the rule (the held-slot lookup, the victim search and the walk over
+// the entries) is inline below and compiles for the host and the device (KVTIER_HOST_DEVICE):
+// the twin and the kernel's walking thread run the same source. Plain C++17 with no CUDA
+// include: nvcc compiles it.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include "kernels/cpu/attention.h"  // KernelError
+
+#ifndef KVTIER_HOST_DEVICE
+#if defined(__CUDACC__)
+#define KVTIER_HOST_DEVICE __host__ __device__
+#else
+#define KVTIER_HOST_DEVICE
+#endif
+#endif
 
 namespace kvtier::kernels {
 
@@ -78,7 +91,7 @@ enum ChunkTableCounter : int {
 };
 
 /// (layer << 32) | row: the slot_owner value of a chunk.
-constexpr int64_t ChunkTableOwner(int layer, int32_t row) {
+KVTIER_HOST_DEVICE constexpr int64_t ChunkTableOwner(int layer, int32_t row) {
   return static_cast<int64_t>((static_cast<uint64_t>(static_cast<uint32_t>(layer)) << 32) |
                               static_cast<uint32_t>(row));
 }
@@ -119,6 +132,87 @@ struct ChunkTableParams {
   void* pool_k = nullptr;    ///< [slots, chunk_bytes_k]
   void* pool_v = nullptr;    ///< [slots, chunk_bytes_v]
 };
+
+/// The slot holding (p.layer, row), or -1: a row_slot entry outside the pool or one whose owner
+/// disagrees reads as "not held". `row` must be in [0, row_capacity).
+KVTIER_HOST_DEVICE inline int32_t ChunkTableHeldSlot(const ChunkTableParams& p, int32_t row) {
+  const int32_t s = p.row_slot[static_cast<size_t>(p.layer) * p.row_capacity + row];
+  if (s < 0 || s >= p.slots || p.slot_owner[s] != ChunkTableOwner(p.layer, row)) return -1;
+  return s;
+}
+
+/// The victim for a miss (the rule's two clock-wise searches), or -1; moves the clock hand past it.
+KVTIER_HOST_DEVICE inline int32_t ChunkTableTakeVictim(const ChunkTableParams& p) {
+  int32_t hand = *p.clock_hand;
+  if (hand < 0 || hand >= p.slots) hand = 0;
+  int32_t victim = -1;
+  for (int k = 0; k < p.slots && victim < 0; ++k) {
+    const int32_t s = (hand + k) % p.slots;
+    if (p.slot_owner[s] == kChunkTableFree || p.slot_stamp[s] < p.step_first_stamp) victim = s;
+  }
+  for (int k = 0; k < p.slots && victim < 0; ++k) {
+    const int32_t s = (hand + k) % p.slots;
+    const uint64_t t = p.slot_stamp[s];
+    if (t != p.stamp && (t & kChunkTableStampBit) == 0) victim = s;
+  }
+  if (victim >= 0) *p.clock_hand = (victim + 1) % p.slots;
+  return victim;
+}
+
+/// Step 2 of the rule, after step 1 stamped the hits: walks the first `n` entries in selection
+/// order, writes the slot list, the misses, *n_slots and *n_misses, marks each listed slot with
+/// kChunkTableStampBit (step 3 clears it) and adds what it saw to `count` (zeroed by the caller,
+/// kChunkTableCounters entries). Returns the entries listed.
+KVTIER_HOST_DEVICE inline int32_t ChunkTableWalkEntries(const ChunkTableParams& p, int n, int64_t* count) {
+  int32_t n_slots = 0, n_misses = 0;
+  for (int i = 0; i < n; ++i) {
+    const int32_t row = p.rows[i];
+    if (row < 0 || row >= p.row_capacity) {
+      ++count[kChunkTableInvalid];
+      continue;
+    }
+    int32_t s = ChunkTableHeldSlot(p, row);
+    if (s >= 0) {
+      if ((p.slot_stamp[s] & kChunkTableStampBit) != 0) {  // listed by an earlier entry
+        ++count[kChunkTableInvalid];
+        continue;
+      }
+      ++count[kChunkTableHits];
+    } else {
+      if (p.src_k[row] == nullptr || p.src_v[row] == nullptr) {
+        ++count[kChunkTableNoSource];
+        continue;
+      }
+      s = ChunkTableTakeVictim(p);
+      if (s < 0) {
+        ++count[kChunkTableOverflow];
+        continue;
+      }
+      const int64_t old = p.slot_owner[s];
+      if (old != kChunkTableFree) {
+        const int32_t old_layer = static_cast<int32_t>(static_cast<uint64_t>(old) >> 32);
+        const int32_t old_row = static_cast<int32_t>(static_cast<uint64_t>(old) & 0xffffffffu);
+        if (old_layer >= 0 && old_layer < p.layers && old_row >= 0 && old_row < p.row_capacity) {
+          int32_t* entry = p.row_slot + static_cast<size_t>(old_layer) * p.row_capacity + old_row;
+          if (*entry == s) *entry = -1;
+        }
+      }
+      p.slot_owner[s] = ChunkTableOwner(p.layer, row);
+      p.row_slot[static_cast<size_t>(p.layer) * p.row_capacity + row] = s;
+      p.miss_slot[n_misses] = s;
+      p.miss_row[n_misses] = row;
+      ++n_misses;
+      ++count[kChunkTableMisses];
+    }
+    p.slot_stamp[s] = p.stamp | kChunkTableStampBit;
+    p.slot_list[n_slots] = s;
+    p.slot_first_position[n_slots] = p.first_position[row];
+    ++n_slots;
+  }
+  *p.n_slots = n_slots;
+  *p.n_misses = n_misses;
+  return n_slots;
+}
 
 /// Host checks of what ChunkTableAssign / LaunchChunkTableAssign read or write, short of reading
 /// memory: sizes, stamps, the layer, null pointers (kBadShape, kNullPointer).
