@@ -203,8 +203,8 @@ kvtier_code kvtier_store_get_counters(const kvtier_store* store, kvtier_store_co
 typedef struct kvtier_session kvtier_session;
 
 typedef struct kvtier_session_options {
-  const char* preset;         /* retrieval preset: "kvtier" | "actqkv" | "infllm"; NULL = "kvtier" */
-  int budget_tokens;          /* retrieved tokens per layer and step (0 = sinks and local only) */
+  const char* preset; /* retrieval preset: "kvtier" | "kvtier-fast" | "actqkv" | "infllm"; NULL = "kvtier" */
+  int budget_tokens;  /* retrieved tokens per layer and step (0 = sinks and local only) */
   kvtier_positions positions; /* see kvtier/session.h */
   double rope_theta;          /* KVTIER_POSITIONS_INFLLM: RoPE base */
   int keep_queries;           /* most recent queries kept per layer for compress (0 = none) */

@@ -218,7 +218,8 @@ Status AddPresetFlag(FlagSet* flags, int argc, char** argv, RetrieverOptions* re
   flags->Add("preset",
              names +
                  ": retrieval settings under one name (kvtier = kvtier's recommended configuration; "
-                 "actqkv, infllm = the papers as written); flags that follow refine it",
+                 "kvtier-fast = it searched less often, not exact; actqkv, infllm = the papers as written); "
+                 "flags that follow refine it",
              WithDefault(RetrievalPresetNames().front(),
                          [](const std::string& s) { return MakeRetrievalPreset(s).status(); }));
   for (int i = 1; i < argc; ++i) {

@@ -130,7 +130,7 @@ inline FlagSet::Binding WithDefault(std::string default_text, FlagSet::Binding b
 /// Prints "kvtier: error: ..." on stderr; exit code 2 for bad input, 1 otherwise.
 int Fail(const Status& st);
 
-/// --preset NAME (kvtier | actqkv | infllm, include/kvtier/session.h): found anywhere on the
+/// --preset NAME (kvtier | kvtier-fast | actqkv | infllm, include/kvtier/session.h): found anywhere on the
 /// command line and applied to `retrieval` (and to `repr_topk` where the preset fixes it)
 /// before any other flag, so the flags that refine it (--alloc, --index, --head-merge, ...)
 /// win whatever their order. Registers the flag (its handler only checks the name) so it

@@ -184,7 +184,7 @@ class KvtierCache(Cache):
     """A transformers Cache whose memory is a kvtier Store and Session (one sequence).
 
     Retrieval and policy options are keyword arguments, defaulting to the "kvtier" preset:
-      preset        "kvtier" | "actqkv" | "infllm" (kvtier.preset_names())
+      preset        "kvtier" | "kvtier-fast" | "actqkv" | "infllm" (kvtier.preset_names())
       retrieve      False: attend every chunk (full attention through the store)
       budget_tokens retrieved tokens per layer and step (default: the library's, 2048)
       probe, alloc, index   override the preset's parts (spec strings, see docs/architecture.md)

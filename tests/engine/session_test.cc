@@ -980,6 +980,14 @@ TEST(Session, PresetsAreValidAndDistinct) {
   EXPECT_EQ(MakeRetrievalPreset("infllm")->retrieval.probe, "mean");
   EXPECT_EQ(MakeRetrievalPreset("actqkv")->retrieval.alloc, "entropy:rank=cosine");
   EXPECT_EQ(MakeRetrievalPreset("kvtier")->retrieval.index, "Exact:heads=max");
+  // kvtier-fast is kvtier's choice with the search's two shortcuts on, and only those.
+  RetrieverOptions fast = MakeRetrievalPreset("kvtier-fast")->retrieval;
+  EXPECT_GT(fast.reuse_cosine, 0.0);
+  EXPECT_GT(fast.screen_period, 1);
+  fast.reuse_cosine = RecommendedRetrieval().reuse_cosine;
+  fast.screen_period = RecommendedRetrieval().screen_period;
+  EXPECT_EQ(fast.ToString(), RecommendedRetrieval().ToString());
+  EXPECT_EQ(MakeRetrievalPreset("kvtier-fast")->repr_topk, 0);
 }
 
 // The comparison rows run the papers' chunk scores over the user's index kind where that kind

@@ -362,12 +362,15 @@ TEST(Cli, PresetsSetRetrievalAndFlagsRefineThemInAnyOrder) {
   EXPECT_NE(paper.find("rank=cosine"), std::string::npos) << paper;
   EXPECT_NE(paper.find("heads=sum"), std::string::npos) << paper;
   EXPECT_NE(spec("--preset infllm").find("probe=mean"), std::string::npos);
+  // kvtier-fast: the default's spec with the search's shortcuts, which a later flag turns off.
+  EXPECT_EQ(spec("--preset kvtier-fast"), def + " reuse=0.8 screen=8");
+  EXPECT_EQ(spec("--preset kvtier-fast --reuse 0 --screen 1"), def);
   // A flag refines the preset whether it comes before or after it.
   EXPECT_EQ(spec("--head-merge max --preset actqkv"), spec("--preset actqkv --head-merge max"));
   EXPECT_NE(spec("--head-merge max --preset actqkv").find("heads=max"), std::string::npos);
   Ran bad = Kvtier("run --preset nope");
   EXPECT_EQ(bad.code, 2) << bad.out;
-  EXPECT_NE(bad.out.find("kvtier, actqkv, infllm"), std::string::npos) << bad.out;
+  EXPECT_NE(bad.out.find("kvtier, kvtier-fast, actqkv, infllm"), std::string::npos) << bad.out;
   Ran bad_inf = Kvtier("infinite --preset paper --weights x");
   EXPECT_EQ(bad_inf.code, 2) << bad_inf.out;
   EXPECT_NE(bad_inf.out.find("--preset"), std::string::npos) << bad_inf.out;
