@@ -163,7 +163,7 @@ class Session {
   /// the host one step late, through a step report the next layer calls read when it is done:
   /// last_chunks(), counters()' chunks_attended and max_layer_chunks, and a refusal of a q that
   /// held NaN or infinity (InvalidArgument naming q[0][head][d], returned by the call that reads
-  /// the report, the out of that step being non-finite); stats->chunks is 0 there. WaitForDevice
+  /// the report; that step's out means nothing); stats->chunks is 0 there. WaitForDevice
   /// reads them at once. Every other layer call takes the host path unchanged (a prefill window,
   /// a layer with no chunks, a chunk only in a lower tier, whose fetch brings it back to warm for
   /// the next step; the allocator's state comes back from the device at that switch, one wait).

@@ -335,6 +335,59 @@ TEST(DeviceLane, WarmTurnoverWaitsOnTheFenceAndTheLaneAsksAgain) {
               static_cast<unsigned long long>(r.lane_layer_steps));
 }
 
+// A query holding NaN on the lane: the call returns (the device checks q, nothing waits; the
+// step's output means nothing), and the report's reader refuses it by name one step late
+// (WaitForDevice here); the steps after it run on the lane again.
+TEST(DeviceLane, ANonFiniteQueryIsRefusedByNameOneStepLate) {
+  SKIP_WITHOUT_DEVICE();
+  auto store = TieredStore::Open(LaneStore(DType::kF16));
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  SessionOptions o;
+  o.retrieval.budget_tokens = 24;
+  auto s = Session::Open(store->get(), o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  cudaStream_t engine = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&engine, cudaStreamNonBlocking), cudaSuccess);
+  const size_t kv_bytes = kKvHeads * kDim * sizeof(uint16_t), q_bytes = kQHeads * kDim * sizeof(float);
+  DeviceArray k_dev(kv_bytes), v_dev(kv_bytes), q_dev(q_bytes), out_dev(q_bytes);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> kf(kKvHeads * kDim), q(kQHeads * kDim);
+  std::vector<uint16_t> kh(kf.size());
+  const uint64_t lane0 = ImplOf(**s).lane_layer_steps();
+  for (int64_t p = 0; p < 64; ++p) {
+    ASSERT_TRUE((*s)->BeginStep(StepKind::kDecode).ok());
+    for (int l = 0; l < kLayers; ++l) {
+      for (float& x : kf) x = nd(rng);
+      for (float& x : q) x = nd(rng);
+      const bool poison = p == 60 && l == 1;
+      if (poison) q[2 * kDim + 5] = std::nanf("");
+      FromFloat(DType::kF16, kf.data(), kh.data(), kf.size());
+      ASSERT_EQ(cudaMemcpy(k_dev.ptr, kh.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(v_dev.ptr, kh.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(q_dev.ptr, q.data(), q_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_TRUE((*s)->AppendDevice(l, k_dev.ptr, v_dev.ptr, 1, DType::kF16, engine).ok());
+      const uint64_t lane_before = ImplOf(**s).lane_layer_steps();
+      const Status st = (*s)->AttendDevice(l, static_cast<const float*>(q_dev.ptr), &p, 1,
+                                           static_cast<float*>(out_dev.ptr), engine);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      if (!poison) continue;
+      ASSERT_GT(ImplOf(**s).lane_layer_steps(), lane_before) << "the poisoned layer did not run on the lane";
+      ASSERT_EQ(cudaStreamSynchronize(engine), cudaSuccess);
+      const Status late = (*s)->WaitForDevice();
+      EXPECT_EQ(late.code(), StatusCode::kInvalidArgument) << late.ToString();
+      EXPECT_NE(late.message().find("layer 1: q[0][2][5] is not finite"), std::string::npos)
+          << late.ToString();
+      EXPECT_NE(late.message().find("one step late"), std::string::npos) << late.ToString();
+      EXPECT_TRUE((*s)->WaitForDevice().ok()) << "the report was read once";
+    }
+  }
+  EXPECT_TRUE((*s)->WaitForDevice().ok());
+  EXPECT_GT(ImplOf(**s).lane_layer_steps(), lane0 + 40);
+  cudaStreamSynchronize(engine);
+  cudaStreamDestroy(engine);
+}
+
 #else
 
 TEST(DeviceLane, NeedsACudaDevice) {
