@@ -612,6 +612,12 @@ kvtier_code kvtier_session_attend_device(kvtier_session* session, int layer, con
   });
 }
 
+kvtier_code kvtier_session_wait_for_device(kvtier_session* session, kvtier_error* err) {
+  static const char* fn = "kvtier_session_wait_for_device";
+  if (session == nullptr) return Invalid(err, fn, "session must not be NULL");
+  return Guard(err, fn, [&]() -> Status { return session->session->WaitForDevice(); });
+}
+
 kvtier_code kvtier_session_compress(kvtier_session* session, const char* policy_spec, int64_t kv_budget,
                                     int n_queries, kvtier_compress_report* report, kvtier_error* err) {
   static const char* fn = "kvtier_session_compress";

@@ -8,8 +8,10 @@
 #include <new>
 
 #include "engine/compress.h"
+#include "engine/device_lane.h"
 #include "engine/option_table.h"
 #include "engine/session_internal.h"
+#include "kernels/cpu/entropy_grant.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/dtype.h"
 #include "kvtier/kvtier.h"
@@ -380,9 +382,14 @@ Status SessionImpl::AttendDevice(int layer, const float* q, const int64_t* posit
   KVTIER_RETURN_IF_ERROR(cuda->WaitForStream(stream));
   Status st = Status::Ok();
   if (QueriesStayOnDevice(m)) {
-    // The retrieval backend builds the probe from q and checks it where it is: no copy down.
-    st = AttendLayer("AttendDevice", layer, nullptr, q, stream, positions, m, out, /*out_on_device=*/true,
-                     stats);
+    // The device lane runs the whole layer step with no host wait where it can; otherwise the
+    // retrieval backend builds the probe from q and checks it where it is: no copy down.
+    Result<bool> on_lane = AttendOnLane(layer, q, stream, positions, m, out, stats);
+    if (!on_lane.ok())
+      st = on_lane.status();
+    else if (!*on_lane)
+      st = AttendLayer("AttendDevice", layer, nullptr, q, stream, positions, m, out, /*out_on_device=*/true,
+                       stats);
     const Status ordered = cuda->MakeStreamWait(stream);
     KVTIER_RETURN_IF_ERROR(st);
     return ordered;
@@ -413,6 +420,174 @@ Status SessionImpl::AttendDevice(int layer, const float* q, const int64_t* posit
   (void)tier, (void)layer, (void)positions, (void)stream, (void)stats;
   return Internal("Session::AttendDevice: unreachable without CUDA");
 #endif
+}
+
+Result<bool> SessionImpl::AttendOnLane(int layer, const float* q, void* stream, const int64_t* positions,
+                                       int m, float* out, AttendStats* stats) {
+#if KVTIER_HAVE_CUDA
+  if (!lane_enabled_ || lane_unavailable_) return false;
+  const uint64_t step = counters_.steps;
+  // The reports of earlier steps that are done (no wait): last_chunks_ and the counters.
+  KVTIER_RETURN_IF_ERROR(TakeLaneReports(step, /*wait=*/false));
+  KVTIER_RETURN_IF_ERROR(CheckLayerCall("AttendDevice", layer, nullptr, positions, m, /*in_step=*/true,
+                                        /*q_on_device=*/true));
+  q_rot_of_ = nullptr;
+  try {
+    // The layer step's store visit, as GatherFor's (landing, background error, hot view, the
+    // index's updates); the lane makes no second one: its chunks come from warm, not hot slots.
+    KVTIER_ASSIGN_OR_RETURN(ChunkCursor cursor, retriever_->Cursor(seq_, layer));
+    ChunkUpdate* updates = retriever_->step_update();
+    LayerStepView step_view;
+    KVTIER_RETURN_IF_ERROR(
+        store_->BeginLayerStep(seq_, layer, &cursor, updates, &step_view, Retriever::kSyncBatch));
+    if (!step_view.background.ok())
+      return Status(step_view.background.code(), "Session::AttendDevice: layer " + std::to_string(layer) +
+                                                     ": " + step_view.background.message());
+    const HotView& view = step_view.hot;
+    KVTIER_RETURN_IF_ERROR(CheckPositionsHeld("AttendDevice", layer, positions, m, view.n_tokens));
+    const StepPlan& plan = PlanStep(m, view);
+    auto prepared = retriever_->PrepareLaneLayer(seq_, layer, updates);
+    if (!prepared.ok())
+      return Status(prepared.status().code(), "Session::AttendDevice: " + prepared.status().message());
+    const Retriever::LaneLayer& sel = *prepared;
+    kernels::EntropyGrantState* grant = sel.entropy ? retriever_->grant_state() : nullptr;
+    if (sel.n == 0 || sel.k == 0 || (sel.entropy && grant == nullptr)) return false;  // the host path
+    if (lane_ == nullptr) {
+      const Geometry& g = geometry();
+      const StoreOptions& so = store_->options();
+      DeviceLaneOptions lo;
+      lo.layers = g.layers;
+      lo.q_heads = g.q_heads;
+      lo.kv_heads = g.kv_heads;
+      lo.head_dim = g.head_dim;
+      lo.dtype = g.dtype;
+      lo.chunk_tokens = so.chunk_size;
+      // A step's chunks (L x k) stay in the pool for the next step; no layer's grant (at most
+      // L x k, and at most the hot pool, as the host path clips it) overflows it.
+      const int64_t step_chunks = static_cast<int64_t>(g.layers) * sel.k;
+      lo.slots = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(step_chunks, sel.cap)));
+      lo.max_rows = sel.entropy ? lo.slots : std::max(1, std::min(sel.k, sel.cap));
+      lo.rope_inv_freq = inv_freq_;
+      auto lane = DeviceLane::Create(store_, seq_, retriever_->backend()->stream(), lo);
+      if (!lane.ok()) {
+        lane_unavailable_ = true;  // e.g. no memory for its pool: every layer keeps the host path
+        return false;
+      }
+      lane_ = std::move(*lane);
+    }
+    AttentionPlanInput in = plan.base;
+    DeviceLane::LayerCall call;
+    call.layer = layer;
+    call.step = step;
+    call.select = &sel;
+    call.q = q;
+    call.q_stream = stream;
+    call.rope_position = inv_freq_.empty() ? 0 : plan.rel[0];
+    call.grant = grant;
+    bool launched = false;
+    for (int tries = 0; !launched && tries < 4; ++tries) {
+      // Warm addresses for the layer's rows (re-asked when the warm epoch moved under them).
+      KVTIER_ASSIGN_OR_RETURN(bool warm, lane_->PrepareLayer(layer, *sel.row_ids));
+      if (!warm) {
+        ++lane_cold_layers_;  // the host path's fetch brings the cold chunks into warm
+        return false;
+      }
+      while (lane_->ring_full()) KVTIER_RETURN_IF_ERROR(TakeLaneReports(step, /*wait=*/true));
+      KVTIER_ASSIGN_OR_RETURN(launched, lane_->Launch(call, &in));
+    }
+    if (!launched) return false;  // warm kept turning over: the host path
+    lane_k_ = sel.k;
+    retriever_->LaneServed(layer);
+    // The attention: sinks | the lane's slots | local, on the tier's stream after the lane's.
+    const auto t0 = std::chrono::steady_clock::now();
+    in.q = nullptr;
+    if (!inv_freq_.empty()) {  // as AttendLayer for device queries
+      in.q_rope_positions = plan.positions.data();
+      in.rope_inv_freq = inv_freq_.data();
+      in.chunks_rope_position = plan.local_start;
+      in.sinks_rope_position = plan.sinks_are_memory ? plan.local_start : kernels::kRopeAtKeyPositions;
+    }
+    in.sinks = view.sinks;
+    in.local = view.local;
+    in.n_local = view.n_local_spans;
+    auto* cuda = static_cast<CudaHotTier*>(store_->hot_tier());
+    Status st = cuda->WaitForStream(lane_->stream());
+    if (st.ok()) st = plan_->Build(in);
+    if (st.ok()) st = backend_->RunOnDevice(*plan_, q, out, nullptr);
+    if (!st.ok())
+      return Status(st.code(), "Session::AttendDevice: layer " + std::to_string(layer) + ": " + st.message());
+    next_layer_ = layer + 1;
+    counters_.attends += 1;
+    ++lane_layer_steps_;
+    AttendStats lane_stats;
+    lane_stats.attention_ms = MsSince(t0);
+    counters_.attention_ms += lane_stats.attention_ms;
+    if (stats) *stats = lane_stats;  // the chunks are known one step late (WaitForDevice)
+    return true;
+  } catch (const std::bad_alloc&) {
+    return ResourceExhausted("Session::AttendDevice: out of memory (layer " + std::to_string(layer) + ")");
+  }
+#else
+  (void)layer, (void)q, (void)stream, (void)positions, (void)m, (void)out, (void)stats;
+  return false;
+#endif
+}
+
+Status SessionImpl::ApplyLaneReport(const LaneStepReport& report) {
+  Status first = Status::Ok();
+  for (const LaneLayerReport& r : report.layers) {
+    ++lane_reports_read_;
+    last_chunks_[static_cast<size_t>(r.layer)] = r.chunks;
+    counters_.chunks_attended += r.chunks.size();
+    counters_.max_layer_chunks = std::max<uint64_t>(counters_.max_layer_chunks, r.chunks.size());
+    if (!first.ok()) continue;
+    const std::string where = "Session::AttendDevice: step " + std::to_string(report.step) + ", layer " +
+                              std::to_string(r.layer) + ": ";
+    const int d = geometry().head_dim;
+    if (r.q_non_finite > 0)
+      first = InvalidArgument(where + "q[0][" + std::to_string(r.q_first / d) + "][" +
+                              std::to_string(r.q_first % d) + "] is not finite (" +
+                              std::to_string(r.q_non_finite) +
+                              " NaN or infinite value(s), found on the device lane and read one step late); "
+                              "queries must be finite");
+    else if (r.grant_error == kernels::kEntropyGrantNonFiniteScores || r.non_finite > 0)
+      first = InvalidArgument(where + std::to_string(r.non_finite) + " cosine score(s) are not finite");
+    else if (r.grant_error != kernels::kEntropyGrantOk)
+      first =
+          Internal(where + "the device's Eq. 12 grant failed (code " + std::to_string(r.grant_error) + ")");
+    else if (r.skipped > 0 || static_cast<int32_t>(r.chunks.size()) != r.take)
+      first = Internal(where + "the device chunk table served " + std::to_string(r.chunks.size()) + " of " +
+                       std::to_string(r.take) + " chunks (" + std::to_string(r.skipped) + " skipped)");
+  }
+  return first;
+}
+
+Status SessionImpl::TakeLaneReports(uint64_t before_step, bool wait) {
+  if (lane_ == nullptr) return Status::Ok();
+  Status first = Status::Ok();
+  for (;;) {
+    LaneStepReport report;
+    KVTIER_ASSIGN_OR_RETURN(bool got, lane_->TakeReport(before_step, wait, &report));
+    if (!got) break;
+    const Status st = ApplyLaneReport(report);
+    if (first.ok()) first = st;
+  }
+  return first;
+}
+
+Status SessionImpl::LeaveLane() {
+  if (lane_ == nullptr) return Status::Ok();
+  const Status reports = TakeLaneReports(UINT64_MAX, /*wait=*/true);
+  if (lane_->grant_on_device()) {
+    kernels::EntropyGrantState* grant = retriever_ ? retriever_->grant_state() : nullptr;
+    KVTIER_RETURN_IF_ERROR(lane_->ReturnGrantState(grant, counters_.steps, lane_k_));
+  }
+  return reports;
+}
+
+Status SessionImpl::WaitForDevice() {
+  const HostSyncScope syncs(&counters_.host_syncs);
+  return TakeLaneReports(UINT64_MAX, /*wait=*/true);
 }
 
 bool SessionImpl::QueriesStayOnDevice(int m) const {
@@ -672,6 +847,8 @@ Result<LayerParts> SessionImpl::GatherFor(const char* what, int layer, const flo
   if (q_on_device && !QueriesStayOnDevice(m))
     return Internal(std::string("Session::") + what +
                     ": the queries stayed on the device for a step that needs them");
+  // The host path: the lane's reports read and the allocator's state back on the host.
+  KVTIER_RETURN_IF_ERROR(LeaveLane());
   q_rot_of_ = nullptr;
   try {
     const bool decode = step_ == StepKind::kDecode;
@@ -968,6 +1145,7 @@ Status SessionImpl::Close() {
 
 Status SessionImpl::Drop() {
   if (dropped_) return FailedPrecondition("Session::Drop: the session's sequence was dropped already");
+  lane_.reset();  // its reads of the sequence's warm copies finish first
   KVTIER_RETURN_IF_ERROR(store_->DropSequence(seq_));
   ReleaseReservation();
   dropped_ = true;

@@ -59,6 +59,8 @@
 
 namespace kvtier {
 
+class DeviceLane;  // engine/device_lane.h
+struct LaneStepReport;
 class Retriever;      // retrieval/retriever.h
 class ScoringPolicy;  // offload/policy/scoring_policy.h
 
@@ -97,6 +99,7 @@ class SessionImpl final : public Session {
   SessionCounters counters() const override { return counters_; }
   int32_t reserved_slots() const override { return reserved_slots_; }
   const std::vector<std::vector<uint64_t>>& last_chunks() const override { return last_chunks_; }
+  Status WaitForDevice() override;
   void ApplyRope(float* x, int m, int heads, const int64_t* positions) const override;
 
   /// Attend without the attention: chooses and fetches the chunks and returns what to attend,
@@ -115,6 +118,15 @@ class SessionImpl final : public Session {
   /// Drops the step plan, so that the next layer call builds it anew: what building it per
   /// layer would give, for tests that compare the reuse with it.
   void ForgetStepPlan() { step_plan_.valid = false; }
+  /// Whether AttendDevice may run a decode layer on the device lane (engine/device_lane.h; on by
+  /// default): off, every layer call takes the host path (what the lane is compared with).
+  void SetDeviceLane(bool on) { lane_enabled_ = on; }
+  /// Layer calls that ran on the device lane, and those of them whose step report was read.
+  uint64_t lane_layer_steps() const { return lane_layer_steps_; }
+  uint64_t lane_reports_read() const { return lane_reports_read_; }
+  /// Chunks the lane found only in a lower tier (no warm copy): their layer took the host path,
+  /// whose fetch promoted them to warm for the next step.
+  uint64_t lane_cold_layers() const { return lane_cold_layers_; }
 
  private:
   friend class Session;  // Open and Attach set up the backend, the retriever and the reservation
@@ -132,6 +144,19 @@ class SessionImpl final : public Session {
   // whose selection the retrieval backend builds from them (InfLLM's rotations of q happen
   // there and in the attention kernel), and no kept queries (a host copy for Compress).
   bool QueriesStayOnDevice(int m) const;
+  // AttendDevice's decode layer step on the device lane: false (nothing submitted, nothing
+  // consumed of the layer's store visit but the index's update) when this layer call must take
+  // the host path: no lane, a layer without chunks or budget, a chunk without a warm copy.
+  Result<bool> AttendOnLane(int layer, const float* q, void* stream, const int64_t* positions, int m,
+                            float* out, AttendStats* stats);
+  // Reads the lane's step reports of steps before `before_step` (UINT64_MAX: all), waiting for
+  // them when `wait`, into last_chunks_ and counters_; the first error a report names (a query
+  // that was not finite, a grant that failed, a chunk the table skipped) is returned.
+  Status TakeLaneReports(uint64_t before_step, bool wait);
+  Status ApplyLaneReport(const LaneStepReport& report);
+  // Before a layer call on the host path: every lane report read and the allocator's state
+  // back on the host (a wait, only when the lane held it).
+  Status LeaveLane();
   // The store's hot tier as the device-pointer calls need it: a CudaHotTier (as void*, so this
   // header needs no CUDA), or FailedPrecondition naming `what` and why not.
   Result<void*> DeviceTier(const char* what) const;
@@ -231,6 +256,11 @@ class SessionImpl final : public Session {
   std::unique_ptr<AttentionBackend> backend_;  // runs the plan where the hot tier's memory is
   std::unique_ptr<AttentionPlan> plan_;        // rebuilt every Attend, its vectors reused
   std::unique_ptr<HostBuffer> q_host_;         // AttendDevice: the queries' pinned host copy
+  std::unique_ptr<DeviceLane> lane_;           // AttendDevice's decode layers on the device
+  bool lane_enabled_ = true;
+  bool lane_unavailable_ = false;  // creating the lane failed: the host path, without retrying
+  uint64_t lane_layer_steps_ = 0, lane_reports_read_ = 0, lane_cold_layers_ = 0;
+  int lane_k_ = 0;  // the step's k the lane last ran with (Eq. 12's B_kv = L x k)
 };
 
 /// The implementation behind `session`. Every Session is one (Session::Open and Attach make

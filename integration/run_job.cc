@@ -537,6 +537,16 @@ Result<RunReport> RunJob(const RunOptions& options) {
       // The engine reads the step's outputs back: the device work of the step ends here.
       const double t0 = NowSeconds();
       KVTIER_RETURN_IF_ERROR(driver->ReadOutputs(&rec.out));
+      // A decode step on the session's device lane names its chunks one step late: read this
+      // step's now (one wait, counted in the session's host_syncs) for the report.
+      KVTIER_RETURN_IF_ERROR(mt.session->WaitForDevice());
+      rec.chunks = 0;
+      for (int l = 0; l < L; ++l) {
+        std::vector<uint64_t> chunks = mt.session->last_chunks()[static_cast<size_t>(l)];
+        rec.chunks += static_cast<double>(chunks.size());
+        std::sort(chunks.begin(), chunks.end());
+        rec.attended[l].chunks = std::move(chunks);
+      }
       rec.other_ms += 1e3 * (NowSeconds() - t0);
     }
     const StoreCounters after = store->counters();

@@ -107,7 +107,13 @@ Status CheckDeviceSlots(const AttentionPlanInput& in) {
   if (in.device_slot_capacity < 0)
     return InvalidArgument(who + "device_slot_capacity " + std::to_string(in.device_slot_capacity) +
                            " is negative");
+  if ((in.device_pool_k == nullptr) != (in.device_pool_v == nullptr) ||
+      (in.device_pool_k != nullptr && in.device_pool_slots <= 0))
+    return InvalidArgument(who +
+                           "a device pool of its own needs both halves and device_pool_slots > 0 (got " +
+                           std::to_string(in.device_pool_slots) + ")");
   if (in.device_slot_capacity == 0) {
+    if (in.device_pool_k != nullptr) return InvalidArgument(who + "a device pool without a device slot list");
     if (in.device_slot_count != nullptr)
       return InvalidArgument(who +
                              "device_slot_count is set but device_slot_capacity is 0 (a device count needs "
@@ -209,6 +215,11 @@ Status AttentionPlan::Build(const AttentionPlanInput& in) {
         static_cast<int>(half / (static_cast<size_t>(in.kv_heads) * in.head_dim * DTypeSize(in.dtype)));
     p.slot_index = in.device_slot_index;
     p.slot_first_position = in.device_slot_first_position;
+    if (in.device_pool_k != nullptr) {  // CheckDeviceSlots checked the pair and the count
+      p.pool_k = in.device_pool_k;
+      p.pool_v = in.device_pool_v;
+      p.pool_slots = in.device_pool_slots;
+    }
   }
   p_ = p;
   slots_on_device_ = device_slots;

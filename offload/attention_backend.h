@@ -109,6 +109,14 @@ struct AttentionPlanInput {
   const int64_t* device_slot_first_position = nullptr;
   const int32_t* device_slot_count = nullptr;
   int device_slot_capacity = 0;  ///< >= 0; > 0 needs all three device arrays
+  /// With a device slot list only: the chunks live in a pool of their own instead of `pool`'s
+  /// [K][V] slots (a session's device lane, engine/device_lane.h): K of slot s at
+  /// device_pool_k + s * half and V at device_pool_v + s * half (half = pool.slot_bytes / 2, so
+  /// `pool` still gives the chunk's size), device_pool_slots slots, and device_slot_index then
+  /// holds these slot numbers (not KernelSlotIndex). Null: the chunks are in `pool`.
+  const uint8_t* device_pool_k = nullptr;
+  const uint8_t* device_pool_v = nullptr;
+  int32_t device_pool_slots = 0;
 };
 
 /// The index of hot slot `hot_slot` in AttentionPlan's slot list (and in a device slot list):

@@ -82,6 +82,13 @@ class BudgetAllocator {
   /// (the grant then reports the error). A caller that already holds a choice (the Retriever
   /// reusing a layer's last selection) asks first whether the choice is long enough.
   virtual int WouldTake(int layer, int n, double theta) const = 0;
+  /// A layer granted elsewhere (a session's device lane runs kernels/cpu/entropy_grant.h's flow
+  /// on the device): the step protocol moves past it as Allocate would have.
+  void MarkServed(int layer) { next_layer_ = layer + 1; }
+  /// The running state a device grant continues from and hands back (entropy: its
+  /// EntropyGrantState, whose arrays hold the layers of the current step; null for allocators
+  /// without state, topk).
+  virtual kernels::EntropyGrantState* grant_state() { return nullptr; }
 
  protected:
   BudgetAllocator() = default;
@@ -169,6 +176,7 @@ class EntropyBudget final : public BudgetAllocator {
   int WouldTake(int layer, int n, double theta) const override;
   /// Forgets the running means (new sequence).
   void Reset();
+  kernels::EntropyGrantState* grant_state() override { return begun_ ? &state_ : nullptr; }
   const EntropyBudgetOptions& options() const { return opt_; }
 
  private:

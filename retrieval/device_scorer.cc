@@ -382,6 +382,7 @@ class CudaRetrievalBackend final : public RetrievalBackend {
     if (stream_) cudaStreamDestroy(stream_);
   }
   const char* name() const override { return "cuda"; }
+  void* stream() const override { return stream_; }
 
   Result<uint8_t*> Allocate(size_t bytes) override {
     if (bytes == 0) return InvalidArgument("retrieval (cuda): Allocate of 0 bytes");

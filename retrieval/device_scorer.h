@@ -169,6 +169,10 @@ class RetrievalBackend {
   /// The top-k launcher's workspace for one segment of n chunks (cpu: 0, its twin allocates;
   /// cuda: SegmentedTopKWorkspaceBytes, which asks CUB and so needs a device).
   virtual Result<size_t> TopKWorkspaceBytes(int64_t n_chunks) = 0;
+  /// The stream every copy and launch of this backend is ordered on (a cudaStream_t), for work
+  /// that must follow a selection's kernels or precede a mirror's reallocation (a session's
+  /// device lane); null for "cpu".
+  virtual void* stream() const { return nullptr; }
 
   /// Runs one layer's selection: validate, reserve, upload the in-block, launch, download the
   /// out-block, synchronise once. InvalidArgument for a bad plan, Internal for a failed kernel.

@@ -965,6 +965,13 @@ Status ExactChunkIndex::SelectOnBackend(const BackendQueries& queries, ChunkRank
   return Status::Ok();
 }
 
+Result<kernels::ChunkScoreParams> ExactChunkIndex::MirrorView() {
+  if (mirror_ == nullptr)
+    return FailedPrecondition("ExactChunkIndex::MirrorView: no backend mirror (AttachBackend first)");
+  KVTIER_RETURN_IF_ERROR(SyncMirror());
+  return mirror_->Params(FoldKind(options_.heads));
+}
+
 Status ExactChunkIndex::RunOnBackend(LayerSelectPlan plan, int k_max, std::vector<uint64_t>* chunks,
                                      double* theta, int32_t* non_finite) {
   if (mirror_ == nullptr)

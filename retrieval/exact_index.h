@@ -166,6 +166,12 @@ class ExactChunkIndex final : public ChunkIndex {
   /// indexed so far. InvalidArgument when one is attached already or the dtype cannot be scored there.
   Status AttachBackend(RetrievalBackend* backend);
   const ReprMirror* mirror() const { return mirror_.get(); }
+  /// The chunk index of each row, ascending: row r of the mirror and of a top-k over it is
+  /// chunk row_ids()[r]. Remove and the memory cap compact the rows.
+  const std::vector<uint64_t>& row_ids() const { return ids_; }
+  /// The mirror brought in step with the rows (SyncMirror) as the scoring kernel reads it:
+  /// ReprMirror::Params with the index's head fold. FailedPrecondition without a mirror.
+  Result<kernels::ChunkScoreParams> MirrorView();
   /// Brings the mirror in step with the rows (a no-op without a mirror or changes).
   Status SyncMirror();
   /// One layer's selection on the backend: the min(k_max, size()) best chunks by `rank`, best

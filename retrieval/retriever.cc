@@ -300,6 +300,35 @@ Result<LayerSelection> Retriever::SelectDecodeOnBackend(SequenceId seq, int laye
   return CountedSelect(seq, layer, nullptr, 1, /*decode=*/true, update, &queries);
 }
 
+Result<Retriever::LaneLayer> Retriever::PrepareLaneLayer(SequenceId seq, int layer,
+                                                         const ChunkUpdate* update) {
+  if (!SelectsDecodeOnBackend())
+    return FailedPrecondition(
+        "Retriever::PrepareLaneLayer: the selection runs on the host here (no backend "
+        "mirror, or reuse_cosine compares probes on the host)");
+  KVTIER_RETURN_IF_ERROR(update != nullptr ? Apply(seq, layer, *update) : Sync(seq, layer));
+  KVTIER_ASSIGN_OR_RETURN(LayerIndex * li, Index(seq, layer));
+  if (li->mirrored == nullptr)
+    return FailedPrecondition("Retriever::PrepareLaneLayer: layer " + std::to_string(layer) +
+                              "'s index keeps no backend mirror");
+  ForgetSearch(li);  // the lane's choice is not on the host: no shortlist to reuse
+  LaneLayer out;
+  KVTIER_ASSIGN_OR_RETURN(out.score, li->mirrored->MirrorView());
+  out.row_ids = &li->mirrored->row_ids();
+  out.n = static_cast<int>(out.row_ids->size());
+  const StoreOptions& so = store_->options();
+  out.cap = static_cast<int>(std::min<uint64_t>(so.hot_bytes / so.chunk_bytes(), INT32_MAX));
+  out.k = k_;
+  out.entropy = alloc_->reads_scores();
+  out.rank = out.entropy ? alloc_->rank() : ChunkRank::kLogit;
+  return out;
+}
+
+void Retriever::LaneServed(int layer) {
+  alloc_->MarkServed(layer);
+  ++selections_;
+}
+
 Result<LayerSelection> Retriever::CountedSelect(SequenceId seq, int layer, const float* q, int m, bool decode,
                                                 const ChunkUpdate* update, const BackendQueries* queries) {
   // The layer's index reads, counted by the index per call: the difference around the selection

@@ -166,6 +166,27 @@ class Retriever {
   /// SelectsDecodeOnBackend() is false.
   Result<LayerSelection> SelectDecodeOnBackend(SequenceId seq, int layer, const BackendQueries& queries,
                                                const ChunkUpdate* update = nullptr);
+  /// What a session's device lane (engine/device_lane.h) reads to select one decode layer on
+  /// the device, with no host wait, in place of SelectDecodeOnBackend.
+  struct LaneLayer {
+    kernels::ChunkScoreParams score;                 ///< the mirror's view (probe, logit, cosine unset)
+    const std::vector<uint64_t>* row_ids = nullptr;  ///< chunk index of each mirror row, ascending
+    int n = 0;                                       ///< rows (chunks of the layer)
+    int cap = 0;           ///< the most chunks the hot slot pool holds (a grant is clipped to it)
+    int k = 0;             ///< chunks per layer (budget_tokens / chunk_size): the step's k
+    bool entropy = false;  ///< the entropy allocator (Eq. 12 on the device), else topk (k per layer)
+    ChunkRank rank = ChunkRank::kLogit;  ///< the score the top-k orders by
+  };
+  /// Applies `update` to (seq, layer)'s index (as Select does; null: Sync) and brings its mirror
+  /// up to date (a wait when rows changed), and returns the layer as the lane reads it. The
+  /// selection itself is the lane's: call LaneServed(layer) once it is submitted.
+  /// FailedPrecondition when SelectsDecodeOnBackend() is false.
+  Result<LaneLayer> PrepareLaneLayer(SequenceId seq, int layer, const ChunkUpdate* update);
+  /// The lane selected `layer` of this step on the device: the allocator's step protocol moves
+  /// past it (its Eq. 12 state, when it has one, is on the device meanwhile: grant_state()).
+  void LaneServed(int layer);
+  /// The allocator's running state (entropy), which the lane uploads and downloads; null for topk.
+  kernels::EntropyGrantState* grant_state() { return alloc_->grant_state(); }
   /// The bytes every Select so far read (LayerSelection's, summed).
   const IndexReadBytes& read_bytes() const { return read_bytes_; }
   /// Feeds a prefill window to the probe builder without retrieving (keeps

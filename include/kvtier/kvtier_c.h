@@ -301,15 +301,23 @@ kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const floa
  * outputs); q is, in the host copy kvtier_session_attend_device takes of it.
  * What the host still waits for, each wait counted in kvtier_session_counters.host_syncs:
  * kvtier_session_append_device, in steady decode, for nothing (a chunk sealed out of the local
- * window lands without a wait too). kvtier_session_attend_device for the queries' download (the
- * probe, the chunk search and the budget run on the host), for the selection's download when the
- * index runs on the device, for a fetch of chunks that are not hot, and in a prefill window for
- * the representative-key statistics; the attention itself and its output add none. */
+ * window lands without a wait too). kvtier_session_attend_device, in a decode step whose chunks
+ * are selected on the device (the Exact index on a cuda tier, no search reuse), for nothing: the
+ * step runs on the session's device lane, and its chunks (stats->chunks is 0 there, the
+ * counters' chunks_attended) are known one step late or after kvtier_session_wait_for_device;
+ * a step that lands a sealed chunk waits for its upload. Elsewhere for the queries' download
+ * (the probe, the chunk search and the budget run on the host), for the selection's download,
+ * for a fetch of chunks that are not hot, and in a prefill window for the representative-key
+ * statistics; the attention itself and its output add none. */
 kvtier_code kvtier_session_append_device(kvtier_session* session, int layer, const void* k, const void* v,
                                          int n, kvtier_dtype dtype, void* stream, kvtier_error* err);
 kvtier_code kvtier_session_attend_device(kvtier_session* session, int layer, const float* q,
                                          const int64_t* positions, int m, float* out, void* stream,
                                          kvtier_attend_stats* stats, kvtier_error* err);
+/* Reads what the device lane still holds of the decode steps so far (one wait when it is not
+ * done), so that the counters cover every step; the first error it names (a query that was not
+ * finite) is returned. KVTIER_OK and no wait when nothing is pending. */
+kvtier_code kvtier_session_wait_for_device(kvtier_session* session, kvtier_error* err);
 
 /* What one compress did. */
 typedef struct kvtier_compress_report {

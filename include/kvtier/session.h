@@ -157,14 +157,25 @@ class Session {
   /// (or overwrite k, v and q) on its stream after the call without a synchronisation.
   ///
   /// AppendDevice does not block the host in steady decode (a chunk sealed out of the local
-  /// window lands without a wait too). AttendDevice still waits on the host, counted in
-  /// SessionCounters::host_syncs: for the selection's download (the budget and the fetch run on
-  /// the host), for a fetch of chunks that are not hot, and in a prefill window for the
-  /// representative-key statistics. A decode query stays on the device where the retrieval
-  /// backend selects (Exact index, no search reuse, no kept queries): the probe is built and q is
-  /// checked for NaN and infinity there (refused by name as Attend refuses it, in the selection's
-  /// wait); otherwise q comes down once (one more wait) for the host's probe and checks. The
-  /// attention itself and its output add none.
+  /// window lands without a wait too). A decode query stays on the device where the retrieval
+  /// backend selects (Exact index, no search reuse, no kept queries), and such a decode layer
+  /// step runs on the session's DEVICE LANE (engine/device_lane.h) when every chunk of the layer
+  /// has a warm copy: probe, scores, Eq. 11, Eq. 12 (the allocator's state in device memory), the
+  /// top-B, a device chunk table over a slot pool of the session's own (hits kept from step to
+  /// step, misses copied from their warm copies) and the attention, with no host wait in a quiet
+  /// step (a step that lands a sealed chunk waits for the mirror's upload). What it chose reaches
+  /// the host one step late, through a step report the next layer calls read when it is done:
+  /// last_chunks(), counters()' chunks_attended and max_layer_chunks, and a refusal of a q that
+  /// held NaN or infinity (InvalidArgument naming q[0][head][d], returned by the call that reads
+  /// the report; that step's out means nothing); stats->chunks is 0 there. WaitForDevice
+  /// reads them at once. Every other layer call takes the host path unchanged (a prefill window,
+  /// a layer with no chunks, a chunk only in a lower tier, whose fetch brings it back to warm for
+  /// the next step; the allocator's state comes back from the device at that switch, one wait).
+  /// The host path waits on the host, counted in SessionCounters::host_syncs: for the selection's
+  /// download (the budget and the fetch run on the host), for a fetch of chunks that are not hot,
+  /// and in a prefill window for the representative-key statistics; where q does not stay on the
+  /// device it comes down once (one more wait) for the host's probe and checks. The attention
+  /// itself and its output add none.
   virtual Status AppendDevice(int layer, const void* k, const void* v, int n, DType dtype, void* stream) = 0;
   virtual Status AttendDevice(int layer, const float* q, const int64_t* positions, int m, float* out,
                               void* stream, AttendStats* stats = nullptr) = 0;
@@ -193,8 +204,16 @@ class Session {
   virtual SessionCounters counters() const = 0;
   /// Hot slots this session holds reserved (0 after Close or Drop, or with retrieve = false).
   virtual int32_t reserved_slots() const = 0;
-  /// Chunk indices each layer attended in the last step, [layer].
+  /// Chunk indices each layer attended in the last step, [layer]. A decode layer that
+  /// AttendDevice ran on the device lane (no host wait: see AttendDevice) is known to the host
+  /// one step late: its entry, and counters()' chunks_attended and max_layer_chunks for it, are
+  /// filled in when the next step's layer calls read its report, or by WaitForDevice.
   virtual const std::vector<std::vector<uint64_t>>& last_chunks() const = 0;
+  /// Reads every step report the device lane still holds (one wait when one is not done), so
+  /// that last_chunks() and counters() cover every step so far; returns the first error a report
+  /// names (a query that was not finite, as Attend would have refused it). OK and no wait when
+  /// nothing is pending (a host tier, or no decode step on the lane).
+  virtual Status WaitForDevice() = 0;
   /// Rotates x [m, heads, head_dim] fp32 in place with this session's RoPE at `positions`
   /// (kInfLLM; a no-op in kAbsolute, where the engine applies RoPE).
   virtual void ApplyRope(float* x, int m, int heads, const int64_t* positions) const = 0;

@@ -1516,7 +1516,12 @@ class PySession {
   }
 
   SequenceId Sequence() const { return s().sequence(); }
-  std::vector<std::vector<uint64_t>> LastChunks() const { return s().last_chunks(); }
+  // A decode step on the device lane names its chunks one step late: the property reads what
+  // the lane still holds first (Session::WaitForDevice; no wait when nothing is pending).
+  std::vector<std::vector<uint64_t>> LastChunks() const {
+    Check(s().WaitForDevice());
+    return s().last_chunks();
+  }
   const py::object& store() const { return store_; }
 
  private:

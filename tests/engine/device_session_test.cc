@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/session_internal.h"
 #include "kernels/dtype.h"
 #include "kvtier/session.h"
 #include "offload/device_sync.h"
@@ -116,6 +117,9 @@ void RunBothAndCompare(PositionMode positions) {
   auto ds = Session::Open(dev_store->get(), o);
   ASSERT_TRUE(hs.ok()) << hs.status().ToString();
   ASSERT_TRUE(ds.ok()) << ds.status().ToString();
+  // The device calls' host path, bit for bit with the chunks known at once (the device lane,
+  // which decode steps take by default, is compared in tests/engine/device_lane_test.cc).
+  ImplOf(**ds).SetDeviceLane(false);
 
   cudaStream_t engine = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&engine, cudaStreamNonBlocking), cudaSuccess);
@@ -193,19 +197,18 @@ TEST(DeviceSession, DeviceCallsGiveTheHostCallsOutputsInfLLMPositions) {
   RunBothAndCompare(PositionMode::kInfLLM);
 }
 
-// A quiet decode layer step through the device calls: AppendDevice waits for nothing, and
-// AttendDevice waits twice (the queries' download for the host's retrieval, the selection's
-// download), as the host calls do (the selection's download and the output's).
-// A quiet decode layer step through the device calls waits on the host once: for the selection's
-// download (the probe is built from q on the device, which never comes down).
-TEST(DeviceSession, QuietDeviceLayerStepWaitsOnceForTheSelection) {
-  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();
+// A quiet decode layer step through the device calls: AppendDevice waits for nothing; on the
+// device calls' host path (the lane off) AttendDevice waits once, for the selection's download
+// (the probe is built from q on the device, which never comes down); on the device lane (the
+// default) it waits for nothing.
+void RunQuietDeviceSteps(bool lane, uint64_t want_waits) {
   auto store = TieredStore::Open(SmallStore(Device::kCuda));
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   SessionOptions o;
   o.retrieval.budget_tokens = 24;
   auto s = Session::Open(store->get(), o);
   ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ImplOf(**s).SetDeviceLane(lane);
   cudaStream_t engine = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&engine, cudaStreamNonBlocking), cudaSuccess);
   const size_t kv_bytes = kKvHeads * kDim * sizeof(uint16_t), q_bytes = kQHeads * kDim * sizeof(float);
@@ -236,11 +239,22 @@ TEST(DeviceSession, QuietDeviceLayerStepWaitsOnceForTheSelection) {
       continue;
     ++quiet;
     for (int l = 0; l < kLayers; ++l)
-      EXPECT_EQ(attends[l], 1u) << "quiet step at position " << p << ", layer " << l;
+      EXPECT_EQ(attends[l], want_waits) << "quiet step at position " << p << ", layer " << l;
   }
   EXPECT_GE(quiet, 8) << "too few decode steps without a seal or a miss to pin the quiet count";
+  EXPECT_TRUE((*s)->WaitForDevice().ok());
   cudaStreamSynchronize(engine);
   cudaStreamDestroy(engine);
+}
+
+TEST(DeviceSession, QuietDeviceLayerStepWaitsOnceForTheSelection) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();
+  RunQuietDeviceSteps(/*lane=*/false, 1);
+}
+
+TEST(DeviceSession, QuietDeviceLayerStepOnTheLaneWaitsForNothing) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();
+  RunQuietDeviceSteps(/*lane=*/true, 0);
 }
 
 TEST(DeviceSession, RefusesNullPointersAndADroppedSequence) {
