@@ -271,6 +271,8 @@ Result<RunReport> RunJob(const RunOptions& options) {
     qo.remote.clear();
     qo.data_dir = opt.store.data_dir + "/infllm-query-heads";
     infllm_dir.dir = qo.data_dir;
+    std::error_code ec;
+    std::filesystem::remove_all(qo.data_dir, ec);  // what an interrupted run left
     KVTIER_ASSIGN_OR_RETURN(infllm_store, TieredStore::Open(qo));
     KVTIER_ASSIGN_OR_RETURN(infllm_seq, infllm_store->CreateSequence());
   }

@@ -51,8 +51,7 @@ const std::vector<float> kMassPerKvHead{5, 4, 3, 2.5, 3, 1, 2, 0.5};
 // The representatives [r, head, dim] each mode must choose for chunk A.
 std::vector<float> QueryHeadRepresentatives() {
   // r = 0: q0 e0, q1 e2, q2 2 e2, q3 2 e0;  r = 1: q0 e1, q1 e3, q2 2 e1, q3 2 e3.
-  return {1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 2, 0, 0, 0,
-          0, 1, 0, 0, 0, 0, 0, 1, 0, 2, 0, 0, 0, 0, 0, 2};
+  return {1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 2, 0, 0, 0, 0, 0, 2};
 }
 std::vector<float> KvHeadRepresentatives() {
   // r = 0: kv0 e0, kv1 2 e0;  r = 1: kv0 e1, kv1 2 e2.
@@ -267,6 +266,25 @@ TEST(InfLLMQueryHeads, PerQueryHeadSelectionDiffersFromPerKvHead) {
           << index << (heads == ReprHeads::kQuery ? " per query head" : " per kv head");
     }
   }
+}
+
+// A cuda tier's Exact retrieval backend pools its decode probe per kv head: refused by name.
+TEST(InfLLMQueryHeads, CudaExactBackendIsRefusedByName) {
+  StoreOptions o = SmallStore(ReprHeads::kQuery, "");
+  o.device = Device::kCuda;
+  auto s = TieredStore::Open(o);
+  if (!s.ok()) GTEST_SKIP() << "no cuda hot tier here: " << s.status().ToString();
+  RetrieverOptions ro;
+  ro.probe = "mean";
+  ro.alloc = "topk";
+  ro.index = "Exact:heads=sum,repr=mean";
+  ro.budget_tokens = kChunk;
+  auto r = Retriever::Create(s->get(), ro);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("repr_heads=query"), std::string::npos) << r.status().ToString();
+  ro.index = "Flat";  // FAISS kinds stay on the host
+  EXPECT_TRUE(Retriever::Create(s->get(), ro).ok());
 }
 
 // ObserveQueries gives each query head its own mass: with one representative, a query head
