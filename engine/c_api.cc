@@ -57,6 +57,8 @@ static_assert(KVTIER_DEVICE_CUDA == static_cast<int>(kvtier::Device::kCuda));
 static_assert(KVTIER_REPR_MASS == static_cast<int>(kvtier::ReprChoice::kMass));
 static_assert(KVTIER_REPR_DIVERSE == static_cast<int>(kvtier::ReprChoice::kDiverse));
 static_assert(KVTIER_REPR_CLUSTER == static_cast<int>(kvtier::ReprChoice::kCluster));
+static_assert(KVTIER_REPR_HEADS_KV == static_cast<int>(kvtier::ReprHeads::kKv));
+static_assert(KVTIER_REPR_HEADS_QUERY == static_cast<int>(kvtier::ReprHeads::kQuery));
 
 void CopyString(char* dst, size_t size, const char* src) {
   if (size == 0) return;
@@ -167,6 +169,9 @@ Status StoreOptionsFromC(const kvtier_store_options& c, kvtier::StoreOptions* so
   if (repr < KVTIER_REPR_MASS || repr > KVTIER_REPR_CLUSTER)
     return kvtier::InvalidArgument(
         "options->repr_choice is not a kvtier_repr_choice (MASS, DIVERSE, CLUSTER)");
+  const long long repr_heads = Raw(c.repr_heads);
+  if (repr_heads != KVTIER_REPR_HEADS_KV && repr_heads != KVTIER_REPR_HEADS_QUERY)
+    return kvtier::InvalidArgument("options->repr_heads is not a kvtier_repr_heads (KV, QUERY)");
   so->geometry.layers = c.layers;
   so->geometry.q_heads = c.q_heads;
   so->geometry.kv_heads = c.kv_heads;
@@ -194,6 +199,7 @@ Status StoreOptionsFromC(const kvtier_store_options& c, kvtier::StoreOptions* so
   so->max_landing_chunks = c.max_landing_chunks;
   so->accept_lost_chunks = c.accept_lost_chunks != 0;
   so->remote_namespace = OrEmpty(c.remote_namespace);
+  so->repr_heads = static_cast<kvtier::ReprHeads>(repr_heads);
   return Status::Ok();
 }
 
@@ -227,6 +233,7 @@ void StoreOptionsToC(const kvtier::StoreOptions& so, kvtier_store_options* c) {
   c->max_landing_chunks = so.max_landing_chunks;
   c->accept_lost_chunks = so.accept_lost_chunks ? 1 : 0;
   c->remote_namespace = optional(so.remote_namespace);
+  c->repr_heads = static_cast<kvtier_repr_heads>(so.repr_heads);
 }
 
 // The C session options as kvtier::SessionOptions: the preset's retrieval, then every field

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <numeric>
 #include <sstream>
 
@@ -133,7 +134,11 @@ namespace {
 // indexes), and what it did at each evaluated step.
 struct Method {
   std::string name;
-  std::unique_ptr<Session> session;  // its own retrieval state over the shared sequence
+  // The store and sequence it reads: the shared ones, or, for InfLLM's row, a store of the same
+  // tokens whose representatives are per query head (see "InfLLM as written" below).
+  TieredStore* store = nullptr;
+  SequenceId seq = 0;
+  std::unique_ptr<Session> session;  // its own retrieval state over its sequence
   std::vector<StepRecord> steps;     // [0] question window, then decode steps
   uint64_t bytes_moved = 0;
   double chunks = 0;
@@ -235,17 +240,57 @@ Result<RunReport> RunJob(const RunOptions& options) {
   const int n_sink = opt.store.n_sink, cs = opt.store.chunk_size;
   rep.context_kv_bytes = static_cast<uint64_t>(context) * L * g.token_kv_bytes();
 
+  // ---- InfLLM as written: representatives per query head ----
+  // InfLLM's ContextManager keeps each query head's own representatives (its top repr_topk
+  // tokens by the attention it gave them) and scores a block per query head. The comparison's
+  // InfLLM row reads a second store of the same tokens with StoreOptions::repr_heads = query
+  // (cold tier in a directory under data_dir, removed at the end; no remote tier), fed the
+  // same K/V and observed queries, so the other rows keep the configured store. Not opened
+  // (the row reads the configured store) when the configured store is per query head already,
+  // when every key is a representative (repr_topk = chunk_size: a query head's mean
+  // representative is then its kv head's mean key, and the score is the kv-head score times
+  // the group size, the same ranking), with a scoring policy or compression (they drop chunks
+  // of the configured store only), or without a cold tier (data_dir empty: the context would
+  // not fit the second store's warm tier).
+  const bool scoring_policy =
+      !opt.compress.empty() || opt.store.warm_policy != "lru" || opt.store.hot_policy != "lru";
+  const bool infllm_query_store = opt.compare && opt.store.repr_heads == ReprHeads::kKv &&
+                                  opt.store.repr_topk < cs && !scoring_policy && !opt.store.data_dir.empty();
+  struct RemoveDirAtEnd {  // after the store below is gone
+    std::string dir;
+    ~RemoveDirAtEnd() {
+      std::error_code ec;
+      if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+    }
+  } infllm_dir;
+  std::unique_ptr<TieredStore> infllm_store;
+  SequenceId infllm_seq = 0;
+  if (infllm_query_store) {
+    StoreOptions qo = opt.store;
+    qo.repr_heads = ReprHeads::kQuery;
+    qo.remote.clear();
+    qo.data_dir = opt.store.data_dir + "/infllm-query-heads";
+    infllm_dir.dir = qo.data_dir;
+    std::error_code ec;
+    std::filesystem::remove_all(qo.data_dir, ec);  // what an interrupted run left
+    KVTIER_ASSIGN_OR_RETURN(infllm_store, TieredStore::Open(qo));
+    KVTIER_ASSIGN_OR_RETURN(infllm_seq, infllm_store->CreateSequence());
+  }
+
   // ---- the methods: the configured one, or the comparison set ----
   std::vector<Method> methods;
-  auto add_method = [&](const std::string& name, const RetrieverOptions& ro) -> Status {
+  auto add_method = [&](const std::string& name, const RetrieverOptions& ro, TieredStore* own_store = nullptr,
+                        SequenceId own_seq = 0) -> Status {
     Method m;
     m.name = name;
+    m.store = own_store != nullptr ? own_store : store.get();
+    m.seq = own_store != nullptr ? own_seq : seq;
     // Representative-key statistics come from the prefill below (every stat_stride-th query),
     // once for the sequence, not from each method's evaluated steps.
     SessionOptions so;
     so.retrieval = ro;
     so.observe_prefill = false;
-    KVTIER_ASSIGN_OR_RETURN(m.session, Session::Attach(store.get(), seq, so));
+    KVTIER_ASSIGN_OR_RETURN(m.session, Session::Attach(m.store, m.seq, so));
     methods.push_back(std::move(m));
     return Status::Ok();
   };
@@ -268,7 +313,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
     KVTIER_ASSIGN_OR_RETURN(RetrieverOptions actqkv,
                             paper("actqkv", "act", "entropy:rank=cosine", opt.budget));
     KVTIER_RETURN_IF_ERROR(add_method("StreamingLLM", streaming));
-    KVTIER_RETURN_IF_ERROR(add_method("InfLLM", infllm));
+    KVTIER_RETURN_IF_ERROR(add_method("InfLLM", infllm, infllm_store.get(), infllm_seq));
     KVTIER_RETURN_IF_ERROR(add_method("ActQKV w/o cut-off", act_topk));
     KVTIER_RETURN_IF_ERROR(add_method("ActQKV", actqkv));
     KVTIER_RETURN_IF_ERROR(add_method("kvtier", configured));
@@ -345,13 +390,23 @@ Result<RunReport> RunJob(const RunOptions& options) {
       if (!spos.empty() && opt.store.repr_topk < cs)
         KVTIER_RETURN_IF_ERROR(
             ObserveQueries(*store, seq, l, sq.data(), spos.data(), static_cast<int>(spos.size())));
-      // Every window feeds the probes' running statistics (ActQKV Eq. 8 runs over all windows so far).
+      // InfLLM's own store takes the window too (not in prefill_s: the configured store's prefill).
       const int m = static_cast<int>(e - b);
+      const double own0 = NowSeconds();
+      for (Method& mt : methods) {
+        if (mt.store == store.get()) continue;
+        KVTIER_RETURN_IF_ERROR(mt.session->Append(l, kb.data(), vb.data(), m, g.dtype));
+        if (!spos.empty() && opt.store.repr_topk < cs)
+          KVTIER_RETURN_IF_ERROR(
+              ObserveQueries(*mt.store, mt.seq, l, sq.data(), spos.data(), static_cast<int>(spos.size())));
+      }
+      const double own_s = NowSeconds() - own0;
+      // Every window feeds the probes' running statistics (ActQKV Eq. 8 runs over all windows so far).
       window_pos.resize(static_cast<size_t>(m));
       std::iota(window_pos.begin(), window_pos.end(), b);
       for (Method& mt : methods)
         KVTIER_RETURN_IF_ERROR(mt.session->Observe(l, qf.data(), window_pos.data(), m));
-      prefill_s += NowSeconds() - t0;
+      prefill_s += NowSeconds() - t0 - own_s;
       if (act_probe) {
         if (sample) {
           std::vector<uint64_t> ids2;
@@ -501,10 +556,10 @@ Result<RunReport> RunJob(const RunOptions& options) {
     rec.attended.resize(L);
     std::vector<int64_t> pos(m);
     std::iota(pos.begin(), pos.end(), first);
-    if (methods.size() > 1) store->EvictHot();
+    if (methods.size() > 1) mt.store->EvictHot();
     // Chunks promoted into hot slots, from whichever tier: the fetch's bytes.
     auto loads = [](const StoreCounters& c) { return c.warm_loads + c.cold_loads + c.remote_loads; };
-    const StoreCounters before = store->counters();
+    const StoreCounters before = mt.store->counters();
     const uint64_t moved0 = before.bytes_moved;
     KVTIER_RETURN_IF_ERROR(mt.session->BeginStep(decode ? StepKind::kDecode : StepKind::kPrefill));
     for (int l = 0; l < L; ++l) {
@@ -530,7 +585,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
       std::vector<uint64_t> chunks = mt.session->last_chunks()[static_cast<size_t>(l)];
       std::sort(chunks.begin(), chunks.end());
       rec.attended[l].chunks = std::move(chunks);
-      KVTIER_ASSIGN_OR_RETURN(HotView view, GetHotView(*store, seq, l));
+      KVTIER_ASSIGN_OR_RETURN(HotView view, GetHotView(*mt.store, mt.seq, l));
       rec.attended[l].local_begin = view.n_local_spans ? view.local[0].first_position : view.n_tokens;
     }
     if (driver && decode) {
@@ -549,7 +604,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
       }
       rec.other_ms += 1e3 * (NowSeconds() - t0);
     }
-    const StoreCounters after = store->counters();
+    const StoreCounters after = mt.store->counters();
     rec.bytes_moved = after.bytes_moved - moved0;
     rec.fetch_bytes = (loads(after) - loads(before)) * opt.store.chunk_bytes();
     return rec;
@@ -581,20 +636,24 @@ Result<RunReport> RunJob(const RunOptions& options) {
   Progress dprog(opt.progress, "decode", opt.workload.decode_steps, "steps");
   for (int s = 0; s < opt.workload.decode_steps; ++s) {
     const int64_t p = context + s;
-    double append_ms = 0;
+    double append_ms = 0, own_append_ms = 0;  // the configured store's, InfLLM's own store's
     for (int l = 0; l < L; ++l) {
       generate(l, p, p + 1);
       step_q[l].assign(qf.begin(), qf.end());
-      const double t0 = NowSeconds();
-      if (driver)
-        KVTIER_RETURN_IF_ERROR(driver->Append(methods[0].session.get(), l, kb.data(), vb.data(), g.dtype));
-      else
-        KVTIER_RETURN_IF_ERROR(methods[0].session->Append(l, kb.data(), vb.data(), 1, g.dtype));
-      append_ms += 1e3 * (NowSeconds() - t0);
+      for (Method& mt : methods) {
+        const bool shared = mt.store == store.get();
+        if (shared && &mt != &methods[0]) continue;  // the shared sequence takes the token once
+        const double t0 = NowSeconds();
+        if (driver)
+          KVTIER_RETURN_IF_ERROR(driver->Append(mt.session.get(), l, kb.data(), vb.data(), g.dtype));
+        else
+          KVTIER_RETURN_IF_ERROR(mt.session->Append(l, kb.data(), vb.data(), 1, g.dtype));
+        (shared ? append_ms : own_append_ms) += 1e3 * (NowSeconds() - t0);
+      }
     }
     for (Method& mt : methods) {
       KVTIER_ASSIGN_OR_RETURN(StepRecord rec, sparse_step(mt, p, 1, true, step_q));
-      rec.append_ms = append_ms;
+      rec.append_ms = mt.store == store.get() ? append_ms : own_append_ms;
       if (&mt == &methods[0]) rec.q_layer_cache = step_q;  // the baseline replays these queries
       mt.steps.push_back(std::move(rec));
     }
@@ -645,6 +704,13 @@ Result<RunReport> RunJob(const RunOptions& options) {
                         (rep.counters.hot_bytes - rep.counters.hot_chunks * opt.store.chunk_bytes()) +
                         store->metadata_bytes() + index_bound + rep.policy.scratch_bytes +
                         work.memory_bytes() + kRunRssOverheadBytes;
+  if (infllm_store) {  // InfLLM's own store: its tiers and records as well
+    KVTIER_RETURN_IF_ERROR(infllm_store->WaitForDurable());
+    const StoreCounters c = infllm_store->counters();
+    rep.rss_bound_bytes += opt.store.warm_bytes + opt.store.hot_bytes +
+                           (c.hot_bytes - c.hot_chunks * opt.store.chunk_bytes()) +
+                           infllm_store->metadata_bytes();
+  }
 
   // ---- chunk choice: the buckets of every method's chunk_counts, and the sought needles ----
   ChunkChoice& cc = rep.chunk_choice;

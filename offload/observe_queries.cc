@@ -51,26 +51,62 @@ Status ObserveQueries(TieredStore& store, SequenceId seq, int layer, const float
   // over host copies of the sinks and local window (HostCopyOfView).
   std::vector<std::vector<uint8_t>> host_copy;
   KVTIER_RETURN_IF_ERROR(HostCopyOfView(hot, token_bytes, &view, &host_copy));
+  // Per kv head the kernel's mass is the sum over the kv head's query heads. A store whose
+  // representatives are per query head (ReprHeads::kQuery) needs each query head's own: the
+  // attention runs once per member j of the GQA groups, over the queries of heads
+  // {kv * group + j} alone as an MHA geometry (q_heads = kv_heads), whose mass per "kv head" kv
+  // is query head kv * group + j's. Softmax is per query head, so each run's mass is exactly
+  // that head's share of the full attention.
+  const bool per_query = options.repr_heads == ReprHeads::kQuery;
+  const int group = g.q_heads / g.kv_heads;
+  const int runs = per_query ? group : 1;
+  Geometry run_g = g;
+  if (per_query) run_g.q_heads = g.kv_heads;
+  const int out_heads = per_query ? g.q_heads : g.kv_heads;
   std::vector<float> mass_sinks(static_cast<size_t>(g.kv_heads) * std::max(1, view.sinks.n_tokens), 0.0f);
-  std::vector<std::vector<float>> mass_local(view.n_local_spans);
+  std::vector<std::vector<float>> mass_local(view.n_local_spans), mass_out(view.n_local_spans);
   std::vector<kernels::KvSpan> parts;
   parts.push_back(view.sinks);
   parts.back().mass = mass_sinks.data();
   for (int i = 0; i < view.n_local_spans; ++i) {
     mass_local[i].assign(static_cast<size_t>(g.kv_heads) * view.local[i].n_tokens, 0.0f);
+    mass_out[i].assign(static_cast<size_t>(out_heads) * view.local[i].n_tokens, 0.0f);
     parts.push_back(view.local[i]);
     parts.back().mass = mass_local[i].data();
   }
   std::vector<float> out(static_cast<size_t>(m) * g.q_heads * g.head_dim);
-  const kernels::AttentionParams p = DenseAttentionParams(g, g.dtype, q, positions, m, parts.data(),
-                                                          static_cast<int>(parts.size()), out.data());
-  const kernels::KernelError err = kernels::Attention(p);
-  if (err != kernels::KernelError::kOk)
-    return InvalidArgument(std::string("ObserveQueries: attention failed: ") +
-                           kernels::KernelErrorString(err));
+  std::vector<float> q_run(per_query ? static_cast<size_t>(m) * g.kv_heads * g.head_dim : 0);
+  const size_t D = static_cast<size_t>(g.head_dim);
+  for (int j = 0; j < runs; ++j) {
+    const float* q_in = q;
+    if (per_query) {
+      for (int t = 0; t < m; ++t)
+        for (int kv = 0; kv < g.kv_heads; ++kv)
+          std::copy_n(q + (static_cast<size_t>(t) * g.q_heads + static_cast<size_t>(kv) * group + j) * D, D,
+                      q_run.data() + (static_cast<size_t>(t) * g.kv_heads + kv) * D);
+      q_in = q_run.data();
+      std::fill(mass_sinks.begin(), mass_sinks.end(), 0.0f);
+      for (auto& ml : mass_local) std::fill(ml.begin(), ml.end(), 0.0f);
+    }
+    const kernels::AttentionParams p = DenseAttentionParams(run_g, g.dtype, q_in, positions, m, parts.data(),
+                                                            static_cast<int>(parts.size()), out.data());
+    const kernels::KernelError err = kernels::Attention(p);
+    if (err != kernels::KernelError::kOk)
+      return InvalidArgument(std::string("ObserveQueries: attention failed: ") +
+                             kernels::KernelErrorString(err));
+    for (int i = 0; i < view.n_local_spans; ++i) {
+      const size_t n = static_cast<size_t>(view.local[i].n_tokens);
+      for (int kv = 0; kv < g.kv_heads; ++kv) {
+        const int h = per_query ? kv * group + j : kv;
+        std::copy_n(mass_local[i].data() + kv * n, n, mass_out[i].data() + static_cast<size_t>(h) * n);
+      }
+    }
+  }
   for (int i = 0; i < view.n_local_spans; ++i) {
-    KVTIER_RETURN_IF_ERROR(store.AddLocalAttention(seq, layer, view.local[i].first_position,
-                                                   view.local[i].n_tokens, mass_local[i].data()));
+    const int64_t first = view.local[i].first_position;
+    const int n = view.local[i].n_tokens;
+    KVTIER_RETURN_IF_ERROR(per_query ? store.AddLocalQueryAttention(seq, layer, first, n, mass_out[i].data())
+                                     : store.AddLocalAttention(seq, layer, first, n, mass_out[i].data()));
   }
   return Status::Ok();
 }

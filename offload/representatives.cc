@@ -40,6 +40,28 @@ bool ParseReprChoice(const std::string& name, ReprChoice* out) {
   return false;
 }
 
+const char* ReprHeadsName(ReprHeads h) {
+  switch (h) {
+    case ReprHeads::kKv:
+      return "kv";
+    case ReprHeads::kQuery:
+      return "query";
+  }
+  return "unknown";
+}
+
+bool ParseReprHeads(const std::string& name, ReprHeads* out) {
+  if (name == "kv") {
+    *out = ReprHeads::kKv;
+    return true;
+  }
+  if (name == "query") {
+    *out = ReprHeads::kQuery;
+    return true;
+  }
+  return false;
+}
+
 Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
   const Geometry& g = in.geometry;
   const int cs = in.chunk_size, D = g.head_dim, H = g.kv_heads, R = in.repr_topk;
@@ -54,6 +76,11 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
                            std::to_string(H) + ", " + std::to_string(D) + ")");
   if (in.keys == nullptr || repr == nullptr)
     return InvalidArgument("ChooseRepresentatives: keys and out must not be null");
+  const int Hout = in.out_heads == 0 ? H : in.out_heads;
+  if (Hout < H || Hout % H != 0)
+    return InvalidArgument("ChooseRepresentatives: out_heads (" + std::to_string(Hout) +
+                           ") must be 0, kv_heads or a multiple of kv_heads (" + std::to_string(H) + ")");
+  const int heads_per_kv = Hout / H;  // out head h takes the keys of kv head h / heads_per_kv
   if (in.mass != nullptr && in.mass_stride < static_cast<size_t>(cs))
     return InvalidArgument("ChooseRepresentatives: mass_stride (" + std::to_string(in.mass_stride) +
                            ") must be >= chunk_size (" + std::to_string(cs) + ")");
@@ -79,7 +106,8 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
     }
     normed_head = h;
   };
-  for (int h = 0; h < H; ++h) {
+  for (int h = 0; h < Hout; ++h) {
+    const int kh = h / heads_per_kv;
     const float* mass = in.mass != nullptr ? in.mass + static_cast<size_t>(h) * in.mass_stride : nullptr;
     float total = 0.0f;
     if (mass != nullptr)
@@ -87,11 +115,11 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
     if (total > 0.0f) {
       for (int t = 0; t < cs; ++t) score[t] = mass[t];
     } else {
-      unit_norms(h);
+      unit_norms(kh);
       std::fill(mean.begin(), mean.end(), 0.0f);
       for (int t = 0; t < cs; ++t)
-        for (int d = 0; d < D; ++d) mean[d] += key(h, t)[d] * inv_norm[t];
-      for (int t = 0; t < cs; ++t) score[t] = kernels::Dot(key(h, t), mean.data(), D) * inv_norm[t];
+        for (int d = 0; d < D; ++d) mean[d] += key(kh, t)[d] * inv_norm[t];
+      for (int t = 0; t < cs; ++t) score[t] = kernels::Dot(key(kh, t), mean.data(), D) * inv_norm[t];
     }
     std::iota(order.begin(), order.end(), 0);
     // Highest score first; ties go to the earlier token (deterministic).
@@ -100,7 +128,7 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
     if (total > 0.0f && in.choice != ReprChoice::kMass && R > 1) {
       // order[0] is the most attended token; each next one maximises
       // mass / top mass - its highest cosine with a token taken (ties: the earlier token).
-      unit_norms(h);
+      unit_norms(kh);
       const float top = score[order[0]];
       std::fill(covered.begin(), covered.end(), -std::numeric_limits<float>::infinity());
       std::fill(taken.begin(), taken.end(), 0);
@@ -112,7 +140,7 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
         for (int t = 0; t < cs; ++t) {
           if (taken[t]) continue;
           covered[t] =
-              std::max(covered[t], kernels::Dot(key(h, t), key(h, last), D) * inv_norm[t] * inv_norm[last]);
+              std::max(covered[t], kernels::Dot(key(kh, t), key(kh, last), D) * inv_norm[t] * inv_norm[last]);
           const float value = score[t] / top - covered[t];
           if (next < 0 || value > next_value) {
             next = t;
@@ -123,7 +151,7 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
       }
     }
     if (in.choice == ReprChoice::kCluster && R < cs) {
-      unit_norms(h);
+      unit_norms(kh);
       // group[t]: the seed (representative index) token t joins.
       std::fill(group.begin(), group.end(), -1);
       for (int r = 0; r < R; ++r) group[order[r]] = r;
@@ -131,7 +159,7 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
         if (group[t] >= 0) continue;
         float best = -std::numeric_limits<float>::infinity();
         for (int r = 0; r < R; ++r) {
-          const float c = kernels::Dot(key(h, t), key(h, order[r]), D) * inv_norm[t] * inv_norm[order[r]];
+          const float c = kernels::Dot(key(kh, t), key(kh, order[r]), D) * inv_norm[t] * inv_norm[order[r]];
           if (group[t] < 0 || c > best) {
             group[t] = r;
             best = c;
@@ -143,17 +171,17 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
         int members = 0;
         for (int t = 0; t < cs; ++t) {
           if (group[t] != r) continue;
-          for (int d = 0; d < D; ++d) mean[d] += key(h, t)[d];
+          for (int d = 0; d < D; ++d) mean[d] += key(kh, t)[d];
           ++members;
         }
         for (int d = 0; d < D; ++d) mean[d] /= static_cast<float>(members);
-        FromFloat(g.dtype, mean.data(), repr + (static_cast<size_t>(r) * H + h) * head_bytes, D);
+        FromFloat(g.dtype, mean.data(), repr + (static_cast<size_t>(r) * Hout + h) * head_bytes, D);
       }
       continue;
     }
     for (int r = 0; r < R; ++r)
-      std::memcpy(repr + (static_cast<size_t>(r) * H + h) * head_bytes,
-                  in.keys + (static_cast<size_t>(order[r]) * H + h) * head_bytes, head_bytes);
+      std::memcpy(repr + (static_cast<size_t>(r) * Hout + h) * head_bytes,
+                  in.keys + (static_cast<size_t>(order[r]) * H + kh) * head_bytes, head_bytes);
   }
   return Status::Ok();
 }

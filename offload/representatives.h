@@ -42,20 +42,30 @@ namespace kvtier {
 const char* ReprChoiceName(ReprChoice c);
 /// Parses "mass|diverse|cluster"; false when unknown.
 bool ParseReprChoice(const std::string& name, ReprChoice* out);
+/// "kv" / "query".
+const char* ReprHeadsName(ReprHeads h);
+/// Parses "kv|query"; false when unknown.
+bool ParseReprHeads(const std::string& name, ReprHeads* out);
 
 struct RepresentativeInput {
-  Geometry geometry;              ///< kv_heads, head_dim and the storage dtype are used
-  int chunk_size = 0;             ///< tokens in the chunk
-  int repr_topk = 0;              ///< keys to choose per kv head (<= chunk_size)
+  Geometry geometry;   ///< kv_heads, head_dim and the storage dtype are used
+  int chunk_size = 0;  ///< tokens in the chunk
+  int repr_topk = 0;   ///< keys to choose per out head (<= chunk_size)
+  /// Heads the representatives are chosen for: 0 (= kv_heads) chooses per kv head; q_heads (a
+  /// multiple of kv_heads: ReprHeads::kQuery) chooses per query head, each by its own mass row,
+  /// query head h taking the keys of its kv head h / (out_heads / kv_heads).
+  int out_heads = 0;
   const uint8_t* keys = nullptr;  ///< [chunk_size, kv_heads, head_dim], storage dtype
-  /// Attention mass per token: head h, token t at mass[h * mass_stride + t]. Null:
+  /// Attention mass per token: out head h, token t at mass[h * mass_stride + t]. Null:
   /// no statistics for any head (every head takes the fallback).
   const float* mass = nullptr;
   size_t mass_stride = 0;                 ///< >= chunk_size when mass is given
   ReprChoice choice = ReprChoice::kMass;  ///< how tokens with statistics are chosen
 };
 
-/// Writes [repr_topk, kv_heads, head_dim] keys (storage dtype) to `out`.
+/// Writes [repr_topk, out heads, head_dim] keys (storage dtype) to `out`: a query head's
+/// representatives are its own choice (InfLLM's ContextManager: each query head's top repr_topk
+/// tokens by the attention it gave them), and every choice rule runs per out head as written above.
 /// InvalidArgument naming the field for a bad shape or a null pointer.
 Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* out);
 

@@ -105,6 +105,21 @@ const std::vector<StoreOptionDesc>& StoreOptionTable() {
                                   "' (mass|diverse|cluster)");
          return Status::Ok();
        }},
+      {.name = "repr_heads",
+       .field = "repr_heads",
+       .flag = "repr-heads",
+       .type = OptionType::kChoice,
+       .meaning =
+           "whose heads the representatives belong to: kv (per kv head, chosen by the mass summed over "
+           "its query heads) or query (InfLLM: per query head, chosen by that head's own mass; "
+           "[repr_topk, q_heads, head_dim] per chunk, scored by per-query-head probes)",
+       .choices = "kv|query",
+       .get = [](const S& o) -> OptionValue { return std::string(ReprHeadsName(o.repr_heads)); },
+       .set = [](S* o, const OptionValue& v) -> Status {
+         if (!ParseReprHeads(std::get<std::string>(v), &o->repr_heads))
+           return InvalidArgument("unknown repr_heads '" + std::get<std::string>(v) + "' (kv|query)");
+         return Status::Ok();
+       }},
       {.name = "hot_bytes",
        .field = "hot_bytes",
        .flag = "hot-bytes",

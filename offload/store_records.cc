@@ -8,13 +8,14 @@ namespace store_records {
 std::string StoreLayout::ToString() const {
   return "geometry " + geometry.ToString() + ", n_sink " + std::to_string(n_sink) + ", n_local " +
          std::to_string(n_local) + ", chunk_size " + std::to_string(chunk_size) + ", repr_topk " +
-         std::to_string(repr_topk);
+         std::to_string(repr_topk) + ", repr_heads " + (repr_heads == ReprHeads::kQuery ? "query" : "kv");
 }
 
 std::string EncodeStoreRecord(const StoreLayout& o) {
   std::string out;
+  const bool query = o.repr_heads == ReprHeads::kQuery;
   PutFixed32(&out, kStoreMagic);
-  PutFixed32(&out, kRecordVersion);
+  PutFixed32(&out, query ? kStoreRecordQueryHeadsVersion : kRecordVersion);
   const Geometry& g = o.geometry;
   PutInt32(&out, g.layers);
   PutInt32(&out, g.q_heads);
@@ -25,6 +26,7 @@ std::string EncodeStoreRecord(const StoreLayout& o) {
   PutInt32(&out, o.n_local);
   PutInt32(&out, o.chunk_size);
   PutInt32(&out, o.repr_topk);
+  if (query) PutFixed8(&out, 1);
   return out;
 }
 
@@ -34,9 +36,10 @@ Result<StoreLayout> DecodeStoreRecord(std::string_view bytes, const std::string&
   KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&magic, "magic"));
   if (magic != kStoreMagic) return Corruption(r.what() + ": bad magic");
   KVTIER_RETURN_IF_ERROR(r.ReadFixed32(&version, "version"));
-  if (version != kRecordVersion)
+  if (version != kRecordVersion && version != kStoreRecordQueryHeadsVersion)
     return Corruption(r.what() + ": version " + std::to_string(version) + ", this build reads " +
-                      std::to_string(kRecordVersion));
+                      std::to_string(kRecordVersion) + " and " +
+                      std::to_string(kStoreRecordQueryHeadsVersion));
   StoreLayout l;
   int32_t shape[4];
   for (int32_t& d : shape) KVTIER_RETURN_IF_ERROR(r.ReadInt32(&d, "geometry"));
@@ -49,6 +52,14 @@ Result<StoreLayout> DecodeStoreRecord(std::string_view bytes, const std::string&
   KVTIER_RETURN_IF_ERROR(r.ReadInt32(&l.n_local, "n_local"));
   KVTIER_RETURN_IF_ERROR(r.ReadInt32(&l.chunk_size, "chunk_size"));
   KVTIER_RETURN_IF_ERROR(r.ReadInt32(&l.repr_topk, "repr_topk"));
+  if (version == kStoreRecordQueryHeadsVersion) {
+    uint8_t heads = 0;
+    KVTIER_RETURN_IF_ERROR(r.ReadFixed8(&heads, "repr_heads"));
+    if (heads != 1)
+      return Corruption(r.what() + ": repr_heads " + std::to_string(heads) +
+                        " in a version 2 record (it marks representatives per query head: 1)");
+    l.repr_heads = ReprHeads::kQuery;
+  }
   KVTIER_RETURN_IF_ERROR(r.ExpectEnd());
   return l;
 }

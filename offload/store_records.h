@@ -9,15 +9,19 @@
 //
 //   store record   (blob "store" of sequence 0, layer 0): pins the layout, so
 //                  that reopening with another geometry is refused
-//     u32 magic "KVTS" (0x5354564b)  u32 version (1)
+//     u32 magic "KVTS" (0x5354564b)  u32 version (1 or 2)
 //     i32 layers, q_heads, kv_heads, head_dim   u8 dtype
 //     i32 n_sink, n_local, chunk_size, repr_topk
+//     version 2 only: u8 repr_heads (1 = query: representatives per query head). A store whose
+//     representatives are per kv head writes version 1, byte for byte as before; one per query
+//     head writes version 2, which a build that reads only version 1 refuses by its version.
 //   sequence record (ColdTier::PutSequence)
 //     u32 magic "KVSQ" (0x5153564b)  u32 version (1)  u8 state (0 open, 1 closed)
 //     u32 layers, then i64 n_tokens per layer
 //   chunk meta     (ColdTier::PutChunk's meta, written with the payload in one batch)
 //     u32 magic "KVCM" (0x4d43564b)  u32 version (1)  i64 first_token
-//     u32 repr_bytes, then the representative keys [repr_topk, kv_heads, head_dim]
+//     u32 repr_bytes, then the representative keys [repr_topk, repr heads, head_dim]
+//     (kv_heads, or q_heads under store record version 2's repr_heads = query)
 //     in the storage dtype, bit for bit   f32 score
 //   blobs "sinks" / "local" per (sequence, layer), written by CloseSequence:
 //     K then V of the sinks / of the local window's tokens, raw storage dtype
@@ -28,6 +32,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvtier/options.h"
 #include "store/chunk.h"
 #include "store/geometry.h"
 #include "store/status.h"
@@ -39,6 +44,8 @@ inline constexpr uint32_t kStoreMagic = 0x5354564b;  // "KVTS"
 inline constexpr uint32_t kSeqMagic = 0x5153564b;    // "KVSQ"
 inline constexpr uint32_t kMetaMagic = 0x4d43564b;   // "KVCM"
 inline constexpr uint32_t kRecordVersion = 1;
+/// The store record of a store whose representatives are per query head (repr_heads byte).
+inline constexpr uint32_t kStoreRecordQueryHeadsVersion = 2;
 inline constexpr SequenceId kStoreRecordSeq = 0;  // sequence ids start at 1
 inline constexpr const char* kStoreBlob = "store";
 inline constexpr const char* kSinksBlob = "sinks";
@@ -48,7 +55,8 @@ inline constexpr const char* kLocalBlob = "local";
 struct StoreLayout {
   Geometry geometry;
   int32_t n_sink = 0, n_local = 0, chunk_size = 0, repr_topk = 0;
-  /// "geometry 2,4,2,16:f16, n_sink 8, n_local 32, chunk_size 8, repr_topk 2"
+  ReprHeads repr_heads = ReprHeads::kKv;  ///< whose heads the representatives are per
+  /// "geometry 2,4,2,16:f16, n_sink 8, n_local 32, chunk_size 8, repr_topk 2, repr_heads kv"
   std::string ToString() const;
 };
 std::string EncodeStoreRecord(const StoreLayout& layout);

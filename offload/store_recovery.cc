@@ -16,7 +16,7 @@ using store_records::SeqState;
 namespace {
 
 store_records::StoreLayout LayoutOf(const StoreOptions& o) {
-  return store_records::StoreLayout{o.geometry, o.n_sink, o.n_local, o.chunk_size, o.repr_topk};
+  return store_records::StoreLayout{o.geometry, o.n_sink, o.n_local, o.chunk_size, o.repr_topk, o.repr_heads};
 }
 
 // The store record pins the layout: reopening with another geometry would misread every chunk.
@@ -69,7 +69,7 @@ Status RecoverStore(const StoreOptions& options, ColdTier* cold, HotTier* hot, R
   const int L = options.geometry.layers;
   const size_t token_bytes = options.geometry.token_elems() * DTypeSize(options.geometry.dtype);
   const size_t chunk_bytes = options.chunk_bytes();
-  const size_t repr_bytes = static_cast<size_t>(options.repr_topk) * token_bytes;
+  const size_t repr_bytes = options.repr_bytes();
   std::vector<std::pair<SequenceId, std::string>> records;
   KVTIER_RETURN_IF_ERROR(cold->ForEachSequence([&](SequenceId id, std::string_view rec) {
     records.emplace_back(id, std::string(rec));

@@ -31,8 +31,8 @@ struct Chunk {
   uint64_t id = 0;
   ChunkKey key;
   int64_t first_token = 0;
-  // [repr_topk, kv_heads, head_dim] in storage dtype; empty once released (read back from
-  // the chunk's meta record in the lower tiers) and for a chunk recovered at Open.
+  // [repr_topk, repr heads, head_dim] in storage dtype (StoreOptions::repr_head_count()); empty once released
+  // (read back from the chunk's meta record in the lower tiers) and for a chunk recovered at Open.
   std::vector<uint8_t> repr;
   uint8_t tiers = kTierNone;
   int32_t warm_slot = -1;
@@ -60,7 +60,7 @@ struct Chunk {
 struct LandingChunk {
   Chunk* chunk = nullptr;
   TransferTicket ticket = kCompletedTransfer;
-  // [kv_heads, chunk_size]: the attention mass its tokens received in the local window,
+  // [repr heads, chunk_size]: the attention mass its tokens received in the local window,
   // snapshotted at seal time (the ring positions are reset and reused right after).
   std::vector<float> mass;
 };
@@ -72,7 +72,7 @@ struct LayerState {
   uint8_t* sink_v = nullptr;
   uint8_t* ring_k = nullptr;  // [ring, kv_heads, head_dim], token p at (p - n_sink) % ring
   uint8_t* ring_v = nullptr;
-  std::vector<float> ring_mass;  // [kv_heads, ring] attention mass while in the local window
+  std::vector<float> ring_mass;  // [repr heads, ring] attention mass while in the local window
   int64_t n_tokens = 0;
   int64_t sealed_end = 0;      // first position not yet in a chunk (>= n_sink once sinks are full)
   bool sinks_restored = true;  // false for a recovered sequence without a sinks record

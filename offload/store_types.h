@@ -33,7 +33,8 @@ struct ChunkUpdate {
   ChunkCursor next;               ///< the cursor after these changes
   ChunkCursor since;              ///< the cursor these changes start from
   std::vector<uint64_t> added;    ///< landed chunk indices, ascending
-  std::vector<float> repr;        ///< [added][repr_topk, kv_heads, head_dim] fp32 representative keys
+  std::vector<float> repr;        ///< [added][repr_topk, repr heads, head_dim] fp32 representative keys
+                                  ///< (StoreOptions::repr_head_count())
   std::vector<uint64_t> dropped;  ///< chunk indices dropped since the cursor, in drop order
   bool complete = true;           ///< false: max_added was reached, more landed chunks wait past next
   uint64_t pending = 0;           ///< chunk indices past next still to hand over (holes included: at most)

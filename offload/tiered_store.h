@@ -123,9 +123,14 @@ class TieredStore : public Store {
   Status Append(SequenceId seq, int layer, const void* k, const void* v, int n, DType dtype,
                 MemorySpace space = MemorySpace::kHost, bool ordered = false);
   /// Attention statistics from an engine that computed them itself: mass
-  /// ([kv_heads, n] fp32) received by tokens [first_position, first_position+n),
-  /// which must lie in the local window.
+  /// ([kv_heads, n] fp32, each kv head's the sum over its query heads) received by tokens
+  /// [first_position, first_position+n), which must lie in the local window.
+  /// FailedPrecondition under ReprHeads::kQuery (a kv head's sum cannot be split into its
+  /// query heads' mass: AddLocalQueryAttention).
   Status AddLocalAttention(SequenceId seq, int layer, int64_t first_position, int n, const float* mass);
+  /// The same per query head, for a store whose representatives are per query head
+  /// (ReprHeads::kQuery): mass [q_heads, n] fp32. FailedPrecondition under ReprHeads::kKv.
+  Status AddLocalQueryAttention(SequenceId seq, int layer, int64_t first_position, int n, const float* mass);
   /// Persists sinks and local window; the sequence becomes read-only.
   Status CloseSequence(SequenceId seq) override;
   /// Removes the sequence from every tier.
@@ -208,7 +213,7 @@ class TieredStore : public Store {
   /// [n_sink + i*chunk_size, n_sink + (i+1)*chunk_size)): the indices before the oldest chunk
   /// still landing.
   Result<uint64_t> ChunkCount(SequenceId seq, int layer) const override;
-  /// Representative keys of one chunk: [repr_topk, kv_heads, head_dim] fp32. A chunk whose
+  /// Representative keys of one chunk: [repr_topk, repr_head_count(), head_dim] fp32. A chunk whose
   /// representatives left memory (see metadata_bytes) has them read back from its meta record
   /// in the lower tiers, without the store lock; a failed read is returned naming the chunk
   /// ("representatives of chunk ... could not be read back from the lower tiers: ...").
@@ -334,6 +339,9 @@ class TieredStore : public Store {
   using LayerState = store_internal::LayerState;
   using Sequence = store_internal::Sequence;
   TieredStore(const StoreOptions& options, const StoreHooks& hooks);
+  // Adds mass [repr_head_count(), n] to the layer's ring (AddLocalAttention and
+  // AddLocalQueryAttention, after each checked its kind).
+  Status AddMass(SequenceId seq, int layer, int64_t first_position, int n, const float* mass);
 
   // The parts, in the order they are built at Open and destroyed in reverse (what a part
   // refers to outlives it); which file owns what is on each part's header.

@@ -3,7 +3,9 @@
 //
 // A chunk enters an index as its R representative keys, [R, kv_heads, head_dim] fp32, the
 // layout TieredStore::GetRepresentatives gives; each kind builds its own representation from
-// them. For a probe ([kv_heads, head_dim] fp32, one layer's) an index gives:
+// them. For a probe ([kv_heads, head_dim] fp32, one layer's) an index gives (a store whose
+// representatives are per query head, StoreOptions::repr_heads = query, makes every "kv_heads"
+// here q_heads: ChunkShape::kv_heads counts the heads the representatives and probes are per):
 //   - Score: every chunk's scores, exactly: the logit (InfLLM's q.k, as the kind defines a
 //     chunk's key) and the ActQKV Eq. 10 cosine s_i = Q_probe . K[i] / (|Q_probe| |K[i]|);
 //   - Screen: every chunk's scores as the allocator should see them (Eq. 10-12 take the
@@ -17,10 +19,12 @@
 // Kinds, chosen by the spec string (the factory-string syntax of store/factory_spec.h; the
 // name may hold commas, as FAISS descriptions do: "IVF1024,Flat:nprobe=32"):
 //
-//   Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E]                         (exact_index.h)
+//   Exact[:heads=sum|max,repr=max|mean,rerank=F,rerank_min=N,theta=E]            (exact_index.h)
 //       Every representative key is kept, in the store's dtype, plus int8 codes of it. A
 //       chunk's score is its best representative per kv head, the heads summed (heads=sum;
 //       cosines averaged, so they stay in [-1, 1]) or the most interested head's (heads=max).
+//       repr=mean: a head's score is the mean logit over its representatives (InfLLM's block
+//       score), kept as one fp32 mean key per chunk and head.
 //       Screen reads the int8 codes, with a bound on each score's error; Best rescores from the
 //       stored keys (fp32 arithmetic) the chunks the bound cannot rule out, plus the best
 //       max(F x take, N) screened, so it chooses what one exact pass would. rerank=0: Screen is
@@ -59,7 +63,7 @@ namespace kvtier {
 /// [repr, kv_heads, head_dim] fp32 (TieredStore::GetRepresentatives), read from a store that
 /// holds keys in `dtype`.
 struct ChunkShape {
-  int kv_heads = 0;
+  int kv_heads = 0;  ///< heads of a representative and a probe: q_heads under repr_heads = query
   int head_dim = 0;
   int repr = 0;               ///< R: representatives per chunk and kv head (StoreOptions::repr_topk)
   DType dtype = DType::kF32;  ///< the store's key dtype

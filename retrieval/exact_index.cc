@@ -27,6 +27,23 @@ kernels::HeadFold::Kind FoldKind(ExactIndexOptions::HeadMerge heads) {
                                                      : kernels::HeadFold::Kind::kSum;
 }
 
+// out[h, d] = (1/R) sum_r repr[r, h, d]: a query's mean logit over the representatives is its
+// logit with this key (InfLLM's block score, exact_index.h).
+void MeanOfRepresentatives(const float* repr, int R, int H, int D, float* out) {
+  const size_t n = static_cast<size_t>(H) * D;
+  std::fill_n(out, n, 0.0f);
+  for (int r = 0; r < R; ++r)
+    for (size_t i = 0; i < n; ++i) out[i] += repr[static_cast<size_t>(r) * n + i];
+  const float inv = 1.0f / static_cast<float>(R);
+  for (size_t i = 0; i < n; ++i) out[i] *= inv;
+}
+
+// The rows' layout: the index's shape, or under repr=mean one fp32 key per chunk and head.
+ChunkShape StoredShape(const ChunkShape& shape, const ExactIndexOptions& options) {
+  if (options.repr != ExactIndexOptions::ReprFold::kMean) return shape;
+  return ChunkShape{shape.kv_heads, shape.head_dim, 1, DType::kF32};
+}
+
 kernels::HeadFold FoldOf(ExactIndexOptions::HeadMerge heads, int n_heads) {
   return kernels::HeadFold(heads == ExactIndexOptions::HeadMerge::kMax ? kernels::HeadFold::Kind::kMax
                                                                        : kernels::HeadFold::Kind::kSum,
@@ -51,6 +68,15 @@ Result<ExactIndexOptions> ExactIndexOptions::Parse(const std::string& spec) {
         return InvalidArgument("bad value '" + value + "' for key 'heads' in index spec '" + spec +
                                "' (expected sum or max)");
       }
+    } else if (key == "repr") {
+      if (value == "max") {
+        o.repr = ReprFold::kMax;
+      } else if (value == "mean") {
+        o.repr = ReprFold::kMean;
+      } else {
+        return InvalidArgument("bad value '" + value + "' for key 'repr' in index spec '" + spec +
+                               "' (expected max or mean)");
+      }
     } else if (key == "rerank" || key == "rerank_min") {
       KVTIER_ASSIGN_OR_RETURN(int v, ParseSpecInt(spec, key, value));
       if (v < 0)
@@ -65,7 +91,7 @@ Result<ExactIndexOptions> ExactIndexOptions::Parse(const std::string& spec) {
       o.theta_error = v;
     } else {
       return InvalidArgument("unknown key '" + key + "' for index 'Exact' in spec '" + spec +
-                             "' (known: heads, rerank, rerank_min, theta)");
+                             "' (known: heads, repr, rerank, rerank_min, theta)");
     }
   }
   return o;
@@ -73,14 +99,15 @@ Result<ExactIndexOptions> ExactIndexOptions::Parse(const std::string& spec) {
 
 std::string ExactIndexOptions::ToString() const {
   return std::string("Exact:heads=") + (heads == HeadMerge::kMax ? "max" : "sum") +
-         ",rerank=" + std::to_string(rerank_factor) + ",rerank_min=" + std::to_string(rerank_min) +
+         (repr == ReprFold::kMean ? ",repr=mean" : "") + ",rerank=" + std::to_string(rerank_factor) +
+         ",rerank_min=" + std::to_string(rerank_min) +
          (theta_error > 0.0 ? ",theta=" + FormatSpecDouble(theta_error) : "");
 }
 
 // ---- lifetime and writes ------------------------------------------------------------
 
 ExactChunkIndex::ExactChunkIndex(const ChunkShape& shape, const ExactIndexOptions& options)
-    : ChunkIndex(shape), options_(options) {
+    : ChunkIndex(shape), options_(options), stored_(StoredShape(shape, options)) {
   const size_t H = static_cast<size_t>(shape.kv_heads);
   repr_.resize(H);
   inv_norm_.resize(H);
@@ -107,10 +134,13 @@ Status ExactChunkIndex::Add(const std::vector<uint64_t>& chunks, const ReprReade
           "ExactChunkIndex::Add: chunk " + std::to_string(chunks[i]) +
           " is not above every chunk indexed before it (chunks are added in ascending order)");
   }
-  const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
-  const DType dt = shape_.dtype;
+  const int H = stored_.kv_heads, D = stored_.head_dim, R = stored_.repr;
+  const DType dt = stored_.dtype;
   const size_t key_bytes = static_cast<size_t>(D) * DTypeSize(dt);
   std::vector<float> repr(shape_.repr_floats());
+  // repr=mean: the one stored key per head is the mean of the chunk's representatives (fp32).
+  const bool mean = options_.repr == ExactIndexOptions::ReprFold::kMean;
+  std::vector<float> mean_key(mean ? stored_.repr_floats() : 0);
   std::vector<uint8_t> stored(key_bytes);
   size_t first_new = ids_.size();  // the batch's first row (the cap may move it down)
   // Room for the whole batch at once: a first sync over a long sequence adds every chunk, and
@@ -131,9 +161,11 @@ Status ExactChunkIndex::Add(const std::vector<uint64_t>& chunks, const ReprReade
     GrowForRows(1);
     ids_.push_back(i);
     const size_t row = ids_.size() - 1;
+    if (mean) MeanOfRepresentatives(repr.data(), shape_.repr, H, D, mean_key.data());
+    const float* keys = mean ? mean_key.data() : repr.data();
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < H; ++h) {
-        const float* key = repr.data() + (static_cast<size_t>(r) * H + h) * D;
+        const float* key = keys + (static_cast<size_t>(r) * H + h) * D;
         FromFloat(dt, key, stored.data(), D);  // exact: the key came from this dtype
         repr_[h].insert(repr_[h].end(), stored.begin(), stored.end());
         const float inv_norm = InverseNorm(key, D);
@@ -195,8 +227,8 @@ void ExactChunkIndex::Reserve(size_t chunks) {
 
 void ExactChunkIndex::GrowForRows(size_t more, double slack) {
   constexpr size_t B = kernels::kI8Block;
-  const size_t H = static_cast<size_t>(shape_.kv_heads), D = shape_.head_dim, R = shape_.repr;
-  const size_t es = DTypeSize(shape_.dtype), n = ids_.size() + more, full = n - full_from_;
+  const size_t H = static_cast<size_t>(stored_.kv_heads), D = stored_.head_dim, R = stored_.repr;
+  const size_t es = DTypeSize(stored_.dtype), n = ids_.size() + more, full = n - full_from_;
   const size_t groups = (n + B - 1) / B, block_bytes = kernels::I8BlockBytes(static_cast<int>(D));
   GrowTo(&ids_, n, slack);
   for (size_t h = 0; h < H; ++h) {
@@ -210,8 +242,8 @@ void ExactChunkIndex::GrowForRows(size_t more, double slack) {
 
 void ExactChunkIndex::KeepRows(const std::vector<size_t>& kept) {
   constexpr size_t B = kernels::kI8Block;
-  const size_t H = static_cast<size_t>(shape_.kv_heads), D = shape_.head_dim, R = shape_.repr;
-  const size_t es = DTypeSize(shape_.dtype), key_row = R * D * es;
+  const size_t H = static_cast<size_t>(stored_.kv_heads), D = stored_.head_dim, R = stored_.repr;
+  const size_t es = DTypeSize(stored_.dtype), key_row = R * D * es;
   const size_t block_bytes = kernels::I8BlockBytes(static_cast<int>(D));
   const size_t n = kept.size(), groups = (n + B - 1) / B;
   size_t new_full_from = 0;
@@ -265,8 +297,8 @@ Status ExactChunkIndex::SetMemoryCap(uint64_t bytes) {
 
 Status ExactChunkIndex::EnforceCap() {
   if (cap_ == 0) return Status::Ok();
-  const size_t H = static_cast<size_t>(shape_.kv_heads), D = shape_.head_dim, R = shape_.repr;
-  const size_t es = DTypeSize(shape_.dtype);
+  const size_t H = static_cast<size_t>(stored_.kv_heads), D = stored_.head_dim, R = stored_.repr;
+  const size_t es = DTypeSize(stored_.dtype);
   const uint64_t target = cap_ - cap_ / 8;
   const uint64_t full_row = H * (R * D * es + R * sizeof(float));
   const uint64_t code_row = H * (R * D + 2 * R * sizeof(float)) + sizeof(uint64_t);
@@ -316,7 +348,7 @@ Status ExactChunkIndex::EnforceCap() {
 
 void ExactChunkIndex::PutQuantizedRow(int h, size_t row, int r, const float* key, float inv_norm) {
   constexpr size_t B = kernels::kI8Block;
-  const int D = shape_.head_dim, R = shape_.repr;
+  const int D = stored_.head_dim, R = stored_.repr;
   std::vector<int8_t>& codes = q8_[h];
   std::vector<float>& scale = q8_scale_[h];
   std::vector<float>& cos_scale = q8_cos_scale_[h];
@@ -612,16 +644,16 @@ Status ExactChunkIndex::GatherSubset(const std::vector<uint64_t>& chunks,
                                      std::unique_ptr<ChunkSubset>* subset) const {
   if (subset == nullptr) return InvalidArgument("ExactChunkIndex::GatherSubset: subset must not be null");
   const std::vector<int64_t> rows = RowsOf(chunks);
-  const int H = shape_.kv_heads, R = shape_.repr;
-  const size_t key_bytes = static_cast<size_t>(shape_.head_dim) * DTypeSize(shape_.dtype);
+  const int H = stored_.kv_heads, R = stored_.repr;
+  const size_t key_bytes = static_cast<size_t>(stored_.head_dim) * DTypeSize(stored_.dtype);
   const size_t row_bytes = static_cast<size_t>(R) * key_bytes;
   if (!rows.empty() && static_cast<size_t>(rows.front()) < full_from_)
     return FailedPrecondition("ExactChunkIndex::GatherSubset: chunk " + std::to_string(ids_[rows.front()]) +
                               " keeps only its int8 codes under the memory cap");
   const kernels::HeadFold fold = FoldOf(options_.heads, H);
   auto* mine = dynamic_cast<ExactChunkSubset*>(subset->get());
-  if (mine == nullptr || !mine->Fits(shape_, fold)) {
-    *subset = std::make_unique<ExactChunkSubset>(shape_, fold);
+  if (mine == nullptr || !mine->Fits(stored_, fold)) {
+    *subset = std::make_unique<ExactChunkSubset>(stored_, fold);
     mine = static_cast<ExactChunkSubset*>(subset->get());
   }
   rescoring_bytes_.fetch_add(rows.size() * FullRowBytes(), std::memory_order_relaxed);  // the copy's reads
@@ -716,9 +748,9 @@ void ExactChunkIndex::CandidateRows(const std::vector<float>& score, const std::
 }
 
 void ExactChunkIndex::FullScores(const float* probe, std::vector<float>* raw, std::vector<float>* cos) const {
-  const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
+  const int H = stored_.kv_heads, D = stored_.head_dim, R = stored_.repr;
   const size_t n = ids_.size(), f0 = full_from_;
-  const DType dt = shape_.dtype;
+  const DType dt = stored_.dtype;
   const kernels::HeadFold fold = FoldOf(options_.heads, H);
   raw->assign(n, fold.Start());
   cos->assign(n, fold.Start());
@@ -758,7 +790,7 @@ void ExactChunkIndex::FullScores(const float* probe, std::vector<float>* raw, st
 void ExactChunkIndex::DequantisedDot(int h, size_t row, int r, const float* p, float inv_p, float* dot,
                                      float* cos) const {
   constexpr size_t B = kernels::kI8Block;
-  const int D = shape_.head_dim, R = shape_.repr;
+  const int D = stored_.head_dim, R = stored_.repr;
   const size_t block = (row / B) * R + r, lane = row % B, slot = block * B + lane;
   const int8_t* codes = q8_[h].data() + block * kernels::I8BlockBytes(D);
   float acc = 0.0f;
@@ -770,7 +802,7 @@ void ExactChunkIndex::DequantisedDot(int h, size_t row, int r, const float* p, f
 }
 
 void ExactChunkIndex::QuantizedScores(const float* probe, size_t begin, size_t end, ChunkScores* out) const {
-  const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
+  const int H = stored_.kv_heads, D = stored_.head_dim, R = stored_.repr;
   const size_t n = end - begin;  // rows [begin, end) land at [0, n) of out's vectors
   const kernels::HeadFold fold = FoldOf(options_.heads, H);
   std::vector<float>& raw = out->logit;
@@ -856,8 +888,8 @@ void ExactChunkIndex::QuantizedScores(const float* probe, size_t begin, size_t e
 
 void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& rows, std::vector<float>* raw,
                                std::vector<float>* cos) const {
-  const int H = shape_.kv_heads, D = shape_.head_dim, R = shape_.repr;
-  const DType dt = shape_.dtype;
+  const int H = stored_.kv_heads, D = stored_.head_dim, R = stored_.repr;
+  const DType dt = stored_.dtype;
   const size_t key_bytes = static_cast<size_t>(D) * DTypeSize(dt);
   const kernels::HeadFold fold = FoldOf(options_.heads, H);
   raw->assign(rows.size(), fold.Start());
@@ -918,7 +950,7 @@ Status ExactChunkIndex::AttachBackend(RetrievalBackend* backend) {
     return FailedPrecondition("ExactChunkIndex::AttachBackend: " + std::to_string(full_from_) +
                               " chunks are compressed to int8 codes by the memory cap, and a backend scores "
                               "stored keys (attach before the index fills)");
-  KVTIER_ASSIGN_OR_RETURN(mirror_, ReprMirror::Create(backend, shape_));
+  KVTIER_ASSIGN_OR_RETURN(mirror_, ReprMirror::Create(backend, stored_));
   mirror_stale_from_ = 0;
   return SyncMirror();
 }
@@ -996,12 +1028,12 @@ Status ExactChunkIndex::RunOnBackend(LayerSelectPlan plan, int k_max, std::vecto
 }
 
 uint64_t ExactChunkIndex::CodeRowBytes() const {
-  return static_cast<uint64_t>(shape_.repr) * shape_.kv_heads * (shape_.head_dim + 2 * sizeof(float));
+  return static_cast<uint64_t>(stored_.repr) * stored_.kv_heads * (stored_.head_dim + 2 * sizeof(float));
 }
 
 uint64_t ExactChunkIndex::FullRowBytes() const {
-  return static_cast<uint64_t>(shape_.repr) * shape_.kv_heads *
-         (static_cast<uint64_t>(shape_.head_dim) * DTypeSize(shape_.dtype) + sizeof(float));
+  return static_cast<uint64_t>(stored_.repr) * stored_.kv_heads *
+         (static_cast<uint64_t>(stored_.head_dim) * DTypeSize(stored_.dtype) + sizeof(float));
 }
 
 uint64_t ExactChunkIndex::ExactPassBytes(const std::vector<int64_t>& rows) const {

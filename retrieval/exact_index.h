@@ -9,6 +9,16 @@
 // induction head copying the needle) matters even when the other heads ignore it; under the
 // sum their indifference drowns it (kvtier-llama passkey, docs/retrieval.md).
 //
+// repr=mean (with heads=sum: InfLLM's block score, Xiao et al. 2024, "InfLLM", the relevance of
+// the current tokens to a memory unit in its memory lookup, q . k summed over the unit's
+// representatives, which InfLLM's ContextManager averages over them; the paper is not in
+// ../shared/papers, so its equation number is not cited here):
+//   logit(c)  = sum_h (1/R) sum_r <p_h, k_{c,r,h}> = sum_h <p_h, kbar_{c,h}>,
+//   cosine(c) = (1/H) sum_h cos(p_h, kbar_{c,h}),        kbar_{c,h} = (1/R) sum_r k_{c,r,h},
+// so each chunk and head keeps the one key kbar (fp32), and every stage below runs on it as on
+// a single representative. With representatives per query head (StoreOptions::repr_heads =
+// query) h runs over the query heads and p_h is query head h's probe.
+//
 // Storage, per kv head so that one head's keys are contiguous:
 //   - the keys in the store's dtype (the chunk's own values, nothing lost) and the inverse
 //     norm of each;
@@ -84,6 +94,10 @@ namespace kvtier {
 struct ExactIndexOptions {
   enum class HeadMerge { kSum, kMax };
   HeadMerge heads = HeadMerge::kSum;  ///< "heads": how the kv heads' best scores combine
+  /// "repr": how a head's representatives make its score: kMax, the best one's (default);
+  /// kMean, their mean logit, InfLLM's block score (the header's "repr=mean").
+  enum class ReprFold { kMax, kMean };
+  ReprFold repr = ReprFold::kMax;
   /// "rerank": > 0, the int8 pass screens every chunk and the chunks its error bound cannot
   /// rule out, plus its best max(rerank_factor x take, rerank_min), are rescored from the
   /// stored keys; 0 = one fp32 pass over every chunk. Default: 1.
@@ -96,9 +110,11 @@ struct ExactIndexOptions {
   /// decode step on a CPU). In [0, 1].
   double theta_error = 0.0;
 
-  /// From an index spec "Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E]" (F, N >= 0, E in [0, 1]).
+  /// From an index spec "Exact[:heads=sum|max,repr=max|mean,rerank=F,rerank_min=N,theta=E]" (F, N >= 0,
+  /// E in [0, 1]).
   static Result<ExactIndexOptions> Parse(const std::string& spec);
-  /// "Exact:heads=sum,rerank=1,rerank_min=0": every key spelled out, and ",theta=E" when E > 0.
+  /// "Exact:heads=sum,rerank=1,rerank_min=0": every key spelled out, ",repr=mean" after heads
+  /// under kMean, and ",theta=E" when E > 0.
   std::string ToString() const;
 };
 
@@ -222,6 +238,8 @@ class ExactChunkIndex final : public ChunkIndex {
   uint64_t ExactPassBytes(const std::vector<int64_t>& rows) const;
 
   const ExactIndexOptions options_;
+  // The rows' layout: shape() itself, or under repr=mean {heads, head_dim, 1 key, fp32}.
+  const ChunkShape stored_;
   std::vector<uint64_t> ids_;                          // [n] chunk index of each row, ascending
   size_t full_from_ = 0;                               // rows below it are compressed (int8 codes only)
   std::vector<std::vector<uint8_t>> repr_;             // [H][n - full_from_, R, D] in the store's dtype

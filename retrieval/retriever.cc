@@ -159,6 +159,13 @@ Result<std::unique_ptr<Retriever>> Retriever::Create(TieredStore* store, const R
   auto canonical = CanonicalChunkIndexSpec(options.index);
   const bool exact = canonical.ok() && canonical->rfind("Exact", 0) == 0;  // FAISS kinds stay on the host
   if (hot != nullptr && hot->device() == Device::kCuda && exact) {
+    // The device scorer builds a decode probe per kv head from the queries (BackendQueries);
+    // it has no per-query-head probe.
+    if (store->options().repr_heads == ReprHeads::kQuery)
+      return InvalidArgument(
+          "Retriever: repr_heads=query (representatives per query head) is not served by the cuda "
+          "retrieval backend, which pools a decode probe per kv head; use an index kind that stays on "
+          "the host (a FAISS kind such as Flat) or repr_heads=kv on a cuda tier");
     KVTIER_ASSIGN_OR_RETURN(backend, MakeRetrievalBackend("cuda"));
   }
   return Create(store, options, std::move(backend));
@@ -170,8 +177,18 @@ Result<std::unique_ptr<Retriever>> Retriever::Create(TieredStore* store, const R
   KVTIER_RETURN_IF_ERROR(options.Validate());
   auto r = std::unique_ptr<Retriever>(new Retriever(store, options));
   const StoreOptions& so = store->options();
-  r->shape_ = ChunkShape{so.geometry.kv_heads, so.geometry.head_dim, so.repr_topk, so.geometry.dtype};
-  KVTIER_ASSIGN_OR_RETURN(r->probe_, MakeProbeBuilder(options.probe, so.geometry));
+  // Representatives per query head (ReprHeads::kQuery) are scored by a probe per query head, as
+  // InfLLM scores with the query heads themselves: the probe builder sees an MHA geometry
+  // (kv_heads = q_heads), so every builder's per-kv-head pooling over a GQA group is the
+  // identity and its probe is [q_heads, head_dim], the index's heads.
+  Geometry probe_geometry = so.geometry;
+  probe_geometry.kv_heads = so.repr_head_count();
+  if (backend != nullptr && so.repr_heads == ReprHeads::kQuery)
+    return InvalidArgument(
+        "Retriever: repr_heads=query (representatives per query head) cannot use a retrieval backend: "
+        "its probe kernels pool a decode probe per kv head");
+  r->shape_ = ChunkShape{so.repr_head_count(), so.geometry.head_dim, so.repr_topk, so.geometry.dtype};
+  KVTIER_ASSIGN_OR_RETURN(r->probe_, MakeProbeBuilder(options.probe, probe_geometry));
   KVTIER_ASSIGN_OR_RETURN(r->alloc_, MakeBudgetAllocator(options.alloc));
   {
     // Checks the index spec against the real shape (e.g. a FAISS PQ<m> needs m | dimension).
@@ -186,8 +203,8 @@ Result<std::unique_ptr<Retriever>> Retriever::Create(TieredStore* store, const R
   }
   r->backend_ = std::move(backend);
   r->k_ = options.budget_tokens / so.chunk_size;
-  r->probe_buf_.resize(so.geometry.token_elems());
-  r->probe_vec_.resize(so.geometry.token_elems());
+  r->probe_buf_.resize(probe_geometry.token_elems());
+  r->probe_vec_.resize(probe_geometry.token_elems());
   return r;
 }
 
@@ -481,10 +498,9 @@ Result<LayerSelection> Retriever::SelectLayer(SequenceId seq, int layer, const f
 }
 
 Result<bool> Retriever::ReuseLast(LayerIndex* li, int layer, int n, size_t cap, LayerSelection* sel) {
-  const Geometry& g = store_->options().geometry;
-  for (int h = 0; h < g.kv_heads; ++h) {
-    const size_t off = static_cast<size_t>(h) * g.head_dim;
-    if (Cosine(probe_vec_.data() + off, li->last_probe.data() + off, g.head_dim) < options_.reuse_cosine)
+  for (int h = 0; h < shape_.kv_heads; ++h) {  // the probe's heads (query heads under repr_heads=query)
+    const size_t off = static_cast<size_t>(h) * shape_.head_dim;
+    if (Cosine(probe_vec_.data() + off, li->last_probe.data() + off, shape_.head_dim) < options_.reuse_cosine)
       return false;  // this head's probe moved: search again
   }
   // The grant the stored search's entropy gets now; the stored choice must cover it.

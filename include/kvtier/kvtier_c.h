@@ -104,6 +104,9 @@ typedef enum kvtier_repr_choice {
   KVTIER_REPR_DIVERSE = 1,
   KVTIER_REPR_CLUSTER = 2
 } kvtier_repr_choice;
+/* Whose heads representatives belong to (kvtier::ReprHeads): per kv head, or per query head as
+ * InfLLM keeps them ([repr_topk, q_heads, head_dim] per chunk). */
+typedef enum kvtier_repr_heads { KVTIER_REPR_HEADS_KV = 0, KVTIER_REPR_HEADS_QUERY = 1 } kvtier_repr_heads;
 /* See kvtier/session.h: keys and queries after RoPE (absolute) or before it (infllm). */
 typedef enum kvtier_positions { KVTIER_POSITIONS_ABSOLUTE = 0, KVTIER_POSITIONS_INFLLM = 1 } kvtier_positions;
 typedef enum kvtier_step_kind {
@@ -146,6 +149,7 @@ typedef struct kvtier_store_options {
   int max_landing_chunks;         /* sealed chunks per (sequence, layer) landing at once */
   int accept_lost_chunks;         /* 1: open a store whose acknowledged chunks did not come back */
   const char* remote_namespace;   /* key namespace in the remote tier, copied at open; NULL or "" = fresh */
+  kvtier_repr_heads repr_heads;   /* representatives per kv head (default) or per query head */
 } kvtier_store_options;
 
 /* kvtier::StoreOptions' defaults (geometry 32,32,8,128:f16, sinks 64, local 512, chunks of

@@ -26,6 +26,13 @@ enum class Compression : uint8_t { kNone, kLZ4, kZSTD };
 /// highest cosine with, and stores each group's mean key.
 enum class ReprChoice : uint8_t { kMass, kDiverse, kCluster };
 
+/// Whose heads a chunk's representatives belong to (offload/representatives.h). kKv: per kv
+/// head, chosen by the attention mass summed over the kv head's GQA group of query heads, laid
+/// out [repr_topk, kv_heads, head_dim]. kQuery: per query head, as InfLLM's ContextManager keeps
+/// them: each query head chooses its own repr_topk tokens by the mass it alone gave them, and
+/// its representatives are its kv head's keys at those tokens, [repr_topk, q_heads, head_dim].
+enum class ReprHeads : uint8_t { kKv, kQuery };
+
 struct StoreOptions {
   Geometry geometry;                           ///< model KV shape and storage dtype
   int n_sink = 64;                             ///< attention-sink tokens kept hot per (sequence, layer)
@@ -33,6 +40,7 @@ struct StoreOptions {
   int chunk_size = 32;                         ///< tokens per chunk
   int repr_topk = 4;                           ///< representative keys per head per chunk
   ReprChoice repr_choice = ReprChoice::kMass;  ///< how they are chosen: mass (InfLLM) | diverse | cluster
+  ReprHeads repr_heads = ReprHeads::kKv;       ///< per kv head (default) or per query head (InfLLM)
   uint64_t hot_bytes = 64ull << 20;            ///< hot slot pool for retrieved chunks (sinks/local are extra)
   uint64_t warm_bytes = 256ull << 20;          ///< warm tier capacity
   /// Retrieval index memory per session (the chunk indexes of all its layers; layers share it
@@ -80,6 +88,17 @@ struct StoreOptions {
   Status Validate() const;
   /// Bytes of K+V of one chunk of one layer.
   size_t chunk_bytes() const { return static_cast<size_t>(chunk_size) * geometry.token_kv_bytes(); }
+  /// Heads the representatives (and the local window's attention mass) are kept for:
+  /// kv_heads, or q_heads under ReprHeads::kQuery.
+  int repr_head_count() const {
+    return repr_heads == ReprHeads::kQuery ? geometry.q_heads : geometry.kv_heads;
+  }
+  /// Elements of one chunk's representatives: [repr_topk, repr_head_count(), head_dim].
+  size_t repr_elems() const {
+    return static_cast<size_t>(repr_topk) * repr_head_count() * static_cast<size_t>(geometry.head_dim);
+  }
+  /// Bytes of one chunk's representatives in the storage dtype.
+  size_t repr_bytes() const { return repr_elems() * DTypeSize(geometry.dtype); }
 };
 
 struct RetrieverOptions {

@@ -70,6 +70,7 @@ StoreOptions StoreOptionsFor(const store_records::StoreLayout& layout, const std
   o.n_local = layout.n_local;
   o.chunk_size = layout.chunk_size;
   o.repr_topk = layout.repr_topk;
+  o.repr_heads = layout.repr_heads;
   o.data_dir = dir;
   return o;
 }

@@ -212,7 +212,8 @@ int Fail(const Status& st) {
   return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
 }
 
-Status AddPresetFlag(FlagSet* flags, int argc, char** argv, RetrieverOptions* retrieval, int* repr_topk) {
+Status AddPresetFlag(FlagSet* flags, int argc, char** argv, RetrieverOptions* retrieval, int* repr_topk,
+                     ReprHeads* repr_heads) {
   std::string names;
   for (const std::string& n : RetrievalPresetNames()) names += (names.empty() ? "" : " | ") + n;
   flags->Add("preset",
@@ -238,6 +239,8 @@ Status AddPresetFlag(FlagSet* flags, int argc, char** argv, RetrieverOptions* re
     *retrieval = p->retrieval;
     retrieval->budget_tokens = budget;
     if (p->repr_topk > 0) *repr_topk = p->repr_topk;
+    // InfLLM keeps representatives per query head; the preset's other settings are session.h's.
+    if (repr_heads != nullptr) *repr_heads = name == "infllm" ? ReprHeads::kQuery : ReprHeads::kKv;
   }
   return Status::Ok();
 }

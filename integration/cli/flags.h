@@ -134,7 +134,10 @@ int Fail(const Status& st);
 /// command line and applied to `retrieval` (and to `repr_topk` where the preset fixes it)
 /// before any other flag, so the flags that refine it (--alloc, --index, --head-merge, ...)
 /// win whatever their order. Registers the flag (its handler only checks the name) so it
-/// shows in --help. An unknown name is InvalidArgument listing the presets.
-Status AddPresetFlag(FlagSet* flags, int argc, char** argv, RetrieverOptions* retrieval, int* repr_topk);
+/// shows in --help. An unknown name is InvalidArgument listing the presets. With `repr_heads`
+/// (a command whose store takes observed queries' mass per query head: kvtier run), "infllm"
+/// also sets it to ReprHeads::kQuery, InfLLM's representatives per query head.
+Status AddPresetFlag(FlagSet* flags, int argc, char** argv, RetrieverOptions* retrieval, int* repr_topk,
+                     ReprHeads* repr_heads = nullptr);
 
 }  // namespace kvtier::cli

@@ -1007,6 +1007,7 @@ int RunInfinite(int argc, char** argv) {
   f.Add(repr.flag, cli::OptionHelp(repr) + " (the paper baselines of --compare keep 4)",
         WithDefault("every key, = --chunk", cli::OptionBinding(repr, &o.store)));
   cli::AddOptionFlag(&f, store_rows, "repr_choice", &o.store);
+  cli::AddOptionFlag(&f, store_rows, "repr_heads", &o.store);
   f.Add("window", "prefill window in tokens, at most --local", IntFlag(&o.window, 1, 1 << 24));
   f.Add("positions", "infllm (memory at the local window's start, keys stored before RoPE) | absolute",
         WithDefault(model::PositionModeName(o.positions), [&o](const std::string& s) {

@@ -75,6 +75,7 @@ void AddStoreFlags(FlagSet* f, StoreOptions* o, DataPlace* place) {
   cli::AddOptionFlag(f, t, "n_local", o);
   cli::AddOptionFlag(f, t, "repr_topk", o);
   cli::AddOptionFlag(f, t, "repr_choice", o);
+  cli::AddOptionFlag(f, t, "repr_heads", o);
   cli::AddOptionFlag(f, t, "hot_bytes", o);
   cli::AddOptionFlag(f, t, "device", o);
   cli::AddOptionFlag(f, t, "warm_bytes", o);
@@ -266,7 +267,7 @@ int CmdRun(int argc, char** argv) {
   // --index/--alloc set the specs; --rerank, --rerank-min, --head-merge and --rank-by are
   // shorthands for one key of them, in any order (RetrieverSpecFlags).
   {
-    Status st = cli::AddPresetFlag(&f, argc, argv, &o.retrieval, &o.store.repr_topk);
+    Status st = cli::AddPresetFlag(&f, argc, argv, &o.retrieval, &o.store.repr_topk, &o.store.repr_heads);
     if (!st.ok()) return Fail(st);
   }
   RetrieverSpecFlags rf(&o.retrieval);

@@ -13,7 +13,7 @@ using store_internal::Sequence;
 using ReprRead = LowerTiers::ReprRead;
 
 ChunkCatalog::ChunkCatalog(const StoreOptions& options, size_t token_bytes)
-    : options_(options), repr_bytes_(static_cast<size_t>(options.repr_topk) * token_bytes) {}
+    : options_(options), repr_bytes_(options.repr_bytes()) {}
 
 Chunk* ChunkCatalog::Create(const ChunkKey& key, int64_t first_token, std::vector<uint8_t> repr) {
   auto* c = new Chunk();
@@ -100,7 +100,7 @@ Status ChunkCatalog::UpdatesSince(std::unique_lock<CountingMutex>& l, StoreSync&
                            " of sequence " + std::to_string(seq) + " (" + std::to_string(ls.chunks.size()) +
                            " chunks, " + std::to_string(ls.dropped.size()) + " drops)");
   const DType dt = options_.geometry.dtype;
-  const size_t repr_elems = static_cast<size_t>(options_.repr_topk) * options_.geometry.token_elems();
+  const size_t repr_elems = options_.repr_elems();
   const size_t repr_bytes = repr_bytes_;
   std::vector<ReprRead> paged;     // chunks whose representatives left memory
   std::vector<size_t> paged_slot;  // their position in out->added

@@ -48,7 +48,7 @@ Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) const {
                     " has not landed yet (its sequence's next Append, layer step or Flush lands it)");
   const Chunk* c = chunks[key.index];
   const DType dt = options_.geometry.dtype;
-  const size_t repr_elems = static_cast<size_t>(options_.repr_topk) * options_.geometry.token_elems();
+  const size_t repr_elems = options_.repr_elems();
   if (!c->repr.empty()) {
     ToFloat(dt, c->repr.data(), out, repr_elems);
     return Status::Ok();

@@ -26,7 +26,7 @@ Status Landing::Seal(Sequence* s, int layer) {
   // representatives' room, so that running out of memory here loses nothing.
   LandingChunk landing;
   landing.mass = ring_.OldestChunkMass(ls);
-  std::vector<uint8_t> repr(static_cast<size_t>(options_.repr_topk) * token_bytes);
+  std::vector<uint8_t> repr(options_.repr_bytes());
   Chunk* c = nullptr;
   uint8_t* dst = nullptr;
   {
@@ -115,6 +115,7 @@ void Landing::LandLayer(std::unique_lock<CountingMutex>& lock, Sequence* s, int 
           ri.geometry = options_.geometry;
           ri.chunk_size = options_.chunk_size;
           ri.repr_topk = options_.repr_topk;
+          ri.out_heads = options_.repr_head_count();
           ri.choice = options_.repr_choice;
           ri.keys = warm_copy;
           ri.mass = p.mass.data();  // head h at h * chunk_size

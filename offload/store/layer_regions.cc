@@ -18,7 +18,7 @@ Status AllocateLayerRegions(const StoreOptions& o, size_t token_bytes, HotTier* 
   KVTIER_ASSIGN_OR_RETURN(ls->sink_v, hot->AllocateRegion(sink_bytes));
   KVTIER_ASSIGN_OR_RETURN(ls->ring_k, hot->AllocateRegion(ring * token_bytes));
   KVTIER_ASSIGN_OR_RETURN(ls->ring_v, hot->AllocateRegion(ring * token_bytes));
-  ls->ring_mass.assign(static_cast<size_t>(o.geometry.kv_heads) * ring, 0.0f);
+  ls->ring_mass.assign(static_cast<size_t>(o.repr_head_count()) * ring, 0.0f);
   return Status::Ok();
 }
 

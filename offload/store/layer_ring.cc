@@ -66,7 +66,7 @@ Status LayerRing::AddMass(LayerState& ls, int64_t first, int n, const float* mas
     return InvalidArgument("AddLocalAttention: tokens [" + std::to_string(first) + ", " +
                            std::to_string(first + n) + ") are not in the local window [" +
                            std::to_string(ls.sealed_end) + ", " + std::to_string(ls.n_tokens) + ")");
-  for (int h = 0; h < options_.geometry.kv_heads; ++h) {
+  for (int h = 0; h < options_.repr_head_count(); ++h) {
     float* dst = ls.ring_mass.data() + h * capacity_;
     for (int t = 0; t < n; ++t)
       dst[(first + t - options_.n_sink) % capacity_] += mass[static_cast<size_t>(h) * n + t];
@@ -80,9 +80,9 @@ int64_t LayerRing::OldestChunkSlot(const LayerState& ls) const {
 
 std::vector<float> LayerRing::OldestChunkMass(const LayerState& ls) const {
   const int64_t slot0 = OldestChunkSlot(ls);
-  const int kv_heads = options_.geometry.kv_heads;
-  std::vector<float> mass(static_cast<size_t>(kv_heads) * options_.chunk_size);
-  for (int h = 0; h < kv_heads; ++h)
+  const int heads = options_.repr_head_count();
+  std::vector<float> mass(static_cast<size_t>(heads) * options_.chunk_size);
+  for (int h = 0; h < heads; ++h)
     std::copy_n(ls.ring_mass.data() + h * capacity_ + slot0, options_.chunk_size,
                 mass.data() + static_cast<size_t>(h) * options_.chunk_size);
   return mass;
@@ -90,7 +90,7 @@ std::vector<float> LayerRing::OldestChunkMass(const LayerState& ls) const {
 
 void LayerRing::AdvancePastOldestChunk(LayerState& ls) const {
   const int64_t slot0 = OldestChunkSlot(ls);
-  for (int h = 0; h < options_.geometry.kv_heads; ++h)
+  for (int h = 0; h < options_.repr_head_count(); ++h)
     std::fill_n(ls.ring_mass.data() + h * capacity_ + slot0, options_.chunk_size, 0.0f);
   ls.sealed_end += options_.chunk_size;
 }

@@ -41,13 +41,14 @@ class LayerRing {
   /// The sinks and local window of the layer (FailedPrecondition for a sequence recovered
   /// without them).
   Status View(SequenceId seq, const store_internal::LayerState& ls, HotView* v) const;
-  /// Adds attention mass ([kv_heads, n] fp32) received by tokens [first, first + n), which must
+  /// Adds attention mass ([repr_head_count(), n] fp32: per kv head, or per query head under
+  /// ReprHeads::kQuery) received by tokens [first, first + n), which must
   /// lie in the local window (InvalidArgument naming both otherwise).
   Status AddMass(store_internal::LayerState& ls, int64_t first, int n, const float* mass) const;
 
   /// The ring position of the oldest unsealed chunk (a multiple of chunk_size: chunks never wrap).
   int64_t OldestChunkSlot(const store_internal::LayerState& ls) const;
-  /// The attention mass of the oldest unsealed chunk's tokens, [kv_heads, chunk_size].
+  /// The attention mass of the oldest unsealed chunk's tokens, [repr_head_count(), chunk_size].
   std::vector<float> OldestChunkMass(const store_internal::LayerState& ls) const;
   /// Seals the oldest chunk out of the ring: its mass is reset and sealed_end moves past it.
   void AdvancePastOldestChunk(store_internal::LayerState& ls) const;

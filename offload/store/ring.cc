@@ -55,6 +55,23 @@ Status TieredStore::Append(SequenceId seq, int layer, const void* k, const void*
 
 Status TieredStore::AddLocalAttention(SequenceId seq, int layer, int64_t first_position, int n,
                                       const float* mass) {
+  if (options_.repr_heads == ReprHeads::kQuery)
+    return FailedPrecondition(
+        "AddLocalAttention: this store's representatives are per query head (repr_heads=query) and "
+        "need each query head's mass ([q_heads, n]: AddLocalQueryAttention), not a kv head's sum");
+  return AddMass(seq, layer, first_position, n, mass);
+}
+
+Status TieredStore::AddLocalQueryAttention(SequenceId seq, int layer, int64_t first_position, int n,
+                                           const float* mass) {
+  if (options_.repr_heads != ReprHeads::kQuery)
+    return FailedPrecondition(
+        "AddLocalQueryAttention: this store's representatives are per kv head (repr_heads=kv): "
+        "give the mass summed over each kv head's query heads (AddLocalAttention)");
+  return AddMass(seq, layer, first_position, n, mass);
+}
+
+Status TieredStore::AddMass(SequenceId seq, int layer, int64_t first_position, int n, const float* mass) {
   visits_.Count();
   Sequence* s = nullptr;
   {

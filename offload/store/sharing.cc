@@ -66,7 +66,7 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
     }
   }
   Status st;
-  const size_t repr_bytes = static_cast<size_t>(options_.repr_topk) * token_bytes_;
+  const size_t repr_bytes = options_.repr_bytes();
   std::vector<std::string> parts;
   std::vector<uint8_t> buf(chunk_bytes_);
   // Phase 1: every chunk acknowledged by the remote tier. Chunks written before the store
@@ -162,7 +162,7 @@ Status TieredStore::PublishSequence(SequenceId seq, std::string_view name) {
     PutFixed32(&manifest, kPubVersion);
     PutLengthPrefixed(&manifest, store_records::EncodeStoreRecord(store_records::StoreLayout{
                                      options_.geometry, options_.n_sink, options_.n_local,
-                                     options_.chunk_size, options_.repr_topk}));
+                                     options_.chunk_size, options_.repr_topk, options_.repr_heads}));
     PutLengthPrefixed(&manifest, lower_.remote()->ns());
     PutFixed64(&manifest, seq);
     PutFixed32(&manifest, static_cast<uint32_t>(options_.geometry.layers));
@@ -195,14 +195,14 @@ Result<SequenceId> TieredStore::AttachPublished(std::string_view name) {
   KVTIER_RETURN_IF_ERROR(mr.ExpectEnd());
   KVTIER_ASSIGN_OR_RETURN(store_records::StoreLayout theirs,
                           store_records::DecodeStoreRecord(layout_rec, what));
-  const store_records::StoreLayout mine{options_.geometry, options_.n_sink, options_.n_local,
-                                        options_.chunk_size, options_.repr_topk};
+  const store_records::StoreLayout mine{options_.geometry,   options_.n_sink,    options_.n_local,
+                                        options_.chunk_size, options_.repr_topk, options_.repr_heads};
   if (theirs.ToString() != mine.ToString() || layers != static_cast<uint32_t>(options_.geometry.layers))
     return InvalidArgument(what + " was written with " + theirs.ToString() + "; this store has " +
                            mine.ToString());
 
   const int L = options_.geometry.layers;
-  const size_t repr_bytes = static_cast<size_t>(options_.repr_topk) * token_bytes_;
+  const size_t repr_bytes = options_.repr_bytes();
   auto seq = std::make_unique<Sequence>();
   seq->state = SeqState::kOpen;  // the published prefix is read-only; tokens appended here are ours
   seq->attached = true;
