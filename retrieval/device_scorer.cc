@@ -14,6 +14,7 @@
 
 #include "kernels/cuda/kernels.h"
 #include "offload/device_sync_cuda.h"
+#include "offload/pinned_staging.h"
 #endif
 
 namespace kvtier {
@@ -402,11 +403,32 @@ class CudaRetrievalBackend final : public RetrievalBackend {
   }
   Status Upload(const BackendCopy* copies, size_t n) override {
     if (n > 0 && copies == nullptr) return InvalidArgument("retrieval (cuda): Upload: copies are null");
+    size_t total = 0;
+    for (size_t i = 0; i < n; ++i) total += copies[i].bytes;
+    if (total == 0) return Status::Ok();
     cudaError_t e = cudaSuccess;
+    if (total <= kStagedUploadBytes) {
+      // The rows a seal adds: packed into one pinned entry and left in flight on the stream,
+      // ahead of every later launch of this backend; the host rows may change at once.
+      KVTIER_ASSIGN_OR_RETURN(uint8_t * staged, upload_staging_.Take(total, "mirror upload"));
+      size_t at = 0;
+      for (size_t i = 0; i < n && e == cudaSuccess; ++i) {
+        if (copies[i].bytes == 0) continue;
+        std::memcpy(staged + at, copies[i].src, copies[i].bytes);
+        e = device_sync::CopyAsync(copies[i].dst, staged + at, copies[i].bytes, cudaMemcpyHostToDevice,
+                                   stream_, device_sync::HostMemory::kPinned);
+        at += copies[i].bytes;
+      }
+      const Status done = upload_staging_.Done(stream_);
+      if (e != cudaSuccess) return Internal("retrieval (cuda): mirror upload: " + CudaMessage(e));
+      return done;
+    }
+    // A whole mirror going up again (it grew or shrank): rare, and larger than staging should
+    // pin, so straight from the index's vectors with one wait.
     for (size_t i = 0; i < n && e == cudaSuccess; ++i)
       if (copies[i].bytes > 0)
         e = device_sync::CopyAsync(copies[i].dst, copies[i].src, copies[i].bytes, cudaMemcpyHostToDevice,
-                                   stream_, device_sync::HostMemory::kPageable);  // the index's vectors
+                                   stream_, device_sync::HostMemory::kPageable);
     if (e == cudaSuccess) e = device_sync::SyncStream(stream_);  // the host rows may change after return
     if (e != cudaSuccess) return Internal("retrieval (cuda): mirror upload: " + CudaMessage(e));
     return Status::Ok();
@@ -534,6 +556,9 @@ class CudaRetrievalBackend final : public RetrievalBackend {
   cudaEvent_t queries_written_ = nullptr;  // recorded on BackendQueries::after_stream
   void* ws_ = nullptr;
   void* staging_ = nullptr;  // pinned
+  // Uploads up to this size are staged and left in flight (Upload).
+  static constexpr size_t kStagedUploadBytes = size_t{1} << 20;
+  PinnedStaging upload_staging_{16, "retrieval (cuda) mirror"};
 };
 
 #endif  // KVTIER_HAVE_CUDA

@@ -162,7 +162,9 @@ class RetrievalBackend {
   /// `bytes` (> 0) of backend memory, uninitialised; ResourceExhausted when it cannot.
   virtual Result<uint8_t*> Allocate(size_t bytes) = 0;
   virtual void Free(uint8_t* p) = 0;  ///< null is a no-op
-  /// Every copy is in place when it returns OK.
+  /// Every copy is ordered before any later copy or launch of this backend, and the sources may
+  /// change once it returns OK (cpu: copied at once; cuda: up to 1 MiB in all staged through
+  /// pinned memory and left in flight, with no host wait; more, copied and waited for).
   virtual Status Upload(const BackendCopy* copies, size_t n) = 0;
   virtual Status Download(void* dst, const uint8_t* src, size_t bytes) = 0;
 
