@@ -108,6 +108,7 @@ class Store:
         chunk_size: int = 32,
         repr_topk: int = 4,
         repr_choice: str = "mass",
+        repr_heads: str = "kv",
         hot_bytes: int = 67108864,
         warm_bytes: int = 268435456,
         index_bytes: int = 0,
