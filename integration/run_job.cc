@@ -679,6 +679,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
     mr.selections = ImplOf(*mt.session).retriever()->selections();
     mr.reused_selections = ImplOf(*mt.session).retriever()->reused_selections();
     mr.sliced_selections = ImplOf(*mt.session).retriever()->sliced_selections();
+    mr.group_skips = ImplOf(*mt.session).retriever()->group_skips();
     mr.chunk_counts.assign(static_cast<size_t>(L), std::vector<uint64_t>(cc.buckets, 0));
     mr.chunk_max_steps = mr.chunk_counts;
     std::vector<std::vector<uint32_t>> chunk_steps(static_cast<size_t>(L),
@@ -1057,6 +1058,13 @@ std::string RunReport::ToJson() const {
     w.Key("chunks_per_step").Double(m.chunks_per_step);
     w.Key("selections").Uint(m.selections).Key("reused_selections").Uint(m.reused_selections);
     w.Key("sliced_selections").Uint(m.sliced_selections);
+    w.Key("group_skips").BeginObject();
+    w.Key("groups_visited").Uint(m.group_skips.groups_visited);
+    w.Key("groups_skipped").Uint(m.group_skips.groups_skipped);
+    w.Key("chunks_visited").Uint(m.group_skips.chunks_visited);
+    w.Key("chunks_skipped").Uint(m.group_skips.chunks_skipped);
+    w.Key("chunk_skip_rate").Double(m.group_skips.chunk_skip_rate());
+    w.EndObject();
     WriteTurnoverJson(&w, m.decode_turnover_by_layer);
     w.Key("bytes_moved").Uint(m.bytes_moved);
     // What a decode step read, by part (mean over the decode steps, all layers), and the time
@@ -1265,6 +1273,7 @@ std::string RunReport::ToJson() const {
       .Key("needle_echo")
       .Int(o.workload.needle_echo);
   w.Key("anchor_strength").Double(o.workload.anchor_strength).Key("noise").Double(o.workload.noise);
+  w.Key("key_spectrum").String(KeySpectrumString(o.workload));
   w.Key("seed").Uint(o.workload.seed);
   // The data: "synthetic" (the knobs above) or a recorded trace (its provenance; the
   // needle and strength knobs above then do not apply).
@@ -1519,6 +1528,18 @@ std::string RunReport::ToTable() const {
     text += "sliced selections: " + std::to_string(methods[headline].sliced_selections) + " of " +
             std::to_string(methods[headline].selections) +
             " layer selections screened a slice of the chunks and rescored the shortlist (--screen)\n";
+  if (!methods.empty() && methods[headline].spec.find("groups=") != std::string::npos) {
+    const GroupSkips& g = methods[headline].group_skips;
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "group skips: %.1f%% of chunks (%llu of %llu), %llu of %llu groups (index key groups=; "
+                  "the topk allocator's searches only)\n",
+                  100.0 * g.chunk_skip_rate(), static_cast<unsigned long long>(g.chunks_skipped),
+                  static_cast<unsigned long long>(g.chunks_skipped + g.chunks_visited),
+                  static_cast<unsigned long long>(g.groups_skipped),
+                  static_cast<unsigned long long>(g.groups_skipped + g.groups_visited));
+    text += line;
+  }
   if (const std::string turnover =
           methods.empty() ? "" : TurnoverText(methods[headline].decode_turnover_by_layer);
       !turnover.empty())

@@ -18,6 +18,7 @@
 #include "kvtier/session.h"
 #include "offload/device_memory.h"
 #include "offload/tiered_store.h"
+#include "retrieval/chunk_index.h"
 #include "retrieval/retriever.h"
 
 namespace kvtier {
@@ -97,6 +98,9 @@ struct MethodReport {
   uint64_t selections = 0, reused_selections = 0;
   /// ... and how many screened a slice of the chunks (RetrieverOptions::screen_period).
   uint64_t sliced_selections = 0;
+  /// The Exact index's chunk-group hierarchy (index key groups=G), every layer's searches summed;
+  /// zeros without it.
+  GroupSkips group_skips;
   /// [layer] decode steps after the first: the retrieved chunks the previous decode step did
   /// not retrieve (integration/turnover.h).
   std::vector<SelectionTurnover> decode_turnover_by_layer;

@@ -17,7 +17,7 @@
 // Kinds, chosen by the spec string (the factory-string syntax of store/factory_spec.h; the
 // name may hold commas, as FAISS descriptions do: "IVF1024,Flat:nprobe=32"):
 //
-//   Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E]                         (exact_index.h)
+//   Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E,groups=G]                (exact_index.h)
 //       Every representative key is kept, in the store's dtype, plus int8 codes of it. A
 //       chunk's score is its best representative per kv head, the heads summed (heads=sum;
 //       cosines averaged, so they stay in [-1, 1]) or the most interested head's (heads=max).
@@ -26,6 +26,8 @@
 //       max(F x take, N) screened, so it chooses what one exact pass would. rerank=0: Screen is
 //       the exact pass and Best sorts it. Defaults: heads=sum,rerank=1,rerank_min=0. Under a memory cap
 //       (SetMemoryCap) the oldest chunks keep only their int8 codes, then the oldest are evicted.
+//       groups=G > 0 (an experiment): Search skips groups of G chunks whose certified bound
+//       cannot reach the top k (retrieval/chunk_groups.h); the choice is unchanged.
 //   <FAISS index_factory description>[:nprobe=N,ef=N,train_min=N]        (faiss_index.h)
 //       "Flat", "HNSW32", "IVF<n>,Flat", ...: one vector per chunk, the mean of its
 //       representatives with the kv heads concatenated, not normalised, so the inner product
@@ -122,6 +124,27 @@ struct IndexReadBytes {
   uint64_t rescoring = 0;
 };
 
+/// The chunk-group hierarchy's work (the Exact index's "groups" key), summed over its searches
+/// since the index was created: groups whose chunks were screened, groups skipped because their
+/// certified bound could not reach the take-th best lower bound, and the chunks in each. All 0
+/// for kinds and indexes without groups.
+struct GroupSkips {
+  uint64_t groups_visited = 0, groups_skipped = 0;
+  uint64_t chunks_visited = 0, chunks_skipped = 0;
+  GroupSkips& operator+=(const GroupSkips& o) {
+    groups_visited += o.groups_visited;
+    groups_skipped += o.groups_skipped;
+    chunks_visited += o.chunks_visited;
+    chunks_skipped += o.chunks_skipped;
+    return *this;
+  }
+  /// Skipped chunks over all chunks the searches covered (0 with none).
+  double chunk_skip_rate() const {
+    const uint64_t all = chunks_visited + chunks_skipped;
+    return all == 0 ? 0.0 : static_cast<double>(chunks_skipped) / static_cast<double>(all);
+  }
+};
+
 /// Fills `repr` ([R, kv_heads, head_dim] fp32) with the representative keys of `chunk`.
 /// NotFound means the chunk is a hole (nothing to index); any other error stops Add.
 using ReprReader = std::function<Status(uint64_t chunk, float* repr)>;
@@ -197,6 +220,8 @@ class ChunkIndex {
   /// What the reads have touched so far (IndexReadBytes); a caller takes differences around the
   /// calls it wants counted. Safe beside concurrent const calls.
   virtual IndexReadBytes read_bytes() const { return {}; }
+  /// What the chunk-group hierarchy skipped so far (GroupSkips); zeros without one.
+  virtual GroupSkips group_skips() const { return {}; }
 
   // ---- bounded memory (StoreOptions::index_bytes) ----
   /// Caps memory_bytes() at `bytes` from now on (0 = unbounded): after every chunk an Add

@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <functional>
 #include <iterator>
 #include <limits>
+#include <queue>
 #include <utility>
 
 #include "kernels/cpu/chunk_score.h"
@@ -63,9 +65,16 @@ Result<ExactIndexOptions> ExactIndexOptions::Parse(const std::string& spec) {
         return InvalidArgument("bad value '" + value + "' for key 'theta' in index spec '" + spec +
                                "' (expected nats in [0, 1]; 0 = no certificate)");
       o.theta_error = v;
+    } else if (key == "groups") {
+      KVTIER_ASSIGN_OR_RETURN(const int v, ParseSpecInt(spec, key, value));
+      if (v < 0 || v % kernels::kI8Block != 0)
+        return InvalidArgument("bad value '" + value + "' for key 'groups' in index spec '" + spec +
+                               "' (expected chunks per group, a multiple of " +
+                               std::to_string(kernels::kI8Block) + ", or 0 = no hierarchy)");
+      o.groups = v;
     } else {
       return InvalidArgument("unknown key '" + key + "' for index 'Exact' in spec '" + spec +
-                             "' (known: heads, rerank, rerank_min, theta)");
+                             "' (known: heads, rerank, rerank_min, theta, groups)");
     }
   }
   return o;
@@ -74,7 +83,8 @@ Result<ExactIndexOptions> ExactIndexOptions::Parse(const std::string& spec) {
 std::string ExactIndexOptions::ToString() const {
   return std::string("Exact:heads=") + (heads == HeadMerge::kMax ? "max" : "sum") +
          ",rerank=" + std::to_string(rerank_factor) + ",rerank_min=" + std::to_string(rerank_min) +
-         (theta_error > 0.0 ? ",theta=" + FormatSpecDouble(theta_error) : "");
+         (theta_error > 0.0 ? ",theta=" + FormatSpecDouble(theta_error) : "") +
+         (groups > 0 ? ",groups=" + std::to_string(groups) : "");
 }
 
 // ---- lifetime and writes ------------------------------------------------------------
@@ -87,6 +97,8 @@ ExactChunkIndex::ExactChunkIndex(const ChunkShape& shape, const ExactIndexOption
   q8_.resize(H);
   q8_scale_.resize(H);
   q8_cos_scale_.resize(H);
+  if (options.groups > 0)
+    groups_ = std::make_unique<ChunkGroupBounds>(shape.kv_heads, shape.head_dim, shape.repr, options.groups);
 }
 
 Result<std::unique_ptr<ExactChunkIndex>> ExactChunkIndex::Create(const ChunkShape& shape,
@@ -95,6 +107,10 @@ Result<std::unique_ptr<ExactChunkIndex>> ExactChunkIndex::Create(const ChunkShap
   if (options.rerank_factor < 0 || options.rerank_min < 0)
     return InvalidArgument("ExactIndexOptions rerank_factor and rerank_min must be >= 0 (got " +
                            std::to_string(options.rerank_factor) + ", " + std::to_string(options.rerank_min) +
+                           ")");
+  if (options.groups < 0 || options.groups % kernels::kI8Block != 0)
+    return InvalidArgument("ExactIndexOptions groups must be 0 or a positive multiple of " +
+                           std::to_string(kernels::kI8Block) + " (got " + std::to_string(options.groups) +
                            ")");
   return std::unique_ptr<ExactChunkIndex>(new ExactChunkIndex(shape, options));
 }
@@ -125,6 +141,8 @@ Status ExactChunkIndex::Add(const std::vector<uint64_t>& chunks, const ReprReade
       for (size_t row = 0; row < ids_.size() && ids_[row] < chunks.front(); ++row) kept.push_back(row);
       KeepRows(kept);
       MarkMirrorStale(std::min(first_new, ids_.size()));
+      MarkGroupsStale(std::min(first_new, ids_.size()));
+      RefreshGroups();
       Changed();
       return st;
     }
@@ -145,11 +163,15 @@ Status ExactChunkIndex::Add(const std::vector<uint64_t>& chunks, const ReprReade
     if (ids_.size() < before) first_new = 0;  // rows moved: the mirror takes them all again
     if (!cap.ok()) {
       MarkMirrorStale(std::min(first_new, ids_.size()));
+      MarkGroupsStale(std::min(first_new, ids_.size()));
+      RefreshGroups();
       Changed();
       return cap;
     }
   }
   MarkMirrorStale(std::min(first_new, ids_.size()));
+  MarkGroupsStale(std::min(first_new, ids_.size()));
+  RefreshGroups();
   Changed();
   return Status::Ok();
 }
@@ -170,6 +192,8 @@ Status ExactChunkIndex::Remove(const std::vector<uint64_t>& chunks) {
     }
   KeepRows(kept);
   MarkMirrorStale(first_moved);
+  MarkGroupsStale(first_moved);
+  RefreshGroups();
   Changed();
   return Status::Ok();
 }
@@ -258,6 +282,8 @@ Status ExactChunkIndex::SetMemoryCap(uint64_t bytes) {
   KVTIER_RETURN_IF_ERROR(EnforceCap());
   if (ids_.size() != before || full_from_ != full_before) {
     MarkMirrorStale(0);
+    MarkGroupsStale(0);
+    RefreshGroups();
     Changed();
   }
   return SyncMirror();
@@ -907,6 +933,149 @@ void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& r
   fj.Join();
 }
 
+// ---- the chunk-group hierarchy (groups > 0) ----------------------------------------------
+
+void ExactChunkIndex::RefreshGroups() {
+  // Rows the cap compressed keep only codes the balls do not hold: the searches skip nothing
+  // from then on (SearchByGroups checks full_from_), so their bounds stay stale.
+  if (groups_ == nullptr || groups_stale_from_ == SIZE_MAX || full_from_ > 0) return;
+  const int D = shape_.head_dim, R = shape_.repr;
+  const size_t key_bytes = static_cast<size_t>(D) * DTypeSize(shape_.dtype);
+  groups_->Update(ids_.size(), groups_stale_from_, [&](int h, size_t row, float* keys, float* inv_norm) {
+    ToFloat(shape_.dtype, repr_[h].data() + row * R * key_bytes, keys, static_cast<size_t>(R) * D);
+    std::copy_n(inv_norm_[h].data() + row * R, R, inv_norm);
+  });
+  groups_stale_from_ = SIZE_MAX;
+}
+
+Status ExactChunkIndex::Search(const float* probe, size_t k, std::vector<uint64_t>* out) const {
+  return SearchByGroups(probe, ChunkRank::kLogit, k, out);
+}
+
+GroupSkips ExactChunkIndex::group_skips() const {
+  GroupSkips s;
+  s.groups_visited = groups_visited_.load(std::memory_order_relaxed);
+  s.groups_skipped = groups_skipped_.load(std::memory_order_relaxed);
+  s.chunks_visited = group_chunks_visited_.load(std::memory_order_relaxed);
+  s.chunks_skipped = group_chunks_skipped_.load(std::memory_order_relaxed);
+  return s;
+}
+
+Status ExactChunkIndex::SearchByGroups(const float* probe, ChunkRank rank, size_t take,
+                                       std::vector<uint64_t>* out) const {
+  if (probe == nullptr || out == nullptr)
+    return InvalidArgument("ExactChunkIndex::SearchByGroups: probe and out must not be null");
+  if (groups_ == nullptr || full_from_ > 0 || groups_stale_from_ != SIZE_MAX) {
+    ChunkScores screened;
+    KVTIER_RETURN_IF_ERROR(Screen(probe, &screened));
+    return Best(probe, screened, rank, take, out);
+  }
+  const size_t n = ids_.size(), G = static_cast<size_t>(options_.groups), n_groups = groups_->groups();
+  take = std::min(take, n);
+  out->clear();
+  if (take == 0) return Status::Ok();
+  const kernels::HeadFold fold = FoldOf(options_.heads, shape_.kv_heads);
+  std::vector<float> upper;
+  groups_->UpperBounds(probe, fold, rank, &upper);
+  first_stage_bytes_.fetch_add(groups_->BoundBytes(), std::memory_order_relaxed);
+  // Visit order: bound descending, NaN bounds first (never skipped), ties to the smaller group.
+  std::vector<uint32_t> order(n_groups);
+  for (size_t g = 0; g < n_groups; ++g) order[g] = static_cast<uint32_t>(g);
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    const bool na = std::isnan(upper[a]), nb = std::isnan(upper[b]);
+    if (na != nb) return na;
+    if (!na && upper[a] != upper[b]) return upper[a] > upper[b];
+    return a < b;
+  });
+  // The take largest lower bounds seen (a NaN one certifies nothing: -inf), smallest on top.
+  std::priority_queue<float, std::vector<float>, std::greater<float>> lows;
+  const bool screened_exact = options_.rerank_factor == 0;  // the screen is the fp32 pass
+  std::vector<int64_t> rows;                                // visited rows, then (sorted) with their scores
+  std::vector<float> score, error;
+  ChunkScores part;
+  size_t next = 0, batch = std::max<size_t>(1, (take + G - 1) / G);
+  std::vector<uint32_t> now;
+  for (;;) {
+    const float threshold = lows.size() == take ? lows.top() : -std::numeric_limits<float>::infinity();
+    now.clear();
+    while (now.size() < batch && next < n_groups) {
+      if (lows.size() == take && upper[order[next]] < threshold) break;  // it and every later one
+      now.push_back(order[next++]);
+    }
+    if (now.empty()) break;
+    std::sort(now.begin(), now.end());
+    // Runs of consecutive groups are screened as one range of rows.
+    for (size_t i = 0; i < now.size();) {
+      size_t j = i + 1;
+      while (j < now.size() && now[j] == now[j - 1] + 1) ++j;
+      const size_t begin = now[i] * G, end = std::min(n, (static_cast<size_t>(now[j - 1]) + 1) * G);
+      if (screened_exact) {
+        std::vector<int64_t> range(end - begin);
+        for (size_t r = 0; r < range.size(); ++r) range[r] = static_cast<int64_t>(begin + r);
+        ScoresOf(probe, range, &part.logit, &part.cosine);
+        first_stage_bytes_.fetch_add(ExactPassBytes(range), std::memory_order_relaxed);
+      } else {
+        QuantizedScores(probe, begin, end, &part);
+        first_stage_bytes_.fetch_add((end - begin) * CodeRowBytes(), std::memory_order_relaxed);
+      }
+      const std::vector<float>& by = part.by(rank);
+      for (size_t r = begin; r < end; ++r) {
+        const float s = by[r - begin], e = screened_exact ? 0.0f : part.error_by(rank)[r - begin];
+        rows.push_back(static_cast<int64_t>(r));
+        score.push_back(s);
+        error.push_back(e);
+        const float low = std::isnan(s - e) ? -std::numeric_limits<float>::infinity() : s - e;
+        if (lows.size() < take) {
+          lows.push(low);
+        } else if (low > lows.top()) {
+          lows.pop();
+          lows.push(low);
+        }
+      }
+      i = j;
+    }
+    batch *= 2;
+  }
+  groups_visited_.fetch_add(next, std::memory_order_relaxed);
+  groups_skipped_.fetch_add(n_groups - next, std::memory_order_relaxed);
+  group_chunks_visited_.fetch_add(rows.size(), std::memory_order_relaxed);
+  group_chunks_skipped_.fetch_add(n - rows.size(), std::memory_order_relaxed);
+  // The visited rows ascending (ties go to the smaller row), then Best's second stage on them.
+  std::vector<size_t> perm(rows.size());
+  for (size_t i = 0; i < perm.size(); ++i) perm[i] = i;
+  std::sort(perm.begin(), perm.end(), [&](size_t a, size_t b) { return rows[a] < rows[b]; });
+  std::vector<int64_t> sorted_rows(rows.size());
+  std::vector<float> sorted_score(rows.size()), sorted_error(rows.size());
+  std::vector<uint64_t> sorted_ids(rows.size());
+  for (size_t i = 0; i < perm.size(); ++i) {
+    sorted_rows[i] = rows[perm[i]];
+    sorted_score[i] = score[perm[i]];
+    sorted_error[i] = error[perm[i]];
+    sorted_ids[i] = ids_[static_cast<size_t>(sorted_rows[i])];
+  }
+  if (screened_exact) {
+    *out = TakeBest(sorted_score, sorted_ids, take);
+    return Status::Ok();
+  }
+  std::vector<int64_t> local;
+  CandidateRows(sorted_score, sorted_error, take,
+                std::max<int64_t>(static_cast<int64_t>(options_.rerank_factor) * static_cast<int64_t>(take),
+                                  options_.rerank_min),
+                &local);
+  std::vector<int64_t> fresh(local.size());
+  std::vector<uint64_t> cand_ids(local.size());
+  for (size_t i = 0; i < local.size(); ++i) {
+    fresh[i] = sorted_rows[static_cast<size_t>(local[i])];
+    cand_ids[i] = ids_[static_cast<size_t>(fresh[i])];
+  }
+  rescored_.fetch_add(fresh.size(), std::memory_order_relaxed);
+  rescoring_bytes_.fetch_add(ExactPassBytes(fresh), std::memory_order_relaxed);
+  std::vector<float> fresh_logit, fresh_cos;
+  ScoresOf(probe, fresh, &fresh_logit, &fresh_cos);
+  *out = TakeBest(rank == ChunkRank::kLogit ? fresh_logit : fresh_cos, cand_ids, take);
+  return Status::Ok();
+}
+
 // ---- the backend mirror ----------------------------------------------------------------
 
 void ExactChunkIndex::MarkMirrorStale(size_t row) { mirror_stale_from_ = std::min(mirror_stale_from_, row); }
@@ -1019,6 +1188,7 @@ uint64_t ExactChunkIndex::memory_bytes() const {
   for (const auto& v : q8_scale_) b += v.capacity() * sizeof(float);
   for (const auto& v : q8_cos_scale_) b += v.capacity() * sizeof(float);
   if (mirror_ != nullptr) b += mirror_->bytes();  // backend memory: device memory on "cuda"
+  if (groups_ != nullptr) b += groups_->memory_bytes();
   return b;
 }
 

@@ -42,6 +42,18 @@
 // rerank=0: Screen is that fp32 pass over every chunk, and Best sorts it. Score is always
 // the fp32 pass.
 //
+// The chunk-group hierarchy (groups=G > 0; issue 47, an experiment, off by default): rows are
+// cut into groups of G consecutive chunks, each with certified balls around its keys per kv
+// head (retrieval/chunk_groups.h), kept in step with Add, Remove and the cap. Search (the topk
+// allocator's path, by logit) and SearchByGroups (either rank) visit the groups best bound
+// first, screening them in rounds that double in size; once the take-th best LOWER bound
+// (screened - error) of the chunks visited is above a group's bound, that group and every
+// later one are skipped: neither screened nor rescored. Every chunk of a skipped group scores
+// below take chunks already seen, so the take best (ties to the smaller chunk index) are the
+// ones groups=0 chooses. The entropy allocator reads every chunk's cosine (Eq. 11), so its path
+// (Screen, RefineForEntropy, Best) never skips; nor does an index whose cap has compressed rows
+// (their exact scores come from codes the balls do not hold). group_skips() counts the work.
+//
 // Remove compacts the rows (they keep their ascending chunk order, hence the tie order) and
 // moves the kept rows' int8 codes into their new lanes; the result scores exactly as an index
 // built afresh from the kept chunks.
@@ -70,12 +82,15 @@
 // mirror takes the rows from there before the next selection (SyncMirror).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "retrieval/chunk_groups.h"
 #include "retrieval/chunk_index.h"
 #include "retrieval/device_scorer.h"
 
@@ -95,10 +110,16 @@ struct ExactIndexOptions {
   /// screened cosines' Θ, no certificate. Default: 0 (the certificate at 1e-3 doubles the 128K
   /// decode step on a CPU). In [0, 1].
   double theta_error = 0.0;
+  /// "groups": > 0, the chunk-group hierarchy over groups of this many consecutive chunks (a
+  /// multiple of 8, the int8 blocks' width); 0 = off. Default: 0 (an experiment:
+  /// docs/benchmarks.md, "A certified hierarchy: experiment").
+  int groups = 0;
 
-  /// From an index spec "Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E]" (F, N >= 0, E in [0, 1]).
+  /// From an index spec "Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E,groups=G]" (F, N >= 0,
+  /// E in [0, 1], G >= 0 and a multiple of 8).
   static Result<ExactIndexOptions> Parse(const std::string& spec);
-  /// "Exact:heads=sum,rerank=1,rerank_min=0": every key spelled out, and ",theta=E" when E > 0.
+  /// "Exact:heads=sum,rerank=1,rerank_min=0": every key spelled out, and ",theta=E" when E > 0,
+  /// ",groups=G" when G > 0.
   std::string ToString() const;
 };
 
@@ -127,6 +148,13 @@ class ExactChunkIndex final : public ChunkIndex {
   Status RefineForEntropy(const float* probe, double max_error, ChunkScores* screened,
                           double* bound) const override;
   double entropy_error_target() const override { return options_.theta_error; }
+  /// groups > 0 (and no row compressed by the cap): SearchByGroups by logit; else Screen, then Best.
+  Status Search(const float* probe, size_t k, std::vector<uint64_t>* out) const override;
+  /// The take best chunks by `rank`, best first, ties to the smaller chunk index: what Screen then
+  /// Best choose, with the hierarchy skipping the groups that cannot hold one of them (counted in
+  /// group_skips()). Without groups, or with rows the cap compressed, Screen then Best.
+  Status SearchByGroups(const float* probe, ChunkRank rank, size_t take, std::vector<uint64_t>* out) const;
+  GroupSkips group_skips() const override;
   Status BestOf(const float* probe, const std::vector<uint64_t>& chunks, ChunkRank rank, size_t take,
                 std::vector<uint64_t>* out) const override;
   Status ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks,
@@ -229,9 +257,19 @@ class ExactChunkIndex final : public ChunkIndex {
   std::vector<std::vector<int8_t>> q8_;       // [H] int8 blocks
   std::vector<std::vector<float>> q8_scale_;  // [H][block * 8 + lane]: the row's code scale (0 in padding)
   std::vector<std::vector<float>> q8_cos_scale_;  // [H][block * 8 + lane]: code scale times inverse norm
-  std::unique_ptr<ReprMirror> mirror_;            // null: no backend attached
-  size_t mirror_stale_from_ = 0;                  // rows from here may differ in the mirror (SIZE_MAX: none)
-  LayerSelectResult backend_result_;              // SelectOnBackend's scratch (reused)
+  // ---- the chunk-group hierarchy (groups > 0) ----
+  // Rows from `row` on changed: their groups' bounds are recomputed by RefreshGroups.
+  void MarkGroupsStale(size_t row) { groups_stale_from_ = std::min(groups_stale_from_, row); }
+  // Brings the group bounds in step with the rows (a no-op without groups or changes).
+  void RefreshGroups();
+  std::unique_ptr<ChunkGroupBounds> groups_;  // null: groups = 0
+  size_t groups_stale_from_ = SIZE_MAX;       // rows from here on changed since RefreshGroups
+  mutable std::atomic<uint64_t> groups_visited_{0}, groups_skipped_{0};  // group_skips()
+  mutable std::atomic<uint64_t> group_chunks_visited_{0}, group_chunks_skipped_{0};
+
+  std::unique_ptr<ReprMirror> mirror_;  // null: no backend attached
+  size_t mirror_stale_from_ = 0;        // rows from here may differ in the mirror (SIZE_MAX: none)
+  LayerSelectResult backend_result_;    // SelectOnBackend's scratch (reused)
   Status RunOnBackend(LayerSelectPlan plan, int k_max, std::vector<uint64_t>* chunks, double* theta,
                       int32_t* non_finite);
 };

@@ -730,6 +730,13 @@ uint64_t Retriever::evicted_chunks() const {
   return n;
 }
 
+GroupSkips Retriever::group_skips() const {
+  GroupSkips s;
+  for (const auto& [key, li] : indexes_)
+    if (li.index) s += li.index->group_skips();
+  return s;
+}
+
 uint64_t Retriever::memory_bytes() const {
   uint64_t b = 0;
   for (const auto& [key, li] : indexes_)

@@ -212,6 +212,8 @@ class Retriever {
   /// memory cap (StoreOptions::index_bytes; each layer's index gets index_bytes / layers).
   uint64_t compressed_chunks() const;
   uint64_t evicted_chunks() const;
+  /// Summed over the indexes: what the Exact index's chunk-group hierarchy skipped (groups=G).
+  GroupSkips group_skips() const;
   /// Layer selections served by reusing the layer's last search (reuse_cosine), and all
   /// layer selections that had chunks to choose from, since the Retriever was created.
   uint64_t reused_selections() const { return reused_selections_; }
