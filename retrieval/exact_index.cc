@@ -1035,6 +1035,21 @@ Status ExactChunkIndex::SearchByGroups(const float* probe, ChunkRank rank, size_
       i = j;
     }
     batch *= 2;
+    if (lows.size() == take && next < n_groups) {
+      // The groups that can still reach the take-th best lower bound are a prefix of the rest
+      // of the order. Where they are more than 3/4 of the rest, little can be skipped, and
+      // screening them group by group costs more than one pass: the whole screen instead.
+      const float reach_threshold = lows.top();
+      size_t reach = next;
+      while (reach < n_groups && !(upper[order[reach]] < reach_threshold)) ++reach;
+      if ((reach - next) * 4 > (n_groups - next) * 3) {
+        groups_visited_.fetch_add(n_groups, std::memory_order_relaxed);
+        group_chunks_visited_.fetch_add(n, std::memory_order_relaxed);
+        ChunkScores screened;
+        KVTIER_RETURN_IF_ERROR(Screen(probe, &screened));
+        return Best(probe, screened, rank, take, out);
+      }
+    }
   }
   groups_visited_.fetch_add(next, std::memory_order_relaxed);
   groups_skipped_.fetch_add(n_groups - next, std::memory_order_relaxed);

@@ -50,7 +50,10 @@
 // (screened - error) of the chunks visited is above a group's bound, that group and every
 // later one are skipped: neither screened nor rescored. Every chunk of a skipped group scores
 // below take chunks already seen, so the take best (ties to the smaller chunk index) are the
-// ones groups=0 chooses. The entropy allocator reads every chunk's cosine (Eq. 11), so its path
+// ones groups=0 chooses. After a round, where the groups that can still reach that bound are
+// more than 3/4 of those left, the search screens every chunk in one pass instead (Screen, then
+// Best: those groups are counted visited), as screening group by group costs more than it saves
+// there. The entropy allocator reads every chunk's cosine (Eq. 11), so its path
 // (Screen, RefineForEntropy, Best) never skips; nor does an index whose cap has compressed rows
 // (their exact scores come from codes the balls do not hold). group_skips() counts the work.
 //
