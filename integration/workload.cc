@@ -157,8 +157,59 @@ Status WorkloadOptions::Validate() const {
     return bad("rope_base", "must be finite and > 1 (got " + Num(rope_base) + ")");
   if (!(rope_scaling >= 1.0) || !std::isfinite(rope_scaling))
     return bad("rope_scaling", "must be finite and >= 1 (got " + Num(rope_scaling) + ")");
+  if (!std::isfinite(key_decay) || key_decay < 0)
+    return bad("key_decay", "must be finite and >= 0 (got " + Num(key_decay) + ")");
+  if (key_outliers < 0) return bad("key_outliers", "must be >= 0 (got " + std::to_string(key_outliers) + ")");
+  if (!std::isfinite(key_outlier_scale) || !(key_outlier_scale > 0))
+    return bad("key_outlier_scale", "must be finite and > 0 (got " + Num(key_outlier_scale) + ")");
   std::vector<int64_t> starts;
   return NeedleStarts(*this, &starts);
+}
+
+Status ParseKeySpectrum(const std::string& spec, WorkloadOptions* options) {
+  WorkloadOptions o = *options;
+  o.key_decay = 0.0;
+  o.key_outliers = 0;
+  o.key_outlier_scale = 1.0;
+  const std::string body = spec == "calibrated" ? std::string(kKeySpectrumCalibrated) : spec;
+  if (body != "off") {
+    size_t at = 0;
+    while (at <= body.size()) {
+      const size_t comma = std::min(body.find(',', at), body.size());
+      const std::string item = body.substr(at, comma - at);
+      const size_t eq = item.find('=');
+      const std::string key = item.substr(0, eq), value = eq == std::string::npos ? "" : item.substr(eq + 1);
+      char* end = nullptr;
+      const double v = std::strtod(value.c_str(), &end);
+      if (eq == std::string::npos || value.empty() || end != value.c_str() + value.size())
+        return InvalidArgument(
+            "key spectrum '" + spec + "': '" + item +
+            "' is not key=number (expected off, calibrated or decay=A[,outliers=K][,scale=S])");
+      if (key == "decay") {
+        o.key_decay = v;
+      } else if (key == "outliers") {
+        if (v != std::floor(v) || v < 0 || v > 1 << 20)
+          return InvalidArgument("key spectrum '" + spec + "': outliers must be a whole number >= 0 (got " +
+                                 value + ")");
+        o.key_outliers = static_cast<int>(v);
+      } else if (key == "scale") {
+        o.key_outlier_scale = v;
+      } else {
+        return InvalidArgument("key spectrum '" + spec + "': unknown key '" + key +
+                               "' (known: decay, outliers, scale)");
+      }
+      at = comma + 1;
+    }
+  }
+  KVTIER_RETURN_IF_ERROR(o.Validate());
+  *options = o;
+  return Status::Ok();
+}
+
+std::string KeySpectrumString(const WorkloadOptions& o) {
+  if (o.key_decay == 0.0 && (o.key_outliers == 0 || o.key_outlier_scale == 1.0)) return "off";
+  return "decay=" + Num(o.key_decay) + ",outliers=" + std::to_string(o.key_outliers) +
+         ",scale=" + Num(o.key_outlier_scale);
 }
 
 struct Workload::Tables {
@@ -176,6 +227,8 @@ struct Workload::Tables {
   // RoPE: frequencies and cos/sin of lo * theta for lo in [0, 1024), [lo][P].
   std::vector<double> theta;
   std::vector<double> lo_cos, lo_sin;
+  // Per key dim: the key noise's std factor (WorkloadOptions::key_decay); empty = isotropic.
+  std::vector<float> key_std;
 };
 
 Result<Workload> Workload::Create(const Geometry& geometry, const WorkloadOptions& options) {
@@ -257,6 +310,21 @@ Result<Workload> Workload::Create(const Geometry& geometry, const WorkloadOption
       t->lo_cos[static_cast<size_t>(lo) * P + p] = std::cos(lo * t->theta[p]);
       t->lo_sin[static_cast<size_t>(lo) * P + p] = std::sin(lo * t->theta[p]);
     }
+  if (options.key_outliers > P)
+    return InvalidArgument("workload.key_outliers must be <= head_dim / 2 = " + std::to_string(P) +
+                           " rotary pairs (got " + std::to_string(options.key_outliers) + ")");
+  if (options.key_decay != 0.0 || (options.key_outliers > 0 && options.key_outlier_scale != 1.0)) {
+    std::vector<double> pair_std(P);
+    double power = 0.0;
+    for (int p = 0; p < P; ++p) {
+      pair_std[p] = std::pow(1.0 + p, -options.key_decay) *
+                    (p < options.key_outliers ? options.key_outlier_scale : 1.0);
+      power += pair_std[p] * pair_std[p];
+    }
+    const double norm = std::sqrt(static_cast<double>(P) / power);  // mean square 1 over the pairs
+    t->key_std.resize(D);
+    for (int d = 0; d < D; ++d) t->key_std[d] = static_cast<float>(pair_std[d % P] * norm);
+  }
   w.tables_ = std::move(t);
   return w;
 }
@@ -409,6 +477,8 @@ void Workload::Generate(int layer, int64_t begin, int64_t end, float* q, float* 
       if (k) {
         float* row = k + (static_cast<size_t>(r) * H + h) * D;
         FillNormal(Combine(tok, (kStreamK << 32) | static_cast<uint64_t>(h)), o.noise, row, D);
+        if (!t.key_std.empty())
+          for (int d = 0; d < D; ++d) row[d] *= t.key_std[d];
         if (is_sink) {
           AddBand(row, s_dir, key_sink, band_lo, nb, P);
         } else if (needle >= 0) {

@@ -58,6 +58,10 @@
 // topic) on filler; a filler query scores topic_strength^2 on its own topic,
 // decaying over ~topic_len, and sink_query * sink_strength on the sinks
 // (before the RoPE attenuation above).
+// Anisotropic keys (key_decay, key_outliers; off by default): the key noise's std on rotary
+// pair p is (1 + p)^-key_decay times key_outlier_scale on the first key_outliers pairs, scaled
+// so that the noise keeps its power; `kvtier run --key-spectrum calibrated` sets the decay
+// measured on kvtier-tiny's traces (scripts/key_spectrum.py).
 // Values: v = N(0, 1) per component for every token (not scaled by `noise`);
 // needle tokens add needle_value * sqrt(D) * w_i, where w_i is a random unit
 // direction in all D dims (values are not rotated), so the attention output
@@ -98,6 +102,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "store/geometry.h"
@@ -134,12 +139,30 @@ struct WorkloadOptions {
   double rope_base = 500000.0;  ///< RoPE base (Llama-3 uses 500000)
   double rope_scaling = 8.0;    ///< Llama-3.1 low-frequency scaling factor (1 = plain RoPE)
   bool apply_rope = true;       ///< false: write pre-RoPE q and k (for tests and probe studies)
-  uint64_t seed = 1;            ///< root of every random number
+  /// Anisotropic keys (off by default: decay 0, no outliers): the key noise's std on rotary pair
+  /// p (both of its dims; p = 0 turns fastest) is proportional to (1 + p)^-key_decay, times
+  /// key_outlier_scale on the first key_outliers pairs, all scaled so that the key noise keeps
+  /// its power (D noise^2 a key). Queries, values and the structured directions are unchanged.
+  /// Calibrated on kvtier-tiny's trace (docs/benchmarks.md, "A certified hierarchy:
+  /// experiment"): decay 0.5, no outlier pair (kKeySpectrumCalibrated).
+  double key_decay = 0.0;
+  int key_outliers = 0;            ///< pairs whose key noise std is scaled by key_outlier_scale (<= D/2)
+  double key_outlier_scale = 1.0;  ///< > 0
+  uint64_t seed = 1;               ///< root of every random number
 
   /// Names the bad field (e.g. needle_depth outside [0,1), needles not
   /// fitting before the question window, context <= question_len).
   Status Validate() const;
 };
+
+/// `--key-spectrum`'s calibrated setting: "decay=0.5,outliers=0,scale=1".
+inline constexpr const char* kKeySpectrumCalibrated = "decay=0.5,outliers=0,scale=1";
+/// Sets key_decay, key_outliers and key_outlier_scale from "off" (isotropic keys), "calibrated"
+/// (kKeySpectrumCalibrated) or "decay=A[,outliers=K][,scale=S]" (keys left out keep their
+/// defaults 0, 0, 1); InvalidArgument names the bad key or value.
+Status ParseKeySpectrum(const std::string& spec, WorkloadOptions* options);
+/// "off", or "decay=A,outliers=K,scale=S".
+std::string KeySpectrumString(const WorkloadOptions& options);
 
 class Workload {
  public:

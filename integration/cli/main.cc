@@ -263,6 +263,11 @@ int CmdRun(int argc, char** argv) {
   f.Add("depth", "depth of the first needle in [0,1)", DoubleFlag(&o.workload.needle_depth));
   f.Add("anchor", "needle/question shared-direction strength", DoubleFlag(&o.workload.anchor_strength));
   f.Add("noise", "noise scale on q and k", DoubleFlag(&o.workload.noise));
+  f.Add("key-spectrum",
+        std::string("anisotropic synthetic keys: off, calibrated (") + kKeySpectrumCalibrated +
+            ", measured on kvtier-tiny's trace) or decay=A[,outliers=K][,scale=S]: the key noise's std on "
+            "rotary pair p is ~ (1 + p)^-A, times S on the first K pairs, its power kept",
+        WithDefault("off", [&o](const std::string& s) { return ParseKeySpectrum(s, &o.workload); }));
   f.Add("seed", "random seed", IntFlag(&o.workload.seed, 0, INT64_MAX));
   // --index/--alloc set the specs; --rerank, --rerank-min, --head-merge and --rank-by are
   // shorthands for one key of them, in any order (RetrieverSpecFlags).
