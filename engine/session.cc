@@ -76,7 +76,6 @@ Result<std::vector<uint64_t>> SelectAllChunks(int, const float*, const int64_t*,
 }
 
 constexpr double kFastReuseCosine = 0.8;
-constexpr int kFastScreenPeriod = 8;
 
 std::vector<std::string> RetrievalPresetNames() { return {"kvtier", "kvtier-fast", "actqkv", "infllm"}; }
 
@@ -93,13 +92,13 @@ Result<RetrievalPreset> MakeRetrievalPreset(const std::string& name) {
   } else if (name == "kvtier") {  // ActQKV's probe and budget; the most interested head decides, logit order
     p.retrieval = RecommendedRetrieval();
   } else if (name == "kvtier-fast") {
-    // kvtier's choice, searched less often: a decode step rescores the layer's last shortlist
-    // while its probe keeps cosine >= kFastReuseCosine with the one searched for, and screens a
-    // rotating 1 / kFastScreenPeriod of the chunks otherwise (retriever.h). Not exact: held to
-    // answers and needle hits (docs/benchmarks.md, "The kvtier-fast preset").
+    // kvtier's choice, searched less often: while no chunk landed in or left a layer and its
+    // probe keeps cosine >= kFastReuseCosine with the one searched for, a decode step rescores
+    // the layer's last shortlist instead of searching (retriever.h). Not exact; held to answers
+    // and needle hits (docs/benchmarks.md, "The kvtier-fast preset"). Screening a slice
+    // (screen_period) is not part of it: on the trained model it lost answers.
     p.retrieval = RecommendedRetrieval();
     p.retrieval.reuse_cosine = kFastReuseCosine;
-    p.retrieval.screen_period = kFastScreenPeriod;
   } else {
     return InvalidArgument("unknown preset '" + name + "' (known: kvtier, kvtier-fast, actqkv, infllm)");
   }

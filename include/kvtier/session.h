@@ -62,10 +62,10 @@ namespace kvtier {
 ///    (alloc entropy:rank=logit). Measured against "actqkv" on both workloads (docs/benchmarks.md,
 ///    "Retrieval presets"): synthetic 128K needle hit 0.875 vs 0.730 for ~7% more step time;
 ///    the trained model's passkey 1.0 vs 0.0 at 4K-64K.
-///  * "kvtier-fast": "kvtier" searched less often (reuse_cosine 0.8, screen_period 8): a decode
-///    step rescores the layer's last shortlist while the probe stays put and screens a rotating
-///    eighth of the chunks otherwise. Not exact (the chunks a full search would take can be
-///    missed); held to answers and needle hits (docs/benchmarks.md, "The kvtier-fast preset").
+///  * "kvtier-fast": "kvtier" searched less often (reuse_cosine 0.8): while no chunk landed in
+///    or left a layer and its probe stays put, a decode step rescores the layer's last shortlist
+///    instead of searching. Not exact (a chunk a full search would take can be missed); held to
+///    answers and needle hits (docs/benchmarks.md, "The kvtier-fast preset").
 ///  * "actqkv": ActQKV as written (Algorithm 1): the same probe and budget, scores summed over
 ///    kv heads, chunks taken in cosine order, 4 representative keys per chunk.
 ///  * "infllm": InfLLM as written: the mean of the window's queries, a fixed top-k, a chunk

@@ -362,9 +362,9 @@ TEST(Cli, PresetsSetRetrievalAndFlagsRefineThemInAnyOrder) {
   EXPECT_NE(paper.find("rank=cosine"), std::string::npos) << paper;
   EXPECT_NE(paper.find("heads=sum"), std::string::npos) << paper;
   EXPECT_NE(spec("--preset infllm").find("probe=mean"), std::string::npos);
-  // kvtier-fast: the default's spec with the search's shortcuts, which a later flag turns off.
-  EXPECT_EQ(spec("--preset kvtier-fast"), def + " reuse=0.8 screen=8");
-  EXPECT_EQ(spec("--preset kvtier-fast --reuse 0 --screen 1"), def);
+  // kvtier-fast: the default's spec with search reuse, which a later flag turns off.
+  EXPECT_EQ(spec("--preset kvtier-fast"), def + " reuse=0.8");
+  EXPECT_EQ(spec("--preset kvtier-fast --reuse 0"), def);
   // A flag refines the preset whether it comes before or after it.
   EXPECT_EQ(spec("--head-merge max --preset actqkv"), spec("--preset actqkv --head-merge max"));
   EXPECT_NE(spec("--head-merge max --preset actqkv").find("heads=max"), std::string::npos);
