@@ -93,6 +93,27 @@ struct LaneCallBlock {
   int64_t rope_position;
 };
 
+// The row arrays of a table of `row_cap` rows per layer.
+struct RowArrays {
+  int32_t* row_slot = nullptr;
+  const void** src_k = nullptr;
+  const void** src_v = nullptr;
+  int64_t* first = nullptr;
+  float* logit = nullptr;
+  float* cosine = nullptr;
+  uint8_t* topk_ws = nullptr;
+  size_t topk_bytes = 0;
+
+  // Each array freed once the work on `s` so far is done (no wait).
+  void FreeAfter(cudaStream_t s) {
+    for (void* p : {static_cast<void*>(row_slot), static_cast<void*>(src_k), static_cast<void*>(src_v),
+                    static_cast<void*>(first), static_cast<void*>(logit), static_cast<void*>(cosine),
+                    static_cast<void*>(topk_ws)})
+      if (p) device_memory::FreeAfter(p, s);
+    *this = RowArrays{};
+  }
+};
+
 constexpr int kReportRing = 3;  // step reports in flight: the one being written and two unread
 
 // Every lane over one store behind the store's one fence.
@@ -164,14 +185,7 @@ struct DeviceLane::Impl {
   int32_t* clock_hand = nullptr;
   // Rows: [layers, row_cap] each.
   int row_cap = 0;
-  int32_t* row_slot = nullptr;
-  const void** src_k = nullptr;
-  const void** src_v = nullptr;
-  int64_t* first = nullptr;
-  float* logit = nullptr;   // [row_cap]
-  float* cosine = nullptr;  // [row_cap]
-  uint8_t* topk_ws = nullptr;
-  size_t topk_bytes = 0;
+  RowArrays r;  // [layers, row_cap]: row_slot, src_k, src_v, first; [row_cap]: logit, cosine
   // Per layer: header | rows (copied back together) | slot list | first positions | misses | call.
   size_t off_rows = 0, off_slots = 0, off_first = 0, off_miss_slot = 0, off_miss_row = 0, off_call = 0;
   size_t layer_block = 0, report_layer = 0;
@@ -224,12 +238,13 @@ DeviceLane::~DeviceLane() {
     if (e.done) cudaEventDestroy(e.done);
   }
   if (m.grant_host) device_memory::FreeHost(m.grant_host);
-  for (void* p : {static_cast<void*>(m.pool), static_cast<void*>(m.slot_owner),
-                  static_cast<void*>(m.slot_stamp), static_cast<void*>(m.clock_hand),
-                  static_cast<void*>(m.row_slot), static_cast<void*>(m.src_k), static_cast<void*>(m.src_v),
-                  static_cast<void*>(m.first), static_cast<void*>(m.logit), static_cast<void*>(m.cosine),
-                  static_cast<void*>(m.topk_ws), static_cast<void*>(m.blocks), static_cast<void*>(m.q),
-                  static_cast<void*>(m.probe), static_cast<void*>(m.inv_freq), static_cast<void*>(m.grant)})
+  for (void* p :
+       {static_cast<void*>(m.pool), static_cast<void*>(m.slot_owner), static_cast<void*>(m.slot_stamp),
+        static_cast<void*>(m.clock_hand), static_cast<void*>(m.r.row_slot), static_cast<void*>(m.r.src_k),
+        static_cast<void*>(m.r.src_v), static_cast<void*>(m.r.first), static_cast<void*>(m.r.logit),
+        static_cast<void*>(m.r.cosine), static_cast<void*>(m.r.topk_ws), static_cast<void*>(m.blocks),
+        static_cast<void*>(m.q), static_cast<void*>(m.probe), static_cast<void*>(m.inv_freq),
+        static_cast<void*>(m.grant)})
     if (p) device_memory::Free(p);
   if (m.reads_done) cudaEventDestroy(m.reads_done);
   if (m.q_ready) cudaEventDestroy(m.q_ready);
@@ -317,34 +332,52 @@ Result<std::unique_ptr<DeviceLane>> DeviceLane::Create(TieredStore* store, Seque
 
 namespace {
 
-// Frees and allocates the row arrays for `rows` rows per layer, the table cleared.
-Status AllocateRows(DeviceLane* lane, int layers, int rows, cudaStream_t s, int32_t** row_slot,
-                    const void*** src_k, const void*** src_v, int64_t** first, float** logit, float** cosine,
-                    uint8_t** topk_ws, size_t* topk_bytes) {
-  (void)lane;
-  for (void* p : {static_cast<void*>(*row_slot), static_cast<void*>(*src_k), static_cast<void*>(*src_v),
-                  static_cast<void*>(*first), static_cast<void*>(*logit), static_cast<void*>(*cosine),
-                  static_cast<void*>(*topk_ws)})
-    if (p) device_memory::Free(p);
-  *row_slot = nullptr, *src_k = nullptr, *src_v = nullptr, *first = nullptr, *logit = nullptr,
-  *cosine = nullptr, *topk_ws = nullptr;
-  const size_t n = static_cast<size_t>(layers) * rows;
-  KVTIER_RETURN_IF_ERROR(DeviceAlloc(row_slot, sizeof(int32_t) * n, "the chunk table's rows"));
-  KVTIER_RETURN_IF_ERROR(DeviceAlloc(src_k, sizeof(void*) * n, "the rows' sources"));
-  KVTIER_RETURN_IF_ERROR(DeviceAlloc(src_v, sizeof(void*) * n, "the rows' sources"));
-  KVTIER_RETURN_IF_ERROR(DeviceAlloc(first, sizeof(int64_t) * n, "the rows' positions"));
-  KVTIER_RETURN_IF_ERROR(DeviceAlloc(logit, sizeof(float) * rows, "the scores"));
-  KVTIER_RETURN_IF_ERROR(DeviceAlloc(cosine, sizeof(float) * rows, "the scores"));
-  kernels::SegmentedTopKParams shape;
-  const int32_t offsets[2] = {0, rows}, k = 0;
-  shape.n_segments = 1;
-  shape.offsets = offsets;
-  shape.k = &k;
-  if (const KernelError ke = kc::SegmentedTopKWorkspaceBytes(shape, rows, topk_bytes); ke != KernelError::kOk)
-    return KernelFailure("SegmentedTopKWorkspaceBytes", ke);
-  KVTIER_RETURN_IF_ERROR(DeviceAlloc(topk_ws, *topk_bytes, "the top-k's workspace"));
-  const cudaError_t e = cudaMemsetAsync(*row_slot, 0xff, sizeof(int32_t) * n, s);  // -1: no slot
-  if (e != cudaSuccess) return CudaFailure("clearing the chunk table's rows", e);
+// New row arrays for `rows` rows per layer holding what `old` (of `old_rows` rows per layer) held:
+// each layer's table entries, sources and positions move across on `s` (no host wait), and the
+// rows past `old_rows` are empty (row_slot -1). The slot owners ((layer << 32) | row) do not
+// depend on the stride, so the table stays valid. On an error nothing of `old` changed.
+Status GrowRows(int layers, int old_rows, int rows, cudaStream_t s, RowArrays* old) {
+  RowArrays nw;
+  Status st = [&]() -> Status {
+    const size_t n = static_cast<size_t>(layers) * rows;
+    KVTIER_RETURN_IF_ERROR(DeviceAlloc(&nw.row_slot, sizeof(int32_t) * n, "the chunk table's rows"));
+    KVTIER_RETURN_IF_ERROR(DeviceAlloc(&nw.src_k, sizeof(void*) * n, "the rows' sources"));
+    KVTIER_RETURN_IF_ERROR(DeviceAlloc(&nw.src_v, sizeof(void*) * n, "the rows' sources"));
+    KVTIER_RETURN_IF_ERROR(DeviceAlloc(&nw.first, sizeof(int64_t) * n, "the rows' positions"));
+    KVTIER_RETURN_IF_ERROR(DeviceAlloc(&nw.logit, sizeof(float) * rows, "the scores"));
+    KVTIER_RETURN_IF_ERROR(DeviceAlloc(&nw.cosine, sizeof(float) * rows, "the scores"));
+    kernels::SegmentedTopKParams shape;
+    const int32_t offsets[2] = {0, rows}, k = 0;
+    shape.n_segments = 1;
+    shape.offsets = offsets;
+    shape.k = &k;
+    if (const KernelError ke = kc::SegmentedTopKWorkspaceBytes(shape, rows, &nw.topk_bytes);
+        ke != KernelError::kOk)
+      return KernelFailure("SegmentedTopKWorkspaceBytes", ke);
+    KVTIER_RETURN_IF_ERROR(DeviceAlloc(&nw.topk_ws, nw.topk_bytes, "the top-k's workspace"));
+    cudaError_t e = cudaMemsetAsync(nw.row_slot, 0xff, sizeof(int32_t) * n, s);  // -1: no slot
+    if (e != cudaSuccess) return CudaFailure("clearing the chunk table's rows", e);
+    for (int l = 0; l < layers && old_rows > 0 && e == cudaSuccess; ++l) {
+      const size_t from = static_cast<size_t>(l) * old_rows, to = static_cast<size_t>(l) * rows;
+      auto move = [&](void* dst, const void* src, size_t bytes) {
+        if (e == cudaSuccess)
+          e = device_sync::CopyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s,
+                                     device_sync::HostMemory::kPinned);
+      };
+      move(nw.row_slot + to, old->row_slot + from, sizeof(int32_t) * old_rows);
+      move(nw.src_k + to, old->src_k + from, sizeof(void*) * old_rows);
+      move(nw.src_v + to, old->src_v + from, sizeof(void*) * old_rows);
+      move(nw.first + to, old->first + from, sizeof(int64_t) * old_rows);
+    }
+    if (e != cudaSuccess) return CudaFailure("moving the chunk table's rows", e);
+    return Status::Ok();
+  }();
+  if (!st.ok()) {
+    nw.FreeAfter(s);
+    return st;
+  }
+  old->FreeAfter(s);
+  *old = nw;
   return Status::Ok();
 }
 
@@ -360,27 +393,19 @@ Result<bool> DeviceLane::PrepareLayer(int layer, const std::vector<uint64_t>& ro
   auto s = static_cast<cudaStream_t>(stream_);
   const int n = static_cast<int>(row_ids.size());
   if (n > m.row_cap) {
-    // Every layer's rows are re-laid out: the lane's work so far finishes first (a wait, when
-    // the layers outgrow the table: an eighth at a time).
+    // Every layer's rows move to a wider stride on the device, the table kept (GrowRows): no
+    // wait. The first table is sized for initial_rows; it grows by an eighth.
     const int rows = std::max({options_.initial_rows, n + n / 8, m.row_cap + m.row_cap / 8});
     std::lock_guard<std::mutex> l(m.mu);
-    if (const cudaError_t e = device_sync::SyncStream(s); e != cudaSuccess)
-      return CudaFailure("waiting before the table grows", e);
-    KVTIER_RETURN_IF_ERROR(AllocateRows(this, options_.layers, rows, s, &m.row_slot, &m.src_k, &m.src_v,
-                                        &m.first, &m.logit, &m.cosine, &m.topk_ws, &m.topk_bytes));
+    KVTIER_RETURN_IF_ERROR(GrowRows(options_.layers, m.row_cap, rows, s, &m.r));
     m.row_cap = rows;
-    cudaError_t e = cudaMemsetAsync(m.slot_owner, 0xff, sizeof(int64_t) * options_.slots, s);
-    if (e == cudaSuccess) e = cudaMemsetAsync(m.slot_stamp, 0, sizeof(uint64_t) * options_.slots, s);
-    if (e == cudaSuccess) e = cudaMemsetAsync(m.clock_hand, 0, sizeof(int32_t), s);
-    if (e != cudaSuccess) return CudaFailure("clearing the chunk table", e);
-    for (Impl::Layer& L : m.layers) L = Impl::Layer{};
   }
   Impl::Layer& L = m.layers[static_cast<size_t>(layer)];
   const bool rows_changed = L.rows == nullptr || *L.rows != row_ids;
   if (!rows_changed && L.ok && L.epoch == store_->warm_epoch()) return true;
   const size_t base = static_cast<size_t>(layer) * m.row_cap;
   if (rows_changed) {  // the layer's rows moved: its table entries go (the header's rule)
-    const cudaError_t e = cudaMemsetAsync(m.row_slot + base, 0xff, sizeof(int32_t) * m.row_cap, s);
+    const cudaError_t e = cudaMemsetAsync(m.r.row_slot + base, 0xff, sizeof(int32_t) * m.row_cap, s);
     if (e != cudaSuccess) return CudaFailure("resetting a layer's table entries", e);
   }
   // A row with no warm copy sends the layer to the host path: found from the chunks' tiers
@@ -412,13 +437,13 @@ Result<bool> DeviceLane::PrepareLayer(int layer, const std::vector<uint64_t>& ro
     v[i] = addr[static_cast<size_t>(i)].v;
     first[i] = addr[static_cast<size_t>(i)].first_position;
   }
-  cudaError_t e = device_sync::CopyAsync(m.src_k + base, k, sizeof(void*) * n, cudaMemcpyHostToDevice, s,
+  cudaError_t e = device_sync::CopyAsync(m.r.src_k + base, k, sizeof(void*) * n, cudaMemcpyHostToDevice, s,
                                          device_sync::HostMemory::kPinned);
   if (e == cudaSuccess)
-    e = device_sync::CopyAsync(m.src_v + base, v, sizeof(void*) * n, cudaMemcpyHostToDevice, s,
+    e = device_sync::CopyAsync(m.r.src_v + base, v, sizeof(void*) * n, cudaMemcpyHostToDevice, s,
                                device_sync::HostMemory::kPinned);
   if (e == cudaSuccess)
-    e = device_sync::CopyAsync(m.first + base, first, sizeof(int64_t) * n, cudaMemcpyHostToDevice, s,
+    e = device_sync::CopyAsync(m.r.first + base, first, sizeof(int64_t) * n, cudaMemcpyHostToDevice, s,
                                device_sync::HostMemory::kPinned);
   if (e != cudaSuccess) return CudaFailure("uploading the rows' sources", e);
   KVTIER_RETURN_IF_ERROR(m.staging.Done(stream_));
@@ -533,15 +558,15 @@ Result<bool> DeviceLane::Launch(const LayerCall& call, AttentionPlanInput* in) {
   // Eq. 10 over the mirror, Eq. 11, Eq. 12, the top-B rows.
   kernels::ChunkScoreParams sp = sel.score;
   sp.probe = m.probe;
-  sp.logit = m.logit;
-  sp.cosine = m.cosine;
+  sp.logit = m.r.logit;
+  sp.cosine = m.r.cosine;
   if (const KernelError ke = kc::LaunchScoreChunks(sp, s); ke != KernelError::kOk)
     return KernelFailure("LaunchScoreChunks", ke);
   if (sel.entropy) {
     kernels::EntropyParams ep;
     ep.n_segments = 1;
     ep.offsets = call_d->offsets;
-    ep.scores = m.cosine;
+    ep.scores = m.r.cosine;
     ep.entropy = &hdr->theta;
     ep.non_finite = &hdr->non_finite;
     if (const KernelError ke = kc::LaunchSegmentEntropy(ep, s); ke != KernelError::kOk)
@@ -563,11 +588,11 @@ Result<bool> DeviceLane::Launch(const LayerCall& call, AttentionPlanInput* in) {
   kernels::SegmentedTopKParams tp;
   tp.n_segments = 1;
   tp.offsets = call_d->offsets;
-  tp.scores = sel.rank == ChunkRank::kCosine ? m.cosine : m.logit;
+  tp.scores = sel.rank == ChunkRank::kCosine ? m.r.cosine : m.r.logit;
   tp.k = &hdr->take;
   tp.k_max = o.max_rows;
   tp.out_index = rows;
-  if (const KernelError ke = kc::LaunchSegmentedTopK(tp, sel.n, m.topk_ws, m.topk_bytes, s);
+  if (const KernelError ke = kc::LaunchSegmentedTopK(tp, sel.n, m.r.topk_ws, m.r.topk_bytes, s);
       ke != KernelError::kOk)
     return KernelFailure("LaunchSegmentedTopK", ke);
   // The rows' slots: hits kept, misses gathered from their warm copies.
@@ -582,7 +607,7 @@ Result<bool> DeviceLane::Launch(const LayerCall& call, AttentionPlanInput* in) {
   cp.row_capacity = m.row_cap;
   cp.slot_owner = m.slot_owner;
   cp.slot_stamp = m.slot_stamp;
-  cp.row_slot = m.row_slot;
+  cp.row_slot = m.r.row_slot;
   cp.clock_hand = m.clock_hand;
   cp.layer = layer;
   cp.stamp = ++m.stamp;
@@ -590,9 +615,9 @@ Result<bool> DeviceLane::Launch(const LayerCall& call, AttentionPlanInput* in) {
   cp.max_rows = o.max_rows;
   cp.rows = rows;
   cp.n_rows = &hdr->take;
-  cp.src_k = m.src_k + base;
-  cp.src_v = m.src_v + base;
-  cp.first_position = m.first + base;
+  cp.src_k = m.r.src_k + base;
+  cp.src_v = m.r.src_v + base;
+  cp.first_position = m.r.first + base;
   cp.slot_list = reinterpret_cast<int32_t*>(blk + m.off_slots);
   cp.slot_first_position = reinterpret_cast<int64_t*>(blk + m.off_first);
   cp.n_slots = &hdr->n_slots;

@@ -7,8 +7,10 @@
 
 #if KVTIER_HAVE_CUDA
 #include <unordered_map>
+#include <vector>
 
 #include "offload/device_memory_cuda.h"
+#include "offload/device_sync_cuda.h"
 #endif
 
 namespace kvtier {
@@ -172,6 +174,68 @@ cudaError_t Free(void* p) {
     CountDeviceFree(a.owner, a.bytes);
   return cudaFree(p);
 }
+
+namespace {
+
+struct Deferred {
+  void* p = nullptr;
+  cudaEvent_t done = nullptr;
+};
+std::vector<Deferred>& DeferredFrees() {
+  static auto* const list = new std::vector<Deferred>;  // see Mutex()
+  return *list;
+}
+std::mutex& DeferredMutex() {
+  static std::mutex* const mu = new std::mutex;
+  return *mu;
+}
+
+// Frees the deferred allocations whose event is complete (every one when `wait`).
+void Reap(bool wait) {
+  std::vector<Deferred> ready;
+  {
+    std::lock_guard<std::mutex> l(DeferredMutex());
+    auto& list = DeferredFrees();
+    for (size_t i = 0; i < list.size();) {
+      const cudaError_t e = cudaEventQuery(list[i].done);
+      if (e == cudaErrorNotReady && !wait) {
+        ++i;
+        continue;
+      }
+      if (e != cudaSuccess) (void)cudaGetLastError();  // a failed stream: its work reads nothing more
+      ready.push_back(list[i]);
+      list[i] = list.back();
+      list.pop_back();
+    }
+  }
+  for (const Deferred& d : ready) {
+    if (wait) device_sync::SyncEvent(d.done);
+    cudaEventDestroy(d.done);
+    Free(d.p);
+  }
+}
+
+}  // namespace
+
+cudaError_t FreeAfter(void* p, cudaStream_t stream) {
+  Reap(false);
+  if (p == nullptr) return cudaSuccess;
+  cudaEvent_t ev = nullptr;
+  cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventRecord(ev, stream);
+  if (e != cudaSuccess) {
+    if (ev != nullptr) cudaEventDestroy(ev);
+    device_sync::SyncStream(stream);
+    Free(p);
+    return e;
+  }
+  std::lock_guard<std::mutex> l(DeferredMutex());
+  DeferredFrees().push_back(Deferred{p, ev});
+  return cudaSuccess;
+}
+
+void ReapFreed() { Reap(false); }
+void FlushFreed() { Reap(true); }
 
 cudaError_t HostAlloc(void** p, size_t bytes, unsigned flags) {
   if (p == nullptr) return cudaHostAlloc(p, bytes, flags);

@@ -27,6 +27,17 @@ cudaError_t Malloc(T** p, size_t bytes, DeviceMemoryOwner owner) {
 /// cudaFree(nullptr) (which makes the runtime initialise its context: InitDeviceRuntime).
 cudaError_t Free(void* p);
 
+/// Frees device memory `p` (from Malloc) once the work submitted to `stream` so far is done,
+/// without a host wait: an event is recorded on `stream`, and `p` is freed (Free) by the first
+/// FreeAfter or ReapFreed call that finds the event complete (cudaEventQuery), or by
+/// FlushFreed. Until then it stays counted as its owner's. A null `p` is a no-op. On an error
+/// recording the event, `p` is freed after a wait for `stream` (counted).
+cudaError_t FreeAfter(void* p, cudaStream_t stream);
+/// Frees what FreeAfter deferred whose work is done; no wait.
+void ReapFreed();
+/// Frees everything FreeAfter deferred, waiting for each event not yet complete (counted).
+void FlushFreed();
+
 /// cudaHostAlloc (pinned host memory), counted.
 cudaError_t HostAlloc(void** p, size_t bytes, unsigned flags);
 template <class T>

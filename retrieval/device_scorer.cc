@@ -276,6 +276,11 @@ class CpuRetrievalBackend final : public RetrievalBackend {
   void Free(uint8_t* p) override {
     if (p) ::operator delete(p, std::align_val_t(64));
   }
+  void FreeAfterWork(uint8_t* p) override { Free(p); }  // the twins' work is done on return
+  Status CopyWithin(uint8_t* dst, const uint8_t* src, size_t bytes) override {
+    if (bytes > 0) std::memmove(dst, src, bytes);
+    return Status::Ok();
+  }
   Status Upload(const BackendCopy* copies, size_t n) override {
     if (n > 0 && copies == nullptr) return InvalidArgument("retrieval (cpu): Upload: copies are null");
     for (size_t i = 0; i < n; ++i)
@@ -377,6 +382,7 @@ class CudaRetrievalBackend final : public RetrievalBackend {
   }
   ~CudaRetrievalBackend() override {
     if (stream_) device_sync::SyncStream(stream_);
+    device_memory::ReapFreed();  // the mirror's old arrays, whose copies are done now
     if (ws_) device_memory::Free(ws_);
     if (staging_) device_memory::FreeHost(staging_);
     if (queries_written_) cudaEventDestroy(queries_written_);
@@ -400,6 +406,20 @@ class CudaRetrievalBackend final : public RetrievalBackend {
     if (p == nullptr) return;
     device_sync::SyncStream(stream_);  // a kernel of the last run may still read it
     device_memory::Free(p);
+  }
+  void FreeAfterWork(uint8_t* p) override {
+    if (p != nullptr) (void)device_memory::FreeAfter(p, stream_);
+  }
+  Status CopyWithin(uint8_t* dst, const uint8_t* src, size_t bytes) override {
+    if (bytes == 0) return Status::Ok();
+    const cudaError_t e = device_sync::CopyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_,
+                                                 device_sync::HostMemory::kPinned);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Internal("retrieval (cuda): a copy of " + std::to_string(bytes) + " bytes within the mirror (" +
+                      CudaMessage(e) + ")");
+    }
+    return Status::Ok();
   }
   Status Upload(const BackendCopy* copies, size_t n) override {
     if (n > 0 && copies == nullptr) return InvalidArgument("retrieval (cuda): Upload: copies are null");
@@ -615,9 +635,10 @@ Status ReprMirror::Update(size_t first, size_t n, const std::vector<std::vector<
   uint8_t* new_inv = inv_norm_;
   size_t cap = capacity_;
   const size_t limit = std::max(n, max_rows);
-  if (n > capacity_ || capacity_ > limit) {  // the head stride changes, so every row goes up
-    cap =
-        n > capacity_ ? std::max(n, std::min(std::max<size_t>(capacity_ + capacity_ / 8, 16), limit)) : limit;
+  if (n > capacity_ || capacity_ > limit) {  // the head stride changes
+    cap = n > capacity_
+              ? std::min(std::max(n + n / 8, std::max<size_t>(capacity_ + capacity_ / 8, 16)), limit)
+              : limit;
     if (cap == 0) {  // shrunk to nothing: no rows, no memory
       backend_->Free(keys_);
       backend_->Free(inv_norm_);
@@ -625,20 +646,51 @@ Status ReprMirror::Update(size_t first, size_t n, const std::vector<std::vector<
       rows_ = capacity_ = 0;
       return Status::Ok();
     }
-    // Every row goes up again from the host, so the old arrays go first: the mirror never holds
-    // two capacities at once, and its backend bytes never pass bytes() (what the cap counts).
-    backend_->Free(keys_);
-    backend_->Free(inv_norm_);
-    keys_ = inv_norm_ = nullptr;
-    rows_ = capacity_ = 0;
-    KVTIER_ASSIGN_OR_RETURN(new_keys, backend_->Allocate(H * cap * row_key_bytes_));
-    auto inv = backend_->Allocate(H * cap * row_inv_bytes_);
-    if (!inv.ok()) {
-      backend_->Free(new_keys);
-      return inv.status();
+    const size_t kept = std::min(first, rows_);
+    if (n > capacity_ && max_rows == SIZE_MAX && kept > 0) {
+      // Growth with no cap: the kept rows move across on the backend, no host wait.
+      KVTIER_ASSIGN_OR_RETURN(new_keys, backend_->Allocate(H * cap * row_key_bytes_));
+      auto inv = backend_->Allocate(H * cap * row_inv_bytes_);
+      if (!inv.ok()) {
+        backend_->Free(new_keys);
+        return inv.status();
+      }
+      new_inv = *inv;
+      Status moved = Status::Ok();
+      for (size_t h = 0; h < H && moved.ok(); ++h) {
+        moved = backend_->CopyWithin(new_keys + h * cap * row_key_bytes_,
+                                     keys_ + h * capacity_ * row_key_bytes_, kept * row_key_bytes_);
+        if (moved.ok())
+          moved = backend_->CopyWithin(new_inv + h * cap * row_inv_bytes_,
+                                       inv_norm_ + h * capacity_ * row_inv_bytes_, kept * row_inv_bytes_);
+      }
+      backend_->FreeAfterWork(keys_);
+      backend_->FreeAfterWork(inv_norm_);
+      keys_ = inv_norm_ = nullptr;
+      rows_ = capacity_ = 0;
+      if (!moved.ok()) {
+        backend_->Free(new_keys);
+        backend_->Free(new_inv);
+        return moved;
+      }
+      first = kept;
+    } else {
+      // Every row goes up again from the host, so the old arrays go first: the mirror never
+      // holds two capacities at once, and its backend bytes never pass bytes() (what the cap
+      // counts).
+      backend_->Free(keys_);
+      backend_->Free(inv_norm_);
+      keys_ = inv_norm_ = nullptr;
+      rows_ = capacity_ = 0;
+      KVTIER_ASSIGN_OR_RETURN(new_keys, backend_->Allocate(H * cap * row_key_bytes_));
+      auto inv = backend_->Allocate(H * cap * row_inv_bytes_);
+      if (!inv.ok()) {
+        backend_->Free(new_keys);
+        return inv.status();
+      }
+      new_inv = *inv;
+      first = 0;
     }
-    new_inv = *inv;
-    first = 0;
   }
   std::vector<BackendCopy> copies;
   copies.reserve(2 * H);

@@ -162,6 +162,11 @@ class RetrievalBackend {
   /// `bytes` (> 0) of backend memory, uninitialised; ResourceExhausted when it cannot.
   virtual Result<uint8_t*> Allocate(size_t bytes) = 0;
   virtual void Free(uint8_t* p) = 0;  ///< null is a no-op
+  /// Frees `p` once the work submitted so far is done, with no host wait (cpu: at once; cuda:
+  /// device_memory::FreeAfter on the backend's stream). Null is a no-op.
+  virtual void FreeAfterWork(uint8_t* p) = 0;
+  /// Copies `bytes` between backend buffers, ordered like Upload, with no host wait.
+  virtual Status CopyWithin(uint8_t* dst, const uint8_t* src, size_t bytes) = 0;
   /// Every copy is ordered before any later copy or launch of this backend, and the sources may
   /// change once it returns OK (cpu: copied at once; cuda: up to 1 MiB in all staged through
   /// pinned memory and left in flight, with no host wait; more, copied and waited for).
@@ -234,10 +239,15 @@ class ReprMirror {
   /// Makes the mirror hold rows [0, n), uploading rows [first, n) from the host: keys[h] is
   /// head h's [n, R, D] in the shape's dtype, inv_norm[h] its [n, R]. Rows below `first` must
   /// be unchanged since the last Update. Past the capacity it grows to
-  /// max(n, min(capacity + capacity / 8 (at least 16), max_rows)); above max(n, max_rows) it
-  /// shrinks to that; either way it frees the old arrays before it allocates the new ones (its
-  /// backend memory never passes bytes()) and uploads every row. On an error the mirror holds
-  /// the rows below `first` (none when it was reallocating): Update again from 0.
+  /// max(n + n / 8, min(capacity + capacity / 8 (at least 16), max_rows)) (so one seal after a
+  /// first sync does not grow it again), clipped to max(n, max_rows); above max(n, max_rows) it
+  /// shrinks to that. A growth with no cap on the rows (max_rows = SIZE_MAX) keeps the rows below
+  /// `first` on the backend: the new arrays are allocated, those rows copied across
+  /// (CopyWithin) and the old arrays freed once the copies are done (FreeAfterWork), with no
+  /// host wait; so the backend holds both capacities for a moment. Under a cap, and for a
+  /// shrink, it frees the old arrays before it allocates the new ones (its backend memory never
+  /// passes bytes()) and uploads every row. On an error the mirror holds the rows below `first`
+  /// (none when it was reallocating): Update again from 0.
   Status Update(size_t first, size_t n, const std::vector<std::vector<uint8_t>>& keys,
                 const std::vector<std::vector<float>>& inv_norm, size_t max_rows = SIZE_MAX);
   /// The scoring view: shape, fold, n_chunks = rows(), chunk_stride = capacity(), keys, inv_norm.

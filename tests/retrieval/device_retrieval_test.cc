@@ -31,6 +31,8 @@
 #if KVTIER_HAVE_CUDA
 #include "kernels/cuda/kernels.h"
 #include "offload/device_memory.h"
+#include "offload/device_sync.h"
+#include "offload/device_sync_cuda.h"
 #endif
 
 namespace kvtier {
@@ -415,7 +417,8 @@ TEST(DeviceRetrievalMirror, LayoutAfterAddsAndRemovesEqualsAFreshOne) {
       EXPECT_EQ(m->rows(), kept.size());
       EXPECT_GE(m->capacity(), m->rows());
       if (m->capacity() != capacity_seen) {  // grown by an eighth (at least 16), never doubled past it
-        EXPECT_LE(m->capacity(), std::max<size_t>({m->rows(), capacity_seen + capacity_seen / 8, 16}));
+        EXPECT_LE(m->capacity(),
+                  std::max<size_t>({m->rows() + m->rows() / 8, capacity_seen + capacity_seen / 8, 16}));
         capacity_seen = m->capacity();
       }
       EXPECT_LE(m->capacity(), std::max<size_t>(m->rows() + m->rows() / 8 + 13, 16));  // what it holds
@@ -955,6 +958,58 @@ TEST(DeviceRetrievalCuda, SelectsAsTheCpuBackend) {
         }
       }
     }
+#endif
+}
+
+// A mirror that outgrows its capacity with no cap moves its rows across on the device
+// (ReprMirror::Update): the rows added one seal at a time past the capacity cost no host wait,
+// and the mirror holds what the cpu backend's holds.
+TEST(DeviceRetrievalCuda, GrowingMirrorMovesItsRowsOnTheDeviceWithNoHostWait) {
+#if !KVTIER_HAVE_CUDA
+  GTEST_SKIP() << "no CUDA device: this build has no CUDA (KVTIER_CUDA=off)";
+#else
+  std::string why;
+  if (!HaveDevice(&why)) GTEST_SKIP() << why;
+  auto cuda = MakeRetrievalBackend("cuda");
+  ASSERT_TRUE(cuda.ok()) << cuda.status().ToString();
+  const ChunkShape shape{2, 64, 2, DType::kF16};
+  auto cpu = CpuBackend();
+  auto on_cpu = MakeExact("Exact", shape);
+  auto on_gpu = MakeExact("Exact", shape);
+  ASSERT_TRUE(on_cpu->AttachBackend(cpu.get()).ok());
+  ASSERT_TRUE(on_gpu->AttachBackend(cuda->get()).ok());
+  const size_t per = shape.repr_floats();
+  const std::vector<float> reprs = RandomReprs(1200, shape, 9);
+  auto add = [&](size_t b0, size_t b1) {
+    const std::vector<float> part(reprs.begin() + b0 * per, reprs.begin() + b1 * per);
+    AddAll(on_cpu.get(), Iota(b1 - b0, b0), part);
+    AddAll(on_gpu.get(), Iota(b1 - b0, b0), part);
+  };
+  add(0, 1000);  // a first sync: one big upload (waited)
+  ASSERT_TRUE(on_gpu->SyncMirror().ok());
+  const size_t first_capacity = on_gpu->mirror()->capacity();
+  EXPECT_GE(first_capacity, 1000u + 1000u / 8);  // room for an eighth more before it grows
+  uint64_t waits = 0;
+  size_t grew = 0;
+  auto s = static_cast<cudaStream_t>(cuda->get()->stream());
+  for (size_t c = 1000; c < 1200; ++c) {  // one seal at a time, as steps apart as decode's
+    add(c, c + 1);
+    ASSERT_EQ(device_sync::SyncStream(s), cudaSuccess);  // the step's other work: staging recycled
+    const size_t before = on_gpu->mirror()->capacity();
+    const uint64_t waits0 = HostSyncsTotal();
+    ASSERT_TRUE(on_gpu->SyncMirror().ok());
+    waits += HostSyncsTotal() - waits0;
+    grew += on_gpu->mirror()->capacity() != before;
+  }
+  EXPECT_GE(grew, 1u);
+  EXPECT_EQ(waits, 0u) << "rows added one at a time, the mirror growing " << grew << " time(s)";
+  ASSERT_TRUE(on_cpu->SyncMirror().ok());
+  std::vector<uint8_t> ka, kb;
+  std::vector<float> ia, ib;
+  ASSERT_TRUE(on_cpu->mirror()->Download(&ka, &ia).ok());
+  ASSERT_TRUE(on_gpu->mirror()->Download(&kb, &ib).ok());
+  EXPECT_EQ(ka, kb);
+  EXPECT_EQ(ia, ib);
 #endif
 }
 
