@@ -111,7 +111,7 @@ $(PY_VENV)/bin/python:
 	bash scripts/python_env.sh env
 
 # The test files holding device tests (the rest has none, so the emulated build skips them).
-GPU_EMU_TESTS = tests/offload/device_sync_test.cc;tests/offload/device_memory_test.cc;tests/kernels/graph_capture_test.cc;tests/kernels/kernel_backends_test.cc;tests/offload/attention_backend_test.cc;tests/retrieval/device_retrieval_test.cc;tests/integration/model_test.cc;tests/offload/cuda_hot_tier_test.cc;tests/offload/device_append_test.cc;tests/kernels/device_end_to_end_test.cc;tests/offload/tiered_store_test.cc;tests/engine/c_api_cuda_test.cc;tests/engine/device_session_test.cc;tests/kernels/chunk_table_test.cc;tests/kernels/entropy_grant_test.cc;tests/kernels/device_step_chain_test.cc;tests/engine/device_lane_test.cc
+GPU_EMU_TESTS = tests/offload/device_sync_test.cc;tests/offload/device_memory_test.cc;tests/kernels/graph_capture_test.cc;tests/kernels/kernel_backends_test.cc;tests/offload/attention_backend_test.cc;tests/retrieval/device_retrieval_test.cc;tests/integration/model_test.cc;tests/offload/cuda_hot_tier_test.cc;tests/offload/device_append_test.cc;tests/kernels/device_end_to_end_test.cc;tests/offload/tiered_store_test.cc;tests/engine/c_api_cuda_test.cc;tests/engine/device_session_test.cc;tests/kernels/chunk_table_test.cc;tests/kernels/entropy_grant_test.cc;tests/kernels/device_step_chain_test.cc;tests/engine/device_lane_test.cc;tests/kernels/representatives_test.cc
 
 test-gpu-emulated: deps
 	@if [ ! -f "$(HIP_CPU)/include/hip/hip_runtime.h" ]; then \

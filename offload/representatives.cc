@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/cpu/dot.h"
+#include "kernels/cpu/representatives.h"
 
 namespace kvtier {
 
@@ -106,26 +107,16 @@ Status ChooseRepresentatives(const RepresentativeInput& in, uint8_t* repr) {
     }
     normed_head = h;
   };
+  // The mass rule and its no-statistics fallback: kernels/cpu/representatives.h's flow, which
+  // the device seal runs too (the same tokens for the same keys and mass).
+  const kernels::MassChoiceShape shape{g.dtype, H, D, cs, R, Hout};
+  std::vector<float> scratch(kernels::MassChoiceScratchFloats(shape));
   for (int h = 0; h < Hout; ++h) {
     const int kh = h / heads_per_kv;
     const float* mass = in.mass != nullptr ? in.mass + static_cast<size_t>(h) * in.mass_stride : nullptr;
-    float total = 0.0f;
-    if (mass != nullptr)
-      for (int t = 0; t < cs; ++t) total += mass[t];
-    if (total > 0.0f) {
-      for (int t = 0; t < cs; ++t) score[t] = mass[t];
-    } else {
-      unit_norms(kh);
-      std::fill(mean.begin(), mean.end(), 0.0f);
-      for (int t = 0; t < cs; ++t)
-        for (int d = 0; d < D; ++d) mean[d] += key(kh, t)[d] * inv_norm[t];
-      for (int t = 0; t < cs; ++t) score[t] = kernels::Dot(key(kh, t), mean.data(), D) * inv_norm[t];
-    }
-    std::iota(order.begin(), order.end(), 0);
-    // Highest score first; ties go to the earlier token (deterministic).
-    std::partial_sort(order.begin(), order.begin() + R, order.end(),
-                      [&](int a, int b) { return score[a] != score[b] ? score[a] > score[b] : a < b; });
-    if (total > 0.0f && in.choice != ReprChoice::kMass && R > 1) {
+    const bool statistics = kernels::ChooseMassTokens(shape, in.keys, mass, h, scratch.data(), order.data());
+    std::copy_n(scratch.begin(), cs, score.begin());
+    if (statistics && in.choice != ReprChoice::kMass && R > 1) {
       // order[0] is the most attended token; each next one maximises
       // mass / top mass - its highest cosine with a token taken (ties: the earlier token).
       unit_norms(kh);

@@ -25,6 +25,7 @@
 #include "kernels/cpu/entropy_grant.h"
 #include "kernels/cpu/forward.h"
 #include "kernels/cpu/probe.h"
+#include "kernels/cpu/representatives.h"
 #include "kernels/cpu/slot_attention.h"
 
 namespace kvtier::kernels::cuda {
@@ -192,6 +193,13 @@ KernelError LaunchChunkTableAssign(const ChunkTableParams& p, Stream s);
 /// source (mapped pinned host memory, read through UVA) to its slot, 16 bytes per load when the
 /// chunk size and both addresses are 16-byte aligned, bytes otherwise.
 KernelError LaunchChunkTableGather(const ChunkTableParams& p, Stream s);
+
+// ---- representatives of sealed chunks ------------------------------------------------------
+/// InfLLM's mass rule (twin: MassRepresentatives, kernels/cpu/representatives.h, which each
+/// thread runs for one chunk and out head): the chosen keys and their inverse norms written in
+/// an Exact index mirror's layout, so that a chunk sealed on the device is scored at once.
+/// Host checks as MassRepresentativesCheck.
+KernelError LaunchChooseMassRepresentatives(const MassRepresentativesParams& p, Stream s);
 
 // ---- Eq. 12 grant on the device ------------------------------------------------------------
 /// ActQKV Eq. 12 / Algorithm 1 for one layer (twin: EntropyGrantStep, kernels/cpu/entropy_grant.h,
