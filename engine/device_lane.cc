@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/kernels.h"
+#include "offload/cuda_hot_tier.h"
 #include "offload/device_sync_cuda.h"
 #include "offload/pinned_staging.h"
 #endif
@@ -47,7 +48,9 @@ Result<std::unique_ptr<DeviceLane>> DeviceLane::Create(TieredStore*, SequenceId,
                                                        const DeviceLaneOptions&) {
   return Unavailable("device lane: this build has no CUDA");
 }
-Result<bool> DeviceLane::PrepareLayer(int, const std::vector<uint64_t>&) { return false; }
+Result<bool> DeviceLane::PrepareLayer(int, const std::vector<uint64_t>&, const std::vector<SealingChunk>&) {
+  return false;
+}
 Result<bool> DeviceLane::Launch(const LayerCall&, AttentionPlanInput*) { return false; }
 Result<bool> DeviceLane::TakeReport(uint64_t, bool, LaneStepReport*) { return false; }
 bool DeviceLane::has_pending() const { return false; }
@@ -114,7 +117,9 @@ struct RowArrays {
   }
 };
 
-constexpr int kReportRing = 3;  // step reports in flight: the one being written and two unread
+constexpr int kReportRing = 3;
+// Chunks still landing a layer may score as rows (more: the host path lands them, a wait).
+constexpr int kMaxSealedRows = 8;  // step reports in flight: the one being written and two unread
 
 // Every lane over one store behind the store's one fence.
 class LaneFenceHub final : public WarmReaderFence {
@@ -190,6 +195,15 @@ struct DeviceLane::Impl {
   size_t off_rows = 0, off_slots = 0, off_first = 0, off_miss_slot = 0, off_miss_row = 0, off_call = 0;
   size_t layer_block = 0, report_layer = 0;
   uint8_t* blocks = nullptr;
+  // Chunks still landing, one layer at a time: their representatives in the index mirror's
+  // layout ([heads, kMaxSealedRows, repr, head_dim] keys, [heads, kMaxSealedRows, repr] inverse
+  // norms), their statistics and the choice's scratch; allocated at the first seal the lane scores.
+  uint8_t* sealed_keys = nullptr;
+  float* sealed_inv = nullptr;
+  float* sealed_mass = nullptr;
+  float* sealed_scratch = nullptr;
+  int* sealed_tokens = nullptr;
+  kernels::MassChoiceShape sealed_shape;  // what they were allocated for
   // Queries.
   float* q = nullptr;
   float* probe = nullptr;
@@ -206,6 +220,10 @@ struct DeviceLane::Impl {
     std::shared_ptr<const std::vector<uint64_t>> rows;  // the rows its sources and table are for
     uint64_t epoch = 0;
     bool ok = false;  // every row had a warm copy
+    // The rows past the index's: chunks still landing, scored from representatives chosen on
+    // the device; their statistics, [sealed][repr heads][chunk_tokens] (empty rows: zeros).
+    int sealed = 0;
+    std::vector<float> sealed_mass;
   };
   std::vector<Layer> layers;
   // Reports.
@@ -238,13 +256,27 @@ DeviceLane::~DeviceLane() {
     if (e.done) cudaEventDestroy(e.done);
   }
   if (m.grant_host) device_memory::FreeHost(m.grant_host);
-  for (void* p :
-       {static_cast<void*>(m.pool), static_cast<void*>(m.slot_owner), static_cast<void*>(m.slot_stamp),
-        static_cast<void*>(m.clock_hand), static_cast<void*>(m.r.row_slot), static_cast<void*>(m.r.src_k),
-        static_cast<void*>(m.r.src_v), static_cast<void*>(m.r.first), static_cast<void*>(m.r.logit),
-        static_cast<void*>(m.r.cosine), static_cast<void*>(m.r.topk_ws), static_cast<void*>(m.blocks),
-        static_cast<void*>(m.q), static_cast<void*>(m.probe), static_cast<void*>(m.inv_freq),
-        static_cast<void*>(m.grant)})
+  for (void* p : {static_cast<void*>(m.pool),
+                  static_cast<void*>(m.slot_owner),
+                  static_cast<void*>(m.slot_stamp),
+                  static_cast<void*>(m.clock_hand),
+                  static_cast<void*>(m.r.row_slot),
+                  static_cast<void*>(m.r.src_k),
+                  static_cast<void*>(m.r.src_v),
+                  static_cast<void*>(m.r.first),
+                  static_cast<void*>(m.r.logit),
+                  static_cast<void*>(m.r.cosine),
+                  static_cast<void*>(m.r.topk_ws),
+                  static_cast<void*>(m.blocks),
+                  static_cast<void*>(m.q),
+                  static_cast<void*>(m.probe),
+                  static_cast<void*>(m.inv_freq),
+                  static_cast<void*>(m.grant),
+                  static_cast<void*>(m.sealed_keys),
+                  static_cast<void*>(m.sealed_inv),
+                  static_cast<void*>(m.sealed_mass),
+                  static_cast<void*>(m.sealed_scratch),
+                  static_cast<void*>(m.sealed_tokens)})
     if (p) device_memory::Free(p);
   if (m.reads_done) cudaEventDestroy(m.reads_done);
   if (m.q_ready) cudaEventDestroy(m.q_ready);
@@ -383,15 +415,27 @@ Status GrowRows(int layers, int old_rows, int rows, cudaStream_t s, RowArrays* o
 
 }  // namespace
 
-Result<bool> DeviceLane::PrepareLayer(int layer, const std::vector<uint64_t>& row_ids) {
+Result<bool> DeviceLane::PrepareLayer(int layer, const std::vector<uint64_t>& row_ids,
+                                      const std::vector<SealingChunk>& sealing) {
   Impl& m = *impl_;
   if (layer < 0 || layer >= options_.layers)
     return InvalidArgument("device lane: layer " + std::to_string(layer) + " of " +
                            std::to_string(options_.layers));
   if (row_ids.size() > static_cast<size_t>(INT32_MAX / 2))
     return InvalidArgument("device lane: " + std::to_string(row_ids.size()) + " rows in one layer");
+  Impl::Layer& L = m.layers[static_cast<size_t>(layer)];
+  L.sealed = 0;
+  L.sealed_mass.clear();
+  if (sealing.size() > static_cast<size_t>(kMaxSealedRows)) return false;  // the host path lands them
+  // The rows the selection scores: the index's, then the chunks still landing (their rows when
+  // they land, as the index adds chunks in order).
+  std::vector<uint64_t> ids = row_ids;
+  for (const SealingChunk& c : sealing) {
+    if (!ids.empty() && c.index <= ids.back()) return false;  // not above the index's rows: host path
+    ids.push_back(c.index);
+  }
   auto s = static_cast<cudaStream_t>(stream_);
-  const int n = static_cast<int>(row_ids.size());
+  const int n = static_cast<int>(ids.size());
   if (n > m.row_cap) {
     // Every layer's rows move to a wider stride on the device, the table kept (GrowRows): no
     // wait. The first table is sized for initial_rows; it grows by an eighth.
@@ -400,17 +444,35 @@ Result<bool> DeviceLane::PrepareLayer(int layer, const std::vector<uint64_t>& ro
     KVTIER_RETURN_IF_ERROR(GrowRows(options_.layers, m.row_cap, rows, s, &m.r));
     m.row_cap = rows;
   }
-  Impl::Layer& L = m.layers[static_cast<size_t>(layer)];
-  const bool rows_changed = L.rows == nullptr || *L.rows != row_ids;
-  if (!rows_changed && L.ok && L.epoch == store_->warm_epoch()) return true;
+  L.sealed = static_cast<int>(sealing.size());
+  if (!sealing.empty()) {
+    const size_t per =
+        std::max_element(sealing.begin(), sealing.end(), [](const SealingChunk& a, const SealingChunk& b) {
+          return a.mass.size() < b.mass.size();
+        })->mass.size();
+    L.sealed_mass.assign(per * sealing.size(), 0.0f);
+    for (size_t i = 0; i < sealing.size(); ++i)
+      std::copy(sealing[i].mass.begin(), sealing[i].mass.end(), L.sealed_mass.begin() + i * per);
+  }
+  const bool same = L.rows != nullptr && *L.rows == ids;
+  if (same && L.ok && L.epoch == store_->warm_epoch()) return true;
+  // Rows that only grew at the end (a seal) keep their entries and sources; any other change
+  // resets the layer's table entries (the header's rule) and asks every source again, as does a
+  // warm epoch that moved.
+  const bool extends = L.rows != nullptr && L.ok && L.epoch == store_->warm_epoch() &&
+                       L.rows->size() <= ids.size() &&
+                       std::equal(L.rows->begin(), L.rows->end(), ids.begin());
   const size_t base = static_cast<size_t>(layer) * m.row_cap;
-  if (rows_changed) {  // the layer's rows moved: its table entries go (the header's rule)
+  if (L.rows == nullptr || !(same || extends)) {
     const cudaError_t e = cudaMemsetAsync(m.r.row_slot + base, 0xff, sizeof(int32_t) * m.row_cap, s);
     if (e != cudaSuccess) return CudaFailure("resetting a layer's table entries", e);
   }
+  const int from = extends ? static_cast<int>(L.rows->size()) : 0;
   // A row with no warm copy sends the layer to the host path: found from the chunks' tiers
-  // first, so that no warm slot is exposed (WarmAddresses) for a layer the lane cannot run.
-  L.rows = std::make_shared<const std::vector<uint64_t>>(row_ids);
+  // first, so that no warm slot is exposed (WarmAddresses) for a layer the lane cannot run. The
+  // chunks still landing are in no tier yet; their warm slots hold them once the hot tier's
+  // transfers submitted so far are done (Launch orders the lane after those).
+  L.rows = std::make_shared<const std::vector<uint64_t>>(ids);
   L.ok = false;
   KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store_->ListChunks(seq_, layer));
   std::vector<uint8_t> tiers;
@@ -418,36 +480,115 @@ Result<bool> DeviceLane::PrepareLayer(int layer, const std::vector<uint64_t>& ro
     if (c.key.index >= tiers.size()) tiers.resize(c.key.index + 1, kTierNone);
     tiers[c.key.index] = c.tiers;
   }
-  for (uint64_t id : row_ids)
+  for (int i = from; i < static_cast<int>(row_ids.size()); ++i) {
+    const uint64_t id = row_ids[static_cast<size_t>(i)];
     if (id >= tiers.size() || (tiers[id] & kTierWarm) == 0) return false;
-  std::vector<WarmChunkAddress> addr(row_ids.size());
+  }
+  const int fresh = n - from;
+  std::vector<WarmChunkAddress> addr(static_cast<size_t>(fresh));
   uint64_t epoch = 0;
-  KVTIER_RETURN_IF_ERROR(
-      store_->WarmAddresses(seq_, layer, row_ids.data(), row_ids.size(), addr.data(), &epoch));
+  KVTIER_RETURN_IF_ERROR(store_->WarmAddresses(seq_, layer, ids.data() + from, static_cast<size_t>(fresh),
+                                               addr.data(), &epoch, /*include_landing=*/true));
+  if (extends && epoch != L.epoch) {  // moved while asked: every source again
+    L.ok = false;
+    return PrepareLayer(layer, row_ids, sealing);
+  }
   L.epoch = epoch;
   L.ok = std::all_of(addr.begin(), addr.end(), [](const WarmChunkAddress& a) { return a.k && a.v; });
-  if (!L.ok || n == 0) return L.ok;
-  const size_t bytes = static_cast<size_t>(n) * (2 * sizeof(void*) + sizeof(int64_t));
+  if (!L.ok || fresh == 0) return L.ok;
+  const size_t bytes = static_cast<size_t>(fresh) * (2 * sizeof(void*) + sizeof(int64_t));
   KVTIER_ASSIGN_OR_RETURN(uint8_t * st, m.staging.Take(bytes, "the rows' sources"));
   auto* k = reinterpret_cast<const void**>(st);
-  auto* v = k + n;
-  auto* first = reinterpret_cast<int64_t*>(v + n);
-  for (int i = 0; i < n; ++i) {
+  auto* v = k + fresh;
+  auto* first = reinterpret_cast<int64_t*>(v + fresh);
+  for (int i = 0; i < fresh; ++i) {
     k[i] = addr[static_cast<size_t>(i)].k;
     v[i] = addr[static_cast<size_t>(i)].v;
     first[i] = addr[static_cast<size_t>(i)].first_position;
   }
-  cudaError_t e = device_sync::CopyAsync(m.r.src_k + base, k, sizeof(void*) * n, cudaMemcpyHostToDevice, s,
+  const size_t at = base + static_cast<size_t>(from);
+  cudaError_t e = device_sync::CopyAsync(m.r.src_k + at, k, sizeof(void*) * fresh, cudaMemcpyHostToDevice, s,
                                          device_sync::HostMemory::kPinned);
   if (e == cudaSuccess)
-    e = device_sync::CopyAsync(m.r.src_v + base, v, sizeof(void*) * n, cudaMemcpyHostToDevice, s,
+    e = device_sync::CopyAsync(m.r.src_v + at, v, sizeof(void*) * fresh, cudaMemcpyHostToDevice, s,
                                device_sync::HostMemory::kPinned);
   if (e == cudaSuccess)
-    e = device_sync::CopyAsync(m.r.first + base, first, sizeof(int64_t) * n, cudaMemcpyHostToDevice, s,
+    e = device_sync::CopyAsync(m.r.first + at, first, sizeof(int64_t) * fresh, cudaMemcpyHostToDevice, s,
                                device_sync::HostMemory::kPinned);
   if (e != cudaSuccess) return CudaFailure("uploading the rows' sources", e);
   KVTIER_RETURN_IF_ERROR(m.staging.Done(stream_));
   return true;
+}
+
+Status DeviceLane::ScoreSealedRows(int layer, const Retriever::LaneLayer& sel,
+                                   const kernels::ChunkScoreParams& index_rows) {
+  Impl& m = *impl_;
+  const DeviceLaneOptions& o = options_;
+  const Impl::Layer& L = m.layers[static_cast<size_t>(layer)];
+  auto s = static_cast<cudaStream_t>(stream_);
+  const kernels::MassChoiceShape shape{o.dtype,        o.kv_heads,      o.head_dim,
+                                       o.chunk_tokens, index_rows.repr, index_rows.kv_heads};
+  const size_t mass_floats = static_cast<size_t>(shape.out_heads) * shape.chunk_size;
+  if (L.sealed_mass.size() != mass_floats * static_cast<size_t>(L.sealed))
+    return Internal("device lane: layer " + std::to_string(layer) + ": the landing chunks' statistics hold " +
+                    std::to_string(L.sealed_mass.size()) + " values, not " + std::to_string(L.sealed) +
+                    " x " + std::to_string(mass_floats));
+  const size_t pairs = static_cast<size_t>(kMaxSealedRows) * shape.out_heads;
+  const size_t key_bytes = static_cast<size_t>(o.head_dim) * DTypeSize(o.dtype);
+  if (m.sealed_keys == nullptr || m.sealed_shape.repr_topk != shape.repr_topk ||
+      m.sealed_shape.out_heads != shape.out_heads) {
+    for (void* p : {static_cast<void*>(m.sealed_keys), static_cast<void*>(m.sealed_inv),
+                    static_cast<void*>(m.sealed_mass), static_cast<void*>(m.sealed_scratch),
+                    static_cast<void*>(m.sealed_tokens)})
+      if (p) device_memory::FreeAfter(p, s);
+    m.sealed_keys = nullptr, m.sealed_inv = nullptr, m.sealed_mass = nullptr, m.sealed_scratch = nullptr,
+    m.sealed_tokens = nullptr;
+    KVTIER_RETURN_IF_ERROR(DeviceAlloc(&m.sealed_keys, pairs * shape.repr_topk * key_bytes, "landing rows"));
+    KVTIER_RETURN_IF_ERROR(
+        DeviceAlloc(&m.sealed_inv, pairs * shape.repr_topk * sizeof(float), "landing rows"));
+    KVTIER_RETURN_IF_ERROR(
+        DeviceAlloc(&m.sealed_mass, pairs * shape.chunk_size * sizeof(float), "landing rows"));
+    KVTIER_RETURN_IF_ERROR(DeviceAlloc(
+        &m.sealed_scratch, pairs * kernels::MassChoiceScratchFloats(shape) * sizeof(float), "landing rows"));
+    KVTIER_RETURN_IF_ERROR(
+        DeviceAlloc(&m.sealed_tokens, pairs * shape.repr_topk * sizeof(int), "landing rows"));
+    m.sealed_shape = shape;
+  }
+  // The warm slots hold the chunks once the hot tier's downloads submitted so far are done: the
+  // lane's stream waits for them on the device (the gathers below read the slots too).
+  KVTIER_RETURN_IF_ERROR(static_cast<CudaHotTier*>(store_->hot_tier())->MakeStreamWait(stream_));
+  {
+    const size_t bytes = sizeof(float) * L.sealed_mass.size();
+    KVTIER_ASSIGN_OR_RETURN(uint8_t * st, m.staging.Take(bytes, "the landing chunks' statistics"));
+    std::memcpy(st, L.sealed_mass.data(), bytes);
+    const cudaError_t e = device_sync::CopyAsync(m.sealed_mass, st, bytes, cudaMemcpyHostToDevice, s,
+                                                 device_sync::HostMemory::kPinned);
+    if (e != cudaSuccess) return CudaFailure("uploading the landing chunks' statistics", e);
+    KVTIER_RETURN_IF_ERROR(m.staging.Done(stream_));
+  }
+  const size_t base = static_cast<size_t>(layer) * m.row_cap;
+  kernels::MassRepresentativesParams rp;
+  rp.shape = shape;
+  rp.chunks = L.sealed;
+  rp.keys = m.r.src_k + base + sel.n;  // the rows' K sources: the landing chunks' warm slots
+  rp.mass = m.sealed_mass;
+  rp.scratch = m.sealed_scratch;
+  rp.tokens = m.sealed_tokens;
+  rp.chunk_stride = kMaxSealedRows;
+  rp.out_keys = m.sealed_keys;
+  rp.out_inv_norm = m.sealed_inv;
+  if (const KernelError ke = kc::LaunchChooseMassRepresentatives(rp, s); ke != KernelError::kOk)
+    return KernelFailure("LaunchChooseMassRepresentatives", ke);
+  kernels::ChunkScoreParams sp = index_rows;
+  sp.n_chunks = L.sealed;
+  sp.chunk_stride = kMaxSealedRows;
+  sp.keys = m.sealed_keys;
+  sp.inv_norm = m.sealed_inv;
+  sp.logit = index_rows.logit + sel.n;
+  sp.cosine = index_rows.cosine + sel.n;
+  if (const KernelError ke = kc::LaunchScoreChunks(sp, s); ke != KernelError::kOk)
+    return KernelFailure("LaunchScoreChunks (landing rows)", ke);
+  return Status::Ok();
 }
 
 bool DeviceLane::has_pending() const { return !impl_->pending.empty(); }
@@ -460,15 +601,21 @@ Result<bool> DeviceLane::Launch(const LayerCall& call, AttentionPlanInput* in) {
     return InvalidArgument("device lane: Launch needs the selection, the queries and the plan input");
   const Retriever::LaneLayer& sel = *call.select;
   const int layer = call.layer;
-  if (layer < 0 || layer >= o.layers || sel.n <= 0 || sel.n > m.row_cap)
+  if (layer < 0 || layer >= o.layers || sel.n < 0)
     return InvalidArgument("device lane: layer " + std::to_string(layer) + " with " + std::to_string(sel.n) +
                            " rows (prepare it first)");
   if (sel.entropy && call.grant == nullptr)
     return InvalidArgument("device lane: the entropy allocator's state is null");
   Impl::Layer& L = m.layers[static_cast<size_t>(layer)];
-  if (!L.ok || L.rows == nullptr || static_cast<int>(L.rows->size()) != sel.n)
+  // The rows scored: the index's n, then the chunks still landing.
+  const int n_rows = sel.n + L.sealed;
+  if (!L.ok || L.rows == nullptr || n_rows == 0 || static_cast<int>(L.rows->size()) != n_rows ||
+      n_rows > m.row_cap)
     return FailedPrecondition("device lane: layer " + std::to_string(layer) +
                               " was not prepared for its rows");
+  if (L.sealed > 0 && !sel.sealed_rows)
+    return FailedPrecondition("device lane: layer " + std::to_string(layer) +
+                              " has chunks landing and its index cannot score them before they land");
   // The step's report entry.
   if (m.open < 0 || m.entries[m.open].step != call.step) {
     if (ring_full())
@@ -499,7 +646,7 @@ Result<bool> DeviceLane::Launch(const LayerCall& call, AttentionPlanInput* in) {
   auto* call_d = reinterpret_cast<LaneCallBlock*>(blk + m.off_call);
   {
     KVTIER_ASSIGN_OR_RETURN(uint8_t * st, m.staging.Take(sizeof(LaneCallBlock), "a layer call"));
-    LaneCallBlock cb{{0, sel.n}, sel.n, 0, call.rope_position};
+    LaneCallBlock cb{{0, n_rows}, n_rows, 0, call.rope_position};
     std::memcpy(st, &cb, sizeof cb);
     e = device_sync::CopyAsync(call_d, st, sizeof cb, cudaMemcpyHostToDevice, s,
                                device_sync::HostMemory::kPinned);
@@ -560,8 +707,10 @@ Result<bool> DeviceLane::Launch(const LayerCall& call, AttentionPlanInput* in) {
   sp.probe = m.probe;
   sp.logit = m.r.logit;
   sp.cosine = m.r.cosine;
-  if (const KernelError ke = kc::LaunchScoreChunks(sp, s); ke != KernelError::kOk)
-    return KernelFailure("LaunchScoreChunks", ke);
+  if (sel.n > 0)  // (an index with no rows yet: only chunks still landing)
+    if (const KernelError ke = kc::LaunchScoreChunks(sp, s); ke != KernelError::kOk)
+      return KernelFailure("LaunchScoreChunks", ke);
+  if (L.sealed > 0) KVTIER_RETURN_IF_ERROR(ScoreSealedRows(layer, sel, sp));
   if (sel.entropy) {
     kernels::EntropyParams ep;
     ep.n_segments = 1;
@@ -592,7 +741,7 @@ Result<bool> DeviceLane::Launch(const LayerCall& call, AttentionPlanInput* in) {
   tp.k = &hdr->take;
   tp.k_max = o.max_rows;
   tp.out_index = rows;
-  if (const KernelError ke = kc::LaunchSegmentedTopK(tp, sel.n, m.r.topk_ws, m.r.topk_bytes, s);
+  if (const KernelError ke = kc::LaunchSegmentedTopK(tp, n_rows, m.r.topk_ws, m.r.topk_bytes, s);
       ke != KernelError::kOk)
     return KernelFailure("LaunchSegmentedTopK", ke);
   // The rows' slots: hits kept, misses gathered from their warm copies.

@@ -96,12 +96,16 @@ class DeviceLane {
   DeviceLane(const DeviceLane&) = delete;
   DeviceLane& operator=(const DeviceLane&) = delete;
 
-  /// Makes `layer`'s sources match `row_ids` (the index's rows) at the current warm epoch: a
-  /// reset of its table entries when the rows changed, WarmAddresses when they changed or the
-  /// epoch moved. False when a row has no warm copy (the layer takes the host path), found from
-  /// the chunks' tiers (ListChunks) before any address is asked for, so that such a layer exposes
-  /// no warm slot.
-  Result<bool> PrepareLayer(int layer, const std::vector<uint64_t>& row_ids);
+  /// Makes `layer`'s sources match its rows: `row_ids` (the index's rows), then `sealing` (the
+  /// layer's chunks still landing, TieredStore::BeginLayerStep with LandRule::kCompleteOnly), at
+  /// the current warm epoch. Rows that only grew at the end keep their table entries and
+  /// sources; any other change resets the layer's entries; a moved epoch asks every address
+  /// again. False (the layer takes the host path) when an index row has no warm copy (found from
+  /// the chunks' tiers before any address is asked for, so that such a layer exposes no warm
+  /// slot), when more than 8 chunks are landing, or when a landing chunk is not above the
+  /// index's rows.
+  Result<bool> PrepareLayer(int layer, const std::vector<uint64_t>& row_ids,
+                            const std::vector<SealingChunk>& sealing = {});
 
   /// One layer call: what the chain reads besides the lane's own state.
   struct LayerCall {
@@ -141,6 +145,11 @@ class DeviceLane {
 
  private:
   DeviceLane(TieredStore* store, SequenceId seq, void* stream, const DeviceLaneOptions& options);
+  // The layer's chunks still landing, as rows sel.n, sel.n + 1, ...: their representatives chosen
+  // on the device from their warm slots (after the hot tier's downloads), then scored into the
+  // scores past `index_rows`' (the index's rows as just scored).
+  Status ScoreSealedRows(int layer, const Retriever::LaneLayer& sel,
+                         const kernels::ChunkScoreParams& index_rows);
   struct Impl;
   std::unique_ptr<Impl> impl_;
   TieredStore* store_;

@@ -437,8 +437,10 @@ Result<bool> SessionImpl::AttendOnLane(int layer, const float* q, void* stream, 
     KVTIER_ASSIGN_OR_RETURN(ChunkCursor cursor, retriever_->Cursor(seq_, layer));
     ChunkUpdate* updates = retriever_->step_update();
     LayerStepView step_view;
-    KVTIER_RETURN_IF_ERROR(
-        store_->BeginLayerStep(seq_, layer, &cursor, updates, &step_view, Retriever::kSyncBatch));
+    // Chunks whose download is still in flight do not land here (no wait): the lane scores them
+    // from representatives it chooses on the device (DeviceLane::PrepareLayer's `sealing`).
+    KVTIER_RETURN_IF_ERROR(store_->BeginLayerStep(seq_, layer, &cursor, updates, &step_view,
+                                                  Retriever::kSyncBatch, LandRule::kCompleteOnly));
     if (!step_view.background.ok())
       return Status(step_view.background.code(), "Session::AttendDevice: layer " + std::to_string(layer) +
                                                      ": " + step_view.background.message());
@@ -450,7 +452,9 @@ Result<bool> SessionImpl::AttendOnLane(int layer, const float* q, void* stream, 
       return Status(prepared.status().code(), "Session::AttendDevice: " + prepared.status().message());
     const Retriever::LaneLayer& sel = *prepared;
     kernels::EntropyGrantState* grant = sel.entropy ? retriever_->grant_state() : nullptr;
-    if (sel.n == 0 || sel.k == 0 || (sel.entropy && grant == nullptr)) return false;  // the host path
+    if (!step_view.sealing.empty() && !sel.sealed_rows) return false;  // the host path lands them (a wait)
+    if (sel.n + step_view.sealing.size() == 0 || sel.k == 0 || (sel.entropy && grant == nullptr))
+      return false;  // the host path
     if (lane_ == nullptr) {
       const Geometry& g = geometry();
       const StoreOptions& so = store_->options();
@@ -486,7 +490,7 @@ Result<bool> SessionImpl::AttendOnLane(int layer, const float* q, void* stream, 
     bool launched = false;
     for (int tries = 0; !launched && tries < 4; ++tries) {
       // Warm addresses for the layer's rows (re-asked when the warm epoch moved under them).
-      KVTIER_ASSIGN_OR_RETURN(bool warm, lane_->PrepareLayer(layer, *sel.row_ids));
+      KVTIER_ASSIGN_OR_RETURN(bool warm, lane_->PrepareLayer(layer, *sel.row_ids, step_view.sealing));
       if (!warm) {
         ++lane_cold_layers_;  // the host path's fetch brings the cold chunks into warm
         return false;
@@ -496,6 +500,7 @@ Result<bool> SessionImpl::AttendOnLane(int layer, const float* q, void* stream, 
     }
     if (!launched) return false;  // warm kept turning over: the host path
     lane_k_ = sel.k;
+    lane_landing_rows_ += step_view.sealing.size();
     retriever_->LaneServed(layer);
     // The attention: sinks | the lane's slots | local, on the tier's stream after the lane's.
     const auto t0 = std::chrono::steady_clock::now();

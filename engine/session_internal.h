@@ -127,6 +127,8 @@ class SessionImpl final : public Session {
   /// Chunks the lane found only in a lower tier (no warm copy): their layer took the host path,
   /// whose fetch promoted them to warm for the next step.
   uint64_t lane_cold_layers() const { return lane_cold_layers_; }
+  /// Rows the lane scored for chunks still landing (chosen on the device, DeviceLane::PrepareLayer).
+  uint64_t lane_landing_rows() const { return lane_landing_rows_; }
 
  private:
   friend class Session;  // Open and Attach set up the backend, the retriever and the reservation
@@ -259,7 +261,7 @@ class SessionImpl final : public Session {
   std::unique_ptr<DeviceLane> lane_;           // AttendDevice's decode layers on the device
   bool lane_enabled_ = true;
   bool lane_unavailable_ = false;  // creating the lane failed: the host path, without retrying
-  uint64_t lane_layer_steps_ = 0, lane_reports_read_ = 0, lane_cold_layers_ = 0;
+  uint64_t lane_layer_steps_ = 0, lane_reports_read_ = 0, lane_cold_layers_ = 0, lane_landing_rows_ = 0;
   int lane_k_ = 0;  // the step's k the lane last ran with (Eq. 12's B_kv = L x k)
 };
 

@@ -244,7 +244,9 @@ Status CudaHotTier::WaitTransfer(TransferTicket ticket) {
     ev = static_cast<cudaEvent_t>(it->second);
     in_flight_.erase(it);
   }
-  const cudaError_t e = device_sync::SyncEvent(ev);
+  // A copy already done needs no blocking call (nor a counted wait).
+  cudaError_t e = cudaEventQuery(ev);
+  if (e == cudaErrorNotReady) e = device_sync::SyncEvent(ev);
   std::lock_guard<std::mutex> l(tickets_mu_);
   spare_events_.push_back(ev);
   if (e != cudaSuccess)

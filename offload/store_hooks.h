@@ -29,6 +29,12 @@ struct StoreHooks {
   /// Passed to the cold tier (ColdTierOptions::fault_injector), to break it on purpose.
   /// Default: none.
   std::function<Status(std::string_view op, const ChunkKey& key)> cold_fault_injector;
+  /// Asked before a landing that must not wait checks a chunk's download (Landing::LandLayer
+  /// with only_complete: Append's, and a device step's BeginLayerStep with
+  /// LandRule::kCompleteOnly); true answers "not done" whatever the hot tier says, so the chunk
+  /// stays landing until a call that waits lands it (the copy itself completes as usual). A
+  /// test's way to hold chunks landing on a tier whose copies finish at once. Default: none.
+  std::function<bool()> hold_landing;
 
   /// InvalidArgument naming the hook that is wrong.
   Status Validate() const {

@@ -51,9 +51,28 @@ struct HotView {
 };
 
 /// What a layer step reads from the store besides the chunk updates (TieredStore::BeginLayerStep).
+/// How BeginLayerStep lands the layer's sealed chunks.
+enum class LandRule {
+  kAll,           ///< every one, waiting for downloads in flight
+  kCompleteOnly,  ///< those whose download is complete; the rest are listed (LayerStepView::sealing)
+};
+
+/// A chunk of the layer sealed and not landed yet: not indexed, its download from the ring into
+/// its warm slot possibly in flight (TieredStore::WarmAddresses with include_landing gives the
+/// slot's address for a device reader).
+struct SealingChunk {
+  uint64_t index = 0;          ///< the chunk's index in its layer
+  int64_t first_position = 0;  ///< absolute position of its first token
+  /// [repr heads, chunk_size]: the attention mass its tokens received in the local window,
+  /// what its representatives are chosen from (offload/representatives.h); all zero: none.
+  std::vector<float> mass;
+};
+
 struct LayerStepView {
   Status background;  ///< the sticky lower-tier write error (LowerTiers::BackgroundErrorLocked); OK when none
   HotView hot;        ///< sinks and local window of the layer
+  /// LandRule::kCompleteOnly: the layer's chunks still landing, in seal order (empty with kAll).
+  std::vector<SealingChunk> sealing;
 };
 
 /// How FetchChunks treats a fetch longer than its sequence's hot slot reservation

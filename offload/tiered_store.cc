@@ -142,10 +142,10 @@ Result<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& optio
   KVTIER_ASSIGN_OR_RETURN(s.engine_, TransferEngine::Create(eo));
   s.writer_ =
       std::make_unique<LowerWriter>(s.engine_.get(), &s.lower_, &s.sync_, &s.counters_, s.chunk_bytes_);
-  s.landing_ =
-      std::make_unique<Landing>(o, s.chunk_bytes_, *s.ring_,
-                                Landing::Parts{hot, s.warm_.get(), s.catalog_.get(), s.writer_.get(),
-                                               &s.lower_, s.sequences_.get(), &s.sync_, &s.counters_});
+  s.landing_ = std::make_unique<Landing>(
+      o, s.chunk_bytes_, *s.ring_,
+      Landing::Parts{hot, s.warm_.get(), s.catalog_.get(), s.writer_.get(), &s.lower_, s.sequences_.get(),
+                     &s.sync_, &s.counters_, s.hooks_.hold_landing});
   s.promoter_ = std::make_unique<Promoter>(
       o, s.hooks_, s.chunk_bytes_,
       Promoter::Parts{hot, s.hot_pool_.get(), s.warm_.get(), s.catalog_.get(), s.sequences_.get(),

@@ -174,8 +174,12 @@ class TieredStore : public Store {
   /// step's chunk table would be fed from: the hot view's device spans and the chunk indices
   /// that came and left. NotFound / InvalidArgument as ChunkUpdatesSince; FailedPrecondition for a sequence
   /// recovered without its sinks and local window (it was not closed).
+  /// With `land` = kCompleteOnly (a device step that must not wait: the session's device lane),
+  /// only the layer's chunks whose download is complete land (no wait; a layer some other thread
+  /// is landing lands completely, as kAll), and out->sealing lists those still landing, in seal
+  /// order, with the statistics their representatives are chosen from.
   Status BeginLayerStep(SequenceId seq, int layer, const ChunkCursor* since, ChunkUpdate* updates,
-                        LayerStepView* out, size_t max_added = SIZE_MAX);
+                        LayerStepView* out, size_t max_added = SIZE_MAX, LandRule land = LandRule::kAll);
   /// Where a device reader finds chunks of one layer in the warm tier (the sources of a
   /// device gather, kernels/cpu/chunk_table.h's src_k/src_v): out[i] is chunk
   /// chunk_indices[i]'s K and V halves of its warm slot and its first token's position, or null
@@ -183,12 +187,15 @@ class TieredStore : public Store {
   /// reader: it lands nothing. Each slot handed out is EXPOSED: it does not change hands (its
   /// copy dropped for room, its chunk dropped, the sequence dropped, the store closed) before
   /// the store waited on the warm reader fence (SetWarmReaderFence) and moved the warm epoch.
+  /// With `include_landing`, a chunk still landing gets its slot's halves too, exposed as the
+  /// others: they hold its tokens once the hot tier's transfers submitted so far are done, so
+  /// only a device reader ordered after them (CudaHotTier::MakeStreamWait) may read them.
   /// `*epoch` is that epoch now: the addresses stay valid while warm_epoch() still equals it;
   /// once it moved, ask again (it moves before the wait, and also when the wait fails). NotFound
   /// / InvalidArgument for the sequence and layer as ListChunks; InvalidArgument for an index
   /// past the layer's chunks (naming it) or null outputs.
   Status WarmAddresses(SequenceId seq, int layer, const uint64_t* chunk_indices, size_t n,
-                       WarmChunkAddress* out, uint64_t* epoch);
+                       WarmChunkAddress* out, uint64_t* epoch, bool include_landing = false);
   /// The warm epoch now (see WarmAddresses): a reader holding addresses of an older epoch asks
   /// again. Lock-free (an atomic read), so a reader may check it under its fence's own lock
   /// (offload/store_types.h, WarmReaderFence).

@@ -185,6 +185,12 @@ class ExactChunkIndex final : public ChunkIndex {
   /// The chunk index of each row, ascending: row r of the mirror and of a top-k over it is
   /// chunk row_ids()[r]. Remove and the memory cap compact the rows.
   const std::vector<uint64_t>& row_ids() const { return ids_; }
+  /// Whether a chunk's row holds its representatives as the store chose them (no repr=mean
+  /// fold) and rows only come and go with the chunks (no memory cap evicting them): then a
+  /// chunk not indexed yet may be scored as one more row from its representatives alone.
+  bool RowsAreRepresentatives() const {
+    return options_.repr != ExactIndexOptions::ReprFold::kMean && cap_ == 0;
+  }
   /// The mirror brought in step with the rows (SyncMirror) as the scoring kernel reads it:
   /// ReprMirror::Params with the index's head fold. FailedPrecondition without a mirror.
   Result<kernels::ChunkScoreParams> MirrorView();

@@ -338,6 +338,7 @@ Result<Retriever::LaneLayer> Retriever::PrepareLaneLayer(SequenceId seq, int lay
   out.k = k_;
   out.entropy = alloc_->reads_scores();
   out.rank = out.entropy ? alloc_->rank() : ChunkRank::kLogit;
+  out.sealed_rows = so.repr_choice == ReprChoice::kMass && li->mirrored->RowsAreRepresentatives();
   return out;
 }
 

@@ -176,6 +176,11 @@ class Retriever {
     int k = 0;             ///< chunks per layer (budget_tokens / chunk_size): the step's k
     bool entropy = false;  ///< the entropy allocator (Eq. 12 on the device), else topk (k per layer)
     ChunkRank rank = ChunkRank::kLogit;  ///< the score the top-k orders by
+    /// Chunks sealed and not indexed yet may be scored as rows n, n + 1, ... from representatives
+    /// chosen by the mass rule (the store's repr_choice is mass, and the index's rows are the
+    /// representatives: ExactChunkIndex::RowsAreRepresentatives); the index then gives them
+    /// those rows when they land.
+    bool sealed_rows = false;
   };
   /// Applies `update` to (seq, layer)'s index (as Select does; null: Sync) and brings its mirror
   /// up to date (a wait when rows changed), and returns the layer as the lane reads it. The

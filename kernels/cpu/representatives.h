@@ -196,11 +196,12 @@ struct MassRepresentativesParams {
 /// The host checks of MassRepresentativesParams (kBadShape, kNullPointer).
 inline KernelError MassRepresentativesCheck(const MassRepresentativesParams& p) {
   const MassChoiceShape& s = p.shape;
-  if (s.kv_heads <= 0 || s.head_dim <= 0 || s.chunk_size <= 0 || s.repr_topk <= 0 || s.repr_topk > s.chunk_size ||
-      s.out_heads < s.kv_heads || s.out_heads % s.kv_heads != 0 || p.chunks < 0 || p.chunk_stride < p.chunks)
+  if (s.kv_heads <= 0 || s.head_dim <= 0 || s.chunk_size <= 0 || s.repr_topk <= 0 ||
+      s.repr_topk > s.chunk_size || s.out_heads < s.kv_heads || s.out_heads % s.kv_heads != 0 ||
+      p.chunks < 0 || p.chunk_stride < p.chunks)
     return KernelError::kBadShape;
-  if (p.chunks > 0 && (p.keys == nullptr || p.mass == nullptr || p.scratch == nullptr || p.tokens == nullptr ||
-                       p.out_keys == nullptr || p.out_inv_norm == nullptr))
+  if (p.chunks > 0 && (p.keys == nullptr || p.mass == nullptr || p.scratch == nullptr ||
+                       p.tokens == nullptr || p.out_keys == nullptr || p.out_inv_norm == nullptr))
     return KernelError::kNullPointer;
   return KernelError::kOk;
 }
@@ -210,8 +211,8 @@ KVTIER_HOST_DEVICE inline void MassRepresentativesOne(const MassRepresentativesP
   const MassChoiceShape& s = p.shape;
   const size_t pair = static_cast<size_t>(c) * s.out_heads + h;
   int* tokens = p.tokens + pair * s.repr_topk;
-  ChooseMassTokens(s, p.keys[c], p.mass + pair * s.chunk_size, h, p.scratch + pair * MassChoiceScratchFloats(s),
-                   tokens);
+  ChooseMassTokens(s, p.keys[c], p.mass + pair * s.chunk_size, h,
+                   p.scratch + pair * MassChoiceScratchFloats(s), tokens);
   const int kh = h / (s.out_heads / s.kv_heads);
   const size_t key_bytes = static_cast<size_t>(s.head_dim) * repr_detail::ElementBytes(s.dtype);
   for (int r = 0; r < s.repr_topk; ++r) {

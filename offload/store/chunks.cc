@@ -71,7 +71,7 @@ Status TieredStore::GetRepresentatives(const ChunkKey& key, float* out) const {
 }
 
 Status TieredStore::WarmAddresses(SequenceId seq, int layer, const uint64_t* chunk_indices, size_t n,
-                                  WarmChunkAddress* out, uint64_t* epoch) {
+                                  WarmChunkAddress* out, uint64_t* epoch, bool include_landing) {
   visits_.Count();
   if (n > 0 && (chunk_indices == nullptr || out == nullptr))
     return InvalidArgument("WarmAddresses: chunk_indices and out must not be null (n = " + std::to_string(n) +
@@ -92,11 +92,13 @@ Status TieredStore::WarmAddresses(SequenceId seq, int layer, const uint64_t* chu
     out[i] = WarmChunkAddress{};
     if (c == nullptr) continue;  // dropped, or a hole left by a crash
     out[i].first_position = c->first_token;
-    if (c->landing || c->warm_slot < 0) continue;  // not landed (a reader lands nothing), or not in warm
+    // Not landed (a reader lands nothing; a device reader ordered after the download may read
+    // it), or not in warm.
+    if ((c->landing && !include_landing) || c->warm_slot < 0) continue;
     const uint8_t* data = warm_->Expose(c);
     out[i].k = data;
     out[i].v = data + half;
-    warm_->OnAccess(c->id);  // the device reads it, as a fetch from warm would
+    if (!c->landing) warm_->OnAccess(c->id);  // the device reads it, as a fetch from warm would
   }
   *epoch = warm_->epoch();
   return Status::Ok();

@@ -94,6 +94,7 @@ void Landing::LandLayer(std::unique_lock<CountingMutex>& lock, Sequence* s, int 
   for (;;) {
     while (ls.landing.size() > keep) {
       if (only_complete) {
+        if (parts_.hold_landing && parts_.hold_landing()) break;
         const Result<bool> done = parts_.hot->TransferDone(ls.landing.front().ticket);
         if (done.ok() && !*done) break;  // an error: WaitTransfer below reports it
       }
@@ -134,6 +135,9 @@ void Landing::LandLayer(std::unique_lock<CountingMutex>& lock, Sequence* s, int 
           ls.landing_error = Status(st.code(), "sealing chunk " + c->key.ToString() +
                                                    " failed and its tokens are lost: " + st.message());
         ls.chunks[c->key.index] = nullptr;
+        // A device reader may have been handed its slot (WarmAddresses with include_landing): a
+        // free slot is never exposed.
+        (void)parts_.warm->FenceFor(c);
         parts_.warm->Release(c->warm_slot);
         parts_.catalog->Forget(c);
       } else {
@@ -159,6 +163,17 @@ void Landing::LandLayer(std::unique_lock<CountingMutex>& lock, Sequence* s, int 
     // whatever was sealed meanwhile is landed by this loop).
     if (keep > 0 || only_complete || (ls.landers == 0 && ls.landing.empty())) return;
     sync.cv.wait(lock);
+  }
+}
+
+void Landing::ListLanding(const LayerState& ls, std::vector<SealingChunk>* out) const {
+  out->reserve(ls.landing.size());
+  for (const LandingChunk& p : ls.landing) {
+    SealingChunk c;
+    c.index = p.chunk->key.index;
+    c.first_position = p.chunk->first_token;
+    c.mass = p.mass;
+    out->push_back(std::move(c));
   }
 }
 

@@ -18,7 +18,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <mutex>
+#include <vector>
 
 #include "kvtier/counters.h"
 #include "kvtier/options.h"
@@ -47,6 +49,7 @@ class Landing {
     SequenceTable* sequences = nullptr;
     StoreSync* sync = nullptr;
     StoreCounters* counters = nullptr;
+    std::function<bool()> hold_landing;  ///< StoreHooks::hold_landing (may be empty)
   };
   Landing(const StoreOptions& options, size_t chunk_bytes, const LayerRing& ring, const Parts& parts);
 
@@ -63,6 +66,8 @@ class Landing {
   /// landing_error.
   void LandLayer(std::unique_lock<CountingMutex>& lock, store_internal::Sequence* s, int layer,
                  size_t keep = 0, bool only_complete = false);
+  /// The layer's chunks still landing (queued, not claimed by a lander), in seal order.
+  void ListLanding(const store_internal::LayerState& ls, std::vector<SealingChunk>* out) const;
   /// Every layer of the sequence landed completely.
   void LandSequence(std::unique_lock<CountingMutex>& lock, store_internal::Sequence* s);
   /// Every sequence landed completely; whether anything landed (by this thread or another it waited for).

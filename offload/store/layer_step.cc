@@ -19,7 +19,7 @@
 namespace kvtier {
 
 Status TieredStore::BeginLayerStep(SequenceId seq, int layer, const ChunkCursor* since, ChunkUpdate* updates,
-                                   LayerStepView* out, size_t max_added) {
+                                   LayerStepView* out, size_t max_added, LandRule land) {
   visits_.Count();
   if (out == nullptr) return InvalidArgument("BeginLayerStep: out must not be null");
   if (since != nullptr && updates == nullptr)
@@ -28,8 +28,16 @@ Status TieredStore::BeginLayerStep(SequenceId seq, int layer, const ChunkCursor*
   std::unique_lock<CountingMutex> l(sync_.mu);
   Sequence* s = nullptr;
   KVTIER_RETURN_IF_ERROR(sequences_->Check(seq, layer, false, &s));
-  // The caller drives the sequence: the layer's own sealed chunks land now (see "Landing").
-  landing_->LandLayer(l, s, layer);
+  // The caller drives the sequence: the layer's own sealed chunks land now (see "Landing"), or,
+  // for a step that must not wait, those complete, the rest listed.
+  out->sealing.clear();
+  if (land == LandRule::kCompleteOnly) {
+    landing_->LandLayer(l, s, layer, 0, /*only_complete=*/true);
+    if (s->layers[layer].landers > 0) landing_->LandLayer(l, s, layer);  // claimed elsewhere: in neither list
+    landing_->ListLanding(s->layers[layer], &out->sealing);
+  } else {
+    landing_->LandLayer(l, s, layer);
+  }
   KVTIER_RETURN_IF_ERROR(Landing::TakeError(s->layers[layer]));
   out->background = lower_.BackgroundErrorLocked();
   KVTIER_RETURN_IF_ERROR(ring_->View(seq, s->layers[layer], &out->hot));

@@ -26,6 +26,7 @@
 #include "kernels/dtype.h"
 #include "kvtier/session.h"
 #include "offload/device_sync.h"
+#include "offload/store_hooks.h"
 #include "offload/tiered_store.h"
 #include "tests/test_util.h"
 
@@ -91,12 +92,15 @@ struct LaneCase {
   bool flush_each_step = true;  // WaitForDevice after every step, chunks compared every step
   bool switch_to_host = false;  // some steps and layers of the lane session through Attend
   int warm_chunks = 512;        // with fewer, a cold tier under warm (turnover)
+  // The lane store holds chunks landing (StoreHooks::hold_landing) for 12 of every 20 steps, so
+  // that lane steps score chunks still landing as rows; the host store lands each at once.
+  bool hold_landing = false;
 };
 
 struct LaneResult {
   uint64_t lane_layer_steps = 0, quiet_lane_steps = 0, quiet_waits = 0, seal_lane_steps = 0, seal_waits = 0;
   uint64_t host_layer_steps = 0, cold_layers = 0, fences = 0;
-  uint64_t chunks_attended = 0;
+  uint64_t chunks_attended = 0, landing_rows = 0;
   double max_diff = 0;
 };
 
@@ -104,7 +108,10 @@ void RunLaneAgainstHostCalls(const LaneCase& c, LaneResult* r) {
   TempDir host_dir, lane_dir;
   const bool lower = c.warm_chunks < 512;
   auto host_store = TieredStore::Open(LaneStore(c.dtype, lower ? host_dir.path() : "", c.warm_chunks));
-  auto lane_store = TieredStore::Open(LaneStore(c.dtype, lower ? lane_dir.path() : "", c.warm_chunks));
+  bool hold = false;
+  StoreHooks hooks;
+  if (c.hold_landing) hooks.hold_landing = [&hold] { return hold; };
+  auto lane_store = TieredStore::Open(LaneStore(c.dtype, lower ? lane_dir.path() : "", c.warm_chunks), hooks);
   ASSERT_TRUE(host_store.ok()) << host_store.status().ToString();
   ASSERT_TRUE(lane_store.ok()) << lane_store.status().ToString();
   SessionOptions o;
@@ -132,8 +139,9 @@ void RunLaneAgainstHostCalls(const LaneCase& c, LaneResult* r) {
   std::mt19937 rng(c.positions == PositionMode::kInfLLM ? 31 : 29);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<float> host_out(q_floats * kLayers), lane_out(q_floats * kLayers);
-  std::vector<uint64_t> landed(kLayers, 0);
+  uint64_t seals_seen = 0;  // chunks sealed by the lane store so far, landed or landing
   for (int64_t p = 0; p < c.steps; ++p) {
+    hold = p % 20 < 12;
     ASSERT_TRUE((*hs)->BeginStep(StepKind::kDecode).ok());
     ASSERT_TRUE((*ls)->BeginStep(StepKind::kDecode).ok());
     for (int l = 0; l < kLayers; ++l) {
@@ -176,10 +184,10 @@ void RunLaneAgainstHostCalls(const LaneCase& c, LaneResult* r) {
         ASSERT_TRUE(st.ok()) << st.ToString();
       }
       const uint64_t waits = HostSyncsTotal() - w0;
-      auto count = (*lane_store)->ChunkCount(lane.sequence(), l);
-      ASSERT_TRUE(count.ok());
-      const bool sealed = *count != landed[l];
-      landed[l] = *count;
+      // A step whose Append sealed a chunk (landing or landed since).
+      const StoreCounters sc = (*lane_store)->counters();
+      const bool sealed = sc.chunks_sealed + sc.chunks_landing != seals_seen;
+      seals_seen = sc.chunks_sealed + sc.chunks_landing;
       if (lane.lane_layer_steps() > lane_before) {
         ++r->lane_layer_steps;
         if (sealed) {
@@ -221,6 +229,7 @@ void RunLaneAgainstHostCalls(const LaneCase& c, LaneResult* r) {
   EXPECT_EQ(lane.lane_reports_read(), lane.lane_layer_steps()) << "every lane layer's report was read";
   r->chunks_attended = (*ls)->counters().chunks_attended;
   r->cold_layers = lane.lane_cold_layers();
+  r->landing_rows = lane.lane_landing_rows();
   r->fences = (*lane_store)->counters().warm_reader_fences;
   cudaFreeHost(pinned);
   cudaStreamDestroy(engine);
@@ -241,9 +250,11 @@ void ExpectLaneRan(const LaneResult& r, int steps) {
 TEST(DeviceLane, EntropyHeadsSumAbsoluteF16GivesTheHostCallsChunksAndOutputs) {
   SKIP_WITHOUT_DEVICE();
   LaneCase c;
+  c.hold_landing = true;
   LaneResult r;
   RunLaneAgainstHostCalls(c, &r);
   ExpectLaneRan(r, c.steps);
+  EXPECT_GT(r.landing_rows, 0u) << "no lane step scored a chunk still landing";
   std::printf(
       "lane layer steps %llu (quiet %llu: %llu waits; with a seal %llu: %llu waits), max |diff| %.3g\n",
       static_cast<unsigned long long>(r.lane_layer_steps),
@@ -259,9 +270,11 @@ TEST(DeviceLane, EntropyHeadsMaxInfLLMF32GivesTheHostCallsChunksAndOutputs) {
   c.dtype = DType::kF32;
   c.alloc = "entropy:min=1,rank=logit";
   c.index = "Exact:heads=max";
+  c.hold_landing = true;
   LaneResult r;
   RunLaneAgainstHostCalls(c, &r);
   ExpectLaneRan(r, c.steps);
+  EXPECT_GT(r.landing_rows, 0u) << "no lane step scored a chunk still landing";
 }
 
 TEST(DeviceLane, TopKHeadsMaxAbsoluteF32GivesTheHostCallsChunksAndOutputs) {
@@ -270,6 +283,7 @@ TEST(DeviceLane, TopKHeadsMaxAbsoluteF32GivesTheHostCallsChunksAndOutputs) {
   c.dtype = DType::kF32;
   c.alloc = "topk";
   c.index = "Exact:heads=max";
+  c.hold_landing = true;
   LaneResult r;
   RunLaneAgainstHostCalls(c, &r);
   ExpectLaneRan(r, c.steps);
@@ -298,23 +312,30 @@ TEST(DeviceLane, SwitchingBetweenLaneAndHostPathKeepsOneEq12Flow) {
   EXPECT_EQ(r.quiet_waits, 0u);
 }
 
-// Reports read one step late, without WaitForDevice each step: quiet lane steps wait for
-// nothing, and the chunks and counters still match once the last report is read.
-TEST(DeviceLane, QuietLaneStepsMakeNoHostWaitWithReportsReadOneStepLate) {
+// Reports read one step late, without WaitForDevice each step: no lane step waits for anything,
+// neither a quiet one nor one that seals a chunk (chunks landing are scored on the device, and
+// land later without a wait), and the chunks and counters still match once the last report is
+// read.
+TEST(DeviceLane, LaneStepsMakeNoHostWaitAcrossSealsWithReportsReadOneStepLate) {
   SKIP_WITHOUT_DEVICE();
   LaneCase c;
   c.steps = 160;
   c.flush_each_step = false;
+  c.hold_landing = true;
   LaneResult r;
   RunLaneAgainstHostCalls(c, &r);
   ExpectLaneRan(r, c.steps);
   EXPECT_GT(r.quiet_lane_steps, 100u);
+  EXPECT_GE(r.seal_lane_steps, 16u);
+  EXPECT_EQ(r.seal_waits, 0u) << "a lane step that sealed a chunk waited on the host";
+  EXPECT_GT(r.landing_rows, 0u) << "no lane step scored a chunk still landing";
   std::printf(
       "host syncs: quiet lane layer steps %llu -> %llu waits; lane layer steps with a seal %llu -> %llu "
-      "waits (%.2f each)\n",
+      "waits (%.2f each); rows of chunks still landing scored %llu\n",
       static_cast<unsigned long long>(r.quiet_lane_steps), static_cast<unsigned long long>(r.quiet_waits),
       static_cast<unsigned long long>(r.seal_lane_steps), static_cast<unsigned long long>(r.seal_waits),
-      r.seal_lane_steps ? static_cast<double>(r.seal_waits) / r.seal_lane_steps : 0.0);
+      r.seal_lane_steps ? static_cast<double>(r.seal_waits) / r.seal_lane_steps : 0.0,
+      static_cast<unsigned long long>(r.landing_rows));
 }
 
 // Warm holds 24 chunks of the ~60 the run seals, over a cold tier: warm turns over, the store

@@ -180,9 +180,10 @@ void RunBothAndCompare(PositionMode positions) {
   // The host call waits for its output, which the device call leaves on the device. The device
   // call waits instead for the backend's check of q where the layer has no chunks to select;
   // where it selects, q stays on the device (rotated there for InfLLM positions) and the call
-  // waits once less than the host call.
+  // waits at least once less than the host call (a step that seals lands its chunk without a
+  // wait there, where the host call may wait for the download).
   EXPECT_GT(selected_on_device, 100u);
-  EXPECT_EQ(attend_waits_dev + selected_on_device, attend_waits_host);
+  EXPECT_LE(attend_waits_dev + selected_on_device, attend_waits_host);
   cudaFreeHost(pinned);
   cudaStreamDestroy(engine);
 }

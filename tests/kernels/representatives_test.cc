@@ -32,8 +32,10 @@ struct Case {
 };
 
 const Case kCases[] = {
-    {DType::kF16, 2, 64, 32, 4, 2},   {DType::kBF16, 2, 20, 16, 3, 4},  // a dot tail; query heads
-    {DType::kF32, 1, 16, 8, 8, 1},    {DType::kF16, 4, 32, 64, 1, 8},
+    {DType::kF16, 2, 64, 32, 4, 2},
+    {DType::kBF16, 2, 20, 16, 3, 4},  // a dot tail; query heads
+    {DType::kF32, 1, 16, 8, 8, 1},
+    {DType::kF16, 4, 32, 64, 1, 8},
 };
 
 // Chunks of random keys; out head h of chunk c gets mass when (c + h) % 3 != 0, else zeros (the
@@ -192,7 +194,8 @@ TEST(SealRepresentatives, DeviceKernelGivesTheTwinsBits) {
     p.chunks = c.n;
     p.keys = ToDevice(key_ptrs.data(), key_ptrs.size(), &owned);
     p.mass = ToDevice(c.mass.data(), c.mass.size(), &owned);
-    const std::vector<float> scratch(static_cast<size_t>(c.n) * s.out_heads * kernels::MassChoiceScratchFloats(s));
+    const std::vector<float> scratch(static_cast<size_t>(c.n) * s.out_heads *
+                                     kernels::MassChoiceScratchFloats(s));
     p.scratch = ToDevice(scratch.data(), scratch.size(), &owned);
     const std::vector<int> tokens(want.tokens.size(), -1);
     p.tokens = ToDevice(tokens.data(), tokens.size(), &owned);
@@ -206,10 +209,12 @@ TEST(SealRepresentatives, DeviceKernelGivesTheTwinsBits) {
     std::vector<float> got_inv(want.inv_norm.size());
     std::vector<int> got_tokens(want.tokens.size());
     ASSERT_EQ(cudaMemcpy(got_keys.data(), p.out_keys, got_keys.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(got_inv.data(), p.out_inv_norm, got_inv.size() * sizeof(float), cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(got_tokens.data(), p.tokens, got_tokens.size() * sizeof(int), cudaMemcpyDeviceToHost),
-              cudaSuccess);
+    ASSERT_EQ(
+        cudaMemcpy(got_inv.data(), p.out_inv_norm, got_inv.size() * sizeof(float), cudaMemcpyDeviceToHost),
+        cudaSuccess);
+    ASSERT_EQ(
+        cudaMemcpy(got_tokens.data(), p.tokens, got_tokens.size() * sizeof(int), cudaMemcpyDeviceToHost),
+        cudaSuccess);
     EXPECT_EQ(got_tokens, want.tokens) << DTypeName(s.dtype);
     EXPECT_EQ(got_keys, want.keys) << DTypeName(s.dtype);
     EXPECT_EQ(std::memcmp(got_inv.data(), want.inv_norm.data(), got_inv.size() * sizeof(float)), 0)
