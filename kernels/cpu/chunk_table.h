@@ -63,14 +63,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/attention.h"  // KernelError
-
-#ifndef KVTIER_HOST_DEVICE
-#if defined(__CUDACC__)
-#define KVTIER_HOST_DEVICE __host__ __device__
-#else
-#define KVTIER_HOST_DEVICE
-#endif
-#endif
+#include "kernels/host_device.h"
 
 namespace kvtier::kernels {
 

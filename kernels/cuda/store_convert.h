@@ -14,11 +14,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define KVTIER_HOST_DEVICE __host__ __device__
-#else
-#define KVTIER_HOST_DEVICE
-#endif
+#include "kernels/host_device.h"
 
 namespace kvtier::kernels {
 

@@ -28,6 +28,7 @@
 #include "offload/device_sync.h"
 #include "offload/store_hooks.h"
 #include "offload/tiered_store.h"
+#include "tests/device_test_util.h"
 #include "tests/test_util.h"
 
 #if KVTIER_HAVE_CUDA
@@ -71,17 +72,8 @@ TEST(DeviceLane, OptionsRefuseWhatIsOutOfRangeByName) {
 
 #if KVTIER_HAVE_CUDA
 
-bool HaveDevice() { return kernels::cuda::DeviceCount() > 0; }
-
-struct DeviceArray {
-  void* ptr = nullptr;
-  explicit DeviceArray(size_t bytes) { EXPECT_EQ(cudaMalloc(&ptr, bytes), cudaSuccess); }
-  ~DeviceArray() {
-    if (ptr) cudaFree(ptr);
-  }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-};
+using device_test::DeviceArray;
+using device_test::HaveDevice;
 
 struct LaneCase {
   PositionMode positions = PositionMode::kAbsolute;

@@ -18,6 +18,7 @@
 #include "kvtier/session.h"
 #include "offload/device_sync.h"
 #include "offload/tiered_store.h"
+#include "tests/device_test_util.h"
 
 #if KVTIER_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -65,18 +66,8 @@ TEST(DeviceSession, HostTierRefusesTheDeviceCallsByName) {
 
 #if KVTIER_HAVE_CUDA
 
-bool HaveDevice() { return kernels::cuda::DeviceCount() > 0; }
-
-// Device memory that frees itself.
-struct DeviceArray {
-  void* ptr = nullptr;
-  explicit DeviceArray(size_t bytes) { EXPECT_EQ(cudaMalloc(&ptr, bytes), cudaSuccess); }
-  ~DeviceArray() {
-    if (ptr) cudaFree(ptr);
-  }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-};
+using device_test::DeviceArray;
+using device_test::HaveDevice;
 
 // One token of every layer: K, V (fp16) and one query (fp32), the same for both sessions.
 struct Token {

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/device_test_util.h"
+
 #if KVTIER_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -388,48 +390,8 @@ TEST(ChunkTable, SlotListsPointAtTheRightChunksOverManySteps) {
 }
 
 #if KVTIER_HAVE_CUDA
-// Device allocations of a test, freed with it.
-class DeviceArena {
- public:
-  ~DeviceArena() {
-    for (void* p : device_) cudaFree(p);
-    for (void* p : pinned_) cudaFreeHost(p);
-  }
-  template <class T>
-  T* Put(const T* host, size_t n) {
-    void* p = nullptr;
-    if (cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) {
-      ADD_FAILURE() << "cudaMalloc of " << n * sizeof(T) << " bytes failed";
-      return nullptr;
-    }
-    device_.push_back(p);
-    if (n) EXPECT_EQ(cudaMemcpy(p, host, n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-    return static_cast<T*>(p);
-  }
-  template <class T>
-  T* Put(const std::vector<T>& v) {
-    return Put(v.data(), v.size());
-  }
-  void* Pinned(size_t bytes) {
-    void* p = nullptr;
-    if (cudaHostAlloc(&p, bytes, cudaHostAllocMapped) != cudaSuccess) {
-      ADD_FAILURE() << "cudaHostAlloc of " << bytes << " bytes failed";
-      return nullptr;
-    }
-    pinned_.push_back(p);
-    return p;
-  }
-
- private:
-  std::vector<void*> device_, pinned_;
-};
-
-template <class T>
-std::vector<T> Get(const T* device, size_t n) {
-  std::vector<T> host(n);
-  EXPECT_EQ(cudaMemcpy(host.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-  return host;
-}
+using device_test::DeviceArena;
+using device_test::Get;
 
 TEST(ChunkTable, DeviceMatchesTheTwinOverManySteps) {
   if (cuda::DeviceCount() == 0)

@@ -23,6 +23,7 @@
 #include "kernels/dtype.h"
 #include "offload/device_sync.h"
 #include "retrieval/budget.h"
+#include "tests/device_test_util.h"
 
 #if KVTIER_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -34,51 +35,8 @@ namespace kvtier {
 namespace {
 
 #if KVTIER_HAVE_CUDA
-// Device allocations of a test, freed with it.
-class Arena {
- public:
-  ~Arena() {
-    for (void* p : device_) cudaFree(p);
-    for (void* p : pinned_) cudaFreeHost(p);
-  }
-  template <class T>
-  T* Zeros(size_t n) {
-    void* p = nullptr;
-    if (cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) {
-      ADD_FAILURE() << "cudaMalloc failed";
-      return nullptr;
-    }
-    device_.push_back(p);
-    EXPECT_EQ(cudaMemset(p, 0, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess);
-    return static_cast<T*>(p);
-  }
-  template <class T>
-  T* Put(const std::vector<T>& v) {
-    T* p = Zeros<T>(v.size());
-    if (p != nullptr && !v.empty())
-      EXPECT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-    return p;
-  }
-  void* Pinned(size_t bytes) {
-    void* p = nullptr;
-    if (cudaHostAlloc(&p, bytes, cudaHostAllocMapped) != cudaSuccess) {
-      ADD_FAILURE() << "cudaHostAlloc failed";
-      return nullptr;
-    }
-    pinned_.push_back(p);
-    return p;
-  }
-
- private:
-  std::vector<void*> device_, pinned_;
-};
-
-template <class T>
-std::vector<T> Get(const T* device, size_t n) {
-  std::vector<T> host(n);
-  EXPECT_EQ(cudaMemcpy(host.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-  return host;
-}
+using device_test::DeviceArena;
+using device_test::Get;
 #endif
 
 TEST(DeviceStepChain, KernelsChainedOnTheDeviceGiveTheHostStep) {
@@ -108,7 +66,7 @@ TEST(DeviceStepChain, KernelsChainedOnTheDeviceGiveTheHostStep) {
     return h;
   };
 
-  Arena a;
+  DeviceArena a;
   struct Layer {
     int n = 0;
     std::vector<uint16_t> keys;  // [kv_heads, n, repr, D] representatives
