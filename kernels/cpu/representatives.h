@@ -23,14 +23,7 @@
 
 #include "kernels/cpu/attention.h"  // KernelError
 #include "kernels/dtype.h"
-
-#ifndef KVTIER_HOST_DEVICE
-#if defined(__CUDACC__)
-#define KVTIER_HOST_DEVICE __host__ __device__
-#else
-#define KVTIER_HOST_DEVICE
-#endif
-#endif
+#include "kernels/host_device.h"
 
 namespace kvtier::kernels {
 
