@@ -309,7 +309,8 @@ kvtier_code kvtier_session_attend(kvtier_session* session, int layer, const floa
  * are selected on the device (the Exact index on a cuda tier, no search reuse), for nothing: the
  * step runs on the session's device lane, and its chunks (stats->chunks is 0 there, the
  * counters' chunks_attended) are known one step late or after kvtier_session_wait_for_device;
- * a step that lands a sealed chunk waits for its upload. Elsewhere for the queries' download
+ * a step that seals a chunk waits for nothing either (the lane scores the chunk still landing).
+ * Elsewhere for the queries' download
  * (the probe, the chunk search and the budget run on the host), for the selection's download,
  * for a fetch of chunks that are not hot, and in a prefill window for the representative-key
  * statistics; the attention itself and its output add none. */

@@ -163,7 +163,10 @@ class Session {
   /// has a warm copy: probe, scores, Eq. 11, Eq. 12 (the allocator's state in device memory), the
   /// top-B, a device chunk table over a slot pool of the session's own (hits kept from step to
   /// step, misses copied from their warm copies) and the attention, with no host wait in a quiet
-  /// step (a step that lands a sealed chunk waits for the mirror's upload). What it chose reaches
+  /// step nor in one that seals a chunk (a chunk still landing is scored on the device from
+  /// representatives chosen there; docs/architecture.md, "The device decode step"). A decode step
+  /// between seals can be captured into a CUDA graph in Relaxed mode and launched before the
+  /// session's next call (same page). What it chose reaches
   /// the host one step late, through a step report the next layer calls read when it is done:
   /// last_chunks(), counters()' chunks_attended and max_layer_chunks, and a refusal of a q that
   /// held NaN or infinity (InvalidArgument naming q[0][head][d], returned by the call that reads

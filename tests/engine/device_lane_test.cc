@@ -25,6 +25,7 @@
 #include "engine/session_internal.h"
 #include "kernels/dtype.h"
 #include "kvtier/session.h"
+#include "offload/device_memory.h"
 #include "offload/device_sync.h"
 #include "offload/store_hooks.h"
 #include "offload/tiered_store.h"
@@ -398,6 +399,123 @@ TEST(DeviceLane, ANonFiniteQueryIsRefusedByNameOneStepLate) {
   EXPECT_TRUE((*s)->WaitForDevice().ok());
   EXPECT_GT(ImplOf(**s).lane_layer_steps(), lane0 + 40);
   cudaStreamSynchronize(engine);
+  cudaStreamDestroy(engine);
+}
+
+// A decode step between seals, every layer's AppendDevice and AttendDevice on the engine's
+// stream, captured into a CUDA graph and launched: its outputs are the host calls' (and so the
+// eager lane's), and launching the graph again gives them again (the same step replayed: the
+// ring's writes and the chain's choices repeat). The capture is Relaxed (kvtier's pinned staging
+// queries its events to recycle entries, which Global mode refuses); a pageable copy or a sync of
+// a capturing stream would still fail it, and the step makes no counted host wait and no device
+// allocation while captured. The session then goes on eagerly.
+TEST(DeviceLane, ACapturedDecodeStepReplaysEqualToTheEagerOne) {
+  SKIP_WITHOUT_DEVICE();
+  auto host_store = TieredStore::Open(LaneStore(DType::kF16));
+  auto lane_store = TieredStore::Open(LaneStore(DType::kF16));
+  ASSERT_TRUE(host_store.ok() && lane_store.ok());
+  SessionOptions o;
+  o.retrieval.budget_tokens = 24;
+  auto hs = Session::Open(host_store->get(), o);
+  auto ls = Session::Open(lane_store->get(), o);
+  ASSERT_TRUE(hs.ok() && ls.ok());
+  SessionImpl& lane = ImplOf(**ls);
+  cudaStream_t engine = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&engine, cudaStreamNonBlocking), cudaSuccess);
+  const size_t kv_bytes = kKvHeads * kDim * sizeof(uint16_t), q_floats = kQHeads * kDim,
+               q_bytes = q_floats * sizeof(float);
+  DeviceArray k_dev(kv_bytes * kLayers), v_dev(kv_bytes * kLayers), q_dev(q_bytes * kLayers),
+      out_dev(q_bytes * kLayers);
+  void* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pinned, kLayers * (2 * kv_bytes + 2 * q_bytes)), cudaSuccess);
+  auto* pk = static_cast<uint8_t*>(pinned);
+  uint8_t *pv = pk + kLayers * kv_bytes, *pq = pv + kLayers * kv_bytes, *pout = pq + kLayers * q_bytes;
+  std::mt19937 rng(41);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> host_out(q_floats * kLayers);
+  // The step captured: between seals (the ring seals at 48, 56, 64, 72, ...) with chunks indexed.
+  const int64_t captured = 69;
+  int captures = 0;
+  for (int64_t p = 0; p < 80; ++p) {
+    SCOPED_TRACE("position " + std::to_string(p));
+    ASSERT_TRUE((*hs)->BeginStep(StepKind::kDecode).ok());
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<float> kf(kKvHeads * kDim), vf(kf.size()), q(q_floats);
+      for (float& x : kf) x = nd(rng);
+      for (float& x : vf) x = nd(rng);
+      for (float& x : q) x = nd(rng);
+      FromFloat(DType::kF16, kf.data(), pk + l * kv_bytes, kf.size());
+      FromFloat(DType::kF16, vf.data(), pv + l * kv_bytes, vf.size());
+      std::memcpy(pq + l * q_bytes, q.data(), q_bytes);
+      ASSERT_TRUE((*hs)->Append(l, pk + l * kv_bytes, pv + l * kv_bytes, 1, DType::kF16).ok());
+      ASSERT_TRUE((*hs)->Attend(l, q.data(), &p, 1, host_out.data() + l * q_floats).ok());
+    }
+    const bool capture = p == captured;
+    if (capture) {
+      // The lane's reports of earlier steps are read first: a full ring would wait (refused here).
+      ASSERT_TRUE((*ls)->WaitForDevice().ok());
+      ASSERT_EQ(cudaStreamBeginCapture(engine, cudaStreamCaptureModeRelaxed), cudaSuccess);
+    }
+    const uint64_t syncs0 = HostSyncsTotal(), device_bytes0 = ReadDeviceMemory().current_total;
+    const uint64_t lane_before = lane.lane_layer_steps();
+    ASSERT_TRUE((*ls)->BeginStep(StepKind::kDecode).ok());
+    for (int l = 0; l < kLayers; ++l) {
+      uint8_t* kd = static_cast<uint8_t*>(k_dev.ptr) + l * kv_bytes;
+      uint8_t* vd = static_cast<uint8_t*>(v_dev.ptr) + l * kv_bytes;
+      auto* qd = reinterpret_cast<float*>(static_cast<uint8_t*>(q_dev.ptr) + l * q_bytes);
+      auto* od = reinterpret_cast<float*>(static_cast<uint8_t*>(out_dev.ptr) + l * q_bytes);
+      ASSERT_EQ(cudaMemcpyAsync(kd, pk + l * kv_bytes, kv_bytes, cudaMemcpyHostToDevice, engine),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpyAsync(vd, pv + l * kv_bytes, kv_bytes, cudaMemcpyHostToDevice, engine),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpyAsync(qd, pq + l * q_bytes, q_bytes, cudaMemcpyHostToDevice, engine), cudaSuccess);
+      Status st = (*ls)->AppendDevice(l, kd, vd, 1, DType::kF16, engine);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      st = (*ls)->AttendDevice(l, qd, &p, 1, od, engine);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+    }
+    ASSERT_EQ(cudaMemcpyAsync(pout, out_dev.ptr, kLayers * q_bytes, cudaMemcpyDeviceToHost, engine),
+              cudaSuccess);
+    auto expect_host_outputs = [&](const char* what) {
+      for (size_t i = 0; i < q_floats * kLayers; ++i) {
+        float x = 0;
+        std::memcpy(&x, pout + i * sizeof(float), sizeof x);
+        ASSERT_NEAR(x, host_out[i], 1e-4)
+            << what << ": layer " << i / q_floats << ", element " << i % q_floats;
+      }
+    };
+    if (capture) {
+      EXPECT_EQ(lane.lane_layer_steps(), lane_before + kLayers)
+          << "the captured step did not run on the lane";
+      EXPECT_EQ(HostSyncsTotal(), syncs0) << "the captured step waited on the host";
+      EXPECT_EQ(ReadDeviceMemory().current_total, device_bytes0)
+          << "the captured step allocated device memory";
+      cudaGraph_t graph = nullptr;
+      ASSERT_EQ(cudaStreamEndCapture(engine, &graph), cudaSuccess) << "the step could not be captured";
+      cudaGraphExec_t exec = nullptr;
+      ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      std::memset(pout, 0, kLayers * q_bytes);
+      ASSERT_EQ(cudaGraphLaunch(exec, engine), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(engine), cudaSuccess);
+      expect_host_outputs("the captured step, launched");
+      std::memset(pout, 0, kLayers * q_bytes);
+      ASSERT_EQ(cudaGraphLaunch(exec, engine), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(engine), cudaSuccess);
+      expect_host_outputs("the captured step, launched again");
+      ASSERT_TRUE((*ls)->WaitForDevice().ok());
+      for (int l = 0; l < kLayers; ++l)
+        EXPECT_EQ((*ls)->last_chunks()[l], (*hs)->last_chunks()[l]) << "layer " << l;
+      EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+      EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+      ++captures;
+    } else {
+      ASSERT_EQ(cudaStreamSynchronize(engine), cudaSuccess);
+      expect_host_outputs("eager");
+    }
+  }
+  EXPECT_EQ(captures, 1);
+  ASSERT_TRUE((*ls)->WaitForDevice().ok());
+  cudaFreeHost(pinned);
   cudaStreamDestroy(engine);
 }
 
