@@ -658,6 +658,7 @@ kvtier_code kvtier_session_get_counters(const kvtier_session* session, kvtier_se
     out->compressions = c.compressions;
     out->dropped_chunks = c.dropped_chunks;
     out->chunks_clipped = c.chunks_clipped;
+    out->chunks_deferred = c.chunks_deferred;
     out->selections_reused = c.selections_reused;
     out->selections_sliced = c.selections_sliced;
     out->first_stage_bytes = c.first_stage_bytes;

@@ -52,6 +52,7 @@ Result<bool> DeviceLane::PrepareLayer(int, const std::vector<uint64_t>&, const s
   return false;
 }
 Result<bool> DeviceLane::Launch(const LayerCall&, AttentionPlanInput*) { return false; }
+void DeviceLane::RefreshRows(int) {}
 Result<bool> DeviceLane::TakeReport(uint64_t, bool, LaneStepReport*) { return false; }
 bool DeviceLane::has_pending() const { return false; }
 bool DeviceLane::ring_full() const { return false; }
@@ -118,6 +119,12 @@ struct RowArrays {
 };
 
 constexpr int kReportRing = 3;
+// A row with no source when its sources were asked: its chunk and first position.
+struct MissingRow {
+  uint64_t id = 0;
+  int64_t first = 0;
+  bool operator<(const MissingRow& o) const { return id < o.id; }
+};
 // Chunks still landing a layer may score as rows (more: the host path lands them, a wait).
 constexpr int kMaxSealedRows = 8;  // step reports in flight: the one being written and two unread
 
@@ -193,7 +200,9 @@ struct DeviceLane::Impl {
   RowArrays r;  // [layers, row_cap]: row_slot, src_k, src_v, first; [row_cap]: logit, cosine
   // Per layer: header | rows (copied back together) | slot list | first positions | misses | call.
   size_t off_rows = 0, off_slots = 0, off_first = 0, off_miss_slot = 0, off_miss_row = 0, off_call = 0;
-  size_t layer_block = 0, report_layer = 0;
+  // A layer's report in pinned memory: header | rows (report_rows bytes, one copy), then at
+  // report_first the slot list's first positions (what was attended; a second copy).
+  size_t layer_block = 0, report_layer = 0, report_rows = 0, report_first = 0;
   uint8_t* blocks = nullptr;
   // Chunks still landing, one layer at a time: their representatives in the index mirror's
   // layout ([heads, kMaxSealedRows, repr, head_dim] keys, [heads, kMaxSealedRows, repr] inverse
@@ -224,6 +233,11 @@ struct DeviceLane::Impl {
     // the device; their statistics, [sealed][repr heads][chunk_tokens] (empty rows: zeros).
     int sealed = 0;
     std::vector<float> sealed_mass;
+    // Rows with no source (no warm copy when asked): a chosen one is deferred (the chunk table
+    // skips it). Their chunk ids, ascending; asked again when `recheck` is set (RefreshRows).
+    std::shared_ptr<const std::vector<MissingRow>> missing =
+        std::make_shared<const std::vector<MissingRow>>();
+    bool recheck = false;
   };
   std::vector<Layer> layers;
   // Reports.
@@ -233,6 +247,7 @@ struct DeviceLane::Impl {
     uint64_t step = 0;
     std::vector<int> order;  // the layers, in the order they ran
     std::vector<std::shared_ptr<const std::vector<uint64_t>>> rows;
+    std::vector<std::shared_ptr<const std::vector<MissingRow>>> missing;  // each layer's, at its launch
   };
   Entry entries[kReportRing];
   std::deque<int> pending;  // oldest first
@@ -319,8 +334,10 @@ Result<std::unique_ptr<DeviceLane>> DeviceLane::Create(TieredStore* store, Seque
   KVTIER_RETURN_IF_ERROR(DeviceAlloc(&m.clock_hand, sizeof(int32_t), "the chunk table"));
   const size_t r = static_cast<size_t>(o.max_rows);
   m.off_rows = kHeaderBytes;
-  m.report_layer = kHeaderBytes + r * sizeof(int32_t);
-  m.off_slots = Align256(m.report_layer);
+  m.report_rows = kHeaderBytes + r * sizeof(int32_t);
+  m.report_first = (m.report_rows + 7) / 8 * 8;
+  m.report_layer = m.report_first + r * sizeof(int64_t);
+  m.off_slots = Align256(m.report_rows);
   m.off_first = Align256(m.off_slots + r * sizeof(int32_t));
   m.off_miss_slot = Align256(m.off_first + r * sizeof(int64_t));
   m.off_miss_row = Align256(m.off_miss_slot + r * sizeof(int32_t));
@@ -455,66 +472,95 @@ Result<bool> DeviceLane::PrepareLayer(int layer, const std::vector<uint64_t>& ro
       std::copy(sealing[i].mass.begin(), sealing[i].mass.end(), L.sealed_mass.begin() + i * per);
   }
   const bool same = L.rows != nullptr && *L.rows == ids;
-  if (same && L.ok && L.epoch == store_->warm_epoch()) return true;
-  // Rows that only grew at the end (a seal) keep their entries and sources; any other change
-  // resets the layer's table entries (the header's rule) and asks every source again, as does a
-  // warm epoch that moved.
-  const bool extends = L.rows != nullptr && L.ok && L.epoch == store_->warm_epoch() &&
-                       L.rows->size() <= ids.size() &&
-                       std::equal(L.rows->begin(), L.rows->end(), ids.begin());
+  const bool epoch_same = L.ok && L.epoch == store_->warm_epoch();
+  if (same && epoch_same && !(L.recheck && !L.missing->empty())) return true;
   const size_t base = static_cast<size_t>(layer) * m.row_cap;
+  // The rows whose sources are asked: the new ones at the end when rows only grew (a seal), the
+  // rows with no source when a fetch may have brought them to warm (RefreshRows), else every row
+  // (rows changed otherwise, which also resets the layer's table entries: the header's rule; or
+  // the warm epoch moved).
+  const bool extends = !same && epoch_same && L.rows != nullptr && L.rows->size() <= ids.size() &&
+                       std::equal(L.rows->begin(), L.rows->end(), ids.begin());
   if (L.rows == nullptr || !(same || extends)) {
     const cudaError_t e = cudaMemsetAsync(m.r.row_slot + base, 0xff, sizeof(int32_t) * m.row_cap, s);
     if (e != cudaSuccess) return CudaFailure("resetting a layer's table entries", e);
   }
-  const int from = extends ? static_cast<int>(L.rows->size()) : 0;
-  // A row with no warm copy sends the layer to the host path: found from the chunks' tiers
-  // first, so that no warm slot is exposed (WarmAddresses) for a layer the lane cannot run. The
-  // chunks still landing are in no tier yet; their warm slots hold them once the hot tier's
-  // transfers submitted so far are done (Launch orders the lane after those).
+  std::vector<int> ask;  // row indices into ids
+  std::vector<MissingRow> missing;
+  const bool incremental = (same && epoch_same) || extends;  // earlier sources kept
+  if (same && epoch_same) {                                  // a recheck of the rows with no source
+    for (const MissingRow& r : *L.missing)
+      ask.push_back(static_cast<int>(std::lower_bound(ids.begin(), ids.end(), r.id) - ids.begin()));
+  } else {
+    if (extends) missing = *L.missing;
+    for (int i = extends ? static_cast<int>(L.rows->size()) : 0; i < n; ++i) ask.push_back(i);
+  }
+  L.recheck = false;
   L.rows = std::make_shared<const std::vector<uint64_t>>(ids);
   L.ok = false;
-  KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store_->ListChunks(seq_, layer));
-  std::vector<uint8_t> tiers;
-  for (const ChunkInfo& c : chunks) {
-    if (c.key.index >= tiers.size()) tiers.resize(c.key.index + 1, kTierNone);
-    tiers[c.key.index] = c.tiers;
-  }
-  for (int i = from; i < static_cast<int>(row_ids.size()); ++i) {
-    const uint64_t id = row_ids[static_cast<size_t>(i)];
-    if (id >= tiers.size() || (tiers[id] & kTierWarm) == 0) return false;
-  }
-  const int fresh = n - from;
-  std::vector<WarmChunkAddress> addr(static_cast<size_t>(fresh));
+  std::vector<uint64_t> asked(ask.size());
+  for (size_t i = 0; i < ask.size(); ++i) asked[i] = ids[static_cast<size_t>(ask[i])];
+  std::vector<WarmChunkAddress> addr(ask.size());
   uint64_t epoch = 0;
-  KVTIER_RETURN_IF_ERROR(store_->WarmAddresses(seq_, layer, ids.data() + from, static_cast<size_t>(fresh),
-                                               addr.data(), &epoch, /*include_landing=*/true));
-  if (extends && epoch != L.epoch) {  // moved while asked: every source again
-    L.ok = false;
+  // A row with no warm copy (only in a lower tier) gets no source: the chunk table skips it when
+  // chosen (deferred: the session brings it back to warm for a later step). The chunks still
+  // landing have their warm slots, which hold them once the hot tier's downloads submitted so far
+  // are done (Launch orders the lane after those).
+  KVTIER_RETURN_IF_ERROR(store_->WarmAddresses(seq_, layer, asked.data(), asked.size(), addr.data(), &epoch,
+                                               /*include_landing=*/true));
+  if (incremental && epoch != L.epoch) {  // moved while asked: every source again
+    L.rows = nullptr;
     return PrepareLayer(layer, row_ids, sealing);
   }
   L.epoch = epoch;
-  L.ok = std::all_of(addr.begin(), addr.end(), [](const WarmChunkAddress& a) { return a.k && a.v; });
-  if (!L.ok || fresh == 0) return L.ok;
-  const size_t bytes = static_cast<size_t>(fresh) * (2 * sizeof(void*) + sizeof(int64_t));
+  // Every asked row's source goes up, null for a row with no warm copy (which may have had one:
+  // a stale address must not stay).
+  std::vector<int> upload;  // indices into ask/addr
+  for (size_t i = 0; i < ask.size(); ++i) {
+    if (!(addr[i].k && addr[i].v)) {
+      missing.push_back(MissingRow{asked[i], addr[i].first_position});
+      addr[i].k = addr[i].v = nullptr;
+    }
+    upload.push_back(static_cast<int>(i));
+  }
+  std::sort(missing.begin(), missing.end());
+  for (size_t i = 0; i < sealing.size(); ++i)
+    if (std::binary_search(missing.begin(), missing.end(), MissingRow{sealing[i].index, 0}))
+      return Internal("device lane: layer " + std::to_string(layer) + ": chunk " +
+                      std::to_string(sealing[i].index) + " is landing and has no warm slot");
+  L.missing = std::make_shared<const std::vector<MissingRow>>(std::move(missing));
+  L.ok = true;
+  if (upload.empty()) return true;
+  // Sources of contiguous rows go up in one copy per array.
+  const size_t count = upload.size();
+  const size_t bytes = count * (2 * sizeof(void*) + sizeof(int64_t));
   KVTIER_ASSIGN_OR_RETURN(uint8_t * st, m.staging.Take(bytes, "the rows' sources"));
   auto* k = reinterpret_cast<const void**>(st);
-  auto* v = k + fresh;
-  auto* first = reinterpret_cast<int64_t*>(v + fresh);
-  for (int i = 0; i < fresh; ++i) {
-    k[i] = addr[static_cast<size_t>(i)].k;
-    v[i] = addr[static_cast<size_t>(i)].v;
-    first[i] = addr[static_cast<size_t>(i)].first_position;
+  auto* v = k + count;
+  auto* first = reinterpret_cast<int64_t*>(v + count);
+  for (size_t j = 0; j < count; ++j) {
+    const WarmChunkAddress& a = addr[static_cast<size_t>(upload[j])];
+    k[j] = a.k;
+    v[j] = a.v;
+    first[j] = a.first_position;
   }
-  const size_t at = base + static_cast<size_t>(from);
-  cudaError_t e = device_sync::CopyAsync(m.r.src_k + at, k, sizeof(void*) * fresh, cudaMemcpyHostToDevice, s,
-                                         device_sync::HostMemory::kPinned);
-  if (e == cudaSuccess)
-    e = device_sync::CopyAsync(m.r.src_v + at, v, sizeof(void*) * fresh, cudaMemcpyHostToDevice, s,
+  cudaError_t e = cudaSuccess;
+  for (size_t j = 0; j < count && e == cudaSuccess;) {
+    size_t run = 1;
+    while (j + run < count && ask[static_cast<size_t>(upload[j + run])] ==
+                                  ask[static_cast<size_t>(upload[j])] + static_cast<int>(run))
+      ++run;
+    const size_t at = base + static_cast<size_t>(ask[static_cast<size_t>(upload[j])]);
+    e = device_sync::CopyAsync(m.r.src_k + at, k + j, sizeof(void*) * run, cudaMemcpyHostToDevice, s,
                                device_sync::HostMemory::kPinned);
-  if (e == cudaSuccess)
-    e = device_sync::CopyAsync(m.r.first + at, first, sizeof(int64_t) * fresh, cudaMemcpyHostToDevice, s,
-                               device_sync::HostMemory::kPinned);
+    if (e == cudaSuccess)
+      e = device_sync::CopyAsync(m.r.src_v + at, v + j, sizeof(void*) * run, cudaMemcpyHostToDevice, s,
+                                 device_sync::HostMemory::kPinned);
+    if (e == cudaSuccess)
+      e = device_sync::CopyAsync(m.r.first + at, first + j, sizeof(int64_t) * run, cudaMemcpyHostToDevice, s,
+                                 device_sync::HostMemory::kPinned);
+    j += run;
+  }
   if (e != cudaSuccess) return CudaFailure("uploading the rows' sources", e);
   KVTIER_RETURN_IF_ERROR(m.staging.Done(stream_));
   return true;
@@ -591,6 +637,10 @@ Status DeviceLane::ScoreSealedRows(int layer, const Retriever::LaneLayer& sel,
   return Status::Ok();
 }
 
+void DeviceLane::RefreshRows(int layer) {
+  if (layer >= 0 && layer < options_.layers) impl_->layers[static_cast<size_t>(layer)].recheck = true;
+}
+
 bool DeviceLane::has_pending() const { return !impl_->pending.empty(); }
 bool DeviceLane::ring_full() const { return impl_->pending.size() >= static_cast<size_t>(kReportRing); }
 
@@ -626,6 +676,7 @@ Result<bool> DeviceLane::Launch(const LayerCall& call, AttentionPlanInput* in) {
     fresh.step = call.step;
     fresh.order.clear();
     fresh.rows.clear();
+    fresh.missing.clear();
     m.pending.push_back(m.open);
   }
   Impl::Entry& entry = m.entries[m.open];
@@ -788,11 +839,17 @@ Result<bool> DeviceLane::Launch(const LayerCall& call, AttentionPlanInput* in) {
   // The layer's report, read one step late.
   e = device_sync::CopyAsync(
       static_cast<uint8_t*>(entry.host) + static_cast<size_t>(slot_in_report) * m.report_layer, blk,
-      m.report_layer, cudaMemcpyDeviceToHost, s, device_sync::HostMemory::kPinned);
+      m.report_rows, cudaMemcpyDeviceToHost, s, device_sync::HostMemory::kPinned);
+  if (e == cudaSuccess)
+    e = device_sync::CopyAsync(static_cast<uint8_t*>(entry.host) +
+                                   static_cast<size_t>(slot_in_report) * m.report_layer + m.report_first,
+                               blk + m.off_first, sizeof(int64_t) * o.max_rows, cudaMemcpyDeviceToHost, s,
+                               device_sync::HostMemory::kPinned);
   if (e == cudaSuccess) e = cudaEventRecord(entry.done, s);
   if (e != cudaSuccess) return CudaFailure("copying the step report", e);
   entry.order.push_back(layer);
   entry.rows.push_back(L.rows);
+  entry.missing.push_back(L.missing);
   // The attention reads the slot list where the table wrote it.
   in->chunks = nullptr;
   in->n_chunks = 0;
@@ -832,21 +889,32 @@ Result<bool> DeviceLane::TakeReport(uint64_t before_step, bool wait, LaneStepRep
     r.hits = static_cast<int32_t>(h.table[kernels::kChunkTableHits]);
     r.misses = static_cast<int32_t>(h.table[kernels::kChunkTableMisses]);
     r.skipped =
-        static_cast<int32_t>(h.table[kernels::kChunkTableNoSource] + h.table[kernels::kChunkTableInvalid] +
-                             h.table[kernels::kChunkTableOverflow]);
+        static_cast<int32_t>(h.table[kernels::kChunkTableInvalid] + h.table[kernels::kChunkTableOverflow]);
+    r.no_source = static_cast<int32_t>(h.table[kernels::kChunkTableNoSource]);
     r.q_non_finite = h.q_non_finite;
     r.q_first = h.q_first;
     r.non_finite = h.non_finite;
     r.grant_error = h.grant_error;
     r.theta = h.theta;
     const std::vector<uint64_t>& ids = *entry.rows[i];
+    const std::vector<MissingRow>& missing = *entry.missing[i];
+    // What the attention read: the slot list's first positions (a chosen row with no source is
+    // served only when the lane's pool still held it).
+    const int n_slots = std::clamp(h.n_slots, 0, options_.max_rows);
+    std::vector<int64_t> served(static_cast<size_t>(n_slots));
+    if (n_slots > 0) std::memcpy(served.data(), at + m.report_first, sizeof(int64_t) * n_slots);
+    std::sort(served.begin(), served.end());
     const int take = std::clamp(h.take, 0, options_.max_rows);
     r.chunks.reserve(static_cast<size_t>(take));
     for (int j = 0; j < take; ++j) {
       int32_t row = 0;
       std::memcpy(&row, at + kHeaderBytes + sizeof(int32_t) * j, sizeof row);
-      if (row >= 0 && static_cast<size_t>(row) < ids.size())
-        r.chunks.push_back(ids[static_cast<size_t>(row)]);
+      if (row < 0 || static_cast<size_t>(row) >= ids.size()) continue;
+      const uint64_t id = ids[static_cast<size_t>(row)];
+      const auto miss = std::lower_bound(missing.begin(), missing.end(), MissingRow{id, 0});
+      const bool skipped = miss != missing.end() && miss->id == id &&
+                           !std::binary_search(served.begin(), served.end(), miss->first);
+      (skipped ? r.deferred : r.chunks).push_back(id);
     }
     out->layers.push_back(std::move(r));
   }

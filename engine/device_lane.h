@@ -73,7 +73,11 @@ struct LaneLayerReport {
   std::vector<uint64_t> chunks;  ///< attended chunk indices, selection order
   int32_t take = 0;              ///< the grant (top-k's k)
   int32_t hits = 0, misses = 0;  ///< chunk table: served from the pool, gathered from warm
-  int32_t skipped = 0;           ///< chunk table: no source, invalid or overflow
+  int32_t skipped = 0;           ///< chunk table: invalid or overflow (a fault)
+  int32_t no_source = 0;         ///< chunk table: chosen, not in the pool and no warm copy (deferred)
+  /// Chosen chunks the attention did not read: no warm copy and not in the lane's pool (their
+  /// count is no_source). Not in `chunks`.
+  std::vector<uint64_t> deferred;
   int32_t q_non_finite = 0, q_first = 0;
   int32_t non_finite = 0;   ///< non-finite cosines (entropy)
   int32_t grant_error = 0;  ///< kEntropyGrant... code, 0 = none
@@ -100,10 +104,10 @@ class DeviceLane {
   /// layer's chunks still landing, TieredStore::BeginLayerStep with LandRule::kCompleteOnly), at
   /// the current warm epoch. Rows that only grew at the end keep their table entries and
   /// sources; any other change resets the layer's entries; a moved epoch asks every address
-  /// again. False (the layer takes the host path) when an index row has no warm copy (found from
-  /// the chunks' tiers before any address is asked for, so that such a layer exposes no warm
-  /// slot), when more than 8 chunks are landing, or when a landing chunk is not above the
-  /// index's rows.
+  /// again. A row with no warm copy (only in a lower tier) gets no source: chosen, it is skipped
+  /// unless the lane's pool still holds it (LaneLayerReport::deferred), and its source is asked
+  /// again after RefreshRows. False (the layer takes the host path) when more than 8 chunks are
+  /// landing, or when a landing chunk is not above the index's rows.
   Result<bool> PrepareLayer(int layer, const std::vector<uint64_t>& row_ids,
                             const std::vector<SealingChunk>& sealing = {});
 
@@ -126,6 +130,9 @@ class DeviceLane {
   /// included): false when none is pending, or when it is not done and !wait (cudaEventQuery;
   /// wait: one event wait).
   Result<bool> TakeReport(uint64_t before_step, bool wait, LaneStepReport* out);
+  /// Asks `layer`'s rows with no source again at its next PrepareLayer (a fetch may have brought
+  /// them back to warm).
+  void RefreshRows(int layer);
   /// Whether a report is pending (submitted, not taken).
   bool has_pending() const;
   /// Whether the ring holds no room for another step's report.

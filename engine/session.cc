@@ -428,6 +428,7 @@ Result<bool> SessionImpl::AttendOnLane(int layer, const float* q, void* stream, 
   const uint64_t step = counters_.steps;
   // The reports of earlier steps that are done (no wait): last_chunks_ and the counters.
   KVTIER_RETURN_IF_ERROR(TakeLaneReports(step, /*wait=*/false));
+  PollDeferredFetches();
   KVTIER_RETURN_IF_ERROR(CheckLayerCall("AttendDevice", layer, nullptr, positions, m, /*in_step=*/true,
                                         /*q_on_device=*/true));
   q_rot_of_ = nullptr;
@@ -489,10 +490,11 @@ Result<bool> SessionImpl::AttendOnLane(int layer, const float* q, void* stream, 
     call.grant = grant;
     bool launched = false;
     for (int tries = 0; !launched && tries < 4; ++tries) {
-      // Warm addresses for the layer's rows (re-asked when the warm epoch moved under them).
-      KVTIER_ASSIGN_OR_RETURN(bool warm, lane_->PrepareLayer(layer, *sel.row_ids, step_view.sealing));
-      if (!warm) {
-        ++lane_cold_layers_;  // the host path's fetch brings the cold chunks into warm
+      // Warm addresses for the layer's rows (re-asked when the warm epoch moved under them; a row
+      // with no warm copy has none, and is deferred when chosen).
+      KVTIER_ASSIGN_OR_RETURN(bool prepared, lane_->PrepareLayer(layer, *sel.row_ids, step_view.sealing));
+      if (!prepared) {
+        ++lane_unprepared_layers_;  // more chunks landing than the lane scores: the host path lands them
         return false;
       }
       while (lane_->ring_full()) KVTIER_RETURN_IF_ERROR(TakeLaneReports(step, /*wait=*/true));
@@ -537,6 +539,18 @@ Result<bool> SessionImpl::AttendOnLane(int layer, const float* q, void* stream, 
 #endif
 }
 
+void SessionImpl::PollDeferredFetches() {
+  for (size_t i = 0; i < deferred_fetches_.size();) {
+    if (!deferred_fetches_[i].second.Ready()) {
+      ++i;
+      continue;
+    }
+    deferred_fetches_[i].second.Release();  // its chunks stay in warm (a failed read: deferred again)
+    if (lane_) lane_->RefreshRows(deferred_fetches_[i].first);
+    deferred_fetches_.erase(deferred_fetches_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+}
+
 Status SessionImpl::ApplyLaneReport(const LaneStepReport& report) {
   Status first = Status::Ok();
   for (const LaneLayerReport& r : report.layers) {
@@ -544,6 +558,19 @@ Status SessionImpl::ApplyLaneReport(const LaneStepReport& report) {
     last_chunks_[static_cast<size_t>(r.layer)] = r.chunks;
     counters_.chunks_attended += r.chunks.size();
     counters_.max_layer_chunks = std::max<uint64_t>(counters_.max_layer_chunks, r.chunks.size());
+    if (!r.deferred.empty()) {
+      // Chosen with no warm copy: the step attended without them; a fetch (not waited for) brings
+      // them back to warm, and a later step's lane finds their sources. A fetch refused for room
+      // leaves them deferred; they are asked for again when chosen again.
+      counters_.chunks_deferred += r.deferred.size();
+      Result<FetchHandle> fetch = store_->FetchChunks(seq_, r.layer, r.deferred, FetchFit::kWithinClaims);
+      if (fetch.ok())
+        deferred_fetches_.emplace_back(r.layer, std::move(*fetch));
+      else if (fetch.status().code() != StatusCode::kResourceExhausted && first.ok())
+        first = Status(fetch.status().code(),
+                       "Session::AttendDevice: layer " + std::to_string(r.layer) +
+                           ": bringing deferred chunks back to warm: " + fetch.status().message());
+    }
     if (!first.ok()) continue;
     const std::string where = "Session::AttendDevice: step " + std::to_string(report.step) + ", layer " +
                               std::to_string(r.layer) + ": ";
@@ -559,9 +586,12 @@ Status SessionImpl::ApplyLaneReport(const LaneStepReport& report) {
     else if (r.grant_error != kernels::kEntropyGrantOk)
       first =
           Internal(where + "the device's Eq. 12 grant failed (code " + std::to_string(r.grant_error) + ")");
-    else if (r.skipped > 0 || static_cast<int32_t>(r.chunks.size()) != r.take)
+    else if (r.skipped > 0 || static_cast<int32_t>(r.chunks.size() + r.deferred.size()) != r.take ||
+             static_cast<int32_t>(r.deferred.size()) != r.no_source)
       first = Internal(where + "the device chunk table served " + std::to_string(r.chunks.size()) + " of " +
-                       std::to_string(r.take) + " chunks (" + std::to_string(r.skipped) + " skipped)");
+                       std::to_string(r.take) + " chunks (" + std::to_string(r.skipped) + " skipped, " +
+                       std::to_string(r.deferred.size()) + " deferred of " + std::to_string(r.no_source) +
+                       " with no source)");
   }
   return first;
 }

@@ -126,7 +126,7 @@ class SessionImpl final : public Session {
   uint64_t lane_reports_read() const { return lane_reports_read_; }
   /// Chunks the lane found only in a lower tier (no warm copy): their layer took the host path,
   /// whose fetch promoted them to warm for the next step.
-  uint64_t lane_cold_layers() const { return lane_cold_layers_; }
+  uint64_t lane_unprepared_layers() const { return lane_unprepared_layers_; }
   /// Rows the lane scored for chunks still landing (chosen on the device, DeviceLane::PrepareLayer).
   uint64_t lane_landing_rows() const { return lane_landing_rows_; }
 
@@ -156,6 +156,8 @@ class SessionImpl final : public Session {
   // that was not finite, a grant that failed, a chunk the table skipped) is returned.
   Status TakeLaneReports(uint64_t before_step, bool wait);
   Status ApplyLaneReport(const LaneStepReport& report);
+  // Releases the deferred chunks' fetches that are done (no wait) and asks their rows again.
+  void PollDeferredFetches();
   // Before a layer call on the host path: every lane report read and the allocator's state
   // back on the host (a wait, only when the lane held it).
   Status LeaveLane();
@@ -259,9 +261,12 @@ class SessionImpl final : public Session {
   std::unique_ptr<AttentionPlan> plan_;        // rebuilt every Attend, its vectors reused
   std::unique_ptr<HostBuffer> q_host_;         // AttendDevice: the queries' pinned host copy
   std::unique_ptr<DeviceLane> lane_;           // AttendDevice's decode layers on the device
+  // Fetches that bring chunks a lane step deferred (no warm copy) back to warm, by layer; a
+  // ready one is released and its layer's rows asked again (DeviceLane::RefreshRows).
+  std::vector<std::pair<int, FetchHandle>> deferred_fetches_;
   bool lane_enabled_ = true;
   bool lane_unavailable_ = false;  // creating the lane failed: the host path, without retrying
-  uint64_t lane_layer_steps_ = 0, lane_reports_read_ = 0, lane_cold_layers_ = 0, lane_landing_rows_ = 0;
+  uint64_t lane_layer_steps_ = 0, lane_reports_read_ = 0, lane_unprepared_layers_ = 0, lane_landing_rows_ = 0;
   int lane_k_ = 0;  // the step's k the lane last ran with (Eq. 12's B_kv = L x k)
 };
 

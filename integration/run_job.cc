@@ -633,6 +633,12 @@ Result<RunReport> RunJob(const RunOptions& options) {
     return n;
   };
   const uint64_t decode_syncs0 = host_syncs();
+  auto chunks_deferred = [&methods] {
+    uint64_t n = 0;
+    for (const Method& mt : methods) n += mt.session->counters().chunks_deferred;
+    return n;
+  };
+  const uint64_t decode_deferred0 = chunks_deferred();
   Progress dprog(opt.progress, "decode", opt.workload.decode_steps, "steps");
   for (int s = 0; s < opt.workload.decode_steps; ++s) {
     const int64_t p = context + s;
@@ -674,6 +680,9 @@ Result<RunReport> RunJob(const RunOptions& options) {
   if (opt.workload.decode_steps > 0)
     rep.host_syncs_per_token =
         static_cast<double>(host_syncs() - decode_syncs0) / static_cast<double>(opt.workload.decode_steps);
+  if (opt.workload.decode_steps > 0)
+    rep.chunks_deferred_per_token = static_cast<double>(chunks_deferred() - decode_deferred0) /
+                                    static_cast<double>(opt.workload.decode_steps);
   KVTIER_RETURN_IF_ERROR(store->WaitForDurable());
   sample_lower_tier_memory();
   rep.peak_rss_bytes = PeakRssBytes();
@@ -1317,6 +1326,7 @@ std::string RunReport::ToJson() const {
   w.Key("device").BeginObject();
   w.Key("kind").String(DeviceName(o.store.device));
   w.Key("host_syncs_per_token").Double(host_syncs_per_token);
+  w.Key("chunks_deferred_per_token").Double(chunks_deferred_per_token);
   w.Key("memory_peak_bytes").Uint(device_memory_peak_bytes);
   w.Key("memory_peak_bytes_by_owner").BeginObject();
   for (int i = 0; i < kDeviceMemoryOwners; ++i)
@@ -1560,8 +1570,8 @@ std::string RunReport::ToTable() const {
     char line[192];
     std::snprintf(line, sizeof(line),
                   "device: cuda, %.2f host syncs per generated token (blocking waits on the device over the "
-                  "decode steps)\n",
-                  host_syncs_per_token);
+                  "decode steps), %.2f chunks deferred (chosen with no warm copy)\n",
+                  host_syncs_per_token, chunks_deferred_per_token);
     text += line;
     const auto mib = [](uint64_t b) { return static_cast<double>(b) / (1 << 20); };
     const auto owner = [this](DeviceMemoryOwner o) {

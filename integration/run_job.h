@@ -186,6 +186,9 @@ struct RunReport {
   /// Blocking host waits on the device per generated token over the decode steps (appends and
   /// attention, every method's session summed: SessionCounters::host_syncs); 0 on a cpu tier.
   double host_syncs_per_token = 0;
+  /// Chunks the device lane chose with no warm copy and did not attend (SessionCounters::
+  /// chunks_deferred) per generated token, every method's session summed; 0 on a cpu tier.
+  double chunks_deferred_per_token = 0;
   /// Device memory (offload/device_memory.h's counted allocations) at its most during the
   /// kvtier phases, read with peak RSS: every owner at once, and each owner's own most. 0 on a
   /// cpu tier (it allocates none).

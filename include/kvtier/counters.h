@@ -73,6 +73,9 @@ struct SessionCounters {
   uint64_t compressions = 0;      ///< Compress calls that ran
   uint64_t dropped_chunks = 0;    ///< chunks Compress removed
   uint64_t chunks_clipped = 0;    ///< chunks granted and left out (AttendStats::chunks_clipped)
+  /// Chunks a device-lane step chose and did not attend: no warm copy (only in a lower tier) and
+  /// not in the lane's pool. Each is brought back to warm for a later step (Session::AttendDevice).
+  uint64_t chunks_deferred = 0;
   uint64_t selections_reused =
       0;  ///< layer steps whose chunks came from the last search (AttendStats::reused)
   uint64_t selections_sliced = 0;  ///< layer steps that screened a slice of the chunks (AttendStats::sliced)

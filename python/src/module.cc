@@ -1492,6 +1492,7 @@ class PySession {
     d["compressions"] = c.compressions;
     d["dropped_chunks"] = c.dropped_chunks;
     d["chunks_clipped"] = c.chunks_clipped;
+    d["chunks_deferred"] = c.chunks_deferred;
     d["selections_reused"] = c.selections_reused;
     d["selections_sliced"] = c.selections_sliced;
     d["first_stage_bytes"] = c.first_stage_bytes;
