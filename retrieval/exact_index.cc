@@ -435,7 +435,8 @@ Status ExactChunkIndex::Best(const float* probe, const ChunkScores& screened, Ch
   rescored_.fetch_add(fresh.size(), std::memory_order_relaxed);
   rescoring_bytes_.fetch_add(ExactPassBytes(fresh), std::memory_order_relaxed);
   std::vector<float> fresh_logit, fresh_cos;
-  ScoresOf(probe, fresh, &fresh_logit, &fresh_cos);
+  // Only the rank's scores: the logit needs neither the inverse norms nor the cosines.
+  ScoresOf(probe, fresh, &fresh_logit, rank == ChunkRank::kLogit ? nullptr : &fresh_cos);
   const std::vector<float>& fresh_by = rank == ChunkRank::kLogit ? fresh_logit : fresh_cos;
   std::vector<float> score(rows.size());
   std::vector<uint64_t> cand_ids(rows.size());
@@ -839,50 +840,37 @@ void ExactChunkIndex::QuantizedScores(const float* probe, size_t begin, size_t e
   const size_t first_group = begin / B, end_group = (end + B - 1) / B, block_bytes = kernels::I8BlockBytes(D);
   const bool sum = !fold.max;
   TsanForkJoin fj;  // kernels/tbb_tsan.h
-  tbb::parallel_for(
-      tbb::blocked_range<size_t>(first_group, end_group, 64),
-      fj.Body([&](const tbb::blocked_range<size_t>& range) {
-        const size_t g0 = range.begin(), g1 = range.end();
-        std::vector<int32_t> dots((g1 - g0) * R * B);
-        for (int h = 0; h < H; ++h) {
-          kernels::DotI8Blocks(q8_[h].data() + g0 * R * block_bytes, (g1 - g0) * R, p16.data() + h * de, D,
-                               dots.data());
-          const float* scale = q8_scale_[h].data() + g0 * R * B;
-          const float* cos_scale = q8_cos_scale_[h].data() + g0 * R * B;
-          // The probe's scales are >= 0, so they commute with the max over a chunk's
-          // representatives and are applied once per chunk.
-          const float ps = p_scale[h], cs = p_scale[h] * inv_p[h];
-          const float step = per_step[h], cos_step = per_step[h] * inv_p[h];
-          for (size_t g = g0; g < g1; ++g) {
-            const size_t base = (g - g0) * R * B;
-            float best[B], best_cos[B], max_scale[B], max_cos_scale[B];
-            for (int lane = 0; lane < B; ++lane) {
-              best[lane] = static_cast<float>(dots[base + lane]) * scale[base + lane];
-              best_cos[lane] = static_cast<float>(dots[base + lane]) * cos_scale[base + lane];
-              max_scale[lane] = scale[base + lane];
-              max_cos_scale[lane] = cos_scale[base + lane];
-            }
-            for (int r = 1; r < R; ++r)
-              for (int lane = 0; lane < B; ++lane) {
-                const size_t j = base + static_cast<size_t>(r) * B + lane;
-                best[lane] = std::max(best[lane], static_cast<float>(dots[j]) * scale[j]);
-                best_cos[lane] = std::max(best_cos[lane], static_cast<float>(dots[j]) * cos_scale[j]);
-                max_scale[lane] = std::max(max_scale[lane], scale[j]);
-                max_cos_scale[lane] = std::max(max_cos_scale[lane], cos_scale[j]);
-              }
-            const size_t row_end = std::min(end, (g + 1) * B);
-            for (size_t row = std::max(begin, g * B); row < row_end; ++row) {
-              const int lane = static_cast<int>(row - g * B);
-              const size_t c = row - begin;
-              fold.Add(best[lane] * ps, std::max(-1.0f, best_cos[lane] * cs), &raw[c], &cos[c]);
-              const float e = max_scale[lane] * step, ec = max_cos_scale[lane] * cos_step;
-              out->logit_error[c] = sum ? out->logit_error[c] + e : std::max(out->logit_error[c], e);
-              out->cosine_error[c] =
-                  sum ? out->cosine_error[c] + ec * fold.cos_share : std::max(out->cosine_error[c], ec);
-            }
-          }
-        }
-      }));
+  tbb::parallel_for(tbb::blocked_range<size_t>(first_group, end_group, 64),
+                    fj.Body([&](const tbb::blocked_range<size_t>& range) {
+                      // One group's dots at a time, folded while they are still in the L1 cache; each row
+                      // still takes its heads in order, so the folds are the same sums and maxima.
+                      std::vector<int32_t> dots(static_cast<size_t>(R) * B);
+                      for (size_t g = range.begin(); g < range.end(); ++g) {
+                        const size_t row_begin = std::max(begin, g * B), row_end = std::min(end, (g + 1) * B);
+                        for (int h = 0; h < H; ++h) {
+                          kernels::DotI8Blocks(q8_[h].data() + g * R * block_bytes, static_cast<size_t>(R),
+                                               p16.data() + h * de, D, dots.data());
+                          // The probe's scales are >= 0, so they commute with the max over a chunk's
+                          // representatives and are applied once per chunk.
+                          float best[B], best_cos[B], max_scale[B], max_cos_scale[B];
+                          kernels::MaxScaledI8Dots(dots.data(), q8_scale_[h].data() + g * R * B,
+                                                   q8_cos_scale_[h].data() + g * R * B, R, best, best_cos,
+                                                   max_scale, max_cos_scale);
+                          const float ps = p_scale[h], cs = p_scale[h] * inv_p[h];
+                          const float step = per_step[h], cos_step = per_step[h] * inv_p[h];
+                          for (size_t row = row_begin; row < row_end; ++row) {
+                            const int lane = static_cast<int>(row - g * B);
+                            const size_t c = row - begin;
+                            fold.Add(best[lane] * ps, std::max(-1.0f, best_cos[lane] * cs), &raw[c], &cos[c]);
+                            const float e = max_scale[lane] * step, ec = max_cos_scale[lane] * cos_step;
+                            out->logit_error[c] =
+                                sum ? out->logit_error[c] + e : std::max(out->logit_error[c], e);
+                            out->cosine_error[c] = sum ? out->cosine_error[c] + ec * fold.cos_share
+                                                       : std::max(out->cosine_error[c], ec);
+                          }
+                        }
+                      }
+                    }));
   fj.Join();
 }
 
@@ -892,50 +880,58 @@ void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& r
   const DType dt = stored_.dtype;
   const size_t key_bytes = static_cast<size_t>(D) * DTypeSize(dt);
   const kernels::HeadFold fold = FoldOf(options_.heads, H);
+  const bool with_cos = cos != nullptr;
   raw->assign(rows.size(), fold.Start());
-  cos->assign(rows.size(), fold.Start());
-  std::vector<float> inv_p(H);
-  for (int h = 0; h < H; ++h) inv_p[h] = InverseNorm(probe + static_cast<size_t>(h) * D, D);
+  if (with_cos) cos->assign(rows.size(), fold.Start());
+  std::vector<float> inv_ps(H);
+  for (int h = 0; h < H; ++h) inv_ps[h] = InverseNorm(probe + static_cast<size_t>(h) * D, D);
+  const size_t chunk_repr_bytes = static_cast<size_t>(R) * key_bytes;
   // The candidates sit at scattered rows, which no hardware prefetcher predicts: ask for the
   // representatives of the candidate a few places ahead while this one is scored.
   constexpr size_t kAhead = 4;
-  const size_t chunk_repr_bytes = static_cast<size_t>(R) * key_bytes;
-  TsanForkJoin fj;  // kernels/tbb_tsan.h
-  tbb::parallel_for(
-      tbb::blocked_range<size_t>(0, rows.size(), 64), fj.Body([&](const tbb::blocked_range<size_t>& range) {
-        std::vector<float> dots(static_cast<size_t>(R));
-        for (size_t i = range.begin(); i < range.end(); ++i) {
-          if (i + kAhead < range.end() && static_cast<size_t>(rows[i + kAhead]) >= full_from_) {
-            const size_t ahead = static_cast<size_t>(rows[i + kAhead]) - full_from_;
-            for (int h = 0; h < H; ++h) {
-              const char* a = reinterpret_cast<const char*>(repr_[h].data() + ahead * chunk_repr_bytes);
-              for (size_t off = 0; off < chunk_repr_bytes; off += 64) __builtin_prefetch(a + off);
-            }
-          }
-          const size_t row = static_cast<size_t>(rows[i]);
-          for (int h = 0; h < H; ++h) {
-            const float* p = probe + static_cast<size_t>(h) * D;
-            float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
-            if (row < full_from_) {  // compressed: its codes, as FullScores scores it
-              for (int r = 0; r < R; ++r) {
-                float dot, cs;
-                DequantisedDot(h, row, r, p, inv_p[h], &dot, &cs);
-                best = std::max(best, dot);
-                best_cos = std::max(best_cos, cs);
-              }
-            } else {
-              const size_t c = row - full_from_;
-              const uint8_t* keys = repr_[h].data();
-              const float* inv = inv_norm_[h].data();
-              kernels::DotKeys(dt, keys + c * R * key_bytes, key_bytes, p, D, static_cast<size_t>(R),
-                               dots.data());
-              kernels::MaxDotAndCosine(dots.data(), inv + c * R, inv_p[h], static_cast<size_t>(R), &best,
-                                       &best_cos);
-            }
-            fold.Add(best, best_cos, &(*raw)[i], &(*cos)[i]);
-          }
+  auto score_rows = [&](size_t i0, size_t i1, float* dots) {
+    for (size_t i = i0; i < i1; ++i) {
+      if (i + kAhead < i1 && static_cast<size_t>(rows[i + kAhead]) >= full_from_) {
+        const size_t ahead = static_cast<size_t>(rows[i + kAhead]) - full_from_;
+        for (int h = 0; h < H; ++h) {
+          const char* a = reinterpret_cast<const char*>(repr_[h].data() + ahead * chunk_repr_bytes);
+          for (size_t off = 0; off < chunk_repr_bytes; off += 64) __builtin_prefetch(a + off);
         }
-      }));
+      }
+      const size_t row = static_cast<size_t>(rows[i]);
+      float best_cos_unused = 0.0f;
+      for (int h = 0; h < H; ++h) {
+        const float* p = probe + static_cast<size_t>(h) * D;
+        float best = -std::numeric_limits<float>::infinity(), best_cos = -1.0f;
+        if (row < full_from_) {  // compressed: its codes, as FullScores scores it
+          for (int r = 0; r < R; ++r) {
+            float dot, cs;
+            DequantisedDot(h, row, r, p, inv_ps[h], &dot, &cs);
+            best = std::max(best, dot);
+            best_cos = std::max(best_cos, cs);
+          }
+        } else {
+          const size_t c = row - full_from_;
+          kernels::BestOfKeys(dt, repr_[h].data() + c * chunk_repr_bytes, key_bytes, p, D,
+                              static_cast<size_t>(R), with_cos ? inv_norm_[h].data() + c * R : nullptr,
+                              inv_ps[h], &best, &best_cos, dots);
+        }
+        fold.Add(best, best_cos, &(*raw)[i], with_cos ? &(*cos)[i] : &best_cos_unused);
+      }
+    }
+  };
+  constexpr size_t kRowsPerTask = 64;
+  if (rows.size() <= kRowsPerTask) {  // one task's worth: no fork-join
+    std::vector<float> dots(static_cast<size_t>(R));
+    score_rows(0, rows.size(), dots.data());
+    return;
+  }
+  TsanForkJoin fj;  // kernels/tbb_tsan.h
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, rows.size(), kRowsPerTask),
+                    fj.Body([&](const tbb::blocked_range<size_t>& range) {
+                      std::vector<float> dots(static_cast<size_t>(R));
+                      score_rows(range.begin(), range.end(), dots.data());
+                    }));
   fj.Join();
 }
 

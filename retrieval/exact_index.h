@@ -228,7 +228,8 @@ class ExactChunkIndex final : public ChunkIndex {
   void MarkMirrorStale(size_t row);
   // The rows of `chunks` (those the index holds), ascending.
   std::vector<int64_t> RowsOf(const std::vector<uint64_t>& chunks) const;
-  // The fp32 scores of the chunks at rows `rows` only (the rescoring stage).
+  // The fp32 scores of the chunks at rows `rows` only (the rescoring stage); cosine null: the
+  // logits alone (the same bits), without reading the inverse norms.
   void ScoresOf(const float* probe, const std::vector<int64_t>& rows, std::vector<float>* logit,
                 std::vector<float>* cosine) const;
   // The int8 pass's scores and their error bounds (see "Search in two stages" above) for rows

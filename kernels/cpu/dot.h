@@ -70,6 +70,64 @@ inline float DotKey(DType t, const void* key, const float* p, int n) {
   return s;
 }
 
+namespace dot_internal {
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+// Eight lanes of key elements [d, d + 8) of a key stored in dtype T, converted exactly to fp32.
+template <DType T>
+[[gnu::always_inline]] inline __m256 LoadKey8(const uint8_t* key, int d) {
+  if constexpr (T == DType::kF32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(key) + d);
+  } else {
+    const __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(key) + d));
+    if constexpr (T == DType::kF16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// DotKey of the eight keys base, base + stride, ..., base + 7 stride in lanes 0..7, bit for
+// bit (n a multiple of 8): their eight partial sums in eight registers, the lanes added in
+// DotKey's order after an 8x8 transpose. Always inlined: its result stays in a register.
+template <DType T>
+[[gnu::always_inline]] inline __m256 Dot8Keys(const uint8_t* base, size_t stride, const float* p, int n) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int d = 0; d < n; d += 8) {
+    const __m256 pv = _mm256_loadu_ps(p + d);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(LoadKey8<T>(base + j * stride, d), pv, a[j]);
+  }
+  // Transpose: lane l of key j goes to register l, position j.
+  const __m256 t0 = _mm256_unpacklo_ps(a[0], a[1]), t1 = _mm256_unpackhi_ps(a[0], a[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(a[2], a[3]), t3 = _mm256_unpackhi_ps(a[2], a[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(a[4], a[5]), t5 = _mm256_unpackhi_ps(a[4], a[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(a[6], a[7]), t7 = _mm256_unpackhi_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  const __m256 lane[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                          _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                          _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                          _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+  // DotKey's tail-free sum: s = 0, then s += acc[0], ..., s += acc[7].
+  __m256 sum = _mm256_add_ps(_mm256_setzero_ps(), lane[0]);
+  for (int l = 1; l < 8; ++l) sum = _mm256_add_ps(sum, lane[l]);
+  return sum;
+}
+
+// DotKeys' eight-at-a-time path for one dtype (the dtype chosen once per call, not per load);
+// returns how many keys it did (a multiple of 8).
+template <DType T>
+inline size_t DotKeys8(const uint8_t* base, size_t stride, const float* p, int n, size_t count, float* out) {
+  size_t i = 0;
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(out + i, Dot8Keys<T>(base + i * stride, stride, p, n));
+  return i;
+}
+#endif
+
+}  // namespace dot_internal
+
 /// DotKey of `count` keys spaced `stride` bytes apart with one probe: out[i] = DotKey(t, key_i,
 /// p, n), bit for bit. Eight keys at a time keep their eight partial sums in eight registers
 /// and add the lanes in DotKey's order after an 8x8 transpose, so the horizontal sums, one
@@ -81,37 +139,16 @@ inline void DotKeys(DType t, const void* keys, size_t stride, const float* p, in
   size_t i = 0;
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
   if (n % 8 == 0) {
-    auto load = [t](const uint8_t* key, int d) -> __m256 {
-      if (t == DType::kF32) return _mm256_loadu_ps(reinterpret_cast<const float*>(key) + d);
-      const __m128i h =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(key) + d));
-      if (t == DType::kF16) return _mm256_cvtph_ps(h);
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    };
-    for (; i + 8 <= count; i += 8) {
-      __m256 a[8];
-      for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-      for (int d = 0; d < n; d += 8) {
-        const __m256 pv = _mm256_loadu_ps(p + d);
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(load(base + (i + j) * stride, d), pv, a[j]);
-      }
-      // Transpose: lane l of key j goes to register l, position j.
-      const __m256 t0 = _mm256_unpacklo_ps(a[0], a[1]), t1 = _mm256_unpackhi_ps(a[0], a[1]);
-      const __m256 t2 = _mm256_unpacklo_ps(a[2], a[3]), t3 = _mm256_unpackhi_ps(a[2], a[3]);
-      const __m256 t4 = _mm256_unpacklo_ps(a[4], a[5]), t5 = _mm256_unpackhi_ps(a[4], a[5]);
-      const __m256 t6 = _mm256_unpacklo_ps(a[6], a[7]), t7 = _mm256_unpackhi_ps(a[6], a[7]);
-      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-      const __m256 lane[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
-                              _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
-                              _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
-                              _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
-      // DotKey's tail-free sum: s = 0, then s += acc[0], ..., s += acc[7].
-      __m256 sum = _mm256_add_ps(_mm256_setzero_ps(), lane[0]);
-      for (int l = 1; l < 8; ++l) sum = _mm256_add_ps(sum, lane[l]);
-      _mm256_storeu_ps(out + i, sum);
+    switch (t) {
+      case DType::kF32:
+        i = dot_internal::DotKeys8<DType::kF32>(base, stride, p, n, count, out);
+        break;
+      case DType::kF16:
+        i = dot_internal::DotKeys8<DType::kF16>(base, stride, p, n, count, out);
+        break;
+      case DType::kBF16:
+        i = dot_internal::DotKeys8<DType::kBF16>(base, stride, p, n, count, out);
+        break;
     }
   }
 #endif
@@ -265,6 +302,61 @@ inline void DotI8Blocks(const int8_t* blocks, size_t n_blocks, const int16_t* p,
 #else
   (void)word;
   DotI8BlocksScalar(blocks, n_blocks, p, D, out);
+#endif
+}
+
+/// A group's best representative per row, from DotI8Blocks' output for the group's R blocks
+/// (dots[r * kI8Block + lane]: representative r of row `lane`) and each key's code scale and
+/// cosine scale at the same places: per lane l, over r = 0..R-1 in order,
+///   best[l]          = max_r dots[r, l] * scale[r, l]
+///   best_cos[l]      = max_r dots[r, l] * cos_scale[r, l]
+///   max_scale[l]     = max_r scale[r, l]
+///   max_cos_scale[l] = max_r cos_scale[r, l]
+/// each max folded as acc = std::max(acc, x) from acc = the r = 0 value, bit for bit (a NaN x
+/// is skipped, a NaN acc stays, equal values keep acc). R >= 1.
+inline void MaxScaledI8Dots(const int32_t* dots, const float* scale, const float* cos_scale, int R,
+                            float* best, float* best_cos, float* max_scale, float* max_cos_scale) {
+  static_assert(kI8Block == 8, "one AVX2 register of lanes");
+#if defined(__AVX2__)
+  // _mm256_max_ps(x, acc) is (x > acc) ? x : acc per lane, which is std::max(acc, x): the same
+  // value where x or acc is NaN and where they are equal. The int32 -> float conversion and the
+  // products round as the scalar casts and products do.
+  auto at = [](const float* v, int r) { return _mm256_loadu_ps(v + static_cast<size_t>(r) * kI8Block); };
+  auto dot_at = [&](int r) {
+    return _mm256_cvtepi32_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dots + static_cast<size_t>(r) * kI8Block)));
+  };
+  __m256 d = dot_at(0), s = at(scale, 0), c = at(cos_scale, 0);
+  __m256 b = _mm256_mul_ps(d, s), bc = _mm256_mul_ps(d, c), ms = s, mc = c;
+  for (int r = 1; r < R; ++r) {
+    d = dot_at(r);
+    s = at(scale, r);
+    c = at(cos_scale, r);
+    b = _mm256_max_ps(_mm256_mul_ps(d, s), b);
+    bc = _mm256_max_ps(_mm256_mul_ps(d, c), bc);
+    ms = _mm256_max_ps(s, ms);
+    mc = _mm256_max_ps(c, mc);
+  }
+  _mm256_storeu_ps(best, b);
+  _mm256_storeu_ps(best_cos, bc);
+  _mm256_storeu_ps(max_scale, ms);
+  _mm256_storeu_ps(max_cos_scale, mc);
+#else
+  constexpr int B = kI8Block;
+  for (int lane = 0; lane < B; ++lane) {
+    best[lane] = static_cast<float>(dots[lane]) * scale[lane];
+    best_cos[lane] = static_cast<float>(dots[lane]) * cos_scale[lane];
+    max_scale[lane] = scale[lane];
+    max_cos_scale[lane] = cos_scale[lane];
+  }
+  for (int r = 1; r < R; ++r)
+    for (int lane = 0; lane < B; ++lane) {
+      const size_t j = static_cast<size_t>(r) * B + lane;
+      best[lane] = std::max(best[lane], static_cast<float>(dots[j]) * scale[j]);
+      best_cos[lane] = std::max(best_cos[lane], static_cast<float>(dots[j]) * cos_scale[j]);
+      max_scale[lane] = std::max(max_scale[lane], scale[j]);
+      max_cos_scale[lane] = std::max(max_cos_scale[lane], cos_scale[j]);
+    }
 #endif
 }
 

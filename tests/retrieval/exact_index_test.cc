@@ -7,11 +7,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/chunk_score.h"
 #include "kernels/cpu/dot.h"
 #include "kvtier/options.h"
 
@@ -1076,6 +1079,153 @@ TEST(ExactChunkIndexKernels, QuantizedBlockDotMatchesFloatDot) {
   std::vector<int16_t> pz(8, 5);
   EXPECT_EQ(kernels::QuantizeProbeI16(zero.data(), 8, pz.data()), 0.0f);
   for (int16_t c : pz) EXPECT_EQ(c, 0);
+}
+
+// Bit equality, NaN included (a NaN equals a NaN, +0 differs from -0).
+bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
+
+TEST(ExactChunkIndexKernels, MaxScaledI8DotsEqualsTheScalarFold) {
+  // The screen's fold over a group's representatives, vectorised over its 8 rows, must give the
+  // bits of acc = std::max(acc, x) in representative order: NaN products (0 x inf), signed
+  // zeros, equal values and infinities included.
+  constexpr int B = kernels::kI8Block;
+  std::mt19937 rng(51);
+  std::uniform_int_distribution<int32_t> dot(-40000, 40000);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int R : {1, 2, 7, 32}) {
+    for (int rep = 0; rep < 200; ++rep) {
+      std::vector<int32_t> dots(static_cast<size_t>(R) * B);
+      std::vector<float> scale(dots.size()), cos_scale(dots.size());
+      for (size_t j = 0; j < dots.size(); ++j) {
+        dots[j] = rep % 3 == 0 && j % 5 == 0 ? 0 : dot(rng);
+        scale[j] = rep % 4 == 0 && j % 7 == 0 ? (j % 2 ? -0.0f : 0.0f) : std::fabs(nd(rng));
+        cos_scale[j] = rep % 5 == 0 && j % 11 == 0 ? inf : std::fabs(nd(rng));
+        if (rep % 6 == 0 && j % 3 == 0) scale[j] = scale[(j + B) % dots.size()];  // equal values
+      }
+      float best[B], best_cos[B], max_scale[B], max_cos_scale[B];
+      kernels::MaxScaledI8Dots(dots.data(), scale.data(), cos_scale.data(), R, best, best_cos, max_scale,
+                               max_cos_scale);
+      for (int lane = 0; lane < B; ++lane) {
+        float b = static_cast<float>(dots[lane]) * scale[lane];
+        float bc = static_cast<float>(dots[lane]) * cos_scale[lane];
+        float ms = scale[lane], mc = cos_scale[lane];
+        for (int r = 1; r < R; ++r) {
+          const size_t j = static_cast<size_t>(r) * B + lane;
+          b = std::max(b, static_cast<float>(dots[j]) * scale[j]);
+          bc = std::max(bc, static_cast<float>(dots[j]) * cos_scale[j]);
+          ms = std::max(ms, scale[j]);
+          mc = std::max(mc, cos_scale[j]);
+        }
+        ASSERT_TRUE(SameBits(best[lane], b)) << "R " << R << " rep " << rep << " lane " << lane;
+        ASSERT_TRUE(SameBits(best_cos[lane], bc)) << "R " << R << " rep " << rep << " lane " << lane;
+        ASSERT_TRUE(SameBits(max_scale[lane], ms)) << "R " << R << " rep " << rep << " lane " << lane;
+        ASSERT_TRUE(SameBits(max_cos_scale[lane], mc)) << "R " << R << " rep " << rep << " lane " << lane;
+      }
+    }
+  }
+}
+
+// MaxDotAndCosine as it folded before its lanes were reduced in a tree: with AVX-512 and
+// n >= 16, sixteen lanes (lane l takes dots l, l + 16, ...) from *best, then the lanes into
+// *best in lane order, then the tail in order; else every dot in order.
+void MaxDotAndCosineReference(const float* dot, const float* inv_norm, float inv_p, size_t n, float* best,
+                              float* best_cos) {
+  float b = *best, bc = *best_cos;
+  size_t r = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    float lb[16], lc[16];
+    for (int l = 0; l < 16; ++l) lb[l] = b, lc[l] = bc;
+    for (; r + 16 <= n; r += 16)
+      for (int l = 0; l < 16; ++l) {
+        lb[l] = std::max(lb[l], dot[r + l]);
+        lc[l] = std::max(lc[l], dot[r + l] * inv_norm[r + l] * inv_p);
+      }
+    for (int l = 0; l < 16; ++l) {
+      b = std::max(b, lb[l]);
+      bc = std::max(bc, lc[l]);
+    }
+  }
+#endif
+  for (; r < n; ++r) {
+    b = std::max(b, dot[r]);
+    bc = std::max(bc, dot[r] * inv_norm[r] * inv_p);
+  }
+  *best = b;
+  *best_cos = bc;
+}
+
+TEST(ExactChunkIndexKernels, MaxDotAndCosineKeepsItsBitsAndBestOfKeysEqualsIt) {
+  // The rescoring's per-chunk fold: MaxDotAndCosine (its lanes now reduced in a tree), MaxDot
+  // (the logit alone) and BestOfKeys (the dots kept in registers) must give the bits of the
+  // lane-by-lane fold above, for every dtype, head width and count of keys, with signed zeros
+  // (the sign a tie keeps), NaN and infinite dots in the mix.
+  std::mt19937 rng(53);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16})
+    for (int D : {8, 16, 24, 12})
+      for (size_t R : {size_t{1}, size_t{8}, size_t{15}, size_t{16}, size_t{17}, size_t{32}, size_t{40}})
+        for (int rep = 0; rep < 20; ++rep) {
+          SCOPED_TRACE(std::string(DTypeName(t)) + " D " + std::to_string(D) + " R " + std::to_string(R) +
+                       " rep " + std::to_string(rep));
+          // Keys: zero keys (dots of +0 and -0 against a probe with negative elements), copies of
+          // one key (equal dots), an infinite element (infinite or NaN dots) in some.
+          std::vector<float> keys(R * static_cast<size_t>(D)), p(static_cast<size_t>(D));
+          for (float& x : p) x = nd(rng);
+          for (size_t r = 0; r < R; ++r)
+            for (int d = 0; d < D; ++d) {
+              float& k = keys[r * D + static_cast<size_t>(d)];
+              k = rep % 3 == 0 && r % 4 != 1 ? (d % 2 ? -0.0f : 0.0f) : nd(rng);
+              if (rep % 5 == 1 && r > 0 && r % 3 == 0) k = keys[static_cast<size_t>(d)];
+              if (rep % 7 == 2 && r == R / 2 && d == 0) k = inf;
+            }
+          const size_t key_bytes = static_cast<size_t>(D) * DTypeSize(t);
+          std::vector<uint8_t> stored(R * key_bytes);
+          FromFloat(t, keys.data(), stored.data(), keys.size());
+          std::vector<float> inv_norm(R);
+          for (size_t r = 0; r < R; ++r) inv_norm[r] = rep % 4 == 3 && r % 5 == 0 ? 0.0f : std::fabs(nd(rng));
+          const float inv_p = kernels::InverseNorm(p.data(), D);
+          std::vector<float> dots(R);
+          kernels::DotKeys(t, stored.data(), key_bytes, p.data(), D, R, dots.data());
+          // A key's dot is never -0 (DotKey's sum starts at +0): signed zeros and NaNs as dots
+          // straight, for the two folds that take dots.
+          std::vector<float> raw(R);
+          for (size_t r = 0; r < R; ++r)
+            raw[r] = rng() % 4 == 0 ? -1.0f : (rng() % 9 == 0 ? std::nanf("") : (rng() % 2 ? 0.0f : -0.0f));
+          for (float start : {-inf, -1.0f}) {
+            float want_b = start, want_c = -1.0f, b = start, c = -1.0f, only = start;
+            MaxDotAndCosineReference(raw.data(), inv_norm.data(), inv_p, R, &want_b, &want_c);
+            kernels::MaxDotAndCosine(raw.data(), inv_norm.data(), inv_p, R, &b, &c);
+            kernels::MaxDot(raw.data(), R, &only);
+            ASSERT_TRUE(SameBits(b, want_b)) << b << " vs " << want_b;
+            ASSERT_TRUE(SameBits(c, want_c)) << c << " vs " << want_c;
+            ASSERT_TRUE(SameBits(only, want_b)) << only << " vs " << want_b;
+          }
+          for (float start : {-inf, 0.0f, -0.0f}) {
+            float want_b = start, want_c = -1.0f;
+            MaxDotAndCosineReference(dots.data(), inv_norm.data(), inv_p, R, &want_b, &want_c);
+            float b = start, c = -1.0f;
+            kernels::MaxDotAndCosine(dots.data(), inv_norm.data(), inv_p, R, &b, &c);
+            ASSERT_TRUE(SameBits(b, want_b)) << b << " vs " << want_b;
+            ASSERT_TRUE(SameBits(c, want_c)) << c << " vs " << want_c;
+            float only = start;
+            kernels::MaxDot(dots.data(), R, &only);
+            ASSERT_TRUE(SameBits(only, want_b)) << only << " vs " << want_b;
+            std::vector<float> scratch(R, std::nanf(""));
+            float kb = start, kc = -1.0f;
+            kernels::BestOfKeys(t, stored.data(), key_bytes, p.data(), D, R, inv_norm.data(), inv_p, &kb, &kc,
+                                scratch.data());
+            ASSERT_TRUE(SameBits(kb, want_b)) << kb << " vs " << want_b;
+            ASSERT_TRUE(SameBits(kc, want_c)) << kc << " vs " << want_c;
+            float lb = start, untouched = 7.0f;
+            kernels::BestOfKeys(t, stored.data(), key_bytes, p.data(), D, R, nullptr, inv_p, &lb, &untouched,
+                                scratch.data());
+            ASSERT_TRUE(SameBits(lb, want_b)) << lb << " vs " << want_b;
+            ASSERT_EQ(untouched, 7.0f) << "no inverse norms: the cosine is not touched";
+          }
+        }
 }
 
 }  // namespace
