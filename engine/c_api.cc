@@ -257,6 +257,7 @@ Status SessionOptionsFromC(const kvtier_session_options& c, kvtier::SessionOptio
   so->keep_queries = c.keep_queries;
   so->retrieve = c.retrieve != 0;
   so->observe_prefill = c.observe_prefill != 0;
+  so->defer_cold_chunks = c.defer_cold_chunks != 0;
   return Status::Ok();
 }
 
@@ -272,6 +273,7 @@ void SessionOptionsToC(const kvtier::SessionOptions& so, kvtier_session_options*
   c->keep_queries = so.keep_queries;
   c->retrieve = so.retrieve ? 1 : 0;
   c->observe_prefill = so.observe_prefill ? 1 : 0;
+  c->defer_cold_chunks = so.defer_cold_chunks ? 1 : 0;
 }
 
 std::string KnownNames() {

@@ -473,7 +473,8 @@ Result<bool> DeviceLane::PrepareLayer(int layer, const std::vector<uint64_t>& ro
   }
   const bool same = L.rows != nullptr && *L.rows == ids;
   const bool epoch_same = L.ok && L.epoch == store_->warm_epoch();
-  if (same && epoch_same && !(L.recheck && !L.missing->empty())) return true;
+  if (same && epoch_same && !(L.recheck && !L.missing->empty()))
+    return options_.defer_cold || L.missing->empty();
   const size_t base = static_cast<size_t>(layer) * m.row_cap;
   // The rows whose sources are asked: the new ones at the end when rows only grew (a seal), the
   // rows with no source when a fetch may have brought them to warm (RefreshRows), else every row
@@ -530,7 +531,11 @@ Result<bool> DeviceLane::PrepareLayer(int layer, const std::vector<uint64_t>& ro
                       std::to_string(sealing[i].index) + " is landing and has no warm slot");
   L.missing = std::make_shared<const std::vector<MissingRow>>(std::move(missing));
   L.ok = true;
-  if (upload.empty()) return true;
+  // Without deferral a row with no warm copy sends the layer to the host path, whose fetch brings
+  // it back to warm: its source is asked again at the next call.
+  const bool runs = options_.defer_cold || L.missing->empty();
+  if (!runs) L.recheck = true;
+  if (upload.empty()) return runs;
   // Sources of contiguous rows go up in one copy per array.
   const size_t count = upload.size();
   const size_t bytes = count * (2 * sizeof(void*) + sizeof(int64_t));
@@ -563,7 +568,7 @@ Result<bool> DeviceLane::PrepareLayer(int layer, const std::vector<uint64_t>& ro
   }
   if (e != cudaSuccess) return CudaFailure("uploading the rows' sources", e);
   KVTIER_RETURN_IF_ERROR(m.staging.Done(stream_));
-  return true;
+  return runs;
 }
 
 Status DeviceLane::ScoreSealedRows(int layer, const Retriever::LaneLayer& sel,

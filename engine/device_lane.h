@@ -63,6 +63,9 @@ struct DeviceLaneOptions {
   int initial_rows = 1024;  ///< rows per layer the table holds at first (it grows by an eighth)
   /// Host [head_dim / 2] RoPE frequencies when memory sees the queries rotated (InfLLM), else empty.
   std::vector<double> rope_inv_freq;
+  /// A row with no warm copy: false, PrepareLayer answers false (the layer takes the host path,
+  /// whose fetch waits for the chunk); true, the row gets no source and a chosen one is deferred.
+  bool defer_cold = false;
   /// InvalidArgument naming the field that is out of range.
   Status Validate() const;
 };

@@ -78,6 +78,13 @@ const std::vector<SessionOptionDesc>& SessionOptionTable() {
        .lo = 0,
        .hi = 1 << 20,
        KVTIER_OPT_INT(Se, keep_queries)},
+      {.name = "defer_cold_chunks",
+       .field = "defer_cold_chunks",
+       .type = OptionType::kBool,
+       .meaning =
+           "cuda device lane: a chosen chunk with no warm copy is skipped for a step and brought back to "
+           "warm with no wait, instead of its layer waiting for it on the host path",
+       KVTIER_OPT_BOOL(Se, defer_cold_chunks)},
   };
   return table;
 }

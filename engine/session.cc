@@ -472,6 +472,7 @@ Result<bool> SessionImpl::AttendOnLane(int layer, const float* q, void* stream, 
       lo.slots = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(step_chunks, sel.cap)));
       lo.max_rows = sel.entropy ? lo.slots : std::max(1, std::min(sel.k, sel.cap));
       lo.rope_inv_freq = inv_freq_;
+      lo.defer_cold = options_.defer_cold_chunks;
       auto lane = DeviceLane::Create(store_, seq_, retriever_->backend()->stream(), lo);
       if (!lane.ok()) {
         lane_unavailable_ = true;  // e.g. no memory for its pool: every layer keeps the host path
@@ -494,7 +495,9 @@ Result<bool> SessionImpl::AttendOnLane(int layer, const float* q, void* stream, 
       // with no warm copy has none, and is deferred when chosen).
       KVTIER_ASSIGN_OR_RETURN(bool prepared, lane_->PrepareLayer(layer, *sel.row_ids, step_view.sealing));
       if (!prepared) {
-        ++lane_unprepared_layers_;  // more chunks landing than the lane scores: the host path lands them
+        // A row with no warm copy (defer_cold_chunks off), or more chunks landing than the lane
+        // scores: the host path fetches or lands them.
+        ++lane_unprepared_layers_;
         return false;
       }
       while (lane_->ring_full()) KVTIER_RETURN_IF_ERROR(TakeLaneReports(step, /*wait=*/true));

@@ -124,8 +124,8 @@ class SessionImpl final : public Session {
   /// Layer calls that ran on the device lane, and those of them whose step report was read.
   uint64_t lane_layer_steps() const { return lane_layer_steps_; }
   uint64_t lane_reports_read() const { return lane_reports_read_; }
-  /// Chunks the lane found only in a lower tier (no warm copy): their layer took the host path,
-  /// whose fetch promoted them to warm for the next step.
+  /// Layer calls the lane could not take (a row with no warm copy without defer_cold_chunks, or
+  /// more than 8 chunks landing): the host path ran them.
   uint64_t lane_unprepared_layers() const { return lane_unprepared_layers_; }
   /// Rows the lane scored for chunks still landing (chosen on the device, DeviceLane::PrepareLayer).
   uint64_t lane_landing_rows() const { return lane_landing_rows_; }

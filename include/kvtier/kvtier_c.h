@@ -218,16 +218,19 @@ typedef struct kvtier_session_options {
   int screen_period;          /* a decode step screens a rotating 1/screen_period of a layer's
                                  chunks and rescores its shortlist (1 = every chunk every step) */
   /* The rest of kvtier::SessionOptions (docs/options.md has every meaning). */
-  const char* probe;   /* probe builder spec; NULL = the preset's */
-  const char* alloc;   /* budget allocator spec; NULL = the preset's */
-  const char* index;   /* chunk index spec; NULL = the preset's */
-  int retrieve;        /* 0: attend every live chunk (full attention through the store) */
-  int observe_prefill; /* 1: prefill attends feed representative-key statistics */
+  const char* probe;     /* probe builder spec; NULL = the preset's */
+  const char* alloc;     /* budget allocator spec; NULL = the preset's */
+  const char* index;     /* chunk index spec; NULL = the preset's */
+  int retrieve;          /* 0: attend every live chunk (full attention through the store) */
+  int observe_prefill;   /* 1: prefill attends feed representative-key statistics */
+  int defer_cold_chunks; /* 1: the device lane skips a chosen chunk with no warm copy for a step
+                          * (counted in chunks_deferred) instead of waiting for it on the host path */
 } kvtier_session_options;
 
 /* kvtier::SessionOptions' defaults: preset "kvtier", 2048 tokens (0 = sinks and local window
  * only), absolute positions, rope_theta 10000, keep_queries 0, reuse_cosine 0,
- * screen_period 1, the preset's probe, alloc and index, retrieve 1, observe_prefill 1. */
+ * screen_period 1, the preset's probe, alloc and index, retrieve 1, observe_prefill 1,
+ * defer_cold_chunks 0. */
 kvtier_session_options kvtier_session_options_default(void);
 
 /* As kvtier_store_options_set, for the session's options ("budget_tokens", "alloc",

@@ -158,6 +158,7 @@ class Session:
         rope_theta: float = 10000.0,
         observe_prefill: bool = True,
         keep_queries: int = 0,
+        defer_cold_chunks: bool = False,
     ) -> Session: ...
     @staticmethod
     def attach(
@@ -177,6 +178,7 @@ class Session:
         rope_theta: float = 10000.0,
         observe_prefill: bool = True,
         keep_queries: int = 0,
+        defer_cold_chunks: bool = False,
     ) -> Session: ...
     @property
     def sequence(self) -> int: ...

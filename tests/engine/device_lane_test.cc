@@ -89,6 +89,7 @@ struct LaneCase {
   // The lane store holds chunks landing (StoreHooks::hold_landing) for 12 of every 20 steps, so
   // that lane steps score chunks still landing as rows; the host store lands each at once.
   bool hold_landing = false;
+  bool defer_cold = false;  // SessionOptions::defer_cold_chunks of the lane session
 };
 
 struct LaneResult {
@@ -115,6 +116,7 @@ void RunLaneAgainstHostCalls(const LaneCase& c, LaneResult* r) {
   o.retrieval.index = c.index;
   o.positions = c.positions;
   auto hs = Session::Open(host_store->get(), o);
+  o.defer_cold_chunks = c.defer_cold;
   auto ls = Session::Open(lane_store->get(), o);
   ASSERT_TRUE(hs.ok()) << hs.status().ToString();
   ASSERT_TRUE(ls.ok()) << ls.status().ToString();
@@ -350,15 +352,36 @@ TEST(DeviceLane, LaneStepsMakeNoHostWaitAcrossSealsWithReportsReadOneStepLate) {
 }
 
 // Warm holds 24 chunks of the ~60 the run seals, over a cold tier: warm turns over, the store
-// waits on the lane's fence and moves the epoch, and the lane asks for the addresses again. A
-// chosen chunk only in the cold tier (and not in the lane's pool) is deferred: the layer attends
-// without it, the session's fetch brings it back to warm, and a later step finds its source.
-// Every layer step runs on the lane; the layers with no deferral give the host calls' outputs.
+// waits on the lane's fence and moves the epoch, the lane asks for the addresses again, and a
+// layer with a chunk only in the cold tier takes the host path (whose fetch reads it back).
+// Outputs and chunks stay the host calls'.
 TEST(DeviceLane, WarmTurnoverWaitsOnTheFenceAndTheLaneAsksAgain) {
   SKIP_WITHOUT_DEVICE();
   LaneCase c;
   c.steps = 200;
   c.warm_chunks = 24;
+  LaneResult r;
+  RunLaneAgainstHostCalls(c, &r);
+  EXPECT_GT(r.fences, 0u) << "warm never turned over an exposed slot";
+  EXPECT_GT(r.lane_layer_steps, 0u);
+  EXPECT_GT(r.cold_layers, 0u) << "no layer had a chunk only in the cold tier";
+  EXPECT_EQ(r.deferred, 0u);
+  EXPECT_EQ(r.deferred_layer_steps, 0u);
+  std::printf("warm turnover: fences %llu, cold layers (host path) %llu, lane layer steps %llu\n",
+              static_cast<unsigned long long>(r.fences), static_cast<unsigned long long>(r.cold_layers),
+              static_cast<unsigned long long>(r.lane_layer_steps));
+}
+
+// The same with defer_cold_chunks: a chosen chunk only in the cold tier (and not in the lane's
+// pool) is deferred: the layer attends without it, the session's fetch brings it back to warm,
+// and a later step finds its source. Every layer step runs on the lane; the layers with no
+// deferral give the host calls' outputs, the others attend the host's chunks less the deferred.
+TEST(DeviceLane, WarmTurnoverDefersColdChunksOnTheLane) {
+  SKIP_WITHOUT_DEVICE();
+  LaneCase c;
+  c.steps = 200;
+  c.warm_chunks = 24;
+  c.defer_cold = true;
   LaneResult r;
   RunLaneAgainstHostCalls(c, &r);
   EXPECT_GT(r.fences, 0u) << "warm never turned over an exposed slot";
