@@ -290,6 +290,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
     SessionOptions so;
     so.retrieval = ro;
     so.observe_prefill = false;
+    so.defer_cold_chunks = opt.defer_cold_chunks;
     KVTIER_ASSIGN_OR_RETURN(m.session, Session::Attach(m.store, m.seq, so));
     methods.push_back(std::move(m));
     return Status::Ok();

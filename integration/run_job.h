@@ -58,6 +58,9 @@ struct RunOptions {
   /// on the driver's own stream (Session::AppendDevice / AttendDevice, integration/device_driver.h),
   /// as an engine does; true: through the host-pointer Append / Attend instead. Host tiers ignore it.
   bool host_calls = false;
+  /// SessionOptions::defer_cold_chunks of every method's session (the device lane skips a chosen
+  /// chunk with no warm copy for a step instead of waiting for it).
+  bool defer_cold_chunks = false;
   Status Validate() const;
 };
 

@@ -374,6 +374,15 @@ int CmdRun(int argc, char** argv) {
       },
       true);
   f.Add(
+      "defer-cold-chunks",
+      "on a cuda tier's device lane, skip a chosen chunk with no warm copy for a step (counted, brought back "
+      "to warm with no wait) instead of waiting for it on the host path (SessionOptions::defer_cold_chunks)",
+      [&o](const std::string& s) {
+        o.defer_cold_chunks = s != "0";
+        return Status::Ok();
+      },
+      true);
+  f.Add(
       "no-baseline", "skip the full-attention comparison",
       [&o](const std::string& s) {
         o.baseline = s == "0";
