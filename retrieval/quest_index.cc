@@ -28,7 +28,8 @@ Result<QuestIndexOptions> QuestIndexOptions::Parse(const std::string& spec) {
                                "' (expected sum or max)");
       }
     } else {
-      return InvalidArgument("unknown key '" + key + "' for index 'Quest' in spec '" + spec + "' (known: heads)");
+      return InvalidArgument("unknown key '" + key + "' for index 'Quest' in spec '" + spec +
+                             "' (known: heads)");
     }
   }
   return o;

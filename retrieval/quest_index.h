@@ -71,7 +71,8 @@ class QuestChunkIndex final : public ChunkIndex {
               std::vector<uint64_t>* out) const override;
   Status BestOf(const float* probe, const std::vector<uint64_t>& chunks, ChunkRank rank, size_t take,
                 std::vector<uint64_t>* out) const override;
-  Status ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks, ChunkScores* out) const override;
+  Status ScoreChunks(const float* probe, const std::vector<uint64_t>& chunks,
+                     ChunkScores* out) const override;
   size_t size() const override { return ids_.size(); }
   uint64_t memory_bytes() const override;
   IndexReadBytes read_bytes() const override {
@@ -94,9 +95,9 @@ class QuestChunkIndex final : public ChunkIndex {
   uint64_t RowBytes() const;  // what scoring one row reads
 
   const QuestIndexOptions options_;
-  std::vector<uint64_t> ids_;   // [rows] ascending chunk indices
-  std::vector<float> box_;      // [rows, heads, 2 D]: M (max), then m (min)
-  std::vector<float> corner_;   // [rows, heads]: r, the norm of the box's farthest corner
+  std::vector<uint64_t> ids_;  // [rows] ascending chunk indices
+  std::vector<float> box_;     // [rows, heads, 2 D]: M (max), then m (min)
+  std::vector<float> corner_;  // [rows, heads]: r, the norm of the box's farthest corner
   mutable std::atomic<uint64_t> first_stage_bytes_{0};
   mutable std::atomic<uint64_t> rescoring_bytes_{0};
 };

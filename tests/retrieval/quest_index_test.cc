@@ -55,7 +55,8 @@ TEST(QuestIndex, ScoreBoundsEveryKeyOfTheChunk) {
     for (size_t c = 0; c < n; ++c) {
       const float scale = 0.1f + static_cast<float>(c % 7);
       const float shift = c % 5 == 0 ? 3.0f : (c % 5 == 1 ? -3.0f : 0.0f);  // one-signed boxes
-      for (size_t i = 0; i < shape.repr_floats(); ++i) reprs[c * shape.repr_floats() + i] = shift + scale * g(rng);
+      for (size_t i = 0; i < shape.repr_floats(); ++i)
+        reprs[c * shape.repr_floats() + i] = shift + scale * g(rng);
     }
     ASSERT_TRUE(AddAll(index.get(), reprs, n).ok());
     for (int trial = 0; trial < 20; ++trial) {
@@ -123,8 +124,8 @@ TEST(QuestIndex, ScoreBoundsEveryKeyOfTheChunk) {
 TEST(QuestIndex, TwoChunksByHand) {
   const ChunkShape shape{2, 2, 2, DType::kF32};
   const std::vector<float> reprs = {
-      1, -2, 0, 0, /* r1 */ 3, 0, 0, 0,  // chunk 0
-      -1, 1, 2, 2, /* r1 */ 0, 4, 2, 2,  // chunk 1
+      1,  -2, 0, 0, /* r1 */ 3, 0, 0, 0,  // chunk 0
+      -1, 1,  2, 2, /* r1 */ 0, 4, 2, 2,  // chunk 1
   };
   const std::vector<float> p = {1, -1, 1, 1};
   const double c0 = 5.0 / std::sqrt(26.0), c1 = -1.0 / std::sqrt(34.0);
@@ -196,8 +197,8 @@ TEST(QuestIndex, RemoveScoreChunksAndBytes) {
   std::vector<uint64_t> best;
   ASSERT_TRUE(index->BestOf(p.data(), {3, 7, 29}, ChunkRank::kLogit, 1, &best).ok());
   const uint64_t expect = all.logit[3] >= all.logit[7] && all.logit[3] >= all.logit[29] ? 3
-                          : all.logit[7] >= all.logit[29]                              ? 7
-                                                                                       : 29;
+                          : all.logit[7] >= all.logit[29]                               ? 7
+                                                                                        : 29;
   EXPECT_EQ(best, std::vector<uint64_t>{expect});
   // Not a whole screen: Best refuses it.
   EXPECT_EQ(index->Best(p.data(), some, ChunkRank::kLogit, 1, &best).code(), StatusCode::kInvalidArgument);
@@ -251,7 +252,8 @@ TEST(QuestIndex, BadInputIsNamed) {
   // A non-finite representative: named (chunk, representative, head, element); the batch is
   // all or nothing.
   std::vector<float> bad(2 * shape.repr_floats(), 1.0f);
-  bad[shape.repr_floats() + 1 * 8 + 1 * 4 + 2] = std::numeric_limits<float>::quiet_NaN();  // chunk 6, r1, h1, d2
+  bad[shape.repr_floats() + 1 * 8 + 1 * 4 + 2] =
+      std::numeric_limits<float>::quiet_NaN();  // chunk 6, r1, h1, d2
   st = index->Add({5, 6}, [&](uint64_t c, float* out) {
     std::copy_n(bad.data() + (c - 5) * shape.repr_floats(), shape.repr_floats(), out);
     return Status::Ok();
