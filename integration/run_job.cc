@@ -261,7 +261,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
   //    whatever the run's budget. Needs n_local to be a multiple of 128.
   //  * Quest: its bound needs every key's min and max, and an index sees representatives only,
   //    so every key is one (repr_topk = chunk_size); not opened when the configured store keeps
-  //    every key per kv head already.
+  //    every key per kv head already, without an index cap (the Quest kind takes none).
   const bool scoring_policy =
       !opt.compress.empty() || opt.store.warm_policy != "lru" || opt.store.hot_policy != "lru";
   const bool own_stores = opt.compare && !scoring_policy && !opt.store.data_dir.empty();
@@ -301,16 +301,19 @@ Result<RunReport> RunJob(const RunOptions& options) {
     qo.chunk_size = kInfLLMBlock;
     qo.repr_topk = kInfLLMReprTopk;
     qo.repr_heads = ReprHeads::kQuery;
+    qo.index_bytes = 0;  // its index kind (Flat) takes no memory cap
     // Its top blocks fit the hot slot pool whatever the run's budget.
     qo.hot_bytes = std::max<uint64_t>(qo.hot_bytes, uint64_t{kInfLLMTopBlocks} * qo.chunk_bytes());
     KVTIER_ASSIGN_OR_RETURN(infllm_defaults_own, open_own(qo, "infllm-own-defaults"));
   }
   OwnStore* quest_own = nullptr;
-  const bool quest_shared = opt.store.repr_topk == cs && opt.store.repr_heads == ReprHeads::kKv;
+  const bool quest_shared =
+      opt.store.repr_topk == cs && opt.store.repr_heads == ReprHeads::kKv && opt.store.index_bytes == 0;
   if (own_stores && !quest_shared) {
     StoreOptions qo = opt.store;
     qo.repr_topk = cs;
     qo.repr_heads = ReprHeads::kKv;
+    qo.index_bytes = 0;  // its index kind (Quest) takes no memory cap
     KVTIER_ASSIGN_OR_RETURN(quest_own, open_own(qo, "quest-every-key"));
   }
 
