@@ -138,6 +138,7 @@ struct Method {
   // tokens whose representatives are per query head (see "InfLLM as written" below).
   TieredStore* store = nullptr;
   SequenceId seq = 0;
+  int chunk_size = 0;                // its store's chunk size (own stores may differ from the configured)
   std::unique_ptr<Session> session;  // its own retrieval state over its sequence
   std::vector<StepRecord> steps;     // [0] question window, then decode steps
   uint64_t bytes_moved = 0;
@@ -240,41 +241,80 @@ Result<RunReport> RunJob(const RunOptions& options) {
   const int n_sink = opt.store.n_sink, cs = opt.store.chunk_size;
   rep.context_kv_bytes = static_cast<uint64_t>(context) * L * g.token_kv_bytes();
 
-  // ---- InfLLM as written: representatives per query head ----
-  // InfLLM's ContextManager keeps each query head's own representatives (its top repr_topk
-  // tokens by the attention it gave them) and scores a block per query head. The comparison's
-  // InfLLM row reads a second store of the same tokens with StoreOptions::repr_heads = query
-  // (cold tier in a directory under data_dir, removed at the end; no remote tier), fed the
-  // same K/V and observed queries, so the other rows keep the configured store. Not opened
-  // (the row reads the configured store) when the configured store is per query head already,
-  // when every key is a representative (repr_topk = chunk_size: a query head's mean
-  // representative is then its kv head's mean key, and the score is the kv-head score times
-  // the group size, the same ranking), with a scoring policy or compression (they drop chunks
-  // of the configured store only), or without a cold tier (data_dir empty: the context would
-  // not fit the second store's warm tier).
+  // ---- rows with a store of their own ----
+  // A comparison row whose paper keeps its chunks otherwise than the configured store reads a
+  // second store of the same tokens (cold tier in a directory under data_dir, removed at the
+  // end; no remote tier), fed the same K/V and observed queries, so the other rows keep the
+  // configured store. None is opened with a scoring policy or compression (they drop chunks of
+  // the configured store only) or without a cold tier (data_dir empty: the context would not fit
+  // a second store's warm tier); the rows that need one are then left out (RunReport::
+  // compare_notes says so), except InfLLM's, which reads the configured store as before.
+  //  * InfLLM as written: InfLLM's ContextManager keeps each query head's own representatives
+  //    (its top repr_topk tokens by the attention it gave them) and scores a block per query
+  //    head: StoreOptions::repr_heads = query. Not opened (the row reads the configured store)
+  //    when the configured store is per query head already, or when every key is a
+  //    representative (repr_topk = chunk_size: a query head's mean representative is then its
+  //    kv head's mean key, and the score is the kv-head score times the group size, the same
+  //    ranking).
+  //  * InfLLM at its own defaults: the same, with InfLLM's block size 128, 4 representatives and
+  //    its top 16 blocks (kInfLLMBlock, kInfLLMReprTopk, kInfLLMTopBlocks): 2048 tokens a layer
+  //    whatever the run's budget. Needs n_local to be a multiple of 128.
+  //  * Quest: its bound needs every key's min and max, and an index sees representatives only,
+  //    so every key is one (repr_topk = chunk_size); not opened when the configured store keeps
+  //    every key per kv head already, without an index cap (the Quest kind takes none).
   const bool scoring_policy =
       !opt.compress.empty() || opt.store.warm_policy != "lru" || opt.store.hot_policy != "lru";
-  const bool infllm_query_store = opt.compare && opt.store.repr_heads == ReprHeads::kKv &&
-                                  opt.store.repr_topk < cs && !scoring_policy && !opt.store.data_dir.empty();
-  struct RemoveDirAtEnd {  // after the store below is gone
-    std::string dir;
-    ~RemoveDirAtEnd() {
-      std::error_code ec;
-      if (!dir.empty()) std::filesystem::remove_all(dir, ec);
-    }
-  } infllm_dir;
-  std::unique_ptr<TieredStore> infllm_store;
-  SequenceId infllm_seq = 0;
-  if (infllm_query_store) {
+  const bool own_stores = opt.compare && !scoring_policy && !opt.store.data_dir.empty();
+  struct OwnStore {
+    struct RemoveDirAtEnd {  // after the store below is gone
+      std::string dir;
+      ~RemoveDirAtEnd() {
+        std::error_code ec;
+        if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+      }
+    } dir;
+    std::unique_ptr<TieredStore> store;
+    SequenceId seq = 0;
+  };
+  std::vector<std::unique_ptr<OwnStore>> own;  // outlives the methods' sessions (declared later)
+  auto open_own = [&](StoreOptions so, const std::string& subdir) -> Result<OwnStore*> {
+    so.remote.clear();
+    so.data_dir = opt.store.data_dir + "/" + subdir;
+    auto os = std::make_unique<OwnStore>();
+    os->dir.dir = so.data_dir;
+    std::error_code ec;
+    std::filesystem::remove_all(so.data_dir, ec);  // what an interrupted run left
+    KVTIER_ASSIGN_OR_RETURN(os->store, TieredStore::Open(so));
+    KVTIER_ASSIGN_OR_RETURN(os->seq, os->store->CreateSequence());
+    own.push_back(std::move(os));
+    return own.back().get();
+  };
+  OwnStore* infllm_own = nullptr;
+  if (own_stores && opt.store.repr_heads == ReprHeads::kKv && opt.store.repr_topk < cs) {
     StoreOptions qo = opt.store;
     qo.repr_heads = ReprHeads::kQuery;
-    qo.remote.clear();
-    qo.data_dir = opt.store.data_dir + "/infllm-query-heads";
-    infllm_dir.dir = qo.data_dir;
-    std::error_code ec;
-    std::filesystem::remove_all(qo.data_dir, ec);  // what an interrupted run left
-    KVTIER_ASSIGN_OR_RETURN(infllm_store, TieredStore::Open(qo));
-    KVTIER_ASSIGN_OR_RETURN(infllm_seq, infllm_store->CreateSequence());
+    KVTIER_ASSIGN_OR_RETURN(infllm_own, open_own(qo, "infllm-query-heads"));
+  }
+  OwnStore* infllm_defaults_own = nullptr;
+  if (own_stores && opt.store.n_local % kInfLLMBlock == 0) {
+    StoreOptions qo = opt.store;
+    qo.chunk_size = kInfLLMBlock;
+    qo.repr_topk = kInfLLMReprTopk;
+    qo.repr_heads = ReprHeads::kQuery;
+    qo.index_bytes = 0;  // its index kind (Flat) takes no memory cap
+    // Its top blocks fit the hot slot pool whatever the run's budget.
+    qo.hot_bytes = std::max<uint64_t>(qo.hot_bytes, uint64_t{kInfLLMTopBlocks} * qo.chunk_bytes());
+    KVTIER_ASSIGN_OR_RETURN(infllm_defaults_own, open_own(qo, "infllm-own-defaults"));
+  }
+  OwnStore* quest_own = nullptr;
+  const bool quest_shared =
+      opt.store.repr_topk == cs && opt.store.repr_heads == ReprHeads::kKv && opt.store.index_bytes == 0;
+  if (own_stores && !quest_shared) {
+    StoreOptions qo = opt.store;
+    qo.repr_topk = cs;
+    qo.repr_heads = ReprHeads::kKv;
+    qo.index_bytes = 0;  // its index kind (Quest) takes no memory cap
+    KVTIER_ASSIGN_OR_RETURN(quest_own, open_own(qo, "quest-every-key"));
   }
 
   // ---- the methods: the configured one, or the comparison set ----
@@ -285,6 +325,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
     m.name = name;
     m.store = own_store != nullptr ? own_store : store.get();
     m.seq = own_store != nullptr ? own_seq : seq;
+    m.chunk_size = m.store->options().chunk_size;
     // Representative-key statistics come from the prefill below (every stat_stride-th query),
     // once for the sequence, not from each method's evaluated steps.
     SessionOptions so;
@@ -314,9 +355,44 @@ Result<RunReport> RunJob(const RunOptions& options) {
     KVTIER_ASSIGN_OR_RETURN(RetrieverOptions actqkv,
                             paper("actqkv", "act", "entropy:rank=cosine", opt.budget));
     KVTIER_RETURN_IF_ERROR(add_method("StreamingLLM", streaming));
-    KVTIER_RETURN_IF_ERROR(add_method("InfLLM", infllm, infllm_store.get(), infllm_seq));
+    KVTIER_RETURN_IF_ERROR(add_method("InfLLM", infllm, infllm_own ? infllm_own->store.get() : nullptr,
+                                      infllm_own ? infllm_own->seq : 0));
+    if (infllm_defaults_own != nullptr) {
+      // InfLLM's scoring (as the InfLLM row computes it) over its own store, at its top 16 blocks.
+      RetrieverOptions d = infllm;
+      d.budget_tokens = kInfLLMTopBlocks * kInfLLMBlock;
+      KVTIER_RETURN_IF_ERROR(
+          add_method(kInfLLMDefaultsRow, d, infllm_defaults_own->store.get(), infllm_defaults_own->seq));
+      if (d.budget_tokens != opt.budget)
+        rep.compare_notes.push_back(std::string(kInfLLMDefaultsRow) + " retrieves its own default, " +
+                                    std::to_string(kInfLLMTopBlocks) + " blocks of " +
+                                    std::to_string(kInfLLMBlock) + " = " + std::to_string(d.budget_tokens) +
+                                    " tokens a layer; the other rows " + std::to_string(opt.budget));
+    } else {
+      rep.compare_notes.push_back(
+          std::string(kInfLLMDefaultsRow) + " left out: " +
+          (!own_stores ? std::string("it needs a store of its own (a cold tier, no scoring policy)")
+                       : "n_local (" + std::to_string(opt.store.n_local) +
+                             ") is not a multiple of its block (" + std::to_string(kInfLLMBlock) + ")"));
+    }
     KVTIER_RETURN_IF_ERROR(add_method("ActQKV w/o cut-off", act_topk));
     KVTIER_RETURN_IF_ERROR(add_method("ActQKV", actqkv));
+    if (quest_own != nullptr || quest_shared) {
+      // Quest's bound over every key, the current query's (mean-pooled per kv head) probe, a
+      // fixed top-k at the run's budget.
+      RetrieverOptions q = configured;
+      q.probe = "mean";
+      q.alloc = "topk";
+      q.index = kQuestRowIndex;
+      q.reuse_cosine = 0.0;
+      q.screen_period = 1;
+      KVTIER_RETURN_IF_ERROR(add_method("Quest", q, quest_own ? quest_own->store.get() : nullptr,
+                                        quest_own ? quest_own->seq : 0));
+    } else {
+      rep.compare_notes.push_back(
+          "Quest left out: it needs a store of its own (a cold tier, no scoring policy) that keeps every key "
+          "as a representative");
+    }
     KVTIER_RETURN_IF_ERROR(add_method("kvtier", configured));
   } else {
     KVTIER_RETURN_IF_ERROR(add_method("configured", configured));
@@ -391,13 +467,13 @@ Result<RunReport> RunJob(const RunOptions& options) {
       if (!spos.empty() && opt.store.repr_topk < cs)
         KVTIER_RETURN_IF_ERROR(
             ObserveQueries(*store, seq, l, sq.data(), spos.data(), static_cast<int>(spos.size())));
-      // InfLLM's own store takes the window too (not in prefill_s: the configured store's prefill).
+      // The rows' own stores take the window too (not in prefill_s: the configured store's prefill).
       const int m = static_cast<int>(e - b);
       const double own0 = NowSeconds();
       for (Method& mt : methods) {
-        if (mt.store == store.get()) continue;
+        if (mt.store == store.get()) continue;  // each own store has one row
         KVTIER_RETURN_IF_ERROR(mt.session->Append(l, kb.data(), vb.data(), m, g.dtype));
-        if (!spos.empty() && opt.store.repr_topk < cs)
+        if (!spos.empty() && mt.store->options().repr_topk < mt.chunk_size)
           KVTIER_RETURN_IF_ERROR(
               ObserveQueries(*mt.store, mt.seq, l, sq.data(), spos.data(), static_cast<int>(spos.size())));
       }
@@ -438,6 +514,8 @@ Result<RunReport> RunJob(const RunOptions& options) {
     const double t0 = NowSeconds();
     KVTIER_RETURN_IF_ERROR(store->WaitForDurable());
     rep.prefill_drain_s = NowSeconds() - t0;
+    // The rows' own stores too, so that no row's steps share the cores with their write-back.
+    for (const auto& os : own) KVTIER_RETURN_IF_ERROR(os->store->WaitForDurable());
   }
 
   // ---- the scoring policy at prefill end: demotion scores and/or compression ----
@@ -607,7 +685,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
     }
     const StoreCounters after = mt.store->counters();
     rec.bytes_moved = after.bytes_moved - moved0;
-    rec.fetch_bytes = (loads(after) - loads(before)) * opt.store.chunk_bytes();
+    rec.fetch_bytes = (loads(after) - loads(before)) * mt.store->options().chunk_bytes();
     return rec;
   };
 
@@ -643,7 +721,9 @@ Result<RunReport> RunJob(const RunOptions& options) {
   Progress dprog(opt.progress, "decode", opt.workload.decode_steps, "steps");
   for (int s = 0; s < opt.workload.decode_steps; ++s) {
     const int64_t p = context + s;
-    double append_ms = 0, own_append_ms = 0;  // the configured store's, InfLLM's own store's
+    // The configured store's append, and each own store's (by row: each own store has one).
+    double append_ms = 0;
+    std::vector<double> own_append_ms(methods.size(), 0.0);
     for (int l = 0; l < L; ++l) {
       generate(l, p, p + 1);
       step_q[l].assign(qf.begin(), qf.end());
@@ -655,12 +735,14 @@ Result<RunReport> RunJob(const RunOptions& options) {
           KVTIER_RETURN_IF_ERROR(driver->Append(mt.session.get(), l, kb.data(), vb.data(), g.dtype));
         else
           KVTIER_RETURN_IF_ERROR(mt.session->Append(l, kb.data(), vb.data(), 1, g.dtype));
-        (shared ? append_ms : own_append_ms) += 1e3 * (NowSeconds() - t0);
+        (shared ? append_ms : own_append_ms[static_cast<size_t>(&mt - methods.data())]) +=
+            1e3 * (NowSeconds() - t0);
       }
     }
     for (Method& mt : methods) {
       KVTIER_ASSIGN_OR_RETURN(StepRecord rec, sparse_step(mt, p, 1, true, step_q));
-      rec.append_ms = mt.store == store.get() ? append_ms : own_append_ms;
+      rec.append_ms =
+          mt.store == store.get() ? append_ms : own_append_ms[static_cast<size_t>(&mt - methods.data())];
       if (&mt == &methods[0]) rec.q_layer_cache = step_q;  // the baseline replays these queries
       mt.steps.push_back(std::move(rec));
     }
@@ -714,12 +796,12 @@ Result<RunReport> RunJob(const RunOptions& options) {
                         (rep.counters.hot_bytes - rep.counters.hot_chunks * opt.store.chunk_bytes()) +
                         store->metadata_bytes() + index_bound + rep.policy.scratch_bytes +
                         work.memory_bytes() + kRunRssOverheadBytes;
-  if (infllm_store) {  // InfLLM's own store: its tiers and records as well
-    KVTIER_RETURN_IF_ERROR(infllm_store->WaitForDurable());
-    const StoreCounters c = infllm_store->counters();
-    rep.rss_bound_bytes += opt.store.warm_bytes + opt.store.hot_bytes +
-                           (c.hot_bytes - c.hot_chunks * opt.store.chunk_bytes()) +
-                           infllm_store->metadata_bytes();
+  for (const auto& os : own) {  // the rows' own stores: their tiers and records as well
+    KVTIER_RETURN_IF_ERROR(os->store->WaitForDurable());
+    const StoreOptions& so = os->store->options();
+    const StoreCounters c = os->store->counters();
+    rep.rss_bound_bytes += so.warm_bytes + so.hot_bytes + (c.hot_bytes - c.hot_chunks * so.chunk_bytes()) +
+                           os->store->metadata_bytes();
   }
 
   // ---- chunk choice: the buckets of every method's chunk_counts, and the sought needles ----
@@ -731,10 +813,14 @@ Result<RunReport> RunJob(const RunOptions& options) {
     KVTIER_ASSIGN_OR_RETURN(uint64_t n, store->ChunkCount(seq, l));
     cc.chunks = std::max(cc.chunks, n);
   }
+  // A row's chunk c (of its own chunk size) counts in the bucket of its first token.
+  auto cc_chunk = [&](const Method& mt, uint64_t c) {
+    return c * static_cast<uint64_t>(mt.chunk_size) / static_cast<uint64_t>(cs);
+  };
   for (const Method& mt : methods)
     for (const StepRecord& r : mt.steps)
       for (const Attended& a : r.attended)
-        if (!a.chunks.empty()) cc.chunks = std::max(cc.chunks, a.chunks.back() + 1);  // sorted
+        if (!a.chunks.empty()) cc.chunks = std::max(cc.chunks, cc_chunk(mt, a.chunks.back()) + 1);  // sorted
   cc.bucket_chunks = std::max<uint64_t>(1, (cc.chunks + kMaxChunkChoiceBuckets - 1) / kMaxChunkChoiceBuckets);
   cc.buckets = (cc.chunks + cc.bucket_chunks - 1) / cc.bucket_chunks;
   for (int64_t p = qbegin; p < work.total_tokens(); ++p)
@@ -745,30 +831,37 @@ Result<RunReport> RunJob(const RunOptions& options) {
 
   // ---- per-method timing and needle hits (no baseline needed) ----
   // Whether the attended set holds every token of every needle the m queries from `first` seek.
-  auto needles_attended = [&](int64_t first, int m, const Attended& attended) {
+  auto needles_attended = [&](int64_t first, int m, const Attended& attended, int chunk_size) {
     std::vector<TokenRange> sought;
     for (int i = 0; i < m; ++i)
       for (const TokenRange& r : work.SoughtNeedles(first + i))
         if (std::find(sought.begin(), sought.end(), r) == sought.end()) sought.push_back(r);
     for (const TokenRange& r : sought)
       for (int64_t t = r.begin; t < r.end; ++t)
-        if (!attended.Contains(t, n_sink, cs)) return false;
+        if (!attended.Contains(t, n_sink, chunk_size)) return false;
     return true;
   };
-  auto needle_hit = [&](const StepRecord& rec, int l) {
-    return needles_attended(rec.first_position, rec.m, rec.attended[l]);
+  auto needle_hit = [&](const StepRecord& rec, int l, int chunk_size) {
+    return needles_attended(rec.first_position, rec.m, rec.attended[l], chunk_size);
   };
   for (Method& mt : methods) {
     MethodReport mr;
     mr.name = mt.name;
     mr.spec = ImplOf(*mt.session).retriever()->Describe();
+    mr.chunk_size = mt.chunk_size;
+    mr.budget_tokens = mt.session->options().retrieval.budget_tokens;
     mr.selections = ImplOf(*mt.session).retriever()->selections();
     mr.reused_selections = ImplOf(*mt.session).retriever()->reused_selections();
     mr.sliced_selections = ImplOf(*mt.session).retriever()->sliced_selections();
     mr.chunk_counts.assign(static_cast<size_t>(L), std::vector<uint64_t>(cc.buckets, 0));
     mr.chunk_max_steps = mr.chunk_counts;
+    // [layer][the row's chunk index]
+    uint64_t own_chunks = 0;
+    for (const StepRecord& r : mt.steps)
+      for (const Attended& a : r.attended)
+        if (!a.chunks.empty()) own_chunks = std::max(own_chunks, a.chunks.back() + 1);  // sorted
     std::vector<std::vector<uint32_t>> chunk_steps(static_cast<size_t>(L),
-                                                   std::vector<uint32_t>(cc.chunks, 0));
+                                                   std::vector<uint32_t>(own_chunks, 0));
     std::vector<double> probe, search, alloc, fetch, attn, app, other, share;
     int hits = 0, total = 0, qhits = 0;
     double chunks = 0;
@@ -782,7 +875,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
       StepRecord& r = mt.steps[i];
       r.ms = r.append_ms + r.probe_ms + r.retrieve_ms + r.alloc_ms + r.fetch_ms + r.attention_ms;
       for (int l = 0; l < L; ++l) {
-        const bool hit = needle_hit(r, l);
+        const bool hit = needle_hit(r, l, mt.chunk_size);
         if (i == 0)
           qhits += hit;
         else {
@@ -817,8 +910,8 @@ Result<RunReport> RunJob(const RunOptions& options) {
       mr.attention_bytes /= n;
     }
     for (int l = 0; l < L; ++l)
-      for (uint64_t c = 0; c < cc.chunks; ++c) {
-        const uint64_t b = c / cc.bucket_chunks;
+      for (uint64_t c = 0; c < own_chunks; ++c) {
+        const uint64_t b = std::min(cc_chunk(mt, c) / cc.bucket_chunks, cc.buckets - 1);
         mr.chunk_counts[l][b] += chunk_steps[l][c];
         mr.chunk_max_steps[l][b] = std::max<uint64_t>(mr.chunk_max_steps[l][b], chunk_steps[l][c]);
       }
@@ -914,7 +1007,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
             const float* mh = mass.data() + static_cast<size_t>(h) * visible;
             for (int64_t t = 0; t < visible; ++t) {
               all += mh[t];
-              if (rec.attended[l].Contains(t, n_sink, cs)) on += mh[t];
+              if (rec.attended[l].Contains(t, n_sink, methods[mi].chunk_size)) on += mh[t];
             }
           }
           recall_sum[mi][i] += all > 0 ? on / all : 0.0;
@@ -950,7 +1043,7 @@ Result<RunReport> RunJob(const RunOptions& options) {
           on += std::accumulate(mh + std::min(best.local_begin, visible), mh + visible, 0.0);
         }
         oracle_recall[i] += all > 0 ? on / all : 0.0;
-        oracle_hits[i] += needles_attended(first, m, best) ? 1.0 : 0.0;
+        oracle_hits[i] += needles_attended(first, m, best, cs) ? 1.0 : 0.0;
       }
       // Oracle chunk relevance of each sampled window: the mass its real
       // queries (a strided subset) give each chunk under full attention.
@@ -1122,6 +1215,7 @@ std::string RunReport::ToJson() const {
   for (const MethodReport& m : methods) {
     w.BeginObject();
     w.Key("name").String(m.name).Key("spec").String(m.spec);
+    w.Key("chunk_size").Int(m.chunk_size).Key("budget_tokens").Int(m.budget_tokens);
     w.Key("needle_hit_rate").Double(m.needle_hit_rate).Key("attention_recall");
     vs_full(m.attention_recall);
     w.Key("output_rel_error");
@@ -1154,6 +1248,9 @@ std::string RunReport::ToJson() const {
     over_floor(m.step_ms, m.step_bytes());
     w.EndObject();
   }
+  w.EndArray();
+  w.Key("compare_notes").BeginArray();
+  for (const std::string& n : compare_notes) w.String(n);
   w.EndArray();
   // Which chunks each method retrieved over the decode steps, per layer, in at most
   // kMaxChunkChoiceBuckets buckets of consecutive chunks (the chunk-choice heat map): per
@@ -1397,7 +1494,7 @@ std::string RunReport::FloorTable() const {
                   "bytes per decode step (MB, mean over the steps, all layers); the byte floor was not "
                   "measured (--no-bandwidth or --device cuda):\n");
   t += line;
-  std::snprintf(line, sizeof(line), "%-20s %10s %10s %9s %10s %9s %9s %11s\n", "method", "1st stage",
+  std::snprintf(line, sizeof(line), "%-22s %10s %10s %9s %10s %9s %9s %11s\n", "method", "1st stage",
                 "rescoring", "fetch", "attention", "total", "floor ms", "step/floor");
   t += line;
   auto row = [&](const std::string& name, double first, double rescore, double fetch, double attn, double ms,
@@ -1409,7 +1506,7 @@ std::string RunReport::FloorTable() const {
       if (const double over = timed ? OverFloor(ms, total) : 0.0; over > 0)
         std::snprintf(ratio, sizeof(ratio), "%.2fx", over);
     }
-    std::snprintf(line, sizeof(line), "%-20s %10.2f %10.2f %9.2f %10.2f %9.2f %9s %11s\n", name.c_str(),
+    std::snprintf(line, sizeof(line), "%-22s %10.2f %10.2f %9.2f %10.2f %9.2f %9s %11s\n", name.c_str(),
                   first / 1e6, rescore / 1e6, fetch / 1e6, attn / 1e6, total / 1e6, floor, ratio);
     t += line;
   };
@@ -1422,13 +1519,13 @@ std::string RunReport::FloorTable() const {
 std::string RunReport::CompareTable() const {
   std::string t;
   char line[512];
-  std::snprintf(line, sizeof(line), "%-20s %8s %8s %9s %10s %9s %10s %11s | %8s %8s\n", "method", "needle",
+  std::snprintf(line, sizeof(line), "%-22s %8s %8s %9s %10s %9s %10s %11s | %8s %8s\n", "method", "needle",
                 "recall", "out.err", "step ms", "vs full", "chunks", "MiB moved", "q.needle", "q.recall");
   t += line;
   if (!options.baseline) {
     // Recall, output error and the speed-up need full attention: "-" (not measured), never 0.
     for (const MethodReport& m : methods) {
-      std::snprintf(line, sizeof(line), "%-20s %8.3f %8s %9s %10.2f %9s %10.1f %11.1f | %8.3f %8s\n",
+      std::snprintf(line, sizeof(line), "%-22s %8.3f %8s %9s %10.2f %9s %10.1f %11.1f | %8.3f %8s\n",
                     m.name.c_str(), m.needle_hit_rate, "-", "-", m.step_ms, "-", m.chunks_per_step,
                     m.bytes_moved / 1048576.0, m.question_needle_hit_rate, "-");
       t += line;
@@ -1436,13 +1533,13 @@ std::string RunReport::CompareTable() const {
     t += "recall, out.err, vs full, q.recall: not measured (--no-baseline: full attention did not run)\n";
     return t;
   }
-  std::snprintf(line, sizeof(line), "%-20s %8.3f %8.3f %9.4f %10.2f %8.1fx %10s %11s | %8.3f %8.3f\n",
+  std::snprintf(line, sizeof(line), "%-22s %8.3f %8.3f %9.4f %10.2f %8.1fx %10s %11s | %8.3f %8.3f\n",
                 "full attention", 1.0, 1.0, 0.0, full_attention_step_ms, 1.0, "all", "-", 1.0, 1.0);
   t += line;
   for (const MethodReport& m : methods) {
     char vs[32] = "-";
     if (m.step_ms > 0) std::snprintf(vs, sizeof(vs), "%.1fx", full_attention_step_ms / m.step_ms);
-    std::snprintf(line, sizeof(line), "%-20s %8.3f %8.3f %9.4f %10.2f %9s %10.1f %11.1f | %8.3f %8.3f\n",
+    std::snprintf(line, sizeof(line), "%-22s %8.3f %8.3f %9.4f %10.2f %9s %10.1f %11.1f | %8.3f %8.3f\n",
                   m.name.c_str(), m.needle_hit_rate, m.attention_recall, m.output_rel_error, m.step_ms, vs,
                   m.chunks_per_step, m.bytes_moved / 1048576.0, m.question_needle_hit_rate,
                   m.question_attention_recall);
@@ -1643,9 +1740,11 @@ std::string RunReport::ToTable() const {
                   spearman_mean.median, spearman_mean.q1, spearman_mean.q3);
     text += line;
   }
-  if (options.compare)
+  if (options.compare) {
     text += "\ncomparison on the same data (decode steps | question window):\n" + CompareTable() + "\n" +
             FloorTable();
+    for (const std::string& n : compare_notes) text += "note: " + n + "\n";
+  }
   return text;
 }
 

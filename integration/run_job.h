@@ -32,9 +32,11 @@ struct RunOptions {
   RetrieverOptions retrieval =
       RecommendedRetrieval();  ///< the "kvtier" preset; budget_tokens is set from `budget`
   int budget = 2048;           ///< retrieved tokens per step and layer (budget / chunk_size chunks)
-  bool compare = false;        ///< run StreamingLLM, InfLLM, ActQKV w/o cut-off and ActQKV on the same data
-  int spearman_windows = 8;    ///< prefill windows sampled for probe-to-oracle agreement (0 = skip)
-  int window = 256;            ///< prefill window: tokens appended per layer at a time
+  /// Run StreamingLLM, InfLLM, InfLLM at its own defaults, ActQKV w/o cut-off, ActQKV and Quest on
+  /// the same data beside the configured retrieval (rows in that order, "kvtier" last).
+  bool compare = false;
+  int spearman_windows = 8;  ///< prefill windows sampled for probe-to-oracle agreement (0 = skip)
+  int window = 256;          ///< prefill window: tokens appended per layer at a time
   int stat_stride =
       8;  ///< every stat_stride-th query of a prefill window feeds representative-key statistics
   bool baseline = true;  ///< also run full attention on the same data (quality + speed comparison)
@@ -76,10 +78,26 @@ struct PolicyStageReport {
   uint64_t scratch_bytes = 0;   ///< one observation's K, V and attention rows (counted in the RSS bound)
 };
 
+/// The "InfLLM (own defaults)" row of `kvtier run --compare`: InfLLM's scoring as the InfLLM row
+/// computes it (representatives per query head, the mean probe, a fixed top-k, index Flat) at
+/// InfLLM's own defaults: blocks (chunks) of 128 tokens, 4 representatives, its top 16 blocks,
+/// 2048 tokens a layer whatever the run's budget.
+constexpr const char* kInfLLMDefaultsRow = "InfLLM (own defaults)";
+constexpr int kInfLLMBlock = 128;
+constexpr int kInfLLMReprTopk = 4;
+constexpr int kInfLLMTopBlocks = 16;
+/// The index of the "Quest" row (retrieval/quest_index.h): a chunk ranked by the head whose
+/// min/max bound is highest, as Quest chooses pages per head. The row keeps every key as a
+/// representative, probes with the current query (mean-pooled per kv head) and takes a fixed
+/// top-k at the run's budget.
+constexpr const char* kQuestRowIndex = "Quest:heads=max";
+
 /// Quality and speed of one retrieval method on the run's steps.
 struct MethodReport {
-  std::string name;  ///< "ActQKV", "InfLLM", ... or "configured"
-  std::string spec;  ///< probe / alloc / index / k
+  std::string name;       ///< "ActQKV", "InfLLM", ... or "configured"
+  std::string spec;       ///< probe / alloc / index / k
+  int chunk_size = 0;     ///< tokens a chunk of the store the method reads
+  int budget_tokens = 0;  ///< retrieved tokens per step and layer it was given
   double needle_hit_rate = 0, attention_recall = 0, output_rel_error = 0;
   double question_needle_hit_rate = 0, question_attention_recall = 0, question_output_rel_error = 0;
   double step_ms = 0;  ///< median decode step, all layers (append + probe + search + fetch + attention)
@@ -139,6 +157,8 @@ struct SpearmanSummary {
 struct RunReport {
   RunOptions options;
   std::vector<MethodReport> methods;  ///< the configured method, or the compared ones in table order
+  /// A comparison's rows left out (and why) and rows whose budget differs from the run's.
+  std::vector<std::string> compare_notes;
   int headline = 0;  ///< method whose numbers fill the top-level fields (ActQKV in a comparison)
   SpearmanSummary spearman_act, spearman_mean;
   PolicyStageReport policy;

@@ -9,6 +9,7 @@
 
 #include "retrieval/exact_index.h"
 #include "retrieval/faiss_index.h"
+#include "retrieval/quest_index.h"
 #include "store/factory_spec.h"
 
 namespace kvtier {
@@ -24,6 +25,7 @@ inline uint32_t OrderKey(float x) {
 }
 
 bool IsExact(const FactorySpec& fs) { return fs.name == "Exact"; }
+bool IsQuest(const FactorySpec& fs) { return fs.name == "Quest"; }
 
 }  // namespace
 
@@ -113,6 +115,11 @@ Result<std::unique_ptr<ChunkIndex>> MakeChunkIndex(const std::string& spec, cons
     KVTIER_ASSIGN_OR_RETURN(auto index, ExactChunkIndex::Create(shape, o));
     return std::unique_ptr<ChunkIndex>(std::move(index));
   }
+  if (IsQuest(fs)) {
+    KVTIER_ASSIGN_OR_RETURN(QuestIndexOptions o, QuestIndexOptions::Parse(spec));
+    KVTIER_ASSIGN_OR_RETURN(auto index, QuestChunkIndex::Create(shape, o));
+    return std::unique_ptr<ChunkIndex>(std::move(index));
+  }
   KVTIER_ASSIGN_OR_RETURN(FaissIndexOptions o, FaissIndexOptions::Parse(spec));
   KVTIER_ASSIGN_OR_RETURN(auto index, FaissChunkIndex::Create(shape, o));
   return std::unique_ptr<ChunkIndex>(std::move(index));
@@ -122,6 +129,10 @@ Result<std::string> CanonicalChunkIndexSpec(const std::string& spec) {
   KVTIER_ASSIGN_OR_RETURN(FactorySpec fs, ParseFactorySpec(spec, "index"));
   if (IsExact(fs)) {
     KVTIER_ASSIGN_OR_RETURN(ExactIndexOptions o, ExactIndexOptions::Parse(spec));
+    return o.ToString();
+  }
+  if (IsQuest(fs)) {
+    KVTIER_ASSIGN_OR_RETURN(QuestIndexOptions o, QuestIndexOptions::Parse(spec));
     return o.ToString();
   }
   KVTIER_ASSIGN_OR_RETURN(FaissIndexOptions o, FaissIndexOptions::Parse(spec));

@@ -38,6 +38,11 @@
 //       before training [0 = FAISS's rule of thumb]; each key only where it applies.
 //       heads=sum is accepted (the concatenated inner product is the sum over heads);
 //       heads=max is refused.
+//   Quest[:heads=sum|max]                                                (quest_index.h)
+//       Per chunk and head the element-wise min and max of its representatives (its keys when
+//       every key is one, repr_topk = chunk_size); a head's score is the largest q.k a key in
+//       that box could give, sum_d max(q_d min_d, q_d max_d), an upper bound of the chunk's best
+//       key (Quest, Tang et al. 2024), the heads folded as Exact folds them. Default heads=sum.
 //
 // ToString() gives the canonical spec, every key of the kind spelled out, and the spec
 // rebuilds an equal index (empty). Bad specs are InvalidArgument naming the key or value.

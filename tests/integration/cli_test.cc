@@ -209,8 +209,8 @@ TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
       " --data-dir " +
       dir.path() + "/data --json " + json);
   ASSERT_EQ(r.code, 0) << r.out;
-  for (const char* row :
-       {"full attention", "StreamingLLM", "InfLLM", "ActQKV w/o cut-off", "ActQKV ", "kvtier "})
+  for (const char* row : {"full attention", "StreamingLLM", "InfLLM", "InfLLM (own defaults)",
+                          "ActQKV w/o cut-off", "ActQKV ", "Quest ", "kvtier "})
     EXPECT_NE(r.out.find(row), std::string::npos) << row << " missing in\n" << r.out;
   const std::string rep = ReadAll(json);
   EXPECT_NE(rep.find("\"probe_spearman\""), std::string::npos);
@@ -246,7 +246,8 @@ TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
       for (double n : layer) sum += n;
     return sum;
   };
-  for (const char* name : {"StreamingLLM", "InfLLM", "ActQKV w/o cut-off", "ActQKV", "kvtier"})
+  for (const char* name :
+       {"StreamingLLM", "InfLLM", "InfLLM (own defaults)", "ActQKV w/o cut-off", "ActQKV", "Quest", "kvtier"})
     EXPECT_GE(counted(name), 0) << name << " missing in chunk_choice";
   EXPECT_EQ(counted("StreamingLLM"), 0);
   EXPECT_GT(counted("InfLLM"), 0);
@@ -265,6 +266,30 @@ TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
   EXPECT_NE(spec_of("kvtier").find("rank=logit index=Exact:heads=max"), std::string::npos)
       << spec_of("kvtier");
   EXPECT_NE(r.out.find("kvtier "), std::string::npos) << r.out;
+  // Issue 47's frontier rows. Quest: its min/max bound, the current query, a fixed top-k at the
+  // run's budget over chunks of the run's size: 2048 / 32 = 64 chunks a layer, 2 layers.
+  EXPECT_NE(spec_of("Quest").find("probe=mean alloc=topk index=Quest:heads=max budget=2048"),
+            std::string::npos)
+      << spec_of("Quest");
+  auto method_number = [&](const std::string& name, const std::string& key) {
+    const size_t a = rep.find("\"name\": \"" + name + "\"");
+    return a == std::string::npos ? -1.0 : JsonNumber(rep.substr(a), key);
+  };
+  EXPECT_EQ(method_number("Quest", "chunks_per_step"), 128.0);
+  EXPECT_EQ(method_number("Quest", "chunk_size"), 32.0);
+  // InfLLM at its own defaults: InfLLM's scoring over blocks of 128 tokens, its top 16 blocks a
+  // layer (2048 tokens, the run's budget here, so no note).
+  EXPECT_NE(spec_of("InfLLM (own defaults)").find("probe=mean alloc=topk index=Flat budget=2048"),
+            std::string::npos)
+      << spec_of("InfLLM (own defaults)");
+  EXPECT_EQ(method_number("InfLLM (own defaults)", "chunk_size"), 128.0);
+  EXPECT_EQ(method_number("InfLLM (own defaults)", "budget_tokens"), 2048.0);
+  EXPECT_EQ(method_number("InfLLM (own defaults)", "chunks_per_step"), 32.0);
+  EXPECT_GT(counted("InfLLM (own defaults)"), 0);
+  EXPECT_NE(rep.find("\"compare_notes\": []"), std::string::npos)
+      << rep.substr(rep.find("compare_notes"), 200);
+  // The configured row is still the headline, and last.
+  EXPECT_LT(rep.find("\"name\": \"Quest\""), rep.find("\"name\": \"kvtier\""));
 }
 
 // chunk_choice: per layer, which chunks (in buckets of consecutive chunks) the method
@@ -752,6 +777,12 @@ TEST(Cli, TraceThenRunReplaysRealAttention) {
              dir.path() + "/d2 --json " + small);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("StreamingLLM"), std::string::npos) << r.out;
+  // InfLLM at its own defaults keeps its 16 blocks of 128 whatever the run's budget, and says so.
+  EXPECT_NE(
+      r.out.find("note: InfLLM (own defaults) retrieves its own default, 16 blocks of 128 = 2048 tokens a "
+                 "layer; the other rows 64"),
+      std::string::npos)
+      << r.out;
   rep = ReadAll(small);
   const double hit = JsonNumber(rep, "needle_hit_rate"), recall = JsonNumber(rep, "attention_recall");
   EXPECT_GE(hit, 0.0);
@@ -1122,10 +1153,10 @@ TEST(Cli, RunReportsTheStepAgainstItsByteFloor) {
       EXPECT_TRUE(std::isfinite(d) && d > 0) << key << " = " << x;
     }
   };
-  // Five methods, and the headline's in "time".
-  positive("floor_ms", 6);
-  positive("step_over_floor", 6);
-  positive("total", 6);
+  // Seven methods, and the headline's in "time".
+  positive("floor_ms", 8);
+  positive("step_over_floor", 8);
+  positive("total", 8);
   positive("full_attention_floor_ms", 1);
   positive("full_attention_step_over_floor", 1);
   positive("bytes_per_s", 1);

@@ -52,6 +52,11 @@ def reports(tmp_path_factory):
     return {"run": run, "infinite": inf, "policies": pol}
 
 
+def paths_of(stdout):
+    """The paths a plot run printed (the frontier's table comes before them)."""
+    return [line for line in stdout.splitlines() if line.endswith((".png", ".md"))]
+
+
 def png_size(path):
     """(width, height) from a PNG's IHDR; fails unless the file is a PNG."""
     with open(path, "rb") as f:
@@ -73,10 +78,21 @@ def test_every_picture_is_written_as_a_valid_png(reports, tmp_path):
     out = tmp_path / "pictures"
     rc, stdout, stderr = plot(reports["run"], reports["infinite"], reports["policies"], "--out", str(out))
     assert rc == 0, stderr
-    written = stdout.split()
+    written = paths_of(stdout)
     names = sorted(os.path.basename(p) for p in written)
-    assert names == ["chunk-choice-run.png", "infinite-passkey.png", "policy-sweep.png"], stdout
+    assert names == ["chunk-choice-run.png", "frontier.md", "frontier.png", "infinite-passkey.png",
+                     "policy-sweep.png"], stdout
+    # The frontier's table is printed too, and is what frontier.md holds.
+    md = [p for p in written if p.endswith(".md")][0]
+    with open(md) as f:
+        table = f.read()
+    assert table in stdout
+    for name in ("full attention", "StreamingLLM", "InfLLM", "InfLLM (own defaults)", "ActQKV", "Quest", "kvtier",
+                 "attention oracle"):
+        assert f"| {name} |" in table, (name, table)
     for p in written:
+        if p.endswith(".md"):
+            continue
         assert os.path.dirname(os.path.abspath(p)) == str(out)
         w, h = png_size(p)
         assert 600 <= w <= 2000 and 250 <= h <= 2000, (p, w, h)
@@ -93,8 +109,8 @@ def test_reports_merge_into_one_picture_per_kind(reports, tmp_path):
     rc, stdout, stderr = plot(reports["infinite"], reports["infinite"], reports["run"], reports["run"], "--out",
                               str(tmp_path))
     assert rc == 0, stderr
-    assert sorted(os.path.basename(p) for p in stdout.split()) == [
-        "chunk-choice-run-2.png", "chunk-choice-run.png", "infinite-passkey.png"]
+    assert sorted(os.path.basename(p) for p in paths_of(stdout)) == [
+        "chunk-choice-run-2.png", "chunk-choice-run.png", "frontier.md", "frontier.png", "infinite-passkey.png"]
 
 
 def test_unknown_and_mismatched_kinds_exit_2_naming_the_file(reports, tmp_path):
@@ -118,6 +134,7 @@ def test_a_report_without_the_data_is_skipped_saying_so(reports, tmp_path):
     with open(reports["run"]) as f:
         old = json.load(f)
     del old["chunk_choice"]
+    old["config"]["compare"] = False  # no frontier either
     path = write(tmp_path / "old-run.json", old)
     rc, stdout, stderr = plot(path, "--out", str(tmp_path / "o"))
     assert rc == 1 and stdout == ""
@@ -234,3 +251,62 @@ def test_missing_field_names_the_file_and_field(tmp_path):
     path = write(tmp_path / "p.json", {"context": 8192, "decode_steps": 64, "rows": [{"policy": "h2o"}]})
     with pytest.raises(kp.PlotError, match="p.json: policies report without 'budget' in rows\\[0\\]"):
         kp.policy_sweep([kp.load_report(path)])
+
+
+def compare_report(context, methods, full_ms=100.0, full_bytes=500e6, full_floor=1.2, oracle=(1.0, 0.5)):
+    return {"quality": {"attention_oracle": {"needle_hit": oracle[0], "recall": oracle[1]}},
+            "config": {"context": context, "budget": 2048, "compare": True},
+            "time": {"full_attention_step_ms": full_ms, "full_attention_bytes_per_step": full_bytes,
+                     "full_attention_step_over_floor": full_floor},
+            "methods": methods}
+
+
+def method(name, step_ms, total, over_floor, hit, recall, err, full_ms=100.0, budget=2048, chunk=32):
+    return {"name": name, "chunk_size": chunk, "budget_tokens": budget, "needle_hit_rate": hit,
+            "attention_recall": recall, "output_rel_error": err, "step_ms": step_ms,
+            "speedup_vs_full": full_ms / step_ms, "bytes_per_step": {"total": total}, "step_over_floor": over_floor}
+
+
+def test_frontier_rows_and_table_from_a_handmade_report(tmp_path):
+    a = write(tmp_path / "a.json", compare_report(131072, [
+        method("StreamingLLM", 0.5, 2.4e6, None, 0.0, 0.034, 1.25),
+        method("InfLLM (own defaults)", 10.0, 40e6, 2.5, 0.5, 0.25, 1.0625, chunk=128),
+        method("kvtier", 4.0, 31e6, 1.5, 0.875, 0.3926, 0.954)]))
+    rows = kp.frontier_rows(kp.load_report(a))
+    assert [r.method for r in rows] == ["full attention", "StreamingLLM", "InfLLM (own defaults)", "kvtier",
+                                        "attention oracle"]
+    full, streaming, own, kv, oracle = rows
+    assert (full.step_ms, full.vs_full, full.bytes_per_step, full.step_over_floor) == (100.0, 1.0, 500e6, 1.2)
+    assert (full.needle_hit, full.recall, full.output_error) == (1.0, 1.0, 0.0)
+    assert kv.vs_full == pytest.approx(25.0) and kv.time_ratio == pytest.approx(0.04)
+    assert streaming.step_over_floor is None  # not in the report: "-"
+    assert own.chunk_size == 128 and own.budget_tokens == 2048
+    assert (oracle.step_ms, oracle.vs_full, oracle.needle_hit, oracle.recall) == (None, None, 1.0, 0.5)
+    table = kp.frontier_table(rows)
+    lines = table.splitlines()
+    assert lines[0] == ("| context | method | step ms | MB read a step | vs full | step / byte floor | needle hit "
+                        "| recall | out. err |")
+    assert lines[2] == "| 128K | full attention | 100.00 | 500.00 | 1.0x | 1.20x | 1.000 | 1.000 | 0.000 |"
+    assert lines[3] == "| 128K | StreamingLLM | 0.50 | 2.40 | 200.0x | - | 0.000 | 0.034 | 1.250 |"
+    assert lines[4] == "| 128K | InfLLM (own defaults) | 10.00 | 40.00 | 10.0x | 2.50x | 0.500 | 0.250 | 1.062 |"
+    assert lines[5] == "| 128K | kvtier | 4.00 | 31.00 | 25.0x | 1.50x | 0.875 | 0.393 | 0.954 |"
+    assert lines[6] == "| 128K | attention oracle | - | - | - | - | 1.000 | 0.500 | - |"
+    assert len(lines) == 7
+    # Two contexts: each report's rows, in the order given.
+    b = write(tmp_path / "b.json", compare_report(1048576, [method("kvtier", 10.0, 90e6, 2.0, 0.244, 0.076, 1.0,
+                                                                  full_ms=800.0)], full_ms=800.0))
+    both = kp.frontier_rows(kp.load_report(a)) + kp.frontier_rows(kp.load_report(b))
+    assert [r.context for r in both].count(1048576) == 3
+    assert "| 1M | kvtier | 10.00 | 90.00 | 80.0x | 2.00x | 0.244 | 0.076 | 1.000 |" in kp.frontier_table(both)
+
+
+def test_frontier_needs_compare_and_the_baseline(tmp_path):
+    plain = compare_report(4096, [method("configured", 1.0, 1e6, 1.0, 1.0, 0.9, 0.1)])
+    plain["config"]["compare"] = False
+    assert kp.frontier_rows(kp.load_report(write(tmp_path / "p.json", plain))) is None
+    nobase = compare_report(4096, [method("kvtier", 1.0, 1e6, 1.0, 1.0, 0.9, 0.1)])
+    nobase["time"]["full_attention_step_ms"] = None
+    assert kp.frontier_rows(kp.load_report(write(tmp_path / "n.json", nobase))) is None
+    broken = compare_report(4096, [{"name": "kvtier", "step_ms": 1.0}])
+    with pytest.raises(kp.PlotError, match="b.json: run report without 'needle_hit_rate' in methods\\[0\\]"):
+        kp.frontier_rows(kp.load_report(write(tmp_path / "b.json", broken)))

@@ -593,6 +593,8 @@ TEST(ChunkIndexSpec, RoundTripsForEveryKind) {
       {"IVF256,PQ16:train_min=512,nprobe=4", "IVF256,PQ16:nprobe=4,train_min=512"},
       {"PQ16", "PQ16:train_min=0"},
       {"IDMap2,Flat", "IDMap2,Flat"},
+      {"Quest", "Quest:heads=sum"},
+      {"Quest:heads=max", "Quest:heads=max"},
   };
   const ChunkShape shape{2, 64, 4, DType::kF16};
   for (const auto& [spec, canonical] : cases) {
@@ -776,7 +778,8 @@ TEST_P(ChunkIndexKindTest, KeepsTheInterfaceContract) {
 
 INSTANTIATE_TEST_SUITE_P(Kinds, ChunkIndexKindTest,
                          ::testing::Values("Exact", "Exact:rerank=0", "Exact:heads=max,rerank=1,rerank_min=0",
-                                           "Flat", "HNSW32", "IVF4,Flat:train_min=16"),
+                                           "Flat", "HNSW32", "IVF4,Flat:train_min=16", "Quest",
+                                           "Quest:heads=max"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            std::string name;
                            for (char c : info.param)

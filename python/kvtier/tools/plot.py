@@ -9,8 +9,13 @@ Agg backend, no display needed); every path written is printed:
             line per method (several with --compare); reports of the same task are merged
             (a context run by several reports pools their samples). infinite-TASK.png
   run       `kvtier run --json`: the chunk-choice heat map, which chunks (by position in the
-            context) each layer retrieved over the decode steps, one panel per method (five
-            with --compare), the needles marked. chunk-choice-STEM.png
+            context) each layer retrieved over the decode steps, one panel per method (every
+            row with --compare), the needles marked. chunk-choice-STEM.png
+            With --compare (and the full-attention baseline), the speed-quality frontier of
+            every such report: step time over full attention's (same run) against needle hit
+            and attention recall, one marker per method, one colour per context. frontier.png;
+            its table (markdown: step ms, bytes read, ratio to full attention and to the byte
+            floor, needle hit, recall, output error) is printed and written to frontier.md.
   policies  `kvtier run --compare-policies --sweep B1,B2,... --json`: needle kept, attention
             recall and output error against the KV budget, one line per scoring policy;
             several reports are merged. policy-sweep.png
@@ -217,6 +222,82 @@ def chunk_choice(report: Report) -> Optional[List[ChunkHeat]]:
     return heats
 
 
+# ---- run --compare: the speed-quality frontier --------------------------------------------------
+
+@dataclass
+class FrontierRow:
+    """One method of a `kvtier run --compare` report: full attention (the baseline), each compared
+    row, and the attention oracle (quality only). None where the report does not carry the figure
+    (step_over_floor without a bandwidth measurement, times of the oracle)."""
+    context: int
+    method: str
+    step_ms: Optional[float]
+    bytes_per_step: Optional[float]
+    vs_full: Optional[float]          # full attention's step time over this row's (same run)
+    step_over_floor: Optional[float]  # the step over its bytes at the run's streaming rate
+    needle_hit: Optional[float]
+    recall: Optional[float]
+    output_error: Optional[float]
+    budget_tokens: Optional[int] = None
+    chunk_size: Optional[int] = None
+
+    @property
+    def time_ratio(self) -> Optional[float]:
+        """Step time as a fraction of full attention's (1 / vs_full)."""
+        return 1.0 / self.vs_full if self.vs_full else None
+
+
+def frontier_rows(report: Report) -> Optional[List[FrontierRow]]:
+    """The frontier rows of a run report made with --compare and the baseline: full attention, the
+    compared rows in the report's order, then the attention oracle; None for other run reports."""
+    cfg = _field(report, report.data, "config", "the report")
+    if not cfg.get("compare"):
+        return None
+    t = _field(report, report.data, "time", "the report")
+    full_ms = _optional_number(report, t, "full_attention_step_ms", "time")
+    if full_ms is None:
+        return None  # --no-baseline: no ratio, recall or output error to place a row by
+    context = int(_number(report, cfg, "context", "config"))
+    rows = [FrontierRow(context, "full attention", full_ms,
+                        _optional_number(report, t, "full_attention_bytes_per_step", "time"), 1.0,
+                        _optional_number(report, t, "full_attention_step_over_floor", "time"), 1.0, 1.0, 0.0)]
+    for i, m in enumerate(_field(report, report.data, "methods", "the report")):
+        where = f"methods[{i}]"
+        b = m.get("bytes_per_step")
+        rows.append(FrontierRow(
+            context, str(_field(report, m, "name", where)), _number(report, m, "step_ms", where),
+            _optional_number(report, b, "total", f"{where}.bytes_per_step") if isinstance(b, dict) else None,
+            _optional_number(report, m, "speedup_vs_full", where), _optional_number(report, m, "step_over_floor", where),
+            _number(report, m, "needle_hit_rate", where), _optional_number(report, m, "attention_recall", where),
+            _optional_number(report, m, "output_rel_error", where),
+            int(m["budget_tokens"]) if isinstance(m.get("budget_tokens"), int) else None,
+            int(m["chunk_size"]) if isinstance(m.get("chunk_size"), int) else None))
+    oracle = _field(report, report.data, "quality", "the report").get("attention_oracle")
+    if isinstance(oracle, dict) and oracle.get("needle_hit") is not None:
+        rows.append(FrontierRow(context, "attention oracle", None, None, None, None,
+                                _number(report, oracle, "needle_hit", "quality.attention_oracle"),
+                                _optional_number(report, oracle, "recall", "quality.attention_oracle"), None))
+    return rows
+
+
+def _cell(v: Optional[float], fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def frontier_table(rows: Sequence[FrontierRow]) -> str:
+    """The frontier as a markdown table, one line per row in the given order (contexts apart)."""
+    out = ["| context | method | step ms | MB read a step | vs full | step / byte floor | needle hit | recall "
+           "| out. err |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append("| " + " | ".join([
+            _tokens(r.context), r.method, _cell(r.step_ms, "{:.2f}"),
+            _cell(None if r.bytes_per_step is None else r.bytes_per_step / 1e6, "{:.2f}"),
+            _cell(r.vs_full, "{:.1f}x"), _cell(r.step_over_floor, "{:.2f}x"), _cell(r.needle_hit, "{:.3f}"),
+            _cell(r.recall, "{:.3f}"), _cell(r.output_error, "{:.3f}")]) + " |")
+    return "\n".join(out) + "\n"
+
+
 # ---- policies: quality against KV budget ---------------------------------------------------------
 
 POLICY_METRICS = (("needle_retention", "needle kept"), ("attention_recall", "attention recall"),
@@ -337,6 +418,43 @@ def draw_chunk_choice(title: str, heats: Sequence[ChunkHeat], path: str) -> str:
     return _save(fig, path)
 
 
+def draw_frontier(rows: Sequence[FrontierRow], path: str) -> str:
+    """x: step time over full attention's (log), y: needle hit and (second panel) recall; one
+    marker per method, one colour per context. The oracle has no time: it is a dashed level."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+    contexts = sorted({r.context for r in rows})
+    methods = list(dict.fromkeys(r.method for r in rows if r.method != "attention oracle"))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, key, name in ((axes[0], "needle_hit", "needle hit"), (axes[1], "recall", "attention recall")):
+        for ci, ctx in enumerate(contexts):
+            colour = colours[ci % len(colours)]
+            for r in rows:
+                if r.context != ctx or getattr(r, key) is None:
+                    continue
+                if r.method == "attention oracle":
+                    ax.axhline(getattr(r, key), color=colour, ls="--", lw=0.8, alpha=0.7)
+                    continue
+                if r.time_ratio is None:
+                    continue
+                ax.plot([r.time_ratio], [getattr(r, key)], color=colour, linestyle="none",
+                        marker=_STYLES[methods.index(r.method) % len(_STYLES)][0], markersize=8, alpha=0.85)
+        ax.set_xscale("log")
+        ax.set_xlabel("step time / full attention's (same run; left is faster)")
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_title(name + " (dashed: the attention oracle)")
+        ax.grid(alpha=0.3)
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color="grey", linestyle="none", marker=_STYLES[i % len(_STYLES)][0], label=m)
+               for i, m in enumerate(methods)]
+    handles += [Line2D([], [], color=colours[i % len(colours)], lw=3, label=f"context {_tokens(c)}")
+                for i, c in enumerate(contexts)]
+    axes[1].legend(handles=handles, fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle("kvtier run --compare: speed-quality frontier at equal budget")
+    return _save(fig, path)
+
+
 def short_policy_labels(labels: Sequence[str]) -> Dict[str, str]:
     """A legend name per line: the policy's name without its parameters ("h2o:recent=0" ->
     "h2o") where no other line has that name, the full label otherwise."""
@@ -386,9 +504,10 @@ def _unique(path: str, taken: Dict[str, int]) -> str:
     return f"{stem}-{n}{ext}"
 
 
-def make_pictures(reports: Sequence[Report], out: str, say: Any = print) -> List[str]:
+def make_pictures(reports: Sequence[Report], out: str, say: Any = print, table: Any = None) -> List[str]:
     """Draws every picture the reports hold into `out` (created); returns the paths written and
-    calls say(text) for each picture skipped and why."""
+    calls say(text) for each picture skipped and why, and table(text) with the frontier's
+    markdown table when the reports hold one."""
     os.makedirs(out, exist_ok=True)
     written: List[str] = []
     taken: Dict[str, int] = {}
@@ -418,6 +537,21 @@ def make_pictures(reports: Sequence[Report], out: str, say: Any = print) -> List
         title = (f"kvtier run: chunks retrieved per layer over {heats[0].steps} decode steps, context "
                  f"{_tokens(cfg.get('context', 0))}, budget {cfg.get('budget')} tokens/layer ({stem})")
         written.append(draw_chunk_choice(title, heats, _unique(os.path.join(out, f"chunk-choice-{stem}.png"), taken)))
+    frontier: List[FrontierRow] = []
+    for r in reports:
+        if r.kind == "run":
+            rows = frontier_rows(r)
+            if rows is not None:
+                frontier.extend(rows)
+    if frontier:
+        text = frontier_table(frontier)
+        md = _unique(os.path.join(out, "frontier.md"), taken)
+        with open(md, "w", encoding="utf-8") as f:
+            f.write(text)
+        if table is not None:
+            table(text)
+        written.append(draw_frontier(frontier, _unique(os.path.join(out, "frontier.png"), taken)))
+        written.append(md)
     policies = [r for r in reports if r.kind == "policies"]
     if policies:
         sweep = policy_sweep(policies)
@@ -447,7 +581,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         reports = [load_report(p, args.kind) for p in args.reports]
-        written = make_pictures(reports, args.out, say=lambda s: print(s, file=sys.stderr))
+        written = make_pictures(reports, args.out, say=lambda s: print(s, file=sys.stderr),
+                                table=lambda s: print(s))
     except PlotError as e:
         print(f"kvtier.tools.plot: {e}", file=sys.stderr)
         return 2
