@@ -26,8 +26,8 @@ const std::vector<RetrieverOptionDesc>& RetrieverOptionTable() {
        .flag = "index",
        .type = OptionType::kString,
        .meaning =
-           "chunk index: Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E] or a FAISS kind (Flat, HNSW32, "
-           "IVF<n>,Flat)",
+           "chunk index: Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E], Quest[:heads=sum|max] (per-chunk "
+           "key min/max bound) or a FAISS kind (Flat, HNSW32, IVF<n>,Flat)",
        KVTIER_OPT_STRING(R, index)},
       {.name = "budget_tokens",
        .field = "budget_tokens",
