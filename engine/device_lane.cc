@@ -327,6 +327,9 @@ Result<std::unique_ptr<DeviceLane>> DeviceLane::Create(TieredStore* store, Seque
   for (cudaEvent_t* ev : {&m.reads_done, &m.q_ready})
     if (const cudaError_t e = cudaEventCreateWithFlags(ev, cudaEventDisableTiming); e != cudaSuccess)
       return CudaFailure("cudaEventCreate", e);
+  // Recorded once, so that the fence may wait on it before the first gather.
+  if (const cudaError_t e = cudaEventRecord(m.reads_done, s); e != cudaSuccess)
+    return CudaFailure("recording the readers' event", e);
   m.half = static_cast<size_t>(o.chunk_tokens) * o.kv_heads * o.head_dim * DTypeSize(o.dtype);
   KVTIER_RETURN_IF_ERROR(DeviceAlloc(&m.pool, 2 * m.half * o.slots, "the slot pool"));
   KVTIER_RETURN_IF_ERROR(DeviceAlloc(&m.slot_owner, sizeof(int64_t) * o.slots, "the chunk table"));
@@ -501,6 +504,20 @@ Result<bool> DeviceLane::PrepareLayer(int layer, const std::vector<uint64_t>& ro
   L.ok = false;
   std::vector<uint64_t> asked(ask.size());
   for (size_t i = 0; i < ask.size(); ++i) asked[i] = ids[static_cast<size_t>(ask[i])];
+  if (!options_.defer_cold) {
+    // A row with no warm copy sends the layer to the host path: found from the chunks' tiers
+    // before any address is asked for, so that such a layer exposes no warm slot.
+    KVTIER_ASSIGN_OR_RETURN(std::vector<ChunkInfo> chunks, store_->ListChunks(seq_, layer));
+    std::vector<uint8_t> tiers;
+    for (const ChunkInfo& c : chunks) {
+      if (c.key.index >= tiers.size()) tiers.resize(c.key.index + 1, kTierNone);
+      tiers[c.key.index] = c.tiers;
+    }
+    for (size_t i = 0; i < ask.size(); ++i)
+      if (static_cast<size_t>(ask[i]) < row_ids.size() &&
+          (asked[i] >= tiers.size() || (tiers[asked[i]] & kTierWarm) == 0))
+        return false;  // L.ok is false: every row is asked again next time
+  }
   std::vector<WarmChunkAddress> addr(ask.size());
   uint64_t epoch = 0;
   // A row with no warm copy (only in a lower tier) gets no source: the chunk table skips it when

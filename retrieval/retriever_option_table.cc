@@ -25,9 +25,9 @@ const std::vector<RetrieverOptionDesc>& RetrieverOptionTable() {
        .field = "index",
        .flag = "index",
        .type = OptionType::kString,
-       .meaning =
-           "chunk index: Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E], Quest[:heads=sum|max] (per-chunk "
-           "key min/max bound) or a FAISS kind (Flat, HNSW32, IVF<n>,Flat)",
+       .meaning = "chunk index: Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E], Quest[:heads=sum|max] "
+                  "(per-chunk "
+                  "key min/max bound) or a FAISS kind (Flat, HNSW32, IVF<n>,Flat)",
        KVTIER_OPT_STRING(R, index)},
       {.name = "budget_tokens",
        .field = "budget_tokens",
