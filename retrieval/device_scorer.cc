@@ -646,9 +646,8 @@ Status ReprMirror::Update(size_t first, size_t n, const std::vector<std::vector<
       rows_ = capacity_ = 0;
       return Status::Ok();
     }
-    const size_t kept = std::min(first, rows_);
-    if (n > capacity_ && max_rows == SIZE_MAX && kept > 0) {
-      // Growth with no cap: the kept rows move across on the backend, no host wait.
+    // The arrays of `cap` rows, both or neither.
+    auto allocate = [&]() -> Status {
       KVTIER_ASSIGN_OR_RETURN(new_keys, backend_->Allocate(H * cap * row_key_bytes_));
       auto inv = backend_->Allocate(H * cap * row_inv_bytes_);
       if (!inv.ok()) {
@@ -656,6 +655,12 @@ Status ReprMirror::Update(size_t first, size_t n, const std::vector<std::vector<
         return inv.status();
       }
       new_inv = *inv;
+      return Status::Ok();
+    };
+    const size_t kept = std::min(first, rows_);
+    if (n > capacity_ && max_rows == SIZE_MAX && kept > 0) {
+      // Growth with no cap: the kept rows move across on the backend, no host wait.
+      KVTIER_RETURN_IF_ERROR(allocate());
       Status moved = Status::Ok();
       for (size_t h = 0; h < H && moved.ok(); ++h) {
         moved = backend_->CopyWithin(new_keys + h * cap * row_key_bytes_,
@@ -682,13 +687,7 @@ Status ReprMirror::Update(size_t first, size_t n, const std::vector<std::vector<
       backend_->Free(inv_norm_);
       keys_ = inv_norm_ = nullptr;
       rows_ = capacity_ = 0;
-      KVTIER_ASSIGN_OR_RETURN(new_keys, backend_->Allocate(H * cap * row_key_bytes_));
-      auto inv = backend_->Allocate(H * cap * row_inv_bytes_);
-      if (!inv.ok()) {
-        backend_->Free(new_keys);
-        return inv.status();
-      }
-      new_inv = *inv;
+      KVTIER_RETURN_IF_ERROR(allocate());
       first = 0;
     }
   }
