@@ -15,11 +15,9 @@
 #include <tbb/task_arena.h>
 
 #include <cstdint>
-#include <map>
-#include <memory>
-#include <random>
 #include <vector>
 
+#include "bench/exact_layers.h"
 #include "retrieval/exact_index.h"
 
 namespace {
@@ -27,49 +25,20 @@ namespace {
 using kvtier::ChunkScores;
 using kvtier::ChunkShape;
 using kvtier::ExactChunkIndex;
-using kvtier::ExactIndexOptions;
 
 constexpr int kLayers = 4;
 constexpr int kKvHeads = 2;
 constexpr int kHeadDim = 16;
 constexpr int kRepr = 32;
 
-struct Layers {
-  std::vector<std::unique_ptr<ExactChunkIndex>> index;
-  std::vector<float> probe;
-};
-
-const Layers* GetLayers(size_t chunks) {
-  static std::map<size_t, std::unique_ptr<Layers>> cache;
-  auto& slot = cache[chunks];
-  if (slot) return slot.get();
-  auto layers = std::make_unique<Layers>();
-  const ChunkShape shape{kKvHeads, kHeadDim, kRepr, kvtier::DType::kF32};
-  auto options = ExactIndexOptions::Parse("Exact:heads=max");
-  if (!options.ok()) return nullptr;
-  std::mt19937 rng(static_cast<uint32_t>(chunks));
-  std::normal_distribution<float> normal;
-  std::vector<uint64_t> ids(chunks);
-  for (size_t i = 0; i < chunks; ++i) ids[i] = i;
-  for (int l = 0; l < kLayers; ++l) {
-    auto index = ExactChunkIndex::Create(shape, *options);
-    if (!index.ok()) return nullptr;
-    const kvtier::Status st = (*index)->Add(ids, [&](uint64_t, float* repr) {
-      for (size_t i = 0; i < shape.repr_floats(); ++i) repr[i] = normal(rng);
-      return kvtier::Status::Ok();
-    });
-    if (!st.ok()) return nullptr;
-    layers->index.push_back(std::move(*index));
-  }
-  layers->probe.resize(static_cast<size_t>(shape.dim()));
-  for (float& x : layers->probe) x = normal(rng);
-  slot = std::move(layers);
-  return slot.get();
+const kvtier::bench::ExactLayers* GetLayers(size_t chunks) {
+  return kvtier::bench::RandomExactLayers(kLayers, ChunkShape{kKvHeads, kHeadDim, kRepr, kvtier::DType::kF32},
+                                          chunks);
 }
 
 void BM_TinyDecodeScreen(benchmark::State& state) {
   const size_t chunks = static_cast<size_t>(state.range(0));
-  const Layers* layers = GetLayers(chunks);
+  const kvtier::bench::ExactLayers* layers = GetLayers(chunks);
   if (layers == nullptr) return state.SkipWithError("building the indexes failed");
   tbb::task_arena one(1);
   std::vector<ChunkScores> scores(kLayers);
@@ -89,7 +58,7 @@ void BM_TinyDecodeScreen(benchmark::State& state) {
 void BM_TinyDecodeRescore(benchmark::State& state) {
   const size_t chunks = static_cast<size_t>(state.range(0));
   const size_t rows = static_cast<size_t>(state.range(1));
-  const Layers* layers = GetLayers(chunks);
+  const kvtier::bench::ExactLayers* layers = GetLayers(chunks);
   if (layers == nullptr) return state.SkipWithError("building the indexes failed");
   // Every m-th chunk of the layer (m = n: all of them), as scattered as Best's candidates.
   std::vector<uint64_t> list;
