@@ -23,7 +23,8 @@ struct ExactLayers {
 inline const ExactLayers* RandomExactLayers(int layers, const ChunkShape& shape, size_t chunks) {
   using Key = std::tuple<int, int, int, int, int, size_t>;
   static std::map<Key, std::unique_ptr<ExactLayers>> cache;
-  auto& slot = cache[Key{layers, shape.kv_heads, shape.head_dim, shape.repr, static_cast<int>(shape.dtype), chunks}];
+  auto& slot =
+      cache[Key{layers, shape.kv_heads, shape.head_dim, shape.repr, static_cast<int>(shape.dtype), chunks}];
   if (slot) return slot.get();
   auto built = std::make_unique<ExactLayers>();
   auto options = ExactIndexOptions::Parse("Exact:heads=max");
