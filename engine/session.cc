@@ -835,34 +835,23 @@ Status SessionImpl::ObserveStatistics(int layer, const float* q, int m, const Ho
   std::vector<std::vector<uint8_t>> host_copy;
   KVTIER_RETURN_IF_ERROR(
       HostCopyOfView(store_->hot_tier(), tok * DTypeSize(g.dtype), &host_view, &host_copy));
-  std::vector<std::vector<float>> k(n_parts), v(n_parts), mass(n_parts);
+  std::vector<std::vector<float>> k(n_parts), v(n_parts);
   std::vector<kernels::KvSpan> parts(n_parts);
   for (int i = 0; i < n_parts; ++i) {
     const kernels::KvSpan& sp = i == 0 ? host_view.sinks : host_view.local[i - 1];
     const size_t n = static_cast<size_t>(sp.n_tokens) * tok;
     k[i].resize(std::max<size_t>(1, n));
     v[i].resize(std::max<size_t>(1, n));
-    mass[i].assign(static_cast<size_t>(g.kv_heads) * std::max(1, sp.n_tokens), 0.0f);
     if (n > 0) {
       ToFloat(g.dtype, sp.k, k[i].data(), n);
       ToFloat(g.dtype, sp.v, v[i].data(), n);
       const std::vector<int64_t>& pos = i == 0 ? plan.sink_key_positions : plan.local_key_positions[i - 1];
       kernels::Rope(k[i].data(), sp.n_tokens, g.kv_heads, g.head_dim, pos.data(), inv_freq_.data());
     }
-    parts[i] = kernels::KvSpan{k[i].data(), v[i].data(), sp.n_tokens, sp.first_position, mass[i].data()};
+    parts[i] = kernels::KvSpan{k[i].data(), v[i].data(), sp.n_tokens, sp.first_position, nullptr};
   }
-  std::vector<float> out(static_cast<size_t>(m) * g.q_heads * g.head_dim);
-  const kernels::AttentionParams p =
-      DenseAttentionParams(g, DType::kF32, q_true, positions, m, parts.data(), n_parts, out.data());
-  const kernels::KernelError err = kernels::Attention(p);
-  if (err != kernels::KernelError::kOk)
-    return InvalidArgument(std::string("Session: the representative-key statistics' attention failed: ") +
-                           kernels::KernelErrorString(err));
-  for (int i = 1; i < n_parts; ++i)
-    if (parts[i].n_tokens > 0)
-      KVTIER_RETURN_IF_ERROR(
-          store_->AddLocalAttention(seq_, layer, parts[i].first_position, parts[i].n_tokens, mass[i].data()));
-  return Status::Ok();
+  return AddWindowMass(*store_, seq_, layer, DType::kF32, q_true, positions, m, std::move(parts),
+                       "Session: the representative-key statistics");
 }
 
 Status SessionImpl::SetQuestion(int layer, const float* q, int m) {
@@ -1022,9 +1011,13 @@ Status SessionImpl::AttendLayer(const char* what, int layer, const float* q, con
                                 void* q_stream, const int64_t* positions, int m, float* out,
                                 bool out_on_device, AttendStats* stats) {
   // A prefill window's representative-key statistics come from this attention (the kernel's
-  // per-key mass, on the tier's device), not from a second pass in Gather.
-  const bool observe_here =
-      retriever_ && !selector_ && ObservesStatistics() && in_step_ && step_ == StepKind::kPrefill;
+  // per-key mass, summed over each kv head's query heads, on the tier's device), not from a
+  // second pass in Gather. A store whose representatives are per query head (ReprHeads::kQuery)
+  // needs each query head's mass, which the kernel does not split: Gather's host pass gives it
+  // (AddWindowMass, one pass per GQA member over the sinks and local window, so its softmax
+  // leaves out the retrieved chunks).
+  const bool observe_here = retriever_ && !selector_ && ObservesStatistics() && in_step_ &&
+                            step_ == StepKind::kPrefill && store_->options().repr_heads == ReprHeads::kKv;
   KVTIER_ASSIGN_OR_RETURN(
       LayerParts lp, GatherFor(what, layer, q, positions, m, /*observe=*/!observe_here, q_device, q_stream));
   try {

@@ -23,6 +23,16 @@ namespace kvtier {
 Status ObserveQueries(TieredStore& store, SequenceId seq, int layer, const float* q, const int64_t* positions,
                       int m);
 
+/// The attention of q ([m, q_heads, head_dim] fp32, causal at `positions`) over `parts` (part 0
+/// the sinks, whose mass is not kept; parts 1.. the local window's runs, keys and values in
+/// `dtype`, already where the model attends them), on the host, and the mass each local key
+/// received added to the store's statistics: per kv head (AddLocalAttention) or, for a store
+/// whose representatives are per query head, per query head (AddLocalQueryAttention; one pass
+/// per member of a GQA group). `what` prefixes the errors. The parts' own mass pointers are
+/// ignored.
+Status AddWindowMass(TieredStore& store, SequenceId seq, int layer, DType dtype, const float* q,
+                     const int64_t* positions, int m, std::vector<kernels::KvSpan> parts, const char* what);
+
 /// For a host pass over a hot view: on a device tier, downloads the sinks and local window of
 /// `view` (`token_bytes` per token, K or V) into `storage` and points the view's spans at the
 /// copies (positions unchanged); on a host tier, leaves the view as it is.

@@ -37,6 +37,7 @@
 #include "integration/policy_eval.h"
 #include "integration/progress.h"
 #include "integration/retriever_flags.h"
+#include "integration/run_job.h"
 #include "integration/sysinfo.h"
 #include "integration/tier_report.h"
 #include "integration/turnover.h"
@@ -45,6 +46,7 @@
 #include "offload/hot_tier.h"
 #include "offload/policy/scoring_policy.h"
 #include "retrieval/retriever.h"
+#include "store/factory_spec.h"
 
 // OpenBLAS's thread control (declared by its cblas.h too).
 extern "C" void openblas_set_num_threads(int num_threads);
@@ -209,6 +211,8 @@ struct Method {
   PositionMode positions = PositionMode::kInfLLM;
   int repr_topk = 0;                      // representative keys per chunk and head; 0 = --repr-topk
   std::optional<ReprChoice> repr_choice;  // how they are chosen; unset = --repr-choice
+  std::optional<ReprHeads> repr_heads{};  // kv or query heads; unset = --repr-heads
+  int chunk_size = 0;                     // tokens per chunk (block); 0 = --chunk
   bool compress = false;  // --compress applies (every method that attends chunks; StreamingLLM has none)
 };
 
@@ -260,8 +264,10 @@ struct Result1 {  // one method at one context length
 Result<StoreOptions> StoreFor(const Options& o, const Method& m, const LlamaModel& model, int64_t context) {
   StoreOptions s = o.store;
   s.geometry = model.config().KvGeometry(DType::kF32);
+  if (m.chunk_size > 0) s.chunk_size = m.chunk_size;
   if (m.repr_topk > 0) s.repr_topk = std::min(m.repr_topk, s.chunk_size);
   if (m.repr_choice) s.repr_choice = *m.repr_choice;
+  if (m.repr_heads) s.repr_heads = *m.repr_heads;
   const StoreSize size = SizeStoreForContext(s, context, m.retrieval.budget_tokens, m.kind != Method::kFull);
   if (!o.warm_set) s.warm_bytes = size.warm_bytes;
   if (!o.hot_set || m.kind == Method::kFull) {
@@ -509,13 +515,21 @@ Result<Result1> RunMethod(const Options& o, const Method& m, const LlamaModel& m
   return r;
 }
 
+// The width of the method column: the longest method name, at least 15.
+int NameWidth(const std::vector<Method>& methods) {
+  size_t w = 15;
+  for (const Method& m : methods) w = std::max(w, m.name.size());
+  return static_cast<int>(w);
+}
+
 std::string MiB(uint64_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.2f MiB", bytes / 1048576.0);
   return buf;
 }
 
-std::string DescribeAttention(const Method& m, int chunk) {
+std::string DescribeAttention(const Method& m, int default_chunk) {
+  const int chunk = m.chunk_size > 0 ? m.chunk_size : default_chunk;
   switch (m.kind) {
     case Method::kFull:
       return "every chunk, absolute positions";
@@ -528,6 +542,10 @@ std::string DescribeAttention(const Method& m, int chunk) {
     case Method::kRetrieval:
       return "probe=" + m.retrieval.probe + " alloc=" + m.retrieval.alloc + " index=" + m.retrieval.index +
              " reprs=" + std::to_string(m.repr_topk) + "/chunk" +
+             (m.repr_heads == ReprHeads::kQuery ? " per query head" : "") +
+             (m.chunk_size > 0 ? " chunk=" + std::to_string(m.chunk_size) : std::string()) +
+             (m.retrieval.reuse_cosine > 0 ? " reuse=" + FormatSpecDouble(m.retrieval.reuse_cosine)
+                                           : std::string()) +
              " budget=" + std::to_string(m.retrieval.budget_tokens) + " tokens (" +
              std::to_string(m.retrieval.budget_tokens / chunk) + " chunks/layer), positions " +
              model::PositionModeName(m.positions);
@@ -846,30 +864,32 @@ int RunData(const Options& o, std::vector<Method> methods, const LlamaModel& mod
   }
 
   const model::LlamaConfig& c = model.config();
+  const int name_w = NameWidth(methods);
   std::printf(
       "kvtier infinite — ∞-Bench data %s, template %s, truncate %s, weights %s (d_model %d, %d layers)\n",
       o.data.c_str(), o.templates.c_str(), o.truncate > 0 ? std::to_string(o.truncate).c_str() : "none",
       o.weights.c_str(), c.d_model, c.n_layers);
-  for (const Method& m : methods) std::printf("  %-15s %s\n", m.name.c_str(), Describe(o, m).c_str());
+  for (const Method& m : methods) std::printf("  %-*s %s\n", name_w, m.name.c_str(), Describe(o, m).c_str());
   std::printf("\n");
   for (const TaskRun& r : runs) {
     if (r.skipped) {
-      std::printf("%-20s %-15s skipped: %s\n", r.task.c_str(), r.method.c_str(), r.skip_reason.c_str());
+      std::printf("%-20s %-*s skipped: %s\n", r.task.c_str(), name_w, r.method.c_str(),
+                  r.skip_reason.c_str());
       continue;
     }
     std::printf(
-        "%-20s %-15s %6.2f over %d samples (%d from %s); %d run now, %.3f s/sample, %.2f chunks per layer "
+        "%-20s %-*s %6.2f over %d samples (%d from %s); %d run now, %.3f s/sample, %.2f chunks per layer "
         "and step, peak RSS %s\n",
-        r.task.c_str(), r.method.c_str(), 100 * r.score(), r.samples, r.resumed, r.predictions.c_str(),
-        r.run.samples, r.run.s_per_sample(),
+        r.task.c_str(), name_w, r.method.c_str(), 100 * r.score(), r.samples, r.resumed,
+        r.predictions.c_str(), r.run.samples, r.run.s_per_sample(),
         r.run.steps ? static_cast<double>(r.run.chunks) / r.run.steps : 0.0, MiB(r.peak_rss).c_str());
   }
   // The paper's table: one row per method, one column per task, then the average.
-  std::printf("\n%-15s", "method");
+  std::printf("\n%-*s", name_w, "method");
   for (const std::string& t : tasks) std::printf(" | %-19s", t.c_str());
   std::printf(" | %-6s\n", "avg");
   for (const Method& m : methods) {
-    std::printf("%-15s", m.name.c_str());
+    std::printf("%-*s", name_w, m.name.c_str());
     double sum = 0;
     int counted = 0;
     for (const std::string& t : tasks)
@@ -1128,8 +1148,10 @@ int RunInfinite(int argc, char** argv) {
         "[flags]\n\n"
         "∞-Bench-style retrieval through the kvtier-llama model: each prompt is prefilled in windows with\n"
         "retrieval inside the model, the answer decoded greedily; exact match = correct. --compare runs\n"
-        "full attention, StreamingLLM, InfLLM and ActQKV (as the papers write them), kvtier (these flags) "
-        "and a\n"
+        "full attention, StreamingLLM, InfLLM, InfLLM at its own defaults (blocks of 128, 4 "
+        "representatives,\n"
+        "its top 16 blocks), ActQKV, Quest (as the papers write them), kvtier (these flags), kvtier-fast\n"
+        "(these flags with the preset's search reuse) and a\n"
         "needle oracle on the same samples (--contexts 4096,16384,...). docs/retrieval.md explains kvtier's\n"
         "defaults (--head-merge max --rank-by logit, every key a representative).\n\n"
         "--compress SPEC --kv-budget N: at prefill end the last --observe prompt queries attend exactly "
@@ -1223,23 +1245,63 @@ int RunInfinite(int argc, char** argv) {
     Method streaming{"StreamingLLM",        Method::kStreaming, o.retrieval,
                      PositionMode::kInfLLM, o.store.repr_topk,  std::nullopt};
     streaming.retrieval.budget_tokens = 0;
-    // Both papers choose representatives as InfLLM does, by attention mass.
+    // Both papers choose representatives as InfLLM does, by attention mass. InfLLM's
+    // ContextManager keeps them per query head (its top repr_topk keys by that head's
+    // attention) and scores a block per query head: ReprHeads::kQuery.
     Method infllm{"InfLLM",
                   Method::kRetrieval,
                   infllm_preset->first,
                   PositionMode::kInfLLM,
                   infllm_preset->second,
                   ReprChoice::kMass};
+    infllm.repr_heads = ReprHeads::kQuery;
+    // InfLLM at its own defaults (as `kvtier run --compare` runs it): blocks of 128 tokens, 4
+    // representatives, its top 16 blocks whatever the run's budget; left out where the local
+    // window is not a whole number of its blocks.
+    std::optional<Method> infllm_defaults;
+    if (o.store.n_local % kInfLLMBlock == 0) {
+      infllm_defaults = infllm;
+      infllm_defaults->name = kInfLLMDefaultsRow;
+      infllm_defaults->chunk_size = kInfLLMBlock;
+      infllm_defaults->repr_topk = kInfLLMReprTopk;
+      infllm_defaults->retrieval.budget_tokens = kInfLLMTopBlocks * kInfLLMBlock;
+    }
     Method actqkv{"ActQKV",
                   Method::kRetrieval,
                   actqkv_preset->first,
                   PositionMode::kInfLLM,
                   actqkv_preset->second,
                   ReprChoice::kMass};
+    // Quest: a chunk ranked by the largest q.k its per-chunk key box allows (every key a
+    // representative: the box needs them all), the current query's probe (mean-pooled per kv
+    // head), a fixed top-k at the run's budget, the heads by max (pages chosen per head).
+    Method quest{"Quest",     Method::kRetrieval, o.retrieval, PositionMode::kInfLLM, o.store.chunk_size,
+                 std::nullopt};
+    quest.retrieval.probe = "mean";
+    quest.retrieval.alloc = "topk";
+    quest.retrieval.index = kQuestRowIndex;
+    quest.retrieval.reuse_cosine = 0.0;
+    quest.retrieval.screen_period = 1;
+    quest.repr_heads = ReprHeads::kKv;
     Method ours{"kvtier", Method::kRetrieval, o.retrieval, o.positions, o.store.repr_topk, std::nullopt};
-    Method oracle{"needle oracle",       Method::kNeedleOracle, o.retrieval,
-                  PositionMode::kInfLLM, o.store.repr_topk,     std::nullopt};
-    methods = {full, streaming, infllm, actqkv, ours, oracle};
+    methods = {full, streaming, infllm};
+    if (infllm_defaults) methods.push_back(*infllm_defaults);
+    methods.push_back(actqkv);
+    methods.push_back(quest);
+    methods.push_back(ours);
+    // kvtier-fast: the flags' configuration with the preset's search reuse (not exact: held
+    // to answers, docs/benchmarks.md "The kvtier-fast preset"); left out when the flags reuse
+    // already (the kvtier row is then that).
+    if (o.retrieval.reuse_cosine == 0.0) {
+      auto fast = MakeRetrievalPreset("kvtier-fast");
+      if (!fast.ok()) return Fail(fast.status());
+      Method f = ours;
+      f.name = "kvtier-fast";
+      f.retrieval.reuse_cosine = fast->retrieval.reuse_cosine;
+      methods.push_back(f);
+    }
+    methods.push_back(Method{"needle oracle", Method::kNeedleOracle, o.retrieval, PositionMode::kInfLLM,
+                             o.store.repr_topk, std::nullopt});
   } else {
     methods = {
         Method{"kvtier", Method::kRetrieval, o.retrieval, o.positions, o.store.repr_topk, std::nullopt}};
@@ -1267,6 +1329,7 @@ int RunInfinite(int argc, char** argv) {
   }
 
   const model::LlamaConfig& c = model.config();
+  const int name_w = NameWidth(methods);
   std::printf(
       "kvtier infinite — task %s, %d samples per context, weights %s (d_model %d, %d layers, %d/%d heads)\n",
       o.task.c_str(), o.samples, o.weights.c_str(), c.d_model, c.n_layers, c.q_heads, c.kv_heads);
@@ -1277,7 +1340,7 @@ int RunInfinite(int argc, char** argv) {
     std::printf(
         "device: cuda (hot tier in GPU memory; embedding, norms, projections, RoPE, K/V conversion and "
         "attention on the GPU; q and the attention output cross to the host per layer)\n");
-  for (const Method& m : methods) std::printf("  %-15s %s\n", m.name.c_str(), Describe(o, m).c_str());
+  for (const Method& m : methods) std::printf("  %-*s %s\n", name_w, m.name.c_str(), Describe(o, m).c_str());
   std::printf("\n");
   if (!o.compare) {
     for (const Result1& r : results) {
@@ -1351,7 +1414,7 @@ int RunInfinite(int argc, char** argv) {
     for (size_t i = 0; i < methods.size(); ++i) {
       const Result1& r = results[(o.contexts.size() - 1) * methods.size() + i];
       if (r.skipped) continue;
-      std::printf("  %-15s hot %s, warm %s, cold %s; %.0f tokens/s\n", r.method.c_str(),
+      std::printf("  %-*s hot %s, warm %s, cold %s; %.0f tokens/s\n", name_w, r.method.c_str(),
                   MiB(r.peak.hot_bytes).c_str(), MiB(r.peak.warm_bytes).c_str(),
                   MiB(r.peak.cold_bytes).c_str(), r.tokens_per_s());
     }
@@ -1363,7 +1426,7 @@ int RunInfinite(int argc, char** argv) {
       for (size_t i = 0; i < methods.size(); ++i) {
         const Result1& r = results[(o.contexts.size() - 1) * methods.size() + i];
         if (r.skipped || !r.compressions) continue;
-        std::printf("  %-15s %.1f kept, %.1f dropped\n", r.method.c_str(), r.kept_per_layer(),
+        std::printf("  %-*s %.1f kept, %.1f dropped\n", name_w, r.method.c_str(), r.kept_per_layer(),
                     r.dropped_per_sample());
       }
     }
@@ -1377,8 +1440,8 @@ int RunInfinite(int argc, char** argv) {
       "rounds in this run; kvtier's own GEMM there: %.2f GFLOP/s); total = prompt and generated tokens "
       "together\n",
       rates.openblas, rates.kvtier);
-  std::printf("%-15s %-9s %-9s %9s %9s %9s %9s %9s %9s\n", "method", "context", "phase", "cpu", "fwd+rest",
-              "retrieval", "attention", "floor", "cpu/floor");
+  std::printf("%-*s %-9s %-9s %9s %9s %9s %9s %9s %9s\n", name_w, "method", "context", "phase", "cpu",
+              "fwd+rest", "retrieval", "attention", "floor", "cpu/floor");
   for (const Result1& r : results) {
     if (r.skipped) continue;
     const PhaseCost total = r.total();
@@ -1388,7 +1451,7 @@ int RunInfinite(int argc, char** argv) {
       const double floor_ms = c->per_token(c->flops) / (gemm_gflops * 1e9) * 1e3;
       const double cpu = c->per_token(c->cpu_s) * 1e3, ret = c->per_token(c->retrieval_ms),
                    att = c->per_token(c->attention_ms);
-      std::printf("%-15s %-9lld %-9s %9.4f %9.4f %9.4f %9.4f %9.4f %8.1fx\n", r.method.c_str(),
+      std::printf("%-*s %-9lld %-9s %9.4f %9.4f %9.4f %9.4f %9.4f %8.1fx\n", name_w, r.method.c_str(),
                   static_cast<long long>(r.context), phase, cpu, c->per_token(c->wall_s) * 1e3 - ret - att,
                   ret, att, floor_ms, floor_ms > 0 ? cpu / floor_ms : 0.0);
     }

@@ -614,8 +614,8 @@ TEST(Cli, InfiniteCompareTableByContext) {
       " --json " +
       json);
   ASSERT_EQ(r.code, 0) << r.out;
-  for (const char* col : {"full attention", "StreamingLLM", "InfLLM", "ActQKV", "kvtier", "needle oracle",
-                          "acc", "recall", "s/sample"})
+  for (const char* col : {"full attention", "StreamingLLM", "InfLLM", "InfLLM (own defaults)", "ActQKV",
+                          "Quest", "kvtier", "kvtier-fast", "needle oracle", "acc", "recall", "s/sample"})
     EXPECT_NE(r.out.find(col), std::string::npos) << col << " missing in\n" << r.out;
   EXPECT_NE(r.out.find("\n512 "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("\n1024 "), std::string::npos) << r.out;
@@ -623,7 +623,26 @@ TEST(Cli, InfiniteCompareTableByContext) {
   size_t rows = 0;
   for (size_t at = rep.find("\"method\""); at != std::string::npos; at = rep.find("\"method\"", at + 1))
     ++rows;
-  EXPECT_EQ(rows, 12u) << rep;  // 6 methods x 2 contexts
+  EXPECT_EQ(rows, 18u) << rep;  // 9 methods x 2 contexts
+  // Each row's configuration as its paper (or preset) writes it: InfLLM's representatives per
+  // query head, at its own defaults blocks of 128 and its top 16; Quest's bound over every key;
+  // kvtier-fast reuses a search.
+  auto config_of = [&](const std::string& method) {
+    const size_t at = rep.find("\"name\": \"" + method + "\"");
+    if (at == std::string::npos) return std::string("missing");
+    const size_t c = rep.find("\"config\": \"", at) + 11;
+    return rep.substr(c, rep.find('"', c) - c);
+  };
+  EXPECT_NE(config_of("InfLLM").find("reprs=4/chunk per query head budget=64"), std::string::npos)
+      << config_of("InfLLM");
+  EXPECT_NE(config_of("InfLLM (own defaults)").find("per query head chunk=128 budget=2048"),
+            std::string::npos)
+      << config_of("InfLLM (own defaults)");
+  EXPECT_NE(config_of("Quest").find("probe=mean alloc=topk index=Quest:heads=max reprs=16/chunk"),
+            std::string::npos)
+      << config_of("Quest");
+  EXPECT_NE(config_of("kvtier-fast").find("reuse=0.8"), std::string::npos) << config_of("kvtier-fast");
+  EXPECT_EQ(config_of("kvtier").find("reuse="), std::string::npos) << config_of("kvtier");
   // StreamingLLM attends no chunk.
   const size_t at = rep.find("\"method\": \"StreamingLLM\"");
   ASSERT_NE(at, std::string::npos) << rep;

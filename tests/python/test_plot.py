@@ -80,16 +80,25 @@ def test_every_picture_is_written_as_a_valid_png(reports, tmp_path):
     assert rc == 0, stderr
     written = paths_of(stdout)
     names = sorted(os.path.basename(p) for p in written)
-    assert names == ["chunk-choice-run.png", "frontier.md", "frontier.png", "infinite-passkey.png",
-                     "policy-sweep.png"], stdout
+    assert names == ["chunk-choice-run.png", "frontier.md", "frontier.png", "infinite-frontier.md",
+                     "infinite-passkey.png", "policy-sweep.png"], stdout
     # The frontier's table is printed too, and is what frontier.md holds.
-    md = [p for p in written if p.endswith(".md")][0]
+    md = [p for p in written if os.path.basename(p) == "frontier.md"][0]
     with open(md) as f:
         table = f.read()
     assert table in stdout
     for name in ("full attention", "StreamingLLM", "InfLLM", "InfLLM (own defaults)", "ActQKV", "Quest", "kvtier",
                  "attention oracle"):
         assert f"| {name} |" in table, (name, table)
+    # So is the trained model's: every --compare row at both contexts.
+    md = [p for p in written if os.path.basename(p) == "infinite-frontier.md"][0]
+    with open(md) as f:
+        table = f.read()
+    assert table in stdout
+    for name in ("full attention", "StreamingLLM", "InfLLM", "InfLLM (own defaults)", "ActQKV", "Quest", "kvtier",
+                 "kvtier-fast", "needle oracle"):
+        for ctx in ("1K", "2K"):
+            assert f"| passkey | {ctx} | {name} | " in table, (name, ctx, table)
     for p in written:
         if p.endswith(".md"):
             continue
@@ -110,7 +119,8 @@ def test_reports_merge_into_one_picture_per_kind(reports, tmp_path):
                               str(tmp_path))
     assert rc == 0, stderr
     assert sorted(os.path.basename(p) for p in paths_of(stdout)) == [
-        "chunk-choice-run-2.png", "chunk-choice-run.png", "frontier.md", "frontier.png", "infinite-passkey.png"]
+        "chunk-choice-run-2.png", "chunk-choice-run.png", "frontier.md", "frontier.png", "infinite-frontier.md",
+        "infinite-passkey.png"]
 
 
 def test_unknown_and_mismatched_kinds_exit_2_naming_the_file(reports, tmp_path):
@@ -310,3 +320,24 @@ def test_frontier_needs_compare_and_the_baseline(tmp_path):
     broken = compare_report(4096, [{"name": "kvtier", "step_ms": 1.0}])
     with pytest.raises(kp.PlotError, match="b.json: run report without 'needle_hit_rate' in methods\\[0\\]"):
         kp.frontier_rows(kp.load_report(write(tmp_path / "b.json", broken)))
+
+
+def test_infinite_frontier_pools_seeds_and_weights_costs_by_tokens(tmp_path):
+    def result(method, correct, samples, recall, cpu_ms, floor_ms, tokens):
+        return {"method": method, "context": 4096, "skipped": False, "correct": correct, "samples": samples,
+                "needle_recall": recall,
+                "cost_per_token": {"generated": {"tokens": tokens, "cpu_ms": cpu_ms, "floor_ms": floor_ms}}}
+
+    def report(name, results):
+        return write(tmp_path / name, {"task": "passkey", "weights": "w", "budget": 256, "results": results})
+
+    a = report("a.json", [result("full attention", 1, 2, 1.0, 2.0, 0.1, 10), result("kvtier", 2, 2, 0.5, 0.5, 0.1, 10)])
+    b = report("b.json", [result("full attention", 0, 2, 1.0, 4.0, 0.1, 30), result("kvtier", 1, 2, 0.25, 1.0, 0.1, 30)])
+    reps = [kp.load_report(a), kp.load_report(b)]
+    lines = kp.infinite_frontier_table(reps).splitlines()
+    assert lines[0].startswith("| task | context | method | answers |")
+    # full attention: 1/4 answers; cost (2 x 10 + 4 x 30) / 40 = 3.5 ms, floor 0.1 ms: 35x.
+    assert lines[2] == "| passkey | 4K | full attention | 1/4 | 0.250 | 1.000 | 3.500 | 35.0x | 1.00x |"
+    # kvtier: 3/4; recall (0.5 x 2 + 0.25 x 2) / 4 = 0.375; cost (5 + 30) / 40 = 0.875 ms; 3.5 / 0.875 = 4x.
+    assert lines[3] == "| passkey | 4K | kvtier | 3/4 | 0.750 | 0.375 | 0.875 | 8.8x | 4.00x |"
+    assert len(lines) == 4

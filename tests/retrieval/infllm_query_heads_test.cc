@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "kvtier/kvtier.h"
 #include "offload/observe_queries.h"
 #include "offload/representatives.h"
 #include "offload/store_records.h"
@@ -316,6 +317,61 @@ TEST(InfLLMQueryHeads, ObservedQueriesGiveEachQueryHeadItsOwnMass) {
   // q0: kv0 token 1 = 4 e1; q1: kv0 token 2 = 4 e2; q2: kv1 token 3 = 4 e0; q3: kv1 token 0 = 4 e3.
   EXPECT_EQ(Representatives(s->get(), *seq, 0),
             (std::vector<float>{0, 4, 0, 0, 0, 0, 4, 0, 4, 0, 0, 0, 0, 0, 0, 4}));
+}
+
+// The same keys and query through the engine API: a session's prefill Attend over a store whose
+// representatives are per query head gives each query head its own mass (the kernel's mass is
+// per kv head, so Gather's host pass computes it), and the representatives come out as
+// ObserveQueries' above. Before, Attend stopped at the store's refusal of a kv head's sum.
+TEST(InfLLMQueryHeads, SessionAttendGivesEachQueryHeadItsOwnMass) {
+  for (const PositionMode mode : {PositionMode::kAbsolute, PositionMode::kInfLLM}) {
+    SCOPED_TRACE(mode == PositionMode::kAbsolute ? "absolute positions" : "infllm positions");
+    StoreOptions o = SmallStore(ReprHeads::kQuery, "");
+    o.repr_topk = 1;
+    auto s = TieredStore::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    auto preset = MakeRetrievalPreset("infllm");
+    ASSERT_TRUE(preset.ok());
+    SessionOptions so;
+    so.retrieval = preset->retrieval;
+    so.retrieval.budget_tokens = kChunk;
+    so.positions = mode;
+    auto session = Session::Open(s->get(), so);
+    ASSERT_TRUE(session.ok()) << session.status().ToString();
+    Session& ses = **session;
+    std::vector<float> k(kChunk * kKv * kD, 0.0f), v(kChunk * kKv * kD, 1.0f);
+    for (int t = 0; t < kChunk; ++t) {
+      k[(t * kKv + 0) * kD + t] = 4.0f;
+      k[(t * kKv + 1) * kD + (3 - t)] = 4.0f;
+    }
+    ASSERT_TRUE(ses.Append(0, k.data(), v.data(), kChunk, DType::kF32).ok());
+    std::vector<float> q(kQ * kD, 0.0f), out(kQ * kD);
+    q[0 * kD + 1] = q[1 * kD + 2] = q[2 * kD + 0] = q[3 * kD + 3] = 8.0f;
+    const int64_t pos = 3;
+    ASSERT_TRUE(ses.BeginStep(StepKind::kPrefill).ok());
+    const Status st = ses.Attend(0, q.data(), &pos, 1, out.data());
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    const std::vector<float> b(kChunk * kKv * kD, kB), zeros(2 * kChunk * kKv * kD, 0.0f),
+        v2(2 * kChunk * kKv * kD, 1.0f);
+    ASSERT_TRUE(ses.Append(0, b.data(), v.data(), kChunk, DType::kF32).ok());
+    ASSERT_TRUE(ses.Append(0, zeros.data(), v2.data(), 2 * kChunk, DType::kF32).ok());
+    const std::vector<float> got = Representatives(s->get(), ses.sequence(), 0);
+    if (mode == PositionMode::kAbsolute) {
+      // As ObservedQueriesGiveEachQueryHeadItsOwnMass: q0 4 e1, q1 4 e2, q2 4 e0, q3 4 e3.
+      EXPECT_EQ(got, (std::vector<float>{0, 4, 0, 0, 0, 0, 4, 0, 4, 0, 0, 0, 0, 0, 0, 4}));
+    } else {
+      // Rotated scores move the mass, but each query head's representative is one of its kv
+      // head's keys, and the two query heads of a kv head need not agree: not a kv head's sum.
+      for (int h = 0; h < kQ; ++h) {
+        const int kv = h / (kQ / kKv);
+        bool is_key = false;
+        for (int t = 0; t < kChunk; ++t)
+          is_key = is_key || std::equal(got.begin() + h * kD, got.begin() + (h + 1) * kD,
+                                        k.begin() + (t * kKv + kv) * kD);
+        EXPECT_TRUE(is_key) << "query head " << h;
+      }
+    }
+  }
 }
 
 }  // namespace

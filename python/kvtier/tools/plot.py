@@ -8,6 +8,9 @@ Agg backend, no display needed); every path written is printed:
   infinite  `kvtier infinite --json`: accuracy and needle recall against context length, one
             line per method (several with --compare); reports of the same task are merged
             (a context run by several reports pools their samples). infinite-TASK.png
+            Its table (markdown: answers, needle recall, the cost of a generated token, over the
+            one-core floor and over full attention's) is printed and written to
+            infinite-frontier.md.
   run       `kvtier run --json`: the chunk-choice heat map, which chunks (by position in the
             context) each layer retrieved over the decode steps, one panel per method (every
             row with --compare), the needles marked. chunk-choice-STEM.png
@@ -165,6 +168,76 @@ def infinite_series(reports: Sequence[Report]) -> Dict[str, Dict[str, List[Infin
                 p.reports.append(r.path)
         out[task] = {label: [pts[c] for c in sorted(pts)] for label, pts in lines.items() if pts}
     return out
+
+
+@dataclass
+class InfiniteCost:
+    """The cost of one (task, method, context) per generated token, pooled over reports: process
+    CPU ms per token weighted by each report's generated tokens, and the ratio to the one-core
+    floor (CPU ms over the floor's ms, the floor weighted the same way)."""
+    cpu_ms_tokens: float = 0.0
+    floor_ms_tokens: float = 0.0
+    tokens: int = 0
+
+    @property
+    def cpu_ms(self) -> Optional[float]:
+        return self.cpu_ms_tokens / self.tokens if self.tokens else None
+
+    @property
+    def over_floor(self) -> Optional[float]:
+        return self.cpu_ms_tokens / self.floor_ms_tokens if self.floor_ms_tokens > 0 else None
+
+
+def infinite_costs(reports: Sequence[Report]) -> Dict[Tuple[str, str, int], InfiniteCost]:
+    """(task, method, context) -> the generated tokens' cost, pooled over the reports that carry
+    cost_per_token (older reports without it are left out)."""
+    out: Dict[Tuple[str, str, int], InfiniteCost] = {}
+    for r in reports:
+        task = str(_field(r, r.data, "task", "the report"))
+        for i, res in enumerate(r.data["results"]):
+            where = f"results[{i}]"
+            if _field(r, res, "skipped", where):
+                continue
+            gen = res.get("cost_per_token", {}).get("generated") if isinstance(res.get("cost_per_token"), dict) else None
+            if not isinstance(gen, dict) or not gen.get("tokens"):
+                continue
+            key = (task, str(_field(r, res, "method", where)), int(_number(r, res, "context", where)))
+            c = out.setdefault(key, InfiniteCost())
+            n = int(_number(r, gen, "tokens", f"{where}.cost_per_token.generated"))
+            c.cpu_ms_tokens += _number(r, gen, "cpu_ms", f"{where}.cost_per_token.generated") * n
+            floor = _optional_number(r, gen, "floor_ms", f"{where}.cost_per_token.generated")
+            if floor:
+                c.floor_ms_tokens += floor * n
+            c.tokens += n
+    return out
+
+
+def infinite_frontier_table(reports: Sequence[Report]) -> str:
+    """The trained model's frontier as a markdown table: per task, context and method (in the
+    reports' order), the answers pooled over the reports (seeds), needle recall, and the cost of a
+    generated token (CPU ms, over the one-core floor, over full attention's at the same task and
+    context)."""
+    series = infinite_series(reports)
+    costs = infinite_costs(reports)
+    out = ["| task | context | method | answers | accuracy | needle recall | ms / generated token "
+           "| vs floor | vs full attention |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for task, lines in series.items():
+        contexts = sorted({p.context for pts in lines.values() for p in pts})
+        for ctx in contexts:
+            full = costs.get((task, "full attention", ctx))
+            for label, pts in lines.items():
+                p = next((q for q in pts if q.context == ctx), None)
+                if p is None:
+                    continue
+                c = costs.get((task, label, ctx))
+                ratio = (full.cpu_ms / c.cpu_ms if full is not None and c is not None and full.cpu_ms and c.cpu_ms
+                         else None)
+                out.append("| " + " | ".join([
+                    task, _tokens(ctx), label, f"{p.correct}/{p.samples}", f"{p.accuracy:.3f}",
+                    _cell(p.needle_recall, "{:.3f}"), _cell(None if c is None else c.cpu_ms, "{:.3f}"),
+                    _cell(None if c is None else c.over_floor, "{:.1f}x"), _cell(ratio, "{:.2f}x")]) + " |")
+    return "\n".join(out) + "\n"
 
 
 # ---- run: the chunk-choice heat map ---------------------------------------------------------------
@@ -521,6 +594,13 @@ def make_pictures(reports: Sequence[Report], out: str, say: Any = print, table: 
             written.append(draw_infinite(task, task_lines, _unique(os.path.join(out, f"infinite-{task}.png"), taken)))
             if not any(p.needle_recall is not None for pts in task_lines.values() for p in pts):
                 say(f"infinite-{task}.png: no needle recall in these reports (its panel is empty)")
+        text = infinite_frontier_table(infinite)
+        md = _unique(os.path.join(out, "infinite-frontier.md"), taken)
+        with open(md, "w", encoding="utf-8") as f:
+            f.write(text)
+        if table is not None:
+            table(text)
+        written.append(md)
     for r in reports:
         if r.kind != "run":
             continue
