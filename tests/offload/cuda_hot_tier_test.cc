@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/kernels.h"
+#include "tests/device_test_util.h"
 #endif
 
 namespace kvtier {
@@ -152,7 +153,7 @@ TEST(XorScrambledHotTier, StoresScrambledBytesAndTranslatesEveryCopyAcrossTheHos
 
 bool HaveDevice() {
 #if KVTIER_HAVE_CUDA
-  return kernels::cuda::DeviceCount() > 0;
+  return device_test::HaveDevice();
 #else
   return false;
 #endif

@@ -13,6 +13,7 @@
 #include "kernels/cuda/kernels.h"
 #include "offload/cuda_hot_tier.h"
 #include "offload/device_memory_cuda.h"
+#include "tests/device_test_util.h"
 #endif
 
 namespace kvtier {
@@ -62,7 +63,7 @@ TEST(DeviceMemoryCounter, CountsByOwnerWithTheTotalsPeakAndReset) {
 
 #if KVTIER_HAVE_CUDA
 
-bool HaveDevice() { return kernels::cuda::DeviceCount() > 0; }
+using device_test::HaveDevice;
 
 TEST(DeviceMemory, WrappersCountWhatTheyAllocateAndFree) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();

@@ -29,6 +29,7 @@
 #include "kernels/cuda/kernels.h"
 #include "offload/cuda_hot_tier.h"
 #include "offload/device_sync_cuda.h"
+#include "tests/device_test_util.h"
 #endif
 
 namespace kvtier {
@@ -154,7 +155,7 @@ TEST(DeviceSync, CpuTierSessionCountsNoHostSyncs) {
 
 #if KVTIER_HAVE_CUDA
 
-bool HaveDevice() { return kernels::cuda::DeviceCount() > 0; }
+using device_test::HaveDevice;
 
 TEST(DeviceSync, EachWrapperCountsOncePerCallAndCopiesTheBytes) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();
