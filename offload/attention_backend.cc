@@ -277,7 +277,7 @@ Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda, b
 }
 
 CudaAttentionWorkspace LayoutCudaAttentionWorkspace(int n_queries, int q_heads, int head_dim, int n_slots,
-                                                    size_t kernel_bytes, int n_q_rope_positions) {
+                                                    int n_q_rope_positions) {
   const size_t m = static_cast<size_t>(std::max(0, n_queries));
   const size_t rows =
       m * static_cast<size_t>(std::max(0, q_heads)) * static_cast<size_t>(std::max(0, head_dim));
@@ -290,16 +290,18 @@ CudaAttentionWorkspace LayoutCudaAttentionWorkspace(int n_queries, int q_heads, 
   w.q_rope_positions = w.slot_first + Align256(n * sizeof(int64_t));
   w.out =
       w.q_rope_positions + Align256(static_cast<size_t>(std::max(0, n_q_rope_positions)) * sizeof(int64_t));
-  w.kernel = w.out + Align256(rows * sizeof(float));
-  w.total = w.kernel + Align256(kernel_bytes);
+  w.total = w.out + Align256(rows * sizeof(float));
   return w;
 }
 
 size_t MaxSlotAttentionKernelBytes(int n_queries, int q_heads, int head_dim) {
-  // kernels/cuda/attention.cu: at most 64 splits; partial outputs, partial lse, final lse.
-  constexpr size_t kMaxSplits = 64;
+  // kernels/cuda/attention.cu: at most 64 splits; the arrival counters (4 KiB), partial outputs,
+  // partial lse, final lse.
+  constexpr size_t kMaxSplits = 64, kArrivalBytes = 4096;
   const size_t rows = static_cast<size_t>(std::max(0, n_queries)) * static_cast<size_t>(std::max(0, q_heads));
-  return Align256(kMaxSplits * rows * static_cast<size_t>(std::max(0, head_dim)) * sizeof(float)) +
+  if (rows == 0) return 0;
+  return kArrivalBytes +
+         Align256(kMaxSplits * rows * static_cast<size_t>(std::max(0, head_dim)) * sizeof(float)) +
          Align256(kMaxSplits * rows * sizeof(float)) + Align256(rows * sizeof(float));
 }
 
@@ -409,12 +411,25 @@ class CudaAttentionBackend final : public AttentionBackend {
   explicit CudaAttentionBackend(CudaHotTier* hot) : hot_(hot) {}
   ~CudaAttentionBackend() override {
     if (ws_.ptr) device_memory::Free(ws_.ptr);
+    if (kernel_ws_.ptr) device_memory::Free(kernel_ws_.ptr);
     if (side_.ptr) device_memory::Free(side_.ptr);
     if (rope_.ptr) device_memory::Free(rope_.ptr);
   }
   const char* name() const override { return "cuda"; }
 
   Status Reserve(size_t bytes) { return Grow(&ws_, bytes, "workspace"); }
+  // The kernel's workspace: grown like the others, and its arrival counters zeroed on the stream
+  // whenever it is (re)allocated (LaunchSlotAttention leaves them zero after each launch).
+  Status ReserveKernel(size_t bytes) {
+    const size_t before = kernel_ws_.bytes;
+    KVTIER_RETURN_IF_ERROR(Grow(&kernel_ws_, bytes, "kernel workspace"));
+    if (kernel_ws_.bytes == before) return Status::Ok();  // not reallocated
+    const kernels::KernelError ke =
+        kernels::cuda::ClearSlotAttentionWorkspace(kernel_ws_.ptr, kernel_ws_.bytes, stream());
+    if (ke != kernels::KernelError::kOk)
+      return KernelFailure("clearing the attention kernel's workspace", ke);
+    return Status::Ok();
+  }
 
   Status Run(const AttentionPlan& plan, float* out) override {
     KVTIER_ASSIGN_OR_RETURN(const float* out_dev, Launch(plan, nullptr, nullptr, nullptr));
@@ -468,7 +483,7 @@ class CudaAttentionBackend final : public AttentionBackend {
       const size_t kernel_bytes = kernels::cuda::SlotAttentionWorkspaceBytes(p);
       KVTIER_ASSIGN_OR_RETURN(kernels::SlotAttentionParams d,
                               CopyPlanIn(p, plan.slots_on_device(), q_device, out_device, kernel_bytes));
-      const kernels::KernelError ke = kernels::cuda::LaunchSlotAttention(d, kernel_ws_, kernel_bytes, s);
+      const kernels::KernelError ke = kernels::cuda::LaunchSlotAttention(d, kernel_ws_.ptr, kernel_bytes, s);
       if (ke != kernels::KernelError::kOk) return KernelFailure("attention (cuda)", ke);
       return static_cast<const float*>(d.out);
     }
@@ -498,13 +513,13 @@ class CudaAttentionBackend final : public AttentionBackend {
     for (int i = 0; i < dd.n_dense; ++i)
       dd.dense[i].mass = dense_mass[i] != nullptr ? mass_dev + mass_offset[i] : nullptr;
     dd.lse = slots ? reinterpret_cast<float*>(side + dense_lse) : nullptr;
-    kernels::KernelError ke = kernels::cuda::LaunchSlotAttention(dd, kernel_ws_, kernel_bytes, s);
+    kernels::KernelError ke = kernels::cuda::LaunchSlotAttention(dd, kernel_ws_.ptr, kernel_bytes, s);
     if (ke != kernels::KernelError::kOk) return KernelFailure("attention over the dense parts (cuda)", ke);
     if (slots) {
       kernels::SlotAttentionParams cc = SlotHalf(d);
       cc.out = reinterpret_cast<float*>(side + slots_out);
       cc.lse = reinterpret_cast<float*>(side + slots_lse);
-      ke = kernels::cuda::LaunchSlotAttention(cc, kernel_ws_, kernel_bytes, s);
+      ke = kernels::cuda::LaunchSlotAttention(cc, kernel_ws_.ptr, kernel_bytes, s);
       if (ke != kernels::KernelError::kOk)
         return KernelFailure("attention over the retrieved chunks (cuda)", ke);
       ke = kernels::cuda::LaunchMergeAttentionStates(static_cast<int>(rows), p.head_dim, d.out, dd.lse,
@@ -528,7 +543,7 @@ class CudaAttentionBackend final : public AttentionBackend {
 
   // Copies the plan's host arrays (q unless q_device is given, positions, the slot list unless it
   // is on the device already, the queries' rotation positions) into the workspace through one
-  // staging entry, sizing the workspace for `kernel_bytes` of kernel workspace (at kernel_ws_), and
+  // staging entry, sizing the kernel's workspace (kernel_ws_) for `kernel_bytes`, and
   // returns the plan with device pointers and, as out, `out_device` or the workspace's output. K/V
   // pointers (and a device slot list with its count) are the tier's already.
   Result<kernels::SlotAttentionParams> CopyPlanIn(const kernels::SlotAttentionParams& p, bool slots_on_device,
@@ -536,9 +551,10 @@ class CudaAttentionBackend final : public AttentionBackend {
                                                   size_t kernel_bytes) {
     const int staged_slots = slots_on_device ? 0 : p.n_slots;
     const int rope_positions = p.q_rope_positions != nullptr ? p.n_queries : 0;
-    const CudaAttentionWorkspace w = LayoutCudaAttentionWorkspace(p.n_queries, p.q_heads, p.head_dim,
-                                                                  staged_slots, kernel_bytes, rope_positions);
+    const CudaAttentionWorkspace w =
+        LayoutCudaAttentionWorkspace(p.n_queries, p.q_heads, p.head_dim, staged_slots, rope_positions);
     KVTIER_RETURN_IF_ERROR(Reserve(w.total));
+    KVTIER_RETURN_IF_ERROR(ReserveKernel(kernel_bytes));
     auto* ws = static_cast<uint8_t*>(ws_.ptr);
     const size_t q_bytes =
         q_device ? 0 : static_cast<size_t>(p.n_queries) * p.q_heads * p.head_dim * sizeof(float);
@@ -569,7 +585,6 @@ class CudaAttentionBackend final : public AttentionBackend {
     }
     if (rope_positions > 0) d.q_rope_positions = reinterpret_cast<const int64_t*>(ws + w.q_rope_positions);
     d.out = out_device ? out_device : reinterpret_cast<float*>(ws + w.out);
-    kernel_ws_ = kernel_bytes ? ws + w.kernel : nullptr;
     if (p.rope_inv_freq != nullptr) {
       KVTIER_ASSIGN_OR_RETURN(d.rope_inv_freq, DeviceInvFreq(p.rope_inv_freq, p.head_dim / 2));
     }
@@ -638,12 +653,12 @@ class CudaAttentionBackend final : public AttentionBackend {
   }
 
   CudaHotTier* hot_;
-  DeviceBuffer ws_;    // the plan's arrays, the output and the kernel's workspace (CopyPlanIn)
-  DeviceBuffer side_;  // RunWithDenseMass: the slot half's output, both lse, the mass
-  DeviceBuffer rope_;  // the rotation's inverse frequencies (DeviceInvFreq)
+  DeviceBuffer ws_;         // the plan's arrays and the output (CopyPlanIn)
+  DeviceBuffer side_;       // RunWithDenseMass: the slot half's output, both lse, the mass
+  DeviceBuffer rope_;       // the rotation's inverse frequencies (DeviceInvFreq)
+  DeviceBuffer kernel_ws_;  // LaunchSlotAttention's workspace: its arrival counters first, kept zero
   PinnedStaging staging_{16, "attention (cuda)"};  // the host side of every copy in and out
   std::vector<double> rope_host_;                  // what rope_ holds (empty: nothing uploaded)
-  void* kernel_ws_ = nullptr;
 };
 
 #endif  // KVTIER_HAVE_CUDA
@@ -668,9 +683,10 @@ Result<std::unique_ptr<AttentionBackend>> MakeAttentionBackend(HotTier* hot, con
     // Sized now for the largest step announced, with every slot of the pool attended.
     const int m = std::max(1, max_queries);
     const CudaAttentionWorkspace w =
-        LayoutCudaAttentionWorkspace(m, geometry.q_heads, geometry.head_dim, hot->slot_capacity(),
-                                     MaxSlotAttentionKernelBytes(m, geometry.q_heads, geometry.head_dim), m);
+        LayoutCudaAttentionWorkspace(m, geometry.q_heads, geometry.head_dim, hot->slot_capacity(), m);
     KVTIER_RETURN_IF_ERROR(backend->Reserve(w.total));
+    KVTIER_RETURN_IF_ERROR(
+        backend->ReserveKernel(MaxSlotAttentionKernelBytes(m, geometry.q_heads, geometry.head_dim)));
     return std::unique_ptr<AttentionBackend>(std::move(backend));
 #else
     (void)geometry;

@@ -12,7 +12,8 @@
 //    bit what it was (tests/offload/attention_backend_test.cc and session_test check it).
 //  * "cuda" (builds with CUDA, a CudaHotTier): the plan's pointers are device pointers
 //    (the tier's regions and slot pool); the host arrays (q, positions, slot list) are
-//    staged in pinned memory and copied into one backend-owned device workspace,
+//    staged in pinned memory and copied into one backend-owned device workspace (the
+//    kernel's own workspace is a second one, its arrival counters zeroed once when allocated),
 //    LaunchSlotAttention runs on the tier's stream; Run's host output comes back through
 //    pinned memory with one wait per call, RunOnDevice's stays on the device with none.
 //    Its host-side logic (slot mapping, workspace layout, plan validation) is tested here
@@ -158,20 +159,21 @@ class AttentionPlan {
 /// needs cuda and a count (n_slots_in_memory), and a count needs them on the device.
 Status ValidateAttentionPlan(const kernels::SlotAttentionParams& p, bool cuda, bool slots_on_device = false);
 
-/// The CUDA backend's one device workspace, laid out on the host: the plan's host arrays
-/// copied in, the output, then the kernel's own workspace; every offset 256-aligned.
+/// The CUDA backend's device workspace of a plan, laid out on the host: the plan's host arrays
+/// copied in, then the output; every offset 256-aligned. The kernel's own workspace is a buffer
+/// apart (its arrival counters stay where the launcher put them, zeroed once: kernels/cuda/kernels.h).
 struct CudaAttentionWorkspace {
-  size_t q = 0, positions = 0, slot_index = 0, slot_first = 0, q_rope_positions = 0, out = 0, kernel = 0;
+  size_t q = 0, positions = 0, slot_index = 0, slot_first = 0, q_rope_positions = 0, out = 0;
   size_t total = 0;
 };
 /// Layout for n_queries queries of q_heads x head_dim, n_slots slots staged from the host (0 for a
-/// device slot list), n_q_rope_positions query rotation positions (0 or n_queries; 0 takes no
-/// bytes, so the other offsets are those of a plan without) and `kernel_bytes`
-/// (SlotAttentionWorkspaceBytes of the plan).
+/// device slot list) and n_q_rope_positions query rotation positions (0 or n_queries; 0 takes no
+/// bytes, so the other offsets are those of a plan without).
 CudaAttentionWorkspace LayoutCudaAttentionWorkspace(int n_queries, int q_heads, int head_dim, int n_slots,
-                                                    size_t kernel_bytes, int n_q_rope_positions = 0);
+                                                    int n_q_rope_positions = 0);
 /// An upper bound of SlotAttentionWorkspaceBytes for n_queries (the launcher splits a row's
-/// keys 16 ways at most; each split keeps head_dim + 1 floats per row, plus the final lse),
+/// keys 64 ways at most; its arrival counters, then per split head_dim + 1 floats per row, plus
+/// the final lse),
 /// so a backend can size its workspace at creation for the largest step it expects.
 size_t MaxSlotAttentionKernelBytes(int n_queries, int q_heads, int head_dim);
 

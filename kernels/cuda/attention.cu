@@ -17,8 +17,10 @@
 // rows hit different banks. While a tile is computed, the next tile's loads are in flight in
 // those registers (software double buffering; plain loads, no cp.async, so that the emulated
 // build runs the same source). Per tile:
-//   scores  a thread owns (key, q head) pairs and dots the whole key from shared memory with
-//           the q row (shared memory, fp32), four fma chains: no cross-lane reduction;
+//   scores  the tile's group x N (key, q head) dots are spread over every thread: when they are
+//           fewer than the threads, `lanes` adjacent lanes (DotLanes, a power of two) share one
+//           dot, each over a slice of the row from shared memory with the q row (shared
+//           memory, fp32) in four fma chains, and add by a warp butterfly (ScoreTile);
 //   softmax warp g < group keeps head g's online softmax (running max m, sum l) across tiles;
 //           the tile's probabilities replace its scores in shared memory;
 //   P.V     a thread owns 8 bytes of output columns of one q head and reads the V rows from
@@ -26,17 +28,26 @@
 // The first tile's loads are issued before q is copied to shared memory (a store waits for its
 // load: q first would put two memory latencies in a row). Causal masking is a prefix cut of a
 // tile: key t of a tile is at position pos0 + t and a block has one query, so a tile keeps its
-// first n = min(N, qpos - pos0 + 1) keys, and a tile with none is not loaded.
+// first n = min(N, qpos - pos0 + 1) keys, and a tile with none is not loaded. The slot list is
+// read one unit ahead (TileCursor): the next slot's id, length and position are in registers
+// before its tile's address is needed, so a tile's loads never wait on a load of the list.
 //
 // Split-K: decode has kv_heads x 1 rows (8 for Llama-3-8B), so the keys are split over up to
 // kMaxSplits blocks a row (Splits: about kTargetBlocks blocks in all). The work units are the
 // dense parts' N-key tiles (parts in order), then each selected slot's N-key tiles; split s
 // takes units s, s + splits, ... With one split the block writes the output; with more, each
-// writes its normalised partial (out_s, lse_s) to the workspace and MergeSplitsKernel combines
-// them by log-sum-exp, each of its two phases one round of loads (not one per split). Mass
-// (the final probabilities) needs the final lse: with one split the block makes a second pass
-// over its tiles (K only); with more, MassKernel makes it over the same grid after the merge.
-// Each key's exp(score - lse), summed over the block's heads, is added with one atomic.
+// writes its normalised partial (out_s, lse_s) to the workspace, makes it visible
+// (__threadfence) and counts its arrival at its row (an atomic on a per-(query, head group)
+// counter at the start of the workspace). The block that arrives last merges the row's splits
+// by log-sum-exp (MergeSplits, in the order of the merge kernel it replaced: the same bits) and
+// resets the counter to 0, so the next launch on the workspace, or a replay of a captured
+// graph, starts clean; the caller zeroes the counters once, when it allocates the workspace.
+// No block waits for another, so the order in which blocks run does not matter. Mass (the
+// final probabilities) needs the final lse: with one split the block makes a second pass over
+// its tiles (K only); with more, MassKernel makes it over the same grid after this kernel (the
+// final lse of a row exists only once all its splits are done; waiting for that inside one
+// kernel would spin on blocks that may not be resident). Each key's exp(score - lse), summed
+// over the block's heads, is added with one atomic.
 //
 // The slot count in memory (n_slots_in_memory): the grid, the split count and the workspace are
 // decided on the host from n_slots, the capacity; every block reads the count and its cursor walks
@@ -59,8 +70,8 @@
 // row is whole 16-byte chunks (32 bytes at least) and whole 8-byte column chunks. Shared
 // memory per block is at most 2 x (8 KiB + N x 16) of K/V plus kGroup x D floats of q.
 // __launch_bounds__(kThreads, kBlocksPerSm) holds the kernel to 64 registers, 4 blocks (50%
-// occupancy) an SM. ptxas (sm_90) spills nothing at d32-d256 16-bit (d64/d128 bf16 included),
-// 8 bytes at d16 and f32 d32/d64, 24 at f32 d256.
+// occupancy) an SM. ptxas (nvcc 13, sm_90) spills nothing at d64 and d128 16-bit (decode's
+// geometries) nor in any MassKernel; at most 12 bytes at d16, d32 and d256 16-bit, 32 at f32.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -125,6 +136,7 @@ struct Smem : RopeSmem<T, D, kRope> {
   float q[kGroup * D];
   float s[kGroup * G::SP];  // scores, then probabilities
   float m[kGroup], l[kGroup], corr[kGroup];
+  int merges;  // splits > 1: whether this block arrived last at its row and merges the splits
 };
 
 // One tile: its first row at the block's kv head, its visible rows (the causal cut made), and
@@ -148,29 +160,44 @@ __device__ __forceinline__ int SlotCount(const SlotAttentionParams& p) {
 
 // The tiles of one split in order (see the header comment). Every thread of a block walks the
 // same tiles: n and the pointers are block-uniform.
+//
+// The slot list is loaded one unit ahead: the entry (slot id, filled tokens, first position) of
+// the split's next slot unit is read into registers when the unit before it is handed out, so
+// the address of a tile's K/V never waits on a dependent load of the slot list; the tile's
+// compute hides that load. The look-ahead is bounded by the capacity n_slots (memory the caller
+// provides), the walk by the count in memory, so the first entry's load does not wait for the
+// count either.
 template <typename T, int N>
 struct TileCursor {
   const SlotAttentionParams* p;
-  size_t row, head;
   int kvh;
-  bool causal;
   int64_t qpos;
   int u, step, dense_units, slot_tiles, total;
+  int ahead_slot, ahead_ns;  // the entry of the split's next slot unit (LoadAhead)
+  int64_t ahead_pos;
 
   __device__ TileCursor(const SlotAttentionParams& params, int kv_head, int64_t q_position, int split,
                         int splits)
-      : p(&params),
-        row(static_cast<size_t>(params.kv_heads) * params.head_dim),
-        head(static_cast<size_t>(kv_head) * params.head_dim),
-        kvh(kv_head),
-        causal(params.causal),
-        qpos(q_position),
-        u(split),
-        step(splits) {
+      : p(&params), kvh(kv_head), qpos(q_position), u(split), step(splits) {
     dense_units = 0;
     for (int i = 0; i < params.n_dense; ++i) dense_units += (params.dense[i].n_tokens + N - 1) / N;
     slot_tiles = params.n_slots > 0 ? (params.slot_tokens + N - 1) / N : 0;
+    // The split's first slot unit: the first of split, split + splits, ... at or past the dense units.
+    const int first_slot_unit = u >= dense_units ? u : u + (dense_units - u + step - 1) / step * step;
+    LoadAhead(first_slot_unit);
     total = dense_units + SlotCount(params) * slot_tiles;
+  }
+
+  // Issues the loads of slot unit `unit`'s entry (nothing past the capacity n_slots).
+  __device__ __forceinline__ void LoadAhead(int unit) {
+    ahead_slot = -1;
+    ahead_ns = 0;
+    ahead_pos = 0;
+    if (unit >= dense_units + p->n_slots * slot_tiles) return;
+    const int i = (unit - dense_units) / slot_tiles;
+    ahead_slot = p->slot_index[i];
+    ahead_ns = p->slot_n_tokens ? p->slot_n_tokens[i] : p->slot_tokens;
+    ahead_pos = p->slot_first_position[i];
   }
 
   __device__ bool Next(Tile<T>* t) {
@@ -198,16 +225,20 @@ struct TileCursor {
         mass = d.mass ? d.mass + static_cast<size_t>(kvh) * d.n_tokens + t0 : nullptr;
         rope = d.rope_position;
       } else {
+        // This unit's entry was loaded one unit ahead (a split walks its units in order, and a
+        // unit within the count is within the capacity); take it, then load the next one's.
+        const int slot = ahead_slot;
+        int ns = ahead_ns;
+        const int64_t first = ahead_pos;
+        LoadAhead(unit + step);
         unit -= dense_units;
         const int i = unit / slot_tiles;
         t0 = (unit % slot_tiles) * N;
-        const int slot = p->slot_index[i];
         if (slot < 0 || slot >= p->pool_slots) continue;  // documented: skipped (the host cannot check)
-        int ns = p->slot_n_tokens ? p->slot_n_tokens[i] : p->slot_tokens;
         ns = ns < 0 ? 0 : (ns > p->slot_tokens ? p->slot_tokens : ns);
         n = min(N, ns - t0);
-        pos0 = p->slot_first_position[i] + t0;
-        const size_t slot_elems = row * p->slot_tokens;
+        pos0 = first + t0;
+        const size_t slot_elems = static_cast<size_t>(p->kv_heads) * p->head_dim * p->slot_tokens;
         kb = static_cast<const T*>(p->pool_k) + slot * slot_elems;
         vb = static_cast<const T*>(p->pool_v) + slot * slot_elems;
         mass = p->slot_mass
@@ -215,8 +246,10 @@ struct TileCursor {
                    : nullptr;
         rope = p->slot_rope_position;
       }
-      if (causal && qpos - pos0 + 1 < n) n = qpos - pos0 + 1 < 0 ? 0 : static_cast<int>(qpos - pos0 + 1);
+      if (p->causal && qpos - pos0 + 1 < n) n = qpos - pos0 + 1 < 0 ? 0 : static_cast<int>(qpos - pos0 + 1);
       if (n <= 0) continue;
+      const size_t row = static_cast<size_t>(p->kv_heads) * p->head_dim;
+      const size_t head = static_cast<size_t>(kvh) * p->head_dim;
       t->k = kb + t0 * row + head;
       t->v = vb + t0 * row + head;
       t->mass = mass;
@@ -288,18 +321,47 @@ __device__ __forceinline__ void ToFloats(const Raw& raw, float (&x)[kCount]) {
   for (int e = 0; e < kCount; ++e) x[e] = LoadAsFloat(t + e);
 }
 
+// Lanes per dot in the score step: the most, a power of two, with pairs x lanes <= kThreads and
+// at most `parts` (whole 16-byte chunks, or float4s, of a row each), so that every thread of
+// the block has a share of the tile's dots (group x N pairs alone would leave threads idle:
+// 128 of 256 at d128 bf16 with a group of 4, 224 with a group of 1). A power of two <= 32
+// (parts <= 64 and pairs >= 8): the lanes of one dot lie in one warp, aligned.
+__device__ __forceinline__ int DotLanes(int pairs, int parts) {
+  int lanes = 1;
+  while (lanes < parts && lanes < 32 && pairs * lanes * 2 <= kThreads) lanes *= 2;
+  return lanes;
+}
+
+// The sum of a dot's partials over its `lanes` adjacent lanes (a power of two): xor butterfly,
+// every lane of the group gets the sum. Called by whole warps (lanes is block-uniform).
+__device__ __forceinline__ float DotLanesSum(float x, int lanes) {
+  for (int o = 1; o < lanes; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
 // scale * q_g . k_key for every (key, head) pair of the tile, into sh.s (keys past n: -inf).
-// Pair i = threadIdx.x + r * kThreads is key i % N of head i / N.
+// Each pair's dot is shared by `lanes` adjacent threads (DotLanes): work item
+// i = threadIdx.x + r * kThreads is part i % lanes of pair i / lanes, pair j being key j % N of
+// head j / N; a part dots C / lanes consecutive chunks of the row with four fma chains, and the
+// parts add by a butterfly (DotLanesSum). The loop runs over whole warps (the shuffles need
+// every lane): items past the pairs compute a harmless dot and write nothing.
 template <typename T, int D, bool kRope>
 __device__ __forceinline__ void ScoreTile(Smem<T, D, kRope>& sh, int group, int n, float scale) {
   using G = Geometry<T, D>;
-  for (int i = threadIdx.x; i < group * G::N; i += kThreads) {
-    const int key = i % G::N, g = i / G::N;
-    const uint4* krow = sh.k + key * G::CP;
-    const float* q = sh.q + g * D;
+  const int pairs = group * G::N;
+  const int lanes = DotLanes(pairs, G::C);
+  const int chunks = G::C / lanes;  // both powers of two
+  const int items = pairs * lanes;
+  const int span = (items + 31) / 32 * 32;
+  for (int i = threadIdx.x; i < span; i += kThreads) {
+    const bool valid = i < items;
+    const int pair = valid ? i / lanes : 0, part = i % lanes;
+    const int key = pair % G::N, g = pair / G::N;
+    const uint4* krow = sh.k + key * G::CP + part * chunks;
+    const float* q = sh.q + g * D + part * chunks * G::V16;
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four chains: the fma latency is not one chain of D
 #pragma unroll 4
-    for (int c = 0; c < G::C; ++c) {
+    for (int c = 0; c < chunks; ++c) {
       float x[G::V16];
       ToFloats<T, G::V16>(krow[c], x);
 #pragma unroll
@@ -311,21 +373,30 @@ __device__ __forceinline__ void ScoreTile(Smem<T, D, kRope>& sh, int group, int 
         d[3] = fmaf(qv.w, x[e + 3], d[3]);
       }
     }
-    sh.s[g * G::SP + key] = key < n ? ((d[0] + d[1]) + (d[2] + d[3])) * scale : -INFINITY;
+    const float dot = DotLanesSum((d[0] + d[1]) + (d[2] + d[3]), lanes);
+    if (valid && part == 0) sh.s[g * G::SP + key] = key < n ? dot * scale : -INFINITY;
   }
 }
 
-// ScoreTile over the tile's rotated fp32 rows (sh.kr, RotateTile), the same four fma chains.
+// ScoreTile over the tile's rotated fp32 rows (sh.kr, RotateTile): the same split of each dot
+// over lanes (a part dots D / 4 / lanes float4s), the same four fma chains.
 template <typename T, int D>
 __device__ __forceinline__ void ScoreRotatedTile(Smem<T, D, true>& sh, int group, int n, float scale) {
   using G = Geometry<T, D>;
-  for (int i = threadIdx.x; i < group * G::N; i += kThreads) {
-    const int key = i % G::N, g = i / G::N;
-    const float* krow = sh.kr + key * G::KRP;
-    const float* q = sh.q + g * D;
+  const int pairs = group * G::N;
+  const int lanes = DotLanes(pairs, D / 4);
+  const int width = D / lanes;  // floats a part dots, a multiple of 4
+  const int items = pairs * lanes;
+  const int span = (items + 31) / 32 * 32;
+  for (int i = threadIdx.x; i < span; i += kThreads) {
+    const bool valid = i < items;
+    const int pair = valid ? i / lanes : 0, part = i % lanes;
+    const int key = pair % G::N, g = pair / G::N;
+    const float* krow = sh.kr + key * G::KRP + part * width;
+    const float* q = sh.q + g * D + part * width;
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
-    for (int e = 0; e < D; e += 4) {
+    for (int e = 0; e < width; e += 4) {
       const float4 kv = *reinterpret_cast<const float4*>(krow + e);
       const float4 qv = *reinterpret_cast<const float4*>(q + e);
       d[0] = fmaf(qv.x, kv.x, d[0]);
@@ -333,7 +404,8 @@ __device__ __forceinline__ void ScoreRotatedTile(Smem<T, D, true>& sh, int group
       d[2] = fmaf(qv.z, kv.z, d[2]);
       d[3] = fmaf(qv.w, kv.w, d[3]);
     }
-    sh.s[g * G::SP + key] = key < n ? ((d[0] + d[1]) + (d[2] + d[3])) * scale : -INFINITY;
+    const float dot = DotLanesSum((d[0] + d[1]) + (d[2] + d[3]), lanes);
+    if (valid && part == 0) sh.s[g * G::SP + key] = key < n ? dot * scale : -INFINITY;
   }
 }
 
@@ -464,10 +536,67 @@ __device__ void MassPass(const SlotAttentionParams& p, Smem<T, D, kRope>& sh, co
   }
 }
 
+// The merge of the splits (more than one), folded into SlotAttentionKernel: run by the block of
+// a (query, head group) whose split arrived last, over the normalised partials (out_s, lse_s) of
+// its group's rows in the workspace, by log-sum-exp. Warp g weighs row g's splits: lse = M +
+// log(L), M the largest lse_s, L = sum exp(lse_s - M), w_s = exp(lse_s - M) / L (a split that saw
+// no key, lse_s = -inf, weighs 0 and its partial is not read; every split empty: out 0, lse
+// -inf). Then each output element is sum_s w_s out_s, added in the order of the separate merge
+// kernel this replaces (kMergeChains chains, chain c over splits c, c + kMergeChains, ..., then
+// the chains in order), so the output keeps that kernel's bits. The partials are read through
+// volatile loads: other blocks of this launch wrote them, so this SM's L1 must not answer.
+// The weights live in sh.k (every tile is done).
+template <typename T, int D, bool kRope>
+__device__ void MergeSplits(const SlotAttentionParams& p, Smem<T, D, kRope>& sh, int group, int splits,
+                            size_t rows, size_t row0, const float* part_out, const float* part_lse,
+                            float* final_lse) {
+  static_assert(kMaxSplits <= 64, "a lane weighs two splits");
+  static_assert(sizeof(sh.k) >= sizeof(float) * kGroup * kMaxSplits, "the weights fit in the K tile");
+  constexpr int kMergeChains = 512 / D;       // 2 .. 32
+  float* w = reinterpret_cast<float*>(sh.k);  // [kGroup][kMaxSplits]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp < group) {  // warp-uniform
+    const size_t r = row0 + warp;
+    const volatile float* lse_s = part_lse;
+    const float l0 = lane < splits ? lse_s[static_cast<size_t>(lane) * rows + r] : -INFINITY;
+    const float l1 = lane + 32 < splits ? lse_s[static_cast<size_t>(lane + 32) * rows + r] : -INFINITY;
+    const float M = WarpMax(fmaxf(l0, l1));
+    const float e0 = l0 == -INFINITY ? 0.0f : expf(l0 - M), e1 = l1 == -INFINITY ? 0.0f : expf(l1 - M);
+    const float L = WarpSum(e0 + e1);
+    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    if (lane < splits) w[warp * kMaxSplits + lane] = e0 * inv;
+    if (lane + 32 < splits) w[warp * kMaxSplits + lane + 32] = e1 * inv;
+    if (lane == 0) {
+      const float v = L > 0.0f ? M + logf(L) : -INFINITY;
+      if (p.lse) p.lse[r] = v;
+      final_lse[r] = v;  // the mass kernel's
+    }
+  }
+  __syncthreads();
+  const volatile float* parts = part_out;
+  for (int o = threadIdx.x; o < group * D; o += kThreads) {
+    const int g = o / D, d = o % D;
+    const float* wg = w + g * kMaxSplits;
+    const size_t at = (row0 + g) * D + d;  // the element in out, and in split 0's partial
+    float sum = 0.0f;
+    for (int c = 0; c < kMergeChains; ++c) {
+      float acc = 0.0f;
+#pragma unroll 4
+      for (int s = c; s < splits; s += kMergeChains) {
+        const float ws = wg[s];
+        const float v = ws > 0.0f ? parts[static_cast<size_t>(s) * rows * D + at] : 0.0f;
+        acc = fmaf(v, ws, acc);
+      }
+      sum += acc;
+    }
+    p.out[at] = sum;
+  }
+}
+
 template <typename T, int D, bool kRope>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     SlotAttentionKernel(const SlotAttentionParams p, float scale, int splits, bool vec, float* part_out,
-                        float* part_lse) {
+                        float* part_lse, float* final_lse, int* arrivals) {
   using G = Geometry<T, D>;
   __shared__ Smem<T, D, kRope> sh;
   const HeadGroup hg = BlockHeads(p);
@@ -582,68 +711,27 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       p.lse[row0 + g] = lse;
   }
   // One split: the final lse is known here, so the mass pass follows in this block.
-  if (splits > 1 || !WantsMass(p)) return;  // block-uniform
+  if (splits == 1) {
+    if (!WantsMass(p)) return;  // block-uniform
+    __syncthreads();
+    MassPass<T, D>(p, sh, hg, qpos, scale, 0, 1, vec);
+    return;
+  }
+  // More: the last split of the row to finish merges (MergeSplits); the others are done.
+  __threadfence();  // this thread's partials are visible device-wide before the block arrives
   __syncthreads();
-  MassPass<T, D>(p, sh, hg, qpos, scale, 0, 1, vec);
-}
-
-// Combines the splits' normalised partials of one row by log-sum-exp. Every load of a phase is
-// issued before its results are used (a loop over the splits with a dependent add would wait
-// once per split): warp 0 reads the splits' lse (two a lane), then thread (d, q) reads the
-// partials of column d of splits q, q + groups, ... 16 at a time, and the groups add in
-// shared memory.
-constexpr int kMergeThreads = 512;
-constexpr int kMergeBatch = 16;
-__global__ void __launch_bounds__(kMergeThreads)
-    MergeSplitsKernel(int splits, int rows, int head_dim, const float* part_out, const float* part_lse,
-                      float* out, float* lse, float* final_lse) {
-  static_assert(kMaxSplits <= 64, "warp 0 reads two splits' lse a lane");
-  __shared__ float w[kMaxSplits];  // exp(lse_s - lse): the weight of split s
-  __shared__ float partial[kMergeThreads];
-  const int r = blockIdx.x;
-  const int tid = threadIdx.x;
-  if (tid < 32) {
-    const float l0 = tid < splits ? part_lse[static_cast<size_t>(tid) * rows + r] : -INFINITY;
-    const float l1 = tid + 32 < splits ? part_lse[static_cast<size_t>(tid + 32) * rows + r] : -INFINITY;
-    const float M = WarpMax(fmaxf(l0, l1));
-    const float e0 = l0 == -INFINITY ? 0.0f : expf(l0 - M), e1 = l1 == -INFINITY ? 0.0f : expf(l1 - M);
-    const float L = WarpSum(e0 + e1);
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-    if (tid < splits) w[tid] = e0 * inv;
-    if (tid + 32 < splits) w[tid + 32] = e1 * inv;
-    if (tid == 0) {
-      const float v = L > 0.0f ? M + logf(L) : -INFINITY;
-      if (lse) lse[r] = v;
-      final_lse[r] = v;
-    }
+  if (threadIdx.x == 0) {
+    int* arrived = arrivals + static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+    const bool last = atomicAdd(arrived, 1) == splits - 1;
+    // Every split of the row has arrived: the counter goes back to 0 for the next launch (or a
+    // replay of a captured graph); no block of this launch reads it again.
+    if (last) atomicExch(arrived, 0);
+    sh.merges = last;
   }
   __syncthreads();
-  const int groups = kMergeThreads / head_dim;  // head_dim <= 256: at least 2
-  const int d = tid % head_dim, q = tid / head_dim;
-  float o = 0.0f;
-  if (q < groups) {
-    for (int s0 = q; s0 < splits; s0 += kMergeBatch * groups) {
-      float v[kMergeBatch];
-#pragma unroll
-      for (int j = 0; j < kMergeBatch; ++j) {
-        const int s = s0 + j * groups;
-        v[j] =
-            s < splits && w[s] > 0.0f ? part_out[(static_cast<size_t>(s) * rows + r) * head_dim + d] : 0.0f;
-      }
-#pragma unroll
-      for (int j = 0; j < kMergeBatch; ++j) {
-        const int s = s0 + j * groups;
-        if (s < splits) o = fmaf(v[j], w[s], o);
-      }
-    }
-  }
-  partial[tid] = o;
-  __syncthreads();
-  if (tid < head_dim) {
-    float sum = 0.0f;
-    for (int g = 0; g < groups; ++g) sum += partial[g * head_dim + tid];
-    out[static_cast<size_t>(r) * head_dim + tid] = sum;
-  }
+  if (!sh.merges) return;  // block-uniform
+  __threadfence();         // the other splits' partials, made visible before their arrival
+  MergeSplits<T, D, kRope>(p, sh, hg.group, splits, rows, row0, part_out, part_lse, final_lse);
 }
 
 // The mass pass after the merge (more than one split): the same grid, the final lse of each row.
@@ -708,8 +796,15 @@ bool RowsAligned16(const SlotAttentionParams& p) {
   return p.n_slots == 0 || (aligned(p.pool_k) && aligned(p.pool_v));
 }
 
+// The workspace of a launch with splits > 1: the arrival counters first, at a place and size that
+// do not depend on the launch's shape (kArrivalBytes: one int32 per (query, head group) block row,
+// fewer than kTargetBlocks whenever Splits gives more than one), so that launches of any shape
+// on one workspace find them zero, as each leaves them; then the partials and the final lse.
+constexpr size_t kArrivalBytes = kTargetBlocks * sizeof(int32_t);
+static_assert(kArrivalBytes % 256 == 0, "the partials stay 256-byte aligned");
+
 struct Workspace {
-  size_t part_out = 0, part_lse = 0, final_lse = 0, total = 0;
+  size_t arrivals = 0, part_out = 0, part_lse = 0, final_lse = 0, total = 0;
 };
 
 Workspace Layout(const SlotAttentionParams& p, int splits) {
@@ -717,13 +812,18 @@ Workspace Layout(const SlotAttentionParams& p, int splits) {
   if (splits <= 1) return w;
   const size_t rows = static_cast<size_t>(p.q_heads) * p.n_queries;
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
-  w.part_out = 0;
-  w.part_lse = align(splits * rows * p.head_dim * sizeof(float));
+  w.arrivals = 0;
+  w.part_out = kArrivalBytes;
+  w.part_lse = w.part_out + align(splits * rows * p.head_dim * sizeof(float));
   w.final_lse = w.part_lse + align(splits * rows * sizeof(float));
   w.total = w.final_lse + align(rows * sizeof(float));
   return w;
 }
 
+// One launch: SlotAttentionKernel, whose last split of a row merges the row (no merge kernel);
+// with mass and more than one split, MassKernel after it (it needs every row's final lse, known
+// only once all of a row's splits are done: one kernel could only wait for that by spinning on
+// blocks that may not be resident).
 template <typename T, int D, bool kRope>
 KernelError LaunchTyped(const SlotAttentionParams& p, float scale, int splits, char* ws, cudaStream_t s) {
   const dim3 grid(p.kv_heads * HeadGroups(p), p.n_queries, splits);
@@ -731,14 +831,13 @@ KernelError LaunchTyped(const SlotAttentionParams& p, float scale, int splits, c
   const bool vec = RowsAligned16(p);
   float* part_out = splits > 1 ? reinterpret_cast<float*>(ws + w.part_out) : nullptr;
   float* part_lse = splits > 1 ? reinterpret_cast<float*>(ws + w.part_lse) : nullptr;
+  float* final_lse = splits > 1 ? reinterpret_cast<float*>(ws + w.final_lse) : nullptr;
+  int* arrivals = splits > 1 ? reinterpret_cast<int*>(ws + w.arrivals) : nullptr;
+  if (splits > 1 && static_cast<size_t>(grid.x) * grid.y * sizeof(int32_t) > kArrivalBytes)
+    return KernelError::kBadShape;  // Splits gives one split to this many rows: unreachable
   LaunchKernel(&SlotAttentionKernel<T, D, kRope>, grid, kThreads, 0, s, p, scale, splits, vec, part_out,
-               part_lse);
-  if (const KernelError e = CheckLaunch(); e != KernelError::kOk || splits == 1) return e;
-  const int rows = p.q_heads * p.n_queries;
-  float* final_lse = reinterpret_cast<float*>(ws + w.final_lse);
-  LaunchKernel(&MergeSplitsKernel, rows, kMergeThreads, 0, s, splits, rows, D, part_out, part_lse, p.out,
-               p.lse, final_lse);
-  if (const KernelError e = CheckLaunch(); e != KernelError::kOk || !WantsMass(p)) return e;
+               part_lse, final_lse, arrivals);
+  if (const KernelError e = CheckLaunch(); e != KernelError::kOk || splits == 1 || !WantsMass(p)) return e;
   LaunchKernel(&MassKernel<T, D, kRope>, grid, kThreads, 0, s, p, scale, splits, vec,
                static_cast<const float*>(final_lse));
   return CheckLaunch();
@@ -801,6 +900,15 @@ KernelError LaunchSlotAttention(const SlotAttentionParams& p, void* workspace, s
       return LaunchDType<__nv_bfloat16>(p, scale, splits, ws, s);
   }
   return KernelError::kBadDType;
+}
+
+size_t SlotAttentionArrivalBytes() { return kArrivalBytes; }
+
+KernelError ClearSlotAttentionWorkspace(void* workspace, size_t workspace_bytes, Stream stream) {
+  if (workspace_bytes == 0) return KernelError::kOk;
+  if (workspace == nullptr) return KernelError::kNullPointer;
+  return CheckCall(cudaMemsetAsync(workspace, 0, std::min(workspace_bytes, kArrivalBytes),
+                                   static_cast<cudaStream_t>(stream)));
 }
 
 KernelError LaunchMergeAttentionStates(int rows, int head_dim, const float* out_a, const float* lse_a,

@@ -43,12 +43,12 @@ const char* LastCudaErrorString();
 /// Blocks per (kv head and up to 8 of its q heads, query) x split: each streams K/V of its share
 /// of the dense parts' tiles and of the selected slots' tiles through slot_index (no gather
 /// copy) into shared memory once for all the q heads of its group, with an online softmax in
-/// fp32; splits (split-K, so that decode's few rows fill the GPU) merge by LSE in a merge kernel
-/// (kernels/cuda/attention.cu says how). head_dim 16, 32, 64, 128 or 256
-/// (SlotAttentionHeadDimSupported; kBadShape otherwise), f32/f16/bf16. A slot_index entry
-/// outside [0, pool_slots) is skipped (the host cannot see device memory; the CPU twin
-/// rejects it). Mass: a pass after the final lse adds exp(score - lse)
-/// with atomics (their order makes mass non-deterministic in the last bits).
+/// fp32; splits (split-K, so that decode's few rows fill the GPU) merge by LSE in the same kernel:
+/// the last split of a row to finish merges it (kernels/cuda/attention.cu says how). head_dim 16, 32, 64, 128
+/// or 256 (SlotAttentionHeadDimSupported; kBadShape otherwise), f32/f16/bf16. A slot_index entry outside [0,
+/// pool_slots) is skipped (the host cannot see device memory; the CPU twin rejects it). Mass: a pass after
+/// the final lse adds exp(score - lse) with atomics (their order makes mass non-deterministic in the last
+/// bits). With mass and more than one split, a second kernel follows (the mass pass needs the final lse).
 /// Rotation (p.rope_inv_freq, a DEVICE array of head_dim / 2 doubles): each tile's keys are
 /// widened to fp32 and rotated in shared memory before the score step, at the part's
 /// DenseKv::rope_position or slot_rope_position (kRopeAtKeyPositions: each key at its own), as
@@ -64,7 +64,13 @@ const char* LastCudaErrorString();
 /// of a launch whose q was rotated by LaunchRope first, bit for bit (and that of kernels::Rope on
 /// the host wherever its cos/sin and rounded products agree with the device's: everywhere on the
 /// emulated device when the host compiler does not contract Rope's products into FMAs).
-/// Workspace: the splits' partials (0 bytes when one split suffices); kWorkspace when short.
+/// Workspace: the splits' arrival counters (its first SlotAttentionArrivalBytes(), the same place
+/// for every shape), then their partials; 0 bytes when one split suffices; kWorkspace when short.
+/// The counters must be zero before the first launch that splits: clear a workspace once when it
+/// is allocated (ClearSlotAttentionWorkspace, or a zeroed allocation). Every launch leaves them
+/// zero (the block that merges a row resets its counter), so launches of any shape may follow on
+/// one workspace, in stream order, and a captured launch replays from zero. Two launches that
+/// run at the same time need two workspaces (as for the partials).
 /// The head_dims LaunchSlotAttention has a kernel for (one template instance each). Inline, so
 /// host code of any build (ValidateAttentionPlan) states the same list without CUDA.
 constexpr bool SlotAttentionHeadDimSupported(int head_dim) {
@@ -73,6 +79,11 @@ constexpr bool SlotAttentionHeadDimSupported(int head_dim) {
 size_t SlotAttentionWorkspaceBytes(const SlotAttentionParams& p);
 /// The number of splits LaunchSlotAttention takes for p (0 when p is refused or has no query).
 int SlotAttentionSplits(const SlotAttentionParams& p);
+/// Bytes at the start of a workspace that hold the arrival counters (4 KiB, for every shape).
+size_t SlotAttentionArrivalBytes();
+/// Zeroes the arrival counters of a new workspace of `workspace_bytes` bytes (cudaMemsetAsync of
+/// its first min(workspace_bytes, SlotAttentionArrivalBytes()) bytes on s; no wait). 0 bytes: kOk.
+KernelError ClearSlotAttentionWorkspace(void* workspace, size_t workspace_bytes, Stream s);
 KernelError LaunchSlotAttention(const SlotAttentionParams& p, void* workspace, size_t workspace_bytes,
                                 Stream s);
 

@@ -127,6 +127,16 @@ class DeviceArena {
     ptrs_.push_back(p);
     return static_cast<T*>(p);
   }
+  // A SlotAttention workspace as a caller makes one: allocated, its bytes garbage (0xff: NaN
+  // partials, counters that are not zero), then its arrival counters cleared once.
+  void* AttentionWorkspace(size_t bytes) {
+    if (bytes == 0) return nullptr;
+    char* ws = Alloc<char>(bytes);
+    if (ws == nullptr) return nullptr;
+    EXPECT_EQ(cudaMemset(ws, 0xff, bytes), cudaSuccess);
+    EXPECT_EQ(cuda::ClearSlotAttentionWorkspace(ws, bytes, nullptr), KernelError::kOk);
+    return ws;
+  }
   template <class T>
   void Get(std::vector<T>* host, const T* d) {
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "kernel failed";
@@ -427,7 +437,7 @@ TEST_P(KernelBackends, SlotAttentionMatchesReference) {
     d.out = dev.Put(std::vector<float>(n_out, kNaN));
     d.lse = dev.Put(std::vector<float>(n_lse, kNaN));
     const size_t ws_bytes = cuda::SlotAttentionWorkspaceBytes(d);
-    void* ws = ws_bytes ? dev.Alloc<char>(ws_bytes) : nullptr;
+    void* ws = dev.AttentionWorkspace(ws_bytes);
     if (ws_bytes > 0)
       EXPECT_EQ(cuda::LaunchSlotAttention(d, ws, ws_bytes - 1, nullptr), KernelError::kWorkspace);
     ASSERT_EQ(cuda::LaunchSlotAttention(d, ws, ws_bytes, nullptr), KernelError::kOk)
@@ -637,7 +647,7 @@ TEST_P(KernelBackends, SlotAttentionRotatesKeysAsRopeOnFp32Copies) {
     d.out = dev.Put(std::vector<float>(n_out, kNaN));
     d.lse = dev.Put(std::vector<float>(n_lse, kNaN));
     const size_t ws_bytes = cuda::SlotAttentionWorkspaceBytes(d);
-    void* ws = ws_bytes ? dev.Alloc<char>(ws_bytes) : nullptr;
+    void* ws = dev.AttentionWorkspace(ws_bytes);
     ASSERT_EQ(cuda::LaunchSlotAttention(d, ws, ws_bytes, nullptr), KernelError::kOk)
         << cuda::LastCudaErrorString();
     std::vector<float> g_out(n_out), g_lse(n_lse);
@@ -728,7 +738,7 @@ TEST_P(KernelBackends, SlotCountInMemoryEqualsTheHostCount) {
         ASSERT_GT(cuda::SlotAttentionSplits(dc), 1);  // the merge runs: empty splits must weigh 0
         for (const SlotAttentionParams* d : {&dc, &dr}) {
           const size_t ws_bytes = cuda::SlotAttentionWorkspaceBytes(*d);
-          ASSERT_EQ(cuda::LaunchSlotAttention(*d, dev.Alloc<char>(ws_bytes), ws_bytes, nullptr),
+          ASSERT_EQ(cuda::LaunchSlotAttention(*d, dev.AttentionWorkspace(ws_bytes), ws_bytes, nullptr),
                     KernelError::kOk)
               << cuda::LastCudaErrorString();
         }
@@ -824,7 +834,7 @@ TEST_P(KernelBackends, SlotAttentionRotatesQueriesAsRope) {
     d.slot_first_position = dev.Put(P.slot_pos);
     d.slot_n_tokens = dev.Put(P.slot_n);
     const size_t ws_bytes = cuda::SlotAttentionWorkspaceBytes(d);
-    void* ws = ws_bytes ? dev.Alloc<char>(ws_bytes) : nullptr;
+    void* ws = dev.AttentionWorkspace(ws_bytes);
     // The queries as projected, rotated by the kernel.
     SlotAttentionParams in_kernel = d;
     in_kernel.q = dev.Put(P.q);
@@ -864,6 +874,149 @@ TEST_P(KernelBackends, SlotAttentionRotatesQueriesAsRope) {
     EXPECT_TRUE(Close(g_out, ToDouble(ref), 1e-4, "cuda out vs twin"));
 #endif
   }
+}
+
+// The merge folded into the attention kernel (kernels/cuda/attention.cu: the last split of a row
+// to finish merges it and resets the row's arrival counter). A sweep over f32/f16/bf16, head_dim
+// 64 and 128, GQA 1, 4 and 8, keys as stored and rotated at attention time (InfLLM positions:
+// sinks and chunks at L0, queries rotated in the kernel), each split 64 ways, with a
+// query row that sees no key (every split empty: out 0, lse -inf) beside one that sees them all.
+// On the device each launch runs twice eagerly, then is captured in a graph that replays twice:
+// every output equals the first bit for bit (a counter left non-zero would merge a row early or
+// never), and the first is within 1e-4 of the twin. Every launch of the sweep, whatever its
+// shape, uses one workspace whose counters were cleared once. The twin is checked against the
+// plain reference where the keys are as stored.
+TEST_P(KernelBackends, SlotAttentionMergesInKernelOverManySplitsRelaunchedAndReplayed) {
+  const RopePlacement place{true, true};
+#if KVTIER_HAVE_CUDA
+  DeviceArena shared;
+  constexpr size_t kSharedWorkspace = size_t{4} << 20;
+  void* ws = nullptr;
+  cudaStream_t stream = nullptr;
+  if (cuda()) {
+    ws = shared.AttentionWorkspace(kSharedWorkspace);
+    ASSERT_NE(ws, nullptr);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  }
+  struct StreamHold {
+    cudaStream_t s;
+    ~StreamHold() {
+      if (s != nullptr) (void)cudaStreamDestroy(s);
+    }
+  } hold{stream};
+#endif
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16})
+    for (int head_dim : {64, 128})
+      for (int gqa : {1, 4, 8})
+        for (bool rope : {false, true}) {
+          // 2 kv heads x 2 queries: 4 rows of blocks, so 64 splits; 72 ragged slots of 24 tokens
+          // (1 to 2 tiles each) and 3 dense tiles: 75 to 147 units, so that splits walk several
+          // slot units (the slot list read one unit ahead) and slots of several tiles.
+          const AttnShape shape{2 * gqa, 2, head_dim, dt, 2, 72, true, true, false, 24, 16};
+          SCOPED_TRACE(Name(shape) + (rope ? " keys and queries rotated" : "") + " seed " +
+                       std::to_string(seed_));
+          AttnProblem P;
+          P.Make(shape, rng_);
+          P.qpos[0] = P.dense[0].pos0 - 1;  // before every key: row 0 sees none
+          const std::vector<double> inv_freq = RopeInvFreq(head_dim, 10000.0);
+          std::vector<int64_t> rope_pos(P.qpos);  // InfLLM rotates queries elsewhere
+          for (int64_t& x : rope_pos) x = x * 3 + 1000;
+          const size_t row_elems = static_cast<size_t>(shape.q_heads) * head_dim;
+          const size_t n_out = 2 * row_elems, n_lse = 2 * static_cast<size_t>(shape.q_heads);
+          std::vector<float> out(n_out, kNaN), lse(n_lse, kNaN);
+          SlotAttentionParams p =
+              rope ? RotatingParams(P, place, inv_freq.data(), &out, &lse, nullptr, nullptr)
+                   : P.Params(0, shape.n_slots, &out, &lse, nullptr, nullptr);
+          if (rope) p.q_rope_positions = rope_pos.data();
+          ASSERT_EQ(SlotAttention(p), KernelError::kOk);
+          for (size_t i = 0; i < row_elems; ++i)
+            ASSERT_EQ(out[i], 0.0f) << "twin, the row with no key, " << i;
+          for (int h = 0; h < shape.q_heads; ++h)
+            ASSERT_EQ(lse[h], -std::numeric_limits<float>::infinity()) << "twin, no key";
+          if (!cuda()) {
+            if (rope) continue;  // SlotAttentionRotates* check the rotation against its meaning
+            std::vector<double> ref_out, ref_lse, ref_mass;
+            ReferenceAttention(P, &ref_out, &ref_lse, &ref_mass);
+            const std::vector<float> seen(out.begin() + row_elems, out.end()),
+                seen_lse(lse.begin() + shape.q_heads, lse.end());
+            EXPECT_TRUE(Close(seen, std::vector<double>(ref_out.begin() + row_elems, ref_out.end()),
+                              Tolerance(dt), "twin out vs reference"));
+            EXPECT_TRUE(Close(seen_lse, std::vector<double>(ref_lse.begin() + shape.q_heads, ref_lse.end()),
+                              Tolerance(dt), "twin lse vs reference"));
+            continue;
+          }
+#if KVTIER_HAVE_CUDA
+          DeviceArena dev;
+          SlotAttentionParams d = p;
+          d.q = dev.Put(P.q);
+          d.q_positions = dev.Put(P.qpos);
+          for (int i = 0; i < d.n_dense; ++i) {
+            d.dense[i].k = dev.Put(P.dense[i].k);
+            d.dense[i].v = dev.Put(P.dense[i].v);
+          }
+          d.pool_k = dev.Put(P.pool_k);
+          d.pool_v = dev.Put(P.pool_v);
+          d.slot_index = dev.Put(P.slot_index);
+          d.slot_first_position = dev.Put(P.slot_pos);
+          d.slot_n_tokens = dev.Put(P.slot_n);
+          if (rope) {
+            d.rope_inv_freq = dev.Put(inv_freq);
+            d.q_rope_positions = dev.Put(rope_pos);
+          }
+          d.out = dev.Alloc<float>(n_out);
+          d.lse = dev.Alloc<float>(n_lse);
+          ASSERT_EQ(cuda::SlotAttentionSplits(d), 64);
+          const size_t ws_bytes = cuda::SlotAttentionWorkspaceBytes(d);
+          ASSERT_LE(ws_bytes, kSharedWorkspace);
+          std::vector<float> g_out(n_out), g_lse(n_lse);
+          auto fetch = [&] {
+            ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+            dev.Get(&g_out, d.out);
+            dev.Get(&g_lse, d.lse);
+          };
+          auto poison = [&] {  // outputs the run must write
+            ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+            ASSERT_EQ(cudaMemcpy(d.out, std::vector<float>(n_out, kNaN).data(), n_out * sizeof(float),
+                                 cudaMemcpyHostToDevice),
+                      cudaSuccess);
+            ASSERT_EQ(cudaMemcpy(d.lse, std::vector<float>(n_lse, kNaN).data(), n_lse * sizeof(float),
+                                 cudaMemcpyHostToDevice),
+                      cudaSuccess);
+          };
+          poison();
+          ASSERT_EQ(cuda::LaunchSlotAttention(d, ws, ws_bytes, stream), KernelError::kOk)
+              << cuda::LastCudaErrorString();
+          fetch();
+          const std::vector<float> first_out = g_out, first_lse = g_lse;
+          EXPECT_TRUE(Close(first_out, ToDouble(out), 1e-4, "cuda out vs twin"));
+          EXPECT_TRUE(Close(first_lse, ToDouble(lse), 1e-4, "cuda lse vs twin"));
+          auto same_as_first = [&](const char* what) {
+            EXPECT_EQ(std::memcmp(g_out.data(), first_out.data(), n_out * sizeof(float)), 0)
+                << what << ": out";
+            EXPECT_EQ(std::memcmp(g_lse.data(), first_lse.data(), n_lse * sizeof(float)), 0)
+                << what << ": lse";
+          };
+          poison();
+          ASSERT_EQ(cuda::LaunchSlotAttention(d, ws, ws_bytes, stream), KernelError::kOk);
+          fetch();
+          same_as_first("launched again");
+          poison();
+          ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+          ASSERT_EQ(cuda::LaunchSlotAttention(d, ws, ws_bytes, stream), KernelError::kOk);
+          cudaGraph_t graph = nullptr;
+          ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+          cudaGraphExec_t exec = nullptr;
+          ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+          for (const char* what : {"replayed", "replayed again"}) {
+            poison();
+            ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+            fetch();
+            same_as_first(what);
+          }
+          EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+          EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+#endif
+        }
 }
 
 TEST(KernelBackendsCpu, SlotAttentionRefusesARotationItCannotPlace) {
