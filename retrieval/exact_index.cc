@@ -470,30 +470,75 @@ Status ExactChunkIndex::Best(const float* probe, const ChunkScores& screened, Ch
       static_cast<int64_t>(options_.rerank_factor) * static_cast<int64_t>(take), options_.rerank_min);
   std::vector<int64_t> rows;
   if (int4_ && screened.error_by(rank).size() == n) {
-    // screen=int4 (the header's proof): C1 by the int4 bounds, rescored from the int8 codes,
-    // then C2 by the int8 bounds among C1, plus C1's best at_least by int8 score.
-    std::vector<int64_t> c1, coded, picked;
-    CandidateRows(by, screened.error_by(rank), take, 0, &c1);
-    std::vector<float> s8(c1.size()), e8(c1.size(), 0.0f);
-    for (size_t i = 0, j = 0; i < c1.size(); ++i) {
-      while (j < exact.size() && exact[j] < c1[i]) ++j;
-      if (j < exact.size() && exact[j] == c1[i])
-        s8[i] = by[static_cast<size_t>(c1[i])];  // exact already: error 0
-      else
-        coded.push_back(c1[i]);
-    }
+    // screen=int4 (the header's proof): C1 by the int4 bounds; C1's take best int4 scores (and
+    // C1's other rows in their groups) rescored from the int8 codes first, whose take-th
+    // largest int8 lower bound cuts C1 to
+    // the rows whose int4 upper bound reaches it; those rescored from the int8 codes too; then
+    // C2 by the int8 bounds among them, plus their best at_least by int8 score.
+    const std::vector<float>& err4 = screened.error_by(rank);
+    std::vector<int64_t> c1, top, picked;
+    CandidateRows(by, err4, take, 0, &c1);
+    const size_t m = c1.size();
+    std::vector<float> s8(m), e8(m, 0.0f);
+    std::vector<uint8_t> done(m, 0);
+    std::vector<int64_t> coded;
+    std::vector<size_t> where;
     std::vector<float> coded_score, coded_error;
-    const size_t groups = Int8ScoresOf(probe, coded, rank, &coded_score, &coded_error);
-    code_rescored_.fetch_add(coded.size(), std::memory_order_relaxed);
-    rescoring_bytes_.fetch_add(groups * kernels::kI8Block * CodeRowBytes(), std::memory_order_relaxed);
-    for (size_t i = 0, k = 0; i < c1.size(); ++i)
-      if (k < coded.size() && coded[k] == c1[i]) {
-        s8[i] = coded_score[k];
-        e8[i] = coded_error[k++];
+    // Scores c1[i] for the indexes i in `idx` (ascending): exact rows keep their scores (error
+    // 0), the others from their int8 codes.
+    auto rescore = [&](const std::vector<size_t>& idx) {
+      coded.clear();
+      where.clear();
+      for (size_t i : idx) {
+        done[i] = 1;
+        if (std::binary_search(exact.begin(), exact.end(), c1[i])) {
+          s8[i] = by[static_cast<size_t>(c1[i])];
+        } else {
+          coded.push_back(c1[i]);
+          where.push_back(i);
+        }
       }
-    CandidateRows(s8, e8, take, at_least, &picked);
+      const size_t groups = Int8ScoresOf(probe, coded, rank, &coded_score, &coded_error);
+      code_rescored_.fetch_add(coded.size(), std::memory_order_relaxed);
+      rescoring_bytes_.fetch_add(groups * kernels::kI8Block * CodeRowBytes(), std::memory_order_relaxed);
+      for (size_t k = 0; k < coded.size(); ++k) {
+        s8[where[k]] = coded_score[k];
+        e8[where[k]] = coded_error[k];
+      }
+    };
+    std::vector<float> c1_score(m);
+    for (size_t i = 0; i < m; ++i) c1_score[i] = by[static_cast<size_t>(c1[i])];
+    TopRowsAscending(c1_score.data(), static_cast<int64_t>(m), static_cast<int64_t>(take), &top);
+    // With them every row of C1 in their groups (read anyway), so no group is read twice.
+    std::vector<size_t> idx;
+    constexpr size_t B = kernels::kI8Block;
+    for (size_t i = 0, t = 0; i < m; ++i) {
+      const size_t g = static_cast<size_t>(c1[i]) / B;
+      while (t < top.size() && static_cast<size_t>(c1[static_cast<size_t>(top[t])]) / B < g) ++t;
+      if (t < top.size() && static_cast<size_t>(c1[static_cast<size_t>(top[t])]) / B == g) idx.push_back(i);
+    }
+    rescore(idx);
+    std::vector<float> lower(idx.size());
+    for (size_t k = 0; k < idx.size(); ++k) lower[k] = s8[idx[k]] - e8[idx[k]];
+    const float cut =
+        KthLargest(lower.data(), static_cast<int64_t>(lower.size()), static_cast<int64_t>(take));
+    idx.clear();
+    for (size_t i = 0; i < m; ++i) {
+      const size_t r = static_cast<size_t>(c1[i]);
+      if (!done[i] && !(by[r] + err4[r] < cut)) idx.push_back(i);  // NaN bounds stay
+    }
+    rescore(idx);
+    std::vector<int64_t> kept;
+    std::vector<float> ks, ke;
+    for (size_t i = 0; i < m; ++i)
+      if (done[i]) {
+        kept.push_back(c1[i]);
+        ks.push_back(s8[i]);
+        ke.push_back(e8[i]);
+      }
+    CandidateRows(ks, ke, take, at_least, &picked);
     rows.resize(picked.size());
-    for (size_t i = 0; i < picked.size(); ++i) rows[i] = c1[static_cast<size_t>(picked[i])];
+    for (size_t i = 0; i < picked.size(); ++i) rows[i] = kept[static_cast<size_t>(picked[i])];
   } else {
     CandidateRows(by, screened.error_by(rank), take, at_least, &rows);
   }

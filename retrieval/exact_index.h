@@ -63,21 +63,25 @@
 //     with max|k| = 7 s4. A compressed row's exact score is its int8 codes' (the cap dropped
 //     its keys), so its bound adds the int8 one: |screened - exact8| <= e4 + e8.
 //   Best:   C1 = the chunks whose int4 score + bound reaches the take-th largest int4 score -
-//     bound; C1 rescored from the int8 codes (QuantizedScores' kernel and bound, on the groups
-//     that hold them; a row RefineForEntropy made exact keeps its exact score, error 0); C2 = the
-//     chunks of C1 whose int8 score + bound reaches the take-th largest int8 score - bound
-//     among C1, plus C1's best max(F x take, N) by int8 score; C2 rescored in fp32 (ScoresOf)
-//     and its take best returned. The choice is the single fp32 pass's: let T be the fp32
-//     top take (ties to the smaller chunk). (1) At least take chunks have exact >= their int4
-//     lower bound, so the take-th largest exact score is >= tau1, the take-th largest lower
-//     bound; each t in T has upper bound >= exact >= tau1: T is in C1. (2) T is also the top
-//     take of C1 (a subset holding it), so the same argument over C1 with the int8 bounds puts
-//     T in C2. (3) TakeBest over C2 by exact scores, ties to the smaller chunk, is T, as C2
-//     holds T and every chunk of C2 outside T scores below T's last or ties it from a larger
-//     chunk index. The int8 stage reads the whole 8-row groups that hold a C1 row (counted as
-//     rescoring bytes, 8 CodeRowBytes() a group); rescored_chunks() counts the fp32 stage,
-//     code_rescored_chunks() the int8 one. RefineForEntropy and ScreenRows work on the int4
-//     screen's scores and bounds as on the int8 ones.
+//     bound. The take chunks of C1 with the best int4 scores (and C1's other chunks in their
+//     8-row groups) are rescored from the int8 codes first (QuantizedScores' kernel and bound, on the groups
+//     that hold them; a row RefineForEntropy made exact keeps its exact score, error 0); tau' = the take-th
+//     largest of their int8 scores - bound. C1' = those and the chunks of C1 whose int4 score + bound reaches
+//     tau', rescored from the int8 codes; C2 = the chunks of C1' whose int8 score + bound reaches the take-th
+//     largest int8 score - bound among C1', plus C1''s best max(F x take, N) by int8 score; C2 rescored in
+//     fp32 (ScoresOf) and its take best returned. The choice is the single fp32 pass's: let T be the fp32 top
+//     take (ties to the smaller chunk). (1) At least take chunks have exact >= their int4 lower bound, so the
+//     take-th largest exact score is >= tau1, the take-th largest int4 lower bound; each t in
+//     T has upper bound >= exact >= tau1: T is in C1. (1') Likewise take chunks have exact >=
+//     their int8 lower bound >= ... >= tau', so each t in T has int4 upper bound >= tau': T is
+//     in C1'. (tau' sits an int8 bound below the take-th exact score where tau1 sits two int4
+//     bounds below it: C1' is the smaller set.) (2) T is also the top take of C1' (a subset
+//     holding it), so the same argument over C1' with the int8 bounds puts T in C2. (3)
+//     TakeBest over C2 by exact scores, ties to the smaller chunk, is T, as C2 holds T and
+//     every chunk of C2 outside T scores below T's last or ties it from a larger chunk index. The int8 stage
+//     reads the whole 8-row groups that hold a row it rescores (counted as rescoring bytes, 8 CodeRowBytes()
+//     a group, per pass); rescored_chunks() counts the fp32 stage, code_rescored_chunks() the int8 one.
+//     RefineForEntropy and ScreenRows work on the int4 screen's scores and bounds as on the int8 ones.
 //
 // Remove compacts the rows (they keep their ascending chunk order, hence the tie order) and
 // moves the kept rows' int8 codes into their new lanes; the result scores exactly as an index

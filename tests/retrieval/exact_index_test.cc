@@ -348,7 +348,7 @@ TEST(ExactChunkIndex, Int4ScreenBoundsHoldAndThreeStagesChooseTheFp32TopB) {
                     const uint64_t group = kernels::kI8Block * x4->CodeRowBytes();
                     EXPECT_EQ(read % group, 0u) << what;
                     EXPECT_GE(read, (coded + 7) / 8 * group) << what;
-                    EXPECT_LE(read, std::min(coded, (n + 7) / 8) * group) << what;
+                    EXPECT_LE(read, std::min(coded, (n + 7) / 8) * group) << what << ": no group read twice";
                   }
                 }
             }
