@@ -889,46 +889,52 @@ TEST(ExactChunkIndex, StoredKeysScoreAsTheirFloats) {
 // ---- bounded memory (SetMemoryCap) ----------------------------------------------------------
 
 TEST(ExactChunkIndexCap, MemoryNeverExceedsTheCapOnALongSequence) {
-  const ChunkShape shape{2, 16, 4, DType::kF16};
-  const size_t n = 3000;
-  const auto reprs = RandomReprs(n, shape, 41);
-  const size_t per = shape.repr_floats();
-  const uint64_t cap = 64 << 10;  // holds ~80 full chunks, or ~200 as codes only
-  auto index = Make("Exact", shape);
-  ASSERT_NE(index, nullptr);
-  ASSERT_TRUE(index->SetMemoryCap(cap).ok());
-  EXPECT_EQ(index->memory_cap(), cap);
-  uint64_t most = 0;
-  for (size_t i = 0; i < n; ++i) {
-    ASSERT_TRUE(index->Add(i, reprs.data() + i * per).ok());
-    ASSERT_LE(index->memory_bytes(), cap) << "after chunk " << i;
-    most = std::max(most, index->memory_bytes());
-  }
-  EXPECT_GT(most, cap / 2);  // the cap is used, not just obeyed
-  // Codes only first, then eviction of the oldest: every chunk left is newer than every evicted one.
-  EXPECT_GT(index->evicted_chunks(), 0u);
-  EXPECT_GT(index->compressed_chunks(), 0u);
-  EXPECT_EQ(index->size() + index->evicted_chunks(), n);
-  EXPECT_EQ(index->evicted_chunks() % kernels::kI8Block, 0u);
-  ChunkScores s;
-  ASSERT_TRUE(index->Score(std::vector<float>(shape.dim(), 1.0f).data(), &s).ok());
-  ASSERT_EQ(s.ids.size(), index->size());
-  EXPECT_EQ(s.ids.front(), index->evicted_chunks());
-  EXPECT_EQ(s.ids.back(), n - 1);
-  EXPECT_LE(index->size() * CodeRowBytes(shape), cap);
+  // screen=int4: a compressed row keeps its 4-bit codes beside its int8 ones, and the cap counts them.
+  for (const std::string spec : {"Exact", "Exact:screen=int4"}) {
+    const bool int4 = spec != "Exact";
+    const ChunkShape shape{2, 16, 4, DType::kF16};
+    const size_t n = 3000;
+    const auto reprs = RandomReprs(n, shape, 41);
+    const size_t per = shape.repr_floats();
+    const uint64_t cap = 64 << 10;  // holds ~80 full chunks, or ~200 as codes only
+    auto index = Make(spec, shape);
+    ASSERT_NE(index, nullptr);
+    ASSERT_TRUE(index->SetMemoryCap(cap).ok());
+    EXPECT_EQ(index->memory_cap(), cap);
+    uint64_t most = 0;
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(index->Add(i, reprs.data() + i * per).ok());
+      ASSERT_LE(index->memory_bytes(), cap) << "after chunk " << i;
+      most = std::max(most, index->memory_bytes());
+    }
+    EXPECT_GT(most, cap / 2);  // the cap is used, not just obeyed
+    // Codes only first, then eviction of the oldest: every chunk left is newer than every evicted one.
+    EXPECT_GT(index->evicted_chunks(), 0u);
+    EXPECT_GT(index->compressed_chunks(), 0u);
+    EXPECT_EQ(index->size() + index->evicted_chunks(), n);
+    EXPECT_EQ(index->evicted_chunks() % kernels::kI8Block, 0u);
+    ChunkScores s;
+    ASSERT_TRUE(index->Score(std::vector<float>(shape.dim(), 1.0f).data(), &s).ok());
+    ASSERT_EQ(s.ids.size(), index->size());
+    EXPECT_EQ(s.ids.front(), index->evicted_chunks());
+    EXPECT_EQ(s.ids.back(), n - 1);
+    EXPECT_LE(index->size() * CodeRowBytes(shape), cap);
 
-  // Unbounded, the slack is at most an eighth of the rows' bytes (vectors never double).
-  auto open = Make("Exact", shape);
-  for (size_t i = 0; i < n; ++i) ASSERT_TRUE(open->Add(i, reprs.data() + i * per).ok());
-  const uint64_t rows = n * (FullRowBytes(shape) + CodeRowBytes(shape));
-  EXPECT_GE(open->memory_bytes(), rows);
-  EXPECT_LE(open->memory_bytes(), rows + rows / 8 + 4096);
-  EXPECT_EQ(open->compressed_chunks(), 0u);
-  EXPECT_EQ(open->evicted_chunks(), 0u);
-  // A cap set later shrinks the index at once.
-  ASSERT_TRUE(open->SetMemoryCap(cap).ok());
-  EXPECT_LE(open->memory_bytes(), cap);
-  EXPECT_GT(open->evicted_chunks(), 0u);
+    // Unbounded, the slack is at most an eighth of the rows' bytes (vectors never double).
+    auto open = Make(spec, shape);
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(open->Add(i, reprs.data() + i * per).ok());
+    // The 4-bit codes: (head_dim / 4) x 2 bytes and two scales per key.
+    const uint64_t int4_row = int4 ? uint64_t{2} * 4 * (16 / 4 * 2 + 8) : 0;
+    const uint64_t rows = n * (FullRowBytes(shape) + CodeRowBytes(shape) + int4_row);
+    EXPECT_GE(open->memory_bytes(), rows);
+    EXPECT_LE(open->memory_bytes(), rows + rows / 8 + 4096);
+    EXPECT_EQ(open->compressed_chunks(), 0u);
+    EXPECT_EQ(open->evicted_chunks(), 0u);
+    // A cap set later shrinks the index at once.
+    ASSERT_TRUE(open->SetMemoryCap(cap).ok());
+    EXPECT_LE(open->memory_bytes(), cap);
+    EXPECT_GT(open->evicted_chunks(), 0u);
+  }
 }
 
 TEST(ExactChunkIndexCap, CompressedChunksScoreWithinTheCodeErrorAndChooseTheSameTop) {
