@@ -1,13 +1,15 @@
 // Random Exact indexes for the search benchmarks (exact_screen_bench.cc, exact_decode_bench.cc):
 // `layers` indexes of `chunks` chunks each, their representatives drawn from a normal
 // distribution and stored in `shape`'s dtype, and one random probe. Built once per shape and
-// chunk count and kept for the process; null when building failed.
+// chunk count and index spec and kept for the process (the same seed: every spec indexes the
+// same keys); null when building failed.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <random>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -20,14 +22,15 @@ struct ExactLayers {
   std::vector<float> probe;
 };
 
-inline const ExactLayers* RandomExactLayers(int layers, const ChunkShape& shape, size_t chunks) {
-  using Key = std::tuple<int, int, int, int, int, size_t>;
+inline const ExactLayers* RandomExactLayers(int layers, const ChunkShape& shape, size_t chunks,
+                                            const std::string& spec = "Exact:heads=max") {
+  using Key = std::tuple<int, int, int, int, int, size_t, std::string>;
   static std::map<Key, std::unique_ptr<ExactLayers>> cache;
-  auto& slot =
-      cache[Key{layers, shape.kv_heads, shape.head_dim, shape.repr, static_cast<int>(shape.dtype), chunks}];
+  auto& slot = cache[Key{layers, shape.kv_heads, shape.head_dim, shape.repr, static_cast<int>(shape.dtype),
+                         chunks, spec}];
   if (slot) return slot.get();
   auto built = std::make_unique<ExactLayers>();
-  auto options = ExactIndexOptions::Parse("Exact:heads=max");
+  auto options = ExactIndexOptions::Parse(spec);
   if (!options.ok()) return nullptr;
   std::mt19937 rng(static_cast<uint32_t>(chunks));
   std::normal_distribution<float> normal;

@@ -4,7 +4,10 @@
 //
 //   BM_ExactScreen/chunks:<n>    ExactChunkIndex::Screen of the 8 indexes of n chunks each
 //                                (1,024 chunks: 32K tokens; 4,096: 128K; 32,768: 1M)
-//   BM_ExactScreenRead/chunks:<n> the same bytes of codes and scales, read and summed on
+//   BM_ExactScreenInt4/chunks:<n> the same with "Exact:heads=max,screen=int4": the 4-bit
+//                                first stage alone (its GB/s counts its own bytes, 320 a chunk
+//                                and layer)
+//   BM_ExactScreenRead/chunks:<n> the int8 screen's bytes of codes and scales, read and summed on
 //                                every core and nothing else: the memory's ceiling for them
 //
 //   BM_ShortlistRescore/chunks:<n>/gathered:0  ExactChunkIndex::ScoreChunks of 192 chunks a
@@ -45,9 +48,14 @@ double ScreenBytes(size_t chunks) {
   return static_cast<double>(kLayers) * chunks * kKvHeads * kRepr * (kHeadDim + 8);
 }
 
-const kvtier::bench::ExactLayers* GetLayers(size_t chunks) {
+// 4-bit codes (half a byte an element) and the two fp32 scales of each representative.
+double Int4ScreenBytes(size_t chunks) {
+  return static_cast<double>(kLayers) * chunks * kKvHeads * kRepr * (kHeadDim / 2 + 8);
+}
+
+const kvtier::bench::ExactLayers* GetLayers(size_t chunks, const char* spec = "Exact:heads=max") {
   return kvtier::bench::RandomExactLayers(kLayers, ChunkShape{kKvHeads, kHeadDim, kRepr, kvtier::DType::kF16},
-                                          chunks);
+                                          chunks, spec);
 }
 
 void BM_ExactScreen(benchmark::State& state) {
@@ -63,6 +71,21 @@ void BM_ExactScreen(benchmark::State& state) {
   }
   state.counters["GB/s"] =
       benchmark::Counter(ScreenBytes(chunks) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+
+void BM_ExactScreenInt4(benchmark::State& state) {
+  const size_t chunks = static_cast<size_t>(state.range(0));
+  const kvtier::bench::ExactLayers* layers = GetLayers(chunks, "Exact:heads=max,screen=int4");
+  if (layers == nullptr) return state.SkipWithError("building the indexes failed");
+  std::vector<ChunkScores> scores(kLayers);
+  for (auto _ : state) {
+    for (int l = 0; l < kLayers; ++l)
+      if (!layers->index[l]->Screen(layers->probe.data(), &scores[l]).ok())
+        return state.SkipWithError("Screen failed");
+    benchmark::DoNotOptimize(scores.data());
+  }
+  state.counters["GB/s"] =
+      benchmark::Counter(Int4ScreenBytes(chunks) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
 
 void BM_ExactScreenRead(benchmark::State& state) {
@@ -130,6 +153,13 @@ void BM_ShortlistRescore(benchmark::State& state) {
 }
 
 BENCHMARK(BM_ExactScreen)
+    ->ArgName("chunks")
+    ->Arg(1024)
+    ->Arg(4096)
+    ->Arg(32768)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ExactScreenInt4)
     ->ArgName("chunks")
     ->Arg(1024)
     ->Arg(4096)

@@ -19,7 +19,7 @@
 // Kinds, chosen by the spec string (the factory-string syntax of store/factory_spec.h; the
 // name may hold commas, as FAISS descriptions do: "IVF1024,Flat:nprobe=32"):
 //
-//   Exact[:heads=sum|max,repr=max|mean,rerank=F,rerank_min=N,theta=E]            (exact_index.h)
+//   Exact[:heads=sum|max,repr=max|mean,rerank=F,rerank_min=N,theta=E,screen=int8|int4] (exact_index.h)
 //       Every representative key is kept, in the store's dtype, plus int8 codes of it. A
 //       chunk's score is its best representative per kv head, the heads summed (heads=sum;
 //       cosines averaged, so they stay in [-1, 1]) or the most interested head's (heads=max).
@@ -28,7 +28,10 @@
 //       Screen reads the int8 codes, with a bound on each score's error; Best rescores from the
 //       stored keys (fp32 arithmetic) the chunks the bound cannot rule out, plus the best
 //       max(F x take, N) screened, so it chooses what one exact pass would. rerank=0: Screen is
-//       the exact pass and Best sorts it. Defaults: heads=sum,rerank=1,rerank_min=0. Under a memory cap
+//       the exact pass and Best sorts it. screen=int4: Screen reads 4-bit codes (half the
+//       bytes) with their bound, and Best rescores from the int8 codes, then from the stored
+//       keys, the chunks each bound cannot rule out: the same choice.
+//       Defaults: heads=sum,rerank=1,rerank_min=0,screen=int8. Under a memory cap
 //       (SetMemoryCap) the oldest chunks keep only their int8 codes, then the oldest are evicted.
 //   <FAISS index_factory description>[:nprobe=N,ef=N,train_min=N]        (faiss_index.h)
 //       "Flat", "HNSW32", "IVF<n>,Flat", ...: one vector per chunk, the mean of its

@@ -89,9 +89,18 @@ Result<ExactIndexOptions> ExactIndexOptions::Parse(const std::string& spec) {
         return InvalidArgument("bad value '" + value + "' for key 'theta' in index spec '" + spec +
                                "' (expected nats in [0, 1]; 0 = no certificate)");
       o.theta_error = v;
+    } else if (key == "screen") {
+      if (value == "int8") {
+        o.screen = ScreenCodes::kInt8;
+      } else if (value == "int4") {
+        o.screen = ScreenCodes::kInt4;
+      } else {
+        return InvalidArgument("bad value '" + value + "' for key 'screen' in index spec '" + spec +
+                               "' (expected int8 or int4)");
+      }
     } else {
       return InvalidArgument("unknown key '" + key + "' for index 'Exact' in spec '" + spec +
-                             "' (known: heads, repr, rerank, rerank_min, theta)");
+                             "' (known: heads, repr, rerank, rerank_min, theta, screen)");
     }
   }
   return o;
@@ -101,19 +110,26 @@ std::string ExactIndexOptions::ToString() const {
   return std::string("Exact:heads=") + (heads == HeadMerge::kMax ? "max" : "sum") +
          (repr == ReprFold::kMean ? ",repr=mean" : "") + ",rerank=" + std::to_string(rerank_factor) +
          ",rerank_min=" + std::to_string(rerank_min) +
-         (theta_error > 0.0 ? ",theta=" + FormatSpecDouble(theta_error) : "");
+         (theta_error > 0.0 ? ",theta=" + FormatSpecDouble(theta_error) : "") +
+         (screen == ScreenCodes::kInt4 ? ",screen=int4" : "");
 }
 
 // ---- lifetime and writes ------------------------------------------------------------
 
 ExactChunkIndex::ExactChunkIndex(const ChunkShape& shape, const ExactIndexOptions& options)
-    : ChunkIndex(shape), options_(options), stored_(StoredShape(shape, options)) {
+    : ChunkIndex(shape),
+      options_(options),
+      stored_(StoredShape(shape, options)),
+      int4_(options.screen == ExactIndexOptions::ScreenCodes::kInt4 && options.rerank_factor > 0) {
   const size_t H = static_cast<size_t>(shape.kv_heads);
   repr_.resize(H);
   inv_norm_.resize(H);
   q8_.resize(H);
   q8_scale_.resize(H);
   q8_cos_scale_.resize(H);
+  q4_.resize(H);
+  q4_scale_.resize(H);
+  q4_cos_scale_.resize(H);
 }
 
 Result<std::unique_ptr<ExactChunkIndex>> ExactChunkIndex::Create(const ChunkShape& shape,
@@ -237,6 +253,11 @@ void ExactChunkIndex::GrowForRows(size_t more, double slack) {
     GrowTo(&q8_[h], groups * R * block_bytes, slack);
     GrowTo(&q8_scale_[h], groups * R * B, slack);
     GrowTo(&q8_cos_scale_[h], groups * R * B, slack);
+    if (int4_) {
+      GrowTo(&q4_[h], groups * R * kernels::I4BlockBytes(static_cast<int>(D)), slack);
+      GrowTo(&q4_scale_[h], groups * R * B, slack);
+      GrowTo(&q4_cos_scale_[h], groups * R * B, slack);
+    }
   }
 }
 
@@ -262,6 +283,9 @@ void ExactChunkIndex::KeepRows(const std::vector<size_t>& kept) {
     // The codes, lane by lane (no requantisation: compressed rows have nothing else).
     std::vector<int8_t> codes(groups * R * block_bytes, 0);
     std::vector<float> scale(groups * R * B, 0.0f), cos_scale(groups * R * B, 0.0f);
+    const size_t block4 = kernels::I4BlockBytes(static_cast<int>(D));
+    std::vector<uint8_t> codes4(int4_ ? groups * R * block4 : 0, 0);
+    std::vector<float> scale4(int4_ ? groups * R * B : 0, 0.0f), cos_scale4(scale4.size(), 0.0f);
     for (size_t i = 0; i < n; ++i) {
       const size_t o = kept[i], og = o / B, ol = o % B, ng = i / B, nl = i % B;
       for (size_t r = 0; r < R; ++r) {
@@ -272,8 +296,19 @@ void ExactChunkIndex::KeepRows(const std::vector<size_t>& kept) {
               src[kernels::I8Offset(static_cast<int>(d), static_cast<int>(ol))];
         scale[(ng * R + r) * B + nl] = q8_scale_[h][(og * R + r) * B + ol];
         cos_scale[(ng * R + r) * B + nl] = q8_cos_scale_[h][(og * R + r) * B + ol];
+        if (!int4_) continue;
+        const uint8_t* src4 = q4_[h].data() + (og * R + r) * block4;
+        uint8_t* dst4 = codes4.data() + (ng * R + r) * block4;
+        for (size_t d = 0; d < D; ++d)
+          kernels::PutI4(dst4, static_cast<int>(d), static_cast<int>(nl),
+                         kernels::GetI4(src4, static_cast<int>(d), static_cast<int>(ol)));
+        scale4[(ng * R + r) * B + nl] = q4_scale_[h][(og * R + r) * B + ol];
+        cos_scale4[(ng * R + r) * B + nl] = q4_cos_scale_[h][(og * R + r) * B + ol];
       }
     }
+    q4_[h].swap(codes4);
+    q4_scale_[h].swap(scale4);
+    q4_cos_scale_[h].swap(cos_scale4);
     repr_[h].swap(keys);
     inv_norm_[h].swap(inv);
     q8_[h].swap(codes);
@@ -301,7 +336,8 @@ Status ExactChunkIndex::EnforceCap() {
   const size_t es = DTypeSize(stored_.dtype);
   const uint64_t target = cap_ - cap_ / 8;
   const uint64_t full_row = H * (R * D * es + R * sizeof(float));
-  const uint64_t code_row = H * (R * D + 2 * R * sizeof(float)) + sizeof(uint64_t);
+  const uint64_t code_row = H * (R * D + 2 * R * sizeof(float)) + sizeof(uint64_t) +
+                            (int4_ ? Int4RowBytes() : 0);  // compression keeps both codes
   // With a mirror, its rows for chunks it has not taken yet count too (SyncMirror adds them).
   auto projected = [&] {
     uint64_t b = memory_bytes();
@@ -365,6 +401,17 @@ void ExactChunkIndex::PutQuantizedRow(int h, size_t row, int r, const float* key
   cos_scale[slot] = scale[slot] * inv_norm;
   int8_t* dst = codes.data() + block * block_bytes;
   for (int d = 0; d < D; ++d) dst[kernels::I8Offset(d, static_cast<int>(lane))] = tmp[d];
+  if (!int4_) return;
+  const size_t block4 = kernels::I4BlockBytes(D);
+  if (q4_[h].size() < group_end * block4) q4_[h].resize(group_end * block4, 0);
+  if (q4_scale_[h].size() < group_end * B) {
+    q4_scale_[h].resize(group_end * B, 0.0f);
+    q4_cos_scale_[h].resize(group_end * B, 0.0f);
+  }
+  q4_scale_[h][slot] = kernels::QuantizeI4(key, D, tmp);
+  q4_cos_scale_[h][slot] = q4_scale_[h][slot] * inv_norm;
+  uint8_t* dst4 = q4_[h].data() + block * block4;
+  for (int d = 0; d < D; ++d) kernels::PutI4(dst4, d, static_cast<int>(lane), tmp[d]);
 }
 
 // ---- reads --------------------------------------------------------------------------
@@ -387,9 +434,11 @@ Status ExactChunkIndex::Screen(const float* probe, ChunkScores* out) const {
   if (options_.rerank_factor == 0) return Score(probe, out);
   if (probe == nullptr || out == nullptr)
     return InvalidArgument("ExactChunkIndex::Screen: probe and out must not be null");
-  // The first stage: int8 codes, a quarter of the bytes of an fp32 pass, which is memory-bound.
+  // The first stage: int8 codes, a quarter of the bytes of an fp32 pass, which is memory-bound
+  // (int4 codes: an eighth).
   QuantizedScores(probe, 0, ids_.size(), out);
-  first_stage_bytes_.fetch_add(ids_.size() * CodeRowBytes(), std::memory_order_relaxed);
+  first_stage_bytes_.fetch_add(ids_.size() * (int4_ ? Int4RowBytes() : CodeRowBytes()),
+                               std::memory_order_relaxed);
   out->exact_rows.clear();
   if (!Current(*out)) out->ids = ids_;
   Stamp(out);
@@ -413,17 +462,88 @@ Status ExactChunkIndex::Best(const float* probe, const ChunkScores& screened, Ch
   // The second stage: rescore, in fp32 from the stored keys, every chunk the screen's error
   // bound cannot rule out of the take best, and the best max(F x take, N) screened.
   take = std::min(take, n);
-  std::vector<int64_t> rows;
-  CandidateRows(by, screened.error_by(rank), take,
-                std::max<int64_t>(static_cast<int64_t>(options_.rerank_factor) * static_cast<int64_t>(take),
-                                  options_.rerank_min),
-                &rows);
-  // Candidates RefineForEntropy scored exactly keep those scores (bit for bit what ScoresOf
-  // gives); the others are scored now.
   const std::vector<int64_t>& exact = screened.exact_rows;
   if (!exact.empty() && (exact.back() < 0 || static_cast<size_t>(exact.back()) >= n))
     return InvalidArgument("ExactChunkIndex::Best: exact row " + std::to_string(exact.back()) + " of " +
                            std::to_string(n) + " rows");
+  const int64_t at_least = std::max<int64_t>(
+      static_cast<int64_t>(options_.rerank_factor) * static_cast<int64_t>(take), options_.rerank_min);
+  std::vector<int64_t> rows;
+  if (int4_ && screened.error_by(rank).size() == n) {
+    // screen=int4 (the header's proof): C1 by the int4 bounds; C1's take best int4 scores (and
+    // C1's other rows in their groups) rescored from the int8 codes first, whose take-th
+    // largest int8 lower bound cuts C1 to
+    // the rows whose int4 upper bound reaches it; those rescored from the int8 codes too; then
+    // C2 by the int8 bounds among them, plus their best at_least by int8 score.
+    const std::vector<float>& err4 = screened.error_by(rank);
+    std::vector<int64_t> c1, top, picked;
+    CandidateRows(by, err4, take, 0, &c1);
+    const size_t m = c1.size();
+    std::vector<float> s8(m), e8(m, 0.0f);
+    std::vector<uint8_t> done(m, 0);
+    std::vector<int64_t> coded;
+    std::vector<size_t> where;
+    std::vector<float> coded_score, coded_error;
+    // Scores c1[i] for the indexes i in `idx` (ascending): exact rows keep their scores (error
+    // 0), the others from their int8 codes.
+    auto rescore = [&](const std::vector<size_t>& idx) {
+      coded.clear();
+      where.clear();
+      for (size_t i : idx) {
+        done[i] = 1;
+        if (std::binary_search(exact.begin(), exact.end(), c1[i])) {
+          s8[i] = by[static_cast<size_t>(c1[i])];
+        } else {
+          coded.push_back(c1[i]);
+          where.push_back(i);
+        }
+      }
+      const size_t groups = Int8ScoresOf(probe, coded, rank, &coded_score, &coded_error);
+      code_rescored_.fetch_add(coded.size(), std::memory_order_relaxed);
+      rescoring_bytes_.fetch_add(groups * kernels::kI8Block * CodeRowBytes(), std::memory_order_relaxed);
+      for (size_t k = 0; k < coded.size(); ++k) {
+        s8[where[k]] = coded_score[k];
+        e8[where[k]] = coded_error[k];
+      }
+    };
+    std::vector<float> c1_score(m);
+    for (size_t i = 0; i < m; ++i) c1_score[i] = by[static_cast<size_t>(c1[i])];
+    TopRowsAscending(c1_score.data(), static_cast<int64_t>(m), static_cast<int64_t>(take), &top);
+    // With them every row of C1 in their groups (read anyway), so no group is read twice.
+    std::vector<size_t> idx;
+    constexpr size_t B = kernels::kI8Block;
+    for (size_t i = 0, t = 0; i < m; ++i) {
+      const size_t g = static_cast<size_t>(c1[i]) / B;
+      while (t < top.size() && static_cast<size_t>(c1[static_cast<size_t>(top[t])]) / B < g) ++t;
+      if (t < top.size() && static_cast<size_t>(c1[static_cast<size_t>(top[t])]) / B == g) idx.push_back(i);
+    }
+    rescore(idx);
+    std::vector<float> lower(idx.size());
+    for (size_t k = 0; k < idx.size(); ++k) lower[k] = s8[idx[k]] - e8[idx[k]];
+    const float cut =
+        KthLargest(lower.data(), static_cast<int64_t>(lower.size()), static_cast<int64_t>(take));
+    idx.clear();
+    for (size_t i = 0; i < m; ++i) {
+      const size_t r = static_cast<size_t>(c1[i]);
+      if (!done[i] && !(by[r] + err4[r] < cut)) idx.push_back(i);  // NaN bounds stay
+    }
+    rescore(idx);
+    std::vector<int64_t> kept;
+    std::vector<float> ks, ke;
+    for (size_t i = 0; i < m; ++i)
+      if (done[i]) {
+        kept.push_back(c1[i]);
+        ks.push_back(s8[i]);
+        ke.push_back(e8[i]);
+      }
+    CandidateRows(ks, ke, take, at_least, &picked);
+    rows.resize(picked.size());
+    for (size_t i = 0; i < picked.size(); ++i) rows[i] = kept[static_cast<size_t>(picked[i])];
+  } else {
+    CandidateRows(by, screened.error_by(rank), take, at_least, &rows);
+  }
+  // Candidates RefineForEntropy scored exactly keep those scores (bit for bit what ScoresOf
+  // gives); the others are scored now.
   std::vector<int64_t> fresh;
   std::vector<uint8_t> known(rows.size(), 0);
   fresh.reserve(rows.size());
@@ -714,7 +834,8 @@ Status ExactChunkIndex::ScreenRows(const float* probe, size_t begin, size_t end,
     out->cosine_error.clear();
   } else {
     QuantizedScores(probe, begin, end, out);
-    first_stage_bytes_.fetch_add((end - begin) * CodeRowBytes(), std::memory_order_relaxed);
+    first_stage_bytes_.fetch_add((end - begin) * (int4_ ? Int4RowBytes() : CodeRowBytes()),
+                                 std::memory_order_relaxed);
   }
   out->ids.assign(ids_.begin() + static_cast<ptrdiff_t>(begin), ids_.begin() + static_cast<ptrdiff_t>(end));
   out->exact_rows.clear();
@@ -802,8 +923,93 @@ void ExactChunkIndex::DequantisedDot(int h, size_t row, int r, const float* p, f
   *cos = acc * q8_cos_scale_[h][slot] * inv_p;
 }
 
+struct ExactChunkIndex::ProbeCodes {
+  int stride = 0;              // elements per head in p16: I4ProbeLength(D) (>= the even D)
+  std::vector<int16_t> p16;    // [H][stride] the probe in int16 (zero pad)
+  std::vector<float> inv_p;    // [H] the probe's inverse norm
+  std::vector<float> p_scale;  // [H] its int16 step
+  std::vector<float> step8;    // [H] the int8 codes' logit bound per unit of code scale
+  std::vector<float> step4;    // [H] the int4 codes' (0 without them)
+};
+
+ExactChunkIndex::ProbeCodes ExactChunkIndex::QuantizeProbe(const float* probe) const {
+  const int H = stored_.kv_heads, D = stored_.head_dim;
+  ProbeCodes pc;
+  pc.stride = kernels::I4ProbeLength(D);
+  pc.p16.assign(static_cast<size_t>(H) * pc.stride, 0);
+  pc.inv_p.resize(H);
+  pc.p_scale.resize(H);
+  pc.step8.resize(H);
+  pc.step4.resize(H, 0.0f);
+  for (int h = 0; h < H; ++h) {
+    const float* p = probe + static_cast<size_t>(h) * D;
+    int16_t* p16 = pc.p16.data() + static_cast<size_t>(h) * pc.stride;
+    pc.inv_p[h] = InverseNorm(p, D);
+    pc.p_scale[h] = kernels::QuantizeProbeI16(p, D, p16);
+    // A key with code step s: each element within s/2, so the codes' dot is within
+    // s |p|_1 / 2 of <p, k>, and |p|_1 <= ps (|p16|_1 + D/2); the probe's int16 rounding adds
+    // at most ps/2 per element times |code| <= 127: 64 ps D (int4: |code| <= 7, 4 ps D).
+    // Rounding of the fp32 sums, of the screen's and of the rescoring's, is below
+    // 2^-24 (D + 8) max|k| |p|_1, bounded here 16 times over (max|k| = 127 s, int4: 7 s).
+    double p16_l1 = 0.0, p_l1 = 0.0;
+    for (int d = 0; d < D; ++d) {
+      p16_l1 += std::abs(static_cast<double>(p16[d]));
+      p_l1 += std::fabs(static_cast<double>(p[d]));
+    }
+    const double ps = pc.p_scale[h], quantised = 0.5 * p16_l1 + 0.5 * D;
+    pc.step8[h] = static_cast<float>(ps * (quantised + 64.0 * D) + 127.0 * (D + 8) * p_l1 / 1048576.0);
+    if (int4_)
+      pc.step4[h] = static_cast<float>(ps * (quantised + 4.0 * D) + 7.0 * (D + 8) * p_l1 / 1048576.0);
+  }
+  return pc;
+}
+
+void ExactChunkIndex::GroupBest(bool int4, size_t g, int h, const ProbeCodes& pc, int32_t* dots, float* logit,
+                                float* cos, float* logit_error, float* cos_error) const {
+  constexpr int B = kernels::kI8Block;
+  static_assert(kernels::kI4Block == B, "the int4 and int8 groups are the same rows");
+  const int D = stored_.head_dim, R = stored_.repr;
+  const int16_t* p16 = pc.p16.data() + static_cast<size_t>(h) * pc.stride;
+  const size_t first_slot = g * R * B;
+  const float* scale = (int4 ? q4_scale_[h] : q8_scale_[h]).data() + first_slot;
+  const float* cos_scale = (int4 ? q4_cos_scale_[h] : q8_cos_scale_[h]).data() + first_slot;
+  if (int4)
+    kernels::DotI4Blocks(q4_[h].data() + g * R * kernels::I4BlockBytes(D), static_cast<size_t>(R), p16, D,
+                         dots);
+  else
+    kernels::DotI8Blocks(q8_[h].data() + g * R * kernels::I8BlockBytes(D), static_cast<size_t>(R), p16, D,
+                         dots);
+  // The probe's scales are >= 0, so they commute with the max over a chunk's representatives
+  // and are applied once per chunk.
+  float best[B], best_cos[B], max_scale[B], max_cos_scale[B];
+  kernels::MaxScaledI8Dots(dots, scale, cos_scale, R, best, best_cos, max_scale, max_cos_scale);
+  const float ps = pc.p_scale[h], cs = pc.p_scale[h] * pc.inv_p[h];
+  const float step = int4 ? pc.step4[h] : pc.step8[h];
+  const float cos_step = step * pc.inv_p[h];
+  for (int lane = 0; lane < B; ++lane) {
+    logit[lane] = best[lane] * ps;
+    cos[lane] = std::max(-1.0f, best_cos[lane] * cs);
+    logit_error[lane] = max_scale[lane] * step;
+    cos_error[lane] = max_cos_scale[lane] * cos_step;
+  }
+  // A compressed row's exact score is its int8 codes': the int4 bound grows by the int8 one.
+  if (int4 && g * B < full_from_) {
+    const float* s8 = q8_scale_[h].data() + first_slot;
+    const float* c8 = q8_cos_scale_[h].data() + first_slot;
+    for (int lane = 0; lane < B && g * B + lane < full_from_; ++lane) {
+      float ms = s8[lane], mc = c8[lane];
+      for (int r = 1; r < R; ++r) {
+        ms = std::max(ms, s8[static_cast<size_t>(r) * B + lane]);
+        mc = std::max(mc, c8[static_cast<size_t>(r) * B + lane]);
+      }
+      logit_error[lane] += ms * pc.step8[h];
+      cos_error[lane] += mc * pc.step8[h] * pc.inv_p[h];
+    }
+  }
+}
+
 void ExactChunkIndex::QuantizedScores(const float* probe, size_t begin, size_t end, ChunkScores* out) const {
-  const int H = stored_.kv_heads, D = stored_.head_dim, R = stored_.repr;
+  const int H = stored_.kv_heads, R = stored_.repr;
   const size_t n = end - begin;  // rows [begin, end) land at [0, n) of out's vectors
   const kernels::HeadFold fold = FoldOf(options_.heads, H);
   std::vector<float>& raw = out->logit;
@@ -814,30 +1020,11 @@ void ExactChunkIndex::QuantizedScores(const float* probe, size_t begin, size_t e
   // same 1/H share), so they start at 0 either way.
   out->logit_error.assign(n, 0.0f);
   out->cosine_error.assign(n, 0.0f);
-  std::vector<float> inv_p(H), p_scale(H), per_step(H);
-  const size_t de = static_cast<size_t>(D + 1) / 2 * 2;
-  std::vector<int16_t> p16(H * de);  // the probe in int16 for the integer block dots
-  for (int h = 0; h < H; ++h) {
-    const float* p = probe + static_cast<size_t>(h) * D;
-    inv_p[h] = InverseNorm(p, D);
-    p_scale[h] = kernels::QuantizeProbeI16(p, D, p16.data() + h * de);
-    // A key with code step s: each element within s/2, so the codes' dot is within
-    // s |p|_1 / 2 of <p, k>, and |p|_1 <= ps (|p16|_1 + D/2); the probe's int16 rounding adds
-    // at most ps/2 per element times |code| <= 127: 64 ps D. Rounding of the fp32 sums, of
-    // the screen's and of the rescoring's, is below 2^-24 (D + 8) max|k| |p|_1, bounded
-    // here 16 times over (max|k| = 127 s).
-    double p16_l1 = 0.0, p_l1 = 0.0;
-    for (int d = 0; d < D; ++d) {
-      p16_l1 += std::abs(static_cast<double>(p16[h * de + d]));
-      p_l1 += std::fabs(static_cast<double>(p[d]));
-    }
-    per_step[h] = static_cast<float>(static_cast<double>(p_scale[h]) * (0.5 * p16_l1 + 0.5 * D + 64.0 * D) +
-                                     127.0 * (D + 8) * p_l1 / 1048576.0);
-  }
+  const ProbeCodes pc = QuantizeProbe(probe);
   // One pass over the chunk groups for every head (one fork-join per layer, not per head).
   constexpr int B = kernels::kI8Block;
   // Whole groups of B rows: the first and the last may hold rows outside [begin, end).
-  const size_t first_group = begin / B, end_group = (end + B - 1) / B, block_bytes = kernels::I8BlockBytes(D);
+  const size_t first_group = begin / B, end_group = (end + B - 1) / B;
   const bool sum = !fold.max;
   TsanForkJoin fj;  // kernels/tbb_tsan.h
   tbb::parallel_for(tbb::blocked_range<size_t>(first_group, end_group, 64),
@@ -845,33 +1032,76 @@ void ExactChunkIndex::QuantizedScores(const float* probe, size_t begin, size_t e
                       // One group's dots at a time, folded while they are still in the L1 cache; each row
                       // still takes its heads in order, so the folds are the same sums and maxima.
                       std::vector<int32_t> dots(static_cast<size_t>(R) * B);
+                      float lg[B], cs[B], e[B], ec[B];
                       for (size_t g = range.begin(); g < range.end(); ++g) {
                         const size_t row_begin = std::max(begin, g * B), row_end = std::min(end, (g + 1) * B);
                         for (int h = 0; h < H; ++h) {
-                          kernels::DotI8Blocks(q8_[h].data() + g * R * block_bytes, static_cast<size_t>(R),
-                                               p16.data() + h * de, D, dots.data());
-                          // The probe's scales are >= 0, so they commute with the max over a chunk's
-                          // representatives and are applied once per chunk.
-                          float best[B], best_cos[B], max_scale[B], max_cos_scale[B];
-                          kernels::MaxScaledI8Dots(dots.data(), q8_scale_[h].data() + g * R * B,
-                                                   q8_cos_scale_[h].data() + g * R * B, R, best, best_cos,
-                                                   max_scale, max_cos_scale);
-                          const float ps = p_scale[h], cs = p_scale[h] * inv_p[h];
-                          const float step = per_step[h], cos_step = per_step[h] * inv_p[h];
+                          GroupBest(int4_, g, h, pc, dots.data(), lg, cs, e, ec);
                           for (size_t row = row_begin; row < row_end; ++row) {
                             const int lane = static_cast<int>(row - g * B);
                             const size_t c = row - begin;
-                            fold.Add(best[lane] * ps, std::max(-1.0f, best_cos[lane] * cs), &raw[c], &cos[c]);
-                            const float e = max_scale[lane] * step, ec = max_cos_scale[lane] * cos_step;
+                            fold.Add(lg[lane], cs[lane], &raw[c], &cos[c]);
                             out->logit_error[c] =
-                                sum ? out->logit_error[c] + e : std::max(out->logit_error[c], e);
-                            out->cosine_error[c] = sum ? out->cosine_error[c] + ec * fold.cos_share
-                                                       : std::max(out->cosine_error[c], ec);
+                                sum ? out->logit_error[c] + e[lane] : std::max(out->logit_error[c], e[lane]);
+                            out->cosine_error[c] = sum ? out->cosine_error[c] + ec[lane] * fold.cos_share
+                                                       : std::max(out->cosine_error[c], ec[lane]);
                           }
                         }
                       }
                     }));
   fj.Join();
+}
+
+size_t ExactChunkIndex::Int8ScoresOf(const float* probe, const std::vector<int64_t>& rows, ChunkRank rank,
+                                     std::vector<float>* score, std::vector<float>* error) const {
+  const int H = stored_.kv_heads, R = stored_.repr;
+  const kernels::HeadFold fold = FoldOf(options_.heads, H);
+  score->assign(rows.size(), fold.Start());
+  error->assign(rows.size(), 0.0f);
+  if (rows.empty()) return 0;
+  constexpr int B = kernels::kI8Block;
+  // The groups holding a row, each with its first index into rows (ascending, so a group's
+  // rows are consecutive).
+  std::vector<size_t> starts;
+  for (size_t i = 0; i < rows.size(); ++i)
+    if (i == 0 || static_cast<size_t>(rows[i]) / B != static_cast<size_t>(rows[i - 1]) / B)
+      starts.push_back(i);
+  starts.push_back(rows.size());
+  const size_t groups = starts.size() - 1;
+  const ProbeCodes pc = QuantizeProbe(probe);
+  const bool sum = !fold.max, logit = rank == ChunkRank::kLogit;
+  auto run = [&](size_t k0, size_t k1) {
+    std::vector<int32_t> dots(static_cast<size_t>(R) * B);
+    float lg[B], cs[B], e[B], ec[B];
+    for (size_t k = k0; k < k1; ++k) {
+      const size_t g = static_cast<size_t>(rows[starts[k]]) / B;
+      for (int h = 0; h < H; ++h) {
+        GroupBest(false, g, h, pc, dots.data(), lg, cs, e, ec);
+        for (size_t i = starts[k]; i < starts[k + 1]; ++i) {
+          const int lane = static_cast<int>(static_cast<size_t>(rows[i]) - g * B);
+          float unused = fold.Start();
+          // The fold of the ranked score alone, as QuantizedScores folds it.
+          if (logit)
+            fold.Add(lg[lane], cs[lane], &(*score)[i], &unused);
+          else
+            fold.Add(lg[lane], cs[lane], &unused, &(*score)[i]);
+          const float x = logit ? e[lane] : ec[lane] * (sum ? fold.cos_share : 1.0f);
+          (*error)[i] = sum ? (*error)[i] + x : std::max((*error)[i], x);
+        }
+      }
+    }
+  };
+  constexpr size_t kGroupsPerTask = 64;
+  if (groups <= kGroupsPerTask) {
+    run(0, groups);
+  } else {
+    TsanForkJoin fj;  // kernels/tbb_tsan.h
+    tbb::parallel_for(
+        tbb::blocked_range<size_t>(0, groups, kGroupsPerTask),
+        fj.Body([&](const tbb::blocked_range<size_t>& range) { run(range.begin(), range.end()); }));
+    fj.Join();
+  }
+  return groups;
 }
 
 void ExactChunkIndex::ScoresOf(const float* probe, const std::vector<int64_t>& rows, std::vector<float>* raw,
@@ -1027,6 +1257,11 @@ uint64_t ExactChunkIndex::CodeRowBytes() const {
   return static_cast<uint64_t>(stored_.repr) * stored_.kv_heads * (stored_.head_dim + 2 * sizeof(float));
 }
 
+uint64_t ExactChunkIndex::Int4RowBytes() const {
+  return static_cast<uint64_t>(stored_.repr) * stored_.kv_heads *
+         (kernels::I4BlockBytes(stored_.head_dim) / kernels::kI4Block + 2 * sizeof(float));
+}
+
 uint64_t ExactChunkIndex::FullRowBytes() const {
   return static_cast<uint64_t>(stored_.repr) * stored_.kv_heads *
          (static_cast<uint64_t>(stored_.head_dim) * DTypeSize(stored_.dtype) + sizeof(float));
@@ -1053,6 +1288,9 @@ uint64_t ExactChunkIndex::memory_bytes() const {
   for (const auto& v : q8_) b += v.capacity();
   for (const auto& v : q8_scale_) b += v.capacity() * sizeof(float);
   for (const auto& v : q8_cos_scale_) b += v.capacity() * sizeof(float);
+  for (const auto& v : q4_) b += v.capacity();
+  for (const auto& v : q4_scale_) b += v.capacity() * sizeof(float);
+  for (const auto& v : q4_cos_scale_) b += v.capacity() * sizeof(float);
   if (mirror_ != nullptr) b += mirror_->bytes();  // backend memory: device memory on "cuda"
   return b;
 }

@@ -25,7 +25,10 @@
 //   - int8 codes of the same keys, in blocks of kernels::kI8Block lanes (see DotI8Blocks):
 //     block g*R + r holds representative r of chunks [8g, 8g+8), one chunk per lane, so a
 //     chunk's best representative is an element-wise max over R consecutive blocks, with a
-//     code scale per key (and that scale times the inverse norm, for cosines).
+//     code scale per key (and that scale times the inverse norm, for cosines);
+//   - with screen=int4, also 4-bit codes of the same keys (kernels::QuantizeI4, a scale per key,
+//     its cosine scale), in blocks of 8 lanes laid out as the int8 ones (see DotI4Blocks), a
+//     group's R blocks consecutive: half the int8 blocks' bytes.
 //
 // Search in two stages (rerank=F > 0, the default F=1, rerank_min=N=0):
 //   Screen: every chunk scored from the int8 codes (half the bytes of fp16 keys; the search
@@ -52,17 +55,48 @@
 // rerank=0: Screen is that fp32 pass over every chunk, and Best sorts it. Score is always
 // the fp32 pass.
 //
+// screen=int4 (rerank > 0): three stages, each with a bound.
+//   Screen: every chunk scored from the 4-bit codes (DotI4Blocks, the same int16 probe), with
+//     the int8 bound's reasoning at the 4-bit step: a key element within half its code step s4
+//     (= max|k| / 7), a probe element within half its int16 step ps times |code| <= 7, so
+//     |<p, k> - screened| <= s4 (ps (|p16|_1 / 2 + D / 2 + 4 D) + rounding), rounding as above
+//     with max|k| = 7 s4. A compressed row's exact score is its int8 codes' (the cap dropped
+//     its keys), so its bound adds the int8 one: |screened - exact8| <= e4 + e8.
+//   Best:   C1 = the chunks whose int4 score + bound reaches the take-th largest int4 score -
+//     bound. The take chunks of C1 with the best int4 scores (and C1's other chunks in their
+//     8-row groups) are rescored from the int8 codes first (QuantizedScores' kernel and bound, on the groups
+//     that hold them; a row RefineForEntropy made exact keeps its exact score, error 0); tau' = the take-th
+//     largest of their int8 scores - bound. C1' = those and the chunks of C1 whose int4 score + bound reaches
+//     tau', rescored from the int8 codes; C2 = the chunks of C1' whose int8 score + bound reaches the take-th
+//     largest int8 score - bound among C1', plus C1''s best max(F x take, N) by int8 score; C2 rescored in
+//     fp32 (ScoresOf) and its take best returned. The choice is the single fp32 pass's: let T be the fp32 top
+//     take (ties to the smaller chunk). (1) At least take chunks have exact >= their int4 lower bound, so the
+//     take-th largest exact score is >= tau1, the take-th largest int4 lower bound; each t in
+//     T has upper bound >= exact >= tau1: T is in C1. (1') Likewise take chunks have exact >=
+//     their int8 lower bound >= ... >= tau', so each t in T has int4 upper bound >= tau': T is
+//     in C1'. (tau' sits an int8 bound below the take-th exact score where tau1 sits two int4
+//     bounds below it: C1' is the smaller set.) (2) T is also the top take of C1' (a subset
+//     holding it), so the same argument over C1' with the int8 bounds puts T in C2. (3)
+//     TakeBest over C2 by exact scores, ties to the smaller chunk, is T, as C2 holds T and
+//     every chunk of C2 outside T scores below T's last or ties it from a larger chunk index. The int8 stage
+//     reads the whole 8-row groups that hold a row it rescores (counted as rescoring bytes, 8 CodeRowBytes()
+//     a group, per pass); rescored_chunks() counts the fp32 stage, code_rescored_chunks() the int8 one.
+//     RefineForEntropy and ScreenRows work on the int4 screen's scores and bounds as on the int8 ones.
+//
 // Remove compacts the rows (they keep their ascending chunk order, hence the tie order) and
 // moves the kept rows' int8 codes into their new lanes; the result scores exactly as an index
 // built afresh from the kept chunks.
 //
 // Memory (per chunk and kv head, R representatives of D dims, e bytes a key element):
-//   keys R*D*e + inverse norms 4R  ("full" part)  |  int8 codes R*D + code scales 8R  |  id 8/H.
+//   keys R*D*e + inverse norms 4R  ("full" part)  |  int8 codes R*D + code scales 8R  |  id 8/H
+//   |  with screen=int4, 4-bit codes R*ceil(D/4)*2 + their scales 8R.
 // Vectors grow by an eighth (never double), so memory_bytes() stays within ~1/8 of the rows'
 // bytes. A memory cap (SetMemoryCap, StoreOptions::index_bytes / layers) is checked after
 // every chunk Add indexes; over it the index first COMPRESSES its oldest chunks (drops their
 // stored keys and norms: they are scored from their int8 codes, dequantised, code x scale, in
-// fp32, by Score and by Best's rescoring alike, so the two stages agree on them), and once
+// fp32, by Score and by Best's rescoring alike, so the two stages agree on them; with
+// screen=int4 they keep their 4-bit codes too, and the int4 screen's bound grows by the int8
+// one for them, see above), and once
 // every chunk is compressed it EVICTS the oldest chunks (a multiple of 8, counted by
 // evicted_chunks()): they are never chosen again. Each step frees down to 7/8 of the cap, so
 // it runs about once per cap/8 bytes of new chunks. With a backend mirror the backend scores
@@ -109,12 +143,19 @@ struct ExactIndexOptions {
   /// screened cosines' Θ, no certificate. Default: 0 (the certificate at 1e-3 doubles the 128K
   /// decode step on a CPU). In [0, 1].
   double theta_error = 0.0;
+  /// "screen": the codes the first stage reads (rerank > 0; rerank = 0 ignores it). kInt8:
+  /// int8 codes, then the fp32 rescoring. kInt4: 4-bit codes (half the bytes), then the int8
+  /// codes, then fp32, each stage ruling chunks out by its error bound (the header's
+  /// "screen=int4"; the choice stays the fp32 pass's). Default: kInt8.
+  enum class ScreenCodes { kInt8, kInt4 };
+  ScreenCodes screen = ScreenCodes::kInt8;
 
-  /// From an index spec "Exact[:heads=sum|max,repr=max|mean,rerank=F,rerank_min=N,theta=E]" (F, N >= 0,
+  /// From an index spec
+  /// "Exact[:heads=sum|max,repr=max|mean,rerank=F,rerank_min=N,theta=E,screen=int8|int4]" (F, N >= 0,
   /// E in [0, 1]).
   static Result<ExactIndexOptions> Parse(const std::string& spec);
   /// "Exact:heads=sum,rerank=1,rerank_min=0": every key spelled out, ",repr=mean" after heads
-  /// under kMean, and ",theta=E" when E > 0.
+  /// under kMean, ",theta=E" when E > 0 and ",screen=int4" under kInt4.
   std::string ToString() const;
 };
 
@@ -129,7 +170,7 @@ class ExactChunkIndex final : public ChunkIndex {
   void Reserve(size_t chunks) override;
   /// The fp32 pass over every chunk.
   Status Score(const float* probe, ChunkScores* out) const override;
-  /// The int8 pass (rerank > 0), else Score.
+  /// The int8 (screen=int8) or int4 (screen=int4) pass (rerank > 0), else Score.
   Status Screen(const float* probe, ChunkScores* out) const override;
   /// rerank > 0: rescores, from the stored keys, the chunks of `screened` whose error bound
   /// cannot rule them out of the take best by `rank`, plus its best max(rerank x take,
@@ -163,14 +204,21 @@ class ExactChunkIndex final : public ChunkIndex {
   /// Chunks Best and RefineForEntropy have rescored from the stored keys, summed over their calls
   /// (a chunk Best takes from RefineForEntropy's exact_rows is not read, nor counted, again).
   uint64_t rescored_chunks() const { return rescored_.load(std::memory_order_relaxed); }
-  /// Of those, the chunks RefineForEntropy rescored.
+  /// screen=int4: the chunks Best rescored from their int8 codes (its middle stage), summed.
+  uint64_t code_rescored_chunks() const { return code_rescored_.load(std::memory_order_relaxed); }
+  /// Of rescored_chunks(), the chunks RefineForEntropy rescored.
   uint64_t entropy_rescored_chunks() const { return entropy_rescored_.load(std::memory_order_relaxed); }
-  /// The first stage reads, per chunk, CodeRowBytes() (int8 screen) or, for an fp32 pass,
-  /// FullRowBytes() (CodeRowBytes() for a row the cap compressed); the rescoring FullRowBytes().
+  /// The first stage reads, per chunk, CodeRowBytes() (int8 screen), Int4RowBytes() (int4
+  /// screen) or, for an fp32 pass, FullRowBytes() (CodeRowBytes() for a row the cap
+  /// compressed); the rescoring FullRowBytes() a chunk and, under screen=int4, CodeRowBytes()
+  /// for each row of the 8-row groups its int8 stage reads.
   IndexReadBytes read_bytes() const override;
   /// Per chunk, one int8 screen's read: R x kv_heads x (head_dim codes + a code scale and its
   /// cosine scale, 4 bytes each).
   uint64_t CodeRowBytes() const;
+  /// Per chunk, one int4 screen's read: R x kv_heads x (ceil(head_dim / 4) x 2 code bytes + a
+  /// code scale and its cosine scale, 4 bytes each).
+  uint64_t Int4RowBytes() const;
   /// Per chunk, one fp32 pass's read: R x kv_heads x (head_dim keys in the store's dtype + an
   /// inverse norm, 4 bytes).
   uint64_t FullRowBytes() const;
@@ -212,7 +260,8 @@ class ExactChunkIndex final : public ChunkIndex {
 
  private:
   ExactChunkIndex(const ChunkShape& shape, const ExactIndexOptions& options);
-  // Writes representative r of the chunk at `row` into head h's int8 blocks, from its fp32 key.
+  // Writes representative r of the chunk at `row` into head h's int8 blocks (and int4 ones under
+  // screen=int4), from its fp32 key.
   void PutQuantizedRow(int h, size_t row, int r, const float* key, float inv_norm);
   // Makes room for `more` rows, growing each vector where it is short to what it needs plus
   // `slack` of that (an eighth by default: a vector never doubles).
@@ -232,9 +281,20 @@ class ExactChunkIndex final : public ChunkIndex {
   // logits alone (the same bits), without reading the inverse norms.
   void ScoresOf(const float* probe, const std::vector<int64_t>& rows, std::vector<float>* logit,
                 std::vector<float>* cosine) const;
-  // The int8 pass's scores and their error bounds (see "Search in two stages" above) for rows
-  // [begin, end), at [0, end - begin) of out's vectors.
+  // The first stage's scores (int8 or, under screen=int4, int4 codes) and their error bounds (see
+  // "Search in two stages" above) for rows [begin, end), at [0, end - begin) of out's vectors.
   void QuantizedScores(const float* probe, size_t begin, size_t end, ChunkScores* out) const;
+  // The int8 codes' scores by `rank` and their bounds for the rows `rows` (ascending), Best's
+  // middle stage under screen=int4; returns the groups of 8 rows it read.
+  size_t Int8ScoresOf(const float* probe, const std::vector<int64_t>& rows, ChunkRank rank,
+                      std::vector<float>* score, std::vector<float>* error) const;
+  // The probe's int16 codes, scales and the code bounds' steps per head (exact_index.cc).
+  struct ProbeCodes;
+  ProbeCodes QuantizeProbe(const float* probe) const;
+  // Head h's best representative per lane of group g from the int4 (int4 = true) or int8 codes:
+  // the logit and cosine (probe scales applied) and their error bounds, 8 lanes each.
+  void GroupBest(bool int4, size_t g, int h, const ProbeCodes& pc, int32_t* dots, float* logit, float* cos,
+                 float* logit_error, float* cos_error) const;
   // Rows (ascending) of the chunks Best rescores: those whose score + error reaches the take-th
   // largest score - error, and the best at_least by score; with no errors (exact scores) the
   // best max(take, at_least).
@@ -255,11 +315,16 @@ class ExactChunkIndex final : public ChunkIndex {
   uint64_t evicted_ = 0;                               // rows the cap evicted
   mutable std::atomic<uint64_t> rescored_{0};          // rescored_chunks()
   mutable std::atomic<uint64_t> entropy_rescored_{0};  // entropy_rescored_chunks()
+  mutable std::atomic<uint64_t> code_rescored_{0};     // code_rescored_chunks()
   // read_bytes(): the first stage's and the rescoring's bytes, added once per call.
   mutable std::atomic<uint64_t> first_stage_bytes_{0}, rescoring_bytes_{0};
   std::vector<std::vector<int8_t>> q8_;       // [H] int8 blocks
   std::vector<std::vector<float>> q8_scale_;  // [H][block * 8 + lane]: the row's code scale (0 in padding)
   std::vector<std::vector<float>> q8_cos_scale_;  // [H][block * 8 + lane]: code scale times inverse norm
+  const bool int4_;                               // screen=int4 with rerank > 0: the int4 codes below kept
+  std::vector<std::vector<uint8_t>> q4_;          // [H] int4 blocks (kernels::I4BlockBytes each)
+  std::vector<std::vector<float>> q4_scale_;      // [H][block * 8 + lane]: the 4-bit code scale
+  std::vector<std::vector<float>> q4_cos_scale_;  // [H][block * 8 + lane]: that times the inverse norm
   std::unique_ptr<ReprMirror> mirror_;            // null: no backend attached
   size_t mirror_stale_from_ = 0;                  // rows from here may differ in the mirror (SIZE_MAX: none)
   LayerSelectResult backend_result_;              // SelectOnBackend's scratch (reused)

@@ -25,7 +25,8 @@ const std::vector<RetrieverOptionDesc>& RetrieverOptionTable() {
        .field = "index",
        .flag = "index",
        .type = OptionType::kString,
-       .meaning = "chunk index: Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E], Quest[:heads=sum|max] "
+       .meaning = "chunk index: Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E,screen=int8|int4], "
+                  "Quest[:heads=sum|max] "
                   "(per-chunk "
                   "key min/max bound) or a FAISS kind (Flat, HNSW32, IVF<n>,Flat)",
        KVTIER_OPT_STRING(R, index)},

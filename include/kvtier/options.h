@@ -107,7 +107,8 @@ struct RetrieverOptions {
   std::string probe = "act";  ///< probe builder spec: mean | act[:eps=..] | question[:base=..,weight=..]
   std::string alloc =
       "entropy:rank=logit";  ///< budget allocator spec: topk | entropy[:min=M,rank=cosine|logit]
-  /// Chunk index spec per (sequence, layer): "Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E]"
+  /// Chunk index spec per (sequence, layer):
+  /// "Exact[:heads=sum|max,rerank=F,rerank_min=N,theta=E,screen=int8|int4]"
   /// (default "Exact:heads=max": every representative key kept, chunk score = best
   /// representative of the best kv head) or a FAISS description over one mean vector per
   /// chunk ("Flat", "HNSW32:ef=64", "IVF<n>,Flat:nprobe=16,train_min=0"). See chunk_index.h.

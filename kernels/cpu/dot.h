@@ -305,6 +305,164 @@ inline void DotI8Blocks(const int8_t* blocks, size_t n_blocks, const int16_t* p,
 #endif
 }
 
+/// 4-bit codes, blocked as the int8 ones: block b holds rows [b*B, b*B+B) (B = kI4Block = 8),
+/// element d of lane j in byte I4Byte(d, j) = (d/4)*16 + 2j + d%2, in its low nibble when
+/// (d/2) is even and its high nibble when odd: one 16-byte load holds element pairs 2k (low
+/// nibbles) and 2k+1 (high nibbles) of the block's 8 rows, each in DotI8Blocks' pair order, so
+/// two shifts make them the two int16 vectors vpmaddwd meets with pairs 2k and 2k+1 of the
+/// probe. Half the bytes of the int8 blocks (D rounded up to a multiple of 4; the pad is 0).
+/// Codes are two's complement nibbles in [-7, 7].
+inline constexpr int kI4Block = 8;
+inline constexpr size_t I4BlockBytes(int D) { return static_cast<size_t>((D + 3) / 4) * 2 * kI4Block; }
+inline constexpr size_t I4Byte(int d, int lane) {
+  return static_cast<size_t>(d / 4) * 2 * kI4Block + 2 * static_cast<size_t>(lane) + (d & 1);
+}
+/// The shift of element d's nibble in its byte (0: low, 4: high).
+inline constexpr int I4Shift(int d) { return (d / 2) % 2 == 0 ? 0 : 4; }
+/// The probe length DotI4Blocks reads: D rounded up to a multiple of 4.
+inline constexpr int I4ProbeLength(int D) { return (D + 3) / 4 * 4; }
+
+/// Writes code c (in [-8, 7]) of element d, lane `lane`, into a block (its other nibble kept).
+inline void PutI4(uint8_t* block, int d, int lane, int8_t c) {
+  uint8_t& b = block[I4Byte(d, lane)];
+  const int sh = I4Shift(d);
+  b = static_cast<uint8_t>((b & ~(0x0F << sh)) | ((static_cast<uint8_t>(c) & 0x0F) << sh));
+}
+/// Reads code of element d, lane `lane`, sign-extended.
+inline int8_t GetI4(const uint8_t* block, int d, int lane) {
+  const int v = (block[I4Byte(d, lane)] >> I4Shift(d)) & 0x0F;
+  return static_cast<int8_t>(v >= 8 ? v - 16 : v);
+}
+
+/// Symmetric 4-bit quantisation of one vector: codes = round(x / scale) in [-7, 7], scale =
+/// max|x| / 7 (0 for a zero or non-finite vector, codes 0). Returns the scale.
+inline float QuantizeI4(const float* x, int n, int8_t* codes) {
+  float m = 0.0f;
+  for (int i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  if (m == 0.0f || !std::isfinite(m)) {
+    for (int i = 0; i < n; ++i) codes[i] = 0;
+    return 0.0f;
+  }
+  const float inv = 7.0f / m;
+  for (int i = 0; i < n; ++i) codes[i] = static_cast<int8_t>(std::lrint(std::clamp(x[i] * inv, -7.0f, 7.0f)));
+  return m / 7.0f;
+}
+
+/// Scalar reference of DotI4Blocks (exact integer sums: the vector paths agree bit for bit).
+inline void DotI4BlocksScalar(const uint8_t* blocks, size_t n_blocks, const int16_t* p, int D, int32_t* out) {
+  const size_t block_bytes = I4BlockBytes(D);
+  for (size_t b = 0; b < n_blocks; ++b)
+    for (int j = 0; j < kI4Block; ++j) {
+      int32_t acc = 0;
+      for (int d = 0; d < D; ++d) acc += static_cast<int32_t>(GetI4(blocks + b * block_bytes, d, j)) * p[d];
+      out[b * kI4Block + j] = acc;
+    }
+}
+
+namespace dot_internal {
+
+// The pair word k of an int16 probe: elements 2k (low half) and 2k + 1 (high half).
+inline int32_t ProbeWord(const int16_t* p, int k) {
+  return static_cast<int32_t>(static_cast<uint16_t>(p[2 * k])) |
+         (static_cast<int32_t>(static_cast<uint16_t>(p[2 * k + 1])) << 16);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// DotI4Blocks' AVX-512 VNNI path, for D <= 512 (the probe table on the stack). Each 16-byte
+// group becomes one 32-lane int16 vector (low nibbles, pair 2k, in lanes 0..15; high nibbles,
+// pair 2k+1, in 16..31) that vpdpwssd meets with [pair 2k | pair 2k+1] of the probe.
+inline void DotI4BlocksAvx512(const uint8_t* blocks, size_t n_blocks, const int16_t* p, int D, int32_t* out) {
+  const int quads = (D + 3) / 4;
+  const size_t block_bytes = I4BlockBytes(D);
+  __m512i pk[128];
+  for (int q = 0; q < quads; ++q)
+    pk[q] = _mm512_inserti64x4(_mm512_set1_epi32(ProbeWord(p, 2 * q)),
+                               _mm256_set1_epi32(ProbeWord(p, 2 * q + 1)), 1);
+  // Nibbles to int16: the byte in a word's high half, or its low nibble on top (shifted left by
+  // 12), then an arithmetic shift right by 12 sign-extends the nibble.
+  auto widen = [](const uint8_t* g) {
+    const __m512i w = _mm512_cvtepu8_epi16(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g))));
+    return _mm512_srai_epi16(
+        _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_slli_epi16(w, 12), _mm512_slli_epi16(w, 8)), 12);
+  };
+  for (size_t b = 0; b < n_blocks; ++b) {
+    const uint8_t* block = blocks + b * block_bytes;
+    __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+    int q = 0;
+    for (; q + 2 <= quads; q += 2) {
+      acc0 = _mm512_dpwssd_epi32(acc0, widen(block + static_cast<size_t>(q) * 16), pk[q]);
+      acc1 = _mm512_dpwssd_epi32(acc1, widen(block + static_cast<size_t>(q + 1) * 16), pk[q + 1]);
+    }
+    if (q < quads) acc0 = _mm512_dpwssd_epi32(acc0, widen(block + static_cast<size_t>(q) * 16), pk[q]);
+    acc0 = _mm512_add_epi32(acc0, acc1);
+    const __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(acc0), _mm512_extracti64x4_epi64(acc0, 1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kI4Block), sum);
+  }
+}
+#endif
+
+#if defined(__AVX2__)
+// DotI4Blocks' AVX2 path, any D: the probe's pair words broadcast once per call (D up to 512;
+// wider heads build them per group), two blocks at a time for independent accumulators.
+inline void DotI4BlocksAvx2(const uint8_t* blocks, size_t n_blocks, const int16_t* p, int D, int32_t* out) {
+  const int quads = (D + 3) / 4, pairs = 2 * quads;
+  const size_t block_bytes = I4BlockBytes(D);
+  constexpr int kMaxPairs = 256;
+  __m256i pk_table[kMaxPairs];
+  const bool table = pairs <= kMaxPairs;
+  if (table)
+    for (int k = 0; k < pairs; ++k) pk_table[k] = _mm256_set1_epi32(ProbeWord(p, k));
+  auto pk = [&](int k) { return table ? pk_table[k] : _mm256_set1_epi32(ProbeWord(p, k)); };
+  // The 16 bytes of group q as two int16 vectors, low nibbles (pair 2q) and high (pair 2q+1),
+  // each met with its probe pair by vpmaddwd.
+  auto madd2 = [&](const uint8_t* g, int q) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+    const __m256i lo = _mm256_srai_epi16(_mm256_slli_epi16(w, 12), 12);
+    const __m256i hi = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 12);
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, pk(2 * q)), _mm256_madd_epi16(hi, pk(2 * q + 1)));
+  };
+  size_t b = 0;
+  for (; b + 2 <= n_blocks; b += 2) {
+    const uint8_t* x = blocks + b * block_bytes;
+    const uint8_t* y = x + block_bytes;
+    __m256i x0 = _mm256_setzero_si256(), y0 = x0;
+    for (int q = 0; q < quads; ++q) {
+      const size_t o = static_cast<size_t>(q) * 16;
+      x0 = _mm256_add_epi32(x0, madd2(x + o, q));
+      y0 = _mm256_add_epi32(y0, madd2(y + o, q));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kI4Block), x0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (b + 1) * kI4Block), y0);
+  }
+  for (; b < n_blocks; ++b) {
+    const uint8_t* x = blocks + b * block_bytes;
+    __m256i x0 = _mm256_setzero_si256();
+    for (int q = 0; q < quads; ++q) x0 = _mm256_add_epi32(x0, madd2(x + static_cast<size_t>(q) * 16, q));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kI4Block), x0);
+  }
+}
+#endif
+
+}  // namespace dot_internal
+
+/// The dot products of n_blocks consecutive int4 blocks (n_blocks * kI4Block rows) with an
+/// int16 probe (QuantizeProbeI16's codes, zero-padded to I4ProbeLength(D) elements): out[j]
+/// for row j; the real dot of row j is out[j] * row_scale[j] * probe_scale. Exact integer
+/// sums, so every path equals DotI4BlocksScalar bit for bit; they cannot overflow: |code| <= 8
+/// < 127, the bound QuantizeProbeI16's range is sized for. AVX-512 VNNI for D <= 512, else
+/// AVX2, else the scalar twin.
+inline void DotI4Blocks(const uint8_t* blocks, size_t n_blocks, const int16_t* p, int D, int32_t* out) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (D <= 512) return dot_internal::DotI4BlocksAvx512(blocks, n_blocks, p, D, out);
+#endif
+#if defined(__AVX2__)
+  dot_internal::DotI4BlocksAvx2(blocks, n_blocks, p, D, out);
+#else
+  DotI4BlocksScalar(blocks, n_blocks, p, D, out);
+#endif
+}
+
 /// A group's best representative per row, from DotI8Blocks' output for the group's R blocks
 /// (dots[r * kI8Block + lane]: representative r of row `lane`) and each key's code scale and
 /// cosine scale at the same places: per lane l, over r = 0..R-1 in order,

@@ -585,6 +585,8 @@ TEST(ChunkIndexSpec, RoundTripsForEveryKind) {
       {"Exact", "Exact:heads=sum,rerank=1,rerank_min=0"},
       {"Exact:heads=max", "Exact:heads=max,rerank=1,rerank_min=0"},
       {"Exact:rerank_min=0,rerank=0,heads=max", "Exact:heads=max,rerank=0,rerank_min=0"},
+      {"Exact:screen=int4,heads=max", "Exact:heads=max,rerank=1,rerank_min=0,screen=int4"},
+      {"Exact:heads=max,screen=int8", "Exact:heads=max,rerank=1,rerank_min=0"},
       {"Flat", "Flat"},
       {"Flat:heads=sum", "Flat"},  // what a FAISS vector does anyway
       {"HNSW32", "HNSW32:ef=64"},
@@ -614,7 +616,12 @@ TEST(ChunkIndexSpec, RoundTripsForEveryKind) {
   EXPECT_EQ(e->heads, ExactIndexOptions::HeadMerge::kMax);
   EXPECT_EQ(e->rerank_factor, 2);
   EXPECT_EQ(e->rerank_min, 9);
-  EXPECT_EQ(e->theta_error, 0.0);  // no certificate unless asked
+  EXPECT_EQ(e->theta_error, 0.0);                               // no certificate unless asked
+  EXPECT_EQ(e->screen, ExactIndexOptions::ScreenCodes::kInt8);  // the default screen
+  auto int4 = ExactIndexOptions::Parse("Exact:heads=max,theta=0.001,screen=int4");
+  ASSERT_TRUE(int4.ok());
+  EXPECT_EQ(int4->screen, ExactIndexOptions::ScreenCodes::kInt4);
+  EXPECT_EQ(int4->ToString(), "Exact:heads=max,rerank=1,rerank_min=0,theta=0.001,screen=int4");
   auto certified = ExactIndexOptions::Parse("Exact:heads=max,theta=0.001");
   ASSERT_TRUE(certified.ok());
   EXPECT_EQ(certified->theta_error, 0.001);
@@ -638,6 +645,7 @@ TEST(ChunkIndexSpec, BadSpecsAreRejectedNamingTheKeyOrValue) {
       {"Exact:rerank=-1", "bad value '-1' for key 'rerank'"},
       {"Exact:rerank=x", "'rerank'"},
       {"Exact:rerank_min=1.5", "'rerank_min'"},
+      {"Exact:screen=int2", "bad value 'int2' for key 'screen'"},
       {"Exact:theta=-0.1", "bad value '-0.1' for key 'theta'"},
       {"Exact:theta=2", "bad value '2' for key 'theta'"},
       {"Exact:bogus=1", "unknown key 'bogus'"},
@@ -778,8 +786,8 @@ TEST_P(ChunkIndexKindTest, KeepsTheInterfaceContract) {
 
 INSTANTIATE_TEST_SUITE_P(Kinds, ChunkIndexKindTest,
                          ::testing::Values("Exact", "Exact:rerank=0", "Exact:heads=max,rerank=1,rerank_min=0",
-                                           "Flat", "HNSW32", "IVF4,Flat:train_min=16", "Quest",
-                                           "Quest:heads=max"),
+                                           "Exact:heads=max,screen=int4", "Flat", "HNSW32",
+                                           "IVF4,Flat:train_min=16", "Quest", "Quest:heads=max"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            std::string name;
                            for (char c : info.param)

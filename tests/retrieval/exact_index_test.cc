@@ -262,6 +262,185 @@ TEST(ExactChunkIndex, ScreenErrorBoundsHoldAndMakeTheChoiceExactOnNearTies) {
   EXPECT_LT(rescored, 400u) << "a tenth of the chunks at most for a take of 64";
 }
 
+// screen=int4: every chunk screened from 4-bit codes with a bound per chunk, the candidates
+// rescored from the int8 codes with theirs, then from the stored keys. Near ties (every chunk
+// within the int4 error of the others) and spread scores, both head folds, repr=mean, and rows
+// the cap compressed (scored from their int8 codes, the int4 bound widened by the int8 one):
+// each bound holds chunk by chunk, the choice is the single fp32 pass's, and each stage reads
+// and counts what it says.
+TEST(ExactChunkIndex, Int4ScreenBoundsHoldAndThreeStagesChooseTheFp32TopB) {
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16})
+    for (const char* heads : {"sum", "max"})
+      for (const char* repr : {"", ",repr=mean"})
+        for (bool capped : {false, true})
+          for (float spread : {0.003f, 0.3f}) {
+            const ChunkShape shape{2, 32, 4, dt};
+            const size_t n = 300, per = shape.repr_floats();
+            std::mt19937 rng(19);
+            std::normal_distribution<float> nd(0.0f, 1.0f);
+            std::vector<float> base(per), reprs(n * per);
+            for (float& x : base) x = nd(rng);
+            for (size_t c = 0; c < n; ++c)
+              for (size_t i = 0; i < per; ++i) reprs[c * per + i] = base[i] + spread * nd(rng);
+            std::vector<uint8_t> tmp(reprs.size() * DTypeSize(dt));
+            FromFloat(dt, reprs.data(), tmp.data(), reprs.size());
+            ToFloat(dt, tmp.data(), reprs.data(), reprs.size());
+            const std::string h = std::string("Exact:heads=") + heads + repr;
+            auto single = Make(h + ",rerank=0", shape);
+            auto int8 = Make(h, shape);
+            auto int4 = Make(h + ",screen=int4", shape);
+            ASSERT_TRUE(single && int8 && int4);
+            if (capped) {  // the older rows as codes only, in all three
+              const uint64_t cap = n * (CodeRowBytes(shape) + FullRowBytes(shape) / 2);
+              for (auto* idx : {single.get(), int8.get(), int4.get()})
+                ASSERT_TRUE(idx->SetMemoryCap(cap).ok());
+            }
+            for (auto* idx : {single.get(), int8.get(), int4.get()}) AddAll(idx, Iota(n), reprs);
+            const auto* x4 = dynamic_cast<const ExactChunkIndex*>(int4.get());
+            ASSERT_NE(x4, nullptr);
+            if (capped && *repr == '\0') {
+              ASSERT_GT(x4->compressed_chunks(), 30u);
+              ASSERT_EQ(x4->evicted_chunks(), 0u);
+            }
+            EXPECT_EQ(x4->Int4RowBytes(), static_cast<uint64_t>(x4->CodeRowBytes()) -
+                                              static_cast<uint64_t>(*repr ? 1 : 4) * 2 * (32 - 8 * 2))
+                << "4-bit codes: half the code bytes, the same scales";
+            for (int q = 0; q < 4; ++q) {
+              std::vector<float> p(shape.dim());
+              for (float& x : p) x = nd(rng);
+              const std::string what = std::string(DTypeName(dt)) + " " + heads + repr +
+                                       (capped ? " capped" : "") + " spread " + std::to_string(spread) +
+                                       " probe " + std::to_string(q);
+              // The reference: the fp32 pass over this index's rows (under the cap the int4 index,
+              // whose code rows are larger, compresses more of them than the others).
+              ChunkScores exact, s4, s8;
+              ASSERT_TRUE((capped ? int4 : single)->Score(p.data(), &exact).ok());
+              const IndexReadBytes b0 = x4->read_bytes();
+              ASSERT_TRUE(int4->Screen(p.data(), &s4).ok());
+              EXPECT_EQ(x4->read_bytes().first_stage - b0.first_stage, n * x4->Int4RowBytes()) << what;
+              ASSERT_TRUE(int8->Screen(p.data(), &s8).ok());
+              ASSERT_EQ(s4.logit_error.size(), n);
+              double e4 = 0.0, e8 = 0.0;
+              for (size_t c = 0; c < n; ++c) {
+                EXPECT_LE(std::fabs(s4.logit[c] - exact.logit[c]), s4.logit_error[c]) << what << " " << c;
+                EXPECT_LE(std::fabs(s4.cosine[c] - exact.cosine[c]), s4.cosine_error[c]) << what << " " << c;
+                e4 += s4.logit_error[c];
+                e8 += s8.logit_error[c];
+              }
+              EXPECT_GT(e4, 4.0 * e8) << what << ": the 4-bit step is 127/7 the int8 one";
+              for (ChunkRank rank : {ChunkRank::kLogit, ChunkRank::kCosine})
+                for (size_t take : {size_t{1}, size_t{5}, size_t{17}}) {
+                  const auto want =
+                      capped ? TakeBest(exact.by(rank), exact.ids, take) : BestOf(*single, p, rank, take);
+                  ASSERT_EQ(want.size(), take);
+                  const uint64_t coded0 = x4->code_rescored_chunks(), fp0 = x4->rescored_chunks();
+                  const IndexReadBytes r0 = x4->read_bytes();
+                  std::vector<uint64_t> got;
+                  ASSERT_TRUE(int4->Best(p.data(), s4, rank, take, &got).ok());
+                  EXPECT_EQ(got, want) << what << " take " << take;
+                  const uint64_t coded = x4->code_rescored_chunks() - coded0,
+                                 fp = x4->rescored_chunks() - fp0;
+                  EXPECT_GE(coded, take) << what;
+                  EXPECT_GE(fp, take) << what;
+                  EXPECT_LE(fp, coded) << what << ": the fp32 stage rescores a subset of the int8 one";
+                  if (!capped) {  // int8 groups of 8 rows, then fp32 rows
+                    const uint64_t read = x4->read_bytes().rescoring - r0.rescoring - fp * x4->FullRowBytes();
+                    const uint64_t group = kernels::kI8Block * x4->CodeRowBytes();
+                    EXPECT_EQ(read % group, 0u) << what;
+                    EXPECT_GE(read, (coded + 7) / 8 * group) << what;
+                    EXPECT_LE(read, std::min(coded, (n + 7) / 8) * group) << what << ": no group read twice";
+                  }
+                }
+            }
+          }
+}
+
+// The int4 codes in their blocks and the kernel: the vector paths (AVX-512 VNNI, AVX2) equal the
+// scalar twin bit for bit at every head width they treat differently, the scalar twin equals
+// the integer dot of the codes written, and 4-bit quantisation is within half a step.
+TEST(ExactChunkIndexKernels, Int4BlockDotMatchesTheScalarTwinAndTheCodes) {
+  std::mt19937 rng(13);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  constexpr int B = kernels::kI4Block;
+  for (int d :
+       {1, 2, 3, 4, 5, 6, 15, 16, 17, 30, 32, 62, 64, 66, 128, 130, 510, 512, 514, 1000, 1024, 1030}) {
+    const size_t n_blocks = d > 600 ? 5 : 37;
+    const size_t bb = kernels::I4BlockBytes(d);
+    EXPECT_EQ(bb, static_cast<size_t>((d + 3) / 4) * 16);
+    std::vector<uint8_t> blocks(n_blocks * bb, 0);
+    std::vector<int8_t> codes(n_blocks * B * static_cast<size_t>(d));
+    for (size_t b = 0; b < n_blocks; ++b)
+      for (int j = 0; j < B; ++j)
+        for (int e = 0; e < d; ++e) {
+          const int8_t c = static_cast<int8_t>(static_cast<int>(rng() % 16) - 8);  // [-8, 7]
+          codes[(b * B + j) * d + e] = c;
+          kernels::PutI4(blocks.data() + b * bb, e, j, c);
+        }
+    for (size_t b = 0; b < n_blocks; ++b)
+      for (int j = 0; j < B; ++j)
+        for (int e = 0; e < d; ++e)
+          ASSERT_EQ(kernels::GetI4(blocks.data() + b * bb, e, j), codes[(b * B + j) * d + e]) << d;
+    std::vector<float> p(d);
+    for (auto& v : p) v = nd(rng);
+    std::vector<int16_t> p16(kernels::I4ProbeLength(d), 0);
+    kernels::QuantizeProbeI16(p.data(), d, p16.data());
+    std::vector<int32_t> out(n_blocks * B), ref(n_blocks * B);
+    kernels::DotI4Blocks(blocks.data(), n_blocks, p16.data(), d, out.data());
+    kernels::DotI4BlocksScalar(blocks.data(), n_blocks, p16.data(), d, ref.data());
+    EXPECT_EQ(out, ref) << "vector path vs scalar twin, d " << d;
+    // Each vector path on its own, whichever DotI4Blocks dispatches to at this width.
+#if defined(__AVX2__)
+    std::fill(out.begin(), out.end(), 0);
+    kernels::dot_internal::DotI4BlocksAvx2(blocks.data(), n_blocks, p16.data(), d, out.data());
+    EXPECT_EQ(out, ref) << "AVX2 path vs scalar twin, d " << d;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (d <= 512) {
+      std::fill(out.begin(), out.end(), 0);
+      kernels::dot_internal::DotI4BlocksAvx512(blocks.data(), n_blocks, p16.data(), d, out.data());
+      EXPECT_EQ(out, ref) << "AVX-512 VNNI path vs scalar twin, d " << d;
+    }
+#endif
+    for (size_t row = 0; row < n_blocks * B; ++row) {
+      int64_t want = 0;
+      for (int e = 0; e < d; ++e) want += static_cast<int64_t>(codes[row * d + e]) * p16[e];
+      ASSERT_EQ(ref[row], want) << "d " << d << " row " << row;
+    }
+  }
+  // Extreme codes at the widest head: no overflow.
+  {
+    const int d = 4096;
+    std::vector<uint8_t> block(kernels::I4BlockBytes(d), 0x88);  // every code -8
+    std::vector<float> p(d, -1.0f);
+    std::vector<int16_t> p16(kernels::I4ProbeLength(d), 0);
+    kernels::QuantizeProbeI16(p.data(), d, p16.data());
+    int32_t out[B], ref[B];
+    kernels::DotI4Blocks(block.data(), 1, p16.data(), d, out);
+    kernels::DotI4BlocksScalar(block.data(), 1, p16.data(), d, ref);
+    for (int j = 0; j < B; ++j) {
+      EXPECT_EQ(out[j], ref[j]);
+      EXPECT_EQ(out[j], static_cast<int64_t>(-8) * p16[0] * d);
+    }
+  }
+  for (int d : {1, 7, 64, 129}) {
+    std::vector<float> x(d);
+    for (auto& v : x) v = nd(rng);
+    std::vector<int8_t> c(d);
+    const float scale = kernels::QuantizeI4(x.data(), d, c.data());
+    float m = 0.0f;
+    for (float v : x) m = std::max(m, std::fabs(v));
+    EXPECT_FLOAT_EQ(scale, m / 7.0f);
+    for (int e = 0; e < d; ++e) {
+      EXPECT_LE(std::abs(c[e]), 7);
+      EXPECT_LE(std::fabs(c[e] * scale - x[e]), 0.5f * scale * 1.0001f) << d << " " << e;
+    }
+  }
+  std::vector<float> zero(8, 0.0f);
+  std::vector<int8_t> c(8, 5);
+  EXPECT_EQ(kernels::QuantizeI4(zero.data(), 8, c.data()), 0.0f);
+  for (int8_t v : c) EXPECT_EQ(v, 0);
+}
+
 // Best's contract for any screen: every score within its stated error of the exact one, the
 // choice is the exact top take. Adversarial screens here: the exact best chunks screened as
 // low as their bound allows and the rest as high, with errors up to half the scores' spread,
@@ -384,47 +563,53 @@ TEST(ExactChunkIndex, ScreenRowsAndScoreChunksAreTheWholeScreensRows) {
 }
 
 TEST(ExactChunkIndex, BestIsExactForAnyScreenWithinItsBounds) {
-  const ChunkShape shape{2, 16, 4, DType::kF32};
-  const size_t n = 500;
-  auto index = Make("Exact:heads=max", shape);
-  AddAll(index.get(), Iota(n), RandomReprs(n, shape, 31));
-  auto single = Make("Exact:heads=max,rerank=0", shape);
-  AddAll(single.get(), Iota(n), RandomReprs(n, shape, 31));
-  std::mt19937 rng(4);
-  std::normal_distribution<float> nd;
-  std::uniform_real_distribution<float> u(0.0f, 1.0f);
-  for (int q = 0; q < 10; ++q) {
-    std::vector<float> p(shape.dim());
-    for (float& x : p) x = nd(rng);
-    ChunkScores exact;
-    ASSERT_TRUE(index->Score(p.data(), &exact).ok());
-    for (ChunkRank rank : {ChunkRank::kLogit, ChunkRank::kCosine})
-      for (size_t take : {size_t{1}, size_t{8}, size_t{40}}) {
-        const std::vector<float>& by = exact.by(rank);
-        const auto [lo, hi] = std::minmax_element(by.begin(), by.end());
-        const float spread = *hi - *lo;
-        std::vector<size_t> order(n);
-        std::iota(order.begin(), order.end(), size_t{0});
-        std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return by[a] > by[b]; });
-        std::vector<bool> top(n, false);
-        for (size_t i = 0; i < 2 * take; ++i) top[order[i]] = true;
-        ChunkScores screened;
-        ASSERT_TRUE(index->Screen(p.data(), &screened).ok());  // for its stamp
-        for (std::vector<float>* v :
-             {&screened.logit, &screened.cosine, &screened.logit_error, &screened.cosine_error})
-          v->assign(n, 0.0f);
-        std::vector<float>& s = rank == ChunkRank::kLogit ? screened.logit : screened.cosine;
-        std::vector<float>& e = rank == ChunkRank::kLogit ? screened.logit_error : screened.cosine_error;
-        for (size_t c = 0; c < n; ++c) {
-          e[c] = 0.5f * spread * u(rng);
-          s[c] = top[c] ? by[c] - e[c] : by[c] + e[c];
+  // screen=int4 adds a stage (the int8 codes' bound rules chunks out before the fp32 pass); its
+  // choice too must hold for any first stage within its bounds.
+  for (const char* spec : {"Exact:heads=max", "Exact:heads=max,screen=int4", "Exact:heads=sum,screen=int4"}) {
+    const ChunkShape shape{2, 16, 4, DType::kF32};
+    const size_t n = 500;
+    auto index = Make(spec, shape);
+    AddAll(index.get(), Iota(n), RandomReprs(n, shape, 31));
+    auto single = Make(std::string(spec).find("sum") != std::string::npos ? "Exact:heads=sum,rerank=0"
+                                                                          : "Exact:heads=max,rerank=0",
+                       shape);
+    AddAll(single.get(), Iota(n), RandomReprs(n, shape, 31));
+    std::mt19937 rng(4);
+    std::normal_distribution<float> nd;
+    std::uniform_real_distribution<float> u(0.0f, 1.0f);
+    for (int q = 0; q < 10; ++q) {
+      std::vector<float> p(shape.dim());
+      for (float& x : p) x = nd(rng);
+      ChunkScores exact;
+      ASSERT_TRUE(index->Score(p.data(), &exact).ok());
+      for (ChunkRank rank : {ChunkRank::kLogit, ChunkRank::kCosine})
+        for (size_t take : {size_t{1}, size_t{8}, size_t{40}}) {
+          const std::vector<float>& by = exact.by(rank);
+          const auto [lo, hi] = std::minmax_element(by.begin(), by.end());
+          const float spread = *hi - *lo;
+          std::vector<size_t> order(n);
+          std::iota(order.begin(), order.end(), size_t{0});
+          std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return by[a] > by[b]; });
+          std::vector<bool> top(n, false);
+          for (size_t i = 0; i < 2 * take; ++i) top[order[i]] = true;
+          ChunkScores screened;
+          ASSERT_TRUE(index->Screen(p.data(), &screened).ok());  // for its stamp
+          for (std::vector<float>* v :
+               {&screened.logit, &screened.cosine, &screened.logit_error, &screened.cosine_error})
+            v->assign(n, 0.0f);
+          std::vector<float>& s = rank == ChunkRank::kLogit ? screened.logit : screened.cosine;
+          std::vector<float>& e = rank == ChunkRank::kLogit ? screened.logit_error : screened.cosine_error;
+          for (size_t c = 0; c < n; ++c) {
+            e[c] = 0.5f * spread * u(rng);
+            s[c] = top[c] ? by[c] - e[c] : by[c] + e[c];
+          }
+          std::vector<uint64_t> got;
+          ASSERT_TRUE(index->Best(p.data(), screened, rank, take, &got).ok());
+          EXPECT_EQ(got, BestOf(*single, p, rank, take))
+              << spec << " probe " << q << " rank " << (rank == ChunkRank::kLogit ? "logit" : "cosine")
+              << " take " << take;
         }
-        std::vector<uint64_t> got;
-        ASSERT_TRUE(index->Best(p.data(), screened, rank, take, &got).ok());
-        EXPECT_EQ(got, BestOf(*single, p, rank, take))
-            << "probe " << q << " rank " << (rank == ChunkRank::kLogit ? "logit" : "cosine") << " take "
-            << take;
-      }
+    }
   }
 }
 
@@ -535,65 +720,67 @@ TEST(ExactChunkIndex, TiedChunksGoToTheSmallerIndexFirst) {
 // bit for bit the index built afresh from the kept chunks: the int8 screen (which the lanes
 // feed), the fp32 scores and the choices.
 TEST(ExactChunkIndex, RemovalEqualsAFreshIndex) {
-  for (DType dt : {DType::kF32, DType::kF16}) {
-    const ChunkShape shape{2, 16, 3, dt};
-    const size_t n = 50;
-    const auto reprs = RandomReprs(n, shape, 17);
-    std::vector<uint64_t> ids(n);
-    for (size_t i = 0; i < n; ++i) ids[i] = 2 * i + 1;  // gaps
-    auto compacted = Make("Exact:rerank=1,rerank_min=0", shape);
-    ASSERT_NE(compacted, nullptr);
-    AddAll(compacted.get(), ids, reprs);
-    // Chunks from several int8 groups, the first and the last, and indices the index never held.
-    const std::vector<uint64_t> gone{1, 7, 9, 33, 35, 37, 4, 99, 1000};
-    ASSERT_TRUE(compacted->Remove(gone).ok());
-    std::vector<uint64_t> kept_ids;
-    std::vector<float> kept_reprs;
-    for (size_t i = 0; i < n; ++i) {
-      if (std::count(gone.begin(), gone.end(), ids[i])) continue;
-      kept_ids.push_back(ids[i]);
-      kept_reprs.insert(kept_reprs.end(), reprs.begin() + i * shape.repr_floats(),
-                        reprs.begin() + (i + 1) * shape.repr_floats());
+  for (const std::string spec : {"Exact:rerank=1,rerank_min=0", "Exact:rerank=1,rerank_min=0,screen=int4"})
+    for (DType dt : {DType::kF32, DType::kF16}) {
+      const ChunkShape shape{2, 16, 3, dt};
+      const size_t n = 50;
+      const auto reprs = RandomReprs(n, shape, 17);
+      std::vector<uint64_t> ids(n);
+      for (size_t i = 0; i < n; ++i) ids[i] = 2 * i + 1;  // gaps
+      auto compacted = Make(spec, shape);
+      ASSERT_NE(compacted, nullptr);
+      AddAll(compacted.get(), ids, reprs);
+      // Chunks from several int8 groups, the first and the last, and indices the index never held.
+      const std::vector<uint64_t> gone{1, 7, 9, 33, 35, 37, 4, 99, 1000};
+      ASSERT_TRUE(compacted->Remove(gone).ok());
+      std::vector<uint64_t> kept_ids;
+      std::vector<float> kept_reprs;
+      for (size_t i = 0; i < n; ++i) {
+        if (std::count(gone.begin(), gone.end(), ids[i])) continue;
+        kept_ids.push_back(ids[i]);
+        kept_reprs.insert(kept_reprs.end(), reprs.begin() + i * shape.repr_floats(),
+                          reprs.begin() + (i + 1) * shape.repr_floats());
+      }
+      ASSERT_EQ(compacted->size(), kept_ids.size());
+      ASSERT_EQ(kept_ids.size(), n - 7);
+      auto fresh = Make(spec, shape);
+      ASSERT_NE(fresh, nullptr);
+      AddAll(fresh.get(), kept_ids, kept_reprs);
+      std::mt19937 rng(3);
+      std::normal_distribution<float> nd(0.0f, 1.0f);
+      for (int q = 0; q < 10; ++q) {
+        std::vector<float> p(shape.dim());
+        for (float& x : p) x = nd(rng);
+        ChunkScores a, b;
+        ASSERT_TRUE(compacted->Screen(p.data(), &a).ok());
+        ASSERT_TRUE(fresh->Screen(p.data(), &b).ok());
+        EXPECT_EQ(a.ids, kept_ids);
+        EXPECT_EQ(a.ids, b.ids);
+        EXPECT_EQ(a.logit, b.logit) << spec << " " << DTypeName(dt) << " probe " << q;
+        EXPECT_EQ(a.cosine, b.cosine) << spec << " " << DTypeName(dt) << " probe " << q;
+        EXPECT_EQ(a.logit_error, b.logit_error) << spec << " " << DTypeName(dt) << " probe " << q;
+        ASSERT_TRUE(compacted->Score(p.data(), &a).ok());
+        ASSERT_TRUE(fresh->Score(p.data(), &b).ok());
+        EXPECT_EQ(a.logit, b.logit);
+        EXPECT_EQ(a.cosine, b.cosine);
+        for (size_t take : {size_t{1}, size_t{5}, size_t{20}})
+          EXPECT_EQ(BestOf(*compacted, p, ChunkRank::kCosine, take),
+                    BestOf(*fresh, p, ChunkRank::kCosine, take));
+      }
+      // A chunk index above every kept one can come back; everything can go.
+      ASSERT_TRUE(compacted->Add(500, reprs.data()).ok());
+      EXPECT_EQ(compacted->size(), kept_ids.size() + 1);
+      ASSERT_TRUE(compacted->Remove(std::vector<uint64_t>(kept_ids.begin(), kept_ids.end())).ok());
+      ASSERT_TRUE(compacted->Remove({500}).ok());
+      EXPECT_EQ(compacted->size(), 0u);
+      ChunkScores empty;
+      std::vector<float> p(shape.dim(), 1.0f);
+      ASSERT_TRUE(compacted->Screen(p.data(), &empty).ok());
+      EXPECT_TRUE(empty.ids.empty());
+      std::vector<uint64_t> none{7};
+      ASSERT_TRUE(compacted->Best(p.data(), empty, ChunkRank::kLogit, 4, &none).ok());
+      EXPECT_TRUE(none.empty());
     }
-    ASSERT_EQ(compacted->size(), kept_ids.size());
-    ASSERT_EQ(kept_ids.size(), n - 7);
-    auto fresh = Make("Exact:rerank=1,rerank_min=0", shape);
-    ASSERT_NE(fresh, nullptr);
-    AddAll(fresh.get(), kept_ids, kept_reprs);
-    std::mt19937 rng(3);
-    std::normal_distribution<float> nd(0.0f, 1.0f);
-    for (int q = 0; q < 10; ++q) {
-      std::vector<float> p(shape.dim());
-      for (float& x : p) x = nd(rng);
-      ChunkScores a, b;
-      ASSERT_TRUE(compacted->Screen(p.data(), &a).ok());
-      ASSERT_TRUE(fresh->Screen(p.data(), &b).ok());
-      EXPECT_EQ(a.ids, kept_ids);
-      EXPECT_EQ(a.ids, b.ids);
-      EXPECT_EQ(a.logit, b.logit) << DTypeName(dt) << " probe " << q;
-      EXPECT_EQ(a.cosine, b.cosine) << DTypeName(dt) << " probe " << q;
-      ASSERT_TRUE(compacted->Score(p.data(), &a).ok());
-      ASSERT_TRUE(fresh->Score(p.data(), &b).ok());
-      EXPECT_EQ(a.logit, b.logit);
-      EXPECT_EQ(a.cosine, b.cosine);
-      for (size_t take : {size_t{1}, size_t{5}, size_t{20}})
-        EXPECT_EQ(BestOf(*compacted, p, ChunkRank::kCosine, take),
-                  BestOf(*fresh, p, ChunkRank::kCosine, take));
-    }
-    // A chunk index above every kept one can come back; everything can go.
-    ASSERT_TRUE(compacted->Add(500, reprs.data()).ok());
-    EXPECT_EQ(compacted->size(), kept_ids.size() + 1);
-    ASSERT_TRUE(compacted->Remove(std::vector<uint64_t>(kept_ids.begin(), kept_ids.end())).ok());
-    ASSERT_TRUE(compacted->Remove({500}).ok());
-    EXPECT_EQ(compacted->size(), 0u);
-    ChunkScores empty;
-    std::vector<float> p(shape.dim(), 1.0f);
-    ASSERT_TRUE(compacted->Screen(p.data(), &empty).ok());
-    EXPECT_TRUE(empty.ids.empty());
-    std::vector<uint64_t> none{7};
-    ASSERT_TRUE(compacted->Best(p.data(), empty, ChunkRank::kLogit, 4, &none).ok());
-    EXPECT_TRUE(none.empty());
-  }
 }
 
 // ---- Add -----------------------------------------------------------------------------------
@@ -702,46 +889,52 @@ TEST(ExactChunkIndex, StoredKeysScoreAsTheirFloats) {
 // ---- bounded memory (SetMemoryCap) ----------------------------------------------------------
 
 TEST(ExactChunkIndexCap, MemoryNeverExceedsTheCapOnALongSequence) {
-  const ChunkShape shape{2, 16, 4, DType::kF16};
-  const size_t n = 3000;
-  const auto reprs = RandomReprs(n, shape, 41);
-  const size_t per = shape.repr_floats();
-  const uint64_t cap = 64 << 10;  // holds ~80 full chunks, or ~200 as codes only
-  auto index = Make("Exact", shape);
-  ASSERT_NE(index, nullptr);
-  ASSERT_TRUE(index->SetMemoryCap(cap).ok());
-  EXPECT_EQ(index->memory_cap(), cap);
-  uint64_t most = 0;
-  for (size_t i = 0; i < n; ++i) {
-    ASSERT_TRUE(index->Add(i, reprs.data() + i * per).ok());
-    ASSERT_LE(index->memory_bytes(), cap) << "after chunk " << i;
-    most = std::max(most, index->memory_bytes());
-  }
-  EXPECT_GT(most, cap / 2);  // the cap is used, not just obeyed
-  // Codes only first, then eviction of the oldest: every chunk left is newer than every evicted one.
-  EXPECT_GT(index->evicted_chunks(), 0u);
-  EXPECT_GT(index->compressed_chunks(), 0u);
-  EXPECT_EQ(index->size() + index->evicted_chunks(), n);
-  EXPECT_EQ(index->evicted_chunks() % kernels::kI8Block, 0u);
-  ChunkScores s;
-  ASSERT_TRUE(index->Score(std::vector<float>(shape.dim(), 1.0f).data(), &s).ok());
-  ASSERT_EQ(s.ids.size(), index->size());
-  EXPECT_EQ(s.ids.front(), index->evicted_chunks());
-  EXPECT_EQ(s.ids.back(), n - 1);
-  EXPECT_LE(index->size() * CodeRowBytes(shape), cap);
+  // screen=int4: a compressed row keeps its 4-bit codes beside its int8 ones, and the cap counts them.
+  for (const std::string spec : {"Exact", "Exact:screen=int4"}) {
+    const bool int4 = spec != "Exact";
+    const ChunkShape shape{2, 16, 4, DType::kF16};
+    const size_t n = 3000;
+    const auto reprs = RandomReprs(n, shape, 41);
+    const size_t per = shape.repr_floats();
+    const uint64_t cap = 64 << 10;  // holds ~80 full chunks, or ~200 as codes only
+    auto index = Make(spec, shape);
+    ASSERT_NE(index, nullptr);
+    ASSERT_TRUE(index->SetMemoryCap(cap).ok());
+    EXPECT_EQ(index->memory_cap(), cap);
+    uint64_t most = 0;
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(index->Add(i, reprs.data() + i * per).ok());
+      ASSERT_LE(index->memory_bytes(), cap) << "after chunk " << i;
+      most = std::max(most, index->memory_bytes());
+    }
+    EXPECT_GT(most, cap / 2);  // the cap is used, not just obeyed
+    // Codes only first, then eviction of the oldest: every chunk left is newer than every evicted one.
+    EXPECT_GT(index->evicted_chunks(), 0u);
+    EXPECT_GT(index->compressed_chunks(), 0u);
+    EXPECT_EQ(index->size() + index->evicted_chunks(), n);
+    EXPECT_EQ(index->evicted_chunks() % kernels::kI8Block, 0u);
+    ChunkScores s;
+    ASSERT_TRUE(index->Score(std::vector<float>(shape.dim(), 1.0f).data(), &s).ok());
+    ASSERT_EQ(s.ids.size(), index->size());
+    EXPECT_EQ(s.ids.front(), index->evicted_chunks());
+    EXPECT_EQ(s.ids.back(), n - 1);
+    EXPECT_LE(index->size() * CodeRowBytes(shape), cap);
 
-  // Unbounded, the slack is at most an eighth of the rows' bytes (vectors never double).
-  auto open = Make("Exact", shape);
-  for (size_t i = 0; i < n; ++i) ASSERT_TRUE(open->Add(i, reprs.data() + i * per).ok());
-  const uint64_t rows = n * (FullRowBytes(shape) + CodeRowBytes(shape));
-  EXPECT_GE(open->memory_bytes(), rows);
-  EXPECT_LE(open->memory_bytes(), rows + rows / 8 + 4096);
-  EXPECT_EQ(open->compressed_chunks(), 0u);
-  EXPECT_EQ(open->evicted_chunks(), 0u);
-  // A cap set later shrinks the index at once.
-  ASSERT_TRUE(open->SetMemoryCap(cap).ok());
-  EXPECT_LE(open->memory_bytes(), cap);
-  EXPECT_GT(open->evicted_chunks(), 0u);
+    // Unbounded, the slack is at most an eighth of the rows' bytes (vectors never double).
+    auto open = Make(spec, shape);
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(open->Add(i, reprs.data() + i * per).ok());
+    // The 4-bit codes: (head_dim / 4) x 2 bytes and two scales per key.
+    const uint64_t int4_row = int4 ? uint64_t{2} * 4 * (16 / 4 * 2 + 8) : 0;
+    const uint64_t rows = n * (FullRowBytes(shape) + CodeRowBytes(shape) + int4_row);
+    EXPECT_GE(open->memory_bytes(), rows);
+    EXPECT_LE(open->memory_bytes(), rows + rows / 8 + 4096);
+    EXPECT_EQ(open->compressed_chunks(), 0u);
+    EXPECT_EQ(open->evicted_chunks(), 0u);
+    // A cap set later shrinks the index at once.
+    ASSERT_TRUE(open->SetMemoryCap(cap).ok());
+    EXPECT_LE(open->memory_bytes(), cap);
+    EXPECT_GT(open->evicted_chunks(), 0u);
+  }
 }
 
 TEST(ExactChunkIndexCap, CompressedChunksScoreWithinTheCodeErrorAndChooseTheSameTop) {
@@ -763,7 +956,7 @@ TEST(ExactChunkIndexCap, CompressedChunksScoreWithinTheCodeErrorAndChooseTheSame
   std::vector<uint8_t> tmp(reprs.size() * 2);  // representable in f16, as the store's keys are
   FromFloat(DType::kF16, reprs.data(), tmp.data(), reprs.size());
   ToFloat(DType::kF16, tmp.data(), reprs.data(), reprs.size());
-  for (const char* spec : {"Exact", "Exact:rerank=0", "Exact:heads=max"}) {
+  for (const char* spec : {"Exact", "Exact:rerank=0", "Exact:heads=max", "Exact:heads=max,screen=int4"}) {
     auto exact = Make(spec, shape), capped = Make(spec, shape);
     ASSERT_TRUE(capped->SetMemoryCap(n * (CodeRowBytes(shape) + FullRowBytes(shape) / 2)).ok());
     AddAll(exact.get(), Iota(n), reprs);
