@@ -63,8 +63,8 @@ double SpreadBound(const ChunkScores& screened) {
 // Runs the default retrieval over one workload's question window and decode steps (one query
 // per step, every layer) and adds what it measured to *f.
 // theta_target > 0: the index's "theta" certificate at that many nats (else the default, none).
-// screen: the index's "screen" key ("int8", the default, or "int4").
-void MeasureWorkload(const WorkloadOptions& wo, ContractFigures* f, double theta_target, const char* screen) {
+// screen_kind: the index's "screen" key ("int8", the default, or "int4").
+void MeasureWorkload(const WorkloadOptions& wo, ContractFigures* f, double theta_target, const char* screen_kind) {
   const Geometry g{4, 8, 2, 32, DType::kF16};
   auto workload = Workload::Create(g, wo);
   ASSERT_TRUE(workload.ok()) << workload.status().ToString();
@@ -104,7 +104,7 @@ void MeasureWorkload(const WorkloadOptions& wo, ContractFigures* f, double theta
     ro.index = *certified;
   }
   {
-    auto screened = SetSpecKey(ro.index, "screen", screen);
+    auto screened = SetSpecKey(ro.index, "screen", screen_kind);
     ASSERT_TRUE(screened.ok());
     ro.index = *screened;
   }
