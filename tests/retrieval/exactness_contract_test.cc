@@ -64,7 +64,8 @@ double SpreadBound(const ChunkScores& screened) {
 // per step, every layer) and adds what it measured to *f.
 // theta_target > 0: the index's "theta" certificate at that many nats (else the default, none).
 // screen_kind: the index's "screen" key ("int8", the default, or "int4").
-void MeasureWorkload(const WorkloadOptions& wo, ContractFigures* f, double theta_target, const char* screen_kind) {
+void MeasureWorkload(const WorkloadOptions& wo, ContractFigures* f, double theta_target,
+                     const char* screen_kind) {
   const Geometry g{4, 8, 2, 32, DType::kF16};
   auto workload = Workload::Create(g, wo);
   ASSERT_TRUE(workload.ok()) << workload.status().ToString();
