@@ -58,9 +58,10 @@ const kvtier::bench::ExactLayers* GetLayers(size_t chunks, const char* spec = "E
                                           chunks, spec);
 }
 
-void BM_ExactScreen(benchmark::State& state) {
+// One decode step's screen over every layer's index of `spec`, reading `bytes` a step.
+void RunScreen(benchmark::State& state, const char* spec, double (*bytes)(size_t chunks)) {
   const size_t chunks = static_cast<size_t>(state.range(0));
-  const kvtier::bench::ExactLayers* layers = GetLayers(chunks);
+  const kvtier::bench::ExactLayers* layers = GetLayers(chunks, spec);
   if (layers == nullptr) return state.SkipWithError("building the indexes failed");
   std::vector<ChunkScores> scores(kLayers);
   for (auto _ : state) {
@@ -70,22 +71,13 @@ void BM_ExactScreen(benchmark::State& state) {
     benchmark::DoNotOptimize(scores.data());
   }
   state.counters["GB/s"] =
-      benchmark::Counter(ScreenBytes(chunks) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+      benchmark::Counter(bytes(chunks) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
 
+void BM_ExactScreen(benchmark::State& state) { RunScreen(state, "Exact:heads=max", ScreenBytes); }
+
 void BM_ExactScreenInt4(benchmark::State& state) {
-  const size_t chunks = static_cast<size_t>(state.range(0));
-  const kvtier::bench::ExactLayers* layers = GetLayers(chunks, "Exact:heads=max,screen=int4");
-  if (layers == nullptr) return state.SkipWithError("building the indexes failed");
-  std::vector<ChunkScores> scores(kLayers);
-  for (auto _ : state) {
-    for (int l = 0; l < kLayers; ++l)
-      if (!layers->index[l]->Screen(layers->probe.data(), &scores[l]).ok())
-        return state.SkipWithError("Screen failed");
-    benchmark::DoNotOptimize(scores.data());
-  }
-  state.counters["GB/s"] =
-      benchmark::Counter(Int4ScreenBytes(chunks) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+  RunScreen(state, "Exact:heads=max,screen=int4", Int4ScreenBytes);
 }
 
 void BM_ExactScreenRead(benchmark::State& state) {

@@ -577,6 +577,17 @@ def _unique(path: str, taken: Dict[str, int]) -> str:
     return f"{stem}-{n}{ext}"
 
 
+def _write_table(text: str, path: str, taken: Dict[str, int], table: Any) -> str:
+    """Writes a markdown table to a path not taken yet (_unique), hands it to table(text) when given,
+    and returns the path."""
+    md = _unique(path, taken)
+    with open(md, "w", encoding="utf-8") as f:
+        f.write(text)
+    if table is not None:
+        table(text)
+    return md
+
+
 def make_pictures(reports: Sequence[Report], out: str, say: Any = print, table: Any = None) -> List[str]:
     """Draws every picture the reports hold into `out` (created); returns the paths written and
     calls say(text) for each picture skipped and why, and table(text) with the frontier's
@@ -594,13 +605,8 @@ def make_pictures(reports: Sequence[Report], out: str, say: Any = print, table: 
             written.append(draw_infinite(task, task_lines, _unique(os.path.join(out, f"infinite-{task}.png"), taken)))
             if not any(p.needle_recall is not None for pts in task_lines.values() for p in pts):
                 say(f"infinite-{task}.png: no needle recall in these reports (its panel is empty)")
-        text = infinite_frontier_table(infinite)
-        md = _unique(os.path.join(out, "infinite-frontier.md"), taken)
-        with open(md, "w", encoding="utf-8") as f:
-            f.write(text)
-        if table is not None:
-            table(text)
-        written.append(md)
+        written.append(_write_table(infinite_frontier_table(infinite), os.path.join(out, "infinite-frontier.md"),
+                                    taken, table))
     for r in reports:
         if r.kind != "run":
             continue
@@ -624,12 +630,7 @@ def make_pictures(reports: Sequence[Report], out: str, say: Any = print, table: 
             if rows is not None:
                 frontier.extend(rows)
     if frontier:
-        text = frontier_table(frontier)
-        md = _unique(os.path.join(out, "frontier.md"), taken)
-        with open(md, "w", encoding="utf-8") as f:
-            f.write(text)
-        if table is not None:
-            table(text)
+        md = _write_table(frontier_table(frontier), os.path.join(out, "frontier.md"), taken, table)
         written.append(draw_frontier(frontier, _unique(os.path.join(out, "frontier.png"), taken)))
         written.append(md)
     policies = [r for r in reports if r.kind == "policies"]
