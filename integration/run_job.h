@@ -159,7 +159,7 @@ struct RunReport {
   std::vector<MethodReport> methods;  ///< the configured method, or the compared ones in table order
   /// A comparison's rows left out (and why) and rows whose budget differs from the run's.
   std::vector<std::string> compare_notes;
-  int headline = 0;  ///< method whose numbers fill the top-level fields (ActQKV in a comparison)
+  int headline = 0;  ///< method whose numbers fill the top-level fields (the "kvtier" row in a comparison)
   SpearmanSummary spearman_act, spearman_mean;
   PolicyStageReport policy;
   ChunkChoice chunk_choice;       ///< the buckets of every method's chunk_counts

@@ -30,6 +30,6 @@ until grep -q "prefill" "$out/run.err" 2> /dev/null; do
   sleep 0.5
 done
 sleep 3
-perf record -F "${KVTIER_PROFILE_HZ:-499}" --call-graph dwarf,16384 -p "$pid" -o "$out/perf.data" 2> "$out/perf.err" || true
+perf record -e "${KVTIER_PROFILE_EVENT:-cpu-clock}" -F "${KVTIER_PROFILE_HZ:-499}" --call-graph dwarf,16384 -p "$pid" -o "$out/perf.data" 2> "$out/perf.err" || true
 wait "$pid"
 perf script -i "$out/perf.data" -F tid,ip,sym 2> /dev/null | /usr/bin/python3 "$here/profile_step.py" | tee "$out/parts.md"

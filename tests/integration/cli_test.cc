@@ -210,7 +210,7 @@ TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
       dir.path() + "/data --json " + json);
   ASSERT_EQ(r.code, 0) << r.out;
   for (const char* row : {"full attention", "StreamingLLM", "InfLLM", "InfLLM (own defaults)",
-                          "ActQKV w/o cut-off", "ActQKV ", "Quest ", "kvtier "})
+                          "ActQKV w/o cut-off", "ActQKV ", "Quest ", "kvtier ", "kvtier-fast "})
     EXPECT_NE(r.out.find(row), std::string::npos) << row << " missing in\n" << r.out;
   const std::string rep = ReadAll(json);
   EXPECT_NE(rep.find("\"probe_spearman\""), std::string::npos);
@@ -246,8 +246,8 @@ TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
       for (double n : layer) sum += n;
     return sum;
   };
-  for (const char* name :
-       {"StreamingLLM", "InfLLM", "InfLLM (own defaults)", "ActQKV w/o cut-off", "ActQKV", "Quest", "kvtier"})
+  for (const char* name : {"StreamingLLM", "InfLLM", "InfLLM (own defaults)", "ActQKV w/o cut-off", "ActQKV",
+                           "Quest", "kvtier", "kvtier-fast"})
     EXPECT_GE(counted(name), 0) << name << " missing in chunk_choice";
   EXPECT_EQ(counted("StreamingLLM"), 0);
   EXPECT_GT(counted("InfLLM"), 0);
@@ -288,8 +288,12 @@ TEST(Cli, CompareRunsEveryMethodOnTheSameData) {
   EXPECT_GT(counted("InfLLM (own defaults)"), 0);
   EXPECT_NE(rep.find("\"compare_notes\": []"), std::string::npos)
       << rep.substr(rep.find("compare_notes"), 200);
-  // The configured row is still the headline, and last.
+  // kvtier-fast is the configured retrieval with the preset's search reuse and nothing else
+  // changed, after the configured row, which stays the headline.
+  EXPECT_EQ(spec_of("kvtier-fast"), spec_of("kvtier") + " reuse=0.8");
   EXPECT_LT(rep.find("\"name\": \"Quest\""), rep.find("\"name\": \"kvtier\""));
+  EXPECT_LT(rep.find("\"name\": \"kvtier\""), rep.find("\"name\": \"kvtier-fast\""));
+  EXPECT_NE(r.out.find("retrieval (kvtier): " + spec_of("kvtier") + "\n"), std::string::npos) << r.out;
 }
 
 // chunk_choice: per layer, which chunks (in buckets of consecutive chunks) the method
@@ -1172,10 +1176,10 @@ TEST(Cli, RunReportsTheStepAgainstItsByteFloor) {
       EXPECT_TRUE(std::isfinite(d) && d > 0) << key << " = " << x;
     }
   };
-  // Seven methods, and the headline's in "time".
-  positive("floor_ms", 8);
-  positive("step_over_floor", 8);
-  positive("total", 8);
+  // Eight methods, and the headline's in "time".
+  positive("floor_ms", 9);
+  positive("step_over_floor", 9);
+  positive("total", 9);
   positive("full_attention_floor_ms", 1);
   positive("full_attention_step_over_floor", 1);
   positive("bytes_per_s", 1);
