@@ -125,6 +125,15 @@ Result<std::unique_ptr<ChunkIndex>> MakeChunkIndex(const std::string& spec, cons
   return std::unique_ptr<ChunkIndex>(std::move(index));
 }
 
+Result<HeadMerge> ParseHeadMerge(const std::string& value, const std::string& spec) {
+  if (value == "sum") return HeadMerge::kSum;
+  if (value == "max") return HeadMerge::kMax;
+  return InvalidArgument("bad value '" + value + "' for key 'heads' in index spec '" + spec +
+                         "' (expected sum or max)");
+}
+
+const char* HeadMergeName(HeadMerge heads) { return heads == HeadMerge::kMax ? "max" : "sum"; }
+
 Result<std::string> CanonicalChunkIndexSpec(const std::string& spec) {
   KVTIER_ASSIGN_OR_RETURN(FactorySpec fs, ParseFactorySpec(spec, "index"));
   if (IsExact(fs)) {

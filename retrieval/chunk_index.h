@@ -80,6 +80,15 @@ struct ChunkShape {
   int dim() const { return kv_heads * head_dim; }  ///< a probe's length
 };
 
+/// How a kind folds its heads' chunk scores into one (index key "heads"): the sum, where every
+/// head's interest counts, or the largest, where the most interested head decides.
+enum class HeadMerge { kSum, kMax };
+/// The value of an index spec's "heads" key: "sum" or "max"; else InvalidArgument naming the
+/// value and `spec`.
+Result<HeadMerge> ParseHeadMerge(const std::string& value, const std::string& spec);
+/// "sum" or "max".
+const char* HeadMergeName(HeadMerge heads);
+
 class ChunkIndex;
 struct ChunkScores;
 

@@ -22,9 +22,8 @@ namespace {
 // the CUDA scoring kernel.
 using kernels::InverseNorm;
 
-kernels::HeadFold::Kind FoldKind(ExactIndexOptions::HeadMerge heads) {
-  return heads == ExactIndexOptions::HeadMerge::kMax ? kernels::HeadFold::Kind::kMax
-                                                     : kernels::HeadFold::Kind::kSum;
+kernels::HeadFold::Kind FoldKind(HeadMerge heads) {
+  return heads == HeadMerge::kMax ? kernels::HeadFold::Kind::kMax : kernels::HeadFold::Kind::kSum;
 }
 
 // out[h, d] = (1/R) sum_r repr[r, h, d]: a query's mean logit over the representatives is its
@@ -44,11 +43,7 @@ ChunkShape StoredShape(const ChunkShape& shape, const ExactIndexOptions& options
   return ChunkShape{shape.kv_heads, shape.head_dim, 1, DType::kF32};
 }
 
-kernels::HeadFold FoldOf(ExactIndexOptions::HeadMerge heads, int n_heads) {
-  return kernels::HeadFold(heads == ExactIndexOptions::HeadMerge::kMax ? kernels::HeadFold::Kind::kMax
-                                                                       : kernels::HeadFold::Kind::kSum,
-                           n_heads);
-}
+kernels::HeadFold FoldOf(HeadMerge heads, int n_heads) { return kernels::HeadFold(FoldKind(heads), n_heads); }
 
 }  // namespace
 
@@ -60,14 +55,7 @@ Result<ExactIndexOptions> ExactIndexOptions::Parse(const std::string& spec) {
   ExactIndexOptions o;
   for (const auto& [key, value] : fs.params) {
     if (key == "heads") {
-      if (value == "sum") {
-        o.heads = HeadMerge::kSum;
-      } else if (value == "max") {
-        o.heads = HeadMerge::kMax;
-      } else {
-        return InvalidArgument("bad value '" + value + "' for key 'heads' in index spec '" + spec +
-                               "' (expected sum or max)");
-      }
+      KVTIER_ASSIGN_OR_RETURN(o.heads, ParseHeadMerge(value, spec));
     } else if (key == "repr") {
       if (value == "max") {
         o.repr = ReprFold::kMax;
@@ -107,9 +95,8 @@ Result<ExactIndexOptions> ExactIndexOptions::Parse(const std::string& spec) {
 }
 
 std::string ExactIndexOptions::ToString() const {
-  return std::string("Exact:heads=") + (heads == HeadMerge::kMax ? "max" : "sum") +
-         (repr == ReprFold::kMean ? ",repr=mean" : "") + ",rerank=" + std::to_string(rerank_factor) +
-         ",rerank_min=" + std::to_string(rerank_min) +
+  return std::string("Exact:heads=") + HeadMergeName(heads) + (repr == ReprFold::kMean ? ",repr=mean" : "") +
+         ",rerank=" + std::to_string(rerank_factor) + ",rerank_min=" + std::to_string(rerank_min) +
          (theta_error > 0.0 ? ",theta=" + FormatSpecDouble(theta_error) : "") +
          (screen == ScreenCodes::kInt4 ? ",screen=int4" : "");
 }

@@ -126,7 +126,7 @@
 namespace kvtier {
 
 struct ExactIndexOptions {
-  enum class HeadMerge { kSum, kMax };
+  using HeadMerge = kvtier::HeadMerge;
   HeadMerge heads = HeadMerge::kSum;  ///< "heads": how the kv heads' best scores combine
   /// "repr": how a head's representatives make its score: kMax, the best one's (default);
   /// kMean, their mean logit, InfLLM's block score (the header's "repr=mean").

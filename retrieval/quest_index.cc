@@ -19,14 +19,7 @@ Result<QuestIndexOptions> QuestIndexOptions::Parse(const std::string& spec) {
   QuestIndexOptions o;
   for (const auto& [key, value] : fs.params) {
     if (key == "heads") {
-      if (value == "sum") {
-        o.heads = HeadMerge::kSum;
-      } else if (value == "max") {
-        o.heads = HeadMerge::kMax;
-      } else {
-        return InvalidArgument("bad value '" + value + "' for key 'heads' in index spec '" + spec +
-                               "' (expected sum or max)");
-      }
+      KVTIER_ASSIGN_OR_RETURN(o.heads, ParseHeadMerge(value, spec));
     } else {
       return InvalidArgument("unknown key '" + key + "' for index 'Quest' in spec '" + spec +
                              "' (known: heads)");
@@ -35,9 +28,7 @@ Result<QuestIndexOptions> QuestIndexOptions::Parse(const std::string& spec) {
   return o;
 }
 
-std::string QuestIndexOptions::ToString() const {
-  return std::string("Quest:heads=") + (heads == HeadMerge::kMax ? "max" : "sum");
-}
+std::string QuestIndexOptions::ToString() const { return std::string("Quest:heads=") + HeadMergeName(heads); }
 
 // ---- lifetime and writes ------------------------------------------------------------
 
@@ -167,7 +158,7 @@ Status QuestChunkIndex::Split(const float* probe, const char* who, SplitProbe* o
 
 void QuestChunkIndex::ScoreRow(const SplitProbe& p, size_t row, float* logit, float* cosine) const {
   const int H = shape_.kv_heads, D = shape_.head_dim;
-  const bool sum = options_.heads == QuestIndexOptions::HeadMerge::kSum;
+  const bool sum = options_.heads == HeadMerge::kSum;
   float l = 0.0f, c = 0.0f;
   for (int h = 0; h < H; ++h) {
     const size_t at = row * H + h;

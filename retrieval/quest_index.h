@@ -42,7 +42,7 @@
 namespace kvtier {
 
 struct QuestIndexOptions {
-  enum class HeadMerge { kSum, kMax };
+  using HeadMerge = kvtier::HeadMerge;
   HeadMerge heads = HeadMerge::kSum;  ///< "heads": how the heads' bounds combine
 
   /// From an index spec "Quest[:heads=sum|max]".
