@@ -38,6 +38,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/kernels.h"
+#include "tests/device_test_util.h"
 #endif
 
 namespace kvtier::kernels {
@@ -99,52 +100,25 @@ template <class T>
 std::vector<double> ToDouble(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
 
 #if KVTIER_HAVE_CUDA
-// Device copies of the harness's host arrays; freed with the arena.
-class DeviceArena {
+// The shared device arena (tests/device_test_util.h) with this harness's two extras.
+class DeviceArena : public device_test::DeviceArena {
  public:
-  ~DeviceArena() {
-    for (void* p : ptrs_) cudaFree(p);
-  }
-  template <class T>
-  T* Put(const T* host, size_t n) {
-    T* d = Alloc<T>(n);
-    if (d && n) {
-      EXPECT_EQ(cudaMemcpy(d, host, n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-    }
-    return d;
-  }
-  template <class T>
-  T* Put(const std::vector<T>& v) {
-    return Put(v.data(), v.size());
-  }
-  template <class T>
-  T* Alloc(size_t n) {
-    void* p = nullptr;
-    if (cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) {
-      ADD_FAILURE() << "cudaMalloc of " << n * sizeof(T) << " bytes failed";
-      return nullptr;
-    }
-    ptrs_.push_back(p);
-    return static_cast<T*>(p);
-  }
   // A SlotAttention workspace as a caller makes one: allocated, its bytes garbage (0xff: NaN
   // partials, counters that are not zero), then its arrival counters cleared once.
   void* AttentionWorkspace(size_t bytes) {
     if (bytes == 0) return nullptr;
-    char* ws = Alloc<char>(bytes);
+    char* ws = Zeros<char>(bytes);
     if (ws == nullptr) return nullptr;
     EXPECT_EQ(cudaMemset(ws, 0xff, bytes), cudaSuccess);
     EXPECT_EQ(cuda::ClearSlotAttentionWorkspace(ws, bytes, nullptr), KernelError::kOk);
     return ws;
   }
+  // host = d[0, host->size()) once every kernel launched so far finished.
   template <class T>
   void Get(std::vector<T>* host, const T* d) {
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "kernel failed";
     EXPECT_EQ(cudaMemcpy(host->data(), d, host->size() * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
   }
-
- private:
-  std::vector<void*> ptrs_;
 };
 #endif
 
@@ -963,8 +937,8 @@ TEST_P(KernelBackends, SlotAttentionMergesInKernelOverManySplitsRelaunchedAndRep
             d.rope_inv_freq = dev.Put(inv_freq);
             d.q_rope_positions = dev.Put(rope_pos);
           }
-          d.out = dev.Alloc<float>(n_out);
-          d.lse = dev.Alloc<float>(n_lse);
+          d.out = dev.Zeros<float>(n_out);
+          d.lse = dev.Zeros<float>(n_lse);
           ASSERT_EQ(cuda::SlotAttentionSplits(d), 64);
           const size_t ws_bytes = cuda::SlotAttentionWorkspaceBytes(d);
           ASSERT_LE(ws_bytes, kSharedWorkspace);
@@ -1239,7 +1213,7 @@ TEST_P(KernelBackends, SegmentedTopKMatchesStableSort) {
   size_t ws_bytes = 0;
   ASSERT_EQ(cuda::SegmentedTopKWorkspaceBytes(d, offsets.back(), &ws_bytes), KernelError::kOk)
       << cuda::LastCudaErrorString();
-  void* ws = dev.Alloc<char>(ws_bytes);
+  void* ws = dev.Zeros<char>(ws_bytes);
   EXPECT_EQ(cuda::LaunchSegmentedTopK(d, offsets.back(), ws, ws_bytes - 1, nullptr), KernelError::kWorkspace);
   ASSERT_EQ(cuda::LaunchSegmentedTopK(d, offsets.back(), ws, ws_bytes, nullptr), KernelError::kOk)
       << cuda::LastCudaErrorString();
@@ -1396,7 +1370,7 @@ TEST_P(KernelBackends, ActProbeMatchesDirectEquationsAndTheRetriever) {
       const size_t ws = cuda::ActWeightedProbeWorkspaceBytes(s, m);
       float* d_probe = dev->Put(std::vector<float>(twin.size(), kNaN));
       ASSERT_EQ(cuda::LaunchActWeightedProbe(s, d_q, m, d_mean, d_m2, count, 1e-6, d_probe,
-                                             dev->Alloc<char>(ws), ws, nullptr),
+                                             dev->Zeros<char>(ws), ws, nullptr),
                 KernelError::kOk)
           << cuda::LastCudaErrorString();
       std::vector<float> got(twin.size());
@@ -1675,7 +1649,7 @@ TEST_P(KernelBackends, GemmMatchesReference) {
     ASSERT_EQ(cuda::CreateBlasHandle(&blas), KernelError::kOk) << cuda::LastBlasStatusString();
     std::unique_ptr<void, void (*)(void*)> hold(blas, cuda::DestroyBlasHandle);
     const size_t ws_bytes = cuda::GemmWorkspaceBytes();
-    void* ws = dev.Alloc<uint8_t>(ws_bytes);
+    void* ws = dev.Zeros<uint8_t>(ws_bytes);
     GemmParams dp = p;
     dp.x = dev.Put(x);
     dp.w = dev.Put(w);
@@ -1814,7 +1788,7 @@ TEST_P(KernelBackends, ConvertToStoreRoundsToNearestEven) {
     DeviceArena dev;
     ConvertToStoreParams dp = p;
     dp.src = dev.Put(src);
-    dp.dst = dev.Alloc<uint8_t>(twin.size());
+    dp.dst = dev.Zeros<uint8_t>(twin.size());
     ASSERT_EQ(cuda::LaunchConvertToStore(dp, nullptr), KernelError::kOk) << cuda::LastCudaErrorString();
     std::vector<uint8_t> got(twin.size());
     dev.Get(&got, static_cast<const uint8_t*>(dp.dst));
@@ -1888,7 +1862,7 @@ TEST_P(KernelBackends, GatherAndBatchCopiesMoveChunksFromPinnedMemory) {
     for (auto& b : want) b = static_cast<uint8_t>(rng_());
     std::memcpy(host, want.data(), want.size());
     DeviceArena dev;
-    uint8_t* pool = dev.Alloc<uint8_t>((n + 3) * bytes);
+    uint8_t* pool = dev.Zeros<uint8_t>((n + 3) * bytes);
     ASSERT_EQ(cudaMemset(pool, 0xff, (n + 3) * bytes), cudaSuccess);
     std::vector<uint64_t> src(n), dst(n);
     std::vector<void*> dsts(n);
