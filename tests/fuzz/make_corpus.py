@@ -125,10 +125,15 @@ specs = {
     4: ["Exact", "Exact:heads=max,rerank=4,rerank_min=256", "Exact:heads=max,rerank=1,rerank_min=0", "Flat", "HNSW32:ef=64", "IVF16,Flat:nprobe=4,train_min=0",
         # FAISS crashed (SIGFPE), leaked or allocated gigabytes on these before CheckFactoryDescription
         "HNSW1,PQ0x4fs", "IVF64,PQ7", "IVF64,PQ8x9", "IVF50000000,Flat",
-        "HNSW00:ef=64"],
+        "HNSW00:ef=64",
+        # the int4 first stage, the certified entropy, the per-chunk min/max bound
+        "Exact:heads=max,screen=int4", "Exact:heads=max,theta=0.001", "Quest", "Quest:heads=max"],
     5: ["cpu", "cuda"],
     6: ["probe=act:eps=1e-06 alloc=entropy:min=1,rank=cosine index=Exact:heads=sum,rerank=4,rerank_min=256 budget=2048",
-        "probe=mean alloc=topk index=Flat budget=512"],
+        "probe=mean alloc=topk index=Flat budget=512",
+        # kvtier-fast's search reuse; the rolling screen
+        "probe=act:eps=1e-06 alloc=entropy:min=1,rank=logit index=Exact:heads=max,rerank=1,rerank_min=0 budget=2048 reuse=0.8",
+        "probe=act alloc=entropy index=Exact:heads=max,screen=int4 budget=256 screen=8"],
 }
 for which, items in specs.items():
     for i, s in enumerate(items):

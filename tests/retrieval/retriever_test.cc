@@ -985,6 +985,10 @@ TEST(RetrieverOptions, ToStringSpellsEveryPartOutAndParsesBack) {
       {"screen=1",
        "probe=act:eps=1e-06 alloc=entropy:min=1,rank=logit index=Exact:heads=max,rerank=1,"
        "rerank_min=0 budget=2048"},
+      // The index's own "screen" key (its first stage) beside the retriever's (the rolling screen).
+      {"index=Exact:heads=max,screen=int4 screen=8",
+       "probe=act:eps=1e-06 alloc=entropy:min=1,rank=logit index=Exact:heads=max,rerank=1,"
+       "rerank_min=0,screen=int4 budget=2048 screen=8"},
   };
   for (const auto& [spec, canonical] : cases) {
     auto o = RetrieverOptions::Parse(spec);
