@@ -6,6 +6,7 @@
 #   scripts/profile_step.sh [BUILD_DIR] [OUT_DIR]
 #   KVTIER_PROFILE_ARGS  kvtier run flags [--context 131072 --decode-steps 400]
 #   KVTIER_PROFILE_HZ    perf's sampling rate [499]; more samples resolve the small parts
+#   KVTIER_PROFILE_EVENT perf's event [cpu-clock: a VM may refuse the hardware cycles event]
 # OUT_DIR (default BUILD_DIR/profile-step) gets perf.data, run.json, run.txt and parts.md.
 # Needs linux-perf (Debian's `linux-perf`); at kernel.perf_event_paranoid 2 perf may still
 # attach to a process of the same user, which is what this does (`perf record -D` is refused
