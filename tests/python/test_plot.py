@@ -80,8 +80,8 @@ def test_every_picture_is_written_as_a_valid_png(reports, tmp_path):
     assert rc == 0, stderr
     written = paths_of(stdout)
     names = sorted(os.path.basename(p) for p in written)
-    assert names == ["chunk-choice-run.png", "frontier.md", "frontier.png", "infinite-frontier.md",
-                     "infinite-passkey.png", "policy-sweep.png"], stdout
+    assert names == ["chunk-choice-run.png", "frontier.md", "frontier.png", "infinite-frontier-passkey.png",
+                     "infinite-frontier.md", "infinite-passkey.png", "policy-sweep.png"], stdout
     # The frontier's table is printed too, and is what frontier.md holds.
     md = [p for p in written if os.path.basename(p) == "frontier.md"][0]
     with open(md) as f:
@@ -119,8 +119,8 @@ def test_reports_merge_into_one_picture_per_kind(reports, tmp_path):
                               str(tmp_path))
     assert rc == 0, stderr
     assert sorted(os.path.basename(p) for p in paths_of(stdout)) == [
-        "chunk-choice-run-2.png", "chunk-choice-run.png", "frontier.md", "frontier.png", "infinite-frontier.md",
-        "infinite-passkey.png"]
+        "chunk-choice-run-2.png", "chunk-choice-run.png", "frontier.md", "frontier.png",
+        "infinite-frontier-passkey.png", "infinite-frontier.md", "infinite-passkey.png"]
 
 
 def test_unknown_and_mismatched_kinds_exit_2_naming_the_file(reports, tmp_path):
@@ -341,3 +341,14 @@ def test_infinite_frontier_pools_seeds_and_weights_costs_by_tokens(tmp_path):
     # kvtier: 3/4; recall (0.5 x 2 + 0.25 x 2) / 4 = 0.375; cost (5 + 30) / 40 = 0.875 ms; 3.5 / 0.875 = 4x.
     assert lines[3] == "| passkey | 4K | kvtier | 3/4 | 0.750 | 0.375 | 0.875 | 8.8x | 4.00x |"
     assert len(lines) == 4
+    # The picture's points: the same pooling, as the cost over full attention's.
+    pts = kp.infinite_frontier_points(reps)["passkey"]
+    assert [(p.method, p.context) for p in pts] == [("full attention", 4096), ("kvtier", 4096)]
+    assert pts[0].time_ratio == pytest.approx(1.0)
+    assert (pts[1].time_ratio, pts[1].accuracy, pts[1].needle_recall) == (pytest.approx(0.25), 0.75, 0.375)
+    # Without full attention's cost there is no ratio, and no picture to draw.
+    c = report("c.json", [result("kvtier", 1, 2, 0.5, 0.5, 0.1, 10)])
+    assert kp.infinite_frontier_points([kp.load_report(c)])["passkey"][0].time_ratio is None
+    said = []
+    kp.make_pictures([kp.load_report(c)], str(tmp_path / "out"), say=said.append, table=lambda _t: None)
+    assert any("skipped infinite-frontier-passkey.png" in x for x in said), said

@@ -240,6 +240,40 @@ def infinite_frontier_table(reports: Sequence[Report]) -> str:
     return "\n".join(out) + "\n"
 
 
+@dataclass
+class InfiniteFrontierPoint:
+    """One (method, context) of a task on the trained model's frontier: the cost of a generated
+    token over full attention's (same task and context, pooled as in infinite_frontier_table;
+    None without full attention's cost) against accuracy and needle recall."""
+    context: int
+    method: str
+    time_ratio: Optional[float]
+    accuracy: float
+    needle_recall: Optional[float]
+
+
+def infinite_frontier_points(reports: Sequence[Report]) -> Dict[str, List[InfiniteFrontierPoint]]:
+    """task -> the frontier's points, by context, then method in the reports' order; full
+    attention's own point sits at 1."""
+    series = infinite_series(reports)
+    costs = infinite_costs(reports)
+    out: Dict[str, List[InfiniteFrontierPoint]] = {}
+    for task, lines in series.items():
+        pts: List[InfiniteFrontierPoint] = []
+        for ctx in sorted({p.context for line in lines.values() for p in line}):
+            full = costs.get((task, "full attention", ctx))
+            for label, line in lines.items():
+                p = next((q for q in line if q.context == ctx), None)
+                if p is None:
+                    continue
+                c = costs.get((task, label, ctx))
+                ratio = (c.cpu_ms / full.cpu_ms if full is not None and c is not None and full.cpu_ms and c.cpu_ms
+                         else None)
+                pts.append(InfiniteFrontierPoint(ctx, label, ratio, p.accuracy, p.needle_recall))
+        out[task] = pts
+    return out
+
+
 # ---- run: the chunk-choice heat map ---------------------------------------------------------------
 
 @dataclass
@@ -425,7 +459,8 @@ def _save(fig: Any, path: str) -> str:
 
 # Lines that coincide (two methods with the same accuracy) stay visible: each line has its own
 # marker and dash pattern, and the later ones are drawn smaller.
-_STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("v", ":"), ("D", "-"), ("P", "--"), ("X", "-."), ("*", ":")]
+_STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("v", ":"), ("D", "-"), ("P", "--"), ("X", "-."), ("*", ":"),
+           ("h", "-"), ("p", "--"), ("<", "-."), (">", ":")]
 
 
 def _style(i: int) -> Dict[str, Any]:
@@ -491,31 +526,33 @@ def draw_chunk_choice(title: str, heats: Sequence[ChunkHeat], path: str) -> str:
     return _save(fig, path)
 
 
-def draw_frontier(rows: Sequence[FrontierRow], path: str) -> str:
-    """x: step time over full attention's (log), y: needle hit and (second panel) recall; one
-    marker per method, one colour per context. The oracle has no time: it is a dashed level."""
+def _draw_speed_quality(points: Sequence[Any], panels: Sequence[Tuple[str, str]], xlabel: str, title: str,
+                        path: str) -> str:
+    """One panel per (attribute, name) of `panels`: x the point's time_ratio (log; left is faster),
+    y the attribute; one marker per method, one colour per context. A point without a time (an
+    oracle that only chooses) is a dashed level in its context's colour."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
-    contexts = sorted({r.context for r in rows})
-    methods = list(dict.fromkeys(r.method for r in rows if r.method != "attention oracle"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), constrained_layout=True, squeeze=False)
+    axes = axes[0]
+    contexts = sorted({p.context for p in points})
+    methods = list(dict.fromkeys(p.method for p in points if p.time_ratio is not None))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, key, name in ((axes[0], "needle_hit", "needle hit"), (axes[1], "recall", "attention recall")):
+    levels = list(dict.fromkeys(p.method for p in points if p.time_ratio is None))
+    for ax, (key, name) in zip(axes, panels):
         for ci, ctx in enumerate(contexts):
             colour = colours[ci % len(colours)]
-            for r in rows:
-                if r.context != ctx or getattr(r, key) is None:
+            for p in points:
+                if p.context != ctx or getattr(p, key) is None:
                     continue
-                if r.method == "attention oracle":
-                    ax.axhline(getattr(r, key), color=colour, ls="--", lw=0.8, alpha=0.7)
+                if p.time_ratio is None:
+                    ax.axhline(getattr(p, key), color=colour, ls="--", lw=0.8, alpha=0.7)
                     continue
-                if r.time_ratio is None:
-                    continue
-                ax.plot([r.time_ratio], [getattr(r, key)], color=colour, linestyle="none",
-                        marker=_STYLES[methods.index(r.method) % len(_STYLES)][0], markersize=8, alpha=0.85)
+                ax.plot([p.time_ratio], [getattr(p, key)], color=colour, linestyle="none",
+                        marker=_STYLES[methods.index(p.method) % len(_STYLES)][0], markersize=8, alpha=0.85)
         ax.set_xscale("log")
-        ax.set_xlabel("step time / full attention's (same run; left is faster)")
+        ax.set_xlabel(xlabel)
         ax.set_ylim(-0.03, 1.03)
-        ax.set_title(name + " (dashed: the attention oracle)")
+        ax.set_title(name + (f" (dashed: the {', '.join(levels)})" if levels else ""))
         ax.grid(alpha=0.3)
     from matplotlib.lines import Line2D
 
@@ -523,9 +560,26 @@ def draw_frontier(rows: Sequence[FrontierRow], path: str) -> str:
                for i, m in enumerate(methods)]
     handles += [Line2D([], [], color=colours[i % len(colours)], lw=3, label=f"context {_tokens(c)}")
                 for i, c in enumerate(contexts)]
-    axes[1].legend(handles=handles, fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
-    fig.suptitle("kvtier run --compare: speed-quality frontier at equal budget")
+    axes[-1].legend(handles=handles, fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle(title)
     return _save(fig, path)
+
+
+def draw_frontier(rows: Sequence[FrontierRow], path: str) -> str:
+    """x: step time over full attention's (log), y: needle hit and (second panel) recall; one
+    marker per method, one colour per context. The oracle has no time: it is a dashed level."""
+    return _draw_speed_quality(rows, (("needle_hit", "needle hit"), ("recall", "attention recall")),
+                               "step time / full attention's (same run; left is faster)",
+                               "kvtier run --compare: speed-quality frontier at equal budget", path)
+
+
+def draw_infinite_frontier(task: str, points: Sequence[InfiniteFrontierPoint], path: str) -> str:
+    """x: a generated token's CPU time over full attention's (log), y: accuracy and needle
+    recall; one marker per method, one colour per context."""
+    timed = [p for p in points if p.time_ratio is not None]  # beyond full attention's reach: no ratio
+    return _draw_speed_quality(timed, (("accuracy", "accuracy"), ("needle_recall", "needle recall")),
+                               "CPU time per generated token / full attention's (left is cheaper)",
+                               f"kvtier infinite --compare: {task}, speed-quality frontier at equal budget", path)
 
 
 def short_policy_labels(labels: Sequence[str]) -> Dict[str, str]:
@@ -607,6 +661,13 @@ def make_pictures(reports: Sequence[Report], out: str, say: Any = print, table: 
                 say(f"infinite-{task}.png: no needle recall in these reports (its panel is empty)")
         written.append(_write_table(infinite_frontier_table(infinite), os.path.join(out, "infinite-frontier.md"),
                                     taken, table))
+        for task, pts in infinite_frontier_points(infinite).items():
+            if not any(p.time_ratio is not None for p in pts):
+                say(f"skipped infinite-frontier-{task}.png: no cost per generated token with full attention's beside "
+                    "it (kvtier infinite --compare writes both)")
+                continue
+            written.append(draw_infinite_frontier(
+                task, pts, _unique(os.path.join(out, f"infinite-frontier-{task}.png"), taken)))
     for r in reports:
         if r.kind != "run":
             continue
