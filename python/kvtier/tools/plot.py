@@ -35,7 +35,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 KINDS = ("infinite", "run", "policies")
 # What each kind is, for error messages.
@@ -212,31 +212,40 @@ def infinite_costs(reports: Sequence[Report]) -> Dict[Tuple[str, str, int], Infi
     return out
 
 
+def _infinite_cells(reports: Sequence[Report]) -> Iterator[Tuple[str, int, str, InfinitePoint, Optional[InfiniteCost],
+                                                                  Optional[InfiniteCost]]]:
+    """(task, context, method, its point, its cost, full attention's cost at that task and
+    context) per task, by context, then method in the reports' order; a cost is None where no
+    report carries it."""
+    series = infinite_series(reports)
+    costs = infinite_costs(reports)
+    for task, lines in series.items():
+        for ctx in sorted({p.context for pts in lines.values() for p in pts}):
+            full = costs.get((task, "full attention", ctx))
+            for label, pts in lines.items():
+                p = next((q for q in pts if q.context == ctx), None)
+                if p is not None:
+                    yield task, ctx, label, p, costs.get((task, label, ctx)), full
+
+
+def _over(a: Optional[InfiniteCost], b: Optional[InfiniteCost]) -> Optional[float]:
+    """a's CPU ms per generated token over b's; None without both."""
+    return a.cpu_ms / b.cpu_ms if a is not None and b is not None and a.cpu_ms and b.cpu_ms else None
+
+
 def infinite_frontier_table(reports: Sequence[Report]) -> str:
     """The trained model's frontier as a markdown table: per task, context and method (in the
     reports' order), the answers pooled over the reports (seeds), needle recall, and the cost of a
     generated token (CPU ms, over the one-core floor, over full attention's at the same task and
     context)."""
-    series = infinite_series(reports)
-    costs = infinite_costs(reports)
     out = ["| task | context | method | answers | accuracy | needle recall | ms / generated token "
            "| vs floor | vs full attention |",
            "|---|---|---|---|---|---|---|---|---|"]
-    for task, lines in series.items():
-        contexts = sorted({p.context for pts in lines.values() for p in pts})
-        for ctx in contexts:
-            full = costs.get((task, "full attention", ctx))
-            for label, pts in lines.items():
-                p = next((q for q in pts if q.context == ctx), None)
-                if p is None:
-                    continue
-                c = costs.get((task, label, ctx))
-                ratio = (full.cpu_ms / c.cpu_ms if full is not None and c is not None and full.cpu_ms and c.cpu_ms
-                         else None)
-                out.append("| " + " | ".join([
-                    task, _tokens(ctx), label, f"{p.correct}/{p.samples}", f"{p.accuracy:.3f}",
-                    _cell(p.needle_recall, "{:.3f}"), _cell(None if c is None else c.cpu_ms, "{:.3f}"),
-                    _cell(None if c is None else c.over_floor, "{:.1f}x"), _cell(ratio, "{:.2f}x")]) + " |")
+    for task, ctx, label, p, c, full in _infinite_cells(reports):
+        out.append("| " + " | ".join([
+            task, _tokens(ctx), label, f"{p.correct}/{p.samples}", f"{p.accuracy:.3f}",
+            _cell(p.needle_recall, "{:.3f}"), _cell(None if c is None else c.cpu_ms, "{:.3f}"),
+            _cell(None if c is None else c.over_floor, "{:.1f}x"), _cell(_over(full, c), "{:.2f}x")]) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -255,22 +264,10 @@ class InfiniteFrontierPoint:
 def infinite_frontier_points(reports: Sequence[Report]) -> Dict[str, List[InfiniteFrontierPoint]]:
     """task -> the frontier's points, by context, then method in the reports' order; full
     attention's own point sits at 1."""
-    series = infinite_series(reports)
-    costs = infinite_costs(reports)
     out: Dict[str, List[InfiniteFrontierPoint]] = {}
-    for task, lines in series.items():
-        pts: List[InfiniteFrontierPoint] = []
-        for ctx in sorted({p.context for line in lines.values() for p in line}):
-            full = costs.get((task, "full attention", ctx))
-            for label, line in lines.items():
-                p = next((q for q in line if q.context == ctx), None)
-                if p is None:
-                    continue
-                c = costs.get((task, label, ctx))
-                ratio = (c.cpu_ms / full.cpu_ms if full is not None and c is not None and full.cpu_ms and c.cpu_ms
-                         else None)
-                pts.append(InfiniteFrontierPoint(ctx, label, ratio, p.accuracy, p.needle_recall))
-        out[task] = pts
+    for task, ctx, label, p, c, full in _infinite_cells(reports):
+        out.setdefault(task, []).append(InfiniteFrontierPoint(ctx, label, _over(c, full), p.accuracy,
+                                                              p.needle_recall))
     return out
 
 
