@@ -435,7 +435,7 @@ Result<bool> SessionImpl::AttendOnLane(int layer, const float* q, void* stream, 
   const uint64_t step = counters_.steps;
   // The reports of earlier steps that are done (no wait): last_chunks_ and the counters.
   KVTIER_RETURN_IF_ERROR(TakeLaneReports(step, /*wait=*/false));
-  PollDeferredFetches();
+  KVTIER_RETURN_IF_ERROR(PollDeferredFetches());
   KVTIER_RETURN_IF_ERROR(CheckLayerCall("AttendDevice", layer, nullptr, positions, m, /*in_step=*/true,
                                         /*q_on_device=*/true));
   q_rot_of_ = nullptr;
@@ -549,16 +549,24 @@ Result<bool> SessionImpl::AttendOnLane(int layer, const float* q, void* stream, 
 #endif
 }
 
-void SessionImpl::PollDeferredFetches() {
+Status SessionImpl::PollDeferredFetches() {
+  Status first = Status::Ok();
   for (size_t i = 0; i < deferred_fetches_.size();) {
-    if (!deferred_fetches_[i].second.Ready()) {
+    const auto& [layer, fetch] = deferred_fetches_[i];
+    if (!fetch.Ready()) {
       ++i;
       continue;
     }
-    deferred_fetches_[i].second.Release();  // its chunks stay in warm (a failed read: deferred again)
-    if (lane_) lane_->RefreshRows(deferred_fetches_[i].first);
+    // Done: the chunks it read are in warm, and the lane's next PrepareLayer finds their sources.
+    // A chunk warm had no room for stays deferred and is asked for again when chosen again.
+    const Status st = fetch.status();
+    if (!st.ok() && st.code() != StatusCode::kResourceExhausted && first.ok())
+      first = Status(st.code(), "Session::AttendDevice: layer " + std::to_string(layer) +
+                                    ": bringing deferred chunks back to warm: " + st.message());
+    if (lane_) lane_->RefreshRows(layer);
     deferred_fetches_.erase(deferred_fetches_.begin() + static_cast<std::ptrdiff_t>(i));
   }
+  return first;
 }
 
 Status SessionImpl::ApplyLaneReport(const LaneStepReport& report) {
@@ -569,11 +577,12 @@ Status SessionImpl::ApplyLaneReport(const LaneStepReport& report) {
     counters_.chunks_attended += r.chunks.size();
     counters_.max_layer_chunks = std::max<uint64_t>(counters_.max_layer_chunks, r.chunks.size());
     if (!r.deferred.empty()) {
-      // Chosen with no warm copy: the step attended without them; a fetch (not waited for) brings
-      // them back to warm, and a later step's lane finds their sources. A fetch refused for room
-      // leaves them deferred; they are asked for again when chosen again.
+      // Chosen with no warm copy: the step attended without them; a warm-only fetch brings them
+      // back to warm on a transfer worker (no hot slot, no upload, nothing waited for here), and
+      // a later step's lane finds their sources (PollDeferredFetches). A chunk warm has no room
+      // for stays deferred; it is asked for again when chosen again.
       counters_.chunks_deferred += r.deferred.size();
-      Result<FetchHandle> fetch = store_->FetchChunks(seq_, r.layer, r.deferred, FetchFit::kWithinClaims);
+      Result<WarmFetchHandle> fetch = store_->FetchToWarm(seq_, r.layer, r.deferred);
       if (fetch.ok())
         deferred_fetches_.emplace_back(r.layer, std::move(*fetch));
       else if (fetch.status().code() != StatusCode::kResourceExhausted && first.ok())
