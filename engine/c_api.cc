@@ -672,6 +672,7 @@ kvtier_code kvtier_session_get_counters(const kvtier_session* session, kvtier_se
     out->fetch_ms = c.fetch_ms;
     out->attention_ms = c.attention_ms;
     out->host_syncs = c.host_syncs;
+    out->worker_host_syncs = c.worker_host_syncs;
     return Status::Ok();
   });
 }

@@ -41,18 +41,25 @@ Result<TieredStore*> Tiered(const char* what, Store* store) {
   return tiered;
 }
 
-// Adds the process's host syncs (offload/device_sync.h) made while it lives to a session's
-// count: SessionCounters::host_syncs.
+// Marks the calling thread as running a step while it lives (offload/device_sync.h) and adds
+// the waits made meanwhile to a session's counts: the ones on this thread to
+// SessionCounters::host_syncs, the workers' (threads inside no step) to worker_host_syncs.
 class HostSyncScope {
  public:
-  explicit HostSyncScope(uint64_t* into) : into_(into), start_(HostSyncsTotal()) {}
-  ~HostSyncScope() { *into_ += HostSyncsTotal() - start_; }
+  explicit HostSyncScope(SessionCounters* into)
+      : into_(into), thread_start_(HostSyncsOnThisThread()), worker_start_(WorkerHostSyncsTotal()) {}
+  ~HostSyncScope() {
+    into_->host_syncs += HostSyncsOnThisThread() - thread_start_;
+    into_->worker_host_syncs += WorkerHostSyncsTotal() - worker_start_;
+  }
   HostSyncScope(const HostSyncScope&) = delete;
   HostSyncScope& operator=(const HostSyncScope&) = delete;
 
  private:
-  uint64_t* into_;
-  uint64_t start_;
+  const HostSyncStepScope step_;
+  SessionCounters* into_;
+  uint64_t thread_start_;
+  uint64_t worker_start_;
 };
 
 }  // namespace
@@ -319,7 +326,7 @@ Status SessionImpl::CheckFiniteKv(int layer, const void* k, const void* v, int n
 }
 
 Status SessionImpl::Append(int layer, const void* k, const void* v, int n, DType dtype, MemorySpace space) {
-  const HostSyncScope syncs(&counters_.host_syncs);
+  const HostSyncScope syncs(&counters_);
   if (dropped_) return FailedPrecondition("Session::Append: the session's sequence was dropped");
   if (space == MemorySpace::kHost) KVTIER_RETURN_IF_ERROR(CheckFiniteKv(layer, k, v, n, dtype));
   KVTIER_RETURN_IF_ERROR(store_->Append(seq_, layer, k, v, n, dtype, space));
@@ -343,7 +350,7 @@ Result<void*> SessionImpl::DeviceTier(const char* what) const {
 }
 
 Status SessionImpl::AppendDevice(int layer, const void* k, const void* v, int n, DType dtype, void* stream) {
-  const HostSyncScope syncs(&counters_.host_syncs);
+  const HostSyncScope syncs(&counters_);
   if (dropped_) return FailedPrecondition("Session::AppendDevice: the session's sequence was dropped");
   KVTIER_ASSIGN_OR_RETURN(void* tier, DeviceTier("AppendDevice"));
 #if KVTIER_HAVE_CUDA
@@ -365,7 +372,7 @@ Status SessionImpl::AppendDevice(int layer, const void* k, const void* v, int n,
 
 Status SessionImpl::AttendDevice(int layer, const float* q, const int64_t* positions, int m, float* out,
                                  void* stream, AttendStats* stats) {
-  const HostSyncScope syncs(&counters_.host_syncs);
+  const HostSyncScope syncs(&counters_);
   if (dropped_) return FailedPrecondition("Session::AttendDevice: the session's sequence was dropped");
   KVTIER_ASSIGN_OR_RETURN(void* tier, DeviceTier("AttendDevice"));
   if (q == nullptr || out == nullptr)
@@ -428,7 +435,7 @@ Result<bool> SessionImpl::AttendOnLane(int layer, const float* q, void* stream, 
   const uint64_t step = counters_.steps;
   // The reports of earlier steps that are done (no wait): last_chunks_ and the counters.
   KVTIER_RETURN_IF_ERROR(TakeLaneReports(step, /*wait=*/false));
-  PollDeferredFetches();
+  KVTIER_RETURN_IF_ERROR(PollDeferredFetches());
   KVTIER_RETURN_IF_ERROR(CheckLayerCall("AttendDevice", layer, nullptr, positions, m, /*in_step=*/true,
                                         /*q_on_device=*/true));
   q_rot_of_ = nullptr;
@@ -542,16 +549,24 @@ Result<bool> SessionImpl::AttendOnLane(int layer, const float* q, void* stream, 
 #endif
 }
 
-void SessionImpl::PollDeferredFetches() {
+Status SessionImpl::PollDeferredFetches() {
+  Status first = Status::Ok();
   for (size_t i = 0; i < deferred_fetches_.size();) {
-    if (!deferred_fetches_[i].second.Ready()) {
+    const auto& [layer, fetch] = deferred_fetches_[i];
+    if (!fetch.Ready()) {
       ++i;
       continue;
     }
-    deferred_fetches_[i].second.Release();  // its chunks stay in warm (a failed read: deferred again)
-    if (lane_) lane_->RefreshRows(deferred_fetches_[i].first);
+    // Done: the chunks it read are in warm, and the lane's next PrepareLayer finds their sources.
+    // A chunk warm had no room for stays deferred and is asked for again when chosen again.
+    const Status st = fetch.status();
+    if (!st.ok() && st.code() != StatusCode::kResourceExhausted && first.ok())
+      first = Status(st.code(), "Session::AttendDevice: layer " + std::to_string(layer) +
+                                    ": bringing deferred chunks back to warm: " + st.message());
+    if (lane_) lane_->RefreshRows(layer);
     deferred_fetches_.erase(deferred_fetches_.begin() + static_cast<std::ptrdiff_t>(i));
   }
+  return first;
 }
 
 Status SessionImpl::ApplyLaneReport(const LaneStepReport& report) {
@@ -562,11 +577,12 @@ Status SessionImpl::ApplyLaneReport(const LaneStepReport& report) {
     counters_.chunks_attended += r.chunks.size();
     counters_.max_layer_chunks = std::max<uint64_t>(counters_.max_layer_chunks, r.chunks.size());
     if (!r.deferred.empty()) {
-      // Chosen with no warm copy: the step attended without them; a fetch (not waited for) brings
-      // them back to warm, and a later step's lane finds their sources. A fetch refused for room
-      // leaves them deferred; they are asked for again when chosen again.
+      // Chosen with no warm copy: the step attended without them; a warm-only fetch brings them
+      // back to warm on a transfer worker (no hot slot, no upload, nothing waited for here), and
+      // a later step's lane finds their sources (PollDeferredFetches). A chunk warm has no room
+      // for stays deferred; it is asked for again when chosen again.
       counters_.chunks_deferred += r.deferred.size();
-      Result<FetchHandle> fetch = store_->FetchChunks(seq_, r.layer, r.deferred, FetchFit::kWithinClaims);
+      Result<WarmFetchHandle> fetch = store_->FetchToWarm(seq_, r.layer, r.deferred);
       if (fetch.ok())
         deferred_fetches_.emplace_back(r.layer, std::move(*fetch));
       else if (fetch.status().code() != StatusCode::kResourceExhausted && first.ok())
@@ -623,7 +639,7 @@ Status SessionImpl::LeaveLane() {
 }
 
 Status SessionImpl::WaitForDevice() {
-  const HostSyncScope syncs(&counters_.host_syncs);
+  const HostSyncScope syncs(&counters_);
   return TakeLaneReports(UINT64_MAX, /*wait=*/true);
 }
 
@@ -796,7 +812,7 @@ void SessionImpl::KeepQueries(int layer, const float* q, const int64_t* position
 }
 
 Status SessionImpl::Observe(int layer, const float* q, const int64_t* positions, int m) {
-  const HostSyncScope syncs(&counters_.host_syncs);
+  const HostSyncScope syncs(&counters_);
   KVTIER_RETURN_IF_ERROR(CheckLayerCall("Observe", layer, q, positions, m, /*in_step=*/false));
   q_rot_of_ = nullptr;
   KVTIER_ASSIGN_OR_RETURN(HotView view, GetHotView(*store_, seq_, layer));
@@ -861,7 +877,7 @@ Status SessionImpl::SetQuestion(int layer, const float* q, int m) {
 }
 
 Result<LayerParts> SessionImpl::Gather(int layer, const float* q, const int64_t* positions, int m) {
-  const HostSyncScope syncs(&counters_.host_syncs);
+  const HostSyncScope syncs(&counters_);
   return GatherFor("Gather", layer, q, positions, m);
 }
 
@@ -1002,7 +1018,7 @@ Result<LayerParts> SessionImpl::GatherFor(const char* what, int layer, const flo
 
 Status SessionImpl::Attend(int layer, const float* q, const int64_t* positions, int m, float* out,
                            AttendStats* stats) {
-  const HostSyncScope syncs(&counters_.host_syncs);
+  const HostSyncScope syncs(&counters_);
   if (out == nullptr) return InvalidArgument("Session::Attend: out must not be null");
   return AttendLayer("Attend", layer, q, nullptr, nullptr, positions, m, out, /*out_on_device=*/false, stats);
 }
@@ -1068,7 +1084,7 @@ Status SessionImpl::AttendLayer(const char* what, int layer, const float* q, con
 
 Result<CompressReport> SessionImpl::Compress(const std::string& policy_spec, int64_t kv_budget,
                                              int n_queries) {
-  const HostSyncScope syncs(&counters_.host_syncs);
+  const HostSyncScope syncs(&counters_);
   if (dropped_) return FailedPrecondition("Session::Compress: the session's sequence was dropped");
   if (options_.keep_queries <= 0)
     return FailedPrecondition(

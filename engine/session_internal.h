@@ -156,8 +156,9 @@ class SessionImpl final : public Session {
   // that was not finite, a grant that failed, a chunk the table skipped) is returned.
   Status TakeLaneReports(uint64_t before_step, bool wait);
   Status ApplyLaneReport(const LaneStepReport& report);
-  // Releases the deferred chunks' fetches that are done (no wait) and asks their rows again.
-  void PollDeferredFetches();
+  // Takes the deferred chunks' warm-only fetches that are done (no wait) and asks their layers'
+  // rows again; the first failed read (not a refusal for room) is returned, naming the layer.
+  Status PollDeferredFetches();
   // Before a layer call on the host path: every lane report read and the allocator's state
   // back on the host (a wait, only when the lane held it).
   Status LeaveLane();
@@ -261,9 +262,10 @@ class SessionImpl final : public Session {
   std::unique_ptr<AttentionPlan> plan_;        // rebuilt every Attend, its vectors reused
   std::unique_ptr<HostBuffer> q_host_;         // AttendDevice: the queries' pinned host copy
   std::unique_ptr<DeviceLane> lane_;           // AttendDevice's decode layers on the device
-  // Fetches that bring chunks a lane step deferred (no warm copy) back to warm, by layer; a
-  // ready one is released and its layer's rows asked again (DeviceLane::RefreshRows).
-  std::vector<std::pair<int, FetchHandle>> deferred_fetches_;
+  // Warm-only fetches (TieredStore::FetchToWarm) that bring chunks a lane step deferred (no warm
+  // copy) back to warm, by layer; a done one is dropped and its layer's rows asked again
+  // (DeviceLane::RefreshRows).
+  std::vector<std::pair<int, WarmFetchHandle>> deferred_fetches_;
   bool lane_enabled_ = true;
   bool lane_unavailable_ = false;  // creating the lane failed: the host path, without retrying
   uint64_t lane_layer_steps_ = 0, lane_reports_read_ = 0, lane_unprepared_layers_ = 0, lane_landing_rows_ = 0;

@@ -727,6 +727,12 @@ Result<RunReport> RunJob(const RunOptions& options) {
     return n;
   };
   const uint64_t decode_syncs0 = host_syncs();
+  auto worker_host_syncs = [&methods] {
+    uint64_t n = 0;
+    for (const Method& mt : methods) n += mt.session->counters().worker_host_syncs;
+    return n;
+  };
+  const uint64_t decode_worker_syncs0 = worker_host_syncs();
   auto chunks_deferred = [&methods] {
     uint64_t n = 0;
     for (const Method& mt : methods) n += mt.session->counters().chunks_deferred;
@@ -778,6 +784,9 @@ Result<RunReport> RunJob(const RunOptions& options) {
   if (opt.workload.decode_steps > 0)
     rep.host_syncs_per_token =
         static_cast<double>(host_syncs() - decode_syncs0) / static_cast<double>(opt.workload.decode_steps);
+  if (opt.workload.decode_steps > 0)
+    rep.worker_host_syncs_per_token = static_cast<double>(worker_host_syncs() - decode_worker_syncs0) /
+                                      static_cast<double>(opt.workload.decode_steps);
   if (opt.workload.decode_steps > 0)
     rep.chunks_deferred_per_token = static_cast<double>(chunks_deferred() - decode_deferred0) /
                                     static_cast<double>(opt.workload.decode_steps);
@@ -1439,6 +1448,7 @@ std::string RunReport::ToJson() const {
   w.Key("device").BeginObject();
   w.Key("kind").String(DeviceName(o.store.device));
   w.Key("host_syncs_per_token").Double(host_syncs_per_token);
+  w.Key("worker_host_syncs_per_token").Double(worker_host_syncs_per_token);
   w.Key("chunks_deferred_per_token").Double(chunks_deferred_per_token);
   w.Key("memory_peak_bytes").Uint(device_memory_peak_bytes);
   w.Key("memory_peak_bytes_by_owner").BeginObject();
@@ -1680,11 +1690,13 @@ std::string RunReport::ToTable() const {
   }
   text += TierTrafficText(counters, !options.store.remote.empty());
   if (options.store.device == Device::kCuda) {
-    char line[192];
-    std::snprintf(line, sizeof(line),
-                  "device: cuda, %.2f host syncs per generated token (blocking waits on the device over the "
-                  "decode steps), %.2f chunks deferred (chosen with no warm copy)\n",
-                  host_syncs_per_token, chunks_deferred_per_token);
+    char line[256];
+    std::snprintf(
+        line, sizeof(line),
+        "device: cuda, %.2f host syncs per generated token (blocking waits on the device over the "
+        "decode steps, the steps' own; %.2f on worker threads), %.2f chunks deferred (chosen with no "
+        "warm copy)\n",
+        host_syncs_per_token, worker_host_syncs_per_token, chunks_deferred_per_token);
     text += line;
     const auto mib = [](uint64_t b) { return static_cast<double>(b) / (1 << 20); };
     const auto owner = [this](DeviceMemoryOwner o) {

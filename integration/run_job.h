@@ -206,9 +206,13 @@ struct RunReport {
   uint64_t index_evicted_chunks = 0;     ///< chunks the cap evicted from the index (every method)
   uint64_t context_kv_bytes = 0;         ///< K+V bytes of the whole context, all layers
   StoreCounters counters;
-  /// Blocking host waits on the device per generated token over the decode steps (appends and
-  /// attention, every method's session summed: SessionCounters::host_syncs); 0 on a cpu tier.
+  /// Blocking host waits on the device per generated token over the decode steps, made by the
+  /// steps themselves (appends and attention on the calling thread, every method's session
+  /// summed: SessionCounters::host_syncs); 0 on a cpu tier.
   double host_syncs_per_token = 0;
+  /// The same waits made meanwhile by worker threads (the store's transfer workers:
+  /// SessionCounters::worker_host_syncs, summed); 0 on a cpu tier.
+  double worker_host_syncs_per_token = 0;
   /// Chunks the device lane chose with no warm copy and did not attend (SessionCounters::
   /// chunks_deferred) per generated token, every method's session summed; 0 on a cpu tier.
   double chunks_deferred_per_token = 0;

@@ -12,6 +12,11 @@ namespace {
 // Zero at load time (constant initialisation): counted from the first wait, whichever static
 // initialiser makes it.
 std::atomic<uint64_t> g_host_syncs[kHostSyncKinds];
+// The waits on threads inside no step scope (HostSyncStepScope).
+std::atomic<uint64_t> g_worker_host_syncs{0};
+// The calling thread's waits, and how many step scopes it is inside.
+thread_local uint64_t t_host_syncs = 0;
+thread_local int t_step_depth = 0;
 
 }  // namespace
 
@@ -57,8 +62,19 @@ uint64_t HostSyncsTotal() {
 
 void CountHostSync(HostSyncKind kind) {
   const int i = static_cast<int>(kind);
-  if (i >= 0 && i < kHostSyncKinds) g_host_syncs[i].fetch_add(1, std::memory_order_relaxed);
+  if (i < 0 || i >= kHostSyncKinds) return;
+  g_host_syncs[i].fetch_add(1, std::memory_order_relaxed);
+  ++t_host_syncs;
+  if (t_step_depth == 0) g_worker_host_syncs.fetch_add(1, std::memory_order_relaxed);
 }
+
+uint64_t HostSyncsOnThisThread() { return t_host_syncs; }
+
+uint64_t WorkerHostSyncsTotal() { return g_worker_host_syncs.load(std::memory_order_relaxed); }
+
+HostSyncStepScope::HostSyncStepScope() { ++t_step_depth; }
+
+HostSyncStepScope::~HostSyncStepScope() { --t_step_depth; }
 
 #if KVTIER_HAVE_CUDA
 

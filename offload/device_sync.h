@@ -15,8 +15,14 @@
 // the device implicitly; it happens when a buffer grows or a sequence is dropped).
 //
 // The counts live in every build: a build without CUDA compiles them too, and they stay 0
-// there unless CountHostSync is called. SessionCounters::host_syncs is a session's share
-// (engine/session.cc reads the total before and after each call it drives).
+// there unless CountHostSync is called.
+//
+// Whose wait: a thread inside a HostSyncStepScope runs a step (engine/session.cc opens one
+// around each session call it drives); a wait on any other thread (a transfer worker bringing
+// chunks in, a landing, a tool's own) is a worker's. Each thread also keeps its own count, so a
+// session's share is exact for its own thread: SessionCounters::host_syncs is the waits on the
+// call's thread during its calls, SessionCounters::worker_host_syncs the workers' waits
+// (process-wide, outside any step scope) during them.
 #pragma once
 
 #include <cstdint>
@@ -47,5 +53,20 @@ uint64_t HostSyncsTotal();
 /// Counts one wait of `kind`. The wrappers of offload/device_sync_cuda.h call it before they
 /// call the runtime; a tier that blocks on a device some other way calls it itself.
 void CountHostSync(HostSyncKind kind);
+
+/// Waits made on the calling thread since it started (every kind, whatever scope).
+uint64_t HostSyncsOnThisThread();
+/// Waits made so far on threads that were inside no HostSyncStepScope then: the workers'.
+uint64_t WorkerHostSyncsTotal();
+
+/// While one lives, the calling thread runs a step: its waits are not counted as a worker's.
+/// Nests (the thread is a worker's again when the outermost scope ends). Not movable.
+class HostSyncStepScope {
+ public:
+  HostSyncStepScope();
+  ~HostSyncStepScope();
+  HostSyncStepScope(const HostSyncStepScope&) = delete;
+  HostSyncStepScope& operator=(const HostSyncStepScope&) = delete;
+};
 
 }  // namespace kvtier

@@ -41,6 +41,7 @@ struct Chunk {
   int hot_pins = 0;                  // FetchHandles holding the hot slot
   Clock::time_point pin_deadline{};  // from StoreHooks::clock
   bool hot_loading = false;          // hot slot assigned, bytes not there yet
+  bool warm_reading = false;         // a warm-only fetch is reading it from a lower tier (Promoter)
   bool lower_acked = false;
   bool lower_writing = false;
   // Sealed, its download into the warm slot not landed yet (LandingChunk): readers do not

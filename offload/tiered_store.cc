@@ -271,7 +271,7 @@ Status TieredStore::DropSequence(SequenceId seq) {
       if (!ls.landing.empty() || ls.landers > 0) return false;
     for (auto& ls : s->layers)
       for (Chunk* c : ls.chunks)
-        if (c && (c->warm_pins > 0 || c->lower_writing || c->hot_loading)) return false;
+        if (c && (c->warm_pins > 0 || c->lower_writing || c->hot_loading || c->warm_reading)) return false;
     return true;
   });
   // A warm slot of the sequence handed to a device reader is freed below: the reads first. A
@@ -343,6 +343,12 @@ Result<FetchHandle> TieredStore::FetchChunks(SequenceId seq, int layer,
                                              const std::vector<uint64_t>& chunk_indices, FetchFit fit) {
   visits_.Count();
   return promoter_->Fetch(seq, layer, chunk_indices, fit);
+}
+
+Result<WarmFetchHandle> TieredStore::FetchToWarm(SequenceId seq, int layer,
+                                                 const std::vector<uint64_t>& chunk_indices) {
+  visits_.Count();
+  return promoter_->FetchToWarm(seq, layer, chunk_indices);
 }
 
 Result<uint64_t> TieredStore::ReserveHotSlots(SequenceId seq, int32_t slots) {

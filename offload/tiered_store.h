@@ -271,6 +271,19 @@ class TieredStore : public Store {
   /// chunk or fails as above.
   Result<FetchHandle> FetchChunks(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices,
                                   FetchFit fit = FetchFit::kAll);
+  /// The warm-only fetch: brings chunks of one layer that are only in a lower tier back into
+  /// warm slots, for a reader of warm copies (WarmAddresses: the session's device lane, which
+  /// defers a chosen chunk with no warm copy). No hot slot, no upload to the hot tier, no pin; the
+  /// calling thread does not wait (one lock entry: checks, then the reads go to a transfer
+  /// worker). A chunk already in warm (or landing into it), or being read by an earlier
+  /// warm-only fetch, is not read again. Room: a free warm slot, or the slot of the warm
+  /// policy's victim among unpinned chunks a lower tier acknowledged (WarmTier::AcquireForRead,
+  /// on the worker; an exposed victim waits on the warm reader fence there); a chunk with no room
+  /// stays in the lower tiers and the handle's status is ResourceExhausted naming it. A failed
+  /// read is the handle's status naming the chunk. NotFound / InvalidArgument for the sequence
+  /// and layer as ListChunks; InvalidArgument naming an index past the layer's chunks or dropped
+  /// (nothing is read then).
+  Result<WarmFetchHandle> FetchToWarm(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices);
 
   /// Admission of a Session (kvtier/session.h reserves its retrieval budget in chunks, what
   /// one Attend pins in the steady state): reserves `slots` hot slots for `seq`, so that

@@ -99,7 +99,9 @@ void TransferEngine::CopyLoads(std::vector<Load>* loads) const {
       if (!got.ok()) {
         ld.status = state[idx[g]] == 1 ? Status(got.code(), ld.status.message() + "; " + got.message()) : got;
       } else {
-        ld.status = options_.hot->Upload(ld.hot_dst, static_cast<const uint8_t*>(gets[g].dst), n);
+        ld.status = ld.hot_dst == nullptr
+                        ? Status::Ok()
+                        : options_.hot->Upload(ld.hot_dst, static_cast<const uint8_t*>(gets[g].dst), n);
         if (ld.status.ok()) ld.source = tier;
       }
       state[idx[g]] = ld.status.ok() ? 2 : 1;

@@ -60,7 +60,7 @@ class TransferEngine {
   /// One chunk of a fetch, copied into its hot slot.
   struct Load {
     ChunkKey key;                       ///< names the chunk in messages
-    uint8_t* hot_dst = nullptr;         ///< the hot slot (HotTier::slot_data)
+    uint8_t* hot_dst = nullptr;         ///< the hot slot (HotTier::slot_data); null: read only, no upload
     const uint8_t* warm_src = nullptr;  ///< the pinned warm copy; null: read it from a lower tier
     /// For a lower-tier read: where to read it to (a warm slot reserved to keep the copy), or
     /// null to read into `staging`.
@@ -74,7 +74,8 @@ class TransferEngine {
     const LowerTier* source = nullptr;
     Status status;  ///< the outcome, per load
   };
-  /// Copies every load into its hot slot on the calling thread: the warm ones as one
+  /// Copies every load into its hot slot on the calling thread (a load with no hot_dst is only
+  /// read, into its read_buf: a warm-only fetch, no upload and no device wait): the warm ones as one
   /// HotTier::UploadBatch (one wait per fetch on a device tier), the others from the lower
   /// tiers in order, each tier given what the ones before it could not serve: spread over
   /// the workers when the tier reads in parallel and there are two or more (a warm copy is

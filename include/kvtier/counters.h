@@ -83,10 +83,13 @@ struct SessionCounters {
   uint64_t first_stage_bytes = 0, rescoring_bytes = 0, attention_bytes = 0;
   double probe_ms = 0, search_ms = 0, alloc_ms = 0, fetch_ms = 0, attention_ms = 0;
   /// Blocking host waits on the device (stream, event and device synchronisations, synchronous
-  /// copies, copies to or from pageable host memory) during the session's Append, Attend, Gather,
-  /// Observe and Compress calls: the process's count read before and after each call, so a
-  /// wait another thread makes meanwhile (another session's) counts here too. 0 on a cpu tier.
+  /// copies, copies to or from pageable host memory) on the calling thread during the session's
+  /// Append, Attend, Gather, Observe, Compress and device calls: the step's own waits. 0 on a cpu tier.
   uint64_t host_syncs = 0;
+  /// The same waits made meanwhile on worker threads (threads running no session call: the
+  /// store's transfer workers bringing chunks in, another program thread's); a wait made
+  /// between two calls counts in neither. 0 on a cpu tier.
+  uint64_t worker_host_syncs = 0;
 };
 
 }  // namespace kvtier

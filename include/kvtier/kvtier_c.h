@@ -357,8 +357,10 @@ typedef struct kvtier_session_counters {
   uint64_t selections_reused; /* attend calls whose chunks came from the last search */
   uint64_t selections_sliced; /* attend calls that screened a slice of the chunks */
   uint64_t first_stage_bytes, rescoring_bytes, attention_bytes; /* kvtier_attend_stats', summed */
-  uint64_t host_syncs;      /* blocking host waits on the device during the session's calls */
-  uint64_t chunks_deferred; /* chunks a device-lane step chose and did not attend (no warm copy) */
+  uint64_t
+      host_syncs; /* blocking host waits on the device on the calling thread during the session's calls */
+  uint64_t chunks_deferred;   /* chunks a device-lane step chose and did not attend (no warm copy) */
+  uint64_t worker_host_syncs; /* the same waits on worker threads during the session's calls */
 } kvtier_session_counters;
 
 kvtier_code kvtier_session_get_counters(const kvtier_session* session, kvtier_session_counters* out,

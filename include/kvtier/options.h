@@ -162,9 +162,9 @@ struct SessionOptions {
   bool observe_prefill = true;                       ///< prefill Attend feeds representative-key statistics
   int keep_queries = 0;  ///< most recent queries kept per layer for Compress (0 = none)
   /// A cuda tier's device lane (Session::AttendDevice): a chosen chunk with no warm copy (only in
-  /// a lower tier) is skipped that step and brought back to warm with no wait
-  /// (SessionCounters::chunks_deferred), instead of its layer taking the host path, which waits
-  /// for it and attends it. Off: every output is the host path's.
+  /// a lower tier) is skipped that step and brought back to warm, not to the hot tier, on a
+  /// transfer worker (SessionCounters::chunks_deferred), instead of its layer taking the host path, which
+  /// waits for it and attends it. Off: every output is the host path's.
   bool defer_cold_chunks = false;
   Status Validate() const;
   /// Validate(), and with retrieve, that `store`'s hot slot pool holds the retrieval budget:

@@ -173,8 +173,11 @@ class Session {
   /// the report; that step's out means nothing); stats->chunks is 0 there. WaitForDevice
   /// reads them at once. Every other layer call takes the host path unchanged (a prefill window,
   /// a layer with no chunks, a chunk only in a lower tier, whose fetch brings it back to warm for
-  /// the next step; the allocator's state comes back from the device at that switch, one wait).
-  /// The host path waits on the host, counted in SessionCounters::host_syncs: for the selection's
+  /// the next step; the allocator's state comes back from the device at that switch, one wait;
+  /// with SessionOptions::defer_cold_chunks the lane skips such a chunk for the step instead, and
+  /// a transfer worker brings it back to warm, not to the hot tier, with no wait here).
+  /// The host path waits on the host, counted in SessionCounters::host_syncs (its workers' waits
+  /// meanwhile in worker_host_syncs): for the selection's
   /// download (the budget and the fetch run on the host), for a fetch of chunks that are not hot,
   /// and in a prefill window for the representative-key statistics; where q does not stay on the
   /// device it comes down once (one more wait) for the host's probe and checks. The attention

@@ -400,6 +400,149 @@ void Promoter::Run(const std::shared_ptr<FetchHandle::State>& st) {
   parts_.sync->cv.notify_all();
 }
 
+// A warm-only fetch: the chunks it reads (ids, with their keys for messages), and its outcome,
+// published by `done` (release) once the last read was attached.
+struct WarmFetchHandle::State {
+  Promoter* promoter = nullptr;
+  int layer = 0;
+  std::vector<uint64_t> chunk_ids;  // the chunks this fetch reads (warm_reading set by it)
+  std::atomic<bool> done{false};
+  Status status;  // written before `done`
+};
+
+bool WarmFetchHandle::Ready() const {
+  return state_ == nullptr || state_->done.load(std::memory_order_acquire);
+}
+
+Status WarmFetchHandle::Wait(std::chrono::milliseconds timeout) const {
+  if (Ready()) return status();
+  StoreSync* sync = state_->promoter->parts_.sync;
+  std::unique_lock<CountingMutex> l(sync->mu);
+  if (!sync->cv.wait_for(l, timeout, [&] { return state_->done.load(std::memory_order_acquire); }))
+    return TimedOut("warm-only fetch of " + std::to_string(state_->chunk_ids.size()) + " chunks of layer " +
+                    std::to_string(state_->layer) + " not done after " + std::to_string(timeout.count()) +
+                    " ms (the reads continue)");
+  return state_->status;
+}
+
+Status WarmFetchHandle::status() const {
+  if (state_ == nullptr) return Status::Ok();
+  if (!state_->done.load(std::memory_order_acquire))
+    return FailedPrecondition("warm-only fetch not done yet (WarmFetchHandle::Ready)");
+  return state_->status;
+}
+
+size_t WarmFetchHandle::reads() const { return state_ ? state_->chunk_ids.size() : 0; }
+
+Result<WarmFetchHandle> Promoter::FetchToWarm(SequenceId seq, int layer, const std::vector<uint64_t>& asked) {
+  return ReturnOnBadAlloc("FetchToWarm: the fetch's chunk list", [&]() -> Result<WarmFetchHandle> {
+    auto st = std::make_shared<WarmFetchHandle::State>();
+    st->promoter = this;
+    st->layer = layer;
+    st->chunk_ids.reserve(asked.size());
+    {
+      // One lock entry: checks, and marks the chunks to read. Nothing here waits: no landing
+      // (a chunk still landing holds its warm slot already), no room made (the worker makes it).
+      std::lock_guard<CountingMutex> l(parts_.sync->mu);
+      Sequence* s = nullptr;
+      KVTIER_RETURN_IF_ERROR(parts_.sequences->Check(seq, layer, false, &s));
+      const LayerState& ls = s->layers[layer];
+      for (uint64_t idx : asked)
+        if (idx >= ls.chunks.size() || ls.chunks[idx] == nullptr)
+          return InvalidArgument(
+              "FetchToWarm: chunk " + ChunkKey{seq, static_cast<uint32_t>(layer), idx}.ToString() +
+              " does not exist (layer has " + std::to_string(ls.chunks.size()) + " chunks)");
+      for (uint64_t idx : asked) {
+        Chunk* c = ls.chunks[idx];
+        // In warm (or landing into it), or an earlier warm-only fetch reads it: nothing to do.
+        if (c->warm_slot >= 0 || c->warm_reading) continue;
+        c->warm_reading = true;
+        st->chunk_ids.push_back(c->id);
+      }
+    }
+    if (st->chunk_ids.empty()) {
+      st->done.store(true, std::memory_order_release);
+    } else {
+      parts_.engine->Enqueue([this, st] { RunToWarm(st); });
+    }
+    WarmFetchHandle h;
+    h.state_ = std::move(st);
+    return h;
+  });
+}
+
+void Promoter::RunToWarm(const std::shared_ptr<WarmFetchHandle::State>& st) {
+  // As Run's three phases, with warm slots as the only destination: (1) under the lock, a warm
+  // slot for each chunk (a free one, or one an acknowledged victim leaves: WarmTier::AcquireForRead,
+  // so no chunk leaves warm that no lower tier holds); (2) without it, the reads; (3) under it,
+  // each chunk read is held by warm.
+  std::vector<TransferEngine::Load> loads;
+  std::vector<uint64_t> ids;        // parallel to loads
+  std::vector<int32_t> read_slots;  // parallel to loads
+  std::string refused;              // the first chunk warm had no room for
+  {
+    std::lock_guard<CountingMutex> l(parts_.sync->mu);
+    for (uint64_t id : st->chunk_ids) {
+      Chunk* c = parts_.catalog->Find(id);
+      if (c == nullptr) continue;  // dropped meanwhile
+      if (c->warm_slot >= 0) {     // came back some other way meanwhile
+        c->warm_reading = false;
+        continue;
+      }
+      const int32_t slot = parts_.warm->AcquireForRead();
+      if (slot < 0) {
+        c->warm_reading = false;
+        if (refused.empty()) refused = c->key.ToString();
+        continue;
+      }
+      TransferEngine::Load ld;
+      ld.key = c->key;
+      ld.read_buf = parts_.warm->slot_data(slot);
+      ld.ref.key = c->key;
+      if (const Sequence* s = parts_.sequences->Find(c->key.seq); store_internal::SharedChunk(s, c->key)) {
+        ld.ref.ns = &s->remote_ns;
+        ld.ref.key.seq = s->remote_seq;
+      }
+      loads.push_back(std::move(ld));
+      ids.push_back(id);
+      read_slots.push_back(slot);
+    }
+  }
+  if (!loads.empty()) parts_.engine->CopyLoads(&loads);  // hot_dst null: reads only
+
+  std::lock_guard<CountingMutex> l(parts_.sync->mu);
+  Status first_error;
+  for (size_t j = 0; j < loads.size(); ++j) {
+    const TransferEngine::Load& ld = loads[j];
+    Chunk* c = parts_.catalog->Find(ids[j]);
+    if (c != nullptr) c->warm_reading = false;
+    if (ld.status.ok() && c != nullptr && c->warm_slot < 0) {
+      parts_.warm->Hold(c, read_slots[j]);
+      parts_.counters->cold_reads++;
+      parts_.counters->promotions++;
+      parts_.counters->bytes_moved += chunk_bytes_;
+      if (ld.source != nullptr) ld.source->CountLoad(parts_.counters);
+    } else {
+      parts_.warm->Release(read_slots[j]);
+      if (!ld.status.ok() && first_error.ok())
+        first_error =
+            Status(ld.status.code(), "bringing chunk " + ld.key.ToString() +
+                                         " back to warm from the lower tiers: " + ld.status.message());
+    }
+  }
+  if (first_error.ok() && !refused.empty())
+    first_error = ResourceExhausted(
+        "warm tier: no room to bring chunk " + refused + " back from the lower tiers: its " +
+        std::to_string(parts_.warm->capacity()) +
+        " slots hold chunks no lower tier has acknowledged yet, chunks being copied, or chunks a device "
+        "reader may still read (the warm reader fence failed); warm_bytes bounds it. It stays in the lower "
+        "tiers");
+  parts_.counters->warm_chunks = parts_.warm->used();
+  st->status = first_error;
+  st->done.store(true, std::memory_order_release);
+  parts_.sync->cv.notify_all();
+}
+
 void Promoter::Release(FetchHandle::State* st) {
   std::unique_lock<CountingMutex> l(parts_.sync->mu);
   // The transfer finishes first: its task still writes into the slots.

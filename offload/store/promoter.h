@@ -7,12 +7,18 @@
 // the pins. HotPool (offload/store/hot_pool.h) keeps who holds which slot: the policy, the
 // reservations, the waiters and the live handles, and says why nothing deadlocks.
 //
+// FetchToWarm is the warm-only fetch: it brings chunks back from the lower tiers into warm
+// slots (no hot slot, no upload, nothing waited for on the caller's thread) on a transfer
+// worker, for a device reader that reads warm copies (the session's device lane);
+// WarmFetchHandle says when it is done.
+//
 // Locking: guarded by the coordinator's mutex (StoreSync::mu). Fetch decides and pins under
 // one lock entry; Run takes it twice per fetch (pin the warm copies and reserve read slots,
 // then publish), never per chunk, and copies without it; a chunk loading into a hot slot is
 // marked hot_loading until then.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -69,6 +75,32 @@ class FetchHandle {
   std::shared_ptr<State> state_;
 };
 
+/// Completion handle of a warm-only fetch (TieredStore::FetchToWarm). It pins nothing: once
+/// Ready(), each chunk it read is in warm (until warm's policy demotes it again) or its status
+/// says why not. Dropping the handle does not cancel the read. Destroy every handle before the
+/// store that issued it.
+class WarmFetchHandle {
+ public:
+  /// Done (or empty); lock-free, never waits.
+  bool Ready() const;
+  /// Waits for the reads (at most `timeout`, which does not cancel them) and returns how they went:
+  /// the first failed read naming its chunk, ResourceExhausted naming a chunk warm had no room
+  /// for (it stays where it was: in the lower tiers), OK when every chunk is in warm.
+  Status Wait(std::chrono::milliseconds timeout = std::chrono::milliseconds(60000)) const;
+  /// Wait's answer once Ready() (OK for an empty handle); FailedPrecondition before.
+  Status status() const;
+  /// Chunks this fetch reads from a lower tier (the others were in warm, or being read by an
+  /// earlier warm-only fetch, when it was issued).
+  size_t reads() const;
+  bool empty() const { return state_ == nullptr; }
+
+  struct State;  // internal
+
+ private:
+  friend class Promoter;
+  std::shared_ptr<State> state_;
+};
+
 class Promoter {
  public:
   /// The store's parts it moves chunks between; all outlive it.
@@ -89,8 +121,13 @@ class Promoter {
   /// TieredStore::FetchChunks (its contract is written there).
   Result<FetchHandle> Fetch(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices,
                             FetchFit fit);
+  /// TieredStore::FetchToWarm (its contract is written there).
+  Result<WarmFetchHandle> FetchToWarm(SequenceId seq, int layer, const std::vector<uint64_t>& chunk_indices);
 
  private:
+  friend class WarmFetchHandle;
+  /// Reads a warm-only fetch's chunks from the lower tiers into warm slots and marks it done.
+  void RunToWarm(const std::shared_ptr<WarmFetchHandle::State>& st);
   friend class FetchHandle;
   /// Copies a fetch's loads into their hot slots and marks it done.
   void Run(const std::shared_ptr<FetchHandle::State>& st);

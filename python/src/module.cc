@@ -1504,6 +1504,7 @@ class PySession {
     d["fetch_ms"] = c.fetch_ms;
     d["attention_ms"] = c.attention_ms;
     d["host_syncs"] = c.host_syncs;
+    d["worker_host_syncs"] = c.worker_host_syncs;
     return d;
   }
 

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -96,6 +97,12 @@ struct LaneResult {
   uint64_t lane_layer_steps = 0, quiet_lane_steps = 0, quiet_waits = 0, seal_lane_steps = 0, seal_waits = 0;
   uint64_t host_layer_steps = 0, cold_layers = 0, fences = 0;
   uint64_t deferred = 0, deferred_layer_steps = 0;  // chunks the lane chose with no warm copy
+  // A deferred chunk the lane attended at a later step of its layer: in all, and in a layer step
+  // with no deferral (whose output is then checked against the host calls').
+  uint64_t returned = 0, returned_exact = 0;
+  uint64_t attend_thread_waits = 0;  // on the test's thread, in the lane session's lane layer steps
+  uint64_t lane_hot_misses = 0, lane_cold_reads = 0;    // the lane store's: promotions into hot, cold reads
+  uint64_t lane_step_syncs = 0, lane_worker_syncs = 0;  // the lane session's two host-sync columns
   uint64_t chunks_attended = 0, landing_rows = 0;
   double max_diff = 0;
 };
@@ -137,6 +144,7 @@ void RunLaneAgainstHostCalls(const LaneCase& c, LaneResult* r) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<float> host_out(q_floats * kLayers), lane_out(q_floats * kLayers);
   uint64_t seals_seen = 0;  // chunks sealed by the lane store so far, landed or landing
+  std::vector<std::set<uint64_t>> pending(kLayers);  // by layer: chunks deferred, not attended since
   for (int64_t p = 0; p < c.steps; ++p) {
     hold = p % 20 < 12;
     ASSERT_TRUE((*hs)->BeginStep(StepKind::kDecode).ok());
@@ -169,7 +177,8 @@ void RunLaneAgainstHostCalls(const LaneCase& c, LaneResult* r) {
       const bool host_here = c.switch_to_host && (p % 10 == 3 || (p % 10 == 6 && l == 1));
       const uint64_t lane_before = lane.lane_layer_steps();
       const uint64_t w0 = HostSyncsTotal();
-      if (host_here) {  // the same decode layer through the host call: the host path
+      uint64_t thread_waits = 0;  // on this thread, in the lane session's AttendDevice
+      if (host_here) {            // the same decode layer through the host call: the host path
         ASSERT_EQ(cudaStreamSynchronize(engine), cudaSuccess);
         st = (*ls)->Attend(l, q.data(), &p, 1, lane_out.data() + l * q_floats);
         ASSERT_TRUE(st.ok()) << st.ToString();
@@ -177,7 +186,9 @@ void RunLaneAgainstHostCalls(const LaneCase& c, LaneResult* r) {
             cudaMemcpyAsync(od, lane_out.data() + l * q_floats, q_bytes, cudaMemcpyHostToDevice, engine),
             cudaSuccess);
       } else {
+        const uint64_t t0 = HostSyncsOnThisThread();
         st = (*ls)->AttendDevice(l, qd, &p, 1, od, engine);
+        thread_waits = HostSyncsOnThisThread() - t0;
         ASSERT_TRUE(st.ok()) << st.ToString();
       }
       const uint64_t waits = HostSyncsTotal() - w0;
@@ -187,6 +198,7 @@ void RunLaneAgainstHostCalls(const LaneCase& c, LaneResult* r) {
       seals_seen = sc.chunks_sealed + sc.chunks_landing;
       if (lane.lane_layer_steps() > lane_before) {
         ++r->lane_layer_steps;
+        r->attend_thread_waits += thread_waits;
         if (sealed) {
           ++r->seal_lane_steps;
           r->seal_waits += waits;
@@ -211,7 +223,14 @@ void RunLaneAgainstHostCalls(const LaneCase& c, LaneResult* r) {
       for (int l = 0; l < kLayers; ++l) {
         const std::vector<uint64_t>& lc = (*ls)->last_chunks()[l];
         const std::vector<uint64_t>& hc = (*hs)->last_chunks()[l];
+        for (uint64_t id : lc)
+          if (pending[static_cast<size_t>(l)].erase(id) > 0) {
+            ++r->returned;
+            if (lc == hc) ++r->returned_exact;
+          }
         if (lc == hc) continue;
+        for (uint64_t id : hc)
+          if (std::find(lc.begin(), lc.end(), id) == lc.end()) pending[static_cast<size_t>(l)].insert(id);
         for (uint64_t id : lc)
           ASSERT_NE(std::find(hc.begin(), hc.end(), id), hc.end())
               << "position " << p << ", layer " << l << ": the lane attended chunk " << id
@@ -244,6 +263,10 @@ void RunLaneAgainstHostCalls(const LaneCase& c, LaneResult* r) {
   r->cold_layers = lane.lane_unprepared_layers();
   r->landing_rows = lane.lane_landing_rows();
   r->fences = (*lane_store)->counters().warm_reader_fences;
+  r->lane_hot_misses = (*lane_store)->counters().misses;
+  r->lane_cold_reads = (*lane_store)->counters().cold_reads;
+  r->lane_step_syncs = (*ls)->counters().host_syncs;
+  r->lane_worker_syncs = (*ls)->counters().worker_host_syncs;
   cudaFreeHost(pinned);
   cudaStreamDestroy(engine);
 }
@@ -373,9 +396,12 @@ TEST(DeviceLane, WarmTurnoverWaitsOnTheFenceAndTheLaneAsksAgain) {
 }
 
 // The same with defer_cold_chunks: a chosen chunk only in the cold tier (and not in the lane's
-// pool) is deferred: the layer attends without it, the session's fetch brings it back to warm,
-// and a later step finds its source. Every layer step runs on the lane; the layers with no
-// deferral give the host calls' outputs, the others attend the host's chunks less the deferred.
+// pool) is deferred: the layer attends without it, the session's warm-only fetch
+// (TieredStore::FetchToWarm) brings it back to warm on a transfer worker, and a later step
+// attends it from its warm copy. Every layer step runs on the lane; the layers with no deferral
+// give the host calls' outputs, the others attend the host's chunks less the deferred. No
+// deferred chunk goes into a hot slot (the lane store counts no hot miss: no upload), and the
+// lane's AttendDevice calls wait for nothing on the test's thread.
 TEST(DeviceLane, WarmTurnoverDefersColdChunksOnTheLane) {
   SKIP_WITHOUT_DEVICE();
   LaneCase c;
@@ -391,12 +417,20 @@ TEST(DeviceLane, WarmTurnoverDefersColdChunksOnTheLane) {
   EXPECT_EQ(r.cold_layers, 0u);
   EXPECT_GT(r.deferred, 0u) << "no chosen chunk was only in the cold tier";
   EXPECT_LT(r.deferred_layer_steps, r.lane_layer_steps / 2) << "deferred chunks did not come back to warm";
+  EXPECT_GT(r.returned_exact, 0u) << "no deferred chunk was attended later, in a step equal to the host's";
+  EXPECT_GT(r.lane_cold_reads, 0u) << "no deferred chunk was read back from the cold tier";
+  EXPECT_EQ(r.lane_hot_misses, 0u) << "deferred chunks were promoted into hot slots (uploaded)";
+  EXPECT_EQ(r.attend_thread_waits, 0u) << "a lane AttendDevice call waited on the step's thread";
   std::printf(
       "warm turnover: fences %llu, lane layer steps %llu, %llu of them with deferred chunks (%llu chunks "
-      "deferred), the rest the host calls' outputs (max |diff| %.3g)\n",
+      "deferred, %llu attended later, %llu of them in a step equal to the host's), the rest the host calls' "
+      "outputs (max |diff| %.3g); cold reads %llu, hot misses %llu; host syncs: step %llu, workers %llu\n",
       static_cast<unsigned long long>(r.fences), static_cast<unsigned long long>(r.lane_layer_steps),
       static_cast<unsigned long long>(r.deferred_layer_steps), static_cast<unsigned long long>(r.deferred),
-      r.max_diff);
+      static_cast<unsigned long long>(r.returned), static_cast<unsigned long long>(r.returned_exact),
+      r.max_diff, static_cast<unsigned long long>(r.lane_cold_reads),
+      static_cast<unsigned long long>(r.lane_hot_misses), static_cast<unsigned long long>(r.lane_step_syncs),
+      static_cast<unsigned long long>(r.lane_worker_syncs));
 }
 
 // A query holding NaN on the lane: the call returns (the device checks q, nothing waits; the

@@ -2,6 +2,8 @@
 // hot tier's copies count their waits, a decode step on the cuda tier makes the waits it makes
 // today (pinned per layer below: the baseline a device-side step is to drive to 0), a session on
 // the cpu tier counts none, and the C API and Python mirrors of SessionCounters keep its fields.
+// Waits on a session call's own thread are its host_syncs, a worker thread's meanwhile its
+// worker_host_syncs.
 // The DeviceSync.* tests that need a device run on the emulated one (make test-gpu-emulated).
 #include "offload/device_sync.h"
 
@@ -13,6 +15,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -21,6 +24,7 @@
 #include "kvtier/kvtier_c.h"
 #include "kvtier/session.h"
 #include "offload/hot_tier.h"
+#include "offload/store_hooks.h"
 #include "offload/tiered_store.h"
 
 #if KVTIER_HAVE_CUDA
@@ -137,6 +141,56 @@ TEST(HostSyncCounter, CApiMirrorsEverySessionCounter) {
   EXPECT_EQ(cc.host_syncs, 7u);
 }
 
+// Whose wait: one on a thread inside a step scope (a session call) is the step's, and counted on
+// that thread; one on any other thread, or on this one outside every scope, is a worker's.
+TEST(HostSyncCounter, WaitsOutsideEveryStepScopeAreTheWorkers) {
+  const uint64_t mine0 = HostSyncsOnThisThread(), workers0 = WorkerHostSyncsTotal(),
+                 total0 = HostSyncsTotal();
+  {
+    const HostSyncStepScope step;
+    CountHostSync(HostSyncKind::kStream);  // the step's own
+    std::thread([] {                       // a worker's, while the step runs
+      CountHostSync(HostSyncKind::kEvent);
+      CountHostSync(HostSyncKind::kPageableCopy);
+    })
+        .join();
+    {
+      const HostSyncStepScope nested;
+      CountHostSync(HostSyncKind::kEvent);
+    }
+    CountHostSync(HostSyncKind::kBlockingCopy);  // still inside the outer scope: the step's
+  }
+  CountHostSync(HostSyncKind::kDevice);  // no scope now: this thread is a worker's
+  EXPECT_EQ(HostSyncsOnThisThread() - mine0, 4u);
+  EXPECT_EQ(WorkerHostSyncsTotal() - workers0, 3u);
+  EXPECT_EQ(HostSyncsTotal() - total0, 6u);
+}
+
+// Every build: a session's call counts the waits on its own thread as its host_syncs and a
+// worker thread's waits meanwhile as its worker_host_syncs. The store's landing hook runs inside
+// the session's Append (on its thread): it waits once there and once on a thread of its own.
+TEST(HostSyncCounter, ASessionCountsAWorkersWaitInItsWorkerColumn) {
+  int hook_calls = 0;
+  StoreHooks hooks;
+  hooks.hold_landing = [&hook_calls] {
+    ++hook_calls;
+    CountHostSync(HostSyncKind::kEvent);                               // the step's thread
+    std::thread([] { CountHostSync(HostSyncKind::kStream); }).join();  // a worker's
+    return false;
+  };
+  auto store = TieredStore::Open(SmallStore(Device::kCpu), hooks);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  SessionOptions so;
+  so.retrieval.budget_tokens = 24;
+  auto s = Session::Open(store->get(), so);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  std::mt19937 rng(5);
+  for (int64_t p = 0; p < 120; ++p) DecodeStep(s->get(), p, &rng);
+  ASSERT_GT(hook_calls, 0) << "no Append landed a chunk";
+  EXPECT_EQ((*s)->counters().host_syncs, static_cast<uint64_t>(hook_calls));
+  EXPECT_EQ((*s)->counters().worker_host_syncs, static_cast<uint64_t>(hook_calls));
+}
+
 // Every build: a session on the cpu tier never waits on a device.
 TEST(DeviceSync, CpuTierSessionCountsNoHostSyncs) {
   auto store = TieredStore::Open(SmallStore(Device::kCpu));
@@ -149,6 +203,7 @@ TEST(DeviceSync, CpuTierSessionCountsNoHostSyncs) {
   const HostSyncCounts before = ReadHostSyncs();
   for (int64_t p = 0; p < 120; ++p) DecodeStep(s->get(), p, &rng);
   EXPECT_EQ((*s)->counters().host_syncs, 0u);
+  EXPECT_EQ((*s)->counters().worker_host_syncs, 0u);
   EXPECT_EQ(ReadHostSyncs().Since(before).total(), 0u) << Describe(ReadHostSyncs().Since(before));
   EXPECT_GT((*s)->counters().chunks_attended, 0u);  // retrieval ran: the step was not trivial
 }
@@ -297,7 +352,7 @@ TEST(DeviceSync, DecodeStepOnTheCudaTierMakesTwoWaitsPerQuietLayer) {
   for (int64_t p = 0; p < 120; ++p) DecodeStep(s->get(), p, &rng);  // chunks to retrieve from
   const HostSyncCounts append_waits = Counts(0, 0, 0, 0, 0);
   const HostSyncCounts attend_waits = Counts(1, 1, 0, 0, 0);
-  const uint64_t session0 = (*s)->counters().host_syncs;
+  const uint64_t session0 = (*s)->counters().host_syncs, worker0 = (*s)->counters().worker_host_syncs;
   const HostSyncCounts process0 = ReadHostSyncs();
   int quiet = 0;
   for (int64_t p = 120; p < 184; ++p) {
@@ -320,8 +375,10 @@ TEST(DeviceSync, DecodeStepOnTheCudaTierMakesTwoWaitsPerQuietLayer) {
           << "quiet step at position " << p << ", layer " << l << ": " << Describe(attends[l]);
   }
   EXPECT_GE(quiet, 8) << "too few decode steps without a seal or a miss to pin the quiet count";
-  // The session's count is the process's: nothing else waited meanwhile.
-  EXPECT_EQ((*s)->counters().host_syncs - session0, ReadHostSyncs().Since(process0).total());
+  // The session's two counts are the process's: nothing else waited meanwhile, and its fetches'
+  // workers finished within the calls that waited for them.
+  EXPECT_EQ((*s)->counters().host_syncs + (*s)->counters().worker_host_syncs - session0 - worker0,
+            ReadHostSyncs().Since(process0).total());
   EXPECT_GE((*s)->counters().host_syncs - session0, 64u * 2u * kLayers);
 }
 
@@ -366,7 +423,7 @@ TEST(DeviceSync, CApiSessionCountersCarryTheHostSyncs) {
     const uint64_t made = HostSyncsTotal() - before;
     kvtier_session_counters c{};
     ASSERT_EQ(kvtier_session_get_counters(session, &c, &err), KVTIER_OK) << err.message;
-    EXPECT_EQ(c.host_syncs, made);
+    EXPECT_EQ(c.host_syncs + c.worker_host_syncs, made);
     if (std::string(device) == "cuda")
       EXPECT_GE(c.host_syncs, 24u * 2u);  // at least the attention output's wait a layer step
     else

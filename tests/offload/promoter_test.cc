@@ -6,6 +6,10 @@
 // tests/offload/tiered_store_test.cc covers what a fetch loads and counts (hits, misses, cold
 // reads, spans' bytes), warm-only fetches on the caller's thread, leases and refetches; it
 // checks that a fetch past the free slots fails, not that the failed fetch took nothing.
+// The warm-only fetch (TieredStore::FetchToWarm): chunks come back from the cold tier into warm
+// and nowhere else (no hot slot, no hot-tier count moves), a device reader then finds their warm
+// copies (WarmAddresses), a chunk warm has no room for is ResourceExhausted naming it and stays
+// cold, a failed read names its chunk and gives its warm slot back.
 #include "offload/store/promoter.h"
 
 #include <gtest/gtest.h>
@@ -146,6 +150,127 @@ TEST(Promoter, AFailedLowerTierReadGivesBackTheFetchsHotSlots) {
   ASSERT_TRUE(all.ok()) << all.status().ToString();
   ASSERT_TRUE(all->Wait().ok());
   EXPECT_EQ(static_cast<const uint8_t*>(all->spans()[1].k)[0], 2 + 2 * cold_only[0]);
+}
+
+// The store's hot tier, warm tier and cold-read counts around a warm-only fetch.
+struct TierCounts {
+  int32_t hot_slots = 0;
+  uint64_t hits = 0, misses = 0, warm_loads = 0, cold_reads = 0, warm_chunks = 0;
+};
+TierCounts Counts(Fixture& f) {
+  const StoreCounters c = f.store->counters();
+  return TierCounts{f.HotSlotsUsed(), c.hits, c.misses, c.warm_loads, c.cold_reads, c.warm_chunks};
+}
+
+TEST(Promoter, AWarmOnlyFetchBringsColdChunksToWarmAndNoFurther) {
+  Fixture f;
+  f.store->EvictHot();
+  std::vector<uint64_t> warm, cold_only;
+  f.Split(&warm, &cold_only);
+  ASSERT_GE(cold_only.size(), 2u);
+  const TierCounts before = Counts(f);
+  auto h = f.store->FetchToWarm(f.seq, 0, {cold_only[0], cold_only[1]});
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  EXPECT_EQ(h->reads(), 2u);
+  ASSERT_TRUE(h->Wait().ok()) << h->Wait().ToString();
+  EXPECT_TRUE(h->Ready());
+  EXPECT_TRUE(h->status().ok());
+  const TierCounts after = Counts(f);
+  // In warm, read from the cold tier, and not in the hot tier: no slot, no hit, no miss, no upload.
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_NE(f.TiersOf(cold_only[i]) & kTierWarm, 0) << "chunk " << cold_only[i];
+    EXPECT_EQ(f.TiersOf(cold_only[i]) & kTierHot, 0) << "chunk " << cold_only[i];
+  }
+  EXPECT_EQ(after.hot_slots, 0);
+  EXPECT_EQ(after.hits, before.hits);
+  EXPECT_EQ(after.misses, before.misses);
+  EXPECT_EQ(after.warm_loads, before.warm_loads);
+  EXPECT_EQ(after.cold_reads, before.cold_reads + 2);
+  EXPECT_EQ(after.warm_chunks, before.warm_chunks) << "warm was full: two acknowledged copies made room";
+  // A device reader finds their warm copies now: the chunks' own bytes (token p holds byte p).
+  WarmChunkAddress addr[2];
+  uint64_t epoch = 0;
+  ASSERT_TRUE(f.store->WarmAddresses(f.seq, 0, cold_only.data(), 2, addr, &epoch).ok());
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_NE(addr[i].k, nullptr) << "chunk " << cold_only[i] << " has no warm source";
+    EXPECT_EQ(static_cast<const uint8_t*>(addr[i].k)[0], 2 + 2 * cold_only[i]);
+    EXPECT_EQ(static_cast<const uint8_t*>(addr[i].v)[0], 2 + 2 * cold_only[i]);
+  }
+  // Asked again: already warm, nothing read, done at issue.
+  auto again = f.store->FetchToWarm(f.seq, 0, {cold_only[0]});
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->reads(), 0u);
+  EXPECT_TRUE(again->Ready());
+  EXPECT_EQ(f.store->counters().cold_reads, after.cold_reads);
+  // A chunk that does not exist: refused by name, nothing read.
+  auto bad = f.store->FetchToWarm(f.seq, 0, {cold_only[0], 99});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument) << bad.status().ToString();
+  EXPECT_NE(bad.status().message().find("chunk"), std::string::npos) << bad.status().ToString();
+  EXPECT_NE(bad.status().message().find("99"), std::string::npos) << bad.status().ToString();
+  EXPECT_EQ(f.store->FetchToWarm(f.seq, 3, {0}).status().code(), StatusCode::kInvalidArgument);
+}
+
+// A reader fence that always fails: the store may not give an exposed warm slot away.
+class FailingFence : public WarmReaderFence {
+ public:
+  Status WaitForReaders() override { return Unavailable("injected: the device readers did not finish"); }
+};
+
+TEST(Promoter, AWarmOnlyFetchWithNoRoomIsResourceExhaustedAndTheChunkStaysCold) {
+  Fixture f;
+  FailingFence fence;
+  f.store->SetWarmReaderFence(&fence);
+  std::vector<uint64_t> warm, cold_only;
+  f.Split(&warm, &cold_only);
+  ASSERT_EQ(warm.size(), 4u);
+  ASSERT_FALSE(cold_only.empty());
+  // Every warm slot handed to a device reader that never finishes: no victim may leave.
+  std::vector<WarmChunkAddress> addr(warm.size());
+  uint64_t epoch = 0;
+  ASSERT_TRUE(f.store->WarmAddresses(f.seq, 0, warm.data(), warm.size(), addr.data(), &epoch).ok());
+  auto h = f.store->FetchToWarm(f.seq, 0, {cold_only[0]});
+  ASSERT_TRUE(h.ok())
+      << h.status().ToString();  // the caller does not wait: the refusal comes with the handle
+  const Status st = h->Wait();
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << st.ToString();
+  EXPECT_NE(st.message().find("chunk " + ChunkKey{f.seq, 0, cold_only[0]}.ToString()), std::string::npos)
+      << st.ToString();
+  EXPECT_EQ(h->status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(f.TiersOf(cold_only[0]) & kTierWarm, 0);
+  for (uint64_t w : warm) EXPECT_NE(f.TiersOf(w) & kTierWarm, 0) << "chunk " << w << " left warm";
+  // Asked again once the readers are done (no fence): it comes back.
+  f.store->SetWarmReaderFence(nullptr);
+  auto retry = f.store->FetchToWarm(f.seq, 0, {cold_only[0]});
+  ASSERT_TRUE(retry.ok()) << retry.status().ToString();
+  EXPECT_EQ(retry->reads(), 1u) << "the refused chunk was not asked again";
+  EXPECT_TRUE(retry->Wait().ok());
+  EXPECT_NE(f.TiersOf(cold_only[0]) & kTierWarm, 0);
+}
+
+TEST(Promoter, AWarmOnlyFetchsFailedReadNamesTheChunkAndGivesItsWarmSlotBack) {
+  Fixture f;
+  std::vector<uint64_t> warm, cold_only;
+  f.Split(&warm, &cold_only);
+  ASSERT_GE(cold_only.size(), 2u);
+  f.failing_index = static_cast<int64_t>(cold_only[0]);
+  auto h = f.store->FetchToWarm(f.seq, 0, {cold_only[0], cold_only[1]});
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  const Status st = h->Wait();
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("bringing chunk " + ChunkKey{f.seq, 0, cold_only[0]}.ToString()),
+            std::string::npos)
+      << st.ToString();
+  EXPECT_NE(st.message().find("injected: cold read of chunk"), std::string::npos) << st.ToString();
+  EXPECT_EQ(f.TiersOf(cold_only[0]) & kTierWarm, 0);
+  EXPECT_NE(f.TiersOf(cold_only[1]) & kTierWarm, 0) << "the other chunk's read succeeded";
+  EXPECT_LE(f.store->counters().warm_chunks, 4u);
+  // The tier recovers: the chunk reads, into a slot the failed read gave back or a victim's.
+  f.failing_index = -1;
+  auto retry = f.store->FetchToWarm(f.seq, 0, {cold_only[0]});
+  ASSERT_TRUE(retry.ok()) << retry.status().ToString();
+  ASSERT_TRUE(retry->Wait().ok());
+  EXPECT_NE(f.TiersOf(cold_only[0]) & kTierWarm, 0);
 }
 
 }  // namespace

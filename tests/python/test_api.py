@@ -75,7 +75,7 @@ def test_roundtrip_matches_reference_attention():
     c = s.counters()
     assert c["steps"] == 1 and c["attends"] == 2 and c["tokens_appended"] == 2 * n
     assert c["selections_reused"] == 0 and c["selections_sliced"] == 0  # retrieve=False searches nothing
-    assert c["host_syncs"] == 0  # a cpu tier never waits on a device
+    assert c["host_syncs"] == 0 and c["worker_host_syncs"] == 0  # a cpu tier never waits on a device
     assert stats["reused"] is False and stats["sliced"] is False
     sc = store.counters()
     assert sc["chunks_sealed"] == 2 * stats["chunks"] and sc["warm_chunks"] == sc["chunks_sealed"]
