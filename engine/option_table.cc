@@ -83,7 +83,8 @@ const std::vector<SessionOptionDesc>& SessionOptionTable() {
        .type = OptionType::kBool,
        .meaning =
            "cuda device lane: a chosen chunk with no warm copy is skipped for a step and brought back to "
-           "warm with no wait, instead of its layer waiting for it on the host path",
+           "warm (not to the hot tier) on a transfer worker, instead of its layer waiting for it on the host "
+           "path",
        KVTIER_OPT_BOOL(Se, defer_cold_chunks)},
   };
   return table;
