@@ -95,9 +95,13 @@ TEST(DeviceEndToEnd, RunOnCudaMatchesTheCpuRun) {
   EXPECT_EQ(JsonNumber(b, "output_rel_error"), JsonNumber(c, "output_rel_error"));
   EXPECT_EQ(JsonNumber(b, "attention_recall"), JsonNumber(c, "attention_recall"));
   EXPECT_GE(JsonNumber(b, "host_syncs_per_token"), 2.0) << b;  // one a layer at least, 2 layers
-  // Fewer by up to one a layer step (a step whose layer misses chunks waits for the fetch too).
-  EXPECT_LT(JsonNumber(b, "host_syncs_per_token") + 1.0, JsonNumber(c, "host_syncs_per_token")) << b << "\n"
-                                                                                                << c;
+  // Fewer by up to one a layer step (a step whose layer misses chunks waits for the fetch too),
+  // the step's and the workers' together: which thread waits for a fetch's upload depends on
+  // whether the fetch is done when the step asks, so the step's share alone moves between runs.
+  auto all_syncs = [](const std::string& r) {
+    return JsonNumber(r, "host_syncs_per_token") + JsonNumber(r, "worker_host_syncs_per_token");
+  };
+  EXPECT_LT(all_syncs(b) + 1.0, all_syncs(c)) << b << "\n" << c;
   EXPECT_GT(JsonNumber(b, "engine_arrays"), 0.0) << b;  // the driver's device arrays, counted
   EXPECT_NE(cuda.out.find("host syncs per generated token"), std::string::npos) << cuda.out;
   EXPECT_EQ(cpu.out.find("host syncs per generated token"), std::string::npos) << cpu.out;
