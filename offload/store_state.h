@@ -51,6 +51,10 @@ struct Chunk {
   // score it snapshotted under the mutex when it was issued, never this field
   // from a transfer thread.
   float score = 0.0f;
+
+  /// A transfer still reads or writes its bytes (a warm read, a lower-tier write, a hot load, a
+  /// warm-only fetch): dropping it waits for this to clear.
+  bool transferring() const { return warm_pins > 0 || lower_writing || hot_loading || warm_reading; }
 };
 
 /// A sealed chunk whose ring -> warm download was submitted (HotTier::DownloadBatchAsync)

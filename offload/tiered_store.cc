@@ -271,7 +271,7 @@ Status TieredStore::DropSequence(SequenceId seq) {
       if (!ls.landing.empty() || ls.landers > 0) return false;
     for (auto& ls : s->layers)
       for (Chunk* c : ls.chunks)
-        if (c && (c->warm_pins > 0 || c->lower_writing || c->hot_loading || c->warm_reading)) return false;
+        if (c && c->transferring()) return false;
     return true;
   });
   // A warm slot of the sequence handed to a device reader is freed below: the reads first. A

@@ -275,11 +275,11 @@ Status TieredStore::DropChunks(SequenceId seq, int layer, const std::vector<uint
         return FailedPrecondition("DropChunks: chunk " + c->key.ToString() +
                                   " is pinned by a live fetch handle; release it first");
     }
-    // Transfers in flight finish first: a warm read, a lower-tier write, a hot load, a warm-only fetch.
+    // Transfers in flight finish first (Chunk::transferring).
     sync_.cv.wait(l, [&] {
       for (uint64_t idx : chunk_indices) {
         const Chunk* c = ls.chunks[idx];
-        if (c && (c->warm_pins > 0 || c->lower_writing || c->hot_loading || c->warm_reading)) return false;
+        if (c && c->transferring()) return false;
       }
       return true;
     });

@@ -79,6 +79,13 @@ bool Same(const HostSyncCounts& a, const HostSyncCounts& b) {
 
 // One decode step of every layer: Append one token (host memory) and Attend one query. Returns
 // the waits of each Append and each Attend when `appends` / `attends` are given.
+// A session over `store` that retrieves 24 tokens a layer (a few of SmallStore's chunks).
+Result<std::unique_ptr<Session>> SmallSession(TieredStore* store) {
+  SessionOptions so;
+  so.retrieval.budget_tokens = 24;
+  return Session::Open(store, so);
+}
+
 void DecodeStep(Session* s, int64_t p, std::mt19937* rng, std::vector<HostSyncCounts>* appends = nullptr,
                 std::vector<HostSyncCounts>* attends = nullptr) {
   std::normal_distribution<float> n(0.0f, 1.0f);
@@ -180,9 +187,7 @@ TEST(HostSyncCounter, ASessionCountsAWorkersWaitInItsWorkerColumn) {
   };
   auto store = TieredStore::Open(SmallStore(Device::kCpu), hooks);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
-  SessionOptions so;
-  so.retrieval.budget_tokens = 24;
-  auto s = Session::Open(store->get(), so);
+  auto s = SmallSession(store->get());
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   std::mt19937 rng(5);
   for (int64_t p = 0; p < 120; ++p) DecodeStep(s->get(), p, &rng);
@@ -195,9 +200,7 @@ TEST(HostSyncCounter, ASessionCountsAWorkersWaitInItsWorkerColumn) {
 TEST(DeviceSync, CpuTierSessionCountsNoHostSyncs) {
   auto store = TieredStore::Open(SmallStore(Device::kCpu));
   ASSERT_TRUE(store.ok()) << store.status().ToString();
-  SessionOptions so;
-  so.retrieval.budget_tokens = 24;
-  auto s = Session::Open(store->get(), so);
+  auto s = SmallSession(store->get());
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   std::mt19937 rng(5);
   const HostSyncCounts before = ReadHostSyncs();
@@ -344,9 +347,7 @@ TEST(DeviceSync, DecodeStepOnTheCudaTierMakesTwoWaitsPerQuietLayer) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: " << kernels::cuda::LastCudaErrorString();
   auto store = TieredStore::Open(SmallStore(Device::kCuda));
   ASSERT_TRUE(store.ok()) << store.status().ToString();
-  SessionOptions so;
-  so.retrieval.budget_tokens = 24;
-  auto s = Session::Open(store->get(), so);
+  auto s = SmallSession(store->get());
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   std::mt19937 rng(11);
   for (int64_t p = 0; p < 120; ++p) DecodeStep(s->get(), p, &rng);  // chunks to retrieve from
